@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Sets everything up, lints, and runs the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+exec .venv/bin/python -m pytest -q "$@"

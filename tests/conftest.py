@@ -1,0 +1,12 @@
+"""Shared fixtures. The real default model is pulled once per machine (cached under ~/.cache/motet)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from engine.model_store import pull
+
+    return pull(progress=False)
