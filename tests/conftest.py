@@ -10,3 +10,10 @@ def default_model_dir():
     from engine.model_store import pull
 
     return pull(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from tests.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -1,0 +1,130 @@
+"""The `motet` command line: pull, generate (and, as they land, serve, eval, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default=None, help="model name or local HF checkpoint dir (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config(args):
+    from engine.config import EngineConfig
+    from engine.model_store import DEFAULT_MODEL
+
+    return EngineConfig(
+        model=args.model or DEFAULT_MODEL,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def cmd_pull(args) -> int:
+    from engine.model_store import pull
+
+    print(pull(cache_dir=args.cache_dir, force=args.force, progress=True))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config(args))
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, top_p=args.top_p
+    )
+    if args.chat:
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = args.prompt
+    engine.add_request(prompt, params)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if not args.json:
+                print(out.delta, end="", flush=True)
+            if out.finished:
+                final = out
+    if args.json:
+        print(
+            json.dumps(
+                {"text": final.text, "token_ids": final.token_ids, "finish_reason": final.finish_reason}
+            )
+        )
+    else:
+        print()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from api.server import serve
+
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="motet", description="multi-tenant LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="download and convert the default model into the local cache")
+    p.add_argument(
+        "--cache-dir", default=None, help="cache directory (default: $MOTET_CACHE_DIR or ~/.cache/motet)"
+    )
+    p.add_argument("--force", action="store_true", help="convert again even if the model is cached")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("generate", help="generate text offline from one prompt")
+    p.add_argument("--prompt", required=True)
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
+    )
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
+    _engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    from api.server import add_serve_args
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_serve_args(p)
+    _engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
+        print(f"motet: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The synchronous engine: requests in, per-step output deltas out; and `LLM`, its offline front.
+
+One `step()` = schedule, run the model, advance the sequences, detokenize, check stops. The serving
+actors drive `step()` from the executor thread; scripts and tests use `LLM.generate`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.checkpoint import load_model_config
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.model_runner import ModelRunner
+from engine.model_store import resolve_model
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import Sequence, TokenLogprob
+from engine.tokenizer import load_tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""  # all output text so far
+    delta: str = ""  # text new in this step
+    token_ids: list[int] = field(default_factory=list)  # all output tokens so far
+    num_new_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+
+
+class _RequestState:
+    """What the engine keeps per request beside its Sequence: detokenizer and stop-string state."""
+
+    def __init__(self, request_id: str, seq: Sequence, tokenizer):
+        self.request_id = request_id
+        self.seq = seq
+        self.detok = IncrementalDetokenizer(
+            tokenizer.hf, seq.prompt_token_ids, seq.params.skip_special_tokens
+        )
+        self.stops = StopStringMatcher(seq.params.stop, seq.params.include_stop_str_in_output)
+        self.text = ""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, model_dir=None):
+        self.config = config = config or EngineConfig()
+        self.model_dir = model_dir or resolve_model(config.model)
+        self.model_config = load_model_config(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.runner = ModelRunner(self.model_dir, self.model_config, config)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        self.requests: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # -- requests -------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        adapter_id: int = 0,
+    ) -> str:
+        params = params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, which does not fit the context window of "
+                f"{self.max_model_len} tokens (with room for at least one new token)"
+            )
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(
+            token_ids, params, adapter_id=adapter_id, request_id=request_id, arrival=next(self._arrivals)
+        )
+        self.scheduler.add(seq)
+        self.requests[request_id] = _RequestState(request_id, seq, self.tokenizer)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.finish(state.seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        result = self.runner.execute(batch)
+        return self.process(batch, result)
+
+    def process(self, batch: ScheduledBatch, result) -> list[RequestOutput]:
+        """Apply a step's result: advance, append tokens, detokenize, check stops, free the finished."""
+        self.scheduler.advance(batch)
+        outputs = []
+        for i, seq in enumerate(batch.seqs):
+            state = self.requests.get(seq.request_id)
+            if state is None or seq.is_finished:  # aborted while the step ran
+                continue
+            if result.prompt_logprobs[i]:
+                seq.prompt_logprobs.extend(result.prompt_logprobs[i])
+            token = result.token_ids[i]
+            if token is None:
+                continue
+            seq.append_token(token)
+            if result.logprobs[i] is not None:
+                seq.output_logprobs.append(result.logprobs[i])
+            outputs.append(self._emit(state, token))
+        return outputs
+
+    def _emit(self, state: _RequestState, token: int) -> RequestOutput:
+        seq, params = state.seq, state.seq.params
+        delta, stopped = state.stops.feed(state.detok.push(token))
+        reason = stop_reason = None
+        if stopped:
+            reason, stop_reason = "stop", state.stops.matched if hasattr(state.stops, "matched") else None
+        elif (
+            token in self.eos_token_ids
+            and not params.ignore_eos
+            and seq.num_output_tokens > params.min_tokens
+        ):
+            reason, stop_reason = "stop", None
+        elif token in params.stop_token_ids and seq.num_output_tokens > params.min_tokens:
+            reason, stop_reason = "stop", token
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if not stopped:
+                delta += state.stops.feed(state.detok.flush())[0] + state.stops.flush()
+            self.scheduler.finish(seq, reason, stop_reason)
+            del self.requests[state.request_id]
+        state.text += delta
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=state.text,
+            delta=delta,
+            token_ids=seq.output_token_ids,
+            num_new_tokens=1,
+            finished=reason is not None,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            logprobs=seq.output_logprobs,
+            prompt_logprobs=seq.prompt_logprobs if params.prompt_logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+
+class LLM:
+    """Offline generation for scripts and tests: `LLM().generate(["Hello"], SamplingParams(...))`."""
+
+    def __init__(self, model: str | None = None, **engine_options):
+        config = EngineConfig(model=model or EngineConfig.model, **engine_options)
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        adapter_ids: Seq[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
+        ids = [
+            self.engine.add_request(p, sp, adapter_id=(adapter_ids[i] if adapter_ids else 0))
+            for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True))
+        ]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def chat(self, conversations, params=None, **kw) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.encode_chat(c, **kw) for c in conversations]
+        return self.generate(prompts, params)

@@ -1,0 +1,129 @@
+"""Owns the model, its KV cache and the sampler; turns a scheduled batch into sampled tokens.
+
+Called from one thread only (the executor's). Builds the flattened inputs of a step, runs the forward
+pass, computes logits only for the rows that sample (and for prompt-logprob rows), and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.checkpoint import iter_weights
+from engine.config import EngineConfig, ModelConfig
+from engine.model import AttentionMetadata, LlamaForCausalLM
+from engine.sampler import Sampler, compute_prompt_logprobs
+from engine.scheduler import ScheduledBatch
+from engine.sequence import TokenLogprob
+
+
+@dataclass
+class StepResult:
+    """Per scheduled sequence: the sampled token (None for a mid-prompt chunk) and logprobs."""
+
+    token_ids: list[int | None]
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[list[TokenLogprob] | None]
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model_dir, model_config: ModelConfig, config: EngineConfig):
+        self.config = config
+        self.model_config = model_config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+
+        torch.manual_seed(config.seed)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_config, max_positions=self.max_model_len)
+        model = model.to_empty(device=self.device)
+        if model_config.tie_word_embeddings:  # meta -> device conversion unties shared parameters
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rope = type(model.rope)(model_config, self.max_model_len).to(self.device)  # fp32 tables
+        model.load_weights(iter_weights(model_dir))
+        for name, module in model.named_children():
+            if name != "rope":
+                module.to(self.dtype)
+        self.model = model.eval().requires_grad_(False)
+
+        self.num_blocks = config.num_kv_blocks or max(
+            1,
+            int(config.kv_cache_memory_gb * 2**30)
+            // kv_block_bytes(model_config, self.block_size, self.dtype),
+        )
+        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(model_config.num_hidden_layers)
+        ]
+        self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        tables = [t + [0] * (width - len(t)) for t in tables]
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(tables, torch.int32),
+            query_start_loc=tensor(qsl, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            max_query_len=max(batch.num_new_tokens),
+            max_seq_len=max(seq_lens),
+        )
+        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, qsl
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets."""
+        input_ids, positions, meta, qsl = self._prepare(batch)
+        return self.model(input_ids, positions, meta, self.kv_caches), qsl
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        hidden, qsl = self.forward(batch)
+
+        sample_rows = [i for i in range(len(batch)) if batch.samples(i)]
+        logits = self.model.compute_logits(hidden[[qsl[i + 1] - 1 for i in sample_rows]])
+        out = self.sampler(logits, [batch.seqs[i] for i in sample_rows])
+
+        result = StepResult([None] * len(batch), [None] * len(batch), [None] * len(batch))
+        for row, i in enumerate(sample_rows):
+            result.token_ids[i] = out.token_ids[row]
+            result.logprobs[i] = out.logprobs[row]
+        for i, seq in enumerate(batch.seqs):
+            k = seq.params.prompt_logprobs
+            start = seq.num_computed_tokens
+            end = min(start + batch.num_new_tokens[i], seq.num_prompt_tokens)
+            if k is None or start >= seq.num_prompt_tokens - 1:
+                continue
+            # Row p predicts prompt token p+1; the last prompt row predicts the first output instead.
+            rows = range(qsl[i], qsl[i] + min(end, seq.num_prompt_tokens - 1) - start)
+            targets = seq.token_ids[start + 1 : start + 1 + len(rows)]
+            chunk_logits = self.model.compute_logits(hidden[list(rows)])
+            result.prompt_logprobs[i] = compute_prompt_logprobs(chunk_logits, torch.tensor(targets), k)
+        return result

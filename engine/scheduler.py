@@ -1,0 +1,123 @@
+"""Scheduling policy: vLLM-V1-style unified token budget, preemption by recompute.
+
+There are no prefill and decode phases. Every sequence has tokens whose KV is computed and tokens it
+still needs computed; each step hands out at most `max_num_batched_tokens` of the latter, running
+sequences first (a decode needs one token, an unfinished prompt a chunk), then waiting ones. Chunked
+prefill and prefix-cache hits fall out of this. When the KV pool runs dry the newest running sequence is
+preempted: its blocks are freed and it is recomputed later from its prompt and output so far.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i's chunk reaches its last token, so that this step samples its next one."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if self.bm.blocks_needed(seq.num_tokens + 1) > self.bm.num_blocks:
+            raise ValueError(
+                f"prompt of {seq.num_tokens} tokens needs more KV blocks than the pool has "
+                f"({self.bm.num_blocks} blocks of {self.bm.block_size}); raise num_kv_blocks"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate_slots(seq, n):
+                victim = self.running.pop()  # newest first
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            break
+
+        # New work only when nothing had to be preempted: otherwise it would just thrash.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.bm.match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.bm.allocate_slots(seq, n):
+                self.bm.free_seq(seq)  # give back prefix hits; they stay cached
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Mark the batch's chunks computed (call after the forward pass, before appending tokens)."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.bm.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish a sequence (stop, length, abort) and return its blocks to the pool."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free_seq(seq)
+        self.bm.forget(seq)

@@ -1,0 +1,161 @@
+"""The engine on tiny random models, against Hugging Face transformers as the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import EngineConfig, ModelLoadError
+from engine.llm_engine import LLM, LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+from tests.tiny_models import build_tiny_model
+
+PROMPTS = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60)] + [[7, 8, 9] * 11]
+
+
+def hf_logits(model_dir, prompt):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0]
+
+
+def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None):
+    """All-row logits of each prompt, computed in one flattened batch (optionally in chunks)."""
+    seqs = [Sequence(p) for p in prompts]
+    rows = {s.seq_id: [] for s in seqs}
+    while any(s.num_computed_tokens < s.num_tokens for s in seqs):
+        batch = ScheduledBatch()
+        for s in seqs:
+            n = s.num_tokens - s.num_computed_tokens
+            if n:
+                n = min(n, chunk or n)
+                assert engine.block_manager.allocate_slots(s, n)
+                batch.seqs.append(s)
+                batch.num_new_tokens.append(n)
+        hidden, qsl = engine.runner.forward(batch)
+        logits = engine.runner.model.compute_logits(hidden)
+        for i, s in enumerate(batch.seqs):
+            rows[s.seq_id].append(logits[qsl[i] : qsl[i + 1]])
+            s.num_computed_tokens += batch.num_new_tokens[i]
+    for s in seqs:
+        engine.block_manager.free_seq(s)
+    return [torch.cat(rows[s.seq_id]) for s in seqs]
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": False}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+        ),
+        ("mistral", {}),
+        ("qwen2", {}),
+    ],
+)
+def test_batched_logits_match_hf(tmp_path, arch, overrides):
+    model_dir = build_tiny_model(tmp_path, arch=arch, **overrides)
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=128), model_dir=model_dir
+    )
+    ours = engine_logits(engine, PROMPTS)
+    for prompt, got in zip(PROMPTS, ours, strict=True):
+        torch.testing.assert_close(got, hf_logits(model_dir, prompt), atol=2e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_matches_one_pass(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=8, num_kv_blocks=256))
+    prompt = [(i * 7) % 300 + 3 for i in range(500)]
+    (one,) = engine_logits(engine, [prompt])
+    (chunked,) = engine_logits(engine, [prompt], chunk=64)
+    torch.testing.assert_close(chunked, one, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(one, hf_logits(tiny_model_dir, prompt), atol=2e-4, rtol=1e-4)
+
+
+def test_bf16_close_to_fp32(tiny_model_dir):
+    fp32 = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
+    bf16 = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, dtype="bfloat16"))
+    a, b = engine_logits(fp32, PROMPTS[:3]), engine_logits(bf16, PROMPTS[:3])
+    for x, y in zip(a, b, strict=True):
+        assert (x.softmax(-1) - y.softmax(-1)).abs().max() < 0.05
+
+
+def test_greedy_generation_matches_hf_generate(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=128, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
+        assert out.finish_reason == "length"
+
+
+def test_preemption_gives_the_same_outputs_and_frees_every_block(tiny_model_dir):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[3 + i, 40 + i, 90 + (i * 13) % 200] * (2 + i % 5) for i in range(24)]
+    ample = LLM(str(tiny_model_dir), num_kv_blocks=512, block_size=4).generate(prompts, params)
+    small = LLM(str(tiny_model_dir), num_kv_blocks=40, block_size=4)
+    tight = small.generate(prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in tight] == [o.token_ids for o in ample]
+    assert small.engine.block_manager.num_free_blocks == 40
+
+
+def test_seeded_sampling_is_batch_invariant(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=256)
+    seeded = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=10) for i in range(len(PROMPTS))
+    ]
+    together = llm.generate(PROMPTS, seeded)
+    for i, prompt in enumerate(PROMPTS):
+        (alone,) = llm.generate([prompt], seeded[i])
+        assert alone.token_ids == together[i].token_ids
+
+
+def test_prefix_cache_computes_only_the_suffix(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=8)
+    prefix = [(i * 11) % 300 + 3 for i in range(100)]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    (first,) = llm.generate([prefix + [5, 6]], params)
+    (second,) = llm.generate([prefix + [7, 8, 9]], params)
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 96
+    (uncached,) = LLM(str(tiny_model_dir), num_kv_blocks=256, enable_prefix_caching=False).generate(
+        [prefix + [7, 8, 9]], params
+    )
+    assert second.token_ids == uncached.token_ids
+    # Another adapter id never shares the cached blocks.
+    llm.engine.add_request(prefix + [7, 8, 9], params, request_id="other", adapter_id=3)
+    outs = []
+    while llm.engine.has_unfinished():
+        outs += llm.engine.step()
+    assert outs[-1].num_cached_tokens == 0
+
+
+def test_bad_inputs_name_the_problem(tiny_model_dir, tmp_path):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=64)
+    with pytest.raises(ValueError, match="context window"):
+        llm.generate([[5] * 64])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ModelLoadError, match="no such directory"):
+        LLM(str(tmp_path / "nope"))

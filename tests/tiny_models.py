@@ -1,0 +1,74 @@
+"""Tiny random-weight Llama-family checkpoints (with a small byte-level tokenizer) built on the fly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Paris is the capital of France; Berlin is the capital of Germany.",
+    "def add(a, b):\n    return a + b\n",
+    '{"name": "motet", "tokens": [1, 2, 3], "ok": true}',
+    "Ünïcödé façade naïve café — 東京 北京 🎵🎶 emoji and accents.",
+] * 20
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>"
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build_tiny_model(path: Path, arch: str = "llama", tied: bool = True, seed: int = 0, **overrides) -> Path:
+    torch.manual_seed(seed)
+    tok = build_tokenizer()
+    common = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=tied,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        torch_dtype="float32",
+    )
+    common.update(overrides)
+    cfg_cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+    model = AutoModelForCausalLM.from_config(cfg_cls(**common))
+    with torch.no_grad():  # larger-than-default weights so that logits are far from uniform
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id]}))
+    return path
