@@ -1,0 +1,231 @@
+"""Paged attention: the torch reference (CPU path) and the Triton kernel against a naive float64 ground
+truth. Without CUDA the kernel runs under TRITON_INTERPRET=1 (slow: shapes stay small)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+# Must be set before the kernel module is decorated by triton.jit (decoration reads it).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from kernels import paged_attention as pa  # noqa: E402
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if HAS_TRITON and DEVICE == "cpu" and type(pa._paged_attention_kernel).__name__ != "InterpretedFunction":
+    # Imported earlier in this process without the interpreter (e.g. by a model test): re-decorate.
+    pa = importlib.reload(sys.modules["kernels.paged_attention"])
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def naive_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
+    """Simplest ground truth: per sequence, gather K/V position by position, full causal softmax in f64."""
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b in range(len(seq_lens)):
+        q_start, q_end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        seq_len, q_len = int(seq_lens[b]), q_end - q_start
+        if q_len == 0:
+            continue
+        pos = torch.arange(seq_len)
+        blocks = block_tables[b].long().cpu()[pos // block_size]
+        k = k_cache.cpu()[blocks, pos % block_size].double()  # [seq_len, kv_heads, head_dim]
+        v = v_cache.cpu()[blocks, pos % block_size].double()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # query head h reads kv head h // group
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[q_start:q_end].cpu().double(), k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len)
+        s[:, pos[None, :] > q_pos[:, None]] = float("-inf")
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    return out
+
+
+def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, noncontig_q=False):
+    """seqs: (q_len, seq_len) per sequence. Blocks are a random permutation of the cache (with spare ones),
+    block tables are padded with 0 and one extra column."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in seqs]
+    num_blocks = sum(num_blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    block_tables = torch.zeros(len(seqs), max(num_blocks_per_seq + [0]) + 1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(num_blocks_per_seq):
+        block_tables[b, :n] = perm[used : used + n]
+        used += n
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    num_tokens = sum(q_len for q_len, _ in seqs)
+    if noncontig_q:  # like a slice of a fused qkv projection
+        q = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=g).to(dtype)[
+            :, :num_heads
+        ]
+    else:
+        q = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    q_lens = torch.tensor([0] + [q_len for q_len, _ in seqs])
+    query_start_loc = torch.cumsum(q_lens, 0).to(torch.int32)
+    seq_lens = torch.tensor([seq_len for _, seq_len in seqs], dtype=torch.int32)
+    tensors = [q, k_cache, v_cache, block_tables, query_start_loc, seq_lens]
+    return [t.to(DEVICE) for t in tensors]
+
+
+def random_seqs(g: torch.Generator, n: int, max_ctx: int, max_chunk: int):
+    """A mixed batch: decodes, prefill chunks over cached context, fresh prefills, empty and 1-token."""
+    seqs = [(1, 1), (0, 5)]
+    for _ in range(n):
+        kind = int(torch.randint(3, (1,), generator=g))
+        ctx = int(torch.randint(max_ctx + 1, (1,), generator=g))
+        if kind == 0:  # decode
+            seqs.append((1, ctx + 1))
+        elif kind == 1:  # chunk over cached context
+            q_len = int(torch.randint(2, max_chunk + 1, (1,), generator=g))
+            seqs.append((q_len, ctx + q_len))
+        else:  # fresh prefill
+            q_len = int(torch.randint(2, max_chunk + 1, (1,), generator=g))
+            seqs.append((q_len, q_len))
+    order = torch.randperm(len(seqs), generator=g).tolist()
+    return [seqs[i] for i in order]
+
+
+def check(fn, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, noncontig_q=False, **kw):
+    args = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, noncontig_q)
+    scale = head_dim**-0.5
+    out = fn(*args, scale, **kw)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    expected = naive_attention(*args, scale)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[dtype])
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)])
+def test_reference_matches_naive(dtype, block_size, num_heads, num_kv_heads):
+    g = torch.Generator().manual_seed(block_size * 100 + num_heads)
+    seqs = random_seqs(g, n=8, max_ctx=80, max_chunk=24)
+    check(pa.paged_attention_reference, seqs, num_heads, num_kv_heads, 64, block_size, dtype, seed=block_size)
+
+
+def test_reference_query_subchunks_and_noncontiguous_q(monkeypatch):
+    # Force the memory-bounding split of long prefill chunks into several query sub-chunks.
+    monkeypatch.setattr(pa, "_MAX_SCORE_ELEMS", 9 * 40 * 7)
+    seqs = [(37, 37), (1, 50), (0, 3), (23, 60), (1, 1)]
+    check(pa.paged_attention_reference, seqs, 9, 3, 64, 16, torch.float32, noncontig_q=True)
+
+
+def test_reference_all_decodes_and_empty_batch():
+    seqs = [(1, n) for n in (1, 2, 15, 16, 17, 33, 100)]
+    check(pa.paged_attention_reference, seqs, 9, 3, 64, 16, torch.float32)
+    check(pa.paged_attention_reference, [(0, 4), (0, 0)], 9, 3, 64, 16, torch.float32)
+
+
+def test_dispatcher_uses_reference_on_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(pa, "paged_attention_reference", lambda *a, **k: calls.append(1) or "ref")
+    q = torch.zeros(1, 2, 64)
+    assert pa.paged_attention(q, None, None, None, None, None, 1.0) == "ref" and calls
+
+
+# ------------------------------------------------------------------------------------------------- triton
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "block_size,num_heads,num_kv_heads,head_dim,dtype",
+    [
+        (16, 9, 3, 64, torch.float32),
+        (8, 4, 4, 64, torch.float32),
+        (32, 8, 2, 128, torch.float32),
+        (16, 8, 2, 64, torch.bfloat16),
+    ],
+)
+def test_triton_matches_naive(block_size, num_heads, num_kv_heads, head_dim, dtype):
+    g = torch.Generator().manual_seed(block_size + head_dim)
+    seqs = random_seqs(g, n=4, max_ctx=40, max_chunk=12)
+    check(pa.paged_attention_triton, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=1)
+    # The decode-only tiling (max_query_len=1) and a non-contiguous q.
+    decodes = [(1, n) for n in (1, 9, 16, 37)] + [(0, 3)]
+    check(
+        pa.paged_attention_triton,
+        decodes,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        seed=2,
+        noncontig_q=True,
+        max_query_len=1,
+    )
+
+
+@needs_triton
+def test_triton_long_chunk_spans_query_blocks():
+    # 70 new tokens over 30 cached: several query blocks per sequence, with block size 8 (tiles span blocks).
+    check(
+        pa.paged_attention_triton, [(70, 100), (1, 5), (0, 9)], 4, 1, 64, 8, torch.float32, max_query_len=70
+    )
+
+
+# -------------------------------------------------------------------------------------------- write_kv_cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache(dtype):
+    g = torch.Generator().manual_seed(0)
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 4, 2, 8
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([13, -1, 0, 7, -1, 19])
+    # k as a non-contiguous view (a slice of a fused projection)
+    k = torch.randn(6, 2 * num_kv_heads, head_dim, generator=g).to(dtype)[:, :num_kv_heads]
+    v = torch.randn(6, num_kv_heads, head_dim, generator=g).to(dtype)
+    pa.write_kv_cache(k, v, k_cache, v_cache, slots)
+
+    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    written = [(t, s) for t, s in enumerate(slots.tolist()) if s >= 0]
+    for t, s in written:
+        assert torch.equal(k_flat[s], k[t]) and torch.equal(v_flat[s], v[t])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[[s for _, s in written]] = False
+    assert torch.equal(k_flat[untouched], k_before.view(-1, num_kv_heads, head_dim)[untouched])
+    assert torch.equal(v_flat[untouched], v_before.view(-1, num_kv_heads, head_dim)[untouched])
+
+    # All slots skipped: nothing changes.
+    pa.write_kv_cache(k, v, k_cache, v_cache, torch.full((6,), -1))
+    assert torch.equal(k_flat[untouched], k_before.view(-1, num_kv_heads, head_dim)[untouched])
+
+
+def test_write_then_attend_matches_naive():
+    # The engine's order within a layer: write the new tokens' K/V, then attend over the cache.
+    seqs = [(3, 10), (1, 6)]
+    q, k_cache, v_cache, block_tables, qsl, seq_lens = make_batch(seqs, 4, 2, 64, 4, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    k_new = torch.randn(4, 2, 64, generator=g).to(DEVICE)
+    v_new = torch.randn(4, 2, 64, generator=g).to(DEVICE)
+    slots = []
+    for b, (q_len, seq_len) in enumerate(seqs):
+        for p in range(seq_len - q_len, seq_len):
+            slots.append(int(block_tables[b, p // 4]) * 4 + p % 4)
+    pa.write_kv_cache(k_new, v_new, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
+    out = pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, 0.125)
+    expected = naive_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, 0.125)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[torch.float32])
