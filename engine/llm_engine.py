@@ -140,7 +140,7 @@ class LLMEngine:
         delta, stopped = state.stops.feed(state.detok.push(token))
         reason = stop_reason = None
         if stopped:
-            reason, stop_reason = "stop", state.stops.matched if hasattr(state.stops, "matched") else None
+            reason, stop_reason = "stop", state.stops.matched
         elif (
             token in self.eos_token_ids
             and not params.ignore_eos
