@@ -159,3 +159,39 @@ def test_bad_inputs_name_the_problem(tiny_model_dir, tmp_path):
         SamplingParams(max_tokens=0)
     with pytest.raises(ModelLoadError, match="no such directory"):
         LLM(str(tmp_path / "nope"))
+
+
+def test_stop_strings_end_the_text_without_leaking(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64)
+    (free,) = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    stop = free.text[6:9]
+    (stopped,) = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=20, stop=[stop]))
+    assert stopped.text == free.text[: free.text.index(stop)]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert llm.engine.block_manager.num_free_blocks == 64
+
+
+def test_cli_generate_json(tiny_model_dir, capsys):
+    import json
+
+    from engine.cli import main
+
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_model_dir),
+                "--prompt",
+                "Paris is",
+                "--max-tokens",
+                "5",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out) == {"text", "token_ids", "finish_reason"} and len(out["token_ids"]) == 5
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
