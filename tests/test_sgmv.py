@@ -1,0 +1,203 @@
+"""SGMV shrink/expand: the torch reference (CPU path) and the Triton kernels against a naive float64
+per-token loop. Without CUDA the kernels run under TRITON_INTERPRET=1 (slow: shapes stay small)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+# Must be set before the kernel module is decorated by triton.jit (decoration reads it).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from kernels import sgmv  # noqa: E402
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if HAS_TRITON and DEVICE == "cpu" and type(sgmv._shrink_kernel).__name__ != "InterpretedFunction":
+    # Imported earlier in this process without the interpreter (e.g. by a model test): re-decorate.
+    sgmv = importlib.reload(sys.modules["kernels.sgmv"])
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+
+def make_case(
+    seed,
+    num_tokens,
+    num_segs,
+    d_in,
+    d_out,
+    max_rank,
+    lens=None,
+    num_slots=5,
+    dtype=torch.float32,
+    device="cpu",
+):
+    """Random segments (some empty, some one token, some without adapter; or the given `lens`) over random
+    slots whose ranks 1..max_rank are mixed, zero-padded to max_rank as the slot cache stores them."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(0, num_tokens + 1, (num_segs - 1,), generator=g).sort().values
+    if lens is not None:
+        cuts = torch.tensor(lens[:-1]).cumsum(0)
+    starts = torch.cat([torch.tensor([0]), cuts, torch.tensor([num_tokens])]).to(torch.int32)
+    slots = torch.randint(-1, num_slots, (num_segs,), generator=g).to(torch.int32)
+    ranks = torch.randint(1, max_rank + 1, (num_slots,), generator=g)
+    ranks[0] = max_rank
+    A = torch.randn(num_slots, max_rank, d_in, generator=g) / d_in**0.5
+    B = torch.randn(num_slots, d_out, max_rank, generator=g) / max_rank**0.5
+    for s, r in enumerate(ranks.tolist()):
+        A[s, r:] = 0
+        B[s, :, r:] = 0
+    scales = torch.rand(num_slots, generator=g) * 2
+    x = torch.randn(num_tokens, d_in, generator=g)
+    y = torch.randn(num_tokens, d_out, generator=g)
+    to = lambda t: t.to(device=device, dtype=dtype)
+    return dict(x=to(x), A=to(A), B=to(B), scales=scales.to(device), starts=starts.to(device), slots=slots.to(device),
+                y=to(y))  # fmt: skip
+
+
+def naive(c):
+    """Per token, in float64, from the (already rounded) inputs: (h, delta)."""
+    x, A, B = c["x"].cpu().double(), c["A"].cpu().double(), c["B"].cpu().double()
+    h = torch.zeros(x.shape[0], A.shape[1], dtype=torch.float64)
+    delta = torch.zeros(x.shape[0], B.shape[1], dtype=torch.float64)
+    starts, slots, scales = c["starts"].tolist(), c["slots"].tolist(), c["scales"].tolist()
+    for i, s in enumerate(slots):
+        for t in range(starts[i], starts[i + 1]):
+            if s >= 0:
+                h[t] = A[s] @ x[t]
+                delta[t] = B[s] @ h[t] * scales[s]
+    return h, delta
+
+
+def check_expand(y_out, y_in, delta, dtype):
+    want = y_in.cpu().double() + delta
+    if dtype == torch.float32:
+        torch.testing.assert_close(y_out.cpu().double(), want, atol=1e-5, rtol=1e-5)
+    else:  # one rounding of the fp32 sum into bf16
+        torch.testing.assert_close(y_out.cpu().double(), want, atol=1e-2, rtol=1e-2)
+    untouched = delta.abs().sum(1) == 0
+    assert torch.equal(y_out.cpu()[untouched], y_in.cpu()[untouched])  # rows without adapter: bit-identical
+
+
+def run_ops(c, shrink, expand, **kw):
+    h = shrink(c["x"], c["A"], c["starts"], c["slots"], **kw)
+    assert h.dtype == torch.float32 and h.shape == (c["x"].shape[0], c["A"].shape[1])
+    y = c["y"].clone()
+    expand(h, c["B"], c["scales"], c["starts"], c["slots"], y, **kw)
+    return h, y
+
+
+# (seed, tokens, segments, in, out, max_rank): empty and one-token segments occur by construction.
+REF_CASES = [
+    (0, 1, 1, 32, 48, 1),
+    (1, 17, 6, 64, 40, 8),
+    (2, 64, 64, 96, 160, 16),  # decode-like: mostly one token per segment
+    (3, 200, 9, 576, 320, 64),
+    (4, 33, 12, 40, 24, 33),
+]
+TRITON_CASES = [
+    (0, 1, 1, 16, 24, 1),
+    (1, 13, 5, 48, 40, 8),
+    (2, 24, 24, 40, 72, 16),  # T <= S: 16-row tiles
+    (3, 70, 4, 80, 24, 64),  # long segments: 64-row tiles, several K and N tiles
+    (4, 20, 9, 32, 20, 5),
+    (5, 30, 30, 32, 20, 4, [0] * 10 + [25] + [0] * 14 + [1] * 5),  # T <= S, yet one segment spans 2 tiles
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", REF_CASES, ids=[f"case{c[0]}" for c in REF_CASES])
+def test_reference_and_cpu_path(case, dtype):
+    c = make_case(*case, dtype=dtype)
+    h_want, delta = naive(c)
+    h, y = run_ops(c, sgmv.sgmv_shrink_reference, sgmv.sgmv_expand_reference)
+    torch.testing.assert_close(h.double(), h_want, atol=1e-5, rtol=1e-5)
+    check_expand(y, c["y"], delta, dtype)
+
+    y = c["y"].clone()
+    sgmv.add_lora(y, c["x"], c["A"], c["B"], c["scales"], c["starts"], c["slots"])  # CPU: the fused loop
+    check_expand(y, c["y"], delta, dtype)
+    d = sgmv.lora_delta_reference(c["x"], c["A"], c["B"], c["scales"], c["starts"], c["slots"])
+    assert d.dtype == torch.float32
+    torch.testing.assert_close(d.double(), delta, atol=1e-5, rtol=1e-5)
+
+
+def _expand_of(h, c):
+    """float64 expand of the given fp32 h (isolates the expand's error from the shrink's)."""
+    B, out = c["B"].cpu().double(), torch.zeros(h.shape[0], c["B"].shape[1], dtype=torch.float64)
+    starts, slots, scales = c["starts"].tolist(), c["slots"].tolist(), c["scales"].tolist()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            a, b = starts[i], starts[i + 1]
+            out[a:b] = h[a:b].cpu().double() @ B[s].T * scales[s]
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", TRITON_CASES, ids=[f"case{c[0]}" for c in TRITON_CASES])
+def test_triton(case, dtype):
+    c = make_case(*case, dtype=dtype, device=DEVICE)
+    h_want, delta = naive(c)
+    h, y = run_ops(c, sgmv.sgmv_shrink_triton, sgmv.sgmv_expand_triton)
+    torch.testing.assert_close(h.cpu().double(), h_want, atol=1e-5, rtol=1e-5)
+    check_expand(y, c["y"], _expand_of(h, c), dtype)
+
+    # The exact hint resizes the grid (and maybe the row tile); results stay right.
+    seg_lens = (c["starts"][1:] - c["starts"][:-1]).tolist()
+    h, y = run_ops(c, sgmv.sgmv_shrink_triton, sgmv.sgmv_expand_triton, max_seg_len=max(seg_lens))
+    torch.testing.assert_close(h.cpu().double(), h_want, atol=1e-5, rtol=1e-5)
+    check_expand(y, c["y"], _expand_of(h, c), dtype)
+
+
+@needs_triton
+def test_triton_strided_output_and_add_lora():
+    """y may be a column slice of a wider buffer (e.g. q of a fused qkv output): the rest is untouched."""
+    c = make_case(7, 21, 5, 32, 24, 8, device=DEVICE)
+    wide = torch.randn(21, 40, device=DEVICE)
+    before = wide.clone()
+    y = wide[:, 8:32]
+    h = sgmv.sgmv_shrink_triton(c["x"], c["A"], c["starts"], c["slots"])
+    sgmv.sgmv_expand_triton(h, c["B"], c["scales"], c["starts"], c["slots"], y)
+    check_expand(y, before[:, 8:32], naive(c)[1], torch.float32)
+    assert torch.equal(wide[:, :8], before[:, :8]) and torch.equal(wide[:, 32:], before[:, 32:])
+
+    if DEVICE == "cuda":
+        y = c["y"].clone()
+        sgmv.add_lora(y, c["x"], c["A"], c["B"], c["scales"], c["starts"], c["slots"])
+        check_expand(y, c["y"], naive(c)[1], torch.float32)
+
+
+def test_reference_strided_output():
+    c = make_case(8, 21, 5, 32, 24, 8)
+    wide = torch.randn(21, 40)
+    before = wide.clone()
+    sgmv.add_lora(wide[:, 8:32], c["x"], c["A"], c["B"], c["scales"], c["starts"], c["slots"])
+    check_expand(wide[:, 8:32], before[:, 8:32], naive(c)[1], torch.float32)
+    assert torch.equal(wide[:, :8], before[:, :8]) and torch.equal(wide[:, 32:], before[:, 32:])
+
+
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_nothing_to_do(impl):
+    shrink, expand = getattr(sgmv, f"sgmv_shrink_{impl}"), getattr(sgmv, f"sgmv_expand_{impl}")
+    device = DEVICE if impl == "triton" else "cpu"
+    for case in [(0, 0, 1, 16, 16, 4), (1, 9, 3, 16, 16, 4)]:
+        c = make_case(*case, device=device)
+        c["slots"].fill_(-1)  # no token has an adapter
+        h, y = run_ops(c, shrink, expand)
+        assert not h.any() and torch.equal(y, c["y"])
+    c = make_case(2, 5, 1, 16, 16, 4, device=device)
+    c["starts"], c["slots"] = c["starts"][:1], c["slots"][:0]  # zero segments
+    h, y = run_ops(c, shrink, expand)
+    assert not h.any() and torch.equal(y, c["y"])
