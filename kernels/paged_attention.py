@@ -104,6 +104,8 @@ def paged_attention_reference(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    # [num_kv_heads, group, T, head_dim]: query head h = kv_head * group + g; scaled once for all rows
+    qs = (q.float() * scale).view(-1, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for b, seq_len in enumerate(lens):
@@ -116,8 +118,11 @@ def paged_attention_reference(
         # [num_kv_heads, seq_len, head_dim] in fp32 (.float() is a no-op for fp32 caches)
         k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].float().transpose(0, 1)
         v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].float().transpose(0, 1)
-        # [num_kv_heads, group, q_len, head_dim]: query head h = kv_head * group + g
-        qb = (q[q_start:q_end].float() * scale).view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        if q_len == 1:  # decode, the common case: the last position sees every key, no mask; few ops
+            p = torch.softmax(torch.matmul(qs[:, :, q_start], k.mT), dim=-1)
+            out[q_start] = torch.matmul(p, v).view(num_heads, head_dim)
+            continue
+        qb = qs[:, :, q_start:q_end]
         chunk = max(1, _MAX_SCORE_ELEMS // (num_heads * seq_len))
         for c0 in range(0, q_len, chunk):
             c1 = min(q_len, c0 + chunk)
