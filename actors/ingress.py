@@ -1,0 +1,101 @@
+"""The ingress actor: chat template and tokenization (in worker threads), validation, admission.
+
+Each submission is handled in its own task so one long prompt does not hold up the others; the
+tokenizer runs in worker threads (a few at a time) so the event loop never does it. A request that
+passes becomes one queued request per choice; the adapter queues admit all of them or none (429).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import anyio
+import anyio.to_thread
+
+from actors.errors import InvalidRequest
+from actors.messages import Admission, Enqueue, GenerateSpec, QueuedRequest, Submit
+from actors.reply import ReplyStream
+from actors.runtime import Actor
+
+FAULT_MARKER = "MOTET_TEST_FAULT"  # with MOTET_TEST_FAULTS=1, a prompt holding it makes the executor raise
+
+
+class IngressActor(Actor):
+    name = "ingress"
+
+    def __init__(self, executor: Actor, queues: Actor, tokenizer_threads: int = 2):
+        super().__init__()
+        self.executor = executor
+        self.queues = queues
+        self.limiter = anyio.CapacityLimiter(tokenizer_threads)
+        self.faults_enabled = os.environ.get("MOTET_TEST_FAULTS") == "1"
+        self.tokenizer = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+
+    async def on_start(self) -> None:
+        engine = self.executor.engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+
+    async def main(self) -> None:
+        async with anyio.create_task_group() as tg:  # on close, waits for the submissions in flight
+            async for envelope in self._recv:
+                tg.start_soon(self.deliver, envelope)
+
+    async def handle(self, message: Submit) -> Admission:
+        spec = message.spec
+        prompt_ids, text = await self._tokenize(spec)
+        requests = self._validate(spec, prompt_ids, text)
+        await self.queues.ask(Enqueue(requests))
+        return Admission(prompt_ids, [r.stream for r in requests])
+
+    async def _tokenize(self, spec: GenerateSpec) -> tuple[list[int], str]:
+        tok = self.tokenizer
+        if spec.messages is not None:
+            text = await anyio.to_thread.run_sync(
+                lambda: tok.render_chat(spec.messages, **spec.chat_template_kwargs), limiter=self.limiter
+            )
+            # The template writes the special tokens itself: do not add BOS again.
+            ids = await anyio.to_thread.run_sync(
+                lambda: tok.hf.encode(text, add_special_tokens=False), limiter=self.limiter
+            )
+            return ids, text
+        if isinstance(spec.prompt, str):
+            return await anyio.to_thread.run_sync(tok.encode, spec.prompt, limiter=self.limiter), spec.prompt
+        return list(spec.prompt or []), ""
+
+    def _validate(self, spec: GenerateSpec, ids: list[int], text: str) -> list[QueuedRequest]:
+        param = spec.prompt_param
+        if not ids:
+            raise InvalidRequest(f"{param} is empty", param=param)
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequest(f"{param}: token ids must be in [0, {self.vocab_size})", param=param)
+        n, limit = len(ids), self.max_model_len
+        if n >= limit:
+            raise InvalidRequest(
+                f"this model's maximum context length is {limit} tokens; the {param} has {n} tokens "
+                "(with no room left for the completion)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if spec.max_tokens is not None and n + spec.max_tokens > limit:
+            raise InvalidRequest(
+                f"this model's maximum context length is {limit} tokens; you requested {n + spec.max_tokens} "
+                f"({n} in the {param}, {spec.max_tokens} for the completion)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        fault = self.faults_enabled and FAULT_MARKER in text
+        requests = []
+        for request_id, params in zip(spec.request_ids, spec.params, strict=True):
+            if spec.max_tokens is None:
+                params = dataclasses.replace(params, max_tokens=limit - n)
+            requests.append(
+                QueuedRequest(
+                    request_id, spec.tenant, spec.adapter_id, ids, params, ReplyStream(request_id), fault
+                )
+            )
+        return requests

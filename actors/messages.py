@@ -1,0 +1,95 @@
+"""The messages the actors exchange. Plain dataclasses: what moves, not what to do with it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from actors.reply import ReplyStream
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+
+# -- API -> ingress ---------------------------------------------------------------------------------------
+@dataclass
+class GenerateSpec:
+    """One API request: a prompt (text, token ids or chat messages) and one SamplingParams per choice."""
+
+    request_ids: list[str]  # one per choice (n)
+    params: list[SamplingParams]
+    tenant: str = "default"
+    adapter_id: int = 0
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+    max_tokens: int | None = None  # None: the rest of the context window
+    prompt_param: str = "prompt"  # the request field an error about the prompt names
+
+
+@dataclass
+class Submit:
+    spec: GenerateSpec  # reply: Admission
+
+
+@dataclass
+class Admission:
+    prompt_token_ids: list[int]
+    streams: list[ReplyStream]  # one per choice, in spec order
+
+
+# -- ingress -> adapter queues -> scheduler ---------------------------------------------------------------
+@dataclass
+class QueuedRequest:
+    request_id: str
+    tenant: str
+    adapter_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: ReplyStream
+    fault: bool = False  # test-only: the executor raises on this request's batches
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Enqueue:
+    requests: list[QueuedRequest]  # all or none; reply: None, or raises QueueFull
+
+
+@dataclass
+class Take:
+    """Pop up to `max_requests`, each time from the tenant `pick` chooses among those with work."""
+
+    max_requests: int
+    pick: Callable[[Iterable[str]], str | None]  # reply: list[QueuedRequest] (cancelled ones included)
+
+
+@dataclass
+class WorkQueued:
+    """Queues -> scheduler: requests of these tenants arrived, or were dropped while queued (cancelled)."""
+
+    arrived: list[str]
+    dropped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+# -- scheduler -> executor --------------------------------------------------------------------------------
+@dataclass
+class Execute:
+    batch: ScheduledBatch
+    faulty: frozenset[str] = frozenset()  # test-only fault injection
+
+
+@dataclass
+class Executed:
+    """The part of the batch that ran, its result, and the sequences whose execution raised."""
+
+    batch: ScheduledBatch
+    result: object  # engine.model_runner.StepResult
+    failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)
+    seconds: float = 0.0

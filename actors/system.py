@@ -1,0 +1,97 @@
+"""The serving system: the four actors wired together, and the small front the API talks to.
+
+    API --Submit--> ingress --Enqueue--> adapter queues <--Take-- scheduler --Execute--> executor
+                                                  \\--WorkQueued-->/   |
+    API <------------- reply streams (merged deltas) ------------------/
+
+Start-up order: executor (loads the model on its thread), scheduler, adapter queues, ingress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+
+from actors.adapter_queues import AdapterQueuesActor
+from actors.errors import ShuttingDown
+from actors.executor import ExecutorActor
+from actors.ingress import IngressActor
+from actors.messages import Abort, Admission, GenerateSpec, Submit
+from actors.runtime import ActorStopped, ActorSystem
+from actors.scheduler import SchedulerActor
+from engine.fairness import VirtualTokenCounter
+
+
+@dataclass
+class Stats:
+    queued: int
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    steps: int
+
+
+class ServingSystem:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Any],
+        max_queue_len: int = 256,
+        max_waiting: int = 16,
+        fairness: VirtualTokenCounter | None = None,
+    ):
+        self.executor = ExecutorActor(engine_factory)
+        self.scheduler = SchedulerActor(self.executor, fairness, max_waiting=max_waiting)
+        self.queues = AdapterQueuesActor(max_queue_len)
+        self.ingress = IngressActor(self.executor, self.queues)
+        self.scheduler.queues, self.queues.scheduler = self.queues, self.scheduler
+        self.actors = ActorSystem([self.executor, self.scheduler, self.queues, self.ingress])
+
+    @property
+    def engine(self):
+        return self.executor.engine
+
+    @property
+    def ready(self) -> bool:
+        return self.actors.started.is_set() and not self.actors.stopped.is_set()
+
+    async def run(self, *, task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        await self.actors.run(task_status=task_status)
+
+    async def stop(self) -> None:
+        await self.actors.stop()
+
+    async def submit(self, spec: GenerateSpec) -> Admission:
+        """Tokenize, validate and queue a request; raises InvalidRequest, QueueFull or ShuttingDown."""
+        try:
+            return await self.ingress.ask(Submit(spec))
+        except ActorStopped:
+            raise ShuttingDown("the server is shutting down") from None
+
+    def abort(self, request_id: str) -> None:
+        """Never blocks: the scheduler applies it between steps."""
+        with contextlib.suppress(ActorStopped):
+            self.scheduler.tell_nowait(Abort(request_id))
+
+    def stats(self) -> Stats:
+        engine = self.engine
+        sched, bm = engine.scheduler, engine.block_manager
+        return Stats(
+            queued=self.queues.depth,
+            waiting=len(sched.waiting),
+            running=len(sched.running),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            preemptions=sched.num_preemptions,
+            steps=self.scheduler.steps,
+        )

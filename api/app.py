@@ -1,0 +1,207 @@
+"""The Starlette app: routes, error handling, per-status request counts, and the actors' lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import anyio
+from pydantic.json_schema import models_json_schema
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from api import protocol as P
+from api.errors import APIError, handle_exception, to_response
+from api.openai import chat_completions, completions
+from api.state import ServerState
+
+log = logging.getLogger("motet.api")
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+
+
+def guarded(handler):
+    """Every failure becomes an OpenAI-shaped error response; only real bugs are 500s (and logged)."""
+
+    @functools.wraps(handler)
+    async def wrapper(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception as e:
+            return to_response(e)
+
+    return wrapper
+
+
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.motet
+    state.check_ready()
+    return JSONResponse({"status": "ok"})
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.motet
+    state.auth.tenant(request.headers.get("authorization"))
+    max_len = state.system.engine.max_model_len if state.system.ready else None
+    cards = [P.ModelCard(id=state.model_name, created=state.created, max_model_len=max_len)]
+    return JSONResponse(P.ModelList(data=cards).model_dump())
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.motet
+    if state.system.ready:
+        state.metrics.refresh(state.system.stats())
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@functools.cache
+def openapi_schema() -> dict:
+    req_models = [P.ChatCompletionRequest, P.CompletionRequest]
+    resp_models = [
+        P.ChatCompletionResponse,
+        P.ChatCompletionChunk,
+        P.CompletionResponse,
+        P.ModelList,
+        P.ErrorResponse,
+    ]
+    _, defs = models_json_schema(
+        [(m, "validation") for m in req_models] + [(m, "serialization") for m in resp_models],
+        ref_template="#/components/schemas/{model}",
+    )
+
+    def ref(m):
+        return {"$ref": f"#/components/schemas/{m.__name__}"}
+
+    def errors():
+        err = {"content": {"application/json": {"schema": ref(P.ErrorResponse)}}}
+        return {
+            str(s): {"description": d, **err}
+            for s, d in [
+                (400, "bad parameter"),
+                (401, "bad API key"),
+                (404, "unknown model"),
+                (413, "body too large"),
+                (429, "queue full (see Retry-After)"),
+                (500, "server error"),
+                (503, "starting or draining"),
+            ]
+        }
+
+    def post(req, resp, summary):
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref(req)}}},
+                "responses": {
+                    "200": {
+                        "description": "the result, or SSE chunks when stream is true",
+                        "content": {
+                            "application/json": {"schema": ref(resp)},
+                            "text/event-stream": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **errors(),
+                },
+            }
+        }
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "motet", "version": "0.1.0", "description": "OpenAI-compatible LLM serving"},
+        "paths": {
+            "/v1/chat/completions": post(
+                P.ChatCompletionRequest, P.ChatCompletionResponse, "chat completion"
+            ),
+            "/v1/completions": post(P.CompletionRequest, P.CompletionResponse, "text completion"),
+            "/v1/models": {
+                "get": {
+                    "summary": "served models",
+                    "responses": {
+                        "200": {
+                            "description": "models",
+                            "content": {"application/json": {"schema": ref(P.ModelList)}},
+                        }
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "200 once the model is loaded; 503 while starting or draining",
+                    "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
+                }
+            },
+            "/metrics": {
+                "get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}
+            },
+        },
+        "components": {"schemas": defs.get("$defs", {})},
+    }
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(openapi_schema())
+
+
+class CountRequests:
+    """Pure ASGI middleware: requests by endpoint and status (streaming responses too)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.state.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+def create_app(state: ServerState) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async with anyio.create_task_group() as tg:
+
+            async def run_system():
+                try:
+                    await state.system.run()
+                except Exception as e:  # start-up failed: /health says why; the server decides to exit
+                    log.exception("the serving system failed")
+                    state.fatal = e
+
+            tg.start_soon(run_system)
+            try:
+                yield
+            finally:
+                with anyio.move_on_after(10, shield=True):
+                    await state.system.stop()
+                tg.cancel_scope.cancel()
+
+    routes = [
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/health", guarded(health), methods=["GET"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: handle_exception})
+    app.state.motet = state
+    app.add_middleware(CountRequests, state=state)
+    return app
+
+
+__all__ = ["create_app", "APIError"]

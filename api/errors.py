@@ -1,0 +1,83 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}} with the right status."""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from actors.errors import QueueFull, ServingError
+
+log = logging.getLogger("motet.api")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "server_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_serving_error(e: ServingError) -> APIError:
+    headers = {"Retry-After": str(max(1, round(e.retry_after)))} if isinstance(e, QueueFull) else None
+    return APIError(e.status, e.message, e.param, e.code, e.type, headers)
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    where = f"{param}: " if param else ""
+    return APIError(400, f"{where}{err['msg']}", param=param)
+
+
+def from_value_error(e: ValueError, fields=()) -> APIError:
+    """Engine ValueErrors start with the parameter they are about ("temperature must be >= 0 ...")."""
+    message = str(e)
+    first = message.split(" ", 1)[0].rstrip(":,")
+    return APIError(400, message, param=first if first in fields else None)
+
+
+def to_response(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, APIError):
+        return exc.response()
+    if isinstance(exc, ServingError):
+        return from_serving_error(exc).response()
+    if isinstance(exc, ValidationError):
+        return from_validation_error(exc).response()
+    if isinstance(exc, HTTPException):
+        return APIError(exc.status_code, exc.detail or "error", headers=exc.headers).response()
+    log.error("internal error", exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}").response()
+
+
+async def handle_exception(request: Request, exc: Exception) -> JSONResponse:
+    return to_response(exc)

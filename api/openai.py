@@ -1,0 +1,331 @@
+"""The OpenAI endpoints: /v1/chat/completions and /v1/completions.
+
+A handler validates the body, resolves tenant and model, turns the request into a GenerateSpec (one
+SamplingParams per choice), submits it to the actors and either collects the reply streams into one
+response or relays them as SSE chunks. A client that goes away aborts its requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from actors.errors import ServingError
+from actors.messages import Admission, GenerateSpec
+from actors.reply import ReplyStream, merge_streams
+from api import protocol as P
+from api.errors import APIError, from_serving_error, from_value_error
+from api.logprobs import chat_logprobs, completion_logprobs
+from api.state import ServerState
+from api.streams import Choice, EventStream, collect, observe, release, sse, usage
+from engine.sampling_params import SamplingParams
+
+_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
+    "max_completion_tokens",
+    "top_logprobs",
+}
+
+
+# -- request plumbing -------------------------------------------------------------------------------------
+async def read_json(request: Request, limit: int) -> dict:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body is larger than {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body is larger than {limit} bytes")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return data
+
+
+def build_params(
+    req: P._SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+):
+    """One SamplingParams per choice (seed + i for choice i, so choices differ but stay reproducible)."""
+    drop_output = max_tokens == 0  # prompt logprobs only: generate one token, then drop it
+    engine_max = 1 if drop_output else max_tokens
+    base = dict(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        max_tokens=engine_max or max(1, req.min_tokens or 0),  # None: ingress sets the rest of the context
+        min_tokens=req.min_tokens or 0,
+        stop=req.stop or [],
+        stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+    try:
+        params = [
+            SamplingParams(**base, seed=None if req.seed is None else req.seed + i) for i in range(req.n)
+        ]
+    except ValueError as e:
+        raise from_value_error(e, _PARAM_FIELDS) from None
+    return params, engine_max, drop_output
+
+
+async def submit(state: ServerState, spec: GenerateSpec) -> Admission:
+    try:
+        return await state.system.submit(spec)
+    except ServingError as e:
+        raise from_serving_error(e) from None
+    except ValueError as e:
+        raise from_value_error(e, _PARAM_FIELDS) from None
+
+
+# -- chat -------------------------------------------------------------------------------------------------
+async def chat_completions(request: Request) -> Response:
+    state: ServerState = request.app.state.motet
+    state.check_ready()
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    req = P.ChatCompletionRequest.model_validate(await read_json(request, state.max_body_bytes))
+    adapter_id = state.resolve_adapter(tenant, req.model)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params, engine_max, drop = build_params(req, max_tokens, k, None)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    spec = GenerateSpec(
+        request_ids=[f"{rid}-{i}" for i in range(req.n)],
+        params=params,
+        tenant=tenant,
+        adapter_id=adapter_id,
+        messages=req.messages,
+        chat_template_kwargs={
+            **(req.chat_template_kwargs or {}),
+            "add_generation_prompt": req.add_generation_prompt,
+        },
+        max_tokens=engine_max,
+        prompt_param="messages",
+    )
+    arrival = time.perf_counter()
+    state.inflight += 1
+    streams: list[ReplyStream] = []
+    try:
+        adm = await submit(state, spec)
+        streams = adm.streams
+        state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
+        choices = [Choice(i, adm.prompt_token_ids, arrival) for i in range(req.n)]
+        created = int(time.time())
+        if req.stream:
+            return EventStream(
+                state, streams, _chat_chunks(state, req, rid, created, choices, streams, k, drop)
+            )
+        await collect(request, state, choices, streams)
+        resp = P.ChatCompletionResponse(
+            id=rid,
+            created=created,
+            model=req.model,
+            choices=[
+                P.ChatChoice(
+                    index=c.index,
+                    message=P.ChatMessageOut(content="" if drop else c.text),
+                    logprobs=chat_logprobs(state, c.logprobs, k) if k is not None and not drop else None,
+                    finish_reason=c.finish_reason,
+                )
+                for c in choices
+            ],
+            usage=usage([adm.prompt_token_ids], choices, drop),
+        )
+        return JSONResponse(resp.model_dump())
+    except BaseException:
+        release(state, streams)
+        raise
+    finally:
+        state.inflight -= 1
+
+
+async def _chat_chunks(state, req, rid, created, choices, streams, k, drop) -> AsyncIterator[str]:
+    def chunk(index, delta: dict, logprobs=None, finish_reason=None) -> str:
+        c = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "choices": [
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            ],
+        }
+        if include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    for c in choices:
+        yield chunk(c.index, {"role": "assistant", "content": ""})
+    async for i, delta in merge_streams(streams):
+        c = choices[i]
+        c.add(delta)
+        if delta.error is not None:
+            raise delta.error
+        if (delta.text or delta.logprobs) and not drop:
+            lp = chat_logprobs(state, delta.logprobs, k).model_dump() if k is not None else None
+            yield chunk(i, {"content": delta.text}, lp)
+        if delta.finished:
+            observe(state, c)
+            yield chunk(i, {}, finish_reason=c.finish_reason)
+    if include_usage:
+        u = usage([choices[0].prompt_ids], choices, drop).model_dump()
+        yield sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": req.model,
+                "choices": [],
+                "usage": u,
+            }
+        )
+
+
+# -- completions ------------------------------------------------------------------------------------------
+def _prompts(req: P.CompletionRequest) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p[0], int):
+        return [p]
+    return list(p)
+
+
+async def completions(request: Request) -> Response:
+    state: ServerState = request.app.state.motet
+    state.check_ready()
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    req = P.CompletionRequest.model_validate(await read_json(request, state.max_body_bytes))
+    adapter_id = state.resolve_adapter(tenant, req.model)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default for completions
+    k = req.logprobs
+    params, engine_max, drop = build_params(req, max_tokens, k, k if req.echo and k is not None else None)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    prompts = _prompts(req)
+    arrival = time.perf_counter()
+    state.inflight += 1
+    streams: list[ReplyStream] = []
+    try:
+        admissions = []
+        for p_idx, prompt in enumerate(prompts):
+            spec = GenerateSpec(
+                request_ids=[f"{rid}-{p_idx}-{i}" for i in range(req.n)],
+                params=params,
+                tenant=tenant,
+                adapter_id=adapter_id,
+                prompt=prompt,
+                max_tokens=engine_max,
+            )
+            adm = await submit(state, spec)
+            admissions.append(adm)
+            streams += adm.streams
+            state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
+        choices = [
+            Choice(p * req.n + i, adm.prompt_token_ids, arrival)
+            for p, adm in enumerate(admissions)
+            for i in range(req.n)
+        ]
+        prompt_texts = [
+            pr if isinstance(pr, str) else state.system.engine.tokenizer.decode(pr, skip_special_tokens=False)
+            for pr in prompts
+        ]
+        created = int(time.time())
+        if req.stream:
+            gen = _completion_chunks(
+                state, req, rid, created, choices, streams, prompt_texts, admissions, drop
+            )
+            return EventStream(state, streams, gen)
+        await collect(request, state, choices, streams)
+        out = []
+        for c in choices:
+            p = c.index // req.n
+            text = "" if drop else c.text
+            lps = None
+            if k is not None:
+                lps = completion_logprobs(
+                    state, [] if drop else c.logprobs, c.prompt_ids if req.echo else None, c.prompt_logprobs
+                )
+            if req.echo:
+                text = prompt_texts[p] + text
+            out.append(
+                P.CompletionChoice(index=c.index, text=text, logprobs=lps, finish_reason=c.finish_reason)
+            )
+        resp = P.CompletionResponse(
+            id=rid,
+            created=created,
+            model=req.model,
+            choices=out,
+            usage=usage([a.prompt_token_ids for a in admissions], choices, drop),
+        )
+        return JSONResponse(resp.model_dump())
+    except BaseException:
+        release(state, streams)
+        raise
+    finally:
+        state.inflight -= 1
+
+
+async def _completion_chunks(state, req, rid, created, choices, streams, prompt_texts, admissions, drop):
+    def chunk(index, text, logprobs=None, finish_reason=None) -> str:
+        c = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": req.model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
+        if include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    k = req.logprobs
+    started = set()
+    async for i, delta in merge_streams(streams):
+        c = choices[i]
+        c.add(delta)
+        if delta.error is not None:
+            raise delta.error
+        text, lps, prompt_ids = delta.text, [] if drop else delta.logprobs, None
+        if drop:
+            text = ""
+        if i not in started:
+            started.add(i)
+            if req.echo:
+                text = prompt_texts[i // req.n] + text
+                prompt_ids = c.prompt_ids
+        lp = None
+        if k is not None:
+            lp = completion_logprobs(state, lps, prompt_ids, c.prompt_logprobs).model_dump()
+        if text or (lp and lp["tokens"]) or delta.finished:
+            yield chunk(i, text, lp, c.finish_reason if delta.finished else None)
+        if delta.finished:
+            observe(state, c)
+    if include_usage:
+        u = usage([a.prompt_token_ids for a in admissions], choices, drop).model_dump()
+        yield sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": req.model,
+                "choices": [],
+                "usage": u,
+            }
+        )

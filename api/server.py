@@ -1,0 +1,82 @@
+"""`motet serve`: its flags, and wiring the engine, the actors and the app onto uvicorn.
+
+Heavy imports happen inside `serve`, so that `motet --help` and `motet pull` stay fast.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger("motet.server")
+
+
+def build_state(args):
+    from actors.system import ServingSystem
+    from api.auth import Authenticator
+    from api.state import ServerState
+    from engine.cli import engine_config
+    from engine.llm_engine import LLMEngine
+    from engine.model_store import DEFAULT_MODEL_ALIASES
+
+    config = engine_config(args)
+    names = [config.model]
+    if config.model in DEFAULT_MODEL_ALIASES:
+        names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
+    elif Path(config.model).exists():
+        names.append(Path(config.model).name)
+    system = ServingSystem(
+        lambda: LLMEngine(config), max_queue_len=args.max_queue_len, max_waiting=args.max_waiting
+    )
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else None
+    return ServerState(
+        system=system,
+        model_names=names,
+        auth=Authenticator.from_file(args.api_keys),
+        max_body_bytes=args.max_body_bytes,
+        data_dir=data_dir,
+    )
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from api.app import create_app
+    from api.draining import DrainingServer
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    state = build_state(args)
+    app = create_app(state)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        access_log=args.access_log,
+    )
+    server = DrainingServer(config, state, args.drain_timeout)
+    log.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
+    server.run()
+    return 1 if state.fatal is not None else 0
+
+
+def add_serve_args(p) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
+    p.add_argument("--data-dir", default=None, help="per-tenant data (adapters) directory")
+    p.add_argument(
+        "--max-queue-len", type=int, default=256, help="requests waiting per adapter queue (then 429)"
+    )
+    p.add_argument(
+        "--max-waiting", type=int, default=16, help="requests admitted to the engine but not running"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true")

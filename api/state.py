@@ -1,0 +1,66 @@
+"""What every handler needs: the serving system, the served model's names, auth, metrics, lifecycle."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from actors.system import ServingSystem
+from api.auth import Authenticator
+from api.errors import APIError
+from api.metrics import Metrics
+
+
+@dataclass
+class ServerState:
+    system: ServingSystem
+    model_names: list[str]  # the first is the served name, the others are accepted aliases
+    auth: Authenticator = field(default_factory=Authenticator)
+    metrics: Metrics = field(default_factory=Metrics)
+    max_body_bytes: int = 4 << 20
+    data_dir: Path | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
+    inflight: int = 0
+    fatal: BaseException | None = None  # start-up failed (e.g. the model could not be loaded)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_ready(self) -> None:
+        if self.fatal is not None:
+            raise APIError(503, f"the server failed to start: {self.fatal}")
+        if self.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        if not self.system.ready:
+            raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
+
+    def resolve_adapter(self, tenant: str, model: str) -> int:
+        """The adapter serving `model` for `tenant`; 0 is the base model. (LoRA adapters plug in here.)"""
+        if model in self.model_names:
+            return 0
+        raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+
+    @contextlib.contextmanager
+    def track(self):
+        """Counts a request as in flight (draining waits for these)."""
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    @functools.cached_property
+    def token_text(self) -> Callable[[int], str]:
+        tok = self.system.engine.tokenizer
+
+        @functools.lru_cache(maxsize=1 << 16)
+        def text(token_id: int) -> str:
+            return tok.decode([token_id], skip_special_tokens=False)
+
+        return text

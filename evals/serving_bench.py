@@ -1,0 +1,262 @@
+"""Serving benchmark: a load generator on loopback against `motet serve` (or any OpenAI-compatible server).
+
+Requests arrive as a Poisson process (--request-rate per second; inf: all at once) and at most
+--concurrency are in flight. Each request streams a completion with a fixed output length (ignore_eos),
+so runs are comparable. Reported per concurrency level: TTFT, TPOT (per output token after the first),
+inter-token latency (between streamed chunks, spread over the tokens each carried) and end-to-end
+latency percentiles, plus request and token throughput. Writes JSON and Markdown.
+
+    python evals/serving_bench.py --concurrency 1 16 64                # starts a server itself
+    python evals/serving_bench.py --url http://127.0.0.1:8000 --concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = (
+    "the model serves many tenants with adapters and grammars on a paged cache while the scheduler "
+    "keeps every step full of tokens from prompts and decodes alike so latency stays low and fair"
+)
+
+
+@dataclass
+class Record:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+
+
+def make_prompts(n: int, mean_words: int, seed: int) -> list[str]:
+    rng, words = random.Random(seed), TEXT.split()
+    return [
+        " ".join(rng.choice(words) for _ in range(max(4, int(rng.gauss(mean_words, mean_words / 4)))))
+        for _ in range(n)
+    ]
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Record:
+    rec = Record()
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    rec.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("error"):
+                    rec.error = chunk["error"]["message"]
+                    return rec
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                if last is None:
+                    rec.ttft = now - t0
+                else:
+                    rec.itls.append(now - last)
+                last = now
+        rec.e2e = time.perf_counter() - t0
+        rec.ok = rec.output_tokens > 0
+    except httpx.HTTPError as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    return rec
+
+
+async def run_level(url, model, prompts, concurrency, rate, max_tokens, seed) -> tuple[list[Record], float]:
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+
+        async def gated(prompt):
+            async with sem:
+                return await one_request(client, model, prompt, max_tokens)
+
+        tasks = []
+        t0 = time.perf_counter()
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(gated(prompt)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        records = await asyncio.gather(*tasks)
+        return records, time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize(records: list[Record], duration: float, concurrency: int) -> dict:
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x for r in ok for x in r.itls]
+
+    def stats(xs):
+        return {"mean": statistics.fmean(xs) if xs else float("nan"), "p50": pct(xs, 0.5), "p90": pct(xs, 0.9),
+                "p99": pct(xs, 0.99)}  # fmt: skip
+
+    return {
+        "concurrency": concurrency,
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_s": stats([r.ttft for r in ok]),
+        "tpot_s": stats(tpot),
+        "itl_s": stats(itl),
+        "e2e_s": stats([r.e2e for r in ok]),
+    }
+
+
+def markdown(report: dict) -> str:
+    cfg = report["config"]
+    lines = [
+        "# Serving benchmark",
+        "",
+        f"Model `{cfg['model']}` at {cfg['url']}; {cfg['max_tokens']} output tokens per request (ignore_eos), "
+        f"prompts of ~{cfg['prompt_words']} words, request rate {cfg['request_rate']}/s (Poisson).",
+        "",
+        "| clients | done/sent | req/s | out tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
+        "| ITL p50 / p99 (ms) | E2E p50 / p99 (s) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["levels"]:
+        lines.append(
+            f"| {r['concurrency']} | {r['completed']}/{r['requests']} | {r['request_throughput']:.2f} "
+            f"| {r['output_token_throughput']:.1f} "
+            f"| {r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f} "
+            f"| {1e3 * r['tpot_s']['p50']:.0f} / {1e3 * r['tpot_s']['p99']:.0f} "
+            f"| {1e3 * r['itl_s']['p50']:.0f} / {1e3 * r['itl_s']['p99']:.0f} "
+            f"| {r['e2e_s']['p50']:.2f} / {r['e2e_s']['p99']:.2f} |"
+        )
+    lines += ["", f"Machine: {report['machine']}", ""]
+    return "\n".join(lines)
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--log-level", "warning",
+           "--max-num-seqs", str(max(args.concurrency)), *args.server_args]  # fmt: skip
+    if args.model_path:
+        cmd += ["--model", args.model_path]
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("server did not become ready")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--url", default=None, help="a running server; default: start `motet serve` on a free port"
+    )
+    p.add_argument("--model", default="SmolLM2-135M-Instruct", help="the model name sent in requests")
+    p.add_argument("--model-path", default=None, help="--model for the server this script starts")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--num-prompts", type=int, default=None, help="per level (default: max(8, 2 x clients))")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="evals/reports")
+    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to `motet serve`")
+    args = p.parse_args(argv)
+
+    proc, url = (None, args.url) if args.url else start_server(args)
+    try:
+        asyncio.run(run_level(url, args.model, make_prompts(2, 8, 1), 2, math.inf, 4, 0))  # warm-up
+        levels = []
+        for c in args.concurrency:
+            n = args.num_prompts or max(8, 2 * c)
+            prompts = make_prompts(n, args.prompt_words, args.seed + c)
+            records, duration = asyncio.run(
+                run_level(url, args.model, prompts, c, args.request_rate, args.max_tokens, args.seed)
+            )
+            summary = summarize(records, duration, c)
+            levels.append(summary)
+            print(
+                f"clients={c:3d} done={summary['completed']}/{n} {summary['output_token_throughput']:.1f} tok/s "
+                f"TTFT p50={summary['ttft_s']['p50']:.2f}s TPOT p50={1e3 * summary['tpot_s']['p50']:.0f}ms "
+                f"E2E p50={summary['e2e_s']['p50']:.2f}s",
+                flush=True,
+            )
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+
+    report = {
+        "config": {
+            "url": url,
+            "model": args.model,
+            "max_tokens": args.max_tokens,
+            "prompt_words": args.prompt_words,
+            "request_rate": args.request_rate,
+            "seed": args.seed,
+        },  # fmt: skip
+        "machine": f"{os.cpu_count()} CPUs, {sys.platform}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
+        "levels": levels,
+    }
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out / f"serving_bench-{stamp}.json").write_text(json.dumps(report, indent=2))
+    (out / f"serving_bench-{stamp}.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The actor runtime and the serving actors, on a tiny random model (no sockets)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from actors.adapter_queues import AdapterQueuesActor
+from actors.errors import EngineFailure, InvalidRequest, QueueFull
+from actors.executor import execute_isolating
+from actors.ingress import FAULT_MARKER
+from actors.messages import Enqueue, GenerateSpec, QueuedRequest, Take
+from actors.reply import Delta, ReplyStream, merge_streams
+from actors.runtime import Actor, ActorStopped, ActorSystem
+from actors.system import ServingSystem
+from engine.config import EngineConfig
+from engine.fairness import VirtualTokenCounter
+from engine.llm_engine import LLM, LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+# -- runtime -----------------------------------------------------------------------------------------------
+class Echo(Actor):
+    name = "echo"
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    async def on_start(self):
+        self.log.append(f"start {self.name}")
+
+    async def handle(self, message):
+        if message == "boom":
+            raise ValueError("boom")
+        self.log.append(message)
+        return message.upper()
+
+
+async def test_ask_tell_errors_and_ordered_startup():
+    log = []
+    a, b = Echo(log), Echo(log)
+    b.name = "second"
+    system = ActorSystem([a, b])
+    async with anyio.create_task_group() as tg:
+        await tg.start(system.run)
+        assert log == ["start echo", "start second"]
+        assert await a.ask("hi") == "HI"
+        with pytest.raises(ValueError, match="boom"):
+            await a.ask("boom")
+        assert await a.ask("still alive") == "STILL ALIVE"  # a failing message does not kill the actor
+        await b.tell("told")
+        await system.stop()
+    assert "told" in log
+    with pytest.raises(ActorStopped):
+        await a.ask("late")
+
+
+async def test_reply_stream_merges_pending_deltas():
+    s = ReplyStream("r")
+    s.put(Delta(text="a", token_ids=[1]))
+    s.put(Delta(text="b", token_ids=[2]))
+    s.put(Delta(text="c", token_ids=[3], finished=True, finish_reason="stop"))
+    s.put(Delta(text="ignored"))  # after the final delta
+    got = [d async for d in s]
+    assert len(got) == 1
+    assert (got[0].text, got[0].token_ids, got[0].finish_reason) == ("abc", [1, 2, 3], "stop")
+
+
+async def test_merge_streams_interleaves_until_all_finish():
+    s1, s2 = ReplyStream("1"), ReplyStream("2")
+    out = []
+
+    async def consume():
+        async for i, d in merge_streams([s1, s2]):
+            out.append((i, d.text))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await anyio.sleep(0)
+        s1.put(Delta(text="x"))
+        s2.put(Delta(text="y", finished=True))
+        await anyio.sleep(0.01)
+        s1.put(Delta(text="z", finished=True))
+    assert sorted(out) == [(0, "x"), (0, "z"), (1, "y")]
+
+
+def test_execute_isolating_bisects_to_the_failing_sequences():
+    seqs = [Sequence([1, 2], request_id=f"r{i}") for i in range(5)]
+    batch = ScheduledBatch(seqs=seqs, num_new_tokens=[2] * 5)
+
+    class Result:
+        def __init__(self, token_ids, logprobs, prompt_logprobs):
+            self.token_ids, self.logprobs, self.prompt_logprobs = token_ids, logprobs, prompt_logprobs
+
+    calls = []
+
+    def execute(b):
+        calls.append(len(b))
+        if any(s.request_id in ("r1", "r3") for s in b.seqs):
+            raise RuntimeError("bad")
+        return Result([int(s.request_id[1:]) for s in b.seqs], [None] * len(b), [None] * len(b))
+
+    out = execute_isolating(execute, batch)
+    assert [s.request_id for s, _ in out.failed] == ["r1", "r3"]
+    assert [s.request_id for s in out.batch.seqs] == ["r0", "r2", "r4"]
+    assert out.result.token_ids == [0, 2, 4]
+
+
+def _queued(rid, tenant="t", adapter_id=0):
+    return QueuedRequest(rid, tenant, adapter_id, [1, 2, 3], SamplingParams(), ReplyStream(rid))
+
+
+async def test_adapter_queues_bound_and_fair_take():
+    q = AdapterQueuesActor(max_queue_len=3)
+    async with anyio.create_task_group() as tg:
+        await tg.start(q._run)
+        await q.ask(Enqueue([_queued("a1", "a"), _queued("a2", "a")]))
+        await q.ask(Enqueue([_queued("b1", "b")]))
+        with pytest.raises(QueueFull):
+            await q.ask(Enqueue([_queued("a3", "a")]))
+        await q.ask(Enqueue([_queued("x1", "a", adapter_id=7)]))  # another adapter: its own queue
+        assert q.depth_by_adapter() == {0: 3, 7: 1}
+        order = iter(["b", "a", "a", "a"])
+        taken = await q.ask(Take(10, lambda tenants: next(order)))
+        assert [r.request_id for r in taken] == ["b1", "a1", "a2", "x1"]
+        q.close()
+
+
+# -- the serving system on a tiny model ---------------------------------------------------------------------
+def _engine_factory(model_dir, **kw):
+    cfg = dict(model=str(model_dir), num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256)
+    cfg.update(kw)
+    return lambda: LLMEngine(EngineConfig(**cfg), model_dir=model_dir)
+
+
+def _spec(rid, prompt, n=1, tenant="t", **params):
+    params.setdefault("temperature", 0)
+    params.setdefault("max_tokens", 8)
+    return GenerateSpec(
+        request_ids=[f"{rid}-{i}" for i in range(n)],
+        params=[SamplingParams(**params)] * n,
+        tenant=tenant,
+        prompt=prompt,
+        max_tokens=params["max_tokens"],
+    )
+
+
+async def _drain(stream):
+    text, tokens, last = "", [], None
+    async for d in stream:
+        if d.error:
+            raise d.error
+        text += d.text
+        tokens += d.token_ids
+        last = d
+    return text, tokens, last
+
+
+@pytest.fixture
+async def system(tiny_model_dir, request):
+    kw = getattr(request, "param", {})
+    sys_kw = {k: kw.pop(k) for k in list(kw) if k in ("max_queue_len", "max_waiting", "fairness")}
+    s = ServingSystem(_engine_factory(tiny_model_dir, **kw), **sys_kw)
+    async with anyio.create_task_group() as tg:
+        await tg.start(s.run)
+        yield s
+        await s.stop()
+
+
+async def test_generates_like_the_offline_engine(system, tiny_model_dir):
+    prompts = ["The quick brown fox", "Paris is the capital", [5, 6, 7, 8]]
+    admissions = [await system.submit(_spec(f"r{i}", p)) for i, p in enumerate(prompts)]
+    results = [await _drain(a.streams[0]) for a in admissions]
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64)
+    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    for (text, tokens, last), exp in zip(results, expected, strict=True):
+        assert tokens == exp.token_ids
+        assert text == exp.text
+        assert last.finish_reason == exp.finish_reason
+    assert system.stats().running == 0
+
+
+async def test_abort_frees_blocks_within_a_step(system):
+    adm = await system.submit(_spec("long", "The quick brown fox", max_tokens=200, ignore_eos=True))
+    stream = adm.streams[0]
+    await stream.get()  # it is running
+    assert system.stats().kv_blocks_used > 0
+    stream.cancel()
+    system.abort(stream.request_id)
+    with anyio.fail_after(10):
+        while system.stats().kv_blocks_used or system.stats().running:
+            await anyio.sleep(0.01)
+    assert not system.scheduler.live
+
+
+async def test_invalid_prompt_is_rejected_at_ingress(system):
+    with pytest.raises(InvalidRequest) as e:
+        await system.submit(_spec("empty", ""))
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequest) as e:
+        await system.submit(_spec("toolong", [1] * 5000))
+    assert e.value.code == "context_length_exceeded"
+
+
+async def test_fault_fails_alone(system, monkeypatch):
+    system.ingress.faults_enabled = True
+    good = [await system.submit(_spec(f"g{i}", "The quick brown fox", max_tokens=6)) for i in range(3)]
+    bad = await system.submit(_spec("bad", f"Paris {FAULT_MARKER}"))
+    with pytest.raises(EngineFailure):
+        await _drain(bad.streams[0])
+    for a in good:
+        _, tokens, last = await _drain(a.streams[0])
+        assert len(tokens) == 6 or last.finish_reason == "stop"
+    # and it keeps serving
+    _, tokens, _ = await _drain((await system.submit(_spec("after", "Paris is"))).streams[0])
+    assert tokens
+
+
+@pytest.mark.parametrize("system", [{"max_queue_len": 2, "max_num_seqs": 1, "max_waiting": 1}], indirect=True)
+async def test_queue_full(system):
+    admitted = []
+    with pytest.raises(QueueFull) as e:
+        for i in range(6):  # 1 running, 1 admitted, 2 queued: the queue bound is reached by the 5th
+            admitted.append(await system.submit(_spec(f"a{i}", "The quick", max_tokens=30, ignore_eos=True)))
+    assert e.value.status == 429 and e.value.retry_after > 0
+    for adm in admitted:  # every accepted request completes
+        _, tokens, _ = await _drain(adm.streams[0])
+        assert len(tokens) == 30
+
+
+@pytest.mark.parametrize("system", [{"max_queue_len": 8, "max_num_seqs": 1, "max_waiting": 1}], indirect=True)
+async def test_fairness_across_tenants(system):
+    # Tenant A floods; B's single request, arriving last, overtakes most of A's backlog.
+    a = [
+        await system.submit(_spec(f"a{i}", "The quick brown fox", tenant="A", max_tokens=4)) for i in range(5)
+    ]
+    b = await system.submit(_spec("b0", "Paris is the capital", tenant="B", max_tokens=4))
+    finished = []
+
+    async def watch(name, adm):
+        await _drain(adm.streams[0])
+        finished.append(name)
+
+    async with anyio.create_task_group() as tg:
+        for i, adm in enumerate(a):
+            tg.start_soon(watch, f"a{i}", adm)
+        tg.start_soon(watch, "b0", b)
+    assert finished.index("b0") <= 3, finished  # FIFO would make it last (5)
+    assert set(finished) == {f"a{i}" for i in range(len(a))} | {"b0"}
+
+
+async def test_n_choices_and_slow_reader_gets_merged_deltas(system):
+    adm = await system.submit(_spec("n", "The quick brown fox", n=2, max_tokens=12, ignore_eos=True))
+    await anyio.sleep(0.5)  # a slow reader: several steps' deltas are waiting, merged
+    for s in adm.streams:
+        text, tokens, last = await _drain(s)
+        assert len(tokens) == 12 and last.finished
+    assert adm.streams[0].num_puts == 12
+
+
+def test_fairness_policy_is_shared_with_the_scheduler(tiny_model_dir):
+    vtc = VirtualTokenCounter()
+    s = ServingSystem(_engine_factory(tiny_model_dir), fairness=vtc)
+    assert s.scheduler.fairness is vtc
