@@ -1,4 +1,4 @@
-"""The adapter queues actor: one bounded queue per adapter (the base model is adapter 0).
+"""The adapter queues actor: one bounded queue per adapter (keyed by its LoraRef; None: the base model).
 
 Requests wait here until the scheduler has room for them; admission control happens here (a full
 queue answers QueueFull, which the API turns into 429). Inside a queue, requests are kept per tenant in
@@ -18,8 +18,8 @@ from actors.runtime import Actor, ActorStopped
 
 
 class AdapterQueue:
-    def __init__(self, adapter_id: int, max_len: int):
-        self.adapter_id = adapter_id
+    def __init__(self, adapter, max_len: int):
+        self.adapter = adapter
         self.max_len = max_len
         self.by_tenant: dict[str, deque[QueuedRequest]] = {}
         self.size = 0
@@ -60,14 +60,14 @@ class AdapterQueuesActor(Actor):
         super().__init__()
         self.max_queue_len = max_queue_len
         self.retry_after = retry_after
-        self.queues: dict[int, AdapterQueue] = {}
+        self.queues: dict[object, AdapterQueue] = {}
         self.scheduler: Actor | None = None  # told WorkQueued; set by the system
 
     @property
     def depth(self) -> int:
         return sum(q.size for q in self.queues.values())
 
-    def depth_by_adapter(self) -> dict[int, int]:
+    def depth_by_adapter(self) -> dict:
         return {a: q.size for a, q in self.queues.items()}
 
     async def handle(self, message):
@@ -80,8 +80,8 @@ class AdapterQueuesActor(Actor):
     def _enqueue(self, requests: list[QueuedRequest]) -> None:
         if not requests:
             return
-        adapter_id = requests[0].adapter_id
-        q = self.queues.setdefault(adapter_id, AdapterQueue(adapter_id, self.max_queue_len))
+        adapter = requests[0].adapter
+        q = self.queues.setdefault(adapter, AdapterQueue(adapter, self.max_queue_len))
         if q.size + len(requests) > q.max_len:
             self._notify(dropped=q.purge_cancelled())
         if q.size + len(requests) > q.max_len:
@@ -115,7 +115,7 @@ class AdapterQueuesActor(Actor):
             if tenant is None:
                 break
             req = heads[tenant]
-            self.queues[req.adapter_id].pop(tenant)
+            self.queues[req.adapter].pop(tenant)
             taken.append(req)
         return taken
 

@@ -38,3 +38,10 @@ class EngineFailure(ServingError):
 
     status = 500
     type = "server_error"
+
+
+class ModelNotFound(ServingError):
+    """The request's adapter was deleted before the request was admitted."""
+
+    status = 404
+    type = "not_found_error"

@@ -95,7 +95,7 @@ class IngressActor(Actor):
                 params = dataclasses.replace(params, max_tokens=limit - n)
             requests.append(
                 QueuedRequest(
-                    request_id, spec.tenant, spec.adapter_id, ids, params, ReplyStream(request_id), fault
+                    request_id, spec.tenant, spec.adapter, ids, params, ReplyStream(request_id), fault
                 )
             )
         return requests

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from actors.reply import ReplyStream
 from engine.sampling_params import SamplingParams
@@ -13,6 +14,21 @@ from engine.sequence import Sequence
 
 
 # -- API -> ingress ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoraRef:
+    """The adapter a request uses. The scheduler registers it with the engine the first time it is
+    used, and again when `version` grows (the adapter was deleted and uploaded anew under the name)."""
+
+    name: str  # the engine's name: "tenant/name" for uploads, plain "name" for --lora adapters
+    path: Path
+    version: int = 0
+
+    @property
+    def model(self) -> str:
+        """The name clients use."""
+        return self.name.rsplit("/", 1)[-1]
+
+
 @dataclass
 class GenerateSpec:
     """One API request: a prompt (text, token ids or chat messages) and one SamplingParams per choice."""
@@ -20,7 +36,7 @@ class GenerateSpec:
     request_ids: list[str]  # one per choice (n)
     params: list[SamplingParams]
     tenant: str = "default"
-    adapter_id: int = 0
+    adapter: LoraRef | None = None  # None: the base model
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
@@ -44,7 +60,7 @@ class Admission:
 class QueuedRequest:
     request_id: str
     tenant: str
-    adapter_id: int
+    adapter: LoraRef | None  # also the adapter queue's key (tests use plain ints)
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: ReplyStream
@@ -76,6 +92,13 @@ class WorkQueued:
 @dataclass
 class Abort:
     request_id: str
+
+
+@dataclass
+class RemoveLora:
+    """API -> scheduler: an adapter was deleted; requests already using it finish."""
+
+    name: str  # the engine's name
 
 
 # -- scheduler -> executor --------------------------------------------------------------------------------

@@ -5,19 +5,26 @@ apply aborts, admit requests from the adapter queues while the engine has room (
 by the fairness policy, engine/fairness.py), then schedule a batch, have the executor run it, process
 the result and put each request's delta on its reply stream (never blocking: slow readers get merged
 deltas). Policy lives in the engine; this actor only moves requests, batches and deltas.
+
+LoRA adapters are registered with the engine here, lazily: the first time a request for one is admitted
+(`engine.add_lora` in a worker thread: it reads and validates the files; the executor is idle meanwhile,
+as the scheduler is the only one that runs steps). Deletions arrive as RemoveLora messages.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import anyio
+import anyio.to_thread
 
-from actors.errors import EngineFailure, InvalidRequest, ServingError, ShuttingDown
-from actors.messages import Abort, Execute, QueuedRequest, Take, WorkQueued
+from actors.errors import EngineFailure, InvalidRequest, ModelNotFound, ServingError, ShuttingDown
+from actors.messages import Abort, Execute, LoraRef, QueuedRequest, RemoveLora, Take, WorkQueued
 from actors.reply import Delta, ReplyStream
 from actors.runtime import Actor, ActorStopped
 from engine.fairness import VirtualTokenCounter
+from lora.adapter import AdapterError
 
 log = logging.getLogger("motet.scheduler")
 
@@ -25,7 +32,13 @@ log = logging.getLogger("motet.scheduler")
 class SchedulerActor(Actor):
     name = "scheduler"
 
-    def __init__(self, executor: Actor, fairness: VirtualTokenCounter | None = None, max_waiting: int = 16):
+    def __init__(
+        self,
+        executor: Actor,
+        fairness: VirtualTokenCounter | None = None,
+        max_waiting: int = 16,
+        loras: dict[str, Path] | None = None,
+    ):
         super().__init__()
         self.executor = executor
         self.queues: Actor | None = None  # set by the system
@@ -35,17 +48,24 @@ class SchedulerActor(Actor):
         self.live: dict[str, tuple[ReplyStream, str]] = {}  # request id -> (reply stream, tenant)
         self.faulty: set[str] = set()  # test-only fault injection
         self.steps = 0
+        self.preload = dict(loras or {})  # registered at start-up: a bad one fails the start
+        self.loras: dict[str, tuple[int, int]] = {}  # engine name -> (version, engine id)
         self._aborts: list[str] = []
+        self._removals: list[str] = []
         self._maybe_queued = False
         self._closed = False
 
     async def on_start(self) -> None:
         self.engine = self.executor.engine
+        for name, path in self.preload.items():
+            self.loras[name] = (0, await anyio.to_thread.run_sync(self.engine.add_lora, name, path))
 
     # -- the mailbox (never awaited while work is pending) --------------------------------------------------
     def _on_message(self, message) -> None:
         if isinstance(message, Abort):
             self._aborts.append(message.request_id)
+        elif isinstance(message, RemoveLora):
+            self._removals.append(message.name)
         elif isinstance(message, WorkQueued):
             for tenant in message.arrived:
                 self.fairness.arrive(tenant)
@@ -79,7 +99,7 @@ class SchedulerActor(Actor):
     async def main(self) -> None:
         while True:
             self._drain_mailbox()
-            self._apply_aborts()
+            self._apply_control()
             if self._closed:
                 break
             await self._admit()
@@ -98,7 +118,8 @@ class SchedulerActor(Actor):
             stream.fail(ShuttingDown("the server shut down before the request finished"))
         self.live.clear()
 
-    def _apply_aborts(self) -> None:
+    def _apply_control(self) -> None:
+        """Aborts and adapter removals, between steps."""
         for request_id in self._aborts:
             entry = self.live.pop(request_id, None)
             if entry is not None:  # not yet admitted: its cancelled stream is dropped at admission
@@ -106,6 +127,10 @@ class SchedulerActor(Actor):
                 self.faulty.discard(request_id)
                 self.fairness.leave(entry[1])
         self._aborts.clear()
+        for name in self._removals:
+            if self.loras.pop(name, None) is not None:
+                self.engine.remove_lora(name)  # requests already using it finish with it
+        self._removals.clear()
 
     async def _admit(self) -> None:
         """Move requests from the adapter queues into the engine while it has room, fairest tenant first."""
@@ -122,19 +147,38 @@ class SchedulerActor(Actor):
         if len(taken) < room:
             self._maybe_queued = False  # a later WorkQueued sets it again
         for req in taken:
-            if req.stream.cancelled:
-                self.fairness.leave(req.tenant)
-                continue
             try:
-                self.engine.add_request(req.prompt_token_ids, req.params, req.request_id, req.adapter_id)
-            except ValueError as e:
-                req.stream.fail(InvalidRequest(str(e)))
+                adapter_id = 0 if req.stream.cancelled else await self._adapter_id(req.adapter)
+                if req.stream.cancelled:  # also after the await: the client may have left meanwhile
+                    self.fairness.leave(req.tenant)
+                    continue
+                self.engine.add_request(req.prompt_token_ids, req.params, req.request_id, adapter_id)
+            except (ValueError, ServingError) as e:
+                req.stream.fail(e if isinstance(e, ServingError) else InvalidRequest(str(e)))
                 self.fairness.leave(req.tenant)
                 continue
             self.live[req.request_id] = (req.stream, req.tenant)
             self.fairness.charge(req.tenant, input_tokens=len(req.prompt_token_ids))
             if req.fault:
                 self.faulty.add(req.request_id)
+
+    async def _adapter_id(self, ref: LoraRef | None) -> int:
+        """The engine id of a request's adapter (0: the base model), registering it on first use."""
+        if not ref:
+            return 0
+        have = self.loras.get(ref.name)
+        if have is None or have[0] < ref.version:
+            try:
+                adapter_id = await anyio.to_thread.run_sync(self.engine.add_lora, ref.name, ref.path)
+            except AdapterError:
+                if not ref.path.is_dir():  # deleted while the request waited in its queue
+                    raise ModelNotFound(
+                        f"the model {ref.model!r} does not exist", param="model", code="model_not_found"
+                    ) from None
+                log.exception("adapter %s no longer loads from %s", ref.name, ref.path)
+                raise EngineFailure(f"the adapter {ref.model!r} could not be loaded") from None
+            have = self.loras[ref.name] = (ref.version, adapter_id)
+        return have[1]
 
     async def _step(self, batch) -> None:
         self.steps += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,7 +22,7 @@ from actors.adapter_queues import AdapterQueuesActor
 from actors.errors import ShuttingDown
 from actors.executor import ExecutorActor
 from actors.ingress import IngressActor
-from actors.messages import Abort, Admission, GenerateSpec, Submit
+from actors.messages import Abort, Admission, GenerateSpec, RemoveLora, Submit
 from actors.runtime import ActorStopped, ActorSystem
 from actors.scheduler import SchedulerActor
 from engine.fairness import VirtualTokenCounter
@@ -47,9 +48,10 @@ class ServingSystem:
         max_queue_len: int = 256,
         max_waiting: int = 16,
         fairness: VirtualTokenCounter | None = None,
+        loras: dict[str, Path] | None = None,  # adapters registered at start-up: name -> directory
     ):
         self.executor = ExecutorActor(engine_factory)
-        self.scheduler = SchedulerActor(self.executor, fairness, max_waiting=max_waiting)
+        self.scheduler = SchedulerActor(self.executor, fairness, max_waiting=max_waiting, loras=loras)
         self.queues = AdapterQueuesActor(max_queue_len)
         self.ingress = IngressActor(self.executor, self.queues)
         self.scheduler.queues, self.queues.scheduler = self.queues, self.scheduler
@@ -80,6 +82,11 @@ class ServingSystem:
         """Never blocks: the scheduler applies it between steps."""
         with contextlib.suppress(ActorStopped):
             self.scheduler.tell_nowait(Abort(request_id))
+
+    def remove_lora(self, name: str) -> None:
+        """Never blocks: the scheduler unregisters the adapter between steps; its running requests finish."""
+        with contextlib.suppress(ActorStopped):
+            self.scheduler.tell_nowait(RemoveLora(name))
 
     def stats(self) -> Stats:
         engine = self.engine

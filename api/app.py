@@ -15,13 +15,22 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api import protocol as P
+from api.adapters import delete_adapter, get_adapter, list_adapters, upload_adapter
 from api.errors import APIError, handle_exception, to_response
 from api.openai import chat_completions, completions
 from api.state import ServerState
 
 log = logging.getLogger("motet.api")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/adapters",
+    "/health",
+    "/metrics",
+    "/openapi.json",
+)
 
 
 def guarded(handler):
@@ -45,9 +54,20 @@ async def health(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.motet
-    state.auth.tenant(request.headers.get("authorization"))
+    tenant = state.auth.tenant(request.headers.get("authorization"))
     max_len = state.system.engine.max_model_len if state.system.ready else None
     cards = [P.ModelCard(id=state.model_name, created=state.created, max_model_len=max_len)]
+    if state.adapters is not None and state.system.ready:  # the tenant's adapters, and the shared ones
+        cards += [
+            P.ModelCard(
+                id=a.ref.model,
+                created=a.created,
+                owned_by=a.owner,
+                parent=state.model_name,
+                max_model_len=max_len,
+            )
+            for a in await state.adapters.visible(tenant)
+        ]
     return JSONResponse(P.ModelList(data=cards).model_dump())
 
 
@@ -66,6 +86,9 @@ def openapi_schema() -> dict:
         P.ChatCompletionChunk,
         P.CompletionResponse,
         P.ModelList,
+        P.AdapterCard,
+        P.AdapterList,
+        P.AdapterDeleted,
         P.ErrorResponse,
     ]
     _, defs = models_json_schema(
@@ -83,13 +106,18 @@ def openapi_schema() -> dict:
             for s, d in [
                 (400, "bad parameter"),
                 (401, "bad API key"),
-                (404, "unknown model"),
+                (403, "not allowed (a shared adapter)"),
+                (404, "unknown model or adapter"),
+                (409, "the adapter name is taken"),
                 (413, "body too large"),
                 (429, "queue full (see Retry-After)"),
                 (500, "server error"),
                 (503, "starting or draining"),
             ]
         }
+
+    def ok(resp, description):
+        return {"description": description, "content": {"application/json": {"schema": ref(resp)}}}
 
     def post(req, resp, summary):
         return {
@@ -127,6 +155,48 @@ def openapi_schema() -> dict:
                         }
                     },
                 }
+            },
+            "/v1/adapters": {
+                "post": {
+                    "summary": "upload a LoRA adapter: form fields `name` and `files` (adapter_config.json "
+                    "+ adapter_model.safetensors, or one .tar/.tar.gz/.tgz/.zip archive)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "multipart/form-data": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["name", "files"],
+                                    "properties": {
+                                        "name": {"type": "string"},
+                                        "files": {
+                                            "type": "array",
+                                            "items": {"type": "string", "format": "binary"},
+                                        },
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "responses": {"200": ok(P.AdapterCard, "the stored adapter"), **errors()},
+                },
+                "get": {
+                    "summary": "the tenant's adapters and the shared ones",
+                    "responses": {"200": ok(P.AdapterList, "adapters")},
+                },
+            },
+            "/v1/adapters/{name}": {
+                "parameters": [
+                    {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "get": {
+                    "summary": "one adapter",
+                    "responses": {"200": ok(P.AdapterCard, "the adapter"), **errors()},
+                },
+                "delete": {
+                    "summary": "delete an adapter; requests already using it finish",
+                    "responses": {"200": ok(P.AdapterDeleted, "deleted"), **errors()},
+                },
             },
             "/health": {
                 "get": {
@@ -166,7 +236,14 @@ class CountRequests:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            path = scope["path"]
+            endpoint = (
+                path
+                if path in ENDPOINTS
+                else "/v1/adapters/{name}"
+                if path.startswith("/v1/adapters/")
+                else "other"
+            )
             self.state.metrics.requests.labels(endpoint, str(status)).inc()
 
 
@@ -194,6 +271,10 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/adapters", guarded(upload_adapter), methods=["POST"]),
+        Route("/v1/adapters", guarded(list_adapters), methods=["GET"]),
+        Route("/v1/adapters/{name}", guarded(get_adapter), methods=["GET"]),
+        Route("/v1/adapters/{name}", guarded(delete_adapter), methods=["DELETE"]),
         Route("/health", guarded(health), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),

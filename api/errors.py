@@ -16,8 +16,10 @@ log = logging.getLogger("motet.api")
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",

@@ -99,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
     state.check_ready()
     tenant = state.auth.tenant(request.headers.get("authorization"))
     req = P.ChatCompletionRequest.model_validate(await read_json(request, state.max_body_bytes))
-    adapter_id = state.resolve_adapter(tenant, req.model)
+    adapter = await state.resolve_adapter(tenant, req.model)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
     params, engine_max, drop = build_params(req, max_tokens, k, None)
@@ -108,7 +108,7 @@ async def chat_completions(request: Request) -> Response:
         request_ids=[f"{rid}-{i}" for i in range(req.n)],
         params=params,
         tenant=tenant,
-        adapter_id=adapter_id,
+        adapter=adapter,
         messages=req.messages,
         chat_template_kwargs={
             **(req.chat_template_kwargs or {}),
@@ -212,7 +212,7 @@ async def completions(request: Request) -> Response:
     state.check_ready()
     tenant = state.auth.tenant(request.headers.get("authorization"))
     req = P.CompletionRequest.model_validate(await read_json(request, state.max_body_bytes))
-    adapter_id = state.resolve_adapter(tenant, req.model)
+    adapter = await state.resolve_adapter(tenant, req.model)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default for completions
     k = req.logprobs
     params, engine_max, drop = build_params(req, max_tokens, k, k if req.echo and k is not None else None)
@@ -228,7 +228,7 @@ async def completions(request: Request) -> Response:
                 request_ids=[f"{rid}-{p_idx}-{i}" for i in range(req.n)],
                 params=params,
                 tenant=tenant,
-                adapter_id=adapter_id,
+                adapter=adapter,
                 prompt=prompt,
                 max_tokens=engine_max,
             )

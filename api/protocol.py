@@ -181,12 +181,33 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "motet"
+    parent: str | None = None  # an adapter's base model
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class AdapterCard(BaseModel):
+    id: str  # the name requests use as `model`
+    object: Literal["adapter"] = "adapter"
+    created: int
+    owned_by: str  # the tenant; "motet" for the server's shared adapters (--lora)
+    parent: str  # the base model
+    size_bytes: int
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterCard]
+
+
+class AdapterDeleted(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    deleted: bool = True
 
 
 class ErrorDetail(BaseModel):

@@ -6,13 +6,35 @@ Heavy imports happen inside `serve`, so that `motet --help` and `motet pull` sta
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger("motet.server")
 
+DEFAULT_DATA_DIR = "~/.local/share/motet"
+
+
+def shared_loras(specs: list[str] | None, model_names: list[str]) -> dict[str, Path]:
+    """`--lora NAME=PATH` flags -> {name: directory}; the adapters are validated when the engine starts."""
+    from lora.registry import check_name
+
+    loras: dict[str, Path] = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
+        check_name("--lora adapter", name)
+        if name in loras or name in model_names:
+            raise ValueError(f"--lora {spec!r}: the name {name!r} is already taken")
+        loras[name] = Path(path).expanduser()
+        if not loras[name].is_dir():
+            raise ValueError(f"--lora {spec!r}: {path} is not a PEFT adapter directory")
+    return loras
+
 
 def build_state(args):
     from actors.system import ServingSystem
+    from api.adapters import AdapterStore
     from api.auth import Authenticator
     from api.state import ServerState
     from engine.cli import engine_config
@@ -25,16 +47,20 @@ def build_state(args):
         names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
     elif Path(config.model).exists():
         names.append(Path(config.model).name)
+    loras = shared_loras(args.lora, names)
     system = ServingSystem(
-        lambda: LLMEngine(config), max_queue_len=args.max_queue_len, max_waiting=args.max_waiting
+        lambda: LLMEngine(config), max_queue_len=args.max_queue_len, max_waiting=args.max_waiting, loras=loras
     )
-    data_dir = Path(args.data_dir).expanduser() if args.data_dir else None
+    data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
+    adapters = AdapterStore(
+        system, data_dir, shared=loras, reserved=tuple(names), max_bytes=args.max_adapter_bytes
+    )
     return ServerState(
         system=system,
         model_names=names,
         auth=Authenticator.from_file(args.api_keys),
         max_body_bytes=args.max_body_bytes,
-        data_dir=data_dir,
+        adapters=adapters,
     )
 
 
@@ -67,7 +93,18 @@ def add_serve_args(p) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
-    p.add_argument("--data-dir", default=None, help="per-tenant data (adapters) directory")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help=f"where tenants' uploaded adapters live (default: $MOTET_DATA_DIR or {DEFAULT_DATA_DIR})",
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="serve a PEFT adapter directory to every tenant as model NAME (repeatable)",
+    )
+    p.add_argument("--max-adapter-bytes", type=int, default=512 << 20, help="larger adapter uploads get 413")
     p.add_argument(
         "--max-queue-len", type=int, default=256, help="requests waiting per adapter queue (then 429)"
     )

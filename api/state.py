@@ -7,9 +7,10 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from actors.messages import LoraRef
 from actors.system import ServingSystem
+from api.adapters import AdapterStore
 from api.auth import Authenticator
 from api.errors import APIError
 from api.metrics import Metrics
@@ -22,7 +23,7 @@ class ServerState:
     auth: Authenticator = field(default_factory=Authenticator)
     metrics: Metrics = field(default_factory=Metrics)
     max_body_bytes: int = 4 << 20
-    data_dir: Path | None = None
+    adapters: AdapterStore | None = None  # None: no adapter uploads (in-process tests)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
     inflight: int = 0
@@ -40,10 +41,13 @@ class ServerState:
         if not self.system.ready:
             raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
 
-    def resolve_adapter(self, tenant: str, model: str) -> int:
-        """The adapter serving `model` for `tenant`; 0 is the base model. (LoRA adapters plug in here.)"""
+    async def resolve_adapter(self, tenant: str, model: str) -> LoraRef | None:
+        """The adapter serving `model` for `tenant` (None: the base model); unknown or not this tenant's: 404."""
         if model in self.model_names:
-            return 0
+            return None
+        ref = await self.adapters.resolve(tenant, model) if self.adapters is not None else None
+        if ref is not None:
+            return ref
         raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
 
     @contextlib.contextmanager

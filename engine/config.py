@@ -113,13 +113,25 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    max_loras: int = 8  # adapters resident on the device at once (distinct adapters per step)
+    max_cpu_loras: int = 32  # loaded adapters kept in host memory in front of the disk
+    max_lora_rank: int = 64  # device slots are zero-padded to this rank; higher-rank adapters are refused
+    lora_time_slice: int = 32  # steps an adapter keeps admitting work while others wait for a slot
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_loras",
+            "max_cpu_loras",
+            "max_lora_rank",
+            "lora_time_slice",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -2,11 +2,16 @@
 
 One `step()` = schedule, run the model, advance the sequences, detokenize, check stops. The serving
 actors drive `step()` from the executor thread; scripts and tests use `LLM.generate`.
+
+LoRA adapters are registered by name (`add_lora`) and get a fresh positive id each time, so the prefix
+cache, keyed by id, never mixes two versions of a name. `remove_lora` refuses new requests at once; the
+adapter is dropped from the slot cache when the last request already using it finishes.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -20,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, TokenLogprob
 from engine.tokenizer import load_tokenizer
+from lora.adapter import AdapterError, LoRAAdapter, load_adapter
 
 
 @dataclass
@@ -62,11 +68,74 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_loras=config.max_loras,
+            lora_time_slice=config.lora_time_slice,
+        )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        self.loras: dict[str, int] = {}  # adapter name -> id, for new requests
+        self._lora_live: set[int] = set()  # ids in self.loras
+        self._lora_ids = itertools.count(1)
+        self._lora_users: Counter[int] = Counter()  # adapter id -> unfinished requests using it
+
+    # -- adapters -------------------------------------------------------------------------------------
+    def add_lora(self, name: str, path, adapter: LoRAAdapter | None = None) -> int:
+        """Register a PEFT LoRA adapter directory under `name`; returns its id (AdapterError if invalid).
+
+        `adapter`: the directory already loaded with `load_adapter` (the serving layer loads it off the
+        event loop, then registers it between steps). Adding an existing name replaces it: requests
+        already using the old version finish with it."""
+        if not name or not isinstance(name, str):
+            raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
+        if adapter is None:
+            adapter = load_adapter(path, self.model_config, max_rank=self.config.max_lora_rank, name=name)
+        elif adapter.rank > self.config.max_lora_rank:
+            raise AdapterError(
+                f"adapter {name!r} has rank {adapter.rank}, above max_lora_rank {self.config.max_lora_rank}"
+            )
+        if name in self.loras:
+            self.remove_lora(name)
+        adapter_id = next(self._lora_ids)
+        self.runner.loras.register(adapter_id, path, adapter)
+        self.loras[name] = adapter_id
+        self._lora_live.add(adapter_id)
+        return adapter_id
+
+    def remove_lora(self, name: str) -> None:
+        """New requests for `name` are refused from now on; requests already using it finish."""
+        adapter_id = self.loras.pop(name, None)
+        if adapter_id is None:
+            raise AdapterError(f"no adapter named {name!r} is loaded")
+        self._lora_live.discard(adapter_id)
+        if not self._lora_users[adapter_id]:
+            self.runner.loras.unregister(adapter_id)
+
+    def _resolve_adapter(self, adapter: int | str | None) -> int:
+        if not adapter:  # 0 or None: the base model
+            return 0
+        if isinstance(adapter, str):
+            if adapter not in self.loras:
+                raise AdapterError(f"no adapter named {adapter!r} is loaded")
+            return self.loras[adapter]
+        if adapter not in self._lora_live:
+            raise AdapterError(f"adapter id {adapter} is not loaded (removed, or never added with add_lora)")
+        return adapter
+
+    def _release(self, seq: Sequence) -> None:
+        """A request is gone: drop its adapter from the slot cache if it was removed and this was its last user."""
+        a = seq.adapter_id
+        if a:
+            self._lora_users[a] -= 1
+            if not self._lora_users[a]:
+                del self._lora_users[a]
+                if a not in self._lora_live:
+                    self.runner.loras.unregister(a)
 
     # -- requests -------------------------------------------------------------------------------------
     def add_request(
@@ -74,9 +143,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        adapter_id: int = 0,
+        adapter_id: int | str | None = 0,
     ) -> str:
+        """Queue a request; `adapter_id` is an id from `add_lora` or the adapter's name (0 or None: base model)."""
         params = params or SamplingParams()
+        adapter_id = self._resolve_adapter(adapter_id)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
@@ -96,6 +167,8 @@ class LLMEngine:
         )
         self.scheduler.add(seq)
         self.requests[request_id] = _RequestState(request_id, seq, self.tokenizer)
+        if adapter_id:
+            self._lora_users[adapter_id] += 1
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -103,6 +176,7 @@ class LLMEngine:
         if state is None:
             return False
         self.scheduler.finish(state.seq, "abort")
+        self._release(state.seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -156,6 +230,7 @@ class LLMEngine:
                 delta += state.stops.feed(state.detok.flush())[0] + state.stops.flush()
             self.scheduler.finish(seq, reason, stop_reason)
             del self.requests[state.request_id]
+            self._release(seq)
         state.text += delta
         return RequestOutput(
             request_id=state.request_id,
@@ -181,12 +256,16 @@ class LLM:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
+    def add_lora(self, name: str, path) -> int:
+        return self.engine.add_lora(name, path)
+
     def generate(
         self,
         prompts: str | list[str] | list[list[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
-        adapter_ids: Seq[int] | None = None,
+        adapter_ids: Seq[int | str | None] | None = None,
     ) -> list[RequestOutput]:
+        """Generate for every prompt to the end; `adapter_ids` gives each prompt's adapter (id or name)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)

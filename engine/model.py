@@ -3,6 +3,8 @@
 Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says where each sequence's
 queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
 matrix each (fewer, larger matmuls); checkpoints with Hugging Face names load through `load_weights`.
+With a `LoRABatch` each linear layer also adds every token's own adapter delta (fused layers per module,
+into that module's output columns); without one the LoRA path is skipped entirely.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from engine.config import ModelConfig, ModelLoadError
 from kernels.paged_attention import paged_attention, write_kv_cache
+from lora.slot_cache import LoRABatch
 
 
 @dataclass
@@ -80,8 +83,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -93,9 +97,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache):
+    def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        sizes = (self.q_size, self.kv_size, self.kv_size)
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.add(qkv, x, self.layer_idx, ("q_proj", "k_proj", "v_proj"), sizes)
+        q, k, v = qkv.split(sizes, dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -113,32 +121,45 @@ class Attention(nn.Module):
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
         )
-        return self.o_proj(out.reshape(T, self.q_size))
+        out = out.reshape(T, self.q_size)
+        y = self.o_proj(out)
+        if lora is not None:
+            lora.add(y, out, self.layer_idx, ("o_proj",), (y.shape[1],))
+        return y
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, lora: LoRABatch | None = None):
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            sizes = (self.intermediate, self.intermediate)
+            lora.add(gate_up, x, self.layer_idx, ("gate_proj", "up_proj"), sizes)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        h = F.silu(gate) * up
+        y = self.down_proj(h)
+        if lora is not None:
+            lora.add(y, h, self.layer_idx, ("down_proj",), (y.shape[1],))
+        return y
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer_idx)
 
-    def forward(self, x, positions, rope, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, positions, rope, meta, kv_cache, lora: LoRABatch | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -155,18 +176,20 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora: LoRABatch | None = None
+    ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; `compute_logits` maps chosen rows to logits."""
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, meta, kv_cache)
+            x = layer(x, positions, self.rope, meta, kv_cache, lora)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Owns the model, its KV cache and the sampler; turns a scheduled batch into sampled tokens.
 
 Called from one thread only (the executor's). Builds the flattened inputs of a step, runs the forward
-pass, computes logits only for the rows that sample (and for prompt-logprob rows), and samples.
+pass, computes logits only for the rows that sample (and for prompt-logprob rows), and samples. It owns
+the LoRA slot cache too: a step with adapters makes them resident and passes their segments down.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from engine.model import AttentionMetadata, LlamaForCausalLM
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import TokenLogprob
+from lora.slot_cache import LoRASlotCache
 
 
 @dataclass
@@ -68,6 +70,14 @@ class ModelRunner:
             for _ in range(model_config.num_hidden_layers)
         ]
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
+        self.loras = LoRASlotCache(
+            model_config,
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            max_lora_rank=config.max_lora_rank,
+            device=self.device,
+            dtype=self.dtype,
+        )
 
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size
@@ -95,13 +105,15 @@ class ModelRunner:
             max_query_len=max(batch.num_new_tokens),
             max_seq_len=max(seq_lens),
         )
-        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, qsl
+        adapter_ids = [seq.adapter_id for seq in batch.seqs]
+        lora = self.loras.batch(adapter_ids, batch.num_new_tokens) if any(adapter_ids) else None
+        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, lora, qsl
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets."""
-        input_ids, positions, meta, qsl = self._prepare(batch)
-        return self.model(input_ids, positions, meta, self.kv_caches), qsl
+        input_ids, positions, meta, lora, qsl = self._prepare(batch)
+        return self.model(input_ids, positions, meta, self.kv_caches, lora), qsl
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:

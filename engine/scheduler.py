@@ -5,6 +5,8 @@ still needs computed; each step hands out at most `max_num_batched_tokens` of th
 sequences first (a decode needs one token, an unfinished prompt a chunk), then waiting ones. Chunked
 prefill and prefix-cache hits fall out of this. When the KV pool runs dry the newest running sequence is
 preempted: its blocks are freed and it is recomputed later from its prompt and output so far.
+Running sequences hold at most `max_loras` distinct adapters (see `AdapterSlicer`), and a step's batch
+is ordered by adapter so that each adapter's tokens form one contiguous segment for the LoRA kernels.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.adapter_slicer import AdapterSlicer
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
@@ -36,10 +39,18 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int = 8,
+        lora_time_slice: int = 32,
+    ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.slicer = AdapterSlicer(max_loras, lora_time_slice)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -79,8 +90,13 @@ class Scheduler:
             break
 
         # New work only when nothing had to be preempted: otherwise it would just thrash.
+        self.slicer.begin_step((s.adapter_id for s in self.running), (s.adapter_id for s in self.waiting))
+        skipped: list[Sequence] = []  # waiting for an adapter slot; they keep their place in the queue
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
+            if not self.slicer.may_admit(seq.adapter_id):
+                skipped.append(self.waiting.popleft())
+                continue
             if not seq.block_table:
                 self.bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -88,11 +104,17 @@ class Scheduler:
                 self.bm.free_seq(seq)  # give back prefix hits; they stay cached
                 break
             self.waiting.popleft()
+            self.slicer.admitted(seq.adapter_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        if any(s.adapter_id for s in batch.seqs):  # one contiguous segment per adapter (stable sort)
+            order = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
+            batch.seqs = [batch.seqs[i] for i in order]
+            batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
         return batch
 
     def _preempt(self, seq: Sequence) -> None:

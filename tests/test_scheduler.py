@@ -1,5 +1,6 @@
-"""Scheduler policy: unified token budget, chunked prefill, preemption by recompute."""
+"""Scheduler policy: unified token budget, chunked prefill, preemption by recompute, adapter slots."""
 
+from engine.adapter_slicer import AdapterSlicer
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -68,3 +69,57 @@ def test_prompt_larger_than_pool_is_refused():
         assert "KV blocks" in str(e)
     else:
         raise AssertionError("expected ValueError")
+
+
+# -- adapter slots and time slicing --------------------------------------------------------------------------
+
+
+def test_slicer_grants_free_slots_in_line_and_drains_expired_adapters():
+    s = AdapterSlicer(max_loras=2, time_slice=3)
+    s.begin_step(running=[], waiting=[1, 0, 2, 3, 1])
+    assert [s.may_admit(a) for a in (0, 1, 2, 3)] == [True, True, True, False]
+    s.admitted(1)
+    s.admitted(2)
+    s.begin_step(running=[1, 2], waiting=[3, 4])  # 3 was refused first: it is first in line
+    assert s.may_admit(1) and s.may_admit(2) and not s.may_admit(3)
+    s.begin_step(running=[1, 2], waiting=[4, 3])
+    s.begin_step(running=[1, 2], waiting=[4, 3])  # adapters 1 and 2 have had their 3 steps
+    assert s.draining == {1, 2}  # two adapters wait: both expired slices end
+    assert not s.may_admit(1) and not s.may_admit(2) and s.may_admit(0)
+    s.begin_step(running=[2], waiting=[1, 4, 3])  # 1 drained; it goes to the back of the line
+    assert s.may_admit(3) and not s.may_admit(4) and not s.may_admit(1)
+    s.admitted(3)
+    s.begin_step(running=[2, 3], waiting=[1, 4])
+    assert s.draining == {2}  # 3's slice has just begun
+
+
+def test_batches_hold_at_most_max_loras_adapters_in_contiguous_segments():
+    sched = make(num_blocks=256, max_seqs=16, budget=64)
+    sched.slicer.max_loras = 2
+    seqs = [Sequence([i, i + 1, i + 2], SamplingParams(max_tokens=5), adapter_id=i % 5) for i in range(20)]
+    for s in seqs:
+        sched.add(s)
+    steps = 0
+    while sched.has_work():
+        batch = run_step(sched)
+        adapters = [s.adapter_id for s in batch.seqs]
+        assert len(set(adapters) - {0}) <= 2 and adapters == sorted(adapters)
+        steps += 1
+        assert steps < 200
+    assert all(s.num_output_tokens == 5 for s in seqs)
+
+
+def test_a_waiting_adapter_never_starves():
+    # Adapters 1 and 2 hold both slots and keep getting new requests every step; adapter 3 waits.
+    sched = make(num_blocks=1024, max_seqs=64, budget=256)
+    sched.slicer.max_loras, sched.slicer.time_slice = 2, 4
+    lonely = Sequence([7, 8, 9], SamplingParams(max_tokens=3), adapter_id=3)
+    for step in range(200):
+        for a in (1, 2):
+            sched.add(Sequence([a, step], SamplingParams(max_tokens=6), adapter_id=a))
+        if step == 1:
+            sched.add(lonely)
+        run_step(sched)
+        if lonely.is_finished:
+            break
+    assert lonely.is_finished and step < 30

@@ -1,0 +1,259 @@
+"""Per-tenant LoRA adapters over HTTP, and which adapter a request's `model` names.
+
+    POST   /v1/adapters         multipart form: `name`, and the adapter as `files` parts: adapter_config.json
+                                and adapter_model.safetensors, or one .tar / .tar.gz / .tgz / .zip archive
+    GET    /v1/adapters         the tenant's adapters, and the shared ones
+    GET    /v1/adapters/{name}
+    DELETE /v1/adapters/{name}  requests already using it finish with it
+
+Adapters are stored by lora/registry.py under --data-dir and validated against the base model (and
+--max-lora-rank) in a worker thread. A tenant's adapters are listed from disk the first time the tenant
+is seen, then kept in memory (this server is their only writer), so resolving a model name costs no
+disk access. Isolation: a tenant only ever looks in its own index, so another tenant's adapter is
+answered exactly like a missing one (404). In the engine an upload is named "tenant/name", so every
+tenant may have its own "a"; shared adapters (`motet serve --lora NAME=PATH`) keep their plain name, are
+visible to every tenant and cannot be deleted over HTTP; a tenant's own adapter of the same name wins.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.to_thread
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from actors.messages import LoraRef
+from api import protocol as P
+from api.errors import APIError
+from lora.adapter import AdapterError
+from lora.registry import FILES, AdapterExists, AdapterNotFound, AdapterRegistry
+
+if TYPE_CHECKING:
+    from actors.system import ServingSystem
+    from api.state import ServerState
+
+SHARED_OWNER = "motet"
+ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip")
+PICKLES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+FORM_SLACK = 64 << 10  # multipart headers and the config file, on top of the weights' limit
+
+
+@dataclass
+class Adapter:
+    ref: LoraRef
+    owner: str
+    created: int
+    size_bytes: int
+
+
+def _not_found(name: str) -> APIError:
+    return APIError(404, f"no adapter named {name!r}", param="name", code="adapter_not_found")
+
+
+class AdapterStore:
+    def __init__(
+        self,
+        system: ServingSystem,
+        data_dir: str | Path,
+        *,
+        shared: dict[str, Path] | None = None,
+        reserved: tuple[str, ...] = (),
+        max_bytes: int = 512 << 20,
+    ):
+        self.system, self.data_dir, self.max_bytes = system, Path(data_dir), max_bytes
+        self.reserved = set(reserved)  # the base model's names: no adapter may take them
+        now = int(time.time())
+        self.shared = {
+            name: Adapter(LoraRef(name, Path(path)), SHARED_OWNER, now, _size(Path(path)))
+            for name, path in (shared or {}).items()
+        }
+        self._registry: AdapterRegistry | None = None
+        self._lock = anyio.Lock()
+        self._tenants: dict[str, dict[str, Adapter]] = {}
+        self._versions = itertools.count(1)
+
+    async def registry(self) -> AdapterRegistry:
+        """Opened on first use: it validates against the base model, known once the engine is loaded."""
+        async with self._lock:
+            if self._registry is None:
+                engine = self.system.engine
+                self._registry = await anyio.to_thread.run_sync(
+                    functools.partial(
+                        AdapterRegistry,
+                        self.data_dir,
+                        engine.model_config,
+                        max_rank=engine.config.max_lora_rank,
+                        max_bytes=self.max_bytes,
+                    )
+                )
+        return self._registry
+
+    def _entry(self, info) -> Adapter:
+        ref = LoraRef(f"{info.tenant}/{info.name}", info.path, next(self._versions))
+        return Adapter(ref, info.tenant, int(info.created), info.size_bytes)
+
+    async def own(self, tenant: str) -> dict[str, Adapter]:
+        """The tenant's uploads by name, listed from disk once."""
+        if tenant not in self._tenants:
+            registry = await self.registry()
+            try:
+                infos = await anyio.to_thread.run_sync(registry.list, tenant)
+            except AdapterError:  # a tenant name the registry cannot hold: it has no uploads
+                infos = []
+            self._tenants.setdefault(tenant, {i.name: self._entry(i) for i in infos})
+        return self._tenants[tenant]
+
+    async def visible(self, tenant: str) -> list[Adapter]:
+        own = await self.own(tenant)
+        merged = {**self.shared, **own}
+        return [merged[n] for n in sorted(merged)]
+
+    async def get(self, tenant: str, name: str) -> Adapter:
+        adapter = (await self.own(tenant)).get(name) or self.shared.get(name)
+        if adapter is None:
+            raise _not_found(name)
+        return adapter
+
+    async def resolve(self, tenant: str, model: str) -> LoraRef | None:
+        adapter = (await self.own(tenant)).get(model) or self.shared.get(model)
+        return adapter.ref if adapter else None
+
+    async def save(self, tenant: str, name: str, files: dict[str, bytes]) -> Adapter:
+        if name in self.reserved or name in self.shared:
+            raise APIError(409, f"the name {name!r} is taken by a model this server serves", param="name")
+        own = await self.own(tenant)
+        registry = await self.registry()
+        if len(files) == 1 and next(iter(files)).lower().endswith(ARCHIVES):
+            ((filename, data),) = files.items()
+            save = functools.partial(registry.save, tenant, name, archive=data, filename=filename)
+        else:
+            save = functools.partial(registry.save, tenant, name, files)
+        try:
+            info = await anyio.to_thread.run_sync(save)
+        except AdapterExists:
+            raise APIError(409, f"adapter {name!r} already exists; delete it first", param="name") from None
+        except AdapterError as e:
+            # The registry words size refusals "... the limit of N bytes": those are 413s.
+            status = 413 if "the limit" in str(e) else 400
+            raise APIError(status, str(e), code="invalid_adapter") from None
+        own[name] = adapter = self._entry(info)
+        return adapter
+
+    async def delete(self, tenant: str, name: str) -> None:
+        own = await self.own(tenant)
+        if name not in own:
+            if name in self.shared:
+                raise APIError(403, f"adapter {name!r} is shared by the server and cannot be deleted")
+            raise _not_found(name)
+        registry = await self.registry()
+        adapter = own.pop(name)  # out of the index first: no new request resolves it from now on
+        try:
+            await anyio.to_thread.run_sync(registry.delete, tenant, name)
+        except AdapterNotFound:
+            pass
+        except BaseException:
+            own[name] = adapter
+            raise
+        self.system.remove_lora(adapter.ref.name)
+
+
+def _size(path: Path) -> int:
+    return sum((path / f).stat().st_size for f in FILES if (path / f).is_file())
+
+
+# -- handlers ---------------------------------------------------------------------------------------------
+def _context(request: Request) -> tuple[ServerState, AdapterStore, str]:
+    state: ServerState = request.app.state.motet
+    state.check_ready()
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    if state.adapters is None:
+        raise APIError(404, "this server does not store adapters")
+    return state, state.adapters, tenant
+
+
+def card(state: ServerState, a: Adapter) -> P.AdapterCard:
+    return P.AdapterCard(
+        id=a.ref.model, created=a.created, owned_by=a.owner, parent=state.model_name, size_bytes=a.size_bytes
+    )
+
+
+async def read_upload(request: Request, max_bytes: int) -> tuple[str, dict[str, bytes]]:
+    """The form's `name` and its files (filename -> bytes); a body much over `max_bytes` is a 413."""
+    limit = max_bytes + FORM_SLACK
+    too_large = APIError(
+        413,
+        f"the upload is larger than the adapter size limit of {max_bytes} bytes",
+        code="adapter_too_large",
+    )
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    seen = 0
+
+    async def receive():  # counts what is read, so a body without content-length is bounded too
+        nonlocal seen
+        message = await request.receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise too_large
+        return message
+
+    async with Request(request.scope, receive).form(max_files=8, max_fields=8) as form:
+        name = form.get("name")
+        files: dict[str, bytes] = {}
+        for key, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                if value.filename in files:
+                    raise APIError(400, f"file {value.filename!r} is uploaded twice", param=key)
+                files[value.filename or ""] = await value.read()
+    if not isinstance(name, str) or not name:
+        raise APIError(400, "the form needs a `name` field: the adapter's name", param="name")
+    if not files:
+        raise APIError(
+            400,
+            f"the form needs the adapter as `files` parts: {' and '.join(FILES)}, or one "
+            f"{'/'.join(ARCHIVES)} archive",
+            param="files",
+        )
+    if pickled := [f for f in files if f.lower().endswith(PICKLES)]:
+        raise APIError(
+            400,
+            f"{pickled[0]}: pickled checkpoints are refused (loading them can run code); upload "
+            f"{FILES[1]} (PeftModel.save_pretrained(..., safe_serialization=True))",
+            param="files",
+        )
+    return name, files
+
+
+async def upload_adapter(request: Request) -> Response:
+    state, store, tenant = _context(request)
+    name, files = await read_upload(request, store.max_bytes)
+    adapter = await store.save(tenant, name, files)
+    return JSONResponse(card(state, adapter).model_dump())
+
+
+async def list_adapters(request: Request) -> Response:
+    state, store, tenant = _context(request)
+    cards = [card(state, a) for a in await store.visible(tenant)]
+    return JSONResponse(P.AdapterList(data=cards).model_dump())
+
+
+async def get_adapter(request: Request) -> Response:
+    state, store, tenant = _context(request)
+    adapter = await store.get(tenant, request.path_params["name"])
+    return JSONResponse(card(state, adapter).model_dump())
+
+
+async def delete_adapter(request: Request) -> Response:
+    state, store, tenant = _context(request)
+    name = request.path_params["name"]
+    await store.delete(tenant, name)
+    return JSONResponse(P.AdapterDeleted(id=name).model_dump())

@@ -1,0 +1,271 @@
+"""Multi-LoRA in the engine: one batch mixing adapters (ranks, target modules) and base-only requests gives,
+per request, what Hugging Face transformers + PEFT gives with that adapter alone; slots, time slicing,
+prefix caching and adapter removal on top."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from engine.llm_engine import LLM, LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+from lora.adapter import TARGET_MODULES, AdapterError, load_adapter
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+# (name, rank, target modules): every fused shard alone and together, and every rank bucket.
+ADAPTERS = [
+    ("qv4", 4, ["q_proj", "v_proj"]),
+    ("all8", 8, list(TARGET_MODULES)),
+    ("kod16", 16, ["k_proj", "o_proj", "down_proj"]),
+    ("gu64", 64, ["gate_proj", "up_proj"]),
+]
+
+
+def save_peft_adapters(model_dir, out_dir, specs, std: float, seed: int = 0) -> PeftModel:
+    """Save random PEFT adapters (non-zero A and B) under out_dir/<name>; returns the PeftModel holding all."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = None
+    for name, r, targets in specs:
+        cfg = LoraConfig(r=r, lora_alpha=16, target_modules=targets, lora_dropout=0.0)
+        if model is None:
+            model = get_peft_model(base, cfg, adapter_name=name)
+        else:
+            model.add_adapter(name, cfg)
+        for pname, p in model.named_parameters():
+            if f"lora_A.{name}." in pname:  # N(0, 1/in): the shrink keeps the activations' scale
+                p.data = torch.randn_like(p) / p.shape[1] ** 0.5
+            elif f"lora_B.{name}." in pname:  # PEFT inits B to zero: a no-op delta would prove nothing
+                p.data = torch.randn_like(p) * std
+        model.save_pretrained(out_dir, selected_adapters=[name])
+        # PEFT puts every adapter but "default" in a subfolder named after it
+        assert (out_dir / name / "adapter_model.safetensors").is_file()
+    return model.eval()
+
+
+def peft_reference(model: PeftModel, adapter: str | None, prompt: list[int], new_tokens: int):
+    """(prompt + greedy continuation, its logits) from PEFT with one adapter active, or none.
+
+    min_new_tokens masks EOS as the engine's min_tokens does, so both generate exactly `new_tokens`."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad(), model.disable_adapter() if adapter is None else contextlib.nullcontext():
+        if adapter is not None:
+            model.set_adapter(adapter)
+        if new_tokens:
+            ids = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        return ids[0].tolist(), model(ids).logits[0]
+
+
+def lora_logits(engine: LLMEngine, prompts, adapter_ids, chunk: int | None = None, order=None):
+    """All-row logits of each prompt with its adapter, in flattened batches (sequences visited in `order`)."""
+    seqs = [Sequence(p, adapter_id=a) for p, a in zip(prompts, adapter_ids, strict=True)]
+    visit = [seqs[i] for i in order] if order else seqs
+    rows = {s.seq_id: [] for s in seqs}
+    while any(s.num_computed_tokens < s.num_tokens for s in seqs):
+        batch = ScheduledBatch()
+        for s in visit:
+            if n := s.num_tokens - s.num_computed_tokens:
+                n = min(n, chunk or n)
+                assert engine.block_manager.allocate_slots(s, n)
+                batch.seqs.append(s)
+                batch.num_new_tokens.append(n)
+        hidden, qsl = engine.runner.forward(batch)
+        logits = engine.runner.model.compute_logits(hidden)
+        for i, s in enumerate(batch.seqs):
+            rows[s.seq_id].append(logits[qsl[i] : qsl[i + 1]])
+            s.num_computed_tokens += batch.num_new_tokens[i]
+    for s in seqs:
+        engine.block_manager.free_seq(s)
+    return [torch.cat(rows[s.seq_id]) for s in seqs]
+
+
+# -- tiny random model: fast -------------------------------------------------------------------------------
+
+TINY_ADAPTERS = [(n, min(r, 32), t) for n, r, t in ADAPTERS]  # rank 32 caps the tiny model's slots
+
+
+@pytest.fixture(scope="module")
+def tiny_loras(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-loras")
+    peft = save_peft_adapters(tiny_model_dir, out, TINY_ADAPTERS, std=0.1)
+    return peft, {name: out / name for name, _, _ in TINY_ADAPTERS}
+
+
+def tiny_llm(model_dir, paths, **options) -> LLM:
+    llm = LLM(str(model_dir), num_kv_blocks=256, block_size=8, max_lora_rank=32, **options)
+    for name, path in paths.items():
+        llm.add_lora(name, path)
+    return llm
+
+
+# Each request: (prompt, adapter name or None). One adapter in several sequences, base rows between.
+def tiny_requests():
+    prompts = [
+        [(i * 7 + j * 13) % 300 + 3 for j in range(n)] for i, n in enumerate((5, 17, 40, 9, 33, 3, 26, 12))
+    ]
+    names = ["qv4", None, "all8", "qv4", "kod16", None, "gu64", "all8"]
+    return prompts, names
+
+
+def test_mixed_batch_logits_match_peft(tiny_model_dir, tiny_loras):
+    peft, paths = tiny_loras
+    llm = tiny_llm(tiny_model_dir, paths)
+    prompts, names = tiny_requests()
+    ids = [llm.engine.loras[n] if n else 0 for n in names]
+    refs = [peft_reference(peft, n, p, 0)[1] for p, n in zip(prompts, names, strict=True)]
+    # Whole prompts, then 7-token chunks (prefill chunks beside short tails), then a shuffled order
+    # (an adapter split into several segments).
+    for chunk, order in ((None, None), (7, None), (None, [3, 0, 6, 1, 7, 2, 5, 4])):
+        got = lora_logits(llm.engine, prompts, ids, chunk=chunk, order=order)
+        for g, ref in zip(got, refs, strict=True):
+            torch.testing.assert_close(g, ref, atol=2e-4, rtol=1e-4)
+    # The adapters matter: their logits are far from the base model's.
+    base = lora_logits(llm.engine, prompts, [0] * len(prompts))
+    for b, ref, n in zip(base, refs, names, strict=True):
+        assert ((b - ref).abs().max() > 0.5) == bool(n), n
+
+
+def test_mixed_batch_greedy_matches_peft_generate(tiny_model_dir, tiny_loras):
+    peft, paths = tiny_loras
+    # A 48-token budget: prompts are chunked and their chunks share steps with other requests' decodes.
+    llm = tiny_llm(tiny_model_dir, paths, max_num_batched_tokens=48)
+    prompts, names = tiny_requests()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, min_tokens=12), names)
+    for p, n, out in zip(prompts, names, outs, strict=True):
+        tokens, _ = peft_reference(peft, n, p, 12)
+        assert out.token_ids == tokens[len(p) :], n
+    assert llm.engine.runner.loras.num_loads == 4
+
+
+def test_no_adapters_no_lora_path(tiny_model_dir, tiny_loras):
+    _, paths = tiny_loras
+    llm = tiny_llm(tiny_model_dir, paths)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    assert llm.engine.runner.loras.stacks is None  # never allocated, never touched
+
+
+def test_prefix_cache_is_not_shared_across_adapters(tiny_model_dir, tiny_loras):
+    peft, paths = tiny_loras
+    llm = tiny_llm(tiny_model_dir, paths)
+    prefix = [(i * 11) % 300 + 3 for i in range(48)]
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    (base,) = llm.generate([prefix + [5]], params)
+    (a,) = llm.generate([prefix + [5]], params, ["qv4"])
+    (b,) = llm.generate([prefix + [5]], params, ["kod16"])
+    (a2,) = llm.generate([prefix + [5]], params, ["qv4"])
+    assert (base.num_cached_tokens, a.num_cached_tokens, b.num_cached_tokens) == (0, 0, 0)
+    assert a2.num_cached_tokens == 48 and a2.token_ids == a.token_ids
+    assert a.token_ids == peft_reference(peft, "qv4", prefix + [5], 6)[0][49:]
+
+
+def test_more_adapters_than_slots_time_slice_and_all_complete(tiny_model_dir, tiny_loras):
+    _, paths = tiny_loras
+    names = list(paths) * 3 + [None] * 3
+    prompts = [[(i * 5 + j) % 300 + 3 for j in range(4 + i % 7)] for i in range(len(names))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ample = tiny_llm(tiny_model_dir, paths).generate(prompts, params, names)
+
+    llm = tiny_llm(tiny_model_dir, paths, max_loras=2, lora_time_slice=3, max_num_seqs=4)
+    engine = llm.engine
+    ids = [engine.add_request(p, params, adapter_id=n or 0) for p, n in zip(prompts, names, strict=True)]
+    final, steps = {}, 0
+    while engine.has_unfinished():
+        batch = engine.scheduler.schedule()
+        assert len({s.adapter_id for s in batch.seqs} - {0}) <= 2
+        adapters = [s.adapter_id for s in batch.seqs]
+        assert adapters == sorted(adapters)  # one contiguous segment per adapter
+        for out in engine.process(batch, engine.runner.execute(batch)):
+            final[out.request_id] = out
+        steps += 1
+        assert steps < 300
+    assert [final[i].token_ids for i in ids] == [o.token_ids for o in ample]
+    assert engine.runner.loras.num_loads > 4  # slots were evicted and reloaded
+
+
+def test_remove_lora_lets_running_requests_finish(tiny_model_dir, tiny_loras):
+    peft, paths = tiny_loras
+    llm = tiny_llm(tiny_model_dir, paths)
+    engine = llm.engine
+    prompt = [9, 8, 7, 6, 5]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    rid = engine.add_request(prompt, params, adapter_id="all8")
+    adapter_id = engine.loras["all8"]
+    engine.step(), engine.step()
+    engine.remove_lora("all8")
+    with pytest.raises(AdapterError, match="no adapter named 'all8'"):
+        engine.add_request(prompt, params, adapter_id="all8")
+    with pytest.raises(AdapterError, match=f"adapter id {adapter_id} is not loaded"):
+        engine.add_request(prompt, params, adapter_id=adapter_id)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert outs[-1].finished and outs[-1].token_ids == peft_reference(peft, "all8", prompt, 8)[0][5:]
+    assert adapter_id not in engine.runner.loras.resident and adapter_id not in engine.runner.loras.paths
+    # Re-adding the name gives a new id (the prefix cache never mixes versions).
+    assert llm.add_lora("all8", paths["all8"]) > adapter_id
+
+
+def test_add_lora_validates(tiny_model_dir, tiny_loras, tmp_path):
+    _, paths = tiny_loras
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_lora_rank=16)
+    with pytest.raises(AdapterError, match="does not exist"):
+        llm.add_lora("x", tmp_path / "missing")
+    with pytest.raises(AdapterError, match="above this server's max LoRA rank 16"):
+        llm.add_lora("big", paths["gu64"])
+    a, b = llm.add_lora("a", paths["qv4"]), llm.add_lora("b", paths["all8"])
+    assert 0 < a < b
+    # Loaded beforehand (off the event loop), registered without touching the disk again.
+    base = llm.engine.model_config
+    assert llm.engine.add_lora("pre", paths["qv4"], load_adapter(paths["qv4"], base)) == b + 1
+    with pytest.raises(AdapterError, match="rank 32, above max_lora_rank 16"):
+        llm.engine.add_lora("pre", paths["gu64"], load_adapter(paths["gu64"], base))
+    assert llm.engine.loras["pre"] == b + 1  # a failed replacement keeps the old version
+    with pytest.raises(AdapterError, match="no adapter named 'c'"):
+        llm.generate([[1, 2]], None, ["c"])
+    with pytest.raises(AdapterError, match="no adapter named"):
+        llm.engine.remove_lora("c")
+
+
+# -- the real default model: slow --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_model_mixed_batch_matches_peft(default_model_dir, tmp_path):
+    peft = save_peft_adapters(default_model_dir, tmp_path, ADAPTERS, std=0.02)
+    llm = LLM(
+        str(default_model_dir), num_kv_blocks=512, max_loras=4, max_lora_rank=64, max_num_batched_tokens=64
+    )
+    for name, _, _ in ADAPTERS:
+        llm.add_lora(name, tmp_path / name)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 12?"]
+    names = [None, "qv4", "all8", "kod16", "gu64", "qv4", None, "all8"]
+    prompts = [
+        llm.tokenizer.encode_chat([{"role": "user", "content": questions[i % 3]}]) for i in range(len(names))
+    ]
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    outs = llm.generate(prompts, params, names)
+    full, refs = [], []
+    for p, n, out in zip(prompts, names, outs, strict=True):
+        tokens, logits = peft_reference(peft, n, p, 16)
+        assert out.token_ids == tokens[len(p) :], n
+        full.append(tokens)
+        refs.append(logits)
+    # Logits over prompt + continuation, all requests in one flattened batch, in 64-token chunks.
+    ids = [llm.engine.loras[n] if n else 0 for n in names]
+    got = lora_logits(llm.engine, full, ids, chunk=64)
+    diffs = [(g - r).abs().max().item() for g, r in zip(got, refs, strict=True)]
+    print("max |logit - PEFT logit| per request:", " ".join(f"{d:.1e}" for d in diffs))
+    for g, r in zip(got, refs, strict=True):
+        # fp32, the same math in another order (fused q/k/v, SGMV segments, chunked attention): ~1e-4 seen
+        torch.testing.assert_close(g, r, atol=1e-3, rtol=1e-4)
+    # The adapters matter: their logits are far from the base model's on the same tokens.
+    base = lora_logits(llm.engine, full, [0] * len(full))
+    for g, b, n in zip(got, base, names, strict=True):
+        assert ((g - b).abs().max() > 1.0) == bool(n), n
