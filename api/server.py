@@ -42,6 +42,8 @@ def build_state(args):
     from engine.model_store import DEFAULT_MODEL_ALIASES
 
     config = engine_config(args)
+    if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
+        config.num_threads = max(1, (os.cpu_count() or 2) - 1)
     names = [config.model]
     if config.model in DEFAULT_MODEL_ALIASES:
         names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]

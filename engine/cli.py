@@ -20,6 +20,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the forward pass (default: all cores offline; all but one when serving, "
+        "so the event loop never stalls the forward pass's threads)",
+    )
     # LoRA limits; unset: EngineConfig's defaults (8, 32, 64)
     p.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="loaded LoRA adapters kept in host memory")
@@ -41,6 +48,7 @@ def engine_config(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.threads,
         **{
             k: v
             for k in ("max_loras", "max_cpu_loras", "max_lora_rank")

@@ -117,6 +117,7 @@ class EngineConfig:
     max_cpu_loras: int = 32  # loaded adapters kept in host memory in front of the disk
     max_lora_rank: int = 64  # device slots are zero-padded to this rank; higher-rank adapters are refused
     lora_time_slice: int = 32  # steps an adapter keeps admitting work while others wait for a slot
+    num_threads: int | None = None  # CPU intra-op threads for the forward pass; None: torch's default
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -134,6 +135,8 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
