@@ -18,6 +18,7 @@ Layout (shared by the model, the block manager and these kernels):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -78,6 +79,26 @@ def paged_attention(
 _MAX_SCORE_ELEMS = 1 << 22
 
 
+_BATCHED_DECODE_MIN = 8
+
+
+def _decode_batched(out, q, k_cache, v_cache, block_tables, starts, lens, decodes, scale) -> None:
+    """Attention of single-token (decode) rows of many sequences at once, keys padded to the longest."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    rows = torch.tensor([starts[b] for b in decodes], device=q.device)
+    seq_lens = torch.tensor([lens[b] for b in decodes], device=q.device)
+    num_blocks = -(-max(lens[b] for b in decodes) // block_size)
+    tables = block_tables[torch.tensor(decodes, device=q.device), :num_blocks].reshape(-1)
+    n, width = len(decodes), num_blocks * block_size
+    k = k_cache.index_select(0, tables).view(n, width, num_kv_heads, head_dim).transpose(1, 2).float()
+    v = v_cache.index_select(0, tables).view(n, width, num_kv_heads, head_dim).transpose(1, 2).float()
+    valid = torch.arange(width, device=q.device)[None, :] < seq_lens[:, None]
+    o = F.scaled_dot_product_attention(
+        q[rows].float().unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    out[rows] = o.squeeze(2).to(out.dtype)
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -108,7 +129,16 @@ def paged_attention_reference(
     qs = (q.float() * scale).view(-1, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    if len(decodes) >= _BATCHED_DECODE_MIN:
+        # Many decode rows: one padded gather + one SDPA call beats a per-sequence loop of small ops.
+        _decode_batched(out, q, k_cache, v_cache, block_tables, starts, lens, decodes, scale)
+        done = set(decodes)
+    else:
+        done = set()
     for b, seq_len in enumerate(lens):
+        if b in done:
+            continue
         q_start, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_start
         if q_len == 0:

@@ -136,6 +136,16 @@ def test_reference_all_decodes_and_empty_batch():
     check(pa.paged_attention_reference, [(0, 4), (0, 0)], 9, 3, 64, 16, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)])
+def test_reference_batched_decode_path(dtype, num_heads, num_kv_heads):
+    # Enough decode rows for the padded one-call path, mixed with prefill chunks and empty sequences.
+    decodes = [(1, n) for n in (1, 2, 15, 16, 17, 33, 100, 5, 64, 9)]
+    assert len(decodes) >= pa._BATCHED_DECODE_MIN
+    seqs = decodes[:5] + [(7, 40), (0, 3)] + decodes[5:] + [(12, 12)]
+    check(pa.paged_attention_reference, seqs, num_heads, num_kv_heads, 64, 16, dtype)
+
+
 def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(pa, "paged_attention_reference", lambda *a, **k: calls.append(1) or "ref")
