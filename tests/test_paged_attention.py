@@ -3,30 +3,14 @@ truth. Without CUDA the kernel runs under TRITON_INTERPRET=1 (slow: shapes stay 
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-# Must be set before the kernel module is decorated by triton.jit (decoration reads it).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from kernels import paged_attention as pa
 
-from kernels import paged_attention as pa  # noqa: E402
-
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-
+# tests/conftest.py turns TRITON_INTERPRET on (no CUDA) before anything imports triton.
+HAS_TRITON = pa.triton is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if HAS_TRITON and DEVICE == "cpu" and type(pa._paged_attention_kernel).__name__ != "InterpretedFunction":
-    # Imported earlier in this process without the interpreter (e.g. by a model test): re-decorate.
-    pa = importlib.reload(sys.modules["kernels.paged_attention"])
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
