@@ -22,15 +22,17 @@ def hf_logits(model_dir, prompt):
         return hf(torch.tensor([prompt])).logits[0]
 
 
-def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None):
-    """All-row logits of each prompt, computed in one flattened batch (optionally in chunks)."""
-    seqs = [Sequence(p) for p in prompts]
+def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapter_ids=None, order=None):
+    """All-row logits of each prompt, computed in flattened batches (optionally in chunks, with
+    per-prompt adapters, sequences visited in `order`)."""
+    adapter_ids = adapter_ids or [0] * len(prompts)
+    seqs = [Sequence(p, adapter_id=a) for p, a in zip(prompts, adapter_ids, strict=True)]
+    visit = [seqs[i] for i in order] if order else seqs
     rows = {s.seq_id: [] for s in seqs}
     while any(s.num_computed_tokens < s.num_tokens for s in seqs):
         batch = ScheduledBatch()
-        for s in seqs:
-            n = s.num_tokens - s.num_computed_tokens
-            if n:
+        for s in visit:
+            if n := s.num_tokens - s.num_computed_tokens:
                 n = min(n, chunk or n)
                 assert engine.block_manager.allocate_slots(s, n)
                 batch.seqs.append(s)

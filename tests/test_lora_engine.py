@@ -13,9 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from engine.llm_engine import LLM, LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
 from lora.adapter import TARGET_MODULES, AdapterError, load_adapter
+from tests.test_engine import engine_logits
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -65,25 +64,7 @@ def peft_reference(model: PeftModel, adapter: str | None, prompt: list[int], new
 
 def lora_logits(engine: LLMEngine, prompts, adapter_ids, chunk: int | None = None, order=None):
     """All-row logits of each prompt with its adapter, in flattened batches (sequences visited in `order`)."""
-    seqs = [Sequence(p, adapter_id=a) for p, a in zip(prompts, adapter_ids, strict=True)]
-    visit = [seqs[i] for i in order] if order else seqs
-    rows = {s.seq_id: [] for s in seqs}
-    while any(s.num_computed_tokens < s.num_tokens for s in seqs):
-        batch = ScheduledBatch()
-        for s in visit:
-            if n := s.num_tokens - s.num_computed_tokens:
-                n = min(n, chunk or n)
-                assert engine.block_manager.allocate_slots(s, n)
-                batch.seqs.append(s)
-                batch.num_new_tokens.append(n)
-        hidden, qsl = engine.runner.forward(batch)
-        logits = engine.runner.model.compute_logits(hidden)
-        for i, s in enumerate(batch.seqs):
-            rows[s.seq_id].append(logits[qsl[i] : qsl[i + 1]])
-            s.num_computed_tokens += batch.num_new_tokens[i]
-    for s in seqs:
-        engine.block_manager.free_seq(s)
-    return [torch.cat(rows[s.seq_id]) for s in seqs]
+    return engine_logits(engine, prompts, chunk, adapter_ids, order)
 
 
 # -- tiny random model: fast -------------------------------------------------------------------------------
