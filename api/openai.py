@@ -93,13 +93,18 @@ async def submit(state: ServerState, spec: GenerateSpec) -> Admission:
         raise from_value_error(e, _PARAM_FIELDS) from None
 
 
-# -- chat -------------------------------------------------------------------------------------------------
-async def chat_completions(request: Request) -> Response:
+async def _accept(request: Request, model):
+    """What every generation route does first: readiness, auth, body validation, model -> adapter."""
     state: ServerState = request.app.state.motet
     state.check_ready()
     tenant = state.auth.tenant(request.headers.get("authorization"))
-    req = P.ChatCompletionRequest.model_validate(await read_json(request, state.max_body_bytes))
-    adapter = await state.resolve_adapter(tenant, req.model)
+    req = model.model_validate(await read_json(request, state.max_body_bytes))
+    return state, tenant, req, await state.resolve_adapter(tenant, req.model)
+
+
+# -- chat -------------------------------------------------------------------------------------------------
+async def chat_completions(request: Request) -> Response:
+    state, tenant, req, adapter = await _accept(request, P.ChatCompletionRequest)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
     params, engine_max, drop = build_params(req, max_tokens, k, None)
@@ -208,11 +213,7 @@ def _prompts(req: P.CompletionRequest) -> list[str | list[int]]:
 
 
 async def completions(request: Request) -> Response:
-    state: ServerState = request.app.state.motet
-    state.check_ready()
-    tenant = state.auth.tenant(request.headers.get("authorization"))
-    req = P.CompletionRequest.model_validate(await read_json(request, state.max_body_bytes))
-    adapter = await state.resolve_adapter(tenant, req.model)
+    state, tenant, req, adapter = await _accept(request, P.CompletionRequest)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default for completions
     k = req.logprobs
     params, engine_max, drop = build_params(req, max_tokens, k, k if req.echo and k is not None else None)
