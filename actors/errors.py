@@ -28,6 +28,13 @@ class QueueFull(ServingError):
         self.retry_after = retry_after
 
 
+class ServerBusy(ServingError):
+    """Too many grammar compilations are running past their time limit; try again shortly."""
+
+    status = 503
+    type = "service_unavailable"
+
+
 class ShuttingDown(ServingError):
     status = 503
     type = "service_unavailable"

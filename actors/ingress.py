@@ -13,10 +13,11 @@ import os
 import anyio
 import anyio.to_thread
 
-from actors.errors import InvalidRequest
+from actors.errors import InvalidRequest, ServerBusy
 from actors.messages import Admission, Enqueue, GenerateSpec, QueuedRequest, Submit
 from actors.reply import ReplyStream
 from actors.runtime import Actor
+from grammar.specs import GrammarError
 
 FAULT_MARKER = "MOTET_TEST_FAULT"  # with MOTET_TEST_FAULTS=1, a prompt holding it makes the executor raise
 
@@ -29,16 +30,20 @@ class IngressActor(Actor):
         self.executor = executor
         self.queues = queues
         self.limiter = anyio.CapacityLimiter(tokenizer_threads)
+        self.grammar_limiter = anyio.CapacityLimiter(4)  # threads waiting on grammar compilations
+        self.engine = None
         self.faults_enabled = os.environ.get("MOTET_TEST_FAULTS") == "1"
         self.tokenizer = None
         self.max_model_len = 0
         self.vocab_size = 0
 
     async def on_start(self) -> None:
-        engine = self.executor.engine
+        self.engine = engine = self.executor.engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        # The grammar backends' view of the vocabulary takes a moment to build: not on a request's time.
+        await anyio.to_thread.run_sync(lambda: engine.grammar_tokenizer)
 
     async def main(self) -> None:
         async with anyio.create_task_group() as tg:  # on close, waits for the submissions in flight
@@ -49,8 +54,28 @@ class IngressActor(Actor):
         spec = message.spec
         prompt_ids, text = await self._tokenize(spec)
         requests = self._validate(spec, prompt_ids, text)
+        grammar = await self._compile(spec)
+        for r in requests:
+            r.grammar = grammar
         await self.queues.ask(Enqueue(requests))
-        return Admission(prompt_ids, [r.stream for r in requests])
+        return Admission(prompt_ids, [r.stream for r in requests], text)
+
+    async def _compile(self, spec: GenerateSpec):
+        """The request's grammar, compiled (cached, with a time limit) in a worker thread; 400 if it cannot be."""
+        params = spec.params[0]
+        if params.grammar is None:
+            return None
+        try:
+            return await anyio.to_thread.run_sync(
+                self.engine.compile_grammar,
+                params.grammar,
+                params.grammar_backend,
+                limiter=self.grammar_limiter,
+            )
+        except GrammarError as e:
+            if e.reason == "busy":
+                raise ServerBusy(str(e)) from None
+            raise InvalidRequest(f"{spec.grammar_param}: {e}", param=spec.grammar_param) from None
 
     async def _tokenize(self, spec: GenerateSpec) -> tuple[list[int], str]:
         tok = self.tokenizer

@@ -11,6 +11,7 @@ from actors.reply import ReplyStream
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from grammar.backend import CompiledGrammar
 
 
 # -- API -> ingress ---------------------------------------------------------------------------------------
@@ -42,6 +43,7 @@ class GenerateSpec:
     chat_template_kwargs: dict = field(default_factory=dict)
     max_tokens: int | None = None  # None: the rest of the context window
     prompt_param: str = "prompt"  # the request field an error about the prompt names
+    grammar_param: str | None = None  # the request field an error about the grammar names
 
 
 @dataclass
@@ -53,6 +55,7 @@ class Submit:
 class Admission:
     prompt_token_ids: list[int]
     streams: list[ReplyStream]  # one per choice, in spec order
+    prompt_text: str = ""  # the rendered prompt ("" for token-id prompts)
 
 
 # -- ingress -> adapter queues -> scheduler ---------------------------------------------------------------
@@ -65,6 +68,7 @@ class QueuedRequest:
     params: SamplingParams
     stream: ReplyStream
     fault: bool = False  # test-only: the executor raises on this request's batches
+    grammar: CompiledGrammar | None = None  # params.grammar, compiled by the ingress
     arrival: float = field(default_factory=time.monotonic)
 
 

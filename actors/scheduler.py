@@ -152,7 +152,9 @@ class SchedulerActor(Actor):
                 if req.stream.cancelled:  # also after the await: the client may have left meanwhile
                     self.fairness.leave(req.tenant)
                     continue
-                self.engine.add_request(req.prompt_token_ids, req.params, req.request_id, adapter_id)
+                self.engine.add_request(
+                    req.prompt_token_ids, req.params, req.request_id, adapter_id, grammar=req.grammar
+                )
             except (ValueError, ServingError) as e:
                 req.stream.fail(e if isinstance(e, ServingError) else InvalidRequest(str(e)))
                 self.fairness.leave(req.tenant)

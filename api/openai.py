@@ -20,10 +20,12 @@ from actors.errors import ServingError
 from actors.messages import Admission, GenerateSpec
 from actors.reply import ReplyStream, merge_streams
 from api import protocol as P
+from api.chat_output import ChatOutput
 from api.errors import APIError, from_serving_error, from_value_error
 from api.logprobs import chat_logprobs, completion_logprobs
 from api.state import ServerState
 from api.streams import Choice, EventStream, collect, observe, release, sse, usage
+from api.structured import Structure, prompt_messages, structured_output
 from engine.sampling_params import SamplingParams
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
@@ -52,7 +54,12 @@ async def read_json(request: Request, limit: int) -> dict:
 
 
 def build_params(
-    req: P._SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    req: P._SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    structure: Structure | None = None,
+    reasoning: bool = False,
 ):
     """One SamplingParams per choice (seed + i for choice i, so choices differ but stay reproducible)."""
     drop_output = max_tokens == 0  # prompt logprobs only: generate one token, then drop it
@@ -74,6 +81,9 @@ def build_params(
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        grammar=structure.spec if structure else None,
+        grammar_backend=structure.backend if structure else None,
+        reasoning=reasoning,
     )
     try:
         params = [
@@ -107,20 +117,26 @@ async def chat_completions(request: Request) -> Response:
     state, tenant, req, adapter = await _accept(request, P.ChatCompletionRequest)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params, engine_max, drop = build_params(req, max_tokens, k, None)
+    structure = structured_output(req)
+    messages, template_kwargs = prompt_messages(
+        req.messages, structure, state.system.engine.tokenizer.hf.chat_template
+    )
+    params, engine_max, drop = build_params(req, max_tokens, k, None, structure, state.reasoning)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     spec = GenerateSpec(
         request_ids=[f"{rid}-{i}" for i in range(req.n)],
         params=params,
         tenant=tenant,
         adapter=adapter,
-        messages=req.messages,
+        messages=messages,
         chat_template_kwargs={
             **(req.chat_template_kwargs or {}),
+            **template_kwargs,
             "add_generation_prompt": req.add_generation_prompt,
         },
         max_tokens=engine_max,
         prompt_param="messages",
+        grammar_param=structure.param,
     )
     arrival = time.perf_counter()
     state.inflight += 1
@@ -131,24 +147,27 @@ async def chat_completions(request: Request) -> Response:
         state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choices = [Choice(i, adm.prompt_token_ids, arrival) for i in range(req.n)]
         created = int(time.time())
+
+        def output() -> ChatOutput:
+            started = state.reasoning and adm.prompt_text.rstrip().endswith("<think>")
+            return ChatOutput(state.reasoning, started, tools=structure.tool_mode != "none")
+
         if req.stream:
-            return EventStream(
-                state, streams, _chat_chunks(state, req, rid, created, choices, streams, k, drop)
-            )
+            chunks = _chat_chunks(state, req, rid, created, choices, streams, k, drop, output)
+            return EventStream(state, streams, chunks)
         await collect(request, state, choices, streams)
+        out = []
+        for c in choices:
+            message, finish_reason = output().message("" if drop else c.text, c.finish_reason)
+            logprobs = chat_logprobs(state, c.logprobs, k) if k is not None and not drop else None
+            out.append(
+                P.ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason)
+            )
         resp = P.ChatCompletionResponse(
             id=rid,
             created=created,
             model=req.model,
-            choices=[
-                P.ChatChoice(
-                    index=c.index,
-                    message=P.ChatMessageOut(content="" if drop else c.text),
-                    logprobs=chat_logprobs(state, c.logprobs, k) if k is not None and not drop else None,
-                    finish_reason=c.finish_reason,
-                )
-                for c in choices
-            ],
+            choices=out,
             usage=usage([adm.prompt_token_ids], choices, drop),
         )
         return JSONResponse(resp.model_dump())
@@ -159,7 +178,7 @@ async def chat_completions(request: Request) -> Response:
         state.inflight -= 1
 
 
-async def _chat_chunks(state, req, rid, created, choices, streams, k, drop) -> AsyncIterator[str]:
+async def _chat_chunks(state, req, rid, created, choices, streams, k, drop, output) -> AsyncIterator[str]:
     def chunk(index, delta: dict, logprobs=None, finish_reason=None) -> str:
         c = {
             "id": rid,
@@ -175,6 +194,7 @@ async def _chat_chunks(state, req, rid, created, choices, streams, k, drop) -> A
         return sse(c)
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    outputs = [output() for _ in choices]
     for c in choices:
         yield chunk(c.index, {"role": "assistant", "content": ""})
     async for i, delta in merge_streams(streams):
@@ -184,10 +204,20 @@ async def _chat_chunks(state, req, rid, created, choices, streams, k, drop) -> A
             raise delta.error
         if (delta.text or delta.logprobs) and not drop:
             lp = chat_logprobs(state, delta.logprobs, k).model_dump() if k is not None else None
-            yield chunk(i, {"content": delta.text}, lp)
+            deltas = outputs[i].feed(delta.text)
+            if outputs[i].plain:  # text and its logprobs in one chunk, as before
+                yield chunk(i, {"content": delta.text}, lp)
+            else:
+                for j, d in enumerate(deltas):
+                    yield chunk(i, d, lp if j == 0 else None)
+                if lp is not None and not deltas:
+                    yield chunk(i, {}, lp)
         if delta.finished:
             observe(state, c)
-            yield chunk(i, {}, finish_reason=c.finish_reason)
+            deltas, finish_reason = outputs[i].finish(c.finish_reason) if not drop else ([], c.finish_reason)
+            for d in deltas:
+                yield chunk(i, d)
+            yield chunk(i, {}, finish_reason=finish_reason)
     if include_usage:
         u = usage([choices[0].prompt_ids], choices, drop).model_dump()
         yield sse(
@@ -216,7 +246,10 @@ async def completions(request: Request) -> Response:
     state, tenant, req, adapter = await _accept(request, P.CompletionRequest)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default for completions
     k = req.logprobs
-    params, engine_max, drop = build_params(req, max_tokens, k, k if req.echo and k is not None else None)
+    structure = structured_output(req, allow_tools=False)
+    params, engine_max, drop = build_params(
+        req, max_tokens, k, k if req.echo and k is not None else None, structure
+    )
     rid = f"cmpl-{uuid.uuid4().hex}"
     prompts = _prompts(req)
     arrival = time.perf_counter()
@@ -232,6 +265,7 @@ async def completions(request: Request) -> Response:
                 adapter=adapter,
                 prompt=prompt,
                 max_tokens=engine_max,
+                grammar_param=structure.param,
             )
             adm = await submit(state, spec)
             admissions.append(adm)

@@ -44,6 +44,13 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # structured output (api/structured.py): OpenAI's response_format, vLLM's guided_* extras
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -58,6 +65,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # validated in api/structured.py, where errors can name the tool
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    guided_tool_calls: bool = True  # motet: False parses tool calls without constraining them
 
     @field_validator("messages")
     @classmethod
@@ -109,9 +120,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

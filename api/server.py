@@ -63,6 +63,7 @@ def build_state(args):
         auth=Authenticator.from_file(args.api_keys),
         max_body_bytes=args.max_body_bytes,
         adapters=adapters,
+        reasoning=args.reasoning_parser == "think",
     )
 
 
@@ -116,6 +117,13 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="none",
+        choices=["none", "think"],
+        help="think: the model reasons in <think>...</think> first; returned as reasoning_content, and "
+        "grammars apply after it",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true")

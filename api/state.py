@@ -28,6 +28,7 @@ class ServerState:
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
     inflight: int = 0
     fatal: BaseException | None = None  # start-up failed (e.g. the model could not be loaded)
+    reasoning: bool = False  # --reasoning-parser think: <think>...</think> becomes reasoning_content
 
     @property
     def model_name(self) -> str:

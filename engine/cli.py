@@ -27,6 +27,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU threads for the forward pass (default: all cores offline; all but one when serving, "
         "so the event loop never stalls the forward pass's threads)",
     )
+    p.add_argument(
+        "--grammar-backend",
+        default="xgrammar",
+        choices=["xgrammar", "outlines"],
+        help="structured output backend; the other one is the fallback for what it cannot compile",
+    )
+    p.add_argument(
+        "--grammar-timeout", type=float, default=10.0, help="seconds a grammar may take to compile"
+    )
+    p.add_argument(
+        "--no-jump-forward", action="store_true", help="sample every token, also those a grammar forces"
+    )
     # LoRA limits; unset: EngineConfig's defaults (8, 32, 64)
     p.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="loaded LoRA adapters kept in host memory")
@@ -49,6 +61,9 @@ def engine_config(args):
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.threads,
+        grammar_backend=args.grammar_backend,
+        grammar_timeout_s=args.grammar_timeout,
+        jump_forward=not args.no_jump_forward,
         **{
             k: v
             for k in ("max_loras", "max_cpu_loras", "max_lora_rank")
@@ -101,6 +116,12 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+def cmd_eval(args) -> int:
+    from evals.cli import main as eval_main
+
+    return eval_main(args.eval_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="motet", description="multi-tenant LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     _engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    # Everything after `eval` is evals.cli's to parse (no option prefix of its own, so --help passes too).
+    p = sub.add_parser("eval", help="run an eval suite and write a report", add_help=False, prefix_chars="\0")
+    p.add_argument("eval_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_eval)
     return parser
 
 

@@ -118,6 +118,11 @@ class EngineConfig:
     max_lora_rank: int = 64  # device slots are zero-padded to this rank; higher-rank adapters are refused
     lora_time_slice: int = 32  # steps an adapter keeps admitting work while others wait for a slot
     num_threads: int | None = None  # CPU intra-op threads for the forward pass; None: torch's default
+    grammar_backend: str = (
+        "xgrammar"  # structured output: "xgrammar" or "outlines" (the other is the fallback)
+    )
+    grammar_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused
+    jump_forward: bool = True  # append the tokens a grammar forces without sampling them
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -137,6 +142,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.grammar_backend not in ("xgrammar", "outlines"):
+            raise ValueError(
+                f"grammar_backend must be 'xgrammar' or 'outlines', got {self.grammar_backend!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

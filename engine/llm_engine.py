@@ -10,6 +10,7 @@ adapter is dropped from the slot cache when the last request already using it fi
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import Counter
 from collections.abc import Sequence as Seq
@@ -19,12 +20,16 @@ from engine.block_manager import BlockManager
 from engine.checkpoint import load_model_config
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.guided import GuidedDecoding
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, TokenLogprob
 from engine.tokenizer import load_tokenizer
+from grammar.backend import CompiledGrammar, GrammarTokenizer
+from grammar.cache import GrammarCache
+from grammar.specs import GrammarSpec
 from lora.adapter import AdapterError, LoRAAdapter, load_adapter
 
 
@@ -55,6 +60,7 @@ class _RequestState:
         )
         self.stops = StopStringMatcher(seq.params.stop, seq.params.include_stop_str_in_output)
         self.text = ""
+        self.num_emitted = seq.num_tokens  # tokens already reported in a RequestOutput
 
 
 class LLMEngine:
@@ -83,6 +89,27 @@ class LLMEngine:
         self._lora_live: set[int] = set()  # ids in self.loras
         self._lora_ids = itertools.count(1)
         self._lora_users: Counter[int] = Counter()  # adapter id -> unfinished requests using it
+        self.grammar_cache = GrammarCache()
+
+    # -- structured output ----------------------------------------------------------------------------
+    @functools.cached_property
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The vocabulary as the grammar backends see it (built on first use: it takes a moment)."""
+        return GrammarTokenizer(
+            self.tokenizer.hf,
+            vocab_size=self.model_config.vocab_size,
+            stop_token_ids=sorted(self.eos_token_ids),
+        )
+
+    def compile_grammar(self, spec: GrammarSpec, backend: str | None = None) -> CompiledGrammar:
+        """Compile (cached) with `backend` or the engine's, falling back to the other; GrammarError if
+        no backend can within the time limit. Thread-safe: the serving layer calls it off the loop."""
+        return self.grammar_cache.compile_with_fallback(
+            spec,
+            self.grammar_tokenizer,
+            backend or self.config.grammar_backend,
+            self.config.grammar_timeout_s,
+        )
 
     # -- adapters -------------------------------------------------------------------------------------
     def add_lora(self, name: str, path, adapter: LoRAAdapter | None = None) -> int:
@@ -144,9 +171,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         adapter_id: int | str | None = 0,
+        grammar: CompiledGrammar | None = None,
     ) -> str:
-        """Queue a request; `adapter_id` is an id from `add_lora` or the adapter's name (0 or None: base model)."""
+        """Queue a request; `adapter_id` is an id from `add_lora` or the adapter's name (0 or None: base model).
+
+        `grammar`: `params.grammar` already compiled (`compile_grammar`); otherwise it is compiled here."""
         params = params or SamplingParams()
+        if params.grammar is not None and grammar is None:
+            grammar = self.compile_grammar(params.grammar, params.grammar_backend)
         adapter_id = self._resolve_adapter(adapter_id)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -165,6 +197,8 @@ class LLMEngine:
         seq = Sequence(
             token_ids, params, adapter_id=adapter_id, request_id=request_id, arrival=next(self._arrivals)
         )
+        if grammar is not None:
+            seq.guided = GuidedDecoding(grammar.matcher(), "</think>" if params.reasoning else None)
         self.scheduler.add(seq)
         self.requests[request_id] = _RequestState(request_id, seq, self.tokenizer)
         if adapter_id:
@@ -203,34 +237,40 @@ class LLMEngine:
             token = result.token_ids[i]
             if token is None:
                 continue
-            seq.append_token(token)
             if result.logprobs[i] is not None:
                 seq.output_logprobs.append(result.logprobs[i])
-            outputs.append(self._emit(state, token))
+            outputs.append(self._advance(state, token))
         return outputs
 
-    def _emit(self, state: _RequestState, token: int) -> RequestOutput:
-        seq, params = state.seq, state.seq.params
-        delta, stopped = state.stops.feed(state.detok.push(token))
-        reason = stop_reason = None
-        if stopped:
-            reason, stop_reason = "stop", state.stops.matched
-        elif (
-            token in self.eos_token_ids
-            and not params.ignore_eos
-            and seq.num_output_tokens > params.min_tokens
-        ):
-            reason, stop_reason = "stop", None
-        elif token in params.stop_token_ids and seq.num_output_tokens > params.min_tokens:
-            reason, stop_reason = "stop", token
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            if not stopped:
-                delta += state.stops.feed(state.detok.flush())[0] + state.stops.flush()
+    def _advance(self, state: _RequestState, token: int) -> RequestOutput:
+        """Append the sampled token, and the tokens its grammar then forces (jump-forward)."""
+        seq, g = state.seq, state.seq.guided
+        if g is not None and not g.accept(token):
+            # Every token the grammar allows was masked out by another setting (min_tokens holding
+            # back the stop token the grammar needs): end here, the output still matches so far.
+            delta = state.stops.feed(state.detok.flush())[0] + state.stops.flush()
+            finish = ("stop", None)
+        else:
+            delta, finish = self._append(state, token)
+        if g is not None and finish is None:
+            forced = []
+            if self.config.jump_forward and seq.params.logprobs is None:
+                forced = g.jump_forward(lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False))
+            self.runner.grammar_stats.jump_forward_tokens += len(forced)
+            for t in forced:
+                more, finish = self._append(state, t)
+                delta += more
+                if finish is not None:
+                    break
+        if finish is not None:
+            reason, stop_reason = finish
             self.scheduler.finish(seq, reason, stop_reason)
             del self.requests[state.request_id]
             self._release(seq)
+        else:
+            reason = stop_reason = None
+        num_new = seq.num_tokens - state.num_emitted
+        state.num_emitted = seq.num_tokens
         state.text += delta
         return RequestOutput(
             request_id=state.request_id,
@@ -238,14 +278,39 @@ class LLMEngine:
             text=state.text,
             delta=delta,
             token_ids=seq.output_token_ids,
-            num_new_tokens=1,
-            finished=reason is not None,
+            num_new_tokens=num_new,
+            finished=finish is not None,
             finish_reason=reason,
             stop_reason=stop_reason,
             logprobs=seq.output_logprobs,
-            prompt_logprobs=seq.prompt_logprobs if params.prompt_logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
         )
+
+    def _append(self, state: _RequestState, token: int) -> tuple[str, tuple | None]:
+        """Append one token: its text delta, and (finish_reason, stop_reason) if it ends the request."""
+        seq, params = state.seq, state.seq.params
+        seq.append_token(token)
+        text = state.detok.push(token)
+        if seq.guided is not None:
+            seq.guided.observe_text(text)
+        delta, stopped = state.stops.feed(text)
+        finish = None
+        if stopped:
+            finish = ("stop", state.stops.matched)
+        elif (
+            token in self.eos_token_ids
+            and not params.ignore_eos
+            and seq.num_output_tokens > params.min_tokens
+        ) or (seq.guided is not None and seq.guided.terminated):  # the grammar accepted its stop token
+            finish = ("stop", None)
+        elif token in params.stop_token_ids and seq.num_output_tokens > params.min_tokens:
+            finish = ("stop", token)
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            finish = ("length", None)
+        if finish is not None and not stopped:
+            delta += state.stops.feed(state.detok.flush())[0] + state.stops.flush()
+        return delta, finish
 
 
 class LLM:

@@ -7,6 +7,8 @@ the LoRA slot cache too: a step with adapters makes them resident and passes the
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ from engine.model import AttentionMetadata, LlamaForCausalLM
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import TokenLogprob
+from grammar.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
 from lora.slot_cache import LoRASlotCache
 
 
@@ -43,6 +46,24 @@ def weights_input_major(model: torch.nn.Module) -> None:
             module.weight = torch.nn.Parameter(
                 module.weight.detach().t().contiguous().t(), requires_grad=False
             )
+
+
+@dataclass
+class GrammarStats:
+    """Where structured output's time goes, summed over steps (for benchmarks and /metrics)."""
+
+    steps: int = 0  # steps with at least one constrained row
+    rows: int = 0  # constrained rows masked
+    fill_s: float = 0.0  # filling bitmasks (on a side thread, overlapping the forward pass)
+    wait_s: float = 0.0  # of that, what the step waited for after its forward pass
+    apply_s: float = 0.0  # masking the logits
+    jump_forward_tokens: int = 0  # tokens appended without sampling (counted by the engine)
+
+
+def _timed_fill(bitmask: torch.Tensor, items) -> float:
+    t0 = time.perf_counter()
+    fill_bitmasks(bitmask, items)
+    return time.perf_counter() - t0
 
 
 class ModelRunner:
@@ -93,6 +114,8 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
         )
+        self.grammar_stats = GrammarStats()
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="motet-bitmask")
 
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size
@@ -132,11 +155,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        hidden, qsl = self.forward(batch)
-
         sample_rows = [i for i in range(len(batch)) if batch.samples(i)]
+        sample_seqs = [batch.seqs[i] for i in sample_rows]
+        # Constrained rows: their bitmask rows are filled on a side thread while the forward pass runs
+        # (xgrammar releases the GIL); unconstrained rows are never touched.
+        guided = [r for r, seq in enumerate(sample_seqs) if seq.guided is not None and seq.guided.active]
+        if guided:
+            bitmask = allocate_bitmask(len(sample_rows), self.model_config.vocab_size)
+            items = [(sample_seqs[r].guided.matcher, r) for r in guided]
+            filling = self._grammar_thread.submit(_timed_fill, bitmask, items)
+
+        hidden, qsl = self.forward(batch)
         logits = self.model.compute_logits(hidden[[qsl[i + 1] - 1 for i in sample_rows]])
-        out = self.sampler(logits, [batch.seqs[i] for i in sample_rows])
+        if guided:
+            self._apply_grammar(logits, bitmask, guided, filling)
+        out = self.sampler(logits, sample_seqs)
 
         result = StepResult([None] * len(batch), [None] * len(batch), [None] * len(batch))
         for row, i in enumerate(sample_rows):
@@ -154,3 +187,14 @@ class ModelRunner:
             chunk_logits = self.model.compute_logits(hidden[list(rows)])
             result.prompt_logprobs[i] = compute_prompt_logprobs(chunk_logits, torch.tensor(targets), k)
         return result
+
+    def _apply_grammar(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], filling) -> None:
+        stats = self.grammar_stats
+        t0 = time.perf_counter()
+        stats.fill_s += filling.result()
+        t1 = time.perf_counter()
+        apply_bitmask(logits, bitmask, rows)
+        stats.wait_s += t1 - t0
+        stats.apply_s += time.perf_counter() - t1
+        stats.steps += 1
+        stats.rows += len(rows)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grammar.specs import GrammarSpec
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output: the output must match `grammar` (grammar.specs), compiled with
+    # `grammar_backend` (None: the engine's). With `reasoning`, the output starts with the model's
+    # reasoning and the grammar applies after "</think>".
+    grammar: GrammarSpec | None = None
+    grammar_backend: str | None = None
+    reasoning: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,6 +72,8 @@ class SamplingParams:
             bad("prompt_logprobs", "must be in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            bad("grammar", "must be a grammar spec (grammar.JsonSchemaSpec, RegexSpec, ...)")
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from engine.guided import GuidedDecoding
 from engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -45,6 +46,7 @@ class Sequence:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_preemptions: int = 0
+    guided: GuidedDecoding | None = None  # the grammar constraint, if any
 
     def __post_init__(self):
         if not self.prompt_token_ids:

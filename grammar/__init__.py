@@ -36,6 +36,7 @@ _EXPORTS = {
         "JsonObjectSpec",
         "JsonSchemaSpec",
         "RegexSpec",
+        "StructuralTagSpec",
     ],
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}

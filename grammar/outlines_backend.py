@@ -28,6 +28,7 @@ from grammar.specs import (
     JsonObjectSpec,
     JsonSchemaSpec,
     RegexSpec,
+    StructuralTagSpec,
     short_error,
     whitespace_regex,
 )
@@ -162,8 +163,8 @@ class OutlinesBackend(Backend):
             return self._vocab
 
     def compile(self, spec: GrammarSpec) -> OutlinesCompiled:
-        if isinstance(spec, EbnfSpec):
-            raise GrammarError("outlines does not support EBNF grammars", "unsupported")
+        if isinstance(spec, EbnfSpec | StructuralTagSpec):
+            raise GrammarError(f"outlines does not support {spec.kind} grammars", "unsupported")
         if isinstance(spec, JsonObjectSpec):
             spec = spec.as_schema()
         if isinstance(spec, ChoiceSpec):

@@ -114,7 +114,22 @@ class EbnfSpec:
         return f"ebnf:{self.root}:{self.grammar}"
 
 
-GrammarSpec = JsonSchemaSpec | JsonObjectSpec | RegexSpec | ChoiceSpec | EbnfSpec
+@dataclass(frozen=True)
+class StructuralTagSpec:
+    """An xgrammar structural tag (`{"type": "structural_tag", "format": {...}}`): free text and
+    schema-constrained tagged regions, e.g. tool calls (grammar.tool_calls builds them). xgrammar only."""
+
+    tag: dict | str
+    kind = "structural_tag"
+
+    def tag_json(self) -> str:
+        return self.tag if isinstance(self.tag, str) else json.dumps(self.tag, ensure_ascii=False)
+
+    def key(self) -> str:
+        return "structural_tag:" + self.tag_json()
+
+
+GrammarSpec = JsonSchemaSpec | JsonObjectSpec | RegexSpec | ChoiceSpec | EbnfSpec | StructuralTagSpec
 
 # Metacharacters of both regex dialects (xgrammar's ECMAScript-like, outlines' Rust regex).
 _REGEX_META = set("\\.^$|?*+()[]{}")

@@ -17,6 +17,7 @@ from grammar.specs import (
     JsonObjectSpec,
     JsonSchemaSpec,
     RegexSpec,
+    StructuralTagSpec,
     short_error,
 )
 
@@ -96,6 +97,8 @@ class XGrammarBackend(Backend):
             elif isinstance(spec, EbnfSpec):
                 grammar = xgr.Grammar.from_ebnf(spec.grammar, root_rule_name=spec.root)
                 compiled = self._compiler.compile_grammar(grammar)
+            elif isinstance(spec, StructuralTagSpec):
+                compiled = self._compiler.compile_structural_tag(spec.tag_json())
             else:
                 raise GrammarError(f"unknown grammar spec {type(spec).__name__}")
         except GrammarError:

@@ -1,0 +1,158 @@
+"""A request's structured output: which grammar constrains it, which tools it may call, its prompt.
+
+OpenAI's `response_format` (json_object, json_schema), vLLM's `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar`, and `tools` + `tool_choice` all become one grammar spec (or none)
+and a tool mode that says how the output is parsed:
+
+- `tool_choice` "required" or a named function: the output is constrained to Hermes-style calls of
+  those tools whose arguments follow each tool's schema (an xgrammar structural tag).
+- "auto": free text, and where the model opens `<tool_call>`, the call is constrained likewise
+  (unless the request sends `guided_tool_calls: false`: then calls are only parsed).
+- otherwise `response_format` / `guided_*`, at most one of them.
+
+Everything that is wrong with them is answered 400 here, naming the field, before any work is queued;
+whether a spec compiles is found out by the ingress (the compile cache, with its time limit).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from api.errors import APIError
+from grammar.schema_normalize import normalize_schema
+from grammar.specs import (
+    ChoiceSpec,
+    EbnfSpec,
+    GrammarError,
+    GrammarSpec,
+    JsonObjectSpec,
+    JsonSchemaSpec,
+    RegexSpec,
+    StructuralTagSpec,
+)
+from grammar.tool_calls import (
+    Tool,
+    ToolError,
+    render_messages,
+    resolve_tool_choice,
+    template_supports_tools,
+    tool_call_structural_tag,
+    validate_tools,
+)
+
+BACKENDS = ("xgrammar", "outlines")
+
+
+@dataclass
+class Structure:
+    spec: GrammarSpec | None = None
+    param: str | None = None  # the request field that errors about the grammar name
+    backend: str | None = None  # per-request backend override
+    tool_mode: str = "none"  # "none" | "auto" | "required": whether the output is parsed for calls
+    tools: list[Tool] = field(default_factory=list)  # all the request's tools (shown in the prompt)
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def _schema(value, param: str) -> dict:
+    """A JSON schema from a request (a dict, or its JSON text), checked against its meta-schema."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise _bad(param, f"the schema is not valid JSON ({e})") from None
+    if isinstance(value, bool):
+        value = {} if value else {"not": {}}
+    if not isinstance(value, dict):
+        raise _bad(param, "the schema must be a JSON object")
+    try:
+        schema = normalize_schema(value)  # also checks it against its meta-schema
+    except GrammarError as e:
+        raise _bad(param, str(e)) from None
+    return schema
+
+
+def _response_format(rf: dict) -> GrammarSpec | None:
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise _bad("response_format", 'must be an object with a "type"')
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonObjectSpec()
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise _bad("response_format.json_schema", 'must be an object with a "schema"')
+        return JsonSchemaSpec(_schema(js["schema"], "response_format.json_schema.schema"))
+    if kind == "structural_tag":
+        return StructuralTagSpec({k: v for k, v in rf.items() if k != "type"} | {"type": "structural_tag"})
+    raise _bad("response_format", f"unknown type {kind!r} (text, json_object, json_schema, structural_tag)")
+
+
+def _guided(req) -> list[tuple[str, GrammarSpec | None]]:
+    """The grammar fields the request sets, as (field, spec)."""
+    found = []
+    if req.response_format is not None:
+        found.append(("response_format", _response_format(req.response_format)))
+    if req.guided_json is not None:
+        found.append(("guided_json", JsonSchemaSpec(_schema(req.guided_json, "guided_json"))))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", RegexSpec(req.guided_regex)))
+    if req.guided_choice is not None:
+        try:
+            found.append(("guided_choice", ChoiceSpec(tuple(req.guided_choice))))
+        except GrammarError as e:
+            raise _bad("guided_choice", str(e)) from None
+    if req.guided_grammar is not None:
+        found.append(("guided_grammar", EbnfSpec(req.guided_grammar)))
+    return [(name, spec) for name, spec in found if spec is not None]
+
+
+def structured_output(req, allow_tools: bool = True) -> Structure:
+    """The grammar and tool mode of a chat or completions request (APIError 400 when malformed)."""
+    backend = req.guided_decoding_backend
+    if backend is not None and backend not in BACKENDS:
+        raise _bad("guided_decoding_backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    guided = _guided(req)
+    if len(guided) > 1:
+        names = ", ".join(name for name, _ in guided)
+        raise APIError(400, f"set at most one of {names}", param=guided[1][0])
+    out = Structure(backend=backend)
+    if guided:
+        out.param, out.spec = guided[0]
+
+    tools_field = getattr(req, "tools", None) if allow_tools else None
+    if tools_field is None and getattr(req, "tool_choice", None) not in (None, "none", "auto"):
+        raise _bad("tool_choice", "needs tools")
+    if tools_field is None:
+        return out
+    try:
+        tools = validate_tools(tools_field)
+        mode, callable_tools = resolve_tool_choice(req.tool_choice, tools)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    out.tool_mode, out.tools = mode, tools
+    constrain = req.guided_tool_calls and mode != "none"
+    if mode == "required" and out.spec is not None:
+        raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with {out.param}", out.param)
+    if constrain and (mode == "required" or out.spec is None):
+        parallel = req.parallel_tool_calls is not False
+        out.spec = StructuralTagSpec(tool_call_structural_tag(callable_tools, mode, parallel))
+        out.param = "tools"
+    return out
+
+
+def prompt_messages(messages: list[dict], structure: Structure, chat_template: str | None):
+    """The messages to render, and extra template arguments: the model's own tool format where its
+    template has one, else Hermes-style (tools in the system prompt, calls as <tool_call> blocks)."""
+    shown = structure.tools if structure.tool_mode != "none" else []
+    if template_supports_tools(chat_template):
+        return messages, ({"tools": [t.openai_dict() for t in shown]} if shown else {})
+    try:
+        return render_messages(messages, shown), {}
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
