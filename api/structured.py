@@ -149,7 +149,7 @@ def structured_output(req, allow_tools: bool = True) -> Structure:
 def prompt_messages(messages: list[dict], structure: Structure, chat_template: str | None):
     """The messages to render, and extra template arguments: the model's own tool format where its
     template has one, else Hermes-style (tools in the system prompt, calls as <tool_call> blocks)."""
-    shown = structure.tools if structure.tool_mode != "none" else []
+    shown = structure.tools  # with tool_choice "none" too, as vLLM does: the model sees them, cannot call
     if template_supports_tools(chat_template):
         return messages, ({"tools": [t.openai_dict() for t in shown]} if shown else {})
     try:

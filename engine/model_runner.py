@@ -62,7 +62,8 @@ class GrammarStats:
 
 def _timed_fill(bitmask: torch.Tensor, items) -> float:
     t0 = time.perf_counter()
-    fill_bitmasks(bitmask, items)
+    with torch.inference_mode():  # the bitmask was made in the step's inference mode; this is another thread
+        fill_bitmasks(bitmask, items)
     return time.perf_counter() - t0
 
 
