@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from actors.messages import LoraRef
 from api import protocol as P
 from api.errors import APIError
-from lora.adapter import AdapterError
+from lora.adapter import PICKLED_SUFFIXES, AdapterError, AdapterTooLarge, pickle_refusal
 from lora.registry import FILES, AdapterExists, AdapterNotFound, AdapterRegistry
 
 if TYPE_CHECKING:
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 SHARED_OWNER = "motet"
 ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip")
-PICKLES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 FORM_SLACK = 64 << 10  # multipart headers and the config file, on top of the weights' limit
 
 
@@ -141,8 +140,7 @@ class AdapterStore:
         except AdapterExists:
             raise APIError(409, f"adapter {name!r} already exists; delete it first", param="name") from None
         except AdapterError as e:
-            # The registry words size refusals "... the limit of N bytes": those are 413s.
-            status = 413 if "the limit" in str(e) else 400
+            status = 413 if isinstance(e, AdapterTooLarge) else 400
             raise APIError(status, str(e), code="invalid_adapter") from None
         own[name] = adapter = self._entry(info)
         return adapter
@@ -223,13 +221,8 @@ async def read_upload(request: Request, max_bytes: int) -> tuple[str, dict[str, 
             f"{'/'.join(ARCHIVES)} archive",
             param="files",
         )
-    if pickled := [f for f in files if f.lower().endswith(PICKLES)]:
-        raise APIError(
-            400,
-            f"{pickled[0]}: pickled checkpoints are refused (loading them can run code); upload "
-            f"{FILES[1]} (PeftModel.save_pretrained(..., safe_serialization=True))",
-            param="files",
-        )
+    if pickled := [f for f in files if f.lower().endswith(PICKLED_SUFFIXES)]:
+        raise APIError(400, str(pickle_refusal(pickled[0])), param="files")
     return name, files
 
 

@@ -161,6 +161,7 @@ class LLMEngine:
             self._lora_users[a] -= 1
             if not self._lora_users[a]:
                 del self._lora_users[a]
+                self.runner.loras.unpin(a)
                 if a not in self._lora_live:
                     self.runner.loras.unregister(a)
 
@@ -199,7 +200,15 @@ class LLMEngine:
         )
         if grammar is not None:
             seq.guided = GuidedDecoding(grammar.matcher(), "</think>" if params.reasoning else None)
-        self.scheduler.add(seq)
+        pin = adapter_id and not self._lora_users[adapter_id]
+        if pin:  # its files may be deleted while it runs: keep the host copy (AdapterError if it is gone)
+            self.runner.loras.pin(adapter_id)
+        try:
+            self.scheduler.add(seq)
+        except ValueError:
+            if pin:
+                self.runner.loras.unpin(adapter_id)
+            raise
         self.requests[request_id] = _RequestState(request_id, seq, self.tokenizer)
         if adapter_id:
             self._lora_users[adapter_id] += 1

@@ -52,6 +52,20 @@ class AdapterError(ValueError):
     """An adapter that cannot be served; the message names the file and the key or field to fix."""
 
 
+class AdapterTooLarge(AdapterError):
+    """An adapter (or one of its files) above a size limit: HTTP 413 rather than 400."""
+
+
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def pickle_refusal(filename: str) -> AdapterError:
+    return AdapterError(
+        f"{filename}: pickled checkpoints are refused (loading them can run code); upload "
+        f"{WEIGHTS_FILE} (PeftModel.save_pretrained(..., safe_serialization=True))"
+    )
+
+
 @dataclass
 class LoRAAdapter:
     name: str
@@ -204,7 +218,7 @@ def _check_safetensors_header(
     """Cheap structural checks before safetensors parses anything: sizes first, then the JSON header."""
     size = file.stat().st_size
     if size > max_file_bytes:
-        raise AdapterError(f"{file}: {size} bytes is above the limit of {max_file_bytes} bytes")
+        raise AdapterTooLarge(f"{file}: {size} bytes is above the limit of {max_file_bytes} bytes")
     with file.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:

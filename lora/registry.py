@@ -27,7 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from engine.config import ModelConfig
-from lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, load_adapter
+from lora.adapter import (
+    CONFIG_FILE,
+    PICKLED_SUFFIXES,
+    WEIGHTS_FILE,
+    AdapterError,
+    AdapterTooLarge,
+    load_adapter,
+    pickle_refusal,
+)
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # no leading dot: hidden names are ours
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
@@ -158,7 +166,7 @@ class AdapterRegistry:
         if missing := [f for f in FILES if f not in files]:
             raise AdapterError(f"{missing[0]} is missing; an adapter is {' and '.join(FILES)}")
         if sum(len(d) for d in files.values()) > self.max_bytes:
-            raise AdapterError(f"the adapter is larger than the limit of {self.max_bytes} bytes")
+            raise AdapterTooLarge(f"the adapter is larger than the limit of {self.max_bytes} bytes")
 
     def _from_archive(self, data: bytes, filename: str) -> dict[str, bytes]:
         lower = filename.lower()
@@ -171,10 +179,12 @@ class AdapterRegistry:
     def _member(self, name: str, size: int, out: dict[str, bytes]) -> str | None:
         """Check a file member's path and size; returns the adapter file it is, or None for one to skip."""
         parts = _safe_parts(name)
+        if parts and parts[-1].lower().endswith(PICKLED_SUFFIXES):
+            raise pickle_refusal(f"archive member {name!r}")
         if len(parts) > 2 or not parts or parts[-1] not in (*FILES, *IGNORED):
             raise AdapterError(f"archive member {name!r} is unexpected; an adapter is {' and '.join(FILES)}")
         if size > self.max_bytes:
-            raise AdapterError(
+            raise AdapterTooLarge(
                 f"archive member {name!r}: {size} bytes is above the limit of {self.max_bytes}"
             )
         if parts[-1] in IGNORED:

@@ -68,6 +68,7 @@ class LoRASlotCache:
         self.device, self.dtype = torch.device(device), dtype
         self.paths: dict[int, Path] = {}  # registered adapters: id -> directory
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU first
+        self.pinned: set[int] = set()  # in use by unfinished requests: their host copy is never evicted
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self.slot_rank = [0] * max_loras
         self.slot_modules: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]
@@ -91,6 +92,7 @@ class LoRASlotCache:
         self.paths.pop(adapter_id, None)
         with self._lock:
             self.cpu.pop(adapter_id, None)
+            self.pinned.discard(adapter_id)
         self.resident.pop(adapter_id, None)
 
     def get_cpu(self, adapter_id: int) -> LoRAAdapter:
@@ -107,11 +109,27 @@ class LoRASlotCache:
             self._cache(adapter_id, adapter)
         return adapter
 
+    def pin(self, adapter_id: int) -> None:
+        """Keep the host copy while requests use the adapter: its files may be deleted meanwhile."""
+        self.get_cpu(adapter_id)
+        with self._lock:
+            self.pinned.add(adapter_id)
+
+    def unpin(self, adapter_id: int) -> None:
+        with self._lock:
+            self.pinned.discard(adapter_id)
+            self._evict()
+
     def _cache(self, adapter_id: int, adapter: LoRAAdapter) -> None:
         self.cpu[adapter_id] = adapter
         self.cpu.move_to_end(adapter_id)
-        while len(self.cpu) > self.max_cpu_loras:
-            self.cpu.popitem(last=False)
+        self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used first, skipping pinned adapters (the cache may exceed its size by those)."""
+        unpinned = [i for i in self.cpu if i not in self.pinned]
+        for victim in unpinned[: max(0, len(self.cpu) - self.max_cpu_loras)]:
+            del self.cpu[victim]
 
     # -- device slots ------------------------------------------------------------------------------------
     def activate(self, adapter_ids) -> dict[int, int]:

@@ -193,6 +193,35 @@ def test_remove_lora_lets_running_requests_finish(tiny_model_dir, tiny_loras):
     assert llm.add_lora("all8", paths["all8"]) > adapter_id
 
 
+def test_a_removed_adapter_whose_files_are_gone_still_serves_its_requests(
+    tiny_model_dir, tiny_loras, tmp_path
+):
+    """Its host copy is pinned while requests use it: another adapter cannot push it out of the host
+    cache (max_cpu_loras=1) after its files are deleted."""
+    import shutil
+
+    peft, paths = tiny_loras
+    doomed = shutil.copytree(paths["all8"], tmp_path / "doomed")
+    llm = tiny_llm(tiny_model_dir, {"doomed": doomed, "qv4": paths["qv4"]}, max_cpu_loras=1, max_loras=2)
+    engine = llm.engine
+    prompt = [9, 8, 7, 6, 5]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    rid = engine.add_request(prompt, params, adapter_id="doomed")
+    engine.step()
+    engine.remove_lora("doomed")
+    shutil.rmtree(doomed)
+    others = [engine.add_request([3, 4, 5, i + 6], params, adapter_id="qv4") for i in range(3)]
+    doomed_id = engine.runner.loras.pinned.copy().pop()
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        if rid not in outs:
+            assert doomed_id in engine.runner.loras.cpu
+    assert outs[rid].token_ids == peft_reference(peft, "all8", prompt, 8)[0][5:]
+    assert all(outs[r].finish_reason == "length" for r in others)
+    assert not engine.runner.loras.pinned and len(engine.runner.loras.cpu) <= 1
+
+
 def test_add_lora_validates(tiny_model_dir, tiny_loras, tmp_path):
     _, paths = tiny_loras
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_lora_rank=16)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save
 
 import lora.registry as registry
-from lora.adapter import AdapterError, load_adapter
+from lora.adapter import AdapterError, AdapterTooLarge, load_adapter
 from lora.registry import AdapterExists, AdapterNotFound, AdapterRegistry
 from tests.test_lora_slot_cache import BASE
 
@@ -114,6 +114,7 @@ def test_save_archives(reg, kind):
         ([("dev", tarfile.CHRTYPE, "")], "special file"),
         ([("adapter_config.json", b"x" * (65 << 10))], "above the limit"),
         ([("evil.py", b"import os")], "'evil.py' is unexpected"),
+        ([("adapter_model.bin", b"\x80\x04pickle")], "pickled checkpoints are refused"),
         ([("a/b/adapter_config.json", b"{}")], "unexpected"),
         ([("adapter_config.json", b"{}"), ("x/adapter_config.json", b"{}")], "appears twice"),
         ([(f"f{i}", tarfile.DIRTYPE, "") for i in range(20)], "more than 16 members"),
@@ -212,3 +213,17 @@ def test_survives_a_restart_and_sweeps_leftovers(reg, tmp_path):
     again = AdapterRegistry(tmp_path, BASE)
     assert [i.name for i in again.list("t")] == ["x"]
     assert on_disk(tmp_path) == ["t", "t/x", f"t/x/{CFG}", f"t/x/{WEIGHTS}"]
+
+
+def test_size_refusals_are_typed(reg, tmp_path):
+    """The API answers these 413 (not 400) by their type."""
+    files = adapter_files()
+    big = {**files, WEIGHTS: files[WEIGHTS] + b"\0" * (64 << 10)}
+    with pytest.raises(AdapterTooLarge):
+        reg.save("t", "x", big)
+    with pytest.raises(AdapterTooLarge):
+        reg.save("t", "x", archive=tar_bytes([(CFG, b"x" * (65 << 10))]), filename="a.tar")
+    with pytest.raises(AdapterError) as e:
+        reg.save("t", "x", archive=tar_bytes([("evil.py", b"import os")]), filename="a.tar")
+    assert not isinstance(e.value, AdapterTooLarge)
+    assert on_disk(tmp_path) == []

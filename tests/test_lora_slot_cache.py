@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import lora.slot_cache as slot_cache
 from engine.config import ModelConfig
-from lora.adapter import TARGET_MODULES, LoRAAdapter, module_shape
+from lora.adapter import TARGET_MODULES, AdapterError, LoRAAdapter, module_shape
 from lora.slot_cache import LoRASlotCache
 
 BASE = ModelConfig.from_dict(
@@ -190,3 +190,21 @@ def test_triton_kernels_take_the_fused_column_slices_and_rank_cut_views(adapters
             lora.add(got, x, layer, modules, sizes)
         assert not torch.allclose(ref, y)  # the adapters did something
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_pinned_host_copies_outlive_their_files(tmp_path):
+    import shutil
+
+    cache = LoRASlotCache(BASE, max_loras=2, max_cpu_loras=1)
+    paths = {i: write_adapter(tmp_path / f"a{i}", rank=4, modules=("q_proj",), seed=i) for i in (1, 2, 3)}
+    for i, p in paths.items():
+        cache.register(i, p)
+    cache.pin(1)
+    shutil.rmtree(paths[1])
+    cache.get_cpu(2), cache.get_cpu(3)  # would evict 1 without the pin
+    assert 1 in cache.cpu and cache.get_cpu(1).rank == 4
+    cache.unpin(1)
+    assert list(cache.cpu) == [1]  # back to the size limit, least recently used out
+    cache.get_cpu(2)
+    with pytest.raises(AdapterError):
+        cache.get_cpu(1)  # its files are gone
