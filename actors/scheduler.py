@@ -208,6 +208,9 @@ class SchedulerActor(Actor):
             if entry is None:
                 continue
             stream, tenant = entry
+            if out.error is not None:
+                self._fail(out.request_id, EngineFailure("internal error while processing this request"))
+                continue
             n = out.num_new_tokens
             first = stream.num_puts == 0  # prompt logprobs are complete by the first token
             stream.put(

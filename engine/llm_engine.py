@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from grammar.cache import GrammarCache
 from grammar.specs import GrammarSpec
 from lora.adapter import AdapterError, LoRAAdapter, load_adapter
 
+log = logging.getLogger("motet.engine")
+
 
 @dataclass
 class RequestOutput:
@@ -47,6 +50,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # the request failed (finish_reason "abort"); the others in its step did not
 
 
 class _RequestState:
@@ -248,7 +252,20 @@ class LLMEngine:
                 continue
             if result.logprobs[i] is not None:
                 seq.output_logprobs.append(result.logprobs[i])
-            outputs.append(self._advance(state, token))
+            try:
+                outputs.append(self._advance(state, token))
+            except Exception as e:  # one request's failure (a grammar backend bug, ...) is its own
+                log.exception("request %s failed while processing its token", state.request_id)
+                self.abort(state.request_id)
+                outputs.append(
+                    RequestOutput(
+                        state.request_id,
+                        seq.prompt_token_ids,
+                        finished=True,
+                        finish_reason="abort",
+                        error=repr(e),
+                    )
+                )
         return outputs
 
     def _advance(self, state: _RequestState, token: int) -> RequestOutput:

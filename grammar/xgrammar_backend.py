@@ -49,7 +49,12 @@ class XGrammarMatcher(Matcher):
             self._m.rollback(num_tokens)
 
     def find_jump_forward_string(self) -> str:
-        return "" if self._m.is_terminated() else self._m.find_jump_forward_string()
+        if self._m.is_terminated():
+            return ""
+        try:
+            return self._m.find_jump_forward_string()
+        except UnicodeDecodeError:  # the forced bytes end inside a multi-byte character: jump no further
+            return ""
 
     def reset(self) -> None:
         self._m.reset()

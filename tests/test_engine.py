@@ -192,3 +192,29 @@ def test_cli_generate_json(tiny_model_dir, capsys):
     assert set(out) == {"text", "token_ids", "finish_reason"} and len(out["token_ids"]) == 5
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_a_request_that_fails_in_processing_fails_alone(tiny_model_dir):
+    """A backend raising for one sequence (here its grammar matcher) must not take its batch with it."""
+    from engine.guided import GuidedDecoding
+    from grammar.backend import Matcher
+
+    class Broken(Matcher):
+        accept_token = fill_bitmask = is_completed = rollback = reset = lambda *a: True
+        is_terminated = lambda self: False  # noqa: E731
+
+        def find_jump_forward_string(self):
+            raise UnicodeDecodeError("utf-8", b"\x8b", 0, 1, "invalid start byte")
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=8, num_kv_blocks=256))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    bad = engine.add_request([5, 6, 7], params)
+    good = engine.add_request([5, 6, 8], params)
+    engine.requests[bad].seq.guided = GuidedDecoding(Broken())
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert outs[bad][-1].error and outs[bad][-1].finish_reason == "abort" and len(outs[bad]) == 1
+    assert outs[good][-1].finish_reason == "length" and len(outs[good][-1].token_ids) == 4
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
