@@ -3,11 +3,13 @@
 Requests arrive as a Poisson process (--request-rate per second; inf: all at once) and at most
 --concurrency are in flight. Each request streams a completion with a fixed output length (ignore_eos),
 so runs are comparable. Reported per concurrency level: TTFT, TPOT (per output token after the first),
-inter-token latency (between streamed chunks, spread over the tokens each carried) and end-to-end
-latency percentiles, plus request and token throughput. Writes JSON and Markdown.
+inter-token latency (between streamed chunks) and end-to-end latency percentiles, request and token
+throughput, and goodput (requests per second that met the TTFT and TPOT targets, when given). Writes
+JSON and Markdown. The pieces here (one streamed request, one level, its summary) are also what
+`motet eval serving` (evals/suites/serving.py) runs on.
 
-    python evals/serving_bench.py --concurrency 1 16 64                # starts a server itself
-    python evals/serving_bench.py --url http://127.0.0.1:8000 --concurrency 8
+    python -m evals.serving_bench --concurrency 1 16 64                # starts a server itself
+    python -m evals.serving_bench --url http://127.0.0.1:8000 --concurrency 8
 """
 
 from __future__ import annotations
@@ -18,18 +20,15 @@ import json
 import math
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
 TEXT = (
     "the model serves many tenants with adapters and grammars on a paged cache while the scheduler "
     "keeps every step full of tokens from prompts and decodes alike so latency stays low and fair"
@@ -46,6 +45,11 @@ class Record:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
 
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first (None with fewer than two tokens)."""
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
 
 def make_prompts(n: int, mean_words: int, seed: int) -> list[str]:
     rng, words = random.Random(seed), TEXT.split()
@@ -55,14 +59,30 @@ def make_prompts(n: int, mean_words: int, seed: int) -> list[str]:
     ]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Record:
-    rec = Record()
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+def completion_body(model: str, prompt: str, max_tokens: int) -> dict:
+    """A streamed /v1/completions body with a fixed output length."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+def _has_output(choice: dict) -> bool:
+    """Whether a completions chunk (`text`) or a chat chunk (`delta`) carries generated output."""
+    delta = choice.get("delta") or {}
+    return bool(
+        choice.get("text")
+        or delta.get("content")
+        or delta.get("reasoning_content")
+        or delta.get("tool_calls")
+    )
+
+
+async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Record:
+    """POST a streaming request (`/completions` or `/chat/completions`) and time its chunks."""
+    rec = Record()
     t0 = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return rec
@@ -77,7 +97,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
                 if chunk.get("error"):
                     rec.error = chunk["error"]["message"]
                     return rec
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                if not chunk.get("choices") or not _has_output(chunk["choices"][0]):
                     continue
                 if last is None:
                     rec.ttft = now - t0
@@ -86,25 +106,39 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
                 last = now
         rec.e2e = time.perf_counter() - t0
         rec.ok = rec.output_tokens > 0
+        if not rec.ok:
+            rec.error = "no output tokens reported (usage missing or empty)"
     except httpx.HTTPError as e:
         rec.error = f"{type(e).__name__}: {e}"
     return rec
 
 
-async def run_level(url, model, prompts, concurrency, rate, max_tokens, seed) -> tuple[list[Record], float]:
+async def run_level(
+    url: str,
+    requests: list[tuple[str, dict]],
+    concurrency: int,
+    rate: float = math.inf,
+    seed: int = 0,
+    headers: dict | None = None,
+    on_done: Callable[[Record], None] | None = None,
+) -> tuple[list[Record], float]:
+    """Send (path, body) requests with Poisson arrivals at `rate`/s, at most `concurrency` in flight."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits, headers=headers) as client:
 
-        async def gated(prompt):
+        async def gated(path, body):
             async with sem:
-                return await one_request(client, model, prompt, max_tokens)
+                rec = await one_request(client, path, body)
+            if on_done is not None:
+                on_done(rec)
+            return rec
 
         tasks = []
         t0 = time.perf_counter()
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(gated(prompt)))
+        for path, body in requests:
+            tasks.append(asyncio.create_task(gated(path, body)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         records = await asyncio.gather(*tasks)
@@ -120,17 +154,30 @@ def pct(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def summarize(records: list[Record], duration: float, concurrency: int) -> dict:
+def stats(xs: list[float]) -> dict:
+    return {"mean": statistics.fmean(xs) if xs else float("nan"), "p50": pct(xs, 0.5), "p90": pct(xs, 0.9),
+            "p99": pct(xs, 0.99)}  # fmt: skip
+
+
+def meets_slo(r: Record, ttft_slo: float | None, tpot_slo: float | None) -> bool:
+    if not r.ok:
+        return False
+    if ttft_slo is not None and r.ttft > ttft_slo:
+        return False
+    return tpot_slo is None or r.tpot is None or r.tpot <= tpot_slo
+
+
+def summarize(
+    records: list[Record],
+    duration: float,
+    concurrency: int,
+    ttft_slo: float | None = None,
+    tpot_slo: float | None = None,
+) -> dict:
     ok = [r for r in records if r.ok]
+    good = [r for r in records if meets_slo(r, ttft_slo, tpot_slo)]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    itl = [x for r in ok for x in r.itls]
-
-    def stats(xs):
-        return {"mean": statistics.fmean(xs) if xs else float("nan"), "p50": pct(xs, 0.5), "p90": pct(xs, 0.9),
-                "p99": pct(xs, 0.99)}  # fmt: skip
-
     return {
         "concurrency": concurrency,
         "requests": len(records),
@@ -141,9 +188,11 @@ def summarize(records: list[Record], duration: float, concurrency: int) -> dict:
         "request_throughput": len(ok) / duration,
         "output_token_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "goodput": len(good) / duration,  # requests per second that met the targets
+        "slo_attainment": len(good) / len(records) if records else float("nan"),
         "ttft_s": stats([r.ttft for r in ok]),
-        "tpot_s": stats(tpot),
-        "itl_s": stats(itl),
+        "tpot_s": stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl_s": stats([x for r in ok for x in r.itls]),
         "e2e_s": stats([r.e2e for r in ok]),
     }
 
@@ -173,31 +222,15 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--max-num-seqs", str(max(args.concurrency)), *args.server_args]  # fmt: skip
-    if args.model_path:
-        cmd += ["--model", args.model_path]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not become ready")
+def machine() -> str:
+    return (
+        f"{os.cpu_count()} CPUs, {sys.platform}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+    )
 
 
 def main(argv=None) -> int:
+    from evals.server import ManagedServer
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--url", default=None, help="a running server; default: start `motet serve` on a free port"
@@ -214,16 +247,20 @@ def main(argv=None) -> int:
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to `motet serve`")
     args = p.parse_args(argv)
 
-    proc, url = (None, args.url) if args.url else start_server(args)
+    server = None
+    if args.url is None:
+        server_args = ["--max-num-seqs", str(max(args.concurrency)), *args.server_args]
+        server = ManagedServer(server_args, model=args.model_path).start()
+    url = args.url or server.url
     try:
-        asyncio.run(run_level(url, args.model, make_prompts(2, 8, 1), 2, math.inf, 4, 0))  # warm-up
+        warm = [("/v1/completions", completion_body(args.model, p, 4)) for p in make_prompts(2, 8, 1)]
+        asyncio.run(run_level(url, warm, 2))
         levels = []
         for c in args.concurrency:
             n = args.num_prompts or max(8, 2 * c)
             prompts = make_prompts(n, args.prompt_words, args.seed + c)
-            records, duration = asyncio.run(
-                run_level(url, args.model, prompts, c, args.request_rate, args.max_tokens, args.seed)
-            )
+            requests = [("/v1/completions", completion_body(args.model, p, args.max_tokens)) for p in prompts]
+            records, duration = asyncio.run(run_level(url, requests, c, args.request_rate, args.seed))
             summary = summarize(records, duration, c)
             levels.append(summary)
             print(
@@ -233,9 +270,8 @@ def main(argv=None) -> int:
                 flush=True,
             )
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(60)
+        if server is not None:
+            server.stop(60)
 
     report = {
         "config": {
@@ -245,8 +281,8 @@ def main(argv=None) -> int:
             "prompt_words": args.prompt_words,
             "request_rate": args.request_rate,
             "seed": args.seed,
-        },  # fmt: skip
-        "machine": f"{os.cpu_count()} CPUs, {sys.platform}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
+        },
+        "machine": machine(),
         "levels": levels,
     }
     out = Path(args.output_dir)

@@ -70,7 +70,11 @@ def run_motet(llm: LLM, prompts, new_tokens: int) -> dict:
     }
 
 
-def run_hf(model, tokenizer, prompts, batch: int, new_tokens: int) -> dict:
+def run_hf(
+    model, tokenizer, prompts, batch: int, new_tokens: int, adapter_names: list[str] | None = None
+) -> dict:
+    """HF `generate` in padded batches of `batch`; `adapter_names` (one per prompt) for a PEFT model's
+    mixed-adapter batches ("__base__": no adapter)."""
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     t0 = time.perf_counter()
@@ -79,6 +83,7 @@ def run_hf(model, tokenizer, prompts, batch: int, new_tokens: int) -> dict:
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        extra = {"adapter_names": adapter_names[i : i + batch]} if adapter_names else {}
         with torch.inference_mode():
             model.generate(
                 input_ids=ids,
@@ -87,9 +92,46 @@ def run_hf(model, tokenizer, prompts, batch: int, new_tokens: int) -> dict:
                 min_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=pad,
+                **extra,
             )
     elapsed = time.perf_counter() - t0
     return {"seconds": elapsed, "tokens_per_s": len(prompts) * new_tokens / elapsed}
+
+
+def engine_vs_hf(
+    model_dir,
+    dtype,
+    hf,
+    batches: list[int],
+    n_prompts: int,
+    batch1_prompts: int | None,
+    new_tokens: int,
+    on_row=print,
+) -> list[dict]:
+    """For each batch limit B: motet (max_num_seqs=B) and HF (padded batches of B) on the same prompts."""
+    rows = []
+    for b in batches:
+        n = batch1_prompts if (b == 1 and batch1_prompts) else n_prompts
+        llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=b, num_kv_blocks=4096)
+        prompts = chat_prompts(llm.tokenizer, n)
+        ours = run_motet(llm, prompts, new_tokens)
+        ref = run_hf(hf, llm.tokenizer.hf, prompts, b, new_tokens)
+        rows.append(
+            {
+                "batch": b,
+                "prompts": n,
+                "motet": ours,
+                "hf": ref,
+                "ratio": ours["tokens_per_s"] / ref["tokens_per_s"],
+            }
+        )
+        if on_row:
+            on_row(
+                f"batch {b:3d}: motet {ours['tokens_per_s']:8.1f} tok/s  HF {ref['tokens_per_s']:8.1f} tok/s  "
+                f"ratio {rows[-1]['ratio']:.2f}x"
+            )
+        del llm
+    return rows
 
 
 def main(argv=None) -> None:
@@ -113,29 +155,9 @@ def main(argv=None) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())  # tied embeddings count once
     bandwidth = read_bandwidth_gbs()
 
-    rows = []
-    for b in args.batches:
-        n = args.batch1_prompts if (b == 1 and args.batch1_prompts) else args.prompts
-        llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=b, num_kv_blocks=4096)
-        prompts = chat_prompts(llm.tokenizer, n)
-        ours = run_motet(llm, prompts, args.new_tokens)
-        ref = run_hf(hf, llm.tokenizer.hf, prompts, b, args.new_tokens)
-        rows.append(
-            {
-                "batch": b,
-                "prompts": n,
-                "motet": ours,
-                "hf": ref,
-                "ratio": ours["tokens_per_s"] / ref["tokens_per_s"],
-            }
-        )
-        print(
-            f"batch {b:3d}: motet {ours['tokens_per_s']:8.1f} tok/s  HF {ref['tokens_per_s']:8.1f} tok/s  "
-            f"ratio {rows[-1]['ratio']:.2f}x",
-            flush=True,
-        )
-        del llm
-
+    rows = engine_vs_hf(
+        model_dir, args.dtype, hf, args.batches, args.prompts, args.batch1_prompts, args.new_tokens
+    )
     ceiling = bandwidth * 1e9 / weight_bytes
     b1 = next((r for r in rows if r["batch"] == 1), None)
     decode_rate = 1e3 / b1["motet"]["decode_step_ms"] if b1 else None

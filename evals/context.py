@@ -1,0 +1,96 @@
+"""What a suite gets to run with: the server to talk to, the data and limits, the report directory.
+
+`motet eval` builds one EvalContext per server it evaluates (two with --compare-url) and hands it to the
+suite's `run`. Suites talk to the server only through `base_url` (any OpenAI-compatible server), so a
+suite never knows whether `motet eval` started the server itself (`managed`) or was pointed at one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import openai
+    from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"  # the dev sets beside the repository, while developing
+
+
+@dataclass
+class EvalContext:
+    base_url: str  # OpenAI base URL incl. /v1, e.g. "http://127.0.0.1:8000/v1"
+    model: str  # base model name to send in requests
+    api_key: str | None
+    data: Path | None  # --data (None: the suite's default)
+    limit: int | None  # --limit
+    concurrency: int  # --concurrency
+    out_dir: Path  # the report directory of this run
+    args: argparse.Namespace  # all parsed flags, suite-specific ones included
+    managed: bool  # True when `motet eval` started the server itself
+    label: str = ""  # which server this is, in progress bars and comparisons
+
+    @property
+    def server_url(self) -> str:
+        """The server's root (base_url without the /v1 suffix), for /health, /metrics and the like."""
+        url = self.base_url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def progress(self, total: int, desc: str) -> tqdm:
+        from tqdm import tqdm
+
+        prefix = f"[{self.label}] " if self.label else ""
+        return tqdm(total=total, desc=prefix + desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+    def client(self, timeout: float = 600) -> openai.OpenAI:
+        import openai
+
+        return openai.OpenAI(
+            base_url=self.base_url, api_key=self.api_key or "none", timeout=timeout, max_retries=0
+        )
+
+    def async_client(self, timeout: float = 600) -> openai.AsyncOpenAI:
+        import openai
+
+        return openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=self.api_key or "none", timeout=timeout, max_retries=0
+        )
+
+
+def default_data(*parts: str) -> Path:
+    """A dev set under ../shared/data (relative to the repository), or a clear error naming --data."""
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.is_file():
+        raise FileNotFoundError(f"no data file at {path}: pass the data set with --data FILE")
+    return path
+
+
+def round_robin(records: list[dict], limit: int | None, key: str = "category") -> list[dict]:
+    """The first `limit` records taken round-robin across `key` (all without a limit), so a small slice
+    still spans every category."""
+    if limit is None or limit >= len(records):
+        return records
+    by_key: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        by_key[r[key]].append(r)
+    out: list[dict] = []
+    for i in range(max(map(len, by_key.values()))):
+        out += [by_key[k][i] for k in sorted(by_key) if i < len(by_key[k])]
+    return out[:limit]
+
+
+def api_error(e: Exception) -> tuple[str | None, str]:
+    """(code, message) of an OpenAI client error, from the server's `{"error": {...}}` body if any."""
+    body = getattr(e, "body", None)
+    if isinstance(body, dict) and isinstance(body.get("error", body), dict):
+        body = body.get("error", body)
+        return body.get("code"), str(body.get("message") or e)[:300]
+    return getattr(e, "code", None), str(e)[:300]
