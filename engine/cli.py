@@ -37,7 +37,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--grammar-timeout", type=float, default=10.0, help="seconds a grammar may take to compile"
     )
     p.add_argument(
-        "--no-jump-forward", action="store_true", help="sample every token, also those a grammar forces"
+        "--jump-forward",
+        action="store_true",
+        help="append the tokens a grammar forces without sampling them (fewer steps; on CPU, slower)",
     )
     # LoRA limits; unset: EngineConfig's defaults (8, 32, 64)
     p.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
@@ -63,7 +65,7 @@ def engine_config(args):
         num_threads=args.threads,
         grammar_backend=args.grammar_backend,
         grammar_timeout_s=args.grammar_timeout,
-        jump_forward=not args.no_jump_forward,
+        jump_forward=args.jump_forward,
         **{
             k: v
             for k in ("max_loras", "max_cpu_loras", "max_lora_rank")

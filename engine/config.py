@@ -122,7 +122,9 @@ class EngineConfig:
         "xgrammar"  # structured output: "xgrammar" or "outlines" (the other is the fallback)
     )
     grammar_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused
-    jump_forward: bool = True  # append the tokens a grammar forces without sampling them
+    # Append the tokens a grammar forces without sampling them. Off by default: on the CPU attention path
+    # the multi-token rows it creates cost more than the steps it saves (evals/grammar_overhead.py).
+    jump_forward: bool = False
     seed: int = 0
     extra: dict = field(default_factory=dict)
 

@@ -137,17 +137,17 @@ def test_prefix_cache_serves_constrained_requests(llm):
 def test_tool_call_grammar_and_jump_forward(default_model_dir, llm):
     tag = StructuralTagSpec(tool_call_structural_tag(TOOLS, "required", parallel=False))
     ps = prompts(llm, 4, "What is the weather in city number {i}?")
-    stats = llm.engine.runner.grammar_stats
+    jump = LLM(str(default_model_dir), num_kv_blocks=256, jump_forward=True)
+    stats = jump.engine.runner.grammar_stats
     before = stats.jump_forward_tokens
-    outs = llm.generate(ps, greedy(grammar=tag, max_tokens=60))
+    outs = jump.generate(ps, greedy(grammar=tag, max_tokens=60))
     assert stats.jump_forward_tokens - before >= 4 * 8  # the '<tool_call>\n{"name": ...' opening
     for out in outs:
         content, calls = parse_tool_calls(out.text)
         assert content is None and len(calls) == 1 and calls[0].name == "get_weather"
         jsonschema.validate(json.loads(calls[0].arguments), TOOLS[0].parameters)
 
-    no_jump = LLM(str(default_model_dir), num_kv_blocks=256, jump_forward=False)
-    for out in no_jump.generate(ps, greedy(grammar=tag, max_tokens=60)):
+    for out in llm.generate(ps, greedy(grammar=tag, max_tokens=60)):  # the default: no jump-forward
         _, calls = parse_tool_calls(out.text)
         jsonschema.validate(json.loads(calls[0].arguments), TOOLS[0].parameters)
-    assert no_jump.engine.runner.grammar_stats.jump_forward_tokens == 0
+    assert llm.engine.runner.grammar_stats.jump_forward_tokens == 0
