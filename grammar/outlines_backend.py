@@ -164,7 +164,8 @@ class OutlinesBackend(Backend):
 
     def compile(self, spec: GrammarSpec) -> OutlinesCompiled:
         if isinstance(spec, EbnfSpec | StructuralTagSpec):
-            raise GrammarError(f"outlines does not support {spec.kind} grammars", "unsupported")
+            what = "EBNF" if isinstance(spec, EbnfSpec) else "structural-tag"
+            raise GrammarError(f"outlines does not support {what} grammars", "unsupported")
         if isinstance(spec, JsonObjectSpec):
             spec = spec.as_schema()
         if isinstance(spec, ChoiceSpec):

@@ -206,7 +206,9 @@ def test_a_request_that_fails_in_processing_fails_alone(tiny_model_dir):
         def find_jump_forward_string(self):
             raise UnicodeDecodeError("utf-8", b"\x8b", 0, 1, "invalid start byte")
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=8, num_kv_blocks=256))
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), block_size=8, num_kv_blocks=256, jump_forward=True)
+    )
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     bad = engine.add_request([5, 6, 7], params)
     good = engine.add_request([5, 6, 8], params)
