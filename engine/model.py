@@ -53,6 +53,26 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can keep a second, input-major copy of its weight for single-row products.
+
+    On CPU, `x @ W.T` with one row (batch-1 decode) is a GEMV that runs faster streaming an [in, out]
+    layout (measured ~25-30% on the whole model), while products of two rows or more, bf16 above all,
+    run faster on the usual [out, in] layout (bf16 at 32 rows: 2x). So the CPU runner keeps both."""
+
+    gemv_weight: torch.Tensor | None = None
+
+    def add_gemv_copy(self) -> None:
+        self.gemv_weight = (
+            self.weight.detach().t().contiguous().t()
+        )  # same [out, in] view, input-major memory
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_weight is not None and x.shape[0] == 1:
+            return F.linear(x, self.gemv_weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -93,8 +113,8 @@ class Attention(nn.Module):
         )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None):
@@ -133,8 +153,8 @@ class MLP(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, lora: LoRABatch | None = None):
         gate_up = self.gate_up_proj(x)
@@ -178,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)

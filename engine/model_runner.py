@@ -15,7 +15,7 @@ import torch
 
 from engine.checkpoint import iter_weights
 from engine.config import EngineConfig, ModelConfig
-from engine.model import AttentionMetadata, LlamaForCausalLM
+from engine.model import AttentionMetadata, Linear, LlamaForCausalLM
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import TokenLogprob
@@ -35,17 +35,6 @@ class StepResult:
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
-
-
-def weights_input_major(model: torch.nn.Module) -> None:
-    """Store each linear weight as [in, out] in memory (same [out, in] view): on CPU `x @ W.T` then
-    streams the weight row by row, which measured ~25-30% faster for decode-sized (GEMV) products.
-    A tied lm_head gets its own copy, so the embedding lookup keeps its row-major table."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.weight = torch.nn.Parameter(
-                module.weight.detach().t().contiguous().t(), requires_grad=False
-            )
 
 
 @dataclass
@@ -90,7 +79,9 @@ class ModelRunner:
             if name != "rope":
                 module.to(self.dtype)
         if self.device.type == "cpu":
-            weights_input_major(model)
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.add_gemv_copy()
         self.model = model.eval().requires_grad_(False)
 
         self.num_blocks = config.num_kv_blocks or max(

@@ -82,6 +82,17 @@ _MAX_SCORE_ELEMS = 1 << 22
 _BATCHED_DECODE_MIN = 8
 
 
+def _blocks_of(cache: torch.Tensor, table: list[int], num_blocks: int) -> torch.Tensor:
+    """The first `num_blocks` blocks of a block table: a view when they are consecutive (a lone sequence's
+    usual case: the allocator hands out runs), else a gathered copy."""
+    first = table[0]
+    if table[num_blocks - 1] - first == num_blocks - 1 and table[:num_blocks] == list(
+        range(first, first + num_blocks)
+    ):
+        return cache[first : first + num_blocks]
+    return cache.index_select(0, torch.tensor(table[:num_blocks], device=cache.device))
+
+
 def _decode_batched(out, q, k_cache, v_cache, block_tables, starts, lens, decodes, scale) -> None:
     """Attention of single-token (decode) rows of many sequences at once, keys padded to the longest."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -136,6 +147,7 @@ def paged_attention_reference(
         done = set(decodes)
     else:
         done = set()
+    tables = None  # the block table on the host, read once when a sequence needs it
     for b, seq_len in enumerate(lens):
         if b in done:
             continue
@@ -144,10 +156,13 @@ def paged_attention_reference(
         if q_len == 0:
             continue
         ctx_len = seq_len - q_len  # tokens cached before this step's new ones
-        blocks = block_tables[b, : -(-seq_len // block_size)]
+        if tables is None:
+            tables = block_tables.tolist()
+        num_blocks = -(-seq_len // block_size)
         # [num_kv_heads, seq_len, head_dim] in fp32 (.float() is a no-op for fp32 caches)
-        k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].float().transpose(0, 1)
-        v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].float().transpose(0, 1)
+        k = _blocks_of(k_cache, tables[b], num_blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        v = _blocks_of(v_cache, tables[b], num_blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        k, v = k.float().transpose(0, 1), v.float().transpose(0, 1)
         if q_len == 1:  # decode, the common case: the last position sees every key, no mask; few ops
             p = torch.softmax(torch.matmul(qs[:, :, q_start], k.mT), dim=-1)
             out[q_start] = torch.matmul(p, v).view(num_heads, head_dim)
