@@ -94,3 +94,24 @@ def api_error(e: Exception) -> tuple[str | None, str]:
         body = body.get("error", body)
         return body.get("code"), str(body.get("message") or e)[:300]
     return getattr(e, "code", None), str(e)[:300]
+
+
+def add_penalty_arguments(g: argparse._ArgumentGroup) -> None:
+    """Sampling penalties: greedy decoding on a small model loops (the same key or array item until
+    max_tokens); a penalty is the client-side knob that breaks such loops."""
+    g.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency_penalty")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=None, help="vLLM's repetition_penalty (extra body)"
+    )
+
+
+def penalties(ctx: EvalContext, kwargs: dict) -> dict:
+    """Add the penalties of add_penalty_arguments that were given to a chat request's kwargs."""
+    if ctx.args.frequency_penalty is not None:
+        kwargs["frequency_penalty"] = ctx.args.frequency_penalty
+    if ctx.args.repetition_penalty is not None:
+        kwargs["extra_body"] = {
+            **kwargs.get("extra_body", {}),
+            "repetition_penalty": ctx.args.repetition_penalty,
+        }
+    return kwargs

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from evals import report
 from evals.bfcl_ast import Call, check
-from evals.context import EvalContext, api_error, default_data, round_robin
+from evals.context import EvalContext, add_penalty_arguments, api_error, default_data, penalties, round_robin
 
 NAME = "bfcl"
 NEEDS_SERVER = True
@@ -46,10 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--send-normalized", action="store_true", help="send JSON Schema types, not BFCL's")
     g.add_argument(
         "--parallel-tool-calls",
-        choices=["unset", "true", "false"],
+        choices=["unset", "true", "false", "by-category"],
         default="unset",
-        help="send parallel_tool_calls (unset: the server's default, as BFCL gives no hint)",
+        help="send parallel_tool_calls (unset: the server's default; by-category: true for BFCL's parallel "
+        "categories, false for the others, where the ground truth is one call)",
     )
+    add_penalty_arguments(g)
     g.add_argument("--request-timeout", type=float, default=600, help="seconds per request")
 
 
@@ -163,8 +165,11 @@ async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
         "temperature": 0,
         **MODES[mode],
     }
-    if ctx.args.parallel_tool_calls != "unset":
+    if ctx.args.parallel_tool_calls == "by-category":
+        kwargs["parallel_tool_calls"] = "parallel" in record["category"]
+    elif ctx.args.parallel_tool_calls != "unset":
         kwargs["parallel_tool_calls"] = ctx.args.parallel_tool_calls == "true"
+    penalties(ctx, kwargs)
     t0 = time.perf_counter()
     try:
         r = await client.chat.completions.create(**kwargs)

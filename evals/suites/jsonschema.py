@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from evals import report
-from evals.context import EvalContext, api_error, default_data, round_robin
+from evals.context import EvalContext, add_penalty_arguments, api_error, default_data, penalties, round_robin
 
 NAME = "jsonschema"
 NEEDS_SERVER = True
@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     g.add_argument("--categories", nargs="+", default=None, help="only these categories")
     g.add_argument("--request-timeout", type=float, default=600, help="seconds per request")
+    add_penalty_arguments(g)
 
 
 # -- scoring --------------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def request_kwargs(ctx: EvalContext, record: dict, mode: str) -> dict:
             "type": "json_schema",
             "json_schema": {"name": "out", "schema": record["schema"], "strict": True},
         }
-    return kwargs
+    return penalties(ctx, kwargs)
 
 
 async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
