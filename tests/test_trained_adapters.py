@@ -37,7 +37,7 @@ def test_adapters_change_behaviour_and_base_does_not(llm):
     assert not set(held_out) & set(prompts("train"))
     result = behaviour(offline_generate(llm), held_out, {check: check for check in CHECKS})
     for check, r in result.items():
-        # measured on 32 held-out prompts: upper 0.84 (it misses words copied from the prompt), json 0.97
+        # measured on 64 held-out prompts: upper 0.84 (it misses words copied from the prompt), json 0.97
         assert r["adapter_rate"] >= 0.75, (check, r["failures"])
         assert r["base_rate"] <= 0.1, (check, r["examples"])
 

@@ -211,12 +211,15 @@ def aggregate(items: list[dict]) -> dict:
     count = lambda pred: sum(1 for i in items if pred(i))
     called = count(lambda i: i["called"])
     valid = count(lambda i: i["valid"])
+    finished = [i for i in items if i["status"] == "ok" and i["finish_reason"] != "length"]
     latency = [i["latency_s"] for i in items if i.get("latency_s") is not None]
     return {
         "n": n,
         "call_rate": report.rate(called, n),
         "validity": report.rate(valid, n),  # responses with calls, all of them valid
         "validity_of_called": report.rate(valid, called),
+        # of the responses that ended on their own (not cut by max_tokens): the grammar's share
+        "validity_of_finished": report.rate(sum(i["valid"] for i in finished), len(finished)),
         "ast_correct": count(lambda i: i["ast"]),
         "ast_accuracy": report.rate(count(lambda i: i["ast"]), n),
         "truncation_rate": report.rate(count(lambda i: i["finish_reason"] == "length"), n),
@@ -262,6 +265,7 @@ OVERALL = {
     "AST accuracy": lambda o: report.pct(o["ast_accuracy"]),
     "valid": lambda o: report.pct(o["validity"]),
     "valid of called": lambda o: report.pct(o["validity_of_called"]),
+    "valid of finished": lambda o: report.pct(o.get("validity_of_finished")),
     "call rate": lambda o: report.pct(o["call_rate"]),
     "truncated": lambda o: report.pct(o["truncation_rate"]),
     "unsupported": lambda o: report.pct(o["unsupported_rate"]),
@@ -288,7 +292,7 @@ def _markdown(runs: dict[str, dict]) -> str:
             "## Overall",
             "",
             "Valid: the response carries tool calls and each names a tool with arguments its schema accepts "
-            "(share of all responses, and of those with calls).",
+            "(share of all responses, of those with calls, and of those not cut off by max_tokens).",
             "",
             report.overall_table(series, OVERALL),
         ]
@@ -329,8 +333,9 @@ def summary(results: dict) -> str:
     for mode, m in results["modes"].items():
         o = m["overall"]
         lines.append(
-            f"{mode:18s} AST {report.pct(o['ast_accuracy'])}, valid {report.pct(o['validity'])}, "
-            f"calls {report.pct(o['call_rate'])}, unsupported {report.pct(o['unsupported_rate'])}, "
+            f"{mode:18s} AST {report.pct(o['ast_accuracy'])}, valid {report.pct(o['validity'])} "
+            f"({report.pct(o.get('validity_of_finished'))} of finished, {report.pct(o['truncation_rate'])} "
+            f"truncated), calls {report.pct(o['call_rate'])}, unsupported {report.pct(o['unsupported_rate'])}, "
             f"errors {report.pct(o['error_rate'])}"
         )
     return "\n".join(lines)
