@@ -273,7 +273,8 @@ OVERALL = {
     "errors": lambda o: report.pct(o["error_rate"]),
     "mean latency (s)": lambda o: report.fmt(o["mean_latency_s"]),
 }
-VALIDITY = {"validity": "valid", "validity_of_called": "valid of called", "call_rate": "call rate",
+VALIDITY = {"validity": "valid", "validity_of_called": "valid of called",
+            "validity_of_finished": "valid of finished", "call_rate": "call rate",
             "ast_accuracy": "AST accuracy"}  # fmt: skip
 
 
@@ -305,7 +306,7 @@ def _plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
                                   out_dir / "bfcl_ast_accuracy.png")]  # fmt: skip
     plt = report.pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    values = {name: [m["overall"][k] for k in VALIDITY] for name, m in series}
+    values = {name: [m["overall"].get(k) for k in VALIDITY] for name, m in series}
     report.grouped_bars(ax, list(VALIDITY.values()), values, "share of responses", "BFCL tool calls per mode",
                         value_fmt=".2f", ylim=(0, 1.1))  # fmt: skip
     paths.append(report.save(fig, out_dir / "bfcl_validity.png"))
