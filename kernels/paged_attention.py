@@ -80,6 +80,22 @@ _MAX_SCORE_ELEMS = 1 << 22
 
 
 _BATCHED_DECODE_MIN = 8
+_PAD_SLACK = 1.5  # a batched decode group pads its keys to at most this times its shortest context
+
+
+def decode_groups(decodes: list[int], lens: list[int], block_size: int) -> list[list[int]]:
+    """Decode rows in groups of similar context length, each worth one padded batched call.
+
+    Padding every row to the batch's longest context would make one long conversation among short ones
+    cost the whole batch its length in gathered keys; within a group the padding is bounded by
+    `_PAD_SLACK`. Rows that end up in too small a group are left out (the per-sequence path takes them)."""
+    groups: list[list[int]] = []
+    for b in sorted(decodes, key=lambda b: lens[b]):
+        if groups and lens[b] <= _PAD_SLACK * lens[groups[-1][0]] + block_size:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return [g for g in groups if len(g) >= _BATCHED_DECODE_MIN]
 
 
 def _blocks_of(cache: torch.Tensor, table: list[int], num_blocks: int) -> torch.Tensor:
@@ -141,12 +157,12 @@ def paged_attention_reference(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    if len(decodes) >= _BATCHED_DECODE_MIN:
-        # Many decode rows: one padded gather + one SDPA call beats a per-sequence loop of small ops.
-        _decode_batched(out, q, k_cache, v_cache, block_tables, starts, lens, decodes, scale)
-        done = set(decodes)
-    else:
-        done = set()
+    done = set()
+    # Many decode rows of similar length: one padded gather + one SDPA call per group beats a
+    # per-sequence loop of small ops.
+    for similar in decode_groups(decodes, lens, block_size) if len(decodes) >= _BATCHED_DECODE_MIN else []:
+        _decode_batched(out, q, k_cache, v_cache, block_tables, starts, lens, similar, scale)
+        done.update(similar)
     tables = None  # the block table on the host, read once when a sequence needs it
     for b, seq_len in enumerate(lens):
         if b in done:

@@ -140,6 +140,24 @@ def test_reference_batched_decode_path(dtype, num_heads, num_kv_heads):
     check(pa.paged_attention_reference, seqs, num_heads, num_kv_heads, 64, 16, dtype)
 
 
+def test_decode_groups_bound_the_padding():
+    lens = [100, 20, 110, 3000, 21, 22, 23, 24, 25, 26, 27, 120, 130, 140, 150, 160, 170]
+    groups = pa.decode_groups(list(range(len(lens))), lens, block_size=16)
+    assert [sorted(lens[b] for b in g) for g in groups] == [[20, 21, 22, 23, 24, 25, 26, 27]]
+    # the short ones (and only them) padded together; 100..170 is one group of 7 < the minimum: per sequence
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_decodes_of_mixed_lengths(dtype):
+    # two batched groups (short and long contexts), an outlier and a prefill chunk, in one call
+    decodes = [(1, n) for n in (5, 6, 7, 8, 9, 10, 11, 12)] + [(1, n) for n in range(200, 280, 10)]
+    seqs = [(1, 900), *decodes[::2], (13, 40), *decodes[1::2]]
+    lens = [n for _, n in seqs]
+    rows = [b for b, (q_len, _) in enumerate(seqs) if q_len == 1]
+    assert len(pa.decode_groups(rows, lens, 16)) == 2
+    check(pa.paged_attention_reference, seqs, 9, 3, 64, 16, dtype)
+
+
 def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(pa, "paged_attention_reference", lambda *a, **k: calls.append(1) or "ref")
