@@ -63,9 +63,8 @@ class Linear(nn.Linear):
     gemv_weight: torch.Tensor | None = None
 
     def add_gemv_copy(self) -> None:
-        self.gemv_weight = (
-            self.weight.detach().t().contiguous().t()
-        )  # same [out, in] view, input-major memory
+        # the same [out, in] view over input-major memory; a plain attribute: made after .to(device)
+        self.gemv_weight = self.weight.detach().t().contiguous().t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv_weight is not None and x.shape[0] == 1:
