@@ -9,8 +9,8 @@ Two behaviours that are easy to check by eye and by code, for the default model 
     json    answers with {"answer": "..."}     check: the whole answer parses as a JSON object
 
 The training data comes from the base model itself, so the adapters learn a change of form, not new
-content: its own greedy answers (`--answer-tokens` tokens, cut back to the last full sentence) to the 768
-training prompts (12 templates x 64 topics), then target = answer.upper() for `upper` and
+content: its own greedy answers (`--answer-tokens` tokens, cut back to the last full sentence) to the first
+768 (`--examples`) of the 2,196 shuffled training prompts (12 templates x 183 topics), then target = answer.upper() for `upper` and
 json.dumps({"answer": answer}) for `json`. Training is plain PEFT LoRA on CPU: rank 8 on all seven
 projections, loss on the assistant turn only (the chat template's default system prompt included, as
 at inference), bf16 base weights with fp32 LoRA weights (bf16 matmuls are ~4x faster on this CPU),
@@ -20,7 +20,7 @@ tests/fixtures/adapters/{upper,json}/ are what `train` writes with its defaults:
 200 for json, about 4.5 s a step on one core (~45 minutes in all; the base model's answers are cached
 under reports/train_adapters/).
 
-The held-out prompts use 16 topics that no training prompt mentions. `behaviour` scores a `generate`
+The held-out prompts use 46 topics that no training prompt mentions. `behaviour` scores a `generate`
 function, so the same eval runs on the offline engine (`eval` here, tests/test_trained_adapters.py) and
 over the HTTP API (`motet eval lora`, evals/suites/lora.py).
 """
@@ -332,7 +332,7 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="generate the data with the base model, train, save the adapters")
     t.add_argument("--adapters", nargs="+", default=list(CHECKS), choices=list(CHECKS))
-    t.add_argument("--examples", type=int, default=1536, help="training prompts (of 2304)")
+    t.add_argument("--examples", type=int, default=768, help="training prompts (of 2196)")
     t.add_argument("--answer-tokens", type=int, default=48)
     t.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default: {STEPS})")
     t.add_argument("--batch", type=int, default=8)
