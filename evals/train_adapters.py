@@ -9,9 +9,9 @@ Two behaviours that are easy to check by eye and by code, for the default model 
     json    answers with {"answer": "..."}     check: the whole answer parses as a JSON object
 
 The training data comes from the base model itself, so the adapters learn a change of form, not new
-content: its own greedy answers (`--answer-tokens` tokens, cut back to the last full sentence) to the first
-768 (`--examples`) of the 2,196 shuffled training prompts (12 templates x 183 topics), then target = answer.upper() for `upper` and
-json.dumps({"answer": answer}) for `json`. Training is plain PEFT LoRA on CPU: rank 8 on all seven
+content: its own greedy answers (`--answer-tokens` tokens, cut back to the last full sentence) to the
+first 768 (`--examples`) of the 2,196 shuffled training prompts (12 templates x 183 topics), then
+target = answer.upper() for `upper` and json.dumps({"answer": answer}) for `json`. Training is plain PEFT LoRA on CPU: rank 8 on all seven
 projections, loss on the assistant turn only (the chat template's default system prompt included, as
 at inference), bf16 base weights with fp32 LoRA weights (bf16 matmuls are ~4x faster on this CPU),
 AdamW with warm-up and linear decay, batches of 8, fixed seeds. Saved with PEFT `save_pretrained` as
