@@ -10,15 +10,15 @@ Two behaviours that are easy to check by eye and by code, for the default model 
 
 The training data comes from the base model itself, so the adapters learn a change of form, not new
 content: its own greedy answers (`--answer-tokens` tokens, cut back to the last full sentence) to the
-first 768 (`--examples`) of the 2,196 shuffled training prompts (12 templates x 183 topics), then
-target = answer.upper() for `upper` and json.dumps({"answer": answer}) for `json`. Training is plain PEFT LoRA on CPU: rank 8 on all seven
-projections, loss on the assistant turn only (the chat template's default system prompt included, as
-at inference), bf16 base weights with fp32 LoRA weights (bf16 matmuls are ~4x faster on this CPU),
-AdamW with warm-up and linear decay, batches of 8, fixed seeds. Saved with PEFT `save_pretrained` as
-safetensors (then cast to float16: 4.9 MB each); the committed fixtures under
-tests/fixtures/adapters/{upper,json}/ are what `train` writes with its defaults: 400 steps for upper,
-200 for json, about 4.5 s a step on one core (~45 minutes in all; the base model's answers are cached
-under reports/train_adapters/).
+first 768 (`--examples`) of the 2,196 shuffled training prompts (12 templates x 183 topics), then target
+= answer.upper() for `upper` and json.dumps({"answer": answer}) for `json`. Training is plain PEFT LoRA
+on CPU: rank 8 on all seven projections, loss on the assistant turn only (the chat template's default
+system prompt included, as at inference), bf16 base weights with fp32 LoRA weights (bf16 matmuls are ~4x
+faster on this CPU), AdamW with warm-up and linear decay, batches of 8, fixed seeds. Saved with PEFT
+`save_pretrained` as safetensors (then cast to float16: 4.9 MB each); the committed fixtures under
+tests/fixtures/adapters/{upper,json}/ are what `train` writes with its defaults: 400 steps for upper, 200
+for json, about 4.5 s a step on one core (~45 minutes in all; the base model's answers are cached under
+reports/train_adapters/).
 
 The held-out prompts use 46 topics that no training prompt mentions. `behaviour` scores a `generate`
 function, so the same eval runs on the offline engine (`eval` here, tests/test_trained_adapters.py) and
