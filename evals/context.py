@@ -8,8 +8,10 @@ suite never knows whether `motet eval` started the server itself (`managed`) or 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,6 +65,31 @@ class EvalContext:
         return openai.AsyncOpenAI(
             base_url=self.base_url, api_key=self.api_key or "none", timeout=timeout, max_retries=0
         )
+
+    def map_requests(
+        self, desc: str, fn: Callable[..., Awaitable], items: list[tuple], timeout: float = 600
+    ) -> list:
+        """`await fn(client, *item)` for every item with one async client, at most `concurrency` in flight,
+        under a progress bar; the results in the items' order."""
+
+        async def run_all() -> list:
+            client = self.async_client(timeout)
+            sem = asyncio.Semaphore(self.concurrency)
+            bar = self.progress(len(items), desc)
+
+            async def gated(item):
+                async with sem:
+                    out = await fn(client, *item)
+                bar.update(1)
+                return out
+
+            try:
+                return await asyncio.gather(*(gated(item) for item in items))
+            finally:
+                bar.close()
+                await client.close()
+
+        return asyncio.run(run_all())
 
 
 def default_data(*parts: str) -> Path:

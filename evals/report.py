@@ -3,8 +3,9 @@
 A run writes `results.json` (every server's results, as the suites returned them, plus how they were
 obtained), `summary.md` (the suite's Markdown) and the suite's PNG plots. With two servers
 (--compare-url) the Markdown and plots show both side by side: a suite may define
-`compare_markdown(runs)` / `compare_plots(runs, out_dir)` over `{label: results}`; otherwise the
-Markdown gets a generic table of every numeric figure of both runs, and each run's plots are drawn.
+`compare_markdown(runs)` / `compare_plots(runs, out_dir)` over `{label: results}` (which then render a
+single run too, as `{"": results}`); otherwise the Markdown gets a generic table of every numeric figure
+of both runs, and each run's plots are drawn.
 
 Suites render from the JSON round trip of their results (NaN and infinities become null), so what the
 report shows is exactly what results.json holds; `fmt` prints null as a dash.
@@ -218,23 +219,24 @@ def write(out_dir: Path, suite: ModuleType, runs: list[Run], argv: list[str]) ->
     }
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
 
-    by_label = {r.label: r.results for r in runs}
-    if len(runs) == 1:
+    # a single run renders as {"": results}: no server label in its columns
+    by_label = {r.label: r.results for r in runs} if len(runs) > 1 else {"": runs[0].results}
+    if hasattr(suite, "compare_markdown"):
+        body = suite.compare_markdown(by_label)
+    elif len(runs) == 1:
         body = suite.markdown(runs[0].results)
+    else:
+        body = generic_compare_markdown(suite, by_label)
+    if hasattr(suite, "compare_plots"):
+        pngs = suite.compare_plots(by_label, out_dir)
+    elif len(runs) == 1:
         pngs = suite.plots(runs[0].results, out_dir)
     else:
-        if hasattr(suite, "compare_markdown"):
-            body = suite.compare_markdown(by_label)
-        else:
-            body = generic_compare_markdown(suite, by_label)
-        if hasattr(suite, "compare_plots"):
-            pngs = suite.compare_plots(by_label, out_dir)
-        else:
-            pngs = []
-            for r in runs:
-                sub = out_dir / _slug(r.label)
-                sub.mkdir(exist_ok=True)
-                pngs += suite.plots(r.results, sub)
+        pngs = []
+        for r in runs:
+            sub = out_dir / _slug(r.label)
+            sub.mkdir(exist_ok=True)
+            pngs += suite.plots(r.results, sub)
     figures = "\n".join(f"![{p.stem}]({p.relative_to(out_dir).as_posix()})" for p in pngs)
     (out_dir / "summary.md").write_text(
         header(suite.NAME, runs, argv) + "\n" + body.rstrip() + "\n\n" + figures + "\n"

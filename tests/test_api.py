@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,14 @@ import httpx
 import openai
 import pytest
 
+from evals.server import ServerError, free_port, wait_healthy
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 KEY, OTHER_KEY = "sk-test-alice", "sk-test-bob"
 USER = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -47,19 +42,11 @@ class Server:
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not become ready:\n{self.log_path.read_text()}")
-            time.sleep(0.5)
+        try:
+            wait_healthy(self.url, self.proc, start_timeout, self.log_path)
+        except ServerError:
+            self.stop()
+            raise
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text

@@ -10,8 +10,9 @@ A suite module `evals/suites/<name>.py` defines
     def plots(results: dict, out_dir: Path) -> list[Path]      # PNGs (matplotlib, Agg backend)
     def summary(results: dict) -> str                          # a few lines printed at the end
 
-and optionally `compare_markdown(runs)` / `compare_plots(runs, out_dir)` over `{label: results}` for a
-side-by-side report of two servers (evals/report.py has a generic fallback). Modules are found here by
+or, instead of `markdown` / `plots`, `compare_markdown(runs)` / `compare_plots(runs, out_dir)` over
+`{label: results}`, which render one server (`{"": results}`) or two side by side (without them
+evals/report.py has a generic side-by-side fallback). Modules are found here by
 name, so a new suite is just a new file; imports of heavy libraries belong inside `run`.
 """
 

@@ -20,7 +20,6 @@ say "dict", "float", ...: the server normalizes them; --send-normalized sends JS
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import time
 from pathlib import Path
@@ -188,24 +187,6 @@ async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
     return item
 
 
-async def _run_all(ctx: EvalContext, records: list[dict], modes: list[str]) -> list[dict]:
-    client = ctx.async_client(timeout=ctx.args.request_timeout)
-    sem = asyncio.Semaphore(ctx.concurrency)
-    bar = ctx.progress(len(records) * len(modes), "bfcl")
-
-    async def gated(record, mode):
-        async with sem:
-            item = await _one(client, ctx, record, mode)
-        bar.update(1)
-        return item
-
-    try:
-        return await asyncio.gather(*(gated(r, m) for r in records for m in modes))
-    finally:
-        bar.close()
-        await client.close()
-
-
 def aggregate(items: list[dict]) -> dict:
     n = len(items)
     count = lambda pred: sum(1 for i in items if pred(i))
@@ -235,7 +216,9 @@ def run(ctx: EvalContext) -> dict:
     records = load(path, ctx.limit, ctx.args.categories)
     modes = list(ctx.args.modes)
     t0 = time.perf_counter()
-    items = asyncio.run(_run_all(ctx, records, modes))
+    # the modes interleaved, so all see the same server conditions
+    requests = [(ctx, r, m) for r in records for m in modes]
+    items = ctx.map_requests("bfcl", _one, requests, timeout=ctx.args.request_timeout)
     results = {
         "config": {
             "data": str(path),
@@ -278,7 +261,7 @@ VALIDITY = {"validity": "valid", "validity_of_called": "valid of called",
             "ast_accuracy": "AST accuracy"}  # fmt: skip
 
 
-def _markdown(runs: dict[str, dict]) -> str:
+def compare_markdown(runs: dict[str, dict]) -> str:
     series = report.mode_series(runs)
     cfg = next(iter(runs.values()))["config"]
     return "\n".join(
@@ -300,7 +283,7 @@ def _markdown(runs: dict[str, dict]) -> str:
     )
 
 
-def _plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
+def compare_plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
     series = report.mode_series(runs)
     paths = [report.category_bars(series, "ast_accuracy", "AST accuracy", "BFCL AST accuracy per category",
                                   out_dir / "bfcl_ast_accuracy.png")]  # fmt: skip
@@ -311,22 +294,6 @@ def _plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
                         value_fmt=".2f", ylim=(0, 1.1))  # fmt: skip
     paths.append(report.save(fig, out_dir / "bfcl_validity.png"))
     return paths
-
-
-def markdown(results: dict) -> str:
-    return _markdown({"": results})
-
-
-def compare_markdown(runs: dict[str, dict]) -> str:
-    return _markdown(runs)
-
-
-def plots(results: dict, out_dir: Path) -> list[Path]:
-    return _plots({"": results}, out_dir)
-
-
-def compare_plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
-    return _plots(runs, out_dir)
 
 
 def summary(results: dict) -> str:

@@ -15,7 +15,6 @@ across categories so a small slice still spans them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import re
 import time
@@ -150,25 +149,6 @@ async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
     return item
 
 
-async def _run_all(ctx: EvalContext, records: list[dict], modes: list[str]) -> list[dict]:
-    client = ctx.async_client(timeout=ctx.args.request_timeout)
-    sem = asyncio.Semaphore(ctx.concurrency)
-    bar = ctx.progress(len(records) * len(modes), "jsonschema")
-
-    async def gated(record, mode):
-        async with sem:
-            item = await _one(client, ctx, record, mode)
-        bar.update(1)
-        return item
-
-    try:
-        # interleave the modes, so both see the same server conditions
-        return await asyncio.gather(*(gated(r, m) for r in records for m in modes))
-    finally:
-        bar.close()
-        await client.close()
-
-
 def aggregate(items: list[dict]) -> dict:
     n = len(items)
     count = lambda pred: sum(1 for i in items if pred(i))
@@ -196,7 +176,9 @@ def run(ctx: EvalContext) -> dict:
     records = load(path, ctx.limit, ctx.args.categories)
     modes = list(ctx.args.modes)
     t0 = time.perf_counter()
-    items = asyncio.run(_run_all(ctx, records, modes))
+    # the modes interleaved, so all see the same server conditions
+    requests = [(ctx, r, m) for r in records for m in modes]
+    items = ctx.map_requests("jsonschema", _one, requests, timeout=ctx.args.request_timeout)
     seconds = time.perf_counter() - t0
     results = {
         "config": {
@@ -235,7 +217,7 @@ OVERALL = {
 }
 
 
-def _markdown(runs: dict[str, dict]) -> str:
+def compare_markdown(runs: dict[str, dict]) -> str:
     series = report.mode_series(runs)
     cfg = next(iter(runs.values()))["config"]
     return "\n".join(
@@ -254,27 +236,11 @@ def _markdown(runs: dict[str, dict]) -> str:
     )
 
 
-def _plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
+def compare_plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
     series = report.mode_series(runs)
     title = "JSONSchemaBench compliance per category"
     return [report.category_bars(series, "compliance", "compliance (finished and valid)", title,
                                  out_dir / "jsonschema_compliance.png")]  # fmt: skip
-
-
-def markdown(results: dict) -> str:
-    return _markdown({"": results})
-
-
-def compare_markdown(runs: dict[str, dict]) -> str:
-    return _markdown(runs)
-
-
-def plots(results: dict, out_dir: Path) -> list[Path]:
-    return _plots({"": results}, out_dir)
-
-
-def compare_plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
-    return _plots(runs, out_dir)
 
 
 def summary(results: dict) -> str:

@@ -24,8 +24,8 @@ checkpoint (`--hf-model`, default: the model named by --model, or the default mo
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
+import functools
 import json
 import tempfile
 import time
@@ -82,23 +82,6 @@ def delete(ctx: EvalContext, name: str) -> None:
         httpx.delete(f"{ctx.base_url}/adapters/{name}", headers=ctx.headers(), timeout=60)
 
 
-async def _gather(ctx: EvalContext, desc: str, fn, items: list[tuple]) -> list:
-    """`await fn(*item)` for every item, at most ctx.concurrency in flight, under a progress bar."""
-    sem = asyncio.Semaphore(ctx.concurrency)
-    bar = ctx.progress(len(items), desc)
-
-    async def gated(item):
-        async with sem:
-            out = await fn(*item)
-        bar.update(1)
-        return out
-
-    try:
-        return await asyncio.gather(*(gated(item) for item in items))
-    finally:
-        bar.close()
-
-
 # -- part 1: behaviour ------------------------------------------------------------------------------------
 def run_behaviour(ctx: EvalContext, tag: str) -> dict:
     names = {check: f"{tag}-{check}" for check in CHECKS}
@@ -118,17 +101,11 @@ def run_behaviour(ctx: EvalContext, tag: str) -> dict:
             errors.append(f"{adapter or ctx.model}: {api_error(e)[1]}")
             return ""
 
-    async def answer_all(requests):
-        client = ctx.async_client()
-        try:
-            return await _gather(ctx, "lora behaviour", answer, [(client, a, p) for a, p in requests])
-        finally:
-            await client.close()
-
     for check, name in names.items():
         upload(ctx, name, Path(ctx.args.adapters_dir) / check)
     try:
-        out = behaviour(lambda requests: asyncio.run(answer_all(requests)), prompts("eval")[:n], names)
+        generate = functools.partial(ctx.map_requests, "lora behaviour", answer)  # requests -> answers
+        out = behaviour(generate, prompts("eval")[:n], names)
     finally:
         for name in names.values():
             delete(ctx, name)
@@ -249,17 +226,10 @@ def run_agreement(ctx: EvalContext, tag: str) -> dict:
         lp = r.choices[0].logprobs
         return {"tokens": lp.tokens, "logprobs": lp.token_logprobs, "top": lp.top_logprobs}
 
-    async def complete_all():
-        client = ctx.async_client()
-        try:
-            return await _gather(ctx, "lora agreement", complete, [(client, a, p) for a, p in requests])
-        finally:
-            await client.close()
-
     for name, path in paths.items():
         upload(ctx, name, path)
     try:
-        served = asyncio.run(complete_all())
+        served = ctx.map_requests("lora agreement", complete, requests)
     finally:
         for name in paths:
             delete(ctx, name)

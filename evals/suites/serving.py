@@ -288,7 +288,7 @@ def _table(runs: dict[str, dict], key: str, columns: list[str]) -> str:
     return report.table([*server, *columns], rows, align)
 
 
-def _markdown(runs: dict[str, dict]) -> str:
+def compare_markdown(runs: dict[str, dict]) -> str:
     cfg = next(iter(runs.values()))["config"]
     parts = [
         f"Model `{cfg['model']}`; {cfg['max_tokens']} output tokens per request (EOS ignored), prompts of "
@@ -315,7 +315,15 @@ def _markdown(runs: dict[str, dict]) -> str:
     return "\n".join(parts)
 
 
-def _plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
+def _concurrency_axes(*axes) -> None:
+    """Concurrency on a log-2 x axis, a light grid and a legend."""
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def compare_plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
     plt = report.pyplot()
     paths = []
     tag = lambda label, what: f"{label} {what}".strip() if len(runs) > 1 else what
@@ -330,10 +338,7 @@ def _plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
         b.plot(xs, [r["goodput"] for r in res["levels"]], "s--", label=tag(label, "goodput"))
     a.set(xlabel="concurrent clients", ylabel="output tokens/s", title="Token throughput vs concurrency")
     b.set(xlabel="concurrent clients", ylabel="requests/s", title="Throughput and goodput vs concurrency")
-    for ax in (a, b):
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    _concurrency_axes(a, b)
     paths.append(report.save(fig, out_dir / "serving_throughput.png"))
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -346,10 +351,7 @@ def _plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
             )
     a.set(xlabel="concurrent clients", ylabel="seconds", title="Time to first token")
     b.set(xlabel="concurrent clients", ylabel="ms per output token", title="Time per output token")
-    for ax in (a, b):
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    _concurrency_axes(a, b)
     paths.append(report.save(fig, out_dir / "serving_latency.png"))
 
     if any(res["patterns"] for res in runs.values()):
@@ -383,22 +385,6 @@ def _arrivals(rate: float | None) -> str:
 
 def _scale(x: float | None, k: float) -> float | None:
     return None if x is None else x * k
-
-
-def markdown(results: dict) -> str:
-    return _markdown({"": results})
-
-
-def compare_markdown(runs: dict[str, dict]) -> str:
-    return _markdown(runs)
-
-
-def plots(results: dict, out_dir: Path) -> list[Path]:
-    return _plots({"": results}, out_dir)
-
-
-def compare_plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
-    return _plots(runs, out_dir)
 
 
 def summary(results: dict) -> str:
