@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass, field
 
 from api.errors import APIError
+from grammar.enforceable import simplify, unenforceable
 from grammar.schema_normalize import normalize_schema
 from grammar.specs import (
     ChoiceSpec,
@@ -75,6 +76,20 @@ def _schema(value, param: str) -> dict:
     return schema
 
 
+def _check_enforceable(schema: dict, param: str) -> None:
+    """`strict: true` promises every output validates: refuse what the grammar would not enforce."""
+    problems = unenforceable(simplify(schema))
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise APIError(
+            400,
+            f"{param}: strict mode cannot guarantee this schema; the grammar does not enforce {shown}. "
+            "Rewrite those parts, or set strict to false for best-effort constraining.",
+            param=param,
+            code="unsupported_schema",
+        )
+
+
 def _response_format(rf: dict) -> GrammarSpec | None:
     if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
         raise _bad("response_format", 'must be an object with a "type"')
@@ -87,7 +102,11 @@ def _response_format(rf: dict) -> GrammarSpec | None:
         js = rf.get("json_schema")
         if not isinstance(js, dict) or "schema" not in js:
             raise _bad("response_format.json_schema", 'must be an object with a "schema"')
-        return JsonSchemaSpec(_schema(js["schema"], "response_format.json_schema.schema"))
+        param = "response_format.json_schema.schema"
+        schema = _schema(js["schema"], param)
+        if js.get("strict") is True:
+            _check_enforceable(schema, param)
+        return JsonSchemaSpec(schema)
     if kind == "structural_tag":
         return StructuralTagSpec({k: v for k, v in rf.items() if k != "type"} | {"type": "structural_tag"})
     raise _bad("response_format", f"unknown type {kind!r} (text, json_object, json_schema, structural_tag)")

@@ -8,6 +8,7 @@ import torch
 import xgrammar as xgr
 
 from grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Matcher, set_token_bits
+from grammar.enforceable import simplify
 from grammar.schema_normalize import normalize_schema
 from grammar.specs import (
     ChoiceSpec,
@@ -115,7 +116,8 @@ class XGrammarBackend(Backend):
         return XGrammarCompiled(compiled, self.tokenizer.stop_token_ids)
 
     def _compile_schema(self, spec: JsonSchemaSpec) -> xgr.CompiledGrammar:
-        schema = json.dumps(normalize_schema(spec.schema_dict()))
+        # simplify: an equivalent schema whose allOf / composition siblings xgrammar does enforce.
+        schema = json.dumps(simplify(normalize_schema(spec.schema_dict())))
         if spec.max_whitespace > 0:
             fmt = {"any_whitespace": True, "max_whitespace_cnt": spec.max_whitespace}
         else:

@@ -209,6 +209,30 @@ def test_tool_history_renders_back_into_the_prompt(client):
             },
             "response_format",
         ),
+        (
+            {  # strict promises validity: a keyword the grammar does not enforce is refused
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "strict": True, "schema": {"not": {"type": "string"}}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "strict": True,
+                            "parameters": {"type": "object", "properties": {"xs": {"uniqueItems": True}}},
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
         ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),

@@ -1,0 +1,307 @@
+"""Which parts of a JSON schema the grammar cannot enforce (what `strict: true` refuses).
+
+A grammar mask can only enforce what a context-free grammar over the output's text can say.
+xgrammar (0.2) compiles the rest without complaint and ignores it, so a "constrained" output can
+still fail `jsonschema`. Probed one keyword at a time with a violating instance (see
+tests/test_enforceable.py), these are ignored or mis-handled:
+
+- `not`, `if`/`then`/`else`, `dependencies`, `dependentRequired`, `dependentSchemas`,
+  `propertyNames`, `contains`/`minContains`/`maxContains`, `uniqueItems`: relations between parts
+  of a value that a grammar does not track;
+- `allOf` with several subschemas: only one of them is applied;
+- `allOf` / `anyOf` / `oneOf` / `$ref` beside other validation keywords: the siblings are dropped
+  (`{"required": ["a"], "anyOf": [...]}` no longer requires "a");
+- `oneOf` is read as `anyOf` (a value matching two branches passes); `pattern` beside
+  `minLength`/`maxLength` drops the lengths; lookarounds in `pattern`; `multipleOf` on numbers.
+
+OpenAI's strict mode refuses schemas it cannot guarantee; so do we, for `strict: true`, naming each
+keyword and where it is. Without `strict` the grammar is best effort, as before.
+
+Before the check, `simplify` rewrites the common shapes into equivalent ones the grammar does
+enforce: an `allOf` whose parts do not overlap is merged into one schema, and the keywords beside an
+`anyOf` / `oneOf` are copied into each branch; a local `$ref` in the way is inlined when it is not
+recursive.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.validators import validator_for
+
+_RELATIONAL = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependencies",
+    "dependentRequired",
+    "dependentSchemas",
+    "propertyNames",
+    "contains",
+    "minContains",
+    "maxContains",
+)
+_COMPOSITION = ("allOf", "anyOf", "oneOf", "$ref")
+# The validation keywords the grammar handles when they stand alone (others, such as annotations or
+# "x-..." extensions, constrain nothing and may sit beside anything).
+_VALIDATION = {
+    "type",
+    "enum",
+    "const",
+    "properties",
+    "required",
+    "additionalProperties",
+    "patternProperties",
+    "unevaluatedProperties",
+    "minProperties",
+    "maxProperties",
+    "items",
+    "prefixItems",
+    "additionalItems",
+    "unevaluatedItems",
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+}
+_ONE = ("additionalProperties", "unevaluatedProperties", "additionalItems", "unevaluatedItems", "items")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions")
+
+
+_STRING_KEYWORDS = ("pattern", "minLength", "maxLength", "format")
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+
+
+def _types(schema: dict) -> set[str] | None:
+    """The JSON types a branch admits, when it says (integer counted as number too)."""
+    if "const" in schema:
+        values = [schema["const"]]
+    elif isinstance(schema.get("enum"), list):
+        values = schema["enum"]
+    elif "type" in schema:
+        t = schema["type"]
+        types = set(t if isinstance(t, list) else [t])
+        return types | {"number"} if "integer" in types else types
+    else:
+        return None
+    names = {"dict": "object", "list": "array", "str": "string", "bool": "boolean", "NoneType": "null"}
+    types = {names.get(type(v).__name__, "number") for v in values}
+    return types | {"integer"} if "number" in types else types
+
+
+def _disjoint(branches: list) -> bool:
+    """Whether no value can match two oneOf branches, by a simple sufficient test: the branches
+    admit pairwise disjoint JSON types, or are consts / enums of distinct values."""
+    if not all(isinstance(b, dict) for b in branches):
+        return False
+    values = [b.get("enum", [b["const"]] if "const" in b else None) for b in branches]
+    if all(isinstance(v, list) for v in values):
+        flat = [json.dumps(x, sort_keys=True) for v in values for x in v]
+        return len(flat) == len(set(flat))
+    types = [_types(b) for b in branches]
+    if any(t is None for t in types):
+        return False
+    return all(not (a & b) for i, a in enumerate(types) for b in types[i + 1 :])
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def unenforceable(schema: Any, where: str = "#") -> list[str]:
+    """Descriptions ("'not' at #/properties/x") of what the grammar would not enforce; [] if none."""
+    if not isinstance(schema, dict):
+        return []
+    found = [f"{k!r} at {where}" for k in _RELATIONAL if k in schema]
+    if schema.get("uniqueItems") is True:
+        found.append(f"'uniqueItems' at {where}")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        found.append(f"'allOf' with {len(schema['allOf'])} subschemas at {where}")
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        found.append(f"'pattern' beside a length bound at {where}")
+    patterns = [schema.get("pattern"), *(schema.get("patternProperties") or {})]
+    if any(isinstance(p, str) and _LOOKAROUND.search(p) for p in patterns):
+        found.append(f"a regex lookaround at {where}")
+    if "type" not in schema and any(k in schema for k in _STRING_KEYWORDS):
+        found.append(f"string keywords without 'type' at {where}")  # read as "any value"
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    missing = [n for n in schema.get("required") or [] if n not in props]
+    if missing and "patternProperties" not in schema and "additionalProperties" not in schema:
+        found.append(f"'required' names {missing[0]!r} beyond 'properties' at {where}")
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        found.append(f"'multipleOf' on a non-integer at {where}")
+    if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"]):
+        found.append(f"'oneOf' whose branches may overlap at {where}")
+    composed = [k for k in _COMPOSITION if k in schema]
+    if composed:
+        siblings = sorted(k for k in schema if k in _VALIDATION)
+        if siblings or len(composed) > 1:
+            others = ", ".join(repr(k) for k in [*composed[1:], *siblings])
+            found.append(f"{composed[0]!r} beside {others} at {where}")
+    for k in _ONE:
+        if isinstance(schema.get(k), dict):
+            found += unenforceable(schema[k], f"{where}/{k}")
+    for k in _LIST:
+        if isinstance(schema.get(k), list):
+            for i, sub in enumerate(schema[k]):
+                found += unenforceable(sub, f"{where}/{k}/{i}")
+    for k in _MAP:
+        if isinstance(schema.get(k), dict):
+            for name, sub in schema[k].items():
+                found += unenforceable(sub, f"{where}/{k}/{_escape(name)}")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rewriting into enforceable shapes
+
+
+def _merge(a: dict, b: dict) -> dict | None:
+    """One schema equivalent to allOf [a, b] where that is plain, else None."""
+    out = dict(a)
+    for k, v in b.items():
+        if k not in out or out[k] == v:
+            out[k] = v
+        elif k == "required":
+            out[k] = list(dict.fromkeys([*out[k], *v]))
+        elif k == "properties" and isinstance(v, dict) and isinstance(out[k], dict):
+            props = dict(out[k])
+            for name, sub in v.items():
+                if name in props and props[name] != sub:
+                    merged = _merge(props[name], sub) if isinstance(sub, dict) else None
+                    if merged is None:
+                        return None
+                    sub = merged
+                props[name] = sub
+            out[k] = props
+        elif k in ("title", "description", "$comment", "examples", "default"):
+            pass  # annotations: keep the first
+        else:
+            return None
+    for part in (a, b):  # additionalProperties only sees its own schema's properties
+        if "additionalProperties" in part and set(part.get("properties", {})) != set(
+            out.get("properties", {})
+        ):
+            return None
+    return out
+
+
+class _Refs:
+    """Local `$ref`s ("#/$defs/x", "#/definitions/x") of one root schema, inlined when not recursive."""
+
+    def __init__(self, root: dict):
+        self.root = root
+
+    def target(self, ref: str) -> dict | None:
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            return None
+        node: Any = self.root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node if isinstance(node, dict) else None
+
+    def inline(self, schema: dict, seen: tuple[str, ...] = ()) -> dict | None:
+        """`schema` with its top-level `$ref` replaced by the target's keywords, or None."""
+        ref = schema.get("$ref")
+        target = self.target(ref)
+        if target is None or ref in seen or _mentions(target, ref):
+            return None
+        rest = {k: v for k, v in schema.items() if k != "$ref"}
+        if "$ref" in target:
+            target = self.inline(target, (*seen, ref))
+            if target is None:
+                return None
+        return _merge(target, rest)
+
+
+def _mentions(schema: Any, ref: str) -> bool:
+    if isinstance(schema, dict):
+        return schema.get("$ref") == ref or any(_mentions(v, ref) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_mentions(v, ref) for v in schema)
+    return False
+
+
+def _finite_values(schema: dict) -> list | None:
+    """The values an `enum` / `const` (of the schema or one of its allOf parts) limits it to."""
+    for part in [schema, *(p for p in schema.get("allOf", []) if isinstance(p, dict))]:
+        if "const" in part:
+            return [part["const"]]
+        if isinstance(part.get("enum"), list):
+            return part["enum"]
+    return None
+
+
+def _simplify_node(schema: dict, refs: _Refs) -> dict:
+    values = _finite_values(schema)
+    if values is not None and set(schema) & (
+        _VALIDATION | set(_RELATIONAL) | {"allOf", "anyOf", "oneOf", "$ref"}
+    ) - {
+        "enum",
+        "const",
+    }:
+        # A finite set of values under further constraints: keep the values that pass them all.
+        checker = validator_for(refs.root, default=Draft202012Validator)
+        with_defs = {**schema, **{k: refs.root[k] for k in ("$defs", "definitions") if k in refs.root}}
+        return {"enum": [v for v in values if checker(with_defs).is_valid(v)]}
+    out = schema
+    if isinstance(out.get("allOf"), list) and all(isinstance(s, dict) for s in out["allOf"]):
+        merged: dict | None = {k: v for k, v in out.items() if k != "allOf"}
+        for part in out["allOf"]:
+            if "$ref" in part and merged is not None:
+                part = refs.inline(part)  # a $ref beside other keywords means different things by draft
+            merged = _merge(merged, part) if merged is not None and part is not None else None
+        if merged is not None:
+            out = merged
+    if "$ref" in out and any(k in _VALIDATION for k in out):
+        out = refs.inline(out) or out
+    for key in ("anyOf", "oneOf"):
+        branches = out.get(key)
+        siblings = {k: v for k, v in out.items() if k in _VALIDATION}
+        if not siblings or not isinstance(branches, list) or not all(isinstance(b, dict) for b in branches):
+            continue
+        pushed = []
+        for b in branches:
+            b = refs.inline(b) if "$ref" in b else b
+            pushed.append(_merge(siblings, b) if b is not None else None)
+        if all(p is not None for p in pushed):
+            out = {k: v for k, v in out.items() if k not in siblings} | {key: pushed}
+    return out
+
+
+def simplify(schema: dict) -> dict:
+    """An equivalent schema with plain `allOf`s merged and composition siblings pushed into branches."""
+    refs = _Refs(schema)
+
+    def walk(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        node = _simplify_node(node, refs)
+        out = dict(node)
+        for k in _ONE:
+            if isinstance(out.get(k), dict):
+                out[k] = walk(out[k])
+        for k in _LIST:
+            if isinstance(out.get(k), list):
+                out[k] = [walk(s) for s in out[k]]
+        for k in _MAP:
+            if isinstance(out.get(k), dict):
+                out[k] = {name: walk(s) for name, s in out[k].items()}
+        return out
+
+    return walk(schema)
