@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from grammar.tool_calls import MAX_TOOL_CALLS
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -68,6 +70,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None  # validated in api/structured.py, where errors can name the tool
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI Responses API's bound on the calls of one response (a small model may loop calls).
+    max_tool_calls: int | None = Field(None, ge=1, le=MAX_TOOL_CALLS)
     guided_tool_calls: bool = True  # motet: False parses tool calls without constraining them
 
     @field_validator("messages")

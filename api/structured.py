@@ -160,7 +160,8 @@ def structured_output(req, allow_tools: bool = True) -> Structure:
         raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with {out.param}", out.param)
     if constrain and (mode == "required" or out.spec is None):
         parallel = req.parallel_tool_calls is not False
-        out.spec = StructuralTagSpec(tool_call_structural_tag(callable_tools, mode, parallel))
+        tag = tool_call_structural_tag(callable_tools, mode, parallel, max_calls=req.max_tool_calls)
+        out.spec = StructuralTagSpec(tag)
         out.param = "tools"
     return out
 

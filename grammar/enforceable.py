@@ -101,29 +101,55 @@ def _types(schema: dict) -> set[str] | None:
     return types | {"integer"} if "number" in types else types
 
 
-def _disjoint(branches: list) -> bool:
-    """Whether no value can match two oneOf branches, by a simple sufficient test: the branches
-    admit pairwise disjoint JSON types, or are consts / enums of distinct values."""
-    if not all(isinstance(b, dict) for b in branches):
-        return False
-    values = [b.get("enum", [b["const"]] if "const" in b else None) for b in branches]
-    if all(isinstance(v, list) for v in values):
-        flat = [json.dumps(x, sort_keys=True) for v in values for x in v]
-        return len(flat) == len(set(flat))
-    types = [_types(b) for b in branches]
-    if any(t is None for t in types):
-        return False
-    return all(not (a & b) for i, a in enumerate(types) for b in types[i + 1 :])
+def _values(schema: dict) -> list | None:
+    if "const" in schema:
+        return [schema["const"]]
+    return schema["enum"] if isinstance(schema.get("enum"), list) else None
+
+
+def _excludes(a: dict, b: dict) -> bool:
+    """Whether no value can match both `a` and `b`, by simple sufficient tests."""
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None:
+        return not {json.dumps(x, sort_keys=True) for x in va} & {json.dumps(x, sort_keys=True) for x in vb}
+    ta, tb = _types(a), _types(b)
+    if ta is not None and tb is not None and not ta & tb:
+        return True
+    pa, pb = a.get("properties") or {}, b.get("properties") or {}
+    both = set(a.get("required") or []) & set(b.get("required") or [])
+    for name in both:  # a discriminator: a property both require, with disjoint values
+        sa, sb = pa.get(name), pb.get(name)
+        finite = isinstance(sa, dict) and isinstance(sb, dict) and None not in (_values(sa), _values(sb))
+        if finite and _excludes(sa, sb):
+            return True
+    for x, y in ((a, b), (b, a)):  # a closed object cannot hold a property the other requires
+        closed = x.get("additionalProperties") is False and not x.get("patternProperties")
+        if closed and set(y.get("required") or []) - set(x.get("properties") or {}):
+            return True
+    return False
+
+
+def _disjoint(branches: list, refs: _Refs) -> bool:
+    """Whether no value can match two oneOf branches (so reading oneOf as anyOf is exact)."""
+    resolved = []
+    for b in branches:
+        if isinstance(b, dict) and "$ref" in b:
+            b = refs.inline(b)
+        if not isinstance(b, dict):
+            return False
+        resolved.append(b)
+    return all(_excludes(a, b) for i, a in enumerate(resolved) for b in resolved[i + 1 :])
 
 
 def _escape(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
 
 
-def unenforceable(schema: Any, where: str = "#") -> list[str]:
+def unenforceable(schema: Any, where: str = "#", refs: _Refs | None = None) -> list[str]:
     """Descriptions ("'not' at #/properties/x") of what the grammar would not enforce; [] if none."""
     if not isinstance(schema, dict):
         return []
+    refs = refs or _Refs(schema)
     found = [f"{k!r} at {where}" for k in _RELATIONAL if k in schema]
     if schema.get("uniqueItems") is True:
         found.append(f"'uniqueItems' at {where}")
@@ -142,7 +168,7 @@ def unenforceable(schema: Any, where: str = "#") -> list[str]:
         found.append(f"'required' names {missing[0]!r} beyond 'properties' at {where}")
     if "multipleOf" in schema and schema.get("type") != "integer":
         found.append(f"'multipleOf' on a non-integer at {where}")
-    if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"]):
+    if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"], refs):
         found.append(f"'oneOf' whose branches may overlap at {where}")
     composed = [k for k in _COMPOSITION if k in schema]
     if composed:
@@ -152,15 +178,15 @@ def unenforceable(schema: Any, where: str = "#") -> list[str]:
             found.append(f"{composed[0]!r} beside {others} at {where}")
     for k in _ONE:
         if isinstance(schema.get(k), dict):
-            found += unenforceable(schema[k], f"{where}/{k}")
+            found += unenforceable(schema[k], f"{where}/{k}", refs)
     for k in _LIST:
         if isinstance(schema.get(k), list):
             for i, sub in enumerate(schema[k]):
-                found += unenforceable(sub, f"{where}/{k}/{i}")
+                found += unenforceable(sub, f"{where}/{k}/{i}", refs)
     for k in _MAP:
         if isinstance(schema.get(k), dict):
             for name, sub in schema[k].items():
-                found += unenforceable(sub, f"{where}/{k}/{_escape(name)}")
+                found += unenforceable(sub, f"{where}/{k}/{_escape(name)}", refs)
     return found
 
 

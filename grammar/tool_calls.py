@@ -42,6 +42,7 @@ from grammar.schema_normalize import normalize_schema
 from grammar.specs import DEFAULT_MAX_WHITESPACE, GrammarError
 
 CALL_BEGIN = "<tool_call>"
+MAX_TOOL_CALLS = 64  # the largest `max_tool_calls` (the grammar holds one copy of the tools per call)
 CALL_END = "</tool_call>"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # used with fullmatch
@@ -272,14 +273,20 @@ def render_messages(messages: list[dict], tools: list[Tool]) -> list[dict]:
 
 
 def tool_call_structural_tag(
-    tools: list[Tool], mode: str, parallel: bool, *, max_whitespace: int | None = DEFAULT_MAX_WHITESPACE
+    tools: list[Tool],
+    mode: str,
+    parallel: bool,
+    *,
+    max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+    max_calls: int | None = None,
 ) -> dict:
     """The xgrammar structural tag for Hermes calls to `tools` with schema-valid arguments.
 
     "required": the output is the call(s) and nothing else: one call, or with `parallel` one or more
     separated by "\\n". "auto": free text, but from `<tool_call>` on a well-formed call (at most one, and
-    then the output ends, unless `parallel`). `max_whitespace` bounds whitespace runs inside the
-    arguments JSON (small models otherwise pad forever); None leaves it free.
+    then the output ends, unless `parallel`). `max_calls` bounds the calls of a parallel output (in
+    "auto" the output ends with the last one allowed). `max_whitespace` bounds whitespace runs inside
+    the arguments JSON (small models otherwise pad forever); None leaves it free.
     """
     if mode not in ("auto", "required") or not tools:
         raise ValueError(f"a structural tag needs tools and mode 'auto' or 'required', got {mode!r}")
@@ -290,17 +297,25 @@ def tool_call_structural_tag(
             content["max_whitespace_cnt"] = max_whitespace
         begin = f'{CALL_BEGIN}\n{{"name": {json.dumps(tool.name)}, "arguments": '
         tags.append({"type": "tag", "begin": begin, "content": content, "end": "}\n" + CALL_END})
+    one = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
     if mode == "auto":
-        fmt = {
-            "type": "triggered_tags",
-            "triggers": [CALL_BEGIN],
-            "tags": tags,
-            "stop_after_first": not parallel,
-        }
+        trigger = {"type": "triggered_tags", "triggers": [CALL_BEGIN], "tags": tags}
+        if parallel and max_calls is not None:  # text and calls, the output ending at the last call
+            fmt = {"type": "sequence", "elements": [trigger | {"stop_after_first": True}] * max_calls}
+        else:
+            fmt = trigger | {"stop_after_first": not parallel}
+    elif parallel and max_calls is not None:  # call ("\n" call (... )?)?, up to max_calls deep
+        fmt = one
+        for _ in range(max_calls - 1):
+            more = {"type": "sequence", "elements": [{"type": "const_string", "value": "\n"}, fmt]}
+            fmt = {
+                "type": "sequence",
+                "elements": [one, {"type": "or", "elements": [{"type": "const_string", "value": ""}, more]}],
+            }
     elif parallel:
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
     else:
-        fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+        fmt = one
     return {"type": "structural_tag", "format": fmt}
 
 

@@ -147,6 +147,13 @@ def test_tool_choice_required_named_and_auto(client):
     assert call[0] == "get_weather"
     jsonschema.validate(call[1], SCHEMAS["get_weather"])
 
+    # max_tool_calls bounds a parallel response (the default model would otherwise repeat calls).
+    loop = [{"role": "user", "content": "Weather in Rome, Paris, Oslo, Lima, Kyiv and Doha?"}]
+    r = chat(
+        client, loop, tools=TOOLS, tool_choice="required", max_tokens=200, extra_body={"max_tool_calls": 2}
+    )
+    assert r.choices[0].finish_reason == "tool_calls" and 1 <= len(r.choices[0].message.tool_calls) <= 2
+
     # auto: the model may answer or call; what it writes is parsed either way.
     r = chat(client, tools=TOOLS)
     m = r.choices[0].message
@@ -233,6 +240,7 @@ def test_tool_history_renders_back_into_the_prompt(client):
             },
             "tools[0].function.parameters",
         ),
+        ({"tools": TOOLS, "extra_body": {"max_tool_calls": 0}}, "max_tool_calls"),
         ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),

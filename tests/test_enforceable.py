@@ -47,6 +47,7 @@ PROBES = {
     "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, [1]),
     "propertyNames": ({**OBJ, "propertyNames": {"pattern": "^b"}}, {"a": 1}),
     "oneOf overlap": ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, 1),
+    "oneOf objects": ({"oneOf": [OBJ, {**OBJ, "required": ["a"]}]}, {"a": 1}),
     "pattern+length": ({"type": "string", "pattern": "^a+$", "minLength": 3}, "a"),
     "untyped pattern": ({"anyOf": [{"type": "boolean"}, {"pattern": "^t$"}]}, "x"),
     "$ref beside": (
@@ -103,6 +104,31 @@ def test_rewritten_shapes_pass_the_check_and_are_enforced(name):
     assert not validator_for(schema)(schema).is_valid(invalid)
     assert unenforceable(simplify(normalize_schema(schema))) == []
     assert not accepts(schema, invalid)
+
+
+def test_oneof_with_provably_disjoint_branches_is_exact():
+    tagged = [
+        {"type": "object", "properties": {"kind": {"const": k}, "x": {"type": t}}, "required": ["kind"]}
+        for k, t in (("a", "integer"), ("b", "string"))
+    ]
+    closed = [
+        {
+            "type": "object",
+            "properties": {p: {"type": "string"}},
+            "required": [p],
+            "additionalProperties": False,
+        }
+        for p in ("src", "dst")
+    ]
+    refs = {"$defs": {"n": {"type": "integer"}}, "oneOf": [{"$ref": "#/$defs/n"}, {"enum": [False, None]}]}
+    for schema, invalid in (
+        ({"oneOf": tagged}, {"kind": "a", "x": "s"}),
+        ({"oneOf": closed}, {"src": "a", "dst": "b"}),
+        (refs, "s"),
+    ):
+        assert unenforceable(simplify(schema)) == [], schema
+        assert not jsonschema.Draft202012Validator(schema).is_valid(invalid)
+        assert not accepts(schema, invalid)
 
 
 def test_messages_name_keyword_and_place():

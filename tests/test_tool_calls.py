@@ -340,8 +340,8 @@ def accepts():
 
     tools = validate_tools([WEATHER, SUM])
 
-    def accepts(mode: str, parallel: bool, text: str, only=None) -> bool:
-        tag = tool_call_structural_tag(only or tools, mode, parallel)
+    def accepts(mode: str, parallel: bool, text: str, only=None, max_calls=None) -> bool:
+        tag = tool_call_structural_tag(only or tools, mode, parallel, max_calls=max_calls)
         return _is_grammar_accept_string(xgr.Grammar.from_structural_tag(tag), text)
 
     return accepts
@@ -371,6 +371,21 @@ def test_structural_tag_required(accepts):
     assert accepts("required", True, S + "\n" + S + "\n" + W)
     assert not accepts("required", True, W + S)
     assert not accepts("required", True, W + "\nand\n" + S)
+
+
+def test_structural_tag_bounds_the_number_of_calls(accepts):
+    for n in (1, 2, 3):
+        assert accepts("required", True, "\n".join([W, S, W][:n]), max_calls=3)
+    assert not accepts("required", True, "\n".join([W, S, W, S]), max_calls=3)
+    assert not accepts("required", True, W + "\n", max_calls=3)
+    assert not accepts("required", True, "", max_calls=3)
+    assert accepts("required", True, W, max_calls=1) and not accepts(
+        "required", True, W + "\n" + S, max_calls=1
+    )
+    assert accepts("auto", True, "text only", max_calls=2)
+    assert accepts("auto", True, "a " + W + " b " + S, max_calls=2)
+    assert not accepts("auto", True, W + "\n" + S + "\n" + W, max_calls=2)
+    assert not accepts("auto", True, W + "\n" + S + " more text", max_calls=2)  # the last call ends it
 
 
 def test_structural_tag_named(accepts):

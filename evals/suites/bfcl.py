@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="send parallel_tool_calls (unset: the server's default; by-category: true for BFCL's parallel "
         "categories, false for the others, where the ground truth is one call)",
     )
+    g.add_argument(
+        "--max-tool-calls",
+        type=int,
+        default=None,
+        help="send max_tool_calls (the calls one response may hold) with parallel_tool_calls true",
+    )
     add_penalty_arguments(g)
     g.add_argument("--request-timeout", type=float, default=600, help="seconds per request")
 
@@ -168,6 +174,8 @@ async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
         kwargs["parallel_tool_calls"] = "parallel" in record["category"]
     elif ctx.args.parallel_tool_calls != "unset":
         kwargs["parallel_tool_calls"] = ctx.args.parallel_tool_calls == "true"
+    if ctx.args.max_tool_calls is not None and kwargs.get("parallel_tool_calls", True):
+        kwargs["extra_body"] = {**kwargs.get("extra_body", {}), "max_tool_calls": ctx.args.max_tool_calls}
     penalties(ctx, kwargs)
     t0 = time.perf_counter()
     try:
@@ -226,6 +234,7 @@ def run(ctx: EvalContext) -> dict:
             "modes": modes,
             "model": ctx.model,
             "max_tokens": ctx.args.max_tokens,
+            "max_tool_calls": ctx.args.max_tool_calls,
             "concurrency": ctx.concurrency,
             "seconds": time.perf_counter() - t0,
         },
@@ -267,7 +276,8 @@ def compare_markdown(runs: dict[str, dict]) -> str:
     return "\n".join(
         [
             f"BFCL slice: {cfg['cases']} cases from `{cfg['data']}`, greedy, max {cfg['max_tokens']} tokens, "
-            f"{cfg['concurrency']} requests in flight.",
+            + (f"at most {cfg['max_tool_calls']} calls per response, " if cfg.get("max_tool_calls") else "")
+            + f"{cfg['concurrency']} requests in flight.",
             "",
             "## AST accuracy per category",
             "",
