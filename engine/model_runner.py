@@ -15,7 +15,7 @@ import torch
 
 from engine.checkpoint import iter_weights
 from engine.config import EngineConfig, ModelConfig
-from engine.model import AttentionMetadata, Linear, LlamaForCausalLM
+from engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_available
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import TokenLogprob
@@ -78,10 +78,10 @@ class ModelRunner:
         for name, module in model.named_children():
             if name != "rope":
                 module.to(self.dtype)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and onednn_available():
             for module in model.modules():
                 if isinstance(module, Linear):
-                    module.add_gemv_copy()
+                    module.prepack()
         self.model = model.eval().requires_grad_(False)
 
         self.num_blocks = config.num_kv_blocks or max(

@@ -17,6 +17,8 @@ Layout (shared by the model, the block manager and these kernels):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -57,21 +59,16 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    plan: CpuAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context; returns ``[T, H, D]`` in
-    ``q``'s dtype. ``max_query_len`` / ``max_seq_len`` are optional host-side hints (no device sync)."""
-    fn = paged_attention_triton if q.is_cuda else paged_attention_reference
-    return fn(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        scale,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-    )
+    ``q``'s dtype. ``max_query_len`` / ``max_seq_len`` are optional host-side hints (no device sync);
+    ``plan`` is the CPU path's per-step bookkeeping, shared by the layers of one step."""
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len}
+    if q.is_cuda:
+        return paged_attention_triton(*args, **hints)
+    return paged_attention_reference(*args, **hints, plan=plan)
 
 
 # Upper bound on score-matrix elements per matmul in the reference (16 MiB of fp32): long prefill
@@ -109,21 +106,54 @@ def _blocks_of(cache: torch.Tensor, table: list[int], num_blocks: int) -> torch.
     return cache.index_select(0, torch.tensor(table[:num_blocks], device=cache.device))
 
 
-def _decode_batched(out, q, k_cache, v_cache, block_tables, starts, lens, decodes, scale) -> None:
-    """Attention of single-token (decode) rows of many sequences at once, keys padded to the longest."""
+@dataclass
+class DecodeGroup:
+    """One padded batched decode call: its query rows, the blocks to gather, the key mask."""
+
+    seqs: list[int]
+    rows: torch.Tensor  # [n] query rows
+    blocks: torch.Tensor  # [n * num_blocks] cache blocks, row-major per sequence
+    valid: torch.Tensor  # [n, 1, 1, width] bool: key position < that sequence's length
+
+
+@dataclass
+class CpuAttentionPlan:
+    """What the CPU path derives from the step's metadata, once per step instead of once per layer."""
+
+    starts: list[int]
+    lens: list[int]
+    groups: list[DecodeGroup]
+    tables: list[list[int]] | None = None  # the block table on the host, read when a lone sequence needs it
+
+
+def plan_cpu_attention(
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> CpuAttentionPlan:
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    groups = []
+    for seqs in decode_groups(decodes, lens, block_size) if len(decodes) >= _BATCHED_DECODE_MIN else []:
+        num_blocks = -(-max(lens[b] for b in seqs) // block_size)
+        width = num_blocks * block_size
+        blocks = block_tables[torch.tensor(seqs), :num_blocks].reshape(-1).to(torch.long)
+        valid = torch.arange(width)[None, :] < torch.tensor([lens[b] for b in seqs])[:, None]
+        rows = torch.tensor([starts[b] for b in seqs])
+        groups.append(DecodeGroup(seqs, rows, blocks, valid[:, None, None, :]))
+    return CpuAttentionPlan(starts, lens, groups)
+
+
+def _decode_batched(out, q, k_cache, v_cache, group: DecodeGroup, scale) -> None:
+    """Attention of single-token (decode) rows of many sequences at once, keys padded to the longest.
+
+    In the cache's dtype: SDPA's CPU kernel accumulates in fp32 itself, and bf16 keys need no fp32 copy."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    rows = torch.tensor([starts[b] for b in decodes], device=q.device)
-    seq_lens = torch.tensor([lens[b] for b in decodes], device=q.device)
-    num_blocks = -(-max(lens[b] for b in decodes) // block_size)
-    tables = block_tables[torch.tensor(decodes, device=q.device), :num_blocks].reshape(-1)
-    n, width = len(decodes), num_blocks * block_size
-    k = k_cache.index_select(0, tables).view(n, width, num_kv_heads, head_dim).transpose(1, 2).float()
-    v = v_cache.index_select(0, tables).view(n, width, num_kv_heads, head_dim).transpose(1, 2).float()
-    valid = torch.arange(width, device=q.device)[None, :] < seq_lens[:, None]
-    o = F.scaled_dot_product_attention(
-        q[rows].float().unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    out[rows] = o.squeeze(2).to(out.dtype)
+    n = len(group.seqs)
+    width = group.blocks.shape[0] // n * block_size
+    k = k_cache.index_select(0, group.blocks).view(n, width, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, group.blocks).view(n, width, num_kv_heads, head_dim).transpose(1, 2)
+    qr = q.index_select(0, group.rows).to(k.dtype).unsqueeze(2)
+    o = F.scaled_dot_product_attention(qr, k, v, attn_mask=group.valid, scale=scale, enable_gqa=True)
+    out[group.rows] = o.squeeze(2).to(out.dtype)
 
 
 def paged_attention_reference(
@@ -137,6 +167,7 @@ def paged_attention_reference(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    plan: CpuAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Torch reference, and the CPU production path.
 
@@ -145,25 +176,26 @@ def paged_attention_reference(
     row dimension (GQA without expanding K/V). Measured on CPU this beats both one padded batch for all
     decodes (the padded gather is large and cache-hostile) and ``scaled_dot_product_attention``
     (per-call overhead for short queries; no faster for prefill chunks). Rows past
-    ``query_start_loc[-1]`` are zero.
+    ``query_start_loc[-1]`` are zero. `plan` (from `plan_cpu_attention`) may be shared by all layers.
     """
     del max_query_len, max_seq_len  # host-side lists below are free on CPU
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    if plan is None:
+        plan = plan_cpu_attention(block_tables, query_start_loc, seq_lens, block_size)
+    starts, lens = plan.starts, plan.lens
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    # [num_kv_heads, group, T, head_dim]: query head h = kv_head * group + g; scaled once for all rows
-    qs = (q.float() * scale).view(-1, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     done = set()
     # Many decode rows of similar length: one padded gather + one SDPA call per group beats a
     # per-sequence loop of small ops.
-    for similar in decode_groups(decodes, lens, block_size) if len(decodes) >= _BATCHED_DECODE_MIN else []:
-        _decode_batched(out, q, k_cache, v_cache, block_tables, starts, lens, similar, scale)
-        done.update(similar)
-    tables = None  # the block table on the host, read once when a sequence needs it
+    for g in plan.groups:
+        _decode_batched(out, q, k_cache, v_cache, g, scale)
+        done.update(g.seqs)
+    if len(done) == len(lens):
+        return out
+    # [num_kv_heads, group, T, head_dim]: query head h = kv_head * group + g; scaled once for all rows
+    qs = (q.float() * scale).view(-1, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     for b, seq_len in enumerate(lens):
         if b in done:
             continue
@@ -172,8 +204,9 @@ def paged_attention_reference(
         if q_len == 0:
             continue
         ctx_len = seq_len - q_len  # tokens cached before this step's new ones
-        if tables is None:
-            tables = block_tables.tolist()
+        if plan.tables is None:
+            plan.tables = block_tables.tolist()
+        tables = plan.tables
         num_blocks = -(-seq_len // block_size)
         # [num_kv_heads, seq_len, head_dim] in fp32 (.float() is a no-op for fp32 caches)
         k = _blocks_of(k_cache, tables[b], num_blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
