@@ -85,10 +85,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    _step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`x` [T, heads, head_dim] rotated by each token's position."""
+        if self._step is None or self._step[0] is not positions:  # every layer of a step: one lookup
+            self._step = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return self._rotate(x, self._step[1], self._step[2])  # cos/sin [T, 1, D/2]
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,11 +131,10 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if lora is not None:
             lora.add(qkv, x, self.layer_idx, ("q_proj", "k_proj", "v_proj"), sizes)
-        q, k, v = qkv.split(sizes, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        # q and k are adjacent columns of qkv: rotated in one go
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, qk).split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.cpu_plan is None and not q.is_cuda:

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig, ModelLoadError
 from engine.llm_engine import LLM, LLMEngine
+from engine.model import Linear, onednn_available
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -220,3 +221,19 @@ def test_a_request_that_fails_in_processing_fails_alone(tiny_model_dir):
     assert outs[bad][-1].error and outs[bad][-1].finish_reason == "abort" and len(outs[bad]) == 1
     assert outs[good][-1].finish_reason == "length" and len(outs[good][-1].token_ids) == 4
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.03)])
+def test_prepacked_linear_matches_f_linear(dtype, tol):
+    """The CPU runner's oneDNN path computes what F.linear does, for any number of rows and with bias."""
+    torch.manual_seed(0)
+    layer = Linear(96, 160, bias=True).to(dtype)
+    layer.prepack()
+    for rows in (1, 2, 7, 64, 300):
+        x = torch.randn(rows, 96, dtype=dtype)
+        ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+        assert (layer(x).float() - ref).abs().max().item() <= tol
+    strided = torch.randn(5, 192, dtype=dtype)[:, ::2]  # attention output views reach it non-contiguous
+    ref = torch.nn.functional.linear(strided.float(), layer.weight.float(), layer.bias.float())
+    assert (layer(strided).float() - ref).abs().max().item() <= tol
