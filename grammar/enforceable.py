@@ -11,16 +11,19 @@ tests/test_enforceable.py), these are ignored or mis-handled:
 - `allOf` with several subschemas: only one of them is applied;
 - `allOf` / `anyOf` / `oneOf` / `$ref` beside other validation keywords: the siblings are dropped
   (`{"required": ["a"], "anyOf": [...]}` no longer requires "a");
-- `oneOf` is read as `anyOf` (a value matching two branches passes); `pattern` beside
-  `minLength`/`maxLength` drops the lengths; lookarounds in `pattern`; `multipleOf` on numbers.
+- `oneOf` is read as `anyOf` (a value matching two branches passes), which is exact only when no value
+  can match two branches (checked: distinct types or values, a required discriminator property,
+  closed objects); `pattern` beside `minLength`/`maxLength` drops the lengths; lookarounds in
+  `pattern`; `multipleOf` on numbers.
 
 OpenAI's strict mode refuses schemas it cannot guarantee; so do we, for `strict: true`, naming each
 keyword and where it is. Without `strict` the grammar is best effort, as before.
 
 Before the check, `simplify` rewrites the common shapes into equivalent ones the grammar does
-enforce: an `allOf` whose parts do not overlap is merged into one schema, and the keywords beside an
-`anyOf` / `oneOf` are copied into each branch; a local `$ref` in the way is inlined when it is not
-recursive.
+enforce: an `allOf` whose parts do not overlap is merged into one schema, the keywords beside an
+`anyOf` / `oneOf` are copied into each branch, a local `$ref` in the way is inlined when it is not
+recursive, and an `enum` / `const` under further constraints becomes the enum of its values that pass
+them (checked with jsonschema here, so any keyword works there).
 """
 
 from __future__ import annotations
@@ -206,7 +209,8 @@ def _merge(a: dict, b: dict) -> dict | None:
             props = dict(out[k])
             for name, sub in v.items():
                 if name in props and props[name] != sub:
-                    merged = _merge(props[name], sub) if isinstance(sub, dict) else None
+                    both = isinstance(sub, dict) and isinstance(props[name], dict)
+                    merged = _merge(props[name], sub) if both else None
                     if merged is None:
                         return None
                     sub = merged
