@@ -131,13 +131,16 @@ def plan_cpu_attention(
 ) -> CpuAttentionPlan:
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    groups = []
+    groups, dev = [], block_tables.device
     for seqs in decode_groups(decodes, lens, block_size) if len(decodes) >= _BATCHED_DECODE_MIN else []:
         num_blocks = -(-max(lens[b] for b in seqs) // block_size)
         width = num_blocks * block_size
-        blocks = block_tables[torch.tensor(seqs), :num_blocks].reshape(-1).to(torch.long)
-        valid = torch.arange(width)[None, :] < torch.tensor([lens[b] for b in seqs])[:, None]
-        rows = torch.tensor([starts[b] for b in seqs])
+        blocks = block_tables[torch.tensor(seqs, device=dev), :num_blocks].reshape(-1).to(torch.long)
+        valid = (
+            torch.arange(width, device=dev)[None, :]
+            < torch.tensor([lens[b] for b in seqs], device=dev)[:, None]
+        )
+        rows = torch.tensor([starts[b] for b in seqs], device=dev)
         groups.append(DecodeGroup(seqs, rows, blocks, valid[:, None, None, :]))
     return CpuAttentionPlan(starts, lens, groups)
 
