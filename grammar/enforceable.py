@@ -168,7 +168,7 @@ def unenforceable(schema: Any, where: str = "#", refs: _Refs | None = None) -> l
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     missing = [n for n in schema.get("required") or [] if n not in props]
     if missing and "patternProperties" not in schema and "additionalProperties" not in schema:
-        found.append(f"'required' names {missing[0]!r} beyond 'properties' at {where}")
+        found.append(f"'required' beyond 'properties' ({missing[0]!r}) at {where}")
     if "multipleOf" in schema and schema.get("type") != "integer":
         found.append(f"'multipleOf' on a non-integer at {where}")
     if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"], refs):
