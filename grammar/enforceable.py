@@ -267,6 +267,9 @@ def _mentions(schema: Any, ref: str) -> bool:
     return False
 
 
+_BESIDE_VALUES = (_VALIDATION | set(_RELATIONAL) | set(_COMPOSITION)) - {"enum", "const"}
+
+
 def _finite_values(schema: dict) -> list | None:
     """The values an `enum` / `const` (of the schema or one of its allOf parts) limits it to."""
     for part in [schema, *(p for p in schema.get("allOf", []) if isinstance(p, dict))]:
@@ -279,16 +282,11 @@ def _finite_values(schema: dict) -> list | None:
 
 def _simplify_node(schema: dict, refs: _Refs) -> dict:
     values = _finite_values(schema)
-    if values is not None and set(schema) & (
-        _VALIDATION | set(_RELATIONAL) | {"allOf", "anyOf", "oneOf", "$ref"}
-    ) - {
-        "enum",
-        "const",
-    }:
+    if values is not None and set(schema) & _BESIDE_VALUES:
         # A finite set of values under further constraints: keep the values that pass them all.
-        checker = validator_for(refs.root, default=Draft202012Validator)
-        with_defs = {**schema, **{k: refs.root[k] for k in ("$defs", "definitions") if k in refs.root}}
-        return {"enum": [v for v in values if checker(with_defs).is_valid(v)]}
+        # evolve: the node's keywords, with "#/..." references still resolved against the root
+        checker = validator_for(refs.root, default=Draft202012Validator)(refs.root).evolve(schema=schema)
+        return {"enum": [v for v in values if checker.is_valid(v)]}
     out = schema
     if isinstance(out.get("allOf"), list) and all(isinstance(s, dict) for s in out["allOf"]):
         merged: dict | None = {k: v for k, v in out.items() if k != "allOf"}
@@ -334,4 +332,7 @@ def simplify(schema: dict) -> dict:
                 out[k] = {name: walk(s) for name, s in out[k].items()}
         return out
 
-    return walk(schema)
+    try:
+        return walk(schema)
+    except Exception:  # e.g. a $ref jsonschema cannot resolve in isolation: the schema as given is equivalent
+        return schema

@@ -81,6 +81,16 @@ REWRITTEN = {
         {"a": 1},
     ),
     "enum under not": ({"enum": [3, "x"], "not": {"type": "integer"}}, 3),
+    "enum beside a root $ref": (
+        {
+            **OBJ,
+            "properties": {
+                **OBJ["properties"],
+                "x": {"allOf": [{"enum": [1, "s"]}, {"$ref": "#/properties/a"}]},
+            },
+        },
+        {"x": "s"},
+    ),
 }
 
 
