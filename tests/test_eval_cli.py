@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from evals import cli
+from evals.context import SHARED_DATA
 from evals.report import flatten
 from evals.server import ManagedServer
 
@@ -20,6 +21,12 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 3
+
+
+def needs_dev_set(name: str):
+    """The jsonschema and bfcl suites read the dev sets beside the repository (../shared/data)."""
+    path = SHARED_DATA / name / "dev.jsonl"
+    return pytest.mark.skipif(not path.exists(), reason=f"{path} not present")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +64,7 @@ def check_modes(results: dict, modes: list[str], rates: list[str]) -> None:
     assert len(results["items"]) == LIMIT * len(modes)
 
 
+@needs_dev_set("jsonschemabench")
 def test_jsonschema(server, tmp_path):
     doc = run_suite(tmp_path, "jsonschema", "--base-url", server.base_url, "--limit", str(LIMIT),
                     "--max-tokens", "48", "--concurrency", "2")  # fmt: skip
@@ -65,6 +73,7 @@ def test_jsonschema(server, tmp_path):
     assert all(i["status"] != "error" for i in res["items"]), [i["error"] for i in res["items"]]
 
 
+@needs_dev_set("jsonschemabench")
 def test_jsonschema_side_by_side(server, tmp_path):
     """Two servers (here the same one twice, under two labels): both in the JSON and the table."""
     doc = run_suite(tmp_path, "jsonschema", "--base-url", server.base_url, "--label", "A", "--compare-url",
@@ -76,6 +85,7 @@ def test_jsonschema_side_by_side(server, tmp_path):
     assert "| A constrained | B constrained |" in table
 
 
+@needs_dev_set("bfcl")
 def test_bfcl(server, tmp_path):
     doc = run_suite(tmp_path, "bfcl", "--base-url", server.base_url, "--limit", str(LIMIT),
                     "--max-tokens", "48", "--concurrency", "2")  # fmt: skip
