@@ -85,17 +85,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    _step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """`x` [T, heads, head_dim] rotated by each token's position."""
-        if self._step is None or self._step[0] is not positions:  # every layer of a step: one lookup
-            self._step = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
-        return self._rotate(x, self._step[1], self._step[2])  # cos/sin [T, 1, D/2]
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] of each token's position: looked up once a step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Hugging Face layout: the two rotated halves are the first and second half of head_dim.
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`x` [T, heads, head_dim] rotated; Hugging Face layout: the two rotated halves are the first
+        and second half of head_dim."""
+        cos, sin = cos_sin
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -125,7 +123,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None):
+    def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None):
         T = x.shape[0]
         sizes = (self.q_size, self.kv_size, self.kv_size)
         qkv = self.qkv_proj(x)
@@ -133,7 +131,7 @@ class Attention(nn.Module):
             lora.add(qkv, x, self.layer_idx, ("q_proj", "k_proj", "v_proj"), sizes)
         # q and k are adjacent columns of qkv: rotated in one go
         qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, qk).split((self.num_heads, self.num_kv_heads), dim=1)
+        q, k = RotaryEmbedding.rotate(qk, cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -189,8 +187,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer_idx)
 
-    def forward(self, x, positions, rope, meta, kv_cache, lora: LoRABatch | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache, lora)
+    def forward(self, x, cos_sin, meta, kv_cache, lora: LoRABatch | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
@@ -220,8 +218,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; `compute_logits` maps chosen rows to logits."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, meta, kv_cache, lora)
+            x = layer(x, cos_sin, meta, kv_cache, lora)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
