@@ -23,20 +23,9 @@ from jsonschema.validators import validator_for
 
 from grammar.enforceable import simplify, unenforceable
 from grammar.schema_normalize import normalize_schema
+from grammar.specs import DEFAULT_MAX_WHITESPACE
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data/jsonschemabench/dev.jsonl"
-
-
-def _grammar(schema: dict):
-    import xgrammar as xgr
-
-    text = json.dumps(schema)
-    try:  # the xgrammar backend's settings (grammar/xgrammar_backend.py)
-        return xgr.Grammar.from_json_schema(text, any_whitespace=True, max_whitespace_cnt=1, strict_mode=True)
-    except RuntimeError:
-        return xgr.Grammar.from_json_schema(
-            text, any_whitespace=True, max_whitespace_cnt=1, strict_mode=False
-        )
 
 
 def _kind(problem: str) -> str:
@@ -51,6 +40,8 @@ def _alarm(_signum, _frame):
 
 def main(argv: list[str] | None = None) -> None:
     from xgrammar.testing import _is_grammar_accept_string
+
+    from grammar.xgrammar_backend import json_schema_grammar  # the backend's own settings
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, default=DATA)
@@ -86,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, variant in (("as given", schema), ("rewritten", rewritten)):
             signal.alarm(args.timeout)
             try:
-                g = _grammar(variant)
+                g = json_schema_grammar(variant, strict=True, max_whitespace=DEFAULT_MAX_WHITESPACE)
                 for t in rec["tests"]:
                     if not t["valid"]:
                         hit = _is_grammar_accept_string(g, json.dumps(t["data"]))

@@ -117,16 +117,22 @@ class XGrammarBackend(Backend):
 
     def _compile_schema(self, spec: JsonSchemaSpec) -> xgr.CompiledGrammar:
         # simplify: an equivalent schema whose allOf / composition siblings xgrammar does enforce.
-        schema = json.dumps(simplify(normalize_schema(spec.schema_dict())))
-        if spec.max_whitespace > 0:
-            fmt = {"any_whitespace": True, "max_whitespace_cnt": spec.max_whitespace}
-        else:
-            fmt = {"any_whitespace": False, "separators": (",", ":")}
-        try:
-            return self._compiler.compile_json_schema(schema, strict_mode=spec.strict, **fmt)
-        except RuntimeError:
-            if not spec.strict:
-                raise
-        # Strict mode narrows the schema (no unlisted properties or items); where that leaves it
-        # unsatisfiable (e.g. minItems beyond prefixItems), the schema itself still compiles.
-        return self._compiler.compile_json_schema(schema, strict_mode=False, **fmt)
+        schema = simplify(normalize_schema(spec.schema_dict()))
+        return self._compiler.compile_grammar(json_schema_grammar(schema, spec.strict, spec.max_whitespace))
+
+
+def json_schema_grammar(schema: dict, strict: bool, max_whitespace: int) -> xgr.Grammar:
+    """xgrammar's grammar for a (normalized) JSON schema with motet's whitespace bound."""
+    if max_whitespace > 0:
+        fmt = {"any_whitespace": True, "max_whitespace_cnt": max_whitespace}
+    else:
+        fmt = {"any_whitespace": False, "separators": (",", ":")}
+    text = json.dumps(schema)
+    try:
+        return xgr.Grammar.from_json_schema(text, strict_mode=strict, **fmt)
+    except RuntimeError:
+        if not strict:
+            raise
+    # Strict mode narrows the schema (no unlisted properties or items); where that leaves it
+    # unsatisfiable (e.g. minItems beyond prefixItems), the schema itself still compiles.
+    return xgr.Grammar.from_json_schema(text, strict_mode=False, **fmt)

@@ -17,9 +17,12 @@ from jsonschema.validators import validator_for
 
 from grammar.enforceable import simplify, unenforceable
 from grammar.schema_normalize import normalize_schema
+from grammar.specs import DEFAULT_MAX_WHITESPACE
 
 xgr = pytest.importorskip("xgrammar")
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
+
+from grammar.xgrammar_backend import json_schema_grammar  # noqa: E402
 
 DRAFT7 = "http://json-schema.org/draft-07/schema#"
 BENCH = Path(__file__).resolve().parents[2] / "shared/data/jsonschemabench/dev.jsonl"
@@ -27,12 +30,9 @@ BENCH = Path(__file__).resolve().parents[2] / "shared/data/jsonschemabench/dev.j
 
 def accepts(schema: dict, value) -> bool:
     """Whether the grammar motet compiles for `schema` (xgrammar backend settings) accepts `value`."""
-    text = json.dumps(simplify(normalize_schema(schema)))
-    try:
-        g = xgr.Grammar.from_json_schema(text, any_whitespace=True, max_whitespace_cnt=1, strict_mode=True)
-    except RuntimeError:
-        g = xgr.Grammar.from_json_schema(text, any_whitespace=True, max_whitespace_cnt=1, strict_mode=False)
-    return _is_grammar_accept_string(g, json.dumps(value))
+    rewritten = simplify(normalize_schema(schema))
+    grammar = json_schema_grammar(rewritten, strict=True, max_whitespace=DEFAULT_MAX_WHITESPACE)
+    return _is_grammar_accept_string(grammar, json.dumps(value))
 
 
 OBJ = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
