@@ -35,6 +35,8 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.validators import validator_for
 
+from grammar.schema_normalize import children, map_children
+
 _RELATIONAL = (
     "not",
     "if",
@@ -78,9 +80,6 @@ _VALIDATION = {
     "exclusiveMaximum",
     "multipleOf",
 }
-_ONE = ("additionalProperties", "unevaluatedProperties", "additionalItems", "unevaluatedItems", "items")
-_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-_MAP = ("properties", "patternProperties", "$defs", "definitions")
 
 
 _STRING_KEYWORDS = ("pattern", "minLength", "maxLength", "format")
@@ -144,10 +143,6 @@ def _disjoint(branches: list, refs: _Refs) -> bool:
     return all(_excludes(a, b) for i, a in enumerate(resolved) for b in resolved[i + 1 :])
 
 
-def _escape(name: str) -> str:
-    return name.replace("~", "~0").replace("/", "~1")
-
-
 def unenforceable(schema: Any, where: str = "#", refs: _Refs | None = None) -> list[str]:
     """Descriptions ("'not' at #/properties/x") of what the grammar would not enforce; [] if none."""
     if not isinstance(schema, dict):
@@ -179,17 +174,8 @@ def unenforceable(schema: Any, where: str = "#", refs: _Refs | None = None) -> l
         if siblings or len(composed) > 1:
             others = ", ".join(repr(k) for k in [*composed[1:], *siblings])
             found.append(f"{composed[0]!r} beside {others} at {where}")
-    for k in _ONE:
-        if isinstance(schema.get(k), dict):
-            found += unenforceable(schema[k], f"{where}/{k}", refs)
-    for k in _LIST:
-        if isinstance(schema.get(k), list):
-            for i, sub in enumerate(schema[k]):
-                found += unenforceable(sub, f"{where}/{k}/{i}", refs)
-    for k in _MAP:
-        if isinstance(schema.get(k), dict):
-            for name, sub in schema[k].items():
-                found += unenforceable(sub, f"{where}/{k}/{_escape(name)}", refs)
+    for step, sub in children(schema):
+        found += unenforceable(sub, f"{where}/{step}", refs)
     return found
 
 
@@ -319,18 +305,7 @@ def simplify(schema: dict) -> dict:
     def walk(node: Any) -> Any:
         if not isinstance(node, dict):
             return node
-        node = _simplify_node(node, refs)
-        out = dict(node)
-        for k in _ONE:
-            if isinstance(out.get(k), dict):
-                out[k] = walk(out[k])
-        for k in _LIST:
-            if isinstance(out.get(k), list):
-                out[k] = [walk(s) for s in out[k]]
-        for k in _MAP:
-            if isinstance(out.get(k), dict):
-                out[k] = {name: walk(s) for name, s in out[k].items()}
-        return out
+        return map_children(_simplify_node(node, refs), walk)
 
     try:
         return walk(schema)

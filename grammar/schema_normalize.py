@@ -9,7 +9,7 @@ inside a backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jsonschema
@@ -56,30 +56,51 @@ def _type_name(t: Any) -> str | None | Any:
     return low if low in _JSON_TYPES else _TYPE_ALIASES.get(low, t)
 
 
+def children(schema: dict) -> Iterator[tuple[str, Any]]:
+    """Each direct subschema of `schema`, with its JSON-pointer step ("properties/a~1b", "anyOf/0")."""
+    for k in _ONE:
+        if k in schema:
+            yield k, schema[k]
+    for k in _LIST:
+        if isinstance(schema.get(k), list):
+            yield from ((f"{k}/{i}", sub) for i, sub in enumerate(schema[k]))
+    for k in (*_MAP, "dependencies"):  # draft-04..07 dependencies: a schema or a list of names
+        if isinstance(schema.get(k), dict):
+            for name, sub in schema[k].items():
+                if not (k == "dependencies" and isinstance(sub, list)):
+                    yield f"{k}/{name.replace('~', '~0').replace('/', '~1')}", sub
+    items = schema.get("items")
+    if isinstance(items, list):
+        yield from ((f"items/{i}", sub) for i, sub in enumerate(items))
+    elif "items" in schema:
+        yield "items", items
+
+
+def map_children(schema: dict, fn: Callable[[Any], Any]) -> dict:
+    """A copy of `schema` with `fn` applied to each direct subschema (the ones `children` yields)."""
+    out = dict(schema)
+    for k in _ONE:
+        if k in out:
+            out[k] = fn(out[k])
+    for k in _LIST:
+        if isinstance(out.get(k), list):
+            out[k] = [fn(s) for s in out[k]]
+    for k in _MAP:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: fn(s) for name, s in out[k].items()}
+    if "items" in out:
+        items = out["items"]
+        out["items"] = [fn(s) for s in items] if isinstance(items, list) else fn(items)
+    if isinstance(out.get("dependencies"), dict):
+        out["dependencies"] = {k: v if isinstance(v, list) else fn(v) for k, v in out["dependencies"].items()}
+    return out
+
+
 def map_subschemas(schema: Any, fn: Callable[[Any], Any]) -> Any:
     """Apply `fn` bottom-up to `schema` and every subschema in it (a new tree; input untouched)."""
     if not isinstance(schema, dict):
         return fn(schema)
-    out = dict(schema)
-    for k in _ONE:
-        if k in out:
-            out[k] = map_subschemas(out[k], fn)
-    for k in _LIST:
-        if isinstance(out.get(k), list):
-            out[k] = [map_subschemas(s, fn) for s in out[k]]
-    for k in _MAP:
-        if isinstance(out.get(k), dict):
-            out[k] = {name: map_subschemas(s, fn) for name, s in out[k].items()}
-    if "items" in out:
-        items = out["items"]
-        out["items"] = (
-            [map_subschemas(s, fn) for s in items] if isinstance(items, list) else map_subschemas(items, fn)
-        )
-    if isinstance(out.get("dependencies"), dict):  # draft-04..07: a schema or a list of names
-        out["dependencies"] = {
-            k: v if isinstance(v, list) else map_subschemas(v, fn) for k, v in out["dependencies"].items()
-        }
-    return fn(out)
+    return fn(map_children(schema, lambda sub: map_subschemas(sub, fn)))
 
 
 def _fix_type(schema: Any) -> Any:
