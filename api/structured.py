@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 
 from api.errors import APIError
-from grammar.enforceable import simplify, unenforceable
+from grammar.enforceable import strict_refusal
 from grammar.schema_normalize import normalize_schema
 from grammar.specs import (
     ChoiceSpec,
@@ -78,13 +78,11 @@ def _schema(value, param: str) -> dict:
 
 def _check_enforceable(schema: dict, param: str) -> None:
     """`strict: true` promises every output validates: refuse what the grammar would not enforce."""
-    problems = unenforceable(simplify(schema))
-    if problems:
-        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+    refusal = strict_refusal(schema)
+    if refusal:
         raise APIError(
             400,
-            f"{param}: strict mode cannot guarantee this schema; the grammar does not enforce {shown}. "
-            "Rewrite those parts, or set strict to false for best-effort constraining.",
+            f"{param}: {refusal}. Rewrite those parts, or set strict to false for best-effort constraining.",
             param=param,
             code="unsupported_schema",
         )

@@ -179,6 +179,15 @@ def unenforceable(schema: Any, where: str = "#", refs: _Refs | None = None) -> l
     return found
 
 
+def strict_refusal(schema: dict) -> str | None:
+    """Why `strict: true` must refuse `schema` (a sentence naming up to three places), or None."""
+    problems = unenforceable(simplify(schema))
+    if not problems:
+        return None
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return f"strict mode cannot guarantee this schema; the grammar does not enforce {'; '.join(problems[:3])}{more}"
+
+
 # ---------------------------------------------------------------------------------------------------
 # Rewriting into enforceable shapes
 

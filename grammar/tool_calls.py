@@ -37,7 +37,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from grammar.enforceable import simplify, unenforceable
+from grammar.enforceable import strict_refusal
 from grammar.schema_normalize import normalize_schema
 from grammar.specs import DEFAULT_MAX_WHITESPACE, GrammarError
 
@@ -137,13 +137,9 @@ def _validate_function(fn: dict, base: str) -> Tool:
             params = {"type": "object", **params}
         if params["type"] != "object":
             raise _fail(f"{base}.parameters", f"the top-level type must be 'object', got {params['type']!r}")
-        problems = unenforceable(simplify(params)) if fn.get("strict") is True else []
-        if problems:
-            raise _fail(
-                f"{base}.parameters",
-                f"strict mode cannot guarantee this schema; the grammar does not enforce {'; '.join(problems[:3])}"
-                " (set strict to false for best-effort constraining)",
-            )
+        refusal = strict_refusal(params) if fn.get("strict") is True else None
+        if refusal:
+            raise _fail(f"{base}.parameters", f"{refusal} (set strict to false for best-effort constraining)")
     return Tool(name, description, params)
 
 
