@@ -68,9 +68,15 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
 
-    def prepack(self, rows_hint: int = 64) -> None:
+    def prepack(self, rows_hint: int = 64) -> bool:
+        """Pack the weight for oneDNN; False (F.linear stays) where oneDNN cannot run this dtype on this
+        CPU (its bf16 path needs AVX-512 or AVX-NE-CONVERT)."""
         # a plain attribute, made after .to(device/dtype); the hint only tunes the layout (64 >= 1, 32)
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows_hint)
+        try:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows_hint)
+        except RuntimeError:
+            self.packed_weight = None
+        return self.packed_weight is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:

@@ -229,7 +229,8 @@ def test_prepacked_linear_matches_f_linear(dtype, tol):
     """The CPU runner's oneDNN path computes what F.linear does, for any number of rows and with bias."""
     torch.manual_seed(0)
     layer = Linear(96, 160, bias=True).to(dtype)
-    layer.prepack()
+    if not layer.prepack():  # oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT: F.linear serves
+        assert layer.packed_weight is None and dtype == torch.bfloat16
     for rows in (1, 2, 7, 64, 300):
         x = torch.randn(rows, 96, dtype=dtype)
         ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
