@@ -13,7 +13,7 @@ import contextlib
 from collections import deque
 
 from actors.errors import QueueFull, ShuttingDown
-from actors.messages import Enqueue, QueuedRequest, Take, WorkQueued
+from actors.messages import Cancel, Enqueue, QueuedRequest, Take, WorkQueued
 from actors.runtime import Actor, ActorStopped
 
 
@@ -44,6 +44,13 @@ class AdapterQueue:
         q = self.by_tenant.get(tenant)
         return q[0] if q else None
 
+    def remove(self, req: QueuedRequest) -> None:
+        q = self.by_tenant[req.tenant]
+        q.remove(req)
+        if not q:
+            del self.by_tenant[req.tenant]
+        self.size -= 1
+
     def pop(self, tenant: str) -> QueuedRequest:
         q = self.by_tenant[tenant]
         req = q.popleft()
@@ -61,6 +68,7 @@ class AdapterQueuesActor(Actor):
         self.max_queue_len = max_queue_len
         self.retry_after = retry_after
         self.queues: dict[object, AdapterQueue] = {}
+        self.index: dict[str, QueuedRequest] = {}  # request id -> its queued entry
         self.scheduler: Actor | None = None  # told WorkQueued; set by the system
 
     @property
@@ -75,6 +83,8 @@ class AdapterQueuesActor(Actor):
             return self._enqueue(message.requests)
         if isinstance(message, Take):
             return self._take(message)
+        if isinstance(message, Cancel):
+            return self._cancel(message.request_ids)
         raise TypeError(f"adapter queues cannot handle {type(message).__name__}")
 
     def _enqueue(self, requests: list[QueuedRequest]) -> None:
@@ -83,7 +93,10 @@ class AdapterQueuesActor(Actor):
         adapter = requests[0].adapter
         q = self.queues.setdefault(adapter, AdapterQueue(adapter, self.max_queue_len))
         if q.size + len(requests) > q.max_len:
-            self._notify(dropped=q.purge_cancelled())
+            dropped = q.purge_cancelled()
+            for r in dropped:
+                self.index.pop(r.request_id, None)
+            self._notify(dropped=dropped)
         if q.size + len(requests) > q.max_len:
             raise QueueFull(
                 f"the request queue is full ({q.max_len} waiting for this model); retry later",
@@ -91,7 +104,18 @@ class AdapterQueuesActor(Actor):
             )
         for r in requests:
             q.push(r)
+            self.index[r.request_id] = r
         self._notify(arrived=requests)
+
+    def _cancel(self, request_ids: list[str]) -> None:
+        """Requests whose client went away leave their queue at once (none is left for the scheduler)."""
+        gone = []
+        for request_id in request_ids:
+            req = self.index.pop(request_id, None)
+            if req is not None:
+                self.queues[req.adapter].remove(req)
+                gone.append(req)
+        self._notify(dropped=gone)
 
     def _notify(self, arrived=(), dropped=()) -> None:
         """Tell the scheduler (its fairness counters, and that there is work): never waits."""
@@ -116,6 +140,7 @@ class AdapterQueuesActor(Actor):
                 break
             req = heads[tenant]
             self.queues[req.adapter].pop(tenant)
+            self.index.pop(req.request_id, None)
             taken.append(req)
         return taken
 
@@ -125,3 +150,4 @@ class AdapterQueuesActor(Actor):
                 for r in reqs:
                     r.stream.fail(ShuttingDown("the server is shutting down"))
         self.queues.clear()
+        self.index.clear()

@@ -2,7 +2,8 @@
 
 Each submission is handled in its own task so one long prompt does not hold up the others; the
 tokenizer runs in worker threads (a few at a time) so the event loop never does it. A request that
-passes becomes one queued request per choice; the adapter queues admit all of them or none (429).
+passes becomes one queued request per choice; the adapter queues admit all of them or none (429),
+also across the prompts of one multi-prompt completion.
 """
 
 from __future__ import annotations
@@ -50,15 +51,19 @@ class IngressActor(Actor):
             async for envelope in self._recv:
                 tg.start_soon(self.deliver, envelope)
 
-    async def handle(self, message: Submit) -> Admission:
-        spec = message.spec
-        prompt_ids, text = await self._tokenize(spec)
-        requests = self._validate(spec, prompt_ids, text)
-        grammar = await self._compile(spec)
-        for r in requests:
-            r.grammar = grammar
+    async def handle(self, message: Submit) -> list[Admission]:
+        admissions, requests = [], []
+        for spec in message.specs:
+            prompt_ids, text = await self._tokenize(spec)
+            queued = self._validate(spec, prompt_ids, text)
+            grammar = await self._compile(spec)
+            for r in queued:
+                r.grammar = grammar
+            requests += queued
+            admissions.append(Admission(prompt_ids, [r.stream for r in queued], text))
+        # One Enqueue for every prompt of the submission: all are queued, or none (429).
         await self.queues.ask(Enqueue(requests))
-        return Admission(prompt_ids, [r.stream for r in requests], text)
+        return admissions
 
     async def _compile(self, spec: GenerateSpec):
         """The request's grammar, compiled (cached, with a time limit) in a worker thread; 400 if it cannot be."""

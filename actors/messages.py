@@ -48,7 +48,7 @@ class GenerateSpec:
 
 @dataclass
 class Submit:
-    spec: GenerateSpec  # reply: Admission
+    specs: list[GenerateSpec]  # queued all or none; reply: list[Admission], one per spec
 
 
 @dataclass
@@ -91,6 +91,13 @@ class WorkQueued:
 
     arrived: list[str]
     dropped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Cancel:
+    """API -> adapter queues: these requests' clients went away; drop them if still queued."""
+
+    request_ids: list[str]
 
 
 @dataclass

@@ -133,36 +133,43 @@ class SchedulerActor(Actor):
         self._removals.clear()
 
     async def _admit(self) -> None:
-        """Move requests from the adapter queues into the engine while it has room, fairest tenant first."""
-        if not self._maybe_queued or self.queues is None:
-            return
-        sched, max_seqs = self.engine.scheduler, self.engine.config.max_num_seqs
-        room = min(max_seqs - len(sched.running) - len(sched.waiting), self.max_waiting - len(sched.waiting))
-        if room <= 0:
-            return
-        try:
-            taken: list[QueuedRequest] = await self.queues.ask(Take(room, self.fairness.pick))
-        except ActorStopped:
-            taken = []
-        if len(taken) < room:
-            self._maybe_queued = False  # a later WorkQueued sets it again
-        for req in taken:
+        """Move requests from the adapter queues into the engine while it has room, fairest tenant first.
+
+        Cancelled requests taken from a queue are dropped and more are taken at once: however many
+        sit there, the engine never idles while a live request is queued."""
+        while self._maybe_queued and self.queues is not None:
+            sched, max_seqs = self.engine.scheduler, self.engine.config.max_num_seqs
+            room = min(
+                max_seqs - len(sched.running) - len(sched.waiting), self.max_waiting - len(sched.waiting)
+            )
+            if room <= 0:
+                return
             try:
-                adapter_id = 0 if req.stream.cancelled else await self._adapter_id(req.adapter)
-                if req.stream.cancelled:  # also after the await: the client may have left meanwhile
-                    self.fairness.leave(req.tenant)
-                    continue
-                self.engine.add_request(
-                    req.prompt_token_ids, req.params, req.request_id, adapter_id, grammar=req.grammar
-                )
-            except (ValueError, ServingError) as e:
-                req.stream.fail(e if isinstance(e, ServingError) else InvalidRequest(str(e)))
+                taken: list[QueuedRequest] = await self.queues.ask(Take(room, self.fairness.pick))
+            except ActorStopped:
+                taken = []
+            if len(taken) < room:
+                self._maybe_queued = False  # a later WorkQueued sets it again
+            for req in taken:
+                await self._admit_one(req)
+
+    async def _admit_one(self, req: QueuedRequest) -> None:
+        try:
+            adapter_id = 0 if req.stream.cancelled else await self._adapter_id(req.adapter)
+            if req.stream.cancelled:  # also after the await: the client may have left meanwhile
                 self.fairness.leave(req.tenant)
-                continue
-            self.live[req.request_id] = (req.stream, req.tenant)
-            self.fairness.charge(req.tenant, input_tokens=len(req.prompt_token_ids))
-            if req.fault:
-                self.faulty.add(req.request_id)
+                return
+            self.engine.add_request(
+                req.prompt_token_ids, req.params, req.request_id, adapter_id, grammar=req.grammar
+            )
+        except (ValueError, ServingError) as e:
+            req.stream.fail(e if isinstance(e, ServingError) else InvalidRequest(str(e)))
+            self.fairness.leave(req.tenant)
+            return
+        self.live[req.request_id] = (req.stream, req.tenant)
+        self.fairness.charge(req.tenant, input_tokens=len(req.prompt_token_ids))
+        if req.fault:
+            self.faulty.add(req.request_id)
 
     async def _adapter_id(self, ref: LoraRef | None) -> int:
         """The engine id of a request's adapter (0: the base model), registering it on first use."""

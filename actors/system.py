@@ -22,7 +22,7 @@ from actors.adapter_queues import AdapterQueuesActor
 from actors.errors import ShuttingDown
 from actors.executor import ExecutorActor
 from actors.ingress import IngressActor
-from actors.messages import Abort, Admission, GenerateSpec, RemoveLora, Submit
+from actors.messages import Abort, Admission, Cancel, GenerateSpec, RemoveLora, Submit
 from actors.runtime import ActorStopped, ActorSystem
 from actors.scheduler import SchedulerActor
 from engine.fairness import VirtualTokenCounter
@@ -73,13 +73,19 @@ class ServingSystem:
 
     async def submit(self, spec: GenerateSpec) -> Admission:
         """Tokenize, validate and queue a request; raises InvalidRequest, QueueFull or ShuttingDown."""
+        return (await self.submit_all([spec]))[0]
+
+    async def submit_all(self, specs: list[GenerateSpec]) -> list[Admission]:
+        """Several prompts of one API request: every one is queued, or none is (nothing left behind)."""
         try:
-            return await self.ingress.ask(Submit(spec))
+            return await self.ingress.ask(Submit(specs))
         except ActorStopped:
             raise ShuttingDown("the server is shutting down") from None
 
     def abort(self, request_id: str) -> None:
-        """Never blocks: the scheduler applies it between steps."""
+        """Never blocks: a queued request leaves its queue at once, a running one between steps."""
+        with contextlib.suppress(ActorStopped):
+            self.queues.tell_nowait(Cancel([request_id]))
         with contextlib.suppress(ActorStopped):
             self.scheduler.tell_nowait(Abort(request_id))
 

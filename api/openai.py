@@ -94,9 +94,10 @@ def build_params(
     return params, engine_max, drop_output
 
 
-async def submit(state: ServerState, spec: GenerateSpec) -> Admission:
+async def submit(state: ServerState, *specs: GenerateSpec) -> list[Admission]:
+    """Queue every spec of one API request, or none of them."""
     try:
-        return await state.system.submit(spec)
+        return await state.system.submit_all(list(specs))
     except ServingError as e:
         raise from_serving_error(e) from None
     except ValueError as e:
@@ -142,7 +143,7 @@ async def chat_completions(request: Request) -> Response:
     state.inflight += 1
     streams: list[ReplyStream] = []
     try:
-        adm = await submit(state, spec)
+        (adm,) = await submit(state, spec)
         streams = adm.streams
         state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choices = [Choice(i, adm.prompt_token_ids, arrival) for i in range(req.n)]
@@ -256,9 +257,8 @@ async def completions(request: Request) -> Response:
     state.inflight += 1
     streams: list[ReplyStream] = []
     try:
-        admissions = []
-        for p_idx, prompt in enumerate(prompts):
-            spec = GenerateSpec(
+        specs = [
+            GenerateSpec(
                 request_ids=[f"{rid}-{p_idx}-{i}" for i in range(req.n)],
                 params=params,
                 tenant=tenant,
@@ -267,8 +267,10 @@ async def completions(request: Request) -> Response:
                 max_tokens=engine_max,
                 grammar_param=structure.param,
             )
-            adm = await submit(state, spec)
-            admissions.append(adm)
+            for p_idx, prompt in enumerate(prompts)
+        ]
+        admissions = await submit(state, *specs)
+        for adm in admissions:
             streams += adm.streams
             state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choices = [

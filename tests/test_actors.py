@@ -272,3 +272,44 @@ def test_fairness_policy_is_shared_with_the_scheduler(tiny_model_dir):
     vtc = VirtualTokenCounter()
     s = ServingSystem(_engine_factory(tiny_model_dir), fairness=vtc)
     assert s.scheduler.fairness is vtc
+
+
+def _release(system, admissions):
+    """What the API does when a client goes away: cancel the streams and abort the requests."""
+    for adm in admissions:
+        for s in adm.streams:
+            s.cancel()
+            system.abort(s.request_id)
+
+
+@pytest.mark.parametrize(
+    "system", [{"max_queue_len": 300, "max_num_seqs": 1, "max_waiting": 1}], indirect=True
+)
+async def test_cancelled_queued_requests_never_stall_the_next_one(system):
+    """Hundreds of queued requests whose clients left: they leave the queue at once, and a new request
+    is served promptly (before the fix, one cancelled entry was dropped per scheduler wake-up)."""
+    running = await system.submit(_spec("run", "The quick", max_tokens=2, ignore_eos=True))
+    gone = await system.submit(_spec("gone", "The quick brown fox", n=64, max_tokens=50, ignore_eos=True))
+    gone2 = await system.submit(_spec("gone2", "Paris is", n=64, max_tokens=50, ignore_eos=True))
+    _release(system, [gone, gone2])
+    await _drain(running.streams[0])
+    with anyio.fail_after(20):
+        while system.stats().queued:
+            await anyio.sleep(0.01)
+        _, tokens, _ = await _drain((await system.submit(_spec("next", "Paris is", max_tokens=3))).streams[0])
+    assert len(tokens) == 3
+    assert system.stats().queued == 0 and not system.scheduler.live
+
+
+@pytest.mark.parametrize(
+    "system", [{"max_queue_len": 100, "max_num_seqs": 1, "max_waiting": 1}], indirect=True
+)
+async def test_a_submission_refused_part_way_leaves_nothing_queued(system):
+    """A multi-prompt completion is queued whole or not at all: 5 prompts x 30 choices > 100 -> 429, 0 queued."""
+    specs = [_spec(f"p{i}", [1, 2, 3], n=30, max_tokens=1) for i in range(5)]
+    with pytest.raises(QueueFull):
+        await system.submit_all(specs)
+    assert system.stats().queued == 0
+    (ok,) = await system.submit_all(specs[:1])
+    for s in ok.streams:
+        await _drain(s)
