@@ -18,6 +18,7 @@ from actors.errors import InvalidRequest, ServerBusy
 from actors.messages import Admission, Enqueue, GenerateSpec, QueuedRequest, Submit
 from actors.reply import ReplyStream
 from actors.runtime import Actor
+from engine.request_checks import RequestError
 from grammar.specs import GrammarError
 
 FAULT_MARKER = "MOTET_TEST_FAULT"  # with MOTET_TEST_FAULTS=1, a prompt holding it makes the executor raise
@@ -35,14 +36,10 @@ class IngressActor(Actor):
         self.engine = None
         self.faults_enabled = os.environ.get("MOTET_TEST_FAULTS") == "1"
         self.tokenizer = None
-        self.max_model_len = 0
-        self.vocab_size = 0
 
     async def on_start(self) -> None:
         self.engine = engine = self.executor.engine
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
         # The grammar backends' view of the vocabulary takes a moment to build: not on a request's time.
         await anyio.to_thread.run_sync(lambda: engine.grammar_tokenizer)
 
@@ -83,46 +80,41 @@ class IngressActor(Actor):
             raise InvalidRequest(f"{spec.grammar_param}: {e}", param=spec.grammar_param) from None
 
     async def _tokenize(self, spec: GenerateSpec) -> tuple[list[int], str]:
-        tok = self.tokenizer
-        if spec.messages is not None:
-            text = await anyio.to_thread.run_sync(
-                lambda: tok.render_chat(spec.messages, **spec.chat_template_kwargs), limiter=self.limiter
-            )
-            # The template writes the special tokens itself: do not add BOS again.
-            ids = await anyio.to_thread.run_sync(
-                lambda: tok.hf.encode(text, add_special_tokens=False), limiter=self.limiter
-            )
-            return ids, text
-        if isinstance(spec.prompt, str):
-            return await anyio.to_thread.run_sync(tok.encode, spec.prompt, limiter=self.limiter), spec.prompt
+        tok, limits = self.tokenizer, self.engine.limits
+        try:
+            if spec.messages is not None:
+                text = await anyio.to_thread.run_sync(
+                    lambda: tok.render_chat(spec.messages, **spec.chat_template_kwargs), limiter=self.limiter
+                )
+                limits.check_text(text, spec.prompt_param)
+                # The template writes the special tokens itself: do not add BOS again.
+                ids = await anyio.to_thread.run_sync(
+                    lambda: tok.hf.encode(text, add_special_tokens=False), limiter=self.limiter
+                )
+                return ids, text
+            if isinstance(spec.prompt, str):
+                limits.check_text(spec.prompt, spec.prompt_param)
+                ids = await anyio.to_thread.run_sync(tok.encode, spec.prompt, limiter=self.limiter)
+                return ids, spec.prompt
+        except RequestError as e:
+            raise InvalidRequest(str(e), param=e.param, code=e.code) from None
         return list(spec.prompt or []), ""
 
     def _validate(self, spec: GenerateSpec, ids: list[int], text: str) -> list[QueuedRequest]:
-        param = spec.prompt_param
-        if not ids:
-            raise InvalidRequest(f"{param} is empty", param=param)
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise InvalidRequest(f"{param}: token ids must be in [0, {self.vocab_size})", param=param)
-        n, limit = len(ids), self.max_model_len
-        if n >= limit:
-            raise InvalidRequest(
-                f"this model's maximum context length is {limit} tokens; the {param} has {n} tokens "
-                "(with no room left for the completion)",
-                param=param,
-                code="context_length_exceeded",
-            )
-        if spec.max_tokens is not None and n + spec.max_tokens > limit:
-            raise InvalidRequest(
-                f"this model's maximum context length is {limit} tokens; you requested {n + spec.max_tokens} "
-                f"({n} in the {param}, {spec.max_tokens} for the completion)",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        limits, n = self.engine.limits, len(ids)
+        try:
+            limits.check_prompt(ids, spec.prompt_param)
+            if spec.max_tokens is not None:
+                limits.check_max_tokens(n, spec.max_tokens)
+            for params in spec.params:
+                limits.check_params(params)
+        except RequestError as e:
+            raise InvalidRequest(str(e), param=e.param, code=e.code) from None
         fault = self.faults_enabled and FAULT_MARKER in text
         requests = []
         for request_id, params in zip(spec.request_ids, spec.params, strict=True):
             if spec.max_tokens is None:
-                params = dataclasses.replace(params, max_tokens=limit - n)
+                params = dataclasses.replace(params, max_tokens=limits.max_model_len - n)
             requests.append(
                 QueuedRequest(
                     request_id, spec.tenant, spec.adapter, ids, params, ReplyStream(request_id), fault

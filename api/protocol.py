@@ -1,7 +1,9 @@
 """OpenAI wire format: request and response models (pydantic).
 
 Requests ignore unknown fields (clients send many); the vLLM-style sampling extras (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, ...) are accepted and honoured.
+repetition_penalty, min_tokens, ignore_eos, ...) are accepted and honoured. Types are strict: a string
+is never coerced into a number or a boolean (`"n": "2"` is a 400). Ranges are checked once, by
+`engine.sampling_params.SamplingParams`, whose errors name the field.
 """
 
 from __future__ import annotations
@@ -15,7 +17,26 @@ from grammar.tool_calls import MAX_TOOL_CALLS
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+# Data a chat template may read, passed through `chat_template_kwargs`, with its type. Anything else,
+# a replacement template above all, is refused: the template is the model's, rendered by the server.
+CHAT_TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool, "thinking": bool}
+
+
+def _text_content(content: list, where: str) -> str:
+    """OpenAI content parts -> their text; only text parts are supported."""
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ValueError(f"{where}[{j}] must be an object with a string 'type'")
+        if part["type"] != "text":
+            raise ValueError(f"{where}[{j}]: content of type {part['type']!r} is not supported, only 'text'")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}].text must be a string")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 class StreamOptions(_Request):
@@ -77,14 +98,31 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("messages")
     @classmethod
     def _messages(cls, v):
-        for m in v:
+        for i, m in enumerate(v):
             if not isinstance(m.get("role"), str):
-                raise ValueError("each message needs a string 'role'")
+                raise ValueError(f"messages[{i}] needs a string 'role'")
             content = m.get("content")
-            if isinstance(content, list):  # content parts: keep the text ones
-                m["content"] = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            if isinstance(content, list):  # content parts: their text, joined
+                m["content"] = _text_content(content, f"messages[{i}].content")
             elif content is not None and not isinstance(content, str):
-                raise ValueError("message content must be a string or a list of content parts")
+                raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
+            if m.get("name") is not None and not isinstance(m["name"], str):
+                raise ValueError(f"messages[{i}].name must be a string")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        for key, value in (v or {}).items():
+            kind = CHAT_TEMPLATE_KWARGS.get(key)
+            if kind is None:
+                known = ", ".join(CHAT_TEMPLATE_KWARGS)
+                raise ValueError(
+                    f"{key!r} is not accepted: only data the model's template reads may be passed "
+                    f"({known}); a chat template cannot be supplied per request"
+                )
+            if not isinstance(value, kind):
+                raise ValueError(f"{key!r} must be a {kind.__name__}")
         return v
 
 

@@ -24,6 +24,7 @@ from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.guided import GuidedDecoding
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
+from engine.request_checks import RequestLimits
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, TokenLogprob
@@ -86,6 +87,11 @@ class LLMEngine:
             lora_time_slice=config.lora_time_slice,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
+        self.limits = RequestLimits(
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_kv_tokens=self.runner.num_blocks * config.block_size,
+        )
         self.requests: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -186,16 +192,8 @@ class LLMEngine:
             grammar = self.compile_grammar(params.grammar, params.grammar_backend)
         adapter_id = self._resolve_adapter(adapter_id)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens, which does not fit the context window of "
-                f"{self.max_model_len} tokens (with room for at least one new token)"
-            )
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self.limits.check_prompt(token_ids)
+        self.limits.check_params(params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

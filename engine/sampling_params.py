@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from grammar.specs import GrammarSpec
+
+MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
+MAX_REPETITION_PENALTY = 10.0  # vLLM documents > 0; past 10 it only ever picks unseen tokens
+MAX_STOP_STRINGS = 32  # stop strings, and stop token ids, per request (OpenAI allows 4)
+MAX_STOP_STRING_CHARS = 1024
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass
@@ -43,35 +54,53 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(name: str, why: str):
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        """Every field in its documented range (OpenAI's where it documents one, else vLLM's), finite,
+        and of its type: a bad value names its field. Bounds that depend on the model (token ids, top_k
+        against the vocabulary) are checked by the engine (engine/request_checks.py)."""
 
-        if not self.temperature >= 0:
-            bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
+        def bad(name: str, why: str):
+            raise ValueError(f"{name} {why}, got {_show(getattr(self, name))}")
+
+        def number(name: str, integer: bool = False):
+            v = getattr(self, name)
+            kinds = (int,) if integer else (int, float)
+            if isinstance(v, bool) or not isinstance(v, kinds) or not math.isfinite(v):
+                bad(name, f"must be a finite {'integer' if integer else 'number'}")
+            return v
+
+        if not 0 <= number("temperature") <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE}]")
+        if not 0 < number("top_p") <= 1:
             bad("top_p", "must be in (0, 1]")
-        if self.top_k < 0:
+        if number("top_k", integer=True) < 0:
             bad("top_k", "must be >= 0 (0 or -1 disables it)")
-        if not 0 <= self.min_p <= 1:
+        if not 0 <= number("min_p") <= 1:
             bad("min_p", "must be in [0, 1]")
-        if not self.repetition_penalty > 0:
-            bad("repetition_penalty", "must be > 0")
-        if not -2 <= self.frequency_penalty <= 2:
+        if not 0 < number("repetition_penalty") <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY}]")
+        if not -2 <= number("frequency_penalty") <= 2:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if not -2 <= self.presence_penalty <= 2:
+        if not -2 <= number("presence_penalty") <= 2:
             bad("presence_penalty", "must be in [-2, 2]")
-        if self.max_tokens < 1:
+        if self.seed is not None and not -(2**63) <= number("seed", integer=True) < 2**63:
+            bad("seed", "must be a 64-bit integer")
+        if number("max_tokens", integer=True) < 1:
             bad("max_tokens", "must be >= 1")
-        if self.min_tokens < 0:
+        if number("min_tokens", integer=True) < 0:
             bad("min_tokens", "must be >= 0")
         if self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "must be in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            bad("prompt_logprobs", "must be in [0, 20]")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= number(name, integer=True) <= 20:
+                bad(name, "must be in [0, 20]")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings")
+        if any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
+            bad("stop", f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS:
+            bad("stop_token_ids", f"must hold at most {MAX_STOP_STRINGS} token ids")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integer token ids")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             bad("grammar", "must be a grammar spec (grammar.JsonSchemaSpec, RegexSpec, ...)")
 

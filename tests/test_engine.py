@@ -145,7 +145,7 @@ def test_prefix_cache_computes_only_the_suffix(tiny_model_dir):
 
 def test_bad_inputs_name_the_problem(tiny_model_dir, tmp_path):
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=64)
-    with pytest.raises(ValueError, match="context window"):
+    with pytest.raises(ValueError, match="maximum context length"):
         llm.generate([[5] * 64])
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
