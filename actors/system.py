@@ -39,6 +39,7 @@ class Stats:
     prefix_cache_hits: int
     preemptions: int
     steps: int
+    adapters_pinned: int  # adapters held in host memory for unfinished requests
 
 
 class ServingSystem:
@@ -107,4 +108,5 @@ class ServingSystem:
             prefix_cache_hits=bm.prefix_hits,
             preemptions=sched.num_preemptions,
             steps=self.scheduler.steps,
+            adapters_pinned=len(engine.runner.loras.pinned),
         )

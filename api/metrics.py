@@ -44,6 +44,9 @@ class Metrics:
             "motet_prefix_cache_hit_rate", "prompt tokens found in the prefix cache", registry=r
         )
         self.preemptions = Gauge("motet_preemptions", "sequences preempted so far", registry=r)
+        self.adapters_pinned = Gauge(
+            "motet_lora_adapters_pinned", "adapters held for unfinished requests", registry=r
+        )
 
     def refresh(self, stats: Stats | None) -> None:
         if stats is None:
@@ -56,6 +59,7 @@ class Metrics:
         q = stats.prefix_cache_queries
         self.prefix_hit_rate.set(stats.prefix_cache_hits / q if q else 0.0)
         self.preemptions.set(stats.preemptions)
+        self.adapters_pinned.set(stats.adapters_pinned)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

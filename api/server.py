@@ -44,7 +44,7 @@ def build_state(args):
     config = engine_config(args)
     if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
         config.num_threads = max(1, (os.cpu_count() or 2) - 1)
-    names = [config.model]
+    names = list(args.served_model_name or []) + [config.model]
     if config.model in DEFAULT_MODEL_ALIASES:
         names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
     elif Path(config.model).exists():
@@ -94,6 +94,13 @@ def serve(args) -> int:
 
 def add_serve_args(p) -> None:
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's name in the API (the first; the others are aliases); default: --model",
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
     p.add_argument(

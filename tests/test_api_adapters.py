@@ -23,7 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.test_api import MODEL, Server
+from tests.live_server import Server
+from tests.test_api import MODEL
 
 slow = pytest.mark.slow
 

@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from tests.test_api import MODEL, Server
+from tests.live_server import Server
+from tests.test_api import MODEL
 
 pytestmark = pytest.mark.slow
 

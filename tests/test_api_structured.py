@@ -15,7 +15,8 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests.test_api import MODEL, Server
+from tests.live_server import Server
+from tests.test_api import MODEL
 
 pytestmark = pytest.mark.slow
 
