@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from actors.errors import QueueFull, ServingError
+from actors.errors import ServingError
 
 log = logging.getLogger("motet.api")
 
@@ -27,6 +27,9 @@ _TYPES = {
 }
 
 
+RETRY_AFTER_503_S = 5
+
+
 class APIError(Exception):
     def __init__(
         self,
@@ -40,6 +43,8 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "server_error")
+        if status == 503 and "Retry-After" not in (headers or {}):  # a 503 always says when to come back
+            headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_503_S)}
         self.headers = headers
 
     def body(self) -> dict:
@@ -50,7 +55,8 @@ class APIError(Exception):
 
 
 def from_serving_error(e: ServingError) -> APIError:
-    headers = {"Retry-After": str(max(1, round(e.retry_after)))} if isinstance(e, QueueFull) else None
+    retry_after = getattr(e, "retry_after", None)  # QueueFull, ServerBusy
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
     return APIError(e.status, e.message, e.param, e.code, e.type, headers)
 
 

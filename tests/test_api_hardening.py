@@ -150,3 +150,14 @@ def test_prompt_text_beyond_the_context_is_refused_unread(client):
     err = refused(send(client, CHAT, {"messages": [{"role": "user", "content": "b" * 100_000}]}))
     assert err["code"] == "context_length_exceeded"
     still_serving(client)
+
+
+def test_every_503_says_when_to_retry():
+    """Busy grammar compilations answered 503 without Retry-After; every 503 carries it now."""
+    from actors.errors import ServerBusy, ShuttingDown
+    from api.errors import APIError, from_serving_error
+
+    for e in (ServerBusy("grammar compilations are busy"), ShuttingDown("bye")):
+        r = from_serving_error(e).response()
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    assert int(APIError(503, "the server failed to start").response().headers["retry-after"]) >= 1
