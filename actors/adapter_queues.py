@@ -1,4 +1,4 @@
-"""The adapter queues actor: one bounded queue per adapter (keyed by its LoraRef; None: the base model).
+"""The adapter queues actor: one bounded queue per adapter (keyed by its AdapterRef; None: the base model).
 
 Requests wait here until the scheduler has room for them; admission control happens here (a full
 queue answers QueueFull, which the API turns into 429). Inside a queue, requests are kept per tenant in

@@ -1,9 +1,9 @@
-"""The executor actor: one dedicated thread owns the device and the model.
+"""The executor actor: one dedicated thread owns the engine, and with it the device and the model.
 
-The engine (and with it the model and KV cache) is built on that thread, and every forward pass runs
-there; the event loop only waits for it. When a batch raises, the batch is split in halves and re-run
-until the failing sequences are isolated: they fail alone, the others get their results (re-running is
-safe: the KV slots of an unfinished step are simply written again).
+The engine is built on that thread and only that thread touches its state: each `Step` message applies
+the scheduler's changes (new requests, aborts, adapter removals) and runs one `engine.step()` there; the
+event loop only waits. The engine isolates a request that fails inside a step (it bisects the batch), so
+here a failure is an output like any other.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from actors.messages import Execute, Executed
+from actors.errors import EngineFailure, InvalidRequest, ModelNotFound
+from actors.messages import QueuedRequest, Step, StepDone
 from actors.runtime import Actor
-from engine.scheduler import ScheduledBatch
+from engine.request_checks import RequestError
+from lora.adapter import AdapterError
+from lora.manager import files_version
 
 log = logging.getLogger("motet.executor")
 
@@ -64,75 +67,71 @@ class DeviceThread:
         self._jobs.put(None)
 
 
-def _sub_batch(batch: ScheduledBatch, idx: list[int]) -> ScheduledBatch:
-    return ScheduledBatch(
-        seqs=[batch.seqs[i] for i in idx], num_new_tokens=[batch.num_new_tokens[i] for i in idx]
-    )
-
-
-def execute_isolating(execute: Callable[[ScheduledBatch], Any], batch: ScheduledBatch) -> Executed:
-    """Run the batch; on an exception, bisect to find the sequences that raise (runs on the device thread)."""
-    try:
-        return Executed(batch, execute(batch))
-    except Exception as e:
-        if len(batch) == 1:
-            return Executed(ScheduledBatch(preempted=batch.preempted), None, [(batch.seqs[0], e)])
-    half = len(batch) // 2
-    parts = [
-        execute_isolating(execute, _sub_batch(batch, idx)) for idx in (range(half), range(half, len(batch)))
-    ]
-    ok = ScheduledBatch(preempted=batch.preempted)
-    results = [p.result for p in parts if p.result is not None]
-    merged = None
-    if results:
-        merged = type(results[0])(**{f: [] for f in ("token_ids", "logprobs", "prompt_logprobs")})
-        for p in parts:
-            if p.result is None:
-                continue
-            ok.seqs += p.batch.seqs
-            ok.num_new_tokens += p.batch.num_new_tokens
-            merged.token_ids += p.result.token_ids
-            merged.logprobs += p.result.logprobs
-            merged.prompt_logprobs += p.result.prompt_logprobs
-    return Executed(ok, merged, parts[0].failed + parts[1].failed)
-
-
-class InjectedFault(RuntimeError):
-    """Test-only (MOTET_TEST_FAULTS=1): raised for batches holding a request marked faulty."""
-
-
 class ExecutorActor(Actor):
     name = "executor"
 
-    def __init__(self, engine_factory: Callable[[], Any]):
+    def __init__(self, engine_factory: Callable[[], Any], loras: dict[str, Any] | None = None):
         super().__init__()
         self.engine_factory = engine_factory
+        self.preload = dict(loras or {})  # the server's shared adapters: a bad one fails the start
         self.engine = None
+        self.stats = None  # the engine's EngineStats after the latest step
         self.thread: DeviceThread | None = None
 
     async def on_start(self) -> None:
         self.thread = DeviceThread()
-        self.engine = await self.thread.run(self.engine_factory)
+
+        def start():
+            engine = self.engine_factory()
+            for name, path in self.preload.items():
+                engine.add_lora(name, path)
+            return engine
+
+        self.engine = await self.thread.run(start)
+        self.stats = await self.thread.run(self.engine.stats)
 
     async def on_stop(self) -> None:
         if self.thread is not None:
             self.thread.stop()
 
-    async def handle(self, message: Execute) -> Executed:
-        runner, faulty = self.engine.runner, message.faulty
+    async def handle(self, message: Step) -> StepDone:
+        done = await self.thread.run(self._step, message)
+        self.stats = done.stats
+        return done
 
-        def execute(batch: ScheduledBatch):
-            if faulty and any(s.request_id in faulty for s in batch.seqs):
-                raise InjectedFault("injected executor fault (MOTET_TEST_FAULTS)")
-            return runner.execute(batch)
+    def _step(self, message: Step) -> StepDone:
+        """On the device thread."""
+        engine = self.engine
+        t0 = time.perf_counter()
+        for name in message.removals:
+            engine.remove_lora(name)  # requests already using it finish with it
+        for request_id in message.aborts:
+            engine.abort(request_id)
+        refused = []
+        for req in message.admit:
+            try:
+                engine.add_request(
+                    req.prompt_token_ids, req.params, req.request_id, req.adapter, grammar=req.grammar
+                )
+            except Exception as e:
+                refused.append((req.request_id, _refusal(req, e)))
+        steps = engine.num_steps
+        outputs = engine.step() if engine.has_unfinished() else []
+        return StepDone(outputs, refused, engine.stats(), engine.num_steps > steps, time.perf_counter() - t0)
 
-        def run() -> Executed:
-            t0 = time.perf_counter()
-            out = execute_isolating(execute, message.batch)
-            out.seconds = time.perf_counter() - t0
-            for seq, err in out.failed:
-                if not isinstance(err, InjectedFault):
-                    log.error("request %s failed in the executor", seq.request_id, exc_info=err)
-            return out
 
-        return await self.thread.run(run)
+def _refusal(req: QueuedRequest, error: Exception) -> Exception:
+    """Why the engine would not take an admitted request, as the client should hear it."""
+    if isinstance(error, AdapterError) and req.adapter is not None:
+        if files_version(req.adapter.path) != req.adapter.version:  # deleted or replaced while queued
+            return ModelNotFound(
+                f"the model {req.adapter.model!r} does not exist", param="model", code="model_not_found"
+            )
+        log.error("adapter %s no longer loads from %s", req.adapter.name, req.adapter.path, exc_info=error)
+        return EngineFailure(f"the adapter {req.adapter.model!r} could not be loaded")
+    if isinstance(error, RequestError):
+        return InvalidRequest(str(error), param=error.param, code=error.code)
+    if isinstance(error, ValueError):
+        return InvalidRequest(str(error))
+    log.error("request %s could not be added", req.request_id, exc_info=error)
+    return EngineFailure(f"the request could not be started: {error}")

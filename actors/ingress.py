@@ -9,19 +9,21 @@ also across the prompts of one multi-prompt completion.
 from __future__ import annotations
 
 import dataclasses
-import os
+import logging
 
 import anyio
 import anyio.to_thread
 
-from actors.errors import InvalidRequest, ServerBusy
+from actors.errors import EngineFailure, InvalidRequest, ModelNotFound, ServerBusy
 from actors.messages import Admission, Enqueue, GenerateSpec, QueuedRequest, Submit
 from actors.reply import ReplyStream
 from actors.runtime import Actor
 from engine.request_checks import RequestError
 from grammar.specs import GrammarError
+from lora.adapter import AdapterError
+from lora.manager import files_version
 
-FAULT_MARKER = "MOTET_TEST_FAULT"  # with MOTET_TEST_FAULTS=1, a prompt holding it makes the executor raise
+log = logging.getLogger("motet.ingress")
 
 
 class IngressActor(Actor):
@@ -34,7 +36,6 @@ class IngressActor(Actor):
         self.limiter = anyio.CapacityLimiter(tokenizer_threads)
         self.grammar_limiter = anyio.CapacityLimiter(4)  # threads waiting on grammar compilations
         self.engine = None
-        self.faults_enabled = os.environ.get("MOTET_TEST_FAULTS") == "1"
         self.tokenizer = None
 
     async def on_start(self) -> None:
@@ -51,6 +52,7 @@ class IngressActor(Actor):
     async def handle(self, message: Submit) -> list[Admission]:
         admissions, requests = [], []
         for spec in message.specs:
+            await self._load_adapter(spec)
             prompt_ids, text = await self._tokenize(spec)
             queued = self._validate(spec, prompt_ids, text)
             grammar = await self._compile(spec)
@@ -61,6 +63,22 @@ class IngressActor(Actor):
         # One Enqueue for every prompt of the submission: all are queued, or none (429).
         await self.queues.ask(Enqueue(requests))
         return admissions
+
+    async def _load_adapter(self, spec: GenerateSpec) -> None:
+        """Read and validate the adapter's files now, in a worker thread (cached after the first time),
+        so the engine's thread never waits on a disk; 404 if they are gone."""
+        ref = spec.adapter
+        if ref is None:
+            return
+        try:
+            await anyio.to_thread.run_sync(self.engine.adapters.load, ref, limiter=self.limiter)
+        except AdapterError as e:
+            if files_version(ref.path) != ref.version:  # deleted or replaced since the request resolved it
+                raise ModelNotFound(
+                    f"the model {ref.model!r} does not exist", param="model", code="model_not_found"
+                ) from None
+            log.error("adapter %s no longer loads from %s: %s", ref.name, ref.path, e)
+            raise EngineFailure(f"the adapter {ref.model!r} could not be loaded") from None
 
     async def _compile(self, spec: GenerateSpec):
         """The request's grammar, compiled (cached, with a time limit) in a worker thread; 400 if it cannot be."""
@@ -110,14 +128,11 @@ class IngressActor(Actor):
                 limits.check_params(params)
         except RequestError as e:
             raise InvalidRequest(str(e), param=e.param, code=e.code) from None
-        fault = self.faults_enabled and FAULT_MARKER in text
         requests = []
         for request_id, params in zip(spec.request_ids, spec.params, strict=True):
             if spec.max_tokens is None:
                 params = dataclasses.replace(params, max_tokens=limits.max_model_len - n)
             requests.append(
-                QueuedRequest(
-                    request_id, spec.tenant, spec.adapter, ids, params, ReplyStream(request_id), fault
-                )
+                QueuedRequest(request_id, spec.tenant, spec.adapter, ids, params, ReplyStream(request_id))
             )
         return requests

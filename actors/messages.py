@@ -5,31 +5,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from actors.reply import ReplyStream
+from engine.llm_engine import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
 from grammar.backend import CompiledGrammar
+from lora.manager import AdapterRef
 
 
 # -- API -> ingress ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LoraRef:
-    """The adapter a request uses. The scheduler registers it with the engine the first time it is
-    used, and again when `version` grows (the adapter was deleted and uploaded anew under the name)."""
-
-    name: str  # the engine's name: "tenant/name" for uploads, plain "name" for --lora adapters
-    path: Path
-    version: int = 0
-
-    @property
-    def model(self) -> str:
-        """The name clients use."""
-        return self.name.rsplit("/", 1)[-1]
-
-
 @dataclass
 class GenerateSpec:
     """One API request: a prompt (text, token ids or chat messages) and one SamplingParams per choice."""
@@ -37,7 +21,7 @@ class GenerateSpec:
     request_ids: list[str]  # one per choice (n)
     params: list[SamplingParams]
     tenant: str = "default"
-    adapter: LoraRef | None = None  # None: the base model
+    adapter: AdapterRef | None = None  # None: the base model
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
@@ -63,11 +47,10 @@ class Admission:
 class QueuedRequest:
     request_id: str
     tenant: str
-    adapter: LoraRef | None  # also the adapter queue's key (tests use plain ints)
+    adapter: AdapterRef | None  # also the adapter queue's key
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: ReplyStream
-    fault: bool = False  # test-only: the executor raises on this request's batches
     grammar: CompiledGrammar | None = None  # params.grammar, compiled by the ingress
     arrival: float = field(default_factory=time.monotonic)
 
@@ -114,16 +97,18 @@ class RemoveLora:
 
 # -- scheduler -> executor --------------------------------------------------------------------------------
 @dataclass
-class Execute:
-    batch: ScheduledBatch
-    faulty: frozenset[str] = frozenset()  # test-only fault injection
+class Step:
+    """Between steps: apply these changes, then run one engine step (if there is work)."""
+
+    admit: list[QueuedRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    removals: list[str] = field(default_factory=list)  # adapter names (the engine's)
 
 
 @dataclass
-class Executed:
-    """The part of the batch that ran, its result, and the sequences whose execution raised."""
-
-    batch: ScheduledBatch
-    result: object  # engine.model_runner.StepResult
-    failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)
+class StepDone:
+    outputs: list[RequestOutput]
+    refused: list[tuple[str, Exception]]  # admitted requests the engine would not take, and why
+    stats: EngineStats  # after the step
+    ran: bool  # a batch ran (False: nothing was schedulable)
     seconds: float = 0.0

@@ -1,30 +1,23 @@
-"""The scheduler actor: drives the engine step by step and moves work in and out of it.
+"""The scheduler actor: moves work into the engine and results out of it, one step at a time.
 
-Each iteration, strictly between steps (the executor thread reads the sequences while a batch runs):
-apply aborts, admit requests from the adapter queues while the engine has room (the tenant is chosen
-by the fairness policy, engine/fairness.py), then schedule a batch, have the executor run it, process
-the result and put each request's delta on its reply stream (never blocking: slow readers get merged
-deltas). Policy lives in the engine; this actor only moves requests, batches and deltas.
-
-LoRA adapters are registered with the engine here, lazily: the first time a request for one is admitted
-(`engine.add_lora` in a worker thread: it reads and validates the files; the executor is idle meanwhile,
-as the scheduler is the only one that runs steps). Deletions arrive as RemoveLora messages.
+Each iteration: take the mailbox (aborts, adapter removals, news of queued work), take requests from the
+adapter queues while the engine has room (the tenant is chosen by the fairness policy, engine/fairness.py),
+send all of it to the executor as one `Step`, and put each request's delta on its reply stream (never
+blocking: slow readers get merged deltas). It never waits while admitted or queued work exists. Policy
+lives in the engine; this actor only moves requests and deltas, and it never touches the engine itself.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import anyio
-import anyio.to_thread
 
-from actors.errors import EngineFailure, InvalidRequest, ModelNotFound, ServingError, ShuttingDown
-from actors.messages import Abort, Execute, LoraRef, QueuedRequest, RemoveLora, Take, WorkQueued
+from actors.errors import EngineFailure, ServingError, ShuttingDown
+from actors.messages import Abort, QueuedRequest, RemoveLora, Step, StepDone, Take, WorkQueued
 from actors.reply import Delta, ReplyStream
 from actors.runtime import Actor, ActorStopped
 from engine.fairness import VirtualTokenCounter
-from lora.adapter import AdapterError
 
 log = logging.getLogger("motet.scheduler")
 
@@ -32,38 +25,26 @@ log = logging.getLogger("motet.scheduler")
 class SchedulerActor(Actor):
     name = "scheduler"
 
-    def __init__(
-        self,
-        executor: Actor,
-        fairness: VirtualTokenCounter | None = None,
-        max_waiting: int = 16,
-        loras: dict[str, Path] | None = None,
-    ):
+    def __init__(self, executor: Actor, fairness: VirtualTokenCounter | None = None, max_waiting: int = 16):
         super().__init__()
         self.executor = executor
         self.queues: Actor | None = None  # set by the system
         self.fairness = fairness or VirtualTokenCounter()
         self.max_waiting = max_waiting  # requests admitted but not yet running; the rest wait in the queues
-        self.engine = None
         self.live: dict[str, tuple[ReplyStream, str]] = {}  # request id -> (reply stream, tenant)
-        self.faulty: set[str] = set()  # test-only fault injection
         self.steps = 0
-        self.preload = dict(loras or {})  # registered at start-up: a bad one fails the start
-        self.loras: dict[str, tuple[int, int]] = {}  # engine name -> (version, engine id)
         self._aborts: list[str] = []
         self._removals: list[str] = []
         self._maybe_queued = False
         self._closed = False
 
-    async def on_start(self) -> None:
-        self.engine = self.executor.engine
-        for name, path in self.preload.items():
-            self.loras[name] = (0, await anyio.to_thread.run_sync(self.engine.add_lora, name, path))
-
     # -- the mailbox (never awaited while work is pending) --------------------------------------------------
     def _on_message(self, message) -> None:
         if isinstance(message, Abort):
-            self._aborts.append(message.request_id)
+            entry = self.live.pop(message.request_id, None)
+            if entry is not None:  # not yet admitted: its cancelled stream is dropped at admission
+                self._aborts.append(message.request_id)
+                self.fairness.leave(entry[1])
         elif isinstance(message, RemoveLora):
             self._removals.append(message.name)
         elif isinstance(message, WorkQueued):
@@ -99,18 +80,19 @@ class SchedulerActor(Actor):
     async def main(self) -> None:
         while True:
             self._drain_mailbox()
-            self._apply_control()
             if self._closed:
                 break
-            await self._admit()
-            if not self.engine.scheduler.has_work():
+            step = Step(await self._admit(), self._aborts, self._removals)
+            self._aborts, self._removals = [], []
+            if not (self.live or step.aborts or step.removals):
                 await self._wait_message()  # idle: sleep until a request or abort arrives
                 continue
-            batch = self.engine.scheduler.schedule()
-            if not batch:  # nothing fits right now (e.g. blocks pinned): let the world move on
-                await self._wait_message(timeout=0.005)
-                continue
-            await self._step(batch)
+            done = await self._step(step)
+            if done is not None and not done.ran and not done.outputs and not self._mailbox_pending():
+                await self._wait_message(timeout=0.005)  # nothing fits right now (blocks pinned)
+
+    def _mailbox_pending(self) -> bool:
+        return self._recv.statistics().current_buffer_used > 0
 
     async def on_stop(self) -> None:
         # Also after a crash: no reader is left waiting for a delta that will never come.
@@ -118,32 +100,17 @@ class SchedulerActor(Actor):
             stream.fail(ShuttingDown("the server shut down before the request finished"))
         self.live.clear()
 
-    def _apply_control(self) -> None:
-        """Aborts and adapter removals, between steps."""
-        for request_id in self._aborts:
-            entry = self.live.pop(request_id, None)
-            if entry is not None:  # not yet admitted: its cancelled stream is dropped at admission
-                self.engine.abort(request_id)
-                self.faulty.discard(request_id)
-                self.fairness.leave(entry[1])
-        self._aborts.clear()
-        for name in self._removals:
-            if self.loras.pop(name, None) is not None:
-                self.engine.remove_lora(name)  # requests already using it finish with it
-        self._removals.clear()
-
-    async def _admit(self) -> None:
-        """Move requests from the adapter queues into the engine while it has room, fairest tenant first.
+    async def _admit(self) -> list[QueuedRequest]:
+        """Take requests from the adapter queues while the engine has room, fairest tenant first.
 
         Cancelled requests taken from a queue are dropped and more are taken at once: however many
         sit there, the engine never idles while a live request is queued."""
+        admitted: list[QueuedRequest] = []
+        stats = self.executor.stats
         while self._maybe_queued and self.queues is not None:
-            sched, max_seqs = self.engine.scheduler, self.engine.config.max_num_seqs
-            room = min(
-                max_seqs - len(sched.running) - len(sched.waiting), self.max_waiting - len(sched.waiting)
-            )
+            room = min(stats.free_seq_slots, self.max_waiting - stats.num_waiting) - len(admitted)
             if room <= 0:
-                return
+                break
             try:
                 taken: list[QueuedRequest] = await self.queues.ask(Take(room, self.fairness.pick))
             except ActorStopped:
@@ -151,63 +118,27 @@ class SchedulerActor(Actor):
             if len(taken) < room:
                 self._maybe_queued = False  # a later WorkQueued sets it again
             for req in taken:
-                await self._admit_one(req)
+                if req.stream.cancelled:
+                    self.fairness.leave(req.tenant)
+                    continue
+                admitted.append(req)
+                self.live[req.request_id] = (req.stream, req.tenant)
+                self.fairness.charge(req.tenant, input_tokens=len(req.prompt_token_ids))
+        return admitted
 
-    async def _admit_one(self, req: QueuedRequest) -> None:
-        try:
-            adapter_id = 0 if req.stream.cancelled else await self._adapter_id(req.adapter)
-            if req.stream.cancelled:  # also after the await: the client may have left meanwhile
-                self.fairness.leave(req.tenant)
-                return
-            self.engine.add_request(
-                req.prompt_token_ids, req.params, req.request_id, adapter_id, grammar=req.grammar
-            )
-        except (ValueError, ServingError) as e:
-            req.stream.fail(e if isinstance(e, ServingError) else InvalidRequest(str(e)))
-            self.fairness.leave(req.tenant)
-            return
-        self.live[req.request_id] = (req.stream, req.tenant)
-        self.fairness.charge(req.tenant, input_tokens=len(req.prompt_token_ids))
-        if req.fault:
-            self.faulty.add(req.request_id)
-
-    async def _adapter_id(self, ref: LoraRef | None) -> int:
-        """The engine id of a request's adapter (0: the base model), registering it on first use."""
-        if not ref:
-            return 0
-        have = self.loras.get(ref.name)
-        if have is None or have[0] < ref.version:
-            try:
-                adapter_id = await anyio.to_thread.run_sync(self.engine.add_lora, ref.name, ref.path)
-            except AdapterError:
-                if not ref.path.is_dir():  # deleted while the request waited in its queue
-                    raise ModelNotFound(
-                        f"the model {ref.model!r} does not exist", param="model", code="model_not_found"
-                    ) from None
-                log.exception("adapter %s no longer loads from %s", ref.name, ref.path)
-                raise EngineFailure(f"the adapter {ref.model!r} could not be loaded") from None
-            have = self.loras[ref.name] = (ref.version, adapter_id)
-        return have[1]
-
-    async def _step(self, batch) -> None:
+    async def _step(self, step: Step) -> StepDone | None:
         self.steps += 1
         try:
-            executed = await self.executor.ask(Execute(batch, frozenset(self.faulty)))
-        except Exception as e:  # the executor itself is gone or broken: fail this batch, keep serving
-            log.exception("executor failed on a batch of %d", len(batch))
-            for seq in batch.seqs:
-                self._fail(seq.request_id, EngineFailure(f"executor error: {e}"))
-            return
-        try:
-            outputs = self.engine.process(executed.batch, executed.result) if executed.batch.seqs else []
-        except Exception:
-            log.exception("processing a step failed")
-            for seq in executed.batch.seqs:
-                self._fail(seq.request_id, EngineFailure("internal error while processing the step"))
-            outputs = []
-        for seq, err in executed.failed:
-            self._fail(seq.request_id, EngineFailure(f"the model failed on this request: {err}"))
-        self._emit(outputs)
+            done: StepDone = await self.executor.ask(step)
+        except Exception as e:  # the engine broke outside any one request: none of its requests can go on
+            log.exception("the engine step failed")
+            for request_id in list(self.live):
+                self._fail(request_id, EngineFailure(f"internal error in the engine step: {e}"))
+            return None
+        for request_id, error in done.refused:
+            self._fail(request_id, error if isinstance(error, ServingError) else EngineFailure(str(error)))
+        self._emit(done.outputs)
+        return done
 
     def _emit(self, outputs) -> None:
         for out in outputs:
@@ -215,8 +146,10 @@ class SchedulerActor(Actor):
             if entry is None:
                 continue
             stream, tenant = entry
-            if out.error is not None:
-                self._fail(out.request_id, EngineFailure("internal error while processing this request"))
+            if out.error is not None:  # it failed alone in the step: the engine has already dropped it
+                self.live.pop(out.request_id)
+                self.fairness.leave(tenant)
+                stream.fail(EngineFailure(f"the model failed on this request: {out.error}"))
                 continue
             n = out.num_new_tokens
             first = stream.num_puts == 0  # prompt logprobs are complete by the first token
@@ -237,14 +170,12 @@ class SchedulerActor(Actor):
             self.fairness.charge(tenant, output_tokens=n)
             if out.finished:
                 del self.live[out.request_id]
-                self.faulty.discard(out.request_id)
                 self.fairness.leave(tenant)
 
     def _fail(self, request_id: str, error: ServingError) -> None:
         entry = self.live.pop(request_id, None)
         if entry is None:
             return
-        self.engine.abort(request_id)
-        self.faulty.discard(request_id)
+        self._aborts.append(request_id)  # the engine drops it at the next step (a no-op if it has)
         self.fairness.leave(entry[1])
         entry[0].fail(error)

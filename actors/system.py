@@ -1,6 +1,6 @@
 """The serving system: the four actors wired together, and the small front the API talks to.
 
-    API --Submit--> ingress --Enqueue--> adapter queues <--Take-- scheduler --Execute--> executor
+    API --Submit--> ingress --Enqueue--> adapter queues <--Take-- scheduler --Step--> executor (engine.step)
                                                   \\--WorkQueued-->/   |
     API <------------- reply streams (merged deltas) ------------------/
 
@@ -39,7 +39,9 @@ class Stats:
     prefix_cache_hits: int
     preemptions: int
     steps: int
-    adapters_pinned: int  # adapters held in host memory for unfinished requests
+    adapters_pinned: int  # adapter versions held in host memory for unfinished requests
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 class ServingSystem:
@@ -51,8 +53,8 @@ class ServingSystem:
         fairness: VirtualTokenCounter | None = None,
         loras: dict[str, Path] | None = None,  # adapters registered at start-up: name -> directory
     ):
-        self.executor = ExecutorActor(engine_factory)
-        self.scheduler = SchedulerActor(self.executor, fairness, max_waiting=max_waiting, loras=loras)
+        self.executor = ExecutorActor(engine_factory, loras)
+        self.scheduler = SchedulerActor(self.executor, fairness, max_waiting=max_waiting)
         self.queues = AdapterQueuesActor(max_queue_len)
         self.ingress = IngressActor(self.executor, self.queues)
         self.scheduler.queues, self.queues.scheduler = self.queues, self.scheduler
@@ -91,22 +93,24 @@ class ServingSystem:
             self.scheduler.tell_nowait(Abort(request_id))
 
     def remove_lora(self, name: str) -> None:
-        """Never blocks: the scheduler unregisters the adapter between steps; its running requests finish."""
+        """Never blocks: the engine forgets the name between steps; requests already using it finish."""
         with contextlib.suppress(ActorStopped):
             self.scheduler.tell_nowait(RemoveLora(name))
 
     def stats(self) -> Stats:
-        engine = self.engine
-        sched, bm = engine.scheduler, engine.block_manager
+        """As of the latest step (the engine's own counters are its thread's)."""
+        es = self.executor.stats
         return Stats(
             queued=self.queues.depth,
-            waiting=len(sched.waiting),
-            running=len(sched.running),
-            kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_free=bm.num_free_blocks,
-            prefix_cache_queries=bm.prefix_queries,
-            prefix_cache_hits=bm.prefix_hits,
-            preemptions=sched.num_preemptions,
-            steps=self.scheduler.steps,
-            adapters_pinned=len(engine.runner.loras.pinned),
+            waiting=es.num_waiting,
+            running=es.num_running,
+            kv_blocks_used=es.kv_blocks_used,
+            kv_blocks_free=es.kv_blocks_free,
+            prefix_cache_queries=es.prefix_cache_queries,
+            prefix_cache_hits=es.prefix_cache_hits,
+            preemptions=es.preemptions,
+            steps=es.steps,
+            adapters_pinned=es.adapters_pinned,
+            running_adapters=es.running_adapters,
+            waiting_adapters=es.waiting_adapters,
         )

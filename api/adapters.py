@@ -18,7 +18,6 @@ visible to every tenant and cannot be deleted over HTTP; a tenant's own adapter 
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +29,10 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from actors.messages import LoraRef
 from api import protocol as P
 from api.errors import APIError
 from lora.adapter import PICKLED_SUFFIXES, AdapterError, AdapterTooLarge, pickle_refusal
+from lora.manager import AdapterRef
 from lora.registry import FILES, AdapterExists, AdapterNotFound, AdapterRegistry
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ FORM_SLACK = 64 << 10  # multipart headers and the config file, on top of the we
 
 @dataclass
 class Adapter:
-    ref: LoraRef
+    ref: AdapterRef
     owner: str
     created: int
     size_bytes: int
@@ -71,13 +70,12 @@ class AdapterStore:
         self.reserved = set(reserved)  # the base model's names: no adapter may take them
         now = int(time.time())
         self.shared = {
-            name: Adapter(LoraRef(name, Path(path)), SHARED_OWNER, now, _size(Path(path)))
+            name: Adapter(AdapterRef.of(name, path), SHARED_OWNER, now, _size(Path(path)))
             for name, path in (shared or {}).items()
         }
         self._registry: AdapterRegistry | None = None
         self._lock = anyio.Lock()
         self._tenants: dict[str, dict[str, Adapter]] = {}
-        self._versions = itertools.count(1)
 
     async def registry(self) -> AdapterRegistry:
         """Opened on first use: it validates against the base model, known once the engine is loaded."""
@@ -96,7 +94,7 @@ class AdapterStore:
         return self._registry
 
     def _entry(self, info) -> Adapter:
-        ref = LoraRef(f"{info.tenant}/{info.name}", info.path, next(self._versions))
+        ref = AdapterRef.of(f"{info.tenant}/{info.name}", info.path)  # its version: the files' identity
         return Adapter(ref, info.tenant, int(info.created), info.size_bytes)
 
     async def own(self, tenant: str) -> dict[str, Adapter]:
@@ -121,7 +119,7 @@ class AdapterStore:
             raise _not_found(name)
         return adapter
 
-    async def resolve(self, tenant: str, model: str) -> LoraRef | None:
+    async def resolve(self, tenant: str, model: str) -> AdapterRef | None:
         adapter = (await self.own(tenant)).get(model) or self.shared.get(model)
         return adapter.ref if adapter else None
 

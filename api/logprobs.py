@@ -6,13 +6,21 @@ from api import protocol as P
 from api.state import ServerState
 from engine.sequence import TokenLogprob
 
+# A token the grammar (or a penalty) masked out has logprob -inf, which JSON cannot carry: it is reported
+# as this floor instead (vLLM's convention).
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(lp: float | None) -> float | None:
+    return None if lp is None else max(lp, LOGPROB_FLOOR)
+
 
 def chat_logprobs(state: ServerState, lps: list[TokenLogprob], k: int) -> P.ChatLogprobs:
     text = state.token_text
 
     def entry(token_id, lp):
         s = text(token_id)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode())}
 
     return P.ChatLogprobs(
         content=[
@@ -38,12 +46,12 @@ def completion_logprobs(
         out.text_offset.append(pos)
         pos += len(s)
         out.tokens.append(s)
-        out.token_logprobs.append(lp)
+        out.token_logprobs.append(_finite(lp))
         if top is None:
             out.top_logprobs.append(None)
         else:
-            d = {text(t): v for t, v in top}
-            d.setdefault(s, lp)
+            d = {text(t): _finite(v) for t, v in top}
+            d.setdefault(s, _finite(lp))
             out.top_logprobs.append(d)
 
     if prompt_ids is not None:

@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from actors.messages import LoraRef
 from actors.system import ServingSystem
 from api.adapters import AdapterStore
 from api.auth import Authenticator
 from api.errors import APIError
 from api.metrics import Metrics
+from lora.manager import AdapterRef
 
 
 @dataclass
@@ -42,7 +42,7 @@ class ServerState:
         if not self.system.ready:
             raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
 
-    async def resolve_adapter(self, tenant: str, model: str) -> LoraRef | None:
+    async def resolve_adapter(self, tenant: str, model: str) -> AdapterRef | None:
         """The adapter serving `model` for `tenant` (None: the base model); unknown or not this tenant's: 404."""
         if model in self.model_names:
             return None

@@ -1,8 +1,8 @@
 """Owns the model, its KV cache and the sampler; turns a scheduled batch into sampled tokens.
 
-Called from one thread only (the executor's). Builds the flattened inputs of a step, runs the forward
-pass, computes logits only for the rows that sample (and for prompt-logprob rows), and samples. It owns
-the LoRA slot cache too: a step with adapters makes them resident and passes their segments down.
+Called from the engine's thread only. Builds the flattened inputs of a step, runs the forward pass (with
+the step's LoRA segments, lora/), computes logits only for the rows that sample (and for prompt-logprob
+rows), masks the constrained rows with their grammar, and samples.
 """
 
 from __future__ import annotations
@@ -20,16 +20,39 @@ from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import TokenLogprob
 from grammar.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
-from lora.slot_cache import LoRASlotCache
+from lora.slot_cache import LoRABatch
 
 
 @dataclass
 class StepResult:
-    """Per scheduled sequence: the sampled token (None for a mid-prompt chunk) and logprobs."""
+    """Per scheduled sequence: the sampled token (None for a mid-prompt chunk), logprobs, and the error
+    its row raised (the others in the batch are unaffected)."""
 
     token_ids: list[int | None]
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: list[list[TokenLogprob] | None]
+    errors: list[BaseException | None]
+
+    @classmethod
+    def empty(cls, n: int) -> StepResult:
+        return cls([None] * n, [None] * n, [None] * n, [None] * n)
+
+    @classmethod
+    def failed(cls, n: int, error: BaseException) -> StepResult:
+        result = cls.empty(n)
+        result.errors = [error] * n
+        return result
+
+    @classmethod
+    def concat(cls, parts: list[StepResult]) -> StepResult:
+        """Results of consecutive row ranges of one batch, as one."""
+        out = cls([], [], [], [])
+        for p in parts:
+            out.token_ids += p.token_ids
+            out.logprobs += p.logprobs
+            out.prompt_logprobs += p.prompt_logprobs
+            out.errors += p.errors
+        return out
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -98,14 +121,6 @@ class ModelRunner:
             for _ in range(model_config.num_hidden_layers)
         ]
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
-        self.loras = LoRASlotCache(
-            model_config,
-            max_loras=config.max_loras,
-            max_cpu_loras=config.max_cpu_loras,
-            max_lora_rank=config.max_lora_rank,
-            device=self.device,
-            dtype=self.dtype,
-        )
         self.grammar_stats = GrammarStats()
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="motet-bitmask")
 
@@ -135,18 +150,16 @@ class ModelRunner:
             max_query_len=max(batch.num_new_tokens),
             max_seq_len=max(seq_lens),
         )
-        adapter_ids = [seq.adapter_id for seq in batch.seqs]
-        lora = self.loras.batch(adapter_ids, batch.num_new_tokens) if any(adapter_ids) else None
-        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, lora, qsl
+        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, qsl
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+    def forward(self, batch: ScheduledBatch, lora: LoRABatch | None = None) -> tuple[torch.Tensor, list[int]]:
         """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets."""
-        input_ids, positions, meta, lora, qsl = self._prepare(batch)
+        input_ids, positions, meta, qsl = self._prepare(batch)
         return self.model(input_ids, positions, meta, self.kv_caches, lora), qsl
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def execute(self, batch: ScheduledBatch, lora: LoRABatch | None = None) -> StepResult:
         sample_rows = [i for i in range(len(batch)) if batch.samples(i)]
         sample_seqs = [batch.seqs[i] for i in sample_rows]
         # Constrained rows: their bitmask rows are filled on a side thread while the forward pass runs
@@ -157,13 +170,13 @@ class ModelRunner:
             items = [(sample_seqs[r].guided.matcher, r) for r in guided]
             filling = self._grammar_thread.submit(_timed_fill, bitmask, items)
 
-        hidden, qsl = self.forward(batch)
+        hidden, qsl = self.forward(batch, lora)
         logits = self.model.compute_logits(hidden[[qsl[i + 1] - 1 for i in sample_rows]])
         if guided:
             self._apply_grammar(logits, bitmask, guided, filling)
         out = self.sampler(logits, sample_seqs)
 
-        result = StepResult([None] * len(batch), [None] * len(batch), [None] * len(batch))
+        result = StepResult.empty(len(batch))
         for row, i in enumerate(sample_rows):
             result.token_ids[i] = out.token_ids[row]
             result.logprobs[i] = out.logprobs[row]

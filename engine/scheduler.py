@@ -32,6 +32,10 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def subset(self, rows) -> ScheduledBatch:
+        """The batch's rows `rows`, in order (to re-run part of a step)."""
+        return ScheduledBatch([self.seqs[i] for i in rows], [self.num_new_tokens[i] for i in rows])
+
     def samples(self, i: int) -> bool:
         """Whether sequence i's chunk reaches its last token, so that this step samples its next one."""
         seq = self.seqs[i]
@@ -56,11 +60,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        if self.bm.blocks_needed(seq.num_tokens + 1) > self.bm.num_blocks:
-            raise ValueError(
-                f"prompt of {seq.num_tokens} tokens needs more KV blocks than the pool has "
-                f"({self.bm.num_blocks} blocks of {self.bm.block_size}); raise num_kv_blocks"
-            )
+        """Queue a sequence (engine/request_checks.py has made sure it fits the KV pool)."""
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 

@@ -1,4 +1,5 @@
-"""A sequence: one prompt and its growing output, with the scheduler's bookkeeping."""
+"""A sequence: one request inside the engine (one choice of an API request). Its prompt and growing output,
+the scheduler's bookkeeping (KV blocks, computed tokens), its grammar, and its output text so far."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.guided import GuidedDecoding
 from engine.sampling_params import SamplingParams
 
@@ -47,12 +49,16 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_preemptions: int = 0
     guided: GuidedDecoding | None = None  # the grammar constraint, if any
+    # Output text, as the engine commits tokens (set by the engine when it takes the request).
+    detok: IncrementalDetokenizer | None = None
+    stops: StopStringMatcher | None = None
+    text: str = ""
+    num_emitted: int = 0  # tokens already reported in a RequestOutput
 
     def __post_init__(self):
-        if not self.prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.token_ids = list(self.prompt_token_ids)
+        self.num_emitted = len(self.token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from grammar.specs import JsonSchemaSpec
 
@@ -61,8 +61,7 @@ TOPICS = ["a person", "a movie", "a city"]
 
 def run(llm: LLM, prompts, params) -> dict:
     engine = llm.engine
-    stats = engine.runner.grammar_stats
-    before = dataclasses.replace(stats)
+    before = engine.stats().grammar
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     outs, steps = {}, 0
     t0 = time.perf_counter()
@@ -73,6 +72,7 @@ def run(llm: LLM, prompts, params) -> dict:
                 outs[o.request_id] = o
     seconds = time.perf_counter() - t0
     lengths = [len(outs[i].token_ids) for i in ids]
+    stats = engine.stats().grammar
     delta = {f.name: getattr(stats, f.name) - getattr(before, f.name) for f in dataclasses.fields(stats)}
     per_step = {k: delta[k] / max(1, delta["steps"]) * 1e3 for k in ("fill_s", "wait_s", "apply_s")}
     return {

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.model_store import resolve_model
 from engine.sampling_params import SamplingParams
 from evals.throughput import chat_prompts
@@ -52,15 +52,15 @@ def run(llm: LLM, prompts, adapter_ids, new_tokens: int) -> dict:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for p, a in zip(prompts, adapter_ids, strict=True):
-        engine.add_request(p, params, adapter_id=a)
+        engine.add_request(p, params, adapter=a)
     steps, t0 = [], time.perf_counter()
     while engine.has_unfinished():
-        batch = engine.scheduler.schedule()
+        batch = engine.schedule()
         t = time.perf_counter()
-        result = engine.runner.execute(batch)
+        result = engine.execute(batch)
         if all(n == 1 for n in batch.num_new_tokens) and len(batch) == len(prompts):
             steps.append(time.perf_counter() - t)
-        engine.process(batch, result)
+        engine.commit(batch, result)
     median = statistics.median(steps)  # robust to the stalls of a shared machine; the mean is not
     return {
         "seconds": time.perf_counter() - t0,
@@ -99,11 +99,11 @@ def main(argv=None) -> None:
     ]
     prompts = chat_prompts(llm.tokenizer, args.batch)
     scenarios = {
-        "base": [0] * args.batch,
+        "base": [None] * args.batch,
         "1 adapter": [ids[0]] * args.batch,
         f"{args.adapters} adapters": [ids[i % args.adapters] for i in range(args.batch)],
     }
-    run(llm, prompts[:4], [0] * 4, 4)  # warm-up
+    run(llm, prompts[:4], [None] * 4, 4)  # warm-up
     best: dict[str, dict] = {}
     for r in range(args.rounds):
         for name, adapter_ids in scenarios.items():

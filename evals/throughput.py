@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.model_store import resolve_model
 from engine.sampling_params import SamplingParams
 
@@ -55,13 +55,13 @@ def run_motet(llm: LLM, prompts, new_tokens: int) -> dict:
         engine.add_request(p, params)
     decode_time, decode_steps, t0 = 0.0, 0, time.perf_counter()
     while engine.has_unfinished():
-        batch = engine.scheduler.schedule()
+        batch = engine.schedule()
         t = time.perf_counter()
-        result = engine.runner.execute(batch)
+        result = engine.execute(batch)
         if all(n == 1 for n in batch.num_new_tokens):
             decode_time += time.perf_counter() - t
             decode_steps += 1
-        engine.process(batch, result)
+        engine.commit(batch, result)
     elapsed = time.perf_counter() - t0
     return {
         "seconds": elapsed,

@@ -262,7 +262,7 @@ def tidy_config(path: Path, base_name: str) -> None:
 
 # -- commands ---------------------------------------------------------------------------------------------
 def load_llm(model: str | None, **options):
-    from engine.llm_engine import LLM
+    from engine.llm import LLM
     from engine.model_store import resolve_model
 
     return LLM(str(resolve_model(model)), **options)

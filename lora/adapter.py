@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from lora.base_shape import BaseShape
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PARENT = {m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for m in TARGET_MODULES}
@@ -79,7 +79,7 @@ class LoRAAdapter:
         return {module for _, module in self.weights}
 
 
-def module_shape(base: ModelConfig, module: str) -> tuple[int, int]:
+def module_shape(base: BaseShape, module: str) -> tuple[int, int]:
     """(in_features, out_features) of a decoder layer's linear module."""
     h, q, kv = (
         base.hidden_size,
@@ -251,7 +251,7 @@ def _check_safetensors_header(
 
 def load_adapter(
     path: str | Path,
-    base: ModelConfig,
+    base: BaseShape,
     *,
     max_rank: int = 64,
     name: str | None = None,

@@ -1,28 +1,28 @@
-"""Where adapters live between the disk and the forward pass, and the per-step segment metadata.
+"""Where loaded adapters live on their way to the forward pass, and the per-step segment metadata.
 
-disk (all registered adapters) -> host LRU of loaded `LoRAAdapter`s (`max_cpu_loras`) -> device slots
+host LRU of loaded `LoRAAdapter`s (`max_cpu_loras`, pinned ones never evicted) -> device slots
 (`max_loras`): per (layer, module) one stack A [S, R, in], B [S, out, R] in the model's dtype and scales
 [S] fp32, every adapter zero-padded to R = `max_lora_rank`, so one SGMV call mixes adapters and ranks.
 
-Each step `LoRASlotCache.batch` makes the batch's adapters resident (evicting the least recently used
-slot not in the batch: the scheduler keeps a step's distinct adapters within `max_loras`, so this
-always fits) and returns the `LoRABatch` the model applies. Plain synchronous code: registration and
-slots belong to the engine's thread, between steps or in one; only the host cache is also safe from
-another thread (a lock), so that the serving layer may prefetch adapters from disk off the event loop.
+Adapters are keyed by uid (lora/manager.py, which decides what to load, pin and drop). Each step
+`LoRASlotCache.batch` makes the batch's adapters resident (evicting the least recently used slot not in
+the batch: the scheduler keeps a step's distinct adapters within `max_loras`, so this always fits) and
+returns the `LoRABatch` the model applies; an adapter missing from the host cache is fetched through the
+manager. Slots belong to the engine's thread; the host cache is also safe from another thread (a lock).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
 from kernels.sgmv import add_lora
-from lora.adapter import TARGET_MODULES, AdapterError, LoRAAdapter, load_adapter, module_shape
+from lora.adapter import TARGET_MODULES, LoRAAdapter, module_shape
+from lora.base_shape import BaseShape
 
 Stacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # A [S, R, in], B [S, out, R], scales [S]
 
@@ -55,8 +55,9 @@ class LoRABatch:
 class LoRASlotCache:
     def __init__(
         self,
-        base: ModelConfig,
+        base: BaseShape,
         *,
+        fetch: Callable[[int], LoRAAdapter],
         max_loras: int = 8,
         max_cpu_loras: int = 32,
         max_lora_rank: int = 64,
@@ -66,7 +67,7 @@ class LoRASlotCache:
         self.base = base
         self.max_loras, self.max_cpu_loras, self.max_lora_rank = max_loras, max_cpu_loras, max_lora_rank
         self.device, self.dtype = torch.device(device), dtype
-        self.paths: dict[int, Path] = {}  # registered adapters: id -> directory
+        self.fetch = fetch  # uid -> its LoRAAdapter, loaded (for one not in the host cache)
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU first
         self.pinned: set[int] = set()  # in use by unfinished requests: their host copy is never evicted
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
@@ -77,41 +78,34 @@ class LoRASlotCache:
         self._views: dict[frozenset[int], list[dict[str, Stacks]]] = {}  # per set of slots
         self._lock = threading.Lock()
 
-    # -- registration and the host cache -----------------------------------------------------------------
-    def register(self, adapter_id: int, path: str | Path, adapter: LoRAAdapter | None = None) -> None:
-        """Make `adapter_id` loadable from `path`; an already loaded `adapter` goes straight to the host cache."""
+    # -- the host cache ----------------------------------------------------------------------------------
+    def put(self, adapter_id: int, adapter: LoRAAdapter) -> None:
         if adapter_id <= 0:
             raise ValueError(f"adapter ids are positive, got {adapter_id}")
-        self.paths[adapter_id] = Path(path)
-        if adapter is not None:
-            with self._lock:
-                self._cache(adapter_id, adapter)
+        with self._lock:
+            self._cache(adapter_id, adapter)
+
+    def cached(self, adapter_id: int) -> LoRAAdapter | None:
+        with self._lock:
+            adapter = self.cpu.get(adapter_id)
+            if adapter is not None:
+                self.cpu.move_to_end(adapter_id)
+            return adapter
 
     def unregister(self, adapter_id: int) -> None:
         """Forget an adapter: its host copy and its slot (the slot's stale weights are never read again)."""
-        self.paths.pop(adapter_id, None)
         with self._lock:
             self.cpu.pop(adapter_id, None)
             self.pinned.discard(adapter_id)
         self.resident.pop(adapter_id, None)
 
     def get_cpu(self, adapter_id: int) -> LoRAAdapter:
-        """The loaded adapter, from the host cache or else from disk (AdapterError if it no longer loads)."""
-        with self._lock:
-            if adapter_id in self.cpu:
-                self.cpu.move_to_end(adapter_id)
-                return self.cpu[adapter_id]
-        path = self.paths.get(adapter_id)
-        if path is None:
-            raise AdapterError(f"adapter id {adapter_id} is not registered")
-        adapter = load_adapter(path, self.base, max_rank=self.max_lora_rank)  # outside the lock: disk I/O
-        with self._lock:
-            self._cache(adapter_id, adapter)
-        return adapter
+        """The loaded adapter, from the host cache or else fetched (AdapterError if it no longer loads)."""
+        adapter = self.cached(adapter_id)
+        return adapter if adapter is not None else self.fetch(adapter_id)
 
     def pin(self, adapter_id: int) -> None:
         """Keep the host copy while requests use the adapter: its files may be deleted meanwhile."""
-        self.get_cpu(adapter_id)
         with self._lock:
             self.pinned.add(adapter_id)
 

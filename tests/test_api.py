@@ -34,7 +34,7 @@ def server(default_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api")
     keys = tmp / "keys.json"
     keys.write_text(json.dumps({KEY: "alice", OTHER_KEY: "bob"}))
-    srv = Server(tmp, "--api-keys", str(keys), "--max-body-bytes", "100000", env={"MOTET_TEST_FAULTS": "1"})
+    srv = Server(tmp, "--api-keys", str(keys), "--max-body-bytes", "100000")
     yield srv
     srv.stop()
 
@@ -249,40 +249,7 @@ def test_health_openapi_metrics(server):
     assert m["motet_kv_blocks_free"] > 0
 
 
-# -- faults and disconnects ---------------------------------------------------------------------------------
-def test_fault_isolation(server):
-    async def run():
-        async with httpx.AsyncClient(
-            base_url=server.url, timeout=300, headers={"Authorization": f"Bearer {KEY}"}
-        ) as c:
-
-            def req(prompt):
-                return c.post(
-                    "/v1/completions",
-                    json={
-                        "model": MODEL,
-                        "prompt": prompt,
-                        "max_tokens": 12,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                    },
-                )
-
-            good = [req(f"Story number {i}: once upon a time") for i in range(4)]
-            bad = req("Tell me about MOTET_TEST_FAULT please")
-            return await asyncio.gather(bad, *good)
-
-    bad, *good = asyncio.run(run())
-    err = _error(bad, 500)
-    assert err["type"] == "server_error"
-    for r in good:
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 12
-    # the server recovered
-    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2})
-    assert r.status_code == 200
-
-
+# -- disconnects ---------------------------------------------------------------------------------
 def test_disconnects_free_everything(server):
     n, max_tokens = 32, 24
 

@@ -176,13 +176,13 @@ def test_generate_with_adapter(server, adapters):
     chat = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
     # Both are the offline engine's greedy outputs with the same adapter.
-    from engine.llm_engine import LLM
+    from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     llm = LLM(num_kv_blocks=64)
     llm.add_lora("a", adapters["alice"])
     for prompt, served in ((PROMPT, RESULTS["alice"]), (llm.tokenizer.encode_chat(messages), chat)):
-        (offline,) = llm.generate([prompt], SamplingParams(**GREEDY), adapter_ids=["a"])  # alone, as served
+        (offline,) = llm.generate([prompt], SamplingParams(**GREEDY), adapters=["a"])  # alone, as served
         assert offline.text == served
 
 
@@ -397,7 +397,8 @@ def test_in_process_upload_use_delete(tiny_model_dir, tmp_path):
         assert c.delete("/v1/adapters/a", headers=alice).status_code == 200
         assert text("a") == 404
         deadline = time.monotonic() + 10
-        while system.scheduler.loras:  # unregistered from the engine between steps (a message away)
+        known = system.engine.adapters.known
+        while any(ref.name == "alice/a" for ref in list(known.values())):  # forgotten between steps
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert c.post("/v1/adapters", data={"name": "a"}, files=files, headers=alice).status_code == 200

@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig, ModelLoadError
-from engine.llm_engine import LLM, LLMEngine
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.model import Linear, onednn_available
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -23,11 +24,12 @@ def hf_logits(model_dir, prompt):
         return hf(torch.tensor([prompt])).logits[0]
 
 
-def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapter_ids=None, order=None):
+def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters=None, order=None):
     """All-row logits of each prompt, computed in flattened batches (optionally in chunks, with
-    per-prompt adapters, sequences visited in `order`)."""
-    adapter_ids = adapter_ids or [0] * len(prompts)
-    seqs = [Sequence(p, adapter_id=a) for p, a in zip(prompts, adapter_ids, strict=True)]
+    per-prompt adapters by name, sequences visited in `order`)."""
+    refs = [engine.adapters.resolve(a) for a in adapters or [None] * len(prompts)]
+    uids = [engine.adapters.acquire(r) if r else 0 for r in refs]
+    seqs = [Sequence(p, adapter_id=a) for p, a in zip(prompts, uids, strict=True)]
     visit = [seqs[i] for i in order] if order else seqs
     rows = {s.seq_id: [] for s in seqs}
     while any(s.num_computed_tokens < s.num_tokens for s in seqs):
@@ -38,13 +40,15 @@ def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapter_
                 assert engine.block_manager.allocate_slots(s, n)
                 batch.seqs.append(s)
                 batch.num_new_tokens.append(n)
-        hidden, qsl = engine.runner.forward(batch)
+        lora = engine.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
+        hidden, qsl = engine.runner.forward(batch, lora)
         logits = engine.runner.model.compute_logits(hidden)
         for i, s in enumerate(batch.seqs):
             rows[s.seq_id].append(logits[qsl[i] : qsl[i + 1]])
             s.num_computed_tokens += batch.num_new_tokens[i]
     for s in seqs:
         engine.block_manager.free_seq(s)
+        engine.adapters.release(s.adapter_id)
     return [torch.cat(rows[s.seq_id]) for s in seqs]
 
 
@@ -213,13 +217,42 @@ def test_a_request_that_fails_in_processing_fails_alone(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     bad = engine.add_request([5, 6, 7], params)
     good = engine.add_request([5, 6, 8], params)
-    engine.requests[bad].seq.guided = GuidedDecoding(Broken())
+    engine.requests[bad].guided = GuidedDecoding(Broken())
     outs = {}
     while engine.has_unfinished():
         for o in engine.step():
             outs.setdefault(o.request_id, []).append(o)
     assert outs[bad][-1].error and outs[bad][-1].finish_reason == "abort" and len(outs[bad]) == 1
     assert outs[good][-1].finish_reason == "length" and len(outs[good][-1].token_ids) == 4
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_request_that_fails_in_the_forward_pass_fails_alone(tiny_model_dir):
+    """The engine bisects a batch whose forward pass raises until the failing rows are alone: they end with
+    an error, every other row gets exactly the tokens it gets without them."""
+    from tests.test_actors import inject_fault
+
+    cfg = EngineConfig(model=str(tiny_model_dir), block_size=8, num_kv_blocks=256)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [[5, 6, 7 + i] for i in range(5)]
+    expected = [
+        o.token_ids
+        for o in LLM(str(tiny_model_dir), block_size=8, num_kv_blocks=256).generate(prompts, params)
+    ]
+    engine = LLMEngine(cfg)
+    inject_fault(engine, 299)
+    ids = [engine.add_request(p, params) for p in prompts[:2]]
+    bad = [engine.add_request([5, 299, i], params) for i in range(2)]
+    ids += [engine.add_request(p, params) for p in prompts[2:]]
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    for rid in bad:
+        assert (
+            len(outs[rid]) == 1 and outs[rid][0].finish_reason == "abort" and "injected" in outs[rid][0].error
+        )
+    assert [outs[rid][-1].token_ids for rid in ids] == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.test_engine import engine_logits
 

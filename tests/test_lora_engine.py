@@ -11,7 +11,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from engine.llm_engine import LLM, LLMEngine
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from lora.adapter import TARGET_MODULES, AdapterError, load_adapter
 from tests.test_engine import engine_logits
@@ -62,9 +63,9 @@ def peft_reference(model: PeftModel, adapter: str | None, prompt: list[int], new
         return ids[0].tolist(), model(ids).logits[0]
 
 
-def lora_logits(engine: LLMEngine, prompts, adapter_ids, chunk: int | None = None, order=None):
+def lora_logits(engine: LLMEngine, prompts, adapters, chunk: int | None = None, order=None):
     """All-row logits of each prompt with its adapter, in flattened batches (sequences visited in `order`)."""
-    return engine_logits(engine, prompts, chunk, adapter_ids, order)
+    return engine_logits(engine, prompts, chunk, adapters, order)
 
 
 # -- tiny random model: fast -------------------------------------------------------------------------------
@@ -99,16 +100,15 @@ def test_mixed_batch_logits_match_peft(tiny_model_dir, tiny_loras):
     peft, paths = tiny_loras
     llm = tiny_llm(tiny_model_dir, paths)
     prompts, names = tiny_requests()
-    ids = [llm.engine.loras[n] if n else 0 for n in names]
     refs = [peft_reference(peft, n, p, 0)[1] for p, n in zip(prompts, names, strict=True)]
     # Whole prompts, then 7-token chunks (prefill chunks beside short tails), then a shuffled order
     # (an adapter split into several segments).
     for chunk, order in ((None, None), (7, None), (None, [3, 0, 6, 1, 7, 2, 5, 4])):
-        got = lora_logits(llm.engine, prompts, ids, chunk=chunk, order=order)
+        got = lora_logits(llm.engine, prompts, names, chunk=chunk, order=order)
         for g, ref in zip(got, refs, strict=True):
             torch.testing.assert_close(g, ref, atol=2e-4, rtol=1e-4)
     # The adapters matter: their logits are far from the base model's.
-    base = lora_logits(llm.engine, prompts, [0] * len(prompts))
+    base = lora_logits(llm.engine, prompts, [None] * len(prompts))
     for b, ref, n in zip(base, refs, names, strict=True):
         assert ((b - ref).abs().max() > 0.5) == bool(n), n
 
@@ -122,14 +122,14 @@ def test_mixed_batch_greedy_matches_peft_generate(tiny_model_dir, tiny_loras):
     for p, n, out in zip(prompts, names, outs, strict=True):
         tokens, _ = peft_reference(peft, n, p, 12)
         assert out.token_ids == tokens[len(p) :], n
-    assert llm.engine.runner.loras.num_loads == 4
+    assert llm.engine.adapters.slots.num_loads == 4
 
 
 def test_no_adapters_no_lora_path(tiny_model_dir, tiny_loras):
     _, paths = tiny_loras
     llm = tiny_llm(tiny_model_dir, paths)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
-    assert llm.engine.runner.loras.stacks is None  # never allocated, never touched
+    assert llm.engine.adapters.slots.stacks is None  # never allocated, never touched
 
 
 def test_prefix_cache_is_not_shared_across_adapters(tiny_model_dir, tiny_loras):
@@ -155,19 +155,19 @@ def test_more_adapters_than_slots_time_slice_and_all_complete(tiny_model_dir, ti
 
     llm = tiny_llm(tiny_model_dir, paths, max_loras=2, lora_time_slice=3, max_num_seqs=4)
     engine = llm.engine
-    ids = [engine.add_request(p, params, adapter_id=n or 0) for p, n in zip(prompts, names, strict=True)]
+    ids = [engine.add_request(p, params, adapter=n) for p, n in zip(prompts, names, strict=True)]
     final, steps = {}, 0
     while engine.has_unfinished():
-        batch = engine.scheduler.schedule()
+        batch = engine.schedule()
         assert len({s.adapter_id for s in batch.seqs} - {0}) <= 2
         adapters = [s.adapter_id for s in batch.seqs]
         assert adapters == sorted(adapters)  # one contiguous segment per adapter
-        for out in engine.process(batch, engine.runner.execute(batch)):
+        for out in engine.commit(batch, engine.execute(batch)):
             final[out.request_id] = out
         steps += 1
         assert steps < 300
     assert [final[i].token_ids for i in ids] == [o.token_ids for o in ample]
-    assert engine.runner.loras.num_loads > 4  # slots were evicted and reloaded
+    assert engine.adapters.slots.num_loads > 4  # slots were evicted and reloaded
 
 
 def test_remove_lora_lets_running_requests_finish(tiny_model_dir, tiny_loras):
@@ -176,21 +176,23 @@ def test_remove_lora_lets_running_requests_finish(tiny_model_dir, tiny_loras):
     engine = llm.engine
     prompt = [9, 8, 7, 6, 5]
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
-    rid = engine.add_request(prompt, params, adapter_id="all8")
-    adapter_id = engine.loras["all8"]
+    rid = engine.add_request(prompt, params, adapter="all8")
+    ref = engine.adapters.named["all8"]
     engine.step(), engine.step()
     engine.remove_lora("all8")
     with pytest.raises(AdapterError, match="no adapter named 'all8'"):
-        engine.add_request(prompt, params, adapter_id="all8")
-    with pytest.raises(AdapterError, match=f"adapter id {adapter_id} is not loaded"):
-        engine.add_request(prompt, params, adapter_id=adapter_id)
+        engine.add_request(prompt, params, adapter="all8")
+    with pytest.raises(AdapterError, match="adapter 'all8' was removed"):
+        engine.add_request(prompt, params, adapter=ref)  # a request that resolved it before the removal
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.request_id == rid]
     assert outs[-1].finished and outs[-1].token_ids == peft_reference(peft, "all8", prompt, 8)[0][5:]
-    assert adapter_id not in engine.runner.loras.resident and adapter_id not in engine.runner.loras.paths
-    # Re-adding the name gives a new id (the prefix cache never mixes versions).
-    assert llm.add_lora("all8", paths["all8"]) > adapter_id
+    slots = engine.adapters.slots
+    assert ref.uid not in slots.resident and ref.uid not in slots.cpu and ref.uid not in engine.adapters.known
+    # The same files registered again serve again.
+    assert llm.add_lora("all8", paths["all8"]) == ref
+    engine.add_request(prompt, params, adapter="all8")
 
 
 def test_a_removed_adapter_whose_files_are_gone_still_serves_its_requests(
@@ -206,20 +208,21 @@ def test_a_removed_adapter_whose_files_are_gone_still_serves_its_requests(
     engine = llm.engine
     prompt = [9, 8, 7, 6, 5]
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
-    rid = engine.add_request(prompt, params, adapter_id="doomed")
+    rid = engine.add_request(prompt, params, adapter="doomed")
     engine.step()
     engine.remove_lora("doomed")
     shutil.rmtree(doomed)
-    others = [engine.add_request([3, 4, 5, i + 6], params, adapter_id="qv4") for i in range(3)]
-    doomed_id = engine.runner.loras.pinned.copy().pop()
+    others = [engine.add_request([3, 4, 5, i + 6], params, adapter="qv4") for i in range(3)]
+    slots = engine.adapters.slots
+    doomed_id = slots.pinned.copy().pop()
     outs = {}
     while engine.has_unfinished():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
         if rid not in outs:
-            assert doomed_id in engine.runner.loras.cpu
+            assert doomed_id in slots.cpu
     assert outs[rid].token_ids == peft_reference(peft, "all8", prompt, 8)[0][5:]
     assert all(outs[r].finish_reason == "length" for r in others)
-    assert not engine.runner.loras.pinned and len(engine.runner.loras.cpu) <= 1
+    assert not slots.pinned and len(slots.cpu) <= 1
 
 
 def test_add_lora_validates(tiny_model_dir, tiny_loras, tmp_path):
@@ -230,17 +233,16 @@ def test_add_lora_validates(tiny_model_dir, tiny_loras, tmp_path):
     with pytest.raises(AdapterError, match="above this server's max LoRA rank 16"):
         llm.add_lora("big", paths["gu64"])
     a, b = llm.add_lora("a", paths["qv4"]), llm.add_lora("b", paths["all8"])
-    assert 0 < a < b
+    assert a.uid > 0 and b.uid > 0 and a.uid != b.uid  # one files' version under two names: two adapters
     # Loaded beforehand (off the event loop), registered without touching the disk again.
     base = llm.engine.model_config
-    assert llm.engine.add_lora("pre", paths["qv4"], load_adapter(paths["qv4"], base)) == b + 1
+    pre = llm.engine.add_lora("pre", paths["qv4"], load_adapter(paths["qv4"], base))
+    assert pre.uid not in (a.uid, b.uid)
     with pytest.raises(AdapterError, match="rank 32, above max_lora_rank 16"):
         llm.engine.add_lora("pre", paths["gu64"], load_adapter(paths["gu64"], base))
-    assert llm.engine.loras["pre"] == b + 1  # a failed replacement keeps the old version
+    assert llm.engine.adapters.named["pre"] == pre  # a failed replacement keeps the old version
     with pytest.raises(AdapterError, match="no adapter named 'c'"):
         llm.generate([[1, 2]], None, ["c"])
-    with pytest.raises(AdapterError, match="no adapter named"):
-        llm.engine.remove_lora("c")
 
 
 # -- the real default model: slow --------------------------------------------------------------------------
@@ -268,14 +270,13 @@ def test_real_model_mixed_batch_matches_peft(default_model_dir, tmp_path):
         full.append(tokens)
         refs.append(logits)
     # Logits over prompt + continuation, all requests in one flattened batch, in 64-token chunks.
-    ids = [llm.engine.loras[n] if n else 0 for n in names]
-    got = lora_logits(llm.engine, full, ids, chunk=64)
+    got = lora_logits(llm.engine, full, names, chunk=64)
     diffs = [(g - r).abs().max().item() for g, r in zip(got, refs, strict=True)]
     print("max |logit - PEFT logit| per request:", " ".join(f"{d:.1e}" for d in diffs))
     for g, r in zip(got, refs, strict=True):
         # fp32, the same math in another order (fused q/k/v, SGMV segments, chunked attention): ~1e-4 seen
         torch.testing.assert_close(g, r, atol=1e-3, rtol=1e-4)
     # The adapters matter: their logits are far from the base model's on the same tokens.
-    base = lora_logits(llm.engine, full, [0] * len(full))
+    base = lora_logits(llm.engine, full, [None] * len(full))
     for g, b, n in zip(got, base, names, strict=True):
         assert ((g - b).abs().max() > 1.0) == bool(n), n

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import lora.slot_cache as slot_cache
 from engine.config import ModelConfig
-from lora.adapter import TARGET_MODULES, AdapterError, LoRAAdapter, module_shape
+from lora.adapter import TARGET_MODULES, AdapterError, LoRAAdapter, load_adapter, module_shape
 from lora.slot_cache import LoRASlotCache
 
 BASE = ModelConfig.from_dict(
@@ -55,10 +55,19 @@ def adapters(tmp_path):
     return {i: write_adapter(tmp_path / f"a{i}", r, mods, seed=i) for i, (r, mods) in specs.items()}
 
 
-def make(adapters, **kw) -> LoRASlotCache:
-    cache = LoRASlotCache(BASE, **{"max_loras": 2, "max_cpu_loras": 4, "max_lora_rank": 8, **kw})
-    for i, path in adapters.items():
-        cache.register(i, path)
+def make(adapters, reads=None, **kw) -> LoRASlotCache:
+    """A slot cache whose misses load adapter `uid` from `adapters[uid]` (as the manager's `load` does)."""
+
+    def fetch(uid):
+        if uid not in adapters:
+            raise AdapterError(f"adapter id {uid} is not loaded")
+        if reads is not None:
+            reads.append(adapters[uid].name)
+        adapter = load_adapter(adapters[uid], BASE, max_rank=8)
+        cache.put(uid, adapter)
+        return adapter
+
+    cache = LoRASlotCache(BASE, fetch=fetch, **{"max_loras": 2, "max_cpu_loras": 4, "max_lora_rank": 8, **kw})
     return cache
 
 
@@ -129,18 +138,14 @@ def test_reused_slot_holds_only_the_new_adapter(adapters):
                 assert A[0].abs().sum() == 0 and B[0].abs().sum() == 0 and scales[0] == 0
 
 
-def test_host_cache_is_an_lru_in_front_of_the_disk(adapters, monkeypatch):
+def test_host_cache_is_an_lru_in_front_of_the_disk(adapters):
     reads = []
-    real = slot_cache.load_adapter
-    monkeypatch.setattr(
-        slot_cache, "load_adapter", lambda path, *a, **k: reads.append(path.name) or real(path, *a, **k)
-    )
-    cache = make(adapters, max_cpu_loras=2)
+    cache = make(adapters, reads, max_cpu_loras=2)
     for i in (1, 2, 1, 3, 1, 2):
         cache.get_cpu(i)
     assert reads == ["a1", "a2", "a3", "a2"]  # 2 was the LRU when 3 came in
     preloaded = LoRAAdapter("x", 1, {})
-    cache.register(9, adapters[1], preloaded)
+    cache.put(9, preloaded)
     assert cache.get_cpu(9) is preloaded and len(reads) == 4
 
 
@@ -149,7 +154,8 @@ def test_unregister_frees_the_slot_and_the_host_copy(adapters):
     cache.activate([1, 2])
     cache.unregister(1)
     assert set(cache.resident) == {2} and 1 not in cache.cpu
-    with pytest.raises(ValueError, match="not registered"):
+    del adapters[1]  # as the manager forgets a removed adapter
+    with pytest.raises(AdapterError, match="not loaded"):
         cache.activate([1])
     cache.activate([3, 2])  # 3 takes the freed slot without evicting 2
     assert set(cache.resident) == {2, 3}
@@ -195,10 +201,9 @@ def test_triton_kernels_take_the_fused_column_slices_and_rank_cut_views(adapters
 def test_pinned_host_copies_outlive_their_files(tmp_path):
     import shutil
 
-    cache = LoRASlotCache(BASE, max_loras=2, max_cpu_loras=1)
     paths = {i: write_adapter(tmp_path / f"a{i}", rank=4, modules=("q_proj",), seed=i) for i in (1, 2, 3)}
-    for i, p in paths.items():
-        cache.register(i, p)
+    cache = make(paths, max_loras=2, max_cpu_loras=1)
+    cache.get_cpu(1)
     cache.pin(1)
     shutil.rmtree(paths[1])
     cache.get_cpu(2), cache.get_cpu(3)  # would evict 1 without the pin

@@ -1,5 +1,7 @@
 """Scheduler policy: unified token budget, chunked prefill, preemption by recompute, adapter slots."""
 
+import pytest
+
 from engine.adapter_slicer import AdapterSlicer
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
@@ -62,13 +64,14 @@ def test_preemption_frees_blocks_and_everything_completes():
 
 
 def test_prompt_larger_than_pool_is_refused():
-    sched = make(num_blocks=2, block_size=4)
-    try:
-        sched.add(Sequence(list(range(20))))
-    except ValueError as e:
-        assert "KV blocks" in str(e)
-    else:
-        raise AssertionError("expected ValueError")
+    """Checked once, before a request reaches the scheduler (ingress and engine share these limits)."""
+    from engine.request_checks import RequestError, RequestLimits
+
+    limits = RequestLimits(vocab_size=100, max_model_len=64, max_kv_tokens=8)
+    limits.check_prompt(list(range(7)))
+    with pytest.raises(RequestError, match="more than this server's KV cache holds") as e:
+        limits.check_prompt(list(range(8)))
+    assert e.value.code == "context_length_exceeded"
 
 
 # -- adapter slots and time slicing --------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import re
 import jsonschema
 import pytest
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from grammar.specs import ChoiceSpec, JsonSchemaSpec, RegexSpec, StructuralTagSpec
 from grammar.tool_calls import parse_tool_calls, tool_call_structural_tag, validate_tools
@@ -114,10 +114,10 @@ def test_grammar_with_lora_adapters_in_the_same_batch(llm, tmp_path):
     json_params = greedy(grammar=JsonSchemaSpec(PERSON), max_tokens=40)
     params = [json_params, greedy(max_tokens=8), json_params, greedy(max_tokens=8)]
     adapters = ["rand", "rand", None, None]
-    outs = llm.generate(ps, params, adapter_ids=adapters)
+    outs = llm.generate(ps, params, adapters=adapters)
     for i in (0, 2):
         jsonschema.validate(json.loads(outs[i].text), PERSON)
-    alone = llm.generate(ps[:1], params[0], adapter_ids=["rand"])[0]
+    alone = llm.generate(ps[:1], params[0], adapters=["rand"])[0]
     assert alone.token_ids == outs[0].token_ids
 
 
@@ -138,7 +138,7 @@ def test_tool_call_grammar_and_jump_forward(default_model_dir, llm):
     tag = StructuralTagSpec(tool_call_structural_tag(TOOLS, "required", parallel=False))
     ps = prompts(llm, 4, "What is the weather in city number {i}?")
     jump = LLM(str(default_model_dir), num_kv_blocks=256, jump_forward=True)
-    stats = jump.engine.runner.grammar_stats
+    stats = jump.engine.stats().grammar
     before = stats.jump_forward_tokens
     outs = jump.generate(ps, greedy(grammar=tag, max_tokens=60))
     assert stats.jump_forward_tokens - before >= 4 * 8  # the '<tool_call>\n{"name": ...' opening
@@ -150,4 +150,4 @@ def test_tool_call_grammar_and_jump_forward(default_model_dir, llm):
     for out in llm.generate(ps, greedy(grammar=tag, max_tokens=60)):  # the default: no jump-forward
         _, calls = parse_tool_calls(out.text)
         jsonschema.validate(json.loads(calls[0].arguments), TOOLS[0].parameters)
-    assert llm.engine.runner.grammar_stats.jump_forward_tokens == 0
+    assert llm.engine.stats().grammar.jump_forward_tokens == 0

@@ -18,7 +18,7 @@ ADAPTERS = {check: FIXTURES / check for check in CHECKS}
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
-    from engine.llm_engine import LLM
+    from engine.llm import LLM
 
     llm = LLM(str(default_model_dir), num_threads=1)  # one thread: robust on a shared CPU
     for name, path in ADAPTERS.items():
@@ -58,7 +58,7 @@ def test_logits_match_peft(llm, default_model_dir):
         peft.set_adapter(name)
         with torch.no_grad():
             want = peft(torch.tensor([prompt])).logits[0]
-        (got,) = engine_logits(llm.engine, [prompt], adapter_ids=[llm.engine.loras[name]])
+        (got,) = engine_logits(llm.engine, [prompt], adapters=[name])
         torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
         with torch.no_grad(), peft.disable_adapter():  # and the adapter matters at this scale
             assert (peft(torch.tensor([prompt])).logits[0] - want).abs().max() > 0.1

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _lora(ctx: EvalContext, model_dir: Path, hf) -> list[dict]:
     from peft import PeftModel
 
-    from engine.llm_engine import LLM
+    from engine.llm import LLM
     from evals.lora_bench import run as run_lora
     from evals.lora_bench import write_random_adapter
     from evals.throughput import chat_prompts, run_hf
