@@ -34,10 +34,10 @@ def shared_loras(specs: list[str] | None, model_names: list[str]) -> dict[str, P
 
 def build_state(args):
     from actors.system import ServingSystem
-    from api.adapters import AdapterStore
+    from api.adapter_store import AdapterStore
     from api.auth import Authenticator
+    from api.cli import engine_config
     from api.state import ServerState
-    from engine.cli import engine_config
     from engine.llm_engine import LLMEngine
     from engine.model_store import DEFAULT_MODEL_ALIASES
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.system import ServingSystem
-from api.adapters import AdapterStore
+from api.adapter_store import AdapterStore
 from api.auth import Authenticator
 from api.errors import APIError
 from api.metrics import Metrics
@@ -50,15 +49,6 @@ class ServerState:
         if ref is not None:
             return ref
         raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
-
-    @contextlib.contextmanager
-    def track(self):
-        """Counts a request as in flight (draining waits for these)."""
-        self.inflight += 1
-        try:
-            yield
-        finally:
-            self.inflight -= 1
 
     @functools.cached_property
     def token_text(self) -> Callable[[int], str]:

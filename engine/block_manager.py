@@ -135,6 +135,3 @@ class BlockManager:
     def forget(self, seq: Sequence) -> None:
         """Drop per-sequence hash state once the sequence is gone for good."""
         self.seq_hashes.pop(seq.seq_id, None)
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

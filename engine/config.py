@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -99,6 +101,23 @@ class ModelConfig:
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+def context_length(model: ModelConfig, max_model_len: int | None) -> int:
+    """The longest sequence an engine serves: `max_model_len`, or else the model's positions, capped by a
+    sliding window. Full attention over at most `window` tokens is exactly what sliding-window attention
+    computes; beyond that it is not, and motet has no sliding-window kernel, so a longer context is refused
+    rather than served wrong."""
+    limit = model.max_position_embeddings
+    window = model.sliding_window
+    if window and window < limit:
+        if max_model_len and max_model_len > window:
+            raise ModelLoadError(
+                f"max_model_len {max_model_len} is longer than the model's sliding window ({window} tokens), "
+                f"which motet does not implement; serve at most {window} tokens"
+            )
+        limit = window
+    return max_model_len or limit
+
+
 @dataclass
 class EngineConfig:
     """Limits of one engine instance; defaults suit the default model on a small CPU machine."""
@@ -118,15 +137,12 @@ class EngineConfig:
     max_lora_rank: int = 64  # device slots are zero-padded to this rank; higher-rank adapters are refused
     lora_time_slice: int = 32  # steps an adapter keeps admitting work while others wait for a slot
     num_threads: int | None = None  # CPU intra-op threads for the forward pass; None: torch's default
-    grammar_backend: str = (
-        "xgrammar"  # structured output: "xgrammar" or "outlines" (the other is the fallback)
-    )
+    grammar_backend: str = "xgrammar"  # structured output: one of GRAMMAR_BACKENDS (the others: fallback)
     grammar_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused
     # Append the tokens a grammar forces without sampling them. Off by default: on the CPU attention path
     # the multi-token rows it creates cost more than the steps it saves (evals/grammar_overhead.py).
     jump_forward: bool = False
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -144,9 +160,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.grammar_backend not in ("xgrammar", "outlines"):
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(
-                f"grammar_backend must be 'xgrammar' or 'outlines', got {self.grammar_backend!r}"
+                f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.checkpoint import iter_weights
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, context_length
 from engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_available
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.scheduler import ScheduledBatch
@@ -86,7 +86,7 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = context_length(model_config, config.max_model_len)
 
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)  # from the thread that runs the forward passes

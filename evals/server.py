@@ -65,7 +65,7 @@ def _die_with_parent() -> None:
 
 
 class ManagedServer:
-    """`python -m engine.cli serve --port P ... *server_args`; `url` is the root, `base_url` adds /v1.
+    """`python -m api.cli serve --port P ... *server_args`; `url` is the root, `base_url` adds /v1.
 
     Uploaded adapters go to a fresh temporary --data-dir unless the server args name one, so an eval run
     never touches the user's adapter store.
@@ -88,7 +88,7 @@ class ManagedServer:
         self._log = None
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port)]
         if "--log-level" not in self.server_args:
             cmd += ["--log-level", "warning"]
         if self.model and "--model" not in self.server_args:

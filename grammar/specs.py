@@ -12,6 +12,9 @@ import json
 import re
 from dataclasses import dataclass
 
+# The grammar backends, by name, in the default fallback order (grammar/cache.py has their classes).
+BACKEND_NAMES = ("xgrammar", "outlines")
+
 
 class GrammarError(ValueError):
     """A grammar that cannot be compiled: `reason` is one of

@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/lint-imports  # the layers and the no-event-loop-in-policy rule (pyproject.toml)
 exec .venv/bin/python -m pytest -q "$@"

@@ -22,7 +22,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port), *args]
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}

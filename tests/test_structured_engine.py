@@ -138,9 +138,9 @@ def test_tool_call_grammar_and_jump_forward(default_model_dir, llm):
     tag = StructuralTagSpec(tool_call_structural_tag(TOOLS, "required", parallel=False))
     ps = prompts(llm, 4, "What is the weather in city number {i}?")
     jump = LLM(str(default_model_dir), num_kv_blocks=256, jump_forward=True)
-    stats = jump.engine.stats().grammar
-    before = stats.jump_forward_tokens
+    before = jump.engine.stats().grammar.jump_forward_tokens
     outs = jump.generate(ps, greedy(grammar=tag, max_tokens=60))
+    stats = jump.engine.stats().grammar
     assert stats.jump_forward_tokens - before >= 4 * 8  # the '<tool_call>\n{"name": ...' opening
     for out in outs:
         content, calls = parse_tool_calls(out.text)

@@ -1,4 +1,6 @@
-"""The `motet` command line: pull, generate (and, as they land, serve, eval, bench)."""
+"""The `motet` command line: pull, generate, serve, eval. The engine's flags take their defaults from
+`EngineConfig`, so the two never disagree. Heavy imports happen inside the commands (`motet --help` stays
+fast)."""
 
 from __future__ import annotations
 
@@ -8,17 +10,20 @@ import sys
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    from engine.config import DTYPES, GRAMMAR_BACKENDS, EngineConfig
+
+    d = EngineConfig  # the defaults
     p.add_argument(
-        "--model", default=None, help="model name or local HF checkpoint dir (default: SmolLM2-135M-Instruct)"
+        "--model", default=d.model, help=f"model name or local HF checkpoint dir (default: {d.model})"
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
+    p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from --kv-cache-memory-gb")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per step")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--threads",
@@ -29,30 +34,35 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--grammar-backend",
-        default="xgrammar",
-        choices=["xgrammar", "outlines"],
-        help="structured output backend; the other one is the fallback for what it cannot compile",
+        default=d.grammar_backend,
+        choices=GRAMMAR_BACKENDS,
+        help="structured output backend; the others are the fallback for what it cannot compile",
     )
     p.add_argument(
-        "--grammar-timeout", type=float, default=10.0, help="seconds a grammar may take to compile"
+        "--grammar-timeout",
+        type=float,
+        default=d.grammar_timeout_s,
+        help="seconds a grammar may take to compile",
     )
     p.add_argument(
         "--jump-forward",
         action="store_true",
         help="append the tokens a grammar forces without sampling them (fewer steps; on CPU, slower)",
     )
-    # LoRA limits; unset: EngineConfig's defaults (8, 32, 64)
-    p.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
-    p.add_argument("--max-cpu-loras", type=int, default=None, help="loaded LoRA adapters kept in host memory")
-    p.add_argument("--max-lora-rank", type=int, default=None, help="higher-rank adapters are refused")
+    p.add_argument("--max-loras", type=int, default=d.max_loras, help="LoRA adapters resident on the device")
+    p.add_argument(
+        "--max-cpu-loras", type=int, default=d.max_cpu_loras, help="loaded LoRA adapters kept in host memory"
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, default=d.max_lora_rank, help="higher-rank adapters are refused"
+    )
 
 
 def engine_config(args):
     from engine.config import EngineConfig
-    from engine.model_store import DEFAULT_MODEL
 
     return EngineConfig(
-        model=args.model or DEFAULT_MODEL,
+        model=args.model,
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,
@@ -66,11 +76,9 @@ def engine_config(args):
         grammar_backend=args.grammar_backend,
         grammar_timeout_s=args.grammar_timeout,
         jump_forward=args.jump_forward,
-        **{
-            k: v
-            for k in ("max_loras", "max_cpu_loras", "max_lora_rank")
-            if (v := getattr(args, k)) is not None
-        },
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
     )
 
 
