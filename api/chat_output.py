@@ -2,7 +2,7 @@
 
 With a reasoning parser, `<think>...</think>` becomes `reasoning_content`; with tools, `<tool_call>`
 blocks become `tool_calls` and the finish reason "tool_calls". Streaming runs the same rules
-incrementally (grammar/reasoning.py, grammar/tool_calls.py), so the client's accumulation of the deltas
+incrementally (grammar/reasoning.py, grammar/tool_call_parser.py), so the client's accumulation of the deltas
 equals the non-streamed message.
 """
 
@@ -12,7 +12,7 @@ import uuid
 
 from api import protocol as P
 from grammar.reasoning import ReasoningStreamParser, split_reasoning
-from grammar.tool_calls import (
+from grammar.tool_call_parser import (
     ContentDelta,
     ToolCallArguments,
     ToolCallStart,

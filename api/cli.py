@@ -123,7 +123,7 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from api.server import serve
 
-    return serve(args)
+    return serve(args, engine_config(args))
 
 
 def cmd_eval(args) -> int:

@@ -32,16 +32,14 @@ def shared_loras(specs: list[str] | None, model_names: list[str]) -> dict[str, P
     return loras
 
 
-def build_state(args):
+def build_state(args, config):
     from actors.system import ServingSystem
     from api.adapter_store import AdapterStore
     from api.auth import Authenticator
-    from api.cli import engine_config
     from api.state import ServerState
     from engine.llm_engine import LLMEngine
     from engine.model_store import DEFAULT_MODEL_ALIASES
 
-    config = engine_config(args)
     if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
         config.num_threads = max(1, (os.cpu_count() or 2) - 1)
     names = list(args.served_model_name or []) + [config.model]
@@ -67,7 +65,8 @@ def build_state(args):
     )
 
 
-def serve(args) -> int:
+def serve(args, config) -> int:
+    """Serve until SIGTERM; `config` is the engine's (api/cli.py builds it from the flags)."""
     import uvicorn
 
     from api.app import create_app
@@ -76,7 +75,7 @@ def serve(args) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    state = build_state(args)
+    state = build_state(args, config)
     app = create_app(state)
     config = uvicorn.Config(
         app,

@@ -32,15 +32,8 @@ from grammar.specs import (
     RegexSpec,
     StructuralTagSpec,
 )
-from grammar.tool_calls import (
-    Tool,
-    ToolError,
-    render_messages,
-    resolve_tool_choice,
-    template_supports_tools,
-    tool_call_structural_tag,
-    validate_tools,
-)
+from grammar.tool_calls import Tool, ToolError, resolve_tool_choice, tool_call_structural_tag, validate_tools
+from grammar.tool_prompt import render_messages, template_supports_tools
 
 BACKENDS = ("xgrammar", "outlines")
 

@@ -19,7 +19,8 @@ from engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_ava
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import TokenLogprob
-from grammar.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
+from grammar.backend import allocate_bitmask, apply_bitmask
+from grammar.masking import fill_bitmasks
 from lora.slot_cache import LoRABatch
 
 

@@ -24,8 +24,8 @@ _EXPORTS = {
         "allocate_bitmask",
         "apply_bitmask",
         "bitmask_allows",
-        "fill_bitmasks",
     ],
+    "grammar.masking": ["fill_bitmasks"],
     "grammar.cache": ["BACKENDS", "DEFAULT_BACKEND", "GrammarCache"],
     "grammar.schema_normalize": ["normalize_schema"],
     "grammar.specs": [

@@ -126,20 +126,6 @@ class GrammarTokenizer:
         return math.ceil(self.vocab_size / 32)
 
 
-def fill_bitmasks(bitmask: torch.Tensor, items: list[tuple[Matcher, int]]) -> None:
-    """Fill many rows: xgrammar matchers in one multi-threaded call (it releases the GIL), the
-    others row by row. `items` holds (matcher, row) pairs."""
-    from grammar.xgrammar_backend import XGrammarMatcher, batch_fill
-
-    batch = [(m, r) for m, r in items if isinstance(m, XGrammarMatcher) and not m.is_terminated()]
-    if batch:
-        batch_fill(bitmask, batch)
-    taken = {id(m) for m, _ in batch}
-    for m, r in items:
-        if id(m) not in taken:
-            m.fill_bitmask(bitmask, r)
-
-
 def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
     """A CPU int32 bitmask with every token allowed."""
     return torch.full((batch_size, math.ceil(vocab_size / 32)), -1, dtype=torch.int32)

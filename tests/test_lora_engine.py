@@ -280,3 +280,34 @@ def test_real_model_mixed_batch_matches_peft(default_model_dir, tmp_path):
     base = lora_logits(llm.engine, full, [None] * len(full))
     for g, b, n in zip(got, base, names, strict=True):
         assert ((g - b).abs().max() > 1.0) == bool(n), n
+
+
+def test_a_reuploaded_adapter_never_reuses_the_old_versions_prefix_cache(tiny_model_dir, tmp_path):
+    """Same name, same path, new weights: another version, so another uid in the prefix-cache hashes; its
+    requests compute their prompt afresh and give what PEFT gives with the new weights."""
+    import shutil
+
+    peft_old = save_peft_adapters(
+        tiny_model_dir, tmp_path / "old", [("a", 8, ["q_proj", "v_proj"])], 0.1, seed=1
+    )
+    peft_new = save_peft_adapters(
+        tiny_model_dir, tmp_path / "new", [("a", 8, ["q_proj", "v_proj"])], 0.1, seed=2
+    )
+    served = tmp_path / "served"
+    shutil.copytree(tmp_path / "old" / "a", served)
+    llm = tiny_llm(tiny_model_dir, {"a": served})
+    prompt = [(i * 11) % 300 + 3 for i in range(40)] + [5]
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    (first,) = llm.generate([prompt], params, ["a"])
+    (again,) = llm.generate([prompt], params, ["a"])
+    assert again.num_cached_tokens == 40  # the same version shares its blocks
+    old_uid = llm.engine.adapters.named["a"].uid
+
+    shutil.rmtree(served)  # deleted and uploaded anew under the same name and path
+    shutil.copytree(tmp_path / "new" / "a", served)
+    llm.engine.remove_lora("a")
+    assert llm.add_lora("a", served).uid != old_uid
+    (fresh,) = llm.generate([prompt], params, ["a"])
+    assert fresh.num_cached_tokens == 0
+    assert first.token_ids == peft_reference(peft_old, "a", prompt, 6)[0][len(prompt) :]
+    assert fresh.token_ids == peft_reference(peft_new, "a", prompt, 6)[0][len(prompt) :]

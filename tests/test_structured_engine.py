@@ -16,7 +16,8 @@ import pytest
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from grammar.specs import ChoiceSpec, JsonSchemaSpec, RegexSpec, StructuralTagSpec
-from grammar.tool_calls import parse_tool_calls, tool_call_structural_tag, validate_tools
+from grammar.tool_call_parser import parse_tool_calls
+from grammar.tool_calls import tool_call_structural_tag, validate_tools
 
 pytestmark = pytest.mark.slow
 

@@ -10,22 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from grammar.tool_calls import (
+from grammar.tool_call_parser import (
     ContentDelta,
-    Tool,
     ToolCall,
     ToolCallArguments,
     ToolCallStart,
     ToolCallStreamParser,
-    ToolError,
-    format_call,
     parse_tool_calls,
-    render_messages,
-    resolve_tool_choice,
-    template_supports_tools,
-    tool_call_structural_tag,
-    validate_tools,
 )
+from grammar.tool_calls import Tool, ToolError, resolve_tool_choice, tool_call_structural_tag, validate_tools
+from grammar.tool_prompt import format_call, render_messages, template_supports_tools
 
 MODEL_DIR = Path(os.path.expanduser("~/.cache/motet/models/SmolLM2-135M-Instruct"))
 BFCL = Path("/work/shared/data/bfcl/dev.jsonl")
