@@ -37,20 +37,12 @@ class Matcher(ABC):
         """True once a stop token was accepted."""
 
     @abstractmethod
-    def is_completed(self) -> bool:
-        """True when the text so far is a complete match (a stop token would be accepted)."""
-
-    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens (preemption, jump-forward re-tokenization)."""
+        """Undo the last `num_tokens` accepted tokens (speculative drafts the target model rejects)."""
 
     @abstractmethod
     def find_jump_forward_string(self) -> str:
         """The longest string the grammar forces from here ("" if none or unsupported)."""
-
-    @abstractmethod
-    def reset(self) -> None:
-        """Back to the start state."""
 
 
 class CompiledGrammar(ABC):

@@ -96,9 +96,6 @@ class OutlinesMatcher(Matcher):
     def is_terminated(self) -> bool:
         return self._terminated
 
-    def is_completed(self) -> bool:
-        return self._terminated or self._guide.is_finished()
-
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
@@ -121,11 +118,6 @@ class OutlinesMatcher(Matcher):
         # With byte-level BPE many tokens spell each forced prefix; finding the forced string
         # needs a walk over the DFA's byte transitions, which outlines-core does not expose.
         return ""
-
-    def reset(self) -> None:
-        self._guide.reset()
-        self._history.clear()
-        self._terminated = False
 
 
 class OutlinesCompiled(CompiledGrammar):

@@ -42,9 +42,6 @@ class XGrammarMatcher(Matcher):
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
 
-    def is_completed(self) -> bool:
-        return self._m.is_completed()
-
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > 0:
             self._m.rollback(num_tokens)
@@ -56,9 +53,6 @@ class XGrammarMatcher(Matcher):
             return self._m.find_jump_forward_string()
         except UnicodeDecodeError:  # the forced bytes end inside a multi-byte character: jump no further
             return ""
-
-    def reset(self) -> None:
-        self._m.reset()
 
 
 _batch_matcher: xgr.BatchGrammarMatcher | None = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -18,6 +17,7 @@ from jsonschema.validators import validator_for
 from grammar.enforceable import simplify, unenforceable
 from grammar.schema_normalize import normalize_schema
 from grammar.specs import DEFAULT_MAX_WHITESPACE
+from tests.dev_sets import dev_set
 
 xgr = pytest.importorskip("xgrammar")
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
@@ -25,7 +25,7 @@ from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
 from grammar.xgrammar_backend import json_schema_grammar  # noqa: E402
 
 DRAFT7 = "http://json-schema.org/draft-07/schema#"
-BENCH = Path(__file__).resolve().parents[2] / "shared/data/jsonschemabench/dev.jsonl"
+BENCH, BENCH_IS_FULL = dev_set("jsonschemabench")
 
 
 def accepts(schema: dict, value) -> bool:
@@ -148,8 +148,6 @@ def test_messages_name_keyword_and_place():
 
 
 def bench_records(step: int) -> list[dict]:
-    if not BENCH.exists():
-        pytest.skip(f"{BENCH} not present")
     lines = BENCH.read_text().splitlines()
     return [json.loads(line) for line in lines[::step]]
 
@@ -167,14 +165,14 @@ def test_simplify_keeps_the_meaning_on_the_bench():
         for test in rec["tests"]:
             assert before.is_valid(test["data"]) == after.is_valid(test["data"]), (rec["id"], test)
             checked += 1
-    assert checked > 3000
+    assert checked > (3000 if BENCH_IS_FULL else 300)
 
 
 def test_schemas_passing_the_check_reject_their_invalid_instances():
     """A fixed sample of the bench: what the check lets through, xgrammar enforces. Known exceptions:
     `format` values that only a calendar can refuse (2022-02-31) and one xgrammar regex bug."""
     known = {"Github_easy---o44373", "Github_medium---o9819"}
-    records = [r for r in bench_records(5) if r["id"] not in known]
+    records = [r for r in bench_records(5 if BENCH_IS_FULL else 1) if r["id"] not in known]
     random.Random(0).shuffle(records)
     leaks, passed = [], 0
     for rec in records[:120]:
@@ -184,8 +182,12 @@ def test_schemas_passing_the_check_reject_their_invalid_instances():
             continue
         if unenforceable(simplify(schema)):
             continue
+        try:
+            accepts(schema, None)
+        except RuntimeError:  # xgrammar refuses to compile it (e.g. an empty enum): a 400, never a leak
+            continue
         passed += 1
         for test in rec["tests"]:
             if not test["valid"] and accepts(schema, test["data"]):
                 leaks.append((rec["id"], test["description"]))
-    assert passed > 80 and not leaks, leaks
+    assert passed > (80 if BENCH_IS_FULL else 50) and not leaks, (passed, leaks)

@@ -205,7 +205,7 @@ def test_a_request_that_fails_in_processing_fails_alone(tiny_model_dir):
     from grammar.backend import Matcher
 
     class Broken(Matcher):
-        accept_token = fill_bitmask = is_completed = rollback = reset = lambda *a: True
+        accept_token = fill_bitmask = rollback = lambda *a: True
         is_terminated = lambda self: False  # noqa: E731
 
         def find_jump_forward_string(self):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from evals import cli
-from evals.context import SHARED_DATA
 from evals.report import flatten
 from evals.server import ManagedServer
+from tests.dev_sets import dev_set
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 3
 
 
-def needs_dev_set(name: str):
-    """The jsonschema and bfcl suites read the dev sets beside the repository (../shared/data)."""
-    path = SHARED_DATA / name / "dev.jsonl"
-    return pytest.mark.skipif(not path.exists(), reason=f"{path} not present")
+def data(name: str) -> tuple[str, str]:
+    """The dev set beside the repository (../shared/data), or the sample committed under tests/fixtures."""
+    return "--data", str(dev_set(name)[0])
 
 
 @pytest.fixture(scope="module")
@@ -64,19 +63,17 @@ def check_modes(results: dict, modes: list[str], rates: list[str]) -> None:
     assert len(results["items"]) == LIMIT * len(modes)
 
 
-@needs_dev_set("jsonschemabench")
 def test_jsonschema(server, tmp_path):
-    doc = run_suite(tmp_path, "jsonschema", "--base-url", server.base_url, "--limit", str(LIMIT),
+    doc = run_suite(tmp_path, "jsonschema", *data("jsonschemabench"), "--base-url", server.base_url, "--limit", str(LIMIT),
                     "--max-tokens", "48", "--concurrency", "2")  # fmt: skip
     res = doc["runs"][0]["results"]
     check_modes(res, ["constrained", "unconstrained"], ["compliance", "truncation_rate", "unsupported_rate"])
     assert all(i["status"] != "error" for i in res["items"]), [i["error"] for i in res["items"]]
 
 
-@needs_dev_set("jsonschemabench")
 def test_jsonschema_side_by_side(server, tmp_path):
     """Two servers (here the same one twice, under two labels): both in the JSON and the table."""
-    doc = run_suite(tmp_path, "jsonschema", "--base-url", server.base_url, "--label", "A", "--compare-url",
+    doc = run_suite(tmp_path, "jsonschema", *data("jsonschemabench"), "--base-url", server.base_url, "--label", "A", "--compare-url",
                     server.url, "--compare-label", "B", "--limit", "1", "--max-tokens", "16",
                     "--modes", "constrained")  # fmt: skip
     assert [r["label"] for r in doc["runs"]] == ["A", "B"]
@@ -85,9 +82,8 @@ def test_jsonschema_side_by_side(server, tmp_path):
     assert "| A constrained | B constrained |" in table
 
 
-@needs_dev_set("bfcl")
 def test_bfcl(server, tmp_path):
-    doc = run_suite(tmp_path, "bfcl", "--base-url", server.base_url, "--limit", str(LIMIT),
+    doc = run_suite(tmp_path, "bfcl", *data("bfcl"), "--base-url", server.base_url, "--limit", str(LIMIT),
                     "--max-tokens", "48", "--concurrency", "2")  # fmt: skip
     res = doc["runs"][0]["results"]
     check_modes(res, ["required", "auto", "auto-unconstrained"], ["ast_accuracy", "validity", "call_rate"])

@@ -20,9 +20,10 @@ from grammar.tool_call_parser import (
 )
 from grammar.tool_calls import Tool, ToolError, resolve_tool_choice, tool_call_structural_tag, validate_tools
 from grammar.tool_prompt import format_call, render_messages, template_supports_tools
+from tests.dev_sets import dev_set
 
 MODEL_DIR = Path(os.path.expanduser("~/.cache/motet/models/SmolLM2-135M-Instruct"))
-BFCL = Path("/work/shared/data/bfcl/dev.jsonl")
+BFCL, _ = dev_set("bfcl")
 
 WEATHER = {
     "type": "function",
@@ -133,7 +134,6 @@ def test_validate_meta_schema_errors_name_the_path():
     assert "at required" in str(e)
 
 
-@pytest.mark.skipif(not BFCL.exists(), reason="BFCL sample not present")
 def test_validate_bfcl_sample():
     import xgrammar as xgr
 
