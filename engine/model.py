@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig, ModelLoadError
-from kernels.paged_attention import CpuAttentionPlan, paged_attention, plan_cpu_attention, write_kv_cache
+from kernels.paged_attention import paged_attention, write_kv_cache
+from kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
 from lora.slot_cache import LoRABatch
 
 

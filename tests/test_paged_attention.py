@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import paged_attention as pa
+from kernels import paged_attention_cpu as pac
 
 # tests/conftest.py turns TRITON_INTERPRET on (no CUDA) before anything imports triton.
 HAS_TRITON = pa.triton is not None
@@ -104,14 +105,16 @@ def check(fn, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0
 def test_reference_matches_naive(dtype, block_size, num_heads, num_kv_heads):
     g = torch.Generator().manual_seed(block_size * 100 + num_heads)
     seqs = random_seqs(g, n=8, max_ctx=80, max_chunk=24)
-    check(pa.paged_attention_reference, seqs, num_heads, num_kv_heads, 64, block_size, dtype, seed=block_size)
+    check(
+        pac.paged_attention_reference, seqs, num_heads, num_kv_heads, 64, block_size, dtype, seed=block_size
+    )
 
 
 def test_reference_query_subchunks_and_noncontiguous_q(monkeypatch):
     # Force the memory-bounding split of long prefill chunks into several query sub-chunks.
-    monkeypatch.setattr(pa, "_MAX_SCORE_ELEMS", 9 * 40 * 7)
+    monkeypatch.setattr(pac, "_MAX_SCORE_ELEMS", 9 * 40 * 7)
     seqs = [(37, 37), (1, 50), (0, 3), (23, 60), (1, 1)]
-    check(pa.paged_attention_reference, seqs, 9, 3, 64, 16, torch.float32, noncontig_q=True)
+    check(pac.paged_attention_reference, seqs, 9, 3, 64, 16, torch.float32, noncontig_q=True)
 
 
 def test_reference_consecutive_block_tables():
@@ -119,15 +122,15 @@ def test_reference_consecutive_block_tables():
     seqs = [(1, 40), (9, 33), (1, 1)]
     q, k_cache, v_cache, tables, qsl, seq_lens = make_batch(seqs, 9, 3, 64, 16, torch.float32)
     tables = torch.tensor([[0, 1, 2, 0], [3, 4, 5, 0], [6, 0, 0, 0]], dtype=torch.int32)  # runs, padded
-    out = pa.paged_attention_reference(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125)
+    out = pac.paged_attention_reference(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125)
     expected = naive_attention(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125)
     torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
 
 
 def test_reference_all_decodes_and_empty_batch():
     seqs = [(1, n) for n in (1, 2, 15, 16, 17, 33, 100)]
-    check(pa.paged_attention_reference, seqs, 9, 3, 64, 16, torch.float32)
-    check(pa.paged_attention_reference, [(0, 4), (0, 0)], 9, 3, 64, 16, torch.float32)
+    check(pac.paged_attention_reference, seqs, 9, 3, 64, 16, torch.float32)
+    check(pac.paged_attention_reference, [(0, 4), (0, 0)], 9, 3, 64, 16, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -135,14 +138,14 @@ def test_reference_all_decodes_and_empty_batch():
 def test_reference_batched_decode_path(dtype, num_heads, num_kv_heads):
     # Enough decode rows for the padded one-call path, mixed with prefill chunks and empty sequences.
     decodes = [(1, n) for n in (1, 2, 15, 16, 17, 33, 100, 5, 64, 9)]
-    assert len(decodes) >= pa._BATCHED_DECODE_MIN
+    assert len(decodes) >= pac._BATCHED_DECODE_MIN
     seqs = decodes[:5] + [(7, 40), (0, 3)] + decodes[5:] + [(12, 12)]
-    check(pa.paged_attention_reference, seqs, num_heads, num_kv_heads, 64, 16, dtype)
+    check(pac.paged_attention_reference, seqs, num_heads, num_kv_heads, 64, 16, dtype)
 
 
 def test_decode_groups_bound_the_padding():
     lens = [100, 20, 110, 3000, 21, 22, 23, 24, 25, 26, 27, 120, 130, 140, 150, 160, 170]
-    groups = pa.decode_groups(list(range(len(lens))), lens, block_size=16)
+    groups = pac.decode_groups(list(range(len(lens))), lens, block_size=16)
     assert [sorted(lens[b] for b in g) for g in groups] == [[20, 21, 22, 23, 24, 25, 26, 27]]
     # the short ones (and only them) padded together; 100..170 is one group of 7 < the minimum: per sequence
 
@@ -154,8 +157,8 @@ def test_reference_decodes_of_mixed_lengths(dtype):
     seqs = [(1, 900), *decodes[::2], (13, 40), *decodes[1::2]]
     lens = [n for _, n in seqs]
     rows = [b for b, (q_len, _) in enumerate(seqs) if q_len == 1]
-    assert len(pa.decode_groups(rows, lens, 16)) == 2
-    check(pa.paged_attention_reference, seqs, 9, 3, 64, 16, dtype)
+    assert len(pac.decode_groups(rows, lens, 16)) == 2
+    check(pac.paged_attention_reference, seqs, 9, 3, 64, 16, dtype)
 
 
 def test_dispatcher_uses_reference_on_cpu(monkeypatch):
