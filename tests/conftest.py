@@ -16,6 +16,10 @@ if not torch.cuda.is_available():
 def default_model_dir():
     from engine.model_store import pull
 
+    if os.environ.get("MOTET_MODEL_DIR"):  # a checkpoint staged elsewhere (scripts/gpu/run.sh)
+        from pathlib import Path
+
+        return Path(os.environ["MOTET_MODEL_DIR"])
     return pull(progress=False)
 
 

@@ -49,7 +49,7 @@ def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters
     for s in seqs:
         engine.block_manager.free_seq(s)
         engine.adapters.release(s.adapter_id)
-    return [torch.cat(rows[s.seq_id]) for s in seqs]
+    return [torch.cat(rows[s.seq_id]).cpu() for s in seqs]  # beside references computed on the CPU
 
 
 @pytest.mark.parametrize(

@@ -180,15 +180,16 @@ def test_triton_kernels_take_the_fused_column_slices_and_rank_cut_views(adapters
         h = sgmv.sgmv_shrink_triton(x, A, seg_starts, seg_slots, max_seg_len=max_seg_len)
         sgmv.sgmv_expand_triton(h, B, scales, seg_starts, seg_slots, y, max_seg_len=max_seg_len)
 
-    cache = make(adapters)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # natively on a GPU, interpreted elsewhere
+    cache = make(adapters, device=device)
     lora = cache.batch([1, 0, 3], [3, 2, 2])  # ranks 4 and 2: views cut to rank 4 of the 8 stored
     qkv = [module_shape(BASE, m)[1] for m in ("q_proj", "k_proj", "v_proj")]
     cases = [  # (layer, modules, sizes, x): a fused output's column slices, and a plain one
-        (0, ("q_proj", "k_proj", "v_proj"), qkv, torch.randn(7, BASE.hidden_size)),
-        (1, ("down_proj",), [BASE.hidden_size], torch.randn(7, BASE.intermediate_size)),
+        (0, ("q_proj", "k_proj", "v_proj"), qkv, torch.randn(7, BASE.hidden_size, device=device)),
+        (1, ("down_proj",), [BASE.hidden_size], torch.randn(7, BASE.intermediate_size, device=device)),
     ]
     for layer, modules, sizes, x in cases:
-        y = torch.randn(7, sum(sizes))
+        y = torch.randn(7, sum(sizes), device=device)
         ref, got = y.clone(), y.clone()
         lora.add(ref, x, layer, modules, sizes)
         with monkeypatch.context() as m:

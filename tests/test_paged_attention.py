@@ -121,10 +121,12 @@ def test_reference_consecutive_block_tables():
     """Tables that are runs of consecutive blocks are read through a view instead of a gather."""
     seqs = [(1, 40), (9, 33), (1, 1)]
     q, k_cache, v_cache, tables, qsl, seq_lens = make_batch(seqs, 9, 3, 64, 16, torch.float32)
-    tables = torch.tensor([[0, 1, 2, 0], [3, 4, 5, 0], [6, 0, 0, 0]], dtype=torch.int32)  # runs, padded
+    tables = torch.tensor(
+        [[0, 1, 2, 0], [3, 4, 5, 0], [6, 0, 0, 0]], dtype=torch.int32, device=DEVICE
+    )  # runs
     out = pac.paged_attention_reference(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125)
     expected = naive_attention(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125)
-    torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
+    torch.testing.assert_close(out.double().cpu(), expected.cpu(), **TOL[torch.float32])
 
 
 def test_reference_all_decodes_and_empty_batch():
