@@ -81,20 +81,21 @@ class IngressActor(Actor):
             raise EngineFailure(f"the adapter {ref.model!r} could not be loaded") from None
 
     async def _compile(self, spec: GenerateSpec):
-        """The request's grammar, compiled (cached, with a time limit) in a worker thread; 400 if it cannot be."""
+        """The request's grammar, compiled (cached, with a time limit) in a worker thread; 400 if it cannot be,
+        503 if this tenant's own compilations past their limit are still running."""
         params = spec.params[0]
         if params.grammar is None:
             return None
         try:
             return await anyio.to_thread.run_sync(
-                self.engine.compile_grammar,
-                params.grammar,
-                params.grammar_backend,
+                lambda: self.engine.compile_grammar(
+                    params.grammar, params.grammar_backend, owner=spec.tenant
+                ),
                 limiter=self.grammar_limiter,
             )
         except GrammarError as e:
             if e.reason == "busy":
-                raise ServerBusy(str(e)) from None
+                raise ServerBusy(str(e), param=spec.grammar_param) from None
             raise InvalidRequest(f"{spec.grammar_param}: {e}", param=spec.grammar_param) from None
 
     async def _tokenize(self, spec: GenerateSpec) -> tuple[list[int], str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,12 +22,15 @@ from actors.messages import Admission, GenerateSpec
 from actors.reply import ReplyStream, merge_streams
 from api import protocol as P
 from api.chat_output import ChatOutput
-from api.errors import APIError, from_serving_error, from_value_error
+from api.errors import from_serving_error, from_value_error
 from api.logprobs import chat_logprobs, completion_logprobs
+from api.request_body import read_json
 from api.state import ServerState
 from api.streams import Choice, EventStream, collect, observe, release, sse, usage
 from api.structured import Structure, prompt_messages, structured_output
 from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("motet.api")
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
     "max_completion_tokens",
@@ -35,54 +39,6 @@ _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
 
 
 # -- request plumbing -------------------------------------------------------------------------------------
-MAX_JSON_DEPTH = 64  # nesting of a request body; JSONSchemaBench's deepest schema nests 22 levels
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def check_json(data, limit: int = MAX_JSON_DEPTH) -> None:
-    """Bounded nesting, and text that is valid Unicode (a lone surrogate escape such as \\ud800 parses
-    into a str that no tokenizer can encode). An explicit stack: deep input cannot recurse us."""
-    stack = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError(400, "request body holds invalid Unicode (a lone surrogate escape)") from None
-        elif isinstance(value, dict | list):
-            if depth > limit:
-                raise APIError(400, f"request body is nested more than {limit} levels deep")
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, child in items:
-                stack.append((key, depth))
-                stack.append((child, depth + 1))
-
-
-async def read_json(request: Request, limit: int) -> dict:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise APIError(413, f"request body is larger than {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body is larger than {limit} bytes")
-    try:
-        data = json.loads(body, parse_constant=_refuse_constant)  # NaN, Infinity: not JSON
-    except RecursionError:
-        raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object")
-    check_json(data)
-    return data
-
-
 def build_params(
     req: P._SamplingFields,
     max_tokens: int | None,
@@ -124,6 +80,23 @@ def build_params(
     return params, engine_max, drop_output
 
 
+WARNING_HEADER = "X-Motet-Warning"
+MAX_WARNING_CHARS = 1024
+
+
+def with_warnings(response: Response, structure: Structure, rid: str) -> Response:
+    """Say what the request's grammar does not enforce (structure.warnings): in a response header, as
+    printable ASCII (schemas' property names may hold anything), and in the log."""
+    if structure.warnings:
+        text = "; ".join(structure.warnings)
+        log.info("%s: %s", rid, text)
+        value = json.dumps(text)[1:-1]  # escapes control and non-ASCII characters
+        if len(value) > MAX_WARNING_CHARS:
+            value = value[: MAX_WARNING_CHARS - 3] + "..."
+        response.headers[WARNING_HEADER] = value
+    return response
+
+
 async def submit(state: ServerState, *specs: GenerateSpec) -> list[Admission]:
     """Queue every spec of one API request, or none of them."""
     try:
@@ -148,7 +121,7 @@ async def chat_completions(request: Request) -> Response:
     state, tenant, req, adapter = await _accept(request, P.ChatCompletionRequest)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
-    structure = structured_output(req)
+    structure = structured_output(req, limits=state.system.engine.config.grammar_limits)
     messages, template_kwargs = prompt_messages(
         req.messages, structure, state.system.engine.tokenizer.hf.chat_template
     )
@@ -185,7 +158,7 @@ async def chat_completions(request: Request) -> Response:
 
         if req.stream:
             chunks = _chat_chunks(state, req, rid, created, choices, streams, k, drop, output)
-            return EventStream(state, streams, chunks)
+            return with_warnings(EventStream(state, streams, chunks), structure, rid)
         await collect(request, state, choices, streams)
         out = []
         for c in choices:
@@ -201,7 +174,7 @@ async def chat_completions(request: Request) -> Response:
             choices=out,
             usage=usage([adm.prompt_token_ids], choices, drop),
         )
-        return JSONResponse(resp.model_dump())
+        return with_warnings(JSONResponse(resp.model_dump()), structure, rid)
     except BaseException:
         release(state, streams)
         raise
@@ -277,7 +250,7 @@ async def completions(request: Request) -> Response:
     state, tenant, req, adapter = await _accept(request, P.CompletionRequest)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default for completions
     k = req.logprobs
-    structure = structured_output(req, allow_tools=False)
+    structure = structured_output(req, allow_tools=False, limits=state.system.engine.config.grammar_limits)
     params, engine_max, drop = build_params(
         req, max_tokens, k, k if req.echo and k is not None else None, structure
     )
@@ -317,7 +290,7 @@ async def completions(request: Request) -> Response:
             gen = _completion_chunks(
                 state, req, rid, created, choices, streams, prompt_texts, admissions, drop
             )
-            return EventStream(state, streams, gen)
+            return with_warnings(EventStream(state, streams, gen), structure, rid)
         await collect(request, state, choices, streams)
         out = []
         for c in choices:
@@ -340,7 +313,7 @@ async def completions(request: Request) -> Response:
             choices=out,
             usage=usage([a.prompt_token_ids for a in admissions], choices, drop),
         )
-        return JSONResponse(resp.model_dump())
+        return with_warnings(JSONResponse(resp.model_dump()), structure, rid)
     except BaseException:
         release(state, streams)
         raise

@@ -32,6 +32,25 @@ def shared_loras(specs: list[str] | None, model_names: list[str]) -> dict[str, P
     return loras
 
 
+# `motet serve` flag -> (GrammarLimits field, what it bounds); the flags' defaults are the fields'.
+GRAMMAR_LIMIT_FLAGS = {
+    "--grammar-max-enum-values": ("max_enum_values", "values in one enum or guided_choice"),
+    "--grammar-max-properties": ("max_properties", "property names in one schema, all objects together"),
+    "--grammar-max-depth": ("max_depth", "nesting of a schema's objects and arrays"),
+    "--grammar-max-pattern-length": ("max_pattern_length", "characters in one regex (pattern, guided_regex)"),
+    "--grammar-max-schema-bytes": ("max_schema_bytes", "bytes of a schema, EBNF grammar or choice list"),
+}
+
+
+def grammar_limits(args):
+    """The GrammarLimits the `--grammar-max-*` flags ask for."""
+    from grammar.limits import GrammarLimits
+
+    return GrammarLimits(
+        **{field: getattr(args, f"grammar_{field}") for field, _ in GRAMMAR_LIMIT_FLAGS.values()}
+    )
+
+
 def build_state(args, config):
     from actors.system import ServingSystem
     from api.adapter_store import AdapterStore
@@ -42,6 +61,7 @@ def build_state(args, config):
 
     if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
         config.num_threads = max(1, (os.cpu_count() or 2) - 1)
+    config.grammar_limits = grammar_limits(args)
     names = list(args.served_model_name or []) + [config.model]
     if config.model in DEFAULT_MODEL_ALIASES:
         names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
@@ -131,5 +151,16 @@ def add_serve_args(p) -> None:
         help="think: the model reasons in <think>...</think> first; returned as reasoning_content, and "
         "grammars apply after it",
     )
+    from grammar.limits import GrammarLimits
+
+    for flag, (field, what) in GRAMMAR_LIMIT_FLAGS.items():
+        default = getattr(GrammarLimits, field)
+        p.add_argument(
+            flag,
+            dest=f"grammar_{field}",
+            type=int,
+            default=default,
+            help=f"structured output over this gets 400 before compiling: {what} (default: {default})",
+        )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true")

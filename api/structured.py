@@ -10,17 +10,19 @@ and a tool mode that says how the output is parsed:
   (unless the request sends `guided_tool_calls: false`: then calls are only parsed).
 - otherwise `response_format` / `guided_*`, at most one of them.
 
-Everything that is wrong with them is answered 400 here, naming the field, before any work is queued;
-whether a spec compiles is found out by the ingress (the compile cache, with its time limit).
+Everything that is wrong with them is answered 400 here, naming the field, before any work is queued:
+grammars over the size limits (grammar.limits) before anything reads them further. Whether a spec
+compiles is found out by the ingress (the compile cache, with its time limit). A schema sent without
+`strict` whose grammar leaves parts of it unenforced is served, with `Structure.warnings` saying which.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from api.errors import APIError
-from grammar.enforceable import strict_refusal
+from grammar.enforceable import best_effort_warning, strict_refusal
+from grammar.limits import GrammarLimitError, GrammarLimits
 from grammar.schema_normalize import normalize_schema
 from grammar.specs import (
     ChoiceSpec,
@@ -45,19 +47,36 @@ class Structure:
     backend: str | None = None  # per-request backend override
     tool_mode: str = "none"  # "none" | "auto" | "required": whether the output is parsed for calls
     tools: list[Tool] = field(default_factory=list)  # all the request's tools (shown in the prompt)
+    warnings: list[str] = field(default_factory=list)  # "param: what the grammar does not enforce"
 
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param)
 
 
-def _schema(value, param: str) -> dict:
-    """A JSON schema from a request (a dict, or its JSON text), checked against its meta-schema."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise _bad(param, f"the schema is not valid JSON ({e})") from None
+def _too_large(param: str, e: GrammarLimitError) -> APIError:
+    return APIError(400, f"{param}: {e}", param=param, code="grammar_limit_exceeded")
+
+
+def _limited(limits: GrammarLimits, spec: GrammarSpec, param: str, what: str | None = None) -> GrammarSpec:
+    try:
+        limits.check_spec(spec, what)
+    except GrammarLimitError as e:
+        raise _too_large(param, e) from None
+    return spec
+
+
+def _schema(value, param: str, limits: GrammarLimits) -> dict:
+    """A JSON schema from a request (a dict, or its JSON text), within the limits, checked against its
+    meta-schema."""
+    try:
+        if isinstance(value, str):
+            value = limits.loads(value)
+        limits.check_schema(value)
+    except GrammarLimitError as e:
+        raise _too_large(param, e) from None
+    except ValueError as e:  # from json.loads
+        raise _bad(param, f"the schema is not valid JSON ({e})") from None
     if isinstance(value, bool):
         value = {} if value else {"not": {}}
     if not isinstance(value, dict):
@@ -67,6 +86,13 @@ def _schema(value, param: str) -> dict:
     except GrammarError as e:
         raise _bad(param, str(e)) from None
     return schema
+
+
+def _warn(schema: dict, param: str, warnings: list[str]) -> None:
+    """Without `strict` a schema is constrained best effort: say what its grammar leaves out."""
+    warning = best_effort_warning(schema)
+    if warning:
+        warnings.append(f"{param}: {warning}")
 
 
 def _check_enforceable(schema: dict, param: str) -> None:
@@ -81,7 +107,7 @@ def _check_enforceable(schema: dict, param: str) -> None:
         )
 
 
-def _response_format(rf: dict) -> GrammarSpec | None:
+def _response_format(rf: dict, limits: GrammarLimits, warnings: list[str]) -> GrammarSpec | None:
     if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
         raise _bad("response_format", 'must be an object with a "type"')
     kind = rf["type"]
@@ -94,44 +120,64 @@ def _response_format(rf: dict) -> GrammarSpec | None:
         if not isinstance(js, dict) or "schema" not in js:
             raise _bad("response_format.json_schema", 'must be an object with a "schema"')
         param = "response_format.json_schema.schema"
-        schema = _schema(js["schema"], param)
+        schema = _schema(js["schema"], param, limits)
         if js.get("strict") is True:
             _check_enforceable(schema, param)
+        else:
+            _warn(schema, param, warnings)
         return JsonSchemaSpec(schema)
     if kind == "structural_tag":
-        return StructuralTagSpec({k: v for k, v in rf.items() if k != "type"} | {"type": "structural_tag"})
+        tag = {k: v for k, v in rf.items() if k != "type"} | {"type": "structural_tag"}
+        return _limited(limits, StructuralTagSpec(tag), "response_format")
     raise _bad("response_format", f"unknown type {kind!r} (text, json_object, json_schema, structural_tag)")
 
 
-def _guided(req) -> list[tuple[str, GrammarSpec | None]]:
+def _guided(req, limits: GrammarLimits, warnings: list[str]) -> list[tuple[str, GrammarSpec | None]]:
     """The grammar fields the request sets, as (field, spec)."""
     found = []
     if req.response_format is not None:
-        found.append(("response_format", _response_format(req.response_format)))
+        found.append(("response_format", _response_format(req.response_format, limits, warnings)))
     if req.guided_json is not None:
-        found.append(("guided_json", JsonSchemaSpec(_schema(req.guided_json, "guided_json"))))
+        schema = _schema(req.guided_json, "guided_json", limits)
+        _warn(schema, "guided_json", warnings)
+        found.append(("guided_json", JsonSchemaSpec(schema)))
     if req.guided_regex is not None:
-        found.append(("guided_regex", RegexSpec(req.guided_regex)))
+        found.append(("guided_regex", _limited(limits, RegexSpec(req.guided_regex), "guided_regex")))
     if req.guided_choice is not None:
         try:
-            found.append(("guided_choice", ChoiceSpec(tuple(req.guided_choice))))
+            spec = ChoiceSpec(tuple(req.guided_choice))
         except GrammarError as e:
             raise _bad("guided_choice", str(e)) from None
+        found.append(("guided_choice", _limited(limits, spec, "guided_choice")))
     if req.guided_grammar is not None:
-        found.append(("guided_grammar", EbnfSpec(req.guided_grammar)))
+        found.append(("guided_grammar", _limited(limits, EbnfSpec(req.guided_grammar), "guided_grammar")))
     return [(name, spec) for name, spec in found if spec is not None]
 
 
-def structured_output(req, allow_tools: bool = True) -> Structure:
-    """The grammar and tool mode of a chat or completions request (APIError 400 when malformed)."""
+def _check_tool_schemas(tools, limits: GrammarLimits) -> None:
+    """Each tool's parameters within the limits, before anything reads them further."""
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        params = fn.get("parameters") if isinstance(fn, dict) else None
+        if params is not None:
+            try:
+                limits.check_schema(params)
+            except GrammarLimitError as e:
+                raise _too_large(f"tools[{i}].function.parameters", e) from None
+
+
+def structured_output(req, allow_tools: bool = True, limits: GrammarLimits | None = None) -> Structure:
+    """The grammar and tool mode of a chat or completions request (APIError 400 when malformed or
+    over `limits`, default GrammarLimits())."""
+    limits = limits or GrammarLimits()
     backend = req.guided_decoding_backend
     if backend is not None and backend not in BACKENDS:
         raise _bad("guided_decoding_backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    guided = _guided(req)
+    out = Structure(backend=backend)
+    guided = _guided(req, limits, out.warnings)
     if len(guided) > 1:
         names = ", ".join(name for name, _ in guided)
         raise APIError(400, f"set at most one of {names}", param=guided[1][0])
-    out = Structure(backend=backend)
     if guided:
         out.param, out.spec = guided[0]
 
@@ -140,6 +186,7 @@ def structured_output(req, allow_tools: bool = True) -> Structure:
         raise _bad("tool_choice", "needs tools")
     if tools_field is None:
         return out
+    _check_tool_schemas(tools_field, limits)
     try:
         tools = validate_tools(tools_field)
         mode, callable_tools = resolve_tool_choice(req.tool_choice, tools)
@@ -152,7 +199,7 @@ def structured_output(req, allow_tools: bool = True) -> Structure:
     if constrain and (mode == "required" or out.spec is None):
         parallel = req.parallel_tool_calls is not False
         tag = tool_call_structural_tag(callable_tools, mode, parallel, max_calls=req.max_tool_calls)
-        out.spec = StructuralTagSpec(tag)
+        out.spec = _limited(limits, StructuralTagSpec(tag), "tools", "the tools' schemas together")
         out.param = "tools"
     return out
 

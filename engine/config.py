@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from grammar.limits import GrammarLimits
 from grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -139,6 +140,8 @@ class EngineConfig:
     num_threads: int | None = None  # CPU intra-op threads for the forward pass; None: torch's default
     grammar_backend: str = "xgrammar"  # structured output: one of GRAMMAR_BACKENDS (the others: fallback)
     grammar_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused
+    # Sizes of a request's schema / grammar refused before compiling (grammar/limits.py has the defaults).
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
     # Append the tokens a grammar forces without sampling them. Off by default: on the CPU attention path
     # the multi-token rows it creates cost more than the steps it saves (evals/grammar_overhead.py).
     jump_forward: bool = False
@@ -163,6 +166,10 @@ class EngineConfig:
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(
                 f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"
+            )
+        if not isinstance(self.grammar_limits, GrammarLimits):
+            raise ValueError(
+                f"grammar_limits must be a GrammarLimits, got {type(self.grammar_limits).__name__}"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

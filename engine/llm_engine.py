@@ -122,14 +122,18 @@ class LLMEngine:
             stop_token_ids=sorted(self.eos_token_ids),
         )
 
-    def compile_grammar(self, spec: GrammarSpec, backend: str | None = None) -> CompiledGrammar:
+    def compile_grammar(
+        self, spec: GrammarSpec, backend: str | None = None, owner: str | None = None
+    ) -> CompiledGrammar:
         """Compile (cached) with `backend` or the engine's, falling back to the other; GrammarError if
-        no backend can within the time limit. Thread-safe: the serving layer calls it off the loop."""
+        no backend can within the time limit. `owner` (the tenant) is who overrunning compilations count
+        against. Thread-safe: the serving layer calls it off the loop."""
         return self.grammar_cache.compile_with_fallback(
             spec,
             self.grammar_tokenizer,
             backend or self.config.grammar_backend,
             self.config.grammar_timeout_s,
+            owner=owner,
         )
 
     # -- adapters -------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ _EXPORTS = {
     ],
     "grammar.masking": ["fill_bitmasks"],
     "grammar.cache": ["BACKENDS", "DEFAULT_BACKEND", "GrammarCache"],
+    "grammar.limits": ["GrammarLimitError", "GrammarLimits"],
     "grammar.schema_normalize": ["normalize_schema"],
     "grammar.specs": [
         "ChoiceSpec",

@@ -2,10 +2,15 @@
 
 Compilation runs in a daemon worker thread and the caller stops waiting after `timeout_s`; a Python
 thread cannot be killed, so a compilation that overruns keeps running, and its result still lands
-in the cache when it finishes. Concurrent requests for the same key share one compilation, and at
-most `max_stuck` overrun compilations may be running before new ones are refused ("busy"), so a
-flood of pathological schemas cannot take every core. Deterministic failures (invalid or
-unsupported specs) are cached too. Synchronous: callers on an event loop run it in a worker thread.
+in the cache when it finishes. Concurrent requests for the same key share one compilation.
+
+Overrunning compilations are a per-owner resource (the owner is the tenant that sent the request):
+each counts against the owner whose request started it, and an owner with `max_stuck` of them still
+running is refused new ones ("busy") until one finishes, so a flood of pathological schemas cannot
+take every core, and one tenant's cannot lock the others out. An owner may start at most one more
+compilation per thread waiting on them before the first overruns (the ingress bounds those threads).
+Deterministic failures (invalid or unsupported specs) are cached too. Synchronous: callers on an event
+loop run it in a worker thread.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Hashable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -29,13 +35,14 @@ DEFAULT_TIMEOUT_S = 10.0
 class GrammarCache:
     def __init__(self, max_entries: int = 512, max_stuck: int = 2):
         self.max_entries = max_entries
-        self.max_stuck = max_stuck
+        self.max_stuck = max_stuck  # overrunning compilations one owner may have running
         self.hits = 0
         self.misses = 0
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple, CompiledGrammar | GrammarError] = OrderedDict()
         self._inflight: dict[tuple, Future] = {}
-        self._stuck: set[tuple] = set()
+        self._started_by: dict[tuple, Hashable] = {}  # in-flight key -> the owner whose request started it
+        self._stuck: dict[tuple, Hashable] = {}  # overrunning key -> that owner
         self._backends: dict[tuple[str, str], Backend] = {}
 
     def backend(self, name: str, tokenizer: GrammarTokenizer) -> Backend:
@@ -53,10 +60,15 @@ class GrammarCache:
         tokenizer: GrammarTokenizer,
         backend: str = DEFAULT_BACKEND,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        owner: Hashable = None,
     ) -> CompiledGrammar:
-        """Compile with one backend (cached); GrammarError when it cannot within `timeout_s`."""
+        """Compile with one backend (cached); GrammarError when it cannot within `timeout_s`, or
+        ("busy") when `owner` already has `max_stuck` compilations running past their limit."""
         b = self.backend(backend, tokenizer)
-        key = (backend, tokenizer.key, spec.key())
+        try:
+            key = (backend, tokenizer.key, spec.key())
+        except RecursionError:  # json cannot write it: deeper than any limit lets through
+            raise GrammarError(f"the {spec.kind} is nested too deeply") from None
         with self._lock:
             hit = self._lru.get(key)
             if hit is not None:
@@ -67,14 +79,16 @@ class GrammarCache:
                 return hit
             fut = self._inflight.get(key)
             if fut is None:
-                if len(self._stuck) >= self.max_stuck:
+                stuck = self._overrunning(owner)
+                if stuck >= self.max_stuck:
                     raise GrammarError(
-                        f"{len(self._stuck)} grammar compilations are still running past their time limit;"
-                        " try again later",
+                        f"{stuck} grammar compilations of this requester are still running past their time"
+                        " limit; try again later",
                         "busy",
                     )
                 self.misses += 1
                 fut = self._inflight[key] = Future()
+                self._started_by[key] = owner
                 threading.Thread(
                     target=self._run, args=(key, b, spec, fut), daemon=True, name="grammar-compile"
                 ).start()
@@ -82,8 +96,8 @@ class GrammarCache:
             return fut.result(timeout=timeout_s)
         except FutureTimeout:
             with self._lock:
-                if not fut.done():
-                    self._stuck.add(key)
+                if not fut.done():  # counted against whoever started it, not against this waiter
+                    self._stuck[key] = self._started_by[key]
             raise GrammarError(
                 f"{backend}: grammar compilation took longer than {timeout_s:g}s", "timeout"
             ) from None
@@ -94,9 +108,10 @@ class GrammarCache:
         tokenizer: GrammarTokenizer,
         backend: str = DEFAULT_BACKEND,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        owner: Hashable = None,
     ) -> CompiledGrammar:
         """Compile with `backend`; if it cannot, try the others within the same overall time limit.
-        An invalid spec is refused at once (no backend would help)."""
+        An invalid spec is refused at once (no backend would help), and so is a busy owner."""
         order = [backend] + [n for n in BACKENDS if n != backend]
         deadline = time.monotonic() + timeout_s
         errors: list[GrammarError] = []
@@ -106,9 +121,9 @@ class GrammarCache:
                 errors.append(GrammarError(f"{name}: not tried, time limit reached", "timeout"))
                 break
             try:
-                return self.compile(spec, tokenizer, name, remaining)
+                return self.compile(spec, tokenizer, name, remaining, owner)
             except GrammarError as e:
-                if e.reason == "invalid":
+                if e.reason == "invalid" or (e.reason == "busy" and not errors):
                     raise
                 errors.append(e)
         reasons = {e.reason for e in errors}
@@ -124,7 +139,8 @@ class GrammarCache:
             result = GrammarError(f"{backend.name} failed: {short_error(e)}", "unsupported")
         with self._lock:
             self._inflight.pop(key, None)
-            self._stuck.discard(key)
+            self._started_by.pop(key, None)
+            self._stuck.pop(key, None)
             self._lru[key] = result
             while len(self._lru) > self.max_entries:
                 self._lru.popitem(last=False)
@@ -132,6 +148,14 @@ class GrammarCache:
             fut.set_exception(result)
         else:
             fut.set_result(result)
+
+    def overrunning(self, owner: Hashable = None) -> int:
+        """How many compilations started for `owner` are still running past their time limit."""
+        with self._lock:
+            return self._overrunning(owner)
+
+    def _overrunning(self, owner: Hashable) -> int:
+        return sum(1 for o in self._stuck.values() if o == owner)
 
     def __len__(self) -> int:
         return len(self._lru)

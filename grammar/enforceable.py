@@ -13,11 +13,14 @@ tests/test_enforceable.py), these are ignored or mis-handled:
   (`{"required": ["a"], "anyOf": [...]}` no longer requires "a");
 - `oneOf` is read as `anyOf` (a value matching two branches passes), which is exact only when no value
   can match two branches (checked: distinct types or values, a required discriminator property,
-  closed objects); `pattern` beside `minLength`/`maxLength` drops the lengths; lookarounds in
-  `pattern`; `multipleOf` on numbers.
+  closed objects); `pattern` beside `minLength`/`maxLength` drops the lengths; lookaheads in
+  `pattern`; `multipleOf` on numbers; a `$ref` to another document (`https://...`, `file://...`,
+  `other.json#/x`), which is never fetched. (Lookbehinds and backreferences in `pattern` xgrammar
+  refuses to compile; they are named here too, so that `strict` says where they are.)
 
 OpenAI's strict mode refuses schemas it cannot guarantee; so do we, for `strict: true`, naming each
-keyword and where it is. Without `strict` the grammar is best effort, as before.
+keyword and where it is. Without `strict` the grammar is best effort, and `best_effort_warning` says
+what it leaves out (the API returns it as a warning).
 
 Before the check, `simplify` rewrites the common shapes into equivalent ones the grammar does
 enforce: an `allOf` whose parts do not overlap is merged into one schema, the keywords beside an
@@ -29,7 +32,7 @@ them (checked with jsonschema here, so any keyword works there).
 from __future__ import annotations
 
 import json
-import re
+from functools import cached_property
 from typing import Any
 
 from jsonschema import Draft202012Validator
@@ -83,7 +86,37 @@ _VALIDATION = {
 
 
 _STRING_KEYWORDS = ("pattern", "minLength", "maxLength", "format")
-_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+_GROUP_FEATURES = {
+    "(?=": "lookahead",
+    "(?!": "lookahead",
+    "(?<=": "lookbehind",
+    "(?<!": "lookbehind",
+    "(?P=": "backreference",  # Python's named backreference
+}
+
+
+def regex_features(pattern: str) -> list[str]:
+    """What of `pattern` a grammar cannot express: "lookahead", "lookbehind", "backreference" (each
+    once, in the order found). Escaped characters and character classes are read as such."""
+    found: list[str] = []
+    i, in_class = 0, False
+    while i < len(pattern):
+        ch, feature = pattern[i], None
+        if ch == "\\":
+            nxt = pattern[i + 1 : i + 2]
+            if not in_class and ((nxt and nxt in "123456789") or pattern.startswith("k<", i + 1)):
+                feature = "backreference"  # \1 .. \9, \k<name>
+            i += 1  # skip the escaped character
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            feature = next((f for start, f in _GROUP_FEATURES.items() if pattern.startswith(start, i)), None)
+        if feature is not None and feature not in found:
+            found.append(feature)
+        i += 1
+    return found
 
 
 def _types(schema: dict) -> set[str] | None:
@@ -155,9 +188,18 @@ def unenforceable(schema: Any, where: str = "#", refs: _Refs | None = None) -> l
         found.append(f"'allOf' with {len(schema['allOf'])} subschemas at {where}")
     if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
         found.append(f"'pattern' beside a length bound at {where}")
-    patterns = [schema.get("pattern"), *(schema.get("patternProperties") or {})]
-    if any(isinstance(p, str) and _LOOKAROUND.search(p) for p in patterns):
-        found.append(f"a regex lookaround at {where}")
+    patterns = [("'pattern'", schema.get("pattern"))]
+    if isinstance(schema.get("patternProperties"), dict):
+        patterns += [("a 'patternProperties' name", p) for p in schema["patternProperties"]]
+    for place, p in patterns:
+        for feature in regex_features(p) if isinstance(p, str) else []:
+            found.append(f"a regex {feature} in {place} at {where}")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and refs.is_external(ref):
+        shown = ref if len(ref) <= 80 else ref[:77] + "..."
+        found.append(
+            f"an external '$ref' ({shown!r}: only references within the schema are followed) at {where}"
+        )
     if "type" not in schema and any(k in schema for k in _STRING_KEYWORDS):
         found.append(f"string keywords without 'type' at {where}")  # read as "any value"
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
@@ -179,13 +221,21 @@ def unenforceable(schema: Any, where: str = "#", refs: _Refs | None = None) -> l
     return found
 
 
+def _not_enforced(problems: list[str]) -> str:
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return f"the grammar does not enforce {'; '.join(problems[:3])}{more}"
+
+
 def strict_refusal(schema: dict) -> str | None:
     """Why `strict: true` must refuse `schema` (a sentence naming up to three places), or None."""
     problems = unenforceable(simplify(schema))
-    if not problems:
-        return None
-    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-    return f"strict mode cannot guarantee this schema; the grammar does not enforce {'; '.join(problems[:3])}{more}"
+    return f"strict mode cannot guarantee this schema; {_not_enforced(problems)}" if problems else None
+
+
+def best_effort_warning(schema: dict) -> str | None:
+    """What a request without `strict` should be told its grammar leaves out (one sentence), or None."""
+    problems = unenforceable(simplify(schema))
+    return f"{_not_enforced(problems)}: outputs may not validate against the schema" if problems else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -228,6 +278,25 @@ class _Refs:
 
     def __init__(self, root: dict):
         self.root = root
+
+    @cached_property
+    def ids(self) -> set[str]:
+        """The `$id`s in the document (a `$ref` to one of them stays inside it)."""
+        ids, stack = set(), [self.root]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if isinstance(node.get("$id"), str):
+                    ids.add(node["$id"].split("#", 1)[0])
+                stack += node.values()
+            elif isinstance(node, list):
+                stack += node
+        return ids
+
+    def is_external(self, ref: str) -> bool:
+        """Whether `ref` points outside the document ("https://...", "file://...", "other.json#/x")."""
+        base = ref.split("#", 1)[0]
+        return base != "" and base not in self.ids
 
     def target(self, ref: str) -> dict | None:
         if not isinstance(ref, str) or not ref.startswith("#/"):
@@ -279,8 +348,12 @@ def _simplify_node(schema: dict, refs: _Refs) -> dict:
     values = _finite_values(schema)
     if values is not None and set(schema) & _BESIDE_VALUES:
         # A finite set of values under further constraints: keep the values that pass them all.
+        # Each value passes the keyword it was taken from, so that one is left out of the check: with it,
+        # checking n enum values would compare each against all n (minutes for 100,000 values).
+        source = "const" if "const" in schema else "enum" if isinstance(schema.get("enum"), list) else None
+        rest = {k: v for k, v in schema.items() if k != source}
         # evolve: the node's keywords, with "#/..." references still resolved against the root
-        checker = validator_for(refs.root, default=Draft202012Validator)(refs.root).evolve(schema=schema)
+        checker = validator_for(refs.root, default=Draft202012Validator)(refs.root).evolve(schema=rest)
         return {"enum": [v for v in values if checker.is_valid(v)]}
     out = schema
     if isinstance(out.get("allOf"), list) and all(isinstance(s, dict) for s in out["allOf"]):

@@ -18,8 +18,8 @@ BACKEND_NAMES = ("xgrammar", "outlines")
 
 class GrammarError(ValueError):
     """A grammar that cannot be compiled: `reason` is one of
-    "invalid" (bad spec), "unsupported" (no backend handles it), "timeout", "busy" (too many stuck
-    compilations)."""
+    "invalid" (bad spec, or over a size limit), "unsupported" (no backend handles it), "timeout",
+    "busy" (the requester has too many compilations running past their time limit)."""
 
     def __init__(self, message: str, reason: str = "invalid"):
         super().__init__(message)
@@ -48,6 +48,8 @@ class JsonSchemaSpec:
             schema = json.loads(self.schema)
         except ValueError as e:
             raise GrammarError(f"JSON schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise GrammarError("JSON schema is nested too deeply") from None
         if not isinstance(schema, dict):
             raise GrammarError("JSON schema must be a JSON object")
         return schema
