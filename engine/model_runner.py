@@ -15,6 +15,7 @@ import torch
 
 from engine.checkpoint import iter_weights
 from engine.config import EngineConfig, ModelConfig, context_length
+from engine.cuda_graphs import DecodeGraphs, enabled_by_env
 from engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_available
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.scheduler import ScheduledBatch
@@ -81,7 +82,9 @@ def _timed_fill(bitmask: torch.Tensor, items) -> float:
 
 
 class ModelRunner:
-    def __init__(self, model_dir, model_config: ModelConfig, config: EngineConfig):
+    def __init__(
+        self, model_dir, model_config: ModelConfig, config: EngineConfig, cuda_graphs: bool | None = None
+    ):
         self.config = config
         self.model_config = model_config
         self.device = config.torch_device
@@ -124,6 +127,16 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
         self.grammar_stats = GrammarStats()
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="motet-bitmask")
+        # Decode steps from CUDA graphs (engine/cuda_graphs.py): opt-in (None: MOTET_CUDA_GRAPHS), CUDA only.
+        self.graphs: DecodeGraphs | None = None
+        if (enabled_by_env() if cuda_graphs is None else cuda_graphs) and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                lambda ids, pos, meta, lora: self.model(ids, pos, meta, self.kv_caches, lora),
+                max_batch=config.max_num_seqs,
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                max_seq_len=self.max_model_len,
+                device=self.device,
+            )
 
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size
@@ -156,8 +169,27 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, lora: LoRABatch | None = None) -> tuple[torch.Tensor, list[int]]:
         """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets."""
+        if self.graphs is not None and (hidden := self._decode_graph(batch, lora)) is not None:
+            return hidden, list(range(len(batch) + 1))
         input_ids, positions, meta, qsl = self._prepare(batch)
         return self.model(input_ids, positions, meta, self.kv_caches, lora), qsl
+
+    def _decode_graph(self, batch: ScheduledBatch, lora: LoRABatch | None) -> torch.Tensor | None:
+        """A decode step (one new token per sequence) replayed from its bucket's graph; None: run eagerly."""
+        if not batch.seqs or any(n != 1 for n in batch.num_new_tokens):
+            return None
+        tables = [seq.block_table for seq in batch.seqs]
+        if not self.graphs.fits(len(tables), max(len(t) for t in tables)):
+            return None
+        bs, pos = self.block_size, [seq.num_computed_tokens for seq in batch.seqs]
+        return self.graphs.run(
+            [seq.token_ids[p] for seq, p in zip(batch.seqs, pos, strict=True)],
+            pos,
+            [t[p // bs] * bs + p % bs for t, p in zip(tables, pos, strict=True)],
+            tables,
+            [p + 1 for p in pos],
+            lora,
+        )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, lora: LoRABatch | None = None) -> StepResult:

@@ -37,18 +37,46 @@ def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store the new tokens' K/V: token ``t`` goes to flat slot ``slot_mapping[t]`` (``block * block_size +
-    offset``); negative slots are skipped (e.g. padding rows, or tokens whose KV is already cached)."""
+    offset``); negative slots are skipped (e.g. padding rows, or tokens whose KV is already cached).
+
+    On CUDA a Triton kernel skips them on the device: no host sync, so a step's layers launch without
+    waiting and the write can be captured in a CUDA graph. On CPU the torch path filters them."""
+    if k.is_cuda and triton is not None:
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     # .view (not .reshape/.flatten): the write must land in the cache itself, so it must be a view.
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     slots = slot_mapping.to(torch.long)
     keep = slots >= 0
-    # The boolean filter costs a device sync on CUDA; it is one small op per step, not per layer-kernel.
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
     k_flat[slots] = k.to(k_cache.dtype)
     v_flat[slots] = v.to(v_cache.dtype)
+
+
+def write_kv_cache_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``write_kv_cache`` as one Triton launch (CUDA, or CPU under ``TRITON_INTERPRET=1``): one program per
+    (token, kv head); a negative slot returns at once. No device sync; ``k``/``v`` may be strided views
+    (slices of the fused qkv projection)."""
+    if triton is None:
+        raise RuntimeError("write_kv_cache_triton needs triton")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k_cache.shape[2:] != (num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(
+            f"bad shapes: k {tuple(k.shape)}, v {tuple(v.shape)}, k_cache {tuple(k_cache.shape)}"
+        )
+    _write_kv_kernel[(num_tokens, num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride()[:2], *v.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        k.stride(2), v.stride(2), k_cache.stride(3), v_cache.stride(3),
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
 
 
 def paged_attention(
@@ -276,3 +304,27 @@ if triton is not None:
             acc.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
+
+    @triton.jit
+    def _write_kv_kernel(
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        stride_kd, stride_vd, stride_kcd, stride_vcd,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot < 0:
+            return
+        block = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        d = tl.arange(0, HEAD_DIM_PAD)
+        ok = d < HEAD_DIM
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=ok)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=ok)
+        k_dst = k_cache_ptr + block * stride_kcb + off * stride_kcs + h * stride_kch + d * stride_kcd
+        v_dst = v_cache_ptr + block * stride_vcb + off * stride_vcs + h * stride_vch + d * stride_vcd
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)

@@ -1,0 +1,118 @@
+"""GPU time of the SGMV and paged-attention kernels without the host's launch cost: N launches captured in
+one CUDA graph, replayed and timed with CUDA events (evals/gpu_bench.py times a Python loop of launches,
+which at these sizes measures the launch path). Writes kernel_graph_bench.{json,md} into --out.
+
+    python scripts/gpu/kernel_graph_bench.py --out OUT
+"""
+
+# ruff: noqa: B023  (each timed lambda runs before the loop moves on)
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+HBM = 3.35e12  # H100 SXM's specified HBM3 bandwidth, bytes/s
+
+
+def graph_us(fn, n: int = 20, reps: int = 10) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return 1e3 * a.elapsed_time(b) / (n * reps)
+
+
+def sgmv_rows() -> list[dict]:
+    from kernels import sgmv
+
+    rows, dev, dt = [], "cuda", torch.bfloat16
+    d_in, d_out = 576, 1536  # SmolLM2-135M: hidden -> gate/up
+    for tokens in (1, 8, 64, 256):
+        for rank in (8, 16, 64):
+            for n in sorted({min(a, tokens) for a in (1, 8, 64)}):
+                x = torch.randn(tokens, d_in, device=dev, dtype=dt)
+                A = torch.randn(max(n, 8), rank, d_in, device=dev, dtype=dt) / d_in**0.5
+                B = torch.randn(max(n, 8), d_out, rank, device=dev, dtype=dt) * 0.01
+                scales = torch.ones(max(n, 8), device=dev)
+                bounds = [round(i * tokens / n) for i in range(n + 1)]
+                starts = torch.tensor(bounds, device=dev, dtype=torch.int32)
+                slots = torch.arange(n, device=dev, dtype=torch.int32)
+                m = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+                y = torch.zeros(tokens, d_out, device=dev, dtype=dt)
+                h = sgmv.sgmv_shrink_triton(x, A, starts, slots, max_seg_len=m)
+                t_s = graph_us(lambda: sgmv.sgmv_shrink_triton(x, A, starts, slots, max_seg_len=m))
+                t_e = graph_us(lambda: sgmv.sgmv_expand_triton(h, B, scales, starts, slots, y, max_seg_len=m))
+                b_s = tokens * d_in * 2 + n * rank * d_in * 2 + tokens * rank * 4
+                b_e = tokens * rank * 4 + n * d_out * rank * 2 + 2 * tokens * d_out * 2
+                rows.append({"tokens": tokens, "rank": rank, "adapters": n, "shrink_us": t_s, "expand_us": t_e,
+                             "shrink_roofline": b_s / (t_s * 1e-6) / HBM, "expand_roofline": b_e / (t_e * 1e-6) / HBM,
+                             "both_roofline": (b_s + b_e) / ((t_s + t_e) * 1e-6) / HBM})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def attention_rows() -> list[dict]:
+    from kernels import paged_attention as pa
+
+    rows, dev, dt = [], "cuda", torch.bfloat16
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    for batch in (1, 8, 64, 256):
+        for ctx in (512, 2048):
+            nb = batch * ctx // block
+            k = torch.randn(nb, block, kv_heads, head_dim, device=dev, dtype=dt)
+            v = torch.randn_like(k)
+            tables = torch.arange(nb, device=dev, dtype=torch.int32).view(batch, -1)
+            q = torch.randn(batch, heads, head_dim, device=dev, dtype=dt)
+            qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+            lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+            t = graph_us(
+                lambda: pa.paged_attention_triton(q, k, v, tables, qsl, lens, 0.125, max_query_len=1)
+            )
+            kv_bytes = 2 * batch * ctx * kv_heads * head_dim * 2
+            rows.append({"batch": batch, "context": ctx, "us": t, "roofline": kv_bytes / (t * 1e-6) / HBM})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "sgmv": sgmv_rows(),
+        "paged_attention": attention_rows(),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernel_graph_bench.json").write_text(json.dumps(report, indent=1))
+    lines = [f"# Kernel GPU time from CUDA-graph replay on {report['device']} (bf16; roofline {HBM / 1e12} TB/s)", "",
+             "| tokens | rank | adapters | shrink us | expand us | shrink / expand / both roofline |", "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in report["sgmv"]:
+        lines.append(f"| {r['tokens']} | {r['rank']} | {r['adapters']} | {r['shrink_us']:.2f} | {r['expand_us']:.2f} | "
+                     f"{r['shrink_roofline']:.1%} / {r['expand_roofline']:.1%} / {r['both_roofline']:.1%} |")  # fmt: skip
+    lines += ["", "| batch | context | paged attention us | roofline (KV bytes) |", "|---:|---:|---:|---:|"]
+    for r in report["paged_attention"]:
+        lines.append(f"| {r['batch']} | {r['context']} | {r['us']:.2f} | {r['roofline']:.1%} |")
+    (args.out / "kernel_graph_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
