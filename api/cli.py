@@ -49,6 +49,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="append the tokens a grammar forces without sampling them (fewer steps; on CPU, slower)",
     )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="run the eager model (the reference) instead of the compiled step (native CPU forward, CUDA graphs)",
+    )
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="LoRA adapters resident on the device")
     p.add_argument(
         "--max-cpu-loras", type=int, default=d.max_cpu_loras, help="loaded LoRA adapters kept in host memory"
@@ -76,6 +81,7 @@ def engine_config(args):
         grammar_backend=args.grammar_backend,
         grammar_timeout_s=args.grammar_timeout,
         jump_forward=args.jump_forward,
+        compile_step=not args.no_compile,
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,

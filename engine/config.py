@@ -145,6 +145,9 @@ class EngineConfig:
     # Append the tokens a grammar forces without sampling them. Off by default: on the CPU attention path
     # the multi-token rows it creates cost more than the steps it saves (evals/grammar_overhead.py).
     jump_forward: bool = False
+    # The compiled step: on CPU the whole decoder stack in one native call (engine/cpu_forward.py), on CUDA
+    # decode steps replayed from CUDA graphs (engine/cuda_graphs.py). False: the eager model, the reference.
+    compile_step: bool = True
     seed: int = 0
 
     def __post_init__(self):

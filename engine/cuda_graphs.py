@@ -13,23 +13,18 @@ graph reads the slot cache's stacks in place (they are allocated once and reload
 serves every step whose adapters use the same modules and padded rank: graphs are keyed by (bucket, that
 signature).
 
-Off unless asked for (`ModelRunner(..., cuda_graphs=True)` or MOTET_CUDA_GRAPHS=1), and only on CUDA.
+On CUDA whenever `EngineConfig.compile_step` is set (the default; `--no-compile` turns it off).
 Prefill and mixed steps run eagerly. Graphs are captured lazily, on a key's first step.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
 from engine.model import AttentionMetadata
 from lora.slot_cache import LoRABatch
-
-
-def enabled_by_env() -> bool:
-    return os.environ.get("MOTET_CUDA_GRAPHS", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def buckets(max_batch: int) -> list[int]:

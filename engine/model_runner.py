@@ -15,7 +15,9 @@ import torch
 
 from engine.checkpoint import iter_weights
 from engine.config import EngineConfig, ModelConfig, context_length
-from engine.cuda_graphs import DecodeGraphs, enabled_by_env
+from engine.cpu_forward import CpuForward
+from engine.cpu_forward import supported as cpu_forward_supported
+from engine.cuda_graphs import DecodeGraphs
 from engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_available
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.scheduler import ScheduledBatch
@@ -82,9 +84,7 @@ def _timed_fill(bitmask: torch.Tensor, items) -> float:
 
 
 class ModelRunner:
-    def __init__(
-        self, model_dir, model_config: ModelConfig, config: EngineConfig, cuda_graphs: bool | None = None
-    ):
+    def __init__(self, model_dir, model_config: ModelConfig, config: EngineConfig):
         self.config = config
         self.model_config = model_config
         self.device = config.torch_device
@@ -105,10 +105,6 @@ class ModelRunner:
         for name, module in model.named_children():
             if name != "rope":
                 module.to(self.dtype)
-        if self.device.type == "cpu" and onednn_available():
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.prepack()
         self.model = model.eval().requires_grad_(False)
 
         self.num_blocks = config.num_kv_blocks or max(
@@ -124,12 +120,21 @@ class ModelRunner:
             )
             for _ in range(model_config.num_hidden_layers)
         ]
+        # The compiled step (EngineConfig.compile_step): on CPU the native forward, which takes the linear
+        # weights over; else (or where it cannot run) the eager model, with oneDNN-prepacked products on CPU.
+        self.native: CpuForward | None = None
+        if config.compile_step and self.device.type == "cpu" and cpu_forward_supported(model, self.dtype):
+            self.native = CpuForward(model, self.kv_caches)
+        elif self.device.type == "cpu" and onednn_available():
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.prepack()
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
         self.grammar_stats = GrammarStats()
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="motet-bitmask")
-        # Decode steps from CUDA graphs (engine/cuda_graphs.py): opt-in (None: MOTET_CUDA_GRAPHS), CUDA only.
+        # On CUDA the compiled step is decode steps replayed from CUDA graphs (engine/cuda_graphs.py).
         self.graphs: DecodeGraphs | None = None
-        if (enabled_by_env() if cuda_graphs is None else cuda_graphs) and self.device.type == "cuda":
+        if config.compile_step and self.device.type == "cuda":
             self.graphs = DecodeGraphs(
                 lambda ids, pos, meta, lora: self.model(ids, pos, meta, self.kv_caches, lora),
                 max_batch=config.max_num_seqs,
@@ -172,7 +177,15 @@ class ModelRunner:
         if self.graphs is not None and (hidden := self._decode_graph(batch, lora)) is not None:
             return hidden, list(range(len(batch) + 1))
         input_ids, positions, meta, qsl = self._prepare(batch)
+        if self.native is not None:
+            return self.native(input_ids, positions, meta, lora), qsl
         return self.model(input_ids, positions, meta, self.kv_caches, lora), qsl
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the given hidden rows."""
+        if self.native is not None:
+            return self.native.logits(hidden)
+        return self.model.compute_logits(hidden)
 
     def _decode_graph(self, batch: ScheduledBatch, lora: LoRABatch | None) -> torch.Tensor | None:
         """A decode step (one new token per sequence) replayed from its bucket's graph; None: run eagerly."""
@@ -204,7 +217,7 @@ class ModelRunner:
             filling = self._grammar_thread.submit(_timed_fill, bitmask, items)
 
         hidden, qsl = self.forward(batch, lora)
-        logits = self.model.compute_logits(hidden[[qsl[i + 1] - 1 for i in sample_rows]])
+        logits = self.compute_logits(hidden[[qsl[i + 1] - 1 for i in sample_rows]])
         if guided:
             self._apply_grammar(logits, bitmask, guided, filling)
         out = self.sampler(logits, sample_seqs)
@@ -222,7 +235,7 @@ class ModelRunner:
             # Row p predicts prompt token p+1; the last prompt row predicts the first output instead.
             rows = range(qsl[i], qsl[i] + min(end, seq.num_prompt_tokens - 1) - start)
             targets = seq.token_ids[start + 1 : start + 1 + len(rows)]
-            chunk_logits = self.model.compute_logits(hidden[list(rows)])
+            chunk_logits = self.compute_logits(hidden[list(rows)])
             result.prompt_logprobs[i] = compute_prompt_logprobs(chunk_logits, torch.tensor(targets), k)
         return result
 

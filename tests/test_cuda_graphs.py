@@ -56,7 +56,7 @@ def test_runner_ignores_graphs_on_cpu(tiny_model_dir):
 @needs_cuda
 @pytest.mark.parametrize("adapters", [0, 2], ids=["base", "2-adapters"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graph_decode_equals_eager(tiny_model_dir, tmp_path, dtype, adapters, monkeypatch):
+def test_graph_decode_equals_eager(tiny_model_dir, tmp_path, dtype, adapters):
     """Greedy decode of ragged prompts, batch sizes between buckets, graphs vs eager: the same tokens; with
     adapters, a mixed batch (two adapters and the base model)."""
     from engine.config import EngineConfig
@@ -69,9 +69,13 @@ def test_graph_decode_equals_eager(tiny_model_dir, tmp_path, dtype, adapters, mo
     outs = {}
     for graphs in (False, True):
         cfg = EngineConfig(
-            model=str(tiny_model_dir), dtype=dtype, device="cuda", block_size=8, num_kv_blocks=256
+            model=str(tiny_model_dir),
+            dtype=dtype,
+            device="cuda",
+            block_size=8,
+            num_kv_blocks=256,
+            compile_step=graphs,
         )
-        monkeypatch.setenv("MOTET_CUDA_GRAPHS", "1" if graphs else "0")
         engine = LLMEngine(cfg, model_dir=tiny_model_dir)
         assert (engine.runner.graphs is not None) == graphs
         names = [

@@ -42,7 +42,7 @@ def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters
                 batch.num_new_tokens.append(n)
         lora = engine.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
         hidden, qsl = engine.runner.forward(batch, lora)
-        logits = engine.runner.model.compute_logits(hidden)
+        logits = engine.runner.compute_logits(hidden)
         for i, s in enumerate(batch.seqs):
             rows[s.seq_id].append(logits[qsl[i] : qsl[i + 1]])
             s.num_computed_tokens += batch.num_new_tokens[i]

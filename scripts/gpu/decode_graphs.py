@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -29,11 +28,10 @@ def decode(
     from engine.sampling_params import SamplingParams
     from evals.lora_bench import write_random_adapter
 
-    os.environ["MOTET_CUDA_GRAPHS"] = "1" if graphs else "0"
     cfg = EngineConfig(
         model=str(model_dir), dtype="bfloat16", device="cuda", num_kv_blocks=batch * 8 + 64,
         max_num_seqs=max(batch, 1), max_num_batched_tokens=max(batch * 32, 256), max_loras=max(adapters, 1),
-        max_lora_rank=16,
+        max_lora_rank=16, compile_step=graphs,
     )  # fmt: skip
     engine = LLMEngine(cfg, model_dir=model_dir)
     tmp = tempfile.TemporaryDirectory()

@@ -29,8 +29,7 @@ def engine_greedy(model_dir: Path, ids: list[list[int]], new_tokens: int, graphs
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    os.environ["MOTET_CUDA_GRAPHS"] = "1" if graphs else "0"
-    llm = LLM(str(model_dir), device=DEVICE, num_kv_blocks=512, max_lora_rank=16)
+    llm = LLM(str(model_dir), device=DEVICE, num_kv_blocks=512, max_lora_rank=16, compile_step=graphs)
     refs = {n: llm.engine.add_lora(n, p) for n, p in (adapters or {}).items()}
     engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
     names = list(refs) + [None]
