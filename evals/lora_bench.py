@@ -1,11 +1,11 @@
 """Multi-LoRA decode throughput: the same batch with no adapter, one adapter, and many distinct adapters.
 
-    python -m evals.lora_bench [--batch 32] [--adapters 8] [--rank 16] [--new-tokens 64] [--rounds 3]
+    python -m evals.lora_bench [--batch 32] [--adapters 8 32] [--rank 16] [--new-tokens 64] [--rounds 3]
                                [--out reports/lora_bench]
 
 One engine, one batch of `--batch` chat prompts generating `--new-tokens` tokens each (EOS ignored, so the
 work is equal), three ways: every request on the base model; every request on one adapter; requests
-spread evenly over `--adapters` distinct adapters (random weights, rank `--rank`, all seven modules) in
+spread evenly over each `--adapters` count of distinct adapters (random weights, rank `--rank`, all seven modules) in
 the same batch. Decode tokens/s comes from the median step time over the steps that decode the whole
 batch; the scenarios are interleaved for `--rounds` rounds and the best round of each is kept (the
 machine is noisy), and reported as ratios to the base model. Writes results.json and results.md.
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--adapters", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
@@ -88,20 +88,20 @@ def main(argv=None) -> None:
         dtype=args.dtype,
         max_num_seqs=args.batch,
         num_kv_blocks=args.batch * (-(-(args.new_tokens + 128) // 16)),  # room for every request
-        max_loras=args.adapters,
+        max_loras=max(args.adapters),  # every distinct adapter of a step resident: no time slicing
         max_lora_rank=args.rank,
     )
     base = llm.engine.model_config
     tmp = tempfile.TemporaryDirectory()  # kept until exit: the engine may reload adapters from disk
     ids = [
         llm.add_lora(f"bench-{i}", write_random_adapter(Path(tmp.name) / f"a{i}", base, args.rank, seed=i))
-        for i in range(args.adapters)
+        for i in range(max(args.adapters))
     ]
     prompts = chat_prompts(llm.tokenizer, args.batch)
     scenarios = {
         "base": [None] * args.batch,
         "1 adapter": [ids[0]] * args.batch,
-        f"{args.adapters} adapters": [ids[i % args.adapters] for i in range(args.batch)],
+        **{f"{n} adapters": [ids[i % n] for i in range(args.batch)] for n in args.adapters},
     }
     run(llm, prompts[:4], [None] * 4, 4)  # warm-up
     best: dict[str, dict] = {}

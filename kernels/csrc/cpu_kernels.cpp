@@ -66,6 +66,57 @@ inline float exp_nonpos(float x) {
     return p * scale;
 }
 
+// Eight dot products at once: v (fp32, n values) with rows w, w + ws, ..., w + 7 ws (fp32 or bf16), as one
+// vector [d0..d7]. The rows' partial sums are reduced together (two hadd levels and one lane swap), which
+// costs far less than eight horizontal reductions.
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+template <typename TW>
+inline __m256 dots8(const float* v, const TW* w, int64_t ws, int n) {
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(v + i);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(x, load8(w + j * ws + i), a[j]);
+    }
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    __m256 out = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+    if (i < n) {
+        alignas(32) float tail[8];
+        for (int j = 0; j < 8; ++j) {
+            float d = 0.0f;
+            for (int k = i; k < n; ++k) d += v[k] * load(w + j * ws, k);
+            tail[j] = d;
+        }
+        out = _mm256_add_ps(out, _mm256_load_ps(tail));
+    }
+    return out;
+}
+#endif
+
+template <typename TW>
+inline void dots(const float* v, const TW* w, int64_t ws, int rows, int n, float* out) {
+    int j = 0;
+#ifdef __AVX2__
+    for (; j + 8 <= rows; j += 8) _mm256_storeu_ps(out + j, dots8(v, w + j * ws, ws, n));
+#endif
+    for (; j < rows; ++j) {
+        float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+        for (int k = 0; k < n; ++k) d += v[k] * load(w + j * ws, k);
+        out[j] = d;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Paged attention: each sequence's new tokens attend causally to its paged context (GQA), one work item per
 // (sequence, query token, kv head), online softmax over key tiles, K/V read in the cache's dtype.
@@ -175,39 +226,30 @@ void sgmv(const TX* x, int64_t x_st, TX* y, int64_t y_st, const TW* A, int64_t a
     for (int i = 0; i < num_segs; ++i)
         for (int32_t t = seg_starts[i]; t < seg_starts[i + 1]; ++t) slot_of[t] = seg_slots[i];
     std::vector<float> h(static_cast<size_t>(T) * r, 0.0f);
-    // shrink: one item per (token, rank row)
+    // shrink: h[t] = A_slot x[t], one token per item (x converted once, reused for all r rank rows)
 #pragma omp parallel for schedule(static)
-    for (int64_t item = 0; item < T * r; ++item) {
-        const int64_t t = item / r;
-        const int k = static_cast<int>(item % r);
+    for (int64_t t = 0; t < T; ++t) {
         const int32_t slot = slot_of[t];
         if (slot < 0) continue;
-        const TX* xr = x + t * x_st;
-        const TW* ar = A + slot * a_ss + k * a_sr;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int i = 0; i < n_in; ++i) dot += load(xr, i) * load(ar, i);
-        h[item] = dot;
+        std::vector<float> xf(static_cast<size_t>(n_in));
+        to_f32(x + t * x_st, xf.data(), n_in);
+        dots(xf.data(), A + slot * a_ss, a_sr, r, n_in, h.data() + t * r);
     }
-    // expand: one item per (token, chunk of 64 outputs)
-    const int chunks = (n_out + 63) / 64;
+    // expand: y[t, o] += scale * B_slot[o] . h[t], one item per (token, chunk of 64 outputs)
+    constexpr int kChunk = 64;
+    const int chunks = (n_out + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static)
     for (int64_t item = 0; item < T * chunks; ++item) {
         const int64_t t = item / chunks;
         const int32_t slot = slot_of[t];
         if (slot < 0) continue;
-        const int o0 = static_cast<int>(item % chunks) * 64;
-        const int o1 = o0 + 64 < n_out ? o0 + 64 : n_out;
-        const float* hr = h.data() + t * r;
+        const int o0 = static_cast<int>(item % chunks) * kChunk;
+        const int n = n_out - o0 < kChunk ? n_out - o0 : kChunk;
+        alignas(32) float d[kChunk];
+        dots(h.data() + t * r, B + slot * b_ss + o0 * b_so, b_so, n, r, d);
         const float sc = scales[slot];
-        TX* yr = y + t * y_st;
-        for (int o = o0; o < o1; ++o) {
-            const TW* br = B + slot * b_ss + o * b_so;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int k = 0; k < r; ++k) dot += hr[k] * load(br, k);
-            store(yr, o, load(yr, o) + dot * sc);
-        }
+        TX* yr = y + t * y_st + o0;
+        for (int o = 0; o < n; ++o) store(yr, o, load(yr, o) + d[o] * sc);
     }
 }
 
@@ -322,10 +364,20 @@ void gemm(const float* x, int64_t ldx, int M, int K, const TW* packed, int N, co
             const int nv = N - n0 < NR ? N - n0 : NR;
             const TW* w = packed + static_cast<int64_t>(p) * K * NR;
             const int m_end = (mc + 1) * kMChunk < M ? (mc + 1) * kMChunk : M;
+            // A bf16 panel read by several row tiles is converted once, into an fp32 copy kept in L1/L2.
+            const bool convert = sizeof(TW) == 2 && m_end - mc * kMChunk > MR;
+            thread_local std::vector<float> panel;
+            if (convert) {
+                panel.resize(static_cast<size_t>(K) * NR);
+                to_f32(w, panel.data(), static_cast<int64_t>(K) * NR);
+            }
             alignas(32) float c[MR * NR];
             for (int m0 = mc * kMChunk; m0 < m_end; m0 += MR) {
                 const int rows = m_end - m0 < MR ? m_end - m0 : MR;
-                micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, w, K, c);
+                if (convert)
+                    micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, panel.data(), K, c);
+                else
+                    micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, w, K, c);
                 for (int r = 0; r < rows; ++r) {
                     float* yr = y + static_cast<int64_t>(m0 + r) * ldy + n0;
                     for (int j = 0; j < nv; ++j) {
