@@ -135,6 +135,14 @@ class CpuForward:
             layers,
         )
         self._lora: OrderedDict[int, tuple[object, ctypes.Array]] = OrderedDict()
+        self.timings: ctypes.Array | None = None  # seconds per phase (cpu_native.PHASES), when profiling
+
+    def profile(self, on: bool = True) -> None:
+        """Sum the time of each phase of the forward (evals/step_profile.py); resets the sums."""
+        self.timings = (ctypes.c_double * len(cpu_native.PHASES))() if on else None
+
+    def phase_seconds(self) -> dict[str, float]:
+        return dict(zip(cpu_native.PHASES, self.timings or [], strict=False))
 
     def _lora_modules(self, lora: LoRABatch) -> ctypes.Array:
         """The descriptors of a batch's adapter stacks, cached per set of views (the slot cache reuses them)."""
@@ -184,6 +192,8 @@ class CpuForward:
             assert starts.dtype == slots.dtype == torch.int32
             step.num_segs, step.seg_starts, step.seg_slots = len(slots), starts.data_ptr(), slots.data_ptr()
             step.lora = self._lora_modules(lora)
+        if self.timings is not None:
+            step.timings = self.timings
         cpu_native.forward(self.desc, step, x)
         return x
 

@@ -26,7 +26,7 @@ log = logging.getLogger("motet.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 2
+ABI_VERSION = 3
 PANEL = 16  # output columns per packed weight panel (NR in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -68,7 +68,11 @@ class Model(ctypes.Structure):
 class Step(ctypes.Structure):
     _fields_ = [("num_tokens", _i32), ("num_seqs", _i32), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr),
                 ("table_stride", _i64), ("qsl", _ptr), ("seq_lens", _ptr), ("num_segs", _i32),
-                ("seg_starts", _ptr), ("seg_slots", _ptr), ("lora", ctypes.POINTER(LoraModule))]  # fmt: skip
+                ("seg_starts", _ptr), ("seg_slots", _ptr), ("lora", ctypes.POINTER(LoraModule)),
+                ("timings", ctypes.POINTER(ctypes.c_double))]  # fmt: skip
+
+
+PHASES = ("linear", "attention", "lora", "other")  # Step.timings' slots (the source's Phase)
 
 
 _SIGNATURES["motet_forward"] = [ctypes.POINTER(Model), ctypes.POINTER(Step), _ptr]

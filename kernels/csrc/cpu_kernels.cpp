@@ -11,7 +11,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include <omp.h>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -64,6 +67,56 @@ inline float exp_nonpos(float x) {
     float scale;
     std::memcpy(&scale, &e, 4);
     return p * scale;
+}
+
+#ifdef __AVX2__
+// exp_nonpos on eight lanes.
+inline __m256 exp8_nonpos(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// v[i] = exp(v[i] - shift) for v[i] <= shift.
+inline void exp_shifted(float* v, int n, float shift) {
+    int i = 0;
+#ifdef __AVX2__
+    const __m256 sh = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(v + i), sh)));
+#endif
+    for (; i < n; ++i) v[i] = exp_nonpos(v[i] - shift);
+}
+
+// out[i] = silu(g[i]) * u[i], without overflow on either side of 0.
+inline void silu_mul(const float* g, const float* u, float* out, int n) {
+    int i = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8_nonpos(_mm256_or_ps(x, sign));  // exp(-|x|)
+        const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        const __m256 sig = _mm256_blendv_ps(_mm256_mul_ps(e, inv), inv, _mm256_cmp_ps(x, zero, _CMP_GE_OQ));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; ++i) {
+        const float e = exp_nonpos(-std::fabs(g[i]));
+        const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        out[i] = g[i] * sig * u[i];
+    }
 }
 
 // Eight dot products at once: v (fp32, n values) with rows w, w + ws, ..., w + 7 ws (fp32 or bf16), as one
@@ -170,7 +223,13 @@ void attention(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* 
                 kp[j] = kc + slot * kv_row + static_cast<int64_t>(h) * D;
                 vp[j] = vc + slot * kv_row + static_cast<int64_t>(h) * D;
             }
-            for (int j = 0; j < n; ++j) {
+            int j = 0;
+#ifdef __AVX2__
+            // eight keys at a time where they sit in one block (consecutive rows of the cache)
+            for (; j + 8 <= n && kp[j + 7] - kp[j] == 7 * kv_row; j += 8)
+                for (int g = 0; g < G; ++g) _mm256_storeu_ps(&s[g][j], dots8(qv[g], kp[j], kv_row, D));
+#endif
+            for (; j < n; ++j) {
                 alignas(32) float kf[kMaxHeadDim];
                 to_f32(kp[j], kf, D);
                 for (int g = 0; g < G; ++g) {
@@ -182,20 +241,17 @@ void attention(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* 
             }
             for (int g = 0; g < G; ++g) {
                 float mx = m[g];
-                for (int j = 0; j < n; ++j) mx = s[g][j] > mx ? s[g][j] : mx;
+                for (int jj = 0; jj < n; ++jj) mx = s[g][jj] > mx ? s[g][jj] : mx;
                 const float correction = exp_nonpos(m[g] - mx);
+                exp_shifted(s[g], n, mx);
                 float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int j = 0; j < n; ++j) {
-                    s[g][j] = exp_nonpos(s[g][j] - mx);
-                    sum += s[g][j];
-                }
+                for (int jj = 0; jj < n; ++jj) sum += s[g][jj];
                 l[g] = l[g] * correction + sum;
                 m[g] = mx;
 #pragma omp simd
                 for (int d = 0; d < D; ++d) acc[g][d] *= correction;
             }
-            for (int j = 0; j < n; ++j) {
+            for (j = 0; j < n; ++j) {
                 alignas(32) float vf[kMaxHeadDim];
                 to_f32(vp[j], vf, D);
                 for (int g = 0; g < G; ++g) {
@@ -210,46 +266,6 @@ void attention(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* 
             const float inv = 1.0f / l[g];
             for (int d = 0; d < D; ++d) store(op, d, acc[g][d] * inv);
         }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// SGMV: y[rows of segment i] += (x @ A[slot_i]^T) @ B[slot_i]^T * scale[slot_i]; slot -1 rows untouched.
-// A [S, >=r, in] (row stride a_sr), B [S, out, >=r] (row stride b_so); only the first r ranks are read.
-
-template <typename TX, typename TW>
-void sgmv(const TX* x, int64_t x_st, TX* y, int64_t y_st, const TW* A, int64_t a_ss, int64_t a_sr,
-          const TW* B, int64_t b_ss, int64_t b_so, const float* scales, const int32_t* seg_starts,
-          const int32_t* seg_slots, int num_segs, int n_in, int n_out, int r) {
-    const int64_t T = seg_starts[num_segs];
-    std::vector<int32_t> slot_of(static_cast<size_t>(T), -1);
-    for (int i = 0; i < num_segs; ++i)
-        for (int32_t t = seg_starts[i]; t < seg_starts[i + 1]; ++t) slot_of[t] = seg_slots[i];
-    std::vector<float> h(static_cast<size_t>(T) * r, 0.0f);
-    // shrink: h[t] = A_slot x[t], one token per item (x converted once, reused for all r rank rows)
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-        const int32_t slot = slot_of[t];
-        if (slot < 0) continue;
-        std::vector<float> xf(static_cast<size_t>(n_in));
-        to_f32(x + t * x_st, xf.data(), n_in);
-        dots(xf.data(), A + slot * a_ss, a_sr, r, n_in, h.data() + t * r);
-    }
-    // expand: y[t, o] += scale * B_slot[o] . h[t], one item per (token, chunk of 64 outputs)
-    constexpr int kChunk = 64;
-    const int chunks = (n_out + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static)
-    for (int64_t item = 0; item < T * chunks; ++item) {
-        const int64_t t = item / chunks;
-        const int32_t slot = slot_of[t];
-        if (slot < 0) continue;
-        const int o0 = static_cast<int>(item % chunks) * kChunk;
-        const int n = n_out - o0 < kChunk ? n_out - o0 : kChunk;
-        alignas(32) float d[kChunk];
-        dots(h.data() + t * r, B + slot * b_ss + o0 * b_so, b_so, n, r, d);
-        const float sc = scales[slot];
-        TX* yr = y + t * y_st + o0;
-        for (int o = 0; o < n; ++o) store(yr, o, load(yr, o) + d[o] * sc);
     }
 }
 
@@ -352,6 +368,64 @@ inline void micro_rows(int rows, const float* x, int64_t ldx, const TW* w, int K
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// SGMV: y[rows of segment i] += (x @ A[slot_i]^T) @ B[slot_i]^T * scale[slot_i]; slot -1 rows untouched.
+// A [S, >=r, in] (row stride a_sr), B [S, out, >=r] (row stride b_so); only the first r ranks are read.
+
+// Segment-major: a segment's tokens share their adapter, so each block of A or B rows is read once per
+// segment and reused from L1 for its tokens. Small products run on the calling thread: a parallel region
+// costs more than they do.
+template <typename TX, typename TW>
+void sgmv(const TX* x, int64_t x_st, TX* y, int64_t y_st, const TW* A, int64_t a_ss, int64_t a_sr,
+          const TW* B, int64_t b_ss, int64_t b_so, const float* scales, const int32_t* seg_starts,
+          const int32_t* seg_slots, int num_segs, int n_in, int n_out, int r) {
+    const int64_t T = seg_starts[num_segs];
+    int64_t adapted = 0;
+    for (int i = 0; i < num_segs; ++i)
+        if (seg_slots[i] >= 0) adapted += seg_starts[i + 1] - seg_starts[i];
+    if (adapted == 0 || r == 0) return;
+    const bool parallel = adapted * r * (n_in > n_out ? n_in : n_out) >= (1 << 17);
+    std::vector<float> h(static_cast<size_t>(T) * r);
+    // x in fp32: itself, or a converted copy
+    std::vector<float> xf;
+    const float* xs = reinterpret_cast<const float*>(x);
+    int64_t xs_st = x_st;
+    if constexpr (!std::is_same_v<TX, float>) {
+        xf.resize(static_cast<size_t>(T) * n_in);
+        for (int64_t t = 0; t < T; ++t) to_f32(x + t * x_st, xf.data() + t * n_in, n_in);
+        xs = xf.data();
+        xs_st = n_in;
+    }
+    // shrink: h[t] = A_slot x[t]; one item per (segment, block of 8 rank rows)
+    const int rblocks = (r + 7) / 8;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int item = 0; item < num_segs * rblocks; ++item) {
+        const int i = item / rblocks, k0 = (item % rblocks) * 8;
+        const int32_t slot = seg_slots[i];
+        if (slot < 0) continue;
+        const int rows = r - k0 < 8 ? r - k0 : 8;
+        for (int32_t t = seg_starts[i]; t < seg_starts[i + 1]; ++t)
+            dots(xs + t * xs_st, A + slot * a_ss + k0 * a_sr, a_sr, rows, n_in, h.data() + static_cast<int64_t>(t) * r + k0);
+    }
+    // expand: y[t, o] += scale * B_slot[o] . h[t]; one item per (segment, chunk of 64 outputs)
+    constexpr int kChunk = 64;
+    const int chunks = (n_out + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int item = 0; item < num_segs * chunks; ++item) {
+        const int i = item / chunks, o0 = (item % chunks) * kChunk;
+        const int32_t slot = seg_slots[i];
+        if (slot < 0) continue;
+        const int n = n_out - o0 < kChunk ? n_out - o0 : kChunk;
+        const float sc = scales[slot];
+        for (int32_t t = seg_starts[i]; t < seg_starts[i + 1]; ++t) {
+            alignas(32) float d[kChunk];
+            dots(h.data() + static_cast<int64_t>(t) * r, B + slot * b_ss + o0 * b_so, b_so, n, r, d);
+            TX* yr = y + t * y_st + o0;
+            for (int o = 0; o < n; ++o) store(yr, o, load(yr, o) + d[o] * sc);
+        }
+    }
+}
+
 template <typename TW>
 void gemm(const float* x, int64_t ldx, int M, int K, const TW* packed, int N, const TW* bias, float* y,
           int64_t ldy, bool accumulate) {
@@ -437,6 +511,22 @@ struct Step {
     const int32_t* seg_starts;  // LoRA segments, or null
     const int32_t* seg_slots;
     const LoraModule* lora;  // [num_layers * 7] (q, k, v, o, gate, up, down), or null
+    double* timings;  // or null: seconds added per phase (kPhaseLinear, ...), for the step profile
+};
+
+enum Phase { kPhaseLinear = 0, kPhaseAttention = 1, kPhaseLora = 2, kPhaseOther = 3, kNumPhases = 4 };
+
+// Adds the time since the previous mark to a phase (when the step asked for timings).
+struct PhaseClock {
+    double* out;
+    double last;
+    explicit PhaseClock(double* o) : out(o), last(o ? omp_get_wtime() : 0.0) {}
+    void mark(Phase p) {
+        if (!out) return;
+        const double now = omp_get_wtime();
+        out[p] += now - last;
+        last = now;
+    }
 };
 
 template <typename TW>
@@ -470,16 +560,20 @@ void forward(const Model& m, const Step& s, float* x) {
     std::vector<float> attn(static_cast<size_t>(T) * q_size), gu(static_cast<size_t>(T) * 2 * I);
     std::vector<float> act(static_cast<size_t>(T) * I);
     const int64_t kv_row = static_cast<int64_t>(kv_size);
+    PhaseClock clock(s.timings);
     for (int li = 0; li < m.num_layers; ++li) {
         const Layer& L = m.layers[li];
         const LoraModule* lm = s.lora ? s.lora + li * 7 : nullptr;
         rms_norm(x, T, hid, static_cast<const TW*>(L.input_norm), m.eps, h.data());
+        clock.mark(kPhaseOther);
         gemm(h.data(), hid, T, hid, static_cast<const TW*>(L.qkv), qkv_n, static_cast<const TW*>(L.qkv_bias),
              qkv.data(), qkv_n, false);
+        clock.mark(kPhaseLinear);
         if (lm) {
             lora_add<TW>(s, lm[0], h.data(), hid, hid, qkv.data(), qkv_n, q_size);
             lora_add<TW>(s, lm[1], h.data(), hid, hid, qkv.data() + q_size, qkv_n, kv_size);
             lora_add<TW>(s, lm[2], h.data(), hid, hid, qkv.data() + q_size + kv_size, qkv_n, kv_size);
+            clock.mark(kPhaseLora);
         }
         // rotary on q and k (the two halves of head_dim, Hugging Face layout), then the KV write
         TC* kc = static_cast<TC*>(L.k_cache);
@@ -505,42 +599,52 @@ void forward(const Model& m, const Step& s, float* x) {
                 }
             }
         }
+        clock.mark(kPhaseOther);
         attention(qkv.data(), static_cast<int64_t>(qkv_n), static_cast<int64_t>(D), static_cast<const TC*>(kc),
                   static_cast<const TC*>(vc), s.tables, s.table_stride, s.qsl, s.seq_lens, s.num_seqs,
                   attn.data(), H, KVH, D, m.block_size, m.scale);
+        clock.mark(kPhaseAttention);
         gemm(attn.data(), q_size, T, q_size, static_cast<const TW*>(L.o), hid, static_cast<const TW*>(nullptr),
              x, hid, true);
-        if (lm) lora_add<TW>(s, lm[3], attn.data(), q_size, q_size, x, hid, hid);
+        clock.mark(kPhaseLinear);
+        if (lm) {
+            lora_add<TW>(s, lm[3], attn.data(), q_size, q_size, x, hid, hid);
+            clock.mark(kPhaseLora);
+        }
         rms_norm(x, T, hid, static_cast<const TW*>(L.post_norm), m.eps, h.data());
+        clock.mark(kPhaseOther);
         gemm(h.data(), hid, T, hid, static_cast<const TW*>(L.gate_up), 2 * I, static_cast<const TW*>(nullptr),
              gu.data(), 2 * I, false);
+        clock.mark(kPhaseLinear);
         if (lm) {
             lora_add<TW>(s, lm[4], h.data(), hid, hid, gu.data(), 2 * I, I);
             lora_add<TW>(s, lm[5], h.data(), hid, hid, gu.data() + I, 2 * I, I);
+            clock.mark(kPhaseLora);
         }
 #pragma omp parallel for schedule(static) if (T > 8)
         for (int t = 0; t < T; ++t) {
             const float* g = gu.data() + static_cast<int64_t>(t) * 2 * I;
             float* a = act.data() + static_cast<int64_t>(t) * I;
-#pragma omp simd
-            for (int i = 0; i < I; ++i) {
-                const float e = exp_nonpos(-std::fabs(g[i]));  // sigmoid without overflow on either side
-                const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-                a[i] = g[i] * sig * g[I + i];
-            }
+            silu_mul(g, g + I, a, I);
         }
+        clock.mark(kPhaseOther);
         gemm(act.data(), I, T, I, static_cast<const TW*>(L.down), hid, static_cast<const TW*>(nullptr), x, hid,
              true);
-        if (lm) lora_add<TW>(s, lm[6], act.data(), I, I, x, hid, hid);
+        clock.mark(kPhaseLinear);
+        if (lm) {
+            lora_add<TW>(s, lm[6], act.data(), I, I, x, hid, hid);
+            clock.mark(kPhaseLora);
+        }
     }
     rms_norm(x, T, hid, static_cast<const TW*>(m.final_norm), m.eps, x);  // in place: row by row
+    clock.mark(kPhaseOther);
 }
 
 }  // namespace
 
 extern "C" {
 
-int motet_abi_version() { return 2; }
+int motet_abi_version() { return 3; }
 
 int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, int64_t q_sh, const void* kc,
                     const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* qsl,
