@@ -46,9 +46,16 @@ def cache_root() -> Path:
     return Path(root) / "llama.cpp"
 
 
-def run(cmd: list[str], **kw) -> None:
+def run(cmd: list[str], quiet: bool = False, **kw) -> None:
+    """Run a command; `quiet`: its output only if it fails."""
     print("+", " ".join(str(c) for c in cmd), flush=True)
-    subprocess.run([str(c) for c in cmd], check=True, **kw)
+    if not quiet:
+        subprocess.run([str(c) for c in cmd], check=True, **kw)
+        return
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+        proc.check_returncode()
 
 
 def ensure_built(root: Path, jobs: int) -> Path:
@@ -73,6 +80,14 @@ def ensure_built(root: Path, jobs: int) -> Path:
     return src
 
 
+def ensure_converter_deps() -> None:
+    """llama.cpp's converters import sentencepiece even for tokenizer.json models: installed on demand."""
+    import importlib.util
+
+    if importlib.util.find_spec("sentencepiece") is None:
+        run([sys.executable, "-m", "pip", "install", "-q", "sentencepiece"])
+
+
 def _convert_env(src: Path) -> dict:
     return {
         **os.environ,
@@ -84,14 +99,14 @@ def convert_model(src: Path, model_dir: Path, dtype: str, out_dir: Path) -> Path
     out = out_dir / f"{model_dir.name}-{GGUF_TYPES[dtype]}.gguf"
     if not out.exists():
         run([sys.executable, src / "convert_hf_to_gguf.py", model_dir, "--outtype", GGUF_TYPES[dtype],
-             "--outfile", out], env=_convert_env(src))  # fmt: skip
+             "--outfile", out], quiet=True, env=_convert_env(src))  # fmt: skip
     return out
 
 
 def convert_adapter(src: Path, model_dir: Path, adapter_dir: Path, dtype: str) -> Path:
     out = adapter_dir.with_suffix(".gguf")
     run([sys.executable, src / "convert_lora_to_gguf.py", "--base", model_dir, "--outtype", GGUF_TYPES[dtype],
-         "--outfile", out, adapter_dir], env=_convert_env(src))  # fmt: skip
+         "--outfile", out, adapter_dir], quiet=True, env=_convert_env(src))  # fmt: skip
     return out
 
 
@@ -223,6 +238,7 @@ def main(argv=None) -> None:
     model_dir = Path(resolve_model(args.model))
     root = cache_root()
     src = ensure_built(root, args.jobs)
+    ensure_converter_deps()
     gguf = convert_model(src, model_dir, args.dtype, root)
     out = Path(args.out or f"reports/llamacpp/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -245,7 +261,7 @@ def main(argv=None) -> None:
                 src, gguf, args.threads, parallel, ctx, lora_ggufs, out / "llama-server.log"
             ) as llama,
         ):
-            warm = chat_requests(2, 4, args.prompt_words, -1, [{"model": "m"}])
+            warm = chat_requests(2, 4, args.prompt_words, -1, [{"model": base_name(model_dir)}])
             measure(motet.base_url, warm, 2)
             measure(llama.base_url, warm, 2)
             for c in args.levels:

@@ -82,7 +82,14 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Recor
     t0 = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", path, json=body) as r:
+        for attempt in range(2):
+            try:
+                r = await client.send(client.build_request("POST", path, json=body), stream=True)
+                break
+            except httpx.RemoteProtocolError:  # a pooled connection the server had just closed: retry once,
+                if attempt:  # as clients do (the request never reached the server)
+                    raise
+        try:
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return rec
@@ -104,6 +111,8 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Recor
                 else:
                     rec.itls.append(now - last)
                 last = now
+        finally:
+            await r.aclose()
         rec.e2e = time.perf_counter() - t0
         rec.ok = rec.output_tokens > 0
         if not rec.ok:
