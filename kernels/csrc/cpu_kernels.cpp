@@ -296,21 +296,19 @@ inline void load16(const uint16_t* p, __m256& lo, __m256& hi) {
 template <int R, typename TW>
 inline void micro(const float* x, int64_t ldx, const TW* w, int K, float* c) {
     // Few rows leave too few independent FMA chains to hide the FMA latency: split k over U partial sums.
+    // No software prefetch: the panel is one contiguous stream, which the hardware prefetchers follow
+    // faster alone (measured: 30 GB/s without, 25-27 with prefetches 1-16 KiB ahead).
     constexpr int U = R == 1 ? 4 : R == 2 ? 2 : 1;
     __m256 acc[U][R][2];
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u)
 #pragma GCC unroll 6
         for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
-    constexpr int kAhead = 4096 / static_cast<int>(sizeof(TW) * NR);  // prefetch ~1 KiB ahead in the stream
-    constexpr int kPerLine = 64 / static_cast<int>(sizeof(TW) * NR);  // k steps per 64-byte cache line
     int k = 0;
     for (; k + U <= K; k += U) {
 #pragma GCC unroll 4
         for (int u = 0; u < U; ++u) {
             const int kk = k + u;
-            if (kk % kPerLine == 0)
-                _mm_prefetch(reinterpret_cast<const char*>(w + static_cast<int64_t>(kk + kAhead) * NR), _MM_HINT_T0);
             __m256 b0, b1;
             load16(w + static_cast<int64_t>(kk) * NR, b0, b1);
 #pragma GCC unroll 6
@@ -430,37 +428,39 @@ template <typename TW>
 void gemm(const float* x, int64_t ldx, int M, int K, const TW* packed, int N, const TW* bias, float* y,
           int64_t ldy, bool accumulate) {
     const int panels = (N + NR - 1) / NR;
-    const int chunks = (M + kMChunk - 1) / kMChunk;
-#pragma omp parallel for schedule(static) collapse(2)
-    for (int mc = 0; mc < chunks; ++mc)
-        for (int p = 0; p < panels; ++p) {
-            const int n0 = p * NR;
-            const int nv = N - n0 < NR ? N - n0 : NR;
-            const TW* w = packed + static_cast<int64_t>(p) * K * NR;
-            const int m_end = (mc + 1) * kMChunk < M ? (mc + 1) * kMChunk : M;
-            // A bf16 panel read by several row tiles is converted once, into an fp32 copy kept in L1/L2.
-            const bool convert = sizeof(TW) == 2 && m_end - mc * kMChunk > MR;
-            thread_local std::vector<float> panel;
-            if (convert) {
-                panel.resize(static_cast<size_t>(K) * NR);
-                to_f32(w, panel.data(), static_cast<int64_t>(K) * NR);
-            }
+    // Rows in chunks (their x tile stays in L2), each chunk's panels split evenly over the threads: each
+    // thread streams one contiguous run of panels.
+    for (int m_start = 0; m_start < M; m_start += kMChunk) {
+        const int m_end = m_start + kMChunk < M ? m_start + kMChunk : M;
+        // A bf16 panel read by several row tiles is converted once, into an fp32 copy kept in L1/L2.
+        const bool convert = sizeof(TW) == 2 && m_end - m_start > MR;
+#pragma omp parallel
+        {
+            std::vector<float> panel(convert ? static_cast<size_t>(K) * NR : 0);
             alignas(32) float c[MR * NR];
-            for (int m0 = mc * kMChunk; m0 < m_end; m0 += MR) {
-                const int rows = m_end - m0 < MR ? m_end - m0 : MR;
-                if (convert)
-                    micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, panel.data(), K, c);
-                else
-                    micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, w, K, c);
-                for (int r = 0; r < rows; ++r) {
-                    float* yr = y + static_cast<int64_t>(m0 + r) * ldy + n0;
-                    for (int j = 0; j < nv; ++j) {
-                        const float v = c[r * NR + j] + (bias ? load(bias, n0 + j) : 0.0f);
-                        yr[j] = accumulate ? yr[j] + v : v;
+#pragma omp for schedule(static)
+            for (int p = 0; p < panels; ++p) {
+                const int n0 = p * NR;
+                const int nv = N - n0 < NR ? N - n0 : NR;
+                const TW* w = packed + static_cast<int64_t>(p) * K * NR;
+                if (convert) to_f32(w, panel.data(), static_cast<int64_t>(K) * NR);
+                for (int m0 = m_start; m0 < m_end; m0 += MR) {
+                    const int rows = m_end - m0 < MR ? m_end - m0 : MR;
+                    if (convert)
+                        micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, panel.data(), K, c);
+                    else
+                        micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, w, K, c);
+                    for (int r = 0; r < rows; ++r) {
+                        float* yr = y + static_cast<int64_t>(m0 + r) * ldy + n0;
+                        for (int j = 0; j < nv; ++j) {
+                            const float v = c[r * NR + j] + (bias ? load(bias, n0 + j) : 0.0f);
+                            yr[j] = accumulate ? yr[j] + v : v;
+                        }
                     }
                 }
             }
         }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------
