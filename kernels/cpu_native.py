@@ -1,6 +1,7 @@
 """The native CPU kernels (kernels/csrc/cpu_kernels.cpp): built on first use, called through ctypes.
 
-The source is compiled with the system C++ compiler for this CPU (`-O3 -march=native -fopenmp`) into a
+The sources (kernels/csrc: a header per kernel, and the forward with the C API in cpu_kernels.cpp) are
+compiled with the system C++ compiler for this CPU (`-O3 -march=native -fopenmp`) into a
 cache directory keyed by the source, the flags and the CPU's features, so a build happens once per machine
 (a few seconds). Torch is imported first, so the library's OpenMP calls land in the libgomp torch already
 loaded: one thread pool for torch and these kernels. Where no compiler is found or the build fails, or
@@ -24,7 +25,7 @@ import torch
 
 log = logging.getLogger("motet.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files in csrc/
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ABI_VERSION = 3
 PANEL = 16  # output columns per packed weight panel (NR in the source)
@@ -98,9 +99,9 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    sources = [f.read_bytes() for f in sorted(SOURCE.parent.iterdir()) if f.suffix in (".cpp", ".h")]
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_features().encode()])
+        b"\0".join([*sources, " ".join(FLAGS).encode(), compiler.encode(), _cpu_features().encode()])
     ).hexdigest()[:16]
     target = _cache_dir() / f"motet_cpu_{platform.machine()}_{key}.so"
     if target.exists():
