@@ -25,6 +25,7 @@ from grammar.enforceable import best_effort_warning, strict_refusal
 from grammar.limits import GrammarLimitError, GrammarLimits
 from grammar.schema_normalize import normalize_schema
 from grammar.specs import (
+    BACKEND_NAMES,
     ChoiceSpec,
     EbnfSpec,
     GrammarError,
@@ -36,8 +37,6 @@ from grammar.specs import (
 )
 from grammar.tool_calls import Tool, ToolError, resolve_tool_choice, tool_call_structural_tag, validate_tools
 from grammar.tool_prompt import render_messages, template_supports_tools
-
-BACKENDS = ("xgrammar", "outlines")
 
 
 @dataclass
@@ -171,8 +170,8 @@ def structured_output(req, allow_tools: bool = True, limits: GrammarLimits | Non
     over `limits`, default GrammarLimits())."""
     limits = limits or GrammarLimits()
     backend = req.guided_decoding_backend
-    if backend is not None and backend not in BACKENDS:
-        raise _bad("guided_decoding_backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend is not None and backend not in BACKEND_NAMES:
+        raise _bad("guided_decoding_backend", f"must be one of {', '.join(BACKEND_NAMES)}, got {backend!r}")
     out = Structure(backend=backend)
     guided = _guided(req, limits, out.warnings)
     if len(guided) > 1:

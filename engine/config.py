@@ -10,6 +10,7 @@ import torch
 
 from grammar.limits import GrammarLimits
 from grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
+from grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -138,7 +139,7 @@ class EngineConfig:
     max_lora_rank: int = 64  # device slots are zero-padded to this rank; higher-rank adapters are refused
     lora_time_slice: int = 32  # steps an adapter keeps admitting work while others wait for a slot
     num_threads: int | None = None  # CPU intra-op threads for the forward pass; None: torch's default
-    grammar_backend: str = "xgrammar"  # structured output: one of GRAMMAR_BACKENDS (the others: fallback)
+    grammar_backend: str = DEFAULT_GRAMMAR_BACKEND  # one of GRAMMAR_BACKENDS (the others: fallback)
     grammar_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused
     # Sizes of a request's schema / grammar refused before compiling (grammar/limits.py has the defaults).
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)

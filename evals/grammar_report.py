@@ -3,13 +3,14 @@
     python -m evals.grammar_report [--data ../shared/data/jsonschemabench/dev.jsonl] [--limit N]
                                    [--out reports/grammar] [--timeout 10] [--model-dir DIR]
 
-For every schema and configuration (xgrammar, xgrammar with strict=False, outlines):
+For every schema and configuration (xgrammar, xgrammar with strict=False, llguidance, outlines):
 compile it (through `GrammarCache`, with the time limit), then feed each test instance,
 `json.dumps(data)` tokenized with the real tokenizer, token by token through a matcher, timing
 `fill_bitmask` before each token and checking that the mask agrees with `accept_token`. An instance
 is accepted when every token is accepted and then the stop token is. Valid instances should be
-accepted and invalid ones rejected (the dataset's labels are the reference). "fallback" is derived:
-xgrammar's result where it compiled, else outlines' (compile times added).
+accepted and invalid ones rejected (the dataset's labels are the reference). "fallback" is derived: the
+result of the first backend in the server's fallback order (grammar.specs.BACKEND_NAMES) that compiled,
+compile times of the ones tried before added; "<backend>+fallback" starts from that backend instead.
 
 Work runs in a forked child process; a compilation that overruns its time limit keeps a thread
 busy, so the child then exits and a fresh one continues from the next unit (and a crash or hang
@@ -31,6 +32,7 @@ from pathlib import Path
 CONFIGS = {  # name -> (backend, strict)
     "xgrammar": ("xgrammar", True),
     "xgrammar_nonstrict": ("xgrammar", False),
+    "llguidance": ("llguidance", True),
     "outlines": ("outlines", True),
 }
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench" / "dev.jsonl"
@@ -167,20 +169,29 @@ def run_units(ctx: dict, units: list[tuple[int, str]], log_path: Path) -> list[d
     return [results[i] for i in range(len(units))]
 
 
-def with_fallback(results: list[dict]) -> list[dict]:
-    """Derive the fallback configuration: xgrammar where it compiled, else outlines."""
+def fallback_order(first: str) -> list[str]:
+    from grammar.specs import BACKEND_NAMES
+
+    return [first] + [b for b in BACKEND_NAMES if b != first]
+
+
+def with_fallback(results: list[dict], order: list[str], name: str) -> list[dict]:
+    """Derive a fallback configuration: per schema, the first backend of `order` that compiled (the last
+    one's failure where none did), with the compile times of the ones tried before it added."""
     by = {(r["id"], r["config"]): r for r in results}
     out = []
     for r in results:
-        if r["config"] != "xgrammar":
+        if r["config"] != order[0]:
             continue
-        o = by.get((r["id"], "outlines"))
-        if r["status"] == "ok" or o is None:
-            out.append({**r, "config": "fallback"})
-        else:
-            out.append(
-                {**o, "config": "fallback", "compile_s": r.get("compile_s", 0) + o.get("compile_s", 0)}
-            )
+        spent = 0.0
+        for backend in order:
+            b = by.get((r["id"], backend))
+            if b is None:
+                continue
+            if b["status"] == "ok" or backend == order[-1]:
+                out.append({**b, "config": name, "compile_s": spent + b.get("compile_s", 0)})
+                break
+            spent += b.get("compile_s", 0)
     return out
 
 
@@ -297,6 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     tok = GrammarTokenizer(hf_tok, vocab_size=cfg.get("vocab_size"))
     cache = GrammarCache(max_entries=4)
     _ = cache.backend("outlines", tok).vocabulary  # built once here, shared by every forked child
+    _ = cache.backend("llguidance", tok).llg_tokenizer
 
     records = load_records(args.data, args.limit)
     units = [(i, c) for i in range(len(records)) for c in CONFIGS]
@@ -315,9 +327,14 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     results = run_units(ctx, units, log_path)
     elapsed = time.time() - t0
-    results += with_fallback(results)
+    from grammar.specs import DEFAULT_BACKEND
 
-    configs = ["xgrammar", "outlines", "fallback", "xgrammar_nonstrict"]
+    starts = [DEFAULT_BACKEND] + [b for b in ("xgrammar", "llguidance") if b != DEFAULT_BACKEND]
+    fallbacks = {"fallback" if b == DEFAULT_BACKEND else f"{b}+fallback": fallback_order(b) for b in starts}
+    for name, order in fallbacks.items():
+        results += with_fallback(results, order, name)
+
+    configs = ["xgrammar", "llguidance", "outlines", *fallbacks, "xgrammar_nonstrict"]
     by_cfg: dict[str, list[dict]] = defaultdict(list)
     by_cat: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in results:

@@ -1,4 +1,4 @@
-"""Structured output: grammar specs, backends (xgrammar default, outlines-core), the compile cache.
+"""Structured output: grammar specs, backends (xgrammar, llguidance, outlines-core), the compile cache.
 
 Typical use (synchronous; the ingress runs compilation in a worker thread):
 

@@ -23,12 +23,17 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from grammar.backend import Backend, CompiledGrammar, GrammarTokenizer
+from grammar.llguidance_backend import LLGuidanceBackend
 from grammar.outlines_backend import OutlinesBackend
-from grammar.specs import GrammarError, GrammarSpec, short_error
+from grammar.specs import BACKEND_NAMES, DEFAULT_BACKEND, GrammarError, GrammarSpec, short_error
 from grammar.xgrammar_backend import XGrammarBackend
 
-BACKENDS: dict[str, type[Backend]] = {"xgrammar": XGrammarBackend, "outlines": OutlinesBackend}
-DEFAULT_BACKEND = "xgrammar"
+_CLASSES: dict[str, type[Backend]] = {
+    "xgrammar": XGrammarBackend,
+    "llguidance": LLGuidanceBackend,
+    "outlines": OutlinesBackend,
+}
+BACKENDS: dict[str, type[Backend]] = {name: _CLASSES[name] for name in BACKEND_NAMES}  # fallback order
 DEFAULT_TIMEOUT_S = 10.0
 
 

@@ -32,7 +32,7 @@ from grammar import cache as cache_mod
 from grammar.backend import Backend, CompiledGrammar, allowed_token_ids
 from tests.dev_sets import FIXTURES
 
-BACKENDS = ["xgrammar", "outlines"]
+BACKENDS = ["xgrammar", "llguidance", "outlines"]
 
 
 # ---------------------------------------------------------------- schema normalization (no model)
@@ -228,9 +228,10 @@ def test_json_whitespace_is_bounded(backend, hf_tok, tok, cache):
 
 
 @pytest.mark.slow
-def test_json_object_on_xgrammar(hf_tok, tok, cache):
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_json_object(backend, hf_tok, tok, cache):
     # (outlines needs ~10 s to compile "any JSON object"; its regex DFA is large)
-    c = cache.compile(JsonObjectSpec(), tok, "xgrammar")
+    c = cache.compile(JsonObjectSpec(), tok, backend)
     assert _feed(c, hf_tok, tok, '{"a": [1, {"b": null}], "c": "d"}')
     assert not _feed(c, hf_tok, tok, "[1, 2]") and not _feed(c, hf_tok, tok, '{"a": 1')
 
@@ -314,14 +315,13 @@ def test_bitmask_masks_only_constrained_rows(backend, hf_tok, tok, cache):
 @pytest.mark.slow
 def test_fill_bitmasks_batches_rows(hf_tok, tok, cache):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    matchers = [
-        cache.compile(JsonSchemaSpec(schema), tok, b).matcher() for b in ("xgrammar", "outlines", "xgrammar")
-    ]
+    backends = ("xgrammar", "outlines", "xgrammar", "llguidance", "llguidance")
+    matchers = [cache.compile(JsonSchemaSpec(schema), tok, b).matcher() for b in backends]
     for m in matchers[1:]:
         for t in hf_tok.encode('{"a": 1'):
             assert m.accept_token(t)
-    rows = [3, 0, 1]
-    batched, single = allocate_bitmask(4, tok.vocab_size), allocate_bitmask(4, tok.vocab_size)
+    rows = [3, 0, 1, 4, 5]
+    batched, single = allocate_bitmask(6, tok.vocab_size), allocate_bitmask(6, tok.vocab_size)
     fill_bitmasks(batched, list(zip(matchers, rows, strict=True)))
     for m, r in zip(matchers, rows, strict=True):
         m.fill_bitmask(single, r)
@@ -377,9 +377,10 @@ def test_rollback(backend, hf_tok, tok, cache):
 
 
 @pytest.mark.slow
-def test_jump_forward_on_xgrammar(tok, cache):
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_jump_forward(backend, tok, cache):
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
-    m = cache.compile(JsonSchemaSpec(schema, max_whitespace=0), tok).matcher()
+    m = cache.compile(JsonSchemaSpec(schema, max_whitespace=0), tok, backend).matcher()
     assert m.find_jump_forward_string() == '{"name":"'
 
 
@@ -452,6 +453,7 @@ KNOWN_GAPS = {
     ),
     ("Github_hard---o41277", "outlines"): ("lenient", "outlines ignores integer minimum/maximum"),
     ("Handwritten---dep3", "outlines"): ("refused", "outlines does not support `dependencies`"),
+    ("Handwritten---dep3", "llguidance"): ("refused", "llguidance does not implement `dependencies`"),
     ("Github_medium---o9198", "outlines"): ("refused", "outlines cannot resolve this $ref layout"),
     ("Github_medium---o60823", "outlines"): ("refused", "regex over the outlines size limit"),
     ("JsonSchemaStore---drupal-links-contextual", "outlines"): (
