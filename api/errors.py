@@ -28,6 +28,7 @@ _TYPES = {
 
 
 RETRY_AFTER_503_S = 5
+UNSUPPORTED_FIELD = "unsupported_field"  # the validation error type of a field motet cannot honour
 
 
 class APIError(Exception):
@@ -62,7 +63,10 @@ def from_serving_error(e: ServingError) -> APIError:
 
 def from_validation_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
+    loc = err["loc"] + ((err["ctx"]["field"],) if err["type"] == UNSUPPORTED_FIELD else ())
+    param = ".".join(str(p) for p in loc) or None
+    if err["type"] == "extra_forbidden":  # OpenAI's wording: a field is never silently ignored
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
     where = f"{param}: " if param else ""
     return APIError(400, f"{where}{err['msg']}", param=param)
 

@@ -1,23 +1,57 @@
 """OpenAI wire format: request and response models (pydantic).
 
-Requests ignore unknown fields (clients send many); the vLLM-style sampling extras (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, ...) are accepted and honoured. Types are strict: a string
-is never coerced into a number or a boolean (`"n": "2"` is a 400). Ranges are checked once, by
+A request field motet does not know is refused (400 naming it), never ignored. OpenAI's fields that do
+not change the output (`user`, `metadata`, `store`, the prompt-cache hints, ...) are accepted and
+unused; the ones motet knows but cannot honour (`logit_bias`, `audio`, `reasoning_effort`, ...) are
+refused unless they hold their no-op value (`null`, `"auto"`, ...). The vLLM-style sampling extras (top_k,
+min_p, repetition_penalty, min_tokens, ignore_eos, ...) are accepted and honoured. Types are strict: a
+string is never coerced into a number or a boolean (`"n": "2"` is a 400). Ranges are checked once, by
 `engine.sampling_params.SamplingParams`, whose errors name the field.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from api.errors import UNSUPPORTED_FIELD
 from grammar.tool_calls import MAX_TOOL_CALLS
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    # Fields motet knows but cannot honour: name -> (the values that ask for nothing, what to do instead).
+    # Refused with a 400 naming the field when set to anything else; dropped before validation otherwise.
+    unsupported: ClassVar[dict[str, tuple[tuple, str]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if not isinstance(data, dict) or not cls.unsupported:
+            return data
+        for name, (no_ops, why) in cls.unsupported.items():
+            if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in no_ops):
+                # api.errors names the field: this error's location, then ctx["field"]
+                raise PydanticCustomError(
+                    UNSUPPORTED_FIELD, "not supported by this server; {why}", {"field": name, "why": why}
+                )
+        return {k: v for k, v in data.items() if k not in cls.unsupported}
+
+
+class _OpenAINoOps(_Request):
+    """OpenAI's optional fields that do not change the output: accepted (type-checked) and unused."""
+
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # chat: OpenAI's own storage of completions; motet keeps none
+    prompt_cache_key: str | None = None  # motet's prefix cache needs no hint
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
 
 
 # Data a chat template may read, passed through `chat_template_kwargs`, with its type. Anything else,
@@ -41,10 +75,35 @@ def _text_content(content: list, where: str) -> str:
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # padding against length side channels: no output change
 
 
-class _SamplingFields(_Request):
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` (api/structured.py turns it into a grammar spec)."""
+
+    unsupported = {
+        "whitespace_pattern": ((None,), "disable_any_whitespace: true asks for compact JSON"),
+        "disable_fallback": ((None, False), "motet always tries its other grammar backends"),
+    }
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool | None = None
+
+
+# What each kind of request refuses; shared by chat and completions where both have the field.
+_LOGIT_BIAS = {"logit_bias": ((None, {}), "logit biases are not applied; use guided_choice or a grammar")}
+
+
+class _SamplingFields(_OpenAINoOps):
     """Fields common to chat and completions."""
+
+    unsupported = _LOGIT_BIAS
 
     model: str
     n: int = Field(1, ge=1, le=64)
@@ -74,6 +133,7 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's newer spelling of the guided_* fields
 
     @field_validator("stop")
     @classmethod
@@ -82,6 +142,22 @@ class _SamplingFields(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    unsupported = _LOGIT_BIAS | {
+        "audio": ((None,), "only text output is produced"),
+        "modalities": ((None, ["text"]), "only text output is produced"),
+        "functions": ((None,), "send `tools` (the deprecated `functions` are not read)"),
+        "function_call": ((None,), "send `tool_choice` (the deprecated `function_call` is not read)"),
+        "prediction": ((None,), "predicted outputs are not used"),
+        "reasoning_effort": (
+            (None,),
+            "a model's reasoning is set by its chat template (chat_template_kwargs)",
+        ),
+        "verbosity": ((None,), "the model's verbosity cannot be set"),
+        "web_search_options": ((None,), "there is no web search"),
+        "moderation": ((None,), "there is no moderation"),
+        "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    }
+
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -127,10 +203,14 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
+    unsupported = _LOGIT_BIAS | {
+        "suffix": ((None, ""), "insertion after a suffix is not supported"),
+        "best_of": ((None, 1), "use n (every choice is returned)"),
+    }
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod

@@ -1,8 +1,9 @@
 """A request's structured output: which grammar constrains it, which tools it may call, its prompt.
 
 OpenAI's `response_format` (json_object, json_schema), vLLM's `guided_json` / `guided_regex` /
-`guided_choice` / `guided_grammar`, and `tools` + `tool_choice` all become one grammar spec (or none)
-and a tool mode that says how the output is parsed:
+`guided_choice` / `guided_grammar` and their newer spelling `structured_outputs: {json, regex, choice,
+grammar, json_object, structural_tag}`, and `tools` + `tool_choice` all become one grammar spec (or
+none) and a tool mode that says how the output is parsed:
 
 - `tool_choice` "required" or a named function: the output is constrained to Hermes-style calls of
   those tools whose arguments follow each tool's schema (an xgrammar structural tag).
@@ -26,6 +27,7 @@ from grammar.limits import GrammarLimitError, GrammarLimits
 from grammar.schema_normalize import normalize_schema
 from grammar.specs import (
     BACKEND_NAMES,
+    DEFAULT_MAX_WHITESPACE,
     ChoiceSpec,
     EbnfSpec,
     GrammarError,
@@ -150,7 +152,42 @@ def _guided(req, limits: GrammarLimits, warnings: list[str]) -> list[tuple[str, 
         found.append(("guided_choice", _limited(limits, spec, "guided_choice")))
     if req.guided_grammar is not None:
         found.append(("guided_grammar", _limited(limits, EbnfSpec(req.guided_grammar), "guided_grammar")))
+    if req.structured_outputs is not None:
+        found += _structured_outputs(req.structured_outputs, limits, warnings)
     return [(name, spec) for name, spec in found if spec is not None]
+
+
+def _structured_outputs(so, limits: GrammarLimits, warnings: list[str]) -> list[tuple[str, GrammarSpec]]:
+    """vLLM's `structured_outputs` (api.protocol.StructuredOutputs): its constraints, with its JSON
+    options (`disable_any_whitespace`: compact JSON; `disable_additional_properties`: objects closed or,
+    when false, open where the schema does not say)."""
+    space = 0 if so.disable_any_whitespace else DEFAULT_MAX_WHITESPACE
+    closed = so.disable_additional_properties is not False
+    found = []
+    if so.json_ is not None:
+        param = "structured_outputs.json"
+        schema = _schema(so.json_, param, limits)
+        _warn(schema, param, warnings)
+        found.append((param, JsonSchemaSpec(schema, strict=closed, max_whitespace=space)))
+    if so.json_object:
+        found.append(("structured_outputs.json_object", JsonObjectSpec(max_whitespace=space)))
+    if so.regex is not None:
+        found.append(
+            ("structured_outputs.regex", _limited(limits, RegexSpec(so.regex), "structured_outputs.regex"))
+        )
+    if so.choice is not None:
+        try:
+            spec = ChoiceSpec(tuple(so.choice))
+        except GrammarError as e:
+            raise _bad("structured_outputs.choice", str(e)) from None
+        found.append(("structured_outputs.choice", _limited(limits, spec, "structured_outputs.choice")))
+    if so.grammar is not None:
+        param = "structured_outputs.grammar"
+        found.append((param, _limited(limits, EbnfSpec(so.grammar), param)))
+    if so.structural_tag is not None:
+        param = "structured_outputs.structural_tag"
+        found.append((param, _limited(limits, StructuralTagSpec(so.structural_tag), param)))
+    return found
 
 
 def _check_tool_schemas(tools, limits: GrammarLimits) -> None:
