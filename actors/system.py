@@ -42,6 +42,7 @@ class Stats:
     adapters_pinned: int  # adapter versions held in host memory for unfinished requests
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
+    queued_adapters: tuple[str, ...] = ()  # adapters of requests in the adapter queues, not yet admitted
 
 
 class ServingSystem:
@@ -113,4 +114,7 @@ class ServingSystem:
             adapters_pinned=es.adapters_pinned,
             running_adapters=es.running_adapters,
             waiting_adapters=es.waiting_adapters,
+            queued_adapters=tuple(
+                sorted({a.name for a, n in self.queues.depth_by_adapter().items() if a is not None and n})
+            ),
         )

@@ -54,8 +54,11 @@ class AdapterStore:
         shared: dict[str, Path] | None = None,
         reserved: tuple[str, ...] = (),
         max_bytes: int = 512 << 20,
+        load_dirs: tuple[Path, ...] = (),
     ):
         self.system, self.data_dir, self.max_bytes = system, Path(data_dir), max_bytes
+        # server-side directories `load_from` may read adapters from (--lora-load-dir); none: it is off
+        self.load_dirs = tuple(Path(d).expanduser().resolve() for d in load_dirs)
         self.reserved = set(reserved)  # the base model's names: no adapter may take them
         now = int(time.time())
         self.shared = {
@@ -131,6 +134,37 @@ class AdapterStore:
             raise APIError(status, str(e), code="invalid_adapter") from None
         own[name] = adapter = self._entry(info)
         return adapter
+
+    async def load_from(self, tenant: str, name: str, path: str) -> Adapter:
+        """Store, as the tenant's adapter `name`, the PEFT adapter directory `path` on the server (vLLM's
+        /v1/load_lora_adapter): only from under the operator's --lora-load-dir directories, validated and
+        copied like an upload (so it survives a restart and its source may change later)."""
+        if not self.load_dirs:
+            raise APIError(
+                403, "this server loads no adapters from its own disk (see --lora-load-dir)", "lora_path"
+            )
+        where = Path(path).expanduser()
+        if not where.is_absolute():
+            raise APIError(400, "lora_path must be an absolute path", param="lora_path")
+        real = where.resolve()  # symlinks and ".." followed first: nothing escapes the listed directories
+        if not any(real.is_relative_to(d) for d in self.load_dirs):
+            raise APIError(
+                403, "lora_path is not under a directory this server loads adapters from", "lora_path"
+            )
+        files = {}
+        for filename in FILES:
+            f = real / filename
+            if not f.is_file():
+                raise APIError(
+                    400, f"lora_path has no {filename}: not a PEFT LoRA adapter directory", "lora_path"
+                )
+            files[filename] = f
+        if sum(f.stat().st_size for f in files.values()) > self.max_bytes:
+            raise APIError(
+                413, f"the adapter is larger than the limit of {self.max_bytes} bytes", "lora_path"
+            )
+        data = await anyio.to_thread.run_sync(lambda: {n: f.read_bytes() for n, f in files.items()})
+        return await self.save(tenant, name, data)
 
     async def delete(self, tenant: str, name: str) -> None:
         own = await self.own(tenant)

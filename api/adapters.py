@@ -5,17 +5,24 @@ POST   /v1/adapters         multipart form: `name`, and the adapter as `files` p
 GET    /v1/adapters         the tenant's adapters, and the shared ones
 GET    /v1/adapters/{name}
 DELETE /v1/adapters/{name}  requests already using it finish with it
+
+and vLLM's adapter management, for the scripts written against it (same store, same tenant scope):
+
+POST /v1/load_lora_adapter    {"lora_name", "lora_path"}: an adapter directory on the server, from under
+                              the operator's --lora-load-dir directories only
+POST /v1/unload_lora_adapter  {"lora_name"}
 """
 
 from __future__ import annotations
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from api import protocol as P
 from api.adapter_store import ARCHIVES, Adapter, AdapterStore
 from api.errors import APIError
+from api.request_body import read_json
 from api.state import ServerState
 from lora.adapter import PICKLED_SUFFIXES, pickle_refusal
 from lora.registry import FILES
@@ -106,3 +113,17 @@ async def delete_adapter(request: Request) -> Response:
     name = request.path_params["name"]
     await store.delete(tenant, name)
     return JSONResponse(P.AdapterDeleted(id=name).model_dump())
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    state, store, tenant = _context(request)
+    req = P.LoadLoraAdapterRequest.model_validate(await read_json(request, state.max_body_bytes))
+    await store.load_from(tenant, req.lora_name, req.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    state, store, tenant = _context(request)
+    req = P.UnloadLoraAdapterRequest.model_validate(await read_json(request, state.max_body_bytes))
+    await store.delete(tenant, req.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

@@ -15,9 +15,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api import protocol as P
-from api.adapters import delete_adapter, get_adapter, list_adapters, upload_adapter
+from api.adapters import (
+    delete_adapter,
+    get_adapter,
+    list_adapters,
+    load_lora_adapter,
+    unload_lora_adapter,
+    upload_adapter,
+)
 from api.errors import APIError, handle_exception, to_response
 from api.openai import chat_completions, completions
+from api.responses import create_response, delete_response, get_response
+from api.responses_request import ResponsesRequest
 from api.state import ServerState
 
 log = logging.getLogger("motet.api")
@@ -25,12 +34,18 @@ log = logging.getLogger("motet.api")
 ENDPOINTS = (
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/models",
     "/v1/adapters",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
     "/health",
     "/metrics",
     "/openapi.json",
 )
+
+
+TEMPLATED = ("/v1/adapters/{name}", "/v1/responses/{response_id}")  # counted by route, not by path
 
 
 def guarded(handler):
@@ -74,13 +89,19 @@ async def models(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state: ServerState = request.app.state.motet
     if state.system.ready:
-        state.metrics.refresh(state.system.stats())
+        state.metrics.refresh(state.system.stats(), state.system.engine.config.max_loras)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @functools.cache
 def openapi_schema() -> dict:
-    req_models = [P.ChatCompletionRequest, P.CompletionRequest]
+    req_models = [
+        P.ChatCompletionRequest,
+        P.CompletionRequest,
+        ResponsesRequest,
+        P.LoadLoraAdapterRequest,
+        P.UnloadLoraAdapterRequest,
+    ]
     resp_models = [
         P.ChatCompletionResponse,
         P.ChatCompletionChunk,
@@ -137,6 +158,14 @@ def openapi_schema() -> dict:
             }
         }
 
+    def any_object(description):
+        return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+    def text_post(req, summary):
+        body = {"required": True, "content": {"application/json": {"schema": ref(req)}}}
+        ok_text = {"description": "done", "content": {"text/plain": {"schema": {"type": "string"}}}}
+        return {"post": {"summary": summary, "requestBody": body, "responses": {"200": ok_text, **errors()}}}
+
     return {
         "openapi": "3.1.0",
         "info": {"title": "motet", "version": "0.1.0", "description": "OpenAI-compatible LLM serving"},
@@ -145,6 +174,34 @@ def openapi_schema() -> dict:
                 P.ChatCompletionRequest, P.ChatCompletionResponse, "chat completion"
             ),
             "/v1/completions": post(P.CompletionRequest, P.CompletionResponse, "text completion"),
+            "/v1/responses": {
+                "post": {
+                    "summary": "a model response (OpenAI Responses API): the Response object, or its typed "
+                    "events when stream is true",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": ref(ResponsesRequest)}},
+                    },
+                    "responses": {"200": any_object("the Response"), **errors()},
+                }
+            },
+            "/v1/responses/{response_id}": {
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "get": {
+                    "summary": "a stored response",
+                    "responses": {"200": any_object("the Response"), **errors()},
+                },
+                "delete": {
+                    "summary": "delete a stored response",
+                    "responses": {"200": any_object("deleted"), **errors()},
+                },
+            },
+            "/v1/load_lora_adapter": text_post(
+                P.LoadLoraAdapterRequest, "vLLM: store a server-side adapter directory"
+            ),
+            "/v1/unload_lora_adapter": text_post(P.UnloadLoraAdapterRequest, "vLLM: delete an adapter"),
             "/v1/models": {
                 "get": {
                     "summary": "served models",
@@ -237,13 +294,8 @@ class CountRequests:
             await self.app(scope, receive, send_status)
         finally:
             path = scope["path"]
-            endpoint = (
-                path
-                if path in ENDPOINTS
-                else "/v1/adapters/{name}"
-                if path.startswith("/v1/adapters/")
-                else "other"
-            )
+            endpoint = next((e for e in TEMPLATED if path.startswith(e.split("{")[0])), None)
+            endpoint = path if path in ENDPOINTS else endpoint or "other"
             self.state.metrics.requests.labels(endpoint, str(status)).inc()
 
 
@@ -270,11 +322,16 @@ def create_app(state: ServerState) -> Starlette:
     routes = [
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/responses", guarded(create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", guarded(get_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}", guarded(delete_response), methods=["DELETE"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/adapters", guarded(upload_adapter), methods=["POST"]),
         Route("/v1/adapters", guarded(list_adapters), methods=["GET"]),
         Route("/v1/adapters/{name}", guarded(get_adapter), methods=["GET"]),
         Route("/v1/adapters/{name}", guarded(delete_adapter), methods=["DELETE"]),
+        Route("/v1/load_lora_adapter", guarded(load_lora_adapter), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", guarded(unload_lora_adapter), methods=["POST"]),
         Route("/health", guarded(health), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),

@@ -1,18 +1,36 @@
-"""Prometheus metrics, one registry per app (tests run several apps in one process)."""
+"""Prometheus metrics, one registry per app (tests run several apps in one process).
+
+motet's own series (`motet_*`), and beside them vLLM's names with vLLM's meaning (`vllm:*`), which routers
+and autoscalers read (Kubernetes' inference gateway, llm-d, Ray): requests waiting (in the adapter queues
+or admitted but not running) and running, KV-cache usage (0..1), the LoRA adapters of running and of
+waiting requests (`vllm:lora_requests_info`, an info gauge whose value is the time it was set; adapters
+named as clients name them, never by tenant), and the TTFT / inter-token / end-to-end latency histograms
+with vLLM's buckets.
+"""
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from actors.system import Stats
 
+# vLLM's buckets for its latency histograms (vllm/v1/metrics/loggers.py)
+_VLLM_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+              40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_VLLM_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+             80.0)  # fmt: skip
+_VLLM_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+             480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
         r = self.registry = CollectorRegistry()
+        self.model_name = model_name  # the `model_name` label of the vLLM series
         self.requests = Counter(
             "motet_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
         )
@@ -48,9 +66,74 @@ class Metrics:
             "motet_lora_adapters_pinned", "adapters held for unfinished requests", registry=r
         )
 
-    def refresh(self, stats: Stats | None) -> None:
+        model = ["model_name"]
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", model, registry=r
+        )
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", model, registry=r
+        )
+        self.vllm_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", model, registry=r
+        )
+        self.vllm_lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
+        self.vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            model,
+            buckets=_VLLM_TTFT,
+            registry=r,
+        )
+        self.vllm_itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            model,
+            buckets=_VLLM_ITL,
+            registry=r,
+        )
+        self.vllm_tpot = Histogram(  # vLLM's older name for the same per-token latency
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            model,
+            buckets=_VLLM_ITL,
+            registry=r,
+        )
+        self.vllm_e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            model,
+            buckets=_VLLM_E2E,
+            registry=r,
+        )
+
+    def observe_request(self, ttft: float, e2e: float, token_gaps: list[tuple[float, int]]) -> None:
+        """One finished request's latencies in the vLLM histograms; `token_gaps` holds (seconds per token,
+        tokens) for each output delta after the first."""
+        self.vllm_ttft.labels(self.model_name).observe(ttft)
+        self.vllm_e2e.labels(self.model_name).observe(e2e)
+        for seconds, tokens in token_gaps:
+            for _ in range(tokens):
+                self.vllm_itl.labels(self.model_name).observe(seconds)
+                self.vllm_tpot.labels(self.model_name).observe(seconds)
+
+    def refresh(self, stats: Stats | None, max_loras: int = 0) -> None:
         if stats is None:
             return
+        self.vllm_waiting.labels(self.model_name).set(stats.queued + stats.waiting)
+        self.vllm_running.labels(self.model_name).set(stats.running)
+        total = stats.kv_blocks_used + stats.kv_blocks_free
+        self.vllm_kv_usage.labels(self.model_name).set(stats.kv_blocks_used / total if total else 0.0)
+        running = _client_names(stats.running_adapters)
+        waiting = _client_names(stats.waiting_adapters + stats.queued_adapters) - running
+        self.vllm_lora_info.clear()  # one series: the current sets (vLLM keeps one per combination seen)
+        self.vllm_lora_info.labels(str(max_loras), ",".join(sorted(running)), ",".join(sorted(waiting))).set(
+            time.time()
+        )
         self.queued.set(stats.queued)
         self.waiting.set(stats.waiting)
         self.running.set(stats.running)
@@ -63,3 +146,8 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _client_names(engine_names) -> set[str]:
+    """Adapters as clients name them (`model`), without the tenant part of uploads' engine names."""
+    return {name.rsplit("/", 1)[-1] for name in engine_names}

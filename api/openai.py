@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -107,7 +107,7 @@ async def submit(state: ServerState, *specs: GenerateSpec) -> list[Admission]:
         raise from_value_error(e, _PARAM_FIELDS) from None
 
 
-async def _accept(request: Request, model):
+async def accept_request(request: Request, model):
     """What every generation route does first: readiness, auth, body validation, model -> adapter."""
     state: ServerState = request.app.state.motet
     state.check_ready()
@@ -117,8 +117,10 @@ async def _accept(request: Request, model):
 
 
 # -- chat -------------------------------------------------------------------------------------------------
-async def chat_completions(request: Request) -> Response:
-    state, tenant, req, adapter = await _accept(request, P.ChatCompletionRequest)
+def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionRequest, rid: str):
+    """A validated chat request as the engine's GenerateSpec, with its structure (grammar, tools), top
+    logprobs (None: none) and whether the output is dropped (max_tokens 0). The Responses API
+    (api/responses.py) runs its requests through here too."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
     structure = structured_output(req, limits=state.system.engine.config.grammar_limits)
@@ -126,7 +128,6 @@ async def chat_completions(request: Request) -> Response:
         req.messages, structure, state.system.engine.tokenizer.hf.chat_template
     )
     params, engine_max, drop = build_params(req, max_tokens, k, None, structure, state.reasoning)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
     spec = GenerateSpec(
         request_ids=[f"{rid}-{i}" for i in range(req.n)],
         params=params,
@@ -142,6 +143,23 @@ async def chat_completions(request: Request) -> Response:
         prompt_param="messages",
         grammar_param=structure.param,
     )
+    return spec, structure, k, drop
+
+
+def chat_output(state: ServerState, adm: Admission, structure: Structure) -> Callable[[], ChatOutput]:
+    """Makes one choice's output splitter: reasoning (when the prompt already opened it), tool calls."""
+
+    def output() -> ChatOutput:
+        started = state.reasoning and adm.prompt_text.rstrip().endswith("<think>")
+        return ChatOutput(state.reasoning, started, tools=structure.tool_mode != "none")
+
+    return output
+
+
+async def chat_completions(request: Request) -> Response:
+    state, tenant, req, adapter = await accept_request(request, P.ChatCompletionRequest)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    spec, structure, k, drop = chat_spec(state, tenant, adapter, req, rid)
     arrival = time.perf_counter()
     state.inflight += 1
     streams: list[ReplyStream] = []
@@ -151,11 +169,7 @@ async def chat_completions(request: Request) -> Response:
         state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choices = [Choice(i, adm.prompt_token_ids, arrival) for i in range(req.n)]
         created = int(time.time())
-
-        def output() -> ChatOutput:
-            started = state.reasoning and adm.prompt_text.rstrip().endswith("<think>")
-            return ChatOutput(state.reasoning, started, tools=structure.tool_mode != "none")
-
+        output = chat_output(state, adm, structure)
         if req.stream:
             chunks = _chat_chunks(state, req, rid, created, choices, streams, k, drop, output)
             return with_warnings(EventStream(state, streams, chunks), structure, rid)
@@ -247,7 +261,7 @@ def _prompts(req: P.CompletionRequest) -> list[str | list[int]]:
 
 
 async def completions(request: Request) -> Response:
-    state, tenant, req, adapter = await _accept(request, P.CompletionRequest)
+    state, tenant, req, adapter = await accept_request(request, P.CompletionRequest)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default for completions
     k = req.logprobs
     structure = structured_output(req, allow_tools=False, limits=state.system.engine.config.grammar_limits)

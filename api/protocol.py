@@ -350,6 +350,21 @@ class AdapterList(BaseModel):
     data: list[AdapterCard]
 
 
+class LoadLoraAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    unsupported = {"load_inplace": ((None, False), "unload the adapter first, then load the new one")}
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter (adapters are named, never numbered, here)."""
+
+    unsupported = {"lora_int_id": ((None,), "name the adapter with lora_name")}
+    lora_name: str = Field(min_length=1)
+
+
 class AdapterDeleted(BaseModel):
     id: str
     object: Literal["adapter"] = "adapter"

@@ -55,6 +55,7 @@ def build_state(args, config):
     from actors.system import ServingSystem
     from api.adapter_store import AdapterStore
     from api.auth import Authenticator
+    from api.response_store import ResponseStore
     from api.state import ServerState
     from engine.llm_engine import LLMEngine
     from engine.model_store import DEFAULT_MODEL_ALIASES
@@ -73,7 +74,15 @@ def build_state(args, config):
     )
     data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
     adapters = AdapterStore(
-        system, data_dir, shared=loras, reserved=tuple(names), max_bytes=args.max_adapter_bytes
+        system,
+        data_dir,
+        shared=loras,
+        reserved=tuple(names),
+        max_bytes=args.max_adapter_bytes,
+        load_dirs=tuple(Path(d) for d in args.lora_load_dir or ()),
+    )
+    responses = ResponseStore(
+        data_dir, max_age_s=args.responses_max_age_days * 86400, max_per_tenant=args.responses_max_per_tenant
     )
     return ServerState(
         system=system,
@@ -81,6 +90,7 @@ def build_state(args, config):
         auth=Authenticator.from_file(args.api_keys),
         max_body_bytes=args.max_body_bytes,
         adapters=adapters,
+        responses=responses,
         reasoning=args.reasoning_parser == "think",
     )
 
@@ -125,13 +135,35 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--data-dir",
         default=None,
-        help=f"where tenants' uploaded adapters live (default: $MOTET_DATA_DIR or {DEFAULT_DATA_DIR})",
+        help=f"where tenants' uploaded adapters and stored responses live (default: $MOTET_DATA_DIR or "
+        f"{DEFAULT_DATA_DIR})",
+    )
+    from api.response_store import DEFAULT_MAX_AGE_DAYS, DEFAULT_MAX_PER_TENANT
+
+    p.add_argument(
+        "--responses-max-age-days",
+        type=float,
+        default=DEFAULT_MAX_AGE_DAYS,
+        help=f"stored Responses API responses are kept this long (default: {DEFAULT_MAX_AGE_DAYS:g})",
+    )
+    p.add_argument(
+        "--responses-max-per-tenant",
+        type=int,
+        default=DEFAULT_MAX_PER_TENANT,
+        help=f"each tenant's newest stored responses kept (default: {DEFAULT_MAX_PER_TENANT})",
     )
     p.add_argument(
         "--lora",
         action="append",
         metavar="NAME=PATH",
         help="serve a PEFT adapter directory to every tenant as model NAME (repeatable)",
+    )
+    p.add_argument(
+        "--lora-load-dir",
+        action="append",
+        metavar="DIR",
+        help="a server directory POST /v1/load_lora_adapter may read adapters from (repeatable; default: none, "
+        "loading from server paths is off)",
     )
     p.add_argument("--max-adapter-bytes", type=int, default=512 << 20, help="larger adapter uploads get 413")
     p.add_argument(

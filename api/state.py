@@ -12,6 +12,7 @@ from api.adapter_store import AdapterStore
 from api.auth import Authenticator
 from api.errors import APIError
 from api.metrics import Metrics
+from api.response_store import ResponseStore
 from lora.manager import AdapterRef
 
 
@@ -23,11 +24,15 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     max_body_bytes: int = 4 << 20
     adapters: AdapterStore | None = None  # None: no adapter uploads (in-process tests)
+    responses: ResponseStore | None = None  # stored Responses API responses; None: none are stored
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
     inflight: int = 0
     fatal: BaseException | None = None  # start-up failed (e.g. the model could not be loaded)
     reasoning: bool = False  # --reasoning-parser think: <think>...</think> becomes reasoning_content
+
+    def __post_init__(self):
+        self.metrics.model_name = self.model_name
 
     @property
     def model_name(self) -> str:

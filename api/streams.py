@@ -44,11 +44,20 @@ class Choice:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     first_token: float | None = None
+    last_token: float | None = None
+    token_gaps: list[tuple[float, int]] = field(
+        default_factory=list
+    )  # after the first delta: (s/token, tokens)
     error: ServingError | None = None
 
     def add(self, d: Delta) -> None:
-        if d.token_ids and self.first_token is None:
-            self.first_token = time.perf_counter()
+        if d.token_ids:
+            now = time.perf_counter()
+            if self.first_token is None:
+                self.first_token = now
+            else:
+                self.token_gaps.append(((now - self.last_token) / len(d.token_ids), len(d.token_ids)))
+            self.last_token = now
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
@@ -69,6 +78,7 @@ def observe(state: ServerState, c: Choice) -> None:
     if len(c.token_ids) > 1:
         m.tpot.observe((end - c.first_token) / (len(c.token_ids) - 1))
     m.generation_tokens.inc(len(c.token_ids))
+    m.observe_request(c.first_token - c.arrival, end - c.arrival, c.token_gaps)
 
 
 async def collect(request: Request, state: ServerState, choices: list[Choice], streams: list[ReplyStream]):
@@ -117,22 +127,27 @@ def sse(payload) -> str:
     return f"data: {data}\n\n"
 
 
-async def relay(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The SSE body: the handler's chunks, an error event if a request fails midway, then [DONE]."""
+async def relay(chunks: AsyncIterator[str], done: bool = True) -> AsyncIterator[str]:
+    """The SSE body: the handler's chunks, an error event if a request fails midway, then [DONE]
+    (unless `done` is false: the Responses API ends with its own last event)."""
     try:
         async for chunk in chunks:
             yield chunk
     except (ServingError, APIError) as e:
         yield sse((from_serving_error(e) if isinstance(e, ServingError) else e).body())
-    yield sse("[DONE]")
+    if done:
+        yield sse("[DONE]")
 
 
 class EventStream(StreamingResponse):
     """An SSE response that releases its requests however it ends: finished, failed, or client gone
     (Starlette cancels the body on disconnect, possibly before it ever started)."""
 
-    def __init__(self, state: ServerState, streams: list[ReplyStream], chunks: AsyncIterator[str]):
-        super().__init__(relay(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(
+        self, state: ServerState, streams: list[ReplyStream], chunks: AsyncIterator[str], done: bool = True
+    ):
+        body = relay(chunks, done)
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.state, self.streams = state, streams
         state.inflight += 1  # until the response is done
 

@@ -108,10 +108,24 @@ def _check_enforceable(schema: dict, param: str) -> None:
         )
 
 
+_RESPONSE_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema")}
+
+
+def _known_keys(obj: dict, known: tuple[str, ...], where: str) -> None:
+    """An unknown key is refused, never ignored (as every request field is)."""
+    for key in obj:
+        if key not in known:
+            raise APIError(
+                400, f"Unrecognized request argument supplied: {where}.{key}", param=f"{where}.{key}"
+            )
+
+
 def _response_format(rf: dict, limits: GrammarLimits, warnings: list[str]) -> GrammarSpec | None:
     if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
         raise _bad("response_format", 'must be an object with a "type"')
     kind = rf["type"]
+    if kind in _RESPONSE_FORMAT_KEYS:
+        _known_keys(rf, _RESPONSE_FORMAT_KEYS[kind], "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -120,6 +134,7 @@ def _response_format(rf: dict, limits: GrammarLimits, warnings: list[str]) -> Gr
         js = rf.get("json_schema")
         if not isinstance(js, dict) or "schema" not in js:
             raise _bad("response_format.json_schema", 'must be an object with a "schema"')
+        _known_keys(js, ("name", "schema", "strict", "description"), "response_format.json_schema")
         param = "response_format.json_schema.schema"
         schema = _schema(js["schema"], param, limits)
         if js.get("strict") is True:
