@@ -87,6 +87,23 @@ class ResponsesRequest(P._OpenAINoOps):
 # -- input items -> chat messages -----------------------------------------------------------------------------
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal", "summary_text": "text"}
+# The keys each input item and content part may have (what a client echoes back from an output included);
+# any other key is refused, as every request field is.
+_ITEM_KEYS = {
+    "message": ("type", "role", "content", "id", "status", "phase"),
+    "function_call": ("type", "call_id", "name", "arguments", "id", "status"),
+    "function_call_output": ("type", "call_id", "output", "id", "status"),
+    "reasoning": ("type", "id", "summary", "content", "encrypted_content", "status"),
+}
+_PART_KEYS = ("type", "text", "refusal", "annotations", "logprobs")
+
+
+def _known_keys(obj: dict, known: tuple[str, ...], where: str) -> None:
+    for key in obj:
+        if key not in known:
+            raise APIError(
+                400, f"Unrecognized request argument supplied: {where}.{key}", param=f"{where}.{key}"
+            )
 
 
 def input_items(req: ResponsesRequest) -> list[dict]:
@@ -108,6 +125,7 @@ def _text(content, where: str) -> str:
         key = _TEXT_PARTS.get(kind)
         if key is None:
             raise _bad(f"{where}[{j}]", f"content of type {kind!r} is not supported, only text")
+        _known_keys(part, _PART_KEYS, f"{where}[{j}]")
         if not isinstance(part.get(key), str):
             raise _bad(f"{where}[{j}].{key}", "expected a string")
         texts.append(part[key])
@@ -125,6 +143,8 @@ def to_messages(items: list[dict], first_index: int = 0) -> list[dict]:
         if not isinstance(item, dict):
             raise _bad(where, "expected an object")
         kind = item.get("type", "message")
+        if kind in _ITEM_KEYS:
+            _known_keys(item, _ITEM_KEYS[kind], where)
         if kind == "message":
             role = _ROLES.get(item.get("role"))
             if role is None:
@@ -198,10 +218,7 @@ def _check_tools(tools) -> None:
     """A function tool's keys beyond what motet reads are refused (grammar.tool_calls checks the rest)."""
     for i, tool in enumerate(tools if isinstance(tools, list) else []):
         if isinstance(tool, dict) and tool.get("type") == "function" and "function" not in tool:
-            for key in tool:
-                if key not in _FUNCTION_TOOL_KEYS:
-                    param = f"tools[{i}].{key}"
-                    raise APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+            _known_keys(tool, _FUNCTION_TOOL_KEYS, f"tools[{i}]")
 
 
 def chat_request(req: ResponsesRequest, history: list[dict]) -> P.ChatCompletionRequest:

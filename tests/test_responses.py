@@ -265,6 +265,11 @@ def test_store_false_is_not_stored(alice):
             "input[0].content[0]",
         ),
         ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": "x", "cache_control": {}}]}, "input[0].cache_control"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "detail": 1}]}]},
+            "input[0].content[0].detail",
+        ),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"max_output_tokens": 100_000}, "max_output_tokens"),
     ],
