@@ -14,9 +14,32 @@ from dataclasses import dataclass
 from engine.sequence import Sequence
 
 
+NO_PARENT = -1  # the first block's parent: CPython never returns -1 from hash(), and unlike None
+# (whose hash is its address before Python 3.12) it hashes alike in every process, so a router elsewhere
+# computes the same chain as the engine (cluster/).
+
+
 def block_hash(parent: int | None, adapter_id: int, token_ids: tuple[int, ...]) -> int:
     # The adapter id is part of the key: KV depends on the adapter's k/v deltas.
-    return hash((parent, adapter_id, token_ids))
+    return hash((NO_PARENT if parent is None else parent, adapter_id, token_ids))
+
+
+def matchable_tokens(num_tokens: int) -> int:
+    """How many leading tokens of a prompt a prefix-cache hit may cover: all but the last, whose logits the
+    step needs."""
+    return num_tokens - 1
+
+
+def chain_block_hashes(
+    token_ids, adapter_id: int, block_size: int, upto_tokens: int, hashes: list[int] | None = None
+) -> list[int]:
+    """The chained hashes of the full blocks within the first `upto_tokens` tokens, extending `hashes`
+    (those of the leading blocks, already computed) in place."""
+    hashes = [] if hashes is None else hashes
+    for i in range(len(hashes), upto_tokens // block_size):
+        tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(block_hash(hashes[-1] if hashes else None, adapter_id, tokens))
+    return hashes
 
 
 @dataclass
@@ -57,19 +80,14 @@ class BlockManager:
     def _hashes(self, seq: Sequence, upto_tokens: int) -> list[int]:
         """Chained hashes of the sequence's full blocks within its first `upto_tokens` tokens."""
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
-        bs = self.block_size
-        for i in range(len(hashes), upto_tokens // bs):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            hashes.append(block_hash(hashes[-1] if hashes else None, seq.adapter_id, tokens))
-        return hashes
+        return chain_block_hashes(seq.token_ids, seq.adapter_id, self.block_size, upto_tokens, hashes)
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks holding the longest cached prefix; returns the tokens covered."""
         assert not seq.block_table
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0
-        # Leave at least one token to compute: the step needs its logits.
-        hashes = self._hashes(seq, seq.num_tokens - 1)
+        hashes = self._hashes(seq, matchable_tokens(seq.num_tokens))
         bs = self.block_size
         for i, h in enumerate(hashes):
             block_id = self.cached.get(h)

@@ -31,8 +31,17 @@ from lora.base_shape import BaseShape
 from lora.slot_cache import LoRABatch, LoRASlotCache
 
 
+VERSION_STAMP = ".motet-version"  # in a copy of an adapter's files: the version of the files it copies
+
+
 def files_version(path: str | Path) -> str:
-    """The version of an adapter's files: changes whenever either file is replaced or rewritten."""
+    """The version of an adapter's files: changes whenever either file is replaced or rewritten. A copy
+    (a replica's, fetched from a shared store) carries its original's version in a stamp, so that its uid,
+    and with it the prefix-cache hashes, are the same in every process."""
+    try:
+        return (Path(path) / VERSION_STAMP).read_text()
+    except OSError:
+        pass
     parts = []
     for f in (CONFIG_FILE, WEIGHTS_FILE):
         try:
