@@ -9,6 +9,8 @@ import logging
 import os
 from pathlib import Path
 
+from cluster import cli as cluster_cli
+
 log = logging.getLogger("motet.server")
 
 DEFAULT_DATA_DIR = "~/.local/share/motet"
@@ -69,9 +71,15 @@ def build_state(args, config):
     elif Path(config.model).exists():
         names.append(Path(config.model).name)
     loras = shared_loras(args.lora, names)
-    system = ServingSystem(
-        lambda: LLMEngine(config), max_queue_len=args.max_queue_len, max_waiting=args.max_waiting, loras=loras
-    )
+    if cluster_cli.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
+        system = cluster_cli.cluster_system(args, config, loras)
+    else:
+        system = ServingSystem(
+            lambda: LLMEngine(config),
+            max_queue_len=args.max_queue_len,
+            max_waiting=args.max_waiting,
+            loras=loras,
+        )
     data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
     adapters = AdapterStore(
         system,
@@ -84,7 +92,7 @@ def build_state(args, config):
     responses = ResponseStore(
         data_dir, max_age_s=args.responses_max_age_days * 86400, max_per_tenant=args.responses_max_per_tenant
     )
-    return ServerState(
+    state = ServerState(
         system=system,
         model_names=names,
         auth=Authenticator.from_file(args.api_keys),
@@ -93,6 +101,9 @@ def build_state(args, config):
         responses=responses,
         reasoning=args.reasoning_parser == "think",
     )
+    if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
+        state.metrics.registry.register(system.replica_metrics())
+    return state
 
 
 def serve(args, config) -> int:
@@ -196,3 +207,4 @@ def add_serve_args(p) -> None:
         )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true")
+    cluster_cli.add_args(p)

@@ -57,7 +57,8 @@ def _timed_steps(engine, prompts: list[list[int]], max_tokens: int) -> list[tupl
     while engine.has_unfinished():
         batch = engine.schedule()
         pairs = sum(
-            attention_pairs(n, s.num_computed_tokens) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            attention_pairs(n, s.num_computed_tokens)
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
         )
         t0 = time.perf_counter()
         engine.commit(batch, engine.execute(batch))

@@ -8,4 +8,4 @@ fi
 pip() { .venv/bin/python -m pip "$@"; }
 # torch first, pinned: on this machine it is a local CPU wheel; unpinned it would pull CUDA packages.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
-pip install -q -e ".[dev]"
+pip install -q -e ".[dev,cluster]"
