@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from engine.sequence import Sequence
 
-
 NO_PARENT = -1  # the first block's parent: CPython never returns -1 from hash(), and unlike None
 # (whose hash is its address before Python 3.12) it hashes alike in every process, so a router elsewhere
 # computes the same chain as the engine (cluster/).

@@ -196,7 +196,7 @@ def plots(results: dict, out: Path) -> list[Path]:
     return paths
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, nargs="+", default=[4, 16, 64, 256])
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
@@ -212,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit", type=Path, default=None, help="evals/routing_fit.py's JSON (default: its report)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     results = run(args)
     results["argv"] = ["python -m evals.routing_sim", *(argv if argv is not None else sys.argv[1:])]
     out = args.out or ROOT / "reports" / "eval" / f"routing_sim-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -30,7 +30,6 @@ from lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, LoRAAdapter, l
 from lora.base_shape import BaseShape
 from lora.slot_cache import LoRABatch, LoRASlotCache
 
-
 VERSION_STAMP = ".motet-version"  # in a copy of an adapter's files: the version of the files it copies
 
 
