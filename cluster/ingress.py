@@ -26,6 +26,7 @@ from actors.errors import EngineFailure, ServerBusy, ServingError, ShuttingDown
 from actors.messages import Admission, GenerateSpec
 from actors.reply import ReplyStream
 from actors.system import Stats
+from cluster import reports
 from cluster.adapter_store import SharedAdapterStore
 from cluster.launch import Cluster
 from cluster.model_view import ModelView
@@ -197,12 +198,9 @@ class ClusterSystem:
 
     def stats(self) -> Stats:
         """The replicas' stats summed, as of their latest reports."""
-        from cluster.router import LATEST_REPORTS
-
-        return total_stats(LATEST_REPORTS.values()) or Stats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        return total_stats(reports.LATEST.values()) or Stats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
     def replica_metrics(self):
         from cluster.metrics import ReplicaMetrics
-        from cluster.router import LATEST_REPORTS
 
-        return ReplicaMetrics(LATEST_REPORTS)
+        return ReplicaMetrics(reports.LATEST)

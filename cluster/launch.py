@@ -13,8 +13,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.reports import REPORT_PERIOD_S
-
 log = logging.getLogger("motet.cluster")
 
 APP = "motet"
@@ -63,6 +61,8 @@ class Cluster:
 
     def deployment_options(self) -> dict:
         from ray.serve.config import RequestRouterConfig
+
+        from cluster.reports import REPORT_PERIOD_S
 
         s = self.settings
         router = "ray.serve._private.request_router.pow_2_router.PowerOfTwoChoicesRequestRouter"

@@ -125,7 +125,9 @@ class EngineReplica:
         blocks = ReplicaReport.pack(_keys(engine.block_manager.cached))
         adapters = tuple(_keys(engine.adapters.slots.cpu))
         last = self.report
-        if last is None or (last.stats, last.blocks, last.adapters) != (stats, blocks, adapters):
+        # A report that differs is broadcast to every handle: idle steps alone do not make one.
+        same = last is not None and dataclasses.replace(last.stats, steps=stats.steps) == stats
+        if not same or (last.blocks, last.adapters) != (blocks, adapters):
             seq = last.seq + 1 if last else 1
             slots = engine.config.max_cpu_loras
             self.report = ReplicaReport(self.replica_id, seq, stats, blocks, adapters, slots)

@@ -17,6 +17,10 @@ from actors.system import Stats
 
 REPORT_PERIOD_S = 0.5
 
+# replica id -> its latest report, as the ingress's router received it (cluster/router.py writes it, the
+# ingress's /metrics reads it; one router per process: the ingress's handle).
+LATEST: dict[str, ReplicaReport] = {}
+
 
 @dataclass(frozen=True)
 class ReplicaReport:

@@ -8,7 +8,10 @@ queue has room (it checks `max_ongoing_requests`), so a full replica falls throu
 Its view: the replicas' reports (`RunningReplica.routing_stats`, cluster/reports.py), applied to a
 PrefixIndex when a replica's report changes; what it routed since (`on_request_routed`), as guesses that
 expire; and the load it sent each replica and has not seen complete (`on_request_completed`). The latest
-reports are also published in `LATEST_REPORTS` for the ingress's /metrics, in this same process.
+reports are also published in cluster/reports.py's LATEST for the ingress's /metrics, in this same process.
+
+Ray Serve pickles this module by value (its RequestRouterConfig registers it so): a module-level object here
+would be a copy in the handle's router, so shared state lives in other modules, reached as their attributes.
 """
 
 from __future__ import annotations
@@ -19,13 +22,12 @@ import time
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cluster import reports
 from cluster.prefix_index import PrefixIndex
 from cluster.reports import ReplicaReport
 from cluster.routing_policy import LoadTracker, ReplicaLoad, RouteRequest, RoutingPolicy
 
 log = logging.getLogger("motet.router")
-
-LATEST_REPORTS: dict[str, ReplicaReport] = {}  # replica id -> its latest report, for the ingress's metrics
 
 
 class MotetRouter(RequestRouter):
@@ -47,14 +49,14 @@ class MotetRouter(RequestRouter):
             if report is not None and self.seen.get(rid) != report.seq:
                 self.seen[rid] = report.seq
                 self.index.report_snapshot(rid, report.block_hashes(), report.adapters)
-                LATEST_REPORTS[rid] = report
+                reports.LATEST[rid] = report
         return out
 
     def _forget(self, rid: str) -> None:
         self.index.remove_replica(rid)
         self.tracker.remove_replica(rid)
         self.seen.pop(rid, None)
-        LATEST_REPORTS.pop(rid, None)
+        reports.LATEST.pop(rid, None)
 
     def update_replicas(self, replicas: list[RunningReplica]):
         """Serve's broadcast: the replicas, with their latest reports."""
@@ -75,10 +77,10 @@ class MotetRouter(RequestRouter):
         route = _route_of(pending_request)
         if route is None or len(candidate_replicas) <= 1:
             return [candidate_replicas]  # Serve picks the shortest queue among them
-        reports = self._refresh(candidate_replicas)
+        latest = self._refresh(candidate_replicas)
         self.index.expire(time.monotonic())
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = {rid: self._load(rid, reports.get(rid)) for rid in by_id}
+        loads = {rid: self._load(rid, latest.get(rid)) for rid in by_id}
         ranked = self.policy.rank(route, list(by_id), self.index, loads, self.rng)
         return [[by_id[rid]] for rid in ranked]
 
