@@ -30,11 +30,44 @@ from evals.report import fmt, pct, pyplot, save, table
 from evals.server import ManagedServer
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = (
-    "policy account invoice refund shipment customer warranty order ledger balance audit contract clause "
-    "tariff schedule region support ticket priority escalate summary report quarterly revenue forecast "
-    "inventory supplier partner compliance review approve deny pending status update notify"
-).split()
+WORDS = [
+    "policy",
+    "account",
+    "invoice",
+    "refund",
+    "shipment",
+    "customer",
+    "warranty",
+    "order",
+    "ledger",
+    "balance",
+    "audit",
+    "contract",
+    "clause",
+    "tariff",
+    "schedule",
+    "region",
+    "support",
+    "ticket",
+    "priority",
+    "escalate",
+    "summary",
+    "report",
+    "quarterly",
+    "revenue",
+    "forecast",
+    "inventory",
+    "supplier",
+    "partner",
+    "compliance",
+    "review",
+    "approve",
+    "deny",
+    "pending",
+    "status",
+    "update",
+    "notify",
+]
 QUESTIONS = [
     "What should I do about a late shipment?",
     "Summarize the refund rules in one sentence.",
@@ -59,7 +92,9 @@ def make_adapters(out: Path, n: int) -> list[Path]:
     paths = []
     for seed in range(n):
         torch.manual_seed(seed)
-        model = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+        model = get_peft_model(
+            copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+        )
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.data = torch.randn_like(p) * 0.05
@@ -78,14 +113,21 @@ def workload(args) -> list[dict]:
         choices = [f"a{j}" for j in range(args.adapters_per_tenant)] + (["base"] if tenant == 0 else [])
         turns = rng.randint(2, args.max_turns)
         conversations.append(
-            {"start": t, "tenant": tenant, "model": rng.choice(choices), "questions": rng.sample(QUESTIONS, turns)}
+            {
+                "start": t,
+                "tenant": tenant,
+                "model": rng.choice(choices),
+                "questions": rng.sample(QUESTIONS, turns),
+            }
         )
     return conversations
 
 
 def system_prompt(tenant: int, words: int) -> str:
     rng = random.Random(1000 + tenant)
-    return f"You are the assistant of company {tenant}. Rules: " + " ".join(rng.choice(WORDS) for _ in range(words))
+    return f"You are the assistant of company {tenant}. Rules: " + " ".join(
+        rng.choice(WORDS) for _ in range(words)
+    )
 
 
 def replica_counters(url: str) -> tuple[float, float]:
@@ -137,10 +179,15 @@ async def drive(server: ManagedServer, args, adapters: list[Path], served: str) 
                 r = c.post("/v1/adapters", data={"name": f"a{j}"}, files=files)
                 r.raise_for_status()
     before = replica_counters(server.url)
-    clients = {t: openai.AsyncOpenAI(base_url=server.base_url, api_key=k, max_retries=0, timeout=600) for k, t in keys.items()}
+    clients = {
+        t: openai.AsyncOpenAI(base_url=server.base_url, api_key=k, max_retries=0, timeout=600)
+        for k, t in keys.items()
+    }
     conversations = workload(args)
     t0 = time.monotonic()
-    await asyncio.gather(*(converse(clients[c["tenant"]], c, args, t0, served, records) for c in conversations))
+    await asyncio.gather(
+        *(converse(clients[c["tenant"]], c, args, t0, served, records) for c in conversations)
+    )
     seconds = time.monotonic() - t0
     await asyncio.sleep(2)  # the replicas' last reports
     after = replica_counters(server.url)

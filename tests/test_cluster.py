@@ -114,7 +114,9 @@ def test_chat_and_stream(cluster, offline):
 
 def test_adapter_upload_served_by_both_replicas(cluster, offline, adapter):
     alice = http(cluster, "alice")
-    r = alice.post("/v1/adapters", data={"name": "a"}, files=[("files", f) for f in two_files(adapter).items()])
+    r = alice.post(
+        "/v1/adapters", data={"name": "a"}, files=[("files", f) for f in two_files(adapter).items()]
+    )
     assert r.status_code == 200, r.text
     expected = offline(CHAT, GREEDY["max_tokens"], "a")
     assert expected != offline(CHAT, GREEDY["max_tokens"])
@@ -123,9 +125,11 @@ def test_adapter_upload_served_by_both_replicas(cluster, offline, adapter):
     with ThreadPoolExecutor(8) as pool:
         texts = list(
             pool.map(
-                lambda _: client.chat.completions.create(model="a", messages=CHAT, **GREEDY)
-                .choices[0]
-                .message.content,
+                lambda _: (
+                    client.chat.completions.create(model="a", messages=CHAT, **GREEDY)
+                    .choices[0]
+                    .message.content
+                ),
                 range(8),
             )
         )
@@ -163,7 +167,9 @@ def cmdline(p) -> str:
 
 
 def replica_processes(server: Server) -> list:
-    return [p for p in psutil.Process(server.proc.pid).children(recursive=True) if "ServeReplica" in cmdline(p)]
+    return [
+        p for p in psutil.Process(server.proc.pid).children(recursive=True) if "ServeReplica" in cmdline(p)
+    ]
 
 
 def test_replica_killed_under_load(cluster, offline):
