@@ -63,13 +63,10 @@ class Cluster:
         from ray.serve.config import RequestRouterConfig
 
         from cluster.reports import REPORT_PERIOD_S
+        from cluster.router import MotetRouter, ReportingPowerOfTwoRouter
 
         s = self.settings
-        router = "ray.serve._private.request_router.pow_2_router.PowerOfTwoChoicesRequestRouter"
-        if s.router == "motet":
-            from cluster.router import MotetRouter
-
-            router = MotetRouter
+        router = MotetRouter if s.router == "motet" else ReportingPowerOfTwoRouter
         options = dict(
             name="EngineReplica",
             max_ongoing_requests=s.max_ongoing_requests,

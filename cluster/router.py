@@ -20,6 +20,7 @@ import logging
 import random
 import time
 
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster import reports
@@ -28,6 +29,26 @@ from cluster.reports import ReplicaReport
 from cluster.routing_policy import LoadTracker, ReplicaLoad, RouteRequest, RoutingPolicy
 
 log = logging.getLogger("motet.router")
+
+
+def publish(replicas: list[RunningReplica]) -> dict[str, ReplicaReport | None]:
+    """Each replica's current report, also published for the ingress's /metrics."""
+    latest = {r.replica_id.unique_id: ReplicaReport.from_dict(r.routing_stats or {}) for r in replicas}
+    for rid, report in latest.items():
+        if report is not None:
+            reports.LATEST[rid] = report
+    for rid in set(reports.LATEST) - set(latest):
+        reports.LATEST.pop(rid, None)
+    return latest
+
+
+class ReportingPowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's default routing (power of two choices), unchanged; it only publishes the replicas' reports
+    for /metrics, as motet's router does (`--router pow2`)."""
+
+    def update_replicas(self, replicas: list[RunningReplica]):
+        publish(replicas)
+        return super().update_replicas(replicas)
 
 
 class MotetRouter(RequestRouter):
@@ -41,16 +62,12 @@ class MotetRouter(RequestRouter):
     # -- the view -------------------------------------------------------------------------------------
     def _refresh(self, replicas: list[RunningReplica]) -> dict[str, ReplicaReport | None]:
         """Apply every replica's report that changed; the current report of each."""
-        out = {}
-        for r in replicas:
-            rid = r.replica_id.unique_id
-            report = ReplicaReport.from_dict(r.routing_stats or {})
-            out[rid] = report
+        latest = {r.replica_id.unique_id: ReplicaReport.from_dict(r.routing_stats or {}) for r in replicas}
+        for rid, report in latest.items():
             if report is not None and self.seen.get(rid) != report.seq:
                 self.seen[rid] = report.seq
                 self.index.report_snapshot(rid, report.block_hashes(), report.adapters)
-                reports.LATEST[rid] = report
-        return out
+        return latest
 
     def _forget(self, rid: str) -> None:
         self.index.remove_replica(rid)
@@ -63,6 +80,7 @@ class MotetRouter(RequestRouter):
         gone = set(self.seen) - {r.replica_id.unique_id for r in replicas}
         for rid in gone:
             self._forget(rid)
+        publish(replicas)
         self._refresh(replicas)
         return super().update_replicas(replicas)
 

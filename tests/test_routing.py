@@ -198,3 +198,28 @@ def test_simulation_ranks_the_policies_as_their_design_says():
     assert motet["prefix_hit_rate"] > rr["prefix_hit_rate"] + 0.2
     assert motet["prefix_hit_rate"] >= 0.9 * oracle["prefix_hit_rate"]
     assert motet["adapter_loads_per_1000"] < rr["adapter_loads_per_1000"] / 2
+
+
+# -- the scale-out flags ------------------------------------------------------------------------------------------
+def test_scale_out_flags_are_checked_and_shape_the_deployment():
+    from api.cli import build_parser
+    from cluster.cli import wants_cluster
+    from cluster.launch import Cluster, ClusterSettings
+
+    parse = lambda *a: build_parser().parse_args(["serve", *a])  # noqa: E731
+    assert not wants_cluster(parse())
+    assert wants_cluster(parse("--replicas", "2")) and wants_cluster(parse("--max-replicas", "4"))
+    for bad, what in [
+        (dict(min_replicas=1), "go together"),
+        (dict(min_replicas=3, max_replicas=2), "--min-replicas <= --max-replicas"),
+        (dict(replicas=0), "--replicas must be at least 1"),
+        (dict(router="random"), "--router must be one of"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            ClusterSettings(**bad)
+    pytest.importorskip("ray")
+    fixed = Cluster(ClusterSettings(replicas=3, drain_timeout_s=7), None).deployment_options()
+    assert fixed["num_replicas"] == 3 and fixed["graceful_shutdown_timeout_s"] == 7
+    scaled = Cluster(ClusterSettings(replicas=1, min_replicas=1, max_replicas=4), None).deployment_options()
+    auto = scaled["autoscaling_config"]
+    assert "num_replicas" not in scaled and (auto["min_replicas"], auto["max_replicas"]) == (1, 4)
