@@ -28,7 +28,7 @@ from actors.reply import ReplyStream
 from actors.system import Stats
 from cluster import reports
 from cluster.adapter_store import SharedAdapterStore
-from cluster.launch import Cluster
+from cluster.launch import Cluster, ClusterThread
 from cluster.model_view import ModelView
 from cluster.prompt_blocks import route_hashes
 from cluster.replica import Admitted, Refused
@@ -82,17 +82,24 @@ class ClusterSystem:
         return self.handle is not None and not self._stopped.is_set()
 
     async def run(self, *, task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        owner = ClusterThread(self.cluster)
+        owner.start()
         try:
-            self.handle = await anyio.to_thread.run_sync(self.cluster.start, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(owner.started.wait, abandon_on_cancel=True)
+            if owner.error is not None:
+                raise owner.error
+            await anyio.to_thread.run_sync(lambda: self.model.tokenizer)  # loaded before the first request
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                self.handle = owner.handle
                 task_status.started()
                 await self._stopped.wait()
                 tg.cancel_scope.cancel()
         finally:
             self.handle = None
+            owner.finish()
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.cluster.stop)
+                await anyio.to_thread.run_sync(owner.join)
 
     async def stop(self) -> None:
         self._stopped.set()
@@ -114,7 +121,12 @@ class ClusterSystem:
         adapter = spec.adapter.uid if spec.adapter is not None else 0
         streams = [ReplyStream(rid) for s in specs for rid in s.request_ids]
         call = _Call(specs, RouteRequest(hashes, adapter), streams)
-        admitted = await self._admit(call)
+        try:
+            admitted = await self._admit(call)
+        except BaseException:  # refused, or the client went away meanwhile: nothing may run on
+            if call.response is not None:
+                call.response.cancel()
+            raise
         for s in streams:
             self.calls[s.request_id] = call
         self._tg.start_soon(self._relay, call)

@@ -2,14 +2,18 @@
 joined at `--ray-address`; one Serve application of EngineReplica replicas (fixed in number, or autoscaled
 between --min-replicas and --max-replicas on ongoing requests per replica), routed by MotetRouter.
 
-Both calls block (Ray's API is synchronous): the ingress runs them in a worker thread. Stopping a local Ray
-ends every process it started; on a joined cluster only this application is deleted.
+Both calls block (Ray's API is synchronous). A local Ray's processes share the fate of the *thread* that
+started them (Ray spawns them with PR_SET_PDEATHSIG, which Linux ties to the spawning thread), so the ingress
+runs the cluster in a ClusterThread that lives exactly as long as it: a pooled worker thread would be reaped
+when idle, and Ray with it. Stopping a local Ray ends every process it started; on a joined cluster only this
+application is deleted.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +78,7 @@ class Cluster:
             request_router_config=RequestRouterConfig(
                 request_router_class=router, request_routing_stats_period_s=REPORT_PERIOD_S
             ),
+            logging_config={"enable_access_log": False},  # the ingress logs requests
             graceful_shutdown_wait_loop_s=0.5,
             graceful_shutdown_timeout_s=s.drain_timeout_s,
             health_check_period_s=2.0,
@@ -129,3 +134,28 @@ class Cluster:
         except Exception:
             log.exception("stopping the Serve application failed")
         ray.shutdown()
+
+
+class ClusterThread(threading.Thread):
+    """Starts the cluster, keeps it (and Ray's processes, which die with this thread) until `finish`, stops it."""
+
+    def __init__(self, cluster: Cluster):
+        super().__init__(name="motet-cluster", daemon=True)
+        self.cluster = cluster
+        self.handle = None
+        self.error: BaseException | None = None
+        self.started = threading.Event()  # the handle, or the error, is there
+        self._finish = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.handle = self.cluster.start()
+        except BaseException as e:  # handed to the ingress, which fails its start-up with it
+            self.error = e
+        finally:
+            self.started.set()
+        self._finish.wait()
+        self.cluster.stop()
+
+    def finish(self) -> None:
+        self._finish.set()
