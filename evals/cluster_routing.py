@@ -201,6 +201,7 @@ async def drive(server: ManagedServer, args, adapters: list[Path], served: str) 
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
         "ttft_mean_s": statistics.fmean(ttfts),
+        "ttfts_s": [round(t, 3) for t in ttfts],
     }
 
 
@@ -211,7 +212,7 @@ def run_router(router: str, args, adapters, keys_file: Path, out: Path) -> dict:
     ]  # fmt: skip
     with ManagedServer(server_args, log_path=out / f"server-{router}.log", start_timeout=1200) as server:
         result = asyncio.run(drive(server, args, adapters, "base-model"))
-    print(f"{router}: {json.dumps(result)}", file=sys.stderr)
+    print(f"{router}: {json.dumps({k: v for k, v in result.items() if k != 'ttfts_s'})}", file=sys.stderr)
     return result
 
 
