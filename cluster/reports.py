@@ -73,4 +73,5 @@ def total_stats(reports: Iterable[ReplicaReport]) -> Stats | None:
     sums = {name: sum(getattr(r.stats, name) for r in reports) for name in numbers}
     running = tuple(sorted({a for r in reports for a in r.stats.running_adapters}))
     waiting = tuple(sorted({a for r in reports for a in r.stats.waiting_adapters} - set(running)))
-    return Stats(**sums, running_adapters=running, waiting_adapters=waiting)
+    queued = tuple(sorted({a for r in reports for a in r.stats.queued_adapters} - set(running)))
+    return Stats(**sums, running_adapters=running, waiting_adapters=waiting, queued_adapters=queued)

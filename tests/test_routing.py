@@ -143,11 +143,11 @@ def test_block_hashes_agree_across_processes():
 def test_report_round_trip_and_sum():
     from actors.system import Stats
 
-    def report(replica, running, hits):
-        stats = Stats(1, 0, running, 10, 90, 100, hits, 0, 5, 1, ("t/a",), ())
+    def report(replica, running, hits, waiting=(), queued=()):
+        stats = Stats(1, 0, running, 10, 90, 100, hits, 0, 5, 1, ("t/a",), waiting, queued)
         return ReplicaReport(replica, 3, stats, ReplicaReport.pack([5, -7]), (11,), 32)
 
-    a, b = report("a", 2, 40), report("b", 3, 10)
+    a, b = report("a", 2, 40, queued=("t/q",)), report("b", 3, 10, waiting=("t/a", "t/w"), queued=("t/a",))
     back = ReplicaReport.from_dict(a.to_dict())
     assert back == a and list(back.block_hashes()) == [5, -7] and back.kv_free_fraction == 0.9
     assert ReplicaReport.from_dict({}) is None
@@ -158,6 +158,9 @@ def test_report_round_trip_and_sum():
         2,
         ("t/a",),
     )
+    # adapters waiting or queued on one replica and running on another count as running (as vLLM's
+    # lora_requests_info names them)
+    assert (total.waiting_adapters, total.queued_adapters) == (("t/w",), ("t/q",))
 
 
 # -- the shared adapter store -------------------------------------------------------------------------------------
