@@ -19,6 +19,8 @@ import hashlib
 import logging
 import shutil
 import tempfile
+import threading
+import uuid
 from pathlib import Path
 
 from lora.manager import VERSION_STAMP, AdapterRef, files_version
@@ -33,6 +35,9 @@ class SharedAdapterStore:
         self.cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "motet-adapters").expanduser()
         self._fs = self._root = None
         self._published: dict[int, str] = {}  # uid -> engine name, of the versions published
+        # Publishing (the ingress) and fetching (a replica) run in worker threads, several at once when
+        # concurrent requests are an adapter's first: one at a time checks the store and copies.
+        self._lock = threading.Lock()
         if self.url:
             import fsspec
 
@@ -49,15 +54,18 @@ class SharedAdapterStore:
         """Make this version of the adapter readable by every replica (blocking: call it in a thread)."""
         if self._fs is None or ref.uid in self._published:
             return
-        target = self._dir(ref.name, ref.version)
-        if not self._fs.exists(f"{target}/{FILES[-1]}"):
-            staging = f"{target}.partial"
-            self._fs.makedirs(staging, exist_ok=True)
-            for f in FILES:
-                self._fs.put_file(str(Path(ref.path) / f), f"{staging}/{f}")
-            self._fs.mv(staging, target, recursive=True)
-            log.info("published adapter %s to %s", ref.name, target)
-        self._published[ref.uid] = ref.name
+        with self._lock:
+            if ref.uid in self._published:  # published by another request while this one waited
+                return
+            target = self._dir(ref.name, ref.version)
+            if not self._fs.exists(f"{target}/{FILES[-1]}"):
+                staging = f"{target}.partial-{uuid.uuid4().hex}"  # never another publisher's
+                self._fs.makedirs(staging, exist_ok=True)
+                for f in FILES:
+                    self._fs.put_file(str(Path(ref.path) / f), f"{staging}/{f}")
+                self._fs.mv(staging, target, recursive=True)
+                log.info("published adapter %s to %s", ref.name, target)
+            self._published[ref.uid] = ref.name
 
     def unpublish(self, name: str) -> None:
         """The adapter `name` was deleted: remove every version from the store (blocking)."""
@@ -74,6 +82,11 @@ class SharedAdapterStore:
         if self._fs is None:
             return ref
         local = self.cache_dir / ref.name / hashlib.blake2b(ref.version.encode(), digest_size=8).hexdigest()
+        with self._lock:
+            self._fetch(ref, local)
+        return AdapterRef(ref.name, local, ref.version)
+
+    def _fetch(self, ref: AdapterRef, local: Path) -> None:
         if files_version(local) != ref.version:
             source = self._dir(ref.name, ref.version)
             staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=self._ensure(local.parent)))
@@ -86,7 +99,6 @@ class SharedAdapterStore:
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
-        return AdapterRef(ref.name, local, ref.version)
 
     def deleted(self, ref: AdapterRef) -> bool:
         """The store has no version of this adapter's name any more (blocking)."""

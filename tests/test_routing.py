@@ -189,6 +189,29 @@ def test_store_copies_keep_the_uid_and_deletion_shows(tmp_path):
     assert direct.local(ref) == ref and not direct.deleted(ref)
 
 
+def test_store_publishes_and_fetches_once_under_concurrent_first_uses(tmp_path):
+    """Concurrent requests that are an adapter's first use each publish (at the ingress) and fetch (at a
+    replica) it: every one succeeds and sees the same files."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster.adapter_store import SharedAdapterStore
+    from lora.manager import AdapterRef
+
+    source = tmp_path / "upload"
+    source.mkdir()
+    (source / "adapter_config.json").write_text('{"r": 8}')
+    (source / "adapter_model.safetensors").write_bytes(b"weights" * 100_000)
+    ref = AdapterRef.of("alice/a", source)
+    ingress = SharedAdapterStore(f"file://{tmp_path / 'store'}")
+    replica = SharedAdapterStore(f"file://{tmp_path / 'store'}", cache_dir=tmp_path / "cache")
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: ingress.publish(ref), range(8)))
+        locals_ = list(pool.map(lambda _: replica.local(ref), range(8)))
+    assert len(set(locals_)) == 1 and locals_[0].uid == ref.uid
+    assert (locals_[0].path / "adapter_model.safetensors").read_bytes() == b"weights" * 100_000
+    assert len(list((tmp_path / "store" / "alice" / "a").iterdir())) == 1  # one version, no staging left
+
+
 # -- the simulation ----------------------------------------------------------------------------------------------
 def test_simulation_ranks_the_policies_as_their_design_says():
     from evals import routing_sim
