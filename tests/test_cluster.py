@@ -1,9 +1,9 @@
 """`motet serve --replicas 2` on a real local Ray cluster (tiny random model, one thread per replica), driven
-by the openai SDK over loopback: chat and streaming equal to the offline engine's greedy output; an adapter
-upload served by both replicas (read from an fsspec store) and equal to the offline engine with it; tenant
-isolation; a delete reaching every replica; a replica killed with requests in flight (those it had not
-started are served by the other replica, a started one ends with a clean error, nothing hangs); and no Ray
-process left once the server stops.
+by the openai SDK over loopback: chat, streaming and a Responses request equal to the offline engine's greedy
+output, vLLM's series summed over the replicas; an adapter upload served by both replicas (read from an fsspec
+store) and equal to the offline engine with it; tenant isolation; a delete reaching every replica; a replica
+killed with requests in flight (those it had not started are served by the other replica, a started one ends
+with a clean error, nothing hangs); and no Ray process left once the server stops.
 """
 
 from __future__ import annotations
@@ -110,6 +110,36 @@ def test_chat_and_stream(cluster, offline):
     chunks = client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, **GREEDY)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert len(per_replica(cluster, "motet_replica_kv_blocks_free")) == 2  # both replicas report
+
+
+def test_responses_and_vllm_series(cluster, offline):
+    """The Responses API and vLLM's series behind the ingress: a response runs the chat path on a replica (the
+    chat's text), is stored at the ingress for its tenant only, and the vLLM series sum the replicas' reports."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    alice = sdk(cluster, "alice")
+    expected = offline(CHAT, GREEDY["max_tokens"])
+    r = alice.responses.create(
+        model=MODEL, input=CHAT[0]["content"], temperature=0, max_output_tokens=GREEDY["max_tokens"]
+    )
+    assert r.output_text == expected
+    assert alice.responses.retrieve(r.id).output_text == expected
+    with pytest.raises(openai.NotFoundError):
+        sdk(cluster, "bob").responses.retrieve(r.id)
+
+    def series() -> dict:
+        text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+        return {
+            s.name: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name.startswith("vllm:") and not s.name.endswith("_bucket")
+        }
+
+    wait_for(lambda: series().get("vllm:num_requests_running") == 0, what="the replicas to report idle")
+    idle = series()
+    assert idle["vllm:num_requests_waiting"] == 0 and 0 <= idle["vllm:kv_cache_usage_perc"] <= 1
+    assert idle["vllm:e2e_request_latency_seconds_count"] >= 1 and "vllm:lora_requests_info" in idle
 
 
 def test_adapter_upload_served_by_both_replicas(cluster, offline, adapter):
