@@ -19,11 +19,12 @@ pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ com
 
 
 def engines(model_dir, dtype="float32", **options):
-    """(eager, compiled) engines on the same checkpoint."""
+    """(eager, compiled) engines on the same checkpoint, on the CPU (on CUDA the compiled step is CUDA graphs:
+    tests/test_cuda_graphs.py)."""
     out = []
     for compiled in (False, True):
         cfg = EngineConfig(
-            model=str(model_dir), dtype=dtype, block_size=8, num_kv_blocks=256, max_lora_rank=64,
+            model=str(model_dir), device="cpu", dtype=dtype, block_size=8, num_kv_blocks=256, max_lora_rank=64,
             compile_step=compiled, **options,
         )  # fmt: skip
         engine = LLMEngine(cfg, model_dir=model_dir)
