@@ -255,39 +255,43 @@ def main(argv=None) -> None:
                       "--max-loras", str(max(1, args.adapters)), "--max-lora-rank", str(args.adapter_rank),
                       *args.motet_args.split()]  # fmt: skip
         rows = []
-        with (
-            ManagedServer(motet_args, model=str(model_dir), log_path=out / "motet.log") as motet,
-            LlamaServer(
-                src, gguf, args.threads, parallel, ctx, lora_ggufs, out / "llama-server.log"
-            ) as llama,
-        ):
+        # llama.cpp gets two servers: the base-model levels on one with no adapters loaded (loaded adapters
+        # slow every request down there, even unapplied: 19 vs 61 tok/s at one client on this machine), the
+        # adapter load on one started with them. motet serves both from one server, as its users would.
+        with ManagedServer(motet_args, model=str(model_dir), log_path=out / "motet.log") as motet:
             warm = chat_requests(2, 4, args.prompt_words, -1, [{"model": base_name(model_dir)}])
             measure(motet.base_url, warm, 2)
-            measure(llama.base_url, warm, 2)
-            for c in args.levels:
-                reqs = chat_requests(max(8, args.requests_per_level * c), args.max_tokens, args.prompt_words, c,
-                                     [{"model": base_name(model_dir)}])  # fmt: skip
-                m = measure(motet.base_url, reqs, c)
-                peer = measure(llama.base_url, reqs, c)
-                rows.append(_row(f"{c} clients", m, peer))
-                print(f"{c:3d} clients: motet {m['output_token_throughput']:.1f} tok/s, llama.cpp "
-                      f"{peer['output_token_throughput']:.1f} tok/s", flush=True)  # fmt: skip
             report = {"dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,
                       "levels": args.levels, "adapters": args.adapters, "machine": machine()}  # fmt: skip
+            n = max(8, args.requests_per_level * args.adapter_concurrency)
+            base_reqs = chat_requests(
+                n, args.max_tokens, args.prompt_words, 7, [{"model": base_name(model_dir)}]
+            )
+            with LlamaServer(src, gguf, args.threads, parallel, ctx, [], out / "llama-server.log") as llama:
+                measure(llama.base_url, warm, 2)
+                for c in args.levels:
+                    reqs = chat_requests(max(8, args.requests_per_level * c), args.max_tokens, args.prompt_words,
+                                         c, [{"model": base_name(model_dir)}])  # fmt: skip
+                    m = measure(motet.base_url, reqs, c)
+                    peer = measure(llama.base_url, reqs, c)
+                    rows.append(_row(f"{c} clients", m, peer))
+                    print(f"{c:3d} clients: motet {m['output_token_throughput']:.1f} tok/s, llama.cpp "
+                          f"{peer['output_token_throughput']:.1f} tok/s", flush=True)  # fmt: skip
+                if args.adapters:
+                    c = args.adapter_concurrency
+                    mb, lb = measure(motet.base_url, base_reqs, c), measure(llama.base_url, base_reqs, c)
             if args.adapters:
-                c = args.adapter_concurrency
                 names = upload_adapters(motet.base_url, adapters)
-                n = max(8, args.requests_per_level * c)
-                base_reqs = chat_requests(
-                    n, args.max_tokens, args.prompt_words, 7, [{"model": base_name(model_dir)}]
-                )
                 motet_reqs = chat_requests(
                     n, args.max_tokens, args.prompt_words, 7, [{"model": x} for x in names]
                 )
                 llama_reqs = chat_requests(n, args.max_tokens, args.prompt_words, 7,
                                            [{"lora": [{"id": i, "scale": 1.0}]} for i in range(args.adapters)])  # fmt: skip
-                mb, lb = measure(motet.base_url, base_reqs, c), measure(llama.base_url, base_reqs, c)
-                ma, la = measure(motet.base_url, motet_reqs, c), measure(llama.base_url, llama_reqs, c)
+                with LlamaServer(
+                    src, gguf, args.threads, parallel, ctx, lora_ggufs, out / "llama-server-lora.log"
+                ) as llama:
+                    measure(llama.base_url, warm, 2)
+                    ma, la = measure(motet.base_url, motet_reqs, c), measure(llama.base_url, llama_reqs, c)
                 rows.append(_row(f"{c} clients, base model", mb, lb))
                 rows.append(_row(f"{c} clients, {args.adapters} adapters", ma, la))
                 report["adapter_share_motet"] = ma["output_token_throughput"] / mb["output_token_throughput"]
