@@ -12,6 +12,7 @@ from grammar.limits import GrammarLimits
 from grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SPECULATIVE_MODES = ("off", "ngram")
 
 
 class ModelLoadError(ValueError):
@@ -148,6 +149,12 @@ class EngineConfig:
     # The compiled step: on CPU the whole decoder stack in one native call (engine/cpu_forward.py), on CUDA
     # decode steps replayed from CUDA graphs (engine/cuda_graphs.py). False: the eager model, the reference.
     compile_step: bool = True
+    # Speculative decoding (engine/speculative/): "ngram" drafts from prompt lookup and the grammar's forced
+    # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, none in
+    # steps with more than `speculative_max_batch` decode rows (where the step is compute-bound).
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = 8
     seed: int = 0
 
     def __post_init__(self):
@@ -164,6 +171,11 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
+        for name in ("num_speculative_tokens", "speculative_max_batch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:

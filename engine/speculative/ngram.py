@@ -1,0 +1,40 @@
+"""Prompt lookup: drafts copied from where the sequence's latest n tokens occurred before.
+
+JSON extraction copies from the prompt, tool calls repeat the user's words, an edit repeats the previous
+answer: in all of them the tokens that followed an earlier occurrence of the current suffix are good
+guesses for what comes next. Each sequence keeps an index from n-gram to the end of its latest earlier
+occurrence, extended incrementally as tokens are appended, so a proposal costs O(max_n) dict lookups
+instead of a scan over the prompt.
+"""
+
+from __future__ import annotations
+
+
+class NgramIndex:
+    """Latest occurrence of every n-gram (min_n <= n <= max_n) of one token list, excluding its suffix."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        assert 1 <= min_n <= max_n
+        self.min_n, self.max_n = min_n, max_n
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> index just past its latest occurrence
+        self._indexed = 0  # n-grams ending at positions < this are in _ends
+
+    def _extend(self, tokens: list[int], upto: int) -> None:
+        for end in range(max(self._indexed, 1), upto):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._ends[tuple(tokens[end - n : end])] = end  # later occurrences overwrite earlier ones
+        self._indexed = max(self._indexed, upto)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix.
+
+        `tokens` only ever grows between calls (the sequence's prompt and output); the suffix itself is not
+        indexed, so a match always lies strictly before it."""
+        if k <= 0 or len(tokens) < 2:
+            return []
+        self._extend(tokens, len(tokens))  # n-grams ending before the last position
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            end = self._ends.get(tuple(tokens[len(tokens) - n :]))
+            if end is not None and end < len(tokens):
+                return tokens[end : end + k]
+        return []
