@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from actors.messages import Abort, Admission, Cancel, GenerateSpec, RemoveLora, 
 from actors.runtime import ActorStopped, ActorSystem
 from actors.scheduler import SchedulerActor
 from engine.fairness import VirtualTokenCounter
+from engine.speculative.proposer import SpeculativeStats
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Stats:
     adapters_pinned: int  # adapter versions held in host memory for unfinished requests
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
+    speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
 class ServingSystem:
@@ -113,4 +115,5 @@ class ServingSystem:
             adapters_pinned=es.adapters_pinned,
             running_adapters=es.running_adapters,
             waiting_adapters=es.waiting_adapters,
+            speculative=es.speculative,
         )

@@ -150,11 +150,12 @@ class EngineConfig:
     # decode steps replayed from CUDA graphs (engine/cuda_graphs.py). False: the eager model, the reference.
     compile_step: bool = True
     # Speculative decoding (engine/speculative/): "ngram" drafts from prompt lookup and the grammar's forced
-    # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, none in
-    # steps with more than `speculative_max_batch` decode rows (where the step is compute-bound).
+    # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, each kept
+    # while its expected tokens beat its cost; `speculative_overhead_tokens` is a step's fixed cost in
+    # token-times (measured by evals/spec_threshold.py: 10.8 for the default model on this 2-core CPU).
     speculative: str = "off"
     num_speculative_tokens: int = 4
-    speculative_max_batch: int = 8
+    speculative_overhead_tokens: float = 10.0
     seed: int = 0
 
     def __post_init__(self):
@@ -173,7 +174,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
-        for name in ("num_speculative_tokens", "speculative_max_batch"):
+        for name in ("num_speculative_tokens", "speculative_overhead_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -111,7 +111,7 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if config.speculative != "off" and config.num_speculative_tokens > 0:
             self.speculator = Speculator(
-                SpeculativeConfig(config.num_speculative_tokens, config.speculative_max_batch),
+                SpeculativeConfig(config.num_speculative_tokens, config.speculative_overhead_tokens),
                 lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False),
                 self.max_model_len,
             )

@@ -4,6 +4,8 @@ preemption; the KV and prefix cache hold no rejected draft; sampling keeps the t
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -12,7 +14,9 @@ from transformers import AutoModelForCausalLM
 from engine.block_manager import block_hash
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 from engine.speculative.ngram import NgramIndex
+from engine.speculative.proposer import DraftState, SpeculativeConfig, Speculator
 from tests.test_lora_engine import peft_reference, tiny_llm, tiny_loras, tiny_requests  # noqa: F401
 from tests.tiny_models import build_tiny_model
 
@@ -30,7 +34,7 @@ def pair(model_dir, **options) -> tuple[LLM, LLM]:
         num_kv_blocks=256,
         block_size=4,
         speculative="ngram",
-        speculative_max_batch=64,
+        speculative_overhead_tokens=1e6,
         **options,
     )
     return off, on
@@ -87,7 +91,7 @@ def test_mixed_adapter_batch_matches_peft(tiny_model_dir, tiny_loras):  # noqa: 
     prompts = [p * 3 for p in prompts]  # repeated: drafts to verify under each row's own adapter
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     on = tiny_llm(
-        tiny_model_dir, paths, speculative="ngram", speculative_max_batch=64, max_num_batched_tokens=64
+        tiny_model_dir, paths, speculative="ngram", speculative_overhead_tokens=1e6, max_num_batched_tokens=64
     )
     outs = on.generate(prompts, params, names)
     assert accepted(on) > 0
@@ -150,7 +154,11 @@ def test_preemption_and_the_prefix_cache_keep_no_rejected_draft(tiny_model_dir):
     prompts = [[3 + i, 40 + i, 90 + (i * 13) % 200] * (2 + i % 5) for i in range(24)]
     ample = LLM(str(tiny_model_dir), num_kv_blocks=512, block_size=4).generate(prompts, params)
     tight = LLM(
-        str(tiny_model_dir), num_kv_blocks=40, block_size=4, speculative="ngram", speculative_max_batch=64
+        str(tiny_model_dir),
+        num_kv_blocks=40,
+        block_size=4,
+        speculative="ngram",
+        speculative_overhead_tokens=1e6,
     )
     outs = tight.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
@@ -168,16 +176,43 @@ def test_preemption_and_the_prefix_cache_keep_no_rejected_draft(tiny_model_dir):
     assert bm.cached and set(bm.cached) <= real
 
 
-def test_opt_out_and_backoff(tiny_model_dir):
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    on = LLM(
-        str(tiny_model_dir), num_kv_blocks=256, block_size=4, speculative="ngram", speculative_max_batch=2
-    )
-    on.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False))
+def test_opt_out(tiny_model_dir):
+    _, on = pair(tiny_model_dir)
+    on.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False))
     assert on.engine.stats().speculative.proposals == 0
-    on.generate(PROMPTS, params)  # four decode rows, more than 2: no drafts
-    stats = on.engine.stats().speculative
-    assert stats.backoff_steps > 0 and stats.drafted_tokens == 0
+
+
+def decode_row(prompt: list[int], accepted: float, tried: float) -> Sequence:
+    seq = Sequence(prompt, SamplingParams(temperature=0, max_tokens=100))
+    seq.num_computed_tokens = seq.num_tokens - 1
+    seq.draft_state = DraftState(SpeculativeConfig())
+    seq.draft_state.estimates["ngram"].accepted, seq.draft_state.estimates["ngram"].tried = accepted, tried
+    return seq
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 30])
+def test_drafts_are_kept_while_worth_their_cost(rows):
+    """Per row, the number of drafts that maximizes the step's expected tokens per token-time, found by
+    trying every combination: speculation follows each row's acceptance and backs off as rows add up."""
+    cfg = SpeculativeConfig(num_tokens=3, overhead_tokens=10.0)
+    spec = Speculator(cfg, encode=None, max_model_len=4096)
+    estimates = [(9, 10), (6, 10), (2, 10), (1, 2)]
+    seqs = [decode_row([5 + i, 6, 7, 8] * 4 + [5 + i, 6], *estimates[i % 4]) for i in range(rows)]
+    spec.propose(seqs)
+    got = tuple(len(s.draft_token_ids) for s in seqs)
+    p = [min(0.95, a / t) for a, t in (estimates[i % 4] for i in range(rows))]
+
+    def rate(ks):
+        return (rows + sum(p[i] ** j for i, k in enumerate(ks) for j in range(1, k + 1))) / (
+            rows + cfg.overhead_tokens + sum(ks)
+        )
+
+    if rows <= 8:
+        best = max(itertools.product(range(cfg.num_tokens + 1), repeat=rows), key=rate)
+        assert got == best
+    else:  # 30 rows: too many combinations; the rows are compute-bound and only likely drafts pay
+        assert rate(got) >= rate((0,) * rows) and sum(got) < rows
+    assert all(len(s.draft_token_ids) <= 3 for s in seqs)
 
 
 def exact_distribution(model_dir, prompt: list[int], vocab: int) -> torch.Tensor:
@@ -204,7 +239,7 @@ def test_sampling_at_temperature_1_keeps_the_target_distribution(tmp_path):
     for mode in ("off", "ngram"):
         llm = LLM(
             str(model_dir), num_kv_blocks=2048, block_size=4, max_num_seqs=256, max_num_batched_tokens=8192,
-            speculative=mode, speculative_max_batch=256, enable_prefix_caching=True,
+            speculative=mode, speculative_overhead_tokens=1e6, enable_prefix_caching=True,
         )  # fmt: skip
         outs = llm.generate([prompt] * samples, params)
         got = torch.tensor([o.token_ids for o in outs])

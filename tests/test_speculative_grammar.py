@@ -47,7 +47,11 @@ TOOLS = validate_tools(
 def engines(tiny_model_dir):
     off = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4)
     on = LLM(
-        str(tiny_model_dir), num_kv_blocks=256, block_size=4, speculative="ngram", speculative_max_batch=64
+        str(tiny_model_dir),
+        num_kv_blocks=256,
+        block_size=4,
+        speculative="ngram",
+        speculative_overhead_tokens=1e6,
     )
     return off, on
 

@@ -1,10 +1,13 @@
-"""Which drafts each decode row carries into a step: proposers, per-row lookahead, and when to back off.
+"""Which drafts each decode row carries into a step: proposers, and a cost model that prices every draft.
 
 Proposers need no second model: the grammar's forced tokens where the row's grammar forces a string, else
-prompt lookup over the row's prompt and output (ngram.py). The number of drafts per row adapts to what the
-row's drafts have been accepted at, and a row whose drafts keep missing rests a few steps. When the step
-has many decode rows it is compute-bound, verifying costs as much as it saves, and no row drafts
-(`SpeculativeConfig.max_batch`, measured by evals/spec_bench.py --measure-threshold).
+prompt lookup over the row's prompt and output (ngram.py). Each row keeps, per proposer, an estimate p of
+the chance that a draft is accepted given the earlier ones were, so its j-th draft adds p^j expected
+tokens. A step costs about `overhead + tokens` token-times (measured: evals/spec_threshold.py fits the
+step time of B rows with k drafts as a line in B(k + 1)); a draft is worth verifying while its expected
+tokens exceed the step's tokens out per token-time so far. So a row's drafts follow its acceptance, and
+with many decode rows (the step compute-bound, each extra token as dear as a whole row's) only drafts that
+are nearly sure survive: speculation backs off by itself.
 """
 
 from __future__ import annotations
@@ -16,15 +19,16 @@ from engine.sequence import Sequence
 from engine.speculative.grammar_drafts import activation_index, check_drafts, forced_tokens
 from engine.speculative.ngram import NgramIndex
 
-_RATE_DECAY = 0.7  # weight of the past in a row's acceptance rate
-_REST_BELOW = 0.15  # a row whose acceptance rate falls under this stops drafting for a while
-_REST_STEPS = 8
+_DECAY = 0.8  # weight of the past in a row's acceptance estimate
+_PRIOR = {"grammar": (3.0, 4.0), "ngram": (1.0, 2.0)}  # (accepted, tried) before any verification
+_MAX_P = 0.95  # no draft is ever sure
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_tokens: int = 4  # most drafts per row and step
-    max_batch: int = 8  # no drafts in a step with more decode rows than this
+    # A step's fixed cost in token-times (its time at zero tokens over the time per token): measured.
+    overhead_tokens: float = 10.0
     min_n: int = 2  # prompt lookup matches suffixes of min_n..max_n tokens
     max_n: int = 4
 
@@ -39,31 +43,35 @@ class SpeculativeStats:
     verified_rows: int = 0  # rows that verified at least one draft
     drafted_tokens: int = 0  # drafts verified
     accepted_tokens: int = 0  # of those, accepted
-    backoff_steps: int = 0  # steps with too many decode rows to draft
+    priced_out_tokens: int = 0  # drafts proposed but not worth their cost in their step
+
+
+class Estimate:
+    """A decayed count of drafts accepted out of drafts tried (a draft tried only after the earlier were
+    accepted), starting from a prior."""
+
+    def __init__(self, proposer: str):
+        self.accepted, self.tried = _PRIOR[proposer]
+
+    @property
+    def p(self) -> float:
+        return min(_MAX_P, self.accepted / self.tried)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.accepted = _DECAY * self.accepted + accepted
+        self.tried = _DECAY * self.tried + accepted + (accepted < drafted)
 
 
 class DraftState:
-    """A row's proposer state: its n-gram index and its adaptive lookahead."""
+    """A row's proposer state: its n-gram index, its acceptance estimates, and its latest drafts' source."""
 
     def __init__(self, config: SpeculativeConfig):
         self.index = NgramIndex(config.min_n, config.max_n)
-        self.max_k = config.num_tokens
-        self.k = config.num_tokens
-        self.rate = 1.0
-        self.rest = 0
-
-    def lookahead(self) -> int:
-        if self.rest:
-            self.rest -= 1
-            return 0
-        return self.k
+        self.estimates = {name: Estimate(name) for name in _PRIOR}
+        self.source = "ngram"
 
     def observe(self, drafted: int, accepted: int) -> None:
-        # All accepted: look further next time; else just past what was accepted.
-        self.k = min(self.k + 1, self.max_k) if accepted == drafted else max(1, accepted + 1)
-        self.rate = _RATE_DECAY * self.rate + (1 - _RATE_DECAY) * accepted / drafted
-        if self.rate < _REST_BELOW:
-            self.rest, self.rate, self.k = _REST_STEPS, 2 * _REST_BELOW, 1
+        self.estimates[self.source].observe(drafted, accepted)
 
 
 class Speculator:
@@ -74,16 +82,25 @@ class Speculator:
         self.stats = SpeculativeStats()
 
     def propose(self, running: Iterable[Sequence]) -> None:
-        """Set the drafts of every running decode row (and clear the others')."""
-        rows = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
-        if len(rows) > self.config.max_batch:
-            self.stats.backoff_steps += 1
-            rows = []
+        """Set the drafts of every running decode row worth its cost (and clear the others')."""
+        running = list(running)
         for seq in running:
             seq.draft_token_ids = []
+        rows = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
+        offers = []  # (expected tokens, row, its drafts so far): every draft position of every row
         for seq in rows:
-            if seq.params.speculative:
-                seq.draft_token_ids = self._drafts(seq)
+            if seq.params.speculative and (drafts := self._drafts(seq)):
+                p = seq.draft_state.estimates[seq.draft_state.source].p
+                offers += [(p ** (j + 1), -j, seq, drafts[: j + 1]) for j in range(len(drafts))]
+        # Best first (a row's later drafts are worth less than its earlier ones, so prefixes are taken).
+        offers.sort(key=lambda o: o[:2], reverse=True)
+        out, cost = len(rows), len(rows) + self.config.overhead_tokens
+        for i, (gain, _, seq, drafts) in enumerate(offers):
+            if gain * cost <= out:  # this draft would lower the step's tokens per token-time
+                self.stats.priced_out_tokens += len(offers) - i
+                break
+            seq.draft_token_ids = drafts
+            out, cost = out + gain, cost + 1
 
     def _drafts(self, seq: Sequence) -> list[int]:
         state = seq.draft_state
@@ -91,7 +108,7 @@ class Speculator:
             state = seq.draft_state = DraftState(self.config)
         # No draft past the request's last token or the context: they could never be kept.
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
-        k = min(state.lookahead(), room)
+        k = min(self.config.num_tokens, room)
         if k <= 0:
             return []
         self.stats.proposals += 1
@@ -99,9 +116,11 @@ class Speculator:
         drafts = forced_tokens(g, self.encode, k) if g is not None else []
         if drafts:
             self.stats.grammar_hits += 1
+            state.source = "grammar"
         else:
             drafts = state.index.propose(seq.token_ids, k)
             self.stats.ngram_hits += bool(drafts)
+            state.source = "ngram"
         if g is not None and drafts:
             drafts = check_drafts(g, drafts, activation_index(g, seq.detok, drafts))
         return drafts
