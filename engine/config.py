@@ -154,7 +154,7 @@ class EngineConfig:
     # while its expected tokens beat its cost; `speculative_overhead_tokens` is a step's fixed cost in
     # token-times (measured by evals/spec_threshold.py: 10.8 for the default model on this 2-core CPU).
     speculative: str = "off"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     speculative_overhead_tokens: float = 10.0
     seed: int = 0
 

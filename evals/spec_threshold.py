@@ -1,10 +1,12 @@
 """What verifying drafts costs: step time of B decode rows carrying k drafts each, against the same rows
-without drafts, offline on one engine (no server). `EngineConfig.speculative_max_batch` comes from here.
+without drafts, offline on one engine (no server). `EngineConfig.speculative_overhead_tokens` comes from here.
 
 A row that verifies k drafts and keeps a of them gains a tokens for the step's extra cost, so at batch B
 speculation pays while the mean accepted length 1 + a exceeds T(B, k) / T(B, 0). At small B a step reads
 the weights once whatever its rows' lengths (bandwidth-bound) and the ratio stays near 1; past the point
-where it is compute-bound the ratio approaches k + 1 and drafts must nearly always be accepted.
+where it is compute-bound the ratio approaches k + 1 and drafts must nearly always be accepted. A line
+T = c (overhead + tokens) fitted over all points gives the overhead in token-times that the engine's cost
+model prices drafts against (engine/speculative/proposer.py).
 
     python -m evals.spec_threshold --batches 1 2 4 8 16 32 --drafts 1 2 4
 """
@@ -84,10 +86,11 @@ def measure(
     return rows
 
 
-def threshold(rows: list[dict], k: int, max_ratio: float) -> int:
-    """The largest batch whose k-draft step costs at most max_ratio times a plain one (0: none)."""
-    ok = [r["batch"] for r in rows if r["ratio"].get(k, float("inf")) <= max_ratio]
-    return max(ok, default=0)
+def overhead_tokens(rows: list[dict]) -> float:
+    """The intercept over the slope of step ms against tokens in the step (least squares)."""
+    points = [(r["batch"] * (1 + k), ms) for r in rows for k, ms in r["step_ms"].items()]
+    slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
+    return intercept / slope
 
 
 def main(argv=None) -> None:
@@ -98,20 +101,12 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--max-ratio", type=float, default=1.5, help="cost a threshold batch may pay for k drafts")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     rows = measure(args.model, args.batches, args.drafts, args.prompt_tokens, args.reps, args.threads)
-    k = max(args.drafts)
-    report = {
-        "rows": rows,
-        "k": k,
-        "max_ratio": args.max_ratio,
-        "threshold": threshold(rows, k, args.max_ratio),
-    }
-    print(
-        f"largest batch where {k} drafts per row cost <= {args.max_ratio}x a plain step: {report['threshold']}"
-    )
+    report = {"rows": rows, "overhead_tokens": overhead_tokens(rows)}
+    print(f"a step costs about {report['overhead_tokens']:.1f} + its tokens, in token-times "
+          "(--speculative-overhead-tokens)")  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

@@ -25,16 +25,18 @@ class NgramIndex:
                 self._ends[tuple(tokens[end - n : end])] = end  # later occurrences overwrite earlier ones
         self._indexed = max(self._indexed, upto)
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix.
+    def propose(self, tokens: list[int], k: int, ahead: list[int] = ()) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix of
+        `tokens + ahead` (`ahead`: drafts already chosen, e.g. forced by a grammar; never indexed).
 
         `tokens` only ever grows between calls (the sequence's prompt and output); the suffix itself is not
         indexed, so a match always lies strictly before it."""
-        if k <= 0 or len(tokens) < 2:
+        full = tokens + list(ahead) if ahead else tokens
+        if k <= 0 or len(full) < 2:
             return []
         self._extend(tokens, len(tokens))  # n-grams ending before the last position
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            end = self._ends.get(tuple(tokens[len(tokens) - n :]))
-            if end is not None and end < len(tokens):
-                return tokens[end : end + k]
+        for n in range(min(self.max_n, len(full) - 1), self.min_n - 1, -1):
+            end = self._ends.get(tuple(full[len(full) - n :]))
+            if end is not None:
+                return full[end : end + k]
         return []

@@ -26,7 +26,7 @@ _MAX_P = 0.95  # no draft is ever sure
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    num_tokens: int = 4  # most drafts per row and step
+    num_tokens: int = 8  # most drafts per row and step
     # A step's fixed cost in token-times (its time at zero tokens over the time per token): measured.
     overhead_tokens: float = 10.0
     min_n: int = 2  # prompt lookup matches suffixes of min_n..max_n tokens
@@ -113,14 +113,13 @@ class Speculator:
             return []
         self.stats.proposals += 1
         g = seq.guided
-        drafts = forced_tokens(g, self.encode, k) if g is not None else []
-        if drafts:
-            self.stats.grammar_hits += 1
-            state.source = "grammar"
-        else:
-            drafts = state.index.propose(seq.token_ids, k)
-            self.stats.ngram_hits += bool(drafts)
-            state.source = "ngram"
+        forced = forced_tokens(g, self.encode, k) if g is not None else []
+        # Prompt lookup continues after the forced tokens: a key, then the value copied from the prompt.
+        copied = state.index.propose(seq.token_ids, k - len(forced), forced)
+        drafts = forced + copied
+        self.stats.grammar_hits += bool(forced)
+        self.stats.ngram_hits += bool(copied)
+        state.source = "grammar" if forced else "ngram"
         if g is not None and drafts:
             drafts = check_drafts(g, drafts, activation_index(g, seq.detok, drafts))
         return drafts
