@@ -12,7 +12,7 @@ from grammar.limits import GrammarLimits
 from grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("auto", "off", "ngram")
 
 
 class ModelLoadError(ValueError):
@@ -153,7 +153,9 @@ class EngineConfig:
     # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, each kept
     # while its expected tokens beat its cost; `speculative_overhead_tokens` is a step's fixed cost in
     # token-times (measured by evals/spec_threshold.py: 10.8 for the default model on this 2-core CPU).
-    speculative: str = "off"
+    # "auto": ngram on CPU, where evals/spec_bench.py measured it faster on every workload at 1 and 16
+    # clients; off on CUDA, where verification rows run outside the decode CUDA graphs and it is unmeasured.
+    speculative: str = "auto"
     num_speculative_tokens: int = 8
     speculative_overhead_tokens: float = 10.0
     seed: int = 0
@@ -189,6 +191,12 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    @property
+    def speculative_mode(self) -> str:
+        if self.speculative == "auto":
+            return "ngram" if self.torch_device.type == "cpu" else "off"
+        return self.speculative
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -109,7 +109,7 @@ class LLMEngine:
             max_kv_tokens=self.runner.num_blocks * config.block_size,
         )
         self.speculator: Speculator | None = None
-        if config.speculative != "off" and config.num_speculative_tokens > 0:
+        if config.speculative_mode != "off" and config.num_speculative_tokens > 0:
             self.speculator = Speculator(
                 SpeculativeConfig(config.num_speculative_tokens, config.speculative_overhead_tokens),
                 lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False),

@@ -34,7 +34,7 @@ WORKLOADS = ("extraction", "bfcl", "chat", "edit")
 MODES = {
     "off": ["--speculative", "off"],
     "ngram": ["--speculative", "ngram"],
-    "jump-forward": ["--jump-forward"],
+    "jump-forward": ["--jump-forward", "--speculative", "off"],
 }
 GRAMMAR_WORKLOADS = ("extraction", "bfcl")
 BFCL = Path(__file__).resolve().parents[2] / "shared" / "data" / "bfcl" / "dev.jsonl"

@@ -28,7 +28,7 @@ PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 10, [100, 101, 102, 103] * 5 + [7
 
 def pair(model_dir, **options) -> tuple[LLM, LLM]:
     """The same engine without and with speculation (drafts in every step, whatever the batch)."""
-    off = LLM(str(model_dir), num_kv_blocks=256, block_size=4, **options)
+    off = LLM(str(model_dir), num_kv_blocks=256, block_size=4, speculative="off", **options)
     on = LLM(
         str(model_dir),
         num_kv_blocks=256,
@@ -152,7 +152,9 @@ def test_stops_and_lengths_end_where_the_plain_engine_ends(tiny_model_dir):
 def test_preemption_and_the_prefix_cache_keep_no_rejected_draft(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[3 + i, 40 + i, 90 + (i * 13) % 200] * (2 + i % 5) for i in range(24)]
-    ample = LLM(str(tiny_model_dir), num_kv_blocks=512, block_size=4).generate(prompts, params)
+    ample = LLM(str(tiny_model_dir), num_kv_blocks=512, block_size=4, speculative="off").generate(
+        prompts, params
+    )
     tight = LLM(
         str(tiny_model_dir),
         num_kv_blocks=40,

@@ -45,7 +45,7 @@ TOOLS = validate_tools(
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    off = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4)
+    off = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4, speculative="off")
     on = LLM(
         str(tiny_model_dir),
         num_kv_blocks=256,
