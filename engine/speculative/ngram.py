@@ -18,6 +18,7 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> index just past its latest occurrence
         self._indexed = 0  # n-grams ending at positions < this are in _ends
+        self.matched = 0  # the length of the suffix the latest proposal matched (0: none)
 
     def _extend(self, tokens: list[int], upto: int) -> None:
         for end in range(max(self._indexed, 1), upto):
@@ -32,11 +33,13 @@ class NgramIndex:
         `tokens` only ever grows between calls (the sequence's prompt and output); the suffix itself is not
         indexed, so a match always lies strictly before it."""
         full = tokens + list(ahead) if ahead else tokens
+        self.matched = 0
         if k <= 0 or len(full) < 2:
             return []
         self._extend(tokens, len(tokens))  # n-grams ending before the last position
         for n in range(min(self.max_n, len(full) - 1), self.min_n - 1, -1):
             end = self._ends.get(tuple(full[len(full) - n :]))
             if end is not None:
+                self.matched = n
                 return full[end : end + k]
         return []

@@ -20,7 +20,15 @@ from engine.speculative.grammar_drafts import activation_index, check_drafts, fo
 from engine.speculative.ngram import NgramIndex
 
 _DECAY = 0.8  # weight of the past in a row's acceptance estimate
-_PRIOR = {"grammar": (3.0, 4.0), "ngram": (1.0, 2.0)}  # (accepted, tried) before any verification
+# (accepted, tried) before any verification, per source: the grammar's forced tokens, prompt lookup by the
+# length of the suffix it matched (one token is a weak cue, four a strong one).
+_PRIOR = {
+    "grammar": (3.0, 4.0),
+    "ngram1": (1.0, 3.0),
+    "ngram2": (1.0, 2.0),
+    "ngram3": (1.0, 2.0),
+    "ngram4": (2.0, 3.0),
+}
 _MAX_P = 0.95  # no draft is ever sure
 
 
@@ -29,7 +37,7 @@ class SpeculativeConfig:
     num_tokens: int = 8  # most drafts per row and step
     # A step's fixed cost in token-times (its time at zero tokens over the time per token): measured.
     overhead_tokens: float = 10.0
-    min_n: int = 2  # prompt lookup matches suffixes of min_n..max_n tokens
+    min_n: int = 1  # prompt lookup matches suffixes of min_n..max_n tokens (the longest it finds)
     max_n: int = 4
 
 
@@ -66,9 +74,10 @@ class DraftState:
     """A row's proposer state: its n-gram index, its acceptance estimates, and its latest drafts' source."""
 
     def __init__(self, config: SpeculativeConfig):
+        assert config.max_n <= 4, "an acceptance prior per suffix length up to 4"
         self.index = NgramIndex(config.min_n, config.max_n)
         self.estimates = {name: Estimate(name) for name in _PRIOR}
-        self.source = "ngram"
+        self.source = "ngram2"
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.estimates[self.source].observe(drafted, accepted)
@@ -119,7 +128,8 @@ class Speculator:
         drafts = forced + copied
         self.stats.grammar_hits += bool(forced)
         self.stats.ngram_hits += bool(copied)
-        state.source = "grammar" if forced else "ngram"
+        if drafts:
+            state.source = "grammar" if forced else f"ngram{state.index.matched}"
         if g is not None and drafts:
             drafts = check_drafts(g, drafts, activation_index(g, seq.detok, drafts))
         return drafts
