@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from actors.messages import Abort, Admission, Cancel, GenerateSpec, RemoveLora, 
 from actors.runtime import ActorStopped, ActorSystem
 from actors.scheduler import SchedulerActor
 from engine.fairness import VirtualTokenCounter
+from engine.speculative.proposer import SpeculativeStats
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Stats:
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     queued_adapters: tuple[str, ...] = ()  # adapters of requests in the adapter queues, not yet admitted
+    speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
 class ServingSystem:
@@ -117,4 +119,5 @@ class ServingSystem:
             queued_adapters=tuple(
                 sorted({a.name for a, n in self.queues.depth_by_adapter().items() if a is not None and n})
             ),
+            speculative=es.speculative,
         )

@@ -10,7 +10,7 @@ import sys
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from engine.config import DTYPES, GRAMMAR_BACKENDS, EngineConfig
+    from engine.config import DTYPES, GRAMMAR_BACKENDS, SPECULATIVE_MODES, EngineConfig
 
     d = EngineConfig  # the defaults
     p.add_argument(
@@ -50,6 +50,22 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="append the tokens a grammar forces without sampling them (fewer steps; on CPU, slower)",
     )
     p.add_argument(
+        "--speculative",
+        default=d.speculative,
+        choices=SPECULATIVE_MODES,
+        help="speculative decoding: ngram drafts from prompt lookup and the grammar's forced tokens, "
+        "verified in the normal batch (the same output, fewer steps where outputs repeat their input)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=d.num_speculative_tokens, help="most drafts per row"
+    )
+    p.add_argument(
+        "--speculative-overhead-tokens",
+        type=float,
+        default=d.speculative_overhead_tokens,
+        help="a step's fixed cost in token-times, which drafts are priced against (evals/spec_threshold.py)",
+    )
+    p.add_argument(
         "--no-compile",
         action="store_true",
         help="run the eager model (the reference) instead of the compiled step (native CPU forward, CUDA graphs)",
@@ -81,6 +97,9 @@ def engine_config(args):
         grammar_backend=args.grammar_backend,
         grammar_timeout_s=args.grammar_timeout,
         jump_forward=args.jump_forward,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_overhead_tokens=args.speculative_overhead_tokens,
         compile_step=not args.no_compile,
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,

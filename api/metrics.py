@@ -65,6 +65,26 @@ class Metrics:
         self.adapters_pinned = Gauge(
             "motet_lora_adapters_pinned", "adapters held for unfinished requests", registry=r
         )
+        # Speculative decoding, over the server's life (zero while it is off).
+        self.spec_drafted = Gauge("motet_spec_draft_tokens", "draft tokens verified", registry=r)
+        self.spec_accepted = Gauge("motet_spec_accepted_tokens", "draft tokens accepted", registry=r)
+        self.spec_acceptance = Gauge(
+            "motet_spec_acceptance_rate", "accepted share of the verified draft tokens", registry=r
+        )
+        self.spec_mean_accepted = Gauge(
+            "motet_spec_mean_accepted_length",
+            "tokens a row gains per verification step (accepted drafts + the target's own token)",
+            registry=r,
+        )
+        self.spec_hit_rate = Gauge(
+            "motet_spec_proposer_hit_rate", "rows asked for drafts that got some, by proposer", ["proposer"],
+            registry=r,
+        )  # fmt: skip
+        self.spec_priced_out = Gauge(
+            "motet_spec_priced_out_tokens",
+            "drafts proposed but not worth verifying in their step",
+            registry=r,
+        )
 
         model = ["model_name"]
         self.vllm_waiting = Gauge(
@@ -143,6 +163,15 @@ class Metrics:
         self.prefix_hit_rate.set(stats.prefix_cache_hits / q if q else 0.0)
         self.preemptions.set(stats.preemptions)
         self.adapters_pinned.set(stats.adapters_pinned)
+        spec = stats.speculative
+        self.spec_drafted.set(spec.drafted_tokens)
+        self.spec_accepted.set(spec.accepted_tokens)
+        self.spec_acceptance.set(spec.accepted_tokens / spec.drafted_tokens if spec.drafted_tokens else 0.0)
+        rows = spec.verified_rows
+        self.spec_mean_accepted.set((spec.accepted_tokens + rows) / rows if rows else 0.0)
+        for proposer, hits in (("ngram", spec.ngram_hits), ("grammar", spec.grammar_hits)):
+            self.spec_hit_rate.labels(proposer).set(hits / spec.proposals if spec.proposals else 0.0)
+        self.spec_priced_out.set(spec.priced_out_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -70,6 +70,7 @@ def build_params(
         grammar=structure.spec if structure else None,
         grammar_backend=structure.backend if structure else None,
         reasoning=reasoning,
+        speculative=req.speculative,
     )
     try:
         params = [

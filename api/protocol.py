@@ -126,6 +126,7 @@ class _SamplingFields(_OpenAINoOps):
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # motet: False opts the request out of speculative decoding (same output)
     # structured output (api/structured.py): OpenAI's response_format, vLLM's guided_* extras
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

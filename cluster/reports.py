@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 
 from actors.system import Stats
+from engine.speculative.proposer import SpeculativeStats
 
 REPORT_PERIOD_S = 0.5
 
@@ -57,7 +58,9 @@ class ReplicaReport:
     def from_dict(cls, d: dict) -> ReplicaReport | None:
         """None for an empty or foreign dict (a replica that has not reported yet)."""
         try:
-            stats = Stats(**d["stats"])
+            stats = Stats(
+                **{**d["stats"], "speculative": SpeculativeStats(**d["stats"].get("speculative", {}))}
+            )
             kwargs = {f.name: d[f.name] for f in fields(cls) if f.name != "stats"}
             return cls(stats=stats, **kwargs)
         except (KeyError, TypeError):
@@ -74,4 +77,12 @@ def total_stats(reports: Iterable[ReplicaReport]) -> Stats | None:
     running = tuple(sorted({a for r in reports for a in r.stats.running_adapters}))
     waiting = tuple(sorted({a for r in reports for a in r.stats.waiting_adapters} - set(running)))
     queued = tuple(sorted({a for r in reports for a in r.stats.queued_adapters} - set(running)))
-    return Stats(**sums, running_adapters=running, waiting_adapters=waiting, queued_adapters=queued)
+    spec = SpeculativeStats(
+        **{
+            f.name: sum(getattr(r.stats.speculative, f.name) for r in reports)
+            for f in fields(SpeculativeStats)
+        }
+    )
+    return Stats(
+        **sums, running_adapters=running, waiting_adapters=waiting, queued_adapters=queued, speculative=spec
+    )

@@ -138,6 +138,18 @@ class BlockManager:
                 self.cached[h] = block.block_id
         self.num_registered[seq.seq_id] = num_full
 
+    def truncate(self, seq: Sequence) -> None:
+        """Free the blocks past the sequence's computed tokens (rejected drafts' slots). They were allocated
+        for this step alone and never hashed, so they go to the front of the LRU, to be reused first."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for block_id in seq.block_table[keep:]:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                self.free.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+
     def free_seq(self, seq: Sequence) -> None:
         # Tail blocks first, so they sit earliest in the LRU: a shared prefix outlives its suffixes.
         for block_id in reversed(seq.block_table):

@@ -13,6 +13,7 @@ from grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 from grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SPECULATIVE_MODES = ("auto", "off", "ngram")
 
 
 class ModelLoadError(ValueError):
@@ -149,6 +150,15 @@ class EngineConfig:
     # The compiled step: on CPU the whole decoder stack in one native call (engine/cpu_forward.py), on CUDA
     # decode steps replayed from CUDA graphs (engine/cuda_graphs.py). False: the eager model, the reference.
     compile_step: bool = True
+    # Speculative decoding (engine/speculative/): "ngram" drafts from prompt lookup and the grammar's forced
+    # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, each kept
+    # while its expected tokens beat its cost; `speculative_overhead_tokens` is a step's fixed cost in
+    # token-times (measured by evals/spec_threshold.py: 10.8 for the default model on this 2-core CPU).
+    # "auto": ngram on CPU, where evals/spec_bench.py measured it faster on every workload at 1 and 16
+    # clients; off on CUDA, where verification rows run outside the decode CUDA graphs and it is unmeasured.
+    speculative: str = "auto"
+    num_speculative_tokens: int = 8
+    speculative_overhead_tokens: float = 10.0
     seed: int = 0
 
     def __post_init__(self):
@@ -165,6 +175,11 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
+        for name in ("num_speculative_tokens", "speculative_overhead_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
@@ -177,6 +192,12 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    @property
+    def speculative_mode(self) -> str:
+        if self.speculative == "auto":
+            return "ngram" if self.torch_device.type == "cpu" else "off"
+        return self.speculative
 
     @property
     def torch_dtype(self) -> torch.dtype:

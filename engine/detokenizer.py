@@ -28,6 +28,12 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         return self._emit(final=False)
 
+    def peek(self, token_ids: list[int]) -> list[str]:
+        """The deltas that pushing `token_ids` one by one would give, without pushing them (drafts)."""
+        clone = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
+        clone.__dict__.update(self.__dict__, ids=list(self.ids), _pieces=[])
+        return [clone.push(t) for t in token_ids]
+
     def flush(self) -> str:
         """Whatever is still held at the end (an incomplete character becomes U+FFFD)."""
         return self._emit(final=True) if self.read < len(self.ids) else ""
@@ -83,6 +89,12 @@ class StopStringMatcher:
             if any(s.startswith(tail) for s in self.stops):
                 return n
         return 0
+
+    def peek(self, token_ids: list[int]) -> list[str]:
+        """The deltas that pushing `token_ids` one by one would give, without pushing them (drafts)."""
+        clone = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
+        clone.__dict__.update(self.__dict__, ids=list(self.ids), _pieces=[])
+        return [clone.push(t) for t in token_ids]
 
     def flush(self) -> str:
         """The held-back tail, at the end of a stream that hit no stop string."""

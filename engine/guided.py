@@ -1,7 +1,8 @@
 """A sequence's grammar constraint: its matcher, when the constraint starts, and jump-forward.
 
-The matcher advances with every output token (in `LLMEngine.process`, after sampling) and is read by
-the model runner, which fills the sequence's row of the token bitmask while the forward pass runs.
+The matcher advances with every output token (in `LLMEngine.commit`, after sampling) and is read by
+the model runner, which fills the sequence's row of the token bitmask while the forward pass runs (with
+speculative drafts, one row per verified position: engine/speculative/grammar_drafts.py).
 Preemption needs no rollback: a preempted sequence keeps its output tokens (recompute only rebuilds
 their KV), and the matcher has accepted exactly those tokens.
 
@@ -34,6 +35,18 @@ class GuidedDecoding:
         self._tail = (self._tail + text)[-(len(self.wait_for) + len(text)) :]
         if self.wait_for in self._tail:
             self.active = True
+
+    def tail_after(self, texts: list[str]) -> int | None:
+        """With the given texts appended one by one (drafts' text deltas), after how many the constraint
+        would be on; None if it stays off. The state is not changed."""
+        if self.active:
+            return 0
+        tail = self._tail
+        for i, text in enumerate(texts):
+            tail = (tail + text)[-(len(self.wait_for) + len(text)) :]
+            if self.wait_for in tail:
+                return i + 1
+        return None
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (a masked-out token)."""

@@ -29,6 +29,7 @@ from engine.request_checks import RequestLimits
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, TokenLogprob
+from engine.speculative.proposer import SpeculativeConfig, SpeculativeStats, Speculator
 from engine.tokenizer import load_tokenizer
 from grammar.backend import CompiledGrammar, GrammarTokenizer
 from grammar.cache import GrammarCache
@@ -72,6 +73,7 @@ class EngineStats:
     running_adapters: tuple[str, ...]  # engine names of the adapters of running requests
     waiting_adapters: tuple[str, ...]  # of waiting requests, not also running
     grammar: GrammarStats
+    speculative: SpeculativeStats = field(default_factory=SpeculativeStats)  # zeros when speculation is off
 
 
 class LLMEngine:
@@ -106,6 +108,13 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_kv_tokens=self.runner.num_blocks * config.block_size,
         )
+        self.speculator: Speculator | None = None
+        if config.speculative_mode != "off" and config.num_speculative_tokens > 0:
+            self.speculator = Speculator(
+                SpeculativeConfig(config.num_speculative_tokens, config.speculative_overhead_tokens),
+                lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False),
+                self.max_model_len,
+            )
         self.requests: dict[str, Sequence] = {}
         self.grammar_cache = GrammarCache()
         self.num_steps = 0
@@ -206,6 +215,9 @@ class LLMEngine:
             running_adapters=tuple(sorted(self.adapters.name_of(a) for a in running)),
             waiting_adapters=tuple(sorted(self.adapters.name_of(a) for a in waiting)),
             grammar=GrammarStats(**vars(self.runner.grammar_stats)),
+            speculative=SpeculativeStats(**vars(self.speculator.stats))
+            if self.speculator
+            else SpeculativeStats(),
         )
 
     # -- the step -------------------------------------------------------------------------------------
@@ -216,6 +228,8 @@ class LLMEngine:
         return self.commit(batch, self.execute(batch))
 
     def schedule(self) -> ScheduledBatch:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         return self.scheduler.schedule()
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
@@ -244,12 +258,15 @@ class LLMEngine:
                     raise result.errors[i]
                 if result.prompt_logprobs[i]:
                     seq.prompt_logprobs.extend(result.prompt_logprobs[i])
-                token = result.token_ids[i]
-                if token is None:  # a prompt chunk short of the prompt's end
+                tokens = result.token_ids[i]
+                if tokens is None:  # a prompt chunk short of the prompt's end
                     continue
-                if result.logprobs[i] is not None:
-                    seq.output_logprobs.append(result.logprobs[i])
-                outputs.append(self._advance(seq, token))
+                drafted = len(seq.draft_token_ids)
+                outputs.append(self._advance(seq, tokens, result.logprobs[i]))
+                if drafted:
+                    self.speculator.observe(seq, drafted, len(tokens) - 1)
+                    if not seq.is_finished:
+                        self.scheduler.accept_drafts(seq, len(tokens) - 1)
             except Exception as e:  # one request's failure (a kernel, a grammar backend bug) is its own
                 if result.errors[i] is None:
                     log.exception("request %s failed while processing its token", seq.request_id)
@@ -265,16 +282,24 @@ class LLMEngine:
                 )
         return outputs
 
-    def _advance(self, seq: Sequence, token: int) -> RequestOutput:
-        """Append the sampled token, and the tokens its grammar then forces (jump-forward)."""
+    def _advance(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+        """Append the step's tokens one by one (with speculation, several) until one ends the request, then
+        the tokens its grammar forces (jump-forward)."""
         g = seq.guided
-        if g is not None and not g.accept(token):
-            # Every token the grammar allows was masked out by another setting (min_tokens holding
-            # back the stop token the grammar needs): end here, the output still matches so far.
-            delta = seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
-            finish = ("stop", None)
-        else:
-            delta, finish = self._append(seq, token)
+        delta, finish = "", None
+        for token, lp in zip(tokens, logprobs, strict=True):
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            if g is not None and not g.accept(token):
+                # Every token the grammar allows was masked out by another setting (min_tokens holding
+                # back the stop token the grammar needs): end here, the output still matches so far.
+                delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
+                finish = ("stop", None)
+            else:
+                more, finish = self._append(seq, token)
+                delta += more
+            if finish is not None:
+                break
         if g is not None and finish is None:
             forced = []
             if self.config.jump_forward and seq.params.logprobs is None:

@@ -22,6 +22,8 @@ from engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_ava
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import TokenLogprob
+from engine.speculative.grammar_drafts import activation_index, fill_draft_bitmask
+from engine.speculative.verify import num_accepted, position_views
 from grammar.backend import allocate_bitmask, apply_bitmask
 from grammar.masking import fill_bitmasks
 from lora.slot_cache import LoRABatch
@@ -29,11 +31,12 @@ from lora.slot_cache import LoRABatch
 
 @dataclass
 class StepResult:
-    """Per scheduled sequence: the sampled token (None for a mid-prompt chunk), logprobs, and the error
-    its row raised (the others in the batch are unaffected)."""
+    """Per scheduled sequence: the sampled tokens (None for a mid-prompt chunk; one token, or with drafts the
+    accepted drafts and the target's token after them), their logprobs (None where not asked for), and the
+    error its row raised (the others in the batch are unaffected)."""
 
-    token_ids: list[int | None]
-    logprobs: list[TokenLogprob | None]
+    token_ids: list[list[int] | None]
+    logprobs: list[list[TokenLogprob | None] | None]
     prompt_logprobs: list[list[TokenLogprob] | None]
     errors: list[BaseException | None]
 
@@ -76,10 +79,12 @@ class GrammarStats:
     jump_forward_tokens: int = 0  # tokens appended without sampling (counted by the engine)
 
 
-def _timed_fill(bitmask: torch.Tensor, items) -> float:
+def _timed_fill(bitmask: torch.Tensor, items, drafted) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():  # the bitmask was made in the step's inference mode; this is another thread
         fill_bitmasks(bitmask, items)
+        for guided, drafts, first, row in drafted:  # position by position, through the drafts
+            fill_draft_bitmask(bitmask, guided, drafts, first, row)
     return time.perf_counter() - t0
 
 
@@ -149,6 +154,7 @@ class ModelRunner:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
+            input_ids.extend(seq.draft_token_ids)  # verified after the row's last token (none: not drafting)
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -207,25 +213,47 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, lora: LoRABatch | None = None) -> StepResult:
         sample_rows = [i for i in range(len(batch)) if batch.samples(i)]
-        sample_seqs = [batch.seqs[i] for i in sample_rows]
+        # One sampled position per sampling row, plus one per draft (engine/speculative/verify.py).
+        views, starts = [], []
+        for i in sample_rows:
+            starts.append(len(views))
+            views.extend(position_views(batch.seqs[i]))
         # Constrained rows: their bitmask rows are filled on a side thread while the forward pass runs
         # (xgrammar releases the GIL); unconstrained rows are never touched.
-        guided = [r for r, seq in enumerate(sample_seqs) if seq.guided is not None and seq.guided.active]
-        if guided:
-            bitmask = allocate_bitmask(len(sample_rows), self.model_config.vocab_size)
-            items = [(sample_seqs[r].guided.matcher, r) for r in guided]
-            filling = self._grammar_thread.submit(_timed_fill, bitmask, items)
+        masked, plain, drafted = [], [], []
+        for i, start in zip(sample_rows, starts, strict=True):
+            seq = batch.seqs[i]
+            if seq.guided is None:
+                continue
+            if seq.draft_token_ids:
+                first = activation_index(seq.guided, seq.detok, seq.draft_token_ids)
+                masked.extend(range(start + first, start + len(seq.draft_token_ids) + 1))
+                drafted.append((seq.guided, seq.draft_token_ids, first, start))
+            elif seq.guided.active:
+                masked.append(start)
+                plain.append((seq.guided.matcher, start))
+        if masked:
+            bitmask = allocate_bitmask(len(views), self.model_config.vocab_size)
+            filling = self._grammar_thread.submit(_timed_fill, bitmask, plain, drafted)
 
         hidden, qsl = self.forward(batch, lora)
-        logits = self.compute_logits(hidden[[qsl[i + 1] - 1 for i in sample_rows]])
-        if guided:
-            self._apply_grammar(logits, bitmask, guided, filling)
-        out = self.sampler(logits, sample_seqs)
+        rows = [
+            r
+            for i in sample_rows
+            for r in range(qsl[i + 1] - 1 - len(batch.seqs[i].draft_token_ids), qsl[i + 1])
+        ]
+        logits = self.compute_logits(hidden[rows])
+        if masked:
+            self._apply_grammar(logits, bitmask, masked, filling)
+        out = self.sampler(logits, views)
 
         result = StepResult.empty(len(batch))
-        for row, i in enumerate(sample_rows):
-            result.token_ids[i] = out.token_ids[row]
-            result.logprobs[i] = out.logprobs[row]
+        for i, start in zip(sample_rows, starts, strict=True):
+            drafts = batch.seqs[i].draft_token_ids
+            sampled = out.token_ids[start : start + len(drafts) + 1]
+            kept = num_accepted(sampled, drafts) + 1  # the accepted drafts and the target's next token
+            result.token_ids[i] = sampled[:kept]
+            result.logprobs[i] = out.logprobs[start : start + kept]
         for i, seq in enumerate(batch.seqs):
             k = seq.params.prompt_logprobs
             start = seq.num_computed_tokens

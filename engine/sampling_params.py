@@ -43,6 +43,9 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
     grammar_backend: str | None = None
     reasoning: bool = False
+    # Speculative decoding, where the engine has it on: False opts this request out (its output is the
+    # same either way; this only trades the verification's extra tokens for fewer steps).
+    speculative: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):

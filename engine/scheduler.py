@@ -37,9 +37,10 @@ class ScheduledBatch:
         return ScheduledBatch([self.seqs[i] for i in rows], [self.num_new_tokens[i] for i in rows])
 
     def samples(self, i: int) -> bool:
-        """Whether sequence i's chunk reaches its last token, so that this step samples its next one."""
+        """Whether sequence i's chunk reaches its last token, so that this step samples its next one (and
+        verifies the drafts scheduled after it)."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[i] - len(seq.draft_token_ids) == seq.num_tokens
 
 
 class Scheduler:
@@ -75,7 +76,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n += self._fit_drafts(seq, n, budget)
             while not self.bm.allocate_slots(seq, n):
+                if seq.draft_token_ids:  # drafts are optional: drop them before preempting anyone
+                    n -= len(seq.draft_token_ids)
+                    seq.draft_token_ids = []
+                    continue
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -117,7 +123,17 @@ class Scheduler:
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
         return batch
 
+    @staticmethod
+    def _fit_drafts(seq: Sequence, n: int, budget: int) -> int:
+        """Keep the drafts that fit the budget behind a decode row's one token; they count like any token."""
+        if seq.draft_token_ids and n == seq.num_tokens - seq.num_computed_tokens == 1:
+            seq.draft_token_ids = seq.draft_token_ids[: budget - n]
+        else:
+            seq.draft_token_ids = []
+        return len(seq.draft_token_ids)
+
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft_token_ids = []
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -127,14 +143,23 @@ class Scheduler:
     def advance(self, batch: ScheduledBatch) -> None:
         """Mark the batch's chunks computed (call after the forward pass, before appending tokens)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts count once accepted
             self.bm.cache_full_blocks(seq)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification: the accepted drafts' KV is the sequence's (they are its tokens now); the
+        rejected ones' slots are given back, and blocks they alone used return to the pool."""
+        seq.draft_token_ids = []
+        seq.num_computed_tokens += num_accepted
+        self.bm.truncate(seq)
+        self.bm.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Finish a sequence (stop, length, abort) and return its blocks to the pool."""
         if seq.is_finished:
             return
         seq.status = SequenceStatus.FINISHED
+        seq.draft_token_ids = []
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         if seq in self.running:

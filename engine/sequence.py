@@ -49,6 +49,11 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_preemptions: int = 0
     guided: GuidedDecoding | None = None  # the grammar constraint, if any
+    # Speculation: the drafts this step verifies after the last token (set by the engine's proposers,
+    # trimmed by the scheduler to its budget, cleared when the step commits), and the proposers' per-
+    # sequence state (engine/speculative/).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_state: object | None = None
     # Output text, as the engine commits tokens (set by the engine when it takes the request).
     detok: IncrementalDetokenizer | None = None
     stops: StopStringMatcher | None = None

@@ -258,7 +258,9 @@ async def test_fairness_across_tenants(system):
 
 
 async def test_n_choices_and_slow_reader_gets_merged_deltas(system):
-    adm = await system.submit(_spec("n", "The quick brown fox", n=2, max_tokens=12, ignore_eos=True))
+    # Not speculating: one token per step, so one put per step (speculation would put several at once).
+    spec = _spec("n", "The quick brown fox", n=2, max_tokens=12, ignore_eos=True, speculative=False)
+    adm = await system.submit(spec)
     await anyio.sleep(0.5)  # a slow reader: several steps' deltas are waiting, merged
     for s in adm.streams:
         text, tokens, last = await _drain(s)

@@ -142,9 +142,11 @@ def test_block_hashes_agree_across_processes():
 # -- reports ----------------------------------------------------------------------------------------------------
 def test_report_round_trip_and_sum():
     from actors.system import Stats
+    from engine.speculative.proposer import SpeculativeStats
 
     def report(replica, running, hits, waiting=(), queued=()):
-        stats = Stats(1, 0, running, 10, 90, 100, hits, 0, 5, 1, ("t/a",), waiting, queued)
+        spec = SpeculativeStats(drafted_tokens=10 * running, accepted_tokens=7 * running)
+        stats = Stats(1, 0, running, 10, 90, 100, hits, 0, 5, 1, ("t/a",), waiting, queued, spec)
         return ReplicaReport(replica, 3, stats, ReplicaReport.pack([5, -7]), (11,), 32)
 
     a, b = report("a", 2, 40, queued=("t/q",)), report("b", 3, 10, waiting=("t/a", "t/w"), queued=("t/a",))
@@ -161,6 +163,8 @@ def test_report_round_trip_and_sum():
     # adapters waiting or queued on one replica and running on another count as running (as vLLM's
     # lora_requests_info names them)
     assert (total.waiting_adapters, total.queued_adapters) == (("t/w",), ("t/q",))
+    # speculation's counters survive the round trip (a dataclass inside, not a dict) and add up
+    assert (total.speculative.drafted_tokens, total.speculative.accepted_tokens) == (50, 35)
 
 
 # -- the shared adapter store -------------------------------------------------------------------------------------

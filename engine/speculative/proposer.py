@@ -1,0 +1,144 @@
+"""Which drafts each decode row carries into a step: proposers, and a cost model that prices every draft.
+
+Proposers need no second model: the grammar's forced tokens where the row's grammar forces a string, else
+prompt lookup over the row's prompt and output (ngram.py). Each row keeps, per proposer, an estimate p of
+the chance that a draft is accepted given the earlier ones were, so its j-th draft adds p^j expected
+tokens. A step costs about `overhead + tokens` token-times (measured: evals/spec_threshold.py fits the
+step time of B rows with k drafts as a line in B(k + 1)); a draft is worth verifying while its expected
+tokens exceed the step's tokens out per token-time so far. So a row's drafts follow its acceptance, and
+with many decode rows (the step compute-bound, each extra token as dear as a whole row's) only drafts that
+are nearly sure survive: speculation backs off by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+from engine.speculative.grammar_drafts import activation_index, check_drafts, forced_tokens
+from engine.speculative.ngram import NgramIndex
+
+_DECAY = 0.8  # weight of the past in a row's acceptance estimate
+# (accepted, tried) before any verification, per source: the grammar's forced tokens, prompt lookup by the
+# length of the suffix it matched (one token is a weak cue, four a strong one).
+_PRIOR = {
+    "grammar": (3.0, 4.0),
+    "ngram1": (1.0, 3.0),
+    "ngram2": (1.0, 2.0),
+    "ngram3": (1.0, 2.0),
+    "ngram4": (2.0, 3.0),
+}
+_MAX_P = 0.95  # no draft is ever sure
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_tokens: int = 8  # most drafts per row and step
+    # A step's fixed cost in token-times (its time at zero tokens over the time per token): measured.
+    overhead_tokens: float = 10.0
+    min_n: int = 1  # prompt lookup matches suffixes of min_n..max_n tokens (the longest it finds)
+    max_n: int = 4
+
+
+@dataclass
+class SpeculativeStats:
+    """Plain counters for /metrics and benchmarks."""
+
+    proposals: int = 0  # rows the proposers were asked for drafts
+    ngram_hits: int = 0  # of those, rows that got prompt-lookup drafts
+    grammar_hits: int = 0  # rows that got the grammar's forced tokens
+    verified_rows: int = 0  # rows that verified at least one draft
+    drafted_tokens: int = 0  # drafts verified
+    accepted_tokens: int = 0  # of those, accepted
+    priced_out_tokens: int = 0  # drafts proposed but not worth their cost in their step
+
+
+class Estimate:
+    """A decayed count of drafts accepted out of drafts tried (a draft tried only after the earlier were
+    accepted), starting from a prior."""
+
+    def __init__(self, proposer: str):
+        self.accepted, self.tried = _PRIOR[proposer]
+
+    @property
+    def p(self) -> float:
+        return min(_MAX_P, self.accepted / self.tried)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.accepted = _DECAY * self.accepted + accepted
+        self.tried = _DECAY * self.tried + accepted + (accepted < drafted)
+
+
+class DraftState:
+    """A row's proposer state: its n-gram index, its acceptance estimates, and its latest drafts' source."""
+
+    def __init__(self, config: SpeculativeConfig):
+        assert config.max_n <= 4, "an acceptance prior per suffix length up to 4"
+        self.index = NgramIndex(config.min_n, config.max_n)
+        self.estimates = {name: Estimate(name) for name in _PRIOR}
+        self.source = "ngram2"
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.estimates[self.source].observe(drafted, accepted)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, encode: Callable[[str], list[int]], max_model_len: int):
+        self.config = config
+        self.encode = encode  # text -> token ids, for the grammar's forced strings
+        self.max_model_len = max_model_len
+        self.stats = SpeculativeStats()
+
+    def propose(self, running: Iterable[Sequence]) -> None:
+        """Set the drafts of every running decode row worth its cost (and clear the others')."""
+        running = list(running)
+        for seq in running:
+            seq.draft_token_ids = []
+        rows = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
+        offers = []  # (expected tokens, row, its drafts so far): every draft position of every row
+        for seq in rows:
+            if seq.params.speculative and (drafts := self._drafts(seq)):
+                p = seq.draft_state.estimates[seq.draft_state.source].p
+                offers += [(p ** (j + 1), -j, seq, drafts[: j + 1]) for j in range(len(drafts))]
+        # Best first (a row's later drafts are worth less than its earlier ones, so prefixes are taken).
+        offers.sort(key=lambda o: o[:2], reverse=True)
+        out, cost = len(rows), len(rows) + self.config.overhead_tokens
+        for i, (gain, _, seq, drafts) in enumerate(offers):
+            if gain * cost <= out:  # this draft would lower the step's tokens per token-time
+                self.stats.priced_out_tokens += len(offers) - i
+                break
+            seq.draft_token_ids = drafts
+            out, cost = out + gain, cost + 1
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        state = seq.draft_state
+        if state is None:
+            state = seq.draft_state = DraftState(self.config)
+        # No draft past the request's last token or the context: they could never be kept.
+        room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
+        k = min(self.config.num_tokens, room)
+        if k <= 0:
+            return []
+        self.stats.proposals += 1
+        g = seq.guided
+        forced = forced_tokens(g, self.encode, k) if g is not None else []
+        # Prompt lookup continues after the forced tokens: a key, then the value copied from the prompt.
+        copied = state.index.propose(seq.token_ids, k - len(forced), forced)
+        drafts = forced + copied
+        self.stats.grammar_hits += bool(forced)
+        self.stats.ngram_hits += bool(copied)
+        if drafts:
+            state.source = "grammar" if forced else f"ngram{state.index.matched}"
+        if g is not None and drafts:
+            drafts = check_drafts(g, drafts, activation_index(g, seq.detok, drafts))
+        return drafts
+
+    def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A row verified `drafted` drafts and kept `accepted` of them."""
+        if drafted:
+            self.stats.verified_rows += 1
+            self.stats.drafted_tokens += drafted
+            self.stats.accepted_tokens += accepted
+            if seq.draft_state is not None:
+                seq.draft_state.observe(drafted, accepted)
