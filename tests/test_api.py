@@ -113,22 +113,13 @@ def test_seed_reproducible(client):
     assert len(others | {a}) > 1
 
 
-def test_chat_logprobs_and_extra_fields_ignored(client):
-    resp = client.chat.completions.create(
-        model=MODEL,
-        messages=USER,
-        max_tokens=5,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=3,
-        extra_body={
-            "top_k": 5,
-            "min_p": 0.01,
-            "repetition_penalty": 1.1,
-            "min_tokens": 1,
-            "unknown_field": 1,
-        },
-    )
+def test_chat_logprobs_and_extra_fields(client):
+    kwargs = dict(model=MODEL, messages=USER, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    extra = {"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 1}
+    # A field motet does not know is refused by name, never ignored (the openai SDK raises the 400)
+    with pytest.raises(openai.BadRequestError, match="unknown_field"):
+        client.chat.completions.create(**kwargs, extra_body={**extra, "unknown_field": 1})
+    resp = client.chat.completions.create(**kwargs, extra_body=extra)
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-4 for t in content)
