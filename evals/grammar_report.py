@@ -1,7 +1,7 @@
 """Grammar backend report over JSONSchemaBench: compile coverage, correctness and speed.
 
     python -m evals.grammar_report [--data ../shared/data/jsonschemabench/dev.jsonl] [--limit N]
-                                   [--out reports/grammar] [--timeout 10] [--model-dir DIR]
+                                   [--out reports/grammar] [--timeout 10] [--model-dir DIR] [--workers N]
 
 For every schema and configuration (xgrammar, xgrammar with strict=False, llguidance, outlines):
 compile it (through `GrammarCache`, with the time limit), then feed each test instance,
