@@ -59,6 +59,15 @@ def _too_large(param: str, e: GrammarLimitError) -> APIError:
     return APIError(400, f"{param}: {e}", param=param, code="grammar_limit_exceeded")
 
 
+def _choice(choices, param: str, limits: GrammarLimits) -> GrammarSpec:
+    """A choice list (guided_choice, structured_outputs.choice) as a spec, its errors naming `param`."""
+    try:
+        spec = ChoiceSpec(tuple(choices))
+    except GrammarError as e:
+        raise _bad(param, str(e)) from None
+    return _limited(limits, spec, param)
+
+
 def _limited(limits: GrammarLimits, spec: GrammarSpec, param: str, what: str | None = None) -> GrammarSpec:
     try:
         limits.check_spec(spec, what)
@@ -160,11 +169,7 @@ def _guided(req, limits: GrammarLimits, warnings: list[str]) -> list[tuple[str, 
     if req.guided_regex is not None:
         found.append(("guided_regex", _limited(limits, RegexSpec(req.guided_regex), "guided_regex")))
     if req.guided_choice is not None:
-        try:
-            spec = ChoiceSpec(tuple(req.guided_choice))
-        except GrammarError as e:
-            raise _bad("guided_choice", str(e)) from None
-        found.append(("guided_choice", _limited(limits, spec, "guided_choice")))
+        found.append(("guided_choice", _choice(req.guided_choice, "guided_choice", limits)))
     if req.guided_grammar is not None:
         found.append(("guided_grammar", _limited(limits, EbnfSpec(req.guided_grammar), "guided_grammar")))
     if req.structured_outputs is not None:
@@ -191,11 +196,8 @@ def _structured_outputs(so, limits: GrammarLimits, warnings: list[str]) -> list[
             ("structured_outputs.regex", _limited(limits, RegexSpec(so.regex), "structured_outputs.regex"))
         )
     if so.choice is not None:
-        try:
-            spec = ChoiceSpec(tuple(so.choice))
-        except GrammarError as e:
-            raise _bad("structured_outputs.choice", str(e)) from None
-        found.append(("structured_outputs.choice", _limited(limits, spec, "structured_outputs.choice")))
+        param = "structured_outputs.choice"
+        found.append((param, _choice(so.choice, param, limits)))
     if so.grammar is not None:
         param = "structured_outputs.grammar"
         found.append((param, _limited(limits, EbnfSpec(so.grammar), param)))

@@ -237,6 +237,15 @@ def machine() -> str:
     )
 
 
+def write_report(out: Path, name: str, report: dict, text: str) -> None:
+    """NAME-TIME.json and .md under `out`, and the markdown printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out / f"{name}-{stamp}.json").write_text(json.dumps(report, indent=2))
+    (out / f"{name}-{stamp}.md").write_text(text)
+    print(text)
+
+
 def main(argv=None) -> int:
     from evals.server import ManagedServer
 
@@ -294,12 +303,7 @@ def main(argv=None) -> int:
         "machine": machine(),
         "levels": levels,
     }
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (out / f"serving_bench-{stamp}.json").write_text(json.dumps(report, indent=2))
-    (out / f"serving_bench-{stamp}.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(Path(args.output_dir), "serving_bench", report, markdown(report))
     return 0
 
 

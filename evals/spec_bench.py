@@ -21,13 +21,12 @@ import asyncio
 import json
 import random
 import re
-import time
 from pathlib import Path
 
 import httpx
 
 from evals.server import ManagedServer
-from evals.serving_bench import machine, run_level, summarize
+from evals.serving_bench import machine, run_level, summarize, write_report
 from evals.suites.bfcl import tools_of
 
 WORKLOADS = ("extraction", "bfcl", "chat", "edit")
@@ -218,12 +217,7 @@ def main(argv=None) -> int:
                          "max_tokens": args.max_tokens, "requests": args.requests, "threads": args.threads,
                          "server_args": args.server_args},
               "machine": machine(), "rows": rows}  # fmt: skip
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (out / f"spec_bench-{stamp}.json").write_text(json.dumps(report, indent=2))
-    (out / f"spec_bench-{stamp}.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(Path(args.output_dir), "spec_bench", report, markdown(report))
     return 0
 
 

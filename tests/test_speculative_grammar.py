@@ -18,6 +18,7 @@ from engine.speculative.grammar_drafts import activation_index, check_drafts, fi
 from grammar.backend import allocate_bitmask
 from grammar.specs import JsonSchemaSpec, StructuralTagSpec
 from grammar.tool_calls import tool_call_structural_tag, validate_tools
+from tests.test_speculative import pair
 
 SCHEMA = {
     "type": "object",
@@ -45,15 +46,7 @@ TOOLS = validate_tools(
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    off = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4, speculative="off")
-    on = LLM(
-        str(tiny_model_dir),
-        num_kv_blocks=256,
-        block_size=4,
-        speculative="ngram",
-        speculative_overhead_tokens=1e6,
-    )
-    return off, on
+    return pair(tiny_model_dir)
 
 
 def prompts(llm: LLM) -> list[list[int]]:
