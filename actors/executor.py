@@ -111,7 +111,12 @@ class ExecutorActor(Actor):
         for req in message.admit:
             try:
                 engine.add_request(
-                    req.prompt_token_ids, req.params, req.request_id, req.adapter, grammar=req.grammar
+                    req.prompt_token_ids,
+                    req.params,
+                    req.request_id,
+                    req.adapter,
+                    grammar=req.grammar,
+                    tenant=req.tenant,
                 )
             except Exception as e:
                 refused.append((req.request_id, _refusal(req, e)))

@@ -169,7 +169,8 @@ class Metrics:
         self.spec_acceptance.set(spec.accepted_tokens / spec.drafted_tokens if spec.drafted_tokens else 0.0)
         rows = spec.verified_rows
         self.spec_mean_accepted.set((spec.accepted_tokens + rows) / rows if rows else 0.0)
-        for proposer, hits in (("ngram", spec.ngram_hits), ("grammar", spec.grammar_hits)):
+        hits_by = (("ngram", spec.ngram_hits), ("grammar", spec.grammar_hits), ("history", spec.history_hits))
+        for proposer, hits in hits_by:
             self.spec_hit_rate.labels(proposer).set(hits / spec.proposals if spec.proposals else 0.0)
         self.spec_priced_out.set(spec.priced_out_tokens)
 

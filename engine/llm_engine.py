@@ -163,9 +163,12 @@ class LLMEngine:
         request_id: str | None = None,
         adapter: AdapterRef | str | None = None,
         grammar: CompiledGrammar | None = None,
+        tenant: str | None = None,
     ) -> str:
         """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
-        for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here."""
+        for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
+        `tenant`: whose request it is; speculation drafts only from the outputs of the same tenant,
+        adapter and grammar."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
@@ -178,6 +181,7 @@ class LLMEngine:
         ref = self.adapters.resolve(adapter)
         uid = self.adapters.acquire(ref) if ref is not None else 0  # AdapterError if it no longer loads
         seq = Sequence(token_ids, params, adapter_id=uid, request_id=request_id, arrival=next(self._arrivals))
+        seq.draft_scope = (tenant, uid, params.grammar.key() if params.grammar is not None else None)
         if grammar is not None:
             seq.guided = GuidedDecoding(grammar.matcher(), "</think>" if params.reasoning else None)
         seq.detok = IncrementalDetokenizer(self.tokenizer.hf, token_ids, params.skip_special_tokens)
@@ -312,6 +316,8 @@ class LLMEngine:
                     break
         if finish is not None:
             reason, stop_reason = finish
+            if self.speculator is not None:
+                self.speculator.record(seq)
             self.scheduler.finish(seq, reason, stop_reason)
             del self.requests[seq.request_id]
             self.adapters.release(seq.adapter_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -54,6 +55,7 @@ class Sequence:
     # sequence state (engine/speculative/).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_state: object | None = None
+    draft_scope: Hashable | None = None  # whose recent outputs it may draft from: (tenant, adapter, grammar)
     # Output text, as the engine commits tokens (set by the engine when it takes the request).
     detok: IncrementalDetokenizer | None = None
     stops: StopStringMatcher | None = None

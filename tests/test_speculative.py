@@ -186,6 +186,30 @@ def test_opt_out(tiny_model_dir):
     assert on.engine.stats().speculative.proposals == 0
 
 
+def run_as(llm: LLM, tenant: str, prompts: list[list[int]], params: SamplingParams) -> list:
+    ids = [llm.engine.add_request(p, params, tenant=tenant) for p in prompts]
+    done = {}
+    while len(done) < len(ids):
+        done.update((o.request_id, o) for o in llm.engine.step() if o.finished)
+    return [done[i] for i in ids]
+
+
+def test_drafts_from_the_tenants_history_keep_the_plain_output(tiny_model_dir):
+    """Finished outputs feed later requests' drafts, of the same tenant (and adapter, grammar) only."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    off, on = pair(tiny_model_dir)
+    prompts = [[7, 3, 9, 200 + i] for i in range(3)]
+    plain = [o.token_ids for o in off.generate(prompts, params)]
+    hits = lambda: on.engine.stats().speculative.history_hits  # noqa: E731
+    assert [o.token_ids for o in run_as(on, "a", prompts[:2], params)] == plain[:2]
+    assert hits() == 0  # both ran side by side: no history yet
+    assert [o.token_ids for o in run_as(on, "b", prompts[:1], params)] == plain[:1]
+    assert hits() == 0  # a's outputs are not b's
+    before = accepted(on)
+    assert [o.token_ids for o in run_as(on, "a", prompts, params)] == plain
+    assert hits() > 0 and accepted(on) > before
+
+
 def decode_row(prompt: list[int], accepted: float, tried: float) -> Sequence:
     seq = Sequence(prompt, SamplingParams(temperature=0, max_tokens=100))
     seq.num_computed_tokens = seq.num_tokens - 1

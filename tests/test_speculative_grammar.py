@@ -76,6 +76,18 @@ def test_json_schema_greedy_is_the_plain_engines(engines, backend):
             json.loads(out.text)
 
 
+def test_history_drafts_under_a_grammar_are_the_plain_engines(tiny_model_dir):
+    """The second round of requests drafts from the first round's outputs, walked under the grammar."""
+    off, on = pair(tiny_model_dir)
+    params = SamplingParams(temperature=0, max_tokens=48, grammar=JsonSchemaSpec(SCHEMA))
+    texts = ["a", "b", "c", "d"]
+    for round_ in (texts[:2], texts[2:]):
+        ids = [on.tokenizer.encode(t) for t in round_]
+        plain, spec = off.generate(ids, params), on.generate(ids, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert on.engine.stats().speculative.history_hits > 0
+
+
 def test_tool_call_grammar_greedy_is_the_plain_engines(engines):
     off, on = engines
     tag = StructuralTagSpec(tool_call_structural_tag(TOOLS, "required", parallel=False))

@@ -10,23 +10,20 @@ advances it by the accepted tokens only, as without speculation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided import GuidedDecoding
 
 
-def forced_tokens(guided: GuidedDecoding, encode: Callable[[str], list[int]], k: int) -> list[int]:
-    """Up to k tokens of the string the grammar forces next (a key, punctuation, a tool call's opening).
+def forced_text(guided: GuidedDecoding) -> str:
+    """The string the grammar forces next (a key, punctuation, a tool call's opening); "" if none.
 
-    Unlike jump-forward they are only drafts: the target verifies them, so a tokenization the model would
-    not choose costs a rejected draft, never a different output."""
-    if k <= 0 or not guided.active or guided.matcher.is_terminated():
-        return []
-    forced = guided.matcher.find_jump_forward_string()
-    return encode(forced)[:k] if forced else []
+    Unlike jump-forward its tokens are only drafts: the target verifies them, so a tokenization the model
+    would not choose costs a rejected draft, never a different output."""
+    if not guided.active or guided.matcher.is_terminated():
+        return ""
+    return guided.matcher.find_jump_forward_string()
 
 
 def activation_index(guided: GuidedDecoding, detok: IncrementalDetokenizer | None, drafts: list[int]) -> int:
@@ -64,3 +61,22 @@ def fill_draft_bitmask(
         if j < len(drafts) and not m.is_terminated() and m.accept_token(drafts[j]):
             accepted += 1
     m.rollback(accepted)
+
+
+class GrammarWalk:
+    """The row's matcher as a constraint on a walk of drafts (history.Constraint): each allowed token is
+    taken; `release` rolls the matcher back to the committed state."""
+
+    def __init__(self, guided: GuidedDecoding):
+        self.matcher = guided.matcher
+        self.taken = 0
+
+    def try_take(self, token: int) -> bool:
+        if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+            return False
+        self.taken += 1
+        return True
+
+    def release(self) -> None:
+        self.matcher.rollback(self.taken)
+        self.taken = 0

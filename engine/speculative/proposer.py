@@ -1,9 +1,11 @@
 """Which drafts each decode row carries into a step: proposers, and a cost model that prices every draft.
 
-Proposers need no second model: the grammar's forced tokens where the row's grammar forces a string, else
-prompt lookup over the row's prompt and output (ngram.py). Each row keeps, per proposer, an estimate p of
-the chance that a draft is accepted given the earlier ones were, so its j-th draft adds p^j expected
-tokens. A step costs about `overhead + tokens` token-times (measured: evals/spec_threshold.py fits the
+Proposers need no second model: the grammar's forced tokens where the row's grammar forces a string,
+prompt lookup over the row's prompt and output (ngram.py), and an n-gram model of the recent outputs of
+the row's scope: its tenant, adapter and grammar (history.py). Each row keeps, per proposer, an estimate p
+of the chance that a draft is accepted given the earlier ones were, so its j-th draft adds p^j expected
+tokens; the history estimates each draft's chance from its counts. A row takes the candidate with the most
+expected tokens. A step costs about `overhead + tokens` token-times (measured: evals/spec_threshold.py fits the
 step time of B rows with k drafts as a line in B(k + 1)); a draft is worth verifying while its expected
 tokens exceed the step's tokens out per token-time so far. So a row's drafts follow its acceptance, and
 with many decode rows (the step compute-bound, each extra token as dear as a whole row's) only drafts that
@@ -16,12 +18,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
-from engine.speculative.grammar_drafts import activation_index, check_drafts, forced_tokens
+from engine.speculative.grammar_drafts import GrammarWalk, activation_index, check_drafts, forced_text
+from engine.speculative.history import OutputHistory
 from engine.speculative.ngram import NgramIndex
 
 _DECAY = 0.8  # weight of the past in a row's acceptance estimate
-# (accepted, tried) before any verification, per source: the grammar's forced tokens, prompt lookup by the
-# length of the suffix it matched (one token is a weak cue, four a strong one).
+# (accepted, tried) before any verification, per source: the grammar's forced tokens, prompt lookup and
+# by the length of the suffix they matched (one token is a weak cue, four a strong one).
 _PRIOR = {
     "grammar": (3.0, 4.0),
     "ngram1": (1.0, 3.0),
@@ -48,6 +51,7 @@ class SpeculativeStats:
     proposals: int = 0  # rows the proposers were asked for drafts
     ngram_hits: int = 0  # of those, rows that got prompt-lookup drafts
     grammar_hits: int = 0  # rows that got the grammar's forced tokens
+    history_hits: int = 0  # rows whose drafts came from the scope's recent outputs
     verified_rows: int = 0  # rows that verified at least one draft
     drafted_tokens: int = 0  # drafts verified
     accepted_tokens: int = 0  # of those, accepted
@@ -80,7 +84,8 @@ class DraftState:
         self.source = "ngram2"
 
     def observe(self, drafted: int, accepted: int) -> None:
-        self.estimates[self.source].observe(drafted, accepted)
+        if self.source in self.estimates:  # the history's chances come from its counts instead
+            self.estimates[self.source].observe(drafted, accepted)
 
 
 class Speculator:
@@ -89,6 +94,13 @@ class Speculator:
         self.encode = encode  # text -> token ids, for the grammar's forced strings
         self.max_model_len = max_model_len
         self.stats = SpeculativeStats()
+        self.history = OutputHistory(config.max_n)
+
+    def record(self, seq: Sequence) -> None:
+        """A request finished: its output joins its scope's history (unless it opted out)."""
+        if seq.params.speculative and seq.draft_scope is not None:
+            lead_in = seq.prompt_token_ids[-self.config.max_n :]
+            self.history.record(seq.draft_scope, lead_in, seq.output_token_ids)
 
     def propose(self, running: Iterable[Sequence]) -> None:
         """Set the drafts of every running decode row worth its cost (and clear the others')."""
@@ -98,9 +110,9 @@ class Speculator:
         rows = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         offers = []  # (expected tokens, row, its drafts so far): every draft position of every row
         for seq in rows:
-            if seq.params.speculative and (drafts := self._drafts(seq)):
-                p = seq.draft_state.estimates[seq.draft_state.source].p
-                offers += [(p ** (j + 1), -j, seq, drafts[: j + 1]) for j in range(len(drafts))]
+            if seq.params.speculative:
+                drafts, gains = self._drafts(seq, len(rows))
+                offers += [(gains[j], -j, seq, drafts[: j + 1]) for j in range(len(drafts))]
         # Best first (a row's later drafts are worth less than its earlier ones, so prefixes are taken).
         offers.sort(key=lambda o: o[:2], reverse=True)
         out, cost = len(rows), len(rows) + self.config.overhead_tokens
@@ -111,7 +123,9 @@ class Speculator:
             seq.draft_token_ids = drafts
             out, cost = out + gain, cost + 1
 
-    def _drafts(self, seq: Sequence) -> list[int]:
+    def _drafts(self, seq: Sequence, num_rows: int) -> tuple[list[int], list[float]]:
+        """The row's best candidate drafts, and for each the chance that it and those before it are kept
+        (in a step of `num_rows` decode rows, where drafts less likely than that cannot pay)."""
         state = seq.draft_state
         if state is None:
             state = seq.draft_state = DraftState(self.config)
@@ -119,20 +133,42 @@ class Speculator:
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
         k = min(self.config.num_tokens, room)
         if k <= 0:
-            return []
+            return [], []
         self.stats.proposals += 1
         g = seq.guided
-        forced = forced_tokens(g, self.encode, k) if g is not None else []
-        # Prompt lookup continues after the forced tokens: a key, then the value copied from the prompt.
+        text = forced_text(g) if g is not None else ""
+        forced = self.encode(text)[:k] if text else []
+        p_forced = state.estimates["grammar"].p
+        forced_gains = [p_forced ** (j + 1) for j in range(len(forced))]
+        # Candidates (source, drafts, gains): the forced tokens continued by prompt lookup (a key, then
+        # the value copied from the prompt); and the history walked under the grammar, which spells a
+        # forced string in the model's own tokenization (jump-forward's may not be) and runs on.
+        candidates = []
         copied = state.index.propose(seq.token_ids, k - len(forced), forced)
-        drafts = forced + copied
-        self.stats.grammar_hits += bool(forced)
-        self.stats.ngram_hits += bool(copied)
-        if drafts:
-            state.source = "grammar" if forced else f"ngram{state.index.matched}"
-        if g is not None and drafts:
+        if forced or copied:
+            source = "grammar" if forced else f"ngram{state.index.matched}"
+            p = state.estimates[source].p
+            gains = forced_gains + [p ** (len(forced) + j + 1) for j in range(len(copied))]
+            candidates.append((source, forced + copied, gains, False))
+        if seq.draft_scope is not None and len(self.history):
+            walk = GrammarWalk(g) if g is not None and g.active else None
+            floor = num_rows / (num_rows + self.config.overhead_tokens)  # as propose() prices a draft
+            tail = seq.token_ids[-self.config.max_n :]
+            past, chances = self.history.propose(seq.draft_scope, tail, k, walk, floor)
+            if walk is not None:
+                walk.release()
+            if past:
+                candidates.append(("history", past, chances, walk is not None))
+        if not candidates:
+            return [], []
+        source, drafts, gains, checked = max(candidates, key=lambda c: sum(c[2]))
+        state.source = source
+        self.stats.grammar_hits += source == "grammar"
+        self.stats.ngram_hits += source.startswith("ngram") or (source == "grammar" and bool(copied))
+        self.stats.history_hits += source == "history"
+        if g is not None and not checked:
             drafts = check_drafts(g, drafts, activation_index(g, seq.detok, drafts))
-        return drafts
+        return drafts, gains[: len(drafts)]
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A row verified `drafted` drafts and kept `accepted` of them."""
