@@ -167,8 +167,8 @@ class LLMEngine:
     ) -> str:
         """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
         for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
-        `tenant`: whose request it is; speculation drafts only from the outputs of the same tenant,
-        adapter and grammar."""
+        `tenant`: whose request it is; speculation drafts only from the outputs of the same tenant and
+        adapter under the same kind of grammar (a JSON schema, tool calls, none, ...)."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
@@ -181,7 +181,8 @@ class LLMEngine:
         ref = self.adapters.resolve(adapter)
         uid = self.adapters.acquire(ref) if ref is not None else 0  # AdapterError if it no longer loads
         seq = Sequence(token_ids, params, adapter_id=uid, request_id=request_id, arrival=next(self._arrivals))
-        seq.draft_scope = (tenant, uid, params.grammar.key() if params.grammar is not None else None)
+        kind = params.grammar.kind if params.grammar is not None else None
+        seq.draft_scope = (tenant, uid, kind, params.reasoning)
         if grammar is not None:
             seq.guided = GuidedDecoding(grammar.matcher(), "</think>" if params.reasoning else None)
         seq.detok = IncrementalDetokenizer(self.tokenizer.hf, token_ids, params.skip_special_tokens)

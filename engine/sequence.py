@@ -55,7 +55,8 @@ class Sequence:
     # sequence state (engine/speculative/).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_state: object | None = None
-    draft_scope: Hashable | None = None  # whose recent outputs it may draft from: (tenant, adapter, grammar)
+    # Whose recent outputs it may draft from: (tenant, adapter, kind of grammar, reasoning).
+    draft_scope: Hashable | None = None
     # Output text, as the engine commits tokens (set by the engine when it takes the request).
     detok: IncrementalDetokenizer | None = None
     stops: StopStringMatcher | None = None

@@ -135,3 +135,11 @@ def test_scopes_never_mix_and_are_bounded():
         history.record(("tenant-c", i, None), [], [7, 8])
     assert len(history) == 3  # the least recently used scopes were dropped
     assert history.propose(("tenant-a", 0, None), [1, 2], 4) == ([], [])
+
+
+def test_a_token_budget_over_all_scopes():
+    history = OutputHistory(MAX_N, tokens_per_scope=100, max_tokens=250)
+    for i in range(10):
+        history.record(i, [], list(range(60)))
+    assert history.num_tokens <= 250 and len(history) == 4  # the newest scopes, 60 tokens each
+    assert history.propose(9, [5, 6], 2)[0] == [7, 8] and history.propose(5, [5, 6], 2) == ([], [])

@@ -1,14 +1,16 @@
 """Drafts from what earlier requests of the same scope wrote: an n-gram model over recent outputs.
 
-Requests of one tenant, adapter and grammar repeat each other: the same JSON keys and punctuation in the
-same tokenization, the same tool-call scaffolding, the same boilerplate, while the values in between
-differ. Like suffix decoding, each scope keeps its latest finished outputs (each led in by the last prompt
-tokens, so an output's first tokens can be proposed too) and counts, for every context of 1..max_n tokens,
-the tokens that followed it. A draft is the most frequent next token after the longest context seen, and
-its chance of acceptance is estimated from the counts: where the outputs agree (punctuation, the next key
-the grammar allows) drafts run on, where they differ (a value) they stop. Memory is bounded: a few
-thousand tokens per scope, the least recently used scopes dropped. Scopes never mix, so one tenant's
-outputs never shape another's drafts (drafts never change an output, but they change its timing).
+Requests of one tenant and adapter under one kind of grammar repeat each other: the same JSON keys and
+punctuation in the same tokenization, the same tool-call scaffolding, the same boilerplate, while the
+values in between differ. Like suffix decoding, each scope keeps its latest finished outputs (each led in
+by the last prompt tokens, so an output's first tokens can be proposed too) and counts, for every context
+of 1..max_n tokens, the tokens that followed it. A draft is the most frequent next token after the longest
+context seen, and its chance of acceptance is estimated from the counts: where the outputs agree
+(punctuation, the next key the grammar allows) drafts run on, where they differ (a value) they stop.
+Walked under the row's grammar, only the continuations it allows count, so requests with different schemas
+or tools can share a scope. Memory is bounded: a few thousand tokens per scope and a budget over all
+scopes, the least recently used scopes dropped first. Scopes never mix, so one tenant's outputs never shape
+another's drafts (drafts never change an output, but they change its timing).
 """
 
 from __future__ import annotations
@@ -91,10 +93,14 @@ class _ScopeModel:
 class OutputHistory:
     """Recent outputs per scope, and the drafts they suggest."""
 
-    def __init__(self, max_n: int = 4, max_scopes: int = 64, tokens_per_scope: int = 4096):
+    def __init__(
+        self, max_n: int = 4, max_scopes: int = 256, tokens_per_scope: int = 4096, max_tokens: int = 32768
+    ):
+        # About 2 KB a token at worst (all n-grams distinct): 32k tokens in all stay under ~70 MB.
         self.max_n = max_n
-        self.max_scopes, self.tokens_per_scope = max_scopes, tokens_per_scope
+        self.max_scopes, self.tokens_per_scope, self.max_tokens = max_scopes, tokens_per_scope, max_tokens
         self._scopes: OrderedDict[Hashable, _ScopeModel] = OrderedDict()  # least recently used first
+        self.num_tokens = 0
 
     def __len__(self) -> int:
         return len(self._scopes)
@@ -105,9 +111,13 @@ class OutputHistory:
             return
         model = self._scopes.pop(scope, None) or _ScopeModel(self.max_n)
         self._scopes[scope] = model
+        self.num_tokens -= model.num_tokens
         model.add(list(lead_in[-self.max_n :]) + list(output), self.tokens_per_scope)
-        while len(self._scopes) > self.max_scopes:
-            self._scopes.popitem(last=False)
+        self.num_tokens += model.num_tokens
+        while len(self._scopes) > 1 and (
+            len(self._scopes) > self.max_scopes or self.num_tokens > self.max_tokens
+        ):
+            self.num_tokens -= self._scopes.popitem(last=False)[1].num_tokens
 
     def propose(
         self,

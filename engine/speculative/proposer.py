@@ -2,7 +2,7 @@
 
 Proposers need no second model: the grammar's forced tokens where the row's grammar forces a string,
 prompt lookup over the row's prompt and output (ngram.py), and an n-gram model of the recent outputs of
-the row's scope: its tenant, adapter and grammar (history.py). Each row keeps, per proposer, an estimate p
+the row's scope: its tenant, adapter and kind of grammar (history.py). Each row keeps, per proposer, an estimate p
 of the chance that a draft is accepted given the earlier ones were, so its j-th draft adds p^j expected
 tokens; the history estimates each draft's chance from its counts. A row takes the candidate with the most
 expected tokens. A step costs about `overhead + tokens` token-times (measured: evals/spec_threshold.py fits the
