@@ -46,7 +46,9 @@ def test_opt_out_gives_the_same_text_and_metrics_show_acceptance(client):
     assert (
         0 < metric(m, "motet_spec_acceptance_rate") <= 1 and metric(m, "motet_spec_mean_accepted_length") > 1
     )
-    assert 'motet_spec_proposer_hit_rate{proposer="ngram"}' in m
+    assert all(
+        f'motet_spec_proposer_hit_rate{{proposer="{p}"}}' in m for p in ("ngram", "grammar", "history")
+    )
     plain = client.post("/v1/completions", json={**body, "speculative": False}).json()["choices"][0]["text"]
     assert plain == spec
     assert metric(client.get("/metrics").text, "motet_spec_draft_tokens") == drafted  # it drafted nothing

@@ -2,14 +2,14 @@
 
 Proposers need no second model: the grammar's forced tokens where the row's grammar forces a string,
 prompt lookup over the row's prompt and output (ngram.py), and an n-gram model of the recent outputs of
-the row's scope: its tenant, adapter and kind of grammar (history.py). Each row keeps, per proposer, an estimate p
-of the chance that a draft is accepted given the earlier ones were, so its j-th draft adds p^j expected
-tokens; the history estimates each draft's chance from its counts. A row takes the candidate with the most
-expected tokens. A step costs about `overhead + tokens` token-times (measured: evals/spec_threshold.py fits the
-step time of B rows with k drafts as a line in B(k + 1)); a draft is worth verifying while its expected
-tokens exceed the step's tokens out per token-time so far. So a row's drafts follow its acceptance, and
-with many decode rows (the step compute-bound, each extra token as dear as a whole row's) only drafts that
-are nearly sure survive: speculation backs off by itself.
+the row's scope, its tenant, adapter and kind of grammar (history.py). Each row keeps, per proposer, an
+estimate p of the chance that a draft is accepted given the earlier ones were, so its j-th draft adds p^j
+expected tokens; the history estimates each draft's chance from its counts. A row takes the candidate with
+the most expected tokens. A step costs about `overhead + tokens` token-times (measured:
+evals/spec_threshold.py fits the step time of B rows with k drafts as a line in B(k + 1)); a draft is worth
+verifying while its expected tokens exceed the step's tokens out per token-time so far. So a row's drafts
+follow its acceptance, and with many decode rows (the step compute-bound, each extra token as dear as a
+whole row's) only drafts that are nearly sure survive: speculation backs off by itself.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from engine.speculative.history import OutputHistory
 from engine.speculative.ngram import NgramIndex
 
 _DECAY = 0.8  # weight of the past in a row's acceptance estimate
-# (accepted, tried) before any verification, per source: the grammar's forced tokens, prompt lookup and
-# by the length of the suffix they matched (one token is a weak cue, four a strong one).
+# (accepted, tried) before any verification, per source: the grammar's forced tokens, and prompt lookup by
+# the length of the suffix it matched (one token is a weak cue, four a strong one).
 _PRIOR = {
     "grammar": (3.0, 4.0),
     "ngram1": (1.0, 3.0),
