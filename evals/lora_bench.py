@@ -90,6 +90,7 @@ def main(argv=None) -> None:
         num_kv_blocks=args.batch * (-(-(args.new_tokens + 128) // 16)),  # room for every request
         max_loras=max(args.adapters),  # every distinct adapter of a step resident: no time slicing
         max_lora_rank=args.rank,
+        speculative="off",  # plain decode steps: the adapter path's cost, not speculation's gain
     )
     base = llm.engine.model_config
     tmp = tempfile.TemporaryDirectory()  # kept until exit: the engine may reload adapters from disk

@@ -56,6 +56,7 @@ def _lora(ctx: EvalContext, model_dir: Path, hf) -> list[dict]:
         num_kv_blocks=batch * (-(-(tokens + 256) // 16)),  # room for every request
         max_loras=n_adapters,
         max_lora_rank=a.lora_rank,
+        speculative="off",  # plain decode steps: the adapter path's cost, not speculation's gain
     )
     base = llm.engine.model_config
     prompts = chat_prompts(llm.tokenizer, batch)
