@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from engine.model_store import pull
+    from motet.engine.model_store import pull
 
     if os.environ.get("MOTET_MODEL_DIR"):  # a checkpoint staged elsewhere (scripts/gpu/run.sh)
         from pathlib import Path

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from evals.server import ServerError, free_port, wait_healthy
+from motet.evals.server import ServerError, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "motet.api.cli", "serve", "--port", str(self.port), *args]
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}

@@ -5,17 +5,17 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.adapter_queues import AdapterQueuesActor
-from actors.errors import EngineFailure, InvalidRequest, QueueFull
-from actors.messages import Enqueue, GenerateSpec, QueuedRequest, Take
-from actors.reply import Delta, ReplyStream, merge_streams
-from actors.runtime import Actor, ActorStopped, ActorSystem
-from actors.system import ServingSystem
-from engine.config import EngineConfig
-from engine.fairness import VirtualTokenCounter
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from motet.actors.adapter_queues import AdapterQueuesActor
+from motet.actors.errors import EngineFailure, InvalidRequest, QueueFull
+from motet.actors.messages import Enqueue, GenerateSpec, QueuedRequest, Take
+from motet.actors.reply import Delta, ReplyStream, merge_streams
+from motet.actors.runtime import Actor, ActorStopped, ActorSystem
+from motet.actors.system import ServingSystem
+from motet.engine.config import EngineConfig
+from motet.engine.fairness import VirtualTokenCounter
+from motet.engine.llm import LLM
+from motet.engine.llm_engine import LLMEngine
+from motet.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
-from lora.adapter import AdapterError, load_adapter, module_shape
+from motet.engine.config import ModelConfig
+from motet.lora.adapter import AdapterError, load_adapter, module_shape
 
 BASE = ModelConfig.from_dict(
     {

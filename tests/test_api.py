@@ -72,7 +72,7 @@ def test_chat_streaming_equals_non_streaming(client):
 
 
 def test_usage_counts_tokens(client, default_model_dir):
-    from engine.tokenizer import load_tokenizer
+    from motet.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     resp = client.chat.completions.create(
@@ -300,7 +300,7 @@ def _lm_eval(server, model: str, model_args: str, task: str, *extra: str, tmp: P
         "--tasks",
         task,
         "--include_path",
-        "evals/lm_eval_tasks",
+        "motet/evals/lm_eval_tasks",
         "--limit",
         "25",
         "--output_path",

@@ -176,8 +176,8 @@ def test_generate_with_adapter(server, adapters):
     chat = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
     # Both are the offline engine's greedy outputs with the same adapter.
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from motet.engine.llm import LLM
+    from motet.engine.sampling_params import SamplingParams
 
     llm = LLM(num_kv_blocks=64)
     llm.add_lora("a", adapters["alice"])
@@ -364,13 +364,13 @@ def test_in_process_upload_use_delete(tiny_model_dir, tmp_path):
     from starlette.testclient import TestClient
     from transformers import AutoModelForCausalLM
 
-    from actors.system import ServingSystem
-    from api.adapter_store import AdapterStore
-    from api.app import create_app
-    from api.auth import Authenticator
-    from api.state import ServerState
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from motet.actors.system import ServingSystem
+    from motet.api.adapter_store import AdapterStore
+    from motet.api.app import create_app
+    from motet.api.auth import Authenticator
+    from motet.api.state import ServerState
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
 
     path = make_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "ad", seed=0)
     cfg = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=4, max_lora_rank=8)

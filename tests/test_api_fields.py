@@ -15,12 +15,12 @@ import jsonschema
 import pytest
 from starlette.testclient import TestClient
 
-from actors.system import ServingSystem
-from api.app import create_app
-from api.auth import Authenticator
-from api.state import ServerState
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from motet.actors.system import ServingSystem
+from motet.api.app import create_app
+from motet.api.auth import Authenticator
+from motet.api.state import ServerState
+from motet.engine.config import EngineConfig
+from motet.engine.llm_engine import LLMEngine
 
 AUTH = {"Authorization": "Bearer k1"}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -12,12 +12,12 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from actors.system import ServingSystem
-from api.app import create_app
-from api.auth import Authenticator
-from api.state import ServerState
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from motet.actors.system import ServingSystem
+from motet.api.app import create_app
+from motet.api.auth import Authenticator
+from motet.api.state import ServerState
+from motet.engine.config import EngineConfig
+from motet.engine.llm_engine import LLMEngine
 
 AUTH = {"Authorization": "Bearer k1", "Content-Type": "application/json"}
 CHAT = "/v1/chat/completions"
@@ -154,8 +154,8 @@ def test_prompt_text_beyond_the_context_is_refused_unread(client):
 
 def test_every_503_says_when_to_retry():
     """Busy grammar compilations answered 503 without Retry-After; every 503 carries it now."""
-    from actors.errors import ServerBusy, ShuttingDown
-    from api.errors import APIError, from_serving_error
+    from motet.actors.errors import ServerBusy, ShuttingDown
+    from motet.api.errors import APIError, from_serving_error
 
     for e in (ServerBusy("grammar compilations are busy"), ShuttingDown("bye")):
         r = from_serving_error(e).response()

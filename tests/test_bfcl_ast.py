@@ -1,11 +1,9 @@
-"""BFCL's AST check (evals/bfcl_ast.py) on hand-made cases, and on the dev set's own ground truth."""
+"""BFCL's AST check (motet/evals/bfcl_ast.py) on hand-made cases, and on the dev set's own ground truth."""
 
 from __future__ import annotations
 
-import json
-
-from evals.bfcl_ast import Call, check, standardize
-from tests.dev_sets import dev_set
+from motet.evals.bfcl_ast import Call, check, standardize
+from tests.dev_sets import dev_set, read_jsonl
 
 FN = {
     "name": "book",
@@ -178,8 +176,7 @@ def test_every_consistent_dev_case_accepts_its_own_ground_truth():
 
     rng = random.Random(0)
     checked = 0
-    for line in DEV.open():
-        case = json.loads(line)
+    for case in read_jsonl(DEV):
         specs = {f["name"]: f["parameters"] for f in case["function"]}
         calls, consistent = [], True
         for expected in case["ground_truth"] or []:

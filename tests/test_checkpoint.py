@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.checkpoint import iter_weights, load_model_config, load_state_dict, weight_files
-from engine.config import ModelLoadError
+from motet.engine.checkpoint import iter_weights, load_model_config, load_state_dict, weight_files
+from motet.engine.config import ModelLoadError
 
 TINY = dict(
     vocab_size=256,

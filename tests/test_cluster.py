@@ -45,8 +45,8 @@ def adapter(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline(tiny_model_dir, adapter):
     """The offline engine's greedy text for a chat, with or without the adapter."""
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from motet.engine.llm import LLM
+    from motet.engine.sampling_params import SamplingParams
 
     llm = LLM(str(tiny_model_dir), num_kv_blocks=512, num_threads=1)
     llm.add_lora("a", adapter)

@@ -1,4 +1,4 @@
-"""The compiled CPU step (engine/cpu_forward.py: the decoder stack in one native call) against the eager
+"""The compiled CPU step (motet/engine/cpu_forward.py: the decoder stack in one native call) against the eager
 model, its reference: the same logits for every row of mixed batches (prefill chunks, decodes, several
 adapters and the base model), in fp32 and bf16 weights, and the same greedy tokens."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kernels import cpu_native
+from motet.engine.config import EngineConfig
+from motet.engine.llm_engine import LLMEngine
+from motet.engine.sampling_params import SamplingParams
+from motet.kernels import cpu_native
 from tests.test_engine import PROMPTS, engine_logits
 from tests.test_lora_engine import tiny_loras, tiny_requests  # noqa: F401 (a fixture)
 from tests.tiny_models import build_tiny_model

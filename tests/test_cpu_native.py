@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/cpu_native.py) against float64 ground truths: paged attention against the
+"""The native CPU kernels (motet/kernels/cpu_native.py) against float64 ground truths: paged attention against the
 naive per-position attention of test_paged_attention, SGMV against the naive per-token LoRA delta of
 test_sgmv, the small-M linear against float64 F.linear."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
+from motet.kernels import cpu_native
 from tests.test_paged_attention import TOL, make_batch, naive_attention, random_seqs
 from tests.test_sgmv import REF_CASES, check_expand, make_case, naive
 

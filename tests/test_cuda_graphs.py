@@ -1,4 +1,4 @@
-"""Decode from CUDA graphs (engine/cuda_graphs.py) and the sync-free KV write it needs.
+"""Decode from CUDA graphs (motet/engine/cuda_graphs.py) and the sync-free KV write it needs.
 
 The write kernel runs under TRITON_INTERPRET=1 on CPU machines; the graph-vs-eager check needs CUDA."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cuda_graphs import bucket_for, buckets
-from kernels import paged_attention as pa
+from motet.engine.cuda_graphs import bucket_for, buckets
+from motet.kernels import paged_attention as pa
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(pa.triton is None, reason="triton not installed")
@@ -44,8 +44,8 @@ def test_write_kv_cache_triton_skips_negative_slots(dtype):
 
 
 def test_runner_ignores_graphs_on_cpu(tiny_model_dir):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(
         EngineConfig(model=str(tiny_model_dir), device="cpu", num_kv_blocks=64), model_dir=tiny_model_dir
@@ -59,10 +59,10 @@ def test_runner_ignores_graphs_on_cpu(tiny_model_dir):
 def test_graph_decode_equals_eager(tiny_model_dir, tmp_path, dtype, adapters):
     """Greedy decode of ragged prompts, batch sizes between buckets, graphs vs eager: the same tokens; with
     adapters, a mixed batch (two adapters and the base model)."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from evals.lora_bench import write_random_adapter
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
+    from motet.engine.sampling_params import SamplingParams
+    from motet.evals.lora_bench import write_random_adapter
 
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60, 2, 9)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from motet.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 SPECIALS = ["<|im_start|>", "<|im_end|>"]
 CORPUS = [

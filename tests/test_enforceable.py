@@ -14,15 +14,15 @@ import jsonschema
 import pytest
 from jsonschema.validators import validator_for
 
-from grammar.enforceable import simplify, unenforceable
-from grammar.schema_normalize import normalize_schema
-from grammar.specs import DEFAULT_MAX_WHITESPACE
-from tests.dev_sets import dev_set
+from motet.grammar.enforceable import simplify, unenforceable
+from motet.grammar.schema_normalize import normalize_schema
+from motet.grammar.specs import DEFAULT_MAX_WHITESPACE
+from tests.dev_sets import dev_set, read_jsonl
 
 xgr = pytest.importorskip("xgrammar")
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
 
-from grammar.xgrammar_backend import json_schema_grammar  # noqa: E402
+from motet.grammar.xgrammar_backend import json_schema_grammar  # noqa: E402
 
 DRAFT7 = "http://json-schema.org/draft-07/schema#"
 BENCH, BENCH_IS_FULL = dev_set("jsonschemabench")
@@ -148,8 +148,7 @@ def test_messages_name_keyword_and_place():
 
 
 def bench_records(step: int) -> list[dict]:
-    lines = BENCH.read_text().splitlines()
-    return [json.loads(line) for line in lines[::step]]
+    return read_jsonl(BENCH)[::step]
 
 
 def test_simplify_keeps_the_meaning_on_the_bench():

@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import EngineConfig, ModelLoadError
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.model import Linear, onednn_available
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from motet.engine.config import EngineConfig, ModelLoadError
+from motet.engine.llm import LLM
+from motet.engine.llm_engine import LLMEngine
+from motet.engine.model import Linear, onednn_available
+from motet.engine.sampling_params import SamplingParams
+from motet.engine.scheduler import ScheduledBatch
+from motet.engine.sequence import Sequence
 from tests.tiny_models import build_tiny_model
 
 PROMPTS = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60)] + [[7, 8, 9] * 11]
@@ -176,7 +176,7 @@ def test_stop_strings_end_the_text_without_leaking(tiny_model_dir):
 def test_cli_generate_json(tiny_model_dir, capsys):
     import json
 
-    from api.cli import main
+    from motet.api.cli import main
 
     assert (
         main(
@@ -201,8 +201,8 @@ def test_cli_generate_json(tiny_model_dir, capsys):
 
 def test_a_request_that_fails_in_processing_fails_alone(tiny_model_dir):
     """A backend raising for one sequence (here its grammar matcher) must not take its batch with it."""
-    from engine.guided import GuidedDecoding
-    from grammar.backend import Matcher
+    from motet.engine.guided import GuidedDecoding
+    from motet.grammar.backend import Matcher
 
     class Broken(Matcher):
         accept_token = fill_bitmask = rollback = lambda *a: True

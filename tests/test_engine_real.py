@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from motet.engine.llm import LLM
+from motet.engine.sampling_params import SamplingParams
 from tests.test_engine import engine_logits
 
 pytestmark = pytest.mark.slow

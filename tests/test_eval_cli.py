@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from evals import cli
-from evals.report import flatten
-from evals.server import ManagedServer
-from tests.dev_sets import dev_set
+from motet.evals import cli
+from motet.evals.report import flatten
+from motet.evals.server import ManagedServer
+from tests.dev_sets import FIXTURES, dev_set
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 3
 
 
-def data(name: str) -> tuple[str, str]:
-    """The dev set beside the repository (../shared/data), or the sample committed under tests/fixtures."""
-    return "--data", str(dev_set(name)[0])
+def data(name: str) -> tuple[str, ...]:
+    """No --data (the dev set shipped with motet), or the plain-JSONL sample under tests/fixtures when
+    MOTET_TEST_SAMPLES is set."""
+    path, full = dev_set(name)
+    return () if full else ("--data", str(path))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_jsonschema(server, tmp_path):
 
 def test_jsonschema_side_by_side(server, tmp_path):
     """Two servers (here the same one twice, under two labels): both in the JSON and the table."""
-    doc = run_suite(tmp_path, "jsonschema", *data("jsonschemabench"), "--base-url", server.base_url, "--label", "A", "--compare-url",
+    doc = run_suite(tmp_path, "jsonschema", "--data", str(FIXTURES / "jsonschemabench_sample.jsonl"), "--base-url", server.base_url, "--label", "A", "--compare-url",
                     server.url, "--compare-label", "B", "--limit", "1", "--max-tokens", "16",
                     "--modes", "constrained")  # fmt: skip
     assert [r["label"] for r in doc["runs"]] == ["A", "B"]
@@ -114,9 +116,9 @@ def server_adapters(server) -> list[str]:
 
 
 def test_lora(server, tmp_path):
-    if not (ROOT / "evals" / "suites" / "lora.py").is_file():
+    if not (ROOT / "motet" / "evals" / "suites" / "lora.py").is_file():
         pytest.skip("the lora suite is not there yet")
-    from evals.suites import lora
+    from motet.evals.suites import lora
 
     argv = ["lora", "--base-url", server.base_url, "--limit", str(LIMIT), "--concurrency", "2",
             "--random-adapters", "2", "--random-rank", "2"]  # fmt: skip

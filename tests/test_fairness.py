@@ -1,8 +1,8 @@
-"""Virtual token counters (engine/fairness.py): pure policy, no threads."""
+"""Virtual token counters (motet/engine/fairness.py): pure policy, no threads."""
 
 from __future__ import annotations
 
-from engine.fairness import VirtualTokenCounter
+from motet.engine.fairness import VirtualTokenCounter
 
 
 def test_pick_lowest_counter_ties_to_first():

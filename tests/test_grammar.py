@@ -13,7 +13,7 @@ import pytest
 import torch
 from jsonschema.validators import validator_for
 
-from grammar import (
+from motet.grammar import (
     ChoiceSpec,
     EbnfSpec,
     GrammarCache,
@@ -28,8 +28,8 @@ from grammar import (
     fill_bitmasks,
     normalize_schema,
 )
-from grammar import cache as cache_mod
-from grammar.backend import Backend, CompiledGrammar, allowed_token_ids
+from motet.grammar import cache as cache_mod
+from motet.grammar.backend import Backend, CompiledGrammar, allowed_token_ids
 from tests.dev_sets import FIXTURES
 
 BACKENDS = ["xgrammar", "llguidance", "outlines"]
@@ -143,7 +143,7 @@ def test_timeout_busy_and_backend_exceptions(monkeypatch):
 def test_outlines_regex_conversion_cannot_freeze_the_process():
     # outlines' schema->regex conversion holds the GIL for minutes on $ref-heavy schemas; it runs
     # in a helper process that is killed at its time limit, while our threads keep running.
-    from grammar.regex_worker import RegexWorker
+    from motet.grammar.regex_worker import RegexWorker
 
     def props(ref):
         return {f"p{j}": {"$ref": ref} if ref else {"type": "string"} for j in range(12)}

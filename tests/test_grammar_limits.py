@@ -14,20 +14,20 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-import grammar.cache as cache_mod
-from actors.system import ServingSystem
-from api.app import create_app
-from api.auth import Authenticator
-from api.state import ServerState
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from grammar.backend import Backend, CompiledGrammar
-from grammar.cache import GrammarCache
-from grammar.enforceable import regex_features, strict_refusal, unenforceable
-from grammar.limits import GrammarLimitError, GrammarLimits, schema_stats
-from grammar.schema_normalize import normalize_schema
-from grammar.specs import ChoiceSpec, EbnfSpec, GrammarError, JsonSchemaSpec, RegexSpec
-from tests.dev_sets import dev_set
+import motet.grammar.cache as cache_mod
+from motet.actors.system import ServingSystem
+from motet.api.app import create_app
+from motet.api.auth import Authenticator
+from motet.api.state import ServerState
+from motet.engine.config import EngineConfig
+from motet.engine.llm_engine import LLMEngine
+from motet.grammar.backend import Backend, CompiledGrammar
+from motet.grammar.cache import GrammarCache
+from motet.grammar.enforceable import regex_features, strict_refusal, unenforceable
+from motet.grammar.limits import GrammarLimitError, GrammarLimits, schema_stats
+from motet.grammar.schema_normalize import normalize_schema
+from motet.grammar.specs import ChoiceSpec, EbnfSpec, GrammarError, JsonSchemaSpec, RegexSpec
+from tests.dev_sets import dev_set, read_jsonl
 
 ALICE = {"Authorization": "Bearer k1", "Content-Type": "application/json"}
 BOB = {"Authorization": "Bearer k2", "Content-Type": "application/json"}
@@ -51,7 +51,7 @@ def test_defaults_pass_every_jsonschemabench_schema():
     """The defaults leave room above the largest real-world schemas (the maxima are in the limits' docs)."""
     path, _ = dev_set("jsonschemabench")
     limits = GrammarLimits()
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(path)
     assert rows
     for row in rows:
         limits.check_schema(row["schema"])
@@ -124,8 +124,8 @@ def test_limits_are_validated_and_configurable():
 
 
 def test_serve_flags_set_the_limits():
-    from api.cli import build_parser
-    from api.server import grammar_limits
+    from motet.api.cli import build_parser
+    from motet.api.server import grammar_limits
 
     args = build_parser().parse_args(["serve"])
     assert grammar_limits(args) == GrammarLimits()

@@ -11,18 +11,18 @@ import jsonschema
 import pytest
 from jsonschema.validators import validator_for
 
-from grammar.backend import GrammarTokenizer, allocate_bitmask, allowed_token_ids, bitmask_allows
-from grammar.cache import GrammarCache
-from grammar.enforceable import simplify
-from grammar.schema_normalize import normalize_schema
-from grammar.specs import DEFAULT_MAX_WHITESPACE, GrammarError, JsonSchemaSpec, RegexSpec
+from motet.grammar.backend import GrammarTokenizer, allocate_bitmask, allowed_token_ids, bitmask_allows
+from motet.grammar.cache import GrammarCache
+from motet.grammar.enforceable import simplify
+from motet.grammar.schema_normalize import normalize_schema
+from motet.grammar.specs import DEFAULT_MAX_WHITESPACE, GrammarError, JsonSchemaSpec, RegexSpec
 from tests.test_enforceable import PROBES, REWRITTEN, bench_records, passing_the_check
 from tests.tiny_models import build_tokenizer
 
 pytest.importorskip("llguidance")
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
 
-from grammar.xgrammar_backend import json_schema_grammar  # noqa: E402
+from motet.grammar.xgrammar_backend import json_schema_grammar  # noqa: E402
 
 
 @pytest.fixture(scope="module")

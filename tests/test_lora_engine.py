@@ -11,10 +11,10 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from lora.adapter import TARGET_MODULES, AdapterError, load_adapter
+from motet.engine.llm import LLM
+from motet.engine.llm_engine import LLMEngine
+from motet.engine.sampling_params import SamplingParams
+from motet.lora.adapter import TARGET_MODULES, AdapterError, load_adapter
 from tests.test_engine import engine_logits
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save
 
-import lora.registry as registry
-from lora.adapter import AdapterError, AdapterTooLarge, load_adapter
-from lora.registry import AdapterExists, AdapterNotFound, AdapterRegistry
+import motet.lora.registry as registry
+from motet.lora.adapter import AdapterError, AdapterTooLarge, load_adapter
+from motet.lora.registry import AdapterExists, AdapterNotFound, AdapterRegistry
 from tests.test_lora_slot_cache import BASE
 
 CFG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import lora.slot_cache as slot_cache
-from engine.config import ModelConfig
-from lora.adapter import TARGET_MODULES, AdapterError, LoRAAdapter, load_adapter, module_shape
-from lora.slot_cache import LoRASlotCache
+import motet.lora.slot_cache as slot_cache
+from motet.engine.config import ModelConfig
+from motet.lora.adapter import TARGET_MODULES, AdapterError, LoRAAdapter, load_adapter, module_shape
+from motet.lora.slot_cache import LoRASlotCache
 
 BASE = ModelConfig.from_dict(
     {
@@ -171,10 +171,10 @@ def test_triton_kernels_take_the_fused_column_slices_and_rank_cut_views(adapters
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-    from kernels import sgmv
+    from motet.kernels import sgmv
 
     if not torch.cuda.is_available() and type(sgmv._shrink_kernel).__name__ != "InterpretedFunction":
-        sgmv = importlib.reload(sys.modules["kernels.sgmv"])  # imported before the interpreter was set
+        sgmv = importlib.reload(sys.modules["motet.kernels.sgmv"])  # imported before the interpreter was set
 
     def triton_add_lora(y, x, A, B, scales, seg_starts, seg_slots, *, max_seg_len=None):
         h = sgmv.sgmv_shrink_triton(x, A, seg_starts, seg_slots, max_seg_len=max_seg_len)

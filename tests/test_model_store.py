@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import gguf_convert, model_store
-from engine.checkpoint import iter_weights, load_model_config
-from engine.config import ModelLoadError
-from engine.gguf_convert import unpermute_qk
-from engine.model_store import (
+from motet.engine import gguf_convert, model_store
+from motet.engine.checkpoint import iter_weights, load_model_config
+from motet.engine.config import ModelLoadError
+from motet.engine.gguf_convert import unpermute_qk
+from motet.engine.model_store import (
     DEFAULT_MODEL,
     GGUF_MEMBER,
     PullError,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_attention as pa
-from kernels import paged_attention_cpu as pac
+from motet.kernels import paged_attention as pa
+from motet.kernels import paged_attention_cpu as pac
 
 # tests/conftest.py turns TRITON_INTERPRET on (no CUDA) before anything imports triton.
 HAS_TRITON = pa.triton is not None

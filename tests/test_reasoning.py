@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from grammar.reasoning import REASONING_END, ReasoningStreamParser, reasoning_ended, split_reasoning
+from motet.grammar.reasoning import REASONING_END, ReasoningStreamParser, reasoning_ended, split_reasoning
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from api.chat_output import ChatOutput
-from api.response_items import OutputItems
+from motet.api.chat_output import ChatOutput
+from motet.api.response_items import OutputItems
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 TEXT = (

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from api.response_store import FILENAME, ResponseStore
+from motet.api.response_store import FILENAME, ResponseStore
 
 
 def response(rid: str, text: str = "hi") -> dict:

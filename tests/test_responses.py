@@ -27,13 +27,13 @@ from openai.types.responses import (
 from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
 
-from actors.system import ServingSystem
-from api.app import create_app
-from api.auth import Authenticator
-from api.response_store import ResponseStore
-from api.state import ServerState
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from motet.actors.system import ServingSystem
+from motet.api.app import create_app
+from motet.api.auth import Authenticator
+from motet.api.response_store import ResponseStore
+from motet.api.state import ServerState
+from motet.engine.config import EngineConfig
+from motet.engine.llm_engine import LLMEngine
 
 CITY = {
     "type": "object",

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.prefix_index import PrefixIndex
-from cluster.reports import ReplicaReport, total_stats
-from cluster.routing_policy import LoadTracker, ReplicaLoad, RouteRequest, RoutingPolicy
+from motet.cluster.prefix_index import PrefixIndex
+from motet.cluster.reports import ReplicaReport, total_stats
+from motet.cluster.routing_policy import LoadTracker, ReplicaLoad, RouteRequest, RoutingPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,16 +103,16 @@ def test_load_weighs_a_request_by_the_prefill_it_brings():
 # -- the ingress's hashes are the engine's ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model_dir):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, num_threads=1, block_size=4))
 
 
 def test_route_hashes_are_the_blocks_the_engine_caches(tiny_engine):
-    from actors.messages import GenerateSpec
-    from cluster.prompt_blocks import route_hashes
-    from engine.sampling_params import SamplingParams
+    from motet.actors.messages import GenerateSpec
+    from motet.cluster.prompt_blocks import route_hashes
+    from motet.engine.sampling_params import SamplingParams
 
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fox."}]
     spec = GenerateSpec(["r"], [SamplingParams(max_tokens=1)], messages=messages)
@@ -129,20 +129,20 @@ def test_route_hashes_are_the_blocks_the_engine_caches(tiny_engine):
 
 
 def test_block_hashes_agree_across_processes():
-    code = "from cluster.prompt_blocks import block_hashes; print(block_hashes(list(range(40)), 7, 16))"
+    code = "from motet.cluster.prompt_blocks import block_hashes; print(block_hashes(list(range(40)), 7, 16))"
     runs = {
         subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stdout
         for _ in range(2)
     }
-    from cluster.prompt_blocks import block_hashes
+    from motet.cluster.prompt_blocks import block_hashes
 
     assert runs == {f"{block_hashes(list(range(40)), 7, 16)}\n"}
 
 
 # -- reports ----------------------------------------------------------------------------------------------------
 def test_report_round_trip_and_sum():
-    from actors.system import Stats
-    from engine.speculative.proposer import SpeculativeStats
+    from motet.actors.system import Stats
+    from motet.engine.speculative.proposer import SpeculativeStats
 
     def report(replica, running, hits, waiting=(), queued=()):
         spec = SpeculativeStats(drafted_tokens=10 * running, accepted_tokens=7 * running)
@@ -169,8 +169,8 @@ def test_report_round_trip_and_sum():
 
 # -- the shared adapter store -------------------------------------------------------------------------------------
 def test_store_copies_keep_the_uid_and_deletion_shows(tmp_path):
-    from cluster.adapter_store import SharedAdapterStore
-    from lora.manager import AdapterRef, files_version
+    from motet.cluster.adapter_store import SharedAdapterStore
+    from motet.lora.manager import AdapterRef, files_version
 
     source = tmp_path / "upload"
     source.mkdir()
@@ -198,8 +198,8 @@ def test_store_publishes_and_fetches_once_under_concurrent_first_uses(tmp_path):
     replica) it: every one succeeds and sees the same files."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cluster.adapter_store import SharedAdapterStore
-    from lora.manager import AdapterRef
+    from motet.cluster.adapter_store import SharedAdapterStore
+    from motet.lora.manager import AdapterRef
 
     source = tmp_path / "upload"
     source.mkdir()
@@ -218,7 +218,7 @@ def test_store_publishes_and_fetches_once_under_concurrent_first_uses(tmp_path):
 
 # -- the simulation ----------------------------------------------------------------------------------------------
 def test_simulation_ranks_the_policies_as_their_design_says():
-    from evals import routing_sim
+    from benchmarks import routing_sim
 
     args = routing_sim.build_parser().parse_args(
         ["--replicas", "8", "--duration", "240", "--policies", "round_robin", "motet", "oracle"]
@@ -232,9 +232,9 @@ def test_simulation_ranks_the_policies_as_their_design_says():
 
 # -- the scale-out flags ------------------------------------------------------------------------------------------
 def test_scale_out_flags_are_checked_and_shape_the_deployment():
-    from api.cli import build_parser
-    from cluster.cli import wants_cluster
-    from cluster.launch import Cluster, ClusterSettings
+    from motet.api.cli import build_parser
+    from motet.cluster.cli import wants_cluster
+    from motet.cluster.launch import Cluster, ClusterSettings
 
     parse = lambda *a: build_parser().parse_args(["serve", *a])  # noqa: E731
     assert not wants_cluster(parse())

@@ -14,9 +14,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.sampler import Sampler, apply_processing, compute_prompt_logprobs
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from motet.engine.sampler import Sampler, apply_processing, compute_prompt_logprobs
+from motet.engine.sampling_params import SamplingParams
+from motet.engine.sequence import Sequence
 
 EOS = 1
 

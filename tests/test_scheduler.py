@@ -2,11 +2,11 @@
 
 import pytest
 
-from engine.adapter_slicer import AdapterSlicer
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from motet.engine.adapter_slicer import AdapterSlicer
+from motet.engine.block_manager import BlockManager
+from motet.engine.sampling_params import SamplingParams
+from motet.engine.scheduler import Scheduler
+from motet.engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=64, block_size=4, max_seqs=8, budget=32):
@@ -65,7 +65,7 @@ def test_preemption_frees_blocks_and_everything_completes():
 
 def test_prompt_larger_than_pool_is_refused():
     """Checked once, before a request reaches the scheduler (ingress and engine share these limits)."""
-    from engine.request_checks import RequestError, RequestLimits
+    from motet.engine.request_checks import RequestError, RequestLimits
 
     limits = RequestLimits(vocab_size=100, max_model_len=64, max_kv_tokens=8)
     limits.check_prompt(list(range(7)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import sgmv
+from motet.kernels import sgmv
 
 # tests/conftest.py turns TRITON_INTERPRET on (no CUDA) before anything imports triton.
 HAS_TRITON = sgmv.triton is not None

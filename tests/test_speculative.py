@@ -11,12 +11,12 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from engine.block_manager import block_hash
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.speculative.ngram import NgramIndex
-from engine.speculative.proposer import DraftState, SpeculativeConfig, Speculator
+from motet.engine.block_manager import block_hash
+from motet.engine.llm import LLM
+from motet.engine.sampling_params import SamplingParams
+from motet.engine.sequence import Sequence
+from motet.engine.speculative.ngram import NgramIndex
+from motet.engine.speculative.proposer import DraftState, SpeculativeConfig, Speculator
 from tests.test_lora_engine import peft_reference, tiny_llm, tiny_loras, tiny_requests  # noqa: F401
 from tests.tiny_models import build_tiny_model
 

@@ -9,11 +9,11 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from actors.system import ServingSystem
-from api.app import create_app
-from api.cli import build_parser, engine_config
-from api.state import ServerState
-from engine.llm_engine import LLMEngine
+from motet.actors.system import ServingSystem
+from motet.api.app import create_app
+from motet.api.cli import build_parser, engine_config
+from motet.api.state import ServerState
+from motet.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,14 @@ import json
 import pytest
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.guided import GuidedDecoding
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.speculative.grammar_drafts import activation_index, check_drafts, fill_draft_bitmask
-from grammar.backend import allocate_bitmask
-from grammar.specs import JsonSchemaSpec, StructuralTagSpec
-from grammar.tool_calls import tool_call_structural_tag, validate_tools
+from motet.engine.detokenizer import IncrementalDetokenizer
+from motet.engine.guided import GuidedDecoding
+from motet.engine.llm import LLM
+from motet.engine.sampling_params import SamplingParams
+from motet.engine.speculative.grammar_drafts import activation_index, check_drafts, fill_draft_bitmask
+from motet.grammar.backend import allocate_bitmask
+from motet.grammar.specs import JsonSchemaSpec, StructuralTagSpec
+from motet.grammar.tool_calls import tool_call_structural_tag, validate_tools
 from tests.test_speculative import pair
 
 SCHEMA = {

@@ -1,4 +1,4 @@
-"""Drafts from a scope's recent outputs (engine/speculative/history.py) against a brute-force n-gram count
+"""Drafts from a scope's recent outputs (motet/engine/speculative/history.py) against a brute-force n-gram count
 over the outputs the history should still hold; scopes never mix and memory stays bounded."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from engine.speculative.history import OutputHistory
+from motet.engine.speculative.history import OutputHistory
 
 MAX_N = 4
 

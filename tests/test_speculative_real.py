@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from grammar.specs import JsonSchemaSpec, StructuralTagSpec
-from grammar.tool_calls import tool_call_structural_tag, validate_tools
+from motet.engine.llm import LLM
+from motet.engine.sampling_params import SamplingParams
+from motet.grammar.specs import JsonSchemaSpec, StructuralTagSpec
+from motet.grammar.tool_calls import tool_call_structural_tag, validate_tools
 
 pytestmark = pytest.mark.slow
 

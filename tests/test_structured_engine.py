@@ -13,11 +13,11 @@ import re
 import jsonschema
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from grammar.specs import ChoiceSpec, JsonSchemaSpec, RegexSpec, StructuralTagSpec
-from grammar.tool_call_parser import parse_tool_calls
-from grammar.tool_calls import tool_call_structural_tag, validate_tools
+from motet.engine.llm import LLM
+from motet.engine.sampling_params import SamplingParams
+from motet.grammar.specs import ChoiceSpec, JsonSchemaSpec, RegexSpec, StructuralTagSpec
+from motet.grammar.tool_call_parser import parse_tool_calls
+from motet.grammar.tool_calls import tool_call_structural_tag, validate_tools
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +107,7 @@ def test_preempted_constrained_requests_finish_as_with_ample_memory(default_mode
 
 
 def test_grammar_with_lora_adapters_in_the_same_batch(llm, tmp_path):
-    from evals.lora_bench import write_random_adapter
+    from motet.evals.lora_bench import write_random_adapter
 
     path = write_random_adapter(tmp_path / "a", llm.engine.model_config, rank=8, seed=3)
     llm.add_lora("rand", path)

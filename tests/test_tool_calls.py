@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grammar.tool_call_parser import (
+from motet.grammar.tool_call_parser import (
     ContentDelta,
     ToolCall,
     ToolCallArguments,
@@ -18,9 +18,15 @@ from grammar.tool_call_parser import (
     ToolCallStreamParser,
     parse_tool_calls,
 )
-from grammar.tool_calls import Tool, ToolError, resolve_tool_choice, tool_call_structural_tag, validate_tools
-from grammar.tool_prompt import format_call, render_messages, template_supports_tools
-from tests.dev_sets import dev_set
+from motet.grammar.tool_calls import (
+    Tool,
+    ToolError,
+    resolve_tool_choice,
+    tool_call_structural_tag,
+    validate_tools,
+)
+from motet.grammar.tool_prompt import format_call, render_messages, template_supports_tools
+from tests.dev_sets import dev_set, read_jsonl
 
 MODEL_DIR = Path(os.path.expanduser("~/.cache/motet/models/SmolLM2-135M-Instruct"))
 BFCL, _ = dev_set("bfcl")
@@ -137,10 +143,9 @@ def test_validate_meta_schema_errors_name_the_path():
 def test_validate_bfcl_sample():
     import xgrammar as xgr
 
-    lines = BFCL.read_text().splitlines()[:30]
     count = 0
-    for line in lines:
-        functions = json.loads(line)["function"]
+    for case in read_jsonl(BFCL)[:30]:
+        functions = case["function"]
         tools = validate_tools(functions)
         wrapped = validate_tools([{"type": "function", "function": f} for f in functions])
         assert tools == wrapped

@@ -1,4 +1,4 @@
-"""The committed trained adapters (tests/fixtures/adapters/{upper,json}, from evals/train_adapters.py) on
+"""The committed trained adapters (tests/fixtures/adapters/{upper,json}, from motet/evals/train_adapters.py) on
 the real default model: motet serves them with the behaviour they were trained for, on held-out prompts,
 while the base model does not have it; and motet's logits with each adapter are HF transformers + PEFT's.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evals.train_adapters import CHECKS, FIXTURES, behaviour, offline_generate, prompts
+from motet.evals.train_adapters import CHECKS, FIXTURES, behaviour, offline_generate, prompts
 from tests.test_engine import engine_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
@@ -18,7 +18,7 @@ ADAPTERS = {check: FIXTURES / check for check in CHECKS}
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
-    from engine.llm import LLM
+    from motet.engine.llm import LLM
 
     llm = LLM(str(default_model_dir), num_threads=1)  # one thread: robust on a shared CPU
     for name, path in ADAPTERS.items():

@@ -1,4 +1,4 @@
-"""Decode tokens/s on one GPU, eager vs CUDA graphs (engine/cuda_graphs.py), and where an eager step's time
+"""Decode tokens/s on one GPU, eager vs CUDA graphs (motet/engine/cuda_graphs.py), and where an eager step's time
 goes (the forward alone, and a profiler's top ops at batch 1). Writes decode_graphs.json/.md into --out.
 
     python scripts/gpu/decode_graphs.py --model-dir DIR --out OUT [--batches 1,8,64,256] [--new-tokens 64]
@@ -23,10 +23,10 @@ def _prompts(n: int, length: int = 32) -> list[list[int]]:
 def decode(
     model_dir: Path, batch: int, new_tokens: int, adapters: int, graphs: bool, profile: bool = False
 ) -> dict:
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from evals.lora_bench import write_random_adapter
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
+    from motet.engine.sampling_params import SamplingParams
+    from motet.evals.lora_bench import write_random_adapter
 
     cfg = EngineConfig(
         model=str(model_dir), dtype="bfloat16", device="cuda", num_kv_blocks=batch * 8 + 64,

@@ -1,5 +1,5 @@
 """GPU time of the SGMV and paged-attention kernels without the host's launch cost: N launches captured in
-one CUDA graph, replayed and timed with CUDA events (evals/gpu_bench.py times a Python loop of launches,
+one CUDA graph, replayed and timed with CUDA events (benchmarks/gpu_bench.py times a Python loop of launches,
 which at these sizes measures the launch path). Writes kernel_graph_bench.{json,md} into --out.
 
     python scripts/gpu/kernel_graph_bench.py --out OUT
@@ -40,7 +40,7 @@ def graph_us(fn, n: int = 20, reps: int = 10) -> float:
 
 
 def sgmv_rows() -> list[dict]:
-    from kernels import sgmv
+    from motet.kernels import sgmv
 
     rows, dev, dt = [], "cuda", torch.bfloat16
     d_in, d_out = 576, 1536  # SmolLM2-135M: hidden -> gate/up
@@ -69,7 +69,7 @@ def sgmv_rows() -> list[dict]:
 
 
 def attention_rows() -> list[dict]:
-    from kernels import paged_attention as pa
+    from motet.kernels import paged_attention as pa
 
     rows, dev, dt = [], "cuda", torch.bfloat16
     heads, kv_heads, head_dim, block = 9, 3, 64, 16

@@ -26,8 +26,8 @@ PROMPTS = [
 
 
 def engine_greedy(model_dir: Path, ids: list[list[int]], new_tokens: int, graphs: bool, adapters=None):
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from motet.engine.llm import LLM
+    from motet.engine.sampling_params import SamplingParams
 
     llm = LLM(str(model_dir), device=DEVICE, num_kv_blocks=512, max_lora_rank=16, compile_step=graphs)
     refs = {n: llm.engine.add_lora(n, p) for n, p in (adapters or {}).items()}
@@ -59,7 +59,7 @@ def main() -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from evals.lora_bench import write_random_adapter
+    from motet.evals.lora_bench import write_random_adapter
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -100,7 +100,7 @@ def main() -> None:
 
     # Mixed adapters: two random rank-8/16 adapters and the base model in one batch, vs HF + PEFT on CUDA.
     tmp = Path(tempfile.mkdtemp())
-    from engine.config import ModelConfig
+    from motet.engine.config import ModelConfig
 
     base = ModelConfig.from_dir(args.model_dir)
     adapters = {f"a{r}": write_random_adapter(tmp / f"a{r}", base, r, seed=r) for r in (8, 16)}
@@ -130,8 +130,8 @@ def main() -> None:
     # A JSON-schema request: the output parses and validates.
     import jsonschema
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from motet.engine.llm import LLM
+    from motet.engine.sampling_params import SamplingParams
 
     schema = {
         "type": "object",
@@ -142,7 +142,7 @@ def main() -> None:
     }  # fmt: skip
     llm = LLM(str(args.model_dir), device=DEVICE, num_kv_blocks=512)
     prompt = chat("Describe a person as JSON with name, age and tags.")
-    from grammar.specs import JsonSchemaSpec
+    from motet.grammar.specs import JsonSchemaSpec
 
     sp = SamplingParams(temperature=0, max_tokens=200, grammar=JsonSchemaSpec(json.dumps(schema)))
     (out,) = llm.generate([prompt], sp)

@@ -1,0 +1,46 @@
+"""motet: multi-tenant LLM serving (per-tenant LoRA adapters batched together, grammar-constrained output,
+an OpenAI-compatible API).
+
+The public API, imported lazily so that `import motet` costs nothing until one is used:
+
+    from motet import LLM, SamplingParams
+    llm = LLM()                                   # the default model
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+
+`motet.main` is the `motet` command (serve, pull, generate, eval, run-batch); `motet.serve(argv)` runs the
+server as `motet serve ARGS` would.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("motet")
+except PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = "0.0.0+unknown"
+
+_EXPORTS = {
+    "LLM": ("motet.engine.llm", "LLM"),
+    "SamplingParams": ("motet.engine.sampling_params", "SamplingParams"),
+    "EngineConfig": ("motet.engine.config", "EngineConfig"),
+    "LLMEngine": ("motet.engine.llm_engine", "LLMEngine"),
+    "RequestOutput": ("motet.engine.llm_engine", "RequestOutput"),
+    "main": ("motet.api.cli", "main"),
+}
+__all__ = sorted([*_EXPORTS, "serve", "__version__"])
+
+
+def serve(argv: list[str] | None = None) -> int:
+    """Run the OpenAI-compatible server as `motet serve ARGV` would (blocks until it stops)."""
+    from motet.api.cli import main
+
+    return main(["serve", *(argv or [])])
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'motet' has no attribute {name!r}")
+    module, attr = _EXPORTS[name]
+    return getattr(importlib.import_module(module), attr)

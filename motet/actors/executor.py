@@ -1,0 +1,142 @@
+"""The executor actor: one dedicated thread owns the engine, and with it the device and the model.
+
+The engine is built on that thread and only that thread touches its state: each `Step` message applies
+the scheduler's changes (new requests, aborts, adapter removals) and runs one `engine.step()` there; the
+event loop only waits. The engine isolates a request that fails inside a step (it bisects the batch), so
+here a failure is an output like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+
+from motet.actors.errors import EngineFailure, InvalidRequest, ModelNotFound
+from motet.actors.messages import QueuedRequest, Step, StepDone
+from motet.actors.runtime import Actor
+from motet.engine.request_checks import RequestError
+from motet.lora.adapter import AdapterError
+from motet.lora.manager import files_version
+
+log = logging.getLogger("motet.executor")
+
+
+class DeviceThread:
+    """A single long-lived worker thread; `await run(fn)` runs fn there without blocking the loop."""
+
+    def __init__(self, name: str = "motet-device"):
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    async def run(self, fn: Callable[..., Any], *args) -> Any:
+        done = anyio.Event()
+        token = anyio.lowlevel.current_token()
+        box: dict[str, Any] = {}
+
+        def job():
+            try:
+                box["value"] = fn(*args)
+            except BaseException as e:
+                box["error"] = e
+            with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
+                anyio.from_thread.run_sync(done.set, token=token)
+
+        self._jobs.put(job)
+        # Shielded: a forward pass cannot be abandoned half way, the thread would still be using the batch.
+        with anyio.CancelScope(shield=True):
+            await done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+class ExecutorActor(Actor):
+    name = "executor"
+
+    def __init__(self, engine_factory: Callable[[], Any], loras: dict[str, Any] | None = None):
+        super().__init__()
+        self.engine_factory = engine_factory
+        self.preload = dict(loras or {})  # the server's shared adapters: a bad one fails the start
+        self.engine = None
+        self.stats = None  # the engine's EngineStats after the latest step
+        self.thread: DeviceThread | None = None
+
+    async def on_start(self) -> None:
+        self.thread = DeviceThread()
+
+        def start():
+            engine = self.engine_factory()
+            for name, path in self.preload.items():
+                engine.add_lora(name, path)
+            return engine
+
+        self.engine = await self.thread.run(start)
+        self.stats = await self.thread.run(self.engine.stats)
+
+    async def on_stop(self) -> None:
+        if self.thread is not None:
+            self.thread.stop()
+
+    async def handle(self, message: Step) -> StepDone:
+        done = await self.thread.run(self._step, message)
+        self.stats = done.stats
+        return done
+
+    def _step(self, message: Step) -> StepDone:
+        """On the device thread."""
+        engine = self.engine
+        t0 = time.perf_counter()
+        for name in message.removals:
+            engine.remove_lora(name)  # requests already using it finish with it
+        for request_id in message.aborts:
+            engine.abort(request_id)
+        refused = []
+        for req in message.admit:
+            try:
+                engine.add_request(
+                    req.prompt_token_ids,
+                    req.params,
+                    req.request_id,
+                    req.adapter,
+                    grammar=req.grammar,
+                    tenant=req.tenant,
+                )
+            except Exception as e:
+                refused.append((req.request_id, _refusal(req, e)))
+        steps = engine.num_steps
+        outputs = engine.step() if engine.has_unfinished() else []
+        return StepDone(outputs, refused, engine.stats(), engine.num_steps > steps, time.perf_counter() - t0)
+
+
+def _refusal(req: QueuedRequest, error: Exception) -> Exception:
+    """Why the engine would not take an admitted request, as the client should hear it."""
+    if isinstance(error, AdapterError) and req.adapter is not None:
+        if files_version(req.adapter.path) != req.adapter.version:  # deleted or replaced while queued
+            return ModelNotFound(
+                f"the model {req.adapter.model!r} does not exist", param="model", code="model_not_found"
+            )
+        log.error("adapter %s no longer loads from %s", req.adapter.name, req.adapter.path, exc_info=error)
+        return EngineFailure(f"the adapter {req.adapter.model!r} could not be loaded")
+    if isinstance(error, RequestError):
+        return InvalidRequest(str(error), param=error.param, code=error.code)
+    if isinstance(error, ValueError):
+        return InvalidRequest(str(error))
+    log.error("request %s could not be added", req.request_id, exc_info=error)
+    return EngineFailure(f"the request could not be started: {error}")

@@ -1,0 +1,139 @@
+"""The ingress actor: chat template and tokenization (in worker threads), validation, admission.
+
+Each submission is handled in its own task so one long prompt does not hold up the others; the
+tokenizer runs in worker threads (a few at a time) so the event loop never does it. A request that
+passes becomes one queued request per choice; the adapter queues admit all of them or none (429),
+also across the prompts of one multi-prompt completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import anyio
+import anyio.to_thread
+
+from motet.actors.errors import EngineFailure, InvalidRequest, ModelNotFound, ServerBusy
+from motet.actors.messages import Admission, Enqueue, GenerateSpec, QueuedRequest, Submit
+from motet.actors.reply import ReplyStream
+from motet.actors.runtime import Actor
+from motet.engine.request_checks import RequestError
+from motet.grammar.specs import GrammarError
+from motet.lora.adapter import AdapterError
+from motet.lora.manager import files_version
+
+log = logging.getLogger("motet.ingress")
+
+
+class IngressActor(Actor):
+    name = "ingress"
+
+    def __init__(self, executor: Actor, queues: Actor, tokenizer_threads: int = 2):
+        super().__init__()
+        self.executor = executor
+        self.queues = queues
+        self.limiter = anyio.CapacityLimiter(tokenizer_threads)
+        self.grammar_limiter = anyio.CapacityLimiter(4)  # threads waiting on grammar compilations
+        self.engine = None
+        self.tokenizer = None
+
+    async def on_start(self) -> None:
+        self.engine = engine = self.executor.engine
+        self.tokenizer = engine.tokenizer
+        # The grammar backends' view of the vocabulary takes a moment to build: not on a request's time.
+        await anyio.to_thread.run_sync(lambda: engine.grammar_tokenizer)
+
+    async def main(self) -> None:
+        async with anyio.create_task_group() as tg:  # on close, waits for the submissions in flight
+            async for envelope in self._recv:
+                tg.start_soon(self.deliver, envelope)
+
+    async def handle(self, message: Submit) -> list[Admission]:
+        admissions, requests = [], []
+        for spec in message.specs:
+            await self._load_adapter(spec)
+            prompt_ids, text = await self._tokenize(spec)
+            queued = self._validate(spec, prompt_ids, text)
+            grammar = await self._compile(spec)
+            for r in queued:
+                r.grammar = grammar
+            requests += queued
+            admissions.append(Admission(prompt_ids, [r.stream for r in queued], text))
+        # One Enqueue for every prompt of the submission: all are queued, or none (429).
+        await self.queues.ask(Enqueue(requests))
+        return admissions
+
+    async def _load_adapter(self, spec: GenerateSpec) -> None:
+        """Read and validate the adapter's files now, in a worker thread (cached after the first time),
+        so the engine's thread never waits on a disk; 404 if they are gone."""
+        ref = spec.adapter
+        if ref is None:
+            return
+        try:
+            await anyio.to_thread.run_sync(self.engine.adapters.load, ref, limiter=self.limiter)
+        except AdapterError as e:
+            if files_version(ref.path) != ref.version:  # deleted or replaced since the request resolved it
+                raise ModelNotFound(
+                    f"the model {ref.model!r} does not exist", param="model", code="model_not_found"
+                ) from None
+            log.error("adapter %s no longer loads from %s: %s", ref.name, ref.path, e)
+            raise EngineFailure(f"the adapter {ref.model!r} could not be loaded") from None
+
+    async def _compile(self, spec: GenerateSpec):
+        """The request's grammar, compiled (cached, with a time limit) in a worker thread; 400 if it cannot be,
+        503 if this tenant's own compilations past their limit are still running."""
+        params = spec.params[0]
+        if params.grammar is None:
+            return None
+        try:
+            return await anyio.to_thread.run_sync(
+                lambda: self.engine.compile_grammar(
+                    params.grammar, params.grammar_backend, owner=spec.tenant
+                ),
+                limiter=self.grammar_limiter,
+            )
+        except GrammarError as e:
+            if e.reason == "busy":
+                raise ServerBusy(str(e), param=spec.grammar_param) from None
+            raise InvalidRequest(f"{spec.grammar_param}: {e}", param=spec.grammar_param) from None
+
+    async def _tokenize(self, spec: GenerateSpec) -> tuple[list[int], str]:
+        tok, limits = self.tokenizer, self.engine.limits
+        try:
+            if spec.messages is not None:
+                text = await anyio.to_thread.run_sync(
+                    lambda: tok.render_chat(spec.messages, **spec.chat_template_kwargs), limiter=self.limiter
+                )
+                limits.check_text(text, spec.prompt_param)
+                # The template writes the special tokens itself: do not add BOS again.
+                ids = await anyio.to_thread.run_sync(
+                    lambda: tok.hf.encode(text, add_special_tokens=False), limiter=self.limiter
+                )
+                return ids, text
+            if isinstance(spec.prompt, str):
+                limits.check_text(spec.prompt, spec.prompt_param)
+                ids = await anyio.to_thread.run_sync(tok.encode, spec.prompt, limiter=self.limiter)
+                return ids, spec.prompt
+        except RequestError as e:
+            raise InvalidRequest(str(e), param=e.param, code=e.code) from None
+        return list(spec.prompt or []), ""
+
+    def _validate(self, spec: GenerateSpec, ids: list[int], text: str) -> list[QueuedRequest]:
+        limits, n = self.engine.limits, len(ids)
+        try:
+            limits.check_prompt(ids, spec.prompt_param)
+            if spec.max_tokens is not None:
+                limits.check_max_tokens(n, spec.max_tokens)
+            for params in spec.params:
+                limits.check_params(params)
+        except RequestError as e:
+            raise InvalidRequest(str(e), param=e.param, code=e.code) from None
+        requests = []
+        for request_id, params in zip(spec.request_ids, spec.params, strict=True):
+            if spec.max_tokens is None:
+                params = dataclasses.replace(params, max_tokens=limits.max_model_len - n)
+            requests.append(
+                QueuedRequest(request_id, spec.tenant, spec.adapter, ids, params, ReplyStream(request_id))
+            )
+        return requests

@@ -1,0 +1,114 @@
+"""The messages the actors exchange. Plain dataclasses: what moves, not what to do with it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from motet.actors.reply import ReplyStream
+from motet.engine.llm_engine import EngineStats, RequestOutput
+from motet.engine.sampling_params import SamplingParams
+from motet.grammar.backend import CompiledGrammar
+from motet.lora.manager import AdapterRef
+
+
+# -- API -> ingress ---------------------------------------------------------------------------------------
+@dataclass
+class GenerateSpec:
+    """One API request: a prompt (text, token ids or chat messages) and one SamplingParams per choice."""
+
+    request_ids: list[str]  # one per choice (n)
+    params: list[SamplingParams]
+    tenant: str = "default"
+    adapter: AdapterRef | None = None  # None: the base model
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+    max_tokens: int | None = None  # None: the rest of the context window
+    prompt_param: str = "prompt"  # the request field an error about the prompt names
+    grammar_param: str | None = None  # the request field an error about the grammar names
+
+
+@dataclass
+class Submit:
+    specs: list[GenerateSpec]  # queued all or none; reply: list[Admission], one per spec
+
+
+@dataclass
+class Admission:
+    prompt_token_ids: list[int]
+    streams: list[ReplyStream]  # one per choice, in spec order
+    prompt_text: str = ""  # the rendered prompt ("" for token-id prompts)
+
+
+# -- ingress -> adapter queues -> scheduler ---------------------------------------------------------------
+@dataclass
+class QueuedRequest:
+    request_id: str
+    tenant: str
+    adapter: AdapterRef | None  # also the adapter queue's key
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: ReplyStream
+    grammar: CompiledGrammar | None = None  # params.grammar, compiled by the ingress
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Enqueue:
+    requests: list[QueuedRequest]  # all or none; reply: None, or raises QueueFull
+
+
+@dataclass
+class Take:
+    """Pop up to `max_requests`, each time from the tenant `pick` chooses among those with work."""
+
+    max_requests: int
+    pick: Callable[[Iterable[str]], str | None]  # reply: list[QueuedRequest] (cancelled ones included)
+
+
+@dataclass
+class WorkQueued:
+    """Queues -> scheduler: requests of these tenants arrived, or were dropped while queued (cancelled)."""
+
+    arrived: list[str]
+    dropped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Cancel:
+    """API -> adapter queues: these requests' clients went away; drop them if still queued."""
+
+    request_ids: list[str]
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class RemoveLora:
+    """API -> scheduler: an adapter was deleted; requests already using it finish."""
+
+    name: str  # the engine's name
+
+
+# -- scheduler -> executor --------------------------------------------------------------------------------
+@dataclass
+class Step:
+    """Between steps: apply these changes, then run one engine step (if there is work)."""
+
+    admit: list[QueuedRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    removals: list[str] = field(default_factory=list)  # adapter names (the engine's)
+
+
+@dataclass
+class StepDone:
+    outputs: list[RequestOutput]
+    refused: list[tuple[str, Exception]]  # admitted requests the engine would not take, and why
+    stats: EngineStats  # after the step
+    ran: bool  # a batch ran (False: nothing was schedulable)
+    seconds: float = 0.0

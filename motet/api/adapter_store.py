@@ -1,0 +1,188 @@
+"""Per-tenant LoRA adapters: where they are stored, and which adapter a request's `model` names.
+
+Adapters are stored by motet/lora/registry.py under --data-dir and validated against the base model (and
+--max-lora-rank) in a worker thread. A tenant's adapters are listed from disk the first time the tenant
+is seen, then kept in memory (this server is their only writer), so resolving a model name costs no
+disk access. Isolation: a tenant only ever looks in its own index, so another tenant's adapter is
+answered exactly like a missing one (404). In the engine an upload is named "tenant/name", so every
+tenant may have its own "a"; shared adapters (`motet serve --lora NAME=PATH`) keep their plain name, are
+visible to every tenant and cannot be deleted over HTTP; a tenant's own adapter of the same name wins.
+The HTTP routes are in motet/api/adapters.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.to_thread
+
+from motet.api.errors import APIError
+from motet.lora.adapter import AdapterError, AdapterTooLarge
+from motet.lora.manager import AdapterRef
+from motet.lora.registry import FILES, AdapterExists, AdapterNotFound, AdapterRegistry
+
+if TYPE_CHECKING:
+    from motet.actors.system import ServingSystem
+
+SHARED_OWNER = "motet"
+ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip")
+
+
+@dataclass
+class Adapter:
+    ref: AdapterRef
+    owner: str
+    created: int
+    size_bytes: int
+
+
+def _not_found(name: str) -> APIError:
+    return APIError(404, f"no adapter named {name!r}", param="name", code="adapter_not_found")
+
+
+class AdapterStore:
+    def __init__(
+        self,
+        system: ServingSystem,
+        data_dir: str | Path,
+        *,
+        shared: dict[str, Path] | None = None,
+        reserved: tuple[str, ...] = (),
+        max_bytes: int = 512 << 20,
+        load_dirs: tuple[Path, ...] = (),
+    ):
+        self.system, self.data_dir, self.max_bytes = system, Path(data_dir), max_bytes
+        # server-side directories `load_from` may read adapters from (--lora-load-dir); none: it is off
+        self.load_dirs = tuple(Path(d).expanduser().resolve() for d in load_dirs)
+        self.reserved = set(reserved)  # the base model's names: no adapter may take them
+        now = int(time.time())
+        self.shared = {
+            name: Adapter(AdapterRef.of(name, path), SHARED_OWNER, now, _size(Path(path)))
+            for name, path in (shared or {}).items()
+        }
+        self._registry: AdapterRegistry | None = None
+        self._lock = anyio.Lock()
+        self._tenants: dict[str, dict[str, Adapter]] = {}
+
+    async def registry(self) -> AdapterRegistry:
+        """Opened on first use: it validates against the base model, known once the engine is loaded."""
+        async with self._lock:
+            if self._registry is None:
+                engine = self.system.engine
+                self._registry = await anyio.to_thread.run_sync(
+                    functools.partial(
+                        AdapterRegistry,
+                        self.data_dir,
+                        engine.model_config,
+                        max_rank=engine.config.max_lora_rank,
+                        max_bytes=self.max_bytes,
+                    )
+                )
+        return self._registry
+
+    def _entry(self, info) -> Adapter:
+        ref = AdapterRef.of(f"{info.tenant}/{info.name}", info.path)  # its version: the files' identity
+        return Adapter(ref, info.tenant, int(info.created), info.size_bytes)
+
+    async def own(self, tenant: str) -> dict[str, Adapter]:
+        """The tenant's uploads by name, listed from disk once."""
+        if tenant not in self._tenants:
+            registry = await self.registry()
+            try:
+                infos = await anyio.to_thread.run_sync(registry.list, tenant)
+            except AdapterError:  # a tenant name the registry cannot hold: it has no uploads
+                infos = []
+            self._tenants.setdefault(tenant, {i.name: self._entry(i) for i in infos})
+        return self._tenants[tenant]
+
+    async def visible(self, tenant: str) -> list[Adapter]:
+        own = await self.own(tenant)
+        merged = {**self.shared, **own}
+        return [merged[n] for n in sorted(merged)]
+
+    async def get(self, tenant: str, name: str) -> Adapter:
+        adapter = (await self.own(tenant)).get(name) or self.shared.get(name)
+        if adapter is None:
+            raise _not_found(name)
+        return adapter
+
+    async def resolve(self, tenant: str, model: str) -> AdapterRef | None:
+        adapter = (await self.own(tenant)).get(model) or self.shared.get(model)
+        return adapter.ref if adapter else None
+
+    async def save(self, tenant: str, name: str, files: dict[str, bytes]) -> Adapter:
+        if name in self.reserved or name in self.shared:
+            raise APIError(409, f"the name {name!r} is taken by a model this server serves", param="name")
+        own = await self.own(tenant)
+        registry = await self.registry()
+        if len(files) == 1 and next(iter(files)).lower().endswith(ARCHIVES):
+            ((filename, data),) = files.items()
+            save = functools.partial(registry.save, tenant, name, archive=data, filename=filename)
+        else:
+            save = functools.partial(registry.save, tenant, name, files)
+        try:
+            info = await anyio.to_thread.run_sync(save)
+        except AdapterExists:
+            raise APIError(409, f"adapter {name!r} already exists; delete it first", param="name") from None
+        except AdapterError as e:
+            status = 413 if isinstance(e, AdapterTooLarge) else 400
+            raise APIError(status, str(e), code="invalid_adapter") from None
+        own[name] = adapter = self._entry(info)
+        return adapter
+
+    async def load_from(self, tenant: str, name: str, path: str) -> Adapter:
+        """Store, as the tenant's adapter `name`, the PEFT adapter directory `path` on the server (vLLM's
+        /v1/load_lora_adapter): only from under the operator's --lora-load-dir directories, validated and
+        copied like an upload (so it survives a restart and its source may change later)."""
+        if not self.load_dirs:
+            raise APIError(
+                403, "this server loads no adapters from its own disk (see --lora-load-dir)", "lora_path"
+            )
+        where = Path(path).expanduser()
+        if not where.is_absolute():
+            raise APIError(400, "lora_path must be an absolute path", param="lora_path")
+        real = where.resolve()  # symlinks and ".." followed first: nothing escapes the listed directories
+        if not any(real.is_relative_to(d) for d in self.load_dirs):
+            raise APIError(
+                403, "lora_path is not under a directory this server loads adapters from", "lora_path"
+            )
+        files = {}
+        for filename in FILES:
+            f = real / filename
+            if not f.is_file():
+                raise APIError(
+                    400, f"lora_path has no {filename}: not a PEFT LoRA adapter directory", "lora_path"
+                )
+            files[filename] = f
+        if sum(f.stat().st_size for f in files.values()) > self.max_bytes:
+            raise APIError(
+                413, f"the adapter is larger than the limit of {self.max_bytes} bytes", "lora_path"
+            )
+        data = await anyio.to_thread.run_sync(lambda: {n: f.read_bytes() for n, f in files.items()})
+        return await self.save(tenant, name, data)
+
+    async def delete(self, tenant: str, name: str) -> None:
+        own = await self.own(tenant)
+        if name not in own:
+            if name in self.shared:
+                raise APIError(403, f"adapter {name!r} is shared by the server and cannot be deleted")
+            raise _not_found(name)
+        registry = await self.registry()
+        adapter = own.pop(name)  # out of the index first: no new request resolves it from now on
+        try:
+            await anyio.to_thread.run_sync(registry.delete, tenant, name)
+        except AdapterNotFound:
+            pass
+        except BaseException:
+            own[name] = adapter
+            raise
+        self.system.remove_lora(adapter.ref.name)
+
+
+def _size(path: Path) -> int:
+    return sum((path / f).stat().st_size for f in FILES if (path / f).is_file())

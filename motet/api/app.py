@@ -1,0 +1,345 @@
+"""The Starlette app: routes, error handling, per-status request counts, and the actors' lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import anyio
+from pydantic.json_schema import models_json_schema
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from motet.api import protocol as P
+from motet.api.adapters import (
+    delete_adapter,
+    get_adapter,
+    list_adapters,
+    load_lora_adapter,
+    unload_lora_adapter,
+    upload_adapter,
+)
+from motet.api.errors import APIError, handle_exception, to_response
+from motet.api.openai import chat_completions, completions
+from motet.api.responses import create_response, delete_response, get_response
+from motet.api.responses_request import ResponsesRequest
+from motet.api.state import ServerState
+
+log = logging.getLogger("motet.api")
+
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/models",
+    "/v1/adapters",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/health",
+    "/metrics",
+    "/openapi.json",
+)
+
+
+TEMPLATED = ("/v1/adapters/{name}", "/v1/responses/{response_id}")  # counted by route, not by path
+
+
+def guarded(handler):
+    """Every failure becomes an OpenAI-shaped error response; only real bugs are 500s (and logged)."""
+
+    @functools.wraps(handler)
+    async def wrapper(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception as e:
+            return to_response(e)
+
+    return wrapper
+
+
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.motet
+    state.check_ready()
+    return JSONResponse({"status": "ok"})
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.motet
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    max_len = state.system.engine.max_model_len if state.system.ready else None
+    cards = [P.ModelCard(id=state.model_name, created=state.created, max_model_len=max_len)]
+    if state.adapters is not None and state.system.ready:  # the tenant's adapters, and the shared ones
+        cards += [
+            P.ModelCard(
+                id=a.ref.model,
+                created=a.created,
+                owned_by=a.owner,
+                parent=state.model_name,
+                max_model_len=max_len,
+            )
+            for a in await state.adapters.visible(tenant)
+        ]
+    return JSONResponse(P.ModelList(data=cards).model_dump())
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.motet
+    if state.system.ready:
+        state.metrics.refresh(state.system.stats(), state.system.engine.config.max_loras)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@functools.cache
+def openapi_schema() -> dict:
+    req_models = [
+        P.ChatCompletionRequest,
+        P.CompletionRequest,
+        ResponsesRequest,
+        P.LoadLoraAdapterRequest,
+        P.UnloadLoraAdapterRequest,
+    ]
+    resp_models = [
+        P.ChatCompletionResponse,
+        P.ChatCompletionChunk,
+        P.CompletionResponse,
+        P.ModelList,
+        P.AdapterCard,
+        P.AdapterList,
+        P.AdapterDeleted,
+        P.ErrorResponse,
+    ]
+    _, defs = models_json_schema(
+        [(m, "validation") for m in req_models] + [(m, "serialization") for m in resp_models],
+        ref_template="#/components/schemas/{model}",
+    )
+
+    def ref(m):
+        return {"$ref": f"#/components/schemas/{m.__name__}"}
+
+    def errors():
+        err = {"content": {"application/json": {"schema": ref(P.ErrorResponse)}}}
+        return {
+            str(s): {"description": d, **err}
+            for s, d in [
+                (400, "bad parameter"),
+                (401, "bad API key"),
+                (403, "not allowed (a shared adapter)"),
+                (404, "unknown model or adapter"),
+                (409, "the adapter name is taken"),
+                (413, "body too large"),
+                (429, "queue full (see Retry-After)"),
+                (500, "server error"),
+                (503, "starting or draining"),
+            ]
+        }
+
+    def ok(resp, description):
+        return {"description": description, "content": {"application/json": {"schema": ref(resp)}}}
+
+    def post(req, resp, summary):
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref(req)}}},
+                "responses": {
+                    "200": {
+                        "description": "the result, or SSE chunks when stream is true",
+                        "content": {
+                            "application/json": {"schema": ref(resp)},
+                            "text/event-stream": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **errors(),
+                },
+            }
+        }
+
+    def any_object(description):
+        return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+    def text_post(req, summary):
+        body = {"required": True, "content": {"application/json": {"schema": ref(req)}}}
+        ok_text = {"description": "done", "content": {"text/plain": {"schema": {"type": "string"}}}}
+        return {"post": {"summary": summary, "requestBody": body, "responses": {"200": ok_text, **errors()}}}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "motet", "version": "0.1.0", "description": "OpenAI-compatible LLM serving"},
+        "paths": {
+            "/v1/chat/completions": post(
+                P.ChatCompletionRequest, P.ChatCompletionResponse, "chat completion"
+            ),
+            "/v1/completions": post(P.CompletionRequest, P.CompletionResponse, "text completion"),
+            "/v1/responses": {
+                "post": {
+                    "summary": "a model response (OpenAI Responses API): the Response object, or its typed "
+                    "events when stream is true",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": ref(ResponsesRequest)}},
+                    },
+                    "responses": {"200": any_object("the Response"), **errors()},
+                }
+            },
+            "/v1/responses/{response_id}": {
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "get": {
+                    "summary": "a stored response",
+                    "responses": {"200": any_object("the Response"), **errors()},
+                },
+                "delete": {
+                    "summary": "delete a stored response",
+                    "responses": {"200": any_object("deleted"), **errors()},
+                },
+            },
+            "/v1/load_lora_adapter": text_post(
+                P.LoadLoraAdapterRequest, "vLLM: store a server-side adapter directory"
+            ),
+            "/v1/unload_lora_adapter": text_post(P.UnloadLoraAdapterRequest, "vLLM: delete an adapter"),
+            "/v1/models": {
+                "get": {
+                    "summary": "served models",
+                    "responses": {
+                        "200": {
+                            "description": "models",
+                            "content": {"application/json": {"schema": ref(P.ModelList)}},
+                        }
+                    },
+                }
+            },
+            "/v1/adapters": {
+                "post": {
+                    "summary": "upload a LoRA adapter: form fields `name` and `files` (adapter_config.json "
+                    "+ adapter_model.safetensors, or one .tar/.tar.gz/.tgz/.zip archive)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "multipart/form-data": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["name", "files"],
+                                    "properties": {
+                                        "name": {"type": "string"},
+                                        "files": {
+                                            "type": "array",
+                                            "items": {"type": "string", "format": "binary"},
+                                        },
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "responses": {"200": ok(P.AdapterCard, "the stored adapter"), **errors()},
+                },
+                "get": {
+                    "summary": "the tenant's adapters and the shared ones",
+                    "responses": {"200": ok(P.AdapterList, "adapters")},
+                },
+            },
+            "/v1/adapters/{name}": {
+                "parameters": [
+                    {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "get": {
+                    "summary": "one adapter",
+                    "responses": {"200": ok(P.AdapterCard, "the adapter"), **errors()},
+                },
+                "delete": {
+                    "summary": "delete an adapter; requests already using it finish",
+                    "responses": {"200": ok(P.AdapterDeleted, "deleted"), **errors()},
+                },
+            },
+            "/health": {
+                "get": {
+                    "summary": "200 once the model is loaded; 503 while starting or draining",
+                    "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
+                }
+            },
+            "/metrics": {
+                "get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}
+            },
+        },
+        "components": {"schemas": defs.get("$defs", {})},
+    }
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(openapi_schema())
+
+
+class CountRequests:
+    """Pure ASGI middleware: requests by endpoint and status (streaming responses too)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"]
+            endpoint = next((e for e in TEMPLATED if path.startswith(e.split("{")[0])), None)
+            endpoint = path if path in ENDPOINTS else endpoint or "other"
+            self.state.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+def create_app(state: ServerState) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async with anyio.create_task_group() as tg:
+
+            async def run_system():
+                try:
+                    await state.system.run()
+                except Exception as e:  # start-up failed: /health says why; the server decides to exit
+                    log.exception("the serving system failed")
+                    state.fatal = e
+
+            tg.start_soon(run_system)
+            try:
+                yield
+            finally:
+                with anyio.move_on_after(10, shield=True):
+                    await state.system.stop()
+                tg.cancel_scope.cancel()
+
+    routes = [
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/responses", guarded(create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", guarded(get_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}", guarded(delete_response), methods=["DELETE"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/adapters", guarded(upload_adapter), methods=["POST"]),
+        Route("/v1/adapters", guarded(list_adapters), methods=["GET"]),
+        Route("/v1/adapters/{name}", guarded(get_adapter), methods=["GET"]),
+        Route("/v1/adapters/{name}", guarded(delete_adapter), methods=["DELETE"]),
+        Route("/v1/load_lora_adapter", guarded(load_lora_adapter), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", guarded(unload_lora_adapter), methods=["POST"]),
+        Route("/health", guarded(health), methods=["GET"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: handle_exception})
+    app.state.motet = state
+    app.add_middleware(CountRequests, state=state)
+    return app
+
+
+__all__ = ["create_app", "APIError"]

@@ -1,0 +1,208 @@
+"""The `motet` command line: pull, generate, serve, eval. The engine's flags take their defaults from
+`EngineConfig`, so the two never disagree. Heavy imports happen inside the commands (`motet --help` stays
+fast)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    from motet.engine.config import DTYPES, GRAMMAR_BACKENDS, SPECULATIVE_MODES, EngineConfig
+
+    d = EngineConfig  # the defaults
+    p.add_argument(
+        "--model", default=d.model, help=f"model name or local HF checkpoint dir (default: {d.model})"
+    )
+    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
+    p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from --kv-cache-memory-gb")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per step")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the forward pass (default: all cores offline; all but one when serving, "
+        "so the event loop never stalls the forward pass's threads)",
+    )
+    p.add_argument(
+        "--grammar-backend",
+        default=d.grammar_backend,
+        choices=GRAMMAR_BACKENDS,
+        help="structured output backend; the others are the fallback for what it cannot compile",
+    )
+    p.add_argument(
+        "--grammar-timeout",
+        type=float,
+        default=d.grammar_timeout_s,
+        help="seconds a grammar may take to compile",
+    )
+    p.add_argument(
+        "--jump-forward",
+        action="store_true",
+        help="append the tokens a grammar forces without sampling them (fewer steps; on CPU, slower)",
+    )
+    p.add_argument(
+        "--speculative",
+        default=d.speculative,
+        choices=SPECULATIVE_MODES,
+        help="speculative decoding: ngram drafts from prompt lookup and the grammar's forced tokens, "
+        "verified in the normal batch (the same output, fewer steps where outputs repeat their input)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=d.num_speculative_tokens, help="most drafts per row"
+    )
+    p.add_argument(
+        "--speculative-overhead-tokens",
+        type=float,
+        default=d.speculative_overhead_tokens,
+        help="a step's fixed cost in token-times, which drafts are priced against (benchmarks/spec_threshold.py)",
+    )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="run the eager model (the reference) instead of the compiled step (native CPU forward, CUDA graphs)",
+    )
+    p.add_argument("--max-loras", type=int, default=d.max_loras, help="LoRA adapters resident on the device")
+    p.add_argument(
+        "--max-cpu-loras", type=int, default=d.max_cpu_loras, help="loaded LoRA adapters kept in host memory"
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, default=d.max_lora_rank, help="higher-rank adapters are refused"
+    )
+
+
+def engine_config(args):
+    from motet.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.threads,
+        grammar_backend=args.grammar_backend,
+        grammar_timeout_s=args.grammar_timeout,
+        jump_forward=args.jump_forward,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_overhead_tokens=args.speculative_overhead_tokens,
+        compile_step=not args.no_compile,
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+    )
+
+
+def cmd_pull(args) -> int:
+    from motet.engine.model_store import pull
+
+    print(pull(cache_dir=args.cache_dir, force=args.force, progress=True))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from motet.engine.llm_engine import LLMEngine
+    from motet.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config(args))
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, top_p=args.top_p
+    )
+    if args.chat:
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = args.prompt
+    engine.add_request(prompt, params)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if not args.json:
+                print(out.delta, end="", flush=True)
+            if out.finished:
+                final = out
+    if args.json:
+        print(
+            json.dumps(
+                {"text": final.text, "token_ids": final.token_ids, "finish_reason": final.finish_reason}
+            )
+        )
+    else:
+        print()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from motet.api.server import serve
+
+    return serve(args, engine_config(args))
+
+
+def cmd_eval(args) -> int:
+    from motet.evals.cli import main as eval_main
+
+    return eval_main(args.eval_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="motet", description="multi-tenant LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="download and convert the default model into the local cache")
+    p.add_argument(
+        "--cache-dir", default=None, help="cache directory (default: $MOTET_CACHE_DIR or ~/.cache/motet)"
+    )
+    p.add_argument("--force", action="store_true", help="convert again even if the model is cached")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("generate", help="generate text offline from one prompt")
+    p.add_argument("--prompt", required=True)
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
+    )
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
+    _engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    from motet.api.server import add_serve_args
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_serve_args(p)
+    _engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    # Everything after `eval` is evals.cli's to parse (no option prefix of its own, so --help passes too).
+    p = sub.add_parser("eval", help="run an eval suite and write a report", add_help=False, prefix_chars="\0")
+    p.add_argument("eval_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
+        print(f"motet: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

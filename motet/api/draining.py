@@ -1,0 +1,45 @@
+"""A uvicorn server that drains on SIGTERM.
+
+The first SIGTERM does not close the listening socket: new requests get 503 (the app sees
+`state.draining`) while the ones in flight finish, up to `drain_timeout` seconds; then uvicorn shuts down
+as usual. A second SIGTERM, or SIGINT, is uvicorn's own immediate shutdown. A failed start-up
+(`state.fatal`) also ends the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import uvicorn
+
+from motet.api.state import ServerState
+
+log = logging.getLogger("motet.server")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and not self.state.draining:
+            # A signal handler: only set flags; on_tick (on the event loop) does the rest.
+            self.state.draining = True
+            self.drain_deadline = time.monotonic() + self.drain_timeout
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit:
+            if counter % 10 == 0:
+                log.info("draining: %d requests in flight", self.state.inflight)
+            if self.state.inflight == 0 or time.monotonic() > self.drain_deadline:
+                self.should_exit = True
+        if self.state.fatal is not None:
+            self.should_exit = True
+        return await super().on_tick(counter)

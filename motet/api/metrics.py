@@ -1,0 +1,183 @@
+"""Prometheus metrics, one registry per app (tests run several apps in one process).
+
+motet's own series (`motet_*`), and beside them vLLM's names with vLLM's meaning (`vllm:*`), which routers
+and autoscalers read (Kubernetes' inference gateway, llm-d, Ray): requests waiting (in the adapter queues
+or admitted but not running) and running, KV-cache usage (0..1), the LoRA adapters of running and of
+waiting requests (`vllm:lora_requests_info`, an info gauge whose value is the time it was set; adapters
+named as clients name them, never by tenant), and the TTFT / inter-token / end-to-end latency histograms
+with vLLM's buckets.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from motet.actors.system import Stats
+
+# vLLM's buckets for its latency histograms (vllm/v1/metrics/loggers.py)
+_VLLM_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+              40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_VLLM_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+             80.0)  # fmt: skip
+_VLLM_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+             480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self, model_name: str = ""):
+        r = self.registry = CollectorRegistry()
+        self.model_name = model_name  # the `model_name` label of the vLLM series
+        self.requests = Counter(
+            "motet_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "motet_time_to_first_token_seconds", "time to first token", buckets=_LATENCY, registry=r
+        )
+        self.tpot = Histogram(
+            "motet_time_per_output_token_seconds",
+            "time per output token after the first",
+            buckets=_PER_TOKEN,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "motet_e2e_request_latency_seconds",
+            "request latency, arrival to last token",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("motet_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("motet_generation_tokens", "generated tokens", registry=r)
+        self.queued = Gauge("motet_queue_depth", "requests waiting in the adapter queues", registry=r)
+        self.waiting = Gauge("motet_num_requests_waiting", "requests admitted, waiting to run", registry=r)
+        self.running = Gauge("motet_num_requests_running", "sequences running in the engine", registry=r)
+        self.kv_used = Gauge("motet_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_free = Gauge(
+            "motet_kv_blocks_free", "KV cache blocks free (cached prefixes included)", registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "motet_prefix_cache_hit_rate", "prompt tokens found in the prefix cache", registry=r
+        )
+        self.preemptions = Gauge("motet_preemptions", "sequences preempted so far", registry=r)
+        self.adapters_pinned = Gauge(
+            "motet_lora_adapters_pinned", "adapters held for unfinished requests", registry=r
+        )
+        # Speculative decoding, over the server's life (zero while it is off).
+        self.spec_drafted = Gauge("motet_spec_draft_tokens", "draft tokens verified", registry=r)
+        self.spec_accepted = Gauge("motet_spec_accepted_tokens", "draft tokens accepted", registry=r)
+        self.spec_acceptance = Gauge(
+            "motet_spec_acceptance_rate", "accepted share of the verified draft tokens", registry=r
+        )
+        self.spec_mean_accepted = Gauge(
+            "motet_spec_mean_accepted_length",
+            "tokens a row gains per verification step (accepted drafts + the target's own token)",
+            registry=r,
+        )
+        self.spec_hit_rate = Gauge(
+            "motet_spec_proposer_hit_rate", "rows asked for drafts that got some, by proposer", ["proposer"],
+            registry=r,
+        )  # fmt: skip
+        self.spec_priced_out = Gauge(
+            "motet_spec_priced_out_tokens",
+            "drafts proposed but not worth verifying in their step",
+            registry=r,
+        )
+
+        model = ["model_name"]
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", model, registry=r
+        )
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", model, registry=r
+        )
+        self.vllm_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", model, registry=r
+        )
+        self.vllm_lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
+        self.vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            model,
+            buckets=_VLLM_TTFT,
+            registry=r,
+        )
+        self.vllm_itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            model,
+            buckets=_VLLM_ITL,
+            registry=r,
+        )
+        self.vllm_tpot = Histogram(  # vLLM's older name for the same per-token latency
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            model,
+            buckets=_VLLM_ITL,
+            registry=r,
+        )
+        self.vllm_e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            model,
+            buckets=_VLLM_E2E,
+            registry=r,
+        )
+
+    def observe_request(self, ttft: float, e2e: float, token_gaps: list[tuple[float, int]]) -> None:
+        """One finished request's latencies in the vLLM histograms; `token_gaps` holds (seconds per token,
+        tokens) for each output delta after the first."""
+        self.vllm_ttft.labels(self.model_name).observe(ttft)
+        self.vllm_e2e.labels(self.model_name).observe(e2e)
+        for seconds, tokens in token_gaps:
+            for _ in range(tokens):
+                self.vllm_itl.labels(self.model_name).observe(seconds)
+                self.vllm_tpot.labels(self.model_name).observe(seconds)
+
+    def refresh(self, stats: Stats | None, max_loras: int = 0) -> None:
+        if stats is None:
+            return
+        self.vllm_waiting.labels(self.model_name).set(stats.queued + stats.waiting)
+        self.vllm_running.labels(self.model_name).set(stats.running)
+        total = stats.kv_blocks_used + stats.kv_blocks_free
+        self.vllm_kv_usage.labels(self.model_name).set(stats.kv_blocks_used / total if total else 0.0)
+        running = _client_names(stats.running_adapters)
+        waiting = _client_names(stats.waiting_adapters + stats.queued_adapters) - running
+        self.vllm_lora_info.clear()  # one series: the current sets (vLLM keeps one per combination seen)
+        self.vllm_lora_info.labels(str(max_loras), ",".join(sorted(running)), ",".join(sorted(waiting))).set(
+            time.time()
+        )
+        self.queued.set(stats.queued)
+        self.waiting.set(stats.waiting)
+        self.running.set(stats.running)
+        self.kv_used.set(stats.kv_blocks_used)
+        self.kv_free.set(stats.kv_blocks_free)
+        q = stats.prefix_cache_queries
+        self.prefix_hit_rate.set(stats.prefix_cache_hits / q if q else 0.0)
+        self.preemptions.set(stats.preemptions)
+        self.adapters_pinned.set(stats.adapters_pinned)
+        spec = stats.speculative
+        self.spec_drafted.set(spec.drafted_tokens)
+        self.spec_accepted.set(spec.accepted_tokens)
+        self.spec_acceptance.set(spec.accepted_tokens / spec.drafted_tokens if spec.drafted_tokens else 0.0)
+        rows = spec.verified_rows
+        self.spec_mean_accepted.set((spec.accepted_tokens + rows) / rows if rows else 0.0)
+        hits_by = (("ngram", spec.ngram_hits), ("grammar", spec.grammar_hits), ("history", spec.history_hits))
+        for proposer, hits in hits_by:
+            self.spec_hit_rate.labels(proposer).set(hits / spec.proposals if spec.proposals else 0.0)
+        self.spec_priced_out.set(spec.priced_out_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _client_names(engine_names) -> set[str]:
+    """Adapters as clients name them (`model`), without the tenant part of uploads' engine names."""
+    return {name.rsplit("/", 1)[-1] for name in engine_names}

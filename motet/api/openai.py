@@ -1,0 +1,386 @@
+"""The OpenAI endpoints: /v1/chat/completions and /v1/completions.
+
+A handler validates the body, resolves tenant and model, turns the request into a GenerateSpec (one
+SamplingParams per choice), submits it to the actors and either collects the reply streams into one
+response or relays them as SSE chunks. A client that goes away aborts its requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from motet.actors.errors import ServingError
+from motet.actors.messages import Admission, GenerateSpec
+from motet.actors.reply import ReplyStream, merge_streams
+from motet.api import protocol as P
+from motet.api.chat_output import ChatOutput
+from motet.api.errors import from_serving_error, from_value_error
+from motet.api.logprobs import chat_logprobs, completion_logprobs
+from motet.api.request_body import read_json
+from motet.api.state import ServerState
+from motet.api.streams import Choice, EventStream, collect, observe, release, sse, usage
+from motet.api.structured import Structure, prompt_messages, structured_output
+from motet.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("motet.api")
+
+_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
+    "max_completion_tokens",
+    "top_logprobs",
+}
+
+
+# -- request plumbing -------------------------------------------------------------------------------------
+def build_params(
+    req: P._SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    structure: Structure | None = None,
+    reasoning: bool = False,
+):
+    """One SamplingParams per choice (seed + i for choice i, so choices differ but stay reproducible)."""
+    drop_output = max_tokens == 0  # prompt logprobs only: generate one token, then drop it
+    engine_max = 1 if drop_output else max_tokens
+    base = dict(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        max_tokens=engine_max or max(1, req.min_tokens or 0),  # None: ingress sets the rest of the context
+        min_tokens=req.min_tokens or 0,
+        stop=req.stop or [],
+        stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        grammar=structure.spec if structure else None,
+        grammar_backend=structure.backend if structure else None,
+        reasoning=reasoning,
+        speculative=req.speculative,
+    )
+    try:
+        params = [
+            SamplingParams(**base, seed=None if req.seed is None else req.seed + i) for i in range(req.n)
+        ]
+    except ValueError as e:
+        raise from_value_error(e, _PARAM_FIELDS) from None
+    return params, engine_max, drop_output
+
+
+WARNING_HEADER = "X-Motet-Warning"
+MAX_WARNING_CHARS = 1024
+
+
+def with_warnings(response: Response, structure: Structure, rid: str) -> Response:
+    """Say what the request's grammar does not enforce (structure.warnings): in a response header, as
+    printable ASCII (schemas' property names may hold anything), and in the log."""
+    if structure.warnings:
+        text = "; ".join(structure.warnings)
+        log.info("%s: %s", rid, text)
+        value = json.dumps(text)[1:-1]  # escapes control and non-ASCII characters
+        if len(value) > MAX_WARNING_CHARS:
+            value = value[: MAX_WARNING_CHARS - 3] + "..."
+        response.headers[WARNING_HEADER] = value
+    return response
+
+
+async def submit(state: ServerState, *specs: GenerateSpec) -> list[Admission]:
+    """Queue every spec of one API request, or none of them."""
+    try:
+        return await state.system.submit_all(list(specs))
+    except ServingError as e:
+        raise from_serving_error(e) from None
+    except ValueError as e:
+        raise from_value_error(e, _PARAM_FIELDS) from None
+
+
+async def accept_request(request: Request, model):
+    """What every generation route does first: readiness, auth, body validation, model -> adapter."""
+    state: ServerState = request.app.state.motet
+    state.check_ready()
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    req = model.model_validate(await read_json(request, state.max_body_bytes))
+    return state, tenant, req, await state.resolve_adapter(tenant, req.model)
+
+
+# -- chat -------------------------------------------------------------------------------------------------
+def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionRequest, rid: str):
+    """A validated chat request as the engine's GenerateSpec, with its structure (grammar, tools), top
+    logprobs (None: none) and whether the output is dropped (max_tokens 0). The Responses API
+    (motet/api/responses.py) runs its requests through here too."""
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    structure = structured_output(req, limits=state.system.engine.config.grammar_limits)
+    messages, template_kwargs = prompt_messages(
+        req.messages, structure, state.system.engine.tokenizer.hf.chat_template
+    )
+    params, engine_max, drop = build_params(req, max_tokens, k, None, structure, state.reasoning)
+    spec = GenerateSpec(
+        request_ids=[f"{rid}-{i}" for i in range(req.n)],
+        params=params,
+        tenant=tenant,
+        adapter=adapter,
+        messages=messages,
+        chat_template_kwargs={
+            **(req.chat_template_kwargs or {}),
+            **template_kwargs,
+            "add_generation_prompt": req.add_generation_prompt,
+        },
+        max_tokens=engine_max,
+        prompt_param="messages",
+        grammar_param=structure.param,
+    )
+    return spec, structure, k, drop
+
+
+def chat_output(state: ServerState, adm: Admission, structure: Structure) -> Callable[[], ChatOutput]:
+    """Makes one choice's output splitter: reasoning (when the prompt already opened it), tool calls."""
+
+    def output() -> ChatOutput:
+        started = state.reasoning and adm.prompt_text.rstrip().endswith("<think>")
+        return ChatOutput(state.reasoning, started, tools=structure.tool_mode != "none")
+
+    return output
+
+
+async def chat_completions(request: Request) -> Response:
+    state, tenant, req, adapter = await accept_request(request, P.ChatCompletionRequest)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    spec, structure, k, drop = chat_spec(state, tenant, adapter, req, rid)
+    arrival = time.perf_counter()
+    state.inflight += 1
+    streams: list[ReplyStream] = []
+    try:
+        (adm,) = await submit(state, spec)
+        streams = adm.streams
+        state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
+        choices = [Choice(i, adm.prompt_token_ids, arrival) for i in range(req.n)]
+        created = int(time.time())
+        output = chat_output(state, adm, structure)
+        if req.stream:
+            chunks = _chat_chunks(state, req, rid, created, choices, streams, k, drop, output)
+            return with_warnings(EventStream(state, streams, chunks), structure, rid)
+        await collect(request, state, choices, streams)
+        out = []
+        for c in choices:
+            message, finish_reason = output().message("" if drop else c.text, c.finish_reason)
+            logprobs = chat_logprobs(state, c.logprobs, k) if k is not None and not drop else None
+            out.append(
+                P.ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason)
+            )
+        resp = P.ChatCompletionResponse(
+            id=rid,
+            created=created,
+            model=req.model,
+            choices=out,
+            usage=usage([adm.prompt_token_ids], choices, drop),
+        )
+        return with_warnings(JSONResponse(resp.model_dump()), structure, rid)
+    except BaseException:
+        release(state, streams)
+        raise
+    finally:
+        state.inflight -= 1
+
+
+async def _chat_chunks(state, req, rid, created, choices, streams, k, drop, output) -> AsyncIterator[str]:
+    def chunk(index, delta: dict, logprobs=None, finish_reason=None) -> str:
+        c = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "choices": [
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            ],
+        }
+        if include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    outputs = [output() for _ in choices]
+    for c in choices:
+        yield chunk(c.index, {"role": "assistant", "content": ""})
+    async for i, delta in merge_streams(streams):
+        c = choices[i]
+        c.add(delta)
+        if delta.error is not None:
+            raise delta.error
+        if (delta.text or delta.logprobs) and not drop:
+            lp = chat_logprobs(state, delta.logprobs, k).model_dump() if k is not None else None
+            deltas = outputs[i].feed(delta.text)
+            if outputs[i].plain:  # text and its logprobs in one chunk, as before
+                yield chunk(i, {"content": delta.text}, lp)
+            else:
+                for j, d in enumerate(deltas):
+                    yield chunk(i, d, lp if j == 0 else None)
+                if lp is not None and not deltas:
+                    yield chunk(i, {}, lp)
+        if delta.finished:
+            observe(state, c)
+            deltas, finish_reason = outputs[i].finish(c.finish_reason) if not drop else ([], c.finish_reason)
+            for d in deltas:
+                yield chunk(i, d)
+            yield chunk(i, {}, finish_reason=finish_reason)
+    if include_usage:
+        u = usage([choices[0].prompt_ids], choices, drop).model_dump()
+        yield sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": req.model,
+                "choices": [],
+                "usage": u,
+            }
+        )
+
+
+# -- completions ------------------------------------------------------------------------------------------
+def _prompts(req: P.CompletionRequest) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p[0], int):
+        return [p]
+    return list(p)
+
+
+async def completions(request: Request) -> Response:
+    state, tenant, req, adapter = await accept_request(request, P.CompletionRequest)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default for completions
+    k = req.logprobs
+    structure = structured_output(req, allow_tools=False, limits=state.system.engine.config.grammar_limits)
+    params, engine_max, drop = build_params(
+        req, max_tokens, k, k if req.echo and k is not None else None, structure
+    )
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    prompts = _prompts(req)
+    arrival = time.perf_counter()
+    state.inflight += 1
+    streams: list[ReplyStream] = []
+    try:
+        specs = [
+            GenerateSpec(
+                request_ids=[f"{rid}-{p_idx}-{i}" for i in range(req.n)],
+                params=params,
+                tenant=tenant,
+                adapter=adapter,
+                prompt=prompt,
+                max_tokens=engine_max,
+                grammar_param=structure.param,
+            )
+            for p_idx, prompt in enumerate(prompts)
+        ]
+        admissions = await submit(state, *specs)
+        for adm in admissions:
+            streams += adm.streams
+            state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
+        choices = [
+            Choice(p * req.n + i, adm.prompt_token_ids, arrival)
+            for p, adm in enumerate(admissions)
+            for i in range(req.n)
+        ]
+        prompt_texts = [
+            pr if isinstance(pr, str) else state.system.engine.tokenizer.decode(pr, skip_special_tokens=False)
+            for pr in prompts
+        ]
+        created = int(time.time())
+        if req.stream:
+            gen = _completion_chunks(
+                state, req, rid, created, choices, streams, prompt_texts, admissions, drop
+            )
+            return with_warnings(EventStream(state, streams, gen), structure, rid)
+        await collect(request, state, choices, streams)
+        out = []
+        for c in choices:
+            p = c.index // req.n
+            text = "" if drop else c.text
+            lps = None
+            if k is not None:
+                lps = completion_logprobs(
+                    state, [] if drop else c.logprobs, c.prompt_ids if req.echo else None, c.prompt_logprobs
+                )
+            if req.echo:
+                text = prompt_texts[p] + text
+            out.append(
+                P.CompletionChoice(index=c.index, text=text, logprobs=lps, finish_reason=c.finish_reason)
+            )
+        resp = P.CompletionResponse(
+            id=rid,
+            created=created,
+            model=req.model,
+            choices=out,
+            usage=usage([a.prompt_token_ids for a in admissions], choices, drop),
+        )
+        return with_warnings(JSONResponse(resp.model_dump()), structure, rid)
+    except BaseException:
+        release(state, streams)
+        raise
+    finally:
+        state.inflight -= 1
+
+
+async def _completion_chunks(state, req, rid, created, choices, streams, prompt_texts, admissions, drop):
+    def chunk(index, text, logprobs=None, finish_reason=None) -> str:
+        c = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": req.model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
+        if include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    k = req.logprobs
+    started = set()
+    async for i, delta in merge_streams(streams):
+        c = choices[i]
+        c.add(delta)
+        if delta.error is not None:
+            raise delta.error
+        text, lps, prompt_ids = delta.text, [] if drop else delta.logprobs, None
+        if drop:
+            text = ""
+        if i not in started:
+            started.add(i)
+            if req.echo:
+                text = prompt_texts[i // req.n] + text
+                prompt_ids = c.prompt_ids
+        lp = None
+        if k is not None:
+            lp = completion_logprobs(state, lps, prompt_ids, c.prompt_logprobs).model_dump()
+        if text or (lp and lp["tokens"]) or delta.finished:
+            yield chunk(i, text, lp, c.finish_reason if delta.finished else None)
+        if delta.finished:
+            observe(state, c)
+    if include_usage:
+        u = usage([a.prompt_token_ids for a in admissions], choices, drop).model_dump()
+        yield sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": req.model,
+                "choices": [],
+                "usage": u,
+            }
+        )

@@ -1,0 +1,57 @@
+"""Reading a request's JSON body with bounds: size (413), nesting depth, valid Unicode, no NaN/Infinity
+(400, never a RecursionError's 500)."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request
+
+from motet.api.errors import APIError
+
+MAX_JSON_DEPTH = 64  # nesting of a request body; JSONSchemaBench's deepest schema nests 22 levels
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def check_json(data, limit: int = MAX_JSON_DEPTH) -> None:
+    """Bounded nesting, and text that is valid Unicode (a lone surrogate escape such as \\ud800 parses
+    into a str that no tokenizer can encode). An explicit stack: deep input cannot recurse us."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "request body holds invalid Unicode (a lone surrogate escape)") from None
+        elif isinstance(value, dict | list):
+            if depth > limit:
+                raise APIError(400, f"request body is nested more than {limit} levels deep")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, child in items:
+                stack.append((key, depth))
+                stack.append((child, depth + 1))
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body is larger than {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body is larger than {limit} bytes")
+    try:
+        data = json.loads(body, parse_constant=_refuse_constant)  # NaN, Infinity: not JSON
+    except RecursionError:
+        raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    check_json(data)
+    return data

@@ -1,0 +1,210 @@
+"""`motet serve`: its flags, and wiring the engine, the actors and the app onto uvicorn.
+
+Heavy imports happen inside `serve`, so that `motet --help` and `motet pull` stay fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from motet.cluster import cli as cluster_cli
+
+log = logging.getLogger("motet.server")
+
+DEFAULT_DATA_DIR = "~/.local/share/motet"
+
+
+def shared_loras(specs: list[str] | None, model_names: list[str]) -> dict[str, Path]:
+    """`--lora NAME=PATH` flags -> {name: directory}; the adapters are validated when the engine starts."""
+    from motet.lora.registry import check_name
+
+    loras: dict[str, Path] = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
+        check_name("--lora adapter", name)
+        if name in loras or name in model_names:
+            raise ValueError(f"--lora {spec!r}: the name {name!r} is already taken")
+        loras[name] = Path(path).expanduser()
+        if not loras[name].is_dir():
+            raise ValueError(f"--lora {spec!r}: {path} is not a PEFT adapter directory")
+    return loras
+
+
+# `motet serve` flag -> (GrammarLimits field, what it bounds); the flags' defaults are the fields'.
+GRAMMAR_LIMIT_FLAGS = {
+    "--grammar-max-enum-values": ("max_enum_values", "values in one enum or guided_choice"),
+    "--grammar-max-properties": ("max_properties", "property names in one schema, all objects together"),
+    "--grammar-max-depth": ("max_depth", "nesting of a schema's objects and arrays"),
+    "--grammar-max-pattern-length": ("max_pattern_length", "characters in one regex (pattern, guided_regex)"),
+    "--grammar-max-schema-bytes": ("max_schema_bytes", "bytes of a schema, EBNF grammar or choice list"),
+}
+
+
+def grammar_limits(args):
+    """The GrammarLimits the `--grammar-max-*` flags ask for."""
+    from motet.grammar.limits import GrammarLimits
+
+    return GrammarLimits(
+        **{field: getattr(args, f"grammar_{field}") for field, _ in GRAMMAR_LIMIT_FLAGS.values()}
+    )
+
+
+def build_state(args, config):
+    from motet.actors.system import ServingSystem
+    from motet.api.adapter_store import AdapterStore
+    from motet.api.auth import Authenticator
+    from motet.api.response_store import ResponseStore
+    from motet.api.state import ServerState
+    from motet.engine.llm_engine import LLMEngine
+    from motet.engine.model_store import DEFAULT_MODEL_ALIASES
+
+    if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
+        config.num_threads = max(1, (os.cpu_count() or 2) - 1)
+    config.grammar_limits = grammar_limits(args)
+    names = list(args.served_model_name or []) + [config.model]
+    if config.model in DEFAULT_MODEL_ALIASES:
+        names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
+    elif Path(config.model).exists():
+        names.append(Path(config.model).name)
+    loras = shared_loras(args.lora, names)
+    if cluster_cli.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
+        system = cluster_cli.cluster_system(args, config, loras)
+    else:
+        system = ServingSystem(
+            lambda: LLMEngine(config),
+            max_queue_len=args.max_queue_len,
+            max_waiting=args.max_waiting,
+            loras=loras,
+        )
+    data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
+    adapters = AdapterStore(
+        system,
+        data_dir,
+        shared=loras,
+        reserved=tuple(names),
+        max_bytes=args.max_adapter_bytes,
+        load_dirs=tuple(Path(d) for d in args.lora_load_dir or ()),
+    )
+    responses = ResponseStore(
+        data_dir, max_age_s=args.responses_max_age_days * 86400, max_per_tenant=args.responses_max_per_tenant
+    )
+    state = ServerState(
+        system=system,
+        model_names=names,
+        auth=Authenticator.from_file(args.api_keys),
+        max_body_bytes=args.max_body_bytes,
+        adapters=adapters,
+        responses=responses,
+        reasoning=args.reasoning_parser == "think",
+    )
+    if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
+        state.metrics.registry.register(system.replica_metrics())
+    return state
+
+
+def serve(args, config) -> int:
+    """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
+    import uvicorn
+
+    from motet.api.app import create_app
+    from motet.api.draining import DrainingServer
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    state = build_state(args, config)
+    app = create_app(state)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        access_log=args.access_log,
+    )
+    server = DrainingServer(config, state, args.drain_timeout)
+    log.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
+    server.run()
+    return 1 if state.fatal is not None else 0
+
+
+def add_serve_args(p) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's name in the API (the first; the others are aliases); default: --model",
+    )
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help=f"where tenants' uploaded adapters and stored responses live (default: $MOTET_DATA_DIR or "
+        f"{DEFAULT_DATA_DIR})",
+    )
+    from motet.api.response_store import DEFAULT_MAX_AGE_DAYS, DEFAULT_MAX_PER_TENANT
+
+    p.add_argument(
+        "--responses-max-age-days",
+        type=float,
+        default=DEFAULT_MAX_AGE_DAYS,
+        help=f"stored Responses API responses are kept this long (default: {DEFAULT_MAX_AGE_DAYS:g})",
+    )
+    p.add_argument(
+        "--responses-max-per-tenant",
+        type=int,
+        default=DEFAULT_MAX_PER_TENANT,
+        help=f"each tenant's newest stored responses kept (default: {DEFAULT_MAX_PER_TENANT})",
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="serve a PEFT adapter directory to every tenant as model NAME (repeatable)",
+    )
+    p.add_argument(
+        "--lora-load-dir",
+        action="append",
+        metavar="DIR",
+        help="a server directory POST /v1/load_lora_adapter may read adapters from (repeatable; default: none, "
+        "loading from server paths is off)",
+    )
+    p.add_argument("--max-adapter-bytes", type=int, default=512 << 20, help="larger adapter uploads get 413")
+    p.add_argument(
+        "--max-queue-len", type=int, default=256, help="requests waiting per adapter queue (then 429)"
+    )
+    p.add_argument(
+        "--max-waiting", type=int, default=16, help="requests admitted to the engine but not running"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="none",
+        choices=["none", "think"],
+        help="think: the model reasons in <think>...</think> first; returned as reasoning_content, and "
+        "grammars apply after it",
+    )
+    from motet.grammar.limits import GrammarLimits
+
+    for flag, (field, what) in GRAMMAR_LIMIT_FLAGS.items():
+        default = getattr(GrammarLimits, field)
+        p.add_argument(
+            flag,
+            dest=f"grammar_{field}",
+            type=int,
+            default=default,
+            help=f"structured output over this gets 400 before compiling: {what} (default: {default})",
+        )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true")
+    cluster_cli.add_args(p)

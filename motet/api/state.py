@@ -1,0 +1,66 @@
+"""What every handler needs: the serving system, the served model's names, auth, metrics, lifecycle."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from motet.actors.system import ServingSystem
+from motet.api.adapter_store import AdapterStore
+from motet.api.auth import Authenticator
+from motet.api.errors import APIError
+from motet.api.metrics import Metrics
+from motet.api.response_store import ResponseStore
+from motet.lora.manager import AdapterRef
+
+
+@dataclass
+class ServerState:
+    system: ServingSystem
+    model_names: list[str]  # the first is the served name, the others are accepted aliases
+    auth: Authenticator = field(default_factory=Authenticator)
+    metrics: Metrics = field(default_factory=Metrics)
+    max_body_bytes: int = 4 << 20
+    adapters: AdapterStore | None = None  # None: no adapter uploads (in-process tests)
+    responses: ResponseStore | None = None  # stored Responses API responses; None: none are stored
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
+    inflight: int = 0
+    fatal: BaseException | None = None  # start-up failed (e.g. the model could not be loaded)
+    reasoning: bool = False  # --reasoning-parser think: <think>...</think> becomes reasoning_content
+
+    def __post_init__(self):
+        self.metrics.model_name = self.model_name
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_ready(self) -> None:
+        if self.fatal is not None:
+            raise APIError(503, f"the server failed to start: {self.fatal}")
+        if self.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        if not self.system.ready:
+            raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
+
+    async def resolve_adapter(self, tenant: str, model: str) -> AdapterRef | None:
+        """The adapter serving `model` for `tenant` (None: the base model); unknown or not this tenant's: 404."""
+        if model in self.model_names:
+            return None
+        ref = await self.adapters.resolve(tenant, model) if self.adapters is not None else None
+        if ref is not None:
+            return ref
+        raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+
+    @functools.cached_property
+    def token_text(self) -> Callable[[int], str]:
+        tok = self.system.engine.tokenizer
+
+        @functools.lru_cache(maxsize=1 << 16)
+        def text(token_id: int) -> str:
+            return tok.decode([token_id], skip_special_tokens=False)
+
+        return text

@@ -1,0 +1,159 @@
+"""Reading reply streams for one HTTP request: accumulate choices, collect them, or relay them as SSE.
+
+However a request ends (finished, failed, client gone), what still runs in the engine is aborted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from motet.actors.errors import ServingError
+from motet.actors.reply import Delta, ReplyStream, merge_streams
+from motet.api import protocol as P
+from motet.api.errors import APIError, from_serving_error
+from motet.api.state import ServerState
+from motet.engine.sequence import TokenLogprob
+
+
+def release(state: ServerState, streams: list[ReplyStream]) -> None:
+    """Abort what is still running (the client is gone, or the handler failed); never blocks."""
+    for s in streams:
+        if not s.closed:
+            s.cancel()
+            state.system.abort(s.request_id)
+
+
+@dataclass
+class Choice:
+    """One choice's output, accumulated from its deltas, with its timings for the metrics."""
+
+    index: int
+    prompt_ids: list[int]
+    arrival: float
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    first_token: float | None = None
+    last_token: float | None = None
+    token_gaps: list[tuple[float, int]] = field(
+        default_factory=list
+    )  # after the first delta: (s/token, tokens)
+    error: ServingError | None = None
+
+    def add(self, d: Delta) -> None:
+        if d.token_ids:
+            now = time.perf_counter()
+            if self.first_token is None:
+                self.first_token = now
+            else:
+                self.token_gaps.append(((now - self.last_token) / len(d.token_ids), len(d.token_ids)))
+            self.last_token = now
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
+        if d.finished:
+            self.finish_reason = d.finish_reason
+        self.num_cached_tokens = d.num_cached_tokens
+        self.error = self.error or d.error
+
+
+def observe(state: ServerState, c: Choice) -> None:
+    if c.error is not None or c.first_token is None:
+        return
+    m, end = state.metrics, time.perf_counter()
+    m.ttft.observe(c.first_token - c.arrival)
+    m.e2e.observe(end - c.arrival)
+    if len(c.token_ids) > 1:
+        m.tpot.observe((end - c.first_token) / (len(c.token_ids) - 1))
+    m.generation_tokens.inc(len(c.token_ids))
+    m.observe_request(c.first_token - c.arrival, end - c.arrival, c.token_gaps)
+
+
+async def collect(request: Request, state: ServerState, choices: list[Choice], streams: list[ReplyStream]):
+    """Wait for every choice to finish; stop early (and abort) if the client disconnects."""
+    disconnected = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch():
+            nonlocal disconnected
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            async for i, delta in merge_streams(streams):
+                choices[i].add(delta)
+        finally:
+            release(state, streams)
+        tg.cancel_scope.cancel()
+    if disconnected:
+        raise APIError(499, "client disconnected")
+    for c in choices:
+        if c.error is not None:
+            raise from_serving_error(c.error)
+        observe(state, c)
+
+
+def usage(prompts: list[list[int]], choices: list[Choice], drop_output: bool) -> P.Usage:
+    """Prompts count once each (not once per choice); choices are grouped by prompt, n per prompt."""
+    n = len(choices) // len(prompts)
+    prompt = sum(len(p) for p in prompts)
+    completion = 0 if drop_output else sum(len(c.token_ids) for c in choices)
+    cached = sum(max(c.num_cached_tokens for c in choices[i * n : (i + 1) * n]) for i in range(len(prompts)))
+    return P.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": cached},
+    )
+
+
+def sse(payload) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def relay(chunks: AsyncIterator[str], done: bool = True) -> AsyncIterator[str]:
+    """The SSE body: the handler's chunks, an error event if a request fails midway, then [DONE]
+    (unless `done` is false: the Responses API ends with its own last event)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except (ServingError, APIError) as e:
+        yield sse((from_serving_error(e) if isinstance(e, ServingError) else e).body())
+    if done:
+        yield sse("[DONE]")
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that releases its requests however it ends: finished, failed, or client gone
+    (Starlette cancels the body on disconnect, possibly before it ever started)."""
+
+    def __init__(
+        self, state: ServerState, streams: list[ReplyStream], chunks: AsyncIterator[str], done: bool = True
+    ):
+        body = relay(chunks, done)
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.state, self.streams = state, streams
+        state.inflight += 1  # until the response is done
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            release(self.state, self.streams)
+            self.state.inflight -= 1

@@ -1,0 +1,275 @@
+"""A request's structured output: which grammar constrains it, which tools it may call, its prompt.
+
+OpenAI's `response_format` (json_object, json_schema), vLLM's `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar` and their newer spelling `structured_outputs: {json, regex, choice,
+grammar, json_object, structural_tag}`, and `tools` + `tool_choice` all become one grammar spec (or
+none) and a tool mode that says how the output is parsed:
+
+- `tool_choice` "required" or a named function: the output is constrained to Hermes-style calls of
+  those tools whose arguments follow each tool's schema (an xgrammar structural tag).
+- "auto": free text, and where the model opens `<tool_call>`, the call is constrained likewise
+  (unless the request sends `guided_tool_calls: false`: then calls are only parsed).
+- otherwise `response_format` / `guided_*`, at most one of them.
+
+Everything that is wrong with them is answered 400 here, naming the field, before any work is queued:
+grammars over the size limits (grammar.limits) before anything reads them further. Whether a spec
+compiles is found out by the ingress (the compile cache, with its time limit). A schema sent without
+`strict` whose grammar leaves parts of it unenforced is served, with `Structure.warnings` saying which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from motet.api.errors import APIError
+from motet.grammar.enforceable import best_effort_warning, strict_refusal
+from motet.grammar.limits import GrammarLimitError, GrammarLimits
+from motet.grammar.schema_normalize import normalize_schema
+from motet.grammar.specs import (
+    BACKEND_NAMES,
+    DEFAULT_MAX_WHITESPACE,
+    ChoiceSpec,
+    EbnfSpec,
+    GrammarError,
+    GrammarSpec,
+    JsonObjectSpec,
+    JsonSchemaSpec,
+    RegexSpec,
+    StructuralTagSpec,
+)
+from motet.grammar.tool_calls import (
+    Tool,
+    ToolError,
+    resolve_tool_choice,
+    tool_call_structural_tag,
+    validate_tools,
+)
+from motet.grammar.tool_prompt import render_messages, template_supports_tools
+
+
+@dataclass
+class Structure:
+    spec: GrammarSpec | None = None
+    param: str | None = None  # the request field that errors about the grammar name
+    backend: str | None = None  # per-request backend override
+    tool_mode: str = "none"  # "none" | "auto" | "required": whether the output is parsed for calls
+    tools: list[Tool] = field(default_factory=list)  # all the request's tools (shown in the prompt)
+    warnings: list[str] = field(default_factory=list)  # "param: what the grammar does not enforce"
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def _too_large(param: str, e: GrammarLimitError) -> APIError:
+    return APIError(400, f"{param}: {e}", param=param, code="grammar_limit_exceeded")
+
+
+def _choice(choices, param: str, limits: GrammarLimits) -> GrammarSpec:
+    """A choice list (guided_choice, structured_outputs.choice) as a spec, its errors naming `param`."""
+    try:
+        spec = ChoiceSpec(tuple(choices))
+    except GrammarError as e:
+        raise _bad(param, str(e)) from None
+    return _limited(limits, spec, param)
+
+
+def _limited(limits: GrammarLimits, spec: GrammarSpec, param: str, what: str | None = None) -> GrammarSpec:
+    try:
+        limits.check_spec(spec, what)
+    except GrammarLimitError as e:
+        raise _too_large(param, e) from None
+    return spec
+
+
+def _schema(value, param: str, limits: GrammarLimits) -> dict:
+    """A JSON schema from a request (a dict, or its JSON text), within the limits, checked against its
+    meta-schema."""
+    try:
+        if isinstance(value, str):
+            value = limits.loads(value)
+        limits.check_schema(value)
+    except GrammarLimitError as e:
+        raise _too_large(param, e) from None
+    except ValueError as e:  # from json.loads
+        raise _bad(param, f"the schema is not valid JSON ({e})") from None
+    if isinstance(value, bool):
+        value = {} if value else {"not": {}}
+    if not isinstance(value, dict):
+        raise _bad(param, "the schema must be a JSON object")
+    try:
+        schema = normalize_schema(value)  # also checks it against its meta-schema
+    except GrammarError as e:
+        raise _bad(param, str(e)) from None
+    return schema
+
+
+def _warn(schema: dict, param: str, warnings: list[str]) -> None:
+    """Without `strict` a schema is constrained best effort: say what its grammar leaves out."""
+    warning = best_effort_warning(schema)
+    if warning:
+        warnings.append(f"{param}: {warning}")
+
+
+def _check_enforceable(schema: dict, param: str) -> None:
+    """`strict: true` promises every output validates: refuse what the grammar would not enforce."""
+    refusal = strict_refusal(schema)
+    if refusal:
+        raise APIError(
+            400,
+            f"{param}: {refusal}. Rewrite those parts, or set strict to false for best-effort constraining.",
+            param=param,
+            code="unsupported_schema",
+        )
+
+
+_RESPONSE_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema")}
+
+
+def _known_keys(obj: dict, known: tuple[str, ...], where: str) -> None:
+    """An unknown key is refused, never ignored (as every request field is)."""
+    for key in obj:
+        if key not in known:
+            raise APIError(
+                400, f"Unrecognized request argument supplied: {where}.{key}", param=f"{where}.{key}"
+            )
+
+
+def _response_format(rf: dict, limits: GrammarLimits, warnings: list[str]) -> GrammarSpec | None:
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise _bad("response_format", 'must be an object with a "type"')
+    kind = rf["type"]
+    if kind in _RESPONSE_FORMAT_KEYS:
+        _known_keys(rf, _RESPONSE_FORMAT_KEYS[kind], "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonObjectSpec()
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise _bad("response_format.json_schema", 'must be an object with a "schema"')
+        _known_keys(js, ("name", "schema", "strict", "description"), "response_format.json_schema")
+        param = "response_format.json_schema.schema"
+        schema = _schema(js["schema"], param, limits)
+        if js.get("strict") is True:
+            _check_enforceable(schema, param)
+        else:
+            _warn(schema, param, warnings)
+        return JsonSchemaSpec(schema)
+    if kind == "structural_tag":
+        tag = {k: v for k, v in rf.items() if k != "type"} | {"type": "structural_tag"}
+        return _limited(limits, StructuralTagSpec(tag), "response_format")
+    raise _bad("response_format", f"unknown type {kind!r} (text, json_object, json_schema, structural_tag)")
+
+
+def _guided(req, limits: GrammarLimits, warnings: list[str]) -> list[tuple[str, GrammarSpec | None]]:
+    """The grammar fields the request sets, as (field, spec)."""
+    found = []
+    if req.response_format is not None:
+        found.append(("response_format", _response_format(req.response_format, limits, warnings)))
+    if req.guided_json is not None:
+        schema = _schema(req.guided_json, "guided_json", limits)
+        _warn(schema, "guided_json", warnings)
+        found.append(("guided_json", JsonSchemaSpec(schema)))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", _limited(limits, RegexSpec(req.guided_regex), "guided_regex")))
+    if req.guided_choice is not None:
+        found.append(("guided_choice", _choice(req.guided_choice, "guided_choice", limits)))
+    if req.guided_grammar is not None:
+        found.append(("guided_grammar", _limited(limits, EbnfSpec(req.guided_grammar), "guided_grammar")))
+    if req.structured_outputs is not None:
+        found += _structured_outputs(req.structured_outputs, limits, warnings)
+    return [(name, spec) for name, spec in found if spec is not None]
+
+
+def _structured_outputs(so, limits: GrammarLimits, warnings: list[str]) -> list[tuple[str, GrammarSpec]]:
+    """vLLM's `structured_outputs` (api.protocol.StructuredOutputs): its constraints, with its JSON
+    options (`disable_any_whitespace`: compact JSON; `disable_additional_properties`: objects closed or,
+    when false, open where the schema does not say)."""
+    space = 0 if so.disable_any_whitespace else DEFAULT_MAX_WHITESPACE
+    closed = so.disable_additional_properties is not False
+    found = []
+    if so.json_ is not None:
+        param = "structured_outputs.json"
+        schema = _schema(so.json_, param, limits)
+        _warn(schema, param, warnings)
+        found.append((param, JsonSchemaSpec(schema, strict=closed, max_whitespace=space)))
+    if so.json_object:
+        found.append(("structured_outputs.json_object", JsonObjectSpec(max_whitespace=space)))
+    if so.regex is not None:
+        found.append(
+            ("structured_outputs.regex", _limited(limits, RegexSpec(so.regex), "structured_outputs.regex"))
+        )
+    if so.choice is not None:
+        param = "structured_outputs.choice"
+        found.append((param, _choice(so.choice, param, limits)))
+    if so.grammar is not None:
+        param = "structured_outputs.grammar"
+        found.append((param, _limited(limits, EbnfSpec(so.grammar), param)))
+    if so.structural_tag is not None:
+        param = "structured_outputs.structural_tag"
+        found.append((param, _limited(limits, StructuralTagSpec(so.structural_tag), param)))
+    return found
+
+
+def _check_tool_schemas(tools, limits: GrammarLimits) -> None:
+    """Each tool's parameters within the limits, before anything reads them further."""
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        params = fn.get("parameters") if isinstance(fn, dict) else None
+        if params is not None:
+            try:
+                limits.check_schema(params)
+            except GrammarLimitError as e:
+                raise _too_large(f"tools[{i}].function.parameters", e) from None
+
+
+def structured_output(req, allow_tools: bool = True, limits: GrammarLimits | None = None) -> Structure:
+    """The grammar and tool mode of a chat or completions request (APIError 400 when malformed or
+    over `limits`, default GrammarLimits())."""
+    limits = limits or GrammarLimits()
+    backend = req.guided_decoding_backend
+    if backend is not None and backend not in BACKEND_NAMES:
+        raise _bad("guided_decoding_backend", f"must be one of {', '.join(BACKEND_NAMES)}, got {backend!r}")
+    out = Structure(backend=backend)
+    guided = _guided(req, limits, out.warnings)
+    if len(guided) > 1:
+        names = ", ".join(name for name, _ in guided)
+        raise APIError(400, f"set at most one of {names}", param=guided[1][0])
+    if guided:
+        out.param, out.spec = guided[0]
+
+    tools_field = getattr(req, "tools", None) if allow_tools else None
+    if tools_field is None and getattr(req, "tool_choice", None) not in (None, "none", "auto"):
+        raise _bad("tool_choice", "needs tools")
+    if tools_field is None:
+        return out
+    _check_tool_schemas(tools_field, limits)
+    try:
+        tools = validate_tools(tools_field)
+        mode, callable_tools = resolve_tool_choice(req.tool_choice, tools)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    out.tool_mode, out.tools = mode, tools
+    constrain = req.guided_tool_calls and mode != "none"
+    if mode == "required" and out.spec is not None:
+        raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with {out.param}", out.param)
+    if constrain and (mode == "required" or out.spec is None):
+        parallel = req.parallel_tool_calls is not False
+        tag = tool_call_structural_tag(callable_tools, mode, parallel, max_calls=req.max_tool_calls)
+        out.spec = _limited(limits, StructuralTagSpec(tag), "tools", "the tools' schemas together")
+        out.param = "tools"
+    return out
+
+
+def prompt_messages(messages: list[dict], structure: Structure, chat_template: str | None):
+    """The messages to render, and extra template arguments: the model's own tool format where its
+    template has one, else Hermes-style (tools in the system prompt, calls as <tool_call> blocks)."""
+    shown = structure.tools  # with tool_choice "none" too, as vLLM does: the model sees them, cannot call
+    if template_supports_tools(chat_template):
+        return messages, ({"tools": [t.openai_dict() for t in shown]} if shown else {})
+    try:
+        return render_messages(messages, shown), {}
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None

@@ -1,0 +1,218 @@
+"""The ingress side of scale-out: the API's serving system when engines run as Ray Serve replicas.
+
+ClusterSystem has the surface of actors.system.ServingSystem that api/ uses (`submit_all`, `abort`,
+`remove_lora`, `stats`, `engine`, `ready`, `run`, `stop`), so the app, its auth, tenants, adapters and metrics
+are the same. A submission is hashed into its route (motet/cluster/prompt_blocks.py) and sent, through the Serve
+handle and its router (motet/cluster/router.py), to one replica as one streaming call; the replica's Admitted
+answers the API, its deltas go onto local reply streams.
+
+Faults: a replica that dies before a request's first token (in its queue, or while admitting it) costs
+nothing: the request is sent again, to another replica. Once tokens have reached the client, the streams
+end with a clean error (an SSE error event). No wait is unbounded: admission has a time limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.to_thread
+from anyio.abc import TaskGroup, TaskStatus
+
+from motet.actors.errors import EngineFailure, ServerBusy, ServingError, ShuttingDown
+from motet.actors.messages import Admission, GenerateSpec
+from motet.actors.reply import ReplyStream
+from motet.actors.system import Stats
+from motet.cluster import reports
+from motet.cluster.adapter_store import SharedAdapterStore
+from motet.cluster.launch import Cluster, ClusterThread
+from motet.cluster.model_view import ModelView
+from motet.cluster.prompt_blocks import route_hashes
+from motet.cluster.replica import Admitted, Refused
+from motet.cluster.reports import total_stats
+from motet.cluster.routing_policy import RouteRequest
+
+log = logging.getLogger("motet.ingress")
+
+MAX_ATTEMPTS = 3  # replicas a request may be sent to before it fails
+ADMISSION_TIMEOUT_S = 120.0  # no replica admitted it in this time (none is up): 503
+
+
+def _replica_lost(e: BaseException) -> bool:
+    """The replica died or became unreachable (its request may be sent elsewhere)."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return isinstance(e, RayActorError | ActorUnavailableError)
+
+
+@dataclass
+class _Call:
+    """One API request in flight on a replica."""
+
+    specs: list[GenerateSpec]
+    route: RouteRequest
+    streams: list[ReplyStream]
+    attempts: int = 0
+    started: bool = False  # a token has reached a reply stream: no second attempt
+    response: object = None  # the Serve streaming response
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+    @property
+    def abandoned(self) -> bool:
+        return all(s.cancelled or s.closed for s in self.streams)
+
+
+class ClusterSystem:
+    def __init__(self, cluster: Cluster, model: ModelView, store: SharedAdapterStore):
+        self.cluster, self.model, self.store = cluster, model, store
+        self.handle = None
+        self.calls: dict[str, _Call] = {}  # request id -> its call
+        self._tg: TaskGroup | None = None
+        self._stopped = anyio.Event()
+
+    @property
+    def engine(self) -> ModelView:
+        return self.model
+
+    @property
+    def ready(self) -> bool:
+        return self.handle is not None and not self._stopped.is_set()
+
+    async def run(self, *, task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        owner = ClusterThread(self.cluster)
+        owner.start()
+        try:
+            await anyio.to_thread.run_sync(owner.started.wait, abandon_on_cancel=True)
+            if owner.error is not None:
+                raise owner.error
+            await anyio.to_thread.run_sync(lambda: self.model.tokenizer)  # loaded before the first request
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                self.handle = owner.handle
+                task_status.started()
+                await self._stopped.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            self.handle = None
+            owner.finish()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(owner.join)
+
+    async def stop(self) -> None:
+        self._stopped.set()
+
+    # -- requests -------------------------------------------------------------------------------------
+    async def submit(self, spec: GenerateSpec) -> Admission:
+        return (await self.submit_all([spec]))[0]
+
+    async def submit_all(self, specs: list[GenerateSpec]) -> list[Admission]:
+        """Route and admit every spec of one API request on one replica (all or none, as there)."""
+        if not self.ready or self._tg is None:
+            raise ShuttingDown("the server is shutting down")
+        spec = specs[0]
+        tok, block_size = self.model.tokenizer, self.model.config.block_size
+        hashes = await anyio.to_thread.run_sync(route_hashes, tok, spec, block_size)
+        for s in specs:
+            if s.adapter is not None:
+                await anyio.to_thread.run_sync(self.store.publish, s.adapter)
+        adapter = spec.adapter.uid if spec.adapter is not None else 0
+        streams = [ReplyStream(rid) for s in specs for rid in s.request_ids]
+        call = _Call(specs, RouteRequest(hashes, adapter), streams)
+        try:
+            admitted = await self._admit(call)
+        except BaseException:  # refused, or the client went away meanwhile: nothing may run on
+            if call.response is not None:
+                call.response.cancel()
+            raise
+        for s in streams:
+            self.calls[s.request_id] = call
+        self._tg.start_soon(self._relay, call)
+        admissions, i = [], 0
+        for s, (prompt_ids, text) in zip(specs, admitted.prompts, strict=True):
+            admissions.append(Admission(prompt_ids, streams[i : i + len(s.request_ids)], text))
+            i += len(s.request_ids)
+        return admissions
+
+    async def _admit(self, call: _Call) -> Admitted:
+        """Send the call to a replica and wait for its admission; again elsewhere if that replica is lost."""
+        while True:
+            call.attempts += 1
+            call.response = self.handle.options(stream=True).generate.remote(call.route, call.specs)
+            try:
+                with anyio.fail_after(ADMISSION_TIMEOUT_S):
+                    first = await call.response.__anext__()
+            except TimeoutError:
+                call.response.cancel()
+                raise ServerBusy(
+                    f"no engine replica took the request within {ADMISSION_TIMEOUT_S:.0f} s"
+                ) from None
+            except Exception as e:
+                if not _replica_lost(e) or call.attempts >= MAX_ATTEMPTS:
+                    log.error("request %s failed on its way to a replica: %r", call.streams[0].request_id, e)
+                    raise EngineFailure("the request could not reach an engine replica") from None
+                log.warning(
+                    "a replica was lost before admitting %s; sending it again", call.streams[0].request_id
+                )
+                continue
+            if isinstance(first, Refused):
+                if isinstance(first.error, ShuttingDown) and call.attempts < MAX_ATTEMPTS:
+                    continue  # that replica is draining: another one takes it
+                raise first.error
+            call.route = dataclasses.replace(call.route, avoid=call.route.avoid | {first.replica})
+            return first
+
+    async def _relay(self, call: _Call) -> None:
+        """The replica's deltas onto the reply streams; on a lost replica, again elsewhere if no token was
+        out yet, else a clean error."""
+        try:
+            with call.scope:
+                while True:
+                    try:
+                        async for i, delta in call.response:
+                            call.started = call.started or bool(delta.token_ids or delta.text)
+                            call.streams[i].put(delta)
+                        break
+                    except Exception as e:
+                        retry = _replica_lost(e) and not call.started and not call.abandoned
+                        if not retry or call.attempts >= MAX_ATTEMPTS:
+                            raise
+                        log.warning(
+                            "replica lost before %s started; sending it again", call.streams[0].request_id
+                        )
+                        await self._admit(call)
+        except Exception as e:
+            if not isinstance(e, ServingError):
+                log.warning("request %s lost its replica: %r", call.streams[0].request_id, e)
+                e = EngineFailure("the engine replica serving this request stopped; try again")
+            for s in call.streams:
+                s.fail(e)
+        finally:
+            with contextlib.suppress(Exception):
+                call.response.cancel()
+            for s in call.streams:
+                if not s.closed:
+                    s.fail(EngineFailure("the engine replica ended the request without finishing it"))
+                self.calls.pop(s.request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Never blocks: once every stream of its call is cancelled or done, the replica's call is cancelled."""
+        call = self.calls.get(request_id)
+        if call is not None and call.abandoned:
+            call.scope.cancel()
+
+    def remove_lora(self, name: str) -> None:
+        """Never blocks: the store forgets the adapter; replicas drop it when they see it gone."""
+        if self._tg is not None and self.store.url:
+            self._tg.start_soon(anyio.to_thread.run_sync, self.store.unpublish, name)
+
+    def stats(self) -> Stats:
+        """The replicas' stats summed, as of their latest reports."""
+        return total_stats(reports.LATEST.values()) or Stats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    def replica_metrics(self):
+        from motet.cluster.metrics import ReplicaMetrics
+
+        return ReplicaMetrics(reports.LATEST)

@@ -1,0 +1,161 @@
+"""One engine replica: a Ray Serve deployment around a ServingSystem (the actors and the engine), as
+`motet serve` runs it in one process.
+
+`generate(route, specs)` streams one API request: first Admitted (its prompts' token ids) or Refused (the
+ServingError a single-process server would have answered), then (stream index, Delta) as the engine
+produces them. A cancelled stream (its client went away) aborts what still runs. `record_routing_stats`
+is the replica's report to the routers (motet/cluster/reports.py); with it, now and then, the replica drops the
+adapters the shared store no longer has (motet/cluster/adapter_store.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio.to_thread
+from ray import serve
+
+from motet.actors.errors import ModelNotFound, ServingError
+from motet.actors.messages import GenerateSpec
+from motet.actors.reply import merge_streams
+from motet.actors.system import ServingSystem
+from motet.cluster.adapter_store import SharedAdapterStore
+from motet.cluster.reports import ReplicaReport
+from motet.cluster.routing_policy import RouteRequest
+from motet.engine.config import EngineConfig
+
+log = logging.getLogger("motet.replica")
+
+SWEEP_PERIOD_S = 2.0  # how often a replica looks for deleted adapters among those it holds
+
+
+@dataclass
+class ReplicaSettings:
+    engine: EngineConfig
+    loras: dict[str, Path] = field(default_factory=dict)  # shared adapters (--lora), registered at start
+    max_queue_len: int = 256
+    max_waiting: int = 16
+    adapter_store: str | None = None  # an fsspec URL; None: adapters are read where their refs point
+    adapter_cache_dir: str | None = None
+
+
+@dataclass
+class Admitted:
+    replica: str
+    prompts: list[tuple[list[int], str]]  # per spec: its prompt's token ids and rendered text
+
+
+@dataclass
+class Refused:
+    error: ServingError
+
+
+def _keys(d: dict) -> list:
+    """A dict's keys, read from a thread other than the one that writes it (the engine's)."""
+    for _ in range(10):
+        try:
+            return list(d)
+        except RuntimeError:  # changed size while we read it
+            continue
+    return []
+
+
+class EngineReplica:
+    async def __init__(self, settings: ReplicaSettings):
+        from motet.engine.llm_engine import LLMEngine
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.system = ServingSystem(
+            lambda: LLMEngine(settings.engine),
+            max_queue_len=settings.max_queue_len,
+            max_waiting=settings.max_waiting,
+            loras=settings.loras,
+        )
+        self.store = SharedAdapterStore(settings.adapter_store, settings.adapter_cache_dir)
+        self.report: ReplicaReport | None = None
+        self.swept_at = 0.0
+        self.dropped: set[int] = set()  # adapter versions removed after their deletion
+        self.running = asyncio.get_running_loop().create_task(self.system.run())
+        while not self.system.ready:
+            if self.running.done():
+                self.running.result()  # the start-up failure (e.g. the model did not load)
+                raise RuntimeError("the serving system stopped while starting")
+            await asyncio.sleep(0.05)
+        log.info("replica %s ready", self.replica_id)
+
+    async def generate(self, route: RouteRequest, specs: list[GenerateSpec]) -> AsyncIterator:
+        try:
+            specs = [await self._local_adapter(s) for s in specs]
+            admissions = await self.system.submit_all(specs)
+        except ServingError as e:
+            yield Refused(e)
+            return
+        yield Admitted(self.replica_id, [(a.prompt_token_ids, a.prompt_text) for a in admissions])
+        streams = [s for a in admissions for s in a.streams]
+        try:
+            async for item in merge_streams(streams):
+                yield item
+        finally:  # finished, or cancelled by the ingress: abort what still runs
+            for s in streams:
+                if not s.closed:
+                    s.cancel()
+                    self.system.abort(s.request_id)
+
+    async def _local_adapter(self, spec: GenerateSpec) -> GenerateSpec:
+        if spec.adapter is None:
+            return spec
+        try:
+            ref = await anyio.to_thread.run_sync(self.store.local, spec.adapter)
+        except (FileNotFoundError, OSError):  # deleted from the store since the ingress resolved it
+            raise ModelNotFound(
+                f"the model {spec.adapter.model!r} does not exist", param="model", code="model_not_found"
+            ) from None
+        return dataclasses.replace(spec, adapter=ref)
+
+    # -- Serve's hooks --------------------------------------------------------------------------------
+    async def record_routing_stats(self) -> dict:
+        engine = self.system.engine
+        stats = self.system.stats()
+        blocks = ReplicaReport.pack(_keys(engine.block_manager.cached))
+        adapters = tuple(_keys(engine.adapters.slots.cpu))
+        last = self.report
+        # A report that differs is broadcast to every handle: idle steps alone do not make one.
+        same = last is not None and dataclasses.replace(last.stats, steps=stats.steps) == stats
+        if not same or (last.blocks, last.adapters) != (blocks, adapters):
+            seq = last.seq + 1 if last else 1
+            slots = engine.config.max_cpu_loras
+            self.report = ReplicaReport(self.replica_id, seq, stats, blocks, adapters, slots)
+        if time.monotonic() - self.swept_at > SWEEP_PERIOD_S:
+            self.swept_at = time.monotonic()
+            await self._drop_deleted_adapters()
+        return self.report.to_dict()
+
+    async def _drop_deleted_adapters(self) -> None:
+        adapters = self.system.engine.adapters
+        held = [adapters.known.get(uid) for uid in _keys(adapters.known)]
+        refs = [
+            r for r in held if r is not None and r.uid not in self.dropped and r.name not in adapters.named
+        ]
+        if not refs:
+            return
+        gone = await anyio.to_thread.run_sync(lambda: [r for r in refs if self.store.deleted(r)])
+        for ref in gone:
+            log.info("adapter %s was deleted from the store: dropping it", ref.name)
+            self.dropped.add(ref.uid)
+            self.system.remove_lora(ref.name)
+            self.store.forget(ref.name)
+
+    async def check_health(self) -> None:
+        if self.running.done():
+            raise RuntimeError("the serving system stopped")
+
+    async def __del__(self):
+        with anyio.move_on_after(10):
+            await self.system.stop()
+        self.running.cancel()

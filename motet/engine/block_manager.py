@@ -1,0 +1,166 @@
+"""Paged KV block manager with prefix caching.
+
+Blocks are fixed-size slabs of the KV cache. A sequence owns a block table; full blocks are
+registered under a chained hash (parent hash, adapter id, token ids), so a later sequence with the
+same prefix *and the same adapter* reuses them without copying. Free blocks keep their hash until
+they are reused: the free list is an LRU, and a cache hit pulls a block back out of it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from motet.engine.sequence import Sequence
+
+NO_PARENT = -1  # the first block's parent: CPython never returns -1 from hash(), and unlike None
+# (whose hash is its address before Python 3.12) it hashes alike in every process, so a router elsewhere
+# computes the same chain as the engine (cluster/).
+
+
+def block_hash(parent: int | None, adapter_id: int, token_ids: tuple[int, ...]) -> int:
+    # The adapter id is part of the key: KV depends on the adapter's k/v deltas.
+    return hash((NO_PARENT if parent is None else parent, adapter_id, token_ids))
+
+
+def matchable_tokens(num_tokens: int) -> int:
+    """How many leading tokens of a prompt a prefix-cache hit may cover: all but the last, whose logits the
+    step needs."""
+    return num_tokens - 1
+
+
+def chain_block_hashes(
+    token_ids, adapter_id: int, block_size: int, upto_tokens: int, hashes: list[int] | None = None
+) -> list[int]:
+    """The chained hashes of the full blocks within the first `upto_tokens` tokens, extending `hashes`
+    (those of the leading blocks, already computed) in place."""
+    hashes = [] if hashes is None else hashes
+    for i in range(len(hashes), upto_tokens // block_size):
+        tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(block_hash(hashes[-1] if hashes else None, adapter_id, tokens))
+    return hashes
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # kept to rule out hash collisions
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.seq_hashes: dict[int, list[int]] = {}  # seq id -> hashes of its full blocks, in order
+        self.num_registered: dict[int, int] = {}  # seq id -> leading blocks already offered to the cache
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _hashes(self, seq: Sequence, upto_tokens: int) -> list[int]:
+        """Chained hashes of the sequence's full blocks within its first `upto_tokens` tokens."""
+        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
+        return chain_block_hashes(seq.token_ids, seq.adapter_id, self.block_size, upto_tokens, hashes)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks holding the longest cached prefix; returns the tokens covered."""
+        assert not seq.block_table
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0
+        hashes = self._hashes(seq, matchable_tokens(seq.num_tokens))
+        bs = self.block_size
+        for i, h in enumerate(hashes):
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(
+                seq.token_ids[i * bs : (i + 1) * bs]
+            ):
+                break
+            self._ref(block_id)
+            seq.block_table.append(block_id)
+        hit = len(seq.block_table) * bs
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += hit
+        seq.num_computed_tokens = seq.num_cached_tokens = hit
+        return hit
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow the block table to hold `num_new_tokens` more tokens; False if the pool is short."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed > len(self.free):
+            return False
+        for _ in range(needed):
+            block_id, _ = self.free.popitem(last=False)  # least recently freed first
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict its cached content
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        hashes = self._hashes(seq, num_full * bs)
+        for i in range(self.num_registered.get(seq.seq_id, 0), num_full):
+            block, h = self.blocks[seq.block_table[i]], hashes[i]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self.cached[h] = block.block_id
+        self.num_registered[seq.seq_id] = num_full
+
+    def truncate(self, seq: Sequence) -> None:
+        """Free the blocks past the sequence's computed tokens (rejected drafts' slots). They were allocated
+        for this step alone and never hashed, so they go to the front of the LRU, to be reused first."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for block_id in seq.block_table[keep:]:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                self.free.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+
+    def free_seq(self, seq: Sequence) -> None:
+        # Tail blocks first, so they sit earliest in the LRU: a shared prefix outlives its suffixes.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self.num_registered.pop(seq.seq_id, None)
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop per-sequence hash state once the sequence is gone for good."""
+        self.seq_hashes.pop(seq.seq_id, None)

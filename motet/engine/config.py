@@ -1,0 +1,210 @@
+"""Model and engine configuration: plain dataclasses, validated on construction."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from motet.grammar.limits import GrammarLimits
+from motet.grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
+from motet.grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SPECULATIVE_MODES = ("auto", "off", "ngram")
+
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be served; the message names the file or field to fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The subset of a Hugging Face Llama-family config.json that the decoder needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2 has q/k/v biases
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"motet serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            head_dim = cfg.get("head_dim") or hidden // heads
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            rope_scaling = cfg.get("rope_scaling")
+            rope_theta = cfg.get("rope_theta")
+            if rope_theta is None:  # transformers >= 5 nests theta inside rope_parameters
+                rope_params = cfg.get("rope_parameters") or {}
+                rope_theta = rope_params.get("rope_theta", 10000.0)
+                if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                    rope_scaling = rope_params
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(head_dim),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta),
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not path.is_dir():
+            raise ModelLoadError(f"model directory {str(path)!r} does not exist")
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"{cfg_file}: missing; a model directory needs a Hugging Face config.json")
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from None
+        return cls.from_dict(cfg, source=str(cfg_file))
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def context_length(model: ModelConfig, max_model_len: int | None) -> int:
+    """The longest sequence an engine serves: `max_model_len`, or else the model's positions, capped by a
+    sliding window. Full attention over at most `window` tokens is exactly what sliding-window attention
+    computes; beyond that it is not, and motet has no sliding-window kernel, so a longer context is refused
+    rather than served wrong."""
+    limit = model.max_position_embeddings
+    window = model.sliding_window
+    if window and window < limit:
+        if max_model_len and max_model_len > window:
+            raise ModelLoadError(
+                f"max_model_len {max_model_len} is longer than the model's sliding window ({window} tokens), "
+                f"which motet does not implement; serve at most {window} tokens"
+            )
+        limit = window
+    return max_model_len or limit
+
+
+@dataclass
+class EngineConfig:
+    """Limits of one engine instance; defaults suit the default model on a small CPU machine."""
+
+    model: str = "SmolLM2-135M-Instruct"
+    dtype: str = "float32"
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    max_loras: int = 8  # adapters resident on the device at once (distinct adapters per step)
+    max_cpu_loras: int = 32  # loaded adapters kept in host memory in front of the disk
+    max_lora_rank: int = 64  # device slots are zero-padded to this rank; higher-rank adapters are refused
+    lora_time_slice: int = 32  # steps an adapter keeps admitting work while others wait for a slot
+    num_threads: int | None = None  # CPU intra-op threads for the forward pass; None: torch's default
+    grammar_backend: str = DEFAULT_GRAMMAR_BACKEND  # one of GRAMMAR_BACKENDS (the others: fallback)
+    grammar_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused
+    # Sizes of a request's schema / grammar refused before compiling (motet/grammar/limits.py has the defaults).
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    # Append the tokens a grammar forces without sampling them. Off by default: on the CPU attention path
+    # the multi-token rows it creates cost more than the steps it saves (benchmarks/grammar_overhead.py).
+    jump_forward: bool = False
+    # The compiled step: on CPU the whole decoder stack in one native call (motet/engine/cpu_forward.py), on CUDA
+    # decode steps replayed from CUDA graphs (motet/engine/cuda_graphs.py). False: the eager model, the reference.
+    compile_step: bool = True
+    # Speculative decoding (motet/engine/speculative/): "ngram" drafts from prompt lookup and the grammar's forced
+    # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, each kept
+    # while its expected tokens beat its cost; `speculative_overhead_tokens` is a step's fixed cost in
+    # token-times (measured by benchmarks/spec_threshold.py: 10.8 for the default model on this 2-core CPU).
+    # "auto": ngram on CPU, where benchmarks/spec_bench.py measured it faster on every workload at 1 and 16
+    # clients; off on CUDA, where verification rows run outside the decode CUDA graphs and it is unmeasured.
+    speculative: str = "auto"
+    num_speculative_tokens: int = 8
+    speculative_overhead_tokens: float = 10.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_loras",
+            "max_cpu_loras",
+            "max_lora_rank",
+            "lora_time_slice",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
+        for name in ("num_speculative_tokens", "speculative_overhead_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"
+            )
+        if not isinstance(self.grammar_limits, GrammarLimits):
+            raise ValueError(
+                f"grammar_limits must be a GrammarLimits, got {type(self.grammar_limits).__name__}"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    @property
+    def speculative_mode(self) -> str:
+        if self.speculative == "auto":
+            return "ngram" if self.torch_device.type == "cpu" else "off"
+        return self.speculative
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,201 @@
+"""The compiled CPU step: the whole decoder stack in one native call (motet/kernels/cpu_native.forward).
+
+The eager model (motet/engine/model.py) dispatches some 25 torch ops per layer; at small batches on a CPU that
+dispatch, and torch's bf16 products on CPUs without bf16 units, cost more than reading the weights. Here
+the weights are packed once into the native GEMM's panels, in the order a step reads them, in memory backed
+by huge pages (the hardware prefetchers stop at page boundaries), and a step is one call: norms, projections
+with their LoRA deltas, rotary, KV writes and paged attention, with fp32 activations whatever the weights'
+dtype. It serves every step (decode, prefill chunks, mixed) and is the CPU's default; the eager model stays
+the reference (`EngineConfig.compile = False`, `--no-compile`), and tests hold the two to agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from collections import OrderedDict
+
+import torch
+
+from motet.engine.model import AttentionMetadata, LlamaForCausalLM
+from motet.kernels import cpu_native
+from motet.lora.slot_cache import LoRABatch
+
+_HUGE_PAGE = 2 << 20
+_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class WeightArena:
+    """One buffer for the packed weights, backed by transparent huge pages where the kernel allows it."""
+
+    def __init__(self, nbytes: int):
+        size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE + _HUGE_PAGE
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._bytes = raw[(-raw.data_ptr()) % _HUGE_PAGE :]
+        self._used = 0
+
+    def put(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of `tensor` in the arena (64-byte aligned)."""
+        n = tensor.numel() * tensor.element_size()
+        start = -(-self._used // 64) * 64
+        out = self._bytes[start : start + n].view(tensor.dtype).view(tensor.shape)
+        out.copy_(tensor)
+        self._used = start + n
+        return out
+
+
+def supported(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> bool:
+    cfg = model.config
+    return (
+        cpu_native.library() is not None
+        and model.embed_tokens.weight.dtype in cpu_native.DTYPE_CODES
+        and kv_dtype in cpu_native.DTYPE_CODES
+        and cfg.num_attention_heads % cfg.num_key_value_heads == 0
+        and cfg.num_attention_heads // cfg.num_key_value_heads <= 16
+        and cfg.head_dim <= 256
+        and cfg.head_dim % 2 == 0
+    )
+
+
+class CpuForward:
+    """`model`'s forward and logits through the native kernels, over the runner's KV caches.
+
+    Takes the linear layers' weights over (packed into the arena); the module's own copies are released, so
+    the eager forward of this model instance is no longer usable (the embedding table stays: it is the
+    input lookup, and the lm_head's when tied)."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        cfg = model.config
+        wdtype = model.embed_tokens.weight.dtype
+        self.model = model
+        self.kv_caches = kv_caches
+        self.vocab_size = model.lm_head.weight.shape[0]
+        linears = [
+            (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for layer in model.layers
+        ]
+        # packed size: panels of 16 rows, plus alignment
+        total = (
+            sum(
+                -(-lin.weight.shape[0] // cpu_native.PANEL) * cpu_native.PANEL * lin.weight.shape[1] + 64
+                for group in linears
+                for lin in group
+            )
+            + -(-self.vocab_size // cpu_native.PANEL) * cpu_native.PANEL * cfg.hidden_size
+        )
+        self.arena = WeightArena(total * torch.tensor([], dtype=wdtype).element_size() + 64 * 64)
+        self._keep: list[torch.Tensor] = []  # everything a descriptor points at
+
+        def keep(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            t = t.detach().contiguous()
+            self._keep.append(t)
+            return t.data_ptr()
+
+        layers = (cpu_native.Layer * cfg.num_hidden_layers)()
+        for i, (layer, (qkv, o, gate_up, down), (k_cache, v_cache)) in enumerate(
+            zip(model.layers, linears, kv_caches, strict=True)
+        ):
+            packed = [self.arena.put(cpu_native.pack(lin.weight.detach())) for lin in (qkv, o, gate_up, down)]
+            layers[i] = cpu_native.Layer(
+                keep(layer.input_layernorm.weight),
+                keep(layer.post_attention_layernorm.weight),
+                packed[0].data_ptr(),
+                keep(qkv.bias.to(wdtype)) if qkv.bias is not None else None,
+                packed[1].data_ptr(),
+                packed[2].data_ptr(),
+                packed[3].data_ptr(),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+            )
+            for lin in (qkv, o, gate_up, down):  # the arena holds them now
+                lin.weight = torch.nn.Parameter(torch.empty(0, dtype=wdtype), requires_grad=False)
+                lin.packed_weight = None
+        self.lm_head = self.arena.put(cpu_native.pack(model.lm_head.weight.detach()))
+        self._layers = layers
+        self.desc = cpu_native.Model(
+            cpu_native.DTYPE_CODES[wdtype],
+            cpu_native.DTYPE_CODES[kv_caches[0][0].dtype],
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.num_hidden_layers,
+            kv_caches[0][0].shape[1],
+            cfg.rms_norm_eps,
+            cfg.head_dim**-0.5,
+            keep(model.rope.cos),
+            keep(model.rope.sin),
+            keep(model.norm.weight),
+            layers,
+        )
+        self._lora: OrderedDict[int, tuple[object, ctypes.Array]] = OrderedDict()
+        self.timings: ctypes.Array | None = None  # seconds per phase (cpu_native.PHASES), when profiling
+
+    def profile(self, on: bool = True) -> None:
+        """Sum the time of each phase of the forward (benchmarks/step_profile.py); resets the sums."""
+        self.timings = (ctypes.c_double * len(cpu_native.PHASES))() if on else None
+
+    def phase_seconds(self) -> dict[str, float]:
+        return dict(zip(cpu_native.PHASES, self.timings or [], strict=False))
+
+    def _lora_modules(self, lora: LoRABatch) -> ctypes.Array:
+        """The descriptors of a batch's adapter stacks, cached per set of views (the slot cache reuses them)."""
+        key = id(lora.weights)
+        hit = self._lora.get(key)
+        if hit is not None and hit[0] is lora.weights:
+            return hit[1]
+        mods = (cpu_native.LoraModule * (len(lora.weights) * len(_MODULES)))()
+        for i, layer in enumerate(lora.weights):
+            for j, name in enumerate(_MODULES):
+                if name in layer:
+                    A, B, scales = layer[name]
+                    assert A.stride(2) == 1 and B.stride(2) == 1 and scales.is_contiguous()
+                    mods[i * len(_MODULES) + j] = cpu_native.LoraModule(
+                        A.data_ptr(), B.data_ptr(), scales.data_ptr(), A.stride(0), A.stride(1),
+                        B.stride(0), B.stride(1), A.shape[1],
+                    )  # fmt: skip
+        self._lora[key] = (lora.weights, mods)
+        if len(self._lora) > 64:
+            self._lora.popitem(last=False)
+        return mods
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoRABatch | None,
+    ) -> torch.Tensor:
+        """Final (normed) hidden states [T, hidden], fp32."""
+        x = self.model.embed_tokens.weight[input_ids].float()
+        tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
+        assert tables.dtype == qsl.dtype == lens.dtype == torch.int32 and tables.is_contiguous()
+        assert positions.dtype == meta.slot_mapping.dtype == torch.int64
+        step = cpu_native.Step(
+            x.shape[0],
+            len(lens),
+            positions.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            qsl.data_ptr(),
+            lens.data_ptr(),
+        )
+        if lora is not None:
+            starts, slots = lora.seg_starts, lora.seg_slots
+            assert starts.dtype == slots.dtype == torch.int32
+            step.num_segs, step.seg_starts, step.seg_slots = len(slots), starts.data_ptr(), slots.data_ptr()
+            step.lora = self._lora_modules(lora)
+        if self.timings is not None:
+            step.timings = self.timings
+        cpu_native.forward(self.desc, step, x)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return cpu_native.gemm(hidden.float().contiguous(), self.lm_head, self.vocab_size)

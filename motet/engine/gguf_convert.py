@@ -1,0 +1,257 @@
+"""GGUF -> a Hugging Face Llama checkpoint directory: dequantize to float32, undo llama.cpp's rotary row
+permutation of q_proj/k_proj, rename the tensors to Hugging Face names, and write config, weights and
+tokenizer files (motet/engine/model_store.py calls it when it pulls the default model)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from motet.engine.config import ModelLoadError
+
+
+class PullError(ModelLoadError):
+    """`pull()` could not fetch or convert the default model; the message says what to check."""
+
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def _fields(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception:  # a field type gguf cannot decode; none that we need
+            continue
+    return out
+
+
+def _f32_round(x: float) -> float:
+    """A float32 metadata value as the short decimal it was written from (9.9999997e-06 -> 1e-05)."""
+    return float(str(np.float32(x)))
+
+
+def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's `permute` of q_proj/k_proj rows.
+
+    llama.cpp stores each head's rows with the two rotary halves interleaved (pairs (i, i + d/2) next
+    to each other, for GPT-J-style rope); Hugging Face keeps the halves apart (rotate_half). The GGUF
+    layout is `hf.reshape(n_head, 2, d/2, in).swapaxes(1, 2)`, so the inverse swaps back.
+    """
+    rows = weight.shape[0]
+    head_dim = rows // n_head
+    w = weight.reshape(n_head, head_dim // 2, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    raise PullError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama counterpart")
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = False) -> Path:
+    """Convert a llama-architecture GGUF file (gpt2 BPE vocab) into a Hugging Face directory `out_dir`."""
+    import gguf
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = gguf.GGUFReader(str(gguf_path))
+    meta = _fields(reader)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise PullError(f"{gguf_path.name}: architecture {arch!r}; only 'llama' GGUF files are converted")
+    tok_model = meta.get("tokenizer.ggml.model")
+    if tok_model != "gpt2":
+        raise PullError(f"{gguf_path.name}: tokenizer {tok_model!r}; only gpt2 byte-level BPE is converted")
+
+    n_head = int(meta["llama.attention.head_count"])
+    n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
+    hidden = int(meta["llama.embedding_length"])
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    head_dim = int(meta.get("llama.attention.key_length", hidden // n_head))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state: dict[str, torch.Tensor] = {}
+    bar = tqdm(reader.tensors, desc="converting", unit="tensor", disable=not progress, file=sys.stderr)
+    for t in bar:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # a writable copy
+        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
+        w = w.reshape(expected if len(expected) > 1 else (expected[0],))
+        name = _hf_name(t.name)
+        if name.endswith("self_attn.q_proj.weight"):
+            w = unpermute_qk(w, n_head)
+        elif name.endswith("self_attn.k_proj.weight"):
+            w = unpermute_qk(w, n_kv)
+        state[name] = w
+    bar.close()
+    tied = "lm_head.weight" not in state
+    n_layers = int(meta["llama.block_count"])
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(meta.get("llama.vocab_size", len(tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta["llama.context_length"]),
+        "rms_norm_eps": _f32_round(meta["llama.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": _f32_round(meta.get("llama.rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": tied,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    _check_shapes(state, config)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del state
+    _write_json(out_dir / "config.json", config)
+    _write_json(
+        out_dir / "generation_config.json",
+        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None},
+    )
+    _write_tokenizer(out_dir, meta, tokens, token_types, int(meta["llama.context_length"]))
+    return out_dir
+
+
+def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
+    h, kv = cfg["hidden_size"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    want = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        want |= {
+            p + "self_attn.q_proj.weight": (cfg["num_attention_heads"] * cfg["head_dim"], h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, cfg["num_attention_heads"] * cfg["head_dim"]),
+            p + "mlp.gate_proj.weight": (cfg["intermediate_size"], h),
+            p + "mlp.up_proj.weight": (cfg["intermediate_size"], h),
+            p + "mlp.down_proj.weight": (h, cfg["intermediate_size"]),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    if not cfg["tie_word_embeddings"]:
+        want["lm_head.weight"] = (cfg["vocab_size"], h)
+    missing = sorted(set(want) - set(state))
+    extra = sorted(set(state) - set(want))
+    bad = [
+        f"{k}: {tuple(state[k].shape)} != {v}"
+        for k, v in want.items()
+        if k in state and tuple(state[k].shape) != v
+    ]
+    if missing or extra or bad:
+        raise PullError(
+            f"converted GGUF does not match its metadata: "
+            f"missing={missing[:5]} extra={extra[:5]} bad={bad[:5]}"
+        )
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def _write_tokenizer(
+    out_dir: Path, meta: dict, tokens: list[str], token_types: list[int], max_len: int
+) -> None:
+    """tokenizer.json etc. for the gpt2 byte-level BPE vocabulary of the GGUF.
+
+    The GGUF pre-tokenizer 'smollm' is the original SmolLM2 tokenizer.json's: every digit on its own,
+    then GPT-2 byte-level splitting. Control tokens (token_type 3) are special added tokens.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in ("smollm", "default", "gpt-2", "starcoder"):
+        raise PullError(f"GGUF pre-tokenizer {pre!r} is not supported by this converter")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise PullError("GGUF vocabulary has duplicate tokens")
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    tok = Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre in ("smollm", "starcoder"):
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
+    control = [t for t, ty in zip(tokens, token_types, strict=True) if ty == 3]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    for t in control:  # they must keep their GGUF ids
+        if tok.token_to_id(t) != vocab[t]:
+            raise PullError(f"special token {t!r} did not keep its id {vocab[t]}")
+    tok.save(str(out_dir / "tokenizer.json"))
+
+    def name(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None else None
+
+    # SmolLM2-Instruct's own tokenizer_config: bos <|im_start|>, eos/pad <|im_end|>, unk <|endoftext|>.
+    specials = {
+        "bos_token": name("bos_token_id"),
+        "eos_token": name("eos_token_id"),
+        "pad_token": name("padding_token_id"),
+        "unk_token": name("unknown_token_id"),
+    }
+    specials = {k: v for k, v in specials.items() if v is not None}
+    extra = [t for t in ("<|im_start|>", "<|im_end|>") if t in control]
+    special_map = dict(specials, additional_special_tokens=extra)
+    _write_json(out_dir / "special_tokens_map.json", special_map)
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        **special_map,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        tok_cfg["chat_template"] = template
+    _write_json(out_dir / "tokenizer_config.json", tok_cfg)

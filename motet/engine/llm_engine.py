@@ -1,0 +1,368 @@
+"""The engine: requests in, per-step output deltas out. It owns its step:
+
+    batch = engine.schedule()              what runs: decode rows and prefill chunks under one token budget
+    result = engine.execute(batch)         the forward pass and sampling (the device's thread)
+    outputs = engine.commit(batch, result) append tokens, advance grammars, detokenize, stop, free blocks
+
+`step()` is their composition; the offline `LLM` (motet/engine/llm.py) and the serving actors both call only this
+surface (`add_request`, `abort`, `step`, `stats`, adapters through `add_lora` / `remove_lora`). A request
+that fails inside a step fails alone: `execute` bisects the batch until the failing rows are isolated, and
+`commit` ends those with an error while the others carry on. Not thread-safe: one thread drives it
+(`compile_grammar`, `limits` and `adapters.load` excepted, which the serving layer calls from elsewhere).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from motet.engine.block_manager import BlockManager
+from motet.engine.checkpoint import load_model_config
+from motet.engine.config import EngineConfig
+from motet.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from motet.engine.guided import GuidedDecoding
+from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
+from motet.engine.model_store import resolve_model
+from motet.engine.request_checks import RequestLimits
+from motet.engine.sampling_params import SamplingParams
+from motet.engine.scheduler import ScheduledBatch, Scheduler
+from motet.engine.sequence import Sequence, TokenLogprob
+from motet.engine.speculative.proposer import SpeculativeConfig, SpeculativeStats, Speculator
+from motet.engine.tokenizer import load_tokenizer
+from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
+from motet.grammar.cache import GrammarCache
+from motet.grammar.specs import GrammarSpec
+from motet.lora.manager import AdapterManager, AdapterRef
+
+log = logging.getLogger("motet.engine")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""  # all output text so far
+    delta: str = ""  # text new in this step
+    token_ids: list[int] = field(default_factory=list)  # all output tokens so far
+    num_new_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # the request failed (finish_reason "abort"); the others in its step did not
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load, for admission control, metrics and routing."""
+
+    num_waiting: int
+    num_running: int
+    free_seq_slots: int  # requests the engine may take before it has max_num_seqs
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    steps: int
+    adapters_pinned: int  # adapter versions held for unfinished requests
+    running_adapters: tuple[str, ...]  # engine names of the adapters of running requests
+    waiting_adapters: tuple[str, ...]  # of waiting requests, not also running
+    grammar: GrammarStats
+    speculative: SpeculativeStats = field(default_factory=SpeculativeStats)  # zeros when speculation is off
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, model_dir=None):
+        self.config = config = config or EngineConfig()
+        self.model_dir = model_dir or resolve_model(config.model)
+        self.model_config = load_model_config(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.runner = ModelRunner(self.model_dir, self.model_config, config)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_loras=config.max_loras,
+            lora_time_slice=config.lora_time_slice,
+        )
+        self.adapters = AdapterManager(
+            self.model_config,
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            max_lora_rank=config.max_lora_rank,
+            device=self.runner.device,
+            dtype=self.runner.dtype,
+        )
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        self.limits = RequestLimits(
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_kv_tokens=self.runner.num_blocks * config.block_size,
+        )
+        self.speculator: Speculator | None = None
+        if config.speculative_mode != "off" and config.num_speculative_tokens > 0:
+            self.speculator = Speculator(
+                SpeculativeConfig(config.num_speculative_tokens, config.speculative_overhead_tokens),
+                lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False),
+                self.max_model_len,
+            )
+        self.requests: dict[str, Sequence] = {}
+        self.grammar_cache = GrammarCache()
+        self.num_steps = 0
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # -- structured output ----------------------------------------------------------------------------
+    @functools.cached_property
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The vocabulary as the grammar backends see it (built on first use: it takes a moment)."""
+        return GrammarTokenizer(
+            self.tokenizer.hf,
+            vocab_size=self.model_config.vocab_size,
+            stop_token_ids=sorted(self.eos_token_ids),
+        )
+
+    def compile_grammar(
+        self, spec: GrammarSpec, backend: str | None = None, owner: str | None = None
+    ) -> CompiledGrammar:
+        """Compile (cached) with `backend` or the engine's, falling back to the other; GrammarError if
+        no backend can within the time limit. `owner` (the tenant) is who overrunning compilations count
+        against. Thread-safe: the serving layer calls it off the loop."""
+        return self.grammar_cache.compile_with_fallback(
+            spec,
+            self.grammar_tokenizer,
+            backend or self.config.grammar_backend,
+            self.config.grammar_timeout_s,
+            owner=owner,
+        )
+
+    # -- adapters -------------------------------------------------------------------------------------
+    def add_lora(self, name: str, path, adapter=None) -> AdapterRef:
+        """Serve the PEFT LoRA adapter directory at `path` as `name` (AdapterError if invalid). Adding an
+        existing name replaces it: requests already using the old version finish with it."""
+        return self.adapters.register(name, path, adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """New requests for `name` are refused from now on; requests already using it finish."""
+        self.adapters.remove(name)
+
+    # -- requests -------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        adapter: AdapterRef | str | None = None,
+        grammar: CompiledGrammar | None = None,
+        tenant: str | None = None,
+    ) -> str:
+        """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
+        for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
+        `tenant`: whose request it is; speculation drafts only from the outputs of the same tenant and
+        adapter under the same kind of grammar (a JSON schema, tool calls, none, ...)."""
+        params = params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.limits.check_prompt(token_ids)
+        self.limits.check_params(params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.grammar is not None and grammar is None:
+            grammar = self.compile_grammar(params.grammar, params.grammar_backend)
+        ref = self.adapters.resolve(adapter)
+        uid = self.adapters.acquire(ref) if ref is not None else 0  # AdapterError if it no longer loads
+        seq = Sequence(token_ids, params, adapter_id=uid, request_id=request_id, arrival=next(self._arrivals))
+        kind = params.grammar.kind if params.grammar is not None else None
+        seq.draft_scope = (tenant, uid, kind, params.reasoning)
+        if grammar is not None:
+            seq.guided = GuidedDecoding(grammar.matcher(), "</think>" if params.reasoning else None)
+        seq.detok = IncrementalDetokenizer(self.tokenizer.hf, token_ids, params.skip_special_tokens)
+        seq.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.scheduler.add(seq)
+        self.requests[request_id] = seq
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self.adapters.release(seq.adapter_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        sched, bm = self.scheduler, self.block_manager
+        running = {s.adapter_id for s in sched.running if s.adapter_id}
+        waiting = {s.adapter_id for s in sched.waiting if s.adapter_id} - running
+        return EngineStats(
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            free_seq_slots=max(0, self.config.max_num_seqs - len(sched.running) - len(sched.waiting)),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            preemptions=sched.num_preemptions,
+            steps=self.num_steps,
+            adapters_pinned=self.adapters.num_pinned,
+            running_adapters=tuple(sorted(self.adapters.name_of(a) for a in running)),
+            waiting_adapters=tuple(sorted(self.adapters.name_of(a) for a in waiting)),
+            grammar=GrammarStats(**vars(self.runner.grammar_stats)),
+            speculative=SpeculativeStats(**vars(self.speculator.stats))
+            if self.speculator
+            else SpeculativeStats(),
+        )
+
+    # -- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.schedule()
+        if not batch:
+            return []
+        return self.commit(batch, self.execute(batch))
+
+    def schedule(self) -> ScheduledBatch:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+        return self.scheduler.schedule()
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Run the batch; where it raises, bisect it so that only the failing rows carry the error."""
+        try:
+            lora = self.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
+            return self.runner.execute(batch, lora)
+        except Exception as e:
+            if len(batch) == 1:
+                log.error("request %s failed in the forward pass", batch.seqs[0].request_id, exc_info=e)
+                return StepResult.failed(1, e)
+        half = len(batch) // 2
+        parts = [self.execute(batch.subset(idx)) for idx in (range(half), range(half, len(batch)))]
+        return StepResult.concat(parts)
+
+    def commit(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        """Apply a step's result: advance, append tokens, detokenize, check stops, free the finished."""
+        self.num_steps += 1
+        self.scheduler.advance(batch)
+        outputs = []
+        for i, seq in enumerate(batch.seqs):
+            if self.requests.get(seq.request_id) is not seq or seq.is_finished:  # aborted while it ran
+                continue
+            try:
+                if result.errors[i] is not None:
+                    raise result.errors[i]
+                if result.prompt_logprobs[i]:
+                    seq.prompt_logprobs.extend(result.prompt_logprobs[i])
+                tokens = result.token_ids[i]
+                if tokens is None:  # a prompt chunk short of the prompt's end
+                    continue
+                drafted = len(seq.draft_token_ids)
+                outputs.append(self._advance(seq, tokens, result.logprobs[i]))
+                if drafted:
+                    self.speculator.observe(seq, drafted, len(tokens) - 1)
+                    if not seq.is_finished:
+                        self.scheduler.accept_drafts(seq, len(tokens) - 1)
+            except Exception as e:  # one request's failure (a kernel, a grammar backend bug) is its own
+                if result.errors[i] is None:
+                    log.exception("request %s failed while processing its token", seq.request_id)
+                self.abort(seq.request_id)
+                outputs.append(
+                    RequestOutput(
+                        seq.request_id,
+                        seq.prompt_token_ids,
+                        finished=True,
+                        finish_reason="abort",
+                        error=repr(e),
+                    )
+                )
+        return outputs
+
+    def _advance(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+        """Append the step's tokens one by one (with speculation, several) until one ends the request, then
+        the tokens its grammar forces (jump-forward)."""
+        g = seq.guided
+        delta, finish = "", None
+        for token, lp in zip(tokens, logprobs, strict=True):
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            if g is not None and not g.accept(token):
+                # Every token the grammar allows was masked out by another setting (min_tokens holding
+                # back the stop token the grammar needs): end here, the output still matches so far.
+                delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
+                finish = ("stop", None)
+            else:
+                more, finish = self._append(seq, token)
+                delta += more
+            if finish is not None:
+                break
+        if g is not None and finish is None:
+            forced = []
+            if self.config.jump_forward and seq.params.logprobs is None:
+                forced = g.jump_forward(lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False))
+            self.runner.grammar_stats.jump_forward_tokens += len(forced)
+            for t in forced:
+                more, finish = self._append(seq, t)
+                delta += more
+                if finish is not None:
+                    break
+        if finish is not None:
+            reason, stop_reason = finish
+            if self.speculator is not None:
+                self.speculator.record(seq)
+            self.scheduler.finish(seq, reason, stop_reason)
+            del self.requests[seq.request_id]
+            self.adapters.release(seq.adapter_id)
+        else:
+            reason = stop_reason = None
+        num_new = seq.num_tokens - seq.num_emitted
+        seq.num_emitted = seq.num_tokens
+        seq.text += delta
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=seq.text,
+            delta=delta,
+            token_ids=seq.output_token_ids,
+            num_new_tokens=num_new,
+            finished=finish is not None,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            logprobs=seq.output_logprobs,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _append(self, seq: Sequence, token: int) -> tuple[str, tuple | None]:
+        """Append one token: its text delta, and (finish_reason, stop_reason) if it ends the request."""
+        params = seq.params
+        seq.append_token(token)
+        text = seq.detok.push(token)
+        if seq.guided is not None:
+            seq.guided.observe_text(text)
+        delta, stopped = seq.stops.feed(text)
+        finish = None
+        if stopped:
+            finish = ("stop", seq.stops.matched)
+        elif (
+            token in self.eos_token_ids
+            and not params.ignore_eos
+            and seq.num_output_tokens > params.min_tokens
+        ) or (seq.guided is not None and seq.guided.terminated):  # the grammar accepted its stop token
+            finish = ("stop", None)
+        elif token in params.stop_token_ids and seq.num_output_tokens > params.min_tokens:
+            finish = ("stop", token)
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            finish = ("length", None)
+        if finish is not None and not stopped:
+            delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
+        return delta, finish

@@ -1,0 +1,279 @@
+"""Owns the model, its KV cache and the sampler; turns a scheduled batch into sampled tokens.
+
+Called from the engine's thread only. Builds the flattened inputs of a step, runs the forward pass (with
+the step's LoRA segments, lora/), computes logits only for the rows that sample (and for prompt-logprob
+rows), masks the constrained rows with their grammar, and samples.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from motet.engine.checkpoint import iter_weights
+from motet.engine.config import EngineConfig, ModelConfig, context_length
+from motet.engine.cpu_forward import CpuForward
+from motet.engine.cpu_forward import supported as cpu_forward_supported
+from motet.engine.cuda_graphs import DecodeGraphs
+from motet.engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_available
+from motet.engine.sampler import Sampler, compute_prompt_logprobs
+from motet.engine.scheduler import ScheduledBatch
+from motet.engine.sequence import TokenLogprob
+from motet.engine.speculative.grammar_drafts import activation_index, fill_draft_bitmask
+from motet.engine.speculative.verify import num_accepted, position_views
+from motet.grammar.backend import allocate_bitmask, apply_bitmask
+from motet.grammar.masking import fill_bitmasks
+from motet.lora.slot_cache import LoRABatch
+
+
+@dataclass
+class StepResult:
+    """Per scheduled sequence: the sampled tokens (None for a mid-prompt chunk; one token, or with drafts the
+    accepted drafts and the target's token after them), their logprobs (None where not asked for), and the
+    error its row raised (the others in the batch are unaffected)."""
+
+    token_ids: list[list[int] | None]
+    logprobs: list[list[TokenLogprob | None] | None]
+    prompt_logprobs: list[list[TokenLogprob] | None]
+    errors: list[BaseException | None]
+
+    @classmethod
+    def empty(cls, n: int) -> StepResult:
+        return cls([None] * n, [None] * n, [None] * n, [None] * n)
+
+    @classmethod
+    def failed(cls, n: int, error: BaseException) -> StepResult:
+        result = cls.empty(n)
+        result.errors = [error] * n
+        return result
+
+    @classmethod
+    def concat(cls, parts: list[StepResult]) -> StepResult:
+        """Results of consecutive row ranges of one batch, as one."""
+        out = cls([], [], [], [])
+        for p in parts:
+            out.token_ids += p.token_ids
+            out.logprobs += p.logprobs
+            out.prompt_logprobs += p.prompt_logprobs
+            out.errors += p.errors
+        return out
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+@dataclass
+class GrammarStats:
+    """Where structured output's time goes, summed over steps (for benchmarks and /metrics)."""
+
+    steps: int = 0  # steps with at least one constrained row
+    rows: int = 0  # constrained rows masked
+    fill_s: float = 0.0  # filling bitmasks (on a side thread, overlapping the forward pass)
+    wait_s: float = 0.0  # of that, what the step waited for after its forward pass
+    apply_s: float = 0.0  # masking the logits
+    jump_forward_tokens: int = 0  # tokens appended without sampling (counted by the engine)
+
+
+def _timed_fill(bitmask: torch.Tensor, items, drafted) -> float:
+    t0 = time.perf_counter()
+    with torch.inference_mode():  # the bitmask was made in the step's inference mode; this is another thread
+        fill_bitmasks(bitmask, items)
+        for guided, drafts, first, row in drafted:  # position by position, through the drafts
+            fill_draft_bitmask(bitmask, guided, drafts, first, row)
+    return time.perf_counter() - t0
+
+
+class ModelRunner:
+    def __init__(self, model_dir, model_config: ModelConfig, config: EngineConfig):
+        self.config = config
+        self.model_config = model_config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.max_model_len = context_length(model_config, config.max_model_len)
+
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)  # from the thread that runs the forward passes
+        torch.manual_seed(config.seed)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_config, max_positions=self.max_model_len)
+        model = model.to_empty(device=self.device)
+        if model_config.tie_word_embeddings:  # meta -> device conversion unties shared parameters
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rope = type(model.rope)(model_config, self.max_model_len).to(self.device)  # fp32 tables
+        model.load_weights(iter_weights(model_dir))
+        for name, module in model.named_children():
+            if name != "rope":
+                module.to(self.dtype)
+        self.model = model.eval().requires_grad_(False)
+
+        self.num_blocks = config.num_kv_blocks or max(
+            1,
+            int(config.kv_cache_memory_gb * 2**30)
+            // kv_block_bytes(model_config, self.block_size, self.dtype),
+        )
+        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(model_config.num_hidden_layers)
+        ]
+        # The compiled step (EngineConfig.compile_step): on CPU the native forward, which takes the linear
+        # weights over; else (or where it cannot run) the eager model, with oneDNN-prepacked products on CPU.
+        self.native: CpuForward | None = None
+        if config.compile_step and self.device.type == "cpu" and cpu_forward_supported(model, self.dtype):
+            self.native = CpuForward(model, self.kv_caches)
+        elif self.device.type == "cpu" and onednn_available():
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.prepack()
+        self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
+        self.grammar_stats = GrammarStats()
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="motet-bitmask")
+        # On CUDA the compiled step is decode steps replayed from CUDA graphs (motet/engine/cuda_graphs.py).
+        self.graphs: DecodeGraphs | None = None
+        if config.compile_step and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                lambda ids, pos, meta, lora: self.model(ids, pos, meta, self.kv_caches, lora),
+                max_batch=config.max_num_seqs,
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                max_seq_len=self.max_model_len,
+                device=self.device,
+            )
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            input_ids.extend(seq.draft_token_ids)  # verified after the row's last token (none: not drafting)
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        tables = [t + [0] * (width - len(t)) for t in tables]
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(tables, torch.int32),
+            query_start_loc=tensor(qsl, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            max_query_len=max(batch.num_new_tokens),
+            max_seq_len=max(seq_lens),
+        )
+        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, qsl
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, lora: LoRABatch | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets."""
+        if self.graphs is not None and (hidden := self._decode_graph(batch, lora)) is not None:
+            return hidden, list(range(len(batch) + 1))
+        input_ids, positions, meta, qsl = self._prepare(batch)
+        if self.native is not None:
+            return self.native(input_ids, positions, meta, lora), qsl
+        return self.model(input_ids, positions, meta, self.kv_caches, lora), qsl
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the given hidden rows."""
+        if self.native is not None:
+            return self.native.logits(hidden)
+        return self.model.compute_logits(hidden)
+
+    def _decode_graph(self, batch: ScheduledBatch, lora: LoRABatch | None) -> torch.Tensor | None:
+        """A decode step (one new token per sequence) replayed from its bucket's graph; None: run eagerly."""
+        if not batch.seqs or any(n != 1 for n in batch.num_new_tokens):
+            return None
+        tables = [seq.block_table for seq in batch.seqs]
+        if not self.graphs.fits(len(tables), max(len(t) for t in tables)):
+            return None
+        bs, pos = self.block_size, [seq.num_computed_tokens for seq in batch.seqs]
+        return self.graphs.run(
+            [seq.token_ids[p] for seq, p in zip(batch.seqs, pos, strict=True)],
+            pos,
+            [t[p // bs] * bs + p % bs for t, p in zip(tables, pos, strict=True)],
+            tables,
+            [p + 1 for p in pos],
+            lora,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, lora: LoRABatch | None = None) -> StepResult:
+        sample_rows = [i for i in range(len(batch)) if batch.samples(i)]
+        # One sampled position per sampling row, plus one per draft (motet/engine/speculative/verify.py).
+        views, starts = [], []
+        for i in sample_rows:
+            starts.append(len(views))
+            views.extend(position_views(batch.seqs[i]))
+        # Constrained rows: their bitmask rows are filled on a side thread while the forward pass runs
+        # (xgrammar releases the GIL); unconstrained rows are never touched.
+        masked, plain, drafted = [], [], []
+        for i, start in zip(sample_rows, starts, strict=True):
+            seq = batch.seqs[i]
+            if seq.guided is None:
+                continue
+            if seq.draft_token_ids:
+                first = activation_index(seq.guided, seq.detok, seq.draft_token_ids)
+                masked.extend(range(start + first, start + len(seq.draft_token_ids) + 1))
+                drafted.append((seq.guided, seq.draft_token_ids, first, start))
+            elif seq.guided.active:
+                masked.append(start)
+                plain.append((seq.guided.matcher, start))
+        if masked:
+            bitmask = allocate_bitmask(len(views), self.model_config.vocab_size)
+            filling = self._grammar_thread.submit(_timed_fill, bitmask, plain, drafted)
+
+        hidden, qsl = self.forward(batch, lora)
+        rows = [
+            r
+            for i in sample_rows
+            for r in range(qsl[i + 1] - 1 - len(batch.seqs[i].draft_token_ids), qsl[i + 1])
+        ]
+        logits = self.compute_logits(hidden[rows])
+        if masked:
+            self._apply_grammar(logits, bitmask, masked, filling)
+        out = self.sampler(logits, views)
+
+        result = StepResult.empty(len(batch))
+        for i, start in zip(sample_rows, starts, strict=True):
+            drafts = batch.seqs[i].draft_token_ids
+            sampled = out.token_ids[start : start + len(drafts) + 1]
+            kept = num_accepted(sampled, drafts) + 1  # the accepted drafts and the target's next token
+            result.token_ids[i] = sampled[:kept]
+            result.logprobs[i] = out.logprobs[start : start + kept]
+        for i, seq in enumerate(batch.seqs):
+            k = seq.params.prompt_logprobs
+            start = seq.num_computed_tokens
+            end = min(start + batch.num_new_tokens[i], seq.num_prompt_tokens)
+            if k is None or start >= seq.num_prompt_tokens - 1:
+                continue
+            # Row p predicts prompt token p+1; the last prompt row predicts the first output instead.
+            rows = range(qsl[i], qsl[i] + min(end, seq.num_prompt_tokens - 1) - start)
+            targets = seq.token_ids[start + 1 : start + 1 + len(rows)]
+            chunk_logits = self.compute_logits(hidden[list(rows)])
+            result.prompt_logprobs[i] = compute_prompt_logprobs(chunk_logits, torch.tensor(targets), k)
+        return result
+
+    def _apply_grammar(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], filling) -> None:
+        stats = self.grammar_stats
+        t0 = time.perf_counter()
+        stats.fill_s += filling.result()
+        t1 = time.perf_counter()
+        apply_bitmask(logits, bitmask, rows)
+        stats.wait_s += t1 - t0
+        stats.apply_s += time.perf_counter() - t1
+        stats.steps += 1
+        stats.rows += len(rows)

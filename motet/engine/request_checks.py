@@ -1,0 +1,88 @@
+"""What a request must satisfy to enter the engine, checked in one place: the prompt against the
+context window, the KV pool and the vocabulary, and the sampling parameters that depend on the model.
+
+The serving layer runs these checks before queueing a request (a 400 that names the field), and the
+engine runs them again in `add_request`, so offline use gets the same answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from motet.engine.sampling_params import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take: `param` names the request field, `code` is OpenAI's code."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+# A token is rarely more than a few characters: text beyond this many per token of context cannot fit,
+# and is refused before the tokenizer spends time on it.
+MAX_CHARS_PER_TOKEN = 32
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+    max_kv_tokens: int  # the KV pool's capacity: a prompt (and one new token) must fit in it
+
+    def check_text(self, text: str, param: str = "prompt") -> None:
+        """Bounds the tokenizer's work: text that could not fit the context window is refused unread."""
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if len(text) > limit:
+            raise RequestError(
+                f"the {param} is {len(text)} characters long, more than can fit this model's context of "
+                f"{self.max_model_len} tokens (at most {limit} characters are read)",
+                param,
+                "context_length_exceeded",
+            )
+
+    def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
+        if not token_ids:
+            raise RequestError(f"{param} is empty", param)
+        if any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids
+        ):
+            raise RequestError(f"{param}: token ids must be integers in [0, {self.vocab_size})", param)
+        n, limit = len(token_ids), self.max_model_len
+        if n >= limit:
+            raise RequestError(
+                f"this model's maximum context length is {limit} tokens; the {param} has {n} tokens "
+                "(with no room left for the completion)",
+                param,
+                "context_length_exceeded",
+            )
+        if n + 1 > self.max_kv_tokens:
+            raise RequestError(
+                f"the {param} has {n} tokens, more than this server's KV cache holds "
+                f"({self.max_kv_tokens} tokens); raise --num-kv-blocks or --kv-cache-memory-gb",
+                param,
+                "context_length_exceeded",
+            )
+
+    def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int, param: str = "max_tokens") -> None:
+        """An explicit completion length must fit the context window beside the prompt (OpenAI's rule)."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                f"{total} ({num_prompt_tokens} in the prompt, {max_tokens} for the completion)",
+                param,
+                "context_length_exceeded",
+            )
+
+    def check_params(self, params: SamplingParams) -> None:
+        if params.top_k > self.vocab_size:
+            raise RequestError(
+                f"top_k must be at most the vocabulary size ({self.vocab_size}), got {params.top_k}", "top_k"
+            )
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise RequestError(
+                f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids"
+            )

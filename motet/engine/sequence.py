@@ -1,0 +1,92 @@
+"""A sequence: one request inside the engine (one choice of an API request). Its prompt and growing output,
+the scheduler's bookkeeping (KV blocks, computed tokens), its grammar, and its output text so far."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from motet.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from motet.engine.guided import GuidedDecoding
+from motet.engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's logprob and the top alternatives (token_id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Sequence:
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    adapter_id: int = 0  # 0: the base model; part of the prefix-cache hash
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    request_id: str | None = None
+    arrival: int = 0  # tie-breaker for the scheduler's order
+
+    token_ids: list[int] = field(init=False)  # prompt + output
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    num_preemptions: int = 0
+    guided: GuidedDecoding | None = None  # the grammar constraint, if any
+    # Speculation: the drafts this step verifies after the last token (set by the engine's proposers,
+    # trimmed by the scheduler to its budget, cleared when the step commits), and the proposers' per-
+    # sequence state (motet/engine/speculative/).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_state: object | None = None
+    # Whose recent outputs it may draft from: (tenant, adapter, kind of grammar, reasoning).
+    draft_scope: Hashable | None = None
+    # Output text, as the engine commits tokens (set by the engine when it takes the request).
+    detok: IncrementalDetokenizer | None = None
+    stops: StopStringMatcher | None = None
+    text: str = ""
+    num_emitted: int = 0  # tokens already reported in a RequestOutput
+
+    def __post_init__(self):
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_emitted = len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,52 @@
+"""Tokenizer loading and chat-template rendering (Hugging Face fast tokenizers, local files only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from motet.engine.config import ModelLoadError
+
+
+class Tokenizer:
+    """A thin front over the HF tokenizer: plain encode/decode and chat rendering with clear errors."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase):
+        self.hf = hf
+        self.vocab_size = len(hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=True)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+        if not self.hf.chat_template:
+            raise ValueError("this model has no chat template; use the completions API instead")
+        try:
+            return self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+        except Exception as e:  # jinja errors carry the template's own message
+            raise ValueError(f"messages could not be rendered with the chat template: {e}") from None
+
+    def encode_chat(self, messages: list[dict], **kw) -> list[int]:
+        # The template writes the special tokens itself: do not add BOS again.
+        return self.hf.encode(self.render_chat(messages, **kw), add_special_tokens=False)
+
+    # Pass-throughs the detokenizer and grammar backends use.
+    def __getattr__(self, name):
+        return getattr(self.hf, name)
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    try:
+        hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"{model_dir}: could not load the tokenizer ({e})") from None
+    return Tokenizer(hf)

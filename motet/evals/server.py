@@ -1,0 +1,142 @@
+"""A `motet serve` subprocess for an eval run: started on a free loopback port, stopped on exit.
+
+Used as a context manager, so the server goes away however the run ends (a finished suite, an error,
+Ctrl-C). Its log goes to a file (the report directory's server log), so the eval's progress bars stay
+readable; when the server fails to start, the log's tail is in the error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ServerError(RuntimeError):
+    """The server did not come up (it exited, or was not ready in time)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(
+    url: str, proc: subprocess.Popen | None = None, timeout: float = 600, log: Path | None = None
+):
+    """Poll `url`/health until it answers 200; fail early if `proc` exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise ServerError(f"the server exited with status {proc.returncode}{_tail(log)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerError(f"the server at {url} was not ready after {timeout:.0f} s{_tail(log)}")
+        time.sleep(0.5)
+
+
+def _tail(log: Path | None, lines: int = 30) -> str:
+    if log is None or not log.is_file():
+        return ""
+    return "; its log ends:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:
+    """In the child: on Linux, get SIGTERM when the eval process dies, however it dies (even SIGKILL)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ManagedServer:
+    """`python -m motet.api.cli serve --port P ... *server_args`; `url` is the root, `base_url` adds /v1.
+
+    Uploaded adapters go to a fresh temporary --data-dir unless the server args name one, so an eval run
+    never touches the user's adapter store.
+    """
+
+    def __init__(
+        self,
+        server_args: list[str],
+        model: str | None = None,
+        log_path: Path | None = None,
+        start_timeout: float = 600,
+    ):
+        self.server_args, self.model, self.log_path = list(server_args), model, log_path
+        self.start_timeout = start_timeout
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{self.url}/v1"
+        self.proc: subprocess.Popen | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._log = None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "motet.api.cli", "serve", "--port", str(self.port)]
+        if "--log-level" not in self.server_args:
+            cmd += ["--log-level", "warning"]
+        if self.model and "--model" not in self.server_args:
+            cmd += ["--model", self.model]
+        if "--data-dir" not in self.server_args:
+            self._tmp = tempfile.TemporaryDirectory(prefix="motet-eval-")
+            cmd += ["--data-dir", self._tmp.name]
+        return cmd + self.server_args
+
+    def start(self) -> ManagedServer:
+        cmd = self.command()
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
+        out = self._log or subprocess.DEVNULL
+        # Its own session: a Ctrl-C in the terminal reaches only us, and we stop the server in order.
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        try:
+            wait_healthy(self.url, self.proc, self.start_timeout, self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # drains what is in flight (nothing, normally), then exits
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> ManagedServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

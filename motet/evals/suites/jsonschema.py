@@ -1,0 +1,263 @@
+"""JSONSchemaBench: does the server's output comply with a JSON schema, constrained and unconstrained?
+
+For each schema of the data set (`--data`, JSON Lines `{id, category, schema, tests}`; default the dev set
+the JSONSchemaBench dev set shipped in motet/evals/data) one chat request asks for a JSON value matching the schema (the
+schema is in the prompt), twice: constrained (`response_format` json_schema, strict) and unconstrained
+(no response_format; the first JSON value in the text is taken). Greedy decoding, --max-tokens tokens.
+
+Per category and overall, for each mode: compliance (the output finished, `finish_reason` "stop", and
+validates against the schema, formats checked), the same among finished outputs, truncation rate
+(`finish_reason` "length"), unsupported-schema rate (HTTP 400 from the server), prompts over the context
+window (400 context_length_exceeded), and other errors. With --limit, schemas are taken round-robin
+across categories so a small slice still spans them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+from motet.evals import report
+from motet.evals.context import (
+    EvalContext,
+    add_penalty_arguments,
+    api_error,
+    default_data,
+    penalties,
+    round_robin,
+)
+from motet.evals.datasets import read_jsonl
+
+NAME = "jsonschema"
+NEEDS_SERVER = True
+MODES = ("constrained", "unconstrained")
+PROMPT = (
+    "Generate a JSON value that conforms to the following JSON Schema. Reply with the JSON only, "
+    "no explanation.\n\nJSON Schema:\n{schema}"
+)
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("jsonschema options")
+    g.add_argument("--max-tokens", type=int, default=384, help="completion budget per request")
+    g.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    g.add_argument("--categories", nargs="+", default=None, help="only these categories")
+    g.add_argument("--request-timeout", type=float, default=600, help="seconds per request")
+    add_penalty_arguments(g)
+
+
+# -- scoring --------------------------------------------------------------------------------------------
+def extract_json(text: str):
+    """The first JSON value in free text: the whole text, a ```json fence, or from the first { or [."""
+    decoder = json.JSONDecoder()
+    stripped = text.strip()
+    candidates = [stripped, *(m.group(1).strip() for m in _FENCE.finditer(text))]
+    for c in candidates:
+        try:
+            return True, json.loads(c)
+        except ValueError:
+            pass
+    for i, ch in enumerate(text):
+        if ch in "{[":
+            try:
+                return True, decoder.raw_decode(text, i)[0]
+            except ValueError:
+                continue
+    return False, None
+
+
+def validate(schema: dict, instance) -> tuple[bool, str]:
+    """(valid, why not) with the schema's own draft and format checking; an unusable schema is invalid."""
+    from jsonschema.validators import validator_for
+
+    try:
+        cls = validator_for(schema)
+        errors = list(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance))
+    except Exception as e:  # unresolvable $ref, a schema the library cannot use
+        return False, f"validator: {type(e).__name__}: {str(e)[:160]}"
+    return (not errors), (errors[0].message[:200] if errors else "")
+
+
+def score(record: dict, mode: str, status: str, finish: str | None, text: str, error: str = "") -> dict:
+    item = {
+        "id": record["id"],
+        "category": record["category"],
+        "mode": mode,
+        "status": status,
+        "finish_reason": finish,
+        "parsed": False,
+        "valid": False,
+        "compliant": False,
+        "error": error,
+        "text": text[:300],
+    }
+    if status != "ok":
+        return item
+    if mode == "constrained":
+        try:
+            item["parsed"], value = True, json.loads(text)
+        except ValueError:
+            value = None
+    else:
+        item["parsed"], value = extract_json(text)
+    if item["parsed"]:
+        item["valid"], why = validate(record["schema"], value)
+        if not item["valid"]:
+            item["error"] = why
+    item["compliant"] = item["valid"] and finish == "stop"
+    return item
+
+
+# -- running --------------------------------------------------------------------------------------------
+def load(path: Path, limit: int | None, categories: list[str] | None) -> list[dict]:
+    records = read_jsonl(path)
+    if categories:
+        if unknown := set(categories) - {r["category"] for r in records}:
+            raise ValueError(f"--categories: no records of {sorted(unknown)} in {path}")
+        records = [r for r in records if r["category"] in categories]
+    return round_robin(records, limit)
+
+
+def request_kwargs(ctx: EvalContext, record: dict, mode: str) -> dict:
+    schema_text = json.dumps(record["schema"], separators=(",", ":"))
+    kwargs = {
+        "model": ctx.model,
+        "messages": [{"role": "user", "content": PROMPT.format(schema=schema_text)}],
+        "max_tokens": ctx.args.max_tokens,
+        "temperature": 0,
+    }
+    if mode == "constrained":
+        kwargs["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "out", "schema": record["schema"], "strict": True},
+        }
+    return penalties(ctx, kwargs)
+
+
+async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
+    import openai
+
+    t0 = time.perf_counter()
+    try:
+        r = await client.chat.completions.create(**request_kwargs(ctx, record, mode))
+    except openai.BadRequestError as e:
+        code, message = api_error(e)
+        status = "too_long" if code == "context_length_exceeded" else "unsupported"
+        return score(record, mode, status, None, "", message)
+    except openai.OpenAIError as e:
+        return score(record, mode, "error", None, "", f"{type(e).__name__}: {api_error(e)[1]}")
+    choice = r.choices[0]
+    item = score(record, mode, "ok", choice.finish_reason, choice.message.content or "")
+    item["completion_tokens"] = r.usage.completion_tokens if r.usage else None
+    item["latency_s"] = time.perf_counter() - t0
+    return item
+
+
+def aggregate(items: list[dict]) -> dict:
+    n = len(items)
+    count = lambda pred: sum(1 for i in items if pred(i))
+    finished = count(lambda i: i["status"] == "ok" and i["finish_reason"] == "stop")
+    compliant = count(lambda i: i["compliant"])
+    tokens = [i["completion_tokens"] for i in items if i.get("completion_tokens") is not None]
+    latency = [i["latency_s"] for i in items if i.get("latency_s") is not None]
+    return {
+        "n": n,
+        "compliant": compliant,
+        "compliance": report.rate(compliant, n),
+        "compliance_of_finished": report.rate(compliant, finished),
+        "finished": finished,
+        "truncation_rate": report.rate(count(lambda i: i["finish_reason"] == "length"), n),
+        "unsupported_rate": report.rate(count(lambda i: i["status"] == "unsupported"), n),
+        "too_long_rate": report.rate(count(lambda i: i["status"] == "too_long"), n),
+        "error_rate": report.rate(count(lambda i: i["status"] == "error"), n),
+        "mean_completion_tokens": sum(tokens) / len(tokens) if tokens else None,
+        "mean_latency_s": sum(latency) / len(latency) if latency else None,
+    }
+
+
+def run(ctx: EvalContext) -> dict:
+    path = ctx.data or default_data("jsonschemabench")
+    records = load(path, ctx.limit, ctx.args.categories)
+    modes = list(ctx.args.modes)
+    t0 = time.perf_counter()
+    # the modes interleaved, so all see the same server conditions
+    requests = [(ctx, r, m) for r in records for m in modes]
+    items = ctx.map_requests("jsonschema", _one, requests, timeout=ctx.args.request_timeout)
+    seconds = time.perf_counter() - t0
+    results = {
+        "config": {
+            "data": str(path),
+            "schemas": len(records),
+            "modes": modes,
+            "model": ctx.model,
+            "max_tokens": ctx.args.max_tokens,
+            "concurrency": ctx.concurrency,
+            "seconds": seconds,
+        },
+        "modes": {},
+    }
+    for mode in modes:
+        mine = [i for i in items if i["mode"] == mode]
+        cats = sorted({i["category"] for i in mine})
+        results["modes"][mode] = {
+            "overall": aggregate(mine),
+            "categories": {c: aggregate([i for i in mine if i["category"] == c]) for c in cats},
+        }
+    results["items"] = items
+    return results
+
+
+# -- reporting ------------------------------------------------------------------------------------------
+OVERALL = {
+    "schemas": lambda o: str(o["n"]),
+    "compliance": lambda o: report.pct(o["compliance"]),
+    "of finished": lambda o: report.pct(o["compliance_of_finished"]),
+    "truncated": lambda o: report.pct(o["truncation_rate"]),
+    "unsupported": lambda o: report.pct(o["unsupported_rate"]),
+    "prompt too long": lambda o: report.pct(o["too_long_rate"]),
+    "errors": lambda o: report.pct(o["error_rate"]),
+    "mean tokens": lambda o: report.fmt(o["mean_completion_tokens"], ".0f"),
+    "mean latency (s)": lambda o: report.fmt(o["mean_latency_s"]),
+}
+
+
+def compare_markdown(runs: dict[str, dict]) -> str:
+    series = report.mode_series(runs)
+    cfg = next(iter(runs.values()))["config"]
+    return "\n".join(
+        [
+            f"JSONSchemaBench slice: {cfg['schemas']} schemas from `{cfg['data']}`, greedy, "
+            f"max {cfg['max_tokens']} tokens, {cfg['concurrency']} requests in flight.",
+            "",
+            "## Compliance per category (finished and valid)",
+            "",
+            report.category_table(series, "compliance", "schemas"),
+            "",
+            "## Overall",
+            "",
+            report.overall_table(series, OVERALL),
+        ]
+    )
+
+
+def compare_plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
+    series = report.mode_series(runs)
+    title = "JSONSchemaBench compliance per category"
+    return [report.category_bars(series, "compliance", "compliance (finished and valid)", title,
+                                 out_dir / "jsonschema_compliance.png")]  # fmt: skip
+
+
+def summary(results: dict) -> str:
+    lines = []
+    for mode, m in results["modes"].items():
+        o = m["overall"]
+        lines.append(
+            f"{mode:13s} compliance {report.pct(o['compliance'])} ({o['compliant']}/{o['n']}), "
+            f"truncated {report.pct(o['truncation_rate'])}, unsupported {report.pct(o['unsupported_rate'])}, "
+            f"too long {report.pct(o['too_long_rate'])}, errors {report.pct(o['error_rate'])}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,316 @@
+"""Parsing tool calls out of a model's output (the Hermes format, motet/grammar/tool_calls.py), whole or streamed.
+
+What counts as a call (both parsers): a block runs from `<tool_call>` to the first `</tool_call>`, or
+to the next `<tool_call>` or the end of the text when the close tag is missing. Its body is a call when
+
+  1. it begins `{"name": "X", "arguments": {` (any whitespace between tokens; "parameters" is accepted
+     for "arguments"): the name is known, and this is what lets the stream announce the call early.
+     The arguments are the raw text of that object up to its matching brace; if it never closes (output
+     cut by max_tokens) they are the text written so far, trailing whitespace stripped - OpenAI too
+     returns truncated arguments on a length cut. Whatever follows the arguments object is ignored.
+  2. otherwise, the whole body is one JSON object with a string "name" and an object "arguments" (or
+     "parameters"), in any key order (e.g. arguments before name), no duplicate keys.
+
+Any other block stays in the content as written, tags included. Content is the text outside calls,
+concatenated, then stripped of surrounding whitespace (None when empty); the stream gets the same by
+dropping leading whitespace and holding back trailing whitespace until more content follows it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from motet.grammar.tool_calls import CALL_BEGIN, CALL_END
+
+# ---------------------------------------------------------------------------------------------------
+# Parsing the output
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # raw JSON text of the arguments object, as the model wrote it
+
+
+# `{"name": "X", "arguments": ` followed by `{` (lookahead): the prefix that names a call early.
+_PREFIX_RE = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+
+
+class _ObjectScanner:
+    """Finds where a JSON object closes, fed piecewise: tracks strings and bracket depth only."""
+
+    def __init__(self):
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.pos = 0
+        self.end: int | None = None  # offset just past the closing brace, once seen
+
+    def feed(self, text: str) -> int | None:
+        for ch in text:
+            if self.end is not None:
+                break
+            self.pos += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = self.pos
+        return self.end
+
+
+def _match_prefix(body: str) -> tuple[str, int] | None:
+    """(name, offset of the arguments object) when the body begins with the call prefix."""
+    m = _PREFIX_RE.match(body)
+    if m is None:
+        return None
+    try:
+        return json.loads(m.group(1)), m.end()
+    except ValueError:
+        return None
+
+
+def _prefix_arguments(body: str, start: int) -> str:
+    end = _ObjectScanner().feed(body[start:])
+    return body[start : start + end] if end is not None else body[start:].rstrip()
+
+
+_decoder = json.JSONDecoder()
+
+
+def _object_spans(text: str) -> dict[str, tuple[object, int, int]] | None:
+    """key -> (value, start, end) for `text` holding exactly one JSON object; None if it does not
+    (or has duplicate keys)."""
+    n, i = len(text), 0
+
+    def skip(i: int) -> int:
+        while i < n and text[i].isspace():
+            i += 1
+        return i
+
+    i = skip(i)
+    if i >= n or text[i] != "{":
+        return None
+    spans: dict[str, tuple[object, int, int]] = {}
+    i = skip(i + 1)
+    if i < n and text[i] == "}":
+        return spans if skip(i + 1) == n else None
+    try:
+        while True:
+            key, i = _decoder.raw_decode(text, i)
+            i = skip(i)
+            if not isinstance(key, str) or key in spans or i >= n or text[i] != ":":
+                return None
+            start = skip(i + 1)
+            value, end = _decoder.raw_decode(text, start)
+            spans[key] = (value, start, end)
+            i = skip(end)
+            if i < n and text[i] == ",":
+                i = skip(i + 1)
+            elif i < n and text[i] == "}":
+                return spans if skip(i + 1) == n else None
+            else:
+                return None
+    except ValueError:
+        return None
+
+
+def _parse_block(body: str) -> ToolCall | None:
+    """The call in a block body (text between the tags), or None if it is not one (module docstring)."""
+    prefix = _match_prefix(body)
+    if prefix is not None:
+        name, start = prefix
+        return ToolCall(name, _prefix_arguments(body, start))
+    spans = _object_spans(body)
+    if spans is None or not isinstance(spans.get("name", (None,))[0], str):
+        return None
+    args = [spans[k] for k in ("arguments", "parameters") if k in spans]
+    if len(args) != 1 or not isinstance(args[0][0], dict):
+        return None
+    _, start, end = args[0]
+    return ToolCall(spans["name"][0], body[start:end])
+
+
+def _block_end(text: str, start: int) -> tuple[int, int]:
+    """(end of the body, end of the block) for a body starting at `start`: the first close tag, else
+    the next open tag (left for the next block), else the end of the text."""
+    close = text.find(CALL_END, start)
+    reopen = text.find(CALL_BEGIN, start)
+    if close >= 0 and (reopen < 0 or close < reopen):
+        return close, close + len(CALL_END)
+    if reopen >= 0:
+        return reopen, reopen
+    return len(text), len(text)
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Split a complete output into content (None when empty) and tool calls."""
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    pos = 0
+    while (begin := text.find(CALL_BEGIN, pos)) >= 0:
+        content.append(text[pos:begin])
+        body_start = begin + len(CALL_BEGIN)
+        body_end, pos = _block_end(text, body_start)
+        call = _parse_block(text[body_start:body_end])
+        if call is not None:
+            calls.append(call)
+        else:
+            content.append(text[begin:pos])
+    content.append(text[pos:])
+    return "".join(content).strip() or None, calls
+
+
+@dataclass
+class ContentDelta:
+    text: str
+
+
+@dataclass
+class ToolCallStart:
+    index: int
+    name: str
+
+
+@dataclass
+class ToolCallArguments:
+    index: int
+    fragment: str
+
+
+Event = ContentDelta | ToolCallStart | ToolCallArguments
+
+
+def _partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
+    for k in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
+        if any(t.startswith(text[-k:]) for t in tags):
+            return k
+    return 0
+
+
+def _strip_tail_len(text: str) -> int:
+    """Length of `text` without trailing whitespace and `}` (which may close the call, not the args)."""
+    i = len(text)
+    while i and (text[i - 1].isspace() or text[i - 1] == "}"):
+        i -= 1
+    return i
+
+
+class ToolCallStreamParser:
+    """Incremental `parse_tool_calls` for streaming: feed text deltas, get events.
+
+    Content is released as soon as it cannot be the start of `<tool_call>`; a call is announced
+    (ToolCallStart) once its `{"name": "X", "arguments": {` prefix is complete, then its arguments stream,
+    holding back trailing whitespace and `}` that may close the call rather than the arguments. A block
+    without that prefix is held whole until it closes, then emitted as a call or as content. For any
+    split of an output, the events add up to `parse_tool_calls` of the whole.
+    """
+
+    def __init__(self):
+        self._buf = ""  # unprocessed text: outside a call, or the current block's body
+        self._in_call = False
+        self._index = 0  # index of the next (or current) call
+        self._content_started = False
+        self._pending_ws = ""  # trailing content whitespace, released only if content follows
+        self._args_start: int | None = None  # offset of the arguments in the body once announced
+        self._sent = 0  # characters of the arguments already emitted
+        self._scanner: _ObjectScanner | None = None
+        self._scanned = 0
+
+    def feed(self, delta: str) -> list[Event]:
+        self._buf += delta
+        events: list[Event] = []
+        while self._step(events, final=False):
+            pass
+        return events
+
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        while self._step(events, final=True):
+            pass
+        return events
+
+    def _step(self, events: list[Event], final: bool) -> bool:
+        """Process what the buffer allows; True when a state change asks for another step."""
+        if not self._in_call:
+            begin = self._buf.find(CALL_BEGIN)
+            if begin >= 0:
+                self._content(self._buf[:begin], events)
+                self._buf = self._buf[begin + len(CALL_BEGIN) :]
+                self._in_call = True
+                return True
+            keep = 0 if final else _partial_tag_len(self._buf, (CALL_BEGIN,))
+            self._content(self._buf[: len(self._buf) - keep], events)
+            self._buf = self._buf[len(self._buf) - keep :]
+            return False
+
+        body_end, block_end = _block_end(self._buf, 0)
+        if body_end < len(self._buf) or final:  # the block is complete
+            self._close_block(self._buf[:body_end], self._buf[body_end:block_end], events)
+            self._buf = self._buf[block_end:]
+            return True
+        self._stream_arguments(events)
+        return False
+
+    def _stream_arguments(self, events: list[Event]) -> None:
+        if self._args_start is None:
+            prefix = _match_prefix(self._buf)
+            if prefix is None:
+                return
+            name, self._args_start = prefix
+            self._scanner, self._scanned = _ObjectScanner(), self._args_start
+            events.append(ToolCallStart(self._index, name))
+        # The text that is surely body (not a partial close tag), then within it the arguments so far.
+        avail = len(self._buf) - _partial_tag_len(self._buf, (CALL_BEGIN, CALL_END))
+        if self._scanner.end is None and avail > self._scanned:
+            self._scanner.feed(self._buf[self._scanned : avail])
+            self._scanned = avail
+        args = self._buf[self._args_start : avail]
+        upto = self._scanner.end if self._scanner.end is not None else _strip_tail_len(args)
+        self._emit_arguments(args[:upto], events)
+
+    def _emit_arguments(self, args: str, events: list[Event]) -> None:
+        if len(args) > self._sent:
+            events.append(ToolCallArguments(self._index, args[self._sent :]))
+            self._sent = len(args)
+
+    def _close_block(self, body: str, close_tag: str, events: list[Event]) -> None:
+        call = _parse_block(body)
+        if self._args_start is not None:  # announced: the prefix path, so `call` is not None
+            self._emit_arguments(call.arguments, events)
+        elif call is not None:
+            events.append(ToolCallStart(self._index, call.name))
+            self._emit_arguments(call.arguments, events)
+        else:
+            self._content(CALL_BEGIN + body + close_tag, events)
+        if call is not None:
+            self._index += 1
+        self._in_call = False
+        self._args_start, self._sent, self._scanner = None, 0, None
+
+    def _content(self, text: str, events: list[Event]) -> None:
+        """Emit content so that the deltas add up to the stripped concatenation of all content."""
+        if not self._content_started:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            self._pending_ws += text
+            return
+        events.append(ContentDelta(self._pending_ws + body))
+        self._pending_ws = text[len(body) :]
+        self._content_started = True

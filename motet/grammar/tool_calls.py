@@ -1,0 +1,218 @@
+"""Tool calling in the Hermes format: validate tools, render prompts, constrain and parse outputs.
+
+Models whose chat template has no tool support (the default SmolLM2, ChatML) get the format of
+NousResearch Hermes-2-Pro / Qwen2.5: the tools are listed in the system prompt, and a call is
+
+    <tool_call>
+    {"name": "NAME", "arguments": {...}}
+    </tool_call>
+
+(several calls separated by "\\n"). Tool results come back as a user turn of `<tool_response>` blocks.
+
+These modules are pure and synchronous (no torch, no xgrammar import): the API validates `tools` and
+`tool_choice` here, renders the history into plain ChatML messages, asks for the xgrammar structural tag
+that constrains the output to well-formed calls, and splits the output into content and calls, whole
+(`parse_tool_calls`) or while streaming (`ToolCallStreamParser`); the two parsers agree exactly.
+
+Rendering the history into a prompt: motet/grammar/tool_prompt.py; parsing the output: motet/grammar/tool_call_parser.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from motet.grammar.enforceable import strict_refusal
+from motet.grammar.schema_normalize import normalize_schema
+from motet.grammar.specs import DEFAULT_MAX_WHITESPACE, GrammarError
+
+CALL_BEGIN = "<tool_call>"
+MAX_TOOL_CALLS = 64  # the largest `max_tool_calls` (the grammar holds one copy of the tools per call)
+CALL_END = "</tool_call>"
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # used with fullmatch
+
+TOOLS_SYSTEM_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
+    "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
+    "about what values to plug into functions. Here are the available tools:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n'
+    "</tool_call>"
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation
+
+
+class ToolError(ValueError):
+    """A bad `tools` / `tool_choice` / `messages` field; `param` names it (OpenAI error's `param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def tool_error(param: str, reason: str) -> ToolError:
+    return ToolError(f"Invalid '{param}': {reason}", param)
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict  # normalized JSON schema of type object
+
+    def openai_dict(self) -> dict:
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
+
+
+def validate_tools(tools: list) -> list[Tool]:
+    """Validate the OpenAI `tools` list (or BFCL-style bare function dicts) into Tools."""
+    if not isinstance(tools, list) or not tools:
+        raise tool_error("tools", "expected a non-empty list of tools")
+    out: list[Tool] = []
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(tools):
+        if not isinstance(entry, dict):
+            raise tool_error(f"tools[{i}]", f"expected an object, got {type(entry).__name__}")
+        if entry.get("type", "function") != "function":
+            raise tool_error(
+                f"tools[{i}].type", f"only 'function' tools are supported, got {entry['type']!r}"
+            )
+        if "function" in entry or "name" not in entry:  # the OpenAI wrapper
+            fn, base = entry.get("function"), f"tools[{i}].function"
+            if not isinstance(fn, dict):
+                raise tool_error(base, "expected an object with 'name' and 'parameters'")
+        else:  # a bare function dict (BFCL; also the flat Responses API shape)
+            fn, base = entry, f"tools[{i}]"
+        tool = _validate_function(fn, base)
+        if tool.name in seen:
+            raise tool_error(
+                f"{base}.name", f"duplicate tool name {tool.name!r} (also tools[{seen[tool.name]}])"
+            )
+        seen[tool.name] = i
+        out.append(tool)
+    return out
+
+
+def _validate_function(fn: dict, base: str) -> Tool:
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise tool_error(f"{base}.name", f"expected 1 to 64 characters from [A-Za-z0-9_.-], got {name!r}")
+    description = fn.get("description")
+    if description is None:
+        description = ""
+    elif not isinstance(description, str):
+        raise tool_error(f"{base}.description", "expected a string")
+    if not isinstance(fn.get("strict", False), bool):
+        raise tool_error(f"{base}.strict", "expected a boolean")
+    params = fn.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    elif not isinstance(params, dict):
+        raise tool_error(f"{base}.parameters", f"expected a JSON schema object, got {type(params).__name__}")
+    else:
+        try:
+            params = normalize_schema(params)  # also checks it against the meta-schema
+        except GrammarError as e:
+            raise tool_error(f"{base}.parameters", str(e)) from None
+        if "type" not in params:  # `{"properties": ...}` without a type: arguments are still an object
+            params = {"type": "object", **params}
+        if params["type"] != "object":
+            raise tool_error(
+                f"{base}.parameters", f"the top-level type must be 'object', got {params['type']!r}"
+            )
+        refusal = strict_refusal(params) if fn.get("strict") is True else None
+        if refusal:
+            raise tool_error(
+                f"{base}.parameters", f"{refusal} (set strict to false for best-effort constraining)"
+            )
+    return Tool(name, description, params)
+
+
+def resolve_tool_choice(tool_choice, tools: list[Tool]) -> tuple[str, list[Tool]]:
+    """Map `tool_choice` to a mode ("none" | "auto" | "required") and the tools the output may call."""
+    if tool_choice is None or tool_choice == "auto":
+        return ("auto", list(tools)) if tools else ("none", [])
+    if tool_choice == "none":
+        return "none", []
+    if tool_choice == "required":
+        if not tools:
+            raise tool_error("tool_choice", "'required' needs a non-empty 'tools' list")
+        return "required", list(tools)
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        if (
+            tool_choice.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
+            raise tool_error("tool_choice", 'expected {"type": "function", "function": {"name": ...}}')
+        if not tools:
+            raise tool_error("tool_choice", f"names function {fn['name']!r} but no 'tools' were given")
+        for tool in tools:
+            if tool.name == fn["name"]:
+                return "required", [tool]
+        names = ", ".join(repr(t.name) for t in tools)
+        raise tool_error("tool_choice", f"no tool named {fn['name']!r}; the tools are {names}")
+    raise tool_error(
+        "tool_choice", f"expected 'none', 'auto', 'required' or a named function, got {tool_choice!r}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Constraining the output (xgrammar structural tag)
+
+
+def tool_call_structural_tag(
+    tools: list[Tool],
+    mode: str,
+    parallel: bool,
+    *,
+    max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+    max_calls: int | None = None,
+) -> dict:
+    """The xgrammar structural tag for Hermes calls to `tools` with schema-valid arguments.
+
+    "required": the output is the call(s) and nothing else: one call, or with `parallel` one or more
+    separated by "\\n". "auto": free text, but from `<tool_call>` on a well-formed call (at most one, and
+    then the output ends, unless `parallel`). `max_calls` bounds the calls of a parallel output (in
+    "auto" the output ends with the last one allowed). `max_whitespace` bounds whitespace runs inside
+    the arguments JSON (small models otherwise pad forever); None leaves it free.
+    """
+    if mode not in ("auto", "required") or not tools:
+        raise ValueError(f"a structural tag needs tools and mode 'auto' or 'required', got {mode!r}")
+    tags = []
+    for tool in tools:
+        content = {"type": "json_schema", "json_schema": tool.parameters}
+        if max_whitespace is not None:
+            content["max_whitespace_cnt"] = max_whitespace
+        begin = f'{CALL_BEGIN}\n{{"name": {json.dumps(tool.name)}, "arguments": '
+        tags.append({"type": "tag", "begin": begin, "content": content, "end": "}\n" + CALL_END})
+    one = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    if mode == "auto":
+        trigger = {"type": "triggered_tags", "triggers": [CALL_BEGIN], "tags": tags}
+        if parallel and max_calls is not None:  # text and calls, the output ending at the last call
+            fmt = {"type": "sequence", "elements": [trigger | {"stop_after_first": True}] * max_calls}
+        else:
+            fmt = trigger | {"stop_after_first": not parallel}
+    elif parallel and max_calls is not None:  # call ("\n" call (... )?)?, up to max_calls deep
+        fmt = one
+        for _ in range(max_calls - 1):
+            more = {"type": "sequence", "elements": [{"type": "const_string", "value": "\n"}, fmt]}
+            fmt = {
+                "type": "sequence",
+                "elements": [one, {"type": "or", "elements": [{"type": "const_string", "value": ""}, more]}],
+            }
+    elif parallel:
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
+    else:
+        fmt = one
+    return {"type": "structural_tag", "format": fmt}

@@ -1,0 +1,132 @@
+"""The xgrammar backend (default): JSON schema, JSON object, regex, choice and EBNF."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import xgrammar as xgr
+
+from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Matcher, set_token_bits
+from motet.grammar.enforceable import simplify
+from motet.grammar.schema_normalize import normalize_schema
+from motet.grammar.specs import (
+    ChoiceSpec,
+    EbnfSpec,
+    GrammarError,
+    GrammarSpec,
+    JsonObjectSpec,
+    JsonSchemaSpec,
+    RegexSpec,
+    StructuralTagSpec,
+    short_error,
+)
+
+
+class XGrammarMatcher(Matcher):
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int]):
+        self._m = xgr.GrammarMatcher(compiled)
+        self._stop = stop_token_ids
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._m.is_terminated():
+            return False
+        return self._m.accept_token(int(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._m.is_terminated():  # only reachable if the caller ignores termination: allow stop
+            set_token_bits(bitmask, row, self._stop, clear=True)
+            return
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._m.rollback(num_tokens)
+
+    def find_jump_forward_string(self) -> str:
+        if self._m.is_terminated():
+            return ""
+        try:
+            return self._m.find_jump_forward_string()
+        except UnicodeDecodeError:  # the forced bytes end inside a multi-byte character: jump no further
+            return ""
+
+
+_batch_matcher: xgr.BatchGrammarMatcher | None = None
+
+
+def batch_fill(bitmask: torch.Tensor, items: list[tuple[XGrammarMatcher, int]]) -> None:
+    global _batch_matcher
+    if _batch_matcher is None:
+        _batch_matcher = xgr.BatchGrammarMatcher(max_threads="auto")
+    _batch_matcher.batch_fill_next_token_bitmask([m._m for m, _ in items], bitmask, [r for _, r in items])
+
+
+class XGrammarCompiled(CompiledGrammar):
+    backend = "xgrammar"
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int]):
+        self.compiled = compiled
+        self._stop = stop_token_ids
+
+    def matcher(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self.compiled, self._stop)
+
+
+class XGrammarBackend(Backend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: GrammarTokenizer, max_threads: int = 2):
+        self.tokenizer = tokenizer
+        # xgrammar's own cache off: ours (grammar.cache) is keyed and bounded in one place.
+        self._compiler = xgr.GrammarCompiler(tokenizer.xgr_info, max_threads=max_threads, cache_enabled=False)
+
+    def compile(self, spec: GrammarSpec) -> XGrammarCompiled:
+        if isinstance(spec, JsonObjectSpec):
+            spec = spec.as_schema()
+        if isinstance(spec, ChoiceSpec):
+            spec = spec.as_regex()
+        try:
+            if isinstance(spec, JsonSchemaSpec):
+                compiled = self._compile_schema(spec)
+            elif isinstance(spec, RegexSpec):
+                compiled = self._compiler.compile_regex(spec.pattern)
+            elif isinstance(spec, EbnfSpec):
+                grammar = xgr.Grammar.from_ebnf(spec.grammar, root_rule_name=spec.root)
+                compiled = self._compiler.compile_grammar(grammar)
+            elif isinstance(spec, StructuralTagSpec):
+                compiled = self._compiler.compile_structural_tag(spec.tag_json())
+            else:
+                raise GrammarError(f"unknown grammar spec {type(spec).__name__}")
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar's C++ errors surface as RuntimeError / ValueError
+            raise GrammarError(
+                f"xgrammar cannot compile this {spec.kind}: {short_error(e)}", "unsupported"
+            ) from e
+        return XGrammarCompiled(compiled, self.tokenizer.stop_token_ids)
+
+    def _compile_schema(self, spec: JsonSchemaSpec) -> xgr.CompiledGrammar:
+        # simplify: an equivalent schema whose allOf / composition siblings xgrammar does enforce.
+        schema = simplify(normalize_schema(spec.schema_dict()))
+        return self._compiler.compile_grammar(json_schema_grammar(schema, spec.strict, spec.max_whitespace))
+
+
+def json_schema_grammar(schema: dict, strict: bool, max_whitespace: int) -> xgr.Grammar:
+    """xgrammar's grammar for a (normalized) JSON schema with motet's whitespace bound."""
+    if max_whitespace > 0:
+        fmt = {"any_whitespace": True, "max_whitespace_cnt": max_whitespace}
+    else:
+        fmt = {"any_whitespace": False, "separators": (",", ":")}
+    text = json.dumps(schema)
+    try:
+        return xgr.Grammar.from_json_schema(text, strict_mode=strict, **fmt)
+    except RuntimeError:
+        if not strict:
+            raise
+    # Strict mode narrows the schema (no unlisted properties or items); where that leaves it
+    # unsatisfiable (e.g. minItems beyond prefixItems), the schema itself still compiles.
+    return xgr.Grammar.from_json_schema(text, strict_mode=False, **fmt)

@@ -1,0 +1,280 @@
+"""The native CPU kernels (motet/kernels/csrc/cpu_kernels.cpp): built on first use, called through ctypes.
+
+The sources (motet/kernels/csrc: a header per kernel, and the forward with the C API in cpu_kernels.cpp) are
+compiled with the system C++ compiler for this CPU (`-O3 -march=native -fopenmp`) into a
+cache directory keyed by the source, the flags and the CPU's features, so a build happens once per machine
+(a few seconds). Torch is imported first, so the library's OpenMP calls land in the libgomp torch already
+loaded: one thread pool for torch and these kernels. Where no compiler is found or the build fails, or
+`MOTET_CPU_KERNELS=0`, `library()` is None and callers keep their torch path (the reference).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("motet.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files in csrc/
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+ABI_VERSION = 3
+PANEL = 16  # output columns per packed weight panel (NR in the source)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "motet_attention": [_i32, _i32, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _ptr]
+    + [_i32] * 4
+    + [_f32],
+    "motet_sgmv": [_i32, _i32, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr]
+    + [_i32] * 4,
+    "motet_gemm": [_i32, _ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32],
+}
+
+
+# The forward's descriptors (the structs of the same names in the source; field order matters).
+class Layer(ctypes.Structure):
+    _fields_ = [(n, _ptr) for n in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")] + [
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+    ]
+
+
+class LoraModule(ctypes.Structure):
+    _fields_ = (
+        [("A", _ptr), ("B", _ptr), ("scales", _ptr)]
+        + [(n, _i64) for n in ("a_ss", "a_sr", "b_ss", "b_so")]
+        + [("r", _i32)]
+    )
+
+
+class Model(ctypes.Structure):
+    _fields_ = [(n, _i32) for n in ("dtype_w", "dtype_cache", "hidden", "inter", "num_heads", "num_kv_heads",
+                                    "head_dim", "num_layers", "block_size")] + [
+        ("eps", _f32), ("scale", _f32), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
+        ("layers", ctypes.POINTER(Layer)),
+    ]  # fmt: skip
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("num_tokens", _i32), ("num_seqs", _i32), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr),
+                ("table_stride", _i64), ("qsl", _ptr), ("seq_lens", _ptr), ("num_segs", _i32),
+                ("seg_starts", _ptr), ("seg_slots", _ptr), ("lora", ctypes.POINTER(LoraModule)),
+                ("timings", ctypes.POINTER(ctypes.c_double))]  # fmt: skip
+
+
+PHASES = ("linear", "attention", "lora", "other")  # Step.timings' slots (the source's Phase)
+
+
+_SIGNATURES["motet_forward"] = [ctypes.POINTER(Model), ctypes.POINTER(Step), _ptr]
+
+
+def enabled() -> bool:
+    return os.environ.get("MOTET_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MOTET_CACHE_DIR") or Path.home() / ".cache" / "motet"
+    return Path(root) / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    sources = [f.read_bytes() for f in sorted(SOURCE.parent.iterdir()) if f.suffix in (".cpp", ".h")]
+    key = hashlib.sha256(
+        b"\0".join([*sources, " ".join(FLAGS).encode(), compiler.encode(), _cpu_features().encode()])
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"motet_cpu_{platform.machine()}_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: concurrent builders (test workers) never see half a file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{proc.stderr[-2000:]}")
+        os.replace(out, target)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (not enabled, no compiler, or the build failed: logged once)."""
+    if not enabled():
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if compiler is None:
+        log.warning("no C++ compiler found: the CPU kernels fall back to their torch references")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        log.warning("the CPU kernels could not be built (%s): torch references serve instead", e)
+        return None
+    if lib.motet_abi_version() != ABI_VERSION:
+        log.warning("stale CPU kernel library: torch references serve instead")
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the native kernels can take these tensors (CPU, fp32/bf16) and the library is there."""
+    return all(t.device.type == "cpu" and t.dtype in DTYPE_CODES for t in tensors) and library() is not None
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{name}: unsupported arguments (status {status})")
+
+
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Paged causal attention (the layout of motet/kernels/paged_attention.py), K/V read in the cache's dtype."""
+    T, H, D = q.shape
+    _, BS, KVH, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
+    tables = block_tables.to(torch.int32).contiguous()
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty((T, H, D), dtype=q.dtype)
+    status = library().motet_attention(
+        DTYPE_CODES[q.dtype],
+        DTYPE_CODES[k_cache.dtype],
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        qsl.data_ptr(),
+        lens.data_ptr(),
+        len(lens),
+        out.data_ptr(),
+        H,
+        KVH,
+        D,
+        BS,
+        scale,
+    )
+    _check(status, "attention")
+    return out
+
+
+def sgmv(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    A_stack: torch.Tensor,
+    B_stack: torch.Tensor,
+    scales: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slots: torch.Tensor,
+) -> None:
+    """``y += lora_delta(x)`` in place (motet/kernels/sgmv.py's meaning); y and x may be row-strided views."""
+    assert x.stride(1) == 1 and y.stride(1) == 1 and A_stack.stride(2) == 1 and B_stack.stride(2) == 1
+    assert scales.dtype == torch.float32 and A_stack.dtype == B_stack.dtype
+    starts = seg_starts.to(torch.int32).contiguous()
+    slots = seg_slots.to(torch.int32).contiguous()
+    status = library().motet_sgmv(
+        DTYPE_CODES[x.dtype],
+        DTYPE_CODES[A_stack.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        y.data_ptr(),
+        y.stride(0),
+        A_stack.data_ptr(),
+        A_stack.stride(0),
+        A_stack.stride(1),
+        B_stack.data_ptr(),
+        B_stack.stride(0),
+        B_stack.stride(1),
+        scales.contiguous().data_ptr(),
+        starts.data_ptr(),
+        slots.data_ptr(),
+        len(slots),
+        x.shape[1],
+        y.shape[1],
+        A_stack.shape[1],
+    )
+    _check(status, "sgmv")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] weight as the GEMM's panels: [ceil(N / 16), K, 16], zero rows past N (same dtype)."""
+    N, K = weight.shape
+    padded = torch.zeros((-(-N // PANEL) * PANEL, K), dtype=weight.dtype)
+    padded[:N] = weight
+    return padded.view(-1, PANEL, K).transpose(1, 2).contiguous()
+
+
+def gemm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for fp32 x [M, K] and W packed by `pack` (n: W's rows), into fp32 `out` (made if
+    None; with `accumulate`, added to it). Accumulates in fp32; bf16 weights are converted on load."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and packed.is_contiguous()
+    M, K = x.shape
+    assert packed.shape[1] == K and packed.shape[0] * PANEL >= n
+    if out is None:
+        out = torch.empty((M, n), dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.stride(1) == 1 and out.shape == (M, n)
+    if bias is not None:
+        bias = bias.to(packed.dtype).contiguous()
+    status = library().motet_gemm(
+        DTYPE_CODES[packed.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        M,
+        K,
+        packed.data_ptr(),
+        n,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        out.stride(0),
+        int(accumulate),
+    )
+    _check(status, "gemm")
+    return out
+
+
+def forward(model: Model, step: Step, x: torch.Tensor) -> None:
+    """The decoder stack over `x` [T, hidden] fp32 (the embeddings in, the final normed hidden out)."""
+    assert x.dtype == torch.float32 and x.is_contiguous()
+    _check(library().motet_forward(ctypes.byref(model), ctypes.byref(step), x.data_ptr()), "forward")

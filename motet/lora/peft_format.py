@@ -1,0 +1,48 @@
+"""The PEFT LoRA format as motet serves it: the modules LoRA may target, the files, module names and shapes,
+and the error every refusal raises (motet/lora/peft_config.py reads the config, motet/lora/adapter.py the weights)."""
+
+from __future__ import annotations
+
+from motet.lora.base_shape import BaseShape
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULE_PARENT = {
+    m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for m in TARGET_MODULES
+}
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for the Llama family when target_modules is null
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message names the file and the key or field to fix."""
+
+
+class AdapterTooLarge(AdapterError):
+    """An adapter (or one of its files) above a size limit: HTTP 413 rather than 400."""
+
+
+def module_shape(base: BaseShape, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a decoder layer's linear module."""
+    h, q, kv = (
+        base.hidden_size,
+        base.num_attention_heads * base.head_dim,
+        base.num_key_value_heads * base.head_dim,
+    )
+    shapes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, base.intermediate_size),
+        "up_proj": (h, base.intermediate_size),
+        "down_proj": (base.intermediate_size, h),
+    }
+    if module not in shapes:
+        raise AdapterError(f"unknown module {module!r}; LoRA applies to {', '.join(TARGET_MODULES)}")
+    return shapes[module]
+
+
+def module_name(layer: int, module: str) -> str:
+    """The module's name inside the HF model, as PEFT matches target_modules against it."""
+    return f"model.layers.{layer}.{MODULE_PARENT[module]}.{module}"

@@ -1,0 +1,258 @@
+"""Per-tenant LoRA adapters on disk: `DATA/adapters/<tenant>/<name>/{adapter_config.json, adapter_model.safetensors}`.
+
+Uploads are untrusted: the two files, or one `.tar` / `.tar.gz` / `.tgz` / `.zip` archive holding them (at
+its root or in one top-level folder). Archive members are read into memory under size limits and never
+extracted by path: absolute paths, `..`, links, devices, duplicates, oversized and unexpected members
+are refused with an `AdapterError` naming the member. A save writes a hidden temp folder beside the
+target, validates it with `load_adapter` against the base model, and only then renames it into place,
+so an invalid or interrupted upload leaves nothing behind (leftovers of a crash are swept at start-up).
+
+Tenants are isolated by construction: every path is built from a validated tenant and name, and a
+lookup of another tenant's adapter is indistinguishable from a missing one. Plain synchronous code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+import uuid
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from motet.lora.adapter import (
+    CONFIG_FILE,
+    PICKLED_SUFFIXES,
+    WEIGHTS_FILE,
+    AdapterError,
+    AdapterTooLarge,
+    load_adapter,
+    pickle_refusal,
+)
+from motet.lora.base_shape import BaseShape
+
+NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # no leading dot: hidden names are ours
+FILES = (CONFIG_FILE, WEIGHTS_FILE)
+IGNORED = {"README.md"}  # PEFT's save_pretrained writes a model card beside the adapter: skipped
+MAX_MEMBERS = 16
+
+
+class AdapterNotFound(AdapterError):
+    """No such adapter for this tenant (also what another tenant's adapter looks like)."""
+
+
+class AdapterExists(AdapterError):
+    """The tenant already has an adapter with this name (save with overwrite=True to replace it)."""
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    tenant: str
+    name: str
+    path: Path
+    size_bytes: int
+    created: float  # modification time of the adapter folder (seconds since the epoch)
+
+
+def check_name(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
+        raise AdapterError(
+            f"{kind} name {value!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', not starting with '.'"
+        )
+    return value
+
+
+class AdapterRegistry:
+    def __init__(
+        self, data_dir: str | Path, base: BaseShape, *, max_rank: int = 64, max_bytes: int = 1 << 30
+    ):
+        self.root = Path(data_dir) / "adapters"
+        self.base, self.max_rank, self.max_bytes = base, max_rank, max_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.root.glob("*/.*"):  # temp folders of saves or deletes cut short by a crash
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def _dir(self, tenant: str, name: str | None = None) -> Path:
+        d = self.root / check_name("tenant", tenant)
+        return d if name is None else d / check_name("adapter", name)
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def get(self, tenant: str, name: str) -> AdapterInfo:
+        path = self._dir(tenant, name)
+        if not all((path / f).is_file() for f in FILES):
+            raise AdapterNotFound(f"no adapter named {name!r}")
+        return AdapterInfo(
+            tenant, name, path, sum((path / f).stat().st_size for f in FILES), path.stat().st_mtime
+        )
+
+    def list(self, tenant: str) -> list[AdapterInfo]:
+        d = self._dir(tenant)
+        names = sorted(p.name for p in d.iterdir() if NAME_RE.fullmatch(p.name)) if d.is_dir() else []
+        infos = []
+        for name in names:
+            with contextlib.suppress(AdapterNotFound):  # deleted meanwhile
+                infos.append(self.get(tenant, name))
+        return infos
+
+    # -- writing -----------------------------------------------------------------------------------------
+    def save(
+        self,
+        tenant: str,
+        name: str,
+        files: dict[str, bytes] | None = None,
+        *,
+        archive: bytes | None = None,
+        filename: str | None = None,
+        overwrite: bool = False,
+    ) -> AdapterInfo:
+        """Store an adapter from its two files or from one archive (`filename` says its format)."""
+        target = self._dir(tenant, name)
+        if (files is None) == (archive is None):
+            raise AdapterError("upload either the adapter files or one archive")
+        files = self._from_archive(archive, filename or "") if archive is not None else dict(files)
+        self._check_files(files)
+        if target.exists() and not overwrite:
+            raise AdapterExists(f"adapter {name!r} already exists")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+        try:
+            for fname, data in files.items():
+                with open(tmp / fname, "xb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            load_adapter(tmp, self.base, max_rank=self.max_rank, name=name, max_file_bytes=self.max_bytes)
+            if overwrite and target.exists():
+                self._remove(target)
+            try:
+                os.rename(tmp, target)  # atomic; fails if another save took the name meanwhile
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                raise AdapterExists(f"adapter {name!r} already exists") from None
+            _fsync_dir(target.parent)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, AdapterError) and str(tmp) in str(e):  # name the upload, not our temp folder
+                raise type(e)(str(e).replace(str(tmp) + os.sep, "").replace(str(tmp), name)) from None
+            raise
+        return self.get(tenant, name)
+
+    def delete(self, tenant: str, name: str) -> None:
+        path = self._dir(tenant, name)
+        if not path.is_dir():
+            raise AdapterNotFound(f"no adapter named {name!r}")
+        self._remove(path)
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        """Rename out of sight first (atomic), then delete at leisure."""
+        trash = path.parent / f".del-{uuid.uuid4().hex}"
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # -- checking uploads --------------------------------------------------------------------------------
+    def _check_files(self, files: dict[str, bytes]) -> None:
+        for ignored in IGNORED:
+            files.pop(ignored, None)
+        if unexpected := sorted(set(files) - set(FILES)):
+            raise AdapterError(f"unexpected file {unexpected[0]!r}; an adapter is {' and '.join(FILES)}")
+        if missing := [f for f in FILES if f not in files]:
+            raise AdapterError(f"{missing[0]} is missing; an adapter is {' and '.join(FILES)}")
+        if sum(len(d) for d in files.values()) > self.max_bytes:
+            raise AdapterTooLarge(f"the adapter is larger than the limit of {self.max_bytes} bytes")
+
+    def _from_archive(self, data: bytes, filename: str) -> dict[str, bytes]:
+        lower = filename.lower()
+        if lower.endswith(".zip"):
+            return self._from_zip(data)
+        if lower.endswith((".tar", ".tar.gz", ".tgz")):
+            return self._from_tar(data)
+        raise AdapterError(f"archive {filename!r}: unsupported format; upload a .tar, .tar.gz, .tgz or .zip")
+
+    def _member(self, name: str, size: int, out: dict[str, bytes]) -> str | None:
+        """Check a file member's path and size; returns the adapter file it is, or None for one to skip."""
+        parts = _safe_parts(name)
+        if parts and parts[-1].lower().endswith(PICKLED_SUFFIXES):
+            raise pickle_refusal(f"archive member {name!r}")
+        if len(parts) > 2 or not parts or parts[-1] not in (*FILES, *IGNORED):
+            raise AdapterError(f"archive member {name!r} is unexpected; an adapter is {' and '.join(FILES)}")
+        if size > self.max_bytes:
+            raise AdapterTooLarge(
+                f"archive member {name!r}: {size} bytes is above the limit of {self.max_bytes}"
+            )
+        if parts[-1] in IGNORED:
+            return None
+        if parts[-1] in out:
+            raise AdapterError(f"archive member {name!r}: {parts[-1]} appears twice")
+        return parts[-1]
+
+    def _from_tar(self, data: bytes) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        try:
+            # Streaming mode: headers are checked as they come, before any member's data is inflated.
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r|*") as tar:
+                for i, m in enumerate(tar):
+                    if i >= MAX_MEMBERS:
+                        raise AdapterError(f"archive has more than {MAX_MEMBERS} members")
+                    if m.isdir():
+                        _safe_parts(m.name)
+                        continue
+                    if not m.isfile():
+                        kind = "link" if m.issym() or m.islnk() else "special file"
+                        raise AdapterError(
+                            f"archive member {m.name!r} is a {kind}; only regular files are accepted"
+                        )
+                    key = self._member(m.name, m.size, out)
+                    if key is not None:
+                        out[key] = tar.extractfile(m).read()
+        except (tarfile.TarError, EOFError, OSError) as e:
+            raise AdapterError(f"archive is not a valid tar file ({e})") from None
+        return out
+
+    def _from_zip(self, data: bytes) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as z:
+                infos = z.infolist()
+                if len(infos) > MAX_MEMBERS:
+                    raise AdapterError(f"archive has more than {MAX_MEMBERS} members")
+                for info in infos:
+                    if (info.external_attr >> 16) & 0o170000 == 0o120000:
+                        raise AdapterError(
+                            f"archive member {info.filename!r} is a link; only regular files are accepted"
+                        )
+                    if info.is_dir():
+                        _safe_parts(info.filename)
+                        continue
+                    key = self._member(info.filename, info.file_size, out)
+                    if key is not None:
+                        with z.open(info) as f:  # reads at most file_size bytes (CRC-checked)
+                            out[key] = f.read(self.max_bytes + 1)
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, RuntimeError) as e:
+            raise AdapterError(f"archive is not a valid zip file ({e})") from None
+        return out
+
+
+def _safe_parts(name: str) -> list[str]:
+    """A member path's parts; absolute paths, drive letters, backslashes and '..' are refused."""
+    if name.startswith("/") or re.match(r"[A-Za-z]:", name) or "\\" in name:
+        raise AdapterError(f"archive member {name!r}: absolute or non-POSIX paths are refused")
+    parts = [p for p in PurePosixPath(name).parts if p != "."]
+    if ".." in parts:
+        raise AdapterError(f"archive member {name!r}: '..' in paths is refused")
+    return parts
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,220 @@
+"""Where loaded adapters live on their way to the forward pass, and the per-step segment metadata.
+
+host LRU of loaded `LoRAAdapter`s (`max_cpu_loras`, pinned ones never evicted) -> device slots
+(`max_loras`): per (layer, module) one stack A [S, R, in], B [S, out, R] in the model's dtype and scales
+[S] fp32, every adapter zero-padded to R = `max_lora_rank`, so one SGMV call mixes adapters and ranks.
+
+Adapters are keyed by uid (motet/lora/manager.py, which decides what to load, pin and drop). Each step
+`LoRASlotCache.batch` makes the batch's adapters resident (evicting the least recently used slot not in
+the batch: the scheduler keeps a step's distinct adapters within `max_loras`, so this always fits) and
+returns the `LoRABatch` the model applies; an adapter missing from the host cache is fetched through the
+manager. Slots belong to the engine's thread; the host cache is also safe from another thread (a lock).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from motet.kernels.sgmv import add_lora
+from motet.lora.adapter import TARGET_MODULES, LoRAAdapter, module_shape
+from motet.lora.base_shape import BaseShape
+
+Stacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # A [S, R, in], B [S, out, R], scales [S]
+
+
+@dataclass
+class LoRABatch:
+    """A step's adapter segments: token rows seg_starts[i]:seg_starts[i+1] use slot seg_slots[i] (-1: none)."""
+
+    seg_starts: torch.Tensor  # [n+1] int32, on the device
+    seg_slots: torch.Tensor  # [n] int32
+    max_seg_len: int
+    weights: list[dict[str, Stacks]]  # per layer: module -> stacks (only modules some batch adapter targets)
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, modules: tuple[str, ...], sizes) -> None:
+        """y += each row's adapter delta of x, in place; a fused y gets each module's delta in its columns."""
+        weights, col = self.weights[layer], 0
+        for module, size in zip(modules, sizes, strict=True):
+            if module in weights:
+                add_lora(
+                    y[:, col : col + size],
+                    x,
+                    *weights[module],
+                    self.seg_starts,
+                    self.seg_slots,
+                    max_seg_len=self.max_seg_len,
+                )
+            col += size
+
+
+class LoRASlotCache:
+    def __init__(
+        self,
+        base: BaseShape,
+        *,
+        fetch: Callable[[int], LoRAAdapter],
+        max_loras: int = 8,
+        max_cpu_loras: int = 32,
+        max_lora_rank: int = 64,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.base = base
+        self.max_loras, self.max_cpu_loras, self.max_lora_rank = max_loras, max_cpu_loras, max_lora_rank
+        self.device, self.dtype = torch.device(device), dtype
+        self.fetch = fetch  # uid -> its LoRAAdapter, loaded (for one not in the host cache)
+        self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU first
+        self.pinned: set[int] = set()  # in use by unfinished requests: their host copy is never evicted
+        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
+        self.slot_rank = [0] * max_loras
+        self.slot_modules: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]
+        self.stacks: list[dict[str, Stacks]] | None = None  # allocated on the first load
+        self.num_loads = 0  # slot loads (host -> device copies), for tests and metrics
+        self._views: dict[frozenset[int], list[dict[str, Stacks]]] = {}  # per set of slots
+        self._lock = threading.Lock()
+
+    # -- the host cache ----------------------------------------------------------------------------------
+    def put(self, adapter_id: int, adapter: LoRAAdapter) -> None:
+        if adapter_id <= 0:
+            raise ValueError(f"adapter ids are positive, got {adapter_id}")
+        with self._lock:
+            self._cache(adapter_id, adapter)
+
+    def cached(self, adapter_id: int) -> LoRAAdapter | None:
+        with self._lock:
+            adapter = self.cpu.get(adapter_id)
+            if adapter is not None:
+                self.cpu.move_to_end(adapter_id)
+            return adapter
+
+    def unregister(self, adapter_id: int) -> None:
+        """Forget an adapter: its host copy and its slot (the slot's stale weights are never read again)."""
+        with self._lock:
+            self.cpu.pop(adapter_id, None)
+            self.pinned.discard(adapter_id)
+        self.resident.pop(adapter_id, None)
+
+    def get_cpu(self, adapter_id: int) -> LoRAAdapter:
+        """The loaded adapter, from the host cache or else fetched (AdapterError if it no longer loads)."""
+        adapter = self.cached(adapter_id)
+        return adapter if adapter is not None else self.fetch(adapter_id)
+
+    def pin(self, adapter_id: int) -> None:
+        """Keep the host copy while requests use the adapter: its files may be deleted meanwhile."""
+        with self._lock:
+            self.pinned.add(adapter_id)
+
+    def unpin(self, adapter_id: int) -> None:
+        with self._lock:
+            self.pinned.discard(adapter_id)
+            self._evict()
+
+    def _cache(self, adapter_id: int, adapter: LoRAAdapter) -> None:
+        self.cpu[adapter_id] = adapter
+        self.cpu.move_to_end(adapter_id)
+        self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used first, skipping pinned adapters (the cache may exceed its size by those)."""
+        unpinned = [i for i in self.cpu if i not in self.pinned]
+        for victim in unpinned[: max(0, len(self.cpu) - self.max_cpu_loras)]:
+            del self.cpu[victim]
+
+    # -- device slots ------------------------------------------------------------------------------------
+    def activate(self, adapter_ids) -> dict[int, int]:
+        """Make these adapters resident (never evicting one of them); returns adapter id -> slot."""
+        wanted = list(dict.fromkeys(adapter_ids))
+        if len(wanted) > self.max_loras:
+            raise ValueError(f"{len(wanted)} adapters in one step, but only max_loras={self.max_loras} slots")
+        for adapter_id in wanted:
+            if adapter_id not in self.resident:
+                self._load(adapter_id, self._free_slot(wanted))
+            self.resident.move_to_end(adapter_id)
+        return {a: self.resident[a] for a in wanted}
+
+    def _free_slot(self, keep) -> int:
+        used = set(self.resident.values())
+        free = next((s for s in range(self.max_loras) if s not in used), None)
+        if free is not None:
+            return free
+        victim = next(a for a in self.resident if a not in keep)  # least recently used outside the batch
+        return self.resident.pop(victim)
+
+    @torch.no_grad()
+    def _load(self, adapter_id: int, slot: int) -> None:
+        adapter = self.get_cpu(adapter_id)
+        if self.stacks is None:
+            self.stacks = self._allocate()
+        for layer, module in self.slot_modules[slot]:  # clear what the previous tenant of the slot wrote
+            for t in self.stacks[layer][module]:
+                t[slot].zero_()
+        for (layer, module), (a, b, scale) in adapter.weights.items():
+            A, B, scales = self.stacks[layer][module]
+            r = a.shape[0]
+            A[slot, :r].copy_(a)
+            B[slot, :, :r].copy_(b)
+            scales[slot] = scale
+        self.slot_modules[slot] = set(adapter.weights)
+        self.slot_rank[slot] = adapter.rank
+        self.resident[adapter_id] = slot
+        self.num_loads += 1
+        self._views.clear()
+
+    def _allocate(self) -> list[dict[str, Stacks]]:
+        S, R = self.max_loras, self.max_lora_rank
+        opts = dict(device=self.device, dtype=self.dtype)
+        stacks = []
+        for _ in range(self.base.num_hidden_layers):
+            layer = {}
+            for module in TARGET_MODULES:
+                n_in, n_out = module_shape(self.base, module)
+                layer[module] = (
+                    torch.zeros(S, R, n_in, **opts),
+                    torch.zeros(S, n_out, R, **opts),
+                    torch.zeros(S, device=self.device, dtype=torch.float32),
+                )
+            stacks.append(layer)
+        return stacks
+
+    def _weights(self, slots: frozenset[int]) -> list[dict[str, Stacks]]:
+        """The stacks the batch needs: modules some of its adapters target, cut to their largest rank."""
+        if slots not in self._views:
+            r = max(self.slot_rank[s] for s in slots)
+            used = set().union(*(self.slot_modules[s] for s in slots))
+            self._views[slots] = [
+                {m: (A[:, :r], B[:, :, :r], scales) for m, (A, B, scales) in layer.items() if (i, m) in used}
+                for i, layer in enumerate(self.stacks)
+            ]
+        return self._views[slots]
+
+    def batch(self, adapter_ids: list[int], num_tokens: list[int]) -> LoRABatch:
+        """Segments for a step whose sequence i has `num_tokens[i]` rows and adapter `adapter_ids[i]` (0: none).
+
+        Consecutive sequences with the same adapter share a segment (the scheduler orders the batch by
+        adapter, so there is one segment per adapter); any order is correct.
+        """
+        slot_of = self.activate(a for a in adapter_ids if a)
+        starts, slots = [0], []
+        for adapter_id, n in zip(adapter_ids, num_tokens, strict=True):
+            slot = slot_of[adapter_id] if adapter_id else -1
+            if slots and slots[-1] == slot:
+                starts[-1] += n
+            else:
+                slots.append(slot)
+                starts.append(starts[-1] + n)
+        lens = [b - a for a, b, s in zip(starts[:-1], starts[1:], slots, strict=True) if s >= 0]
+
+        def tensor(data):
+            return torch.tensor(data, dtype=torch.int32).to(self.device, non_blocking=True)
+
+        return LoRABatch(
+            seg_starts=tensor(starts),
+            seg_slots=tensor(slots),
+            max_seg_len=max(lens),
+            weights=self._weights(frozenset(slot_of.values())),
+        )
