@@ -35,9 +35,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     adapter_id: int = 0  # 0: the base model; part of the prefix-cache hash
-    prefix_salt: int = (
-        0  # whose prefix cache it reads and fills: part of the hash (block_manager.prefix_salt)
-    )
+    prefix_salt: int = 0  # whose prefix cache it is (block_manager.prefix_salt); part of the hash
     seq_id: int = field(default_factory=lambda: next(_ids))
     request_id: str | None = None
     arrival: int = 0  # tie-breaker for the scheduler's order
