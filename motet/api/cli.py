@@ -26,6 +26,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="share cached base-model prompt prefixes across tenants (default: each tenant's prefix cache is "
+        "its own, since a cache hit shows in cached_tokens and timing and would reveal another tenant's "
+        "prompts); only for tenants who trust each other",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -93,6 +100,7 @@ def engine_config(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        shared_prefix_cache=args.shared_prefix_cache,
         num_threads=args.threads,
         grammar_backend=args.grammar_backend,
         grammar_timeout_s=args.grammar_timeout,

@@ -71,6 +71,7 @@ def build_params(
         grammar_backend=structure.backend if structure else None,
         reasoning=reasoning,
         speculative=req.speculative,
+        cache_salt=req.cache_salt,
     )
     try:
         params = [

@@ -127,6 +127,7 @@ class _SamplingFields(_OpenAINoOps):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     speculative: bool = True  # motet: False opts the request out of speculative decoding (same output)
+    cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only among requests of one salt
     # structured output (motet/api/structured.py): OpenAI's response_format, vLLM's guided_* extras
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

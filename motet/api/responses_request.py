@@ -74,6 +74,7 @@ class ResponsesRequest(P._OpenAINoOps):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     seed: int | None = None
+    cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only among requests of one salt
 
     @property
     def stored(self) -> bool:
@@ -247,6 +248,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> P.ChatCompletion
         "frequency_penalty": req.frequency_penalty,
         "presence_penalty": req.presence_penalty,
         "seed": req.seed,
+        "cache_salt": req.cache_salt,
     }
     body |= {k: v for k, v in optional.items() if v is not None}
     return P.ChatCompletionRequest.model_validate(body)

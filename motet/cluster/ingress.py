@@ -113,8 +113,10 @@ class ClusterSystem:
         if not self.ready or self._tg is None:
             raise ShuttingDown("the server is shutting down")
         spec = specs[0]
-        tok, block_size = self.model.tokenizer, self.model.config.block_size
-        hashes = await anyio.to_thread.run_sync(route_hashes, tok, spec, block_size)
+        tok, config = self.model.tokenizer, self.model.config
+        hashes = await anyio.to_thread.run_sync(
+            route_hashes, tok, spec, config.block_size, config.shared_prefix_cache
+        )
         for s in specs:
             if s.adapter is not None:
                 await anyio.to_thread.run_sync(self.store.publish, s.adapter)

@@ -18,7 +18,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
-from motet.engine.block_manager import BlockManager
+from motet.engine.block_manager import BlockManager, prefix_salt
 from motet.engine.checkpoint import load_model_config
 from motet.engine.config import EngineConfig
 from motet.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -29,6 +29,7 @@ from motet.engine.request_checks import RequestLimits
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.scheduler import ScheduledBatch, Scheduler
 from motet.engine.sequence import Sequence, TokenLogprob
+from motet.engine.speculative.history import DraftScope
 from motet.engine.speculative.proposer import SpeculativeConfig, SpeculativeStats, Speculator
 from motet.engine.tokenizer import load_tokenizer
 from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
@@ -167,8 +168,10 @@ class LLMEngine:
     ) -> str:
         """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
         for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
-        `tenant`: whose request it is; speculation drafts only from the outputs of the same tenant and
-        adapter under the same kind of grammar (a JSON schema, tool calls, none, ...)."""
+        `tenant`: whose request it is; it shares prefix-cache blocks only with the same tenant's requests
+        (unless the config shares the cache across tenants) of the same `params.cache_salt`, and speculation
+        drafts only from the outputs of the same tenant, cache_salt and adapter under the same kind of
+        grammar (a JSON schema, tool calls, none, ...)."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
@@ -180,9 +183,17 @@ class LLMEngine:
             grammar = self.compile_grammar(params.grammar, params.grammar_backend)
         ref = self.adapters.resolve(adapter)
         uid = self.adapters.acquire(ref) if ref is not None else 0  # AdapterError if it no longer loads
-        seq = Sequence(token_ids, params, adapter_id=uid, request_id=request_id, arrival=next(self._arrivals))
+        salt = prefix_salt(tenant, params.cache_salt, self.config.shared_prefix_cache)
+        seq = Sequence(
+            token_ids,
+            params,
+            adapter_id=uid,
+            prefix_salt=salt,
+            request_id=request_id,
+            arrival=next(self._arrivals),
+        )
         kind = params.grammar.kind if params.grammar is not None else None
-        seq.draft_scope = (tenant, uid, kind, params.reasoning)
+        seq.draft_scope = DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning)
         if grammar is not None:
             seq.guided = GuidedDecoding(grammar.matcher(), "</think>" if params.reasoning else None)
         seq.detok = IncrementalDetokenizer(self.tokenizer.hf, token_ids, params.skip_special_tokens)

@@ -35,6 +35,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     adapter_id: int = 0  # 0: the base model; part of the prefix-cache hash
+    prefix_salt: int = 0  # whose prefix cache it is (block_manager.prefix_salt); part of the hash
     seq_id: int = field(default_factory=lambda: next(_ids))
     request_id: str | None = None
     arrival: int = 0  # tie-breaker for the scheduler's order
@@ -55,7 +56,8 @@ class Sequence:
     # sequence state (motet/engine/speculative/).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_state: object | None = None
-    # Whose recent outputs it may draft from: (tenant, adapter, kind of grammar, reasoning).
+    # Whose recent outputs it may draft from (a speculative.history.DraftScope): its tenant, cache_salt,
+    # adapter and kind of grammar.
     draft_scope: Hashable | None = None
     # Output text, as the engine commits tokens (set by the engine when it takes the request).
     detok: IncrementalDetokenizer | None = None
