@@ -30,11 +30,14 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is miss
 expect = sync_api.expect
 
 CHROMIUM = shutil.which("chromium")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="no `chromium` browser: scripts/test.sh installs Debian's (scripts/install-browser.sh) where apt-get "
-    "runs as root",
-)
+pytestmark = [
+    pytest.mark.slow,  # two `motet serve` starts and a browser: well over 20 s
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no `chromium` browser: scripts/test.sh installs Debian's (scripts/install-browser.sh) where "
+        "apt-get runs as root",
+    ),
+]
 # The machine's notes for a headless Chromium that reaches nothing but the loopback server (Playwright adds
 # --headless and a fresh --user-data-dir).
 CHROMIUM_ARGS = [
@@ -207,9 +210,28 @@ def test_page_is_served_without_a_key_and_keeps_the_key(server, page):
 
 
 # -- chat -----------------------------------------------------------------------------------------------------
+# Records every text an answer's content shows (textContent replaces the text node, so each record keeps the
+# text of its moment) and, when asked, presses Stop as soon as the first text shows: a user's click, without
+# the latency of driving the browser from here (a tiny model writes 3,000 tokens in a few seconds).
+WATCH_ANSWERS = """stopAtFirstText => {
+  window.shown = [];
+  new MutationObserver(records => {
+    for (const r of records) {
+      if (!r.target.matches('article.assistant .content')) continue;
+      for (const node of r.addedNodes) {
+        const stop = document.getElementById('stop');
+        window.shown.push({text: node.textContent, stopEnabled: !stop.disabled});
+        if (stopAtFirstText && node.textContent) { stopAtFirstText = false; stop.click(); }
+      }
+    }
+  }).observe(document.getElementById('messages'), {childList: true, subtree: true});
+}"""
+
+
 def test_an_answer_streams_in_and_matches_the_api(server, page):
     log_in(page)
     settings(page, max_tokens="16")
+    page.evaluate(WATCH_ANSWERS, False)
     box = page.get_by_label("Message", exact=True)
     box.fill("line one")
     box.press("Shift+Enter")  # a new line, not a send
@@ -221,35 +243,41 @@ def test_an_answer_streams_in_and_matches_the_api(server, page):
 
     messages = [{"role": "user", "content": "line one\nline two"}]
     ref = sdk(server).chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16)
-    assert answer.locator(".content").text_content() == ref.choices[0].message.content
+    text = ref.choices[0].message.content
+    assert answer.locator(".content").text_content() == text
     assert answer.get_attribute("data-finished") == ref.choices[0].finish_reason
     expect(answer.locator(".meta")).to_contain_text(f"{ref.usage.completion_tokens} completion tokens")
+    # Rendered piece by piece: growing prefixes of the answer, one per streamed delta.
+    shown = [s["text"] for s in page.evaluate("window.shown")]
+    assert len(shown) > 1 and shown[-1] == text
+    assert all(text.startswith(s) for s in shown)
 
 
 def test_stop_aborts_the_streaming_request(server, page):
     log_in(page)
-    settings(page, max_tokens="3000")  # long enough to be stopped midway
+    settings(page, max_tokens="3000")  # far more than what streams in before Stop
     completed = metric(server, "motet_e2e_request_latency_seconds_count")
-    answer = send(page, "Count to a thousand")
-    # Streaming: part of the answer is on the page while the request still runs.
-    page.wait_for_function(
-        "a => a.querySelector('.content').textContent.length > 0 && !a.dataset.finished",
-        arg=answer.element_handle(),
-        timeout=WAIT_MS,
-    )
-    expect(page.get_by_role("button", name="Send")).to_be_disabled()
-    page.get_by_role("button", name="Stop").click()
-    finished(answer, "stopped")
+    page.evaluate(WATCH_ANSWERS, True)
+    answer = finished(send(page, "Count to a thousand"), "stopped")
     expect(answer.locator(".meta")).to_have_text("stopped")
     expect(page.get_by_role("button", name="Stop")).to_be_disabled()
     expect(page.get_by_role("button", name="Send")).to_be_enabled()
+    first = page.evaluate("window.shown.find(s => s.text)")
+    assert first["stopEnabled"], "Stop was not enabled while the answer streamed in"
+    assert answer.locator(".content").text_content().startswith(first["text"])  # what streamed in stays
 
     # The server let go of the request without finishing it (a finished one is counted in e2e latency).
     deadline = time.monotonic() + 60
     while metric(server, "motet_num_requests_running") > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metric(server, "motet_num_requests_running") == 0
-    assert metric(server, "motet_e2e_request_latency_seconds_count") == completed
+    assert metric(server, "motet_e2e_request_latency_seconds_count") == completed, (
+        "the request ran to its end"
+    )
+
+    page.get_by_label("Max tokens").fill("16")
+    answer = finished(send(page, "And now?"))  # the conversation goes on after a stop
+    assert answer.get_attribute("data-finished") in ("length", "stop")
 
 
 # -- adapters, schemas, tools ------------------------------------------------------------------------------------

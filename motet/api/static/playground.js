@@ -1,4 +1,4 @@
-// The motet playground: a chat page over this server's OpenAI-compatible API (no build step, no dependencies).
+// The motet playground: a chat page over this server's OpenAI-compatible API (no build step, no libraries).
 // Text from the model or the server is only ever set as textContent, never parsed as HTML.
 "use strict";
 
@@ -103,7 +103,8 @@ function parseJSONSetting(id, what) {
 function toolNames() {
   try {
     const tools = JSON.parse($("tools").value);
-    return Array.isArray(tools) ? tools.map((t) => t?.function?.name).filter((n) => typeof n === "string") : [];
+    if (!Array.isArray(tools)) return [];
+    return tools.map((t) => t?.function?.name).filter((n) => typeof n === "string");
   } catch {
     return [];
   }
@@ -232,7 +233,9 @@ function setBusy(busy) {
 async function send(text) {
   clearError();
   const [call] = pendingToolCalls();
-  const message = call ? { role: "tool", tool_call_id: call.id, content: text } : { role: "user", content: text };
+  const message = call
+    ? { role: "tool", tool_call_id: call.id, content: text }
+    : { role: "user", content: text };
   let body;
   try {
     if (!$("model").value) throw new Error("No model: check the API key, then press Reload.");
@@ -295,7 +298,7 @@ async function send(text) {
       scrollToEnd();
     }
   } catch (e) {
-    if (e.name !== "AbortError") return fail(`Cannot reach the server: ${e.message}`);
+    if (e.name !== "AbortError") return fail(`The request failed: ${e.message}`); // network, or a bad event
     stopped = true;
   } finally {
     inflight = null;
@@ -314,7 +317,11 @@ async function send(text) {
   if (turn !== conversation) return;
   const reply = { role: "assistant", content };
   if (calls.length && !stopped) {
-    reply.tool_calls = calls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } }));
+    reply.tool_calls = calls.map((c) => ({
+      id: c.id,
+      type: "function",
+      function: { name: c.name, arguments: c.arguments },
+    }));
   }
   history.push(message, reply);
   updatePlaceholder();
