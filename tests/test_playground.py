@@ -119,12 +119,14 @@ def browser():
 
 @contextmanager
 def open_page(browser, url: str):
-    """A fresh browser profile on the playground; fails if the page throws or asks for anything elsewhere."""
+    """A fresh browser profile on the playground; fails if the page throws, breaks its Content-Security-Policy or
+    asks for anything elsewhere."""
     context = browser.new_context()
     page = context.new_page()
     outside, errors = [], []
     page.on("request", lambda r: r.url.startswith((url, "data:")) or outside.append(r.url))
     page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: "Content Security Policy" in m.text and errors.append(m.text))  # refused
     page.goto(f"{url}/")
     yield page
     context.close()
