@@ -36,7 +36,7 @@ from motet.api.response_items import model_visible
 from motet.api.storage_errors import StorageFailure, is_storage_failure
 
 FILENAME = "responses.sqlite3"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 2  # 1: user_version 0 and `responses (tenant, id, created_at, response, context)`, migrated
 DEFAULT_MAX_AGE_DAYS = 30.0  # as OpenAI keeps stored responses
 DEFAULT_MAX_PER_TENANT = 10_000
 DEFAULT_MAX_BYTES_PER_TENANT = 1 << 30
@@ -61,7 +61,6 @@ _SCHEMA = (
     "CREATE INDEX responses_by_age ON responses (created_at) WHERE visible = 1",
     "CREATE INDEX responses_by_tenant ON responses (tenant, visible, created_at, bytes)",
 )
-_LEGACY_VERSION = 1  # user_version 0 with a `responses (tenant, id, created_at, response, context)` table
 
 
 class QuotaExceeded(Exception):
