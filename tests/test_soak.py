@@ -20,7 +20,7 @@ import torch
 
 from tests.live_server import Server
 
-KEYS = {"sk-a": "alice", "sk-b": "bob", "sk-c": "carol"}
+KEYS = {"sk-a": "alice", "sk-b": "bob", "sk-c": "carol", "sk-admin": {"admin": True}}
 MODEL = "tiny"
 REQUESTS, CONCURRENCY = 300, 24
 SCHEMA = {
@@ -76,7 +76,9 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def metrics(url: str) -> dict[str, float]:
     out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+    r = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sk-admin"}, timeout=10)
+    r.raise_for_status()
+    for line in r.text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
