@@ -28,7 +28,7 @@ from motet.actors.reply import ReplyStream
 from motet.actors.system import Stats
 from motet.cluster import reports
 from motet.cluster.adapter_store import SharedAdapterStore
-from motet.cluster.launch import Cluster, ClusterThread
+from motet.cluster.launch import Cluster, ClusterThread, reclaim_sigterm
 from motet.cluster.model_view import ModelView
 from motet.cluster.prompt_blocks import route_hashes
 from motet.cluster.replica import Admitted, Refused
@@ -85,6 +85,8 @@ class ClusterSystem:
         owner = ClusterThread(self.cluster)
         owner.start()
         try:
+            await anyio.to_thread.run_sync(owner.connected.wait, abandon_on_cancel=True)
+            reclaim_sigterm()  # on the event loop's thread: the main one when serving
             await anyio.to_thread.run_sync(owner.started.wait, abandon_on_cancel=True)
             if owner.error is not None:
                 raise owner.error
