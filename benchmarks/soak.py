@@ -315,14 +315,18 @@ class Load:
         stream = self.rng.random() < 0.4
         op = f"{op}{'_stream' if stream else ''}{'_continue' if previous else ''}"
         client = self.clients[key]
-        if stream:
-            final = await self.responses_stream(client, body, op)
-        else:
-            r = await client.post("/v1/responses", json=body)
-            if not self.ledger.status(op, r):
-                self.check_continuation(op, r, previous)
-                return
-            final = r.json()
+        try:
+            if stream:
+                final = await self.responses_stream(client, body, op)
+            else:
+                r = await client.post("/v1/responses", json=body)
+                if not self.ledger.status(op, r):
+                    self.check_continuation(op, r, previous)
+                    return
+                final = r.json()
+        except httpx.TransportError as e:  # noted under this request's own kind
+            self.ledger.note(op, f"failure:transport:{type(e).__name__}", repr(e))
+            return
         if final is None:
             return
         if final.get("store") and final.get("status") in ("completed", "incomplete"):

@@ -244,6 +244,7 @@ def test_replica_killed_under_load(cluster, offline):
     assert all(r == expected for r in results if not isinstance(r, openai.APIError))
     for e in failed:
         assert "replica" in str(e)
+        assert getattr(e, "status_code", 503) == 503  # a non-streamed one: 503 (try again), never a 500
     # The server goes on (Serve starts a replica in the dead one's place).
     r = client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
     assert r.choices[0].message.content == offline(CHAT, GREEDY["max_tokens"])
