@@ -88,7 +88,9 @@ async def models(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus text; under --api-keys only an admin key reads it (it names every tenant's adapters)."""
     state: ServerState = request.app.state.motet
+    state.auth.check_admin(request.headers.get("authorization"))
     if state.system.ready:
         state.metrics.refresh(state.system.stats(), state.system.engine.config.max_loras)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -263,7 +265,14 @@ def openapi_schema() -> dict:
                 }
             },
             "/metrics": {
-                "get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}
+                "get": {
+                    "summary": "Prometheus metrics; with --api-keys, an admin key only",
+                    "responses": {
+                        "200": {"description": "metrics"},
+                        "401": {"description": "no or unknown key"},
+                        "403": {"description": "not an admin key"},
+                    },
+                }
             },
         },
         "components": {"schemas": defs.get("$defs", {})},

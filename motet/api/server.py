@@ -5,7 +5,9 @@ Heavy imports happen inside `serve`, so that `motet --help` and `motet pull` sta
 
 from __future__ import annotations
 
+import argparse
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -90,7 +92,10 @@ def build_state(args, config):
         load_dirs=tuple(Path(d) for d in args.lora_load_dir or ()),
     )
     responses = ResponseStore(
-        data_dir, max_age_s=args.responses_max_age_days * 86400, max_per_tenant=args.responses_max_per_tenant
+        data_dir,
+        max_age_s=args.responses_max_age_days * 86400,
+        max_per_tenant=args.responses_max_per_tenant,
+        max_bytes_per_tenant=args.responses_max_bytes_per_tenant,
     )
     state = ServerState(
         system=system,
@@ -106,18 +111,16 @@ def build_state(args, config):
     return state
 
 
-def serve(args, config) -> int:
-    """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
+def http_server(args, state):
+    """The app on uvicorn, draining on SIGTERM, with the slow-client limits (motet/api/slow_clients.py)."""
     import uvicorn
 
     from motet.api.app import create_app
     from motet.api.draining import DrainingServer
+    from motet.api.slow_clients import BodyTimeout, header_timeout_protocol
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    state = build_state(args, config)
     app = create_app(state)
+    app.add_middleware(BodyTimeout, timeout=args.request_body_timeout, min_rate=args.request_body_min_rate)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -125,11 +128,37 @@ def serve(args, config) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         access_log=args.access_log,
+        http=header_timeout_protocol(args.request_header_timeout),
     )
-    server = DrainingServer(config, state, args.drain_timeout)
+    return DrainingServer(config, state, args.drain_timeout)
+
+
+def serve(args, config) -> int:
+    """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    state = build_state(args, config)
+    server = http_server(args, state)
     log.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
     server.run()
     return 1 if state.fatal is not None else 0
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
+def positive_rate(text: str) -> float:
+    """An argparse type: a finite number of bytes per second > 0."""
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of bytes per second > 0, got {text}")
+    return value
 
 
 def add_serve_args(p) -> None:
@@ -149,7 +178,11 @@ def add_serve_args(p) -> None:
         help=f"where tenants' uploaded adapters and stored responses live (default: $MOTET_DATA_DIR or "
         f"{DEFAULT_DATA_DIR})",
     )
-    from motet.api.response_store import DEFAULT_MAX_AGE_DAYS, DEFAULT_MAX_PER_TENANT
+    from motet.api.response_store import (
+        DEFAULT_MAX_AGE_DAYS,
+        DEFAULT_MAX_BYTES_PER_TENANT,
+        DEFAULT_MAX_PER_TENANT,
+    )
 
     p.add_argument(
         "--responses-max-age-days",
@@ -161,7 +194,15 @@ def add_serve_args(p) -> None:
         "--responses-max-per-tenant",
         type=int,
         default=DEFAULT_MAX_PER_TENANT,
-        help=f"each tenant's newest stored responses kept (default: {DEFAULT_MAX_PER_TENANT})",
+        help=f"stored responses per tenant; a response past it is refused with 400 (store: false still "
+        f"works), never made room for by evicting older ones (default: {DEFAULT_MAX_PER_TENANT})",
+    )
+    p.add_argument(
+        "--responses-max-bytes-per-tenant",
+        type=int,
+        default=DEFAULT_MAX_BYTES_PER_TENANT,
+        help="bytes of stored responses per tenant (their JSON, as the model sees the conversation); a response "
+        f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
     )
     p.add_argument(
         "--lora",
@@ -186,6 +227,29 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    from motet.api.slow_clients import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
+
+    p.add_argument(
+        "--request-header-timeout",
+        type=positive_seconds,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="a request's headers must be complete this many seconds after its connection opens or its first "
+        f"byte arrives, else 408 and the connection is closed (default: {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--request-body-timeout",
+        type=positive_seconds,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds the server waits for a request's body, plus 1 s per --request-body-min-rate bytes "
+        f"received; then 408 and the connection is closed (default: {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--request-body-min-rate",
+        type=positive_rate,
+        default=DEFAULT_BODY_MIN_RATE,
+        help=f"bytes/s a slow request body must average beyond --request-body-timeout (default: "
+        f"{DEFAULT_BODY_MIN_RATE})",
     )
     p.add_argument(
         "--reasoning-parser",
