@@ -50,7 +50,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 
-MODEL, ADAPTER, KEY = "tiny", "ad1", "sk-play"
+MODEL, ADAPTER, KEY, ADMIN_KEY = "tiny", "ad1", "sk-play", "sk-ops"  # ADMIN_KEY reads /metrics
 WAIT_MS = 120_000  # a generous bound for one answer on a loaded 2-core machine
 # A test-only chat template: a system prompt holding "/think" opens the reasoning (as DeepSeek-R1's template
 # does), so that a random model's output is reasoning under --reasoning-parser think.
@@ -79,7 +79,7 @@ TOOLS = [{"type": "function", "function": {"name": "set_light", "parameters": LI
 @pytest.fixture(scope="module")
 def dirs(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("playground")
-    (tmp / "keys.json").write_text(json.dumps({KEY: "alice"}))
+    (tmp / "keys.json").write_text(json.dumps({KEY: "alice", ADMIN_KEY: {"admin": True}}))
     model = shutil.copytree(tiny_model_dir, tmp / "tiny")
     (model / "chat_template.jinja").write_text(THINK_TEMPLATE)
     make_adapter(tiny_model_dir, tmp / ADAPTER, 1)
@@ -93,6 +93,7 @@ def start(dirs: Path, *args: str, data: str = "data") -> Server:
         "--data-dir", str(dirs / data), "--threads", "1", "--max-model-len", "4096", "--max-num-seqs", "2",
         *args,
         start_timeout=120,
+        admin_key=ADMIN_KEY,
     )  # fmt: skip
 
 
