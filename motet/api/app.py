@@ -25,6 +25,7 @@ from motet.api.adapters import (
 )
 from motet.api.errors import APIError, handle_exception, to_response
 from motet.api.openai import chat_completions, completions
+from motet.api.playground import playground_routes
 from motet.api.responses import create_response, delete_response, get_response
 from motet.api.responses_request import ResponsesRequest
 from motet.api.state import ServerState
@@ -344,6 +345,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/health", guarded(health), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
+        *playground_routes(),  # the chat page at /
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: handle_exception})
     app.state.motet = state
