@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from motet.api.errors import UNSUPPORTED_FIELD
+from motet.api.errors import UNSUPPORTED_FIELD, echo
 from motet.grammar.tool_calls import MAX_TOOL_CALLS
 
 
@@ -42,8 +42,16 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if k not in cls.unsupported}
 
 
+# OpenAI's limits on `metadata` (its API reference: "Set of 16 key-value pairs ... Keys are strings with a
+# maximum length of 64 characters. Values are strings with a maximum length of 512 characters.")
+METADATA_MAX_PAIRS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
+SAFETY_IDENTIFIER_MAX_CHARS = 128  # OpenAI's documented maximum
+ID_MAX_CHARS = 128  # an id a request names (previous_response_id): motet's are 37 characters, OpenAI's ~55
+
+
 class _OpenAINoOps(_Request):
-    """OpenAI's optional fields that do not change the output: accepted (type-checked) and unused."""
+    """OpenAI's optional fields that do not change the output: accepted (type-checked, within OpenAI's
+    limits) and unused."""
 
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -51,7 +59,31 @@ class _OpenAINoOps(_Request):
     prompt_cache_key: str | None = None  # motet's prefix cache needs no hint
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    safety_identifier: str | None = None
+    safety_identifier: str | None = Field(None, max_length=SAFETY_IDENTIFIER_MAX_CHARS)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        if v is None:
+            return v
+        if len(v) > METADATA_MAX_PAIRS:
+            raise PydanticCustomError(
+                "metadata_limit",
+                "at most {limit} key-value pairs are allowed, got {n}",
+                {"limit": METADATA_MAX_PAIRS, "n": len(v)},
+            )
+        for key, value in v.items():
+            for what, text, limit in (
+                ("key", key, METADATA_MAX_KEY_CHARS),
+                ("value", value, METADATA_MAX_VALUE_CHARS),
+            ):
+                if len(text) > limit:
+                    raise PydanticCustomError(
+                        "metadata_limit",
+                        "the {what} of {key} is {n} characters long; at most {limit} are allowed",
+                        {"what": what, "key": echo(key), "n": len(text), "limit": limit},
+                    )
+        return v
 
 
 # Data a chat template may read, passed through `chat_template_kwargs`, with its type. Anything else,
