@@ -195,3 +195,23 @@ def test_motet_serve_refuses_a_data_dir_under_a_load_dir_in_one_line(tiny_model_
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--lora-load-dir" in lines[0] and "--data-dir" in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("store", ["file://{load}/store", "{load}/store", None])
+def test_replicas_local_adapter_copies_never_overlap_a_load_dir(tiny_model_dir, tree, store):
+    """With replicas, tenants' adapters are also copied to a local --adapter-store and the replicas' cache:
+    `motet serve` refuses a load dir over either, before Ray or a model is started."""
+    from motet.api.cli import build_parser, engine_config
+    from motet.api.server import build_state
+    from motet.cluster.adapter_store import SharedAdapterStore
+
+    argv = ["serve", "--model", str(tiny_model_dir), "--replicas", "2", "--data-dir", str(tree / "d2")]
+    if store is not None:  # a store under the load dir
+        argv += ["--adapter-store", store.format(load=tree / "load"), "--lora-load-dir", str(tree / "load")]
+    else:  # the replicas' cache (in the system's temp dir), with a store elsewhere
+        cache = SharedAdapterStore().cache_dir
+        cache.mkdir(parents=True, exist_ok=True)
+        argv += ["--adapter-store", "memory://x", "--lora-load-dir", str(cache)]
+    args = build_parser().parse_args(argv)
+    with pytest.raises(ValueError, match="--adapter-store" if store else "the replicas' adapter cache"):
+        build_state(args, engine_config(args))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
-from motet.api.errors import APIError
+from motet.api.errors import APIError, echo
 from motet.api.storage_errors import StorageFailure, storage_error
 from motet.lora.adapter import AdapterError, AdapterTooLarge
 from motet.lora.manager import AdapterRef
@@ -52,7 +52,7 @@ class Adapter:
 
 
 def _not_found(name: str) -> APIError:
-    return APIError(404, f"no adapter named {name!r}", param="name", code="adapter_not_found")
+    return APIError(404, f"no adapter named {echo(name)}", param="name", code="adapter_not_found")
 
 
 class AdapterStore:

@@ -98,7 +98,9 @@ def _text_content(content: list, where: str) -> str:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise ValueError(f"{where}[{j}] must be an object with a string 'type'")
         if part["type"] != "text":
-            raise ValueError(f"{where}[{j}]: content of type {part['type']!r} is not supported, only 'text'")
+            raise ValueError(
+                f"{where}[{j}]: content of type {echo(part['type'])} is not supported, only 'text'"
+            )
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}[{j}].text must be a string")
         texts.append(part["text"])
@@ -228,11 +230,11 @@ class ChatCompletionRequest(_SamplingFields):
             if kind is None:
                 known = ", ".join(CHAT_TEMPLATE_KWARGS)
                 raise ValueError(
-                    f"{key!r} is not accepted: only data the model's template reads may be passed "
+                    f"{echo(key)} is not accepted: only data the model's template reads may be passed "
                     f"({known}); a chat template cannot be supplied per request"
                 )
             if not isinstance(value, kind):
-                raise ValueError(f"{key!r} must be a {kind.__name__}")
+                raise ValueError(f"{echo(key)} must be a {kind.__name__}")
         return v
 
 
