@@ -220,7 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a refused flag (its one line is printed) or --help: an exit code, as below
+        return e.code if isinstance(e.code, int) else 2
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
