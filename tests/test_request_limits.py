@@ -94,6 +94,11 @@ def test_other_item_types_are_400_naming_the_type(client, kind):
     refused(post(client, "/v1/responses", {"input": [{"type": kind, "content": "x"}]}), "input[0].type")
 
 
+@pytest.mark.parametrize("item", [5, "x", [], None])
+def test_items_that_are_not_objects_are_400_naming_them(client, item):
+    refused(post(client, "/v1/responses", {"input": [item]}), "input[0]")
+
+
 def test_odd_items_after_a_good_one_name_their_index(client):
     items = [{"role": "user", "content": "hi"}, {"role": "user", "content": [[]]}]
     refused(post(client, "/v1/responses", {"input": items}), "input[1].content[0]")
@@ -168,7 +173,7 @@ def test_long_ids_in_the_path_are_not_echoed(client):
     long_id = "resp_" + "x" * 60_000
     for method in ("GET", "DELETE"):
         err = refused(client.request(method, f"/v1/responses/{long_id}", headers=AUTH), status=404)
-        assert "…" in err["message"]
+        assert len(err["message"]) <= 1000
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from motet.api import protocol as P
 from motet.api.errors import APIError, echo
@@ -52,7 +52,7 @@ class ResponsesRequest(P._OpenAINoOps):
     }
 
     model: str
-    input: str | list[dict[str, Any]] = Field(min_length=1)
+    input: str | list[Any] = Field(min_length=1)  # items checked by _input_items, below
     instructions: str | None = None
     previous_response_id: str | None = Field(None, max_length=P.ID_MAX_CHARS)
     store: bool | None = None  # None: stored (OpenAI's default)
@@ -75,6 +75,15 @@ class ResponsesRequest(P._OpenAINoOps):
     presence_penalty: float | None = None
     seed: int | None = None
     cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only among requests of one salt
+
+    @field_validator("input")
+    @classmethod
+    def _input_items(cls, v):
+        """The items are checked as they are parsed (an APIError naming `input[i]...`), so that everything
+        after (the response store, the chat request) reads only well-formed items."""
+        if isinstance(v, list):
+            to_messages(v)
+        return v
 
     @property
     def stored(self) -> bool:

@@ -178,7 +178,7 @@ def add_serve_args(p) -> None:
     )
     p.add_argument(
         "--responses-max-bytes-per-tenant",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_BYTES_PER_TENANT,
         help="bytes of stored responses per tenant (their JSON, as the model sees the conversation); a response "
         f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
