@@ -74,14 +74,14 @@ class _OpenAINoOps(_Request):
             )
         for key, value in v.items():
             for what, text, limit in (
-                ("key", key, METADATA_MAX_KEY_CHARS),
-                ("value", value, METADATA_MAX_VALUE_CHARS),
+                ("key {key}", key, METADATA_MAX_KEY_CHARS),
+                ("the value of {key}", value, METADATA_MAX_VALUE_CHARS),
             ):
                 if len(text) > limit:
                     raise PydanticCustomError(
                         "metadata_limit",
-                        "the {what} of {key} is {n} characters long; at most {limit} are allowed",
-                        {"what": what, "key": echo(key), "n": len(text), "limit": limit},
+                        what + " is {n} characters long; at most {limit} are allowed",
+                        {"key": echo(key), "n": len(text), "limit": limit},
                     )
         return v
 

@@ -65,12 +65,13 @@ def adapter_dirs(args) -> dict[str, Path]:
     if not wants_cluster(args) or not args.adapter_store:
         return {}
     import fsspec
+    from fsspec.implementations.local import LocalFileSystem
 
     from motet.cluster.adapter_store import SharedAdapterStore
 
     dirs = {"the replicas' adapter cache": SharedAdapterStore().cache_dir}
     fs, root = fsspec.core.url_to_fs(args.adapter_store)
-    if "file" in fs.protocol:  # a store on this machine: file:///..., or a plain path
+    if isinstance(fs, LocalFileSystem):  # a store on this machine: file:///..., or a plain path
         dirs["--adapter-store"] = Path(root)
     return dirs
 
