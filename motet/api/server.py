@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from motet.cluster import cli as cluster_cli
+from motet.flag_types import MAX_DAYS, integer, number, seconds
 
 log = logging.getLogger("motet.server")
 
@@ -63,6 +64,7 @@ def build_state(args, config):
     from motet.api.state import ServerState
     from motet.engine.llm_engine import LLMEngine
     from motet.engine.model_store import DEFAULT_MODEL_ALIASES
+    from motet.lora.registry import check_load_dirs
 
     if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
         config.num_threads = max(1, (os.cpu_count() or 2) - 1)
@@ -73,6 +75,10 @@ def build_state(args, config):
     elif Path(config.model).exists():
         names.append(Path(config.model).name)
     loras = shared_loras(args.lora, names)
+    data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
+    # before anything starts: no load dir may overlap a place tenants' own adapters are kept
+    private = {"--data-dir": data_dir, **cluster_cli.adapter_dirs(args)}
+    load_dirs = check_load_dirs(args.lora_load_dir or (), private)
     if cluster_cli.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
         system = cluster_cli.cluster_system(args, config, loras)
     else:
@@ -82,14 +88,13 @@ def build_state(args, config):
             max_waiting=args.max_waiting,
             loras=loras,
         )
-    data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
     adapters = AdapterStore(
         system,
         data_dir,
         shared=loras,
         reserved=tuple(names),
         max_bytes=args.max_adapter_bytes,
-        load_dirs=tuple(Path(d) for d in args.lora_load_dir or ()),
+        load_dirs=load_dirs,
     )
     responses = ResponseStore(
         data_dir,
@@ -170,7 +175,7 @@ def add_serve_args(p) -> None:
         metavar="NAME",
         help="the model's name in the API (the first; the others are aliases); default: --model",
     )
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=integer(0, 65535), default=8000)
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
     p.add_argument(
         "--data-dir",
@@ -186,20 +191,20 @@ def add_serve_args(p) -> None:
 
     p.add_argument(
         "--responses-max-age-days",
-        type=float,
+        type=number(0, MAX_DAYS, above=True),
         default=DEFAULT_MAX_AGE_DAYS,
         help=f"stored Responses API responses are kept this long (default: {DEFAULT_MAX_AGE_DAYS:g})",
     )
     p.add_argument(
         "--responses-max-per-tenant",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_PER_TENANT,
         help=f"stored responses per tenant; a response past it is refused with 400 (store: false still "
         f"works), never made room for by evicting older ones (default: {DEFAULT_MAX_PER_TENANT})",
     )
     p.add_argument(
         "--responses-max-bytes-per-tenant",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_BYTES_PER_TENANT,
         help="bytes of stored responses per tenant (their JSON, as the model sees the conversation); a response "
         f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
@@ -217,16 +222,18 @@ def add_serve_args(p) -> None:
         help="a server directory POST /v1/load_lora_adapter may read adapters from (repeatable; default: none, "
         "loading from server paths is off)",
     )
-    p.add_argument("--max-adapter-bytes", type=int, default=512 << 20, help="larger adapter uploads get 413")
     p.add_argument(
-        "--max-queue-len", type=int, default=256, help="requests waiting per adapter queue (then 429)"
+        "--max-adapter-bytes", type=integer(1), default=512 << 20, help="larger adapter uploads get 413"
     )
     p.add_argument(
-        "--max-waiting", type=int, default=16, help="requests admitted to the engine but not running"
+        "--max-queue-len", type=integer(1), default=256, help="requests waiting per adapter queue (then 429)"
     )
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+        "--max-waiting", type=integer(1), default=16, help="requests admitted to the engine but not running"
+    )
+    p.add_argument("--max-body-bytes", type=integer(1), default=4 << 20, help="larger request bodies get 413")
+    p.add_argument(
+        "--drain-timeout", type=seconds(0), default=30.0, help="seconds in-flight requests get on SIGTERM"
     )
     from motet.api.slow_clients import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
@@ -265,7 +272,7 @@ def add_serve_args(p) -> None:
         p.add_argument(
             flag,
             dest=f"grammar_{field}",
-            type=int,
+            type=integer(1),
             default=default,
             help=f"structured output over this gets 400 before compiling: {what} (default: {default})",
         )
