@@ -5,9 +5,7 @@ Heavy imports happen inside `serve`, so that `motet --help` and `motet pull` sta
 
 from __future__ import annotations
 
-import argparse
 import logging
-import math
 import os
 from pathlib import Path
 
@@ -150,22 +148,6 @@ def serve(args, config) -> int:
     return 1 if state.fatal is not None else 0
 
 
-def positive_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0."""
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
-    return value
-
-
-def positive_rate(text: str) -> float:
-    """An argparse type: a finite number of bytes per second > 0."""
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of bytes per second > 0, got {text}")
-    return value
-
-
 def add_serve_args(p) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
@@ -239,21 +221,21 @@ def add_serve_args(p) -> None:
 
     p.add_argument(
         "--request-header-timeout",
-        type=positive_seconds,
+        type=seconds(0, above=True),
         default=DEFAULT_HEADER_TIMEOUT_S,
         help="a request's headers must be complete this many seconds after its connection opens or its first "
         f"byte arrives, else 408 and the connection is closed (default: {DEFAULT_HEADER_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--request-body-timeout",
-        type=positive_seconds,
+        type=seconds(0, above=True),
         default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds the server waits for a request's body, plus 1 s per --request-body-min-rate bytes "
         f"received; then 408 and the connection is closed (default: {DEFAULT_BODY_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--request-body-min-rate",
-        type=positive_rate,
+        type=number(0, above=True),
         default=DEFAULT_BODY_MIN_RATE,
         help=f"bytes/s a slow request body must average beyond --request-body-timeout (default: "
         f"{DEFAULT_BODY_MIN_RATE})",
