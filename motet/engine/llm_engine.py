@@ -13,6 +13,7 @@ that fails inside a step fails alone: `execute` bisects the batch until the fail
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -31,6 +32,7 @@ from motet.engine.scheduler import ScheduledBatch, Scheduler
 from motet.engine.sequence import Sequence, TokenLogprob
 from motet.engine.speculative.history import DraftScope
 from motet.engine.speculative.proposer import SpeculativeConfig, SpeculativeStats, Speculator
+from motet.engine.token_masks import bad_words_token_ids
 from motet.engine.tokenizer import load_tokenizer
 from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
 from motet.grammar.cache import GrammarCache
@@ -172,7 +174,7 @@ class LLMEngine:
         (unless the config shares the cache across tenants) of the same `params.cache_salt`, and speculation
         drafts only from the outputs of the same tenant, cache_salt and adapter under the same kind of
         grammar (a JSON schema, tool calls, none, ...)."""
-        params = params or SamplingParams()
+        params = self.resolve_bad_words(params or SamplingParams())
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
         self.limits.check_params(params)
@@ -201,6 +203,14 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.requests[request_id] = seq
         return request_id
+
+    def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad_words as token sequences (motet/engine/token_masks.py); the serving layer
+        calls it in a worker thread, so the engine's thread finds them resolved."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        encode = functools.partial(self.tokenizer.hf.encode, add_special_tokens=False)
+        return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, encode))
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
@@ -318,7 +328,8 @@ class LLMEngine:
                 break
         if g is not None and finish is None:
             forced = []
-            if self.config.jump_forward and seq.params.logprobs is None:
+            # forced tokens are appended unsampled: never where logprobs or the token masks must see each one
+            if self.config.jump_forward and seq.params.logprobs is None and not seq.params.masks_tokens:
                 forced = g.jump_forward(lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False))
             self.runner.grammar_stats.jump_forward_tokens += len(forced)
             for t in forced:

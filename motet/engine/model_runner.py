@@ -257,12 +257,14 @@ class ModelRunner:
         for i, seq in enumerate(batch.seqs):
             k = seq.params.prompt_logprobs
             start = seq.num_computed_tokens
-            end = min(start + batch.num_new_tokens[i], seq.num_prompt_tokens)
-            if k is None or start >= seq.num_prompt_tokens - 1:
+            # Row p predicts prompt token p+1; the last prompt row predicts the first output instead. A
+            # recompute after preemption skips the positions it has reported already.
+            first = max(start, len(seq.prompt_logprobs))
+            last = min(start + batch.num_new_tokens[i], seq.num_prompt_tokens - 1)
+            if k is None or first >= last:
                 continue
-            # Row p predicts prompt token p+1; the last prompt row predicts the first output instead.
-            rows = range(qsl[i], qsl[i] + min(end, seq.num_prompt_tokens - 1) - start)
-            targets = seq.token_ids[start + 1 : start + 1 + len(rows)]
+            rows = range(qsl[i] + first - start, qsl[i] + last - start)
+            targets = seq.token_ids[first + 1 : last + 1]
             chunk_logits = self.compute_logits(hidden[list(rows)])
             result.prompt_logprobs[i] = compute_prompt_logprobs(chunk_logits, torch.tensor(targets), k)
         return result

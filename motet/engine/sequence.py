@@ -23,11 +23,13 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class TokenLogprob:
-    """The chosen token's logprob and the top alternatives (token_id, logprob), best first."""
+    """The chosen token's logprob and the top alternatives (token_id, logprob), best first; a prompt
+    token's also has its rank in the distribution (1: the likeliest)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass
