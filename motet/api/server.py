@@ -57,9 +57,9 @@ def grammar_limits(args):
 def build_state(args, config):
     from motet.actors.system import ServingSystem
     from motet.api.adapter_store import AdapterStore
-    from motet.api.auth import Authenticator
     from motet.api.response_store import ResponseStore
     from motet.api.state import ServerState
+    from motet.api.vllm_flags import authenticator
     from motet.engine.llm_engine import LLMEngine
     from motet.engine.model_store import DEFAULT_MODEL_ALIASES
     from motet.lora.registry import check_load_dirs
@@ -103,11 +103,12 @@ def build_state(args, config):
     state = ServerState(
         system=system,
         model_names=names,
-        auth=Authenticator.from_file(args.api_keys),
+        auth=authenticator(args),
         max_body_bytes=args.max_body_bytes,
         adapters=adapters,
         responses=responses,
         reasoning=args.reasoning_parser == "think",
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
         state.metrics.registry.register(system.replica_metrics())
@@ -261,3 +262,6 @@ def add_serve_args(p) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true")
     cluster_cli.add_args(p)
+    from motet.api.vllm_flags import add_vllm_serve_args
+
+    add_vllm_serve_args(p)  # vLLM's names for what motet serve does
