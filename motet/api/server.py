@@ -1,12 +1,16 @@
 """`motet serve`: its flags, and wiring the engine, the actors and the app onto uvicorn.
 
-Heavy imports happen inside `serve`, so that `motet --help` and `motet pull` stay fast.
+Start-up checks what it can before anything listens (the model resolves to a checkpoint motet serves, the
+flags' values, the port is free): a failure there is one line and exit status 2. Then the port opens (GET
+/health answers 503 while the model loads), and "ready" is logged once /health answers 200
+(motet/api/status_log.py). Heavy imports happen inside `serve`, so that `motet --help` stays fast.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
 
 from motet.cluster import cli as cluster_cli
@@ -34,6 +38,18 @@ def shared_loras(specs: list[str] | None, model_names: list[str]) -> dict[str, P
     return loras
 
 
+def _positive_float(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 # `motet serve` flag -> (GrammarLimits field, what it bounds); the flags' defaults are the fields'.
 GRAMMAR_LIMIT_FLAGS = {
     "--grammar-max-enum-values": ("max_enum_values", "values in one enum or guided_choice"),
@@ -53,10 +69,37 @@ def grammar_limits(args):
     )
 
 
-def build_state(args, config):
+def check_model(config) -> tuple[Path, int]:
+    """The model's directory and context length; ModelLoadError (a ValueError) naming what is wrong with
+    --model, before anything starts. The default model is pulled here when it is not cached yet."""
+    from motet.engine.checkpoint import load_model_config
+    from motet.engine.config import context_length
+    from motet.engine.model_store import resolve_model
+
+    model_dir = resolve_model(config.model)
+    return model_dir, context_length(load_model_config(model_dir), config.max_model_len)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now: a port in use is a clear error before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (--host, --port)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def build_state(args, config, model_dir: Path, max_model_len: int):
+    """The server's state; `model_dir` and `max_model_len` as check_model found them."""
     from motet.actors.system import ServingSystem
     from motet.api.adapter_store import AdapterStore
     from motet.api.auth import Authenticator
+    from motet.api.metrics import Metrics
     from motet.api.response_store import ResponseStore
     from motet.api.state import ServerState
     from motet.engine.llm_engine import LLMEngine
@@ -75,7 +118,7 @@ def build_state(args, config):
         system = cluster_cli.cluster_system(args, config, loras)
     else:
         system = ServingSystem(
-            lambda: LLMEngine(config),
+            lambda: LLMEngine(config, model_dir),
             max_queue_len=args.max_queue_len,
             max_waiting=args.max_waiting,
             loras=loras,
@@ -100,6 +143,7 @@ def build_state(args, config):
         adapters=adapters,
         responses=responses,
         reasoning=args.reasoning_parser == "think",
+        metrics=Metrics(names[0], max_model_len),
     )
     if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
         state.metrics.registry.register(system.replica_metrics())
@@ -112,28 +156,36 @@ def serve(args, config) -> int:
 
     from motet.api.app import create_app
     from motet.api.draining import DrainingServer
+    from motet.api.status_log import StatusLog
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    state = build_state(args, config)
-    app = create_app(state)
-    config = uvicorn.Config(
-        app,
+    model_dir, max_model_len = check_model(config)  # a wrong --model ends here, before anything starts
+    sock = listen(args.host, args.port)
+    state = build_state(args, config, model_dir, max_model_len)
+    url = f"http://{args.host}:{args.port}"
+    uv_config = uvicorn.Config(
+        create_app(state),
         host=args.host,
         port=args.port,
+        log_config=None,  # uvicorn logs through the root handler, in motet's format
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         access_log=args.access_log,
     )
-    server = DrainingServer(config, state, args.drain_timeout)
-    log.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
-    server.run()
+    if args.log_level != "debug":  # uvicorn's "Uvicorn running on ..." would say so while the model loads
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    status = StatusLog(state, url, args.log_stats_interval, stats=not args.disable_log_stats)
+    server = DrainingServer(uv_config, state, args.drain_timeout, on_tick=status.tick)
+    log.info("loading %s on %s (GET /health answers 503 until it is ready)", state.model_name, url)
+    server.run(sockets=[sock])
+    log.info("stopped")
     return 1 if state.fatal is not None else 0
 
 
 def add_serve_args(p) -> None:
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -141,7 +193,7 @@ def add_serve_args(p) -> None:
         metavar="NAME",
         help="the model's name in the API (the first; the others are aliases); default: --model",
     )
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
     p.add_argument(
         "--data-dir",
@@ -205,6 +257,31 @@ def add_serve_args(p) -> None:
             default=default,
             help=f"structured output over this gets 400 before compiling: {what} (default: {default})",
         )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--access-log", action="store_true")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the server's log level",
+    )
+    p.add_argument(
+        "--disable-access-log",
+        "--disable-uvicorn-access-log",  # vLLM's name
+        dest="access_log",
+        action="store_false",
+        help="do not log each HTTP request (method, path, status) at info",
+    )
+    p.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="do not log the periodic throughput / load line (vLLM's flag)",
+    )
+    from motet.api.status_log import DEFAULT_INTERVAL_S
+
+    p.add_argument(
+        "--log-stats-interval",
+        type=_positive_float,
+        default=DEFAULT_INTERVAL_S,
+        metavar="SECONDS",
+        help="how often the throughput / load line is logged (at info while requests run, at debug when idle)",
+    )
     cluster_cli.add_args(p)
