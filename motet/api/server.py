@@ -178,7 +178,7 @@ def serve(args, config) -> int:
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     status = StatusLog(state, url, args.log_stats_interval, stats=not args.disable_log_stats)
     server = DrainingServer(uv_config, state, args.drain_timeout, on_tick=status.tick)
-    log.info("loading %s on %s (GET /health answers 503 until it is ready)", state.model_name, url)
+    log.info("loading %s on %s (GET /health answers 503 until it has loaded)", state.model_name, url)
     server.run(sockets=[sock])
     log.info("stopped")
     return 1 if state.fatal is not None else 0

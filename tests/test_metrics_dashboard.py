@@ -1,0 +1,216 @@
+"""The Grafana dashboard shipped in deploy/grafana/motet.json (vLLM's dashboard, adapted) against a live `motet
+serve`: every series its PromQL queries select is on /metrics with samples for the served model, and the values
+agree with what the clients were told (usage, finish reasons), after a little load that forces a preemption
+(a KV cache of 8 blocks) and a prefix-cache hit. The queries are parsed with promql-parser and the scrape with
+prometheus_client's text parser; the same checks run behind `--replicas 2`, where the ingress sums the replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.live_server import Server
+
+promql_parser = pytest.importorskip("promql_parser")
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "deploy" / "grafana" / "motet.json"
+MODEL = "tiny"
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": MODEL}  # what Grafana substitutes
+# 8 KV blocks of 16 tokens: four concurrent 40-token answers to ~30-token prompts need 20, so some are preempted
+SERVER_FLAGS = ("--served-model-name", MODEL, "--threads", "1", "--num-kv-blocks", "8", "--block-size", "16",
+                "--max-num-seqs", "4")  # fmt: skip
+
+
+def dashboard_queries(dashboard: dict) -> list[str]:
+    def panels(items):
+        for p in items:
+            yield p
+            yield from panels(p.get("panels", []))  # rows hold panels
+
+    return [t["expr"] for p in panels(dashboard["panels"]) for t in p.get("targets", []) if t.get("expr")]
+
+
+def selected_series(expr: str) -> list[tuple[str, dict[str, str]]]:
+    """The series a PromQL query selects: (metric name, its equality matchers)."""
+    for var, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(var, value)
+    out = []
+
+    def visit(node):
+        if isinstance(node, promql_parser.VectorSelector):
+            assert all(m.op == promql_parser.MatchOp.Equal for m in node.matchers.matchers), expr
+            out.append((node.name, {m.name: m.value for m in node.matchers.matchers}))
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return out
+
+
+def scrape(server: Server) -> list:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def value(samples, name: str, **labels) -> float:
+    found = [s.value for s in samples if s.name == name and labels.items() <= s.labels.items()]
+    assert found, f"no sample {name}{labels}"
+    return sum(found)
+
+
+def run_load(server: Server) -> list[dict]:
+    """Chat (plain, streamed, constrained) and completions requests; what each client was told."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
+    told = []
+
+    def chat(content: str, max_tokens: int, **extra) -> None:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, **extra
+        )
+        u = r.usage
+        told.append(dict(prompt=u.prompt_tokens, completion=u.completion_tokens,
+                         cached=u.prompt_tokens_details.cached_tokens, finish=r.choices[0].finish_reason))  # fmt: skip
+
+    # a prefix-cache hit: the same prompt twice, one after the other
+    for _ in range(2):
+        chat("The quick brown fox jumps over the lazy dog", 4, temperature=0)
+    # finish reason "stop": the grammar ends the answer
+    chat("Is Paris in France?", 8, extra_body={"guided_choice": ["yes", "no"]})
+    # streamed, with usage in the last chunk
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Count to three"}], max_tokens=6,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    u = chunks[-1].usage
+    finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    told.append(dict(prompt=u.prompt_tokens, completion=u.completion_tokens, cached=0, finish=finish))
+    r = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=5, temperature=0)
+    told.append(dict(prompt=r.usage.prompt_tokens, completion=r.usage.completion_tokens, cached=0,
+                     finish=r.choices[0].finish_reason))  # fmt: skip
+    # four at once, more KV than the cache has: preemptions
+    topics = ["Paris is the capital of France", "Berlin is the capital of", "def add(a, b): return", "emoji"]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda t: chat(f"Tell me about {t}", 40, extra_body={"ignore_eos": True}), topics))
+    return told
+
+
+def check_dashboard(server: Server, told: list[dict]) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = dashboard_queries(dashboard)
+    assert len(queries) >= 30, "the dashboard lost its panels"
+
+    def settled():  # behind --replicas the sums follow the replicas' reports (every 0.5 s)
+        samples = scrape(server)
+        done = value(samples, "vllm:generation_tokens_total", model_name=MODEL) == sum(
+            t["completion"] for t in told
+        )
+        return done and value(samples, "vllm:num_requests_running", model_name=MODEL) == 0, samples
+
+    deadline = time.monotonic() + 120
+    while not (result := settled())[0]:
+        assert time.monotonic() < deadline, "the engine's counters never matched the clients' usage"
+        time.sleep(0.5)
+    samples = result[1]
+
+    # every series the dashboard queries exists, with samples for the served model
+    names = {s.name for s in samples}
+    for expr in queries:
+        for name, matchers in selected_series(expr):
+            assert name in names, f"{name} (queried by {expr!r}) is not on /metrics"
+            assert any(s.name == name and matchers.items() <= s.labels.items() for s in samples), (
+                name,
+                matchers,
+            )
+
+    # ... and agrees with what the clients were told
+    n = len(told)
+    prompt, completion = sum(t["prompt"] for t in told), sum(t["completion"] for t in told)
+    assert value(samples, "vllm:prompt_tokens_total", model_name=MODEL) == prompt
+    assert value(samples, "vllm:generation_tokens_total", model_name=MODEL) == completion
+    finishes = Counter(t["finish"] for t in told)
+    assert finishes["stop"] >= 1 and finishes["length"] >= 1
+    for reason in ("stop", "length", "abort"):
+        assert (
+            value(samples, "vllm:request_success_total", model_name=MODEL, finished_reason=reason)
+            == finishes[reason]
+        )
+    assert value(samples, "vllm:request_prompt_tokens_count", model_name=MODEL) == n
+    assert value(samples, "vllm:request_prompt_tokens_sum", model_name=MODEL) == prompt
+    assert value(samples, "vllm:request_generation_tokens_sum", model_name=MODEL) == completion
+    assert value(samples, "vllm:request_max_num_generation_tokens_sum", model_name=MODEL) == completion  # n=1
+    assert value(samples, "vllm:num_preemptions_total", model_name=MODEL) >= 1
+    cached = sum(t["cached"] for t in told)
+    assert cached > 0
+    assert value(samples, "vllm:prefix_cache_hits_total", model_name=MODEL) >= cached
+    assert value(samples, "vllm:prefix_cache_queries_total", model_name=MODEL) >= prompt
+    # vLLM's token buckets: 1, 2, 5, 10, ... up to the context length (the tiny model's 4096)
+    les = sorted(
+        float(s.labels["le"])
+        for s in samples
+        if s.name == "vllm:request_prompt_tokens_bucket" and "le" in s.labels
+    )
+    assert les == sorted(
+        {m * 10**e for e in range(4) for m in (1, 2, 5) if m * 10**e <= 4096} | {float("inf")}
+    )
+    # the phases: one observation per request; inference = prefill + decode; all within the e2e latency
+    phases = {p: value(samples, f"vllm:request_{p}_time_seconds_sum", model_name=MODEL)
+              for p in ("queue", "prefill", "decode", "inference")}  # fmt: skip
+    for p in phases:
+        assert value(samples, f"vllm:request_{p}_time_seconds_count", model_name=MODEL) == n
+    assert phases["inference"] == pytest.approx(phases["prefill"] + phases["decode"], abs=1e-6)
+    assert value(samples, "vllm:e2e_request_latency_seconds_sum", model_name=MODEL) >= (
+        phases["queue"] + phases["inference"]
+    )
+    assert value(samples, "vllm:time_to_first_token_seconds_count", model_name=MODEL) == n
+    assert 0 <= value(samples, "vllm:kv_cache_usage_perc", model_name=MODEL) <= 1
+
+
+def test_dashboard_queries_parse():
+    """Every query of the dashboard is valid PromQL, and selects vLLM's series by the served model."""
+    queries = dashboard_queries(json.loads(DASHBOARD.read_text()))
+    selected = [s for q in queries for s in selected_series(q)]
+    vllm = [(name, m) for name, m in selected if name.startswith("vllm:")]
+    assert vllm and all(m == {"model_name": MODEL} for _, m in vllm)
+    families = {name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count") for name, _ in vllm}
+    for family in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                   "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                   "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+                   "vllm:request_max_num_generation_tokens", "vllm:num_preemptions_total",
+                   "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):  # fmt: skip
+        assert family in families
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dashboard")
+    srv = Server(tmp, "--model", str(tiny_model_dir), "--data-dir", str(tmp / "data"), *SERVER_FLAGS)
+    yield srv
+    srv.stop()
+
+
+def test_dashboard_series_on_a_live_server(server):
+    check_dashboard(server, run_load(server))
+
+
+@pytest.mark.slow  # a Ray cluster and two replicas take a minute or two to start here
+def test_dashboard_series_behind_replicas(tiny_model_dir, tmp_path_factory):
+    pytest.importorskip("ray")
+    tmp = tmp_path_factory.mktemp("dashboard-replicas")
+    srv = Server(
+        tmp, "--model", str(tiny_model_dir), "--data-dir", str(tmp / "data"), *SERVER_FLAGS,
+        "--replicas", "2", "--max-ongoing-requests", "8", start_timeout=900,
+    )  # fmt: skip
+    try:
+        check_dashboard(srv, run_load(srv))
+    finally:
+        srv.stop()
