@@ -174,7 +174,8 @@ def serve(args, config) -> int:
         timeout_graceful_shutdown=5,
         access_log=args.access_log,
     )
-    if args.log_level != "debug":  # uvicorn's "Uvicorn running on ..." would say so while the model loads
+    # uvicorn's start-up chatter ("Application startup complete.") would read as ready while the model loads
+    if args.log_level != "debug":
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     status = StatusLog(state, url, args.log_stats_interval, stats=not args.disable_log_stats)
     server = DrainingServer(uv_config, state, args.drain_timeout, on_tick=status.tick)
