@@ -175,6 +175,33 @@ def check_dashboard(server: Server, told: list[dict]) -> None:
     assert 0 <= value(samples, "vllm:kv_cache_usage_perc", model_name=MODEL) <= 1
 
 
+def test_engine_counts_as_vllm_does(tiny_model_dir):
+    """The engine's counters and timings, offline: a prompt counts once even when its request is preempted and
+    recomputed, every committed output token counts, and each finished request carries its phases."""
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
+    from motet.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=8, block_size=16, max_num_seqs=4,
+                                    num_threads=1))  # fmt: skip
+    prompts = [
+        engine.tokenizer.encode(f"Tell me about {t} and more") for t in ("Paris", "Berlin", "add", "fox")
+    ]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    finals = []
+    while engine.has_unfinished():
+        finals += [out for out in engine.step() if out.finished]
+    stats = engine.stats()
+    assert stats.preemptions >= 1  # 4 x (prompt + 40) tokens do not fit in 8 blocks of 16
+    assert stats.prompt_tokens == sum(len(p) for p in prompts)
+    assert stats.generation_tokens == sum(len(out.token_ids) for out in finals) == 4 * 40
+    for out in finals:
+        t = out.timings
+        assert min(t.queue_s, t.prefill_s, t.decode_s) >= 0
+        assert t.inference_s == t.prefill_s + t.decode_s
+
+
 def test_dashboard_queries_parse():
     """Every query of the dashboard is valid PromQL, and selects vLLM's series by the served model."""
     queries = dashboard_queries(json.loads(DASHBOARD.read_text()))

@@ -78,6 +78,8 @@ class StatusLog:
         state = self.state
         if state.fatal is not None or not state.system.ready:
             return
+        if self.announced and not (self.log_stats and now - self.mark.at >= self.interval_s):
+            return
         stats = state.system.stats()
         if not self.announced:
             self.ready_at = self.ready_at or now
@@ -88,8 +90,7 @@ class StatusLog:
             self.mark = _Mark(now, stats.prompt_tokens, stats.generation_tokens,
                               stats.prefix_cache_queries, stats.prefix_cache_hits)  # fmt: skip
             return
-        if self.log_stats and now - self.mark.at >= self.interval_s:
-            self._log_stats(stats, now)
+        self._log_stats(stats, now)
 
     def _log_stats(self, stats: Stats, now: float) -> None:
         m, seconds = self.mark, now - self.mark.at
