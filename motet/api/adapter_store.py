@@ -22,6 +22,7 @@ import anyio
 import anyio.to_thread
 
 from motet.api.errors import APIError
+from motet.api.storage_errors import StorageFailure, storage_error
 from motet.lora.adapter import AdapterError, AdapterTooLarge
 from motet.lora.manager import AdapterRef
 from motet.lora.registry import FILES, AdapterExists, AdapterNotFound, AdapterRegistry
@@ -132,6 +133,8 @@ class AdapterStore:
         except AdapterError as e:
             status = 413 if isinstance(e, AdapterTooLarge) else 400
             raise APIError(status, str(e), code="invalid_adapter") from None
+        except OSError as e:  # the disk is full or failing: the registry left nothing half-written
+            raise storage_error(StorageFailure.from_os(e), "the adapter was not stored") from None
         own[name] = adapter = self._entry(info)
         return adapter
 

@@ -133,7 +133,10 @@ def build_state(args, config, model_dir: Path, max_model_len: int):
         load_dirs=tuple(Path(d) for d in args.lora_load_dir or ()),
     )
     responses = ResponseStore(
-        data_dir, max_age_s=args.responses_max_age_days * 86400, max_per_tenant=args.responses_max_per_tenant
+        data_dir,
+        max_age_s=args.responses_max_age_days * 86400,
+        max_per_tenant=args.responses_max_per_tenant,
+        max_bytes_per_tenant=args.responses_max_bytes_per_tenant,
     )
     state = ServerState(
         system=system,
@@ -202,7 +205,11 @@ def add_serve_args(p) -> None:
         help=f"where tenants' uploaded adapters and stored responses live (default: $MOTET_DATA_DIR or "
         f"{DEFAULT_DATA_DIR})",
     )
-    from motet.api.response_store import DEFAULT_MAX_AGE_DAYS, DEFAULT_MAX_PER_TENANT
+    from motet.api.response_store import (
+        DEFAULT_MAX_AGE_DAYS,
+        DEFAULT_MAX_BYTES_PER_TENANT,
+        DEFAULT_MAX_PER_TENANT,
+    )
 
     p.add_argument(
         "--responses-max-age-days",
@@ -214,7 +221,15 @@ def add_serve_args(p) -> None:
         "--responses-max-per-tenant",
         type=int,
         default=DEFAULT_MAX_PER_TENANT,
-        help=f"each tenant's newest stored responses kept (default: {DEFAULT_MAX_PER_TENANT})",
+        help=f"stored responses per tenant; a response past it is refused with 400 (store: false still "
+        f"works), never made room for by evicting older ones (default: {DEFAULT_MAX_PER_TENANT})",
+    )
+    p.add_argument(
+        "--responses-max-bytes-per-tenant",
+        type=int,
+        default=DEFAULT_MAX_BYTES_PER_TENANT,
+        help="bytes of stored responses per tenant (their JSON, as the model sees the conversation); a response "
+        f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
     )
     p.add_argument(
         "--lora",

@@ -1,11 +1,13 @@
 """Reading reply streams for one HTTP request: accumulate choices, collect them, or relay them as SSE.
 
-However a request ends (finished, failed, client gone), what still runs in the engine is aborted.
+However a request ends (finished, failed, client gone), what still runs in the engine is aborted, and a stream
+that fails midway (the engine, a bug, the disk) still ends with an error event: never a cut connection.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,6 +22,8 @@ from motet.api import protocol as P
 from motet.api.errors import APIError, from_serving_error
 from motet.api.state import ServerState
 from motet.engine.sequence import RequestTimings, TokenLogprob
+
+log = logging.getLogger("motet.api")
 
 
 def release(state: ServerState, streams: list[ReplyStream]) -> None:
@@ -145,14 +149,24 @@ def sse(payload) -> str:
     return f"data: {data}\n\n"
 
 
+def internal_error(e: Exception) -> APIError:
+    """What the client of a stream is told when it fails midway; a failure that is no API error is logged."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ServingError):
+        return from_serving_error(e)
+    log.error("a stream failed midway", exc_info=e)
+    return APIError(500, f"internal server error: {type(e).__name__}")
+
+
 async def relay(chunks: AsyncIterator[str], done: bool = True) -> AsyncIterator[str]:
     """The SSE body: the handler's chunks, an error event if a request fails midway, then [DONE]
     (unless `done` is false: the Responses API ends with its own last event)."""
     try:
         async for chunk in chunks:
             yield chunk
-    except (ServingError, APIError) as e:
-        yield sse((from_serving_error(e) if isinstance(e, ServingError) else e).body())
+    except Exception as e:  # not cancellation (the client is gone): that is no Exception
+        yield sse(internal_error(e).body())
     if done:
         yield sse("[DONE]")
 

@@ -5,7 +5,8 @@ its root or in one top-level folder). Archive members are read into memory under
 extracted by path: absolute paths, `..`, links, devices, duplicates, oversized and unexpected members
 are refused with an `AdapterError` naming the member. A save writes a hidden temp folder beside the
 target, validates it with `load_adapter` against the base model, and only then renames it into place,
-so an invalid or interrupted upload leaves nothing behind (leftovers of a crash are swept at start-up).
+so an invalid or interrupted upload, or one the disk has no room for (the OSError is raised as it is),
+leaves nothing behind (leftovers of a crash are swept at start-up).
 
 Tenants are isolated by construction: every path is built from a validated tenant and name, and a
 lookup of another tenant's adapter is indistinguishable from a missing one. Plain synchronous code.
@@ -123,10 +124,7 @@ class AdapterRegistry:
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
         try:
             for fname, data in files.items():
-                with open(tmp / fname, "xb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                _write_durably(tmp / fname, data)
             load_adapter(tmp, self.base, max_rank=self.max_rank, name=name, max_file_bytes=self.max_bytes)
             if overwrite and target.exists():
                 self._remove(target)
@@ -136,7 +134,12 @@ class AdapterRegistry:
                 if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                     raise
                 raise AdapterExists(f"adapter {name!r} already exists") from None
-            _fsync_dir(target.parent)
+            try:
+                _fsync_dir(target.parent)
+            except BaseException:  # not known to be durable: not stored (the caller is told it failed)
+                with contextlib.suppress(OSError):
+                    self._remove(target)
+                raise
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, AdapterError) and str(tmp) in str(e):  # name the upload, not our temp folder
@@ -248,6 +251,18 @@ def _safe_parts(name: str) -> list[str]:
     if ".." in parts:
         raise AdapterError(f"archive member {name!r}: '..' in paths is refused")
     return parts
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """A new file holding `data`, on disk before this returns; a short write (a full disk) raises."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:
