@@ -8,6 +8,9 @@ prometheus_client's text parser; the same checks run behind `--replicas 2`, wher
 from __future__ import annotations
 
 import json
+import math
+import shutil
+import subprocess
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -104,55 +107,56 @@ def run_load(server: Server) -> list[dict]:
     return told
 
 
-def check_dashboard(server: Server, told: list[dict]) -> None:
-    dashboard = json.loads(DASHBOARD.read_text())
-    queries = dashboard_queries(dashboard)
+def check_dashboard(server: Server) -> None:
+    """Load the server, then check the dashboard's series against what its clients were told (the changes
+    since a scrape taken before the load: the server may have served other requests before)."""
+    queries = dashboard_queries(json.loads(DASHBOARD.read_text()))
     assert len(queries) >= 30, "the dashboard lost its panels"
+    before = scrape(server)
+    told = run_load(server)
+    n = len(told)
+    prompt, completion = sum(t["prompt"] for t in told), sum(t["completion"] for t in told)
 
-    def settled():  # behind --replicas the sums follow the replicas' reports (every 0.5 s)
-        samples = scrape(server)
-        done = value(samples, "vllm:generation_tokens_total", model_name=MODEL) == sum(
-            t["completion"] for t in told
-        )
-        return done and value(samples, "vllm:num_requests_running", model_name=MODEL) == 0, samples
+    def delta(samples, name: str, **labels) -> float:
+        return value(samples, name, **labels) - value(before, name, **labels)
 
     deadline = time.monotonic() + 120
-    while not (result := settled())[0]:
+    while True:  # behind --replicas the engine's counters follow the replicas' reports (every 0.5 s)
+        samples = scrape(server)
+        if delta(samples, "vllm:generation_tokens_total", model_name=MODEL) == completion and not value(
+            samples, "vllm:num_requests_running", model_name=MODEL
+        ):
+            break
         assert time.monotonic() < deadline, "the engine's counters never matched the clients' usage"
         time.sleep(0.5)
-    samples = result[1]
 
     # every series the dashboard queries exists, with samples for the served model
     names = {s.name for s in samples}
     for expr in queries:
         for name, matchers in selected_series(expr):
             assert name in names, f"{name} (queried by {expr!r}) is not on /metrics"
-            assert any(s.name == name and matchers.items() <= s.labels.items() for s in samples), (
-                name,
-                matchers,
-            )
+            found = any(s.name == name and matchers.items() <= s.labels.items() for s in samples)
+            assert found, (name, matchers)
 
     # ... and agrees with what the clients were told
-    n = len(told)
-    prompt, completion = sum(t["prompt"] for t in told), sum(t["completion"] for t in told)
-    assert value(samples, "vllm:prompt_tokens_total", model_name=MODEL) == prompt
-    assert value(samples, "vllm:generation_tokens_total", model_name=MODEL) == completion
+    def changed(name: str, **labels) -> float:
+        return delta(samples, name, model_name=MODEL, **labels)
+
+    assert changed("vllm:prompt_tokens_total") == prompt
+    assert changed("vllm:generation_tokens_total") == completion
     finishes = Counter(t["finish"] for t in told)
     assert finishes["stop"] >= 1 and finishes["length"] >= 1
     for reason in ("stop", "length", "abort"):
-        assert (
-            value(samples, "vllm:request_success_total", model_name=MODEL, finished_reason=reason)
-            == finishes[reason]
-        )
-    assert value(samples, "vllm:request_prompt_tokens_count", model_name=MODEL) == n
-    assert value(samples, "vllm:request_prompt_tokens_sum", model_name=MODEL) == prompt
-    assert value(samples, "vllm:request_generation_tokens_sum", model_name=MODEL) == completion
-    assert value(samples, "vllm:request_max_num_generation_tokens_sum", model_name=MODEL) == completion  # n=1
-    assert value(samples, "vllm:num_preemptions_total", model_name=MODEL) >= 1
+        assert changed("vllm:request_success_total", finished_reason=reason) == finishes[reason], reason
+    assert changed("vllm:request_prompt_tokens_count") == n
+    assert changed("vllm:request_prompt_tokens_sum") == prompt
+    assert changed("vllm:request_generation_tokens_sum") == completion
+    assert changed("vllm:request_max_num_generation_tokens_sum") == completion  # one choice per prompt
+    assert changed("vllm:num_preemptions_total") >= 1
     cached = sum(t["cached"] for t in told)
     assert cached > 0
-    assert value(samples, "vllm:prefix_cache_hits_total", model_name=MODEL) >= cached
-    assert value(samples, "vllm:prefix_cache_queries_total", model_name=MODEL) >= prompt
+    assert changed("vllm:prefix_cache_hits_total") >= cached
+    assert changed("vllm:prefix_cache_queries_total") >= prompt
     # vLLM's token buckets: 1, 2, 5, 10, ... up to the context length (the tiny model's 4096)
     les = sorted(
         float(s.labels["le"])
@@ -163,15 +167,14 @@ def check_dashboard(server: Server, told: list[dict]) -> None:
         {m * 10**e for e in range(4) for m in (1, 2, 5) if m * 10**e <= 4096} | {float("inf")}
     )
     # the phases: one observation per request; inference = prefill + decode; all within the e2e latency
-    phases = {p: value(samples, f"vllm:request_{p}_time_seconds_sum", model_name=MODEL)
-              for p in ("queue", "prefill", "decode", "inference")}  # fmt: skip
+    phases = {
+        p: changed(f"vllm:request_{p}_time_seconds_sum") for p in ("queue", "prefill", "decode", "inference")
+    }
     for p in phases:
-        assert value(samples, f"vllm:request_{p}_time_seconds_count", model_name=MODEL) == n
+        assert changed(f"vllm:request_{p}_time_seconds_count") == n
     assert phases["inference"] == pytest.approx(phases["prefill"] + phases["decode"], abs=1e-6)
-    assert value(samples, "vllm:e2e_request_latency_seconds_sum", model_name=MODEL) >= (
-        phases["queue"] + phases["inference"]
-    )
-    assert value(samples, "vllm:time_to_first_token_seconds_count", model_name=MODEL) == n
+    assert changed("vllm:e2e_request_latency_seconds_sum") >= phases["queue"] + phases["inference"]
+    assert changed("vllm:time_to_first_token_seconds_count") == n
     assert 0 <= value(samples, "vllm:kv_cache_usage_perc", model_name=MODEL) <= 1
 
 
@@ -226,7 +229,60 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 def test_dashboard_series_on_a_live_server(server):
-    check_dashboard(server, run_load(server))
+    check_dashboard(server)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="needs Prometheus (Debian's prometheus package)"
+)
+def test_prometheus_evaluates_every_query_to_data(server, tmp_path):
+    """A real Prometheus scrapes the live server under load and evaluates each of the dashboard's queries, as
+    Grafana would: every one returns a finite value."""
+    from motet.evals.server import free_port
+
+    port = free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: motet\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{server.port}']\n"
+    )
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 (closed below)
+    prom = subprocess.Popen(
+        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    api = f"http://127.0.0.1:{port}/api/v1/query"
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the first scrapes, then load between them
+            try:
+                up = httpx.get(api, params={"query": "up"}, timeout=10).json()["data"]["result"]
+            except httpx.TransportError:
+                up = []
+            if up and up[0]["value"][1] == "1":
+                break
+            assert prom.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "prometheus.log"
+            ).read_text()
+            time.sleep(0.5)
+        run_load(server)
+        pending = [q.replace("$__rate_interval", "1m").replace("$model_name", MODEL) for q in
+                   dashboard_queries(json.loads(DASHBOARD.read_text()))]  # fmt: skip
+        while pending:  # each query returns data once Prometheus has scraped the load twice
+            answers = {q: httpx.get(api, params={"query": q}, timeout=10).json() for q in pending}
+            for q, a in answers.items():
+                assert a["status"] == "success", (q, a)
+            pending = [
+                q for q, a in answers.items()
+                if not a["data"]["result"] or any(math.isnan(float(r["value"][1])) for r in a["data"]["result"])
+            ]  # fmt: skip
+            assert time.monotonic() < deadline + 120, f"no data for {pending}"
+            time.sleep(1)
+    finally:
+        prom.terminate()
+        prom.wait(30)
+        log.close()
 
 
 @pytest.mark.slow  # a Ray cluster and two replicas take a minute or two to start here
@@ -238,6 +294,6 @@ def test_dashboard_series_behind_replicas(tiny_model_dir, tmp_path_factory):
         "--replicas", "2", "--max-ongoing-requests", "8", start_timeout=900,
     )  # fmt: skip
     try:
-        check_dashboard(srv, run_load(srv))
+        check_dashboard(srv)
     finally:
         srv.stop()
