@@ -18,12 +18,11 @@ from pathlib import Path
 
 import httpx
 import openai
+import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.live_server import Server
-
-promql_parser = pytest.importorskip("promql_parser")
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "motet.json"
