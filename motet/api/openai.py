@@ -317,7 +317,7 @@ async def _chat_chunks(state, req, rid, created, choices, streams, k, drop, outp
                 if (lp is not None or req.return_token_ids) and not deltas:
                     yield chunk(i, {}, lp, token_ids=ids)
         if delta.finished:
-            observe(state, c)
+            observe(state, c, choices)
             deltas, finish_reason = outputs[i].finish(c.finish_reason) if not drop else ([], c.finish_reason)
             for d in deltas:
                 yield chunk(i, d)
@@ -380,7 +380,7 @@ async def completions(request: Request) -> Response:
             streams += adm.streams
             state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choices = [
-            Choice(p * req.n + i, adm.prompt_token_ids, arrival)
+            Choice(p * req.n + i, adm.prompt_token_ids, arrival, prompt_index=p)
             for p, adm in enumerate(admissions)
             for i in range(req.n)
         ]
@@ -491,7 +491,7 @@ async def _completion_chunks(state, req, rid, created, choices, streams, prompt_
         elif first_ids is not None:
             started.discard(i)  # nothing sent yet: the prompt's ids (and echo) go with the first chunk sent
         if delta.finished:
-            observe(state, c)
+            observe(state, c, choices)
     if include_usage:
         u = usage([a.prompt_token_ids for a in admissions], choices, drop).model_dump()
         yield sse(
