@@ -12,7 +12,6 @@ from motet.actors.reply import Delta, ReplyStream, merge_streams
 from motet.actors.runtime import Actor, ActorStopped, ActorSystem
 from motet.actors.system import ServingSystem
 from motet.engine.config import EngineConfig
-from motet.engine.fairness import VirtualTokenCounter
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
@@ -105,9 +104,10 @@ async def test_adapter_queues_bound_and_fair_take():
             await q.ask(Enqueue([_queued("a3", "a")]))
         await q.ask(Enqueue([_queued("x1", "a", adapter_id=7)]))  # another adapter: its own queue
         assert q.depth_by_adapter() == {0: 3, 7: 1}
-        order = iter(["b", "a", "a", "a"])
-        taken = await q.ask(Take(10, lambda tenants: next(order)))
-        assert [r.request_id for r in taken] == ["b1", "a1", "a2", "x1"]
+        order = iter(["b", "a", "a", "a", None])
+        taken = await q.ask(Take(lambda tenants: next(order)))
+        assert [r.request_id for r in taken.requests] == ["b1", "a1", "a2", "x1"]
+        assert not taken.more
         q.close()
 
 
@@ -167,7 +167,7 @@ async def _drain(stream):
 @pytest.fixture
 async def system(tiny_model_dir, request):
     kw = getattr(request, "param", {})
-    sys_kw = {k: kw.pop(k) for k in list(kw) if k in ("max_queue_len", "max_waiting", "fairness")}
+    sys_kw = {k: kw.pop(k) for k in list(kw) if k in ("max_queue_len", "max_waiting")}
     s = ServingSystem(_engine_factory(tiny_model_dir, **kw), **sys_kw)
     async with anyio.create_task_group() as tg:
         await tg.start(s.run)
@@ -266,12 +266,6 @@ async def test_n_choices_and_slow_reader_gets_merged_deltas(system):
         text, tokens, last = await _drain(s)
         assert len(tokens) == 12 and last.finished
     assert adm.streams[0].num_puts == 12
-
-
-def test_fairness_policy_is_shared_with_the_scheduler(tiny_model_dir):
-    vtc = VirtualTokenCounter()
-    s = ServingSystem(_engine_factory(tiny_model_dir), fairness=vtc)
-    assert s.scheduler.fairness is vtc
 
 
 def _release(system, admissions):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from motet.engine.fairness import check_tenant_weights
 from motet.grammar.limits import GrammarLimits
 from motet.grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 from motet.grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
@@ -159,6 +160,9 @@ class EngineConfig:
     speculative: str = "auto"
     num_speculative_tokens: int = 8
     speculative_overhead_tokens: float = 10.0
+    # Each tenant's share of a busy engine: {"tenant": weight}, positive finite numbers; tenants not named
+    # weigh 1 (motet/engine/fairness.py; `motet serve --tenant-weights FILE`).
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     seed: int = 0
 
     def __post_init__(self):
@@ -192,6 +196,7 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        self.tenant_weights = check_tenant_weights(self.tenant_weights)
 
     @property
     def speculative_mode(self) -> str:

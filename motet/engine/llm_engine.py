@@ -22,6 +22,7 @@ from motet.engine.block_manager import BlockManager
 from motet.engine.checkpoint import load_model_config
 from motet.engine.config import EngineConfig
 from motet.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from motet.engine.fairness import TenantState, VirtualTokenCounter
 from motet.engine.guided import GuidedDecoding
 from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
 from motet.engine.model_store import resolve_model
@@ -74,6 +75,7 @@ class EngineStats:
     waiting_adapters: tuple[str, ...]  # of waiting requests, not also running
     grammar: GrammarStats
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)  # zeros when speculation is off
+    tenants: tuple[TenantState, ...] = ()  # tenants with requests here, in the order they are served next
 
 
 class LLMEngine:
@@ -93,6 +95,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             max_loras=config.max_loras,
             lora_time_slice=config.lora_time_slice,
+            fairness=VirtualTokenCounter(config.tenant_weights),
         )
         self.adapters = AdapterManager(
             self.model_config,
@@ -167,8 +170,9 @@ class LLMEngine:
     ) -> str:
         """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
         for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
-        `tenant`: whose request it is; speculation drafts only from the outputs of the same tenant and
-        adapter under the same kind of grammar (a JSON schema, tool calls, none, ...)."""
+        `tenant`: whose request it is: tenants share the engine by weight (motet/engine/fairness.py), and
+        speculation drafts only from the outputs of the same tenant and adapter under the same kind of
+        grammar (a JSON schema, tool calls, none, ...)."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
@@ -180,7 +184,14 @@ class LLMEngine:
             grammar = self.compile_grammar(params.grammar, params.grammar_backend)
         ref = self.adapters.resolve(adapter)
         uid = self.adapters.acquire(ref) if ref is not None else 0  # AdapterError if it no longer loads
-        seq = Sequence(token_ids, params, adapter_id=uid, request_id=request_id, arrival=next(self._arrivals))
+        seq = Sequence(
+            token_ids,
+            params,
+            adapter_id=uid,
+            request_id=request_id,
+            arrival=next(self._arrivals),
+            tenant=tenant,
+        )
         kind = params.grammar.kind if params.grammar is not None else None
         seq.draft_scope = (tenant, uid, kind, params.reasoning)
         if grammar is not None:
@@ -223,6 +234,7 @@ class LLMEngine:
             speculative=SpeculativeStats(**vars(self.speculator.stats))
             if self.speculator
             else SpeculativeStats(),
+            tenants=sched.tenant_states(),
         )
 
     # -- the step -------------------------------------------------------------------------------------
@@ -326,6 +338,7 @@ class LLMEngine:
             reason = stop_reason = None
         num_new = seq.num_tokens - seq.num_emitted
         seq.num_emitted = seq.num_tokens
+        self.scheduler.fairness.charge(seq.tenant, output_tokens=num_new)
         seq.text += delta
         return RequestOutput(
             request_id=seq.request_id,

@@ -1,21 +1,28 @@
-"""Scheduling policy: vLLM-V1-style unified token budget, preemption by recompute.
+"""Scheduling policy: vLLM-V1-style unified token budget, preemption by recompute, tenants in fair order.
 
 There are no prefill and decode phases. Every sequence has tokens whose KV is computed and tokens it
 still needs computed; each step hands out at most `max_num_batched_tokens` of the latter, running
 sequences first (a decode needs one token, an unfinished prompt a chunk), then waiting ones. Chunked
-prefill and prefix-cache hits fall out of this. When the KV pool runs dry the newest running sequence is
-preempted: its blocks are freed and it is recomputed later from its prompt and output so far.
+prefill and prefix-cache hits fall out of this. When the KV pool runs dry a running sequence is preempted:
+its blocks are freed and it is recomputed later from its prompt and output so far.
+Tenants share the engine by weight (motet/engine/fairness.py): running sequences are served least-served
+tenant first, and the one preempted is the newest of the tenant most over its share of the running
+sequences; a waiting sequence of a tenant under its share is admitted first and, when no slot or KV block
+is free, takes the place of that newest sequence, so a light tenant's request starts at the next step
+however much another tenant has running or waiting. Otherwise waiting sequences go lowest virtual token
+counter first, in arrival order within a tenant.
 Running sequences hold at most `max_loras` distinct adapters (see `AdapterSlicer`), and a step's batch
 is ordered by adapter so that each adapter's tokens form one contiguous segment for the LoRA kernels.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from motet.engine.adapter_slicer import AdapterSlicer
 from motet.engine.block_manager import BlockManager
+from motet.engine.fairness import TenantShares, TenantState, VirtualTokenCounter
 from motet.engine.sequence import Sequence, SequenceStatus
 
 
@@ -51,6 +58,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_loras: int = 8,
         lora_time_slice: int = 32,
+        fairness: VirtualTokenCounter | None = None,
     ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -58,6 +66,7 @@ class Scheduler:
         self.slicer = AdapterSlicer(max_loras, lora_time_slice)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.fairness = fairness or VirtualTokenCounter()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -71,6 +80,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        fair = self.fairness
+        fair.set_active(s.tenant for s in (*self.running, *self.waiting))
+        shares = TenantShares(fair, (s.tenant for s in self.running), (s.tenant for s in self.waiting))
+        # The least-served tenants' rows first (their prefill chunks get the budget first); last, the newest
+        # sequence of the tenant most over its share: the first to be preempted.
+        self.running.sort(key=lambda s: (shares.load(s.tenant), fair.counter(s.tenant), s.arrival, s.seq_id))
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -82,8 +97,9 @@ class Scheduler:
                     n -= len(seq.draft_token_ids)
                     seq.draft_token_ids = []
                     continue
-                victim = self.running.pop()  # newest first
+                victim = self.running.pop()
                 self._preempt(victim)
+                shares.stopped(victim.tenant)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
@@ -95,33 +111,89 @@ class Scheduler:
                 continue
             break
 
-        # New work only when nothing had to be preempted: otherwise it would just thrash.
-        self.slicer.begin_step((s.adapter_id for s in self.running), (s.adapter_id for s in self.waiting))
-        skipped: list[Sequence] = []  # waiting for an adapter slot; they keep their place in the queue
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            seq = self.waiting[0]
+        def admission_order(s: Sequence) -> tuple:
+            return (*shares.admission_key(s.tenant), s.arrival, s.seq_id)
+
+        # Preempted in this step: not admitted again before the next one.
+        candidates = [s for s in self.waiting if not any(s is p for p in batch.preempted)]
+        self.slicer.begin_step(
+            (s.adapter_id for s in self.running),
+            (s.adapter_id for s in sorted(candidates, key=admission_order)),
+        )
+        while candidates and budget > 0:
+            seq = min(candidates, key=admission_order)
+            _remove(candidates, seq)
             if not self.slicer.may_admit(seq.adapter_id):
-                skipped.append(self.waiting.popleft())
-                continue
+                continue  # waiting for an adapter slot; it keeps its place in the queue
+            # New work when something had to be preempted only from a tenant under its share (in place of the
+            # tenant most over it): anything else would just thrash.
+            if batch.preempted and not shares.under(seq.tenant):
+                break
+            if len(self.running) >= self.max_num_seqs:
+                refund = self._displace(seq, shares, batch)
+                if refund is None:
+                    break
+                budget += refund
             if not seq.block_table:
                 self.bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.bm.allocate_slots(seq, n):
-                self.bm.free_seq(seq)  # give back prefix hits; they stay cached
-                break
-            self.waiting.popleft()
-            self.slicer.admitted(seq.adapter_id)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
-        self.waiting.extendleft(reversed(skipped))
+            while not self.bm.allocate_slots(seq, n):
+                refund = self._displace(seq, shares, batch)
+                if refund is None:
+                    break
+                budget += refund
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            else:
+                _remove(self.waiting, seq)
+                self.slicer.admitted(seq.adapter_id)
+                if seq.num_preemptions == 0:  # its prompt is charged once, when it first runs
+                    fair.charge(seq.tenant, input_tokens=seq.num_prompt_tokens)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                shares.started(seq.tenant)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                continue
+            self.bm.free_seq(seq)  # give back prefix hits; they stay cached
+            break
         if any(s.adapter_id for s in batch.seqs):  # one contiguous segment per adapter (stable sort)
             order = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
             batch.seqs = [batch.seqs[i] for i in order]
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
         return batch
+
+    def _displace(self, seq: Sequence, shares: TenantShares, batch: ScheduledBatch) -> int | None:
+        """Preempt the newest running sequence of the tenant most over its share to make room for `seq`,
+        whose tenant is under its share. Returns the budget the victim's chunk held in this step (0 if it was
+        not scheduled); None when no tenant may be displaced for `seq`'s."""
+        tenant = shares.may_displace(seq.tenant)
+        if tenant is None:
+            return None
+        victim = next(s for s in reversed(self.running) if s.tenant == tenant)
+        refund = 0
+        for j, s in enumerate(batch.seqs):
+            if s is victim:  # scheduled earlier in this step: nothing has run yet, take it back
+                refund = batch.num_new_tokens.pop(j)
+                del batch.seqs[j]
+                break
+        _remove(self.running, victim)
+        self._preempt(victim)
+        shares.stopped(tenant)
+        batch.preempted.append(victim)
+        return refund
+
+    def tenant_states(self) -> tuple[TenantState, ...]:
+        """Each tenant with sequences here, in the order their next waiting sequence would be admitted."""
+        shares = TenantShares(
+            self.fairness, (s.tenant for s in self.running), (s.tenant for s in self.waiting)
+        )
+        waiting = Counter(s.tenant for s in self.waiting)
+        tenants = sorted(set(shares.running) | set(waiting), key=lambda t: (shares.admission_key(t), str(t)))
+        return tuple(
+            TenantState(t, self.fairness.weight(t), self.fairness.counter(t), shares.running[t], waiting[t])
+            for t in tenants
+        )
 
     @staticmethod
     def _fit_drafts(seq: Sequence, n: int, budget: int) -> int:
@@ -168,3 +240,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         self.bm.forget(seq)
+
+
+def _remove(seqs, seq: Sequence) -> None:
+    """Remove `seq` itself (not an equal sequence) from a list or deque."""
+    for j, s in enumerate(seqs):
+        if s is seq:
+            del seqs[j]
+            return
