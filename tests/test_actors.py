@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from motet.actors.adapter_queues import AdapterQueuesActor
 from motet.actors.errors import EngineFailure, InvalidRequest, QueueFull
@@ -11,6 +12,7 @@ from motet.actors.messages import Enqueue, GenerateSpec, QueuedRequest, Take
 from motet.actors.reply import Delta, ReplyStream, merge_streams
 from motet.actors.runtime import Actor, ActorStopped, ActorSystem
 from motet.actors.system import ServingSystem
+from motet.api.metrics import Metrics
 from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
@@ -255,6 +257,52 @@ async def test_fairness_across_tenants(system):
         tg.start_soon(watch, "b0", b)
     assert finished.index("b0") <= 3, finished  # FIFO would make it last (5)
     assert set(finished) == {f"a{i}" for i in range(len(a))} | {"b0"}
+
+
+@pytest.mark.parametrize(
+    "system", [{"max_queue_len": 16, "max_num_seqs": 2, "max_waiting": 1}], indirect=True
+)
+async def test_light_tenant_starts_at_the_next_step_under_another_tenants_backlog(system):
+    """A's 8 requests fill the engine (2 running, one waiting) and the queue; B's request, queued behind
+    them in the same (base model) queue, reaches the engine and runs at the next step, in place of A's newest;
+    FIFO would start it after A's first requests finish (40 steps)."""
+    fixed = {"max_tokens": 40, "ignore_eos": True, "speculative": False}
+    a = [await system.submit(_spec(f"a{i}", "The quick brown fox", tenant="A", **fixed)) for i in range(8)]
+    firsts = [await adm.streams[0].get() for adm in a[:2]]  # running
+    stats = system.stats()
+    assert stats.running == 2 and stats.waiting + stats.queued == 6
+    submitted_at = system.scheduler.steps
+    b = await system.submit(_spec("b0", "Paris is the capital", tenant="B", max_tokens=4, speculative=False))
+    first = await b.streams[0].get()
+    assert first.token_ids and system.scheduler.steps - submitted_at <= 3
+    tenants = {t.tenant: t for t in system.stats().tenants}
+    assert (tenants["B"].running, tenants["A"].running) == (1, 1)  # each its share of the 2 slots
+    assert tenants["A"].queued + tenants["A"].waiting == 7 and tenants["A"].virtual_tokens > 0
+    # The same, as an admin reads it in /metrics (parsed by Prometheus' own parser).
+    metrics = Metrics()
+    metrics.refresh(system.stats())
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+        if s.name.startswith("motet_tenant")
+    }
+    assert samples[("motet_tenant_requests", (("state", "running"), ("tenant", "B")))] == 1
+    assert samples[("motet_tenant_requests", (("state", "queued"), ("tenant", "A")))] == tenants["A"].queued
+    assert samples[("motet_tenant_virtual_tokens", (("tenant", "A"),))] == tenants["A"].virtual_tokens
+    positions = {dict(k[1])["tenant"]: v for k, v in samples.items() if k[0] == "motet_tenant_queue_position"}
+    assert sorted(positions.values()) == [0, 1]
+
+    # Every request completes, with what it asked for (A's preempted one recomputed).
+    outputs = [
+        d.token_ids + (await _drain(adm.streams[0]))[1]
+        for d, adm in zip([*firsts, first], [*a[:2], b], strict=True)
+    ]
+    outputs += [(await _drain(adm.streams[0]))[1] for adm in a[2:]]
+    assert len(outputs[2]) == 4
+    llm = LLM(str(system.engine.model_dir), num_kv_blocks=64)
+    (expected,) = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, **fixed))
+    assert all(tokens == expected.token_ids for tokens in outputs[:2] + outputs[3:])
 
 
 async def test_n_choices_and_slow_reader_gets_merged_deltas(system):

@@ -140,11 +140,14 @@ class TenantShares:
     def num_running(self) -> int:
         return self.running.total()
 
-    def share(self, tenant: Tenant) -> float:
-        return self.num_running * self.vtc.weight(tenant) / self.total_weight if self.total_weight else 0.0
+    def share(self, tenant: Tenant, num_running: int | None = None) -> float:
+        n = self.num_running if num_running is None else num_running
+        return n * self.vtc.weight(tenant) / self.total_weight if self.total_weight else 0.0
 
-    def under(self, tenant: Tenant) -> bool:
-        return self.running[tenant] + 1 <= self.share(tenant)
+    def under(self, tenant: Tenant, growing: bool = False) -> bool:
+        """Whether one more running sequence keeps `tenant` within its share: in place of another one's, or
+        (`growing`) in a free slot, which grows everyone's share too."""
+        return self.running[tenant] + 1 <= self.share(tenant, self.num_running + growing)
 
     def over(self, tenant: Tenant) -> bool:
         return self.running[tenant] >= 1 and self.running[tenant] - 1 >= self.share(tenant)
@@ -165,9 +168,10 @@ class TenantShares:
         victim = self.most_over(exclude=tenant)
         return victim if victim is not None and self.over(victim) else None
 
-    def admission_key(self, tenant: Tenant) -> tuple:
-        """Waiting order between tenants: under its share first, then the lowest counter."""
-        return (not self.under(tenant), self.vtc.counter(tenant))
+    def admission_key(self, tenant: Tenant, growing: bool = False) -> tuple:
+        """Waiting order between tenants: under its share first (then a free slot never goes to a tenant that
+        another could displace next step), then the lowest counter."""
+        return (not self.under(tenant, growing), self.vtc.counter(tenant))
 
     def started(self, tenant: Tenant) -> None:
         self.running[tenant] += 1

@@ -112,7 +112,8 @@ class Scheduler:
             break
 
         def admission_order(s: Sequence) -> tuple:
-            return (*shares.admission_key(s.tenant), s.arrival, s.seq_id)
+            growing = len(self.running) < self.max_num_seqs  # a free slot: it does not displace anyone
+            return (*shares.admission_key(s.tenant, growing), s.arrival, s.seq_id)
 
         # Preempted in this step: not admitted again before the next one.
         candidates = [s for s in self.waiting if not any(s is p for p in batch.preempted)]
