@@ -166,8 +166,12 @@ _arrivals = iter(range(10**9))
 
 
 def seq(tenant, prompt_len=6, max_tokens=16):
+    first = 1000 * (ord(tenant[0]) - ord("a"))  # tenants' prompts share no prefix
     return Sequence(
-        list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), arrival=next(_arrivals), tenant=tenant
+        list(range(first, first + prompt_len)),
+        SamplingParams(max_tokens=max_tokens),
+        arrival=next(_arrivals),
+        tenant=tenant,
     )
 
 
@@ -225,6 +229,18 @@ def test_light_tenant_gets_kv_blocks_from_the_tenant_holding_them():
         batch = run_step(sched)
         assert all(s.tenant == "a" for s in batch.preempted)  # out of blocks again: a pays, not b
     assert light.is_finished
+
+
+def test_light_tenant_prefills_ahead_of_the_backlogs_prompt_chunks():
+    sched = make(max_seqs=8, budget=64)
+    for _ in range(4):
+        sched.add(seq("a", prompt_len=400, max_tokens=4))
+    run_step(sched)  # a's long prompts take every step's budget, chunk by chunk
+    light = seq("b", prompt_len=20, max_tokens=4)
+    sched.add(light)
+    batch = run_step(sched)
+    assert batch.num_new_tokens[batch.seqs.index(light)] == 20 and light.num_output_tokens == 1
+    assert batch.num_tokens == 64 and not batch.preempted  # a's chunks got the rest
 
 
 def _backlogged(weights, steps=600, max_seqs=6, first=None):

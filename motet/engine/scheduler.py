@@ -83,13 +83,43 @@ class Scheduler:
         fair = self.fairness
         fair.set_active(s.tenant for s in (*self.running, *self.waiting))
         shares = TenantShares(fair, (s.tenant for s in self.running), (s.tenant for s in self.waiting))
-        # The least-served tenants' rows first (their prefill chunks get the budget first); last, the newest
-        # sequence of the tenant most over its share: the first to be preempted.
-        self.running.sort(key=lambda s: (shares.load(s.tenant), fair.counter(s.tenant), s.arrival, s.seq_id))
 
+        def admission_order(s: Sequence) -> tuple:
+            growing = len(self.running) < self.max_num_seqs  # a free slot: it displaces nobody
+            return (*shares.admission_key(s.tenant, growing), s.arrival, s.seq_id)
+
+        self.slicer.begin_step(
+            (s.adapter_id for s in self.running),
+            (s.adapter_id for s in sorted(self.waiting, key=admission_order)),
+        )
+        # Tenants under their share first: their waiting sequences join the running ones now, in a free slot or
+        # in place of the newest sequence of the tenant most over its share; they get KV blocks and budget
+        # below, ahead of the tenants with more.
+        candidates = list(self.waiting)
+        while candidates:
+            seq = min(candidates, key=admission_order)
+            growing = len(self.running) < self.max_num_seqs
+            if not shares.under(seq.tenant, growing):
+                break  # nor is any other
+            _remove(candidates, seq)
+            if not self.slicer.may_admit(seq.adapter_id):
+                continue  # waiting for an adapter slot; it keeps its place in the queue
+            if not growing:
+                victim = self._victim(shares.may_displace(seq.tenant))
+                if victim is None:
+                    continue
+                self._preempt(victim, shares)
+                batch.preempted.append(victim)
+            self._start(seq, shares)
+
+        # Running sequences, the least-served tenants' first (their prefill chunks get the budget first); last,
+        # the newest sequence of the tenant most over its share: the first to be preempted.
+        self.running.sort(key=lambda s: (shares.load(s.tenant), fair.counter(s.tenant), s.arrival, s.seq_id))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not seq.block_table and not seq.num_computed_tokens:  # started above: look up its prefix
+                self.bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             n += self._fit_drafts(seq, n, budget)
             while not self.bm.allocate_slots(seq, n):
@@ -98,8 +128,7 @@ class Scheduler:
                     seq.draft_token_ids = []
                     continue
                 victim = self.running.pop()
-                self._preempt(victim)
-                shares.stopped(victim.tenant)
+                self._preempt(victim, shares)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
@@ -111,78 +140,48 @@ class Scheduler:
                 continue
             break
 
-        def admission_order(s: Sequence) -> tuple:
-            growing = len(self.running) < self.max_num_seqs  # a free slot: it does not displace anyone
-            return (*shares.admission_key(s.tenant, growing), s.arrival, s.seq_id)
-
-        # Preempted in this step: not admitted again before the next one.
+        # Then the other waiting sequences in the free slots, lowest counter first; none when something had to
+        # be preempted (it would just thrash), nor those preempted in this step.
         candidates = [s for s in self.waiting if not any(s is p for p in batch.preempted)]
-        self.slicer.begin_step(
-            (s.adapter_id for s in self.running),
-            (s.adapter_id for s in sorted(candidates, key=admission_order)),
-        )
-        while candidates and budget > 0:
+        while candidates and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = min(candidates, key=admission_order)
             _remove(candidates, seq)
             if not self.slicer.may_admit(seq.adapter_id):
-                continue  # waiting for an adapter slot; it keeps its place in the queue
-            # New work when something had to be preempted only from a tenant under its share (in place of the
-            # tenant most over it): anything else would just thrash.
-            if batch.preempted and not shares.under(seq.tenant):
-                break
-            if len(self.running) >= self.max_num_seqs:
-                refund = self._displace(seq, shares, batch)
-                if refund is None:
-                    break
-                budget += refund
+                continue
             if not seq.block_table:
                 self.bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.allocate_slots(seq, n):
-                refund = self._displace(seq, shares, batch)
-                if refund is None:
-                    break
-                budget += refund
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            else:
-                _remove(self.waiting, seq)
-                self.slicer.admitted(seq.adapter_id)
-                if seq.num_preemptions == 0:  # its prompt is charged once, when it first runs
-                    fair.charge(seq.tenant, input_tokens=seq.num_prompt_tokens)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                shares.started(seq.tenant)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-                budget -= n
-                continue
-            self.bm.free_seq(seq)  # give back prefix hits; they stay cached
-            break
+            if not self.bm.allocate_slots(seq, n):
+                self.bm.free_seq(seq)  # give back prefix hits; they stay cached
+                break
+            self._start(seq, shares)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
         if any(s.adapter_id for s in batch.seqs):  # one contiguous segment per adapter (stable sort)
             order = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
             batch.seqs = [batch.seqs[i] for i in order]
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
         return batch
 
-    def _displace(self, seq: Sequence, shares: TenantShares, batch: ScheduledBatch) -> int | None:
-        """Preempt the newest running sequence of the tenant most over its share to make room for `seq`,
-        whose tenant is under its share. Returns the budget the victim's chunk held in this step (0 if it was
-        not scheduled); None when no tenant may be displaced for `seq`'s."""
-        tenant = shares.may_displace(seq.tenant)
+    def _victim(self, tenant) -> Sequence | None:
+        """The newest running sequence of `tenant` (None: none, or no tenant)."""
         if tenant is None:
             return None
-        victim = next(s for s in reversed(self.running) if s.tenant == tenant)
-        refund = 0
-        for j, s in enumerate(batch.seqs):
-            if s is victim:  # scheduled earlier in this step: nothing has run yet, take it back
-                refund = batch.num_new_tokens.pop(j)
-                del batch.seqs[j]
-                break
-        _remove(self.running, victim)
-        self._preempt(victim)
-        shares.stopped(tenant)
-        batch.preempted.append(victim)
-        return refund
+        victim = next((s for s in reversed(self.running) if s.tenant == tenant), None)
+        if victim is not None:
+            _remove(self.running, victim)
+        return victim
+
+    def _start(self, seq: Sequence, shares: TenantShares) -> None:
+        """A waiting sequence joins the running ones."""
+        _remove(self.waiting, seq)
+        self.slicer.admitted(seq.adapter_id)
+        if seq.num_preemptions == 0:  # its prompt is charged once, when it first runs
+            self.fairness.charge(seq.tenant, input_tokens=seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        shares.started(seq.tenant)
 
     def tenant_states(self) -> tuple[TenantState, ...]:
         """Each tenant with sequences here, in the order their next waiting sequence would be admitted."""
@@ -205,7 +204,9 @@ class Scheduler:
             seq.draft_token_ids = []
         return len(seq.draft_token_ids)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, shares: TenantShares) -> None:
+        """Back to the front of the waiting queue (taken out of `running` by the caller)."""
+        shares.stopped(seq.tenant)
         seq.draft_token_ids = []
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.WAITING
