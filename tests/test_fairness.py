@@ -243,6 +243,21 @@ def test_light_tenant_prefills_ahead_of_the_backlogs_prompt_chunks():
     assert batch.num_tokens == 64 and not batch.preempted  # a's chunks got the rest
 
 
+def test_decode_rows_keep_their_token_beside_a_long_prompt():
+    sched = make(max_seqs=8, budget=8)
+    decoding = [seq("a", prompt_len=4, max_tokens=50) for _ in range(6)]
+    for s in decoding:
+        sched.add(s)
+    while not all(s.num_output_tokens for s in decoding):
+        run_step(sched)
+    long_prompt = seq("b", prompt_len=100, max_tokens=4)  # b's rows go first: b is under its share
+    sched.add(long_prompt)
+    for _ in range(3):
+        batch = run_step(sched)
+        assert all(s in batch.seqs for s in decoding)
+        assert batch.num_new_tokens[batch.seqs.index(long_prompt)] == 2 and batch.num_tokens == 8
+
+
 def _backlogged(weights, steps=600, max_seqs=6, first=None):
     """Two tenants that always have requests waiting; `first` floods alone for a while before the other
     comes. Output tokens served to each after a warm-up, and the preemptions after it."""

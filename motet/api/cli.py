@@ -10,7 +10,14 @@ import sys
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from motet.engine.config import DTYPES, GRAMMAR_BACKENDS, SPECULATIVE_MODES, EngineConfig
+    from motet.engine.config import (
+        CPU_STEP_TOKENS,
+        CUDA_STEP_TOKENS,
+        DTYPES,
+        GRAMMAR_BACKENDS,
+        SPECULATIVE_MODES,
+        EngineConfig,
+    )
 
     d = EngineConfig  # the defaults
     p.add_argument(
@@ -22,7 +29,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from --kv-cache-memory-gb")
     p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"tokens per step (default: {CPU_STEP_TOKENS} on CPU, {CUDA_STEP_TOKENS} on CUDA)",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(

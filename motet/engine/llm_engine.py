@@ -92,7 +92,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
-            config.max_num_batched_tokens,
+            config.step_tokens,
             max_loras=config.max_loras,
             lora_time_slice=config.lora_time_slice,
             fairness=VirtualTokenCounter(config.tenant_weights),

@@ -113,21 +113,34 @@ class Scheduler:
             self._start(seq, shares)
 
         # Running sequences, the least-served tenants' first (their prefill chunks get the budget first); last,
-        # the newest sequence of the tenant most over its share: the first to be preempted.
+        # the newest sequence of the tenant most over its share: the first to be preempted. Every decode row
+        # keeps its one token ahead of any prompt chunk, so a long prompt never stalls the decoding ones.
         self.running.sort(key=lambda s: (shares.load(s.tenant), fair.counter(s.tenant), s.arrival, s.seq_id))
+        decodes_left = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if not seq.block_table and not seq.num_computed_tokens:  # started above: look up its prefix
                 self.bm.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            n += self._fit_drafts(seq, n, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining == 1:
+                decodes_left -= 1
+                room = max(1, budget - decodes_left)  # its drafts do not take the later rows' tokens
+            else:
+                room = budget - decodes_left
+                if room <= 0:  # no room for a prompt chunk beside the decode rows: next step
+                    i += 1
+                    continue
+            n = min(remaining, room)
+            n += self._fit_drafts(seq, n, room)
             while not self.bm.allocate_slots(seq, n):
                 if seq.draft_token_ids:  # drafts are optional: drop them before preempting anyone
                     n -= len(seq.draft_token_ids)
                     seq.draft_token_ids = []
                     continue
                 victim = self.running.pop()
+                if victim is not seq and victim.num_tokens - victim.num_computed_tokens == 1:
+                    decodes_left -= 1  # its token is no longer held for it
                 self._preempt(victim, shares)
                 batch.preempted.append(victim)
                 if victim is seq:
