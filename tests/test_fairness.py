@@ -141,15 +141,18 @@ def test_shares_follow_weights_and_swaps_never_undo_each_other():
 def test_gate_lets_every_tenant_in_whatever_another_has_queued():
     # The engine's waiting room is full of a's requests; b and c have nothing waiting there.
     engine = [TenantState("a", 1.0, 500.0, running=4, waiting=16), TenantState("b", 1.0, 900.0, 1, 0)]
-    gate = AdmissionGate(engine, room=0)
+    gate = AdmissionGate(engine, room=0, spare=8)
     order = []
     while (t := gate.pick({"a": 10, "b": 10, "c": 10})) is not None:
         order.append(t)
     assert sorted(order) == ["b", "c"]  # one each, and none of a's (no room left)
+    gate = AdmissionGate(engine, room=0, spare=1)  # the spare room is bounded too
+    assert [gate.pick({"b": 10, "c": 10}), gate.pick({"b": 10, "c": 10})] == ["c", None]
 
 
 def test_gate_fills_room_lowest_counter_first():
-    gate = AdmissionGate([TenantState("a", 1.0, 100.0, 0, 1), TenantState("b", 2.0, 105.0, 0, 1)], room=4)
+    engine = [TenantState("a", 1.0, 100.0, 0, 1), TenantState("b", 2.0, 105.0, 0, 1)]
+    gate = AdmissionGate(engine, room=4, spare=4)
     # b weighs 2: each of its 20-token prompts costs it 10, each of a's costs a 20.
     picks = [gate.pick({"a": 20, "b": 20}) for _ in range(5)]
     assert picks == ["a", "b", "b", "a", None]

@@ -30,7 +30,8 @@ class SchedulerActor(Actor):
         super().__init__()
         self.executor = executor
         self.queues: Actor | None = None  # set by the system
-        # Requests admitted but not yet running (beyond one per tenant); the rest wait in the queues.
+        # Requests admitted but not yet running (up to twice as many for tenants' first ones); the rest wait in
+        # the queues.
         self.max_waiting = max_waiting
         self.live: dict[str, ReplyStream] = {}  # request id -> reply stream
         self.steps = 0
@@ -104,7 +105,8 @@ class SchedulerActor(Actor):
             return []
         stats = self.executor.stats
         room = min(stats.free_seq_slots, self.max_waiting - stats.num_waiting)
-        gate = AdmissionGate(stats.tenants, room)
+        # A tenant's first waiting request may go beyond that, up to twice `max_waiting` in all.
+        gate = AdmissionGate(stats.tenants, room, spare=2 * self.max_waiting - stats.num_waiting)
         try:
             taken: Taken = await self.queues.ask(Take(gate.pick))
         except ActorStopped:

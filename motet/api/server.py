@@ -185,7 +185,10 @@ def add_serve_args(p) -> None:
         "--max-queue-len", type=int, default=256, help="requests waiting per adapter queue (then 429)"
     )
     p.add_argument(
-        "--max-waiting", type=int, default=16, help="requests admitted to the engine but not running"
+        "--max-waiting",
+        type=int,
+        default=16,
+        help="requests admitted to the engine but not running (and as many more, each tenant's first)",
     )
     p.add_argument(
         "--tenant-weights",
