@@ -130,12 +130,12 @@ def test_shares_follow_weights_and_swaps_never_undo_each_other():
     assert shares.share("a") == 3 and shares.share("b") == 1.5
     assert shares.over("a") and not shares.over("b")
     assert shares.under("c") and not shares.under("b")
-    assert shares.may_displace("c") == "a" and shares.may_displace("b") is None
+    assert shares.may_displace("c") and shares.most_over("c") == "a" and not shares.may_displace("b")
     shares.stopped("a")
     shares.started("c")
     shares.stopped("a")
     shares.started("c")  # a 3, b 1, c 2
-    assert shares.may_displace("a") is None and shares.may_displace("c") is None  # at rest
+    assert not shares.may_displace("a") and not shares.may_displace("c")  # at rest
 
 
 def test_gate_lets_every_tenant_in_whatever_another_has_queued():

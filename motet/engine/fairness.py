@@ -156,17 +156,17 @@ class TenantShares:
         """Running sequences per unit of weight: the highest is the most over its share."""
         return self.running[tenant] / self.vtc.weight(tenant)
 
-    def most_over(self, exclude: Tenant = None) -> Tenant | None:
-        """The running tenant (other than `exclude`) most over its share; ties: the highest counter."""
-        tenants = [t for t, n in self.running.items() if n and t != exclude]
-        return max(tenants, key=lambda t: (self.load(t), self.vtc.counter(t)), default=None)
+    def _others(self, tenant: Tenant) -> list[Tenant]:
+        return [t for t, n in self.running.items() if n and t != tenant]
 
-    def may_displace(self, tenant: Tenant) -> Tenant | None:
-        """The tenant whose newest running sequence a waiting one of `tenant` may take the place of."""
-        if not self.under(tenant):
-            return None
-        victim = self.most_over(exclude=tenant)
-        return victim if victim is not None and self.over(victim) else None
+    def most_over(self, other_than: Tenant) -> Tenant:
+        """The running tenant other than `other_than` most over its share (ties: the highest counter);
+        ValueError when there is none."""
+        return max(self._others(other_than), key=lambda t: (self.load(t), self.vtc.counter(t)))
+
+    def may_displace(self, tenant: Tenant) -> bool:
+        """Whether a waiting sequence of `tenant` may take the place of a running one of `most_over(tenant)`."""
+        return self.under(tenant) and bool(self._others(tenant)) and self.over(self.most_over(tenant))
 
     def admission_key(self, tenant: Tenant, growing: bool = False) -> tuple:
         """Waiting order between tenants: under its share first (then a free slot never goes to a tenant that

@@ -105,9 +105,9 @@ class Scheduler:
             if not self.slicer.may_admit(seq.adapter_id):
                 continue  # waiting for an adapter slot; it keeps its place in the queue
             if not growing:
-                victim = self._victim(shares.may_displace(seq.tenant))
-                if victim is None:
+                if not shares.may_displace(seq.tenant):
                     continue
+                victim = self._newest_of(shares.most_over(seq.tenant))
                 self._preempt(victim, shares)
                 batch.preempted.append(victim)
             self._start(seq, shares)
@@ -177,13 +177,10 @@ class Scheduler:
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
         return batch
 
-    def _victim(self, tenant) -> Sequence | None:
-        """The newest running sequence of `tenant` (None: none, or no tenant)."""
-        if tenant is None:
-            return None
-        victim = next((s for s in reversed(self.running) if s.tenant == tenant), None)
-        if victim is not None:
-            _remove(self.running, victim)
+    def _newest_of(self, tenant) -> Sequence:
+        """Take the newest running sequence of `tenant` (which has one) out of the running ones."""
+        victim = max((s for s in self.running if s.tenant == tenant), key=lambda s: (s.arrival, s.seq_id))
+        _remove(self.running, victim)
         return victim
 
     def _start(self, seq: Sequence, shares: TenantShares) -> None:
