@@ -236,14 +236,19 @@ def test_light_tenant_gets_kv_blocks_from_the_tenant_holding_them():
 
 def test_light_tenant_prefills_ahead_of_the_backlogs_prompt_chunks():
     sched = make(max_seqs=8, budget=64)
-    for _ in range(4):
-        sched.add(seq("a", prompt_len=400, max_tokens=4))
-    run_step(sched)  # a's long prompts take every step's budget, chunk by chunk
+    decoding = [seq("a", prompt_len=8, max_tokens=100) for _ in range(3)]
+    for s in decoding:
+        sched.add(s)
+    run_step(sched)
+    long_prompt = seq("a", prompt_len=400, max_tokens=4)
+    sched.add(long_prompt)
+    run_step(sched)  # a's long prompt takes the budget left beside a's decode rows, chunk by chunk
     light = seq("b", prompt_len=20, max_tokens=4)
     sched.add(light)
     batch = run_step(sched)
     assert batch.num_new_tokens[batch.seqs.index(light)] == 20 and light.num_output_tokens == 1
-    assert batch.num_tokens == 64 and not batch.preempted  # a's chunks got the rest
+    assert batch.num_new_tokens[batch.seqs.index(long_prompt)] == 64 - 20 - 3  # a's chunk got the rest
+    assert all(s in batch.seqs for s in decoding) and not batch.preempted
 
 
 def test_decode_rows_keep_their_token_beside_a_long_prompt():

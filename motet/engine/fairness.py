@@ -145,9 +145,12 @@ class TenantShares:
         return n * self.vtc.weight(tenant) / self.total_weight if self.total_weight else 0.0
 
     def under(self, tenant: Tenant, growing: bool = False) -> bool:
-        """Whether one more running sequence keeps `tenant` within its share: in place of another one's, or
-        (`growing`) in a free slot, which grows everyone's share too."""
-        return self.running[tenant] + 1 <= self.share(tenant, self.num_running + growing)
+        """Whether one more running sequence keeps `tenant` within its share, in place of another one's or
+        (`growing`) in a free slot, which grows everyone's share too; and another tenant runs more per weight
+        (a tenant alone is never under its share)."""
+        if self.running[tenant] + 1 > self.share(tenant, self.num_running + growing):
+            return False
+        return any(self.load(t) > self.load(tenant) for t in self._others(tenant))
 
     def over(self, tenant: Tenant) -> bool:
         return self.running[tenant] >= 1 and self.running[tenant] - 1 >= self.share(tenant)
@@ -166,7 +169,7 @@ class TenantShares:
 
     def may_displace(self, tenant: Tenant) -> bool:
         """Whether a waiting sequence of `tenant` may take the place of a running one of `most_over(tenant)`."""
-        return self.under(tenant) and bool(self._others(tenant)) and self.over(self.most_over(tenant))
+        return self.under(tenant) and self.over(self.most_over(tenant))
 
     def admission_key(self, tenant: Tenant, growing: bool = False) -> tuple:
         """Waiting order between tenants: under its share first (then a free slot never goes to a tenant that
