@@ -111,6 +111,8 @@ class Scheduler:
                 self._preempt(victim, shares)
                 batch.preempted.append(victim)
             self._start(seq, shares)
+            if not seq.block_table:
+                self.bm.match_prefix(seq)  # its blocks come below, with the running ones'
 
         # Running sequences, the least-served tenants' first (their prefill chunks get the budget first); last,
         # the newest sequence of the tenant most over its share: the first to be preempted. Every decode row
@@ -120,8 +122,6 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if not seq.block_table and not seq.num_computed_tokens:  # started above: look up its prefix
-                self.bm.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining == 1:
                 decodes_left -= 1
