@@ -7,8 +7,9 @@ every turn's prompt is the system prompt, the history (earlier user messages and
 message. Tokens are random ids.
 
 Every request carries its prompt's leading full blocks hashed as the engine hashes them (keyed by the
-adapter's uid: motet/engine/block_manager.py), the blocks it leaves in the cache (prompt and reply), and the same
-prompt hashed without the adapter: the prompt text alone, which is what a text-keyed router sees.
+adapter's uid and salted by tenant: motet/engine/block_manager.py), the blocks it leaves in the cache (prompt and
+reply), and the same prompt hashed without adapter or salt: the prompt text alone, which is what a text-keyed
+router sees.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from motet.engine.block_manager import chain_block_hashes, matchable_tokens
+from motet.engine.block_manager import chain_block_hashes, matchable_tokens, prefix_salt
 
 
 @dataclass(frozen=True)
@@ -89,18 +90,19 @@ def _conversation(cfg, rng, conv, start, tenant, adapter, system) -> list[TraceR
     while turns < cfg.max_turns and rng.random() > 1.0 / cfg.mean_turns:
         turns += 1
     tokens = list(system)
-    hashes: list[int] = []  # the chain with the adapter, extended as the conversation grows
-    text: list[int] = []  # and without it
+    salt = prefix_salt(f"tenant-{tenant}", None)
+    hashes: list[int] = []  # the chain with the adapter and salt, extended as the conversation grows
+    text: list[int] = []  # and without them
     out, think = [], 0.0
     for turn in range(turns):
         tokens += [rng.randrange(cfg.vocab) for _ in range(rng.randint(*cfg.user_tokens))]
         n_prompt, n_out = len(tokens), rng.randint(*cfg.output_tokens)
         lookup = matchable_tokens(n_prompt)
-        chain_block_hashes(tokens, adapter, bs, lookup, hashes)
-        chain_block_hashes(tokens, 0, bs, lookup, text)
+        chain_block_hashes(tokens, adapter, salt, bs, lookup, hashes)
+        chain_block_hashes(tokens, 0, 0, bs, lookup, text)
         block_hashes, text_hashes = tuple(hashes[: lookup // bs]), tuple(text[: lookup // bs])
         tokens += [rng.randrange(cfg.vocab) for _ in range(n_out)]
-        chain_block_hashes(tokens, adapter, bs, len(tokens), hashes)
+        chain_block_hashes(tokens, adapter, salt, bs, len(tokens), hashes)
         out.append(
             TraceRequest(
                 arrival=start,

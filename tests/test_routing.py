@@ -116,27 +116,29 @@ def test_route_hashes_are_the_blocks_the_engine_caches(tiny_engine):
 
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fox."}]
     spec = GenerateSpec(["r"], [SamplingParams(max_tokens=1)], messages=messages)
-    hashes = route_hashes(tiny_engine.tokenizer, spec, tiny_engine.config.block_size)
+    hashes = route_hashes(tiny_engine.tokenizer, spec, tiny_engine.config.block_size, False)
     prompt = tiny_engine.tokenizer.encode_chat(messages)
     assert len(hashes) == (len(prompt) - 1) // 4 > 2
-    tiny_engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    tiny_engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), tenant=spec.tenant)
     while tiny_engine.has_unfinished():
         tiny_engine.step()
     assert set(hashes) <= set(tiny_engine.block_manager.cached)  # what a second request would hit
-    again = tiny_engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    again = tiny_engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), tenant=spec.tenant)
     (out,) = tiny_engine.step()
     assert out.request_id == again and out.num_cached_tokens == len(hashes) * 4
 
 
 def test_block_hashes_agree_across_processes():
-    code = "from motet.cluster.prompt_blocks import block_hashes; print(block_hashes(list(range(40)), 7, 16))"
+    code = (
+        "from motet.cluster.prompt_blocks import block_hashes; print(block_hashes(list(range(40)), 7, 5, 16))"
+    )
     runs = {
         subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stdout
         for _ in range(2)
     }
     from motet.cluster.prompt_blocks import block_hashes
 
-    assert runs == {f"{block_hashes(list(range(40)), 7, 16)}\n"}
+    assert runs == {f"{block_hashes(list(range(40)), 7, 5, 16)}\n"}
 
 
 # -- reports ----------------------------------------------------------------------------------------------------

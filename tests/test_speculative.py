@@ -175,7 +175,7 @@ def test_preemption_and_the_prefix_cache_keep_no_rejected_draft(tiny_model_dir):
     for p, out in zip(prompts, outs, strict=True):
         tokens, h = p + out.token_ids, None
         for i in range(len(tokens) // 4):
-            h = block_hash(h, 0, tuple(tokens[4 * i : 4 * i + 4]))
+            h = block_hash(h, 0, 0, tuple(tokens[4 * i : 4 * i + 4]))  # offline: no salt
             real.add(h)
     assert bm.cached and set(bm.cached) <= real
 

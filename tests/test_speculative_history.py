@@ -1,5 +1,6 @@
 """Drafts from a scope's recent outputs (motet/engine/speculative/history.py) against a brute-force n-gram count
-over the outputs the history should still hold; scopes never mix and memory stays bounded."""
+over the outputs the history should still hold; scopes never mix and memory stays bounded (per tenant:
+tests/test_tenant_isolation.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ from collections import Counter
 
 import pytest
 
-from motet.engine.speculative.history import OutputHistory
+from motet.engine.speculative.history import DraftScope, OutputHistory
 
 MAX_N = 4
+
+
+def scope(tenant="t", adapter=0) -> DraftScope:
+    return DraftScope(tenant, None, adapter, None, False)
+
+
+S = scope()
 
 
 def brute_force_walk(outputs: list[list[int]], context: list[int], k: int, allowed=None, floor=0.05):
@@ -75,17 +83,17 @@ def random_outputs(rng: random.Random, n: int) -> list[list[int]]:
 @pytest.mark.parametrize("seed", range(6))
 def test_walk_matches_a_brute_force_count(seed):
     rng = random.Random(seed)
-    history = OutputHistory(MAX_N, tokens_per_scope=10_000)
+    history = OutputHistory(MAX_N, tokens_per_scope=10_000, tokens_per_tenant=10_000)
     lead_in = [99, 98]
     kept = []
     for out in random_outputs(rng, 8):
-        history.record("s", lead_in, out)
+        history.record(S, lead_in, out)
         kept.append(lead_in + out)
         for _ in range(5):
             ref = rng.choice(kept)
             cut = rng.randint(1, len(ref))
             context = ref[:cut]
-            got = history.propose("s", context, 6, min_chance=0.05)
+            got = history.propose(S, context, 6, min_chance=0.05)
             want = brute_force_walk(kept, context, 6)
             assert got[0] == want[0], (context, got, want)
             assert got[1] == pytest.approx(want[1])
@@ -96,11 +104,11 @@ def test_a_constraint_picks_the_most_frequent_token_it_allows():
     history = OutputHistory(MAX_N)
     outs = random_outputs(rng, 6)
     for out in outs:
-        history.record("s", [], out)
+        history.record(S, [], out)
     for banned in ([10], [10, 11], [2, 5, 12]):
         for context in ([1, 2, 3], [4, 5], [3]):
             walk = Forbid(banned)
-            got = history.propose("s", context, 5, walk, min_chance=0.01)
+            got = history.propose(S, context, 5, walk, min_chance=0.01)
             want = brute_force_walk(outs, context, 5, lambda t, b=set(banned): t not in b, floor=0.01)
             assert got[0] == want[0]
             assert got[1] == pytest.approx(want[1])
@@ -112,7 +120,7 @@ def test_old_outputs_leave_the_counts_when_the_scope_is_full():
     history = OutputHistory(MAX_N, tokens_per_scope=60)
     recorded = []
     for out in random_outputs(rng, 12):
-        history.record("s", [], out)
+        history.record(S, [], out)
         recorded.append(out)
     kept, size = [], 0
     for out in reversed(recorded):  # the newest outputs that fit, as the history keeps them
@@ -121,25 +129,26 @@ def test_old_outputs_leave_the_counts_when_the_scope_is_full():
         kept.insert(0, out)
         size += len(out)
     for context in ([1, 2, 3], [4, 5], [9], [6, 7], [12]):
-        got = history.propose("s", context, 6)
+        got = history.propose(S, context, 6)
         assert got[0] == brute_force_walk(kept, context, 6)[0]
 
 
 def test_scopes_never_mix_and_are_bounded():
-    history = OutputHistory(MAX_N, max_scopes=3)
-    history.record(("tenant-a", 0, None), [], [1, 2, 3, 4])
-    assert history.propose(("tenant-b", 0, None), [1, 2], 4) == ([], [])
-    assert history.propose(("tenant-a", 1, None), [1, 2], 4) == ([], [])  # another adapter
-    assert history.propose(("tenant-a", 0, None), [1, 2], 4)[0] == [3, 4]
+    history = OutputHistory(MAX_N, scopes_per_tenant=3)
+    history.record(scope("tenant-a", 0), [], [1, 2, 3, 4])
+    assert history.propose(scope("tenant-b", 0), [1, 2], 4) == ([], [])
+    assert history.propose(scope("tenant-a", 1), [1, 2], 4) == ([], [])  # another adapter
+    assert history.propose(scope("tenant-a", 0), [1, 2], 4)[0] == [3, 4]
     for i in range(5):
-        history.record(("tenant-c", i, None), [], [7, 8])
-    assert len(history) == 3  # the least recently used scopes were dropped
-    assert history.propose(("tenant-a", 0, None), [1, 2], 4) == ([], [])
+        history.record(scope("tenant-a", 10 + i), [], [7, 8])
+    assert len(history) == 3  # the tenant's least recently used scopes were dropped
+    assert history.propose(scope("tenant-a", 0), [1, 2], 4) == ([], [])
 
 
-def test_a_token_budget_over_all_scopes():
-    history = OutputHistory(MAX_N, tokens_per_scope=100, max_tokens=250)
+def test_a_token_budget_over_a_tenants_scopes():
+    history = OutputHistory(MAX_N, tokens_per_scope=100, tokens_per_tenant=250)
     for i in range(10):
-        history.record(i, [], list(range(60)))
+        history.record(scope("t", i), [], list(range(60)))
     assert history.num_tokens <= 250 and len(history) == 4  # the newest scopes, 60 tokens each
-    assert history.propose(9, [5, 6], 2)[0] == [7, 8] and history.propose(5, [5, 6], 2) == ([], [])
+    assert history.propose(scope("t", 9), [5, 6], 2)[0] == [7, 8]
+    assert history.propose(scope("t", 5), [5, 6], 2) == ([], [])

@@ -157,6 +157,7 @@ class SchedulerActor(Actor):
                     if first and out.prompt_logprobs is not None
                     else None,
                     num_cached_tokens=out.num_cached_tokens,
+                    timings=out.timings,
                 )
             )
             if out.finished:

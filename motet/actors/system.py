@@ -56,6 +56,8 @@ class Stats:
     waiting_adapters: tuple[str, ...] = ()
     queued_adapters: tuple[str, ...] = ()  # adapters of requests in the adapter queues, not yet admitted
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
+    prompt_tokens: int = 0  # processed so far (EngineStats.prompt_tokens)
+    generation_tokens: int = 0
     tenants: tuple[TenantStats, ...] = ()  # in the order they are served next (one replica's engine only)
 
 
@@ -131,6 +133,8 @@ class ServingSystem:
                 sorted({a.name for a, n in self.queues.depth_by_adapter().items() if a is not None and n})
             ),
             speculative=es.speculative,
+            prompt_tokens=es.prompt_tokens,
+            generation_tokens=es.generation_tokens,
             tenants=self._tenant_stats(es.tenants),
         )
 

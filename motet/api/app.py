@@ -25,6 +25,7 @@ from motet.api.adapters import (
 )
 from motet.api.errors import APIError, handle_exception, to_response
 from motet.api.openai import chat_completions, completions
+from motet.api.playground import playground_routes
 from motet.api.responses import create_response, delete_response, get_response
 from motet.api.responses_request import ResponsesRequest
 from motet.api.state import ServerState
@@ -87,7 +88,9 @@ async def models(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus text; under --api-keys only an admin key reads it (it names every tenant's adapters)."""
     state: ServerState = request.app.state.motet
+    state.auth.check_admin(request.headers.get("authorization"))
     if state.system.ready:
         state.metrics.refresh(state.system.stats(), state.system.engine.config.max_loras)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -262,7 +265,14 @@ def openapi_schema() -> dict:
                 }
             },
             "/metrics": {
-                "get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}
+                "get": {
+                    "summary": "Prometheus metrics; with --api-keys, an admin key only",
+                    "responses": {
+                        "200": {"description": "metrics"},
+                        "401": {"description": "no or unknown key"},
+                        "403": {"description": "not an admin key"},
+                    },
+                }
             },
         },
         "components": {"schemas": defs.get("$defs", {})},
@@ -299,6 +309,13 @@ class CountRequests:
             self.state.metrics.requests.labels(endpoint, str(status)).inc()
 
 
+def _reason(e: BaseException) -> str:
+    """One line: the innermost cause, as the operator should read it."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return f"{type(e).__name__}: {e}"
+
+
 def create_app(state: ServerState) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -308,7 +325,8 @@ def create_app(state: ServerState) -> Starlette:
                 try:
                     await state.system.run()
                 except Exception as e:  # start-up failed: /health says why; the server decides to exit
-                    log.exception("the serving system failed")
+                    log.error("the serving system failed: %s", _reason(e))
+                    log.debug("the serving system failed", exc_info=e)
                     state.fatal = e
 
             tg.start_soon(run_system)
@@ -335,6 +353,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/health", guarded(health), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
+        *playground_routes(),  # the chat page at /
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: handle_exception})
     app.state.motet = state

@@ -7,6 +7,9 @@ part, `function_call`) in the order the model wrote them, and each step is an ev
 ..., `response.output_item.done`). A whole (non-streamed) response is built by the same code from the
 whole text, so a client that accumulates the events gets exactly the stored response's output.
 Events are returned without their `sequence_number`: the stream numbers what it sends.
+
+`model_visible` is the other direction: items (a request's input, a stored output) reduced to what the model is
+shown of them again, which is all a stored conversation keeps.
 """
 
 from __future__ import annotations
@@ -103,6 +106,40 @@ class OutputItems:
             index = self.items.index(item)
             events.append(_event("response.function_call_arguments.delta", item, index, delta=fragment))
         return events
+
+
+# The fields motet/api/responses_request.py `to_messages` reads of each kind of item (and of a content part);
+# reasoning items are never shown to the model again.
+_VISIBLE_KEYS = {
+    "message": ("type", "role", "content"),
+    "function_call": ("type", "call_id", "name", "arguments"),
+    "function_call_output": ("type", "call_id", "output"),
+}
+_VISIBLE_PART_KEYS = ("type", "text", "refusal")
+
+
+def model_visible(items: list) -> list:
+    """The items as the model sees them: what to_messages reads, nothing else. Reasoning items, ids,
+    statuses, `encrypted_content`, `annotations` and `logprobs` are dropped, so a stored conversation is
+    bounded by the text the model was shown. Items of kinds it does not know are kept whole (the request
+    validation accepted them, so they mean something)."""
+    out = []
+    for item in items:
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "reasoning":
+            continue
+        if kind not in _VISIBLE_KEYS:
+            out.append(item)
+            continue
+        kept = {key: item[key] for key in _VISIBLE_KEYS[kind] if key in item} | {"type": kind}
+        for key in ("content", "output"):
+            if isinstance(kept.get(key), list):
+                kept[key] = [
+                    {k: p[k] for k in _VISIBLE_PART_KEYS if k in p} if isinstance(p, dict) else p
+                    for p in kept[key]
+                ]
+        out.append(kept)
+    return out
 
 
 def _event(kind: str, item: dict, index: int, **fields) -> dict:

@@ -5,11 +5,18 @@ spec, grammar and tool handling (motet/api/openai.py `chat_spec`), the same acto
 (motet/api/chat_output.py), whose deltas become output items and typed events (motet/api/response_items.py). The
 response is stored for its tenant (motet/api/response_store.py) unless `store` is false, so a later request
 continues the conversation with `previous_response_id`, after a restart too.
+
+The store failing never loses an answer: a response that could not be stored (a full disk, an I/O error, a
+tenant's limit reached while it was generated) is returned all the same, marked `store: false`, with a
+warning; a stream always ends with its terminal event. A request the store has no room for is refused before
+it is generated (400 naming the limit), and reading the store when it fails is a 507 / 503 saying why.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,18 +28,42 @@ from starlette.responses import JSONResponse, Response
 
 from motet.actors.reply import ReplyStream, merge_streams
 from motet.api.chat_output import ChatOutput
-from motet.api.errors import APIError, from_serving_error, from_validation_error
-from motet.api.openai import accept_request, chat_output, chat_spec, submit, with_warnings
+from motet.api.errors import APIError, from_validation_error
+from motet.api.openai import (
+    MAX_WARNING_CHARS,
+    WARNING_HEADER,
+    accept_request,
+    chat_output,
+    chat_spec,
+    submit,
+    with_warnings,
+)
 from motet.api.response_items import OutputItems
-from motet.api.response_store import ResponseStore
+from motet.api.response_store import ConversationTooLong, QuotaExceeded, ResponseStore
 from motet.api.responses_request import ResponsesRequest, chat_request, input_items, renamed
 from motet.api.state import ServerState
-from motet.api.streams import Choice, EventStream, collect, observe, release, usage
+from motet.api.storage_errors import StorageFailure, storage_error
+from motet.api.streams import Choice, EventStream, collect, internal_error, observe, release, usage
+
+log = logging.getLogger("motet.api")
+
+MAX_ECHOED_ID_CHARS = 80  # ids are `resp_` and 32 hex digits: a longer one is not echoed whole
 
 
 def _not_found(response_id: str, param: str, status: int = 404) -> APIError:
     code = "previous_response_not_found" if param == "previous_response_id" else "not_found"
-    return APIError(status, f"No response found with id '{response_id}'.", param=param, code=code)
+    shown = (
+        response_id if len(response_id) <= MAX_ECHOED_ID_CHARS else response_id[:MAX_ECHOED_ID_CHARS] + "..."
+    )
+    return APIError(status, f"No response found with id '{shown}'.", param=param, code=code)
+
+
+async def _from_store(what: str, call, *args):
+    """A response store call, in a worker thread; the store failing is a 507 / 503 that says so."""
+    try:
+        return await anyio.to_thread.run_sync(functools.partial(call, *args))
+    except StorageFailure as e:
+        raise storage_error(e, what) from None
 
 
 # -- the Response object ------------------------------------------------------------------------------------
@@ -56,6 +87,7 @@ class ResponseRun:
         self.history, self.output, self.choice = history, output, choice
         self.created_at = int(time.time())
         self.items = OutputItems()
+        self.warning: str | None = None  # why the response was not stored, when storing failed
 
     def response(self, status: str, error: dict | None = None) -> dict:
         req = self.req
@@ -119,15 +151,36 @@ class ResponseRun:
         self._finish_events()
         return self.response(self._status())
 
-    async def save(self, response: dict) -> None:
+    async def save(self, response: dict) -> dict:
+        """Store the response (unless `store` is false) and return it as the client gets it: if storing
+        fails, the answer is not lost but returned marked `store: false`, with a warning (self.warning)."""
         store: ResponseStore | None = self.state.responses
-        if self.req.stored and store is not None:
-            context = [*self.history, *input_items(self.req)]
-            await anyio.to_thread.run_sync(store.put, self.tenant, response, context)
+        if not self.req.stored or store is None:
+            return response
+        put = functools.partial(store.put, self.tenant, response, input_items(self.req),
+                                self.req.previous_response_id, self.history)  # fmt: skip
+        try:
+            await anyio.to_thread.run_sync(put)
+        except (StorageFailure, QuotaExceeded) as e:
+            what = "the response was not stored"
+            self.warning = storage_error(e, what).message if isinstance(e, StorageFailure) else f"{what}: {e}"
+            log.warning("%s: %s", self.rid, self.warning)
+            return response | {"store": False}
+        return response
+
+    def warn(self, response: Response) -> Response:
+        """The storing failure, if any, in the warning header (after the grammar's warnings)."""
+        if self.warning is not None:
+            value = "; ".join(
+                filter(None, (response.headers.get(WARNING_HEADER), json.dumps(self.warning)[1:-1]))
+            )
+            response.headers[WARNING_HEADER] = value[:MAX_WARNING_CHARS]
+        return response
 
     async def events(self, streams: list[ReplyStream]) -> AsyncIterator[str]:
         """The SSE body: response.created, in_progress, the items' events, then completed / incomplete
-        (stored first, so a client that sees it can continue from it at once) or failed."""
+        (stored first, so a client that sees it can continue from it at once) or failed. It always ends
+        with one of those: whatever fails on the way (the engine, a bug) ends it with response.failed."""
         seq = 0
 
         def send(event: dict) -> str:
@@ -136,25 +189,28 @@ class ResponseRun:
             seq += 1
             return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
 
-        yield send({"type": "response.created", "response": self.response("in_progress")})
-        yield send({"type": "response.in_progress", "response": self.response("in_progress")})
-        async for _, delta in merge_streams(streams):
-            self.choice.add(delta)
-            if delta.error is not None:
-                err = from_serving_error(delta.error)
-                failed = self.response("failed", {"code": "server_error", "message": err.message})
-                await self.save(failed)
-                yield send({"type": "response.failed", "response": failed})
-                return
-            for event in self.items.feed(self.output.feed(delta.text)) if delta.text else []:
-                yield send(event)
-            if delta.finished:
-                observe(self.state, self.choice)
-                for event in self._finish_events():
+        try:
+            yield send({"type": "response.created", "response": self.response("in_progress")})
+            yield send({"type": "response.in_progress", "response": self.response("in_progress")})
+            async for _, delta in merge_streams(streams):
+                self.choice.add(delta)
+                if delta.error is not None:
+                    raise delta.error
+                for event in self.items.feed(self.output.feed(delta.text)) if delta.text else []:
                     yield send(event)
-        status = self._status()
-        final = self.response(status)
-        await self.save(final)
+                if delta.finished:
+                    observe(self.state, self.choice)
+                    for event in self._finish_events():
+                        yield send(event)
+            status = self._status()
+            final = await self.save(self.response(status))
+        except Exception as e:  # cancellation (the client left) is not an Exception: nothing to send then
+            err = internal_error(e)
+            failed = await self.save(
+                self.response("failed", {"code": "server_error", "message": err.message})
+            )
+            yield send({"type": "response.failed", "response": failed})
+            return
         yield send({"type": f"response.{status}", "response": final})
 
 
@@ -164,23 +220,37 @@ def _tenant(request: Request) -> tuple[ServerState, str]:
     return state, state.auth.tenant(request.headers.get("authorization"))
 
 
-async def _history(state: ServerState, tenant: str, req: ResponsesRequest) -> list[dict]:
-    """The conversation `previous_response_id` continues (the tenant's own responses only)."""
+async def _history(state: ServerState, tenant: str, req: ResponsesRequest) -> tuple[list[dict], int]:
+    """The conversation `previous_response_id` continues (the tenant's own responses only), and its turns."""
     if req.previous_response_id is None:
-        return []
+        return [], 0
     if state.responses is None:
         raise APIError(400, "this server stores no responses", param="previous_response_id")
-    prev = await anyio.to_thread.run_sync(state.responses.get, tenant, req.previous_response_id)
+    what = "the previous response could not be read"
+    prev = await _from_store(what, state.responses.conversation, tenant, req.previous_response_id)
     if prev is None:
         raise _not_found(req.previous_response_id, "previous_response_id", status=400)
-    return prev.conversation()
+    return prev.items, prev.turns
+
+
+async def _admit(state: ServerState, tenant: str, req: ResponsesRequest, turns: int) -> None:
+    """Refuse, before generating it, a response the store has no room for."""
+    try:
+        what = "the response store could not be read"
+        await _from_store(what, state.responses.admit, tenant, input_items(req), turns)
+    except QuotaExceeded as e:
+        raise APIError(400, str(e), param="store", code="storage_quota_exceeded") from None
+    except ConversationTooLong as e:
+        raise APIError(400, str(e), param="previous_response_id", code="conversation_too_long") from None
 
 
 async def create_response(request: Request) -> Response:
     state, tenant, req, adapter = await accept_request(request, ResponsesRequest)
     if req.store is True and state.responses is None:
         raise APIError(400, "this server stores no responses: send store false", param="store")
-    history = await _history(state, tenant, req)
+    history, turns = await _history(state, tenant, req)
+    if req.stored and state.responses is not None:
+        await _admit(state, tenant, req, turns)
     rid = f"resp_{uuid.uuid4().hex}"
     try:
         spec, structure, _, _ = chat_spec(state, tenant, adapter, chat_request(req, history), rid)
@@ -203,9 +273,8 @@ async def create_response(request: Request) -> Response:
         if req.stream:
             return with_warnings(EventStream(state, streams, run.events(streams), done=False), structure, rid)
         await collect(request, state, [choice], streams)
-        response = run.whole()
-        await run.save(response)
-        return with_warnings(JSONResponse(response), structure, rid)
+        response = await run.save(run.whole())
+        return run.warn(with_warnings(JSONResponse(response), structure, rid))
     except BaseException:
         release(state, streams)
         raise
@@ -228,18 +297,20 @@ async def get_response(request: Request) -> Response:
     _refuse_query(request)
     response_id = request.path_params["response_id"]
     stored = (
-        await anyio.to_thread.run_sync(state.responses.get, tenant, response_id) if state.responses else None
+        await _from_store("the response could not be read", state.responses.get, tenant, response_id)
+        if state.responses
+        else None
     )
     if stored is None:
         raise _not_found(response_id, "response_id")
-    return JSONResponse(stored.response)
+    return JSONResponse(stored)
 
 
 async def delete_response(request: Request) -> Response:
     state, tenant = _tenant(request)
     response_id = request.path_params["response_id"]
-    deleted = state.responses is not None and await anyio.to_thread.run_sync(
-        state.responses.delete, tenant, response_id
+    deleted = state.responses is not None and await _from_store(
+        "the response could not be deleted", state.responses.delete, tenant, response_id
     )
     if not deleted:
         raise _not_found(response_id, "response_id")

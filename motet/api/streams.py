@@ -1,11 +1,13 @@
 """Reading reply streams for one HTTP request: accumulate choices, collect them, or relay them as SSE.
 
-However a request ends (finished, failed, client gone), what still runs in the engine is aborted.
+However a request ends (finished, failed, client gone), what still runs in the engine is aborted, and a stream
+that fails midway (the engine, a bug, the disk) still ends with an error event: never a cut connection.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,7 +21,9 @@ from motet.actors.reply import Delta, ReplyStream, merge_streams
 from motet.api import protocol as P
 from motet.api.errors import APIError, from_serving_error
 from motet.api.state import ServerState
-from motet.engine.sequence import TokenLogprob
+from motet.engine.sequence import RequestTimings, TokenLogprob
+
+log = logging.getLogger("motet.api")
 
 
 def release(state: ServerState, streams: list[ReplyStream]) -> None:
@@ -49,6 +53,9 @@ class Choice:
         default_factory=list
     )  # after the first delta: (s/token, tokens)
     error: ServingError | None = None
+    timings: RequestTimings | None = None  # the engine's, with the final delta
+    prompt_index: int = 0  # which prompt of the request it answers (completions take several)
+    observed: bool = False  # counted in the metrics
 
     def add(self, d: Delta) -> None:
         if d.token_ids:
@@ -67,9 +74,12 @@ class Choice:
             self.finish_reason = d.finish_reason
         self.num_cached_tokens = d.num_cached_tokens
         self.error = self.error or d.error
+        self.timings = d.timings or self.timings
 
 
-def observe(state: ServerState, c: Choice) -> None:
+def observe(state: ServerState, c: Choice, choices: list[Choice] | None = None) -> None:
+    """A finished choice in the metrics; `choices`: the request's (the most tokens one choice of a prompt
+    generated is counted once all of that prompt's choices are)."""
     if c.error is not None or c.first_token is None:
         return
     m, end = state.metrics, time.perf_counter()
@@ -78,7 +88,19 @@ def observe(state: ServerState, c: Choice) -> None:
     if len(c.token_ids) > 1:
         m.tpot.observe((end - c.first_token) / (len(c.token_ids) - 1))
     m.generation_tokens.inc(len(c.token_ids))
-    m.observe_request(c.first_token - c.arrival, end - c.arrival, c.token_gaps)
+    m.observe_request(
+        c.first_token - c.arrival,
+        end - c.arrival,
+        c.token_gaps,
+        prompt_tokens=len(c.prompt_ids),
+        generation_tokens=len(c.token_ids),
+        finish_reason=c.finish_reason,
+        timings=c.timings,
+    )
+    c.observed = True
+    group = [x for x in choices or [c] if x.prompt_index == c.prompt_index]
+    if all(x.observed for x in group):
+        m.observe_group(max(len(x.token_ids) for x in group))
 
 
 async def collect(request: Request, state: ServerState, choices: list[Choice], streams: list[ReplyStream]):
@@ -105,7 +127,7 @@ async def collect(request: Request, state: ServerState, choices: list[Choice], s
     for c in choices:
         if c.error is not None:
             raise from_serving_error(c.error)
-        observe(state, c)
+        observe(state, c, choices)
 
 
 def usage(prompts: list[list[int]], choices: list[Choice], drop_output: bool) -> P.Usage:
@@ -127,14 +149,24 @@ def sse(payload) -> str:
     return f"data: {data}\n\n"
 
 
+def internal_error(e: Exception) -> APIError:
+    """What the client of a stream is told when it fails midway; a failure that is no API error is logged."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ServingError):
+        return from_serving_error(e)
+    log.error("a stream failed midway", exc_info=e)
+    return APIError(500, f"internal server error: {type(e).__name__}")
+
+
 async def relay(chunks: AsyncIterator[str], done: bool = True) -> AsyncIterator[str]:
     """The SSE body: the handler's chunks, an error event if a request fails midway, then [DONE]
     (unless `done` is false: the Responses API ends with its own last event)."""
     try:
         async for chunk in chunks:
             yield chunk
-    except (ServingError, APIError) as e:
-        yield sse((from_serving_error(e) if isinstance(e, ServingError) else e).body())
+    except Exception as e:  # not cancellation (the client is gone): that is no Exception
+        yield sse(internal_error(e).body())
     if done:
         yield sse("[DONE]")
 

@@ -1,6 +1,7 @@
 """A request's route at the ingress: its prompt rendered and tokenized as a replica's ingress actor will
 (motet/actors/ingress.py), then its leading full blocks hashed as the engine's block manager will (keyed by the
-adapter's uid), so the router asks about exactly the blocks a replica would find in its prefix cache.
+adapter's uid and salted by tenant and cache_salt), so the router asks about exactly the blocks a replica would
+find in its prefix cache, and a prefix cached for one tenant draws no other tenant's request to its replica.
 
 Routing only: a prompt this cannot render gets no blocks (the replica answers its error), and a very long
 one is hashed from its first ROUTING_MAX_CHARS characters.
@@ -8,7 +9,7 @@ one is hashed from its first ROUTING_MAX_CHARS characters.
 
 from __future__ import annotations
 
-from motet.engine.block_manager import chain_block_hashes, matchable_tokens
+from motet.engine.block_manager import chain_block_hashes, matchable_tokens, prefix_salt
 from motet.engine.tokenizer import Tokenizer
 
 ROUTING_MAX_CHARS = 65536  # enough for every block a cache is likely to hold; bounds the ingress's work
@@ -32,15 +33,18 @@ def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[i
     return ids
 
 
-def block_hashes(token_ids: list[int], adapter_uid: int, block_size: int) -> tuple[int, ...]:
+def block_hashes(token_ids: list[int], adapter_uid: int, salt: int, block_size: int) -> tuple[int, ...]:
     """The chained hashes of the blocks a prefix-cache hit may cover, as the engine computes them."""
-    return tuple(chain_block_hashes(token_ids, adapter_uid, block_size, matchable_tokens(len(token_ids))))
+    upto = matchable_tokens(len(token_ids))
+    return tuple(chain_block_hashes(token_ids, adapter_uid, salt, block_size, upto))
 
 
-def route_hashes(tokenizer: Tokenizer, spec, block_size: int) -> tuple[int, ...]:
+def route_hashes(tokenizer: Tokenizer, spec, block_size: int, shared_prefix_cache: bool) -> tuple[int, ...]:
+    """`shared_prefix_cache`: the engines' setting (EngineConfig), on which the salt depends."""
     adapter_uid = spec.adapter.uid if spec.adapter is not None else 0
+    salt = prefix_salt(spec.tenant, spec.params[0].cache_salt, shared_prefix_cache)
     try:
         ids = prompt_token_ids(tokenizer, spec)
     except ValueError:  # the replica will say what is wrong with the prompt
         return ()
-    return block_hashes(ids, adapter_uid, block_size)
+    return block_hashes(ids, adapter_uid, salt, block_size)

@@ -1,13 +1,16 @@
 """Paged KV block manager with prefix caching.
 
 Blocks are fixed-size slabs of the KV cache. A sequence owns a block table; full blocks are
-registered under a chained hash (parent hash, adapter id, token ids), so a later sequence with the
-same prefix *and the same adapter* reuses them without copying. Free blocks keep their hash until
-they are reused: the free list is an LRU, and a cache hit pulls a block back out of it.
+registered under a chained hash (parent hash, adapter id, salt, token ids), so a later sequence with the
+same prefix, the same adapter *and the same salt* reuses them without copying. The salt keeps tenants
+apart: a cache hit is observable (`cached_tokens`, a faster first token), so a block shared across tenants
+would tell one tenant what another's prompts hold. Free blocks keep their hash until they are reused: the
+free list is an LRU, and a cache hit pulls a block back out of it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -18,9 +21,22 @@ NO_PARENT = -1  # the first block's parent: CPython never returns -1 from hash()
 # computes the same chain as the engine (cluster/).
 
 
-def block_hash(parent: int | None, adapter_id: int, token_ids: tuple[int, ...]) -> int:
-    # The adapter id is part of the key: KV depends on the adapter's k/v deltas.
-    return hash((NO_PARENT if parent is None else parent, adapter_id, token_ids))
+def prefix_salt(tenant: str | None, cache_salt: str | None, shared_across_tenants: bool = False) -> int:
+    """The salt of a request's prefix-cache keys: blocks are shared only between requests of the same tenant
+    (unless the operator shares the cache across tenants) and the same `cache_salt` (vLLM's request field).
+    0 when neither applies (the offline engine; a shared cache without cache_salt). A digest, not hash():
+    str hashes differ per process, and a router elsewhere must compute the same keys (cluster/)."""
+    owner = None if shared_across_tenants else tenant
+    if owner is None and cache_salt is None:
+        return 0
+    digest = hashlib.blake2b(repr((owner, cache_salt)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1 or 1  # a positive 63-bit int, never 0
+
+
+def block_hash(parent: int | None, adapter_id: int, salt: int, token_ids: tuple[int, ...]) -> int:
+    # The adapter id is part of the key (KV depends on the adapter's k/v deltas), and so is the salt (whose
+    # cache it is). Both in every block, not only the first: a block found by its hash is never another's.
+    return hash((NO_PARENT if parent is None else parent, adapter_id, salt, token_ids))
 
 
 def matchable_tokens(num_tokens: int) -> int:
@@ -30,14 +46,19 @@ def matchable_tokens(num_tokens: int) -> int:
 
 
 def chain_block_hashes(
-    token_ids, adapter_id: int, block_size: int, upto_tokens: int, hashes: list[int] | None = None
+    token_ids,
+    adapter_id: int,
+    salt: int,
+    block_size: int,
+    upto_tokens: int,
+    hashes: list[int] | None = None,
 ) -> list[int]:
     """The chained hashes of the full blocks within the first `upto_tokens` tokens, extending `hashes`
-    (those of the leading blocks, already computed) in place."""
+    (those of the leading blocks, already computed) in place. `salt`: prefix_salt()."""
     hashes = [] if hashes is None else hashes
     for i in range(len(hashes), upto_tokens // block_size):
         tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        hashes.append(block_hash(hashes[-1] if hashes else None, adapter_id, tokens))
+        hashes.append(block_hash(hashes[-1] if hashes else None, adapter_id, salt, tokens))
     return hashes
 
 
@@ -79,7 +100,9 @@ class BlockManager:
     def _hashes(self, seq: Sequence, upto_tokens: int) -> list[int]:
         """Chained hashes of the sequence's full blocks within its first `upto_tokens` tokens."""
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
-        return chain_block_hashes(seq.token_ids, seq.adapter_id, self.block_size, upto_tokens, hashes)
+        return chain_block_hashes(
+            seq.token_ids, seq.adapter_id, seq.prefix_salt, self.block_size, upto_tokens, hashes
+        )
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks holding the longest cached prefix; returns the tokens covered."""

@@ -145,6 +145,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # Prefix-cache blocks are shared only within a tenant by default (a hit is observable, so a shared block
+    # would reveal another tenant's prompt); True shares base-model prefixes across tenants, as one trust
+    # domain. A request's cache_salt separates further either way (block_manager.prefix_salt).
+    shared_prefix_cache: bool = False
     max_loras: int = 8  # adapters resident on the device at once (distinct adapters per step)
     max_cpu_loras: int = 32  # loaded adapters kept in host memory in front of the disk
     max_lora_rank: int = 64  # device slots are zero-padded to this rank; higher-rank adapters are refused

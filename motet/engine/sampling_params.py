@@ -11,6 +11,7 @@ MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
 MAX_REPETITION_PENALTY = 10.0  # vLLM documents > 0; past 10 it only ever picks unseen tokens
 MAX_STOP_STRINGS = 32  # stop strings, and stop token ids, per request (OpenAI allows 4)
 MAX_STOP_STRING_CHARS = 1024
+MAX_CACHE_SALT_CHARS = 256  # a salt is hashed, never stored: this only bounds what a request may send
 
 
 def _show(value) -> str:
@@ -46,6 +47,9 @@ class SamplingParams:
     # Speculative decoding, where the engine has it on: False opts this request out (its output is the
     # same either way; this only trades the verification's extra tokens for fewer steps).
     speculative: bool = True
+    # vLLM's cache_salt: requests with different salts never share prefix-cache blocks (nor, in motet, the
+    # speculation history), on top of the tenant's own separation (block_manager.prefix_salt).
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -104,6 +108,10 @@ class SamplingParams:
             bad("stop_token_ids", f"must hold at most {MAX_STOP_STRINGS} token ids")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integer token ids")
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             bad("grammar", "must be a grammar spec (grammar.JsonSchemaSpec, RegexSpec, ...)")
 

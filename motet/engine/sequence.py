@@ -30,11 +30,27 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """A finished request's phases in seconds, as vLLM's request histograms define them: queued (arrival in
+    the serving system to first scheduled), prefill (first scheduled to first token), decode (first token to
+    the last); inference is prefill + decode. A preempted request keeps its first scheduling."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def inference_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
 @dataclass
 class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     adapter_id: int = 0  # 0: the base model; part of the prefix-cache hash
+    prefix_salt: int = 0  # whose prefix cache it is (block_manager.prefix_salt); part of the hash
     seq_id: int = field(default_factory=lambda: next(_ids))
     request_id: str | None = None
     arrival: int = 0  # tie-breaker for the scheduler's order
@@ -56,13 +72,20 @@ class Sequence:
     # sequence state (motet/engine/speculative/).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_state: object | None = None
-    # Whose recent outputs it may draft from: (tenant, adapter, kind of grammar, reasoning).
+    # Whose recent outputs it may draft from (a speculative.history.DraftScope): its tenant, cache_salt,
+    # adapter and kind of grammar.
     draft_scope: Hashable | None = None
     # Output text, as the engine commits tokens (set by the engine when it takes the request).
     detok: IncrementalDetokenizer | None = None
     stops: StopStringMatcher | None = None
     text: str = ""
     num_emitted: int = 0  # tokens already reported in a RequestOutput
+    # time.monotonic() when it entered the serving system, was first scheduled, and produced its first and
+    # its latest token (None: not yet), for RequestTimings.
+    arrival_time: float = 0.0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -88,6 +111,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def timings(self) -> RequestTimings:
+        scheduled = self.scheduled_time if self.scheduled_time is not None else self.arrival_time
+        first = self.first_token_time if self.first_token_time is not None else scheduled
+        last = self.last_token_time if self.last_token_time is not None else first
+        return RequestTimings(scheduled - self.arrival_time, first - scheduled, last - first)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

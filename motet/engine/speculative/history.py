@@ -8,18 +8,44 @@ of 1..max_n tokens, the tokens that followed it. A draft is the most frequent ne
 context seen, and its chance of acceptance is estimated from the counts: where the outputs agree
 (punctuation, the next key the grammar allows) drafts run on, where they differ (a value) they stop.
 Walked under the row's grammar, only the continuations it allows count, so requests with different schemas
-or tools can share a scope. Memory is bounded: a few thousand tokens per scope and a budget over all
-scopes, the least recently used scopes dropped first. Scopes never mix, so one tenant's outputs never shape
-another's drafts (drafts never change an output, but they change its timing).
+or tools can share a scope. Scopes never mix, so one tenant's outputs never shape another's drafts (drafts
+never change an output, but they change its timing).
+
+Memory is bounded per tenant, and no tenant's traffic can evict another's history (acceptance, and so
+timing, would depend on the other's load): each tenant has its own budget of scopes and tokens, its least
+recently used scopes dropped first. A tenant holds one of `max_tenants` slots from its first recorded output
+until it has been idle for `tenant_idle_s`; only then may a newcomer take its slot. While every slot is held
+by an active tenant, a newcomer's outputs are not kept (its rows draft from prompt lookup and the grammar).
+So memory stays under max_tenants x tokens_per_tenant, and a tenant loses its history only by its own
+idleness.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
-from collections.abc import Hashable
-from typing import Protocol
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 _MIN_CHANCE = 0.05  # stop drafting once the whole run's chance of acceptance falls below this
+
+# Budgets. About 2 KB a token at worst (all n-grams distinct): 16 x 8k tokens stay under ~270 MB, and
+# typical outputs, which repeat themselves, far less.
+MAX_TENANTS = 16  # tenants whose history is kept at once
+SCOPES_PER_TENANT = 32
+TOKENS_PER_TENANT = 8192
+TOKENS_PER_SCOPE = 4096
+TENANT_IDLE_S = 300.0  # a tenant idle this long may lose its slot to a newcomer
+
+
+class DraftScope(NamedTuple):
+    """Whose recent outputs a request may draft from."""
+
+    tenant: str | None
+    cache_salt: str | None  # the request's cache_salt: requests of different salts share nothing
+    adapter: int  # the adapter's uid (0: the base model)
+    grammar_kind: str | None
+    reasoning: bool
 
 
 class Constraint(Protocol):
@@ -90,38 +116,86 @@ class _ScopeModel:
         return iter(()), 0
 
 
+class _TenantHistory:
+    """One tenant's scopes, least recently used first, within the tenant's own budget."""
+
+    def __init__(self, now: float):
+        self.scopes: OrderedDict[DraftScope, _ScopeModel] = OrderedDict()
+        self.num_tokens = 0
+        self.last_used = now
+
+
 class OutputHistory:
-    """Recent outputs per scope, and the drafts they suggest."""
+    """Recent outputs per scope, and the drafts they suggest; budgets per tenant (see the module's doc)."""
 
     def __init__(
-        self, max_n: int = 4, max_scopes: int = 256, tokens_per_scope: int = 4096, max_tokens: int = 32768
+        self,
+        max_n: int = 4,
+        max_tenants: int = MAX_TENANTS,
+        scopes_per_tenant: int = SCOPES_PER_TENANT,
+        tokens_per_tenant: int = TOKENS_PER_TENANT,
+        tokens_per_scope: int = TOKENS_PER_SCOPE,
+        tenant_idle_s: float = TENANT_IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        # About 2 KB a token at worst (all n-grams distinct): 32k tokens in all stay under ~70 MB.
+        if not 0 < tokens_per_scope <= tokens_per_tenant:
+            raise ValueError(f"tokens_per_scope must be in [1, tokens_per_tenant], got {tokens_per_scope}")
         self.max_n = max_n
-        self.max_scopes, self.tokens_per_scope, self.max_tokens = max_scopes, tokens_per_scope, max_tokens
-        self._scopes: OrderedDict[Hashable, _ScopeModel] = OrderedDict()  # least recently used first
-        self.num_tokens = 0
+        self.max_tenants, self.scopes_per_tenant = max_tenants, scopes_per_tenant
+        self.tokens_per_tenant, self.tokens_per_scope = tokens_per_tenant, tokens_per_scope
+        self.tenant_idle_s, self.clock = tenant_idle_s, clock
+        self._tenants: dict[str | None, _TenantHistory] = {}
+        self.turned_away = 0  # outputs not kept: every tenant slot was held by an active tenant
 
     def __len__(self) -> int:
-        return len(self._scopes)
+        return sum(len(t.scopes) for t in self._tenants.values())
 
-    def record(self, scope: Hashable, lead_in: list[int], output: list[int]) -> None:
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.num_tokens for t in self._tenants.values())
+
+    @property
+    def max_tokens(self) -> int:
+        """The bound on the tokens kept, over all tenants."""
+        return self.max_tenants * self.tokens_per_tenant
+
+    def _slot(self, tenant: str | None, now: float) -> _TenantHistory | None:
+        """The tenant's history, given a slot if it has none and one is free or held by an idle tenant."""
+        held = self._tenants.get(tenant)
+        if held is not None:
+            return held
+        for other, h in list(self._tenants.items()):  # only a tenant's own idleness frees its slot
+            if now - h.last_used >= self.tenant_idle_s:
+                del self._tenants[other]
+        if len(self._tenants) >= self.max_tenants:
+            return None
+        held = self._tenants[tenant] = _TenantHistory(now)
+        return held
+
+    def record(self, scope: DraftScope, lead_in: list[int], output: list[int]) -> None:
         """A finished output of `scope`, after the prompt's last tokens `lead_in`."""
         if not output:
             return
-        model = self._scopes.pop(scope, None) or _ScopeModel(self.max_n)
-        self._scopes[scope] = model
-        self.num_tokens -= model.num_tokens
-        model.add(list(lead_in[-self.max_n :]) + list(output), self.tokens_per_scope)
-        self.num_tokens += model.num_tokens
-        while len(self._scopes) > 1 and (
-            len(self._scopes) > self.max_scopes or self.num_tokens > self.max_tokens
+        now = self.clock()
+        tenant = self._slot(scope.tenant, now)
+        if tenant is None:
+            self.turned_away += 1
+            return
+        tenant.last_used = now
+        model = tenant.scopes.pop(scope, None) or _ScopeModel(self.max_n)
+        tenant.scopes[scope] = model
+        tenant.num_tokens -= model.num_tokens
+        tokens = list(lead_in[-self.max_n :]) + list(output)
+        model.add(tokens[: self.tokens_per_scope], self.tokens_per_scope)  # its start: where outputs agree
+        tenant.num_tokens += model.num_tokens
+        while len(tenant.scopes) > 1 and (
+            len(tenant.scopes) > self.scopes_per_tenant or tenant.num_tokens > self.tokens_per_tenant
         ):
-            self.num_tokens -= self._scopes.popitem(last=False)[1].num_tokens
+            tenant.num_tokens -= tenant.scopes.popitem(last=False)[1].num_tokens
 
     def propose(
         self,
-        scope: Hashable,
+        scope: DraftScope,
         context: list[int],
         k: int,
         constraint: Constraint | None = None,
@@ -133,12 +207,14 @@ class OutputHistory:
         With a `constraint` (the row's grammar), each draft is the most frequent next token the grammar
         allows, and its chance counts only against the others it allows: where outputs differ only in
         what the grammar decides (the next key), the walk runs on."""
-        model = self._scopes.get(scope)
+        tenant = self._tenants.get(scope.tenant)
+        model = tenant.scopes.get(scope) if tenant is not None else None
         drafts: list[int] = []
         chances: list[float] = []
         if model is None or k <= 0:
             return drafts, chances
-        self._scopes.move_to_end(scope)
+        tenant.last_used = self.clock()
+        tenant.scopes.move_to_end(scope)
         context, chance = list(context[-self.max_n :]), 1.0
         while len(drafts) < k:
             ranked, total = model.candidates(context)

@@ -1,0 +1,51 @@
+"""The server's own storage failing (a full disk, an I/O error), as clean API errors.
+
+SQLite's and the OS's errors become one `StorageFailure` that says the real cause in words a tenant may read
+(never a server path), and whether the disk is full. As an answer: 507 Insufficient Storage when full, 503
+for any other I/O failure, both with Retry-After (space may be freed, a disk may come back).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+
+from motet.api.errors import APIError
+
+RETRY_AFTER_FULL_S = 30  # a full disk passes when the operator or the retention frees space: not at once
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # no space, or over a disk quota
+
+
+class StorageFailure(Exception):
+    def __init__(self, cause: str, full: bool):
+        super().__init__(cause)
+        self.cause, self.full = cause, full
+
+    @classmethod
+    def from_os(cls, e: OSError) -> StorageFailure:
+        cause = os.strerror(e.errno) if e.errno else type(e).__name__  # str(e) would name the server's paths
+        return cls(cause, e.errno in _FULL_ERRNOS)
+
+    @classmethod
+    def from_sqlite(cls, e: sqlite3.Error) -> StorageFailure:
+        full = getattr(e, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_FULL  # extended code -> primary
+        return cls(str(e), full)
+
+
+def is_storage_failure(e: BaseException) -> bool:
+    """SQLite errors that come from the file under it (full, I/O, locked, corrupt), not from a wrong query."""
+    return isinstance(e, sqlite3.OperationalError) or type(e) is sqlite3.DatabaseError
+
+
+def storage_error(e: StorageFailure, what: str) -> APIError:
+    """The answer to a request whose `what` failed on storage."""
+    if e.full:
+        return APIError(
+            507,
+            f"{what}: the server's storage is full ({e.cause})",
+            code="storage_full",
+            type="server_error",
+            headers={"Retry-After": str(RETRY_AFTER_FULL_S)},
+        )
+    return APIError(503, f"{what}: the server's storage failed ({e.cause})", code="storage_unavailable")
