@@ -257,7 +257,7 @@ def test_prometheus_evaluates_every_query_to_data(server, tmp_path):
         while True:  # the first scrapes, then load between them
             try:
                 up = httpx.get(api, params={"query": "up"}, timeout=10).json()["data"]["result"]
-            except httpx.TransportError:
+            except (httpx.TransportError, ValueError, KeyError):  # not listening yet, or not ready (503 text)
                 up = []
             if up and up[0]["value"][1] == "1":
                 break

@@ -64,7 +64,7 @@ def test_wrong_model_is_one_line_before_anything_listens(tmp_path):
     "flags, names",
     [
         (["--port", "eighty"], ["--port", "eighty"]),
-        (["--max-num-seqs", "0"], ["max_num_seqs"]),
+        (["--max-num-seqs", "0"], ["--max-num-seqs"]),
         (["--dtype", "float64"], ["--dtype", "float64"]),
         (["--log-stats-interval", "0"], ["--log-stats-interval"]),
     ],

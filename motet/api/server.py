@@ -39,18 +39,6 @@ def shared_loras(specs: list[str] | None, model_names: list[str]) -> dict[str, P
     return loras
 
 
-def _positive_float(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 # `motet serve` flag -> (GrammarLimits field, what it bounds); the flags' defaults are the fields'.
 GRAMMAR_LIMIT_FLAGS = {
     "--grammar-max-enum-values": ("max_enum_values", "values in one enum or guided_choice"),
@@ -353,7 +341,7 @@ def add_serve_args(p) -> None:
 
     p.add_argument(
         "--log-stats-interval",
-        type=_positive_float,
+        type=seconds(0, above=True),
         default=DEFAULT_INTERVAL_S,
         metavar="SECONDS",
         help="how often the throughput / load line is logged (at info while requests run, at debug when idle)",
