@@ -27,7 +27,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from motet.engine.config import DTYPES, GRAMMAR_BACKENDS, SPECULATIVE_MODES, EngineConfig
+    from motet.engine.config import (
+        CPU_STEP_TOKENS,
+        CUDA_STEP_TOKENS,
+        DTYPES,
+        GRAMMAR_BACKENDS,
+        SPECULATIVE_MODES,
+        EngineConfig,
+    )
 
     d = EngineConfig  # the defaults
     p.add_argument(
@@ -47,7 +54,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=integer(1), default=d.max_num_seqs, help="requests running at once")
     p.add_argument(
-        "--max-num-batched-tokens", type=integer(1), default=d.max_num_batched_tokens, help="per step"
+        "--max-num-batched-tokens",
+        type=integer(1),
+        default=None,
+        help=f"tokens per step (default: {CPU_STEP_TOKENS} on CPU, {CUDA_STEP_TOKENS} on CUDA)",
     )
     p.add_argument(
         "--max-model-len", type=integer(1), default=None, help="default: the model's context length"

@@ -101,6 +101,10 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
         config.num_threads = max(1, (os.cpu_count() or 2) - 1)
     config.grammar_limits = grammar_limits(args)
+    if args.tenant_weights:
+        from motet.engine.fairness import load_tenant_weights
+
+        config.tenant_weights = load_tenant_weights(args.tenant_weights)
     names = list(args.served_model_name or []) + [config.model]
     if config.model in DEFAULT_MODEL_ALIASES:
         names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
@@ -258,7 +262,17 @@ def add_serve_args(p) -> None:
         "--max-queue-len", type=integer(1), default=256, help="requests waiting per adapter queue (then 429)"
     )
     p.add_argument(
-        "--max-waiting", type=integer(1), default=16, help="requests admitted to the engine but not running"
+        "--max-waiting",
+        type=integer(1),
+        default=16,
+        help="requests admitted to the engine but not running (and as many more, each tenant's first)",
+    )
+    p.add_argument(
+        "--tenant-weights",
+        default=None,
+        metavar="FILE",
+        help='JSON file {"tenant": weight}: each tenant\'s share of a busy server follows its weight (positive '
+        "numbers; tenants not named weigh 1; default: all equal)",
     )
     p.add_argument("--max-body-bytes", type=integer(1), default=4 << 20, help="larger request bodies get 413")
     p.add_argument(
