@@ -53,23 +53,33 @@ def grammar_limits(args):
     )
 
 
-def build_state(args, config):
-    from motet.actors.system import ServingSystem
-    from motet.api.adapter_store import AdapterStore
-    from motet.api.auth import Authenticator
-    from motet.api.response_store import ResponseStore
-    from motet.api.state import ServerState
-    from motet.engine.llm_engine import LLMEngine
+def served_names(args, config) -> list[str]:
+    """The names requests may give the base model as: the first is the served one, the rest aliases."""
     from motet.engine.model_store import DEFAULT_MODEL_ALIASES
 
-    if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
-        config.num_threads = max(1, (os.cpu_count() or 2) - 1)
-    config.grammar_limits = grammar_limits(args)
     names = list(args.served_model_name or []) + [config.model]
     if config.model in DEFAULT_MODEL_ALIASES:
         names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
     elif Path(config.model).exists():
         names.append(Path(config.model).name)
+    return names
+
+
+def build_state(args, config):
+    from motet.actors.system import ServingSystem
+    from motet.api.adapter_store import AdapterStore
+    from motet.api.auth import Authenticator
+    from motet.api.batch_runner import BatchRunner, LowPriority
+    from motet.api.batch_store import BatchStore
+    from motet.api.file_store import FileStore
+    from motet.api.response_store import ResponseStore
+    from motet.api.state import ServerState
+    from motet.engine.llm_engine import LLMEngine
+
+    if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
+        config.num_threads = max(1, (os.cpu_count() or 2) - 1)
+    config.grammar_limits = grammar_limits(args)
+    names = served_names(args, config)
     loras = shared_loras(args.lora, names)
     if cluster_cli.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
         system = cluster_cli.cluster_system(args, config, loras)
@@ -95,6 +105,8 @@ def build_state(args, config):
         max_per_tenant=args.responses_max_per_tenant,
         max_bytes_per_tenant=args.responses_max_bytes_per_tenant,
     )
+    files = FileStore(data_dir, args.files_max_bytes, args.files_max_bytes_per_tenant)
+    batches = BatchRunner(BatchStore(data_dir), files, LowPriority(args.batch_max_in_flight))
     state = ServerState(
         system=system,
         model_names=names,
@@ -102,6 +114,8 @@ def build_state(args, config):
         max_body_bytes=args.max_body_bytes,
         adapters=adapters,
         responses=responses,
+        files=files,
+        batches=batches,
         reasoning=args.reasoning_parser == "think",
     )
     if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
@@ -149,7 +163,7 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--data-dir",
         default=None,
-        help=f"where tenants' uploaded adapters and stored responses live (default: $MOTET_DATA_DIR or "
+        help=f"where tenants' uploaded adapters, stored responses, files and batches live (default: $MOTET_DATA_DIR or "
         f"{DEFAULT_DATA_DIR})",
     )
     from motet.api.response_store import (
@@ -177,6 +191,31 @@ def add_serve_args(p) -> None:
         default=DEFAULT_MAX_BYTES_PER_TENANT,
         help="bytes of stored responses per tenant (their JSON, as the model sees the conversation); a response "
         f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
+    )
+    from motet.api.batch_runner import DEFAULT_MAX_IN_FLIGHT
+    from motet.api.file_store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_PER_TENANT
+    from motet.api.file_store import DEFAULT_MAX_FILE_BYTES
+
+    p.add_argument(
+        "--files-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_FILE_BYTES,
+        help=f"largest file POST /v1/files takes (a batch's input); larger uploads get 413 "
+        f"(default: {DEFAULT_MAX_FILE_BYTES})",
+    )
+    p.add_argument(
+        "--files-max-bytes-per-tenant",
+        type=int,
+        default=FILES_PER_TENANT,
+        help="bytes of files per tenant (uploads and batch results); an upload past it gets 400 "
+        f"(default: {FILES_PER_TENANT})",
+    )
+    p.add_argument(
+        "--batch-max-in-flight",
+        type=int,
+        default=DEFAULT_MAX_IN_FLIGHT,
+        help="batch (/v1/batches) requests running at once, all batches together; they are sent only while no "
+        f"live request waits (default: {DEFAULT_MAX_IN_FLIGHT})",
     )
     p.add_argument(
         "--lora",
