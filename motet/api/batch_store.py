@@ -77,6 +77,10 @@ _COLUMNS = ("id", "tenant", "endpoint", "input_file_id", "completion_window", "m
             "input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")  # fmt: skip
 
 
+class _FileRefused(Exception):
+    """The input file as a whole cannot be run (the message says why)."""
+
+
 @dataclass
 class PendingLine:
     batch: str
@@ -196,38 +200,11 @@ class BatchStore:
         """Copy a validated file's lines in, answer the refused ones, and start the batch (validating ->
         in_progress). All or nothing: a crash leaves the batch validating, to be loaded again. None, or why
         the file as a whole is refused (then nothing is kept)."""
-        with self._write():
-            self._db.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
-            total = failed = 0
-            model = None
-            for line in lines:
-                total += 1
-                if total > max_lines:
-                    return f"the file has more than {max_lines} requests, the most a batch may hold"
-                if line.error is not None:
-                    failed += 1
-                    result = compact(error_line(line.custom_id, *line.error))
-                    self._db.execute(
-                        "INSERT INTO batch_lines (batch, line, custom_id, result, ok) VALUES (?, ?, ?, ?, 0)",
-                        (batch_id, line.number, line.custom_id, result),
-                    )
-                    continue
-                if model is None and isinstance(line.body.get("model"), str):
-                    model = line.body["model"]
-                self._db.execute(
-                    "INSERT INTO batch_lines (batch, line, custom_id, url, request) VALUES (?, ?, ?, ?, ?)",
-                    (batch_id, line.number, line.custom_id, line.url, json.dumps(line.body)),
-                )
-            if total == 0:
-                return "the file holds no requests"
-            self._db.execute(
-                "UPDATE batches SET total = ?, failed = ?, completed = 0, model = ? WHERE id = ?",
-                (total, failed, model, batch_id),
-            )
-            self._db.execute(
-                "UPDATE batches SET status = 'in_progress', in_progress_at = ? WHERE id = ? AND status = 'validating'",
-                (int(time.time()), batch_id),
-            )
+        try:
+            with self._write():
+                self._load(batch_id, lines, max_lines)
+        except _FileRefused as e:
+            return str(e)
         return None
 
     def pending(self, batch_id: str, after_line: int, limit: int = _CHUNK) -> list[PendingLine]:
@@ -314,6 +291,38 @@ class BatchStore:
             self._db.close()
 
     # -- under the lock -----------------------------------------------------------------------------------------
+    def _load(self, batch_id: str, lines: Iterable[Line], max_lines: int) -> None:
+        self._db.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
+        total = failed = 0
+        model = None
+        for line in lines:
+            total += 1
+            if total > max_lines:
+                raise _FileRefused(f"the file has more than {max_lines} requests, the most a batch may hold")
+            if line.error is not None:
+                failed += 1
+                self._db.execute(
+                    "INSERT INTO batch_lines (batch, line, custom_id, result, ok) VALUES (?, ?, ?, ?, 0)",
+                    (batch_id, line.number, line.custom_id, compact(error_line(line.custom_id, *line.error))),
+                )
+                continue
+            if model is None and isinstance(line.body.get("model"), str):
+                model = line.body["model"]
+            self._db.execute(
+                "INSERT INTO batch_lines (batch, line, custom_id, url, request) VALUES (?, ?, ?, ?, ?)",
+                (batch_id, line.number, line.custom_id, line.url, json.dumps(line.body)),
+            )
+        if total == 0:
+            raise _FileRefused("the file holds no requests")
+        self._db.execute(
+            "UPDATE batches SET total = ?, failed = ?, completed = 0, model = ? WHERE id = ?",
+            (total, failed, model, batch_id),
+        )
+        self._db.execute(
+            "UPDATE batches SET status = 'in_progress', in_progress_at = ? WHERE id = ? AND status = 'validating'",
+            (int(time.time()), batch_id),
+        )
+
     def _record(self, batch_id: str, line: int, result: dict) -> bool:
         ok = succeeded(result)
         usage = Usage.of(result)
