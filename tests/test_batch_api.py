@@ -336,6 +336,28 @@ def test_other_endpoints_in_batches(server):
         assert done.usage.output_tokens == 4
 
 
+def test_live_requests_go_before_batch_lines(tiny_model_dir, tmp_path):
+    """One sequence at a time and 8 batch lines allowed in flight: a batch line is sent only while nothing
+    waits, so a live request of the same tenant waits behind at most the line running and one waiting, not
+    behind 8 (without the policy, the engine's FIFO would put it behind every line already sent)."""
+    srv = start(tiny_model_dir, tmp_path, "data", "--max-num-seqs", "1", "--batch-max-in-flight", "8")
+    try:
+        alice = sdk(srv)
+        lines = [chat_line(f"l-{i}", i, max_tokens=64, ignore_eos=True) for i in range(40)]
+        batch = alice.batches.create(input_file_id=upload(alice, jsonl(lines)).id,
+                                     endpoint="/v1/chat/completions", completion_window="24h")  # fmt: skip
+        wait(alice, batch.id, until=lambda b: b.request_counts.completed >= 1)
+        for i in range(3):
+            before = alice.batches.retrieve(batch.id).request_counts.completed
+            alice.chat.completions.create(**chat_line("live", i, max_tokens=8)["body"])
+            passed = alice.batches.retrieve(batch.id).request_counts.completed - before
+            assert passed <= 2, f"the live request waited for {passed} batch lines"
+        alice.batches.cancel(batch.id)
+        assert wait(alice, batch.id)[0].status == "cancelled"
+    finally:
+        srv.stop()
+
+
 @pytest.mark.slow
 def test_batch_survives_sigkill_half_way(tiny_model_dir, tmp_path):
     """Killed with SIGKILL mid-batch and started again on the same --data-dir, the batch resumes where it
@@ -407,15 +429,16 @@ def test_run_batch_cli(tiny_model_dir, tmp_path):
 
 
 # -- the pieces on their own ------------------------------------------------------------------------------------
-def stats(queued: int = 0, waiting: int = 0) -> Stats:
-    return Stats(queued=queued, waiting=waiting, running=0, kv_blocks_used=0, kv_blocks_free=0,
+def stats(queued: int = 0, waiting: int = 0, running: int = 0) -> Stats:
+    return Stats(queued=queued, waiting=waiting, running=running, kv_blocks_used=0, kv_blocks_free=0,
                  prefix_cache_queries=0, prefix_cache_hits=0, preemptions=0, steps=0, adapters_pinned=0)  # fmt: skip
 
 
 def test_low_priority_takes_only_what_live_traffic_leaves():
     policy = LowPriority(max_in_flight=2)
-    assert policy.admits(stats(), 0) and policy.admits(stats(), 1)
-    assert not policy.admits(stats(), 2)  # its own bound
+    assert policy.admits(stats(), 0) and policy.admits(stats(running=1), 1)
+    assert not policy.admits(stats(running=2), 2)  # its own bound
+    assert not policy.admits(stats(), 1)  # the line sent is not seen running yet: on its way
     assert not policy.admits(stats(queued=1), 0)  # a request waits in a queue
     assert not policy.admits(stats(waiting=1), 0)  # or admitted, not yet running
     with pytest.raises(ValueError, match="--batch-max-in-flight"):

@@ -24,7 +24,7 @@ from motet.api.adapters import (
     unload_lora_adapter,
     upload_adapter,
 )
-from motet.api.batches import cancel_batch, create_batch, list_batches, retrieve_batch
+from motet.api.batches import BatchCreateRequest, cancel_batch, create_batch, list_batches, retrieve_batch
 from motet.api.errors import APIError, handle_exception, to_response
 from motet.api.files import delete_file, file_content, list_files, retrieve_file, upload_file
 from motet.api.openai import chat_completions, completions
@@ -32,7 +32,13 @@ from motet.api.response_input_items import list_input_items
 from motet.api.responses import create_response, delete_response, get_response
 from motet.api.responses_request import ResponsesRequest
 from motet.api.state import ServerState
-from motet.api.tokenization import detokenize, tokenize
+from motet.api.tokenization import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    detokenize,
+    tokenize,
+)
 
 log = logging.getLogger("motet.api")
 
@@ -145,6 +151,10 @@ def openapi_schema() -> dict:
         ResponsesRequest,
         P.LoadLoraAdapterRequest,
         P.UnloadLoraAdapterRequest,
+        TokenizeCompletionRequest,
+        TokenizeChatRequest,
+        DetokenizeRequest,
+        BatchCreateRequest,
     ]
     resp_models = [
         P.ChatCompletionResponse,
@@ -308,8 +318,88 @@ def openapi_schema() -> dict:
             "/metrics": {
                 "get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}
             },
+            **_more_paths(ref, errors, any_object),
         },
         "components": {"schemas": defs.get("$defs", {})},
+    }
+
+
+def _more_paths(ref, errors, any_object) -> dict:
+    """The OpenAPI paths of the models, files, batches and vLLM utility routes."""
+
+    def path_param(name: str) -> list[dict]:
+        return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]
+
+    def query(*names: str) -> list[dict]:
+        types = {"limit": {"type": "integer"}}
+        return [{"name": n, "in": "query", "required": False, "schema": types.get(n, {"type": "string"})}
+                for n in names]  # fmt: skip
+
+    def get(summary: str, params=(), description="the object") -> dict:
+        return {"get": {"summary": summary, "parameters": list(params),
+                        "responses": {"200": any_object(description), **errors()}}}  # fmt: skip
+
+    def post_json(summary: str, body: dict, params=()) -> dict:
+        return {"post": {"summary": summary, "parameters": list(params),
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                         "responses": {"200": any_object("the result"), **errors()}}}  # fmt: skip
+
+    upload = {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "required": ["file", "purpose"],
+                "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string"}},
+            }
+        }
+    }
+    health = {
+        "summary": "vLLM's health check: 200 when ready",
+        "responses": {"200": {"description": "ready"}},
+    }
+    return {
+        "/v1/models/{model_id}": get("one of the listed models", path_param("model_id"), "the model"),
+        "/v1/responses/{response_id}/input_items": get(
+            "the items a stored response was generated from (its whole conversation)",
+            path_param("response_id") + query("after", "limit", "order"),
+            "a list of items",
+        ),
+        "/v1/files": {
+            "post": {
+                "summary": "upload a file (purpose: batch)",
+                "requestBody": {"required": True, "content": upload},
+                "responses": {"200": any_object("the File"), **errors()},
+            },
+            **get("the tenant's files", query("after", "limit", "order", "purpose"), "a list of files"),
+        },
+        "/v1/files/{file_id}": {
+            **get("a file", path_param("file_id"), "the File"),
+            "delete": {
+                "summary": "delete a file",
+                "parameters": path_param("file_id"),
+                "responses": {"200": any_object("deleted"), **errors()},
+            },
+        },
+        "/v1/files/{file_id}/content": get("a file's bytes", path_param("file_id"), "the bytes"),
+        "/v1/batches": {
+            **post_json("create a batch from an uploaded file", ref(BatchCreateRequest)),
+            **get("the tenant's batches, newest first", query("after", "limit"), "a list of batches"),
+        },
+        "/v1/batches/{batch_id}": get("a batch", path_param("batch_id"), "the Batch"),
+        "/v1/batches/{batch_id}/cancel": {
+            "post": {
+                "summary": "cancel a batch",
+                "parameters": path_param("batch_id"),
+                "responses": {"200": any_object("the Batch"), **errors()},
+            }
+        },
+        "/tokenize": post_json(
+            "vLLM: a prompt's or chat's token ids",
+            {"oneOf": [ref(TokenizeCompletionRequest), ref(TokenizeChatRequest)]},
+        ),
+        "/detokenize": post_json("vLLM: token ids' text", ref(DetokenizeRequest)),
+        "/version": get("the server's version", description='{"version": ...}'),
+        "/ping": {"get": health, "post": health},
     }
 
 

@@ -54,7 +54,9 @@ STORAGE_RETRY_S = 5.0  # a batch whose storage failed tries again after this
 @dataclass
 class LowPriority:
     """The scheduling hook: whether one more batch line may be sent now. Live requests first: a line goes
-    only while nothing waits and fewer than `max_in_flight` lines run."""
+    only while nothing waits (queued, or admitted and not running), every line sent before is seen running
+    (one on its way from the queue to the engine shows in neither count yet), and fewer than `max_in_flight`
+    lines are out."""
 
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
 
@@ -63,7 +65,8 @@ class LowPriority:
             raise ValueError("--batch-max-in-flight must be at least 1")
 
     def admits(self, stats: Stats, in_flight: int) -> bool:
-        return in_flight < self.max_in_flight and stats.queued == 0 and stats.waiting == 0
+        nothing_waits = stats.queued == 0 and stats.waiting == 0
+        return in_flight < self.max_in_flight and nothing_waits and stats.running >= in_flight
 
 
 class BatchGate:
@@ -160,6 +163,16 @@ def result_file_id(batch_id: str, kind: str) -> str:
 
 
 # -- the runner -----------------------------------------------------------------------------------------------
+def _storage_failure(e: BaseException) -> StorageFailure | None:
+    """The storage failure `e` is, or holds (a task group raises its tasks' errors as a group)."""
+    if isinstance(e, StorageFailure):
+        return e
+    for inner in e.exceptions if isinstance(e, BaseExceptionGroup) else ():
+        if (found := _storage_failure(inner)) is not None:
+            return found
+    return None
+
+
 async def _thread(call, *args):
     return await anyio.to_thread.run_sync(functools.partial(call, *args))
 
@@ -185,7 +198,14 @@ class BatchRunner:
         )
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            for batch in await _thread(self.store.unfinished):
+            while True:  # what was running when the server stopped resumes
+                try:
+                    unfinished = await _thread(self.store.unfinished)
+                    break
+                except StorageFailure as e:
+                    log.warning("batches: storage failed (%s); trying again in %gs", e.cause, STORAGE_RETRY_S)
+                    await anyio.sleep(STORAGE_RETRY_S)
+            for batch in unfinished:
                 self.start(batch.id)
             await anyio.sleep_forever()
 
@@ -217,11 +237,13 @@ class BatchRunner:
                         await self._finish(batch_id, "cancelled")
                     else:
                         return
-                except StorageFailure as e:  # a full or failing disk: the batch waits, it is not lost
+                except Exception as e:  # a full or failing disk: the batch waits, it is not lost
+                    if (failure := _storage_failure(e)) is None:
+                        raise
                     log.warning(
                         "batch %s: storage failed (%s); trying again in %gs",
                         batch_id,
-                        e.cause,
+                        failure.cause,
                         STORAGE_RETRY_S,
                     )
                     await anyio.sleep(STORAGE_RETRY_S)
@@ -233,7 +255,10 @@ class BatchRunner:
                 "param": None,
                 "line": None,
             }
-            await _thread(self.store.fail, batch_id, [error])
+            try:
+                await _thread(self.store.fail, batch_id, [error])
+            except Exception:
+                log.exception("batch %s could not be marked failed", batch_id)
         finally:
             self._drivers.discard(batch_id)
 
