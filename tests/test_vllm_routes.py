@@ -122,6 +122,27 @@ def test_input_items_list_the_conversation_the_model_saw(server):
         alice.responses.input_items.list(r1.id)
 
 
+def test_input_items_with_tool_calls(server):
+    alice = sdk(server)
+    tool = {"type": "function", "name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}  # fmt: skip
+    r1 = alice.responses.create(model=MODEL, input="add 1", tools=[tool], tool_choice="required",
+                                max_tool_calls=1, max_output_tokens=40, temperature=0)  # fmt: skip
+    (call,) = [item for item in r1.output if item.type == "function_call"]
+    r2 = alice.responses.create(
+        model=MODEL,
+        previous_response_id=r1.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "2"}],
+        max_output_tokens=4,
+    )
+    items = alice.responses.input_items.list(r2.id, order="asc").data
+    assert [type(i).__name__ for i in items] == [
+        "ResponseInputMessageItem", "ResponseFunctionToolCallItem", "ResponseFunctionToolCallOutputItem",
+    ]  # fmt: skip
+    assert (items[1].id, items[1].call_id, items[1].arguments) == (call.id, call.call_id, call.arguments)
+    assert (items[2].call_id, items[2].output) == (call.call_id, "2")
+
+
 def test_input_items_scoped_to_the_tenant_and_refusing_what_it_cannot_honour(server):
     alice, bob = sdk(server), sdk(server, "sk-bob")
     r = alice.responses.create(model=MODEL, input="hello", max_output_tokens=3)

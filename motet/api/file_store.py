@@ -90,7 +90,7 @@ class FileStore:
         max_bytes_per_tenant: int = DEFAULT_MAX_BYTES_PER_TENANT,
     ):
         if max_file_bytes < 1 or max_bytes_per_tenant < 1:
-            raise ValueError("files need positive limits (bytes per file and per tenant)")
+            raise ValueError("--files-max-bytes and --files-max-bytes-per-tenant must be at least 1")
         self.max_file_bytes, self.max_bytes_per_tenant = max_file_bytes, max_bytes_per_tenant
         self.dir = Path(data_dir) / "files"
         self.dir.mkdir(parents=True, exist_ok=True)
