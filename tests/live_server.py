@@ -1,4 +1,5 @@
-"""`motet serve` as a real subprocess on a free loopback port, for the integration tests."""
+"""`motet serve` on a free loopback port, for the integration tests: as a real subprocess (Server), or in a
+thread of the test process (ThreadServer: the same flags, state and uvicorn server `motet serve` builds)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -18,7 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 class Server:
     """`motet serve` in a subprocess; waits until /health is 200."""
 
-    def __init__(self, tmp: Path, *args: str, env: dict | None = None, start_timeout: float = 300):
+    def __init__(
+        self,
+        tmp: Path,
+        *args: str,
+        env: dict | None = None,
+        start_timeout: float = 300,
+        admin_key: str | None = None,
+    ):
+        self.admin_key = admin_key  # what metrics() reads /metrics with (under --api-keys)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}.log"
@@ -34,7 +45,10 @@ class Server:
             raise
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+        r = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10)
+        r.raise_for_status()
+        text = r.text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -51,3 +65,36 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+class ThreadServer:
+    """`motet serve ARGS` (parsed by its own parser) on uvicorn in a thread; waits until /health is 200."""
+
+    def __init__(self, *args: str, start_timeout: float = 120):
+        from motet.api.cli import build_parser, engine_config
+        from motet.api.server import build_state, http_server
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        parsed = build_parser().parse_args(
+            ["serve", "--port", str(self.port), "--log-level", "warning", *args]
+        )
+        self.state = build_state(parsed, engine_config(parsed))
+        self.server = http_server(parsed, self.state)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                self.stop()
+                raise ServerError(f"the server on port {self.port} did not become healthy")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
-KEY, OTHER_KEY = "sk-test-alice", "sk-test-bob"
+KEY, OTHER_KEY, ADMIN_KEY = "sk-test-alice", "sk-test-bob", "sk-test-admin"
 USER = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -33,8 +33,8 @@ USER = [{"role": "user", "content": "What is the capital of France?"}]
 def server(default_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api")
     keys = tmp / "keys.json"
-    keys.write_text(json.dumps({KEY: "alice", OTHER_KEY: "bob"}))
-    srv = Server(tmp, "--api-keys", str(keys), "--max-body-bytes", "100000")
+    keys.write_text(json.dumps({KEY: "alice", OTHER_KEY: "bob", ADMIN_KEY: {"admin": True}}))
+    srv = Server(tmp, "--api-keys", str(keys), "--max-body-bytes", "100000", admin_key=ADMIN_KEY)
     yield srv
     srv.stop()
 

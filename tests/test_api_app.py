@@ -25,7 +25,12 @@ AUTH = {"Authorization": "Bearer k1"}
 def client(tiny_model_dir):
     cfg = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=8)
     system = ServingSystem(lambda: LLMEngine(cfg, model_dir=tiny_model_dir), max_queue_len=16)
-    state = ServerState(system, ["tiny"], auth=Authenticator({"k1": "alice"}), max_body_bytes=20_000)
+    state = ServerState(
+        system,
+        ["tiny"],
+        auth=Authenticator({"k1": "alice", "k-admin": {"admin": True}}),
+        max_body_bytes=20_000,
+    )
     with TestClient(create_app(state)) as c:
         deadline = time.monotonic() + 60
         while c.get("/health").status_code != 200:
@@ -106,7 +111,9 @@ def test_errors(client):
 
 def test_models_and_metrics(client):
     assert [m["id"] for m in client.get("/v1/models", headers=AUTH).json()["data"]] == ["tiny"]
-    text = client.get("/metrics").text
+    assert error(client.get("/metrics"), 401)["code"] == "invalid_api_key"
+    assert error(client.get("/metrics", headers=AUTH), 403)["code"] == "admin_key_required"
+    text = client.get("/metrics", headers={"Authorization": "Bearer k-admin"}).text
     assert (
         "motet_kv_blocks_used" in text
         and 'motet_requests_total{endpoint="/v1/completions",status="200"}' in text

@@ -30,7 +30,7 @@ from motet.api.file_store import FileQuotaExceeded, FileStore, FileTooLarge
 from tests.live_server import ROOT, Server
 
 MODEL = "tiny"
-KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
+KEYS = {"sk-ops": {"admin": True}, "sk-alice": "alice", "sk-bob": "bob"}  # an admin key speaks for no tenant
 MAX_FILE_BYTES = 400_000
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 

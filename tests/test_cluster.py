@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -27,11 +28,13 @@ from tests.test_api_adapters import make_adapter, two_files  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a Ray cluster and two replicas take a minute or two to start here
 
-KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
+KEYS = {"sk-alice": "alice", "sk-bob": "bob", "sk-admin": {"admin": True}}
+ADMIN = {"Authorization": "Bearer sk-admin"}
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "The quick brown fox"}]
 GREEDY = dict(temperature=0, max_tokens=12)
 LONG = dict(temperature=0, max_tokens=300, extra_body={"ignore_eos": True})  # ~1 s each on the tiny model
+DRAIN = dict(temperature=0, max_tokens=1200, extra_body={"ignore_eos": True})  # in flight over a SIGTERM
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +74,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
         "--api-keys", str(tmp / "keys.json"), "--data-dir", str(tmp / "data"),
         "--adapter-store", f"file://{tmp / 'store'}",
         start_timeout=900,  # minutes when the machine is busy: every process imports torch
+        admin_key="sk-admin",
     )  # fmt: skip
     yield server
     server.stop()
@@ -128,7 +132,7 @@ def test_responses_and_vllm_series(cluster, offline):
         sdk(cluster, "bob").responses.retrieve(r.id)
 
     def series() -> dict:
-        text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+        text = httpx.get(f"{cluster.url}/metrics", headers=ADMIN, timeout=10).text
         return {
             s.name: s.value
             for family in text_string_to_metric_families(text)
@@ -240,14 +244,39 @@ def test_replica_killed_under_load(cluster, offline):
     assert all(r == expected for r in results if not isinstance(r, openai.APIError))
     for e in failed:
         assert "replica" in str(e)
+        assert getattr(e, "status_code", 503) == 503  # a non-streamed one: 503 (try again), never a 500
     # The server goes on (Serve starts a replica in the dead one's place).
     r = client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
     assert r.choices[0].message.content == offline(CHAT, GREEDY["max_tokens"])
 
 
-def test_stop_leaves_no_ray_process(cluster):
+def ray_session(processes) -> str:
+    """The Ray session's name (session_DATE_TIME_PID), from its processes' command lines."""
+    for p in processes:
+        m = re.search(r"session_\d{4}-\d\d-\d\d_[\d-]+_\d+_\d+", cmdline(p))
+        if m:
+            return m.group(0)
+    raise AssertionError("no process of the server names its Ray session")
+
+
+def test_sigterm_drains_exits_0_and_leaves_no_ray_process(cluster, offline):
+    """SIGTERM with a request in flight: the request finishes (the drain), the server exits with 0 (Ray's
+    abseil handler used to abort it 3 s after a SIGTERM: -6), and no process of its Ray session is left."""
     ray_procs = psutil.Process(cluster.proc.pid).children(recursive=True)
     assert any("raylet" in cmdline(p) for p in ray_procs), [cmdline(p)[:80] for p in ray_procs]
+    session = ray_session(ray_procs)
+    expected = offline(CHAT, DRAIN["max_tokens"], ignore_eos=True)
+    stream = sdk(cluster, "alice").chat.completions.create(model=MODEL, messages=CHAT, stream=True, **DRAIN)
+    text, signalled = "", False
+    for chunk in stream:
+        text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+        if text and not signalled:  # the first token is out: the request runs on a replica
+            cluster.proc.send_signal(signal.SIGTERM)
+            signalled = True
+    assert text == expected  # the request in flight finished
+    assert cluster.proc.wait(300) == 0
     cluster.stop()
     _, alive = psutil.wait_procs(ray_procs, timeout=60)
     assert not alive, [cmdline(p)[:80] for p in alive]
+    left = [cmdline(p)[:80] for p in psutil.process_iter() if session in cmdline(p)]
+    assert not left, left

@@ -22,7 +22,7 @@ from tests.live_server import Server
 from tests.test_soak import make_adapter
 
 MODEL = "tiny"
-KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
+KEYS = {"sk-alice": "alice", "sk-bob": "bob", "sk-admin": {"admin": True}}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,9 @@ def test_a_lora_adapter_as_the_responses_model(server, dirs):
 def scrape(server: Server) -> dict:
     """The vLLM series, read with prometheus_client's parser: {name: value} and the LoRA info labels."""
     out: dict = {}
-    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text):
+    r = httpx.get(f"{server.url}/metrics", headers={"Authorization": "Bearer sk-admin"}, timeout=10)
+    r.raise_for_status()
+    for family in text_string_to_metric_families(r.text):
         for s in family.samples:
             if s.name == "vllm:lora_requests_info":
                 out["lora"] = s.labels

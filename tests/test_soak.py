@@ -21,6 +21,7 @@ import torch
 from tests.live_server import Server
 
 KEYS = {"sk-a": "alice", "sk-b": "bob", "sk-c": "carol"}
+ADMIN_KEY = "sk-admin"  # reads /metrics
 MODEL = "tiny"
 REQUESTS, CONCURRENCY = 300, 24
 SCHEMA = {
@@ -49,7 +50,7 @@ def make_adapter(model_dir, out, seed: int):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("soak")
-    (tmp / "keys.json").write_text(json.dumps(KEYS))
+    (tmp / "keys.json").write_text(json.dumps({**KEYS, ADMIN_KEY: {"admin": True}}))
     srv = Server(
         tmp,
         "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(tmp / "keys.json"),
@@ -76,7 +77,9 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def metrics(url: str) -> dict[str, float]:
     out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+    r.raise_for_status()
+    for line in r.text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name] = float(value)

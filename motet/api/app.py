@@ -25,9 +25,10 @@ from motet.api.adapters import (
     upload_adapter,
 )
 from motet.api.batches import BatchCreateRequest, cancel_batch, create_batch, list_batches, retrieve_batch
-from motet.api.errors import APIError, handle_exception, to_response
+from motet.api.errors import APIError, echo, handle_exception, to_response
 from motet.api.files import delete_file, file_content, list_files, retrieve_file, upload_file
 from motet.api.openai import chat_completions, completions
+from motet.api.playground import playground_routes
 from motet.api.response_input_items import list_input_items
 from motet.api.responses import create_response, delete_response, get_response
 from motet.api.responses_request import ResponsesRequest
@@ -127,7 +128,7 @@ async def retrieve_model(request: Request) -> Response:
     if not state.system.ready:  # adapters are known once the model is loaded
         state.check_ready()
     raise APIError(
-        404, f"The model '{model_id}' does not exist", param="model", code="model_not_found",
+        404, f"The model {echo(model_id)} does not exist", param="model", code="model_not_found",
         type="invalid_request_error",
     )  # fmt: skip
 
@@ -137,7 +138,9 @@ async def version(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus text; under --api-keys only an admin key reads it (it names every tenant's adapters)."""
     state: ServerState = request.app.state.motet
+    state.auth.check_admin(request.headers.get("authorization"))
     if state.system.ready:
         state.metrics.refresh(state.system.stats(), state.system.engine.config.max_loras)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -316,7 +319,14 @@ def openapi_schema() -> dict:
                 }
             },
             "/metrics": {
-                "get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}
+                "get": {
+                    "summary": "Prometheus metrics; with --api-keys, an admin key only",
+                    "responses": {
+                        "200": {"description": "metrics"},
+                        "401": {"description": "no or unknown key"},
+                        "403": {"description": "not an admin key"},
+                    },
+                }
             },
             **_more_paths(ref, errors, any_object),
         },
@@ -486,6 +496,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/detokenize", guarded(detokenize), methods=["POST"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
+        *playground_routes(),  # the chat page at /
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: handle_exception})
     app.state.motet = state

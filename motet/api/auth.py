@@ -1,10 +1,17 @@
-"""Bearer API keys mapped to tenants, from a JSON file {"key": "tenant"}; none configured: auth off."""
+"""Bearer API keys from a JSON file; none configured: auth off.
+
+Each key maps to a tenant name (`"sk-...": "tenant-a"`), or to an object naming its rights:
+`{"tenant": "ops", "admin": true}` (a tenant key that also reads /metrics) or `{"admin": true}` (reads
+/metrics only: what Prometheus scrapes with). /metrics names every tenant's adapters and per-tenant
+figures, so under auth only admin keys read it; a tenant key gets 403 there.
+"""
 
 from __future__ import annotations
 
 import hmac
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from motet.api.errors import APIError
@@ -12,43 +19,88 @@ from motet.api.errors import APIError
 log = logging.getLogger("motet.api")
 
 DEFAULT_TENANT = "default"
+_KEY_FIELDS = {"tenant", "admin"}
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a key speaks for: a tenant (None: an admin-only key) and whether it reads /metrics."""
+
+    tenant: str | None
+    admin: bool = False
+
+
+def _principal(where: str, value) -> Principal:
+    if isinstance(value, str) and value:
+        return Principal(value)
+    if isinstance(value, dict) and value and set(value) <= _KEY_FIELDS:
+        tenant, admin = value.get("tenant"), value.get("admin", False)
+        tenant_ok = tenant is None or (isinstance(tenant, str) and tenant)
+        if tenant_ok and isinstance(admin, bool) and (tenant is not None or admin):
+            return Principal(tenant, admin)
+    raise ValueError(
+        f'{where}: each key maps to a tenant name, or to {{"tenant": NAME, "admin": true}} / '
+        f'{{"admin": true}} (an admin key reads /metrics), got {json.dumps(value)[:80]}'
+    )
 
 
 class Authenticator:
-    def __init__(self, keys: dict[str, str] | None = None):
-        self.keys = dict(keys or {})
+    def __init__(self, keys: dict[str, str | dict] | None = None, *, where: str = "API keys"):
+        self.keys = {key: _principal(where, value) for key, value in (keys or {}).items()}
 
     @classmethod
     def from_file(cls, path: str | Path | None) -> Authenticator:
         if path is None:
             log.warning(
-                "authentication is OFF: no --api-keys file; every request is tenant %r", DEFAULT_TENANT
+                "authentication is OFF: no --api-keys file; every request is tenant %r and /metrics is open",
+                DEFAULT_TENANT,
             )
             return cls()
         try:
             keys = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"--api-keys {path}: cannot read a JSON object of key -> tenant ({e})") from None
-        if not isinstance(keys, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in keys.items()
-        ):
+        if not isinstance(keys, dict):
             raise ValueError(f"--api-keys {path}: must be a JSON object mapping each key to a tenant name")
         if not keys:
             raise ValueError(f"--api-keys {path}: holds no keys")
-        log.info("authentication is on: %d keys, %d tenants", len(keys), len(set(keys.values())))
-        return cls(keys)
+        auth = cls(keys, where=f"--api-keys {path}")
+        tenants = {p.tenant for p in auth.keys.values() if p.tenant is not None}
+        admins = sum(p.admin for p in auth.keys.values())
+        log.info("authentication is on: %d keys, %d tenants, %d admin keys", len(keys), len(tenants), admins)
+        if not admins:
+            log.warning("no admin key in --api-keys: GET /metrics answers 403 to every key")
+        return auth
 
     @property
     def enabled(self) -> bool:
         return bool(self.keys)
 
-    def tenant(self, authorization: str | None) -> str:
+    def principal(self, authorization: str | None) -> Principal:
+        """The key's principal; 401 when it is missing or unknown (auth on)."""
         if not self.enabled:
-            return DEFAULT_TENANT
+            return Principal(DEFAULT_TENANT, admin=True)
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        for known, tenant in self.keys.items():  # constant-time compare: no key prefix leaks by timing
+        found = None
+        for (
+            known,
+            principal,
+        ) in self.keys.items():  # constant-time compare, every key: no prefix leaks by timing
             if hmac.compare_digest(known.encode(), key.strip().encode()):
-                return tenant
-        raise APIError(401, "invalid API key", code="invalid_api_key")
+                found = principal
+        if found is None:
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+        return found
+
+    def tenant(self, authorization: str | None) -> str:
+        principal = self.principal(authorization)
+        if principal.tenant is None:
+            raise APIError(403, "this API key is an admin key: it reads /metrics only", code="admin_key")
+        return principal.tenant
+
+    def check_admin(self, authorization: str | None) -> None:
+        """401 without a valid key, 403 for a tenant's key (auth on); nothing to check with auth off."""
+        if not self.principal(authorization).admin:
+            raise APIError(403, "GET /metrics needs an admin key (see --api-keys)", code="admin_key_required")

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from motet.api.errors import APIError
+from motet.api.errors import APIError, echo
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_LINES = 50_000  # requests in one batch, as OpenAI's
@@ -74,15 +74,15 @@ def _parse(number: int, data: bytes, endpoint: str | None) -> Line:
             "invalid_custom_id", f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters"
         )
     if extra := [k for k in obj if k not in _LINE_KEYS]:
-        return refused("invalid_request", f"unrecognized field {extra[0]!r} (a line has {', '.join(_LINE_KEYS)})",
+        return refused("invalid_request", f"unrecognized field {echo(extra[0])} (a line has {', '.join(_LINE_KEYS)})",
                        custom_id)  # fmt: skip
     if obj.get("method") != "POST":
-        return refused("invalid_method", f"method must be 'POST', not {obj.get('method')!r}", custom_id)
+        return refused("invalid_method", f"method must be 'POST', not {echo(obj.get('method'))}", custom_id)
     url = obj.get("url")
     allowed = (endpoint,) if endpoint is not None else ENDPOINTS
     if url not in allowed:
         return refused(
-            "invalid_url", f"url must be {' or '.join(map(repr, allowed))}, not {url!r}", custom_id
+            "invalid_url", f"url must be {' or '.join(map(repr, allowed))}, not {echo(url)}", custom_id
         )
     if not isinstance(obj.get("body"), dict):
         return refused("invalid_body", "body must be a JSON object (the request)", custom_id)

@@ -14,6 +14,7 @@ does not hold back another's. While the server drains (SIGTERM) no line is sent.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -39,6 +40,7 @@ from motet.api.batch_format import (
     response_line,
 )
 from motet.api.batch_store import BatchStore, PendingLine
+from motet.api.errors import APIError
 from motet.api.file_store import FileStore
 from motet.api.storage_errors import StorageFailure
 
@@ -150,11 +152,16 @@ async def answer(app, url: str, custom_id: str | None, body: dict, authorization
 
 
 def authorization_for(state, tenant: str) -> str | None:
-    """The Authorization header a request of `tenant` carries (one of its keys), None: auth is off."""
+    """The Authorization header a request of `tenant` carries (one of its keys, as the authenticator reads
+    it); None: auth is off."""
     if not state.auth.enabled:
         return None
-    key = next((k for k, t in state.auth.keys.items() if t == tenant), None)
-    return f"Bearer {key}" if key is not None else "Bearer -"  # a tenant without keys: answered 401
+    for key in state.auth.keys:
+        header = f"Bearer {key}"
+        with contextlib.suppress(APIError):  # an admin-only key speaks for no tenant
+            if state.auth.tenant(header) == tenant:
+                return header
+    return "Bearer -"  # the tenant has no key any more: its lines are answered 401
 
 
 def result_file_id(batch_id: str, kind: str) -> str:

@@ -14,6 +14,7 @@ run as that tenant.
 
 from __future__ import annotations
 
+from pydantic import field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -21,12 +22,11 @@ from motet.api import protocol as P
 from motet.api.batch_format import ENDPOINTS
 from motet.api.batch_runner import BatchRunner
 from motet.api.batch_store import COMPLETION_WINDOWS
-from motet.api.errors import APIError
+from motet.api.errors import APIError, echo
 from motet.api.files import stored_call
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
 
-MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's
 DEFAULT_LIMIT, MAX_LIMIT = 20, 100
 
 
@@ -36,6 +36,9 @@ class BatchCreateRequest(P._Request):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    _metadata = field_validator("metadata")(
+        P._OpenAINoOps._metadata.__func__
+    )  # OpenAI's limits, as everywhere
 
 
 def _context(request: Request) -> tuple[ServerState, str, BatchRunner]:
@@ -47,30 +50,20 @@ def _context(request: Request) -> tuple[ServerState, str, BatchRunner]:
 
 
 def _no_such_batch(batch_id: str) -> APIError:
-    return APIError(404, f"No such Batch object: {batch_id[:80]}", param="batch_id", code="batch_not_found")
+    return APIError(404, f"No such Batch object: {echo(batch_id)}", param="batch_id", code="batch_not_found")
 
 
 def _check(req: BatchCreateRequest) -> None:
     if req.endpoint not in ENDPOINTS:
         raise APIError(
-            400, f"endpoint must be one of {', '.join(ENDPOINTS)}, not {req.endpoint!r}", param="endpoint"
+            400, f"endpoint must be one of {', '.join(ENDPOINTS)}, not {echo(req.endpoint)}", param="endpoint"
         )
     if req.completion_window not in COMPLETION_WINDOWS:
         windows = ", ".join(map(repr, COMPLETION_WINDOWS))
         raise APIError(
             400,
-            f"completion_window must be {windows}, not {req.completion_window!r}",
+            f"completion_window must be {windows}, not {echo(req.completion_window)}",
             param="completion_window",
-        )
-    meta = req.metadata or {}
-    if len(meta) > MAX_METADATA_KEYS or any(
-        len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in meta.items()
-    ):
-        raise APIError(
-            400,
-            f"metadata holds at most {MAX_METADATA_KEYS} keys of at most {MAX_METADATA_KEY_CHARS} characters, "
-            f"with values of at most {MAX_METADATA_VALUE_CHARS}",
-            param="metadata",
         )
 
 
@@ -82,7 +75,7 @@ async def create_batch(request: Request) -> Response:
         "the input file could not be read", runner.files.get, tenant, req.input_file_id
     )
     if stored is None:
-        raise APIError(400, f"No such File object: {req.input_file_id[:80]}", param="input_file_id",
+        raise APIError(400, f"No such File object: {echo(req.input_file_id)}", param="input_file_id",
                        code="file_not_found")  # fmt: skip
     if stored.purpose != "batch":
         raise APIError(
@@ -120,11 +113,11 @@ async def list_batches(request: Request) -> Response:
             raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
     raw = q.get("limit", str(DEFAULT_LIMIT))
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, not {raw!r}", param="limit")
+        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, not {echo(raw)}", param="limit")
     after = q.get("after")
     page = await stored_call("the batches could not be read", runner.store.page, tenant, after, int(raw))
     if page is None:
-        raise APIError(400, f"after: no batch {after[:80]!r} of this tenant", param="after")
+        raise APIError(400, f"after: no batch {echo(after)} of this tenant", param="after")
     data, more = page
     return JSONResponse(
         {

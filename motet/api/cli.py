@@ -8,6 +8,8 @@ import argparse
 import json
 import sys
 
+from motet.flag_types import OneLineErrors, integer, number, seconds
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     from motet.engine.config import DTYPES, GRAMMAR_BACKENDS, SPECULATIVE_MODES, EngineConfig
@@ -18,12 +20,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
     p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from --kv-cache-memory-gb")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per step")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    p.add_argument("--block-size", type=integer(1), default=d.block_size, help="tokens per KV block")
+    p.add_argument(
+        "--num-kv-blocks", type=integer(1), default=None, help="default: from --kv-cache-memory-gb"
+    )
+    p.add_argument("--kv-cache-memory-gb", type=number(0, above=True), default=d.kv_cache_memory_gb)
+    p.add_argument("--max-num-seqs", type=integer(1), default=d.max_num_seqs, help="requests running at once")
+    p.add_argument(
+        "--max-num-batched-tokens", type=integer(1), default=d.max_num_batched_tokens, help="per step"
+    )
+    p.add_argument(
+        "--max-model-len", type=integer(1), default=None, help="default: the model's context length"
+    )
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--shared-prefix-cache",
@@ -34,7 +42,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=integer(1),
         default=None,
         help="CPU threads for the forward pass (default: all cores offline; all but one when serving, "
         "so the event loop never stalls the forward pass's threads)",
@@ -47,7 +55,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--grammar-timeout",
-        type=float,
+        type=seconds(0, above=True),
         default=d.grammar_timeout_s,
         help="seconds a grammar may take to compile",
     )
@@ -64,11 +72,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "verified in the normal batch (the same output, fewer steps where outputs repeat their input)",
     )
     p.add_argument(
-        "--num-speculative-tokens", type=int, default=d.num_speculative_tokens, help="most drafts per row"
+        "--num-speculative-tokens",
+        type=integer(0),
+        default=d.num_speculative_tokens,
+        help="most drafts per row",
     )
     p.add_argument(
         "--speculative-overhead-tokens",
-        type=float,
+        type=number(0),
         default=d.speculative_overhead_tokens,
         help="a step's fixed cost in token-times, which drafts are priced against (benchmarks/spec_threshold.py)",
     )
@@ -77,12 +88,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the eager model (the reference) instead of the compiled step (native CPU forward, CUDA graphs)",
     )
-    p.add_argument("--max-loras", type=int, default=d.max_loras, help="LoRA adapters resident on the device")
     p.add_argument(
-        "--max-cpu-loras", type=int, default=d.max_cpu_loras, help="loaded LoRA adapters kept in host memory"
+        "--max-loras", type=integer(1), default=d.max_loras, help="LoRA adapters resident on the device"
     )
     p.add_argument(
-        "--max-lora-rank", type=int, default=d.max_lora_rank, help="higher-rank adapters are refused"
+        "--max-cpu-loras",
+        type=integer(1),
+        default=d.max_cpu_loras,
+        help="loaded LoRA adapters kept in host memory",
+    )
+    p.add_argument(
+        "--max-lora-rank", type=integer(1), default=d.max_lora_rank, help="higher-rank adapters are refused"
     )
 
 
@@ -172,7 +188,7 @@ def cmd_eval(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="motet", description="multi-tenant LLM serving engine")
+    parser = OneLineErrors(prog="motet", description="multi-tenant LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="download and convert the default model into the local cache")
@@ -187,10 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
     )
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=integer(1), default=128)
+    p.add_argument("--temperature", type=number(0), default=0.0)
+    p.add_argument("--top-p", type=number(0, 1, above=True), default=1.0)
+    p.add_argument("--seed", type=integer(-(2**63), 2**63 - 1), default=None)
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
     _engine_args(p)
     p.set_defaults(func=cmd_generate)
@@ -219,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-concurrency",
-        type=int,
+        type=integer(1),
         default=None,
         help="requests in flight at once (default: twice --max-num-seqs)",
     )
@@ -254,7 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a refused flag (its one line is printed) or --help: an exit code, as below
+        return e.code if isinstance(e.code, int) else 2
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback

@@ -20,7 +20,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from motet.api.errors import APIError
+from motet.api.errors import APIError, echo
 from motet.api.file_store import FileQuotaExceeded, FileStore, FileTooLarge, StoredFile
 from motet.api.state import ServerState
 from motet.api.storage_errors import StorageFailure, storage_error
@@ -48,7 +48,7 @@ async def stored_call(what: str, call, *args):
 
 
 def no_such_file(file_id: str, param: str = "file_id") -> APIError:
-    return APIError(404, f"No such File object: {file_id[:80]}", param=param, code="file_not_found")
+    return APIError(404, f"No such File object: {echo(file_id)}", param=param, code="file_not_found")
 
 
 async def _found(store: FileStore, tenant: str, file_id: str) -> StoredFile:
@@ -93,7 +93,7 @@ async def upload_file(request: Request) -> Response:
         if purpose not in PURPOSES:
             raise APIError(
                 400,
-                f"purpose must be one of {', '.join(map(repr, PURPOSES))}, not {purpose!r}",
+                f"purpose must be one of {', '.join(map(repr, PURPOSES))}, not {echo(purpose)}",
                 param="purpose",
             )
         if not isinstance(upload, UploadFile):
@@ -122,10 +122,10 @@ async def list_files(request: Request) -> Response:
             raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
-        raise APIError(400, f"order must be 'asc' or 'desc', not {order!r}", param="order")
+        raise APIError(400, f"order must be 'asc' or 'desc', not {echo(order)}", param="order")
     raw = q.get("limit", str(MAX_LIST))
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST:
-        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST}, not {raw!r}", param="limit")
+        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST}, not {echo(raw)}", param="limit")
     after = q.get("after")
     page = await stored_call(
         "the files could not be read", store.page, tenant, after, int(raw), order, q.get("purpose")

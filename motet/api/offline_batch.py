@@ -96,8 +96,6 @@ def run_batch(args, config) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError("--max-concurrency must be at least 1")
     concurrency = args.max_concurrency or 2 * config.max_num_seqs
     lines = list(parse_lines(read_input(args.input_file)))
     names = served_names(args, config)

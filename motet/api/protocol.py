@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from motet.api.errors import UNSUPPORTED_FIELD
+from motet.api.errors import UNSUPPORTED_FIELD, echo
 from motet.grammar.tool_calls import MAX_TOOL_CALLS
 
 
@@ -42,8 +42,16 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if k not in cls.unsupported}
 
 
+# OpenAI's limits on `metadata` (its API reference: "Set of 16 key-value pairs ... Keys are strings with a
+# maximum length of 64 characters. Values are strings with a maximum length of 512 characters.")
+METADATA_MAX_PAIRS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
+SAFETY_IDENTIFIER_MAX_CHARS = 128  # OpenAI's documented maximum
+ID_MAX_CHARS = 128  # an id a request names (previous_response_id): motet's are 37 characters, OpenAI's ~55
+
+
 class _OpenAINoOps(_Request):
-    """OpenAI's optional fields that do not change the output: accepted (type-checked) and unused."""
+    """OpenAI's optional fields that do not change the output: accepted (type-checked, within OpenAI's
+    limits) and unused."""
 
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -51,7 +59,31 @@ class _OpenAINoOps(_Request):
     prompt_cache_key: str | None = None  # motet's prefix cache needs no hint
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    safety_identifier: str | None = None
+    safety_identifier: str | None = Field(None, max_length=SAFETY_IDENTIFIER_MAX_CHARS)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        if v is None:
+            return v
+        if len(v) > METADATA_MAX_PAIRS:
+            raise PydanticCustomError(
+                "metadata_limit",
+                "at most {limit} key-value pairs are allowed, got {n}",
+                {"limit": METADATA_MAX_PAIRS, "n": len(v)},
+            )
+        for key, value in v.items():
+            for what, text, limit in (
+                ("key {key}", key, METADATA_MAX_KEY_CHARS),
+                ("the value of {key}", value, METADATA_MAX_VALUE_CHARS),
+            ):
+                if len(text) > limit:
+                    raise PydanticCustomError(
+                        "metadata_limit",
+                        what + " is {n} characters long; at most {limit} are allowed",
+                        {"key": echo(key), "n": len(text), "limit": limit},
+                    )
+        return v
 
 
 # Data a chat template may read, passed through `chat_template_kwargs`, with its type. Anything else,
@@ -66,7 +98,9 @@ def _text_content(content: list, where: str) -> str:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise ValueError(f"{where}[{j}] must be an object with a string 'type'")
         if part["type"] != "text":
-            raise ValueError(f"{where}[{j}]: content of type {part['type']!r} is not supported, only 'text'")
+            raise ValueError(
+                f"{where}[{j}]: content of type {echo(part['type'])} is not supported, only 'text'"
+            )
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}[{j}].text must be a string")
         texts.append(part["text"])
@@ -196,11 +230,11 @@ class ChatCompletionRequest(_SamplingFields):
             if kind is None:
                 known = ", ".join(CHAT_TEMPLATE_KWARGS)
                 raise ValueError(
-                    f"{key!r} is not accepted: only data the model's template reads may be passed "
+                    f"{echo(key)} is not accepted: only data the model's template reads may be passed "
                     f"({known}); a chat template cannot be supplied per request"
                 )
             if not isinstance(value, kind):
-                raise ValueError(f"{key!r} must be a {kind.__name__}")
+                raise ValueError(f"{echo(key)} must be a {kind.__name__}")
         return v
 
 

@@ -21,7 +21,7 @@ import hashlib
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from motet.api.errors import APIError
+from motet.api.errors import APIError, echo
 from motet.api.response_store import Turn
 from motet.api.responses import _from_store as from_store  # the store's failures as 507 / 503
 from motet.api.responses import _not_found as not_found
@@ -79,15 +79,15 @@ def _params(request: Request) -> tuple[str | None, int, str]:
     if include:  # what they would add (logprobs, encrypted reasoning, images) is not stored
         raise APIError(
             400,
-            f"include: {include[0]!r} is not available: stored items keep only what the model is shown",
+            f"include: {echo(include[0])} is not available: stored items keep only what the model is shown",
             param="include",
         )
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
-        raise APIError(400, f"order must be 'asc' or 'desc', not {order!r}", param="order")
+        raise APIError(400, f"order must be 'asc' or 'desc', not {echo(order)}", param="order")
     raw = q.get("limit", str(DEFAULT_LIMIT))
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, not {raw!r}", param="limit")
+        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, not {echo(raw)}", param="limit")
     return q.get("after"), int(raw), order
 
 
@@ -109,7 +109,9 @@ async def list_input_items(request: Request) -> Response:
     if after is not None:
         ids = [it["id"] for it in items]
         if after not in ids:
-            raise APIError(400, f"after: no item {after!r} among this response's input items", param="after")
+            raise APIError(
+                400, f"after: no item {echo(after)} among this response's input items", param="after"
+            )
         items = items[ids.index(after) + 1 :]
     page = items[:limit]
     return JSONResponse(

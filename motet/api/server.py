@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from motet.cluster import cli as cluster_cli
+from motet.flag_types import MAX_DAYS, integer, number, seconds
 
 log = logging.getLogger("motet.server")
 
@@ -75,12 +76,17 @@ def build_state(args, config):
     from motet.api.response_store import ResponseStore
     from motet.api.state import ServerState
     from motet.engine.llm_engine import LLMEngine
+    from motet.lora.registry import check_load_dirs
 
     if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
         config.num_threads = max(1, (os.cpu_count() or 2) - 1)
     config.grammar_limits = grammar_limits(args)
     names = served_names(args, config)
     loras = shared_loras(args.lora, names)
+    data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
+    # before anything starts: no load dir may overlap a place tenants' own adapters are kept
+    private = {"--data-dir": data_dir, **cluster_cli.adapter_dirs(args)}
+    load_dirs = check_load_dirs(args.lora_load_dir or (), private)
     if cluster_cli.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
         system = cluster_cli.cluster_system(args, config, loras)
     else:
@@ -90,14 +96,13 @@ def build_state(args, config):
             max_waiting=args.max_waiting,
             loras=loras,
         )
-    data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
     adapters = AdapterStore(
         system,
         data_dir,
         shared=loras,
         reserved=tuple(names),
         max_bytes=args.max_adapter_bytes,
-        load_dirs=tuple(Path(d) for d in args.lora_load_dir or ()),
+        load_dirs=load_dirs,
     )
     responses = ResponseStore(
         data_dir,
@@ -123,18 +128,16 @@ def build_state(args, config):
     return state
 
 
-def serve(args, config) -> int:
-    """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
+def http_server(args, state):
+    """The app on uvicorn, draining on SIGTERM, with the slow-client limits (motet/api/slow_clients.py)."""
     import uvicorn
 
     from motet.api.app import create_app
     from motet.api.draining import DrainingServer
+    from motet.api.slow_clients import BodyTimeout, header_timeout_protocol
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    state = build_state(args, config)
     app = create_app(state)
+    app.add_middleware(BodyTimeout, timeout=args.request_body_timeout, min_rate=args.request_body_min_rate)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -142,8 +145,18 @@ def serve(args, config) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         access_log=args.access_log,
+        http=header_timeout_protocol(args.request_header_timeout),
     )
-    server = DrainingServer(config, state, args.drain_timeout)
+    return DrainingServer(config, state, args.drain_timeout)
+
+
+def serve(args, config) -> int:
+    """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    state = build_state(args, config)
+    server = http_server(args, state)
     log.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
     server.run()
     return 1 if state.fatal is not None else 0
@@ -158,7 +171,7 @@ def add_serve_args(p) -> None:
         metavar="NAME",
         help="the model's name in the API (the first; the others are aliases); default: --model",
     )
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=integer(0, 65535), default=8000)
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
     p.add_argument(
         "--data-dir",
@@ -174,20 +187,20 @@ def add_serve_args(p) -> None:
 
     p.add_argument(
         "--responses-max-age-days",
-        type=float,
+        type=number(0, MAX_DAYS, above=True),
         default=DEFAULT_MAX_AGE_DAYS,
         help=f"stored Responses API responses are kept this long (default: {DEFAULT_MAX_AGE_DAYS:g})",
     )
     p.add_argument(
         "--responses-max-per-tenant",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_PER_TENANT,
         help=f"stored responses per tenant; a response past it is refused with 400 (store: false still "
         f"works), never made room for by evicting older ones (default: {DEFAULT_MAX_PER_TENANT})",
     )
     p.add_argument(
         "--responses-max-bytes-per-tenant",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_BYTES_PER_TENANT,
         help="bytes of stored responses per tenant (their JSON, as the model sees the conversation); a response "
         f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
@@ -198,21 +211,21 @@ def add_serve_args(p) -> None:
 
     p.add_argument(
         "--files-max-bytes",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_FILE_BYTES,
         help=f"largest file POST /v1/files takes (a batch's input); larger uploads get 413 "
         f"(default: {DEFAULT_MAX_FILE_BYTES})",
     )
     p.add_argument(
         "--files-max-bytes-per-tenant",
-        type=int,
+        type=integer(1),
         default=FILES_PER_TENANT,
         help="bytes of files per tenant (uploads and batch results); an upload past it gets 400 "
         f"(default: {FILES_PER_TENANT})",
     )
     p.add_argument(
         "--batch-max-in-flight",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_IN_FLIGHT,
         help="batch (/v1/batches) requests running at once, all batches together; they are sent only while no "
         f"live request waits (default: {DEFAULT_MAX_IN_FLIGHT})",
@@ -230,16 +243,41 @@ def add_serve_args(p) -> None:
         help="a server directory POST /v1/load_lora_adapter may read adapters from (repeatable; default: none, "
         "loading from server paths is off)",
     )
-    p.add_argument("--max-adapter-bytes", type=int, default=512 << 20, help="larger adapter uploads get 413")
     p.add_argument(
-        "--max-queue-len", type=int, default=256, help="requests waiting per adapter queue (then 429)"
+        "--max-adapter-bytes", type=integer(1), default=512 << 20, help="larger adapter uploads get 413"
     )
     p.add_argument(
-        "--max-waiting", type=int, default=16, help="requests admitted to the engine but not running"
+        "--max-queue-len", type=integer(1), default=256, help="requests waiting per adapter queue (then 429)"
     )
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+        "--max-waiting", type=integer(1), default=16, help="requests admitted to the engine but not running"
+    )
+    p.add_argument("--max-body-bytes", type=integer(1), default=4 << 20, help="larger request bodies get 413")
+    p.add_argument(
+        "--drain-timeout", type=seconds(0), default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    from motet.api.slow_clients import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
+
+    p.add_argument(
+        "--request-header-timeout",
+        type=seconds(0, above=True),
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="a request's headers must be complete this many seconds after its connection opens or its first "
+        f"byte arrives, else 408 and the connection is closed (default: {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--request-body-timeout",
+        type=seconds(0, above=True),
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds the server waits for a request's body, plus 1 s per --request-body-min-rate bytes "
+        f"received; then 408 and the connection is closed (default: {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--request-body-min-rate",
+        type=number(0, above=True),
+        default=DEFAULT_BODY_MIN_RATE,
+        help=f"bytes/s a slow request body must average beyond --request-body-timeout (default: "
+        f"{DEFAULT_BODY_MIN_RATE})",
     )
     p.add_argument(
         "--reasoning-parser",
@@ -255,7 +293,7 @@ def add_serve_args(p) -> None:
         p.add_argument(
             flag,
             dest=f"grammar_{field}",
-            type=int,
+            type=integer(1),
             default=default,
             help=f"structured output over this gets 400 before compiling: {what} (default: {default})",
         )

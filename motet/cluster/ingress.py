@@ -28,7 +28,7 @@ from motet.actors.reply import ReplyStream
 from motet.actors.system import Stats
 from motet.cluster import reports
 from motet.cluster.adapter_store import SharedAdapterStore
-from motet.cluster.launch import Cluster, ClusterThread
+from motet.cluster.launch import Cluster, ClusterThread, reclaim_sigterm
 from motet.cluster.model_view import ModelView
 from motet.cluster.prompt_blocks import route_hashes
 from motet.cluster.replica import Admitted, Refused
@@ -39,6 +39,13 @@ log = logging.getLogger("motet.ingress")
 
 MAX_ATTEMPTS = 3  # replicas a request may be sent to before it fails
 ADMISSION_TIMEOUT_S = 120.0  # no replica admitted it in this time (none is up): 503
+
+
+class ReplicaLost(ServingError):
+    """The replica serving (or about to serve) the request died: a 503, the request may be sent again."""
+
+    status = 503
+    type = "service_unavailable"
 
 
 def _replica_lost(e: BaseException) -> bool:
@@ -85,6 +92,8 @@ class ClusterSystem:
         owner = ClusterThread(self.cluster)
         owner.start()
         try:
+            await anyio.to_thread.run_sync(owner.connected.wait, abandon_on_cancel=True)
+            reclaim_sigterm()  # on the event loop's thread: the main one when serving
             await anyio.to_thread.run_sync(owner.started.wait, abandon_on_cancel=True)
             if owner.error is not None:
                 raise owner.error
@@ -152,9 +161,14 @@ class ClusterSystem:
                     f"no engine replica took the request within {ADMISSION_TIMEOUT_S:.0f} s"
                 ) from None
             except Exception as e:
-                if not _replica_lost(e) or call.attempts >= MAX_ATTEMPTS:
+                if not _replica_lost(e):
                     log.error("request %s failed on its way to a replica: %r", call.streams[0].request_id, e)
                     raise EngineFailure("the request could not reach an engine replica") from None
+                if call.attempts >= MAX_ATTEMPTS:
+                    log.warning("request %s lost %d replicas", call.streams[0].request_id, call.attempts)
+                    raise ReplicaLost(
+                        f"{call.attempts} engine replicas were lost before taking the request; try again"
+                    ) from None
                 log.warning(
                     "a replica was lost before admitting %s; sending it again", call.streams[0].request_id
                 )
@@ -188,7 +202,8 @@ class ClusterSystem:
         except Exception as e:
             if not isinstance(e, ServingError):
                 log.warning("request %s lost its replica: %r", call.streams[0].request_id, e)
-                e = EngineFailure("the engine replica serving this request stopped; try again")
+                stopped = "the engine replica serving this request stopped; try again"
+                e = ReplicaLost(stopped) if _replica_lost(e) else EngineFailure(stopped)
             for s in call.streams:
                 s.fail(e)
         finally:

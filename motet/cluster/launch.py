@@ -5,14 +5,22 @@ between --min-replicas and --max-replicas on ongoing requests per replica), rout
 Both calls block (Ray's API is synchronous). A local Ray's processes share the fate of the *thread* that
 started them (Ray spawns them with PR_SET_PDEATHSIG, which Linux ties to the spawning thread), so the ingress
 runs the cluster in a ClusterThread that lives exactly as long as it: a pooled worker thread would be reaped
-when idle, and Ray with it. Stopping a local Ray ends every process it started; on a joined cluster only this
-application is deleted.
+when idle, and Ray with it. Stopping a local Ray ends every process it started, and waits for them (the agents
+its raylet started too; one that outlives the wait is killed); on a joined cluster only this application is
+deleted.
+
+Ray's driver installs abseil's failure signal handler, SIGTERM included: on SIGTERM it logs, passes the signal
+on, and arms `alarm(3)`, whose SIGALRM handler abort()s the process 3 s later (mid-drain, or after a drain
+that took less: exit status -6). SIGTERM is the server's (it drains), so `reclaim_sigterm` hands it back to
+Python's handler once Ray is up; abseil keeps the crash signals (SIGSEGV, SIGABRT, ...).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +28,7 @@ from pathlib import Path
 log = logging.getLogger("motet.cluster")
 
 APP = "motet"
+STRAGGLER_WAIT_S = 15.0  # after ray.shutdown, for the processes Ray started to exit before they are killed
 ROUTERS = ("motet", "pow2")  # motet's router, or Ray Serve's default (power of two choices)
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # where replicas import motet from
 
@@ -96,12 +105,9 @@ class Cluster:
             options["num_replicas"] = s.replicas
         return options
 
-    def start(self):
-        """Ray up, the replicas up (each has loaded the model); the deployment's handle."""
+    def connect(self) -> None:
+        """Ray up: a local one started, or the cluster at --ray-address joined."""
         import ray
-        from ray import serve
-
-        from motet.cluster.replica import EngineReplica
 
         s = self.settings
         path = os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -112,6 +118,14 @@ class Cluster:
             cpus = max(os.cpu_count() or 1, s.most_replicas * s.threads_per_replica)
             ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env)
             self.started_ray = True
+
+    def start(self):
+        """The replicas up (each has loaded the model), once `connect` has; the deployment's handle."""
+        from ray import serve
+
+        from motet.cluster.replica import EngineReplica
+
+        s = self.settings
         serve.start(proxy_location="Disabled")
         app = serve.deployment(EngineReplica, **self.deployment_options()).bind(self.replica_settings)
         log.info(
@@ -126,6 +140,7 @@ class Cluster:
 
         if not ray.is_initialized():
             return
+        started = _descendants() if self.started_ray else []  # raylet, GCS, agents, workers
         try:
             if self.started_ray:
                 serve.shutdown()
@@ -133,7 +148,39 @@ class Cluster:
                 serve.delete(APP)
         except Exception:
             log.exception("stopping the Serve application failed")
-        ray.shutdown()
+        if self.started_ray:  # and any started meanwhile (before ray.shutdown, while they are ours)
+            pids = {p.pid for p in started}
+            started += [p for p in _descendants() if p.pid not in pids]
+        ray.shutdown(wait_for_processes=True)
+        _reap(started)
+
+
+def _descendants() -> list:
+    """This process's descendants: with a local Ray, the processes it started (the server starts no others)."""
+    import psutil
+
+    return psutil.Process().children(recursive=True)
+
+
+def _reap(processes: list) -> None:
+    """Wait for `processes` to exit; kill (SIGKILL) those that outlive STRAGGLER_WAIT_S, and reap them."""
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=STRAGGLER_WAIT_S)
+    for p in alive:
+        log.warning("a Ray process outlived the shutdown; killing it: %s", p)
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            p.kill()
+    psutil.wait_procs(alive, timeout=STRAGGLER_WAIT_S)
+
+
+def reclaim_sigterm() -> None:
+    """SIGTERM back to Python's handler (the server's drain), from Ray's abseil one (see the module doc).
+    Signal handlers belong to the main thread: elsewhere (an app in tests) there is none to reclaim."""
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGTERM)
+        if handler is not None:  # None: installed outside Python, nothing of ours to restore
+            signal.signal(signal.SIGTERM, handler)
 
 
 class ClusterThread(threading.Thread):
@@ -144,11 +191,16 @@ class ClusterThread(threading.Thread):
         self.cluster = cluster
         self.handle = None
         self.error: BaseException | None = None
+        self.connected = threading.Event()  # Ray is up (or failed to start: see `started`)
         self.started = threading.Event()  # the handle, or the error, is there
         self._finish = threading.Event()
 
     def run(self) -> None:
         try:
+            try:
+                self.cluster.connect()
+            finally:
+                self.connected.set()
             self.handle = self.cluster.start()
         except BaseException as e:  # handed to the ingress, which fails its start-up with it
             self.error = e
