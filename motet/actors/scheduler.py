@@ -165,6 +165,7 @@ class SchedulerActor(Actor):
                     if first and out.prompt_logprobs is not None
                     else None,
                     num_cached_tokens=out.num_cached_tokens,
+                    timings=out.timings,
                 )
             )
             self.fairness.charge(tenant, output_tokens=n)

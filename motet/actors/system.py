@@ -45,6 +45,8 @@ class Stats:
     waiting_adapters: tuple[str, ...] = ()
     queued_adapters: tuple[str, ...] = ()  # adapters of requests in the adapter queues, not yet admitted
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
+    prompt_tokens: int = 0  # processed so far (EngineStats.prompt_tokens)
+    generation_tokens: int = 0
 
 
 class ServingSystem:
@@ -120,4 +122,6 @@ class ServingSystem:
                 sorted({a.name for a, n in self.queues.depth_by_adapter().items() if a is not None and n})
             ),
             speculative=es.speculative,
+            prompt_tokens=es.prompt_tokens,
+            generation_tokens=es.generation_tokens,
         )

@@ -443,6 +443,13 @@ class CountRequests:
             self.state.metrics.requests.labels(endpoint, str(status)).inc()
 
 
+def _reason(e: BaseException) -> str:
+    """One line: the innermost cause, as the operator should read it."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return f"{type(e).__name__}: {e}"
+
+
 def create_app(state: ServerState) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -452,7 +459,8 @@ def create_app(state: ServerState) -> Starlette:
                 try:
                     await state.system.run()
                 except Exception as e:  # start-up failed: /health says why; the server decides to exit
-                    log.exception("the serving system failed")
+                    log.error("the serving system failed: %s", _reason(e))
+                    log.debug("the serving system failed", exc_info=e)
                     state.fatal = e
 
             tg.start_soon(run_system)

@@ -6,9 +6,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from motet.flag_types import OneLineErrors, integer, number, seconds
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help shows its default, unless the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if re.search(r"\bdefault:", help_, re.IGNORECASE) or action.default is argparse.SUPPRESS:
+            return help_
+        if action.nargs == 0:  # a switch (store_true, store_false, ...): not given unless asked for
+            return f"{help_} (default: off)"
+        if action.default is None:
+            return f"{help_} (default: none)"
+        return super()._get_help_string(action)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,13 +33,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=d.model, help=f"model name or local HF checkpoint dir (default: {d.model})"
     )
-    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
+    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES), help="weights' and KV cache's type")
     p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
     p.add_argument("--block-size", type=integer(1), default=d.block_size, help="tokens per KV block")
     p.add_argument(
         "--num-kv-blocks", type=integer(1), default=None, help="default: from --kv-cache-memory-gb"
     )
-    p.add_argument("--kv-cache-memory-gb", type=number(0, above=True), default=d.kv_cache_memory_gb)
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=number(0, above=True),
+        default=d.kv_cache_memory_gb,
+        help="memory for the KV cache, in GiB",
+    )
     p.add_argument("--max-num-seqs", type=integer(1), default=d.max_num_seqs, help="requests running at once")
     p.add_argument(
         "--max-num-batched-tokens", type=integer(1), default=d.max_num_batched_tokens, help="per step"
@@ -32,7 +52,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len", type=integer(1), default=None, help="default: the model's context length"
     )
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="never reuse the KV blocks of earlier prompts' prefixes",
+    )
     p.add_argument(
         "--shared-prefix-cache",
         action="store_true",
@@ -190,15 +214,16 @@ def cmd_eval(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="motet", description="multi-tenant LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    fmt = {"formatter_class": _HelpFormatter}
 
-    p = sub.add_parser("pull", help="download and convert the default model into the local cache")
+    p = sub.add_parser("pull", help="download and convert the default model into the local cache", **fmt)
     p.add_argument(
         "--cache-dir", default=None, help="cache directory (default: $MOTET_CACHE_DIR or ~/.cache/motet)"
     )
     p.add_argument("--force", action="store_true", help="convert again even if the model is cached")
     p.set_defaults(func=cmd_pull)
 
-    p = sub.add_parser("generate", help="generate text offline from one prompt")
+    p = sub.add_parser("generate", help="generate text offline from one prompt", **fmt)
     p.add_argument("--prompt", required=True)
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
@@ -213,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from motet.api.server import add_serve_args
 
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", **fmt)
     add_serve_args(p)
     _engine_args(p)
     p.set_defaults(func=cmd_serve)

@@ -233,7 +233,7 @@ async def _chat_chunks(state, req, rid, created, choices, streams, k, drop, outp
                 if lp is not None and not deltas:
                     yield chunk(i, {}, lp)
         if delta.finished:
-            observe(state, c)
+            observe(state, c, choices)
             deltas, finish_reason = outputs[i].finish(c.finish_reason) if not drop else ([], c.finish_reason)
             for d in deltas:
                 yield chunk(i, d)
@@ -293,7 +293,7 @@ async def completions(request: Request) -> Response:
             streams += adm.streams
             state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choices = [
-            Choice(p * req.n + i, adm.prompt_token_ids, arrival)
+            Choice(p * req.n + i, adm.prompt_token_ids, arrival, prompt_index=p)
             for p, adm in enumerate(admissions)
             for i in range(req.n)
         ]
@@ -372,7 +372,7 @@ async def _completion_chunks(state, req, rid, created, choices, streams, prompt_
         if text or (lp and lp["tokens"]) or delta.finished:
             yield chunk(i, text, lp, c.finish_reason if delta.finished else None)
         if delta.finished:
-            observe(state, c)
+            observe(state, c, choices)
     if include_usage:
         u = usage([a.prompt_token_ids for a in admissions], choices, drop).model_dump()
         yield sse(

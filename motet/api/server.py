@@ -1,12 +1,16 @@
 """`motet serve`: its flags, and wiring the engine, the actors and the app onto uvicorn.
 
-Heavy imports happen inside `serve`, so that `motet --help` and `motet pull` stay fast.
+Start-up checks what it can before anything listens (the model resolves to a checkpoint motet serves, the
+flags' values, the port is free): a failure there is one line and exit status 2. Then the port opens (GET
+/health answers 503 while the model loads), and "ready" is logged once /health answers 200
+(motet/api/status_log.py). Heavy imports happen inside `serve`, so that `motet --help` stays fast.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
 
 from motet.cluster import cli as cluster_cli
@@ -54,6 +58,31 @@ def grammar_limits(args):
     )
 
 
+def check_model(config) -> tuple[Path, int]:
+    """The model's directory and context length; ModelLoadError (a ValueError) naming what is wrong with
+    --model, before anything starts. The default model is pulled here when it is not cached yet."""
+    from motet.engine.checkpoint import load_model_config
+    from motet.engine.config import context_length
+    from motet.engine.model_store import resolve_model
+
+    model_dir = resolve_model(config.model)
+    return model_dir, context_length(load_model_config(model_dir), config.max_model_len)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now: a port in use is a clear error before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (--host, --port)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def served_names(args, config) -> list[str]:
     """The names requests may give the base model as: the first is the served one, the rest aliases."""
     from motet.engine.model_store import DEFAULT_MODEL_ALIASES
@@ -66,18 +95,23 @@ def served_names(args, config) -> list[str]:
     return names
 
 
-def build_state(args, config):
+def build_state(args, config, model_dir: Path | None = None, max_model_len: int | None = None):
+    """The server's state; `model_dir` and `max_model_len` as check_model found them (found here if not
+    given)."""
     from motet.actors.system import ServingSystem
     from motet.api.adapter_store import AdapterStore
     from motet.api.auth import Authenticator
     from motet.api.batch_runner import BatchRunner, LowPriority
     from motet.api.batch_store import BatchStore
     from motet.api.file_store import FileStore
+    from motet.api.metrics import Metrics
     from motet.api.response_store import ResponseStore
     from motet.api.state import ServerState
     from motet.engine.llm_engine import LLMEngine
     from motet.lora.registry import check_load_dirs
 
+    if model_dir is None or max_model_len is None:
+        model_dir, max_model_len = check_model(config)
     if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
         config.num_threads = max(1, (os.cpu_count() or 2) - 1)
     config.grammar_limits = grammar_limits(args)
@@ -91,7 +125,7 @@ def build_state(args, config):
         system = cluster_cli.cluster_system(args, config, loras)
     else:
         system = ServingSystem(
-            lambda: LLMEngine(config),
+            lambda: LLMEngine(config, model_dir),
             max_queue_len=args.max_queue_len,
             max_waiting=args.max_waiting,
             loras=loras,
@@ -122,14 +156,16 @@ def build_state(args, config):
         files=files,
         batches=batches,
         reasoning=args.reasoning_parser == "think",
+        metrics=Metrics(names[0], max_model_len),
     )
     if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
         state.metrics.registry.register(system.replica_metrics())
     return state
 
 
-def http_server(args, state):
-    """The app on uvicorn, draining on SIGTERM, with the slow-client limits (motet/api/slow_clients.py)."""
+def http_server(args, state, on_tick=None):
+    """The app on uvicorn, draining on SIGTERM, with the slow-client limits (motet/api/slow_clients.py);
+    `on_tick` runs on the server's ticks (the status log)."""
     import uvicorn
 
     from motet.api.app import create_app
@@ -142,28 +178,39 @@ def http_server(args, state):
         app,
         host=args.host,
         port=args.port,
+        log_config=None,  # uvicorn logs through the root handler, in motet's format
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         access_log=args.access_log,
         http=header_timeout_protocol(args.request_header_timeout),
     )
-    return DrainingServer(config, state, args.drain_timeout)
+    return DrainingServer(config, state, args.drain_timeout, on_tick=on_tick)
 
 
 def serve(args, config) -> int:
     """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
+    from motet.api.status_log import StatusLog
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    state = build_state(args, config)
-    server = http_server(args, state)
-    log.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
-    server.run()
+    model_dir, max_model_len = check_model(config)  # a wrong --model ends here, before anything starts
+    sock = listen(args.host, args.port)
+    state = build_state(args, config, model_dir, max_model_len)
+    url = f"http://{args.host}:{args.port}"
+    # uvicorn's start-up chatter ("Application startup complete.") would read as ready while the model loads
+    if args.log_level != "debug":
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    status = StatusLog(state, url, args.log_stats_interval, stats=not args.disable_log_stats)
+    server = http_server(args, state, on_tick=status.tick)
+    log.info("loading %s on %s (GET /health answers 503 until it has loaded)", state.model_name, url)
+    server.run(sockets=[sock])
+    log.info("stopped")
     return 1 if state.fatal is not None else 0
 
 
 def add_serve_args(p) -> None:
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -171,12 +218,13 @@ def add_serve_args(p) -> None:
         metavar="NAME",
         help="the model's name in the API (the first; the others are aliases); default: --model",
     )
-    p.add_argument("--port", type=integer(0, 65535), default=8000)
+    p.add_argument("--port", type=integer(0, 65535), default=8000, help="the port to listen on")
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
     p.add_argument(
         "--data-dir",
         default=None,
-        help=f"where tenants' uploaded adapters, stored responses, files and batches live (default: $MOTET_DATA_DIR or "
+        help=f"where tenants' uploaded adapters, stored responses, files and batches live (default: "
+        f"$MOTET_DATA_DIR or "
         f"{DEFAULT_DATA_DIR})",
     )
     from motet.api.response_store import (
@@ -297,6 +345,31 @@ def add_serve_args(p) -> None:
             default=default,
             help=f"structured output over this gets 400 before compiling: {what} (default: {default})",
         )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--access-log", action="store_true")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the server's log level",
+    )
+    p.add_argument(
+        "--disable-access-log",
+        "--disable-uvicorn-access-log",  # vLLM's name
+        dest="access_log",
+        action="store_false",
+        help="do not log each HTTP request (method, path, status) at info",
+    )
+    p.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="do not log the periodic throughput / load line (vLLM's flag)",
+    )
+    from motet.api.status_log import DEFAULT_INTERVAL_S
+
+    p.add_argument(
+        "--log-stats-interval",
+        type=seconds(0, above=True),
+        default=DEFAULT_INTERVAL_S,
+        metavar="SECONDS",
+        help="how often the throughput / load line is logged (at info while requests run, at debug when idle)",
+    )
     cluster_cli.add_args(p)

@@ -16,16 +16,25 @@ from motet.flag_types import integer, number
 def add_args(p) -> None:
     g = p.add_argument_group("scale-out on Ray Serve (the `cluster` extra)")
     g.add_argument(
-        "--replicas", type=integer(1), default=None, help="engine replicas behind this server (Ray Serve)"
+        "--replicas",
+        type=integer(1),
+        default=None,
+        help="engine replicas behind this server (Ray Serve; default: none, the engine runs in this process)",
     )
     g.add_argument(
-        "--ray-address", default=None, help="join this Ray cluster instead of starting a local one"
+        "--ray-address", default=None, help="join this Ray cluster (default: none, a local Ray starts)"
     )
     g.add_argument(
-        "--min-replicas", type=integer(0), default=None, help="autoscale: at least this many replicas"
+        "--min-replicas",
+        type=integer(0),
+        default=None,
+        help="autoscale: at least this many replicas (default: none, no autoscaling)",
     )
     g.add_argument(
-        "--max-replicas", type=integer(1), default=None, help="autoscale: at most this many replicas"
+        "--max-replicas",
+        type=integer(1),
+        default=None,
+        help="autoscale: at most this many replicas (default: none, no autoscaling)",
     )
     g.add_argument(
         "--target-ongoing-requests",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 from motet.engine.block_manager import BlockManager, prefix_salt
@@ -28,7 +29,7 @@ from motet.engine.model_store import resolve_model
 from motet.engine.request_checks import RequestLimits
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.scheduler import ScheduledBatch, Scheduler
-from motet.engine.sequence import Sequence, TokenLogprob
+from motet.engine.sequence import RequestTimings, Sequence, TokenLogprob
 from motet.engine.speculative.history import DraftScope
 from motet.engine.speculative.proposer import SpeculativeConfig, SpeculativeStats, Speculator
 from motet.engine.tokenizer import load_tokenizer
@@ -55,6 +56,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # the request failed (finish_reason "abort"); the others in its step did not
+    timings: RequestTimings | None = None  # set on the output that finishes it
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,10 @@ class EngineStats:
     waiting_adapters: tuple[str, ...]  # of waiting requests, not also running
     grammar: GrammarStats
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)  # zeros when speculation is off
+    # Tokens processed so far, as vLLM counts them: a request's whole prompt (cached or not) once, when its
+    # first token comes; every output token as it is committed.
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
 
 
 class LLMEngine:
@@ -119,6 +125,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.grammar_cache = GrammarCache()
         self.num_steps = 0
+        self.num_prompt_tokens = 0  # EngineStats.prompt_tokens
+        self.num_generation_tokens = 0
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -165,13 +173,15 @@ class LLMEngine:
         adapter: AdapterRef | str | None = None,
         grammar: CompiledGrammar | None = None,
         tenant: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
         """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
         for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
         `tenant`: whose request it is; it shares prefix-cache blocks only with the same tenant's requests
         (unless the config shares the cache across tenants) of the same `params.cache_salt`, and speculation
         drafts only from the outputs of the same tenant, cache_salt and adapter under the same kind of
-        grammar (a JSON schema, tool calls, none, ...)."""
+        grammar (a JSON schema, tool calls, none, ...). `arrival_time`: when it entered the serving system
+        (time.monotonic(); default: now), where its queue time starts."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
@@ -192,6 +202,7 @@ class LLMEngine:
             request_id=request_id,
             arrival=next(self._arrivals),
         )
+        seq.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         kind = params.grammar.kind if params.grammar is not None else None
         seq.draft_scope = DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning)
         if grammar is not None:
@@ -234,6 +245,8 @@ class LLMEngine:
             speculative=SpeculativeStats(**vars(self.speculator.stats))
             if self.speculator
             else SpeculativeStats(),
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
         )
 
     # -- the step -------------------------------------------------------------------------------------
@@ -246,7 +259,12 @@ class LLMEngine:
     def schedule(self) -> ScheduledBatch:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
-        return self.scheduler.schedule()
+        batch = self.scheduler.schedule()
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.scheduled_time is None:  # its queue time ends here (a preempted one keeps its first)
+                seq.scheduled_time = now
+        return batch
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run the batch; where it raises, bisect it so that only the failing rows carry the error."""
@@ -278,7 +296,9 @@ class LLMEngine:
                 if tokens is None:  # a prompt chunk short of the prompt's end
                     continue
                 drafted = len(seq.draft_token_ids)
-                outputs.append(self._advance(seq, tokens, result.logprobs[i]))
+                out = self._advance(seq, tokens, result.logprobs[i])
+                self._count(seq, out)
+                outputs.append(out)
                 if drafted:
                     self.speculator.observe(seq, drafted, len(tokens) - 1)
                     if not seq.is_finished:
@@ -297,6 +317,17 @@ class LLMEngine:
                     )
                 )
         return outputs
+
+    def _count(self, seq: Sequence, out: RequestOutput) -> None:
+        """The token counters and the request's timestamps, for EngineStats and RequestTimings."""
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.num_prompt_tokens += seq.num_prompt_tokens
+        seq.last_token_time = now
+        self.num_generation_tokens += out.num_new_tokens
+        if out.finished:
+            out.timings = seq.timings()
 
     def _advance(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
         """Append the step's tokens one by one (with speculation, several) until one ends the request, then

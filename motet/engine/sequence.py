@@ -30,6 +30,21 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """A finished request's phases in seconds, as vLLM's request histograms define them: queued (arrival in
+    the serving system to first scheduled), prefill (first scheduled to first token), decode (first token to
+    the last); inference is prefill + decode. A preempted request keeps its first scheduling."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def inference_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
 @dataclass
 class Sequence:
     prompt_token_ids: list[int]
@@ -64,6 +79,12 @@ class Sequence:
     stops: StopStringMatcher | None = None
     text: str = ""
     num_emitted: int = 0  # tokens already reported in a RequestOutput
+    # time.monotonic() when it entered the serving system, was first scheduled, and produced its first and
+    # its latest token (None: not yet), for RequestTimings.
+    arrival_time: float = 0.0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -89,6 +110,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def timings(self) -> RequestTimings:
+        scheduled = self.scheduled_time if self.scheduled_time is not None else self.arrival_time
+        first = self.first_token_time if self.first_token_time is not None else scheduled
+        last = self.last_token_time if self.last_token_time is not None else first
+        return RequestTimings(scheduled - self.arrival_time, first - scheduled, last - first)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
