@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from motet.actors.reply import ReplyStream
@@ -71,18 +71,22 @@ class Enqueue:
 
 @dataclass
 class Take:
-    """Pop up to `max_requests`, each time from the tenant `pick` chooses among those with work."""
+    """Scheduler -> adapter queues: pop requests one at a time, each from the tenant `pick` chooses among
+    those with queued work (given as tenant -> its next request's prompt tokens), until it answers None.
+    Reply: `Taken`."""
 
-    max_requests: int
-    pick: Callable[[Iterable[str]], str | None]  # reply: list[QueuedRequest] (cancelled ones included)
+    pick: Callable[[Mapping[str, int]], str | None]
+
+
+@dataclass
+class Taken:
+    requests: list[QueuedRequest]  # each tenant's oldest first (requests cancelled since may be among them)
+    more: bool  # requests are still queued
 
 
 @dataclass
 class WorkQueued:
-    """Queues -> scheduler: requests of these tenants arrived, or were dropped while queued (cancelled)."""
-
-    arrived: list[str]
-    dropped: list[str] = field(default_factory=list)
+    """Adapter queues -> scheduler: requests are waiting to be taken."""
 
 
 @dataclass

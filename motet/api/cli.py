@@ -1,4 +1,4 @@
-"""The `motet` command line: pull, generate, serve, eval. The engine's flags take their defaults from
+"""The `motet` command line: pull, generate, serve, run-batch, eval. The engine's flags take their defaults from
 `EngineConfig`, so the two never disagree. Heavy imports happen inside the commands (`motet --help` stays
 fast)."""
 
@@ -27,7 +27,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from motet.engine.config import DTYPES, GRAMMAR_BACKENDS, SPECULATIVE_MODES, EngineConfig
+    from motet.engine.config import (
+        CPU_STEP_TOKENS,
+        CUDA_STEP_TOKENS,
+        DTYPES,
+        GRAMMAR_BACKENDS,
+        SPECULATIVE_MODES,
+        EngineConfig,
+    )
 
     d = EngineConfig  # the defaults
     p.add_argument(
@@ -47,7 +54,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=integer(1), default=d.max_num_seqs, help="requests running at once")
     p.add_argument(
-        "--max-num-batched-tokens", type=integer(1), default=d.max_num_batched_tokens, help="per step"
+        "--max-num-batched-tokens",
+        type=integer(1),
+        default=None,
+        help=f"tokens per step (default: {CPU_STEP_TOKENS} on CPU, {CUDA_STEP_TOKENS} on CUDA)",
     )
     p.add_argument(
         "--max-model-len", type=integer(1), default=None, help="default: the model's context length"
@@ -201,6 +211,12 @@ def cmd_serve(args) -> int:
     return serve(args, engine_config(args))
 
 
+def cmd_run_batch(args) -> int:
+    from motet.api.offline_batch import run_batch
+
+    return run_batch(args, engine_config(args))
+
+
 def cmd_eval(args) -> int:
     from motet.evals.cli import main as eval_main
 
@@ -238,6 +254,50 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     _engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "run-batch",
+        help="run a Batch API file (JSONL) offline, as `vllm run-batch` does",
+        description="Each input line {custom_id, method, url, body} is answered by the engine in this process, "
+        "through the same routes and validation as `motet serve`; the answers go to -o in the input's order.",
+    )
+    p.add_argument(
+        "-i", "--input-file", required=True, help="the batch file: a local path or an http(s) URL (GET)"
+    )
+    p.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        help="where the answers go: a local path or an http(s) URL (PUT)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=integer(1),
+        default=None,
+        help="requests in flight at once (default: twice --max-num-seqs)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's name in the requests (the first; the others are aliases); default: --model",
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="a PEFT adapter directory as model NAME (repeatable)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="none",
+        choices=["none", "think"],
+        help="think: <think>...</think> comes back as reasoning_content (default: none)",
+    )
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _engine_args(p)
+    p.set_defaults(func=cmd_run_batch)
 
     # Everything after `eval` is evals.cli's to parse (no option prefix of its own, so --help passes too).
     p = sub.add_parser("eval", help="run an eval suite and write a report", add_help=False, prefix_chars="\0")

@@ -8,7 +8,9 @@ adapters named as clients name them, never by tenant), the TTFT / inter-token / 
 histograms; the engine's counters (prompt and generation tokens, preemptions, prefix-cache queries and hits,
 in tokens); and per finished request its prompt and generation tokens, its finish reason and its queue /
 prefill / decode / inference times. Buckets, labels (`model_name`) and help texts are vLLM's
-(vllm/v1/metrics/loggers.py); deploy/grafana/motet.json is the dashboard that reads them.
+(vllm/v1/metrics/loggers.py); deploy/grafana/motet.json is the dashboard that reads them. Per tenant, for an
+admin: each tenant's virtual token counter, its requests queued, waiting and running, and its position in
+the order tenants are served next (motet/engine/fairness.py).
 """
 
 from __future__ import annotations
@@ -107,6 +109,22 @@ class Metrics:
             "drafts proposed but not worth verifying in their step",
             registry=r,
         )
+
+        # Fairness between tenants (one series per tenant with requests in the server; none once it is idle).
+        self.tenant_virtual_tokens = Gauge(
+            "motet_tenant_virtual_tokens",
+            "the tenant's virtual token counter: weighted tokens served over its weight (the lowest goes first)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_requests = Gauge(
+            "motet_tenant_requests", "the tenant's requests by state: queued, waiting, running", ["tenant", "state"],
+            registry=r,
+        )  # fmt: skip
+        self.tenant_position = Gauge(
+            "motet_tenant_queue_position", "the tenant's place in the order tenants are served next (0: first)",
+            ["tenant"], registry=r,
+        )  # fmt: skip
 
         model = ["model_name"]
         self.vllm_waiting = Gauge(
@@ -302,6 +320,16 @@ class Metrics:
         for proposer, hits in hits_by:
             self.spec_hit_rate.labels(proposer).set(hits / spec.proposals if spec.proposals else 0.0)
         self.spec_priced_out.set(spec.priced_out_tokens)
+        self._refresh_tenants(getattr(stats, "tenants", ()))
+
+    def _refresh_tenants(self, tenants) -> None:
+        for gauge in (self.tenant_virtual_tokens, self.tenant_requests, self.tenant_position):
+            gauge.clear()  # tenants that went idle leave the page
+        for t in tenants:
+            self.tenant_virtual_tokens.labels(t.tenant).set(t.virtual_tokens)
+            self.tenant_position.labels(t.tenant).set(t.position)
+            for state in ("queued", "waiting", "running"):
+                self.tenant_requests.labels(t.tenant, state).set(getattr(t, state))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

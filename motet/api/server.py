@@ -83,17 +83,31 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def served_names(args, config) -> list[str]:
+    """The names requests may give the base model as: the first is the served one, the rest aliases."""
+    from motet.engine.model_store import DEFAULT_MODEL_ALIASES
+
+    names = list(args.served_model_name or []) + [config.model]
+    if config.model in DEFAULT_MODEL_ALIASES:
+        names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
+    elif Path(config.model).exists():
+        names.append(Path(config.model).name)
+    return names
+
+
 def build_state(args, config, model_dir: Path | None = None, max_model_len: int | None = None):
     """The server's state; `model_dir` and `max_model_len` as check_model found them (found here if not
     given)."""
     from motet.actors.system import ServingSystem
     from motet.api.adapter_store import AdapterStore
+    from motet.api.batch_runner import BatchRunner, LowPriority
+    from motet.api.batch_store import BatchStore
+    from motet.api.file_store import FileStore
     from motet.api.metrics import Metrics
     from motet.api.response_store import ResponseStore
     from motet.api.state import ServerState
     from motet.api.vllm_flags import authenticator
     from motet.engine.llm_engine import LLMEngine
-    from motet.engine.model_store import DEFAULT_MODEL_ALIASES
     from motet.lora.registry import check_load_dirs
 
     if model_dir is None or max_model_len is None:
@@ -101,11 +115,11 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
         config.num_threads = max(1, (os.cpu_count() or 2) - 1)
     config.grammar_limits = grammar_limits(args)
-    names = list(args.served_model_name or []) + [config.model]
-    if config.model in DEFAULT_MODEL_ALIASES:
-        names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
-    elif Path(config.model).exists():
-        names.append(Path(config.model).name)
+    if args.tenant_weights:
+        from motet.engine.fairness import load_tenant_weights
+
+        config.tenant_weights = load_tenant_weights(args.tenant_weights)
+    names = served_names(args, config)
     loras = shared_loras(args.lora, names)
     data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
     # before anything starts: no load dir may overlap a place tenants' own adapters are kept
@@ -134,6 +148,8 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         max_per_tenant=args.responses_max_per_tenant,
         max_bytes_per_tenant=args.responses_max_bytes_per_tenant,
     )
+    files = FileStore(data_dir, args.files_max_bytes, args.files_max_bytes_per_tenant)
+    batches = BatchRunner(BatchStore(data_dir), files, LowPriority(args.batch_max_in_flight))
     state = ServerState(
         system=system,
         model_names=names,
@@ -141,6 +157,8 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         max_body_bytes=args.max_body_bytes,
         adapters=adapters,
         responses=responses,
+        files=files,
+        batches=batches,
         reasoning=args.reasoning_parser == "think",
         metrics=Metrics(names[0], max_model_len),
         trust_request_chat_template=args.trust_request_chat_template,
@@ -210,7 +228,8 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--data-dir",
         default=None,
-        help=f"where tenants' uploaded adapters and stored responses live (default: $MOTET_DATA_DIR or "
+        help=f"where tenants' uploaded adapters, stored responses, files and batches live (default: "
+        f"$MOTET_DATA_DIR or "
         f"{DEFAULT_DATA_DIR})",
     )
     from motet.api.response_store import (
@@ -239,6 +258,31 @@ def add_serve_args(p) -> None:
         help="bytes of stored responses per tenant (their JSON, as the model sees the conversation); a response "
         f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
     )
+    from motet.api.batch_runner import DEFAULT_MAX_IN_FLIGHT
+    from motet.api.file_store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_PER_TENANT
+    from motet.api.file_store import DEFAULT_MAX_FILE_BYTES
+
+    p.add_argument(
+        "--files-max-bytes",
+        type=integer(1),
+        default=DEFAULT_MAX_FILE_BYTES,
+        help=f"largest file POST /v1/files takes (a batch's input); larger uploads get 413 "
+        f"(default: {DEFAULT_MAX_FILE_BYTES})",
+    )
+    p.add_argument(
+        "--files-max-bytes-per-tenant",
+        type=integer(1),
+        default=FILES_PER_TENANT,
+        help="bytes of files per tenant (uploads and batch results); an upload past it gets 400 "
+        f"(default: {FILES_PER_TENANT})",
+    )
+    p.add_argument(
+        "--batch-max-in-flight",
+        type=integer(1),
+        default=DEFAULT_MAX_IN_FLIGHT,
+        help="batch (/v1/batches) requests running at once, all batches together; they are sent only while no "
+        f"live request waits (default: {DEFAULT_MAX_IN_FLIGHT})",
+    )
     p.add_argument(
         "--lora",
         action="append",
@@ -259,7 +303,17 @@ def add_serve_args(p) -> None:
         "--max-queue-len", type=integer(1), default=256, help="requests waiting per adapter queue (then 429)"
     )
     p.add_argument(
-        "--max-waiting", type=integer(1), default=16, help="requests admitted to the engine but not running"
+        "--max-waiting",
+        type=integer(1),
+        default=16,
+        help="requests admitted to the engine but not running (and as many more, each tenant's first)",
+    )
+    p.add_argument(
+        "--tenant-weights",
+        default=None,
+        metavar="FILE",
+        help='JSON file {"tenant": weight}: each tenant\'s share of a busy server follows its weight (positive '
+        "numbers; tenants not named weigh 1; default: all equal)",
     )
     p.add_argument("--max-body-bytes", type=integer(1), default=4 << 20, help="larger request bodies get 413")
     p.add_argument(

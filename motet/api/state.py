@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from motet.actors.system import ServingSystem
 from motet.api.adapter_store import AdapterStore
 from motet.api.auth import Authenticator
+from motet.api.batch_runner import BatchRunner
 from motet.api.errors import APIError
+from motet.api.file_store import FileStore
 from motet.api.metrics import Metrics
 from motet.api.response_store import ResponseStore
 from motet.lora.manager import AdapterRef
@@ -25,6 +27,8 @@ class ServerState:
     max_body_bytes: int = 4 << 20
     adapters: AdapterStore | None = None  # None: no adapter uploads (in-process tests)
     responses: ResponseStore | None = None  # stored Responses API responses; None: none are stored
+    files: FileStore | None = None  # /v1/files; None: no files API
+    batches: BatchRunner | None = None  # /v1/batches (with its store); None: no batch API
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
     inflight: int = 0

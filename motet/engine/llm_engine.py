@@ -24,6 +24,7 @@ from motet.engine.block_manager import BlockManager, prefix_salt
 from motet.engine.checkpoint import load_model_config
 from motet.engine.config import EngineConfig
 from motet.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from motet.engine.fairness import TenantState, VirtualTokenCounter
 from motet.engine.guided import GuidedDecoding
 from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
 from motet.engine.model_store import resolve_model
@@ -83,6 +84,7 @@ class EngineStats:
     # first token comes; every output token as it is committed.
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    tenants: tuple[TenantState, ...] = ()  # tenants with requests here, in the order they are served next
 
 
 class LLMEngine:
@@ -99,9 +101,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
-            config.max_num_batched_tokens,
+            config.step_tokens,
             max_loras=config.max_loras,
             lora_time_slice=config.lora_time_slice,
+            fairness=VirtualTokenCounter(config.tenant_weights),
         )
         self.adapters = AdapterManager(
             self.model_config,
@@ -179,11 +182,12 @@ class LLMEngine:
     ) -> str:
         """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
         for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
-        `tenant`: whose request it is; it shares prefix-cache blocks only with the same tenant's requests
-        (unless the config shares the cache across tenants) of the same `params.cache_salt`, and speculation
-        drafts only from the outputs of the same tenant, cache_salt and adapter under the same kind of
-        grammar (a JSON schema, tool calls, none, ...). `arrival_time`: when it entered the serving system
-        (time.monotonic(); default: now), where its queue time starts."""
+        `tenant`: whose request it is: tenants share the engine by weight (motet/engine/fairness.py); it
+        shares prefix-cache blocks only with the same tenant's requests (unless the config shares the cache
+        across tenants) of the same `params.cache_salt`, and speculation drafts only from the outputs of the
+        same tenant, cache_salt and adapter under the same kind of grammar (a JSON schema, tool calls, none,
+        ...). `arrival_time`: when it entered the serving system (time.monotonic(); default: now), where its
+        queue time starts."""
         params = self.resolve_bad_words(params or SamplingParams())
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
@@ -203,6 +207,7 @@ class LLMEngine:
             prefix_salt=salt,
             request_id=request_id,
             arrival=next(self._arrivals),
+            tenant=tenant,
         )
         seq.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         kind = params.grammar.kind if params.grammar is not None else None
@@ -257,6 +262,7 @@ class LLMEngine:
             else SpeculativeStats(),
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
+            tenants=sched.tenant_states(),
         )
 
     # -- the step -------------------------------------------------------------------------------------
@@ -379,6 +385,7 @@ class LLMEngine:
             reason = stop_reason = None
         num_new = seq.num_tokens - seq.num_emitted
         seq.num_emitted = seq.num_tokens
+        self.scheduler.fairness.charge(seq.tenant, output_tokens=num_new)
         seq.text += delta
         return RequestOutput(
             request_id=seq.request_id,

@@ -56,6 +56,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     request_id: str | None = None
     arrival: int = 0  # tie-breaker for the scheduler's order
+    tenant: str | None = None  # whose request: the scheduler shares the engine fairly between tenants
 
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
