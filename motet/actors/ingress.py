@@ -175,6 +175,14 @@ class IngressActor(Actor):
             if spec.max_tokens is None:
                 params = dataclasses.replace(params, max_tokens=limits.max_model_len - n)
             requests.append(
-                QueuedRequest(request_id, spec.tenant, spec.adapter, ids, params, ReplyStream(request_id))
+                QueuedRequest(
+                    request_id,
+                    spec.tenant,
+                    spec.adapter,
+                    ids,
+                    params,
+                    ReplyStream(request_id),
+                    priority=spec.priority,
+                )
             )
         return requests

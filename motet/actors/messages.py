@@ -33,6 +33,7 @@ class GenerateSpec:
     # last N tokens; -1: as many as fit; None: all).
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
+    priority: int = 0  # vLLM's request priority (lower: sooner), among the tenant's own requests
 
     @property
     def special_tokens(self) -> bool:
@@ -62,6 +63,7 @@ class QueuedRequest:
     stream: ReplyStream
     grammar: CompiledGrammar | None = None  # params.grammar, compiled by the ingress
     arrival: float = field(default_factory=time.monotonic)
+    priority: int = 0  # vLLM's (lower: sooner), among the tenant's own requests
 
 
 @dataclass

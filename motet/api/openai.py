@@ -187,6 +187,7 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
         grammar_param=structure.param,
         add_special_tokens=req.add_special_tokens,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        priority=req.priority,
     )
     return spec, structure, k, drop
 
@@ -372,6 +373,7 @@ async def completions(request: Request) -> Response:
                 grammar_param=structure.param,
                 add_special_tokens=req.add_special_tokens,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
+                priority=req.priority,
             )
             for p_idx, prompt in enumerate(prompts)
         ]

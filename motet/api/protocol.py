@@ -226,6 +226,8 @@ class _SamplingFields(_OpenAINoOps):
     return_token_ids: bool | None = None  # vLLM: prompt_token_ids and token_ids in the response
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs' tokens as "token_id:N"
     request_id: str | None = None  # vLLM: the response's id is made from it (the X-Request-Id header wins)
+    # vLLM: lower is sooner; it orders the tenant's own requests only, never one tenant before another
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     # structured output (motet/api/structured.py): OpenAI's response_format, vLLM's guided_* extras
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -179,6 +179,7 @@ class LLMEngine:
         grammar: CompiledGrammar | None = None,
         tenant: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
         for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
@@ -187,7 +188,7 @@ class LLMEngine:
         across tenants) of the same `params.cache_salt`, and speculation drafts only from the outputs of the
         same tenant, cache_salt and adapter under the same kind of grammar (a JSON schema, tool calls, none,
         ...). `arrival_time`: when it entered the serving system (time.monotonic(); default: now), where its
-        queue time starts."""
+        queue time starts. `priority`: vLLM's (lower: sooner), ordering the tenant's own requests only."""
         params = self.resolve_bad_words(params or SamplingParams())
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
@@ -208,6 +209,7 @@ class LLMEngine:
             request_id=request_id,
             arrival=next(self._arrivals),
             tenant=tenant,
+            priority=priority,
         )
         seq.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         kind = params.grammar.kind if params.grammar is not None else None
