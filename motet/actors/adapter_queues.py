@@ -2,9 +2,10 @@
 
 Requests wait here until the scheduler takes them into the engine; admission control happens here (a
 full queue answers QueueFull, which the API turns into 429). Inside a queue, requests are kept per tenant
-in arrival order, and a `Take` pops the oldest request of the tenant its policy picks (the engine's
-`AdmissionGate`: every tenant with queued work first, then the lowest virtual token counter), across all
-adapters' queues: one tenant's backlog in a queue never stands in front of another tenant's request.
+in order of vLLM's `priority` (lower first), then arrival, and a `Take` pops the first request of the tenant
+its policy picks (the engine's `AdmissionGate`: every tenant with queued work first, then the lowest virtual
+token counter), across all adapters' queues: one tenant's backlog in a queue never stands in front of
+another tenant's request, and a priority only orders its own tenant's requests.
 Adapters are independent queues so the LoRA work can slice time between adapters without touching the
 rest.
 """
@@ -17,6 +18,11 @@ from collections import deque
 from motet.actors.errors import QueueFull, ShuttingDown
 from motet.actors.messages import Cancel, Enqueue, QueuedRequest, Take, Taken, WorkQueued
 from motet.actors.runtime import Actor, ActorStopped
+
+
+def _order(req: QueuedRequest) -> tuple:
+    """A tenant's queued requests: vLLM's priority (lower first), then arrival."""
+    return (req.priority, req.arrival)
 
 
 class AdapterQueue:
@@ -39,7 +45,11 @@ class AdapterQueue:
         return gone
 
     def push(self, req: QueuedRequest) -> None:
-        self.by_tenant.setdefault(req.tenant, deque()).append(req)
+        q = self.by_tenant.setdefault(req.tenant, deque())
+        i = len(q)
+        while i and _order(q[i - 1]) > _order(req):  # usually none: one priority, arrival order
+            i -= 1
+        q.insert(i, req)
         self.size += 1
 
     def head(self, tenant: str) -> QueuedRequest | None:
@@ -126,14 +136,14 @@ class AdapterQueuesActor(Actor):
     def _take(self, message: Take) -> Taken:
         taken: list[QueuedRequest] = []
         while True:
-            # Each tenant's oldest live request across adapter queues.
+            # Each tenant's first live request across adapter queues (by priority, then arrival).
             heads: dict[str, QueuedRequest] = {}
             for q in self.queues.values():
                 for tenant in list(q.by_tenant):
                     while (h := q.head(tenant)) is not None and h.stream.cancelled:
                         q.pop(tenant)
                         self.index.pop(h.request_id, None)
-                    if h is not None and (tenant not in heads or h.arrival < heads[tenant].arrival):
+                    if h is not None and (tenant not in heads or _order(h) < _order(heads[tenant])):
                         heads[tenant] = h
             tenant = message.pick({t: len(h.prompt_token_ids) for t, h in heads.items()}) if heads else None
             if tenant is None:

@@ -118,6 +118,7 @@ class ExecutorActor(Actor):
                     grammar=req.grammar,
                     tenant=req.tenant,
                     arrival_time=req.arrival,
+                    priority=req.priority,
                 )
             except Exception as e:
                 refused.append((req.request_id, _refusal(req, e)))

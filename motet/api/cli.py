@@ -137,10 +137,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args):
+    from motet.api.vllm_flags import served_model
     from motet.engine.config import EngineConfig
 
     return EngineConfig(
-        model=args.model,
+        model=served_model(args, EngineConfig.model),  # `motet serve MODEL` too
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,

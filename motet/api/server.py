@@ -100,13 +100,13 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     given)."""
     from motet.actors.system import ServingSystem
     from motet.api.adapter_store import AdapterStore
-    from motet.api.auth import Authenticator
     from motet.api.batch_runner import BatchRunner, LowPriority
     from motet.api.batch_store import BatchStore
     from motet.api.file_store import FileStore
     from motet.api.metrics import Metrics
     from motet.api.response_store import ResponseStore
     from motet.api.state import ServerState
+    from motet.api.vllm_flags import authenticator
     from motet.engine.llm_engine import LLMEngine
     from motet.lora.registry import check_load_dirs
 
@@ -153,7 +153,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     state = ServerState(
         system=system,
         model_names=names,
-        auth=Authenticator.from_file(args.api_keys),
+        auth=authenticator(args),
         max_body_bytes=args.max_body_bytes,
         adapters=adapters,
         responses=responses,
@@ -161,6 +161,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         batches=batches,
         reasoning=args.reasoning_parser == "think",
         metrics=Metrics(names[0], max_model_len),
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
         state.metrics.registry.register(system.replica_metrics())
@@ -387,3 +388,6 @@ def add_serve_args(p) -> None:
         help="how often the throughput / load line is logged (at info while requests run, at debug when idle)",
     )
     cluster_cli.add_args(p)
+    from motet.api.vllm_flags import add_vllm_serve_args
+
+    add_vllm_serve_args(p)  # vLLM's names for what motet serve does

@@ -34,6 +34,7 @@ class ServerState:
     inflight: int = 0
     fatal: BaseException | None = None  # start-up failed (e.g. the model could not be loaded)
     reasoning: bool = False  # --reasoning-parser think: <think>...</think> becomes reasoning_content
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may bring its own
 
     def __post_init__(self):
         self.metrics.model_name = self.model_name

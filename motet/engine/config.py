@@ -136,8 +136,11 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "auto"  # "auto": cuda when available, else cpu
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
+    num_kv_blocks: int | None = None  # None: derived from gpu_memory_utilization or kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
+    # vLLM's share of the device's memory for weights, activations and KV cache (motet/engine/memory.py);
+    # None: the KV cache takes kv_cache_memory_gb.
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64
     # Tokens one step computes (decode rows, prompt chunks, drafts). None: CPU_STEP_TOKENS on a CPU, whose
     # step time grows with them (a 2048-token step takes seconds on 2 cores, and every request arriving
@@ -211,6 +214,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.tenant_weights = check_tenant_weights(self.tenant_weights)
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @property
     def speculative_mode(self) -> str:

@@ -13,6 +13,7 @@ that fails inside a step fails alone: `execute` bisects the batch until the fail
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -33,6 +34,7 @@ from motet.engine.scheduler import ScheduledBatch, Scheduler
 from motet.engine.sequence import RequestTimings, Sequence, TokenLogprob
 from motet.engine.speculative.history import DraftScope
 from motet.engine.speculative.proposer import SpeculativeConfig, SpeculativeStats, Speculator
+from motet.engine.token_masks import bad_words_token_ids
 from motet.engine.tokenizer import load_tokenizer
 from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
 from motet.grammar.cache import GrammarCache
@@ -177,6 +179,7 @@ class LLMEngine:
         grammar: CompiledGrammar | None = None,
         tenant: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
         for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
@@ -185,8 +188,8 @@ class LLMEngine:
         across tenants) of the same `params.cache_salt`, and speculation drafts only from the outputs of the
         same tenant, cache_salt and adapter under the same kind of grammar (a JSON schema, tool calls, none,
         ...). `arrival_time`: when it entered the serving system (time.monotonic(); default: now), where its
-        queue time starts."""
-        params = params or SamplingParams()
+        queue time starts. `priority`: vLLM's (lower: sooner), ordering the tenant's own requests only."""
+        params = self.resolve_bad_words(params or SamplingParams())
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
         self.limits.check_params(params)
@@ -206,6 +209,7 @@ class LLMEngine:
             request_id=request_id,
             arrival=next(self._arrivals),
             tenant=tenant,
+            priority=priority,
         )
         seq.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         kind = params.grammar.kind if params.grammar is not None else None
@@ -217,6 +221,14 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.requests[request_id] = seq
         return request_id
+
+    def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad_words as token sequences (motet/engine/token_masks.py); the serving layer
+        calls it in a worker thread, so the engine's thread finds them resolved."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        encode = functools.partial(self.tokenizer.hf.encode, add_special_tokens=False)
+        return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, encode))
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
@@ -355,7 +367,8 @@ class LLMEngine:
                 break
         if g is not None and finish is None:
             forced = []
-            if self.config.jump_forward and seq.params.logprobs is None:
+            # forced tokens are appended unsampled: never where logprobs or the token masks must see each one
+            if self.config.jump_forward and seq.params.logprobs is None and not seq.params.masks_tokens:
                 forced = g.jump_forward(lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False))
             self.runner.grammar_stats.jump_forward_tokens += len(forced)
             for t in forced:

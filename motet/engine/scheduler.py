@@ -11,13 +11,17 @@ sequences; a waiting sequence of a tenant under its share is admitted first and,
 is free, takes the place of that newest sequence, so a light tenant's request starts at the next step
 however much another tenant has running or waiting. Otherwise waiting sequences go lowest virtual token
 counter first, in arrival order within a tenant.
+vLLM's request `priority` (lower: sooner) orders a tenant's own sequences and nothing else: they trade the
+places (in the waiting order and the running order) that the tenant's sequences hold by arrival, the most
+urgent taking the earliest, so no tenant's place moves (`tenant_places`). The sequence a tenant loses to
+preemption is its least urgent, newest one.
 Running sequences hold at most `max_loras` distinct adapters (see `AdapterSlicer`), and a step's batch
 is ordered by adapter so that each adapter's tokens form one contiguous segment for the LoRA kernels.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 from motet.engine.adapter_slicer import AdapterSlicer
@@ -84,9 +88,13 @@ class Scheduler:
         fair.set_active(s.tenant for s in (*self.running, *self.waiting))
         shares = TenantShares(fair, (s.tenant for s in self.running), (s.tenant for s in self.waiting))
 
+        waiting_places = tenant_places(self.waiting)
+        for s in self.waiting:  # the places traded stay traded: a later place stays the later one's
+            s.place = waiting_places[s.seq_id]
+
         def admission_order(s: Sequence) -> tuple:
             growing = len(self.running) < self.max_num_seqs  # a free slot: it displaces nobody
-            return (*shares.admission_key(s.tenant, growing), s.arrival, s.seq_id)
+            return (*shares.admission_key(s.tenant, growing), *waiting_places.get(s.seq_id, _place(s)))
 
         self.slicer.begin_step(
             (s.adapter_id for s in self.running),
@@ -107,7 +115,7 @@ class Scheduler:
             if not growing:
                 if not shares.may_displace(seq.tenant):
                     continue
-                victim = self._newest_of(shares.most_over(seq.tenant))
+                victim = self._last_of(shares.most_over(seq.tenant))
                 self._preempt(victim, shares)
                 batch.preempted.append(victim)
             self._start(seq, shares)
@@ -115,9 +123,13 @@ class Scheduler:
                 self.bm.match_prefix(seq)  # its blocks come below, with the running ones'
 
         # Running sequences, the least-served tenants' first (their prefill chunks get the budget first); last,
-        # the newest sequence of the tenant most over its share: the first to be preempted. Every decode row
-        # keeps its one token ahead of any prompt chunk, so a long prompt never stalls the decoding ones.
-        self.running.sort(key=lambda s: (shares.load(s.tenant), fair.counter(s.tenant), s.arrival, s.seq_id))
+        # the least urgent, newest sequence of the tenant most over its share: the first to be preempted. Every
+        # decode row keeps its one token ahead of any prompt chunk, so a long prompt never stalls the decoding
+        # ones.
+        running_places = tenant_places(self.running)
+        self.running.sort(
+            key=lambda s: (shares.load(s.tenant), fair.counter(s.tenant), *running_places[s.seq_id])
+        )
         decodes_left = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -177,9 +189,10 @@ class Scheduler:
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
         return batch
 
-    def _newest_of(self, tenant) -> Sequence:
-        """Take the newest running sequence of `tenant` (which has one) out of the running ones."""
-        victim = max((s for s in self.running if s.tenant == tenant), key=lambda s: (s.arrival, s.seq_id))
+    def _last_of(self, tenant) -> Sequence:
+        """Take the least urgent (vLLM's priority), newest running sequence of `tenant` (which has one) out of
+        the running ones."""
+        victim = max((s for s in self.running if s.tenant == tenant), key=_urgency)
         _remove(self.running, victim)
         return victim
 
@@ -252,6 +265,29 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         self.bm.forget(seq)
+
+
+def _place(s: Sequence) -> tuple[int, int]:
+    return s.place or (s.arrival, s.seq_id)
+
+
+def _urgency(s: Sequence) -> tuple[int, int, int]:
+    """Lower first: vLLM's priority, then arrival."""
+    return (s.priority, s.arrival, s.seq_id)
+
+
+def tenant_places(seqs) -> dict[int, tuple[int, int]]:
+    """Each sequence's place in an order between tenants (seq_id -> (arrival, seq_id)): the places its tenant's
+    sequences hold (by arrival, or as traded before), given out by urgency, so priority reorders a tenant's
+    sequences among its own places and never moves another tenant's."""
+    by_tenant: dict = defaultdict(list)
+    for s in seqs:
+        by_tenant[s.tenant].append(s)
+    places = {}
+    for group in by_tenant.values():
+        for s, place in zip(sorted(group, key=_urgency), sorted(map(_place, group)), strict=True):
+            places[s.seq_id] = place
+    return places
 
 
 def _remove(seqs, seq: Sequence) -> None:

@@ -23,11 +23,13 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class TokenLogprob:
-    """The chosen token's logprob and the top alternatives (token_id, logprob), best first."""
+    """The chosen token's logprob and the top alternatives (token_id, logprob), best first; a prompt
+    token's also has its rank in the distribution (1: the likeliest)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class Sequence:
     request_id: str | None = None
     arrival: int = 0  # tie-breaker for the scheduler's order
     tenant: str | None = None  # whose request: the scheduler shares the engine fairly between tenants
+    # vLLM's request priority (lower: sooner), among its tenant's own requests only: it trades places in the
+    # scheduler's order with them (motet/engine/scheduler.py); None: the place its arrival gives it
+    priority: int = 0
+    place: tuple[int, int] | None = None
 
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
