@@ -269,8 +269,11 @@ async def test_light_tenant_starts_at_the_next_step_under_another_tenants_backlo
     fixed = {"max_tokens": 40, "ignore_eos": True, "speculative": False}
     a = [await system.submit(_spec(f"a{i}", "The quick brown fox", tenant="A", **fixed)) for i in range(8)]
     firsts = [await adm.streams[0].get() for adm in a[:2]]  # running
-    stats = system.stats()
-    assert stats.running == 2 and stats.waiting + stats.queued == 6
+    # A request handed from its queue to the engine is in neither count for a moment: wait for it to land.
+    with anyio.fail_after(10):
+        while (stats := system.stats()).waiting + stats.queued != 6:
+            await anyio.sleep(0.01)
+    assert stats.running == 2
     submitted_at = system.scheduler.steps
     b = await system.submit(_spec("b0", "Paris is the capital", tenant="B", max_tokens=4, speculative=False))
     first = await b.streams[0].get()
