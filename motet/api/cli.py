@@ -78,8 +78,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=integer(1),
         default=None,
-        help="CPU threads for the forward pass (default: all cores offline; all but one when serving, "
-        "so the event loop never stalls the forward pass's threads)",
+        help="CPU threads for the forward pass (default: all cores; when serving on 8 or more, all but one, "
+        "left to the event loop)",
     )
     p.add_argument(
         "--grammar-backend",

@@ -107,13 +107,14 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.response_store import ResponseStore
     from motet.api.state import ServerState
     from motet.api.vllm_flags import authenticator
+    from motet.engine.config import default_cpu_threads
     from motet.engine.llm_engine import LLMEngine
     from motet.lora.registry import check_load_dirs
 
     if model_dir is None or max_model_len is None:
         model_dir, max_model_len = check_model(config)
-    if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
-        config.num_threads = max(1, (os.cpu_count() or 2) - 1)
+    if config.num_threads is None:
+        config.num_threads = default_cpu_threads()
     config.grammar_limits = grammar_limits(args)
     if args.tenant_weights:
         from motet.engine.fairness import load_tenant_weights

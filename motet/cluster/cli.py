@@ -6,7 +6,6 @@ Nothing here imports Ray until a cluster is asked for.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from motet.cluster.launch import ROUTERS, ClusterSettings
@@ -92,6 +91,7 @@ def cluster_system(args, config, loras: dict[str, Path]):
     from motet.cluster.launch import Cluster
     from motet.cluster.model_view import ModelView
     from motet.cluster.replica import ReplicaSettings
+    from motet.engine.config import default_cpu_threads
     from motet.engine.model_store import resolve_model
 
     try:
@@ -99,8 +99,8 @@ def cluster_system(args, config, loras: dict[str, Path]):
     except ImportError:
         raise ValueError("--replicas needs Ray Serve: pip install -e '.[cluster]'") from None
     replicas = args.replicas or args.min_replicas or 1
-    if args.threads is None:  # the machine's cores, all but one (the ingress's), shared by the replicas
-        config.num_threads = max(1, ((os.cpu_count() or 2) - 1) // replicas)
+    if args.threads is None:  # the machine's cores, shared by the replicas (engine/config.py)
+        config.num_threads = default_cpu_threads(replicas)
     settings = ClusterSettings(
         replicas=replicas,
         min_replicas=args.min_replicas,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,20 @@ def context_length(model: ModelConfig, max_model_len: int | None) -> int:
             )
         limit = window
     return max_model_len or limit
+
+
+# From this many cores on, serving keeps one for the event loop (HTTP, tokenizing, detokenizing): there it
+# costs the forward little. Below, the forward needs every core: on 2 cores one compute thread serves 1.5-1.8x
+# fewer tokens/s than two at 1 to 64 clients (benchmarks/reports/threads/).
+RESERVE_CORE_FROM = 8
+
+
+def default_cpu_threads(replicas: int = 1) -> int:
+    """Compute threads per replica when --threads is not given: the cores this process may run on, all but
+    one on a machine with RESERVE_CORE_FROM or more, shared by the replicas."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    usable = cores - 1 if cores >= RESERVE_CORE_FROM else cores
+    return max(1, usable // replicas)
 
 
 @dataclass
