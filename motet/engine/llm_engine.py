@@ -34,6 +34,7 @@ from motet.engine.speculative.proposer import SpeculativeConfig, SpeculativeStat
 from motet.engine.tokenizer import load_tokenizer
 from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
 from motet.grammar.cache import GrammarCache
+from motet.grammar.reasoning import ReasoningOpening, prompt_opens_reasoning
 from motet.grammar.specs import GrammarSpec
 from motet.lora.manager import AdapterManager, AdapterRef
 
@@ -132,6 +133,11 @@ class LLMEngine:
             stop_token_ids=sorted(self.eos_token_ids),
         )
 
+    @functools.cached_property
+    def reasoning_opening(self) -> ReasoningOpening:
+        """Which tokens may open `<think>` at an output's start (for grammars under a reasoning parser)."""
+        return ReasoningOpening(self.grammar_tokenizer.decoded_vocab)
+
     def compile_grammar(
         self, spec: GrammarSpec, backend: str | None = None, owner: str | None = None
     ) -> CompiledGrammar:
@@ -195,12 +201,20 @@ class LLMEngine:
         kind = params.grammar.kind if params.grammar is not None else None
         seq.draft_scope = DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning)
         if grammar is not None:
-            seq.guided = GuidedDecoding(grammar.matcher(), "</think>" if params.reasoning else None)
+            seq.guided = self._guided(grammar, params, token_ids)
         seq.detok = IncrementalDetokenizer(self.tokenizer.hf, token_ids, params.skip_special_tokens)
         seq.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.scheduler.add(seq)
         self.requests[request_id] = seq
         return request_id
+
+    def _guided(self, grammar: CompiledGrammar, params: SamplingParams, prompt: list[int]) -> GuidedDecoding:
+        """The constraint: from the output's first token, or with `params.reasoning` after `</think>` when
+        the prompt opened `<think>` or the output's first tokens do (motet/engine/guided.py)."""
+        if not params.reasoning:
+            return GuidedDecoding(grammar.matcher())
+        started = prompt_opens_reasoning(self.tokenizer.hf.decode(prompt[-16:]))  # the template's last words
+        return GuidedDecoding(grammar.matcher(), self.reasoning_opening, reasoning_started=started)
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)

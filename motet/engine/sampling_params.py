@@ -39,8 +39,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured output: the output must match `grammar` (grammar.specs), compiled with
-    # `grammar_backend` (None: the engine's). With `reasoning`, the output starts with the model's
-    # reasoning and the grammar applies after "</think>".
+    # `grammar_backend` (None: the engine's). With `reasoning`, an output that opens with "<think>" (or
+    # whose prompt opened it) is constrained after "</think>", any other from its first token.
     grammar: GrammarSpec | None = None
     grammar_backend: str | None = None
     reasoning: bool = False
