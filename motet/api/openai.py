@@ -71,6 +71,7 @@ def build_params(
         grammar=structure.spec if structure else None,
         grammar_backend=structure.backend if structure else None,
         reasoning=reasoning,
+        stop_on_repeated_tool_call=structure is not None and structure.tool_mode != "none",
         speculative=req.speculative,
         cache_salt=req.cache_salt,
     )

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from motet.engine.block_manager import BlockManager, prefix_salt
 from motet.engine.checkpoint import load_model_config
 from motet.engine.config import EngineConfig
-from motet.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
 from motet.engine.guided import GuidedDecoding
 from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
 from motet.engine.model_store import resolve_model
@@ -36,6 +36,7 @@ from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
 from motet.grammar.cache import GrammarCache
 from motet.grammar.reasoning import ReasoningOpening, prompt_opens_reasoning
 from motet.grammar.specs import GrammarSpec
+from motet.grammar.tool_call_parser import RepeatedCallStop
 from motet.lora.manager import AdapterManager, AdapterRef
 
 log = logging.getLogger("motet.engine")
@@ -204,6 +205,8 @@ class LLMEngine:
             seq.guided = self._guided(grammar, params, token_ids)
         seq.detok = IncrementalDetokenizer(self.tokenizer.hf, token_ids, params.skip_special_tokens)
         seq.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        if params.stop_on_repeated_tool_call:
+            seq.stops = StopChain(seq.stops, RepeatedCallStop())
         self.scheduler.add(seq)
         self.requests[request_id] = seq
         return request_id

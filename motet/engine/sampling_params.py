@@ -44,6 +44,9 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
     grammar_backend: str | None = None
     reasoning: bool = False
+    # Tool calls (motet/grammar/tool_call_parser.RepeatedCallStop): a call that repeats an earlier call of the
+    # output ends it (without the repeat), as a small model otherwise repeats its call until max_tokens.
+    stop_on_repeated_tool_call: bool = False
     # Speculative decoding, where the engine has it on: False opts this request out (its output is the
     # same either way; this only trades the verification's extra tokens for fewer steps).
     speculative: bool = True
