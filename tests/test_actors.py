@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from motet.actors.adapter_queues import AdapterQueuesActor
 from motet.actors.errors import EngineFailure, InvalidRequest, QueueFull
@@ -11,8 +12,8 @@ from motet.actors.messages import Enqueue, GenerateSpec, QueuedRequest, Take
 from motet.actors.reply import Delta, ReplyStream, merge_streams
 from motet.actors.runtime import Actor, ActorStopped, ActorSystem
 from motet.actors.system import ServingSystem
+from motet.api.metrics import Metrics
 from motet.engine.config import EngineConfig
-from motet.engine.fairness import VirtualTokenCounter
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
@@ -105,9 +106,10 @@ async def test_adapter_queues_bound_and_fair_take():
             await q.ask(Enqueue([_queued("a3", "a")]))
         await q.ask(Enqueue([_queued("x1", "a", adapter_id=7)]))  # another adapter: its own queue
         assert q.depth_by_adapter() == {0: 3, 7: 1}
-        order = iter(["b", "a", "a", "a"])
-        taken = await q.ask(Take(10, lambda tenants: next(order)))
-        assert [r.request_id for r in taken] == ["b1", "a1", "a2", "x1"]
+        order = iter(["b", "a", "a", "a", None])
+        taken = await q.ask(Take(lambda tenants: next(order)))
+        assert [r.request_id for r in taken.requests] == ["b1", "a1", "a2", "x1"]
+        assert not taken.more
         q.close()
 
 
@@ -167,7 +169,7 @@ async def _drain(stream):
 @pytest.fixture
 async def system(tiny_model_dir, request):
     kw = getattr(request, "param", {})
-    sys_kw = {k: kw.pop(k) for k in list(kw) if k in ("max_queue_len", "max_waiting", "fairness")}
+    sys_kw = {k: kw.pop(k) for k in list(kw) if k in ("max_queue_len", "max_waiting")}
     s = ServingSystem(_engine_factory(tiny_model_dir, **kw), **sys_kw)
     async with anyio.create_task_group() as tg:
         await tg.start(s.run)
@@ -257,6 +259,55 @@ async def test_fairness_across_tenants(system):
     assert set(finished) == {f"a{i}" for i in range(len(a))} | {"b0"}
 
 
+@pytest.mark.parametrize(
+    "system", [{"max_queue_len": 16, "max_num_seqs": 2, "max_waiting": 1}], indirect=True
+)
+async def test_light_tenant_starts_at_the_next_step_under_another_tenants_backlog(system):
+    """A's 8 requests fill the engine (2 running, one waiting) and the queue; B's request, queued behind
+    them in the same (base model) queue, reaches the engine and runs at the next step, in place of A's newest;
+    FIFO would start it after A's first requests finish (40 steps)."""
+    fixed = {"max_tokens": 40, "ignore_eos": True, "speculative": False}
+    a = [await system.submit(_spec(f"a{i}", "The quick brown fox", tenant="A", **fixed)) for i in range(8)]
+    firsts = [await adm.streams[0].get() for adm in a[:2]]  # running
+    # A request handed from its queue to the engine is in neither count for a moment: wait for it to land.
+    with anyio.fail_after(10):
+        while (stats := system.stats()).waiting + stats.queued != 6:
+            await anyio.sleep(0.01)
+    assert stats.running == 2
+    submitted_at = system.scheduler.steps
+    b = await system.submit(_spec("b0", "Paris is the capital", tenant="B", max_tokens=4, speculative=False))
+    first = await b.streams[0].get()
+    assert first.token_ids and system.scheduler.steps - submitted_at <= 3
+    tenants = {t.tenant: t for t in system.stats().tenants}
+    assert (tenants["B"].running, tenants["A"].running) == (1, 1)  # each its share of the 2 slots
+    assert tenants["A"].queued + tenants["A"].waiting == 7 and tenants["A"].virtual_tokens > 0
+    # The same, as an admin reads it in /metrics (parsed by Prometheus' own parser).
+    metrics = Metrics()
+    metrics.refresh(system.stats())
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+        if s.name.startswith("motet_tenant")
+    }
+    assert samples[("motet_tenant_requests", (("state", "running"), ("tenant", "B")))] == 1
+    assert samples[("motet_tenant_requests", (("state", "queued"), ("tenant", "A")))] == tenants["A"].queued
+    assert samples[("motet_tenant_virtual_tokens", (("tenant", "A"),))] == tenants["A"].virtual_tokens
+    positions = {dict(k[1])["tenant"]: v for k, v in samples.items() if k[0] == "motet_tenant_queue_position"}
+    assert sorted(positions.values()) == [0, 1]
+
+    # Every request completes, with what it asked for (A's preempted one recomputed).
+    outputs = [
+        d.token_ids + (await _drain(adm.streams[0]))[1]
+        for d, adm in zip([*firsts, first], [*a[:2], b], strict=True)
+    ]
+    outputs += [(await _drain(adm.streams[0]))[1] for adm in a[2:]]
+    assert len(outputs[2]) == 4
+    llm = LLM(str(system.engine.model_dir), num_kv_blocks=64)
+    (expected,) = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, **fixed))
+    assert all(tokens == expected.token_ids for tokens in outputs[:2] + outputs[3:])
+
+
 async def test_n_choices_and_slow_reader_gets_merged_deltas(system):
     # Not speculating: one token per step, so one put per step (speculation would put several at once).
     spec = _spec("n", "The quick brown fox", n=2, max_tokens=12, ignore_eos=True, speculative=False)
@@ -266,12 +317,6 @@ async def test_n_choices_and_slow_reader_gets_merged_deltas(system):
         text, tokens, last = await _drain(s)
         assert len(tokens) == 12 and last.finished
     assert adm.streams[0].num_puts == 12
-
-
-def test_fairness_policy_is_shared_with_the_scheduler(tiny_model_dir):
-    vtc = VirtualTokenCounter()
-    s = ServingSystem(_engine_factory(tiny_model_dir), fairness=vtc)
-    assert s.scheduler.fairness is vtc
 
 
 def _release(system, admissions):

@@ -76,8 +76,8 @@ def test_unknown_fields_are_refused_by_name(client, route, field, value):
 
 
 def test_unknown_nested_fields_are_refused_by_path(client):
-    refused(chat(client, stream_options={"include_usage": True, "continuous_usage_stats": True}),
-            "stream_options.continuous_usage_stats")  # fmt: skip
+    refused(chat(client, stream_options={"include_usage": True, "usage_every_n_chunks": 2}),
+            "stream_options.usage_every_n_chunks")  # fmt: skip
     refused(chat(client, structured_outputs={"choice": ["a"], "backend": "x"}), "structured_outputs.backend")
     refused(chat(client, response_format={"type": "json_object", "schema": {}}), "response_format.schema")
     rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strict_mode": True}}

@@ -134,9 +134,11 @@ def test_non_finite_numbers_are_not_json(client, literal):
 
 def test_client_chat_templates_are_refused(client):
     """A template in chat_template_kwargs replaced the model's: a 60-byte body became a 1,000,001-token
-    prompt. Only data the template reads is accepted."""
+    prompt. Only data the template reads is accepted (a request's own template only under
+    --trust-request-chat-template: tests/test_vllm_extras.py)."""
     template = {"chat_template": "{{ 'hello ' * 1000000 }}"}
-    refused(send(client, CHAT, chat(chat_template_kwargs=template)), match="cannot be supplied")
+    refused(send(client, CHAT, chat(chat_template_kwargs=template)), match="--trust-request-chat-template")
+    refused(send(client, CHAT, chat(chat_template="{{ 'hello' }}")), match="--trust-request-chat-template")
     refused(send(client, CHAT, chat(chat_template_kwargs={"unknown": 1})), match="'unknown' is not accepted")
     refused(send(client, CHAT, chat(chat_template_kwargs={"enable_thinking": "yes"})), match="must be a bool")
     r = send(client, CHAT, chat(chat_template_kwargs={"enable_thinking": False}))

@@ -269,6 +269,18 @@ def test_cache_hit_returns_same_object(tok):
 
 
 @pytest.mark.slow
+def test_cache_is_kept_per_owner(tok):
+    """A tenant never gets another tenant's compiled grammar (its compile time would tell it the schema
+    had been used): the same spec from another owner compiles anew, from the same owner it hits."""
+    cache = GrammarCache()
+    spec = JsonSchemaSpec({"type": "object", "properties": {"pin": {"const": 4711}}})
+    a = cache.compile(spec, tok, owner="tenant-a")
+    b = cache.compile(spec, tok, owner="tenant-b")
+    assert b is not a and cache.misses == 2 and cache.hits == 0
+    assert cache.compile(spec, tok, owner="tenant-b") is b and cache.hits == 1
+
+
+@pytest.mark.slow
 def test_tiny_timeout_returns_quickly(tok):
     schema = {
         "type": "object",

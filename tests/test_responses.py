@@ -264,7 +264,7 @@ def test_store_false_is_not_stored(alice):
         ({"tool_choice": "required"}, "tool_choice"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
-            "input[0].content[0]",
+            "input[0].content[0].type",
         ),
         ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": "x", "cache_control": {}}]}, "input[0].cache_control"),

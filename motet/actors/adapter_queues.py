@@ -1,8 +1,11 @@
 """The adapter queues actor: one bounded queue per adapter (keyed by its AdapterRef; None: the base model).
 
-Requests wait here until the scheduler has room for them; admission control happens here (a full
-queue answers QueueFull, which the API turns into 429). Inside a queue, requests are kept per tenant in
-arrival order, so the scheduler's fairness policy can take the oldest request of the tenant it picks.
+Requests wait here until the scheduler takes them into the engine; admission control happens here (a
+full queue answers QueueFull, which the API turns into 429). Inside a queue, requests are kept per tenant
+in order of vLLM's `priority` (lower first), then arrival, and a `Take` pops the first request of the tenant
+its policy picks (the engine's `AdmissionGate`: every tenant with queued work first, then the lowest virtual
+token counter), across all adapters' queues: one tenant's backlog in a queue never stands in front of
+another tenant's request, and a priority only orders its own tenant's requests.
 Adapters are independent queues so the LoRA work can slice time between adapters without touching the
 rest.
 """
@@ -13,8 +16,13 @@ import contextlib
 from collections import deque
 
 from motet.actors.errors import QueueFull, ShuttingDown
-from motet.actors.messages import Cancel, Enqueue, QueuedRequest, Take, WorkQueued
+from motet.actors.messages import Cancel, Enqueue, QueuedRequest, Take, Taken, WorkQueued
 from motet.actors.runtime import Actor, ActorStopped
+
+
+def _order(req: QueuedRequest) -> tuple:
+    """A tenant's queued requests: vLLM's priority (lower first), then arrival."""
+    return (req.priority, req.arrival)
 
 
 class AdapterQueue:
@@ -37,7 +45,11 @@ class AdapterQueue:
         return gone
 
     def push(self, req: QueuedRequest) -> None:
-        self.by_tenant.setdefault(req.tenant, deque()).append(req)
+        q = self.by_tenant.setdefault(req.tenant, deque())
+        i = len(q)
+        while i and _order(q[i - 1]) > _order(req):  # usually none: one priority, arrival order
+            i -= 1
+        q.insert(i, req)
         self.size += 1
 
     def head(self, tenant: str) -> QueuedRequest | None:
@@ -78,6 +90,13 @@ class AdapterQueuesActor(Actor):
     def depth_by_adapter(self) -> dict:
         return {a: q.size for a, q in self.queues.items()}
 
+    def depth_by_tenant(self) -> dict[str, int]:
+        depth: dict[str, int] = {}
+        for q in self.queues.values():
+            for tenant, reqs in q.by_tenant.items():
+                depth[tenant] = depth.get(tenant, 0) + len(reqs)
+        return depth
+
     async def handle(self, message):
         if isinstance(message, Enqueue):
             return self._enqueue(message.requests)
@@ -93,10 +112,8 @@ class AdapterQueuesActor(Actor):
         adapter = requests[0].adapter
         q = self.queues.setdefault(adapter, AdapterQueue(adapter, self.max_queue_len))
         if q.size + len(requests) > q.max_len:
-            dropped = q.purge_cancelled()
-            for r in dropped:
+            for r in q.purge_cancelled():
                 self.index.pop(r.request_id, None)
-            self._notify(dropped=dropped)
         if q.size + len(requests) > q.max_len:
             raise QueueFull(
                 f"the request queue is full ({q.max_len} waiting for this model); retry later",
@@ -105,44 +122,37 @@ class AdapterQueuesActor(Actor):
         for r in requests:
             q.push(r)
             self.index[r.request_id] = r
-        self._notify(arrived=requests)
+        if self.scheduler is not None:  # never waits
+            with contextlib.suppress(ActorStopped):
+                self.scheduler.tell_nowait(WorkQueued())
 
     def _cancel(self, request_ids: list[str]) -> None:
         """Requests whose client went away leave their queue at once (none is left for the scheduler)."""
-        gone = []
         for request_id in request_ids:
             req = self.index.pop(request_id, None)
             if req is not None:
                 self.queues[req.adapter].remove(req)
-                gone.append(req)
-        self._notify(dropped=gone)
 
-    def _notify(self, arrived=(), dropped=()) -> None:
-        """Tell the scheduler (its fairness counters, and that there is work): never waits."""
-        if (arrived or dropped) and self.scheduler is not None:
-            with contextlib.suppress(ActorStopped):
-                self.scheduler.tell_nowait(
-                    WorkQueued([r.tenant for r in arrived], [r.tenant for r in dropped])
-                )
-
-    def _take(self, message: Take) -> list[QueuedRequest]:
+    def _take(self, message: Take) -> Taken:
         taken: list[QueuedRequest] = []
-        while len(taken) < message.max_requests:
-            # Each tenant's oldest request across adapter queues.
+        while True:
+            # Each tenant's first live request across adapter queues (by priority, then arrival).
             heads: dict[str, QueuedRequest] = {}
             for q in self.queues.values():
-                for tenant in q.by_tenant:
-                    h = q.head(tenant)
-                    if tenant not in heads or h.arrival < heads[tenant].arrival:
+                for tenant in list(q.by_tenant):
+                    while (h := q.head(tenant)) is not None and h.stream.cancelled:
+                        q.pop(tenant)
+                        self.index.pop(h.request_id, None)
+                    if h is not None and (tenant not in heads or _order(h) < _order(heads[tenant])):
                         heads[tenant] = h
-            tenant = message.pick(list(heads)) if heads else None
+            tenant = message.pick({t: len(h.prompt_token_ids) for t, h in heads.items()}) if heads else None
             if tenant is None:
                 break
             req = heads[tenant]
             self.queues[req.adapter].pop(tenant)
             self.index.pop(req.request_id, None)
             taken.append(req)
-        return taken
+        return Taken(taken, more=self.depth > 0)
 
     async def on_stop(self) -> None:
         for q in self.queues.values():

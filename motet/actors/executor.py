@@ -117,6 +117,8 @@ class ExecutorActor(Actor):
                     req.adapter,
                     grammar=req.grammar,
                     tenant=req.tenant,
+                    arrival_time=req.arrival,
+                    priority=req.priority,
                 )
             except Exception as e:
                 refused.append((req.request_id, _refusal(req, e)))

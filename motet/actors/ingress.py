@@ -53,6 +53,7 @@ class IngressActor(Actor):
         admissions, requests = [], []
         for spec in message.specs:
             await self._load_adapter(spec)
+            spec = await self._resolve_bad_words(spec)
             prompt_ids, text = await self._tokenize(spec)
             queued = self._validate(spec, prompt_ids, text)
             grammar = await self._compile(spec)
@@ -98,26 +99,66 @@ class IngressActor(Actor):
                 raise ServerBusy(str(e), param=spec.grammar_param) from None
             raise InvalidRequest(f"{spec.grammar_param}: {e}", param=spec.grammar_param) from None
 
-    async def _tokenize(self, spec: GenerateSpec) -> tuple[list[int], str]:
-        tok, limits = self.tokenizer, self.engine.limits
+    async def _resolve_bad_words(self, spec: GenerateSpec) -> GenerateSpec:
+        """bad_words as token sequences, here in a worker thread rather than on the engine's."""
+        if not spec.params[0].bad_words:
+            return spec
+        params = await anyio.to_thread.run_sync(
+            lambda: [self.engine.resolve_bad_words(p) for p in spec.params], limiter=self.limiter
+        )
+        return dataclasses.replace(spec, params=params)
+
+    async def _render(self, spec: GenerateSpec, max_chars: int) -> str:
+        """The chat rendered with the model's template, or the request's own (then at most max_chars + 1
+        characters come back: more is refused here, naming the template)."""
+        own = spec.chat_template_kwargs.get("chat_template") is not None
+        param = "chat_template" if own else spec.prompt_param
         try:
+            text = await anyio.to_thread.run_sync(
+                lambda: self.tokenizer.render_chat(
+                    spec.messages, max_chars=max_chars, **spec.chat_template_kwargs
+                ),
+                limiter=self.limiter,
+            )
+        except ValueError as e:
+            raise InvalidRequest(str(e), param=param) from None
+        if own and len(text) > max_chars:
+            raise RequestError(
+                f"the request's chat_template renders more than {max_chars} characters, more than the prompt "
+                "may have",
+                param,
+                "context_length_exceeded",
+            )
+        return text
+
+    async def _tokenize(self, spec: GenerateSpec) -> tuple[list[int], str]:
+        """The prompt's token ids and its text (rendered from the messages, as given, or "" for token ids;
+        the kept tokens' text when truncate_prompt_tokens cut it)."""
+        tok, limits = self.tokenizer, self.engine.limits
+        truncating = spec.truncate_prompt_tokens is not None
+        try:
+            keep = limits.tokens_to_keep(spec.truncate_prompt_tokens, spec.max_tokens)
             if spec.messages is not None:
-                text = await anyio.to_thread.run_sync(
-                    lambda: tok.render_chat(spec.messages, **spec.chat_template_kwargs), limiter=self.limiter
-                )
-                limits.check_text(text, spec.prompt_param)
-                # The template writes the special tokens itself: do not add BOS again.
+                text = await self._render(spec, limits.max_text_chars(truncating))
+            elif isinstance(spec.prompt, str):
+                text = spec.prompt
+            else:
+                text = None
+            if text is not None:
+                limits.check_text(text, spec.prompt_param, truncating)
                 ids = await anyio.to_thread.run_sync(
-                    lambda: tok.hf.encode(text, add_special_tokens=False), limiter=self.limiter
+                    lambda: tok.hf.encode(text, add_special_tokens=spec.special_tokens), limiter=self.limiter
                 )
-                return ids, text
-            if isinstance(spec.prompt, str):
-                limits.check_text(spec.prompt, spec.prompt_param)
-                ids = await anyio.to_thread.run_sync(tok.encode, spec.prompt, limiter=self.limiter)
-                return ids, spec.prompt
+            else:
+                ids, text = list(spec.prompt or []), ""
         except RequestError as e:
             raise InvalidRequest(str(e), param=e.param, code=e.code) from None
-        return list(spec.prompt or []), ""
+        if keep is not None and len(ids) > keep:
+            ids = ids[len(ids) - keep :]
+            text = await anyio.to_thread.run_sync(
+                lambda: tok.decode(ids, skip_special_tokens=False), limiter=self.limiter
+            )
+        return ids, text
 
     def _validate(self, spec: GenerateSpec, ids: list[int], text: str) -> list[QueuedRequest]:
         limits, n = self.engine.limits, len(ids)
@@ -134,6 +175,14 @@ class IngressActor(Actor):
             if spec.max_tokens is None:
                 params = dataclasses.replace(params, max_tokens=limits.max_model_len - n)
             requests.append(
-                QueuedRequest(request_id, spec.tenant, spec.adapter, ids, params, ReplyStream(request_id))
+                QueuedRequest(
+                    request_id,
+                    spec.tenant,
+                    spec.adapter,
+                    ids,
+                    params,
+                    ReplyStream(request_id),
+                    priority=spec.priority,
+                )
             )
         return requests

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from motet.actors.reply import ReplyStream
@@ -28,6 +28,16 @@ class GenerateSpec:
     max_tokens: int | None = None  # None: the rest of the context window
     prompt_param: str = "prompt"  # the request field an error about the prompt names
     grammar_param: str | None = None  # the request field an error about the grammar names
+    # How the prompt becomes tokens: the tokenizer's special tokens (BOS) added or not (None: added to a
+    # text prompt, not to a chat, whose template writes them), and vLLM's truncate_prompt_tokens (keep the
+    # last N tokens; -1: as many as fit; None: all).
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0  # vLLM's request priority (lower: sooner), among the tenant's own requests
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
 
 
 @dataclass
@@ -53,6 +63,7 @@ class QueuedRequest:
     stream: ReplyStream
     grammar: CompiledGrammar | None = None  # params.grammar, compiled by the ingress
     arrival: float = field(default_factory=time.monotonic)
+    priority: int = 0  # vLLM's (lower: sooner), among the tenant's own requests
 
 
 @dataclass
@@ -62,18 +73,22 @@ class Enqueue:
 
 @dataclass
 class Take:
-    """Pop up to `max_requests`, each time from the tenant `pick` chooses among those with work."""
+    """Scheduler -> adapter queues: pop requests one at a time, each from the tenant `pick` chooses among
+    those with queued work (given as tenant -> its next request's prompt tokens), until it answers None.
+    Reply: `Taken`."""
 
-    max_requests: int
-    pick: Callable[[Iterable[str]], str | None]  # reply: list[QueuedRequest] (cancelled ones included)
+    pick: Callable[[Mapping[str, int]], str | None]
+
+
+@dataclass
+class Taken:
+    requests: list[QueuedRequest]  # each tenant's oldest first (requests cancelled since may be among them)
+    more: bool  # requests are still queued
 
 
 @dataclass
 class WorkQueued:
-    """Queues -> scheduler: requests of these tenants arrived, or were dropped while queued (cancelled)."""
-
-    arrived: list[str]
-    dropped: list[str] = field(default_factory=list)
+    """Adapter queues -> scheduler: requests are waiting to be taken."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from motet.actors.errors import ServingError
-from motet.engine.sequence import TokenLogprob
+from motet.engine.sequence import RequestTimings, TokenLogprob
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Delta:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, with the first delta
     num_cached_tokens: int = 0
     error: ServingError | None = None
+    timings: RequestTimings | None = None  # with the final delta: the request's phases, for /metrics
 
     def merge(self, later: Delta) -> None:
         self.text += later.text
@@ -43,6 +44,7 @@ class Delta:
             self.prompt_logprobs = later.prompt_logprobs
         self.num_cached_tokens = later.num_cached_tokens
         self.error = self.error or later.error
+        self.timings = later.timings or self.timings
 
 
 class ReplyStream:

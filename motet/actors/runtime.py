@@ -157,7 +157,10 @@ class ActorSystem:
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException:
-            log.exception("actor %s crashed; stopping the system", actor.name)
+            if actor.running:
+                log.exception("actor %s crashed; stopping the system", actor.name)
+            else:  # a failed start-up: whoever started the system reports it (the server in one line)
+                log.debug("actor %s failed to start", actor.name, exc_info=True)
             raise
 
     async def stop(self) -> None:

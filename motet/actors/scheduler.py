@@ -1,10 +1,11 @@
 """The scheduler actor: moves work into the engine and results out of it, one step at a time.
 
 Each iteration: take the mailbox (aborts, adapter removals, news of queued work), take requests from the
-adapter queues while the engine has room (the tenant is chosen by the fairness policy, motet/engine/fairness.py),
-send all of it to the executor as one `Step`, and put each request's delta on its reply stream (never
-blocking: slow readers get merged deltas). It never waits while admitted or queued work exists. Policy
-lives in the engine; this actor only moves requests and deltas, and it never touches the engine itself.
+adapter queues into the engine (which tenants' and how many: the engine's `AdmissionGate`, built from its
+state after the latest step, motet/engine/fairness.py), send all of it to the executor as one `Step`, and put
+each request's delta on its reply stream (never blocking: slow readers get merged deltas). It never waits
+while admitted or queued work exists. Policy lives in the engine (fairness between tenants included); this
+actor only moves requests and deltas, and it never touches the engine itself.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import logging
 import anyio
 
 from motet.actors.errors import EngineFailure, ServingError, ShuttingDown
-from motet.actors.messages import Abort, QueuedRequest, RemoveLora, Step, StepDone, Take, WorkQueued
+from motet.actors.messages import Abort, QueuedRequest, RemoveLora, Step, StepDone, Take, Taken, WorkQueued
 from motet.actors.reply import Delta, ReplyStream
 from motet.actors.runtime import Actor, ActorStopped
-from motet.engine.fairness import VirtualTokenCounter
+from motet.engine.fairness import AdmissionGate
 
 log = logging.getLogger("motet.scheduler")
 
@@ -25,13 +26,14 @@ log = logging.getLogger("motet.scheduler")
 class SchedulerActor(Actor):
     name = "scheduler"
 
-    def __init__(self, executor: Actor, fairness: VirtualTokenCounter | None = None, max_waiting: int = 16):
+    def __init__(self, executor: Actor, max_waiting: int = 16):
         super().__init__()
         self.executor = executor
         self.queues: Actor | None = None  # set by the system
-        self.fairness = fairness or VirtualTokenCounter()
-        self.max_waiting = max_waiting  # requests admitted but not yet running; the rest wait in the queues
-        self.live: dict[str, tuple[ReplyStream, str]] = {}  # request id -> (reply stream, tenant)
+        # Requests admitted but not yet running (up to twice as many for tenants' first ones); the rest wait in
+        # the queues.
+        self.max_waiting = max_waiting
+        self.live: dict[str, ReplyStream] = {}  # request id -> reply stream
         self.steps = 0
         self._aborts: list[str] = []
         self._removals: list[str] = []
@@ -41,17 +43,12 @@ class SchedulerActor(Actor):
     # -- the mailbox (never awaited while work is pending) --------------------------------------------------
     def _on_message(self, message) -> None:
         if isinstance(message, Abort):
-            entry = self.live.pop(message.request_id, None)
-            if entry is not None:  # not yet admitted: its cancelled stream is dropped at admission
+            # Not yet admitted: the queues drop it (a cancelled stream is never admitted).
+            if self.live.pop(message.request_id, None) is not None:
                 self._aborts.append(message.request_id)
-                self.fairness.leave(entry[1])
         elif isinstance(message, RemoveLora):
             self._removals.append(message.name)
         elif isinstance(message, WorkQueued):
-            for tenant in message.arrived:
-                self.fairness.arrive(tenant)
-            for tenant in message.dropped:
-                self.fairness.leave(tenant)
             self._maybe_queued = True
         else:
             log.error("scheduler: unexpected message %r", message)
@@ -85,7 +82,8 @@ class SchedulerActor(Actor):
             step = Step(await self._admit(), self._aborts, self._removals)
             self._aborts, self._removals = [], []
             if not (self.live or step.aborts or step.removals):
-                await self._wait_message()  # idle: sleep until a request or abort arrives
+                if not self._maybe_queued:  # (queued work whose taken requests were all cancelled: go on)
+                    await self._wait_message()  # idle: sleep until a request or abort arrives
                 continue
             done = await self._step(step)
             if done is not None and not done.ran and not done.outputs and not self._mailbox_pending():
@@ -96,34 +94,30 @@ class SchedulerActor(Actor):
 
     async def on_stop(self) -> None:
         # Also after a crash: no reader is left waiting for a delta that will never come.
-        for stream, _ in self.live.values():
+        for stream in self.live.values():
             stream.fail(ShuttingDown("the server shut down before the request finished"))
         self.live.clear()
 
     async def _admit(self) -> list[QueuedRequest]:
-        """Take requests from the adapter queues while the engine has room, fairest tenant first.
-
-        Cancelled requests taken from a queue are dropped and more are taken at once: however many
-        sit there, the engine never idles while a live request is queued."""
-        admitted: list[QueuedRequest] = []
+        """Take requests from the adapter queues into the engine: one for each tenant with none waiting there,
+        then while the engine has room, the fairest tenants' first."""
+        if not (self._maybe_queued and self.queues is not None):
+            return []
         stats = self.executor.stats
-        while self._maybe_queued and self.queues is not None:
-            room = min(stats.free_seq_slots, self.max_waiting - stats.num_waiting) - len(admitted)
-            if room <= 0:
-                break
-            try:
-                taken: list[QueuedRequest] = await self.queues.ask(Take(room, self.fairness.pick))
-            except ActorStopped:
-                taken = []
-            if len(taken) < room:
-                self._maybe_queued = False  # a later WorkQueued sets it again
-            for req in taken:
-                if req.stream.cancelled:
-                    self.fairness.leave(req.tenant)
-                    continue
-                admitted.append(req)
-                self.live[req.request_id] = (req.stream, req.tenant)
-                self.fairness.charge(req.tenant, input_tokens=len(req.prompt_token_ids))
+        room = min(stats.free_seq_slots, self.max_waiting - stats.num_waiting)
+        # A tenant's first waiting request may go beyond that, up to twice `max_waiting` in all.
+        gate = AdmissionGate(stats.tenants, room, spare=2 * self.max_waiting - stats.num_waiting)
+        try:
+            taken: Taken = await self.queues.ask(Take(gate.pick))
+        except ActorStopped:
+            return []
+        self._maybe_queued = taken.more  # a later WorkQueued sets it again
+        admitted = []
+        for req in taken.requests:
+            if req.stream.cancelled:  # its client went away while we asked: nobody to serve
+                continue
+            admitted.append(req)
+            self.live[req.request_id] = req.stream
         return admitted
 
     async def _step(self, step: Step) -> StepDone | None:
@@ -142,13 +136,11 @@ class SchedulerActor(Actor):
 
     def _emit(self, outputs) -> None:
         for out in outputs:
-            entry = self.live.get(out.request_id)
-            if entry is None:
+            stream = self.live.get(out.request_id)
+            if stream is None:
                 continue
-            stream, tenant = entry
             if out.error is not None:  # it failed alone in the step: the engine has already dropped it
                 self.live.pop(out.request_id)
-                self.fairness.leave(tenant)
                 stream.fail(EngineFailure(f"the model failed on this request: {out.error}"))
                 continue
             n = out.num_new_tokens
@@ -165,17 +157,15 @@ class SchedulerActor(Actor):
                     if first and out.prompt_logprobs is not None
                     else None,
                     num_cached_tokens=out.num_cached_tokens,
+                    timings=out.timings,
                 )
             )
-            self.fairness.charge(tenant, output_tokens=n)
             if out.finished:
                 del self.live[out.request_id]
-                self.fairness.leave(tenant)
 
     def _fail(self, request_id: str, error: ServingError) -> None:
-        entry = self.live.pop(request_id, None)
-        if entry is None:
+        stream = self.live.pop(request_id, None)
+        if stream is None:
             return
         self._aborts.append(request_id)  # the engine drops it at the next step (a no-op if it has)
-        self.fairness.leave(entry[1])
-        entry[0].fail(error)
+        stream.fail(error)

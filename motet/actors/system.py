@@ -25,8 +25,19 @@ from motet.actors.ingress import IngressActor
 from motet.actors.messages import Abort, Admission, Cancel, GenerateSpec, RemoveLora, Submit
 from motet.actors.runtime import ActorStopped, ActorSystem
 from motet.actors.scheduler import SchedulerActor
-from motet.engine.fairness import VirtualTokenCounter
 from motet.engine.speculative.proposer import SpeculativeStats
+
+
+@dataclass(frozen=True)
+class TenantStats:
+    """A tenant with requests in the server, for an admin's /metrics."""
+
+    tenant: str
+    position: int  # in the order tenants are served next (0: first)
+    virtual_tokens: float  # its virtual token counter: weighted tokens served, over its weight
+    queued: int  # requests in the adapter queues
+    waiting: int  # admitted to the engine, not yet running
+    running: int
 
 
 @dataclass
@@ -45,6 +56,9 @@ class Stats:
     waiting_adapters: tuple[str, ...] = ()
     queued_adapters: tuple[str, ...] = ()  # adapters of requests in the adapter queues, not yet admitted
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
+    prompt_tokens: int = 0  # processed so far (EngineStats.prompt_tokens)
+    generation_tokens: int = 0
+    tenants: tuple[TenantStats, ...] = ()  # in the order they are served next (one replica's engine only)
 
 
 class ServingSystem:
@@ -53,11 +67,10 @@ class ServingSystem:
         engine_factory: Callable[[], Any],
         max_queue_len: int = 256,
         max_waiting: int = 16,
-        fairness: VirtualTokenCounter | None = None,
         loras: dict[str, Path] | None = None,  # adapters registered at start-up: name -> directory
     ):
         self.executor = ExecutorActor(engine_factory, loras)
-        self.scheduler = SchedulerActor(self.executor, fairness, max_waiting=max_waiting)
+        self.scheduler = SchedulerActor(self.executor, max_waiting=max_waiting)
         self.queues = AdapterQueuesActor(max_queue_len)
         self.ingress = IngressActor(self.executor, self.queues)
         self.scheduler.queues, self.queues.scheduler = self.queues, self.scheduler
@@ -120,4 +133,20 @@ class ServingSystem:
                 sorted({a.name for a, n in self.queues.depth_by_adapter().items() if a is not None and n})
             ),
             speculative=es.speculative,
+            prompt_tokens=es.prompt_tokens,
+            generation_tokens=es.generation_tokens,
+            tenants=self._tenant_stats(es.tenants),
+        )
+
+    def _tenant_stats(self, engine_tenants) -> tuple[TenantStats, ...]:
+        """The engine's tenants in its order, then those with requests only in the queues (they enter the
+        engine at the next step, their counter lifted to the lowest there)."""
+        queued = self.queues.depth_by_tenant()
+        floor = min((t.virtual_tokens for t in engine_tenants), default=0.0)
+        rows = [(t.tenant, t.virtual_tokens, t.waiting, t.running) for t in engine_tenants]
+        known = {t.tenant for t in engine_tenants}
+        rows += [(t, floor, 0, 0) for t in sorted(queued) if t not in known]
+        return tuple(
+            TenantStats(tenant, i, vtc, queued.get(tenant, 0), waiting, running)
+            for i, (tenant, vtc, waiting, running) in enumerate(rows)
         )

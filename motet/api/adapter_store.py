@@ -21,11 +21,20 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
-from motet.api.errors import APIError
+from motet.api.errors import APIError, echo
 from motet.api.storage_errors import StorageFailure, storage_error
 from motet.lora.adapter import AdapterError, AdapterTooLarge
 from motet.lora.manager import AdapterRef
-from motet.lora.registry import FILES, AdapterExists, AdapterNotFound, AdapterRegistry
+from motet.lora.registry import (
+    FILES,
+    AdapterExists,
+    AdapterNotFound,
+    AdapterPathRefused,
+    AdapterRegistry,
+    check_load_dirs,
+    check_name,
+    read_server_adapter,
+)
 
 if TYPE_CHECKING:
     from motet.actors.system import ServingSystem
@@ -43,7 +52,7 @@ class Adapter:
 
 
 def _not_found(name: str) -> APIError:
-    return APIError(404, f"no adapter named {name!r}", param="name", code="adapter_not_found")
+    return APIError(404, f"no adapter named {echo(name)}", param="name", code="adapter_not_found")
 
 
 class AdapterStore:
@@ -58,8 +67,9 @@ class AdapterStore:
         load_dirs: tuple[Path, ...] = (),
     ):
         self.system, self.data_dir, self.max_bytes = system, Path(data_dir), max_bytes
-        # server-side directories `load_from` may read adapters from (--lora-load-dir); none: it is off
-        self.load_dirs = tuple(Path(d).expanduser().resolve() for d in load_dirs)
+        # server-side directories `load_from` may read adapters from (--lora-load-dir); none: it is off.
+        # ValueError if one overlaps the data dir: a tenant could load another tenant's adapter from it.
+        self.load_dirs = check_load_dirs(load_dirs, {"--data-dir": self.data_dir})
         self.reserved = set(reserved)  # the base model's names: no adapter may take them
         now = int(time.time())
         self.shared = {
@@ -140,33 +150,26 @@ class AdapterStore:
 
     async def load_from(self, tenant: str, name: str, path: str) -> Adapter:
         """Store, as the tenant's adapter `name`, the PEFT adapter directory `path` on the server (vLLM's
-        /v1/load_lora_adapter): only from under the operator's --lora-load-dir directories, validated and
+        /v1/load_lora_adapter): only from under the operator's --lora-load-dir directories (each file
+        resolved and checked, then opened with no symlink followed: motet/lora/registry.py), validated and
         copied like an upload (so it survives a restart and its source may change later)."""
         if not self.load_dirs:
             raise APIError(
                 403, "this server loads no adapters from its own disk (see --lora-load-dir)", "lora_path"
             )
-        where = Path(path).expanduser()
-        if not where.is_absolute():
-            raise APIError(400, "lora_path must be an absolute path", param="lora_path")
-        real = where.resolve()  # symlinks and ".." followed first: nothing escapes the listed directories
-        if not any(real.is_relative_to(d) for d in self.load_dirs):
-            raise APIError(
-                403, "lora_path is not under a directory this server loads adapters from", "lora_path"
-            )
-        files = {}
-        for filename in FILES:
-            f = real / filename
-            if not f.is_file():
-                raise APIError(
-                    400, f"lora_path has no {filename}: not a PEFT LoRA adapter directory", "lora_path"
-                )
-            files[filename] = f
-        if sum(f.stat().st_size for f in files.values()) > self.max_bytes:
-            raise APIError(
-                413, f"the adapter is larger than the limit of {self.max_bytes} bytes", "lora_path"
-            )
-        data = await anyio.to_thread.run_sync(lambda: {n: f.read_bytes() for n, f in files.items()})
+        try:
+            check_name("adapter", name)
+        except AdapterError as e:
+            raise APIError(400, str(e), param="lora_name") from None
+        read = functools.partial(read_server_adapter, path, self.load_dirs, self.max_bytes, "lora_path")
+        try:
+            data = await anyio.to_thread.run_sync(read)
+        except AdapterPathRefused as e:
+            raise APIError(403, str(e), param="lora_path") from None
+        except AdapterTooLarge as e:
+            raise APIError(413, str(e), param="lora_path") from None
+        except AdapterError as e:
+            raise APIError(400, str(e), param="lora_path") from None
         return await self.save(tenant, name, data)
 
     async def delete(self, tenant: str, name: str) -> None:

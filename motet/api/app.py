@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import motet
 from motet.api import protocol as P
 from motet.api.adapters import (
     delete_adapter,
@@ -23,12 +24,22 @@ from motet.api.adapters import (
     unload_lora_adapter,
     upload_adapter,
 )
-from motet.api.errors import APIError, handle_exception, to_response
+from motet.api.batches import BatchCreateRequest, cancel_batch, create_batch, list_batches, retrieve_batch
+from motet.api.errors import APIError, echo, handle_exception, to_response
+from motet.api.files import delete_file, file_content, list_files, retrieve_file, upload_file
 from motet.api.openai import chat_completions, completions
 from motet.api.playground import playground_routes
+from motet.api.response_input_items import list_input_items
 from motet.api.responses import create_response, delete_response, get_response
 from motet.api.responses_request import ResponsesRequest
 from motet.api.state import ServerState
+from motet.api.tokenization import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    detokenize,
+    tokenize,
+)
 
 log = logging.getLogger("motet.api")
 
@@ -37,16 +48,29 @@ ENDPOINTS = (
     "/v1/completions",
     "/v1/responses",
     "/v1/models",
+    "/v1/files",
+    "/v1/batches",
     "/v1/adapters",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
     "/health",
+    "/ping",
+    "/version",
+    "/tokenize",
+    "/detokenize",
     "/metrics",
     "/openapi.json",
 )
 
 
-TEMPLATED = ("/v1/adapters/{name}", "/v1/responses/{response_id}")  # counted by route, not by path
+# counted by route, not by path (the first whose prefix matches)
+TEMPLATED = (
+    "/v1/adapters/{name}",
+    "/v1/responses/{response_id}",
+    "/v1/models/{model_id}",
+    "/v1/files/{file_id}",
+    "/v1/batches/{batch_id}",
+)
 
 
 def guarded(handler):
@@ -68,9 +92,7 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-async def models(request: Request) -> Response:
-    state: ServerState = request.app.state.motet
-    tenant = state.auth.tenant(request.headers.get("authorization"))
+async def _model_cards(state: ServerState, tenant: str) -> list[P.ModelCard]:
     max_len = state.system.engine.max_model_len if state.system.ready else None
     cards = [P.ModelCard(id=state.model_name, created=state.created, max_model_len=max_len)]
     if state.adapters is not None and state.system.ready:  # the tenant's adapters, and the shared ones
@@ -84,7 +106,35 @@ async def models(request: Request) -> Response:
             )
             for a in await state.adapters.visible(tenant)
         ]
-    return JSONResponse(P.ModelList(data=cards).model_dump())
+    return cards
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.motet
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    return JSONResponse(P.ModelList(data=await _model_cards(state, tenant)).model_dump())
+
+
+async def retrieve_model(request: Request) -> Response:
+    """One of the models GET /v1/models lists (an alias of the served name reads as that model)."""
+    state: ServerState = request.app.state.motet
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    model_id = request.path_params["model_id"]
+    cards = await _model_cards(state, tenant)
+    if model_id in state.model_names:
+        return JSONResponse(cards[0].model_copy(update={"id": model_id}).model_dump())
+    if card := next((c for c in cards if c.id == model_id), None):
+        return JSONResponse(card.model_dump())
+    if not state.system.ready:  # adapters are known once the model is loaded
+        state.check_ready()
+    raise APIError(
+        404, f"The model {echo(model_id)} does not exist", param="model", code="model_not_found",
+        type="invalid_request_error",
+    )  # fmt: skip
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": motet.__version__})
 
 
 async def metrics(request: Request) -> Response:
@@ -104,6 +154,10 @@ def openapi_schema() -> dict:
         ResponsesRequest,
         P.LoadLoraAdapterRequest,
         P.UnloadLoraAdapterRequest,
+        TokenizeCompletionRequest,
+        TokenizeChatRequest,
+        DetokenizeRequest,
+        BatchCreateRequest,
     ]
     resp_models = [
         P.ChatCompletionResponse,
@@ -274,8 +328,88 @@ def openapi_schema() -> dict:
                     },
                 }
             },
+            **_more_paths(ref, errors, any_object),
         },
         "components": {"schemas": defs.get("$defs", {})},
+    }
+
+
+def _more_paths(ref, errors, any_object) -> dict:
+    """The OpenAPI paths of the models, files, batches and vLLM utility routes."""
+
+    def path_param(name: str) -> list[dict]:
+        return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]
+
+    def query(*names: str) -> list[dict]:
+        types = {"limit": {"type": "integer"}}
+        return [{"name": n, "in": "query", "required": False, "schema": types.get(n, {"type": "string"})}
+                for n in names]  # fmt: skip
+
+    def get(summary: str, params=(), description="the object") -> dict:
+        return {"get": {"summary": summary, "parameters": list(params),
+                        "responses": {"200": any_object(description), **errors()}}}  # fmt: skip
+
+    def post_json(summary: str, body: dict, params=()) -> dict:
+        return {"post": {"summary": summary, "parameters": list(params),
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                         "responses": {"200": any_object("the result"), **errors()}}}  # fmt: skip
+
+    upload = {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "required": ["file", "purpose"],
+                "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string"}},
+            }
+        }
+    }
+    health = {
+        "summary": "vLLM's health check: 200 when ready",
+        "responses": {"200": {"description": "ready"}},
+    }
+    return {
+        "/v1/models/{model_id}": get("one of the listed models", path_param("model_id"), "the model"),
+        "/v1/responses/{response_id}/input_items": get(
+            "the items a stored response was generated from (its whole conversation)",
+            path_param("response_id") + query("after", "limit", "order"),
+            "a list of items",
+        ),
+        "/v1/files": {
+            "post": {
+                "summary": "upload a file (purpose: batch)",
+                "requestBody": {"required": True, "content": upload},
+                "responses": {"200": any_object("the File"), **errors()},
+            },
+            **get("the tenant's files", query("after", "limit", "order", "purpose"), "a list of files"),
+        },
+        "/v1/files/{file_id}": {
+            **get("a file", path_param("file_id"), "the File"),
+            "delete": {
+                "summary": "delete a file",
+                "parameters": path_param("file_id"),
+                "responses": {"200": any_object("deleted"), **errors()},
+            },
+        },
+        "/v1/files/{file_id}/content": get("a file's bytes", path_param("file_id"), "the bytes"),
+        "/v1/batches": {
+            **post_json("create a batch from an uploaded file", ref(BatchCreateRequest)),
+            **get("the tenant's batches, newest first", query("after", "limit"), "a list of batches"),
+        },
+        "/v1/batches/{batch_id}": get("a batch", path_param("batch_id"), "the Batch"),
+        "/v1/batches/{batch_id}/cancel": {
+            "post": {
+                "summary": "cancel a batch",
+                "parameters": path_param("batch_id"),
+                "responses": {"200": any_object("the Batch"), **errors()},
+            }
+        },
+        "/tokenize": post_json(
+            "vLLM: a prompt's or chat's token ids",
+            {"oneOf": [ref(TokenizeCompletionRequest), ref(TokenizeChatRequest)]},
+        ),
+        "/detokenize": post_json("vLLM: token ids' text", ref(DetokenizeRequest)),
+        "/version": get("the server's version", description='{"version": ...}'),
+        "/ping": {"get": health, "post": health},
     }
 
 
@@ -309,6 +443,13 @@ class CountRequests:
             self.state.metrics.requests.labels(endpoint, str(status)).inc()
 
 
+def _reason(e: BaseException) -> str:
+    """One line: the innermost cause, as the operator should read it."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return f"{type(e).__name__}: {e}"
+
+
 def create_app(state: ServerState) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -318,10 +459,13 @@ def create_app(state: ServerState) -> Starlette:
                 try:
                     await state.system.run()
                 except Exception as e:  # start-up failed: /health says why; the server decides to exit
-                    log.exception("the serving system failed")
+                    log.error("the serving system failed: %s", _reason(e))
+                    log.debug("the serving system failed", exc_info=e)
                     state.fatal = e
 
             tg.start_soon(run_system)
+            if state.batches is not None:  # batches run beside live traffic, through this same app
+                tg.start_soon(state.batches.run, app)
             try:
                 yield
             finally:
@@ -335,7 +479,18 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/responses", guarded(create_response), methods=["POST"]),
         Route("/v1/responses/{response_id}", guarded(get_response), methods=["GET"]),
         Route("/v1/responses/{response_id}", guarded(delete_response), methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", guarded(list_input_items), methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", guarded(retrieve_model), methods=["GET"]),
+        Route("/v1/files", guarded(upload_file), methods=["POST"]),
+        Route("/v1/files", guarded(list_files), methods=["GET"]),
+        Route("/v1/files/{file_id}", guarded(retrieve_file), methods=["GET"]),
+        Route("/v1/files/{file_id}", guarded(delete_file), methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", guarded(file_content), methods=["GET"]),
+        Route("/v1/batches", guarded(create_batch), methods=["POST"]),
+        Route("/v1/batches", guarded(list_batches), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", guarded(retrieve_batch), methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", guarded(cancel_batch), methods=["POST"]),
         Route("/v1/adapters", guarded(upload_adapter), methods=["POST"]),
         Route("/v1/adapters", guarded(list_adapters), methods=["GET"]),
         Route("/v1/adapters/{name}", guarded(get_adapter), methods=["GET"]),
@@ -343,6 +498,10 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/load_lora_adapter", guarded(load_lora_adapter), methods=["POST"]),
         Route("/v1/unload_lora_adapter", guarded(unload_lora_adapter), methods=["POST"]),
         Route("/health", guarded(health), methods=["GET"]),
+        Route("/ping", guarded(health), methods=["GET", "POST"]),  # vLLM's (SageMaker's) health check
+        Route("/version", guarded(version), methods=["GET"]),
+        Route("/tokenize", guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(detokenize), methods=["POST"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *playground_routes(),  # the chat page at /

@@ -1,4 +1,4 @@
-"""The `motet` command line: pull, generate, serve, eval. The engine's flags take their defaults from
+"""The `motet` command line: pull, generate, serve, run-batch, eval. The engine's flags take their defaults from
 `EngineConfig`, so the two never disagree. Heavy imports happen inside the commands (`motet --help` stays
 fast)."""
 
@@ -6,25 +6,67 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+
+from motet.flag_types import OneLineErrors, integer, number, seconds
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help shows its default, unless the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if re.search(r"\bdefault:", help_, re.IGNORECASE) or action.default is argparse.SUPPRESS:
+            return help_
+        if action.nargs == 0:  # a switch (store_true, store_false, ...): not given unless asked for
+            return f"{help_} (default: off)"
+        if action.default is None:
+            return f"{help_} (default: none)"
+        return super()._get_help_string(action)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from motet.engine.config import DTYPES, GRAMMAR_BACKENDS, SPECULATIVE_MODES, EngineConfig
+    from motet.engine.config import (
+        CPU_STEP_TOKENS,
+        CUDA_STEP_TOKENS,
+        DTYPES,
+        GRAMMAR_BACKENDS,
+        SPECULATIVE_MODES,
+        EngineConfig,
+    )
 
     d = EngineConfig  # the defaults
     p.add_argument(
         "--model", default=d.model, help=f"model name or local HF checkpoint dir (default: {d.model})"
     )
-    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
+    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES), help="weights' and KV cache's type")
     p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from --kv-cache-memory-gb")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per step")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--block-size", type=integer(1), default=d.block_size, help="tokens per KV block")
+    p.add_argument(
+        "--num-kv-blocks", type=integer(1), default=None, help="default: from --kv-cache-memory-gb"
+    )
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=number(0, above=True),
+        default=d.kv_cache_memory_gb,
+        help="memory for the KV cache, in GiB",
+    )
+    p.add_argument("--max-num-seqs", type=integer(1), default=d.max_num_seqs, help="requests running at once")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=integer(1),
+        default=None,
+        help=f"tokens per step (default: {CPU_STEP_TOKENS} on CPU, {CUDA_STEP_TOKENS} on CUDA)",
+    )
+    p.add_argument(
+        "--max-model-len", type=integer(1), default=None, help="default: the model's context length"
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="never reuse the KV blocks of earlier prompts' prefixes",
+    )
     p.add_argument(
         "--shared-prefix-cache",
         action="store_true",
@@ -34,7 +76,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=integer(1),
         default=None,
         help="CPU threads for the forward pass (default: all cores offline; all but one when serving, "
         "so the event loop never stalls the forward pass's threads)",
@@ -47,7 +89,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--grammar-timeout",
-        type=float,
+        type=seconds(0, above=True),
         default=d.grammar_timeout_s,
         help="seconds a grammar may take to compile",
     )
@@ -64,11 +106,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "verified in the normal batch (the same output, fewer steps where outputs repeat their input)",
     )
     p.add_argument(
-        "--num-speculative-tokens", type=int, default=d.num_speculative_tokens, help="most drafts per row"
+        "--num-speculative-tokens",
+        type=integer(0),
+        default=d.num_speculative_tokens,
+        help="most drafts per row",
     )
     p.add_argument(
         "--speculative-overhead-tokens",
-        type=float,
+        type=number(0),
         default=d.speculative_overhead_tokens,
         help="a step's fixed cost in token-times, which drafts are priced against (benchmarks/spec_threshold.py)",
     )
@@ -77,20 +122,27 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the eager model (the reference) instead of the compiled step (native CPU forward, CUDA graphs)",
     )
-    p.add_argument("--max-loras", type=int, default=d.max_loras, help="LoRA adapters resident on the device")
     p.add_argument(
-        "--max-cpu-loras", type=int, default=d.max_cpu_loras, help="loaded LoRA adapters kept in host memory"
+        "--max-loras", type=integer(1), default=d.max_loras, help="LoRA adapters resident on the device"
     )
     p.add_argument(
-        "--max-lora-rank", type=int, default=d.max_lora_rank, help="higher-rank adapters are refused"
+        "--max-cpu-loras",
+        type=integer(1),
+        default=d.max_cpu_loras,
+        help="loaded LoRA adapters kept in host memory",
+    )
+    p.add_argument(
+        "--max-lora-rank", type=integer(1), default=d.max_lora_rank, help="higher-rank adapters are refused"
     )
 
 
 def engine_config(args):
+    from motet.api.vllm_flags import served_model
     from motet.engine.config import EngineConfig
 
     return EngineConfig(
-        model=args.model,
+        model=served_model(args, EngineConfig.model),  # `motet serve MODEL` too
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,
@@ -159,6 +211,12 @@ def cmd_serve(args) -> int:
     return serve(args, engine_config(args))
 
 
+def cmd_run_batch(args) -> int:
+    from motet.api.offline_batch import run_batch
+
+    return run_batch(args, engine_config(args))
+
+
 def cmd_eval(args) -> int:
     from motet.evals.cli import main as eval_main
 
@@ -166,35 +224,80 @@ def cmd_eval(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="motet", description="multi-tenant LLM serving engine")
+    parser = OneLineErrors(prog="motet", description="multi-tenant LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    fmt = {"formatter_class": _HelpFormatter}
 
-    p = sub.add_parser("pull", help="download and convert the default model into the local cache")
+    p = sub.add_parser("pull", help="download and convert the default model into the local cache", **fmt)
     p.add_argument(
         "--cache-dir", default=None, help="cache directory (default: $MOTET_CACHE_DIR or ~/.cache/motet)"
     )
     p.add_argument("--force", action="store_true", help="convert again even if the model is cached")
     p.set_defaults(func=cmd_pull)
 
-    p = sub.add_parser("generate", help="generate text offline from one prompt")
+    p = sub.add_parser("generate", help="generate text offline from one prompt", **fmt)
     p.add_argument("--prompt", required=True)
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
     )
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=integer(1), default=128)
+    p.add_argument("--temperature", type=number(0), default=0.0)
+    p.add_argument("--top-p", type=number(0, 1, above=True), default=1.0)
+    p.add_argument("--seed", type=integer(-(2**63), 2**63 - 1), default=None)
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
     _engine_args(p)
     p.set_defaults(func=cmd_generate)
 
     from motet.api.server import add_serve_args
 
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", **fmt)
     add_serve_args(p)
     _engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "run-batch",
+        help="run a Batch API file (JSONL) offline, as `vllm run-batch` does",
+        description="Each input line {custom_id, method, url, body} is answered by the engine in this process, "
+        "through the same routes and validation as `motet serve`; the answers go to -o in the input's order.",
+    )
+    p.add_argument(
+        "-i", "--input-file", required=True, help="the batch file: a local path or an http(s) URL (GET)"
+    )
+    p.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        help="where the answers go: a local path or an http(s) URL (PUT)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=integer(1),
+        default=None,
+        help="requests in flight at once (default: twice --max-num-seqs)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's name in the requests (the first; the others are aliases); default: --model",
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="a PEFT adapter directory as model NAME (repeatable)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="none",
+        choices=["none", "think"],
+        help="think: <think>...</think> comes back as reasoning_content (default: none)",
+    )
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _engine_args(p)
+    p.set_defaults(func=cmd_run_batch)
 
     # Everything after `eval` is evals.cli's to parse (no option prefix of its own, so --help passes too).
     p = sub.add_parser("eval", help="run an eval suite and write a report", add_help=False, prefix_chars="\0")
@@ -204,7 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a refused flag (its one line is printed) or --help: an exit code, as below
+        return e.code if isinstance(e.code, int) else 2
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback

@@ -3,7 +3,7 @@
 The first SIGTERM does not close the listening socket: new requests get 503 (the app sees
 `state.draining`) while the ones in flight finish, up to `drain_timeout` seconds; then uvicorn shuts down
 as usual. A second SIGTERM, or SIGINT, is uvicorn's own immediate shutdown. A failed start-up
-(`state.fatal`) also ends the server.
+(`state.fatal`) also ends the server. `on_tick` runs on each of uvicorn's ticks (about 10 a second).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 
 import uvicorn
 
@@ -20,11 +21,18 @@ log = logging.getLogger("motet.server")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        drain_timeout: float,
+        on_tick: Callable[[], None] | None = None,
+    ):
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
         self.drain_deadline: float | None = None
+        self.on_tick_hook = on_tick
 
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGTERM and not self.state.draining:
@@ -42,4 +50,6 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
         if self.state.fatal is not None:
             self.should_exit = True
+        if self.on_tick_hook is not None:
+            self.on_tick_hook()
         return await super().on_tick(counter)

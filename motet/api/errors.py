@@ -30,6 +30,28 @@ _TYPES = {
 RETRY_AFTER_503_S = 5
 UNSUPPORTED_FIELD = "unsupported_field"  # the validation error type of a field motet cannot honour
 
+# Bounds on what an error sends back: a request's value is echoed in at most ECHO_CHARS characters, and a
+# whole message or param in at most MESSAGE_CHARS / PARAM_CHARS (a 4 MB id or key is never sent back).
+ECHO_CHARS = 100
+MESSAGE_CHARS = 1000
+PARAM_CHARS = 200
+ELLIPSIS = "…"
+
+
+def shorten(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters, its middle replaced by an ellipsis (the head names the
+    value, the tail ends the sentence)."""
+    if len(text) <= limit:
+        return text
+    tail = limit // 5
+    return text[: limit - tail - 1] + ELLIPSIS + text[len(text) - tail :]
+
+
+def echo(value) -> str:
+    """A request's value as an error message quotes it: its repr, at most ECHO_CHARS characters."""
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 1] + ELLIPSIS
+
 
 class APIError(Exception):
     def __init__(
@@ -41,6 +63,8 @@ class APIError(Exception):
         type: str | None = None,
         headers: dict[str, str] | None = None,
     ):
+        message = shorten(message, MESSAGE_CHARS)  # whatever a message quotes, it stays small
+        param = None if param is None else shorten(param, PARAM_CHARS)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "server_error")

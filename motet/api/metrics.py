@@ -1,11 +1,16 @@
 """Prometheus metrics, one registry per app (tests run several apps in one process).
 
-motet's own series (`motet_*`), and beside them vLLM's names with vLLM's meaning (`vllm:*`), which routers
-and autoscalers read (Kubernetes' inference gateway, llm-d, Ray): requests waiting (in the adapter queues
-or admitted but not running) and running, KV-cache usage (0..1), the LoRA adapters of running and of
-waiting requests (`vllm:lora_requests_info`, an info gauge whose value is the time it was set; adapters
-named as clients name them, never by tenant), and the TTFT / inter-token / end-to-end latency histograms
-with vLLM's buckets.
+motet's own series (`motet_*`), and beside them vLLM's names with vLLM's meaning (`vllm:*`), which routers,
+autoscalers and vLLM's Grafana dashboard read (Kubernetes' inference gateway, llm-d, Ray): requests waiting
+(in the adapter queues or admitted but not running) and running, KV-cache usage (0..1), the LoRA adapters of
+running and of waiting requests (`vllm:lora_requests_info`, an info gauge whose value is the time it was set;
+adapters named as clients name them, never by tenant), the TTFT / inter-token / end-to-end latency
+histograms; the engine's counters (prompt and generation tokens, preemptions, prefix-cache queries and hits,
+in tokens); and per finished request its prompt and generation tokens, its finish reason and its queue /
+prefill / decode / inference times. Buckets, labels (`model_name`) and help texts are vLLM's
+(vllm/v1/metrics/loggers.py); deploy/grafana/motet.json is the dashboard that reads them. Per tenant, for an
+admin: each tenant's virtual token counter, its requests queued, waiting and running, and its position in
+the order tenants are served next (motet/engine/fairness.py).
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from motet.actors.system import Stats
+from motet.engine.sequence import RequestTimings
 
 # vLLM's buckets for its latency histograms (vllm/v1/metrics/loggers.py)
 _VLLM_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -23,14 +31,30 @@ _VLLM_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
              80.0)  # fmt: skip
 _VLLM_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
              480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason: request_success's finished_reason
+DEFAULT_MAX_MODEL_LEN = 1 << 16  # the token histograms' top bucket when the context length is not known
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """vLLM's buckets for its token-count histograms: 1, 2, 5, 10, 20, 50, ... up to the context length."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
+
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
 class Metrics:
-    def __init__(self, model_name: str = ""):
+    def __init__(self, model_name: str = "", max_model_len: int | None = None):
         r = self.registry = CollectorRegistry()
-        self.model_name = model_name  # the `model_name` label of the vLLM series
+        self._model_name = model_name  # the `model_name` label of the vLLM series
+        self.stats: Stats | None = None  # as of the latest refresh
         self.requests = Counter(
             "motet_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
         )
@@ -86,6 +110,22 @@ class Metrics:
             registry=r,
         )
 
+        # Fairness between tenants (one series per tenant with requests in the server; none once it is idle).
+        self.tenant_virtual_tokens = Gauge(
+            "motet_tenant_virtual_tokens",
+            "the tenant's virtual token counter: weighted tokens served over its weight (the lowest goes first)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_requests = Gauge(
+            "motet_tenant_requests", "the tenant's requests by state: queued, waiting, running", ["tenant", "state"],
+            registry=r,
+        )  # fmt: skip
+        self.tenant_position = Gauge(
+            "motet_tenant_queue_position", "the tenant's place in the order tenants are served next (0: first)",
+            ["tenant"], registry=r,
+        )  # fmt: skip
+
         model = ["model_name"]
         self.vllm_waiting = Gauge(
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", model, registry=r
@@ -130,20 +170,127 @@ class Metrics:
             buckets=_VLLM_E2E,
             registry=r,
         )
+        self._vllm_request_series(r, max_model_len or DEFAULT_MAX_MODEL_LEN)
+        r.register(EngineCounters(self))
+        self.model_name = model_name
 
-    def observe_request(self, ttft: float, e2e: float, token_gaps: list[tuple[float, int]]) -> None:
-        """One finished request's latencies in the vLLM histograms; `token_gaps` holds (seconds per token,
-        tokens) for each output delta after the first."""
-        self.vllm_ttft.labels(self.model_name).observe(ttft)
-        self.vllm_e2e.labels(self.model_name).observe(e2e)
+    def _vllm_request_series(self, r: CollectorRegistry, max_model_len: int) -> None:
+        """vLLM's per-request series beyond the latencies: what its Grafana dashboard plots."""
+        model, tokens = ["model_name"], token_buckets(max_model_len)
+        self.vllm_request_tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            model,
+            buckets=_VLLM_ITL,
+            registry=r,
+        )
+        self.vllm_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*model, "finished_reason"],
+            registry=r,
+        )
+        self.vllm_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            model,
+            buckets=tokens,
+            registry=r,
+        )
+        self.vllm_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            model,
+            buckets=tokens,
+            registry=r,
+        )
+        self.vllm_max_generation_tokens = Histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            model,
+            buckets=tokens,
+            registry=r,
+        )
+        phases = {
+            "queue": "Histogram of time spent in WAITING phase for request.",
+            "prefill": "Histogram of time spent in PREFILL phase for request.",
+            "decode": "Histogram of time spent in DECODE phase for request.",
+            "inference": "Histogram of time spent in RUNNING phase for request.",
+        }
+        self.vllm_phases = {
+            phase: Histogram(f"vllm:request_{phase}_time_seconds", doc, model, buckets=_VLLM_E2E, registry=r)
+            for phase, doc in phases.items()
+        }
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        """As in vLLM, every series of the model is there from the start (at zero)."""
+        self._model_name = name
+        if not name:
+            return
+        for reason in FINISH_REASONS:
+            self.vllm_success.labels(name, reason)
+        for h in (
+            self.vllm_ttft,
+            self.vllm_itl,
+            self.vllm_tpot,
+            self.vllm_e2e,
+            self.vllm_request_tpot,
+            self.vllm_prompt_tokens,
+            self.vllm_generation_tokens,
+            self.vllm_max_generation_tokens,
+            *self.vllm_phases.values(),
+        ):
+            h.labels(name)
+
+    def observe_request(
+        self,
+        ttft: float,
+        e2e: float,
+        token_gaps: list[tuple[float, int]],
+        *,
+        prompt_tokens: int = 0,
+        generation_tokens: int = 0,
+        finish_reason: str | None = None,
+        timings: RequestTimings | None = None,
+    ) -> None:
+        """One finished request (one choice) in the vLLM series; `token_gaps` holds (seconds per token,
+        tokens) for each output delta after the first; `timings` are the engine's (None: not reported)."""
+        name = self.model_name
+        self.vllm_ttft.labels(name).observe(ttft)
+        self.vllm_e2e.labels(name).observe(e2e)
         for seconds, tokens in token_gaps:
             for _ in range(tokens):
-                self.vllm_itl.labels(self.model_name).observe(seconds)
-                self.vllm_tpot.labels(self.model_name).observe(seconds)
+                self.vllm_itl.labels(name).observe(seconds)
+                self.vllm_tpot.labels(name).observe(seconds)
+        # vLLM: (e2e - TTFT) / (output tokens - 1), zero for a request of at most one token
+        tpot = (e2e - ttft) / (generation_tokens - 1) if generation_tokens > 1 else 0.0
+        self.vllm_request_tpot.labels(name).observe(tpot)
+        self.vllm_prompt_tokens.labels(name).observe(prompt_tokens)
+        self.vllm_generation_tokens.labels(name).observe(generation_tokens)
+        if finish_reason is not None:
+            self.vllm_success.labels(name, finish_reason).inc()
+        if timings is not None:
+            for phase, seconds in (
+                ("queue", timings.queue_s),
+                ("prefill", timings.prefill_s),
+                ("decode", timings.decode_s),
+                ("inference", timings.inference_s),
+            ):
+                self.vllm_phases[phase].labels(name).observe(seconds)
+
+    def observe_group(self, max_generation_tokens: int) -> None:
+        """The choices of one prompt (`n` of them) have all finished: the most tokens one generated."""
+        self.vllm_max_generation_tokens.labels(self.model_name).observe(max_generation_tokens)
 
     def refresh(self, stats: Stats | None, max_loras: int = 0) -> None:
         if stats is None:
             return
+        self.stats = stats
         self.vllm_waiting.labels(self.model_name).set(stats.queued + stats.waiting)
         self.vllm_running.labels(self.model_name).set(stats.running)
         total = stats.kv_blocks_used + stats.kv_blocks_free
@@ -173,9 +320,51 @@ class Metrics:
         for proposer, hits in hits_by:
             self.spec_hit_rate.labels(proposer).set(hits / spec.proposals if spec.proposals else 0.0)
         self.spec_priced_out.set(spec.priced_out_tokens)
+        self._refresh_tenants(getattr(stats, "tenants", ()))
+
+    def _refresh_tenants(self, tenants) -> None:
+        for gauge in (self.tenant_virtual_tokens, self.tenant_requests, self.tenant_position):
+            gauge.clear()  # tenants that went idle leave the page
+        for t in tenants:
+            self.tenant_virtual_tokens.labels(t.tenant).set(t.virtual_tokens)
+            self.tenant_position.labels(t.tenant).set(t.position)
+            for state in ("queued", "waiting", "running"):
+                self.tenant_requests.labels(t.tenant, state).set(getattr(t, state))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineCounters(Collector):
+    """vLLM's engine counters, from the engine's own cumulative figures (summed over the replicas) as of the
+    latest refresh: a collector, since the engine counts and this only reports."""
+
+    SERIES = (  # name (exposed with _total), help, Stats field
+        ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+        ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+        ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "preemptions"),
+        (
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            "prefix_cache_queries",
+        ),
+        (
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            "prefix_cache_hits",
+        ),
+    )
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        stats, name = self.metrics.stats, self.metrics.model_name
+        for metric, help_, field in self.SERIES:
+            family = CounterMetricFamily(metric, help_, labels=["model_name"])
+            if name:
+                family.add_metric([name], getattr(stats, field) if stats is not None else 0)
+            yield family
 
 
 def _client_names(engine_names) -> set[str]:

@@ -22,8 +22,8 @@ from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import ReplyStream, merge_streams
 from motet.api import protocol as P
 from motet.api.chat_output import ChatOutput
-from motet.api.errors import from_serving_error, from_value_error
-from motet.api.logprobs import chat_logprobs, completion_logprobs
+from motet.api.errors import APIError, from_serving_error, from_value_error
+from motet.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
 from motet.api.streams import Choice, EventStream, collect, observe, release, sse, usage
@@ -37,6 +37,7 @@ _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
     "max_completion_tokens",
     "top_logprobs",
 }
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 # -- request plumbing -------------------------------------------------------------------------------------
@@ -74,6 +75,8 @@ def build_params(
         stop_on_repeated_tool_call=structure is not None and structure.tool_mode != "none",
         speculative=req.speculative,
         cache_salt=req.cache_salt,
+        bad_words=req.bad_words or [],
+        allowed_token_ids=req.allowed_token_ids,
     )
     try:
         params = [
@@ -116,8 +119,39 @@ async def accept_request(request: Request, model):
     state: ServerState = request.app.state.motet
     state.check_ready()
     tenant = state.auth.tenant(request.headers.get("authorization"))
-    req = model.model_validate(await read_json(request, state.max_body_bytes))
+    context = {P.TRUST_REQUEST_CHAT_TEMPLATE: state.trust_request_chat_template}
+    req = model.model_validate(await read_json(request, state.max_body_bytes), context=context)
     return state, tenant, req, await state.resolve_adapter(tenant, req.model)
+
+
+def client_request_id(request: Request, req: P._SamplingFields) -> str:
+    """vLLM's request id: the X-Request-Id header, else the body's `request_id`, else a random one. It names
+    the response (its id, and the X-Request-Id header); the engine's own ids stay random, so that two
+    requests with one id (two tenants, say) never meet there."""
+    header = request.headers.get(REQUEST_ID_HEADER)
+    if header is not None:
+        try:
+            return P.check_request_id(header, f"the {REQUEST_ID_HEADER} header")
+        except ValueError as e:
+            raise APIError(400, str(e), param=REQUEST_ID_HEADER) from None
+    return req.request_id or uuid.uuid4().hex
+
+
+def with_request_id(response: Response, request_id: str) -> Response:
+    response.headers[REQUEST_ID_HEADER] = request_id
+    return response
+
+
+def usage_so_far(prompt_tokens: int, c: Choice, drop: bool) -> dict:
+    """vLLM's continuous usage: one choice's tokens so far beside its prompt's, for each streamed chunk."""
+    n = 0 if drop else len(c.token_ids)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+
+
+def stream_usage(req: P._SamplingFields) -> tuple[bool, bool]:
+    """(usage at the end, usage on every chunk): vLLM's continuous_usage_stats needs include_usage."""
+    include = bool(req.stream_options and req.stream_options.include_usage)
+    return include, include and req.stream_options.continuous_usage_stats
 
 
 # -- chat -------------------------------------------------------------------------------------------------
@@ -128,26 +162,47 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
     structure = structured_output(req, limits=state.system.engine.config.grammar_limits)
+    template = req.template  # the request's own (under --trust-request-chat-template), or None
     messages, template_kwargs = prompt_messages(
-        req.messages, structure, state.system.engine.tokenizer.hf.chat_template
+        req.messages, structure, template or state.system.engine.tokenizer.hf.chat_template
     )
-    params, engine_max, drop = build_params(req, max_tokens, k, None, structure, state.reasoning)
+    kwargs = {key: v for key, v in (req.chat_template_kwargs or {}).items() if key != "chat_template"}
+    kwargs |= template_kwargs | {"add_generation_prompt": req.add_generation_prompt}
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    if template is not None:
+        kwargs["chat_template"] = template
+    # vLLM: echo asks for the prompt's logprobs too (top_logprobs of them); a stream has nowhere to put them
+    prompt_k = req.prompt_logprobs
+    if prompt_k is None and req.echo and not req.stream:
+        prompt_k = req.top_logprobs or 0
+    params, engine_max, drop = build_params(req, max_tokens, k, prompt_k, structure, state.reasoning)
     spec = GenerateSpec(
         request_ids=[f"{rid}-{i}" for i in range(req.n)],
         params=params,
         tenant=tenant,
         adapter=adapter,
         messages=messages,
-        chat_template_kwargs={
-            **(req.chat_template_kwargs or {}),
-            **template_kwargs,
-            "add_generation_prompt": req.add_generation_prompt,
-        },
+        chat_template_kwargs=kwargs,
         max_tokens=engine_max,
         prompt_param="messages",
         grammar_param=structure.param,
+        add_special_tokens=req.add_special_tokens,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        priority=req.priority,
     )
     return spec, structure, k, drop
+
+
+def response_role(req: P.ChatCompletionRequest) -> str:
+    """vLLM's: the assistant's, unless no generation prompt was added (the last message's role goes on)."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1]["role"]
+
+
+def echoed(req: P.ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content, when it has the response's role."""
+    last = req.messages[-1]
+    return (last.get("content") or "") if req.echo and last["role"] == response_role(req) else ""
 
 
 def chat_output(state: ServerState, adm: Admission, structure: Structure) -> Callable[[], ChatOutput]:
@@ -162,8 +217,9 @@ def chat_output(state: ServerState, adm: Admission, structure: Structure) -> Cal
 
 async def chat_completions(request: Request) -> Response:
     state, tenant, req, adapter = await accept_request(request, P.ChatCompletionRequest)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    spec, structure, k, drop = chat_spec(state, tenant, adapter, req, rid)
+    request_id = client_request_id(request, req)
+    rid = f"chatcmpl-{request_id}"  # the response's id
+    spec, structure, k, drop = chat_spec(state, tenant, adapter, req, f"chatcmpl-{uuid.uuid4().hex}")
     arrival = time.perf_counter()
     state.inflight += 1
     streams: list[ReplyStream] = []
@@ -176,23 +232,41 @@ async def chat_completions(request: Request) -> Response:
         output = chat_output(state, adm, structure)
         if req.stream:
             chunks = _chat_chunks(state, req, rid, created, choices, streams, k, drop, output)
-            return with_warnings(EventStream(state, streams, chunks), structure, rid)
+            response = with_warnings(EventStream(state, streams, chunks), structure, rid)
+            return with_request_id(response, request_id)
         await collect(request, state, choices, streams)
+        role, lead = response_role(req), echoed(req)
+        as_ids = bool(req.return_tokens_as_token_ids)
         out = []
         for c in choices:
             message, finish_reason = output().message("" if drop else c.text, c.finish_reason)
-            logprobs = chat_logprobs(state, c.logprobs, k) if k is not None and not drop else None
+            message.role = role
+            if lead:
+                message.content = lead + (message.content or "")
+            logprobs = chat_logprobs(state, c.logprobs, k, as_ids) if k is not None and not drop else None
+            token_ids = ([] if drop else c.token_ids) if req.return_token_ids else None
             out.append(
-                P.ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason)
+                P.ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    token_ids=token_ids,
+                )
             )
+        prompt_ids = adm.prompt_token_ids
         resp = P.ChatCompletionResponse(
             id=rid,
             created=created,
             model=req.model,
             choices=out,
-            usage=usage([adm.prompt_token_ids], choices, drop),
+            usage=usage([prompt_ids], choices, drop),
+            prompt_token_ids=prompt_ids if req.return_token_ids else None,
+            prompt_logprobs=prompt_logprobs(state, prompt_ids, choices[0].prompt_logprobs)
+            if spec.params[0].prompt_logprobs is not None
+            else None,
         )
-        return with_warnings(JSONResponse(resp.model_dump()), structure, rid)
+        return with_request_id(with_warnings(JSONResponse(resp.model_dump()), structure, rid), request_id)
     except BaseException:
         release(state, streams)
         raise
@@ -201,47 +275,58 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_chunks(state, req, rid, created, choices, streams, k, drop, output) -> AsyncIterator[str]:
-    def chunk(index, delta: dict, logprobs=None, finish_reason=None) -> str:
+    include_usage, continuous = stream_usage(req)
+    prompt_ids = choices[0].prompt_ids
+    as_ids = bool(req.return_tokens_as_token_ids)
+
+    def chunk(index, delta: dict, logprobs=None, finish_reason=None, token_ids=None, **top) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = token_ids or []
         c = {
             "id": rid,
             "object": "chat.completion.chunk",
             "created": created,
             "model": req.model,
-            "choices": [
-                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            ],
+            "choices": [choice],
+            **top,
         }
         if include_usage:
-            c["usage"] = None
+            c["usage"] = usage_so_far(len(prompt_ids), choices[index], drop) if continuous else None
         return sse(c)
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     outputs = [output() for _ in choices]
+    first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
+    role, lead = response_role(req), echoed(req)
     for c in choices:
-        yield chunk(c.index, {"role": "assistant", "content": ""})
+        yield chunk(c.index, {"role": role, "content": ""}, **first)
+        if lead:
+            yield chunk(c.index, {"content": lead})
     async for i, delta in merge_streams(streams):
         c = choices[i]
         c.add(delta)
         if delta.error is not None:
             raise delta.error
-        if (delta.text or delta.logprobs) and not drop:
-            lp = chat_logprobs(state, delta.logprobs, k).model_dump() if k is not None else None
+        if (delta.text or delta.logprobs or delta.token_ids) and not drop:
+            lp = chat_logprobs(state, delta.logprobs, k, as_ids).model_dump() if k is not None else None
+            ids = delta.token_ids
             deltas = outputs[i].feed(delta.text)
             if outputs[i].plain:  # text and its logprobs in one chunk, as before
-                yield chunk(i, {"content": delta.text}, lp)
+                if delta.text or lp is not None or req.return_token_ids:
+                    yield chunk(i, {"content": delta.text}, lp, token_ids=ids)
             else:
                 for j, d in enumerate(deltas):
-                    yield chunk(i, d, lp if j == 0 else None)
-                if lp is not None and not deltas:
-                    yield chunk(i, {}, lp)
+                    yield chunk(i, d, lp if j == 0 else None, token_ids=ids if j == 0 else None)
+                if (lp is not None or req.return_token_ids) and not deltas:
+                    yield chunk(i, {}, lp, token_ids=ids)
         if delta.finished:
-            observe(state, c)
+            observe(state, c, choices)
             deltas, finish_reason = outputs[i].finish(c.finish_reason) if not drop else ([], c.finish_reason)
             for d in deltas:
                 yield chunk(i, d)
             yield chunk(i, {}, finish_reason=finish_reason)
     if include_usage:
-        u = usage([choices[0].prompt_ids], choices, drop).model_dump()
+        u = usage([prompt_ids], choices, drop).model_dump()
         yield sse(
             {
                 "id": rid,
@@ -266,13 +351,14 @@ def _prompts(req: P.CompletionRequest) -> list[str | list[int]]:
 
 async def completions(request: Request) -> Response:
     state, tenant, req, adapter = await accept_request(request, P.CompletionRequest)
+    request_id = client_request_id(request, req)
+    rid = f"cmpl-{request_id}"  # the response's id
+    internal = f"cmpl-{uuid.uuid4().hex}"
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default for completions
     k = req.logprobs
     structure = structured_output(req, allow_tools=False, limits=state.system.engine.config.grammar_limits)
-    params, engine_max, drop = build_params(
-        req, max_tokens, k, k if req.echo and k is not None else None, structure
-    )
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else (k if req.echo else None)
+    params, engine_max, drop = build_params(req, max_tokens, k, prompt_k, structure)
     prompts = _prompts(req)
     arrival = time.perf_counter()
     state.inflight += 1
@@ -280,13 +366,16 @@ async def completions(request: Request) -> Response:
     try:
         specs = [
             GenerateSpec(
-                request_ids=[f"{rid}-{p_idx}-{i}" for i in range(req.n)],
+                request_ids=[f"{internal}-{p_idx}-{i}" for i in range(req.n)],
                 params=params,
                 tenant=tenant,
                 adapter=adapter,
                 prompt=prompt,
                 max_tokens=engine_max,
                 grammar_param=structure.param,
+                add_special_tokens=req.add_special_tokens,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
+                priority=req.priority,
             )
             for p_idx, prompt in enumerate(prompts)
         ]
@@ -295,34 +384,48 @@ async def completions(request: Request) -> Response:
             streams += adm.streams
             state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choices = [
-            Choice(p * req.n + i, adm.prompt_token_ids, arrival)
+            Choice(p * req.n + i, adm.prompt_token_ids, arrival, prompt_index=p)
             for p, adm in enumerate(admissions)
             for i in range(req.n)
         ]
+        # what echo shows: the prompt as given, or as the tokens it was cut to (token-id prompts: decoded)
+        decode = state.system.engine.tokenizer.decode
         prompt_texts = [
-            pr if isinstance(pr, str) else state.system.engine.tokenizer.decode(pr, skip_special_tokens=False)
-            for pr in prompts
+            a.prompt_text or decode(a.prompt_token_ids, skip_special_tokens=False) for a in admissions
         ]
         created = int(time.time())
         if req.stream:
             gen = _completion_chunks(
                 state, req, rid, created, choices, streams, prompt_texts, admissions, drop
             )
-            return with_warnings(EventStream(state, streams, gen), structure, rid)
+            response = with_warnings(EventStream(state, streams, gen), structure, rid)
+            return with_request_id(response, request_id)
         await collect(request, state, choices, streams)
+        as_ids = bool(req.return_tokens_as_token_ids)
         out = []
         for c in choices:
             p = c.index // req.n
             text = "" if drop else c.text
             lps = None
             if k is not None:
+                prompt_ids = c.prompt_ids if req.echo else None
                 lps = completion_logprobs(
-                    state, [] if drop else c.logprobs, c.prompt_ids if req.echo else None, c.prompt_logprobs
+                    state, [] if drop else c.logprobs, prompt_ids, c.prompt_logprobs, as_ids=as_ids, k=k
                 )
             if req.echo:
                 text = prompt_texts[p] + text
             out.append(
-                P.CompletionChoice(index=c.index, text=text, logprobs=lps, finish_reason=c.finish_reason)
+                P.CompletionChoice(
+                    index=c.index,
+                    text=text,
+                    logprobs=lps,
+                    finish_reason=c.finish_reason,
+                    prompt_logprobs=prompt_logprobs(state, c.prompt_ids, c.prompt_logprobs)
+                    if prompt_k is not None
+                    else None,
+                    prompt_token_ids=c.prompt_ids if req.return_token_ids else None,
+                    token_ids=([] if drop else c.token_ids) if req.return_token_ids else None,
+                )
             )
         resp = P.CompletionResponse(
             id=rid,
@@ -331,7 +434,7 @@ async def completions(request: Request) -> Response:
             choices=out,
             usage=usage([a.prompt_token_ids for a in admissions], choices, drop),
         )
-        return with_warnings(JSONResponse(resp.model_dump()), structure, rid)
+        return with_request_id(with_warnings(JSONResponse(resp.model_dump()), structure, rid), request_id)
     except BaseException:
         release(state, streams)
         raise
@@ -340,19 +443,28 @@ async def completions(request: Request) -> Response:
 
 
 async def _completion_chunks(state, req, rid, created, choices, streams, prompt_texts, admissions, drop):
-    def chunk(index, text, logprobs=None, finish_reason=None) -> str:
+    include_usage, continuous = stream_usage(req)
+    as_ids = bool(req.return_tokens_as_token_ids)
+
+    def chunk(index, text, logprobs=None, finish_reason=None, token_ids=None, prompt_ids=None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = token_ids or []
+            if prompt_ids is not None:
+                choice["prompt_token_ids"] = prompt_ids
         c = {
             "id": rid,
             "object": "text_completion",
             "created": created,
             "model": req.model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [choice],
         }
         if include_usage:
-            c["usage"] = None
+            c["usage"] = (
+                usage_so_far(len(choices[index].prompt_ids), choices[index], drop) if continuous else None
+            )
         return sse(c)
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     k = req.logprobs
     started = set()
     async for i, delta in merge_streams(streams):
@@ -360,21 +472,30 @@ async def _completion_chunks(state, req, rid, created, choices, streams, prompt_
         c.add(delta)
         if delta.error is not None:
             raise delta.error
-        text, lps, prompt_ids = delta.text, [] if drop else delta.logprobs, None
+        text, lps, echo_ids, first_ids = delta.text, [] if drop else delta.logprobs, None, None
         if drop:
             text = ""
         if i not in started:
             started.add(i)
+            first_ids = c.prompt_ids
             if req.echo:
                 text = prompt_texts[i // req.n] + text
-                prompt_ids = c.prompt_ids
+                echo_ids = c.prompt_ids
         lp = None
         if k is not None:
-            lp = completion_logprobs(state, lps, prompt_ids, c.prompt_logprobs).model_dump()
-        if text or (lp and lp["tokens"]) or delta.finished:
-            yield chunk(i, text, lp, c.finish_reason if delta.finished else None)
+            lp = completion_logprobs(state, lps, echo_ids, c.prompt_logprobs, as_ids=as_ids, k=k).model_dump()
+        token_ids = [] if drop else delta.token_ids
+        if (
+            text
+            or (lp and lp["tokens"])
+            or delta.finished
+            or (req.return_token_ids and (token_ids or first_ids))
+        ):
+            yield chunk(i, text, lp, c.finish_reason if delta.finished else None, token_ids, first_ids)
+        elif first_ids is not None:
+            started.discard(i)  # nothing sent yet: the prompt's ids (and echo) go with the first chunk sent
         if delta.finished:
-            observe(state, c)
+            observe(state, c, choices)
     if include_usage:
         u = usage([a.prompt_token_ids for a in admissions], choices, drop).model_dump()
         yield sse(

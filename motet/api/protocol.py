@@ -3,8 +3,10 @@
 A request field motet does not know is refused (400 naming it), never ignored. OpenAI's fields that do
 not change the output (`user`, `metadata`, `store`, the prompt-cache hints, ...) are accepted and
 unused; the ones motet knows but cannot honour (`logit_bias`, `audio`, `reasoning_effort`, ...) are
-refused unless they hold their no-op value (`null`, `"auto"`, ...). The vLLM-style sampling extras (top_k,
-min_p, repetition_penalty, min_tokens, ignore_eos, ...) are accepted and honoured. Types are strict: a
+refused unless they hold their no-op value (`null`, `"auto"`, ...). The vLLM-style extras (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, bad_words, allowed_token_ids, truncate_prompt_tokens,
+prompt_logprobs, return_token_ids, continue_final_message, ...) are accepted and honoured, with vLLM's
+semantics. Types are strict: a
 string is never coerced into a number or a boolean (`"n": "2"` is a 400). Ranges are checked once, by
 `engine.sampling_params.SamplingParams`, whose errors name the field.
 """
@@ -14,10 +16,10 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from motet.api.errors import UNSUPPORTED_FIELD
+from motet.api.errors import UNSUPPORTED_FIELD, echo
 from motet.grammar.tool_calls import MAX_TOOL_CALLS
 
 
@@ -42,8 +44,16 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if k not in cls.unsupported}
 
 
+# OpenAI's limits on `metadata` (its API reference: "Set of 16 key-value pairs ... Keys are strings with a
+# maximum length of 64 characters. Values are strings with a maximum length of 512 characters.")
+METADATA_MAX_PAIRS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
+SAFETY_IDENTIFIER_MAX_CHARS = 128  # OpenAI's documented maximum
+ID_MAX_CHARS = 128  # an id a request names (previous_response_id): motet's are 37 characters, OpenAI's ~55
+
+
 class _OpenAINoOps(_Request):
-    """OpenAI's optional fields that do not change the output: accepted (type-checked) and unused."""
+    """OpenAI's optional fields that do not change the output: accepted (type-checked, within OpenAI's
+    limits) and unused."""
 
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -51,12 +61,88 @@ class _OpenAINoOps(_Request):
     prompt_cache_key: str | None = None  # motet's prefix cache needs no hint
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    safety_identifier: str | None = None
+    safety_identifier: str | None = Field(None, max_length=SAFETY_IDENTIFIER_MAX_CHARS)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        if v is None:
+            return v
+        if len(v) > METADATA_MAX_PAIRS:
+            raise PydanticCustomError(
+                "metadata_limit",
+                "at most {limit} key-value pairs are allowed, got {n}",
+                {"limit": METADATA_MAX_PAIRS, "n": len(v)},
+            )
+        for key, value in v.items():
+            for what, text, limit in (
+                ("key {key}", key, METADATA_MAX_KEY_CHARS),
+                ("the value of {key}", value, METADATA_MAX_VALUE_CHARS),
+            ):
+                if len(text) > limit:
+                    raise PydanticCustomError(
+                        "metadata_limit",
+                        what + " is {n} characters long; at most {limit} are allowed",
+                        {"key": echo(key), "n": len(text), "limit": limit},
+                    )
+        return v
 
 
 # Data a chat template may read, passed through `chat_template_kwargs`, with its type. Anything else,
 # a replacement template above all, is refused: the template is the model's, rendered by the server.
 CHAT_TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool, "thinking": bool}
+# Under `motet serve --trust-request-chat-template` a request may bring its own template (`chat_template`,
+# or `chat_template_kwargs.chat_template`), rendered within bounds (motet/engine/template_worker.py), and any
+# data it reads, except the names `apply_chat_template` itself takes (the request has its own fields for
+# those). The flag reaches the validators as this key of the validation context.
+TRUST_REQUEST_CHAT_TEMPLATE = "trust_request_chat_template"
+MAX_CHAT_TEMPLATE_CHARS = 128 << 10  # the longest models' templates are ~20 KB
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "max_chars",
+    }
+)
+# vLLM's words, so that a client written for vLLM recognizes the refusal.
+UNTRUSTED_CHAT_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+# A request's own id (`request_id`, or the X-Request-Id header) is echoed in the response's id and header.
+REQUEST_ID_MAX_CHARS = 256
+
+
+def check_request_id(value: str, where: str = "request_id") -> str:
+    """A client's request id: 1 to REQUEST_ID_MAX_CHARS printable ASCII characters (it goes into a header)."""
+    if not 0 < len(value) <= REQUEST_ID_MAX_CHARS or not all(" " <= c <= "~" for c in value):
+        raise ValueError(f"{where} must be 1 to {REQUEST_ID_MAX_CHARS} printable ASCII characters")
+    return value
+
+
+def _trusted(info: ValidationInfo) -> bool:
+    return bool((info.context or {}).get(TRUST_REQUEST_CHAT_TEMPLATE))
+
+
+def _template_text(value, info: ValidationInfo):
+    if not _trusted(info):
+        raise PydanticCustomError("untrusted_chat_template", UNTRUSTED_CHAT_TEMPLATE)
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CHAT_TEMPLATE_CHARS:
+        raise ValueError(f"a chat template must be a string of 1 to {MAX_CHAT_TEMPLATE_CHARS} characters")
+    return value
 
 
 def _text_content(content: list, where: str) -> str:
@@ -66,7 +152,9 @@ def _text_content(content: list, where: str) -> str:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise ValueError(f"{where}[{j}] must be an object with a string 'type'")
         if part["type"] != "text":
-            raise ValueError(f"{where}[{j}]: content of type {part['type']!r} is not supported, only 'text'")
+            raise ValueError(
+                f"{where}[{j}]: content of type {echo(part['type'])} is not supported, only 'text'"
+            )
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}[{j}].text must be a string")
         texts.append(part["text"])
@@ -76,6 +164,7 @@ def _text_content(content: list, where: str) -> str:
 class StreamOptions(_Request):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # padding against length side channels: no output change
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, every chunk carries the usage so far
 
 
 class StructuredOutputs(_Request):
@@ -128,6 +217,17 @@ class _SamplingFields(_OpenAINoOps):
     include_stop_str_in_output: bool = False
     speculative: bool = True  # motet: False opts the request out of speculative decoding (same output)
     cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only among requests of one salt
+    bad_words: list[str] | None = (
+        None  # vLLM: token sequences that never appear (motet/engine/token_masks.py)
+    )
+    allowed_token_ids: list[int] | None = None  # vLLM: the only tokens that may be sampled
+    truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last N tokens (-1: as many as fit)
+    prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob and rank, plus the top N
+    return_token_ids: bool | None = None  # vLLM: prompt_token_ids and token_ids in the response
+    return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs' tokens as "token_id:N"
+    request_id: str | None = None  # vLLM: the response's id is made from it (the X-Request-Id header wins)
+    # vLLM: lower is sooner; it orders the tenant's own requests only, never one tenant before another
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     # structured output (motet/api/structured.py): OpenAI's response_format, vLLM's guided_* extras
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -141,6 +241,28 @@ class _SamplingFields(_OpenAINoOps):
     @classmethod
     def _stop_list(cls, v):
         return [v] if isinstance(v, str) else v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v):
+        if v is not None and v != -1 and v < 1:
+            raise ValueError("must be -1 (as many tokens as fit) or a number of tokens >= 1")
+        return v
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id(cls, v):
+        return v if v is None else check_request_id(v)
+
+    @model_validator(mode="after")
+    def _stream_extras(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise PydanticCustomError(
+                UNSUPPORTED_FIELD,
+                "prompt_logprobs are not available when stream=True",
+                {"field": "prompt_logprobs"},
+            )
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -165,6 +287,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM: the last message is left open for the model to continue (with add_generation_prompt false)
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM: the tokenizer's special tokens on top of the template's
+    echo: bool = False  # vLLM: the last message's content, when it has the response's role, leads the answer
+    chat_template: str | None = None  # vLLM: the request's own template (--trust-request-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None  # validated in motet/api/structured.py, where errors can name the tool
     tool_choice: str | dict[str, Any] | None = None
@@ -188,20 +315,49 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError(f"messages[{i}].name must be a string")
         return v
 
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, v, info: ValidationInfo):
+        return v if v is None else _template_text(v, info)
+
     @field_validator("chat_template_kwargs")
     @classmethod
-    def _template_kwargs(cls, v):
+    def _template_kwargs(cls, v, info: ValidationInfo):
         for key, value in (v or {}).items():
+            if key == "chat_template":
+                _template_text(value, info)
+                continue
             kind = CHAT_TEMPLATE_KWARGS.get(key)
+            if kind is None and _trusted(info) and key not in RESERVED_TEMPLATE_KWARGS:
+                continue  # data a trusted request's template reads
             if kind is None:
                 known = ", ".join(CHAT_TEMPLATE_KWARGS)
-                raise ValueError(
-                    f"{key!r} is not accepted: only data the model's template reads may be passed "
-                    f"({known}); a chat template cannot be supplied per request"
+                why = (
+                    "it is a parameter of the rendering itself (send the request field, if any)"
+                    if key in RESERVED_TEMPLATE_KWARGS
+                    else f"only data the model's template reads may be passed ({known}); a chat template "
+                    "cannot be supplied per request unless the server trusts them"
                 )
+                raise ValueError(f"{echo(key)} is not accepted: {why}")
             if not isinstance(value, kind):
-                raise ValueError(f"{key!r} must be a {kind.__name__}")
+                raise ValueError(f"{echo(key)} must be a {kind.__name__}")
         return v
+
+    @model_validator(mode="after")
+    def _generation_prompt(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise PydanticCustomError(
+                UNSUPPORTED_FIELD,
+                "cannot be combined with add_generation_prompt, which is true unless set to false (the last "
+                "message is continued, so no new one is started)",
+                {"field": "continue_final_message"},
+            )
+        return self
+
+    @property
+    def template(self) -> str | None:
+        """The request's own chat template, if it brought one (validated above)."""
+        return self.chat_template or (self.chat_template_kwargs or {}).get("chat_template")
 
 
 class CompletionRequest(_SamplingFields):
@@ -213,6 +369,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) before a text prompt
 
     @field_validator("prompt")
     @classmethod
@@ -223,6 +380,11 @@ class CompletionRequest(_SamplingFields):
 
 
 # -- responses --------------------------------------------------------------------------------------------
+def _extra(description: str):
+    """A vLLM extra of a response: in the JSON only when the request asked for it (not null otherwise)."""
+    return Field(None, description=description, exclude_if=lambda v: v is None)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -256,7 +418,7 @@ class ToolCallOut(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # with add_generation_prompt false, the last message's (vLLM)
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
@@ -267,6 +429,13 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = _extra("vLLM's return_token_ids: the output's token ids")
+
+
+class PromptTokenLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None  # 1: the likeliest token
+    decoded_token: str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -277,10 +446,14 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = _extra("vLLM's return_token_ids: the prompt's token ids")
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = _extra(
+        "vLLM's prompt_logprobs: per prompt token (none for the first), its own and the top ones, by token id"
+    )
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
 
@@ -289,6 +462,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = _extra("vLLM's return_token_ids: this chunk's token ids")
 
 
 class ChatCompletionChunk(BaseModel):
@@ -297,7 +471,8 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | None = None  # with vLLM's continuous_usage_stats, on every chunk
+    prompt_token_ids: list[int] | None = _extra("vLLM's return_token_ids: on a choice's first chunk")
 
 
 class CompletionLogprobs(BaseModel):
@@ -312,6 +487,13 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = _extra(
+        "vLLM's prompt_logprobs (also with echo and logprobs): per prompt token, by token id"
+    )
+    prompt_token_ids: list[int] | None = _extra(
+        "vLLM's return_token_ids (streamed: in a choice's first chunk)"
+    )
+    token_ids: list[int] | None = _extra("vLLM's return_token_ids: the output's (streamed: this chunk's)")
 
 
 class CompletionResponse(BaseModel):

@@ -7,9 +7,10 @@ import json
 
 from starlette.requests import Request
 
-from motet.api.errors import APIError
+from motet.api.errors import APIError, shorten
 
 MAX_JSON_DEPTH = 64  # nesting of a request body; JSONSchemaBench's deepest schema nests 22 levels
+KEY_CHARS = 40  # of each key where an error names a place in the body
 
 
 def _refuse_constant(name: str):
@@ -18,22 +19,44 @@ def _refuse_constant(name: str):
 
 def check_json(data, limit: int = MAX_JSON_DEPTH) -> None:
     """Bounded nesting, and text that is valid Unicode (a lone surrogate escape such as \\ud800 parses
-    into a str that no tokenizer can encode). An explicit stack: deep input cannot recurse us."""
-    stack = [(data, 1)]
+    into a str that no tokenizer can encode, nor any file name hold). An explicit stack: deep input cannot
+    recurse us. Errors name where (`param`, as `messages[0].content`)."""
+    stack: list[tuple[object, int, tuple | None]] = [(data, 1, None)]  # (value, depth, where: (parent, key))
     while stack:
-        value, depth = stack.pop()
+        value, depth, where = stack.pop()
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise APIError(400, "request body holds invalid Unicode (a lone surrogate escape)") from None
+                param = _param(where)
+                at = f" at {param}" if param else ""
+                raise APIError(
+                    400, f"request body holds invalid Unicode (a lone surrogate escape){at}", param
+                ) from None
         elif isinstance(value, dict | list):
             if depth > limit:
-                raise APIError(400, f"request body is nested more than {limit} levels deep")
+                raise APIError(400, f"request body is nested more than {limit} levels deep", _param(where))
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, child in items:
-                stack.append((key, depth))
-                stack.append((child, depth + 1))
+                stack.append((key, depth, where))  # a key is checked as part of its object
+                stack.append((child, depth + 1, (where, key)))
+
+
+def _param(where: tuple | None) -> str | None:
+    """A location on check_json's stack as a param (`input[0].content`), built only for an error, with
+    each key readable (escaped) and short."""
+    keys = []
+    while where is not None:
+        where, key = where
+        keys.append(key)
+    out = ""
+    for key in reversed(keys):
+        if isinstance(key, int):
+            out += f"[{key}]"
+        else:
+            text = shorten(key.encode("utf-8", "backslashreplace").decode("utf-8"), KEY_CHARS)
+            out += f".{text}" if out else text
+    return out or None
 
 
 async def read_json(request: Request, limit: int) -> dict:

@@ -77,6 +77,13 @@ class Conversation:
     turns: int  # stored turns it spans
 
 
+@dataclass
+class Turn:
+    response_id: str
+    input: list[dict]  # the input items its request added, as the model sees them
+    output: list[dict]  # its output items as stored
+
+
 class ResponseStore:
     def __init__(
         self,
@@ -173,6 +180,27 @@ class ResponseStore:
             items += json.loads(stored_input)
             items += model_visible(json.loads(output))
         return Conversation(items, len(rows))
+
+    def turns(self, tenant: str, response_id: str) -> list[Turn] | None:
+        """The stored turns of a response's conversation, oldest first, the response itself last (None: no
+        such visible response for this tenant). A hidden turn's output holds only what the model sees."""
+        with self._read():
+            if not self._visible(tenant, response_id):
+                return None
+            rows = self._db.execute(
+                """WITH RECURSIVE chain(id, parent, n) AS (
+                       SELECT id, parent, 0 FROM responses WHERE tenant = :tenant AND id = :id
+                       UNION ALL
+                       SELECT r.id, r.parent, chain.n + 1 FROM chain
+                       JOIN responses r ON r.tenant = :tenant AND r.id = chain.parent
+                       WHERE chain.n < :max
+                   )
+                   SELECT r.id, r.input, r.output FROM chain
+                   JOIN responses r ON r.tenant = :tenant AND r.id = chain.id
+                   ORDER BY chain.n DESC""",
+                {"tenant": tenant, "id": response_id, "max": MAX_TURNS},
+            ).fetchall()
+        return [Turn(rid, json.loads(stored_input), json.loads(output)) for rid, stored_input, output in rows]
 
     def usage(self, tenant: str) -> tuple[int, int]:
         """The tenant's stored responses and the bytes its rows hold (hidden ones too)."""

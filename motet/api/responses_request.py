@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from motet.api import protocol as P
-from motet.api.errors import APIError
+from motet.api.errors import APIError, echo
 from motet.grammar.tool_calls import MAX_TOOL_CALLS
 
 
@@ -52,9 +52,9 @@ class ResponsesRequest(P._OpenAINoOps):
     }
 
     model: str
-    input: str | list[dict[str, Any]] = Field(min_length=1)
+    input: str | list[Any] = Field(min_length=1)  # items checked by _input_items, below
     instructions: str | None = None
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(None, max_length=P.ID_MAX_CHARS)
     store: bool | None = None  # None: stored (OpenAI's default)
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
@@ -75,6 +75,15 @@ class ResponsesRequest(P._OpenAINoOps):
     presence_penalty: float | None = None
     seed: int | None = None
     cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only among requests of one salt
+
+    @field_validator("input")
+    @classmethod
+    def _input_items(cls, v):
+        """The items are checked as they are parsed (an APIError naming `input[i]...`), so that everything
+        after (the response store, the chat request) reads only well-formed items."""
+        if isinstance(v, list):
+            to_messages(v)
+        return v
 
     @property
     def stored(self) -> bool:
@@ -97,6 +106,8 @@ _ITEM_KEYS = {
     "reasoning": ("type", "id", "summary", "content", "encrypted_content", "status"),
 }
 _PART_KEYS = ("type", "text", "refusal", "annotations", "logprobs")
+_ONLY_TEXT = "content of type {value} is not supported, only text ({known})"
+_ITEM_TYPES = "input items of type {value} are not supported, only {known}"
 
 
 def _known_keys(obj: dict, known: tuple[str, ...], where: str) -> None:
@@ -122,10 +133,9 @@ def _text(content, where: str) -> str:
         raise _bad(where, "expected a string or a list of content parts")
     texts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        key = _TEXT_PARTS.get(kind)
-        if key is None:
-            raise _bad(f"{where}[{j}]", f"content of type {kind!r} is not supported, only text")
+        if not isinstance(part, dict):
+            raise _bad(f"{where}[{j}]", f"expected an object, got {_json_type(part)}")
+        key = _TEXT_PARTS[_string(part.get("type"), f"{where}[{j}].type", _TEXT_PARTS, _ONLY_TEXT)]
         _known_keys(part, _PART_KEYS, f"{where}[{j}]")
         if not isinstance(part.get(key), str):
             raise _bad(f"{where}[{j}].{key}", "expected a string")
@@ -143,13 +153,10 @@ def to_messages(items: list[dict], first_index: int = 0) -> list[dict]:
         where = f"input[{n - first_index}]"
         if not isinstance(item, dict):
             raise _bad(where, "expected an object")
-        kind = item.get("type", "message")
-        if kind in _ITEM_KEYS:
-            _known_keys(item, _ITEM_KEYS[kind], where)
+        kind = _string(item.get("type", "message"), f"{where}.type", _ITEM_KEYS, _ITEM_TYPES)
+        _known_keys(item, _ITEM_KEYS[kind], where)
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
-            if role is None:
-                raise _bad(f"{where}.role", f"expected one of {', '.join(_ROLES)}, got {item.get('role')!r}")
+            role = _ROLES[_string(item.get("role"), f"{where}.role", _ROLES)]
             messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
@@ -169,15 +176,28 @@ def to_messages(items: list[dict], first_index: int = 0) -> list[dict]:
                 raise _bad(f"{where}.call_id", "expected a string")
             output = _text(item.get("output"), f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
-        elif kind == "reasoning":
-            continue
-        else:
-            raise _bad(f"{where}.type", f"input items of type {kind!r} are not supported")
+        # (a reasoning item: skipped)
     return messages
 
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"Invalid '{param}': {message}", param=param)
+
+
+def _json_type(value) -> str:
+    """The JSON type of a parsed value, as an error names it."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def _string(value, param: str, known: dict, refusal: str = "expected one of {known}, got {value}") -> str:
+    """`value` if it is one of `known`'s keys, else a 400 naming `param` (`refusal` says why). A request's
+    value is looked up only once it is known to be a string: a list or an object is not hashable."""
+    if not isinstance(value, str):
+        raise _bad(param, f"expected a string, got {_json_type(value)}")
+    if value not in known:
+        raise _bad(param, refusal.format(known=", ".join(known), value=echo(value)))
+    return value
 
 
 # -- the chat request ---------------------------------------------------------------------------------------
@@ -208,7 +228,7 @@ def _tool_choice(choice):
             )
         return {"type": "function", "function": {"name": choice.get("name")}}
     if isinstance(choice, dict) and choice.get("type") != "function":
-        raise _bad("tool_choice", f"tool_choice of type {choice.get('type')!r} is not supported")
+        raise _bad("tool_choice", f"tool_choice of type {echo(choice.get('type'))} is not supported")
     return choice
 
 
@@ -235,7 +255,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> P.ChatCompletion
         "response_format": _response_format(req.text_format),
     }
     optional = {
-        "tools": req.tools,
+        "tools": req.tools or None,  # `tools: []` is no tools, as OpenAI reads it (the Agents SDK sends it)
         "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "max_tool_calls": req.max_tool_calls,

@@ -1,17 +1,20 @@
 """`motet serve`: its flags, and wiring the engine, the actors and the app onto uvicorn.
 
-Heavy imports happen inside `serve`, so that `motet --help` and `motet pull` stay fast.
+Start-up checks what it can before anything listens (the model resolves to a checkpoint motet serves, the
+flags' values, the port is free): a failure there is one line and exit status 2. Then the port opens (GET
+/health answers 503 while the model loads), and "ready" is logged once /health answers 200
+(motet/api/status_log.py). Heavy imports happen inside `serve`, so that `motet --help` stays fast.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
-import math
 import os
+import socket
 from pathlib import Path
 
 from motet.cluster import cli as cluster_cli
+from motet.flag_types import MAX_DAYS, integer, number, seconds
 
 log = logging.getLogger("motet.server")
 
@@ -55,41 +58,89 @@ def grammar_limits(args):
     )
 
 
-def build_state(args, config):
-    from motet.actors.system import ServingSystem
-    from motet.api.adapter_store import AdapterStore
-    from motet.api.auth import Authenticator
-    from motet.api.response_store import ResponseStore
-    from motet.api.state import ServerState
-    from motet.engine.llm_engine import LLMEngine
+def check_model(config) -> tuple[Path, int]:
+    """The model's directory and context length; ModelLoadError (a ValueError) naming what is wrong with
+    --model, before anything starts. The default model is pulled here when it is not cached yet."""
+    from motet.engine.checkpoint import load_model_config
+    from motet.engine.config import context_length
+    from motet.engine.model_store import resolve_model
+
+    model_dir = resolve_model(config.model)
+    return model_dir, context_length(load_model_config(model_dir), config.max_model_len)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now: a port in use is a clear error before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (--host, --port)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def served_names(args, config) -> list[str]:
+    """The names requests may give the base model as: the first is the served one, the rest aliases."""
     from motet.engine.model_store import DEFAULT_MODEL_ALIASES
 
-    if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
-        config.num_threads = max(1, (os.cpu_count() or 2) - 1)
-    config.grammar_limits = grammar_limits(args)
     names = list(args.served_model_name or []) + [config.model]
     if config.model in DEFAULT_MODEL_ALIASES:
         names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
     elif Path(config.model).exists():
         names.append(Path(config.model).name)
+    return names
+
+
+def build_state(args, config, model_dir: Path | None = None, max_model_len: int | None = None):
+    """The server's state; `model_dir` and `max_model_len` as check_model found them (found here if not
+    given)."""
+    from motet.actors.system import ServingSystem
+    from motet.api.adapter_store import AdapterStore
+    from motet.api.batch_runner import BatchRunner, LowPriority
+    from motet.api.batch_store import BatchStore
+    from motet.api.file_store import FileStore
+    from motet.api.metrics import Metrics
+    from motet.api.response_store import ResponseStore
+    from motet.api.state import ServerState
+    from motet.api.vllm_flags import authenticator
+    from motet.engine.llm_engine import LLMEngine
+    from motet.lora.registry import check_load_dirs
+
+    if model_dir is None or max_model_len is None:
+        model_dir, max_model_len = check_model(config)
+    if config.num_threads is None:  # leave a core to the event loop (tokenizing, HTTP, detokenizing)
+        config.num_threads = max(1, (os.cpu_count() or 2) - 1)
+    config.grammar_limits = grammar_limits(args)
+    if args.tenant_weights:
+        from motet.engine.fairness import load_tenant_weights
+
+        config.tenant_weights = load_tenant_weights(args.tenant_weights)
+    names = served_names(args, config)
     loras = shared_loras(args.lora, names)
+    data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
+    # before anything starts: no load dir may overlap a place tenants' own adapters are kept
+    private = {"--data-dir": data_dir, **cluster_cli.adapter_dirs(args)}
+    load_dirs = check_load_dirs(args.lora_load_dir or (), private)
     if cluster_cli.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
         system = cluster_cli.cluster_system(args, config, loras)
     else:
         system = ServingSystem(
-            lambda: LLMEngine(config),
+            lambda: LLMEngine(config, model_dir),
             max_queue_len=args.max_queue_len,
             max_waiting=args.max_waiting,
             loras=loras,
         )
-    data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
     adapters = AdapterStore(
         system,
         data_dir,
         shared=loras,
         reserved=tuple(names),
         max_bytes=args.max_adapter_bytes,
-        load_dirs=tuple(Path(d) for d in args.lora_load_dir or ()),
+        load_dirs=load_dirs,
     )
     responses = ResponseStore(
         data_dir,
@@ -97,22 +148,29 @@ def build_state(args, config):
         max_per_tenant=args.responses_max_per_tenant,
         max_bytes_per_tenant=args.responses_max_bytes_per_tenant,
     )
+    files = FileStore(data_dir, args.files_max_bytes, args.files_max_bytes_per_tenant)
+    batches = BatchRunner(BatchStore(data_dir), files, LowPriority(args.batch_max_in_flight))
     state = ServerState(
         system=system,
         model_names=names,
-        auth=Authenticator.from_file(args.api_keys),
+        auth=authenticator(args),
         max_body_bytes=args.max_body_bytes,
         adapters=adapters,
         responses=responses,
+        files=files,
+        batches=batches,
         reasoning=args.reasoning_parser == "think",
+        metrics=Metrics(names[0], max_model_len),
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
         state.metrics.registry.register(system.replica_metrics())
     return state
 
 
-def http_server(args, state):
-    """The app on uvicorn, draining on SIGTERM, with the slow-client limits (motet/api/slow_clients.py)."""
+def http_server(args, state, on_tick=None):
+    """The app on uvicorn, draining on SIGTERM, with the slow-client limits (motet/api/slow_clients.py);
+    `on_tick` runs on the server's ticks (the status log)."""
     import uvicorn
 
     from motet.api.app import create_app
@@ -125,44 +183,39 @@ def http_server(args, state):
         app,
         host=args.host,
         port=args.port,
+        log_config=None,  # uvicorn logs through the root handler, in motet's format
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         access_log=args.access_log,
         http=header_timeout_protocol(args.request_header_timeout),
     )
-    return DrainingServer(config, state, args.drain_timeout)
+    return DrainingServer(config, state, args.drain_timeout, on_tick=on_tick)
 
 
 def serve(args, config) -> int:
     """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
+    from motet.api.status_log import StatusLog
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    state = build_state(args, config)
-    server = http_server(args, state)
-    log.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
-    server.run()
+    model_dir, max_model_len = check_model(config)  # a wrong --model ends here, before anything starts
+    sock = listen(args.host, args.port)
+    state = build_state(args, config, model_dir, max_model_len)
+    url = f"http://{args.host}:{args.port}"
+    # uvicorn's start-up chatter ("Application startup complete.") would read as ready while the model loads
+    if args.log_level != "debug":
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    status = StatusLog(state, url, args.log_stats_interval, stats=not args.disable_log_stats)
+    server = http_server(args, state, on_tick=status.tick)
+    log.info("loading %s on %s (GET /health answers 503 until it has loaded)", state.model_name, url)
+    server.run(sockets=[sock])
+    log.info("stopped")
     return 1 if state.fatal is not None else 0
 
 
-def positive_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0."""
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
-    return value
-
-
-def positive_rate(text: str) -> float:
-    """An argparse type: a finite number of bytes per second > 0."""
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of bytes per second > 0, got {text}")
-    return value
-
-
 def add_serve_args(p) -> None:
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -170,12 +223,13 @@ def add_serve_args(p) -> None:
         metavar="NAME",
         help="the model's name in the API (the first; the others are aliases); default: --model",
     )
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=integer(0, 65535), default=8000, help="the port to listen on")
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
     p.add_argument(
         "--data-dir",
         default=None,
-        help=f"where tenants' uploaded adapters and stored responses live (default: $MOTET_DATA_DIR or "
+        help=f"where tenants' uploaded adapters, stored responses, files and batches live (default: "
+        f"$MOTET_DATA_DIR or "
         f"{DEFAULT_DATA_DIR})",
     )
     from motet.api.response_store import (
@@ -186,23 +240,48 @@ def add_serve_args(p) -> None:
 
     p.add_argument(
         "--responses-max-age-days",
-        type=float,
+        type=number(0, MAX_DAYS, above=True),
         default=DEFAULT_MAX_AGE_DAYS,
         help=f"stored Responses API responses are kept this long (default: {DEFAULT_MAX_AGE_DAYS:g})",
     )
     p.add_argument(
         "--responses-max-per-tenant",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_PER_TENANT,
         help=f"stored responses per tenant; a response past it is refused with 400 (store: false still "
         f"works), never made room for by evicting older ones (default: {DEFAULT_MAX_PER_TENANT})",
     )
     p.add_argument(
         "--responses-max-bytes-per-tenant",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_BYTES_PER_TENANT,
         help="bytes of stored responses per tenant (their JSON, as the model sees the conversation); a response "
         f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
+    )
+    from motet.api.batch_runner import DEFAULT_MAX_IN_FLIGHT
+    from motet.api.file_store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_PER_TENANT
+    from motet.api.file_store import DEFAULT_MAX_FILE_BYTES
+
+    p.add_argument(
+        "--files-max-bytes",
+        type=integer(1),
+        default=DEFAULT_MAX_FILE_BYTES,
+        help=f"largest file POST /v1/files takes (a batch's input); larger uploads get 413 "
+        f"(default: {DEFAULT_MAX_FILE_BYTES})",
+    )
+    p.add_argument(
+        "--files-max-bytes-per-tenant",
+        type=integer(1),
+        default=FILES_PER_TENANT,
+        help="bytes of files per tenant (uploads and batch results); an upload past it gets 400 "
+        f"(default: {FILES_PER_TENANT})",
+    )
+    p.add_argument(
+        "--batch-max-in-flight",
+        type=integer(1),
+        default=DEFAULT_MAX_IN_FLIGHT,
+        help="batch (/v1/batches) requests running at once, all batches together; they are sent only while no "
+        f"live request waits (default: {DEFAULT_MAX_IN_FLIGHT})",
     )
     p.add_argument(
         "--lora",
@@ -217,36 +296,48 @@ def add_serve_args(p) -> None:
         help="a server directory POST /v1/load_lora_adapter may read adapters from (repeatable; default: none, "
         "loading from server paths is off)",
     )
-    p.add_argument("--max-adapter-bytes", type=int, default=512 << 20, help="larger adapter uploads get 413")
     p.add_argument(
-        "--max-queue-len", type=int, default=256, help="requests waiting per adapter queue (then 429)"
+        "--max-adapter-bytes", type=integer(1), default=512 << 20, help="larger adapter uploads get 413"
     )
     p.add_argument(
-        "--max-waiting", type=int, default=16, help="requests admitted to the engine but not running"
+        "--max-queue-len", type=integer(1), default=256, help="requests waiting per adapter queue (then 429)"
     )
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+        "--max-waiting",
+        type=integer(1),
+        default=16,
+        help="requests admitted to the engine but not running (and as many more, each tenant's first)",
+    )
+    p.add_argument(
+        "--tenant-weights",
+        default=None,
+        metavar="FILE",
+        help='JSON file {"tenant": weight}: each tenant\'s share of a busy server follows its weight (positive '
+        "numbers; tenants not named weigh 1; default: all equal)",
+    )
+    p.add_argument("--max-body-bytes", type=integer(1), default=4 << 20, help="larger request bodies get 413")
+    p.add_argument(
+        "--drain-timeout", type=seconds(0), default=30.0, help="seconds in-flight requests get on SIGTERM"
     )
     from motet.api.slow_clients import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
     p.add_argument(
         "--request-header-timeout",
-        type=positive_seconds,
+        type=seconds(0, above=True),
         default=DEFAULT_HEADER_TIMEOUT_S,
         help="a request's headers must be complete this many seconds after its connection opens or its first "
         f"byte arrives, else 408 and the connection is closed (default: {DEFAULT_HEADER_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--request-body-timeout",
-        type=positive_seconds,
+        type=seconds(0, above=True),
         default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds the server waits for a request's body, plus 1 s per --request-body-min-rate bytes "
         f"received; then 408 and the connection is closed (default: {DEFAULT_BODY_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--request-body-min-rate",
-        type=positive_rate,
+        type=number(0, above=True),
         default=DEFAULT_BODY_MIN_RATE,
         help=f"bytes/s a slow request body must average beyond --request-body-timeout (default: "
         f"{DEFAULT_BODY_MIN_RATE})",
@@ -265,10 +356,38 @@ def add_serve_args(p) -> None:
         p.add_argument(
             flag,
             dest=f"grammar_{field}",
-            type=int,
+            type=integer(1),
             default=default,
             help=f"structured output over this gets 400 before compiling: {what} (default: {default})",
         )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--access-log", action="store_true")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the server's log level",
+    )
+    p.add_argument(
+        "--disable-access-log",
+        "--disable-uvicorn-access-log",  # vLLM's name
+        dest="access_log",
+        action="store_false",
+        help="do not log each HTTP request (method, path, status) at info",
+    )
+    p.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="do not log the periodic throughput / load line (vLLM's flag)",
+    )
+    from motet.api.status_log import DEFAULT_INTERVAL_S
+
+    p.add_argument(
+        "--log-stats-interval",
+        type=seconds(0, above=True),
+        default=DEFAULT_INTERVAL_S,
+        metavar="SECONDS",
+        help="how often the throughput / load line is logged (at info while requests run, at debug when idle)",
+    )
     cluster_cli.add_args(p)
+    from motet.api.vllm_flags import add_vllm_serve_args
+
+    add_vllm_serve_args(p)  # vLLM's names for what motet serve does

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from motet.actors.system import ServingSystem
 from motet.api.adapter_store import AdapterStore
 from motet.api.auth import Authenticator
+from motet.api.batch_runner import BatchRunner
 from motet.api.errors import APIError
+from motet.api.file_store import FileStore
 from motet.api.metrics import Metrics
 from motet.api.response_store import ResponseStore
 from motet.lora.manager import AdapterRef
@@ -25,11 +27,14 @@ class ServerState:
     max_body_bytes: int = 4 << 20
     adapters: AdapterStore | None = None  # None: no adapter uploads (in-process tests)
     responses: ResponseStore | None = None  # stored Responses API responses; None: none are stored
+    files: FileStore | None = None  # /v1/files; None: no files API
+    batches: BatchRunner | None = None  # /v1/batches (with its store); None: no batch API
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
     inflight: int = 0
     fatal: BaseException | None = None  # start-up failed (e.g. the model could not be loaded)
     reasoning: bool = False  # --reasoning-parser think: <think>...</think> becomes reasoning_content
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may bring its own
 
     def __post_init__(self):
         self.metrics.model_name = self.model_name

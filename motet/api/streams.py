@@ -21,7 +21,7 @@ from motet.actors.reply import Delta, ReplyStream, merge_streams
 from motet.api import protocol as P
 from motet.api.errors import APIError, from_serving_error
 from motet.api.state import ServerState
-from motet.engine.sequence import TokenLogprob
+from motet.engine.sequence import RequestTimings, TokenLogprob
 
 log = logging.getLogger("motet.api")
 
@@ -53,6 +53,9 @@ class Choice:
         default_factory=list
     )  # after the first delta: (s/token, tokens)
     error: ServingError | None = None
+    timings: RequestTimings | None = None  # the engine's, with the final delta
+    prompt_index: int = 0  # which prompt of the request it answers (completions take several)
+    observed: bool = False  # counted in the metrics
 
     def add(self, d: Delta) -> None:
         if d.token_ids:
@@ -71,9 +74,12 @@ class Choice:
             self.finish_reason = d.finish_reason
         self.num_cached_tokens = d.num_cached_tokens
         self.error = self.error or d.error
+        self.timings = d.timings or self.timings
 
 
-def observe(state: ServerState, c: Choice) -> None:
+def observe(state: ServerState, c: Choice, choices: list[Choice] | None = None) -> None:
+    """A finished choice in the metrics; `choices`: the request's (the most tokens one choice of a prompt
+    generated is counted once all of that prompt's choices are)."""
     if c.error is not None or c.first_token is None:
         return
     m, end = state.metrics, time.perf_counter()
@@ -82,7 +88,19 @@ def observe(state: ServerState, c: Choice) -> None:
     if len(c.token_ids) > 1:
         m.tpot.observe((end - c.first_token) / (len(c.token_ids) - 1))
     m.generation_tokens.inc(len(c.token_ids))
-    m.observe_request(c.first_token - c.arrival, end - c.arrival, c.token_gaps)
+    m.observe_request(
+        c.first_token - c.arrival,
+        end - c.arrival,
+        c.token_gaps,
+        prompt_tokens=len(c.prompt_ids),
+        generation_tokens=len(c.token_ids),
+        finish_reason=c.finish_reason,
+        timings=c.timings,
+    )
+    c.observed = True
+    group = [x for x in choices or [c] if x.prompt_index == c.prompt_index]
+    if all(x.observed for x in group):
+        m.observe_group(max(len(x.token_ids) for x in group))
 
 
 async def collect(request: Request, state: ServerState, choices: list[Choice], streams: list[ReplyStream]):
@@ -109,7 +127,7 @@ async def collect(request: Request, state: ServerState, choices: list[Choice], s
     for c in choices:
         if c.error is not None:
             raise from_serving_error(c.error)
-        observe(state, c)
+        observe(state, c, choices)
 
 
 def usage(prompts: list[list[int]], choices: list[Choice], drop_output: bool) -> P.Usage:

@@ -10,27 +10,41 @@ import os
 from pathlib import Path
 
 from motet.cluster.launch import ROUTERS, ClusterSettings
+from motet.flag_types import integer, number
 
 
 def add_args(p) -> None:
     g = p.add_argument_group("scale-out on Ray Serve (the `cluster` extra)")
     g.add_argument(
-        "--replicas", type=int, default=None, help="engine replicas behind this server (Ray Serve)"
+        "--replicas",
+        type=integer(1),
+        default=None,
+        help="engine replicas behind this server (Ray Serve; default: none, the engine runs in this process)",
     )
     g.add_argument(
-        "--ray-address", default=None, help="join this Ray cluster instead of starting a local one"
+        "--ray-address", default=None, help="join this Ray cluster (default: none, a local Ray starts)"
     )
-    g.add_argument("--min-replicas", type=int, default=None, help="autoscale: at least this many replicas")
-    g.add_argument("--max-replicas", type=int, default=None, help="autoscale: at most this many replicas")
+    g.add_argument(
+        "--min-replicas",
+        type=integer(0),
+        default=None,
+        help="autoscale: at least this many replicas (default: none, no autoscaling)",
+    )
+    g.add_argument(
+        "--max-replicas",
+        type=integer(1),
+        default=None,
+        help="autoscale: at most this many replicas (default: none, no autoscaling)",
+    )
     g.add_argument(
         "--target-ongoing-requests",
-        type=float,
+        type=number(0, above=True),
         default=ClusterSettings.target_ongoing_requests,
         help="autoscale: requests per replica (queued at it or running) to aim for",
     )
     g.add_argument(
         "--max-ongoing-requests",
-        type=int,
+        type=integer(1),
         default=None,
         help="requests one replica takes at once; more wait at the ingress "
         "(default: --max-num-seqs + --max-waiting)",
@@ -52,6 +66,23 @@ def add_args(p) -> None:
 
 def wants_cluster(args) -> bool:
     return bool(args.replicas or args.ray_address or args.max_replicas)
+
+
+def adapter_dirs(args) -> dict[str, Path]:
+    """The local directories where a cluster keeps copies of tenants' adapters, besides --data-dir (flag or
+    role -> directory): no --lora-load-dir may overlap them."""
+    if not wants_cluster(args) or not args.adapter_store:
+        return {}
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    from motet.cluster.adapter_store import SharedAdapterStore
+
+    dirs = {"the replicas' adapter cache": SharedAdapterStore().cache_dir}
+    fs, root = fsspec.core.url_to_fs(args.adapter_store)
+    if isinstance(fs, LocalFileSystem):  # a store on this machine: file:///..., or a plain path
+        dirs["--adapter-store"] = Path(root)
+    return dirs
 
 
 def cluster_system(args, config, loras: dict[str, Path]):

@@ -3,8 +3,9 @@
 adapter's uid and salted by tenant and cache_salt), so the router asks about exactly the blocks a replica would
 find in its prefix cache, and a prefix cached for one tenant draws no other tenant's request to its replica.
 
-Routing only: a prompt this cannot render gets no blocks (the replica answers its error), and a very long
-one is hashed from its first ROUTING_MAX_CHARS characters.
+Routing only: a prompt this cannot render gets no blocks (the replica answers its error), nor does one cut to
+its last tokens (truncate_prompt_tokens: its leading blocks are known only once all of it is tokenized), and
+a very long one is hashed from its first ROUTING_MAX_CHARS characters.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ ROUTING_MAX_CHARS = 65536  # enough for every block a cache is likely to hold; b
 def prompt_token_ids(tokenizer: Tokenizer, spec) -> list[int]:
     """The token ids a replica will compute for a GenerateSpec's prompt (text prompts possibly cut short)."""
     if spec.messages is not None:
-        text = tokenizer.render_chat(spec.messages, **spec.chat_template_kwargs)
-        return _encode(tokenizer, text, add_special_tokens=False)
+        text = tokenizer.render_chat(spec.messages, max_chars=ROUTING_MAX_CHARS, **spec.chat_template_kwargs)
+        return _encode(tokenizer, text, add_special_tokens=spec.special_tokens)
     if isinstance(spec.prompt, str):
-        return _encode(tokenizer, spec.prompt, add_special_tokens=True)
+        return _encode(tokenizer, spec.prompt, add_special_tokens=spec.special_tokens)
     return list(spec.prompt or [])
 
 
@@ -43,6 +44,8 @@ def route_hashes(tokenizer: Tokenizer, spec, block_size: int, shared_prefix_cach
     """`shared_prefix_cache`: the engines' setting (EngineConfig), on which the salt depends."""
     adapter_uid = spec.adapter.uid if spec.adapter is not None else 0
     salt = prefix_salt(spec.tenant, spec.params[0].cache_salt, shared_prefix_cache)
+    if spec.truncate_prompt_tokens is not None:
+        return ()
     try:
         ids = prompt_token_ids(tokenizer, spec)
     except ValueError:  # the replica will say what is wrong with the prompt

@@ -8,11 +8,18 @@ from pathlib import Path
 
 import torch
 
+from motet.engine.fairness import check_tenant_weights
 from motet.grammar.limits import GrammarLimits
 from motet.grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 from motet.grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The default step budgets (EngineConfig.max_num_batched_tokens). On the 2-core CPU machine a prompt token costs
+# no more in a 256-token step than in a 2048-token one (6.3 against 7.4 ms, one thread), so the smaller step
+# loses no throughput, and it bounds how long a request arriving meanwhile waits for the step in flight
+# (benchmarks/tenant_fairness.py: another tenant's TTFT under a burst).
+CPU_STEP_TOKENS = 256
+CUDA_STEP_TOKENS = 2048
 SPECULATIVE_MODES = ("auto", "off", "ngram")
 
 
@@ -129,10 +136,16 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "auto"  # "auto": cuda when available, else cpu
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
+    num_kv_blocks: int | None = None  # None: derived from gpu_memory_utilization or kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
+    # vLLM's share of the device's memory for weights, activations and KV cache (motet/engine/memory.py);
+    # None: the KV cache takes kv_cache_memory_gb.
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # Tokens one step computes (decode rows, prompt chunks, drafts). None: CPU_STEP_TOKENS on a CPU, whose
+    # step time grows with them (a 2048-token step takes seconds on 2 cores, and every request arriving
+    # meanwhile waits for it: no latency target holds), CUDA_STEP_TOKENS on a GPU.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # Prefix-cache blocks are shared only within a tenant by default (a hit is observable, so a shared block
@@ -163,15 +176,19 @@ class EngineConfig:
     speculative: str = "auto"
     num_speculative_tokens: int = 8
     speculative_overhead_tokens: float = 10.0
+    # Each tenant's share of a busy engine: {"tenant": weight}, positive finite numbers; tenants not named
+    # weigh 1 (motet/engine/fairness.py; `motet serve --tenant-weights FILE`).
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     seed: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         for name in (
             "block_size",
             "max_num_seqs",
-            "max_num_batched_tokens",
             "max_loras",
             "max_cpu_loras",
             "max_lora_rank",
@@ -196,12 +213,22 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        self.tenant_weights = check_tenant_weights(self.tenant_weights)
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @property
     def speculative_mode(self) -> str:
         if self.speculative == "auto":
             return "ngram" if self.torch_device.type == "cpu" else "off"
         return self.speculative
+
+    @property
+    def step_tokens(self) -> int:
+        """The step's token budget: `max_num_batched_tokens`, or the device's default."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return CPU_STEP_TOKENS if self.torch_device.type == "cpu" else CUDA_STEP_TOKENS
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -13,24 +13,28 @@ that fails inside a step fails alone: `execute` bisects the batch until the fail
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 from motet.engine.block_manager import BlockManager, prefix_salt
 from motet.engine.checkpoint import load_model_config
 from motet.engine.config import EngineConfig
 from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
+from motet.engine.fairness import TenantState, VirtualTokenCounter
 from motet.engine.guided import GuidedDecoding
 from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
 from motet.engine.model_store import resolve_model
 from motet.engine.request_checks import RequestLimits
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.scheduler import ScheduledBatch, Scheduler
-from motet.engine.sequence import Sequence, TokenLogprob
+from motet.engine.sequence import RequestTimings, Sequence, TokenLogprob
 from motet.engine.speculative.history import DraftScope
 from motet.engine.speculative.proposer import SpeculativeConfig, SpeculativeStats, Speculator
+from motet.engine.token_masks import bad_words_token_ids
 from motet.engine.tokenizer import load_tokenizer
 from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
 from motet.grammar.cache import GrammarCache
@@ -57,6 +61,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # the request failed (finish_reason "abort"); the others in its step did not
+    timings: RequestTimings | None = None  # set on the output that finishes it
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,11 @@ class EngineStats:
     waiting_adapters: tuple[str, ...]  # of waiting requests, not also running
     grammar: GrammarStats
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)  # zeros when speculation is off
+    # Tokens processed so far, as vLLM counts them: a request's whole prompt (cached or not) once, when its
+    # first token comes; every output token as it is committed.
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    tenants: tuple[TenantState, ...] = ()  # tenants with requests here, in the order they are served next
 
 
 class LLMEngine:
@@ -93,9 +103,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
-            config.max_num_batched_tokens,
+            config.step_tokens,
             max_loras=config.max_loras,
             lora_time_slice=config.lora_time_slice,
+            fairness=VirtualTokenCounter(config.tenant_weights),
         )
         self.adapters = AdapterManager(
             self.model_config,
@@ -121,6 +132,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.grammar_cache = GrammarCache()
         self.num_steps = 0
+        self.num_prompt_tokens = 0  # EngineStats.prompt_tokens
+        self.num_generation_tokens = 0
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -172,14 +185,18 @@ class LLMEngine:
         adapter: AdapterRef | str | None = None,
         grammar: CompiledGrammar | None = None,
         tenant: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
         for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
-        `tenant`: whose request it is; it shares prefix-cache blocks only with the same tenant's requests
-        (unless the config shares the cache across tenants) of the same `params.cache_salt`, and speculation
-        drafts only from the outputs of the same tenant, cache_salt and adapter under the same kind of
-        grammar (a JSON schema, tool calls, none, ...)."""
-        params = params or SamplingParams()
+        `tenant`: whose request it is: tenants share the engine by weight (motet/engine/fairness.py); it
+        shares prefix-cache blocks only with the same tenant's requests (unless the config shares the cache
+        across tenants) of the same `params.cache_salt`, and speculation drafts only from the outputs of the
+        same tenant, cache_salt and adapter under the same kind of grammar (a JSON schema, tool calls, none,
+        ...). `arrival_time`: when it entered the serving system (time.monotonic(); default: now), where its
+        queue time starts. `priority`: vLLM's (lower: sooner), ordering the tenant's own requests only."""
+        params = self.resolve_bad_words(params or SamplingParams())
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
         self.limits.check_params(params)
@@ -198,7 +215,10 @@ class LLMEngine:
             prefix_salt=salt,
             request_id=request_id,
             arrival=next(self._arrivals),
+            tenant=tenant,
+            priority=priority,
         )
+        seq.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         kind = params.grammar.kind if params.grammar is not None else None
         seq.draft_scope = DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning)
         if grammar is not None:
@@ -218,6 +238,14 @@ class LLMEngine:
             return GuidedDecoding(grammar.matcher())
         started = prompt_opens_reasoning(self.tokenizer.hf.decode(prompt[-16:]))  # the template's last words
         return GuidedDecoding(grammar.matcher(), self.reasoning_opening, reasoning_started=started)
+
+    def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad_words as token sequences (motet/engine/token_masks.py); the serving layer
+        calls it in a worker thread, so the engine's thread finds them resolved."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        encode = functools.partial(self.tokenizer.hf.encode, add_special_tokens=False)
+        return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, encode))
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
@@ -251,6 +279,9 @@ class LLMEngine:
             speculative=SpeculativeStats(**vars(self.speculator.stats))
             if self.speculator
             else SpeculativeStats(),
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+            tenants=sched.tenant_states(),
         )
 
     # -- the step -------------------------------------------------------------------------------------
@@ -263,7 +294,12 @@ class LLMEngine:
     def schedule(self) -> ScheduledBatch:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
-        return self.scheduler.schedule()
+        batch = self.scheduler.schedule()
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.scheduled_time is None:  # its queue time ends here (a preempted one keeps its first)
+                seq.scheduled_time = now
+        return batch
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run the batch; where it raises, bisect it so that only the failing rows carry the error."""
@@ -295,7 +331,9 @@ class LLMEngine:
                 if tokens is None:  # a prompt chunk short of the prompt's end
                     continue
                 drafted = len(seq.draft_token_ids)
-                outputs.append(self._advance(seq, tokens, result.logprobs[i]))
+                out = self._advance(seq, tokens, result.logprobs[i])
+                self._count(seq, out)
+                outputs.append(out)
                 if drafted:
                     self.speculator.observe(seq, drafted, len(tokens) - 1)
                     if not seq.is_finished:
@@ -314,6 +352,17 @@ class LLMEngine:
                     )
                 )
         return outputs
+
+    def _count(self, seq: Sequence, out: RequestOutput) -> None:
+        """The token counters and the request's timestamps, for EngineStats and RequestTimings."""
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.num_prompt_tokens += seq.num_prompt_tokens
+        seq.last_token_time = now
+        self.num_generation_tokens += out.num_new_tokens
+        if out.finished:
+            out.timings = seq.timings()
 
     def _advance(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
         """Append the step's tokens one by one (with speculation, several) until one ends the request, then
@@ -335,7 +384,8 @@ class LLMEngine:
                 break
         if g is not None and finish is None:
             forced = []
-            if self.config.jump_forward and seq.params.logprobs is None:
+            # forced tokens are appended unsampled: never where logprobs or the token masks must see each one
+            if self.config.jump_forward and seq.params.logprobs is None and not seq.params.masks_tokens:
                 forced = g.jump_forward(lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False))
             self.runner.grammar_stats.jump_forward_tokens += len(forced)
             for t in forced:
@@ -354,6 +404,7 @@ class LLMEngine:
             reason = stop_reason = None
         num_new = seq.num_tokens - seq.num_emitted
         seq.num_emitted = seq.num_tokens
+        self.scheduler.fairness.charge(seq.tenant, output_tokens=num_new)
         seq.text += delta
         return RequestOutput(
             request_id=seq.request_id,

@@ -18,6 +18,7 @@ from motet.engine.config import EngineConfig, ModelConfig, context_length
 from motet.engine.cpu_forward import CpuForward
 from motet.engine.cpu_forward import supported as cpu_forward_supported
 from motet.engine.cuda_graphs import DecodeGraphs
+from motet.engine.memory import kv_cache_bytes, memory_budget, weights_bytes
 from motet.engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_available
 from motet.engine.sampler import Sampler, compute_prompt_logprobs
 from motet.engine.scheduler import ScheduledBatch
@@ -101,6 +102,9 @@ class ModelRunner:
 
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)  # from the thread that runs the forward passes
+        budget = None  # --gpu-memory-utilization: read before the weights take their part
+        if config.num_kv_blocks is None and config.gpu_memory_utilization is not None:
+            budget = memory_budget(config.gpu_memory_utilization, self.device)
         torch.manual_seed(config.seed)
         with torch.device("meta"):
             model = LlamaForCausalLM(model_config, max_positions=self.max_model_len)
@@ -114,10 +118,12 @@ class ModelRunner:
                 module.to(self.dtype)
         self.model = model.eval().requires_grad_(False)
 
+        kv_bytes = int(config.kv_cache_memory_gb * 2**30)
+        if budget is not None:
+            used = weights_bytes(self.model, self.device)
+            kv_bytes = kv_cache_bytes(budget, used, config, model_config, self.dtype)
         self.num_blocks = config.num_kv_blocks or max(
-            1,
-            int(config.kv_cache_memory_gb * 2**30)
-            // kv_block_bytes(model_config, self.block_size, self.dtype),
+            1, kv_bytes // kv_block_bytes(model_config, self.block_size, self.dtype)
         )
         shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [
@@ -262,12 +268,14 @@ class ModelRunner:
         for i, seq in enumerate(batch.seqs):
             k = seq.params.prompt_logprobs
             start = seq.num_computed_tokens
-            end = min(start + batch.num_new_tokens[i], seq.num_prompt_tokens)
-            if k is None or start >= seq.num_prompt_tokens - 1:
+            # Row p predicts prompt token p+1; the last prompt row predicts the first output instead. A
+            # recompute after preemption skips the positions it has reported already.
+            first = max(start, len(seq.prompt_logprobs))
+            last = min(start + batch.num_new_tokens[i], seq.num_prompt_tokens - 1)
+            if k is None or first >= last:
                 continue
-            # Row p predicts prompt token p+1; the last prompt row predicts the first output instead.
-            rows = range(qsl[i], qsl[i] + min(end, seq.num_prompt_tokens - 1) - start)
-            targets = seq.token_ids[start + 1 : start + 1 + len(rows)]
+            rows = range(qsl[i] + first - start, qsl[i] + last - start)
+            targets = seq.token_ids[first + 1 : last + 1]
             chunk_logits = self.compute_logits(hidden[list(rows)])
             result.prompt_logprobs[i] = compute_prompt_logprobs(chunk_logits, torch.tensor(targets), k)
         return result

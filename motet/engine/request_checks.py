@@ -24,6 +24,10 @@ class RequestError(ValueError):
 # A token is rarely more than a few characters: text beyond this many per token of context cannot fit,
 # and is refused before the tokenizer spends time on it.
 MAX_CHARS_PER_TOKEN = 32
+# The longest prompt text the tokenizer is ever given: one to be cut to its last tokens
+# (truncate_prompt_tokens) may be longer than the context (a body is at most --max-body-bytes, but a
+# template may expand it).
+MAX_PROMPT_CHARS = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -32,16 +36,39 @@ class RequestLimits:
     max_model_len: int
     max_kv_tokens: int  # the KV pool's capacity: a prompt (and one new token) must fit in it
 
-    def check_text(self, text: str, param: str = "prompt") -> None:
+    def max_text_chars(self, truncating: bool = False) -> int:
+        """The longest prompt text the tokenizer is given (`truncating`: one cut to its last tokens after)."""
+        return MAX_PROMPT_CHARS if truncating else self.max_model_len * MAX_CHARS_PER_TOKEN
+
+    def check_text(self, text: str, param: str = "prompt", truncating: bool = False) -> None:
         """Bounds the tokenizer's work: text that could not fit the context window is refused unread."""
-        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        limit = self.max_text_chars(truncating)
         if len(text) > limit:
+            fits = (
+                "be truncated" if truncating else f"fit this model's context of {self.max_model_len} tokens"
+            )
             raise RequestError(
-                f"the {param} is {len(text)} characters long, more than can fit this model's context of "
-                f"{self.max_model_len} tokens (at most {limit} characters are read)",
+                f"the {param} is {len(text)} characters long, more than can {fits} "
+                f"(at most {limit} characters are read)",
                 param,
                 "context_length_exceeded",
             )
+
+    def tokens_to_keep(self, truncate_prompt_tokens: int | None, max_tokens: int | None) -> int | None:
+        """vLLM's truncate_prompt_tokens: how many of a prompt's last tokens are kept (None: all of them).
+        -1 keeps as many as fit beside the completion (`max_tokens`, at least one token)."""
+        if truncate_prompt_tokens is None:
+            return None
+        if truncate_prompt_tokens == -1:
+            return max(1, min(self.max_model_len - (max_tokens or 1), self.max_kv_tokens - 1))
+        room = self.max_model_len - (max_tokens or 0)
+        if truncate_prompt_tokens > room:
+            raise RequestError(
+                f"truncate_prompt_tokens ({truncate_prompt_tokens}) is more than this model's context of "
+                f"{self.max_model_len} tokens leaves for the prompt ({room}, beside max_tokens {max_tokens or 0})",
+                "truncate_prompt_tokens",
+            )
+        return truncate_prompt_tokens
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         if not token_ids:
@@ -85,4 +112,15 @@ class RequestLimits:
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise RequestError(
                 f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids"
+            )
+        if params.allowed_token_ids is not None and any(
+            t >= self.vocab_size for t in params.allowed_token_ids
+        ):
+            raise RequestError(
+                f"allowed_token_ids must be token ids in [0, {self.vocab_size})", "allowed_token_ids"
+            )
+        if any(t >= self.vocab_size for seq in params.bad_words_token_ids or () for t in seq):
+            raise RequestError(
+                f"bad_words: a word's tokens are outside this model's vocabulary of {self.vocab_size}",
+                "bad_words",
             )

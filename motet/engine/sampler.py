@@ -1,7 +1,8 @@
 """Logits -> next tokens, with vLLM's semantics.
 
-Order per row: logprobs of the raw distribution; repetition, frequency and presence penalties;
-min_tokens masking of EOS and stop token ids; then greedy argmax (temperature 0) or temperature,
+Order per row: logprobs of the raw distribution; allowed_token_ids and bad_words masking
+(motet/engine/token_masks.py); repetition, frequency and presence penalties; min_tokens masking of EOS
+and stop token ids; then greedy argmax (temperature 0) or temperature,
 top-k, top-p, min-p and a draw. A draw is inverse-CDF sampling with one uniform per row; a seeded row
 takes its uniform from (seed, output position) alone, so it reproduces whatever its neighbours, its
 batch position, its device, or a preemption and recompute.
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from motet.engine.sequence import Sequence, TokenLogprob
+from motet.engine.token_masks import apply_token_masks
 
 _NEG_INF = float("-inf")
 _CANDIDATES = 256  # top-p first looks for the nucleus among this many best tokens (a full sort is slow)
@@ -77,10 +79,11 @@ class Sampler:
 def apply_processing(logits: Tensor, seqs: list[Sequence], eos_token_ids: Seq[int] = ()) -> Tensor:
     """The distribution a row is sampled from, as fp32 logits with -inf for removed tokens.
 
-    Greedy rows get penalties and min_tokens only (their argmax is the token). The input is not modified;
+    Greedy rows get the token masks, penalties and min_tokens only (their argmax is the token). The input is not modified;
     when there is nothing to do the result may be the input itself.
     """
     ps = [s.params for s in seqs]
+    masks = [i for i, p in enumerate(ps) if p.allowed_token_ids is not None or p.bad_words_token_ids]
     pen = [
         i for i, p in enumerate(ps) if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
     ]
@@ -88,11 +91,13 @@ def apply_processing(logits: Tensor, seqs: list[Sequence], eos_token_ids: Seq[in
     temp = [i for i, p in enumerate(ps) if not p.greedy and p.temperature != 1]
     topkp = [i for i, p in enumerate(ps) if not p.greedy and (p.top_k or p.top_p < 1)]
     minp = [i for i, p in enumerate(ps) if not p.greedy and p.min_p > 0]
-    if not (pen or min_tok or temp or topkp or minp):
+    if not (masks or pen or min_tok or temp or topkp or minp):
         return logits.float()
 
     x, dev = logits.to(torch.float32, copy=True), logits.device
     vec = lambda rows, attr: torch.tensor([getattr(ps[i], attr) for i in rows], device=dev)[:, None]
+    if masks:
+        apply_token_masks(x, [seqs[i] for i in masks], masks)
     if pen:
         x = _on_rows(x, pen, lambda sub: _apply_penalties(sub, [seqs[i] for i in pen]))
     if min_tok:
@@ -158,9 +163,15 @@ def apply_min_p(x: Tensor, min_p: Tensor) -> Tensor:
 
 
 def compute_prompt_logprobs(logits: Tensor, target_ids: Tensor | list[int], k: int) -> list[TokenLogprob]:
-    """Row t of logits predicts target_ids[t]: its logprob under the model, plus the top k."""
+    """Row t of logits predicts target_ids[t]: its logprob under the model and its rank (1: the likeliest),
+    plus the top k."""
     target = torch.as_tensor(target_ids, device=logits.device)
-    return _token_logprobs(torch.log_softmax(logits.float(), dim=-1), target, [k] * len(target))
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    out = _token_logprobs(logprobs, target, [k] * len(target))
+    chosen = logprobs.gather(1, target[:, None].long())
+    for lp, rank in zip(out, ((logprobs > chosen).sum(dim=-1) + 1).tolist(), strict=True):
+        lp.rank = rank
+    return out
 
 
 def _apply_penalties(x: Tensor, seqs: list[Sequence]) -> Tensor:

@@ -12,6 +12,8 @@ MAX_REPETITION_PENALTY = 10.0  # vLLM documents > 0; past 10 it only ever picks 
 MAX_STOP_STRINGS = 32  # stop strings, and stop token ids, per request (OpenAI allows 4)
 MAX_STOP_STRING_CHARS = 1024
 MAX_CACHE_SALT_CHARS = 256  # a salt is hashed, never stored: this only bounds what a request may send
+MAX_BAD_WORDS = 128  # bad_words per request: each is tokenized twice and checked at every position
+MAX_BAD_WORD_CHARS = 256
 
 
 def _show(value) -> str:
@@ -53,12 +55,22 @@ class SamplingParams:
     # vLLM's cache_salt: requests with different salts never share prefix-cache blocks (nor, in motet, the
     # speculation history), on top of the tenant's own separation (block_manager.prefix_salt).
     cache_salt: str | None = None
+    # vLLM's logits masks (motet/engine/token_masks.py): `bad_words` never appear in the output (the last token
+    # of a bad word's tokens is masked where the tokens before it were just generated), and only
+    # `allowed_token_ids` may be sampled. `bad_words_token_ids` is what the engine derives from `bad_words`
+    # with the tokenizer (vLLM's `_bad_words_token_ids`); None until then.
+    bad_words: list[str] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -115,9 +127,28 @@ class SamplingParams:
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
         ):
             bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            bad("bad_words", f"must hold at most {MAX_BAD_WORDS} strings")
+        if any(
+            not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words
+        ):
+            bad(
+                "bad_words",
+                f"must be strings with a non-space character, of at most {MAX_BAD_WORD_CHARS} characters",
+            )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            bad("allowed_token_ids", "must be a non-empty list of non-negative integer token ids")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             bad("grammar", "must be a grammar spec (grammar.JsonSchemaSpec, RegexSpec, ...)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether bad_words or allowed_token_ids take tokens away from the sampler."""
+        return bool(self.bad_words) or self.allowed_token_ids is not None

@@ -1,21 +1,32 @@
-"""Scheduling policy: vLLM-V1-style unified token budget, preemption by recompute.
+"""Scheduling policy: vLLM-V1-style unified token budget, preemption by recompute, tenants in fair order.
 
 There are no prefill and decode phases. Every sequence has tokens whose KV is computed and tokens it
 still needs computed; each step hands out at most `max_num_batched_tokens` of the latter, running
 sequences first (a decode needs one token, an unfinished prompt a chunk), then waiting ones. Chunked
-prefill and prefix-cache hits fall out of this. When the KV pool runs dry the newest running sequence is
-preempted: its blocks are freed and it is recomputed later from its prompt and output so far.
+prefill and prefix-cache hits fall out of this. When the KV pool runs dry a running sequence is preempted:
+its blocks are freed and it is recomputed later from its prompt and output so far.
+Tenants share the engine by weight (motet/engine/fairness.py): running sequences are served least-served
+tenant first, and the one preempted is the newest of the tenant most over its share of the running
+sequences; a waiting sequence of a tenant under its share is admitted first and, when no slot or KV block
+is free, takes the place of that newest sequence, so a light tenant's request starts at the next step
+however much another tenant has running or waiting. Otherwise waiting sequences go lowest virtual token
+counter first, in arrival order within a tenant.
+vLLM's request `priority` (lower: sooner) orders a tenant's own sequences and nothing else: they trade the
+places (in the waiting order and the running order) that the tenant's sequences hold by arrival, the most
+urgent taking the earliest, so no tenant's place moves (`tenant_places`). The sequence a tenant loses to
+preemption is its least urgent, newest one.
 Running sequences hold at most `max_loras` distinct adapters (see `AdapterSlicer`), and a step's batch
 is ordered by adapter so that each adapter's tokens form one contiguous segment for the LoRA kernels.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 from motet.engine.adapter_slicer import AdapterSlicer
 from motet.engine.block_manager import BlockManager
+from motet.engine.fairness import TenantShares, TenantState, VirtualTokenCounter
 from motet.engine.sequence import Sequence, SequenceStatus
 
 
@@ -51,6 +62,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_loras: int = 8,
         lora_time_slice: int = 32,
+        fairness: VirtualTokenCounter | None = None,
     ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -58,6 +70,7 @@ class Scheduler:
         self.slicer = AdapterSlicer(max_loras, lora_time_slice)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.fairness = fairness or VirtualTokenCounter()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -71,19 +84,76 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        fair = self.fairness
+        fair.set_active(s.tenant for s in (*self.running, *self.waiting))
+        shares = TenantShares(fair, (s.tenant for s in self.running), (s.tenant for s in self.waiting))
 
+        waiting_places = tenant_places(self.waiting)
+        for s in self.waiting:  # the places traded stay traded: a later place stays the later one's
+            s.place = waiting_places[s.seq_id]
+
+        def admission_order(s: Sequence) -> tuple:
+            growing = len(self.running) < self.max_num_seqs  # a free slot: it displaces nobody
+            return (*shares.admission_key(s.tenant, growing), *waiting_places.get(s.seq_id, _place(s)))
+
+        self.slicer.begin_step(
+            (s.adapter_id for s in self.running),
+            (s.adapter_id for s in sorted(self.waiting, key=admission_order)),
+        )
+        # Tenants under their share first: their waiting sequences join the running ones now, in a free slot or
+        # in place of the newest sequence of the tenant most over its share; they get KV blocks and budget
+        # below, ahead of the tenants with more.
+        candidates = list(self.waiting)
+        while candidates:
+            seq = min(candidates, key=admission_order)
+            growing = len(self.running) < self.max_num_seqs
+            if not shares.under(seq.tenant, growing):
+                break  # nor is any other
+            _remove(candidates, seq)
+            if not self.slicer.may_admit(seq.adapter_id):
+                continue  # waiting for an adapter slot; it keeps its place in the queue
+            if not growing:
+                if not shares.may_displace(seq.tenant):
+                    continue
+                victim = self._last_of(shares.most_over(seq.tenant))
+                self._preempt(victim, shares)
+                batch.preempted.append(victim)
+            self._start(seq, shares)
+            if not seq.block_table:
+                self.bm.match_prefix(seq)  # its blocks come below, with the running ones'
+
+        # Running sequences, the least-served tenants' first (their prefill chunks get the budget first); last,
+        # the least urgent, newest sequence of the tenant most over its share: the first to be preempted. Every
+        # decode row keeps its one token ahead of any prompt chunk, so a long prompt never stalls the decoding
+        # ones.
+        running_places = tenant_places(self.running)
+        self.running.sort(
+            key=lambda s: (shares.load(s.tenant), fair.counter(s.tenant), *running_places[s.seq_id])
+        )
+        decodes_left = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            n += self._fit_drafts(seq, n, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining == 1:
+                decodes_left -= 1
+                room = max(1, budget - decodes_left)  # its drafts do not take the later rows' tokens
+            else:
+                room = budget - decodes_left
+                if room <= 0:  # no room for a prompt chunk beside the decode rows: next step
+                    i += 1
+                    continue
+            n = min(remaining, room)
+            n += self._fit_drafts(seq, n, room)
             while not self.bm.allocate_slots(seq, n):
                 if seq.draft_token_ids:  # drafts are optional: drop them before preempting anyone
                     n -= len(seq.draft_token_ids)
                     seq.draft_token_ids = []
                     continue
-                victim = self.running.pop()  # newest first
-                self._preempt(victim)
+                victim = self.running.pop()
+                if victim is not seq and victim.num_tokens - victim.num_computed_tokens == 1:
+                    decodes_left -= 1  # its token is no longer held for it
+                self._preempt(victim, shares)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
@@ -95,13 +165,13 @@ class Scheduler:
                 continue
             break
 
-        # New work only when nothing had to be preempted: otherwise it would just thrash.
-        self.slicer.begin_step((s.adapter_id for s in self.running), (s.adapter_id for s in self.waiting))
-        skipped: list[Sequence] = []  # waiting for an adapter slot; they keep their place in the queue
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            seq = self.waiting[0]
+        # Then the other waiting sequences in the free slots, lowest counter first; none when something had to
+        # be preempted (it would just thrash), nor those preempted in this step.
+        candidates = [s for s in self.waiting if not any(s is p for p in batch.preempted)]
+        while candidates and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            seq = min(candidates, key=admission_order)
+            _remove(candidates, seq)
             if not self.slicer.may_admit(seq.adapter_id):
-                skipped.append(self.waiting.popleft())
                 continue
             if not seq.block_table:
                 self.bm.match_prefix(seq)
@@ -109,19 +179,44 @@ class Scheduler:
             if not self.bm.allocate_slots(seq, n):
                 self.bm.free_seq(seq)  # give back prefix hits; they stay cached
                 break
-            self.waiting.popleft()
-            self.slicer.admitted(seq.adapter_id)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start(seq, shares)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
         if any(s.adapter_id for s in batch.seqs):  # one contiguous segment per adapter (stable sort)
             order = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
             batch.seqs = [batch.seqs[i] for i in order]
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
         return batch
+
+    def _last_of(self, tenant) -> Sequence:
+        """Take the least urgent (vLLM's priority), newest running sequence of `tenant` (which has one) out of
+        the running ones."""
+        victim = max((s for s in self.running if s.tenant == tenant), key=_urgency)
+        _remove(self.running, victim)
+        return victim
+
+    def _start(self, seq: Sequence, shares: TenantShares) -> None:
+        """A waiting sequence joins the running ones."""
+        _remove(self.waiting, seq)
+        self.slicer.admitted(seq.adapter_id)
+        if seq.num_preemptions == 0:  # its prompt is charged once, when it first runs
+            self.fairness.charge(seq.tenant, input_tokens=seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        shares.started(seq.tenant)
+
+    def tenant_states(self) -> tuple[TenantState, ...]:
+        """Each tenant with sequences here, in the order their next waiting sequence would be admitted."""
+        shares = TenantShares(
+            self.fairness, (s.tenant for s in self.running), (s.tenant for s in self.waiting)
+        )
+        waiting = Counter(s.tenant for s in self.waiting)
+        tenants = sorted(set(shares.running) | set(waiting), key=lambda t: (shares.admission_key(t), str(t)))
+        return tuple(
+            TenantState(t, self.fairness.weight(t), self.fairness.counter(t), shares.running[t], waiting[t])
+            for t in tenants
+        )
 
     @staticmethod
     def _fit_drafts(seq: Sequence, n: int, budget: int) -> int:
@@ -132,7 +227,9 @@ class Scheduler:
             seq.draft_token_ids = []
         return len(seq.draft_token_ids)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, shares: TenantShares) -> None:
+        """Back to the front of the waiting queue (taken out of `running` by the caller)."""
+        shares.stopped(seq.tenant)
         seq.draft_token_ids = []
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.WAITING
@@ -168,3 +265,34 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         self.bm.forget(seq)
+
+
+def _place(s: Sequence) -> tuple[int, int]:
+    return s.place or (s.arrival, s.seq_id)
+
+
+def _urgency(s: Sequence) -> tuple[int, int, int]:
+    """Lower first: vLLM's priority, then arrival."""
+    return (s.priority, s.arrival, s.seq_id)
+
+
+def tenant_places(seqs) -> dict[int, tuple[int, int]]:
+    """Each sequence's place in an order between tenants (seq_id -> (arrival, seq_id)): the places its tenant's
+    sequences hold (by arrival, or as traded before), given out by urgency, so priority reorders a tenant's
+    sequences among its own places and never moves another tenant's."""
+    by_tenant: dict = defaultdict(list)
+    for s in seqs:
+        by_tenant[s.tenant].append(s)
+    places = {}
+    for group in by_tenant.values():
+        for s, place in zip(sorted(group, key=_urgency), sorted(map(_place, group)), strict=True):
+            places[s.seq_id] = place
+    return places
+
+
+def _remove(seqs, seq: Sequence) -> None:
+    """Remove `seq` itself (not an equal sequence) from a list or deque."""
+    for j, s in enumerate(seqs):
+        if s is seq:
+            del seqs[j]
+            return

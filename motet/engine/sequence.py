@@ -23,11 +23,28 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class TokenLogprob:
-    """The chosen token's logprob and the top alternatives (token_id, logprob), best first."""
+    """The chosen token's logprob and the top alternatives (token_id, logprob), best first; a prompt
+    token's also has its rank in the distribution (1: the likeliest)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """A finished request's phases in seconds, as vLLM's request histograms define them: queued (arrival in
+    the serving system to first scheduled), prefill (first scheduled to first token), decode (first token to
+    the last); inference is prefill + decode. A preempted request keeps its first scheduling."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def inference_s(self) -> float:
+        return self.prefill_s + self.decode_s
 
 
 @dataclass
@@ -39,6 +56,11 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     request_id: str | None = None
     arrival: int = 0  # tie-breaker for the scheduler's order
+    tenant: str | None = None  # whose request: the scheduler shares the engine fairly between tenants
+    # vLLM's request priority (lower: sooner), among its tenant's own requests only: it trades places in the
+    # scheduler's order with them (motet/engine/scheduler.py); None: the place its arrival gives it
+    priority: int = 0
+    place: tuple[int, int] | None = None
 
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -64,6 +86,12 @@ class Sequence:
     stops: StopStringMatcher | StopChain | None = None
     text: str = ""
     num_emitted: int = 0  # tokens already reported in a RequestOutput
+    # time.monotonic() when it entered the serving system, was first scheduled, and produced its first and
+    # its latest token (None: not yet), for RequestTimings.
+    arrival_time: float = 0.0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -89,6 +117,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def timings(self) -> RequestTimings:
+        scheduled = self.scheduled_time if self.scheduled_time is not None else self.arrival_time
+        first = self.first_token_time if self.first_token_time is not None else scheduled
+        last = self.last_token_time if self.last_token_time is not None else first
+        return RequestTimings(scheduled - self.arrival_time, first - scheduled, last - first)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -7,6 +7,8 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from motet.engine.config import ModelLoadError
+from motet.engine.request_checks import MAX_PROMPT_CHARS
+from motet.engine.template_worker import template_worker
 
 
 class Tokenizer:
@@ -22,13 +24,31 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        max_chars: int | None = None,
+        **template_kwargs,
+    ) -> str:
+        """The chat as prompt text. `chat_template`: a request's own template instead of the model's, rendered
+        within bounds in a helper process (motet/engine/template_worker.py) that returns at most `max_chars`
+        + 1 characters; `template_kwargs` (continue_final_message, tools, ...) go to `apply_chat_template`."""
+        kwargs = {"add_generation_prompt": add_generation_prompt, **template_kwargs}
+        if chat_template is not None:
+            worker = template_worker(self.hf.name_or_path)
+            try:
+                return worker.render(messages, chat_template, kwargs, max_chars or MAX_PROMPT_CHARS)
+            except ValueError as e:
+                raise ValueError(
+                    f"messages could not be rendered with the request's chat_template: {e}"
+                ) from None
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use the completions API instead")
         try:
-            return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-            )
+            return self.hf.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors carry the template's own message
             raise ValueError(f"messages could not be rendered with the chat template: {e}") from None
 

@@ -1,4 +1,7 @@
-"""The compile cache: compile each (backend, spec, tokenizer) once, with a time limit and fallback.
+"""The compile cache: compile each (backend, spec, tokenizer) once per owner, with a time limit and fallback.
+
+Entries are kept per owner (the tenant): a tenant whose schema compiles at once would otherwise learn
+that another tenant had used the same schema, from the time its request took.
 
 Compilation runs in a daemon worker thread and the caller stops waiting after `timeout_s`; a Python
 thread cannot be killed, so a compilation that overruns keeps running, and its result still lands
@@ -71,7 +74,7 @@ class GrammarCache:
         ("busy") when `owner` already has `max_stuck` compilations running past their limit."""
         b = self.backend(backend, tokenizer)
         try:
-            key = (backend, tokenizer.key, spec.key())
+            key = (backend, tokenizer.key, owner, spec.key())
         except RecursionError:  # json cannot write it: deeper than any limit lets through
             raise GrammarError(f"the {spec.kind} is nested too deeply") from None
         with self._lock:

@@ -9,7 +9,14 @@ so an invalid or interrupted upload, or one the disk has no room for (the OSErro
 leaves nothing behind (leftovers of a crash are swept at start-up).
 
 Tenants are isolated by construction: every path is built from a validated tenant and name, and a
-lookup of another tenant's adapter is indistinguishable from a missing one. Plain synchronous code.
+lookup of another tenant's adapter is indistinguishable from a missing one.
+
+An adapter directory named by a path on the server (vLLM's load_lora_adapter) is read by
+`read_server_adapter`, only from under the operator's load directories: the path and each file in it are
+resolved (symlinks, '..') and must stay under one of them, and each file is then opened one component at a
+time from that directory with no symlink followed, so a link swapped in meanwhile is refused too. Load
+directories never overlap a directory holding tenants' own adapters (`check_load_dirs`, at start-up), or
+a tenant could load another's upload as its own. Plain synchronous code.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ import io
 import os
 import re
 import shutil
+import stat
 import tarfile
 import tempfile
 import uuid
 import zipfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -37,6 +46,7 @@ from motet.lora.adapter import (
     pickle_refusal,
 )
 from motet.lora.base_shape import BaseShape
+from motet.lora.peft_config import brief
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # no leading dot: hidden names are ours
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
@@ -52,6 +62,14 @@ class AdapterExists(AdapterError):
     """The tenant already has an adapter with this name (save with overwrite=True to replace it)."""
 
 
+class AdapterPathError(AdapterError):
+    """A server path that names no adapter directory: malformed, missing, unreadable, or not a directory."""
+
+
+class AdapterPathRefused(AdapterError):
+    """A server path, or a file in it, that resolves outside the directories adapters may be read from."""
+
+
 @dataclass(frozen=True)
 class AdapterInfo:
     tenant: str
@@ -64,7 +82,8 @@ class AdapterInfo:
 def check_name(kind: str, value: str) -> str:
     if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise AdapterError(
-            f"{kind} name {value!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', not starting with '.'"
+            f"{kind} name {brief(value)} is invalid: use 1-64 letters, digits, '.', '_' or '-', not starting "
+            "with '.'"
         )
     return value
 
@@ -271,3 +290,122 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- adapters read from the server's own disk -------------------------------------------------------------------
+MAX_PATH_BYTES = 4096  # PATH_MAX on Linux: a longer path names nothing
+MAX_NAME_BYTES = 255  # NAME_MAX, a path component's limit on every Linux filesystem
+_NOFOLLOW = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+def check_load_dirs(load_dirs: Sequence[str | Path], private: Mapping[str, str | Path]) -> tuple[Path, ...]:
+    """The directories `read_server_adapter` may read from (`--lora-load-dir`), resolved. ValueError, naming
+    the flags, for one that is not a directory, or that is, contains or lies inside one of the `private`
+    directories holding tenants' own adapters (flag -> directory, e.g. {"--data-dir": ...}): a tenant could
+    otherwise load `.../adapters/<another tenant>/<name>` and get a copy of that tenant's adapter."""
+    out = []
+    for d in load_dirs:
+        real = Path(os.path.realpath(Path(d).expanduser()))
+        if not real.is_dir():
+            raise ValueError(f"--lora-load-dir {d}: not a directory")
+        for flag, other in private.items():
+            mine = Path(os.path.realpath(Path(other).expanduser()))
+            if real.is_relative_to(mine) or mine.is_relative_to(real):
+                raise ValueError(
+                    f"--lora-load-dir {d} overlaps {flag} {other}, where tenants' own adapters are stored: "
+                    "a tenant could load another's; keep them apart"
+                )
+        out.append(real)
+    return tuple(out)
+
+
+def read_server_adapter(path, roots: Sequence[Path], max_bytes: int, what: str = "path") -> dict[str, bytes]:
+    """The files of the adapter directory `path` on this machine, read only from under `roots` (resolved
+    directories, see check_load_dirs). Refusals name `what`: AdapterPathRefused for a path or file that
+    resolves outside the roots, AdapterTooLarge over `max_bytes`, AdapterPathError for everything else
+    (malformed, missing, unreadable); never another exception."""
+    _check_path(path, what)
+    try:
+        real = Path(os.path.realpath(path))
+        if _root(real, roots) is None:
+            raise AdapterPathRefused(f"{what} is not under a directory this server loads adapters from")
+        if not real.is_dir():
+            missing = not real.exists()
+            raise AdapterPathError(
+                f"{what} {brief(path)} {'does not exist' if missing else 'is not a directory'}"
+            )
+        files, left = {}, max_bytes
+        for name in FILES:
+            file = Path(os.path.realpath(real / name))
+            root = _root(file, roots)
+            if root is None:
+                raise AdapterPathRefused(
+                    f"{what}: {name} links outside the directories this server loads adapters from"
+                )
+            try:
+                files[name] = _read_beneath(root, file.relative_to(root), left, f"{what}: {name}")
+            except FileNotFoundError:
+                raise AdapterPathError(f"{what} has no {name}: not a PEFT LoRA adapter directory") from None
+            left -= len(files[name])
+    except AdapterTooLarge:
+        raise AdapterTooLarge(f"the adapter is larger than the limit of {max_bytes} bytes") from None
+    except OSError as e:  # permissions, a name too long for the filesystem, a link swapped in meanwhile, ...
+        raise AdapterPathError(f"{what} {brief(path)} cannot be read: {e.strerror or e}") from None
+    return files
+
+
+def _check_path(path, what: str) -> None:
+    """Refuse, before the OS sees it, what would make a path lookup raise (a NUL byte, text no file name
+    can hold) or that names nothing (relative, longer than the OS allows)."""
+    if not isinstance(path, str):
+        raise AdapterPathError(f"{what} must be a string")
+    if "\x00" in path:
+        raise AdapterPathError(f"{what} holds a NUL character")
+    try:
+        encoded = path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise AdapterPathError(f"{what} is not valid Unicode (a lone surrogate)") from None
+    if not os.path.isabs(path):
+        raise AdapterPathError(f"{what} must be an absolute path")
+    if len(encoded) > MAX_PATH_BYTES:
+        raise AdapterPathError(f"{what} is longer than {MAX_PATH_BYTES} bytes")
+    if any(len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")):
+        raise AdapterPathError(f"{what} has a component longer than {MAX_NAME_BYTES} bytes")
+
+
+def _root(real: Path, roots: Sequence[Path]) -> Path | None:
+    return next((r for r in roots if real.is_relative_to(r)), None)
+
+
+def _read_beneath(root: Path, rel: Path, limit: int, what: str) -> bytes:
+    """The regular file `root/rel`, opened one component at a time from `root` without following a
+    symlink (the path was resolved: a link found now was swapped in since), at most `limit` bytes."""
+    if not rel.parts:
+        raise AdapterPathError(f"{what} is not a regular file")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in rel.parts[:-1]:
+            try:
+                child = os.open(part, _NOFOLLOW | os.O_DIRECTORY, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):  # a link (or a file) where a directory was
+                    raise AdapterPathError(f"{what} changed while it was read (a link appeared)") from None
+                raise
+            os.close(fd)
+            fd = child
+        seen = os.stat(rel.parts[-1], dir_fd=fd, follow_symlinks=False)
+        if not stat.S_ISREG(seen.st_mode):  # a FIFO, device or link is never opened
+            raise AdapterPathError(f"{what} is not a regular file")
+        if seen.st_size > limit:
+            raise AdapterTooLarge(what)
+        file = os.open(rel.parts[-1], _NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    finally:
+        os.close(fd)
+    with os.fdopen(file, "rb") as f:
+        now = os.fstat(f.fileno())
+        if (now.st_dev, now.st_ino) != (seen.st_dev, seen.st_ino):
+            raise AdapterPathError(f"{what} changed while it was read")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise AdapterTooLarge(what)
+    return data

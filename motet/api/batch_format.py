@@ -1,0 +1,169 @@
+"""The Batch API's JSONL formats (OpenAI's, which `vllm run-batch` reads too), shared by the server's batches
+and `motet run-batch`.
+
+An input line is `{"custom_id", "method": "POST", "url", "body"}`. An answered line is
+`{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`: 2xx responses go
+to the output file, the others (a body the endpoint refuses, with its 4xx and OpenAI error body) to the error
+file. A line that could not be sent at all (not JSON, no custom_id, a custom_id used before, another url or
+method) is answered in the error file as `{"response": null, "error": {"code", "message"}}`, as are lines
+a cancelled or expired batch never ran (`batch_cancelled`, `batch_expired`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from motet.api.errors import APIError, echo
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+MAX_LINES = 50_000  # requests in one batch, as OpenAI's
+MAX_CUSTOM_ID_CHARS = 512
+RETRIED_STATUSES = frozenset({429, 503, 507})  # the server is busy, starting, draining or out of space: not
+# the line's fault, so it is sent again later instead of answered
+_LINE_KEYS = ("custom_id", "method", "url", "body")
+
+CANCELLED = ("batch_cancelled", "This request was not executed because the batch was cancelled.")
+EXPIRED = ("batch_expired", "This request could not be executed before the completion window expired.")
+
+
+@dataclass
+class Line:
+    number: int  # its line in the file, from 1
+    custom_id: str | None
+    url: str | None = None
+    body: dict | None = None
+    error: tuple[str, str] | None = None  # (code, message): refused as written, never sent
+
+
+def parse_lines(raw: Iterable[bytes], endpoint: str | None = None) -> Iterator[Line]:
+    """The file's non-blank lines, each checked: sent to `endpoint` (None: to any of ENDPOINTS), with a
+    custom_id no earlier line used."""
+    seen: dict[str, int] = {}
+    for number, data in enumerate(raw, 1):
+        if not data.strip():
+            continue
+        line = _parse(number, data, endpoint)
+        if line.custom_id is not None:
+            if line.custom_id in seen:
+                line.error = (
+                    "duplicate_custom_id",
+                    f"line {number}: custom_id {line.custom_id!r} is already used by line {seen[line.custom_id]}; "
+                    "each request of a batch needs its own",
+                )
+            else:
+                seen[line.custom_id] = number
+        yield line
+
+
+def _parse(number: int, data: bytes, endpoint: str | None) -> Line:
+    def refused(code: str, message: str, custom_id: str | None = None) -> Line:
+        return Line(number, custom_id, error=(code, f"line {number}: {message}"))
+
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        return refused("invalid_json_line", f"not valid JSON ({e})")
+    if not isinstance(obj, dict):
+        return refused("invalid_json_line", "not a JSON object")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        return refused(
+            "invalid_custom_id", f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters"
+        )
+    if extra := [k for k in obj if k not in _LINE_KEYS]:
+        return refused("invalid_request", f"unrecognized field {echo(extra[0])} (a line has {', '.join(_LINE_KEYS)})",
+                       custom_id)  # fmt: skip
+    if obj.get("method") != "POST":
+        return refused("invalid_method", f"method must be 'POST', not {echo(obj.get('method'))}", custom_id)
+    url = obj.get("url")
+    allowed = (endpoint,) if endpoint is not None else ENDPOINTS
+    if url not in allowed:
+        return refused(
+            "invalid_url", f"url must be {' or '.join(map(repr, allowed))}, not {echo(url)}", custom_id
+        )
+    if not isinstance(obj.get("body"), dict):
+        return refused("invalid_body", "body must be a JSON object (the request)", custom_id)
+    return Line(number, custom_id, url, obj["body"])
+
+
+def refusal(body: dict) -> APIError | None:
+    """What a batch refuses of a body that the endpoint itself would accept."""
+    if body.get("stream") not in (None, False):
+        return APIError(
+            400, "stream: a batch request is answered whole; it cannot be streamed", param="stream"
+        )
+    return None
+
+
+def response_line(custom_id: str | None, status: int, body) -> dict:
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}", "body": body},
+        "error": None,
+    }
+
+
+def error_line(custom_id: str | None, code: str, message: str) -> dict:
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+
+
+def succeeded(result: dict) -> bool:
+    """Whether an answered line belongs in the output file (else: the error file)."""
+    response = result.get("response")
+    return response is not None and 200 <= response["status_code"] < 300
+
+
+@dataclass
+class Usage:
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @classmethod
+    def of(cls, result: dict) -> Usage:
+        """The tokens an answered line used (chat and completions' usage, or the Responses API's)."""
+        body = (result.get("response") or {}).get("body")
+        u = body.get("usage") if isinstance(body, dict) else None
+        if not isinstance(u, dict):
+            return cls()
+        if "input_tokens" in u:
+            return cls(
+                u.get("input_tokens") or 0,
+                (u.get("input_tokens_details") or {}).get("cached_tokens") or 0,
+                u.get("output_tokens") or 0,
+                (u.get("output_tokens_details") or {}).get("reasoning_tokens") or 0,
+            )
+        return cls(
+            u.get("prompt_tokens") or 0,
+            (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            u.get("completion_tokens") or 0,
+        )
+
+    def object(self) -> dict:
+        return {
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            "total_tokens": self.input_tokens + self.output_tokens,
+        }
+
+
+def compact(obj) -> str:
+    """JSON as a JSONL line holds it (no newline)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def dumps(obj) -> bytes:
+    """One JSONL line."""
+    return compact(obj).encode() + b"\n"

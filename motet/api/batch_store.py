@@ -1,0 +1,387 @@
+"""Batches (`/v1/batches`) and their lines, in SQLite (`batches.sqlite3` under the data directory).
+
+A batch is a row (its Batch object's fields, its request counts and token usage); its requests are rows of
+`batch_lines`, copied from the input file when it is validated. A line is answered once: its result is
+written, its request dropped and the batch's counts raised in one transaction, and only while it has no
+result yet, so a line run again after a crash (it was running when the server died) is never counted twice.
+On a restart the runner (motet/api/batch_runner.py) picks every unfinished batch up where it stopped: the
+lines without a result.
+
+Status, as OpenAI's: validating -> in_progress -> finalizing -> completed; failed (the file as a whole is
+unusable); cancelling -> cancelled; expired (the completion window passed). A finished batch keeps its
+row; its answered lines live on in its output and error files (motet/api/file_store.py) and leave the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from motet.api.batch_format import Line, Usage, compact, error_line, succeeded
+from motet.api.storage_errors import StorageFailure, is_storage_failure
+
+FILENAME = "batches.sqlite3"
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's one window
+_TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
+          "expired_at", "cancelling_at", "cancelled_at")  # fmt: skip
+_STATUS_TIME = {s: f"{s}_at" for s in ("in_progress", "finalizing", "completed", "failed", "expired",
+                                        "cancelling", "cancelled")}  # fmt: skip
+_CHUNK = 256  # lines read per query
+
+_SCHEMA = (
+    f"""CREATE TABLE IF NOT EXISTS batches (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- listing order
+        id TEXT NOT NULL UNIQUE,
+        tenant TEXT NOT NULL,
+        endpoint TEXT NOT NULL,
+        input_file_id TEXT NOT NULL,
+        completion_window TEXT NOT NULL,
+        metadata TEXT,          -- JSON object, or NULL
+        status TEXT NOT NULL,
+        model TEXT,             -- the first request's model
+        errors TEXT,            -- JSON list of what made the batch fail, or NULL
+        output_file_id TEXT,
+        error_file_id TEXT,
+        {", ".join(f"{t} INTEGER" for t in _TIMES)},
+        total INTEGER NOT NULL DEFAULT 0,
+        completed INTEGER NOT NULL DEFAULT 0,
+        failed INTEGER NOT NULL DEFAULT 0,
+        input_tokens INTEGER NOT NULL DEFAULT 0,
+        cached_tokens INTEGER NOT NULL DEFAULT 0,
+        output_tokens INTEGER NOT NULL DEFAULT 0,
+        reasoning_tokens INTEGER NOT NULL DEFAULT 0
+    )""",
+    "CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches (tenant, seq)",
+    "CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status)",
+    """CREATE TABLE IF NOT EXISTS batch_lines (
+        batch TEXT NOT NULL,
+        line INTEGER NOT NULL,  -- its line in the input file, from 1
+        custom_id TEXT,
+        url TEXT,
+        request TEXT,           -- the body's JSON; NULL once answered
+        result TEXT,            -- the answered line's JSON; NULL until answered
+        ok INTEGER,             -- 1: in the output file, 0: in the error file
+        PRIMARY KEY (batch, line)
+    )""",
+)
+_COLUMNS = ("id", "tenant", "endpoint", "input_file_id", "completion_window", "metadata", "status", "model",
+            "errors", "output_file_id", "error_file_id", *_TIMES, "total", "completed", "failed",
+            "input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")  # fmt: skip
+
+
+class _FileRefused(Exception):
+    """The input file as a whole cannot be run (the message says why)."""
+
+
+@dataclass
+class PendingLine:
+    batch: str
+    line: int
+    custom_id: str
+    url: str
+    body: dict
+
+
+@dataclass
+class UnfinishedBatch:
+    id: str
+    tenant: str
+    status: str
+    expires_at: int
+
+
+def _object(row: tuple) -> dict:
+    """The OpenAI Batch object of a row."""
+    r = dict(zip(_COLUMNS, row, strict=True))
+    usage = Usage(r["input_tokens"], r["cached_tokens"], r["output_tokens"], r["reasoning_tokens"])
+    return {
+        "id": r["id"],
+        "object": "batch",
+        "endpoint": r["endpoint"],
+        "model": r["model"],
+        "errors": {"object": "list", "data": json.loads(r["errors"])} if r["errors"] else None,
+        "input_file_id": r["input_file_id"],
+        "completion_window": r["completion_window"],
+        "status": r["status"],
+        "output_file_id": r["output_file_id"],
+        "error_file_id": r["error_file_id"],
+        **{t: r[t] for t in _TIMES},
+        "request_counts": {"total": r["total"], "completed": r["completed"], "failed": r["failed"]},
+        "usage": usage.object(),
+        "metadata": json.loads(r["metadata"]) if r["metadata"] else None,
+    }
+
+
+class BatchStore:
+    def __init__(self, data_dir: str | Path):
+        Path(data_dir).mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(Path(data_dir) / FILENAME, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        for statement in _SCHEMA:
+            self._db.execute(statement)
+
+    # -- the API's side ---------------------------------------------------------------------------------------
+    def create(
+        self, tenant: str, endpoint: str, input_file_id: str, window: str, metadata: dict | None
+    ) -> dict:
+        batch_id = f"batch_{secrets.token_hex(12)}"
+        now = int(time.time())
+        with self._write():
+            self._db.execute(
+                "INSERT INTO batches (id, tenant, endpoint, input_file_id, completion_window, metadata, status,"
+                " created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, 'validating', ?, ?)",
+                (batch_id, tenant, endpoint, input_file_id, window, json.dumps(metadata) if metadata else None,
+                 now, now + COMPLETION_WINDOWS[window]),
+            )  # fmt: skip
+            return self._get(tenant, batch_id)
+
+    def get(self, tenant: str, batch_id: str) -> dict | None:
+        with self._read():
+            return self._get(tenant, batch_id)
+
+    def page(self, tenant: str, after: str | None, limit: int) -> tuple[list[dict], bool] | None:
+        """A page of the tenant's batches, newest first, after the batch `after`; and whether more follow.
+        None: `after` names no batch of theirs."""
+        with self._read():
+            start = 1 << 62
+            if after is not None:
+                row = self._db.execute(
+                    "SELECT seq FROM batches WHERE tenant = ? AND id = ?", (tenant, after)
+                ).fetchone()
+                if row is None:
+                    return None
+                start = row[0]
+            rows = self._db.execute(
+                f"SELECT {', '.join(_COLUMNS)} FROM batches WHERE tenant = ? AND seq < ? ORDER BY seq DESC LIMIT ?",
+                (tenant, start, limit + 1),
+            ).fetchall()
+        return [_object(r) for r in rows[:limit]], len(rows) > limit
+
+    def cancel(self, tenant: str, batch_id: str) -> dict | None:
+        """Ask a batch to stop (validating or in progress -> cancelling); the batch as it is now, or None."""
+        with self._write():
+            self._db.execute(
+                "UPDATE batches SET status = 'cancelling', cancelling_at = ?"
+                " WHERE tenant = ? AND id = ? AND status IN ('validating', 'in_progress')",
+                (int(time.time()), tenant, batch_id),
+            )
+            return self._get(tenant, batch_id)
+
+    # -- the runner's side ----------------------------------------------------------------------------------
+    def unfinished(self) -> list[UnfinishedBatch]:
+        with self._read():
+            rows = self._db.execute(
+                f"SELECT id, tenant, status, expires_at FROM batches WHERE status IN {UNFINISHED} ORDER BY seq"
+            ).fetchall()
+        return [UnfinishedBatch(*r) for r in rows]
+
+    def status(self, batch_id: str) -> str:
+        with self._read():
+            return self._db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()[0]
+
+    def input_of(self, batch_id: str) -> tuple[str, str, str]:
+        """(tenant, input file id, endpoint)."""
+        with self._read():
+            return self._db.execute(
+                "SELECT tenant, input_file_id, endpoint FROM batches WHERE id = ?", (batch_id,)
+            ).fetchone()
+
+    def load(self, batch_id: str, lines: Iterable[Line], max_lines: int) -> str | None:
+        """Copy a validated file's lines in, answer the refused ones, and start the batch (validating ->
+        in_progress). All or nothing: a crash leaves the batch validating, to be loaded again. None, or why
+        the file as a whole is refused (then nothing is kept)."""
+        try:
+            with self._write():
+                self._load(batch_id, lines, max_lines)
+        except _FileRefused as e:
+            return str(e)
+        return None
+
+    def pending(self, batch_id: str, after_line: int, limit: int = _CHUNK) -> list[PendingLine]:
+        """Unanswered lines after `after_line`, in file order."""
+        with self._read():
+            rows = self._db.execute(
+                "SELECT line, custom_id, url, request FROM batch_lines"
+                " WHERE batch = ? AND line > ? AND result IS NULL ORDER BY line LIMIT ?",
+                (batch_id, after_line, limit),
+            ).fetchall()
+        return [PendingLine(batch_id, line, cid, url, json.loads(req)) for line, cid, url, req in rows]
+
+    def unanswered(self, batch_id: str) -> int:
+        with self._read():
+            return self._db.execute(
+                "SELECT COUNT(*) FROM batch_lines WHERE batch = ? AND result IS NULL", (batch_id,)
+            ).fetchone()[0]
+
+    def record(self, batch_id: str, line: int, result: dict) -> bool:
+        """Answer a line, once: False if it already had an answer (nothing changes then)."""
+        with self._write():
+            return self._record(batch_id, line, result)
+
+    def answer_rest(self, batch_id: str, code: str, message: str) -> None:
+        """Answer every unanswered line with an error (the batch was cancelled, or expired)."""
+        while rows := self.pending(batch_id, 0):
+            with self._write():
+                for row in rows:
+                    self._record(batch_id, row.line, error_line(row.custom_id, code, message))
+
+    def results(self, batch_id: str, ok: bool) -> Iterator[bytes]:
+        """The answered lines of the output (ok) or the error file, in file order, as JSONL."""
+        last = 0
+        while True:
+            with self._read():
+                rows = self._db.execute(
+                    "SELECT line, result FROM batch_lines WHERE batch = ? AND line > ? AND ok = ?"
+                    " ORDER BY line LIMIT ?",
+                    (batch_id, last, int(ok), _CHUNK),
+                ).fetchall()
+            if not rows:
+                return
+            for last, result in rows:  # noqa: B007
+                yield result.encode() + b"\n"
+
+    def counts(self, batch_id: str) -> tuple[int, int]:
+        """(completed, failed)."""
+        with self._read():
+            return self._db.execute(
+                "SELECT completed, failed FROM batches WHERE id = ?", (batch_id,)
+            ).fetchone()
+
+    def advance(self, batch_id: str, from_status: str, to_status: str) -> bool:
+        """Move a batch on, if it still is in `from_status` (a cancel may have come in between)."""
+        with self._write():
+            if (
+                self._db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()[0]
+                != from_status
+            ):
+                return False
+            self._set_status(batch_id, to_status)
+            return True
+
+    def fail(self, batch_id: str, errors: list[dict]) -> None:
+        with self._write():
+            self._db.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
+            self._db.execute("UPDATE batches SET errors = ? WHERE id = ?", (json.dumps(errors), batch_id))
+            self._set_status(batch_id, "failed")
+
+    def finish(
+        self, batch_id: str, status: str, output_file_id: str | None, error_file_id: str | None
+    ) -> None:
+        """The batch's last step: its files are written; its lines leave the table."""
+        with self._write():
+            self._db.execute(
+                "UPDATE batches SET output_file_id = ?, error_file_id = ? WHERE id = ?",
+                (output_file_id, error_file_id, batch_id),
+            )
+            self._set_status(batch_id, status)
+            self._db.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- under the lock -----------------------------------------------------------------------------------------
+    def _load(self, batch_id: str, lines: Iterable[Line], max_lines: int) -> None:
+        self._db.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
+        total = failed = 0
+        model = None
+        for line in lines:
+            total += 1
+            if total > max_lines:
+                raise _FileRefused(f"the file has more than {max_lines} requests, the most a batch may hold")
+            if line.error is not None:
+                failed += 1
+                self._db.execute(
+                    "INSERT INTO batch_lines (batch, line, custom_id, result, ok) VALUES (?, ?, ?, ?, 0)",
+                    (batch_id, line.number, line.custom_id, compact(error_line(line.custom_id, *line.error))),
+                )
+                continue
+            if model is None and isinstance(line.body.get("model"), str):
+                model = line.body["model"]
+            self._db.execute(
+                "INSERT INTO batch_lines (batch, line, custom_id, url, request) VALUES (?, ?, ?, ?, ?)",
+                (batch_id, line.number, line.custom_id, line.url, json.dumps(line.body)),
+            )
+        if total == 0:
+            raise _FileRefused("the file holds no requests")
+        self._db.execute(
+            "UPDATE batches SET total = ?, failed = ?, completed = 0, model = ? WHERE id = ?",
+            (total, failed, model, batch_id),
+        )
+        self._db.execute(
+            "UPDATE batches SET status = 'in_progress', in_progress_at = ? WHERE id = ? AND status = 'validating'",
+            (int(time.time()), batch_id),
+        )
+
+    def _record(self, batch_id: str, line: int, result: dict) -> bool:
+        ok = succeeded(result)
+        usage = Usage.of(result)
+        done = self._db.execute(
+            "UPDATE batch_lines SET result = ?, ok = ?, request = NULL WHERE batch = ? AND line = ? AND result IS NULL",
+            (compact(result), int(ok), batch_id, line),
+        ).rowcount
+        if done:
+            counter = "completed" if ok else "failed"
+            self._db.execute(
+                f"UPDATE batches SET {counter} = {counter} + 1, input_tokens = input_tokens + ?,"
+                " cached_tokens = cached_tokens + ?, output_tokens = output_tokens + ?,"
+                " reasoning_tokens = reasoning_tokens + ? WHERE id = ?",
+                (
+                    usage.input_tokens,
+                    usage.cached_tokens,
+                    usage.output_tokens,
+                    usage.reasoning_tokens,
+                    batch_id,
+                ),
+            )
+        return bool(done)
+
+    def _get(self, tenant: str, batch_id: str) -> dict | None:
+        row = self._db.execute(
+            f"SELECT {', '.join(_COLUMNS)} FROM batches WHERE tenant = ? AND id = ?", (tenant, batch_id)
+        ).fetchone()
+        return None if row is None else _object(row)
+
+    def _set_status(self, batch_id: str, status: str) -> None:
+        self._db.execute(
+            f"UPDATE batches SET status = ?, {_STATUS_TIME[status]} = ? WHERE id = ?",
+            (status, int(time.time()), batch_id),
+        )
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[None]:
+        with self._lock, _storage_failures():
+            yield
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[None]:
+        with self._lock, _storage_failures():
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
+                raise
+
+
+@contextlib.contextmanager
+def _storage_failures() -> Iterator[None]:
+    try:
+        yield
+    except sqlite3.Error as e:
+        if is_storage_failure(e):
+            raise StorageFailure.from_sqlite(e) from e
+        raise

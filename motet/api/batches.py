@@ -1,0 +1,145 @@
+"""OpenAI's Batch API routes (the store: motet/api/batch_store.py; the runner: motet/api/batch_runner.py).
+
+POST /v1/batches                     `input_file_id` (a `batch` file of the tenant's), `endpoint`
+                                     (/v1/chat/completions, /v1/completions, /v1/responses),
+                                     `completion_window` ("24h"), `metadata`
+GET  /v1/batches                     the tenant's batches, newest first: `after`, `limit`
+GET  /v1/batches/{batch_id}
+POST /v1/batches/{batch_id}/cancel   stops it: running lines are stopped, the unanswered ones answered as
+                                     `batch_cancelled` in the error file, then `cancelled`
+
+Every call is scoped to the caller's tenant (another tenant's batch reads as missing), and the batch's lines
+run as that tenant.
+"""
+
+from __future__ import annotations
+
+from pydantic import field_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from motet.api import protocol as P
+from motet.api.batch_format import ENDPOINTS
+from motet.api.batch_runner import BatchRunner
+from motet.api.batch_store import COMPLETION_WINDOWS
+from motet.api.errors import APIError, echo
+from motet.api.files import stored_call
+from motet.api.request_body import read_json
+from motet.api.state import ServerState
+
+DEFAULT_LIMIT, MAX_LIMIT = 20, 100
+
+
+class BatchCreateRequest(P._Request):
+    unsupported = {"output_expires_after": ((None,), "output files are kept until deleted")}
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+    _metadata = field_validator("metadata")(
+        P._OpenAINoOps._metadata.__func__
+    )  # OpenAI's limits, as everywhere
+
+
+def _context(request: Request) -> tuple[ServerState, str, BatchRunner]:
+    state: ServerState = request.app.state.motet
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    if state.batches is None:
+        raise APIError(404, "this server runs no batches")
+    return state, tenant, state.batches
+
+
+def _no_such_batch(batch_id: str) -> APIError:
+    return APIError(404, f"No such Batch object: {echo(batch_id)}", param="batch_id", code="batch_not_found")
+
+
+def _check(req: BatchCreateRequest) -> None:
+    if req.endpoint not in ENDPOINTS:
+        raise APIError(
+            400, f"endpoint must be one of {', '.join(ENDPOINTS)}, not {echo(req.endpoint)}", param="endpoint"
+        )
+    if req.completion_window not in COMPLETION_WINDOWS:
+        windows = ", ".join(map(repr, COMPLETION_WINDOWS))
+        raise APIError(
+            400,
+            f"completion_window must be {windows}, not {echo(req.completion_window)}",
+            param="completion_window",
+        )
+
+
+async def create_batch(request: Request) -> Response:
+    state, tenant, runner = _context(request)
+    req = BatchCreateRequest.model_validate(await read_json(request, state.max_body_bytes))
+    _check(req)
+    stored = await stored_call(
+        "the input file could not be read", runner.files.get, tenant, req.input_file_id
+    )
+    if stored is None:
+        raise APIError(400, f"No such File object: {echo(req.input_file_id)}", param="input_file_id",
+                       code="file_not_found")  # fmt: skip
+    if stored.purpose != "batch":
+        raise APIError(
+            400,
+            f"the input file's purpose is {stored.purpose!r}; a batch reads 'batch' files",
+            param="input_file_id",
+        )
+    batch = await stored_call(
+        "the batch could not be stored",
+        runner.store.create,
+        tenant,
+        req.endpoint,
+        req.input_file_id,
+        req.completion_window,
+        req.metadata,
+    )
+    runner.start(batch["id"])
+    return JSONResponse(batch)
+
+
+async def retrieve_batch(request: Request) -> Response:
+    _, tenant, runner = _context(request)
+    batch_id = request.path_params["batch_id"]
+    batch = await stored_call("the batch could not be read", runner.store.get, tenant, batch_id)
+    if batch is None:
+        raise _no_such_batch(batch_id)
+    return JSONResponse(batch)
+
+
+async def list_batches(request: Request) -> Response:
+    _, tenant, runner = _context(request)
+    q = request.query_params
+    for key in q:
+        if key not in ("after", "limit"):
+            raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
+    raw = q.get("limit", str(DEFAULT_LIMIT))
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, not {echo(raw)}", param="limit")
+    after = q.get("after")
+    page = await stored_call("the batches could not be read", runner.store.page, tenant, after, int(raw))
+    if page is None:
+        raise APIError(400, f"after: no batch {echo(after)} of this tenant", param="after")
+    data, more = page
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )
+
+
+async def cancel_batch(request: Request) -> Response:
+    _, tenant, runner = _context(request)
+    batch_id = request.path_params["batch_id"]
+    batch = await stored_call("the batch could not be cancelled", runner.store.cancel, tenant, batch_id)
+    if batch is None:
+        raise _no_such_batch(batch_id)
+    if batch["status"] not in ("cancelling", "cancelled"):
+        raise APIError(
+            409, f"the batch is {batch['status']}: only a validating or in-progress batch can be cancelled",
+            param="batch_id", code="batch_not_cancellable",
+        )  # fmt: skip
+    runner.cancel(batch_id)
+    return JSONResponse(batch)

@@ -1,0 +1,182 @@
+"""OpenAI's Files API, for the Batch API's input and output files (the store: motet/api/file_store.py).
+
+POST   /v1/files                    multipart: `file`, and `purpose` ("batch": the one purpose served)
+GET    /v1/files                    the tenant's files: `after`, `limit`, `order`, `purpose`
+GET    /v1/files/{file_id}          the File object
+GET    /v1/files/{file_id}/content  its bytes
+DELETE /v1/files/{file_id}
+
+Every call is scoped to the caller's tenant: another tenant's file reads as missing (404). An upload larger
+than `--files-max-bytes` is refused with 413 while it is read (nothing is kept), and one past the tenant's
+`--files-max-bytes-per-tenant` with 400 `storage_quota_exceeded`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import anyio.to_thread
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from motet.api.errors import APIError, echo
+from motet.api.file_store import FileQuotaExceeded, FileStore, FileTooLarge, StoredFile
+from motet.api.state import ServerState
+from motet.api.storage_errors import StorageFailure, storage_error
+
+PURPOSES = ("batch",)  # what an upload may be for (batch outputs are written by the server as batch_output)
+FORM_SLACK = 64 << 10  # multipart headers and the purpose field, on top of the file's limit
+MAX_LIST = 10_000  # OpenAI's largest page of files
+_CHUNK = 1 << 20
+
+
+def _context(request: Request) -> tuple[ServerState, str, FileStore]:
+    state: ServerState = request.app.state.motet
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    if state.files is None:
+        raise APIError(404, "this server stores no files")
+    return state, tenant, state.files
+
+
+async def stored_call(what: str, call, *args):
+    """A store call in a worker thread; the disk failing is a 507 / 503 that says so."""
+    try:
+        return await anyio.to_thread.run_sync(functools.partial(call, *args))
+    except StorageFailure as e:
+        raise storage_error(e, what) from None
+
+
+def no_such_file(file_id: str, param: str = "file_id") -> APIError:
+    return APIError(404, f"No such File object: {echo(file_id)}", param=param, code="file_not_found")
+
+
+async def _found(store: FileStore, tenant: str, file_id: str) -> StoredFile:
+    stored = await stored_call("the file could not be read", store.get, tenant, file_id)
+    if stored is None:
+        raise no_such_file(file_id)
+    return stored
+
+
+def _too_large(store: FileStore) -> APIError:
+    return APIError(
+        413,
+        f"the file is larger than the server's limit of {store.max_file_bytes} bytes per file (--files-max-bytes)",
+        param="file",
+        code="file_too_large",
+    )
+
+
+async def upload_file(request: Request) -> Response:
+    _, tenant, store = _context(request)
+    limit = store.max_file_bytes + FORM_SLACK
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(store)
+    seen = 0
+
+    async def receive():  # counts what is read, so a body without content-length is bounded too
+        nonlocal seen
+        message = await request.receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise _too_large(store)
+        return message
+
+    async with Request(request.scope, receive).form(max_files=1, max_fields=4) as form:
+        for key in form:
+            if key not in ("file", "purpose"):
+                if key.startswith("expires_after"):
+                    raise APIError(400, "expires_after: files are kept until deleted", param="expires_after")
+                raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
+        upload, purpose = form.get("file"), form.get("purpose")
+        if purpose not in PURPOSES:
+            raise APIError(
+                400,
+                f"purpose must be one of {', '.join(map(repr, PURPOSES))}, not {echo(purpose)}",
+                param="purpose",
+            )
+        if not isinstance(upload, UploadFile):
+            raise APIError(400, "the form needs the file as its `file` part", param="file")
+        try:
+            stored = await stored_call(
+                "the file could not be stored",
+                store.upload,
+                tenant,
+                upload.filename or "file",
+                purpose,
+                upload.file,
+            )
+        except FileTooLarge:
+            raise _too_large(store) from None
+        except FileQuotaExceeded as e:
+            raise APIError(400, str(e), param="file", code="storage_quota_exceeded") from None
+    return JSONResponse(stored.object())
+
+
+async def list_files(request: Request) -> Response:
+    _, tenant, store = _context(request)
+    q = request.query_params
+    for key in q:
+        if key not in ("after", "limit", "order", "purpose"):
+            raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', not {echo(order)}", param="order")
+    raw = q.get("limit", str(MAX_LIST))
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST:
+        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST}, not {echo(raw)}", param="limit")
+    after = q.get("after")
+    page = await stored_call(
+        "the files could not be read", store.page, tenant, after, int(raw), order, q.get("purpose")
+    )
+    if page is None:
+        raise no_such_file(after, "after")
+    files, more = page
+    data = [f.object() for f in files]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )
+
+
+async def retrieve_file(request: Request) -> Response:
+    _, tenant, store = _context(request)
+    return JSONResponse((await _found(store, tenant, request.path_params["file_id"])).object())
+
+
+async def file_content(request: Request) -> Response:
+    _, tenant, store = _context(request)
+    stored = await _found(store, tenant, request.path_params["file_id"])
+    handle = await stored_call(
+        "the file could not be read", store.open, stored
+    )  # open: a delete cannot cut it
+
+    async def chunks():
+        try:
+            while chunk := await anyio.to_thread.run_sync(handle.read, _CHUNK):
+                yield chunk
+        finally:
+            handle.close()
+
+    return StreamingResponse(
+        chunks(),
+        media_type="application/octet-stream",
+        headers={
+            "Content-Length": str(stored.bytes),
+            "Content-Disposition": f'attachment; filename="{stored.id}"',
+        },
+    )
+
+
+async def delete_file(request: Request) -> Response:
+    _, tenant, store = _context(request)
+    file_id = request.path_params["file_id"]
+    if not await stored_call("the file could not be deleted", store.delete, tenant, file_id):
+        raise no_such_file(file_id)
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})

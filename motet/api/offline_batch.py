@@ -1,0 +1,111 @@
+"""`motet run-batch -i in.jsonl -o out.jsonl`: a batch file run offline, as `vllm run-batch` does.
+
+The engine runs in this process behind the server's own app, without HTTP: the serving system is started as
+`motet serve` starts it, and each line is sent to its url through the app (motet/api/batch_runner.py
+`answer`), so a line gets exactly what the same request to a server would, with the same validation. The
+formats are the Batch API's (motet/api/batch_format.py). Unlike the server's batches, lines run at full
+speed (up to `--max-concurrency` at once) and every answer, errors included, goes to the one output file, in
+the input's order, as vLLM writes it. The output is written whole (to a temporary name, then renamed).
+-i and -o take local paths, or http(s) URLs (the input is fetched with GET, the output sent with PUT).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import anyio
+from tqdm import tqdm
+
+from motet.api.batch_format import Line, dumps, error_line, parse_lines, succeeded
+from motet.api.batch_runner import answer
+
+log = logging.getLogger("motet.batches")
+
+
+def _is_url(path: str) -> bool:
+    return path.startswith(("http://", "https://"))
+
+
+def read_input(path: str) -> list[bytes]:
+    if _is_url(path):
+        with urllib.request.urlopen(path) as r:  # noqa: S310 (the user's own URL)
+            return r.read().splitlines(keepends=True)
+    with open(path, "rb") as f:
+        return f.readlines()
+
+
+def write_output(path: str, lines: list[bytes]) -> None:
+    if _is_url(path):
+        request = urllib.request.Request(path, data=b"".join(lines), method="PUT")
+        with urllib.request.urlopen(request):  # noqa: S310
+            return
+    target = Path(path)
+    with tempfile.NamedTemporaryFile("wb", dir=target.parent or ".", delete=False, suffix=".partial") as f:
+        f.writelines(lines)
+    os.replace(f.name, target)
+
+
+async def run_lines(app, lines: list[Line], concurrency: int, progress: tqdm) -> list[dict]:
+    """Every line's answer, in the input's order."""
+    out: list[dict | None] = [None] * len(lines)
+    limiter = anyio.Semaphore(concurrency)
+
+    async def run(i: int, line: Line) -> None:
+        async with limiter:
+            while isinstance(result := await answer(app, line.url, line.custom_id, line.body, None), float):
+                await anyio.sleep(result)  # the queue is full: wait as the server said
+        out[i] = result
+        progress.update()
+
+    async with anyio.create_task_group() as tg:
+        for i, line in enumerate(lines):
+            if line.error is not None:
+                out[i] = error_line(line.custom_id, *line.error)
+                progress.update()
+            else:
+                tg.start_soon(run, i, line)
+    return out
+
+
+async def _main(state, app, lines: list[Line], concurrency: int) -> list[dict]:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(state.system.run)
+        while not state.system.ready:
+            await anyio.sleep(0.05)
+        try:
+            with tqdm(total=len(lines), unit="req", desc="Running batch", file=sys.stderr) as progress:
+                return await run_lines(app, lines, concurrency, progress)
+        finally:
+            with anyio.move_on_after(10, shield=True):
+                await state.system.stop()
+            tg.cancel_scope.cancel()
+
+
+def run_batch(args, config) -> int:
+    from motet.actors.system import ServingSystem
+    from motet.api.app import create_app
+    from motet.api.server import served_names, shared_loras
+    from motet.api.state import ServerState
+    from motet.engine.llm_engine import LLMEngine
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    concurrency = args.max_concurrency or 2 * config.max_num_seqs
+    lines = list(parse_lines(read_input(args.input_file)))
+    names = served_names(args, config)
+    system = ServingSystem(
+        lambda: LLMEngine(config), max_queue_len=concurrency, loras=shared_loras(args.lora, names)
+    )
+    state = ServerState(system=system, model_names=names, reasoning=args.reasoning_parser == "think")
+    log.info("running %d requests from %s on %s", len(lines), args.input_file, state.model_name)
+    out = anyio.run(_main, state, create_app(state), lines, concurrency)
+    write_output(args.output_file, [dumps(result) for result in out])
+    failed = sum(not succeeded(result) for result in out)
+    log.info("wrote %d answers to %s (%d errors)", len(out), args.output_file, failed)
+    return 0

@@ -1,0 +1,125 @@
+"""GET /v1/responses/{id}/input_items: the items a stored response was generated from, as OpenAI lists them.
+
+What it lists: everything the model was shown as items for that response, which for a response that continued
+another (`previous_response_id`) is the whole conversation before it, each earlier turn's input and output
+items, then the response's own input (OpenAI describes the list as "the items used to generate this
+response", and its items include output messages and function calls of earlier turns). `instructions` are no
+item and are not listed; reasoning items are never shown to the model again (motet/api/response_items.py
+`model_visible`), so they are not listed either.
+
+Items are returned in OpenAI's item shapes (a message's string content becomes one `input_text` /
+`output_text` part) with an `id` and a `status`. An earlier turn's output items keep the ids its Response
+gave them; an item whose id was not stored (input items, and the output of a turn deleted since, which keeps
+only what the model sees) gets one derived from its response and place: the same on every call, so the
+`after` cursor pages through the list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from motet.api.errors import APIError, echo
+from motet.api.response_store import Turn
+from motet.api.responses import _from_store as from_store  # the store's failures as 507 / 503
+from motet.api.responses import _not_found as not_found
+from motet.api.state import ServerState
+
+DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # OpenAI's
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_QUERY = ("after", "limit", "order", "include", "include[]")
+
+
+def _item_id(item: dict, response_id: str, where: str) -> str:
+    prefix = _ID_PREFIXES.get(item.get("type"), "item")
+    digest = hashlib.sha256(f"{response_id}:{where}".encode()).hexdigest()[:32]
+    return f"{prefix}_{digest}"
+
+
+def _shaped(item: dict, response_id: str, where: str) -> dict:
+    """One stored item in the shape OpenAI returns it: an id, a status, content as parts."""
+    out = dict(item)
+    if out.get("type") == "message":
+        assistant = out.get("role") == "assistant"
+        if isinstance(out.get("content"), str):
+            kind = "output_text" if assistant else "input_text"
+            out["content"] = [{"type": kind, "text": out["content"]}]
+        out["content"] = [
+            {**p, "annotations": p.get("annotations", [])} if p.get("type") == "output_text" else p
+            for p in out.get("content") or []
+            if isinstance(p, dict)
+        ]
+    out.setdefault("id", _item_id(item, response_id, where))
+    out.setdefault("status", "completed")
+    return out
+
+
+def conversation_items(turns: list[Turn]) -> list[dict]:
+    """The items the last turn was generated from, oldest first."""
+    items: list[dict] = []
+    for n, turn in enumerate(turns):
+        items += [_shaped(it, turn.response_id, f"input:{i}") for i, it in enumerate(turn.input)]
+        if n < len(turns) - 1:  # an earlier turn's output is input to the later ones
+            items += [
+                _shaped(it, turn.response_id, f"output:{i}")
+                for i, it in enumerate(turn.output)
+                if isinstance(it, dict) and it.get("type") != "reasoning"
+            ]
+    return items
+
+
+def _params(request: Request) -> tuple[str | None, int, str]:
+    q = request.query_params
+    for key in q:
+        if key not in _QUERY:
+            raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
+    include = [v for key in ("include", "include[]") for v in q.getlist(key) if v]
+    if include:  # what they would add (logprobs, encrypted reasoning, images) is not stored
+        raise APIError(
+            400,
+            f"include: {echo(include[0])} is not available: stored items keep only what the model is shown",
+            param="include",
+        )
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', not {echo(order)}", param="order")
+    raw = q.get("limit", str(DEFAULT_LIMIT))
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, not {echo(raw)}", param="limit")
+    return q.get("after"), int(raw), order
+
+
+async def list_input_items(request: Request) -> Response:
+    state: ServerState = request.app.state.motet
+    tenant = state.auth.tenant(request.headers.get("authorization"))
+    after, limit, order = _params(request)
+    response_id = request.path_params["response_id"]
+    turns = (
+        await from_store("the response could not be read", state.responses.turns, tenant, response_id)
+        if state.responses
+        else None
+    )
+    if turns is None:
+        raise not_found(response_id, "response_id")
+    items = conversation_items(turns)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [it["id"] for it in items]
+        if after not in ids:
+            raise APIError(
+                400, f"after: no item {echo(after)} among this response's input items", param="after"
+            )
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )
