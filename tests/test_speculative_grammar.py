@@ -113,7 +113,7 @@ def test_draft_masks_are_the_plain_paths_masks(engines, draft_text):
     drafts = hf.encode(draft_text)
     vocab = engine.model_config.vocab_size
 
-    guided = GuidedDecoding(grammar.matcher(), "</think>")
+    guided = GuidedDecoding(grammar.matcher(), engine.reasoning_opening, reasoning_started=True)
     detok = IncrementalDetokenizer(hf, prompt)
     first = activation_index(guided, detok, drafts)
     assert check_drafts(guided, drafts, first) == drafts  # valid JSON after </think>: all kept
@@ -121,7 +121,10 @@ def test_draft_masks_are_the_plain_paths_masks(engines, draft_text):
     fill_draft_bitmask(spec, guided, drafts, first, 0)
 
     # The plain path: token by token, masking where the constraint is on, then accepting and observing.
-    ref_guided, ref_detok = GuidedDecoding(grammar.matcher(), "</think>"), IncrementalDetokenizer(hf, prompt)
+    ref_guided, ref_detok = (
+        GuidedDecoding(grammar.matcher(), engine.reasoning_opening, reasoning_started=True),
+        IncrementalDetokenizer(hf, prompt),
+    )
     ref = allocate_bitmask(len(drafts) + 1, vocab)
     masked = []
     for j in range(len(drafts) + 1):

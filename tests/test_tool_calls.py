@@ -277,12 +277,14 @@ def test_render_history_chatml(tokenizer):
         "<|im_start|>assistant\n"
         '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "math.sum", "arguments": {"numbers": [1, 2]}}\n</tool_call><|im_end|>\n'
-        "<|im_start|>user\n<tool_response>\n18C\n</tool_response>\n<tool_response>\n3\n</tool_response><|im_end|>\n"
+        "<|im_start|>tool\n<tool_response>\n"
+        '{"name": "get_weather", "content": "18C"}\n</tool_response>\n<tool_response>\n'
+        '{"name": "math.sum", "content": "3"}\n</tool_response><|im_end|>\n'
         "<|im_start|>assistant\n18C; the sum is 3.<|im_end|>\n"
         "<|im_start|>user\nAnd in Rome?<|im_end|>\n"
         '<|im_start|>assistant\nChecking.\n<tool_call>\n{"name": "get_weather", "arguments": "oops"}\n'
         "</tool_call><|im_end|>\n"
-        "<|im_start|>user\n<tool_response>\n20C\n</tool_response><|im_end|>\n"
+        '<|im_start|>tool\n<tool_response>\n{"name": "get_weather", "content": "20C"}\n</tool_response><|im_end|>\n'
         "<|im_start|>assistant\n"
     )
     assert text == expected
@@ -290,10 +292,13 @@ def test_render_history_chatml(tokenizer):
 
 def test_render_without_tools_keeps_template_default(tokenizer):
     messages = render_messages(HISTORY[1:5], [])
-    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    assert "<tool_response>\n18C\n</tool_response>\n<tool_response>\n3\n</tool_response>" in text
+    assert (
+        '<tool_response>\n{"name": "get_weather", "content": "18C"}\n</tool_response>\n'
+        '<tool_response>\n{"name": "math.sum", "content": "3"}\n</tool_response>'
+    ) in text
 
 
 def test_render_inserts_system_and_round_trips():
@@ -513,7 +518,7 @@ def call(name: str, args: str) -> str:
             [],
         ),
         ("a <tool_call>", "a <tool_call>", []),
-        ("</tool_call> <tool_call", "</tool_call> <tool_call", []),
+        ("</tool_call> <tool_call", "<tool_call", []),  # a stray close tag is markup, never content
     ],
 )
 def test_parse_tool_calls(text, content, calls):

@@ -29,6 +29,7 @@ from motet.api.state import ServerState
 from motet.api.streams import Choice, EventStream, collect, observe, release, sse, usage
 from motet.api.structured import Structure, prompt_messages, structured_output
 from motet.engine.sampling_params import SamplingParams
+from motet.grammar.reasoning import prompt_opens_reasoning
 
 log = logging.getLogger("motet.api")
 
@@ -71,6 +72,7 @@ def build_params(
         grammar=structure.spec if structure else None,
         grammar_backend=structure.backend if structure else None,
         reasoning=reasoning,
+        stop_on_repeated_tool_call=structure is not None and structure.tool_mode != "none",
         speculative=req.speculative,
         cache_salt=req.cache_salt,
         bad_words=req.bad_words or [],
@@ -207,7 +209,7 @@ def chat_output(state: ServerState, adm: Admission, structure: Structure) -> Cal
     """Makes one choice's output splitter: reasoning (when the prompt already opened it), tool calls."""
 
     def output() -> ChatOutput:
-        started = state.reasoning and adm.prompt_text.rstrip().endswith("<think>")
+        started = state.reasoning and prompt_opens_reasoning(adm.prompt_text)
         return ChatOutput(state.reasoning, started, tools=structure.tool_mode != "none")
 
     return output

@@ -44,7 +44,7 @@ from motet.grammar.tool_calls import (
     tool_call_structural_tag,
     validate_tools,
 )
-from motet.grammar.tool_prompt import render_messages, template_supports_tools
+from motet.grammar.tool_prompt import render_messages, template_renders_role, template_supports_tools
 
 
 @dataclass
@@ -269,7 +269,8 @@ def prompt_messages(messages: list[dict], structure: Structure, chat_template: s
     shown = structure.tools  # with tool_choice "none" too, as vLLM does: the model sees them, cannot call
     if template_supports_tools(chat_template):
         return messages, ({"tools": [t.openai_dict() for t in shown]} if shown else {})
+    tool_role = "tool" if template_renders_role(chat_template, "tool") else "user"
     try:
-        return render_messages(messages, shown), {}
+        return render_messages(messages, shown, tool_role), {}
     except ToolError as e:
         raise APIError(400, str(e), param=e.param) from None

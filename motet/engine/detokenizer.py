@@ -100,3 +100,30 @@ class StopStringMatcher:
         """The held-back tail, at the end of a stream that hit no stop string."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+
+class StopChain:
+    """Stop matchers applied in turn, each one's released text feeding the next, as one matcher: the earliest
+    stop ends the stream, and `matched` is its stop string (None when a stop of another kind ended it)."""
+
+    def __init__(self, *matchers):
+        self.matchers = matchers
+        self.stopped = False
+        self.matched: str | None = None
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        return self._through(delta, final=False), self.stopped
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._through("", final=True)
+
+    def _through(self, text: str, final: bool) -> str:
+        for m in self.matchers:
+            text, stopped = m.feed(text)
+            if stopped:  # a later matcher may still cut the released text earlier; the rest of it ends here
+                self.stopped, self.matched, final = True, m.matched, True
+            elif final:
+                text += m.flush()
+        return text

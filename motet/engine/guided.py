@@ -6,8 +6,20 @@ speculative drafts, one row per verified position: motet/engine/speculative/gram
 Preemption needs no rollback: a preempted sequence keeps its output tokens (recompute only rebuilds
 their KV), and the matcher has accepted exactly those tokens.
 
-Reasoning models write `<think>...</think>` first; with `wait_for="</think>"` the constraint starts
-with the first token after that text appears in the output.
+Reasoning models may write `<think>...</think>` before the content the grammar describes. With a
+reasoning parser the constraint has three phases:
+
+- OPENING (the output's start, unless the prompt already opened `<think>`): undecided. The mask allows
+  the grammar's tokens and the tokens that continue `<think>` (motet/grammar/reasoning.ReasoningOpening),
+  and each token is checked against both. The first token that only one of them allows decides: the
+  grammar's, and the constraint is on from the output's first token (the matcher has accepted every
+  token so far); `<think>` completed, and the output reasons (the matcher is rolled back). A token both
+  allow ("<" opens `<think>` and `<tool_call>`) keeps both open.
+- REASONING: unconstrained until `</think>` appears in the output text.
+- CONSTRAINED: the grammar masks every token.
+
+So the content (the text after the reasoning, or the whole output) always matches the grammar; an output
+that does not open `<think>` cannot skip the constraint by writing `</think>` later.
 
 Jump-forward: where the grammar forces a string (a property name, a tool call's opening), its tokens
 are appended without sampling them one by one; the next step computes them as one chunk. The forced
@@ -17,40 +29,98 @@ string's last token is left to the model, because it could merge with what follo
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 
-from motet.grammar.backend import Matcher
+import torch
+
+from motet.grammar.backend import Matcher, set_token_bits
+from motet.grammar.reasoning import REASONING_END, ReasoningOpening
+
+
+class Phase(Enum):
+    OPENING = "opening"
+    REASONING = "reasoning"
+    CONSTRAINED = "constrained"
 
 
 class GuidedDecoding:
-    def __init__(self, matcher: Matcher, wait_for: str | None = None):
+    def __init__(
+        self, matcher: Matcher, reasoning: ReasoningOpening | None = None, reasoning_started: bool = False
+    ):
+        """`reasoning`: the tokenizer's `<think>` openers when the output may reason (None: it never
+        does); `reasoning_started`: the prompt already opened `<think>`."""
         self.matcher = matcher
-        self.wait_for = wait_for
-        self.active = wait_for is None
-        self._tail = ""  # the output text's last characters, while waiting for `wait_for`
+        self._opening = reasoning
+        if reasoning_started:
+            self.phase = Phase.REASONING
+        else:
+            self.phase = Phase.CONSTRAINED if reasoning is None else Phase.OPENING
+        self._progress: int | None = 0  # OPENING: bytes of `<think>` written; None once it cannot open
+        self._grammar_open = True  # OPENING: whether the matcher accepted every token so far
+        self._grammar_tokens = 0  # OPENING: how many tokens the matcher accepted (to roll them back)
+        self._tail = ""  # REASONING: the output text's last characters, to find `</think>`
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar alone masks the next token."""
+        return self.phase is Phase.CONSTRAINED
+
+    @property
+    def opening(self) -> bool:
+        """Whether the output may still open `<think>` or follow the grammar (the mask allows both)."""
+        return self.phase is Phase.OPENING
+
+    def fill_opening_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """OPENING: the grammar's allowed tokens (while it is open) and those that continue `<think>`."""
+        if self._grammar_open:
+            self.matcher.fill_bitmask(bitmask, row)
+        else:
+            bitmask[row].zero_()
+        if self._progress is not None:
+            set_token_bits(bitmask, row, self._opening.tokens(self._progress))
 
     def observe_text(self, text: str) -> None:
-        """Output text of the token just appended (before the constraint is active)."""
-        if self.active:
+        """Output text of the token just appended (after `accept`): finds where the reasoning ends."""
+        if self.phase is not Phase.REASONING:
             return
-        self._tail = (self._tail + text)[-(len(self.wait_for) + len(text)) :]
-        if self.wait_for in self._tail:
-            self.active = True
+        self._tail = (self._tail + text)[-(len(REASONING_END) + len(text)) :]
+        if REASONING_END in self._tail:
+            self.phase = Phase.CONSTRAINED
 
     def tail_after(self, texts: list[str]) -> int | None:
         """With the given texts appended one by one (drafts' text deltas), after how many the constraint
-        would be on; None if it stays off. The state is not changed."""
+        would be on; None if it stays off. The state is not changed. Not for an OPENING output (it gets
+        no drafts: the proposer skips it)."""
         if self.active:
             return 0
+        if self.opening:
+            raise ValueError("an output that may still open <think> has no drafts")
         tail = self._tail
         for i, text in enumerate(texts):
-            tail = (tail + text)[-(len(self.wait_for) + len(text)) :]
-            if self.wait_for in tail:
+            tail = (tail + text)[-(len(REASONING_END) + len(text)) :]
+            if REASONING_END in tail:
                 return i + 1
         return None
 
     def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; False if the grammar does not allow it (a masked-out token)."""
-        return not self.active or self.matcher.accept_token(token_id)
+        """Advance by a sampled token; False if the mask did not allow it (state unchanged)."""
+        if self.phase is Phase.CONSTRAINED:
+            return self.matcher.accept_token(token_id)
+        if self.phase is Phase.REASONING:
+            return True
+        progress = self._opening.advance(self._progress, token_id) if self._progress is not None else None
+        grammar = self._grammar_open and self.matcher.accept_token(token_id)
+        if progress is None and not grammar:
+            return False
+        self._grammar_tokens += grammar
+        if progress == len(ReasoningOpening.TAG):  # `<think>` is complete: the output reasons
+            self.matcher.rollback(self._grammar_tokens)
+            self.phase, self._tail = Phase.REASONING, ""
+        elif progress is None:  # only the grammar allowed it: constrained from the first token
+            self.phase = Phase.CONSTRAINED
+        else:
+            self._progress, self._grammar_open = progress, grammar
+        return True
 
     @property
     def terminated(self) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from motet.engine.block_manager import BlockManager, prefix_salt
 from motet.engine.checkpoint import load_model_config
 from motet.engine.config import EngineConfig
-from motet.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
 from motet.engine.fairness import TenantState, VirtualTokenCounter
 from motet.engine.guided import GuidedDecoding
 from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
@@ -38,7 +38,9 @@ from motet.engine.token_masks import bad_words_token_ids
 from motet.engine.tokenizer import load_tokenizer
 from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
 from motet.grammar.cache import GrammarCache
+from motet.grammar.reasoning import ReasoningOpening, prompt_opens_reasoning
 from motet.grammar.specs import GrammarSpec
+from motet.grammar.tool_call_parser import RepeatedCallStop
 from motet.lora.manager import AdapterManager, AdapterRef
 
 log = logging.getLogger("motet.engine")
@@ -145,6 +147,11 @@ class LLMEngine:
             stop_token_ids=sorted(self.eos_token_ids),
         )
 
+    @functools.cached_property
+    def reasoning_opening(self) -> ReasoningOpening:
+        """Which tokens may open `<think>` at an output's start (for grammars under a reasoning parser)."""
+        return ReasoningOpening(self.grammar_tokenizer.decoded_vocab)
+
     def compile_grammar(
         self, spec: GrammarSpec, backend: str | None = None, owner: str | None = None
     ) -> CompiledGrammar:
@@ -215,12 +222,22 @@ class LLMEngine:
         kind = params.grammar.kind if params.grammar is not None else None
         seq.draft_scope = DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning)
         if grammar is not None:
-            seq.guided = GuidedDecoding(grammar.matcher(), "</think>" if params.reasoning else None)
+            seq.guided = self._guided(grammar, params, token_ids)
         seq.detok = IncrementalDetokenizer(self.tokenizer.hf, token_ids, params.skip_special_tokens)
         seq.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        if params.stop_on_repeated_tool_call:
+            seq.stops = StopChain(seq.stops, RepeatedCallStop())
         self.scheduler.add(seq)
         self.requests[request_id] = seq
         return request_id
+
+    def _guided(self, grammar: CompiledGrammar, params: SamplingParams, prompt: list[int]) -> GuidedDecoding:
+        """The constraint: from the output's first token, or with `params.reasoning` after `</think>` when
+        the prompt opened `<think>` or the output's first tokens do (motet/engine/guided.py)."""
+        if not params.reasoning:
+            return GuidedDecoding(grammar.matcher())
+        started = prompt_opens_reasoning(self.tokenizer.hf.decode(prompt[-16:]))  # the template's last words
+        return GuidedDecoding(grammar.matcher(), self.reasoning_opening, reasoning_started=started)
 
     def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
         """`params` with its bad_words as token sequences (motet/engine/token_masks.py); the serving layer

@@ -80,12 +80,14 @@ class GrammarStats:
     jump_forward_tokens: int = 0  # tokens appended without sampling (counted by the engine)
 
 
-def _timed_fill(bitmask: torch.Tensor, items, drafted) -> float:
+def _timed_fill(bitmask: torch.Tensor, items, drafted, opening) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():  # the bitmask was made in the step's inference mode; this is another thread
         fill_bitmasks(bitmask, items)
         for guided, drafts, first, row in drafted:  # position by position, through the drafts
             fill_draft_bitmask(bitmask, guided, drafts, first, row)
+        for guided, row in opening:  # an output's first tokens: the grammar's, or the opening of <think>
+            guided.fill_opening_bitmask(bitmask, row)
     return time.perf_counter() - t0
 
 
@@ -226,7 +228,7 @@ class ModelRunner:
             views.extend(position_views(batch.seqs[i]))
         # Constrained rows: their bitmask rows are filled on a side thread while the forward pass runs
         # (xgrammar releases the GIL); unconstrained rows are never touched.
-        masked, plain, drafted = [], [], []
+        masked, plain, drafted, opening = [], [], [], []
         for i, start in zip(sample_rows, starts, strict=True):
             seq = batch.seqs[i]
             if seq.guided is None:
@@ -238,9 +240,12 @@ class ModelRunner:
             elif seq.guided.active:
                 masked.append(start)
                 plain.append((seq.guided.matcher, start))
+            elif seq.guided.opening:
+                masked.append(start)
+                opening.append((seq.guided, start))
         if masked:
             bitmask = allocate_bitmask(len(views), self.model_config.vocab_size)
-            filling = self._grammar_thread.submit(_timed_fill, bitmask, plain, drafted)
+            filling = self._grammar_thread.submit(_timed_fill, bitmask, plain, drafted, opening)
 
         hidden, qsl = self.forward(batch, lora)
         rows = [

@@ -41,11 +41,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured output: the output must match `grammar` (grammar.specs), compiled with
-    # `grammar_backend` (None: the engine's). With `reasoning`, the output starts with the model's
-    # reasoning and the grammar applies after "</think>".
+    # `grammar_backend` (None: the engine's). With `reasoning`, an output that opens with "<think>" (or
+    # whose prompt opened it) is constrained after "</think>", any other from its first token.
     grammar: GrammarSpec | None = None
     grammar_backend: str | None = None
     reasoning: bool = False
+    # Tool calls (motet/grammar/tool_call_parser.RepeatedCallStop): a call that repeats an earlier call of the
+    # output ends it (without the repeat), as a small model otherwise repeats its call until max_tokens.
+    stop_on_repeated_tool_call: bool = False
     # Speculative decoding, where the engine has it on: False opts this request out (its output is the
     # same either way; this only trades the verification's extra tokens for fewer steps).
     speculative: bool = True

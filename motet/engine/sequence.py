@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from motet.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
 from motet.engine.guided import GuidedDecoding
 from motet.engine.sampling_params import SamplingParams
 
@@ -83,7 +83,7 @@ class Sequence:
     draft_scope: Hashable | None = None
     # Output text, as the engine commits tokens (set by the engine when it takes the request).
     detok: IncrementalDetokenizer | None = None
-    stops: StopStringMatcher | None = None
+    stops: StopStringMatcher | StopChain | None = None
     text: str = ""
     num_emitted: int = 0  # tokens already reported in a RequestOutput
     # time.monotonic() when it entered the serving system, was first scheduled, and produced its first and

@@ -8,9 +8,12 @@ Reasoning models (DeepSeek-R1, Qwen3, ...) write their thoughts first, then the 
 
     answer
 
-The API returns the thoughts as `reasoning_content` and the answer as `content`; the engine applies a
-grammar (JSON schema, tool calls) only after the reasoning ends. `started=True` says the prompt already
-opened `<think>` (DeepSeek-R1's template does), so the output begins inside the reasoning.
+The API returns the thoughts as `reasoning_content` and the answer as `content`. `started=True` says the
+prompt already opened `<think>` (DeepSeek-R1's template does), so the output begins inside the reasoning.
+
+A grammar (JSON schema, tool calls) constrains the content only, so the engine must know where it begins
+(motet/engine/guided.py): after `</think>` when the reasoning is open, else from the output's first token.
+Which one is decided by the first token(s): `ReasoningOpening` says which tokens may still open `<think>`.
 
 Rules (shared by `split_reasoning` and `ReasoningStreamParser`, which agree for any split):
   - Without `started`, the output enters reasoning only if it begins with optional whitespace and
@@ -48,14 +51,56 @@ def split_reasoning(text: str, started: bool = False) -> tuple[str | None, str]:
     return text[begin:end].strip() or None, text[end + len(REASONING_END) :].lstrip()
 
 
+def prompt_opens_reasoning(prompt_text: str) -> bool:
+    """Whether a rendered prompt already opened the reasoning (its output starts inside it: `started`)."""
+    return prompt_text.rstrip().endswith(REASONING_START)
+
+
 def reasoning_ended(text: str, started: bool = False) -> bool:
     """Whether the output so far is past its reasoning: `</think>` came, or (without `started`) the
-    output has shown it does not open with `<think>`. The engine switches constraints on then."""
+    output has shown it does not open with `<think>`."""
     if not started:
         head = text.lstrip()
         if not head.startswith(REASONING_START):
             return not REASONING_START.startswith(head)  # undecided while it may still become <think>
     return REASONING_END in text[_enter(text, started) :]
+
+
+class ReasoningOpening:
+    """Which tokens continue `<think>` at the start of an output, from each token's decoded bytes (computed
+    once per tokenizer): the engine's mask lets an output open its reasoning while it is undecided.
+
+    `progress` is how many bytes of `<think>` the output has written so far (0 at its start). A token
+    continues it when its bytes are the tag's next bytes, or the tag's rest followed by more (the tag then
+    complete: `advance` returns `len(TAG)`). Leading whitespace does not count: an output opens its
+    reasoning only with `<think>` itself, as the models that reason write it.
+    """
+
+    TAG = REASONING_START.encode()
+
+    def __init__(self, decoded_vocab: list[bytes]):
+        self._vocab = decoded_vocab
+        # The tag's bytes are all different, so a token's first byte names the one progress it continues.
+        where = {byte: k for k, byte in enumerate(self.TAG)}
+        self._tokens: list[list[int]] = [[] for _ in self.TAG]
+        for token, text in enumerate(decoded_vocab):
+            k = where.get(text[0]) if text else None
+            if k is not None and self.advance(k, token) is not None:
+                self._tokens[k].append(token)
+
+    def advance(self, progress: int, token: int) -> int | None:
+        """The progress after `token`; None when the token does not continue `<think>`."""
+        text = self._vocab[token] if 0 <= token < len(self._vocab) else b""
+        rest = self.TAG[progress:]
+        if not text:
+            return None
+        if rest.startswith(text):
+            return progress + len(text)
+        return len(self.TAG) if text.startswith(rest) else None
+
+    def tokens(self, progress: int) -> list[int]:
+        """The tokens that continue `<think>` from `progress` (< len(TAG))."""
+        return self._tokens[progress]
 
 
 def _partial_tag_len(text: str, tag: str) -> int:

@@ -11,9 +11,15 @@ to the next `<tool_call>` or the end of the text when the close tag is missing. 
   2. otherwise, the whole body is one JSON object with a string "name" and an object "arguments" (or
      "parameters"), in any key order (e.g. arguments before name), no duplicate keys.
 
-Any other block stays in the content as written, tags included. Content is the text outside calls,
-concatenated, then stripped of surrounding whitespace (None when empty); the stream gets the same by
-dropping leading whitespace and holding back trailing whitespace until more content follows it.
+Any other block stays in the content as written, tags included. Content is the text outside blocks,
+each piece without the tool-format markup a model may copy from its prompt (a `<tool_response>` block up
+to its `</tool_response>`, or to the piece's end: a tool's answer the model wrote itself; and a
+`</tool_call>` or `</tool_response>` with no opening), and the blocks that are no calls, concatenated, then
+stripped of surrounding whitespace (None when empty); the stream gets the same by dropping leading
+whitespace and holding back trailing whitespace until more content follows it.
+
+`RepeatedCallStop` ends an output at a call that repeats an earlier one of the same output (the engine
+applies it beside the stop strings when a request has tools).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from motet.grammar.tool_calls import CALL_BEGIN, CALL_END
+from motet.grammar.tool_calls import CALL_BEGIN, CALL_END, RESPONSE_BEGIN, RESPONSE_END
 
 # ---------------------------------------------------------------------------------------------------
 # Parsing the output
@@ -157,13 +163,26 @@ def _block_end(text: str, start: int) -> tuple[int, int]:
     return len(text), len(text)
 
 
+# Left to right, as `_MarkupFilter` streams it: a tool response (to its close tag or the end), a stray close tag.
+_MARKUP_RE = re.compile(
+    f"{re.escape(RESPONSE_BEGIN)}.*?(?:{re.escape(RESPONSE_END)}|\\Z)|{re.escape(CALL_END)}|{re.escape(RESPONSE_END)}",
+    re.DOTALL,
+)
+_MARKUP_TAGS = (RESPONSE_BEGIN, CALL_END, RESPONSE_END)
+
+
+def strip_markup(content: str) -> str:
+    """A piece of content without the tool-format markup a model copies from its prompt (module docstring)."""
+    return _MARKUP_RE.sub("", content)
+
+
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """Split a complete output into content (None when empty) and tool calls."""
     content: list[str] = []
     calls: list[ToolCall] = []
     pos = 0
     while (begin := text.find(CALL_BEGIN, pos)) >= 0:
-        content.append(text[pos:begin])
+        content.append(strip_markup(text[pos:begin]))
         body_start = begin + len(CALL_BEGIN)
         body_end, pos = _block_end(text, body_start)
         call = _parse_block(text[body_start:body_end])
@@ -171,7 +190,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
             calls.append(call)
         else:
             content.append(text[begin:pos])
-    content.append(text[pos:])
+    content.append(strip_markup(text[pos:]))
     return "".join(content).strip() or None, calls
 
 
@@ -193,6 +212,40 @@ class ToolCallArguments:
 
 
 Event = ContentDelta | ToolCallStart | ToolCallArguments
+
+
+class _MarkupFilter:
+    """`strip_markup` streamed over one piece of content (`final` ends it): holds back a partial tag, and a
+    tool response until it closes (then drops it)."""
+
+    def __init__(self):
+        self._buf = ""
+        self._in_response = False
+
+    def feed(self, text: str, final: bool = False) -> str:
+        self._buf += text
+        out = []
+        while True:
+            if self._in_response:
+                end = self._buf.find(RESPONSE_END)
+                if end < 0:  # dropped so far; keep only what may begin the close tag
+                    keep = 0 if final else _partial_tag_len(self._buf, (RESPONSE_END,))
+                    self._buf = self._buf[len(self._buf) - keep :]
+                    break
+                self._buf, self._in_response = self._buf[end + len(RESPONSE_END) :], False
+                continue
+            hits = [(i, tag) for tag in _MARKUP_TAGS if (i := self._buf.find(tag)) >= 0]
+            if not hits:
+                keep = 0 if final else _partial_tag_len(self._buf, _MARKUP_TAGS)
+                out.append(self._buf[: len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep :]
+                break
+            i, tag = min(hits)
+            out.append(self._buf[:i])
+            self._buf, self._in_response = self._buf[i + len(tag) :], tag == RESPONSE_BEGIN
+        if final:
+            self._in_response = False
+        return "".join(out)
 
 
 def _partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
@@ -231,6 +284,7 @@ class ToolCallStreamParser:
         self._sent = 0  # characters of the arguments already emitted
         self._scanner: _ObjectScanner | None = None
         self._scanned = 0
+        self._markup = _MarkupFilter()
 
     def feed(self, delta: str) -> list[Event]:
         self._buf += delta
@@ -250,12 +304,12 @@ class ToolCallStreamParser:
         if not self._in_call:
             begin = self._buf.find(CALL_BEGIN)
             if begin >= 0:
-                self._content(self._buf[:begin], events)
+                self._content(self._buf[:begin], events, final=True)  # a block ends the piece
                 self._buf = self._buf[begin + len(CALL_BEGIN) :]
                 self._in_call = True
                 return True
             keep = 0 if final else _partial_tag_len(self._buf, (CALL_BEGIN,))
-            self._content(self._buf[: len(self._buf) - keep], events)
+            self._content(self._buf[: len(self._buf) - keep], events, final)
             self._buf = self._buf[len(self._buf) - keep :]
             return False
 
@@ -296,14 +350,18 @@ class ToolCallStreamParser:
         elif call is not None:
             events.append(ToolCallStart(self._index, call.name))
             self._emit_arguments(call.arguments, events)
-        else:
-            self._content(CALL_BEGIN + body + close_tag, events)
+        else:  # not a call: content as written
+            self._emit_content(CALL_BEGIN + body + close_tag, events)
         if call is not None:
             self._index += 1
         self._in_call = False
         self._args_start, self._sent, self._scanner = None, 0, None
 
-    def _content(self, text: str, events: list[Event]) -> None:
+    def _content(self, text: str, events: list[Event], final: bool = False) -> None:
+        """Text outside blocks (`final`: the end of a piece): without the markup, as `strip_markup`."""
+        self._emit_content(self._markup.feed(text, final), events)
+
+    def _emit_content(self, text: str, events: list[Event]) -> None:
         """Emit content so that the deltas add up to the stripped concatenation of all content."""
         if not self._content_started:
             text = text.lstrip()
@@ -314,3 +372,75 @@ class ToolCallStreamParser:
         events.append(ContentDelta(self._pending_ws + body))
         self._pending_ws = text[len(body) :]
         self._content_started = True
+
+
+class RepeatedCallStop:
+    """Ends an output at a tool call that repeats an earlier call of the same output, character for character:
+    a small model asked for calls tends to repeat its call until max_tokens, and a parallel call identical to
+    one already made adds nothing (OpenAI's parallel calls are independent).
+
+    A stop matcher as the engine's stop strings are (motet/engine/detokenizer.py): `feed` returns the text
+    safe to release and whether the output stopped there. A call that may still turn out to repeat an earlier
+    one is held back until it differs from all of them; a repeat is dropped with everything after it. A call is
+    a block from `<tool_call>` to its `</tool_call>` (a block cut short by the next `<tool_call>` is none).
+    """
+
+    matched = None  # no stop string: the request ends as if the model had stopped
+
+    def __init__(self):
+        self.stopped = False
+        self._calls: list[str] = []  # the whole blocks so far, tags included
+        self._buf = ""  # text not yet looked at (outside a block: at most a partial `<tool_call>`)
+        self._block: str | None = None  # the current block's text, from its `<tool_call>`
+        self._sent = 0  # how much of the current block was released
+        self._may_repeat = False  # whether the current block is still a prefix of an earlier call
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        self._buf += delta
+        out: list[str] = []
+        while True:
+            if self._block is None:
+                begin = self._buf.find(CALL_BEGIN)
+                if begin < 0:
+                    keep = _partial_tag_len(self._buf, (CALL_BEGIN,))
+                    out.append(self._buf[: len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep :]
+                    return "".join(out), False
+                out.append(self._buf[:begin])
+                self._block, self._sent, self._may_repeat = "", 0, bool(self._calls)
+                self._buf = self._buf[begin:]
+            self._block += self._buf
+            self._buf = ""
+            close = self._block.find(CALL_END, len(CALL_BEGIN))
+            reopen = self._block.find(CALL_BEGIN, len(CALL_BEGIN))
+            if close >= 0 and (reopen < 0 or close < reopen):
+                end = close + len(CALL_END)
+                whole, self._buf = self._block[:end], self._block[end:]
+                if whole in self._calls:
+                    self.stopped, self._buf = True, ""
+                    return "".join(out), True
+                self._calls.append(whole)
+                out.append(whole[self._sent :])
+                self._block = None
+                continue
+            if reopen >= 0:  # cut short by the next block: not a call, released as it is
+                out.append(self._block[self._sent : reopen])
+                self._buf, self._block = self._block[reopen:], None
+                continue
+            if self._may_repeat:
+                self._may_repeat = any(c.startswith(self._block) for c in self._calls)
+            if not self._may_repeat:  # released, but for what may open the next block
+                upto = len(self._block) - _partial_tag_len(self._block, (CALL_BEGIN,))
+                out.append(self._block[self._sent : upto])
+                self._sent = max(self._sent, upto)
+            return "".join(out), False
+
+    def flush(self) -> str:
+        """The held-back text, at the end of an output that repeated no call."""
+        if self.stopped:
+            return ""
+        held = (self._block[self._sent :] if self._block is not None else "") + self._buf
+        self._block, self._buf = None, ""
+        return held

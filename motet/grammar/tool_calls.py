@@ -30,6 +30,7 @@ from motet.grammar.specs import DEFAULT_MAX_WHITESPACE, GrammarError
 CALL_BEGIN = "<tool_call>"
 MAX_TOOL_CALLS = 64  # the largest `max_tool_calls` (the grammar holds one copy of the tools per call)
 CALL_END = "</tool_call>"
+RESPONSE_BEGIN, RESPONSE_END = "<tool_response>", "</tool_response>"  # a tool's result, in the prompt
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # used with fullmatch
 

@@ -3,7 +3,8 @@ the bitmask of every verified position.
 
 A constrained row's logits at draft position j must be masked exactly as the plain path would mask them
 after appending drafts[:j]: by the matcher advanced through those drafts, and only once the constraint is
-on (a reasoning row's grammar starts after `</think>`, which may sit inside the draft window). The matcher
+on (a reasoning row's grammar starts after `</think>`, which may sit inside the draft window; a row whose
+output may still open `<think>` gets no drafts, motet/engine/speculative/proposer.py). The matcher
 is advanced through the drafts and rolled back to the committed state each time, so the engine's commit
 advances it by the accepted tokens only, as without speculation.
 """

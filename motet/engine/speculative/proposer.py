@@ -132,10 +132,10 @@ class Speculator:
         # No draft past the request's last token or the context: they could never be kept.
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
         k = min(self.config.num_tokens, room)
-        if k <= 0:
+        g = seq.guided
+        if k <= 0 or (g is not None and g.opening):  # an output's undecided start (guided.py) is not drafted
             return [], []
         self.stats.proposals += 1
-        g = seq.guided
         text = forced_text(g) if g is not None else ""
         forced = self.encode(text)[:k] if text else []
         p_forced = state.estimates["grammar"].p
