@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from motet.engine.checkpoint import iter_weights
-from motet.engine.config import EngineConfig, ModelConfig, context_length
+from motet.engine.config import QUANTIZATIONS, EngineConfig, ModelConfig, context_length
 from motet.engine.cpu_forward import CpuForward
 from motet.engine.cpu_forward import supported as cpu_forward_supported
 from motet.engine.cuda_graphs import DecodeGraphs
@@ -111,6 +111,8 @@ class ModelRunner:
             model.lm_head.weight = model.embed_tokens.weight
         model.rope = type(model.rope)(model_config, self.max_model_len).to(self.device)  # fp32 tables
         model.load_weights(iter_weights(model_dir))
+        if config.quantization is not None:  # from the checkpoint's values, before the cast to `dtype`
+            model.quantize(QUANTIZATIONS[config.quantization])
         for name, module in model.named_children():
             if name != "rope":
                 module.to(self.dtype)
