@@ -22,11 +22,32 @@ BLOCK = 32  # values per block along the input dimension, each block with its ow
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """A block format: its name (the `--quantization` value), bits per value, and whether blocks carry a min."""
+    """A block format: its name (the `--quantization` value), bits per value, whether blocks carry a min, and
+    the GGML type whose blocks hold the same bytes (a GGUF tensor of that type: `from_gguf_blocks`)."""
 
     name: str
     bits: int
     has_min: bool
+    ggml_type: int
+
+    @property
+    def gguf_block_bytes(self) -> int:
+        """Bytes of one GGUF block: fp16 scale, (fp16 min), the values."""
+        return 2 * (1 + self.has_min) + BLOCK * self.bits // 8
+
+    def from_gguf_blocks(self, raw: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
+        """A weight [N, K] from its GGUF blocks (uint8, N * K / 32 blocks of `gguf_block_bytes`), as stored."""
+        N, K = shape
+        if K % BLOCK or raw.dtype != torch.uint8 or raw.numel() != N * K // BLOCK * self.gguf_block_bytes:
+            raise ValueError(
+                f"{self.name}: {raw.numel()} bytes ({raw.dtype}) are not the GGUF blocks of a {N}x{K} weight"
+            )
+        blocks = raw.reshape(N, K // BLOCK, self.gguf_block_bytes)
+        header = 2 * (1 + self.has_min)
+        scales = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+        mins = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0] if self.has_min else None
+        data = blocks[..., header:].contiguous().reshape(N, -1)
+        return QuantizedWeight(self, data if self.has_min else data.view(torch.int8), scales, mins)
 
     def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
         """`weight` [N, K] (K a multiple of BLOCK) in this format, on its device; rounding to nearest."""
@@ -56,8 +77,8 @@ def _safe(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(s == 0, torch.ones_like(s), s)
 
 
-INT8 = WeightFormat("int8", bits=8, has_min=False)  # Q8_0's layout
-INT4 = WeightFormat("int4", bits=4, has_min=True)  # Q4_1's layout
+INT8 = WeightFormat("int8", bits=8, has_min=False, ggml_type=8)  # Q8_0's layout
+INT4 = WeightFormat("int4", bits=4, has_min=True, ggml_type=3)  # Q4_1's layout
 FORMATS = {f.name: f for f in (INT8, INT4)}
 
 
@@ -104,6 +125,15 @@ class QuantizedWeight:
             packed = self.data.reshape(N, K // BLOCK, BLOCK // 2)
             return torch.cat((packed & 0xF, packed >> 4), dim=-1)
         return self.data.reshape(N, K // BLOCK, BLOCK)
+
+    def gguf_blocks(self) -> torch.Tensor:
+        """The weight as its GGUF tensor's bytes (uint8 [N, K / 32 * block bytes]): `from_gguf_blocks`' inverse."""
+        N, K = self.shape
+        parts = [self.scales[..., None].view(torch.uint8)]
+        if self.mins is not None:
+            parts.append(self.mins[..., None].view(torch.uint8))
+        parts.append(self.data.reshape(N, K // BLOCK, -1).view(torch.uint8))
+        return torch.cat(parts, dim=-1).reshape(N, -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] the format stands for (computed in fp32, then cast to `dtype`)."""
