@@ -266,3 +266,102 @@ def test_cli_passes_the_quantization_to_the_engine():
     args = build_parser().parse_args(["generate", "--quantization", "int4", "--prompt", "hi"])
     assert engine_config(args).quantization == "int4"
     assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi"])).quantization is None
+
+
+# -- GGUF files served in their own blocks --------------------------------------------------------------------
+
+GGUF_TYPES = {  # a llama.cpp-style mix: each fused layer's parts in one type; the embedding table quantized too
+    "token_embd": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q8_0",
+    "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0",
+}  # fmt: skip
+HF_OF_GGUF = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}  # fmt: skip
+
+
+def write_gguf(model_dir: Path, out: Path, types: dict[str, str]) -> Path:
+    """`model_dir`'s weights as llama.cpp's converter writes them (q/k rows permuted for its rotary), each
+    tensor in `types`' GGML type (F32 where not named), quantized by gguf-py; config and tokenizer copied."""
+    import gguf
+
+    from tests.test_model_store import _llama_cpp_permute
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    cfg = hf.config
+    out.mkdir()
+    writer = gguf.GGUFWriter(str(out / "model.gguf"), arch="llama")
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    state = hf.state_dict()
+    tensors = {"token_embd": state["model.embed_tokens.weight"], "output_norm": state["model.norm.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        for g, h in HF_OF_GGUF.items():
+            w = state[f"model.layers.{i}.{h}.weight"]
+            if g in ("attn_q", "attn_k"):
+                w = _llama_cpp_permute(
+                    w, cfg.num_attention_heads, None if g == "attn_q" else cfg.num_key_value_heads
+                )
+            tensors[f"blk.{i}.{g}"] = w
+    for name, w in tensors.items():
+        kind = name.split(".")[-1]
+        qtype = gguf.GGMLQuantizationType[types.get(kind, "F32")]
+        data = w.numpy() if qtype.name == "F32" else gguf.quants.quantize(w.numpy(), qtype)
+        writer.add_tensor(f"{name}.weight", data, raw_dtype=None if qtype.name == "F32" else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for f in model_dir.iterdir():  # config and tokenizer; the weights are only the GGUF's
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def gguf_reference(model_dir: Path, out: Path, types: dict[str, str]) -> Path:
+    """`model_dir` with each tensor replaced by gguf-py's dequantization of its `types` block (a row-wise
+    format: the same whether the rows were permuted first or not)."""
+    import gguf
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    gguf_of = {h.split(".")[-1]: g for g, h in HF_OF_GGUF.items()} | {"embed_tokens": "token_embd"}
+    with torch.no_grad():
+        for module_name, module in hf.named_modules():
+            qtype = types.get(gguf_of.get(module_name.split(".")[-1], ""), "F32")
+            if qtype != "F32":
+                t = gguf.GGMLQuantizationType[qtype]
+                deq = gguf.quants.dequantize(gguf.quants.quantize(module.weight.numpy(), t), t)
+                module.weight.copy_(torch.from_numpy(deq))
+    hf.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_native)], ids=["eager", "native"])
+def test_gguf_blocks_served_as_they_are_match_hf_on_gguf_py_dequantized(tmp_path, compiled):
+    model_dir = build_tiny_model(tmp_path / "model")
+    served = write_gguf(model_dir, tmp_path / "gguf", GGUF_TYPES)
+    eng = engine(served, quantization="gguf", compile_step=compiled)
+    if not compiled:
+        formats = [lin.quantized.format.name for lin in eng.runner.model.decoder_linears()]
+        assert formats == ["int4", "int8", "int4", "int8"] * 2  # qkv, o, gate_up, down per layer
+    hf = AutoModelForCausalLM.from_pretrained(gguf_reference(model_dir, tmp_path / "ref", GGUF_TYPES)).eval()
+    for prompt, got in zip(PROMPTS, engine_logits(eng, PROMPTS), strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_gguf_with_unsupported_block_types_is_refused(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "model")
+    served = write_gguf(model_dir, tmp_path / "q4_0", GGUF_TYPES | {"ffn_down": "Q4_0"})
+    with pytest.raises(
+        ModelLoadError,
+        match=r"'blk\.0\.ffn_down\.weight' is Q4_0; motet serves GGUF projections in Q8_0, Q4_1",
+    ):
+        engine(served, quantization="gguf")
+    mixed = write_gguf(model_dir, tmp_path / "mixed", GGUF_TYPES | {"attn_v": "Q8_0"})
+    with pytest.raises(ModelLoadError, match="qkv_proj.weight: its parts must all be in one format"):
+        engine(mixed, quantization="gguf")
+    with pytest.raises(ModelLoadError, match="no .gguf file"):
+        engine(model_dir, quantization="gguf")

@@ -293,10 +293,15 @@ class LlamaForCausalLM(nn.Module):
         return [-1]
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be filled."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be filled. A
+        projection may come quantized (a GGUF file's blocks): its layer then holds it in that format (a
+        fused layer's shards all in one format)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[tuple[str, int]] = set()
+        quantized: dict[str, dict[int, QuantizedWeight]] = {}  # weight name -> its shards, until all are in
+        linears = set(self.decoder_linears())
+        projections = {f"{n}.weight": m for n, m in self.named_modules() if m in linears}
         for hf_name, tensor in weights:
             if "rotary_emb" in hf_name:
                 continue
@@ -317,8 +322,25 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(target.shape)}"
                 )
-            target.copy_(tensor)
+            if isinstance(tensor, QuantizedWeight):
+                if name not in projections:
+                    raise ModelLoadError(
+                        f"checkpoint tensor {hf_name!r} is quantized: only projections may be"
+                    )
+                quantized.setdefault(name, {})[shard] = tensor.to(param.device)
+            else:
+                target.copy_(tensor)
             loaded.add((name, shard))
+        for name, shards in quantized.items():
+            n = len(self._split_sizes(name.split(".")[-2]))
+            if len({q.format for q in shards.values()}) > 1 or any(
+                (name, i) in loaded and i not in shards for i in range(n)
+            ):
+                raise ModelLoadError(f"checkpoint tensors of {name}: its parts must all be in one format")
+            if len(shards) == n:  # else the missing parts are reported below
+                layer = projections[name]
+                layer.quantized = QuantizedWeight.cat([shards[i] for i in range(n)])
+                layer.weight = nn.Parameter(torch.empty(0, device=layer.weight.device), False)
         # Every parameter, every shard of a fused one, must come from the checkpoint.
         expected = {
             (name, i)

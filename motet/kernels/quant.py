@@ -118,6 +118,28 @@ class QuantizedWeight:
         parts = [self.data, self.scales] + ([self.mins] if self.mins is not None else [])
         return sum(t.numel() * t.element_size() for t in parts)
 
+    def _map(self, fn) -> QuantizedWeight:
+        return QuantizedWeight(
+            self.format, fn(self.data), fn(self.scales), None if self.mins is None else fn(self.mins)
+        )
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        return self._map(lambda t: t.to(device))
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The weight's rows `index` (a permutation or a selection of output rows)."""
+        return self._map(lambda t: t[index].contiguous())
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """The parts' rows one after the other (a fused layer's shards); one format for all."""
+        if len({p.format for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("only weights of one format and one input size are concatenated")
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+        return QuantizedWeight(
+            parts[0].format, torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]), mins
+        )
+
     def values(self) -> torch.Tensor:
         """The stored integers [N, K / BLOCK, BLOCK] (int4: 0..15 in the order of the weight's columns)."""
         N, K = self.shape
