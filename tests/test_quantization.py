@@ -21,10 +21,12 @@ from transformers import AutoModelForCausalLM
 from motet.engine.config import EngineConfig, ModelLoadError
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.memory import weights_bytes
+from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from motet.kernels.quant import BLOCK, FORMATS
 from tests.test_engine import PROMPTS, engine_logits
 from tests.test_lora_engine import TINY_ADAPTERS, peft_reference, save_peft_adapters, tiny_requests
+from tests.test_model_store import GGUF_NAME, _llama_cpp_permute, gguf_dir, wheel_dir  # noqa: F401 (fixtures)
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -286,8 +288,6 @@ def write_gguf(model_dir: Path, out: Path, types: dict[str, str]) -> Path:
     tensor in `types`' GGML type (F32 where not named), quantized by gguf-py; config and tokenizer copied."""
     import gguf
 
-    from tests.test_model_store import _llama_cpp_permute
-
     hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     cfg = hf.config
     out.mkdir()
@@ -365,3 +365,41 @@ def test_gguf_with_unsupported_block_types_is_refused(tmp_path):
         engine(mixed, quantization="gguf")
     with pytest.raises(ModelLoadError, match="no .gguf file"):
         engine(model_dir, quantization="gguf")
+
+
+@pytest.mark.slow
+def test_default_model_from_its_q4_1_file_equals_the_dequantized_model(default_model_dir, gguf_dir, tmp_path):  # noqa: F811
+    """The default model served from the GGUF it is pulled from (Q4_1 projections kept as int4 blocks) gives
+    the logits and greedy tokens of the float checkpoint `motet pull` dequantizes from the same file."""
+    served = tmp_path / "model"
+    served.mkdir()
+    for f in Path(default_model_dir).iterdir():
+        if f.suffix != ".safetensors":
+            (served / f.name).symlink_to(f)
+    (served / "model.gguf").symlink_to(gguf_dir / GGUF_NAME)
+    options = dict(device="cpu", num_kv_blocks=128, block_size=16)
+    gguf_engine = LLMEngine(EngineConfig(model=str(served), quantization="gguf", **options), model_dir=served)
+    float_engine = LLMEngine(
+        EngineConfig(model=str(default_model_dir), **options), model_dir=default_model_dir
+    )
+    assert all(lin.quantized is None for lin in float_engine.runner.model.decoder_linears())
+    tok = float_engine.tokenizer
+    prompts = [
+        tok.encode_chat([{"role": "user", "content": q}])
+        for q in (
+            "What is the capital of France?",
+            "Write a haiku about the sea.",
+            "List three prime numbers.",
+        )
+    ]
+    for a, b in zip(engine_logits(gguf_engine, prompts), engine_logits(float_engine, prompts), strict=True):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-3)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    outs = []
+    for eng in (gguf_engine, float_engine):
+        ids = [eng.add_request(p, params) for p in prompts]
+        done = {}
+        while eng.has_unfinished():
+            done |= {o.request_id: o.token_ids for o in eng.step() if o.finished}
+        outs.append([done[i] for i in ids])
+    assert outs[0] == outs[1]
