@@ -6,8 +6,9 @@ the weights are packed once into the native GEMM's panels, in the order a step r
 by huge pages (the hardware prefetchers stop at page boundaries), and a step is one call: norms, projections
 with their LoRA deltas, rotary, KV writes and paged attention, with fp32 activations whatever the weights'
 dtype. Each projection runs in its layer's own weight format (the model's dtype, or int8/int4 blocks
-unpacked in registers: motet/kernels/csrc/qgemm.h). It serves every step (decode, prefill chunks, mixed) and is the CPU's default; the eager model stays
-the reference (`EngineConfig.compile = False`, `--no-compile`), and tests hold the two to agree.
+unpacked in registers: motet/kernels/csrc/qgemm.h). It serves every step (decode, prefill chunks, mixed)
+and is the CPU's default; the eager model stays the reference (`EngineConfig.compile = False`,
+`--no-compile`), and tests hold the two to agree.
 """
 
 from __future__ import annotations
