@@ -79,7 +79,7 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
                     f"blocks or {'/'.join(_FLOAT_TYPES)} (requantize the file with llama.cpp's llama-quantize, "
                     f"or serve a float checkpoint with --quantization {'|'.join(FORMATS)})"
                 )
-            raw = torch.from_numpy(np.ascontiguousarray(t.data)).reshape(-1)
+            raw = torch.from_numpy(np.array(t.data, order="C")).reshape(-1)  # a writable copy
             try:
                 weight = fmt.from_gguf_blocks(raw, shape)
             except ValueError as e:

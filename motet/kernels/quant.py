@@ -82,7 +82,7 @@ INT4 = WeightFormat("int4", bits=4, has_min=True, ggml_type=3)  # Q4_1's layout
 FORMATS = {f.name: f for f in (INT8, INT4)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: compared by identity
 class QuantizedWeight:
     """A weight [N, K] in a block format: `data` int8 [N, K] (int8) or uint8 [N, K / 2] (int4, two values a
     byte), `scales` and (int4) `mins` fp16 [N, K / BLOCK]."""
