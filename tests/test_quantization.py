@@ -406,3 +406,23 @@ def test_default_model_from_its_q4_1_file_equals_the_dequantized_model(default_m
             done |= {o.request_id: o.token_ids for o in eng.step() if o.finished}
         outs.append([done[i] for i in ids])
     assert outs[0] == outs[1]
+
+
+def test_pull_keeps_the_gguf_it_converted(tmp_path, monkeypatch):
+    """`motet pull` leaves the GGUF file beside the converted checkpoint, where `--quantization gguf` finds it."""
+    from motet.engine import model_store
+    from motet.engine.gguf_weights import gguf_file
+
+    def fake_fetch(dest, progress):
+        dest.mkdir(parents=True)
+        (dest / "x.gguf").write_bytes(b"GGUF blocks")
+        return dest / "x.gguf"
+
+    def fake_convert(gguf_path, out_dir, progress=False):
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_store, "_fetch_gguf", fake_fetch)
+    monkeypatch.setattr(model_store, "convert_gguf", fake_convert)
+    d = model_store.pull(cache_dir=tmp_path, progress=False)
+    assert gguf_file(d) == d / "model.gguf" and (d / "model.gguf").read_bytes() == b"GGUF blocks"
