@@ -32,6 +32,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         CUDA_STEP_TOKENS,
         DTYPES,
         GRAMMAR_BACKENDS,
+        QUANTIZATIONS,
         SPECULATIVE_MODES,
         EngineConfig,
     )
@@ -41,6 +42,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--model", default=d.model, help=f"model name or local HF checkpoint dir (default: {d.model})"
     )
     p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES), help="weights' and KV cache's type")
+    p.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=QUANTIZATIONS,
+        help="quantized decoder projections: int8 (blocks of 32 with a scale, as GGUF Q8_0) or int4 (blocks "
+        "of 32 with a scale and a min, as GGUF Q4_1) quantize the float checkpoint on load; gguf serves the "
+        "model directory's GGUF file in its own Q4_1/Q8_0 blocks (the default model keeps its Q4_1 file). "
+        "Embeddings, lm_head and LoRA adapters stay in --dtype (default: none, the checkpoint's weights)",
+    )
     p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
     p.add_argument("--block-size", type=integer(1), default=d.block_size, help="tokens per KV block")
     p.add_argument(
@@ -144,6 +154,7 @@ def engine_config(args):
         model=served_model(args, EngineConfig.model),  # `motet serve MODEL` too
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,

@@ -13,6 +13,7 @@ from motet.engine.fairness import check_tenant_weights
 from motet.grammar.limits import GrammarLimits
 from motet.grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 from motet.grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
+from motet.kernels.quant import FORMATS as QUANT_FORMATS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # The default step budgets (EngineConfig.max_num_batched_tokens). On the 2-core CPU machine a prompt token costs
@@ -22,6 +23,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 CPU_STEP_TOKENS = 256
 CUDA_STEP_TOKENS = 2048
 SPECULATIVE_MODES = ("auto", "off", "ngram")
+# --quantization: a block format to quantize a float checkpoint into, or "gguf": the model directory's GGUF file
+# served in its own blocks (motet/engine/gguf_weights.py).
+GGUF_QUANTIZATION = "gguf"
+QUANTIZATIONS = (*QUANT_FORMATS, GGUF_QUANTIZATION)
 
 
 class ModelLoadError(ValueError):
@@ -149,6 +154,10 @@ class EngineConfig:
 
     model: str = "SmolLM2-135M-Instruct"
     dtype: str = "float32"
+    # Quantized projections (embeddings and lm_head stay in `dtype`), one of QUANTIZATIONS: "int8" (Q8_0's
+    # blocks) or "int4" (Q4_1's) quantize a float checkpoint on load; "gguf" serves the directory's GGUF file
+    # in its own Q4_1 / Q8_0 blocks. None: the checkpoint's float weights.
+    quantization: str | None = None
     device: str = "auto"  # "auto": cuda when available, else cpu
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from gpu_memory_utilization or kv_cache_memory_gb
@@ -199,6 +208,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}"
+            )
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         for name in (

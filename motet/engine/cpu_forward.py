@@ -5,8 +5,10 @@ dispatch, and torch's bf16 products on CPUs without bf16 units, cost more than r
 the weights are packed once into the native GEMM's panels, in the order a step reads them, in memory backed
 by huge pages (the hardware prefetchers stop at page boundaries), and a step is one call: norms, projections
 with their LoRA deltas, rotary, KV writes and paged attention, with fp32 activations whatever the weights'
-dtype. It serves every step (decode, prefill chunks, mixed) and is the CPU's default; the eager model stays
-the reference (`EngineConfig.compile = False`, `--no-compile`), and tests hold the two to agree.
+dtype. Each projection runs in its layer's own weight format (the model's dtype, or int8/int4 blocks
+unpacked in registers: motet/kernels/csrc/qgemm.h). It serves every step (decode, prefill chunks, mixed)
+and is the CPU's default; the eager model stays the reference (`EngineConfig.compile = False`,
+`--no-compile`), and tests hold the two to agree.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from collections import OrderedDict
 
 import torch
 
-from motet.engine.model import AttentionMetadata, LlamaForCausalLM
+from motet.engine.model import AttentionMetadata, Linear, LlamaForCausalLM
 from motet.kernels import cpu_native
+from motet.kernels.quant import BLOCK
 from motet.lora.slot_cache import LoRABatch
 
 _HUGE_PAGE = 2 << 20
@@ -60,6 +63,16 @@ def supported(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> bool:
     )
 
 
+def _packed_bytes(lin: Linear, elem: int) -> int:
+    """Bytes of a linear layer's packed weight: panels of 16 rows (quantized: block records per panel)."""
+    if lin.quantized is not None:
+        N, K = lin.quantized.shape
+        record = cpu_native.QUANT_RECORD[lin.quantized.format.name]
+        return -(-N // cpu_native.PANEL) * (K // BLOCK) * record
+    N, K = lin.weight.shape
+    return -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem
+
+
 class CpuForward:
     """`model`'s forward and logits through the native kernels, over the runner's KV caches.
 
@@ -77,16 +90,10 @@ class CpuForward:
             (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             for layer in model.layers
         ]
-        # packed size: panels of 16 rows, plus alignment
-        total = (
-            sum(
-                -(-lin.weight.shape[0] // cpu_native.PANEL) * cpu_native.PANEL * lin.weight.shape[1] + 64
-                for group in linears
-                for lin in group
-            )
-            + -(-self.vocab_size // cpu_native.PANEL) * cpu_native.PANEL * cfg.hidden_size
-        )
-        self.arena = WeightArena(total * torch.tensor([], dtype=wdtype).element_size() + 64 * 64)
+        elem = torch.tensor([], dtype=wdtype).element_size()
+        total = sum(_packed_bytes(lin, elem) + 64 for group in linears for lin in group)
+        total += -(-self.vocab_size // cpu_native.PANEL) * cpu_native.PANEL * cfg.hidden_size * elem
+        self.arena = WeightArena(total + 64 * 64)
         self._keep: list[torch.Tensor] = []  # everything a descriptor points at
 
         def keep(t: torch.Tensor | None) -> int | None:
@@ -96,25 +103,33 @@ class CpuForward:
             self._keep.append(t)
             return t.data_ptr()
 
+        def packed(lin: Linear) -> cpu_native.Linear:
+            """The layer's weight in the arena, in its own format (the model's dtype or a quantized one)."""
+            if lin.quantized is not None:
+                name = lin.quantized.format.name
+                data = self.arena.put(cpu_native.pack_quantized(lin.quantized))
+                return cpu_native.Linear(data.data_ptr(), cpu_native.QUANT_CODES[name])
+            data = self.arena.put(cpu_native.pack(lin.weight.detach()))
+            return cpu_native.Linear(data.data_ptr(), cpu_native.DTYPE_CODES[wdtype])
+
         layers = (cpu_native.Layer * cfg.num_hidden_layers)()
         for i, (layer, (qkv, o, gate_up, down), (k_cache, v_cache)) in enumerate(
             zip(model.layers, linears, kv_caches, strict=True)
         ):
-            packed = [self.arena.put(cpu_native.pack(lin.weight.detach())) for lin in (qkv, o, gate_up, down)]
             layers[i] = cpu_native.Layer(
                 keep(layer.input_layernorm.weight),
                 keep(layer.post_attention_layernorm.weight),
-                packed[0].data_ptr(),
+                packed(qkv),
                 keep(qkv.bias.to(wdtype)) if qkv.bias is not None else None,
-                packed[1].data_ptr(),
-                packed[2].data_ptr(),
-                packed[3].data_ptr(),
+                packed(o),
+                packed(gate_up),
+                packed(down),
                 k_cache.data_ptr(),
                 v_cache.data_ptr(),
             )
             for lin in (qkv, o, gate_up, down):  # the arena holds them now
                 lin.weight = torch.nn.Parameter(torch.empty(0, dtype=wdtype), requires_grad=False)
-                lin.packed_weight = None
+                lin.packed_weight = lin.quantized = None
         self.lm_head = self.arena.put(cpu_native.pack(model.lm_head.weight.detach()))
         self._layers = layers
         self.desc = cpu_native.Model(

@@ -68,7 +68,7 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
@@ -108,7 +108,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
         w = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # a writable copy
         expected = tuple(int(d) for d in reversed(t.shape.tolist()))
         w = w.reshape(expected if len(expected) > 1 else (expected[0],))
-        name = _hf_name(t.name)
+        name = hf_name(t.name)
         if name.endswith("self_attn.q_proj.weight"):
             w = unpermute_qk(w, n_head)
         elif name.endswith("self_attn.k_proj.weight"):

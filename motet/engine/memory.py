@@ -15,6 +15,7 @@ import os
 import torch
 
 from motet.engine.config import EngineConfig, ModelConfig, ModelLoadError
+from motet.engine.model import Linear
 from motet.lora.peft_format import TARGET_MODULES, module_shape
 
 
@@ -48,7 +49,9 @@ def weights_bytes(model: torch.nn.Module, device: torch.device) -> int:
     """What the loaded model holds on its device."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    tensors = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    quantized = [m.quantized for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    return tensors + sum(q.nbytes for q in quantized)
 
 
 def step_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:

@@ -4,7 +4,10 @@ Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says
 queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
 matrix each (fewer, larger matmuls); checkpoints with Hugging Face names load through `load_weights`.
 With a `LoRABatch` each linear layer also adds every token's own adapter delta (fused layers per module,
-into that module's output columns); without one the LoRA path is skipped entirely.
+into that module's output columns); without one the LoRA path is skipped entirely. A linear layer may hold
+its weight quantized (motet/kernels/quant.py, `LlamaForCausalLM.quantize`): every backend (this eager
+model, CUDA graphs over it, the native CPU step) takes the format from the layer; LoRA deltas stay in the
+model's dtype on top.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 from motet.engine.config import ModelConfig, ModelLoadError
 from motet.kernels.paged_attention import paged_attention, write_kv_cache
 from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
+from motet.kernels.quant import BLOCK, QuantizedWeight, WeightFormat
 from motet.lora.slot_cache import LoRABatch
 
 
@@ -65,13 +69,26 @@ class Linear(nn.Linear):
     On CPU `F.linear` goes to MKL. On this machine (AMD EPYC, AVX-512) oneDNN with a prepacked weight
     measured 2.6-3.2x faster for fp32 at 32-64 rows, 1.3-3x at one row, and 1.2-2x for bf16 (vLLM's
     CPU backend uses oneDNN too). The CPU runner calls `prepack()`; the plain weight stays for tied
-    embeddings, LoRA and checkpoints."""
+    embeddings, LoRA and checkpoints.
+
+    A quantized layer holds its weight in `quantized` (its float `weight` released) and multiplies through
+    the format's reference product (dequantize, then F.linear); the native CPU step packs the same weight
+    for its quantized kernels."""
 
     packed_weight: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
+
+    def quantize(self, fmt: WeightFormat) -> None:
+        """Hold the weight in `fmt` from now on (quantized from its current values, on its device)."""
+        self.quantized = fmt.quantize(self.weight.detach())
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device), False)
+        self.packed_weight = None
 
     def prepack(self, rows_hint: int = 64) -> bool:
         """Pack the weight for oneDNN; False (F.linear stays) where oneDNN cannot run this dtype on this
-        CPU (its bf16 path needs AVX-512 or AVX-NE-CONVERT)."""
+        CPU (its bf16 path needs AVX-512 or AVX-NE-CONVERT), or the weight is quantized."""
+        if self.quantized is not None:
+            return False
         # a plain attribute, made after .to(device/dtype); the hint only tunes the layout (64 >= 1, 32)
         try:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows_hint)
@@ -80,6 +97,8 @@ class Linear(nn.Linear):
         return self.packed_weight is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.linear(x, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -233,6 +252,36 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def decoder_linears(self) -> list[Linear]:
+        """The projections of every decoder layer (qkv, o, gate_up, down per layer, in that order)."""
+        return [
+            lin
+            for layer in self.layers
+            for lin in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        ]
+
+    @torch.no_grad()
+    def quantize(self, fmt: WeightFormat) -> None:
+        """Quantize the decoder's projections into `fmt` (once their weights are loaded). The embeddings and
+        the lm_head keep the checkpoint's precision: the table is a lookup, not a product, and the logits
+        are where rounding shows most (small models tie the two)."""
+        cfg = self.config
+        dims = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size}
+        dims["num_attention_heads * head_dim"] = cfg.num_attention_heads * cfg.head_dim
+        for name, value in dims.items():
+            if value % BLOCK:
+                raise ModelLoadError(
+                    f"{fmt.name} quantization needs the inputs of every projection in whole blocks of {BLOCK}; "
+                    f"this model's {name} is {value}: serve it unquantized"
+                )
+        for lin in self.decoder_linears():
+            lin.quantize(fmt)
+
     def _split_sizes(self, module: str) -> list[int]:
         """Row sizes of a fused module's shards ([n] for an unfused one)."""
         cfg = self.config
@@ -244,10 +293,15 @@ class LlamaForCausalLM(nn.Module):
         return [-1]
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be filled."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be filled. A
+        projection may come quantized (a GGUF file's blocks): its layer then holds it in that format (a
+        fused layer's shards all in one format)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[tuple[str, int]] = set()
+        quantized: dict[str, dict[int, QuantizedWeight]] = {}  # weight name -> its shards, until all are in
+        linears = set(self.decoder_linears())
+        projections = {f"{n}.weight": m for n, m in self.named_modules() if m in linears}
         for hf_name, tensor in weights:
             if "rotary_emb" in hf_name:
                 continue
@@ -268,8 +322,25 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(target.shape)}"
                 )
-            target.copy_(tensor)
+            if isinstance(tensor, QuantizedWeight):
+                if name not in projections:
+                    raise ModelLoadError(
+                        f"checkpoint tensor {hf_name!r} is quantized: only projections may be"
+                    )
+                quantized.setdefault(name, {})[shard] = tensor.to(param.device)
+            else:
+                target.copy_(tensor)
             loaded.add((name, shard))
+        for name, shards in quantized.items():
+            n = len(self._split_sizes(name.split(".")[-2]))
+            if len({q.format for q in shards.values()}) > 1 or any(
+                (name, i) in loaded and i not in shards for i in range(n)
+            ):
+                raise ModelLoadError(f"checkpoint tensors of {name}: its parts must all be in one format")
+            if len(shards) == n:  # else the missing parts are reported below
+                layer = projections[name]
+                layer.quantized = QuantizedWeight.cat([shards[i] for i in range(n)])
+                layer.weight = nn.Parameter(torch.empty(0, device=layer.weight.device), False)
         # Every parameter, every shard of a fused one, must come from the checkpoint.
         expected = {
             (name, i)

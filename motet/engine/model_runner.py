@@ -14,10 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from motet.engine.checkpoint import iter_weights
-from motet.engine.config import EngineConfig, ModelConfig, context_length
+from motet.engine.config import (
+    GGUF_QUANTIZATION,
+    QUANT_FORMATS,
+    EngineConfig,
+    ModelConfig,
+    context_length,
+)
 from motet.engine.cpu_forward import CpuForward
 from motet.engine.cpu_forward import supported as cpu_forward_supported
 from motet.engine.cuda_graphs import DecodeGraphs
+from motet.engine.gguf_weights import gguf_file, iter_gguf_weights
 from motet.engine.memory import kv_cache_bytes, memory_budget, weights_bytes
 from motet.engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_available
 from motet.engine.sampler import Sampler, compute_prompt_logprobs
@@ -112,7 +119,12 @@ class ModelRunner:
         if model_config.tie_word_embeddings:  # meta -> device conversion unties shared parameters
             model.lm_head.weight = model.embed_tokens.weight
         model.rope = type(model.rope)(model_config, self.max_model_len).to(self.device)  # fp32 tables
-        model.load_weights(iter_weights(model_dir))
+        if config.quantization == GGUF_QUANTIZATION:
+            model.load_weights(iter_gguf_weights(gguf_file(model_dir)))
+        else:
+            model.load_weights(iter_weights(model_dir))
+        if config.quantization in QUANT_FORMATS:  # from the checkpoint's values, before the cast to `dtype`
+            model.quantize(QUANT_FORMATS[config.quantization])
         for name, module in model.named_children():
             if name != "rope":
                 module.to(self.dtype)

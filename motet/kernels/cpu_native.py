@@ -23,13 +23,18 @@ from pathlib import Path
 
 import torch
 
+from motet.kernels.quant import BLOCK, QuantizedWeight
+
 log = logging.getLogger("motet.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files in csrc/
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 3
+ABI_VERSION = 4
 PANEL = 16  # output columns per packed weight panel (NR in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+QUANT_CODES = {"int8": 2, "int4": 3}  # quantized weights' codes (the source's WeightCode), by format name
+# Bytes of one packed block record (a panel's 16 columns x 32 inputs): fp16 scales (and mins), then the values.
+QUANT_RECORD = {"int8": PANEL * 2 + BLOCK * PANEL, "int4": PANEL * 4 + BLOCK * PANEL // 2}
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -43,11 +48,17 @@ _SIGNATURES = {
 
 
 # The forward's descriptors (the structs of the same names in the source; field order matters).
+class Linear(ctypes.Structure):
+    """A packed weight and its code (DTYPE_CODES for the model's dtype, or QUANT_CODES)."""
+
+    _fields_ = [("w", _ptr), ("code", _i32)]
+
+
 class Layer(ctypes.Structure):
-    _fields_ = [(n, _ptr) for n in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")] + [
-        ("k_cache", _ptr),
-        ("v_cache", _ptr),
-    ]
+    _fields_ = [
+        ("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Linear), ("qkv_bias", _ptr), ("o", Linear),
+        ("gate_up", Linear), ("down", Linear), ("k_cache", _ptr), ("v_cache", _ptr),
+    ]  # fmt: skip
 
 
 class LoraModule(ctypes.Structure):
@@ -239,6 +250,31 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, K).transpose(1, 2).contiguous()
 
 
+def pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
+    """A quantized [N, K] weight as the quantized GEMM's panels (motet/kernels/csrc/qgemm.h): uint8
+    [ceil(N / 16), K / 32, record], per panel and block the 16 columns' fp16 scales, (int4) fp16 mins, then
+    the values k-major (int4: byte j of a k holds column j in the low nibble, column j + 8 in the high one).
+    Rows past N are zero (scale and min 0: they compute 0)."""
+    N, K = weight.shape
+    P, nb = -(-N // PANEL), K // BLOCK
+
+    def panels(t: torch.Tensor) -> torch.Tensor:  # [N, nb, ...] -> [P, nb, 16, ...] with zero rows past N
+        padded = torch.zeros((P * PANEL, *t.shape[1:]), dtype=t.dtype)
+        padded[:N] = t.cpu()
+        return padded.view(P, PANEL, *t.shape[1:]).transpose(1, 2)
+
+    header = [panels(weight.scales).contiguous().view(torch.uint8).view(P, nb, -1)]
+    if weight.mins is not None:
+        header.append(panels(weight.mins).contiguous().view(torch.uint8).view(P, nb, -1))
+    values = panels(weight.values()).transpose(2, 3)  # [P, nb, 32 k, 16 columns]
+    if weight.format.has_min:
+        values = values[..., : PANEL // 2] | (values[..., PANEL // 2 :] << 4)
+    values = values.contiguous().view(torch.uint8).reshape(P, nb, -1)
+    out = torch.cat([*header, values], dim=-1)
+    assert out.shape[-1] == QUANT_RECORD[weight.format.name]
+    return out
+
+
 def gemm(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -246,19 +282,27 @@ def gemm(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    quantized: str | None = None,
 ) -> torch.Tensor:
-    """``x @ W^T (+ bias)`` for fp32 x [M, K] and W packed by `pack` (n: W's rows), into fp32 `out` (made if
-    None; with `accumulate`, added to it). Accumulates in fp32; bf16 weights are converted on load."""
+    """``x @ W^T (+ bias)`` for fp32 x [M, K] and W packed by `pack` (n: W's rows), or by `pack_quantized` in
+    the format named by `quantized`, into fp32 `out` (made if None; with `accumulate`, added to it).
+    Accumulates in fp32; bf16 and quantized weights are converted on load."""
     assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and packed.is_contiguous()
     M, K = x.shape
-    assert packed.shape[1] == K and packed.shape[0] * PANEL >= n
+    if quantized is None:
+        assert packed.shape[1] == K and packed.shape[0] * PANEL >= n
+        code, bias_dtype = DTYPE_CODES[packed.dtype], packed.dtype
+    else:
+        assert packed.shape[1:] == (K // BLOCK, QUANT_RECORD[quantized]) and K % BLOCK == 0
+        assert packed.shape[0] * PANEL >= n
+        code, bias_dtype = QUANT_CODES[quantized], torch.float32
     if out is None:
         out = torch.empty((M, n), dtype=torch.float32)
     assert out.dtype == torch.float32 and out.stride(1) == 1 and out.shape == (M, n)
     if bias is not None:
-        bias = bias.to(packed.dtype).contiguous()
+        bias = bias.to(bias_dtype).contiguous()
     status = library().motet_gemm(
-        DTYPE_CODES[packed.dtype],
+        code,
         x.data_ptr(),
         x.stride(0),
         M,

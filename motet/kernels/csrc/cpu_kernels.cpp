@@ -5,10 +5,12 @@
 // kernels share torch's thread pool instead of oversubscribing the cores.
 //
 // dtype codes: 0 = float32, 1 = bfloat16 (stored as uint16, converted exactly to fp32 on load; results
-// rounded to nearest even, as torch does). Every accumulation is in fp32.
+// rounded to nearest even, as torch does); weights may also be 2 = int8, 3 = int4 (qgemm.h). Every
+// accumulation is in fp32.
 
 #include "attention.h"
 #include "gemm.h"
+#include "qgemm.h"
 #include "sgmv.h"
 
 namespace motet {
@@ -19,14 +21,31 @@ namespace motet {
 // residual -> RMSNorm -> gate/up (+ LoRA) -> SiLU * up -> down (+ LoRA) into the residual; then the final
 // norm. Activations stay fp32 (weights and cache may be bf16); the meaning is engine/model.py's.
 
+// A linear layer's packed weight and its format: the model's dtype (float GEMM) or a quantized one (qgemm.h).
+struct Linear {
+    const void* w;
+    int32_t code;  // WeightCode
+};
+
+// y (=, or +=) x @ W^T (+ bias): the product in the weight's own format. TW: the model's float dtype (norms,
+// biases, unquantized weights).
+template <typename TW>
+void linear(const Linear& L, const float* x, int64_t ldx, int M, int K, int N, const TW* bias, float* y,
+            int64_t ldy, bool accumulate) {
+    const auto* q = static_cast<const uint8_t*>(L.w);
+    if (L.code == kWeightInt8) qgemm<kWeightInt8>(x, ldx, M, K, q, N, bias, y, ldy, accumulate);
+    else if (L.code == kWeightInt4) qgemm<kWeightInt4>(x, ldx, M, K, q, N, bias, y, ldy, accumulate);
+    else gemm(x, ldx, M, K, static_cast<const TW*>(L.w), N, bias, y, ldy, accumulate);
+}
+
 struct Layer {
     const void* input_norm;  // [hidden], weight dtype
     const void* post_norm;
-    const void* qkv;  // packed [q + 2 kv, hidden]
+    Linear qkv;  // packed [q + 2 kv, hidden]
     const void* qkv_bias;  // [q + 2 kv] or null
-    const void* o;  // packed [hidden, q]
-    const void* gate_up;  // packed [2 inter, hidden]
-    const void* down;  // packed [hidden, inter]
+    Linear o;  // packed [hidden, q]
+    Linear gate_up;  // packed [2 inter, hidden]
+    Linear down;  // packed [hidden, inter]
     void* k_cache;  // [blocks, block_size, kv_heads, head_dim], cache dtype
     void* v_cache;
 };
@@ -116,8 +135,7 @@ void forward(const Model& m, const Step& s, float* x) {
         const LoraModule* lm = s.lora ? s.lora + li * 7 : nullptr;
         rms_norm(x, T, hid, static_cast<const TW*>(L.input_norm), m.eps, h.data());
         clock.mark(kPhaseOther);
-        gemm(h.data(), hid, T, hid, static_cast<const TW*>(L.qkv), qkv_n, static_cast<const TW*>(L.qkv_bias),
-             qkv.data(), qkv_n, false);
+        linear(L.qkv, h.data(), hid, T, hid, qkv_n, static_cast<const TW*>(L.qkv_bias), qkv.data(), qkv_n, false);
         clock.mark(kPhaseLinear);
         if (lm) {
             lora_add<TW>(s, lm[0], h.data(), hid, hid, qkv.data(), qkv_n, q_size);
@@ -154,8 +172,7 @@ void forward(const Model& m, const Step& s, float* x) {
                   static_cast<const TC*>(vc), s.tables, s.table_stride, s.qsl, s.seq_lens, s.num_seqs,
                   attn.data(), H, KVH, D, m.block_size, m.scale);
         clock.mark(kPhaseAttention);
-        gemm(attn.data(), q_size, T, q_size, static_cast<const TW*>(L.o), hid, static_cast<const TW*>(nullptr),
-             x, hid, true);
+        linear(L.o, attn.data(), q_size, T, q_size, hid, static_cast<const TW*>(nullptr), x, hid, true);
         clock.mark(kPhaseLinear);
         if (lm) {
             lora_add<TW>(s, lm[3], attn.data(), q_size, q_size, x, hid, hid);
@@ -163,8 +180,7 @@ void forward(const Model& m, const Step& s, float* x) {
         }
         rms_norm(x, T, hid, static_cast<const TW*>(L.post_norm), m.eps, h.data());
         clock.mark(kPhaseOther);
-        gemm(h.data(), hid, T, hid, static_cast<const TW*>(L.gate_up), 2 * I, static_cast<const TW*>(nullptr),
-             gu.data(), 2 * I, false);
+        linear(L.gate_up, h.data(), hid, T, hid, 2 * I, static_cast<const TW*>(nullptr), gu.data(), 2 * I, false);
         clock.mark(kPhaseLinear);
         if (lm) {
             lora_add<TW>(s, lm[4], h.data(), hid, hid, gu.data(), 2 * I, I);
@@ -178,8 +194,7 @@ void forward(const Model& m, const Step& s, float* x) {
             silu_mul(g, g + I, a, I);
         }
         clock.mark(kPhaseOther);
-        gemm(act.data(), I, T, I, static_cast<const TW*>(L.down), hid, static_cast<const TW*>(nullptr), x, hid,
-             true);
+        linear(L.down, act.data(), I, T, I, hid, static_cast<const TW*>(nullptr), x, hid, true);
         clock.mark(kPhaseLinear);
         if (lm) {
             lora_add<TW>(s, lm[6], act.data(), I, I, x, hid, hid);
@@ -196,7 +211,7 @@ using namespace motet;
 
 extern "C" {
 
-int motet_abi_version() { return 3; }
+int motet_abi_version() { return 4; }
 
 int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, int64_t q_sh, const void* kc,
                     const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* qsl,
@@ -230,9 +245,17 @@ int motet_sgmv(int dtype_x, int dtype_w, const void* x, int64_t x_st, void* y, i
     return 0;
 }
 
+// dtype_w: a WeightCode; the bias is in the weight's dtype, fp32 for a quantized weight (K: a multiple of 32).
 int motet_gemm(int dtype_w, const float* x, int64_t ldx, int M, int K, const void* packed, int N,
                const void* bias, float* y, int64_t ldy, int accumulate) {
-    if (dtype_w == 0)
+    const auto* fbias = static_cast<const float*>(bias);
+    const auto* q = static_cast<const uint8_t*>(packed);
+    if ((dtype_w == kWeightInt8 || dtype_w == kWeightInt4) && K % QBLOCK != 0) return 1;
+    if (dtype_w == kWeightInt8)
+        qgemm<kWeightInt8>(x, ldx, M, K, q, N, fbias, y, ldy, accumulate != 0);
+    else if (dtype_w == kWeightInt4)
+        qgemm<kWeightInt4>(x, ldx, M, K, q, N, fbias, y, ldy, accumulate != 0);
+    else if (dtype_w == 0)
         gemm(x, ldx, M, K, static_cast<const float*>(packed), N, static_cast<const float*>(bias), y, ldy,
              accumulate != 0);
     else if (dtype_w == 1)
@@ -247,6 +270,16 @@ int motet_forward(const Model* m, const Step* s, float* x) {
     if (m->num_heads % m->num_kv_heads != 0 || m->num_heads / m->num_kv_heads > kMaxGroup ||
         m->head_dim > kMaxHeadDim || m->head_dim % 2 != 0)
         return 1;
+    // each linear: the model's dtype, or quantized along an input dimension of whole blocks
+    const auto ok = [m](const Linear& L, int K) {
+        return L.code == m->dtype_w || ((L.code == kWeightInt8 || L.code == kWeightInt4) && K % QBLOCK == 0);
+    };
+    for (int i = 0; i < m->num_layers; ++i) {
+        const Layer& L = m->layers[i];
+        if (!ok(L.qkv, m->hidden) || !ok(L.o, m->num_heads * m->head_dim) || !ok(L.gate_up, m->hidden) ||
+            !ok(L.down, m->inter))
+            return 3;
+    }
     if (m->dtype_w == 0 && m->dtype_cache == 0) forward<float, float>(*m, *s, x);
     else if (m->dtype_w == 1 && m->dtype_cache == 1) forward<uint16_t, uint16_t>(*m, *s, x);
     else if (m->dtype_w == 0 && m->dtype_cache == 1) forward<float, uint16_t>(*m, *s, x);

@@ -102,6 +102,18 @@ inline void micro_rows(int rows, const float* x, int64_t ldx, const TW* w, int K
     }
 }
 
+// A tile c [rows][NR] into y's rows (from y, columns n0 .. n0 + nv), plus the bias; = or +=.
+template <typename TB>
+inline void store_tile(const float* c, int rows, int nv, const TB* bias, int n0, float* y, int64_t ldy,
+                       bool accumulate) {
+    for (int r = 0; r < rows; ++r) {
+        float* yr = y + static_cast<int64_t>(r) * ldy + n0;
+        for (int j = 0; j < nv; ++j) {
+            const float v = c[r * NR + j] + (bias ? load(bias, n0 + j) : 0.0f);
+            yr[j] = accumulate ? yr[j] + v : v;
+        }
+    }
+}
 
 template <typename TW>
 void gemm(const float* x, int64_t ldx, int M, int K, const TW* packed, int N, const TW* bias, float* y,
@@ -129,13 +141,7 @@ void gemm(const float* x, int64_t ldx, int M, int K, const TW* packed, int N, co
                         micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, panel.data(), K, c);
                     else
                         micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, w, K, c);
-                    for (int r = 0; r < rows; ++r) {
-                        float* yr = y + static_cast<int64_t>(m0 + r) * ldy + n0;
-                        for (int j = 0; j < nv; ++j) {
-                            const float v = c[r * NR + j] + (bias ? load(bias, n0 + j) : 0.0f);
-                            yr[j] = accumulate ? yr[j] + v : v;
-                        }
-                    }
+                    store_tile(c, rows, nv, bias, n0, y + static_cast<int64_t>(m0) * ldy, ldy, accumulate);
                 }
             }
         }

@@ -1,0 +1,170 @@
+"""Block-quantized weight formats (llama.cpp's Q8_0 and Q4_1 layouts) and their torch reference.
+
+A weight [N, K] (N outputs, K inputs) is cut along K into blocks of 32 values, each with its own fp16
+scale: `int8` stores each value as round(w / scale) in [-127, 127] (Q8_0: scale = max |w| / 127); `int4`
+stores round((w - min) / scale) in [0, 15] with a per-block fp16 min as well (Q4_1: scale = (max - min) /
+15), two values per byte as Q4_1 packs them (byte j of a block: value j in the low nibble, value j + 16 in
+the high one), so a GGUF file's blocks map onto it without dequantizing. A weight's value is
+`q * scale (+ min)`, computed in fp32: `QuantizedWeight.dequantize` is that meaning, `QuantizedWeight.linear`
+the reference product (dequantize, then F.linear) that the native kernels (motet/kernels/cpu_native.py)
+are held to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 32  # values per block along the input dimension, each block with its own scale (and min)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A block format: its name (the `--quantization` value), bits per value, whether blocks carry a min, and
+    the GGML type whose blocks hold the same bytes (a GGUF tensor of that type: `from_gguf_blocks`)."""
+
+    name: str
+    bits: int
+    has_min: bool
+    ggml_type: int
+
+    @property
+    def gguf_block_bytes(self) -> int:
+        """Bytes of one GGUF block: fp16 scale, (fp16 min), the values."""
+        return 2 * (1 + self.has_min) + BLOCK * self.bits // 8
+
+    def from_gguf_blocks(self, raw: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
+        """A weight [N, K] from its GGUF blocks (uint8, N * K / 32 blocks of `gguf_block_bytes`), as stored."""
+        N, K = shape
+        if K % BLOCK or raw.dtype != torch.uint8 or raw.numel() != N * K // BLOCK * self.gguf_block_bytes:
+            raise ValueError(
+                f"{self.name}: {raw.numel()} bytes ({raw.dtype}) are not the GGUF blocks of a {N}x{K} weight"
+            )
+        blocks = raw.reshape(N, K // BLOCK, self.gguf_block_bytes)
+        header = 2 * (1 + self.has_min)
+        scales = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+        mins = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0] if self.has_min else None
+        data = blocks[..., header:].contiguous().reshape(N, -1)
+        return QuantizedWeight(self, data if self.has_min else data.view(torch.int8), scales, mins)
+
+    def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
+        """`weight` [N, K] (K a multiple of BLOCK) in this format, on its device; rounding to nearest."""
+        N, K = weight.shape
+        if K % BLOCK:
+            raise ValueError(f"{self.name}: the input dimension ({K}) must be a multiple of {BLOCK}")
+        w = weight.detach().float().reshape(N, K // BLOCK, BLOCK)
+        if self.has_min:
+            lo, hi = w.amin(-1), w.amax(-1)
+            scales = ((hi - lo) / (2**self.bits - 1)).half()
+            mins = lo.half()
+            q = (w - mins.float()[..., None]) / _safe(scales)[..., None]
+            q = q.round().clamp(0, 2**self.bits - 1).to(torch.uint8)
+            data = (q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)).reshape(N, K // 2)
+        else:
+            limit = 2 ** (self.bits - 1) - 1
+            scales = (w.abs().amax(-1) / limit).half()
+            mins = None
+            q = (w / _safe(scales)[..., None]).round().clamp(-limit, limit)
+            data = q.to(torch.int8).reshape(N, K)
+        return QuantizedWeight(self, data.contiguous(), scales.contiguous(), mins)
+
+
+def _safe(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 scales with zeros (all-equal blocks) replaced by one: every value of such a block is its min/0."""
+    s = scales.float()
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
+INT8 = WeightFormat("int8", bits=8, has_min=False, ggml_type=8)  # Q8_0's layout
+INT4 = WeightFormat("int4", bits=4, has_min=True, ggml_type=3)  # Q4_1's layout
+FORMATS = {f.name: f for f in (INT8, INT4)}
+
+
+@dataclass(frozen=True, eq=False)  # tensors: compared by identity
+class QuantizedWeight:
+    """A weight [N, K] in a block format: `data` int8 [N, K] (int8) or uint8 [N, K / 2] (int4, two values a
+    byte), `scales` and (int4) `mins` fp16 [N, K / BLOCK]."""
+
+    format: WeightFormat
+    data: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    def __post_init__(self):
+        N, blocks = self.scales.shape
+        per_byte = 8 // self.format.bits
+        expected = (N, blocks * BLOCK // per_byte)
+        if tuple(self.data.shape) != expected or self.scales.dtype != torch.float16:
+            raise ValueError(
+                f"{self.format.name}: data {tuple(self.data.shape)} / scales {tuple(self.scales.shape)} "
+                f"{self.scales.dtype} do not make a weight (data {expected}, fp16 scales expected)"
+            )
+        if self.format.has_min != (self.mins is not None) or (
+            self.mins is not None
+            and (self.mins.shape != self.scales.shape or self.mins.dtype != torch.float16)
+        ):
+            raise ValueError(
+                f"{self.format.name}: mins must be fp16 {tuple(self.scales.shape)} exactly when the format has them"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.data, self.scales] + ([self.mins] if self.mins is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def _map(self, fn) -> QuantizedWeight:
+        return QuantizedWeight(
+            self.format, fn(self.data), fn(self.scales), None if self.mins is None else fn(self.mins)
+        )
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        return self._map(lambda t: t.to(device))
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The weight's rows `index` (a permutation or a selection of output rows)."""
+        return self._map(lambda t: t[index].contiguous())
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """The parts' rows one after the other (a fused layer's shards); one format for all."""
+        if len({p.format for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("only weights of one format and one input size are concatenated")
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+        return QuantizedWeight(
+            parts[0].format, torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]), mins
+        )
+
+    def values(self) -> torch.Tensor:
+        """The stored integers [N, K / BLOCK, BLOCK] (int4: 0..15 in the order of the weight's columns)."""
+        N, K = self.shape
+        if self.format.has_min:
+            packed = self.data.reshape(N, K // BLOCK, BLOCK // 2)
+            return torch.cat((packed & 0xF, packed >> 4), dim=-1)
+        return self.data.reshape(N, K // BLOCK, BLOCK)
+
+    def gguf_blocks(self) -> torch.Tensor:
+        """The weight as its GGUF tensor's bytes (uint8 [N, K / 32 * block bytes]): `from_gguf_blocks`' inverse."""
+        N, K = self.shape
+        parts = [self.scales[..., None].view(torch.uint8)]
+        if self.mins is not None:
+            parts.append(self.mins[..., None].view(torch.uint8))
+        parts.append(self.data.reshape(N, K // BLOCK, -1).view(torch.uint8))
+        return torch.cat(parts, dim=-1).reshape(N, -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] the format stands for (computed in fp32, then cast to `dtype`)."""
+        N, K = self.shape
+        w = self.values().float() * self.scales.float()[..., None]
+        if self.mins is not None:
+            w = w + self.mins.float()[..., None]
+        return w.reshape(N, K).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W^T (+ bias)``: the reference product (dequantize, then F.linear in x's dtype)."""
+        return F.linear(x, self.dequantize(x.dtype), bias)
