@@ -413,6 +413,20 @@ def test_a_requests_template_stays_within_bounds(server, template, code):
     assert chat(server, chat_template=TEMPLATE, chat_template_kwargs={"flavour": "x"})["choices"]
 
 
+def test_a_requests_template_renders_only_in_its_helper_with_tool_results_too(server):
+    """A history with a tool result makes the server ask whether the template writes a `tool` turn: that is
+    asked of the model's own template only; a request's template stays in its bounded helper (refused there)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        *USER,
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "4"},
+    ]
+    body = {"messages": messages, "chat_template": "{{ 'x' * 10**10 }}"}
+    assert refused(post(server, "chat/completions", body), "chat_template")["code"] is None
+    assert chat(server)["choices"]
+
+
 def test_openapi_lists_the_extras(server):
     schema = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]
     chat_fields = schema["ChatCompletionRequest"]["properties"]

@@ -164,7 +164,10 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
     structure = structured_output(req, limits=state.system.engine.config.grammar_limits)
     template = req.template  # the request's own (under --trust-request-chat-template), or None
     messages, template_kwargs = prompt_messages(
-        req.messages, structure, template or state.system.engine.tokenizer.hf.chat_template
+        req.messages,
+        structure,
+        template or state.system.engine.tokenizer.hf.chat_template,
+        trusted_template=template is None,
     )
     kwargs = {key: v for key, v in (req.chat_template_kwargs or {}).items() if key != "chat_template"}
     kwargs |= template_kwargs | {"add_generation_prompt": req.add_generation_prompt}

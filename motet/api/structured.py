@@ -263,13 +263,20 @@ def structured_output(req, allow_tools: bool = True, limits: GrammarLimits | Non
     return out
 
 
-def prompt_messages(messages: list[dict], structure: Structure, chat_template: str | None):
+def prompt_messages(
+    messages: list[dict], structure: Structure, chat_template: str | None, trusted_template: bool = True
+):
     """The messages to render, and extra template arguments: the model's own tool format where its
-    template has one, else Hermes-style (tools in the system prompt, calls as <tool_call> blocks)."""
+    template has one, else Hermes-style (tools in the system prompt, calls as <tool_call> blocks).
+    `trusted_template`: the template is the operator's (the model's own), which may be rendered here to
+    find whether it writes a `tool` turn; a request's own template renders only in its bounded helper
+    (motet/engine/template_worker.py), so its tool results go in a user turn."""
     shown = structure.tools  # with tool_choice "none" too, as vLLM does: the model sees them, cannot call
     if template_supports_tools(chat_template):
         return messages, ({"tools": [t.openai_dict() for t in shown]} if shown else {})
-    tool_role = "tool" if template_renders_role(chat_template, "tool") else "user"
+    has_results = any(isinstance(m, dict) and m.get("role") == "tool" for m in messages)
+    probe = has_results and trusted_template
+    tool_role = "tool" if probe and template_renders_role(chat_template, "tool") else "user"
     try:
         return render_messages(messages, shown, tool_role), {}
     except ToolError as e:
