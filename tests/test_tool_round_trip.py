@@ -15,17 +15,14 @@ from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.specs import StructuralTagSpec
 from motet.grammar.tool_call_parser import (
-    ContentDelta,
     RepeatedCallStop,
     ToolCall,
-    ToolCallArguments,
-    ToolCallStart,
-    ToolCallStreamParser,
     parse_tool_calls,
 )
 from motet.grammar.tool_calls import tool_call_structural_tag, validate_tools
 from motet.grammar.tool_prompt import render_messages, template_renders_role
 from tests.test_reasoning_grammar import scripted
+from tests.test_tool_calls import stream
 from tests.tiny_models import CHAT_TEMPLATE
 
 # ---------------------------------------------------------------------------------------------------
@@ -127,24 +124,6 @@ def call(name: str, args: str) -> str:
 def test_markup_never_reaches_the_content(text, content, calls):
     assert parse_tool_calls(text) == (content, [ToolCall(*c) for c in calls])
     assert stream(text, list(range(1, len(text)))) == (content or "", calls)
-
-
-def stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
-    parser = ToolCallStreamParser()
-    events, prev = [], 0
-    for cut in [*sorted(cuts), len(text)]:
-        events += parser.feed(text[prev:cut])
-        prev = cut
-    events += parser.finish()
-    content, out = [], []
-    for ev in events:
-        if isinstance(ev, ContentDelta):
-            content.append(ev.text)
-        elif isinstance(ev, ToolCallStart):
-            out.append([ev.name, ""])
-        elif isinstance(ev, ToolCallArguments):
-            out[-1][1] += ev.fragment
-    return "".join(content), [tuple(c) for c in out]
 
 
 def test_stream_equals_parse_with_markup_on_random_outputs():
