@@ -53,8 +53,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="quantized decoder projections: int8 (blocks of 32 with a scale, as GGUF Q8_0) or int4 (blocks "
         "of 32 with a scale and a min, as GGUF Q4_1) quantize the float checkpoint on load; gguf serves the "
         "model directory's GGUF file in its own Q4_1/Q8_0 blocks (the default model keeps its Q4_1 file), and "
-        "is implied by a --model that is a .gguf file. "
-        "Embeddings, lm_head and LoRA adapters stay in --dtype (default: none, the checkpoint's weights)",
+        "is implied by a --model that is a .gguf file. With int4 or int8 the lm_head is quantized to int8; the "
+        "embedding table and LoRA adapters stay in --dtype (default: none, the checkpoint's weights)",
     )
     p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
     p.add_argument("--block-size", type=integer(1), default=d.block_size, help="tokens per KV block")
