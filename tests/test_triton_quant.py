@@ -101,7 +101,8 @@ def test_narrow_layer_splits_k_by_default():
 
 
 def test_choice_of_launch():
-    """Decode batches (M <= 16) get one launch whatever M, split K on narrow layers, and fill the GPU."""
+    """Decode batches (M <= 16) get one launch whatever M; every SM of an H100 (132) gets a program, or the
+    splits are as short as they may be; a layer wide enough to fill the GPU is not split."""
     for N, K in [(14336, 4096), (4096, 14336), (576, 1536)]:
         for bits in (4, 8):
             configs = {choose_config(M, N, K, bits, 132) for M in range(1, 17)}
@@ -109,10 +110,15 @@ def test_choice_of_launch():
             (c,) = configs
             assert c.block_m == 16 and c.block_k * bits // 8 == 128  # a 128-byte line of each row a step
             steps = -(-K // c.block_k)
-            assert -(-steps // c.split_k) * (c.split_k - 1) < steps  # no empty split
-            assert -(-N // c.block_n) * c.split_k >= 132 or steps // c.split_k < 2 * 4
-    assert choose_config(1, 4096, 14336, 4, 132).split_k > 1  # down_proj of an 8B model: 64 tiles alone
+            per_split = -(-steps // c.split_k)
+            assert per_split * (c.split_k - 1) < steps  # no empty split
+            programs = -(-N // c.block_n) * c.split_k
+            assert programs >= 132 or per_split < 2 * triton_quant.MIN_STEPS_PER_SPLIT
+    assert choose_config(1, 14336, 4096, 4, 132).split_k == 1  # up_proj of an 8B model: 224 tiles
+    assert choose_config(1, 4096, 14336, 4, 132).split_k > 1  # its down_proj: 64 tiles alone
     assert choose_config(512, 4096, 4096, 4, 132).split_k == 1  # prefill: tiles enough
+    fp32 = choose_config(1, 4096, 4096, 4, 132, x_bytes=4)  # half the K step (registers, shared memory)
+    assert fp32.block_k == choose_config(1, 4096, 4096, 4, 132).block_k // 2
 
 
 def test_batch_rows_do_not_change_a_rows_result():

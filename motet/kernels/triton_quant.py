@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - triton is Linux-only; the torch refere
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SMALL_M = 16  # rows in one tile of tl.dot's minimum height: decode batches, bound by the weight's bytes
-TARGET_WAVES = 4  # programs per multiprocessor a launch aims at (split-K when the tiles alone are fewer)
+TARGET_WAVES = 2  # programs per multiprocessor a split-K launch aims at (when the tiles leave SMs idle)
 MIN_STEPS_PER_SPLIT = 4  # K steps a split keeps at least, so its pipeline's warm-up stays amortized
 
 
@@ -75,26 +75,35 @@ class TileConfig:
             raise ValueError(f"{self}: split_k must be at least 1")
 
 
-def choose_config(M: int, N: int, K: int, bits: int, multiprocessors: int) -> TileConfig:
-    """The launch for an [M, K] x [N, K]^T product in a format of `bits` per value.
+def choose_config(M: int, N: int, K: int, bits: int, multiprocessors: int, x_bytes: int = 2) -> TileConfig:
+    """The launch for an [M, K] x [N, K]^T product, the weight in `bits` per value, x in `x_bytes` each.
 
-    M <= 16: one row tile, 128 weight bytes of a row per step (a full cache line), 64 outputs a program,
-    and split-K until the launch has about TARGET_WAVES programs per multiprocessor (or each split
-    MIN_STEPS_PER_SPLIT steps). Nothing here depends on M within that range. Larger M (prefill) is
+    M <= 16: one row tile, 128 weight bytes of a row per step (a full cache line), 64 outputs a program;
+    where that leaves multiprocessors without a program, split-K until the launch has about TARGET_WAVES
+    programs per multiprocessor (or each split MIN_STEPS_PER_SPLIT steps): every split's fp32 partials
+    cost M * N * 8 bytes of traffic, so a wide layer is not split. Nothing here depends on M within that
+    range. Larger M (prefill) is
     compute-bound: larger tiles reuse each dequantized weight tile over more rows, and K is split only
-    where the tiles would leave more than half the multiprocessors idle."""
+    where the tiles would leave more than half the multiprocessors idle. fp32 x takes half the K step
+    (its tiles are twice the registers and shared memory). The sizes were checked to compile for sm_80
+    and sm_90 without spilling registers and within their shared memory."""
     if M <= SMALL_M:
         block_m, block_n, block_k, warps, stages = SMALL_M, 64, 128 * 8 // bits, 4, 4
     elif M <= 64:
-        block_m, block_n, block_k, warps, stages = (32 if M <= 32 else 64), 64, 128 * 8 // bits, 4, 3
+        block_m, block_n, block_k, warps, stages = (32 if M <= 32 else 64), 64, 128, 4, 3
     else:
         block_m, block_n, block_k, warps, stages = (64 if M <= 128 else 128), 128, 64, 8, 3
+    if x_bytes > 2:
+        block_k, stages = max(block_k // 2, BLOCK), min(stages, 3)
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     steps = triton.cdiv(K, block_k)
     split = 1
-    # bandwidth-bound: many programs in flight per SM; compute-bound: split only what leaves SMs idle
-    target = TARGET_WAVES * multiprocessors if M <= 64 else multiprocessors // 2
-    if tiles < target:
+    # bandwidth-bound: split where the tiles leave a multiprocessor without work, up to TARGET_WAVES
+    # programs each (bytes in flight); compute-bound: only where they leave half of them idle
+    idle, target = (
+        (multiprocessors, TARGET_WAVES * multiprocessors) if M <= 64 else (multiprocessors // 2,) * 2
+    )
+    if tiles < idle:
         split = max(1, min(triton.cdiv(target, tiles), steps // MIN_STEPS_PER_SPLIT))
     split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty split
     return TileConfig(block_m, block_n, block_k, split, warps, stages)
@@ -132,7 +141,7 @@ def quant_linear(
     if M == 0 or N == 0:
         return out.reshape(*lead, N)
     int4 = qweight.format.has_min
-    cfg = config or choose_config(M, N, K, qweight.format.bits, _multiprocessors(x.device))
+    cfg = config or choose_config(M, N, K, qweight.format.bits, _multiprocessors(x.device), x.element_size())
     steps = triton.cdiv(K, cfg.block_k)
     steps_per_split = triton.cdiv(steps, cfg.split_k)
     split = triton.cdiv(steps, steps_per_split)
