@@ -109,6 +109,12 @@ def choose_config(M: int, N: int, K: int, bits: int, multiprocessors: int, x_byt
     return TileConfig(block_m, block_n, block_k, split, warps, stages)
 
 
+def default_config(x: torch.Tensor, qweight: QuantizedWeight) -> TileConfig:
+    """The launch `quant_linear` makes for x [M, K] on this weight and x's device."""
+    N, K = qweight.shape
+    return choose_config(x.shape[0], N, K, qweight.format.bits, _multiprocessors(x.device), x.element_size())
+
+
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     """SMs of a CUDA device (a property query, no sync); under the interpreter a small stand-in."""
@@ -141,7 +147,7 @@ def quant_linear(
     if M == 0 or N == 0:
         return out.reshape(*lead, N)
     int4 = qweight.format.has_min
-    cfg = config or choose_config(M, N, K, qweight.format.bits, _multiprocessors(x.device), x.element_size())
+    cfg = config or default_config(x2, qweight)
     steps = triton.cdiv(K, cfg.block_k)
     steps_per_split = triton.cdiv(steps, cfg.split_k)
     split = triton.cdiv(steps, steps_per_split)
