@@ -277,7 +277,8 @@ if triton is not None:
                 )
                 low = low.to(tl.float32)[:, :, None]
                 w_lo = _int_to_f32(q & 0xF) * scale + low  # values j of each block
-                w_hi = _int_to_f32(q >> 4) * scale + low  # values j + 16
+                # values j + 16, left in place as 16 * q (no shift): 16 q * (scale / 16) is q * scale exactly
+                w_hi = _int_to_f32(q & 0xF0) * (scale * 0.0625) + low
                 w_lo = _operand(tl.reshape(w_lo, [BLOCK_N, COLS]), x_dtype, DOT_FP32)
                 w_hi = _operand(tl.reshape(w_hi, [BLOCK_N, COLS]), x_dtype, DOT_FP32)
                 x_lo = tl.load(x_base + x_cols, mask=x_mask, other=0.0)
