@@ -242,7 +242,7 @@ for fmt, M, arch in json.loads(sys.argv[1]):
     int4 = fmt == "int4"
     c = tq.choose_config(M, 4096, 4096, 4 if int4 else 8, 132)
     sig = {n: "i32" for n in kernel.arg_names}
-    sig.update(x_ptr="*bf16", q_ptr="*u8" if int4 else "*i8", s_ptr="*fp16", m_ptr="*fp16", bias_ptr="*bf16",
+    sig.update(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp16", m_ptr="*fp16", bias_ptr="*bf16",
                out_ptr="*bf16")
     consts = dict(INT4=int4, HAS_BIAS=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCKS_PER_STEP=c.block_k // 32,
                   PRECISION=None, DOT_FP32=False, **{n: 1 for n in unit})

@@ -153,7 +153,7 @@ def quant_linear(
     split = triton.cdiv(steps, steps_per_split)
     # fp32 partials [split, M, N] when K is shared; else the kernel writes `out` itself
     dest = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out.unsqueeze(0)
-    data, scales = qweight.data, qweight.scales
+    data, scales = qweight.data.view(torch.uint8), qweight.scales  # int8 too: the kernel reads bytes
     mins = qweight.mins if int4 else scales  # unused without mins: any tensor will do as the pointer
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
     interpreted = not x.is_cuda
@@ -291,7 +291,8 @@ if triton is not None:
                 acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
                 acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
             else:
-                w = (_int_to_f32(q + 128) - 128.0) * scale  # int8: -128..127 shifted into the trick's range
+                # int8 read as bytes u: u ^ 0x80 = q + 128 in 0..255, under 2^23's bits in the same logic op
+                w = ((q ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) * scale
                 w = _operand(tl.reshape(w, [BLOCK_N, COLS]), x_dtype, DOT_FP32)
                 xt = tl.reshape(tl.load(x_base + x_cols, mask=x_mask, other=0.0), [BLOCK_M, COLS])
                 if DOT_FP32:
