@@ -150,6 +150,8 @@ def test_refuses_what_does_not_fit():
         quant_linear(torch.ones(2, 64, dtype=torch.int32, device=DEVICE), q)
     with pytest.raises(ValueError, match="bias"):
         quant_linear(torch.randn(2, 64, device=DEVICE), q, torch.zeros(41, device=DEVICE))
+    with pytest.raises(ValueError, match="one device"):
+        quant_linear(torch.randn(2, 64, device="meta"), q)
     with pytest.raises(ValueError, match="powers of two"):
         TileConfig(16, 48, 64)
 

@@ -5,8 +5,8 @@ fp16 scales and mins [N, K / 32]): rows are contiguous along K, which is both wh
 whole 128-byte lines of a row) and what the tensor cores' B operand wants (K-contiguous per column), so no
 repacked copy is made and the GPU holds the weight once. A program owns BLOCK_M rows of x times BLOCK_N
 outputs and walks its share of K, BLOCK_K values a step: it loads the step's bytes as
-[BLOCK_N, blocks, bytes per block] (one thread's vector is one quant block, whose scale and min it then
-holds), unpacks in registers, dequantizes in fp32 exactly as `QuantizedWeight.dequantize` does (q * scale
+[BLOCK_N, blocks, bytes per block] (a thread's 16-byte vector lies in one quant block, with one scale and
+min), unpacks in registers, dequantizes in fp32 exactly as `QuantizedWeight.dequantize` does (q * scale
 (+ min); the integers become floats by the 2^23 trick, not by the slow int-to-float conversion), rounds
 once to x's dtype and multiplies on the tensor cores with fp32 accumulation. Q4_1's byte j of a block holds
 values j and j + 16, so the low nibbles meet x's first 16 columns of each block and the high nibbles its
@@ -140,6 +140,8 @@ def quant_linear(
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit a {N}x{K} weight (fp16/bf16/fp32 x)")
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit a {N}x{K} weight")
+    if qweight.data.device != x.device or (bias is not None and bias.device != x.device):
+        raise ValueError(f"x is on {x.device}, the weight on {qweight.data.device}: one device for all")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
