@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from motet.engine.config import EngineConfig
+from motet.engine.llm_engine import LLMEngine
 from motet.engine.model import Linear
 from motet.kernels import triton_quant
 from motet.kernels.quant import FORMATS, QuantizedWeight
 from motet.kernels.triton_quant import TileConfig, choose_config, quant_linear
 from tests.test_engine import PROMPTS, engine_logits
-from tests.test_quantization import engine
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(triton_quant.triton is None, reason="triton not installed")
@@ -167,7 +168,7 @@ def test_kernel_applies_to_cuda_tensors_only(monkeypatch):
 
 
 def _count_kernel_calls(monkeypatch) -> list:
-    """Make every tensor one the kernel applies to (the interpreter runs it on CPU); count its calls."""
+    """Make every tensor one the kernel applies to (on CPU the interpreter runs it); count its calls."""
     calls = []
     real = triton_quant.quant_linear
 
@@ -195,11 +196,15 @@ def test_quantized_linear_dispatches_to_the_kernel(monkeypatch, name):
 
 @pytest.mark.parametrize("name,arch", [("int4", "qwen2"), ("int8", "llama")])  # qwen2: q/k/v biases
 def test_tiny_quantized_model_through_the_kernel(tmp_path, monkeypatch, name, arch):
-    """The eager model quantized, every projection through the kernel, against the reference path."""
+    """The eager model quantized (fp32), every projection through the kernel, against the reference path."""
     model_dir = build_tiny_model(tmp_path, arch=arch)
-    eng = engine(model_dir, quantization=name, compile_step=False)
+    config = EngineConfig(model=str(model_dir), device=DEVICE, block_size=8, num_kv_blocks=256,
+                          quantization=name, compile_step=False)  # fmt: skip
+    eng = LLMEngine(config, model_dir=model_dir)
     prompts = PROMPTS[:3]  # 1, 5 and 17 tokens in chunks of 8: steps of 14, 8 and 1 rows
-    want = engine_logits(eng, prompts, chunk=8)
+    with monkeypatch.context() as patch:
+        patch.setattr(triton_quant, "applies", lambda x: False)
+        want = engine_logits(eng, prompts, chunk=8)
     calls = _count_kernel_calls(monkeypatch)
     got = engine_logits(eng, prompts, chunk=8)
     assert [shape[0] for shape in calls[::4]] == [14] * 2 + [8] * 2 + [1] * 2  # 4 projections, 2 layers
@@ -290,3 +295,35 @@ def test_compiles_for_the_gpu_without_spills(tmp_path):
         assert build["scratch"] == 0, (
             build
         )  # no global scratch: nothing for a CUDA graph to allocate at launch
+
+
+@needs_cuda
+@pytest.mark.parametrize("adapters", [0, 2], ids=["base", "2-adapters"])
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_quantized_decode_from_graphs_equals_eager(tiny_model_dir, tmp_path, name, adapters):
+    """The kernel inside the decode CUDA graphs (motet/engine/cuda_graphs.py): greedy tokens of ragged
+    prompts in bf16, with and without adapters on top, the same as eager steps."""
+    from motet.engine.sampling_params import SamplingParams
+    from motet.evals.lora_bench import write_random_adapter
+
+    prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60, 2, 9)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        config = EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", device="cuda", block_size=8,
+                              num_kv_blocks=256, quantization=name, compile_step=graphs)  # fmt: skip
+        eng = LLMEngine(config, model_dir=tiny_model_dir)
+        names = [
+            eng.add_lora(f"a{i}", write_random_adapter(tmp_path / f"a{i}", eng.model_config, 8, seed=i))
+            for i in range(adapters)
+        ]
+        for i, p in enumerate(prompts):
+            eng.add_request(p, params, adapter=names[i % 3] if adapters and i % 3 < adapters else None)
+        tokens = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    tokens[tuple(out.prompt_token_ids)] = list(out.token_ids)
+        outs[graphs] = tokens
+        assert not graphs or eng.runner.graphs.replays > 0
+    assert outs[True] == outs[False]
