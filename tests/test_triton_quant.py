@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
@@ -16,6 +17,7 @@ from motet.kernels import triton_quant
 from motet.kernels.quant import FORMATS, QuantizedWeight
 from motet.kernels.triton_quant import TileConfig, choose_config, quant_linear
 from tests.test_engine import PROMPTS, engine_logits
+from tests.test_quantization import dequantized_checkpoint
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(triton_quant.triton is None, reason="triton not installed")
@@ -187,29 +189,32 @@ def test_quantized_linear_dispatches_to_the_kernel(monkeypatch, name):
     lin.quantize(FORMATS[name])
     x = torch.randn(3, 64, device=DEVICE)
     with torch.no_grad():
-        reference = lin.quantized.linear(x, lin.bias)
         calls = _count_kernel_calls(monkeypatch)
         got = lin(x)
     assert calls == [(3, 64)]
-    torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-5)
+    check(got, x, lin.quantized, lin.bias)  # the activations unrounded (the CPU product rounds them)
 
 
 @pytest.mark.parametrize("name,arch", [("int4", "qwen2"), ("int8", "llama")])  # qwen2: q/k/v biases
 def test_tiny_quantized_model_through_the_kernel(tmp_path, monkeypatch, name, arch):
-    """The eager model quantized (fp32), every projection through the kernel, against the reference path."""
-    model_dir = build_tiny_model(tmp_path, arch=arch)
+    """The eager model quantized (fp32), every quantized product through the kernel (the projections and the
+    int8 lm_head), against Hugging Face transformers on the checkpoint with those weights dequantized."""
+    model_dir = build_tiny_model(tmp_path / "model", arch=arch)
+    reference = AutoModelForCausalLM.from_pretrained(
+        dequantized_checkpoint(model_dir, tmp_path / "dequantized", name), torch_dtype=torch.float32
+    ).eval()
     config = EngineConfig(model=str(model_dir), device=DEVICE, block_size=8, num_kv_blocks=256,
                           quantization=name, compile_step=False)  # fmt: skip
     eng = LLMEngine(config, model_dir=model_dir)
     prompts = PROMPTS[:3]  # 1, 5 and 17 tokens in chunks of 8: steps of 14, 8 and 1 rows
-    with monkeypatch.context() as patch:
-        patch.setattr(triton_quant, "applies", lambda x: False)
-        want = engine_logits(eng, prompts, chunk=8)
     calls = _count_kernel_calls(monkeypatch)
     got = engine_logits(eng, prompts, chunk=8)
-    assert [shape[0] for shape in calls[::4]] == [14] * 2 + [8] * 2 + [1] * 2  # 4 projections, 2 layers
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # 9 quantized products a step: 4 projections in each of 2 layers, and the lm_head
+    assert [shape[0] for shape in calls] == [14] * 9 + [8] * 9 + [1] * 9
+    for prompt, logits in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            want = reference(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(logits, want, atol=2e-4, rtol=1e-4)
 
 
 @needs_cuda
