@@ -1,8 +1,10 @@
 """The W8A16 / W4A16 Triton GEMM (motet/kernels/triton_quant.py) against float64 products of the dequantized
-weight (`QuantizedWeight.dequantize(torch.float64)`), and the model's dispatch to it.
+weight (`QuantizedWeight.dequantize(torch.float64)`), and the model's dispatch to it against Hugging Face
+transformers on the dequantized checkpoint.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py sets it before triton is imported):
-shapes stay small. With a GPU the same tests run natively, and CUDA graph capture is checked too."""
+shapes stay small, and the GPU build is checked by compiling it for sm_80 / sm_90 (no device needed). With a
+GPU the same tests run natively, and CUDA graph capture is checked too."""
 
 from __future__ import annotations
 

@@ -131,8 +131,9 @@ def quant_linear(
     config: TileConfig | None = None,
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for x [..., K] in fp16/bf16/fp32 and W [N, K] quantized (int8 or int4), in x's
-    dtype, accumulated in fp32; the weight is rounded to x's dtype before the product, as the reference
-    (`QuantizedWeight.linear`) does. `config` overrides the launch (benchmarks and tests)."""
+    dtype, accumulated in fp32: F.linear of x and the dequantized weight rounded to x's dtype. x itself is
+    used as it is (the CPU product, `QuantizedWeight.linear`, rounds it to int8 blocks first). `config`
+    overrides the launch (benchmarks and tests)."""
     if triton is None:
         raise RuntimeError("quant_linear needs triton")
     N, K = qweight.shape
