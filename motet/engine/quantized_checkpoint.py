@@ -89,6 +89,8 @@ def _parse(cfg, source: str) -> CheckpointQuantization:
     zeros_minus_one = False
     if method == "gptq":
         fmt = str(cfg.get("checkpoint_format") or cfg.get("format") or "gptq").lower()
+        if cfg.get("is_marlin_format"):  # AutoGPTQ's flag for weights repacked for its Marlin kernel
+            fmt = "marlin"
         if fmt not in _GPTQ_FORMATS:
             raise ModelLoadError(f"{source}: GPTQ checkpoint_format {fmt!r} is not supported; {_SUPPORTED}")
         pack_dtype = cfg.get("pack_dtype", "int32")
