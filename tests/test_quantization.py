@@ -23,7 +23,7 @@ from motet.engine.llm_engine import LLMEngine
 from motet.engine.memory import weights_bytes
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
-from motet.kernels.quant import BLOCK, FORMATS
+from motet.kernels.quant import BLOCK, FORMATS, INT8
 from tests.test_engine import PROMPTS, engine_logits
 from tests.test_lora_engine import TINY_ADAPTERS, peft_reference, save_peft_adapters, tiny_requests
 from tests.test_model_store import GGUF_NAME, _llama_cpp_permute, gguf_dir, wheel_dir  # noqa: F401 (fixtures)
@@ -150,12 +150,15 @@ def test_portable_build_matches_float64(tmp_path, monkeypatch):
 
 
 def dequantized_checkpoint(model_dir: Path, out: Path, name: str) -> Path:
-    """`model_dir` with every decoder projection replaced by its `name`-quantized values (the reference)."""
+    """`model_dir` with every decoder projection replaced by its `name`-quantized values and the lm_head by
+    its int8 values, untied from the embedding table (the reference)."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     with torch.no_grad():
         for module_name, module in hf.named_modules():
             if module_name.split(".")[-1] in PROJECTIONS:
                 module.weight.copy_(FORMATS[name].quantize(module.weight).dequantize())
+        hf.config.tie_word_embeddings = False
+        hf.lm_head.weight = torch.nn.Parameter(INT8.quantize(hf.lm_head.weight).dequantize())
     hf.save_pretrained(out, safe_serialization=True)
     for f in model_dir.iterdir():  # tokenizer and generation config
         if not (out / f.name).exists():
@@ -176,7 +179,8 @@ def test_quantized_model_matches_hf_on_the_dequantized_checkpoint(tmp_path, name
     quantized = engine(model_dir, quantization=name, compile_step=False)
     model = quantized.runner.model
     assert all(lin.quantized is not None and lin.weight.numel() == 0 for lin in model.decoder_linears())
-    assert model.lm_head.quantized is None  # embeddings and lm_head stay in the checkpoint's precision
+    assert model.lm_head.quantized.format is INT8  # the lm_head in int8, the table as it was
+    assert model.embed_tokens.weight.numel() > 0
     hf = AutoModelForCausalLM.from_pretrained(reference, torch_dtype=torch.float32).eval()
     got = engine_logits(quantized, PROMPTS)
     for prompt, logits in zip(PROMPTS, got, strict=True):

@@ -51,7 +51,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "model directory's GGUF file (Q8_0/Q4_1/Q4_0/Q4_K kept in their blocks, other types requantized to "
         "int8; the default model keeps its Q4_1 file); gptq|awq name a GPTQ/AWQ 4-bit checkpoint's own "
         "method (such a checkpoint is served in its own weights without the flag; other values conflict). "
-        "Embeddings, lm_head and LoRA adapters stay in --dtype (default: none, the checkpoint's weights)",
+        "With int4 or int8 the lm_head is quantized to int8; the embedding table and LoRA adapters stay in "
+        "--dtype (default: none, the checkpoint's weights)",
     )
     p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
     p.add_argument("--block-size", type=integer(1), default=d.block_size, help="tokens per KV block")

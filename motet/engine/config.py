@@ -156,10 +156,11 @@ class EngineConfig:
 
     model: str = "SmolLM2-135M-Instruct"
     dtype: str = "float32"
-    # Quantized projections (embeddings and lm_head stay in `dtype`), one of QUANTIZATIONS: "int8" (Q8_0's
-    # blocks) or "int4" (Q4_1's) quantize a float checkpoint on load; "gguf" serves the directory's GGUF file
-    # in its own blocks; "gptq" / "awq" name a GPTQ / AWQ checkpoint's own method (optional: such a
-    # checkpoint is served 4-bit either way, and any other value conflicts). None: the checkpoint's weights.
+    # Quantized projections (the embedding table stays in `dtype`), one of QUANTIZATIONS: "int8" (Q8_0's
+    # blocks) or "int4" (Q4_1's) quantize a float checkpoint's decoder projections on load, and its lm_head
+    # into int8; "gguf" serves the directory's GGUF file in its own blocks; "gptq" / "awq" name a GPTQ / AWQ
+    # checkpoint's own method (optional: such a checkpoint is served 4-bit either way, and any other value
+    # conflicts). None: the checkpoint's weights.
     quantization: str | None = None
     device: str = "auto"  # "auto": cuda when available, else cpu
     block_size: int = 16

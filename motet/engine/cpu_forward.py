@@ -85,14 +85,14 @@ class CpuForward:
         wdtype = model.embed_tokens.weight.dtype
         self.model = model
         self.kv_caches = kv_caches
-        self.vocab_size = model.lm_head.weight.shape[0]
+        self.vocab_size = model.lm_head.out_features
         linears = [
             (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             for layer in model.layers
         ]
         elem = torch.tensor([], dtype=wdtype).element_size()
         total = sum(_packed_bytes(lin, elem) + 64 for group in linears for lin in group)
-        total += -(-self.vocab_size // cpu_native.PANEL) * cpu_native.PANEL * cfg.hidden_size * elem
+        total += _packed_bytes(model.lm_head, elem) + 64
         self.arena = WeightArena(total + 64 * 64)
         self._keep: list[torch.Tensor] = []  # everything a descriptor points at
 
@@ -130,7 +130,12 @@ class CpuForward:
             for lin in (qkv, o, gate_up, down):  # the arena holds them now
                 lin.weight = torch.nn.Parameter(torch.empty(0, dtype=wdtype), requires_grad=False)
                 lin.packed_weight = lin.quantized = None
-        self.lm_head = self.arena.put(cpu_native.pack(model.lm_head.weight.detach()))
+        # the lm_head in its own format too (quantized: its blocks; else the model's dtype, tied or not)
+        self.lm_format = model.lm_head.quantized.format.name if model.lm_head.quantized is not None else None
+        if self.lm_format is not None:
+            self.lm_head = self.arena.put(cpu_native.pack_quantized(model.lm_head.quantized))
+        else:
+            self.lm_head = self.arena.put(cpu_native.pack(model.lm_head.weight.detach()))
         self._layers = layers
         self.desc = cpu_native.Model(
             cpu_native.DTYPE_CODES[wdtype],
@@ -213,4 +218,6 @@ class CpuForward:
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return cpu_native.gemm(hidden.float().contiguous(), self.lm_head, self.vocab_size)
+        return cpu_native.gemm(
+            hidden.float().contiguous(), self.lm_head, self.vocab_size, quantized=self.lm_format
+        )

@@ -23,7 +23,7 @@ from torch import nn
 from motet.engine.config import ModelConfig, ModelLoadError
 from motet.kernels.paged_attention import paged_attention, write_kv_cache
 from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
-from motet.kernels.quant import BLOCK, QuantizedWeight, WeightFormat
+from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
 from motet.lora.slot_cache import LoRABatch
 
 
@@ -267,9 +267,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def quantize(self, fmt: WeightFormat) -> None:
-        """Quantize the decoder's projections into `fmt` (once their weights are loaded). The embeddings and
-        the lm_head keep the checkpoint's precision: the table is a lookup, not a product, and the logits
-        are where rounding shows most (small models tie the two)."""
+        """Quantize the decoder's projections into `fmt` and the lm_head into int8 (once the weights are
+        loaded). The embedding table keeps the checkpoint's precision (a lookup reads one row a token); the
+        lm_head is a product over the whole vocabulary, a fifth of a small model's bytes per token, so it
+        is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
+        keep it in Q8_0 (or Q6_K) the same way."""
         cfg = self.config
         dims = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size}
         dims["num_attention_heads * head_dim"] = cfg.num_attention_heads * cfg.head_dim
@@ -281,6 +283,8 @@ class LlamaForCausalLM(nn.Module):
                 )
         for lin in self.decoder_linears():
             lin.quantize(fmt)
+        if cfg.hidden_size % BLOCK == 0:
+            self.lm_head.quantize(INT8)
 
     def _split_sizes(self, module: str) -> list[int]:
         """Row sizes of a fused module's shards ([n] for an unfused one)."""
@@ -322,10 +326,19 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(target.shape)}"
                 )
-            if isinstance(tensor, QuantizedWeight):
+            if isinstance(tensor, QuantizedWeight) and name in ("embed_tokens.weight", "lm_head.weight"):
+                # a quantized output (or tied table): the lm_head multiplies in its blocks, the embedding
+                # table holds their values (a lookup)
+                if name == "embed_tokens.weight":
+                    self.embed_tokens.weight.copy_(tensor.dequantize())
+                if name == "lm_head.weight" or self.lm_head.weight is self.embed_tokens.weight:
+                    self.lm_head.quantized = tensor.to(param.device)
+                    self.lm_head.weight = nn.Parameter(torch.empty(0, device=param.device), False)
+                    loaded.add(("lm_head.weight", 0))
+            elif isinstance(tensor, QuantizedWeight):
                 if name not in projections:
                     raise ModelLoadError(
-                        f"checkpoint tensor {hf_name!r} is quantized: only projections may be"
+                        f"checkpoint tensor {hf_name!r} is quantized: only projections and the lm_head may be"
                     )
                 quantized.setdefault(name, {})[shard] = tensor.to(param.device)
             else:
