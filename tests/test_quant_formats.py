@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from motet.engine import gguf_weights
 from motet.engine.config import ModelLoadError
 from motet.engine.gguf_weights import iter_gguf_weights
 from motet.engine.llm import LLM
@@ -225,6 +224,7 @@ def test_gguf_q4_0_and_q4_k_served_match_hf_on_gguf_py_dequantized(tmp_path, com
         eng = engine(served, quantization="gguf", compile_step=False)
         formats = [lin.quantized.format.name for lin in eng.runner.model.decoder_linears()]
         assert formats == ["int4"] * 8
+        assert eng.runner.model.lm_head.quantized.format == INT4  # the tied Q4_0 table's blocks
 
 
 def gguf_py_requantized_reference(model_dir: Path, out: Path, types: dict[str, str]) -> Path:
@@ -290,16 +290,14 @@ def test_a_type_gguf_py_cannot_dequantize_is_refused(tmp_path):
         engine(served, quantization="gguf")
 
 
-def write_tables_gguf(path: Path) -> dict[str, np.ndarray]:
-    """A GGUF file of an embedding table (Q4_0) and an lm_head (Q6_K, known bytes); their blocks by name."""
+def write_tables_gguf(path: Path, tied: bool) -> dict[str, np.ndarray]:
+    """A GGUF file of an embedding table (Q4_0) and, untied, an lm_head (Q6_K, known bytes); blocks by name."""
     rng = np.random.default_rng(5)
     tensors = {
-        "token_embd.weight": (
-            gguf.quants.quantize(rng.standard_normal((8, 256)).astype(np.float32), T.Q4_0),
-            T.Q4_0,
-        ),
-        "output.weight": (random_blocks(T.Q6_K, 8, 256), T.Q6_K),
+        "token_embd.weight": (quantize(rng.standard_normal((8, 256)).astype(np.float32), T.Q4_0), T.Q4_0)
     }
+    if not tied:
+        tensors["output.weight"] = (random_blocks(T.Q6_K, 8, 256), T.Q6_K)
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.add_head_count(4)
     for name, (blocks, qtype) in tensors.items():
@@ -311,24 +309,20 @@ def write_tables_gguf(path: Path) -> dict[str, np.ndarray]:
     return {n: b for n, (b, _) in tensors.items()}
 
 
-def test_embedding_table_and_lm_head_follow_keep_quantized(tmp_path, monkeypatch):
-    """fp32 (gguf-py's values) today; in blocks (Q4_0 as int4, Q6_K requantized to int8) once `_keep_quantized`
-    says so for them."""
-    blocks = write_tables_gguf(tmp_path / "t.gguf")
-    want = {
-        "model.embed_tokens.weight": dequantize(blocks["token_embd.weight"], T.Q4_0),
-        "lm_head.weight": dequantize(blocks["output.weight"], T.Q6_K),
-    }
-    plain = dict(iter_gguf_weights(tmp_path / "t.gguf"))
-    assert all(torch.equal(plain[n], w) for n, w in want.items())
-    keep = gguf_weights._keep_quantized
-    monkeypatch.setattr(gguf_weights, "_keep_quantized", lambda n: keep(n) or n in gguf_weights._TABLES)
-    held = dict(iter_gguf_weights(tmp_path / "t.gguf"))
-    table, head = held["model.embed_tokens.weight"], held["lm_head.weight"]
-    assert table.format == INT4 and torch.equal(table.dequantize(), want["model.embed_tokens.weight"])
+def test_the_lm_head_and_a_tied_table_come_in_blocks(tmp_path):
+    """output.weight in its blocks (Q6_K requantized to int8), the embedding table as gguf-py's floats; a
+    table without output.weight (tied: it is the lm_head too) in its blocks (Q4_0 as int4, exactly)."""
+    blocks = write_tables_gguf(tmp_path / "untied.gguf", tied=False)
+    untied = dict(iter_gguf_weights(tmp_path / "untied.gguf"))
+    assert torch.equal(untied["model.embed_tokens.weight"], dequantize(blocks["token_embd.weight"], T.Q4_0))
+    head, want = untied["lm_head.weight"], dequantize(blocks["output.weight"], T.Q6_K)
     half_step = head.scales.float().repeat_interleave(BLOCK, dim=1) / 2
-    assert (
-        head.format == INT8 and ((head.dequantize() - want["lm_head.weight"]).abs() <= half_step + 1e-7).all()
+    assert head.format == INT8 and ((head.dequantize() - want).abs() <= half_step + 127 * 2**-25).all()
+    blocks = write_tables_gguf(tmp_path / "tied.gguf", tied=True)
+    (name, table), *rest = iter_gguf_weights(tmp_path / "tied.gguf")
+    assert name == "model.embed_tokens.weight" and not rest
+    assert table.format == INT4 and torch.equal(
+        table.dequantize(), dequantize(blocks["token_embd.weight"], T.Q4_0)
     )
 
 

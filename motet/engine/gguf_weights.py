@@ -4,9 +4,10 @@
 pulled from, as `model.gguf`) without dequantizing its projections to floats: each block type maps onto
 motet's int4 or int8 format (motet/kernels/ggml_blocks.py: Q8_0 and Q4_1 as they are, Q4_0 and Q4_K as int4,
 every other type gguf-py can dequantize requantized into int8, logged once per file), with llama.cpp's
-rotary row order of q/k undone by permuting whole rows. Float projections (F32, F16, BF16), norms, and the
-embedding table and lm_head (until the model takes them quantized: `_keep_quantized`) are read as fp32. A
-tensor in a type gguf-py cannot dequantize is refused, naming the tensor and its type.
+rotary row order of q/k undone by permuting whole rows. The lm_head comes in blocks the same way (and a
+tied embedding table, which is the lm_head too: `_keep_quantized`); float projections (F32, F16, BF16), norms
+and an untied embedding table are read as fp32. A tensor in a type gguf-py cannot dequantize is refused,
+naming the tensor and its type.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 GGUF_FILE = "model.gguf"  # the name `motet pull` gives the default model's GGUF in its directory
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # read as fp32 for now: `_keep_quantized`
+_TABLE, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def gguf_file(model_dir: str | Path) -> Path:
@@ -60,12 +61,14 @@ def _int(meta, key: str, default: int | None = None) -> int:
     return int(field.contents())
 
 
-def _keep_quantized(name: str) -> bool:
+def _keep_quantized(name: str, tied: bool) -> bool:
     """Whether a tensor (by its Hugging Face name) in a block type is yielded as a QuantizedWeight rather than
-    dequantized to fp32: every decoder projection. The embedding table and the lm_head (`_TABLES`) stay fp32
-    until model.load_weights takes them quantized (the table dequantized for its lookups, the lm_head
-    multiplied in its blocks); then this returns True for them too."""
-    return name.endswith(".weight") and name.split(".")[-2] in _PROJECTIONS
+    dequantized to fp32: every decoder projection and the lm_head (model.load_weights keeps them in their
+    blocks); the embedding table only where it is the lm_head too (`tied`: a file without output.weight), as
+    the model holds the table itself as floats (a lookup), which gguf-py's values give exactly."""
+    if name == _TABLE:
+        return tied
+    return name == _LM_HEAD or (name.endswith(".weight") and name.split(".")[-2] in _PROJECTIONS)
 
 
 def _refusal(path: Path, tensor_name: str, type_name: str) -> ModelLoadError:
@@ -112,12 +115,13 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
     n_head = _int(reader, "llama.attention.head_count")
     heads = {"q_proj": n_head, "k_proj": _int(reader, "llama.attention.head_count_kv", n_head)}
+    tied = all(hf_name(t.name) != _LM_HEAD for t in reader.tensors)
     kept = {}  # Hugging Face name -> (GGML type, its name), for the tensors kept quantized
     for t in reader.tensors:
         ggml_type = int(t.tensor_type)
         if not ggml_blocks.dequantizable(ggml_type):
             raise _refusal(path, t.name, ggml_blocks.type_name(ggml_type))
-        if _keep_quantized(name := hf_name(t.name)):
+        if _keep_quantized(name := hf_name(t.name), tied):
             kept[name] = (ggml_type, ggml_blocks.type_name(ggml_type))
     formats = _formats(kept)
     requantized = sorted(
