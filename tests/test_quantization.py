@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 from transformers import AutoModelForCausalLM
 
@@ -23,7 +24,7 @@ from motet.engine.llm_engine import LLMEngine
 from motet.engine.memory import weights_bytes
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
-from motet.kernels.quant import BLOCK, FORMATS, INT8
+from motet.kernels.quant import BLOCK, FORMATS, INT8, quantize_activations
 from tests.test_engine import PROMPTS, engine_logits
 from tests.test_lora_engine import TINY_ADAPTERS, peft_reference, save_peft_adapters, tiny_requests
 from tests.test_model_store import GGUF_NAME, _llama_cpp_permute, gguf_dir, wheel_dir  # noqa: F401 (fixtures)
@@ -80,8 +81,19 @@ def test_reference_linear_matches_float64(name):
     g = torch.Generator().manual_seed(3)
     q = FORMATS[name].quantize(torch.randn(11, 3 * BLOCK, generator=g))
     x, b = torch.randn(5, 3 * BLOCK, generator=g), torch.randn(11, generator=g)
-    want = F.linear(x.double(), q.dequantize(torch.float64), b.double())
+    want = F.linear(quantize_activations(x).double(), q.dequantize(torch.float64), b.double())
     torch.testing.assert_close(q.linear(x, b).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_activations_are_quantized_as_gguf_py_quantizes_q8_0():
+    """The CPU product's activations: llama.cpp's Q8_0 rounding of each block (gguf-py's, to the tie)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 4 * BLOCK, generator=g) * torch.logspace(-3, 2, 7)[:, None]
+    x[2, :BLOCK] = 0  # an all-zero block
+    raw = gguf_quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0)
+    want = torch.from_numpy(gguf_quants.dequantize(raw, GGMLQuantizationType.Q8_0))
+    torch.testing.assert_close(quantize_activations(x), want, atol=0, rtol=1e-6)
+    assert not torch.equal(quantize_activations(x), x)
 
 
 # -- the native kernels --------------------------------------------------------------------------------------
@@ -93,7 +105,9 @@ def check_qgemm(name: str, M: int, N: int, K: int, bias: bool, seed: int) -> Non
     x = torch.randn(M, K + 3, generator=g)[:, 3:]  # row-strided
     b = torch.randn(N, generator=g) if bias else None
     packed = cpu_native.pack_quantized(q)
-    want = F.linear(x.double(), q.dequantize(torch.float64), None if b is None else b.double())
+    want = F.linear(
+        quantize_activations(x).double(), q.dequantize(torch.float64), None if b is None else b.double()
+    )
     y = cpu_native.gemm(x, packed, N, b, quantized=name)
     assert y.dtype == torch.float32 and y.shape == (M, N)
     torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-4)
@@ -112,9 +126,22 @@ def check_qgemm(name: str, M: int, N: int, K: int, bias: bool, seed: int) -> Non
 @pytest.mark.parametrize("N,K", [(16, 32), (1, 64), (13, 96), (50, 160), (70, 32)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_qgemm_matches_float64_of_dequantized(name, M, N, K, bias):
-    """Decode rows unpacked per tile (M <= 4), more rows through a dequantized panel (M > 4), every panel
-    remainder (N mod 16), several row chunks (M > 96)."""
+    """One row tile (M <= 4) and several, every panel remainder (N mod 16), several row chunks (M > 96)."""
     check_qgemm(name, M, N, K, bias, seed=M * N + K)
+
+
+@needs_native
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_a_rows_product_does_not_depend_on_its_batch(name):
+    """Exact integer block sums, added in one order per row: a row alone, or among 1-130 others, gives the
+    same bits (a request's output cannot depend on what else the step holds)."""
+    g = torch.Generator().manual_seed(11)
+    q = FORMATS[name].quantize(torch.randn(45, 96, generator=g))
+    packed = cpu_native.pack_quantized(q)
+    x = torch.randn(131, 96, generator=g)
+    alone = cpu_native.gemm(x[:1].contiguous(), packed, 45, quantized=name)
+    for M in (2, 3, 4, 5, 9, 97, 131):
+        assert torch.equal(cpu_native.gemm(x[:M].contiguous(), packed, 45, quantized=name)[:1], alone)
 
 
 @needs_native
@@ -166,6 +193,20 @@ def dequantized_checkpoint(model_dir: Path, out: Path, name: str) -> Path:
     return out
 
 
+def quantizing_inputs(model: torch.nn.Module, lm_head: bool = True) -> torch.nn.Module:
+    """`model` (HF or PEFT) with the inputs of its projections (and lm_head) rounded as the CPU product rounds
+    them (Q8_0 blocks, checked against gguf-py above): with a dequantized checkpoint, the reference. A LoRA
+    layer's adapter sees its input unrounded: only its base layer's is."""
+    names = (*PROJECTIONS, "lm_head") if lm_head else PROJECTIONS
+    for module_name, module in model.named_modules():
+        parts = module_name.split(".")
+        if parts[-1] == "base_layer":
+            parts.pop()
+        if parts[-1] in names and isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]),))
+    return model
+
+
 def engine(model_dir, **options) -> LLMEngine:
     cfg = EngineConfig(model=str(model_dir), device="cpu", block_size=8, num_kv_blocks=256, **options)
     return LLMEngine(cfg, model_dir=model_dir)
@@ -181,18 +222,27 @@ def test_quantized_model_matches_hf_on_the_dequantized_checkpoint(tmp_path, name
     assert all(lin.quantized is not None and lin.weight.numel() == 0 for lin in model.decoder_linears())
     assert model.lm_head.quantized.format is INT8  # the lm_head in int8, the table as it was
     assert model.embed_tokens.weight.numel() > 0
-    hf = AutoModelForCausalLM.from_pretrained(reference, torch_dtype=torch.float32).eval()
+    hf = quantizing_inputs(AutoModelForCausalLM.from_pretrained(reference, torch_dtype=torch.float32).eval())
     got = engine_logits(quantized, PROMPTS)
-    for prompt, logits in zip(PROMPTS, got, strict=True):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(logits, want, atol=2e-4, rtol=1e-4)
-    # the same model, unquantized, on the dequantized checkpoint; and quantization changed the logits
-    plain = engine_logits(engine(reference, compile_step=False), PROMPTS)
-    original = engine_logits(engine(model_dir, compile_step=False), PROMPTS)
-    for a, b, c in zip(got, plain, original, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        want = [hf(torch.tensor([prompt])).logits[0] for prompt in PROMPTS]
+    assert_close_but_for_rounding_flips(got, want)
+    original = engine_logits(engine(model_dir, compile_step=False), PROMPTS)  # quantization changed them
+    for a, c in zip(got, original, strict=True):
         assert (a - c).abs().max() > 1e-3
+
+
+def assert_close_but_for_rounding_flips(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Two implementations of the quantized model, prompt by prompt: their float rounding differs in the last
+    bits, and where an activation sits on a rounding boundary of its int8 block the two round it one step
+    apart, which moves the logits after it by about a step times the weights. Half the prompts or more see no flip
+    (logits within 1e-4); none drifts by more than 0.1."""
+    flipped = 0
+    for g, w in zip(got, want, strict=True):
+        diff = (g - w).abs().max().item()
+        assert diff < 0.1, diff
+        flipped += diff > 1e-4
+    assert flipped <= len(got) // 2, f"{flipped} of {len(got)} prompts differ by more than 1e-4"
 
 
 @needs_native
@@ -205,8 +255,9 @@ def test_native_step_equals_eager_quantized(tmp_path, name, arch, chunk):
     eager = engine(model_dir, quantization=name, compile_step=False)
     native = engine(model_dir, quantization=name)
     assert native.runner.native is not None and eager.runner.native is None
-    for a, b in zip(engine_logits(eager, PROMPTS, chunk), engine_logits(native, PROMPTS, chunk), strict=True):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    assert_close_but_for_rounding_flips(
+        engine_logits(native, PROMPTS, chunk), engine_logits(eager, PROMPTS, chunk)
+    )
 
 
 @needs_native
@@ -225,7 +276,7 @@ def int4_loras(tmp_path_factory):
     root = tmp_path_factory.mktemp("int4-loras")
     model_dir = build_tiny_model(root / "model")
     reference = dequantized_checkpoint(model_dir, root / "dequantized", "int4")
-    peft = save_peft_adapters(reference, root / "adapters", TINY_ADAPTERS, std=0.1)
+    peft = quantizing_inputs(save_peft_adapters(reference, root / "adapters", TINY_ADAPTERS, std=0.1))
     return model_dir, peft, {n: root / "adapters" / n for n, _, _ in TINY_ADAPTERS}
 
 
@@ -238,9 +289,7 @@ def test_adapters_over_a_quantized_base_match_peft_on_the_dequantized_base(int4_
     prompts, names = tiny_requests()
     refs = [peft_reference(peft, n, p, 0)[1] for p, n in zip(prompts, names, strict=True)]
     for chunk in (None, 7):
-        got = engine_logits(eng, prompts, chunk, names)
-        for g, ref in zip(got, refs, strict=True):
-            torch.testing.assert_close(g, ref, atol=2e-4, rtol=1e-4)
+        assert_close_but_for_rounding_flips(engine_logits(eng, prompts, chunk, names), refs)
 
 
 def test_quantized_weights_take_fewer_bytes(tiny_model_dir):
@@ -358,10 +407,10 @@ def test_gguf_blocks_served_as_they_are_match_hf_on_gguf_py_dequantized(tmp_path
         formats = [lin.quantized.format.name for lin in eng.runner.model.decoder_linears()]
         assert formats == ["int4", "int8", "int4", "int8"] * 2  # qkv, o, gate_up, down per layer
     hf = AutoModelForCausalLM.from_pretrained(gguf_reference(model_dir, tmp_path / "ref", GGUF_TYPES)).eval()
-    for prompt, got in zip(PROMPTS, engine_logits(eng, PROMPTS), strict=True):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    hf = quantizing_inputs(hf, lm_head=False)
+    with torch.no_grad():
+        want = [hf(torch.tensor([prompt])).logits[0] for prompt in PROMPTS]
+    assert_close_but_for_rounding_flips(engine_logits(eng, PROMPTS), want)
 
 
 def test_a_directory_without_a_gguf_file_is_refused(tmp_path):

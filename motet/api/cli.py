@@ -39,7 +39,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
     d = EngineConfig  # the defaults
     p.add_argument(
-        "--model", default=d.model, help=f"model name or local HF checkpoint dir (default: {d.model})"
+        "--model",
+        default=d.model,
+        help="model name, local HF checkpoint dir, or a llama GGUF file (path/to/file.gguf: config, tokenizer and "
+        "chat template from its metadata, projections served in its own blocks as with --quantization gguf, "
+        f"named by the file's stem) (default: {d.model})",
     )
     p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES), help="weights' and KV cache's type")
     p.add_argument(
@@ -49,10 +53,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="quantized decoder projections: int8 (blocks of 32 with a scale, as GGUF Q8_0) or int4 (blocks "
         "of 32 with a scale and a min, as GGUF Q4_1) quantize the float checkpoint on load; gguf serves the "
         "model directory's GGUF file (Q8_0/Q4_1/Q4_0/Q4_K kept in their blocks, other types requantized to "
-        "int8; the default model keeps its Q4_1 file); gptq|awq name a GPTQ/AWQ 4-bit checkpoint's own "
-        "method (such a checkpoint is served in its own weights without the flag; other values conflict). "
-        "With int4 or int8 the lm_head is quantized to int8; the embedding table and LoRA adapters stay in "
-        "--dtype (default: none, the checkpoint's weights)",
+        "int8; the default model keeps its Q4_1 file), and is implied by a --model that is a .gguf file; "
+        "gptq|awq name a GPTQ/AWQ 4-bit checkpoint's own method (such a checkpoint is served in its own "
+        "weights without the flag; other values conflict). With int4 or int8 the lm_head is quantized to "
+        "int8; the embedding table and LoRA adapters stay in --dtype (default: none, the checkpoint's weights)",
     )
     p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
     p.add_argument("--block-size", type=integer(1), default=d.block_size, help="tokens per KV block")

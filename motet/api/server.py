@@ -85,9 +85,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 def served_names(args, config) -> list[str]:
     """The names requests may give the base model as: the first is the served one, the rest aliases."""
+    from motet.engine.config import is_gguf_file
     from motet.engine.model_store import DEFAULT_MODEL_ALIASES
 
-    names = list(args.served_model_name or []) + [config.model]
+    names = list(args.served_model_name or [])
+    if is_gguf_file(config.model):  # llama.cpp's habit: a GGUF file is served by its stem
+        names.append(Path(config.model).stem)
+    names.append(config.model)
     if config.model in DEFAULT_MODEL_ALIASES:
         names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
     elif Path(config.model).exists():
@@ -222,7 +226,7 @@ def add_serve_args(p) -> None:
         nargs="+",
         default=None,
         metavar="NAME",
-        help="the model's name in the API (the first; the others are aliases); default: --model",
+        help="the model's name in the API (the first; the others are aliases); default: --model (a GGUF file's stem)",
     )
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="the port to listen on")
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')

@@ -29,6 +29,13 @@ SPECULATIVE_MODES = ("auto", "off", "ngram")
 GGUF_QUANTIZATION = "gguf"
 CHECKPOINT_QUANTIZATIONS = ("gptq", "awq")
 QUANTIZATIONS = (*QUANT_FORMATS, GGUF_QUANTIZATION, *CHECKPOINT_QUANTIZATIONS)
+GGUF_SUFFIX = ".gguf"
+
+
+def is_gguf_file(model: str | Path) -> bool:
+    """Whether a model name or path names a GGUF file (served from its own blocks and metadata:
+    motet/engine/gguf_model.py), rather than a checkpoint directory or a known model name."""
+    return str(model).lower().endswith(GGUF_SUFFIX) and not Path(model).expanduser().is_dir()
 
 
 class ModelLoadError(ValueError):
@@ -158,9 +165,9 @@ class EngineConfig:
     dtype: str = "float32"
     # Quantized projections (the embedding table stays in `dtype`), one of QUANTIZATIONS: "int8" (Q8_0's
     # blocks) or "int4" (Q4_1's) quantize a float checkpoint's decoder projections on load, and its lm_head
-    # into int8; "gguf" serves the directory's GGUF file in its own blocks; "gptq" / "awq" name a GPTQ / AWQ
-    # checkpoint's own method (optional: such a checkpoint is served 4-bit either way, and any other value
-    # conflicts). None: the checkpoint's weights.
+    # into int8; "gguf" serves the directory's GGUF file in its own blocks, and is implied when `model` is a
+    # .gguf file; "gptq" / "awq" name a GPTQ / AWQ checkpoint's own method (optional: such a checkpoint is
+    # served 4-bit either way, and any other value conflicts). None: the checkpoint's weights.
     quantization: str | None = None
     device: str = "auto"  # "auto": cuda when available, else cpu
     block_size: int = 16
@@ -216,6 +223,15 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}"
             )
+        # A GGUF file's weights are its blocks: there is nothing else to quantize them into.
+        if is_gguf_file(self.model):
+            if self.quantization not in (None, GGUF_QUANTIZATION):
+                raise ValueError(
+                    f"quantization {self.quantization!r}: {self.model} is a GGUF file, served in its own "
+                    f"quantized blocks; leave --quantization out (or give {GGUF_QUANTIZATION}), or serve a float "
+                    f"checkpoint directory to quantize it to {self.quantization}"
+                )
+            self.quantization = GGUF_QUANTIZATION
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         for name in (

@@ -1,12 +1,15 @@
 """GGUF -> a Hugging Face Llama checkpoint directory: dequantize to float32, undo llama.cpp's rotary row
 permutation of q_proj/k_proj, rename the tensors to Hugging Face names, and write config, weights and
-tokenizer files (motet/engine/model_store.py calls it when it pulls the default model)."""
+tokenizer files (motet/engine/model_store.py calls it when it pulls the default model). The config and
+tokenizer come from the file's metadata alone (`hf_config`, `write_hf_metadata`), which is all a bare GGUF
+file served as it is needs (motet/engine/gguf_model.py)."""
 
 from __future__ import annotations
 
 import json
 import re
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +43,8 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def _fields(reader) -> dict:
+def metadata_of(reader) -> dict:
+    """A GGUFReader's metadata fields as Python values (strings, numbers, lists)."""
     out = {}
     for key, field in reader.fields.items():
         try:
@@ -85,20 +89,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = gguf.GGUFReader(str(gguf_path))
-    meta = _fields(reader)
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise PullError(f"{gguf_path.name}: architecture {arch!r}; only 'llama' GGUF files are converted")
-    tok_model = meta.get("tokenizer.ggml.model")
-    if tok_model != "gpt2":
-        raise PullError(f"{gguf_path.name}: tokenizer {tok_model!r}; only gpt2 byte-level BPE is converted")
-
-    n_head = int(meta["llama.attention.head_count"])
-    n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
-    hidden = int(meta["llama.embedding_length"])
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // n_head))
+    meta = metadata_of(reader)
+    config = hf_config(meta, [t.name for t in reader.tensors], gguf_path.name)
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
     out_dir.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
@@ -115,45 +108,116 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
             w = unpermute_qk(w, n_kv)
         state[name] = w
     bar.close()
-    tied = "lm_head.weight" not in state
-    n_layers = int(meta["llama.block_count"])
-
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(meta.get("llama.vocab_size", len(tokens))),
-        "hidden_size": hidden,
-        "intermediate_size": int(meta["llama.feed_forward_length"]),
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(meta["llama.context_length"]),
-        "rms_norm_eps": _f32_round(meta["llama.attention.layer_norm_rms_epsilon"]),
-        "rope_theta": _f32_round(meta.get("llama.rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": tied,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "torch_dtype": "float32",
-        "use_cache": True,
-    }
     _check_shapes(state, config)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del state
-    _write_json(out_dir / "config.json", config)
-    _write_json(
-        out_dir / "generation_config.json",
-        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None},
-    )
-    _write_tokenizer(out_dir, meta, tokens, token_types, int(meta["llama.context_length"]))
+    write_hf_metadata(out_dir, meta, config)
     return out_dir
+
+
+# llama.cpp's architecture name for Llama, Mistral, SmolLM, TinyLlama, ... (one decoder layout)
+SERVED_ARCHITECTURE = "llama"
+TOKENIZER_MODEL = "gpt2"  # byte-level BPE
+PRE_TOKENIZERS = ("smollm", "default", "gpt-2", "starcoder")
+_ROPE_SCALINGS = ("none", "linear")  # llama.rope.scaling.type values motet's rotary implements
+# Besides EOS, the ids llama.cpp ends a generation at (end of turn, Llama 3's <|eot_id|>; end of message).
+_END_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def hf_config(meta: dict, tensor_names: Collection[str], source: str) -> dict:
+    """The Hugging Face config.json of a GGUF from its metadata; tied embeddings when it has no output.weight.
+
+    ModelLoadError, naming the key and what is supported, for a file motet cannot serve: another architecture,
+    a mixture of experts, another tokenizer, rope scaling other than linear, partial rotary."""
+
+    def refuse(what: str) -> ModelLoadError:
+        return ModelLoadError(f"{source}: {what}")
+
+    arch = meta.get("general.architecture")
+    if arch != SERVED_ARCHITECTURE:
+        raise refuse(
+            f"GGUF architecture {arch!r}; motet serves GGUF files of architecture {SERVED_ARCHITECTURE!r} "
+            f"(Llama, Mistral, SmolLM and the other models llama.cpp converts as 'llama'); serve other models "
+            f"from their Hugging Face checkpoint directory"
+        )
+    if int(meta.get("llama.expert_count") or 0) > 0:
+        raise refuse(
+            f"a mixture of experts ({meta['llama.expert_count']} experts); motet serves dense models"
+        )
+    tok_model = meta.get("tokenizer.ggml.model")
+    if tok_model != TOKENIZER_MODEL:
+        raise refuse(
+            f"tokenizer {tok_model!r} (tokenizer.ggml.model); motet builds the tokenizer of a GGUF file for "
+            f"{TOKENIZER_MODEL!r} byte-level BPE vocabularies only"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise refuse(
+            f"pre-tokenizer {pre!r} (tokenizer.ggml.pre); motet builds {', '.join(map(repr, PRE_TOKENIZERS))}"
+        )
+    if "rope_freqs.weight" in tensor_names:
+        raise refuse(
+            "rope frequency factors (a rope_freqs tensor, as Llama 3.1 and later store their rope scaling); "
+            "motet does not read them from a GGUF file: serve the model's Hugging Face checkpoint directory"
+        )
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling not in _ROPE_SCALINGS:
+        raise refuse(f"rope scaling {scaling!r} (llama.rope.scaling.type); motet implements {_ROPE_SCALINGS}")
+    try:
+        n_head = int(meta["llama.attention.head_count"])
+        hidden = int(meta["llama.embedding_length"])
+        head_dim = int(meta.get("llama.attention.key_length", hidden // n_head))
+        rotary = int(meta.get("llama.rope.dimension_count", head_dim))
+        context = int(meta["llama.context_length"])
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": int(meta.get("llama.vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+            "hidden_size": hidden,
+            "intermediate_size": int(meta["llama.feed_forward_length"]),
+            "num_hidden_layers": int(meta["llama.block_count"]),
+            "num_attention_heads": n_head,
+            "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", n_head)),
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": context,
+            "rms_norm_eps": _f32_round(meta["llama.attention.layer_norm_rms_epsilon"]),
+            "rope_theta": _f32_round(meta.get("llama.rope.freq_base", 10000.0)),
+            "rope_scaling": None
+            if scaling == "none"
+            else {"rope_type": "linear", "factor": _f32_round(meta["llama.rope.scaling.factor"])},
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "initializer_range": 0.02,
+            "tie_word_embeddings": "output.weight" not in tensor_names,
+            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+            "torch_dtype": "float32",
+            "use_cache": True,
+        }
+    except KeyError as e:
+        raise refuse(f"GGUF metadata has no {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:  # a per-layer array where a number belongs, and the like
+        raise refuse(f"GGUF metadata not understood ({e})") from None
+    if rotary != head_dim:
+        raise refuse(f"rope over {rotary} of {head_dim} head dimensions; motet rotates whole heads")
+    return config
+
+
+def write_hf_metadata(out_dir: Path, meta: dict, config: dict) -> None:
+    """config.json, generation_config.json and the tokenizer files (with the chat template) of a GGUF."""
+    _write_json(out_dir / "config.json", config)
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
+    ends = [config["eos_token_id"]] if config["eos_token_id"] is not None else []
+    ends += [int(meta[k]) for k in _END_TOKEN_KEYS if k in meta and int(meta[k]) not in ends]
+    if len(ends) > 1:
+        gen["eos_token_id"] = ends
+    _write_json(out_dir / "generation_config.json", gen)
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    _write_tokenizer(out_dir, meta, tokens, token_types, config["max_position_embeddings"])
 
 
 def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
@@ -202,9 +266,7 @@ def _write_tokenizer(
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in ("smollm", "default", "gpt-2", "starcoder"):
-        raise PullError(f"GGUF pre-tokenizer {pre!r} is not supported by this converter")
+    pre = meta.get("tokenizer.ggml.pre", "default")  # one of PRE_TOKENIZERS (hf_config checked)
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise PullError("GGUF vocabulary has duplicate tokens")

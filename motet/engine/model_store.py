@@ -30,8 +30,9 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from motet.engine.config import ModelLoadError
+from motet.engine.config import GGUF_SUFFIX, ModelLoadError, is_gguf_file
 from motet.engine.gguf_convert import PullError, convert_gguf
+from motet.engine.gguf_model import gguf_model_dir
 from motet.engine.gguf_weights import GGUF_FILE
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -61,6 +62,11 @@ def cache_dir(override: str | Path | None = None) -> Path:
 def default_model_path(cache_dir_override: str | Path | None = None) -> Path:
     """Where `pull()` puts the default model (whether or not it is there yet)."""
     return cache_dir(cache_dir_override) / "models" / DEFAULT_MODEL
+
+
+def derived_gguf_root(cache_dir_override: str | Path | None = None) -> Path:
+    """Where the config and tokenizer derived from GGUF files served as they are live (motet/engine/gguf_model.py)."""
+    return cache_dir(cache_dir_override) / "gguf"
 
 
 def is_complete(model_dir: str | Path) -> bool:
@@ -111,23 +117,27 @@ def pull(cache_dir: str | Path | None = None, force: bool = False, progress: boo
 def resolve_model(
     name_or_path: str | Path | None, cache_dir: str | Path | None = None, progress: bool = True
 ) -> Path:
-    """A model directory for a name or path: the default model (pulled if needed) or a local directory."""
+    """A model directory for a name or path: the default model (pulled if needed), a local directory, or the
+    directory derived from a GGUF file's metadata (motet/engine/gguf_model.py)."""
     if name_or_path is None or str(name_or_path) in DEFAULT_MODEL_ALIASES:
         return pull(cache_dir, progress=progress)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     if path.exists():
+        if is_gguf_file(path):
+            return gguf_model_dir(path, derived_gguf_root(cache_dir))
         raise ModelLoadError(
-            f"model path {str(path)!r} is not a directory; pass a Hugging Face checkpoint directory"
+            f"model path {str(path)!r} is not a directory; pass a Hugging Face checkpoint directory or a "
+            f"{GGUF_SUFFIX} file"
         )
     cached = default_model_path(cache_dir).parent / str(name_or_path)
     if "/" not in str(name_or_path) and is_complete(cached):  # another model in the store
         return cached
     raise ModelLoadError(
-        f"model {str(name_or_path)!r}: no such directory, and not a known model name "
+        f"model {str(name_or_path)!r}: no such directory or file, and not a known model name "
         f"(known: {DEFAULT_MODEL}); pass a local Hugging Face checkpoint directory "
-        f"(Llama, Mistral, Qwen2 in safetensors)"
+        f"(Llama, Mistral, Qwen2 in safetensors) or a llama GGUF file"
     )
 
 

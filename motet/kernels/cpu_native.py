@@ -253,7 +253,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
     """A quantized [N, K] weight as the quantized GEMM's panels (motet/kernels/csrc/qgemm.h): uint8
     [ceil(N / 16), K / 32, record], per panel and block the 16 columns' fp16 scales, (int4) fp16 mins, then
-    the values k-major (int4: byte j of a k holds column j in the low nibble, column j + 8 in the high one).
+    the values by quads of 4 k, each column's 4 values adjacent: int8: a quad's columns 0-7, then 8-15
+    (32 bytes each); int4: a quad's 32 bytes hold columns 0-7 in the low nibbles, 8-15 in the high ones.
     Rows past N are zero (scale and min 0: they compute 0)."""
     N, K = weight.shape
     P, nb = -(-N // PANEL), K // BLOCK
@@ -266,9 +267,10 @@ def pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
     header = [panels(weight.scales).contiguous().view(torch.uint8).view(P, nb, -1)]
     if weight.mins is not None:
         header.append(panels(weight.mins).contiguous().view(torch.uint8).view(P, nb, -1))
-    values = panels(weight.values()).transpose(2, 3)  # [P, nb, 32 k, 16 columns]
+    # [P, nb, 16 columns, 32 k] -> [P, nb, 8 quads, 2 halves of 8 columns, 8 columns, 4 k]
+    values = panels(weight.values()).reshape(P, nb, 2, 8, BLOCK // 4, 4).permute(0, 1, 4, 2, 3, 5)
     if weight.format.has_min:
-        values = values[..., : PANEL // 2] | (values[..., PANEL // 2 :] << 4)
+        values = values[:, :, :, 0] | (values[:, :, :, 1] << 4)
     values = values.contiguous().view(torch.uint8).reshape(P, nb, -1)
     out = torch.cat([*header, values], dim=-1)
     assert out.shape[-1] == QUANT_RECORD[weight.format.name]
@@ -286,7 +288,8 @@ def gemm(
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for fp32 x [M, K] and W packed by `pack` (n: W's rows), or by `pack_quantized` in
     the format named by `quantized`, into fp32 `out` (made if None; with `accumulate`, added to it).
-    Accumulates in fp32; bf16 and quantized weights are converted on load."""
+    Accumulates in fp32; bf16 weights are converted on load; with quantized weights x is quantized to int8
+    blocks first and each block's product is an integer one (quant.quantize_activations)."""
     assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and packed.is_contiguous()
     M, K = x.shape
     if quantized is None:

@@ -5,9 +5,14 @@ scale: `int8` stores each value as round(w / scale) in [-127, 127] (Q8_0: scale 
 stores round((w - min) / scale) in [0, 15] with a per-block fp16 min as well (Q4_1: scale = (max - min) /
 15), two values per byte as Q4_1 packs them (byte j of a block: value j in the low nibble, value j + 16 in
 the high one), so a GGUF file's blocks map onto it without dequantizing. A weight's value is
-`q * scale (+ min)`, computed in fp32: `QuantizedWeight.dequantize` is that meaning, `QuantizedWeight.linear`
-the reference product (dequantize, then F.linear) that the native kernels (motet/kernels/cpu_native.py)
-are held to.
+`q * scale (+ min)`, computed in fp32: `QuantizedWeight.dequantize` is that meaning.
+
+The product on CPU quantizes the activations too, as llama.cpp's CPU kernels do (Q8_0 / Q8_1 activations):
+each row of x in blocks of 32 as int8 with a scale (`quantize_activations`), so the native kernels
+(motet/kernels/csrc/qgemm.h) multiply blocks in 8-bit integers, exactly, with results independent of the
+batch a row runs in. `QuantizedWeight.linear` is that product in torch (dequantized weights times
+dequantized activations), the reference the native kernels are held to; GPU kernels
+(motet/kernels/triton_quant.py) keep 16-bit activations.
 """
 
 from __future__ import annotations
@@ -69,6 +74,17 @@ class WeightFormat:
             q = (w / _safe(scales)[..., None]).round().clamp(-limit, limit)
             data = q.to(torch.int8).reshape(N, K)
         return QuantizedWeight(self, data.contiguous(), scales.contiguous(), mins)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of BLOCK) as the CPU product sees it: each block of 32 as Q8_0 rounds it, to
+    int8 steps of d = max|x| / 127 (q = x * (1 / d) rounded, in fp32; ties to even where llama.cpp's
+    reference rounds them away from zero), d kept in fp16 as Q8_0 does, returned dequantized (q * d) in fp32."""
+    *lead, K = x.shape
+    xb = x.float().reshape(*lead, K // BLOCK, BLOCK)
+    d = xb.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return ((xb * inv).round() * d.half().float()).reshape(*lead, K)  # Q8_0 keeps d in fp16
 
 
 def _safe(scales: torch.Tensor) -> torch.Tensor:
@@ -166,5 +182,7 @@ class QuantizedWeight:
         return w.reshape(N, K).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W^T (+ bias)``: the reference product (dequantize, then F.linear in x's dtype)."""
-        return F.linear(x, self.dequantize(x.dtype), bias)
+        """``x @ W^T (+ bias)`` as the CPU computes it: the reference product of the dequantized weight and
+        the int8-block activations (`quantize_activations`), in fp32, returned in x's dtype."""
+        out = F.linear(quantize_activations(x), self.dequantize(), None if bias is None else bias.float())
+        return out.to(x.dtype)

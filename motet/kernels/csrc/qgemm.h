@@ -1,4 +1,4 @@
-// The GEMM on block-quantized weights (motet/kernels/quant.py's int8 and int4 formats), unpacked in registers.
+// The GEMM on block-quantized weights (motet/kernels/quant.py's int8 and int4 formats), in 8-bit integers.
 #pragma once
 
 #include "gemm.h"
@@ -8,20 +8,25 @@ namespace motet {
 // ---------------------------------------------------------------------------------------------------------
 // y [M, N] (=, or +=) x [M, K] @ W^T (+ bias), x and y fp32, W quantized in blocks of 32 along K.
 //
-// W is packed (cpu_native.pack_quantized) into the same panels of 16 output columns as the float GEMM, each
-// panel a run of records, one per block of 32 k: the 16 columns' fp16 scales, (int4) their 16 fp16 mins,
-// then the values k-major: int8: 32 x 16 bytes; int4: 32 x 8 bytes, byte j holding column j (low nibble)
-// and column j + 8 (high nibble). A panel streams as one contiguous run, 544 (int8) or 320 (int4) bytes per
-// block against 2048 for bf16.
+// As llama.cpp's CPU kernels do, each row of x is first quantized in blocks of 32 too (as Q8_0 blocks:
+// d = max|x| / 127, q = round-to-even(x / d), d kept in fp16, and s = d * sum(q)): a block of the product is then an integer dot
+// product, exact in int32, times the two scales (plus, for int4, the weight block's min times s). One AVX2
+// `maddubs` multiplies 32 byte pairs where the fp32 path needs four FMAs and the conversions of 32 values.
+// quant.py's `QuantizedWeight.linear` is the same product in torch. Since the integer sums are exact and every
+// row adds its blocks in the same order whatever the rows beside it, a row's result does not depend on the
+// batch it runs in.
 //
-// Up to kQRows rows (decode) the microkernel unpacks each k's 16 values into two fp32 registers (convert,
-// times the scale, plus the min) and adds them times each row's x; more rows dequantize each panel once
-// into an fp32 copy in L1/L2 and run the float microkernel over it. Accumulation is fp32 throughout.
+// W is packed (cpu_native.pack_quantized) into panels of 16 output columns, each a run of records, one per
+// block of 32 k: the 16 columns' fp16 scales, (int4) their 16 fp16 mins, then the values in groups of 4 k
+// ("quads"), each column's 4 values adjacent (byte 4c + i: column c, k 4g + i): int8: per quad, columns 0-7
+// then 8-15, 32 bytes each (544 bytes a record); int4: per quad 32 bytes, the low nibbles columns 0-7, the
+// high ones columns 8-15 (320 bytes a record, against 2048 for bf16). `maddubs` of a quad's 32 bytes with a
+// row's 4 x values (broadcast) and `madd` with ones leave column c's 4-term sum in int32 lane c.
 
 enum WeightCode { kWeightF32 = 0, kWeightBF16 = 1, kWeightInt8 = 2, kWeightInt4 = 3 };
 
 constexpr int QBLOCK = 32;
-constexpr int kQRows = 4;  // rows up to which the values are unpacked per row tile rather than per panel
+constexpr int kQRows = 4;  // rows per tile: each block's values are unpacked once per tile
 
 template <int FMT>
 struct QFormat;
@@ -59,140 +64,159 @@ inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-// The 16 fp32 values of row kk (0..31) of a block record, portable.
-template <int FMT>
-inline void unpack16(const uint8_t* rec, int kk, float* out) {
-    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(rec);
-    const uint8_t* q = rec + QFormat<FMT>::kHeader;
-    for (int j = 0; j < NR; ++j) {
-        float v;
-        if constexpr (FMT == kWeightInt8) {
-            v = static_cast<float>(static_cast<int8_t>(q[kk * NR + j])) * f16_to_f32(hdr[j]);
-        } else {
-            const uint8_t b = q[kk * (NR / 2) + (j % (NR / 2))];
-            const int nib = j < NR / 2 ? (b & 0xF) : (b >> 4);
-            v = static_cast<float>(nib) * f16_to_f32(hdr[j]) + f16_to_f32(hdr[NR + j]);
+// float -> the nearest half (ties to even, subnormals included) -> float: an activation block's scale is
+// kept as Q8_0 keeps it.
+inline float round_to_f16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint32_t sign = (u >> 16) & 0x8000u, mag = u & 0x7fffffffu;
+    uint32_t h;
+    if (mag > 0x7f800000u) {
+        h = 0x7e00u;  // NaN
+    } else if (mag >= 0x477ff000u) {
+        h = 0x7c00u;  // rounds past 65504: infinity
+    } else if (mag < 0x38800000u) {  // a subnormal half: its mantissa is |f| * 2^24, rounded to even
+        h = static_cast<uint32_t>(std::nearbyint(std::fabs(f) * 16777216.0f));
+    } else {
+        h = (mag - 0x38000000u + 0xfffu + ((mag >> 13) & 1u)) >> 13;
+    }
+    return f16_to_f32(static_cast<uint16_t>(sign | h));
+}
+
+// One row's K values as int8 blocks: q [K], d and s [K / 32] (quant.py's `quantize_activations`).
+inline void quantize_row(const float* x, int K, int8_t* q, float* d, float* s) {
+    for (int b = 0; b < K / QBLOCK; ++b) {
+        const float* xb = x + b * QBLOCK;
+        int8_t* qb = q + b * QBLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < QBLOCK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+        const float dq = amax / 127.0f, id = dq > 0.0f ? 1.0f / dq : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QBLOCK; ++i) {
+            const int v = static_cast<int>(std::nearbyint(xb[i] * id));  // the default mode: to nearest even
+            qb[i] = static_cast<int8_t>(v);
+            sum += v;
         }
-        out[j] = v;
+        d[b] = round_to_f16(dq);  // stored in fp16 as Q8_0 stores it (q was rounded with the fp32 scale)
+        s[b] = d[b] * static_cast<float>(sum);
     }
 }
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define MOTET_QGEMM_SIMD 1
 
-struct QBlockRegs {  // one block's 16 scales (and mins) as fp32
-    __m256 s0, s1, m0, m1;
-};
-
-template <int FMT>
-inline QBlockRegs qblock_regs(const uint8_t* rec) {
-    QBlockRegs r;
-    r.s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec)));
-    r.s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16)));
-    if constexpr (FMT == kWeightInt4) {
-        r.m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32)));
-        r.m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 48)));
-    } else {
-        r.m0 = r.m1 = _mm256_setzero_ps();
-    }
-    return r;
-}
-
-// Row kk of a block's 16 values, dequantized into two registers (columns 0-7, 8-15).
-template <int FMT>
-inline void qload16(const uint8_t* q, int kk, const QBlockRegs& b, __m256& w0, __m256& w1) {
-    if constexpr (FMT == kWeightInt8) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * NR));
-        w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), b.s0);
-        w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), b.s1);
-    } else {
-        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * (NR / 2)));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(v, mask);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-        w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), b.s0, b.m0);
-        w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), b.s1, b.m1);
-    }
-}
-
-// A panel [K / 32 records] dequantized into the float GEMM's panel layout [K][16] fp32.
-template <int FMT>
-inline void dequant_panel(const uint8_t* panel, int K, float* out) {
-    for (int b = 0; b < K / QBLOCK; ++b) {
-        const uint8_t* rec = panel + static_cast<int64_t>(b) * QFormat<FMT>::kRecord;
-        const QBlockRegs regs = qblock_regs<FMT>(rec);
-        const uint8_t* q = rec + QFormat<FMT>::kHeader;
-        float* o = out + static_cast<int64_t>(b) * QBLOCK * NR;
-        for (int kk = 0; kk < QBLOCK; ++kk) {
-            __m256 w0, w1;
-            qload16<FMT>(q, kk, regs, w0, w1);
-            _mm256_storeu_ps(o + kk * NR, w0);
-            _mm256_storeu_ps(o + kk * NR + 8, w1);
-        }
-    }
-}
-
-// c [R][16] = x [R rows, K] @ the panel's 16 columns, R <= kQRows.
+// c [R][16] = the R rows' quantized x (q: ldq apart; d, s: lds apart) @ the panel's 16 columns, R <= kQRows.
 template <int R, int FMT>
-inline void qmicro(const float* x, int64_t ldx, const uint8_t* panel, int K, float* c) {
-    // One row leaves too few independent FMA chains: split each block's k over two partial sums.
-    constexpr int U = R == 1 ? 2 : 1;
-    __m256 acc[U][R][2];
-#pragma GCC unroll 2
-    for (int u = 0; u < U; ++u)
+inline void qdot(const int8_t* xq, int64_t ldq, const float* xd, const float* xs, int64_t lds,
+                 const uint8_t* panel, int nb, float* c) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[R][2];
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
-    for (int b = 0; b < K / QBLOCK; ++b) {
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
         const uint8_t* rec = panel + static_cast<int64_t>(b) * QFormat<FMT>::kRecord;
-        const QBlockRegs regs = qblock_regs<FMT>(rec);
         const uint8_t* q = rec + QFormat<FMT>::kHeader;
-        const float* xb = x + b * QBLOCK;
-        for (int kk = 0; kk < QBLOCK; kk += U) {
-#pragma GCC unroll 2
-            for (int u = 0; u < U; ++u) {
-                __m256 w0, w1;
-                qload16<FMT>(q, kk + u, regs, w0, w1);
+        __m256i isum[R][2];
+        if constexpr (FMT == kWeightInt4) {
+            // |sum| of 8 quads of 2 int16 products: 8 * 2 * 15 * 127 = 30480 fits int16
+            const __m256i mask = _mm256_set1_epi8(0x0F);
+            __m256i s16[R][2];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int g = 0; g < QBLOCK / 4; ++g) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
+                const __m256i w0 = _mm256_and_si256(v, mask);
+                const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
 #pragma GCC unroll 4
                 for (int r = 0; r < R; ++r) {
-                    const __m256 a = _mm256_broadcast_ss(xb + r * ldx + kk + u);
-                    acc[u][r][0] = _mm256_fmadd_ps(a, w0, acc[u][r][0]);
-                    acc[u][r][1] = _mm256_fmadd_ps(a, w1, acc[u][r][1]);
+                    int32_t quad;
+                    std::memcpy(&quad, xq + r * ldq + b * QBLOCK + 4 * g, 4);
+                    const __m256i a = _mm256_set1_epi32(quad);
+                    s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(w0, a));
+                    s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(w1, a));
                 }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+                isum[r][0] = _mm256_madd_epi16(s16[r][0], ones);
+                isum[r][1] = _mm256_madd_epi16(s16[r][1], ones);
+            }
+        } else {
+            // products up to 2 * 127 * 128 per int16: widened to int32 after each quad
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int g = 0; g < QBLOCK / 4; ++g) {
+                const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g));
+                const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32));
+                const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; ++r) {
+                    int32_t quad;
+                    std::memcpy(&quad, xq + r * ldq + b * QBLOCK + 4 * g, 4);
+                    const __m256i a = _mm256_set1_epi32(quad);
+                    const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(a, w0));
+                    const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(a, w1));
+                    isum[r][0] = _mm256_add_epi32(isum[r][0], _mm256_madd_epi16(p0, ones));
+                    isum[r][1] = _mm256_add_epi32(isum[r][1], _mm256_madd_epi16(p1, ones));
+                }
+            }
+        }
+        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec)));
+        const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16)));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            const __m256 dx = _mm256_set1_ps(xd[r * lds + b]);
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][0]), _mm256_mul_ps(s0, dx), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][1]), _mm256_mul_ps(s1, dx), acc[r][1]);
+        }
+        if constexpr (FMT == kWeightInt4) {
+            const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32)));
+            const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 48)));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+                const __m256 sx = _mm256_set1_ps(xs[r * lds + b]);
+                acc[r][0] = _mm256_fmadd_ps(m0, sx, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(m1, sx, acc[r][1]);
             }
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-        __m256 lo = acc[0][r][0], hi = acc[0][r][1];
-        if constexpr (U == 2) {
-            lo = _mm256_add_ps(lo, acc[U - 1][r][0]);
-            hi = _mm256_add_ps(hi, acc[U - 1][r][1]);
-        }
-        _mm256_storeu_ps(c + r * NR, lo);
-        _mm256_storeu_ps(c + r * NR + 8, hi);
+        _mm256_storeu_ps(c + r * NR, acc[r][0]);
+        _mm256_storeu_ps(c + r * NR + 8, acc[r][1]);
     }
 }
 #else
-template <int FMT>
-inline void dequant_panel(const uint8_t* panel, int K, float* out) {
-    for (int b = 0; b < K / QBLOCK; ++b) {
-        const uint8_t* rec = panel + static_cast<int64_t>(b) * QFormat<FMT>::kRecord;
-        for (int kk = 0; kk < QBLOCK; ++kk) unpack16<FMT>(rec, kk, out + (static_cast<int64_t>(b) * QBLOCK + kk) * NR);
-    }
-}
-
+// The same arithmetic, portable: per column and block an exact integer sum, then the same fp32 steps.
 template <int R, int FMT>
-inline void qmicro(const float* x, int64_t ldx, const uint8_t* panel, int K, float* c) {
+inline void qdot(const int8_t* xq, int64_t ldq, const float* xd, const float* xs, int64_t lds,
+                 const uint8_t* panel, int nb, float* c) {
     for (int i = 0; i < R * NR; ++i) c[i] = 0.0f;
-    float w[NR];
-    for (int b = 0; b < K / QBLOCK; ++b) {
+    for (int b = 0; b < nb; ++b) {
         const uint8_t* rec = panel + static_cast<int64_t>(b) * QFormat<FMT>::kRecord;
-        for (int kk = 0; kk < QBLOCK; ++kk) {
-            unpack16<FMT>(rec, kk, w);
-            const int k = b * QBLOCK + kk;
+        const uint16_t* hdr = reinterpret_cast<const uint16_t*>(rec);
+        const uint8_t* q = rec + QFormat<FMT>::kHeader;
+        for (int j = 0; j < NR; ++j) {
+            const int half = j / 8, col = j % 8;
             for (int r = 0; r < R; ++r) {
-                const float a = x[r * ldx + k];
-                for (int j = 0; j < NR; ++j) c[r * NR + j] += a * w[j];
+                const int8_t* xr = xq + r * ldq + b * QBLOCK;
+                int32_t sum = 0;
+                for (int g = 0; g < QBLOCK / 4; ++g)
+                    for (int i = 0; i < 4; ++i) {
+                        int w;
+                        if constexpr (FMT == kWeightInt8) {
+                            w = static_cast<int8_t>(q[64 * g + 32 * half + 4 * col + i]);
+                        } else {
+                            const uint8_t byte = q[32 * g + 4 * col + i];
+                            w = half == 0 ? (byte & 0xF) : (byte >> 4);
+                        }
+                        sum += w * xr[4 * g + i];
+                    }
+                float& out = c[r * NR + j];
+                out = std::fma(static_cast<float>(sum), f16_to_f32(hdr[j]) * xd[r * lds + b], out);
+                if constexpr (FMT == kWeightInt4) out = std::fma(f16_to_f32(hdr[NR + j]), xs[r * lds + b], out);
             }
         }
     }
@@ -200,12 +224,13 @@ inline void qmicro(const float* x, int64_t ldx, const uint8_t* panel, int K, flo
 #endif
 
 template <int FMT>
-inline void qmicro_rows(int rows, const float* x, int64_t ldx, const uint8_t* panel, int K, float* c) {
+inline void qdot_rows(int rows, const int8_t* xq, int64_t ldq, const float* xd, const float* xs, int64_t lds,
+                      const uint8_t* panel, int nb, float* c) {
     switch (rows) {
-        case 4: qmicro<4, FMT>(x, ldx, panel, K, c); break;
-        case 3: qmicro<3, FMT>(x, ldx, panel, K, c); break;
-        case 2: qmicro<2, FMT>(x, ldx, panel, K, c); break;
-        default: qmicro<1, FMT>(x, ldx, panel, K, c); break;
+        case 4: qdot<4, FMT>(xq, ldq, xd, xs, lds, panel, nb, c); break;
+        case 3: qdot<3, FMT>(xq, ldq, xd, xs, lds, panel, nb, c); break;
+        case 2: qdot<2, FMT>(xq, ldq, xd, xs, lds, panel, nb, c); break;
+        default: qdot<1, FMT>(xq, ldq, xd, xs, lds, panel, nb, c); break;
     }
 }
 
@@ -214,28 +239,36 @@ template <int FMT, typename TB>
 void qgemm(const float* x, int64_t ldx, int M, int K, const uint8_t* packed, int N, const TB* bias, float* y,
            int64_t ldy, bool accumulate) {
     const int panels = (N + NR - 1) / NR;
-    const int64_t panel_bytes = static_cast<int64_t>(K / QBLOCK) * QFormat<FMT>::kRecord;
-    for (int m_start = 0; m_start < M; m_start += kMChunk) {
-        const int m_end = m_start + kMChunk < M ? m_start + kMChunk : M;
-        const bool dequant = m_end - m_start > kQRows;
+    const int nb = K / QBLOCK;
+    const int64_t panel_bytes = static_cast<int64_t>(nb) * QFormat<FMT>::kRecord;
+    // the quantized rows, kept per calling thread (the step's thread) across calls
+    thread_local std::vector<int8_t> q_buf;
+    thread_local std::vector<float> d_buf, s_buf;
+    q_buf.resize(static_cast<size_t>(M) * K);
+    d_buf.resize(static_cast<size_t>(M) * nb);
+    s_buf.resize(static_cast<size_t>(M) * nb);
+    int8_t* xq = q_buf.data();
+    float* xd = d_buf.data();
+    float* xs = s_buf.data();
 #pragma omp parallel
-        {
-            std::vector<float> panel(dequant ? static_cast<size_t>(K) * NR : 0);
-            alignas(32) float c[MR * NR];
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; ++m)
+            quantize_row(x + static_cast<int64_t>(m) * ldx, K, xq + static_cast<int64_t>(m) * K,
+                         xd + static_cast<int64_t>(m) * nb, xs + static_cast<int64_t>(m) * nb);
+        alignas(32) float c[kQRows * NR];
+        // rows in chunks whose quantized x stays in L2, each chunk's panels split evenly over the threads
+        for (int m_start = 0; m_start < M; m_start += kMChunk) {
+            const int m_end = m_start + kMChunk < M ? m_start + kMChunk : M;
 #pragma omp for schedule(static)
             for (int p = 0; p < panels; ++p) {
                 const int n0 = p * NR;
                 const int nv = N - n0 < NR ? N - n0 : NR;
                 const uint8_t* w = packed + p * panel_bytes;
-                if (dequant) dequant_panel<FMT>(w, K, panel.data());
-                const int tile = dequant ? MR : kQRows;
-                for (int m0 = m_start; m0 < m_end; m0 += tile) {
-                    const int rows = m_end - m0 < tile ? m_end - m0 : tile;
-                    const float* xm = x + static_cast<int64_t>(m0) * ldx;
-                    if (dequant)
-                        micro_rows(rows, xm, ldx, panel.data(), K, c);
-                    else
-                        qmicro_rows<FMT>(rows, xm, ldx, w, K, c);
+                for (int m0 = m_start; m0 < m_end; m0 += kQRows) {
+                    const int rows = m_end - m0 < kQRows ? m_end - m0 : kQRows;
+                    qdot_rows<FMT>(rows, xq + static_cast<int64_t>(m0) * K, K, xd + static_cast<int64_t>(m0) * nb,
+                                   xs + static_cast<int64_t>(m0) * nb, nb, w, nb, c);
                     store_tile(c, rows, nv, bias, n0, y + static_cast<int64_t>(m0) * ldy, ldy, accumulate);
                 }
             }
