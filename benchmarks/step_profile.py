@@ -114,7 +114,9 @@ def profile(llm: LLM, prompts, adapters, params: SamplingParams, steps: int) -> 
     timers = Timers(llm)
     for _ in range(2):
         engine.step()
-    samples = [timers.step() for _ in range(steps)]
+    samples = []
+    while len(samples) < steps and engine.scheduler.running:  # a constrained output may end early
+        samples.append(timers.step())
     while engine.has_unfinished():
         engine.step()
     total = statistics.median(s["total"] for s in samples)
@@ -125,9 +127,10 @@ def profile(llm: LLM, prompts, adapters, params: SamplingParams, steps: int) -> 
 
 def offline(args, model_dir: Path, tmp: Path) -> list[dict]:
     rows = []
-    for compiled in (True, False):
+    for compiled in (True, False)[: 1 if args.no_eager else 2]:
         for b in args.batches:
             llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=b, num_threads=args.threads,
+                      quantization=args.quantization,
                       num_kv_blocks=b * 24 + 16, max_loras=max(1, args.adapters), max_lora_rank=16,
                       compile_step=compiled)  # fmt: skip
             prompts = chat_prompts(llm.tokenizer, b)
@@ -168,6 +171,7 @@ def serving(args, model_dir: Path, offline_rows: list[dict]) -> list[dict]:
         str(args.threads),
         "--max-num-seqs",
         str(max(args.serve_levels)),
+        *(["--quantization", args.quantization] if args.quantization else []),
     ]
     with ManagedServer(server_args, model=str(model_dir)) as server:
         for c, texts in loads.items():
@@ -180,7 +184,13 @@ def serving(args, model_dir: Path, offline_rows: list[dict]) -> list[dict]:
                          "tpot_p50_ms": 1e3 * res["tpot_s"]["p50"], "offline_step_ms": step_ms.get(c)})  # fmt: skip
     for row in rows:
         c = row["clients"]
-        llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=c, num_threads=args.threads)
+        llm = LLM(
+            str(model_dir),
+            dtype=args.dtype,
+            max_num_seqs=c,
+            num_threads=args.threads,
+            quantization=args.quantization,
+        )
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.chat([[{"role": "user", "content": t}] for t in loads[c]], params)
@@ -222,6 +232,8 @@ def main(argv=None) -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default=None, help="as `motet serve --quantization`")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager model's rows")
     ap.add_argument("--serve-levels", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)

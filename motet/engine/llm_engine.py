@@ -307,9 +307,10 @@ class LLMEngine:
             lora = self.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
             return self.runner.execute(batch, lora)
         except Exception as e:
-            if len(batch) == 1:
-                log.error("request %s failed in the forward pass", batch.seqs[0].request_id, exc_info=e)
-                return StepResult.failed(1, e)
+            if len(batch) <= 1:  # (an empty batch has no rows to blame: nothing to bisect)
+                if batch.seqs:
+                    log.error("request %s failed in the forward pass", batch.seqs[0].request_id, exc_info=e)
+                return StepResult.failed(len(batch), e)
         half = len(batch) // 2
         parts = [self.execute(batch.subset(idx)) for idx in (range(half), range(half, len(batch)))]
         return StepResult.concat(parts)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from motet.engine.config import ModelConfig, ModelLoadError
+from motet.kernels import triton_quant
 from motet.kernels.paged_attention import paged_attention, write_kv_cache
 from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
@@ -72,8 +73,9 @@ class Linear(nn.Linear):
     embeddings, LoRA and checkpoints.
 
     A quantized layer holds its weight in `quantized` (its float `weight` released) and multiplies through
-    the format's reference product (dequantize, then F.linear); the native CPU step packs the same weight
-    for its quantized kernels."""
+    the Triton W8A16 / W4A16 kernel on CUDA (motet/kernels/triton_quant.py), elsewhere through the format's
+    reference product (`QuantizedWeight.linear`); the native CPU step packs the same weight for its
+    quantized kernels."""
 
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
@@ -98,6 +100,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
+            if triton_quant.applies(x):  # CUDA: the W8A16 / W4A16 Triton GEMM on the stored blocks
+                return triton_quant.quant_linear(x, self.quantized, self.bias)
             return self.quantized.linear(x, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

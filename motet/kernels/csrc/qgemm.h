@@ -250,12 +250,20 @@ void qgemm(const float* x, int64_t ldx, int M, int K, const uint8_t* packed, int
     int8_t* xq = q_buf.data();
     float* xd = d_buf.data();
     float* xs = s_buf.data();
+    const auto quantize = [&](int m) {
+        quantize_row(x + static_cast<int64_t>(m) * ldx, K, xq + static_cast<int64_t>(m) * K,
+                     xd + static_cast<int64_t>(m) * nb, xs + static_cast<int64_t>(m) * nb);
+    };
+    // a few rows are quantized here: splitting them would cost a barrier more than the work
+    const bool serial = M <= 2 * kQRows;
+    if (serial)
+        for (int m = 0; m < M; ++m) quantize(m);
 #pragma omp parallel
     {
+        if (!serial) {
 #pragma omp for schedule(static)
-        for (int m = 0; m < M; ++m)
-            quantize_row(x + static_cast<int64_t>(m) * ldx, K, xq + static_cast<int64_t>(m) * K,
-                         xd + static_cast<int64_t>(m) * nb, xs + static_cast<int64_t>(m) * nb);
+            for (int m = 0; m < M; ++m) quantize(m);
+        }
         alignas(32) float c[kQRows * NR];
         // rows in chunks whose quantized x stays in L2, each chunk's panels split evenly over the threads
         for (int m_start = 0; m_start < M; m_start += kMChunk) {
