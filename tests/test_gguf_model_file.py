@@ -15,6 +15,8 @@ import os
 import shutil
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,12 +68,20 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def write_gguf_file(
-    model_dir: Path, out: Path, types: dict[str, str], pre: str = "gpt-2", arch: str = "llama"
+    model_dir: Path,
+    out: Path,
+    types: dict[str, str],
+    pre: str = "gpt-2",
+    arch: str = "llama",
+    quantize=None,
 ):
     """`model_dir` as one GGUF file, as convert_hf_to_gguf.py's LlamaModel writes it: its hyperparameters, the
     vocabulary (get_vocab_base: [PADi] fill to the model's vocab_size, special added tokens CONTROL), gguf-py's
-    SpecialVocab for merges, special ids and chat template; tensors in `types`' GGML types (F32 where not named)."""
+    SpecialVocab for merges, special ids and chat template; tensors in `types`' GGML types (F32 where not named),
+    quantized by gguf-py (or `quantize(array, type)`)."""
     import gguf
+
+    quantize = quantize or gguf.quants.quantize
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = hf.config
@@ -126,7 +136,7 @@ def write_gguf_file(
             tensors[f"blk.{i}.{g}"] = w
     for name, w in tensors.items():
         qtype = gguf.GGMLQuantizationType[types.get(name.split(".")[-1], "F32")]
-        data = w.numpy() if qtype.name == "F32" else gguf.quants.quantize(w.numpy(), qtype)
+        data = w.numpy() if qtype.name == "F32" else quantize(w.numpy(), qtype)
         writer.add_tensor(f"{name}.weight", data, raw_dtype=None if qtype.name == "F32" else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -168,7 +178,8 @@ def test_bare_gguf_file_matches_hf_on_gguf_py_dequantized(tiny_source, tiny_gguf
     hf = AutoModelForCausalLM.from_pretrained(
         gguf_reference(tiny_source, tmp_path / "ref", GGUF_TYPES)
     ).eval()
-    hf = quantizing_inputs(hf, lm_head=False)  # the CPU product rounds the projections' inputs
+    # the CPU product rounds the projections' inputs, and the lm_head's: the tied Q8_0 table in its blocks
+    hf = quantizing_inputs(hf, lm_head=True)
     with torch.no_grad():
         want = [hf(torch.tensor([prompt])).logits[0] for prompt in PROMPTS]
     assert_close_but_for_rounding_flips(engine_logits(eng, PROMPTS), want)
@@ -289,11 +300,20 @@ def test_unreadable_and_unserved_files_are_refused(tiny_source, tmp_path, cache)
         ModelLoadError, match=r"pre-tokenizer 'falcon' \(tokenizer\.ggml\.pre\); motet builds"
     ):
         LLM(str(pre), **OPTIONS)
-    q40 = write_gguf_file(tiny_source, tmp_path / "b" / "q4_0.gguf", GGUF_TYPES | {"ffn_down": "Q4_0"})
+
+    def zero_q8_1(w, qtype):  # Q8_1: a type gguf-py writes but cannot dequantize (nor quantize)
+        if qtype.name != "Q8_1":
+            return gguf.quants.quantize(w, qtype)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        return np.zeros((w.shape[0], w.shape[1] // block * size), dtype=np.uint8)
+
+    q81 = write_gguf_file(
+        tiny_source, tmp_path / "b" / "q8_1.gguf", GGUF_TYPES | {"ffn_down": "Q8_1"}, quantize=zero_q8_1
+    )
     with pytest.raises(
-        ModelLoadError, match=r"'blk\.0\.ffn_down\.weight' is Q4_0; motet serves GGUF projections"
+        ModelLoadError, match=r"'blk\.0\.ffn_down\.weight' is Q8_1, which gguf-py cannot dequantize"
     ):
-        LLM(str(q40), **OPTIONS)
+        LLM(str(q81), **OPTIONS)
     assert not list((cache / "gguf").glob(".*"))  # no half-derived directory left behind
 
 

@@ -52,9 +52,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="quantized decoder projections: int8 (blocks of 32 with a scale, as GGUF Q8_0) or int4 (blocks "
         "of 32 with a scale and a min, as GGUF Q4_1) quantize the float checkpoint on load; gguf serves the "
-        "model directory's GGUF file in its own Q4_1/Q8_0 blocks (the default model keeps its Q4_1 file), and "
-        "is implied by a --model that is a .gguf file. With int4 or int8 the lm_head is quantized to int8; the "
-        "embedding table and LoRA adapters stay in --dtype (default: none, the checkpoint's weights)",
+        "model directory's GGUF file (Q8_0/Q4_1/Q4_0/Q4_K kept in their blocks, other types requantized to "
+        "int8; the default model keeps its Q4_1 file), and is implied by a --model that is a .gguf file; "
+        "gptq|awq name a GPTQ/AWQ 4-bit checkpoint's own method (such a checkpoint is served in its own "
+        "weights without the flag; other values conflict). With int4 or int8 the lm_head is quantized to "
+        "int8; the embedding table and LoRA adapters stay in --dtype (default: none, the checkpoint's weights)",
     )
     p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
     p.add_argument("--block-size", type=integer(1), default=d.block_size, help="tokens per KV block")

@@ -23,10 +23,12 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 CPU_STEP_TOKENS = 256
 CUDA_STEP_TOKENS = 2048
 SPECULATIVE_MODES = ("auto", "off", "ngram")
-# --quantization: a block format to quantize a float checkpoint into, or "gguf": the model directory's GGUF file
-# served in its own blocks (motet/engine/gguf_weights.py).
+# --quantization: a block format to quantize a float checkpoint into, "gguf": the model directory's GGUF file
+# served in its own blocks (motet/engine/gguf_weights.py), or the method of a checkpoint quantized by GPTQ or
+# AWQ (motet/engine/quantized_checkpoint.py; such a checkpoint is served in its own 4-bit weights without it).
 GGUF_QUANTIZATION = "gguf"
-QUANTIZATIONS = (*QUANT_FORMATS, GGUF_QUANTIZATION)
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq")
+QUANTIZATIONS = (*QUANT_FORMATS, GGUF_QUANTIZATION, *CHECKPOINT_QUANTIZATIONS)
 GGUF_SUFFIX = ".gguf"
 
 
@@ -164,7 +166,8 @@ class EngineConfig:
     # Quantized projections (the embedding table stays in `dtype`), one of QUANTIZATIONS: "int8" (Q8_0's
     # blocks) or "int4" (Q4_1's) quantize a float checkpoint's decoder projections on load, and its lm_head
     # into int8; "gguf" serves the directory's GGUF file in its own blocks, and is implied when `model` is a
-    # .gguf file. None: the checkpoint's weights.
+    # .gguf file; "gptq" / "awq" name a GPTQ / AWQ checkpoint's own method (optional: such a checkpoint is
+    # served 4-bit either way, and any other value conflicts). None: the checkpoint's weights.
     quantization: str | None = None
     device: str = "auto"  # "auto": cuda when available, else cpu
     block_size: int = 16

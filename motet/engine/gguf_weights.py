@@ -1,15 +1,18 @@
-"""A GGUF file's weights as the model loader takes them, its quantized projections kept in their own blocks.
+"""A GGUF file's weights as the model loader takes them, its quantized projections kept in blocks.
 
 `--quantization gguf` serves a model directory's GGUF file (the default model keeps the Q4_1 file it was
-pulled from, as `model.gguf`) without dequantizing its projections: Q4_1 blocks become the int4 format,
-Q8_0 blocks the int8 format (motet/kernels/quant.py: the same bytes), with llama.cpp's rotary row order of
-q/k undone by permuting whole rows. Float tensors (F32, F16, BF16) and the embedding table and norms in any
-type are read as fp32 (the table is a lookup, kept in the model's dtype as with `--quantization int4`). A
-projection in another block type (the K-quants, IQ, Q4_0, ...) is refused, naming the tensor and its type.
+pulled from, as `model.gguf`) without dequantizing its projections to floats: each block type maps onto
+motet's int4 or int8 format (motet/kernels/ggml_blocks.py: Q8_0 and Q4_1 as they are, Q4_0 and Q4_K as int4,
+every other type gguf-py can dequantize requantized into int8, logged once per file), with llama.cpp's
+rotary row order of q/k undone by permuting whole rows. The lm_head comes in blocks the same way (and a
+tied embedding table, which is the lm_head too: `_keep_quantized`); float projections (F32, F16, BF16), norms
+and an untied embedding table are read as fp32. A tensor in a type gguf-py cannot dequantize is refused,
+naming the tensor and its type.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +21,16 @@ import torch
 
 from motet.engine.config import ModelLoadError
 from motet.engine.gguf_convert import hf_name, unpermute_qk
-from motet.kernels.quant import FORMATS, QuantizedWeight
+from motet.engine.model import LlamaForCausalLM
+from motet.kernels import ggml_blocks
+from motet.kernels.quant import FORMATS, INT8, QuantizedWeight, WeightFormat
+
+log = logging.getLogger(__name__)
 
 GGUF_FILE = "model.gguf"  # the name `motet pull` gives the default model's GGUF in its directory
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_TABLE, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def gguf_file(model_dir: str | Path) -> Path:
@@ -53,8 +61,51 @@ def _int(meta, key: str, default: int | None = None) -> int:
     return int(field.contents())
 
 
+def _keep_quantized(name: str, tied: bool) -> bool:
+    """Whether a tensor (by its Hugging Face name) in a block type is yielded as a QuantizedWeight rather than
+    dequantized to fp32: every decoder projection and the lm_head (model.load_weights keeps them in their
+    blocks); the embedding table only where it is the lm_head too (`tied`: a file without output.weight), as
+    the model holds the table itself as floats (a lookup), which gguf-py's values give exactly."""
+    if name == _TABLE:
+        return tied
+    return name == _LM_HEAD or (name.endswith(".weight") and name.split(".")[-2] in _PROJECTIONS)
+
+
+def _refusal(path: Path, tensor_name: str, type_name: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{path.name}: tensor {tensor_name!r} is {type_name}, which gguf-py cannot dequantize; motet serves "
+        f"GGUF tensors in {', '.join(ggml_blocks.NATIVE_TYPES)} blocks as they are, {'/'.join(_FLOAT_TYPES)} as "
+        f"floats, and any other type gguf-py dequantizes (the other K-quants, Q5_0/Q5_1, IQ*) requantized to "
+        f"int8 (requantize the file with llama.cpp's llama-quantize, or serve a float checkpoint with "
+        f"--quantization {'|'.join(FORMATS)})"
+    )
+
+
+def _formats(kept: dict[str, tuple[int, str]]) -> dict[str, WeightFormat | None]:
+    """The format each tensor kept quantized (by name: its GGML type and that type's name) is yielded in:
+    its type's own (ggml_blocks.native_format; None, fp32, for a float type), except that the parts of one
+    fused layer (q/k/v, gate/up: the model holds each fused layer in one format) all go to int8 where
+    they differ (llama.cpp's Q4_K_M files hold attn_v in Q6_K beside Q4_K attn_q/attn_k)."""
+    own = {
+        n: None if tn in _FLOAT_TYPES else ggml_blocks.native_format(gt) or INT8
+        for n, (gt, tn) in kept.items()
+    }
+    fused: dict[str, set[WeightFormat | None]] = {}  # fused layer -> its parts' formats
+    for name, fmt in own.items():
+        fused.setdefault(_fused_layer(name), set()).add(fmt)
+    return {name: INT8 if len(fused[_fused_layer(name)]) > 1 else fmt for name, fmt in own.items()}
+
+
+def _fused_layer(name: str) -> str:
+    """The name of the model's layer that holds a projection (model.layers.0.qkv_proj.weight for its k_proj)."""
+    parts = name.split(".")
+    parts[-2] = LlamaForCausalLM.FUSED.get(parts[-2], (parts[-2],))[0]
+    return ".".join(parts)
+
+
 def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """(Hugging Face name, fp32 tensor or QuantizedWeight) for every tensor of a llama GGUF file."""
+    """(Hugging Face name, fp32 tensor or QuantizedWeight) for every tensor of a llama GGUF file. Every
+    tensor's type is checked before the first is yielded."""
     import gguf
 
     path = Path(path)
@@ -64,26 +115,33 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
     n_head = _int(reader, "llama.attention.head_count")
     heads = {"q_proj": n_head, "k_proj": _int(reader, "llama.attention.head_count_kv", n_head)}
-    by_type = {f.ggml_type: f for f in FORMATS.values()}
+    tied = all(hf_name(t.name) != _LM_HEAD for t in reader.tensors)
+    kept = {}  # Hugging Face name -> (GGML type, its name), for the tensors kept quantized
+    for t in reader.tensors:
+        ggml_type = int(t.tensor_type)
+        if not ggml_blocks.dequantizable(ggml_type):
+            raise _refusal(path, t.name, ggml_blocks.type_name(ggml_type))
+        if _keep_quantized(name := hf_name(t.name), tied):
+            kept[name] = (ggml_type, ggml_blocks.type_name(ggml_type))
+    formats = _formats(kept)
+    requantized = sorted(
+        {tn for n, (gt, tn) in kept.items() if formats[n] not in (None, ggml_blocks.native_format(gt))}
+    )
+    if requantized:
+        log.warning(
+            "%s: %s tensors requantized to int8 (Q8_0 blocks): motet keeps %s blocks as they are, and the parts "
+            "of a fused layer (q/k/v, gate/up) in one format",
+            path.name, ", ".join(requantized), ", ".join(ggml_blocks.NATIVE_TYPES),
+        )  # fmt: skip
     for t in reader.tensors:
         name = hf_name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        module = name.split(".")[-2]
-        type_name = gguf.GGMLQuantizationType(t.tensor_type).name
-        if module in _PROJECTIONS and name.endswith(".weight") and type_name not in _FLOAT_TYPES:
-            fmt = by_type.get(int(t.tensor_type))
-            if fmt is None:
-                raise ModelLoadError(
-                    f"{path.name}: tensor {t.name!r} is {type_name}; motet serves GGUF projections in "
-                    f"{', '.join(gguf.GGMLQuantizationType(f.ggml_type).name for f in FORMATS.values())} "
-                    f"blocks or {'/'.join(_FLOAT_TYPES)} (requantize the file with llama.cpp's llama-quantize, "
-                    f"or serve a float checkpoint with --quantization {'|'.join(FORMATS)})"
-                )
-            raw = torch.from_numpy(np.array(t.data, order="C")).reshape(-1)  # a writable copy
+        module = name.split(".")[-2] if name.endswith(".weight") else None
+        if formats.get(name) is not None:
             try:
-                weight = fmt.from_gguf_blocks(raw, shape)
+                weight = ggml_blocks.from_ggml(t.data, int(t.tensor_type), shape, formats[name])
             except ValueError as e:
-                raise ModelLoadError(f"{path.name}: tensor {t.name!r}: {e}") from None
+                raise ModelLoadError(f"{path.name}: tensor {t.name!r} ({kept[name][1]}): {e}") from None
             if module in heads:  # llama.cpp's rotary row order, undone on whole rows
                 order = unpermute_qk(torch.arange(shape[0])[:, None], heads[module])[:, 0]
                 weight = weight.rows(order)
@@ -91,6 +149,6 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
             continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(np.array(arr, dtype=np.float32, order="C")).reshape(shape)
-        if module in heads and name.endswith(".weight"):
+        if module in heads:
             w = unpermute_qk(w, heads[module])
         yield name, w

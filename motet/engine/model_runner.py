@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from motet.engine.checkpoint import iter_weights
 from motet.engine.config import (
     GGUF_QUANTIZATION,
     QUANT_FORMATS,
@@ -27,6 +26,7 @@ from motet.engine.cuda_graphs import DecodeGraphs
 from motet.engine.gguf_weights import gguf_file, iter_gguf_weights
 from motet.engine.memory import kv_cache_bytes, memory_budget, weights_bytes
 from motet.engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_available
+from motet.engine.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
 from motet.engine.sampler import Sampler, compute_prompt_logprobs
 from motet.engine.scheduler import ScheduledBatch
 from motet.engine.sequence import TokenLogprob
@@ -119,10 +119,11 @@ class ModelRunner:
         if model_config.tie_word_embeddings:  # meta -> device conversion unties shared parameters
             model.lm_head.weight = model.embed_tokens.weight
         model.rope = type(model.rope)(model_config, self.max_model_len).to(self.device)  # fp32 tables
+        declared = declared_quantization(model_dir, config.quantization)  # a GPTQ / AWQ checkpoint's own
         if config.quantization == GGUF_QUANTIZATION:
             model.load_weights(iter_gguf_weights(gguf_file(model_dir)))
         else:
-            model.load_weights(iter_weights(model_dir))
+            model.load_weights(iter_checkpoint_weights(model_dir, declared))
         if config.quantization in QUANT_FORMATS:  # from the checkpoint's values, before the cast to `dtype`
             model.quantize(QUANT_FORMATS[config.quantization])
         for name, module in model.named_children():
