@@ -11,8 +11,10 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
 )
 
 CORPUS = [
@@ -62,11 +64,17 @@ def build_tiny_model(path: Path, arch: str = "llama", tied: bool = True, seed: i
         torch_dtype="float32",
     )
     common.update(overrides)
-    cfg_cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+    cfg_cls = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "mixtral": MixtralConfig,  # overrides: num_local_experts, num_experts_per_tok
+        "qwen2_moe": Qwen2MoeConfig,  # overrides: num_experts, moe_intermediate_size, shared_expert_...
+    }[arch]
     model = AutoModelForCausalLM.from_config(cfg_cls(**common))
     with torch.no_grad():  # larger-than-default weights so that logits are far from uniform
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() in (2, 3):  # 3: an MoE layer's stacked expert weights
                 p.normal_(0, 0.15)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)

@@ -15,7 +15,15 @@ from motet.grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 from motet.grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 from motet.kernels.quant import FORMATS as QUANT_FORMATS
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
+# Architectures whose attention has q/k/v biases when config.json does not say (attention_bias / qkv_bias).
+_QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 # The default step budgets (EngineConfig.max_num_batched_tokens). On the 2-core CPU machine a prompt token costs
 # no more in a 256-token step than in a 2048-token one (6.3 against 7.4 ms, one thread), so the smaller step
 # loses no throughput, and it bounds how long a request arriving meanwhile waits for the step in flight
@@ -63,6 +71,60 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Mixtral, Qwen2-MoE): the layers in `sparse_layers` replace their MLP by
+    # `num_experts` experts of `moe_intermediate_size`, `num_experts_per_tok` chosen per token by a router's
+    # softmax (the chosen weights renormalized to sum to 1 when `norm_topk_prob`), plus, where
+    # `shared_expert_intermediate_size` is set, a shared expert every token passes through, scaled by a
+    # sigmoid gate (Qwen2-MoE). 0 experts: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.sparse_layers)
+
+    @staticmethod
+    def _moe_fields(arch: str, cfg: dict, num_layers: int, source: str) -> dict:
+        """The mixture-of-experts fields of a Mixtral or Qwen2-MoE config.json (none for a dense one)."""
+        if arch == "MixtralForCausalLM":
+            fields = dict(
+                num_experts=int(cfg["num_local_experts"]),
+                moe_intermediate_size=int(cfg["intermediate_size"]),
+                norm_topk_prob=True,  # Mixtral always renormalizes its top-k weights
+                sparse_layers=tuple(range(num_layers)),
+            )
+        elif arch == "Qwen2MoeForCausalLM":
+            experts = int(cfg["num_experts"])
+            step = int(cfg.get("decoder_sparse_step", 1))
+            if step < 1:
+                raise ModelLoadError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
+            dense = set(cfg.get("mlp_only_layers") or [])
+            fields = dict(
+                num_experts=experts,
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                sparse_layers=tuple(
+                    i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0
+                ),
+            )
+        else:
+            return {}
+        top_k = int(cfg["num_experts_per_tok"])
+        if fields["sparse_layers"] and not 1 <= top_k <= fields["num_experts"]:
+            raise ModelLoadError(
+                f"{source}: num_experts_per_tok must be between 1 and the number of experts ({fields['num_experts']}), "
+                f"got {top_k}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(
+                f"{source}: hidden_act {cfg['hidden_act']!r}: motet's experts compute silu only"
+            )
+        return {**fields, "num_experts_per_tok": top_k}
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
@@ -100,10 +162,13 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                attention_bias=bool(
+                    cfg.get("attention_bias", cfg.get("qkv_bias", arch in _QKV_BIAS_ARCHITECTURES))
+                ),
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **cls._moe_fields(arch, cfg, int(cfg["num_hidden_layers"]), source),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None

@@ -53,7 +53,8 @@ class WeightArena:
 def supported(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> bool:
     cfg = model.config
     return (
-        cpu_native.library() is not None
+        not cfg.is_moe  # the native step has no expert layer yet: the eager model serves MoE models
+        and cpu_native.library() is not None
         and model.embed_tokens.weight.dtype in cpu_native.DTYPE_CODES
         and kv_dtype in cpu_native.DTYPE_CODES
         and cfg.num_attention_heads % cfg.num_key_value_heads == 0

@@ -189,12 +189,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, intermediate_size: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x, lora: LoRABatch | None = None):
         gate_up = self.gate_up_proj(x)
@@ -209,13 +209,79 @@ class MLP(nn.Module):
         return y
 
 
+class Experts(nn.Module):
+    """The experts of a sparse layer as stacked weights: `gate_up_proj` [E, 2I, H] (each expert's gate rows,
+    then its up rows), `down_proj` [E, H, I]; Hugging Face transformers >= 5 holds them the same way."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, intermediate, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * intermediate, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, H, intermediate), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert[expert_ids[t, k]](x[t]) for every token t, as a grouped product: the
+        (token, choice) rows are sorted by expert and each expert multiplies its contiguous segment at once
+        (one product per expert that has rows, none per token; the layout a grouped-GEMM kernel takes)."""
+        T, k = expert_ids.shape
+        flat = expert_ids.flatten()
+        order = flat.argsort(stable=True)
+        tokens = order // k  # the token of each sorted row
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # one sync a layer
+        rows = x[tokens]
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                seg = rows[start : start + n]
+                gate, up = F.linear(seg, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
+                out[start : start + n] = F.linear(F.silu(gate) * up, self.down_proj[e])
+                start += n
+        out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE): the router (`gate`) scores every expert, each token
+    goes through its `num_experts_per_tok` best (softmax weights, renormalized to sum to 1 where the config
+    says), and, in Qwen2-MoE, through a shared expert scaled by sigmoid(shared_expert_gate(x)).
+
+    LoRA applies to the attention only: an adapter targeting MLP modules is refused on an MoE model
+    (motet/lora/adapter.py), so `lora` is not read here."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, layer_idx, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x, lora: LoRABatch | None = None):
+        probs = self.gate(x).float().softmax(dim=-1)
+        weights, expert_ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        y = self.experts(x, expert_ids, weights)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer_idx)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(cfg, layer_idx) if layer_idx in cfg.sparse_layers else MLP(cfg, layer_idx)
+        )
 
     def forward(self, x, cos_sin, meta, kv_cache, lora: LoRABatch | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache, lora)
@@ -257,17 +323,16 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def decoder_linears(self) -> list[Linear]:
-        """The projections of every decoder layer (qkv, o, gate_up, down per layer, in that order)."""
-        return [
-            lin
-            for layer in self.layers
-            for lin in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            )
-        ]
+        """The projections of every decoder layer (qkv, o, gate_up, down per layer, in that order; a sparse
+        layer's MLP projections are its shared expert's, where it has one: its experts are stacked
+        weights, not linear layers)."""
+        linears = []
+        for layer in self.layers:
+            linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            mlp = layer.mlp.shared_expert if isinstance(layer.mlp, SparseMoE) else layer.mlp
+            if mlp is not None:
+                linears += [mlp.gate_up_proj, mlp.down_proj]
+        return linears
 
     @torch.no_grad()
     def quantize(self, fmt: WeightFormat) -> None:
@@ -277,6 +342,11 @@ class LlamaForCausalLM(nn.Module):
         is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
         keep it in Q8_0 (or Q6_K) the same way."""
         cfg = self.config
+        if cfg.is_moe:
+            raise ModelLoadError(
+                f"{fmt.name} quantization of a mixture-of-experts model ({cfg.architecture}) is not supported "
+                f"yet: serve it unquantized (leave --quantization out)"
+            )
         dims = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size}
         dims["num_attention_heads * head_dim"] = cfg.num_attention_heads * cfg.head_dim
         for name, value in dims.items():
@@ -290,15 +360,76 @@ class LlamaForCausalLM(nn.Module):
         if cfg.hidden_size % BLOCK == 0:
             self.lm_head.quantize(INT8)
 
-    def _split_sizes(self, module: str) -> list[int]:
-        """Row sizes of a fused module's shards ([n] for an unfused one)."""
+    def _split_sizes(self, name: str) -> list[int]:
+        """Row sizes of a fused parameter's shards ([n] for an unfused one); `name` is the parameter's."""
         cfg = self.config
+        parts = name.split(".")
+        module = parts[-2] if len(parts) > 1 else name
         if module == "qkv_proj":
             kv = cfg.num_key_value_heads * cfg.head_dim
             return [cfg.num_attention_heads * cfg.head_dim, kv, kv]
-        if module == "gate_up_proj":
-            return [cfg.intermediate_size, cfg.intermediate_size]
+        if module == "gate_up_proj":  # a dense MLP's or the shared expert's: its own intermediate size
+            layer = self.get_submodule(".".join(parts[:-2]))
+            return [layer.intermediate, layer.intermediate]
+        if parts[-1] == "gate_up_proj":  # stacked experts: shard 2e is expert e's gate, 2e + 1 its up
+            return [cfg.moe_intermediate_size] * (2 * cfg.num_experts)
+        if parts[-1] == "down_proj":  # stacked experts: shard e is expert e's
+            return [cfg.hidden_size] * cfg.num_experts
         return [-1]
+
+    def _shard(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
+        """The part of `param` that a checkpoint tensor fills (None: all of it)."""
+        sizes = self._split_sizes(name)
+        if shard is None or len(sizes) == 1:
+            return param
+        if param.dim() == 3:  # stacked experts: shard -> (expert, part within the expert's rows)
+            per_expert = len(sizes) // param.shape[0]
+            expert, part = divmod(shard, per_expert)
+            return param[expert].narrow(0, part * sizes[shard], sizes[shard])
+        return param.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+    def _all_shards(self, name: str) -> range:
+        return range(len(self._split_sizes(name)))
+
+    def _describe(self, name: str, shard: int) -> str:
+        """A shard's name in an error message: a stacked expert weight's says which expert's projection."""
+        if name.split(".")[-1] not in ("gate_up_proj", "down_proj"):
+            return f"{name}[{shard}]"
+        if name.endswith("gate_up_proj"):
+            expert, part = divmod(shard, 2)
+            return f"{name}[{shard}] (expert {expert}'s {('gate_proj / w1', 'up_proj / w3')[part]})"
+        return f"{name}[{shard}] (expert {shard}'s down_proj / w2)"
+
+    # An expert's projection in a checkpoint -> (the stacked parameter, its part in the expert's rows):
+    # Mixtral's w1/w3/w2, Qwen2-MoE's gate_proj/up_proj/down_proj
+    EXPERT_PROJECTIONS = {
+        "w1": ("gate_up_proj", 0),
+        "gate_proj": ("gate_up_proj", 0),
+        "w3": ("gate_up_proj", 1),
+        "up_proj": ("gate_up_proj", 1),
+        "w2": ("down_proj", 0),
+        "down_proj": ("down_proj", 0),
+    }
+
+    def _place(self, hf_name: str) -> tuple[str, int | None] | None:
+        """(parameter name, shard) a Hugging Face tensor name fills (shard None: the whole parameter), or
+        None where it has no place in this model."""
+        parts = hf_name.removeprefix("model.").split(".")
+        if len(parts) > 2 and parts[0] == "layers" and parts[2] == "block_sparse_moe":  # Mixtral's name
+            parts[2] = "mlp"
+        # layers.{i}.mlp.experts.{e}.{projection}.weight: one expert's slice of the stacked weights
+        if len(parts) == 7 and parts[3] == "experts" and parts[4].isdigit() and parts[6] == "weight":
+            stacked, part = self.EXPERT_PROJECTIONS.get(parts[5], (None, 0))
+            expert = int(parts[4])
+            if stacked is None or expert >= self.config.num_experts:
+                return None
+            name = ".".join([*parts[:4], stacked])
+            return name, expert * (2 if stacked == "gate_up_proj" else 1) + part
+        if len(parts) == 1:
+            return hf_name, None
+        module, shard = self.FUSED.get(parts[-2], (parts[-2], None))
+        parts[-2] = module
+        return ".".join(parts), shard
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
@@ -313,18 +444,14 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if "rotary_emb" in hf_name:
                 continue
-            parts = hf_name.removeprefix("model.").split(".")
-            module, shard = self.FUSED.get(parts[-2], (parts[-2], 0)) if len(parts) > 1 else (None, 0)
-            if len(parts) > 1:
-                parts[-2] = module
-            name = ".".join(parts)
-            param = params.get(name)
+            place = self._place(hf_name)
+            param = params.get(place[0]) if place is not None else None
             if param is None:
                 raise ModelLoadError(
                     f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}"
                 )
-            sizes = self._split_sizes(module)
-            target = param if len(sizes) == 1 else param.narrow(0, sum(sizes[:shard]), sizes[shard])
+            name, shard = place
+            target = self._shard(param, name, shard)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
@@ -344,12 +471,17 @@ class LlamaForCausalLM(nn.Module):
                     raise ModelLoadError(
                         f"checkpoint tensor {hf_name!r} is quantized: only projections and the lm_head may be"
                     )
-                quantized.setdefault(name, {})[shard] = tensor.to(param.device)
+                if shard is None and len(self._split_sizes(name)) > 1:
+                    raise ModelLoadError(
+                        f"checkpoint tensor {hf_name!r} is quantized: a fused projection's parts must come "
+                        f"one by one"
+                    )
+                quantized.setdefault(name, {})[shard or 0] = tensor.to(param.device)
             else:
                 target.copy_(tensor)
-            loaded.add((name, shard))
+            loaded.update((name, i) for i in ((shard,) if shard is not None else self._all_shards(name)))
         for name, shards in quantized.items():
-            n = len(self._split_sizes(name.split(".")[-2]))
+            n = len(self._split_sizes(name))
             if len({q.format for q in shards.values()}) > 1 or any(
                 (name, i) in loaded and i not in shards for i in range(n)
             ):
@@ -359,11 +491,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.quantized = QuantizedWeight.cat([shards[i] for i in range(n)])
                 layer.weight = nn.Parameter(torch.empty(0, device=layer.weight.device), False)
         # Every parameter, every shard of a fused one, must come from the checkpoint.
-        expected = {
-            (name, i)
-            for name, _ in self.named_parameters()
-            for i in range(len(self._split_sizes(name.split(".")[-2] if "." in name else name)))
-        }
-        missing = sorted(f"{name}[{i}]" for name, i in expected - loaded)
+        expected = {(name, i) for name, _ in self.named_parameters() for i in self._all_shards(name)}
+        missing = sorted(self._describe(name, i) for name, i in expected - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:5])}")

@@ -160,7 +160,9 @@ class ModelRunner:
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="motet-bitmask")
         # On CUDA the compiled step is decode steps replayed from CUDA graphs (motet/engine/cuda_graphs.py).
         self.graphs: DecodeGraphs | None = None
-        if config.compile_step and self.device.type == "cuda":
+        # A sparse layer's expert segments have data-dependent sizes, which a graph cannot replay: MoE models
+        # run eagerly on CUDA too.
+        if config.compile_step and self.device.type == "cuda" and not model_config.is_moe:
             self.graphs = DecodeGraphs(
                 lambda ids, pos, meta, lora: self.model(ids, pos, meta, self.kv_caches, lora),
                 max_batch=config.max_num_seqs,

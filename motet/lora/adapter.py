@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from motet.lora.base_shape import BaseShape
+from motet.lora.base_shape import BaseShape, is_moe_base
 from motet.lora.peft_config import brief, read_config, targeted
 from motet.lora.peft_format import (  # noqa: F401 - re-exported: the adapter's public names
     CONFIG_FILE,
@@ -48,6 +48,15 @@ MAX_DELTA_GAIN = 1e6  # scale * max row sum |B| * max row sum |A|: bounds |B @ A
 _KEY_RE = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<module>\w+)"
     r"\.lora_(?P<ab>[AB])(?:\.[\w.-]+)?\.weight"
+)
+
+
+# A mixture-of-experts base: LoRA on its attention only, for now (the experts are stacked weights, and a delta per
+# expert is not implemented).
+_MLP_MODULES = tuple(m for m in TARGET_MODULES if MODULE_PARENT[m] == "mlp")
+_MOE_MLP_REFUSAL = (
+    "LoRA on a mixture-of-experts model's MLP (experts, shared expert, router, dense MLP layers) is not "
+    "supported yet; target the attention only (q_proj, k_proj, v_proj, o_proj)"
 )
 
 
@@ -138,6 +147,13 @@ def load_adapter(
         raise AdapterError(f"{file}: missing; a PEFT LoRA adapter needs {WEIGHTS_FILE}")
     cfg, selection = read_config(path)
     _check_safetensors_header(file, max_file_bytes, max_tensors, max_header_bytes)
+    moe = is_moe_base(base)
+    if moe and any(
+        targeted(selection, module_name(i, m)) for i in range(base.num_hidden_layers) for m in _MLP_MODULES
+    ):
+        raise AdapterError(
+            f"{cfg_file}: target_modules {brief(cfg.get('target_modules'))}: {_MOE_MLP_REFUSAL}"
+        )
 
     # Map every key to (layer, module, A|B); anything else is refused with the reason.
     factors: dict[tuple[int, str], dict[str, str]] = {}
@@ -151,6 +167,8 @@ def load_adapter(
                     raise AdapterError(f"{file}: key {key!r}: LoRA on embeddings is not supported")
                 if "lm_head" in key:
                     raise AdapterError(f"{file}: key {key!r}: LoRA on lm_head is not supported")
+                if moe and (".mlp." in key or ".block_sparse_moe." in key):
+                    raise AdapterError(f"{file}: key {key!r}: {_MOE_MLP_REFUSAL}")
                 m = _KEY_RE.fullmatch(key)
                 if m is None:
                     raise AdapterError(f"{file}: key {key!r} maps to no LoRA layer/module of the base model")
