@@ -78,9 +78,10 @@ def test_moe_greedy_matches_hf_generate(moe_model):
     # a 48-token step budget: prompts are chunked and share steps with other requests' decodes
     llm = LLM(str(moe_model), num_kv_blocks=128, block_size=8, max_num_batched_tokens=48)
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)  # HF: min_new_tokens
-    outs = llm.generate(PROMPTS, params)
-    hf = AutoModelForCausalLM.from_pretrained(moe_model, torch_dtype=torch.float32).eval()
-    for prompt, out in zip(PROMPTS, outs, strict=True):
+    prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[5], PROMPTS[2]]  # 5, 60, 33 and 17 tokens
+    outs = llm.generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs, strict=True):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
         assert out.token_ids == ref[0, len(prompt) :].tolist()
 

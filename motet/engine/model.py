@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flattened batch and a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM, and the mixture-of-experts Mixtral and Qwen2-MoE,
+whose sparse layers route each token to its top-k experts: `SparseMoE`) over a flattened batch and a paged KV
+cache.
 
 Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says where each sequence's
 queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
