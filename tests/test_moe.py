@@ -92,12 +92,17 @@ def mixtral_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("mixtral"), arch=arch, **overrides)
 
 
+def copy_all_but_weights(src, dst):
+    """The model directory's config and tokenizer files into `dst` (the test writes its own weights)."""
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+
+
 def test_a_missing_expert_tensor_is_refused_by_name(mixtral_dir, tmp_path):
     weights = load_file(mixtral_dir / "model.safetensors")
     del weights["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
-    for f in mixtral_dir.iterdir():
-        if f.name != "model.safetensors":
-            (tmp_path / f.name).write_bytes(f.read_bytes())
+    copy_all_but_weights(mixtral_dir, tmp_path)
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(
         ModelLoadError, match=r"layers\.1\.mlp\.experts\.gate_up_proj\[5\] \(expert 2's up_proj / w3\)"
@@ -135,3 +140,17 @@ def test_attention_lora_on_moe_matches_peft_and_mlp_lora_is_refused(mixtral_dir,
     )
     with pytest.raises(AdapterError, match="mixture-of-experts model's MLP"):
         llm.add_lora("mlp", tmp_path / "mlp")
+
+
+def test_transformers_5_stacked_expert_layout_loads(mixtral_dir, tmp_path):
+    """A checkpoint holding the experts stacked as transformers >= 5 keeps them in memory
+    (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I], mlp.gate) loads the same."""
+    hf = AutoModelForCausalLM.from_pretrained(mixtral_dir, dtype=torch.float32).eval()
+    state = {n: t.contiguous() for n, t in hf.state_dict().items() if n != "lm_head.weight"}  # tied
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    copy_all_but_weights(mixtral_dir, tmp_path)
+    save_file(state, tmp_path / "model.safetensors")
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), block_size=8, num_kv_blocks=64), model_dir=tmp_path)
+    prompts = PROMPTS[1:3]
+    for got, prompt in zip(engine_logits(engine, prompts), prompts, strict=True):
+        torch.testing.assert_close(got, hf_logits(mixtral_dir, prompt), atol=2e-4, rtol=1e-4)
