@@ -201,15 +201,17 @@ GGUF_TOLERANCE = 3.0
 GGUF_FLOAT_TOLERANCE = 1e-3
 
 
-def round_projection_inputs(model: torch.nn.Module) -> list:
+def round_projection_inputs(model: torch.nn.Module, lm_head: bool) -> list:
     """Hooks rounding the decoder projections' inputs of a transformers model to int8 blocks, as motet's CPU
-    product rounds them (the lm_head of a GGUF model, its embedding table read as floats, is not)."""
+    product rounds them, and the lm_head's where motet holds it quantized (a GGUF's quantized output or tied
+    table)."""
     from motet.kernels.quant import quantize_activations
 
+    names = (*PROJECTIONS, "lm_head") if lm_head else PROJECTIONS
     return [
         module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]),))
         for name, module in model.named_modules()
-        if name.split(".")[-1] in PROJECTIONS
+        if name.split(".")[-1] in names
     ]
 
 
@@ -243,6 +245,7 @@ def gguf_logits_check(gguf: Path, prompts: list[list[int]], threads: int | None)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     eager = LLM(str(gguf), dtype="float32", num_threads=threads, compile_step=False)
     report = {"device": "cpu" if cpu else "cuda", "weights_max_abs_diff": weight_diff(eager, hf)}
+    lm_head_quantized = eager.engine.runner.model.lm_head.quantized is not None
     del eager
     gc.collect()
 
@@ -253,7 +256,7 @@ def gguf_logits_check(gguf: Path, prompts: list[list[int]], threads: int | None)
     plain = logits()
     report["plain"] = logit_diffs(got, plain)
     if cpu:  # GPU kernels keep 16-bit activations: there the plain reference is the one
-        round_projection_inputs(hf)
+        round_projection_inputs(hf, lm_head_quantized)
         rounded = logits()
         report["rounded_inputs"] = logit_diffs(got, rounded)
         report["rounding_effect"] = logit_diffs(rounded, plain)  # transformers rounded against plain
