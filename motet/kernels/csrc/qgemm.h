@@ -9,8 +9,9 @@ namespace motet {
 // y [M, N] (=, or +=) x [M, K] @ W^T (+ bias), x and y fp32, W quantized in blocks of 32 along K.
 //
 // As llama.cpp's CPU kernels do, each row of x is first quantized in blocks of 32 too (as Q8_0 blocks:
-// d = max|x| / 127, q = round-to-even(x / d), d kept in fp16, and s = d * sum(q)): a block of the product is then an integer dot
-// product, exact in int32, times the two scales (plus, for int4, the weight block's min times s). One AVX2
+// d = max|x| / 127, q = round-to-even(x / d), d kept in fp16, and s = d * sum(q)): a block of the product is
+// then an integer dot product, exact in int32, times the two scales (plus, for int4, the weight block's min
+// times s). One AVX2
 // `maddubs` multiplies 32 byte pairs where the fp32 path needs four FMAs and the conversions of 32 values.
 // quant.py's `QuantizedWeight.linear` is the same product in torch. Since the integer sums are exact and every
 // row adds its blocks in the same order whatever the rows beside it, a row's result does not depend on the
