@@ -29,10 +29,9 @@ from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from tests.test_engine import PROMPTS, engine_logits
-from tests.test_model_store import _llama_cpp_permute
 from tests.test_quantization import (
     GGUF_TYPES,
-    HF_OF_GGUF,
+    add_llama_tensors,
     assert_close_but_for_rounding_flips,
     gguf_reference,
     quantizing_inputs,
@@ -122,22 +121,7 @@ def write_gguf_file(
     writer.add_token_types(types_)
     gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
 
-    state = hf.state_dict()
-    tensors = {"token_embd": state["model.embed_tokens.weight"], "output_norm": state["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        tensors["output"] = state["lm_head.weight"]
-    for i in range(cfg.num_hidden_layers):
-        for g, h in HF_OF_GGUF.items():
-            w = state[f"model.layers.{i}.{h}.weight"]
-            if g in ("attn_q", "attn_k"):
-                w = _llama_cpp_permute(
-                    w, cfg.num_attention_heads, None if g == "attn_q" else cfg.num_key_value_heads
-                )
-            tensors[f"blk.{i}.{g}"] = w
-    for name, w in tensors.items():
-        qtype = gguf.GGMLQuantizationType[types.get(name.split(".")[-1], "F32")]
-        data = w.numpy() if qtype.name == "F32" else quantize(w.numpy(), qtype)
-        writer.add_tensor(f"{name}.weight", data, raw_dtype=None if qtype.name == "F32" else qtype)
+    add_llama_tensors(writer, hf, types, quantize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

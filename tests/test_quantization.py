@@ -340,6 +340,29 @@ HF_OF_GGUF = {
 }  # fmt: skip
 
 
+def add_llama_tensors(writer, hf, types: dict[str, str], quantize) -> None:
+    """`hf`'s weights into a GGUF `writer` under llama.cpp's names (q/k rows permuted for its rotary; an
+    untied lm_head as output.weight), each in `types`' GGML type (F32 where not named), `quantize`d."""
+    import gguf
+
+    cfg, state = hf.config, hf.state_dict()
+    tensors = {"token_embd": state["model.embed_tokens.weight"], "output_norm": state["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        tensors["output"] = state["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        for g, h in HF_OF_GGUF.items():
+            w = state[f"model.layers.{i}.{h}.weight"]
+            if g in ("attn_q", "attn_k"):
+                w = _llama_cpp_permute(
+                    w, cfg.num_attention_heads, None if g == "attn_q" else cfg.num_key_value_heads
+                )
+            tensors[f"blk.{i}.{g}"] = w
+    for name, w in tensors.items():
+        qtype = gguf.GGMLQuantizationType[types.get(name.split(".")[-1], "F32")]
+        data = w.numpy() if qtype.name == "F32" else quantize(w.numpy(), qtype)
+        writer.add_tensor(f"{name}.weight", data, raw_dtype=None if qtype.name == "F32" else qtype)
+
+
 def write_gguf(model_dir: Path, out: Path, types: dict[str, str], quantize=None) -> Path:
     """`model_dir`'s weights as llama.cpp's converter writes them (q/k rows permuted for its rotary), each
     tensor in `types`' GGML type (F32 where not named), quantized by gguf-py (or `quantize(array, type)`: a
@@ -354,21 +377,7 @@ def write_gguf(model_dir: Path, out: Path, types: dict[str, str], quantize=None)
     writer = gguf.GGUFWriter(str(out / "model.gguf"), arch="llama")
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    state = hf.state_dict()
-    tensors = {"token_embd": state["model.embed_tokens.weight"], "output_norm": state["model.norm.weight"]}
-    for i in range(cfg.num_hidden_layers):
-        for g, h in HF_OF_GGUF.items():
-            w = state[f"model.layers.{i}.{h}.weight"]
-            if g in ("attn_q", "attn_k"):
-                w = _llama_cpp_permute(
-                    w, cfg.num_attention_heads, None if g == "attn_q" else cfg.num_key_value_heads
-                )
-            tensors[f"blk.{i}.{g}"] = w
-    for name, w in tensors.items():
-        kind = name.split(".")[-1]
-        qtype = gguf.GGMLQuantizationType[types.get(kind, "F32")]
-        data = w.numpy() if qtype.name == "F32" else quantize(w.numpy(), qtype)
-        writer.add_tensor(f"{name}.weight", data, raw_dtype=None if qtype.name == "F32" else qtype)
+    add_llama_tensors(writer, hf, types, quantize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
