@@ -1,3 +1,15 @@
 """How the project measures itself: benchmarks against peers (HF transformers, llama.cpp's server), studies
 and their reports (benchmarks/reports/). Not installed with motet; run from the repository root as
 `python -m benchmarks.NAME`. What users run is `motet eval` (motet/evals/)."""
+
+import json
+from pathlib import Path
+
+
+def write_report(out: Path, report: dict, summary: str) -> None:
+    """A benchmark's report: results.json and summary.md under `out`, the summary printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    (out / "summary.md").write_text(summary)
+    print(summary)
+    print(f"report: {out}")

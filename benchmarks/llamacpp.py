@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -35,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import write_report
 from motet.evals.server import ManagedServer, ServerError, free_port, wait_healthy
 from motet.evals.serving_bench import machine, make_prompts, run_level, summarize
 
@@ -342,10 +342,7 @@ def main(argv=None) -> None:
             report["rows"] = rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
-    (out / "summary.md").write_text(summary_md(report))
-    print(summary_md(report))
-    print(f"report: {out}")
+    write_report(out, report, summary_md(report))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ run. Writes results.json and summary.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks import write_report
 from motet.engine.llm import LLM
 from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
@@ -128,11 +128,7 @@ def main(argv=None) -> None:
               "bandwidth_gbs": {k: v / 1e9 for k, v in bandwidth.items()},
               "ceiling_gbs": max(bandwidth.values()) / 1e9, "rows": rows}  # fmt: skip
     out = Path(args.out or f"benchmarks/reports/quant_bandwidth/{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
-    (out / "summary.md").write_text(summary_md(report))
-    print(summary_md(report))
-    print(f"report: {out}")
+    write_report(out, report, summary_md(report))
 
 
 if __name__ == "__main__":

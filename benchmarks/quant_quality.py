@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import write_report
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.scheduler import ScheduledBatch
@@ -486,10 +487,7 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         report["gguf_logits"] = gguf_logits_check(gguf, prompts, args.threads)
         report["gguf_logits"]["seconds"] = time.perf_counter() - t
-    (out / "results.json").write_text(json.dumps(report, indent=2))
-    (out / "summary.md").write_text(summary_md(report))
-    print(summary_md(report))
-    print(f"report: {out}")
+    write_report(out, report, summary_md(report))
 
 
 if __name__ == "__main__":

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks import write_report
 from motet.engine.llm import LLM
 from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
@@ -244,11 +244,7 @@ def main(argv=None) -> None:
     report = {"dtype": args.dtype, "threads": args.threads, "machine": machine(), "offline": off,
               "serving": serving(args, model_dir, off) if args.serve_levels else []}  # fmt: skip
     out = Path(args.out or f"reports/step_profile/{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
-    (out / "summary.md").write_text(summary_md(report))
-    print(summary_md(report))
-    print(f"report: {out}")
+    write_report(out, report, summary_md(report))
 
 
 if __name__ == "__main__":
