@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from motet.engine.sequence import Sequence
@@ -80,7 +81,10 @@ class BlockManager:
         self.seq_hashes: dict[int, list[int]] = {}  # seq id -> hashes of its full blocks, in order
         self.num_registered: dict[int, int] = {}  # seq id -> leading blocks already offered to the cache
         self.prefix_queries = 0  # tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of those, tokens found
+        self.prefix_hits = 0  # of those, tokens found (on the device or, loaded, in the KV tiers)
+        # Called with cached blocks about to be reused, while they still hold their KV (the KV connector keeps
+        # them in its tiers: motet/engine/kv_connector.py).
+        self.on_evict: Callable[[list[Block]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -97,6 +101,14 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def may_match(self, seq: Sequence) -> bool:
+        """Whether the sequence may start from cached blocks (prompt logprobs need every prompt token's logits)."""
+        return self.enable_prefix_caching and seq.params.prompt_logprobs is None
+
+    def prefix_hashes(self, seq: Sequence) -> list[int]:
+        """The hashes of the full blocks a prefix-cache hit may cover."""
+        return self._hashes(seq, matchable_tokens(seq.num_tokens))
+
     def _hashes(self, seq: Sequence, upto_tokens: int) -> list[int]:
         """Chained hashes of the sequence's full blocks within its first `upto_tokens` tokens."""
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
@@ -107,9 +119,9 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks holding the longest cached prefix; returns the tokens covered."""
         assert not seq.block_table
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self.may_match(seq):
             return 0
-        hashes = self._hashes(seq, matchable_tokens(seq.num_tokens))
+        hashes = self.prefix_hashes(seq)
         bs = self.block_size
         for i, h in enumerate(hashes):
             block_id = self.cached.get(h)
@@ -136,16 +148,42 @@ class BlockManager:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if needed > len(self.free):
             return False
-        for _ in range(needed):
-            block_id, _ = self.free.popitem(last=False)  # least recently freed first
+        seq.block_table.extend(self.take_blocks(needed))
+        return True
+
+    def take_blocks(self, n: int) -> list[int]:
+        """Up to `n` free blocks (least recently freed first), held (ref count 1) by the caller, their cached
+        content evicted (offered to `on_evict` first)."""
+        block_ids = [self.free.popitem(last=False)[0] for _ in range(min(n, len(self.free)))]
+        evicted = [self.blocks[i] for i in block_ids if self.blocks[i].hash is not None]
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        for block_id in block_ids:
             block = self.blocks[block_id]
-            if block.hash is not None:  # evict its cached content
+            if block.hash is not None:
                 if self.cached.get(block.hash) == block_id:
                     del self.cached[block.hash]
                 block.hash, block.token_ids = None, ()
             block.ref_count = 1
-            seq.block_table.append(block_id)
-        return True
+        return block_ids
+
+    def register_block(self, block_id: int, h: int, token_ids: tuple[int, ...]) -> None:
+        """Cache a held block's content under `h` (unless another block holds that content already)."""
+        block = self.blocks[block_id]
+        if block.hash is None and h not in self.cached:
+            block.hash, block.token_ids = h, token_ids
+            self.cached[h] = block_id
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Give back blocks held outside a sequence (take_blocks): cached ones to the LRU's end, the others to
+        its front, to be reused first."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.hash is None:
+                    self.free.move_to_end(block_id, last=False)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's computed full blocks in the prefix cache."""

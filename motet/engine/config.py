@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,6 +253,13 @@ class EngineConfig:
     # would reveal another tenant's prompt); True shares base-model prefixes across tenants, as one trust
     # domain. A request's cache_salt separates further either way (block_manager.prefix_salt).
     shared_prefix_cache: bool = False
+    # KV tiers past the device's cache (motet/engine/kv_connector.py): prefix-cache blocks are kept in host RAM
+    # (an LRU of kv_offload_gb GiB) and on local disk under kv_disk_dir (kv_disk_gb GiB, checksummed, kept
+    # across restarts), and a prefix the device no longer holds is loaded from them instead of recomputed.
+    # 0: that tier is off (the default: both cost memory or disk the operator must grant).
+    kv_offload_gb: float = 0.0
+    kv_disk_gb: float = 0.0
+    kv_disk_dir: str | None = None  # `motet serve`: <--data-dir>/kv-cache
     max_loras: int = 8  # adapters resident on the device at once (distinct adapters per step)
     max_cpu_loras: int = 32  # loaded adapters kept in host memory in front of the disk
     max_lora_rank: int = 64  # device slots are zero-padded to this rank; higher-rank adapters are refused
@@ -327,6 +335,14 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.tenant_weights = check_tenant_weights(self.tenant_weights)
+        for name in ("kv_offload_gb", "kv_disk_gb"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.kv_disk_gb > 0 and not self.kv_disk_dir:
+            raise ValueError("kv_disk_gb needs kv_disk_dir, the directory of the disk tier")
+        if (self.kv_offload_gb > 0 or self.kv_disk_gb > 0) and not self.enable_prefix_caching:
+            raise ValueError("the KV tiers (kv_offload_gb, kv_disk_gb) extend the prefix cache: enable it")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -26,6 +26,9 @@ from motet.engine.config import EngineConfig
 from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
 from motet.engine.fairness import TenantState, VirtualTokenCounter
 from motet.engine.guided import GuidedDecoding
+from motet.engine.kv_blocks import KVLayout, model_identity
+from motet.engine.kv_connector import GiB, KVConnector, KVTierStats
+from motet.engine.kv_tiers import DiskTier
 from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
 from motet.engine.model_store import resolve_model
 from motet.engine.request_checks import RequestLimits
@@ -87,6 +90,12 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     tenants: tuple[TenantState, ...] = ()  # tenants with requests here, in the order they are served next
+    kv_tiers: tuple[KVTierStats, ...] = ()  # the KV tiers past the device cache, if any (RAM, disk)
+
+
+# When every waiting request is waiting for its KV blocks and none runs, the step waits this long at most for a
+# load to complete (rather than spin); a request arriving meanwhile waits no longer than that.
+LOAD_WAIT_S = 0.05
 
 
 class LLMEngine:
@@ -100,6 +109,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.kv_connector = self._kv_connector()
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -107,6 +117,7 @@ class LLMEngine:
             max_loras=config.max_loras,
             lora_time_slice=config.lora_time_slice,
             fairness=VirtualTokenCounter(config.tenant_weights),
+            kv_connector=self.kv_connector,
         )
         self.adapters = AdapterManager(
             self.model_config,
@@ -136,6 +147,26 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+
+    def _kv_connector(self) -> KVConnector | None:
+        """The KV tiers the config asks for (EngineConfig.kv_offload_gb, kv_disk_gb), or None."""
+        config = self.config
+        if config.kv_offload_gb <= 0 and config.kv_disk_gb <= 0:
+            return None
+        kv_caches = self.runner.kv_caches
+        disk = None
+        if config.kv_disk_gb > 0:
+            layout = KVLayout.of(kv_caches)
+            identity = model_identity(self.model_dir, config.quantization, layout)
+            disk = DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * GiB), identity, layout)
+        connector = KVConnector(kv_caches, int(config.kv_offload_gb * GiB), disk)
+        self.block_manager.on_evict = connector.save_evicted
+        return connector
+
+    def close(self) -> None:
+        """Finish the KV tiers' queued disk writes and stop their threads (the engine takes no more steps)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     # -- structured output ----------------------------------------------------------------------------
     @functools.cached_property
@@ -282,6 +313,7 @@ class LLMEngine:
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
             tenants=sched.tenant_states(),
+            kv_tiers=self.kv_connector.stats() if self.kv_connector is not None else (),
         )
 
     # -- the step -------------------------------------------------------------------------------------
@@ -294,6 +326,9 @@ class LLMEngine:
     def schedule(self) -> ScheduledBatch:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        kv, sched = self.kv_connector, self.scheduler
+        if kv is not None and kv.num_loading and not sched.running and len(sched.waiting) == kv.num_loading:
+            kv.wait_for_load(LOAD_WAIT_S)  # nothing else could run
         batch = self.scheduler.schedule()
         now = time.monotonic()
         for seq in batch.seqs:
@@ -398,6 +433,8 @@ class LLMEngine:
             reason, stop_reason = finish
             if self.speculator is not None:
                 self.speculator.record(seq)
+            if self.kv_connector is not None:  # its blocks outlive their eviction from the device
+                self.kv_connector.save_sequence(seq, self.block_manager)
             self.scheduler.finish(seq, reason, stop_reason)
             del self.requests[seq.request_id]
             self.adapters.release(seq.adapter_id)

@@ -17,6 +17,8 @@ urgent taking the earliest, so no tenant's place moves (`tenant_places`). The se
 preemption is its least urgent, newest one.
 Running sequences hold at most `max_loras` distinct adapters (see `AdapterSlicer`), and a step's batch
 is ordered by adapter so that each adapter's tokens form one contiguous segment for the LoRA kernels.
+With KV tiers (motet/engine/kv_connector.py), a waiting sequence whose prefix the tiers hold past the device
+cache's hit waits, keeping its place, while its blocks are loaded in the background; it is admitted after.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from motet.engine.adapter_slicer import AdapterSlicer
 from motet.engine.block_manager import BlockManager
 from motet.engine.fairness import TenantShares, TenantState, VirtualTokenCounter
+from motet.engine.kv_connector import KVConnector
 from motet.engine.sequence import Sequence, SequenceStatus
 
 
@@ -63,8 +66,10 @@ class Scheduler:
         max_loras: int = 8,
         lora_time_slice: int = 32,
         fairness: VirtualTokenCounter | None = None,
+        kv_connector: KVConnector | None = None,
     ):
         self.bm = block_manager
+        self.kv = kv_connector
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.slicer = AdapterSlicer(max_loras, lora_time_slice)
@@ -82,6 +87,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        if self.kv is not None:
+            self.kv.finish_loads(self.bm)
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         fair = self.fairness
@@ -112,15 +119,15 @@ class Scheduler:
             _remove(candidates, seq)
             if not self.slicer.may_admit(seq.adapter_id):
                 continue  # waiting for an adapter slot; it keeps its place in the queue
+            if not growing and not shares.may_displace(seq.tenant):
+                continue
+            if not self._prefix_ready(seq):
+                continue  # its prefix is being loaded; it keeps its place in the queue
             if not growing:
-                if not shares.may_displace(seq.tenant):
-                    continue
                 victim = self._last_of(shares.most_over(seq.tenant))
                 self._preempt(victim, shares)
                 batch.preempted.append(victim)
-            self._start(seq, shares)
-            if not seq.block_table:
-                self.bm.match_prefix(seq)  # its blocks come below, with the running ones'
+            self._start(seq, shares)  # its other blocks come below, with the running ones'
 
         # Running sequences, the least-served tenants' first (their prefill chunks get the budget first); last,
         # the least urgent, newest sequence of the tenant most over its share: the first to be preempted. Every
@@ -171,10 +178,8 @@ class Scheduler:
         while candidates and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = min(candidates, key=admission_order)
             _remove(candidates, seq)
-            if not self.slicer.may_admit(seq.adapter_id):
+            if not self.slicer.may_admit(seq.adapter_id) or not self._prefix_ready(seq):
                 continue
-            if not seq.block_table:
-                self.bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.bm.allocate_slots(seq, n):
                 self.bm.free_seq(seq)  # give back prefix hits; they stay cached
@@ -183,11 +188,26 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        for seq in self.waiting:  # a waiting sequence holds no blocks across steps, once loaded neither (they
+            # stay in the device cache, to be matched again)
+            if seq.block_table and not (self.kv is not None and self.kv.is_loading(seq)):
+                self.bm.free_seq(seq)
         if any(s.adapter_id for s in batch.seqs):  # one contiguous segment per adapter (stable sort)
             order = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
             batch.seqs = [batch.seqs[i] for i in order]
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
         return batch
+
+    def _prefix_ready(self, seq: Sequence) -> bool:
+        """Attach a waiting sequence's cached prefix: the device cache's blocks now, and the KV tiers' after they
+        are loaded in the background. False while its load is under way."""
+        if self.kv is not None and self.kv.is_loading(seq):
+            return False
+        if not seq.block_table:
+            self.bm.match_prefix(seq)
+            if self.kv is not None and self.kv.start_load(seq, self.bm):
+                return False
+        return True
 
     def _last_of(self, tenant) -> Sequence:
         """Take the least urgent (vLLM's priority), newest running sequence of `tenant` (which has one) out of

@@ -1,0 +1,320 @@
+"""The KV connector: the engine's prefix cache extended past the device, to host RAM and local disk
+(motet/engine/kv_tiers.py), so that a prefix whose blocks were evicted, or computed before a restart, is loaded
+instead of recomputed.
+
+    save: a request finishes, or the block manager evicts cached blocks  -> copy them to the tiers that lack
+          them (a host copy now; the disk write on a background thread)
+    load: a waiting request's prefix misses the device cache             -> the tiers hold its next blocks:
+          take free device blocks for them and fill them on a background thread; the request waits in its
+          queue, keeping its place, while other requests run; once filled they are its cached prefix
+
+Blocks are keyed by the engine's chained prefix-cache hashes, which include the adapter and the tenant's salt
+(motet/engine/block_manager.py), so the tiers inherit the device cache's isolation: a tenant, a cache_salt or an
+adapter never reads another's blocks, and a block is served only to the same tokens. A load covers the longest
+run of consecutive blocks the tiers hold; an entry that turns out unreadable ends the run there and the rest is
+recomputed. The step never waits on I/O: the only wait is `wait_for_load`, which the engine calls when nothing
+else could run. Plain synchronous policy, driven from the engine's thread; its two worker threads (loads,
+disk writes) stay inside this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from motet.engine.block_manager import Block, BlockManager
+from motet.engine.kv_blocks import KVLayout, read_blocks, write_blocks
+from motet.engine.kv_tiers import DiskTier, HostTier
+from motet.engine.sequence import Sequence
+
+log = logging.getLogger("motet.kv")
+
+# Load latency histogram buckets, seconds (a 4,000-token prefix is ~250 blocks of the default model).
+LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LOAD_CHUNK_BLOCKS = 64  # blocks copied to the device at once by a load (bounds its host staging memory)
+# Blocks waiting for the disk writer, in bytes: past this a save skips the disk (the writer is behind; the
+# step must not wait for it, nor memory grow without bound).
+MAX_PENDING_WRITE_BYTES = 512 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVTierStats:
+    """One tier's figures, cumulative except `blocks` and `bytes` (held now)."""
+
+    tier: str  # "ram" | "disk"
+    capacity_bytes: int
+    blocks: int
+    bytes: int
+    hit_tokens: int  # prompt tokens loaded from this tier instead of recomputed
+    loaded_bytes: int
+    saved_blocks: int
+    saved_bytes: int
+    dropped_entries: int  # found corrupt, truncated or foreign, deleted (their tokens recomputed)
+    loads: int  # loads whose slowest source was this tier
+    load_seconds_sum: float
+    load_seconds_buckets: tuple[int, ...]  # cumulative counts of loads at most LOAD_BUCKETS[i] seconds
+
+
+@dataclass
+class _Counters:
+    hit_tokens: int = 0
+    loaded_bytes: int = 0
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    loads: int = 0
+    load_seconds_sum: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * len(LOAD_BUCKETS))
+
+    def observe(self, seconds: float) -> None:
+        self.loads += 1
+        self.load_seconds_sum += seconds
+        for i, le in enumerate(LOAD_BUCKETS):
+            if seconds <= le:
+                self.buckets[i] += 1
+
+
+@dataclass
+class _Load:
+    """A sequence's blocks on their way from the tiers: filled in order by the loader thread."""
+
+    seq: Sequence
+    block_ids: list[int]  # free device blocks taken for it (held by the load, not yet the sequence's)
+    hashes: list[int]
+    token_ids: list[tuple[int, ...]]
+    sources: list[tuple[str, torch.Tensor | None]]  # ("ram", its tensor) or ("disk", None: read it)
+    rest_blocks: int  # what the sequence needs besides, kept free for it meanwhile
+    loaded: int = 0  # leading blocks filled (set by the loader thread)
+    seconds: float = 0.0
+
+
+class KVConnector:
+    def __init__(self, kv_caches, ram_bytes: int = 0, disk: DiskTier | None = None):
+        self.kv_caches = kv_caches
+        self.layout = KVLayout.of(kv_caches)
+        self.ram = HostTier(ram_bytes) if ram_bytes > 0 else None
+        self.disk = disk
+        self.tiers = [t for t in (self.ram, self.disk) if t is not None]
+        self.counters = {t.name: _Counters() for t in self.tiers}
+        self.loading: dict[int, _Load] = {}  # seq id -> its load under way
+        self.reserved_blocks = 0  # free blocks the loading sequences will need once loaded
+        self._done: queue.SimpleQueue[_Load] = queue.SimpleQueue()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="motet-kv-load")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="motet-kv-save") if disk is not None else None
+        self._pending_writes: dict[int, int] = {}  # hash -> bytes, queued for the disk
+        self._pending_bytes = 0
+        self._pending_lock = threading.Lock()  # the writer thread takes them off
+
+    # -- save ---------------------------------------------------------------------------------------------
+    def save_blocks(self, blocks: list[Block]) -> None:
+        """Keep these cached blocks (their hash and tokens set) in every tier that lacks them. Called by the
+        block manager before it reuses evicted blocks, and by the engine when a request finishes."""
+        wanted = [b for b in blocks if b.hash is not None and self._missing_somewhere(b.hash)]
+        if not wanted:
+            return
+        data = read_blocks(self.kv_caches, [b.block_id for b in wanted])
+        to_disk = []
+        for block, tensor in zip(wanted, data.unbind(0), strict=True):
+            tensor = tensor.clone()  # its own storage: the RAM tier's bound counts what it keeps alive
+            if self.ram is not None and block.hash not in self.ram:
+                self.ram.put(block.hash, block.token_ids, tensor)
+                self._count_save("ram", tensor.nbytes)
+            if self._needs_disk(block.hash) and self._queue_write(block.hash, tensor.nbytes):
+                to_disk.append((block.hash, block.token_ids, tensor))
+        if to_disk:
+            self._writer.submit(self._write, to_disk)
+
+    def save_evicted(self, blocks: list[Block]) -> None:
+        """The block manager's eviction hook: a failure here loses the blocks' copies, never the allocation."""
+        try:
+            self.save_blocks(blocks)
+        except Exception:
+            log.exception("KV tiers: saving evicted blocks failed; they will be recomputed if needed")
+
+    def save_sequence(self, seq: Sequence, block_manager: BlockManager) -> None:
+        """A finished request's cached blocks (its prompt's and output's full blocks)."""
+        self.save_blocks([block_manager.blocks[i] for i in seq.block_table])
+
+    def _missing_somewhere(self, h: int) -> bool:
+        return (self.ram is not None and h not in self.ram) or self._needs_disk(h)
+
+    def _needs_disk(self, h: int) -> bool:
+        return self.disk is not None and h not in self._pending_writes and h not in self.disk
+
+    def _queue_write(self, h: int, nbytes: int) -> bool:
+        with self._pending_lock:
+            if self._pending_bytes + nbytes > MAX_PENDING_WRITE_BYTES:
+                return False
+            self._pending_writes[h] = nbytes
+            self._pending_bytes += nbytes
+            return True
+
+    def _count_save(self, tier: str, nbytes: int) -> None:
+        c = self.counters[tier]
+        c.saved_blocks += 1
+        c.saved_bytes += nbytes
+
+    def _write(self, entries) -> None:
+        """On the writer thread."""
+        for h, token_ids, tensor in entries:
+            try:
+                if self.disk.write(h, token_ids, tensor):
+                    self._count_save("disk", tensor.nbytes)
+            except Exception:
+                log.exception("KV disk tier: writing a block failed")
+            finally:
+                with self._pending_lock:
+                    self._pending_bytes -= self._pending_writes.pop(h, 0)
+
+    def flush(self) -> None:
+        """Wait until every queued disk write is done (tests, benchmarks, shutdown)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    # -- load ---------------------------------------------------------------------------------------------
+    def is_loading(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.loading
+
+    @property
+    def num_loading(self) -> int:
+        return len(self.loading)
+
+    def start_load(self, seq: Sequence, block_manager: BlockManager) -> bool:
+        """After the device cache's hit (the sequence's block table): if the tiers hold the blocks that follow,
+        take free device blocks for them and start filling them. True: a load is under way, the sequence must
+        wait (`finish_loads` gives it the blocks)."""
+        if not self.tiers or not block_manager.may_match(seq):
+            return False
+        bs = block_manager.block_size
+        hashes = block_manager.prefix_hashes(seq)
+        first = len(seq.block_table)
+        sources, keys, tokens = [], [], []
+        for i in range(first, len(hashes)):
+            h, chunk = hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            data = self.ram.get(h, chunk) if self.ram is not None else None
+            if data is not None:
+                sources.append(("ram", data))
+            elif self.disk is not None and h in self.disk:
+                sources.append(("disk", None))
+            else:
+                break
+            keys.append(h)
+            tokens.append(chunk)
+        if not sources:
+            return False
+        # Only when the rest of its prompt fits beside it (and beside the other loads' rests): a load must not
+        # leave its sequence, or another, holding blocks it cannot run with.
+        rest = block_manager.blocks_needed(seq.num_tokens) - first - len(sources)
+        if len(sources) + rest > block_manager.num_free_blocks - self.reserved_blocks:
+            return False
+        block_ids = block_manager.take_blocks(len(sources))
+        load = _Load(seq, block_ids, keys, tokens, sources, rest)
+        self.reserved_blocks += rest
+        self.loading[seq.seq_id] = load
+        self._loader.submit(self._fill, load)
+        return True
+
+    def _fill(self, load: _Load) -> None:
+        """On the loader thread: fill the load's blocks in order, up to the first entry that cannot be read."""
+        t0 = time.perf_counter()
+        try:
+            staged: list[torch.Tensor] = []
+            for i, (_, data) in enumerate(load.sources):
+                if data is None:
+                    data = self.disk.read(load.hashes[i], load.token_ids[i])
+                    if data is None:
+                        break
+                staged.append(data)
+                if len(staged) == LOAD_CHUNK_BLOCKS:
+                    self._copy_in(load, staged)
+            self._copy_in(load, staged)
+        except Exception:
+            log.exception("KV tiers: a load failed; its remaining tokens are recomputed")
+        load.seconds = time.perf_counter() - t0
+        self._done.put(load)
+
+    def _copy_in(self, load: _Load, staged: list[torch.Tensor]) -> None:
+        if staged:
+            ids = load.block_ids[load.loaded : load.loaded + len(staged)]
+            write_blocks(self.kv_caches, ids, torch.stack(staged))
+            load.loaded += len(staged)
+            staged.clear()
+
+    def wait_for_load(self, timeout: float) -> None:
+        """Block until a load completes or `timeout` passes (when no other work could run)."""
+        try:
+            load = self._done.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._done.put(load)  # finish_loads takes it
+
+    def finish_loads(self, block_manager: BlockManager) -> None:
+        """Hand completed loads' blocks to their sequences (on the engine's thread, between steps)."""
+        while True:
+            try:
+                load = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self.loading.pop(load.seq.seq_id, None)
+            self.reserved_blocks -= load.rest_blocks
+            self._account(load)
+            seq, n, bs = load.seq, load.loaded, block_manager.block_size
+            if seq.is_finished:  # aborted while loading: the filled blocks still join the device cache
+                for block_id, h, chunk in zip(load.block_ids[:n], load.hashes, load.token_ids, strict=False):
+                    block_manager.register_block(block_id, h, chunk)
+                block_manager.release_blocks(load.block_ids)
+                continue
+            seq.block_table.extend(load.block_ids[:n])
+            block_manager.release_blocks(load.block_ids[n:])
+            seq.num_computed_tokens += n * bs
+            seq.num_cached_tokens += n * bs
+            block_manager.prefix_hits += n * bs
+            block_manager.cache_full_blocks(seq)
+
+    def _account(self, load: _Load) -> None:
+        tiers = [tier for tier, _ in load.sources[: load.loaded]]
+        for tier in set(tiers):
+            c = self.counters[tier]
+            blocks = tiers.count(tier)
+            c.hit_tokens += blocks * self.layout.block_size
+            c.loaded_bytes += blocks * self.layout.block_bytes
+        slowest = "disk" if "disk" in tiers else "ram"
+        if tiers:
+            self.counters[slowest].observe(load.seconds)
+
+    # -- figures and shutdown -----------------------------------------------------------------------------
+    def stats(self) -> tuple[KVTierStats, ...]:
+        out = []
+        for tier in self.tiers:
+            c = self.counters[tier.name]
+            held = len(tier.entries) if tier is self.ram else tier.num_entries
+            out.append(
+                KVTierStats(
+                    tier=tier.name,
+                    capacity_bytes=tier.capacity_bytes,
+                    blocks=held,
+                    bytes=tier.bytes,
+                    hit_tokens=c.hit_tokens,
+                    loaded_bytes=c.loaded_bytes,
+                    saved_blocks=c.saved_blocks,
+                    saved_bytes=c.saved_bytes,
+                    dropped_entries=getattr(tier, "dropped", 0),
+                    loads=c.loads,
+                    load_seconds_sum=c.load_seconds_sum,
+                    load_seconds_buckets=tuple(c.buckets),
+                )
+            )
+        return tuple(out)
+
+    def close(self) -> None:
+        """Finish queued disk writes and stop the worker threads."""
+        self.flush()
+        self._loader.shutdown(wait=True)
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)

@@ -1,0 +1,258 @@
+"""The storage tiers behind the device's KV cache: host RAM (a bounded LRU of block tensors) and local disk (a
+bounded directory of checksummed entries that outlives the process). Each stores a block under its prefix-cache
+hash (motet/engine/block_manager.py: the chain of parent, adapter, salt and tokens) with the block's token ids,
+and serves it only to a lookup with the same hash and the same tokens. The policy of what to store and when to
+load is motet/engine/kv_connector.py's.
+
+A disk entry is one file, a safetensors blob holding the block's tensor and, in its metadata, the model identity
+(motet/engine/kv_blocks.model_identity), the hash, the token ids and a CRC-32 of the tensor's bytes. A read
+checks all of them: an entry that is truncated, corrupt, or written for another model, dtype or layout is
+deleted and reported missing, so its tokens are recomputed, never served from it. Entries live under
+<root>/<identity>/, written to a temporary file and renamed, so a crash leaves no half entry under its name.
+The byte bound covers every identity's entries under <root> (an older model's are the first to go).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from motet.engine.kv_blocks import KVLayout
+
+log = logging.getLogger("motet.kv")
+
+ENTRY_SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+_MASK64 = (1 << 64) - 1
+
+
+class HostTier:
+    """Blocks in host memory, least recently used first; at most `capacity_bytes` of them. The engine's thread
+    alone uses it."""
+
+    name = "ram"
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.entries: OrderedDict[int, tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()
+        self.bytes = 0
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.entries
+
+    def get(self, h: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
+        entry = self.entries.get(h)
+        if entry is None or entry[0] != token_ids:
+            return None
+        self.entries.move_to_end(h)
+        return entry[1]
+
+    def put(self, h: int, token_ids: tuple[int, ...], data: torch.Tensor) -> None:
+        if h in self.entries:
+            self.entries.move_to_end(h)
+            return
+        size = data.nbytes
+        if size > self.capacity_bytes:
+            return
+        self.entries[h] = (token_ids, data)
+        self.bytes += size
+        while self.bytes > self.capacity_bytes:
+            _, (_, old) = self.entries.popitem(last=False)
+            self.bytes -= old.nbytes
+
+
+class CorruptEntry(ValueError):
+    pass
+
+
+def encode_entry(identity: str, h: int, token_ids: tuple[int, ...], data: torch.Tensor) -> bytes:
+    data = data.contiguous()
+    metadata = {
+        "identity": identity,
+        "hash": str(h),
+        "tokens": json.dumps(list(token_ids)),
+        "crc32": str(zlib.crc32(data.view(torch.uint8).numpy())),
+    }
+    return save_safetensors({"kv": data}, metadata=metadata)
+
+
+def decode_entry(
+    blob: bytes, identity: str, h: int, token_ids: tuple[int, ...], layout: KVLayout
+) -> torch.Tensor:
+    """The block's tensor; CorruptEntry unless the blob is whole and is the entry of (identity, h, tokens)."""
+    try:
+        header_len = int.from_bytes(blob[:8], "little")
+        if len(blob) < 8 + header_len:
+            raise CorruptEntry("truncated header")
+        meta = json.loads(blob[8 : 8 + header_len])["__metadata__"]
+        if meta["identity"] != identity:
+            raise CorruptEntry("written for another model, KV dtype or layout")
+        if int(meta["hash"]) != h or json.loads(meta["tokens"]) != list(token_ids):
+            raise CorruptEntry("another block's entry")
+        if zlib.crc32(memoryview(blob)[8 + header_len :]) != int(meta["crc32"]):
+            raise CorruptEntry("checksum mismatch")
+        data = load_safetensors(blob)["kv"]
+    except CorruptEntry:
+        raise
+    except Exception as e:  # a malformed header or tensor: safetensors' and json's errors alike
+        raise CorruptEntry(f"unreadable ({type(e).__name__}: {e})") from None
+    if tuple(data.shape) != layout.block_shape or data.dtype != layout.dtype:
+        raise CorruptEntry(
+            f"shape {tuple(data.shape)} {data.dtype}, expected {layout.block_shape} {layout.dtype}"
+        )
+    return data
+
+
+def entry_name(h: int) -> str:
+    return f"{h & _MASK64:016x}{ENTRY_SUFFIX}"
+
+
+def entry_hash(name: str) -> int | None:
+    try:
+        u = int(name.removesuffix(ENTRY_SUFFIX), 16)
+    except ValueError:
+        return None
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+class DiskTier:
+    """Blocks in files under `root`/`identity`/, at most `capacity_bytes` under `root` in all (least recently
+    used evicted first; a read or a write counts as a use, kept across restarts in the files' mtimes).
+    Thread-safe: the index is behind a lock, the file I/O outside it."""
+
+    name = "disk"
+
+    def __init__(self, root: str | Path, capacity_bytes: int, identity: str, layout: KVLayout):
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self.identity = identity
+        self.layout = layout
+        self.dir = self.root / identity
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._files: OrderedDict[Path, int] = OrderedDict()  # every entry under root, LRU first -> its size
+        self._ours: dict[int, Path] = {}  # hash -> this identity's entry
+        self.bytes = 0
+        self.dropped = 0  # entries found corrupt, truncated or foreign, deleted
+        self.write_errors = 0
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for path in self.root.glob("*/*"):
+            try:
+                if path.name.endswith(TMP_SUFFIX):  # a write cut short by a crash
+                    path.unlink(missing_ok=True)
+                elif path.suffix == ENTRY_SUFFIX:
+                    st = path.stat()
+                    found.append((st.st_mtime_ns, path, st.st_size))
+            except OSError:
+                continue
+        for _, path, size in sorted(found):
+            self._add(path, size)
+        self._unlink(self._evict_over(0))
+
+    def _add(self, path: Path, size: int) -> None:
+        """(Under the lock.)"""
+        if path in self._files:
+            self.bytes -= self._files.pop(path)
+        self._files[path] = size
+        self.bytes += size
+        if path.parent == self.dir and (h := entry_hash(path.name)) is not None:
+            self._ours[h] = path
+
+    def _remove(self, path: Path) -> None:
+        """(Under the lock.)"""
+        size = self._files.pop(path, None)
+        if size is not None:
+            self.bytes -= size
+        h = entry_hash(path.name)
+        if path.parent == self.dir and self._ours.get(h) == path:
+            del self._ours[h]
+
+    def _evict_over(self, incoming: int) -> list[Path]:
+        """(Under the lock.) Take entries out of the index until `incoming` more bytes fit; the files to delete."""
+        gone = []
+        while self._files and self.bytes + incoming > self.capacity_bytes:
+            path = next(iter(self._files))
+            self._remove(path)
+            gone.append(path)
+        return gone
+
+    @staticmethod
+    def _unlink(paths) -> None:
+        for path in paths:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+
+    def __contains__(self, h: int) -> bool:
+        with self._lock:
+            return h in self._ours
+
+    @property
+    def num_entries(self) -> int:
+        with self._lock:
+            return len(self._ours)
+
+    def write(self, h: int, token_ids: tuple[int, ...], data: torch.Tensor) -> bool:
+        """Store the block (on a background thread: it does file I/O). False if it could not."""
+        blob = encode_entry(self.identity, h, token_ids, data)
+        if len(blob) > self.capacity_bytes:
+            return False
+        path = self.dir / entry_name(h)
+        tmp = None
+        try:
+            with tempfile.NamedTemporaryFile(dir=self.dir, suffix=TMP_SUFFIX, delete=False) as f:
+                tmp = Path(f.name)
+                f.write(blob)
+            with self._lock:
+                gone = self._evict_over(len(blob))
+            self._unlink(gone)
+            os.replace(tmp, path)
+        except OSError as e:  # a full or read-only disk: the block stays recomputable, nothing else changes
+            self.write_errors += 1
+            log.warning("KV disk tier: could not write %s: %s", path.name, e)
+            if tmp is not None:
+                self._unlink([tmp])
+            return False
+        with self._lock:
+            self._add(path, len(blob))
+        return True
+
+    def read(self, h: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
+        """The block, or None if this tier has no sound entry for it (one that is not sound is deleted)."""
+        with self._lock:
+            path = self._ours.get(h)
+            if path is None:
+                return None
+            self._files.move_to_end(path)
+        try:
+            blob = path.read_bytes()
+            data = decode_entry(blob, self.identity, h, token_ids, self.layout)
+        except OSError:  # deleted meanwhile (evicted by the writer, or by hand)
+            with self._lock:
+                self._remove(path)
+            return None
+        except CorruptEntry as e:
+            log.warning("KV disk tier: dropped %s: %s", path, e)
+            with self._lock:
+                self._remove(path)
+                self.dropped += 1
+            self._unlink([path])
+            return None
+        with contextlib.suppress(OSError):
+            now = time.time_ns()
+            os.utime(path, ns=(now, now))  # the LRU order survives a restart
+        return data
