@@ -25,6 +25,7 @@ from motet.actors.ingress import IngressActor
 from motet.actors.messages import Abort, Admission, Cancel, GenerateSpec, RemoveLora, Submit
 from motet.actors.runtime import ActorStopped, ActorSystem
 from motet.actors.scheduler import SchedulerActor
+from motet.engine.kv_connector import KVTierStats
 from motet.engine.speculative.proposer import SpeculativeStats
 
 
@@ -59,6 +60,7 @@ class Stats:
     prompt_tokens: int = 0  # processed so far (EngineStats.prompt_tokens)
     generation_tokens: int = 0
     tenants: tuple[TenantStats, ...] = ()  # in the order they are served next (one replica's engine only)
+    kv_tiers: tuple[KVTierStats, ...] = ()  # the KV tiers past the device cache (engine.kv_connector)
 
 
 class ServingSystem:
@@ -136,6 +138,7 @@ class ServingSystem:
             prompt_tokens=es.prompt_tokens,
             generation_tokens=es.generation_tokens,
             tenants=self._tenant_stats(es.tenants),
+            kv_tiers=es.kv_tiers,
         )
 
     def _tenant_stats(self, engine_tenants) -> tuple[TenantStats, ...]:

@@ -92,6 +92,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "prompts); only for tenants who trust each other",
     )
     p.add_argument(
+        "--kv-offload-gb",
+        type=number(0),
+        default=d.kv_offload_gb,
+        help="host RAM, in GiB, for KV blocks evicted from the KV cache (an LRU): a returning prompt prefix is "
+        "copied back instead of recomputed; 0: off",
+    )
+    p.add_argument(
+        "--kv-disk-gb",
+        type=number(0),
+        default=d.kv_disk_gb,
+        help="local disk, in GiB, for KV blocks under <data dir>/kv-cache (--data-dir, else $MOTET_DATA_DIR, "
+        "else ~/.local/share/motet): kept across restarts, each entry checksummed and bound to the model, "
+        "dtype and KV layout; 0: off",
+    )
+    p.add_argument(
         "--threads",
         type=integer(1),
         default=None,
@@ -171,6 +186,9 @@ def engine_config(args):
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         shared_prefix_cache=args.shared_prefix_cache,
+        kv_offload_gb=args.kv_offload_gb,
+        kv_disk_gb=args.kv_disk_gb,
+        kv_disk_dir=kv_disk_dir(args),
         num_threads=args.threads,
         grammar_backend=args.grammar_backend,
         grammar_timeout_s=args.grammar_timeout,
@@ -183,6 +201,16 @@ def engine_config(args):
         max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,
     )
+
+
+def kv_disk_dir(args) -> str | None:
+    """The KV disk tier's directory, under the data directory (`motet serve --data-dir`), when it is on."""
+    from motet.api.server import data_dir
+    from motet.engine.kv_tiers import KV_CACHE_SUBDIR
+
+    if not args.kv_disk_gb:
+        return None
+    return str(data_dir(getattr(args, "data_dir", None)) / KV_CACHE_SUBDIR)
 
 
 def cmd_pull(args) -> int:

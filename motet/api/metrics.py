@@ -10,7 +10,10 @@ in tokens); and per finished request its prompt and generation tokens, its finis
 prefill / decode / inference times. Buckets, labels (`model_name`) and help texts are vLLM's
 (vllm/v1/metrics/loggers.py); deploy/grafana/motet.json is the dashboard that reads them. Per tenant, for an
 admin: each tenant's virtual token counter, its requests queued, waiting and running, and its position in
-the order tenants are served next (motet/engine/fairness.py).
+the order tenants are served next (motet/engine/fairness.py). Per KV tier past the device cache (`tier`: ram,
+disk; motet/engine/kv_connector.py): the bytes and blocks it holds and may hold, the prompt tokens and bytes
+loaded from it instead of recomputed, the blocks and bytes saved to it, the entries dropped as corrupt, and
+the loads' latency.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from motet.actors.system import Stats
+from motet.engine.kv_connector import LOAD_BUCKETS
 from motet.engine.sequence import RequestTimings
 
 # vLLM's buckets for its latency histograms (vllm/v1/metrics/loggers.py)
@@ -172,6 +176,7 @@ class Metrics:
         )
         self._vllm_request_series(r, max_model_len or DEFAULT_MAX_MODEL_LEN)
         r.register(EngineCounters(self))
+        r.register(KVTierSeries(self))
         self.model_name = model_name
 
     def _vllm_request_series(self, r: CollectorRegistry, max_model_len: int) -> None:
@@ -365,6 +370,59 @@ class EngineCounters(Collector):
             if name:
                 family.add_metric([name], getattr(stats, field) if stats is not None else 0)
             yield family
+
+
+class KVTierSeries(Collector):
+    """The KV tiers' figures (motet/engine/kv_connector.KVTierStats), labelled by tier, as of the latest
+    refresh; no series when no tier is on."""
+
+    GAUGES = (  # name, help, KVTierStats field
+        ("motet_kv_tier_bytes", "bytes of KV blocks the tier holds", "bytes"),
+        ("motet_kv_tier_blocks", "KV blocks the tier holds", "blocks"),
+        ("motet_kv_tier_capacity_bytes", "the tier's bound, in bytes", "capacity_bytes"),
+    )
+    COUNTERS = (  # name (exposed with _total), help, KVTierStats field
+        (
+            "motet_kv_tier_hit_tokens",
+            "prompt tokens loaded from the tier instead of recomputed",
+            "hit_tokens",
+        ),
+        ("motet_kv_tier_loaded_bytes", "bytes of KV loaded from the tier", "loaded_bytes"),
+        ("motet_kv_tier_saved_blocks", "KV blocks saved to the tier", "saved_blocks"),
+        ("motet_kv_tier_saved_bytes", "bytes of KV saved to the tier", "saved_bytes"),
+        (
+            "motet_kv_tier_dropped_entries",
+            "entries found corrupt, truncated or written for another model, deleted (their tokens recomputed)",
+            "dropped_entries",
+        ),
+    )
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        tiers = getattr(self.metrics.stats, "kv_tiers", ())
+        if not tiers:
+            return
+        for metric, help_, field in self.GAUGES:
+            family = GaugeMetricFamily(metric, help_, labels=["tier"])
+            for t in tiers:
+                family.add_metric([t.tier], getattr(t, field))
+            yield family
+        for metric, help_, field in self.COUNTERS:
+            family = CounterMetricFamily(metric, help_, labels=["tier"])
+            for t in tiers:
+                family.add_metric([t.tier], getattr(t, field))
+            yield family
+        family = HistogramMetricFamily(
+            "motet_kv_tier_load_seconds",
+            "a request's load of KV blocks, by the slowest tier it read",
+            labels=["tier"],
+        )
+        for t in tiers:
+            buckets = [(f"{le:g}", n) for le, n in zip(LOAD_BUCKETS, t.load_seconds_buckets, strict=True)]
+            family.add_metric([t.tier], [*buckets, ("+Inf", t.loads)], t.load_seconds_sum)
+        yield family
 
 
 def _client_names(engine_names) -> set[str]:

@@ -21,6 +21,11 @@ log = logging.getLogger("motet.server")
 DEFAULT_DATA_DIR = "~/.local/share/motet"
 
 
+def data_dir(flag: str | None) -> Path:
+    """The server's data directory: --data-dir, else $MOTET_DATA_DIR, else DEFAULT_DATA_DIR."""
+    return Path(flag or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
+
+
 def shared_loras(specs: list[str] | None, model_names: list[str]) -> dict[str, Path]:
     """`--lora NAME=PATH` flags -> {name: directory}; the adapters are validated when the engine starts."""
     from motet.lora.registry import check_name
@@ -126,9 +131,9 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         config.tenant_weights = load_tenant_weights(args.tenant_weights)
     names = served_names(args, config)
     loras = shared_loras(args.lora, names)
-    data_dir = Path(args.data_dir or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
+    data = data_dir(args.data_dir)
     # before anything starts: no load dir may overlap a place tenants' own adapters are kept
-    private = {"--data-dir": data_dir, **cluster_cli.adapter_dirs(args)}
+    private = {"--data-dir": data, **cluster_cli.adapter_dirs(args)}
     load_dirs = check_load_dirs(args.lora_load_dir or (), private)
     if cluster_cli.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
         system = cluster_cli.cluster_system(args, config, loras)
@@ -141,20 +146,20 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         )
     adapters = AdapterStore(
         system,
-        data_dir,
+        data,
         shared=loras,
         reserved=tuple(names),
         max_bytes=args.max_adapter_bytes,
         load_dirs=load_dirs,
     )
     responses = ResponseStore(
-        data_dir,
+        data,
         max_age_s=args.responses_max_age_days * 86400,
         max_per_tenant=args.responses_max_per_tenant,
         max_bytes_per_tenant=args.responses_max_bytes_per_tenant,
     )
-    files = FileStore(data_dir, args.files_max_bytes, args.files_max_bytes_per_tenant)
-    batches = BatchRunner(BatchStore(data_dir), files, LowPriority(args.batch_max_in_flight))
+    files = FileStore(data, args.files_max_bytes, args.files_max_bytes_per_tenant)
+    batches = BatchRunner(BatchStore(data), files, LowPriority(args.batch_max_in_flight))
     state = ServerState(
         system=system,
         model_names=names,
@@ -233,7 +238,8 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--data-dir",
         default=None,
-        help=f"where tenants' uploaded adapters, stored responses, files and batches live (default: "
+        help=f"where tenants' uploaded adapters, stored responses, files and batches live, and the KV disk "
+        f"tier (--kv-disk-gb) under kv-cache/ (default: "
         f"$MOTET_DATA_DIR or "
         f"{DEFAULT_DATA_DIR})",
     )

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 
 from motet.actors.system import Stats
+from motet.engine.kv_connector import KVTierStats, sum_tier_stats
 from motet.engine.speculative.proposer import SpeculativeStats
 
 REPORT_PERIOD_S = 0.5
@@ -59,7 +60,11 @@ class ReplicaReport:
         """None for an empty or foreign dict (a replica that has not reported yet)."""
         try:
             stats = Stats(
-                **{**d["stats"], "speculative": SpeculativeStats(**d["stats"].get("speculative", {}))}
+                **{
+                    **d["stats"],
+                    "speculative": SpeculativeStats(**d["stats"].get("speculative", {})),
+                    "kv_tiers": tuple(KVTierStats(**t) for t in d["stats"].get("kv_tiers", ())),
+                }
             )
             kwargs = {f.name: d[f.name] for f in fields(cls) if f.name != "stats"}
             return cls(stats=stats, **kwargs)
@@ -84,5 +89,10 @@ def total_stats(reports: Iterable[ReplicaReport]) -> Stats | None:
         }
     )
     return Stats(
-        **sums, running_adapters=running, waiting_adapters=waiting, queued_adapters=queued, speculative=spec
+        **sums,
+        running_adapters=running,
+        waiting_adapters=waiting,
+        queued_adapters=queued,
+        speculative=spec,
+        kv_tiers=sum_tier_stats(r.stats.kv_tiers for r in reports),
     )

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -60,6 +60,26 @@ class KVTierStats:
     loads: int  # loads whose slowest source was this tier
     load_seconds_sum: float
     load_seconds_buckets: tuple[int, ...]  # cumulative counts of loads at most LOAD_BUCKETS[i] seconds
+
+
+def sum_tier_stats(per_engine) -> tuple[KVTierStats, ...]:
+    """Several engines' tiers (replicas), summed tier by tier."""
+    by_tier: dict[str, list[KVTierStats]] = {}
+    for tiers in per_engine:
+        for t in tiers:
+            by_tier.setdefault(t.tier, []).append(t)
+    out = []
+    for tier, items in by_tier.items():
+        values = {}
+        for f in fields(KVTierStats):
+            if f.name == "tier":
+                continue
+            column = [getattr(t, f.name) for t in items]
+            values[f.name] = (
+                tuple(map(sum, zip(*column, strict=True))) if f.name.endswith("buckets") else sum(column)
+            )
+        out.append(KVTierStats(tier=tier, **values))
+    return tuple(out)
 
 
 @dataclass

@@ -33,6 +33,7 @@ from motet.engine.kv_blocks import KVLayout
 
 log = logging.getLogger("motet.kv")
 
+KV_CACHE_SUBDIR = "kv-cache"  # the disk tier's root under the server's data directory
 ENTRY_SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 _MASK64 = (1 << 64) - 1
