@@ -75,7 +75,11 @@ class HostTier:
 
 
 class CorruptEntry(ValueError):
-    pass
+    """An entry that is not sound, or not for this model: deleted."""
+
+
+class OtherBlock(ValueError):
+    """A sound entry of another block under the same hash (a collision): kept, not served."""
 
 
 def encode_entry(identity: str, h: int, token_ids: tuple[int, ...], data: torch.Tensor) -> bytes:
@@ -100,12 +104,14 @@ def decode_entry(
         meta = json.loads(blob[8 : 8 + header_len])["__metadata__"]
         if meta["identity"] != identity:
             raise CorruptEntry("written for another model, KV dtype or layout")
-        if int(meta["hash"]) != h or json.loads(meta["tokens"]) != list(token_ids):
-            raise CorruptEntry("another block's entry")
+        if int(meta["hash"]) != h:
+            raise CorruptEntry("another hash's entry")
+        if json.loads(meta["tokens"]) != list(token_ids):
+            raise OtherBlock("another block's tokens under the same hash")
         if zlib.crc32(memoryview(blob)[8 + header_len :]) != int(meta["crc32"]):
             raise CorruptEntry("checksum mismatch")
         data = load_safetensors(blob)["kv"]
-    except CorruptEntry:
+    except (CorruptEntry, OtherBlock):
         raise
     except Exception as e:  # a malformed header or tensor: safetensors' and json's errors alike
         raise CorruptEntry(f"unreadable ({type(e).__name__}: {e})") from None
@@ -245,6 +251,8 @@ class DiskTier:
         except OSError:  # deleted meanwhile (evicted by the writer, or by hand)
             with self._lock:
                 self._remove(path)
+            return None
+        except OtherBlock:
             return None
         except CorruptEntry as e:
             log.warning("KV disk tier: dropped %s: %s", path, e)
