@@ -43,11 +43,15 @@ class KVLayout:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
+    def element_size(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
     def block_bytes(self) -> int:
         n = 1
         for d in self.block_shape:
             n *= d
-        return n * torch.tensor([], dtype=self.dtype).element_size()
+        return n * self.element_size
 
     def describe(self) -> dict:
         return {

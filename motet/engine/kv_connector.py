@@ -114,6 +114,18 @@ class _Load:
     seconds: float = 0.0
 
 
+def _worker(name: str) -> ThreadPoolExecutor:
+    """A worker thread whose torch ops run on one core: its copies overlap the forward pass, which has the
+    others (with the forward's thread count there, both wait on each other's cores: 10x slower copies on a
+    busy 2-core machine). torch.set_num_threads sets the calling thread's count and the default of threads
+    started later: the latter is set back."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    threads = torch.get_num_threads()
+    pool.submit(torch.set_num_threads, 1).result()
+    torch.set_num_threads(threads)
+    return pool
+
+
 class KVConnector:
     def __init__(self, kv_caches, ram_bytes: int = 0, disk: DiskTier | None = None):
         self.kv_caches = kv_caches
@@ -125,8 +137,8 @@ class KVConnector:
         self.loading: dict[int, _Load] = {}  # seq id -> its load under way
         self.reserved_blocks = 0  # free blocks the loading sequences will need once loaded
         self._done: queue.SimpleQueue[_Load] = queue.SimpleQueue()
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="motet-kv-load")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="motet-kv-save") if disk is not None else None
+        self._loader = _worker("motet-kv-load")
+        self._writer = _worker("motet-kv-save") if disk is not None else None
         self._pending_writes: dict[int, int] = {}  # hash -> bytes, queued for the disk
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()  # the writer thread takes them off

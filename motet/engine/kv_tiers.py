@@ -26,7 +26,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from motet.engine.kv_blocks import KVLayout
@@ -37,6 +36,7 @@ KV_CACHE_SUBDIR = "kv-cache"  # the disk tier's root under the server's data dir
 ENTRY_SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 _MASK64 = (1 << 64) - 1
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class HostTier:
@@ -94,32 +94,48 @@ def encode_entry(identity: str, h: int, token_ids: tuple[int, ...], data: torch.
 
 
 def decode_entry(
-    blob: bytes, identity: str, h: int, token_ids: tuple[int, ...], layout: KVLayout
+    blob: bytes | bytearray, identity: str, h: int, token_ids: tuple[int, ...], layout: KVLayout
 ) -> torch.Tensor:
-    """The block's tensor; CorruptEntry unless the blob is whole and is the entry of (identity, h, tokens)."""
+    """The block's tensor (sharing `blob`'s memory when it is a bytearray); CorruptEntry unless the blob is
+    whole and is the entry of (identity, h, tokens) in `layout`."""
     try:
         header_len = int.from_bytes(blob[:8], "little")
         if len(blob) < 8 + header_len:
             raise CorruptEntry("truncated header")
-        meta = json.loads(blob[8 : 8 + header_len])["__metadata__"]
+        header = json.loads(bytes(blob[8 : 8 + header_len]))
+        meta = header["__metadata__"]
         if meta["identity"] != identity:
             raise CorruptEntry("written for another model, KV dtype or layout")
         if int(meta["hash"]) != h:
             raise CorruptEntry("another hash's entry")
         if json.loads(meta["tokens"]) != list(token_ids):
             raise OtherBlock("another block's tokens under the same hash")
+        kv, nbytes = header["kv"], layout.block_bytes
+        expected = {"dtype": _SAFETENSORS_DTYPES[layout.dtype], "shape": list(layout.block_shape)}
+        if {k: kv[k] for k in expected} != expected or kv["data_offsets"] != [0, nbytes]:
+            raise CorruptEntry(f"a tensor {kv}, expected {expected} of {nbytes} bytes")
+        if len(blob) != 8 + header_len + nbytes:
+            raise CorruptEntry(f"{len(blob)} bytes, expected {8 + header_len + nbytes}")
         if zlib.crc32(memoryview(blob)[8 + header_len :]) != int(meta["crc32"]):
             raise CorruptEntry("checksum mismatch")
-        data = load_safetensors(blob)["kv"]
     except (CorruptEntry, OtherBlock):
         raise
-    except Exception as e:  # a malformed header or tensor: safetensors' and json's errors alike
+    except Exception as e:  # a malformed header: json's errors, a missing key, a wrong type alike
         raise CorruptEntry(f"unreadable ({type(e).__name__}: {e})") from None
-    if tuple(data.shape) != layout.block_shape or data.dtype != layout.dtype:
-        raise CorruptEntry(
-            f"shape {tuple(data.shape)} {data.dtype}, expected {layout.block_shape} {layout.dtype}"
-        )
-    return data
+    if not isinstance(blob, bytearray):
+        blob = bytearray(blob)  # torch.frombuffer wants a writable buffer
+    data = torch.frombuffer(
+        blob, dtype=layout.dtype, count=nbytes // layout.element_size, offset=8 + header_len
+    )
+    return data.view(layout.block_shape)
+
+
+def read_file(path: Path) -> bytearray:
+    """A file's bytes, in one buffer a tensor can share."""
+    with path.open("rb") as f:
+        blob = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(blob)
+    return blob
 
 
 def entry_name(h: int) -> str:
@@ -246,7 +262,7 @@ class DiskTier:
                 return None
             self._files.move_to_end(path)
         try:
-            blob = path.read_bytes()
+            blob = read_file(path)
             data = decode_entry(blob, self.identity, h, token_ids, self.layout)
         except OSError:  # deleted meanwhile (evicted by the writer, or by hand)
             with self._lock:
