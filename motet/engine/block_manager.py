@@ -167,6 +167,11 @@ class BlockManager:
             block.ref_count = 1
         return block_ids
 
+    def hold_blocks(self, block_ids: list[int]) -> None:
+        """Hold blocks (a sequence's, or free ones) so that none is reused until release_blocks."""
+        for block_id in block_ids:
+            self._ref(block_id)
+
     def register_block(self, block_id: int, h: int, token_ids: tuple[int, ...]) -> None:
         """Cache a held block's content under `h` (unless another block holds that content already)."""
         block = self.blocks[block_id]

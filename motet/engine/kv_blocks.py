@@ -80,7 +80,7 @@ def write_blocks(kv_caches, block_ids: list[int], data: torch.Tensor) -> None:
     blocks must belong to no running sequence (the forward pass never reads them meanwhile)."""
     device = kv_caches[0][0].device
     ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-    data = data.to(device, non_blocking=True)
+    data = data.to(device)  # blocking: the caller reuses `data`'s memory next
     for layer, (k, v) in enumerate(kv_caches):
         k.index_copy_(0, ids, data[:, layer, 0])
         v.index_copy_(0, ids, data[:, layer, 1])

@@ -114,6 +114,11 @@ class _Load:
     seconds: float = 0.0
 
 
+def _own(data: torch.Tensor) -> list[torch.Tensor]:
+    """read_blocks' blocks, each in its own memory (the RAM tier's bound counts what an entry keeps alive)."""
+    return [t.clone() for t in data.unbind(0)]
+
+
 def _worker(name: str) -> ThreadPoolExecutor:
     """A worker thread whose torch ops run on one core: its copies overlap the forward pass, which has the
     others (with the forward's thread count there, both wait on each other's cores: 10x slower copies on a
@@ -126,9 +131,22 @@ def _worker(name: str) -> ThreadPoolExecutor:
     return pool
 
 
+@dataclass
+class _Snapshot:
+    """A finished request's blocks on their way to the host: held (ref counted) until copied."""
+
+    block_ids: list[int]
+    hashes: list[int]
+    token_ids: list[tuple[int, ...]]
+    tensors: list[torch.Tensor] = field(default_factory=list)  # set by the saver thread
+
+
 class KVConnector:
-    def __init__(self, kv_caches, ram_bytes: int = 0, disk: DiskTier | None = None):
+    def __init__(
+        self, kv_caches, block_manager: BlockManager, ram_bytes: int = 0, disk: DiskTier | None = None
+    ):
         self.kv_caches = kv_caches
+        self.bm = block_manager
         self.layout = KVLayout.of(kv_caches)
         self.ram = HostTier(ram_bytes) if ram_bytes > 0 else None
         self.disk = disk
@@ -138,29 +156,23 @@ class KVConnector:
         self.reserved_blocks = 0  # free blocks the loading sequences will need once loaded
         self._done: queue.SimpleQueue[_Load] = queue.SimpleQueue()
         self._loader = _worker("motet-kv-load")
-        self._writer = _worker("motet-kv-save") if disk is not None else None
+        self._staging: torch.Tensor | None = None  # the loader's: LOAD_CHUNK_BLOCKS blocks on the host
+        self._saver = _worker("motet-kv-save")  # finished requests' snapshots, then disk writes
+        self._snapshots: queue.SimpleQueue[_Snapshot] = queue.SimpleQueue()
+        self._copying: set[int] = set()  # hashes whose snapshot is under way
         self._pending_writes: dict[int, int] = {}  # hash -> bytes, queued for the disk
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()  # the writer thread takes them off
 
     # -- save ---------------------------------------------------------------------------------------------
     def save_blocks(self, blocks: list[Block]) -> None:
-        """Keep these cached blocks (their hash and tokens set) in every tier that lacks them. Called by the
-        block manager before it reuses evicted blocks, and by the engine when a request finishes."""
+        """Keep these cached blocks (their hash and tokens set) in every tier that lacks them, copying them now:
+        the block manager's eviction hook, before it reuses them (they are mostly saved already, when their
+        request finished)."""
         wanted = [b for b in blocks if b.hash is not None and self._missing_somewhere(b.hash)]
-        if not wanted:
-            return
-        data = read_blocks(self.kv_caches, [b.block_id for b in wanted])
-        to_disk = []
-        for block, tensor in zip(wanted, data.unbind(0), strict=True):
-            tensor = tensor.clone()  # its own storage: the RAM tier's bound counts what it keeps alive
-            if self.ram is not None and block.hash not in self.ram:
-                self.ram.put(block.hash, block.token_ids, tensor)
-                self._count_save("ram", tensor.nbytes)
-            if self._needs_disk(block.hash) and self._queue_write(block.hash, tensor.nbytes):
-                to_disk.append((block.hash, block.token_ids, tensor))
-        if to_disk:
-            self._writer.submit(self._write, to_disk)
+        if wanted:
+            data = read_blocks(self.kv_caches, [b.block_id for b in wanted])
+            self._keep([b.hash for b in wanted], [b.token_ids for b in wanted], _own(data))
 
     def save_evicted(self, blocks: list[Block]) -> None:
         """The block manager's eviction hook: a failure here loses the blocks' copies, never the allocation."""
@@ -169,9 +181,56 @@ class KVConnector:
         except Exception:
             log.exception("KV tiers: saving evicted blocks failed; they will be recomputed if needed")
 
-    def save_sequence(self, seq: Sequence, block_manager: BlockManager) -> None:
-        """A finished request's cached blocks (its prompt's and output's full blocks)."""
-        self.save_blocks([block_manager.blocks[i] for i in seq.block_table])
+    def save_sequence(self, seq: Sequence) -> None:
+        """A finishing request's cached blocks (its prompt's and output's full blocks), copied to the host on the
+        saver thread: they are held meanwhile, so nothing overwrites them, and the step does not wait."""
+        blocks = [self.bm.blocks[i] for i in seq.block_table]
+        wanted = [
+            b
+            for b in blocks
+            if b.hash is not None and b.hash not in self._copying and self._missing_somewhere(b.hash)
+        ]
+        if not wanted:
+            return
+        snapshot = _Snapshot(
+            [b.block_id for b in wanted], [b.hash for b in wanted], [b.token_ids for b in wanted]
+        )
+        self.bm.hold_blocks(snapshot.block_ids)
+        self._copying.update(snapshot.hashes)
+        self._saver.submit(self._snapshot, snapshot)
+
+    def _snapshot(self, snapshot: _Snapshot) -> None:
+        """On the saver thread."""
+        try:
+            snapshot.tensors = _own(read_blocks(self.kv_caches, snapshot.block_ids))
+        except Exception:
+            log.exception(
+                "KV tiers: copying a finished request's blocks failed; they will be recomputed if needed"
+            )
+        self._snapshots.put(snapshot)
+
+    def _absorb_snapshots(self) -> None:
+        """Completed snapshots into the tiers; their blocks are released (on the engine's thread)."""
+        while True:
+            try:
+                snapshot = self._snapshots.get_nowait()
+            except queue.Empty:
+                return
+            self._copying.difference_update(snapshot.hashes)
+            self.bm.release_blocks(snapshot.block_ids)
+            if snapshot.tensors:
+                self._keep(snapshot.hashes, snapshot.token_ids, snapshot.tensors)
+
+    def _keep(self, hashes: list[int], token_ids: list[tuple[int, ...]], tensors: list[torch.Tensor]) -> None:
+        to_disk = []
+        for h, tokens, tensor in zip(hashes, token_ids, tensors, strict=True):
+            if self.ram is not None and h not in self.ram:
+                self.ram.put(h, tokens, tensor)
+                self._count_save("ram", tensor.nbytes)
+            if self._needs_disk(h) and self._queue_write(h, tensor.nbytes):
+                to_disk.append((h, tokens, tensor))
+        if to_disk:
+            self._saver.submit(self._write, to_disk)
 
     def _missing_somewhere(self, h: int) -> bool:
         return (self.ram is not None and h not in self.ram) or self._needs_disk(h)
@@ -193,7 +252,7 @@ class KVConnector:
         c.saved_bytes += nbytes
 
     def _write(self, entries) -> None:
-        """On the writer thread."""
+        """On the saver thread."""
         for h, token_ids, tensor in entries:
             try:
                 if self.disk.write(h, token_ids, tensor):
@@ -205,9 +264,11 @@ class KVConnector:
                     self._pending_bytes -= self._pending_writes.pop(h, 0)
 
     def flush(self) -> None:
-        """Wait until every queued disk write is done (tests, benchmarks, shutdown)."""
-        if self._writer is not None:
-            self._writer.submit(lambda: None).result()
+        """Wait until every finished request's blocks are in the tiers, on disk too (tests, benchmarks, shutdown;
+        on the engine's thread)."""
+        self._saver.submit(lambda: None).result()
+        self._absorb_snapshots()
+        self._saver.submit(lambda: None).result()
 
     # -- load ---------------------------------------------------------------------------------------------
     def is_loading(self, seq: Sequence) -> bool:
@@ -217,10 +278,11 @@ class KVConnector:
     def num_loading(self) -> int:
         return len(self.loading)
 
-    def start_load(self, seq: Sequence, block_manager: BlockManager) -> bool:
+    def start_load(self, seq: Sequence) -> bool:
         """After the device cache's hit (the sequence's block table): if the tiers hold the blocks that follow,
         take free device blocks for them and start filling them. True: a load is under way, the sequence must
-        wait (`finish_loads` gives it the blocks)."""
+        wait (`poll` gives it the blocks)."""
+        block_manager = self.bm
         if not self.tiers or not block_manager.may_match(seq):
             return False
         bs = block_manager.block_size
@@ -253,30 +315,36 @@ class KVConnector:
         return True
 
     def _fill(self, load: _Load) -> None:
-        """On the loader thread: fill the load's blocks in order, up to the first entry that cannot be read."""
+        """On the loader thread: fill the load's blocks in order, up to the first entry that cannot be read,
+        through the staging memory (reused: a load touches no fresh memory)."""
         t0 = time.perf_counter()
+        if self._staging is None:
+            shape = (LOAD_CHUNK_BLOCKS, *self.layout.block_shape)
+            pin = self.kv_caches[0][0].device.type == "cuda"
+            self._staging = torch.empty(shape, dtype=self.layout.dtype, pin_memory=pin)
+        staged = 0
         try:
-            staged: list[torch.Tensor] = []
             for i, (_, data) in enumerate(load.sources):
-                if data is None:
-                    data = self.disk.read(load.hashes[i], load.token_ids[i])
-                    if data is None:
-                        break
-                staged.append(data)
-                if len(staged) == LOAD_CHUNK_BLOCKS:
-                    self._copy_in(load, staged)
+                if data is not None:
+                    self._staging[staged].copy_(data)
+                elif not self.disk.read_into(load.hashes[i], load.token_ids[i], self._staging[staged]):
+                    break
+                staged += 1
+                if staged == LOAD_CHUNK_BLOCKS:
+                    staged = self._copy_in(load, staged)
             self._copy_in(load, staged)
         except Exception:
             log.exception("KV tiers: a load failed; its remaining tokens are recomputed")
         load.seconds = time.perf_counter() - t0
         self._done.put(load)
 
-    def _copy_in(self, load: _Load, staged: list[torch.Tensor]) -> None:
+    def _copy_in(self, load: _Load, staged: int) -> int:
+        """Copy the staged blocks to the load's next device blocks; the staging memory is free again (0)."""
         if staged:
-            ids = load.block_ids[load.loaded : load.loaded + len(staged)]
-            write_blocks(self.kv_caches, ids, torch.stack(staged))
-            load.loaded += len(staged)
-            staged.clear()
+            ids = load.block_ids[load.loaded : load.loaded + staged]
+            write_blocks(self.kv_caches, ids, self._staging[:staged])
+            load.loaded += staged
+        return 0
 
     def wait_for_load(self, timeout: float) -> None:
         """Block until a load completes or `timeout` passes (when no other work could run)."""
@@ -284,10 +352,13 @@ class KVConnector:
             load = self._done.get(timeout=timeout)
         except queue.Empty:
             return
-        self._done.put(load)  # finish_loads takes it
+        self._done.put(load)  # poll takes it
 
-    def finish_loads(self, block_manager: BlockManager) -> None:
-        """Hand completed loads' blocks to their sequences (on the engine's thread, between steps)."""
+    def poll(self) -> None:
+        """Hand completed loads' blocks to their sequences, and completed snapshots to the tiers (on the engine's
+        thread, between steps)."""
+        self._absorb_snapshots()
+        block_manager = self.bm
         while True:
             try:
                 load = self._done.get_nowait()
@@ -348,5 +419,4 @@ class KVConnector:
         """Finish queued disk writes and stop the worker threads."""
         self.flush()
         self._loader.shutdown(wait=True)
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
+        self._saver.shutdown(wait=True)

@@ -15,6 +15,7 @@ The byte bound covers every identity's entries under <root> (an older model's ar
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ KV_CACHE_SUBDIR = "kv-cache"  # the disk tier's root under the server's data dir
 ENTRY_SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 _MASK64 = (1 << 64) - 1
+MAX_HEADER_BYTES = 1 << 20  # an entry's header is a few hundred bytes: more is damage
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -93,49 +95,54 @@ def encode_entry(identity: str, h: int, token_ids: tuple[int, ...], data: torch.
     return save_safetensors({"kv": data}, metadata=metadata)
 
 
-def decode_entry(
-    blob: bytes | bytearray, identity: str, h: int, token_ids: tuple[int, ...], layout: KVLayout
-) -> torch.Tensor:
-    """The block's tensor (sharing `blob`'s memory when it is a bytearray); CorruptEntry unless the blob is
-    whole and is the entry of (identity, h, tokens) in `layout`."""
+def check_header(header: bytes, identity: str, h: int, token_ids: tuple[int, ...], layout: KVLayout) -> int:
+    """The CRC-32 the entry's tensor bytes must have; CorruptEntry unless the header is the entry of (identity,
+    h, tokens) in `layout`, OtherBlock if it is another block's under the same hash."""
     try:
-        header_len = int.from_bytes(blob[:8], "little")
-        if len(blob) < 8 + header_len:
-            raise CorruptEntry("truncated header")
-        header = json.loads(bytes(blob[8 : 8 + header_len]))
-        meta = header["__metadata__"]
-        if meta["identity"] != identity:
+        meta = json.loads(header)
+        kv, info = meta["kv"], meta["__metadata__"]
+        if info["identity"] != identity:
             raise CorruptEntry("written for another model, KV dtype or layout")
-        if int(meta["hash"]) != h:
+        if int(info["hash"]) != h:
             raise CorruptEntry("another hash's entry")
-        if json.loads(meta["tokens"]) != list(token_ids):
+        if json.loads(info["tokens"]) != list(token_ids):
             raise OtherBlock("another block's tokens under the same hash")
-        kv, nbytes = header["kv"], layout.block_bytes
         expected = {"dtype": _SAFETENSORS_DTYPES[layout.dtype], "shape": list(layout.block_shape)}
-        if {k: kv[k] for k in expected} != expected or kv["data_offsets"] != [0, nbytes]:
-            raise CorruptEntry(f"a tensor {kv}, expected {expected} of {nbytes} bytes")
-        if len(blob) != 8 + header_len + nbytes:
-            raise CorruptEntry(f"{len(blob)} bytes, expected {8 + header_len + nbytes}")
-        if zlib.crc32(memoryview(blob)[8 + header_len :]) != int(meta["crc32"]):
-            raise CorruptEntry("checksum mismatch")
+        if {k: kv[k] for k in expected} != expected or kv["data_offsets"] != [0, layout.block_bytes]:
+            raise CorruptEntry(f"a tensor {kv}, expected {expected} of {layout.block_bytes} bytes")
+        return int(info["crc32"])
     except (CorruptEntry, OtherBlock):
         raise
     except Exception as e:  # a malformed header: json's errors, a missing key, a wrong type alike
-        raise CorruptEntry(f"unreadable ({type(e).__name__}: {e})") from None
-    if not isinstance(blob, bytearray):
-        blob = bytearray(blob)  # torch.frombuffer wants a writable buffer
-    data = torch.frombuffer(
-        blob, dtype=layout.dtype, count=nbytes // layout.element_size, offset=8 + header_len
-    )
-    return data.view(layout.block_shape)
+        raise CorruptEntry(f"unreadable header ({type(e).__name__}: {e})") from None
 
 
-def read_file(path: Path) -> bytearray:
-    """A file's bytes, in one buffer a tensor can share."""
-    with path.open("rb") as f:
-        blob = bytearray(os.fstat(f.fileno()).st_size)
-        f.readinto(blob)
-    return blob
+def decode_entry(
+    blob: bytes, identity: str, h: int, token_ids: tuple[int, ...], layout: KVLayout
+) -> torch.Tensor:
+    """The block's tensor from a whole entry's bytes; CorruptEntry unless it is the sound entry of (identity,
+    h, tokens) in `layout`."""
+    out = torch.empty(layout.block_shape, dtype=layout.dtype)
+    read_entry_into(io.BytesIO(blob), identity, h, token_ids, layout, out)
+    return out
+
+
+def read_entry_into(f, identity: str, h: int, token_ids: tuple[int, ...], layout: KVLayout, out) -> None:
+    """Read an entry from the open file `f` into `out` (a contiguous tensor of the layout's block shape and
+    dtype: the loader's staging memory, so no fresh memory is touched); CorruptEntry (or OtherBlock) unless it
+    is whole, sound and the entry of (identity, h, tokens)."""
+    header_len = int.from_bytes(f.read(8), "little")
+    if not 0 < header_len <= MAX_HEADER_BYTES:
+        raise CorruptEntry(f"a header of {header_len} bytes")
+    header = f.read(header_len)
+    if len(header) != header_len:
+        raise CorruptEntry("truncated header")
+    crc = check_header(header, identity, h, token_ids, layout)
+    payload = out.view(torch.uint8).numpy()
+    if f.readinto(payload) != layout.block_bytes or f.read(1):
+        raise CorruptEntry("truncated or overlong")
+    if zlib.crc32(payload) != crc:
+        raise CorruptEntry("checksum mismatch")
 
 
 def entry_name(h: int) -> str:
@@ -255,29 +262,35 @@ class DiskTier:
         return True
 
     def read(self, h: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
-        """The block, or None if this tier has no sound entry for it (one that is not sound is deleted)."""
+        """The block, or None if this tier has no sound entry for it."""
+        out = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
+        return out if self.read_into(h, token_ids, out) else None
+
+    def read_into(self, h: int, token_ids: tuple[int, ...], out: torch.Tensor) -> bool:
+        """Read the block into `out` (contiguous, the layout's block shape and dtype); False if this tier has no
+        sound entry for it (one that is not sound is deleted)."""
         with self._lock:
             path = self._ours.get(h)
             if path is None:
-                return None
+                return False
             self._files.move_to_end(path)
         try:
-            blob = read_file(path)
-            data = decode_entry(blob, self.identity, h, token_ids, self.layout)
+            with path.open("rb") as f:
+                read_entry_into(f, self.identity, h, token_ids, self.layout, out)
         except OSError:  # deleted meanwhile (evicted by the writer, or by hand)
             with self._lock:
                 self._remove(path)
-            return None
+            return False
         except OtherBlock:
-            return None
+            return False
         except CorruptEntry as e:
             log.warning("KV disk tier: dropped %s: %s", path, e)
             with self._lock:
                 self._remove(path)
                 self.dropped += 1
             self._unlink([path])
-            return None
+            return False
         with contextlib.suppress(OSError):
             now = time.time_ns()
             os.utime(path, ns=(now, now))  # the LRU order survives a restart
-        return data
+        return True

@@ -159,7 +159,7 @@ class LLMEngine:
             layout = KVLayout.of(kv_caches)
             identity = model_identity(self.model_dir, config.quantization, layout)
             disk = DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * GiB), identity, layout)
-        connector = KVConnector(kv_caches, int(config.kv_offload_gb * GiB), disk)
+        connector = KVConnector(kv_caches, self.block_manager, int(config.kv_offload_gb * GiB), disk)
         self.block_manager.on_evict = connector.save_evicted
         return connector
 
@@ -434,7 +434,7 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.record(seq)
             if self.kv_connector is not None:  # its blocks outlive their eviction from the device
-                self.kv_connector.save_sequence(seq, self.block_manager)
+                self.kv_connector.save_sequence(seq)
             self.scheduler.finish(seq, reason, stop_reason)
             del self.requests[seq.request_id]
             self.adapters.release(seq.adapter_id)

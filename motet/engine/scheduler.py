@@ -88,7 +88,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         if self.kv is not None:
-            self.kv.finish_loads(self.bm)
+            self.kv.poll()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         fair = self.fairness
@@ -205,7 +205,7 @@ class Scheduler:
             return False
         if not seq.block_table:
             self.bm.match_prefix(seq)
-            if self.kv is not None and self.kv.start_load(seq, self.bm):
+            if self.kv is not None and self.kv.start_load(seq):
                 return False
         return True
 
