@@ -41,15 +41,30 @@ def qwen2_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("qwen2"), arch="qwen2", tied=False)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_two_ranks_logits_match_hf_in_batches_and_chunks(arch, tiny_model_dir, qwen2_dir):
-    model_dir = tiny_model_dir if arch == "llama" else qwen2_dir
+@pytest.fixture(scope="module")
+def uneven_dir(tmp_path_factory):
+    # SmolLM2-135M's case: 3 key/value heads (groups of 3 query heads) over 2 ranks split 2 + 1; also 99
+    # intermediate columns (50 + 49) and a vocabulary of 321 (161 + 160, the second shard padded)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("uneven"),
+        hidden_size=72,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=99,
+        vocab_size=321,
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "uneven"])
+def test_two_ranks_logits_match_hf_in_batches_and_chunks(arch, tiny_model_dir, qwen2_dir, uneven_dir):
+    model_dir = {"llama": tiny_model_dir, "qwen2": qwen2_dir, "uneven": uneven_dir}[arch]
     config = EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=128, tensor_parallel_size=2)
     engine = LLMEngine(config, model_dir=model_dir)
     try:
         assert engine.runner.workers is not None and len(tp_workers()) == 1
         attn = engine.runner.model.layers[0].self_attn
-        assert attn.num_heads == 2 and attn.num_kv_heads == 1  # half of the tiny model's 4 and 2
+        # rank 0's half of the tiny models' 4 query and 2 KV heads; of 9 and 3, the larger part
+        assert (attn.num_heads, attn.num_kv_heads) == ((6, 2) if arch == "uneven" else (2, 1))
         refs = [hf_logits(model_dir, p) for p in PROMPTS]
         for chunk in (None, 7):
             for got, ref in zip(engine_logits(engine, PROMPTS, chunk=chunk), refs, strict=True):
@@ -60,19 +75,20 @@ def test_two_ranks_logits_match_hf_in_batches_and_chunks(arch, tiny_model_dir, q
 
 
 @pytest.fixture(scope="module")
-def tiny_loras_tp(tiny_model_dir, tmp_path_factory):
+def uneven_loras(uneven_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp-loras")
-    peft = save_peft_adapters(tiny_model_dir, out, TINY_ADAPTERS, std=0.1)
+    peft = save_peft_adapters(uneven_dir, out, TINY_ADAPTERS, std=0.1)
     return peft, {name: out / name for name, _, _ in TINY_ADAPTERS}
 
 
-def test_two_ranks_mixed_adapters_greedy_match_peft(tiny_model_dir, tiny_loras_tp):
-    peft, paths = tiny_loras_tp
+def test_two_ranks_mixed_adapters_greedy_match_peft(uneven_dir, uneven_loras):
+    """Every module's adapters cut with its rank's part (unevenly, as the heads and columns are)."""
+    peft, paths = uneven_loras
     prompts, names = tiny_requests()
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
     # few slots: adapters are evicted and reloaded on both ranks (the worker mirrors each slot load)
     with LLM(
-        str(tiny_model_dir),
+        str(uneven_dir),
         num_kv_blocks=256,
         block_size=8,
         max_lora_rank=32,
@@ -135,10 +151,10 @@ def test_moe_over_two_ranks_greedy_matches_hf(variant, expert_parallel, tmp_path
         assert out.token_ids == ref[0, len(prompt) :].tolist()
 
 
-def test_a_model_whose_heads_do_not_split_is_refused_naming_the_fix(tmp_path):
+def test_a_model_with_fewer_kv_heads_than_ranks_is_refused_naming_the_fix(tmp_path):
     model_dir = build_tiny_model(tmp_path / "m", num_attention_heads=4, num_key_value_heads=1)
     config = EngineConfig(model=str(model_dir), num_kv_blocks=16, tensor_parallel_size=2)
-    with pytest.raises(ModelLoadError, match="key/value heads divisible by 2.*--tensor-parallel-size"):
+    with pytest.raises(ModelLoadError, match="1 key/value heads.*--tensor-parallel-size of at most 1"):
         LLMEngine(config, model_dir=model_dir)
     assert tp_workers() == []
 

@@ -117,7 +117,7 @@ class LLMEngine:
             device=self.runner.device,
             dtype=self.runner.dtype,
             slot_base=self.runner.lora_shape,
-            shard=self.runner.parallel.shard_lora if self.runner.parallel.enabled else None,
+            shard=self.runner.lora_sharder,
             on_load=self.runner.note_lora_load if self.runner.workers is not None else None,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)

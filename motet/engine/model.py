@@ -148,9 +148,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = parallel.split(cfg.num_attention_heads, "the attention heads")
-        self.num_kv_heads = parallel.split(cfg.num_key_value_heads, "the key/value heads")
+        (q_start, self.num_heads), (kv_start, self.num_kv_heads) = parallel.heads(cfg)
         self.head_dim = cfg.head_dim
+        # this rank's rows of the checkpoint's q and of its k / v (and columns of o)
+        self.q_rows = (q_start * cfg.head_dim, self.num_heads * cfg.head_dim)
+        self.kv_rows = (kv_start * cfg.head_dim, self.num_kv_heads * cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
@@ -204,9 +206,8 @@ class MLP(nn.Module):
     ):
         super().__init__()
         self.layer_idx = layer_idx
-        self.intermediate = parallel.split(
-            intermediate_size or cfg.intermediate_size, "the MLP's intermediate size"
-        )
+        self.columns = parallel.part(intermediate_size or cfg.intermediate_size)  # of the checkpoint's
+        self.intermediate = self.columns[1]
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
@@ -236,13 +237,14 @@ class Experts(nn.Module):
         super().__init__()
         self.parallel = parallel
         E, intermediate, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.columns = (0, intermediate)  # each expert's intermediate columns held here
         if parallel.expert_parallel:
             E = parallel.split(E, "the experts")
         else:
-            intermediate = parallel.split(intermediate, "the experts' intermediate size")
-        self.num_local, self.intermediate = E, intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * intermediate, H), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(E, H, intermediate), requires_grad=False)
+            self.columns = parallel.part(intermediate)
+        self.num_local, self.intermediate = E, self.columns[1]
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * self.intermediate, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, H, self.intermediate), requires_grad=False)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert[expert_ids[t, k]](x[t]) for every token t (this rank's part of it)."""
@@ -453,7 +455,7 @@ class LlamaForCausalLM(nn.Module):
             return [self.config.hidden_size] * experts.num_local  # shard e is expert e's
         return [-1]
 
-    def _rank_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _rank_part(self, name: str, shard: int | None, tensor: torch.Tensor) -> torch.Tensor:
         """The part of a checkpoint tensor (one shard of parameter `name`) that this rank holds: q/k/v,
         gate/up and the experts' gate/up split by output rows, o and down by input columns, the embedding
         table and lm_head by vocabulary rows; norms, biases of unsplit outputs and routers whole."""
@@ -470,15 +472,20 @@ class LlamaForCausalLM(nn.Module):
         if name in ("embed_tokens.weight", "lm_head.weight"):
             start, _, rows = par.vocab_rows(self.config.vocab_size)
             return tensor.narrow(0, start, rows)
-        stacked = module == "experts"
-        if stacked and par.expert_parallel:  # whole experts (the ones not held here never reach this)
+        owner = self.get_submodule(".".join(parts[:-1] if module == "experts" else parts[:-2]))
+        if (
+            module == "experts" and par.expert_parallel
+        ):  # whole experts (the ones not held here never reach this)
             return tensor
-        if module in ("qkv_proj", "gate_up_proj") or (stacked and leaf == "gate_up_proj"):
-            n = tensor.shape[0] // par.size
-            return tensor.narrow(0, par.rank * n, n)
-        if (module in ("o_proj", "down_proj") and leaf == "weight") or (stacked and leaf == "down_proj"):
-            n = tensor.shape[1] // par.size
-            return tensor.narrow(1, par.rank * n, n)
+        if module == "qkv_proj":
+            start, n = (owner.q_rows, owner.kv_rows, owner.kv_rows)[shard]
+            return tensor.narrow(0, start, n)
+        if module == "o_proj":
+            return tensor.narrow(1, *owner.q_rows)
+        if module == "gate_up_proj" or (module == "experts" and leaf == "gate_up_proj"):
+            return tensor.narrow(0, *owner.columns)
+        if module == "down_proj" or (module == "experts" and leaf == "down_proj"):
+            return tensor.narrow(1, *owner.columns)
         return tensor
 
     def _shard(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
@@ -568,7 +575,7 @@ class LlamaForCausalLM(nn.Module):
                 )
             name, shard = place
             target = self._shard(param, name, shard)
-            tensor = self._rank_part(name, tensor)
+            tensor = self._rank_part(name, shard, tensor)
             if name in ("embed_tokens.weight", "lm_head.weight") and self.parallel.enabled:
                 target = target[: tensor.shape[0]]  # the last rank's shard: padding rows past the vocabulary
             if tuple(target.shape) != tuple(tensor.shape):

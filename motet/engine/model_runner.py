@@ -145,6 +145,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         error = None
         try:
+            (_, local_kv_heads) = parallel.heads(model_config)[1]  # this rank's share of the KV cache
+            share = local_kv_heads / model_config.num_key_value_heads
             self.model = self._load_model(model_dir)
         except Exception as e:
             if not parallel.enabled:
@@ -155,12 +157,13 @@ class ModelRunner:
             kv_bytes = int(config.kv_cache_memory_gb * 2**30)
             if budget is not None:
                 used = weights_bytes(self.model, self.device)
-                kv_bytes = kv_cache_bytes(budget, used, config, model_config, self.dtype) // parallel.size
-            block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype) // parallel.size
-            num_blocks = config.num_kv_blocks or max(1, kv_bytes // block_bytes)
+                kv_bytes = kv_cache_bytes(
+                    budget, used, config, model_config, self.dtype
+                )  # this rank's device
+            block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype) * share
+            num_blocks = config.num_kv_blocks or max(1, int(kv_bytes // block_bytes))
         # every rank must hold the same blocks; a rank that failed to load fails them all, naming it
         self.num_blocks = parallel.agree(f"{type(error).__name__}: {error}" if error else None, num_blocks)
-        local_kv_heads = model_config.num_key_value_heads // parallel.size
         shape = (self.num_blocks, self.block_size, local_kv_heads, model_config.head_dim)
         self.kv_caches = [
             (
@@ -232,6 +235,11 @@ class ModelRunner:
         """The shapes the LoRA slots hold on this rank (its part of every module)."""
         return self.parallel.local_shape(self.model_config) if self.parallel.enabled else self.model_config
 
+    @property
+    def lora_sharder(self):
+        """Cuts an adapter's modules to this rank's part (None on one rank)."""
+        return self.parallel.lora_sharder(self.model_config) if self.parallel.enabled else None
+
     def note_lora_load(self, slot: int, adapter_id: int, adapter) -> None:
         """An adapter the driver put in a slot: the workers put it in theirs with the next plan."""
         self.pending_loads.append((slot, adapter_id, adapter))
@@ -257,7 +265,7 @@ class ModelRunner:
             max_lora_rank=cfg.max_lora_rank,
             device=self.device,
             dtype=self.dtype,
-            shard=self.parallel.shard_lora,
+            shard=self.lora_sharder,
         )
         hidden = None
         while True:

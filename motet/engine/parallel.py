@@ -42,13 +42,33 @@ class Parallel:
         return self.size > 1
 
     def split(self, n: int, what: str) -> int:
-        """This rank's share of `n` units that must split evenly (heads, intermediate columns, experts)."""
+        """This rank's share of `n` units that must split evenly (a mixture's experts, under expert
+        parallelism)."""
         if n % self.size:
             raise ModelLoadError(
-                f"tensor parallelism over {self.size} ranks needs {what} divisible by {self.size}, and the "
+                f"expert parallelism over {self.size} ranks needs {what} divisible by {self.size}, and the "
                 f"model has {n}: choose a --tensor-parallel-size that divides it"
             )
         return n // self.size
+
+    def part(self, n: int) -> tuple[int, int]:
+        """(start, count) of this rank's part of `n` units split as evenly as they go (the first n % size
+        ranks one more): intermediate columns, key/value heads."""
+        per, extra = divmod(n, self.size)
+        return self.rank * per + min(self.rank, extra), per + (self.rank < extra)
+
+    def heads(self, cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(start, count) of this rank's query heads and of its key/value heads: whole groups (a KV head and
+        the query heads that read it), as evenly as they split (SmolLM2-135M's 3 groups over 2 ranks: 2 + 1)."""
+        kv = cfg.num_key_value_heads
+        if kv < self.size:
+            raise ModelLoadError(
+                f"tensor parallelism over {self.size} ranks splits the model's {kv} key/value heads, one at least "
+                f"per rank: choose a --tensor-parallel-size of at most {kv}"
+            )
+        group = cfg.num_attention_heads // kv
+        kv_start, kv_count = self.part(kv)
+        return (kv_start * group, kv_count * group), (kv_start, kv_count)
 
     def vocab_rows(self, vocab: int) -> tuple[int, int, int]:
         """(first row, rows held, rows of the real vocabulary among them) of this rank's vocabulary shard:
@@ -123,26 +143,36 @@ class Parallel:
     def local_shape(self, cfg: ModelConfig) -> SimpleNamespace:
         """The decoder's shapes on this rank (motet/lora/base_shape.BaseShape): its heads and intermediate
         columns; the LoRA slots hold adapters cut to them."""
+        (_, q_heads), (_, kv_heads) = self.heads(cfg)
         return SimpleNamespace(
             hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size // self.size,
+            intermediate_size=self.part(cfg.intermediate_size)[1],
             num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads // self.size,
-            num_key_value_heads=cfg.num_key_value_heads // self.size,
+            num_attention_heads=q_heads,
+            num_key_value_heads=kv_heads,
             head_dim=cfg.head_dim,
             is_moe=cfg.is_moe,
         )
 
-    def shard_lora(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of one module's LoRA (a [r, in], b [out, r]), S-LoRA's way: where the base
-        projection is split by output (q, k, v, gate, up) the shrink is whole and the expand split with it;
-        where it is split by input (o, down) the shrink is split with it and the expand whole, so each rank's
-        delta is a partial sum that the block's all-reduce completes: no communication of its own."""
-        if module in ROW_PARALLEL:
-            n = a.shape[1] // self.size
-            return a.narrow(1, self.rank * n, n), b
-        n = b.shape[0] // self.size
-        return a, b.narrow(0, self.rank * n, n)
+    def lora_sharder(self, cfg: ModelConfig):
+        """This rank's part of one module's LoRA, as a function (module, a [r, in], b [out, r]) -> (a, b),
+        S-LoRA's way: where the base projection is split by output (q, k, v, gate, up) the shrink is whole and
+        the expand split with it; where it is split by input (o, down) the shrink is split with it and the
+        expand whole, so each rank's delta is a partial sum that the block's all-reduce completes: no
+        communication of its own."""
+        D = cfg.head_dim
+        (q0, qn), (kv0, kvn) = self.heads(cfg)
+        mlp = self.part(cfg.intermediate_size)
+        rows = {"q_proj": (q0 * D, qn * D), "k_proj": (kv0 * D, kvn * D), "v_proj": (kv0 * D, kvn * D)}
+        rows |= {"o_proj": (q0 * D, qn * D), "gate_proj": mlp, "up_proj": mlp, "down_proj": mlp}
+
+        def shard(module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            start, n = rows[module]
+            if module in ROW_PARALLEL:
+                return a.narrow(1, start, n), b
+            return a, b.narrow(0, start, n)
+
+        return shard
 
 
 ROW_PARALLEL = ("o_proj", "down_proj")  # split by input: partial sums
