@@ -24,7 +24,7 @@ from torch import nn
 
 from motet.engine.config import ModelConfig, ModelLoadError
 from motet.engine.parallel import SINGLE, Parallel
-from motet.kernels import triton_quant
+from motet.kernels import triton_moe, triton_quant
 from motet.kernels.paged_attention import paged_attention, write_kv_cache
 from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
@@ -258,7 +258,10 @@ class Experts(nn.Module):
     def grouped(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Each row through its (local) expert, as a grouped product: the rows are sorted by expert and each
         expert multiplies its contiguous segment at once (one product per expert that has rows, none per row;
-        the layout a grouped-GEMM kernel takes)."""
+        the layout a grouped-GEMM kernel takes). On CUDA the Triton grouped-expert kernel does it in two
+        launches for the whole layer (motet/kernels/triton_moe.py)."""
+        if triton_moe.applies(rows):
+            return triton_moe.grouped_experts(rows, expert_ids, self.gate_up_proj, self.down_proj)
         order = expert_ids.argsort(stable=True)
         counts = torch.bincount(expert_ids, minlength=self.num_local).tolist()  # one sync a layer
         sorted_rows = rows[order]
