@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE) on tiny random checkpoints, against Hugging Face transformers
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) on tiny random checkpoints, against Hugging Face transformers
 (and PEFT for attention adapters), on both CPU paths: the eager model and the compiled step (the native
 forward's MoE op: motet/kernels/csrc/moe.h)."""
 
@@ -53,13 +53,41 @@ MOE_MODELS = {
             tie_word_embeddings=False,
         ),
     ),
+    # Qwen3-MoE: per-head q/k RMSNorm in the attention, no shared expert, renormalized top-2 of 4, layer 1
+    # dense (mlp_only_layers), head_dim 32 set apart from hidden / heads
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            head_dim=32,
+        ),
+    ),
 }
+
+
+def randomize_norms(model_dir):
+    """Every RMSNorm weight of a checkpoint drawn around 1 (tiny_models leaves them at 1: a norm weight read
+    from the wrong place would go unseen)."""
+    g = torch.Generator().manual_seed(1)
+    weights = load_file(model_dir / "model.safetensors")
+    for name, t in weights.items():
+        if name.endswith("norm.weight"):
+            t.copy_(1 + 0.3 * torch.randn(t.shape, generator=g))
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module", params=list(MOE_MODELS))
 def moe_model(request, tmp_path_factory):
     arch, overrides = MOE_MODELS[request.param]
-    return build_tiny_model(tmp_path_factory.mktemp(request.param), arch=arch, **overrides)
+    model_dir = build_tiny_model(tmp_path_factory.mktemp(request.param), arch=arch, **overrides)
+    if arch == "qwen3_moe":
+        randomize_norms(model_dir)
+    return model_dir
 
 
 # both CPU paths: the eager model, and the compiled step where the native kernels build
@@ -170,12 +198,23 @@ def test_moe_quantization_is_refused(mixtral_dir):
         )
 
 
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def lora_base(request, mixtral_dir, tmp_path_factory):
+    """Mixtral, and Qwen3-MoE (whose q/k norms come after the adapters' deltas)."""
+    if request.param == "mixtral":
+        return mixtral_dir
+    arch, overrides = MOE_MODELS[request.param]
+    model_dir = build_tiny_model(tmp_path_factory.mktemp(request.param), arch=arch, **overrides)
+    randomize_norms(model_dir)
+    return model_dir
+
+
 @pytest.mark.parametrize("compiled", PATHS)
-def test_attention_lora_on_moe_matches_peft_and_mlp_lora_is_refused(mixtral_dir, tmp_path, compiled):
+def test_attention_lora_on_moe_matches_peft_and_mlp_lora_is_refused(lora_base, tmp_path, compiled):
     specs = [("qv", 8, ["q_proj", "v_proj", "o_proj"]), ("k", 4, ["k_proj", "q_proj"])]
-    peft = save_peft_adapters(mixtral_dir, tmp_path, specs, std=0.1)
+    peft = save_peft_adapters(lora_base, tmp_path, specs, std=0.1)
     llm = LLM(
-        str(mixtral_dir), num_kv_blocks=128, block_size=8, max_lora_rank=8, max_loras=2, compile_step=compiled
+        str(lora_base), num_kv_blocks=128, block_size=8, max_lora_rank=8, max_loras=2, compile_step=compiled
     )
     assert (llm.engine.runner.native is not None) == compiled
     for name, _, _ in specs:

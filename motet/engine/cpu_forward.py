@@ -168,6 +168,8 @@ class CpuForward:
                 packed(attn.qkv_proj),
                 keep(bias.to(wdtype)) if bias is not None else None,
                 packed(attn.o_proj),
+                keep(attn.q_norm.weight) if attn.q_norm is not None else None,
+                keep(attn.k_norm.weight) if attn.k_norm is not None else None,
                 k_cache.data_ptr(),
                 v_cache.data_ptr(),
             )

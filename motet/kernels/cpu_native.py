@@ -29,7 +29,7 @@ log = logging.getLogger("motet.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files in csrc/
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 5
+ABI_VERSION = 6
 PANEL = 16  # output columns per packed weight panel (NR in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 QUANT_CODES = {"int8": 2, "int4": 3}  # quantized weights' codes (the source's WeightCode), by format name
@@ -55,8 +55,10 @@ class Linear(ctypes.Structure):
 
 
 class AttentionWeights(ctypes.Structure):
-    _fields_ = [("norm", _ptr), ("qkv", Linear), ("qkv_bias", _ptr), ("o", Linear), ("k_cache", _ptr),
-                ("v_cache", _ptr)]  # fmt: skip
+    """The attention op's weights; q_norm and k_norm (Qwen3's per-head RMSNorm weights) null where none."""
+
+    _fields_ = [("norm", _ptr), ("qkv", Linear), ("qkv_bias", _ptr), ("o", Linear), ("q_norm", _ptr),
+                ("k_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr)]  # fmt: skip
 
 
 class MlpWeights(ctypes.Structure):

@@ -46,6 +46,8 @@ struct AttentionWeights {
     Linear qkv;  // packed [q + 2 kv, hidden]
     const void* qkv_bias;  // [q + 2 kv] or null
     Linear o;  // packed [hidden, q]
+    const void* q_norm;  // [head_dim]: each head's q and k RMS-normalized before the rotary (Qwen3), or null
+    const void* k_norm;
     void* k_cache;  // [blocks, block_size, kv_heads, head_dim], cache dtype
     void* v_cache;
 };
@@ -179,8 +181,8 @@ inline void add_residual(float* x, const float* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] += out[i];
 }
 
-// The attention op: RMSNorm -> qkv (+ bias, + LoRA) -> rotary -> KV write -> paged attention -> o (+ LoRA),
-// added to the residual stream.
+// The attention op: RMSNorm -> qkv (+ bias, + LoRA) -> (Qwen3: per-head q/k RMSNorm) -> rotary -> KV write ->
+// paged attention -> o (+ LoRA), added to the residual stream.
 template <typename TW, typename TC>
 void attention_op(Ctx& c, const AttentionWeights& W, const LoraModule* lm, float* x) {
     const Model& m = c.m;
@@ -201,7 +203,8 @@ void attention_op(Ctx& c, const AttentionWeights& W, const LoraModule* lm, float
         lora_add<TW>(s, lm + kLoraV, h, hid, hid, qkv + q_size + kv_size, qkv_n, kv_size);
         c.clock.mark(kPhaseLora);
     }
-    // rotary on q and k (the two halves of head_dim, Hugging Face layout), then the KV write
+    // (Qwen3: each q and k head RMS-normalized,) rotary on q and k (the two halves of head_dim, Hugging Face
+    // layout), then the KV write
     TC* kc = static_cast<TC*>(W.k_cache);
     TC* vc = static_cast<TC*>(W.v_cache);
     const int64_t kv_row = kv_size;
@@ -211,6 +214,7 @@ void attention_op(Ctx& c, const AttentionWeights& W, const LoraModule* lm, float
         const float* sn = m.sin + s.positions[t] * half;
         for (int hd = 0; hd < H + KVH; ++hd) {
             float* v = row + hd * D;
+            if (W.q_norm) rms_norm(v, 1, D, static_cast<const TW*>(hd < H ? W.q_norm : W.k_norm), m.eps, v);
 #pragma omp simd
             for (int i = 0; i < half; ++i) {
                 const float a = v[i], b = v[i + half];
@@ -394,7 +398,7 @@ using namespace motet;
 
 extern "C" {
 
-int motet_abi_version() { return 5; }
+int motet_abi_version() { return 6; }
 
 int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, int64_t q_sh, const void* kc,
                     const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* qsl,
