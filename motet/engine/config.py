@@ -21,9 +21,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 # Architectures whose attention has q/k/v biases when config.json does not say (attention_bias / qkv_bias).
 _QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+# Architectures whose attention RMS-normalizes each head's q and k before the rotary (q_norm, k_norm).
+_QK_NORM_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 # The default step budgets (EngineConfig.max_num_batched_tokens). On the 2-core CPU machine a prompt token costs
 # no more in a 256-token step than in a 2048-token one (6.3 against 7.4 ms, one thread), so the smaller step
 # loses no throughput, and it bounds how long a request arriving meanwhile waits for the step in flight
@@ -68,10 +71,11 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2 has q/k/v biases
+    qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalized (over head_dim) before the rotary
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mixture of experts (Mixtral, Qwen2-MoE): the layers in `sparse_layers` replace their MLP by
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the layers in `sparse_layers` replace their MLP by
     # `num_experts` experts of `moe_intermediate_size`, `num_experts_per_tok` chosen per token by a router's
     # softmax (the chosen weights renormalized to sum to 1 when `norm_topk_prob`), plus, where
     # `shared_expert_intermediate_size` is set, a shared expert every token passes through, scaled by a
@@ -89,7 +93,8 @@ class ModelConfig:
 
     @staticmethod
     def _moe_fields(arch: str, cfg: dict, num_layers: int, source: str) -> dict:
-        """The mixture-of-experts fields of a Mixtral or Qwen2-MoE config.json (none for a dense one)."""
+        """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json (none for a dense
+        one). Qwen3-MoE is Qwen2-MoE's routing without the shared expert."""
         if arch == "MixtralForCausalLM":
             fields = dict(
                 num_experts=int(cfg["num_local_experts"]),
@@ -97,8 +102,10 @@ class ModelConfig:
                 norm_topk_prob=True,  # Mixtral always renormalizes its top-k weights
                 sparse_layers=tuple(range(num_layers)),
             )
-        elif arch == "Qwen2MoeForCausalLM":
-            experts = int(cfg["num_experts"])
+        elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            # the Hub's Qwen3-MoE configs say num_experts; transformers >= 5 writes it as num_local_experts
+            renamed = "num_experts" not in cfg and "num_local_experts" in cfg
+            experts = int(cfg["num_local_experts" if renamed else "num_experts"])
             step = int(cfg.get("decoder_sparse_step", 1))
             if step < 1:
                 raise ModelLoadError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
@@ -165,6 +172,7 @@ class ModelConfig:
                 attention_bias=bool(
                     cfg.get("attention_bias", cfg.get("qkv_bias", arch in _QKV_BIAS_ARCHITECTURES))
                 ),
+                qk_norm=arch in _QK_NORM_ARCHITECTURES,
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,

@@ -1,6 +1,6 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM, and the mixture-of-experts Mixtral and Qwen2-MoE,
-whose sparse layers route each token to its top-k experts: `SparseMoE`) over a flattened batch and a paged KV
-cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM, and the mixture-of-experts Mixtral, Qwen2-MoE and
+Qwen3-MoE, whose sparse layers route each token to its top-k experts: `SparseMoE`) over a flattened batch and a
+paged KV cache.
 
 Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says where each sequence's
 queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
@@ -158,6 +158,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        # Qwen3: each head's q and k RMS-normalized over head_dim before the rotary
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None):
         T = x.shape[0]
@@ -167,6 +170,9 @@ class Attention(nn.Module):
             lora.add(qkv, x, self.layer_idx, ("q_proj", "k_proj", "v_proj"), sizes)
         # q and k are adjacent columns of qkv: rotated in one go
         qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         q, k = RotaryEmbedding.rotate(qk, cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
@@ -300,10 +306,10 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE): the router (`gate`) scores every expert, each token
-    goes through its `num_experts_per_tok` best (softmax weights, renormalized to sum to 1 where the config
-    says), and, in Qwen2-MoE, through a shared expert scaled by sigmoid(shared_expert_gate(x)). The router
-    and the shared expert's gate are replicated on every rank; the output is a partial sum over the ranks.
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router (`gate`) scores every expert, each
+    token goes through its `num_experts_per_tok` best (softmax weights, renormalized to sum to 1 where the
+    config says), and, in Qwen2-MoE, through a shared expert scaled by sigmoid(shared_expert_gate(x)). The
+    router and the shared expert's gate are replicated on every rank; the output is a partial sum over them.
 
     LoRA applies to the attention only: an adapter targeting MLP modules is refused on an MoE model
     (motet/lora/adapter.py), so `lora` is not read here."""
