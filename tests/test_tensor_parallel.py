@@ -55,13 +55,17 @@ def uneven_dir(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "uneven"])
+@pytest.mark.parametrize("arch", ["llama", "llama-eager", "qwen2", "uneven"])
 def test_two_ranks_logits_match_hf_in_batches_and_chunks(arch, tiny_model_dir, qwen2_dir, uneven_dir):
-    model_dir = {"llama": tiny_model_dir, "qwen2": qwen2_dir, "uneven": uneven_dir}[arch]
-    config = EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=128, tensor_parallel_size=2)
+    model_dir = {"qwen2": qwen2_dir, "uneven": uneven_dir}.get(arch, tiny_model_dir)
+    compiled = arch != "llama-eager"  # the native CPU step (its ops all-reduce through a callback) or eager
+    config = EngineConfig(
+        model=str(model_dir), block_size=8, num_kv_blocks=128, tensor_parallel_size=2, compile_step=compiled
+    )
     engine = LLMEngine(config, model_dir=model_dir)
     try:
         assert engine.runner.workers is not None and len(tp_workers()) == 1
+        assert (engine.runner.native is not None) == compiled
         attn = engine.runner.model.layers[0].self_attn
         # rank 0's half of the tiny models' 4 query and 2 KV heads; of 9 and 3, the larger part
         assert (attn.num_heads, attn.num_kv_heads) == ((6, 2) if arch == "uneven" else (2, 1))
@@ -211,3 +215,34 @@ def test_a_worker_exits_when_its_driver_dies(tiny_model_dir, tmp_path):
         assert alive == []
     finally:
         driver.kill()
+
+
+def test_expert_parallel_with_adapters_grammar_and_speculation_matches_peft_and_one_rank(tmp_path):
+    """Mixtral over two expert-parallel ranks, attention adapters mixed with the base model in one batch:
+    PEFT's greedy output; with a JSON schema and n-gram speculation on, one rank's."""
+    arch, overrides = MOE_MODELS["mixtral"]
+    model_dir = build_tiny_model(tmp_path / "mixtral", arch=arch, **overrides)
+    specs = [("qv", 8, ["q_proj", "v_proj", "o_proj"]), ("k", 4, ["k_proj", "q_proj"])]
+    peft = save_peft_adapters(model_dir, tmp_path, specs, std=0.1)
+    names = ["qv", None, "k", "qv"]
+    plain = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
+    guided = SamplingParams(temperature=0, max_tokens=40, grammar=JsonSchemaSpec(SCHEMA))
+    outs = {}
+    for tp in (1, 2):
+        with LLM(
+            str(model_dir),
+            num_kv_blocks=128,
+            block_size=8,
+            max_lora_rank=8,
+            speculative="ngram",
+            tensor_parallel_size=tp,
+            enable_expert_parallel=tp > 1,
+        ) as llm:
+            for name, _, _ in specs:
+                llm.add_lora(name, tmp_path / name)
+            outs[tp] = [
+                o.token_ids for o in llm.generate(PROMPTS[:4] * 2, [plain] * 4 + [guided] * 4, names * 2)
+            ]
+    for prompt, name, got in zip(PROMPTS[:4], names, outs[2][:4], strict=True):
+        assert got == peft_reference(peft, name, prompt, 10)[0][len(prompt) :], name
+    assert outs[2] == outs[1]

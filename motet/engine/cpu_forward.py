@@ -54,6 +54,7 @@ def supported(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> bool:
     cfg = model.config
     return (
         cpu_native.library() is not None
+        and not model.parallel.expert_parallel  # the MoE op has no all-to-all: the eager model dispatches
         and model.embed_tokens.weight.dtype in cpu_native.DTYPE_CODES
         and kv_dtype in cpu_native.DTYPE_CODES
         and cfg.num_attention_heads % cfg.num_key_value_heads == 0
@@ -191,8 +192,8 @@ class CpuForward:
             cpu_native.DTYPE_CODES[wdtype],
             cpu_native.DTYPE_CODES[kv_caches[0][0].dtype],
             cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
+            model.layers[0].self_attn.num_heads,  # this rank's (all of them on one rank)
+            model.layers[0].self_attn.num_kv_heads,
             cfg.head_dim,
             cfg.num_hidden_layers,
             kv_caches[0][0].shape[1],
@@ -203,8 +204,25 @@ class CpuForward:
             keep(model.norm.weight),
             layers,
         )
+        # Tensor parallelism: each op's partial output is summed over the ranks by torch.distributed, called
+        # back from the forward. An error there (a dead rank) cannot cross the C frames: it is kept, the
+        # remaining calls skip, and __call__ raises it once the forward returns.
+        self._failure: BaseException | None = None
+        if model.parallel.enabled:
+            self._all_reduce = cpu_native.ALL_REDUCE(self._reduce)  # (kept: the descriptor points at it)
+            self.desc.all_reduce = self._all_reduce
         self._lora: OrderedDict[int, tuple[object, ctypes.Array]] = OrderedDict()
         self.timings: ctypes.Array | None = None  # seconds per phase (cpu_native.PHASES), when profiling
+
+    def _reduce(self, ptr: int, n: int) -> None:
+        if self._failure is not None:
+            return
+        try:
+            self.model.parallel.all_reduce(
+                torch.frombuffer((ctypes.c_float * n).from_address(ptr), dtype=torch.float32)
+            )
+        except BaseException as e:
+            self._failure = e
 
     def profile(self, on: bool = True) -> None:
         """Sum the time of each phase of the forward (benchmarks/step_profile.py); resets the sums."""
@@ -242,7 +260,7 @@ class CpuForward:
         lora: LoRABatch | None,
     ) -> torch.Tensor:
         """Final (normed) hidden states [T, hidden], fp32."""
-        x = self.model.embed_tokens.weight[input_ids].float()
+        x = self.model.embed(input_ids).float()
         tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
         assert tables.dtype == qsl.dtype == lens.dtype == torch.int32 and tables.is_contiguous()
         assert positions.dtype == meta.slot_mapping.dtype == torch.int64
@@ -264,9 +282,14 @@ class CpuForward:
         if self.timings is not None:
             step.timings = self.timings
         cpu_native.forward(self.desc, step, x)
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return cpu_native.gemm(
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits of `hidden`'s rows (under tensor parallelism: gathered on rank 0, None elsewhere)."""
+        local = cpu_native.gemm(
             hidden.float().contiguous(), self.lm_head, self.vocab_size, quantized=self.lm_format
         )
+        return self.model.parallel.gather_columns(local, self.model.config.vocab_size)

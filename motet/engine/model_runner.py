@@ -176,12 +176,7 @@ class ModelRunner:
         # The compiled step (EngineConfig.compile_step): on CPU the native forward, which takes the linear
         # weights over; else (or where it cannot run) the eager model, with oneDNN-prepacked products on CPU.
         self.native: CpuForward | None = None
-        if (
-            config.compile_step
-            and self.device.type == "cpu"
-            and not parallel.enabled  # the native step has no all-reduce between its layers yet
-            and cpu_forward_supported(model, self.dtype)
-        ):
+        if config.compile_step and self.device.type == "cpu" and cpu_forward_supported(model, self.dtype):
             self.native = CpuForward(model, self.kv_caches)
         elif self.device.type == "cpu" and onednn_available():
             for module in model.modules():

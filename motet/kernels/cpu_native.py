@@ -29,7 +29,7 @@ log = logging.getLogger("motet.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files in csrc/
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 6
+ABI_VERSION = 7
 PANEL = 16  # output columns per packed weight panel (NR in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 QUANT_CODES = {"int8": 2, "int4": 3}  # quantized weights' codes (the source's WeightCode), by format name
@@ -92,11 +92,16 @@ class LoraModule(ctypes.Structure):
     )
 
 
+# Sums a float buffer over the tensor-parallel ranks, in place: (pointer, count); the forward calls it on each
+# op's output before adding it to the residual stream (the source's AllReduce).
+ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+
+
 class Model(ctypes.Structure):
     _fields_ = [(n, _i32) for n in ("dtype_w", "dtype_cache", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                     "num_layers", "block_size")] + [
         ("eps", _f32), ("scale", _f32), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
-        ("layers", ctypes.POINTER(Layer)),
+        ("layers", ctypes.POINTER(Layer)), ("all_reduce", ALL_REDUCE),
     ]  # fmt: skip
 
 

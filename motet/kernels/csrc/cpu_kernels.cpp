@@ -87,14 +87,18 @@ struct LoraModule {  // one (layer, module) of the step's adapters; A == null: n
     int r;
 };
 
+// Sums a buffer over the tensor-parallel ranks, in place (the caller's collective: torch.distributed).
+typedef void (*AllReduce)(float* data, int64_t n);
+
 struct Model {
     int dtype_w, dtype_cache;
-    int hidden, num_heads, num_kv_heads, head_dim, num_layers, block_size;
+    int hidden, num_heads, num_kv_heads, head_dim, num_layers, block_size;  // heads: this rank's
     float eps, scale;
     const float* cos;  // [positions, head_dim / 2]
     const float* sin;
     const void* final_norm;  // [hidden]
     const Layer* layers;
+    AllReduce all_reduce;  // null on one rank; else each op's output is this rank's partial sum
 };
 
 struct Step {
@@ -175,8 +179,10 @@ void lora_add(const Step& s, const LoraModule* mod, const float* x, int64_t ldx,
 }
 
 // The residual stream x [T, hidden] takes an op's output: the one point where each op's result joins the
-// stream (under tensor parallelism, where a rank's partial output would be all-reduced first).
-inline void add_residual(float* x, const float* out, int64_t n) {
+// stream. Under tensor parallelism the output is this rank's partial sum (its heads, its columns): the
+// ranks' parts are all-reduced first.
+inline void add_residual(const Model& m, float* x, float* out, int64_t n) {
+    if (m.all_reduce != nullptr) m.all_reduce(out, n);
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) x[i] += out[i];
 }
@@ -241,7 +247,7 @@ void attention_op(Ctx& c, const AttentionWeights& W, const LoraModule* lm, float
         lora_add<TW>(s, lm + kLoraO, attn, q_size, q_size, out, hid, hid);
         c.clock.mark(kPhaseLora);
     }
-    add_residual(x, out, static_cast<int64_t>(T) * hid);
+    add_residual(m, x, out, static_cast<int64_t>(T) * hid);
     c.clock.mark(kPhaseOther);
 }
 
@@ -290,7 +296,7 @@ void mlp_op(Ctx& c, const void* norm, const MlpWeights& W, const LoraModule* lm,
     rms_norm(x, T, hid, static_cast<const TW*>(norm), c.m.eps, h);
     c.clock.mark(kPhaseOther);
     swiglu<TW>(c, W, h, T, lm, nullptr, out, false);
-    add_residual(x, out, static_cast<int64_t>(T) * hid);
+    add_residual(c.m, x, out, static_cast<int64_t>(T) * hid);
     c.clock.mark(kPhaseOther);
 }
 
@@ -370,7 +376,7 @@ void moe_op(Ctx& c, const void* norm, const MoeWeights& W, float* x) {
         for (int t = 0; t < T; ++t) gate[t] = 1.0f / (1.0f + std::exp(-gate[t]));
         swiglu<TW>(c, W.shared, h, T, nullptr, gate, out, true);
     }
-    add_residual(x, out, static_cast<int64_t>(T) * hid);
+    add_residual(c.m, x, out, static_cast<int64_t>(T) * hid);
     c.clock.mark(kPhaseOther);
 }
 
@@ -398,7 +404,7 @@ using namespace motet;
 
 extern "C" {
 
-int motet_abi_version() { return 6; }
+int motet_abi_version() { return 7; }
 
 int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, int64_t q_sh, const void* kc,
                     const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* qsl,
