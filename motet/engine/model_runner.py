@@ -239,9 +239,12 @@ class ModelRunner:
         """An adapter the driver put in a slot: the workers put it in theirs with the next plan."""
         self.pending_loads.append((slot, adapter_id, adapter))
 
-    def _send(self, plan: dict) -> None:
-        plan["loads"], self.pending_loads = self.pending_loads, []
-        self.workers.send(plan)
+    def _send(self, op: str, scalars=(), tensors=(), extra: dict | None = None) -> None:
+        """One plan to the workers, with the adapter slot loads they have not seen yet."""
+        if self.pending_loads:
+            extra = {**(extra or {}), "loads": self.pending_loads}
+            self.pending_loads = []
+        self.workers.send(op, scalars, tensors, extra)
 
     def close(self) -> None:
         """Stop the other ranks (nothing to do on one)."""
@@ -264,24 +267,22 @@ class ModelRunner:
         )
         hidden = None
         while True:
-            plan = receive_plan()
-            for slot, adapter_id, adapter in plan.get("loads", ()):
+            op, scalars, tensors, extra = receive_plan()
+            for slot, adapter_id, adapter in (extra or {}).get("loads", ()):
                 slots.write_slot(slot, adapter_id, adapter)
-            op = plan["op"]
+            tensors = [t.to(self.device) for t in tensors]
             if op == "stop":
                 return
             if op == "forward":
-                meta = AttentionMetadata(**{k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                                            for k, v in plan["meta"].items()})  # fmt: skip
-                lora = plan["lora"]
-                if lora is not None:
-                    lora = slots.segments(lora[0].to(self.device), lora[1].to(self.device), lora[2])
-                ids, pos = plan["input_ids"].to(self.device), plan["positions"].to(self.device)
+                max_query_len, max_seq_len, max_seg_len = scalars
+                ids, pos, slot_mapping, tables, qsl, seq_lens, *segments = tensors
+                meta = AttentionMetadata(slot_mapping, tables, qsl, seq_lens, max_query_len, max_seq_len)
+                lora = slots.segments(*segments, max_seg_len) if segments else None
                 hidden = self._forward(ids, pos, meta, lora)
             elif op == "logits":
-                self._logits(hidden[plan["rows"]])
+                self._logits(hidden[tensors[0]])
             elif op == "logits_of":
-                self._logits(plan["hidden"].to(self.device))
+                self._logits(extra["hidden"].to(self.device))
 
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size
@@ -319,18 +320,19 @@ class ModelRunner:
             return hidden, list(range(len(batch) + 1))
         input_ids, positions, meta, qsl = self._prepare(batch)
         if self.workers is not None:  # the step's plan, once, to every other rank
-            fields = (
-                "slot_mapping",
-                "block_tables",
-                "query_start_loc",
-                "seq_lens",
-                "max_query_len",
-                "max_seq_len",
-            )
-            plan_meta = {name: getattr(meta, name) for name in fields}
-            segments = (lora.seg_starts, lora.seg_slots, lora.max_seg_len) if lora is not None else None
+            segments = [lora.seg_starts, lora.seg_slots] if lora is not None else []
             self._send(
-                dict(op="forward", input_ids=input_ids, positions=positions, meta=plan_meta, lora=segments)
+                "forward",
+                [meta.max_query_len, meta.max_seq_len, lora.max_seg_len if lora is not None else -1],
+                [
+                    input_ids,
+                    positions,
+                    meta.slot_mapping,
+                    meta.block_tables,
+                    meta.query_start_loc,
+                    meta.seq_lens,
+                ]
+                + segments,
             )
         return self._forward(input_ids, positions, meta, lora), qsl
 
@@ -342,13 +344,13 @@ class ModelRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the given hidden rows."""
         if self.workers is not None:
-            self._send(dict(op="logits_of", hidden=hidden))
+            self._send("logits_of", extra={"hidden": hidden})
         return self._logits(hidden)
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """fp32 logits of rows of the latest forward's hidden states (the other ranks pick the same rows)."""
         if self.workers is not None:
-            self._send(dict(op="logits", rows=rows))
+            self._send("logits", tensors=[torch.tensor(rows, dtype=torch.int64)])
         return self._logits(hidden[rows])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

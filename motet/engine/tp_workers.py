@@ -24,6 +24,7 @@ import subprocess
 import sys
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from motet.engine.config import EngineConfig, ModelConfig
@@ -89,9 +90,9 @@ class WorkerGroup:
         self.parallel = Parallel(0, size, config.enable_expert_parallel)
         self.closed = False
 
-    def send(self, plan: dict[str, Any]) -> None:
-        """Broadcast one plan to every worker."""
-        guard(dist.broadcast_object_list, [plan], src=0)
+    def send(self, op: str, scalars=(), tensors=(), extra: dict | None = None) -> None:
+        """Broadcast one plan to every worker (send_plan)."""
+        send_plan(op, scalars, tensors, extra)
 
     def close(self) -> None:
         """Stop the workers (politely, then by force) and leave the process group."""
@@ -99,7 +100,7 @@ class WorkerGroup:
             return
         self.closed = True
         with contextlib.suppress(Exception):
-            self.send({"op": "stop"})
+            self.send("stop")
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
@@ -119,7 +120,58 @@ class WorkerGroup:
         return [rank for rank, proc in enumerate(self.procs, start=1) if proc.poll() is not None]
 
 
-def receive_plan() -> dict[str, Any]:
-    box: list[Any] = [None]
-    guard(dist.broadcast_object_list, box, src=0)
-    return box[0]
+# A plan on the wire: a fixed header of int64s (the op, its scalars, each tensor's rows, columns (-1: a vector)
+# and dtype), then the tensors' values as one int64 tensor, then, only when the plan carries one, a pickled
+# extra (adapter slot loads, hidden states): a step's plan costs two small broadcasts and no pickling.
+OPS = ("stop", "forward", "logits", "logits_of")
+HEADER = 64
+WIRE_DTYPES = (torch.int64, torch.int32)
+
+
+def _wire_device() -> torch.device:
+    """Where the collectives' tensors must be: NCCL's on this rank's GPU, gloo's on the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def send_plan(op: str, scalars=(), tensors=(), extra: dict | None = None) -> None:
+    device = _wire_device()
+    shapes = []
+    for t in tensors:
+        shapes += [t.shape[0], t.shape[1] if t.dim() == 2 else -1, WIRE_DTYPES.index(t.dtype)]
+    fields = [OPS.index(op), len(scalars), len(tensors), int(extra is not None), *scalars, *shapes]
+    if len(fields) > HEADER:
+        raise ValueError(f"a plan of {len(fields)} header fields (at most {HEADER})")
+    header = torch.full((HEADER,), -1, dtype=torch.int64)
+    header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
+    guard(dist.broadcast, header.to(device), src=0)
+    if tensors:
+        guard(dist.broadcast, torch.cat([t.reshape(-1).to(device, torch.int64) for t in tensors]), src=0)
+    if extra is not None:
+        guard(dist.broadcast_object_list, [extra], src=0)
+
+
+def receive_plan() -> tuple[str, list[int], list[torch.Tensor], dict | None]:
+    """(op, scalars, tensors, extra) of the driver's next plan."""
+    device = _wire_device()
+    header = torch.empty(HEADER, dtype=torch.int64, device=device)
+    guard(dist.broadcast, header, src=0)
+    fields = header.tolist()
+    op, n_scalars, n_tensors, has_extra = fields[:4]
+    scalars = fields[4 : 4 + n_scalars]
+    shapes = [fields[4 + n_scalars + 3 * i : 7 + n_scalars + 3 * i] for i in range(n_tensors)]
+    tensors = []
+    if shapes:
+        sizes = [rows * (cols if cols >= 0 else 1) for rows, cols, _ in shapes]
+        payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
+        guard(dist.broadcast, payload, src=0)
+        for (rows, cols, dtype), part in zip(shapes, payload.split(sizes), strict=True):
+            part = part.to(WIRE_DTYPES[dtype])
+            tensors.append(part.view(rows, cols) if cols >= 0 else part)
+    extra = None
+    if has_extra:
+        box: list[Any] = [None]
+        guard(dist.broadcast_object_list, box, src=0)
+        extra = box[0]
+    return OPS[op], scalars, tensors, extra
