@@ -287,6 +287,13 @@ class EngineConfig:
     # Each tenant's share of a busy engine: {"tenant": weight}, positive finite numbers; tenants not named
     # weigh 1 (motet/engine/fairness.py; `motet serve --tenant-weights FILE`).
     tenant_weights: dict[str, float] = field(default_factory=dict)
+    # Tensor parallelism (motet/engine/parallel.py): the model split over this many ranks, rank 0 this engine's
+    # own runner, the others worker processes on this machine (motet/engine/tp_workers.py) joined by
+    # torch.distributed (gloo on CPU, NCCL on CUDA); num_threads and the KV cache's memory are per rank.
+    tensor_parallel_size: int = 1
+    # A mixture-of-experts model's experts split whole across the ranks, tokens sent to them by all-to-all,
+    # instead of every expert's intermediate columns split (attention stays tensor-parallel).
+    enable_expert_parallel: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -335,6 +342,13 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.tenant_weights = check_tenant_weights(self.tenant_weights)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.quantization is not None:
+            raise ValueError(
+                f"quantization {self.quantization!r} with tensor parallelism is not supported yet: serve the "
+                f"float checkpoint, or use tensor_parallel_size 1"
+            )
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
