@@ -9,7 +9,8 @@ model, in the same run, at equal threads.
 The model: random weights (N(0, 0.02)) in a real architecture's shape, built with transformers and saved once
 (Mixtral-shaped by default: hidden 768, 12 heads of 64, 4 KV heads, 8 experts of 2048 with top-2 routing,
 4 layers, a 32000 vocabulary, untied lm_head; `--arch qwen2_moe` adds Qwen2-MoE's shared expert of
-`--shared-inter` with its sigmoid gate). For each batch size B, B greedy requests of --prompt random tokens
+`--shared-inter` with its sigmoid gate; `--arch qwen3_moe` is Qwen3-MoE: no shared expert, renormalized top-k,
+per-head q/k RMSNorm). For each batch size B, B greedy requests of --prompt random tokens
 each generate --tokens tokens (EOS ignored on both sides):
 
 - motet: the offline engine (max_num_seqs B, speculation off: one token per sequence a step). Prefill
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from benchmarks import write_report
 from motet.engine.llm import LLM
@@ -59,6 +60,9 @@ def shape(args) -> dict:
     )
     if args.arch == "mixtral":
         return dict(common, num_local_experts=args.experts, intermediate_size=args.expert_inter)
+    if args.arch == "qwen3_moe":
+        return dict(common, num_experts=args.experts, moe_intermediate_size=args.expert_inter, head_dim=64,
+                    norm_topk_prob=True)  # fmt: skip
     return dict(
         common,
         num_experts=args.experts,
@@ -73,7 +77,7 @@ def build_model(args, path: Path) -> Path:
     """A random-weight checkpoint of the shape, with a small tokenizer (the engine needs one; prompts are
     token ids)."""
     torch.manual_seed(0)
-    cfg_cls = MixtralConfig if args.arch == "mixtral" else Qwen2MoeConfig
+    cfg_cls = {"mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}[args.arch]
     tok = build_tokenizer()
     cfg = cfg_cls(**shape(args), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -190,7 +194,10 @@ def summary_md(report: dict) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--arch", choices=["mixtral", "qwen2_moe"], default="mixtral", help="the model's architecture"
+        "--arch",
+        choices=["mixtral", "qwen2_moe", "qwen3_moe"],
+        default="mixtral",
+        help="the model's architecture",
     )
     ap.add_argument("--hidden", type=int, default=768, help="hidden size (a multiple of 64: heads of 64)")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (all sparse)")

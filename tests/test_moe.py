@@ -123,6 +123,17 @@ def test_moe_logits_match_hf_in_batches_and_chunks(moe_model, compiled):
             torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("compiled", PATHS)
+def test_moe_long_prefill_matches_hf(moe_model, compiled):
+    """A 400-token prompt in one step beside a short one: each expert gets more rows than the native grouped
+    GEMM takes in one pass (96), so its segments run in several row chunks split over the threads."""
+    engine = moe_engine(moe_model, compiled)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 320, (400,), generator=g).tolist(), PROMPTS[1]]
+    for got, prompt in zip(engine_logits(engine, prompts), prompts, strict=True):
+        torch.testing.assert_close(got, hf_logits(moe_model, prompt), atol=2e-4, rtol=1e-4)
+
+
 def hf_greedy(model_dir, prompts, new_tokens: int) -> list[list[int]]:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     outs = []

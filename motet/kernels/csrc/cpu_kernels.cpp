@@ -334,8 +334,11 @@ void moe_op(Ctx& c, const void* norm, const MoeWeights& W, float* x) {
         row_of[i] = r;
         token_of[r] = i / k;
     }
+    // the small element-wise passes below run on the calling thread unless large (a parallel region costs
+    // more than a few hundred KiB of copying)
+    constexpr int64_t kParallelElems = 1 << 18;
     float* rows = Scratch::get(sc.rows, static_cast<int64_t>(R) * hid);
-#pragma omp parallel for schedule(static) if (R > 32)
+#pragma omp parallel for schedule(static) if (static_cast<int64_t>(R) * hid > kParallelElems)
     for (int r = 0; r < R; ++r)
         std::memcpy(rows + static_cast<int64_t>(r) * hid, h + static_cast<int64_t>(token_of[r]) * hid,
                     sizeof(float) * hid);
@@ -345,7 +348,7 @@ void moe_op(Ctx& c, const void* norm, const MoeWeights& W, float* x) {
     float* rows_out = Scratch::get(sc.rows_out, static_cast<int64_t>(R) * hid);
     grouped_gemm(rows, hid, offsets, E, hid, static_cast<const TW*>(W.experts_gate_up), 2 * I, gu, 2 * I);
     c.clock.mark(kPhaseLinear);
-#pragma omp parallel for schedule(static) if (R > 8)
+#pragma omp parallel for schedule(static) if (static_cast<int64_t>(R) * I > kParallelElems / 4)
     for (int r = 0; r < R; ++r) {
         const float* g = gu + static_cast<int64_t>(r) * 2 * I;
         silu_mul(g, g + I, act + static_cast<int64_t>(r) * I, I);
@@ -354,7 +357,7 @@ void moe_op(Ctx& c, const void* norm, const MoeWeights& W, float* x) {
     grouped_gemm(act, I, offsets, E, I, static_cast<const TW*>(W.experts_down), hid, rows_out, hid);
     c.clock.mark(kPhaseLinear);
     // each token's rows, weighted, in the order of its choices (a token's sum does not depend on the batch)
-#pragma omp parallel for schedule(static) if (T > 8)
+#pragma omp parallel for schedule(static) if (static_cast<int64_t>(R) * hid > kParallelElems)
     for (int t = 0; t < T; ++t) {
         float* o = out + static_cast<int64_t>(t) * hid;
         for (int j = 0; j < k; ++j) {

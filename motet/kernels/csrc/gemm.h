@@ -142,7 +142,7 @@ void gemm(const float* x, int64_t ldx, int M, int K, const TW* packed, int N, co
     // thread streams one contiguous run of panels.
     for (int m_start = 0; m_start < M; m_start += kMChunk) {
         const int m_end = m_start + kMChunk < M ? m_start + kMChunk : M;
-#pragma omp parallel
+#pragma omp parallel if (panels > 1)  // one panel (a router, a gate): no other thread would have work
         {
             std::vector<float> convert(sizeof(TW) == 2 && m_end - m_start > MR ? static_cast<size_t>(K) * NR : 0);
 #pragma omp for schedule(static)
