@@ -38,8 +38,10 @@ def lo_bytes() -> int:
     return int(LO_TX.read_text()) if LO_TX.exists() else 0
 
 
-def decode(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]], int, int]:
-    """(decode seconds, outputs, rank 0's collective bytes, loopback bytes) for one batch of requests."""
+def decode(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]], int, int, int]:
+    """(decode seconds, outputs, rank 0's collective bytes, loopback bytes, tokens decoded in that time) for
+    one batch of requests (the window starts once every request has its first token; a request whose
+    prompt finished earlier may have decoded a few tokens before it: those are not counted)."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -48,12 +50,14 @@ def decode(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, list
         for o in engine.step():
             out[o.request_id] = list(o.token_ids)
     par = engine.runner.parallel
+    before = sum(len(v) for v in out.values())
     sent0, lo0, t0 = par.sent_bytes, lo_bytes(), time.perf_counter()
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id] = list(o.token_ids)
     seconds = time.perf_counter() - t0
-    return seconds, [out[i] for i in ids], par.sent_bytes - sent0, lo_bytes() - lo0
+    decoded = sum(len(v) for v in out.values()) - before
+    return seconds, [out[i] for i in ids], par.sent_bytes - sent0, lo_bytes() - lo0, decoded
 
 
 def minimum_bytes(cfg, p: int) -> float:
@@ -102,13 +106,12 @@ def main() -> None:
             for B in args.batches:
                 prompts = [([i + 10] + base * 4)[:32] for i in range(B)]
                 runs = [decode(llm, prompts, args.tokens) for _ in range(args.repeats)]
-                secs = [r[0] for r in runs]
-                n = B * (args.tokens - 1)
+                rates = [r[4] / r[0] for r in runs]
                 results[name][B] = {
-                    "decode_tok_s": n / statistics.median(secs),
-                    "decode_tok_s_runs": [n / s for s in secs],
-                    "rank0_collective_bytes_per_token": statistics.median(r[2] for r in runs) / n,
-                    "loopback_bytes_per_token": statistics.median(r[3] for r in runs) / n,
+                    "decode_tok_s": statistics.median(rates),
+                    "decode_tok_s_runs": rates,
+                    "rank0_collective_bytes_per_token": statistics.median(r[2] / r[4] for r in runs),
+                    "loopback_bytes_per_token": statistics.median(r[3] / r[4] for r in runs),
                 }
                 outputs[name][B] = runs[0][1]
                 print(name, B, results[name][B], flush=True)
@@ -121,7 +124,7 @@ def main() -> None:
         f"speculation off, median of {args.repeats}; TP=1 on the {results['tp1']['path']} path, TP=2 on the "
         f"{results['tp2']['path']} path",
         "",
-        "| batch | TP=1 tok/s | TP=2 tok/s | TP=2 / TP=1 | same tokens | rank-0 payload B/token | "
+        "| batch | TP=1 tok/s (runs) | TP=2 tok/s (runs) | TP=2 / TP=1 | same tokens | rank-0 payload B/token | "
         "loopback B/token | minimum B/token | loopback / minimum |",
         "|---:|---:|---:|---:|:-:|---:|---:|---:|---:|",
     ]
@@ -130,7 +133,8 @@ def main() -> None:
         same = outputs["tp1"][B] == outputs["tp2"][B]
         two["same_tokens_as_tp1"] = same
         lines.append(
-            f"| {B} | {one['decode_tok_s']:.1f} | {two['decode_tok_s']:.1f} | "
+            f"| {B} | {one['decode_tok_s']:.1f} ({min(one['decode_tok_s_runs']):.1f}-{max(one['decode_tok_s_runs']):.1f}) | "
+            f"{two['decode_tok_s']:.1f} ({min(two['decode_tok_s_runs']):.1f}-{max(two['decode_tok_s_runs']):.1f}) | "
             f"{two['decode_tok_s'] / one['decode_tok_s']:.2f} | {'yes' if same else 'no'} | "
             f"{two['rank0_collective_bytes_per_token']:,.0f} | {two['loopback_bytes_per_token']:,.0f} | "
             f"{floor:,.0f} | {two['loopback_bytes_per_token'] / floor:.2f} |"

@@ -89,21 +89,45 @@ class Parallel:
         self.num_collectives += 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place (a no-op on one rank); returns it."""
-        if self.size > 1:
-            self._count(x)
+        """Sum `x` over the ranks, in place (a no-op on one rank); returns it.
+
+        Over a power-of-two number of ranks by recursive doubling on point-to-point sends: log2(size) rounds,
+        each exchanging the whole partial with one peer and adding. A step's all-reduces are small (a few
+        rows of the hidden size) and bound by latency, where gloo's own all_reduce (ring rounds over its
+        pairs) measured 1.2-2.1 ms for 576 floats between two processes on this machine against 0.2 ms for
+        one exchange (this 2-core VM, 2026-11-24). Each addition is of two partials, commutative, so
+        every rank ends with the same bits."""
+        if self.size == 1:
+            return x
+        self._count(x)
+        if self.size & (self.size - 1):
             guard(dist.all_reduce, x)
+            return x
+        flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
+        other = torch.empty_like(flat)
+        step = 1
+        while step < self.size:
+            peer = self.rank ^ step
+            guard(_exchange, flat, other, peer)
+            flat.add_(other)
+            step <<= 1
+        if flat.data_ptr() != x.data_ptr():
+            x.copy_(flat.view_as(x))
         return x
 
     def gather_columns(self, x: torch.Tensor, total: int) -> torch.Tensor | None:
-        """Rank 0: the ranks' [n, cols] pieces side by side, cut to `total` columns; other ranks: None."""
+        """Rank 0: the ranks' [n, cols] pieces side by side, cut to `total` columns; other ranks: None (each
+        sends its piece to rank 0, point to point)."""
         if self.size == 1:
             return x[:, :total]
         x = x.contiguous()
         self._count(x)
-        pieces = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        guard(dist.gather, x, pieces, dst=0)
-        return torch.cat(pieces, dim=1)[:, :total] if pieces is not None else None
+        if self.rank != 0:
+            guard(dist.send, x, 0)
+            return None
+        pieces = [x] + [torch.empty_like(x) for _ in range(1, self.size)]
+        guard(_receive_all, pieces)
+        return torch.cat(pieces, dim=1)[:, :total]
 
     def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """Rows of `x` (grouped by destination, `send[r]` for rank r) exchanged: the rows each rank sent here,
@@ -177,6 +201,16 @@ class Parallel:
 
 ROW_PARALLEL = ("o_proj", "down_proj")  # split by input: partial sums
 SINGLE = Parallel()  # the unsharded model
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
+    for request in (dist.isend(send, peer), dist.irecv(recv, peer)):
+        request.wait()
+
+
+def _receive_all(pieces: list[torch.Tensor]) -> None:
+    for request in [dist.irecv(piece, rank) for rank, piece in enumerate(pieces) if rank]:
+        request.wait()
 
 
 def guard(fn, *args, **kwargs) -> None:
