@@ -163,9 +163,50 @@ def test_a_model_with_fewer_kv_heads_than_ranks_is_refused_naming_the_fix(tmp_pa
     assert tp_workers() == []
 
 
-def test_quantization_with_tensor_parallelism_is_refused():
-    with pytest.raises(ValueError, match="tensor parallelism is not supported yet"):
-        EngineConfig(quantization="int8", tensor_parallel_size=2)
+@pytest.mark.parametrize("compiled", [True, False], ids=["native", "eager"])
+def test_a_gguf_file_over_two_ranks_matches_hf_on_its_dequantized_weights(compiled, tmp_path, monkeypatch):
+    """Its Q4_0/Q8_0 blocks split as they are (input columns in whole blocks), the tied Q8_0 table by
+    vocabulary rows: the reference one rank is held to (tests/test_gguf_model_file.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_gguf_model_file import GGUF_TYPES, greedy_hf, write_gguf_file
+    from tests.test_quantization import assert_close_but_for_rounding_flips, gguf_reference, quantizing_inputs
+
+    monkeypatch.setenv("MOTET_CACHE_DIR", str(tmp_path / "cache"))
+    source = build_tiny_model(tmp_path / "source")
+    path = write_gguf_file(source, tmp_path / "bare" / "tiny-q4.gguf", GGUF_TYPES)
+    hf = AutoModelForCausalLM.from_pretrained(gguf_reference(source, tmp_path / "ref", GGUF_TYPES)).eval()
+    hf = quantizing_inputs(hf, lm_head=True)
+    with LLM(
+        str(path), block_size=8, num_kv_blocks=128, tensor_parallel_size=2, compile_step=compiled
+    ) as llm:
+        assert (llm.engine.runner.native is not None) == compiled
+        with torch.no_grad():
+            want = [hf(torch.tensor([p])).logits[0] for p in PROMPTS]
+        assert_close_but_for_rounding_flips(engine_logits(llm.engine, PROMPTS), want)
+        outs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [greedy_hf(hf, p, 10) for p in PROMPTS[:3]]
+
+
+def test_int4_on_load_over_two_ranks_gives_one_ranks_greedy(tiny_model_dir):
+    """Each rank quantizes its own part of the float checkpoint: the same blocks as one rank's."""
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    outs = {}
+    for tp in (1, 2):
+        with LLM(
+            str(tiny_model_dir), num_kv_blocks=128, block_size=8, quantization="int4", tensor_parallel_size=tp
+        ) as llm:
+            outs[tp] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert outs[2] == outs[1]
+
+
+def test_quantized_blocks_that_do_not_split_are_refused_naming_the_fix(tmp_path):
+    # 96 intermediate columns (3 blocks) over 2 ranks: each down_proj holds 48 inputs, not whole blocks of 32
+    model_dir = build_tiny_model(tmp_path / "m", intermediate_size=96)
+    config = EngineConfig(model=str(model_dir), num_kv_blocks=16, tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ModelLoadError, match="whole blocks of 32.*--tensor-parallel-size"):
+        LLMEngine(config, model_dir=model_dir)
+    assert tp_workers() == []
 
 
 def test_a_killed_rank_fails_the_step_and_leaves_no_process(tiny_model_dir):

@@ -344,11 +344,6 @@ class EngineConfig:
         self.tenant_weights = check_tenant_weights(self.tenant_weights)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.quantization is not None:
-            raise ValueError(
-                f"quantization {self.quantization!r} with tensor parallelism is not supported yet: serve the "
-                f"float checkpoint, or use tensor_parallel_size 1"
-            )
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -441,6 +441,13 @@ class LlamaForCausalLM(nn.Module):
                     f"{fmt.name} quantization needs the inputs of every projection in whole blocks of {BLOCK}; "
                     f"this model's {name} is {value}: serve it unquantized"
                 )
+        for name, lin in self.named_modules():  # a tensor-parallel rank's part: its own inputs
+            if isinstance(lin, Linear) and lin in self.decoder_linears() and lin.in_features % BLOCK:
+                raise ModelLoadError(
+                    f"{fmt.name} quantization needs the inputs of every projection in whole blocks of {BLOCK}; "
+                    f"this rank's part of {name} has {lin.in_features}: serve the model with another "
+                    f"--tensor-parallel-size, or unquantized"
+                )
         for lin in self.decoder_linears():
             lin.quantize(fmt)
         if cfg.hidden_size % BLOCK == 0:
@@ -464,18 +471,23 @@ class LlamaForCausalLM(nn.Module):
             return [self.config.hidden_size] * experts.num_local  # shard e is expert e's
         return [-1]
 
-    def _rank_part(self, name: str, shard: int | None, tensor: torch.Tensor) -> torch.Tensor:
+    def _rank_part(self, name: str, shard: int | None, tensor: torch.Tensor | QuantizedWeight):
         """The part of a checkpoint tensor (one shard of parameter `name`) that this rank holds: q/k/v,
         gate/up and the experts' gate/up split by output rows, o and down by input columns, the embedding
-        table and lm_head by vocabulary rows; norms, biases of unsplit outputs and routers whole."""
+        table and lm_head by vocabulary rows; norms, biases of unsplit outputs and routers whole. A quantized
+        weight splits the same way (its input columns in whole blocks, or the load fails naming the layer)."""
+        try:
+            return self._rank_slice(name, shard, tensor)
+        except ValueError as e:
+            raise ModelLoadError(
+                f"{name} cannot be split over {self.parallel.size} ranks in its quantized blocks ({e}): serve it "
+                f"with another --tensor-parallel-size or unquantized"
+            ) from None
+
+    def _rank_slice(self, name: str, shard: int | None, tensor):
         par = self.parallel
         if not par.enabled:
             return tensor
-        if isinstance(tensor, QuantizedWeight):
-            raise ModelLoadError(
-                "tensor parallelism over quantized weights is not supported yet: serve the float checkpoint "
-                "(leave --quantization out) or use --tensor-parallel-size 1"
-            )
         parts = name.split(".")
         leaf, module = parts[-1], parts[-2] if len(parts) > 1 else ""
         if name in ("embed_tokens.weight", "lm_head.weight"):
@@ -596,9 +608,10 @@ class LlamaForCausalLM(nn.Module):
                 # a quantized output (or tied table): the lm_head multiplies in its blocks, the embedding
                 # table holds their values (a lookup)
                 if name == "embed_tokens.weight":
-                    self.embed_tokens.weight.copy_(tensor.dequantize())
+                    self.embed_tokens.weight[: tensor.shape[0]].copy_(tensor.dequantize())
                 if name == "lm_head.weight" or self.lm_head.weight is self.embed_tokens.weight:
-                    self.lm_head.quantized = tensor.to(param.device)
+                    # (a rank's vocabulary shard: padded to the rows every rank holds)
+                    self.lm_head.quantized = tensor.padded(self.lm_head.out_features).to(param.device)
                     self.lm_head.weight = nn.Parameter(torch.empty(0, device=param.device), False)
                     loaded.add(("lm_head.weight", 0))
             elif isinstance(tensor, QuantizedWeight):
