@@ -328,6 +328,8 @@ def test_tier_options_are_validated():
         EngineConfig(kv_offload_gb=1, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offload_gb"):
         EngineConfig(kv_offload_gb=float("nan"))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(kv_offload_gb=1, tensor_parallel_size=2)
     for bad in ("-1", "nan", "x"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["generate", "--prompt", "x", "--kv-offload-gb", bad])
