@@ -135,3 +135,13 @@ def test_the_bound_evicts_what_a_replica_knows(tmp_path):
     got = again.read(4, (4,) * 4)
     assert got is not None and torch.equal(got, torch.full(layout.block_shape, 4.0))
     assert again.read(4, (5,) * 4) is None  # another block's tokens: not served
+
+
+def test_an_engine_going_idle_holds_no_block(tiny_model_dir, tmp_path):
+    """A finished request's blocks are held while the saver copies them; the engine's last step before it idles
+    takes the copies in, so none stays held (nor out of the tiers) until some later request comes."""
+    llm = replica(tiny_model_dir, tmp_path / "shared")
+    llm.generate([tokens(40, 8)], greedy(2))
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.stats().kv_blocks_used == 0
+    assert tier_stats(llm, "shared").blocks == 5

@@ -43,6 +43,7 @@ LOAD_CHUNK_BLOCKS = 64  # blocks copied to the device at once by a load (bounds 
 # step must not wait for it, nor memory grow without bound).
 MAX_PENDING_WRITE_BYTES = 512 << 20
 GiB = 1 << 30
+SETTLE_TIMEOUT_S = 5.0  # the longest an engine going idle waits for its finished requests' snapshots
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,19 @@ class KVConnector:
             finally:
                 with self._pending_lock:
                     self._pending_bytes -= self._pending_writes.pop(h, 0)
+
+    def settle(self, timeout: float = SETTLE_TIMEOUT_S) -> None:
+        """The engine has no request left: take in the finished requests' snapshots now (their copy is under
+        way: milliseconds), so that their blocks are free, and in the tiers, while it idles rather than at its
+        next step (on the engine's thread)."""
+        deadline = time.monotonic() + timeout
+        while self._copying and (left := deadline - time.monotonic()) > 0:
+            try:
+                snapshot = self._snapshots.get(timeout=left)
+            except queue.Empty:
+                return
+            self._snapshots.put(snapshot)
+            self._absorb_snapshots()
 
     def flush(self) -> None:
         """Wait until every finished request's blocks are in the tiers, on disk too (tests, benchmarks, shutdown;

@@ -325,7 +325,10 @@ class LLMEngine:
         batch = self.schedule()
         if not batch:
             return []
-        return self.commit(batch, self.execute(batch))
+        outputs = self.commit(batch, self.execute(batch))
+        if self.kv_connector is not None and not self.requests:  # idle next: release the snapshots' blocks
+            self.kv_connector.settle()
+        return outputs
 
     def schedule(self) -> ScheduledBatch:
         if self.speculator is not None:
