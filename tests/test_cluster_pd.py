@@ -157,7 +157,8 @@ def replicas_of(server: Server, kind: str) -> list:
 def test_a_killed_replica_loses_no_request_and_leaks_no_block(pd, offline, victim):
     client = sdk(pd, "alice")
     max_tokens = 120
-    cases = [chat(100 + i, words=160) for i in range(8)]
+    cases = [chat(100 + i, words=1200) for i in range(12)]
+    before = {k: metric(pd, f"motet_pd_{k}_total") for k in ("prefills", "prefill_fallbacks")}
     results: list = [None] * len(cases)
 
     def run(i: int) -> None:
@@ -196,6 +197,10 @@ def test_a_killed_replica_loses_no_request_and_leaks_no_block(pd, offline, victi
     for e in failed:
         assert "replica" in str(e)
         assert getattr(e, "status_code", 503) == 503  # a clean "try again", never a 500
+    counted = {k: metric(pd, f"motet_pd_{k}_total") - before[k] for k in before}
+    print(f"{victim} killed: {counted}, {len(failed)} failed")
+    # every request was prefilled or, its prefill lost or refused, computed by the decode replica
+    assert counted["prefills"] + counted["prefill_fallbacks"] == len(cases), counted
     if victim == "PrefillReplica":
         assert not failed  # a lost prefill only costs time: the decode replica computes the prompt
     else:

@@ -164,33 +164,27 @@ class ClusterSystem:
         how many of its blocks are there. Any failure but a refusal of the request itself leaves the prompt to
         the decode replica."""
         rid = call.streams[0].request_id
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            response = self.prefill_handle.prefill.remote(call.route, call.specs)
-            try:
-                with anyio.fail_after(PREFILL_TIMEOUT_S):
-                    done = await response
-            except BaseException as e:
-                response.cancel()
-                if not isinstance(e, Exception):  # cancelled: the client went away
-                    raise
-                if _replica_lost(e) and attempt < MAX_ATTEMPTS:
-                    log.warning("a prefill replica was lost with %s; sending it again", rid)
-                    continue
-                log.warning("the prefill of %s failed (%r): the decode replica computes it", rid, e)
-                self.pd.fallbacks += 1
-                return
-            if isinstance(done, Refused):
-                if 400 <= done.error.status < 500 and done.error.status != 429:
-                    raise done.error  # the request's own fault: the decode replica would say the same
-                log.warning(
-                    "the prefill of %s was refused (%s): the decode replica computes it", rid, done.error
-                )
-                self.pd.fallbacks += 1
-                return
-            assert isinstance(done, PrefillDone)
-            self.pd.record(done)
-            call.route = dataclasses.replace(call.route, shared_blocks=done.shared_blocks)
+        response = self.prefill_handle.prefill.remote(call.route, call.specs)
+        try:
+            with anyio.fail_after(PREFILL_TIMEOUT_S):
+                done = await response
+        except BaseException as e:
+            response.cancel()
+            if not isinstance(e, Exception):  # cancelled: the client went away
+                raise
+            # A lost prefill replica is not retried: the decode replica computing the prompt costs less than
+            # waiting for another prefill replica (or this one's replacement).
+            log.warning("the prefill of %s failed (%r): the decode replica computes it", rid, e)
+            self.pd.fallbacks += 1
             return
+        if isinstance(done, Refused):
+            if 400 <= done.error.status < 500 and done.error.status != 429:
+                raise done.error  # the request's own fault: the decode replica would say the same
+            log.warning("the prefill of %s was refused (%s): the decode replica computes it", rid, done.error)
+            self.pd.fallbacks += 1
+            return
+        self.pd.record(done)
+        call.route = dataclasses.replace(call.route, shared_blocks=done.shared_blocks)
 
     async def _admit(self, call: _Call) -> Admitted:
         """Send the call to a replica and wait for its admission; again elsewhere if that replica is lost."""
