@@ -157,7 +157,7 @@ def replicas_of(server: Server, kind: str) -> list:
 def test_a_killed_replica_loses_no_request_and_leaks_no_block(pd, offline, victim):
     client = sdk(pd, "alice")
     max_tokens = 120
-    cases = [chat(100 + i, words=1200) for i in range(12)]
+    cases = [chat(100 + i, words=700) for i in range(12)]
     before = {k: metric(pd, f"motet_pd_{k}_total") for k in ("prefills", "prefill_fallbacks")}
     results: list = [None] * len(cases)
 
