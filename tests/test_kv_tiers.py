@@ -328,6 +328,8 @@ def test_tier_options_are_validated():
         EngineConfig(kv_offload_gb=1, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offload_gb"):
         EngineConfig(kv_offload_gb=float("nan"))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(kv_offload_gb=1, tensor_parallel_size=2)
     for bad in ("-1", "nan", "x"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["generate", "--prompt", "x", "--kv-offload-gb", bad])
@@ -336,3 +338,38 @@ def test_tier_options_are_validated():
 
     config = engine_config(args)
     assert config.kv_disk_gb == 2 and config.kv_disk_dir == f"/srv/motet/{KV_CACHE_SUBDIR}"
+
+
+def test_serve_keeps_prefixes_in_the_tiers_and_across_a_restart(tiny_model_dir, tmp_path):
+    """`motet serve --kv-offload-gb --kv-disk-gb`: an evicted prompt prefix comes back from RAM (cached_tokens,
+    /metrics), and after a restart on the same --data-dir from disk (the shutdown flushed the disk writes)."""
+    import httpx
+
+    from tests.live_server import Server
+
+    flags = ["--model", str(tiny_model_dir), "--data-dir", str(tmp_path / "data"), "--threads", "1",
+             "--num-kv-blocks", str(NUM_BLOCKS), "--block-size", str(BS), "--kv-offload-gb", "0.05",
+             "--kv-disk-gb", "0.05"]  # fmt: skip
+
+    def cached(server: Server, prompt: list[int]) -> int:
+        body = {"model": str(tiny_model_dir), "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    prefix = tokens(64, 9)
+    server = Server(tmp_path, *flags, start_timeout=120)
+    try:
+        assert cached(server, prefix + [5]) == 0
+        for s in range(4):  # evict it from the KV cache
+            cached(server, tokens(64, 200 + s) + [5])
+        assert cached(server, prefix + [6]) == 64
+        assert server.metrics()['motet_kv_tier_hit_tokens_total{tier="ram"}'] == 64
+    finally:
+        server.stop()
+    server = Server(tmp_path, *flags, start_timeout=120)
+    try:
+        assert cached(server, prefix + [7]) == 64
+        assert server.metrics()['motet_kv_tier_hit_tokens_total{tier="disk"}'] == 64
+    finally:
+        server.stop()

@@ -92,8 +92,9 @@ class ExecutorActor(Actor):
 
     async def on_stop(self) -> None:
         if self.thread is not None:
-            if hasattr(self.engine, "close"):  # the KV tiers' queued disk writes land before the process ends
-                await self.thread.run(self.engine.close)
+            if self.engine is not None:
+                with contextlib.suppress(Exception):  # (the engine may be what failed)
+                    await self.thread.run(self.engine.close)
             self.thread.stop()
 
     async def handle(self, message: Step) -> StepDone:

@@ -128,6 +128,10 @@ class SchedulerActor(Actor):
             log.exception("the engine step failed")
             for request_id in list(self.live):
                 self._fail(request_id, EngineFailure(f"internal error in the engine step: {e}"))
+            if getattr(
+                e, "fatal", False
+            ):  # no step can run again (a tensor-parallel rank died): stop the system
+                raise
             return None
         for request_id, error in done.refused:
             self._fail(request_id, error if isinstance(error, ServingError) else EngineFailure(str(error)))

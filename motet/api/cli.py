@@ -155,6 +155,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="run the eager model (the reference) instead of the compiled step (native CPU forward, CUDA graphs)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=integer(1),
+        default=d.tensor_parallel_size,
+        help="split the model over this many ranks (worker processes on this machine joined by torch.distributed: "
+        "gloo on CPU, NCCL on CUDA); the attention and KV heads, MLP columns and vocabulary are split, so they "
+        "must divide by it; --threads and the KV cache's memory are per rank",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size: a mixture-of-experts model's experts split whole across the ranks, "
+        "tokens sent to them by all-to-all (default: every expert's intermediate columns split)",
+    )
+    p.add_argument(
         "--max-loras", type=integer(1), default=d.max_loras, help="LoRA adapters resident on the device"
     )
     p.add_argument(
@@ -204,6 +219,8 @@ def engine_config(args):
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 

@@ -22,9 +22,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 # Architectures whose attention has q/k/v biases when config.json does not say (attention_bias / qkv_bias).
 _QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+# Architectures whose attention RMS-normalizes each head's q and k before the rotary (q_norm, k_norm).
+_QK_NORM_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 # The default step budgets (EngineConfig.max_num_batched_tokens). On the 2-core CPU machine a prompt token costs
 # no more in a 256-token step than in a 2048-token one (6.3 against 7.4 ms, one thread), so the smaller step
 # loses no throughput, and it bounds how long a request arriving meanwhile waits for the step in flight
@@ -69,10 +72,11 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2 has q/k/v biases
+    qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalized (over head_dim) before the rotary
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mixture of experts (Mixtral, Qwen2-MoE): the layers in `sparse_layers` replace their MLP by
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the layers in `sparse_layers` replace their MLP by
     # `num_experts` experts of `moe_intermediate_size`, `num_experts_per_tok` chosen per token by a router's
     # softmax (the chosen weights renormalized to sum to 1 when `norm_topk_prob`), plus, where
     # `shared_expert_intermediate_size` is set, a shared expert every token passes through, scaled by a
@@ -90,7 +94,8 @@ class ModelConfig:
 
     @staticmethod
     def _moe_fields(arch: str, cfg: dict, num_layers: int, source: str) -> dict:
-        """The mixture-of-experts fields of a Mixtral or Qwen2-MoE config.json (none for a dense one)."""
+        """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json (none for a dense
+        one). Qwen3-MoE is Qwen2-MoE's routing without the shared expert."""
         if arch == "MixtralForCausalLM":
             fields = dict(
                 num_experts=int(cfg["num_local_experts"]),
@@ -98,8 +103,10 @@ class ModelConfig:
                 norm_topk_prob=True,  # Mixtral always renormalizes its top-k weights
                 sparse_layers=tuple(range(num_layers)),
             )
-        elif arch == "Qwen2MoeForCausalLM":
-            experts = int(cfg["num_experts"])
+        elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            # the Hub's Qwen3-MoE configs say num_experts; transformers >= 5 writes it as num_local_experts
+            renamed = "num_experts" not in cfg and "num_local_experts" in cfg
+            experts = int(cfg["num_local_experts" if renamed else "num_experts"])
             step = int(cfg.get("decoder_sparse_step", 1))
             if step < 1:
                 raise ModelLoadError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
@@ -166,6 +173,7 @@ class ModelConfig:
                 attention_bias=bool(
                     cfg.get("attention_bias", cfg.get("qkv_bias", arch in _QKV_BIAS_ARCHITECTURES))
                 ),
+                qk_norm=arch in _QK_NORM_ARCHITECTURES,
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
@@ -292,6 +300,13 @@ class EngineConfig:
     # Each tenant's share of a busy engine: {"tenant": weight}, positive finite numbers; tenants not named
     # weigh 1 (motet/engine/fairness.py; `motet serve --tenant-weights FILE`).
     tenant_weights: dict[str, float] = field(default_factory=dict)
+    # Tensor parallelism (motet/engine/parallel.py): the model split over this many ranks, rank 0 this engine's
+    # own runner, the others worker processes on this machine (motet/engine/tp_workers.py) joined by
+    # torch.distributed (gloo on CPU, NCCL on CUDA); num_threads and the KV cache's memory are per rank.
+    tensor_parallel_size: int = 1
+    # A mixture-of-experts model's experts split whole across the ranks, tokens sent to them by all-to-all,
+    # instead of every expert's intermediate columns split (attention stays tensor-parallel).
+    enable_expert_parallel: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -350,6 +365,13 @@ class EngineConfig:
             raise ValueError("the shared KV tier (kv_shared_dir) extends the prefix cache: enable it")
         if (self.kv_offload_gb > 0 or self.kv_disk_gb > 0) and not self.enable_prefix_caching:
             raise ValueError("the KV tiers (kv_offload_gb, kv_disk_gb) extend the prefix cache: enable it")
+        if (self.kv_offload_gb > 0 or self.kv_disk_gb > 0) and self.tensor_parallel_size > 1:
+            # each rank holds a shard of the KV heads; the tiers copy one process's blocks (not yet every rank's)
+            raise ValueError(
+                "the KV tiers (kv_offload_gb, kv_disk_gb) do not work with tensor parallelism yet"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import torch
 
-from motet.engine.model import AttentionMetadata, Linear, LlamaForCausalLM
+from motet.engine.model import MLP, AttentionMetadata, Linear, LlamaForCausalLM, SparseMoE
 from motet.kernels import cpu_native
 from motet.kernels.quant import BLOCK
 from motet.lora.slot_cache import LoRABatch
@@ -53,8 +53,8 @@ class WeightArena:
 def supported(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> bool:
     cfg = model.config
     return (
-        not cfg.is_moe  # the native step has no expert layer yet: the eager model serves MoE models
-        and cpu_native.library() is not None
+        cpu_native.library() is not None
+        and not model.parallel.expert_parallel  # the MoE op has no all-to-all: the eager model dispatches
         and model.embed_tokens.weight.dtype in cpu_native.DTYPE_CODES
         and kv_dtype in cpu_native.DTYPE_CODES
         and cfg.num_attention_heads % cfg.num_key_value_heads == 0
@@ -74,12 +74,21 @@ def _packed_bytes(lin: Linear, elem: int) -> int:
     return -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem
 
 
+def _release(lin: Linear, dtype: torch.dtype) -> None:
+    """Drop a layer's own copy of its weight (the arena holds it now)."""
+    lin.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    lin.packed_weight = lin.quantized = None
+
+
 class CpuForward:
     """`model`'s forward and logits through the native kernels, over the runner's KV caches.
 
-    Takes the linear layers' weights over (packed into the arena); the module's own copies are released, so
-    the eager forward of this model instance is no longer usable (the embedding table stays: it is the
-    input lookup, and the lm_head's when tied)."""
+    Takes the linear layers' weights over (packed into the arena; a sparse layer's experts too); the module's
+    own copies are released, so the eager forward of this model instance is no longer usable (the embedding
+    table stays: it is the input lookup, and the lm_head's when tied).
+
+    Each layer's descriptor is an attention op's weights and an MLP op's: the dense MLP's, or a sparse
+    layer's mixture of experts (router, experts, shared expert), as the layer's module is."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         cfg = model.config
@@ -87,12 +96,17 @@ class CpuForward:
         self.model = model
         self.kv_caches = kv_caches
         self.vocab_size = model.lm_head.out_features
-        linears = [
-            (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            for layer in model.layers
-        ]
         elem = torch.tensor([], dtype=wdtype).element_size()
-        total = sum(_packed_bytes(lin, elem) + 64 for group in linears for lin in group)
+        total = sum(_packed_bytes(lin, elem) + 64 for lin in model.decoder_linears())
+        for layer in model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                moe = layer.mlp
+                total += _packed_bytes(moe.gate, elem) + 64
+                if moe.shared_expert_gate is not None:
+                    total += _packed_bytes(moe.shared_expert_gate, elem) + 64
+                for stacked in (moe.experts.gate_up_proj, moe.experts.down_proj):
+                    E, N, K = stacked.shape
+                    total += E * -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem + 64
         total += _packed_bytes(model.lm_head, elem) + 64
         self.arena = WeightArena(total + 64 * 64)
         self._keep: list[torch.Tensor] = []  # everything a descriptor points at
@@ -109,28 +123,64 @@ class CpuForward:
             if lin.quantized is not None:
                 name = lin.quantized.format.name
                 data = self.arena.put(cpu_native.pack_quantized(lin.quantized))
-                return cpu_native.Linear(data.data_ptr(), cpu_native.QUANT_CODES[name])
-            data = self.arena.put(cpu_native.pack(lin.weight.detach()))
-            return cpu_native.Linear(data.data_ptr(), cpu_native.DTYPE_CODES[wdtype])
+                out = cpu_native.Linear(data.data_ptr(), cpu_native.QUANT_CODES[name])
+            else:
+                data = self.arena.put(cpu_native.pack(lin.weight.detach()))
+                out = cpu_native.Linear(data.data_ptr(), cpu_native.DTYPE_CODES[wdtype])
+            _release(lin, wdtype)
+            return out
+
+        def mlp(module: MLP | None) -> cpu_native.MlpWeights:
+            if module is None:
+                return cpu_native.MlpWeights()
+            return cpu_native.MlpWeights(
+                packed(module.gate_up_proj), packed(module.down_proj), module.intermediate
+            )
+
+        def stacked_experts(weight: torch.nn.Parameter) -> int:
+            """Every expert's weight packed, one after another in the arena (the grouped GEMM's layout)."""
+            data = self.arena.put(torch.cat([cpu_native.pack(w) for w in weight.detach()]))
+            return data.data_ptr()
+
+        def moe_weights(moe: SparseMoE) -> cpu_native.MoeWeights:
+            experts = moe.experts
+            out = cpu_native.MoeWeights(
+                router=packed(moe.gate),
+                experts_gate_up=stacked_experts(experts.gate_up_proj),
+                experts_down=stacked_experts(experts.down_proj),
+                num_experts=experts.gate_up_proj.shape[0],
+                top_k=moe.top_k,
+                inter=experts.intermediate,
+                renormalize=int(moe.norm_topk_prob),
+                shared=mlp(moe.shared_expert),
+            )
+            if moe.shared_expert_gate is not None:
+                out.shared_gate = packed(moe.shared_expert_gate)
+            empty = torch.nn.Parameter(torch.empty(0, dtype=wdtype), requires_grad=False)
+            experts.gate_up_proj, experts.down_proj = empty, empty
+            return out
 
         layers = (cpu_native.Layer * cfg.num_hidden_layers)()
-        for i, (layer, (qkv, o, gate_up, down), (k_cache, v_cache)) in enumerate(
-            zip(model.layers, linears, kv_caches, strict=True)
-        ):
-            layers[i] = cpu_native.Layer(
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches, strict=True)):
+            attn = layer.self_attn
+            bias = attn.qkv_proj.bias
+            layers[i].attn = cpu_native.AttentionWeights(
                 keep(layer.input_layernorm.weight),
-                keep(layer.post_attention_layernorm.weight),
-                packed(qkv),
-                keep(qkv.bias.to(wdtype)) if qkv.bias is not None else None,
-                packed(o),
-                packed(gate_up),
-                packed(down),
+                packed(attn.qkv_proj),
+                keep(bias.to(wdtype)) if bias is not None else None,
+                packed(attn.o_proj),
+                keep(attn.q_norm.weight) if attn.q_norm is not None else None,
+                keep(attn.k_norm.weight) if attn.k_norm is not None else None,
                 k_cache.data_ptr(),
                 v_cache.data_ptr(),
             )
-            for lin in (qkv, o, gate_up, down):  # the arena holds them now
-                lin.weight = torch.nn.Parameter(torch.empty(0, dtype=wdtype), requires_grad=False)
-                lin.packed_weight = lin.quantized = None
+            layers[i].post_norm = keep(layer.post_attention_layernorm.weight)
+            if isinstance(layer.mlp, SparseMoE):
+                layers[i].mlp_kind = cpu_native.MLP_SPARSE
+                layers[i].moe = moe_weights(layer.mlp)
+            else:
+                layers[i].mlp_kind = cpu_native.MLP_DENSE
+                layers[i].mlp = mlp(layer.mlp)
         # the lm_head in its own format too (quantized: its blocks; else the model's dtype, tied or not)
         self.lm_format = model.lm_head.quantized.format.name if model.lm_head.quantized is not None else None
         if self.lm_format is not None:
@@ -142,9 +192,8 @@ class CpuForward:
             cpu_native.DTYPE_CODES[wdtype],
             cpu_native.DTYPE_CODES[kv_caches[0][0].dtype],
             cfg.hidden_size,
-            cfg.intermediate_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
+            model.layers[0].self_attn.num_heads,  # this rank's (all of them on one rank)
+            model.layers[0].self_attn.num_kv_heads,
             cfg.head_dim,
             cfg.num_hidden_layers,
             kv_caches[0][0].shape[1],
@@ -155,8 +204,25 @@ class CpuForward:
             keep(model.norm.weight),
             layers,
         )
+        # Tensor parallelism: each op's partial output is summed over the ranks by torch.distributed, called
+        # back from the forward. An error there (a dead rank) cannot cross the C frames: it is kept, the
+        # remaining calls skip, and __call__ raises it once the forward returns.
+        self._failure: BaseException | None = None
+        if model.parallel.enabled:
+            self._all_reduce = cpu_native.ALL_REDUCE(self._reduce)  # (kept: the descriptor points at it)
+            self.desc.all_reduce = self._all_reduce
         self._lora: OrderedDict[int, tuple[object, ctypes.Array]] = OrderedDict()
         self.timings: ctypes.Array | None = None  # seconds per phase (cpu_native.PHASES), when profiling
+
+    def _reduce(self, ptr: int, n: int) -> None:
+        if self._failure is not None:
+            return
+        try:
+            self.model.parallel.all_reduce(
+                torch.frombuffer((ctypes.c_float * n).from_address(ptr), dtype=torch.float32)
+            )
+        except BaseException as e:
+            self._failure = e
 
     def profile(self, on: bool = True) -> None:
         """Sum the time of each phase of the forward (benchmarks/step_profile.py); resets the sums."""
@@ -194,7 +260,7 @@ class CpuForward:
         lora: LoRABatch | None,
     ) -> torch.Tensor:
         """Final (normed) hidden states [T, hidden], fp32."""
-        x = self.model.embed_tokens.weight[input_ids].float()
+        x = self.model.embed(input_ids).float()
         tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
         assert tables.dtype == qsl.dtype == lens.dtype == torch.int32 and tables.is_contiguous()
         assert positions.dtype == meta.slot_mapping.dtype == torch.int64
@@ -216,9 +282,14 @@ class CpuForward:
         if self.timings is not None:
             step.timings = self.timings
         cpu_native.forward(self.desc, step, x)
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return cpu_native.gemm(
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits of `hidden`'s rows (under tensor parallelism: gathered on rank 0, None elsewhere)."""
+        local = cpu_native.gemm(
             hidden.float().contiguous(), self.lm_head, self.vocab_size, quantized=self.lm_format
         )
+        return self.model.parallel.gather_columns(local, self.model.config.vocab_size)

@@ -2,8 +2,10 @@
 (motet/engine/kv_tiers.py), so that a prefix whose blocks were evicted, or computed before a restart, is loaded
 instead of recomputed.
 
-    save: a request finishes, or the block manager evicts cached blocks  -> copy them to the tiers that lack
-          them (a host copy now; the disk write on a background thread)
+    save: a request finishes                                             -> its cached blocks are held and
+          copied to the host on a background thread, then released; the copies go to the tiers that lack them
+          (RAM at once, disk by the same thread)
+          the block manager evicts cached blocks no tier holds yet         -> copied now, before their reuse
     load: a waiting request's prefix misses the device cache             -> the tiers hold its next blocks:
           take free device blocks for them and fill them on a background thread; the request waits in its
           queue, keeping its place, while other requests run; once filled they are its cached prefix
@@ -13,8 +15,10 @@ Blocks are keyed by the engine's chained prefix-cache hashes, which include the 
 adapter never reads another's blocks, and a block is served only to the same tokens. A load covers the longest
 run of consecutive blocks the tiers hold; an entry that turns out unreadable ends the run there and the rest is
 recomputed. The step never waits on I/O: the only wait is `wait_for_load`, which the engine calls when nothing
-else could run. Plain synchronous policy, driven from the engine's thread; its two worker threads (loads,
-disk writes) stay inside this module.
+else could run. Plain synchronous policy, driven from the engine's thread (`poll` between steps); its two worker
+threads (loads; snapshots and disk writes) stay inside this module. The blocks move through
+motet/engine/kv_blocks.py's read_blocks / write_blocks, one call per set of blocks: under tensor parallelism
+each rank would run them on its shard of the KV heads.
 """
 
 from __future__ import annotations

@@ -21,6 +21,16 @@ class LLM:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any (also on leaving a `with` block)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def add_lora(self, name: str, path) -> AdapterRef:
         return self.engine.add_lora(name, path)
 

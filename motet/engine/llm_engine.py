@@ -32,6 +32,7 @@ from motet.engine.kv_shared import SharedTier
 from motet.engine.kv_tiers import DiskTier
 from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
 from motet.engine.model_store import resolve_model
+from motet.engine.parallel import RankFailure
 from motet.engine.request_checks import RequestLimits
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.scheduler import ScheduledBatch, Scheduler
@@ -127,6 +128,9 @@ class LLMEngine:
             max_lora_rank=config.max_lora_rank,
             device=self.runner.device,
             dtype=self.runner.dtype,
+            slot_base=self.runner.lora_shape,
+            shard=self.runner.lora_sharder,
+            on_load=self.runner.note_lora_load if self.runner.workers is not None else None,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.limits = RequestLimits(
@@ -166,11 +170,6 @@ class LLMEngine:
         connector = KVConnector(kv_caches, self.block_manager, int(config.kv_offload_gb * GiB), disk, shared)
         self.block_manager.on_evict = connector.save_evicted
         return connector
-
-    def close(self) -> None:
-        """Finish the KV tiers' queued disk writes and stop their threads (the engine takes no more steps)."""
-        if self.kv_connector is not None:
-            self.kv_connector.close()
 
     # -- structured output ----------------------------------------------------------------------------
     @functools.cached_property
@@ -293,6 +292,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def close(self) -> None:
+        """Release what outlives the object (the engine takes no more steps): the KV tiers' queued disk writes
+        land and their threads stop; the other tensor-parallel ranks' processes end."""
+        try:
+            if self.kv_connector is not None:
+                self.kv_connector.close()
+        finally:
+            self.runner.close()
+
     def stats(self) -> EngineStats:
         sched, bm = self.scheduler, self.block_manager
         running = {s.adapter_id for s in sched.running if s.adapter_id}
@@ -348,6 +356,8 @@ class LLMEngine:
         try:
             lora = self.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
             return self.runner.execute(batch, lora)
+        except RankFailure:  # not this batch's fault: no step can run any more
+            raise
         except Exception as e:
             if len(batch) <= 1:  # (an empty batch has no rows to blame: nothing to bisect)
                 if batch.seqs:

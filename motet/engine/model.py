@@ -1,6 +1,6 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM, and the mixture-of-experts Mixtral and Qwen2-MoE,
-whose sparse layers route each token to its top-k experts: `SparseMoE`) over a flattened batch and a paged KV
-cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM, and the mixture-of-experts Mixtral, Qwen2-MoE and
+Qwen3-MoE, whose sparse layers route each token to its top-k experts: `SparseMoE`) over a flattened batch and a
+paged KV cache.
 
 Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says where each sequence's
 queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from motet.engine.config import ModelConfig, ModelLoadError
-from motet.kernels import triton_quant
+from motet.engine.parallel import SINGLE, Parallel
+from motet.kernels import triton_moe, triton_quant
 from motet.kernels.paged_attention import paged_attention, write_kv_cache
 from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
@@ -141,19 +142,25 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+    """Self-attention over this rank's heads (all of them on one rank); returns the o projection's output, a
+    partial sum over the ranks under tensor parallelism (the decoder layer all-reduces it)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
+        (q_start, self.num_heads), (kv_start, self.num_kv_heads) = parallel.heads(cfg)
+        self.head_dim = cfg.head_dim
+        # this rank's rows of the checkpoint's q and of its k / v (and columns of o)
+        self.q_rows = (q_start * cfg.head_dim, self.num_heads * cfg.head_dim)
+        self.kv_rows = (kv_start * cfg.head_dim, self.num_kv_heads * cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        # Qwen3: each head's q and k RMS-normalized over head_dim before the rotary
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None):
         T = x.shape[0]
@@ -163,6 +170,9 @@ class Attention(nn.Module):
             lora.add(qkv, x, self.layer_idx, ("q_proj", "k_proj", "v_proj"), sizes)
         # q and k are adjacent columns of qkv: rotated in one go
         qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         q, k = RotaryEmbedding.rotate(qk, cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
@@ -191,10 +201,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, intermediate_size: int | None = None):
+    """SwiGLU over this rank's intermediate columns; the output is a partial sum under tensor parallelism."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int = 0,
+        intermediate_size: int | None = None,
+        parallel: Parallel = SINGLE,
+    ):
         super().__init__()
         self.layer_idx = layer_idx
-        self.intermediate = intermediate_size or cfg.intermediate_size
+        self.columns = parallel.part(intermediate_size or cfg.intermediate_size)  # of the checkpoint's
+        self.intermediate = self.columns[1]
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
@@ -213,55 +232,98 @@ class MLP(nn.Module):
 
 class Experts(nn.Module):
     """The experts of a sparse layer as stacked weights: `gate_up_proj` [E, 2I, H] (each expert's gate rows,
-    then its up rows), `down_proj` [E, H, I]; Hugging Face transformers >= 5 holds them the same way."""
+    then its up rows), `down_proj` [E, H, I]; Hugging Face transformers >= 5 holds them the same way.
 
-    def __init__(self, cfg: ModelConfig):
+    Under tensor parallelism each rank holds every expert's share of the intermediate columns (E experts,
+    I / size columns); with expert parallelism it holds E / size whole experts instead, and each token's
+    rows travel by all-to-all to the ranks that hold its experts and back. Either way the output is a partial
+    sum over the ranks (the decoder layer's all-reduce completes it)."""
+
+    def __init__(self, cfg: ModelConfig, parallel: Parallel = SINGLE):
         super().__init__()
+        self.parallel = parallel
         E, intermediate, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.intermediate = intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * intermediate, H), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(E, H, intermediate), requires_grad=False)
+        self.columns = (0, intermediate)  # each expert's intermediate columns held here
+        if parallel.expert_parallel:
+            E = parallel.split(E, "the experts")
+        else:
+            self.columns = parallel.part(intermediate)
+        self.num_local, self.intermediate = E, self.columns[1]
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * self.intermediate, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, H, self.intermediate), requires_grad=False)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[t, k] * expert[expert_ids[t, k]](x[t]) for every token t, as a grouped product: the
-        (token, choice) rows are sorted by expert and each expert multiplies its contiguous segment at once
-        (one product per expert that has rows, none per token; the layout a grouped-GEMM kernel takes)."""
+        """sum_k weights[t, k] * expert[expert_ids[t, k]](x[t]) for every token t (this rank's part of it)."""
+        if self.parallel.expert_parallel:
+            return self._dispatched(x, expert_ids, weights)
         T, k = expert_ids.shape
-        flat = expert_ids.flatten()
-        order = flat.argsort(stable=True)
-        tokens = order // k  # the token of each sorted row
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # one sync a layer
-        rows = x[tokens]
-        out = torch.empty_like(rows)
+        out = self.grouped(x.repeat_interleave(k, dim=0), expert_ids.flatten())
+        out = out * weights.flatten().unsqueeze(1).to(out.dtype)
+        return out.view(T, k, -1).sum(dim=1)
+
+    def grouped(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Each row through its (local) expert, as a grouped product: the rows are sorted by expert and each
+        expert multiplies its contiguous segment at once (one product per expert that has rows, none per row;
+        the layout a grouped-GEMM kernel takes). On CUDA the Triton grouped-expert kernel does it in two
+        launches for the whole layer (motet/kernels/triton_moe.py)."""
+        if triton_moe.applies(rows):
+            return triton_moe.grouped_experts(rows, expert_ids, self.gate_up_proj, self.down_proj)
+        order = expert_ids.argsort(stable=True)
+        counts = torch.bincount(expert_ids, minlength=self.num_local).tolist()  # one sync a layer
+        sorted_rows = rows[order]
+        out = torch.empty_like(sorted_rows)
         start = 0
         for e, n in enumerate(counts):
             if n:
-                seg = rows[start : start + n]
+                seg = sorted_rows[start : start + n]
                 gate, up = F.linear(seg, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
                 out[start : start + n] = F.linear(F.silu(gate) * up, self.down_proj[e])
                 start += n
-        out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        return torch.empty_like(out).index_copy_(0, order, out)
+
+    def _dispatched(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: this rank routes its slice of the (replicated) tokens; their rows go to the
+        ranks holding their experts (all-to-all), through the experts there, and back (all-to-all); the
+        result holds this rank's token slice, zeros elsewhere."""
+        par, E = self.parallel, self.num_local
+        t0, t1 = par.token_slice(x.shape[0])
+        k = expert_ids.shape[1]
+        flat = expert_ids[t0:t1].flatten()
+        order = flat.argsort(stable=True)  # by expert, hence by the rank that holds it
+        owners = flat[order] // E
+        send = torch.bincount(owners, minlength=par.size)
+        recv = par.exchange_counts(send)
+        # each row travels with its expert's local index as one more column (exact in fp32: < 2^24)
+        rows = x[t0:t1][order // k].float()
+        payload = torch.cat([rows, (flat[order] % E).unsqueeze(1).float()], dim=1)
+        arrived = par.all_to_all(payload, send.tolist(), recv)
+        done = self.grouped(arrived[:, :-1].to(x.dtype), arrived[:, -1].long())
+        back = par.all_to_all(done.float(), recv, send.tolist())
+        back = back * weights[t0:t1].flatten()[order].unsqueeze(1)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        y[t0:t1].index_add_(0, order // k, back)
+        return y.to(x.dtype)
 
 
 class SparseMoE(nn.Module):
-    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE): the router (`gate`) scores every expert, each token
-    goes through its `num_experts_per_tok` best (softmax weights, renormalized to sum to 1 where the config
-    says), and, in Qwen2-MoE, through a shared expert scaled by sigmoid(shared_expert_gate(x)).
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router (`gate`) scores every expert, each
+    token goes through its `num_experts_per_tok` best (softmax weights, renormalized to sum to 1 where the
+    config says), and, in Qwen2-MoE, through a shared expert scaled by sigmoid(shared_expert_gate(x)). The
+    router and the shared expert's gate are replicated on every rank; the output is a partial sum over them.
 
     LoRA applies to the attention only: an adapter targeting MLP modules is refused on an MoE model
     (motet/lora/adapter.py), so `lora` is not read here."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, parallel)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Linear | None = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, layer_idx, cfg.shared_expert_intermediate_size)
+            self.shared_expert = MLP(cfg, layer_idx, cfg.shared_expert_intermediate_size, parallel)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x, lora: LoRABatch | None = None):
@@ -276,18 +338,24 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
         super().__init__()
+        self.parallel = parallel
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MLP | SparseMoE = (
-            SparseMoE(cfg, layer_idx) if layer_idx in cfg.sparse_layers else MLP(cfg, layer_idx)
+            SparseMoE(cfg, layer_idx, parallel)
+            if layer_idx in cfg.sparse_layers
+            else MLP(cfg, layer_idx, parallel=parallel)
         )
 
     def forward(self, x, cos_sin, meta, kv_cache, lora: LoRABatch | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+        # each block's output is a partial sum over the tensor-parallel ranks: one all-reduce completes it
+        x = x + self.parallel.all_reduce(
+            self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache, lora)
+        )
+        return x + self.parallel.all_reduce(self.mlp(self.post_attention_layernorm(x), lora))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -300,29 +368,45 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, parallel: Parallel = SINGLE):
+        """`parallel`: this rank's shard of the model (motet/engine/parallel.py); by default the whole model."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.parallel = parallel
+        self.vocab_start, vocab_rows, _ = parallel.vocab_rows(cfg.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [T, hidden]; under tensor parallelism each rank looks up the tokens in its
+        vocabulary rows (zeros for the others) and an all-reduce assembles them."""
+        if not self.parallel.enabled:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1)).float()
+        x = self.parallel.all_reduce(torch.where(mine.unsqueeze(1), x, 0.0))
+        return x.to(self.embed_tokens.weight.dtype)
 
     def forward(
         self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora: LoRABatch | None = None
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; `compute_logits` maps chosen rows to logits."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos_sin = self.rope(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos_sin, meta, kv_cache, lora)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits of `hidden`'s rows; under tensor parallelism each rank's vocabulary columns are gathered
+        on rank 0 (the others get None)."""
+        return self.parallel.gather_columns(self.lm_head(hidden).float(), self.config.vocab_size)
 
     def decoder_linears(self) -> list[Linear]:
         """The projections of every decoder layer (qkv, o, gate_up, down per layer, in that order; a sparse
@@ -357,27 +441,73 @@ class LlamaForCausalLM(nn.Module):
                     f"{fmt.name} quantization needs the inputs of every projection in whole blocks of {BLOCK}; "
                     f"this model's {name} is {value}: serve it unquantized"
                 )
+        for name, lin in self.named_modules():  # a tensor-parallel rank's part: its own inputs
+            if isinstance(lin, Linear) and lin in self.decoder_linears() and lin.in_features % BLOCK:
+                raise ModelLoadError(
+                    f"{fmt.name} quantization needs the inputs of every projection in whole blocks of {BLOCK}; "
+                    f"this rank's part of {name} has {lin.in_features}: serve the model with another "
+                    f"--tensor-parallel-size, or unquantized"
+                )
         for lin in self.decoder_linears():
             lin.quantize(fmt)
         if cfg.hidden_size % BLOCK == 0:
             self.lm_head.quantize(INT8)
 
     def _split_sizes(self, name: str) -> list[int]:
-        """Row sizes of a fused parameter's shards ([n] for an unfused one); `name` is the parameter's."""
-        cfg = self.config
+        """Row sizes of a fused parameter's shards ([n] for an unfused one) on this rank; `name` is the
+        parameter's."""
         parts = name.split(".")
         module = parts[-2] if len(parts) > 1 else name
         if module == "qkv_proj":
-            kv = cfg.num_key_value_heads * cfg.head_dim
-            return [cfg.num_attention_heads * cfg.head_dim, kv, kv]
+            attn = self.get_submodule(".".join(parts[:-2]))
+            return [attn.q_size, attn.kv_size, attn.kv_size]
         if module == "gate_up_proj":  # a dense MLP's or the shared expert's: its own intermediate size
             layer = self.get_submodule(".".join(parts[:-2]))
             return [layer.intermediate, layer.intermediate]
-        if parts[-1] == "gate_up_proj":  # stacked experts: shard 2e is expert e's gate, 2e + 1 its up
-            return [cfg.moe_intermediate_size] * (2 * cfg.num_experts)
-        if parts[-1] == "down_proj":  # stacked experts: shard e is expert e's
-            return [cfg.hidden_size] * cfg.num_experts
+        if parts[-1] in ("gate_up_proj", "down_proj"):  # stacked experts
+            experts = self.get_submodule(".".join(parts[:-1]))
+            if parts[-1] == "gate_up_proj":  # shard 2e is expert e's gate, 2e + 1 its up
+                return [experts.intermediate] * (2 * experts.num_local)
+            return [self.config.hidden_size] * experts.num_local  # shard e is expert e's
         return [-1]
+
+    def _rank_part(self, name: str, shard: int | None, tensor: torch.Tensor | QuantizedWeight):
+        """The part of a checkpoint tensor (one shard of parameter `name`) that this rank holds: q/k/v,
+        gate/up and the experts' gate/up split by output rows, o and down by input columns, the embedding
+        table and lm_head by vocabulary rows; norms, biases of unsplit outputs and routers whole. A quantized
+        weight splits the same way (its input columns in whole blocks, or the load fails naming the layer)."""
+        try:
+            return self._rank_slice(name, shard, tensor)
+        except ValueError as e:
+            raise ModelLoadError(
+                f"{name} cannot be split over {self.parallel.size} ranks in its quantized blocks ({e}): serve it "
+                f"with another --tensor-parallel-size or unquantized"
+            ) from None
+
+    def _rank_slice(self, name: str, shard: int | None, tensor):
+        par = self.parallel
+        if not par.enabled:
+            return tensor
+        parts = name.split(".")
+        leaf, module = parts[-1], parts[-2] if len(parts) > 1 else ""
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            start, _, rows = par.vocab_rows(self.config.vocab_size)
+            return tensor.narrow(0, start, rows)
+        owner = self.get_submodule(".".join(parts[:-1] if module == "experts" else parts[:-2]))
+        if (
+            module == "experts" and par.expert_parallel
+        ):  # whole experts (the ones not held here never reach this)
+            return tensor
+        if module == "qkv_proj":
+            start, n = (owner.q_rows, owner.kv_rows, owner.kv_rows)[shard]
+            return tensor.narrow(0, start, n)
+        if module == "o_proj":
+            return tensor.narrow(1, *owner.q_rows)
+        if module == "gate_up_proj" or (module == "experts" and leaf == "gate_up_proj"):
+            return tensor.narrow(0, *owner.columns)
+        if module == "down_proj" or (module == "experts" and leaf == "down_proj"):
+            return tensor.narrow(1, *owner.columns)
+        return tensor
 
     def _shard(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
         """The part of `param` that a checkpoint tensor fills (None: all of it)."""
@@ -413,9 +543,11 @@ class LlamaForCausalLM(nn.Module):
         "down_proj": ("down_proj", 0),
     }
 
+    ELSEWHERE = ("", None)  # a tensor another rank holds (expert parallelism)
+
     def _place(self, hf_name: str) -> tuple[str, int | None] | None:
-        """(parameter name, shard) a Hugging Face tensor name fills (shard None: the whole parameter), or
-        None where it has no place in this model."""
+        """(parameter name, shard) a Hugging Face tensor name fills (shard None: the whole parameter), None
+        where it has no place in this model, ELSEWHERE where it belongs to another rank's experts."""
         parts = hf_name.removeprefix("model.").split(".")
         if len(parts) > 2 and parts[0] == "layers" and parts[2] == "block_sparse_moe":  # Mixtral's name
             parts[2] = "mlp"
@@ -425,6 +557,11 @@ class LlamaForCausalLM(nn.Module):
             expert = int(parts[4])
             if stacked is None or expert >= self.config.num_experts:
                 return None
+            if self.parallel.expert_parallel:  # this rank's experts are a block of consecutive ones
+                per = self.config.num_experts // self.parallel.size
+                expert -= self.parallel.rank * per
+                if not 0 <= expert < per:
+                    return self.ELSEWHERE
             name = ".".join([*parts[:4], stacked])
             return name, expert * (2 if stacked == "gate_up_proj" else 1) + part
         if len(parts) == 1:
@@ -443,10 +580,15 @@ class LlamaForCausalLM(nn.Module):
         quantized: dict[str, dict[int, QuantizedWeight]] = {}  # weight name -> its shards, until all are in
         linears = set(self.decoder_linears())
         projections = {f"{n}.weight": m for n, m in self.named_modules() if m in linears}
+        if self.parallel.enabled:  # the last rank's vocabulary shard ends in padding rows: zeros
+            self.embed_tokens.weight.zero_()
+            self.lm_head.weight.zero_()
         for hf_name, tensor in weights:
             if "rotary_emb" in hf_name:
                 continue
             place = self._place(hf_name)
+            if place is self.ELSEWHERE:
+                continue
             param = params.get(place[0]) if place is not None else None
             if param is None:
                 raise ModelLoadError(
@@ -454,6 +596,9 @@ class LlamaForCausalLM(nn.Module):
                 )
             name, shard = place
             target = self._shard(param, name, shard)
+            tensor = self._rank_part(name, shard, tensor)
+            if name in ("embed_tokens.weight", "lm_head.weight") and self.parallel.enabled:
+                target = target[: tensor.shape[0]]  # the last rank's shard: padding rows past the vocabulary
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
@@ -463,9 +608,10 @@ class LlamaForCausalLM(nn.Module):
                 # a quantized output (or tied table): the lm_head multiplies in its blocks, the embedding
                 # table holds their values (a lookup)
                 if name == "embed_tokens.weight":
-                    self.embed_tokens.weight.copy_(tensor.dequantize())
+                    self.embed_tokens.weight[: tensor.shape[0]].copy_(tensor.dequantize())
                 if name == "lm_head.weight" or self.lm_head.weight is self.embed_tokens.weight:
-                    self.lm_head.quantized = tensor.to(param.device)
+                    # (a rank's vocabulary shard: padded to the rows every rank holds)
+                    self.lm_head.quantized = tensor.padded(self.lm_head.out_features).to(param.device)
                     self.lm_head.weight = nn.Parameter(torch.empty(0, device=param.device), False)
                     loaded.add(("lm_head.weight", 0))
             elif isinstance(tensor, QuantizedWeight):

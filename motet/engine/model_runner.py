@@ -19,6 +19,7 @@ from motet.engine.config import (
     EngineConfig,
     ModelConfig,
     context_length,
+    default_cpu_threads,
 )
 from motet.engine.cpu_forward import CpuForward
 from motet.engine.cpu_forward import supported as cpu_forward_supported
@@ -26,15 +27,17 @@ from motet.engine.cuda_graphs import DecodeGraphs
 from motet.engine.gguf_weights import gguf_file, iter_gguf_weights
 from motet.engine.memory import kv_cache_bytes, memory_budget, weights_bytes
 from motet.engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_available
+from motet.engine.parallel import SINGLE, Parallel
 from motet.engine.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
 from motet.engine.sampler import Sampler, compute_prompt_logprobs
 from motet.engine.scheduler import ScheduledBatch
 from motet.engine.sequence import TokenLogprob
 from motet.engine.speculative.grammar_drafts import activation_index, fill_draft_bitmask
 from motet.engine.speculative.verify import num_accepted, position_views
+from motet.engine.tp_workers import WorkerGroup, receive_plan
 from motet.grammar.backend import allocate_bitmask, apply_bitmask
 from motet.grammar.masking import fill_bitmasks
-from motet.lora.slot_cache import LoRABatch
+from motet.lora.slot_cache import LoRABatch, LoRASlotCache
 
 
 @dataclass
@@ -99,46 +102,69 @@ def _timed_fill(bitmask: torch.Tensor, items, drafted, opening) -> float:
 
 
 class ModelRunner:
-    def __init__(self, model_dir, model_config: ModelConfig, config: EngineConfig):
+    """One rank's model. With `config.tensor_parallel_size` > 1 the runner made without `parallel` is the
+    driver (rank 0): it starts the other ranks (motet/engine/tp_workers.py) and sends them each step's plan;
+    a worker's runner (made with its `parallel`) runs the plans it receives (`serve_plans`)."""
+
+    def __init__(
+        self,
+        model_dir,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        parallel: Parallel | None = None,
+    ):
+        """A worker rank's runner gets its `parallel`; without one, with `tensor_parallel_size` > 1 this is the
+        driver: it starts the other ranks."""
         self.config = config
         self.model_config = model_config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_model_len = context_length(model_config, config.max_model_len)
+        self.workers: WorkerGroup | None = None
+        if parallel is None and config.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(model_dir, model_config, config)
+            parallel = self.workers.parallel
+        self.parallel = parallel or SINGLE
+        self.pending_loads: list[tuple[int, int, object]] = []  # adapter slot loads the workers have not seen
+        try:
+            self._build(model_dir)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
 
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)  # from the thread that runs the forward passes
+    def _build(self, model_dir) -> None:
+        config, model_config, parallel = self.config, self.model_config, self.parallel
+        threads = config.num_threads or (default_cpu_threads(parallel.size) if parallel.enabled else None)
+        if threads and self.device.type == "cpu":
+            torch.set_num_threads(threads)  # from the thread that runs the forward passes
         budget = None  # --gpu-memory-utilization: read before the weights take their part
         if config.num_kv_blocks is None and config.gpu_memory_utilization is not None:
             budget = memory_budget(config.gpu_memory_utilization, self.device)
         torch.manual_seed(config.seed)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, max_positions=self.max_model_len)
-        model = model.to_empty(device=self.device)
-        if model_config.tie_word_embeddings:  # meta -> device conversion unties shared parameters
-            model.lm_head.weight = model.embed_tokens.weight
-        model.rope = type(model.rope)(model_config, self.max_model_len).to(self.device)  # fp32 tables
-        declared = declared_quantization(model_dir, config.quantization)  # a GPTQ / AWQ checkpoint's own
-        if config.quantization == GGUF_QUANTIZATION:
-            model.load_weights(iter_gguf_weights(gguf_file(model_dir)))
-        else:
-            model.load_weights(iter_checkpoint_weights(model_dir, declared))
-        if config.quantization in QUANT_FORMATS:  # from the checkpoint's values, before the cast to `dtype`
-            model.quantize(QUANT_FORMATS[config.quantization])
-        for name, module in model.named_children():
-            if name != "rope":
-                module.to(self.dtype)
-        self.model = model.eval().requires_grad_(False)
-
-        kv_bytes = int(config.kv_cache_memory_gb * 2**30)
-        if budget is not None:
-            used = weights_bytes(self.model, self.device)
-            kv_bytes = kv_cache_bytes(budget, used, config, model_config, self.dtype)
-        self.num_blocks = config.num_kv_blocks or max(
-            1, kv_bytes // kv_block_bytes(model_config, self.block_size, self.dtype)
-        )
-        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        error = None
+        try:
+            (_, local_kv_heads) = parallel.heads(model_config)[1]  # this rank's share of the KV cache
+            share = local_kv_heads / model_config.num_key_value_heads
+            self.model = self._load_model(model_dir)
+        except Exception as e:
+            if not parallel.enabled:
+                raise
+            error = e
+        num_blocks = 1
+        if error is None:
+            kv_bytes = int(config.kv_cache_memory_gb * 2**30)
+            if budget is not None:
+                used = weights_bytes(self.model, self.device)
+                kv_bytes = kv_cache_bytes(
+                    budget, used, config, model_config, self.dtype
+                )  # this rank's device
+            block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype) * share
+            num_blocks = config.num_kv_blocks or max(1, int(kv_bytes // block_bytes))
+        # every rank must hold the same blocks; a rank that failed to load fails them all, naming it
+        self.num_blocks = parallel.agree(f"{type(error).__name__}: {error}" if error else None, num_blocks)
+        shape = (self.num_blocks, self.block_size, local_kv_heads, model_config.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -146,6 +172,7 @@ class ModelRunner:
             )
             for _ in range(model_config.num_hidden_layers)
         ]
+        model = self.model
         # The compiled step (EngineConfig.compile_step): on CPU the native forward, which takes the linear
         # weights over; else (or where it cannot run) the eager model, with oneDNN-prepacked products on CPU.
         self.native: CpuForward | None = None
@@ -161,8 +188,13 @@ class ModelRunner:
         # On CUDA the compiled step is decode steps replayed from CUDA graphs (motet/engine/cuda_graphs.py).
         self.graphs: DecodeGraphs | None = None
         # A sparse layer's expert segments have data-dependent sizes, which a graph cannot replay: MoE models
-        # run eagerly on CUDA too.
-        if config.compile_step and self.device.type == "cuda" and not model_config.is_moe:
+        # run eagerly on CUDA too; so do tensor-parallel ranks (no collectives inside the graphs yet).
+        if (
+            config.compile_step
+            and self.device.type == "cuda"
+            and not model_config.is_moe
+            and not parallel.enabled
+        ):
             self.graphs = DecodeGraphs(
                 lambda ids, pos, meta, lora: self.model(ids, pos, meta, self.kv_caches, lora),
                 max_batch=config.max_num_seqs,
@@ -170,6 +202,87 @@ class ModelRunner:
                 max_seq_len=self.max_model_len,
                 device=self.device,
             )
+
+    def _load_model(self, model_dir) -> LlamaForCausalLM:
+        """This rank's model (the whole of it on one rank), weights loaded, in the engine's dtype."""
+        config, model_config = self.config, self.model_config
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_config, max_positions=self.max_model_len, parallel=self.parallel)
+        model = model.to_empty(device=self.device)
+        if model_config.tie_word_embeddings:  # meta -> device conversion unties shared parameters
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rope = type(model.rope)(model_config, self.max_model_len).to(self.device)  # fp32 tables
+        declared = declared_quantization(model_dir, config.quantization)  # a GPTQ / AWQ checkpoint's own
+        if config.quantization == GGUF_QUANTIZATION:
+            model.load_weights(iter_gguf_weights(gguf_file(model_dir)))
+        else:
+            model.load_weights(iter_checkpoint_weights(model_dir, declared))
+        if config.quantization in QUANT_FORMATS:  # from the checkpoint's values, before the cast to `dtype`
+            model.quantize(QUANT_FORMATS[config.quantization])
+        for name, module in model.named_children():
+            if name != "rope":
+                module.to(self.dtype)
+        return model.eval().requires_grad_(False)
+
+    # -- tensor parallelism ---------------------------------------------------------------------------
+    @property
+    def lora_shape(self):
+        """The shapes the LoRA slots hold on this rank (its part of every module)."""
+        return self.parallel.local_shape(self.model_config) if self.parallel.enabled else self.model_config
+
+    @property
+    def lora_sharder(self):
+        """Cuts an adapter's modules to this rank's part (None on one rank)."""
+        return self.parallel.lora_sharder(self.model_config) if self.parallel.enabled else None
+
+    def note_lora_load(self, slot: int, adapter_id: int, adapter) -> None:
+        """An adapter the driver put in a slot: the workers put it in theirs with the next plan."""
+        self.pending_loads.append((slot, adapter_id, adapter))
+
+    def _send(self, op: str, scalars=(), tensors=(), extra: dict | None = None) -> None:
+        """One plan to the workers, with the adapter slot loads they have not seen yet."""
+        if self.pending_loads:
+            extra = {**(extra or {}), "loads": self.pending_loads}
+            self.pending_loads = []
+        self.workers.send(op, scalars, tensors, extra)
+
+    def close(self) -> None:
+        """Stop the other ranks (nothing to do on one)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    @torch.inference_mode()
+    def serve_plans(self) -> None:
+        """A worker rank's loop: run the driver's plans until it says stop (motet/engine/tp_workers.py)."""
+        cfg = self.config
+        slots = LoRASlotCache(
+            self.lora_shape,
+            fetch=None,
+            max_loras=cfg.max_loras,
+            max_cpu_loras=cfg.max_cpu_loras,
+            max_lora_rank=cfg.max_lora_rank,
+            device=self.device,
+            dtype=self.dtype,
+            shard=self.lora_sharder,
+        )
+        hidden = None
+        while True:
+            op, scalars, tensors, extra = receive_plan()
+            for slot, adapter_id, adapter in (extra or {}).get("loads", ()):
+                slots.write_slot(slot, adapter_id, adapter)
+            tensors = [t.to(self.device) for t in tensors]
+            if op == "stop":
+                return
+            if op == "forward":
+                max_query_len, max_seq_len, max_seg_len = scalars
+                ids, pos, slot_mapping, tables, qsl, seq_lens, *segments = tensors
+                meta = AttentionMetadata(slot_mapping, tables, qsl, seq_lens, max_query_len, max_seq_len)
+                lora = slots.segments(*segments, max_seg_len) if segments else None
+                hidden = self._forward(ids, pos, meta, lora)
+            elif op == "logits":
+                self._logits(hidden[tensors[0]])
+            elif op == "logits_of":
+                self._logits(extra["hidden"].to(self.device))
 
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size
@@ -206,12 +319,42 @@ class ModelRunner:
         if self.graphs is not None and (hidden := self._decode_graph(batch, lora)) is not None:
             return hidden, list(range(len(batch) + 1))
         input_ids, positions, meta, qsl = self._prepare(batch)
+        if self.workers is not None:  # the step's plan, once, to every other rank
+            segments = [lora.seg_starts, lora.seg_slots] if lora is not None else []
+            self._send(
+                "forward",
+                [meta.max_query_len, meta.max_seq_len, lora.max_seg_len if lora is not None else -1],
+                [
+                    input_ids,
+                    positions,
+                    meta.slot_mapping,
+                    meta.block_tables,
+                    meta.query_start_loc,
+                    meta.seq_lens,
+                ]
+                + segments,
+            )
+        return self._forward(input_ids, positions, meta, lora), qsl
+
+    def _forward(self, input_ids, positions, meta: AttentionMetadata, lora: LoRABatch | None) -> torch.Tensor:
         if self.native is not None:
-            return self.native(input_ids, positions, meta, lora), qsl
-        return self.model(input_ids, positions, meta, self.kv_caches, lora), qsl
+            return self.native(input_ids, positions, meta, lora)
+        return self.model(input_ids, positions, meta, self.kv_caches, lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the given hidden rows."""
+        if self.workers is not None:
+            self._send("logits_of", extra={"hidden": hidden})
+        return self._logits(hidden)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """fp32 logits of rows of the latest forward's hidden states (the other ranks pick the same rows)."""
+        if self.workers is not None:
+            self._send("logits", tensors=[torch.tensor(rows, dtype=torch.int64)])
+        return self._logits(hidden[rows])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """This rank's part of the logits (rank 0 gets all of them, gathered; the others None)."""
         if self.native is not None:
             return self.native.logits(hidden)
         return self.model.compute_logits(hidden)
@@ -268,7 +411,7 @@ class ModelRunner:
             for i in sample_rows
             for r in range(qsl[i + 1] - 1 - len(batch.seqs[i].draft_token_ids), qsl[i + 1])
         ]
-        logits = self.compute_logits(hidden[rows])
+        logits = self.logits(hidden, rows)
         if masked:
             self._apply_grammar(logits, bitmask, masked, filling)
         out = self.sampler(logits, views)
@@ -291,7 +434,7 @@ class ModelRunner:
                 continue
             rows = range(qsl[i] + first - start, qsl[i] + last - start)
             targets = seq.token_ids[first + 1 : last + 1]
-            chunk_logits = self.compute_logits(hidden[list(rows)])
+            chunk_logits = self.logits(hidden, list(rows))
             result.prompt_logprobs[i] = compute_prompt_logprobs(chunk_logits, torch.tensor(targets), k)
         return result
 

@@ -29,7 +29,7 @@ log = logging.getLogger("motet.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files in csrc/
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 4
+ABI_VERSION = 7
 PANEL = 16  # output columns per packed weight panel (NR in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 QUANT_CODES = {"int8": 2, "int4": 3}  # quantized weights' codes (the source's WeightCode), by format name
@@ -54,11 +54,34 @@ class Linear(ctypes.Structure):
     _fields_ = [("w", _ptr), ("code", _i32)]
 
 
+class AttentionWeights(ctypes.Structure):
+    """The attention op's weights; q_norm and k_norm (Qwen3's per-head RMSNorm weights) null where none."""
+
+    _fields_ = [("norm", _ptr), ("qkv", Linear), ("qkv_bias", _ptr), ("o", Linear), ("q_norm", _ptr),
+                ("k_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr)]  # fmt: skip
+
+
+class MlpWeights(ctypes.Structure):
+    """A SwiGLU MLP (a dense layer's, or a sparse layer's shared expert: inter 0 where it has none)."""
+
+    _fields_ = [("gate_up", Linear), ("down", Linear), ("inter", _i32)]
+
+
+class MoeWeights(ctypes.Structure):
+    """A sparse layer's experts: the router, every expert's packed gate_up then every expert's packed down
+    (one after another, in the model's dtype), and the shared expert with its gate."""
+
+    _fields_ = [("router", Linear), ("experts_gate_up", _ptr), ("experts_down", _ptr), ("num_experts", _i32),
+                ("top_k", _i32), ("inter", _i32), ("renormalize", _i32), ("shared", MlpWeights),
+                ("shared_gate", Linear)]  # fmt: skip
+
+
+MLP_DENSE, MLP_SPARSE = 0, 1  # Layer.mlp_kind (the source's MlpKind)
+
+
 class Layer(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Linear), ("qkv_bias", _ptr), ("o", Linear),
-        ("gate_up", Linear), ("down", Linear), ("k_cache", _ptr), ("v_cache", _ptr),
-    ]  # fmt: skip
+    _fields_ = [("attn", AttentionWeights), ("post_norm", _ptr), ("mlp_kind", _i32), ("mlp", MlpWeights),
+                ("moe", MoeWeights)]  # fmt: skip
 
 
 class LoraModule(ctypes.Structure):
@@ -69,11 +92,16 @@ class LoraModule(ctypes.Structure):
     )
 
 
+# Sums a float buffer over the tensor-parallel ranks, in place: (pointer, count); the forward calls it on each
+# op's output before adding it to the residual stream (the source's AllReduce).
+ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+
+
 class Model(ctypes.Structure):
-    _fields_ = [(n, _i32) for n in ("dtype_w", "dtype_cache", "hidden", "inter", "num_heads", "num_kv_heads",
-                                    "head_dim", "num_layers", "block_size")] + [
+    _fields_ = [(n, _i32) for n in ("dtype_w", "dtype_cache", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                    "num_layers", "block_size")] + [
         ("eps", _f32), ("scale", _f32), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
-        ("layers", ctypes.POINTER(Layer)),
+        ("layers", ctypes.POINTER(Layer)), ("all_reduce", ALL_REDUCE),
     ]  # fmt: skip
 
 

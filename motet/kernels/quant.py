@@ -142,6 +142,27 @@ class QuantizedWeight:
     def to(self, device: torch.device | str) -> QuantizedWeight:
         return self._map(lambda t: t.to(device))
 
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
+        """Output rows [start, start + length) (dim 0), or input columns (dim 1), which must be whole blocks
+        (a tensor-parallel rank's part of the weight)."""
+        if dim == 0:
+            return self._map(lambda t: t.narrow(0, start, length))
+        if start % BLOCK or length % BLOCK:
+            raise ValueError(f"columns {start}:{start + length} do not fall on blocks of {BLOCK}")
+        per_byte = 8 // self.format.bits
+        data = self.data.narrow(1, start // per_byte, length // per_byte)
+        blocks = [
+            t.narrow(1, start // BLOCK, length // BLOCK) for t in (self.scales, self.mins) if t is not None
+        ]
+        return QuantizedWeight(self.format, data, blocks[0], blocks[1] if len(blocks) > 1 else None)
+
+    def padded(self, rows: int) -> QuantizedWeight:
+        """The weight with zero rows appended up to `rows` (scale and min 0: they compute 0)."""
+        extra = rows - self.shape[0]
+        if extra <= 0:
+            return self
+        return QuantizedWeight.cat([self, self._map(lambda t: t.new_zeros((extra, *t.shape[1:])))])
+
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight's rows `index` (a permutation or a selection of output rows)."""
         return self._map(lambda t: t[index].contiguous())

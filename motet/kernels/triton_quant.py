@@ -193,7 +193,7 @@ if triton is not None:
         return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def _round(v, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    def round_to(v, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
         """fp32 `v` rounded to nearest-even in DTYPE. The interpreter (triton 3.9) truncates fp32 to bf16, so
         there the rounding is done on the bits first (a bf16 value is the high half of an fp32 one)."""
         if INTERPRETED and DTYPE == tl.bfloat16:  # noqa: SIM300 (a constexpr on the left, as triton compares)
@@ -205,7 +205,7 @@ if triton is not None:
     @triton.jit
     def _operand(w, DTYPE: tl.constexpr, DOT_FP32: tl.constexpr):
         """A dequantized fp32 tile rounded to x's dtype (the reference's weight), as the dot takes it."""
-        w = _round(w, DTYPE, DOT_FP32)
+        w = round_to(w, DTYPE, DOT_FP32)
         if DOT_FP32:
             w = w.to(tl.float32)
         return w
@@ -305,7 +305,7 @@ if triton is not None:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(
-            out_ptrs, _round(acc, out_ptr.dtype.element_ty, DOT_FP32), mask=m_ok[:, None] & n_ok[None, :]
+            out_ptrs, round_to(acc, out_ptr.dtype.element_ty, DOT_FP32), mask=m_ok[:, None] & n_ok[None, :]
         )
 
     @triton.jit
@@ -336,6 +336,6 @@ if triton is not None:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(
             out_ptr + m * stride_om + offs_n * stride_on,
-            _round(acc, out_ptr.dtype.element_ty, INTERPRETED),
+            round_to(acc, out_ptr.dtype.element_ty, INTERPRETED),
             mask=n_ok,
         )

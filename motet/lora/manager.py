@@ -21,6 +21,7 @@ import hashlib
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import torch
 
 from motet.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, LoRAAdapter, load_adapter
 from motet.lora.base_shape import BaseShape
-from motet.lora.slot_cache import LoRABatch, LoRASlotCache
+from motet.lora.slot_cache import LoRABatch, LoRASlotCache, Shard
 
 VERSION_STAMP = ".motet-version"  # in a copy of an adapter's files: the version of the files it copies
 
@@ -86,16 +87,23 @@ class AdapterManager:
         max_lora_rank: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        slot_base: BaseShape | None = None,
+        shard: Shard | None = None,
+        on_load: Callable[[int, int, LoRAAdapter], None] | None = None,
     ):
+        """`base` checks adapters; the slots hold `slot_base`'s shapes (a tensor-parallel rank's part of the
+        model, with `shard` and `on_load`: LoRASlotCache), by default `base`'s."""
         self.base, self.max_lora_rank = base, max_lora_rank
         self.slots = LoRASlotCache(
-            base,
+            slot_base or base,
             fetch=self._fetch,
             max_loras=max_loras,
             max_cpu_loras=max_cpu_loras,
             max_lora_rank=max_lora_rank,
             device=device,
             dtype=dtype,
+            shard=shard,
+            on_load=on_load,
         )
         self.named: dict[str, AdapterRef] = {}  # names registered offline or shared by the server
         self.known: dict[int, AdapterRef] = {}  # uid -> ref, for every version loaded and not dropped

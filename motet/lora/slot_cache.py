@@ -25,6 +25,8 @@ from motet.lora.adapter import TARGET_MODULES, LoRAAdapter, module_shape
 from motet.lora.base_shape import BaseShape
 
 Stacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # A [S, R, in], B [S, out, R], scales [S]
+# A rank's part of a module's (A [r, in], B [out, r]) under tensor parallelism (motet/engine/parallel.py)
+Shard = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -63,8 +65,14 @@ class LoRASlotCache:
         max_lora_rank: int = 64,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        shard: Shard | None = None,
+        on_load: Callable[[int, int, LoRAAdapter], None] | None = None,
     ):
+        """`base`: the shapes the slots hold (a tensor-parallel rank's: its heads and intermediate columns);
+        `shard` cuts each adapter module to them; `on_load(slot, adapter_id, adapter)` hears of every slot
+        load (the other ranks mirror it)."""
         self.base = base
+        self.shard, self.on_load = shard, on_load
         self.max_loras, self.max_cpu_loras, self.max_lora_rank = max_loras, max_cpu_loras, max_lora_rank
         self.device, self.dtype = torch.device(device), dtype
         self.fetch = fetch  # uid -> its LoRAAdapter, loaded (for one not in the host cache)
@@ -145,15 +153,25 @@ class LoRASlotCache:
         victim = next(a for a in self.resident if a not in keep)  # least recently used outside the batch
         return self.resident.pop(victim)
 
-    @torch.no_grad()
     def _load(self, adapter_id: int, slot: int) -> None:
         adapter = self.get_cpu(adapter_id)
+        self.write_slot(slot, adapter_id, adapter)
+        if self.on_load is not None:
+            self.on_load(slot, adapter_id, adapter)
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, adapter_id: int, adapter: LoRAAdapter) -> None:
+        """Put `adapter` in `slot` (whatever held it before)."""
+        for previous in [a for a, s in self.resident.items() if s == slot]:
+            del self.resident[previous]
         if self.stacks is None:
             self.stacks = self._allocate()
         for layer, module in self.slot_modules[slot]:  # clear what the previous tenant of the slot wrote
             for t in self.stacks[layer][module]:
                 t[slot].zero_()
         for (layer, module), (a, b, scale) in adapter.weights.items():
+            if self.shard is not None:
+                a, b = self.shard(module, a, b)
             A, B, scales = self.stacks[layer][module]
             r = a.shape[0]
             A[slot, :r].copy_(a)
@@ -212,9 +230,9 @@ class LoRASlotCache:
         def tensor(data):
             return torch.tensor(data, dtype=torch.int32).to(self.device, non_blocking=True)
 
-        return LoRABatch(
-            seg_starts=tensor(starts),
-            seg_slots=tensor(slots),
-            max_seg_len=max(lens),
-            weights=self._weights(frozenset(slot_of.values())),
-        )
+        return self.segments(tensor(starts), tensor(slots), max(lens))
+
+    def segments(self, seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int) -> LoRABatch:
+        """The LoRABatch of given segments over the slots as they are (another rank's plan, mirrored)."""
+        slots = frozenset(s for s in seg_slots.tolist() if s >= 0)
+        return LoRABatch(seg_starts, seg_slots, max_seg_len, self._weights(slots))

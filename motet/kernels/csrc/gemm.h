@@ -115,6 +115,25 @@ inline void store_tile(const float* c, int rows, int nv, const TB* bias, int n0,
     }
 }
 
+// Rows [m_start, m_end) of y (=, or +=) x @ W^T over one packed panel `w` (output columns n0 .. n0 + nv),
+// plus the bias. A bf16 panel read by several row tiles is converted once, into `convert` (an fp32 copy kept
+// in L1/L2: K * NR floats).
+template <typename TW, typename TB>
+inline void panel_product(const float* x, int64_t ldx, int m_start, int m_end, int K, const TW* w, int n0, int nv,
+                          const TB* bias, float* y, int64_t ldy, bool accumulate, float* convert) {
+    alignas(32) float c[MR * NR];
+    const bool conv = sizeof(TW) == 2 && m_end - m_start > MR;
+    if (conv) to_f32(w, convert, static_cast<int64_t>(K) * NR);
+    for (int m0 = m_start; m0 < m_end; m0 += MR) {
+        const int rows = m_end - m0 < MR ? m_end - m0 : MR;
+        if (conv)
+            micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, convert, K, c);
+        else
+            micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, w, K, c);
+        store_tile(c, rows, nv, bias, n0, y + static_cast<int64_t>(m0) * ldy, ldy, accumulate);
+    }
+}
+
 template <typename TW>
 void gemm(const float* x, int64_t ldx, int M, int K, const TW* packed, int N, const TW* bias, float* y,
           int64_t ldy, bool accumulate) {
@@ -123,26 +142,15 @@ void gemm(const float* x, int64_t ldx, int M, int K, const TW* packed, int N, co
     // thread streams one contiguous run of panels.
     for (int m_start = 0; m_start < M; m_start += kMChunk) {
         const int m_end = m_start + kMChunk < M ? m_start + kMChunk : M;
-        // A bf16 panel read by several row tiles is converted once, into an fp32 copy kept in L1/L2.
-        const bool convert = sizeof(TW) == 2 && m_end - m_start > MR;
-#pragma omp parallel
+#pragma omp parallel if (panels > 1)  // one panel (a router, a gate): no other thread would have work
         {
-            std::vector<float> panel(convert ? static_cast<size_t>(K) * NR : 0);
-            alignas(32) float c[MR * NR];
+            std::vector<float> convert(sizeof(TW) == 2 && m_end - m_start > MR ? static_cast<size_t>(K) * NR : 0);
 #pragma omp for schedule(static)
             for (int p = 0; p < panels; ++p) {
                 const int n0 = p * NR;
                 const int nv = N - n0 < NR ? N - n0 : NR;
-                const TW* w = packed + static_cast<int64_t>(p) * K * NR;
-                if (convert) to_f32(w, panel.data(), static_cast<int64_t>(K) * NR);
-                for (int m0 = m_start; m0 < m_end; m0 += MR) {
-                    const int rows = m_end - m0 < MR ? m_end - m0 : MR;
-                    if (convert)
-                        micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, panel.data(), K, c);
-                    else
-                        micro_rows(rows, x + static_cast<int64_t>(m0) * ldx, ldx, w, K, c);
-                    store_tile(c, rows, nv, bias, n0, y + static_cast<int64_t>(m0) * ldy, ldy, accumulate);
-                }
+                panel_product(x, ldx, m_start, m_end, K, packed + static_cast<int64_t>(p) * K * NR, n0, nv, bias,
+                              y, ldy, accumulate, convert.data());
             }
         }
     }

@@ -1,0 +1,253 @@
+"""Mixture-of-experts decode: motet's engine (the compiled CPU step) against Hugging Face `generate` on the same
+model, in the same run, at equal threads.
+
+    python -m benchmarks.moe_decode [--arch mixtral] [--hidden 768] [--layers 4] [--experts 8] [--top-k 2]
+                                    [--expert-inter 2048] [--batches 1 8 32] [--prompt 32] [--tokens 32]
+                                    [--repeats 3] [--threads 2] [--dtypes float32 bfloat16] [--quick]
+                                    [--out DIR]
+
+The model: random weights (N(0, 0.02)) in a real architecture's shape, built with transformers and saved once
+(Mixtral-shaped by default: hidden 768, 12 heads of 64, 4 KV heads, 8 experts of 2048 with top-2 routing,
+4 layers, a 32000 vocabulary, untied lm_head; `--arch qwen2_moe` adds Qwen2-MoE's shared expert of
+`--shared-inter` with its sigmoid gate; `--arch qwen3_moe` is Qwen3-MoE: no shared expert, renormalized top-k,
+per-head q/k RMSNorm). For each batch size B, B greedy requests of --prompt random tokens
+each generate --tokens tokens (EOS ignored on both sides):
+
+- motet: the offline engine (max_num_seqs B, speculation off: one token per sequence a step). Prefill
+  runs first; then the decode steps are timed, B tokens a step.
+- Hugging Face: `model.generate` on the [B, prompt] batch, do_sample False, min_new_tokens = max_new_tokens,
+  the default experts implementation and KV cache; its decode time is generate(--tokens) minus
+  generate(1) (the prefill and the first token), for --tokens - 1 steps of B tokens.
+
+Decode tokens/s = B x steps / decode time (median of --repeats), and motet's speed-up over Hugging Face. Both
+sides use --threads torch threads (motet's native kernels share torch's OpenMP pool) and the same weights' dtype,
+each of --dtypes in turn: float32, where torch's CPU products are at their best, and bfloat16, how MoE
+checkpoints ship (torch's bf16 products are slow on CPUs without bf16 instructions; motet widens bf16 in
+registers and keeps fp32 activations). The issue's target: >= 3x at batch 32. `--quick` is a smoke run (8
+tokens, one repeat). Writes results.json and summary.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from benchmarks import write_report
+from motet.engine.llm import LLM
+from motet.engine.sampling_params import SamplingParams
+from motet.evals.serving_bench import machine
+from tests.tiny_models import build_tokenizer
+
+
+def shape(args) -> dict:
+    """The model's config fields (the same for both sides)."""
+    common = dict(
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 64 // 3),
+        max_position_embeddings=4096,
+        num_experts_per_tok=args.top_k,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    )
+    if args.arch == "mixtral":
+        return dict(common, num_local_experts=args.experts, intermediate_size=args.expert_inter)
+    if args.arch == "qwen3_moe":
+        return dict(common, num_experts=args.experts, moe_intermediate_size=args.expert_inter, head_dim=64,
+                    norm_topk_prob=True)  # fmt: skip
+    return dict(
+        common,
+        num_experts=args.experts,
+        moe_intermediate_size=args.expert_inter,
+        intermediate_size=args.shared_inter,
+        shared_expert_intermediate_size=args.shared_inter,
+        norm_topk_prob=False,
+    )
+
+
+def build_model(args, path: Path) -> Path:
+    """A random-weight checkpoint of the shape, with a small tokenizer (the engine needs one; prompts are
+    token ids)."""
+    torch.manual_seed(0)
+    cfg_cls = {"mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}[args.arch]
+    tok = build_tokenizer()
+    cfg = cfg_cls(**shape(args), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.02)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+def prompts(batch: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(300, 32000, (batch, length), generator=g).tolist()
+
+
+def motet_decode(llm: LLM, batch: list[list[int]], tokens: int) -> tuple[float, int]:
+    """(seconds, tokens) of the decode steps of `batch` (after every prompt is prefilled)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for p in batch:
+        engine.add_request(p, params)
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
+        engine.step()
+    # tokens still to come (a chunked prefill may have let the first sequences decode already)
+    remaining = sum(tokens - s.num_output_tokens for s in engine.scheduler.running)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t0, remaining
+
+
+def hf_decode(model, batch: list[list[int]], tokens: int) -> tuple[float, int]:
+    """(seconds, tokens) of generate's decode steps: generate(tokens) minus generate(1)."""
+    ids = torch.tensor(batch)
+    mask = torch.ones_like(ids)
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False
+            )
+        assert out.shape[1] == ids.shape[1] + n
+        return time.perf_counter() - t0
+
+    return run(tokens) - run(1), len(batch) * (tokens - 1)
+
+
+def measure(fn, repeats: int) -> dict:
+    runs = [fn() for _ in range(repeats)]
+    rates = [n / s for s, n in runs]
+    return {"tokens_per_s": statistics.median(rates), "range": [min(rates), max(rates)]}
+
+
+def compare(args, model_dir: Path, hf, dtype: str, b: int) -> dict:
+    """One batch size in one dtype: motet's decode tokens/s, then Hugging Face's."""
+    batch = prompts(b, args.prompt)
+    llm = LLM(str(model_dir), dtype=dtype, num_threads=args.threads, max_num_seqs=b, block_size=16,
+              num_kv_blocks=b * -(-(args.prompt + args.tokens) // 16) + 16,
+              max_num_batched_tokens=max(512, b * args.prompt), speculative="off")  # fmt: skip
+    assert llm.engine.runner.native is not None, "the compiled CPU step did not take this model"
+    motet_decode(llm, batch[:1], 4)  # warm
+    motet = measure(lambda: motet_decode(llm, batch, args.tokens), args.repeats)
+    llm.engine = None  # its weights and KV cache freed before Hugging Face runs
+    torch.set_num_threads(args.threads)
+    hf_decode(hf, batch[:1], 3)  # warm
+    ref = measure(lambda: hf_decode(hf, batch, args.tokens), args.repeats)
+    row = {
+        "dtype": dtype,
+        "batch": b,
+        "motet": motet,
+        "hf": ref,
+        "speedup": motet["tokens_per_s"] / ref["tokens_per_s"],
+    }
+    print(f"{dtype} batch {b:3d}: motet {motet['tokens_per_s']:8.1f} tok/s, HF {ref['tokens_per_s']:8.1f} tok/s, "
+          f"{row['speedup']:.2f}x", flush=True)  # fmt: skip
+    return row
+
+
+def summary_md(report: dict) -> str:
+    s = report["shape"]
+    lines = [
+        f"# MoE decode: motet (compiled CPU step) vs Hugging Face generate ({report['threads']} threads, "
+        f"{report['machine']})",
+        "",
+        f"Model: {report['arch']}-shaped, random weights: hidden {s['hidden_size']}, {s['num_hidden_layers']} layers, "
+        f"{s['num_attention_heads']} heads / {s['num_key_value_heads']} KV heads of 64, "
+        f"{report['experts']} experts of {report['expert_inter']} with top-{s['num_experts_per_tok']} routing"
+        + (
+            f", a shared expert of {s['shared_expert_intermediate_size']}"
+            if report["arch"] == "qwen2_moe"
+            else ""
+        )
+        + f", vocabulary {s['vocab_size']} ({report['params_m']:.0f}M parameters). Prompts of {report['prompt']} "
+        f"random tokens, {report['tokens']} generated per request, greedy; median of {report['repeats']}; "
+        f"Hugging Face's experts implementation: {report['hf_experts_implementation']}.",
+        "",
+        "| dtype | batch | motet tok/s (min-max) | HF tok/s (min-max) | motet / HF |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        m, h = r["motet"], r["hf"]
+        lines.append(
+            f"| {r['dtype']} | {r['batch']} | {m['tokens_per_s']:.1f} ({m['range'][0]:.1f}-{m['range'][1]:.1f}) | "
+            f"{h['tokens_per_s']:.1f} ({h['range'][0]:.1f}-{h['range'][1]:.1f}) | {r['speedup']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--arch",
+        choices=["mixtral", "qwen2_moe", "qwen3_moe"],
+        default="mixtral",
+        help="the model's architecture",
+    )
+    ap.add_argument("--hidden", type=int, default=768, help="hidden size (a multiple of 64: heads of 64)")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (all sparse)")
+    ap.add_argument("--experts", type=int, default=8, help="experts per layer")
+    ap.add_argument("--top-k", type=int, default=2, help="experts per token")
+    ap.add_argument("--expert-inter", type=int, default=2048, help="each expert's intermediate size")
+    ap.add_argument("--shared-inter", type=int, default=2048, help="qwen2_moe: the shared expert's size")
+    ap.add_argument(
+        "--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (requests at once)"
+    )
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (>= 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per side and batch (median)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
+    ap.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=["float32", "bfloat16"],
+        default=["float32", "bfloat16"],
+        help="the weights' dtype on both sides, each in turn",
+    )
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 8 tokens, one repeat")
+    ap.add_argument(
+        "--out", default=None, help="report directory (default benchmarks/reports/moe_decode/TIME)"
+    )
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.repeats = 8, 1
+    if args.tokens < 2 or args.hidden % 64:
+        ap.error("--tokens must be >= 2 and --hidden a multiple of 64")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(args, Path(tmp))
+        for dtype in args.dtypes:
+            torch.set_num_threads(args.threads)
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+            params_m = sum(p.numel() for p in hf.parameters()) / 1e6
+            hf_impl = getattr(hf.config, "_experts_implementation", None) or "eager"
+            for b in args.batches:
+                rows.append(compare(args, model_dir, hf, dtype, b))
+            del hf
+    report = {
+        "arch": args.arch, "shape": shape(args), "experts": args.experts, "expert_inter": args.expert_inter,
+        "params_m": params_m, "threads": args.threads, "machine": machine(),
+        "prompt": args.prompt, "tokens": args.tokens, "repeats": args.repeats,
+        "hf_experts_implementation": hf_impl, "rows": rows,
+    }  # fmt: skip
+    out = Path(args.out or f"benchmarks/reports/moe_decode/{time.strftime('%Y%m%d-%H%M%S')}")
+    write_report(out, report, summary_md(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The Triton grouped-expert kernel (motet/kernels/triton_moe.py) against the torch reference path (one
+gate/up and one down `F.linear` per expert with rows, as `Experts.grouped` runs off CUDA) on one CUDA device,
+with the fraction of the device's copy bandwidth each reaches. Writes results.json and summary.md into --out.
+
+    python -m benchmarks.moe_gpu_bench --out OUT [--shape 8x4096x14336] [--top-k 2] [--tokens 1,8,32,64]
+
+A shape ExHxI: E experts of hidden size H and intermediate size I (8x4096x14336: Mixtral-8x7B's; bf16 random
+weights). Each case routes `tokens` tokens to top-k experts at random, so rows = tokens x top_k. Times are
+CUDA-event means over 50 calls after warm-up (the kernel's tile table needs one host sync, so no graph);
+the bytes a call must move are the touched experts' weights (3 H I x 2 bytes each) plus the rows in and out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import write_report
+from benchmarks.quant_gpu_bench import copy_bandwidth
+from motet.kernels import triton_moe
+
+
+def torch_grouped(rows, expert_ids, gate_up, down) -> torch.Tensor:
+    """The reference: per expert with rows, its gate/up and its down as two products."""
+    inter = gate_up.shape[1] // 2
+    order = expert_ids.argsort(stable=True)
+    counts = torch.bincount(expert_ids, minlength=gate_up.shape[0]).tolist()
+    x = rows[order]
+    out = torch.empty_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            gate, up = F.linear(x[start : start + n], gate_up[e]).split(inter, dim=-1)
+            out[start : start + n] = F.linear(F.silu(gate) * up, down[e])
+            start += n
+    return torch.empty_like(out).index_copy_(0, order, out)
+
+
+def mean_us(fn, calls: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="8x4096x14336")
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--tokens", default="1,8,32,64")
+    ap.add_argument(
+        "--out", type=Path, default=Path("benchmarks/reports/moe_gpu") / time.strftime("%Y-%m-%d")
+    )
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    E, H, inter = (int(v) for v in args.shape.lower().split("x"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    down = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    bandwidth = copy_bandwidth()
+    rows_out = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        ids = torch.stack(
+            [torch.randperm(E, device="cuda", generator=g)[: args.top_k] for _ in range(tokens)]
+        )
+        expert_ids = ids.flatten()
+        rows = torch.randn(expert_ids.numel(), H, device="cuda", dtype=torch.bfloat16, generator=g)
+        got = triton_moe.grouped_experts(rows, expert_ids, gate_up, down)
+        want = torch_grouped(rows, expert_ids, gate_up, down)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        touched = len(set(expert_ids.tolist()))
+        nbytes = touched * 3 * H * inter * 2 + 2 * 2 * rows.numel()
+        t_kernel = mean_us(lambda: triton_moe.grouped_experts(rows, expert_ids, gate_up, down))  # noqa: B023
+        t_torch = mean_us(lambda: torch_grouped(rows, expert_ids, gate_up, down))  # noqa: B023
+        rows_out.append(
+            {
+                "tokens": tokens,
+                "rows": rows.shape[0],
+                "experts_touched": touched,
+                "kernel_us": t_kernel,
+                "torch_us": t_torch,
+                "speedup": t_torch / t_kernel,
+                "kernel_bandwidth_fraction": nbytes / (t_kernel * 1e-6) / bandwidth,
+                "torch_bandwidth_fraction": nbytes / (t_torch * 1e-6) / bandwidth,
+                "max_relative_error": err,
+            }
+        )
+        print(rows_out[-1], flush=True)
+    lines = [
+        f"# Grouped experts on {torch.cuda.get_device_name()}: {args.shape}, top-{args.top_k}, bf16",
+        "",
+        f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s",
+        "",
+        "| tokens | rows | experts | kernel us | torch us | speedup | kernel BW | torch BW | max rel err |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows_out:
+        lines.append(
+            f"| {r['tokens']} | {r['rows']} | {r['experts_touched']} | {r['kernel_us']:.1f} | {r['torch_us']:.1f} | "
+            f"{r['speedup']:.2f} | {r['kernel_bandwidth_fraction']:.0%} | {r['torch_bandwidth_fraction']:.0%} | "
+            f"{r['max_relative_error']:.1e} |"
+        )
+    report = {"args": vars(args) | {"out": str(args.out)}, "copy_bandwidth": bandwidth, "results": rows_out}
+    write_report(args.out, report, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
