@@ -167,6 +167,8 @@ def cluster_system(args, config, loras: dict[str, Path]):
         raise ValueError(
             "--kv-shared-dir and --prefill-replicas need the prefix cache (drop --no-prefix-caching)"
         )
+    if config.kv_shared_dir and config.tensor_parallel_size > 1:  # as the engine's other KV tiers
+        raise ValueError("--kv-shared-dir and --prefill-replicas do not work with --tensor-parallel-size yet")
     if args.threads is None:  # the machine's cores, shared by the replicas (engine/config.py)
         config.num_threads = default_cpu_threads(replicas + prefill)
     settings = ClusterSettings(

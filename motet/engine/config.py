@@ -363,6 +363,8 @@ class EngineConfig:
             raise ValueError("kv_disk_gb needs kv_disk_dir, the directory of the disk tier")
         if self.kv_shared_dir and not self.enable_prefix_caching:
             raise ValueError("the shared KV tier (kv_shared_dir) extends the prefix cache: enable it")
+        if self.kv_shared_dir and self.tensor_parallel_size > 1:  # as the other tiers (below)
+            raise ValueError("the shared KV tier (kv_shared_dir) does not work with tensor parallelism yet")
         if (self.kv_offload_gb > 0 or self.kv_disk_gb > 0) and not self.enable_prefix_caching:
             raise ValueError("the KV tiers (kv_offload_gb, kv_disk_gb) extend the prefix cache: enable it")
         if (self.kv_offload_gb > 0 or self.kv_disk_gb > 0) and self.tensor_parallel_size > 1:
