@@ -3,7 +3,7 @@ the same total size, step by step, on the service-time model fitted to this mach
 (benchmarks/routing_fit.py; benchmarks/reports/routing_fit.json), at 2 to 256 replicas.
 
     python -m benchmarks.pd_sim [--replicas 2 64 256] [--ratios 3:1 2:1 1:1 1:2 1:3] [--goodput-at 2 64]
-                                [--duration 1200] [--out DIR]
+                                [--duration 600] [--out DIR]
 
 The trace: Poisson arrivals, a mix of long prompts (--long-prompt tokens, --long-output out) and long decodes
 (--decode-prompt tokens, --decode-output out), --long-share of them long prompts. A replica's step is the
@@ -298,7 +298,7 @@ def main(argv=None) -> None:
         "--ratios", nargs="+", default=["3:1", "2:1", "1:1", "1:2", "1:3"], help="prefill:decode pool sizes"
     )
     ap.add_argument("--rate-per-replica", type=float, default=0.05, help="requests per second per replica")
-    ap.add_argument("--duration", type=float, default=1200.0, help="simulated seconds")
+    ap.add_argument("--duration", type=float, default=600.0, help="simulated seconds")
     ap.add_argument("--warmup", type=float, default=0.2, help="share of the duration not counted")
     ap.add_argument("--long-prompt", type=int, default=d.long_prompt)
     ap.add_argument("--long-output", type=int, default=d.long_output)
@@ -313,7 +313,7 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--goodput-at", type=int, nargs="*", default=[2, 64], help="replica counts whose goodput is bisected"
     )
-    ap.add_argument("--goodput-duration", type=float, default=600.0)
+    ap.add_argument("--goodput-duration", type=float, default=300.0)
     ap.add_argument("--attainment", type=float, default=0.9)
     ap.add_argument("--max-rate", type=float, default=0.3, help="the bisection's upper rate per replica")
     ap.add_argument("--bisections", type=int, default=6)
