@@ -56,8 +56,8 @@ class RoutingCosts:
     adapter_load_s: float = 0.057  # reading and validating a rank-8 adapter
     request_s: float = 0.0062  # the first-token delay one more outstanding request adds (a decode row)
     request_work_s: float = 1.24  # a request's work apart from its prefill: its share of decode steps
-    # Loading one block from the shared KV tier into the cache (a local file: read, CRC-32, copy): an
-    # estimate, ~3% of its prefill.
+    # Loading one block from the shared KV tier into the cache (a file: read, CRC-32, copy), ~3% of its
+    # prefill: benchmarks/reports/kv_tiers has 4,000 tokens (250 blocks) from a cold disk in a 0.64 s TTFT.
     block_load_s: float = 0.002
 
 
