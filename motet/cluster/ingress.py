@@ -6,6 +6,11 @@ are the same. A submission is hashed into its route (motet/cluster/prompt_blocks
 handle and its router (motet/cluster/router.py), to one replica as one streaming call; the replica's Admitted
 answers the API, its deltas go onto local reply streams.
 
+Under prefill/decode disaggregation (motet/cluster/disaggregation.py) a request whose prompt is worth it first
+goes to a prefill replica, whose answer says how many of its blocks the shared KV tier holds; then, as above, to
+a decode replica. A prefill that fails in any way (replica lost, busy, too slow) only costs its time: the decode
+replica computes what is missing. A request the prefill replica refuses as bad input gets that answer.
+
 Faults: a replica that dies before a request's first token (in its queue, or while admitting it) costs
 nothing: the request is sent again, to another replica. Once tokens have reached the client, the streams
 end with a clean error (an SSE error event). No wait is unbounded: admission has a time limit.
@@ -28,6 +33,7 @@ from motet.actors.reply import ReplyStream
 from motet.actors.system import Stats
 from motet.cluster import reports
 from motet.cluster.adapter_store import SharedAdapterStore
+from motet.cluster.disaggregation import PrefillDone, wants_prefill
 from motet.cluster.launch import Cluster, ClusterThread, reclaim_sigterm
 from motet.cluster.model_view import ModelView
 from motet.cluster.prompt_blocks import route_hashes
@@ -39,6 +45,7 @@ log = logging.getLogger("motet.ingress")
 
 MAX_ATTEMPTS = 3  # replicas a request may be sent to before it fails
 ADMISSION_TIMEOUT_S = 120.0  # no replica admitted it in this time (none is up): 503
+PREFILL_TIMEOUT_S = 120.0  # a prefill that takes longer is given up: the decode replica computes the prompt
 
 
 class ReplicaLost(ServingError):
@@ -76,6 +83,8 @@ class ClusterSystem:
     def __init__(self, cluster: Cluster, model: ModelView, store: SharedAdapterStore):
         self.cluster, self.model, self.store = cluster, model, store
         self.handle = None
+        self.prefill_handle = None  # the prefill pool's, under disaggregation
+        self.pd = PDCounters()
         self.calls: dict[str, _Call] = {}  # request id -> its call
         self._tg: TaskGroup | None = None
         self._stopped = anyio.Event()
@@ -100,12 +109,13 @@ class ClusterSystem:
             await anyio.to_thread.run_sync(lambda: self.model.tokenizer)  # loaded before the first request
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                self.prefill_handle = self.cluster.prefill_handle
                 self.handle = owner.handle
                 task_status.started()
                 await self._stopped.wait()
                 tg.cancel_scope.cancel()
         finally:
-            self.handle = None
+            self.handle = self.prefill_handle = None
             owner.finish()
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(owner.join)
@@ -132,6 +142,8 @@ class ClusterSystem:
         adapter = spec.adapter.uid if spec.adapter is not None else 0
         streams = [ReplyStream(rid) for s in specs for rid in s.request_ids]
         call = _Call(specs, RouteRequest(hashes, adapter), streams)
+        if self.prefill_handle is not None and wants_prefill(specs, hashes):
+            await self._prefill(call)
         try:
             admitted = await self._admit(call)
         except BaseException:  # refused, or the client went away meanwhile: nothing may run on
@@ -146,6 +158,33 @@ class ClusterSystem:
             admissions.append(Admission(prompt_ids, streams[i : i + len(s.request_ids)], text))
             i += len(s.request_ids)
         return admissions
+
+    async def _prefill(self, call: _Call) -> None:
+        """The prompt's KV computed on a prefill replica and put in the shared tier; the call's route then says
+        how many of its blocks are there. Any failure but a refusal of the request itself leaves the prompt to
+        the decode replica."""
+        rid = call.streams[0].request_id
+        response = self.prefill_handle.prefill.remote(call.route, call.specs)
+        try:
+            with anyio.fail_after(PREFILL_TIMEOUT_S):
+                done = await response
+        except BaseException as e:
+            response.cancel()
+            if not isinstance(e, Exception):  # cancelled: the client went away
+                raise
+            # A lost prefill replica is not retried: the decode replica computing the prompt costs less than
+            # waiting for another prefill replica (or this one's replacement).
+            log.warning("the prefill of %s failed (%r): the decode replica computes it", rid, e)
+            self.pd.fallbacks += 1
+            return
+        if isinstance(done, Refused):
+            if 400 <= done.error.status < 500 and done.error.status != 429:
+                raise done.error  # the request's own fault: the decode replica would say the same
+            log.warning("the prefill of %s was refused (%s): the decode replica computes it", rid, done.error)
+            self.pd.fallbacks += 1
+            return
+        self.pd.record(done)
+        call.route = dataclasses.replace(call.route, shared_blocks=done.shared_blocks)
 
     async def _admit(self, call: _Call) -> Admitted:
         """Send the call to a replica and wait for its admission; again elsewhere if that replica is lost."""
@@ -232,4 +271,19 @@ class ClusterSystem:
     def replica_metrics(self):
         from motet.cluster.metrics import ReplicaMetrics
 
-        return ReplicaMetrics(reports.LATEST)
+        return ReplicaMetrics(reports.LATEST, self.pd if self.cluster.settings.prefill_replicas else None)
+
+
+@dataclass
+class PDCounters:
+    """Prefill/decode disaggregation at this ingress (for /metrics)."""
+
+    prefills: int = 0  # prefills done on a prefill replica
+    fallbacks: int = 0  # prefills that failed or were refused: the decode replica computed the prompt
+    handed_blocks: int = 0  # KV blocks the prefills left in the shared tier for the decode replicas
+    prefill_seconds: float = 0.0  # on the prefill replicas, admission to the blocks being in the shared tier
+
+    def record(self, done: PrefillDone) -> None:
+        self.prefills += 1
+        self.handed_blocks += done.shared_blocks
+        self.prefill_seconds += done.seconds

@@ -1,6 +1,8 @@
 """Starting and stopping the engine replicas on Ray Serve: a local Ray started here, or an existing cluster
 joined at `--ray-address`; one Serve application of EngineReplica replicas (fixed in number, or autoscaled
-between --min-replicas and --max-replicas on ongoing requests per replica), routed by MotetRouter.
+between --min-replicas and --max-replicas on ongoing requests per replica), routed by MotetRouter. Under
+prefill/decode disaggregation (--prefill-replicas), a second application of prefill replicas beside it
+(motet/cluster/disaggregation.py), both deployed at once.
 
 Both calls block (Ray's API is synchronous). A local Ray's processes share the fate of the *thread* that
 started them (Ray spawns them with PR_SET_PDEATHSIG, which Linux ties to the spawning thread), so the ingress
@@ -27,7 +29,8 @@ from pathlib import Path
 
 log = logging.getLogger("motet.cluster")
 
-APP = "motet"
+APP = "motet"  # the engine replicas (the decode ones under disaggregation)
+PREFILL_APP = "motet-prefill"
 STRAGGLER_WAIT_S = 15.0  # after ray.shutdown, for the processes Ray started to exit before they are killed
 ROUTERS = ("motet", "pow2")  # motet's router, or Ray Serve's default (power of two choices)
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # where replicas import motet from
@@ -44,6 +47,7 @@ class ClusterSettings:
     drain_timeout_s: float = 30.0  # a replica scaled down finishes its requests for up to this long
     max_ongoing_requests: int = 80  # per replica; more wait in the ingress's router queue
     threads_per_replica: int = 1
+    prefill_replicas: int = 0  # >0: prefill/decode disaggregation, `replicas` being the decode ones
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -57,6 +61,10 @@ class ClusterSettings:
             raise ValueError(f"--max-replicas must be at least 1, got {hi}")
         if self.replicas < 1:
             raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
+        if self.prefill_replicas < 0:
+            raise ValueError(f"--prefill-replicas must be at least 0, got {self.prefill_replicas}")
+        if self.prefill_replicas and self.autoscaling:
+            raise ValueError("--prefill-replicas (fixed pools) does not go with --min/--max-replicas yet")
 
     @property
     def autoscaling(self) -> bool:
@@ -64,15 +72,17 @@ class ClusterSettings:
 
     @property
     def most_replicas(self) -> int:
-        return self.max_replicas if self.autoscaling else self.replicas
+        """Of every pool together."""
+        return (self.max_replicas if self.autoscaling else self.replicas) + self.prefill_replicas
 
 
 class Cluster:
     def __init__(self, settings: ClusterSettings, replica_settings):
         self.settings, self.replica_settings = settings, replica_settings
         self.started_ray = False
+        self.prefill_handle = None  # the prefill pool's, under disaggregation (set by `start`)
 
-    def deployment_options(self) -> dict:
+    def deployment_options(self, prefill: bool = False) -> dict:
         from ray.serve.config import RequestRouterConfig
 
         from motet.cluster.reports import REPORT_PERIOD_S
@@ -81,7 +91,7 @@ class Cluster:
         s = self.settings
         router = MotetRouter if s.router == "motet" else ReportingPowerOfTwoRouter
         options = dict(
-            name="EngineReplica",
+            name="PrefillReplica" if prefill else "EngineReplica",
             max_ongoing_requests=s.max_ongoing_requests,
             ray_actor_options={"num_cpus": s.threads_per_replica},
             request_router_config=RequestRouterConfig(
@@ -92,7 +102,9 @@ class Cluster:
             graceful_shutdown_timeout_s=s.drain_timeout_s,
             health_check_period_s=2.0,
         )
-        if s.autoscaling:
+        if prefill:
+            options["num_replicas"] = s.prefill_replicas
+        elif s.autoscaling:
             options["autoscaling_config"] = {
                 "min_replicas": s.min_replicas,
                 "initial_replicas": max(s.min_replicas, min(s.replicas, s.max_replicas)),
@@ -132,7 +144,17 @@ class Cluster:
             "starting %s engine replicas",
             s.replicas if not s.autoscaling else f"{s.min_replicas}-{s.max_replicas}",
         )
-        return serve.run(app, name=APP, route_prefix=None)
+        if not s.prefill_replicas:
+            return serve.run(app, name=APP, route_prefix=None)
+        log.info("and %d prefill replicas (prefill/decode disaggregation)", s.prefill_replicas)
+        prefill = serve.deployment(EngineReplica, **self.deployment_options(prefill=True))
+        handle, self.prefill_handle = serve.run_many(
+            [
+                serve.RunTarget(app, name=APP, route_prefix=None),
+                serve.RunTarget(prefill.bind(self.replica_settings), name=PREFILL_APP, route_prefix=None),
+            ]
+        )
+        return handle
 
     def stop(self) -> None:
         import ray
@@ -146,6 +168,8 @@ class Cluster:
                 serve.shutdown()
             else:
                 serve.delete(APP)
+                if self.settings.prefill_replicas:
+                    serve.delete(PREFILL_APP)
         except Exception:
             log.exception("stopping the Serve application failed")
         if self.started_ray:  # and any started meanwhile (before ray.shutdown, while they are ours)

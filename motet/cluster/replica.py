@@ -3,7 +3,9 @@
 
 `generate(route, specs)` streams one API request: first Admitted (its prompts' token ids) or Refused (the
 ServingError a single-process server would have answered), then (stream index, Delta) as the engine
-produces them. A cancelled stream (its client went away) aborts what still runs. `record_routing_stats`
+produces them. A cancelled stream (its client went away) aborts what still runs. `prefill(route, specs)` is a
+prefill replica's call under disaggregation (motet/cluster/disaggregation.py): the prompt computed, its blocks
+in the shared KV tier, then PrefillDone (or Refused). `record_routing_stats`
 is the replica's report to the routers (motet/cluster/reports.py); with it, now and then, the replica drops the
 adapters the shared store no longer has (motet/cluster/adapter_store.py).
 """
@@ -26,6 +28,7 @@ from motet.actors.messages import GenerateSpec
 from motet.actors.reply import merge_streams
 from motet.actors.system import ServingSystem
 from motet.cluster.adapter_store import SharedAdapterStore
+from motet.cluster.disaggregation import PrefillDone, leading_held, prefill_spec
 from motet.cluster.reports import ReplicaReport
 from motet.cluster.routing_policy import RouteRequest
 from motet.engine.config import EngineConfig
@@ -106,6 +109,32 @@ class EngineReplica:
                 if not s.closed:
                     s.cancel()
                     self.system.abort(s.request_id)
+
+    async def prefill(self, route: RouteRequest, specs: list[GenerateSpec]) -> PrefillDone | Refused:
+        """Compute the prompt's KV and wait until its full blocks are in the shared tier (the finished request's
+        blocks are written through by the KV connector's saver thread: `wait_saved`)."""
+        t0 = time.monotonic()
+        kv = self.system.engine.kv_connector
+        try:
+            spec = await self._local_adapter(prefill_spec(specs[0]))
+            (admission,) = await self.system.submit_all([spec])
+        except ServingError as e:
+            return Refused(e)
+        streams = admission.streams
+        try:
+            async for _, delta in merge_streams(streams):
+                if delta.error is not None:
+                    return Refused(delta.error)
+        finally:  # cancelled by the ingress (its client went away): abort what still runs
+            for s in streams:
+                if not s.closed:
+                    s.cancel()
+                    self.system.abort(s.request_id)
+        held = 0
+        if kv is not None and kv.shared is not None:
+            await anyio.to_thread.run_sync(kv.wait_saved)
+            held = await anyio.to_thread.run_sync(leading_held, route.block_hashes, kv.shared)
+        return PrefillDone(self.replica_id, len(admission.prompt_token_ids), held, time.monotonic() - t0)
 
     async def _local_adapter(self, spec: GenerateSpec) -> GenerateSpec:
         if spec.adapter is None:

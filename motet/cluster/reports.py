@@ -22,6 +22,7 @@ REPORT_PERIOD_S = 0.5
 # replica id -> its latest report, as the ingress's router received it (motet/cluster/router.py writes it, the
 # ingress's /metrics reads it; one router per process: the ingress's handle).
 LATEST: dict[str, ReplicaReport] = {}
+POOLS: dict[str, set[str]] = {}  # deployment -> the replica ids its router published in LATEST
 
 
 @dataclass(frozen=True)

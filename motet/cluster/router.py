@@ -31,14 +31,18 @@ from motet.cluster.routing_policy import LoadTracker, ReplicaLoad, RouteRequest,
 log = logging.getLogger("motet.router")
 
 
-def publish(replicas: list[RunningReplica]) -> dict[str, ReplicaReport | None]:
-    """Each replica's current report, also published for the ingress's /metrics."""
+def publish(replicas: list[RunningReplica], pool: str) -> dict[str, ReplicaReport | None]:
+    """Each replica's current report, also published for the ingress's /metrics. `pool`: the deployment whose
+    replicas these are (under disaggregation two routers publish, each its own replicas)."""
     latest = {r.replica_id.unique_id: ReplicaReport.from_dict(r.routing_stats or {}) for r in replicas}
     for rid, report in latest.items():
         if report is not None:
             reports.LATEST[rid] = report
-    for rid in set(reports.LATEST) - set(latest):
+    mine = reports.POOLS.setdefault(pool, set())
+    for rid in mine - set(latest):
         reports.LATEST.pop(rid, None)
+    mine.clear()
+    mine.update(latest)
     return latest
 
 
@@ -47,7 +51,7 @@ class ReportingPowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
     for /metrics, as motet's router does (`--router pow2`)."""
 
     def update_replicas(self, replicas: list[RunningReplica]):
-        publish(replicas)
+        publish(replicas, str(self._deployment_id))
         return super().update_replicas(replicas)
 
 
@@ -80,7 +84,7 @@ class MotetRouter(RequestRouter):
         gone = set(self.seen) - {r.replica_id.unique_id for r in replicas}
         for rid in gone:
             self._forget(rid)
-        publish(replicas)
+        publish(replicas, str(self._deployment_id))
         self._refresh(replicas)
         return super().update_replicas(replicas)
 

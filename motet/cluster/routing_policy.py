@@ -3,7 +3,8 @@
 A replica's score is the first-token time a request would save or lose there, in seconds:
 
     + the prompt's leading KV blocks it already holds (keyed by adapter: the engine's own chained hashes)
-      x the prefill time of a block
+      x the prefill time of a block, or only the load time of a block for those the shared KV tier holds
+      (RouteRequest.shared_blocks: any replica would load them rather than compute them)
     + the adapter load it avoids, when the request's adapter is resident there; where it is not, a load that
       would evict another adapter (no free slot) costs twice: the evicted one may have to come back
     - its load x the first-token delay one more request adds
@@ -40,6 +41,9 @@ class RouteRequest:
     block_hashes: tuple[int, ...]
     adapter: int = 0
     avoid: frozenset = frozenset()  # replicas that already failed this request
+    # Leading blocks known to be in the shared KV tier (a prefill replica just wrote them: disaggregation.py):
+    # a replica without them on its device loads them, a prefill of theirs costs no replica anything.
+    shared_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class RoutingCosts:
     adapter_load_s: float = 0.057  # reading and validating a rank-8 adapter
     request_s: float = 0.0062  # the first-token delay one more outstanding request adds (a decode row)
     request_work_s: float = 1.24  # a request's work apart from its prefill: its share of decode steps
+    # Loading one block from the shared KV tier into the cache (a file: read, CRC-32, copy), ~3% of its
+    # prefill: benchmarks/reports/kv_tiers has 4,000 tokens (250 blocks) from a cold disk in a 0.64 s TTFT.
+    block_load_s: float = 0.002
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,9 @@ class RoutingPolicy:
         out = {}
         for r in replicas:
             load = loads[r]
-            score = cached.get(r, 0) * c.block_prefill_s - load.outstanding * c.request_s
+            score = (
+                self.prefix_saving(cached.get(r, 0), request.shared_blocks) - load.outstanding * c.request_s
+            )
             if request.adapter and r not in resident:
                 score -= c.adapter_load_s * (1 if load.adapter_slots_free > 0 else 2)
             score -= self.kv_pressure_s * max(0.0, 0.1 - load.kv_free_fraction) * 10
@@ -110,11 +119,22 @@ class RoutingPolicy:
         over.sort(key=lambda r: (loads[r].outstanding, -scores[r]))
         return within + over
 
+    def prefix_saving(self, cached_blocks: int, shared_blocks: int) -> float:
+        """Seconds a replica holding the prompt's first `cached_blocks` blocks saves: their prefill, but only
+        their load where the shared tier holds them (any replica would load those)."""
+        c = self.costs
+        from_shared = min(cached_blocks, shared_blocks)
+        return from_shared * c.block_load_s + (cached_blocks - from_shared) * c.block_prefill_s
+
     def request_load(self, request: RouteRequest, cached_blocks: int) -> float:
         """What a request adds to a replica's load, in requests: 1 for its decode share, plus its uncached
-        prefill relative to that."""
-        uncached = max(0, len(request.block_hashes) - cached_blocks)
-        return 1.0 + uncached * self.costs.block_prefill_s / self.costs.request_work_s
+        prefill relative to that (a load, for the uncached blocks the shared tier holds)."""
+        c = self.costs
+        n = len(request.block_hashes)
+        uncached = max(0, n - cached_blocks)
+        loaded = max(0, min(n, request.shared_blocks) - cached_blocks)
+        work = (uncached - loaded) * c.block_prefill_s + loaded * c.block_load_s
+        return 1.0 + work / c.request_work_s
 
     def load_bound(self, all_loads: Sequence[float]) -> float:
         """The most load a replica may have and still be preferred."""

@@ -268,6 +268,11 @@ class EngineConfig:
     kv_offload_gb: float = 0.0
     kv_disk_gb: float = 0.0
     kv_disk_dir: str | None = None  # `motet serve`: <--data-dir>/kv-cache
+    # A KV tier every replica reads and writes (motet/engine/kv_shared.py): a directory or fsspec URL, None: off;
+    # this replica keeps the entries it knows of within kv_shared_gb GiB. Prefill/decode disaggregation hands
+    # prompts' KV over through it (motet/cluster/disaggregation.py).
+    kv_shared_dir: str | None = None
+    kv_shared_gb: float = 16.0
     max_loras: int = 8  # adapters resident on the device at once (distinct adapters per step)
     max_cpu_loras: int = 32  # loaded adapters kept in host memory in front of the disk
     max_lora_rank: int = 64  # device slots are zero-padded to this rank; higher-rank adapters are refused
@@ -350,12 +355,16 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.tenant_weights = check_tenant_weights(self.tenant_weights)
-        for name in ("kv_offload_gb", "kv_disk_gb"):
+        for name in ("kv_offload_gb", "kv_disk_gb", "kv_shared_gb"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.kv_disk_gb > 0 and not self.kv_disk_dir:
             raise ValueError("kv_disk_gb needs kv_disk_dir, the directory of the disk tier")
+        if self.kv_shared_dir and not self.enable_prefix_caching:
+            raise ValueError("the shared KV tier (kv_shared_dir) extends the prefix cache: enable it")
+        if self.kv_shared_dir and self.tensor_parallel_size > 1:  # as the other tiers (below)
+            raise ValueError("the shared KV tier (kv_shared_dir) does not work with tensor parallelism yet")
         if (self.kv_offload_gb > 0 or self.kv_disk_gb > 0) and not self.enable_prefix_caching:
             raise ValueError("the KV tiers (kv_offload_gb, kv_disk_gb) extend the prefix cache: enable it")
         if (self.kv_offload_gb > 0 or self.kv_disk_gb > 0) and self.tensor_parallel_size > 1:

@@ -34,6 +34,7 @@ import torch
 
 from motet.engine.block_manager import Block, BlockManager
 from motet.engine.kv_blocks import KVLayout, read_blocks, write_blocks
+from motet.engine.kv_shared import SharedTier
 from motet.engine.kv_tiers import DiskTier, HostTier
 from motet.engine.sequence import Sequence
 
@@ -46,13 +47,14 @@ LOAD_CHUNK_BLOCKS = 64  # blocks copied to the device at once by a load (bounds 
 # step must not wait for it, nor memory grow without bound).
 MAX_PENDING_WRITE_BYTES = 512 << 20
 GiB = 1 << 30
+SETTLE_TIMEOUT_S = 5.0  # the longest an engine going idle waits for its finished requests' snapshots
 
 
 @dataclass(frozen=True)
 class KVTierStats:
     """One tier's figures, cumulative except `blocks` and `bytes` (held now)."""
 
-    tier: str  # "ram" | "disk"
+    tier: str  # "ram" | "disk" | "shared"
     capacity_bytes: int
     blocks: int
     bytes: int
@@ -147,14 +149,22 @@ class _Snapshot:
 
 class KVConnector:
     def __init__(
-        self, kv_caches, block_manager: BlockManager, ram_bytes: int = 0, disk: DiskTier | None = None
+        self,
+        kv_caches,
+        block_manager: BlockManager,
+        ram_bytes: int = 0,
+        disk: DiskTier | None = None,
+        shared: SharedTier | None = None,
     ):
         self.kv_caches = kv_caches
         self.bm = block_manager
         self.layout = KVLayout.of(kv_caches)
         self.ram = HostTier(ram_bytes) if ram_bytes > 0 else None
         self.disk = disk
-        self.tiers = [t for t in (self.ram, self.disk) if t is not None]
+        # Shared by every replica (motet/engine/kv_shared.py): a finished request's blocks are written through
+        # to it by the saver thread, so another replica (a decode replica after this prefill one) finds them.
+        self.shared = shared
+        self.tiers = [t for t in (self.ram, self.disk, self.shared) if t is not None]
         self.counters = {t.name: _Counters() for t in self.tiers}
         self.loading: dict[int, _Load] = {}  # seq id -> its load under way
         self.reserved_blocks = 0  # free blocks the loading sequences will need once loaded
@@ -211,7 +221,24 @@ class KVConnector:
             log.exception(
                 "KV tiers: copying a finished request's blocks failed; they will be recomputed if needed"
             )
+        if self.shared is not None and snapshot.tensors:
+            self._write_shared(zip(snapshot.hashes, snapshot.token_ids, snapshot.tensors, strict=True))
         self._snapshots.put(snapshot)
+
+    def _write_shared(self, entries) -> None:
+        """On the saver thread: the blocks the shared tier lacks, written now (before the request's end is
+        seen as saved: `wait_saved`)."""
+        for h, token_ids, tensor in entries:
+            try:
+                if h not in self.shared and self.shared.write(h, token_ids, tensor):
+                    self._count_save("shared", tensor.nbytes)
+            except Exception:
+                log.exception("KV shared tier: writing a block failed")
+
+    def wait_saved(self) -> None:
+        """Block until what the saver thread was given so far is done: the blocks of a request that finished
+        before this call are in the shared tier then (or could not be written). Any thread."""
+        self._saver.submit(lambda: None).result()
 
     def _absorb_snapshots(self) -> None:
         """Completed snapshots into the tiers; their blocks are released (on the engine's thread)."""
@@ -235,9 +262,17 @@ class KVConnector:
                 to_disk.append((h, tokens, tensor))
         if to_disk:
             self._saver.submit(self._write, to_disk)
+        if self.shared is not None and (
+            to_share := [e for e in zip(hashes, token_ids, tensors, strict=True)]
+        ):
+            self._saver.submit(self._write_shared, to_share)  # evicted blocks (skipped where already there)
 
     def _missing_somewhere(self, h: int) -> bool:
-        return (self.ram is not None and h not in self.ram) or self._needs_disk(h)
+        return (
+            (self.ram is not None and h not in self.ram)
+            or self._needs_disk(h)
+            or (self.shared is not None and h not in self.shared)
+        )
 
     def _needs_disk(self, h: int) -> bool:
         return self.disk is not None and h not in self._pending_writes and h not in self.disk
@@ -266,6 +301,19 @@ class KVConnector:
             finally:
                 with self._pending_lock:
                     self._pending_bytes -= self._pending_writes.pop(h, 0)
+
+    def settle(self, timeout: float = SETTLE_TIMEOUT_S) -> None:
+        """The engine has no request left: take in the finished requests' snapshots now (their copy is under
+        way: milliseconds), so that their blocks are free, and in the tiers, while it idles rather than at its
+        next step (on the engine's thread)."""
+        deadline = time.monotonic() + timeout
+        while self._copying and (left := deadline - time.monotonic()) > 0:
+            try:
+                snapshot = self._snapshots.get(timeout=left)
+            except queue.Empty:
+                return
+            self._snapshots.put(snapshot)
+            self._absorb_snapshots()
 
     def flush(self) -> None:
         """Wait until every finished request's blocks are in the tiers, on disk too (tests, benchmarks, shutdown;
@@ -300,6 +348,8 @@ class KVConnector:
                 sources.append(("ram", data))
             elif self.disk is not None and h in self.disk:
                 sources.append(("disk", None))
+            elif self.shared is not None and h in self.shared:
+                sources.append(("shared", None))
             else:
                 break
             keys.append(h)
@@ -328,10 +378,12 @@ class KVConnector:
             self._staging = torch.empty(shape, dtype=self.layout.dtype, pin_memory=pin)
         staged = 0
         try:
-            for i, (_, data) in enumerate(load.sources):
+            for i, (tier, data) in enumerate(load.sources):
                 if data is not None:
                     self._staging[staged].copy_(data)
-                elif not self.disk.read_into(load.hashes[i], load.token_ids[i], self._staging[staged]):
+                elif not self._file_tier(tier).read_into(
+                    load.hashes[i], load.token_ids[i], self._staging[staged]
+                ):
                     break
                 staged += 1
                 if staged == LOAD_CHUNK_BLOCKS:
@@ -341,6 +393,9 @@ class KVConnector:
             log.exception("KV tiers: a load failed; its remaining tokens are recomputed")
         load.seconds = time.perf_counter() - t0
         self._done.put(load)
+
+    def _file_tier(self, name: str):
+        return self.shared if name == "shared" else self.disk
 
     def _copy_in(self, load: _Load, staged: int) -> int:
         """Copy the staged blocks to the load's next device blocks; the staging memory is free again (0)."""
@@ -391,7 +446,7 @@ class KVConnector:
             blocks = tiers.count(tier)
             c.hit_tokens += blocks * self.layout.block_size
             c.loaded_bytes += blocks * self.layout.block_bytes
-        slowest = "disk" if "disk" in tiers else "ram"
+        slowest = next(t for t in ("shared", "disk", "ram") if t in tiers or t == "ram")
         if tiers:
             self.counters[slowest].observe(load.seconds)
 

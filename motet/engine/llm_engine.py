@@ -28,6 +28,7 @@ from motet.engine.fairness import TenantState, VirtualTokenCounter
 from motet.engine.guided import GuidedDecoding
 from motet.engine.kv_blocks import KVLayout, model_identity
 from motet.engine.kv_connector import GiB, KVConnector, KVTierStats
+from motet.engine.kv_shared import SharedTier
 from motet.engine.kv_tiers import DiskTier
 from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
 from motet.engine.model_store import resolve_model
@@ -155,15 +156,18 @@ class LLMEngine:
     def _kv_connector(self) -> KVConnector | None:
         """The KV tiers the config asks for (EngineConfig.kv_offload_gb, kv_disk_gb), or None."""
         config = self.config
-        if config.kv_offload_gb <= 0 and config.kv_disk_gb <= 0:
+        if config.kv_offload_gb <= 0 and config.kv_disk_gb <= 0 and not config.kv_shared_dir:
             return None
         kv_caches = self.runner.kv_caches
-        disk = None
-        if config.kv_disk_gb > 0:
-            layout = KVLayout.of(kv_caches)
+        disk = shared = None
+        layout = KVLayout.of(kv_caches)
+        if config.kv_disk_gb > 0 or config.kv_shared_dir:
             identity = model_identity(self.model_dir, config.quantization, layout)
+        if config.kv_disk_gb > 0:
             disk = DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * GiB), identity, layout)
-        connector = KVConnector(kv_caches, self.block_manager, int(config.kv_offload_gb * GiB), disk)
+        if config.kv_shared_dir:
+            shared = SharedTier(config.kv_shared_dir, int(config.kv_shared_gb * GiB), identity, layout)
+        connector = KVConnector(kv_caches, self.block_manager, int(config.kv_offload_gb * GiB), disk, shared)
         self.block_manager.on_evict = connector.save_evicted
         return connector
 
@@ -329,7 +333,10 @@ class LLMEngine:
         batch = self.schedule()
         if not batch:
             return []
-        return self.commit(batch, self.execute(batch))
+        outputs = self.commit(batch, self.execute(batch))
+        if self.kv_connector is not None and not self.requests:  # idle next: release the snapshots' blocks
+            self.kv_connector.settle()
+        return outputs
 
     def schedule(self) -> ScheduledBatch:
         if self.speculator is not None:
