@@ -35,7 +35,6 @@ class Parallel:
     size: int = 1
     expert_parallel: bool = False
     sent_bytes: int = 0  # payload bytes this rank handed to collectives
-    num_collectives: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -86,7 +85,6 @@ class Parallel:
     # -- collectives ----------------------------------------------------------------------------------
     def _count(self, t: torch.Tensor) -> None:
         self.sent_bytes += t.numel() * t.element_size()
-        self.num_collectives += 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (a no-op on one rank); returns it.
@@ -143,13 +141,6 @@ class Parallel:
         self._count(send)
         guard(dist.all_to_all_single, recv, send)
         return recv.tolist()
-
-    def min_over_ranks(self, n: int) -> int:
-        if self.size == 1:
-            return n
-        t = torch.tensor([n], dtype=torch.int64)
-        guard(dist.all_reduce, t, op=dist.ReduceOp.MIN)
-        return int(t.item())
 
     def agree(self, error: str | None, num_blocks: int) -> int:
         """After each rank built its shard: raise if any rank failed (naming it), else the KV blocks every
