@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 import pickle
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,8 +29,6 @@ import torch.distributed as dist
 
 from motet.engine.config import EngineConfig, ModelConfig
 from motet.engine.parallel import Parallel, guard
-
-log = logging.getLogger("motet.tp")
 
 # How long a collective may wait for a peer before it fails: far above any step (a peer that died is seen at
 # once, as its socket closes; this bounds a peer that hangs).
@@ -61,8 +59,6 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """A rank's engine config: on CUDA each rank has its own device."""
     if config.torch_device.type != "cuda":
         return config
-    from dataclasses import replace
-
     return replace(config, device=f"cuda:{rank}")
 
 
@@ -114,10 +110,6 @@ class WorkerGroup:
                 proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
-
-    def dead(self) -> list[int]:
-        """Ranks whose process has exited."""
-        return [rank for rank, proc in enumerate(self.procs, start=1) if proc.poll() is not None]
 
 
 # A plan on the wire: a fixed header of int64s (the op, its scalars, each tensor's rows, columns (-1: a vector)
