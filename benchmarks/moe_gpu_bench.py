@@ -1,6 +1,6 @@
-"""The Triton grouped-expert kernel (motet/kernels/triton_moe.py) against the torch reference path (one
-gate/up and one down `F.linear` per expert with rows, as `Experts.grouped` runs off CUDA) on one CUDA device,
-with the fraction of the device's copy bandwidth each reaches. Writes results.json and summary.md into --out.
+"""The Triton grouped-expert kernel (motet/kernels/triton_moe.py) against the torch path the model takes off
+CUDA (motet/engine/model.py `grouped_experts`: one gate/up and one down `F.linear` per expert with rows) on
+one CUDA device, with the fraction of the device's copy bandwidth each reaches. Writes results.json and summary.md into --out.
 
     python -m benchmarks.moe_gpu_bench --out OUT [--shape 8x4096x14336] [--top-k 2] [--tokens 1,8,32,64]
 
@@ -17,27 +17,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks import write_report
 from benchmarks.quant_gpu_bench import copy_bandwidth
+from motet.engine.model import grouped_experts
 from motet.kernels import triton_moe
-
-
-def torch_grouped(rows, expert_ids, gate_up, down) -> torch.Tensor:
-    """The reference: per expert with rows, its gate/up and its down as two products."""
-    inter = gate_up.shape[1] // 2
-    order = expert_ids.argsort(stable=True)
-    counts = torch.bincount(expert_ids, minlength=gate_up.shape[0]).tolist()
-    x = rows[order]
-    out = torch.empty_like(x)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            gate, up = F.linear(x[start : start + n], gate_up[e]).split(inter, dim=-1)
-            out[start : start + n] = F.linear(F.silu(gate) * up, down[e])
-            start += n
-    return torch.empty_like(out).index_copy_(0, order, out)
 
 
 def mean_us(fn, calls: int = 50) -> float:
@@ -77,12 +61,12 @@ def main() -> None:
         expert_ids = ids.flatten()
         rows = torch.randn(expert_ids.numel(), H, device="cuda", dtype=torch.bfloat16, generator=g)
         got = triton_moe.grouped_experts(rows, expert_ids, gate_up, down)
-        want = torch_grouped(rows, expert_ids, gate_up, down)
+        want = grouped_experts(rows, expert_ids, gate_up, down)
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         touched = len(set(expert_ids.tolist()))
         nbytes = touched * 3 * H * inter * 2 + 2 * 2 * rows.numel()
         t_kernel = mean_us(lambda: triton_moe.grouped_experts(rows, expert_ids, gate_up, down))  # noqa: B023
-        t_torch = mean_us(lambda: torch_grouped(rows, expert_ids, gate_up, down))  # noqa: B023
+        t_torch = mean_us(lambda: grouped_experts(rows, expert_ids, gate_up, down))  # noqa: B023
         rows_out.append(
             {
                 "tokens": tokens,

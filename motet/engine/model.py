@@ -230,6 +230,27 @@ class MLP(nn.Module):
         return y
 
 
+def grouped_experts(
+    rows: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Each row of `rows` through its expert (`expert_ids`) with the stacked weights gate_up [E, 2I, H] and
+    down [E, H, I], in torch: the rows sorted by expert, one gate/up and one down product per expert that has
+    rows (one host sync for the counts), the rows' order kept."""
+    inter = gate_up.shape[1] // 2
+    order = expert_ids.argsort(stable=True)
+    counts = torch.bincount(expert_ids, minlength=gate_up.shape[0]).tolist()
+    sorted_rows = rows[order]
+    out = torch.empty_like(sorted_rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            seg = sorted_rows[start : start + n]
+            gate, up = F.linear(seg, gate_up[e]).split(inter, dim=-1)
+            out[start : start + n] = F.linear(F.silu(gate) * up, down[e])
+            start += n
+    return torch.empty_like(out).index_copy_(0, order, out)
+
+
 class Experts(nn.Module):
     """The experts of a sparse layer as stacked weights: `gate_up_proj` [E, 2I, H] (each expert's gate rows,
     then its up rows), `down_proj` [E, H, I]; Hugging Face transformers >= 5 holds them the same way.
@@ -268,18 +289,7 @@ class Experts(nn.Module):
         launches for the whole layer (motet/kernels/triton_moe.py)."""
         if triton_moe.applies(rows):
             return triton_moe.grouped_experts(rows, expert_ids, self.gate_up_proj, self.down_proj)
-        order = expert_ids.argsort(stable=True)
-        counts = torch.bincount(expert_ids, minlength=self.num_local).tolist()  # one sync a layer
-        sorted_rows = rows[order]
-        out = torch.empty_like(sorted_rows)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                seg = sorted_rows[start : start + n]
-                gate, up = F.linear(seg, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
-                out[start : start + n] = F.linear(F.silu(gate) * up, self.down_proj[e])
-                start += n
-        return torch.empty_like(out).index_copy_(0, order, out)
+        return grouped_experts(rows, expert_ids, self.gate_up_proj, self.down_proj)
 
     def _dispatched(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Expert parallelism: this rank routes its slice of the (replicated) tokens; their rows go to the
