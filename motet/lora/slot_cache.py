@@ -230,9 +230,10 @@ class LoRASlotCache:
         def tensor(data):
             return torch.tensor(data, dtype=torch.int32).to(self.device, non_blocking=True)
 
-        return self.segments(tensor(starts), tensor(slots), max(lens))
+        return LoRABatch(tensor(starts), tensor(slots), max(lens), self._weights(frozenset(slot_of.values())))
 
     def segments(self, seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int) -> LoRABatch:
-        """The LoRABatch of given segments over the slots as they are (another rank's plan, mirrored)."""
+        """The LoRABatch of given segments over the slots as they are (another rank's plan, mirrored; its slots
+        read back from `seg_slots`, on the host)."""
         slots = frozenset(s for s in seg_slots.tolist() if s >= 0)
         return LoRABatch(seg_starts, seg_slots, max_seg_len, self._weights(slots))
