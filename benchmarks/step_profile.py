@@ -39,7 +39,9 @@ from motet.evals.serving_bench import machine, make_prompts, run_level, summariz
 from motet.evals.throughput import chat_prompts
 
 PHASES = ("schedule", "inputs", "linear", "attention", "lora", "other", "forward", "logits", "grammar",
-          "sampling", "execute_rest", "commit")  # fmt: skip
+          "sampling", "execute_rest", "commit", "host")  # fmt: skip
+# The host's share of a step: everything but the forward pass and the logits (the device's work on a GPU).
+HOST = ("schedule", "inputs", "grammar", "sampling", "execute_rest", "commit")
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "words": {"type": "array",
           "items": {"type": "string"}, "minItems": 40}}, "required": ["title", "words"]}  # long: all rows stay  # fmt: skip
 
@@ -51,7 +53,7 @@ class Timers:
         self.engine, self.runner = llm.engine, llm.engine.runner
         self.t: dict[str, float] = defaultdict(float)
         for obj, name, phase in ((self.runner, "_prepare", "inputs"), (self.runner, "forward", "forward"),
-                                 (self.runner, "compute_logits", "logits"), (self.runner, "sampler", "sampling"),
+                                 (self.runner, "_logits", "logits"), (self.runner, "sampler", "sampling"),
                                  (self.runner, "_apply_grammar", "grammar")):  # fmt: skip
             self._wrap(obj, name, phase)
 
@@ -99,6 +101,8 @@ class Timers:
         )
         out["execute_rest"] = (t2 - t1) - sum(out.get(k, 0.0) for k in inside)
         out["total"] = t3 - t0
+        out["rows"] = len(batch)
+        out["host"] = sum(out.get(k, 0.0) for k in HOST)
         return out
 
 
@@ -121,7 +125,9 @@ def profile(llm: LLM, prompts, adapters, params: SamplingParams, steps: int) -> 
         engine.step()
     total = statistics.median(s["total"] for s in samples)
     mean = {k: statistics.fmean(s.get(k, 0.0) for s in samples) for k in PHASES}
-    return {"step_ms": 1e3 * total, "tokens_per_s": len(prompts) / total,
+    return {"step_ms": 1e3 * total, "tokens_per_s": statistics.fmean(s["rows"] for s in samples) / total,
+            "host_ms": 1e3 * statistics.median(s["host"] for s in samples),
+            "rows": statistics.fmean(s["rows"] for s in samples),
             "phases_ms": {k: 1e3 * v for k, v in mean.items()}}  # fmt: skip
 
 
@@ -132,7 +138,7 @@ def offline(args, model_dir: Path, tmp: Path) -> list[dict]:
             llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=b, num_threads=args.threads,
                       quantization=args.quantization,
                       num_kv_blocks=b * 24 + 16, max_loras=max(1, args.adapters), max_lora_rank=16,
-                      compile_step=compiled)  # fmt: skip
+                      compile_step=compiled, speculative="off")  # fmt: skip  (plain steps: one token a row)
             prompts = chat_prompts(llm.tokenizer, b)
             free = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
             loads = {"base": (free, [None] * b)}
@@ -151,7 +157,7 @@ def offline(args, model_dir: Path, tmp: Path) -> list[dict]:
                 res.update(batch=b, load=load, compiled=compiled)
                 rows.append(res)
                 print(f"{'compiled' if compiled else 'eager':8s} batch {b:3d} {load:12s} {res['step_ms']:8.2f} ms/step "
-                      f"{res['tokens_per_s']:7.1f} tok/s", flush=True)  # fmt: skip
+                      f"{res['tokens_per_s']:7.1f} tok/s, host {res['host_ms']:.2f} ms, {res['rows']:.0f} rows", flush=True)  # fmt: skip
             del llm
     return rows
 
@@ -171,6 +177,8 @@ def serving(args, model_dir: Path, offline_rows: list[dict]) -> list[dict]:
         str(args.threads),
         "--max-num-seqs",
         str(max(args.serve_levels)),
+        "--speculative",
+        "off",
         *(["--quantization", args.quantization] if args.quantization else []),
     ]
     with ManagedServer(server_args, model=str(model_dir)) as server:
@@ -190,6 +198,7 @@ def serving(args, model_dir: Path, offline_rows: list[dict]) -> list[dict]:
             max_num_seqs=c,
             num_threads=args.threads,
             quantization=args.quantization,
+            speculative="off",
         )
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         t0 = time.perf_counter()
