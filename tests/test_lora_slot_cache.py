@@ -161,9 +161,10 @@ def test_unregister_frees_the_slot_and_the_host_copy(adapters):
     assert set(cache.resident) == {2, 3}
 
 
-def test_triton_kernels_take_the_fused_column_slices_and_rank_cut_views(adapters, monkeypatch):
-    """What the GPU path sees: y is a column slice of the fused output, A/B are rank-cut views of the stacks
-    (run under TRITON_INTERPRET=1 without CUDA)."""
+def test_triton_kernels_take_a_groups_fused_output_and_rank_cut_views(adapters, monkeypatch):
+    """What the GPU path sees: y is the fused output, A/B are rank-cut views of a group's stacks, some of its
+    modules inactive (k: no adapter of the batch targets it); one shrink and one expand per group (run under
+    TRITON_INTERPRET=1 without CUDA)."""
     pytest.importorskip("triton")
     import importlib
     import os
@@ -176,9 +177,14 @@ def test_triton_kernels_take_the_fused_column_slices_and_rank_cut_views(adapters
     if not torch.cuda.is_available() and type(sgmv._shrink_kernel).__name__ != "InterpretedFunction":
         sgmv = importlib.reload(sys.modules["motet.kernels.sgmv"])  # imported before the interpreter was set
 
-    def triton_add_lora(y, x, A, B, scales, seg_starts, seg_slots, *, max_seg_len=None):
+    launches = []
+
+    def triton_add_lora(y, x, A, B, scales, seg_starts, seg_slots, *, sizes, active, max_seg_len=None):
+        launches.append(("shrink", "expand"))
         h = sgmv.sgmv_shrink_triton(x, A, seg_starts, seg_slots, max_seg_len=max_seg_len)
-        sgmv.sgmv_expand_triton(h, B, scales, seg_starts, seg_slots, y, max_seg_len=max_seg_len)
+        sgmv.sgmv_expand_triton(
+            h, B, scales, seg_starts, seg_slots, y, sizes=sizes, active=active, max_seg_len=max_seg_len
+        )
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # natively on a GPU, interpreted elsewhere
     cache = make(adapters, device=device)
@@ -192,9 +198,11 @@ def test_triton_kernels_take_the_fused_column_slices_and_rank_cut_views(adapters
         y = torch.randn(7, sum(sizes), device=device)
         ref, got = y.clone(), y.clone()
         lora.add(ref, x, layer, modules, sizes)
+        launches.clear()
         with monkeypatch.context() as m:
             m.setattr(slot_cache, "add_lora", triton_add_lora)
             lora.add(got, x, layer, modules, sizes)
+        assert launches == [("shrink", "expand")]  # one of each for the whole group (q/k/v: not three)
         assert not torch.allclose(ref, y)  # the adapters did something
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 

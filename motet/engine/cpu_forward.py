@@ -22,10 +22,9 @@ import torch
 from motet.engine.model import MLP, AttentionMetadata, Linear, LlamaForCausalLM, SparseMoE
 from motet.kernels import cpu_native
 from motet.kernels.quant import BLOCK
-from motet.lora.slot_cache import LoRABatch
+from motet.lora.slot_cache import MODULE_GROUPS, LoRABatch
 
 _HUGE_PAGE = 2 << 20
-_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class WeightArena:
@@ -231,26 +230,29 @@ class CpuForward:
     def phase_seconds(self) -> dict[str, float]:
         return dict(zip(cpu_native.PHASES, self.timings or [], strict=False))
 
-    def _lora_modules(self, lora: LoRABatch) -> ctypes.Array:
-        """The descriptors of a batch's adapter stacks, cached per set of views (the slot cache reuses them)."""
+    def _lora_groups(self, lora: LoRABatch) -> ctypes.Array:
+        """The descriptors of a batch's adapter stacks, one per (layer, module group) in MODULE_GROUPS' order
+        (the source's LoraIndex), cached per set of views (the slot cache reuses them)."""
         key = id(lora.weights)
         hit = self._lora.get(key)
         if hit is not None and hit[0] is lora.weights:
             return hit[1]
-        mods = (cpu_native.LoraModule * (len(lora.weights) * len(_MODULES)))()
+        descs = (cpu_native.LoraGroup * (len(lora.weights) * len(MODULE_GROUPS)))()
         for i, layer in enumerate(lora.weights):
-            for j, name in enumerate(_MODULES):
-                if name in layer:
-                    A, B, scales = layer[name]
-                    assert A.stride(2) == 1 and B.stride(2) == 1 and scales.is_contiguous()
-                    mods[i * len(_MODULES) + j] = cpu_native.LoraModule(
+            for j, modules in enumerate(MODULE_GROUPS):
+                g = layer.groups.get(modules)
+                if g is not None:
+                    A, B, scales = g.A, g.B, g.scales
+                    assert A.stride(2) == 1 and B.stride(2) == 1 and scales.stride(1) == 1
+                    descs[i * len(MODULE_GROUPS) + j] = cpu_native.LoraGroup(
                         A.data_ptr(), B.data_ptr(), scales.data_ptr(), A.stride(0), A.stride(1),
-                        B.stride(0), B.stride(1), A.shape[1],
+                        B.stride(0), B.stride(1), scales.stride(0), B.shape[2], len(modules),
+                        sum(1 << m for m, on in enumerate(g.active) if on),
                     )  # fmt: skip
-        self._lora[key] = (lora.weights, mods)
+        self._lora[key] = (lora.weights, descs)
         if len(self._lora) > 64:
             self._lora.popitem(last=False)
-        return mods
+        return descs
 
     def __call__(
         self,
@@ -278,7 +280,7 @@ class CpuForward:
             starts, slots = lora.seg_starts, lora.seg_slots
             assert starts.dtype == slots.dtype == torch.int32
             step.num_segs, step.seg_starts, step.seg_slots = len(slots), starts.data_ptr(), slots.data_ptr()
-            step.lora = self._lora_modules(lora)
+            step.lora = self._lora_groups(lora)
         if self.timings is not None:
             step.timings = self.timings
         cpu_native.forward(self.desc, step, x)

@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ log = logging.getLogger("motet.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files in csrc/
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 7
+ABI_VERSION = 8
 PANEL = 16  # output columns per packed weight panel (NR in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 QUANT_CODES = {"int8": 2, "int4": 3}  # quantized weights' codes (the source's WeightCode), by format name
@@ -41,8 +42,9 @@ _SIGNATURES = {
     "motet_attention": [_i32, _i32, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _ptr]
     + [_i32] * 4
     + [_f32],
-    "motet_sgmv": [_i32, _i32, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr]
-    + [_i32] * 4,
+    "motet_sgmv": [_i32, _i32, _ptr, _i64, _ptr, _i64]  # dtypes, x, y
+    + [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64]  # A, B, scales with their strides
+    + [_ptr, _ptr, _i32, _i32, _ptr, _i32, _i32, _i32],  # segments, n_in, sizes, n, active, r
     "motet_gemm": [_i32, _ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32],
 }
 
@@ -84,11 +86,13 @@ class Layer(ctypes.Structure):
                 ("moe", MoeWeights)]  # fmt: skip
 
 
-class LoraModule(ctypes.Structure):
+class LoraGroup(ctypes.Structure):
+    """One (layer, module group) of a step's adapters (motet/kernels/sgmv.py's layout); A null: none."""
+
     _fields_ = (
         [("A", _ptr), ("B", _ptr), ("scales", _ptr)]
-        + [(n, _i64) for n in ("a_ss", "a_sr", "b_ss", "b_so")]
-        + [("r", _i32)]
+        + [(n, _i64) for n in ("a_ss", "a_sr", "b_ss", "b_so", "s_m")]
+        + [("r", _i32), ("n", _i32), ("active", _i32)]
     )
 
 
@@ -108,7 +112,7 @@ class Model(ctypes.Structure):
 class Step(ctypes.Structure):
     _fields_ = [("num_tokens", _i32), ("num_seqs", _i32), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr),
                 ("table_stride", _i64), ("qsl", _ptr), ("seq_lens", _ptr), ("num_segs", _i32),
-                ("seg_starts", _ptr), ("seg_slots", _ptr), ("lora", ctypes.POINTER(LoraModule)),
+                ("seg_starts", _ptr), ("seg_slots", _ptr), ("lora", ctypes.POINTER(LoraGroup)),
                 ("timings", ctypes.POINTER(ctypes.c_double))]  # fmt: skip
 
 
@@ -240,10 +244,20 @@ def sgmv(
     scales: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_slots: torch.Tensor,
+    *,
+    sizes: Sequence[int] | None = None,
+    active: Sequence[bool] | None = None,
 ) -> None:
-    """``y += lora_delta(x)`` in place (motet/kernels/sgmv.py's meaning); y and x may be row-strided views."""
+    """``y += lora_delta(x)`` in place for a module group (motet/kernels/sgmv.py's meaning and layout: one
+    module over all of y unless `sizes` says otherwise); y and x may be row-strided views."""
+    sizes = [y.shape[1]] if sizes is None else list(sizes)
+    active = [True] * len(sizes) if active is None else list(active)
+    scales = scales.view(1, -1) if scales.dim() == 1 else scales
+    n = len(sizes)
     assert x.stride(1) == 1 and y.stride(1) == 1 and A_stack.stride(2) == 1 and B_stack.stride(2) == 1
-    assert scales.dtype == torch.float32 and A_stack.dtype == B_stack.dtype
+    assert scales.dtype == torch.float32 and scales.stride(1) == 1 and A_stack.dtype == B_stack.dtype
+    assert sum(sizes) == y.shape[1] == B_stack.shape[1] and A_stack.shape[1] == n * B_stack.shape[2]
+    assert len(active) == n == scales.shape[0]
     starts = seg_starts.to(torch.int32).contiguous()
     slots = seg_slots.to(torch.int32).contiguous()
     status = library().motet_sgmv(
@@ -259,13 +273,16 @@ def sgmv(
         B_stack.data_ptr(),
         B_stack.stride(0),
         B_stack.stride(1),
-        scales.contiguous().data_ptr(),
+        scales.data_ptr(),
+        scales.stride(0),
         starts.data_ptr(),
         slots.data_ptr(),
         len(slots),
         x.shape[1],
-        y.shape[1],
-        A_stack.shape[1],
+        (ctypes.c_int * n)(*sizes),
+        n,
+        sum(1 << m for m, a in enumerate(active) if a),
+        B_stack.shape[2],
     )
     _check(status, "sgmv")
 

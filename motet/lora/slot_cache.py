@@ -1,8 +1,13 @@
 """Where loaded adapters live on their way to the forward pass, and the per-step segment metadata.
 
 host LRU of loaded `LoRAAdapter`s (`max_cpu_loras`, pinned ones never evicted) -> device slots
-(`max_loras`): per (layer, module) one stack A [S, R, in], B [S, out, R] in the model's dtype and scales
-[S] fp32, every adapter zero-padded to R = `max_lora_rank`, so one SGMV call mixes adapters and ranks.
+(`max_loras`): per layer and *module group* (the modules that read one input: q/k/v, gate/up; o and down
+alone) one set of stacks in the model's dtype, in motet/kernels/sgmv.py's layout: A [S, n * R, in] (the
+group's modules concatenated along the rank, rank-major), B [S, sum of their outputs, R] (each module's at
+its columns of the fused output), scales [n, S] fp32; every adapter zero-padded to R = `max_lora_rank` and
+zero in the modules it does not target. So a linear layer adds every row's delta with one shrink of its
+input and one expand into its fused output, mixing adapters, ranks and target sets; each module's own
+stacks stay reachable as views (`LayerStacks[module]`).
 
 Adapters are keyed by uid (motet/lora/manager.py, which decides what to load, pin and drop). Each step
 `LoRASlotCache.batch` makes the batch's adapters resident (evicting the least recently used slot not in
@@ -15,18 +20,68 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from motet.kernels.sgmv import add_lora
-from motet.lora.adapter import TARGET_MODULES, LoRAAdapter, module_shape
+from motet.lora.adapter import LoRAAdapter, module_shape
 from motet.lora.base_shape import BaseShape
 
-Stacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # A [S, R, in], B [S, out, R], scales [S]
+# One module's A [S, R, in], B [S, out, R], scales [S]
+Stacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # A rank's part of a module's (A [r, in], B [out, r]) under tensor parallelism (motet/engine/parallel.py)
 Shard = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+# Modules that read the same input, in the order of their columns in the model's fused output (qkv_proj,
+# gate_up_proj; o_proj and down_proj alone): each group is one shrink and one expand.
+MODULE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+@dataclass(frozen=True)
+class GroupStacks:
+    """One layer's stacks of a module group (the layout of motet/kernels/sgmv.py): A [S, n * r, in] rank-major
+    (row j * n + m: module m's rank j), B [S, sum(sizes), r], scales [n, S] fp32; `active[m]`: whether the
+    expand of module m runs (a module no adapter of the step targets only adds zeros)."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scales: torch.Tensor
+    sizes: tuple[int, ...]  # each module's output columns
+    active: tuple[bool, ...]
+
+    def module(self, m: int) -> Stacks:
+        """Module m's own stacks as views: A [S, r, in] (row stride n * in), B [S, out_m, r], scales [S]."""
+        n = len(self.sizes)
+        S, rows, k = self.A.shape
+        col = sum(self.sizes[:m])
+        return self.A.view(S, rows // n, n, k)[:, :, m], self.B[:, col : col + self.sizes[m]], self.scales[m]
+
+    def cut(self, rank: int, active: tuple[bool, ...]) -> GroupStacks:
+        """Views of the first `rank` ranks of every module (a slice: the rows are rank-major)."""
+        n = len(self.sizes)
+        return GroupStacks(self.A[:, : n * rank], self.B[:, :, :rank], self.scales, self.sizes, active)
+
+
+class LayerStacks(Mapping[str, Stacks]):
+    """A layer's adapter stacks: per module group (`groups`, what the model applies) and, as a mapping, per
+    module (views into them; only the active modules: those some adapter of the step targets)."""
+
+    def __init__(self, groups: dict[tuple[str, ...], GroupStacks]):
+        self.groups = groups
+        self._modules = {
+            m: g.module(i) for modules, g in groups.items() for i, m in enumerate(modules) if g.active[i]
+        }
+
+    def __getitem__(self, module: str) -> Stacks:
+        return self._modules[module]
+
+    def __iter__(self):
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
 
 @dataclass
@@ -36,22 +91,30 @@ class LoRABatch:
     seg_starts: torch.Tensor  # [n+1] int32, on the device
     seg_slots: torch.Tensor  # [n] int32
     max_seg_len: int
-    weights: list[dict[str, Stacks]]  # per layer: module -> stacks (only modules some batch adapter targets)
+    weights: list[LayerStacks]  # per layer (groups and modules some adapter of the step targets)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, modules: tuple[str, ...], sizes) -> None:
-        """y += each row's adapter delta of x, in place; a fused y gets each module's delta in its columns."""
-        weights, col = self.weights[layer], 0
-        for module, size in zip(modules, sizes, strict=True):
-            if module in weights:
-                add_lora(
-                    y[:, col : col + size],
-                    x,
-                    *weights[module],
-                    self.seg_starts,
-                    self.seg_slots,
-                    max_seg_len=self.max_seg_len,
-                )
-            col += size
+        """y += each row's adapter delta of x, in place, for a group of modules that read x (MODULE_GROUPS)
+        and write `sizes` adjacent columns of y each: one shrink and one expand for the group."""
+        group = self.weights[layer].groups.get(modules)
+        if group is None:  # no adapter of the step targets these modules
+            return
+        if tuple(sizes) != group.sizes:
+            raise ValueError(
+                f"layer {layer} {modules}: output sizes {tuple(sizes)}, the stacks' {group.sizes}"
+            )
+        add_lora(
+            y,
+            x,
+            group.A,
+            group.B,
+            group.scales,
+            self.seg_starts,
+            self.seg_slots,
+            sizes=group.sizes,
+            active=group.active,
+            max_seg_len=self.max_seg_len,
+        )
 
 
 class LoRASlotCache:
@@ -81,9 +144,9 @@ class LoRASlotCache:
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self.slot_rank = [0] * max_loras
         self.slot_modules: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]
-        self.stacks: list[dict[str, Stacks]] | None = None  # allocated on the first load
+        self.stacks: list[LayerStacks] | None = None  # allocated on the first load
         self.num_loads = 0  # slot loads (host -> device copies), for tests and metrics
-        self._views: dict[frozenset[int], list[dict[str, Stacks]]] = {}  # per set of slots
+        self._views: dict[frozenset[int], list[LayerStacks]] = {}  # per set of slots
         self._lock = threading.Lock()
 
     # -- the host cache ----------------------------------------------------------------------------------
@@ -183,31 +246,40 @@ class LoRASlotCache:
         self.num_loads += 1
         self._views.clear()
 
-    def _allocate(self) -> list[dict[str, Stacks]]:
+    def _allocate(self) -> list[LayerStacks]:
         S, R = self.max_loras, self.max_lora_rank
         opts = dict(device=self.device, dtype=self.dtype)
         stacks = []
         for _ in range(self.base.num_hidden_layers):
-            layer = {}
-            for module in TARGET_MODULES:
-                n_in, n_out = module_shape(self.base, module)
-                layer[module] = (
-                    torch.zeros(S, R, n_in, **opts),
-                    torch.zeros(S, n_out, R, **opts),
-                    torch.zeros(S, device=self.device, dtype=torch.float32),
+            groups = {}
+            for modules in MODULE_GROUPS:
+                n_in = module_shape(self.base, modules[0])[0]
+                sizes = tuple(module_shape(self.base, m)[1] for m in modules)
+                groups[modules] = GroupStacks(
+                    torch.zeros(S, len(modules) * R, n_in, **opts),
+                    torch.zeros(S, sum(sizes), R, **opts),
+                    torch.zeros(len(modules), S, device=self.device, dtype=torch.float32),
+                    sizes,
+                    (True,) * len(modules),
                 )
-            stacks.append(layer)
+            stacks.append(LayerStacks(groups))
         return stacks
 
-    def _weights(self, slots: frozenset[int]) -> list[dict[str, Stacks]]:
-        """The stacks the batch needs: modules some of its adapters target, cut to their largest rank."""
+    def _weights(self, slots: frozenset[int]) -> list[LayerStacks]:
+        """The stacks the batch needs: groups with a module some of its adapters target, cut to their largest
+        rank, those modules active."""
         if slots not in self._views:
             r = max(self.slot_rank[s] for s in slots)
             used = set().union(*(self.slot_modules[s] for s in slots))
-            self._views[slots] = [
-                {m: (A[:, :r], B[:, :, :r], scales) for m, (A, B, scales) in layer.items() if (i, m) in used}
-                for i, layer in enumerate(self.stacks)
-            ]
+            views = []
+            for i, layer in enumerate(self.stacks):
+                groups = {}
+                for modules, group in layer.groups.items():
+                    active = tuple((i, m) in used for m in modules)
+                    if any(active):
+                        groups[modules] = group.cut(r, active)
+                views.append(LayerStacks(groups))
+            self._views[slots] = views
         return self._views[slots]
 
     def batch(self, adapter_ids: list[int], num_tokens: list[int]) -> LoRABatch:

@@ -79,12 +79,13 @@ struct Layer {
     MoeWeights moe;
 };
 
-struct LoraModule {  // one (layer, module) of the step's adapters; A == null: no adapter targets it
-    const void* A;  // [S, >= r, n_in]
-    const void* B;  // [S, n_out, >= r]
-    const float* scales;  // [S]
-    int64_t a_ss, a_sr, b_ss, b_so;
-    int r;
+// One (layer, module group) of the step's adapters, in sgmv.h's layout; A == null: no adapter targets it.
+struct LoraGroup {
+    const void* A;  // [S, >= n r, n_in], rank-major over the group's modules
+    const void* B;  // [S, sum of the modules' outputs, >= r]
+    const float* scales;  // [n, S]
+    int64_t a_ss, a_sr, b_ss, b_so, s_m;
+    int r, n, active;  // rank, modules, bit m: some adapter of the step targets module m
 };
 
 // Sums a buffer over the tensor-parallel ranks, in place (the caller's collective: torch.distributed).
@@ -112,12 +113,12 @@ struct Step {
     int num_segs;
     const int32_t* seg_starts;  // LoRA segments, or null
     const int32_t* seg_slots;
-    const LoraModule* lora;  // [num_layers * kLoraModules] (q, k, v, o, gate, up, down), or null
+    const LoraGroup* lora;  // [num_layers * kLoraGroups] (q/k/v, o, gate/up, down), or null
     double* timings;  // or null: seconds added per phase (kPhaseLinear, ...), for the step profile
 };
 
-constexpr int kLoraModules = 7;
-enum LoraIndex { kLoraQ = 0, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown };
+constexpr int kLoraGroups = 4;
+enum LoraIndex { kLoraQKV = 0, kLoraO, kLoraGateUp, kLoraDown };
 
 enum Phase { kPhaseLinear = 0, kPhaseAttention = 1, kPhaseLora = 2, kPhaseOther = 3, kNumPhases = 4 };
 
@@ -170,12 +171,13 @@ void rms_norm(const float* x, int M, int n, const TW* w, float eps, float* out) 
     }
 }
 
+// y += the group's LoRA deltas of x (its modules' outputs: adjacent columns of y, sizes[m] each).
 template <typename TW>
-void lora_add(const Step& s, const LoraModule* mod, const float* x, int64_t ldx, int n_in, float* y,
-              int64_t ldy, int n_out) {
-    if (mod == nullptr || mod->A == nullptr) return;
-    sgmv(x, ldx, y, ldy, static_cast<const TW*>(mod->A), mod->a_ss, mod->a_sr, static_cast<const TW*>(mod->B),
-         mod->b_ss, mod->b_so, mod->scales, s.seg_starts, s.seg_slots, s.num_segs, n_in, n_out, mod->r);
+void lora_add(const Step& s, const LoraGroup* g, const float* x, int64_t ldx, int n_in, float* y, int64_t ldy,
+              const int* sizes) {
+    if (g == nullptr || g->A == nullptr) return;
+    sgmv(x, ldx, y, ldy, static_cast<const TW*>(g->A), g->a_ss, g->a_sr, static_cast<const TW*>(g->B), g->b_ss,
+         g->b_so, g->scales, g->s_m, s.seg_starts, s.seg_slots, s.num_segs, n_in, sizes, g->n, g->active, g->r);
 }
 
 // The residual stream x [T, hidden] takes an op's output: the one point where each op's result joins the
@@ -190,7 +192,7 @@ inline void add_residual(const Model& m, float* x, float* out, int64_t n) {
 // The attention op: RMSNorm -> qkv (+ bias, + LoRA) -> (Qwen3: per-head q/k RMSNorm) -> rotary -> KV write ->
 // paged attention -> o (+ LoRA), added to the residual stream.
 template <typename TW, typename TC>
-void attention_op(Ctx& c, const AttentionWeights& W, const LoraModule* lm, float* x) {
+void attention_op(Ctx& c, const AttentionWeights& W, const LoraGroup* lm, float* x) {
     const Model& m = c.m;
     const Step& s = c.s;
     const int T = s.num_tokens, hid = m.hidden, D = m.head_dim, H = m.num_heads, KVH = m.num_kv_heads;
@@ -204,9 +206,8 @@ void attention_op(Ctx& c, const AttentionWeights& W, const LoraModule* lm, float
     linear(W.qkv, h, hid, T, hid, qkv_n, static_cast<const TW*>(W.qkv_bias), qkv, qkv_n, false);
     c.clock.mark(kPhaseLinear);
     if (lm) {
-        lora_add<TW>(s, lm + kLoraQ, h, hid, hid, qkv, qkv_n, q_size);
-        lora_add<TW>(s, lm + kLoraK, h, hid, hid, qkv + q_size, qkv_n, kv_size);
-        lora_add<TW>(s, lm + kLoraV, h, hid, hid, qkv + q_size + kv_size, qkv_n, kv_size);
+        const int sizes[3] = {q_size, kv_size, kv_size};
+        lora_add<TW>(s, lm + kLoraQKV, h, hid, hid, qkv, qkv_n, sizes);
         c.clock.mark(kPhaseLora);
     }
     // (Qwen3: each q and k head RMS-normalized,) rotary on q and k (the two halves of head_dim, Hugging Face
@@ -244,7 +245,7 @@ void attention_op(Ctx& c, const AttentionWeights& W, const LoraModule* lm, float
     linear(W.o, attn, q_size, T, q_size, hid, static_cast<const TW*>(nullptr), out, hid, false);
     c.clock.mark(kPhaseLinear);
     if (lm) {
-        lora_add<TW>(s, lm + kLoraO, attn, q_size, q_size, out, hid, hid);
+        lora_add<TW>(s, lm + kLoraO, attn, q_size, q_size, out, hid, &hid);
         c.clock.mark(kPhaseLora);
     }
     add_residual(m, x, out, static_cast<int64_t>(T) * hid);
@@ -254,7 +255,7 @@ void attention_op(Ctx& c, const AttentionWeights& W, const LoraModule* lm, float
 // out (=, or +=) down(silu(gate) * up) of h [T, hidden] through a SwiGLU MLP (+ LoRA where lm), each row of
 // the activation scaled by row_scale[t] first where given (a shared expert's gate: the product is linear).
 template <typename TW>
-void swiglu(Ctx& c, const MlpWeights& W, const float* h, int T, const LoraModule* lm, const float* row_scale,
+void swiglu(Ctx& c, const MlpWeights& W, const float* h, int T, const LoraGroup* lm, const float* row_scale,
             float* out, bool accumulate) {
     const Step& s = c.s;
     const int hid = c.m.hidden, I = W.inter;
@@ -263,8 +264,8 @@ void swiglu(Ctx& c, const MlpWeights& W, const float* h, int T, const LoraModule
     linear(W.gate_up, h, hid, T, hid, 2 * I, static_cast<const TW*>(nullptr), gu, 2 * I, false);
     c.clock.mark(kPhaseLinear);
     if (lm) {
-        lora_add<TW>(s, lm + kLoraGate, h, hid, hid, gu, 2 * I, I);
-        lora_add<TW>(s, lm + kLoraUp, h, hid, hid, gu + I, 2 * I, I);
+        const int sizes[2] = {I, I};
+        lora_add<TW>(s, lm + kLoraGateUp, h, hid, hid, gu, 2 * I, sizes);
         c.clock.mark(kPhaseLora);
     }
 #pragma omp parallel for schedule(static) if (T > 8)
@@ -282,14 +283,14 @@ void swiglu(Ctx& c, const MlpWeights& W, const float* h, int T, const LoraModule
     linear(W.down, act, I, T, I, hid, static_cast<const TW*>(nullptr), out, hid, accumulate);
     c.clock.mark(kPhaseLinear);
     if (lm) {
-        lora_add<TW>(s, lm + kLoraDown, act, I, I, out, hid, hid);
+        lora_add<TW>(s, lm + kLoraDown, act, I, I, out, hid, &hid);
         c.clock.mark(kPhaseLora);
     }
 }
 
 // The dense MLP op: RMSNorm -> gate/up (+ LoRA) -> SiLU * up -> down (+ LoRA), added to the residual stream.
 template <typename TW>
-void mlp_op(Ctx& c, const void* norm, const MlpWeights& W, const LoraModule* lm, float* x) {
+void mlp_op(Ctx& c, const void* norm, const MlpWeights& W, const LoraGroup* lm, float* x) {
     const int T = c.s.num_tokens, hid = c.m.hidden;
     float* h = Scratch::get(c.scratch.h, static_cast<int64_t>(T) * hid);
     float* out = Scratch::get(c.scratch.out, static_cast<int64_t>(T) * hid);
@@ -390,7 +391,7 @@ void forward(const Model& m, const Step& s, float* x) {
     Ctx c{m, s, scratch, clock};
     for (int li = 0; li < m.num_layers; ++li) {
         const Layer& L = m.layers[li];
-        const LoraModule* lm = s.lora ? s.lora + li * kLoraModules : nullptr;
+        const LoraGroup* lm = s.lora ? s.lora + li * kLoraGroups : nullptr;
         attention_op<TW, TC>(c, L.attn, lm, x);
         switch (L.mlp_kind) {
             case kMlpSparse: moe_op<TW>(c, L.post_norm, L.moe, x); break;
@@ -407,7 +408,7 @@ using namespace motet;
 
 extern "C" {
 
-int motet_abi_version() { return 7; }
+int motet_abi_version() { return 8; }
 
 int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, int64_t q_sh, const void* kc,
                     const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* qsl,
@@ -426,12 +427,15 @@ int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, i
     return 0;
 }
 
+// One module group's LoRA deltas (sgmv.h): sizes [n], scales [n, S] with module stride s_m.
 int motet_sgmv(int dtype_x, int dtype_w, const void* x, int64_t x_st, void* y, int64_t y_st, const void* A,
                int64_t a_ss, int64_t a_sr, const void* B, int64_t b_ss, int64_t b_so, const float* scales,
-               const int32_t* seg_starts, const int32_t* seg_slots, int num_segs, int n_in, int n_out, int r) {
+               int64_t s_m, const int32_t* seg_starts, const int32_t* seg_slots, int num_segs, int n_in,
+               const int* sizes, int n, int active, int r) {
 #define SGMV(TX, TW)                                                                                       \
     sgmv(static_cast<const TX*>(x), x_st, static_cast<TX*>(y), y_st, static_cast<const TW*>(A), a_ss, a_sr, \
-         static_cast<const TW*>(B), b_ss, b_so, scales, seg_starts, seg_slots, num_segs, n_in, n_out, r)
+         static_cast<const TW*>(B), b_ss, b_so, scales, s_m, seg_starts, seg_slots, num_segs, n_in, sizes, n,  \
+         active, r)
     if (dtype_x == 0 && dtype_w == 0) SGMV(float, float);
     else if (dtype_x == 1 && dtype_w == 1) SGMV(uint16_t, uint16_t);
     else if (dtype_x == 0 && dtype_w == 1) SGMV(float, uint16_t);
