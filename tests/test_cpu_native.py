@@ -10,7 +10,16 @@ import torch.nn.functional as F
 
 from motet.kernels import cpu_native
 from tests.test_paged_attention import TOL, make_batch, naive_attention, random_seqs
-from tests.test_sgmv import REF_CASES, check_expand, make_case, naive
+from tests.test_sgmv import (
+    GROUP_REF_CASES,
+    REF_CASES,
+    check_expand,
+    check_group,
+    make_case,
+    make_group_case,
+    naive,
+    naive_group,
+)
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels")
 
@@ -62,6 +71,45 @@ def test_sgmv_strided_output_and_cut_rank():
     )
     check_expand(fused[:, 64:128], c["y"], delta, torch.float32)
     assert torch.equal(fused[:, :64], before[:, :64]) and torch.equal(fused[:, 128:], before[:, 128:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", GROUP_REF_CASES, ids=[f"case{c[0]}" for c in GROUP_REF_CASES])
+def test_sgmv_group_matches_naive(case, dtype):
+    """A module group (q/k/v, gate/up): one shrink over the rank-major A, each active module's expand into its
+    columns; slots of mixed ranks and target sets, inactive modules untouched."""
+    c = make_group_case(*case, dtype=dtype)
+    y = c["y"].clone()
+    cpu_native.sgmv(
+        y, c["x"], c["A"], c["B"], c["scales"], c["starts"], c["slots"], sizes=c["sizes"], active=c["active"]
+    )
+    check_group(y, c, naive_group(c)[1], dtype, c["active"])
+
+
+def test_sgmv_group_in_a_row_strided_output_with_cut_rank():
+    """The group's columns inside a wider buffer, stacks cut to the batch's rank (the first n r rows of A)."""
+    c = make_group_case(19, 30, 6, 64, (64, 32, 32), 8)
+    S, n, R = c["A"].shape[0], 3, 8
+    A2 = torch.zeros(S, 2 * R, n, 64)
+    A2[:, :R] = c["A"].view(S, R, n, 64)
+    B2 = torch.zeros(S, 128, 2 * R)
+    B2[:, :, :R] = c["B"]
+    wide = torch.randn(30, 200)
+    wide[:, 40:168] = c["y"]
+    before = wide.clone()
+    y = wide[:, 40:168]
+    cpu_native.sgmv(
+        y,
+        c["x"],
+        A2.flatten(1, 2)[:, : n * R],
+        B2[:, :, :R],
+        c["scales"],
+        c["starts"],
+        c["slots"],
+        sizes=c["sizes"],
+    )
+    check_group(y, c, naive_group(c)[1], torch.float32, (True,) * 3)
+    assert torch.equal(wide[:, :40], before[:, :40]) and torch.equal(wide[:, 168:], before[:, 168:])
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
