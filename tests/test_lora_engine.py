@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
+from motet.kernels import cpu_native
 from motet.lora.adapter import TARGET_MODULES, AdapterError, load_adapter
 from tests.test_engine import engine_logits
 
@@ -108,6 +109,33 @@ def test_mixed_batch_logits_match_peft(tiny_model_dir, tiny_loras):
         for g, ref in zip(got, refs, strict=True):
             torch.testing.assert_close(g, ref, atol=2e-4, rtol=1e-4)
     # The adapters matter: their logits are far from the base model's.
+    base = lora_logits(llm.engine, prompts, [None] * len(prompts))
+    for b, ref, n in zip(base, refs, names, strict=True):
+        assert ((b - ref).abs().max() > 0.5) == bool(n), n
+
+
+# Adapters on part of a fused group (q/k/v, gate/up): the group's one shrink and one expand must leave the
+# other modules' columns as the base model computes them.
+SUBSET_ADAPTERS = [
+    ("kv8", 8, ["k_proj", "v_proj"]),
+    ("up4", 4, ["up_proj"]),
+    ("qgate16", 16, ["q_proj", "gate_proj", "down_proj"]),
+]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["native-step", "eager"])
+def test_adapters_on_part_of_a_fused_group_match_peft(tiny_model_dir, tmp_path, compiled):
+    peft = save_peft_adapters(tiny_model_dir, tmp_path, SUBSET_ADAPTERS, std=0.1)
+    paths = {name: tmp_path / name for name, _, _ in SUBSET_ADAPTERS}
+    llm = tiny_llm(tiny_model_dir, paths, max_loras=3, compile_step=compiled)
+    assert (llm.engine.runner.native is not None) == (compiled and cpu_native.library() is not None)
+    prompts, _ = tiny_requests()
+    names = ["kv8", None, "up4", "qgate16", "kv8", "up4", None, "qgate16"]
+    refs = [peft_reference(peft, n, p, 0)[1] for p, n in zip(prompts, names, strict=True)]
+    for chunk in (None, 7):
+        got = lora_logits(llm.engine, prompts, names, chunk=chunk)
+        for g, ref in zip(got, refs, strict=True):
+            torch.testing.assert_close(g, ref, atol=2e-4, rtol=1e-4)
     base = lora_logits(llm.engine, prompts, [None] * len(prompts))
     for b, ref, n in zip(base, refs, names, strict=True):
         assert ((b - ref).abs().max() > 0.5) == bool(n), n

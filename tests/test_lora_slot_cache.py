@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 import motet.lora.slot_cache as slot_cache
 from motet.engine.config import ModelConfig
 from motet.lora.adapter import TARGET_MODULES, AdapterError, LoRAAdapter, load_adapter, module_shape
-from motet.lora.slot_cache import LoRASlotCache
+from motet.lora.slot_cache import MODULE_GROUPS, LoRASlotCache
 
 BASE = ModelConfig.from_dict(
     {
@@ -80,24 +80,44 @@ def test_batch_delta_matches_per_row_reference(adapters):
     slot = cache.resident
     assert lora.seg_slots.tolist() == [slot[2], -1, slot[1], slot[2]]
     row_ids = [a for a, n in zip(ids, counts, strict=True) for _ in range(n)]
-    x = torch.randn(len(row_ids), BASE.hidden_size)
-    modules, sizes = (
-        ("q_proj", "k_proj", "v_proj"),
-        [module_shape(BASE, m)[1] for m in ("q_proj", "k_proj", "v_proj")],
-    )
+    for modules in MODULE_GROUPS:  # q/k/v (adapter 1 targets q and v only), o, gate/up, down
+        n_in = module_shape(BASE, modules[0])[0]
+        sizes = [module_shape(BASE, m)[1] for m in modules]
+        x = torch.randn(len(row_ids), n_in)
+        for layer in range(BASE.num_hidden_layers):
+            y = torch.randn(len(row_ids), sum(sizes))
+            expected = y.clone()
+            lora.add(y, x, layer, modules, sizes)
+            col = 0
+            for m, size in zip(modules, sizes, strict=True):
+                for row, a in enumerate(row_ids):
+                    w = cache.get_cpu(a).weights.get((layer, m)) if a else None
+                    if w is not None:
+                        A, B, scale = w
+                        expected[row, col : col + size] += (x[row] @ A.t() @ B.t()) * scale
+                col += size
+            torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_group_stacks_hold_each_module_at_its_rank_major_rows_and_output_columns(adapters):
+    """The layout the kernels read: a group's A rows j * n + m are module m's rank j, its B columns the module's
+    columns of the fused output; each module's stacks are views of them."""
+    cache = make(adapters)
+    slot = cache.activate([2])[2]  # rank 8, every module
+    adapter = cache.get_cpu(2)
     for layer in range(BASE.num_hidden_layers):
-        y = torch.randn(len(row_ids), sum(sizes))
-        expected = y.clone()
-        lora.add(y, x, layer, modules, sizes)
-        col = 0
-        for m, size in zip(modules, sizes, strict=True):
-            for row, a in enumerate(row_ids):
-                w = cache.get_cpu(a).weights.get((layer, m)) if a else None
-                if w is not None:
-                    A, B, scale = w
-                    expected[row, col : col + size] += (x[row] @ A.t() @ B.t()) * scale
-            col += size
-        torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+        for modules, group in cache.stacks[layer].groups.items():
+            n, col = len(modules), 0
+            for m, name in enumerate(modules):
+                a, b, scale = adapter.weights[(layer, name)]
+                size = b.shape[0]
+                torch.testing.assert_close(group.A[slot].view(8, n, -1)[:, m], a)
+                torch.testing.assert_close(group.B[slot, col : col + size], b)
+                assert group.scales[m, slot] == scale
+                A, B, scales = cache.stacks[layer][name]
+                assert A.data_ptr() == group.A[:, m].data_ptr() and B.data_ptr() == group.B[:, col].data_ptr()
+                assert scales.data_ptr() == group.scales[m].data_ptr()
+                col += size
 
 
 def test_batch_views_cover_only_targeted_modules_cut_to_the_batch_rank(adapters):
@@ -107,8 +127,13 @@ def test_batch_views_cover_only_targeted_modules_cut_to_the_batch_rank(adapters)
     assert set(lora.weights[0]) == {"q_proj", "v_proj"}
     A, B, scales = lora.weights[0]["q_proj"]
     assert A.shape[1] == 4 and B.shape[2] == 4 and scales.shape == (2,)
+    # one group (q/k/v), k inactive: its expand is skipped; the shrink covers the group's rows of rank 4
+    qkv = ("q_proj", "k_proj", "v_proj")
+    assert list(lora.weights[0].groups) == [qkv] and lora.weights[0].groups[qkv].active == (True, False, True)
+    assert lora.weights[0].groups[qkv].A.shape[1] == 3 * 4
     lora = cache.batch([3, 2], [1, 1])
     assert set(lora.weights[1]) == set(TARGET_MODULES) and lora.weights[1]["q_proj"][0].shape[1] == 8
+    assert list(lora.weights[1].groups) == list(MODULE_GROUPS)
 
 
 def test_lru_never_evicts_the_steps_adapters(adapters):
