@@ -204,12 +204,9 @@ def test_triton_kernels_take_a_groups_fused_output_and_rank_cut_views(adapters, 
 
     launches = []
 
-    def triton_add_lora(y, x, A, B, scales, seg_starts, seg_slots, *, sizes, active, max_seg_len=None):
+    def triton_add_lora(*args, **kw):  # add_lora's GPU path, counted
         launches.append(("shrink", "expand"))
-        h = sgmv.sgmv_shrink_triton(x, A, seg_starts, seg_slots, max_seg_len=max_seg_len)
-        sgmv.sgmv_expand_triton(
-            h, B, scales, seg_starts, seg_slots, y, sizes=sizes, active=active, max_seg_len=max_seg_len
-        )
+        sgmv.add_lora_triton(*args, **kw)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # natively on a GPU, interpreted elsewhere
     cache = make(adapters, device=device)

@@ -397,6 +397,17 @@ def test_group_triton(case, dtype):
     check_group(y, c, _group_expand_of(h, c), dtype, c["active"])
     assert delta.abs().sum() > 0
 
+    # add_lora's GPU path shrinks into an uninitialized buffer: the expand never reads the rows the shrink
+    # leaves (those without an adapter)
+    h = torch.full_like(h, float("nan"))
+    sgmv.sgmv_shrink_triton(c["x"], c["A"], c["starts"], c["slots"], out=h)
+    y = c["y"].clone()
+    sgmv.sgmv_expand_triton(h, c["B"], c["scales"], c["starts"], c["slots"], y, **group)
+    check_group(y, c, delta, dtype, c["active"])
+    y = c["y"].clone()
+    sgmv.add_lora_triton(y, c["x"], c["A"], c["B"], c["scales"], c["starts"], c["slots"], **group)
+    check_group(y, c, delta, dtype, c["active"])
+
 
 def test_group_shapes_are_checked():
     c = make_group_case(18, 6, 2, 16, (16, 8, 8), 4)

@@ -60,12 +60,42 @@ def add_lora(
     batch metadata); without it the grid is sized from ``T`` with no device sync.
     """
     if x.is_cuda:
-        h = sgmv_shrink_triton(x, A_stack, seg_starts, seg_slots, max_seg_len=max_seg_len)
-        sgmv_expand_triton(
-            h, B_stack, scales, seg_starts, seg_slots, y, sizes=sizes, active=active, max_seg_len=max_seg_len
+        add_lora_triton(
+            y,
+            x,
+            A_stack,
+            B_stack,
+            scales,
+            seg_starts,
+            seg_slots,
+            sizes=sizes,
+            active=active,
+            max_seg_len=max_seg_len,
         )
     else:
         _add_lora_torch(y, x, A_stack, B_stack, scales, seg_starts, seg_slots, sizes, active)
+
+
+def add_lora_triton(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    A_stack: torch.Tensor,
+    B_stack: torch.Tensor,
+    scales: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slots: torch.Tensor,
+    *,
+    sizes: Sequence[int] | None = None,
+    active: Sequence[bool] | None = None,
+    max_seg_len: int | None = None,
+) -> None:
+    """The GPU path of `add_lora`: two launches, the shrink into an uninitialized ``h`` (the expand reads only
+    the rows of segments with an adapter, which the shrink writes: no memset kernel) and the expand."""
+    h = torch.empty(x.shape[0], A_stack.shape[1], dtype=torch.float32, device=x.device)
+    sgmv_shrink_triton(x, A_stack, seg_starts, seg_slots, max_seg_len=max_seg_len, out=h)
+    sgmv_expand_triton(
+        h, B_stack, scales, seg_starts, seg_slots, y, sizes=sizes, active=active, max_seg_len=max_seg_len
+    )
 
 
 def _group(y: torch.Tensor, B_stack: torch.Tensor, scales: torch.Tensor, sizes, active):
@@ -201,16 +231,20 @@ def sgmv_shrink_triton(
     seg_slots: torch.Tensor,
     *,
     max_seg_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton shrink: ``h [T, n * max_rank]`` fp32 (A_stack's rows: a group's modules in one launch), zero for
-    rows without an adapter. No device sync."""
+    rows without an adapter; into `out` if given, whose rows without an adapter are left as they are. No
+    device sync."""
     if triton is None:
         raise RuntimeError("sgmv_shrink_triton needs triton")
     num_tokens, k = x.shape
     num_slots, rank, k_a = A_stack.shape
     if k_a != k:
         raise ValueError(f"x {tuple(x.shape)} does not fit A_stack {tuple(A_stack.shape)}")
-    h = torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
+    h = torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device) if out is None else out
+    if h.shape != (num_tokens, rank) or h.dtype != torch.float32:
+        raise ValueError(f"out {tuple(h.shape)} {h.dtype}: the shrink writes [{num_tokens}, {rank}] fp32")
     num_segs = seg_slots.shape[0]
     if num_tokens == 0 or num_segs == 0 or rank == 0:
         return h
