@@ -140,7 +140,9 @@ def offline(args, model_dir: Path, tmp: Path) -> list[dict]:
                       num_kv_blocks=b * 24 + 16, max_loras=max(1, args.adapters), max_lora_rank=16,
                       compile_step=compiled, speculative="off")  # fmt: skip  (plain steps: one token a row)
             prompts = chat_prompts(llm.tokenizer, b)
-            free = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+            # long enough that no row ends before the last of the batch has its prompt in and --steps are timed
+            length = args.steps + 8 + b
+            free = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
             loads = {"base": (free, [None] * b)}
             if compiled and args.adapters:
                 refs = [llm.add_lora(f"a{i}", write_random_adapter(tmp / f"a{i}", llm.engine.model_config, 16, i))
@@ -149,7 +151,7 @@ def offline(args, model_dir: Path, tmp: Path) -> list[dict]:
             if compiled:
                 from motet.grammar.specs import JsonSchemaSpec
 
-                guided = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True,
+                guided = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True,
                                         grammar=JsonSchemaSpec(SCHEMA))  # fmt: skip
                 loads["JSON schema"] = (guided, [None] * b)
             for load, (params, adapters) in loads.items():

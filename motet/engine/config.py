@@ -288,6 +288,9 @@ class EngineConfig:
     # The compiled step: on CPU the whole decoder stack in one native call (motet/engine/cpu_forward.py), on CUDA
     # decode steps replayed from CUDA graphs (motet/engine/cuda_graphs.py). False: the eager model, the reference.
     compile_step: bool = True
+    # Make a step's outputs (detokenizing, stop strings) while the device runs the next step, on a thread of the
+    # engine's own (motet/engine/llm_engine.py); the outputs are the same. False: strictly one step after another.
+    overlap_output: bool = True
     # Speculative decoding (motet/engine/speculative/): "ngram" drafts from prompt lookup and the grammar's forced
     # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, each kept
     # while its expected tokens beat its cost; `speculative_overhead_tokens` is a step's fixed cost in

@@ -128,8 +128,10 @@ class DecodeGraphs:
         tables: list[list[int]],
         seq_lens: list[int],
         lora: LoRABatch | None = None,
+        on_launch=None,
     ) -> torch.Tensor:
-        """Hidden states [n, d] of a decode step of n sequences (one token each)."""
+        """Hidden states [n, d] of a decode step of n sequences (one token each); `on_launch()` is called once
+        the graph is replayed (its work queued on the device)."""
         n = len(input_ids)
         b = bucket_for(n, self.sizes)
         width = max(len(t) for t in tables)
@@ -150,4 +152,6 @@ class DecodeGraphs:
             self._capture(key, lora)
         self.graphs[key].replay()
         self.replays += 1
+        if on_launch is not None:
+            on_launch()
         return self.outputs[key][:n]

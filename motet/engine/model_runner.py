@@ -137,8 +137,9 @@ class ModelRunner:
     def _build(self, model_dir) -> None:
         config, model_config, parallel = self.config, self.model_config, self.parallel
         threads = config.num_threads or (default_cpu_threads(parallel.size) if parallel.enabled else None)
-        if threads and self.device.type == "cpu":
-            torch.set_num_threads(threads)  # from the thread that runs the forward passes
+        self.num_threads = threads if self.device.type == "cpu" else None  # the forward passes' threads
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)  # (the engine's own step thread sets it too)
         budget = None  # --gpu-memory-utilization: read before the weights take their part
         if config.num_kv_blocks is None and config.gpu_memory_utilization is not None:
             budget = memory_budget(config.gpu_memory_utilization, self.device)
@@ -314,11 +315,16 @@ class ModelRunner:
         return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, qsl
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch, lora: LoRABatch | None = None) -> tuple[torch.Tensor, list[int]]:
-        """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets."""
-        if self.graphs is not None and (hidden := self._decode_graph(batch, lora)) is not None:
+    def forward(
+        self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets.
+        `on_launch()`, if given, is called once the inputs are ready, as the model starts."""
+        if self.graphs is not None and (hidden := self._decode_graph(batch, lora, on_launch)) is not None:
             return hidden, list(range(len(batch) + 1))
         input_ids, positions, meta, qsl = self._prepare(batch)
+        if on_launch is not None:
+            on_launch()
         if self.workers is not None:  # the step's plan, once, to every other rank
             segments = [lora.seg_starts, lora.seg_slots] if lora is not None else []
             self._send(
@@ -359,7 +365,9 @@ class ModelRunner:
             return self.native.logits(hidden)
         return self.model.compute_logits(hidden)
 
-    def _decode_graph(self, batch: ScheduledBatch, lora: LoRABatch | None) -> torch.Tensor | None:
+    def _decode_graph(
+        self, batch: ScheduledBatch, lora: LoRABatch | None, on_launch=None
+    ) -> torch.Tensor | None:
         """A decode step (one new token per sequence) replayed from its bucket's graph; None: run eagerly."""
         if not batch.seqs or any(n != 1 for n in batch.num_new_tokens):
             return None
@@ -374,10 +382,12 @@ class ModelRunner:
             tables,
             [p + 1 for p in pos],
             lora,
+            on_launch,
         )
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, lora: LoRABatch | None = None) -> StepResult:
+    def execute(self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None) -> StepResult:
+        """The batch's sampled tokens; `on_launch` as in `forward`."""
         sample_rows = [i for i in range(len(batch)) if batch.samples(i)]
         # One sampled position per sampling row, plus one per draft (motet/engine/speculative/verify.py).
         views, starts = [], []
@@ -405,7 +415,7 @@ class ModelRunner:
             bitmask = allocate_bitmask(len(views), self.model_config.vocab_size)
             filling = self._grammar_thread.submit(_timed_fill, bitmask, plain, drafted, opening)
 
-        hidden, qsl = self.forward(batch, lora)
+        hidden, qsl = self.forward(batch, lora, on_launch)
         rows = [
             r
             for i in sample_rows
