@@ -138,8 +138,8 @@ def offline(args, model_dir: Path, tmp: Path) -> list[dict]:
             llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=b, num_threads=args.threads,
                       quantization=args.quantization,
                       num_kv_blocks=b * 24 + 16, max_loras=max(1, args.adapters), max_lora_rank=16,
-                      compile_step=compiled, speculative="off")  # fmt: skip  (plain steps: one token a row)
-            prompts = chat_prompts(llm.tokenizer, b)
+                      compile_step=compiled, speculative="off")  # fmt: skip
+            prompts = chat_prompts(llm.tokenizer, b)  # (speculation off above: plain steps, one token a row)
             # long enough that no row ends before the last of the batch has its prompt in and --steps are timed
             length = args.steps + 8 + b
             free = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)

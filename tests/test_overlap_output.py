@@ -52,7 +52,7 @@ def run(eng: LLMEngine, requests, abort_after: dict[str, int] | None = None) -> 
                     o.finish_reason,
                     str(o.stop_reason),
                     tuple((lp.token_id, round(lp.logprob, 4)) for lp in o.logprobs),
-                )  # fmt: skip
+                )
                 for o in outs
             )
         )
@@ -96,9 +96,8 @@ def test_outputs_are_the_sequential_order_s(model_dir):
     assert overlapped == sequential
     finished = {o[0]: o for step in overlapped for o in step if o[3]}
     assert set(finished) == set(mixed_requests())
-    assert (
-        finished["stops"][4] == finished["stop_ids"][4] == "stop"
-    )  # a stop string and a stop id did end rows
+    # a stop string and a stop id did end rows
+    assert finished["stops"][4] == finished["stop_ids"][4] == "stop"
 
 
 def test_abort_while_a_step_is_in_flight(model_dir):
