@@ -118,3 +118,17 @@ def test_close_waits_for_the_launched_step(model_dir):
     assert eng.in_flight
     eng.close()
     assert eng._inflight[1].done()
+
+
+def test_flush_commits_the_launched_step_before_steps_by_hand(model_dir):
+    eng = engine(model_dir, overlap=True)
+    eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), request_id="r")
+    eng.step()
+    with pytest.raises(RuntimeError, match="in flight"):
+        eng.schedule()  # the launched step's tokens are not appended yet
+    (out,) = eng.flush()
+    assert out.num_new_tokens == 1 and not eng.in_flight
+    while eng.has_unfinished():  # by hand, as benchmarks drive it
+        batch = eng.schedule()
+        eng.commit(batch, eng.execute(batch))
+    assert len(eng.requests) == 0

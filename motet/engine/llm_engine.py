@@ -370,6 +370,15 @@ class LLMEngine:
             self.kv_connector.settle()
         return outputs
 
+    def flush(self) -> list[RequestOutput]:
+        """Commit the launched step, if any, without launching another: its outputs (the engine is then between
+        steps, as `schedule`, `execute` and `commit` driven by hand need it)."""
+        if self._inflight is None:
+            return []
+        batch, future = self._inflight
+        self._inflight = None
+        return self.commit_text(self.commit_tokens(batch, future.result()))
+
     def _overlapped_step(self) -> list[RequestOutput]:
         """Commit the launched step's tokens, launch the next step, then make the committed step's outputs while
         the device runs it."""
@@ -389,6 +398,8 @@ class LLMEngine:
         return self.commit_text(pending) if pending is not None else []
 
     def schedule(self) -> ScheduledBatch:
+        if self._inflight is not None:  # (its rows' tokens are not appended yet)
+            raise RuntimeError("a step is in flight: flush() it before scheduling another")
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         kv, sched = self.kv_connector, self.scheduler
