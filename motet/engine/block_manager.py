@@ -146,6 +146,8 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False if the pool is short."""
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed <= 0:  # (most decode steps: the last block has room)
+            return True
         if needed > len(self.free):
             return False
         seq.block_table.extend(self.take_blocks(needed))

@@ -286,6 +286,8 @@ class ModelRunner:
                 self._logits(extra["hidden"].to(self.device))
 
     def _prepare(self, batch: ScheduledBatch):
+        if all(n == 1 for n in batch.num_new_tokens):
+            return self._prepare_decode(batch)
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -301,6 +303,23 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         tables = [t + [0] * (width - len(t)) for t in tables]
 
+        return self._inputs(input_ids, positions, slots, tables, qsl, seq_lens, max(batch.num_new_tokens))
+
+    def _prepare_decode(self, batch: ScheduledBatch):
+        """`_prepare` of a step where every row adds one token (no drafts): the common step, in fewer passes."""
+        bs, seqs = self.block_size, batch.seqs
+        positions = [seq.num_computed_tokens for seq in seqs]
+        input_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)]
+        tables = [seq.block_table for seq in seqs]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+        width = max(map(len, tables))
+        tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in tables]
+        seq_lens = [p + 1 for p in positions]
+        return self._inputs(input_ids, positions, slots, tables, list(range(len(seqs) + 1)), seq_lens, 1)
+
+    def _inputs(self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len):
+        """The step's input tensors on the device, from host lists (tables already padded to one width)."""
+
         def tensor(data, dtype):
             return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
@@ -309,7 +328,7 @@ class ModelRunner:
             block_tables=tensor(tables, torch.int32),
             query_start_loc=tensor(qsl, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32),
-            max_query_len=max(batch.num_new_tokens),
+            max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
         )
         return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, qsl
@@ -357,7 +376,8 @@ class ModelRunner:
         """fp32 logits of rows of the latest forward's hidden states (the other ranks pick the same rows)."""
         if self.workers is not None:
             self._send("logits", tensors=[torch.tensor(rows, dtype=torch.int64)])
-        return self._logits(hidden[rows])
+        # (rows are increasing: as many as the hidden rows means all of them, with no gather)
+        return self._logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """This rank's part of the logits (rank 0 gets all of them, gathered; the others None)."""
@@ -390,10 +410,13 @@ class ModelRunner:
         """The batch's sampled tokens; `on_launch` as in `forward`."""
         sample_rows = [i for i in range(len(batch)) if batch.samples(i)]
         # One sampled position per sampling row, plus one per draft (motet/engine/speculative/verify.py).
-        views, starts = [], []
-        for i in sample_rows:
-            starts.append(len(views))
-            views.extend(position_views(batch.seqs[i]))
+        if any(seq.draft_token_ids for seq in batch.seqs):
+            views, starts = [], []
+            for i in sample_rows:
+                starts.append(len(views))
+                views.extend(position_views(batch.seqs[i]))
+        else:
+            views, starts = [batch.seqs[i] for i in sample_rows], range(len(sample_rows))
         # Constrained rows: their bitmask rows are filled on a side thread while the forward pass runs
         # (xgrammar releases the GIL); unconstrained rows are never touched.
         masked, plain, drafted, opening = [], [], [], []
@@ -429,18 +452,23 @@ class ModelRunner:
         result = StepResult.empty(len(batch))
         for i, start in zip(sample_rows, starts, strict=True):
             drafts = batch.seqs[i].draft_token_ids
+            if not drafts:
+                result.token_ids[i], result.logprobs[i] = [out.token_ids[start]], [out.logprobs[start]]
+                continue
             sampled = out.token_ids[start : start + len(drafts) + 1]
             kept = num_accepted(sampled, drafts) + 1  # the accepted drafts and the target's next token
             result.token_ids[i] = sampled[:kept]
             result.logprobs[i] = out.logprobs[start : start + kept]
         for i, seq in enumerate(batch.seqs):
             k = seq.params.prompt_logprobs
+            if k is None:
+                continue
             start = seq.num_computed_tokens
             # Row p predicts prompt token p+1; the last prompt row predicts the first output instead. A
             # recompute after preemption skips the positions it has reported already.
             first = max(start, len(seq.prompt_logprobs))
             last = min(start + batch.num_new_tokens[i], seq.num_prompt_tokens - 1)
-            if k is None or first >= last:
+            if first >= last:
                 continue
             rows = range(qsl[i] + first - start, qsl[i] + last - start)
             targets = seq.token_ids[first + 1 : last + 1]
