@@ -439,11 +439,14 @@ class ModelRunner:
             filling = self._grammar_thread.submit(_timed_fill, bitmask, plain, drafted, opening)
 
         hidden, qsl = self.forward(batch, lora, on_launch)
-        rows = [
-            r
-            for i in sample_rows
-            for r in range(qsl[i + 1] - 1 - len(batch.seqs[i].draft_token_ids), qsl[i + 1])
-        ]
+        if isinstance(starts, range):  # no drafts: each sampling row's last position
+            rows = [qsl[i + 1] - 1 for i in sample_rows]
+        else:
+            rows = [
+                r
+                for i in sample_rows
+                for r in range(qsl[i + 1] - 1 - len(batch.seqs[i].draft_token_ids), qsl[i + 1])
+            ]
         logits = self.logits(hidden, rows)
         if masked:
             self._apply_grammar(logits, bitmask, masked, filling)

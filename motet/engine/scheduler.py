@@ -134,9 +134,9 @@ class Scheduler:
         # decode row keeps its one token ahead of any prompt chunk, so a long prompt never stalls the decoding
         # ones.
         running_places = tenant_places(self.running)
-        self.running.sort(
-            key=lambda s: (shares.load(s.tenant), fair.counter(s.tenant), *running_places[s.seq_id])
-        )
+        tenants = {s.tenant for s in self.running}
+        order = {t: (shares.load(t), fair.counter(t)) for t in tenants}  # once per tenant, not per row
+        self.running.sort(key=lambda s: (*order[s.tenant], *running_places[s.seq_id]))
         decodes_left = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
