@@ -59,9 +59,10 @@ class DecodeGraphs:
         self.device = device
         B, W = self.sizes[-1], max_blocks_per_seq
         opts = dict(device=device)
-        self.input_ids = torch.zeros(B, dtype=torch.int64, **opts)
-        self.positions = torch.zeros(B, dtype=torch.int64, **opts)
-        self.slot_mapping = torch.full((B,), -1, dtype=torch.int64, **opts)
+        # token ids, positions and KV slots in one buffer: a step fills the three with one transfer
+        self.per_token = torch.zeros(3, B, dtype=torch.int64, **opts)
+        self.input_ids, self.positions, self.slot_mapping = self.per_token
+        self.slot_mapping.fill_(-1)
         self.block_tables = torch.zeros(B, W, dtype=torch.int32, **opts)
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, **opts)  # one token per sequence
         self.seq_lens = torch.ones(B, dtype=torch.int32, **opts)
@@ -106,19 +107,25 @@ class DecodeGraphs:
         meta = self._meta(b)
         if lora is not None:  # every token its own segment: a grid that does not depend on the step
             lora = LoRABatch(self.query_start_loc[: b + 1], self.token_slots[:b], 1, lora.weights)
+        self.graphs[key], self.outputs[key] = self._record(
+            lambda: self.forward(self.input_ids[:b], self.positions[:b], meta, lora)
+        )
+
+    def _record(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """`step` captured as a CUDA graph over the static buffers, and the tensor its replays write."""
         # Warm up outside the graph (Triton compiles, cuBLAS picks its kernels) on a side stream.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.forward(self.input_ids[:b], self.positions[:b], meta, lora)
+                step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.forward(self.input_ids[:b], self.positions[:b], meta, lora)
+            out = step()
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[key], self.outputs[key] = graph, out
+        return graph, out
 
     def run(
         self,
@@ -136,13 +143,18 @@ class DecodeGraphs:
         b = bucket_for(n, self.sizes)
         width = max(len(t) for t in tables)
         pad = b - n
-        # One host->device copy per buffer; padding rows: token 0 at position 0, KV write skipped, 1 key.
-        self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad, dtype=torch.int64))
-        self.positions[:b].copy_(torch.tensor(positions + [0] * pad, dtype=torch.int64))
-        self.slot_mapping[:b].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64))
-        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32))
-        rows = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad
-        self.block_tables[:b, :width].copy_(torch.tensor(rows, dtype=torch.int32))
+        # Three transfers from pinned host memory, queued without waiting for the device (a copy from pageable
+        # memory would make the host wait for it). Padding rows: token 0 at position 0, KV write skipped, 1 key.
+        pinned = self.device.type == "cuda"
+        per_token = [input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad]
+        self.per_token[:, :b].copy_(
+            torch.tensor(per_token, dtype=torch.int64, pin_memory=pinned), non_blocking=True
+        )
+        lens = torch.tensor(seq_lens + [1] * pad, dtype=torch.int32, pin_memory=pinned)
+        self.seq_lens[:b].copy_(lens, non_blocking=True)
+        rows = [t if len(t) == width else t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad
+        rows = torch.tensor(rows, dtype=torch.int32, pin_memory=pinned)
+        self.block_tables[:b, :width].copy_(rows, non_blocking=True)
         if lora is not None:  # segment slots -> token slots, on the device (output_size: no sync)
             counts = (lora.seg_starts[1:] - lora.seg_starts[:-1]).long()
             self.token_slots[:n].copy_(torch.repeat_interleave(lora.seg_slots, counts, output_size=n))
