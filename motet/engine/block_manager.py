@@ -198,6 +198,8 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
+        if num_full == self.num_registered.get(seq.seq_id, 0):  # no block filled since (most decode steps)
+            return
         hashes = self._hashes(seq, num_full * bs)
         for i in range(self.num_registered.get(seq.seq_id, 0), num_full):
             block, h = self.blocks[seq.block_table[i]], hashes[i]

@@ -415,7 +415,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None) -> StepResult:
         """The batch's sampled tokens; `on_launch` as in `forward`."""
-        sample_rows = [i for i in range(len(batch)) if batch.samples(i)]
+        sample_rows = batch.sampling_rows()
         # One sampled position per sampling row, plus one per draft (motet/engine/speculative/verify.py).
         if any(seq.draft_token_ids for seq in batch.seqs):
             views, starts = [], []
