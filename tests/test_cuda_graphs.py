@@ -107,11 +107,13 @@ class EagerReplay:
         self.out.copy_(self.step())
 
 
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
 @pytest.mark.parametrize("adapters", [0, 2], ids=["base", "2-adapters"])
-def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters):
-    """DecodeGraphs' inputs (buckets, padding rows, the packed transfers, per-token LoRA segments) with its
-    replays run eagerly on CPU: greedy decode of ragged prompts equals the eager model's, which the engine
-    tests check against Hugging Face."""
+def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
+    """DecodeGraphs' inputs (buckets, padding rows, the packed transfers, per-token LoRA segments; with
+    speculation, verification rows of 1 + drafts tokens padded to the bucket's) with its replays run eagerly on
+    CPU: greedy decode of ragged prompts equals the eager model's, which the engine tests check against Hugging
+    Face."""
     from motet.engine.config import EngineConfig
     from motet.engine.cuda_graphs import DecodeGraphs
     from motet.engine.llm_engine import LLMEngine
@@ -125,14 +127,16 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters):
         cpu_plan = property(lambda self: None, lambda self, plan: None)
 
     class CpuGraphs(DecodeGraphs):
-        def _meta(self, b):
-            return PlannedEachStep(**{**vars(super()._meta(b)), "cpu_plan": None})
+        def _meta(self, b, q=1):
+            return PlannedEachStep(**{**vars(super()._meta(b, q)), "cpu_plan": None})
 
         def _record(self, step):
             out = step()
             return EagerReplay(step, out), out
 
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60, 2, 9)]
+    if speculative != "off":  # prompts that repeat themselves: prompt lookup drafts from them
+        prompts = [p * 4 for p in prompts[:4]] + [[5, 6, 7, 8] * 6, [9, 10] * 9, [11] * 20]
     outs = {}
     for graphs in (False, True):
         cfg = EngineConfig(
@@ -141,7 +145,7 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters):
             block_size=8,
             num_kv_blocks=256,
             compile_step=False,
-            speculative="off",
+            speculative=speculative,
         )
         engine = LLMEngine(cfg, model_dir=tiny_model_dir)
         runner = engine.runner
@@ -152,6 +156,7 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters):
                 max_blocks_per_seq=-(-runner.max_model_len // runner.block_size),
                 max_seq_len=runner.max_model_len,
                 device=runner.device,
+                max_query=1 + cfg.num_speculative_tokens if speculative != "off" else 1,
             )
         names = [
             engine.add_lora(f"a{i}", write_random_adapter(tmp_path / f"a{i}", engine.model_config, 8, seed=i))
@@ -167,5 +172,9 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters):
                     tokens[tuple(out.prompt_token_ids)] = list(out.token_ids)
         outs[graphs] = tokens
         if graphs:
-            assert {key[0] for key in runner.graphs.graphs} == {1, 2, 4, 8}
+            keys = runner.graphs.graphs.keys()
+            if speculative == "off":
+                assert {key[0] for key in keys} == {1, 2, 4, 8}
+            else:  # verification steps replayed too, in several buckets
+                assert any(key[1] > 1 for key in keys) and len({key[0] for key in keys}) > 1, keys
     assert outs[True] == outs[False]

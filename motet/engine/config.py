@@ -296,7 +296,7 @@ class EngineConfig:
     # while its expected tokens beat its cost; `speculative_overhead_tokens` is a step's fixed cost in
     # token-times (measured by benchmarks/spec_threshold.py: 10.8 for the default model on this 2-core CPU).
     # "auto": ngram on CPU, where benchmarks/spec_bench.py measured it faster on every workload at 1 and 16
-    # clients; off on CUDA, where verification rows run outside the decode CUDA graphs and it is unmeasured.
+    # clients; off on CUDA, where it is unmeasured (verification rows replay from the decode CUDA graphs too).
     speculative: str = "auto"
     num_speculative_tokens: int = 8
     speculative_overhead_tokens: float = 10.0

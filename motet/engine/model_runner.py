@@ -197,12 +197,14 @@ class ModelRunner:
             and not model_config.is_moe
             and not parallel.enabled
         ):
+            speculates = config.speculative_mode != "off" and config.num_speculative_tokens > 0
             self.graphs = DecodeGraphs(
                 lambda ids, pos, meta, lora: self.model(ids, pos, meta, self.kv_caches, lora),
                 max_batch=config.max_num_seqs,
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size),
                 max_seq_len=self.max_model_len,
                 device=self.device,
+                max_query=1 + config.num_speculative_tokens if speculates else 1,  # verification rows too
             )
 
     def _load_model(self, model_dir) -> LlamaForCausalLM:
@@ -346,8 +348,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int]]:
         """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets.
         `on_launch()`, if given, is called once the inputs are ready, as the model starts."""
-        if self.graphs is not None and (hidden := self._decode_graph(batch, lora, on_launch)) is not None:
-            return hidden, list(range(len(batch) + 1))
+        if self.graphs is not None and (replayed := self._decode_graph(batch, lora, on_launch)) is not None:
+            return replayed
         input_ids, positions, meta, qsl = self._prepare(batch)
         if on_launch is not None:
             on_launch()
@@ -392,25 +394,25 @@ class ModelRunner:
             return self.native.logits(hidden)
         return self.model.compute_logits(hidden)
 
-    def _decode_graph(
-        self, batch: ScheduledBatch, lora: LoRABatch | None, on_launch=None
-    ) -> torch.Tensor | None:
-        """A decode step (one new token per sequence) replayed from its bucket's graph; None: run eagerly."""
-        if not batch.seqs or any(n != 1 for n in batch.num_new_tokens):
+    def _decode_graph(self, batch: ScheduledBatch, lora: LoRABatch | None, on_launch=None):
+        """A decode step (every row one new token, and the drafts it verifies, if any) replayed from its bucket's
+        graph: (hidden states, row offsets); None: run eagerly (a prompt chunk, or too large for the graphs)."""
+        seqs = batch.seqs
+        if not seqs or any(
+            n != 1 + len(seq.draft_token_ids) or seq.num_computed_tokens + 1 != seq.num_tokens
+            for seq, n in zip(seqs, batch.num_new_tokens, strict=True)
+        ):
             return None
-        tables = [seq.block_table for seq in batch.seqs]
-        if not self.graphs.fits(len(tables), max(len(t) for t in tables)):
+        tables = [seq.block_table for seq in seqs]
+        pos = [seq.num_computed_tokens for seq in seqs]
+        if not self.graphs.fits(len(seqs), max(map(len, tables)), max(batch.num_new_tokens), max(pos)):
             return None
-        bs, pos = self.block_size, [seq.num_computed_tokens for seq in batch.seqs]
-        return self.graphs.run(
-            [seq.token_ids[p] for seq, p in zip(batch.seqs, pos, strict=True)],
-            pos,
-            [t[p // bs] * bs + p % bs for t, p in zip(tables, pos, strict=True)],
-            tables,
-            [p + 1 for p in pos],
-            lora,
-            on_launch,
-        )
+        bs, rows, slots, qsl = self.block_size, [], [], [0]
+        for seq, table, p in zip(seqs, tables, pos, strict=True):
+            rows.append([seq.token_ids[p], *seq.draft_token_ids])
+            slots.append([table[x // bs] * bs + x % bs for x in range(p, p + len(rows[-1]))])
+            qsl.append(qsl[-1] + len(rows[-1]))
+        return self.graphs.run_rows(rows, pos, slots, tables, lora, on_launch), qsl
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None) -> StepResult:
