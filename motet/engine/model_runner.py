@@ -204,24 +204,24 @@ class ModelRunner:
             )
 
     def _load_model(self, model_dir) -> LlamaForCausalLM:
-        """This rank's model (the whole of it on one rank), weights loaded, in the engine's dtype."""
+        """This rank's model (the whole of it on one rank), made in the engine's dtype on its device and filled
+        from the checkpoint, each tensor converted as it is copied (quantized ones from the checkpoint's own
+        values): loading needs the weights' memory and a few MiB besides, never a copy in another dtype."""
         config, model_config = self.config, self.model_config
-        with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, max_positions=self.max_model_len, parallel=self.parallel)
-        model = model.to_empty(device=self.device)
-        if model_config.tie_word_embeddings:  # meta -> device conversion unties shared parameters
-            model.lm_head.weight = model.embed_tokens.weight
-        model.rope = type(model.rope)(model_config, self.max_model_len).to(self.device)  # fp32 tables
         declared = declared_quantization(model_dir, config.quantization)  # a GPTQ / AWQ checkpoint's own
+        model = LlamaForCausalLM.allocate(
+            model_config,
+            self.max_model_len,
+            self.parallel,
+            self.device,
+            self.dtype,
+            quantized=config.quantization is not None or declared is not None,
+        )
         if config.quantization == GGUF_QUANTIZATION:
-            model.load_weights(iter_gguf_weights(gguf_file(model_dir)))
+            weights = iter_gguf_weights(gguf_file(model_dir))
         else:
-            model.load_weights(iter_checkpoint_weights(model_dir, declared))
-        if config.quantization in QUANT_FORMATS:  # from the checkpoint's values, before the cast to `dtype`
-            model.quantize(QUANT_FORMATS[config.quantization])
-        for name, module in model.named_children():
-            if name != "rope":
-                module.to(self.dtype)
+            weights = iter_checkpoint_weights(model_dir, declared)
+        model.load_weights(weights, quantize=QUANT_FORMATS.get(config.quantization))
         return model.eval().requires_grad_(False)
 
     # -- tensor parallelism ---------------------------------------------------------------------------
