@@ -139,9 +139,9 @@ class ModelRunner:
         threads = config.num_threads or (default_cpu_threads(parallel.size) if parallel.enabled else None)
         if threads and self.device.type == "cpu":
             torch.set_num_threads(threads)  # from the thread that runs the forward passes
-        budget = None  # --gpu-memory-utilization: read before the weights take their part
-        if config.num_kv_blocks is None and config.gpu_memory_utilization is not None:
-            budget = memory_budget(config.gpu_memory_utilization, self.device)
+        budget = None  # --gpu-memory-utilization (CUDA's default): read before the weights take their part
+        if config.num_kv_blocks is None and config.memory_utilization is not None:
+            budget = memory_budget(config.memory_utilization, self.device)
         torch.manual_seed(config.seed)
         error = None
         try:
@@ -154,7 +154,7 @@ class ModelRunner:
             error = e
         num_blocks = 1
         if error is None:
-            kv_bytes = int(config.kv_cache_memory_gb * 2**30)
+            kv_bytes = int(config.kv_cache_gb * 2**30)
             if budget is not None:
                 used = weights_bytes(self.model, self.device)
                 kv_bytes = kv_cache_bytes(
