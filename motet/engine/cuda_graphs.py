@@ -14,7 +14,9 @@ serves every step whose adapters use the same modules and padded rank: graphs ar
 signature).
 
 On CUDA whenever `EngineConfig.compile_step` is set (the default; `--no-compile` turns it off).
-Prefill and mixed steps run eagerly. Graphs are captured lazily, on a key's first step.
+Prefill and mixed steps run eagerly. The base model's graphs are captured at start-up (`capture_all`, from the
+runner's warm-up, before the server says it is ready); LoRA graphs on a key's first step, since they depend
+on the adapters' modules and ranks.
 """
 
 from __future__ import annotations
@@ -119,6 +121,14 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key], self.outputs[key] = graph, out
+
+    def capture_all(self) -> None:
+        """Capture the base model's graph of every bucket now, largest first (as vLLM: the smaller graphs then
+        fit in the memory pool the larger ones made). The buffers hold padding rows (slot -1: no KV write), so
+        capturing writes nothing to the cache."""
+        for b in reversed(self.sizes):
+            if (b,) not in self.graphs:
+                self._capture((b,), None)
 
     def run(
         self,

@@ -152,6 +152,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        self.runner.warm_up()  # before the first request (the server is ready once the engine is built)
 
     def _kv_connector(self) -> KVConnector | None:
         """The KV tiers the config asks for (EngineConfig.kv_offload_gb, kv_disk_gb), or None."""

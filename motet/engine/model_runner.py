@@ -7,6 +7,7 @@ rows), masks the constrained rows with their grammar, and samples.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from motet.engine.tp_workers import WorkerGroup, receive_plan
 from motet.grammar.backend import allocate_bitmask, apply_bitmask
 from motet.grammar.masking import fill_bitmasks
 from motet.lora.slot_cache import LoRABatch, LoRASlotCache
+
+log = logging.getLogger("motet.engine")
 
 
 @dataclass
@@ -223,6 +226,43 @@ class ModelRunner:
             weights = iter_checkpoint_weights(model_dir, declared)
         model.load_weights(weights, quantize=QUANT_FORMATS.get(config.quantization))
         return model.eval().requires_grad_(False)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Pay the first step's one-off costs now, before the engine takes requests (the server says it is ready
+        once the engine is built): on CUDA every decode graph of the base model is captured
+        (`DecodeGraphs.capture_all`); elsewhere one padding token (slot -1: no KV write, nothing a request can
+        read) runs through the step and the lm_head, starting the thread pool and touching the code and the
+        weights. Nothing is sampled: the sampler's random state is untouched. Tensor-parallel ranks are left
+        cold (a step there is a plan every rank runs)."""
+        if self.parallel.enabled:
+            return
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            self.graphs.capture_all()
+            what = f"{len(self.graphs.graphs)} decode CUDA graphs captured"
+        else:
+            self._logits(self._forward(*self._padding_token()))
+            what = "one token through the step"
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("warm-up: %s in %.2f s", what, time.perf_counter() - t0)
+
+    def _padding_token(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
+        """A step's inputs for one token at position 0 that reads block 0 and writes no KV (slot -1)."""
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor([-1], torch.int64),
+            block_tables=tensor([[0]], torch.int32),
+            query_start_loc=tensor([0, 1], torch.int32),
+            seq_lens=tensor([1], torch.int32),
+            max_query_len=1,
+            max_seq_len=1,
+        )
+        return tensor([0], torch.int64), tensor([0], torch.int64), meta, None
 
     # -- tensor parallelism ---------------------------------------------------------------------------
     @property
