@@ -1,6 +1,7 @@
-"""The fused kernels of the model's CUDA path, RMSNorm with the residual add (motet/kernels/fused_norm.py) and
-the rotary with the KV-cache write (motet/kernels/rope_kv.py), against their torch references (the model's
-computation off CUDA); and the model running them against Hugging Face transformers (PEFT with adapters).
+"""The fused kernels of the model's CUDA path, RMSNorm with the residual add (motet/kernels/fused_norm.py), the
+rotary with the KV-cache write (motet/kernels/rope_kv.py) and SwiGLU's SiLU(gate) * up
+(motet/kernels/activation.py), against their torch references (the model's computation off CUDA); and the
+model running them against Hugging Face transformers (PEFT with adapters).
 
 Without CUDA the kernels run on CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py) and the model's
 CUDA branch is forced on with `fused_on_cpu`. The interpreter's fp32 -> bf16 conversion truncates where the
@@ -16,8 +17,9 @@ import torch
 
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
+from motet.engine.model import SparseMoE
 from motet.engine.sampling_params import SamplingParams
-from motet.kernels import fused_norm, rope_kv
+from motet.kernels import activation, fused_norm, rope_kv
 from motet.kernels.rope_kv import RotaryAngles
 from tests.test_engine import PROMPTS, engine_logits, hf_logits
 from tests.test_lora_engine import peft_reference, tiny_loras, tiny_requests  # noqa: F401 (a fixture)
@@ -177,6 +179,26 @@ def test_rotary_kv_write_refuses_mismatched_shapes():
                                 torch.zeros(2), torch.ones(16))  # fmt: skip
 
 
+# -- SiLU(gate) * up -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,inter", [(1, 8), (5, 48), (3, 1000), (2, 2100)])  # 2100: three column blocks
+def test_silu_and_mul_matches_reference(rows, inter, dtype):
+    gate_up = rand(rows, 2 * inter, dtype=dtype, seed=inter, scale=3.0)
+    got = activation.silu_and_mul(gate_up)
+    want = activation.silu_and_mul_reference(gate_up)
+    assert got.dtype == dtype and got.shape == (rows, inter)
+    # fp32: exp in another implementation; bf16: SiLU's output rounded (truncated under the interpreter), then
+    # the product: a unit or two apart
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-6, rtol=4 * BF16_EPS)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_silu_and_mul_no_rows():
+    assert activation.silu_and_mul(torch.zeros(0, 16, device=DEVICE)).shape == (0, 8)
+
+
 # -- the GPU build, without a GPU ----------------------------------------------------------------------------
 
 COMPILE_CHECK = r"""
@@ -184,7 +206,7 @@ import json, os, subprocess, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from motet.kernels import fused_norm, rope_kv
+from motet.kernels import activation, fused_norm, rope_kv
 
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 out = []
@@ -192,6 +214,9 @@ for name, arch, consts in json.loads(sys.argv[1]):
     if name == "norm":
         kernel, warps = fused_norm._rms_norm_kernel, min(16, max(1, consts["BLOCK"] // 256))
         sig = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16", eps="fp32")
+    elif name == "silu":
+        kernel, warps = activation._silu_and_mul_kernel, max(1, consts["BLOCK"] // 256)
+        sig = dict(x_ptr="*bf16", out_ptr="*bf16")
     else:
         kernel, warps = rope_kv._rotary_kv_kernel, max(1, min(16, consts["HEADS_PAD"] * consts["HALF_PAD"] // 256))
         sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
@@ -214,7 +239,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the tests above run the kernels natively")
 def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
-    """Both kernels built for sm_90 (H100) and sm_80 (A100) by triton's compiler and ptxas as a launch builds
+    """The kernels built for sm_90 (H100) and sm_80 (A100) by triton's compiler and ptxas as a launch builds
     them, at Llama-3-8B / 70B shapes (hidden 4096 / 8192; 32 or 64 query heads of 128, 8 kv heads) and with
     Qwen3's q/k norms: registers only (no spill to local memory) and no global scratch (nothing for a CUDA
     graph to allocate at launch)."""
@@ -233,6 +258,7 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
         ("norm", 80, dict(HAS_RESIDUAL=False, BLOCK=8192)),
         ("rope", 90, dict(rope, HAS_NORM=True)),
         ("rope", 80, dict(rope, NUM_HEADS=64, HEADS_PAD=64, HAS_NORM=False)),
+        ("silu", 90, dict(BLOCK=activation.BLOCK)),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
@@ -254,7 +280,12 @@ def fused(monkeypatch) -> Counter:
     """The model's CUDA branch: on a GPU as it is; without one forced on for CPU tensors (the kernels under the
     interpreter). Counts the kernels' launches, to show they ran."""
     calls: Counter = Counter()
-    for module, names in ((fused_norm, ("rms_norm", "add_rms_norm")), (rope_kv, ("rotary_kv_write",))):
+    kernels = (
+        (fused_norm, ("rms_norm", "add_rms_norm")),
+        (rope_kv, ("rotary_kv_write",)),
+        (activation, ("silu_and_mul",)),
+    )
+    for module, names in kernels:
         if INTERPRETED:
             monkeypatch.setattr(module, "applies", lambda x: True)
         for name in names:
@@ -306,6 +337,10 @@ def test_model_logits_match_hf(model_dir, fused):
     steps = fused["rms_norm"]  # one plain norm a step (the first layer's), then each later norm adds
     assert steps > 0 and fused["add_rms_norm"] == steps * 2 * layers
     assert fused["rotary_kv_write"] == steps * layers
+    dense = sum(not isinstance(layer.mlp, SparseMoE) for layer in engine.runner.model.layers)
+    shared = sum(isinstance(layer.mlp, SparseMoE) and layer.mlp.shared_expert is not None
+                 for layer in engine.runner.model.layers)  # fmt: skip
+    assert fused["silu_and_mul"] == steps * (dense + shared)
 
 
 def test_model_greedy_decode_matches_hf_generate(tmp_path, fused):

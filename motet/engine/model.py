@@ -27,7 +27,7 @@ from torch import nn
 
 from motet.engine.config import ModelConfig, ModelLoadError
 from motet.engine.parallel import SINGLE, Parallel
-from motet.kernels import fused_norm, rope_kv, triton_moe, triton_quant
+from motet.kernels import activation, fused_norm, rope_kv, triton_moe, triton_quant
 from motet.kernels.paged_attention import paged_attention
 from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
@@ -232,8 +232,9 @@ class MLP(nn.Module):
         if lora is not None:
             sizes = (self.intermediate, self.intermediate)
             lora.add(gate_up, x, self.layer_idx, ("gate_proj", "up_proj"), sizes)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        h = F.silu(gate) * up
+        # SiLU(gate) * up: one kernel on CUDA (motet/kernels/activation.py), its torch reference elsewhere
+        swiglu = activation.silu_and_mul if activation.applies(gate_up) else activation.silu_and_mul_reference
+        h = swiglu(gate_up)
         y = self.down_proj(h)
         if lora is not None:
             lora.add(y, h, self.layer_idx, ("down_proj",), (y.shape[1],))
