@@ -131,6 +131,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="append the tokens a grammar forces without sampling them (fewer steps; on CPU, slower)",
     )
     p.add_argument(
+        "--no-overlap-output",
+        action="store_true",
+        help="make each step's outputs (detokenizing, stop strings) before launching the next step, instead of "
+        "while the device runs it",
+    )
+    p.add_argument(
         "--speculative",
         default=d.speculative,
         choices=SPECULATIVE_MODES,
@@ -216,6 +222,7 @@ def engine_config(args):
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_overhead_tokens=args.speculative_overhead_tokens,
         compile_step=not args.no_compile,
+        overlap_output=not getattr(args, "no_overlap_output", False),
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,

@@ -288,12 +288,15 @@ class EngineConfig:
     # The compiled step: on CPU the whole decoder stack in one native call (motet/engine/cpu_forward.py), on CUDA
     # decode steps replayed from CUDA graphs (motet/engine/cuda_graphs.py). False: the eager model, the reference.
     compile_step: bool = True
+    # Make a step's outputs (detokenizing, stop strings) while the device runs the next step, on a thread of the
+    # engine's own (motet/engine/llm_engine.py); the outputs are the same. False: strictly one step after another.
+    overlap_output: bool = True
     # Speculative decoding (motet/engine/speculative/): "ngram" drafts from prompt lookup and the grammar's forced
     # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, each kept
     # while its expected tokens beat its cost; `speculative_overhead_tokens` is a step's fixed cost in
     # token-times (measured by benchmarks/spec_threshold.py: 10.8 for the default model on this 2-core CPU).
     # "auto": ngram on CPU, where benchmarks/spec_bench.py measured it faster on every workload at 1 and 16
-    # clients; off on CUDA, where verification rows run outside the decode CUDA graphs and it is unmeasured.
+    # clients; off on CUDA, where it is unmeasured (verification rows replay from the decode CUDA graphs too).
     speculative: str = "auto"
     num_speculative_tokens: int = 8
     speculative_overhead_tokens: float = 10.0
