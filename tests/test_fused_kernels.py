@@ -129,8 +129,10 @@ def test_rotary_kv_write_matches_reference(case, dtype, qk_norm):
     T, H, KV, D, block_size, blocks, slots = ROPE_CASES[case]
     qkv = rand(T, (H + 2 * KV) * D, dtype=dtype, seed=T * D, scale=2.0)
     cos, sin = tables(D, 64)
-    positions = torch.tensor([63, 0, 17, 5, 40, 1, 33][:T], device=DEVICE)
-    slot_mapping = torch.tensor(slots, device=DEVICE)
+    # positions and slots: rows of one packed buffer, as the runner transfers a step's inputs; here columns
+    # (strided) of it
+    packed = torch.tensor([[63, 0, 17, 5, 40, 1, 33][:T], slots], device=DEVICE).t()
+    positions, slot_mapping = packed[:, 0], packed[:, 1]
     caches = rand(2, blocks, block_size, KV, D, dtype=dtype, seed=5)
     norms = (
         ((1 + 0.3 * rand(D, seed=6)).to(dtype), (1 + 0.3 * rand(D, seed=7)).to(dtype), 1e-6)

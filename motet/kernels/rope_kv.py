@@ -127,7 +127,7 @@ def rotary_kv_write(
         q, k, v, k_cache, v_cache, positions, slot_mapping, cos, sin,
         q_norm if has_norm else cos, k_norm if has_norm else cos,
         *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        cos.stride(0), sin.stride(0), eps,
+        cos.stride(0), sin.stride(0), positions.stride(0), slot_mapping.stride(0), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=k_cache.shape[1], HALF=half,
         HALF_PAD=half_pad, HEADS_PAD=heads_pad, HAS_NORM=has_norm,
         num_warps=max(1, min(16, heads_pad * half_pad // 256)),
@@ -166,7 +166,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
         stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        stride_cos, stride_sin, eps,
+        stride_cos, stride_sin, stride_pos, stride_slot, eps,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
         HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
     ):  # fmt: skip
@@ -174,7 +174,7 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, HALF_PAD)
         h = tl.arange(0, HEADS_PAD)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
+        pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
         cos = tl.load(cos_ptr + pos * stride_cos + i, mask=i < HALF, other=0.0)[None, :]
         sin = tl.load(sin_ptr + pos * stride_sin + i, mask=i < HALF, other=0.0)[None, :]
         if tl.program_id(1) == 0:  # the query heads: rotated in place
@@ -186,7 +186,7 @@ if triton is not None:
             tl.store(dst, o1.to(q_ptr.dtype.element_ty), mask=ok)
             tl.store(dst + HALF * stride_qd, o2.to(q_ptr.dtype.element_ty), mask=ok)
         else:  # the kv heads: rotated k and v into the cache, unless the slot is negative
-            slot = tl.load(slot_ptr + t).to(tl.int64)
+            slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
             if slot >= 0:
                 o1, o2, ok = _rotated_heads(
                     k_ptr + t * stride_kt, stride_kh, stride_kd, NUM_KV_HEADS, kw_ptr, eps, cos, sin,
