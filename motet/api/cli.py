@@ -28,7 +28,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     from motet.engine.config import (
+        CPU_KV_CACHE_MEMORY_GB,
         CPU_STEP_TOKENS,
+        CUDA_GPU_MEMORY_UTILIZATION,
         CUDA_STEP_TOKENS,
         DTYPES,
         GRAMMAR_BACKENDS,
@@ -61,13 +63,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
     p.add_argument("--block-size", type=integer(1), default=d.block_size, help="tokens per KV block")
     p.add_argument(
-        "--num-kv-blocks", type=integer(1), default=None, help="default: from --kv-cache-memory-gb"
+        "--num-kv-blocks",
+        type=integer(1),
+        default=None,
+        help="KV cache blocks (default: from --gpu-memory-utilization or --kv-cache-memory-gb)",
     )
     p.add_argument(
         "--kv-cache-memory-gb",
         type=number(0, above=True),
         default=d.kv_cache_memory_gb,
-        help="memory for the KV cache, in GiB",
+        help="memory for the KV cache, in GiB; --gpu-memory-utilization wins over it (default: on CUDA "
+        f"what {CUDA_GPU_MEMORY_UTILIZATION:g} of the device's memory leaves once the weights, a step and the "
+        f"LoRA slots have theirs, as vLLM; on CPU {CPU_KV_CACHE_MEMORY_GB:g})",
     )
     p.add_argument("--max-num-seqs", type=integer(1), default=d.max_num_seqs, help="requests running at once")
     p.add_argument(

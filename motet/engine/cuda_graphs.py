@@ -14,7 +14,9 @@ serves every step whose adapters use the same modules and padded rank: graphs ar
 signature).
 
 On CUDA whenever `EngineConfig.compile_step` is set (the default; `--no-compile` turns it off).
-Prefill and mixed steps run eagerly. Graphs are captured lazily, on a key's first step.
+Prefill and mixed steps run eagerly. The base model's graphs are captured at start-up (`capture_all`, from the
+runner's warm-up, before the server says it is ready); LoRA graphs on a key's first step, since they depend
+on the adapters' modules and ranks.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class DecodeGraphs:
         self.query_sizes = buckets(max_query)  # tokens per row: 1 (decode), or a verification's 1 + drafts
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_seq_len = max_seq_len
-        self.device = device
+        self.device = torch.device(device)
         B, W, T = self.sizes[-1], max_blocks_per_seq, self.sizes[-1] * max_query
         opts = dict(device=device)
         # token ids, positions and KV slots in one buffer: a step fills the three with one transfer
@@ -142,6 +144,15 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = graph.pool()
         return graph, out
+
+    def capture_all(self) -> None:
+        """Capture the base model's graph of every bucket (rows, tokens per row) now, largest first (as vLLM: the smaller graphs then
+        fit in the memory pool the larger ones made). The buffers hold padding rows (slot -1: no KV write), so
+        capturing writes nothing to the cache."""
+        for b in reversed(self.sizes):
+            for q in reversed(self.query_sizes):  # verification rows' sizes too, when the engine speculates
+                if (b, q) not in self.graphs:
+                    self._capture((b, q), None)
 
     def run(
         self,

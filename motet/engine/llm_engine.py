@@ -162,15 +162,15 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-        # the launched step not committed yet, and the thread it runs on (EngineConfig.overlap_output)
+        # the launched step not committed yet, and the thread it runs on (EngineConfig.overlap_output); the
+        # thread holds its initializer: not the runner, which it would keep alive
         self._inflight: tuple[ScheduledBatch, Future] | None = None
         self._device = None
-        if (
-            config.overlap_output
-        ):  # (the thread holds its initializer: not the runner, which it would keep alive)
+        if config.overlap_output:
             threads = self.runner.num_threads
             init = dict(initializer=torch.set_num_threads, initargs=(threads,)) if threads else {}
             self._device = ThreadPoolExecutor(1, "motet-step", **init)
+        self.runner.warm_up()  # before the first request (the server is ready once the engine is built)
 
     def _kv_connector(self) -> KVConnector | None:
         """The KV tiers the config asks for (EngineConfig.kv_offload_gb, kv_disk_gb), or None."""

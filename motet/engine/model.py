@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from motet.engine.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
 from motet.engine.config import ModelConfig, ModelLoadError
 from motet.engine.parallel import SINGLE, Parallel
 from motet.kernels import activation, fused_norm, rope_kv, triton_moe, triton_quant
@@ -386,6 +387,9 @@ class DecoderLayer(nn.Module):
         return self.parallel.all_reduce(self.mlp(h, lora)), residual
 
 
+QUANTIZE_BYTES = 1 << 20  # the fp32 values `load_weights` quantizes at once
+
+
 class LlamaForCausalLM(nn.Module):
     # Hugging Face module name -> (our fused module, shard index within it)
     FUSED = {
@@ -409,6 +413,38 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+
+    @classmethod
+    def allocate(
+        cls,
+        cfg: ModelConfig,
+        max_positions: int | None,
+        parallel: Parallel,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantized: bool = False,
+    ) -> LlamaForCausalLM:
+        """The model for `load_weights` to fill, made in `dtype` on `device` (the rotary tables in fp32), its
+        parameters uninitialized: no copy in another dtype is ever made. With `quantized` (a quantized
+        checkpoint, or one quantized as it loads) the projections' weights (and an untied lm_head's) are made
+        only when `load_weights` copies floats into them: one that loads quantized never has a float copy."""
+        with torch.device("meta"):
+            model = cls(cfg, max_positions, parallel)
+        deferred = (
+            {id(lin.weight) for lin in [*model.decoder_linears(), model.lm_head]} if quantized else set()
+        )
+        deferred.discard(id(model.embed_tokens.weight))  # a tied lm_head is the embedding table
+        made: dict[int, nn.Parameter] = {}  # (a tied parameter is made once)
+        for module in model.modules():
+            if module is model.rope:
+                continue
+            for key, p in module._parameters.items():
+                if p is not None and id(p) not in deferred:
+                    if id(p) not in made:
+                        made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), False)
+                    module._parameters[key] = made[id(p)]
+        model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
+        return model
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [T, hidden]; under tensor parallelism each rank looks up the tokens in its
@@ -448,12 +484,12 @@ class LlamaForCausalLM(nn.Module):
                 linears += [mlp.gate_up_proj, mlp.down_proj]
         return linears
 
-    @torch.no_grad()
-    def quantize(self, fmt: WeightFormat) -> None:
-        """Quantize the decoder's projections into `fmt` and the lm_head into int8 (once the weights are
-        loaded). The embedding table keeps the checkpoint's precision (a lookup reads one row a token); the
-        lm_head is a product over the whole vocabulary, a fifth of a small model's bytes per token, so it
-        is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
+    def quantized_formats(self, fmt: WeightFormat) -> dict[str, WeightFormat]:
+        """Which weights `load_weights(..., quantize=fmt)` quantizes, by parameter name: the decoder's
+        projections into `fmt` and the lm_head into int8; ModelLoadError where this model cannot be (before
+        anything is read). The embedding table keeps the checkpoint's precision (a lookup reads one row a
+        token); the lm_head is a product over the whole vocabulary, a fifth of a small model's bytes per token,
+        so it is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
         keep it in Q8_0 (or Q6_K) the same way."""
         cfg = self.config
         if cfg.is_moe:
@@ -476,10 +512,11 @@ class LlamaForCausalLM(nn.Module):
                     f"this rank's part of {name} has {lin.in_features}: serve the model with another "
                     f"--tensor-parallel-size, or unquantized"
                 )
-        for lin in self.decoder_linears():
-            lin.quantize(fmt)
+        linears = set(self.decoder_linears())
+        formats = {f"{name}.weight": fmt for name, lin in self.named_modules() if lin in linears}
         if cfg.hidden_size % BLOCK == 0:
-            self.lm_head.quantize(INT8)
+            formats["lm_head.weight"] = INT8
+        return formats
 
     def _split_sizes(self, name: str) -> list[int]:
         """Row sizes of a fused parameter's shards ([n] for an unfused one) on this rank; `name` is the
@@ -599,18 +636,29 @@ class LlamaForCausalLM(nn.Module):
         return ".".join(parts), shard
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be filled. A
-        projection may come quantized (a GGUF file's blocks): its layer then holds it in that format (a
-        fused layer's shards all in one format)."""
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | StoredTensor | QuantizedWeight]],
+        quantize: WeightFormat | None = None,
+    ) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be filled. Each tensor
+        is converted to its parameter's dtype as it is copied, a run of rows at a time (`_fill`). A projection
+        may come quantized (a GGUF file's blocks): its layer then holds it in that format (a fused layer's
+        shards all in one format). With `quantize`, the weights `quantized_formats` names are quantized as they
+        load, from the checkpoint's own values: every row quantizes on its own (a block is a run of one row's
+        inputs), so a fused layer's shards quantized one by one are the fused weight quantized."""
+        formats = self.quantized_formats(quantize) if quantize is not None else {}
+        scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)  # each run of rows read from a file, in turn
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[tuple[str, int]] = set()
         quantized: dict[str, dict[int, QuantizedWeight]] = {}  # weight name -> its shards, until all are in
         linears = set(self.decoder_linears())
         projections = {f"{n}.weight": m for n, m in self.named_modules() if m in linears}
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        device = self.embed_tokens.weight.device
         if self.parallel.enabled:  # the last rank's vocabulary shard ends in padding rows: zeros
             self.embed_tokens.weight.zero_()
-            self.lm_head.weight.zero_()
+            self.lm_head.weight.zero_()  # (one `allocate` deferred is made with zeros: `_allocate`)
         for hf_name, tensor in weights:
             if "rotary_emb" in hf_name:
                 continue
@@ -625,22 +673,23 @@ class LlamaForCausalLM(nn.Module):
             name, shard = place
             target = self._shard(param, name, shard)
             tensor = self._rank_part(name, shard, tensor)
-            if name in ("embed_tokens.weight", "lm_head.weight") and self.parallel.enabled:
+            vocab_part = name in ("embed_tokens.weight", "lm_head.weight") and self.parallel.enabled
+            if vocab_part:
                 target = target[: tensor.shape[0]]  # the last rank's shard: padding rows past the vocabulary
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(target.shape)}"
                 )
+            if name in formats and not isinstance(tensor, QuantizedWeight):
+                tensor = self._fill(None, tensor, scratch, formats[name])
             if isinstance(tensor, QuantizedWeight) and name in ("embed_tokens.weight", "lm_head.weight"):
                 # a quantized output (or tied table): the lm_head multiplies in its blocks, the embedding
                 # table holds their values (a lookup)
                 if name == "embed_tokens.weight":
                     self.embed_tokens.weight[: tensor.shape[0]].copy_(tensor.dequantize())
                 if name == "lm_head.weight" or self.lm_head.weight is self.embed_tokens.weight:
-                    # (a rank's vocabulary shard: padded to the rows every rank holds)
-                    self.lm_head.quantized = tensor.padded(self.lm_head.out_features).to(param.device)
-                    self.lm_head.weight = nn.Parameter(torch.empty(0, device=param.device), False)
+                    self._quantized_lm_head(tensor)
                     loaded.add(("lm_head.weight", 0))
             elif isinstance(tensor, QuantizedWeight):
                 if name not in projections:
@@ -652,9 +701,17 @@ class LlamaForCausalLM(nn.Module):
                         f"checkpoint tensor {hf_name!r} is quantized: a fused projection's parts must come "
                         f"one by one"
                     )
-                quantized.setdefault(name, {})[shard or 0] = tensor.to(param.device)
+                quantized.setdefault(name, {})[shard or 0] = tensor.to(device)
+            elif name == "embed_tokens.weight" and tied and "lm_head.weight" in formats:
+                # the table keeps the checkpoint's values; the lm_head multiplies in blocks of them
+                self._quantized_lm_head(self._fill(target, tensor, scratch, formats["lm_head.weight"]))
+                loaded.add(("lm_head.weight", 0))
             else:
-                target.copy_(tensor)
+                if param.is_meta:  # deferred by `allocate`: floats come, so it is made now
+                    param = params[name] = self._allocate(name)
+                    target = self._shard(param, name, shard)
+                    target = target[: tensor.shape[0]] if vocab_part else target
+                self._fill(target, tensor, scratch)
             loaded.update((name, i) for i in ((shard,) if shard is not None else self._all_shards(name)))
         for name, shards in quantized.items():
             n = len(self._split_sizes(name))
@@ -665,9 +722,51 @@ class LlamaForCausalLM(nn.Module):
             if len(shards) == n:  # else the missing parts are reported below
                 layer = projections[name]
                 layer.quantized = QuantizedWeight.cat([shards[i] for i in range(n)])
-                layer.weight = nn.Parameter(torch.empty(0, device=layer.weight.device), False)
+                layer.weight = self._released()
         # Every parameter, every shard of a fused one, must come from the checkpoint.
         expected = {(name, i) for name, _ in self.named_parameters() for i in self._all_shards(name)}
         missing = sorted(self._describe(name, i) for name, i in expected - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:5])}")
+
+    def _fill(
+        self,
+        target: torch.Tensor | None,
+        tensor: torch.Tensor | StoredTensor,
+        scratch: torch.Tensor,
+        fmt: WeightFormat | None = None,
+    ) -> QuantizedWeight | None:
+        """`tensor` copied into `target` (converted to its dtype; None: not copied) and, with `fmt`, quantized
+        into that format on the model's device from its own values, a run of rows at a time read into
+        `scratch`: loading never holds a whole checkpoint tensor besides the weights."""
+        device = self.embed_tokens.weight.device
+        parts = []
+        for start, rows in row_chunks(tensor, buffer=scratch):
+            if target is not None:
+                target[start : start + rows.shape[0]].copy_(rows)
+            if fmt is not None:  # a MiB of fp32 values at a time: quantizing makes a few fp32 copies of them
+                step = max(1, QUANTIZE_BYTES // max(1, rows[:1].numel() * 4))
+                parts += [fmt.quantize(part.to(device)) for part in rows.split(step)]
+        return QuantizedWeight.cat(parts) if fmt is not None else None
+
+    def _quantized_lm_head(self, weight: QuantizedWeight) -> None:
+        """The lm_head multiplies in `weight`'s blocks (a rank's vocabulary shard: padded to the rows every rank
+        holds); its float weight is released (a tied one: the table stays)."""
+        self.lm_head.quantized = weight.padded(self.lm_head.out_features).to(self.embed_tokens.weight.device)
+        self.lm_head.weight = self._released()
+
+    def _allocate(self, name: str) -> nn.Parameter:
+        """The weight `name`, deferred by `allocate`, made in the model's dtype on its device (an lm_head's with
+        zeros: a tensor-parallel rank's padding rows)."""
+        module_name, _, key = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        like = self.embed_tokens.weight
+        make = torch.zeros if name == "lm_head.weight" else torch.empty
+        param = nn.Parameter(make(getattr(module, key).shape, dtype=like.dtype, device=like.device), False)
+        setattr(module, key, param)
+        return param
+
+    def _released(self) -> nn.Parameter:
+        """An empty weight for a layer that holds its weight quantized."""
+        like = self.embed_tokens.weight
+        return nn.Parameter(torch.empty(0, dtype=like.dtype, device=like.device), False)

@@ -8,6 +8,7 @@ rows), masks the constrained rows with their grammar, and samples.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from motet.engine.tp_workers import WorkerGroup, receive_plan
 from motet.grammar.backend import allocate_bitmask, apply_bitmask
 from motet.grammar.masking import fill_bitmasks
 from motet.lora.slot_cache import LoRABatch, LoRASlotCache
+
+log = logging.getLogger("motet.engine")
 
 
 @dataclass
@@ -141,9 +144,9 @@ class ModelRunner:
         self.num_threads = threads if self.device.type == "cpu" else None  # the forward passes' threads
         if self.num_threads:
             torch.set_num_threads(self.num_threads)  # (the engine's own step thread sets it too)
-        budget = None  # --gpu-memory-utilization: read before the weights take their part
-        if config.num_kv_blocks is None and config.gpu_memory_utilization is not None:
-            budget = memory_budget(config.gpu_memory_utilization, self.device)
+        budget = None  # --gpu-memory-utilization (CUDA's default): read before the weights take their part
+        if config.num_kv_blocks is None and config.memory_utilization is not None:
+            budget = memory_budget(config.memory_utilization, self.device)
         torch.manual_seed(config.seed)
         error = None
         try:
@@ -156,7 +159,7 @@ class ModelRunner:
             error = e
         num_blocks = 1
         if error is None:
-            kv_bytes = int(config.kv_cache_memory_gb * 2**30)
+            kv_bytes = int(config.kv_cache_gb * 2**30)
             if budget is not None:
                 used = weights_bytes(self.model, self.device)
                 kv_bytes = kv_cache_bytes(
@@ -208,25 +211,62 @@ class ModelRunner:
             )
 
     def _load_model(self, model_dir) -> LlamaForCausalLM:
-        """This rank's model (the whole of it on one rank), weights loaded, in the engine's dtype."""
+        """This rank's model (the whole of it on one rank), made in the engine's dtype on its device and filled
+        from the checkpoint, each tensor converted as it is copied (quantized ones from the checkpoint's own
+        values): loading needs the weights' memory and a few MiB besides, never a copy in another dtype."""
         config, model_config = self.config, self.model_config
-        with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, max_positions=self.max_model_len, parallel=self.parallel)
-        model = model.to_empty(device=self.device)
-        if model_config.tie_word_embeddings:  # meta -> device conversion unties shared parameters
-            model.lm_head.weight = model.embed_tokens.weight
-        model.rope = type(model.rope)(model_config, self.max_model_len).to(self.device)  # fp32 tables
         declared = declared_quantization(model_dir, config.quantization)  # a GPTQ / AWQ checkpoint's own
+        model = LlamaForCausalLM.allocate(
+            model_config,
+            self.max_model_len,
+            self.parallel,
+            self.device,
+            self.dtype,
+            quantized=config.quantization is not None or declared is not None,
+        )
         if config.quantization == GGUF_QUANTIZATION:
-            model.load_weights(iter_gguf_weights(gguf_file(model_dir)))
+            weights = iter_gguf_weights(gguf_file(model_dir))
         else:
-            model.load_weights(iter_checkpoint_weights(model_dir, declared))
-        if config.quantization in QUANT_FORMATS:  # from the checkpoint's values, before the cast to `dtype`
-            model.quantize(QUANT_FORMATS[config.quantization])
-        for name, module in model.named_children():
-            if name != "rope":
-                module.to(self.dtype)
+            weights = iter_checkpoint_weights(model_dir, declared)
+        model.load_weights(weights, quantize=QUANT_FORMATS.get(config.quantization))
         return model.eval().requires_grad_(False)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Pay the first step's one-off costs now, before the engine takes requests (the server says it is ready
+        once the engine is built): on CUDA every decode graph of the base model is captured
+        (`DecodeGraphs.capture_all`); elsewhere one padding token (slot -1: no KV write, nothing a request can
+        read) runs through the step and the lm_head, starting the thread pool and touching the code and the
+        weights. Nothing is sampled: the sampler's random state is untouched. Tensor-parallel ranks are left
+        cold (a step there is a plan every rank runs)."""
+        if self.parallel.enabled:
+            return
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            self.graphs.capture_all()
+            what = f"{len(self.graphs.graphs)} decode CUDA graphs captured"
+        else:
+            self._logits(self._forward(*self._padding_token()))
+            what = "one token through the step"
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("warm-up: %s in %.2f s", what, time.perf_counter() - t0)
+
+    def _padding_token(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
+        """A step's inputs for one token at position 0 that reads block 0 and writes no KV (slot -1)."""
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor([-1], torch.int64),
+            block_tables=tensor([[0]], torch.int32),
+            query_start_loc=tensor([0, 1], torch.int32),
+            seq_lens=tensor([1], torch.int32),
+            max_query_len=1,
+            max_seq_len=1,
+        )
+        return tensor([0], torch.int64), tensor([0], torch.int64), meta, None
 
     # -- tensor parallelism ---------------------------------------------------------------------------
     @property
