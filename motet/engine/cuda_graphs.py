@@ -1,6 +1,6 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket; eager stays the reference.
 
-A decode step (every sequence adds one token, no adapter) launches ~10 kernels per layer; at small batch
+A decode step (every sequence adds one token, no adapter) launches 9 kernels per layer; at small batch
 the GPU waits on Python and the launches. `DecodeGraphs` captures the model's forward once per bucket
 (1, 2, 4, 8, 16, 32, 64, 128, 256, ... up to `max_batch`) over static input buffers; a step of n
 sequences copies its inputs into the first n rows of the smallest bucket >= n and replays. Padding rows

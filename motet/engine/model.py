@@ -5,6 +5,9 @@ paged KV cache.
 Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says where each sequence's
 queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
 matrix each (fewer, larger matmuls); checkpoints with Hugging Face names load through `load_weights`.
+The layers carry the residual stream beside each block's output (vLLM's layout), so that on CUDA the
+residual add and the next RMSNorm are one Triton kernel, as are the rotary and the KV-cache write
+(motet/kernels/fused_norm.py, motet/kernels/rope_kv.py); elsewhere their torch references compute the same.
 With a `LoRABatch` each linear layer also adds every token's own adapter delta (fused layers per module,
 into that module's output columns); without one the LoRA path is skipped entirely. A linear layer may hold
 its weight quantized (motet/kernels/quant.py, `LlamaForCausalLM.quantize`): every backend (this eager
@@ -25,10 +28,11 @@ from torch import nn
 from motet.engine.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
 from motet.engine.config import ModelConfig, ModelLoadError
 from motet.engine.parallel import SINGLE, Parallel
-from motet.kernels import triton_moe, triton_quant
-from motet.kernels.paged_attention import paged_attention, write_kv_cache
+from motet.kernels import activation, fused_norm, rope_kv, triton_moe, triton_quant
+from motet.kernels.paged_attention import paged_attention
 from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
+from motet.kernels.rope_kv import RotaryAngles
 from motet.lora.slot_cache import LoRABatch
 
 
@@ -119,27 +123,30 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] of each token's position: looked up once a step, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """`x` [T, heads, head_dim] rotated; Hugging Face layout: the two rotated halves are the first
-        and second half of head_dim."""
-        cos, sin = cos_sin
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def forward(self, positions: torch.Tensor) -> RotaryAngles:
+        """The step's angles, made once a step and used by every layer (motet/kernels/rope_kv.py): the tables
+        and each token's position, read on the device by the fused kernel; the torch path gathers each token's
+        rows once. Hugging Face layout: the two rotated halves are the first and second half of head_dim."""
+        return RotaryAngles(positions, self.cos, self.sin)
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, in fp32 inside and the input's dtype outside; with a `residual`, the
+    residual stream's add fused in (vLLM's `fused_add_rms_norm`). On CUDA one Triton launch each
+    (motet/kernels/fused_norm.py), elsewhere its torch reference."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with `residual`: (norm(x + residual), x + residual), new tensors."""
+        fused = fused_norm.applies(x)
+        if residual is None:
+            return (fused_norm.rms_norm if fused else fused_norm.rms_norm_reference)(x, self.weight, self.eps)
+        add_norm = fused_norm.add_rms_norm if fused else fused_norm.add_rms_norm_reference
+        return add_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -163,21 +170,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None):
+    def forward(
+        self, x, angles: RotaryAngles, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None
+    ):
         T = x.shape[0]
         sizes = (self.q_size, self.kv_size, self.kv_size)
         qkv = self.qkv_proj(x)
         if lora is not None:
             lora.add(qkv, x, self.layer_idx, ("q_proj", "k_proj", "v_proj"), sizes)
-        # q and k are adjacent columns of qkv: rotated in one go
-        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = RotaryEmbedding.rotate(qk, cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        # q, k, v: views of qkv's columns. Qwen3's q/k norms, the rotary and the KV write: one kernel on CUDA
+        # (q rotated in place, k rotated into the cache), the torch reference elsewhere
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        q = qkv[:, :q_end].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+        rotary_kv = rope_kv.rotary_kv_write if rope_kv.applies(qkv) else rope_kv.rotary_kv_reference
         k_cache, v_cache = kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = rotary_kv(q, k, v, angles, k_cache, v_cache, meta.slot_mapping, *norms)
         if meta.cpu_plan is None and not q.is_cuda:
             meta.cpu_plan = plan_cpu_attention(
                 meta.block_tables, meta.query_start_loc, meta.seq_lens, k_cache.shape[1]
@@ -223,8 +233,9 @@ class MLP(nn.Module):
         if lora is not None:
             sizes = (self.intermediate, self.intermediate)
             lora.add(gate_up, x, self.layer_idx, ("gate_proj", "up_proj"), sizes)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        h = F.silu(gate) * up
+        # SiLU(gate) * up: one kernel on CUDA (motet/kernels/activation.py), its torch reference elsewhere
+        swiglu = activation.silu_and_mul if activation.applies(gate_up) else activation.silu_and_mul_reference
+        h = swiglu(gate_up)
         y = self.down_proj(h)
         if lora is not None:
             lora.add(y, h, self.layer_idx, ("down_proj",), (y.shape[1],))
@@ -361,12 +372,19 @@ class DecoderLayer(nn.Module):
             else MLP(cfg, layer_idx, parallel=parallel)
         )
 
-    def forward(self, x, cos_sin, meta, kv_cache, lora: LoRABatch | None = None):
+    def forward(self, x, residual, angles: RotaryAngles, meta, kv_cache, lora: LoRABatch | None = None):
+        """`x`: the previous layer's output, `residual`: the stream it adds to (None in the first layer, whose
+        `x` is the embeddings). Returns this layer's MLP output and the stream before it: the next norm adds
+        them (fused with the norm on CUDA; vLLM carries the residual the same way)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
         # each block's output is a partial sum over the tensor-parallel ranks: one all-reduce completes it
-        x = x + self.parallel.all_reduce(
-            self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache, lora)
-        )
-        return x + self.parallel.all_reduce(self.mlp(self.post_attention_layernorm(x), lora))
+        # before it joins the stream
+        h = self.parallel.all_reduce(self.self_attn(h, angles, meta, kv_cache, lora))
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.parallel.all_reduce(self.mlp(h, lora)), residual
 
 
 QUANTIZE_BYTES = 1 << 20  # the fp32 values `load_weights` quantizes at once
@@ -443,11 +461,11 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora: LoRABatch | None = None
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; `compute_logits` maps chosen rows to logits."""
-        x = self.embed(input_ids)
-        cos_sin = self.rope(positions)
+        x, residual = self.embed(input_ids), None
+        angles = self.rope(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, meta, kv_cache, lora)
-        return self.norm(x)
+            x, residual = layer(x, residual, angles, meta, kv_cache, lora)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits of `hidden`'s rows; under tensor parallelism each rank's vocabulary columns are gathered
