@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_common import motet_engine, prompts
+
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM's specified bandwidth (a device-to-device copy measured ~3.0e12 here)
 
 
@@ -129,31 +131,15 @@ def bench_paged_attention(quick: bool) -> list[dict]:
     return rows
 
 
-def _prompts(n: int, length: int = 32) -> list[list[int]]:
-    return [[(i * 7 + j * 13) % 4000 + 100 for j in range(length)] for i in range(n)]
-
-
 def engine_decode(model_dir: Path, batch: int, new_tokens: int, adapters: int, dtype: str) -> dict:
-    from motet.engine.config import EngineConfig
-    from motet.engine.llm_engine import LLMEngine
     from motet.engine.sampling_params import SamplingParams
-    from motet.evals.lora_bench import write_random_adapter
 
-    cfg = EngineConfig(
-        model=str(model_dir), dtype=dtype, device="cuda", num_kv_blocks=batch * 8 + 64,
-        max_num_seqs=max(batch, 1), max_num_batched_tokens=max(batch * 32, 256), max_loras=max(adapters, 1),
-        max_lora_rank=16,
-    )  # fmt: skip
-    engine = LLMEngine(cfg, model_dir=model_dir)
     tmp = tempfile.TemporaryDirectory()
-    names = [
-        engine.add_lora(
-            f"a{i}", write_random_adapter(Path(tmp.name) / f"a{i}", engine.model_config, 16, seed=i)
-        )
-        for i in range(adapters)
-    ]
+    engine, names = motet_engine(model_dir, Path(tmp.name), batch=batch, adapters=adapters, dtype=dtype,
+                                 device="cuda", num_kv_blocks=batch * 8 + 64,
+                                 max_num_batched_tokens=max(batch * 32, 256))  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    for i, p in enumerate(_prompts(batch)):
+    for i, p in enumerate(prompts(batch)):
         engine.add_request(p, params, adapter=names[i % adapters] if adapters else None)
     decode_s, decode_steps = 0.0, 0
     while engine.has_unfinished():
@@ -179,7 +165,7 @@ def hf_decode(model_dir: Path, batch: int, new_tokens: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
-    ids = torch.tensor(_prompts(batch), device="cuda")
+    ids = torch.tensor(prompts(batch), device="cuda")
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
@@ -198,20 +184,22 @@ def greedy_equality(model_dir: Path, new_tokens: int = 24) -> dict:
     from motet.engine.sampling_params import SamplingParams
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    prompts = _prompts(6, 20)
+    prompt_ids = prompts(6, 20)
     llm = LLM(str(model_dir), device="cuda", num_kv_blocks=256)
     ours = [
         o.token_ids
-        for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+        for o in llm.generate(
+            prompt_ids, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        )
     ]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).cuda().eval()
     same = 0
-    for p, got in zip(prompts, ours, strict=True):
+    for p, got in zip(prompt_ids, ours, strict=True):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist()  # fmt: skip
         same += ref == got
-    return {"prompts": len(prompts), "identical": same}
+    return {"prompts": len(prompt_ids), "identical": same}
 
 
 def main(argv=None) -> None:

@@ -106,6 +106,36 @@ class Timers:
         return out
 
 
+def device_idle(engine, steps: int) -> dict:
+    """`engine.step()` as the engine runs it (overlapped or not): per step, how long the forward pass waits for
+    the host (from one step's end, sampled tokens in hand, to the next forward's start: the host's work in the
+    device's way), and the step's period. Instruments only methods both the sequential and the overlapped
+    engine have, so an older engine is measured the same way."""
+    runner, execute, forward = engine.runner, engine.execute, engine.runner._forward
+    starts, ends = [], []
+
+    def timed_forward(*a, **kw):
+        starts.append(time.perf_counter())
+        return forward(*a, **kw)
+
+    def timed_execute(*a, **kw):
+        try:
+            return execute(*a, **kw)
+        finally:
+            ends.append(time.perf_counter())
+
+    runner._forward, engine.execute = timed_forward, timed_execute
+    try:
+        for _ in range(steps + 1):
+            engine.step()
+    finally:
+        del runner._forward, engine.execute
+    n = min(len(starts), len(ends))
+    idle = [starts[k + 1] - ends[k] for k in range(n - 1)]
+    period = [ends[k + 1] - ends[k] for k in range(n - 1)]
+    return {"idle_ms": 1e3 * statistics.median(idle), "period_ms": 1e3 * statistics.median(period)}
+
+
 def profile(llm: LLM, prompts, adapters, params: SamplingParams, steps: int) -> dict:
     """Median step time and mean phase shares over `steps` decode steps of the whole batch."""
     engine = llm.engine
@@ -118,9 +148,13 @@ def profile(llm: LLM, prompts, adapters, params: SamplingParams, steps: int) -> 
     timers = Timers(llm)
     for _ in range(2):
         engine.step()
+    # an overlapped engine's launched step is committed: the timed steps below are driven by hand
+    getattr(engine, "flush", list)()
     samples = []
     while len(samples) < steps and engine.scheduler.running:  # a constrained output may end early
         samples.append(timers.step())
+    idle = device_idle(engine, steps) if len(engine.scheduler.running) == len(prompts) else {}
+    getattr(engine, "flush", list)()
     while engine.has_unfinished():
         engine.step()
     total = statistics.median(s["total"] for s in samples)
@@ -128,7 +162,7 @@ def profile(llm: LLM, prompts, adapters, params: SamplingParams, steps: int) -> 
     return {"step_ms": 1e3 * total, "tokens_per_s": statistics.fmean(s["rows"] for s in samples) / total,
             "host_ms": 1e3 * statistics.median(s["host"] for s in samples),
             "rows": statistics.fmean(s["rows"] for s in samples),
-            "phases_ms": {k: 1e3 * v for k, v in mean.items()}}  # fmt: skip
+            "phases_ms": {k: 1e3 * v for k, v in mean.items()}, **idle}  # fmt: skip
 
 
 def offline(args, model_dir: Path, tmp: Path) -> list[dict]:
@@ -138,9 +172,11 @@ def offline(args, model_dir: Path, tmp: Path) -> list[dict]:
             llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=b, num_threads=args.threads,
                       quantization=args.quantization,
                       num_kv_blocks=b * 24 + 16, max_loras=max(1, args.adapters), max_lora_rank=16,
-                      compile_step=compiled, speculative="off")  # fmt: skip  (plain steps: one token a row)
-            prompts = chat_prompts(llm.tokenizer, b)
-            free = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+                      compile_step=compiled, speculative="off")  # fmt: skip
+            prompts = chat_prompts(llm.tokenizer, b)  # (speculation off above: plain steps, one token a row)
+            # long enough that no row ends before the last of the batch has its prompt in and --steps are timed
+            length = args.steps + 8 + b
+            free = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
             loads = {"base": (free, [None] * b)}
             if compiled and args.adapters:
                 refs = [llm.add_lora(f"a{i}", write_random_adapter(tmp / f"a{i}", llm.engine.model_config, 16, i))
@@ -149,7 +185,7 @@ def offline(args, model_dir: Path, tmp: Path) -> list[dict]:
             if compiled:
                 from motet.grammar.specs import JsonSchemaSpec
 
-                guided = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True,
+                guided = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True,
                                         grammar=JsonSchemaSpec(SCHEMA))  # fmt: skip
                 loads["JSON schema"] = (guided, [None] * b)
             for load, (params, adapters) in loads.items():
@@ -157,7 +193,8 @@ def offline(args, model_dir: Path, tmp: Path) -> list[dict]:
                 res.update(batch=b, load=load, compiled=compiled)
                 rows.append(res)
                 print(f"{'compiled' if compiled else 'eager':8s} batch {b:3d} {load:12s} {res['step_ms']:8.2f} ms/step "
-                      f"{res['tokens_per_s']:7.1f} tok/s, host {res['host_ms']:.2f} ms, {res['rows']:.0f} rows", flush=True)  # fmt: skip
+                      f"{res['tokens_per_s']:7.1f} tok/s, host {res['host_ms']:.2f} ms, {res['rows']:.0f} rows, "
+                      f"device idle {res.get('idle_ms', float('nan')):.2f} ms", flush=True)  # fmt: skip
             del llm
     return rows
 

@@ -135,10 +135,10 @@ def inject_fault(engine: LLMEngine, token: int) -> None:
     triggered by one request's input would)."""
     execute = engine.runner.execute
 
-    def execute_or_fail(batch, lora=None):
+    def execute_or_fail(batch, lora=None, on_launch=None):
         if any(token in s.prompt_token_ids for s in batch.seqs):
             raise RuntimeError("injected fault")
-        return execute(batch, lora)
+        return execute(batch, lora, on_launch)
 
     engine.runner.execute = execute_or_fail
 

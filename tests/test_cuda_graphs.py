@@ -128,3 +128,87 @@ def test_graph_decode_equals_eager(tiny_model_dir, tmp_path, dtype, adapters):
             assert engine.runner.graphs.replays > 0
             assert engine.runner.graphs.graphs  # at least one bucket captured
     assert outs[True] == outs[False]
+
+
+class EagerReplay:
+    """A recorded step replayed by running it again over the same static buffers, writing the same output
+    tensor: what a captured graph does, on any device."""
+
+    def __init__(self, step, out):
+        self.step, self.out = step, out
+
+    def replay(self):
+        self.out.copy_(self.step())
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+@pytest.mark.parametrize("adapters", [0, 2], ids=["base", "2-adapters"])
+def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
+    """DecodeGraphs' inputs (buckets, padding rows, the packed transfers, per-token LoRA segments; with
+    speculation, verification rows of 1 + drafts tokens padded to the bucket's) with its replays run eagerly on
+    CPU: greedy decode of ragged prompts equals the eager model's, which the engine tests check against Hugging
+    Face."""
+    from motet.engine.config import EngineConfig
+    from motet.engine.cuda_graphs import DecodeGraphs
+    from motet.engine.llm_engine import LLMEngine
+    from motet.engine.model import AttentionMetadata
+    from motet.engine.sampling_params import SamplingParams
+    from motet.evals.lora_bench import write_random_adapter
+
+    class PlannedEachStep(AttentionMetadata):
+        """(the CPU attention's host-side plan is made from the tables of each replay, not kept from the first)"""
+
+        cpu_plan = property(lambda self: None, lambda self, plan: None)
+
+    class CpuGraphs(DecodeGraphs):
+        def _meta(self, b, q=1):
+            return PlannedEachStep(**{**vars(super()._meta(b, q)), "cpu_plan": None})
+
+        def _record(self, step):
+            out = step()
+            return EagerReplay(step, out), out
+
+    prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60, 2, 9)]
+    if speculative != "off":  # prompts that repeat themselves: prompt lookup drafts from them
+        prompts = [p * 4 for p in prompts[:4]] + [[5, 6, 7, 8] * 6, [9, 10] * 9, [11] * 20]
+    outs = {}
+    for graphs in (False, True):
+        cfg = EngineConfig(
+            model=str(tiny_model_dir),
+            device="cpu",
+            block_size=8,
+            num_kv_blocks=256,
+            compile_step=False,
+            speculative=speculative,
+        )
+        engine = LLMEngine(cfg, model_dir=tiny_model_dir)
+        runner = engine.runner
+        if graphs:
+            runner.graphs = CpuGraphs(
+                lambda ids, pos, meta, lora, r=runner: r.model(ids, pos, meta, r.kv_caches, lora),
+                max_batch=cfg.max_num_seqs,
+                max_blocks_per_seq=-(-runner.max_model_len // runner.block_size),
+                max_seq_len=runner.max_model_len,
+                device=runner.device,
+                max_query=1 + cfg.num_speculative_tokens if speculative != "off" else 1,
+            )
+        names = [
+            engine.add_lora(f"a{i}", write_random_adapter(tmp_path / f"a{i}", engine.model_config, 8, seed=i))
+            for i in range(adapters)
+        ]
+        for i, p in enumerate(prompts):  # rows ending one by one: the batch goes through the buckets
+            params = SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True)
+            engine.add_request(p, params, adapter=names[i % 3] if adapters and i % 3 < adapters else None)
+        tokens = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    tokens[tuple(out.prompt_token_ids)] = list(out.token_ids)
+        outs[graphs] = tokens
+        if graphs:
+            keys = runner.graphs.graphs.keys()
+            if speculative == "off":
+                assert {key[0] for key in keys} == {1, 2, 4, 8}
+            else:  # verification steps replayed too, in several buckets
+                assert any(key[1] > 1 for key in keys) and len({key[0] for key in keys}) > 1, keys
+    assert outs[True] == outs[False]

@@ -127,7 +127,8 @@ class ExecutorActor(Actor):
                 refused.append((req.request_id, _refusal(req, e)))
         steps = engine.num_steps
         outputs = engine.step() if engine.has_unfinished() else []
-        return StepDone(outputs, refused, engine.stats(), engine.num_steps > steps, time.perf_counter() - t0)
+        ran = engine.num_steps > steps or engine.in_flight  # (a step launched, to be committed by the next)
+        return StepDone(outputs, refused, engine.stats(), ran, time.perf_counter() - t0)
 
 
 def _refusal(req: QueuedRequest, error: Exception) -> Exception:

@@ -28,7 +28,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     from motet.engine.config import (
+        CPU_KV_CACHE_MEMORY_GB,
         CPU_STEP_TOKENS,
+        CUDA_GPU_MEMORY_UTILIZATION,
         CUDA_STEP_TOKENS,
         DTYPES,
         GRAMMAR_BACKENDS,
@@ -61,13 +63,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
     p.add_argument("--block-size", type=integer(1), default=d.block_size, help="tokens per KV block")
     p.add_argument(
-        "--num-kv-blocks", type=integer(1), default=None, help="default: from --kv-cache-memory-gb"
+        "--num-kv-blocks",
+        type=integer(1),
+        default=None,
+        help="KV cache blocks (default: from --gpu-memory-utilization or --kv-cache-memory-gb)",
     )
     p.add_argument(
         "--kv-cache-memory-gb",
         type=number(0, above=True),
         default=d.kv_cache_memory_gb,
-        help="memory for the KV cache, in GiB",
+        help="memory for the KV cache, in GiB; --gpu-memory-utilization wins over it (default: on CUDA "
+        f"what {CUDA_GPU_MEMORY_UTILIZATION:g} of the device's memory leaves once the weights, a step and the "
+        f"LoRA slots have theirs, as vLLM; on CPU {CPU_KV_CACHE_MEMORY_GB:g})",
     )
     p.add_argument("--max-num-seqs", type=integer(1), default=d.max_num_seqs, help="requests running at once")
     p.add_argument(
@@ -129,6 +136,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--jump-forward",
         action="store_true",
         help="append the tokens a grammar forces without sampling them (fewer steps; on CPU, slower)",
+    )
+    p.add_argument(
+        "--no-overlap-output",
+        action="store_true",
+        help="make each step's outputs (detokenizing, stop strings) before launching the next step, instead of "
+        "while the device runs it",
     )
     p.add_argument(
         "--speculative",
@@ -216,6 +229,7 @@ def engine_config(args):
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_overhead_tokens=args.speculative_overhead_tokens,
         compile_step=not args.no_compile,
+        overlap_output=not getattr(args, "no_overlap_output", False),
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,

@@ -21,6 +21,8 @@ log = logging.getLogger("motet.server")
 
 
 def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
+    from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION  # (torch: imported once the parser is built)
+
     p.add_argument(
         "model_tag",
         nargs="?",
@@ -52,9 +54,11 @@ def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization",
         type=number(0, 1, above=True),
         default=None,
-        help="size the KV cache so that the weights, a step's activations and the KV cache take this share "
-        "of the device's memory (on CUDA its total memory, as vLLM; on CPU the host memory available at "
-        "start-up); default: --kv-cache-memory-gb. --num-kv-blocks wins over both",
+        help="size the KV cache so that the weights, a step's activations, the LoRA slots and the KV cache take "
+        "this share of the device's memory (on CUDA its total memory, as vLLM; on CPU the host memory available "
+        f"at start-up); wins over --kv-cache-memory-gb, and --num-kv-blocks over both (default: "
+        f"{CUDA_GPU_MEMORY_UTILIZATION:g} on CUDA unless --kv-cache-memory-gb is given; on CPU "
+        "--kv-cache-memory-gb's size)",
     )
     p.add_argument(
         "--trust-request-chat-template",

@@ -146,6 +146,8 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False if the pool is short."""
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed <= 0:  # (most decode steps: the last block has room)
+            return True
         if needed > len(self.free):
             return False
         seq.block_table.extend(self.take_blocks(needed))
@@ -196,6 +198,8 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
+        if num_full == self.num_registered.get(seq.seq_id, 0):  # no block filled since (most decode steps)
+            return
         hashes = self._hashes(seq, num_full * bs)
         for i in range(self.num_registered.get(seq.seq_id, 0), num_full):
             block, h = self.blocks[seq.block_table[i]], hashes[i]

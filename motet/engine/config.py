@@ -34,6 +34,12 @@ _QK_NORM_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 # (benchmarks/tenant_fairness.py: another tenant's TTFT under a burst).
 CPU_STEP_TOKENS = 256
 CUDA_STEP_TOKENS = 2048
+# The KV cache's size where neither --num-kv-blocks, --gpu-memory-utilization nor --kv-cache-memory-gb says: on
+# CUDA, as vLLM, what is left of this share of the device's memory once the weights, a step's activations and
+# the LoRA slots have theirs (motet/engine/memory.py): the GPU serves nothing else; on a CPU, whose memory the
+# host shares with everything else it runs, a fixed size.
+CUDA_GPU_MEMORY_UTILIZATION = 0.9
+CPU_KV_CACHE_MEMORY_GB = 1.0
 SPECULATIVE_MODES = ("auto", "off", "ngram")
 # --quantization: a block format to quantize a float checkpoint into, "gguf": the model directory's GGUF file
 # served in its own blocks (motet/engine/gguf_weights.py), or the method of a checkpoint quantized by GPTQ or
@@ -245,10 +251,11 @@ class EngineConfig:
     quantization: str | None = None
     device: str = "auto"  # "auto": cuda when available, else cpu
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: derived from gpu_memory_utilization or kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
-    # vLLM's share of the device's memory for weights, activations and KV cache (motet/engine/memory.py);
-    # None: the KV cache takes kv_cache_memory_gb.
+    num_kv_blocks: int | None = None  # None: from memory_utilization, or else kv_cache_gb
+    # GiB for the KV cache; None: the device's default (memory_utilization on CUDA, CPU_KV_CACHE_MEMORY_GB on CPU).
+    kv_cache_memory_gb: float | None = None
+    # vLLM's share of the device's memory for weights, activations and KV cache (motet/engine/memory.py); wins
+    # over kv_cache_memory_gb. None: the device's default (memory_utilization).
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64
     # Tokens one step computes (decode rows, prompt chunks, drafts). None: CPU_STEP_TOKENS on a CPU, whose
@@ -288,12 +295,15 @@ class EngineConfig:
     # The compiled step: on CPU the whole decoder stack in one native call (motet/engine/cpu_forward.py), on CUDA
     # decode steps replayed from CUDA graphs (motet/engine/cuda_graphs.py). False: the eager model, the reference.
     compile_step: bool = True
+    # Make a step's outputs (detokenizing, stop strings) while the device runs the next step, on a thread of the
+    # engine's own (motet/engine/llm_engine.py); the outputs are the same. False: strictly one step after another.
+    overlap_output: bool = True
     # Speculative decoding (motet/engine/speculative/): "ngram" drafts from prompt lookup and the grammar's forced
     # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, each kept
     # while its expected tokens beat its cost; `speculative_overhead_tokens` is a step's fixed cost in
     # token-times (measured by benchmarks/spec_threshold.py: 10.8 for the default model on this 2-core CPU).
     # "auto": ngram on CPU, where benchmarks/spec_bench.py measured it faster on every workload at 1 and 16
-    # clients; off on CUDA, where verification rows run outside the decode CUDA graphs and it is unmeasured.
+    # clients; off on CUDA, where it is unmeasured (verification rows replay from the decode CUDA graphs too).
     speculative: str = "auto"
     num_speculative_tokens: int = 8
     speculative_overhead_tokens: float = 10.0
@@ -376,6 +386,25 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        gb = self.kv_cache_memory_gb
+        if gb is not None and not (isinstance(gb, int | float) and math.isfinite(gb) and gb > 0):
+            raise ValueError(f"kv_cache_memory_gb must be a finite number > 0, got {gb!r}")
+
+    @property
+    def memory_utilization(self) -> float | None:
+        """The share of the device's memory the KV cache is sized from (motet/engine/memory.py):
+        gpu_memory_utilization, else on CUDA CUDA_GPU_MEMORY_UTILIZATION unless kv_cache_memory_gb is given;
+        None: the KV cache takes kv_cache_gb."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        if self.kv_cache_memory_gb is None and self.torch_device.type == "cuda":
+            return CUDA_GPU_MEMORY_UTILIZATION
+        return None
+
+    @property
+    def kv_cache_gb(self) -> float:
+        """The KV cache's GiB where no share of the memory sizes it: kv_cache_memory_gb, or the CPU's default."""
+        return self.kv_cache_memory_gb if self.kv_cache_memory_gb is not None else CPU_KV_CACHE_MEMORY_GB
 
     @property
     def speculative_mode(self) -> str:

@@ -13,6 +13,7 @@ and is the CPU's default; the eager model stays the reference (`EngineConfig.com
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 from collections import OrderedDict
@@ -71,6 +72,13 @@ def _packed_bytes(lin: Linear, elem: int) -> int:
         return -(-N // cpu_native.PANEL) * (K // BLOCK) * record
     N, K = lin.weight.shape
     return -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's freed pages back to the system: glibc keeps them, so after packing the process would hold
+    the unpacked weights' memory as well as the arena (measured: benchmarks/load_peak.py). Elsewhere: nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _release(lin: Linear, dtype: torch.dtype) -> None:
@@ -187,6 +195,7 @@ class CpuForward:
         else:
             self.lm_head = self.arena.put(cpu_native.pack(model.lm_head.weight.detach()))
         self._layers = layers
+        _return_freed_memory()  # the unpacked weights just released
         self.desc = cpu_native.Model(
             cpu_native.DTYPE_CODES[wdtype],
             cpu_native.DTYPE_CODES[kv_caches[0][0].dtype],

@@ -4,11 +4,17 @@
     result = engine.execute(batch)         the forward pass and sampling (the device's thread)
     outputs = engine.commit(batch, result) append tokens, advance grammars, detokenize, stop, free blocks
 
-`step()` is their composition; the offline `LLM` (motet/engine/llm.py) and the serving actors both call only this
+`step()` is their composition; with `EngineConfig.overlap_output` (the default) the commit's second half (detokenizing,
+stop strings, the outputs) runs while the device computes the next step: `step()` waits for step N, applies its
+tokens (`commit_tokens`: appends, token-decided stops, freeing), schedules and launches step N+1 on the engine's
+device thread, then makes step N's outputs (`commit_text`) while N+1 runs. Rows whose next step depends on
+their text (grammars, stop strings, drafts) are committed whole before N+1 is scheduled, so the outputs are the
+same as the sequential order's. The offline `LLM` (motet/engine/llm.py) and the serving actors both call only this
 surface (`add_request`, `abort`, `step`, `stats`, adapters through `add_lora` / `remove_lora`). A request
 that fails inside a step fails alone: `execute` bisects the batch until the failing rows are isolated, and
 `commit` ends those with an error while the others carry on. Not thread-safe: one thread drives it
-(`compile_grammar`, `limits` and `adapters.load` excepted, which the serving layer calls from elsewhere).
+(`compile_grammar`, `limits` and `adapters.load` excepted, which the serving layer calls from elsewhere); what it
+runs on its own device thread touches only the launched batch and the runner.
 """
 
 from __future__ import annotations
@@ -17,8 +23,12 @@ import dataclasses
 import functools
 import itertools
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import torch
 
 from motet.engine.block_manager import BlockManager, prefix_salt
 from motet.engine.checkpoint import load_model_config
@@ -152,6 +162,15 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        # the launched step not committed yet, and the thread it runs on (EngineConfig.overlap_output); the
+        # thread holds its initializer: not the runner, which it would keep alive
+        self._inflight: tuple[ScheduledBatch, Future] | None = None
+        self._device = None
+        if config.overlap_output:
+            threads = self.runner.num_threads
+            init = dict(initializer=torch.set_num_threads, initargs=(threads,)) if threads else {}
+            self._device = ThreadPoolExecutor(1, "motet-step", **init)
+        self.runner.warm_up()  # before the first request (the server is ready once the engine is built)
 
     def _kv_connector(self) -> KVConnector | None:
         """The KV tiers the config asks for (EngineConfig.kv_offload_gb, kv_disk_gb), or None."""
@@ -290,12 +309,20 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished, or a launched step not committed yet (`step()` until False drains both)."""
+        return bool(self.requests) or self._inflight is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """A step is launched and not committed (the next `step()` commits it)."""
+        return self._inflight is not None
 
     def close(self) -> None:
-        """Release what outlives the object (the engine takes no more steps): the KV tiers' queued disk writes
-        land and their threads stop; the other tensor-parallel ranks' processes end."""
+        """Release what outlives the object (the engine takes no more steps): a launched step ends; the KV tiers'
+        queued disk writes land and their threads stop; the other tensor-parallel ranks' processes end."""
         try:
+            if self._device is not None:
+                self._device.shutdown(wait=True)
             if self.kv_connector is not None:
                 self.kv_connector.close()
         finally:
@@ -330,15 +357,49 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.schedule()
-        if not batch:
-            return []
-        outputs = self.commit(batch, self.execute(batch))
-        if self.kv_connector is not None and not self.requests:  # idle next: release the snapshots' blocks
+        if self._device is not None:
+            outputs = self._overlapped_step()
+        else:
+            batch = self.schedule()
+            if not batch:
+                return []
+            outputs = self.commit(batch, self.execute(batch))
+        if (
+            self.kv_connector is not None and not self.has_unfinished()
+        ):  # idle next: release the snapshots' blocks
             self.kv_connector.settle()
         return outputs
 
+    def flush(self) -> list[RequestOutput]:
+        """Commit the launched step, if any, without launching another: its outputs (the engine is then between
+        steps, as `schedule`, `execute` and `commit` driven by hand need it)."""
+        if self._inflight is None:
+            return []
+        batch, future = self._inflight
+        self._inflight = None
+        return self.commit_text(self.commit_tokens(batch, future.result()))
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Commit the launched step's tokens, launch the next step, then make the committed step's outputs while
+        the device runs it."""
+        pending = None
+        if self._inflight is not None:
+            batch, future = self._inflight
+            self._inflight = None
+            pending = self.commit_tokens(batch, future.result())
+        batch = self.schedule()
+        if batch:
+            launched = threading.Event()
+            future = self._device.submit(self.execute, batch, launched.set)
+            future.add_done_callback(lambda _: launched.set())  # (it may fail before it launches)
+            self._inflight = (batch, future)
+            # The text half waits for the launch: the interpreter's lock would otherwise hold the launch back.
+            launched.wait()
+        return self.commit_text(pending) if pending is not None else []
+
     def schedule(self) -> ScheduledBatch:
+        if self._inflight is not None:  # (its rows' tokens are not appended yet)
+            raise RuntimeError("a step is in flight: flush() it before scheduling another")
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         kv, sched = self.kv_connector, self.scheduler
@@ -351,11 +412,12 @@ class LLMEngine:
                 seq.scheduled_time = now
         return batch
 
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        """Run the batch; where it raises, bisect it so that only the failing rows carry the error."""
+    def execute(self, batch: ScheduledBatch, on_launch=None) -> StepResult:
+        """Run the batch; where it raises, bisect it so that only the failing rows carry the error. `on_launch()`
+        is called when the forward pass is about to start (the host's part before it is done)."""
         try:
             lora = self.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
-            return self.runner.execute(batch, lora)
+            return self.runner.execute(batch, lora, on_launch)
         except RankFailure:  # not this batch's fault: no step can run any more
             raise
         except Exception as e:
@@ -369,9 +431,16 @@ class LLMEngine:
 
     def commit(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Apply a step's result: advance, append tokens, detokenize, check stops, free the finished."""
+        return self.commit_text(self.commit_tokens(batch, result))
+
+    def commit_tokens(self, batch: ScheduledBatch, result: StepResult) -> list:
+        """The part of the commit the next step depends on: advance the batch, append each row's tokens and end
+        the rows they end. A row whose ending depends on its text (a grammar, stop strings, drafts) is
+        committed whole here. Returns what `commit_text` finishes: outputs, and rows waiting for their text."""
         self.num_steps += 1
         self.scheduler.advance(batch)
-        outputs = []
+        pending = []
+        now = time.monotonic()
         for i, seq in enumerate(batch.seqs):
             if self.requests.get(seq.request_id) is not seq or seq.is_finished:  # aborted while it ran
                 continue
@@ -384,9 +453,14 @@ class LLMEngine:
                 if tokens is None:  # a prompt chunk short of the prompt's end
                     continue
                 drafted = len(seq.draft_token_ids)
+                if not drafted and len(tokens) == 1 and self._text_free(seq):
+                    pending.append(
+                        (seq, tokens[0], self._append_token(seq, tokens[0], result.logprobs[i][0]))
+                    )
+                    continue
                 out = self._advance(seq, tokens, result.logprobs[i])
-                self._count(seq, out)
-                outputs.append(out)
+                self._count(seq, out, now)
+                pending.append(out)
                 if drafted:
                     self.speculator.observe(seq, drafted, len(tokens) - 1)
                     if not seq.is_finished:
@@ -395,7 +469,7 @@ class LLMEngine:
                 if result.errors[i] is None:
                     log.exception("request %s failed while processing its token", seq.request_id)
                 self.abort(seq.request_id)
-                outputs.append(
+                pending.append(
                     RequestOutput(
                         seq.request_id,
                         seq.prompt_token_ids,
@@ -404,11 +478,51 @@ class LLMEngine:
                         error=repr(e),
                     )
                 )
+        return pending
+
+    def commit_text(self, pending: list) -> list[RequestOutput]:
+        """The rest of the commit: detokenize the rows `commit_tokens` left waiting and make their outputs. It
+        reads and writes only those rows' text state, so it may run while the next step computes."""
+        outputs, now = [], time.monotonic()
+        for item in pending:
+            if isinstance(item, RequestOutput):
+                outputs.append(item)
+                continue
+            seq, token, finish = item
+            try:
+                delta = seq.stops.feed(seq.detok.push(token))[0]
+                if finish is not None:
+                    delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
+                out = self._output(seq, delta, finish)
+            except Exception as e:  # (a tokenizer bug) the row's own failure
+                log.exception("request %s failed while detokenizing its token", seq.request_id)
+                self.abort(seq.request_id)
+                out = RequestOutput(
+                    seq.request_id, seq.prompt_token_ids, finished=True, finish_reason="abort", error=repr(e)
+                )
+            self._count(seq, out, now)
+            outputs.append(out)
         return outputs
 
-    def _count(self, seq: Sequence, out: RequestOutput) -> None:
+    @staticmethod
+    def _text_free(seq: Sequence) -> bool:
+        """Whether the row's ending and its next step are decided by its tokens alone (no grammar, no stop
+        strings or other text-matching stops), so its text can be made later."""
+        return seq.guided is None and type(seq.stops) is StopStringMatcher and not seq.stops.stops
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> tuple | None:
+        """A text-free row's token: append it and end the row if the token ends it; (reason, stop_reason) or None."""
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        seq.append_token(token)
+        finish = self._token_finish(seq, token)
+        if finish is not None:
+            self._finish(seq, *finish)
+        return finish
+
+    def _count(self, seq: Sequence, out: RequestOutput, now: float | None = None) -> None:
         """The token counters and the request's timestamps, for EngineStats and RequestTimings."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.num_prompt_tokens += seq.num_prompt_tokens
@@ -447,16 +561,22 @@ class LLMEngine:
                 if finish is not None:
                     break
         if finish is not None:
-            reason, stop_reason = finish
-            if self.speculator is not None:
-                self.speculator.record(seq)
-            if self.kv_connector is not None:  # its blocks outlive their eviction from the device
-                self.kv_connector.save_sequence(seq)
-            self.scheduler.finish(seq, reason, stop_reason)
-            del self.requests[seq.request_id]
-            self.adapters.release(seq.adapter_id)
-        else:
-            reason = stop_reason = None
+            self._finish(seq, *finish)
+        return self._output(seq, delta, finish)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        """A request ends: its drafts' history, its blocks (saved to the KV tiers first), its adapter pin."""
+        if self.speculator is not None:
+            self.speculator.record(seq)
+        if self.kv_connector is not None:  # its blocks outlive their eviction from the device
+            self.kv_connector.save_sequence(seq)
+        self.scheduler.finish(seq, reason, stop_reason)
+        del self.requests[seq.request_id]
+        self.adapters.release(seq.adapter_id)
+
+    def _output(self, seq: Sequence, delta: str, finish: tuple | None) -> RequestOutput:
+        """The row's output after this step's tokens, with `delta`, its new text."""
+        reason, stop_reason = finish if finish is not None else (None, None)
         num_new = seq.num_tokens - seq.num_emitted
         seq.num_emitted = seq.num_tokens
         self.scheduler.fairness.charge(seq.tenant, output_tokens=num_new)
@@ -478,25 +598,33 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int) -> tuple[str, tuple | None]:
         """Append one token: its text delta, and (finish_reason, stop_reason) if it ends the request."""
-        params = seq.params
         seq.append_token(token)
         text = seq.detok.push(token)
         if seq.guided is not None:
             seq.guided.observe_text(text)
         delta, stopped = seq.stops.feed(text)
-        finish = None
         if stopped:
             finish = ("stop", seq.stops.matched)
-        elif (
-            token in self.eos_token_ids
-            and not params.ignore_eos
-            and seq.num_output_tokens > params.min_tokens
-        ) or (seq.guided is not None and seq.guided.terminated):  # the grammar accepted its stop token
+        elif seq.guided is not None and seq.guided.terminated:  # the grammar accepted its stop token
             finish = ("stop", None)
-        elif token in params.stop_token_ids and seq.num_output_tokens > params.min_tokens:
-            finish = ("stop", token)
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            finish = ("length", None)
+        else:
+            finish = self._token_finish(seq, token)
         if finish is not None and not stopped:
             delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
         return delta, finish
+
+    def _token_finish(self, seq: Sequence, token: int) -> tuple | None:
+        """(finish_reason, stop_reason) if the appended `token` ends the request by itself (EOS, a stop token id,
+        the length limits), else None."""
+        params = seq.params
+        if (
+            token in self.eos_token_ids
+            and not params.ignore_eos
+            and seq.num_output_tokens > params.min_tokens
+        ):
+            return ("stop", None)
+        if token in params.stop_token_ids and seq.num_output_tokens > params.min_tokens:
+            return ("stop", token)
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return ("length", None)
+        return None

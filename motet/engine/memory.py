@@ -5,7 +5,8 @@ On CUDA the share is of the device's total memory, as vLLM reads it, and that mu
 engine starts; on CPU it is of the host memory available at start-up (MemAvailable), since a host is
 shared with everything else it runs. The weights are measured once loaded; a step's activations and the
 LoRA slots (allocated with the first adapter) are estimated from the shapes. `--num-kv-blocks` wins over
-this, and this over `--kv-cache-memory-gb`.
+this, and this over `--kv-cache-memory-gb`; with neither of the two, CUDA takes this path with vLLM's default
+share and a CPU a fixed size (`EngineConfig.memory_utilization`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 
 import torch
 
-from motet.engine.config import EngineConfig, ModelConfig, ModelLoadError
+from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION, EngineConfig, ModelConfig, ModelLoadError
 from motet.engine.model import Linear
 from motet.lora.peft_format import TARGET_MODULES, module_shape
 
@@ -26,8 +27,9 @@ def memory_budget(fraction: float, device: torch.device) -> int:
         budget = int(fraction * total)
         if free < budget:
             raise ModelLoadError(
-                f"--gpu-memory-utilization {fraction:g} asks for {budget / 2**30:.1f} GiB of the device's "
-                f"{total / 2**30:.1f} GiB, but only {free / 2**30:.1f} GiB are free; lower it"
+                f"--gpu-memory-utilization {fraction:g} (on CUDA {CUDA_GPU_MEMORY_UTILIZATION:g} by default) asks "
+                f"for {budget / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB, but only "
+                f"{free / 2**30:.1f} GiB are free; lower it, or size the KV cache with --kv-cache-memory-gb"
             )
         return budget
     return int(fraction * available_host_memory())
@@ -79,7 +81,7 @@ def kv_cache_bytes(
     rest = budget - used - step_bytes(config, model, dtype) - lora_slot_bytes(config, model, dtype)
     if rest <= 0:
         raise ModelLoadError(
-            f"--gpu-memory-utilization {config.gpu_memory_utilization:g} ({budget / 2**30:.2f} GiB) leaves no "
+            f"--gpu-memory-utilization {config.memory_utilization:g} ({budget / 2**30:.2f} GiB) leaves no "
             f"memory for the KV cache after the weights ({used / 2**30:.2f} GiB), a step's activations and the "
             "LoRA slots; raise it, or lower --max-num-batched-tokens, --max-loras or --max-lora-rank"
         )

@@ -5,6 +5,9 @@ paged KV cache.
 Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says where each sequence's
 queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
 matrix each (fewer, larger matmuls); checkpoints with Hugging Face names load through `load_weights`.
+The layers carry the residual stream beside each block's output (vLLM's layout), so that on CUDA the
+residual add and the next RMSNorm are one Triton kernel, as are the rotary and the KV-cache write
+(motet/kernels/fused_norm.py, motet/kernels/rope_kv.py); elsewhere their torch references compute the same.
 With a `LoRABatch` each linear layer also adds every token's own adapter delta (fused layers per module,
 into that module's output columns); without one the LoRA path is skipped entirely. A linear layer may hold
 its weight quantized (motet/kernels/quant.py, `LlamaForCausalLM.quantize`): every backend (this eager
@@ -22,12 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from motet.engine.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
 from motet.engine.config import ModelConfig, ModelLoadError
 from motet.engine.parallel import SINGLE, Parallel
-from motet.kernels import triton_moe, triton_quant
-from motet.kernels.paged_attention import paged_attention, write_kv_cache
+from motet.kernels import activation, fused_norm, rope_kv, triton_moe, triton_quant
+from motet.kernels.paged_attention import paged_attention
 from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
+from motet.kernels.rope_kv import RotaryAngles
 from motet.lora.slot_cache import LoRABatch
 
 
@@ -118,27 +123,30 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] of each token's position: looked up once a step, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """`x` [T, heads, head_dim] rotated; Hugging Face layout: the two rotated halves are the first
-        and second half of head_dim."""
-        cos, sin = cos_sin
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def forward(self, positions: torch.Tensor) -> RotaryAngles:
+        """The step's angles, made once a step and used by every layer (motet/kernels/rope_kv.py): the tables
+        and each token's position, read on the device by the fused kernel; the torch path gathers each token's
+        rows once. Hugging Face layout: the two rotated halves are the first and second half of head_dim."""
+        return RotaryAngles(positions, self.cos, self.sin)
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, in fp32 inside and the input's dtype outside; with a `residual`, the
+    residual stream's add fused in (vLLM's `fused_add_rms_norm`). On CUDA one Triton launch each
+    (motet/kernels/fused_norm.py), elsewhere its torch reference."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with `residual`: (norm(x + residual), x + residual), new tensors."""
+        fused = fused_norm.applies(x)
+        if residual is None:
+            return (fused_norm.rms_norm if fused else fused_norm.rms_norm_reference)(x, self.weight, self.eps)
+        add_norm = fused_norm.add_rms_norm if fused else fused_norm.add_rms_norm_reference
+        return add_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -162,21 +170,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None):
+    def forward(
+        self, x, angles: RotaryAngles, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None
+    ):
         T = x.shape[0]
         sizes = (self.q_size, self.kv_size, self.kv_size)
         qkv = self.qkv_proj(x)
         if lora is not None:
             lora.add(qkv, x, self.layer_idx, ("q_proj", "k_proj", "v_proj"), sizes)
-        # q and k are adjacent columns of qkv: rotated in one go
-        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = RotaryEmbedding.rotate(qk, cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        # q, k, v: views of qkv's columns. Qwen3's q/k norms, the rotary and the KV write: one kernel on CUDA
+        # (q rotated in place, k rotated into the cache), the torch reference elsewhere
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        q = qkv[:, :q_end].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+        rotary_kv = rope_kv.rotary_kv_write if rope_kv.applies(qkv) else rope_kv.rotary_kv_reference
         k_cache, v_cache = kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = rotary_kv(q, k, v, angles, k_cache, v_cache, meta.slot_mapping, *norms)
         if meta.cpu_plan is None and not q.is_cuda:
             meta.cpu_plan = plan_cpu_attention(
                 meta.block_tables, meta.query_start_loc, meta.seq_lens, k_cache.shape[1]
@@ -222,8 +233,9 @@ class MLP(nn.Module):
         if lora is not None:
             sizes = (self.intermediate, self.intermediate)
             lora.add(gate_up, x, self.layer_idx, ("gate_proj", "up_proj"), sizes)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        h = F.silu(gate) * up
+        # SiLU(gate) * up: one kernel on CUDA (motet/kernels/activation.py), its torch reference elsewhere
+        swiglu = activation.silu_and_mul if activation.applies(gate_up) else activation.silu_and_mul_reference
+        h = swiglu(gate_up)
         y = self.down_proj(h)
         if lora is not None:
             lora.add(y, h, self.layer_idx, ("down_proj",), (y.shape[1],))
@@ -360,12 +372,22 @@ class DecoderLayer(nn.Module):
             else MLP(cfg, layer_idx, parallel=parallel)
         )
 
-    def forward(self, x, cos_sin, meta, kv_cache, lora: LoRABatch | None = None):
+    def forward(self, x, residual, angles: RotaryAngles, meta, kv_cache, lora: LoRABatch | None = None):
+        """`x`: the previous layer's output, `residual`: the stream it adds to (None in the first layer, whose
+        `x` is the embeddings). Returns this layer's MLP output and the stream before it: the next norm adds
+        them (fused with the norm on CUDA; vLLM carries the residual the same way)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
         # each block's output is a partial sum over the tensor-parallel ranks: one all-reduce completes it
-        x = x + self.parallel.all_reduce(
-            self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache, lora)
-        )
-        return x + self.parallel.all_reduce(self.mlp(self.post_attention_layernorm(x), lora))
+        # before it joins the stream
+        h = self.parallel.all_reduce(self.self_attn(h, angles, meta, kv_cache, lora))
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.parallel.all_reduce(self.mlp(h, lora)), residual
+
+
+QUANTIZE_BYTES = 1 << 20  # the fp32 values `load_weights` quantizes at once
 
 
 class LlamaForCausalLM(nn.Module):
@@ -392,6 +414,38 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
 
+    @classmethod
+    def allocate(
+        cls,
+        cfg: ModelConfig,
+        max_positions: int | None,
+        parallel: Parallel,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantized: bool = False,
+    ) -> LlamaForCausalLM:
+        """The model for `load_weights` to fill, made in `dtype` on `device` (the rotary tables in fp32), its
+        parameters uninitialized: no copy in another dtype is ever made. With `quantized` (a quantized
+        checkpoint, or one quantized as it loads) the projections' weights (and an untied lm_head's) are made
+        only when `load_weights` copies floats into them: one that loads quantized never has a float copy."""
+        with torch.device("meta"):
+            model = cls(cfg, max_positions, parallel)
+        deferred = (
+            {id(lin.weight) for lin in [*model.decoder_linears(), model.lm_head]} if quantized else set()
+        )
+        deferred.discard(id(model.embed_tokens.weight))  # a tied lm_head is the embedding table
+        made: dict[int, nn.Parameter] = {}  # (a tied parameter is made once)
+        for module in model.modules():
+            if module is model.rope:
+                continue
+            for key, p in module._parameters.items():
+                if p is not None and id(p) not in deferred:
+                    if id(p) not in made:
+                        made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), False)
+                    module._parameters[key] = made[id(p)]
+        model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
+        return model
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [T, hidden]; under tensor parallelism each rank looks up the tokens in its
         vocabulary rows (zeros for the others) and an all-reduce assembles them."""
@@ -407,11 +461,11 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora: LoRABatch | None = None
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; `compute_logits` maps chosen rows to logits."""
-        x = self.embed(input_ids)
-        cos_sin = self.rope(positions)
+        x, residual = self.embed(input_ids), None
+        angles = self.rope(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, meta, kv_cache, lora)
-        return self.norm(x)
+            x, residual = layer(x, residual, angles, meta, kv_cache, lora)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits of `hidden`'s rows; under tensor parallelism each rank's vocabulary columns are gathered
@@ -430,12 +484,12 @@ class LlamaForCausalLM(nn.Module):
                 linears += [mlp.gate_up_proj, mlp.down_proj]
         return linears
 
-    @torch.no_grad()
-    def quantize(self, fmt: WeightFormat) -> None:
-        """Quantize the decoder's projections into `fmt` and the lm_head into int8 (once the weights are
-        loaded). The embedding table keeps the checkpoint's precision (a lookup reads one row a token); the
-        lm_head is a product over the whole vocabulary, a fifth of a small model's bytes per token, so it
-        is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
+    def quantized_formats(self, fmt: WeightFormat) -> dict[str, WeightFormat]:
+        """Which weights `load_weights(..., quantize=fmt)` quantizes, by parameter name: the decoder's
+        projections into `fmt` and the lm_head into int8; ModelLoadError where this model cannot be (before
+        anything is read). The embedding table keeps the checkpoint's precision (a lookup reads one row a
+        token); the lm_head is a product over the whole vocabulary, a fifth of a small model's bytes per token,
+        so it is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
         keep it in Q8_0 (or Q6_K) the same way."""
         cfg = self.config
         if cfg.is_moe:
@@ -458,10 +512,11 @@ class LlamaForCausalLM(nn.Module):
                     f"this rank's part of {name} has {lin.in_features}: serve the model with another "
                     f"--tensor-parallel-size, or unquantized"
                 )
-        for lin in self.decoder_linears():
-            lin.quantize(fmt)
+        linears = set(self.decoder_linears())
+        formats = {f"{name}.weight": fmt for name, lin in self.named_modules() if lin in linears}
         if cfg.hidden_size % BLOCK == 0:
-            self.lm_head.quantize(INT8)
+            formats["lm_head.weight"] = INT8
+        return formats
 
     def _split_sizes(self, name: str) -> list[int]:
         """Row sizes of a fused parameter's shards ([n] for an unfused one) on this rank; `name` is the
@@ -581,18 +636,29 @@ class LlamaForCausalLM(nn.Module):
         return ".".join(parts), shard
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be filled. A
-        projection may come quantized (a GGUF file's blocks): its layer then holds it in that format (a
-        fused layer's shards all in one format)."""
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | StoredTensor | QuantizedWeight]],
+        quantize: WeightFormat | None = None,
+    ) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be filled. Each tensor
+        is converted to its parameter's dtype as it is copied, a run of rows at a time (`_fill`). A projection
+        may come quantized (a GGUF file's blocks): its layer then holds it in that format (a fused layer's
+        shards all in one format). With `quantize`, the weights `quantized_formats` names are quantized as they
+        load, from the checkpoint's own values: every row quantizes on its own (a block is a run of one row's
+        inputs), so a fused layer's shards quantized one by one are the fused weight quantized."""
+        formats = self.quantized_formats(quantize) if quantize is not None else {}
+        scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)  # each run of rows read from a file, in turn
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[tuple[str, int]] = set()
         quantized: dict[str, dict[int, QuantizedWeight]] = {}  # weight name -> its shards, until all are in
         linears = set(self.decoder_linears())
         projections = {f"{n}.weight": m for n, m in self.named_modules() if m in linears}
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        device = self.embed_tokens.weight.device
         if self.parallel.enabled:  # the last rank's vocabulary shard ends in padding rows: zeros
             self.embed_tokens.weight.zero_()
-            self.lm_head.weight.zero_()
+            self.lm_head.weight.zero_()  # (one `allocate` deferred is made with zeros: `_allocate`)
         for hf_name, tensor in weights:
             if "rotary_emb" in hf_name:
                 continue
@@ -607,22 +673,23 @@ class LlamaForCausalLM(nn.Module):
             name, shard = place
             target = self._shard(param, name, shard)
             tensor = self._rank_part(name, shard, tensor)
-            if name in ("embed_tokens.weight", "lm_head.weight") and self.parallel.enabled:
+            vocab_part = name in ("embed_tokens.weight", "lm_head.weight") and self.parallel.enabled
+            if vocab_part:
                 target = target[: tensor.shape[0]]  # the last rank's shard: padding rows past the vocabulary
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(target.shape)}"
                 )
+            if name in formats and not isinstance(tensor, QuantizedWeight):
+                tensor = self._fill(None, tensor, scratch, formats[name])
             if isinstance(tensor, QuantizedWeight) and name in ("embed_tokens.weight", "lm_head.weight"):
                 # a quantized output (or tied table): the lm_head multiplies in its blocks, the embedding
                 # table holds their values (a lookup)
                 if name == "embed_tokens.weight":
                     self.embed_tokens.weight[: tensor.shape[0]].copy_(tensor.dequantize())
                 if name == "lm_head.weight" or self.lm_head.weight is self.embed_tokens.weight:
-                    # (a rank's vocabulary shard: padded to the rows every rank holds)
-                    self.lm_head.quantized = tensor.padded(self.lm_head.out_features).to(param.device)
-                    self.lm_head.weight = nn.Parameter(torch.empty(0, device=param.device), False)
+                    self._quantized_lm_head(tensor)
                     loaded.add(("lm_head.weight", 0))
             elif isinstance(tensor, QuantizedWeight):
                 if name not in projections:
@@ -634,9 +701,17 @@ class LlamaForCausalLM(nn.Module):
                         f"checkpoint tensor {hf_name!r} is quantized: a fused projection's parts must come "
                         f"one by one"
                     )
-                quantized.setdefault(name, {})[shard or 0] = tensor.to(param.device)
+                quantized.setdefault(name, {})[shard or 0] = tensor.to(device)
+            elif name == "embed_tokens.weight" and tied and "lm_head.weight" in formats:
+                # the table keeps the checkpoint's values; the lm_head multiplies in blocks of them
+                self._quantized_lm_head(self._fill(target, tensor, scratch, formats["lm_head.weight"]))
+                loaded.add(("lm_head.weight", 0))
             else:
-                target.copy_(tensor)
+                if param.is_meta:  # deferred by `allocate`: floats come, so it is made now
+                    param = params[name] = self._allocate(name)
+                    target = self._shard(param, name, shard)
+                    target = target[: tensor.shape[0]] if vocab_part else target
+                self._fill(target, tensor, scratch)
             loaded.update((name, i) for i in ((shard,) if shard is not None else self._all_shards(name)))
         for name, shards in quantized.items():
             n = len(self._split_sizes(name))
@@ -647,9 +722,51 @@ class LlamaForCausalLM(nn.Module):
             if len(shards) == n:  # else the missing parts are reported below
                 layer = projections[name]
                 layer.quantized = QuantizedWeight.cat([shards[i] for i in range(n)])
-                layer.weight = nn.Parameter(torch.empty(0, device=layer.weight.device), False)
+                layer.weight = self._released()
         # Every parameter, every shard of a fused one, must come from the checkpoint.
         expected = {(name, i) for name, _ in self.named_parameters() for i in self._all_shards(name)}
         missing = sorted(self._describe(name, i) for name, i in expected - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:5])}")
+
+    def _fill(
+        self,
+        target: torch.Tensor | None,
+        tensor: torch.Tensor | StoredTensor,
+        scratch: torch.Tensor,
+        fmt: WeightFormat | None = None,
+    ) -> QuantizedWeight | None:
+        """`tensor` copied into `target` (converted to its dtype; None: not copied) and, with `fmt`, quantized
+        into that format on the model's device from its own values, a run of rows at a time read into
+        `scratch`: loading never holds a whole checkpoint tensor besides the weights."""
+        device = self.embed_tokens.weight.device
+        parts = []
+        for start, rows in row_chunks(tensor, buffer=scratch):
+            if target is not None:
+                target[start : start + rows.shape[0]].copy_(rows)
+            if fmt is not None:  # a MiB of fp32 values at a time: quantizing makes a few fp32 copies of them
+                step = max(1, QUANTIZE_BYTES // max(1, rows[:1].numel() * 4))
+                parts += [fmt.quantize(part.to(device)) for part in rows.split(step)]
+        return QuantizedWeight.cat(parts) if fmt is not None else None
+
+    def _quantized_lm_head(self, weight: QuantizedWeight) -> None:
+        """The lm_head multiplies in `weight`'s blocks (a rank's vocabulary shard: padded to the rows every rank
+        holds); its float weight is released (a tied one: the table stays)."""
+        self.lm_head.quantized = weight.padded(self.lm_head.out_features).to(self.embed_tokens.weight.device)
+        self.lm_head.weight = self._released()
+
+    def _allocate(self, name: str) -> nn.Parameter:
+        """The weight `name`, deferred by `allocate`, made in the model's dtype on its device (an lm_head's with
+        zeros: a tensor-parallel rank's padding rows)."""
+        module_name, _, key = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        like = self.embed_tokens.weight
+        make = torch.zeros if name == "lm_head.weight" else torch.empty
+        param = nn.Parameter(make(getattr(module, key).shape, dtype=like.dtype, device=like.device), False)
+        setattr(module, key, param)
+        return param
+
+    def _released(self) -> nn.Parameter:
+        """An empty weight for a layer that holds its weight quantized."""
+        like = self.embed_tokens.weight
+        return nn.Parameter(torch.empty(0, dtype=like.dtype, device=like.device), False)

@@ -7,6 +7,8 @@ rows), masks the constrained rows with their grammar, and samples.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ from motet.engine.tp_workers import WorkerGroup, receive_plan
 from motet.grammar.backend import allocate_bitmask, apply_bitmask
 from motet.grammar.masking import fill_bitmasks
 from motet.lora.slot_cache import LoRABatch, LoRASlotCache
+
+log = logging.getLogger("motet.engine")
 
 
 @dataclass
@@ -137,11 +141,12 @@ class ModelRunner:
     def _build(self, model_dir) -> None:
         config, model_config, parallel = self.config, self.model_config, self.parallel
         threads = config.num_threads or (default_cpu_threads(parallel.size) if parallel.enabled else None)
-        if threads and self.device.type == "cpu":
-            torch.set_num_threads(threads)  # from the thread that runs the forward passes
-        budget = None  # --gpu-memory-utilization: read before the weights take their part
-        if config.num_kv_blocks is None and config.gpu_memory_utilization is not None:
-            budget = memory_budget(config.gpu_memory_utilization, self.device)
+        self.num_threads = threads if self.device.type == "cpu" else None  # the forward passes' threads
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)  # (the engine's own step thread sets it too)
+        budget = None  # --gpu-memory-utilization (CUDA's default): read before the weights take their part
+        if config.num_kv_blocks is None and config.memory_utilization is not None:
+            budget = memory_budget(config.memory_utilization, self.device)
         torch.manual_seed(config.seed)
         error = None
         try:
@@ -154,7 +159,7 @@ class ModelRunner:
             error = e
         num_blocks = 1
         if error is None:
-            kv_bytes = int(config.kv_cache_memory_gb * 2**30)
+            kv_bytes = int(config.kv_cache_gb * 2**30)
             if budget is not None:
                 used = weights_bytes(self.model, self.device)
                 kv_bytes = kv_cache_bytes(
@@ -195,34 +200,73 @@ class ModelRunner:
             and not model_config.is_moe
             and not parallel.enabled
         ):
+            speculates = config.speculative_mode != "off" and config.num_speculative_tokens > 0
             self.graphs = DecodeGraphs(
                 lambda ids, pos, meta, lora: self.model(ids, pos, meta, self.kv_caches, lora),
                 max_batch=config.max_num_seqs,
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size),
                 max_seq_len=self.max_model_len,
                 device=self.device,
+                max_query=1 + config.num_speculative_tokens if speculates else 1,  # verification rows too
             )
 
     def _load_model(self, model_dir) -> LlamaForCausalLM:
-        """This rank's model (the whole of it on one rank), weights loaded, in the engine's dtype."""
+        """This rank's model (the whole of it on one rank), made in the engine's dtype on its device and filled
+        from the checkpoint, each tensor converted as it is copied (quantized ones from the checkpoint's own
+        values): loading needs the weights' memory and a few MiB besides, never a copy in another dtype."""
         config, model_config = self.config, self.model_config
-        with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, max_positions=self.max_model_len, parallel=self.parallel)
-        model = model.to_empty(device=self.device)
-        if model_config.tie_word_embeddings:  # meta -> device conversion unties shared parameters
-            model.lm_head.weight = model.embed_tokens.weight
-        model.rope = type(model.rope)(model_config, self.max_model_len).to(self.device)  # fp32 tables
         declared = declared_quantization(model_dir, config.quantization)  # a GPTQ / AWQ checkpoint's own
+        model = LlamaForCausalLM.allocate(
+            model_config,
+            self.max_model_len,
+            self.parallel,
+            self.device,
+            self.dtype,
+            quantized=config.quantization is not None or declared is not None,
+        )
         if config.quantization == GGUF_QUANTIZATION:
-            model.load_weights(iter_gguf_weights(gguf_file(model_dir)))
+            weights = iter_gguf_weights(gguf_file(model_dir))
         else:
-            model.load_weights(iter_checkpoint_weights(model_dir, declared))
-        if config.quantization in QUANT_FORMATS:  # from the checkpoint's values, before the cast to `dtype`
-            model.quantize(QUANT_FORMATS[config.quantization])
-        for name, module in model.named_children():
-            if name != "rope":
-                module.to(self.dtype)
+            weights = iter_checkpoint_weights(model_dir, declared)
+        model.load_weights(weights, quantize=QUANT_FORMATS.get(config.quantization))
         return model.eval().requires_grad_(False)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Pay the first step's one-off costs now, before the engine takes requests (the server says it is ready
+        once the engine is built): on CUDA every decode graph of the base model is captured
+        (`DecodeGraphs.capture_all`); elsewhere one padding token (slot -1: no KV write, nothing a request can
+        read) runs through the step and the lm_head, starting the thread pool and touching the code and the
+        weights. Nothing is sampled: the sampler's random state is untouched. Tensor-parallel ranks are left
+        cold (a step there is a plan every rank runs)."""
+        if self.parallel.enabled:
+            return
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            self.graphs.capture_all()
+            what = f"{len(self.graphs.graphs)} decode CUDA graphs captured"
+        else:
+            self._logits(self._forward(*self._padding_token()))
+            what = "one token through the step"
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("warm-up: %s in %.2f s", what, time.perf_counter() - t0)
+
+    def _padding_token(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
+        """A step's inputs for one token at position 0 that reads block 0 and writes no KV (slot -1)."""
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor([-1], torch.int64),
+            block_tables=tensor([[0]], torch.int32),
+            query_start_loc=tensor([0, 1], torch.int32),
+            seq_lens=tensor([1], torch.int32),
+            max_query_len=1,
+            max_seq_len=1,
+        )
+        return tensor([0], torch.int64), tensor([0], torch.int64), meta, None
 
     # -- tensor parallelism ---------------------------------------------------------------------------
     @property
@@ -285,6 +329,8 @@ class ModelRunner:
                 self._logits(extra["hidden"].to(self.device))
 
     def _prepare(self, batch: ScheduledBatch):
+        if all(n == 1 for n in batch.num_new_tokens):
+            return self._prepare_decode(batch)
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -300,25 +346,53 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         tables = [t + [0] * (width - len(t)) for t in tables]
 
-        def tensor(data, dtype):
-            return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+        return self._inputs(input_ids, positions, slots, tables, qsl, seq_lens, max(batch.num_new_tokens))
 
+    def _prepare_decode(self, batch: ScheduledBatch):
+        """`_prepare` of a step where every row adds one token (no drafts): the common step, in fewer passes."""
+        bs, seqs = self.block_size, batch.seqs
+        positions = [seq.num_computed_tokens for seq in seqs]
+        input_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)]
+        tables = [seq.block_table for seq in seqs]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+        width = max(map(len, tables))
+        tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in tables]
+        seq_lens = [p + 1 for p in positions]
+        return self._inputs(input_ids, positions, slots, tables, list(range(len(seqs) + 1)), seq_lens, 1)
+
+    def _inputs(self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len):
+        """The step's input tensors on the device, from host lists (tables already padded to one width), in two
+        transfers (one per dtype) from pinned memory on CUDA: none makes the host wait for the device."""
+        pinned = self.device.type == "cuda"
+        per_token = torch.tensor([input_ids, positions, slots], dtype=torch.int64, pin_memory=pinned)
+        n, width = len(tables), len(tables[0]) if tables else 0
+        per_seq = torch.tensor(
+            [*itertools.chain.from_iterable(tables), *qsl, *seq_lens], dtype=torch.int32, pin_memory=pinned
+        )
+        ids, pos, slot_mapping = per_token.to(self.device, non_blocking=True)
+        per_seq = per_seq.to(self.device, non_blocking=True)
+        block_tables, query_start_loc, lens = per_seq.split((n * width, n + 1, n))
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(tables, torch.int32),
-            query_start_loc=tensor(qsl, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            max_query_len=max(batch.num_new_tokens),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables.view(n, width),
+            query_start_loc=query_start_loc,
+            seq_lens=lens,
+            max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
         )
-        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, qsl
+        return ids, pos, meta, qsl
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch, lora: LoRABatch | None = None) -> tuple[torch.Tensor, list[int]]:
-        """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets."""
-        if self.graphs is not None and (hidden := self._decode_graph(batch, lora)) is not None:
-            return hidden, list(range(len(batch) + 1))
+    def forward(
+        self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets.
+        `on_launch()`, if given, is called once the inputs are ready, as the model starts."""
+        if self.graphs is not None and (replayed := self._decode_graph(batch, lora, on_launch)) is not None:
+            return replayed
         input_ids, positions, meta, qsl = self._prepare(batch)
+        if on_launch is not None:
+            on_launch()
         if self.workers is not None:  # the step's plan, once, to every other rank
             segments = [lora.seg_starts, lora.seg_slots] if lora is not None else []
             self._send(
@@ -351,7 +425,8 @@ class ModelRunner:
         """fp32 logits of rows of the latest forward's hidden states (the other ranks pick the same rows)."""
         if self.workers is not None:
             self._send("logits", tensors=[torch.tensor(rows, dtype=torch.int64)])
-        return self._logits(hidden[rows])
+        # (rows are increasing: as many as the hidden rows means all of them, with no gather)
+        return self._logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """This rank's part of the logits (rank 0 gets all of them, gathered; the others None)."""
@@ -359,31 +434,38 @@ class ModelRunner:
             return self.native.logits(hidden)
         return self.model.compute_logits(hidden)
 
-    def _decode_graph(self, batch: ScheduledBatch, lora: LoRABatch | None) -> torch.Tensor | None:
-        """A decode step (one new token per sequence) replayed from its bucket's graph; None: run eagerly."""
-        if not batch.seqs or any(n != 1 for n in batch.num_new_tokens):
+    def _decode_graph(self, batch: ScheduledBatch, lora: LoRABatch | None, on_launch=None):
+        """A decode step (every row one new token, and the drafts it verifies, if any) replayed from its bucket's
+        graph: (hidden states, row offsets); None: run eagerly (a prompt chunk, or too large for the graphs)."""
+        seqs = batch.seqs
+        if not seqs or any(
+            n != 1 + len(seq.draft_token_ids) or seq.num_computed_tokens + 1 != seq.num_tokens
+            for seq, n in zip(seqs, batch.num_new_tokens, strict=True)
+        ):
             return None
-        tables = [seq.block_table for seq in batch.seqs]
-        if not self.graphs.fits(len(tables), max(len(t) for t in tables)):
+        tables = [seq.block_table for seq in seqs]
+        pos = [seq.num_computed_tokens for seq in seqs]
+        if not self.graphs.fits(len(seqs), max(map(len, tables)), max(batch.num_new_tokens), max(pos)):
             return None
-        bs, pos = self.block_size, [seq.num_computed_tokens for seq in batch.seqs]
-        return self.graphs.run(
-            [seq.token_ids[p] for seq, p in zip(batch.seqs, pos, strict=True)],
-            pos,
-            [t[p // bs] * bs + p % bs for t, p in zip(tables, pos, strict=True)],
-            tables,
-            [p + 1 for p in pos],
-            lora,
-        )
+        bs, rows, slots, qsl = self.block_size, [], [], [0]
+        for seq, table, p in zip(seqs, tables, pos, strict=True):
+            rows.append([seq.token_ids[p], *seq.draft_token_ids])
+            slots.append([table[x // bs] * bs + x % bs for x in range(p, p + len(rows[-1]))])
+            qsl.append(qsl[-1] + len(rows[-1]))
+        return self.graphs.run_rows(rows, pos, slots, tables, lora, on_launch), qsl
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, lora: LoRABatch | None = None) -> StepResult:
-        sample_rows = [i for i in range(len(batch)) if batch.samples(i)]
+    def execute(self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None) -> StepResult:
+        """The batch's sampled tokens; `on_launch` as in `forward`."""
+        sample_rows = batch.sampling_rows()
         # One sampled position per sampling row, plus one per draft (motet/engine/speculative/verify.py).
-        views, starts = [], []
-        for i in sample_rows:
-            starts.append(len(views))
-            views.extend(position_views(batch.seqs[i]))
+        if any(seq.draft_token_ids for seq in batch.seqs):
+            views, starts = [], []
+            for i in sample_rows:
+                starts.append(len(views))
+                views.extend(position_views(batch.seqs[i]))
+        else:
+            views, starts = [batch.seqs[i] for i in sample_rows], range(len(sample_rows))
         # Constrained rows: their bitmask rows are filled on a side thread while the forward pass runs
         # (xgrammar releases the GIL); unconstrained rows are never touched.
         masked, plain, drafted, opening = [], [], [], []
@@ -405,12 +487,15 @@ class ModelRunner:
             bitmask = allocate_bitmask(len(views), self.model_config.vocab_size)
             filling = self._grammar_thread.submit(_timed_fill, bitmask, plain, drafted, opening)
 
-        hidden, qsl = self.forward(batch, lora)
-        rows = [
-            r
-            for i in sample_rows
-            for r in range(qsl[i + 1] - 1 - len(batch.seqs[i].draft_token_ids), qsl[i + 1])
-        ]
+        hidden, qsl = self.forward(batch, lora, on_launch)
+        if isinstance(starts, range):  # no drafts: each sampling row's last position
+            rows = [qsl[i + 1] - 1 for i in sample_rows]
+        else:
+            rows = [
+                r
+                for i in sample_rows
+                for r in range(qsl[i + 1] - 1 - len(batch.seqs[i].draft_token_ids), qsl[i + 1])
+            ]
         logits = self.logits(hidden, rows)
         if masked:
             self._apply_grammar(logits, bitmask, masked, filling)
@@ -419,18 +504,23 @@ class ModelRunner:
         result = StepResult.empty(len(batch))
         for i, start in zip(sample_rows, starts, strict=True):
             drafts = batch.seqs[i].draft_token_ids
+            if not drafts:
+                result.token_ids[i], result.logprobs[i] = [out.token_ids[start]], [out.logprobs[start]]
+                continue
             sampled = out.token_ids[start : start + len(drafts) + 1]
             kept = num_accepted(sampled, drafts) + 1  # the accepted drafts and the target's next token
             result.token_ids[i] = sampled[:kept]
             result.logprobs[i] = out.logprobs[start : start + kept]
         for i, seq in enumerate(batch.seqs):
             k = seq.params.prompt_logprobs
+            if k is None:
+                continue
             start = seq.num_computed_tokens
             # Row p predicts prompt token p+1; the last prompt row predicts the first output instead. A
             # recompute after preemption skips the positions it has reported already.
             first = max(start, len(seq.prompt_logprobs))
             last = min(start + batch.num_new_tokens[i], seq.num_prompt_tokens - 1)
-            if k is None or first >= last:
+            if first >= last:
                 continue
             rows = range(qsl[i] + first - start, qsl[i] + last - start)
             targets = seq.token_ids[first + 1 : last + 1]

@@ -144,7 +144,7 @@ def iter_checkpoint_weights(
         if part not in parts:
             yield name, tensor
             continue
-        pending.setdefault(module, {})[part] = tensor
+        pending.setdefault(module, {})[part] = tensor.load()
         if all(p in pending[module] for p in parts):
             yield f"{module}.weight", _convert(module, pending.pop(module), declared)
     for module, found in pending.items():  # GPTQ without g_idx, or a module missing parts

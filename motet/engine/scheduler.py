@@ -50,6 +50,14 @@ class ScheduledBatch:
         """The batch's rows `rows`, in order (to re-run part of a step)."""
         return ScheduledBatch([self.seqs[i] for i in rows], [self.num_new_tokens[i] for i in rows])
 
+    def sampling_rows(self) -> list[int]:
+        """The rows i for which `samples(i)`."""
+        return [
+            i
+            for i, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True))
+            if seq.num_computed_tokens + n - len(seq.draft_token_ids) == len(seq.token_ids)
+        ]
+
     def samples(self, i: int) -> bool:
         """Whether sequence i's chunk reaches its last token, so that this step samples its next one (and
         verifies the drafts scheduled after it)."""
@@ -134,9 +142,9 @@ class Scheduler:
         # decode row keeps its one token ahead of any prompt chunk, so a long prompt never stalls the decoding
         # ones.
         running_places = tenant_places(self.running)
-        self.running.sort(
-            key=lambda s: (shares.load(s.tenant), fair.counter(s.tenant), *running_places[s.seq_id])
-        )
+        tenants = {s.tenant for s in self.running}
+        order = {t: (shares.load(t), fair.counter(t)) for t in tenants}  # once per tenant, not per row
+        self.running.sort(key=lambda s: (*order[s.tenant], *running_places[s.seq_id]))
         decodes_left = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -259,9 +267,10 @@ class Scheduler:
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Mark the batch's chunks computed (call after the forward pass, before appending tokens)."""
+        cache_full_blocks = self.bm.cache_full_blocks
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts count once accepted
-            self.bm.cache_full_blocks(seq)
+            cache_full_blocks(seq)
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
         """After verification: the accepted drafts' KV is the sequence's (they are its tokens now); the
@@ -300,6 +309,8 @@ def tenant_places(seqs) -> dict[int, tuple[int, int]]:
     """Each sequence's place in an order between tenants (seq_id -> (arrival, seq_id)): the places its tenant's
     sequences hold (by arrival, or as traded before), given out by urgency, so priority reorders a tenant's
     sequences among its own places and never moves another tenant's."""
+    if all(s.priority == 0 and (s.place is None or s.place == (s.arrival, s.seq_id)) for s in seqs):
+        return {s.seq_id: (s.arrival, s.seq_id) for s in seqs}  # nothing traded: each holds its own place
     by_tenant: dict = defaultdict(list)
     for s in seqs:
         by_tenant[s.tenant].append(s)

@@ -27,5 +27,7 @@ export MOTET_MODEL_DIR=/tmp/smol
 timeout ${SUITE_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m "not slow" --timeout 200 \
   tests/test_paged_attention.py tests/test_sgmv.py tests/test_lora_slot_cache.py tests/test_engine.py \
   tests/test_lora_engine.py tests/test_sampler.py tests/test_scheduler.py tests/test_block_manager.py \
-  tests/test_actors.py tests/test_adapter_hardening.py tests/test_api_app.py tests/test_api_hardening.py tests/test_grammar.py 2>&1 | tee "$OUT/pytest.log" | tail -40
+  tests/test_actors.py tests/test_adapter_hardening.py tests/test_api_app.py tests/test_api_hardening.py tests/test_grammar.py \
+  tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_overlap_output.py tests/test_triton_moe.py \
+  tests/test_triton_quant.py tests/test_startup.py 2>&1 | tee "$OUT/pytest.log" | tail -40
 timeout ${BENCH_TIMEOUT:-240} python3 -m benchmarks.gpu_bench --model-dir /tmp/smol --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -60

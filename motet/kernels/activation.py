@@ -1,0 +1,66 @@
+"""SwiGLU's activation, SiLU(gate) * up, from the fused gate/up projection's output in one launch.
+
+``gate_up [T, 2I]`` holds each row's gate in its first ``I`` columns and its up in the last ``I``. The torch
+path splits it, applies SiLU (one kernel, rounded to the activations' dtype) and multiplies (a second); the
+kernel reads both halves once and writes ``[T, I]``, computing in fp32 with the same rounding of SiLU's
+output to the activations' dtype in between. ``silu_and_mul_reference`` defines the meaning (the model's
+computation off CUDA); ``silu_and_mul`` is the Triton launch (CUDA, or CPU tensors under
+``TRITON_INTERPRET=1``); ``applies`` says where the model uses it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is Linux-only; the torch reference serves elsewhere
+    triton = None
+    tl = None
+
+BLOCK = 1024  # columns per program
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the MLP's activation on `x` goes through `silu_and_mul` (CUDA, Triton installed)."""
+    return triton is not None and x.is_cuda
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul_reference` in one launch: a new [T, I] tensor in gate_up's dtype."""
+    if triton is None:
+        raise RuntimeError("silu_and_mul needs triton")
+    rows, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up has {width} columns: gate and up halves need an even number")
+    inter = width // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows == 0 or inter == 0:
+        return out
+    block = min(BLOCK, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), gate_up.stride(1), inter, BLOCK=block, num_warps=max(1, block // 256)
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_xd, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < inter
+        gate = tl.load(x_ptr + row * stride_xt + cols * stride_xd, mask=ok, other=0.0)
+        up = tl.load(x_ptr + row * stride_xt + (cols + inter) * stride_xd, mask=ok, other=0.0)
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded as F.silu's output is
+        out = silu.to(tl.float32) * up.to(tl.float32)
+        tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=ok)

@@ -1,0 +1,110 @@
+"""RMSNorm, and the residual add fused into it (vLLM's ``fused_add_rms_norm``), in the activations' dtype.
+
+Per row of ``x [T, D]``: ``out = x * rsqrt(mean(x^2) + eps) * weight``, accumulated in fp32 inside the kernel
+and rounded once into ``x``'s dtype; with a residual, first ``residual = x + residual`` (rounded into the
+residual stream's dtype, the model's) and the norm of that sum. No fp32 tensor is materialised: one launch
+reads each row once and writes ``out`` (and the new residual), where the torch path casts the whole row to
+fp32, normalises, multiplies and casts back (four kernels on CUDA in bf16) and adds in a fifth.
+
+``rms_norm_reference`` / ``add_rms_norm_reference`` define the meaning (the model's computation off CUDA,
+unchanged: ``F.rms_norm`` of the fp32 row, then the cast); ``rms_norm`` / ``add_rms_norm`` are the Triton
+launches (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``); ``applies`` says where the model uses them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is Linux-only; the torch reference serves elsewhere
+    triton = None
+    tl = None
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the model's norms on `x` go through the Triton kernels (CUDA, Triton installed)."""
+    return triton is not None and x.is_cuda
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in fp32, rounded to x's dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of x + residual, x + residual): the sum in the residual's dtype, then its norm."""
+    residual = x + residual
+    return rms_norm_reference(residual, weight, eps), residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm_reference`` in one launch: a new tensor in x's dtype (x's rows may be strided)."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, None, weight, eps, out, None)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_reference`` in one launch: (out in x's dtype, the new residual in residual's dtype), both
+    new tensors (the inputs are left as they are)."""
+    if residual.shape != x.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    _launch(x, residual, weight, eps, out, residual_out)
+    return out, residual_out
+
+
+def _launch(x, residual, weight, eps, out, residual_out) -> None:
+    if triton is None:
+        raise RuntimeError("the fused RMSNorm kernels need triton")
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"weight {tuple(weight.shape)} does not fit rows of {dim}")
+    x2, out2 = x.reshape(-1, dim), out.view(-1, dim)  # x may be a strided view of rows (reshape: a view)
+    rows = x2.shape[0]
+    if rows == 0:
+        return
+    has_residual = residual is not None
+    r2 = residual.reshape(-1, dim) if has_residual else x2  # unused without a residual
+    ro2 = residual_out.view(-1, dim) if has_residual else out2
+    block = triton.next_power_of_2(dim)
+    _rms_norm_kernel[(rows,)](
+        x2, r2, weight, out2, ro2,
+        x2.stride(0), x2.stride(1), r2.stride(0), r2.stride(1),
+        dim, eps,
+        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )  # fmt: skip
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+        stride_xt, stride_xd, stride_rt, stride_rd,
+        D, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One program per row; the whole row in registers (BLOCK >= D). `out` and `res_out` are contiguous
+        rows of D."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < D
+        x = tl.load(x_ptr + row * stride_xt + cols * stride_xd, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_rt + cols * stride_rd, mask=ok, other=0.0).to(tl.float32)
+            # the stream is kept in its dtype: the norm is of the rounded sum
+            s = (x + r).to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * D + cols, s, mask=ok)
+            x = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * D + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)

@@ -1,0 +1,134 @@
+"""The overlapped step (EngineConfig.overlap_output): a step's outputs are made while the next step runs.
+
+Greedy tokens are checked against Hugging Face `generate`; the stream of outputs (deltas, stops, finish reasons,
+logprobs) against the strictly sequential order of the same engine, which the rest of the suite checks against
+references.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from motet.engine.config import EngineConfig
+from motet.engine.llm_engine import LLMEngine
+from motet.engine.sampling_params import SamplingParams
+from tests.tiny_models import build_tiny_model
+
+PROMPTS = [list(range(3, 3 + n)) for n in (1, 4, 9, 23)] + [[7, 8, 9] * 5]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("overlap"))
+
+
+def engine(model_dir, overlap: bool, **kw) -> LLMEngine:
+    cfg = dict(
+        model=str(model_dir), num_kv_blocks=96, block_size=8, speculative="off", overlap_output=overlap
+    )
+    return LLMEngine(EngineConfig(**{**cfg, **kw}), model_dir=model_dir)
+
+
+def run(eng: LLMEngine, requests, abort_after: dict[str, int] | None = None) -> list[list[tuple]]:
+    """Each step's outputs, as comparable tuples, until the engine drains."""
+    for rid, (prompt, params) in requests.items():
+        eng.add_request(prompt, params, request_id=rid)
+    steps, n = [], 0
+    while eng.has_unfinished():
+        n += 1
+        for rid, at in (abort_after or {}).items():
+            if n == at:
+                eng.abort(rid)
+        outs = eng.step()
+        steps.append(
+            sorted(
+                (
+                    o.request_id,
+                    o.delta,
+                    tuple(o.token_ids),
+                    o.finished,
+                    o.finish_reason,
+                    str(o.stop_reason),
+                    tuple((lp.token_id, round(lp.logprob, 4)) for lp in o.logprobs),
+                )
+                for o in outs
+            )
+        )
+    return [s for s in steps if s]
+
+
+def test_greedy_tokens_match_hugging_face(model_dir):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    eng = engine(model_dir, overlap=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(PROMPTS)}
+    final = {}
+    for step in run(eng, requests):
+        for rid, _, tokens, finished, *_ in step:
+            if finished:
+                final[rid] = list(tokens)
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert final[f"r{i}"] == ref[0, len(prompt) :].tolist()
+    assert not eng.in_flight and eng.block_manager.num_used_blocks == 0
+
+
+def mixed_requests() -> dict:
+    return {
+        "plain": (PROMPTS[0], SamplingParams(temperature=0, max_tokens=9)),
+        "stops": (PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, stop=["a", "e", "o"])),
+        "stop_ids": (
+            PROMPTS[2],
+            SamplingParams(temperature=0, max_tokens=20, stop_token_ids=list(range(100, 132))),
+        ),
+        "min": (PROMPTS[3], SamplingParams(temperature=0, max_tokens=7, min_tokens=5, logprobs=2)),
+        "seeded": (PROMPTS[4], SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=11)),
+        "long": (list(range(40, 100)), SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)),
+    }
+
+
+def test_outputs_are_the_sequential_order_s(model_dir):
+    sequential = run(engine(model_dir, overlap=False), mixed_requests())
+    overlapped = run(engine(model_dir, overlap=True), mixed_requests())
+    assert overlapped == sequential
+    finished = {o[0]: o for step in overlapped for o in step if o[3]}
+    assert set(finished) == set(mixed_requests())
+    # a stop string and a stop id did end rows
+    assert finished["stops"][4] == finished["stop_ids"][4] == "stop"
+
+
+def test_abort_while_a_step_is_in_flight(model_dir):
+    eng = engine(model_dir, overlap=True)
+    # aborted just before the 4th step() call, while the third step (launched by the 3rd call) is on the device
+    steps = run(eng, mixed_requests(), abort_after={"long": 4, "seeded": 4})
+    reference = run(engine(model_dir, overlap=False), mixed_requests(), abort_after={"long": 4, "seeded": 4})
+    others = lambda steps: [o for s in steps for o in s if o[0] not in ("long", "seeded")]  # noqa: E731
+    assert others(steps) == others(reference)
+    assert not any(o[3] for s in steps for o in s if o[0] in ("long", "seeded"))  # no output after the abort
+    assert not eng.has_unfinished() and eng.block_manager.num_used_blocks == 0
+
+
+def test_close_waits_for_the_launched_step(model_dir):
+    eng = engine(model_dir, overlap=True)
+    eng.add_request(PROMPTS[3], SamplingParams(temperature=0, max_tokens=30), request_id="r")
+    eng.step()
+    assert eng.in_flight
+    eng.close()
+    assert eng._inflight[1].done()
+
+
+def test_flush_commits_the_launched_step_before_steps_by_hand(model_dir):
+    eng = engine(model_dir, overlap=True)
+    eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), request_id="r")
+    eng.step()
+    with pytest.raises(RuntimeError, match="in flight"):
+        eng.schedule()  # the launched step's tokens are not appended yet
+    (out,) = eng.flush()
+    assert out.num_new_tokens == 1 and not eng.in_flight
+    while eng.has_unfinished():  # by hand, as benchmarks drive it
+        batch = eng.schedule()
+        eng.commit(batch, eng.execute(batch))
+    assert len(eng.requests) == 0
