@@ -134,6 +134,11 @@ def test_batch_views_cover_only_targeted_modules_cut_to_the_batch_rank(adapters)
     lora = cache.batch([3, 2], [1, 1])
     assert set(lora.weights[1]) == set(TARGET_MODULES) and lora.weights[1]["q_proj"][0].shape[1] == 8
     assert list(lora.weights[1].groups) == list(MODULE_GROUPS)
+    assert sorted(m for g in MODULE_GROUPS for m in g) == sorted(TARGET_MODULES)
+    # a module alone that belongs to a group is refused (its delta would otherwise be silently missing)
+    lora = cache.batch([1], [1])
+    with pytest.raises(ValueError, match="not a module group"):
+        lora.add(torch.zeros(1, 32), torch.zeros(1, 32), 0, ("q_proj",), (32,))
 
 
 def test_lru_never_evicts_the_steps_adapters(adapters):

@@ -97,7 +97,9 @@ class LoRABatch:
         """y += each row's adapter delta of x, in place, for a group of modules that read x (MODULE_GROUPS)
         and write `sizes` adjacent columns of y each: one shrink and one expand for the group."""
         group = self.weights[layer].groups.get(modules)
-        if group is None:  # no adapter of the step targets these modules
+        if group is None:  # no adapter of the step targets these modules (or they are no group: refused)
+            if modules not in MODULE_GROUPS:
+                raise ValueError(f"{modules} is not a module group; LoRA groups are {MODULE_GROUPS}")
             return
         if tuple(sizes) != group.sizes:
             raise ValueError(
