@@ -103,6 +103,7 @@ class CpuForward:
         self.model = model
         self.kv_caches = kv_caches
         self.vocab_size = model.lm_head.out_features
+        self._logits_out: torch.Tensor | None = None  # logits(reuse=True)
         elem = torch.tensor([], dtype=wdtype).element_size()
         total = sum(_packed_bytes(lin, elem) + 64 for lin in model.decoder_linears())
         for layer in model.layers:
@@ -298,9 +299,17 @@ class CpuForward:
             raise failure
         return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """fp32 logits of `hidden`'s rows (under tensor parallelism: gathered on rank 0, None elsewhere)."""
+    def logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor | None:
+        """fp32 logits of `hidden`'s rows (under tensor parallelism: gathered on rank 0, None elsewhere). `reuse`:
+        into a buffer kept for the next call, which overwrites them (a step's logits are tens of MB: a fresh
+        allocation is a fresh mapping, its pages faulted in and unmapped again each step)."""
+        out = None
+        if reuse:
+            rows = hidden.shape[0]
+            if self._logits_out is None or self._logits_out.shape[0] < rows:
+                self._logits_out = torch.empty((rows, self.vocab_size), dtype=torch.float32)
+            out = self._logits_out[:rows]
         local = cpu_native.gemm(
-            hidden.float().contiguous(), self.lm_head, self.vocab_size, quantized=self.lm_format
+            hidden.float().contiguous(), self.lm_head, self.vocab_size, quantized=self.lm_format, out=out
         )
         return self.model.parallel.gather_columns(local, self.model.config.vocab_size)

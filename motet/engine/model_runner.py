@@ -425,13 +425,15 @@ class ModelRunner:
         """fp32 logits of rows of the latest forward's hidden states (the other ranks pick the same rows)."""
         if self.workers is not None:
             self._send("logits", tensors=[torch.tensor(rows, dtype=torch.int64)])
-        # (rows are increasing: as many as the hidden rows means all of them, with no gather)
-        return self._logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
+        # (rows are increasing: as many as the hidden rows means all of them, with no gather). The step uses its
+        # logits before it asks for more: they may reuse one buffer.
+        return self._logits(hidden if len(rows) == hidden.shape[0] else hidden[rows], reuse=True)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """This rank's part of the logits (rank 0 gets all of them, gathered; the others None)."""
+    def _logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor | None:
+        """This rank's part of the logits (rank 0 gets all of them, gathered; the others None); `reuse`: the
+        caller is done with the previous call's logits (CpuForward.logits)."""
         if self.native is not None:
-            return self.native.logits(hidden)
+            return self.native.logits(hidden, reuse)
         return self.model.compute_logits(hidden)
 
     def _decode_graph(self, batch: ScheduledBatch, lora: LoRABatch | None, on_launch=None):
