@@ -26,7 +26,11 @@ def model_dir(tmp_path_factory):
 
 def engine(model_dir, overlap: bool, **kw) -> LLMEngine:
     cfg = dict(
-        model=str(model_dir), num_kv_blocks=96, block_size=8, speculative="off", overlap_output=overlap
+        model=str(model_dir),
+        num_kv_blocks=96,
+        block_size=8,
+        speculative="off",
+        overlap_output="on" if overlap else "off",
     )
     return LLMEngine(EngineConfig(**{**cfg, **kw}), model_dir=model_dir)
 
@@ -132,3 +136,16 @@ def test_flush_commits_the_launched_step_before_steps_by_hand(model_dir):
         batch = eng.schedule()
         eng.commit(batch, eng.execute(batch))
     assert len(eng.requests) == 0
+
+
+def test_auto_overlaps_where_a_core_is_spare(model_dir, monkeypatch):
+    """ "auto": on CUDA, or where the CPU has more cores than the forward pass's threads; never on a CPU whose
+    every core runs the forward pass (the outputs' Python would take one from it)."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert not engine(model_dir, overlap=False, overlap_output="auto", num_threads=2)._overlaps()
+    assert engine(model_dir, overlap=False, overlap_output="auto", num_threads=1)._overlaps()
+    assert engine(model_dir, overlap=False, overlap_output="on", num_threads=2)._overlaps()
+    with pytest.raises(ValueError, match="overlap_output"):
+        EngineConfig(overlap_output="yes")

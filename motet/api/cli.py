@@ -34,6 +34,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         CUDA_STEP_TOKENS,
         DTYPES,
         GRAMMAR_BACKENDS,
+        OVERLAP_MODES,
         QUANTIZATIONS,
         SPECULATIVE_MODES,
         EngineConfig,
@@ -138,10 +139,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="append the tokens a grammar forces without sampling them (fewer steps; on CPU, slower)",
     )
     p.add_argument(
-        "--no-overlap-output",
-        action="store_true",
-        help="make each step's outputs (detokenizing, stop strings) before launching the next step, instead of "
-        "while the device runs it",
+        "--overlap-output",
+        default=d.overlap_output,
+        choices=OVERLAP_MODES,
+        help="make each step's outputs (detokenizing, stop strings) while the device runs the next step; auto: "
+        "where a core is spare (CUDA, or a CPU with more cores than the step's threads)",
     )
     p.add_argument(
         "--speculative",
@@ -229,7 +231,7 @@ def engine_config(args):
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_overhead_tokens=args.speculative_overhead_tokens,
         compile_step=not args.no_compile,
-        overlap_output=not getattr(args, "no_overlap_output", False),
+        overlap_output=getattr(args, "overlap_output", EngineConfig.overlap_output),
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,

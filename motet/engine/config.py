@@ -41,6 +41,7 @@ CUDA_STEP_TOKENS = 2048
 CUDA_GPU_MEMORY_UTILIZATION = 0.9
 CPU_KV_CACHE_MEMORY_GB = 1.0
 SPECULATIVE_MODES = ("auto", "off", "ngram")
+OVERLAP_MODES = ("auto", "on", "off")
 # --quantization: a block format to quantize a float checkpoint into, "gguf": the model directory's GGUF file
 # served in its own blocks (motet/engine/gguf_weights.py), or the method of a checkpoint quantized by GPTQ or
 # AWQ (motet/engine/quantized_checkpoint.py; such a checkpoint is served in its own 4-bit weights without it).
@@ -296,8 +297,11 @@ class EngineConfig:
     # decode steps replayed from CUDA graphs (motet/engine/cuda_graphs.py). False: the eager model, the reference.
     compile_step: bool = True
     # Make a step's outputs (detokenizing, stop strings) while the device runs the next step, on a thread of the
-    # engine's own (motet/engine/llm_engine.py); the outputs are the same. False: strictly one step after another.
-    overlap_output: bool = True
+    # engine's own (motet/engine/llm_engine.py); the outputs are the same. "off": strictly one step after another.
+    # "auto": on where the host has a core the forward pass does not use (CUDA; a CPU with more cores than the
+    # step's threads). Where the forward pass uses every core, the outputs' Python takes a core from it: on this
+    # 2-core machine measured 0.5-10% slower (benchmarks/step_profile.py).
+    overlap_output: str = "auto"
     # Speculative decoding (motet/engine/speculative/): "ngram" drafts from prompt lookup and the grammar's forced
     # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, each kept
     # while its expected tokens beat its cost; `speculative_overhead_tokens` is a step's fixed cost in
@@ -349,6 +353,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
+        if self.overlap_output not in OVERLAP_MODES:
+            raise ValueError(f"overlap_output must be one of {OVERLAP_MODES}, got {self.overlap_output!r}")
         for name in ("num_speculative_tokens", "speculative_overhead_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

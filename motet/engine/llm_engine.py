@@ -4,7 +4,7 @@
     result = engine.execute(batch)         the forward pass and sampling (the device's thread)
     outputs = engine.commit(batch, result) append tokens, advance grammars, detokenize, stop, free blocks
 
-`step()` is their composition; with `EngineConfig.overlap_output` (the default) the commit's second half (detokenizing,
+`step()` is their composition; with `EngineConfig.overlap_output` (on CUDA by default) the commit's second half (detokenizing,
 stop strings, the outputs) runs while the device computes the next step: `step()` waits for step N, applies its
 tokens (`commit_tokens`: appends, token-decided stops, freeing), schedules and launches step N+1 on the engine's
 device thread, then makes step N's outputs (`commit_text`) while N+1 runs. Rows whose next step depends on
@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -166,11 +167,20 @@ class LLMEngine:
         # thread holds its initializer: not the runner, which it would keep alive
         self._inflight: tuple[ScheduledBatch, Future] | None = None
         self._device = None
-        if config.overlap_output:
+        if self._overlaps():
             threads = self.runner.num_threads
             init = dict(initializer=torch.set_num_threads, initargs=(threads,)) if threads else {}
             self._device = ThreadPoolExecutor(1, "motet-step", **init)
         self.runner.warm_up()  # before the first request (the server is ready once the engine is built)
+
+    def _overlaps(self) -> bool:
+        """Whether steps overlap their outputs (EngineConfig.overlap_output): "auto" where a core is spare."""
+        mode = self.config.overlap_output
+        if mode != "auto":
+            return mode == "on"
+        if self.runner.device.type != "cpu":
+            return True
+        return (os.cpu_count() or 1) > (self.runner.num_threads or torch.get_num_threads())
 
     def _kv_connector(self) -> KVConnector | None:
         """The KV tiers the config asks for (EngineConfig.kv_offload_gb, kv_disk_gb), or None."""
