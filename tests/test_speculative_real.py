@@ -101,11 +101,11 @@ def test_think_end_inside_a_draft_window(engines):
     windows = []  # (committed text, drafts' text) of every verified window
     execute = on.engine.execute
 
-    def spy(batch):
+    def spy(batch, *launch):
         for seq in batch.seqs:
             if seq.draft_token_ids:
                 windows.append((tok.decode(seq.output_token_ids), tok.decode(seq.draft_token_ids)))
-        return execute(batch)
+        return execute(batch, *launch)
 
     on.engine.execute = spy
     try:
