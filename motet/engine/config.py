@@ -299,8 +299,8 @@ class EngineConfig:
     # Make a step's outputs (detokenizing, stop strings) while the device runs the next step, on a thread of the
     # engine's own (motet/engine/llm_engine.py); the outputs are the same. "off": strictly one step after another.
     # "auto": on where the host has a core the forward pass does not use (CUDA; a CPU with more cores than the
-    # step's threads). Where the forward pass uses every core, the outputs' Python takes a core from it: on this
-    # 2-core machine measured 0.5-10% slower (benchmarks/step_profile.py).
+    # step's threads). Where the forward pass uses every core, the outputs' Python takes a core from it: on a
+    # 2-core machine with 2 threads no faster, and up to 10% slower at batch 256.
     overlap_output: str = "auto"
     # Speculative decoding (motet/engine/speculative/): "ngram" drafts from prompt lookup and the grammar's forced
     # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, each kept
