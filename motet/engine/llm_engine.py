@@ -374,9 +374,8 @@ class LLMEngine:
             if not batch:
                 return []
             outputs = self.commit(batch, self.execute(batch))
-        if (
-            self.kv_connector is not None and not self.has_unfinished()
-        ):  # idle next: release the snapshots' blocks
+        # idle next: release the snapshots' blocks
+        if self.kv_connector is not None and not self.has_unfinished():
             self.kv_connector.settle()
         return outputs
 
