@@ -7,6 +7,8 @@ references.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -113,6 +115,46 @@ def test_abort_while_a_step_is_in_flight(model_dir):
     assert others(steps) == others(reference)
     assert not any(o[3] for s in steps for o in s if o[0] in ("long", "seeded"))  # no output after the abort
     assert not eng.has_unfinished() and eng.block_manager.num_used_blocks == 0
+
+
+def test_abort_while_the_launched_step_reads_its_rows(model_dir, caplog):
+    """An abort that arrives while the device thread is still preparing the launched step (the serving layer's
+    disconnects land there): the row's blocks and adapter stay its own until the step lands, then go back."""
+    eng = engine(model_dir, overlap=True)
+    gate, original = threading.Event(), eng.runner.execute
+
+    def held(batch, lora, on_launch=None):
+        if on_launch is not None:
+            on_launch()  # step() returns: the engine's thread goes on while this step waits at the gate
+        gate.wait()
+        return original(batch, lora, on_launch)
+
+    eng.runner.execute = held
+    gate.set()
+    requests = mixed_requests()
+    for rid, (prompt, params) in requests.items():
+        eng.add_request(prompt, params, request_id=rid)
+    outputs = [eng.step() for _ in range(3)]
+    gate.clear()
+    outputs.append(eng.step())  # launches a step that waits at the gate, before reading any block table
+    seq = eng.requests["long"]
+    table, used = list(seq.block_table), eng.block_manager.num_used_blocks
+    assert eng.abort("long")
+    assert seq.block_table == table and eng.block_manager.num_used_blocks == used  # still the step's
+    gate.set()
+    while eng.has_unfinished():
+        outputs.append(eng.step())
+    assert "failed" not in caplog.text
+    assert eng.block_manager.num_used_blocks == 0 and not eng._aborted_in_flight
+    done = {o.request_id: o for step in outputs for o in step if o.finished}
+    reference = run(engine(model_dir, overlap=False), mixed_requests(), abort_after={"long": 5})
+    expected = {o[0]: o for step in reference for o in step if o[3]}
+    assert "long" not in done and set(done) == set(expected)
+    assert all(tuple(done[r].token_ids) == expected[r][2] for r in done)
+    # the prefix cache holds only what was computed: the aborted prompt again gives the reference's tokens
+    again = run(eng, {"long": requests["long"]})
+    ref_again = run(engine(model_dir, overlap=False), {"long": requests["long"]})
+    assert again == ref_again
 
 
 def test_close_waits_for_the_launched_step(model_dir):

@@ -166,6 +166,7 @@ class LLMEngine:
         # the launched step not committed yet, and the thread it runs on (EngineConfig.overlap_output); the
         # thread holds its initializer: not the runner, which it would keep alive
         self._inflight: tuple[ScheduledBatch, Future] | None = None
+        self._aborted_in_flight: list[Sequence] = []  # freed when the launched step lands (see abort)
         self._device = None
         if self._overlaps():
             threads = self.runner.num_threads
@@ -314,9 +315,26 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
+        if self._inflight is not None:
+            # The launched step may be reading its block table and adapter slot on the device thread, and
+            # commit_tokens will advance it: its blocks and adapter are given back once the step lands.
+            self._aborted_in_flight.append(seq)
+        else:
+            self._drop(seq)
+        return True
+
+    def _drop(self, seq: Sequence) -> None:
         self.scheduler.finish(seq, "abort")
         self.adapters.release(seq.adapter_id)
-        return True
+
+    def _land(self, batch: ScheduledBatch, future: Future) -> list:
+        """The launched step's tokens committed, then the rows aborted while it ran dropped."""
+        try:
+            return self.commit_tokens(batch, future.result())
+        finally:
+            aborted, self._aborted_in_flight = self._aborted_in_flight, []
+            for seq in aborted:
+                self._drop(seq)
 
     def has_unfinished(self) -> bool:
         """Requests not finished, or a launched step not committed yet (`step()` until False drains both)."""
@@ -386,7 +404,7 @@ class LLMEngine:
             return []
         batch, future = self._inflight
         self._inflight = None
-        return self.commit_text(self.commit_tokens(batch, future.result()))
+        return self.commit_text(self._land(batch, future))
 
     def _overlapped_step(self) -> list[RequestOutput]:
         """Commit the launched step's tokens, launch the next step, then make the committed step's outputs while
@@ -395,7 +413,7 @@ class LLMEngine:
         if self._inflight is not None:
             batch, future = self._inflight
             self._inflight = None
-            pending = self.commit_tokens(batch, future.result())
+            pending = self._land(batch, future)
         batch = self.schedule()
         if batch:
             launched = threading.Event()

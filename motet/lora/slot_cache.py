@@ -149,7 +149,9 @@ class LoRASlotCache:
         self.stacks: list[LayerStacks] | None = None  # allocated on the first load
         self.num_loads = 0  # slot loads (host -> device copies), for tests and metrics
         self._views: dict[frozenset[int], list[LayerStacks]] = {}  # per set of slots
-        self._lock = threading.Lock()
+        # The host cache and `resident`: the engine's thread pins, unpins and unregisters while a launched step
+        # makes its adapters resident on the device thread (an overlapped step); reentrant for activate's fetch.
+        self._lock = threading.RLock()
 
     # -- the host cache ----------------------------------------------------------------------------------
     def put(self, adapter_id: int, adapter: LoRAAdapter) -> None:
@@ -170,7 +172,7 @@ class LoRASlotCache:
         with self._lock:
             self.cpu.pop(adapter_id, None)
             self.pinned.discard(adapter_id)
-        self.resident.pop(adapter_id, None)
+            self.resident.pop(adapter_id, None)
 
     def get_cpu(self, adapter_id: int) -> LoRAAdapter:
         """The loaded adapter, from the host cache or else fetched (AdapterError if it no longer loads)."""
@@ -204,11 +206,12 @@ class LoRASlotCache:
         wanted = list(dict.fromkeys(adapter_ids))
         if len(wanted) > self.max_loras:
             raise ValueError(f"{len(wanted)} adapters in one step, but only max_loras={self.max_loras} slots")
-        for adapter_id in wanted:
-            if adapter_id not in self.resident:
-                self._load(adapter_id, self._free_slot(wanted))
-            self.resident.move_to_end(adapter_id)
-        return {a: self.resident[a] for a in wanted}
+        with self._lock:
+            for adapter_id in wanted:
+                if adapter_id not in self.resident:
+                    self._load(adapter_id, self._free_slot(wanted))
+                self.resident.move_to_end(adapter_id)
+            return {a: self.resident[a] for a in wanted}
 
     def _free_slot(self, keep) -> int:
         used = set(self.resident.values())
