@@ -117,21 +117,26 @@ def test_abort_while_a_step_is_in_flight(model_dir):
     assert not eng.has_unfinished() and eng.block_manager.num_used_blocks == 0
 
 
-def test_abort_while_the_launched_step_reads_its_rows(model_dir, caplog):
+@pytest.mark.parametrize(
+    "make_requests", [lambda: mixed_requests(), lambda: plain_requests()], ids=["mixed", "plain"]
+)
+def test_abort_while_the_launched_step_reads_its_rows(model_dir, caplog, make_requests):
     """An abort that arrives while the device thread is still preparing the launched step (the serving layer's
-    disconnects land there): the row's blocks and adapter stay its own until the step lands, then go back."""
+    disconnects land there): the row's blocks and adapter stay its own until the step lands, then go back. With
+    plain requests the steps are scheduled ahead of the landing ones."""
     eng = engine(model_dir, overlap=True)
-    gate, original = threading.Event(), eng.runner.execute
+    gate, prepared, original = threading.Event(), threading.Event(), eng.runner.execute
 
     def held(batch, lora, on_launch=None):
-        if on_launch is not None:
-            on_launch()  # step() returns: the engine's thread goes on while this step waits at the gate
+        if gate.is_set():
+            return original(batch, lora, on_launch)
+        on_launch()  # step() returns: the engine's thread goes on while this step waits at the gate
         gate.wait()
-        return original(batch, lora, on_launch)
+        return original(batch, lora, prepared.set)
 
     eng.runner.execute = held
     gate.set()
-    requests = mixed_requests()
+    requests = make_requests()
     for rid, (prompt, params) in requests.items():
         eng.add_request(prompt, params, request_id=rid)
     outputs = [eng.step() for _ in range(3)]
@@ -142,12 +147,13 @@ def test_abort_while_the_launched_step_reads_its_rows(model_dir, caplog):
     assert eng.abort("long")
     assert seq.block_table == table and eng.block_manager.num_used_blocks == used  # still the step's
     gate.set()
+    prepared.wait()  # (as step() does: the engine goes on once the step's inputs are built)
     while eng.has_unfinished():
         outputs.append(eng.step())
     assert "failed" not in caplog.text
     assert eng.block_manager.num_used_blocks == 0 and not eng._aborted_in_flight
     done = {o.request_id: o for step in outputs for o in step if o.finished}
-    reference = run(engine(model_dir, overlap=False), mixed_requests(), abort_after={"long": 5})
+    reference = run(engine(model_dir, overlap=False), make_requests(), abort_after={"long": 5})
     expected = {o[0]: o for step in reference for o in step if o[3]}
     assert "long" not in done and set(done) == set(expected)
     assert all(tuple(done[r].token_ids) == expected[r][2] for r in done)
@@ -155,6 +161,73 @@ def test_abort_while_the_launched_step_reads_its_rows(model_dir, caplog):
     again = run(eng, {"long": requests["long"]})
     ref_again = run(engine(model_dir, overlap=False), {"long": requests["long"]})
     assert again == ref_again
+
+
+def plain_requests() -> dict:
+    """Requests whose steps may be scheduled before the step before lands (EngineConfig.async_scheduling)."""
+    long = list(range(40, 100))
+    return {
+        "greedy": (PROMPTS[0], SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)),
+        # ends on a stop id: the step already scheduled after it computes a token that is dropped
+        "stop_ids": (
+            PROMPTS[2],
+            SamplingParams(temperature=0, max_tokens=30, stop_token_ids=list(range(100, 132))),
+        ),
+        "logprobs": (PROMPTS[3], SamplingParams(temperature=0, max_tokens=9, logprobs=3, ignore_eos=True)),
+        "long": (long, SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)),
+        "shares_prefix": (
+            long[:48] + [5, 6, 7],
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        ),
+    }
+
+
+def streams(steps) -> dict[str, list[tuple]]:
+    """Each request's outputs in order (which step() call returns them may differ)."""
+    out: dict[str, list[tuple]] = {}
+    for step in steps:
+        for o in step:
+            out.setdefault(o[0], []).append(o[1:])
+    return out
+
+
+def test_async_scheduling_gives_the_sequential_outputs(model_dir):
+    sequential = run(engine(model_dir, overlap=False), plain_requests())
+    eng = engine(model_dir, overlap=True)
+    ahead = run(eng, plain_requests())
+    assert eng.num_steps_ahead > len(ahead) // 2  # most steps were launched before the one before landed
+    assert streams(ahead) == streams(sequential)
+    finished = {o[0]: o for step in ahead for o in step if o[3]}
+    assert finished["stop_ids"][4] == "stop" and finished["greedy"][4] == "length"
+    assert not eng.in_flight and eng.block_manager.num_used_blocks == 0
+    # what the prefix cache took in while steps ran ahead is what was computed: a prompt matching it gives the
+    # reference's tokens
+    again = {"again": (plain_requests()["long"][0] + [9, 9], SamplingParams(temperature=0, max_tokens=8))}
+    hits = eng.block_manager.prefix_hits
+    assert streams(run(eng, again)) == streams(run(engine(model_dir, overlap=False), again))
+    assert eng.block_manager.prefix_hits > hits
+
+
+def test_async_scheduling_under_preemption(model_dir):
+    """A pool too small for every row: the steps scheduled ahead preempt rows whose tokens are still pending."""
+    small = dict(num_kv_blocks=13)
+    sequential = run(engine(model_dir, overlap=False, **small), plain_requests())
+    eng = engine(model_dir, overlap=True, **small)
+    ahead = run(eng, plain_requests())
+    assert eng.scheduler.num_preemptions > 0 and eng.num_steps_ahead > 0
+    final = lambda steps: {o[0]: o[2:5] for s in steps for o in s if o[3]}  # noqa: E731
+    assert final(ahead) == final(sequential)
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_no_step_is_scheduled_ahead_of_a_row_that_needs_its_text(model_dir):
+    """Stop strings (and grammars, seeds, penalties...) need the landed token: the next step waits for it."""
+    eng = engine(model_dir, overlap=True)
+    run(eng, {"stops": mixed_requests()["stops"], "seeded": mixed_requests()["seeded"]})
+    assert eng.num_steps_ahead == 0
+    eng = engine(model_dir, overlap=True, async_scheduling=False)
+    run(eng, plain_requests())
+    assert eng.num_steps_ahead == 0
 
 
 def test_close_waits_for_the_launched_step(model_dir):

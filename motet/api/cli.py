@@ -146,6 +146,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "where a core is spare (CUDA, or a CPU with more cores than the step's threads)",
     )
     p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=d.async_scheduling,
+        help="with the outputs overlapped, schedule and launch each step before the previous step's tokens "
+        "reach the host, where no row needs them but as its input (no grammar, stop strings, drafts, penalties, "
+        "seeds)",
+    )
+    p.add_argument(
         "--speculative",
         default=d.speculative,
         choices=SPECULATIVE_MODES,
@@ -232,6 +240,7 @@ def engine_config(args):
         speculative_overhead_tokens=args.speculative_overhead_tokens,
         compile_step=not args.no_compile,
         overlap_output=getattr(args, "overlap_output", EngineConfig.overlap_output),
+        async_scheduling=getattr(args, "async_scheduling", EngineConfig.async_scheduling),
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,

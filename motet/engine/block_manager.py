@@ -197,7 +197,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // bs  # (a pending token is not known yet)
         if num_full == self.num_registered.get(seq.seq_id, 0):  # no block filled since (most decode steps)
             return
         hashes = self._hashes(seq, num_full * bs)

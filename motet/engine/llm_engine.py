@@ -159,6 +159,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.grammar_cache = GrammarCache()
         self.num_steps = 0
+        self.num_steps_ahead = 0  # launched before the step before them landed (EngineConfig.async_scheduling)
         self.num_prompt_tokens = 0  # EngineStats.prompt_tokens
         self.num_generation_tokens = 0
         self._ids = itertools.count()
@@ -330,7 +331,7 @@ class LLMEngine:
     def _land(self, batch: ScheduledBatch, future: Future) -> list:
         """The launched step's tokens committed, then the rows aborted while it ran dropped."""
         try:
-            return self.commit_tokens(batch, future.result())
+            return self.commit_tokens(batch, future.result(), launched=True)
         finally:
             aborted, self._aborted_in_flight = self._aborted_in_flight, []
             for seq in aborted:
@@ -407,26 +408,83 @@ class LLMEngine:
         return self.commit_text(self._land(batch, future))
 
     def _overlapped_step(self) -> list[RequestOutput]:
-        """Commit the launched step's tokens, launch the next step, then make the committed step's outputs while
-        the device runs it."""
+        """Launch the next step and land the launched one (its tokens), then make the landed step's outputs while
+        the device runs the next. The next step is scheduled before the launched one lands where it may be
+        (EngineConfig.async_scheduling, `_ahead_holds`), else after."""
+        landing, self._inflight = self._inflight, None
         pending = None
-        if self._inflight is not None:
-            batch, future = self._inflight
-            self._inflight = None
-            pending = self._land(batch, future)
-        batch = self.schedule()
-        if batch:
-            launched = threading.Event()
-            future = self._device.submit(self.execute, batch, launched.set)
-            future.add_done_callback(lambda _: launched.set())  # (it may fail before it launches)
-            self._inflight = (batch, future)
-            # The text half waits for the launch: the interpreter's lock would otherwise hold the launch back.
-            launched.wait()
+        if landing is not None:
+            held = self._ahead_holds(landing[0])
+            if held is not None:
+                for seq in held:  # their pending token is their last: nothing to schedule after it
+                    seq.num_pending -= 1
+                try:
+                    self._launch(self._schedule())
+                    self.num_steps_ahead += self._inflight is not None
+                finally:
+                    for seq in held:
+                        seq.num_pending += 1
+            pending = self._land(*landing)
+        if self._inflight is None:
+            self._launch(self._schedule())
         return self.commit_text(pending) if pending is not None else []
+
+    def _launch(self, batch: ScheduledBatch) -> None:
+        """Advance the batch's rows and run it on the device thread; returns once its inputs are built (the
+        thread reads the rows until then, and only the batch's own snapshots after)."""
+        if not batch:
+            return
+        self.scheduler.advance(batch, launched=True)
+        launched = threading.Event()
+        future = self._device.submit(self.execute, batch, launched.set)
+        future.add_done_callback(lambda _: launched.set())  # (it may fail before it launches)
+        self._inflight = (batch, future)
+        # The text half waits for the launch: the interpreter's lock would otherwise hold the launch back.
+        launched.wait()
+
+    def _ahead_holds(self, batch: ScheduledBatch) -> list[Sequence] | None:
+        """Whether the step after the launched `batch` may be scheduled before `batch` lands: None where not;
+        else the rows to leave out of it (their pending token ends them by length). Nothing in the next step may
+        depend on a pending token but its input, which the device thread has: a grammar, stop strings, drafts,
+        penalties, bad_words, a seed or min_tokens to go would need the token on the host, prompt logprobs the
+        landed ones; the KV tiers and the other ranks follow the landed steps."""
+        if (
+            not self.config.async_scheduling
+            or self._aborted_in_flight  # (still running, to be dropped as the batch lands)
+            or self.speculator is not None
+            or self.kv_connector is not None
+            or self.runner.workers is not None
+        ):
+            return None
+        held = []
+        for i, seq in enumerate(batch.seqs):
+            p = seq.params
+            if p.prompt_logprobs is not None:
+                return None
+            if not batch.samples(i) or seq.is_finished:
+                continue
+            if not (
+                self._text_free(seq)
+                and p.seed is None
+                and not p.bad_words_token_ids
+                and p.repetition_penalty == 1
+                and not p.frequency_penalty
+                and not p.presence_penalty
+                and p.min_tokens <= seq.num_output_tokens
+            ):
+                return None
+            if seq.num_output_tokens + seq.num_pending >= p.max_tokens or (
+                seq.num_tokens + seq.num_pending >= self.max_model_len
+            ):
+                held.append(seq)
+        return held
 
     def schedule(self) -> ScheduledBatch:
         if self._inflight is not None:  # (its rows' tokens are not appended yet)
             raise RuntimeError("a step is in flight: flush() it before scheduling another")
+        return self._schedule()
+
+    def _schedule(self) -> ScheduledBatch:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         kv, sched = self.kv_connector, self.scheduler
@@ -460,17 +518,22 @@ class LLMEngine:
         """Apply a step's result: advance, append tokens, detokenize, check stops, free the finished."""
         return self.commit_text(self.commit_tokens(batch, result))
 
-    def commit_tokens(self, batch: ScheduledBatch, result: StepResult) -> list:
-        """The part of the commit the next step depends on: advance the batch, append each row's tokens and end
-        the rows they end. A row whose ending depends on its text (a grammar, stop strings, drafts) is
-        committed whole here. Returns what `commit_text` finishes: outputs, and rows waiting for their text."""
+    def commit_tokens(self, batch: ScheduledBatch, result: StepResult, launched: bool = False) -> list:
+        """The part of the commit the next step depends on: advance the batch (unless it was `launched`: advanced
+        then, its tokens pending), append each row's tokens and end the rows they end. A row whose ending depends
+        on its text (a grammar, stop strings, drafts) is committed whole here. Returns what `commit_text`
+        finishes: outputs, and rows waiting for their text."""
         self.num_steps += 1
-        self.scheduler.advance(batch)
+        if not launched:
+            self.scheduler.advance(batch)
+        cache_full_blocks = self.block_manager.cache_full_blocks
         pending = []
         now = time.monotonic()
         for i, seq in enumerate(batch.seqs):
             if self.requests.get(seq.request_id) is not seq or seq.is_finished:  # aborted while it ran
                 continue
+            if launched and batch.samples(i):
+                seq.num_pending -= 1
             try:
                 if result.errors[i] is not None:
                     raise result.errors[i]
@@ -481,9 +544,10 @@ class LLMEngine:
                     continue
                 drafted = len(seq.draft_token_ids)
                 if not drafted and len(tokens) == 1 and self._text_free(seq):
-                    pending.append(
-                        (seq, tokens[0], self._append_token(seq, tokens[0], result.logprobs[i][0]))
-                    )
+                    finish = self._append_token(seq, tokens[0], result.logprobs[i][0])
+                    if launched and finish is None:  # a block its token fills is cached now it is known
+                        cache_full_blocks(seq)
+                    pending.append((seq, tokens[0], finish))
                     continue
                 out = self._advance(seq, tokens, result.logprobs[i])
                 self._count(seq, out, now)
@@ -492,6 +556,8 @@ class LLMEngine:
                     self.speculator.observe(seq, drafted, len(tokens) - 1)
                     if not seq.is_finished:
                         self.scheduler.accept_drafts(seq, len(tokens) - 1)
+                elif launched and not seq.is_finished:
+                    cache_full_blocks(seq)
             except Exception as e:  # one request's failure (a kernel, a grammar backend bug) is its own
                 if result.errors[i] is None:
                     log.exception("request %s failed while processing its token", seq.request_id)

@@ -33,7 +33,7 @@ from motet.engine.parallel import SINGLE, Parallel
 from motet.engine.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
 from motet.engine.sampler import Sampler, compute_prompt_logprobs
 from motet.engine.scheduler import ScheduledBatch
-from motet.engine.sequence import TokenLogprob
+from motet.engine.sequence import Sequence, TokenLogprob
 from motet.engine.speculative.grammar_drafts import activation_index, fill_draft_bitmask
 from motet.engine.speculative.verify import num_accepted, position_views
 from motet.engine.tp_workers import WorkerGroup, receive_plan
@@ -42,6 +42,12 @@ from motet.grammar.masking import fill_bitmasks
 from motet.lora.slot_cache import LoRABatch, LoRASlotCache
 
 log = logging.getLogger("motet.engine")
+
+
+def token_at(seq: Sequence, p: int) -> int:
+    """The row's token at position p: appended, or (p just past them) sampled by the step before and pending."""
+    ids = seq.token_ids
+    return ids[p] if p < len(ids) else seq.last_sampled
 
 
 @dataclass
@@ -333,9 +339,12 @@ class ModelRunner:
             return self._prepare_decode(batch)
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+        for seq, n, start in zip(batch.seqs, batch.num_new_tokens, batch.positions(), strict=True):
+            own = n - len(seq.draft_token_ids)
+            known = seq.token_ids[start : start + own]
+            input_ids.extend(known)
+            if len(known) < own:  # its last token is still pending (an overlapped engine)
+                input_ids.append(seq.last_sampled)
             input_ids.extend(seq.draft_token_ids)  # verified after the row's last token (none: not drafting)
             positions.extend(range(start, start + n))
             table = seq.block_table
@@ -351,8 +360,8 @@ class ModelRunner:
     def _prepare_decode(self, batch: ScheduledBatch):
         """`_prepare` of a step where every row adds one token (no drafts): the common step, in fewer passes."""
         bs, seqs = self.block_size, batch.seqs
-        positions = [seq.num_computed_tokens for seq in seqs]
-        input_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)]
+        positions = batch.positions()
+        input_ids = [token_at(seq, p) for seq, p in zip(seqs, positions, strict=True)]
         tables = [seq.block_table for seq in seqs]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
         width = max(map(len, tables))
@@ -441,17 +450,17 @@ class ModelRunner:
         graph: (hidden states, row offsets); None: run eagerly (a prompt chunk, or too large for the graphs)."""
         seqs = batch.seqs
         if not seqs or any(
-            n != 1 + len(seq.draft_token_ids) or seq.num_computed_tokens + 1 != seq.num_tokens
-            for seq, n in zip(seqs, batch.num_new_tokens, strict=True)
+            n != 1 + len(seq.draft_token_ids) or not batch.samples(i)
+            for i, (seq, n) in enumerate(zip(seqs, batch.num_new_tokens, strict=True))
         ):
             return None
         tables = [seq.block_table for seq in seqs]
-        pos = [seq.num_computed_tokens for seq in seqs]
+        pos = batch.positions()
         if not self.graphs.fits(len(seqs), max(map(len, tables)), max(batch.num_new_tokens), max(pos)):
             return None
         bs, rows, slots, qsl = self.block_size, [], [], [0]
         for seq, table, p in zip(seqs, tables, pos, strict=True):
-            rows.append([seq.token_ids[p], *seq.draft_token_ids])
+            rows.append([token_at(seq, p), *seq.draft_token_ids])
             slots.append([table[x // bs] * bs + x % bs for x in range(p, p + len(rows[-1]))])
             qsl.append(qsl[-1] + len(rows[-1]))
         return self.graphs.run_rows(rows, pos, slots, tables, lora, on_launch), qsl
@@ -505,19 +514,20 @@ class ModelRunner:
 
         result = StepResult.empty(len(batch))
         for i, start in zip(sample_rows, starts, strict=True):
-            drafts = batch.seqs[i].draft_token_ids
+            seq = batch.seqs[i]
+            drafts = seq.draft_token_ids
             if not drafts:
                 result.token_ids[i], result.logprobs[i] = [out.token_ids[start]], [out.logprobs[start]]
+                seq.last_sampled = out.token_ids[start]
                 continue
             sampled = out.token_ids[start : start + len(drafts) + 1]
             kept = num_accepted(sampled, drafts) + 1  # the accepted drafts and the target's next token
             result.token_ids[i] = sampled[:kept]
             result.logprobs[i] = out.logprobs[start : start + kept]
-        for i, seq in enumerate(batch.seqs):
+        for i, (seq, start) in enumerate(zip(batch.seqs, batch.positions(), strict=True)):
             k = seq.params.prompt_logprobs
             if k is None:
                 continue
-            start = seq.num_computed_tokens
             # Row p predicts prompt token p+1; the last prompt row predicts the first output instead. A
             # recompute after preemption skips the positions it has reported already.
             first = max(start, len(seq.prompt_logprobs))

@@ -38,6 +38,11 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Taken when the batch is scheduled (`freeze`): each row's first position, and whether the step samples its
+    # next token. An overlapped engine advances the rows as it launches the step, while the device thread still
+    # reads the batch: the runner reads these. None (a batch built by hand): read from the rows.
+    starts: list[int] | None = None
+    sampling: list[bool] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -46,23 +51,41 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def freeze(self) -> ScheduledBatch:
+        self.starts = [s.num_computed_tokens for s in self.seqs]
+        self.sampling = [self._samples(i) for i in range(len(self.seqs))]
+        return self
+
     def subset(self, rows) -> ScheduledBatch:
         """The batch's rows `rows`, in order (to re-run part of a step)."""
-        return ScheduledBatch([self.seqs[i] for i in rows], [self.num_new_tokens[i] for i in rows])
+        pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
+        return ScheduledBatch(
+            [self.seqs[i] for i in rows],
+            [self.num_new_tokens[i] for i in rows],
+            starts=pick(self.starts),
+            sampling=pick(self.sampling),
+        )
+
+    def positions(self) -> list[int]:
+        """Each row's first position in this step."""
+        return self.starts if self.starts is not None else [s.num_computed_tokens for s in self.seqs]
 
     def sampling_rows(self) -> list[int]:
         """The rows i for which `samples(i)`."""
-        return [
-            i
-            for i, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True))
-            if seq.num_computed_tokens + n - len(seq.draft_token_ids) == len(seq.token_ids)
-        ]
+        if self.sampling is not None:
+            return [i for i, sampled in enumerate(self.sampling) if sampled]
+        return [i for i in range(len(self.seqs)) if self._samples(i)]
 
     def samples(self, i: int) -> bool:
         """Whether sequence i's chunk reaches its last token, so that this step samples its next one (and
         verifies the drafts scheduled after it)."""
+        return self.sampling[i] if self.sampling is not None else self._samples(i)
+
+    def _samples(self, i: int) -> bool:
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] - len(seq.draft_token_ids) == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[i] - len(seq.draft_token_ids) == (
+            seq.num_tokens + seq.num_pending
+        )
 
 
 class Scheduler:
@@ -145,11 +168,14 @@ class Scheduler:
         tenants = {s.tenant for s in self.running}
         order = {t: (shares.load(t), fair.counter(t)) for t in tenants}  # once per tenant, not per row
         self.running.sort(key=lambda s: (*order[s.tenant], *running_places[s.seq_id]))
-        decodes_left = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        decodes_left = sum(s.num_uncomputed == 1 for s in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            remaining = seq.num_uncomputed
+            if remaining == 0:  # its next token is on the way (a step scheduled ahead holds it back)
+                i += 1
+                continue
             if remaining == 1:
                 decodes_left -= 1
                 room = max(1, budget - decodes_left)  # its drafts do not take the later rows' tokens
@@ -166,7 +192,7 @@ class Scheduler:
                     seq.draft_token_ids = []
                     continue
                 victim = self.running.pop()
-                if victim is not seq and victim.num_tokens - victim.num_computed_tokens == 1:
+                if victim is not seq and victim.num_uncomputed == 1:
                     decodes_left -= 1  # its token is no longer held for it
                 self._preempt(victim, shares)
                 batch.preempted.append(victim)
@@ -188,7 +214,7 @@ class Scheduler:
             _remove(candidates, seq)
             if not self.slicer.may_admit(seq.adapter_id) or not self._prefix_ready(seq):
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_uncomputed, budget)
             if not self.bm.allocate_slots(seq, n):
                 self.bm.free_seq(seq)  # give back prefix hits; they stay cached
                 break
@@ -204,7 +230,7 @@ class Scheduler:
             order = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
             batch.seqs = [batch.seqs[i] for i in order]
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
-        return batch
+        return batch.freeze()
 
     def _prefix_ready(self, seq: Sequence) -> bool:
         """Attach a waiting sequence's cached prefix: the device cache's blocks now, and the KV tiers' after they
@@ -249,7 +275,7 @@ class Scheduler:
     @staticmethod
     def _fit_drafts(seq: Sequence, n: int, budget: int) -> int:
         """Keep the drafts that fit the budget behind a decode row's one token; they count like any token."""
-        if seq.draft_token_ids and n == seq.num_tokens - seq.num_computed_tokens == 1:
+        if seq.draft_token_ids and n == seq.num_uncomputed == 1:
             seq.draft_token_ids = seq.draft_token_ids[: budget - n]
         else:
             seq.draft_token_ids = []
@@ -265,11 +291,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def advance(self, batch: ScheduledBatch) -> None:
-        """Mark the batch's chunks computed (call after the forward pass, before appending tokens)."""
+    def advance(self, batch: ScheduledBatch, launched: bool = False) -> None:
+        """Mark the batch's chunks computed: after the forward pass, before appending tokens; or, `launched`, as
+        the step is launched (an overlapped engine), each sampling row's token then pending until it lands.
+        Their KV is written before any later step's reads it (the device runs steps in order)."""
         cache_full_blocks = self.bm.cache_full_blocks
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts count once accepted
+            if launched and batch.samples(i):
+                seq.num_pending += 1
             cache_full_blocks(seq)
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:

@@ -64,6 +64,12 @@ class Sequence:
 
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # Tokens sampled by launched steps and not appended yet (an overlapped engine advances a row when it launches
+    # its step: the scheduler may schedule the pending token's successor before the token reaches the host).
+    num_pending: int = 0
+    # The token the row's latest step sampled (the device thread's: the next step may need it as its input
+    # before it is appended).
+    last_sampled: int = -1
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -105,6 +111,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens, appended or pending, whose KV is not computed yet: what the scheduler may schedule."""
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
