@@ -159,7 +159,9 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.grammar_cache = GrammarCache()
         self.num_steps = 0
-        self.num_steps_ahead = 0  # launched before the step before them landed (EngineConfig.async_scheduling)
+        self.num_steps_ahead = (
+            0  # launched before the step before them landed (EngineConfig.async_scheduling)
+        )
         self.num_prompt_tokens = 0  # EngineStats.prompt_tokens
         self.num_generation_tokens = 0
         self._ids = itertools.count()
