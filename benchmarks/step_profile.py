@@ -1,7 +1,8 @@
 """Where a step's time goes, per batch size: the engine's phases offline, then the serving path around it.
 
     python -m benchmarks.step_profile [--dtype bfloat16] [--batches 1 8 32 64] [--adapters 8] [--steps 24]
-                                 [--serve-levels 1 32] [--threads 2] [--overlap-output on] [--out DIR]
+                                 [--serve-levels 1 32] [--threads 2] [--overlap-output on]
+                                 [--no-async-scheduling] [--out DIR]
 
 Offline, for each batch size and each load (the base model; requests spread over --adapters distinct
 random rank-16 adapters; every request constrained by a JSON schema), a batch decodes and --steps decode
@@ -173,7 +174,8 @@ def offline(args, model_dir: Path, tmp: Path) -> list[dict]:
                       quantization=args.quantization,
                       num_kv_blocks=b * 24 + 16, max_loras=max(1, args.adapters), max_lora_rank=16,
                       compile_step=compiled, speculative="off",
-                      **({"overlap_output": args.overlap_output} if args.overlap_output else {}))  # fmt: skip
+                      **({"overlap_output": args.overlap_output} if args.overlap_output else {}),
+                      **({"async_scheduling": args.async_scheduling} if args.async_scheduling is not None else {}))  # fmt: skip
             prompts = chat_prompts(llm.tokenizer, b)  # (speculation off above: plain steps, one token a row)
             # long enough that no row ends before the last of the batch has its prompt in and --steps are timed
             length = args.steps + 8 + b
@@ -283,6 +285,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-eager", action="store_true", help="skip the eager model's rows")
     ap.add_argument("--overlap-output", default=None, choices=["auto", "on", "off"],
                     help="as `motet serve --overlap-output` (default: the engine's)")  # fmt: skip
+    ap.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                    help="as `motet serve --async-scheduling` (default: the engine's)")  # fmt: skip
     ap.add_argument("--serve-levels", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)

@@ -236,7 +236,7 @@ def test_capture_all_captures_every_base_bucket_largest_first(monkeypatch):
     graphs.capture_all()
     assert captured == [((b, 1), None) for b in reversed(buckets(48))]
     assert graphs.slot_mapping.eq(-1).all()  # the buffers hold padding rows: no KV write while capturing
-    graphs.run([1, 2, 3], [0, 4, 9], [0, 20, 41], [[0], [1], [2]], [1, 5, 10])
+    graphs.run_rows([[1], [2], [3]], [0, 4, 9], [[0], [20], [41]], [[0], [1], [2]])
     assert len(captured) == len(buckets(48)) and graphs.replays == 1
     # speculating, verification rows of up to 1 + 2 tokens: their buckets too
     captured.clear()

@@ -154,22 +154,6 @@ class DecodeGraphs:
                 if (b, q) not in self.graphs:
                     self._capture((b, q), None)
 
-    def run(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        tables: list[list[int]],
-        seq_lens: list[int],
-        lora: LoRABatch | None = None,
-        on_launch=None,
-    ) -> torch.Tensor:
-        """Hidden states [n, d] of a decode step of n sequences (one token each); `on_launch()` is called once
-        the graph is replayed (its work queued on the device)."""
-        return self.run_rows(
-            [[t] for t in input_ids], positions, [[s] for s in slots], tables, lora, on_launch
-        )
-
     def run_rows(
         self,
         rows: list[list[int]],

@@ -9,12 +9,16 @@ stop strings, the outputs) runs while the device computes the next step: `step()
 tokens (`commit_tokens`: appends, token-decided stops, freeing), schedules and launches step N+1 on the engine's
 device thread, then makes step N's outputs (`commit_text`) while N+1 runs. Rows whose next step depends on
 their text (grammars, stop strings, drafts) are committed whole before N+1 is scheduled, so the outputs are the
-same as the sequential order's. The offline `LLM` (motet/engine/llm.py) and the serving actors both call only this
-surface (`add_request`, `abort`, `step`, `stats`, adapters through `add_lora` / `remove_lora`). A request
+same as the sequential order's. Where no row of step N needs its token but as its input, step N+1 is even
+scheduled and launched before N lands (`EngineConfig.async_scheduling`): rows advance at launch, their token
+pending, and the device thread feeds it to N+1. The offline `LLM` (motet/engine/llm.py) and the serving actors
+both call only this surface (`add_request`, `abort`, `step`, `stats`, adapters through `add_lora` /
+`remove_lora`). A request
 that fails inside a step fails alone: `execute` bisects the batch until the failing rows are isolated, and
 `commit` ends those with an error while the others carry on. Not thread-safe: one thread drives it
 (`compile_grammar`, `limits` and `adapters.load` excepted, which the serving layer calls from elsewhere); what it
-runs on its own device thread touches only the launched batch and the runner.
+runs on its own device thread reads the launched batch's rows until its inputs are built (`step()` returns only
+after that), then only the batch's snapshots and the runner.
 """
 
 from __future__ import annotations
@@ -159,9 +163,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.grammar_cache = GrammarCache()
         self.num_steps = 0
-        self.num_steps_ahead = (
-            0  # launched before the step before them landed (EngineConfig.async_scheduling)
-        )
+        # steps launched before the step before them landed (EngineConfig.async_scheduling)
+        self.num_steps_ahead = 0
         self.num_prompt_tokens = 0  # EngineStats.prompt_tokens
         self.num_generation_tokens = 0
         self._ids = itertools.count()
@@ -417,16 +420,18 @@ class LLMEngine:
         pending = None
         if landing is not None:
             held = self._ahead_holds(landing[0])
-            if held is not None:
-                for seq in held:  # their pending token is their last: nothing to schedule after it
-                    seq.num_pending -= 1
-                try:
-                    self._launch(self._schedule())
-                    self.num_steps_ahead += self._inflight is not None
-                finally:
-                    for seq in held:
-                        seq.num_pending += 1
-            pending = self._land(*landing)
+            try:
+                if held is not None:
+                    for seq in held:  # their pending token is their last: nothing to schedule after it
+                        seq.num_pending -= 1
+                    try:
+                        self._launch(self._schedule())
+                        self.num_steps_ahead += self._inflight is not None
+                    finally:
+                        for seq in held:
+                            seq.num_pending += 1
+            finally:  # (whatever happened, the launched step's tokens land)
+                pending = self._land(*landing)
         if self._inflight is None:
             self._launch(self._schedule())
         return self.commit_text(pending) if pending is not None else []
