@@ -135,10 +135,10 @@ def inject_fault(engine: LLMEngine, token: int) -> None:
     triggered by one request's input would)."""
     execute = engine.runner.execute
 
-    def execute_or_fail(batch, lora=None, on_launch=None):
+    def execute_or_fail(batch, *args):
         if any(token in s.prompt_token_ids for s in batch.seqs):
             raise RuntimeError("injected fault")
-        return execute(batch, lora, on_launch)
+        return execute(batch, *args)
 
     engine.runner.execute = execute_or_fail
 

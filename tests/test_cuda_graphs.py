@@ -141,12 +141,13 @@ class EagerReplay:
         self.out.copy_(self.step())
 
 
-@pytest.mark.parametrize("speculative", ["off", "ngram"])
+@pytest.mark.parametrize("speculative", ["off", "ngram", "async"])
 @pytest.mark.parametrize("adapters", [0, 2], ids=["base", "2-adapters"])
 def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
     """DecodeGraphs' inputs (buckets, padding rows, the packed transfers, per-token LoRA segments; with
-    speculation, verification rows of 1 + drafts tokens padded to the bucket's) with its replays run eagerly on
-    CPU: greedy decode of ragged prompts equals the eager model's, which the engine tests check against Hugging
+    speculation, verification rows of 1 + drafts tokens padded to the bucket's; with async scheduling, the
+    pending tokens fed into the static buffer from the step before's) with its replays run eagerly on CPU:
+    greedy decode of ragged prompts equals the eager model's, which the engine tests check against Hugging
     Face."""
     from motet.engine.config import EngineConfig
     from motet.engine.cuda_graphs import DecodeGraphs
@@ -179,7 +180,8 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
             block_size=8,
             num_kv_blocks=256,
             compile_step=False,
-            speculative=speculative,
+            speculative="ngram" if speculative == "ngram" else "off",
+            overlap_output="on" if speculative == "async" and graphs else "off",  # (the reference: in order)
         )
         engine = LLMEngine(cfg, model_dir=tiny_model_dir)
         runner = engine.runner
@@ -190,7 +192,7 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
                 max_blocks_per_seq=-(-runner.max_model_len // runner.block_size),
                 max_seq_len=runner.max_model_len,
                 device=runner.device,
-                max_query=1 + cfg.num_speculative_tokens if speculative != "off" else 1,
+                max_query=1 + cfg.num_speculative_tokens if speculative == "ngram" else 1,
             )
         names = [
             engine.add_lora(f"a{i}", write_random_adapter(tmp_path / f"a{i}", engine.model_config, 8, seed=i))
@@ -207,7 +209,9 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
         outs[graphs] = tokens
         if graphs:
             keys = runner.graphs.graphs.keys()
-            if speculative == "off":
+            if speculative == "async":
+                assert engine.num_steps_ahead > 0 and {key[0] for key in keys} >= {1, 2, 4, 8}
+            elif speculative == "off":
                 assert {key[0] for key in keys} == {1, 2, 4, 8}
             else:  # verification steps replayed too, in several buckets
                 assert any(key[1] > 1 for key in keys) and len({key[0] for key in keys}) > 1, keys

@@ -127,12 +127,12 @@ def test_abort_while_the_launched_step_reads_its_rows(model_dir, caplog, make_re
     eng = engine(model_dir, overlap=True)
     gate, prepared, original = threading.Event(), threading.Event(), eng.runner.execute
 
-    def held(batch, lora, on_launch=None):
+    def held(batch, lora, on_launch=None, lazy=False):
         if gate.is_set():
-            return original(batch, lora, on_launch)
+            return original(batch, lora, on_launch, lazy)
         on_launch()  # step() returns: the engine's thread goes on while this step waits at the gate
         gate.wait()
-        return original(batch, lora, prepared.set)
+        return original(batch, lora, prepared.set, lazy)
 
     eng.runner.execute = held
     gate.set()

@@ -443,7 +443,7 @@ class LLMEngine:
             return
         self.scheduler.advance(batch, launched=True)
         launched = threading.Event()
-        future = self._device.submit(self.execute, batch, launched.set)
+        future = self._device.submit(self.execute, batch, launched.set, True)
         future.add_done_callback(lambda _: launched.set())  # (it may fail before it launches)
         self._inflight = (batch, future)
         # The text half waits for the launch: the interpreter's lock would otherwise hold the launch back.
@@ -504,12 +504,12 @@ class LLMEngine:
                 seq.scheduled_time = now
         return batch
 
-    def execute(self, batch: ScheduledBatch, on_launch=None) -> StepResult:
+    def execute(self, batch: ScheduledBatch, on_launch=None, lazy: bool = False) -> StepResult:
         """Run the batch; where it raises, bisect it so that only the failing rows carry the error. `on_launch()`
         is called when the forward pass is about to start (the host's part before it is done)."""
         try:
             lora = self.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
-            return self.runner.execute(batch, lora, on_launch)
+            return self.runner.execute(batch, lora, on_launch, lazy)
         except RankFailure:  # not this batch's fault: no step can run any more
             raise
         except Exception as e:
@@ -531,6 +531,7 @@ class LLMEngine:
         on its text (a grammar, stop strings, drafts) is committed whole here. Returns what `commit_text`
         finishes: outputs, and rows waiting for their text."""
         self.num_steps += 1
+        result.resolve()  # (a launched step's tokens: read from the device here, its successor launched)
         if not launched:
             self.scheduler.advance(batch)
         cache_full_blocks = self.block_manager.cache_full_blocks

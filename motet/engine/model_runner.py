@@ -33,21 +33,16 @@ from motet.engine.parallel import SINGLE, Parallel
 from motet.engine.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
 from motet.engine.sampler import Sampler, compute_prompt_logprobs
 from motet.engine.scheduler import ScheduledBatch
-from motet.engine.sequence import Sequence, TokenLogprob
+from motet.engine.sequence import TokenLogprob
 from motet.engine.speculative.grammar_drafts import activation_index, fill_draft_bitmask
 from motet.engine.speculative.verify import num_accepted, position_views
+from motet.engine.step_inputs import decode_inputs, feed_tokens
 from motet.engine.tp_workers import WorkerGroup, receive_plan
 from motet.grammar.backend import allocate_bitmask, apply_bitmask
 from motet.grammar.masking import fill_bitmasks
 from motet.lora.slot_cache import LoRABatch, LoRASlotCache
 
 log = logging.getLogger("motet.engine")
-
-
-def token_at(seq: Sequence, p: int) -> int:
-    """The row's token at position p: appended, or (p just past them) sampled by the step before and pending."""
-    ids = seq.token_ids
-    return ids[p] if p < len(ids) else seq.last_sampled
 
 
 @dataclass
@@ -60,6 +55,18 @@ class StepResult:
     logprobs: list[list[TokenLogprob | None] | None]
     prompt_logprobs: list[list[TokenLogprob] | None]
     errors: list[BaseException | None]
+    # A lazy result's one-token rows, their tokens still on the device: (sampled tokens, [(row, index)])
+    on_device: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
+
+    def resolve(self) -> StepResult:
+        """`token_ids` complete, the tokens on the device read (on a GPU: waits for the step's sampling)."""
+        if self.on_device is not None:
+            tokens, rows = self.on_device
+            values = tokens.tolist()
+            for row, index in rows:
+                self.token_ids[row] = [values[index]]
+            self.on_device = None
+        return self
 
     @classmethod
     def empty(cls, n: int) -> StepResult:
@@ -76,6 +83,7 @@ class StepResult:
         """Results of consecutive row ranges of one batch, as one."""
         out = cls([], [], [], [])
         for p in parts:
+            p.resolve()
             out.token_ids += p.token_ids
             out.logprobs += p.logprobs
             out.prompt_logprobs += p.prompt_logprobs
@@ -338,13 +346,14 @@ class ModelRunner:
         if all(n == 1 for n in batch.num_new_tokens):
             return self._prepare_decode(batch)
         bs = self.block_size
-        input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        input_ids, positions, slots, qsl, seq_lens, tables, feeds = [], [], [], [0], [], [], []
         for seq, n, start in zip(batch.seqs, batch.num_new_tokens, batch.positions(), strict=True):
             own = n - len(seq.draft_token_ids)
             known = seq.token_ids[start : start + own]
             input_ids.extend(known)
-            if len(known) < own:  # its last token is still pending (an overlapped engine)
-                input_ids.append(seq.last_sampled)
+            if len(known) < own:  # its last token is still pending (async scheduling): fed on the device
+                feeds.append((len(input_ids), seq.last_sampled))
+                input_ids.append(0)
             input_ids.extend(seq.draft_token_ids)  # verified after the row's last token (none: not drafting)
             positions.extend(range(start, start + n))
             table = seq.block_table
@@ -355,21 +364,25 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         tables = [t + [0] * (width - len(t)) for t in tables]
 
-        return self._inputs(input_ids, positions, slots, tables, qsl, seq_lens, max(batch.num_new_tokens))
+        return self._inputs(
+            input_ids, positions, slots, tables, qsl, seq_lens, max(batch.num_new_tokens), feeds
+        )
 
     def _prepare_decode(self, batch: ScheduledBatch):
         """`_prepare` of a step where every row adds one token (no drafts): the common step, in fewer passes."""
         bs, seqs = self.block_size, batch.seqs
         positions = batch.positions()
-        input_ids = [token_at(seq, p) for seq, p in zip(seqs, positions, strict=True)]
+        input_ids, feeds = decode_inputs(seqs, positions)
         tables = [seq.block_table for seq in seqs]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
         width = max(map(len, tables))
         tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in tables]
         seq_lens = [p + 1 for p in positions]
-        return self._inputs(input_ids, positions, slots, tables, list(range(len(seqs) + 1)), seq_lens, 1)
+        return self._inputs(
+            input_ids, positions, slots, tables, list(range(len(seqs) + 1)), seq_lens, 1, feeds
+        )
 
-    def _inputs(self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len):
+    def _inputs(self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len, feeds=()):
         """The step's input tensors on the device, from host lists (tables already padded to one width), in two
         transfers (one per dtype) from pinned memory on CUDA: none makes the host wait for the device."""
         pinned = self.device.type == "cuda"
@@ -379,6 +392,8 @@ class ModelRunner:
             [*itertools.chain.from_iterable(tables), *qsl, *seq_lens], dtype=torch.int32, pin_memory=pinned
         )
         ids, pos, slot_mapping = per_token.to(self.device, non_blocking=True)
+        if feeds:
+            feed_tokens(ids, feeds, pinned)
         per_seq = per_seq.to(self.device, non_blocking=True)
         block_tables, query_start_loc, lens = per_seq.split((n * width, n + 1, n))
         meta = AttentionMetadata(
@@ -459,15 +474,19 @@ class ModelRunner:
         if not self.graphs.fits(len(seqs), max(map(len, tables)), max(batch.num_new_tokens), max(pos)):
             return None
         bs, rows, slots, qsl = self.block_size, [], [], [0]
-        for seq, table, p in zip(seqs, tables, pos, strict=True):
-            rows.append([token_at(seq, p), *seq.draft_token_ids])
+        firsts, feeds = decode_inputs(seqs, pos)
+        for seq, table, p, first in zip(seqs, tables, pos, firsts, strict=True):
+            rows.append([first, *seq.draft_token_ids])
             slots.append([table[x // bs] * bs + x % bs for x in range(p, p + len(rows[-1]))])
             qsl.append(qsl[-1] + len(rows[-1]))
-        return self.graphs.run_rows(rows, pos, slots, tables, lora, on_launch), qsl
+        return self.graphs.run_rows(rows, pos, slots, tables, lora, on_launch, feeds), qsl
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None) -> StepResult:
-        """The batch's sampled tokens; `on_launch` as in `forward`."""
+    def execute(
+        self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None, lazy: bool = False
+    ) -> StepResult:
+        """The batch's sampled tokens; `on_launch` as in `forward`. `lazy`: the tokens stay on the device until
+        `resolve()` (the host does not wait for the device here; the next step may take them as inputs)."""
         sample_rows = batch.sampling_rows()
         # One sampled position per sampling row, plus one per draft (motet/engine/speculative/verify.py).
         if any(seq.draft_token_ids for seq in batch.seqs):
@@ -513,12 +532,14 @@ class ModelRunner:
         out = self.sampler(logits, views)
 
         result = StepResult.empty(len(batch))
+        on_device = []  # (row, index) of the rows' tokens left in out.tokens until the result is read
         for i, start in zip(sample_rows, starts, strict=True):
             seq = batch.seqs[i]
+            seq.last_sampled = (out.tokens, start)  # where the next step finds it, if it runs first
             drafts = seq.draft_token_ids
             if not drafts:
-                result.token_ids[i], result.logprobs[i] = [out.token_ids[start]], [out.logprobs[start]]
-                seq.last_sampled = out.token_ids[start]
+                on_device.append((i, start))
+                result.logprobs[i] = [out.logprobs[start]]
                 continue
             sampled = out.token_ids[start : start + len(drafts) + 1]
             kept = num_accepted(sampled, drafts) + 1  # the accepted drafts and the target's next token
@@ -538,7 +559,8 @@ class ModelRunner:
             targets = seq.token_ids[first + 1 : last + 1]
             chunk_logits = self.logits(hidden, list(rows))
             result.prompt_logprobs[i] = compute_prompt_logprobs(chunk_logits, torch.tensor(targets), k)
-        return result
+        result.on_device = (out.tokens, on_device) if on_device else None
+        return result if lazy else result.resolve()
 
     def _apply_grammar(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], filling) -> None:
         stats = self.grammar_stats

@@ -10,6 +10,7 @@ batch position, its device, or a preemption and recompute.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -26,8 +27,13 @@ _CANDIDATES = 256  # top-p first looks for the nucleus among this many best toke
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    tokens: Tensor  # [rows] int64 on the logits' device: the next step may take its inputs from it there
     logprobs: list[TokenLogprob | None]  # per row; None where params.logprobs is None
+
+    @functools.cached_property
+    def token_ids(self) -> list[int]:
+        """The tokens on the host (on a GPU: waits for the sampling to finish)."""
+        return self.tokens.tolist()
 
 
 class Sampler:
@@ -55,7 +61,7 @@ class Sampler:
             ks = [seqs[i].params.logprobs for i in lp_rows]
             for i, lp in zip(lp_rows, _token_logprobs(raw_logprobs, tokens[lp_rows], ks), strict=True):
                 logprobs[i] = lp
-        return SamplerOutput(tokens.tolist(), logprobs)
+        return SamplerOutput(tokens, logprobs)
 
     def _draw(self, probs: Tensor, seqs: list[Sequence]) -> Tensor:
         """One token per row by inverse CDF: the first token whose cumulative probability exceeds u ~ U[0, 1)."""

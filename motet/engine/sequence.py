@@ -67,9 +67,9 @@ class Sequence:
     # Tokens sampled by launched steps and not appended yet (an overlapped engine advances a row when it launches
     # its step: the scheduler may schedule the pending token's successor before the token reaches the host).
     num_pending: int = 0
-    # The token the row's latest step sampled (the device thread's: the next step may need it as its input
-    # before it is appended).
-    last_sampled: int = -1
+    # Where the token the row's latest step sampled is on the device: (that step's sampled tokens, the row's
+    # index), the device thread's. The next step may take it as its input before it reaches the host.
+    last_sampled: tuple | None = None
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
