@@ -441,6 +441,10 @@ class LLMEngine:
         thread reads the rows until then, and only the batch's own snapshots after)."""
         if not batch:
             return
+        try:  # here, while the device thread may still run the step before
+            self.runner.plan_inputs(batch)
+        except Exception:  # (the device thread builds them again, and bisects the failing row out)
+            batch.inputs = None
         self.scheduler.advance(batch, launched=True)
         launched = threading.Event()
         future = self._device.submit(self.execute, batch, launched.set, True)

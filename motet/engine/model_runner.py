@@ -12,6 +12,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,31 @@ from motet.grammar.masking import fill_bitmasks
 from motet.lora.slot_cache import LoRABatch, LoRASlotCache
 
 log = logging.getLogger("motet.engine")
+
+
+class HostInputs(NamedTuple):
+    """An eager step's inputs on the host (`ModelRunner._inputs` sends them): tables padded to one width;
+    `feeds`: (input index, row) for the rows whose input token is pending (motet/engine/step_inputs.py)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+    qsl: list[int]
+    seq_lens: list[int]
+    max_query_len: int
+    feeds: list
+
+
+class GraphRows(NamedTuple):
+    """A decode step's rows as `DecodeGraphs.run_rows` takes them, and the rows' offsets in its output."""
+
+    rows: list[list[int]]
+    starts: list[int]
+    slots: list[list[int]]
+    tables: list[list[int]]
+    qsl: list[int]
+    feeds: list
 
 
 @dataclass
@@ -342,9 +368,22 @@ class ModelRunner:
             elif op == "logits_of":
                 self._logits(extra["hidden"].to(self.device))
 
+    def plan_inputs(self, batch: ScheduledBatch) -> None:
+        """Build the step's inputs on the host now, into `batch.inputs`: the engine calls it as it launches the
+        step, on its own thread, while the device thread may still run the step before; the device thread then
+        only sends them. (A pending input token is looked up when they are sent: its step may not have run.)"""
+        batch.inputs = (self._graph_rows(batch) if self.graphs is not None else None) or self._host_inputs(
+            batch
+        )
+
     def _prepare(self, batch: ScheduledBatch):
+        """The step's input tensors on the device (from `batch.inputs` where planned)."""
+        plan = batch.inputs if isinstance(batch.inputs, HostInputs) else self._host_inputs(batch)
+        return self._inputs(*plan)
+
+    def _host_inputs(self, batch: ScheduledBatch) -> HostInputs:
         if all(n == 1 for n in batch.num_new_tokens):
-            return self._prepare_decode(batch)
+            return self._host_decode_inputs(batch)
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables, feeds = [], [], [], [0], [], [], []
         for seq, n, start in zip(batch.seqs, batch.num_new_tokens, batch.positions(), strict=True):
@@ -352,7 +391,7 @@ class ModelRunner:
             known = seq.token_ids[start : start + own]
             input_ids.extend(known)
             if len(known) < own:  # its last token is still pending (async scheduling): fed on the device
-                feeds.append((len(input_ids), seq.last_sampled))
+                feeds.append((len(input_ids), seq))
                 input_ids.append(0)
             input_ids.extend(seq.draft_token_ids)  # verified after the row's last token (none: not drafting)
             positions.extend(range(start, start + n))
@@ -363,13 +402,12 @@ class ModelRunner:
             tables.append(table)
         width = max(len(t) for t in tables)
         tables = [t + [0] * (width - len(t)) for t in tables]
-
-        return self._inputs(
+        return HostInputs(
             input_ids, positions, slots, tables, qsl, seq_lens, max(batch.num_new_tokens), feeds
         )
 
-    def _prepare_decode(self, batch: ScheduledBatch):
-        """`_prepare` of a step where every row adds one token (no drafts): the common step, in fewer passes."""
+    def _host_decode_inputs(self, batch: ScheduledBatch) -> HostInputs:
+        """`_host_inputs` of a step where every row adds one token (no drafts): the common step, in fewer passes."""
         bs, seqs = self.block_size, batch.seqs
         positions = batch.positions()
         input_ids, feeds = decode_inputs(seqs, positions)
@@ -378,9 +416,7 @@ class ModelRunner:
         width = max(map(len, tables))
         tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in tables]
         seq_lens = [p + 1 for p in positions]
-        return self._inputs(
-            input_ids, positions, slots, tables, list(range(len(seqs) + 1)), seq_lens, 1, feeds
-        )
+        return HostInputs(input_ids, positions, slots, tables, list(range(len(seqs) + 1)), seq_lens, 1, feeds)
 
     def _inputs(self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len, feeds=()):
         """The step's input tensors on the device, from host lists (tables already padded to one width), in two
@@ -412,8 +448,14 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int]]:
         """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets.
         `on_launch()`, if given, is called once the inputs are ready, as the model starts."""
-        if self.graphs is not None and (replayed := self._decode_graph(batch, lora, on_launch)) is not None:
-            return replayed
+        rows = batch.inputs
+        if rows is None and self.graphs is not None:
+            rows = self._graph_rows(batch)
+        if isinstance(rows, GraphRows):  # a decode step replayed from its bucket's graph
+            hidden = self.graphs.run_rows(
+                rows.rows, rows.starts, rows.slots, rows.tables, lora, on_launch, rows.feeds
+            )
+            return hidden, rows.qsl
         input_ids, positions, meta, qsl = self._prepare(batch)
         if on_launch is not None:
             on_launch()
@@ -460,9 +502,9 @@ class ModelRunner:
             return self.native.logits(hidden, reuse)
         return self.model.compute_logits(hidden)
 
-    def _decode_graph(self, batch: ScheduledBatch, lora: LoRABatch | None, on_launch=None):
-        """A decode step (every row one new token, and the drafts it verifies, if any) replayed from its bucket's
-        graph: (hidden states, row offsets); None: run eagerly (a prompt chunk, or too large for the graphs)."""
+    def _graph_rows(self, batch: ScheduledBatch) -> GraphRows | None:
+        """A decode step's rows (every row one new token, and the drafts it verifies, if any) as its bucket's graph
+        takes them; None: it runs eagerly (a prompt chunk, or too large for the graphs)."""
         seqs = batch.seqs
         if not seqs or any(
             n != 1 + len(seq.draft_token_ids) or not batch.samples(i)
@@ -479,7 +521,7 @@ class ModelRunner:
             rows.append([first, *seq.draft_token_ids])
             slots.append([table[x // bs] * bs + x % bs for x in range(p, p + len(rows[-1]))])
             qsl.append(qsl[-1] + len(rows[-1]))
-        return self.graphs.run_rows(rows, pos, slots, tables, lora, on_launch, feeds), qsl
+        return GraphRows(rows, pos, slots, tables, qsl, feeds)
 
     @torch.inference_mode()
     def execute(

@@ -43,6 +43,9 @@ class ScheduledBatch:
     # reads the batch: the runner reads these. None (a batch built by hand): read from the rows.
     starts: list[int] | None = None
     sampling: list[bool] | None = None
+    inputs: object | None = (
+        None  # the runner's host-side inputs, built as the step launches (ModelRunner.plan_inputs)
+    )
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -10,10 +10,10 @@ import torch
 from motet.engine.sequence import Sequence
 
 
-def decode_inputs(seqs: list[Sequence], positions: list[int]) -> tuple[list[int], list[tuple[int, tuple]]]:
-    """Each row's input token, at its position, and the feeds: (the input's index, where its token is on the
-    device) for the rows whose token is still pending (sampled by the step before, not on the host yet: 0 in
-    the list until `feed_tokens` writes it)."""
+def decode_inputs(seqs: list[Sequence], positions: list[int]) -> tuple[list[int], list[tuple[int, Sequence]]]:
+    """Each row's input token, at its position, and the feeds: (the input's index, the row) for the rows whose
+    token is still pending (sampled by the step before, not on the host yet: 0 in the list until `feed_tokens`
+    writes it)."""
     ids, feeds = [], []
     for i, (seq, p) in enumerate(zip(seqs, positions, strict=True)):
         tokens = seq.token_ids
@@ -21,15 +21,17 @@ def decode_inputs(seqs: list[Sequence], positions: list[int]) -> tuple[list[int]
             ids.append(tokens[p])
         else:
             ids.append(0)
-            feeds.append((i, seq.last_sampled))
+            feeds.append((i, seq))
     return ids, feeds
 
 
-def feed_tokens(ids: torch.Tensor, feeds: list[tuple[int, tuple]], pinned: bool) -> None:
-    """Write the pending tokens into a step's input ids on the device, from the steps that sampled them: no
-    host wait (the indices go from pinned memory)."""
+def feed_tokens(ids: torch.Tensor, feeds: list[tuple[int, Sequence]], pinned: bool) -> None:
+    """Write the pending tokens into a step's input ids on the device, from the steps that sampled them (each
+    row's `last_sampled`; the device thread's, read once the step before has run): no host wait (the indices go
+    from pinned memory)."""
     sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-    for dst, (tokens, src) in feeds:
+    for dst, seq in feeds:
+        tokens, src = seq.last_sampled
         entry = sources.setdefault(id(tokens), (tokens, [], []))
         entry[1].append(dst)
         entry[2].append(src)
