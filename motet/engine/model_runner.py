@@ -47,16 +47,18 @@ log = logging.getLogger("motet.engine")
 
 
 class HostInputs(NamedTuple):
-    """An eager step's inputs on the host (`ModelRunner._inputs` sends them): tables padded to one width;
-    `feeds`: (input index, row) for the rows whose input token is pending (motet/engine/step_inputs.py)."""
+    """An eager step's inputs packed on the host (pinned on CUDA), for `ModelRunner._inputs` to send in two
+    transfers. `feeds`: (input index, row) for the rows whose input token is pending
+    (motet/engine/step_inputs.py)."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    tables: list[list[int]]
+    per_token: torch.Tensor  # int64 [3, tokens]: input ids (0 where pending), positions, KV slots
+    per_seq: (
+        torch.Tensor
+    )  # int32: the block tables [rows, width] flattened, query_start_loc [rows + 1], seq_lens
+    width: int
     qsl: list[int]
-    seq_lens: list[int]
     max_query_len: int
+    max_seq_len: int
     feeds: list
 
 
@@ -379,7 +381,7 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch):
         """The step's input tensors on the device (from `batch.inputs` where planned)."""
         plan = batch.inputs if isinstance(batch.inputs, HostInputs) else self._host_inputs(batch)
-        return self._inputs(*plan)
+        return self._inputs(plan)
 
     def _host_inputs(self, batch: ScheduledBatch) -> HostInputs:
         if all(n == 1 for n in batch.num_new_tokens):
@@ -402,7 +404,7 @@ class ModelRunner:
             tables.append(table)
         width = max(len(t) for t in tables)
         tables = [t + [0] * (width - len(t)) for t in tables]
-        return HostInputs(
+        return self._pack(
             input_ids, positions, slots, tables, qsl, seq_lens, max(batch.num_new_tokens), feeds
         )
 
@@ -416,31 +418,36 @@ class ModelRunner:
         width = max(map(len, tables))
         tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in tables]
         seq_lens = [p + 1 for p in positions]
-        return HostInputs(input_ids, positions, slots, tables, list(range(len(seqs) + 1)), seq_lens, 1, feeds)
+        return self._pack(input_ids, positions, slots, tables, list(range(len(seqs) + 1)), seq_lens, 1, feeds)
 
-    def _inputs(self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len, feeds=()):
-        """The step's input tensors on the device, from host lists (tables already padded to one width), in two
-        transfers (one per dtype) from pinned memory on CUDA: none makes the host wait for the device."""
+    def _pack(self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len, feeds) -> HostInputs:
+        """Host lists (tables already padded to one width) packed by dtype, in pinned memory on CUDA."""
         pinned = self.device.type == "cuda"
         per_token = torch.tensor([input_ids, positions, slots], dtype=torch.int64, pin_memory=pinned)
-        n, width = len(tables), len(tables[0]) if tables else 0
         per_seq = torch.tensor(
             [*itertools.chain.from_iterable(tables), *qsl, *seq_lens], dtype=torch.int32, pin_memory=pinned
         )
-        ids, pos, slot_mapping = per_token.to(self.device, non_blocking=True)
-        if feeds:
-            feed_tokens(ids, feeds, pinned)
-        per_seq = per_seq.to(self.device, non_blocking=True)
+        width = len(tables[0]) if tables else 0
+        return HostInputs(per_token, per_seq, width, qsl, max_query_len, max(seq_lens), feeds)
+
+    def _inputs(self, plan: HostInputs):
+        """The step's input tensors on the device, in two transfers from pinned memory on CUDA (none makes the host
+        wait for the device), the pending tokens fed from the steps that sampled them."""
+        ids, pos, slot_mapping = plan.per_token.to(self.device, non_blocking=True)
+        if plan.feeds:
+            feed_tokens(ids, plan.feeds, self.device.type == "cuda")
+        per_seq = plan.per_seq.to(self.device, non_blocking=True)
+        n, width = len(plan.qsl) - 1, plan.width
         block_tables, query_start_loc, lens = per_seq.split((n * width, n + 1, n))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables.view(n, width),
             query_start_loc=query_start_loc,
             seq_lens=lens,
-            max_query_len=max_query_len,
-            max_seq_len=max(seq_lens),
+            max_query_len=plan.max_query_len,
+            max_seq_len=plan.max_seq_len,
         )
-        return ids, pos, meta, qsl
+        return ids, pos, meta, plan.qsl
 
     @torch.inference_mode()
     def forward(

@@ -28,15 +28,18 @@ def decode_inputs(seqs: list[Sequence], positions: list[int]) -> tuple[list[int]
 def feed_tokens(ids: torch.Tensor, feeds: list[tuple[int, Sequence]], pinned: bool) -> None:
     """Write the pending tokens into a step's input ids on the device, from the steps that sampled them (each
     row's `last_sampled`; the device thread's, read once the step before has run): no host wait (the indices go
-    from pinned memory)."""
+    from pinned memory). Usually they all come from the step before: one gather."""
     sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
     for dst, seq in feeds:
         tokens, src = seq.last_sampled
-        entry = sources.setdefault(id(tokens), (tokens, [], []))
+        entry = sources.get(id(tokens))
+        if entry is None:
+            entry = sources[id(tokens)] = (tokens, [], [])
         entry[1].append(dst)
         entry[2].append(src)
     for tokens, dsts, srcs in sources.values():
-        index = torch.tensor([dsts, srcs], dtype=torch.int64, pin_memory=pinned).to(
-            ids.device, non_blocking=True
-        )
-        ids[index[0]] = tokens[index[1]].to(ids.dtype)
+        if ids.device.type == "cpu" and tokens.device.type == "cpu":  # plain host memory: no tensor ops needed
+            ids.numpy()[dsts] = tokens.numpy()[srcs]
+            continue
+        index = torch.tensor([dsts, srcs], dtype=torch.int64, pin_memory=pinned).to(ids.device, non_blocking=True)
+        ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
