@@ -38,8 +38,12 @@ def feed_tokens(ids: torch.Tensor, feeds: list[tuple[int, Sequence]], pinned: bo
         entry[1].append(dst)
         entry[2].append(src)
     for tokens, dsts, srcs in sources.values():
-        if ids.device.type == "cpu" and tokens.device.type == "cpu":  # plain host memory: no tensor ops needed
+        if (
+            ids.device.type == "cpu" and tokens.device.type == "cpu"
+        ):  # plain host memory: no tensor ops needed
             ids.numpy()[dsts] = tokens.numpy()[srcs]
             continue
-        index = torch.tensor([dsts, srcs], dtype=torch.int64, pin_memory=pinned).to(ids.device, non_blocking=True)
+        index = torch.tensor([dsts, srcs], dtype=torch.int64, pin_memory=pinned).to(
+            ids.device, non_blocking=True
+        )
         ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
