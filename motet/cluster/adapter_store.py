@@ -15,6 +15,7 @@ re-upload is a new version, a new uid and a new key in the store.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import shutil
@@ -82,7 +83,10 @@ class SharedAdapterStore:
         if self._fs is None:
             return ref
         local = self.cache_dir / ref.name / hashlib.blake2b(ref.version.encode(), digest_size=8).hexdigest()
-        with self._lock:
+        # Replicas on one machine share the cache: one process at a time checks and copies (another replica
+        # replacing a complete copy while this one's engine reads it would look like a deleted adapter).
+        with self._lock, open(self._ensure(local.parent) / ".lock", "a+") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # (released as the file closes)
             self._fetch(ref, local)
         return AdapterRef(ref.name, local, ref.version)
 
