@@ -43,9 +43,8 @@ class ScheduledBatch:
     # reads the batch: the runner reads these. None (a batch built by hand): read from the rows.
     starts: list[int] | None = None
     sampling: list[bool] | None = None
-    inputs: object | None = (
-        None  # the runner's host-side inputs, built as the step launches (ModelRunner.plan_inputs)
-    )
+    # The runner's inputs built on the host as the step launches (ModelRunner.plan_inputs); None: built when it runs.
+    inputs: object | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -55,6 +54,7 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     def freeze(self) -> ScheduledBatch:
+        """Take the snapshots (the scheduler does, as it returns the batch)."""
         self.starts = [s.num_computed_tokens for s in self.seqs]
         self.sampling = [self._samples(i) for i in range(len(self.seqs))]
         return self
