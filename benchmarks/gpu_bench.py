@@ -39,40 +39,81 @@ def cuda_ms(fn, iters: int = 50, warmup: int = 5) -> float:
     return start.elapsed_time(end) / iters
 
 
+def sgmv_case(tokens: int, rank: int, n: int, dev: str = "cuda", dt: torch.dtype = torch.bfloat16) -> dict:
+    """n rank-`rank` adapters on SmolLM2-135M's gate/up (hidden 576 -> 2 x 1536) packed into an AdapterPool
+    (motet/lora/pool.py), `tokens` rows cut into n equal segments, one adapter each: add_lora's arguments."""
+    from types import SimpleNamespace
+
+    from motet.lora.adapter import LoRAAdapter
+    from motet.lora.pool import AdapterPool, PoolLayout, pack
+
+    shape = SimpleNamespace(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+    )  # fmt: skip
+    layout = PoolLayout(shape)
+    pool = AdapterPool(layout, 1 << 30, dev, dt, max_slots=max(n, 8))
+    for i in range(n):
+        weights = {
+            (0, m): (torch.randn(rank, 576) / 576**0.5, torch.randn(1536, rank) * 0.01, 2.0)
+            for m in ("gate_proj", "up_proj")
+        }
+        pool.place(i, pack(LoRAAdapter(f"a{i}", rank, weights), layout, dt), lambda u: False)
+    bounds = [round(i * tokens / n) for i in range(n + 1)]
+    geo = layout.groups[2]
+    return dict(
+        x=torch.randn(tokens, 576, device=dev, dtype=dt),
+        y=torch.zeros(tokens, 3072, device=dev, dtype=dt),
+        pool=pool.data,
+        desc=pool.desc,
+        seg_starts=torch.tensor(bounds, device=dev, dtype=torch.int32),
+        seg_slots=torch.tensor([pool.slot_of[i] for i in range(n)], device=dev, dtype=torch.int32),
+        kw=dict(group=2, layer=0, a_ld=geo.a_ld, bt_ld=geo.bt_ld),
+        max_rank=rank,
+        max_seg_len=max(b - a for a, b in zip(bounds, bounds[1:], strict=False)),
+        # bytes each kernel must move at least: x, the adapters' A (2 modules), h (fp32); h, BT, y read+write
+        bytes_shrink=tokens * 576 * 2 + n * 2 * rank * 576 * 2 + tokens * 2 * rank * 4,
+        bytes_expand=tokens * 2 * rank * 4 + n * 2 * rank * 1536 * 2 + 2 * tokens * 3072 * 2,
+    )
+
+
+def sgmv_calls(c: dict):
+    """(shrink, expand, reference) of a case, as argument-less callables (shrink writes h, expand reads it)."""
+    from motet.kernels import sgmv
+
+    args = (c["pool"], c["desc"], c["seg_starts"], c["seg_slots"])
+    kw = {**c["kw"], "max_rank": c["max_rank"], "max_seg_len": c["max_seg_len"]}
+    h = torch.empty(c["x"].shape[0], 2 * c["max_rank"], dtype=torch.float32, device=c["x"].device)
+    sizes = (1536, 1536)
+    return (
+        lambda: sgmv.sgmv_shrink_triton(c["x"], *args, out=h, **kw),
+        lambda: sgmv.sgmv_expand_triton(h, *args, c["y"], sizes=sizes, **kw),
+        lambda: sgmv.lora_delta_reference(c["x"], *args, sizes=sizes, **c["kw"]),
+    )
+
+
 def bench_sgmv(quick: bool) -> list[dict]:
     from motet.kernels import sgmv
 
-    rows, dev, dt = [], "cuda", torch.bfloat16
-    d_in, d_out = 576, 1536  # SmolLM2-135M: hidden -> gate/up
+    rows = []
     for tokens in (1, 8, 64, 256):
         for rank in (8, 16, 64) if not quick else (16,):
             for n in (1, 8, 64) if not quick else (1, 8):
                 if n > tokens:
                     continue
-                slots = max(n, 8)
-                x = torch.randn(tokens, d_in, device=dev, dtype=dt)
-                A = torch.randn(slots, rank, d_in, device=dev, dtype=dt) / d_in**0.5
-                B = torch.randn(slots, d_out, rank, device=dev, dtype=dt) * 0.01
-                scales = torch.ones(slots, device=dev)
-                bounds = [round(i * tokens / n) for i in range(n + 1)]
-                starts = torch.tensor(bounds, device=dev, dtype=torch.int32)
-                seg_slots = torch.arange(n, device=dev, dtype=torch.int32)
-                max_len = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
-                y = torch.zeros(tokens, d_out, device=dev, dtype=dt)
-                h = sgmv.sgmv_shrink_triton(x, A, starts, seg_slots, max_seg_len=max_len)
-                ref_h = sgmv.sgmv_shrink_reference(x, A, starts, seg_slots)
+                c = sgmv_case(tokens, rank, n)
+                shrink, expand, reference = sgmv_calls(c)
+                shrink()
+                width = 2 * rank
+                ref_h = sgmv.sgmv_shrink_reference(
+                    c["x"], c["pool"], c["desc"], c["seg_starts"], c["seg_slots"], width=width, **c["kw"]
+                )
+                h = sgmv.sgmv_shrink_triton(
+                    c["x"], c["pool"], c["desc"], c["seg_starts"], c["seg_slots"], max_rank=rank, **c["kw"]
+                )
                 err = (h - ref_h).abs().max().item()
-                t_shrink = cuda_ms(
-                    lambda: sgmv.sgmv_shrink_triton(x, A, starts, seg_slots, max_seg_len=max_len)
-                )
-                t_expand = cuda_ms(
-                    lambda: sgmv.sgmv_expand_triton(h, B, scales, starts, seg_slots, y, max_seg_len=max_len)
-                )
-                t_ref = cuda_ms(
-                    lambda: sgmv.lora_delta_reference(x, A, B, scales, starts, seg_slots), iters=10
-                )
-                bytes_shrink = tokens * d_in * 2 + n * rank * d_in * 2 + tokens * rank * 4
-                bytes_expand = tokens * rank * 4 + n * d_out * rank * 2 + 2 * tokens * d_out * 2
+                t_shrink, t_expand = cuda_ms(shrink), cuda_ms(expand)
+                t_ref = cuda_ms(reference, iters=10)
                 rows.append(
                     {
                         "tokens": tokens,
@@ -82,8 +123,8 @@ def bench_sgmv(quick: bool) -> list[dict]:
                         "expand_us": 1e3 * t_expand,
                         "torch_reference_us": 1e3 * t_ref,
                         "speedup_vs_reference": t_ref / (t_shrink + t_expand),
-                        "shrink_roofline": bytes_shrink / (t_shrink * 1e-3) / HBM_BYTES_PER_S,
-                        "expand_roofline": bytes_expand / (t_expand * 1e-3) / HBM_BYTES_PER_S,
+                        "shrink_roofline": c["bytes_shrink"] / (t_shrink * 1e-3) / HBM_BYTES_PER_S,
+                        "expand_roofline": c["bytes_expand"] / (t_expand * 1e-3) / HBM_BYTES_PER_S,
                         "max_abs_err_shrink": err,
                     }
                 )

@@ -1,6 +1,6 @@
 """The native CPU kernels (motet/kernels/cpu_native.py) against float64 ground truths: paged attention against the
-naive per-position attention of test_paged_attention, SGMV against the naive per-token LoRA delta of
-test_sgmv, the small-M linear against float64 F.linear."""
+naive per-position attention of test_paged_attention, SGMV over the adapters' pool against a naive
+per-row LoRA delta from the adapters' own factors, the small-M linear against float64 F.linear."""
 
 from __future__ import annotations
 
@@ -9,17 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from motet.kernels import cpu_native
+from motet.lora.adapter import module_shape
+from motet.lora.pool import DECODER_GROUPS
+from tests.test_lora_pool import BASE, LAYOUT
 from tests.test_paged_attention import TOL, make_batch, naive_attention, random_seqs
-from tests.test_sgmv import (
-    GROUP_REF_CASES,
-    REF_CASES,
-    check_expand,
-    check_group,
-    make_case,
-    make_group_case,
-    naive,
-    naive_group,
-)
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels")
 
@@ -46,70 +39,86 @@ def test_attention_strided_q_and_long_context():
     torch.testing.assert_close(out.double(), naive_attention(*args, 0.125), **TOL[torch.float32])
 
 
+def adapter_pool(dtype, count=12, seed=0):
+    """A pool of `count` random adapters of mixed ranks (1..16) and targets, as the engine packs them."""
+    from motet.lora.adapter import TARGET_MODULES, LoRAAdapter
+    from motet.lora.pool import AdapterPool, pack
+
+    g = torch.Generator().manual_seed(seed)
+    pool, adapters = AdapterPool(LAYOUT, 8 << 20, dtype=dtype), {}
+    for uid in range(1, count + 1):
+        rank = int(torch.randint(1, 17, (1,), generator=g))
+        mods = [m for m in TARGET_MODULES if torch.rand(1, generator=g) < 0.5] or ["v_proj"]
+        weights = {}
+        for layer in range(BASE.num_hidden_layers):
+            for m in mods:
+                n_in, n_out = module_shape(BASE, m)
+                a = torch.randn(rank, n_in, generator=g) / n_in**0.5
+                weights[(layer, m)] = (a, torch.randn(n_out, rank, generator=g), 0.5 + uid / 8)
+        adapters[uid] = LoRAAdapter(f"a{uid}", rank, weights)
+        pool.place(uid, pack(adapters[uid], LAYOUT, dtype), lambda u: False)
+    return pool, adapters
+
+
+def naive_delta(adapters, rows, x, layer, modules, dtype):
+    """Per row, float64, from the factors as the pool stores them (A, B * scale rounded to its dtype)."""
+    sizes = [y for _, y in (module_shape(BASE, m) for m in modules)]
+    out, col = torch.zeros(x.shape[0], sum(sizes), dtype=torch.float64), 0
+    for m, size in zip(modules, sizes, strict=True):
+        for t, uid in enumerate(rows):
+            if uid and (layer, m) in adapters[uid].weights:
+                a, b, scale = adapters[uid].weights[(layer, m)]
+                bs = (b * scale).to(dtype).double()
+                out[t, col : col + size] = bs @ (a.to(dtype).double() @ x[t, : a.shape[1]].double())
+        col += size
+    return out
+
+
+def native_sgmv(y, x, pool, rows, layer, group, sizes):
+    starts = torch.arange(len(rows) + 1, dtype=torch.int32)  # every row its own segment (decode)
+    slots = torch.tensor([pool.slot_of[u] if u else -1 for u in rows], dtype=torch.int32)
+    geo = [g.a_ld for g in pool.layout.groups], [g.bt_ld for g in pool.layout.groups]
+    desc = cpu_native.LoraPool.of(pool.data, pool.desc, *geo)
+    cpu_native.sgmv(y, x, desc, pool.dtype, starts, slots, group=group, layer=layer, sizes=sizes)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", REF_CASES, ids=[f"case{c[0]}" for c in REF_CASES])
-def test_sgmv_matches_naive(case, dtype):
-    c = make_case(*case, dtype=dtype)
-    _, delta = naive(c)
-    y = c["y"].clone()
-    cpu_native.sgmv(y, c["x"], c["A"], c["B"], c["scales"], c["starts"], c["slots"])
-    check_expand(y, c["y"], delta, dtype)
+def test_sgmv_decode_rows_of_many_adapters_match_naive(dtype):
+    """64 rows, each its own segment, over 12 adapters of mixed ranks and targets and base rows: every group."""
+    pool, adapters = adapter_pool(dtype)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, 13, (64,), generator=g).tolist()
+    for group, modules in enumerate(DECODER_GROUPS):
+        n_in = module_shape(BASE, modules[0])[0]
+        sizes = [module_shape(BASE, m)[1] for m in modules]
+        x = torch.randn(64, n_in, generator=g)
+        y0 = torch.randn(64, sum(sizes), generator=g)
+        y = y0.clone()
+        native_sgmv(y, x, pool, rows, 1, group, sizes)
+        want = y0.double() + naive_delta(adapters, rows, x, 1, modules, dtype)
+        torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(
+            y[[t for t, u in enumerate(rows) if not u]], y0[[t for t, u in enumerate(rows) if not u]]
+        )
 
 
-def test_sgmv_strided_output_and_cut_rank():
-    """A module's columns of a fused output (a row-strided view) and stacks cut to the batch's rank."""
-    c = make_case(2, 40, 7, 96, 64, 16)
-    r = 8
-    c["A"][:, r:] = 0
-    c["B"][:, :, r:] = 0
-    _, delta = naive(c)
-    fused = torch.randn(40, 3 * 64)
-    fused[:, 64:128] = c["y"]
-    before = fused.clone()
-    cpu_native.sgmv(
-        fused[:, 64:128], c["x"], c["A"][:, :r], c["B"][:, :, :r], c["scales"], c["starts"], c["slots"]
-    )
-    check_expand(fused[:, 64:128], c["y"], delta, torch.float32)
-    assert torch.equal(fused[:, :64], before[:, :64]) and torch.equal(fused[:, 128:], before[:, 128:])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", GROUP_REF_CASES, ids=[f"case{c[0]}" for c in GROUP_REF_CASES])
-def test_sgmv_group_matches_naive(case, dtype):
-    """A module group (q/k/v, gate/up): one shrink over the rank-major A, each active module's expand into its
-    columns; slots of mixed ranks and target sets, inactive modules untouched."""
-    c = make_group_case(*case, dtype=dtype)
-    y = c["y"].clone()
-    cpu_native.sgmv(
-        y, c["x"], c["A"], c["B"], c["scales"], c["starts"], c["slots"], sizes=c["sizes"], active=c["active"]
-    )
-    check_group(y, c, naive_group(c)[1], dtype, c["active"])
-
-
-def test_sgmv_group_in_a_row_strided_output_with_cut_rank():
-    """The group's columns inside a wider buffer, stacks cut to the batch's rank (the first n r rows of A)."""
-    c = make_group_case(19, 30, 6, 64, (64, 32, 32), 8)
-    S, n, R = c["A"].shape[0], 3, 8
-    A2 = torch.zeros(S, 2 * R, n, 64)
-    A2[:, :R] = c["A"].view(S, R, n, 64)
-    B2 = torch.zeros(S, 128, 2 * R)
-    B2[:, :, :R] = c["B"]
-    wide = torch.randn(30, 200)
-    wide[:, 40:168] = c["y"]
+def test_sgmv_strided_output_and_narrower_input():
+    """The group's columns inside a wider buffer (a row-strided view), x narrower than the pool's A rows (a
+    tensor-parallel rank's part of o_proj's input)."""
+    pool, adapters = adapter_pool(torch.float32, seed=3)
+    q = module_shape(BASE, "o_proj")[0]
+    rows = [1, 1, 0, 4, 7, 7, 7, 2]
+    x = torch.randn(len(rows), q)
+    x[:, q // 2 :] = 0  # the rank's part: the first half of the inputs (the rest is another rank's)
+    wide = torch.randn(len(rows), 100)
     before = wide.clone()
-    y = wide[:, 40:168]
-    cpu_native.sgmv(
-        y,
-        c["x"],
-        A2.flatten(1, 2)[:, : n * R],
-        B2[:, :, :R],
-        c["scales"],
-        c["starts"],
-        c["slots"],
-        sizes=c["sizes"],
+    hid = module_shape(BASE, "o_proj")[1]
+    native_sgmv(wide[:, 10 : 10 + hid], x[:, : q // 2].contiguous(), pool, rows, 0, 1, [hid])
+    want = before[:, 10 : 10 + hid].double() + naive_delta(adapters, rows, x, 0, ("o_proj",), torch.float32)
+    torch.testing.assert_close(wide[:, 10 : 10 + hid].double(), want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(wide[:, :10], before[:, :10]) and torch.equal(
+        wide[:, 10 + hid :], before[:, 10 + hid :]
     )
-    check_group(y, c, naive_group(c)[1], torch.float32, (True,) * 3)
-    assert torch.equal(wide[:, :40], before[:, :40]) and torch.equal(wide[:, 168:], before[:, 168:])
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -53,38 +53,34 @@ def test_runner_ignores_graphs_on_cpu(tiny_model_dir):
     assert engine.runner.graphs is None
 
 
-def test_lora_graph_signature_changes_exactly_when_the_launches_would(tmp_path):
-    """A captured graph bakes each module group's launch arguments (the stacks' storage and rank cut, which of
-    its modules expand): two steps share a graph exactly when those are equal, whichever slots they use."""
+def test_lora_graph_signature_is_the_groups_launched_and_the_rank_tile(tmp_path):
+    """A captured graph launches one shrink and one expand per module group some adapter targets, with a rank tile;
+    the kernels read each adapter's slot, rank, targets and weights from the pool at the replay. So steps share a
+    graph whatever their slots, ranks within the tile and modules within the groups; another group or a wider
+    tile takes another graph."""
     from motet.engine.cuda_graphs import DecodeGraphs
-    from tests.test_lora_slot_cache import make, write_adapter
+    from motet.lora.manager import AdapterManager, AdapterRef
+    from tests.test_lora_pool import BASE, write_adapter
 
     specs = {  # uid: (rank, modules)
         1: (4, ["q_proj", "v_proj"]),
-        2: (4, ["q_proj", "v_proj"]),  # as 1, in another slot: the same graph
-        3: (4, ["q_proj", "k_proj", "v_proj"]),  # one more module of the q/k/v group expands
-        4: (8, ["q_proj", "v_proj"]),  # a wider rank cut
-        5: (4, ["up_proj"]),
+        2: (4, ["q_proj", "v_proj"]),  # as 1, in another slot
+        3: (4, ["q_proj", "k_proj", "v_proj"]),  # one more module of the same group
+        4: (8, ["q_proj", "v_proj"]),  # a higher rank within the tile
+        5: (4, ["up_proj"]),  # another group
+        6: (16, ["v_proj"]),  # a wider tile
     }
     paths = {uid: write_adapter(tmp_path / f"a{uid}", r, mods, seed=uid) for uid, (r, mods) in specs.items()}
-    cache = make(paths, max_loras=3)
+    m = AdapterManager(BASE, memory_bytes=1 << 20, host_bytes=1 << 20, max_lora_rank=16, background=False)
+    uids = {i: m.acquire(AdapterRef.of(f"a{i}", p)) for i, p in paths.items()}
+    m.prefetch(list(uids.values()), set())
     graphs = DecodeGraphs(lambda *a: None, max_batch=4, max_blocks_per_seq=2, max_seq_len=16, device="cpu")
 
-    def launches(lora):
-        return tuple(
-            (i, modules, g.active, g.scales.data_ptr())
-            + tuple((t.data_ptr(), t.shape, t.stride()) for t in (g.A, g.B))
-            for i, layer in enumerate(lora.weights)
-            for modules, g in layer.groups.items()
-        )
+    def signature(*ids):
+        return graphs._signature(m.batch([uids[i] for i in ids], [1] * len(ids)))
 
-    steps = [[1], [2], [3], [4], [5], [1, 5], [2, 5], [1, 3]]
-    batches = [cache.batch(ids, [1] * len(ids)) for ids in steps]
-    keys = [(graphs._signature(b), launches(b)) for b in batches]
-    for sig_a, launch_a in keys:
-        for sig_b, launch_b in keys:
-            assert (sig_a == sig_b) == (launch_a == launch_b)
-    assert keys[0][0] == keys[1][0] and keys[0][0] != keys[2][0] != keys[3][0]
+    assert signature(1) == signature(2) == signature(3) == signature(4) == signature(1, 4)
+    assert len({signature(1), signature(5), signature(1, 5), signature(6)}) == 4
 
 
 @needs_cuda

@@ -29,6 +29,7 @@ def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters
     per-prompt adapters by name, sequences visited in `order`)."""
     refs = [engine.adapters.resolve(a) for a in adapters or [None] * len(prompts)]
     uids = [engine.adapters.acquire(r) if r else 0 for r in refs]
+    engine.adapters.prefetch(uids, in_use=set())  # resident, as the scheduler has them before a step
     seqs = [Sequence(p, adapter_id=a) for p, a in zip(prompts, uids, strict=True)]
     visit = [seqs[i] for i in order] if order else seqs
     rows = {s.seq_id: [] for s in seqs}
@@ -42,7 +43,7 @@ def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters
                 batch.num_new_tokens.append(n)
         lora = engine.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
         hidden, qsl = engine.runner.forward(batch, lora)
-        logits = engine.runner.compute_logits(hidden)
+        logits = engine.runner.compute_logits(hidden, lora)
         for i, s in enumerate(batch.seqs):
             rows[s.seq_id].append(logits[qsl[i] : qsl[i + 1]])
             s.num_computed_tokens += batch.num_new_tokens[i]

@@ -201,9 +201,12 @@ def test_valid_fixture_loads(saved):
         (dict(lora_bias=True), "lora_bias"),
         (dict(layer_replication=[[0, 2], [1, 3]]), "layer_replication"),
         (dict(alora_invocation_tokens=[1, 2]), "alora_invocation_tokens"),
-        (dict(target_modules=["q_proj", "v_proj", "embed_tokens"]), "embed_tokens"),
-        (dict(target_modules=["q_proj", "v_proj", "lm_head"]), "lm_head"),
-        (dict(target_modules=r".*(q_proj|v_proj|lm_head)"), "lm_head"),
+        (
+            dict(target_modules=["q_proj", "v_proj", "embed_tokens"]),
+            "no lora_A/lora_B weights for model.embed_tokens",
+        ),
+        (dict(target_modules=["q_proj", "v_proj", "lm_head"]), "no lora_A/lora_B weights for lm_head"),
+        (dict(target_modules=r".*(q_proj|v_proj|lm_head)"), "no lora_A/lora_B weights for lm_head"),
         (dict(target_modules=["qkv_proj"]), "selects no module"),
         (
             dict(target_modules=["q_proj"]),
@@ -260,11 +263,15 @@ def test_rank_above_max(saved):
             lambda t: t.__setitem__(
                 "base_model.model.model.embed_tokens.lora_embedding_A", torch.ones(4, 96)
             ),
-            "LoRA on embeddings",
+            "has weights for model.embed_tokens, which target_modules",
         ),
         (
             lambda t: t.__setitem__("base_model.model.lm_head.lora_A.weight", torch.ones(4, 64)),
-            "LoRA on lm_head",
+            "has weights for lm_head, which target_modules",
+        ),
+        (
+            lambda t: t.__setitem__("base_model.model.lm_head.base_layer.weight", torch.ones(97, 64)),
+            "resized vocabulary",
         ),
         (
             lambda t: t.__setitem__(Q_A.replace("lora_A.weight", "lora_magnitude_vector"), torch.ones(64)),
@@ -286,6 +293,7 @@ def test_rank_above_max(saved):
         "duplicate",
         "embedding",
         "lm_head",
+        "resized-head",
         "dora-magnitude",
         "A-shape",
         "B-shape",
@@ -345,5 +353,7 @@ def test_module_shape():
     assert module_shape(BASE, "o_proj") == (64, 64)
     assert module_shape(BASE, "gate_proj") == module_shape(BASE, "up_proj") == (64, 128)
     assert module_shape(BASE, "down_proj") == (128, 64)
-    with pytest.raises(AdapterError, match="unknown module 'lm_head'"):
-        module_shape(BASE, "lm_head")
+    assert module_shape(BASE, "embed_tokens") == (BASE.vocab_size, 64)  # in: the vocabulary (a lookup)
+    assert module_shape(BASE, "lm_head") == (64, BASE.vocab_size)
+    with pytest.raises(AdapterError, match="unknown module 'norm'"):
+        module_shape(BASE, "norm")

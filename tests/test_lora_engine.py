@@ -1,6 +1,6 @@
 """Multi-LoRA in the engine: one batch mixing adapters (ranks, target modules) and base-only requests gives,
-per request, what Hugging Face transformers + PEFT gives with that adapter alone; slots, time slicing,
-prefix caching and adapter removal on top."""
+per request, what Hugging Face transformers + PEFT gives with that adapter alone; the adapters' pool under a
+cap and under a byte bound (time slicing, eviction and reloads), prefix caching and adapter removal on top."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ def save_peft_adapters(model_dir, out_dir, specs, std: float, seed: int = 0) -> 
             if f"lora_A.{name}." in pname:  # N(0, 1/in): the shrink keeps the activations' scale
                 p.data = torch.randn_like(p) / p.shape[1] ** 0.5
             elif f"lora_B.{name}." in pname:  # PEFT inits B to zero: a no-op delta would prove nothing
+                p.data = torch.randn_like(p) * std
+            elif pname.endswith(f"lora_embedding_A.{name}"):  # PEFT inits the embedding's A to zero
+                p.data = torch.randn_like(p)
+            elif pname.endswith(f"lora_embedding_B.{name}"):
                 p.data = torch.randn_like(p) * std
         model.save_pretrained(out_dir, selected_adapters=[name])
         # PEFT puts every adapter but "default" in a subfolder named after it
@@ -150,14 +154,14 @@ def test_mixed_batch_greedy_matches_peft_generate(tiny_model_dir, tiny_loras):
     for p, n, out in zip(prompts, names, outs, strict=True):
         tokens, _ = peft_reference(peft, n, p, 12)
         assert out.token_ids == tokens[len(p) :], n
-    assert llm.engine.adapters.slots.num_loads == 4
+    assert llm.engine.adapters.pool.num_placed == 4  # each copied into the pool once
 
 
 def test_no_adapters_no_lora_path(tiny_model_dir, tiny_loras):
     _, paths = tiny_loras
     llm = tiny_llm(tiny_model_dir, paths)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
-    assert llm.engine.adapters.slots.stacks is None  # never allocated, never touched
+    assert llm.engine.adapters.pool.num_placed == 0  # nothing copied: the pool's pages never touched
 
 
 def test_prefix_cache_is_not_shared_across_adapters(tiny_model_dir, tiny_loras):
@@ -174,20 +178,45 @@ def test_prefix_cache_is_not_shared_across_adapters(tiny_model_dir, tiny_loras):
     assert a.token_ids == peft_reference(peft, "qv4", prefix + [5], 6)[0][49:]
 
 
-def test_more_adapters_than_slots_time_slice_and_all_complete(tiny_model_dir, tiny_loras):
+def pool_bytes_for(paths, count: int, base, parallel=None) -> int:
+    """Adapter memory for the `count` largest of these adapters at once (more would not fit); `parallel`: as a
+    tensor-parallel rank 0 packs them."""
+    from motet.lora.pool import PoolLayout, pack
+
+    layout = PoolLayout(parallel.layout_shape(base) if parallel else base)
+    shard = parallel.lora_sharder(base) if parallel else None
+    sizes = sorted(
+        pack(load_adapter(p, base, max_rank=32), layout, torch.float32, shard).nbytes for p in paths.values()
+    )
+    return sum(sizes[-count:]) + 1024
+
+
+@pytest.mark.parametrize("room", ["cap", "memory"])
+def test_more_adapters_than_room_time_slice_and_all_complete(tiny_model_dir, tiny_loras, room):
+    """Four adapters, room for two at once: under `max_loras` 2, or in a pool of the two largest ones' bytes.
+    Every request completes with the outputs of an engine with room for all; the pool stays in its bound."""
     _, paths = tiny_loras
     names = list(paths) * 3 + [None] * 3
     prompts = [[(i * 5 + j) % 300 + 3 for j in range(4 + i % 7)] for i in range(len(names))]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     ample = tiny_llm(tiny_model_dir, paths).generate(prompts, params, names)
 
-    llm = tiny_llm(tiny_model_dir, paths, max_loras=2, lora_time_slice=3, max_num_seqs=4)
+    if room == "cap":
+        options = {"max_loras": 2}
+    else:
+        from motet.engine.checkpoint import load_model_config
+
+        options = {"adapter_memory_gb": pool_bytes_for(paths, 2, load_model_config(tiny_model_dir)) / 2**30}
+    llm = tiny_llm(tiny_model_dir, paths, lora_time_slice=3, max_num_seqs=4, **options)
     engine = llm.engine
+    pool = engine.adapters.pool
     ids = [engine.add_request(p, params, adapter=n) for p, n in zip(prompts, names, strict=True)]
     final, steps = {}, 0
     while engine.has_unfinished():
         batch = engine.schedule()
-        assert len({s.adapter_id for s in batch.seqs} - {0}) <= 2
+        if room == "cap":
+            assert len({s.adapter_id for s in batch.seqs} - {0}) <= 2
+        assert pool.used_bytes <= pool.capacity_bytes
         adapters = [s.adapter_id for s in batch.seqs]
         assert adapters == sorted(adapters)  # one contiguous segment per adapter
         for out in engine.commit(batch, engine.execute(batch)):
@@ -195,7 +224,8 @@ def test_more_adapters_than_slots_time_slice_and_all_complete(tiny_model_dir, ti
         steps += 1
         assert steps < 300
     assert [final[i].token_ids for i in ids] == [o.token_ids for o in ample]
-    assert engine.adapters.slots.num_loads > 4  # slots were evicted and reloaded
+    if room == "memory":
+        assert pool.num_evicted > 0  # room was made by evicting
 
 
 def test_remove_lora_lets_running_requests_finish(tiny_model_dir, tiny_loras):
@@ -216,8 +246,9 @@ def test_remove_lora_lets_running_requests_finish(tiny_model_dir, tiny_loras):
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.request_id == rid]
     assert outs[-1].finished and outs[-1].token_ids == peft_reference(peft, "all8", prompt, 8)[0][5:]
-    slots = engine.adapters.slots
-    assert ref.uid not in slots.resident and ref.uid not in slots.cpu and ref.uid not in engine.adapters.known
+    adapters = engine.adapters
+    assert ref.uid not in adapters.host and ref.uid not in adapters.known
+    assert next(iter(adapters.pool.lru)) == ref.uid  # the first to leave the pool
     # The same files registered again serve again.
     assert llm.add_lora("all8", paths["all8"]) == ref
     engine.add_request(prompt, params, adapter="all8")
@@ -227,12 +258,21 @@ def test_a_removed_adapter_whose_files_are_gone_still_serves_its_requests(
     tiny_model_dir, tiny_loras, tmp_path
 ):
     """Its host copy is pinned while requests use it: another adapter cannot push it out of the host
-    cache (max_cpu_loras=1) after its files are deleted."""
+    cache (max_cpu_loras=1) after its files are deleted, and a pool with room for one adapter (the others'
+    requests evict it and it comes back from the host) serves it from there."""
     import shutil
 
     peft, paths = tiny_loras
     doomed = shutil.copytree(paths["all8"], tmp_path / "doomed")
-    llm = tiny_llm(tiny_model_dir, {"doomed": doomed, "qv4": paths["qv4"]}, max_cpu_loras=1, max_loras=2)
+    from motet.engine.checkpoint import load_model_config
+
+    room = pool_bytes_for({"doomed": doomed, "qv4": paths["qv4"]}, 1, load_model_config(tiny_model_dir))
+    llm = tiny_llm(
+        tiny_model_dir,
+        {"doomed": doomed, "qv4": paths["qv4"]},
+        max_cpu_loras=1,
+        adapter_memory_gb=room / 2**30,
+    )
     engine = llm.engine
     prompt = [9, 8, 7, 6, 5]
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
@@ -241,16 +281,16 @@ def test_a_removed_adapter_whose_files_are_gone_still_serves_its_requests(
     engine.remove_lora("doomed")
     shutil.rmtree(doomed)
     others = [engine.add_request([3, 4, 5, i + 6], params, adapter="qv4") for i in range(3)]
-    slots = engine.adapters.slots
-    doomed_id = slots.pinned.copy().pop()
+    host = engine.adapters.host
+    doomed_id = engine.requests[rid].adapter_id
     outs = {}
     while engine.has_unfinished():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
         if rid not in outs:
-            assert doomed_id in slots.cpu
+            assert doomed_id in host
     assert outs[rid].token_ids == peft_reference(peft, "all8", prompt, 8)[0][5:]
     assert all(outs[r].finish_reason == "length" for r in others)
-    assert not slots.pinned and len(slots.cpu) <= 1
+    assert not host.pinned and len(host) <= 1
 
 
 def test_add_lora_validates(tiny_model_dir, tiny_loras, tmp_path):
@@ -271,6 +311,42 @@ def test_add_lora_validates(tiny_model_dir, tiny_loras, tmp_path):
     assert llm.engine.adapters.named["pre"] == pre  # a failed replacement keeps the old version
     with pytest.raises(AdapterError, match="no adapter named 'c'"):
         llm.generate([[1, 2]], None, ["c"])
+
+
+# LoRA outside the decoder layers: the token embedding and the output head (PEFT's lora.Embedding and a Linear on
+# lm_head; PEFT saves both base layers' own weights beside them), alone and with decoder modules.
+MODEL_ADAPTERS = [
+    ("emb4", 4, ["embed_tokens", "q_proj"]),
+    ("head8", 8, ["lm_head", "v_proj"]),
+    ("both4", 4, ["embed_tokens", "lm_head"]),
+    ("qv4", 4, ["q_proj", "v_proj"]),
+]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["native-step", "eager"])
+def test_embedding_and_head_adapters_mixed_with_others_match_peft(tmp_path_factory, tmp_path, compiled, tied):
+    from tests.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny"), tied=tied)
+    peft = save_peft_adapters(model_dir, tmp_path, MODEL_ADAPTERS, std=0.1)
+    llm = tiny_llm(model_dir, {n: tmp_path / n for n, _, _ in MODEL_ADAPTERS}, compile_step=compiled)
+    prompts, _ = tiny_requests()
+    names = ["emb4", None, "head8", "both4", "qv4", "emb4", "both4", None]
+    refs = [peft_reference(peft, n, p, 0)[1] for p, n in zip(prompts, names, strict=True)]
+    for chunk in (None, 7):
+        got = lora_logits(llm.engine, prompts, names, chunk=chunk)
+        for g, ref, n in zip(got, refs, names, strict=True):
+            torch.testing.assert_close(g, ref, atol=2e-4, rtol=1e-4, msg=n)
+    base = lora_logits(llm.engine, prompts, [None] * len(prompts))
+    for b, ref, n in zip(base, refs, names, strict=True):
+        assert ((b - ref).abs().max() > 0.5) == bool(n), n
+    # greedy, with the head's delta on the sampled rows of steps that mix prompt chunks and decodes
+    llm48 = tiny_llm(model_dir, {n: tmp_path / n for n, _, _ in MODEL_ADAPTERS}, max_num_batched_tokens=48,
+                     compile_step=compiled)  # fmt: skip
+    outs = llm48.generate(prompts, SamplingParams(temperature=0, max_tokens=10, min_tokens=10), names)
+    for p, n, out in zip(prompts, names, outs, strict=True):
+        assert out.token_ids == peft_reference(peft, n, p, 10)[0][len(p) :], n
 
 
 # -- the real default model: slow --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from safetensors.torch import save
 import motet.lora.registry as registry
 from motet.lora.adapter import AdapterError, AdapterTooLarge, load_adapter
 from motet.lora.registry import AdapterExists, AdapterNotFound, AdapterRegistry
-from tests.test_lora_slot_cache import BASE
+from tests.test_lora_pool import BASE
 
 CFG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 

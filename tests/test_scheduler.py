@@ -96,6 +96,25 @@ def test_slicer_grants_free_slots_in_line_and_drains_expired_adapters():
     assert s.draining == {2}  # 3's slice has just begun
 
 
+def test_slicer_admits_resident_adapters_and_drains_running_ones_for_memory():
+    """No cap: an adapter's requests start once it is resident (`ready`); one the pool has no room for while
+    running adapters hold it (`blocked`) waits as for a place, and expired slices drain to make room."""
+    s = AdapterSlicer(max_loras=None, time_slice=2)
+    resident = {1, 2}
+    s.begin_step(running=[], waiting=[1, 2, 3], ready=resident.__contains__)
+    assert s.may_admit(1) and s.may_admit(2) and not s.may_admit(3)  # 3 is loading: nothing drains
+    s.admitted(1)
+    s.admitted(2)
+    s.begin_step(running=[1, 2], waiting=[3], ready=resident.__contains__)
+    s.begin_step(running=[1, 2], waiting=[3], ready=resident.__contains__)
+    assert s.draining == set()  # loading is not waiting for room
+    s.begin_step(running=[1, 2], waiting=[3], ready=resident.__contains__, blocked={3})
+    assert s.draining == {1}  # one adapter waits for memory: the oldest expired slice ends
+    resident = {2, 3}  # 1 drained and left the pool; 3 took its memory
+    s.begin_step(running=[2], waiting=[3, 1], ready=resident.__contains__)
+    assert s.may_admit(3) and not s.may_admit(1)
+
+
 def test_batches_hold_at_most_max_loras_adapters_in_contiguous_segments():
     sched = make(num_blocks=256, max_seqs=16, budget=64)
     sched.slicer.max_loras = 2

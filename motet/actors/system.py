@@ -27,6 +27,7 @@ from motet.actors.runtime import ActorStopped, ActorSystem
 from motet.actors.scheduler import SchedulerActor
 from motet.engine.kv_connector import KVTierStats
 from motet.engine.speculative.proposer import SpeculativeStats
+from motet.lora.manager import AdapterStats
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Stats:
     preemptions: int
     steps: int
     adapters_pinned: int  # adapter versions held in host memory for unfinished requests
+    adapters: AdapterStats | None = None  # adapter memory (the pool, the host cache, loads)
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     queued_adapters: tuple[str, ...] = ()  # adapters of requests in the adapter queues, not yet admitted
@@ -129,6 +131,7 @@ class ServingSystem:
             preemptions=es.preemptions,
             steps=es.steps,
             adapters_pinned=es.adapters_pinned,
+            adapters=es.adapters,
             running_adapters=es.running_adapters,
             waiting_adapters=es.waiting_adapters,
             queued_adapters=tuple(

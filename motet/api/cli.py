@@ -193,13 +193,29 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "tokens sent to them by all-to-all (default: every expert's intermediate columns split)",
     )
     p.add_argument(
-        "--max-loras", type=integer(1), default=d.max_loras, help="LoRA adapters resident on the device"
+        "--adapter-memory-gb",
+        type=number(0, above=True),
+        default=d.adapter_memory_gb,
+        help="GiB for resident LoRA adapters, each at its own rank (default: --adapter-memory-fraction)",
+    )
+    p.add_argument(
+        "--adapter-memory-fraction",
+        type=number(0, 1, above=True),
+        default=d.adapter_memory_fraction,
+        help="the resident adapters' share of the host memory available at start-up on a CPU, and on CUDA of "
+        "the memory the KV cache and the adapters share (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=integer(1),
+        default=d.max_loras,
+        help="a cap on distinct LoRA adapters among the running requests (default: none, memory decides)",
     )
     p.add_argument(
         "--max-cpu-loras",
         type=integer(1),
         default=d.max_cpu_loras,
-        help="loaded LoRA adapters kept in host memory",
+        help="a cap on loaded LoRA adapters kept in host memory (default: none, their bytes decide)",
     )
     p.add_argument(
         "--max-lora-rank", type=integer(1), default=d.max_lora_rank, help="higher-rank adapters are refused"
@@ -241,6 +257,8 @@ def engine_config(args):
         compile_step=not args.no_compile,
         overlap_output=getattr(args, "overlap_output", EngineConfig.overlap_output),
         async_scheduling=getattr(args, "async_scheduling", EngineConfig.async_scheduling),
+        adapter_memory_gb=args.adapter_memory_gb,
+        adapter_memory_fraction=args.adapter_memory_fraction,
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,

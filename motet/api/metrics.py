@@ -13,7 +13,8 @@ admin: each tenant's virtual token counter, its requests queued, waiting and run
 the order tenants are served next (motet/engine/fairness.py). Per KV tier past the device cache (`tier`: ram,
 disk; motet/engine/kv_connector.py): the bytes and blocks it holds and may hold, the prompt tokens and bytes
 loaded from it instead of recomputed, the blocks and bytes saved to it, the entries dropped as corrupt, and
-the loads' latency.
+the loads' latency. Adapter memory (`motet_lora_*`): the pool's bound and the bytes and adapters resident in it,
+how many adapters fit, the host cache, and the loads, placements, evictions, hits and misses so far.
 """
 
 from __future__ import annotations
@@ -93,6 +94,27 @@ class Metrics:
         self.adapters_pinned = Gauge(
             "motet_lora_adapters_pinned", "adapters held for unfinished requests", registry=r
         )
+        # Adapter memory (motet/lora/manager.py): the pool bounded by bytes, the host cache, loads so far.
+        self.lora = {
+            name: Gauge(f"motet_lora_{name}", text, registry=r)
+            for name, text in (
+                ("memory_bytes", "bytes of the resident adapters' pool (their bound)"),
+                ("resident_bytes", "bytes of the pool the resident adapters take"),
+                ("resident_adapters", "adapters resident in the pool"),
+                (
+                    "capacity_adapters",
+                    "adapters of the resident ones' mean size (rank-8 q/v if none) the pool holds",
+                ),
+                ("host_bytes", "bytes of loaded adapters in the host cache"),
+                ("host_adapters", "loaded adapters in the host cache"),
+                ("loading_adapters", "adapters being loaded from disk"),
+                ("disk_loads", "adapters read from disk so far"),
+                ("placements", "adapters copied into the pool so far"),
+                ("evictions", "adapters evicted from the pool so far"),
+                ("hits", "requests whose adapter was resident when they arrived, so far"),
+                ("misses", "requests whose adapter was not resident when they arrived, so far"),
+            )
+        }
         # Speculative decoding, over the server's life (zero while it is off).
         self.spec_drafted = Gauge("motet_spec_draft_tokens", "draft tokens verified", registry=r)
         self.spec_accepted = Gauge("motet_spec_accepted_tokens", "draft tokens accepted", registry=r)
@@ -292,7 +314,9 @@ class Metrics:
         """The choices of one prompt (`n` of them) have all finished: the most tokens one generated."""
         self.vllm_max_generation_tokens.labels(self.model_name).observe(max_generation_tokens)
 
-    def refresh(self, stats: Stats | None, max_loras: int = 0) -> None:
+    def refresh(self, stats: Stats | None, max_loras: int | None = None) -> None:
+        """The gauges from the latest stats; `max_loras`: the cap vLLM's lora info names (None: the adapters that
+        fit in memory)."""
         if stats is None:
             return
         self.stats = stats
@@ -303,7 +327,8 @@ class Metrics:
         running = _client_names(stats.running_adapters)
         waiting = _client_names(stats.waiting_adapters + stats.queued_adapters) - running
         self.vllm_lora_info.clear()  # one series: the current sets (vLLM keeps one per combination seen)
-        self.vllm_lora_info.labels(str(max_loras), ",".join(sorted(running)), ",".join(sorted(waiting))).set(
+        cap = max_loras if max_loras is not None else getattr(stats.adapters, "capacity", 0)
+        self.vllm_lora_info.labels(str(cap), ",".join(sorted(running)), ",".join(sorted(waiting))).set(
             time.time()
         )
         self.queued.set(stats.queued)
@@ -315,6 +340,14 @@ class Metrics:
         self.prefix_hit_rate.set(stats.prefix_cache_hits / q if q else 0.0)
         self.preemptions.set(stats.preemptions)
         self.adapters_pinned.set(stats.adapters_pinned)
+        a = getattr(stats, "adapters", None)
+        if a is not None:
+            values = {"memory_bytes": a.memory_bytes, "resident_bytes": a.resident_bytes,
+                      "resident_adapters": a.resident, "capacity_adapters": a.capacity, "host_bytes": a.host_bytes,
+                      "host_adapters": a.host, "loading_adapters": a.loading, "disk_loads": a.disk_loads,
+                      "placements": a.placements, "evictions": a.evictions, "hits": a.hits, "misses": a.misses}  # fmt: skip
+            for name, value in values.items():
+                self.lora[name].set(value)
         spec = stats.speculative
         self.spec_drafted.set(spec.drafted_tokens)
         self.spec_accepted.set(spec.accepted_tokens)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from motet.actors.system import Stats
 from motet.api.state import ServerState
+from motet.lora.manager import AdapterManager
+from motet.lora.peft_format import TARGET_MODULES
 
 log = logging.getLogger("motet.server")
 
@@ -52,13 +54,27 @@ def ready_line(state: ServerState, url: str, stats: Stats) -> str:
     if str(engine.model_dir) != model:
         model += f" ({engine.model_dir})"
     shared = sorted(state.adapters.shared) if state.adapters is not None else []
-    adapters = (
-        f"adapters: {', '.join(shared) if shared else 'none shared'} (+ tenants' uploads; "
-        f"{config.max_loras} on the device at once, rank <= {config.max_lora_rank})"
-    )
+    adapters = f"adapters: {', '.join(shared) if shared else 'none shared'} (+ tenants' uploads; {memory_line(engine)})"
     return (
         f"ready on {url}: model {model}, dtype {dtype}, {where}, "
         f"KV cache {kv}, max {config.max_num_seqs} sequences, context {engine.max_model_len} tokens, {adapters}"
+    )
+
+
+def memory_line(engine) -> str:
+    """How many adapters the pool holds: its bytes, the count of rank-8 q/v and rank-16 all-module adapters that
+    fit, the caps."""
+    config, manager = engine.config, getattr(engine, "adapters", None)
+    caps = f"rank <= {config.max_lora_rank}" + (
+        f", at most {config.max_loras} running at once" if config.max_loras is not None else ""
+    )
+    if not isinstance(manager, AdapterManager):  # behind --replicas: each replica has its own pool
+        return caps
+    layout, elem = manager.layout, manager.pool.elem_bytes
+    big = manager.capacity(layout.adapter_elements(16, TARGET_MODULES) * elem)
+    return (
+        f"{manager.pool.capacity_bytes / 2**30:.2f} GiB of adapter memory holds {manager.capacity()} rank-8 "
+        f"q_proj/v_proj adapters or {big} rank-16 ones on every module; {caps}"
     )
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from motet.actors.system import Stats
 from motet.engine.kv_connector import KVTierStats, sum_tier_stats
 from motet.engine.speculative.proposer import SpeculativeStats
+from motet.lora.manager import AdapterStats
 
 REPORT_PERIOD_S = 0.5
 
@@ -65,6 +66,9 @@ class ReplicaReport:
                     **d["stats"],
                     "speculative": SpeculativeStats(**d["stats"].get("speculative", {})),
                     "kv_tiers": tuple(KVTierStats(**t) for t in d["stats"].get("kv_tiers", ())),
+                    "adapters": AdapterStats(**d["stats"]["adapters"])
+                    if d["stats"].get("adapters")
+                    else None,
                 }
             )
             kwargs = {f.name: d[f.name] for f in fields(cls) if f.name != "stats"}
@@ -89,8 +93,14 @@ def total_stats(reports: Iterable[ReplicaReport]) -> Stats | None:
             for f in fields(SpeculativeStats)
         }
     )
+    adapters = [r.stats.adapters for r in reports if r.stats.adapters is not None]
     return Stats(
         **sums,
+        adapters=AdapterStats(
+            **{f.name: sum(getattr(a, f.name) for a in adapters) for f in fields(AdapterStats)}
+        )
+        if adapters
+        else None,
         running_adapters=running,
         waiting_adapters=waiting,
         queued_adapters=queued,

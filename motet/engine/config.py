@@ -36,7 +36,7 @@ CPU_STEP_TOKENS = 256
 CUDA_STEP_TOKENS = 2048
 # The KV cache's size where neither --num-kv-blocks, --gpu-memory-utilization nor --kv-cache-memory-gb says: on
 # CUDA, as vLLM, what is left of this share of the device's memory once the weights, a step's activations and
-# the LoRA slots have theirs (motet/engine/memory.py): the GPU serves nothing else; on a CPU, whose memory the
+# the adapters' pool have theirs (motet/engine/memory.py): the GPU serves nothing else; on a CPU, whose memory the
 # host shares with everything else it runs, a fixed size.
 CUDA_GPU_MEMORY_UTILIZATION = 0.9
 CPU_KV_CACHE_MEMORY_GB = 1.0
@@ -281,10 +281,19 @@ class EngineConfig:
     # prompts' KV over through it (motet/cluster/disaggregation.py).
     kv_shared_dir: str | None = None
     kv_shared_gb: float = 16.0
-    max_loras: int = 8  # adapters resident on the device at once (distinct adapters per step)
-    max_cpu_loras: int = 32  # loaded adapters kept in host memory in front of the disk
-    max_lora_rank: int = 64  # device slots are zero-padded to this rank; higher-rank adapters are refused
-    lora_time_slice: int = 32  # steps an adapter keeps admitting work while others wait for a slot
+    # Adapters are resident in a pool bounded by bytes (motet/lora/pool.py), each at its own rank and targets:
+    # `adapter_memory_gb` GiB, or else `adapter_memory_fraction` of the host memory available at start-up on a
+    # CPU, and on CUDA of the memory left for the KV cache and the pool once the weights and a step have theirs.
+    # The host cache of loaded adapters in front of the disk holds a quarter of the pool on a CPU, and that
+    # fraction of the host's memory beside a GPU.
+    adapter_memory_gb: float | None = None
+    adapter_memory_fraction: float = 0.1
+    max_loras: int | None = (
+        None  # vLLM's cap on distinct adapters among the running requests; None: memory decides
+    )
+    max_cpu_loras: int | None = None  # a cap on adapters in the host cache (its bytes bound it anyway)
+    max_lora_rank: int = 64  # higher-rank adapters are refused
+    lora_time_slice: int = 32  # steps an adapter keeps admitting work while others wait for room
     num_threads: int | None = None  # CPU intra-op threads for the forward pass; None: torch's default
     grammar_backend: str = DEFAULT_GRAMMAR_BACKEND  # one of GRAMMAR_BACKENDS (the others: fallback)
     grammar_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused
@@ -348,16 +357,17 @@ class EngineConfig:
             self.quantization = GGUF_QUANTIZATION
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        for name in (
-            "block_size",
-            "max_num_seqs",
-            "max_loras",
-            "max_cpu_loras",
-            "max_lora_rank",
-            "lora_time_slice",
-        ):
+        for name in ("block_size", "max_num_seqs", "max_lora_rank", "lora_time_slice"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_loras", "max_cpu_loras"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (or None: no cap), got {getattr(self, name)}")
+        gb, fraction = self.adapter_memory_gb, self.adapter_memory_fraction
+        if gb is not None and not (isinstance(gb, int | float) and math.isfinite(gb) and gb > 0):
+            raise ValueError(f"adapter_memory_gb must be a finite number > 0, got {gb!r}")
+        if not (isinstance(fraction, int | float) and 0 < fraction < 1):
+            raise ValueError(f"adapter_memory_fraction must be in (0, 1), got {fraction!r}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
         if self.overlap_output not in OVERLAP_MODES:

@@ -16,14 +16,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
-from collections import OrderedDict
 
 import torch
 
 from motet.engine.model import MLP, AttentionMetadata, Linear, LlamaForCausalLM, SparseMoE
 from motet.kernels import cpu_native
 from motet.kernels.quant import BLOCK
-from motet.lora.slot_cache import MODULE_GROUPS, LoRABatch
+from motet.lora.pool import LoRABatch
 
 _HUGE_PAGE = 2 << 20
 
@@ -99,7 +98,7 @@ class CpuForward:
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         cfg = model.config
-        wdtype = model.embed_tokens.weight.dtype
+        wdtype = self.desc_dtype = model.embed_tokens.weight.dtype
         self.model = model
         self.kv_caches = kv_caches
         self.vocab_size = model.lm_head.out_features
@@ -220,7 +219,7 @@ class CpuForward:
         if model.parallel.enabled:
             self._all_reduce = cpu_native.ALL_REDUCE(self._reduce)  # (kept: the descriptor points at it)
             self.desc.all_reduce = self._all_reduce
-        self._lora: OrderedDict[int, tuple[object, ctypes.Array]] = OrderedDict()
+        self._lora: tuple[object, cpu_native.LoraPool] | None = None  # (the pool, its descriptor)
         self.timings: ctypes.Array | None = None  # seconds per phase (cpu_native.PHASES), when profiling
 
     def _reduce(self, ptr: int, n: int) -> None:
@@ -240,29 +239,17 @@ class CpuForward:
     def phase_seconds(self) -> dict[str, float]:
         return dict(zip(cpu_native.PHASES, self.timings or [], strict=False))
 
-    def _lora_groups(self, lora: LoRABatch) -> ctypes.Array:
-        """The descriptors of a batch's adapter stacks, one per (layer, module group) in MODULE_GROUPS' order
-        (the source's LoraIndex), cached per set of views (the slot cache reuses them)."""
-        key = id(lora.weights)
-        hit = self._lora.get(key)
-        if hit is not None and hit[0] is lora.weights:
-            return hit[1]
-        descs = (cpu_native.LoraGroup * (len(lora.weights) * len(MODULE_GROUPS)))()
-        for i, layer in enumerate(lora.weights):
-            for j, modules in enumerate(MODULE_GROUPS):
-                g = layer.groups.get(modules)
-                if g is not None:
-                    A, B, scales = g.A, g.B, g.scales
-                    assert A.stride(2) == 1 and B.stride(2) == 1 and scales.stride(1) == 1
-                    descs[i * len(MODULE_GROUPS) + j] = cpu_native.LoraGroup(
-                        A.data_ptr(), B.data_ptr(), scales.data_ptr(), A.stride(0), A.stride(1),
-                        B.stride(0), B.stride(1), scales.stride(0), B.shape[2], len(modules),
-                        sum(1 << m for m, on in enumerate(g.active) if on),
-                    )  # fmt: skip
-        self._lora[key] = (lora.weights, descs)
-        if len(self._lora) > 64:
-            self._lora.popitem(last=False)
-        return descs
+    def _lora_pool(self, lora: LoRABatch) -> cpu_native.LoraPool:
+        """The descriptor of the adapters' pool the batch reads (made once: the pool is allocated once)."""
+        pool = lora.weights.pool
+        if self._lora is None or self._lora[0] is not pool:
+            assert pool.dtype == self.desc_dtype, "the adapters' pool is in the model's dtype"
+            groups = pool.layout.groups
+            desc = cpu_native.LoraPool.of(
+                pool.data, pool.desc, [g.a_ld for g in groups], [g.bt_ld for g in groups]
+            )
+            self._lora = (pool, desc)
+        return self._lora[1]
 
     def __call__(
         self,
@@ -273,6 +260,8 @@ class CpuForward:
     ) -> torch.Tensor:
         """Final (normed) hidden states [T, hidden], fp32."""
         x = self.model.embed(input_ids).float()
+        if lora is not None:
+            lora.add_embedding(x, input_ids)
         tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
         assert tables.dtype == qsl.dtype == lens.dtype == torch.int32 and tables.is_contiguous()
         assert positions.dtype == meta.slot_mapping.dtype == torch.int64
@@ -290,7 +279,7 @@ class CpuForward:
             starts, slots = lora.seg_starts, lora.seg_slots
             assert starts.dtype == slots.dtype == torch.int32
             step.num_segs, step.seg_starts, step.seg_slots = len(slots), starts.data_ptr(), slots.data_ptr()
-            step.lora = self._lora_groups(lora)
+            step.lora = ctypes.pointer(self._lora_pool(lora))
         if self.timings is not None:
             step.timings = self.timings
         cpu_native.forward(self.desc, step, x)

@@ -9,9 +9,9 @@ Triton write kernel skips it on the device), so they never touch the cache; thei
 
 LoRA decode steps replay too: in the graph every token is its own SGMV segment (seg_starts = 0..n, its
 slot from the step's segments, expanded on the device; padding rows -1), so the launch grid is fixed; the
-graph reads the slot cache's stacks in place (they are allocated once and reloaded in place), so one graph
-serves every step whose adapters use the same modules and padded rank: graphs are keyed by (bucket, that
-signature).
+kernels read the adapter pool's descriptors and weights as they are at the replay (motet/lora/pool.py: the pool
+is allocated once), so one graph serves every step whose adapters target the same module groups within the same
+rank tile: graphs are keyed by (bucket, that signature).
 
 On CUDA whenever `EngineConfig.compile_step` is set (the default; `--no-compile` turns it off).
 Prefill and mixed steps run eagerly. The base model's graphs are captured at start-up (`capture_all`, from the
@@ -27,7 +27,7 @@ import torch
 
 from motet.engine.model import AttentionMetadata
 from motet.engine.step_inputs import feed_tokens
-from motet.lora.slot_cache import LoRABatch
+from motet.lora.pool import LoRABatch, PoolView
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -80,7 +80,6 @@ class DecodeGraphs:
         )  # the real tokens among a step's padded rows
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}
-        self._signatures: dict[int, tuple[list, tuple]] = {}  # id(weights) -> (weights, signature)
         self.pool = None
         self.replays = 0
 
@@ -105,27 +104,21 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,  # a hint only: the Triton kernel reads lengths on the device
         )
 
-    def _signature(self, lora: LoRABatch | None) -> tuple:
-        """What a LoRA graph depends on besides the stacks' contents: modules, padded rank, storage."""
+    @staticmethod
+    def _signature(lora: LoRABatch | None) -> tuple:
+        """What a LoRA graph depends on besides the pool's contents (the kernels read the descriptors and the
+        weights as they are at the replay): the groups some adapter targets, and the rank tile."""
         if lora is None:
             return ()
-        hit = self._signatures.get(id(lora.weights))
-        if hit is None or hit[0] is not lora.weights:
-            if len(self._signatures) > 64:  # the slot cache makes new views after each load: keep a few
-                self._signatures.clear()
-            mods = tuple(
-                (i, m, A.shape[1], A.data_ptr())
-                for i, layer in enumerate(lora.weights)
-                for m, (A, _, _) in layer.items()
-            )
-            hit = self._signatures[id(lora.weights)] = (lora.weights, mods)
-        return hit[1]
+        return (tuple(sorted(lora.weights.groups)), rank_tile(lora.weights.max_rank))
 
     def _capture(self, key: tuple, lora: LoRABatch | None) -> None:
         b, q = key[0], key[1]
         meta, t = self._meta(b, q), b * q
         if lora is not None:  # every token its own segment: a grid that does not depend on the step
-            lora = LoRABatch(self.token_starts[: t + 1], self.token_slots[:t], 1, lora.weights)
+            w = lora.weights
+            view = PoolView(w.pool, rank_tile(w.max_rank), w.groups, {})
+            lora = LoRABatch(self.token_starts[: t + 1], self.token_slots[:t], 1, view)
         self.graphs[key], self.outputs[key] = self._record(
             lambda: self.forward(self.input_ids[:t], self.positions[:t], meta, lora)
         )
@@ -223,3 +216,9 @@ class DecodeGraphs:
             on_launch()
         out = self.outputs[key]
         return out[self.row_index[: len(real)]] if gather else out[:n]
+
+
+def rank_tile(rank: int) -> int:
+    """The rank a LoRA graph is captured for: the next power of two, 8 at least (one graph serves every step
+    whose adapters' ranks are at most that)."""
+    return max(8, 1 << max(0, rank - 1).bit_length())

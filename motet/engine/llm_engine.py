@@ -45,6 +45,7 @@ from motet.engine.kv_blocks import KVLayout, model_identity
 from motet.engine.kv_connector import GiB, KVConnector, KVTierStats
 from motet.engine.kv_shared import SharedTier
 from motet.engine.kv_tiers import DiskTier
+from motet.engine.memory import available_host_memory
 from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
 from motet.engine.model_store import resolve_model
 from motet.engine.parallel import RankFailure
@@ -61,7 +62,7 @@ from motet.grammar.cache import GrammarCache
 from motet.grammar.reasoning import ReasoningOpening, prompt_opens_reasoning
 from motet.grammar.specs import GrammarSpec
 from motet.grammar.tool_call_parser import RepeatedCallStop
-from motet.lora.manager import AdapterManager, AdapterRef
+from motet.lora.manager import AdapterManager, AdapterRef, AdapterStats
 
 log = logging.getLogger("motet.engine")
 
@@ -98,6 +99,7 @@ class EngineStats:
     preemptions: int
     steps: int
     adapters_pinned: int  # adapter versions held for unfinished requests
+    adapters: AdapterStats  # adapter memory: the pool, the host cache, loads
     running_adapters: tuple[str, ...]  # engine names of the adapters of running requests
     waiting_adapters: tuple[str, ...]  # of waiting requests, not also running
     grammar: GrammarStats
@@ -127,6 +129,18 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.kv_connector = self._kv_connector()
+        self.adapters = AdapterManager(
+            self.model_config,
+            memory_bytes=self.runner.adapter_memory_bytes,
+            host_bytes=self._adapter_host_bytes(),
+            max_cpu_loras=config.max_cpu_loras,
+            max_lora_rank=config.max_lora_rank,
+            device=self.runner.device,
+            dtype=self.runner.dtype,
+            layout_base=self.runner.lora_layout_shape,
+            shard=self.runner.lora_sharder,
+            on_place=self.runner.note_lora_placement if self.runner.workers is not None else None,
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -135,17 +149,7 @@ class LLMEngine:
             lora_time_slice=config.lora_time_slice,
             fairness=VirtualTokenCounter(config.tenant_weights),
             kv_connector=self.kv_connector,
-        )
-        self.adapters = AdapterManager(
-            self.model_config,
-            max_loras=config.max_loras,
-            max_cpu_loras=config.max_cpu_loras,
-            max_lora_rank=config.max_lora_rank,
-            device=self.runner.device,
-            dtype=self.runner.dtype,
-            slot_base=self.runner.lora_shape,
-            shard=self.runner.lora_sharder,
-            on_load=self.runner.note_lora_load if self.runner.workers is not None else None,
+            adapters=self.adapters,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.limits = RequestLimits(
@@ -173,12 +177,23 @@ class LLMEngine:
         # thread holds its initializer: not the runner, which it would keep alive
         self._inflight: tuple[ScheduledBatch, Future] | None = None
         self._aborted_in_flight: list[Sequence] = []  # freed when the launched step lands (see abort)
+        self._failed: list[
+            RequestOutput
+        ] = []  # requests whose adapter no longer loads, told at the next step
+        self._unlanded: list[ScheduledBatch] = []  # launched steps not landed: the pool keeps their adapters
         self._device = None
         if self._overlaps():
             threads = self.runner.num_threads
             init = dict(initializer=torch.set_num_threads, initargs=(threads,)) if threads else {}
             self._device = ThreadPoolExecutor(1, "motet-step", **init)
         self.runner.warm_up()  # before the first request (the server is ready once the engine is built)
+
+    def _adapter_host_bytes(self) -> int:
+        """The host cache of loaded adapters: a quarter of the pool on a CPU (where the pool is host memory too),
+        the pool's fraction of the host memory beside a GPU."""
+        if self.runner.device.type == "cpu":
+            return self.runner.adapter_memory_bytes // 4
+        return int(self.config.adapter_memory_fraction * available_host_memory())
 
     def _overlaps(self) -> bool:
         """Whether steps overlap their outputs (EngineConfig.overlap_output): "auto" where a core is spare."""
@@ -276,7 +291,7 @@ class LLMEngine:
         if params.grammar is not None and grammar is None:
             grammar = self.compile_grammar(params.grammar, params.grammar_backend)
         ref = self.adapters.resolve(adapter)
-        uid = self.adapters.acquire(ref) if ref is not None else 0  # AdapterError if it no longer loads
+        uid = self.adapters.acquire(ref) if ref is not None else 0  # AdapterError if removed or known broken
         salt = prefix_salt(tenant, params.cache_salt, self.config.shared_prefix_cache)
         seq = Sequence(
             token_ids,
@@ -338,6 +353,7 @@ class LLMEngine:
         try:
             return self.commit_tokens(batch, future.result(), launched=True)
         finally:
+            self._unlanded = [b for b in self._unlanded if b is not batch]
             aborted, self._aborted_in_flight = self._aborted_in_flight, []
             for seq in aborted:
                 self._drop(seq)
@@ -359,6 +375,7 @@ class LLMEngine:
                 self._device.shutdown(wait=True)
             if self.kv_connector is not None:
                 self.kv_connector.close()
+            self.adapters.close()
         finally:
             self.runner.close()
 
@@ -377,6 +394,7 @@ class LLMEngine:
             preemptions=sched.num_preemptions,
             steps=self.num_steps,
             adapters_pinned=self.adapters.num_pinned,
+            adapters=self.adapters.stats(),
             running_adapters=tuple(sorted(self.adapters.name_of(a) for a in running)),
             waiting_adapters=tuple(sorted(self.adapters.name_of(a) for a in waiting)),
             grammar=GrammarStats(**vars(self.runner.grammar_stats)),
@@ -395,9 +413,9 @@ class LLMEngine:
             outputs = self._overlapped_step()
         else:
             batch = self.schedule()
-            if not batch:
-                return []
-            outputs = self.commit(batch, self.execute(batch))
+            outputs = self.commit(batch, self.execute(batch)) if batch else []
+        if self._failed:
+            outputs, self._failed = self._failed + outputs, []
         # idle next: release the snapshots' blocks
         if self.kv_connector is not None and not self.has_unfinished():
             self.kv_connector.settle()
@@ -450,6 +468,7 @@ class LLMEngine:
         future = self._device.submit(self.execute, batch, launched.set, True)
         future.add_done_callback(lambda _: launched.set())  # (it may fail before it launches)
         self._inflight = (batch, future)
+        self._unlanded.append(batch)
         # The text half waits for the launch: the interpreter's lock would otherwise hold the launch back.
         launched.wait()
 
@@ -501,12 +520,34 @@ class LLMEngine:
         kv, sched = self.kv_connector, self.scheduler
         if kv is not None and kv.num_loading and not sched.running and len(sched.waiting) == kv.num_loading:
             kv.wait_for_load(LOAD_WAIT_S)  # nothing else could run
+        self._prepare_adapters()
         batch = self.scheduler.schedule()
         now = time.monotonic()
         for seq in batch.seqs:
             if seq.scheduled_time is None:  # its queue time ends here (a preempted one keeps its first)
                 seq.scheduled_time = now
         return batch
+
+    def _prepare_adapters(self) -> None:
+        """Before scheduling: the waiting requests' adapters copied into the pool, or loading (they run once
+        resident); the requests whose adapter no longer loads ended with the reason. When nothing can run but
+        a load, wait for it a moment rather than spin."""
+        sched, adapters = self.scheduler, self.adapters
+        waiting = [s.adapter_id for s in sched.waiting if s.adapter_id]
+        if not waiting:
+            return
+        failed = adapters.failures()
+        for seq in [s for s in sched.waiting if s.adapter_id in failed]:
+            self.abort(seq.request_id)
+            self._failed.append(
+                RequestOutput(seq.request_id, seq.prompt_token_ids, finished=True, finish_reason="abort",
+                              error=f"the adapter {adapters.name_of(seq.adapter_id)!r} {failed[seq.adapter_id]}")
+            )  # fmt: skip
+        in_use = {s.adapter_id for s in sched.running}
+        in_use.update(s.adapter_id for b in self._unlanded for s in b.seqs)
+        adapters.prefetch([*sched.slicer.order, *waiting], in_use)
+        if not sched.running and not self._unlanded and not any(adapters.ready(a) for a in waiting):
+            adapters.wait_for_load(LOAD_WAIT_S)
 
     def execute(self, batch: ScheduledBatch, on_launch=None, lazy: bool = False) -> StepResult:
         """Run the batch; where it raises, bisect it so that only the failing rows carry the error. `on_launch()`

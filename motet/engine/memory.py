@@ -1,12 +1,14 @@
-"""How much memory the KV cache gets from `--gpu-memory-utilization` (vLLM's flag): a share of the device's
-memory that the weights, a step's activations, the LoRA slots and the KV cache share.
+"""How much memory the KV cache and the adapters' pool get: from `--gpu-memory-utilization` (vLLM's flag), a
+share of the device's memory that the weights, a step's activations, the adapters' pool and the KV cache share.
 
 On CUDA the share is of the device's total memory, as vLLM reads it, and that much must be free when the
 engine starts; on CPU it is of the host memory available at start-up (MemAvailable), since a host is
-shared with everything else it runs. The weights are measured once loaded; a step's activations and the
-LoRA slots (allocated with the first adapter) are estimated from the shapes. `--num-kv-blocks` wins over
-this, and this over `--kv-cache-memory-gb`; with neither of the two, CUDA takes this path with vLLM's default
-share and a CPU a fixed size (`EngineConfig.memory_utilization`).
+shared with everything else it runs. The weights are measured once loaded; a step's activations are estimated
+from the shapes; the adapters' pool takes `adapter_memory_fraction` of what is left (or `adapter_memory_gb`), the
+KV cache the rest. `--num-kv-blocks` wins over this, and this over `--kv-cache-memory-gb`; with neither of the
+two, CUDA takes this path with vLLM's default share and a CPU a fixed size (`EngineConfig.memory_utilization`).
+Without a share, the pool takes its fraction of the host memory available at start-up on a CPU, of the device's
+free memory once the KV cache is allocated on CUDA.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import torch
 
 from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION, EngineConfig, ModelConfig, ModelLoadError
 from motet.engine.model import Linear
-from motet.lora.peft_format import TARGET_MODULES, module_shape
 
 
 def memory_budget(fraction: float, device: torch.device) -> int:
@@ -66,23 +67,29 @@ def step_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> 
     return config.step_tokens * per_token * elem + 4 * rows * model.vocab_size * 4
 
 
-def lora_slot_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
-    """The device's LoRA stacks: every target module of every layer, `max_loras` slots of `max_lora_rank`."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    per_layer = sum(sum(module_shape(model, m)) for m in TARGET_MODULES)
-    return model.num_hidden_layers * config.max_loras * config.max_lora_rank * per_layer * elem
+def adapter_bytes(config: EngineConfig, device: torch.device, left: int | None = None) -> int:
+    """The adapters' pool: `adapter_memory_gb`, else its fraction of `left` (what a memory share leaves for the
+    KV cache and the pool), else of the host memory available now (a CPU) or of the device's free memory."""
+    if config.adapter_memory_gb is not None:
+        return int(config.adapter_memory_gb * 2**30)
+    if left is None:
+        left = available_host_memory() if device.type == "cpu" else torch.cuda.mem_get_info(device)[0]
+    return int(config.adapter_memory_fraction * left)
 
 
 def kv_cache_bytes(
-    budget: int, used: int, config: EngineConfig, model: ModelConfig, dtype: torch.dtype
-) -> int:
-    """What is left of `budget` for the KV cache once the weights (`used`), a step and the LoRA slots have
-    theirs; ModelLoadError when that is nothing."""
-    rest = budget - used - step_bytes(config, model, dtype) - lora_slot_bytes(config, model, dtype)
+    budget: int, used: int, config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int]:
+    """(KV cache, adapters' pool) bytes of `budget` once the weights (`used`) and a step have theirs;
+    ModelLoadError when nothing is left for the KV cache."""
+    left = budget - used - step_bytes(config, model, dtype)
+    adapters = adapter_bytes(config, device, max(0, left))
+    rest = left - adapters
     if rest <= 0:
         raise ModelLoadError(
             f"--gpu-memory-utilization {config.memory_utilization:g} ({budget / 2**30:.2f} GiB) leaves no "
             f"memory for the KV cache after the weights ({used / 2**30:.2f} GiB), a step's activations and the "
-            "LoRA slots; raise it, or lower --max-num-batched-tokens, --max-loras or --max-lora-rank"
+            f"adapters' pool ({adapters / 2**30:.2f} GiB); raise it, or lower --max-num-batched-tokens or "
+            "--adapter-memory-gb"
         )
-    return rest
+    return rest, adapters

@@ -33,7 +33,7 @@ from motet.kernels.paged_attention import paged_attention
 from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
 from motet.kernels.rope_kv import RotaryAngles
-from motet.lora.slot_cache import LoRABatch
+from motet.lora.pool import LoRABatch
 
 
 @dataclass
@@ -462,6 +462,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; `compute_logits` maps chosen rows to logits."""
         x, residual = self.embed(input_ids), None
+        if lora is not None:
+            lora.add_embedding(x, input_ids)
         angles = self.rope(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, angles, meta, kv_cache, lora)

@@ -28,7 +28,7 @@ from motet.engine.cpu_forward import CpuForward
 from motet.engine.cpu_forward import supported as cpu_forward_supported
 from motet.engine.cuda_graphs import DecodeGraphs
 from motet.engine.gguf_weights import gguf_file, iter_gguf_weights
-from motet.engine.memory import kv_cache_bytes, memory_budget, weights_bytes
+from motet.engine.memory import adapter_bytes, kv_cache_bytes, memory_budget, weights_bytes
 from motet.engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_available
 from motet.engine.parallel import SINGLE, Parallel
 from motet.engine.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
@@ -41,7 +41,7 @@ from motet.engine.step_inputs import decode_inputs, feed_tokens
 from motet.engine.tp_workers import WorkerGroup, receive_plan
 from motet.grammar.backend import allocate_bitmask, apply_bitmask
 from motet.grammar.masking import fill_bitmasks
-from motet.lora.slot_cache import LoRABatch, LoRASlotCache
+from motet.lora.pool import AdapterPool, LoRABatch, PoolLayout, pack
 
 log = logging.getLogger("motet.engine")
 
@@ -172,7 +172,8 @@ class ModelRunner:
             self.workers = WorkerGroup(model_dir, model_config, config)
             parallel = self.workers.parallel
         self.parallel = parallel or SINGLE
-        self.pending_loads: list[tuple[int, int, object]] = []  # adapter slot loads the workers have not seen
+        # adapter placements the workers have not seen: (slot, start, uid, adapter)
+        self.pending_loads: list[tuple[int, int, int, object]] = []
         try:
             self._build(model_dir)
         except BaseException:
@@ -199,14 +200,16 @@ class ModelRunner:
             if not parallel.enabled:
                 raise
             error = e
-        num_blocks = 1
+        num_blocks, pool_bytes = 1, None
         if error is None:
             kv_bytes = int(config.kv_cache_gb * 2**30)
             if budget is not None:
                 used = weights_bytes(self.model, self.device)
-                kv_bytes = kv_cache_bytes(
-                    budget, used, config, model_config, self.dtype
+                kv_bytes, pool_bytes = kv_cache_bytes(
+                    budget, used, config, model_config, self.dtype, self.device
                 )  # this rank's device
+            elif self.device.type == "cpu":
+                pool_bytes = adapter_bytes(config, self.device)
             block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype) * share
             num_blocks = config.num_kv_blocks or max(1, int(kv_bytes // block_bytes))
         # every rank must hold the same blocks; a rank that failed to load fails them all, naming it
@@ -219,6 +222,10 @@ class ModelRunner:
             )
             for _ in range(model_config.num_hidden_layers)
         ]
+        if pool_bytes is None:  # (CUDA with the KV cache sized otherwise: a share of what is free now)
+            pool_bytes = adapter_bytes(config, self.device)
+        # every rank's pool holds the driver's placements: the smallest bound serves them all
+        self.adapter_memory_bytes = parallel.agree(None, pool_bytes)
         model = self.model
         # The compiled step (EngineConfig.compile_step): on CPU the native forward, which takes the linear
         # weights over; else (or where it cannot run) the eager model, with oneDNN-prepacked products on CPU.
@@ -312,18 +319,20 @@ class ModelRunner:
 
     # -- tensor parallelism ---------------------------------------------------------------------------
     @property
-    def lora_shape(self):
-        """The shapes the LoRA slots hold on this rank (its part of every module)."""
-        return self.parallel.local_shape(self.model_config) if self.parallel.enabled else self.model_config
+    def lora_layout_shape(self):
+        """The geometry of the adapters' pool: the largest rank's part of every module (rank 0's), so that the
+        driver's placements hold on every rank (motet/lora/pool.py)."""
+        return self.parallel.layout_shape(self.model_config) if self.parallel.enabled else self.model_config
 
     @property
     def lora_sharder(self):
         """Cuts an adapter's modules to this rank's part (None on one rank)."""
         return self.parallel.lora_sharder(self.model_config) if self.parallel.enabled else None
 
-    def note_lora_load(self, slot: int, adapter_id: int, adapter) -> None:
-        """An adapter the driver put in a slot: the workers put it in theirs with the next plan."""
-        self.pending_loads.append((slot, adapter_id, adapter))
+    def note_lora_placement(self, slot: int, start: int, uid: int, adapter) -> None:
+        """An adapter the driver placed in its pool: the workers pack their parts at the same place with the
+        next plan."""
+        self.pending_loads.append((slot, start, uid, adapter))
 
     def _send(self, op: str, scalars=(), tensors=(), extra: dict | None = None) -> None:
         """One plan to the workers, with the adapter slot loads they have not seen yet."""
@@ -340,22 +349,13 @@ class ModelRunner:
     @torch.inference_mode()
     def serve_plans(self) -> None:
         """A worker rank's loop: run the driver's plans until it says stop (motet/engine/tp_workers.py)."""
-        cfg = self.config
-        slots = LoRASlotCache(
-            self.lora_shape,
-            fetch=None,
-            max_loras=cfg.max_loras,
-            max_cpu_loras=cfg.max_cpu_loras,
-            max_lora_rank=cfg.max_lora_rank,
-            device=self.device,
-            dtype=self.dtype,
-            shard=self.lora_sharder,
-        )
+        layout = PoolLayout(self.lora_layout_shape)
+        pool = AdapterPool(layout, self.adapter_memory_bytes, self.device, self.dtype)
         hidden = None
         while True:
             op, scalars, tensors, extra = receive_plan()
-            for slot, adapter_id, adapter in (extra or {}).get("loads", ()):
-                slots.write_slot(slot, adapter_id, adapter)
+            for slot, start, uid, adapter in (extra or {}).get("loads", ()):
+                pool.put_at(slot, start, uid, pack(adapter, layout, self.dtype, self.lora_sharder))
             tensors = [t.to(self.device) for t in tensors]
             if op == "stop":
                 return
@@ -363,7 +363,7 @@ class ModelRunner:
                 max_query_len, max_seq_len, max_seg_len = scalars
                 ids, pos, slot_mapping, tables, qsl, seq_lens, *segments = tensors
                 meta = AttentionMetadata(slot_mapping, tables, qsl, seq_lens, max_query_len, max_seq_len)
-                lora = slots.segments(*segments, max_seg_len) if segments else None
+                lora = pool.segments(*segments, max_seg_len) if segments else None
                 hidden = self._forward(ids, pos, meta, lora)
             elif op == "logits":
                 self._logits(hidden[tensors[0]])
@@ -488,19 +488,27 @@ class ModelRunner:
             return self.native(input_ids, positions, meta, lora)
         return self.model(input_ids, positions, meta, self.kv_caches, lora)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the given hidden rows."""
+    def compute_logits(self, hidden: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """fp32 logits of the given hidden rows (`lora`: their adapters' segments, for the output head's)."""
         if self.workers is not None:
             self._send("logits_of", extra={"hidden": hidden})
-        return self._logits(hidden)
+        logits = self._logits(hidden)
+        if lora is not None:
+            lora.add_head(logits, hidden)
+        return logits
 
-    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """fp32 logits of rows of the latest forward's hidden states (the other ranks pick the same rows)."""
+    def logits(self, hidden: torch.Tensor, rows: list[int], lora: LoRABatch | None = None) -> torch.Tensor:
+        """fp32 logits of rows of the latest forward's hidden states (the other ranks pick the same rows), with
+        the adapters' output head deltas (`lora`: the step's segments)."""
         if self.workers is not None:
             self._send("logits", tensors=[torch.tensor(rows, dtype=torch.int64)])
         # (rows are increasing: as many as the hidden rows means all of them, with no gather). The step uses its
         # logits before it asks for more: they may reuse one buffer.
-        return self._logits(hidden if len(rows) == hidden.shape[0] else hidden[rows], reuse=True)
+        picked = hidden if len(rows) == hidden.shape[0] else hidden[rows]
+        logits = self._logits(picked, reuse=True)
+        if lora is not None and lora.head:
+            lora.rows(rows).add_head(logits, picked)
+        return logits
 
     def _logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor | None:
         """This rank's part of the logits (rank 0 gets all of them, gathered; the others None); `reuse`: the
@@ -575,7 +583,7 @@ class ModelRunner:
                 for i in sample_rows
                 for r in range(qsl[i + 1] - 1 - len(batch.seqs[i].draft_token_ids), qsl[i + 1])
             ]
-        logits = self.logits(hidden, rows)
+        logits = self.logits(hidden, rows, lora)
         if masked:
             self._apply_grammar(logits, bitmask, masked, filling)
         out = self.sampler(logits, views)
@@ -606,7 +614,7 @@ class ModelRunner:
                 continue
             rows = range(qsl[i] + first - start, qsl[i] + last - start)
             targets = seq.token_ids[first + 1 : last + 1]
-            chunk_logits = self.logits(hidden, list(rows))
+            chunk_logits = self.logits(hidden, list(rows), lora)
             result.prompt_logprobs[i] = compute_prompt_logprobs(chunk_logits, torch.tensor(targets), k)
         result.on_device = (out.tokens, on_device) if on_device else None
         return result if lazy else result.resolve()

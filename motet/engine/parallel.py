@@ -14,6 +14,7 @@ without that rank's shard.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -142,13 +143,13 @@ class Parallel:
         guard(dist.all_to_all_single, recv, send)
         return recv.tolist()
 
-    def agree(self, error: str | None, num_blocks: int) -> int:
-        """After each rank built its shard: raise if any rank failed (naming it), else the KV blocks every
-        rank can hold (the fewest)."""
+    def agree(self, error: str | None, size: int) -> int:
+        """After each rank built its shard: raise if any rank failed (naming it), else the size every rank can
+        hold (the fewest KV blocks, the smallest adapter pool)."""
         if self.size == 1:
-            return num_blocks
+            return size
         states: list = [None] * self.size
-        guard(dist.all_gather_object, states, (error, num_blocks))
+        guard(dist.all_gather_object, states, (error, size))
         for rank, (err, _) in enumerate(states):
             if err is not None:
                 raise ModelLoadError(f"tensor-parallel rank {rank} could not load its shard: {err}")
@@ -160,6 +161,7 @@ class Parallel:
         columns; the LoRA slots hold adapters cut to them."""
         (_, q_heads), (_, kv_heads) = self.heads(cfg)
         return SimpleNamespace(
+            vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
             intermediate_size=self.part(cfg.intermediate_size)[1],
             num_hidden_layers=cfg.num_hidden_layers,
@@ -168,6 +170,11 @@ class Parallel:
             head_dim=cfg.head_dim,
             is_moe=cfg.is_moe,
         )
+
+    def layout_shape(self, cfg: ModelConfig) -> SimpleNamespace:
+        """The largest rank's shapes (rank 0 holds the most heads and columns: `part` gives the first ranks one
+        more): the geometry every rank's adapter pool shares."""
+        return dataclasses.replace(self, rank=0).local_shape(cfg)
 
     def lora_sharder(self, cfg: ModelConfig):
         """This rank's part of one module's LoRA, as a function (module, a [r, in], b [out, r]) -> (a, b),

@@ -15,8 +15,10 @@ vLLM's request `priority` (lower: sooner) orders a tenant's own sequences and no
 places (in the waiting order and the running order) that the tenant's sequences hold by arrival, the most
 urgent taking the earliest, so no tenant's place moves (`tenant_places`). The sequence a tenant loses to
 preemption is its least urgent, newest one.
-Running sequences hold at most `max_loras` distinct adapters (see `AdapterSlicer`), and a step's batch
-is ordered by adapter so that each adapter's tokens form one contiguous segment for the LoRA kernels.
+A waiting sequence is admitted once its adapter is resident in the pool (`adapters.ready`; the engine loads
+it meanwhile), running sequences hold at most `max_loras` distinct adapters where that cap is set, and
+adapters waiting for room are time-sliced (see `AdapterSlicer`); a step's batch is ordered by adapter so that
+each adapter's tokens form one contiguous segment for the LoRA kernels.
 With KV tiers (motet/engine/kv_connector.py), a waiting sequence whose prefix the tiers hold past the device
 cache's hit waits, keeping its place, while its blocks are loaded in the background; it is admitted after.
 """
@@ -24,7 +26,9 @@ cache's hit waits, keeping its place, while its blocks are loaded in the backgro
 from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from motet.engine.adapter_slicer import AdapterSlicer
 from motet.engine.block_manager import BlockManager
@@ -91,19 +95,36 @@ class ScheduledBatch:
         )
 
 
+class AdapterResidency(Protocol):
+    """What the scheduler asks of the adapters (motet/lora/manager.py's AdapterManager)."""
+
+    blocked: Collection[int]  # adapters not resident for lack of pool memory
+
+    def ready(self, uid: int) -> bool: ...  # resident: a request of it may run
+
+
+class _AllResident:
+    blocked: Collection[int] = ()
+
+    def ready(self, uid: int) -> bool:
+        return True
+
+
 class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        max_loras: int = 8,
+        max_loras: int | None = None,
         lora_time_slice: int = 32,
         fairness: VirtualTokenCounter | None = None,
         kv_connector: KVConnector | None = None,
+        adapters: AdapterResidency | None = None,
     ):
         self.bm = block_manager
         self.kv = kv_connector
+        self.adapters = adapters or _AllResident()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.slicer = AdapterSlicer(max_loras, lora_time_slice)
@@ -140,6 +161,8 @@ class Scheduler:
         self.slicer.begin_step(
             (s.adapter_id for s in self.running),
             (s.adapter_id for s in sorted(self.waiting, key=admission_order)),
+            self.adapters.ready,
+            self.adapters.blocked,
         )
         # Tenants under their share first: their waiting sequences join the running ones now, in a free slot or
         # in place of the newest sequence of the tenant most over its share; they get KV blocks and budget

@@ -30,7 +30,7 @@ log = logging.getLogger("motet.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files in csrc/
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 8
+ABI_VERSION = 9
 PANEL = 16  # output columns per packed weight panel (NR in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 QUANT_CODES = {"int8": 2, "int4": 3}  # quantized weights' codes (the source's WeightCode), by format name
@@ -42,9 +42,8 @@ _SIGNATURES = {
     "motet_attention": [_i32, _i32, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _ptr]
     + [_i32] * 4
     + [_f32],
-    "motet_sgmv": [_i32, _i32, _ptr, _i64, _ptr, _i64]  # dtypes, x, y
-    + [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64]  # A, B, scales with their strides
-    + [_ptr, _ptr, _i32, _i32, _ptr, _i32, _i32, _i32],  # segments, n_in, sizes, n, active, r
+    "motet_sgmv": [_i32, _ptr, _i64, _ptr, _i64, _ptr, _i32, _i32]  # dtype, x, y, pool, group, layer
+    + [_ptr, _ptr, _i32, _i32, _ptr, _i32],  # segments, n_in, sizes, n
     "motet_gemm": [_i32, _ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32],
 }
 
@@ -86,14 +85,25 @@ class Layer(ctypes.Structure):
                 ("moe", MoeWeights)]  # fmt: skip
 
 
-class LoraGroup(ctypes.Structure):
-    """One (layer, module group) of a step's adapters (motet/kernels/sgmv.py's layout); A null: none."""
+LORA_GROUPS = (
+    4  # the pool's decoder groups (motet/lora/pool.py's DECODER_GROUPS): the ones the forward applies
+)
 
-    _fields_ = (
-        [("A", _ptr), ("B", _ptr), ("scales", _ptr)]
-        + [(n, _i64) for n in ("a_ss", "a_sr", "b_ss", "b_so", "s_m")]
-        + [("r", _i32), ("n", _i32), ("active", _i32)]
-    )
+
+class LoraPool(ctypes.Structure):
+    """The adapters' pool (motet/kernels/sgmv.py's layout): its weights, descriptors and piece geometry."""
+
+    _fields_ = [("data", _ptr), ("desc", _ptr), ("desc_ld", _i64), ("a_ld", _i32 * LORA_GROUPS),
+                ("bt_ld", (_i32 * 3) * LORA_GROUPS)]  # fmt: skip
+
+    @classmethod
+    def of(cls, data: torch.Tensor, desc: torch.Tensor, a_ld: Sequence[int], bt_ld: Sequence[Sequence[int]]):
+        """The pool's tensors and its groups' geometry (the decoder groups': the first LORA_GROUPS)."""
+        assert data.is_contiguous() and desc.is_contiguous() and desc.dtype == torch.int64
+        a_ld, bt_ld = list(a_ld)[:LORA_GROUPS], list(bt_ld)[:LORA_GROUPS]
+        assert len(a_ld) == len(bt_ld) == LORA_GROUPS
+        bt = ((_i32 * 3) * LORA_GROUPS)(*[(_i32 * 3)(*row, *[0] * (3 - len(row))) for row in bt_ld])
+        return cls(data.data_ptr(), desc.data_ptr(), desc.stride(0), (_i32 * LORA_GROUPS)(*a_ld), bt)
 
 
 # Sums a float buffer over the tensor-parallel ranks, in place: (pointer, count); the forward calls it on each
@@ -112,7 +122,7 @@ class Model(ctypes.Structure):
 class Step(ctypes.Structure):
     _fields_ = [("num_tokens", _i32), ("num_seqs", _i32), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr),
                 ("table_stride", _i64), ("qsl", _ptr), ("seq_lens", _ptr), ("num_segs", _i32),
-                ("seg_starts", _ptr), ("seg_slots", _ptr), ("lora", ctypes.POINTER(LoraGroup)),
+                ("seg_starts", _ptr), ("seg_slots", _ptr), ("lora", ctypes.POINTER(LoraPool)),
                 ("timings", ctypes.POINTER(ctypes.c_double))]  # fmt: skip
 
 
@@ -239,50 +249,36 @@ def attention(
 def sgmv(
     y: torch.Tensor,
     x: torch.Tensor,
-    A_stack: torch.Tensor,
-    B_stack: torch.Tensor,
-    scales: torch.Tensor,
+    pool: LoraPool,
+    dtype: torch.dtype,
     seg_starts: torch.Tensor,
     seg_slots: torch.Tensor,
     *,
-    sizes: Sequence[int] | None = None,
-    active: Sequence[bool] | None = None,
+    group: int,
+    layer: int,
+    sizes: Sequence[int],
 ) -> None:
-    """``y += lora_delta(x)`` in place for a module group (motet/kernels/sgmv.py's meaning and layout: one
-    module over all of y unless `sizes` says otherwise); y and x may be row-strided views."""
-    sizes = [y.shape[1]] if sizes is None else list(sizes)
-    active = [True] * len(sizes) if active is None else list(active)
-    scales = scales.view(1, -1) if scales.dim() == 1 else scales
-    n = len(sizes)
-    assert x.stride(1) == 1 and y.stride(1) == 1 and A_stack.stride(2) == 1 and B_stack.stride(2) == 1
-    assert scales.dtype == torch.float32 and scales.stride(1) == 1 and A_stack.dtype == B_stack.dtype
-    assert sum(sizes) == y.shape[1] == B_stack.shape[1] and A_stack.shape[1] == n * B_stack.shape[2]
-    assert len(active) == n == scales.shape[0]
+    """``y += lora_delta(x)`` in place for one module group at one layer (motet/kernels/sgmv.py's meaning and
+    layout), fp32 x and y (row-strided views allowed), the pool's weights in `dtype`."""
+    assert x.dtype == y.dtype == torch.float32 and x.stride(1) == 1 and y.stride(1) == 1
+    assert sum(sizes) == y.shape[1] and x.shape[0] == y.shape[0]
     starts = seg_starts.to(torch.int32).contiguous()
     slots = seg_slots.to(torch.int32).contiguous()
     status = library().motet_sgmv(
-        DTYPE_CODES[x.dtype],
-        DTYPE_CODES[A_stack.dtype],
+        DTYPE_CODES[dtype],
         x.data_ptr(),
         x.stride(0),
         y.data_ptr(),
         y.stride(0),
-        A_stack.data_ptr(),
-        A_stack.stride(0),
-        A_stack.stride(1),
-        B_stack.data_ptr(),
-        B_stack.stride(0),
-        B_stack.stride(1),
-        scales.data_ptr(),
-        scales.stride(0),
+        ctypes.byref(pool),
+        group,
+        layer,
         starts.data_ptr(),
         slots.data_ptr(),
         len(slots),
         x.shape[1],
-        (ctypes.c_int * n)(*sizes),
-        n,
-        sum(1 << m for m, a in enumerate(active) if a),
-        B_stack.shape[2],
+        (ctypes.c_int * len(sizes))(*sizes),
+        len(sizes),
     )
     _check(status, "sgmv")
 

@@ -1,33 +1,33 @@
-"""Punica-style SGMV (segmented gather matrix-vector): each token adds its own LoRA adapter's delta.
+"""Punica-style SGMV (segmented gather matrix-vector) over a pool of adapters: each token adds its own adapter's
+delta, whatever the adapters' ranks and targets.
 
 Tokens are grouped in segments by adapter slot: segment ``i`` owns rows ``seg_starts[i]:seg_starts[i+1]``
-and uses slot ``seg_slots[i]`` (-1: no adapter, rows untouched). For each segment with an adapter
+and uses slot ``seg_slots[i]`` (-1: no adapter, rows untouched). For a *group* of ``n`` modules that read the
+same input x and write adjacent columns of one fused output y (q/k/v, gate/up; or one module alone), each
+segment with an adapter adds
 
-    y[s_i:s_(i+1)] += (x[s_i:s_(i+1)] @ A_i^T) @ B_i^T * scale_i
+    y[rows, module m's columns] += (x[rows] @ A_m^T) @ BT_m      (BT_m = (B_m * scale_m)^T)
 
-computed as a *shrink* to an fp32 intermediate ``h [T, n * max_rank]`` then an *expand* added into ``y`` in
-place. Stacked weights, as the slot cache holds them (PEFT orientation), for a *group* of ``n`` modules that
-read the same input and write adjacent columns of one fused output (q/k/v, gate/up; or one module alone):
+computed as a *shrink* of x by every targeted module's A at once into an fp32 intermediate h, then an *expand*
+of each module's ranks of h into its columns of y, in place, in y's dtype.
 
-- ``A_stack [num_slots, n * max_rank, in]``, rank-major: row ``j * n + m`` is module ``m``'s rank ``j`` (so
-  the first ``n * r`` rows are every module's first ``r`` ranks: one shrink serves the whole group, and
-  cutting a batch to rank ``r`` is a plain slice);
-- ``B_stack [num_slots, sum(sizes), max_rank]``: module ``m``'s B at its columns of the fused output;
-- ``scales [n, num_slots]`` fp32 (``[num_slots]`` for one module).
+The weights live in one flat ``pool`` tensor (motet/lora/pool.py packs them) and a descriptor table ``desc``
+[slots, 1 + 3 * groups] int64 says where: ``desc[s, 0]`` is the adapter's rank r; for group g, columns
+``1 + 3g, 2 + 3g, 3 + 3g`` hold the element offset of layer 0's *piece* (-1: the adapter targets no module
+of the group), the stride from one layer's piece to the next, and the mask of the group's modules it
+targets. A piece is the targeted modules' A stacked, ``[k * r, a_ld]`` (row ``i * r + j``: the i-th targeted
+module's rank j; k targeted modules), then each targeted module's ``BT [r, bt_ld[m]]``, in module order. Only
+the first ``x.shape[1]`` columns of A and the first ``sizes[m]`` of BT_m are read (under tensor parallelism a
+rank's part may be narrower than the pool's geometry).
 
-Adapters of lower rank are zero-padded to ``max_rank`` and modules an adapter does not target are zero, so
-one launch mixes ranks and target sets. ``sizes`` gives each module's output columns (default: one module
-over all of y); ``active`` the modules whose expand runs (default all: a module no adapter of the batch
-targets adds zero, skipping it only saves the work).
-
-The ``*_reference`` functions define the meaning and are also the CPU production path (a loop over
-segments with plain matmuls measured fastest on CPU); ``*_triton`` are the GPU kernels (one program per
-segment and row tile; the expand writes every module's columns in one launch); ``add_lora`` picks by device.
+The ``*_reference`` functions define the meaning and are also the CPU production path of the eager model (a
+loop over segments with plain matmuls; the compiled CPU step runs motet/kernels/csrc/sgmv.h);
+``*_triton`` are the GPU kernels; ``add_lora`` picks by device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -44,76 +44,45 @@ MAX_GROUP = 3  # modules sharing one input (q, k, v): the expand kernel's column
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
-    A_stack: torch.Tensor,
-    B_stack: torch.Tensor,
-    scales: torch.Tensor,
+    pool: torch.Tensor,
+    desc: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_slots: torch.Tensor,
     *,
+    group: int,
+    layer: int,
+    a_ld: int,
+    bt_ld: Sequence[int],
     sizes: Sequence[int] | None = None,
-    active: Sequence[bool] | None = None,
+    max_rank: int,
     max_seg_len: int | None = None,
+    rows: Mapping[int, Sequence[int]] | None = None,
 ) -> None:
     """``y += lora_delta(x)`` in place (y's dtype): one shrink then one expand, by device.
 
-    ``max_seg_len`` is an optional tuning hint for the GPU grid (the caller knows it from its host-side
-    batch metadata); without it the grid is sized from ``T`` with no device sync.
+    ``max_rank``: the largest rank of the step's adapters (the GPU kernels' rank tile). ``max_seg_len``: an
+    optional tuning hint for the GPU grid (without it the grid is sized from ``T`` with no device sync).
+    ``rows``: the slots' descriptors on the host (the torch path reads them there; else from ``desc``).
     """
+    sizes = _sizes(y, bt_ld, sizes)
     if x.is_cuda:
         add_lora_triton(
-            y,
-            x,
-            A_stack,
-            B_stack,
-            scales,
-            seg_starts,
-            seg_slots,
-            sizes=sizes,
-            active=active,
-            max_seg_len=max_seg_len,
-        )
+            y, x, pool, desc, seg_starts, seg_slots, group=group, layer=layer, a_ld=a_ld, bt_ld=bt_ld,
+            sizes=sizes, max_rank=max_rank, max_seg_len=max_seg_len,
+        )  # fmt: skip
     else:
-        _add_lora_torch(y, x, A_stack, B_stack, scales, seg_starts, seg_slots, sizes, active)
+        _add_lora_torch(y, x, pool, desc, seg_starts, seg_slots, group, layer, a_ld, bt_ld, sizes, rows)
 
 
-def add_lora_triton(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    A_stack: torch.Tensor,
-    B_stack: torch.Tensor,
-    scales: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_slots: torch.Tensor,
-    *,
-    sizes: Sequence[int] | None = None,
-    active: Sequence[bool] | None = None,
-    max_seg_len: int | None = None,
-) -> None:
-    """The GPU path of `add_lora`: two launches, the shrink into an uninitialized ``h`` (the expand reads only
-    the rows of segments with an adapter, which the shrink writes: no memset kernel) and the expand."""
-    h = torch.empty(x.shape[0], A_stack.shape[1], dtype=torch.float32, device=x.device)
-    sgmv_shrink_triton(x, A_stack, seg_starts, seg_slots, max_seg_len=max_seg_len, out=h)
-    sgmv_expand_triton(
-        h, B_stack, scales, seg_starts, seg_slots, y, sizes=sizes, active=active, max_seg_len=max_seg_len
-    )
-
-
-def _group(y: torch.Tensor, B_stack: torch.Tensor, scales: torch.Tensor, sizes, active):
-    """(column ranges, active flags, scales [n, S]) of a group; ValueError where the shapes disagree."""
+def _sizes(y: torch.Tensor, bt_ld: Sequence[int], sizes: Sequence[int] | None) -> tuple[int, ...]:
+    """The group's output columns per module (default: one module over all of y); ValueError where they do not
+    fit y or the pool's geometry."""
     sizes = (y.shape[1],) if sizes is None else tuple(sizes)
-    active = (True,) * len(sizes) if active is None else tuple(bool(a) for a in active)
-    scales = scales.view(1, -1) if scales.dim() == 1 else scales
-    if not 1 <= len(sizes) <= MAX_GROUP or len(active) != len(sizes) or scales.shape[0] != len(sizes):
-        raise ValueError(
-            f"a group of {len(sizes)} modules: {len(active)} active flags, scales {tuple(scales.shape)}"
-        )
-    if sum(sizes) != y.shape[1] or B_stack.shape[1] != y.shape[1]:
-        raise ValueError(f"sizes {sizes}: y {tuple(y.shape)}, B_stack {tuple(B_stack.shape)} do not fit")
-    cols, c = [], 0
-    for size in sizes:
-        cols.append((c, c + size))
-        c += size
-    return cols, active, scales
+    if not 1 <= len(sizes) <= MAX_GROUP or len(sizes) != len(bt_ld):
+        raise ValueError(f"a group of {len(sizes)} modules, but the pool's geometry has {len(bt_ld)}")
+    if sum(sizes) != y.shape[1] or any(s > ld for s, ld in zip(sizes, bt_ld, strict=True)):
+        raise ValueError(f"sizes {sizes}: y {tuple(y.shape)}, the pool's rows {tuple(bt_ld)} do not fit")
+    return sizes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,195 +97,310 @@ def _segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> list[tuple[i
     ]
 
 
+def piece(
+    pool: torch.Tensor, row: Sequence[int], group: int, layer: int, a_ld: int, bt_ld: Sequence[int]
+) -> tuple[int, list[int], torch.Tensor, list[torch.Tensor]] | None:
+    """One adapter's piece of a group at a layer, as views into the pool: (rank, the targeted modules, A
+    [k * r, a_ld], their BT [r, bt_ld[m]] each); None where it targets no module of the group."""
+    r = int(row[0])
+    offset, stride, mask = (int(row[1 + 3 * group + c]) for c in range(3))
+    if offset < 0 or r == 0:
+        return None
+    present = [m for m in range(len(bt_ld)) if mask >> m & 1]
+    base = offset + layer * stride
+    k = len(present)
+    A = pool[base : base + k * r * a_ld].view(k * r, a_ld)
+    at, bts = base + k * r * a_ld, []
+    for m in present:
+        bts.append(pool[at : at + r * bt_ld[m]].view(r, bt_ld[m]))
+        at += r * bt_ld[m]
+    return r, present, A, bts
+
+
+def _row(desc: torch.Tensor, rows: Mapping[int, Sequence[int]] | None, slot: int) -> Sequence[int]:
+    """A slot's descriptor: from the host copy where given, else read from the table."""
+    row = rows.get(slot) if rows is not None else None
+    return row if row is not None else desc[slot].tolist()
+
+
+def _columns(sizes: Sequence[int]) -> list[int]:
+    out, c = [], 0
+    for size in sizes:
+        out.append(c)
+        c += size
+    return out
+
+
 def sgmv_shrink_reference(
-    x: torch.Tensor, A_stack: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor
+    x, pool, desc, seg_starts, seg_slots, *, group, layer, a_ld, bt_ld, width: int, rows=None
 ) -> torch.Tensor:
-    """``h [T, n * max_rank]`` fp32: ``x @ A_slot^T`` per segment; rows without an adapter are zero."""
-    h = torch.zeros(x.shape[0], A_stack.shape[1], dtype=torch.float32, device=x.device)
+    """``h [T, width]`` fp32: each segment's ``x @ A^T`` over its adapter's targeted modules (columns ``0 .. k *
+    r``; the rest, and rows without an adapter, zero)."""
+    h = torch.zeros(x.shape[0], width, dtype=torch.float32, device=x.device)
     for a, b, s in _segments(seg_starts, seg_slots):
-        torch.mm(x[a:b].float(), A_stack[s].float().t(), out=h[a:b])
+        p = piece(pool, _row(desc, rows, s), group, layer, a_ld, bt_ld)
+        if p is not None:
+            A = p[2]
+            h[a:b, : A.shape[0]] = x[a:b].float() @ A[:, : x.shape[1]].float().t()
     return h
 
 
 def sgmv_expand_reference(
-    h: torch.Tensor,
-    B_stack: torch.Tensor,
-    scales: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_slots: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    sizes: Sequence[int] | None = None,
-    active: Sequence[bool] | None = None,
+    h, pool, desc, seg_starts, seg_slots, y, *, group, layer, a_ld, bt_ld, sizes=None, rows=None
 ) -> None:
-    """``y[:, module m's columns] += h_m @ B_slot[m's columns]^T * scale_slot[m]`` per segment, in place, in
-    y's dtype, where ``h_m = h[:, m::n]`` are module m's ranks."""
-    cols, active, scales = _group(y, B_stack, scales, sizes, active)
-    scale = scales.tolist()
+    """``y[:, module m's columns] += h_m @ BT_m`` per segment, in place, in y's dtype, where ``h_m`` are the
+    columns ``pos * r .. (pos + 1) * r`` of h for m, the pos-th module its adapter targets."""
+    sizes = _sizes(y, bt_ld, sizes)
+    cols = _columns(sizes)
     for a, b, s in _segments(seg_starts, seg_slots):
-        _expand_segment(y[a:b], h[a:b], B_stack[s], [row[s] for row in scale], cols, active)
+        p = piece(pool, _row(desc, rows, s), group, layer, a_ld, bt_ld)
+        if p is not None:
+            _expand_segment(y[a:b], h[a:b], p, sizes, cols)
 
 
-def _expand_segment(y, h, B, scales, cols, active) -> None:
-    """One segment's expand, module by module (h: its rows, rank-major over the group's modules)."""
-    n = len(cols)
-    for m, (c0, c1) in enumerate(cols):
-        if not active[m]:
-            continue
-        hm, Bm, ym = h[:, m::n], B[c0:c1], y[:, c0:c1]
-        if ym.dtype == torch.float32 and Bm.dtype == torch.float32:
-            ym.addmm_(hm, Bm.t(), alpha=scales[m])  # fused: no temporary for the delta
+def _expand_segment(y, h, p, sizes, cols) -> None:
+    """One segment's expand, module by module (h: its rows, the targeted modules' ranks one after another)."""
+    r, present, _, bts = p
+    for pos, m in enumerate(present):
+        hm, BT, ym = (
+            h[:, pos * r : (pos + 1) * r],
+            bts[pos][:, : sizes[m]],
+            y[:, cols[m] : cols[m] + sizes[m]],
+        )
+        if ym.dtype == torch.float32 and BT.dtype == torch.float32:
+            ym.addmm_(hm, BT)  # fused: no temporary for the delta
         else:
-            ym += torch.mm(hm, Bm.float().t()).mul_(scales[m])  # fp32 delta, rounded once into y's dtype
+            ym += torch.mm(hm, BT.float())  # fp32 delta, rounded once into y's dtype
 
 
-def _add_lora_torch(y, x, A_stack, B_stack, scales, seg_starts, seg_slots, sizes, active) -> None:
+def _add_lora_torch(y, x, pool, desc, seg_starts, seg_slots, group, layer, a_ld, bt_ld, sizes, rows) -> None:
     """The CPU path: one loop over segments; per segment one shrink for the whole group (one matmul), then
-    each active module's expand into its columns (no [T, rank] buffer across segments)."""
-    cols, active, scales = _group(y, B_stack, scales, sizes, active)
-    scale = scales.tolist()
+    each targeted module's expand into its columns (no [T, rank] buffer across segments)."""
+    cols = _columns(sizes)
     for a, b, s in _segments(seg_starts, seg_slots):
-        h = torch.mm(x[a:b].float(), A_stack[s].float().t())
-        _expand_segment(y[a:b], h, B_stack[s], [row[s] for row in scale], cols, active)
+        p = piece(pool, _row(desc, rows, s), group, layer, a_ld, bt_ld)
+        if p is None:
+            continue
+        h = torch.mm(x[a:b].float(), p[2][:, : x.shape[1]].float().t())
+        _expand_segment(y[a:b], h, p, sizes, cols)
 
 
 def lora_delta_reference(
-    x: torch.Tensor,
-    A_stack: torch.Tensor,
-    B_stack: torch.Tensor,
-    scales: torch.Tensor,
+    x, pool, desc, seg_starts, seg_slots, *, group, layer, a_ld, bt_ld, sizes, rows=None
+) -> torch.Tensor:
+    """The LoRA delta ``[T, sum(sizes)]`` in fp32 (zero for rows without an adapter)."""
+    delta = torch.zeros(x.shape[0], sum(sizes), dtype=torch.float32, device=x.device)
+    _add_lora_torch(
+        delta, x, pool, desc, seg_starts, seg_slots, group, layer, a_ld, bt_ld, tuple(sizes), rows
+    )
+    return delta
+
+
+def add_embedding_lora(
+    y: torch.Tensor,
+    input_ids: torch.Tensor,
+    pool: torch.Tensor,
+    desc: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_slots: torch.Tensor,
     *,
-    sizes: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """The LoRA delta ``[T, sum(sizes)]`` in fp32 (zero for rows without an adapter)."""
-    delta = torch.zeros(x.shape[0], B_stack.shape[1], dtype=torch.float32, device=x.device)
-    sgmv_expand_reference(
-        sgmv_shrink_reference(x, A_stack, seg_starts, seg_slots),
-        B_stack,
-        scales,
-        seg_starts,
-        seg_slots,
-        delta,
-        sizes=sizes,
-    )
-    return delta
+    group: int,
+    a_ld: int,
+    bt_ld: Sequence[int],
+    max_rank: int,
+    max_seg_len: int | None = None,
+    rows: Mapping[int, Sequence[int]] | None = None,
+) -> None:
+    """``y[t] += BT^T @ A[:, input_ids[t]]`` in place for the embedding's group (PEFT's lora.Embedding: the
+    shrink of a token is a lookup of its column of A [r, vocab]; the expand as for any group). On the GPU the
+    lookups are one gather over every token (no device sync) and the expand is the Triton kernel's."""
+    if not y.is_cuda:
+        for a, b, s in _segments(seg_starts, seg_slots):
+            p = piece(pool, _row(desc, rows, s), group, 0, a_ld, bt_ld)
+            if p is not None:
+                r, _, A, bts = p
+                h = A[:, input_ids[a:b]].t().float()
+                _expand_segment(y[a:b], h, p, (y.shape[1],), [0])
+        return
+    T, R = y.shape[0], max(1, max_rank)
+    counts = (seg_starts[1:] - seg_starts[:-1]).long()
+    slots = torch.repeat_interleave(seg_slots.long(), counts, output_size=T)  # each token's slot
+    row = desc[slots.clamp(min=0)]
+    rank, offset = row[:, 0], row[:, 1 + 3 * group]
+    ranks = torch.arange(R, device=y.device)
+    live = ((slots >= 0) & (offset >= 0)).unsqueeze(1) & (ranks.unsqueeze(0) < rank.unsqueeze(1))
+    index = offset.unsqueeze(1) + ranks.unsqueeze(0) * a_ld + input_ids.long().unsqueeze(1)
+    h = torch.where(live, pool[torch.where(live, index, 0)].float(), 0.0)  # [T, R]: A[:, token] per token
+    sgmv_expand_triton(
+        h, pool, desc, seg_starts, seg_slots, y, group=group, layer=0, a_ld=a_ld, bt_ld=bt_ld,
+        sizes=(y.shape[1],), max_rank=R, max_seg_len=max_seg_len,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Triton: CUDA, or CPU under TRITON_INTERPRET=1
 
+BLOCK_K = 64  # the shrink's step over x's columns
+BLOCK_N = 64  # the expand's column tile of the fused output
+MAX_BLOCK_R = 128  # the shrink's rank tile at most: wider groups take several rank tiles (a grid dimension)
+
 
 def _grid_rows(num_tokens: int, num_segs: int, max_seg_len: int | None) -> tuple[int, int]:
-    """(BLOCK_M, row tiles per segment). The grid is (segments, tiles) and tiles past a segment's end exit at
-    once, so without a hint the bound is all T rows in one segment (no device sync)."""
+    """(BLOCK_M, row tiles per segment). The grid is (segments, tiles, ...) and tiles past a segment's end exit
+    at once, so without a hint the bound is all T rows in one segment (no device sync)."""
     guess = max_seg_len if max_seg_len is not None else (1 if num_tokens <= num_segs else num_tokens)
     block_m = 16 if guess <= 16 else 64  # 16: tl.dot's minimum (decode); 64 amortizes weight tiles (prefill)
     bound = num_tokens if max_seg_len is None else min(max_seg_len, num_tokens)
     return block_m, triton.cdiv(max(bound, 1), block_m)
 
 
-def _precision(*tensors: torch.Tensor) -> str | None:
-    # fp32 operands get true fp32 dots (tl.dot defaults to tf32 on NVIDIA), as in torch; the expand's fp32
-    # intermediate times low-precision B may use tf32. bf16/fp16 dots take the default (None).
-    interpreted = not tensors[0].is_cuda
-    return "ieee" if interpreted or all(t.dtype == torch.float32 for t in tensors) else None
+def _check_pool(pool: torch.Tensor, desc: torch.Tensor) -> None:
+    if pool.dim() != 1 or pool.stride(0) != 1:
+        raise ValueError(f"the pool is one flat contiguous tensor, not {tuple(pool.shape)} {pool.stride()}")
+    if desc.dim() != 2:
+        raise ValueError(f"the descriptor table is [slots, columns], not {tuple(desc.shape)}")
 
 
 def sgmv_shrink_triton(
     x: torch.Tensor,
-    A_stack: torch.Tensor,
+    pool: torch.Tensor,
+    desc: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_slots: torch.Tensor,
     *,
+    group: int,
+    layer: int,
+    a_ld: int,
+    bt_ld: Sequence[int],
+    max_rank: int,
     max_seg_len: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton shrink: ``h [T, n * max_rank]`` fp32 (A_stack's rows: a group's modules in one launch), zero for
-    rows without an adapter; into `out` if given, whose rows without an adapter are left as they are. No
-    device sync."""
+    """Triton shrink: ``h [T, n * max_rank]`` fp32 (n = len(bt_ld)), each segment's ``x @ A^T`` in columns
+    ``0 .. k * r`` (its adapter's k targeted modules of the group, rank r <= max_rank), one launch for the
+    group. Without `out`, h is zero elsewhere (as the reference's); into `out`, only those columns of the rows
+    of segments with a piece of the group at this layer are written, the rest is left as it is. No device
+    sync: the descriptors are read on the device. (A rank above max_rank is the caller's error: its product
+    is cut to h's width, never read or written out of bounds.)"""
     if triton is None:
         raise RuntimeError("sgmv_shrink_triton needs triton")
+    _check_pool(pool, desc)
     num_tokens, k = x.shape
-    num_slots, rank, k_a = A_stack.shape
-    if k_a != k:
-        raise ValueError(f"x {tuple(x.shape)} does not fit A_stack {tuple(A_stack.shape)}")
-    h = torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device) if out is None else out
-    if h.shape != (num_tokens, rank) or h.dtype != torch.float32:
-        raise ValueError(f"out {tuple(h.shape)} {h.dtype}: the shrink writes [{num_tokens}, {rank}] fp32")
+    n = len(bt_ld)
+    if not 1 <= n <= MAX_GROUP or k > a_ld:
+        raise ValueError(f"x {tuple(x.shape)} does not fit a group of {n} modules with A rows of {a_ld}")
+    width = n * max_rank
+    h = torch.zeros(num_tokens, width, dtype=torch.float32, device=x.device) if out is None else out
+    if h.shape != (num_tokens, width) or h.dtype != torch.float32:
+        raise ValueError(f"out {tuple(h.shape)} {h.dtype}: the shrink writes [{num_tokens}, {width}] fp32")
     num_segs = seg_slots.shape[0]
-    if num_tokens == 0 or num_segs == 0 or rank == 0:
+    if num_tokens == 0 or num_segs == 0 or width == 0:
         return h
     block_m, tiles = _grid_rows(num_tokens, num_segs, max_seg_len)
-    _shrink_kernel[(num_segs, tiles)](
+    block_r = min(max(16, triton.next_power_of_2(width)), MAX_BLOCK_R)
+    # fp32 dots unless x and the pool are the same 16-bit type: fp32 operands get true fp32 (tl.dot defaults to
+    # tf32 on NVIDIA), as in torch; mixed types are upcast (x rounded to the pool's type would lose bits). Under
+    # TRITON_INTERPRET=1 (CPU tensors) tl.dot on bf16 multiplies raw bits (triton 3.9): always fp32 there.
+    dot_fp32 = not x.is_cuda or x.dtype == torch.float32 or x.dtype != pool.dtype
+    _shrink_kernel[(num_segs, tiles, triton.cdiv(width, block_r))](
         x,
-        A_stack,
+        pool,
+        desc,
         h,
         seg_starts,
         seg_slots,
+        layer,
         k,
-        rank,
+        a_ld,
+        width,
         *x.stride(),
-        *A_stack.stride(),
+        *desc.stride(),
         *h.stride(),
+        GROUP=group,
+        NUM_MODULES=n,
         BLOCK_M=block_m,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        BLOCK_K=64,
-        PRECISION=_precision(x, A_stack),
-        # Under TRITON_INTERPRET=1 (CPU tensors) tl.dot on bf16 multiplies raw bits (triton 3.9): upcast there.
-        DOT_FP32=not x.is_cuda,
+        BLOCK_R=block_r,
+        BLOCK_K=BLOCK_K,
+        DOT_FP32=dot_fp32,
+        PRECISION="ieee" if dot_fp32 else None,
     )
     return h
 
 
 def sgmv_expand_triton(
     h: torch.Tensor,
-    B_stack: torch.Tensor,
-    scales: torch.Tensor,
+    pool: torch.Tensor,
+    desc: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_slots: torch.Tensor,
     y: torch.Tensor,
     *,
+    group: int,
+    layer: int,
+    a_ld: int,
+    bt_ld: Sequence[int],
     sizes: Sequence[int] | None = None,
-    active: Sequence[bool] | None = None,
+    max_rank: int,
     max_seg_len: int | None = None,
 ) -> None:
-    """Triton expand: every active module's ``y`` columns ``+= h_m @ B_slot^T * scale_slot[m]`` in one
-    launch, in place, in y's dtype. No device sync."""
+    """Triton expand: ``y[:, module m's columns] += h_m @ BT_m[:, :sizes[m]]`` for every module m each
+    segment's adapter targets, in one launch for the group (a column tile may hold two modules), in place, in
+    y's dtype. Reads only the columns ``pos * r .. (pos + 1) * r`` of h of rows whose segment's adapter has a
+    piece of the group (those the shrink wrote). Every other element of y is left bit-identical. No device
+    sync."""
     if triton is None:
         raise RuntimeError("sgmv_expand_triton needs triton")
-    cols, active, scales = _group(y, B_stack, scales, sizes, active)
+    _check_pool(pool, desc)
+    sizes = _sizes(y, bt_ld, sizes)
     num_tokens, width = h.shape
-    num_slots, n, rank = B_stack.shape
-    if rank * len(cols) != width or y.shape[0] != num_tokens:
-        raise ValueError(f"h {tuple(h.shape)}, B_stack {tuple(B_stack.shape)}, y {tuple(y.shape)} do not fit")
+    n = len(bt_ld)
+    if width != n * max_rank or y.shape[0] != num_tokens or h.dtype != torch.float32:
+        raise ValueError(f"h {tuple(h.shape)} {h.dtype}, y {tuple(y.shape)}: not [T, {n} * {max_rank}] fp32")
     num_segs = seg_slots.shape[0]
-    if num_tokens == 0 or num_segs == 0 or rank == 0 or not any(active):
+    if num_tokens == 0 or num_segs == 0 or width == 0:
         return
     block_m, tiles = _grid_rows(num_tokens, num_segs, max_seg_len)
-    block_n = 64
-    ends = [c1 for _, c1 in cols] + [n] * (MAX_GROUP - len(cols))
-    _expand_kernel[(num_segs, tiles, triton.cdiv(n, block_n))](
+    cols = [*_columns(sizes)[1:], y.shape[1]]
+    ends = cols + [y.shape[1]] * (MAX_GROUP - n)
+    lds = list(bt_ld) + [0] * (MAX_GROUP - n)
+    _expand_kernel[(num_segs, tiles, triton.cdiv(y.shape[1], BLOCK_N))](
         h,
-        B_stack,
-        scales,
+        pool,
+        desc,
         y,
         seg_starts,
         seg_slots,
-        rank,
+        layer,
+        a_ld,
+        width,
         *ends,
-        sum(1 << m for m, a in enumerate(active) if a),
+        *lds,
+        *desc.stride(),
         *h.stride(),
-        *B_stack.stride(),
-        *scales.stride(),
         *y.stride(),
-        NUM_MODULES=len(cols),
+        GROUP=group,
+        NUM_MODULES=n,
         BLOCK_M=block_m,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        BLOCK_N=block_n,
-        PRECISION=_precision(y, B_stack) or "tf32",
+        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
+        BLOCK_N=BLOCK_N,
+        # h is fp32; y in fp32 gets true fp32 dots, a 16-bit y takes tf32 (below its own rounding)
+        PRECISION="ieee" if not y.is_cuda or y.dtype == torch.float32 else "tf32",
     )
+
+
+def add_lora_triton(
+    y, x, pool, desc, seg_starts, seg_slots, *, group, layer, a_ld, bt_ld, sizes, max_rank, max_seg_len=None
+) -> None:
+    """The GPU path of `add_lora` (two launches: the shrink, the expand). The shrink writes into an
+    uninitialized h (no memset): the expand reads only what it wrote."""
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} have different rows")
+    geometry = dict(
+        group=group, layer=layer, a_ld=a_ld, bt_ld=bt_ld, max_rank=max_rank, max_seg_len=max_seg_len
+    )
+    h = torch.empty(x.shape[0], len(bt_ld) * max_rank, dtype=torch.float32, device=x.device)
+    sgmv_shrink_triton(x, pool, desc, seg_starts, seg_slots, out=h, **geometry)
+    sgmv_expand_triton(h, pool, desc, seg_starts, seg_slots, y, sizes=sizes, **geometry)
 
 
 if triton is not None:
@@ -333,117 +417,155 @@ if triton is not None:
         return slot.to(tl.int64), rows.to(tl.int64), rows < end
 
     @triton.jit
+    def _piece(desc_ptr, slot, layer, stride_ds, stride_dc, GROUP: tl.constexpr, NUM_MODULES: tl.constexpr):
+        """The slot's adapter's piece of the group at `layer` (int64): (rank, the piece's element offset in the
+        pool, the mask of its targeted modules, how many); rank 0 where there is none (no slot, or no module of
+        the group)."""
+        ok = slot >= 0
+        row = desc_ptr + tl.maximum(slot, 0) * stride_ds
+        r = tl.load(row, mask=ok, other=0).to(tl.int64)
+        offset = tl.load(row + (1 + 3 * GROUP) * stride_dc, mask=ok, other=-1).to(tl.int64)
+        stride = tl.load(row + (2 + 3 * GROUP) * stride_dc, mask=ok, other=0).to(tl.int64)
+        mask = tl.load(row + (3 + 3 * GROUP) * stride_dc, mask=ok, other=0).to(tl.int64)
+        r = tl.where(offset < 0, 0, r)
+        k = mask * 0
+        for m in tl.static_range(NUM_MODULES):
+            k += (mask >> m) & 1
+        return r, offset + layer * stride, mask, k
+
+    @triton.jit
     def _shrink_kernel(
         x_ptr,
-        a_ptr,
+        pool_ptr,
+        desc_ptr,
         h_ptr,
         seg_starts_ptr,
         seg_slots_ptr,
+        layer,
         K,
-        R,
+        A_LD,
+        W,
         stride_xt,
         stride_xk,
-        stride_as,
-        stride_ar,
-        stride_ak,
+        stride_ds,
+        stride_dc,
         stride_ht,
         stride_hr,
+        GROUP: tl.constexpr,
+        NUM_MODULES: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
+        """One (segment, row tile, rank tile): h[rows, i] = x[rows] . A[i, :K] for the piece's rows i of the
+        tile (A [k * r, A_LD] at the piece's start)."""
         slot, rows, row_ok = _segment_rows(seg_starts_ptr, seg_slots_ptr, BLOCK_M)
-        if slot < 0:  # no adapter (h stays zero) or a spare tile past the segment's end
+        r, base, mask, k = _piece(desc_ptr, slot, layer, stride_ds, stride_dc, GROUP, NUM_MODULES)
+        num_r = tl.minimum(k * r, W)  # A's rows (bounded by h's width, should max_rank be too small)
+        r0 = tl.program_id(2) * BLOCK_R
+        if r0 >= num_r:  # no adapter, no piece of the group, a spare tile past the segment's end or A's rows
             return
-        offs_r = tl.arange(0, BLOCK_R)
+        offs_r = r0 + tl.arange(0, BLOCK_R)
         offs_k = tl.arange(0, BLOCK_K)
+        r_ok = offs_r < num_r
         x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk
-        a_base = a_ptr + slot * stride_as
-        a_ptrs = a_base + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak  # A^T tile [K, R]
+        a_ptrs = pool_ptr + base + offs_r[None, :].to(tl.int64) * A_LD + offs_k[:, None]  # A^T tile [K, R]
         # tl.full, not tl.zeros (a triton.jit helper: stays compiled if triton was imported before
         # TRITON_INTERPRET was set, which breaks the tests' re-decoration)
         acc = tl.full([BLOCK_M, BLOCK_R], 0.0, dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k + k0 < K
             xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            at = tl.load(a_ptrs, mask=k_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+            at = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
             if DOT_FP32:
                 xt = xt.to(tl.float32)
                 at = at.to(tl.float32)
-            else:
-                at = at.to(xt.dtype)
             acc = tl.dot(xt, at, acc, input_precision=PRECISION)
             x_ptrs += BLOCK_K * stride_xk
-            a_ptrs += BLOCK_K * stride_ak
+            a_ptrs += BLOCK_K
         h_ptrs = h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hr
-        tl.store(h_ptrs, acc, mask=row_ok[:, None] & (offs_r[None, :] < R))
+        tl.store(h_ptrs, acc, mask=row_ok[:, None] & r_ok[None, :])
 
     @triton.jit
     def _expand_kernel(
         h_ptr,
-        b_ptr,
-        scales_ptr,
+        pool_ptr,
+        desc_ptr,
         y_ptr,
         seg_starts_ptr,
         seg_slots_ptr,
-        R,
+        layer,
+        A_LD,
+        W,
         END0,
         END1,
         END2,
-        ACTIVE,
+        LD0,
+        LD1,
+        LD2,
+        stride_ds,
+        stride_dc,
         stride_ht,
         stride_hr,
-        stride_bs,
-        stride_bn,
-        stride_br,
-        stride_sm,
-        stride_ss,
         stride_yt,
         stride_yn,
+        GROUP: tl.constexpr,
         NUM_MODULES: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        """One (segment, row tile, column tile): the delta of each active module whose columns
-        [END(m-1), END(m)) meet the tile, from its ranks h[:, m::NUM_MODULES] (usually one module a tile)."""
+        """One (segment, row tile, column tile): the delta of each targeted module whose columns
+        [END(m-1), END(m)) meet the tile, from its ranks h[:, pos * r:(pos + 1) * r] and its BT (row length
+        LD(m)), which follows A and the BT of the targeted modules before it (usually one module a tile)."""
         slot, rows, row_ok = _segment_rows(seg_starts_ptr, seg_slots_ptr, BLOCK_M)
-        if slot < 0:  # no adapter (y untouched) or a spare tile past the segment's end
+        r, base, mask, k = _piece(desc_ptr, slot, layer, stride_ds, stride_dc, GROUP, NUM_MODULES)
+        if r <= 0:  # no adapter (y untouched), no piece of the group, or a spare tile past the segment's end
             return
         n0 = tl.program_id(2) * BLOCK_N
         offs_r = tl.arange(0, BLOCK_R)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        r_ok = offs_r < R
-        b_base = b_ptr + slot * stride_bs
-        b_ptrs = b_base + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn  # B^T tile [R, N]
+        r_ok = offs_r < r
+        bt = base + k * r * A_LD  # the first targeted module's BT
+        pos = k * 0  # the module's index among the targeted ones
         delta = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
-        write = offs_n < 0  # the tile's columns of active modules (the others are left untouched)
+        write = offs_n < 0  # the tile's columns of targeted modules (the others are left untouched)
         for m in tl.static_range(NUM_MODULES):
             if m == 0:
                 start = 0
                 end = END0
+                ld = LD0
             elif m == 1:
                 start = END0
                 end = END1
+                ld = LD1
             else:
                 start = END1
                 end = END2
-            end = end * ((ACTIVE >> m) & 1)  # an inactive module: an empty column range
+                ld = LD2
+            on = (mask >> m) & 1
+            end = end * on  # an untargeted module: an empty column range
             cols_ok = (offs_n >= start) & (offs_n < end)
             write = write | cols_ok
             if (n0 < end) & (n0 + BLOCK_N > start):
+                h_cols = pos * r + offs_r
                 h = tl.load(
-                    h_ptr + rows[:, None] * stride_ht + (offs_r[None, :] * NUM_MODULES + m) * stride_hr,
-                    mask=row_ok[:, None] & r_ok[None, :],
+                    h_ptr + rows[:, None] * stride_ht + h_cols[None, :] * stride_hr,
+                    mask=row_ok[:, None] & (r_ok & (h_cols < W))[None, :],
                     other=0.0,
                 )
-                b = tl.load(b_ptrs, mask=r_ok[:, None] & cols_ok[None, :], other=0.0).to(tl.float32)
-                scale = tl.load(scales_ptr + m * stride_sm + slot * stride_ss)
-                delta += tl.dot(h, b, input_precision=PRECISION) * scale
+                b = tl.load(
+                    pool_ptr + bt + offs_r[:, None].to(tl.int64) * ld + (offs_n - start)[None, :],
+                    mask=r_ok[:, None] & cols_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                delta += tl.dot(h, b, input_precision=PRECISION)
+            bt += on * r * ld
+            pos += on
         y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_n[None, :] * stride_yn
-        mask = row_ok[:, None] & write[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+        store_ok = row_ok[:, None] & write[None, :]
+        y = tl.load(y_ptrs, mask=store_ok, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=store_ok)

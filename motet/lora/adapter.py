@@ -25,6 +25,7 @@ from motet.lora.base_shape import BaseShape, is_moe_base
 from motet.lora.peft_config import brief, read_config, targeted
 from motet.lora.peft_format import (  # noqa: F401 - re-exported: the adapter's public names
     CONFIG_FILE,
+    MODEL_MODULES,
     MODULE_PARENT,
     PEFT_DEFAULT_TARGETS,
     TARGET_MODULES,
@@ -48,6 +49,16 @@ MAX_DELTA_GAIN = 1e6  # scale * max row sum |B| * max row sum |A|: bounds |B @ A
 _KEY_RE = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<module>\w+)"
     r"\.lora_(?P<ab>[AB])(?:\.[\w.-]+)?\.weight"
+)
+# Outside the layers: [base_model.model.]model.embed_tokens.lora_embedding_{A|B}[.{adapter name}] and
+# [base_model.model.]lm_head.lora_{A|B}[.{adapter name}].weight; PEFT also saves the two base layers' own weights
+# (`save_embedding_layers`, for resized vocabularies): [...].{embed_tokens|lm_head}.base_layer.weight
+_MODEL_KEY_RE = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.(?P<embed>embed_tokens)\.lora_embedding_(?P<eab>[AB])(?:\.[\w.-]+)?"
+    r"|(?P<head>lm_head)\.lora_(?P<hab>[AB])(?:\.[\w.-]+)?\.weight)"
+)
+_BASE_LAYER_RE = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?(?P<module>embed_tokens|lm_head)\.base_layer\.weight"
 )
 
 
@@ -122,6 +133,33 @@ def _check_safetensors_header(
             )
 
 
+def _checked_values(file: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Every tensor finite and within +-MAX_LORA_WEIGHT (AdapterError naming the key), checked a stack of same-shaped
+    tensors at a time; returns each as fp32 (contiguous) and the largest row sum of its absolute values."""
+    groups: dict[tuple, list[str]] = {}
+    for key, t in tensors.items():
+        groups.setdefault((tuple(t.shape), t.dtype), []).append(key)
+    floats, row_sums = {}, {}
+    for keys in groups.values():
+        stack = torch.stack([tensors[k] for k in keys])
+        finite = torch.isfinite(stack).flatten(1).all(1).tolist()
+        peaks = (
+            stack.abs().flatten(1).amax(1).tolist()
+        )  # in the file's dtype: F64 past fp32's range is caught here
+        for key, ok, peak in zip(keys, finite, peaks, strict=True):
+            if not ok:
+                raise AdapterError(f"{file}: key {key!r} has non-finite values (NaN or inf)")
+            if peak > MAX_LORA_WEIGHT:
+                raise AdapterError(
+                    f"{file}: key {key!r} has values up to {peak:g}; LoRA weights must be within "
+                    f"+-{MAX_LORA_WEIGHT:g} (trained ones are ~1e-3 to ~1e1)"
+                )
+        stack = stack.float()
+        for key, t, rows in zip(keys, stack, stack.abs().sum(2).amax(1).tolist(), strict=True):
+            floats[key], row_sums[key] = t, rows
+    return floats, row_sums
+
+
 def load_adapter(
     path: str | Path,
     base: BaseShape,
@@ -157,16 +195,28 @@ def load_adapter(
 
     # Map every key to (layer, module, A|B); anything else is refused with the reason.
     factors: dict[tuple[int, str], dict[str, str]] = {}
+    base_layers: list[
+        str
+    ] = []  # the embedding's and the head's own weights (PEFT saves them): the base model's
     try:
         with safe_open(file, framework="pt") as f:
             keys = list(f.keys())
             for key in keys:
                 if "lora_magnitude_vector" in key:
                     raise AdapterError(f"{file}: key {key!r} is a DoRA magnitude; DoRA is not supported")
-                if "embed_tokens" in key or "lora_embedding" in key:
-                    raise AdapterError(f"{file}: key {key!r}: LoRA on embeddings is not supported")
-                if "lm_head" in key:
-                    raise AdapterError(f"{file}: key {key!r}: LoRA on lm_head is not supported")
+                if (special := _MODEL_KEY_RE.fullmatch(key)) is not None:
+                    module = special["embed"] or special["head"]
+                    slot = factors.setdefault((0, module), {})
+                    ab = special["eab"] or special["hab"]
+                    if ab in slot:
+                        raise AdapterError(
+                            f"{file}: key {key!r}: duplicate lora_{ab} for {MODEL_MODULES[module]}"
+                        )
+                    slot[ab] = key
+                    continue
+                if _BASE_LAYER_RE.fullmatch(key) is not None:
+                    base_layers.append(key)
+                    continue
                 if moe and (".mlp." in key or ".block_sparse_moe." in key):
                     raise AdapterError(f"{file}: key {key!r}: {_MOE_MLP_REFUSAL}")
                 m = _KEY_RE.fullmatch(key)
@@ -189,20 +239,25 @@ def load_adapter(
                         f"{file}: key {key!r}: duplicate lora_{m['ab']} for layer {layer} {module}"
                     )
                 slot[m["ab"]] = key
-            tensors = {k: f.get_tensor(k) for k in keys}
+            for key in base_layers:  # the base model's own weights: only their shape is checked
+                want = (base.vocab_size, base.hidden_size)
+                if tuple(f.get_slice(key).get_shape()) != want:
+                    raise AdapterError(
+                        f"{file}: key {key!r} has shape {list(f.get_slice(key).get_shape())}, the base model's is "
+                        f"{list(want)}; adapters for a resized vocabulary are not supported"
+                    )
+            tensors = {k: f.get_tensor(k) for k in keys if k not in base_layers}
     except AdapterError:
         raise
     except Exception as e:  # safetensors' own structural checks (offsets, sizes)
         raise AdapterError(f"{file}: not a valid safetensors file ({e})") from None
 
     # The config's targets must be exactly the modules that have weights.
-    for special in ("lm_head", "model.embed_tokens"):
-        if targeted(selection, special):
-            raise AdapterError(f"{cfg_file}: target_modules selects {special}; LoRA on it is not supported")
     layers = range(base.num_hidden_layers)
     expected = {
         (i, mod) for i in layers for mod in TARGET_MODULES if targeted(selection, module_name(i, mod))
     }
+    expected |= {(0, mod) for mod, name in MODEL_MODULES.items() if targeted(selection, name)}
     if not expected:
         raise AdapterError(
             f"{cfg_file}: target_modules {brief(cfg.get('target_modules'))} selects no module of the base model"
@@ -216,7 +271,9 @@ def load_adapter(
             f"{file}: no lora_A/lora_B weights for {module_name(*missing[0])}, which {CONFIG_FILE} targets"
         )
 
-    weights = {}
+    # Shapes and scales module by module; then the values, all tensors of a shape at once (an adapter is ~100 of
+    # them: per-tensor checks would cost more than reading the file).
+    modules = []
     for (layer, module), ab in sorted(factors.items()):
         mname = module_name(layer, module)
         for have, missing in (("A", "B"), ("B", "A")):
@@ -229,20 +286,11 @@ def load_adapter(
                 f"{cfg_file}: rank {r} of {mname} is above this server's max LoRA rank {max_rank}"
             )
         n_in, n_out = module_shape(base, module)
-        A, B = tensors[ab["A"]], tensors[ab["B"]]
-        for key, t, want in ((ab["A"], A, (r, n_in)), (ab["B"], B, (n_out, r))):
-            if tuple(t.shape) != want:
+        for key, want in ((ab["A"], (r, n_in)), (ab["B"], (n_out, r))):
+            if tuple(tensors[key].shape) != want:
                 raise AdapterError(
-                    f"{file}: key {key!r} has shape {list(t.shape)}, expected {list(want)} "
+                    f"{file}: key {key!r} has shape {list(tensors[key].shape)}, expected {list(want)} "
                     f"(rank {r} from {CONFIG_FILE}, {module} is {n_in} -> {n_out} in the base model)"
-                )
-            if not torch.isfinite(t).all():
-                raise AdapterError(f"{file}: key {key!r} has non-finite values (NaN or inf)")
-            peak = t.abs().max().item()  # in the file's dtype: F64 values past fp32's range are caught here
-            if peak > MAX_LORA_WEIGHT:
-                raise AdapterError(
-                    f"{file}: key {key!r} has values up to {peak:g}; LoRA weights must be within "
-                    f"+-{MAX_LORA_WEIGHT:g} (trained ones are ~1e-3 to ~1e1)"
                 )
         rslora = bool(cfg.get("use_rslora"))
         scale = alpha / math.sqrt(r) if rslora else alpha / r
@@ -251,13 +299,16 @@ def load_adapter(
                 f"{cfg_file}: {mname}: scale {scale:g} (alpha {alpha:g} / {'sqrt(r)' if rslora else 'r'} {r}) "
                 f"is above the limit of {MAX_LORA_SCALE:g}"
             )
-        A, B = A.float().contiguous(), B.float().contiguous()
-        gain = scale * B.abs().sum(1).max().item() * A.abs().sum(1).max().item()
+        modules.append((layer, module, mname, ab["A"], ab["B"], scale))
+    floats, row_sums = _checked_values(file, {k: tensors[k] for m in modules for k in m[3:5]})
+    weights = {}
+    for layer, module, mname, a_key, b_key, scale in modules:
+        gain = scale * row_sums[b_key] * row_sums[a_key]
         if not gain <= MAX_DELTA_GAIN:
             raise AdapterError(
                 f"{file}: {mname}: the weight delta B @ A * scale amplifies an input up to {gain:.3g}-fold "
                 f"(scale x max row sum of |B| x max row sum of |A|), above the limit of {MAX_DELTA_GAIN:g}"
             )
-        weights[(layer, module)] = (A, B, float(scale))
+        weights[(layer, module)] = (floats[a_key], floats[b_key], float(scale))
     rank = max(A.shape[0] for A, _, _ in weights.values())
     return LoRAAdapter(name=name or path.name, rank=rank, weights=weights)

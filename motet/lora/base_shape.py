@@ -1,4 +1,4 @@
-"""What lora/ needs to know of the base model: the shapes of its decoder layers' linear modules.
+"""What lora/ needs to know of the base model: the shapes of its decoder layers' linear modules, its vocabulary.
 
 A Protocol rather than the engine's ModelConfig, so that lora/ sits below engine/ and imports nothing of it
 (engine.config.ModelConfig satisfies it, as does any object with these attributes). A base may also say
@@ -11,6 +11,7 @@ from typing import Protocol
 
 
 class BaseShape(Protocol):
+    vocab_size: int
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int

@@ -9,6 +9,9 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 MODULE_PARENT = {
     m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for m in TARGET_MODULES
 }
+# Outside the decoder layers: the token embedding (PEFT's lora.Embedding: the delta of token id t is
+# B @ A[:, t] * scale) and the output head (a linear module like the others). Keyed by layer 0 in an adapter.
+MODEL_MODULES = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for the Llama family when target_modules is null
@@ -23,7 +26,8 @@ class AdapterTooLarge(AdapterError):
 
 
 def module_shape(base: BaseShape, module: str) -> tuple[int, int]:
-    """(in_features, out_features) of a decoder layer's linear module."""
+    """(in_features, out_features) of a decoder layer's linear module, or of the embedding (in: the vocabulary)
+    or the output head."""
     h, q, kv = (
         base.hidden_size,
         base.num_attention_heads * base.head_dim,
@@ -38,6 +42,10 @@ def module_shape(base: BaseShape, module: str) -> tuple[int, int]:
         "up_proj": (h, base.intermediate_size),
         "down_proj": (base.intermediate_size, h),
     }
+    if module == "embed_tokens":
+        return base.vocab_size, h
+    if module == "lm_head":
+        return h, base.vocab_size
     if module not in shapes:
         raise AdapterError(f"unknown module {module!r}; LoRA applies to {', '.join(TARGET_MODULES)}")
     return shapes[module]
@@ -45,4 +53,6 @@ def module_shape(base: BaseShape, module: str) -> tuple[int, int]:
 
 def module_name(layer: int, module: str) -> str:
     """The module's name inside the HF model, as PEFT matches target_modules against it."""
+    if module in MODEL_MODULES:
+        return MODEL_MODULES[module]
     return f"model.layers.{layer}.{MODULE_PARENT[module]}.{module}"

@@ -40,27 +40,17 @@ def graph_us(fn, n: int = 20, reps: int = 10) -> float:
 
 
 def sgmv_rows() -> list[dict]:
-    from motet.kernels import sgmv
+    from benchmarks.gpu_bench import sgmv_calls, sgmv_case
 
-    rows, dev, dt = [], "cuda", torch.bfloat16
-    d_in, d_out = 576, 1536  # SmolLM2-135M: hidden -> gate/up
+    rows = []
     for tokens in (1, 8, 64, 256):
         for rank in (8, 16, 64):
             for n in sorted({min(a, tokens) for a in (1, 8, 64)}):
-                x = torch.randn(tokens, d_in, device=dev, dtype=dt)
-                A = torch.randn(max(n, 8), rank, d_in, device=dev, dtype=dt) / d_in**0.5
-                B = torch.randn(max(n, 8), d_out, rank, device=dev, dtype=dt) * 0.01
-                scales = torch.ones(max(n, 8), device=dev)
-                bounds = [round(i * tokens / n) for i in range(n + 1)]
-                starts = torch.tensor(bounds, device=dev, dtype=torch.int32)
-                slots = torch.arange(n, device=dev, dtype=torch.int32)
-                m = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
-                y = torch.zeros(tokens, d_out, device=dev, dtype=dt)
-                h = sgmv.sgmv_shrink_triton(x, A, starts, slots, max_seg_len=m)
-                t_s = graph_us(lambda: sgmv.sgmv_shrink_triton(x, A, starts, slots, max_seg_len=m))
-                t_e = graph_us(lambda: sgmv.sgmv_expand_triton(h, B, scales, starts, slots, y, max_seg_len=m))
-                b_s = tokens * d_in * 2 + n * rank * d_in * 2 + tokens * rank * 4
-                b_e = tokens * rank * 4 + n * d_out * rank * 2 + 2 * tokens * d_out * 2
+                c = sgmv_case(tokens, rank, n)
+                shrink, expand, _ = sgmv_calls(c)
+                shrink()
+                t_s, t_e = graph_us(shrink), graph_us(expand)
+                b_s, b_e = c["bytes_shrink"], c["bytes_expand"]
                 rows.append({"tokens": tokens, "rank": rank, "adapters": n, "shrink_us": t_s, "expand_us": t_e,
                              "shrink_roofline": b_s / (t_s * 1e-6) / HBM, "expand_roofline": b_e / (t_e * 1e-6) / HBM,
                              "both_roofline": (b_s + b_e) / ((t_s + t_e) * 1e-6) / HBM})  # fmt: skip

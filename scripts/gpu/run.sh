@@ -25,7 +25,7 @@ export MOTET_MODEL_DIR=/tmp/smol
 # Kernels natively (no TRITON_INTERPRET), the engine on CUDA (device "auto"), LoRA, grammar, actors: the
 # tests that need no network and no real weights' answers.
 timeout ${SUITE_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m "not slow" --timeout 200 \
-  tests/test_paged_attention.py tests/test_sgmv.py tests/test_lora_slot_cache.py tests/test_engine.py \
+  tests/test_paged_attention.py tests/test_sgmv.py tests/test_lora_pool.py tests/test_engine.py \
   tests/test_lora_engine.py tests/test_sampler.py tests/test_scheduler.py tests/test_block_manager.py \
   tests/test_actors.py tests/test_adapter_hardening.py tests/test_api_app.py tests/test_api_hardening.py tests/test_grammar.py \
   tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_overlap_output.py tests/test_triton_moe.py \

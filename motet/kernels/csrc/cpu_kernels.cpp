@@ -79,15 +79,6 @@ struct Layer {
     MoeWeights moe;
 };
 
-// One (layer, module group) of the step's adapters, in sgmv.h's layout; A == null: no adapter targets it.
-struct LoraGroup {
-    const void* A;  // [S, >= n r, n_in], rank-major over the group's modules
-    const void* B;  // [S, sum of the modules' outputs, >= r]
-    const float* scales;  // [n, S]
-    int64_t a_ss, a_sr, b_ss, b_so, s_m;
-    int r, n, active;  // rank, modules, bit m: some adapter of the step targets module m
-};
-
 // Sums a buffer over the tensor-parallel ranks, in place (the caller's collective: torch.distributed).
 typedef void (*AllReduce)(float* data, int64_t n);
 
@@ -113,12 +104,9 @@ struct Step {
     int num_segs;
     const int32_t* seg_starts;  // LoRA segments, or null
     const int32_t* seg_slots;
-    const LoraGroup* lora;  // [num_layers * kLoraGroups] (q/k/v, o, gate/up, down), or null
+    const LoraPool* lora;  // the adapters' pool the segments' slots index (sgmv.h), or null
     double* timings;  // or null: seconds added per phase (kPhaseLinear, ...), for the step profile
 };
-
-constexpr int kLoraGroups = 4;
-enum LoraIndex { kLoraQKV = 0, kLoraO, kLoraGateUp, kLoraDown };
 
 enum Phase { kPhaseLinear = 0, kPhaseAttention = 1, kPhaseLora = 2, kPhaseOther = 3, kNumPhases = 4 };
 
@@ -171,13 +159,13 @@ void rms_norm(const float* x, int M, int n, const TW* w, float eps, float* out) 
     }
 }
 
-// y += the group's LoRA deltas of x (its modules' outputs: adjacent columns of y, sizes[m] each).
+// y += layer `layer`'s LoRA deltas of x for group g (its n modules' outputs: adjacent columns of y, sizes[m]
+// each); nothing without adapters in the step.
 template <typename TW>
-void lora_add(const Step& s, const LoraGroup* g, const float* x, int64_t ldx, int n_in, float* y, int64_t ldy,
-              const int* sizes) {
-    if (g == nullptr || g->A == nullptr) return;
-    sgmv(x, ldx, y, ldy, static_cast<const TW*>(g->A), g->a_ss, g->a_sr, static_cast<const TW*>(g->B), g->b_ss,
-         g->b_so, g->scales, g->s_m, s.seg_starts, s.seg_slots, s.num_segs, n_in, sizes, g->n, g->active, g->r);
+void lora_add(const Step& s, int g, int layer, const float* x, int64_t ldx, int n_in, float* y, int64_t ldy,
+              const int* sizes, int n) {
+    if (s.lora == nullptr || s.num_segs == 0) return;
+    sgmv_pool<TW>(x, ldx, y, ldy, *s.lora, g, layer, s.seg_starts, s.seg_slots, s.num_segs, n_in, sizes, n);
 }
 
 // The residual stream x [T, hidden] takes an op's output: the one point where each op's result joins the
@@ -192,7 +180,7 @@ inline void add_residual(const Model& m, float* x, float* out, int64_t n) {
 // The attention op: RMSNorm -> qkv (+ bias, + LoRA) -> (Qwen3: per-head q/k RMSNorm) -> rotary -> KV write ->
 // paged attention -> o (+ LoRA), added to the residual stream.
 template <typename TW, typename TC>
-void attention_op(Ctx& c, const AttentionWeights& W, const LoraGroup* lm, float* x) {
+void attention_op(Ctx& c, const AttentionWeights& W, int layer, float* x) {
     const Model& m = c.m;
     const Step& s = c.s;
     const int T = s.num_tokens, hid = m.hidden, D = m.head_dim, H = m.num_heads, KVH = m.num_kv_heads;
@@ -205,9 +193,9 @@ void attention_op(Ctx& c, const AttentionWeights& W, const LoraGroup* lm, float*
     c.clock.mark(kPhaseOther);
     linear(W.qkv, h, hid, T, hid, qkv_n, static_cast<const TW*>(W.qkv_bias), qkv, qkv_n, false);
     c.clock.mark(kPhaseLinear);
-    if (lm) {
+    if (s.lora) {
         const int sizes[3] = {q_size, kv_size, kv_size};
-        lora_add<TW>(s, lm + kLoraQKV, h, hid, hid, qkv, qkv_n, sizes);
+        lora_add<TW>(s, kLoraQKV, layer, h, hid, hid, qkv, qkv_n, sizes, 3);
         c.clock.mark(kPhaseLora);
     }
     // (Qwen3: each q and k head RMS-normalized,) rotary on q and k (the two halves of head_dim, Hugging Face
@@ -244,28 +232,30 @@ void attention_op(Ctx& c, const AttentionWeights& W, const LoraGroup* lm, float*
     c.clock.mark(kPhaseAttention);
     linear(W.o, attn, q_size, T, q_size, hid, static_cast<const TW*>(nullptr), out, hid, false);
     c.clock.mark(kPhaseLinear);
-    if (lm) {
-        lora_add<TW>(s, lm + kLoraO, attn, q_size, q_size, out, hid, &hid);
+    if (s.lora) {
+        lora_add<TW>(s, kLoraO, layer, attn, q_size, q_size, out, hid, &hid, 1);
         c.clock.mark(kPhaseLora);
     }
     add_residual(m, x, out, static_cast<int64_t>(T) * hid);
     c.clock.mark(kPhaseOther);
 }
 
-// out (=, or +=) down(silu(gate) * up) of h [T, hidden] through a SwiGLU MLP (+ LoRA where lm), each row of
-// the activation scaled by row_scale[t] first where given (a shared expert's gate: the product is linear).
+// out (=, or +=) down(silu(gate) * up) of h [T, hidden] through a SwiGLU MLP (+ layer `layer`'s LoRA; -1:
+// none), each row of the activation scaled by row_scale[t] first where given (a shared expert's gate: the
+// product is linear).
 template <typename TW>
-void swiglu(Ctx& c, const MlpWeights& W, const float* h, int T, const LoraGroup* lm, const float* row_scale,
-            float* out, bool accumulate) {
+void swiglu(Ctx& c, const MlpWeights& W, const float* h, int T, int layer, const float* row_scale, float* out,
+            bool accumulate) {
     const Step& s = c.s;
     const int hid = c.m.hidden, I = W.inter;
     float* gu = Scratch::get(c.scratch.gu, static_cast<int64_t>(T) * 2 * I);
     float* act = Scratch::get(c.scratch.act, static_cast<int64_t>(T) * I);
     linear(W.gate_up, h, hid, T, hid, 2 * I, static_cast<const TW*>(nullptr), gu, 2 * I, false);
     c.clock.mark(kPhaseLinear);
-    if (lm) {
+    const bool lora = s.lora && layer >= 0;
+    if (lora) {
         const int sizes[2] = {I, I};
-        lora_add<TW>(s, lm + kLoraGateUp, h, hid, hid, gu, 2 * I, sizes);
+        lora_add<TW>(s, kLoraGateUp, layer, h, hid, hid, gu, 2 * I, sizes, 2);
         c.clock.mark(kPhaseLora);
     }
 #pragma omp parallel for schedule(static) if (T > 8)
@@ -282,21 +272,21 @@ void swiglu(Ctx& c, const MlpWeights& W, const float* h, int T, const LoraGroup*
     c.clock.mark(kPhaseOther);
     linear(W.down, act, I, T, I, hid, static_cast<const TW*>(nullptr), out, hid, accumulate);
     c.clock.mark(kPhaseLinear);
-    if (lm) {
-        lora_add<TW>(s, lm + kLoraDown, act, I, I, out, hid, &hid);
+    if (lora) {
+        lora_add<TW>(s, kLoraDown, layer, act, I, I, out, hid, &hid, 1);
         c.clock.mark(kPhaseLora);
     }
 }
 
 // The dense MLP op: RMSNorm -> gate/up (+ LoRA) -> SiLU * up -> down (+ LoRA), added to the residual stream.
 template <typename TW>
-void mlp_op(Ctx& c, const void* norm, const MlpWeights& W, const LoraGroup* lm, float* x) {
+void mlp_op(Ctx& c, const void* norm, const MlpWeights& W, int layer, float* x) {
     const int T = c.s.num_tokens, hid = c.m.hidden;
     float* h = Scratch::get(c.scratch.h, static_cast<int64_t>(T) * hid);
     float* out = Scratch::get(c.scratch.out, static_cast<int64_t>(T) * hid);
     rms_norm(x, T, hid, static_cast<const TW*>(norm), c.m.eps, h);
     c.clock.mark(kPhaseOther);
-    swiglu<TW>(c, W, h, T, lm, nullptr, out, false);
+    swiglu<TW>(c, W, h, T, layer, nullptr, out, false);
     add_residual(c.m, x, out, static_cast<int64_t>(T) * hid);
     c.clock.mark(kPhaseOther);
 }
@@ -378,7 +368,7 @@ void moe_op(Ctx& c, const void* norm, const MoeWeights& W, float* x) {
         float* gate = Scratch::get(sc.gate, T);
         linear(W.shared_gate, h, hid, T, hid, 1, static_cast<const TW*>(nullptr), gate, 1, false);
         for (int t = 0; t < T; ++t) gate[t] = 1.0f / (1.0f + std::exp(-gate[t]));
-        swiglu<TW>(c, W.shared, h, T, nullptr, gate, out, true);
+        swiglu<TW>(c, W.shared, h, T, -1, gate, out, true);
     }
     add_residual(c.m, x, out, static_cast<int64_t>(T) * hid);
     c.clock.mark(kPhaseOther);
@@ -391,11 +381,10 @@ void forward(const Model& m, const Step& s, float* x) {
     Ctx c{m, s, scratch, clock};
     for (int li = 0; li < m.num_layers; ++li) {
         const Layer& L = m.layers[li];
-        const LoraGroup* lm = s.lora ? s.lora + li * kLoraGroups : nullptr;
-        attention_op<TW, TC>(c, L.attn, lm, x);
+        attention_op<TW, TC>(c, L.attn, li, x);
         switch (L.mlp_kind) {
             case kMlpSparse: moe_op<TW>(c, L.post_norm, L.moe, x); break;
-            default: mlp_op<TW>(c, L.post_norm, L.mlp, lm, x); break;
+            default: mlp_op<TW>(c, L.post_norm, L.mlp, li, x); break;
         }
     }
     rms_norm(x, s.num_tokens, m.hidden, static_cast<const TW*>(m.final_norm), m.eps, x);  // in place: row by row
@@ -408,7 +397,7 @@ using namespace motet;
 
 extern "C" {
 
-int motet_abi_version() { return 8; }
+int motet_abi_version() { return 9; }
 
 int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, int64_t q_sh, const void* kc,
                     const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* qsl,
@@ -427,21 +416,17 @@ int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, i
     return 0;
 }
 
-// One module group's LoRA deltas (sgmv.h): sizes [n], scales [n, S] with module stride s_m.
-int motet_sgmv(int dtype_x, int dtype_w, const void* x, int64_t x_st, void* y, int64_t y_st, const void* A,
-               int64_t a_ss, int64_t a_sr, const void* B, int64_t b_ss, int64_t b_so, const float* scales,
-               int64_t s_m, const int32_t* seg_starts, const int32_t* seg_slots, int num_segs, int n_in,
-               const int* sizes, int n, int active, int r) {
-#define SGMV(TX, TW)                                                                                       \
-    sgmv(static_cast<const TX*>(x), x_st, static_cast<TX*>(y), y_st, static_cast<const TW*>(A), a_ss, a_sr, \
-         static_cast<const TW*>(B), b_ss, b_so, scales, s_m, seg_starts, seg_slots, num_segs, n_in, sizes, n,  \
-         active, r)
-    if (dtype_x == 0 && dtype_w == 0) SGMV(float, float);
-    else if (dtype_x == 1 && dtype_w == 1) SGMV(uint16_t, uint16_t);
-    else if (dtype_x == 0 && dtype_w == 1) SGMV(float, uint16_t);
-    else if (dtype_x == 1 && dtype_w == 0) SGMV(uint16_t, float);
-    else return 2;
-#undef SGMV
+// One module group's LoRA deltas at one layer (sgmv.h): x and y fp32, the pool in dtype_w (0 fp32, 1 bf16).
+int motet_sgmv(int dtype_w, const float* x, int64_t x_st, float* y, int64_t y_st, const LoraPool* pool, int group,
+               int layer, const int32_t* seg_starts, const int32_t* seg_slots, int num_segs, int n_in,
+               const int* sizes, int n) {
+    if (group < 0 || group >= kLoraGroups || n < 1 || n > 3) return 1;
+    if (dtype_w == 0)
+        sgmv_pool<float>(x, x_st, y, y_st, *pool, group, layer, seg_starts, seg_slots, num_segs, n_in, sizes, n);
+    else if (dtype_w == 1)
+        sgmv_pool<uint16_t>(x, x_st, y, y_st, *pool, group, layer, seg_starts, seg_slots, num_segs, n_in, sizes, n);
+    else
+        return 2;
     return 0;
 }
 

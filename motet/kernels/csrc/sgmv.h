@@ -1,85 +1,91 @@
-// SGMV: each token adds its own LoRA adapter's delta (kernels/sgmv.py's meaning and layout).
+// SGMV over the adapters' pool: each token adds its own LoRA adapter's delta (kernels/sgmv.py's meaning and
+// layout, motet/lora/pool.py's packing).
 #pragma once
+
+#include <algorithm>
 
 #include "common.h"
 
 namespace motet {
 
-// ---------------------------------------------------------------------------------------------------------
-// SGMV over a module group: n modules (q/k/v, gate/up, or one alone) read x and write adjacent columns of y,
-// sizes[m] each. For each segment i with slot s = seg_slots[i] (-1: rows untouched), each module m whose bit
-// is set in `active`: y[rows, m's columns] += (x @ A_m[s]^T) @ B_m[s]^T * scales[m * s_m + s].
-// A [S, >= n r, n_in] rank-major (row j n + m: module m's rank j; row stride a_sr), B [S, sum sizes, >= r]
-// (row stride b_so); only the first r ranks of each module are read.
+constexpr int kLoraGroups = 4;  // q/k/v, o, gate/up, down (motet/lora/pool.py's MODULE_GROUPS)
+enum LoraIndex { kLoraQKV = 0, kLoraO, kLoraGateUp, kLoraDown };
 
-// Segment-major: a segment's tokens share their adapter, so each block of A or B rows is read once per
-// segment and reused from L1 for its tokens. One shrink for the whole group (its n r rows), then each active
-// module's expand. Small products run on the calling thread: a parallel region costs more than they do.
-template <typename TX, typename TW>
-void sgmv(const TX* x, int64_t x_st, TX* y, int64_t y_st, const TW* A, int64_t a_ss, int64_t a_sr,
-          const TW* B, int64_t b_ss, int64_t b_so, const float* scales, int64_t s_m, const int32_t* seg_starts,
-          const int32_t* seg_slots, int num_segs, int n_in, const int* sizes, int n, int active, int r) {
+// The pool: weights in one buffer of the model's dtype; descriptors [slots, desc_ld] int64: the adapter's rank,
+// then per group (element offset of layer 0's piece or -1, layer stride, mask of the group's modules it
+// targets). A piece: the targeted modules' A stacked [k r, a_ld] (row i r + j: the i-th targeted module's rank
+// j), then each targeted module's BT = (B scale)^T [r, bt_ld[m]].
+struct LoraPool {
+    const void* data;
+    const int64_t* desc;
+    int64_t desc_ld;
+    int32_t a_ld[kLoraGroups];
+    int32_t bt_ld[kLoraGroups][3];
+};
+
+// y[t, its columns of module m] += BT_m^T h_m for `rows` BT rows of `n` values: eight columns at a time, each
+// loaded once and updated by every rank (h: the module's r values of the shrink).
+template <typename TW>
+inline void expand_row(const float* h, const TW* bt, int64_t ld, int r, int n, float* y) {
+    int o = 0;
+#ifdef __AVX2__
+    for (; o + 8 <= n; o += 8) {
+        __m256 acc = _mm256_loadu_ps(y + o);
+        for (int j = 0; j < r; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(h[j]), load8(bt + j * ld + o), acc);
+        _mm256_storeu_ps(y + o, acc);
+    }
+#endif
+    for (; o < n; ++o) {
+        float acc = y[o];
+        for (int j = 0; j < r; ++j) acc += h[j] * load(bt + j * ld, o);
+        y[o] = acc;
+    }
+}
+
+// One module group of one layer: n modules read x [T, n_in] and write adjacent columns of y, sizes[m] each.
+// For each token whose segment has an adapter targeting the group: h = A x (one pass over the targeted
+// modules' rows), then each targeted module's columns += BT_m^T h_m. Tokens are split over the threads in
+// contiguous runs (a segment's tokens share their adapter's piece, which stays in cache); small steps run on
+// the calling thread: a parallel region costs more than they do.
+template <typename TW>
+void sgmv_pool(const float* x, int64_t ldx, float* y, int64_t ldy, const LoraPool& P, int g, int layer,
+               const int32_t* seg_starts, const int32_t* seg_slots, int num_segs, int n_in, const int* sizes,
+               int n) {
+    const TW* W = static_cast<const TW*>(P.data);
     const int64_t T = seg_starts[num_segs];
-    int64_t adapted = 0;
-    for (int i = 0; i < num_segs; ++i)
-        if (seg_slots[i] >= 0) adapted += seg_starts[i + 1] - seg_starts[i];
-    if (adapted == 0 || r == 0 || active == 0) return;
-    // the expand's work: (module, first column of y, columns) per chunk of up to 64 of an active module's outputs
-    constexpr int kChunk = 64;
-    struct Chunk {
-        int m, o0, n;
-    };
-    std::vector<Chunk> chunks;
-    int n_out = 0;
-    for (int m = 0; m < n; ++m) {
-        if (active >> m & 1)
-            for (int o = 0; o < sizes[m]; o += kChunk)
-                chunks.push_back({m, n_out + o, sizes[m] - o < kChunk ? sizes[m] - o : kChunk});
-        n_out += sizes[m];
+    const int full = (1 << n) - 1;
+    int64_t work = 0;
+    int width = 0;  // the widest shrink: k r
+    for (int i = 0; i < num_segs; ++i) {
+        if (seg_slots[i] < 0) continue;
+        const int64_t* row = P.desc + static_cast<int64_t>(seg_slots[i]) * P.desc_ld;
+        if (row[1 + 3 * g] < 0) continue;
+        const int kr = __builtin_popcount(static_cast<int>(row[3 + 3 * g]) & full) * static_cast<int>(row[0]);
+        width = std::max(width, kr);
+        work += (seg_starts[i + 1] - seg_starts[i]) * kr * (n_in + 64);
     }
-    const int rows = n * r;
-    const bool parallel = adapted * rows * (n_in > n_out ? n_in : n_out) >= (1 << 17);
-    std::vector<float> h(static_cast<size_t>(T) * rows);  // per token, module-major: h[t][m][j]
-    // x in fp32: itself, or a converted copy
-    std::vector<float> xf;
-    const float* xs = reinterpret_cast<const float*>(x);
-    int64_t xs_st = x_st;
-    if constexpr (!std::is_same_v<TX, float>) {
-        xf.resize(static_cast<size_t>(T) * n_in);
-        for (int64_t t = 0; t < T; ++t) to_f32(x + t * x_st, xf.data() + t * n_in, n_in);
-        xs = xf.data();
-        xs_st = n_in;
-    }
-    // shrink: h[t] = A_slot x[t] over the group's rows; one item per (segment, block of 8 rows)
-    const int rblocks = (rows + 7) / 8;
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int item = 0; item < num_segs * rblocks; ++item) {
-        const int i = item / rblocks, k0 = (item % rblocks) * 8;
-        const int32_t slot = seg_slots[i];
-        if (slot < 0) continue;
-        const int cnt = rows - k0 < 8 ? rows - k0 : 8;
-        for (int32_t t = seg_starts[i]; t < seg_starts[i + 1]; ++t) {
-            alignas(32) float d[8];
-            dots(xs + t * xs_st, A + slot * a_ss + k0 * a_sr, a_sr, cnt, n_in, d);
-            float* ht = h.data() + static_cast<int64_t>(t) * rows;
-            for (int q = 0; q < cnt; ++q) ht[(k0 + q) % n * r + (k0 + q) / n] = d[q];
-        }
-    }
-    // expand: y[t, o] += scale_m * B_slot[o] . h[t][m]; one item per (segment, chunk)
-    const int num_chunks = static_cast<int>(chunks.size());
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int item = 0; item < num_segs * num_chunks; ++item) {
-        const int i = item / num_chunks;
-        const Chunk ch = chunks[item % num_chunks];
-        const int32_t slot = seg_slots[i];
-        if (slot < 0) continue;
-        const float sc = scales[ch.m * s_m + slot];
-        for (int32_t t = seg_starts[i]; t < seg_starts[i + 1]; ++t) {
-            alignas(32) float d[kChunk];
-            dots(h.data() + static_cast<int64_t>(t) * rows + ch.m * r, B + slot * b_ss + ch.o0 * b_so, b_so, ch.n,
-                 r, d);
-            TX* yr = y + t * y_st + ch.o0;
-            for (int o = 0; o < ch.n; ++o) store(yr, o, load(yr, o) + d[o] * sc);
+    if (work == 0) return;
+    int col[3] = {0, 0, 0};
+    for (int m = 1; m < n; ++m) col[m] = col[m - 1] + sizes[m - 1];
+    std::vector<float> hbuf(static_cast<size_t>(T) * width);
+#pragma omp parallel for schedule(static) if (work >= (1 << 17))
+    for (int64_t t = 0; t < T; ++t) {
+        const int i = static_cast<int>(std::upper_bound(seg_starts, seg_starts + num_segs + 1, t) - seg_starts) - 1;
+        if (seg_slots[i] < 0) continue;
+        const int64_t* row = P.desc + static_cast<int64_t>(seg_slots[i]) * P.desc_ld;
+        const int64_t offset = row[1 + 3 * g];
+        if (offset < 0) continue;
+        const int r = static_cast<int>(row[0]), mask = static_cast<int>(row[3 + 3 * g]) & full;
+        const int k = __builtin_popcount(mask);
+        const TW* piece = W + offset + layer * row[2 + 3 * g];
+        float* h = hbuf.data() + t * width;
+        dots(x + t * ldx, piece, P.a_ld[g], k * r, n_in, h);
+        const TW* bt = piece + static_cast<int64_t>(k) * r * P.a_ld[g];
+        for (int m = 0, pos = 0; m < n; ++m) {
+            if (!(mask >> m & 1)) continue;
+            expand_row(h + pos * r, bt, P.bt_ld[g][m], r, sizes[m], y + t * ldy + col[m]);
+            bt += static_cast<int64_t>(r) * P.bt_ld[g][m];
+            ++pos;
         }
     }
 }
