@@ -54,7 +54,6 @@ class Stats:
     preemptions: int
     steps: int
     adapters_pinned: int  # adapter versions held in host memory for unfinished requests
-    adapters: AdapterStats | None = None  # adapter memory (the pool, the host cache, loads)
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     queued_adapters: tuple[str, ...] = ()  # adapters of requests in the adapter queues, not yet admitted
@@ -63,6 +62,7 @@ class Stats:
     generation_tokens: int = 0
     tenants: tuple[TenantStats, ...] = ()  # in the order they are served next (one replica's engine only)
     kv_tiers: tuple[KVTierStats, ...] = ()  # the KV tiers past the device cache (engine.kv_connector)
+    adapter_memory: AdapterStats | None = None  # the adapter pool, the host cache, loads (lora/manager.py)
 
 
 class ServingSystem:
@@ -131,7 +131,7 @@ class ServingSystem:
             preemptions=es.preemptions,
             steps=es.steps,
             adapters_pinned=es.adapters_pinned,
-            adapters=es.adapters,
+            adapter_memory=es.adapters,
             running_adapters=es.running_adapters,
             waiting_adapters=es.waiting_adapters,
             queued_adapters=tuple(

@@ -327,7 +327,7 @@ class Metrics:
         running = _client_names(stats.running_adapters)
         waiting = _client_names(stats.waiting_adapters + stats.queued_adapters) - running
         self.vllm_lora_info.clear()  # one series: the current sets (vLLM keeps one per combination seen)
-        cap = max_loras if max_loras is not None else getattr(stats.adapters, "capacity", 0)
+        cap = max_loras if max_loras is not None else getattr(stats.adapter_memory, "capacity", 0)
         self.vllm_lora_info.labels(str(cap), ",".join(sorted(running)), ",".join(sorted(waiting))).set(
             time.time()
         )
@@ -340,7 +340,7 @@ class Metrics:
         self.prefix_hit_rate.set(stats.prefix_cache_hits / q if q else 0.0)
         self.preemptions.set(stats.preemptions)
         self.adapters_pinned.set(stats.adapters_pinned)
-        a = getattr(stats, "adapters", None)
+        a = stats.adapter_memory
         if a is not None:
             values = {"memory_bytes": a.memory_bytes, "resident_bytes": a.resident_bytes,
                       "resident_adapters": a.resident, "capacity_adapters": a.capacity, "host_bytes": a.host_bytes,

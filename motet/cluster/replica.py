@@ -152,13 +152,14 @@ class EngineReplica:
         engine = self.system.engine
         stats = self.system.stats()
         blocks = ReplicaReport.pack(_keys(engine.block_manager.cached))
-        adapters = tuple(_keys(engine.adapters.slots.cpu))
+        held = engine.adapters  # loaded ones: in the device pool or the host cache in front of it
+        adapters = tuple(dict.fromkeys(_keys(held.pool.slot_of) + _keys(held.host.entries)))
         last = self.report
         # A report that differs is broadcast to every handle: idle steps alone do not make one.
         same = last is not None and dataclasses.replace(last.stats, steps=stats.steps) == stats
         if not same or (last.blocks, last.adapters) != (blocks, adapters):
             seq = last.seq + 1 if last else 1
-            slots = engine.config.max_cpu_loras
+            slots = max(held.capacity(), len(adapters))  # how many it keeps loaded (by bytes; an estimate)
             self.report = ReplicaReport(self.replica_id, seq, stats, blocks, adapters, slots)
         if time.monotonic() - self.swept_at > SWEEP_PERIOD_S:
             self.swept_at = time.monotonic()

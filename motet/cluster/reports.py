@@ -32,8 +32,8 @@ class ReplicaReport:
     seq: int  # reports of this replica so far: a new one differs from the last
     stats: Stats
     blocks: bytes  # the cached blocks' chained hashes, int64
-    adapters: tuple[int, ...]  # uids of the adapters in host memory
-    adapter_slots: int  # how many it keeps there (max_cpu_loras)
+    adapters: tuple[int, ...]  # uids of the adapters it has loaded (its adapter pool and host cache)
+    adapter_slots: int  # how many it keeps loaded (the pool's capacity by bytes: an estimate)
 
     @staticmethod
     def pack(hashes: Iterable[int]) -> bytes:
@@ -66,8 +66,8 @@ class ReplicaReport:
                     **d["stats"],
                     "speculative": SpeculativeStats(**d["stats"].get("speculative", {})),
                     "kv_tiers": tuple(KVTierStats(**t) for t in d["stats"].get("kv_tiers", ())),
-                    "adapters": AdapterStats(**d["stats"]["adapters"])
-                    if d["stats"].get("adapters")
+                    "adapter_memory": AdapterStats(**d["stats"]["adapter_memory"])
+                    if d["stats"].get("adapter_memory")
                     else None,
                 }
             )
@@ -93,13 +93,13 @@ def total_stats(reports: Iterable[ReplicaReport]) -> Stats | None:
             for f in fields(SpeculativeStats)
         }
     )
-    adapters = [r.stats.adapters for r in reports if r.stats.adapters is not None]
+    memory = [r.stats.adapter_memory for r in reports if r.stats.adapter_memory is not None]
     return Stats(
         **sums,
-        adapters=AdapterStats(
-            **{f.name: sum(getattr(a, f.name) for a in adapters) for f in fields(AdapterStats)}
+        adapter_memory=AdapterStats(
+            **{f.name: sum(getattr(a, f.name) for a in memory) for f in fields(AdapterStats)}
         )
-        if adapters
+        if memory
         else None,
         running_adapters=running,
         waiting_adapters=waiting,
