@@ -153,7 +153,10 @@ class EngineReplica:
         stats = self.system.stats()
         blocks = ReplicaReport.pack(_keys(engine.block_manager.cached))
         held = engine.adapters  # loaded ones: in the device pool or the host cache in front of it
-        adapters = tuple(dict.fromkeys(_keys(held.pool.slot_of) + _keys(held.host.entries)))
+        known = set(_keys(held.known))  # a removed version may linger in the pool until evicted: not held
+        adapters = tuple(
+            u for u in dict.fromkeys(_keys(held.pool.slot_of) + _keys(held.host.entries)) if u in known
+        )
         last = self.report
         # A report that differs is broadcast to every handle: idle steps alone do not make one.
         same = last is not None and dataclasses.replace(last.stats, steps=stats.steps) == stats
