@@ -13,6 +13,7 @@ import os
 import socket
 from pathlib import Path
 
+from motet.api.origin_guard import list_item
 from motet.cluster import cli as cluster_cli
 from motet.flag_types import MAX_DAYS, integer, number, seconds
 
@@ -185,10 +186,27 @@ def http_server(args, state, on_tick=None):
 
     from motet.api.app import create_app
     from motet.api.draining import DrainingServer
+    from motet.api.origin_guard import OriginGuard, flat_list
     from motet.api.slow_clients import BodyTimeout, header_timeout_protocol
 
     app = create_app(state)
     app.add_middleware(BodyTimeout, timeout=args.request_body_timeout, min_rate=args.request_body_min_rate)
+    app.add_middleware(
+        OriginGuard,
+        bind_host=args.host,
+        allowed_hosts=args.allowed_hosts,
+        allowed_origins=args.allowed_origins,
+    )
+    if args.allowed_origins:  # CORS only for the pages the operator named (outermost: it answers preflights)
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=flat_list(args.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After", "x-request-id"],
+        )
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -234,6 +252,24 @@ def add_serve_args(p) -> None:
         help="the model's name in the API (the first; the others are aliases); default: --model (a GGUF file's stem)",
     )
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="the port to listen on")
+    p.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        type=list_item,
+        default=[],
+        metavar="HOST",
+        help="Host names the server answers to besides loopback names, IP addresses, --host and this machine's "
+        "hostname (a DNS-rebinding page is refused); '*': any",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        type=list_item,
+        default=[],
+        metavar="ORIGIN",
+        help="web pages (scheme://host[:port]) allowed to call the API from a browser, with CORS; default: only "
+        "the server's own pages; '*': any",
+    )
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
     p.add_argument(
         "--data-dir",
