@@ -73,12 +73,15 @@ TEMPLATED = (
 )
 
 
-def guarded(handler):
-    """Every failure becomes an OpenAI-shaped error response; only real bugs are 500s (and logged)."""
+def guarded(handler, probe: bool = False):
+    """Every failure becomes an OpenAI-shaped error response; only real bugs are 500s (and logged). A route
+    that is not a `probe` answers 503 (with Retry-After) until the model has loaded."""
 
     @functools.wraps(handler)
     async def wrapper(request: Request) -> Response:
         try:
+            if not probe:
+                request.app.state.motet.check_loaded()
             return await handler(request)
         except Exception as e:
             return to_response(e)
@@ -93,9 +96,9 @@ async def health(request: Request) -> Response:
 
 
 async def _model_cards(state: ServerState, tenant: str) -> list[P.ModelCard]:
-    max_len = state.system.engine.max_model_len if state.system.ready else None
+    max_len = state.system.engine.max_model_len  # routes answer only once the model has loaded
     cards = [P.ModelCard(id=state.model_name, created=state.created, max_model_len=max_len)]
-    if state.adapters is not None and state.system.ready:  # the tenant's adapters, and the shared ones
+    if state.adapters is not None:  # the tenant's adapters, and the shared ones
         cards += [
             P.ModelCard(
                 id=a.ref.model,
@@ -497,9 +500,9 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/adapters/{name}", guarded(delete_adapter), methods=["DELETE"]),
         Route("/v1/load_lora_adapter", guarded(load_lora_adapter), methods=["POST"]),
         Route("/v1/unload_lora_adapter", guarded(unload_lora_adapter), methods=["POST"]),
-        Route("/health", guarded(health), methods=["GET"]),
-        Route("/ping", guarded(health), methods=["GET", "POST"]),  # vLLM's (SageMaker's) health check
-        Route("/version", guarded(version), methods=["GET"]),
+        Route("/health", guarded(health, probe=True), methods=["GET"]),
+        Route("/ping", guarded(health, probe=True), methods=["GET", "POST"]),  # vLLM's (SageMaker's) health check
+        Route("/version", guarded(version, probe=True), methods=["GET"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
         Route("/detokenize", guarded(detokenize), methods=["POST"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),

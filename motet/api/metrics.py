@@ -143,7 +143,8 @@ class Metrics:
         self.vllm_lora_info = Gauge(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
-            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],  # model_name: motet's
+            # addition (vLLM's series lacks it; dashboards filter every series by it)
             registry=r,
         )
         self.vllm_ttft = Histogram(
@@ -303,9 +304,9 @@ class Metrics:
         running = _client_names(stats.running_adapters)
         waiting = _client_names(stats.waiting_adapters + stats.queued_adapters) - running
         self.vllm_lora_info.clear()  # one series: the current sets (vLLM keeps one per combination seen)
-        self.vllm_lora_info.labels(str(max_loras), ",".join(sorted(running)), ",".join(sorted(waiting))).set(
-            time.time()
-        )
+        self.vllm_lora_info.labels(
+            self.model_name, str(max_loras), ",".join(sorted(running)), ",".join(sorted(waiting))
+        ).set(time.time())
         self.queued.set(stats.queued)
         self.waiting.set(stats.waiting)
         self.running.set(stats.running)

@@ -43,13 +43,19 @@ class ServerState:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def check_ready(self) -> None:
+    def check_loaded(self) -> None:
+        """Every route but the probes answers 503 until the model has loaded: a readiness check that polls
+        `/v1/models` must not pass early."""
         if self.fatal is not None:
             raise APIError(503, f"the server failed to start: {self.fatal}")
-        if self.draining:
-            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         if not self.system.ready:
             raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
+
+    def check_ready(self) -> None:
+        """Loaded and not draining: new work may start."""
+        self.check_loaded()
+        if self.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
 
     async def resolve_adapter(self, tenant: str, model: str) -> AdapterRef | None:
         """The adapter serving `model` for `tenant` (None: the base model); unknown or not this tenant's: 404."""
