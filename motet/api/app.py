@@ -501,7 +501,9 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/load_lora_adapter", guarded(load_lora_adapter), methods=["POST"]),
         Route("/v1/unload_lora_adapter", guarded(unload_lora_adapter), methods=["POST"]),
         Route("/health", guarded(health, probe=True), methods=["GET"]),
-        Route("/ping", guarded(health, probe=True), methods=["GET", "POST"]),  # vLLM's (SageMaker's) health check
+        Route(
+            "/ping", guarded(health, probe=True), methods=["GET", "POST"]
+        ),  # vLLM's (SageMaker's) health check
         Route("/version", guarded(version, probe=True), methods=["GET"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
         Route("/detokenize", guarded(detokenize), methods=["POST"]),

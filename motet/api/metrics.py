@@ -143,7 +143,12 @@ class Metrics:
         self.vllm_lora_info = Gauge(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
-            ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],  # model_name: motet's
+            [
+                "model_name",
+                "max_lora",
+                "running_lora_adapters",
+                "waiting_lora_adapters",
+            ],  # model_name: motet's
             # addition (vLLM's series lacks it; dashboards filter every series by it)
             registry=r,
         )

@@ -13,6 +13,7 @@ import os
 import socket
 from pathlib import Path
 
+from motet.api.generation_config import parse_override
 from motet.api.origin_guard import list_item
 from motet.cluster import cli as cluster_cli
 from motet.flag_types import MAX_DAYS, integer, number, seconds
@@ -113,6 +114,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.batch_runner import BatchRunner, LowPriority
     from motet.api.batch_store import BatchStore
     from motet.api.file_store import FileStore
+    from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
     from motet.api.response_store import ResponseStore
     from motet.api.state import ServerState
@@ -131,6 +133,13 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
 
         config.tenant_weights = load_tenant_weights(args.tenant_weights)
     names = served_names(args, config)
+    defaults = sampling_defaults(args.generation_config, model_dir, args.override_generation_config)
+    if defaults:
+        log.info(
+            "requests that omit them sample with %s (the model's generation_config.json%s)",
+            ", ".join(f"{k}={v}" for k, v in defaults.items()),
+            " and --override-generation-config" if args.override_generation_config else "",
+        )
     loras = shared_loras(args.lora, names)
     data = data_dir(args.data_dir)
     # before anything starts: no load dir may overlap a place tenants' own adapters are kept
@@ -173,6 +182,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         reasoning=args.reasoning_parser == "think",
         metrics=Metrics(names[0], max_model_len),
         trust_request_chat_template=args.trust_request_chat_template,
+        sampling_defaults=defaults,
     )
     if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
         state.metrics.registry.register(system.replica_metrics())
@@ -269,6 +279,21 @@ def add_serve_args(p) -> None:
         metavar="ORIGIN",
         help="web pages (scheme://host[:port]) allowed to call the API from a browser, with CORS; default: only "
         "the server's own pages; '*': any",
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|FOLDER",
+        help="sampling defaults for requests that omit temperature, top_p, top_k, min_p, repetition_penalty or "
+        "max_tokens: auto, the model's generation_config.json; vllm, none (the OpenAI defaults); or a folder "
+        "holding a generation_config.json (default: auto)",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        type=parse_override,
+        default=None,
+        metavar="JSON",
+        help="sampling defaults over --generation-config's, e.g. '{\"temperature\": 0.5}'",
     )
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
     p.add_argument(

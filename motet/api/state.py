@@ -35,6 +35,8 @@ class ServerState:
     fatal: BaseException | None = None  # start-up failed (e.g. the model could not be loaded)
     reasoning: bool = False  # --reasoning-parser think: <think>...</think> becomes reasoning_content
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may bring its own
+    # what a request that omits a sampling field gets (motet/api/generation_config.py): request field -> value
+    sampling_defaults: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.metrics.model_name = self.model_name
