@@ -187,6 +187,7 @@ async def _thread(call, *args):
 class BatchRunner:
     def __init__(self, store: BatchStore, files: FileStore, policy: LowPriority | None = None):
         self.store, self.files = store, files
+        files.reserved = store.pending_bytes  # a tenant's running batches' answers count as its files
         self.policy = policy or LowPriority()
         self.gate: BatchGate | None = None
         self._app: Any = None
@@ -311,7 +312,7 @@ class BatchRunner:
                             continue
                         await self.gate.acquire()
                         in_flight.add(line.line)
-                        lines.start_soon(self._line, line, auth, in_flight, retry)
+                        lines.start_soon(self._line, line, tenant, auth, in_flight, retry)
             finally:
                 self._lines.pop(batch_id, None)
         if window.cancelled_caught:
@@ -321,7 +322,12 @@ class BatchRunner:
             await _thread(self.store.advance, batch_id, "in_progress", "finalizing")
         # else cancelled: the drive loop reads `cancelling` and answers the rest
 
-    async def _line(self, line: PendingLine, auth, in_flight: set[int], retry: deque) -> None:
+    def _record(self, line: PendingLine, tenant: str, result: dict) -> None:
+        """The answer, within what the tenant may still write (its batches' answers count as its files)."""
+        room = self.files.max_bytes_per_tenant - self.files.usage(tenant)
+        self.store.record(line.batch, line.line, result, room)
+
+    async def _line(self, line: PendingLine, tenant: str, auth, in_flight: set[int], retry: deque) -> None:
         try:
             try:
                 result = await answer(self._app, line.url, line.custom_id, line.body, auth)
@@ -332,7 +338,7 @@ class BatchRunner:
                 result = response_line(line.custom_id, 500, body)
             if not isinstance(result, float):
                 try:
-                    await _thread(self.store.record, line.batch, line.line, result)
+                    await _thread(self._record, line, tenant, result)
                     return
                 except StorageFailure as e:
                     log.warning(

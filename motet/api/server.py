@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -106,6 +107,37 @@ def served_names(args, config) -> list[str]:
     return names
 
 
+DISK_SHARE = 0.25  # of the data dir's free space at start-up: the most one tenant's files, or its stored
+# responses, or the KV disk tier may take, so that one tenant filling its quota leaves room for the others
+
+
+def fit_to_disk(args, config, data: Path) -> None:
+    """Bound the per-tenant stores and the KV disk tier by the free space under `data` at start-up: a flag
+    (or default) over DISK_SHARE of it is lowered, with a warning when the operator set it."""
+    from motet.api.file_store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_DEFAULT
+    from motet.api.response_store import DEFAULT_MAX_BYTES_PER_TENANT as RESPONSES_DEFAULT
+
+    where = data
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    cap = int(free * DISK_SHARE)
+    bounds = [
+        ("--files-max-bytes-per-tenant", args, "files_max_bytes_per_tenant", FILES_DEFAULT, 1),
+        ("--responses-max-bytes-per-tenant", args, "responses_max_bytes_per_tenant", RESPONSES_DEFAULT, 1),
+        ("--kv-disk-gb", config, "kv_disk_gb", 0.0, 2**30),
+    ]
+    for flag, obj, attr, default, unit in bounds:
+        value = getattr(obj, attr)
+        if value * unit <= cap:
+            continue
+        lowered = cap // unit if unit == 1 else cap / unit
+        say = log.info if value == default else log.warning
+        say("%s %s is over a quarter of the %.1f GiB free under %s at start-up: %s applies, so that no tenant "
+            "can fill the disk the others' stores use", flag, value, free / 2**30, where, lowered)  # fmt: skip
+        setattr(obj, attr, lowered)
+
+
 def build_state(args, config, model_dir: Path | None = None, max_model_len: int | None = None):
     """The server's state; `model_dir` and `max_model_len` as check_model found them (found here if not
     given)."""
@@ -142,6 +174,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         )
     loras = shared_loras(args.lora, names)
     data = data_dir(args.data_dir)
+    fit_to_disk(args, config, data)
     # before anything starts: no load dir may overlap a place tenants' own adapters are kept
     private = {"--data-dir": data, **cluster_cli.adapter_dirs(args)}
     load_dirs = check_load_dirs(args.lora_load_dir or (), private)
