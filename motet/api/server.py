@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 from pathlib import Path
 
@@ -217,6 +218,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         trust_request_chat_template=args.trust_request_chat_template,
         sampling_defaults=defaults,
     )
+    state.limiter.reload(state.auth.tenant_limits())
     if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
         state.metrics.registry.register(system.replica_metrics())
     return state
@@ -230,10 +232,12 @@ def http_server(args, state, on_tick=None):
     from motet.api.app import create_app
     from motet.api.draining import DrainingServer
     from motet.api.origin_guard import OriginGuard, flat_list
+    from motet.api.rate_limits import RateLimits
     from motet.api.slow_clients import BodyTimeout, header_timeout_protocol
 
     app = create_app(state)
     app.add_middleware(BodyTimeout, timeout=args.request_body_timeout, min_rate=args.request_body_min_rate)
+    app.add_middleware(RateLimits, state=state, limiter=state.limiter)  # not on the batch lines' calls
     app.add_middleware(
         OriginGuard,
         bind_host=args.host,
@@ -263,6 +267,22 @@ def http_server(args, state, on_tick=None):
     return DrainingServer(config, state, args.drain_timeout, on_tick=on_tick)
 
 
+def reload_keys(args, state) -> None:
+    """SIGHUP: read the API keys file again (keys, tenants, limits) without a restart; a file that does not
+    load leaves the running keys as they are."""
+    from motet.api.vllm_flags import authenticator
+
+    try:
+        auth = authenticator(args)
+        limits = auth.tenant_limits()
+    except ValueError as e:
+        log.error("SIGHUP: the API keys were not reloaded (the running ones stay): %s", e)
+        return
+    state.auth = auth
+    state.limiter.reload(limits)
+    log.info("SIGHUP: reloaded the API keys: %d keys, %d tenants with limits", len(auth.keys), len(limits))
+
+
 def serve(args, config) -> int:
     """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
     from motet.api.status_log import StatusLog
@@ -279,6 +299,7 @@ def serve(args, config) -> int:
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     status = StatusLog(state, url, args.log_stats_interval, stats=not args.disable_log_stats)
     server = http_server(args, state, on_tick=status.tick)
+    signal.signal(signal.SIGHUP, lambda *_: reload_keys(args, state))
     log.info("loading %s on %s (GET /health answers 503 until it has loaded)", state.model_name, url)
     server.run(sockets=[sock])
     log.info("stopped")

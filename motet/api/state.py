@@ -14,6 +14,7 @@ from motet.api.batch_runner import BatchRunner
 from motet.api.errors import APIError
 from motet.api.file_store import FileStore
 from motet.api.metrics import Metrics
+from motet.api.rate_limits import RateLimiter
 from motet.api.response_store import ResponseStore
 from motet.lora.manager import AdapterRef
 
@@ -37,6 +38,7 @@ class ServerState:
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may bring its own
     # what a request that omits a sampling field gets (motet/api/generation_config.py): request field -> value
     sampling_defaults: dict = field(default_factory=dict)
+    limiter: RateLimiter = field(default_factory=RateLimiter)  # per-tenant limits (motet/api/rate_limits.py)
 
     def __post_init__(self):
         self.metrics.model_name = self.model_name

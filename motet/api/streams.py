@@ -19,6 +19,7 @@ from starlette.responses import StreamingResponse
 from motet.actors.errors import ServingError
 from motet.actors.reply import Delta, ReplyStream, merge_streams
 from motet.api import protocol as P
+from motet.api import rate_limits
 from motet.api.errors import APIError, from_serving_error
 from motet.api.state import ServerState
 from motet.engine.sequence import RequestTimings, TokenLogprob
@@ -97,8 +98,10 @@ def observe(state: ServerState, c: Choice, choices: list[Choice] | None = None) 
         finish_reason=c.finish_reason,
         timings=c.timings,
     )
-    c.observed = True
     group = [x for x in choices or [c] if x.prompt_index == c.prompt_index]
+    first_of_prompt = not any(x.observed for x in group)
+    rate_limits.charge(len(c.token_ids) + (len(c.prompt_ids) if first_of_prompt else 0))  # the tenant's TPM
+    c.observed = True
     if all(x.observed for x in group):
         m.observe_group(max(len(x.token_ids) for x in group))
 
