@@ -7,6 +7,7 @@ import functools
 import logging
 
 import anyio
+import anyio.to_thread
 from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -40,6 +41,7 @@ from motet.api.tokenization import (
     detokenize,
     tokenize,
 )
+from motet.api.usage import usage_route
 
 log = logging.getLogger("motet.api")
 
@@ -59,6 +61,7 @@ ENDPOINTS = (
     "/tokenize",
     "/detokenize",
     "/metrics",
+    "/v1/usage",
     "/openapi.json",
 )
 
@@ -412,6 +415,23 @@ def _more_paths(ref, errors, any_object) -> dict:
         ),
         "/detokenize": post_json("vLLM: token ids' text", ref(DetokenizeRequest)),
         "/version": get("the server's version", description='{"version": ...}'),
+        "/v1/usage": get(
+            "tenants' usage in time buckets (OpenAI's usage API shape); an admin key only",
+            [
+                {"name": n, "in": "query", "required": n == "start_time", "schema": {"type": t}}
+                for n, t in (
+                    ("start_time", "integer"),
+                    ("end_time", "integer"),
+                    ("bucket_width", "string"),
+                    ("group_by", "string"),
+                    ("tenant", "string"),
+                    ("model", "string"),
+                    ("limit", "integer"),
+                    ("page", "string"),
+                )
+            ],  # fmt: skip
+            description="a page of buckets",
+        ),
         "/ping": {"get": health, "post": health},
     }
 
@@ -474,6 +494,8 @@ def create_app(state: ServerState) -> Starlette:
             finally:
                 with anyio.move_on_after(10, shield=True):
                     await state.system.stop()
+                if state.usage is not None:  # what was counted since the last flush is written now
+                    await anyio.to_thread.run_sync(state.usage.close)
                 tg.cancel_scope.cancel()
 
     routes = [
@@ -508,6 +530,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
         Route("/detokenize", guarded(detokenize), methods=["POST"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/v1/usage", guarded(usage_route), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *playground_routes(),  # the chat page at /
     ]

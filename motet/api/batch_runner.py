@@ -43,6 +43,7 @@ from motet.api.batch_store import BatchStore, PendingLine
 from motet.api.errors import APIError
 from motet.api.file_store import FileStore
 from motet.api.storage_errors import StorageFailure
+from motet.api.usage import BATCH_SCOPE_KEY
 
 log = logging.getLogger("motet.batches")
 
@@ -108,7 +109,7 @@ async def call_route(
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
         "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": headers,
-        "client": ("127.0.0.1", 0), "server": ("motet-batch", 0),
+        "client": ("127.0.0.1", 0), "server": ("motet-batch", 0), BATCH_SCOPE_KEY: True,
     }  # fmt: skip
     sent = False
 

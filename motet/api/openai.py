@@ -21,6 +21,7 @@ from motet.actors.errors import ServingError
 from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import ReplyStream, merge_streams
 from motet.api import protocol as P
+from motet.api import usage as usage_records
 from motet.api.chat_output import ChatOutput
 from motet.api.errors import APIError, from_serving_error, from_value_error
 from motet.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
@@ -131,7 +132,10 @@ async def accept_request(request: Request, model):
     tenant = state.auth.tenant(request.headers.get("authorization"))
     context = {P.TRUST_REQUEST_CHAT_TEMPLATE: state.trust_request_chat_template}
     req = model.model_validate(await read_json(request, state.max_body_bytes), context=context)
-    return state, tenant, req, await state.resolve_adapter(tenant, req.model)
+    adapter = await state.resolve_adapter(tenant, req.model)
+    served = req.model if adapter is not None else state.model_name  # an alias counts as the model
+    usage_records.begin(tenant, served, batch=request.scope.get(usage_records.BATCH_SCOPE_KEY, False))
+    return state, tenant, req, adapter
 
 
 def client_request_id(request: Request, req: P._SamplingFields) -> str:

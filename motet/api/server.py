@@ -151,6 +151,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.metrics import Metrics
     from motet.api.response_store import ResponseStore
     from motet.api.state import ServerState
+    from motet.api.usage import UsageStore
     from motet.api.vllm_flags import authenticator
     from motet.engine.config import default_cpu_threads
     from motet.engine.llm_engine import LLMEngine
@@ -217,6 +218,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         metrics=Metrics(names[0], max_model_len),
         trust_request_chat_template=args.trust_request_chat_template,
         sampling_defaults=defaults,
+        usage=UsageStore(data),
     )
     state.limiter.reload(state.auth.tenant_limits())
     if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
@@ -237,6 +239,11 @@ def http_server(args, state, on_tick=None):
 
     app = create_app(state)
     app.add_middleware(BodyTimeout, timeout=args.request_body_timeout, min_rate=args.request_body_min_rate)
+    if args.request_log:
+        from motet.api.rate_limits import LIMITED_ROUTES
+        from motet.api.usage import RequestLog
+
+        app.add_middleware(RequestLog, paths=LIMITED_ROUTES)
     app.add_middleware(RateLimits, state=state, limiter=state.limiter)  # not on the batch lines' calls
     app.add_middleware(
         OriginGuard,
@@ -333,6 +340,12 @@ def add_serve_args(p) -> None:
         metavar="ORIGIN",
         help="web pages (scheme://host[:port]) allowed to call the API from a browser, with CORS; default: only "
         "the server's own pages; '*': any",
+    )
+    p.add_argument(
+        "--request-log",
+        action="store_true",
+        help="log one JSON line per chat/completions/responses request (logger motet.requests): tenant, model, "
+        "prompt, cached and completion tokens, TTFT, status, duration",
     )
     p.add_argument(
         "--generation-config",

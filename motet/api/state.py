@@ -16,6 +16,7 @@ from motet.api.file_store import FileStore
 from motet.api.metrics import Metrics
 from motet.api.rate_limits import RateLimiter
 from motet.api.response_store import ResponseStore
+from motet.api.usage import UsageStore
 from motet.lora.manager import AdapterRef
 
 
@@ -39,6 +40,7 @@ class ServerState:
     # what a request that omits a sampling field gets (motet/api/generation_config.py): request field -> value
     sampling_defaults: dict = field(default_factory=dict)
     limiter: RateLimiter = field(default_factory=RateLimiter)  # per-tenant limits (motet/api/rate_limits.py)
+    usage: UsageStore | None = None  # tenants' usage by model and minute (motet/api/usage.py); None: not kept
 
     def __post_init__(self):
         self.metrics.model_name = self.model_name
