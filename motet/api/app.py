@@ -496,6 +496,8 @@ def create_app(state: ServerState) -> Starlette:
                     await state.system.stop()
                 if state.usage is not None:  # what was counted since the last flush is written now
                     await anyio.to_thread.run_sync(state.usage.close)
+                for stop in state.on_stop:
+                    await anyio.to_thread.run_sync(stop)
                 tg.cancel_scope.cancel()
 
     routes = [

@@ -21,6 +21,7 @@ from motet.actors.errors import ServingError
 from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import ReplyStream, merge_streams
 from motet.api import protocol as P
+from motet.api import tracing
 from motet.api import usage as usage_records
 from motet.api.chat_output import ChatOutput
 from motet.api.errors import APIError, from_serving_error, from_value_error
@@ -135,6 +136,9 @@ async def accept_request(request: Request, model):
     adapter = await state.resolve_adapter(tenant, req.model)
     served = req.model if adapter is not None else state.model_name  # an alias counts as the model
     usage_records.begin(tenant, served, batch=request.scope.get(usage_records.BATCH_SCOPE_KEY, False))
+    tracing.annotate(
+        **{"motet.tenant": tenant, "gen_ai.request.model": served, "motet.adapter": adapter is not None}
+    )
     return state, tenant, req, adapter
 
 

@@ -245,6 +245,13 @@ def http_server(args, state, on_tick=None):
 
         app.add_middleware(RequestLog, paths=LIMITED_ROUTES)
     app.add_middleware(RateLimits, state=state, limiter=state.limiter)  # not on the batch lines' calls
+    if args.otlp_traces_endpoint:
+        from motet.api import tracing
+        from motet.api.rate_limits import LIMITED_ROUTES
+
+        provider = tracing.setup(args.otlp_traces_endpoint)
+        app.add_middleware(tracing.Tracing, provider=provider, paths=LIMITED_ROUTES)
+        state.on_stop.append(provider.shutdown)  # the last spans are sent before the process ends
     app.add_middleware(
         OriginGuard,
         bind_host=args.host,
@@ -340,6 +347,13 @@ def add_serve_args(p) -> None:
         metavar="ORIGIN",
         help="web pages (scheme://host[:port]) allowed to call the API from a browser, with CORS; default: only "
         "the server's own pages; '*': any",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export a trace span per chat/completions/responses request (children: queue, prefill, decode) "
+        "over OTLP/HTTP to URL, e.g. http://localhost:4318/v1/traces",
     )
     p.add_argument(
         "--request-log",

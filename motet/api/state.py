@@ -40,6 +40,7 @@ class ServerState:
     # what a request that omits a sampling field gets (motet/api/generation_config.py): request field -> value
     sampling_defaults: dict = field(default_factory=dict)
     limiter: RateLimiter = field(default_factory=RateLimiter)  # per-tenant limits (motet/api/rate_limits.py)
+    on_stop: list = field(default_factory=list)  # callables run when the server stops (after the system)
     usage: UsageStore | None = None  # tenants' usage by model and minute (motet/api/usage.py); None: not kept
 
     def __post_init__(self):

@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 from motet.actors.errors import ServingError
 from motet.actors.reply import Delta, ReplyStream, merge_streams
 from motet.api import protocol as P
-from motet.api import rate_limits
+from motet.api import rate_limits, tracing
 from motet.api import usage as usage_records
 from motet.api.errors import APIError, from_serving_error
 from motet.api.state import ServerState
@@ -120,6 +120,10 @@ def observe(state: ServerState, c: Choice, choices: list[Choice] | None = None) 
             u.first_token = c.first_token
         if state.usage is not None:
             state.usage.add(u, requests, prompt, cached, len(c.token_ids))
+        tracing.annotate(
+            **{"gen_ai.usage.input_tokens": u.input_tokens, "gen_ai.usage.output_tokens": u.output_tokens}
+        )
+    tracing.choice_ended(c.arrival, c.timings)
 
 
 async def collect(request: Request, state: ServerState, choices: list[Choice], streams: list[ReplyStream]):
