@@ -85,6 +85,7 @@ def test_only_an_admin_key_reads_metrics_while_another_tenants_adapter_runs(serv
             r = client.get("/metrics", headers=bearer(key))
             assert r.status_code == 200, r.text
             labels = lora_labels(r.text)
+            assert labels["model_name"] == "tiny"  # as on every other vLLM series: dashboards filter on it
             in_use = labels["running_lora_adapters"].split(",") + labels["waiting_lora_adapters"].split(",")
             assert ADAPTER in in_use, labels
 

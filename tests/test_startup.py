@@ -209,13 +209,27 @@ def test_health_answers_200_only_once_the_engine_has_warmed_up(tiny_model_dir, m
         assert warming.wait(60)
         r = client.get("/health")
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        # Readiness checks that poll another route must not pass early either (vLLM's users poll /v1/models)
+        body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "temperature": 0}
+        for r in (
+            client.get("/v1/models"),
+            client.get("/v1/models/tiny"),
+            client.get("/v1/files"),
+            client.get("/metrics"),
+            client.post("/v1/completions", json=body),
+            client.post("/tokenize", json={"model": "tiny", "prompt": "hi"}),
+        ):
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] and "loading" in r.json()["error"]["message"]
+        assert client.get("/version").status_code == 200  # the probes answer
+        assert client.get("/ping").status_code == 503  # ... /ping as /health does
         released.set()
         deadline = time.monotonic() + 60
         while client.get("/health").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "temperature": 0}
         assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.get("/v1/models").status_code == 200
 
 
 def test_capture_all_captures_every_base_bucket_largest_first(monkeypatch):

@@ -7,6 +7,7 @@ import functools
 import logging
 
 import anyio
+import anyio.to_thread
 from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -40,6 +41,7 @@ from motet.api.tokenization import (
     detokenize,
     tokenize,
 )
+from motet.api.usage import usage_route
 
 log = logging.getLogger("motet.api")
 
@@ -59,6 +61,7 @@ ENDPOINTS = (
     "/tokenize",
     "/detokenize",
     "/metrics",
+    "/v1/usage",
     "/openapi.json",
 )
 
@@ -73,12 +76,15 @@ TEMPLATED = (
 )
 
 
-def guarded(handler):
-    """Every failure becomes an OpenAI-shaped error response; only real bugs are 500s (and logged)."""
+def guarded(handler, probe: bool = False):
+    """Every failure becomes an OpenAI-shaped error response; only real bugs are 500s (and logged). A route
+    that is not a `probe` answers 503 (with Retry-After) until the model has loaded."""
 
     @functools.wraps(handler)
     async def wrapper(request: Request) -> Response:
         try:
+            if not probe:
+                request.app.state.motet.check_loaded()
             return await handler(request)
         except Exception as e:
             return to_response(e)
@@ -93,9 +99,9 @@ async def health(request: Request) -> Response:
 
 
 async def _model_cards(state: ServerState, tenant: str) -> list[P.ModelCard]:
-    max_len = state.system.engine.max_model_len if state.system.ready else None
+    max_len = state.system.engine.max_model_len  # routes answer only once the model has loaded
     cards = [P.ModelCard(id=state.model_name, created=state.created, max_model_len=max_len)]
-    if state.adapters is not None and state.system.ready:  # the tenant's adapters, and the shared ones
+    if state.adapters is not None:  # the tenant's adapters, and the shared ones
         cards += [
             P.ModelCard(
                 id=a.ref.model,
@@ -409,6 +415,23 @@ def _more_paths(ref, errors, any_object) -> dict:
         ),
         "/detokenize": post_json("vLLM: token ids' text", ref(DetokenizeRequest)),
         "/version": get("the server's version", description='{"version": ...}'),
+        "/v1/usage": get(
+            "tenants' usage in time buckets (OpenAI's usage API shape); an admin key only",
+            [
+                {"name": n, "in": "query", "required": n == "start_time", "schema": {"type": t}}
+                for n, t in (
+                    ("start_time", "integer"),
+                    ("end_time", "integer"),
+                    ("bucket_width", "string"),
+                    ("group_by", "string"),
+                    ("tenant", "string"),
+                    ("model", "string"),
+                    ("limit", "integer"),
+                    ("page", "string"),
+                )
+            ],  # fmt: skip
+            description="a page of buckets",
+        ),
         "/ping": {"get": health, "post": health},
     }
 
@@ -471,6 +494,10 @@ def create_app(state: ServerState) -> Starlette:
             finally:
                 with anyio.move_on_after(10, shield=True):
                     await state.system.stop()
+                if state.usage is not None:  # what was counted since the last flush is written now
+                    await anyio.to_thread.run_sync(state.usage.close)
+                for stop in state.on_stop:
+                    await anyio.to_thread.run_sync(stop)
                 tg.cancel_scope.cancel()
 
     routes = [
@@ -497,12 +524,15 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/adapters/{name}", guarded(delete_adapter), methods=["DELETE"]),
         Route("/v1/load_lora_adapter", guarded(load_lora_adapter), methods=["POST"]),
         Route("/v1/unload_lora_adapter", guarded(unload_lora_adapter), methods=["POST"]),
-        Route("/health", guarded(health), methods=["GET"]),
-        Route("/ping", guarded(health), methods=["GET", "POST"]),  # vLLM's (SageMaker's) health check
-        Route("/version", guarded(version), methods=["GET"]),
+        Route("/health", guarded(health, probe=True), methods=["GET"]),
+        Route(
+            "/ping", guarded(health, probe=True), methods=["GET", "POST"]
+        ),  # vLLM's (SageMaker's) health check
+        Route("/version", guarded(version, probe=True), methods=["GET"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
         Route("/detokenize", guarded(detokenize), methods=["POST"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/v1/usage", guarded(usage_route), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *playground_routes(),  # the chat page at /
     ]

@@ -15,19 +15,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from motet.api.errors import APIError
+from motet.api.rate_limits import TenantLimits
 
 log = logging.getLogger("motet.api")
 
 DEFAULT_TENANT = "default"
-_KEY_FIELDS = {"tenant", "admin"}
+_KEY_FIELDS = {"tenant", "admin", "limits"}
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a key speaks for: a tenant (None: an admin-only key) and whether it reads /metrics."""
+    """Who a key speaks for: a tenant (None: an admin-only key), whether it reads /metrics, and the tenant's
+    limits (motet/api/rate_limits.py; None: none)."""
 
     tenant: str | None
     admin: bool = False
+    limits: TenantLimits | None = None
 
 
 def _principal(where: str, value) -> Principal:
@@ -37,9 +40,12 @@ def _principal(where: str, value) -> Principal:
         tenant, admin = value.get("tenant"), value.get("admin", False)
         tenant_ok = tenant is None or (isinstance(tenant, str) and tenant)
         if tenant_ok and isinstance(admin, bool) and (tenant is not None or admin):
-            return Principal(tenant, admin)
+            limits = TenantLimits.parse(where, value["limits"]) if "limits" in value else None
+            if limits is not None and tenant is None:
+                raise ValueError(f"{where}: limits belong to a tenant; an admin-only key has none")
+            return Principal(tenant, admin, limits)
     raise ValueError(
-        f'{where}: each key maps to a tenant name, or to {{"tenant": NAME, "admin": true}} / '
+        f'{where}: each key maps to a tenant name, or to {{"tenant": NAME, "admin": true, "limits": {{...}}}} / '
         f'{{"admin": true}} (an admin key reads /metrics), got {json.dumps(value)[:80]}'
     )
 
@@ -65,12 +71,26 @@ class Authenticator:
         if not keys:
             raise ValueError(f"--api-keys {path}: holds no keys")
         auth = cls(keys, where=f"--api-keys {path}")
+        limited = auth.tenant_limits()  # a tenant whose keys disagree is refused here
         tenants = {p.tenant for p in auth.keys.values() if p.tenant is not None}
         admins = sum(p.admin for p in auth.keys.values())
-        log.info("authentication is on: %d keys, %d tenants, %d admin keys", len(keys), len(tenants), admins)
+        log.info(
+            "authentication is on: %d keys, %d tenants (%d with limits), %d admin keys",
+            len(keys), len(tenants), len(limited), admins,
+        )  # fmt: skip
         if not admins:
             log.warning("no admin key in --api-keys: GET /metrics answers 403 to every key")
         return auth
+
+    def tenant_limits(self) -> dict[str, TenantLimits]:
+        """Each tenant's limits; its keys must not disagree."""
+        out: dict[str, TenantLimits] = {}
+        for p in self.keys.values():
+            if p.tenant is None or p.limits is None:
+                continue
+            if out.setdefault(p.tenant, p.limits) != p.limits:
+                raise ValueError(f"tenant {p.tenant!r}: its keys give different limits; give them once")
+        return out
 
     @property
     def enabled(self) -> bool:

@@ -89,6 +89,59 @@ def _parse(number: int, data: bytes, endpoint: str | None) -> Line:
     return Line(number, custom_id, url, obj["body"])
 
 
+# A line may ask for at most this many logprob entries (n x max_tokens x (1 + top_logprobs), and its prompt's
+# with prompt_logprobs): each writes ~80 bytes, so a 6-line input asking for n=4, 128 tokens and 20 top
+# logprobs wrote 4,976,028 bytes. Refused when the batch is created, before anything runs.
+MAX_LINE_LOGPROB_ENTRIES = 8192
+MAX_TOP_LOGPROBS = 20
+
+
+def _count(value, default: int, high: int) -> int:
+    """A request's count field as the bound reads it (validation refuses what is not an integer later)."""
+    return min(max(value, 0), high) if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def logprob_entries(line: Line, max_model_len: int) -> tuple[int, str]:
+    """The most logprob entries `line`'s answer may hold, and how that count is made (for the 400)."""
+    body = line.body or {}
+    n = _count(body.get("n"), 1, 128)
+    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+                  if body.get(k) is not None), None)  # fmt: skip
+    tokens = _count(limit, max_model_len, max_model_len)  # omitted: the rest of the context
+    logprobs = body.get("logprobs")
+    if line.url == "/v1/completions":
+        top = _count(logprobs, 0, MAX_TOP_LOGPROBS) if logprobs is not None else None
+    else:
+        top = _count(body.get("top_logprobs"), 0, MAX_TOP_LOGPROBS) if logprobs else None
+    entries, how = 0, []
+    if top is not None:
+        entries += n * tokens * (1 + top)
+        how.append(f"n ({n}) x max_tokens ({tokens}) x (1 + top_logprobs {top})")
+    prompt_top = body.get("prompt_logprobs")
+    if prompt_top is not None:  # a prompt has no more tokens than its request has bytes
+        prompt = min(len(json.dumps(body)), max_model_len)
+        entries += n * prompt * (1 + _count(prompt_top, 0, MAX_TOP_LOGPROBS))
+        how.append(f"the prompt's (up to {prompt} tokens) x (1 + prompt_logprobs {prompt_top})")
+    return entries, " + ".join(how)
+
+
+def check_line_size(lines: Iterable[Line], max_model_len: int) -> APIError | None:
+    """The 400 for the first line that asks for more logprob entries than a batch line may."""
+    for line in lines:
+        if line.body is None:
+            continue
+        entries, how = logprob_entries(line, max_model_len)
+        if entries > MAX_LINE_LOGPROB_ENTRIES:
+            return APIError(
+                400,
+                f"line {line.number}: {how} = {entries} logprob entries, over the {MAX_LINE_LOGPROB_ENTRIES} "
+                "a batch line may ask for; lower n, max_tokens or top_logprobs",
+                param="input_file_id",
+                code="line_too_large",
+            )
+    return None
+
+
 def refusal(body: dict) -> APIError | None:
     """What a batch refuses of a body that the endpoint itself would accept."""
     if body.get("stream") not in (None, False):

@@ -43,6 +43,7 @@ from motet.api.batch_store import BatchStore, PendingLine
 from motet.api.errors import APIError
 from motet.api.file_store import FileStore
 from motet.api.storage_errors import StorageFailure
+from motet.api.usage import BATCH_SCOPE_KEY
 
 log = logging.getLogger("motet.batches")
 
@@ -108,7 +109,7 @@ async def call_route(
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
         "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": headers,
-        "client": ("127.0.0.1", 0), "server": ("motet-batch", 0),
+        "client": ("127.0.0.1", 0), "server": ("motet-batch", 0), BATCH_SCOPE_KEY: True,
     }  # fmt: skip
     sent = False
 
@@ -187,6 +188,7 @@ async def _thread(call, *args):
 class BatchRunner:
     def __init__(self, store: BatchStore, files: FileStore, policy: LowPriority | None = None):
         self.store, self.files = store, files
+        files.reserved = store.pending_bytes  # a tenant's running batches' answers count as its files
         self.policy = policy or LowPriority()
         self.gate: BatchGate | None = None
         self._app: Any = None
@@ -311,7 +313,7 @@ class BatchRunner:
                             continue
                         await self.gate.acquire()
                         in_flight.add(line.line)
-                        lines.start_soon(self._line, line, auth, in_flight, retry)
+                        lines.start_soon(self._line, line, tenant, auth, in_flight, retry)
             finally:
                 self._lines.pop(batch_id, None)
         if window.cancelled_caught:
@@ -321,7 +323,12 @@ class BatchRunner:
             await _thread(self.store.advance, batch_id, "in_progress", "finalizing")
         # else cancelled: the drive loop reads `cancelling` and answers the rest
 
-    async def _line(self, line: PendingLine, auth, in_flight: set[int], retry: deque) -> None:
+    def _record(self, line: PendingLine, tenant: str, result: dict) -> None:
+        """The answer, within what the tenant may still write (its batches' answers count as its files)."""
+        room = self.files.max_bytes_per_tenant - self.files.usage(tenant)
+        self.store.record(line.batch, line.line, result, room)
+
+    async def _line(self, line: PendingLine, tenant: str, auth, in_flight: set[int], retry: deque) -> None:
         try:
             try:
                 result = await answer(self._app, line.url, line.custom_id, line.body, auth)
@@ -332,7 +339,7 @@ class BatchRunner:
                 result = response_line(line.custom_id, 500, body)
             if not isinstance(result, float):
                 try:
-                    await _thread(self.store.record, line.batch, line.line, result)
+                    await _thread(self._record, line, tenant, result)
                     return
                 except StorageFailure as e:
                     log.warning(

@@ -129,6 +129,9 @@ class BatchStore:
         self._db.execute("PRAGMA busy_timeout=5000")
         for statement in _SCHEMA:
             self._db.execute(statement)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(batches)")}
+        if "result_bytes" not in columns:  # a store written before answers counted against the quota
+            self._db.execute("ALTER TABLE batches ADD COLUMN result_bytes INTEGER NOT NULL DEFAULT 0")
 
     # -- the API's side ---------------------------------------------------------------------------------------
     def create(
@@ -223,10 +226,31 @@ class BatchStore:
                 "SELECT COUNT(*) FROM batch_lines WHERE batch = ? AND result IS NULL", (batch_id,)
             ).fetchone()[0]
 
-    def record(self, batch_id: str, line: int, result: dict) -> bool:
-        """Answer a line, once: False if it already had an answer (nothing changes then)."""
+    def record(self, batch_id: str, line: int, result: dict, room: int | None = None) -> bool:
+        """Answer a line, once: False if it already had an answer (nothing changes then). `room`: the bytes
+        the batch's tenant may still write (its files quota less its files); an answer that would take the
+        tenant's unfinished batches' answers past it is recorded as a `quota_exceeded` error instead, so no
+        batch writes more than its tenant's quota."""
         with self._write():
+            if room is not None:
+                (tenant,) = self._db.execute(
+                    "SELECT tenant FROM batches WHERE id = ?", (batch_id,)
+                ).fetchone()
+                if self._pending_bytes(tenant) + len(compact(result).encode()) + 1 > room:
+                    custom_id = result.get("custom_id")
+                    result = error_line(
+                        custom_id,
+                        "quota_exceeded",
+                        "this answer would take the tenant's files past the server's limit per tenant "
+                        "(--files-max-bytes-per-tenant); delete files (DELETE /v1/files/{id}) or ask for less "
+                        "(max_tokens, n, logprobs)",
+                    )
             return self._record(batch_id, line, result)
+
+    def pending_bytes(self, tenant: str) -> int:
+        """The bytes of answers the tenant's unfinished batches hold (their files are not written yet)."""
+        with self._read():
+            return self._pending_bytes(tenant)
 
     def answer_rest(self, batch_id: str, code: str, message: str) -> None:
         """Answer every unanswered line with an error (the batch was cancelled, or expired)."""
@@ -323,24 +347,33 @@ class BatchStore:
             (int(time.time()), batch_id),
         )
 
+    def _pending_bytes(self, tenant: str) -> int:
+        marks = ", ".join("?" * len(UNFINISHED))
+        return self._db.execute(
+            f"SELECT COALESCE(SUM(result_bytes), 0) FROM batches WHERE tenant = ? AND status IN ({marks})",
+            (tenant, *UNFINISHED),
+        ).fetchone()[0]
+
     def _record(self, batch_id: str, line: int, result: dict) -> bool:
         ok = succeeded(result)
         usage = Usage.of(result)
+        text = compact(result)
         done = self._db.execute(
             "UPDATE batch_lines SET result = ?, ok = ?, request = NULL WHERE batch = ? AND line = ? AND result IS NULL",
-            (compact(result), int(ok), batch_id, line),
+            (text, int(ok), batch_id, line),
         ).rowcount
         if done:
             counter = "completed" if ok else "failed"
             self._db.execute(
                 f"UPDATE batches SET {counter} = {counter} + 1, input_tokens = input_tokens + ?,"
                 " cached_tokens = cached_tokens + ?, output_tokens = output_tokens + ?,"
-                " reasoning_tokens = reasoning_tokens + ? WHERE id = ?",
+                " reasoning_tokens = reasoning_tokens + ?, result_bytes = result_bytes + ? WHERE id = ?",
                 (
                     usage.input_tokens,
                     usage.cached_tokens,
                     usage.output_tokens,
                     usage.reasoning_tokens,
+                    len(text.encode()) + 1,  # the line and its newline, as the file will hold it
                     batch_id,
                 ),
             )

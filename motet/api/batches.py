@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from motet.api import protocol as P
-from motet.api.batch_format import ENDPOINTS
+from motet.api.batch_format import ENDPOINTS, check_line_size, parse_lines
 from motet.api.batch_runner import BatchRunner
 from motet.api.batch_store import COMPLETION_WINDOWS
 from motet.api.errors import APIError, echo
@@ -83,6 +83,14 @@ async def create_batch(request: Request) -> Response:
             f"the input file's purpose is {stored.purpose!r}; a batch reads 'batch' files",
             param="input_file_id",
         )
+    max_model_len = state.system.engine.max_model_len
+
+    def oversized_line() -> APIError | None:  # before anything runs: what a line may write is bounded
+        with runner.files.open(stored) as f:
+            return check_line_size(parse_lines(f, req.endpoint), max_model_len)
+
+    if (refused := await stored_call("the input file could not be read", oversized_line)) is not None:
+        raise refused
     batch = await stored_call(
         "the batch could not be stored",
         runner.store.create,

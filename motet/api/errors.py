@@ -21,6 +21,7 @@ _TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",

@@ -7,8 +7,10 @@ with no row (a crash between the two) are removed when the store opens. Every re
 to the tenant: another tenant's file reads as missing.
 
 Limits: a file may hold at most `max_file_bytes` (a larger upload is refused while it is read), and a
-tenant's files together `max_bytes_per_tenant` (an upload past it is refused). Files the server writes for
-a batch count toward the tenant's total but are never refused (the batch's results must not be lost).
+tenant's files together `max_bytes_per_tenant` (an upload past it is refused). A running batch's answers
+count toward its tenant's total as they are recorded (`reserved`; an answer past the limit is recorded as a
+`quota_exceeded` error instead: motet/api/batch_store.py), so the output and error files written at its end,
+never refused (the batch's results must not be lost), stay within it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -92,6 +94,8 @@ class FileStore:
         if max_file_bytes < 1 or max_bytes_per_tenant < 1:
             raise ValueError("--files-max-bytes and --files-max-bytes-per-tenant must be at least 1")
         self.max_file_bytes, self.max_bytes_per_tenant = max_file_bytes, max_bytes_per_tenant
+        # bytes a tenant holds outside this store that count as its files (its running batches' answers)
+        self.reserved: Callable[[str], int] = lambda tenant: 0
         self.dir = Path(data_dir) / "files"
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -110,7 +114,7 @@ class FileStore:
             size = self._write(file_id, _chunks(source), self.max_file_bytes)
             try:
                 with self._write_transaction():
-                    used = self._used(tenant)
+                    used = self._used(tenant) + self.reserved(tenant)
                     if used + size > self.max_bytes_per_tenant:
                         raise FileQuotaExceeded(
                             f"this tenant's files hold {used} bytes and this one has {size}, over the server's "
@@ -179,6 +183,7 @@ class FileStore:
             return open(self._path(stored.id), "rb")  # noqa: SIM115 (the caller closes it)
 
     def usage(self, tenant: str) -> int:
+        """The bytes of the tenant's files (not counting `reserved`)."""
         with self._storage_failures(), self._lock:
             return self._used(tenant)
 

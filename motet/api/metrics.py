@@ -165,7 +165,13 @@ class Metrics:
         self.vllm_lora_info = Gauge(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
-            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            [
+                "model_name",
+                "max_lora",
+                "running_lora_adapters",
+                "waiting_lora_adapters",
+            ],  # model_name: motet's
+            # addition (vLLM's series lacks it; dashboards filter every series by it)
             registry=r,
         )
         self.vllm_ttft = Histogram(
@@ -328,9 +334,9 @@ class Metrics:
         waiting = _client_names(stats.waiting_adapters + stats.queued_adapters) - running
         self.vllm_lora_info.clear()  # one series: the current sets (vLLM keeps one per combination seen)
         cap = max_loras if max_loras is not None else getattr(stats.adapter_memory, "capacity", 0)
-        self.vllm_lora_info.labels(str(cap), ",".join(sorted(running)), ",".join(sorted(waiting))).set(
-            time.time()
-        )
+        self.vllm_lora_info.labels(
+            self.model_name, str(cap), ",".join(sorted(running)), ",".join(sorted(waiting))
+        ).set(time.time())
         self.queued.set(stats.queued)
         self.waiting.set(stats.waiting)
         self.running.set(stats.running)

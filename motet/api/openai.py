@@ -21,6 +21,8 @@ from motet.actors.errors import ServingError
 from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import ReplyStream, merge_streams
 from motet.api import protocol as P
+from motet.api import tracing
+from motet.api import usage as usage_records
 from motet.api.chat_output import ChatOutput
 from motet.api.errors import APIError, from_serving_error, from_value_error
 from motet.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
@@ -48,16 +50,26 @@ def build_params(
     prompt_logprobs: int | None,
     structure: Structure | None = None,
     reasoning: bool = False,
+    defaults: dict | None = None,
 ):
-    """One SamplingParams per choice (seed + i for choice i, so choices differ but stay reproducible)."""
+    """One SamplingParams per choice (seed + i for choice i, so choices differ but stay reproducible). A
+    field the request omits takes `defaults` (the model's generation config), else the OpenAI default."""
+    defaults = defaults or {}
+
+    def pick(name: str, openai_default):
+        value = getattr(req, name)
+        return defaults.get(name, openai_default) if value is None else value
+
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
     drop_output = max_tokens == 0  # prompt logprobs only: generate one token, then drop it
     engine_max = 1 if drop_output else max_tokens
     base = dict(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=pick("top_k", 0) or 0,
+        min_p=pick("min_p", 0.0) or 0.0,
+        repetition_penalty=pick("repetition_penalty", 1.0),
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         max_tokens=engine_max or max(1, req.min_tokens or 0),  # None: ingress sets the rest of the context
@@ -121,7 +133,13 @@ async def accept_request(request: Request, model):
     tenant = state.auth.tenant(request.headers.get("authorization"))
     context = {P.TRUST_REQUEST_CHAT_TEMPLATE: state.trust_request_chat_template}
     req = model.model_validate(await read_json(request, state.max_body_bytes), context=context)
-    return state, tenant, req, await state.resolve_adapter(tenant, req.model)
+    adapter = await state.resolve_adapter(tenant, req.model)
+    served = req.model if adapter is not None else state.model_name  # an alias counts as the model
+    usage_records.begin(tenant, served, batch=request.scope.get(usage_records.BATCH_SCOPE_KEY, False))
+    tracing.annotate(
+        **{"motet.tenant": tenant, "gen_ai.request.model": served, "motet.adapter": adapter is not None}
+    )
+    return state, tenant, req, adapter
 
 
 def client_request_id(request: Request, req: P._SamplingFields) -> str:
@@ -179,7 +197,9 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
     prompt_k = req.prompt_logprobs
     if prompt_k is None and req.echo and not req.stream:
         prompt_k = req.top_logprobs or 0
-    params, engine_max, drop = build_params(req, max_tokens, k, prompt_k, structure, state.reasoning)
+    params, engine_max, drop = build_params(
+        req, max_tokens, k, prompt_k, structure, state.reasoning, state.sampling_defaults
+    )
     spec = GenerateSpec(
         request_ids=[f"{rid}-{i}" for i in range(req.n)],
         params=params,
@@ -357,11 +377,15 @@ async def completions(request: Request) -> Response:
     request_id = client_request_id(request, req)
     rid = f"cmpl-{request_id}"  # the response's id
     internal = f"cmpl-{uuid.uuid4().hex}"
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default for completions
+    max_tokens = (
+        req.max_tokens if req.max_tokens is not None else state.sampling_defaults.get("max_tokens", 16)
+    )
     k = req.logprobs
     structure = structured_output(req, allow_tools=False, limits=state.system.engine.config.grammar_limits)
     prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else (k if req.echo else None)
-    params, engine_max, drop = build_params(req, max_tokens, k, prompt_k, structure)
+    params, engine_max, drop = build_params(
+        req, max_tokens, k, prompt_k, structure, defaults=state.sampling_defaults
+    )
     prompts = _prompts(req)
     arrival = time.perf_counter()
     state.inflight += 1

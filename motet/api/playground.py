@@ -27,8 +27,18 @@ async def index(request: Request) -> Response:
     return FileResponse(STATIC_DIR / "index.html", headers={**SECURITY_HEADERS, "Cache-Control": "no-cache"})
 
 
+class SecuredStaticFiles(StaticFiles):
+    """The page's assets with the page's headers: `/static/index.html` is the page too, and must not be
+    framed or load from elsewhere either."""
+
+    async def get_response(self, path: str, scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+
 def playground_routes() -> list:
     return [
         Route("/", index, methods=["GET", "HEAD"]),
-        Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+        Mount("/static", SecuredStaticFiles(directory=STATIC_DIR), name="static"),
     ]

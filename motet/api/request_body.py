@@ -59,7 +59,21 @@ def _param(where: tuple | None) -> str | None:
     return out or None
 
 
+def check_json_type(content_type: str | None) -> None:
+    """A JSON body must say so: `text/plain`, form and multipart posts are what a page on another site can
+    send without a CORS preflight (415 otherwise; `application/json`, or any `+json` type, with parameters)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        got = f"got {shorten(media, 60)!r}" if media else "none was sent"
+        raise APIError(
+            415,
+            f"request body must be sent with Content-Type: application/json ({got})",
+            code="unsupported_media_type",
+        )
+
+
 async def read_json(request: Request, limit: int) -> dict:
+    check_json_type(request.headers.get("content-type"))
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body is larger than {limit} bytes")

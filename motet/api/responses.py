@@ -109,8 +109,10 @@ class ResponseRun:
             "tools": [_tool(t) for t in req.tools or []],
             "text": {"format": req.text_format},
             "reasoning": {"effort": None, "summary": None},
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "temperature": self.state.sampling_defaults.get("temperature", 1.0)
+            if req.temperature is None
+            else req.temperature,
+            "top_p": self.state.sampling_defaults.get("top_p", 1.0) if req.top_p is None else req.top_p,
             "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": req.max_tool_calls,
             "truncation": "disabled",

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import signal
 import socket
 from pathlib import Path
 
+from motet.api.generation_config import parse_override
+from motet.api.origin_guard import list_item
 from motet.cluster import cli as cluster_cli
 from motet.flag_types import MAX_DAYS, integer, number, seconds
 
@@ -104,6 +108,37 @@ def served_names(args, config) -> list[str]:
     return names
 
 
+DISK_SHARE = 0.25  # of the data dir's free space at start-up: the most one tenant's files, or its stored
+# responses, or the KV disk tier may take, so that one tenant filling its quota leaves room for the others
+
+
+def fit_to_disk(args, config, data: Path) -> None:
+    """Bound the per-tenant stores and the KV disk tier by the free space under `data` at start-up: a flag
+    (or default) over DISK_SHARE of it is lowered, with a warning when the operator set it."""
+    from motet.api.file_store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_DEFAULT
+    from motet.api.response_store import DEFAULT_MAX_BYTES_PER_TENANT as RESPONSES_DEFAULT
+
+    where = data
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    cap = int(free * DISK_SHARE)
+    bounds = [
+        ("--files-max-bytes-per-tenant", args, "files_max_bytes_per_tenant", FILES_DEFAULT, 1),
+        ("--responses-max-bytes-per-tenant", args, "responses_max_bytes_per_tenant", RESPONSES_DEFAULT, 1),
+        ("--kv-disk-gb", config, "kv_disk_gb", 0.0, 2**30),
+    ]
+    for flag, obj, attr, default, unit in bounds:
+        value = getattr(obj, attr)
+        if value * unit <= cap:
+            continue
+        lowered = cap // unit if unit == 1 else cap / unit
+        say = log.info if value == default else log.warning
+        say("%s %s is over a quarter of the %.1f GiB free under %s at start-up: %s applies, so that no tenant "
+            "can fill the disk the others' stores use", flag, value, free / 2**30, where, lowered)  # fmt: skip
+        setattr(obj, attr, lowered)
+
+
 def build_state(args, config, model_dir: Path | None = None, max_model_len: int | None = None):
     """The server's state; `model_dir` and `max_model_len` as check_model found them (found here if not
     given)."""
@@ -112,9 +147,11 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.batch_runner import BatchRunner, LowPriority
     from motet.api.batch_store import BatchStore
     from motet.api.file_store import FileStore
+    from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
     from motet.api.response_store import ResponseStore
     from motet.api.state import ServerState
+    from motet.api.usage import UsageStore
     from motet.api.vllm_flags import authenticator
     from motet.engine.config import default_cpu_threads
     from motet.engine.llm_engine import LLMEngine
@@ -130,8 +167,16 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
 
         config.tenant_weights = load_tenant_weights(args.tenant_weights)
     names = served_names(args, config)
+    defaults = sampling_defaults(args.generation_config, model_dir, args.override_generation_config)
+    if defaults:
+        log.info(
+            "requests that omit them sample with %s (the model's generation_config.json%s)",
+            ", ".join(f"{k}={v}" for k, v in defaults.items()),
+            " and --override-generation-config" if args.override_generation_config else "",
+        )
     loras = shared_loras(args.lora, names)
     data = data_dir(args.data_dir)
+    fit_to_disk(args, config, data)
     # before anything starts: no load dir may overlap a place tenants' own adapters are kept
     private = {"--data-dir": data, **cluster_cli.adapter_dirs(args)}
     load_dirs = check_load_dirs(args.lora_load_dir or (), private)
@@ -172,7 +217,10 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         reasoning=args.reasoning_parser == "think",
         metrics=Metrics(names[0], max_model_len),
         trust_request_chat_template=args.trust_request_chat_template,
+        sampling_defaults=defaults,
+        usage=UsageStore(data),
     )
+    state.limiter.reload(state.auth.tenant_limits())
     if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
         state.metrics.registry.register(system.replica_metrics())
     return state
@@ -185,10 +233,41 @@ def http_server(args, state, on_tick=None):
 
     from motet.api.app import create_app
     from motet.api.draining import DrainingServer
+    from motet.api.origin_guard import OriginGuard, flat_list
+    from motet.api.rate_limits import RateLimits
     from motet.api.slow_clients import BodyTimeout, header_timeout_protocol
 
     app = create_app(state)
     app.add_middleware(BodyTimeout, timeout=args.request_body_timeout, min_rate=args.request_body_min_rate)
+    if args.request_log:
+        from motet.api.rate_limits import LIMITED_ROUTES
+        from motet.api.usage import RequestLog
+
+        app.add_middleware(RequestLog, paths=LIMITED_ROUTES)
+    app.add_middleware(RateLimits, state=state, limiter=state.limiter)  # not on the batch lines' calls
+    if args.otlp_traces_endpoint:
+        from motet.api import tracing
+        from motet.api.rate_limits import LIMITED_ROUTES
+
+        provider = tracing.setup(args.otlp_traces_endpoint)
+        app.add_middleware(tracing.Tracing, provider=provider, paths=LIMITED_ROUTES)
+        state.on_stop.append(provider.shutdown)  # the last spans are sent before the process ends
+    app.add_middleware(
+        OriginGuard,
+        bind_host=args.host,
+        allowed_hosts=args.allowed_hosts,
+        allowed_origins=args.allowed_origins,
+    )
+    if args.allowed_origins:  # CORS only for the pages the operator named (outermost: it answers preflights)
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=flat_list(args.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After", "x-request-id"],
+        )
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -200,6 +279,22 @@ def http_server(args, state, on_tick=None):
         http=header_timeout_protocol(args.request_header_timeout),
     )
     return DrainingServer(config, state, args.drain_timeout, on_tick=on_tick)
+
+
+def reload_keys(args, state) -> None:
+    """SIGHUP: read the API keys file again (keys, tenants, limits) without a restart; a file that does not
+    load leaves the running keys as they are."""
+    from motet.api.vllm_flags import authenticator
+
+    try:
+        auth = authenticator(args)
+        limits = auth.tenant_limits()
+    except ValueError as e:
+        log.error("SIGHUP: the API keys were not reloaded (the running ones stay): %s", e)
+        return
+    state.auth = auth
+    state.limiter.reload(limits)
+    log.info("SIGHUP: reloaded the API keys: %d keys, %d tenants with limits", len(auth.keys), len(limits))
 
 
 def serve(args, config) -> int:
@@ -218,6 +313,7 @@ def serve(args, config) -> int:
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     status = StatusLog(state, url, args.log_stats_interval, stats=not args.disable_log_stats)
     server = http_server(args, state, on_tick=status.tick)
+    signal.signal(signal.SIGHUP, lambda *_: reload_keys(args, state))
     log.info("loading %s on %s (GET /health answers 503 until it has loaded)", state.model_name, url)
     server.run(sockets=[sock])
     log.info("stopped")
@@ -234,6 +330,52 @@ def add_serve_args(p) -> None:
         help="the model's name in the API (the first; the others are aliases); default: --model (a GGUF file's stem)",
     )
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="the port to listen on")
+    p.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        type=list_item,
+        default=[],
+        metavar="HOST",
+        help="Host names the server answers to besides loopback names, IP addresses, --host and this machine's "
+        "hostname (a DNS-rebinding page is refused); '*': any",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        type=list_item,
+        default=[],
+        metavar="ORIGIN",
+        help="web pages (scheme://host[:port]) allowed to call the API from a browser, with CORS; default: only "
+        "the server's own pages; '*': any",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export a trace span per chat/completions/responses request (children: queue, prefill, decode) "
+        "over OTLP/HTTP to URL, e.g. http://localhost:4318/v1/traces",
+    )
+    p.add_argument(
+        "--request-log",
+        action="store_true",
+        help="log one JSON line per chat/completions/responses request (logger motet.requests): tenant, model, "
+        "prompt, cached and completion tokens, TTFT, status, duration",
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|FOLDER",
+        help="sampling defaults for requests that omit temperature, top_p, top_k, min_p, repetition_penalty or "
+        "max_tokens: auto, the model's generation_config.json; vllm, none (the OpenAI defaults); or a folder "
+        "holding a generation_config.json (default: auto)",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        type=parse_override,
+        default=None,
+        metavar="JSON",
+        help="sampling defaults over --generation-config's, e.g. '{\"temperature\": 0.5}'",
+    )
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
     p.add_argument(
         "--data-dir",

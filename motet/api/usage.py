@@ -1,0 +1,297 @@
+"""Usage per tenant, for billing and audit: what each tenant's requests used, by model (the base model or an
+adapter) and minute, in `usage.sqlite3` under the data dir, so it survives restarts; read by an admin with
+`GET /v1/usage` in the shape of OpenAI's usage API (`/v1/organization/usage/completions`: buckets of
+`bucket_width` 1m/1h/1d from `start_time`, each with its results, `group_by` tenant/model/batch).
+
+A request's tenant and model are set when it is accepted (`begin`, in a context variable that its choices'
+end sees); each finished choice adds its completion tokens, the first of each prompt its prompt and cached
+tokens and the request itself (motet/api/streams.py `observe`), exactly the numbers of the `usage` the client
+gets. Counts gather in memory and are written every FLUSH_S seconds (and when the server stops, and before
+a read), never on the step's or the event loop's hot path.
+
+`--request-log` adds one JSON line per request to the log (`motet.requests`): tenant, model, tokens, TTFT,
+status and duration (`RequestLog`, an ASGI middleware in front of the generation routes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from motet.api.errors import APIError
+from motet.api.storage_errors import StorageFailure, is_storage_failure
+
+FILENAME = "usage.sqlite3"
+FLUSH_S = 2.0
+BUCKETS = {"1m": 60, "1h": 3600, "1d": 86400}
+LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # OpenAI's default and most buckets a page
+GROUPS = ("tenant", "model", "batch")
+BATCH_SCOPE_KEY = "motet.batch"  # set in the ASGI scope of the Batch API's lines (motet/api/batch_runner.py)
+_COUNTS = ("requests", "input_tokens", "cached_tokens", "output_tokens")
+
+request_log = logging.getLogger("motet.requests")
+
+
+@dataclass
+class RequestUsage:
+    """One API request's tenant, model and what it used so far (its choices add to it as they end)."""
+
+    tenant: str | None = None
+    model: str | None = None
+    batch: bool = False
+    requests: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    first_token: float | None = None  # perf_counter
+    started: float = field(default_factory=time.perf_counter)
+
+
+current: contextvars.ContextVar[RequestUsage | None] = contextvars.ContextVar("motet_usage", default=None)
+
+
+def begin(tenant: str, model: str, batch: bool) -> RequestUsage:
+    """The accepted request's record (the request log's, where it made one)."""
+    u = current.get()
+    if u is None:
+        u = RequestUsage()
+        current.set(u)
+    u.tenant, u.model, u.batch = tenant, model, batch
+    return u
+
+
+class UsageStore:
+    def __init__(self, data_dir: str | Path):
+        Path(data_dir).mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(Path(data_dir) / FILENAME, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.execute(
+            """CREATE TABLE IF NOT EXISTS usage (
+                minute INTEGER NOT NULL,  -- unix time / 60
+                tenant TEXT NOT NULL,
+                model TEXT NOT NULL,
+                batch INTEGER NOT NULL,
+                requests INTEGER NOT NULL DEFAULT 0,
+                input_tokens INTEGER NOT NULL DEFAULT 0,
+                cached_tokens INTEGER NOT NULL DEFAULT 0,
+                output_tokens INTEGER NOT NULL DEFAULT 0,
+                PRIMARY KEY (minute, tenant, model, batch)
+            )"""
+        )
+        self._lock = threading.Lock()  # the pending counts; the database's writes are under _db_lock
+        self._db_lock = threading.Lock()
+        self._pending: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._flush_loop, name="motet-usage", daemon=True)
+        self._thread.start()
+
+    def add(self, u: RequestUsage, requests: int, input_tokens: int, cached: int, output: int) -> None:
+        if u.tenant is None:
+            return
+        key = (int(time.time()) // 60, u.tenant, u.model or "", int(u.batch))
+        with self._lock:
+            counts = self._pending[key]
+            for i, v in enumerate((requests, input_tokens, cached, output)):
+                counts[i] += v
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, defaultdict(lambda: [0, 0, 0, 0])
+        if not pending:
+            return
+        rows = [(*key, *counts) for key, counts in pending.items()]
+        try:
+            with self._db_lock:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.executemany(
+                        "INSERT INTO usage (minute, tenant, model, batch, requests, input_tokens, cached_tokens,"
+                        " output_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (minute, tenant, model, batch)"
+                        " DO UPDATE SET requests = requests + excluded.requests, input_tokens = input_tokens +"
+                        " excluded.input_tokens, cached_tokens = cached_tokens + excluded.cached_tokens,"
+                        " output_tokens = output_tokens + excluded.output_tokens",
+                        rows,
+                    )
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+        except (sqlite3.Error, OSError) as e:  # a full disk: the counts wait in memory for the next flush
+            with self._lock:
+                for key, counts in pending.items():
+                    mine = self._pending[key]
+                    for i, v in enumerate(counts):
+                        mine[i] += v
+            if isinstance(e, OSError):
+                raise StorageFailure.from_os(e) from e
+            if not is_storage_failure(e):
+                raise
+            raise StorageFailure.from_sqlite(e) from e
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(FLUSH_S):
+            with contextlib.suppress(StorageFailure):
+                self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with contextlib.suppress(StorageFailure):
+            self.flush()
+        with self._db_lock:
+            self._db.close()
+
+    def buckets(
+        self, start: int, end: int, width: int, groups: tuple[str, ...], tenant: str | None, model: str | None
+    ) -> dict[int, list[dict]]:
+        """Bucket start -> its results (one per group), for [start, end)."""
+        self.flush()
+        where, args = ["minute >= ?", "minute < ?"], [start // 60, -(-end // 60)]
+        if tenant is not None:
+            where.append("tenant = ?")
+            args.append(tenant)
+        if model is not None:
+            where.append("model = ?")
+            args.append(model)
+        bucket = f"(((minute * 60) - {start}) / {width}) * {width} + {start}"
+        cols = ", ".join(groups)
+        sql = (
+            f"SELECT {bucket} AS b{', ' + cols if cols else ''}, SUM(requests), SUM(input_tokens),"
+            f" SUM(cached_tokens), SUM(output_tokens) FROM usage WHERE {' AND '.join(where)}"
+            f" GROUP BY b{', ' + cols if cols else ''} ORDER BY b{', ' + cols if cols else ''}"
+        )
+        out: dict[int, list[dict]] = defaultdict(list)
+        with self._db_lock:
+            rows = self._db.execute(sql, args).fetchall()
+        for row in rows:
+            b, keys, (requests, input_tokens, cached, output) = row[0], row[1 : 1 + len(groups)], row[-4:]
+            result = {
+                "object": "organization.usage.completions.result",
+                "input_tokens": input_tokens,
+                "output_tokens": output,
+                "input_cached_tokens": cached,
+                "num_model_requests": requests,
+                "tenant": None,
+                "model": None,
+                "batch": None,
+            }
+            for name, value in zip(groups, keys, strict=True):
+                result[name] = bool(value) if name == "batch" else value
+            out[b].append(result)
+        return out
+
+
+def _int_param(request: Request, name: str, default: int | None = None) -> int | None:
+    value = request.query_params.get(name)
+    if value is None:
+        if default is None:
+            raise APIError(400, f"{name} is required (a unix time, seconds)", param=name)
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise APIError(400, f"{name} must be an integer, not {value[:40]!r}", param=name) from None
+
+
+async def usage_route(request: Request) -> Response:
+    """GET /v1/usage: an admin key's (OpenAI's usage API shape, a page of time buckets)."""
+    import anyio.to_thread
+
+    state = request.app.state.motet
+    state.auth.check_admin(request.headers.get("authorization"))
+    if state.usage is None:
+        raise APIError(404, "usage is not recorded by this server")
+    q = request.query_params
+    width_name = q.get("bucket_width", "1d")
+    if width_name not in BUCKETS:
+        raise APIError(400, f"bucket_width must be one of {', '.join(BUCKETS)}", param="bucket_width")
+    width = BUCKETS[width_name]
+    default_limit, max_limit = LIMITS[width_name]
+    start = _int_param(request, "start_time")
+    end = _int_param(request, "end_time", int(time.time()))
+    limit = _int_param(request, "limit", default_limit)
+    if not 1 <= limit <= max_limit:
+        raise APIError(400, f"limit must be 1 to {max_limit} for bucket_width {width_name}", param="limit")
+    page = q.get("page")
+    first = start
+    if page is not None:
+        try:
+            first = int(page)
+        except ValueError:
+            raise APIError(400, "page is not one this route gave (next_page)", param="page") from None
+        if first < start or (first - start) % width:
+            raise APIError(400, "page is not one this route gave (next_page)", param="page")
+    if end <= start or start < 0:
+        raise APIError(400, "end_time must be after start_time, both unix times", param="end_time")
+    groups = tuple(g for item in q.getlist("group_by") for g in item.split(",") if g)
+    if bad := [g for g in groups if g not in GROUPS]:
+        raise APIError(400, f"group_by {bad[0]!r} is not one of {', '.join(GROUPS)}", param="group_by")
+    groups = tuple(dict.fromkeys(groups))
+    last = min(end, first + limit * width)
+    try:
+        found = await anyio.to_thread.run_sync(
+            state.usage.buckets, first, last, width, groups, q.get("tenant"), q.get("model")
+        )
+    except StorageFailure as e:
+        raise APIError(503, f"the usage records could not be read: {e.cause}") from None
+    data = [
+        {"object": "bucket", "start_time": b, "end_time": min(b + width, end), "results": found.get(b, [])}
+        for b in range(first, last, width)
+    ]
+    more = last < end
+    return JSONResponse(
+        {"object": "page", "data": data, "has_more": more, "next_page": str(last) if more else None}
+    )
+
+
+class RequestLog:
+    """Pure ASGI middleware (`--request-log`): one JSON line per generation request, when it ends."""
+
+    def __init__(self, app, paths: frozenset[str]):
+        self.app, self.paths = app, paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            return await self.app(scope, receive, send)
+        u = RequestUsage()
+        token = current.set(u)
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            current.reset(token)
+            now = time.perf_counter()
+            request_log.info(
+                json.dumps(
+                    {
+                        "path": scope["path"],
+                        "status": status,
+                        "tenant": u.tenant,
+                        "model": u.model,
+                        "prompt_tokens": u.input_tokens,
+                        "cached_tokens": u.cached_tokens,
+                        "completion_tokens": u.output_tokens,
+                        "ttft_s": None if u.first_token is None else round(u.first_token - u.started, 4),
+                        "duration_s": round(now - u.started, 4),
+                    }
+                )
+            )

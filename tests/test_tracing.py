@@ -1,0 +1,120 @@
+"""OpenTelemetry traces (`--otlp-traces-endpoint`): every request of a mixed run (chat, stream, completions,
+responses, an adapter, errors) has one server span with the tenant and model, the successful ones their
+queue / prefill / decode children inside it, and a client's W3C `traceparent` is continued. The spans are
+exported by the real OTLP/HTTP exporter to a real receiver started by the test (OTLP protobuf over HTTP,
+decoded with opentelemetry-proto)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import httpx
+import openai
+
+from tests.live_server import Server
+from tests.test_soak import make_adapter
+
+MODEL = "tiny"
+KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
+
+
+class Receiver(http.server.ThreadingHTTPServer):
+    def __init__(self):
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        self.spans: list = []
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                req = ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                for rs in req.resource_spans:
+                    for ss in rs.scope_spans:
+                        receiver.spans.extend(ss.spans)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def attrs(span) -> dict:
+    out = {}
+    for kv in span.attributes:
+        v = kv.value
+        out[kv.key] = v.string_value or v.int_value or v.bool_value
+    return out
+
+
+def test_every_request_has_one_span_with_its_phases(tiny_model_dir, tmp_path):
+    receiver = Receiver()
+    (tmp_path / "keys.json").write_text(json.dumps(KEYS))
+    adapter = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=5)
+    files = [("files", (f.name, f.read_bytes())) for f in sorted(adapter.iterdir()) if f.name != "README.md"]
+    srv = Server(
+        tmp_path,
+        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(tmp_path / "keys.json"),
+        "--data-dir", str(tmp_path / "data"), "--threads", "1", "--max-model-len", "1024",
+        "--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.server_port}/v1/traces",
+        start_timeout=120,
+    )  # fmt: skip
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    try:
+        alice = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sk-alice", max_retries=0, timeout=120)
+        bob = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sk-bob", max_retries=0, timeout=120)
+        r = httpx.post(f"{srv.url}/v1/adapters", data={"name": "ad"}, files=files,
+                       headers={"Authorization": "Bearer sk-alice"}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        msg = [{"role": "user", "content": "hi"}]
+        alice.chat.completions.create(
+            model=MODEL, messages=msg, max_tokens=3,
+            extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+        )  # fmt: skip
+        list(alice.chat.completions.create(model="ad", messages=msg, max_tokens=3, stream=True))
+        bob.completions.create(model=MODEL, prompt="one two", max_tokens=2)
+        bob.responses.create(model=MODEL, input="hello", max_output_tokens=2)
+        alice.chat.completions.create(model=MODEL, messages=msg, max_tokens=2, tools=[{"type": "function",
+                                      "function": {"name": "f", "parameters": {"type": "object"}}}])  # fmt: skip
+        for bad in ({"model": "nope"}, {"model": MODEL, "temperature": -1}):  # 404, 400
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": msg, **bad},
+                           headers={"Authorization": "Bearer sk-alice"})  # fmt: skip
+            assert r.status_code in (400, 404)
+    finally:
+        srv.stop()  # the exporter sends what is left when the server stops
+    receiver.shutdown()
+    roots = [s for s in receiver.spans if s.name.startswith("POST ")]
+    assert len(roots) == 7
+    children = [s for s in receiver.spans if not s.name.startswith("POST ")]
+    by_parent: dict[bytes, list] = {}
+    for s in children:
+        by_parent.setdefault(s.parent_span_id, []).append(s)
+    statuses = []
+    for root in roots:
+        a = attrs(root)
+        statuses.append(a["http.response.status_code"])
+        if a["http.response.status_code"] != 200:
+            assert root.span_id not in by_parent
+            continue
+        assert a["motet.tenant"] in ("alice", "bob") and a["gen_ai.request.model"] in (MODEL, "ad")
+        assert a["gen_ai.usage.output_tokens"] >= 1
+        phases = sorted(by_parent[root.span_id], key=lambda s: s.start_time_unix_nano)
+        assert [p.name for p in phases] == ["queue", "prefill", "decode"]
+        assert all(p.trace_id == root.trace_id for p in phases)
+        assert root.start_time_unix_nano - 50_000_000 <= phases[0].start_time_unix_nano
+        assert phases[-1].end_time_unix_nano <= root.end_time_unix_nano + 50_000_000
+    assert sorted(statuses) == [200] * 5 + [400, 404]
+    continued = [s for s in roots if s.trace_id.hex() == trace_id]
+    assert len(continued) == 1 and continued[0].parent_span_id.hex() == parent_id
+    assert {attrs(s)["gen_ai.request.model"] for s in roots if "gen_ai.request.model" in attrs(s)} == {
+        MODEL,
+        "ad",
+    }
