@@ -175,12 +175,11 @@ def test_allowed_origins_get_cors_and_others_do_not(open_server):
 
 def test_vllm_json_list_form_of_the_flags():
     from motet.api.cli import build_parser
+    from motet.api.origin_guard import flat_list
 
     args = build_parser().parse_args(
         ["serve", "--allowed-origins", '["http://a.example", "http://b.example"]']
     )
-    from motet.api.origin_guard import flat_list
-
     assert flat_list(args.allowed_origins) == ["http://a.example", "http://b.example"]
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--allowed-origins", "[1, 2"])
+    with pytest.raises(ValueError, match="--allowed-origins"):
+        flat_list(["[1, 2"], "--allowed-origins")

@@ -92,7 +92,7 @@ def server_metrics(server) -> dict[str, float]:
 
 def test_trickled_headers_get_408_and_close(server):
     sock = connect(server.port)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
     assert_408(trickle_until_closed(sock, b"a"))
 
 
@@ -103,11 +103,11 @@ def test_a_connection_that_sends_nothing_is_closed(server):
 def test_slow_head_of_a_second_request_on_a_kept_alive_connection(server):
     sock = connect(server.port)
     sock.settimeout(SAFETY_S)
-    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
     first = sock.recv(65536)
     assert first.startswith(b"HTTP/1.1 200 "), first
     sock.settimeout(0.2)
-    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
     assert_408(trickle_until_closed(sock, b"a"))
 
 
@@ -116,7 +116,7 @@ def test_slow_body_gets_408_and_ends_the_request(server, drip):
     before = count_408(server)
     sock = connect(server.port)
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(CHAT) + 1000, CHAT[:10])
     )
     assert_408(trickle_until_closed(sock, drip))
@@ -127,7 +127,7 @@ def test_a_body_with_short_pauses_is_served(server):
     sock = connect(server.port)
     sock.settimeout(SAFETY_S)
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(CHAT)
     )
     for i in range(0, len(CHAT), 16):
@@ -154,7 +154,7 @@ def test_h11_parser_gets_the_header_limit_too():
             time.sleep(0.05)
         assert httpx.get(f"http://127.0.0.1:{port}/", timeout=10).text == "ok"
         sock = connect(port)
-        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
         assert_408(trickle_until_closed(sock, b"a"))
     finally:
         srv.should_exit = True

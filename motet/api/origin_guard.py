@@ -54,23 +54,21 @@ def default_hosts(bind_host: str) -> set[str]:
     return names
 
 
-def list_item(value: str) -> str:
-    """argparse type of the two flags: a name, or vLLM's JSON list of names (checked here, read by flat_list)."""
-    if value.strip().startswith("["):
-        try:
-            items = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"not a JSON list: {e}") from None
-        if not all(isinstance(x, str) for x in items):
-            raise ValueError("a JSON list of strings is expected")
-    return value
-
-
-def flat_list(values) -> list[str]:
-    """A flag's values; vLLM's form, one JSON list (`--allowed-origins '["*"]'`), is read too."""
+def flat_list(values, flag: str = "the flag") -> list[str]:
+    """A flag's values; vLLM's form, one JSON list (`--allowed-origins '["*"]'`), is read too (a ValueError
+    naming `flag` for a list that is not one of strings)."""
     out = []
     for v in values:
-        out += [str(x) for x in json.loads(v)] if v.strip().startswith("[") else [v]
+        if not v.strip().startswith("["):
+            out.append(v)
+            continue
+        try:
+            items = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"{flag} {v!r}: not a JSON list ({e})") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise ValueError(f"{flag} {v!r}: a JSON list of strings is expected")
+        out += items
     return out
 
 

@@ -16,7 +16,6 @@ import socket
 from pathlib import Path
 
 from motet.api.generation_config import parse_override
-from motet.api.origin_guard import list_item
 from motet.cluster import cli as cluster_cli
 from motet.flag_types import MAX_DAYS, integer, number, seconds
 
@@ -149,6 +148,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.file_store import FileStore
     from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
+    from motet.api.origin_guard import flat_list
     from motet.api.response_store import ResponseStore
     from motet.api.state import ServerState
     from motet.api.usage import UsageStore
@@ -177,6 +177,11 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     loras = shared_loras(args.lora, names)
     data = data_dir(args.data_dir)
     fit_to_disk(args, config, data)
+    for flag, values in (
+        ("--allowed-hosts", args.allowed_hosts),
+        ("--allowed-origins", args.allowed_origins),
+    ):
+        flat_list(values, flag)  # vLLM's JSON list form, checked before anything starts
     # before anything starts: no load dir may overlap a place tenants' own adapters are kept
     private = {"--data-dir": data, **cluster_cli.adapter_dirs(args)}
     load_dirs = check_load_dirs(args.lora_load_dir or (), private)
@@ -333,7 +338,6 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--allowed-hosts",
         nargs="+",
-        type=list_item,
         default=[],
         metavar="HOST",
         help="Host names the server answers to besides loopback names, IP addresses, --host and this machine's "
@@ -342,7 +346,6 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--allowed-origins",
         nargs="+",
-        type=list_item,
         default=[],
         metavar="ORIGIN",
         help="web pages (scheme://host[:port]) allowed to call the API from a browser, with CORS; default: only "
