@@ -25,6 +25,7 @@ from motet.api.adapters import (
     unload_lora_adapter,
     upload_adapter,
 )
+from motet.api.asgi import StatusRecorder
 from motet.api.batches import BatchCreateRequest, cancel_batch, create_batch, list_batches, retrieve_batch
 from motet.api.errors import APIError, echo, handle_exception, to_response
 from motet.api.files import delete_file, file_content, list_files, retrieve_file, upload_file
@@ -449,21 +450,14 @@ class CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = 500
-
-        async def send_status(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        sent = StatusRecorder(send)
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive, sent)
         finally:
             path = scope["path"]
             endpoint = next((e for e in TEMPLATED if path.startswith(e.split("{")[0])), None)
             endpoint = path if path in ENDPOINTS else endpoint or "other"
-            self.state.metrics.requests.labels(endpoint, str(status)).inc()
+            self.state.metrics.requests.labels(endpoint, str(sent.status)).inc()
 
 
 def _reason(e: BaseException) -> str:

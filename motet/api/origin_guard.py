@@ -24,6 +24,9 @@ import json
 import socket
 from urllib.parse import urlsplit
 
+from motet.api.asgi import request_headers
+from motet.api.errors import APIError
+
 PROBES = frozenset({"/health", "/ping", "/version"})
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
@@ -103,7 +106,7 @@ class OriginGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = request_headers(scope)
         host = headers.get("host", "")
         refusal = None
         if scope["path"] not in PROBES and host and not self.host_allowed(host):
@@ -124,17 +127,4 @@ class OriginGuard:
         if refusal is None:
             return await self.app(scope, receive, send)
         code, message = refusal
-        body = json.dumps(
-            {"error": {"message": message, "type": "permission_error", "param": None, "code": code}}
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 403,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await APIError(403, message, code=code).response()(scope, receive, send)

@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from motet.api.asgi import request_headers
 from motet.api.errors import APIError
 
 LIMITED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
@@ -205,9 +206,8 @@ class RateLimits:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LIMITED_ROUTES:
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            tenant = self.state.auth.tenant(headers.get("authorization"))
+            tenant = self.state.auth.tenant(request_headers(scope).get("authorization"))
         except APIError:  # the route answers the 401 / 403 itself
             return await self.app(scope, receive, send)
         try:

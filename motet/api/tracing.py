@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextvars
 import time
 
+from motet.api.asgi import StatusRecorder, request_headers
+
 TRACER = "motet"
 _span: contextvars.ContextVar = contextvars.ContextVar("motet_span", default=None)
 
@@ -79,8 +81,7 @@ class Tracing:
             return await self.app(scope, receive, send)
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        parent = self.propagator.extract(headers)
+        parent = self.propagator.extract(request_headers(scope))
         span = self.tracer.start_span(
             f"{scope['method']} {scope['path']}",
             context=parent,
@@ -88,19 +89,12 @@ class Tracing:
             attributes={"http.request.method": scope["method"], "http.route": scope["path"]},
         )
         token = _span.set((span, self.tracer))
-        status = 500
-
-        async def send_status(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        sent = StatusRecorder(send)
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive, sent)
         finally:
             _span.reset(token)
-            span.set_attribute("http.response.status_code", status)
-            if status >= 500:
+            span.set_attribute("http.response.status_code", sent.status)
+            if sent.status >= 500:
                 span.set_status(Status(StatusCode.ERROR))
             span.end()

@@ -29,6 +29,7 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from motet.api.asgi import StatusRecorder
 from motet.api.errors import APIError
 from motet.api.storage_errors import StorageFailure, is_storage_failure
 
@@ -267,16 +268,9 @@ class RequestLog:
             return await self.app(scope, receive, send)
         u = RequestUsage()
         token = current.set(u)
-        status = 500
-
-        async def send_status(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        sent = StatusRecorder(send)
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive, sent)
         finally:
             current.reset(token)
             now = time.perf_counter()
@@ -284,7 +278,7 @@ class RequestLog:
                 json.dumps(
                     {
                         "path": scope["path"],
-                        "status": status,
+                        "status": sent.status,
                         "tenant": u.tenant,
                         "model": u.model,
                         "prompt_tokens": u.input_tokens,
