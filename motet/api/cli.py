@@ -30,8 +30,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     from motet.engine.config import (
         CPU_KV_CACHE_MEMORY_GB,
         CPU_STEP_TOKENS,
+        CPU_TPOT_TARGET_MS,
         CUDA_GPU_MEMORY_UTILIZATION,
         CUDA_STEP_TOKENS,
+        CUDA_TPOT_TARGET_MS,
         DTYPES,
         GRAMMAR_BACKENDS,
         OVERLAP_MODES,
@@ -83,6 +85,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         type=integer(1),
         default=None,
         help=f"tokens per step (default: {CPU_STEP_TOKENS} on CPU, {CUDA_STEP_TOKENS} on CUDA)",
+    )
+    p.add_argument(
+        "--tpot-target-ms",
+        type=number(0),
+        default=None,
+        help="latency isolation: while a light tenant's request runs, the other tenants' rows yield so that a "
+        f"step stays within this many ms (default: {CPU_TPOT_TARGET_MS:g} on CPU, {CUDA_TPOT_TARGET_MS:g} on "
+        "CUDA; 0: off)",
     )
     p.add_argument(
         "--max-model-len", type=integer(1), default=None, help="default: the model's context length"
@@ -237,6 +247,7 @@ def engine_config(args):
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        tpot_target_ms=args.tpot_target_ms,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         shared_prefix_cache=args.shared_prefix_cache,

@@ -34,6 +34,11 @@ _QK_NORM_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 # (benchmarks/tenant_fairness.py: another tenant's TTFT under a burst).
 CPU_STEP_TOKENS = 256
 CUDA_STEP_TOKENS = 2048
+# The default TPOT targets of latency isolation (EngineConfig.tpot_target_ms). On the 2-core CPU machine a step
+# costs ~15 ms plus ~2.3 ms per token (compute-bound), so every row that yields buys a light tenant time and
+# costs the heavy one throughput: TBD from benchmarks/tenant_fairness.py.
+CPU_TPOT_TARGET_MS = 60.0
+CUDA_TPOT_TARGET_MS = 50.0
 # The KV cache's size where neither --num-kv-blocks, --gpu-memory-utilization nor --kv-cache-memory-gb says: on
 # CUDA, as vLLM, what is left of this share of the device's memory once the weights, a step's activations and
 # the adapters' pool have theirs (motet/engine/memory.py): the GPU serves nothing else; on a CPU, whose memory the
@@ -330,6 +335,10 @@ class EngineConfig:
     # Each tenant's share of a busy engine: {"tenant": weight}, positive finite numbers; tenants not named
     # weigh 1 (motet/engine/fairness.py; `motet serve --tenant-weights FILE`).
     tenant_weights: dict[str, float] = field(default_factory=dict)
+    # Latency isolation (motet/engine/latency.py): while a light tenant's request (or any interactive one beside
+    # batch work) runs, the other rows get only the tokens that keep a step within this many milliseconds.
+    # None: the device's default (CPU_TPOT_TARGET_MS, CUDA_TPOT_TARGET_MS); 0: off.
+    tpot_target_ms: float | None = None
     # Tensor parallelism (motet/engine/parallel.py): the model split over this many ranks, rank 0 this engine's
     # own runner, the others worker processes on this machine (motet/engine/tp_workers.py) joined by
     # torch.distributed (gloo on CPU, NCCL on CUDA); num_threads and the KV cache's memory are per rank.
@@ -357,6 +366,8 @@ class EngineConfig:
             self.quantization = GGUF_QUANTIZATION
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.tpot_target_ms is not None and not (0 <= self.tpot_target_ms < float("inf")):
+            raise ValueError(f"tpot_target_ms must be >= 0 (0: off), got {self.tpot_target_ms}")
         for name in ("block_size", "max_num_seqs", "max_lora_rank", "lora_time_slice"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -434,6 +445,14 @@ class EngineConfig:
         if self.speculative == "auto":
             return "ngram" if self.torch_device.type == "cpu" else "off"
         return self.speculative
+
+    @property
+    def tpot_target_s(self) -> float | None:
+        """Latency isolation's step target in seconds; None: off."""
+        ms = self.tpot_target_ms
+        if ms is None:
+            ms = CPU_TPOT_TARGET_MS if self.torch_device.type == "cpu" else CUDA_TPOT_TARGET_MS
+        return ms / 1000 if ms > 0 else None
 
     @property
     def step_tokens(self) -> int:

@@ -150,7 +150,9 @@ class LLMEngine:
             fairness=VirtualTokenCounter(config.tenant_weights),
             kv_connector=self.kv_connector,
             adapters=self.adapters,
+            tpot_target_s=config.tpot_target_s,
         )
+        self._last_landed = 0.0  # when the latest step's tokens landed (a step's time, for latency.StepCost)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.limits = RequestLimits(
             vocab_size=self.model_config.vocab_size,
@@ -272,6 +274,7 @@ class LLMEngine:
         tenant: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        background: bool = False,
     ) -> str:
         """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
         for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
@@ -280,7 +283,8 @@ class LLMEngine:
         across tenants) of the same `params.cache_salt`, and speculation drafts only from the outputs of the
         same tenant, cache_salt and adapter under the same kind of grammar (a JSON schema, tool calls, none,
         ...). `arrival_time`: when it entered the serving system (time.monotonic(); default: now), where its
-        queue time starts. `priority`: vLLM's (lower: sooner), ordering the tenant's own requests only."""
+        queue time starts. `priority`: vLLM's (lower: sooner), ordering the tenant's own requests only.
+        `background`: batch work, which yields to interactive requests (motet/engine/latency.py)."""
         params = self.resolve_bad_words(params or SamplingParams())
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
@@ -302,6 +306,7 @@ class LLMEngine:
             arrival=next(self._arrivals),
             tenant=tenant,
             priority=priority,
+            background=background,
         )
         seq.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         kind = params.grammar.kind if params.grammar is not None else None
@@ -522,7 +527,7 @@ class LLMEngine:
             kv.wait_for_load(LOAD_WAIT_S)  # nothing else could run
         self._prepare_adapters()
         batch = self.scheduler.schedule()
-        now = time.monotonic()
+        now = batch.scheduled_at = time.monotonic()
         for seq in batch.seqs:
             if seq.scheduled_time is None:  # its queue time ends here (a preempted one keeps its first)
                 seq.scheduled_time = now
@@ -577,11 +582,16 @@ class LLMEngine:
         finishes: outputs, and rows waiting for their text."""
         self.num_steps += 1
         result.resolve()  # (a launched step's tokens: read from the device here, its successor launched)
+        now = time.monotonic()
+        # The step's time as its rows saw it: from the previous step's landing (an overlapped step ran behind it)
+        # or from its scheduling, whichever is later, to its own landing.
+        start = max(self._last_landed, batch.scheduled_at if batch.scheduled_at is not None else now)
+        self.scheduler.latency.observe(batch.num_tokens, now - start)
+        self._last_landed = now
         if not launched:
             self.scheduler.advance(batch)
         cache_full_blocks = self.block_manager.cache_full_blocks
         pending = []
-        now = time.monotonic()
         for i, seq in enumerate(batch.seqs):
             if self.requests.get(seq.request_id) is not seq or seq.is_finished:  # aborted while it ran
                 continue

@@ -19,12 +19,16 @@ A waiting sequence is admitted once its adapter is resident in the pool (`adapte
 it meanwhile), running sequences hold at most `max_loras` distinct adapters where that cap is set, and
 adapters waiting for room are time-sliced (see `AdapterSlicer`); a step's batch is ordered by adapter so that
 each adapter's tokens form one contiguous segment for the LoRA kernels.
+While a light tenant's request (or any interactive one beside batch work) runs, its rows go first and the
+other rows get only the tokens that keep the step within the TPOT target (motet/engine/latency.py): the
+tenants over their share yield rows for a step, keeping their slots and KV.
 With KV tiers (motet/engine/kv_connector.py), a waiting sequence whose prefix the tiers hold past the device
 cache's hit waits, keeping its place, while its blocks are loaded in the background; it is admitted after.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ from motet.engine.adapter_slicer import AdapterSlicer
 from motet.engine.block_manager import BlockManager
 from motet.engine.fairness import TenantShares, TenantState, VirtualTokenCounter
 from motet.engine.kv_connector import KVConnector
+from motet.engine.latency import LatencyGuard
 from motet.engine.sequence import Sequence, SequenceStatus
 
 
@@ -49,6 +54,7 @@ class ScheduledBatch:
     sampling: list[bool] | None = None
     # The runner's inputs built on the host as the step launches (ModelRunner.plan_inputs); None: built when it runs.
     inputs: object | None = None
+    scheduled_at: float | None = None  # time.monotonic() when the engine scheduled it (a step's time starts)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -121,6 +127,7 @@ class Scheduler:
         fairness: VirtualTokenCounter | None = None,
         kv_connector: KVConnector | None = None,
         adapters: AdapterResidency | None = None,
+        tpot_target_s: float | None = None,
     ):
         self.bm = block_manager
         self.kv = kv_connector
@@ -131,7 +138,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.fairness = fairness or VirtualTokenCounter()
+        self.latency = LatencyGuard(tpot_target_s, max_num_seqs, self.fairness)
         self.num_preemptions = 0
+        self.num_capped_steps = 0  # steps sized down for a latency-bound request
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (motet/engine/request_checks.py has made sure it fits the KV pool)."""
@@ -186,27 +195,39 @@ class Scheduler:
                 batch.preempted.append(victim)
             self._start(seq, shares)  # its other blocks come below, with the running ones'
 
-        # Running sequences, the least-served tenants' first (their prefill chunks get the budget first); last,
-        # the least urgent, newest sequence of the tenant most over its share: the first to be preempted. Every
-        # decode row keeps its one token ahead of any prompt chunk, so a long prompt never stalls the decoding
-        # ones.
+        # Running sequences, the latency-bound ones first (at the full budget), then the least-served tenants'
+        # (their prefill chunks get the budget first); last, the least urgent, newest sequence of the tenant most
+        # over its share: the first to be preempted. Every decode row keeps its one token ahead of any prompt
+        # chunk of its group, so a long prompt never stalls the decoding ones. Under a latency cap the rows after
+        # the latency-bound ones share what is left of the cap; the rows it does not reach wait a step.
+        cap = self.latency.cap(self.running, self.waiting, time.monotonic(), budget)
+        bound = cap.bound if cap is not None else _never
+        if cap is not None:
+            self.num_capped_steps += 1
+        rest = cap.tokens if cap is not None else budget  # what the rows not latency-bound may take
         running_places = tenant_places(self.running)
         tenants = {s.tenant for s in self.running}
         order = {t: (shares.load(t), fair.counter(t)) for t in tenants}  # once per tenant, not per row
-        self.running.sort(key=lambda s: (*order[s.tenant], *running_places[s.seq_id]))
-        decodes_left = sum(s.num_uncomputed == 1 for s in self.running)
+        self.running.sort(
+            key=lambda s: (not bound(s), s.background, *order[s.tenant], *running_places[s.seq_id])
+        )
+        decodes_left = Counter(bound(s) for s in self.running if s.num_uncomputed == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            group = bound(seq)
+            left = budget if group else min(budget, rest)
+            if left <= 0:  # the cap is spent: this row and the later ones (none latency-bound) wait a step
+                break
             remaining = seq.num_uncomputed
             if remaining == 0:  # its next token is on the way (a step scheduled ahead holds it back)
                 i += 1
                 continue
             if remaining == 1:
-                decodes_left -= 1
-                room = max(1, budget - decodes_left)  # its drafts do not take the later rows' tokens
+                decodes_left[group] -= 1
+                room = max(1, left - decodes_left[group])  # its drafts do not take the later rows' tokens
             else:
-                room = budget - decodes_left
+                room = left - decodes_left[group]
                 if room <= 0:  # no room for a prompt chunk beside the decode rows: next step
                     i += 1
                     continue
@@ -219,7 +240,7 @@ class Scheduler:
                     continue
                 victim = self.running.pop()
                 if victim is not seq and victim.num_uncomputed == 1:
-                    decodes_left -= 1  # its token is no longer held for it
+                    decodes_left[bound(victim)] -= 1  # its token is no longer held for it
                 self._preempt(victim, shares)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -228,6 +249,7 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
+                rest -= n
                 i += 1
                 continue
             break
@@ -238,9 +260,10 @@ class Scheduler:
         while candidates and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = min(candidates, key=admission_order)
             _remove(candidates, seq)
-            if not self.slicer.may_admit(seq.adapter_id) or not self._prefix_ready(seq):
+            left = budget if bound(seq) else min(budget, rest)
+            if left <= 0 or not self.slicer.may_admit(seq.adapter_id) or not self._prefix_ready(seq):
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, left)
             if not self.bm.allocate_slots(seq, n):
                 self.bm.free_seq(seq)  # give back prefix hits; they stay cached
                 break
@@ -248,6 +271,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+            rest -= n
         for seq in self.waiting:  # a waiting sequence holds no blocks across steps, once loaded neither (they
             # stay in the device cache, to be matched again)
             if seq.block_table and not (self.kv is not None and self.kv.is_loading(seq)):
@@ -350,6 +374,10 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         self.bm.forget(seq)
+
+
+def _never(seq: Sequence) -> bool:
+    return False
 
 
 def _place(s: Sequence) -> tuple[int, int]:

@@ -61,6 +61,9 @@ class Sequence:
     # scheduler's order with them (motet/engine/scheduler.py); None: the place its arrival gives it
     priority: int = 0
     place: tuple[int, int] | None = None
+    # Batch work (the Batch API's lines, service_tier "flex", a tenant of the batch class): never latency-bound,
+    # it yields its rows to interactive requests (motet/engine/latency.py).
+    background: bool = False
 
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache

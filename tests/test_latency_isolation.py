@@ -1,0 +1,210 @@
+"""Latency isolation to the last token (motet/engine/latency.py): while a light tenant's request runs, the step
+stays within the TPOT target and the tenant over its share yields rows (kept running, with their KV); when
+nobody is light, the step is the full budget. The engine's tokens are the same with and without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from motet.engine.block_manager import BlockManager
+from motet.engine.fairness import VirtualTokenCounter
+from motet.engine.latency import LINGER_S, StepCost
+from motet.engine.sampling_params import SamplingParams
+from motet.engine.scheduler import Scheduler
+from motet.engine.sequence import Sequence, SequenceStatus
+
+_arrivals = iter(range(10**9))
+
+
+def seq(tenant, prompt_len=6, max_tokens=16, background=False):
+    first = 1000 * (ord(tenant[0]) - ord("a"))
+    return Sequence(
+        list(range(first, first + prompt_len)),
+        SamplingParams(max_tokens=max_tokens),
+        arrival=next(_arrivals),
+        tenant=tenant,
+        background=background,
+    )
+
+
+# -- the step's cost, learned ---------------------------------------------------------------------------------
+def test_step_cost_fits_floor_and_per_token_cost():
+    cost = StepCost()
+    assert cost.tokens_within(0.06) is None  # nothing seen yet: no sizing
+    for tokens in [1, 8, 64, 16, 3, 40, 64, 2, 32, 12] * 3:
+        cost.observe(tokens, 0.015 + 0.0023 * tokens)
+    fixed, per_token = cost.line()
+    assert fixed == pytest.approx(0.015, rel=1e-6) and per_token == pytest.approx(0.0023, rel=1e-6)
+    assert cost.tokens_within(0.06) == 19  # (0.06 - 0.015) / 0.0023 = 19.6
+    assert cost.tokens_within(0.001) == 1  # never below one token
+
+
+def test_step_cost_of_one_step_size_is_proportional_and_ignores_idle_gaps():
+    cost = StepCost()
+    for _ in range(10):
+        cost.observe(64, 0.128)
+    cost.observe(64, 3600.0)  # the engine sat idle: not a step's time
+    cost.observe(0, 0.5)
+    assert cost.line() == (0.0, pytest.approx(0.002))
+    assert cost.tokens_within(0.06) == 30
+
+
+def test_step_cost_follows_the_load():
+    cost = StepCost()
+    for tokens in [4, 60] * 20:
+        cost.observe(tokens, 0.01 + 0.001 * tokens)
+    for tokens in [4, 60] * 60:  # the machine got twice as slow
+        cost.observe(tokens, 0.02 + 0.002 * tokens)
+    assert cost.line()[1] == pytest.approx(0.002, rel=0.05)
+
+
+# -- the scheduler --------------------------------------------------------------------------------------------
+def make(target_s=0.06, max_seqs=64, budget=256, per_token=0.0023):
+    sched = Scheduler(
+        BlockManager(4096, 4), max_seqs, budget, fairness=VirtualTokenCounter(), tpot_target_s=target_s
+    )
+    for tokens in [1, 8, 64, 16, 3, 40, 64, 2, 32, 12]:  # the steps before: 15 ms + 2.3 ms a token
+        sched.latency.observe(tokens, 0.015 + per_token * tokens)
+    return sched
+
+
+def run_step(sched):
+    batch = sched.schedule()
+    samplers = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+    sched.advance(batch)
+    for s in samplers:
+        s.append_token(7)
+        sched.fairness.charge(s.tenant, output_tokens=1)
+        if s.num_output_tokens >= s.params.max_tokens:
+            sched.finish(s, "length")
+    return batch
+
+
+def burst(sched, n=40, max_tokens=200):
+    heavy = [seq("a", max_tokens=max_tokens) for _ in range(n)]
+    for s in heavy:
+        sched.add(s)
+    while any(s.num_output_tokens == 0 for s in heavy):  # all prefilled and decoding
+        run_step(sched)
+    return heavy
+
+
+def test_alone_the_burst_gets_the_full_step():
+    sched = make()
+    heavy = burst(sched)
+    batch = run_step(sched)
+    assert len(batch) == 40 and sched.num_capped_steps == 0
+
+
+def test_a_light_tenant_runs_every_step_and_the_burst_yields_rows_that_keep_their_kv():
+    sched = make()
+    heavy = burst(sched)
+    light = seq("b", prompt_len=10, max_tokens=8)
+    sched.add(light)
+    first = run_step(sched)
+    assert (
+        light in first.seqs and first.num_new_tokens[first.seqs.index(light)] == 10
+    )  # its whole prompt at once
+    tables = {s.seq_id: list(s.block_table) for s in heavy}
+    steps = 1
+    while not light.is_finished:
+        batch = run_step(sched)
+        steps += 1
+        assert light in batch.seqs or light.is_finished
+        assert batch.num_tokens <= 19  # (60 ms - 15 ms) / 2.3 ms
+        assert not batch.preempted
+    assert steps == 8  # one token a step, 8 tokens
+    yielded = [s for s in heavy if s not in batch.seqs]
+    assert yielded and all(s.status is SequenceStatus.RUNNING for s in yielded)
+    assert all(s.block_table[: len(tables[s.seq_id])] == tables[s.seq_id] for s in yielded)  # KV kept
+    assert sched.num_preemptions == 0
+
+
+def test_the_cap_lingers_for_the_light_tenants_next_turn_then_lifts(monkeypatch):
+    import motet.engine.scheduler as scheduler_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
+    sched = make()
+    burst(sched)
+    light = seq("b", max_tokens=2)
+    sched.add(light)
+    while not light.is_finished:
+        run_step(sched)
+    clock[0] += LINGER_S / 2
+    assert run_step(sched).num_tokens <= 19  # b's next turn is likely: the step stays small
+    clock[0] += LINGER_S
+    assert len(run_step(sched)) == 40  # b has gone: the burst has the full step again
+
+
+def test_two_backlogged_tenants_are_not_light():
+    sched = make(max_seqs=16)
+    for tenant in "ac":
+        for _ in range(30):
+            sched.add(seq(tenant, max_tokens=100))
+    for _ in range(10):
+        batch = run_step(sched)
+    assert len(batch) == 16 and sched.num_capped_steps == 0
+
+
+def test_batch_work_yields_to_interactive_requests():
+    sched = make()
+    batch_rows = [seq("a", max_tokens=100, background=True) for _ in range(30)]
+    for s in batch_rows:
+        sched.add(s)
+    for _ in range(3):
+        run_step(sched)
+    assert sched.num_capped_steps == 0  # batch work alone: the full step
+    interactive = [seq("c", max_tokens=6) for _ in range(4)]  # the same load as the batch would be too
+    for s in interactive:
+        sched.add(s)
+    run_step(sched)
+    while not all(s.is_finished for s in interactive):
+        batch = run_step(sched)
+        assert all(s in batch.seqs for s in interactive if not s.is_finished) or all(
+            s.is_finished for s in interactive
+        )
+        assert batch.num_tokens <= 19
+    assert sched.num_preemptions == 0
+
+
+def test_off_when_the_target_is_zero():
+    sched = make(target_s=None)
+    burst(sched)
+    sched.add(seq("b", max_tokens=4))
+    run_step(sched)
+    assert len(run_step(sched)) == 41 and sched.num_capped_steps == 0
+
+
+# -- the engine: the same tokens, sized or not ----------------------------------------------------------------
+def test_engine_tokens_are_the_same_with_and_without_latency_isolation(tiny_model_dir):
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
+
+    def run(target_ms):
+        engine = LLMEngine(
+            EngineConfig(model=str(tiny_model_dir), device="cpu", tpot_target_ms=target_ms, max_num_seqs=16)
+        )
+        try:
+            greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+            for i in range(12):
+                engine.add_request(list(range(3 + i, 20 + 2 * i)), greedy, f"a{i}", tenant="a")
+            out = {}
+            for _ in range(3):
+                for o in engine.step():
+                    out[o.request_id] = o.token_ids
+            for i in range(2):
+                engine.add_request(list(range(50 + i, 60 + i)), greedy, f"b{i}", tenant="b")
+            engine.add_request(list(range(70, 90)), greedy, "batch", tenant="c", background=True)
+            while engine.has_unfinished():
+                for o in engine.step():
+                    out[o.request_id] = o.token_ids
+            return out, engine.scheduler.num_capped_steps
+        finally:
+            engine.close()
+
+    # A 1 ms target caps every step that can be: each yields all but the latency-bound rows and one more.
+    capped, num_capped = run(1.0)
+    plain, num_plain = run(0)
+    assert num_capped > 0 and num_plain == 0
+    assert capped == plain and all(len(t) == 24 for t in plain.values())
