@@ -91,7 +91,7 @@ def burst(sched, n=40, max_tokens=200):
 
 def test_alone_the_burst_gets_the_full_step():
     sched = make()
-    heavy = burst(sched)
+    burst(sched)
     batch = run_step(sched)
     assert len(batch) == 40 and sched.num_capped_steps == 0
 
