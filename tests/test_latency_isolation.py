@@ -208,3 +208,72 @@ def test_engine_tokens_are_the_same_with_and_without_latency_isolation(tiny_mode
     plain, num_plain = run(0)
     assert num_capped > 0 and num_plain == 0
     assert capped == plain and all(len(t) == 24 for t in plain.values())
+
+
+# -- the API: which requests are batch work ---------------------------------------------------------------------
+def test_batch_work_is_marked_from_the_keys_file_the_flex_tier_and_batch_lines(tiny_model_dir):
+    import time
+
+    from starlette.testclient import TestClient
+
+    from motet.actors.system import ServingSystem
+    from motet.api.app import create_app
+    from motet.api.auth import Authenticator
+    from motet.api.state import ServerState
+    from motet.api.usage import BATCH_SCOPE_KEY
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
+
+    seen = []
+
+    class Recording(LLMEngine):
+        def add_request(self, *args, **kwargs):
+            seen.append((kwargs["tenant"], kwargs.get("background", False)))
+            return super().add_request(*args, **kwargs)
+
+    cfg = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=8, max_model_len=512)
+    system = ServingSystem(lambda: Recording(cfg, model_dir=tiny_model_dir), max_queue_len=64)
+    keys = {"k-live": "live", "k-nightly": {"tenant": "nightly", "priority_class": "batch"}}
+    state = ServerState(system, ["tiny"], auth=Authenticator(keys))
+    app = create_app(state)
+
+    def batch_line_scope(app):  # what the batch runner's in-process calls carry
+        async def wrapped(scope, receive, send):
+            if scope["type"] == "http" and scope["path"].endswith("/batch-line"):
+                scope = {**scope, "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                         BATCH_SCOPE_KEY: True}  # fmt: skip
+            await app(scope, receive, send)
+
+        return wrapped
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with TestClient(batch_line_scope(app)) as c:
+        deadline = time.monotonic() + 60
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        def post(key, path="/v1/chat/completions", **extra):
+            r = c.post(path, json={**body, **extra}, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        post("k-live")
+        post("k-live", service_tier="auto")
+        post("k-live", service_tier="flex")
+        post("k-nightly")
+        post("k-live", path="/batch-line")
+        r = c.post("/v1/chat/completions", json={**body, "service_tier": "priority"},
+                   headers={"Authorization": "Bearer k-live"})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "service_tier"
+    assert seen == [("live", False), ("live", False), ("live", True), ("nightly", True), ("live", True)]
+
+
+def test_a_keys_file_priority_class_is_checked():
+    from motet.api.auth import Authenticator
+
+    assert Authenticator({"k": {"tenant": "t", "priority_class": "batch"}}).keys["k"].background
+    assert not Authenticator({"k": {"tenant": "t"}}).keys["k"].background
+    for bad in ({"tenant": "t", "priority_class": "low"}, {"admin": True, "priority_class": "batch"}):
+        with pytest.raises(ValueError, match="priority_class"):
+            Authenticator({"k": bad})

@@ -122,6 +122,7 @@ class ExecutorActor(Actor):
                     tenant=req.tenant,
                     arrival_time=req.arrival,
                     priority=req.priority,
+                    background=req.background,
                 )
             except Exception as e:
                 refused.append((req.request_id, _refusal(req, e)))

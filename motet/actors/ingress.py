@@ -183,6 +183,7 @@ class IngressActor(Actor):
                     params,
                     ReplyStream(request_id),
                     priority=spec.priority,
+                    background=spec.background,
                 )
             )
         return requests

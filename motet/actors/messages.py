@@ -34,6 +34,7 @@ class GenerateSpec:
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0  # vLLM's request priority (lower: sooner), among the tenant's own requests
+    background: bool = False  # batch work: yields to interactive requests (motet/engine/latency.py)
 
     @property
     def special_tokens(self) -> bool:
@@ -64,6 +65,7 @@ class QueuedRequest:
     grammar: CompiledGrammar | None = None  # params.grammar, compiled by the ingress
     arrival: float = field(default_factory=time.monotonic)
     priority: int = 0  # vLLM's (lower: sooner), among the tenant's own requests
+    background: bool = False  # batch work (GenerateSpec.background)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Each key maps to a tenant name (`"sk-...": "tenant-a"`), or to an object naming its rights:
 `{"tenant": "ops", "admin": true}` (a tenant key that also reads /metrics) or `{"admin": true}` (reads
-/metrics only: what Prometheus scrapes with). /metrics names every tenant's adapters and per-tenant
+/metrics only: what Prometheus scrapes with); a tenant's keys may also say `"limits"` (motet/api/rate_limits.py)
+and `"priority_class": "batch"` (its requests are batch work, which yields to interactive requests, as the
+Batch API's lines and `service_tier: "flex"` do; "interactive" is the default). /metrics names every tenant's adapters and per-tenant
 figures, so under auth only admin keys read it; a tenant key gets 403 there.
 """
 
@@ -20,17 +22,24 @@ from motet.api.rate_limits import TenantLimits
 log = logging.getLogger("motet.api")
 
 DEFAULT_TENANT = "default"
-_KEY_FIELDS = {"tenant", "admin", "limits"}
+_KEY_FIELDS = {"tenant", "admin", "limits", "priority_class"}
+PRIORITY_CLASSES = ("interactive", "batch")
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a key speaks for: a tenant (None: an admin-only key), whether it reads /metrics, and the tenant's
-    limits (motet/api/rate_limits.py; None: none)."""
+    """Who a key speaks for: a tenant (None: an admin-only key), whether it reads /metrics, the tenant's
+    limits (motet/api/rate_limits.py; None: none) and its priority class (PRIORITY_CLASSES)."""
 
     tenant: str | None
     admin: bool = False
     limits: TenantLimits | None = None
+    priority_class: str = "interactive"
+
+    @property
+    def background(self) -> bool:
+        """Whether the tenant's requests are batch work."""
+        return self.priority_class == "batch"
 
 
 def _principal(where: str, value) -> Principal:
@@ -43,9 +52,16 @@ def _principal(where: str, value) -> Principal:
             limits = TenantLimits.parse(where, value["limits"]) if "limits" in value else None
             if limits is not None and tenant is None:
                 raise ValueError(f"{where}: limits belong to a tenant; an admin-only key has none")
-            return Principal(tenant, admin, limits)
+            priority_class = value.get("priority_class", "interactive")
+            if priority_class not in PRIORITY_CLASSES or (tenant is None and "priority_class" in value):
+                raise ValueError(
+                    f"{where}: priority_class is a tenant's, one of {', '.join(PRIORITY_CLASSES)}; got "
+                    f"{json.dumps(priority_class)[:40]}"
+                )
+            return Principal(tenant, admin, limits, priority_class)
     raise ValueError(
-        f'{where}: each key maps to a tenant name, or to {{"tenant": NAME, "admin": true, "limits": {{...}}}} / '
+        f'{where}: each key maps to a tenant name, or to {{"tenant": NAME, "admin": true, "limits": {{...}}, '
+        f'"priority_class": "interactive" | "batch"}} / '
         f'{{"admin": true}} (an admin key reads /metrics), got {json.dumps(value)[:80]}'
     )
 
@@ -115,10 +131,14 @@ class Authenticator:
         return found
 
     def tenant(self, authorization: str | None) -> str:
+        return self.caller(authorization).tenant
+
+    def caller(self, authorization: str | None) -> Principal:
+        """The principal of a tenant's key; 403 for an admin-only key."""
         principal = self.principal(authorization)
         if principal.tenant is None:
             raise APIError(403, "this API key is an admin key: it reads /metrics only", code="admin_key")
-        return principal.tenant
+        return principal
 
     def check_admin(self, authorization: str | None) -> None:
         """401 without a valid key, 403 for a tenant's key (auth on); nothing to check with auth off."""

@@ -88,7 +88,8 @@ def from_serving_error(e: ServingError) -> APIError:
 
 def from_validation_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
-    loc = err["loc"] + ((err["ctx"]["field"],) if err["type"] == UNSUPPORTED_FIELD else ())
+    field = (err.get("ctx") or {}).get("field") if err["type"] == UNSUPPORTED_FIELD else None
+    loc = err["loc"] + ((field,) if field else ())  # a field validator's own location names the field
     param = ".".join(str(p) for p in loc) or None
     if err["type"] == "extra_forbidden":  # OpenAI's wording: a field is never silently ignored
         return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)

@@ -7,6 +7,7 @@ response or relays them as SSE chunks. A client that goes away aborts its reques
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import json
 import logging
@@ -34,6 +35,8 @@ from motet.engine.sampling_params import SamplingParams
 from motet.grammar.reasoning import prompt_opens_reasoning
 
 log = logging.getLogger("motet.api")
+# Whether the request being handled is batch work (set by accept_request, read where its specs are made).
+background: contextvars.ContextVar[bool] = contextvars.ContextVar("motet_background", default=False)
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
     "max_completion_tokens",
@@ -130,12 +133,17 @@ async def accept_request(request: Request, model):
     """What every generation route does first: readiness, auth, body validation, model -> adapter."""
     state: ServerState = request.app.state.motet
     state.check_ready()
-    tenant = state.auth.tenant(request.headers.get("authorization"))
+    caller = state.auth.caller(request.headers.get("authorization"))
+    tenant = caller.tenant
     context = {P.TRUST_REQUEST_CHAT_TEMPLATE: state.trust_request_chat_template}
     req = model.model_validate(await read_json(request, state.max_body_bytes), context=context)
     adapter = await state.resolve_adapter(tenant, req.model)
     served = req.model if adapter is not None else state.model_name  # an alias counts as the model
-    usage_records.begin(tenant, served, batch=request.scope.get(usage_records.BATCH_SCOPE_KEY, False))
+    batch_line = request.scope.get(usage_records.BATCH_SCOPE_KEY, False)
+    # Batch work yields to interactive requests (motet/engine/latency.py): the Batch API's lines, a tenant of the
+    # batch class, a request for the flex tier.
+    background.set(batch_line or caller.background or req.service_tier == "flex")
+    usage_records.begin(tenant, served, batch=batch_line)
     tracing.annotate(
         **{"motet.tenant": tenant, "gen_ai.request.model": served, "motet.adapter": adapter is not None}
     )
@@ -213,6 +221,7 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
         add_special_tokens=req.add_special_tokens,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         priority=req.priority,
+        background=background.get(),
     )
     return spec, structure, k, drop
 
@@ -403,6 +412,7 @@ async def completions(request: Request) -> Response:
                 add_special_tokens=req.add_special_tokens,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 priority=req.priority,
+                background=background.get(),
             )
             for p_idx, prompt in enumerate(prompts)
         ]

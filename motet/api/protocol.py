@@ -47,6 +47,7 @@ class _Request(BaseModel):
 # OpenAI's limits on `metadata` (its API reference: "Set of 16 key-value pairs ... Keys are strings with a
 # maximum length of 64 characters. Values are strings with a maximum length of 512 characters.")
 METADATA_MAX_PAIRS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
+SERVICE_TIERS = ("auto", "default", "flex")
 SAFETY_IDENTIFIER_MAX_CHARS = 128  # OpenAI's documented maximum
 ID_MAX_CHARS = 128  # an id a request names (previous_response_id): motet's are 37 characters, OpenAI's ~55
 
@@ -62,6 +63,20 @@ class _OpenAINoOps(_Request):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = Field(None, max_length=SAFETY_IDENTIFIER_MAX_CHARS)
+    # OpenAI's processing tier: "flex" is batch work, which yields to interactive requests (motet/engine/latency.py);
+    # "auto" and "default" are interactive. There is no faster tier than the default.
+    service_tier: str | None = None
+
+    @field_validator("service_tier")
+    @classmethod
+    def _service_tier(cls, v):
+        if v is not None and v not in SERVICE_TIERS:
+            raise PydanticCustomError(
+                UNSUPPORTED_FIELD,
+                "not supported by this server; {why}",
+                {"why": f"the service tiers are {', '.join(SERVICE_TIERS)}"},
+            )
+        return v
 
     @field_validator("metadata")
     @classmethod
@@ -279,7 +294,6 @@ class ChatCompletionRequest(_SamplingFields):
         "verbosity": ((None,), "the model's verbosity cannot be set"),
         "web_search_options": ((None,), "there is no web search"),
         "moderation": ((None,), "there is no moderation"),
-        "service_tier": ((None, "auto", "default"), "there is one service tier"),
     }
 
     messages: list[dict[str, Any]] = Field(min_length=1)

@@ -118,7 +118,7 @@ class ResponseRun:
             "truncation": "disabled",
             "store": req.stored,
             "background": False,
-            "service_tier": "default",
+            "service_tier": "flex" if req.service_tier == "flex" else "default",
             "metadata": req.metadata or {},
             "user": req.user,
             "usage": self._usage() if done else None,

@@ -46,7 +46,6 @@ class ResponsesRequest(P._OpenAINoOps):
         "include": ((None, []), "no extra output data is available"),
         "truncation": ((None, "disabled"), "an input longer than the context is refused, never truncated"),
         "top_logprobs": ((None, 0), "logprobs are available from /v1/chat/completions"),
-        "service_tier": ((None, "auto", "default"), "there is one service tier"),
         "moderation": ((None,), "there is no moderation"),
         "context_management": ((None,), "the context is never compacted"),
     }
