@@ -1,20 +1,25 @@
-"""Fairness between tenants, served: a light tenant's latency under another's burst, and two backlogged
-tenants' shares, on one `motet serve` with three API keys (tenants `eval-suite`, `interactive`, `batch`).
+"""Fairness and latency isolation between tenants, served: a light tenant's answers under another's burst, two
+backlogged tenants' shares, and a batch beside interactive traffic, on one `motet serve` with three API keys
+(tenants `eval-suite`, `interactive`, `batch`).
 
-Phase 1, a burst: `interactive` first sends --light-alone 16-token chat requests one at a time on the idle
-server (its TTFT alone); then `eval-suite` fires --burst chat requests at once, and while they run,
-`interactive` keeps sending its 16-token requests one at a time (--light-gap seconds apart). Reported:
-`interactive`'s TTFT p50/p99 under the burst against alone, and the burst's duration. Target: p99 <= 2 s.
+Phase `burst`: `interactive` first sends --light-alone 16-token chat requests one at a time on the idle server
+(alone); `eval-suite` then fires --burst chat requests at once with nobody else (its throughput alone), and
+again while `interactive` keeps sending its 16-token requests one at a time (--light-gap seconds apart).
+Reported: `interactive`'s E2E p99 under the burst against its E2E p50 alone (target <= 2x), its TTFT p99 (target
+<= 1 s), and the burst's output tokens/s beside `interactive` against alone (target >= 85%).
 
-Phase 2, two backlogged tenants of equal weight: `eval-suite` and `batch` each keep --backlog-clients chat
-requests in flight (more than the server runs at once), `batch` starting --backlog-stagger seconds after
-`eval-suite` (which has the whole server by then), for --backlog-seconds. Output tokens are counted as they
-stream (chat logprobs: one entry per token) over the window where both are backlogged, after a warm-up.
-Reported: each tenant's output tokens/s and their ratio. Target: within 10% of each other.
+Phase `backlog`: `eval-suite` and `batch` (equal weight) each keep --backlog-clients chat requests in flight,
+`batch` starting --backlog-stagger seconds after `eval-suite`, for --backlog-seconds. Output tokens are counted as
+they stream over the window where both are backlogged. Reported: each tenant's tokens/s and their ratio (target:
+within 10%).
 
-    python -m benchmarks.tenant_fairness                                  # the full measurement
-    python -m benchmarks.tenant_fairness --burst 32 --backlog-seconds 20  # a quick check
-    python -m benchmarks.tenant_fairness --server-args --num-kv-blocks 96 # a small KV cache
+Phase `batch`: `interactive` keeps --interactive-clients streamed chat requests going for --interactive-seconds,
+without and then beside `batch`'s Batch API job of --batch-lines lines. Reported: the interactive TTFT p99 and
+TPOT p99 beside the batch against without (target <= 1.2x), and that the batch completes.
+
+    python -m benchmarks.tenant_fairness                                  # every phase
+    python -m benchmarks.tenant_fairness --phases burst                   # one of them
+    python -m benchmarks.tenant_fairness --server-args --tpot-target-ms 0 # latency isolation off
 
 Writes tenant_fairness-TIME.json and .md under --output-dir.
 """
@@ -68,29 +73,38 @@ async def light_requests(c: httpx.AsyncClient, model: str, count: int | None, ga
     return records
 
 
+async def run_burst(heavy: httpx.AsyncClient, model: str, args, done: asyncio.Event | None = None):
+    """eval-suite's burst: --burst chat requests at once. Returns (records, seconds)."""
+    t0 = time.perf_counter()
+    prompts = make_prompts(args.burst, args.burst_prompt_words, args.seed)
+    bodies = [chat_body(model, p, args.burst_max_tokens) for p in prompts]
+    records = await asyncio.gather(*(one_request(heavy, "/v1/chat/completions", b) for b in bodies))
+    if done is not None:
+        done.set()
+    return records, time.perf_counter() - t0
+
+
+def burst_summary(records: list[Record], seconds: float) -> dict:
+    return {**summary(records), "duration_s": seconds,
+            "output_tokens_per_s": sum(r.output_tokens for r in records if r.ok) / seconds}  # fmt: skip
+
+
 async def burst_phase(url: str, model: str, args) -> dict:
     async with client(url, "interactive", 4) as light, client(url, "eval-suite", args.burst + 8) as heavy:
         alone = await light_requests(light, model, args.light_alone, args.light_gap)
-        prompts = make_prompts(args.burst, args.burst_prompt_words, args.seed)
+        burst_alone = await run_burst(heavy, model, args)  # the burst with nobody else: its throughput alone
+        await asyncio.sleep(1.0)
         done = asyncio.Event()
-
-        async def burst():
-            t0 = time.perf_counter()
-            bodies = [chat_body(model, p, args.burst_max_tokens) for p in prompts]
-            records = await asyncio.gather(*(one_request(heavy, "/v1/chat/completions", b) for b in bodies))
-            done.set()
-            return records, time.perf_counter() - t0
-
-        burst_task = asyncio.create_task(burst())
+        burst_task = asyncio.create_task(run_burst(heavy, model, args, done))
         await asyncio.sleep(args.light_gap)  # the burst is in first
         under = await light_requests(light, model, None, args.light_gap, until=done)
         burst_records, burst_s = await burst_task
     return {
         "light_alone": summary(alone),
         "light_under_burst": summary(under),
-        "burst": {**summary(burst_records), "duration_s": burst_s,
-                  "output_tokens_per_s": sum(r.output_tokens for r in burst_records if r.ok) / burst_s},
-    }  # fmt: skip
+        "burst_alone": burst_summary(*burst_alone),
+        "burst": burst_summary(burst_records, burst_s),
+    }
 
 
 def summary(records: list[Record]) -> dict:
@@ -157,36 +171,132 @@ async def backlog_phase(url: str, model: str, args) -> dict:
     }
 
 
+# -- phase 3: a batch beside interactive traffic ------------------------------------------------------------
+async def interactive_window(url: str, model: str, args, seconds: float) -> list[Record]:
+    """`interactive` keeps --interactive-clients streamed chat requests going for `seconds`."""
+    stop_at = time.perf_counter() + seconds
+    prompts = make_prompts(32, args.burst_prompt_words, args.seed + 2)
+    records: list[Record] = []
+    async with client(url, "interactive", args.interactive_clients + 2) as c:
+
+        async def worker(w: int):
+            i = w
+            while time.perf_counter() < stop_at:
+                body = chat_body(model, prompts[i % len(prompts)], args.interactive_max_tokens)
+                records.append(await one_request(c, "/v1/chat/completions", body))
+                i += args.interactive_clients
+
+        await asyncio.gather(*(worker(w) for w in range(args.interactive_clients)))
+    return records
+
+
+async def start_batch(url: str, model: str, args) -> str:
+    prompts = make_prompts(args.batch_lines, args.burst_prompt_words, args.seed + 3)
+    lines = [
+        json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": model, "messages": [{"role": "user", "content": p}],
+                             "max_tokens": args.batch_max_tokens, "temperature": 0, "ignore_eos": True}})
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    async with client(url, "batch", 2) as c:
+        files = {"file": ("lines.jsonl", "\n".join(lines).encode(), "application/jsonl")}
+        r = await c.post("/v1/files", data={"purpose": "batch"}, files=files)
+        r.raise_for_status()
+        r = await c.post("/v1/batches", json={"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions",
+                                              "completion_window": "24h"})  # fmt: skip
+        r.raise_for_status()
+        return r.json()["id"]
+
+
+async def wait_batch(url: str, batch_id: str, timeout: float) -> dict:
+    deadline = time.perf_counter() + timeout
+    async with client(url, "batch", 2) as c:
+        while True:
+            body = (await c.get(f"/v1/batches/{batch_id}")).json()
+            if (
+                body["status"] in ("completed", "failed", "expired", "cancelled")
+                or time.perf_counter() > deadline
+            ):
+                return body
+            await asyncio.sleep(1.0)
+
+
+def interactive_summary(records: list[Record]) -> dict:
+    ok = [r for r in records if r.ok]
+    return {**summary(records), "tpot_s": stats([r.tpot for r in ok if r.tpot is not None])}
+
+
+async def batch_phase(url: str, model: str, args) -> dict:
+    without = await interactive_window(url, model, args, args.interactive_seconds)
+    t0 = time.perf_counter()
+    batch_id = await start_batch(url, model, args)
+    await asyncio.sleep(args.backlog_stagger)  # the batch's lines are running
+    beside = await interactive_window(url, model, args, args.interactive_seconds)
+    final = await wait_batch(url, batch_id, args.batch_timeout)
+    return {
+        "without_batch": interactive_summary(without),
+        "beside_batch": interactive_summary(beside),
+        "batch": {"id": batch_id, "status": final["status"], "request_counts": final.get("request_counts"),
+                  "seconds": time.perf_counter() - t0},
+    }  # fmt: skip
+
+
 # -- report ----------------------------------------------------------------------------------------------------
 def markdown(report: dict) -> str:
-    cfg, burst, backlog = report["config"], report["burst"], report["backlog"]
-    alone, under = burst["light_alone"]["ttft_s"], burst["light_under_burst"]["ttft_s"]
-    rates = backlog["output_tokens_per_s"]
-    ok_ttft = under["p99"] <= 2.0
-    ok_share = backlog["ratio_low_to_high"] >= 0.9
-    return "\n".join([
-        "# Tenant fairness",
-        "",
-        f"Server: `motet serve {' '.join(cfg['server_args'])}` (three API keys, equal weights unless "
-        "--tenant-weights is among the server args).",
-        "",
+    cfg = report["config"]
+    out = ["# Tenant fairness", "",
+           f"Server: `motet serve {' '.join(cfg['server_args'])}` (API keys for `eval-suite`, `interactive` and "
+           "`batch`, equal weights unless --tenant-weights is among the server args).", ""]  # fmt: skip
+    if "burst" in report:
+        out += burst_markdown(cfg, report["burst"])
+    if "backlog" in report:
+        out += backlog_markdown(cfg, report["backlog"])
+    if "batch" in report:
+        out += batch_markdown(cfg, report["batch"])
+    out += [f"Machine: {report['machine']}", ""]
+    return "\n".join(out)
+
+
+def burst_markdown(cfg: dict, burst: dict) -> list[str]:
+    alone, under = burst["light_alone"], burst["light_under_burst"]
+    e2e_ratio = under["e2e_s"]["p99"] / alone["e2e_s"]["p50"]
+    share = burst["burst"]["output_tokens_per_s"] / burst["burst_alone"]["output_tokens_per_s"]
+    row = lambda name, r: (f"| {name} | {r['completed']} | {r['ttft_s']['p50']:.2f} | {r['ttft_s']['p99']:.2f} "  # noqa: E731
+                           f"| {r['e2e_s']['p50']:.2f} | {r['e2e_s']['p99']:.2f} |")  # fmt: skip
+    burst_row = lambda name, b: (f"| {name} | {b['completed']}/{b['requests']} | {b['duration_s']:.1f} "  # noqa: E731
+                                 f"| {b['output_tokens_per_s']:.1f} |")  # fmt: skip
+    return [
         f"## A light tenant under a burst of {cfg['burst']} chat requests",
         "",
         f"`eval-suite` sends {cfg['burst']} chat requests at once (~{cfg['burst_prompt_words']}-word prompts, "
-        f"{cfg['burst_max_tokens']} output tokens each); `interactive` sends 16-token chat requests one at a "
-        "time, before (alone) and throughout the burst.",
+        f"{cfg['burst_max_tokens']} output tokens each), alone and then while `interactive` sends 16-token chat "
+        "requests one at a time (streamed), as it did alone before.",
         "",
-        "| interactive | requests | TTFT p50 (s) | TTFT p99 (s) | E2E p50 (s) |",
-        "|---|---:|---:|---:|---:|",
-        f"| alone | {burst['light_alone']['completed']} | {alone['p50']:.2f} | {alone['p99']:.2f} "
-        f"| {burst['light_alone']['e2e_s']['p50']:.2f} |",
-        f"| under the burst | {burst['light_under_burst']['completed']} | {under['p50']:.2f} | {under['p99']:.2f} "
-        f"| {burst['light_under_burst']['e2e_s']['p50']:.2f} |",
+        "| interactive | requests | TTFT p50 (s) | TTFT p99 (s) | E2E p50 (s) | E2E p99 (s) |",
+        "|---|---:|---:|---:|---:|---:|",
+        row("alone", alone),
+        row("under the burst", under),
         "",
-        f"The burst: {burst['burst']['completed']}/{burst['burst']['requests']} completed in "
-        f"{burst['burst']['duration_s']:.1f} s ({burst['burst']['output_tokens_per_s']:.0f} output tokens/s).",
-        f"Target TTFT p99 <= 2 s under the burst: **{'met' if ok_ttft else 'missed'}** ({under['p99']:.2f} s).",
+        "| eval-suite's burst | completed | seconds | output tokens/s |",
+        "|---|---:|---:|---:|",
+        burst_row("alone", burst["burst_alone"]),
+        burst_row("beside interactive", burst["burst"]),
         "",
+        f"- interactive's E2E p99 under the burst / its E2E p50 alone: **{e2e_ratio:.2f}x** (target <= 2x: "
+        f"{'met' if e2e_ratio <= 2 else 'missed'})",
+        f"- interactive's TTFT p99 under the burst: **{under['ttft_s']['p99']:.2f} s** (target <= 1 s: "
+        f"{'met' if under['ttft_s']['p99'] <= 1 else 'missed'})",
+        f"- the burst's output tokens/s beside interactive / alone: **{share:.1%}** (target >= 85%: "
+        f"{'met' if share >= 0.85 else 'missed'})",
+        f"- errors: {json.dumps([alone['errors'], under['errors'], burst['burst']['errors']])}",
+        "",
+    ]
+
+
+def backlog_markdown(cfg: dict, backlog: dict) -> list[str]:
+    rates = backlog["output_tokens_per_s"]
+    ok_share = backlog["ratio_low_to_high"] >= 0.9
+    return [
         "## Two backlogged tenants of equal weight",
         "",
         f"`eval-suite` and `batch` each keep {cfg['backlog_clients']} chat requests in flight "
@@ -198,13 +308,36 @@ def markdown(report: dict) -> str:
         *[f"| {t} | {r:.1f} |" for t, r in rates.items()],
         "",
         f"Ratio (lower / higher): {backlog['ratio_low_to_high']:.3f}. Target within 10%: "
-        f"**{'met' if ok_share else 'missed'}**.",
+        f"**{'met' if ok_share else 'missed'}**. Errors: {json.dumps(backlog['errors'])}",
         "",
-        f"Errors: {json.dumps({'burst': report['burst']['burst']['errors'], 'backlog': backlog['errors']})}",
+    ]
+
+
+def batch_markdown(cfg: dict, phase: dict) -> list[str]:
+    w, b = phase["without_batch"], phase["beside_batch"]
+    ttft = b["ttft_s"]["p99"] / w["ttft_s"]["p99"]
+    tpot = b["tpot_s"]["p99"] / w["tpot_s"]["p99"]
+    row = lambda name, r: (f"| {name} | {r['completed']} | {r['ttft_s']['p50']:.3f} | {r['ttft_s']['p99']:.3f} "  # noqa: E731
+                           f"| {1000 * r['tpot_s']['p50']:.1f} | {1000 * r['tpot_s']['p99']:.1f} |")  # fmt: skip
+    batch = phase["batch"]
+    return [
+        f"## A {cfg['batch_lines']}-line batch beside interactive traffic",
         "",
-        f"Machine: {report['machine']}",
+        f"`interactive` keeps {cfg['interactive_clients']} streamed chat requests going "
+        f"({cfg['interactive_max_tokens']} output tokens each) for {cfg['interactive_seconds']:g} s, without and "
+        f"then beside `batch`'s Batch API job of {cfg['batch_lines']} chat lines ({cfg['batch_max_tokens']} "
+        "output tokens each).",
         "",
-    ])  # fmt: skip
+        "| interactive | requests | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) |",
+        "|---|---:|---:|---:|---:|---:|",
+        row("without the batch", w),
+        row("beside the batch", b),
+        "",
+        f"- TTFT p99 beside / without: **{ttft:.2f}x**; TPOT p99: **{tpot:.2f}x** (target <= 1.2x: "
+        f"{'met' if max(ttft, tpot) <= 1.2 else 'missed'})",
+        f"- the batch: {batch['status']} ({json.dumps(batch['request_counts'])}) after {batch['seconds']:.0f} s",
+        "",
+    ]
 
 
 def main(argv=None) -> int:
@@ -223,6 +356,17 @@ def main(argv=None) -> int:
     p.add_argument("--backlog-seconds", type=float, default=90, help="how long both tenants are backlogged")
     p.add_argument("--backlog-stagger", type=float, default=5, help="batch starts this long after eval-suite")
     p.add_argument("--backlog-warmup", type=float, default=10, help="seconds not counted once both run")
+    p.add_argument(
+        "--interactive-clients", type=int, default=2, help="interactive's requests in flight (phase 3)"
+    )
+    p.add_argument("--interactive-max-tokens", type=int, default=32)
+    p.add_argument("--interactive-seconds", type=float, default=60, help="each interactive window (phase 3)")
+    p.add_argument("--batch-lines", type=int, default=1000)
+    p.add_argument("--batch-max-tokens", type=int, default=16)
+    p.add_argument(
+        "--batch-timeout", type=float, default=1800, help="seconds to wait for the batch to finish"
+    )
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="benchmarks/reports/tenant_fairness")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to `motet serve`")
@@ -234,25 +378,26 @@ def main(argv=None) -> int:
         keys = Path(tmp) / "keys.json"
         keys.write_text(json.dumps(TENANTS))
         server = ManagedServer(["--api-keys", str(keys), *args.server_args], model=args.model_path).start()
+        results = {}
         try:
             warm = chat_body(args.model, "Hello!", 4)
             asyncio.run(_warm(server.url, warm))
-            burst = asyncio.run(burst_phase(server.url, args.model, args))
-            print(
-                f"burst: interactive TTFT p99 {burst['light_under_burst']['ttft_s']['p99']:.2f} s", flush=True
-            )
-            backlog = asyncio.run(backlog_phase(server.url, args.model, args))
+            for phase in args.phases:
+                results[phase] = asyncio.run(PHASES[phase](server.url, args.model, args))
+                print(f"{phase}: {json.dumps(results[phase])[:400]}", flush=True)
         finally:
             server.stop(120)
 
     report = {
         "config": {**{k: v for k, v in vars(args).items() if k != "output_dir"}, "tenants": sorted(KEY)},
         "machine": machine(),
-        "burst": burst,
-        "backlog": backlog,
+        **results,
     }
     write_report(Path(args.output_dir), "tenant_fairness", report, markdown(report))
     return 0
+
+
+PHASES = {"burst": burst_phase, "backlog": backlog_phase, "batch": batch_phase}
 
 
 async def _warm(url: str, body: dict) -> None:

@@ -34,9 +34,11 @@ _QK_NORM_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 # (benchmarks/tenant_fairness.py: another tenant's TTFT under a burst).
 CPU_STEP_TOKENS = 256
 CUDA_STEP_TOKENS = 2048
-# The default TPOT targets of latency isolation (EngineConfig.tpot_target_ms). On the 2-core CPU machine a step
-# costs ~15 ms plus ~2.3 ms per token (compute-bound), so every row that yields buys a light tenant time and
-# costs the heavy one throughput: TBD from benchmarks/tenant_fairness.py.
+# The default TPOT targets of latency isolation (EngineConfig.tpot_target_ms). A CPU step is compute-bound (its time
+# grows with its tokens), so every row that yields buys a light tenant time and costs the heavy one throughput.
+# On the 2-core machine (benchmarks/tenant_fairness.py, 2026-11-25, a 160-request burst beside a light tenant's
+# 16-token requests): off, the light E2E p50 was 15x its time alone and the burst kept 96% of its tokens/s;
+# 60 ms: 4.5x and 83%; 25 ms: 1.4x and 62%. 60 ms keeps the burst's throughput near whole.
 CPU_TPOT_TARGET_MS = 60.0
 CUDA_TPOT_TARGET_MS = 50.0
 # The KV cache's size where neither --num-kv-blocks, --gpu-memory-utilization nor --kv-cache-memory-gb says: on
