@@ -137,6 +137,25 @@ def test_the_cap_lingers_for_the_light_tenants_next_turn_then_lifts(monkeypatch)
     assert len(run_step(sched)) == 40  # b has gone: the burst has the full step again
 
 
+def test_the_bursts_last_requests_still_yield_to_a_light_one():
+    sched = make()
+    burst(sched, n=20)  # within a's fair share of 64 slots
+    light = seq("b", max_tokens=4)
+    sched.add(light)
+    run_step(sched)
+    assert run_step(sched).num_tokens <= 19 and sched.num_capped_steps == 2
+
+
+def test_tenants_of_like_demand_do_not_size_each_others_steps():
+    sched = make()
+    for tenant, n in (("a", 6), ("c", 4)):
+        for _ in range(n):
+            sched.add(seq(tenant, prompt_len=30, max_tokens=50))
+    for _ in range(4):
+        run_step(sched)
+    assert sched.num_capped_steps == 0
+
+
 def test_two_backlogged_tenants_are_not_light():
     sched = make(max_seqs=16)
     for tenant in "ac":

@@ -9,7 +9,9 @@ light request into the step at once; this module keeps the step small enough whi
   fills the device), fitted by exponentially weighted least squares so it follows the load.
 - `LatencyGuard` says, each step, which tenants are latency-bound and how many tokens the other rows may add:
   a tenant is latency-bound when it asks for no more than its fair share of the sequence slots (all its
-  requests fit its share: a light tenant, not a backlogged one) while another tenant runs, or when it ran such
+  requests fit its share: a light tenant, not a backlogged one) and for at most a quarter of what another
+  running tenant asks for (per weight: the burst's last requests still yield to one light request; two
+  tenants of like demand do not size each other's steps), or when it ran such
   requests in the last `LINGER_S` (a conversation's next turn should not wait behind one huge step). Batch
   work (a `background` sequence: the Batch API's lines, `service_tier: "flex"`, a tenant of the batch class)
   is never latency-bound, and every interactive tenant is latency-bound beside it: batch work yields.
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 from motet.engine.fairness import Tenant, VirtualTokenCounter
 
+LIGHT_RATIO = 4  # a light tenant asks for at most a quarter of what the heaviest other tenant does (per weight)
 LINGER_S = 1.0  # a light tenant stays latency-bound this long after its last request left the engine
 _DECAY = 0.97  # weight of the steps before the latest in the fit (about the last 30 steps count)
 _MIN_STEPS = 8  # steps seen before the model sizes anything
@@ -114,11 +117,14 @@ class LatencyGuard:
             return set(demand)
         if len(demand) < 2 or not running_tenants:
             return set()
-        total = sum(self.fairness.weight(t) for t in demand)
+        weight = self.fairness.weight
+        total = sum(weight(t) for t in demand)
+        load = {t: n / weight(t) for t, n in demand.items()}
         light = set()
         for t, n in demand.items():
-            fair = self.max_num_seqs * self.fairness.weight(t) / total
-            if n <= fair and any(o != t for o in running_tenants):
+            fair = self.max_num_seqs * weight(t) / total
+            heaviest = max((load[o] for o in running_tenants if o != t and o in load), default=0.0)
+            if n <= fair and load[t] * LIGHT_RATIO <= heaviest:
                 light.add(t)
         return light
 
