@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from motet.engine.fairness import Tenant, VirtualTokenCounter
 
-LIGHT_RATIO = 4  # a light tenant asks for at most a quarter of what the heaviest other tenant does (per weight)
+# A light tenant asks for at most a quarter of what the heaviest other tenant does (per weight).
+LIGHT_RATIO = 4
 LINGER_S = 1.0  # a light tenant stays latency-bound this long after its last request left the engine
 _DECAY = 0.97  # weight of the steps before the latest in the fit (about the last 30 steps count)
 _MIN_STEPS = 8  # steps seen before the model sizes anything
