@@ -79,10 +79,6 @@ class StepCost:
         fixed, per_token = line
         return max(1, math.floor((seconds - fixed) / per_token))
 
-    def seconds_for(self, tokens: int) -> float | None:
-        line = self.line()
-        return None if line is None else line[0] + line[1] * tokens
-
 
 @dataclass(frozen=True)
 class LatencyCap:
