@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import anyio
 import anyio.to_thread
@@ -52,27 +53,32 @@ class IngressActor(Actor):
     async def handle(self, message: Submit) -> list[Admission]:
         admissions, requests = [], []
         for spec in message.specs:
-            await self._load_adapter(spec)
+            phases = []
+            if spec.adapter is not None:
+                t0 = time.perf_counter()
+                read = await self._load_adapter(spec)
+                phases.append(("adapter_load", t0, time.perf_counter(), {"motet.adapter.cached": not read}))
             spec = await self._resolve_bad_words(spec)
             prompt_ids, text = await self._tokenize(spec)
             queued = self._validate(spec, prompt_ids, text)
+            t0 = time.perf_counter()
             grammar = await self._compile(spec)
+            if grammar is not None:
+                phases.append(("grammar_compile", t0, time.perf_counter(), {}))
             for r in queued:
                 r.grammar = grammar
             requests += queued
-            admissions.append(Admission(prompt_ids, [r.stream for r in queued], text))
+            admissions.append(Admission(prompt_ids, [r.stream for r in queued], text, phases))
         # One Enqueue for every prompt of the submission: all are queued, or none (429).
         await self.queues.ask(Enqueue(requests))
         return admissions
 
-    async def _load_adapter(self, spec: GenerateSpec) -> None:
+    async def _load_adapter(self, spec: GenerateSpec) -> bool:
         """Read and validate the adapter's files now, in a worker thread (cached after the first time),
-        so the engine's thread never waits on a disk; 404 if they are gone."""
+        so the engine's thread never waits on a disk; 404 if they are gone. True: the files were read now."""
         ref = spec.adapter
-        if ref is None:
-            return
         try:
-            await anyio.to_thread.run_sync(self.engine.adapters.load, ref, limiter=self.limiter)
+            return await anyio.to_thread.run_sync(self.engine.adapters.load, ref, limiter=self.limiter)
         except AdapterError as e:
             if files_version(ref.path) != ref.version:  # deleted or replaced since the request resolved it
                 raise ModelNotFound(

@@ -51,6 +51,9 @@ class Admission:
     prompt_token_ids: list[int]
     streams: list[ReplyStream]  # one per choice, in spec order
     prompt_text: str = ""  # the rendered prompt ("" for token-id prompts)
+    # The ingress's own phases of the request, for its trace (motet/api/tracing.py): name, start and end
+    # (perf_counter seconds) and attributes, e.g. ("adapter_load", t0, t1, {"motet.adapter.cached": True}).
+    phases: list[tuple[str, float, float, dict]] = field(default_factory=list)
 
 
 # -- ingress -> adapter queues -> scheduler ---------------------------------------------------------------

@@ -122,11 +122,14 @@ def with_warnings(response: Response, structure: Structure, rid: str) -> Respons
 async def submit(state: ServerState, *specs: GenerateSpec) -> list[Admission]:
     """Queue every spec of one API request, or none of them."""
     try:
-        return await state.system.submit_all(list(specs))
+        admissions = await state.system.submit_all(list(specs))
     except ServingError as e:
         raise from_serving_error(e) from None
     except ValueError as e:
         raise from_value_error(e, _PARAM_FIELDS) from None
+    for adm in admissions:
+        tracing.admitted(adm.phases)
+    return admissions
 
 
 async def accept_request(request: Request, model):

@@ -5,9 +5,11 @@ The request's span (`POST /v1/chat/completions`, kind server) continues the clie
 there is one, and carries the tenant and the model (the base model or an adapter, `gen_ai.request.model`),
 the status, and the prompt and completion tokens. When a choice ends, its phases as the engine measured them
 (motet/engine/sequence.py RequestTimings) become the span's children: `queue` (arrival to first scheduled),
-`prefill` (to the first token) and `decode` (to the last), each placed at its own start and end. Nothing is
-done on the step's path: the children are made from timings the engine records anyway, once the choice has
-ended.
+`prefill` (to the first token) and `decode` (to the last), each placed at its own start and end; before them
+the ingress's own phases, `adapter_load` (reading and packing the adapter's files, or finding them cached) and
+`grammar_compile` (the request's schema, tool or regex grammar). Nothing is done on the step's path: the
+children are made from timings the engine and the ingress record anyway, once the request was admitted or its
+choice has ended.
 """
 
 from __future__ import annotations
@@ -42,27 +44,45 @@ def annotate(**attributes) -> None:
                 current[0].set_attribute(key, value)
 
 
-def choice_ended(arrival: float, timings) -> None:
-    """The engine's phases of a finished choice as children of the request's span (`arrival`: perf_counter
-    time)."""
+def _wall_ns(perf_seconds: float) -> int:
+    """A perf_counter time as wall-clock nanoseconds (the spans' clock)."""
+    return int(perf_seconds * 1e9) + time.time_ns() - time.perf_counter_ns()
+
+
+def _children(phases) -> None:
+    """(name, start, end, attributes) with perf_counter seconds, as children of the request's span."""
     current = _span.get()
-    if current is None or timings is None:
+    if current is None:
         return
     from opentelemetry import trace
 
     span, tracer = current
-    offset = time.time_ns() - time.perf_counter_ns()  # perf_counter -> wall-clock nanoseconds
-    start = int(arrival * 1e9) + offset
     context = trace.set_span_in_context(span)
-    at = start
+    for name, start, end, attributes in phases:
+        child = tracer.start_span(name, context=context, start_time=_wall_ns(start), attributes=attributes)
+        child.end(end_time=_wall_ns(end))
+
+
+def admitted(phases) -> None:
+    """The ingress's phases of an admitted request (motet/actors/messages.py Admission.phases)."""
+    if phases:
+        _children(phases)
+
+
+def choice_ended(arrival: float, timings) -> None:
+    """The engine's phases of a finished choice as children of the request's span (`arrival`: perf_counter
+    time)."""
+    if timings is None:
+        return
+    phases, at = [], arrival
     for name, seconds in (
         ("queue", timings.queue_s),
         ("prefill", timings.prefill_s),
         ("decode", timings.decode_s),
     ):
-        end = at + int(seconds * 1e9)
-        tracer.start_span(name, context=context, start_time=at).end(end_time=end)
-        at = end
+        phases.append((name, at, at + seconds, {}))
+        at += seconds
+    _children(phases)
 
 
 class Tracing:

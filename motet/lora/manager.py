@@ -152,10 +152,10 @@ class AdapterManager:
         self._loader = ThreadPoolExecutor(1, "motet-adapters") if background else None
 
     # -- loading (thread-safe) ------------------------------------------------------------------------
-    def load(self, ref: AdapterRef, adapter: LoRAAdapter | None = None) -> None:
+    def load(self, ref: AdapterRef, adapter: LoRAAdapter | None = None) -> bool:
         """Load, validate (AdapterError naming what is wrong) and pack the adapter into the host cache, unless it
-        is there or resident already. Files that changed since the ref was made are another version: refused,
-        never loaded under it."""
+        is there or resident already (then False). Files that changed since the ref was made are another version:
+        refused, never loaded under it."""
         uid = ref.uid
         if uid in self.removed:
             raise AdapterError(f"adapter {ref.model!r} was removed")
@@ -163,7 +163,7 @@ class AdapterManager:
             self.known[uid] = ref
         if adapter is None:
             if uid in self.pool or uid in self.host:
-                return
+                return False
             if files_version(ref.path) != ref.version:
                 raise AdapterError(f"adapter {ref.model!r} was deleted or replaced")
             adapter = load_adapter(ref.path, self.base, max_rank=self.max_lora_rank, name=ref.name)
@@ -182,6 +182,7 @@ class AdapterManager:
         self.host.put(uid, HostEntry(packed, adapter if self.on_place is not None else None))
         with self._lock:
             self.disk_loads += 1
+        return True
 
     def _fetch(self, uid: int) -> None:
         """Load `uid` into the host cache on the loader thread (or here, without one), once at a time."""
