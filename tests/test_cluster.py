@@ -3,7 +3,8 @@ by the openai SDK over loopback: chat, streaming and a Responses request equal t
 output, vLLM's series summed over the replicas; an adapter upload served by both replicas (read from an fsspec
 store) and equal to the offline engine with it; tenant isolation; a delete reaching every replica; a replica
 killed with requests in flight (those it had not started are served by the other replica, a started one ends
-with a clean error, nothing hangs); and no Ray process left once the server stops.
+with a clean error, nothing hangs); a tenant's limits from the keys file held at the front door, one limit over both
+replicas; and no Ray process left once the server stops.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ from tests.test_api_adapters import make_adapter, two_files  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a Ray cluster and two replicas take a minute or two to start here
 
-KEYS = {"sk-alice": "alice", "sk-bob": "bob", "sk-admin": {"admin": True}}
+KEYS = {
+    "sk-alice": "alice",
+    "sk-bob": "bob",
+    "sk-carol": {"tenant": "carol", "limits": {"requests_per_minute": 4, "max_concurrent_requests": 2}},
+    "sk-admin": {"admin": True},
+}
 ADMIN = {"Authorization": "Bearer sk-admin"}
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "The quick brown fox"}]
@@ -181,6 +187,53 @@ def test_tenant_isolation(cluster):
     assert http(cluster, "bob").get("/v1/adapters/a").status_code == 404
     assert [m.id for m in bob.models.list()] == [MODEL]
     assert "a" in [m.id for m in sdk(cluster, "alice").models.list()]
+
+
+def test_limits_hold_over_both_replicas(cluster):
+    """Two long streams run at once; a third concurrent request is refused although a replica could queue it,
+    and the requests per minute count the requests of both replicas: one limit, not one per replica."""
+    carol = sdk(cluster, "carol")
+    started, release = threading.Barrier(3, timeout=120), threading.Event()
+
+    def hold(i: int):
+        messages = [{"role": "user", "content": f"{i} brown foxes"}]
+        chunks = carol.chat.completions.create(model=MODEL, messages=messages, stream=True, **DRAIN)
+        next(c for c in chunks if c.choices and c.choices[0].delta.content)  # generating
+        started.wait()
+        release.wait(120)
+        chunks.close()
+
+    with ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(hold, i) for i in range(2)]
+        try:
+            started.wait()
+            with pytest.raises(openai.RateLimitError) as e:
+                carol.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
+            assert "concurrent requests (2)" in e.value.body["message"]
+            assert e.value.response.headers["retry-after"]
+        finally:
+            release.set()
+            for f in held:
+                f.result()
+    wait_for(lambda: _ask_ok(carol), what="the streams' places to be freed")  # the 3rd request this minute
+    raw = carol.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, **GREEDY)
+    assert raw.headers["x-ratelimit-limit-requests"] == "4"
+    assert raw.headers["x-ratelimit-remaining-requests"] == "0"
+    with pytest.raises(openai.RateLimitError) as e:
+        carol.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
+    assert "requests per minute (4)" in e.value.body["message"]
+    assert 1 <= int(e.value.response.headers["retry-after"]) <= 15  # a request back every 15 s
+    r = sdk(cluster, "bob").chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, **GREEDY)
+    assert r.http_response.status_code == 200 and "x-ratelimit-limit-requests" not in r.headers
+
+
+def _ask_ok(client: openai.OpenAI) -> bool:
+    try:
+        client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
+        return True
+    except openai.RateLimitError as e:
+        assert "concurrent" in e.body["message"]
+        return False
 
 
 def test_delete_reaches_every_replica(cluster):

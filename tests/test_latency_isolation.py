@@ -8,7 +8,7 @@ import pytest
 
 from motet.engine.block_manager import BlockManager
 from motet.engine.fairness import VirtualTokenCounter
-from motet.engine.latency import LINGER_S, StepCost
+from motet.engine.latency import BACKGROUND_SLACK, LINGER_S, StepCost
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.scheduler import Scheduler
 from motet.engine.sequence import Sequence, SequenceStatus
@@ -178,13 +178,21 @@ def test_batch_work_yields_to_interactive_requests():
     for s in interactive:
         sched.add(s)
     run_step(sched)
+    # Beside 4 decoding interactive rows the batch rows may add only what keeps the step within 1.1x of those
+    # rows alone: (1.1 x (15 ms + 4 x 2.3 ms) - 15 ms) / 2.3 ms = 5 tokens in all, one batch row's.
+    spare = sched.latency.cost.tokens_within(BACKGROUND_SLACK * sched.latency.cost.seconds(4))
+    assert spare == 5
     while not all(s.is_finished for s in interactive):
+        unfinished = [s for s in interactive if not s.is_finished]
         batch = run_step(sched)
-        assert all(s in batch.seqs for s in interactive if not s.is_finished) or all(
-            s.is_finished for s in interactive
-        )
-        assert batch.num_tokens <= 19
+        assert all(s in batch.seqs for s in unfinished) and batch.num_tokens <= spare
+        assert len(batch) > len(unfinished)  # the batch still moves
     assert sched.num_preemptions == 0
+    progressed = sum(s.num_output_tokens for s in batch_rows)
+    batch = run_step(
+        sched
+    )  # the interactive rows are gone: no row to protect, the batch runs at the 60 ms cap
+    assert len(batch) == 19 and sum(s.num_output_tokens for s in batch_rows) == progressed + 19
 
 
 def test_off_when_the_target_is_zero():

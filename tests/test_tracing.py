@@ -7,45 +7,17 @@ decoded with opentelemetry-proto)."""
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 
 import httpx
 import openai
 
+from motet.evals.otlp_receiver import OTLPReceiver
 from tests.live_server import Server
 from tests.test_soak import make_adapter
 
 MODEL = "tiny"
 KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
-
-
-class Receiver(http.server.ThreadingHTTPServer):
-    def __init__(self):
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        self.spans: list = []
-        receiver = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                req = ExportTraceServiceRequest()
-                req.ParseFromString(body)
-                for rs in req.resource_spans:
-                    for ss in rs.scope_spans:
-                        receiver.spans.extend(ss.spans)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
 def attrs(span) -> dict:
@@ -57,7 +29,7 @@ def attrs(span) -> dict:
 
 
 def test_every_request_has_one_span_with_its_phases(tiny_model_dir, tmp_path):
-    receiver = Receiver()
+    receiver = OTLPReceiver()
     (tmp_path / "keys.json").write_text(json.dumps(KEYS))
     adapter = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=5)
     files = [("files", (f.name, f.read_bytes())) for f in sorted(adapter.iterdir()) if f.name != "README.md"]
@@ -65,7 +37,7 @@ def test_every_request_has_one_span_with_its_phases(tiny_model_dir, tmp_path):
         tmp_path,
         "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(tmp_path / "keys.json"),
         "--data-dir", str(tmp_path / "data"), "--threads", "1", "--max-model-len", "1024",
-        "--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.server_port}/v1/traces",
+        "--otlp-traces-endpoint", receiver.url,
         start_timeout=120,
     )  # fmt: skip
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"

@@ -14,7 +14,10 @@ light request into the step at once; this module keeps the step small enough whi
   tenants of like demand do not size each other's steps), or when it ran such
   requests in the last `LINGER_S` (a conversation's next turn should not wait behind one huge step). Batch
   work (a `background` sequence: the Batch API's lines, `service_tier: "flex"`, a tenant of the batch class)
-  is never latency-bound, and every interactive tenant is latency-bound beside it: batch work yields.
+  is never latency-bound, and every interactive tenant is latency-bound beside it: batch work yields, and when
+  only batch work would yield it fills what is spare and no more: a step may take at most `BACKGROUND_SLACK`
+  times what the interactive rows alone would (batch work promises a 24-hour window; an interactive token that
+  comes later does not).
   While anyone is latency-bound the scheduler serves those rows first and gives the rest of the rows only the
   tokens that keep the step within `tpot_target_s`: the tenants over their share yield rows (they keep their
   slots and KV, and go on at the next step). When nobody is light the step is the full budget: throughput is
@@ -32,6 +35,8 @@ from motet.engine.fairness import Tenant, VirtualTokenCounter
 
 # A light tenant asks for at most a quarter of what the heaviest other tenant does (per weight).
 LIGHT_RATIO = 4
+# Beside interactive rows, batch rows may make a step at most this much slower than those rows alone.
+BACKGROUND_SLACK = 1.1
 LINGER_S = 1.0  # a light tenant stays latency-bound this long after its last request left the engine
 _DECAY = 0.97  # weight of the steps before the latest in the fit (about the last 30 steps count)
 _MIN_STEPS = 8  # steps seen before the model sizes anything
@@ -70,6 +75,11 @@ class StepCost:
             if slope > 0 and fixed >= 0:
                 return fixed, slope
         return 0.0, self._sy / self._sx
+
+    def seconds(self, tokens: int) -> float | None:
+        """A step's expected seconds with `tokens` tokens; None: not known yet."""
+        line = self.line()
+        return None if line is None else line[0] + line[1] * tokens
 
     def tokens_within(self, seconds: float) -> int | None:
         """The most tokens a step may carry to take at most `seconds` (at least 1); None: not known yet."""
@@ -138,9 +148,18 @@ class LatencyGuard:
         if not self._light_until:
             return None
         tenants = frozenset(self._light_until)
-        if not any(not (s.tenant in tenants and not s.background) for s in running):
+        yielding = [s for s in running if not (s.tenant in tenants and not s.background)]
+        if not yielding:
             return None  # only latency-bound rows run: nobody to yield
-        tokens = self.cost.tokens_within(self.target)
+        target = self.target
+        interactive = len(running) - len(yielding)
+        if interactive and all(
+            s.background for s in yielding
+        ):  # only batch work yields: it takes what is spare
+            alone = self.cost.seconds(interactive)  # (their decode tokens: a prompt chunk adds to it)
+            if alone is not None:
+                target = min(target, BACKGROUND_SLACK * alone)
+        tokens = self.cost.tokens_within(target)
         if tokens is None or tokens >= budget:
             return None
         return LatencyCap(tenants, tokens)
