@@ -221,7 +221,8 @@ async def usage_route(request: Request) -> Response:
     width = BUCKETS[width_name]
     default_limit, max_limit = LIMITS[width_name]
     start = _int_param(request, "start_time")
-    end = _int_param(request, "end_time", int(time.time()))
+    # (exclusive: by default the current second is in, and with it the current minute's counts, even at :00)
+    end = _int_param(request, "end_time", int(time.time()) + 1)
     limit = _int_param(request, "limit", default_limit)
     if not 1 <= limit <= max_limit:
         raise APIError(400, f"limit must be 1 to {max_limit} for bucket_width {width_name}", param="limit")
