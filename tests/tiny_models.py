@@ -15,6 +15,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3Config,
     Qwen3MoeConfig,
 )
 
@@ -69,6 +70,7 @@ def build_tiny_model(path: Path, arch: str = "llama", tied: bool = True, seed: i
         "llama": LlamaConfig,
         "mistral": MistralConfig,
         "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,  # q_norm / k_norm per head, no q/k/v biases
         "mixtral": MixtralConfig,  # overrides: num_local_experts, num_experts_per_tok
         "qwen2_moe": Qwen2MoeConfig,  # overrides: num_experts, moe_intermediate_size, shared_expert_...
         "qwen3_moe": Qwen3MoeConfig,  # Qwen2-MoE's overrides less the shared expert; q_norm / k_norm per head

@@ -15,19 +15,10 @@ from motet.grammar.limits import GrammarLimits
 from motet.grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 from motet.grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 from motet.kernels.quant import FORMATS as QUANT_FORMATS
+from motet.models import SUPPORTED_ARCHITECTURES, find
+from motet.models import get as get_declaration
+from motet.models.declaration import Architecture, ModelLoadError
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
-# Architectures whose attention has q/k/v biases when config.json does not say (attention_bias / qkv_bias).
-_QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-# Architectures whose attention RMS-normalizes each head's q and k before the rotary (q_norm, k_norm).
-_QK_NORM_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 # The default step budgets (EngineConfig.max_num_batched_tokens). On the 2-core CPU machine a prompt token costs
 # no more in a 256-token step than in a 2048-token one (6.3 against 7.4 ms, one thread), so the smaller step
 # loses no throughput, and it bounds how long a request arriving meanwhile waits for the step in flight
@@ -65,13 +56,9 @@ def is_gguf_file(model: str | Path) -> bool:
     return str(model).lower().endswith(GGUF_SUFFIX) and not Path(model).expanduser().is_dir()
 
 
-class ModelLoadError(ValueError):
-    """A model directory that cannot be served; the message names the file or field to fix."""
-
-
 @dataclass(frozen=True)
 class ModelConfig:
-    """The subset of a Hugging Face Llama-family config.json that the decoder needs."""
+    """What the decoder needs of a Hugging Face config.json, read through its family's declaration (motet/models/)."""
 
     architecture: str
     vocab_size: int
@@ -107,53 +94,16 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return bool(self.sparse_layers)
 
-    @staticmethod
-    def _moe_fields(arch: str, cfg: dict, num_layers: int, source: str) -> dict:
-        """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json (none for a dense
-        one). Qwen3-MoE is Qwen2-MoE's routing without the shared expert."""
-        if arch == "MixtralForCausalLM":
-            fields = dict(
-                num_experts=int(cfg["num_local_experts"]),
-                moe_intermediate_size=int(cfg["intermediate_size"]),
-                norm_topk_prob=True,  # Mixtral always renormalizes its top-k weights
-                sparse_layers=tuple(range(num_layers)),
-            )
-        elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-            # the Hub's Qwen3-MoE configs say num_experts; transformers >= 5 writes it as num_local_experts
-            renamed = "num_experts" not in cfg and "num_local_experts" in cfg
-            experts = int(cfg["num_local_experts" if renamed else "num_experts"])
-            step = int(cfg.get("decoder_sparse_step", 1))
-            if step < 1:
-                raise ModelLoadError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
-            dense = set(cfg.get("mlp_only_layers") or [])
-            fields = dict(
-                num_experts=experts,
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-                sparse_layers=tuple(
-                    i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0
-                ),
-            )
-        else:
-            return {}
-        top_k = int(cfg["num_experts_per_tok"])
-        if fields["sparse_layers"] and not 1 <= top_k <= fields["num_experts"]:
-            raise ModelLoadError(
-                f"{source}: num_experts_per_tok must be between 1 and the number of experts ({fields['num_experts']}), "
-                f"got {top_k}"
-            )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(
-                f"{source}: hidden_act {cfg['hidden_act']!r}: motet's experts compute silu only"
-            )
-        return {**fields, "num_experts_per_tok": top_k}
+    @property
+    def declaration(self) -> Architecture:
+        """The family's declaration (motet/models/): its checkpoint names and the like."""
+        return get_declaration(self.architecture)
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        decl = find(archs)
+        if decl is None:
             raise ModelLoadError(
                 f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"motet serves {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -171,12 +121,13 @@ class ModelConfig:
                 rope_theta = rope_params.get("rope_theta", 10000.0)
                 if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                     rope_scaling = rope_params
+            num_layers = int(cfg["num_hidden_layers"])
             return cls(
-                architecture=arch,
+                architecture=next(a for a in archs if a in decl.names),
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_hidden_layers=num_layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
@@ -185,14 +136,12 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(
-                    cfg.get("attention_bias", cfg.get("qkv_bias", arch in _QKV_BIAS_ARCHITECTURES))
-                ),
-                qk_norm=arch in _QK_NORM_ARCHITECTURES,
+                attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", decl.qkv_bias))),
+                qk_norm=decl.qk_norm,
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                **cls._moe_fields(arch, cfg, int(cfg["num_hidden_layers"]), source),
+                **(decl.experts(cfg, num_layers, source) if decl.experts is not None else {}),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from motet.engine.config import ModelLoadError
+from motet.models import from_gguf
 
 
 class PullError(ModelLoadError):
@@ -134,7 +135,8 @@ def hf_config(meta: dict, tensor_names: Collection[str], source: str) -> dict:
         return ModelLoadError(f"{source}: {what}")
 
     arch = meta.get("general.architecture")
-    if arch != SERVED_ARCHITECTURE:
+    decl = from_gguf(arch) if isinstance(arch, str) else None
+    if decl is None:
         raise refuse(
             f"GGUF architecture {arch!r}; motet serves GGUF files of architecture {SERVED_ARCHITECTURE!r} "
             f"(Llama, Mistral, SmolLM and the other models llama.cpp converts as 'llama'); serve other models "
@@ -170,7 +172,7 @@ def hf_config(meta: dict, tensor_names: Collection[str], source: str) -> dict:
         rotary = int(meta.get("llama.rope.dimension_count", head_dim))
         context = int(meta["llama.context_length"])
         config = {
-            "architectures": ["LlamaForCausalLM"],
+            "architectures": [decl.name],
             "model_type": "llama",
             "vocab_size": int(meta.get("llama.vocab_size", len(meta["tokenizer.ggml.tokens"]))),
             "hidden_size": hidden,

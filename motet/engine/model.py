@@ -1,6 +1,7 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM, and the mixture-of-experts Mixtral, Qwen2-MoE and
-Qwen3-MoE, whose sparse layers route each token to its top-k experts: `SparseMoE`) over a flattened batch and a
-paged KV cache.
+"""The decoder every declared family runs (motet/models/: Llama, Mistral, Qwen2, Qwen3, SmolLM, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE, whose sparse layers route each token to its top-k experts:
+`SparseMoE`) over a flattened batch and a paged KV cache; a family's declaration sets its options (q/k/v
+biases, q/k norms, experts) and its checkpoint's module names.
 
 Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says where each sequence's
 queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
@@ -10,7 +11,7 @@ residual add and the next RMSNorm are one Triton kernel, as are the rotary and t
 (motet/kernels/fused_norm.py, motet/kernels/rope_kv.py); elsewhere their torch references compute the same.
 With a `LoRABatch` each linear layer also adds every token's own adapter delta (fused layers per module,
 into that module's output columns); without one the LoRA path is skipped entirely. A linear layer may hold
-its weight quantized (motet/kernels/quant.py, `LlamaForCausalLM.quantize`): every backend (this eager
+its weight quantized (motet/kernels/quant.py, `CausalLM.quantize`): every backend (this eager
 model, CUDA graphs over it, the native CPU step) takes the format from the layer; LoRA deltas stay in the
 model's dtype on top.
 """
@@ -390,7 +391,7 @@ class DecoderLayer(nn.Module):
 QUANTIZE_BYTES = 1 << 20  # the fp32 values `load_weights` quantizes at once
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     # Hugging Face module name -> (our fused module, shard index within it)
     FUSED = {
         "q_proj": ("qkv_proj", 0),
@@ -423,7 +424,7 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         quantized: bool = False,
-    ) -> LlamaForCausalLM:
+    ) -> CausalLM:
         """The model for `load_weights` to fill, made in `dtype` on `device` (the rotary tables in fp32), its
         parameters uninitialized: no copy in another dtype is ever made. With `quantized` (a quantized
         checkpoint, or one quantized as it loads) the projections' weights (and an untied lm_head's) are made
@@ -599,14 +600,11 @@ class LlamaForCausalLM(nn.Module):
             return f"{name}[{shard}] (expert {expert}'s {('gate_proj / w1', 'up_proj / w3')[part]})"
         return f"{name}[{shard}] (expert {shard}'s down_proj / w2)"
 
-    # An expert's projection in a checkpoint -> (the stacked parameter, its part in the expert's rows):
-    # Mixtral's w1/w3/w2, Qwen2-MoE's gate_proj/up_proj/down_proj
+    # An expert's projection (its checkpoint name as the declaration renames it) -> (the stacked parameter, its
+    # part in the expert's rows)
     EXPERT_PROJECTIONS = {
-        "w1": ("gate_up_proj", 0),
         "gate_proj": ("gate_up_proj", 0),
-        "w3": ("gate_up_proj", 1),
         "up_proj": ("gate_up_proj", 1),
-        "w2": ("down_proj", 0),
         "down_proj": ("down_proj", 0),
     }
 
@@ -616,8 +614,9 @@ class LlamaForCausalLM(nn.Module):
         """(parameter name, shard) a Hugging Face tensor name fills (shard None: the whole parameter), None
         where it has no place in this model, ELSEWHERE where it belongs to another rank's experts."""
         parts = hf_name.removeprefix("model.").split(".")
-        if len(parts) > 2 and parts[0] == "layers" and parts[2] == "block_sparse_moe":  # Mixtral's name
-            parts[2] = "mlp"
+        if len(parts) > 2 and parts[0] == "layers":  # the family's own module names -> the decoder's
+            renames = self.config.declaration.checkpoint_names
+            parts = [renames.get(p, p) for p in parts]
         # layers.{i}.mlp.experts.{e}.{projection}.weight: one expert's slice of the stacked weights
         if len(parts) == 7 and parts[3] == "experts" and parts[4].isdigit() and parts[6] == "weight":
             stacked, part = self.EXPERT_PROJECTIONS.get(parts[5], (None, 0))
