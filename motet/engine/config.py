@@ -109,8 +109,10 @@ class ModelConfig:
                 f"motet serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
+            heads = bounded(
+                cfg["num_attention_heads"], "num_attention_heads", source, *LIMITS["num_attention_heads"]
+            )
+            hidden = bounded(cfg["hidden_size"], "hidden_size", source, *LIMITS["hidden_size"])
             head_dim = cfg.get("head_dim") or hidden // heads
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -121,8 +123,10 @@ class ModelConfig:
                 rope_theta = rope_params.get("rope_theta", 10000.0)
                 if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                     rope_scaling = rope_params
-            num_layers = int(cfg["num_hidden_layers"])
-            return cls(
+            num_layers = bounded(
+                cfg["num_hidden_layers"], "num_hidden_layers", source, *LIMITS["num_hidden_layers"]
+            )
+            config = cls(
                 architecture=next(a for a in archs if a in decl.names),
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -145,6 +149,12 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ModelLoadError):
+                raise
+            raise ModelLoadError(f"{source}: a field has a value of the wrong kind ({e})") from None
+        _check(config, source)
+        return config
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -159,6 +169,54 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from None
         return cls.from_dict(cfg, source=str(cfg_file))
+
+
+# What a served config may say, checked before anything is allocated (a config or GGUF file is input: a
+# context length of 0 or 2**32 layers must be one clear line, never a crash or an allocation that never ends).
+LIMITS = {
+    "vocab_size": (1, 2**24),
+    "hidden_size": (1, 2**16),
+    "intermediate_size": (1, 2**18),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 1024),
+    "max_position_embeddings": (1, 2**24),
+    "num_experts": (0, 4096),
+    "moe_intermediate_size": (0, 2**18),
+    "shared_expert_intermediate_size": (0, 2**18),
+}
+
+
+def bounded(value, field: str, source: str, lo: int, hi: int) -> int:
+    """`value` as an int within [lo, hi], or ModelLoadError naming `field` and the range."""
+    try:
+        n = int(value)
+        if n != value and not isinstance(value, str):  # 2.5 layers
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise ModelLoadError(
+            f"{source}: {field} must be an integer from {lo} to {hi}, got {value!r}"
+        ) from None
+    if not lo <= n <= hi:
+        raise ModelLoadError(f"{source}: {field} must be from {lo} to {hi}, got {n}")
+    return n
+
+
+def _check(cfg: ModelConfig, source: str) -> None:
+    for name, (lo, hi) in LIMITS.items():
+        bounded(getattr(cfg, name), name, source, lo, hi)
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ModelLoadError(
+            f"{source}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of num_key_value_heads "
+            f"({cfg.num_key_value_heads})"
+        )
+    if not (0 < cfg.rms_norm_eps < 1):
+        raise ModelLoadError(f"{source}: rms_norm_eps must be above 0 and below 1, got {cfg.rms_norm_eps}")
+    if not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
+        raise ModelLoadError(f"{source}: rope_theta must be a positive number, got {cfg.rope_theta}")
+    if cfg.sliding_window is not None:
+        bounded(cfg.sliding_window, "sliding_window", source, 1, 2**24)
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
