@@ -1,10 +1,12 @@
 """The model declarations (motet/models/): no architecture's name is tested outside its declaration and the
-registry, each declaration is short, and a family added as a declaration alone (Qwen3, dense: Llama's layers
-with per-head q/k norms) runs on both CPU paths as Hugging Face transformers does: logits in batches and
+registry, each declaration is short, and the families added as a declaration alone (Qwen3, dense: Llama's
+layers with per-head q/k norms; Phi-3: fused qkv_proj / gate_up_proj checkpoints and adapters) run on both CPU
+paths as Hugging Face transformers does: logits in batches and
 prefill chunks, greedy generation, prefix cache hits, and LoRA adapters on every projection against PEFT."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -47,32 +49,59 @@ def test_an_unknown_architecture_names_the_served_ones():
     assert "GPT2LMHeadModel" in str(e.value)
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("qwen3"), arch="qwen3", tied=False, head_dim=32)
-    randomize_norms(model_dir)  # q/k norm weights read from the wrong place would show
-    return model_dir
+# Families added as a declaration alone: (tiny_models arch, overrides, the LoRA adapters' targets by PEFT's names)
+FAMILIES = {
+    # per-head q/k norms, no q/k/v biases; head_dim set apart from hidden / heads as Qwen3's configs have it
+    "qwen3": (
+        "qwen3",
+        {"head_dim": 32},
+        (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]),
+    ),
+    # q/k/v in one qkv_proj and gate/up in one gate_up_proj, in the checkpoint and in its adapters
+    "phi3": ("phi3", {"pad_token_id": 0}, (["qkv_proj", "o_proj"], ["gate_up_proj", "down_proj"])),
+}
 
 
-def test_qwen3_config_reads_its_declaration(qwen3_dir):
-    cfg = ModelConfig.from_dir(qwen3_dir)
-    assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm and not cfg.attention_bias
-    assert cfg.head_dim == 32 and not cfg.is_moe
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    arch, overrides, targets = FAMILIES[request.param]
+    model_dir = build_tiny_model(tmp_path_factory.mktemp(request.param), arch=arch, tied=False, **overrides)
+    randomize_norms(model_dir)  # norm weights read from the wrong place would show
+    return model_dir, targets
+
+
+def test_configs_read_their_declarations(family):
+    model_dir, _ = family
+    cfg = ModelConfig.from_dir(model_dir)
+    assert not cfg.is_moe and not cfg.attention_bias
+    if cfg.architecture == "Qwen3ForCausalLM":
+        assert cfg.qk_norm and cfg.head_dim == 32
+    else:
+        assert cfg.architecture == "Phi3ForCausalLM" and not cfg.qk_norm
+        assert set(cfg.declaration.fused_modules) == {"qkv_proj", "gate_up_proj"}
+
+
+def test_partial_rotary_is_refused_until_it_is_implemented(family):
+    model_dir, _ = family
+    cfg = json.loads((model_dir / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75"):
+        ModelConfig.from_dict({**cfg, "partial_rotary_factor": 0.75})
 
 
 @pytest.mark.parametrize("compiled", PATHS)
-def test_qwen3_matches_transformers(qwen3_dir, compiled):
+def test_family_matches_transformers(family, compiled):
+    model_dir, _ = family
     llm = LLM(
-        str(qwen3_dir), num_kv_blocks=128, block_size=8, max_num_batched_tokens=48, compile_step=compiled
+        str(model_dir), num_kv_blocks=128, block_size=8, max_num_batched_tokens=48, compile_step=compiled
     )
     assert (llm.engine.runner.native is not None) == compiled
-    refs = [hf_logits(qwen3_dir, p) for p in PROMPTS]
+    refs = [hf_logits(model_dir, p) for p in PROMPTS]
     for chunk in (None, 7):  # whole prompts in one batch, then 7-token chunks
         for got, ref in zip(engine_logits(llm.engine, PROMPTS, chunk=chunk), refs, strict=True):
             torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
     params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
     prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[5], PROMPTS[2]]
-    expected = hf_greedy(qwen3_dir, prompts, 32)
+    expected = hf_greedy(model_dir, prompts, 32)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     hits = llm.engine.stats().prefix_cache_hits
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected  # again, from the prefix cache
@@ -80,14 +109,12 @@ def test_qwen3_matches_transformers(qwen3_dir, compiled):
 
 
 @pytest.mark.parametrize("compiled", PATHS)
-def test_qwen3_lora_matches_peft(qwen3_dir, tmp_path, compiled):
-    specs = [
-        ("attn", 8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
-        ("mlp", 4, ["gate_proj", "up_proj", "down_proj"]),
-    ]
-    peft = save_peft_adapters(qwen3_dir, tmp_path, specs, std=0.1)
+def test_family_lora_matches_peft(family, tmp_path, compiled):
+    model_dir, (attn, mlp) = family
+    specs = [("attn", 8, attn), ("mlp", 4, mlp)]
+    peft = save_peft_adapters(model_dir, tmp_path, specs, std=0.1)
     llm = LLM(
-        str(qwen3_dir), num_kv_blocks=128, block_size=8, max_lora_rank=8, max_loras=2, compile_step=compiled
+        str(model_dir), num_kv_blocks=128, block_size=8, max_lora_rank=8, max_loras=2, compile_step=compiled
     )
     for name, _, _ in specs:
         llm.add_lora(name, tmp_path / name)

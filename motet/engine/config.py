@@ -123,6 +123,13 @@ class ModelConfig:
                 rope_theta = rope_params.get("rope_theta", 10000.0)
                 if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                     rope_scaling = rope_params
+            partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+            partial = cfg.get("partial_rotary_factor", partial)
+            if float(partial) != 1.0:
+                raise ModelLoadError(
+                    f"{source}: partial_rotary_factor {partial}: a rotary over part of each head is not "
+                    "implemented yet"
+                )
             num_layers = bounded(
                 cfg["num_hidden_layers"], "num_hidden_layers", source, *LIMITS["num_hidden_layers"]
             )

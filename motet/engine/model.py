@@ -636,6 +636,34 @@ class CausalLM(nn.Module):
         parts[-2] = module
         return ".".join(parts), shard
 
+    def _unfused(self, weights):
+        """The checkpoint's tensors, those of a module its declaration says holds several projections (Phi-3's
+        qkv_proj) split by rows into theirs (q_proj, k_proj, v_proj), read lazily like any other."""
+        fused = self.config.declaration.fused_modules
+        cfg = self.config
+        rows = {
+            "q_proj": cfg.num_attention_heads * cfg.head_dim,
+            "k_proj": cfg.num_key_value_heads * cfg.head_dim,
+            "v_proj": cfg.num_key_value_heads * cfg.head_dim,
+            "gate_proj": cfg.intermediate_size,
+            "up_proj": cfg.intermediate_size,
+        }
+        for hf_name, tensor in weights:
+            parts = hf_name.split(".")
+            if len(parts) < 2 or parts[-2] not in fused:
+                yield hf_name, tensor
+                continue
+            sizes = [rows[p] for p in fused[parts[-2]]]
+            if isinstance(tensor, QuantizedWeight) or tensor.shape[0] != sum(sizes):
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}; {cfg.architecture} holds "
+                    f"{' + '.join(fused[parts[-2]])} in it: {sum(sizes)} rows"
+                )
+            start = 0
+            for part, n in zip(fused[parts[-2]], sizes, strict=True):
+                yield ".".join([*parts[:-2], part, parts[-1]]), tensor.narrow(0, start, n)
+                start += n
+
     @torch.no_grad()
     def load_weights(
         self,
@@ -660,7 +688,7 @@ class CausalLM(nn.Module):
         if self.parallel.enabled:  # the last rank's vocabulary shard ends in padding rows: zeros
             self.embed_tokens.weight.zero_()
             self.lm_head.weight.zero_()  # (one `allocate` deferred is made with zeros: `_allocate`)
-        for hf_name, tensor in weights:
+        for hf_name, tensor in self._unfused(weights):
             if "rotary_emb" in hf_name:
                 continue
             place = self._place(hf_name)

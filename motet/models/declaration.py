@@ -30,6 +30,9 @@ class Architecture:
     experts: Callable[[dict, int, str], dict] | None = None
     # Checkpoint module names -> the decoder's (a name part of `model.layers.{i}...` is renamed as it is read).
     checkpoint_names: dict[str, str] = field(default_factory=dict)
+    # A checkpoint module that holds several of the decoder's projections, their rows one after the other
+    # (Phi-3's qkv_proj: q_proj, k_proj, v_proj): split as it is read, and a LoRA adapter's factors with it.
+    fused_modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # The `general.architecture` of the GGUF files llama.cpp's converter writes for it (None: not read from GGUF).
     gguf: str | None = None
 
