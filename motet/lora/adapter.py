@@ -257,9 +257,7 @@ def load_adapter(
 
     # The config's targets must be exactly the modules that have weights.
     layers = range(base.num_hidden_layers)
-    expected = {
-        (i, mod) for i in layers for mod in linears if targeted(selection, module_name(i, mod))
-    }
+    expected = {(i, mod) for i in layers for mod in linears if targeted(selection, module_name(i, mod))}
     expected |= {(0, mod) for mod, name in MODEL_MODULES.items() if targeted(selection, name)}
     if not expected:
         raise AdapterError(
