@@ -1,7 +1,7 @@
 """The model declarations (motet/models/): no architecture's name is tested outside its declaration and the
 registry, each declaration is short, and the families added as a declaration alone (Qwen3, dense: Llama's
-layers with per-head q/k norms; Phi-3: fused qkv_proj / gate_up_proj checkpoints and adapters) run on both CPU
-paths as Hugging Face transformers does: logits in batches and
+layers with per-head q/k norms; Phi-3: fused qkv_proj / gate_up_proj checkpoints and adapters; Granite 3: four
+constant multipliers, folded into the weights) run on both CPU paths as Hugging Face transformers does: logits in batches and
 prefill chunks, greedy generation, prefix cache hits, and LoRA adapters on every projection against PEFT."""
 
 from __future__ import annotations
@@ -57,6 +57,18 @@ FAMILIES = {
         {"head_dim": 32},
         (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]),
     ),
+    # four constant scales, each far from 1 (attention_multiplier: not 1 / sqrt(16)), tied embeddings
+    "granite": (
+        "granite",
+        {
+            "embedding_multiplier": 6.0,
+            "attention_multiplier": 0.11,
+            "residual_multiplier": 0.3,
+            "logits_scaling": 4.0,
+            "tie_word_embeddings": True,
+        },
+        (["q_proj", "v_proj", "o_proj"], ["up_proj", "down_proj"]),
+    ),  # fmt: skip
     # q/k/v in one qkv_proj and gate/up in one gate_up_proj, in the checkpoint and in its adapters
     "phi3": ("phi3", {"pad_token_id": 0}, (["qkv_proj", "o_proj"], ["gate_up_proj", "down_proj"])),
 }
@@ -76,6 +88,9 @@ def test_configs_read_their_declarations(family):
     assert not cfg.is_moe and not cfg.attention_bias
     if cfg.architecture == "Qwen3ForCausalLM":
         assert cfg.qk_norm and cfg.head_dim == 32
+    elif cfg.architecture == "GraniteForCausalLM":
+        assert (cfg.embedding_multiplier, cfg.attention_multiplier) == (6.0, 0.11)
+        assert (cfg.residual_multiplier, cfg.logits_scaling) == (0.3, 4.0)
     else:
         assert cfg.architecture == "Phi3ForCausalLM" and not cfg.qk_norm
         assert set(cfg.declaration.fused_modules) == {"qkv_proj", "gate_up_proj"}

@@ -9,6 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -72,6 +73,7 @@ def build_tiny_model(path: Path, arch: str = "llama", tied: bool = True, seed: i
         "mistral": MistralConfig,
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,  # q_norm / k_norm per head, no q/k/v biases
+        "granite": GraniteConfig,  # embedding / attention / residual multipliers, logits scaling
         "phi3": Phi3Config,  # q/k/v in one qkv_proj, gate/up in one gate_up_proj
         "mixtral": MixtralConfig,  # overrides: num_local_experts, num_experts_per_tok
         "qwen2_moe": Qwen2MoeConfig,  # overrides: num_experts, moe_intermediate_size, shared_expert_...

@@ -89,6 +89,26 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     sparse_layers: tuple[int, ...] = ()
+    # Granite's constant scales: the embeddings times embedding_multiplier, attention scores times
+    # attention_multiplier (None: 1 / sqrt(head_dim)), each block's output times residual_multiplier before the
+    # residual add, the logits divided by logits_scaling. All but the first are folded into weights as they load.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    @property
+    def weight_scales(self) -> dict[str, float]:
+        """Module name -> the factor its weight (and bias) is multiplied by as it loads; `norm`: the final norm.
+        A LoRA delta on one of those modules is scaled alike (motet/lora/adapter.py)."""
+        scales = {}
+        if self.attention_multiplier is not None:  # the kernels' 1/sqrt(head_dim) then gives the multiplier
+            scales["q_proj"] = self.attention_multiplier * math.sqrt(self.head_dim)
+        if self.residual_multiplier != 1.0:
+            scales["o_proj"] = scales["down_proj"] = self.residual_multiplier
+        if self.logits_scaling != 1.0:
+            scales["norm"] = 1.0 / self.logits_scaling
+        return scales
 
     @property
     def is_moe(self) -> bool:
@@ -153,6 +173,7 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 **(decl.experts(cfg, num_layers, source) if decl.experts is not None else {}),
+                **(decl.options(cfg, source) if decl.options is not None else {}),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None
@@ -224,6 +245,8 @@ def _check(cfg: ModelConfig, source: str) -> None:
         raise ModelLoadError(f"{source}: rope_theta must be a positive number, got {cfg.rope_theta}")
     if cfg.sliding_window is not None:
         bounded(cfg.sliding_window, "sliding_window", source, 1, 2**24)
+    if cfg.attention_multiplier is not None and cfg.qk_norm:  # q_norm would undo the scale folded into q_proj
+        raise ModelLoadError(f"{source}: an attention_multiplier with per-head q/k norms is not implemented")
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

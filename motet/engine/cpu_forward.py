@@ -259,9 +259,7 @@ class CpuForward:
         lora: LoRABatch | None,
     ) -> torch.Tensor:
         """Final (normed) hidden states [T, hidden], fp32."""
-        x = self.model.embed(input_ids).float()
-        if lora is not None:
-            lora.add_embedding(x, input_ids)
+        x = self.model.embed_input(input_ids, lora, torch.float32)
         tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
         assert tables.dtype == qsl.dtype == lens.dtype == torch.int32 and tables.is_contiguous()
         assert positions.dtype == meta.slot_mapping.dtype == torch.int64

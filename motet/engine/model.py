@@ -458,13 +458,24 @@ class CausalLM(nn.Module):
         x = self.parallel.all_reduce(torch.where(mine.unsqueeze(1), x, 0.0))
         return x.to(self.embed_tokens.weight.dtype)
 
+    def embed_input(
+        self, input_ids: torch.Tensor, lora: LoRABatch | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The first layer's input: the tokens' embeddings (in `dtype`), their adapters' embedding deltas, times
+        the family's embedding multiplier (Granite's)."""
+        x = self.embed(input_ids)
+        if dtype is not None:
+            x = x.to(dtype)
+        if lora is not None:
+            lora.add_embedding(x, input_ids)
+        scale = self.config.embedding_multiplier
+        return x if scale == 1.0 else x * scale
+
     def forward(
         self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora: LoRABatch | None = None
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; `compute_logits` maps chosen rows to logits."""
-        x, residual = self.embed(input_ids), None
-        if lora is not None:
-            lora.add_embedding(x, input_ids)
+        x, residual = self.embed_input(input_ids, lora), None
         angles = self.rope(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, angles, meta, kv_cache, lora)
@@ -664,6 +675,25 @@ class CausalLM(nn.Module):
                 yield ".".join([*parts[:-2], part, parts[-1]]), tensor.narrow(0, start, n)
                 start += n
 
+    def _folded(self, weights):
+        """The family's constant scales folded into the weights they follow (ModelConfig.weight_scales: Granite's
+        attention and residual multipliers into q_proj, o_proj and down_proj, its logits scaling into the final
+        norm), so that every backend computes them without an op of its own."""
+        scales, renames = self.config.weight_scales, self.config.declaration.checkpoint_names
+        for hf_name, tensor in weights:
+            parts = hf_name.removeprefix("model.").split(".")
+            module = renames.get(parts[-2], parts[-2]) if len(parts) > 1 else ""
+            if module not in scales or (module == "norm" and len(parts) != 2):
+                yield hf_name, tensor
+                continue
+            if isinstance(tensor, QuantizedWeight):
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} is quantized: {self.config.architecture}'s multipliers are "
+                    "folded into it, which its blocks do not allow"
+                )
+            loaded = tensor.load() if isinstance(tensor, StoredTensor) else tensor
+            yield hf_name, loaded.float() * scales[module]
+
     @torch.no_grad()
     def load_weights(
         self,
@@ -688,7 +718,7 @@ class CausalLM(nn.Module):
         if self.parallel.enabled:  # the last rank's vocabulary shard ends in padding rows: zeros
             self.embed_tokens.weight.zero_()
             self.lm_head.weight.zero_()  # (one `allocate` deferred is made with zeros: `_allocate`)
-        for hf_name, tensor in self._unfused(weights):
+        for hf_name, tensor in self._folded(self._unfused(weights)):
             if "rotary_emb" in hf_name:
                 continue
             place = self._place(hf_name)

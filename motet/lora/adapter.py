@@ -302,6 +302,8 @@ def load_adapter(
             )
         modules.append((layer, module, mname, ab["A"], ab["B"], scale))
     floats, row_sums = _checked_values(file, {k: tensors[k] for m in modules for k in m[3:5]})
+    # A base whose weights carry a constant scale (Granite's multipliers, folded in as they load): its deltas too.
+    folded = getattr(base, "weight_scales", {})
     weights = {}
     for layer, module, mname, a_key, b_key, scale in modules:
         gain = scale * row_sums[b_key] * row_sums[a_key]
@@ -314,8 +316,8 @@ def load_adapter(
         if module in FUSED_MODULES:  # B's rows split as the base's weight is; each part shares A
             parts = FUSED_MODULES[module]
             for part, rows in zip(parts, B.split([module_shape(base, p)[1] for p in parts]), strict=True):
-                weights[(layer, part)] = (A, rows.contiguous(), float(scale))
+                weights[(layer, part)] = (A, rows.contiguous(), float(scale) * folded.get(part, 1.0))
         else:
-            weights[(layer, module)] = (A, B, float(scale))
+            weights[(layer, module)] = (A, B, float(scale) * folded.get(module, 1.0))
     rank = max(A.shape[0] for A, _, _ in weights.values())
     return LoRAAdapter(name=name or path.name, rank=rank, weights=weights)

@@ -28,6 +28,9 @@ class Architecture:
     # (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
     # shared_expert_intermediate_size, sparse_layers). None: every layer's MLP is dense.
     experts: Callable[[dict, int, str], dict] | None = None
+    # The family's own config.json fields: (config.json, source) -> more ModelConfig fields (Granite's
+    # multipliers). None: none.
+    options: Callable[[dict, str], dict] | None = None
     # Checkpoint module names -> the decoder's (a name part of `model.layers.{i}...` is renamed as it is read).
     checkpoint_names: dict[str, str] = field(default_factory=dict)
     # A checkpoint module that holds several of the decoder's projections, their rows one after the other
