@@ -72,6 +72,7 @@ def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters
         ),
         ("mistral", {}),
         ("qwen2", {}),
+        ("qwen3", {"head_dim": 32}),  # head_dim apart from hidden / heads, as Qwen3's configs have
     ],
 )
 def test_batched_logits_match_hf(tmp_path, arch, overrides):

@@ -73,6 +73,7 @@ def write_gguf_file(
     pre: str = "gpt-2",
     arch: str = "llama",
     quantize=None,
+    meta: dict[str, int] | None = None,
 ):
     """`model_dir` as one GGUF file, as convert_hf_to_gguf.py's LlamaModel writes it: its hyperparameters, the
     vocabulary (get_vocab_base: [PADi] fill to the model's vocab_size, special added tokens CONTROL), gguf-py's
@@ -121,6 +122,8 @@ def write_gguf_file(
     writer.add_token_types(types_)
     gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
 
+    for key, value in (meta or {}).items():  # hyperparameters as a malformed file would have them
+        writer.add_uint32(key, value)
     add_llama_tensors(writer, hf, types, quantize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -9,12 +9,15 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3Config,
     Qwen3MoeConfig,
 )
 
@@ -69,6 +72,9 @@ def build_tiny_model(path: Path, arch: str = "llama", tied: bool = True, seed: i
         "llama": LlamaConfig,
         "mistral": MistralConfig,
         "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,  # q_norm / k_norm per head, no q/k/v biases
+        "granite": GraniteConfig,  # embedding / attention / residual multipliers, logits scaling
+        "phi3": Phi3Config,  # q/k/v in one qkv_proj, gate/up in one gate_up_proj
         "mixtral": MixtralConfig,  # overrides: num_local_experts, num_experts_per_tok
         "qwen2_moe": Qwen2MoeConfig,  # overrides: num_experts, moe_intermediate_size, shared_expert_...
         "qwen3_moe": Qwen3MoeConfig,  # Qwen2-MoE's overrides less the shared expert; q_norm / k_norm per head

@@ -1,4 +1,4 @@
-"""Reading a local Hugging Face Llama-family checkpoint (Llama, Mistral, Qwen2, SmolLM): config and weights.
+"""Reading a local Hugging Face checkpoint of a declared family (motet/models/): config and weights.
 
 Only safetensors are read: a single `model.safetensors`, or shards listed in
 `model.safetensors.index.json`. Pickle checkpoints (`pytorch_model.bin`, `*.pt`, ...) are refused,

@@ -15,19 +15,10 @@ from motet.grammar.limits import GrammarLimits
 from motet.grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 from motet.grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 from motet.kernels.quant import FORMATS as QUANT_FORMATS
+from motet.models import SUPPORTED_ARCHITECTURES, find
+from motet.models import get as get_declaration
+from motet.models.declaration import Architecture, ModelLoadError
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
-# Architectures whose attention has q/k/v biases when config.json does not say (attention_bias / qkv_bias).
-_QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-# Architectures whose attention RMS-normalizes each head's q and k before the rotary (q_norm, k_norm).
-_QK_NORM_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 # The default step budgets (EngineConfig.max_num_batched_tokens). On the 2-core CPU machine a prompt token costs
 # no more in a 256-token step than in a 2048-token one (6.3 against 7.4 ms, one thread), so the smaller step
 # loses no throughput, and it bounds how long a request arriving meanwhile waits for the step in flight
@@ -65,13 +56,9 @@ def is_gguf_file(model: str | Path) -> bool:
     return str(model).lower().endswith(GGUF_SUFFIX) and not Path(model).expanduser().is_dir()
 
 
-class ModelLoadError(ValueError):
-    """A model directory that cannot be served; the message names the file or field to fix."""
-
-
 @dataclass(frozen=True)
 class ModelConfig:
-    """The subset of a Hugging Face Llama-family config.json that the decoder needs."""
+    """What the decoder needs of a Hugging Face config.json, read through its family's declaration (motet/models/)."""
 
     architecture: str
     vocab_size: int
@@ -102,65 +89,50 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     sparse_layers: tuple[int, ...] = ()
+    # Granite's constant scales: the embeddings times embedding_multiplier, attention scores times
+    # attention_multiplier (None: 1 / sqrt(head_dim)), each block's output times residual_multiplier before the
+    # residual add, the logits divided by logits_scaling. All but the first are folded into weights as they load.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    @property
+    def weight_scales(self) -> dict[str, float]:
+        """Module name -> the factor its weight (and bias) is multiplied by as it loads; `norm`: the final norm.
+        A LoRA delta on one of those modules is scaled alike (motet/lora/adapter.py)."""
+        scales = {}
+        if self.attention_multiplier is not None:  # the kernels' 1/sqrt(head_dim) then gives the multiplier
+            scales["q_proj"] = self.attention_multiplier * math.sqrt(self.head_dim)
+        if self.residual_multiplier != 1.0:
+            scales["o_proj"] = scales["down_proj"] = self.residual_multiplier
+        if self.logits_scaling != 1.0:
+            scales["norm"] = 1.0 / self.logits_scaling
+        return scales
 
     @property
     def is_moe(self) -> bool:
         return bool(self.sparse_layers)
 
-    @staticmethod
-    def _moe_fields(arch: str, cfg: dict, num_layers: int, source: str) -> dict:
-        """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json (none for a dense
-        one). Qwen3-MoE is Qwen2-MoE's routing without the shared expert."""
-        if arch == "MixtralForCausalLM":
-            fields = dict(
-                num_experts=int(cfg["num_local_experts"]),
-                moe_intermediate_size=int(cfg["intermediate_size"]),
-                norm_topk_prob=True,  # Mixtral always renormalizes its top-k weights
-                sparse_layers=tuple(range(num_layers)),
-            )
-        elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-            # the Hub's Qwen3-MoE configs say num_experts; transformers >= 5 writes it as num_local_experts
-            renamed = "num_experts" not in cfg and "num_local_experts" in cfg
-            experts = int(cfg["num_local_experts" if renamed else "num_experts"])
-            step = int(cfg.get("decoder_sparse_step", 1))
-            if step < 1:
-                raise ModelLoadError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
-            dense = set(cfg.get("mlp_only_layers") or [])
-            fields = dict(
-                num_experts=experts,
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-                sparse_layers=tuple(
-                    i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0
-                ),
-            )
-        else:
-            return {}
-        top_k = int(cfg["num_experts_per_tok"])
-        if fields["sparse_layers"] and not 1 <= top_k <= fields["num_experts"]:
-            raise ModelLoadError(
-                f"{source}: num_experts_per_tok must be between 1 and the number of experts ({fields['num_experts']}), "
-                f"got {top_k}"
-            )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(
-                f"{source}: hidden_act {cfg['hidden_act']!r}: motet's experts compute silu only"
-            )
-        return {**fields, "num_experts_per_tok": top_k}
+    @property
+    def declaration(self) -> Architecture:
+        """The family's declaration (motet/models/): its checkpoint names and the like."""
+        return get_declaration(self.architecture)
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        decl = find(archs)
+        if decl is None:
             raise ModelLoadError(
                 f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"motet serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
+            heads = bounded(
+                cfg["num_attention_heads"], "num_attention_heads", source, *LIMITS["num_attention_heads"]
+            )
+            hidden = bounded(cfg["hidden_size"], "hidden_size", source, *LIMITS["hidden_size"])
             head_dim = cfg.get("head_dim") or hidden // heads
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -171,12 +143,22 @@ class ModelConfig:
                 rope_theta = rope_params.get("rope_theta", 10000.0)
                 if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                     rope_scaling = rope_params
-            return cls(
-                architecture=arch,
+            partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+            partial = cfg.get("partial_rotary_factor", partial)
+            if float(partial) != 1.0:
+                raise ModelLoadError(
+                    f"{source}: partial_rotary_factor {partial}: a rotary over part of each head is not "
+                    "implemented yet"
+                )
+            num_layers = bounded(
+                cfg["num_hidden_layers"], "num_hidden_layers", source, *LIMITS["num_hidden_layers"]
+            )
+            config = cls(
+                architecture=next(a for a in archs if a in decl.names),
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_hidden_layers=num_layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
@@ -185,17 +167,22 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(
-                    cfg.get("attention_bias", cfg.get("qkv_bias", arch in _QKV_BIAS_ARCHITECTURES))
-                ),
-                qk_norm=arch in _QK_NORM_ARCHITECTURES,
+                attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", decl.qkv_bias))),
+                qk_norm=decl.qk_norm,
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                **cls._moe_fields(arch, cfg, int(cfg["num_hidden_layers"]), source),
+                **(decl.experts(cfg, num_layers, source) if decl.experts is not None else {}),
+                **(decl.options(cfg, source) if decl.options is not None else {}),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ModelLoadError):
+                raise
+            raise ModelLoadError(f"{source}: a field has a value of the wrong kind ({e})") from None
+        _check(config, source)
+        return config
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -210,6 +197,56 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from None
         return cls.from_dict(cfg, source=str(cfg_file))
+
+
+# What a served config may say, checked before anything is allocated (a config or GGUF file is input: a
+# context length of 0 or 2**32 layers must be one clear line, never a crash or an allocation that never ends).
+LIMITS = {
+    "vocab_size": (1, 2**24),
+    "hidden_size": (1, 2**16),
+    "intermediate_size": (1, 2**18),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 1024),
+    "max_position_embeddings": (1, 2**24),
+    "num_experts": (0, 4096),
+    "moe_intermediate_size": (0, 2**18),
+    "shared_expert_intermediate_size": (0, 2**18),
+}
+
+
+def bounded(value, field: str, source: str, lo: int, hi: int) -> int:
+    """`value` as an int within [lo, hi], or ModelLoadError naming `field` and the range."""
+    try:
+        n = int(value)
+        if n != value and not isinstance(value, str):  # 2.5 layers
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise ModelLoadError(
+            f"{source}: {field} must be an integer from {lo} to {hi}, got {value!r}"
+        ) from None
+    if not lo <= n <= hi:
+        raise ModelLoadError(f"{source}: {field} must be from {lo} to {hi}, got {n}")
+    return n
+
+
+def _check(cfg: ModelConfig, source: str) -> None:
+    for name, (lo, hi) in LIMITS.items():
+        bounded(getattr(cfg, name), name, source, lo, hi)
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ModelLoadError(
+            f"{source}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of num_key_value_heads "
+            f"({cfg.num_key_value_heads})"
+        )
+    if not (0 < cfg.rms_norm_eps < 1):
+        raise ModelLoadError(f"{source}: rms_norm_eps must be above 0 and below 1, got {cfg.rms_norm_eps}")
+    if not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
+        raise ModelLoadError(f"{source}: rope_theta must be a positive number, got {cfg.rope_theta}")
+    if cfg.sliding_window is not None:
+        bounded(cfg.sliding_window, "sliding_window", source, 1, 2**24)
+    if cfg.attention_multiplier is not None and cfg.qk_norm:  # q_norm would undo the scale folded into q_proj
+        raise ModelLoadError(f"{source}: an attention_multiplier with per-head q/k norms is not implemented")
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

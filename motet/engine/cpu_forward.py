@@ -19,7 +19,7 @@ import mmap
 
 import torch
 
-from motet.engine.model import MLP, AttentionMetadata, Linear, LlamaForCausalLM, SparseMoE
+from motet.engine.model import MLP, AttentionMetadata, CausalLM, Linear, SparseMoE
 from motet.kernels import cpu_native
 from motet.kernels.quant import BLOCK
 from motet.lora.pool import LoRABatch
@@ -49,7 +49,7 @@ class WeightArena:
         return out
 
 
-def supported(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> bool:
+def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
     cfg = model.config
     return (
         cpu_native.library() is not None
@@ -96,7 +96,7 @@ class CpuForward:
     Each layer's descriptor is an attention op's weights and an MLP op's: the dense MLP's, or a sparse
     layer's mixture of experts (router, experts, shared expert), as the layer's module is."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         cfg = model.config
         wdtype = self.desc_dtype = model.embed_tokens.weight.dtype
         self.model = model
@@ -259,9 +259,7 @@ class CpuForward:
         lora: LoRABatch | None,
     ) -> torch.Tensor:
         """Final (normed) hidden states [T, hidden], fp32."""
-        x = self.model.embed(input_ids).float()
-        if lora is not None:
-            lora.add_embedding(x, input_ids)
+        x = self.model.embed_input(input_ids, lora, torch.float32)
         tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
         assert tables.dtype == qsl.dtype == lens.dtype == torch.int32 and tables.is_contiguous()
         assert positions.dtype == meta.slot_mapping.dtype == torch.int64

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from motet.engine.config import ModelLoadError
+from motet.engine.config import LIMITS, ModelLoadError, bounded
+from motet.models import from_gguf
 
 
 class PullError(ModelLoadError):
@@ -117,6 +118,16 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
 
 # llama.cpp's architecture name for Llama, Mistral, SmolLM, TinyLlama, ... (one decoder layout)
 SERVED_ARCHITECTURE = "llama"
+_GGUF_FIELDS = {  # GGUF key -> the config.json field it becomes
+    "llama.vocab_size": "vocab_size",
+    "llama.embedding_length": "hidden_size",
+    "llama.feed_forward_length": "intermediate_size",
+    "llama.block_count": "num_hidden_layers",
+    "llama.attention.head_count": "num_attention_heads",
+    "llama.attention.head_count_kv": "num_key_value_heads",
+    "llama.attention.key_length": "head_dim",
+    "llama.context_length": "max_position_embeddings",
+}
 TOKENIZER_MODEL = "gpt2"  # byte-level BPE
 PRE_TOKENIZERS = ("smollm", "default", "gpt-2", "starcoder")
 _ROPE_SCALINGS = ("none", "linear")  # llama.rope.scaling.type values motet's rotary implements
@@ -134,7 +145,8 @@ def hf_config(meta: dict, tensor_names: Collection[str], source: str) -> dict:
         return ModelLoadError(f"{source}: {what}")
 
     arch = meta.get("general.architecture")
-    if arch != SERVED_ARCHITECTURE:
+    decl = from_gguf(arch) if isinstance(arch, str) else None
+    if decl is None:
         raise refuse(
             f"GGUF architecture {arch!r}; motet serves GGUF files of architecture {SERVED_ARCHITECTURE!r} "
             f"(Llama, Mistral, SmolLM and the other models llama.cpp converts as 'llama'); serve other models "
@@ -164,13 +176,18 @@ def hf_config(meta: dict, tensor_names: Collection[str], source: str) -> dict:
     if scaling not in _ROPE_SCALINGS:
         raise refuse(f"rope scaling {scaling!r} (llama.rope.scaling.type); motet implements {_ROPE_SCALINGS}")
     try:
+        # The hyperparameters under their GGUF names, each within what a config may say (config.py LIMITS)
+        # before anything is computed from them.
+        for key, field in _GGUF_FIELDS.items():
+            if key in meta:
+                bounded(meta[key], key, source, *LIMITS[field])
         n_head = int(meta["llama.attention.head_count"])
         hidden = int(meta["llama.embedding_length"])
         head_dim = int(meta.get("llama.attention.key_length", hidden // n_head))
         rotary = int(meta.get("llama.rope.dimension_count", head_dim))
         context = int(meta["llama.context_length"])
         config = {
-            "architectures": ["LlamaForCausalLM"],
+            "architectures": [decl.name],
             "model_type": "llama",
             "vocab_size": int(meta.get("llama.vocab_size", len(meta["tokenizer.ggml.tokens"]))),
             "hidden_size": hidden,
@@ -199,6 +216,8 @@ def hf_config(meta: dict, tensor_names: Collection[str], source: str) -> dict:
         }
     except KeyError as e:
         raise refuse(f"GGUF metadata has no {e.args[0]!r}") from None
+    except ModelLoadError:
+        raise
     except (TypeError, ValueError) as e:  # a per-layer array where a number belongs, and the like
         raise refuse(f"GGUF metadata not understood ({e})") from None
     if rotary != head_dim:

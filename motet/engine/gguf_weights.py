@@ -21,7 +21,7 @@ import torch
 
 from motet.engine.config import ModelLoadError
 from motet.engine.gguf_convert import hf_name, unpermute_qk
-from motet.engine.model import LlamaForCausalLM
+from motet.engine.model import CausalLM
 from motet.kernels import ggml_blocks
 from motet.kernels.quant import FORMATS, INT8, QuantizedWeight, WeightFormat
 
@@ -99,7 +99,7 @@ def _formats(kept: dict[str, tuple[int, str]]) -> dict[str, WeightFormat | None]
 def _fused_layer(name: str) -> str:
     """The name of the model's layer that holds a projection (model.layers.0.qkv_proj.weight for its k_proj)."""
     parts = name.split(".")
-    parts[-2] = LlamaForCausalLM.FUSED.get(parts[-2], (parts[-2],))[0]
+    parts[-2] = CausalLM.FUSED.get(parts[-2], (parts[-2],))[0]
     return ".".join(parts)
 
 

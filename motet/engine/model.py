@@ -1,6 +1,7 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM, and the mixture-of-experts Mixtral, Qwen2-MoE and
-Qwen3-MoE, whose sparse layers route each token to its top-k experts: `SparseMoE`) over a flattened batch and a
-paged KV cache.
+"""The decoder every declared family runs (motet/models/: Llama, Mistral, Qwen2, Qwen3, SmolLM, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE, whose sparse layers route each token to its top-k experts:
+`SparseMoE`) over a flattened batch and a paged KV cache; a family's declaration sets its options (q/k/v
+biases, q/k norms, experts) and its checkpoint's module names.
 
 Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says where each sequence's
 queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
@@ -10,7 +11,7 @@ residual add and the next RMSNorm are one Triton kernel, as are the rotary and t
 (motet/kernels/fused_norm.py, motet/kernels/rope_kv.py); elsewhere their torch references compute the same.
 With a `LoRABatch` each linear layer also adds every token's own adapter delta (fused layers per module,
 into that module's output columns); without one the LoRA path is skipped entirely. A linear layer may hold
-its weight quantized (motet/kernels/quant.py, `LlamaForCausalLM.quantize`): every backend (this eager
+its weight quantized (motet/kernels/quant.py, `CausalLM.quantize`): every backend (this eager
 model, CUDA graphs over it, the native CPU step) takes the format from the layer; LoRA deltas stay in the
 model's dtype on top.
 """
@@ -390,7 +391,7 @@ class DecoderLayer(nn.Module):
 QUANTIZE_BYTES = 1 << 20  # the fp32 values `load_weights` quantizes at once
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     # Hugging Face module name -> (our fused module, shard index within it)
     FUSED = {
         "q_proj": ("qkv_proj", 0),
@@ -423,7 +424,7 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         quantized: bool = False,
-    ) -> LlamaForCausalLM:
+    ) -> CausalLM:
         """The model for `load_weights` to fill, made in `dtype` on `device` (the rotary tables in fp32), its
         parameters uninitialized: no copy in another dtype is ever made. With `quantized` (a quantized
         checkpoint, or one quantized as it loads) the projections' weights (and an untied lm_head's) are made
@@ -457,13 +458,24 @@ class LlamaForCausalLM(nn.Module):
         x = self.parallel.all_reduce(torch.where(mine.unsqueeze(1), x, 0.0))
         return x.to(self.embed_tokens.weight.dtype)
 
+    def embed_input(
+        self, input_ids: torch.Tensor, lora: LoRABatch | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The first layer's input: the tokens' embeddings (in `dtype`), their adapters' embedding deltas, times
+        the family's embedding multiplier (Granite's)."""
+        x = self.embed(input_ids)
+        if dtype is not None:
+            x = x.to(dtype)
+        if lora is not None:
+            lora.add_embedding(x, input_ids)
+        scale = self.config.embedding_multiplier
+        return x if scale == 1.0 else x * scale
+
     def forward(
         self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora: LoRABatch | None = None
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; `compute_logits` maps chosen rows to logits."""
-        x, residual = self.embed(input_ids), None
-        if lora is not None:
-            lora.add_embedding(x, input_ids)
+        x, residual = self.embed_input(input_ids, lora), None
         angles = self.rope(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, angles, meta, kv_cache, lora)
@@ -599,14 +611,11 @@ class LlamaForCausalLM(nn.Module):
             return f"{name}[{shard}] (expert {expert}'s {('gate_proj / w1', 'up_proj / w3')[part]})"
         return f"{name}[{shard}] (expert {shard}'s down_proj / w2)"
 
-    # An expert's projection in a checkpoint -> (the stacked parameter, its part in the expert's rows):
-    # Mixtral's w1/w3/w2, Qwen2-MoE's gate_proj/up_proj/down_proj
+    # An expert's projection (its checkpoint name as the declaration renames it) -> (the stacked parameter, its
+    # part in the expert's rows)
     EXPERT_PROJECTIONS = {
-        "w1": ("gate_up_proj", 0),
         "gate_proj": ("gate_up_proj", 0),
-        "w3": ("gate_up_proj", 1),
         "up_proj": ("gate_up_proj", 1),
-        "w2": ("down_proj", 0),
         "down_proj": ("down_proj", 0),
     }
 
@@ -616,8 +625,9 @@ class LlamaForCausalLM(nn.Module):
         """(parameter name, shard) a Hugging Face tensor name fills (shard None: the whole parameter), None
         where it has no place in this model, ELSEWHERE where it belongs to another rank's experts."""
         parts = hf_name.removeprefix("model.").split(".")
-        if len(parts) > 2 and parts[0] == "layers" and parts[2] == "block_sparse_moe":  # Mixtral's name
-            parts[2] = "mlp"
+        if len(parts) > 2 and parts[0] == "layers":  # the family's own module names -> the decoder's
+            renames = self.config.declaration.checkpoint_names
+            parts = [renames.get(p, p) for p in parts]
         # layers.{i}.mlp.experts.{e}.{projection}.weight: one expert's slice of the stacked weights
         if len(parts) == 7 and parts[3] == "experts" and parts[4].isdigit() and parts[6] == "weight":
             stacked, part = self.EXPERT_PROJECTIONS.get(parts[5], (None, 0))
@@ -636,6 +646,53 @@ class LlamaForCausalLM(nn.Module):
         module, shard = self.FUSED.get(parts[-2], (parts[-2], None))
         parts[-2] = module
         return ".".join(parts), shard
+
+    def _unfused(self, weights):
+        """The checkpoint's tensors, those of a module its declaration says holds several projections (Phi-3's
+        qkv_proj) split by rows into theirs (q_proj, k_proj, v_proj), read lazily like any other."""
+        fused = self.config.declaration.fused_modules
+        cfg = self.config
+        rows = {
+            "q_proj": cfg.num_attention_heads * cfg.head_dim,
+            "k_proj": cfg.num_key_value_heads * cfg.head_dim,
+            "v_proj": cfg.num_key_value_heads * cfg.head_dim,
+            "gate_proj": cfg.intermediate_size,
+            "up_proj": cfg.intermediate_size,
+        }
+        for hf_name, tensor in weights:
+            parts = hf_name.split(".")
+            if len(parts) < 2 or parts[-2] not in fused:
+                yield hf_name, tensor
+                continue
+            sizes = [rows[p] for p in fused[parts[-2]]]
+            if isinstance(tensor, QuantizedWeight) or tensor.shape[0] != sum(sizes):
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}; {cfg.architecture} holds "
+                    f"{' + '.join(fused[parts[-2]])} in it: {sum(sizes)} rows"
+                )
+            start = 0
+            for part, n in zip(fused[parts[-2]], sizes, strict=True):
+                yield ".".join([*parts[:-2], part, parts[-1]]), tensor.narrow(0, start, n)
+                start += n
+
+    def _folded(self, weights):
+        """The family's constant scales folded into the weights they follow (ModelConfig.weight_scales: Granite's
+        attention and residual multipliers into q_proj, o_proj and down_proj, its logits scaling into the final
+        norm), so that every backend computes them without an op of its own."""
+        scales, renames = self.config.weight_scales, self.config.declaration.checkpoint_names
+        for hf_name, tensor in weights:
+            parts = hf_name.removeprefix("model.").split(".")
+            module = renames.get(parts[-2], parts[-2]) if len(parts) > 1 else ""
+            if module not in scales or (module == "norm" and len(parts) != 2):
+                yield hf_name, tensor
+                continue
+            if isinstance(tensor, QuantizedWeight):
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} is quantized: {self.config.architecture}'s multipliers are "
+                    "folded into it, which its blocks do not allow"
+                )
+            loaded = tensor.load() if isinstance(tensor, StoredTensor) else tensor
+            yield hf_name, loaded.float() * scales[module]
 
     @torch.no_grad()
     def load_weights(
@@ -661,7 +718,7 @@ class LlamaForCausalLM(nn.Module):
         if self.parallel.enabled:  # the last rank's vocabulary shard ends in padding rows: zeros
             self.embed_tokens.weight.zero_()
             self.lm_head.weight.zero_()  # (one `allocate` deferred is made with zeros: `_allocate`)
-        for hf_name, tensor in weights:
+        for hf_name, tensor in self._folded(self._unfused(weights)):
             if "rotary_emb" in hf_name:
                 continue
             place = self._place(hf_name)

@@ -29,7 +29,7 @@ from motet.engine.cpu_forward import supported as cpu_forward_supported
 from motet.engine.cuda_graphs import DecodeGraphs
 from motet.engine.gguf_weights import gguf_file, iter_gguf_weights
 from motet.engine.memory import adapter_bytes, kv_cache_bytes, memory_budget, weights_bytes
-from motet.engine.model import AttentionMetadata, Linear, LlamaForCausalLM, onednn_available
+from motet.engine.model import AttentionMetadata, CausalLM, Linear, onednn_available
 from motet.engine.parallel import SINGLE, Parallel
 from motet.engine.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
 from motet.engine.sampler import Sampler, compute_prompt_logprobs
@@ -259,13 +259,13 @@ class ModelRunner:
                 max_query=1 + config.num_speculative_tokens if speculates else 1,  # verification rows too
             )
 
-    def _load_model(self, model_dir) -> LlamaForCausalLM:
+    def _load_model(self, model_dir) -> CausalLM:
         """This rank's model (the whole of it on one rank), made in the engine's dtype on its device and filled
         from the checkpoint, each tensor converted as it is copied (quantized ones from the checkpoint's own
         values): loading needs the weights' memory and a few MiB besides, never a copy in another dtype."""
         config, model_config = self.config, self.model_config
         declared = declared_quantization(model_dir, config.quantization)  # a GPTQ / AWQ checkpoint's own
-        model = LlamaForCausalLM.allocate(
+        model = CausalLM.allocate(
             model_config,
             self.max_model_len,
             self.parallel,

@@ -144,6 +144,8 @@ def resolve_model(
     if path.is_dir():
         return path
     if path.exists():
+        if not path.is_file():  # a FIFO, a socket, a device: reading it could block or never end
+            raise ModelLoadError(f"model path {str(path)!r} is not a regular file or a directory")
         if is_gguf_file(path):
             return gguf_model_dir(path, derived_gguf_root(cache_dir))
         raise ModelLoadError(
@@ -155,8 +157,8 @@ def resolve_model(
         return cached
     raise ModelLoadError(
         f"model {str(name_or_path)!r}: no such directory or file, and not a known model name "
-        f"(known: {DEFAULT_MODEL}); pass a local Hugging Face checkpoint directory "
-        f"(Llama, Mistral, Qwen2 in safetensors) or a llama GGUF file"
+        f"(known: {DEFAULT_MODEL}); pass a local Hugging Face checkpoint directory of a family motet serves "
+        f"(in safetensors) or a llama GGUF file"
     )
 
 

@@ -25,6 +25,7 @@ from motet.lora.base_shape import BaseShape, is_moe_base
 from motet.lora.peft_config import brief, read_config, targeted
 from motet.lora.peft_format import (  # noqa: F401 - re-exported: the adapter's public names
     CONFIG_FILE,
+    FUSED_MODULES,
     MODEL_MODULES,
     MODULE_PARENT,
     PEFT_DEFAULT_TARGETS,
@@ -32,6 +33,7 @@ from motet.lora.peft_format import (  # noqa: F401 - re-exported: the adapter's 
     WEIGHTS_FILE,
     AdapterError,
     AdapterTooLarge,
+    base_modules,
     module_name,
     module_shape,
 )
@@ -184,6 +186,7 @@ def load_adapter(
             )
         raise AdapterError(f"{file}: missing; a PEFT LoRA adapter needs {WEIGHTS_FILE}")
     cfg, selection = read_config(path)
+    linears = base_modules(base)
     _check_safetensors_header(file, max_file_bytes, max_tensors, max_header_bytes)
     moe = is_moe_base(base)
     if moe and any(
@@ -228,10 +231,10 @@ def load_adapter(
                         f"{file}: key {key!r}: layer {layer} is out of range; "
                         f"the base model has {base.num_hidden_layers} layers"
                     )
-                if MODULE_PARENT.get(module) != m["parent"]:
+                if module not in linears or MODULE_PARENT[module] != m["parent"]:
                     raise AdapterError(
                         f"{file}: key {key!r}: unknown module {m['parent']}.{module}; "
-                        f"LoRA applies to {', '.join(TARGET_MODULES)}"
+                        f"LoRA applies to {', '.join(linears)}"
                     )
                 slot = factors.setdefault((layer, module), {})
                 if m["ab"] in slot:
@@ -254,9 +257,7 @@ def load_adapter(
 
     # The config's targets must be exactly the modules that have weights.
     layers = range(base.num_hidden_layers)
-    expected = {
-        (i, mod) for i in layers for mod in TARGET_MODULES if targeted(selection, module_name(i, mod))
-    }
+    expected = {(i, mod) for i in layers for mod in linears if targeted(selection, module_name(i, mod))}
     expected |= {(0, mod) for mod, name in MODEL_MODULES.items() if targeted(selection, name)}
     if not expected:
         raise AdapterError(
@@ -301,6 +302,8 @@ def load_adapter(
             )
         modules.append((layer, module, mname, ab["A"], ab["B"], scale))
     floats, row_sums = _checked_values(file, {k: tensors[k] for m in modules for k in m[3:5]})
+    # A base whose weights carry a constant scale (Granite's multipliers, folded in as they load): its deltas too.
+    folded = getattr(base, "weight_scales", {})
     weights = {}
     for layer, module, mname, a_key, b_key, scale in modules:
         gain = scale * row_sums[b_key] * row_sums[a_key]
@@ -309,6 +312,12 @@ def load_adapter(
                 f"{file}: {mname}: the weight delta B @ A * scale amplifies an input up to {gain:.3g}-fold "
                 f"(scale x max row sum of |B| x max row sum of |A|), above the limit of {MAX_DELTA_GAIN:g}"
             )
-        weights[(layer, module)] = (floats[a_key], floats[b_key], float(scale))
+        A, B = floats[a_key], floats[b_key]
+        if module in FUSED_MODULES:  # B's rows split as the base's weight is; each part shares A
+            parts = FUSED_MODULES[module]
+            for part, rows in zip(parts, B.split([module_shape(base, p)[1] for p in parts]), strict=True):
+                weights[(layer, part)] = (A, rows.contiguous(), float(scale) * folded.get(part, 1.0))
+        else:
+            weights[(layer, module)] = (A, B, float(scale) * folded.get(module, 1.0))
     rank = max(A.shape[0] for A, _, _ in weights.values())
     return LoRAAdapter(name=name or path.name, rank=rank, weights=weights)

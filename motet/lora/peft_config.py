@@ -16,7 +16,7 @@ from pathlib import Path
 
 import regex
 
-from motet.lora.peft_format import CONFIG_FILE, PEFT_DEFAULT_TARGETS, TARGET_MODULES, AdapterError
+from motet.lora.peft_format import CONFIG_FILE, LINEAR_MODULES, PEFT_DEFAULT_TARGETS, AdapterError
 
 # Config fields that change what the adapter computes beyond y += B A x * scale: refuse when set.
 _UNSUPPORTED = {
@@ -252,7 +252,7 @@ def targeted(sel: _Selection, name: str) -> bool:
     elif sel.exclude and (name in sel.exclude or any(s in sel.exclude for s in _dot_suffixes(name))):
         return False
     if sel.targets is None:  # PEFT: every linear module but the output head
-        return name.rsplit(".", 1)[-1] in TARGET_MODULES
+        return name.rsplit(".", 1)[-1] in LINEAR_MODULES
     if isinstance(sel.targets, _ConfigRegex):
         return sel.targets.fullmatch(name) is not None
     if name in sel.targets:  # a full name: selected whatever layers_to_transform says

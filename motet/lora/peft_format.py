@@ -4,11 +4,17 @@ and the error every refusal raises (motet/lora/peft_config.py reads the config, 
 from __future__ import annotations
 
 from motet.lora.base_shape import BaseShape
+from motet.models import DECLARATIONS, fused_modules
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Checkpoint modules that hold several of those (Phi-3's qkv_proj, gate_up_proj), as the declarations name them
+# (motet/models/): an adapter for such a base targets them, and its factors are split as the base's weights are.
+FUSED_MODULES = {name: parts for decl in DECLARATIONS for name, parts in decl.fused_modules.items()}
 MODULE_PARENT = {
     m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for m in TARGET_MODULES
 }
+MODULE_PARENT |= {name: MODULE_PARENT[parts[0]] for name, parts in FUSED_MODULES.items()}
+LINEAR_MODULES = frozenset(MODULE_PARENT)  # every decoder-layer linear module name of any declared family
 # Outside the decoder layers: the token embedding (PEFT's lora.Embedding: the delta of token id t is
 # B @ A[:, t] * scale) and the output head (a linear module like the others). Keyed by layer 0 in an adapter.
 MODEL_MODULES = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
@@ -23,6 +29,17 @@ class AdapterError(ValueError):
 
 class AdapterTooLarge(AdapterError):
     """An adapter (or one of its files) above a size limit: HTTP 413 rather than 400."""
+
+
+def base_modules(base: BaseShape) -> tuple[str, ...]:
+    """The linear modules of the base's decoder layers as its checkpoint, and so PEFT, names them."""
+    fused = fused_modules(getattr(base, "architecture", None))
+    out: list[str] = []
+    for m in TARGET_MODULES:
+        owner = next((name for name, parts in fused.items() if m in parts), m)
+        if owner not in out:
+            out.append(owner)
+    return tuple(out)
 
 
 def module_shape(base: BaseShape, module: str) -> tuple[int, int]:
@@ -42,6 +59,9 @@ def module_shape(base: BaseShape, module: str) -> tuple[int, int]:
         "up_proj": (h, base.intermediate_size),
         "down_proj": (base.intermediate_size, h),
     }
+    if module in FUSED_MODULES:
+        parts = [shapes[p] for p in FUSED_MODULES[module]]
+        return parts[0][0], sum(out for _, out in parts)
     if module == "embed_tokens":
         return base.vocab_size, h
     if module == "lm_head":

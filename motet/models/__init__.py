@@ -1,0 +1,46 @@
+"""The registry of model declarations (motet/models/declaration.py): one short module per family."""
+
+from __future__ import annotations
+
+from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.granite import GRANITE
+from motet.models.llama import LLAMA
+from motet.models.mixtral import MIXTRAL
+from motet.models.phi3 import PHI3
+from motet.models.qwen2 import QWEN2
+from motet.models.qwen3 import QWEN3
+from motet.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
+
+DECLARATIONS: tuple[Architecture, ...] = (LLAMA, QWEN2, QWEN3, PHI3, GRANITE, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+_BY_NAME = {name: decl for decl in DECLARATIONS for name in decl.names}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_BY_NAME)
+
+
+def find(names) -> Architecture | None:
+    """The declaration of the first of config.json's `architectures` that motet serves."""
+    return next((_BY_NAME[n] for n in names if n in _BY_NAME), None)
+
+
+def get(name: str) -> Architecture:
+    return _BY_NAME[name]
+
+
+def fused_modules(architecture: str | None) -> dict[str, tuple[str, ...]]:
+    """The checkpoint modules that hold several projections, for an architecture name (none when unknown)."""
+    decl = _BY_NAME.get(architecture) if architecture is not None else None
+    return decl.fused_modules if decl is not None else {}
+
+
+def from_gguf(gguf_architecture: str) -> Architecture | None:
+    return next((d for d in DECLARATIONS if d.gguf == gguf_architecture), None)
+
+
+__all__ = [
+    "DECLARATIONS",
+    "SUPPORTED_ARCHITECTURES",
+    "Architecture",
+    "ModelLoadError",
+    "find",
+    "from_gguf",
+    "get",
+]

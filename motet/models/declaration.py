@@ -1,0 +1,57 @@
+"""What a model architecture is to motet: a short declaration of how its checkpoint maps onto the one decoder
+every backend runs (motet/engine/model.py: embedding, layers of attention and MLP or experts between RMS norms,
+a final norm and the head). A declaration names the Hugging Face architectures it serves, the options its
+layers use, how its config.json's own fields read, and the module names its checkpoints use where they differ
+from the decoder's. The engine, the loaders and the kernels ask the declaration; none of them tests an
+architecture's name (tests/test_model_declarations.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be served; the message names the file or field to fix."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    # The config.json `architectures` names this declaration serves (the first: the one motet writes, e.g. for
+    # a GGUF file's config).
+    names: tuple[str, ...]
+    # Attention: q/k/v biases where config.json does not say (attention_bias / qkv_bias), and each head's q and k
+    # RMS-normalized over head_dim before the rotary (Qwen3).
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    # A mixture of experts: (config.json, number of layers, source) -> the ModelConfig's expert fields
+    # (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+    # shared_expert_intermediate_size, sparse_layers). None: every layer's MLP is dense.
+    experts: Callable[[dict, int, str], dict] | None = None
+    # The family's own config.json fields: (config.json, source) -> more ModelConfig fields (Granite's
+    # multipliers). None: none.
+    options: Callable[[dict, str], dict] | None = None
+    # Checkpoint module names -> the decoder's (a name part of `model.layers.{i}...` is renamed as it is read).
+    checkpoint_names: dict[str, str] = field(default_factory=dict)
+    # A checkpoint module that holds several of the decoder's projections, their rows one after the other
+    # (Phi-3's qkv_proj: q_proj, k_proj, v_proj): split as it is read, and a LoRA adapter's factors with it.
+    fused_modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The `general.architecture` of the GGUF files llama.cpp's converter writes for it (None: not read from GGUF).
+    gguf: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def top_k_experts(cfg: dict, experts: int | None, source: str) -> int:
+    """num_experts_per_tok, checked against the number of experts (None: no layer has experts); the experts
+    compute silu only."""
+    top_k = int(cfg["num_experts_per_tok"])
+    if experts is not None and not 1 <= top_k <= experts:
+        raise ModelLoadError(
+            f"{source}: num_experts_per_tok must be between 1 and the number of experts ({experts}), got {top_k}"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {cfg['hidden_act']!r}: motet's experts compute silu only")
+    return top_k

@@ -1,0 +1,5 @@
+"""Qwen3 (dense): Llama's layers with each head's q and k RMS-normalized before the rotary, no q/k/v biases."""
+
+from motet.models.declaration import Architecture
+
+QWEN3 = Architecture(names=("Qwen3ForCausalLM",), qk_norm=True)

@@ -1,0 +1,142 @@
+"""The model declarations (motet/models/): no architecture's name is tested outside its declaration and the
+registry, each declaration is short, and the families added as a declaration alone (Qwen3, dense: Llama's
+layers with per-head q/k norms; Phi-3: fused qkv_proj / gate_up_proj checkpoints and adapters; Granite 3: four
+constant multipliers, folded into the weights) run on both CPU paths as Hugging Face transformers does: logits in batches and
+prefill chunks, greedy generation, prefix cache hits, and LoRA adapters on every projection against PEFT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import motet
+from motet.engine.config import ModelConfig, ModelLoadError
+from motet.engine.llm import LLM
+from motet.engine.sampling_params import SamplingParams
+from motet.models import DECLARATIONS, SUPPORTED_ARCHITECTURES
+from tests.test_engine import PROMPTS, engine_logits, hf_logits
+from tests.test_lora_engine import peft_reference, save_peft_adapters
+from tests.test_moe import PATHS, hf_greedy, randomize_norms
+from tests.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+PACKAGE = Path(motet.__file__).parent
+
+
+def test_no_architecture_name_is_tested_outside_the_declarations():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name == "models" and path.parent.parent == PACKAGE:
+            continue
+        text = path.read_text()
+        offenders += [f"{path.relative_to(PACKAGE)}: {n}" for n in SUPPORTED_ARCHITECTURES if n in text]
+    assert offenders == []
+
+
+def test_declarations_are_short_and_names_unique():
+    for path in (PACKAGE / "models").glob("*.py"):
+        assert len(path.read_text().splitlines()) < 150, path.name
+    names = [n for d in DECLARATIONS for n in d.names]
+    assert len(names) == len(set(names))
+
+
+def test_an_unknown_architecture_names_the_served_ones():
+    with pytest.raises(ModelLoadError, match="Qwen3ForCausalLM") as e:
+        ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"]})
+    assert "GPT2LMHeadModel" in str(e.value)
+
+
+# Families added as a declaration alone: (tiny_models arch, overrides, the LoRA adapters' targets by PEFT's names)
+FAMILIES = {
+    # per-head q/k norms, no q/k/v biases; head_dim set apart from hidden / heads as Qwen3's configs have it
+    "qwen3": (
+        "qwen3",
+        {"head_dim": 32},
+        (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]),
+    ),
+    # four constant scales, each far from 1 (attention_multiplier: not 1 / sqrt(16)), tied embeddings
+    "granite": (
+        "granite",
+        {
+            "embedding_multiplier": 6.0,
+            "attention_multiplier": 0.11,
+            "residual_multiplier": 0.3,
+            "logits_scaling": 4.0,
+            "tie_word_embeddings": True,
+        },
+        (["q_proj", "v_proj", "o_proj"], ["up_proj", "down_proj"]),
+    ),  # fmt: skip
+    # q/k/v in one qkv_proj and gate/up in one gate_up_proj, in the checkpoint and in its adapters
+    "phi3": ("phi3", {"pad_token_id": 0}, (["qkv_proj", "o_proj"], ["gate_up_proj", "down_proj"])),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    arch, overrides, targets = FAMILIES[request.param]
+    model_dir = build_tiny_model(tmp_path_factory.mktemp(request.param), arch=arch, tied=False, **overrides)
+    randomize_norms(model_dir)  # norm weights read from the wrong place would show
+    return model_dir, targets
+
+
+def test_configs_read_their_declarations(family):
+    model_dir, _ = family
+    cfg = ModelConfig.from_dir(model_dir)
+    assert not cfg.is_moe and not cfg.attention_bias
+    if cfg.architecture == "Qwen3ForCausalLM":
+        assert cfg.qk_norm and cfg.head_dim == 32
+    elif cfg.architecture == "GraniteForCausalLM":
+        assert (cfg.embedding_multiplier, cfg.attention_multiplier) == (6.0, 0.11)
+        assert (cfg.residual_multiplier, cfg.logits_scaling) == (0.3, 4.0)
+    else:
+        assert cfg.architecture == "Phi3ForCausalLM" and not cfg.qk_norm
+        assert set(cfg.declaration.fused_modules) == {"qkv_proj", "gate_up_proj"}
+
+
+def test_partial_rotary_is_refused_until_it_is_implemented(family):
+    model_dir, _ = family
+    cfg = json.loads((model_dir / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75"):
+        ModelConfig.from_dict({**cfg, "partial_rotary_factor": 0.75})
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_family_matches_transformers(family, compiled):
+    model_dir, _ = family
+    llm = LLM(
+        str(model_dir), num_kv_blocks=128, block_size=8, max_num_batched_tokens=48, compile_step=compiled
+    )
+    assert (llm.engine.runner.native is not None) == compiled
+    refs = [hf_logits(model_dir, p) for p in PROMPTS]
+    for chunk in (None, 7):  # whole prompts in one batch, then 7-token chunks
+        for got, ref in zip(engine_logits(llm.engine, PROMPTS, chunk=chunk), refs, strict=True):
+            torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
+    prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[5], PROMPTS[2]]
+    expected = hf_greedy(model_dir, prompts, 32)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    hits = llm.engine.stats().prefix_cache_hits
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected  # again, from the prefix cache
+    assert llm.engine.stats().prefix_cache_hits > hits
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_family_lora_matches_peft(family, tmp_path, compiled):
+    model_dir, (attn, mlp) = family
+    specs = [("attn", 8, attn), ("mlp", 4, mlp)]
+    peft = save_peft_adapters(model_dir, tmp_path, specs, std=0.1)
+    llm = LLM(
+        str(model_dir), num_kv_blocks=128, block_size=8, max_lora_rank=8, max_loras=2, compile_step=compiled
+    )
+    for name, _, _ in specs:
+        llm.add_lora(name, tmp_path / name)
+    prompts, names = PROMPTS[:4], ["attn", None, "mlp", "attn"]
+    got = engine_logits(llm.engine, prompts, chunk=7, adapters=names)
+    for p, n, g in zip(prompts, names, got, strict=True):
+        torch.testing.assert_close(g, peft_reference(peft, n, p, 0)[1], atol=2e-4, rtol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    for p, n, out in zip(prompts, names, llm.generate(prompts, params, adapters=names), strict=True):
+        assert out.token_ids == peft_reference(peft, n, p, 8)[0][len(p) :]
