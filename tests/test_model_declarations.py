@@ -1,7 +1,7 @@
 """The model declarations (motet/models/): no architecture's name is tested outside its declaration and the
 registry, each declaration is short, and the families added as a declaration alone (Qwen3, dense: Llama's
 layers with per-head q/k norms; Phi-3: fused qkv_proj / gate_up_proj checkpoints and adapters; Granite 3: four
-constant multipliers, folded into the weights) run on both CPU paths as Hugging Face transformers does: logits in batches and
+constant multipliers, folded into the weights) run on both CPU paths and over two tensor-parallel ranks as Hugging Face transformers does: logits in batches and
 prefill chunks, greedy generation, prefix cache hits, and LoRA adapters on every projection against PEFT."""
 
 from __future__ import annotations
@@ -140,3 +140,34 @@ def test_family_lora_matches_peft(family, tmp_path, compiled):
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     for p, n, out in zip(prompts, names, llm.generate(prompts, params, adapters=names), strict=True):
         assert out.token_ids == peft_reference(peft, n, p, 8)[0][len(p) :]
+
+
+def test_family_on_two_ranks_matches_transformers_and_peft(family, tmp_path):
+    """Tensor parallelism over two gloo ranks: each rank's heads, columns and vocabulary (Phi-3's fused tensors
+    split first, Granite's scales folded first), and adapters cut with them."""
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
+    from tests.test_tensor_parallel import tp_workers
+
+    model_dir, (attn, mlp) = family
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=128, tensor_parallel_size=2),
+        model_dir=model_dir,
+    )
+    try:
+        assert engine.runner.workers is not None
+        for got, p in zip(engine_logits(engine, PROMPTS, chunk=7), PROMPTS, strict=True):
+            torch.testing.assert_close(got, hf_logits(model_dir, p), atol=2e-4, rtol=1e-4)
+    finally:
+        engine.close()
+    specs = [("attn", 8, attn), ("mlp", 4, mlp)]
+    peft = save_peft_adapters(model_dir, tmp_path, specs, std=0.1)
+    prompts, names = PROMPTS[:3], ["attn", "mlp", None]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    with LLM(str(model_dir), num_kv_blocks=128, block_size=8, max_lora_rank=8, tensor_parallel_size=2) as llm:
+        for name, _, _ in specs:
+            llm.add_lora(name, tmp_path / name)
+        outs = llm.generate(prompts, params, adapters=names)
+    for p, n, out in zip(prompts, names, outs, strict=True):
+        assert out.token_ids == peft_reference(peft, n, p, 8)[0][len(p) :]
+    assert tp_workers() == []
