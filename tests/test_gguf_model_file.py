@@ -92,7 +92,11 @@ def write_gguf_file(
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:  # as llama.cpp's converter writes it then
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     rope = cfg.rope_parameters
@@ -124,7 +128,7 @@ def write_gguf_file(
 
     for key, value in (meta or {}).items():  # hyperparameters as a malformed file would have them
         writer.add_uint32(key, value)
-    add_llama_tensors(writer, hf, types, quantize)
+    add_llama_tensors(writer, hf, types, quantize, permute=arch == "llama")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -209,6 +213,34 @@ def test_untied_and_linear_rope_scaling_come_from_the_metadata(tmp_path):
     assert_close_but_for_rounding_flips(engine_logits(eng, PROMPTS[:3]), want)
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_native)], ids=["eager", "native"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_other_families_gguf_files_match_hf(tmp_path, cache, arch, compiled):
+    """A Qwen2 (q/k/v biases) or Qwen3 (per-head q/k norms, head_dim apart from hidden / heads) GGUF file as
+    llama.cpp's converter writes it (its own architecture's keys, q/k rows in Hugging Face's order, the qwen2
+    pre-tokenizer), in F32: served bare, logits equal transformers' on the source checkpoint."""
+    from tests.test_moe import randomize_norms
+
+    source = build_tiny_model(tmp_path / "src", arch=arch, tied=False, head_dim=32)
+    randomize_norms(source)
+    path = write_gguf_file(source, tmp_path / "bare" / f"{arch}.gguf", {}, pre="qwen2", arch=arch)
+    llm = LLM(str(path), compile_step=compiled, **OPTIONS)
+    cfg = llm.engine.runner.model.config
+    assert cfg.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert (cfg.attention_bias, cfg.qk_norm, cfg.head_dim) == (arch == "qwen2", arch == "qwen3", 32)
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [hf(torch.tensor([prompt])).logits[0] for prompt in PROMPTS]
+    for got, ref in zip(engine_logits(llm.engine, PROMPTS), want, strict=True):
+        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    # the qwen2 pre-tokenizer splits as Qwen2's tokenizer.json does: digits one by one, words with their space
+    from tokenizers import Tokenizer
+
+    (derived,) = cache.rglob("tokenizer.json")
+    pieces = Tokenizer.from_file(str(derived)).pre_tokenizer.pre_tokenize_str("ab 123 c!!")
+    assert [p for p, _ in pieces] == ["ab", "Ġ", "1", "2", "3", "Ġc", "!!"]
+
+
 def test_tokenizer_and_chat_template_from_the_metadata(tiny_source, tiny_gguf):
     llm = LLM(str(tiny_gguf), compile_step=False, **OPTIONS)
     eng, tok = llm.engine, llm.tokenizer
@@ -277,11 +309,11 @@ def test_unreadable_and_unserved_files_are_refused(tiny_source, tmp_path, cache)
     with pytest.raises(ModelLoadError, match=r"no such directory or file, and not a known model name"):
         resolve_model(str(tmp_path / "missing.gguf"))
 
-    qwen = write_gguf_file(tiny_source, tmp_path / "q" / "qwen.gguf", {}, arch="qwen2")
+    gemma = write_gguf_file(tiny_source, tmp_path / "q" / "gemma.gguf", {}, arch="gemma3")
     with pytest.raises(
-        ModelLoadError, match=r"qwen\.gguf: GGUF architecture 'qwen2'; motet serves .*'llama'"
+        ModelLoadError, match=r"gemma\.gguf: GGUF architecture 'gemma3'; motet serves .*'llama', 'qwen2'"
     ):
-        LLM(str(qwen), **OPTIONS)
+        LLM(str(gemma), **OPTIONS)
     pre = write_gguf_file(tiny_source, tmp_path / "p" / "pre.gguf", {}, pre="falcon")
     with pytest.raises(
         ModelLoadError, match=r"pre-tokenizer 'falcon' \(tokenizer\.ggml\.pre\); motet builds"

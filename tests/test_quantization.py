@@ -340,19 +340,26 @@ HF_OF_GGUF = {
 }  # fmt: skip
 
 
-def add_llama_tensors(writer, hf, types: dict[str, str], quantize) -> None:
-    """`hf`'s weights into a GGUF `writer` under llama.cpp's names (q/k rows permuted for its rotary; an
-    untied lm_head as output.weight), each in `types`' GGML type (F32 where not named), `quantize`d."""
+def add_llama_tensors(writer, hf, types: dict[str, str], quantize, permute: bool = True) -> None:
+    """`hf`'s weights into a GGUF `writer` under llama.cpp's names (q/k rows permuted for its rotary where
+    `permute`, as for the llama architecture; an untied lm_head as output.weight), each in `types`' GGML type
+    (F32 where not named), `quantize`d; q/k/v biases and per-head q/k norms (Qwen2, Qwen3) in F32."""
     import gguf
 
     cfg, state = hf.config, hf.state_dict()
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        for g, h in (("attn_q", "q_proj.bias"), ("attn_k", "k_proj.bias"), ("attn_v", "v_proj.bias"),
+                     ("attn_q_norm", "q_norm.weight"), ("attn_k_norm", "k_norm.weight")):  # fmt: skip
+            if p + h in state:
+                writer.add_tensor(f"blk.{i}.{g}.{h.rsplit('.', 1)[1]}", state[p + h].numpy())
     tensors = {"token_embd": state["model.embed_tokens.weight"], "output_norm": state["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         tensors["output"] = state["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
         for g, h in HF_OF_GGUF.items():
             w = state[f"model.layers.{i}.{h}.weight"]
-            if g in ("attn_q", "attn_k"):
+            if permute and g in ("attn_q", "attn_k"):
                 w = _llama_cpp_permute(
                     w, cfg.num_attention_heads, None if g == "attn_q" else cfg.num_key_value_heads
                 )

@@ -1,5 +1,6 @@
-"""GGUF -> a Hugging Face Llama checkpoint directory: dequantize to float32, undo llama.cpp's rotary row
-permutation of q_proj/k_proj, rename the tensors to Hugging Face names, and write config, weights and
+"""GGUF -> a Hugging Face checkpoint directory of the family its architecture names (motet/models/: llama,
+qwen2, qwen3): dequantize to float32, undo llama.cpp's rotary row permutation of q_proj/k_proj where its
+converter made one (llama), rename the tensors to Hugging Face names, and write config, weights and
 tokenizer files (motet/engine/model_store.py calls it when it pulls the default model). The config and
 tokenizer come from the file's metadata alone (`hf_config`, `write_hf_metadata`), which is all a bare GGUF
 file served as it is needs (motet/engine/gguf_model.py)."""
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from motet.engine.config import LIMITS, ModelLoadError, bounded
-from motet.models import from_gguf
+from motet.models import DECLARATIONS, find, from_gguf
 
 
 class PullError(ModelLoadError):
@@ -37,6 +38,8 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head q / k norms
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
@@ -93,6 +96,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
     meta = metadata_of(reader)
     config = hf_config(meta, [t.name for t in reader.tensors], gguf_path.name)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    permuted = find(config["architectures"]).gguf_permuted_qk
 
     out_dir.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
@@ -103,9 +107,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
         expected = tuple(int(d) for d in reversed(t.shape.tolist()))
         w = w.reshape(expected if len(expected) > 1 else (expected[0],))
         name = hf_name(t.name)
-        if name.endswith("self_attn.q_proj.weight"):
+        if permuted and name.endswith("self_attn.q_proj.weight"):
             w = unpermute_qk(w, n_head)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif permuted and name.endswith("self_attn.k_proj.weight"):
             w = unpermute_qk(w, n_kv)
         state[name] = w
     bar.close()
@@ -116,20 +120,20 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
     return out_dir
 
 
-# llama.cpp's architecture name for Llama, Mistral, SmolLM, TinyLlama, ... (one decoder layout)
-SERVED_ARCHITECTURE = "llama"
-_GGUF_FIELDS = {  # GGUF key -> the config.json field it becomes
-    "llama.vocab_size": "vocab_size",
-    "llama.embedding_length": "hidden_size",
-    "llama.feed_forward_length": "intermediate_size",
-    "llama.block_count": "num_hidden_layers",
-    "llama.attention.head_count": "num_attention_heads",
-    "llama.attention.head_count_kv": "num_key_value_heads",
-    "llama.attention.key_length": "head_dim",
-    "llama.context_length": "max_position_embeddings",
+_GGUF_FIELDS = {  # GGUF key (after the architecture's prefix: llama.block_count) -> the config.json field
+    "vocab_size": "vocab_size",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "context_length": "max_position_embeddings",
 }
 TOKENIZER_MODEL = "gpt2"  # byte-level BPE
-PRE_TOKENIZERS = ("smollm", "default", "gpt-2", "starcoder")
+PRE_TOKENIZERS = ("smollm", "default", "gpt-2", "starcoder", "qwen2")
+# Qwen2's (and Qwen3's) split before byte-level BPE: its tokenizer.json's Split pattern, one digit at a time
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _ROPE_SCALINGS = ("none", "linear")  # llama.rope.scaling.type values motet's rotary implements
 # Besides EOS, the ids llama.cpp ends a generation at (end of turn, Llama 3's <|eot_id|>; end of message).
 _END_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -148,13 +152,13 @@ def hf_config(meta: dict, tensor_names: Collection[str], source: str) -> dict:
     decl = from_gguf(arch) if isinstance(arch, str) else None
     if decl is None:
         raise refuse(
-            f"GGUF architecture {arch!r}; motet serves GGUF files of architecture {SERVED_ARCHITECTURE!r} "
-            f"(Llama, Mistral, SmolLM and the other models llama.cpp converts as 'llama'); serve other models "
-            f"from their Hugging Face checkpoint directory"
+            f"GGUF architecture {arch!r}; motet serves GGUF files of architecture "
+            f"{', '.join(repr(d.gguf) for d in DECLARATIONS if d.gguf)} ('llama': Llama, Mistral, SmolLM and the "
+            f"other models llama.cpp converts so); serve other models from their Hugging Face checkpoint directory"
         )
-    if int(meta.get("llama.expert_count") or 0) > 0:
+    if int(meta.get(f"{arch}.expert_count") or 0) > 0:
         raise refuse(
-            f"a mixture of experts ({meta['llama.expert_count']} experts); motet serves dense models"
+            f"a mixture of experts ({meta[f'{arch}.expert_count']} experts); motet serves dense models"
         )
     tok_model = meta.get("tokenizer.ggml.model")
     if tok_model != TOKENIZER_MODEL:
@@ -172,38 +176,40 @@ def hf_config(meta: dict, tensor_names: Collection[str], source: str) -> dict:
             "rope frequency factors (a rope_freqs tensor, as Llama 3.1 and later store their rope scaling); "
             "motet does not read them from a GGUF file: serve the model's Hugging Face checkpoint directory"
         )
-    scaling = meta.get("llama.rope.scaling.type", "none")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in _ROPE_SCALINGS:
-        raise refuse(f"rope scaling {scaling!r} (llama.rope.scaling.type); motet implements {_ROPE_SCALINGS}")
+        raise refuse(
+            f"rope scaling {scaling!r} ({arch}.rope.scaling.type); motet implements {_ROPE_SCALINGS}"
+        )
     try:
         # The hyperparameters under their GGUF names, each within what a config may say (config.py LIMITS)
         # before anything is computed from them.
-        for key, field in _GGUF_FIELDS.items():
-            if key in meta:
+        for suffix, field in _GGUF_FIELDS.items():
+            if (key := f"{arch}.{suffix}") in meta:
                 bounded(meta[key], key, source, *LIMITS[field])
-        n_head = int(meta["llama.attention.head_count"])
-        hidden = int(meta["llama.embedding_length"])
-        head_dim = int(meta.get("llama.attention.key_length", hidden // n_head))
-        rotary = int(meta.get("llama.rope.dimension_count", head_dim))
-        context = int(meta["llama.context_length"])
+        n_head = int(meta[f"{arch}.attention.head_count"])
+        hidden = int(meta[f"{arch}.embedding_length"])
+        head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_head))
+        rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+        context = int(meta[f"{arch}.context_length"])
         config = {
             "architectures": [decl.name],
-            "model_type": "llama",
-            "vocab_size": int(meta.get("llama.vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+            "model_type": arch,
+            "vocab_size": int(meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"]))),
             "hidden_size": hidden,
-            "intermediate_size": int(meta["llama.feed_forward_length"]),
-            "num_hidden_layers": int(meta["llama.block_count"]),
+            "intermediate_size": int(meta[f"{arch}.feed_forward_length"]),
+            "num_hidden_layers": int(meta[f"{arch}.block_count"]),
             "num_attention_heads": n_head,
-            "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", n_head)),
+            "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", n_head)),
             "head_dim": head_dim,
             "hidden_act": "silu",
             "max_position_embeddings": context,
-            "rms_norm_eps": _f32_round(meta["llama.attention.layer_norm_rms_epsilon"]),
-            "rope_theta": _f32_round(meta.get("llama.rope.freq_base", 10000.0)),
+            "rms_norm_eps": _f32_round(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+            "rope_theta": _f32_round(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             "rope_scaling": None
             if scaling == "none"
-            else {"rope_type": "linear", "factor": _f32_round(meta["llama.rope.scaling.factor"])},
-            "attention_bias": False,
+            else {"rope_type": "linear", "factor": _f32_round(meta[f"{arch}.rope.scaling.factor"])},
+            "attention_bias": "blk.0.attn_q.bias" in tensor_names,
             "attention_dropout": 0.0,
             "mlp_bias": False,
             "initializer_range": 0.02,
@@ -255,6 +261,18 @@ def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if cfg["attention_bias"]:
+            q = cfg["num_attention_heads"] * cfg["head_dim"]
+            want |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
+        if find(cfg["architectures"]).qk_norm:
+            want |= {
+                p + "self_attn.q_norm.weight": (cfg["head_dim"],),
+                p + "self_attn.k_norm.weight": (cfg["head_dim"],),
+            }
     if not cfg["tie_word_embeddings"]:
         want["lm_head.weight"] = (cfg["vocab_size"], h)
     missing = sorted(set(want) - set(state))
@@ -296,6 +314,15 @@ def _write_tokenizer(
     if pre in ("smollm", "starcoder"):
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre == "qwen2":
+        from tokenizers import Regex
+
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+            ]
         )
     else:
         tok.pre_tokenizer = byte_level

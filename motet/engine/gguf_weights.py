@@ -1,13 +1,13 @@
 """A GGUF file's weights as the model loader takes them, its quantized projections kept in blocks.
 
-`--quantization gguf` serves a model directory's GGUF file (the default model keeps the Q4_1 file it was
-pulled from, as `model.gguf`) without dequantizing its projections to floats: each block type maps onto
-motet's int4 or int8 format (motet/kernels/ggml_blocks.py: Q8_0 and Q4_1 as they are, Q4_0 and Q4_K as int4,
-every other type gguf-py can dequantize requantized into int8, logged once per file), with llama.cpp's
-rotary row order of q/k undone by permuting whole rows. The lm_head comes in blocks the same way (and a
-tied embedding table, which is the lm_head too: `_keep_quantized`); float projections (F32, F16, BF16), norms
-and an untied embedding table are read as fp32. A tensor in a type gguf-py cannot dequantize is refused,
-naming the tensor and its type.
+`--quantization gguf` serves a model directory's GGUF file (the default model keeps the Q4_1 file it was pulled
+from, as `model.gguf`) without dequantizing its projections to floats: each block type maps onto motet's int4 or
+int8 format (motet/kernels/ggml_blocks.py: Q8_0 and Q4_1 as they are, Q4_0 and Q4_K as int4, every other type
+gguf-py can dequantize requantized into int8, logged once per file), with llama.cpp's rotary row order of q/k
+undone by permuting whole rows (llama's files; Qwen's keep Hugging Face's order). The lm_head comes in blocks
+the same way (and a tied embedding table, which is the lm_head too: `_keep_quantized`); float projections (F32,
+F16, BF16), norms and an untied embedding table are read as fp32. A tensor in a type gguf-py cannot dequantize
+is refused, naming the tensor and its type.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from motet.engine.gguf_convert import hf_name, unpermute_qk
 from motet.engine.model import CausalLM
 from motet.kernels import ggml_blocks
 from motet.kernels.quant import FORMATS, INT8, QuantizedWeight, WeightFormat
+from motet.models import from_gguf
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,11 @@ def _int(meta, key: str, default: int | None = None) -> int:
             raise ModelLoadError(f"GGUF metadata has no {key!r}")
         return default
     return int(field.contents())
+
+
+def _str(meta, key: str) -> str | None:
+    field = meta.get_field(key)
+    return None if field is None else str(field.contents())
 
 
 def _keep_quantized(name: str, tied: bool) -> bool:
@@ -104,7 +110,7 @@ def _fused_layer(name: str) -> str:
 
 
 def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """(Hugging Face name, fp32 tensor or QuantizedWeight) for every tensor of a llama GGUF file. Every
+    """(Hugging Face name, fp32 tensor or QuantizedWeight) for every tensor of a GGUF file of a declared family. Every
     tensor's type is checked before the first is yielded."""
     import gguf
 
@@ -113,8 +119,14 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
-    n_head = _int(reader, "llama.attention.head_count")
-    heads = {"q_proj": n_head, "k_proj": _int(reader, "llama.attention.head_count_kv", n_head)}
+    arch = _str(reader, "general.architecture")
+    decl = from_gguf(arch)
+    if decl is None:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not one motet serves")
+    n_head = _int(reader, f"{arch}.attention.head_count")
+    heads = {"q_proj": n_head, "k_proj": _int(reader, f"{arch}.attention.head_count_kv", n_head)}
+    if not decl.gguf_permuted_qk:  # rows in Hugging Face's order already
+        heads = {}
     tied = all(hf_name(t.name) != _LM_HEAD for t in reader.tensors)
     kept = {}  # Hugging Face name -> (GGML type, its name), for the tensors kept quantized
     for t in reader.tensors:

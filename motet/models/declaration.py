@@ -36,8 +36,11 @@ class Architecture:
     # A checkpoint module that holds several of the decoder's projections, their rows one after the other
     # (Phi-3's qkv_proj: q_proj, k_proj, v_proj): split as it is read, and a LoRA adapter's factors with it.
     fused_modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # The `general.architecture` of the GGUF files llama.cpp's converter writes for it (None: not read from GGUF).
+    # The `general.architecture` of the GGUF files llama.cpp's converter writes for it (None: not read from GGUF),
+    # the prefix of its hyperparameters' keys, and whether that converter interleaved q/k rows for its rotary
+    # (llama's `permute`; Qwen's files keep Hugging Face's order).
     gguf: str | None = None
+    gguf_permuted_qk: bool = False
 
     @property
     def name(self) -> str:

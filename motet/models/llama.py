@@ -3,4 +3,4 @@
 
 from motet.models.declaration import Architecture
 
-LLAMA = Architecture(names=("LlamaForCausalLM", "MistralForCausalLM"), gguf="llama")
+LLAMA = Architecture(names=("LlamaForCausalLM", "MistralForCausalLM"), gguf="llama", gguf_permuted_qk=True)

@@ -2,4 +2,4 @@
 
 from motet.models.declaration import Architecture
 
-QWEN2 = Architecture(names=("Qwen2ForCausalLM",), qkv_bias=True)
+QWEN2 = Architecture(names=("Qwen2ForCausalLM",), qkv_bias=True, gguf="qwen2")

@@ -2,4 +2,4 @@
 
 from motet.models.declaration import Architecture
 
-QWEN3 = Architecture(names=("Qwen3ForCausalLM",), qk_norm=True)
+QWEN3 = Architecture(names=("Qwen3ForCausalLM",), qk_norm=True, gguf="qwen3")
