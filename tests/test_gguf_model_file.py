@@ -241,6 +241,23 @@ def test_other_families_gguf_files_match_hf(tmp_path, cache, arch, compiled):
     assert [p for p, _ in pieces] == ["ab", "Ġ", "1", "2", "3", "Ġc", "!!"]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_other_families_gguf_files_convert_to_their_checkpoints(tmp_path, arch):
+    """`convert_gguf` (what `motet pull` runs) writes the family's own Hugging Face directory: transformers loads
+    it as that family and computes the source checkpoint's logits exactly (F32 tensors)."""
+    from motet.engine.gguf_convert import convert_gguf
+
+    source = build_tiny_model(tmp_path / "src", arch=arch, tied=False, head_dim=32)
+    path = write_gguf_file(source, tmp_path / "g" / "m.gguf", {}, pre="qwen2", arch=arch)
+    converted = AutoModelForCausalLM.from_pretrained(convert_gguf(path, tmp_path / "out")).eval()
+    hf = AutoModelForCausalLM.from_pretrained(source).eval()
+    assert type(converted) is type(hf)
+    with torch.no_grad():
+        for prompt in PROMPTS[:3]:
+            ids = torch.tensor([prompt])
+            torch.testing.assert_close(converted(ids).logits, hf(ids).logits, atol=0, rtol=0)
+
+
 def test_tokenizer_and_chat_template_from_the_metadata(tiny_source, tiny_gguf):
     llm = LLM(str(tiny_gguf), compile_step=False, **OPTIONS)
     eng, tok = llm.engine, llm.tokenizer
