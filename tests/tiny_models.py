@@ -13,6 +13,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -74,6 +75,7 @@ def build_tiny_model(path: Path, arch: str = "llama", tied: bool = True, seed: i
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,  # q_norm / k_norm per head, no q/k/v biases
         "granite": GraniteConfig,  # embedding / attention / residual multipliers, logits scaling
+        "olmo2": Olmo2Config,  # post-norms, q/k norms across heads
         "phi3": Phi3Config,  # q/k/v in one qkv_proj, gate/up in one gate_up_proj
         "mixtral": MixtralConfig,  # overrides: num_local_experts, num_experts_per_tok
         "qwen2_moe": Qwen2MoeConfig,  # overrides: num_experts, moe_intermediate_size, shared_expert_...

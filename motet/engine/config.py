@@ -75,6 +75,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2 has q/k/v biases
     qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalized (over head_dim) before the rotary
+    qk_norm_whole: bool = False  # OLMo 2: those norms over all heads of q (of k) at once
+    post_norms: bool = False  # OLMo 2: each block's output normed before the residual add, no norm before it
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -169,6 +171,8 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", decl.qkv_bias))),
                 qk_norm=decl.qk_norm,
+                qk_norm_whole=decl.qk_norm_whole,
+                post_norms=decl.post_norms,
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,

@@ -54,6 +54,8 @@ def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
     return (
         cpu_native.library() is not None
         and not model.parallel.expert_parallel  # the MoE op has no all-to-all: the eager model dispatches
+        and not cfg.post_norms  # OLMo 2's layer (norms after the blocks, q/k normed across heads): eager for now
+        and not cfg.qk_norm_whole
         and model.embed_tokens.weight.dtype in cpu_native.DTYPE_CODES
         and kv_dtype in cpu_native.DTYPE_CODES
         and cfg.num_attention_heads % cfg.num_key_value_heads == 0

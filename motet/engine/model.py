@@ -168,8 +168,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
         # Qwen3: each head's q and k RMS-normalized over head_dim before the rotary
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # OLMo 2's span all heads (of a whole model: parallel.py refuses to split them)
+            q_width, k_width = (
+                (self.q_size, self.kv_size) if cfg.qk_norm_whole else (self.head_dim, self.head_dim)
+            )
+            self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps)
+        self.qk_norm_whole = cfg.qk_norm_whole
 
     def forward(
         self, x, angles: RotaryAngles, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None
@@ -182,10 +188,14 @@ class Attention(nn.Module):
         # q, k, v: views of qkv's columns. Qwen3's q/k norms, the rotary and the KV write: one kernel on CUDA
         # (q rotated in place, k rotated into the cache), the torch reference elsewhere
         q_end, k_end = self.q_size, self.q_size + self.kv_size
+        if self.qk_norm_whole:  # OLMo 2: normed across heads first, in qkv's own columns
+            qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
+            qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
         q = qkv[:, :q_end].view(T, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+        per_head = self.q_norm is not None and not self.qk_norm_whole
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if per_head else ()
         rotary_kv = rope_kv.rotary_kv_write if rope_kv.applies(qkv) else rope_kv.rotary_kv_reference
         k_cache, v_cache = kv_cache
         q = rotary_kv(q, k, v, angles, k_cache, v_cache, meta.slot_mapping, *norms)
@@ -364,9 +374,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
         super().__init__()
         self.parallel = parallel
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norms = cfg.post_norms
+        # OLMo 2 has no norm before a block; its two norms come after them
+        self.input_layernorm = None if cfg.post_norms else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MLP | SparseMoE = (
             SparseMoE(cfg, layer_idx, parallel)
             if layer_idx in cfg.sparse_layers
@@ -377,6 +391,8 @@ class DecoderLayer(nn.Module):
         """`x`: the previous layer's output, `residual`: the stream it adds to (None in the first layer, whose
         `x` is the embeddings). Returns this layer's MLP output and the stream before it: the next norm adds
         them (fused with the norm on CUDA; vLLM carries the residual the same way)."""
+        if self.post_norms:
+            return self._post_norm_forward(x, residual, angles, meta, kv_cache, lora)
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -386,6 +402,14 @@ class DecoderLayer(nn.Module):
         h = self.parallel.all_reduce(self.self_attn(h, angles, meta, kv_cache, lora))
         h, residual = self.post_attention_layernorm(h, residual)
         return self.parallel.all_reduce(self.mlp(h, lora)), residual
+
+    def _post_norm_forward(self, x, residual, angles, meta, kv_cache, lora):
+        """OLMo 2's layer, carrying the stream as the others do: the blocks read it as it is, and their outputs
+        are normed before they join it."""
+        stream = x if residual is None else x + residual
+        h = self.parallel.all_reduce(self.self_attn(stream, angles, meta, kv_cache, lora))
+        stream = stream + self.post_attention_layernorm(h)
+        return self.post_feedforward_layernorm(self.parallel.all_reduce(self.mlp(stream, lora))), stream
 
 
 QUANTIZE_BYTES = 1 << 20  # the fp32 values `load_weights` quantizes at once

@@ -61,6 +61,11 @@ class Parallel:
         """(start, count) of this rank's query heads and of its key/value heads: whole groups (a KV head and
         the query heads that read it), as evenly as they split (SmolLM2-135M's 3 groups over 2 ranks: 2 + 1)."""
         kv = cfg.num_key_value_heads
+        if cfg.qk_norm_whole and self.enabled:
+            raise ModelLoadError(
+                f"tensor parallelism of {cfg.architecture}'s q/k norms across all heads is not implemented yet "
+                f"(each rank would need the others' heads): serve it with --tensor-parallel-size 1"
+            )
         if kv < self.size:
             raise ModelLoadError(
                 f"tensor parallelism over {self.size} ranks splits the model's {kv} key/value heads, one at least "

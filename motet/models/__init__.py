@@ -6,12 +6,23 @@ from motet.models.declaration import Architecture, ModelLoadError
 from motet.models.granite import GRANITE
 from motet.models.llama import LLAMA
 from motet.models.mixtral import MIXTRAL
+from motet.models.olmo2 import OLMO2
 from motet.models.phi3 import PHI3
 from motet.models.qwen2 import QWEN2
 from motet.models.qwen3 import QWEN3
 from motet.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
 
-DECLARATIONS: tuple[Architecture, ...] = (LLAMA, QWEN2, QWEN3, PHI3, GRANITE, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+DECLARATIONS: tuple[Architecture, ...] = (
+    LLAMA,
+    QWEN2,
+    QWEN3,
+    PHI3,
+    GRANITE,
+    OLMO2,
+    MIXTRAL,
+    QWEN2_MOE,
+    QWEN3_MOE,
+)
 _BY_NAME = {name: decl for decl in DECLARATIONS for name in decl.names}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_BY_NAME)
 

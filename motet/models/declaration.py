@@ -24,6 +24,10 @@ class Architecture:
     # RMS-normalized over head_dim before the rotary (Qwen3).
     qkv_bias: bool = False
     qk_norm: bool = False
+    # OLMo 2: the q and k norms span all heads (q_norm over num_heads x head_dim) rather than each head, and each
+    # block's output is normed before it joins the residual stream, with no norm before the block.
+    qk_norm_whole: bool = False
+    post_norms: bool = False
     # A mixture of experts: (config.json, number of layers, source) -> the ModelConfig's expert fields
     # (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
     # shared_expert_intermediate_size, sparse_layers). None: every layer's MLP is dense.

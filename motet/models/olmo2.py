@@ -1,0 +1,6 @@
+"""OLMo 2 (Olmo2ForCausalLM): q and k RMS-normalized over all their heads, and post-norms: each block (attention,
+MLP) reads the residual stream as it is and its output is normed before it joins the stream."""
+
+from motet.models.declaration import Architecture
+
+OLMO2 = Architecture(names=("Olmo2ForCausalLM",), qk_norm=True, qk_norm_whole=True, post_norms=True)
