@@ -1,8 +1,9 @@
 """The model declarations (motet/models/): no architecture's name is tested outside its declaration and the
 registry, each declaration is short, and the families added as a declaration alone (Qwen3, dense: Llama's
 layers with per-head q/k norms; Phi-3: fused qkv_proj / gate_up_proj checkpoints and adapters; Granite 3: four
-constant multipliers, folded into the weights; OLMo 2: post-norms and q/k norms across heads, in the eager decoder)
-run on both CPU paths and over two tensor-parallel ranks (OLMo 2: eager, one rank) as Hugging Face transformers does: logits in batches and
+constant multipliers, folded into the weights; OLMo 2: post-norms and q/k norms across heads; Gemma 3: sandwich
+norms, GeGLU, sliding-window layers with their own rope base) run on both CPU paths (OLMo 2 and Gemma 3: the eager
+decoder in both) and over two tensor-parallel ranks (OLMo 2: refused) as Hugging Face transformers does: logits in batches and
 prefill chunks, greedy generation, prefix cache hits, and LoRA adapters on every projection against PEFT."""
 
 from __future__ import annotations
@@ -76,6 +77,23 @@ FAMILIES = {
         {"pad_token_id": 0},
         (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "down_proj"]),
     ),
+    # sandwich norms (1 + w), GeGLU, embeddings times sqrt(hidden), a query scale apart from head_dim, a
+    # sliding-window layer with its own rope base beside a global one (transformers >= 5 nests the bases)
+    "gemma3": (
+        "gemma3",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "pad_token_id": 0,
+            "tie_word_embeddings": True,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+        },
+        (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]),
+    ),  # fmt: skip
     # q/k/v in one qkv_proj and gate/up in one gate_up_proj, in the checkpoint and in its adapters
     "phi3": ("phi3", {"pad_token_id": 0}, (["qkv_proj", "o_proj"], ["gate_up_proj", "down_proj"])),
 }
@@ -89,9 +107,10 @@ def family(request, tmp_path_factory):
     return model_dir, targets
 
 
-# Families whose layer the native CPU step and tensor parallelism do not run yet: the eager decoder serves them
-# (on the CPU, with or without --no-compile), on one rank.
-EAGER_ONLY = {"Olmo2ForCausalLM"}
+# Families whose layer the native CPU step does not run yet: the eager decoder serves them (on the CPU, with or
+# without --no-compile); OLMo 2's also on one rank only.
+EAGER_ONLY = {"Olmo2ForCausalLM", "Gemma3ForCausalLM"}
+ONE_RANK = {"Olmo2ForCausalLM"}
 
 
 def native_expected(model_dir, compiled: bool) -> bool:
@@ -106,6 +125,24 @@ def test_configs_read_their_declarations(family):
         assert cfg.qk_norm and cfg.head_dim == 32
     elif cfg.architecture == "Olmo2ForCausalLM":
         assert cfg.qk_norm and cfg.qk_norm_whole and cfg.post_norms
+    elif cfg.architecture == "Gemma3ForCausalLM":
+        assert (
+            cfg.pre_norms
+            and cfg.post_norms
+            and cfg.norm_weight_offset == 1.0
+            and cfg.hidden_act == "gelu_tanh"
+        )
+        assert cfg.sliding_layers == (0,) and (cfg.rope_local_theta, cfg.rope_theta) == (500.0, 1e6)
+        assert cfg.embedding_multiplier == 8.0 and cfg.attention_multiplier == 24**-0.5
+        # the Hub's configs say the bases at the top level
+        raw = json.loads((model_dir / "config.json").read_text())
+        raw.pop("rope_parameters")
+        hub = ModelConfig.from_dict({**raw, "rope_theta": 1e6, "rope_local_base_freq": 10000.0})
+        assert (hub.rope_local_theta, hub.rope_theta) == (10000.0, 1e6)
+        with pytest.raises(
+            ModelLoadError, match="final_logit_softcapping 30.0: soft-capping is not implemented"
+        ):
+            ModelConfig.from_dict({**raw, "final_logit_softcapping": 30.0})
     elif cfg.architecture == "GraniteForCausalLM":
         assert (cfg.embedding_multiplier, cfg.attention_multiplier) == (6.0, 0.11)
         assert (cfg.residual_multiplier, cfg.logits_scaling) == (0.3, 4.0)
@@ -168,7 +205,7 @@ def test_family_on_two_ranks_matches_transformers_and_peft(family, tmp_path):
     from tests.test_tensor_parallel import tp_workers
 
     model_dir, (attn, mlp) = family
-    if ModelConfig.from_dir(model_dir).architecture in EAGER_ONLY:
+    if ModelConfig.from_dir(model_dir).architecture in ONE_RANK:
         with pytest.raises(ModelLoadError, match="tensor-parallel-size 1"):
             LLMEngine(
                 EngineConfig(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=2),

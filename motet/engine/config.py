@@ -76,7 +76,16 @@ class ModelConfig:
     attention_bias: bool  # Qwen2 has q/k/v biases
     qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalized (over head_dim) before the rotary
     qk_norm_whole: bool = False  # OLMo 2: those norms over all heads of q (of k) at once
-    post_norms: bool = False  # OLMo 2: each block's output normed before the residual add, no norm before it
+    post_norms: bool = False  # OLMo 2, Gemma: each block's output normed before the residual add
+    pre_norms: bool = True  # a norm before each block (all but OLMo 2)
+    norm_weight_offset: float = (
+        0.0  # Gemma: a norm multiplies by offset + w (added to the weights as they load)
+    )
+    hidden_act: str = "silu"  # the MLP's: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    # Gemma 3: the layers with sliding-window attention (served within the window: they attend to everything)
+    # and their rope base, apart from the global layers' rope_theta and rope_scaling
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -105,7 +114,10 @@ class ModelConfig:
         A LoRA delta on one of those modules is scaled alike (motet/lora/adapter.py)."""
         scales = {}
         if self.attention_multiplier is not None:  # the kernels' 1/sqrt(head_dim) then gives the multiplier
-            scales["q_proj"] = self.attention_multiplier * math.sqrt(self.head_dim)
+            # (into q's norm where it has one: the norm would undo a scale before it)
+            scales["q_norm" if self.qk_norm else "q_proj"] = self.attention_multiplier * math.sqrt(
+                self.head_dim
+            )
         if self.residual_multiplier != 1.0:
             scales["o_proj"] = scales["down_proj"] = self.residual_multiplier
         if self.logits_scaling != 1.0:
@@ -142,6 +154,8 @@ class ModelConfig:
             rope_theta = cfg.get("rope_theta")
             if rope_theta is None:  # transformers >= 5 nests theta inside rope_parameters
                 rope_params = cfg.get("rope_parameters") or {}
+                # per layer type (Gemma 3's): the global layers' here, the others' in the declaration
+                rope_params = rope_params.get("full_attention", rope_params)
                 rope_theta = rope_params.get("rope_theta", 10000.0)
                 if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                     rope_scaling = rope_params
@@ -173,6 +187,8 @@ class ModelConfig:
                 qk_norm=decl.qk_norm,
                 qk_norm_whole=decl.qk_norm_whole,
                 post_norms=decl.post_norms,
+                pre_norms=decl.pre_norms,
+                norm_weight_offset=decl.norm_weight_offset,
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
@@ -249,8 +265,6 @@ def _check(cfg: ModelConfig, source: str) -> None:
         raise ModelLoadError(f"{source}: rope_theta must be a positive number, got {cfg.rope_theta}")
     if cfg.sliding_window is not None:
         bounded(cfg.sliding_window, "sliding_window", source, 1, 2**24)
-    if cfg.attention_multiplier is not None and cfg.qk_norm:  # q_norm would undo the scale folded into q_proj
-        raise ModelLoadError(f"{source}: an attention_multiplier with per-head q/k norms is not implemented")
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

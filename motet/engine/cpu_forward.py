@@ -54,8 +54,12 @@ def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
     return (
         cpu_native.library() is not None
         and not model.parallel.expert_parallel  # the MoE op has no all-to-all: the eager model dispatches
-        and not cfg.post_norms  # OLMo 2's layer (norms after the blocks, q/k normed across heads): eager for now
+        # OLMo 2's and Gemma 3's layers (norms after the blocks, q/k normed across heads, GeGLU, a rope base
+        # per layer): the eager decoder for now
+        and not cfg.post_norms
         and not cfg.qk_norm_whole
+        and cfg.hidden_act == "silu"
+        and not cfg.sliding_layers
         and model.embed_tokens.weight.dtype in cpu_native.DTYPE_CODES
         and kv_dtype in cpu_native.DTYPE_CODES
         and cfg.num_attention_heads % cfg.num_key_value_heads == 0

@@ -18,6 +18,7 @@ model's dtype on top.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -238,6 +239,7 @@ class MLP(nn.Module):
         self.intermediate = self.columns[1]
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma's GeGLU: GELU (tanh) in place of SiLU
 
     def forward(self, x, lora: LoRABatch | None = None):
         gate_up = self.gate_up_proj(x)
@@ -245,8 +247,14 @@ class MLP(nn.Module):
             sizes = (self.intermediate, self.intermediate)
             lora.add(gate_up, x, self.layer_idx, ("gate_proj", "up_proj"), sizes)
         # SiLU(gate) * up: one kernel on CUDA (motet/kernels/activation.py), its torch reference elsewhere
-        swiglu = activation.silu_and_mul if activation.applies(gate_up) else activation.silu_and_mul_reference
-        h = swiglu(gate_up)
+        if self.gelu:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        else:
+            swiglu = (
+                activation.silu_and_mul if activation.applies(gate_up) else activation.silu_and_mul_reference
+            )
+            h = swiglu(gate_up)
         y = self.down_proj(h)
         if lora is not None:
             lora.add(y, h, self.layer_idx, ("down_proj",), (y.shape[1],))
@@ -374,13 +382,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
         super().__init__()
         self.parallel = parallel
-        self.post_norms = cfg.post_norms
-        # OLMo 2 has no norm before a block; its two norms come after them
-        self.input_layernorm = None if cfg.post_norms else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_norms, self.post_norms = cfg.pre_norms, cfg.post_norms
+        # Llama's norms come before the blocks (post_attention_layernorm: the one before the MLP), OLMo 2's after
+        # them (attn_out_norm, mlp_out_norm), Gemma's both
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
+        self.input_layernorm = norm() if cfg.pre_norms else None
         self.self_attn = Attention(cfg, layer_idx, parallel)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm() if cfg.pre_norms else None
         if cfg.post_norms:
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.attn_out_norm, self.mlp_out_norm = norm(), norm()
         self.mlp: MLP | SparseMoE = (
             SparseMoE(cfg, layer_idx, parallel)
             if layer_idx in cfg.sparse_layers
@@ -391,25 +401,25 @@ class DecoderLayer(nn.Module):
         """`x`: the previous layer's output, `residual`: the stream it adds to (None in the first layer, whose
         `x` is the embeddings). Returns this layer's MLP output and the stream before it: the next norm adds
         them (fused with the norm on CUDA; vLLM carries the residual the same way)."""
-        if self.post_norms:
-            return self._post_norm_forward(x, residual, angles, meta, kv_cache, lora)
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        if self.pre_norms:
+            h, residual = (
+                (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+            )
+        else:  # the block reads the stream as it is
+            residual = x if residual is None else x + residual
+            h = residual
         # each block's output is a partial sum over the tensor-parallel ranks: one all-reduce completes it
         # before it joins the stream
-        h = self.parallel.all_reduce(self.self_attn(h, angles, meta, kv_cache, lora))
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.parallel.all_reduce(self.mlp(h, lora)), residual
-
-    def _post_norm_forward(self, x, residual, angles, meta, kv_cache, lora):
-        """OLMo 2's layer, carrying the stream as the others do: the blocks read it as it is, and their outputs
-        are normed before they join it."""
-        stream = x if residual is None else x + residual
-        h = self.parallel.all_reduce(self.self_attn(stream, angles, meta, kv_cache, lora))
-        stream = stream + self.post_attention_layernorm(h)
-        return self.post_feedforward_layernorm(self.parallel.all_reduce(self.mlp(stream, lora))), stream
+        a = self.parallel.all_reduce(self.self_attn(h, angles, meta, kv_cache, lora))
+        if self.post_norms:
+            a = self.attn_out_norm(a)
+        if self.pre_norms:
+            h, residual = self.post_attention_layernorm(a, residual)
+        else:
+            residual = residual + a
+            h = residual
+        m = self.parallel.all_reduce(self.mlp(h, lora))
+        return (self.mlp_out_norm(m) if self.post_norms else m), residual
 
 
 QUANTIZE_BYTES = 1 << 20  # the fp32 values `load_weights` quantizes at once
@@ -438,6 +448,15 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+        # Gemma 3's sliding-window layers rotate with their own base (and no scaling)
+        self.local_rope = self._local_rope(cfg, max_positions)
+
+    @staticmethod
+    def _local_rope(cfg: ModelConfig, max_positions: int | None) -> RotaryEmbedding | None:
+        if not cfg.sliding_layers or cfg.rope_local_theta is None:
+            return None
+        local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
+        return RotaryEmbedding(local, max_positions or cfg.max_position_embeddings)
 
     @classmethod
     def allocate(
@@ -461,7 +480,7 @@ class CausalLM(nn.Module):
         deferred.discard(id(model.embed_tokens.weight))  # a tied lm_head is the embedding table
         made: dict[int, nn.Parameter] = {}  # (a tied parameter is made once)
         for module in model.modules():
-            if module is model.rope:
+            if module is model.rope or module is model.local_rope:
                 continue
             for key, p in module._parameters.items():
                 if p is not None and id(p) not in deferred:
@@ -469,6 +488,8 @@ class CausalLM(nn.Module):
                         made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), False)
                     module._parameters[key] = made[id(p)]
         model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
+        local = cls._local_rope(cfg, max_positions)
+        model.local_rope = local.to(device) if local is not None else None
         return model
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -501,8 +522,10 @@ class CausalLM(nn.Module):
         """Returns the final hidden states [T, hidden]; `compute_logits` maps chosen rows to logits."""
         x, residual = self.embed_input(input_ids, lora), None
         angles = self.rope(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, angles, meta, kv_cache, lora)
+        local = self.local_rope(positions) if self.local_rope is not None else angles
+        sliding = self.config.sliding_layers
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x, residual = layer(x, residual, local if i in sliding else angles, meta, kv_cache, lora)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -700,14 +723,16 @@ class CausalLM(nn.Module):
                 start += n
 
     def _folded(self, weights):
-        """The family's constant scales folded into the weights they follow (ModelConfig.weight_scales: Granite's
-        attention and residual multipliers into q_proj, o_proj and down_proj, its logits scaling into the final
-        norm), so that every backend computes them without an op of its own."""
+        """The family's constants folded into the weights they follow, so that every backend computes them
+        without an op of its own: its scales (ModelConfig.weight_scales: Granite's attention and residual
+        multipliers into q_proj, o_proj and down_proj, its logits scaling into the final norm; Gemma's attention
+        scale into q_norm) and its norm weights' offset (Gemma's 1 + w)."""
         scales, renames = self.config.weight_scales, self.config.declaration.checkpoint_names
         for hf_name, tensor in weights:
             parts = hf_name.removeprefix("model.").split(".")
             module = renames.get(parts[-2], parts[-2]) if len(parts) > 1 else ""
-            if module not in scales or (module == "norm" and len(parts) != 2):
+            offset = self.config.norm_weight_offset if module.endswith("norm") else 0.0
+            if (module not in scales or (module == "norm" and len(parts) != 2)) and not offset:
                 yield hf_name, tensor
                 continue
             if isinstance(tensor, QuantizedWeight):
@@ -716,7 +741,7 @@ class CausalLM(nn.Module):
                     "folded into it, which its blocks do not allow"
                 )
             loaded = tensor.load() if isinstance(tensor, StoredTensor) else tensor
-            yield hf_name, loaded.float() * scales[module]
+            yield hf_name, (loaded.float() + offset) * scales.get(module, 1.0)
 
     @torch.no_grad()
     def load_weights(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.gemma3 import GEMMA3
 from motet.models.granite import GRANITE
 from motet.models.llama import LLAMA
 from motet.models.mixtral import MIXTRAL
@@ -19,6 +20,7 @@ DECLARATIONS: tuple[Architecture, ...] = (
     PHI3,
     GRANITE,
     OLMO2,
+    GEMMA3,
     MIXTRAL,
     QWEN2_MOE,
     QWEN3_MOE,

@@ -28,6 +28,10 @@ class Architecture:
     # block's output is normed before it joins the residual stream, with no norm before the block.
     qk_norm_whole: bool = False
     post_norms: bool = False
+    # Gemma: norms before the blocks too (sandwich norms, with post_norms), norm weights stored as an offset
+    # from 1 (RMSNorm multiplies by 1 + w), and the MLP's activation (config.json's hidden_activation).
+    pre_norms: bool = True
+    norm_weight_offset: float = 0.0
     # A mixture of experts: (config.json, number of layers, source) -> the ModelConfig's expert fields
     # (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
     # shared_expert_intermediate_size, sparse_layers). None: every layer's MLP is dense.

@@ -3,4 +3,15 @@ MLP) reads the residual stream as it is and its output is normed before it joins
 
 from motet.models.declaration import Architecture
 
-OLMO2 = Architecture(names=("Olmo2ForCausalLM",), qk_norm=True, qk_norm_whole=True, post_norms=True)
+OLMO2 = Architecture(
+    names=("Olmo2ForCausalLM",),
+    qk_norm=True,
+    qk_norm_whole=True,
+    pre_norms=False,
+    post_norms=True,
+    # its norms after the attention and the MLP -> the decoder's names for them
+    checkpoint_names={
+        "post_attention_layernorm": "attn_out_norm",
+        "post_feedforward_layernorm": "mlp_out_norm",
+    },
+)

@@ -1,0 +1,44 @@
+"""Gemma 3, text (Gemma3ForCausalLM): sandwich norms (before and after each block) whose weights are offsets from
+1, per-head q/k norms, embeddings times sqrt(hidden), GELU (tanh) in the MLP, attention scaled by
+query_pre_attn_scalar, and sliding-window layers (`layer_types`) with their own rope base
+(rope_local_base_freq). Served up to the sliding window's length, where those layers attend to everything."""
+
+import math
+
+from motet.models.declaration import Architecture, ModelLoadError
+
+
+def options(cfg: dict, source: str) -> dict:
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(cap) is not None:
+            raise ModelLoadError(f"{source}: {cap} {cfg[cap]}: soft-capping is not implemented yet")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ModelLoadError(
+            f"{source}: hidden_activation {cfg['hidden_activation']!r}: motet computes gelu_pytorch_tanh"
+        )
+    types = cfg.get("layer_types") or []
+    return dict(
+        embedding_multiplier=math.sqrt(int(cfg["hidden_size"])),
+        attention_multiplier=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        hidden_act="gelu_tanh",
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        rope_local_theta=float(
+            cfg.get("rope_local_base_freq")  # the Hub's configs; transformers >= 5 nests it per layer type
+            or ((cfg.get("rope_parameters") or {}).get("sliding_attention") or {}).get("rope_theta", 10000.0)
+        ),
+    )
+
+
+GEMMA3 = Architecture(
+    names=("Gemma3ForCausalLM",),
+    qk_norm=True,
+    post_norms=True,
+    norm_weight_offset=1.0,
+    options=options,
+    # its norm after the attention, before the MLP and after it -> the decoder's names for them
+    checkpoint_names={
+        "post_attention_layernorm": "attn_out_norm",
+        "pre_feedforward_layernorm": "post_attention_layernorm",
+        "post_feedforward_layernorm": "mlp_out_norm",
+    },
+)
