@@ -1,7 +1,8 @@
-"""The decoder every declared family runs (motet/models/: Llama, Mistral, Qwen2, Qwen3, SmolLM, and the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE, whose sparse layers route each token to its top-k experts:
-`SparseMoE`) over a flattened batch and a paged KV cache; a family's declaration sets its options (q/k/v
-biases, q/k norms, experts) and its checkpoint's module names.
+"""The decoder every declared family runs (motet/models/), dense or a mixture of experts (whose sparse layers
+route each token to its top-k experts: `SparseMoE`), over a flattened batch and a paged KV cache. A family's
+declaration sets its options (q/k/v biases, q/k norms per head or across heads, norms before and / or after the
+blocks, the MLP's activation, a rope base for sliding-window layers, experts, constants folded into weights) and
+its checkpoint's module names.
 
 Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says where each sequence's
 queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
