@@ -12,6 +12,7 @@ from motet.engine.latency import BACKGROUND_SLACK, LINGER_S, StepCost
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.scheduler import Scheduler
 from motet.engine.sequence import Sequence, SequenceStatus
+from tests.test_fairness import run_step
 
 _arrivals = iter(range(10**9))
 
@@ -66,18 +67,6 @@ def make(target_s=0.06, max_seqs=64, budget=256, per_token=0.0023):
     for tokens in [1, 8, 64, 16, 3, 40, 64, 2, 32, 12]:  # the steps before: 15 ms + 2.3 ms a token
         sched.latency.observe(tokens, 0.015 + per_token * tokens)
     return sched
-
-
-def run_step(sched):
-    batch = sched.schedule()
-    samplers = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
-    sched.advance(batch)
-    for s in samplers:
-        s.append_token(7)
-        sched.fairness.charge(s.tenant, output_tokens=1)
-        if s.num_output_tokens >= s.params.max_tokens:
-            sched.finish(s, "length")
-    return batch
 
 
 def burst(sched, n=40, max_tokens=200):

@@ -247,14 +247,16 @@ def write_hf_metadata(out_dir: Path, meta: dict, config: dict) -> None:
 
 def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
     h, kv = cfg["hidden_size"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    qk_norm = find(cfg["architectures"]).qk_norm
     want = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         want |= {
-            p + "self_attn.q_proj.weight": (cfg["num_attention_heads"] * cfg["head_dim"], h),
+            p + "self_attn.q_proj.weight": (q, h),
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, cfg["num_attention_heads"] * cfg["head_dim"]),
+            p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (cfg["intermediate_size"], h),
             p + "mlp.up_proj.weight": (cfg["intermediate_size"], h),
             p + "mlp.down_proj.weight": (h, cfg["intermediate_size"]),
@@ -262,13 +264,12 @@ def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
             p + "post_attention_layernorm.weight": (h,),
         }
         if cfg["attention_bias"]:
-            q = cfg["num_attention_heads"] * cfg["head_dim"]
             want |= {
                 p + "self_attn.q_proj.bias": (q,),
                 p + "self_attn.k_proj.bias": (kv,),
                 p + "self_attn.v_proj.bias": (kv,),
             }
-        if find(cfg["architectures"]).qk_norm:
+        if qk_norm:
             want |= {
                 p + "self_attn.q_norm.weight": (cfg["head_dim"],),
                 p + "self_attn.k_norm.weight": (cfg["head_dim"],),
