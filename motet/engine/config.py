@@ -79,9 +79,8 @@ class ModelConfig:
     qk_norm_whole: bool = False  # OLMo 2: those norms over all heads of q (of k) at once
     post_norms: bool = False  # OLMo 2, Gemma: each block's output normed before the residual add
     pre_norms: bool = True  # a norm before each block (all but OLMo 2)
-    norm_weight_offset: float = (
-        0.0  # Gemma: a norm multiplies by offset + w (added to the weights as they load)
-    )
+    # Gemma: a norm multiplies by offset + w (the offset added to the weights as they load)
+    norm_weight_offset: float = 0.0
     hidden_act: str = "silu"  # the MLP's: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     # Gemma 3: the layers with sliding-window attention (served within the window: they attend to everything)
     # and their rope base, apart from the global layers' rope_theta and rope_scaling
