@@ -18,8 +18,9 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def naive_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
-    """Simplest ground truth: per sequence, gather K/V position by position, full causal softmax in f64."""
+def naive_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=None):
+    """Simplest ground truth: per sequence, gather K/V position by position, full causal softmax in f64 (keys
+    `window` or more positions back masked too, as transformers' sliding-window mask does)."""
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -37,6 +38,8 @@ def naive_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         s = torch.einsum("qhd,khd->hqk", q[q_start:q_end].cpu().double(), k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len)
         s[:, pos[None, :] > q_pos[:, None]] = float("-inf")
+        if window is not None:
+            s[:, pos[None, :] <= q_pos[:, None] - window] = float("-inf")
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
     return out
 
@@ -69,6 +72,24 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=
     return [t.to(DEVICE) for t in tensors]
 
 
+def poison_before_window(args, block_size, window):
+    """Point each sequence's table entries wholly before its first query's window at a block of NaNs: a
+    sliding-window layer's cache reuses those blocks for newer tokens, so attention must never read them."""
+    q, k_cache, v_cache, block_tables, qsl, seq_lens = args
+    held = {
+        int(block_tables[b, i])
+        for b in range(len(seq_lens))
+        for i in range(-(-int(seq_lens[b]) // block_size))
+    }
+    poison = min(set(range(k_cache.shape[0])) - held)  # make_batch leaves spare blocks
+    k_cache[poison] = float("nan")
+    v_cache[poison] = float("nan")
+    for b in range(len(seq_lens)):
+        q_len = int(qsl[b + 1] - qsl[b])
+        first = max(0, int(seq_lens[b]) - q_len - window + 1)
+        block_tables[b, : first // block_size] = poison
+
+
 def random_seqs(g: torch.Generator, n: int, max_ctx: int, max_chunk: int):
     """A mixed batch: decodes, prefill chunks over cached context, fresh prefills, empty and 1-token."""
     seqs = [(1, 1), (0, 5)]
@@ -90,9 +111,12 @@ def random_seqs(g: torch.Generator, n: int, max_ctx: int, max_chunk: int):
 def check(fn, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, noncontig_q=False, **kw):
     args = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, noncontig_q)
     scale = head_dim**-0.5
+    window = kw.get("window")
+    expected = naive_attention(*args, scale, window=window)
+    if window is not None:  # the blocks wholly before a sequence's window: poisoned, as if reused
+        poison_before_window(args, block_size, window)
     out = fn(*args, scale, **kw)
     assert out.shape == args[0].shape and out.dtype == dtype
-    expected = naive_attention(*args, scale)
     torch.testing.assert_close(out.cpu().double(), expected, **TOL[dtype])
 
 
@@ -163,6 +187,18 @@ def test_reference_decodes_of_mixed_lengths(dtype):
     check(pac.paged_attention_reference, seqs, 9, 3, 64, 16, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_reference_sliding_window(dtype, window, monkeypatch):
+    """Sliding-window layers: decodes (alone and batched), chunks over a context longer than the window, fresh
+    prefills longer than it, in query sub-chunks too; the blocks before each window hold NaNs."""
+    g = torch.Generator().manual_seed(window)
+    seqs = random_seqs(g, n=8, max_ctx=90, max_chunk=40) + [(1, n) for n in (3, 40, 41, 42, 50, 60, 64, 70)]
+    check(pac.paged_attention_reference, seqs, 9, 3, 64, 8, dtype, window=window)
+    monkeypatch.setattr(pac, "_MAX_SCORE_ELEMS", 9 * 40 * 7)
+    check(pac.paged_attention_reference, [(37, 100), (60, 60), (1, 80)], 9, 3, 64, 16, dtype, window=window)
+
+
 def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(pa, "paged_attention_reference", lambda *a, **k: calls.append(1) or "ref")
@@ -209,6 +245,18 @@ def test_triton_long_chunk_spans_query_blocks():
     check(
         pa.paged_attention_triton, [(70, 100), (1, 5), (0, 9)], 4, 1, 64, 8, torch.float32, max_query_len=70
     )
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [1, 7, 32])
+def test_triton_sliding_window(window):
+    g = torch.Generator().manual_seed(window)
+    seqs = random_seqs(g, n=4, max_ctx=60, max_chunk=40) + [(70, 100)]
+    check(
+        pa.paged_attention_triton, seqs, 8, 2, 64, 8, torch.float32, seed=3, window=window, max_query_len=70
+    )
+    decodes = [(1, n) for n in (1, 9, 16, 37, 64)]
+    check(pa.paged_attention_triton, decodes, 8, 2, 64, 8, torch.float32, window=window, max_query_len=1)
 
 
 # -------------------------------------------------------------------------------------------- write_kv_cache

@@ -8,8 +8,9 @@ Layout (shared by the model, the block manager and these kernels):
   sequence ``b`` lives at block ``block_tables[b, p // block_size]``, offset ``p % block_size``.
 - ``seq_lens[b]``: context length *including* the new tokens; the new tokens sit at positions
   ``seq_len - q_len .. seq_len - 1`` and their K/V are already in the cache (``write_kv_cache`` first).
-- Causal: the query at position ``p`` attends to keys ``0..p``. GQA: query head ``h`` reads kv head
-  ``h // (num_heads // num_kv_heads)``.
+- Causal: the query at position ``p`` attends to keys ``0..p`` (``p - window + 1..p`` in a sliding-window
+  layer, whose blocks before that may hold newer tokens and are never read). GQA: query head ``h`` reads kv
+  head ``h // (num_heads // num_kv_heads)``.
 
 ``paged_attention_reference`` (motet/kernels/paged_attention_cpu.py) defines the meaning and is also the CPU
 production path;
@@ -31,6 +32,8 @@ try:
 except ImportError:  # pragma: no cover - triton is Linux-only; the torch reference serves elsewhere
     triton = None
     tl = None
+
+_NO_WINDOW = 1 << 30  # the kernel's window when the layer has none: longer than any context
 
 
 def write_kv_cache(
@@ -91,12 +94,15 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     plan: CpuAttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context; returns ``[T, H, D]`` in
     ``q``'s dtype. ``max_query_len`` / ``max_seq_len`` are optional host-side hints (no device sync);
-    ``plan`` is the CPU path's per-step bookkeeping, shared by the layers of one step."""
+    ``plan`` is the CPU path's per-step bookkeeping, shared by the layers of one step. With ``window`` (a
+    sliding-window layer) a query at position p attends to keys p - window + 1 .. p only, and no other block
+    is read."""
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
-    hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len}
+    hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len, "window": window}
     if q.is_cuda:
         return paged_attention_triton(*args, **hints)
     return paged_attention_reference(*args, **hints, plan=plan)
@@ -113,6 +119,7 @@ def paged_attention_triton(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Triton kernel launch (CUDA, or CPU under ``TRITON_INTERPRET=1``). No device sync.
 
@@ -162,6 +169,7 @@ def paged_attention_triton(
         seq_lens,
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         num_seqs,
+        window or _NO_WINDOW,
         *q.stride(),
         *out.stride(),
         *k_cache.stride(),
@@ -208,6 +216,7 @@ if triton is not None:
         seq_lens_ptr,
         scale_log2,
         num_seqs,
+        window,
         stride_qt,
         stride_qh,
         stride_qd,
@@ -258,15 +267,17 @@ if triton is not None:
         if DOT_FP32:
             q = q.to(tl.float32)
 
-        # Keys needed by this block: up to its last real query's position.
+        # Keys needed by this block: up to its last real query's position, from its first query's window (no
+        # other block is read: a sliding-window layer's cache reuses them)
         kv_len = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+        kv_first = tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: no inf - inf in the rescale
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        for start in range(0, kv_len, TILE_N):
+        for start in range(kv_first // TILE_N * TILE_N, kv_len, TILE_N):
             offs_n = start + tl.arange(0, TILE_N)
-            n_ok = offs_n < kv_len
+            n_ok = (offs_n < kv_len) & (offs_n >= kv_first)
             # Per-position block lookup: tiles may span several (small) blocks or part of a big one.
             block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             in_block = offs_n % BLOCK_SIZE
@@ -279,7 +290,8 @@ if triton is not None:
             if DOT_FP32:
                 k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
-            s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+            seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window)
+            s = tl.where(seen & n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -297,7 +309,8 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
 
-        acc = acc / l_i[:, None]
+        # (a padding row past a window may see no key: 1, not 0, keeps it from dividing by zero; not stored)
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
         tl.store(
             o_ptrs + offs_d[None, :] * stride_od,

@@ -1,6 +1,8 @@
 """The torch reference of paged attention (motet/kernels/paged_attention.py has the layout), which is also the CPU
 production path: prefill chunks in bounded query sub-chunks, decodes batched in groups of similar context
-length, with the per-step bookkeeping (`CpuAttentionPlan`) shared by the layers of one step."""
+length, with the per-step bookkeeping (`CpuAttentionPlan`) shared by the layers of one step. With a `window`
+(sliding-window layers) a query at position p sees the keys at p - window + 1 .. p only, and only those blocks
+are read: the others may hold newer tokens (motet/engine/block_manager.py's `WindowBlocks` reuses them)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,11 @@ def _blocks_of(cache: torch.Tensor, table: list[int], num_blocks: int) -> torch.
     return cache.index_select(0, torch.tensor(table[:num_blocks], device=cache.device))
 
 
+def first_key(seq_len: int, q_len: int, window: int | None) -> int:
+    """The first key position the first of a sequence's `q_len` new tokens (of `seq_len`) attends to."""
+    return 0 if window is None else max(0, seq_len - q_len - window + 1)
+
+
 @dataclass
 class DecodeGroup:
     """One padded batched decode call: its query rows, the blocks to gather, the key mask."""
@@ -51,7 +58,7 @@ class DecodeGroup:
     seqs: list[int]
     rows: torch.Tensor  # [n] query rows
     blocks: torch.Tensor  # [n * num_blocks] cache blocks, row-major per sequence
-    valid: torch.Tensor  # [n, 1, 1, width] bool: key position < that sequence's length
+    valid: torch.Tensor  # [n, 1, 1, width] bool: the key is one that row's query attends to
 
 
 @dataclass
@@ -62,25 +69,48 @@ class CpuAttentionPlan:
     lens: list[int]
     groups: list[DecodeGroup]
     tables: list[list[int]] | None = None  # the block table on the host, read when a lone sequence needs it
+    window: int | None = None  # the layers' sliding window: keys further back than it are not attended to
 
 
 def plan_cpu_attention(
-    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    window: int | None = None,
 ) -> CpuAttentionPlan:
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     groups, dev = [], block_tables.device
-    for seqs in decode_groups(decodes, lens, block_size) if len(decodes) >= _BATCHED_DECODE_MIN else []:
-        num_blocks = -(-max(lens[b] for b in seqs) // block_size)
+    plan = CpuAttentionPlan(starts, lens, groups, window=window)
+    # within a window a row reads at most `window` keys: group by what is read
+    spans = lens if window is None else [min(n, window) for n in lens]
+    for seqs in decode_groups(decodes, spans, block_size) if len(decodes) >= _BATCHED_DECODE_MIN else []:
+        if window is None:
+            num_blocks = -(-max(lens[b] for b in seqs) // block_size)
+            firsts = [0] * len(seqs)
+            blocks = block_tables[torch.tensor(seqs, device=dev), :num_blocks].reshape(-1).to(torch.long)
+        else:  # each row's blocks from the one holding its first key
+            if plan.tables is None:
+                plan.tables = block_tables.tolist()
+            firsts = [first_key(lens[b], 1, window) // block_size for b in seqs]
+            num_blocks = max(-(-lens[b] // block_size) - f for b, f in zip(seqs, firsts, strict=True))
+            rows_blocks = [
+                [t[i] if i < len(t) else 0 for i in range(f, f + num_blocks)]
+                for t, f in zip((plan.tables[b] for b in seqs), firsts, strict=True)
+            ]
+            blocks = torch.tensor(rows_blocks, device=dev).reshape(-1)
         width = num_blocks * block_size
-        blocks = block_tables[torch.tensor(seqs, device=dev), :num_blocks].reshape(-1).to(torch.long)
-        valid = (
-            torch.arange(width, device=dev)[None, :]
-            < torch.tensor([lens[b] for b in seqs], device=dev)[:, None]
-        )
+        pos = (
+            torch.arange(width, device=dev)[None, :] + torch.tensor(firsts, device=dev)[:, None] * block_size
+        )  # each gathered key's position
+        seq_len = torch.tensor([lens[b] for b in seqs], device=dev)[:, None]
+        valid = pos < seq_len
+        if window is not None:
+            valid &= pos >= seq_len - window
         rows = torch.tensor([starts[b] for b in seqs], device=dev)
         groups.append(DecodeGroup(seqs, rows, blocks, valid[:, None, None, :]))
-    return CpuAttentionPlan(starts, lens, groups)
+    return plan
 
 
 def _decode_batched(out, q, k_cache, v_cache, group: DecodeGroup, scale) -> None:
@@ -110,6 +140,7 @@ def paged_attention_reference(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     plan: CpuAttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Torch reference, and the CPU production path.
 
@@ -118,14 +149,16 @@ def paged_attention_reference(
     row dimension (GQA without expanding K/V). Measured on CPU this beats both one padded batch for all
     decodes (the padded gather is large and cache-hostile) and ``scaled_dot_product_attention``
     (per-call overhead for short queries; no faster for prefill chunks). Rows past
-    ``query_start_loc[-1]`` are zero. `plan` (from `plan_cpu_attention`) may be shared by all layers.
+    ``query_start_loc[-1]`` are zero. `plan` (from `plan_cpu_attention` with the same `window`) may be shared
+    by all layers.
     """
     del max_query_len, max_seq_len  # host-side lists below are free on CPU
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     if plan is None:
-        plan = plan_cpu_attention(block_tables, query_start_loc, seq_lens, block_size)
+        plan = plan_cpu_attention(block_tables, query_start_loc, seq_lens, block_size, window)
+    assert plan.window == window, "a plan is made for one window"
     starts, lens = plan.starts, plan.lens
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     done = set()
@@ -148,29 +181,41 @@ def paged_attention_reference(
         ctx_len = seq_len - q_len  # tokens cached before this step's new ones
         if plan.tables is None:
             plan.tables = block_tables.tolist()
-        tables = plan.tables
-        num_blocks = -(-seq_len // block_size)
-        # [num_kv_heads, seq_len, head_dim] in fp32 (.float() is a no-op for fp32 caches)
-        k = _blocks_of(k_cache, tables[b], num_blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-        v = _blocks_of(v_cache, tables[b], num_blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        # the keys from the block holding the first one any new token attends to (all of them without a window)
+        first_block = first_key(seq_len, q_len, window) // block_size
+        base = first_block * block_size  # the position of k's first row
+        num_blocks = -(-seq_len // block_size) - first_block
+        table = plan.tables[b][first_block:]
+        # [num_kv_heads, seq_len - base, head_dim] in fp32 (.float() is a no-op for fp32 caches)
+        k = _blocks_of(k_cache, table, num_blocks).view(-1, num_kv_heads, head_dim)[: seq_len - base]
+        v = _blocks_of(v_cache, table, num_blocks).view(-1, num_kv_heads, head_dim)[: seq_len - base]
         k, v = k.float().transpose(0, 1), v.float().transpose(0, 1)
-        if q_len == 1:  # decode, the common case: the last position sees every key, no mask; few ops
-            p = torch.softmax(torch.matmul(qs[:, :, q_start], k.mT), dim=-1)
-            out[q_start] = torch.matmul(p, v).view(num_heads, head_dim)
+        if q_len == 1:  # decode, the common case: the last position sees every key (in its window), no mask
+            lo = first_key(seq_len, 1, window) - base
+            p = torch.softmax(torch.matmul(qs[:, :, q_start], k[:, lo:].mT), dim=-1)
+            out[q_start] = torch.matmul(p, v[:, lo:]).view(num_heads, head_dim)
             continue
         qb = qs[:, :, q_start:q_end]
-        chunk = max(1, _MAX_SCORE_ELEMS // (num_heads * seq_len))
+        chunk = max(1, _MAX_SCORE_ELEMS // (num_heads * (seq_len - base)))
         for c0 in range(0, q_len, chunk):
             c1 = min(q_len, c0 + chunk)
             n = c1 - c0
-            kv_end = ctx_len + c1  # the chunk's last query sees keys 0..kv_end-1; earlier ones see fewer
-            s = torch.matmul(qb[:, :, c0:c1].reshape(num_kv_heads, group * n, head_dim), k[:, :kv_end].mT)
-            s = s.view(num_kv_heads, group, n, kv_end)
+            # the chunk's last query sees keys up to kv_end - 1, its first from kv_start (earlier ones fewer)
+            kv_end = ctx_len + c1 - base
+            kv_start = first_key(ctx_len + c0 + 1, 1, window) - base
+            keys = kv_end - kv_start
+            s = torch.matmul(
+                qb[:, :, c0:c1].reshape(num_kv_heads, group * n, head_dim), k[:, kv_start:kv_end].mT
+            )
+            s = s.view(num_kv_heads, group, n, keys)
             if n > 1:  # a single query row is the last position: it sees every key, no mask needed
-                q_pos = torch.arange(ctx_len + c0, ctx_len + c1, device=q.device)
-                future = torch.arange(kv_end, device=q.device)[None, :] > q_pos[:, None]
-                s.masked_fill_(future, float("-inf"))
-            p = torch.softmax(s, dim=-1).view(num_kv_heads, group * n, kv_end)
-            o = torch.matmul(p, v[:, :kv_end]).view(num_kv_heads, group, n, head_dim)
+                q_pos = torch.arange(ctx_len + c0, ctx_len + c1, device=q.device)[:, None]
+                k_pos = torch.arange(base + kv_start, base + kv_end, device=q.device)[None, :]
+                hidden = k_pos > q_pos  # the future
+                if window is not None:
+                    hidden |= k_pos <= q_pos - window
+                s.masked_fill_(hidden, float("-inf"))
+            p = torch.softmax(s, dim=-1).view(num_kv_heads, group * n, keys)
+            o = torch.matmul(p, v[:, kv_start:kv_end]).view(num_kv_heads, group, n, head_dim)
             out[q_start + c0 : q_start + c1] = o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
     return out
