@@ -273,18 +273,3 @@ def test_prepacked_linear_matches_f_linear(dtype, tol):
     strided = torch.randn(5, 192, dtype=dtype)[:, ::2]  # attention output views reach it non-contiguous
     ref = torch.nn.functional.linear(strided.float(), layer.weight.float(), layer.bias.float())
     assert (layer(strided).float() - ref).abs().max().item() <= tol
-
-
-def test_sliding_window_caps_the_context(tmp_path):
-    """Mistral's sliding window: within it, full attention is what the model computes (logits equal HF's);
-    beyond it motet would be wrong, so the context is capped there and a longer max_model_len is refused."""
-    model_dir = build_tiny_model(tmp_path, arch="mistral", sliding_window=24)
-    engine = LLMEngine(
-        EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=64), model_dir=model_dir
-    )
-    assert engine.max_model_len == 24
-    prompt = list(range(3, 3 + 24))
-    (got,) = engine_logits(engine, [prompt])
-    torch.testing.assert_close(got, hf_logits(model_dir, prompt), atol=2e-4, rtol=1e-4)
-    with pytest.raises(ModelLoadError, match="sliding window"):
-        LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=64), model_dir=model_dir)

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from motet.engine.kv_window import WindowBlocks
 from motet.engine.sequence import Sequence
 
 NO_PARENT = -1  # the first block's parent: CPython never returns -1 from hash(), and unlike None
@@ -72,9 +73,18 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window: WindowBlocks | None = None,
+    ):
+        """`window`: the sliding-window layers' pool where they keep only their window (motet/engine/kv_window.py),
+        allocated and freed with these blocks; there is no prefix caching then."""
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        self.enable_prefix_caching = enable_prefix_caching and window is None
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self.cached: dict[int, int] = {}  # hash -> block id
@@ -145,7 +155,10 @@ class BlockManager:
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False if the pool is short."""
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        num_tokens = seq.num_computed_tokens + num_new_tokens
+        if self.window is not None and not self.window.allocate(seq, num_tokens):
+            return False
+        needed = self.blocks_needed(num_tokens) - len(seq.block_table)
         if needed <= 0:  # (most decode steps: the last block has room)
             return True
         if needed > len(self.free):
@@ -228,6 +241,8 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
         seq.block_table = []
+        if self.window is not None:
+            self.window.free_seq(seq)
         seq.num_computed_tokens = 0
         self.num_registered.pop(seq.seq_id, None)
 

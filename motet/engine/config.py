@@ -82,8 +82,9 @@ class ModelConfig:
     # Gemma: a norm multiplies by offset + w (the offset added to the weights as they load)
     norm_weight_offset: float = 0.0
     hidden_act: str = "silu"  # the MLP's: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
-    # Gemma 3: the layers with sliding-window attention (served within the window: they attend to everything)
-    # and their rope base, apart from the global layers' rope_theta and rope_scaling
+    # Sliding-window attention: a query attends to the last `sliding_window` positions only, in every layer
+    # (Mistral's) or in `sliding_layers` (Gemma 3's local layers, with their own rope base apart from the global
+    # layers' rope_theta and rope_scaling)
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: float | None = None
     sliding_window: int | None = None
@@ -127,6 +128,13 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.sparse_layers)
+
+    @property
+    def window_layers(self) -> tuple[int, ...]:
+        """The layers with a sliding window: `sliding_layers`, or every layer where only the window is given."""
+        if self.sliding_window is None:
+            return ()
+        return self.sliding_layers or tuple(range(self.num_hidden_layers))
 
     @property
     def declaration(self) -> Architecture:
@@ -271,20 +279,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def context_length(model: ModelConfig, max_model_len: int | None) -> int:
-    """The longest sequence an engine serves: `max_model_len`, or else the model's positions, capped by a
-    sliding window. Full attention over at most `window` tokens is exactly what sliding-window attention
-    computes; beyond that it is not, and motet has no sliding-window kernel, so a longer context is refused
-    rather than served wrong."""
-    limit = model.max_position_embeddings
-    window = model.sliding_window
-    if window and window < limit:
-        if max_model_len and max_model_len > window:
-            raise ModelLoadError(
-                f"max_model_len {max_model_len} is longer than the model's sliding window ({window} tokens), "
-                f"which motet does not implement; serve at most {window} tokens"
-            )
-        limit = window
-    return max_model_len or limit
+    """The longest sequence an engine serves: `max_model_len`, or else the model's positions (past a sliding
+    window too: those layers keep only their window, motet/engine/kv_window.py)."""
+    return max_model_len or model.max_position_embeddings
 
 
 # From this many cores on, serving keeps one for the event loop (HTTP, tokenizing, detokenizing): there it

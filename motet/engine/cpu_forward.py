@@ -55,7 +55,7 @@ def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
         cpu_native.library() is not None
         and not model.parallel.expert_parallel  # the MoE op has no all-to-all: the eager model dispatches
         # OLMo 2's and Gemma 3's layers (norms after the blocks, q/k normed across heads, GeGLU, a rope base
-        # per layer): the eager decoder for now
+        # per layer): the eager decoder for now (as for a context past a sliding window: model_runner.py)
         and not cfg.post_norms
         and not cfg.qk_norm_whole
         and cfg.hidden_act == "silu"

@@ -37,7 +37,7 @@ import torch
 
 from motet.engine.block_manager import BlockManager, prefix_salt
 from motet.engine.checkpoint import load_model_config
-from motet.engine.config import EngineConfig
+from motet.engine.config import EngineConfig, ModelLoadError
 from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
 from motet.engine.fairness import TenantState, VirtualTokenCounter
 from motet.engine.guided import GuidedDecoding
@@ -45,6 +45,7 @@ from motet.engine.kv_blocks import KVLayout, model_identity
 from motet.engine.kv_connector import GiB, KVConnector, KVTierStats
 from motet.engine.kv_shared import SharedTier
 from motet.engine.kv_tiers import DiskTier
+from motet.engine.kv_window import WindowBlocks
 from motet.engine.memory import available_host_memory
 from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
 from motet.engine.model_store import resolve_model
@@ -125,8 +126,14 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.runner = ModelRunner(self.model_dir, self.model_config, config)
         self.max_model_len = self.runner.max_model_len
+        window = None
+        if self.runner.window:  # its sliding-window layers keep their window only (motet/engine/kv_window.py)
+            runner = self.runner
+            window = WindowBlocks(
+                runner.num_window_blocks, config.block_size, runner.ring, runner.window_chunk
+            )
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, window
         )
         self.kv_connector = self._kv_connector()
         self.adapters = AdapterManager(
@@ -157,7 +164,7 @@ class LLMEngine:
         self.limits = RequestLimits(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
-            max_kv_tokens=self.runner.num_blocks * config.block_size,
+            max_kv_tokens=self._max_kv_blocks() * config.block_size,
         )
         self.speculator: Speculator | None = None
         if config.speculative_mode != "off" and config.num_speculative_tokens > 0:
@@ -206,11 +213,25 @@ class LLMEngine:
             return True
         return (os.cpu_count() or 1) > (self.runner.num_threads or torch.get_num_threads())
 
+    def _max_kv_blocks(self) -> int:
+        """The most blocks one sequence may hold: all of the pool, unless its window layers' pool is smaller
+        than a ring (a sequence there holds as many window blocks as others, up to a ring)."""
+        runner = self.runner
+        if runner.window and runner.num_window_blocks < runner.ring:
+            return min(runner.num_blocks, runner.num_window_blocks)
+        return runner.num_blocks
+
     def _kv_connector(self) -> KVConnector | None:
         """The KV tiers the config asks for (EngineConfig.kv_offload_gb, kv_disk_gb), or None."""
         config = self.config
         if config.kv_offload_gb <= 0 and config.kv_disk_gb <= 0 and not config.kv_shared_dir:
             return None
+        if self.runner.window:  # the tiers keep prefix-cache blocks, which a window pool does without
+            raise ModelLoadError(
+                f"the KV tiers (kv_offload_gb, kv_disk_gb, kv_shared_dir) extend the prefix cache, which a model "
+                f"with a sliding window ({self.runner.window} tokens) has not past it: serve at most "
+                f"{self.runner.window} tokens (--max-model-len) or leave the tiers out"
+            )
         kv_caches = self.runner.kv_caches
         disk = shared = None
         layout = KVLayout.of(kv_caches)

@@ -48,6 +48,15 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     cpu_plan: CpuAttentionPlan | None = None  # made by the first layer, reused by the others
+    # The sliding-window layers' own: their slots and tables in the window pool (motet/engine/kv_window.py)
+    window: AttentionMetadata | None = None
+
+    def for_window(self) -> AttentionMetadata:
+        """The metadata of the sliding-window layers: `window`, or where they keep their KV in the same blocks
+        as the others (a context within the window), the same with a CPU plan of their own."""
+        if self.window is None:
+            self.window = dataclasses.replace(self, cpu_plan=None)
+        return self.window
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -178,6 +187,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps)
         self.qk_norm_whole = cfg.qk_norm_whole
+        # a sliding-window layer attends to the last `window` positions
+        self.window = cfg.sliding_window if layer_idx in cfg.window_layers else None
 
     def forward(
         self, x, angles: RotaryAngles, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None
@@ -200,10 +211,12 @@ class Attention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if per_head else ()
         rotary_kv = rope_kv.rotary_kv_write if rope_kv.applies(qkv) else rope_kv.rotary_kv_reference
         k_cache, v_cache = kv_cache
+        if self.window is not None:
+            meta = meta.for_window()
         q = rotary_kv(q, k, v, angles, k_cache, v_cache, meta.slot_mapping, *norms)
         if meta.cpu_plan is None and not q.is_cuda:
             meta.cpu_plan = plan_cpu_attention(
-                meta.block_tables, meta.query_start_loc, meta.seq_lens, k_cache.shape[1]
+                meta.block_tables, meta.query_start_loc, meta.seq_lens, k_cache.shape[1], self.window
             )
         out = paged_attention(
             q,
@@ -216,6 +229,7 @@ class Attention(nn.Module):
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             plan=meta.cpu_plan,
+            window=self.window,
         )
         out = out.reshape(T, self.q_size)
         y = self.o_proj(out)

@@ -28,6 +28,7 @@ from motet.engine.cpu_forward import CpuForward
 from motet.engine.cpu_forward import supported as cpu_forward_supported
 from motet.engine.cuda_graphs import DecodeGraphs
 from motet.engine.gguf_weights import gguf_file, iter_gguf_weights
+from motet.engine.kv_window import pool_sizes, ring_blocks, window_table
 from motet.engine.memory import adapter_bytes, kv_cache_bytes, memory_budget, weights_bytes
 from motet.engine.model import AttentionMetadata, CausalLM, Linear, onednn_available
 from motet.engine.parallel import SINGLE, Parallel
@@ -51,10 +52,11 @@ class HostInputs(NamedTuple):
     transfers. `feeds`: (input index, row) for the rows whose input token is pending
     (motet/engine/step_inputs.py)."""
 
-    per_token: torch.Tensor  # int64 [3, tokens]: input ids (0 where pending), positions, KV slots
-    per_seq: (
-        torch.Tensor
-    )  # int32: the block tables [rows, width] flattened, query_start_loc [rows + 1], seq_lens
+    # int64 [3, tokens]: input ids (0 where pending), positions, KV slots (and the window layers' slots)
+    per_token: torch.Tensor
+    # int32: the block tables [rows, width] flattened, query_start_loc [rows + 1], seq_lens (and the window
+    # layers' tables)
+    per_seq: torch.Tensor
     width: int
     qsl: list[int]
     max_query_len: int
@@ -119,9 +121,11 @@ class StepResult:
         return out
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, layers: int | None = None) -> int:
+    """The bytes of one KV block over all layers (or `layers` of them)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    layers = cfg.num_hidden_layers if layers is None else layers
+    return 2 * layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
 @dataclass
@@ -200,7 +204,15 @@ class ModelRunner:
             if not parallel.enabled:
                 raise
             error = e
-        num_blocks, pool_bytes = 1, None
+        # Sliding-window layers keep only their window (motet/engine/kv_window.py) where the context is longer:
+        # within it they keep everything, as the other layers do.
+        window = model_config.sliding_window
+        self.window = window if window is not None and self.max_model_len > window else None
+        self.window_layers = frozenset(model_config.window_layers if self.window else ())
+        speculates = config.speculative_mode != "off" and config.num_speculative_tokens > 0
+        self.window_chunk = max(window or 0, 1 + (config.num_speculative_tokens if speculates else 0))
+        self.ring = ring_blocks(self.window, self.window_chunk, self.block_size) if self.window else 0
+        num_blocks, num_window_blocks, pool_bytes = 1, 0, None
         if error is None:
             kv_bytes = int(config.kv_cache_gb * 2**30)
             if budget is not None:
@@ -212,15 +224,42 @@ class ModelRunner:
                 pool_bytes = adapter_bytes(config, self.device)
             block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype) * share
             num_blocks = config.num_kv_blocks or max(1, int(kv_bytes // block_bytes))
+            if self.window:
+                layer_blocks = num_blocks * model_config.num_hidden_layers
+                num_global = model_config.num_hidden_layers - len(self.window_layers)
+                num_blocks, num_window_blocks = pool_sizes(
+                    layer_blocks,
+                    num_global,
+                    len(self.window_layers),
+                    most_window=config.max_num_seqs * self.ring,
+                    virtual_global=config.max_num_seqs * -(-self.max_model_len // self.block_size),
+                )
         # every rank must hold the same blocks; a rank that failed to load fails them all, naming it
-        self.num_blocks = parallel.agree(f"{type(error).__name__}: {error}" if error else None, num_blocks)
-        shape = (self.num_blocks, self.block_size, local_kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            (
+        failed = f"{type(error).__name__}: {error}" if error else None
+        self.num_blocks = parallel.agree(failed, num_blocks)
+        self.num_window_blocks = parallel.agree(None, num_window_blocks)
+        if self.window:
+            log.info(
+                "sliding window of %d tokens on %d of %d layers: they keep at most %d blocks a sequence, in a "
+                "pool of %d blocks; the others %d blocks",
+                self.window,
+                len(self.window_layers),
+                model_config.num_hidden_layers,
+                self.ring,
+                self.num_window_blocks,
+                self.num_blocks,
+            )
+
+        def cache(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (num_blocks, self.block_size, local_kv_heads, model_config.head_dim)
+            return (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
-            for _ in range(model_config.num_hidden_layers)
+
+        self.kv_caches = [
+            cache(self.num_window_blocks if i in self.window_layers else self.num_blocks)
+            for i in range(model_config.num_hidden_layers)
         ]
         if pool_bytes is None:  # (CUDA with the KV cache sized otherwise: a share of what is free now)
             pool_bytes = adapter_bytes(config, self.device)
@@ -230,7 +269,13 @@ class ModelRunner:
         # The compiled step (EngineConfig.compile_step): on CPU the native forward, which takes the linear
         # weights over; else (or where it cannot run) the eager model, with oneDNN-prepacked products on CPU.
         self.native: CpuForward | None = None
-        if config.compile_step and self.device.type == "cpu" and cpu_forward_supported(model, self.dtype):
+        # (the native step and the decode graphs attend without a window: eager where a window applies)
+        if (
+            config.compile_step
+            and self.device.type == "cpu"
+            and not self.window
+            and cpu_forward_supported(model, self.dtype)
+        ):
             self.native = CpuForward(model, self.kv_caches)
         elif self.device.type == "cpu" and onednn_available():
             for module in model.modules():
@@ -248,8 +293,8 @@ class ModelRunner:
             and self.device.type == "cuda"
             and not model_config.is_moe
             and not parallel.enabled
+            and not self.window
         ):
-            speculates = config.speculative_mode != "off" and config.num_speculative_tokens > 0
             self.graphs = DecodeGraphs(
                 lambda ids, pos, meta, lora: self.model(ids, pos, meta, self.kv_caches, lora),
                 max_batch=config.max_num_seqs,
@@ -363,6 +408,11 @@ class ModelRunner:
                 max_query_len, max_seq_len, max_seg_len = scalars
                 ids, pos, slot_mapping, tables, qsl, seq_lens, *segments = tensors
                 meta = AttentionMetadata(slot_mapping, tables, qsl, seq_lens, max_query_len, max_seq_len)
+                if self.window:  # the window layers' slots and tables come next
+                    (window_slots, window_tables), segments = segments[:2], segments[2:]
+                    meta.window = AttentionMetadata(
+                        window_slots, window_tables, qsl, seq_lens, max_query_len, max_seq_len
+                    )
                 lora = pool.segments(*segments, max_seg_len) if segments else None
                 hidden = self._forward(ids, pos, meta, lora)
             elif op == "logits":
@@ -405,7 +455,7 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         tables = [t + [0] * (width - len(t)) for t in tables]
         return self._pack(
-            input_ids, positions, slots, tables, qsl, seq_lens, max(batch.num_new_tokens), feeds
+            input_ids, positions, slots, tables, qsl, seq_lens, max(batch.num_new_tokens), feeds, batch.seqs
         )
 
     def _host_decode_inputs(self, batch: ScheduledBatch) -> HostInputs:
@@ -418,36 +468,60 @@ class ModelRunner:
         width = max(map(len, tables))
         tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in tables]
         seq_lens = [p + 1 for p in positions]
-        return self._pack(input_ids, positions, slots, tables, list(range(len(seqs) + 1)), seq_lens, 1, feeds)
+        qsl = list(range(len(seqs) + 1))
+        return self._pack(input_ids, positions, slots, tables, qsl, seq_lens, 1, feeds, seqs)
 
-    def _pack(self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len, feeds) -> HostInputs:
-        """Host lists (tables already padded to one width) packed by dtype, in pinned memory on CUDA."""
+    def _pack(
+        self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len, feeds, seqs
+    ) -> HostInputs:
+        """Host lists (tables already padded to one width) packed by dtype, in pinned memory on CUDA; with a
+        window pool, the sliding-window layers' slots and tables after the others'."""
         pinned = self.device.type == "cuda"
-        per_token = torch.tensor([input_ids, positions, slots], dtype=torch.int64, pin_memory=pinned)
-        per_seq = torch.tensor(
-            [*itertools.chain.from_iterable(tables), *qsl, *seq_lens], dtype=torch.int32, pin_memory=pinned
-        )
         width = len(tables[0]) if tables else 0
+        per_token, per_seq = (
+            [input_ids, positions, slots],
+            [*itertools.chain.from_iterable(tables), *qsl, *seq_lens],
+        )
+        if self.window:
+            bs = self.block_size
+            rings = [window_table(seq.window_blocks, width) for seq in seqs]
+            owner = itertools.chain.from_iterable(
+                itertools.repeat(ring, qsl[i + 1] - qsl[i]) for i, ring in enumerate(rings)
+            )
+            per_token.append([ring[p // bs] * bs + p % bs for ring, p in zip(owner, positions, strict=True)])
+            per_seq += itertools.chain.from_iterable(rings)
+        per_token = torch.tensor(per_token, dtype=torch.int64, pin_memory=pinned)
+        per_seq = torch.tensor(per_seq, dtype=torch.int32, pin_memory=pinned)
         return HostInputs(per_token, per_seq, width, qsl, max_query_len, max(seq_lens), feeds)
 
     def _inputs(self, plan: HostInputs):
         """The step's input tensors on the device, in two transfers from pinned memory on CUDA (none makes the host
         wait for the device), the pending tokens fed from the steps that sampled them."""
-        ids, pos, slot_mapping = plan.per_token.to(self.device, non_blocking=True)
+        ids, pos, slot_mapping, *window_slots = plan.per_token.to(self.device, non_blocking=True)
         if plan.feeds:
             feed_tokens(ids, plan.feeds, self.device.type == "cuda")
         per_seq = plan.per_seq.to(self.device, non_blocking=True)
         n, width = len(plan.qsl) - 1, plan.width
-        block_tables, query_start_loc, lens = per_seq.split((n * width, n + 1, n))
-        meta = AttentionMetadata(
+        block_tables, query_start_loc, lens, *window_tables = per_seq.split(
+            (n * width, n + 1, n, n * width) if self.window else (n * width, n + 1, n)
+        )
+        meta = self._meta(slot_mapping, block_tables.view(n, width), query_start_loc, lens, plan)
+        if self.window:
+            meta.window = self._meta(
+                window_slots[0], window_tables[0].view(n, width), query_start_loc, lens, plan
+            )
+        return ids, pos, meta, plan.qsl
+
+    @staticmethod
+    def _meta(slot_mapping, block_tables, query_start_loc, seq_lens, plan: HostInputs) -> AttentionMetadata:
+        return AttentionMetadata(
             slot_mapping=slot_mapping,
-            block_tables=block_tables.view(n, width),
+            block_tables=block_tables,
             query_start_loc=query_start_loc,
-            seq_lens=lens,
+            seq_lens=seq_lens,
             max_query_len=plan.max_query_len,
             max_seq_len=plan.max_seq_len,
         )
-        return ids, pos, meta, plan.qsl
 
     @torch.inference_mode()
     def forward(
@@ -479,6 +553,7 @@ class ModelRunner:
                     meta.query_start_loc,
                     meta.seq_lens,
                 ]
+                + ([meta.window.slot_mapping, meta.window.block_tables] if self.window else [])
                 + segments,
             )
         return self._forward(input_ids, positions, meta, lora), qsl

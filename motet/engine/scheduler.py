@@ -134,6 +134,8 @@ class Scheduler:
         self.adapters = adapters or _AllResident()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # a sequence's chunk per step: sliding-window layers keep a window plus one chunk (engine/kv_window.py)
+        self.max_chunk = block_manager.window.max_chunk if block_manager.window is not None else None
         self.slicer = AdapterSlicer(max_loras, lora_time_slice)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -231,7 +233,7 @@ class Scheduler:
                 if room <= 0:  # no room for a prompt chunk beside the decode rows: next step
                     i += 1
                     continue
-            n = min(remaining, room)
+            n = min(remaining, room, self.max_chunk or room)
             n += self._fit_drafts(seq, n, room)
             while not self.bm.allocate_slots(seq, n):
                 if seq.draft_token_ids:  # drafts are optional: drop them before preempting anyone
@@ -263,7 +265,7 @@ class Scheduler:
             left = budget if bound(seq) else min(budget, rest)
             if left <= 0 or not self.slicer.may_admit(seq.adapter_id) or not self._prefix_ready(seq):
                 continue
-            n = min(seq.num_uncomputed, left)
+            n = min(seq.num_uncomputed, left, self.max_chunk or left)
             if not self.bm.allocate_slots(seq, n):
                 self.bm.free_seq(seq)  # give back prefix hits; they stay cached
                 break

@@ -75,6 +75,9 @@ class Sequence:
     last_sampled: tuple | None = None
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_table: list[int] = field(default_factory=list)
+    window_blocks: list[int] = field(
+        default_factory=list
+    )  # its sliding-window layers' ring (engine/kv_window.py)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
