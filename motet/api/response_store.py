@@ -153,26 +153,14 @@ class ResponseStore(SQLiteStore):
 
     def conversation(self, tenant: str, response_id: str) -> Conversation | None:
         """What a next turn continues from: every turn's input and output up to this response's output."""
-        with self._read():
-            if not self._visible(tenant, response_id):
-                return None
-            rows = self._db.execute(
-                """WITH RECURSIVE chain(id, parent, n) AS (
-                       SELECT id, parent, 0 FROM responses WHERE tenant = :tenant AND id = :id
-                       UNION ALL
-                       SELECT r.id, r.parent, chain.n + 1 FROM chain
-                       JOIN responses r ON r.tenant = :tenant AND r.id = chain.parent
-                       WHERE chain.n < :max
-                   )
-                   SELECT r.input, r.output FROM chain JOIN responses r ON r.tenant = :tenant AND r.id = chain.id
-                   ORDER BY chain.n DESC""",
-                {"tenant": tenant, "id": response_id, "max": MAX_TURNS},
-            ).fetchall()
+        turns = self.turns(tenant, response_id)
+        if turns is None:
+            return None
         items: list[dict] = []
-        for stored_input, output in rows:
-            items += json.loads(stored_input)
-            items += model_visible(json.loads(output))
-        return Conversation(items, len(rows))
+        for turn in turns:
+            items += turn.input
+            items += model_visible(turn.output)
+        return Conversation(items, len(turns))
 
     def turns(self, tenant: str, response_id: str) -> list[Turn] | None:
         """The stored turns of a response's conversation, oldest first, the response itself last (None: no
