@@ -14,18 +14,15 @@ row; its answered lines live on in its output and error files (motet/api/file_st
 
 from __future__ import annotations
 
-import contextlib
 import json
 import secrets
-import sqlite3
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from motet.api.batch_format import Line, Usage, compact, error_line, succeeded
-from motet.api.storage_errors import StorageFailure, is_storage_failure
+from motet.api.sqlite_store import SQLiteStore
 
 FILENAME = "batches.sqlite3"
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
@@ -120,15 +117,9 @@ def _object(row: tuple) -> dict:
     }
 
 
-class BatchStore:
+class BatchStore(SQLiteStore):
     def __init__(self, data_dir: str | Path):
-        Path(data_dir).mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(Path(data_dir) / FILENAME, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        for statement in _SCHEMA:
-            self._db.execute(statement)
+        super().__init__(Path(data_dir) / FILENAME, _SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(batches)")}
         if "result_bytes" not in columns:  # a store written before answers counted against the quota
             self._db.execute("ALTER TABLE batches ADD COLUMN result_bytes INTEGER NOT NULL DEFAULT 0")
@@ -155,20 +146,7 @@ class BatchStore:
     def page(self, tenant: str, after: str | None, limit: int) -> tuple[list[dict], bool] | None:
         """A page of the tenant's batches, newest first, after the batch `after`; and whether more follow.
         None: `after` names no batch of theirs."""
-        with self._read():
-            start = 1 << 62
-            if after is not None:
-                row = self._db.execute(
-                    "SELECT seq FROM batches WHERE tenant = ? AND id = ?", (tenant, after)
-                ).fetchone()
-                if row is None:
-                    return None
-                start = row[0]
-            rows = self._db.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM batches WHERE tenant = ? AND seq < ? ORDER BY seq DESC LIMIT ?",
-                (tenant, start, limit + 1),
-            ).fetchall()
-        return [_object(r) for r in rows[:limit]], len(rows) > limit
+        return self._keyset_page("batches", _COLUMNS, _object, tenant, after, limit)
 
     def cancel(self, tenant: str, batch_id: str) -> dict | None:
         """Ask a batch to stop (validating or in progress -> cancelling); the batch as it is now, or None."""
@@ -310,10 +288,6 @@ class BatchStore:
             self._set_status(batch_id, status)
             self._db.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
 
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
     # -- under the lock -----------------------------------------------------------------------------------------
     def _load(self, batch_id: str, lines: Iterable[Line], max_lines: int) -> None:
         self._db.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
@@ -390,31 +364,3 @@ class BatchStore:
             f"UPDATE batches SET status = ?, {_STATUS_TIME[status]} = ? WHERE id = ?",
             (status, int(time.time()), batch_id),
         )
-
-    @contextlib.contextmanager
-    def _read(self) -> Iterator[None]:
-        with self._lock, _storage_failures():
-            yield
-
-    @contextlib.contextmanager
-    def _write(self) -> Iterator[None]:
-        with self._lock, _storage_failures():
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.execute("ROLLBACK")
-                raise
-
-
-@contextlib.contextmanager
-def _storage_failures() -> Iterator[None]:
-    try:
-        yield
-    except sqlite3.Error as e:
-        if is_storage_failure(e):
-            raise StorageFailure.from_sqlite(e) from e
-        raise

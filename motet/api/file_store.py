@@ -15,18 +15,16 @@ never refused (the batch's results must not be lost), stay within it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from motet.api.storage_errors import StorageFailure, is_storage_failure
+from motet.api.sqlite_store import SQLiteStore
+from motet.api.storage_errors import storage_failures
 
 FILENAME = "files.sqlite3"
 DEFAULT_MAX_FILE_BYTES = 200 << 20  # OpenAI's limit for a batch input file
@@ -46,6 +44,7 @@ _SCHEMA = (
     )""",
     "CREATE INDEX IF NOT EXISTS files_by_tenant ON files (tenant, seq)",
 )
+_COLUMNS = ("id", "tenant", "filename", "purpose", "bytes", "created_at")  # a StoredFile's fields, in order
 
 
 class FileTooLarge(Exception):
@@ -80,11 +79,15 @@ class StoredFile:
         }
 
 
+def _stored_file(row: tuple) -> StoredFile:
+    return StoredFile(*row)
+
+
 def new_file_id() -> str:
     return f"file-{secrets.token_hex(12)}"
 
 
-class FileStore:
+class FileStore(SQLiteStore):
     def __init__(
         self,
         data_dir: str | Path,
@@ -98,22 +101,17 @@ class FileStore:
         self.reserved: Callable[[str], int] = lambda tenant: 0
         self.dir = Path(data_dir) / "files"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(Path(data_dir) / FILENAME, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        for statement in _SCHEMA:
-            self._db.execute(statement)
+        super().__init__(Path(data_dir) / FILENAME, _SCHEMA)
         self._remove_orphans()
 
     # -- writing ---------------------------------------------------------------------------------------------
     def upload(self, tenant: str, filename: str, purpose: str, source: BinaryIO) -> StoredFile:
         """Store a client's file, refused (FileTooLarge, FileQuotaExceeded) before anything is kept."""
         file_id = new_file_id()
-        with self._storage_failures():
-            size = self._write(file_id, _chunks(source), self.max_file_bytes)
+        with storage_failures():
+            size = self._write_bytes(file_id, _chunks(source), self.max_file_bytes)
             try:
-                with self._write_transaction():
+                with self._write():
                     used = self._used(tenant) + self.reserved(tenant)
                     if used + size > self.max_bytes_per_tenant:
                         raise FileQuotaExceeded(
@@ -131,14 +129,14 @@ class FileStore:
     ) -> StoredFile:
         """Store a file the server made (a batch's output), under an id the caller chose so that writing it
         again (a batch finalized twice across a crash) replaces it."""
-        with self._storage_failures():
-            size = self._write(file_id, lines, None)
-            with self._write_transaction():
+        with storage_failures():
+            size = self._write_bytes(file_id, lines, None)
+            with self._write():
                 self._db.execute("DELETE FROM files WHERE id = ?", (file_id,))
                 return self._insert(file_id, tenant, filename, purpose, size)
 
     def delete(self, tenant: str, file_id: str) -> bool:
-        with self._storage_failures(), self._write_transaction():
+        with self._write():
             gone = self._db.execute(
                 "DELETE FROM files WHERE tenant = ? AND id = ?", (tenant, file_id)
             ).rowcount
@@ -148,54 +146,38 @@ class FileStore:
 
     # -- reading ---------------------------------------------------------------------------------------------
     def get(self, tenant: str, file_id: str) -> StoredFile | None:
-        with self._storage_failures(), self._lock:
+        with self._read():
             row = self._db.execute(
-                "SELECT id, tenant, filename, purpose, bytes, created_at FROM files WHERE tenant = ? AND id = ?",
+                f"SELECT {', '.join(_COLUMNS)} FROM files WHERE tenant = ? AND id = ?",
                 (tenant, file_id),
             ).fetchone()
-        return None if row is None else StoredFile(*row)
+        return None if row is None else _stored_file(row)
 
     def page(
         self, tenant: str, after: str | None = None, limit: int = 10_000, order: str = "desc", purpose=None
     ) -> tuple[list[StoredFile], bool] | None:
         """A page of the tenant's files (newest first, or oldest with order "asc") after the file `after`, and
         whether more follow; None: `after` names no file of theirs."""
-        desc = order == "desc"
-        with self._storage_failures(), self._lock:
-            start = -1 if not desc else 1 << 62  # before every seq, in the listing's direction
-            if after is not None:
-                row = self._db.execute(
-                    "SELECT seq FROM files WHERE tenant = ? AND id = ?", (tenant, after)
-                ).fetchone()
-                if row is None:
-                    return None
-                start = row[0]
-            rows = self._db.execute(
-                "SELECT id, tenant, filename, purpose, bytes, created_at FROM files"
-                f" WHERE tenant = ? AND seq {'<' if desc else '>'} ? AND (? IS NULL OR purpose = ?)"
-                f" ORDER BY seq {'DESC' if desc else 'ASC'} LIMIT ?",
-                (tenant, start, purpose, purpose, limit + 1),
-            ).fetchall()
-        return [StoredFile(*r) for r in rows[:limit]], len(rows) > limit
+        filters = {} if purpose is None else {"where": "purpose = ?", "args": (purpose,)}
+        newest_first = order == "desc"
+        return self._keyset_page(
+            "files", _COLUMNS, _stored_file, tenant, after, limit, newest_first=newest_first, **filters
+        )
 
     def open(self, stored: StoredFile) -> BinaryIO:
-        with self._storage_failures():
+        with storage_failures():
             return open(self._path(stored.id), "rb")  # noqa: SIM115 (the caller closes it)
 
     def usage(self, tenant: str) -> int:
         """The bytes of the tenant's files (not counting `reserved`)."""
-        with self._storage_failures(), self._lock:
+        with self._read():
             return self._used(tenant)
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
 
     # -- under the hood --------------------------------------------------------------------------------------
     def _path(self, file_id: str) -> Path:
         return self.dir / file_id
 
-    def _write(self, file_id: str, chunks: Iterable[bytes], limit: int | None) -> int:
+    def _write_bytes(self, file_id: str, chunks: Iterable[bytes], limit: int | None) -> int:
         """The bytes, written whole under the file's name (or not at all); their size."""
         tmp = self.dir / f".{file_id}.partial"
         size = 0
@@ -235,31 +217,6 @@ class FileStore:
         for path in self.dir.iterdir():
             if path.name not in known:
                 path.unlink(missing_ok=True)
-
-    @contextlib.contextmanager
-    def _write_transaction(self) -> Iterator[None]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.execute("ROLLBACK")
-                raise
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _storage_failures() -> Iterator[None]:
-        try:
-            yield
-        except sqlite3.Error as e:
-            if is_storage_failure(e):
-                raise StorageFailure.from_sqlite(e) from e
-            raise
-        except OSError as e:
-            raise StorageFailure.from_os(e) from e
 
 
 def _chunks(source: BinaryIO) -> Iterator[bytes]:

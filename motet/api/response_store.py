@@ -18,22 +18,19 @@ evicting what the tenant stored. Rows older than `max_age_s` are gone (not read,
 The file failing (a full disk, an I/O error) raises `StorageFailure`, and a failed write leaves nothing
 behind: its transaction is rolled back, and the connection stays usable. The layout's version is SQLite's
 `user_version`; the first layout (a copy of the whole conversation in every row, version 1) is migrated on
-open. Synchronous, one connection behind a lock (WAL mode); the routes call it from a worker thread.
+open. Synchronous, one connection behind a lock (motet/api/sqlite_store.py); the routes call it from a
+worker thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sqlite3
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from motet.api.response_items import model_visible
-from motet.api.storage_errors import StorageFailure, is_storage_failure
+from motet.api.sqlite_store import SQLiteStore
 
 FILENAME = "responses.sqlite3"
 SCHEMA_VERSION = 2  # 1: user_version 0 and `responses (tenant, id, created_at, response, context)`, migrated
@@ -84,7 +81,7 @@ class Turn:
     output: list[dict]  # its output items as stored
 
 
-class ResponseStore:
+class ResponseStore(SQLiteStore):
     def __init__(
         self,
         data_dir: str | Path,
@@ -97,11 +94,7 @@ class ResponseStore:
         self.max_age_s, self.max_per_tenant = max_age_s, max_per_tenant
         self.max_bytes_per_tenant = max_bytes_per_tenant
         self.path = Path(data_dir) / FILENAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
+        super().__init__(self.path)  # the layout: `_migrate`
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise RuntimeError(f"{self.path} has layout {version}, newer than this motet's {SCHEMA_VERSION}")
@@ -160,26 +153,14 @@ class ResponseStore:
 
     def conversation(self, tenant: str, response_id: str) -> Conversation | None:
         """What a next turn continues from: every turn's input and output up to this response's output."""
-        with self._read():
-            if not self._visible(tenant, response_id):
-                return None
-            rows = self._db.execute(
-                """WITH RECURSIVE chain(id, parent, n) AS (
-                       SELECT id, parent, 0 FROM responses WHERE tenant = :tenant AND id = :id
-                       UNION ALL
-                       SELECT r.id, r.parent, chain.n + 1 FROM chain
-                       JOIN responses r ON r.tenant = :tenant AND r.id = chain.parent
-                       WHERE chain.n < :max
-                   )
-                   SELECT r.input, r.output FROM chain JOIN responses r ON r.tenant = :tenant AND r.id = chain.id
-                   ORDER BY chain.n DESC""",
-                {"tenant": tenant, "id": response_id, "max": MAX_TURNS},
-            ).fetchall()
+        turns = self.turns(tenant, response_id)
+        if turns is None:
+            return None
         items: list[dict] = []
-        for stored_input, output in rows:
-            items += json.loads(stored_input)
-            items += model_visible(json.loads(output))
-        return Conversation(items, len(rows))
+        for turn in turns:
+            items += turn.input
+            items += model_visible(turn.output)
+        return Conversation(items, len(turns))
 
     def turns(self, tenant: str, response_id: str) -> list[Turn] | None:
         """The stored turns of a response's conversation, oldest first, the response itself last (None: no
@@ -209,10 +190,6 @@ class ResponseStore:
 
     def count(self, tenant: str) -> int:
         return self.usage(tenant)[0]
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
 
     # -- under the lock -------------------------------------------------------------------------------------------
     def _get(self, tenant: str, response_id: str) -> dict | None:
@@ -310,27 +287,7 @@ class ResponseStore:
     def _oldest(self) -> float:
         return time.time() - self.max_age_s
 
-    # -- transactions, errors, layout --------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _read(self) -> Iterator[None]:
-        with self._lock, _storage_failures():
-            yield
-
-    @contextlib.contextmanager
-    def _write(self) -> Iterator[None]:
-        """One transaction: committed whole, or rolled back whole (SQLite may have rolled it back itself,
-        e.g. on a full disk: then there is nothing left to roll back, and the first error is the one raised)."""
-        with self._lock, _storage_failures():
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.execute("ROLLBACK")
-                raise
-
+    # -- layout ------------------------------------------------------------------------------------------------
     def _migrate(self) -> None:
         """Create the layout, or move the first one's rows (a whole conversation each) into it: each
         becomes a conversation of its own, reduced to what the model sees. One transaction: all or nothing."""
@@ -365,16 +322,6 @@ class ResponseStore:
                     (tenant, response_id, created_at, envelope, stored_input, output,
                      _size(envelope, stored_input, output)),
                 )  # fmt: skip
-
-
-@contextlib.contextmanager
-def _storage_failures() -> Iterator[None]:
-    try:
-        yield
-    except sqlite3.Error as e:
-        if is_storage_failure(e):
-            raise StorageFailure.from_sqlite(e) from e
-        raise
 
 
 def _dumps(value) -> str:

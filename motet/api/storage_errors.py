@@ -1,15 +1,18 @@
 """The server's own storage failing (a full disk, an I/O error), as clean API errors.
 
-SQLite's and the OS's errors become one `StorageFailure` that says the real cause in words a tenant may read
-(never a server path), and whether the disk is full. As an answer: 507 Insufficient Storage when full, 503
+SQLite's and the OS's errors become one `StorageFailure` (`storage_failures()` maps them where a store
+touches its files) that says the real cause in words a tenant may read (never a server path), and whether
+the disk is full. As an answer: 507 Insufficient Storage when full, 503
 for any other I/O failure, both with Retry-After (space may be freed, a disk may come back).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sqlite3
+from collections.abc import Iterator
 
 from motet.api.errors import APIError
 
@@ -36,6 +39,19 @@ class StorageFailure(Exception):
 def is_storage_failure(e: BaseException) -> bool:
     """SQLite errors that come from the file under it (full, I/O, locked, corrupt), not from a wrong query."""
     return isinstance(e, sqlite3.OperationalError) or type(e) is sqlite3.DatabaseError
+
+
+@contextlib.contextmanager
+def storage_failures() -> Iterator[None]:
+    """Raise the storage's failures inside as `StorageFailure`; a wrong query's error stays what it is."""
+    try:
+        yield
+    except sqlite3.Error as e:
+        if is_storage_failure(e):
+            raise StorageFailure.from_sqlite(e) from e
+        raise
+    except OSError as e:
+        raise StorageFailure.from_os(e) from e
 
 
 def storage_error(e: StorageFailure, what: str) -> APIError:

@@ -31,7 +31,8 @@ from starlette.responses import JSONResponse, Response
 
 from motet.api.asgi import StatusRecorder
 from motet.api.errors import APIError
-from motet.api.storage_errors import StorageFailure, is_storage_failure
+from motet.api.sqlite_store import SQLiteStore
+from motet.api.storage_errors import StorageFailure
 
 FILENAME = "usage.sqlite3"
 FLUSH_S = 2.0
@@ -40,6 +41,19 @@ LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # OpenAI's default 
 GROUPS = ("tenant", "model", "batch")
 BATCH_SCOPE_KEY = "motet.batch"  # set in the ASGI scope of the Batch API's lines (motet/api/batch_runner.py)
 _COUNTS = ("requests", "input_tokens", "cached_tokens", "output_tokens")
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS usage (
+        minute INTEGER NOT NULL,  -- unix time / 60
+        tenant TEXT NOT NULL,
+        model TEXT NOT NULL,
+        batch INTEGER NOT NULL,
+        requests INTEGER NOT NULL DEFAULT 0,
+        input_tokens INTEGER NOT NULL DEFAULT 0,
+        cached_tokens INTEGER NOT NULL DEFAULT 0,
+        output_tokens INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (minute, tenant, model, batch)
+    )""",
+)
 
 request_log = logging.getLogger("motet.requests")
 
@@ -72,27 +86,10 @@ def begin(tenant: str, model: str, batch: bool) -> RequestUsage:
     return u
 
 
-class UsageStore:
+class UsageStore(SQLiteStore):
     def __init__(self, data_dir: str | Path):
-        Path(data_dir).mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(Path(data_dir) / FILENAME, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._db.execute(
-            """CREATE TABLE IF NOT EXISTS usage (
-                minute INTEGER NOT NULL,  -- unix time / 60
-                tenant TEXT NOT NULL,
-                model TEXT NOT NULL,
-                batch INTEGER NOT NULL,
-                requests INTEGER NOT NULL DEFAULT 0,
-                input_tokens INTEGER NOT NULL DEFAULT 0,
-                cached_tokens INTEGER NOT NULL DEFAULT 0,
-                output_tokens INTEGER NOT NULL DEFAULT 0,
-                PRIMARY KEY (minute, tenant, model, batch)
-            )"""
-        )
-        self._lock = threading.Lock()  # the pending counts; the database's writes are under _db_lock
-        self._db_lock = threading.Lock()
+        super().__init__(Path(data_dir) / FILENAME, _SCHEMA)
+        self._pending_lock = threading.Lock()  # the counts not written yet; the database's is `_lock`
         self._pending: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._flush_loop, name="motet-usage", daemon=True)
@@ -102,44 +99,34 @@ class UsageStore:
         if u.tenant is None:
             return
         key = (int(time.time()) // 60, u.tenant, u.model or "", int(u.batch))
-        with self._lock:
+        with self._pending_lock:
             counts = self._pending[key]
             for i, v in enumerate((requests, input_tokens, cached, output)):
                 counts[i] += v
 
     def flush(self) -> None:
-        with self._lock:
+        with self._pending_lock:
             pending, self._pending = self._pending, defaultdict(lambda: [0, 0, 0, 0])
         if not pending:
             return
         rows = [(*key, *counts) for key, counts in pending.items()]
         try:
-            with self._db_lock:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    self._db.executemany(
-                        "INSERT INTO usage (minute, tenant, model, batch, requests, input_tokens, cached_tokens,"
-                        " output_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (minute, tenant, model, batch)"
-                        " DO UPDATE SET requests = requests + excluded.requests, input_tokens = input_tokens +"
-                        " excluded.input_tokens, cached_tokens = cached_tokens + excluded.cached_tokens,"
-                        " output_tokens = output_tokens + excluded.output_tokens",
-                        rows,
-                    )
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-        except (sqlite3.Error, OSError) as e:  # a full disk: the counts wait in memory for the next flush
-            with self._lock:
+            with self._write():
+                self._db.executemany(
+                    "INSERT INTO usage (minute, tenant, model, batch, requests, input_tokens, cached_tokens,"
+                    " output_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (minute, tenant, model, batch)"
+                    " DO UPDATE SET requests = requests + excluded.requests, input_tokens = input_tokens +"
+                    " excluded.input_tokens, cached_tokens = cached_tokens + excluded.cached_tokens,"
+                    " output_tokens = output_tokens + excluded.output_tokens",
+                    rows,
+                )
+        except (StorageFailure, sqlite3.Error):  # a full disk: the counts wait in memory for the next flush
+            with self._pending_lock:
                 for key, counts in pending.items():
                     mine = self._pending[key]
                     for i, v in enumerate(counts):
                         mine[i] += v
-            if isinstance(e, OSError):
-                raise StorageFailure.from_os(e) from e
-            if not is_storage_failure(e):
-                raise
-            raise StorageFailure.from_sqlite(e) from e
+            raise
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(FLUSH_S):
@@ -151,8 +138,7 @@ class UsageStore:
         self._thread.join(5)
         with contextlib.suppress(StorageFailure):
             self.flush()
-        with self._db_lock:
-            self._db.close()
+        super().close()
 
     def buckets(
         self, start: int, end: int, width: int, groups: tuple[str, ...], tenant: str | None, model: str | None
@@ -174,7 +160,7 @@ class UsageStore:
             f" GROUP BY b{', ' + cols if cols else ''} ORDER BY b{', ' + cols if cols else ''}"
         )
         out: dict[int, list[dict]] = defaultdict(list)
-        with self._db_lock:
+        with self._read():
             rows = self._db.execute(sql, args).fetchall()
         for row in rows:
             b, keys, (requests, input_tokens, cached, output) = row[0], row[1 : 1 + len(groups)], row[-4:]

@@ -1,0 +1,96 @@
+"""The base of the server's SQLite stores: one file's connection, its transactions and keyset pages.
+
+A store (responses, files, batches, usage) gives it a file and a schema and keeps only its own queries.
+One connection, shared by the worker threads behind a lock, in autocommit mode so that transactions are
+only the ones `_write` opens. Every query runs inside `_read()` or `_write()`: under the lock, with the
+file's failures (full, I/O error, locked by another process) raised as `StorageFailure`
+(motet/api/storage_errors.py), which the routes answer with 507 or 503.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from motet.api.storage_errors import storage_failures
+
+BUSY_TIMEOUT_MS = 5000  # how long another connection's write lock (an operator's shell) is waited for
+_BEFORE_ALL = {True: 1 << 62, False: -1}  # a seq before every row, listed newest first (True) or oldest first
+
+T = TypeVar("T")
+
+
+class SQLiteStore:
+    def __init__(self, path: Path, schema: Iterable[str] = ()):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        # WAL: a reader elsewhere (a backup, an operator's shell) never blocks the server's writes
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        for statement in schema:
+            self._db.execute(statement)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[None]:
+        with self._lock, storage_failures():
+            yield
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[None]:
+        """One transaction: committed whole, or rolled back whole (SQLite may have rolled it back itself,
+        e.g. on a full disk: then there is nothing left to roll back, and the first error is the one raised).
+        IMMEDIATE takes the write lock at once, so a transaction that reads first never fails upgrading."""
+        with self._lock, storage_failures():
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
+                raise
+
+    def _keyset_page(
+        self,
+        table: str,
+        columns: Sequence[str],
+        of_row: Callable[[tuple], T],
+        tenant: str,
+        after: str | None,
+        limit: int,
+        *,
+        newest_first: bool = True,
+        where: str = "",
+        args: Sequence = (),
+    ) -> tuple[list[T], bool] | None:
+        """Up to `limit` of the tenant's rows of `table` in `seq` order (each row's `columns`, made into a
+        `T` by `of_row`) after the row whose id is `after`, and whether more follow; None: `after` names no
+        row of the tenant's. `where`, with `args`: a further condition. By key rather than OFFSET, so a
+        page deep in a long list costs only its own rows, and rows added or deleted meanwhile do not shift
+        the pages."""
+        with self._read():
+            start = _BEFORE_ALL[newest_first]
+            if after is not None:
+                row = self._db.execute(
+                    f"SELECT seq FROM {table} WHERE tenant = ? AND id = ?", (tenant, after)
+                ).fetchone()
+                if row is None:
+                    return None
+                start = row[0]
+            rows = self._db.execute(
+                f"SELECT {', '.join(columns)} FROM {table}"
+                f" WHERE tenant = ? AND seq {'<' if newest_first else '>'} ?{f' AND {where}' if where else ''}"
+                f" ORDER BY seq {'DESC' if newest_first else 'ASC'} LIMIT ?",
+                (tenant, start, *args, limit + 1),
+            ).fetchall()
+        return [of_row(r) for r in rows[:limit]], len(rows) > limit
