@@ -94,6 +94,19 @@ FAMILIES = {
         },
         (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]),
     ),  # fmt: skip
+    # Gemma 3's norms without q/k norms, attention scores and final logits soft-capped (caps low enough to bite),
+    # the first of two layers sliding
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "pad_token_id": 0,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 4.0,
+        },
+        (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]),
+    ),
     # q/k/v in one qkv_proj and gate/up in one gate_up_proj, in the checkpoint and in its adapters
     "phi3": ("phi3", {"pad_token_id": 0}, (["qkv_proj", "o_proj"], ["gate_up_proj", "down_proj"])),
 }
@@ -109,7 +122,7 @@ def family(request, tmp_path_factory):
 
 # Families whose layer the native CPU step does not run yet: the eager decoder serves them (on the CPU, with or
 # without --no-compile); OLMo 2's also on one rank only.
-EAGER_ONLY = {"Olmo2ForCausalLM", "Gemma3ForCausalLM"}
+EAGER_ONLY = {"Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 ONE_RANK = {"Olmo2ForCausalLM"}
 
 
@@ -139,10 +152,15 @@ def test_configs_read_their_declarations(family):
         raw.pop("rope_parameters")
         hub = ModelConfig.from_dict({**raw, "rope_theta": 1e6, "rope_local_base_freq": 10000.0})
         assert (hub.rope_local_theta, hub.rope_theta) == (10000.0, 1e6)
-        with pytest.raises(
-            ModelLoadError, match="final_logit_softcapping 30.0: soft-capping is not implemented"
-        ):
-            ModelConfig.from_dict({**raw, "final_logit_softcapping": 30.0})
+        capped = ModelConfig.from_dict({**raw, "final_logit_softcapping": 30.0})
+        assert (capped.logit_softcap, capped.attn_softcap) == (30.0, None)
+        with pytest.raises(ModelLoadError, match="final_logit_softcapping must be a positive number"):
+            ModelConfig.from_dict({**raw, "final_logit_softcapping": -1})
+    elif cfg.architecture == "Gemma2ForCausalLM":
+        assert cfg.post_norms and cfg.pre_norms and not cfg.qk_norm and cfg.hidden_act == "gelu_tanh"
+        assert (cfg.attn_softcap, cfg.logit_softcap) == (3.0, 4.0)
+        assert cfg.sliding_layers == (0,) and cfg.rope_local_theta is None
+        assert cfg.weight_scales["q_proj"] == 24**-0.5 * 16**0.5  # the query scale, folded into q_proj
     elif cfg.architecture == "GraniteForCausalLM":
         assert (cfg.embedding_multiplier, cfg.attention_multiplier) == (6.0, 0.11)
         assert (cfg.residual_multiplier, cfg.logits_scaling) == (0.3, 4.0)

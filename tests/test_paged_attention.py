@@ -18,7 +18,9 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def naive_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=None):
+def naive_attention(
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=None, softcap=None
+):
     """Simplest ground truth: per sequence, gather K/V position by position, full causal softmax in f64 (keys
     `window` or more positions back masked too, as transformers' sliding-window mask does)."""
     num_heads = q.shape[1]
@@ -36,6 +38,8 @@ def naive_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # query head h reads kv head h // group
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         s = torch.einsum("qhd,khd->hqk", q[q_start:q_end].cpu().double(), k) * scale
+        if softcap is not None:  # as transformers' Gemma 2 attention: before the mask
+            s = torch.tanh(s / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len)
         s[:, pos[None, :] > q_pos[:, None]] = float("-inf")
         if window is not None:
@@ -112,7 +116,7 @@ def check(fn, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0
     args = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, noncontig_q)
     scale = head_dim**-0.5
     window = kw.get("window")
-    expected = naive_attention(*args, scale, window=window)
+    expected = naive_attention(*args, scale, window=window, softcap=kw.get("softcap"))
     if window is not None:  # the blocks wholly before a sequence's window: poisoned, as if reused
         poison_before_window(args, block_size, window)
     out = fn(*args, scale, **kw)
@@ -199,6 +203,15 @@ def test_reference_sliding_window(dtype, window, monkeypatch):
     check(pac.paged_attention_reference, [(37, 100), (60, 60), (1, 80)], 9, 3, 64, 16, dtype, window=window)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_soft_capping(dtype):
+    """Gemma 2's soft-capped scores (a cap of 2 changes every row), decodes batched or not, with a window too."""
+    g = torch.Generator().manual_seed(7)
+    seqs = random_seqs(g, n=8, max_ctx=60, max_chunk=20) + [(1, n) for n in (3, 40, 41, 42, 50, 60, 64, 70)]
+    check(pac.paged_attention_reference, seqs, 9, 3, 64, 8, dtype, softcap=2.0)
+    check(pac.paged_attention_reference, seqs, 9, 3, 64, 8, dtype, softcap=2.0, window=9)
+
+
 def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(pa, "paged_attention_reference", lambda *a, **k: calls.append(1) or "ref")
@@ -257,6 +270,14 @@ def test_triton_sliding_window(window):
     )
     decodes = [(1, n) for n in (1, 9, 16, 37, 64)]
     check(pa.paged_attention_triton, decodes, 8, 2, 64, 8, torch.float32, window=window, max_query_len=1)
+
+
+@needs_triton
+def test_triton_soft_capping():
+    g = torch.Generator().manual_seed(11)
+    seqs = random_seqs(g, n=4, max_ctx=50, max_chunk=30)
+    check(pa.paged_attention_triton, seqs, 8, 2, 64, 8, torch.float32, seed=4, softcap=2.0, max_query_len=30)
+    check(pa.paged_attention_triton, seqs, 8, 2, 64, 8, torch.float32, seed=4, softcap=2.0, window=6)
 
 
 # -------------------------------------------------------------------------------------------- write_kv_cache

@@ -1,5 +1,5 @@
-"""Sliding-window attention past the window (motet/engine/kv_window.py): Mistral's window on every layer and
-Gemma 3's local layers beside a global one, against transformers (its sliding-window mask and its cache), with
+"""Sliding-window attention past the window (motet/engine/kv_window.py): Mistral's window on every layer,
+Gemma 2's every other layer (with soft-capping) and Gemma 3's local layers beside a global one, against transformers (its sliding-window mask and its cache), with
 the KV blocks a long request holds in those layers bounded by the window."""
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ WINDOW, BLOCK = 20, 4
 
 FAMILIES = {
     "mistral": {"sliding_window": WINDOW},  # every layer
+    "gemma2": {  # every other layer, soft-capped scores and logits
+        "sliding_window": WINDOW,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "pad_token_id": 0,
+        "attn_logit_softcapping": 3.0,
+        "final_logit_softcapping": 4.0,
+    },
     "gemma3": {  # a local layer, with its own rope base, beside a global one
         "sliding_window": WINDOW,
         "head_dim": 16,

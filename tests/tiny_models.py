@@ -9,6 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3TextConfig,
     GraniteConfig,
     LlamaConfig,
@@ -75,6 +76,7 @@ def build_tiny_model(path: Path, arch: str = "llama", tied: bool = True, seed: i
         "mistral": MistralConfig,
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,  # q_norm / k_norm per head, no q/k/v biases
+        "gemma2": Gemma2Config,  # Gemma 3's norms without q/k norms, soft-capping, every other layer sliding
         "gemma3": Gemma3TextConfig,  # sandwich norms (1 + w), GeGLU, sliding-window layers with their rope base
         "granite": GraniteConfig,  # embedding / attention / residual multipliers, logits scaling
         "olmo2": Olmo2Config,  # post-norms, q/k norms across heads

@@ -88,6 +88,9 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: float | None = None
     sliding_window: int | None = None
+    # Gemma 2's soft-capping: attention scores (scaled) and the final logits squashed by cap * tanh(x / cap)
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the layers in `sparse_layers` replace their MLP by

@@ -189,6 +189,7 @@ class Attention(nn.Module):
         self.qk_norm_whole = cfg.qk_norm_whole
         # a sliding-window layer attends to the last `window` positions
         self.window = cfg.sliding_window if layer_idx in cfg.window_layers else None
+        self.softcap = cfg.attn_softcap
 
     def forward(
         self, x, angles: RotaryAngles, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None
@@ -230,6 +231,7 @@ class Attention(nn.Module):
             max_seq_len=meta.max_seq_len,
             plan=meta.cpu_plan,
             window=self.window,
+            softcap=self.softcap,
         )
         out = out.reshape(T, self.q_size)
         y = self.o_proj(out)
@@ -544,9 +546,14 @@ class CausalLM(nn.Module):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """fp32 logits of `hidden`'s rows; under tensor parallelism each rank's vocabulary columns are gathered
-        on rank 0 (the others get None)."""
+        """fp32 logits of `hidden`'s rows, before soft-capping (`cap_logits`, after the adapters' head deltas);
+        under tensor parallelism each rank's vocabulary columns are gathered on rank 0 (the others get None)."""
         return self.parallel.gather_columns(self.lm_head(hidden).float(), self.config.vocab_size)
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-capping, in place: cap * tanh(logits / cap) (the logits as they are elsewhere)."""
+        cap = self.config.logit_softcap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     def decoder_linears(self) -> list[Linear]:
         """The projections of every decoder layer (qkv, o, gate_up, down per layer, in that order; a sparse

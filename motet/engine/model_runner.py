@@ -570,7 +570,7 @@ class ModelRunner:
         logits = self._logits(hidden)
         if lora is not None:
             lora.add_head(logits, hidden)
-        return logits
+        return self.model.cap_logits(logits)
 
     def logits(self, hidden: torch.Tensor, rows: list[int], lora: LoRABatch | None = None) -> torch.Tensor:
         """fp32 logits of rows of the latest forward's hidden states (the other ranks pick the same rows), with
@@ -583,7 +583,7 @@ class ModelRunner:
         logits = self._logits(picked, reuse=True)
         if lora is not None and lora.head:
             lora.rows(rows).add_head(logits, picked)
-        return logits
+        return self.model.cap_logits(logits)
 
     def _logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor | None:
         """This rank's part of the logits (rank 0 gets all of them, gathered; the others None); `reuse`: the

@@ -95,14 +95,15 @@ def paged_attention(
     max_seq_len: int | None = None,
     plan: CpuAttentionPlan | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context; returns ``[T, H, D]`` in
     ``q``'s dtype. ``max_query_len`` / ``max_seq_len`` are optional host-side hints (no device sync);
     ``plan`` is the CPU path's per-step bookkeeping, shared by the layers of one step. With ``window`` (a
     sliding-window layer) a query at position p attends to keys p - window + 1 .. p only, and no other block
-    is read."""
+    is read. With ``softcap`` (Gemma 2) the scaled scores are squashed to softcap * tanh(s / softcap)."""
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
-    hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len, "window": window}
+    hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len, "window": window, "softcap": softcap}
     if q.is_cuda:
         return paged_attention_triton(*args, **hints)
     return paged_attention_reference(*args, **hints, plan=plan)
@@ -120,6 +121,7 @@ def paged_attention_triton(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton kernel launch (CUDA, or CPU under ``TRITON_INTERPRET=1``). No device sync.
 
@@ -182,6 +184,7 @@ def paged_attention_triton(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         TILE_N=32,  # independent of the block size: positions look up their block one by one
+        SOFTCAP=softcap or 0.0,
         # fp32 inputs get true fp32 dots (tl.dot defaults to tf32 on NVIDIA); bf16/fp16 use the default.
         PRECISION="ieee" if q.dtype == torch.float32 or interpreted else None,
         DOT_FP32=interpreted,
@@ -239,6 +242,7 @@ if triton is not None:
         BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr,
+        SOFTCAP: tl.constexpr,  # 0.0: none
         PRECISION: tl.constexpr,
         DOT_FP32: tl.constexpr,
     ):
@@ -290,6 +294,9 @@ if triton is not None:
             if DOT_FP32:
                 k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+            if SOFTCAP > 0:  # cap * tanh(s / cap) in natural-log units (tanh from exp: 1 - 2 / (e^2x + 1))
+                x = s * (1.0 / (1.4426950408889634 * SOFTCAP))
+                s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (SOFTCAP * 1.4426950408889634)
             seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window)
             s = tl.where(seen & n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -128,6 +128,10 @@ def _decode_batched(out, q, k_cache, v_cache, group: DecodeGroup, scale) -> None
     out[group.rows] = o.squeeze(2).to(out.dtype)
 
 
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -141,6 +145,7 @@ def paged_attention_reference(
     max_seq_len: int | None = None,
     plan: CpuAttentionPlan | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Torch reference, and the CPU production path.
 
@@ -150,7 +155,7 @@ def paged_attention_reference(
     decodes (the padded gather is large and cache-hostile) and ``scaled_dot_product_attention``
     (per-call overhead for short queries; no faster for prefill chunks). Rows past
     ``query_start_loc[-1]`` are zero. `plan` (from `plan_cpu_attention` with the same `window`) may be shared
-    by all layers.
+    by all layers. `softcap`: scores (scaled) squashed to cap * tanh(s / cap) before the softmax (Gemma 2).
     """
     del max_query_len, max_seq_len  # host-side lists below are free on CPU
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -164,7 +169,7 @@ def paged_attention_reference(
     done = set()
     # Many decode rows of similar length: one padded gather + one SDPA call per group beats a
     # per-sequence loop of small ops.
-    for g in plan.groups:
+    for g in plan.groups if softcap is None else ():  # (SDPA cannot soft-cap: those rows go one by one)
         _decode_batched(out, q, k_cache, v_cache, g, scale)
         done.update(g.seqs)
     if len(done) == len(lens):
@@ -192,7 +197,7 @@ def paged_attention_reference(
         k, v = k.float().transpose(0, 1), v.float().transpose(0, 1)
         if q_len == 1:  # decode, the common case: the last position sees every key (in its window), no mask
             lo = first_key(seq_len, 1, window) - base
-            p = torch.softmax(torch.matmul(qs[:, :, q_start], k[:, lo:].mT), dim=-1)
+            p = torch.softmax(_capped(torch.matmul(qs[:, :, q_start], k[:, lo:].mT), softcap), dim=-1)
             out[q_start] = torch.matmul(p, v[:, lo:]).view(num_heads, head_dim)
             continue
         qb = qs[:, :, q_start:q_end]
@@ -207,7 +212,7 @@ def paged_attention_reference(
             s = torch.matmul(
                 qb[:, :, c0:c1].reshape(num_kv_heads, group * n, head_dim), k[:, kv_start:kv_end].mT
             )
-            s = s.view(num_kv_heads, group, n, keys)
+            s = _capped(s.view(num_kv_heads, group, n, keys), softcap)
             if n > 1:  # a single query row is the last position: it sees every key, no mask needed
                 q_pos = torch.arange(ctx_len + c0, ctx_len + c1, device=q.device)[:, None]
                 k_pos = torch.arange(base + kv_start, base + kv_end, device=q.device)[None, :]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.gemma2 import GEMMA2
 from motet.models.gemma3 import GEMMA3
 from motet.models.granite import GRANITE
 from motet.models.llama import LLAMA
@@ -20,6 +21,7 @@ DECLARATIONS: tuple[Architecture, ...] = (
     PHI3,
     GRANITE,
     OLMO2,
+    GEMMA2,
     GEMMA3,
     MIXTRAL,
     QWEN2_MOE,

@@ -55,6 +55,17 @@ class Architecture:
         return self.names[0]
 
 
+def bounded_float(value, name: str, source: str) -> float:
+    """A positive, finite number from config.json (a soft-capping constant), or ModelLoadError naming it."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not (0 < number < float("inf")):
+        raise ModelLoadError(f"{source}: {name} must be a positive number, got {value!r}")
+    return number
+
+
 def top_k_experts(cfg: dict, experts: int | None, source: str) -> int:
     """num_experts_per_tok, checked against the number of experts (None: no layer has experts); the experts
     compute silu only."""

@@ -5,23 +5,35 @@ query_pre_attn_scalar, and sliding-window layers (`layer_types`) with their own 
 
 import math
 
-from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.declaration import Architecture, ModelLoadError, bounded_float
 
 
-def options(cfg: dict, source: str) -> dict:
-    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(cap) is not None:
-            raise ModelLoadError(f"{source}: {cap} {cfg[cap]}: soft-capping is not implemented yet")
+def gemma_options(cfg: dict, source: str) -> dict:
+    """What Gemma 2 and 3 read alike: the embedding and query scales, GeGLU, soft-capping, the sliding layers."""
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ModelLoadError(
             f"{source}: hidden_activation {cfg['hidden_activation']!r}: motet computes gelu_pytorch_tanh"
         )
+    caps = {}
+    for field, cap in (
+        ("attn_softcap", "attn_logit_softcapping"),
+        ("logit_softcap", "final_logit_softcapping"),
+    ):
+        if cfg.get(cap) is not None:
+            caps[field] = bounded_float(cfg[cap], cap, source)
     types = cfg.get("layer_types") or []
     return dict(
         embedding_multiplier=math.sqrt(int(cfg["hidden_size"])),
         attention_multiplier=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
         hidden_act="gelu_tanh",
         sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        **caps,
+    )
+
+
+def options(cfg: dict, source: str) -> dict:
+    return dict(
+        gemma_options(cfg, source),
         rope_local_theta=float(
             cfg.get("rope_local_base_freq")  # the Hub's configs; transformers >= 5 nests it per layer type
             or ((cfg.get("rope_parameters") or {}).get("sliding_attention") or {}).get("rope_theta", 10000.0)
