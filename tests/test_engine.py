@@ -72,6 +72,26 @@ def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters
         ),
         ("mistral", {}),
         ("qwen2", {}),
+        # YaRN (Qwen2.5's long context) past a small original context, its attention factor from the factor;
+        # then DeepSeek's spelling (mscale / mscale_all_dim) and an explicit attention factor
+        (
+            "qwen2",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+        ),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "yarn",
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 32,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 0.5,
+                    "beta_fast": 16,
+                }
+            },
+        ),
+        ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.3}}),
         ("qwen3", {"head_dim": 32}),  # head_dim apart from hidden / heads, as Qwen3's configs have
     ],
 )

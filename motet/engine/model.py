@@ -59,11 +59,15 @@ class AttentionMetadata:
         return self.window
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """The rotary's inverse frequencies and the factor its cos and sin are scaled by (YaRN's attention factor;
+    1 for the others), as transformers' rope functions compute them."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "yarn":
+        return yarn_inv_freq(cfg, inv_freq, scaling)
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
@@ -77,7 +81,34 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         inv_freq = torch.where(mid, scaled, inv_freq)
     elif kind != "default":
         raise ModelLoadError(f"config.json: rope_scaling type {kind!r} is not supported")
-    return inv_freq
+    return inv_freq, 1.0
+
+
+def yarn_inv_freq(cfg: ModelConfig, inv_freq: torch.Tensor, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5's long context, DeepSeek, GPT-OSS): frequencies above a band kept, below it divided by
+    `factor`, a linear ramp between; cos and sin scaled by an attention factor from log(factor)."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    original = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    factor = scaling.get("factor") or cfg.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def band_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = band_dim(scaling.get("beta_fast") or 32), band_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the frequency as it is (extrapolated), 0: divided by the factor (interpolated)
+    return inv_freq / factor * (1 - kept) + inv_freq * kept, float(attention)
 
 
 def onednn_available() -> bool:
@@ -131,9 +162,10 @@ class Linear(nn.Linear):
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), rope_inv_freq(cfg))
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [P, D/2]
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        inv_freq, attention = rope_inv_freq(cfg)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", (freqs.cos() * attention).float(), persistent=False)  # [P, D/2]
+        self.register_buffer("sin", (freqs.sin() * attention).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> RotaryAngles:
         """The step's angles, made once a step and used by every layer (motet/kernels/rope_kv.py): the tables
