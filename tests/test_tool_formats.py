@@ -343,6 +343,8 @@ PIECES = {
         "[ARGS]",
         '{"b": 1}',
         '{"arguments": {}, "name": "h"}',
+        '[TOOL_CALLS][{"name": "g", "arguments": {"x": [1]}}',
+        '[TOOL_CALLS]f{"y": "}"}',
     ],
     LLAMA3_JSON: [
         "<|python_tag|>",
@@ -357,7 +359,22 @@ PIECES = {
         "{",
         '{"name": "g", "arguments": {}}',
     ],
-    PYTHONIC: ["[", "]", "f(", "a=1", ")", ", ", "'x'", "<|python_start|>", "<|python_end|>", "hey", " "],
+    PYTHONIC: [
+        "[",
+        "]",
+        "f(",
+        "a=1",
+        ")",
+        ", ",
+        "'x'",
+        "<|python_start|>",
+        "<|python_end|>",
+        "hey",
+        " ",
+        "[f(a=1)]",
+        "[g(b='x]'), h()]",
+        "<|python_start|>[f()]",
+    ],
 }
 
 
