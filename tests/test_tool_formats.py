@@ -114,6 +114,11 @@ SF = {"city": "San Francisco", "state": "CA", "unit": "celsius"}
         ),
         ('Let me add. [TOOL_CALLS][{"name": "add", "arguments": {}}]', "Let me add.", [("add", {})]),
         ("[TOOL_CALLS] sorry", "[TOOL_CALLS] sorry", []),
+        # the special token dropped by the detokenizer (skip_special_tokens): the list alone
+        ('[{"name": "add", "arguments": {"a": 1}}]', None, [("add", {"a": 1})]),
+        ('Let me add. [{"name": "add", "arguments": {}}]', "Let me add.", [("add", {})]),
+        ('  [ {"arguments": {}, "name": "add"}]', None, [("add", {})]),
+        ("[1] is a citation", "[1] is a citation", []),
         ("[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
     ],
 )
@@ -296,6 +301,8 @@ EXAMPLES = {
         '[TOOL_CALLS][{"name": "f", "arguments": {}}, 42] tail',
         '[TOOL_CALLS]{"name": "f", "arguments": {"s": "]}"}}',
         "just text \u00e9 ",
+        ' [{"arguments": {"a": 1}, "name": "f"}] and [{"name": "g", "arguments": {"b": "]"}}]',
+        "[1] [ [{",
     ],
     LLAMA3_JSON: [
         ' {"name": "searchTool", "parameters": {"query": "t}1"}} ; {"name": "g", "parameters": {}}',

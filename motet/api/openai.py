@@ -84,9 +84,7 @@ def build_params(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        # a format whose marker is a special token (Mistral's [TOOL_CALLS]) needs it kept, as vLLM's parser asks
-        skip_special_tokens=req.skip_special_tokens
-        and not (calls and structure.tool_format.keep_special_tokens),
+        skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         grammar=structure.spec if structure else None,
         grammar_backend=structure.backend if structure else None,

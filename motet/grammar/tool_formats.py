@@ -271,8 +271,27 @@ _MISTRAL_ARGS = "[ARGS]"
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
+MISTRAL_LIST_OPEN = '[{"name": "'
+
+
 class _MistralSections(_Sections):
-    markers = (MISTRAL_CALLS,)
+    """`[TOOL_CALLS]` is a special token in Mistral's tokenizers, dropped from the text where the request skips
+    special tokens (the default): the call list is then read where `[{"name": "` opens it, or where the output
+    begins with `[` then `{`."""
+
+    markers = (MISTRAL_CALLS, MISTRAL_LIST_OPEN)
+
+    def find(self, text, pos, at_start):
+        hit = super().find(text, pos, at_start)
+        if at_start:
+            k = _skip_ws(text, pos)
+            if k < len(text) and text[k] == "[" and (hit is None or k < hit[0]):
+                j = _skip_ws(text, k + 1)
+                if j == len(text) or text[j] == "{":
+                    return k, k
+        if hit is not None and text.startswith(MISTRAL_LIST_OPEN, hit[0]):
+            return hit[0], hit[0]
+        return hit
 
     def section(self, text, i, after, final):
         n = len(text)
@@ -563,7 +582,6 @@ class ToolFormat:
     system_prompt: (
         str  # the tools in the system prompt of a template without tool support ({tools}: JSON lines)
     )
-    keep_special_tokens: bool  # the marker is a special token that the detokenizer must not drop
     stop_repeated_calls: bool  # whether motet/grammar/tool_call_parser.RepeatedCallStop reads this format
     _tag: Callable | None  # (tools, mode, parallel, max_whitespace=, max_calls=) -> structural tag
     _sections: _Sections | None  # None: Hermes's own parsers
@@ -626,13 +644,12 @@ def _pythonic_text(calls) -> str:
 
 
 HERMES = ToolFormat(
-    "hermes", "<tool_call>", TOOLS_SYSTEM_PROMPT, False, True, tool_call_structural_tag, None, _hermes_calls
+    "hermes", "<tool_call>", TOOLS_SYSTEM_PROMPT, True, tool_call_structural_tag, None, _hermes_calls
 )
 MISTRAL = ToolFormat(
     "mistral",
     MISTRAL_CALLS,
     _MISTRAL_PROMPT,
-    True,
     False,
     mistral_structural_tag,
     _MistralSections(),
@@ -643,14 +660,11 @@ LLAMA3_JSON = ToolFormat(
     LLAMA_CALL_OPEN,
     _LLAMA_PROMPT,
     False,
-    False,
     llama3_json_structural_tag,
     _LlamaJsonSections(),
     _llama_calls,
 )
-PYTHONIC = ToolFormat(
-    "pythonic", "[", _PYTHONIC_PROMPT, False, False, None, _PythonicSections(), _pythonic_text
-)
+PYTHONIC = ToolFormat("pythonic", "[", _PYTHONIC_PROMPT, False, None, _PythonicSections(), _pythonic_text)
 
 # vLLM's --tool-call-parser names for these formats
 TOOL_FORMATS = {
