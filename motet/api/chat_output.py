@@ -1,7 +1,8 @@
 """One chat choice's text as the API returns it: reasoning, content and tool calls, whole or streamed.
 
-With a reasoning parser, `<think>...</think>` becomes `reasoning_content`; with tools, `<tool_call>`
-blocks become `tool_calls` and the finish reason "tool_calls". Streaming runs the same rules
+With a reasoning parser, `<think>...</think>` becomes `reasoning_content`; with tools, the calls in the
+served tool-call format (motet/grammar/tool_formats.py; Hermes's `<tool_call>` blocks by default) become
+`tool_calls` and the finish reason "tool_calls". Streaming runs the same rules
 incrementally (motet/grammar/reasoning.py, motet/grammar/tool_call_parser.py), so the client's accumulation of the deltas
 equals the non-streamed message.
 """
@@ -12,13 +13,8 @@ import uuid
 
 from motet.api import protocol as P
 from motet.grammar.reasoning import ReasoningStreamParser, split_reasoning
-from motet.grammar.tool_call_parser import (
-    ContentDelta,
-    ToolCallArguments,
-    ToolCallStart,
-    ToolCallStreamParser,
-    parse_tool_calls,
-)
+from motet.grammar.tool_call_parser import ContentDelta, ToolCallArguments, ToolCallStart
+from motet.grammar.tool_formats import HERMES, ToolFormat
 
 
 def _call_id() -> str:
@@ -30,10 +26,17 @@ def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
 
 
 class ChatOutput:
-    def __init__(self, reasoning: bool = False, reasoning_started: bool = False, tools: bool = False):
+    def __init__(
+        self,
+        reasoning: bool = False,
+        reasoning_started: bool = False,
+        tools: bool = False,
+        tool_format: ToolFormat = HERMES,
+    ):
         self.reasoning, self.started, self.tools = reasoning, reasoning_started, tools
+        self.tool_format = tool_format
         self._reasoning_stream = ReasoningStreamParser(reasoning_started) if reasoning else None
-        self._tool_stream = ToolCallStreamParser() if tools else None
+        self._tool_stream = tool_format.stream_parser() if tools else None
         self._num_calls = 0
 
     @property
@@ -47,7 +50,7 @@ class ChatOutput:
             reasoning, text = split_reasoning(text, self.started)
         calls = []
         if self.tools:
-            content, calls = parse_tool_calls(text)
+            content, calls = self.tool_format.parse(text)
         else:
             content = text
         tool_calls = [

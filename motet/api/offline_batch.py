@@ -102,7 +102,12 @@ def run_batch(args, config) -> int:
     system = ServingSystem(
         lambda: LLMEngine(config), max_queue_len=concurrency, loras=shared_loras(args.lora, names)
     )
-    state = ServerState(system=system, model_names=names, reasoning=args.reasoning_parser == "think")
+    state = ServerState(
+        system=system,
+        model_names=names,
+        reasoning=args.reasoning_parser == "think",
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+    )
     log.info("running %d requests from %s on %s", len(lines), args.input_file, state.model_name)
     out = anyio.run(_main, state, create_app(state), lines, concurrency)
     write_output(args.output_file, [dumps(result) for result in out])

@@ -33,6 +33,7 @@ from motet.api.streams import Choice, EventStream, collect, observe, release, ss
 from motet.api.structured import Structure, prompt_messages, structured_output
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.reasoning import prompt_opens_reasoning
+from motet.grammar.tool_formats import tool_format
 
 log = logging.getLogger("motet.api")
 # Whether the request being handled is batch work (set by accept_request, read where its specs are made).
@@ -65,6 +66,7 @@ def build_params(
 
     if max_tokens is None:
         max_tokens = defaults.get("max_tokens")
+    calls = structure is not None and structure.tool_mode != "none"
     drop_output = max_tokens == 0  # prompt logprobs only: generate one token, then drop it
     engine_max = 1 if drop_output else max_tokens
     base = dict(
@@ -87,7 +89,7 @@ def build_params(
         grammar=structure.spec if structure else None,
         grammar_backend=structure.backend if structure else None,
         reasoning=reasoning,
-        stop_on_repeated_tool_call=structure is not None and structure.tool_mode != "none",
+        stop_on_repeated_tool_call=calls and structure.tool_format.stop_repeated_calls,
         speculative=req.speculative,
         cache_salt=req.cache_salt,
         bad_words=req.bad_words or [],
@@ -190,13 +192,12 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
     (motet/api/responses.py) runs its requests through here too."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
-    structure = structured_output(req, limits=state.system.engine.config.grammar_limits)
     template = req.template  # the request's own (under --trust-request-chat-template), or None
+    chat_template = template or state.system.engine.tokenizer.hf.chat_template
+    fmt = tool_format(state.tool_call_parser, chat_template)
+    structure = structured_output(req, limits=state.system.engine.config.grammar_limits, tool_format=fmt)
     messages, template_kwargs = prompt_messages(
-        req.messages,
-        structure,
-        template or state.system.engine.tokenizer.hf.chat_template,
-        trusted_template=template is None,
+        req.messages, structure, chat_template, trusted_template=template is None
     )
     kwargs = {key: v for key, v in (req.chat_template_kwargs or {}).items() if key != "chat_template"}
     kwargs |= template_kwargs | {"add_generation_prompt": req.add_generation_prompt}
@@ -245,7 +246,8 @@ def chat_output(state: ServerState, adm: Admission, structure: Structure) -> Cal
 
     def output() -> ChatOutput:
         started = state.reasoning and prompt_opens_reasoning(adm.prompt_text)
-        return ChatOutput(state.reasoning, started, tools=structure.tool_mode != "none")
+        tools = structure.tool_mode != "none"
+        return ChatOutput(state.reasoning, started, tools=tools, tool_format=structure.tool_format)
 
     return output
 

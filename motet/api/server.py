@@ -222,6 +222,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         reasoning=args.reasoning_parser == "think",
         metrics=Metrics(names[0], max_model_len),
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=getattr(args, "tool_call_parser", None),
         sampling_defaults=defaults,
         usage=UsageStore(data),
     )

@@ -36,6 +36,9 @@ class ServerState:
     inflight: int = 0
     fatal: BaseException | None = None  # start-up failed (e.g. the model could not be loaded)
     reasoning: bool = False  # --reasoning-parser think: <think>...</think> becomes reasoning_content
+    tool_call_parser: str | None = (
+        None  # --tool-call-parser (motet/grammar/tool_formats.py); None: the template's
+    )
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may bring its own
     # what a request that omits a sampling field gets (motet/api/generation_config.py): request field -> value
     sampling_defaults: dict = field(default_factory=dict)

@@ -5,10 +5,12 @@ OpenAI's `response_format` (json_object, json_schema), vLLM's `guided_json` / `g
 grammar, json_object, structural_tag}`, and `tools` + `tool_choice` all become one grammar spec (or
 none) and a tool mode that says how the output is parsed:
 
-- `tool_choice` "required" or a named function: the output is constrained to Hermes-style calls of
-  those tools whose arguments follow each tool's schema (an xgrammar structural tag).
-- "auto": free text, and where the model opens `<tool_call>`, the call is constrained likewise
-  (unless the request sends `guided_tool_calls: false`: then calls are only parsed).
+- `tool_choice` "required" or a named function: the output is constrained to calls of those tools, in
+  the served model's tool-call format (Hermes-style by default: motet/grammar/tool_formats.py), whose
+  arguments follow each tool's schema (an xgrammar structural tag).
+- "auto": free text, and where the model opens a call (`<tool_call>` in Hermes's format), the call is
+  constrained likewise (unless the request sends `guided_tool_calls: false`: then calls are only parsed).
+  A format without a grammar (`pythonic`) is only parsed.
 - otherwise `response_format` / `guided_*`, at most one of them.
 
 Everything that is wrong with them is answered 400 here, naming the field, before any work is queued:
@@ -37,13 +39,8 @@ from motet.grammar.specs import (
     RegexSpec,
     StructuralTagSpec,
 )
-from motet.grammar.tool_calls import (
-    Tool,
-    ToolError,
-    resolve_tool_choice,
-    tool_call_structural_tag,
-    validate_tools,
-)
+from motet.grammar.tool_calls import Tool, ToolError, resolve_tool_choice, validate_tools
+from motet.grammar.tool_formats import HERMES, ToolFormat
 from motet.grammar.tool_prompt import render_messages, template_renders_role, template_supports_tools
 
 
@@ -54,6 +51,9 @@ class Structure:
     backend: str | None = None  # per-request backend override
     tool_mode: str = "none"  # "none" | "auto" | "required": whether the output is parsed for calls
     tools: list[Tool] = field(default_factory=list)  # all the request's tools (shown in the prompt)
+    tool_format: ToolFormat = (
+        HERMES  # how the model writes calls (--tool-call-parser, or its chat template's)
+    )
     warnings: list[str] = field(default_factory=list)  # "param: what the grammar does not enforce"
 
 
@@ -225,14 +225,16 @@ def _check_tool_schemas(tools, limits: GrammarLimits) -> None:
                 raise _too_large(f"tools[{i}].function.parameters", e) from None
 
 
-def structured_output(req, allow_tools: bool = True, limits: GrammarLimits | None = None) -> Structure:
+def structured_output(
+    req, allow_tools: bool = True, limits: GrammarLimits | None = None, tool_format: ToolFormat = HERMES
+) -> Structure:
     """The grammar and tool mode of a chat or completions request (APIError 400 when malformed or
-    over `limits`, default GrammarLimits())."""
+    over `limits`, default GrammarLimits()); calls are written in `tool_format`."""
     limits = limits or GrammarLimits()
     backend = req.guided_decoding_backend
     if backend is not None and backend not in BACKEND_NAMES:
         raise _bad("guided_decoding_backend", f"must be one of {', '.join(BACKEND_NAMES)}, got {backend!r}")
-    out = Structure(backend=backend)
+    out = Structure(backend=backend, tool_format=tool_format)
     guided = _guided(req, limits, out.warnings)
     if len(guided) > 1:
         names = ", ".join(name for name, _ in guided)
@@ -257,9 +259,10 @@ def structured_output(req, allow_tools: bool = True, limits: GrammarLimits | Non
         raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with {out.param}", out.param)
     if constrain and (mode == "required" or out.spec is None):
         parallel = req.parallel_tool_calls is not False
-        tag = tool_call_structural_tag(callable_tools, mode, parallel, max_calls=req.max_tool_calls)
-        out.spec = _limited(limits, StructuralTagSpec(tag), "tools", "the tools' schemas together")
-        out.param = "tools"
+        tag = tool_format.structural_tag(callable_tools, mode, parallel, max_calls=req.max_tool_calls)
+        if tag is not None:
+            out.spec = _limited(limits, StructuralTagSpec(tag), "tools", "the tools' schemas together")
+            out.param = "tools"
     return out
 
 
@@ -267,7 +270,8 @@ def prompt_messages(
     messages: list[dict], structure: Structure, chat_template: str | None, trusted_template: bool = True
 ):
     """The messages to render, and extra template arguments: the model's own tool format where its
-    template has one, else Hermes-style (tools in the system prompt, calls as <tool_call> blocks).
+    template has one, else the served format's (tools in the system prompt, calls as the model writes them:
+    <tool_call> blocks in Hermes's).
     `trusted_template`: the template is the operator's (the model's own), which may be rendered here to
     find whether it writes a `tool` turn; a request's own template renders only in its bounded helper
     (motet/engine/template_worker.py), so its tool results go in a user turn."""
@@ -278,6 +282,6 @@ def prompt_messages(
     probe = has_results and trusted_template
     tool_role = "tool" if probe and template_renders_role(chat_template, "tool") else "user"
     try:
-        return render_messages(messages, shown, tool_role), {}
+        return render_messages(messages, shown, tool_role, structure.tool_format), {}
     except ToolError as e:
         raise APIError(400, str(e), param=e.param) from None

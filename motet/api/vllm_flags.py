@@ -2,8 +2,9 @@
 
 `motet serve MODEL` (the positional model of `vllm serve`), `--lora-modules` (motet's `--lora`),
 `--enable-lora` (accepted: adapters are always on), `--api-key` (one key, beside `--api-keys`),
-`--gpu-memory-utilization` (the KV cache sized from a share of the memory: motet/engine/memory.py) and
-`--trust-request-chat-template`. `--served-model-name`, `--max-loras`, `--max-lora-rank`,
+`--gpu-memory-utilization` (the KV cache sized from a share of the memory: motet/engine/memory.py),
+`--trust-request-chat-template`, `--tool-call-parser` (the model's tool-call format: motet/grammar/tool_formats.py)
+and `--enable-auto-tool-choice` (accepted: `tool_choice: "auto"` is always on). `--served-model-name`, `--max-loras`, `--max-lora-rank`,
 `--max-cpu-loras`, `--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`, `--block-size`,
 `--dtype`, `--host` and `--port` are motet's own flags under vLLM's names already.
 """
@@ -59,6 +60,22 @@ def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
         f"at start-up); wins over --kv-cache-memory-gb, and --num-kv-blocks over both (default: "
         f"{CUDA_GPU_MEMORY_UTILIZATION:g} on CUDA unless --kv-cache-memory-gb is given; on CPU "
         "--kv-cache-memory-gb's size)",
+    )
+    from motet.grammar.tool_formats import TOOL_FORMATS
+
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_FORMATS),
+        help="how the model writes tool calls, by vLLM's names: hermes (<tool_call>{...}</tool_call>: Qwen2.5/3, "
+        'Hermes), mistral ([TOOL_CALLS][{...}]), llama3_json / llama4_json ({"name": ..., "parameters": ...}), '
+        "pythonic / llama4_pythonic ([f(a=1)]: parsed, not constrained) (default: mistral when the chat template "
+        "has [TOOL_CALLS], llama3_json when it has <|python_tag|>, else hermes)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: tool_choice 'auto' is always on in motet",
     )
     p.add_argument(
         "--trust-request-chat-template",

@@ -68,9 +68,9 @@ def template_renders_role(chat_template: str | None, role: str) -> bool:
     return 0 <= start < end and role in text[start + len(answered) : end]
 
 
-def tools_system_prompt(tools: list[Tool]) -> str:
+def tools_system_prompt(tools: list[Tool], prompt: str = TOOLS_SYSTEM_PROMPT) -> str:
     lines = "\n".join(json.dumps(t.openai_dict(), ensure_ascii=False) for t in tools)
-    return TOOLS_SYSTEM_PROMPT.format(tools=lines)
+    return prompt.format(tools=lines)
 
 
 def format_call(name: str, arguments) -> str:
@@ -104,7 +104,7 @@ def _text(content, param: str) -> str:
     raise tool_error(param, f"expected a string or a list of text parts, got {type(content).__name__}")
 
 
-def _assistant_text(msg: dict, i: int) -> str:
+def _assistant_text(msg: dict, i: int, fmt=None) -> str:
     text = _text(msg.get("content"), f"messages[{i}].content")
     calls = msg.get("tool_calls") or []
     if not isinstance(calls, list):
@@ -114,7 +114,11 @@ def _assistant_text(msg: dict, i: int) -> str:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise tool_error(f"messages[{i}].tool_calls[{j}]", "expected {'function': {'name', 'arguments'}}")
-        blocks.append(format_call(fn["name"], fn.get("arguments") or {}))
+        blocks.append((fn["name"], fn.get("arguments") or {}))
+    if fmt is None:  # Hermes
+        blocks = [format_call(name, args) for name, args in blocks]
+    else:
+        blocks = [fmt.calls_text(blocks)] if blocks else []
     return "\n".join([text, *blocks] if text else blocks)  # Qwen2.5: content, then "\n" + each call
 
 
@@ -144,11 +148,13 @@ def _call_names(messages: list) -> dict:
     return names
 
 
-def render_messages(messages: list[dict], tools: list[Tool], tool_role: str = "tool") -> list[dict]:
+def render_messages(messages: list[dict], tools: list[Tool], tool_role: str = "tool", fmt=None) -> list[dict]:
     """Rewrite an OpenAI history (tool calls, tool results) into plain role/content messages for a
     template without tool support: results in turns of `tool_role` ("user" where the template cannot
-    write a tool turn: `template_renders_role`); with tools, their Hermes system prompt is prepended
-    (after the user's own system message text when there is one)."""
+    write a tool turn: `template_renders_role`); with tools, their system prompt is prepended
+    (after the user's own system message text when there is one). `fmt`: the tool-call format
+    (motet/grammar/tool_formats.py) whose calls and system prompt are written; None: Hermes. Results
+    are `<tool_response>` blocks in every format."""
     out: list[dict] = []
     prev_tool = False
     names = _call_names(messages)
@@ -163,12 +169,12 @@ def render_messages(messages: list[dict], tools: list[Tool], tool_role: str = "t
             else:
                 out.append({"role": tool_role, "content": block})
         elif role == "assistant":
-            out.append({"role": "assistant", "content": _assistant_text(msg, i)})
+            out.append({"role": "assistant", "content": _assistant_text(msg, i, fmt)})
         else:
             out.append({"role": role, "content": _text(msg.get("content"), f"messages[{i}].content")})
         prev_tool = role == "tool"
     if tools:
-        prompt = tools_system_prompt(tools)
+        prompt = tools_system_prompt(tools, TOOLS_SYSTEM_PROMPT if fmt is None else fmt.system_prompt)
         if out and out[0]["role"] == "system":
             out[0]["content"] = f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt
         else:
