@@ -19,7 +19,7 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2
 
 
 def naive_attention(
-    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=None, softcap=None
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=None, softcap=None, sinks=None
 ):
     """Simplest ground truth: per sequence, gather K/V position by position, full causal softmax in f64 (keys
     `window` or more positions back masked too, as transformers' sliding-window mask does)."""
@@ -44,7 +44,12 @@ def naive_attention(
         s[:, pos[None, :] > q_pos[:, None]] = float("-inf")
         if window is not None:
             s[:, pos[None, :] <= q_pos[:, None] - window] = float("-inf")
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+        if sinks is not None:  # as transformers' GPT-OSS attention: one more logit per head, then dropped
+            column = sinks.cpu().double().view(-1, 1, 1).expand(-1, q_len, 1)
+            p = torch.cat([s, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            p = s.softmax(-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", p, v)
     return out
 
 
@@ -116,7 +121,7 @@ def check(fn, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0
     args = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, noncontig_q)
     scale = head_dim**-0.5
     window = kw.get("window")
-    expected = naive_attention(*args, scale, window=window, softcap=kw.get("softcap"))
+    expected = naive_attention(*args, scale, window=window, softcap=kw.get("softcap"), sinks=kw.get("sinks"))
     if window is not None:  # the blocks wholly before a sequence's window: poisoned, as if reused
         poison_before_window(args, block_size, window)
     out = fn(*args, scale, **kw)
@@ -212,6 +217,17 @@ def test_reference_soft_capping(dtype):
     check(pac.paged_attention_reference, seqs, 9, 3, 64, 8, dtype, softcap=2.0, window=9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_attention_sinks(dtype):
+    """GPT-OSS's sinks (logits around the scores' size: they take a real share), decodes batched or not, with a
+    window too."""
+    g = torch.Generator().manual_seed(9)
+    sinks = torch.randn(9, generator=g).to(DEVICE)
+    seqs = random_seqs(g, n=8, max_ctx=60, max_chunk=20) + [(1, n) for n in (3, 40, 41, 42, 50, 60, 64, 70)]
+    check(pac.paged_attention_reference, seqs, 9, 3, 64, 8, dtype, sinks=sinks)
+    check(pac.paged_attention_reference, seqs, 9, 3, 64, 8, dtype, sinks=sinks, window=5)
+
+
 def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(pa, "paged_attention_reference", lambda *a, **k: calls.append(1) or "ref")
@@ -278,6 +294,18 @@ def test_triton_soft_capping():
     seqs = random_seqs(g, n=4, max_ctx=50, max_chunk=30)
     check(pa.paged_attention_triton, seqs, 8, 2, 64, 8, torch.float32, seed=4, softcap=2.0, max_query_len=30)
     check(pa.paged_attention_triton, seqs, 8, 2, 64, 8, torch.float32, seed=4, softcap=2.0, window=6)
+
+
+@needs_triton
+def test_triton_attention_sinks():
+    g = torch.Generator().manual_seed(13)
+    sinks = torch.randn(8, generator=g).to(DEVICE)
+    seqs = random_seqs(g, n=4, max_ctx=50, max_chunk=30)
+    check(pa.paged_attention_triton, seqs, 8, 2, 64, 8, torch.float32, seed=5, sinks=sinks, max_query_len=30)
+    decodes = [(1, n) for n in (1, 9, 16, 37)]
+    check(
+        pa.paged_attention_triton, decodes, 8, 2, 64, 8, torch.float32, sinks=sinks, window=7, max_query_len=1
+    )
 
 
 # -------------------------------------------------------------------------------------------- write_kv_cache

@@ -96,14 +96,17 @@ def paged_attention(
     plan: CpuAttentionPlan | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context; returns ``[T, H, D]`` in
     ``q``'s dtype. ``max_query_len`` / ``max_seq_len`` are optional host-side hints (no device sync);
     ``plan`` is the CPU path's per-step bookkeeping, shared by the layers of one step. With ``window`` (a
     sliding-window layer) a query at position p attends to keys p - window + 1 .. p only, and no other block
-    is read. With ``softcap`` (Gemma 2) the scaled scores are squashed to softcap * tanh(s / softcap)."""
+    is read. With ``softcap`` (Gemma 2) the scaled scores are squashed to softcap * tanh(s / softcap); with
+    ``sinks`` ([num_heads], GPT-OSS) each head's softmax has one more logit in its denominator."""
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
-    hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len, "window": window, "softcap": softcap}
+    hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len}
+    hints |= {"window": window, "softcap": softcap, "sinks": sinks}
     if q.is_cuda:
         return paged_attention_triton(*args, **hints)
     return paged_attention_reference(*args, **hints, plan=plan)
@@ -122,6 +125,7 @@ def paged_attention_triton(
     max_seq_len: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton kernel launch (CUDA, or CPU under ``TRITON_INTERPRET=1``). No device sync.
 
@@ -172,6 +176,7 @@ def paged_attention_triton(
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         num_seqs,
         window or _NO_WINDOW,
+        sinks.float().contiguous() if sinks is not None else q,  # (not read without sinks)
         *q.stride(),
         *out.stride(),
         *k_cache.stride(),
@@ -185,6 +190,7 @@ def paged_attention_triton(
         BLOCK_M=block_m,
         TILE_N=32,  # independent of the block size: positions look up their block one by one
         SOFTCAP=softcap or 0.0,
+        HAS_SINKS=sinks is not None,
         # fp32 inputs get true fp32 dots (tl.dot defaults to tf32 on NVIDIA); bf16/fp16 use the default.
         PRECISION="ieee" if q.dtype == torch.float32 or interpreted else None,
         DOT_FP32=interpreted,
@@ -220,6 +226,7 @@ if triton is not None:
         scale_log2,
         num_seqs,
         window,
+        sinks_ptr,
         stride_qt,
         stride_qh,
         stride_qd,
@@ -243,6 +250,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr,
         SOFTCAP: tl.constexpr,  # 0.0: none
+        HAS_SINKS: tl.constexpr,
         PRECISION: tl.constexpr,
         DOT_FP32: tl.constexpr,
     ):
@@ -277,6 +285,9 @@ if triton is not None:
         kv_first = tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: no inf - inf in the rescale
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS:  # the head's sink starts the running softmax: its max, and exp(0) = 1 in the sum
+            m_i = tl.load(sinks_ptr + head, mask=offs_m < BLOCK_Q * GROUP, other=0.0) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         for start in range(kv_first // TILE_N * TILE_N, kv_len, TILE_N):

@@ -132,6 +132,15 @@ def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
+def _softmax(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of [num_kv_heads, group, ...] scores, with each head's sink logit as one more
+    column that is then dropped (its share of the weight goes nowhere)."""
+    if sink is None:
+        return torch.softmax(scores, dim=-1)
+    column = sink.view(*sink.shape, *([1] * (scores.dim() - 2))).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -146,6 +155,7 @@ def paged_attention_reference(
     plan: CpuAttentionPlan | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference, and the CPU production path.
 
@@ -156,6 +166,8 @@ def paged_attention_reference(
     (per-call overhead for short queries; no faster for prefill chunks). Rows past
     ``query_start_loc[-1]`` are zero. `plan` (from `plan_cpu_attention` with the same `window`) may be shared
     by all layers. `softcap`: scores (scaled) squashed to cap * tanh(s / cap) before the softmax (Gemma 2).
+    `sinks` [num_heads]: each head's learned logit that joins its softmax's denominator and attends to nothing
+    (GPT-OSS's attention sinks).
     """
     del max_query_len, max_seq_len  # host-side lists below are free on CPU
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -169,11 +181,14 @@ def paged_attention_reference(
     done = set()
     # Many decode rows of similar length: one padded gather + one SDPA call per group beats a
     # per-sequence loop of small ops.
-    for g in plan.groups if softcap is None else ():  # (SDPA cannot soft-cap: those rows go one by one)
+    one_by_one = softcap is not None or sinks is not None  # (SDPA has neither: those rows go one by one)
+    for g in plan.groups if not one_by_one else ():
         _decode_batched(out, q, k_cache, v_cache, g, scale)
         done.update(g.seqs)
     if len(done) == len(lens):
         return out
+    # each query head's sink logit, as the scores' [num_kv_heads, group] leading dims
+    sink = sinks.float().view(num_kv_heads, group) if sinks is not None else None
     # [num_kv_heads, group, T, head_dim]: query head h = kv_head * group + g; scaled once for all rows
     qs = (q.float() * scale).view(-1, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     for b, seq_len in enumerate(lens):
@@ -197,7 +212,7 @@ def paged_attention_reference(
         k, v = k.float().transpose(0, 1), v.float().transpose(0, 1)
         if q_len == 1:  # decode, the common case: the last position sees every key (in its window), no mask
             lo = first_key(seq_len, 1, window) - base
-            p = torch.softmax(_capped(torch.matmul(qs[:, :, q_start], k[:, lo:].mT), softcap), dim=-1)
+            p = _softmax(_capped(torch.matmul(qs[:, :, q_start], k[:, lo:].mT), softcap), sink)
             out[q_start] = torch.matmul(p, v[:, lo:]).view(num_heads, head_dim)
             continue
         qb = qs[:, :, q_start:q_end]
@@ -220,7 +235,7 @@ def paged_attention_reference(
                 if window is not None:
                     hidden |= k_pos <= q_pos - window
                 s.masked_fill_(hidden, float("-inf"))
-            p = torch.softmax(s, dim=-1).view(num_kv_heads, group * n, keys)
+            p = _softmax(s, sink).view(num_kv_heads, group * n, keys)
             o = torch.matmul(p, v[:, kv_start:kv_end]).view(num_kv_heads, group, n, head_dim)
             out[q_start + c0 : q_start + c1] = o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
     return out
