@@ -11,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -78,6 +79,7 @@ def build_tiny_model(path: Path, arch: str = "llama", tied: bool = True, seed: i
         "qwen3": Qwen3Config,  # q_norm / k_norm per head, no q/k/v biases
         "gemma2": Gemma2Config,  # Gemma 3's norms without q/k norms, soft-capping, every other layer sliding
         "gemma3": Gemma3TextConfig,  # sandwich norms (1 + w), GeGLU, sliding-window layers with their rope base
+        "gpt_oss": GptOssConfig,  # sinks, o biases, YaRN, every other layer sliding, experts with biases
         "granite": GraniteConfig,  # embedding / attention / residual multipliers, logits scaling
         "olmo2": Olmo2Config,  # post-norms, q/k norms across heads
         "phi3": Phi3Config,  # q/k/v in one qkv_proj, gate/up in one gate_up_proj

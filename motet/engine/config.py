@@ -91,6 +91,15 @@ class ModelConfig:
     # Gemma 2's soft-capping: attention scores (scaled) and the final logits squashed by cap * tanh(x / cap)
     attn_softcap: float | None = None
     logit_softcap: float | None = None
+    # GPT-OSS: a bias on o_proj too, each head's sink logit in its attention softmax, biases on the router and the
+    # experts, and the experts' clamped SwiGLU ("swiglu_limit": gate clamped to <= limit, up to +-limit,
+    # (up + 1) * gate * sigmoid(alpha * gate)) instead of SiLU
+    output_bias: bool = False
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the layers in `sparse_layers` replace their MLP by

@@ -59,6 +59,9 @@ def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
         and not cfg.post_norms
         and not cfg.qk_norm_whole
         and cfg.hidden_act == "silu"
+        and not (
+            cfg.output_bias or cfg.attention_sinks or cfg.expert_bias or cfg.expert_act != "silu"
+        )  # GPT-OSS's
         and not cfg.sliding_layers
         and model.embed_tokens.weight.dtype in cpu_native.DTYPE_CODES
         and kv_dtype in cpu_native.DTYPE_CODES

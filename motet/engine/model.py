@@ -208,7 +208,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.output_bias)
+        # GPT-OSS: each head's sink logit (this rank's heads)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), False) if cfg.attention_sinks else None
         self.scale = self.head_dim**-0.5
         # Qwen3: each head's q and k RMS-normalized over head_dim before the rotary
         self.q_norm = self.k_norm = None
@@ -264,6 +266,7 @@ class Attention(nn.Module):
             plan=meta.cpu_plan,
             window=self.window,
             softcap=self.softcap,
+            sinks=self.sinks,
         )
         out = out.reshape(T, self.q_size)
         y = self.o_proj(out)
@@ -311,11 +314,17 @@ class MLP(nn.Module):
 
 
 def grouped_experts(
-    rows: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    rows: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act=None,
 ) -> torch.Tensor:
     """Each row of `rows` through its expert (`expert_ids`) with the stacked weights gate_up [E, 2I, H] and
-    down [E, H, I], in torch: the rows sorted by expert, one gate/up and one down product per expert that has
-    rows (one host sync for the counts), the rows' order kept."""
+    down [E, H, I] (and `biases` [E, 2I], [E, H]; `act`(gate, up): SiLU(gate) * up where None), in torch: the
+    rows sorted by expert, one gate/up and one down product per expert that has rows (one host sync for the
+    counts), the rows' order kept."""
     inter = gate_up.shape[1] // 2
     order = expert_ids.argsort(stable=True)
     counts = torch.bincount(expert_ids, minlength=gate_up.shape[0]).tolist()
@@ -325,10 +334,23 @@ def grouped_experts(
     for e, n in enumerate(counts):
         if n:
             seg = sorted_rows[start : start + n]
-            gate, up = F.linear(seg, gate_up[e]).split(inter, dim=-1)
-            out[start : start + n] = F.linear(F.silu(gate) * up, down[e])
+            gate_up_bias, down_bias = (biases[0][e], biases[1][e]) if biases is not None else (None, None)
+            gate, up = F.linear(seg, gate_up[e], gate_up_bias).split(inter, dim=-1)
+            hidden = F.silu(gate) * up if act is None else act(gate, up)
+            out[start : start + n] = F.linear(hidden, down[e], down_bias)
             start += n
     return torch.empty_like(out).index_copy_(0, order, out)
+
+
+def clamped_swiglu(alpha: float, limit: float):
+    """GPT-OSS's experts' activation: (up + 1) * gate * sigmoid(alpha * gate), gate clamped to <= limit and up
+    to [-limit, limit]."""
+
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return act
 
 
 class Experts(nn.Module):
@@ -352,6 +374,13 @@ class Experts(nn.Module):
         self.num_local, self.intermediate = E, self.columns[1]
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * self.intermediate, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, self.intermediate), requires_grad=False)
+        self.gate_up_proj_bias = self.down_proj_bias = None  # GPT-OSS's (one rank: parallel.py)
+        if cfg.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * self.intermediate), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
+        self.act = (
+            clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.expert_act == "swiglu_limit" else None
+        )
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert[expert_ids[t, k]](x[t]) for every token t (this rank's part of it)."""
@@ -367,9 +396,10 @@ class Experts(nn.Module):
         expert multiplies its contiguous segment at once (one product per expert that has rows, none per row;
         the layout a grouped-GEMM kernel takes). On CUDA the Triton grouped-expert kernel does it in two
         launches for the whole layer (motet/kernels/triton_moe.py)."""
-        if triton_moe.applies(rows):
+        biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.gate_up_proj_bias is not None else None
+        if triton_moe.applies(rows) and biases is None and self.act is None:
             return triton_moe.grouped_experts(rows, expert_ids, self.gate_up_proj, self.down_proj)
-        return grouped_experts(rows, expert_ids, self.gate_up_proj, self.down_proj)
+        return grouped_experts(rows, expert_ids, self.gate_up_proj, self.down_proj, biases, self.act)
 
     def _dispatched(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Expert parallelism: this rank routes its slice of the (replicated) tokens; their rows go to the
@@ -408,7 +438,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.expert_bias)
         self.experts = Experts(cfg, parallel)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Linear | None = None
@@ -776,6 +806,29 @@ class CausalLM(nn.Module):
                 yield ".".join([*parts[:-2], part, parts[-1]]), tensor.narrow(0, start, n)
                 start += n
 
+    def _restacked(self, weights):
+        """Stacked experts in the layout a declaration says its checkpoints have (`Architecture.expert_layout`)
+        turned into the decoder's: GPT-OSS's gate_up [E, H, 2I] with gate and up columns interleaved (and its
+        bias alike) as [E, 2I, H], gate rows then up rows; its down [E, I, H] as [E, H, I]."""
+        if self.config.declaration.expert_layout != "interleaved":
+            yield from weights
+            return
+        for hf_name, tensor in weights:
+            kind = hf_name.rpartition("experts.")[2] if ".experts." in hf_name else ""
+            if kind not in ("gate_up_proj", "gate_up_proj_bias", "down_proj"):
+                yield hf_name, tensor
+                continue
+            if isinstance(tensor, QuantizedWeight):
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} is quantized: {kind} must come in floats"
+                )
+            t = tensor.load() if isinstance(tensor, StoredTensor) else tensor
+            if kind == "down_proj":
+                yield hf_name, t.transpose(1, 2)
+            else:  # gate columns 0, 2, 4, ..., up columns 1, 3, 5, ... of the last dim
+                t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+                yield hf_name, t.transpose(1, 2) if kind == "gate_up_proj" else t
+
     def _folded(self, weights):
         """The family's constants folded into the weights they follow, so that every backend computes them
         without an op of its own: its scales (ModelConfig.weight_scales: Granite's attention and residual
@@ -821,7 +874,7 @@ class CausalLM(nn.Module):
         if self.parallel.enabled:  # the last rank's vocabulary shard ends in padding rows: zeros
             self.embed_tokens.weight.zero_()
             self.lm_head.weight.zero_()  # (one `allocate` deferred is made with zeros: `_allocate`)
-        for hf_name, tensor in self._folded(self._unfused(weights)):
+        for hf_name, tensor in self._folded(self._restacked(self._unfused(weights))):
             if "rotary_emb" in hf_name:
                 continue
             place = self._place(hf_name)

@@ -483,6 +483,10 @@ class ModelRunner:
             [*itertools.chain.from_iterable(tables), *qsl, *seq_lens],
         )
         if self.window:
+            # a ring holds a window and one chunk of at most window_chunk tokens (the scheduler keeps to it)
+            assert max_query_len <= self.window_chunk, (
+                f"a chunk of {max_query_len} tokens past a window pool's"
+            )
             bs = self.block_size
             rings = [window_table(seq.window_blocks, width) for seq in seqs]
             owner = itertools.chain.from_iterable(

@@ -66,6 +66,11 @@ class Parallel:
                 f"tensor parallelism of {cfg.architecture}'s q/k norms across all heads is not implemented yet "
                 f"(each rank would need the others' heads): serve it with --tensor-parallel-size 1"
             )
+        if (cfg.output_bias or cfg.expert_bias) and self.enabled:
+            raise ModelLoadError(
+                f"tensor parallelism of {cfg.architecture}'s o_proj and expert biases is not implemented yet (each "
+                f"rank's partial sum would add them): serve it with --tensor-parallel-size 1"
+            )
         if kv < self.size:
             raise ModelLoadError(
                 f"tensor parallelism over {self.size} ranks splits the model's {kv} key/value heads, one at least "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from motet.models.declaration import Architecture, ModelLoadError
 from motet.models.gemma2 import GEMMA2
 from motet.models.gemma3 import GEMMA3
+from motet.models.gpt_oss import GPT_OSS
 from motet.models.granite import GRANITE
 from motet.models.llama import LLAMA
 from motet.models.mixtral import MIXTRAL
@@ -26,6 +27,7 @@ DECLARATIONS: tuple[Architecture, ...] = (
     MIXTRAL,
     QWEN2_MOE,
     QWEN3_MOE,
+    GPT_OSS,
 )
 _BY_NAME = {name: decl for decl in DECLARATIONS for name in decl.names}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_BY_NAME)

@@ -44,6 +44,10 @@ class Architecture:
     # A checkpoint module that holds several of the decoder's projections, their rows one after the other
     # (Phi-3's qkv_proj: q_proj, k_proj, v_proj): split as it is read, and a LoRA adapter's factors with it.
     fused_modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # How its checkpoints stack experts: "decoder" (the decoder's [E, 2I, H] gate rows then up rows, and
+    # [E, H, I], or one tensor an expert's projection) or "interleaved" (GPT-OSS's [E, H, 2I] with gate and up
+    # columns alternating, and [E, I, H]): converted as they load.
+    expert_layout: str = "decoder"
     # The `general.architecture` of the GGUF files llama.cpp's converter writes for it (None: not read from GGUF),
     # the prefix of its hyperparameters' keys, and whether that converter interleaved q/k rows for its rotary
     # (llama's `permute`; Qwen's files keep Hugging Face's order).

@@ -1,0 +1,48 @@
+"""GPT-OSS (GptOssForCausalLM): biases on q/k/v and o, a sink logit per head in each attention softmax,
+sliding-window layers every other one (`layer_types`), YaRN rotary, and a mixture of experts on every layer: a
+router with a bias, whose top-k logits are softmaxed, experts with biases and a clamped SwiGLU, stored stacked
+with gate and up columns interleaved."""
+
+from motet.models.declaration import Architecture, ModelLoadError, bounded_float, top_k_experts
+
+
+def experts(cfg: dict, num_layers: int, source: str) -> dict:
+    n = int(cfg["num_local_experts"])
+    return dict(
+        num_experts=n,
+        num_experts_per_tok=top_k_experts(cfg, n, source),
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        norm_topk_prob=True,  # a softmax over the top-k logits is the renormalized top-k of the softmax
+        sparse_layers=tuple(range(num_layers)),
+    )
+
+
+def options(cfg: dict, source: str) -> dict:
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method")
+        raise ModelLoadError(
+            f"{source}: quantization_config {method!r}: GPT-OSS's MXFP4 experts are not read yet; serve a "
+            f"checkpoint dequantized to bf16"
+        )
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(int(cfg["num_hidden_layers"]))
+    ]
+    return dict(
+        output_bias=bool(cfg.get("attention_bias", True)),
+        attention_sinks=True,
+        expert_bias=True,
+        expert_act="swiglu_limit",
+        swiglu_alpha=bounded_float(cfg.get("swiglu_alpha", 1.702), "swiglu_alpha", source),
+        swiglu_limit=bounded_float(cfg.get("swiglu_limit", 7.0), "swiglu_limit", source),
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+    )
+
+
+GPT_OSS = Architecture(
+    names=("GptOssForCausalLM",),
+    qkv_bias=True,
+    experts=experts,
+    options=options,
+    expert_layout="interleaved",
+    checkpoint_names={"router": "gate"},
+)
