@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from motet.api import protocol as P
 from motet.api.adapter_store import ARCHIVES, Adapter, AdapterStore
 from motet.api.errors import APIError
+from motet.api.openapi import FILE, operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
 from motet.lora.adapter import PICKLED_SUFFIXES, pickle_refusal
@@ -89,6 +90,12 @@ async def read_upload(request: Request, max_bytes: int) -> tuple[str, dict[str, 
     return name, files
 
 
+@operation(
+    "upload a LoRA adapter: form fields `name` and `files` (adapter_config.json + adapter_model.safetensors, "
+    "or one .tar/.tar.gz/.tgz/.zip archive)",
+    tag="Adapters", form={"name": {"type": "string"}, "files": {"type": "array", "items": FILE}},
+    ok=P.AdapterCard, ok_description="the stored adapter",
+)  # fmt: skip
 async def upload_adapter(request: Request) -> Response:
     state, store, tenant = _context(request)
     name, files = await read_upload(request, store.max_bytes)
@@ -96,18 +103,23 @@ async def upload_adapter(request: Request) -> Response:
     return JSONResponse(card(state, adapter).model_dump())
 
 
+@operation("the tenant's adapters and the shared ones", tag="Adapters", ok=P.AdapterList,
+           ok_description="adapters")  # fmt: skip
 async def list_adapters(request: Request) -> Response:
     state, store, tenant = _context(request)
     cards = [card(state, a) for a in await store.visible(tenant)]
     return JSONResponse(P.AdapterList(data=cards).model_dump())
 
 
+@operation("one adapter", tag="Adapters", ok=P.AdapterCard, ok_description="the adapter")
 async def get_adapter(request: Request) -> Response:
     state, store, tenant = _context(request)
     adapter = await store.get(tenant, request.path_params["name"])
     return JSONResponse(card(state, adapter).model_dump())
 
 
+@operation("delete an adapter; requests already using it finish", tag="Adapters", ok=P.AdapterDeleted,
+           ok_description="deleted")  # fmt: skip
 async def delete_adapter(request: Request) -> Response:
     state, store, tenant = _context(request)
     name = request.path_params["name"]
@@ -115,6 +127,8 @@ async def delete_adapter(request: Request) -> Response:
     return JSONResponse(P.AdapterDeleted(id=name).model_dump())
 
 
+@operation("vLLM: store a server-side adapter directory", tag="Adapters", body=P.LoadLoraAdapterRequest,
+           ok_media="text/plain", ok_description="done")  # fmt: skip
 async def load_lora_adapter(request: Request) -> Response:
     state, store, tenant = _context(request)
     req = P.LoadLoraAdapterRequest.model_validate(await read_json(request, state.max_body_bytes))
@@ -122,6 +136,8 @@ async def load_lora_adapter(request: Request) -> Response:
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 
+@operation("vLLM: delete an adapter", tag="Adapters", body=P.UnloadLoraAdapterRequest, ok_media="text/plain",
+           ok_description="done")  # fmt: skip
 async def unload_lora_adapter(request: Request) -> Response:
     state, store, tenant = _context(request)
     req = P.UnloadLoraAdapterRequest.model_validate(await read_json(request, state.max_body_bytes))

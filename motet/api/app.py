@@ -8,7 +8,6 @@ import logging
 
 import anyio
 import anyio.to_thread
-from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -26,22 +25,16 @@ from motet.api.adapters import (
     upload_adapter,
 )
 from motet.api.asgi import StatusRecorder
-from motet.api.batches import BatchCreateRequest, cancel_batch, create_batch, list_batches, retrieve_batch
+from motet.api.batches import cancel_batch, create_batch, list_batches, retrieve_batch
 from motet.api.errors import APIError, echo, handle_exception, to_response
 from motet.api.files import delete_file, file_content, list_files, retrieve_file, upload_file
 from motet.api.openai import chat_completions, completions
+from motet.api.openapi import ERRORS, document, operation
 from motet.api.playground import playground_routes
 from motet.api.response_input_items import list_input_items
 from motet.api.responses import create_response, delete_response, get_response
-from motet.api.responses_request import ResponsesRequest
 from motet.api.state import ServerState
-from motet.api.tokenization import (
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    detokenize,
-    tokenize,
-)
+from motet.api.tokenization import detokenize, tokenize
 from motet.api.usage import usage_route
 
 log = logging.getLogger("motet.api")
@@ -93,10 +86,23 @@ def guarded(handler, probe: bool = False):
     return wrapper
 
 
+@operation(
+    "200 once the model is loaded; 503 while starting or draining",
+    tag="Server",
+    ok_description="ready",
+    errors={503: "not ready"},
+    public=True,
+)
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.motet
     state.check_ready()
     return JSONResponse({"status": "ok"})
+
+
+@operation("vLLM's (SageMaker's) health check: 200 when ready", tag="Server", ok_description="ready",
+           errors={503: "not ready"}, public=True)  # fmt: skip
+async def ping(request: Request) -> Response:
+    return await health(request)
 
 
 async def _model_cards(state: ServerState, tenant: str) -> list[P.ModelCard]:
@@ -116,12 +122,14 @@ async def _model_cards(state: ServerState, tenant: str) -> list[P.ModelCard]:
     return cards
 
 
+@operation("served models", tag="Models", ok=P.ModelList, ok_description="models")
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.motet
     tenant = state.auth.tenant(request.headers.get("authorization"))
     return JSONResponse(P.ModelList(data=await _model_cards(state, tenant)).model_dump())
 
 
+@operation("one of the listed models", tag="Models", ok=P.ModelCard, ok_description="the model")
 async def retrieve_model(request: Request) -> Response:
     """One of the models GET /v1/models lists (an alias of the served name reads as that model)."""
     state: ServerState = request.app.state.motet
@@ -140,10 +148,18 @@ async def retrieve_model(request: Request) -> Response:
     )  # fmt: skip
 
 
+@operation("the server's version", tag="Server", ok_description='{"version": ...}', public=True)
 async def version(request: Request) -> Response:
     return JSONResponse({"version": motet.__version__})
 
 
+@operation(
+    "Prometheus metrics; with --api-keys, an admin key only",
+    tag="Server",
+    ok_description="metrics",
+    ok_media="text/plain",
+    errors={401: "no or unknown key", 403: "not an admin key", 503: ERRORS[503]},
+)
 async def metrics(request: Request) -> Response:
     """Prometheus text; under --api-keys only an admin key reads it (it names every tenant's adapters)."""
     state: ServerState = request.app.state.motet
@@ -153,292 +169,56 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def routes() -> list:
+    """What the app serves: each route family's handlers declare their OpenAPI operation beside them."""
+    return [
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/responses", guarded(create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", guarded(get_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}", guarded(delete_response), methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", guarded(list_input_items), methods=["GET"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", guarded(retrieve_model), methods=["GET"]),
+        Route("/v1/files", guarded(upload_file), methods=["POST"]),
+        Route("/v1/files", guarded(list_files), methods=["GET"]),
+        Route("/v1/files/{file_id}", guarded(retrieve_file), methods=["GET"]),
+        Route("/v1/files/{file_id}", guarded(delete_file), methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", guarded(file_content), methods=["GET"]),
+        Route("/v1/batches", guarded(create_batch), methods=["POST"]),
+        Route("/v1/batches", guarded(list_batches), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", guarded(retrieve_batch), methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", guarded(cancel_batch), methods=["POST"]),
+        Route("/v1/adapters", guarded(upload_adapter), methods=["POST"]),
+        Route("/v1/adapters", guarded(list_adapters), methods=["GET"]),
+        Route("/v1/adapters/{name}", guarded(get_adapter), methods=["GET"]),
+        Route("/v1/adapters/{name}", guarded(delete_adapter), methods=["DELETE"]),
+        Route("/v1/load_lora_adapter", guarded(load_lora_adapter), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", guarded(unload_lora_adapter), methods=["POST"]),
+        Route("/health", guarded(health, probe=True), methods=["GET"]),
+        Route("/ping", guarded(ping, probe=True), methods=["GET", "POST"]),
+        Route("/version", guarded(version, probe=True), methods=["GET"]),
+        Route("/tokenize", guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(detokenize), methods=["POST"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/v1/usage", guarded(usage_route), methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"], include_in_schema=False),
+        *playground_routes(),  # the chat page at /
+    ]
+
+
 @functools.cache
 def openapi_schema() -> dict:
-    req_models = [
-        P.ChatCompletionRequest,
-        P.CompletionRequest,
-        ResponsesRequest,
-        P.LoadLoraAdapterRequest,
-        P.UnloadLoraAdapterRequest,
-        TokenizeCompletionRequest,
-        TokenizeChatRequest,
-        DetokenizeRequest,
-        BatchCreateRequest,
-    ]
-    resp_models = [
-        P.ChatCompletionResponse,
-        P.ChatCompletionChunk,
-        P.CompletionResponse,
-        P.ModelList,
-        P.AdapterCard,
-        P.AdapterList,
-        P.AdapterDeleted,
-        P.ErrorResponse,
-    ]
-    _, defs = models_json_schema(
-        [(m, "validation") for m in req_models] + [(m, "serialization") for m in resp_models],
-        ref_template="#/components/schemas/{model}",
-    )
-
-    def ref(m):
-        return {"$ref": f"#/components/schemas/{m.__name__}"}
-
-    def errors():
-        err = {"content": {"application/json": {"schema": ref(P.ErrorResponse)}}}
-        return {
-            str(s): {"description": d, **err}
-            for s, d in [
-                (400, "bad parameter"),
-                (401, "bad API key"),
-                (403, "not allowed (a shared adapter)"),
-                (404, "unknown model or adapter"),
-                (409, "the adapter name is taken"),
-                (413, "body too large"),
-                (429, "queue full (see Retry-After)"),
-                (500, "server error"),
-                (503, "starting or draining"),
-            ]
-        }
-
-    def ok(resp, description):
-        return {"description": description, "content": {"application/json": {"schema": ref(resp)}}}
-
-    def post(req, resp, summary):
-        return {
-            "post": {
-                "summary": summary,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": ref(req)}}},
-                "responses": {
-                    "200": {
-                        "description": "the result, or SSE chunks when stream is true",
-                        "content": {
-                            "application/json": {"schema": ref(resp)},
-                            "text/event-stream": {"schema": {"type": "string"}},
-                        },
-                    },
-                    **errors(),
-                },
-            }
-        }
-
-    def any_object(description):
-        return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
-
-    def text_post(req, summary):
-        body = {"required": True, "content": {"application/json": {"schema": ref(req)}}}
-        ok_text = {"description": "done", "content": {"text/plain": {"schema": {"type": "string"}}}}
-        return {"post": {"summary": summary, "requestBody": body, "responses": {"200": ok_text, **errors()}}}
-
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "motet", "version": "0.1.0", "description": "OpenAI-compatible LLM serving"},
-        "paths": {
-            "/v1/chat/completions": post(
-                P.ChatCompletionRequest, P.ChatCompletionResponse, "chat completion"
-            ),
-            "/v1/completions": post(P.CompletionRequest, P.CompletionResponse, "text completion"),
-            "/v1/responses": {
-                "post": {
-                    "summary": "a model response (OpenAI Responses API): the Response object, or its typed "
-                    "events when stream is true",
-                    "requestBody": {
-                        "required": True,
-                        "content": {"application/json": {"schema": ref(ResponsesRequest)}},
-                    },
-                    "responses": {"200": any_object("the Response"), **errors()},
-                }
-            },
-            "/v1/responses/{response_id}": {
-                "parameters": [
-                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
-                ],
-                "get": {
-                    "summary": "a stored response",
-                    "responses": {"200": any_object("the Response"), **errors()},
-                },
-                "delete": {
-                    "summary": "delete a stored response",
-                    "responses": {"200": any_object("deleted"), **errors()},
-                },
-            },
-            "/v1/load_lora_adapter": text_post(
-                P.LoadLoraAdapterRequest, "vLLM: store a server-side adapter directory"
-            ),
-            "/v1/unload_lora_adapter": text_post(P.UnloadLoraAdapterRequest, "vLLM: delete an adapter"),
-            "/v1/models": {
-                "get": {
-                    "summary": "served models",
-                    "responses": {
-                        "200": {
-                            "description": "models",
-                            "content": {"application/json": {"schema": ref(P.ModelList)}},
-                        }
-                    },
-                }
-            },
-            "/v1/adapters": {
-                "post": {
-                    "summary": "upload a LoRA adapter: form fields `name` and `files` (adapter_config.json "
-                    "+ adapter_model.safetensors, or one .tar/.tar.gz/.tgz/.zip archive)",
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "multipart/form-data": {
-                                "schema": {
-                                    "type": "object",
-                                    "required": ["name", "files"],
-                                    "properties": {
-                                        "name": {"type": "string"},
-                                        "files": {
-                                            "type": "array",
-                                            "items": {"type": "string", "format": "binary"},
-                                        },
-                                    },
-                                }
-                            }
-                        },
-                    },
-                    "responses": {"200": ok(P.AdapterCard, "the stored adapter"), **errors()},
-                },
-                "get": {
-                    "summary": "the tenant's adapters and the shared ones",
-                    "responses": {"200": ok(P.AdapterList, "adapters")},
-                },
-            },
-            "/v1/adapters/{name}": {
-                "parameters": [
-                    {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
-                ],
-                "get": {
-                    "summary": "one adapter",
-                    "responses": {"200": ok(P.AdapterCard, "the adapter"), **errors()},
-                },
-                "delete": {
-                    "summary": "delete an adapter; requests already using it finish",
-                    "responses": {"200": ok(P.AdapterDeleted, "deleted"), **errors()},
-                },
-            },
-            "/health": {
-                "get": {
-                    "summary": "200 once the model is loaded; 503 while starting or draining",
-                    "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics; with --api-keys, an admin key only",
-                    "responses": {
-                        "200": {"description": "metrics"},
-                        "401": {"description": "no or unknown key"},
-                        "403": {"description": "not an admin key"},
-                    },
-                }
-            },
-            **_more_paths(ref, errors, any_object),
-        },
-        "components": {"schemas": defs.get("$defs", {})},
-    }
-
-
-def _more_paths(ref, errors, any_object) -> dict:
-    """The OpenAPI paths of the models, files, batches and vLLM utility routes."""
-
-    def path_param(name: str) -> list[dict]:
-        return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]
-
-    def query(*names: str) -> list[dict]:
-        types = {"limit": {"type": "integer"}}
-        return [{"name": n, "in": "query", "required": False, "schema": types.get(n, {"type": "string"})}
-                for n in names]  # fmt: skip
-
-    def get(summary: str, params=(), description="the object") -> dict:
-        return {"get": {"summary": summary, "parameters": list(params),
-                        "responses": {"200": any_object(description), **errors()}}}  # fmt: skip
-
-    def post_json(summary: str, body: dict, params=()) -> dict:
-        return {"post": {"summary": summary, "parameters": list(params),
-                         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
-                         "responses": {"200": any_object("the result"), **errors()}}}  # fmt: skip
-
-    upload = {
-        "multipart/form-data": {
-            "schema": {
-                "type": "object",
-                "required": ["file", "purpose"],
-                "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string"}},
-            }
-        }
-    }
-    health = {
-        "summary": "vLLM's health check: 200 when ready",
-        "responses": {"200": {"description": "ready"}},
-    }
-    return {
-        "/v1/models/{model_id}": get("one of the listed models", path_param("model_id"), "the model"),
-        "/v1/responses/{response_id}/input_items": get(
-            "the items a stored response was generated from (its whole conversation)",
-            path_param("response_id") + query("after", "limit", "order"),
-            "a list of items",
-        ),
-        "/v1/files": {
-            "post": {
-                "summary": "upload a file (purpose: batch)",
-                "requestBody": {"required": True, "content": upload},
-                "responses": {"200": any_object("the File"), **errors()},
-            },
-            **get("the tenant's files", query("after", "limit", "order", "purpose"), "a list of files"),
-        },
-        "/v1/files/{file_id}": {
-            **get("a file", path_param("file_id"), "the File"),
-            "delete": {
-                "summary": "delete a file",
-                "parameters": path_param("file_id"),
-                "responses": {"200": any_object("deleted"), **errors()},
-            },
-        },
-        "/v1/files/{file_id}/content": get("a file's bytes", path_param("file_id"), "the bytes"),
-        "/v1/batches": {
-            **post_json("create a batch from an uploaded file", ref(BatchCreateRequest)),
-            **get("the tenant's batches, newest first", query("after", "limit"), "a list of batches"),
-        },
-        "/v1/batches/{batch_id}": get("a batch", path_param("batch_id"), "the Batch"),
-        "/v1/batches/{batch_id}/cancel": {
-            "post": {
-                "summary": "cancel a batch",
-                "parameters": path_param("batch_id"),
-                "responses": {"200": any_object("the Batch"), **errors()},
-            }
-        },
-        "/tokenize": post_json(
-            "vLLM: a prompt's or chat's token ids",
-            {"oneOf": [ref(TokenizeCompletionRequest), ref(TokenizeChatRequest)]},
-        ),
-        "/detokenize": post_json("vLLM: token ids' text", ref(DetokenizeRequest)),
-        "/version": get("the server's version", description='{"version": ...}'),
-        "/v1/usage": get(
-            "tenants' usage in time buckets (OpenAI's usage API shape); an admin key only",
-            [
-                {"name": n, "in": "query", "required": n == "start_time", "schema": {"type": t}}
-                for n, t in (
-                    ("start_time", "integer"),
-                    ("end_time", "integer"),
-                    ("bucket_width", "string"),
-                    ("group_by", "string"),
-                    ("tenant", "string"),
-                    ("model", "string"),
-                    ("limit", "integer"),
-                    ("page", "string"),
-                )
-            ],  # fmt: skip
-            description="a page of buckets",
-        ),
-        "/ping": {"get": health, "post": health},
-    }
+    """The OpenAPI document of `routes()` (what GET /openapi.json answers)."""
+    return document(routes())
 
 
 async def openapi(request: Request) -> Response:
-    return JSONResponse(openapi_schema())
+    """The document of the routes this app serves (generated once)."""
+    app = request.app
+    if getattr(app.state, "openapi", None) is None:
+        app.state.openapi = document(app.routes)
+    return JSONResponse(app.state.openapi)
 
 
 class CountRequests:
@@ -494,43 +274,7 @@ def create_app(state: ServerState) -> Starlette:
                     await anyio.to_thread.run_sync(stop)
                 tg.cancel_scope.cancel()
 
-    routes = [
-        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
-        Route("/v1/completions", guarded(completions), methods=["POST"]),
-        Route("/v1/responses", guarded(create_response), methods=["POST"]),
-        Route("/v1/responses/{response_id}", guarded(get_response), methods=["GET"]),
-        Route("/v1/responses/{response_id}", guarded(delete_response), methods=["DELETE"]),
-        Route("/v1/responses/{response_id}/input_items", guarded(list_input_items), methods=["GET"]),
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/v1/models/{model_id:path}", guarded(retrieve_model), methods=["GET"]),
-        Route("/v1/files", guarded(upload_file), methods=["POST"]),
-        Route("/v1/files", guarded(list_files), methods=["GET"]),
-        Route("/v1/files/{file_id}", guarded(retrieve_file), methods=["GET"]),
-        Route("/v1/files/{file_id}", guarded(delete_file), methods=["DELETE"]),
-        Route("/v1/files/{file_id}/content", guarded(file_content), methods=["GET"]),
-        Route("/v1/batches", guarded(create_batch), methods=["POST"]),
-        Route("/v1/batches", guarded(list_batches), methods=["GET"]),
-        Route("/v1/batches/{batch_id}", guarded(retrieve_batch), methods=["GET"]),
-        Route("/v1/batches/{batch_id}/cancel", guarded(cancel_batch), methods=["POST"]),
-        Route("/v1/adapters", guarded(upload_adapter), methods=["POST"]),
-        Route("/v1/adapters", guarded(list_adapters), methods=["GET"]),
-        Route("/v1/adapters/{name}", guarded(get_adapter), methods=["GET"]),
-        Route("/v1/adapters/{name}", guarded(delete_adapter), methods=["DELETE"]),
-        Route("/v1/load_lora_adapter", guarded(load_lora_adapter), methods=["POST"]),
-        Route("/v1/unload_lora_adapter", guarded(unload_lora_adapter), methods=["POST"]),
-        Route("/health", guarded(health, probe=True), methods=["GET"]),
-        Route(
-            "/ping", guarded(health, probe=True), methods=["GET", "POST"]
-        ),  # vLLM's (SageMaker's) health check
-        Route("/version", guarded(version, probe=True), methods=["GET"]),
-        Route("/tokenize", guarded(tokenize), methods=["POST"]),
-        Route("/detokenize", guarded(detokenize), methods=["POST"]),
-        Route("/metrics", guarded(metrics), methods=["GET"]),
-        Route("/v1/usage", guarded(usage_route), methods=["GET"]),
-        Route("/openapi.json", openapi, methods=["GET"]),
-        *playground_routes(),  # the chat page at /
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: handle_exception})
+    app = Starlette(routes=routes(), lifespan=lifespan, exception_handlers={HTTPException: handle_exception})
     app.state.motet = state
     app.add_middleware(CountRequests, state=state)
     return app

@@ -24,6 +24,7 @@ from motet.api.batch_runner import BatchRunner
 from motet.api.batch_store import COMPLETION_WINDOWS
 from motet.api.errors import APIError, echo
 from motet.api.files import stored_call
+from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
 
@@ -67,6 +68,8 @@ def _check(req: BatchCreateRequest) -> None:
         )
 
 
+@operation("create a batch from an uploaded file", tag="Batches", body=BatchCreateRequest,
+           ok_description="the Batch")  # fmt: skip
 async def create_batch(request: Request) -> Response:
     state, tenant, runner = _context(request)
     req = BatchCreateRequest.model_validate(await read_json(request, state.max_body_bytes))
@@ -104,6 +107,7 @@ async def create_batch(request: Request) -> Response:
     return JSONResponse(batch)
 
 
+@operation("a batch", tag="Batches", ok_description="the Batch")
 async def retrieve_batch(request: Request) -> Response:
     _, tenant, runner = _context(request)
     batch_id = request.path_params["batch_id"]
@@ -113,6 +117,8 @@ async def retrieve_batch(request: Request) -> Response:
     return JSONResponse(batch)
 
 
+@operation("the tenant's batches, newest first", tag="Batches", ok_description="a list of batches",
+           query={"after": str, "limit": int})  # fmt: skip
 async def list_batches(request: Request) -> Response:
     _, tenant, runner = _context(request)
     q = request.query_params
@@ -138,6 +144,7 @@ async def list_batches(request: Request) -> Response:
     )
 
 
+@operation("cancel a batch", tag="Batches", ok_description="the Batch")
 async def cancel_batch(request: Request) -> Response:
     _, tenant, runner = _context(request)
     batch_id = request.path_params["batch_id"]

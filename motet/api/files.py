@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from motet.api.errors import APIError, echo
 from motet.api.file_store import FileQuotaExceeded, FileStore, FileTooLarge, StoredFile
+from motet.api.openapi import FILE, operation
 from motet.api.state import ServerState
 from motet.api.storage_errors import StorageFailure, storage_error
 
@@ -67,6 +68,8 @@ def _too_large(store: FileStore) -> APIError:
     )
 
 
+@operation("upload a file (purpose: batch)", tag="Files",
+           form={"file": FILE, "purpose": {"type": "string"}}, ok_description="the File")  # fmt: skip
 async def upload_file(request: Request) -> Response:
     _, tenant, store = _context(request)
     limit = store.max_file_bytes + FORM_SLACK
@@ -114,6 +117,8 @@ async def upload_file(request: Request) -> Response:
     return JSONResponse(stored.object())
 
 
+@operation("the tenant's files", tag="Files", ok_description="a list of files",
+           query={"after": str, "limit": int, "order": str, "purpose": str})  # fmt: skip
 async def list_files(request: Request) -> Response:
     _, tenant, store = _context(request)
     q = request.query_params
@@ -145,11 +150,13 @@ async def list_files(request: Request) -> Response:
     )
 
 
+@operation("a file", tag="Files", ok_description="the File")
 async def retrieve_file(request: Request) -> Response:
     _, tenant, store = _context(request)
     return JSONResponse((await _found(store, tenant, request.path_params["file_id"])).object())
 
 
+@operation("a file's bytes", tag="Files", ok_description="the bytes", ok_media="application/octet-stream")
 async def file_content(request: Request) -> Response:
     _, tenant, store = _context(request)
     stored = await _found(store, tenant, request.path_params["file_id"])
@@ -174,6 +181,7 @@ async def file_content(request: Request) -> Response:
     )
 
 
+@operation("delete a file", tag="Files", ok_description="deleted")
 async def delete_file(request: Request) -> Response:
     _, tenant, store = _context(request)
     file_id = request.path_params["file_id"]

@@ -27,6 +27,7 @@ from motet.api import usage as usage_records
 from motet.api.chat_output import ChatOutput
 from motet.api.errors import APIError, from_serving_error, from_value_error
 from motet.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
 from motet.api.streams import Choice, EventStream, collect, observe, release, sse, usage
@@ -252,6 +253,8 @@ def chat_output(state: ServerState, adm: Admission, structure: Structure) -> Cal
     return output
 
 
+@operation("chat completion", tag="Chat", body=P.ChatCompletionRequest, ok=P.ChatCompletionResponse,
+           stream=P.ChatCompletionChunk)  # fmt: skip
 async def chat_completions(request: Request) -> Response:
     state, tenant, req, adapter = await accept_request(request, P.ChatCompletionRequest)
     request_id = client_request_id(request, req)
@@ -386,6 +389,8 @@ def _prompts(req: P.CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
+@operation("text completion", tag="Completions", body=P.CompletionRequest, ok=P.CompletionResponse,
+           stream=P.CompletionResponse)  # fmt: skip
 async def completions(request: Request) -> Response:
     state, tenant, req, adapter = await accept_request(request, P.CompletionRequest)
     request_id = client_request_id(request, req)

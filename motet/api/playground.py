@@ -39,6 +39,6 @@ class SecuredStaticFiles(StaticFiles):
 
 def playground_routes() -> list:
     return [
-        Route("/", index, methods=["GET", "HEAD"]),
+        Route("/", index, methods=["GET", "HEAD"], include_in_schema=False),
         Mount("/static", SecuredStaticFiles(directory=STATIC_DIR), name="static"),
     ]

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from motet.api.errors import APIError, echo
+from motet.api.openapi import operation
 from motet.api.response_store import Turn
 from motet.api.responses import _from_store as from_store  # the store's failures as 507 / 503
 from motet.api.responses import _not_found as not_found
@@ -91,6 +92,8 @@ def _params(request: Request) -> tuple[str | None, int, str]:
     return q.get("after"), int(raw), order
 
 
+@operation("the items a stored response was generated from (its whole conversation)", tag="Responses",
+           ok_description="a list of items", query={"after": str, "limit": int, "order": str})  # fmt: skip
 async def list_input_items(request: Request) -> Response:
     state: ServerState = request.app.state.motet
     tenant = state.auth.tenant(request.headers.get("authorization"))

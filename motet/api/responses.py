@@ -38,6 +38,7 @@ from motet.api.openai import (
     submit,
     with_warnings,
 )
+from motet.api.openapi import operation
 from motet.api.response_items import OutputItems
 from motet.api.response_store import ConversationTooLong, QuotaExceeded, ResponseStore
 from motet.api.responses_request import ResponsesRequest, chat_request, input_items, renamed
@@ -246,6 +247,8 @@ async def _admit(state: ServerState, tenant: str, req: ResponsesRequest, turns: 
         raise APIError(400, str(e), param="previous_response_id", code="conversation_too_long") from None
 
 
+@operation("a model response (OpenAI Responses API): the Response object, or its typed events when stream "
+           "is true", tag="Responses", body=ResponsesRequest, ok_description="the Response")  # fmt: skip
 async def create_response(request: Request) -> Response:
     state, tenant, req, adapter = await accept_request(request, ResponsesRequest)
     if req.store is True and state.responses is None:
@@ -294,6 +297,7 @@ def _refuse_query(request: Request) -> None:
             raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
 
 
+@operation("a stored response", tag="Responses", ok_description="the Response")
 async def get_response(request: Request) -> Response:
     state, tenant = _tenant(request)
     _refuse_query(request)
@@ -308,6 +312,7 @@ async def get_response(request: Request) -> Response:
     return JSONResponse(stored)
 
 
+@operation("delete a stored response", tag="Responses", ok_description="deleted")
 async def delete_response(request: Request) -> Response:
     state, tenant = _tenant(request)
     response_id = request.path_params["response_id"]

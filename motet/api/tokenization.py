@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from motet.api import protocol as P
 from motet.api.errors import APIError
 from motet.api.openai import chat_spec
+from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
 from motet.engine.request_checks import RequestError
@@ -94,6 +95,8 @@ def _chat_text(state: ServerState, tenant: str, adapter, req: TokenizeChatReques
         raise APIError(400, str(e), param="messages") from None
 
 
+@operation("vLLM: a prompt's or chat's token ids", tag="Tokenization",
+           body=(TokenizeCompletionRequest, TokenizeChatRequest))  # fmt: skip
 async def tokenize(request: Request) -> Response:
     state, tenant, req, adapter = await _accept(request, None)
     engine = state.system.engine
@@ -114,6 +117,7 @@ async def tokenize(request: Request) -> Response:
     return JSONResponse(body)
 
 
+@operation("vLLM: token ids' text", tag="Tokenization", body=DetokenizeRequest)
 async def detokenize(request: Request) -> Response:
     state, _, req, _ = await _accept(request, DetokenizeRequest)
     tok = state.system.engine.tokenizer

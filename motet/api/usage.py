@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from motet.api.asgi import StatusRecorder
 from motet.api.errors import APIError
+from motet.api.openapi import operation
 from motet.api.sqlite_store import SQLiteStore
 from motet.api.storage_errors import StorageFailure
 
@@ -192,6 +193,12 @@ def _int_param(request: Request, name: str, default: int | None = None) -> int |
         raise APIError(400, f"{name} must be an integer, not {value[:40]!r}", param=name) from None
 
 
+@operation(
+    "tenants' usage in time buckets (OpenAI's usage API shape); an admin key only", tag="Usage",
+    ok_description="a page of buckets", required_query=("start_time",),
+    query={"start_time": int, "end_time": int, "bucket_width": str, "group_by": str, "tenant": str,
+           "model": str, "limit": int, "page": str},
+)  # fmt: skip
 async def usage_route(request: Request) -> Response:
     """GET /v1/usage: an admin key's (OpenAI's usage API shape, a page of time buckets)."""
     import anyio.to_thread

@@ -1,0 +1,106 @@
+"""The OpenAPI document is generated from the registered routes: every route the app serves is in it, and
+nothing else; each handler declares its operation beside it; the served document is that one, and valid."""
+
+from __future__ import annotations
+
+import pytest
+from jsonschema import Draft202012Validator
+from schemathesis.specs.openapi.definitions import OPENAPI_31
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.schemas import SchemaGenerator
+from starlette.testclient import TestClient
+
+from motet.actors.system import ServingSystem
+from motet.api import app as app_module
+from motet.api.app import ENDPOINTS, TEMPLATED, create_app, openapi_schema
+from motet.api.openapi import Operation, document, operation
+from motet.api.state import ServerState
+
+# what the app serves and the document leaves out, on purpose (each registered with include_in_schema=False)
+UNDOCUMENTED = {"/openapi.json", "/", "/static"}
+
+
+@pytest.fixture(scope="module")
+def app():
+    """The app as `motet serve` builds it (never started: no model is loaded)."""
+    system = ServingSystem(lambda: pytest.fail("the engine is never built here"), max_queue_len=1)
+    return create_app(ServerState(system, ["tiny"]))
+
+
+def _operations(doc: dict) -> set[tuple[str, str]]:
+    return {(method.upper(), path) for path, item in doc["paths"].items() for method in item}
+
+
+def test_every_registered_route_is_documented_and_nothing_else(app):
+    # starlette's own walk of the routes: each method of each route the schema includes, HEAD left out
+    registered = {(e.http_method.upper(), e.path) for e in SchemaGenerator({}).get_endpoints(app.routes)}
+    assert registered == _operations(openapi_schema())
+    left_out = {r.path for r in app.routes if not getattr(r, "include_in_schema", True)}
+    left_out |= {r.path for r in app.routes if not isinstance(r, Route)}  # mounts: the playground's assets
+    assert left_out == UNDOCUMENTED
+
+
+def test_the_served_document_is_the_generated_one(app):
+    served = TestClient(app).get("/openapi.json")  # no lifespan: the route needs no model
+    assert served.status_code == 200
+    assert served.json() == openapi_schema() == document(app.routes)
+
+
+def test_the_document_is_valid_openapi_3_1():
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in Draft202012Validator(OPENAPI_31).iter_errors(
+        openapi_schema())]  # fmt: skip
+    assert not errors, errors[:5]
+
+
+def test_each_operation_has_a_summary_a_known_tag_and_its_models():
+    doc = openapi_schema()
+    tags = {t["name"] for t in doc["tags"]}
+    schemas = doc["components"]["schemas"]
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            assert op["summary"] and set(op["tags"]) <= tags, (method, path)
+            params = {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
+            assert params == set(path.replace("}", "{").split("{")[1::2]), (method, path)
+            assert "200" in op["responses"], (method, path)
+    for name in ("ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk", "CompletionRequest",
+                 "ResponsesRequest", "BatchCreateRequest", "TokenizeChatRequest", "ModelList", "ErrorResponse"):  # fmt: skip
+        assert name in schemas, name
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatCompletionRequest"
+    }
+    assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert doc["paths"]["/health"]["get"]["security"] == []  # probes need no key
+
+
+def test_each_documented_path_is_counted_under_its_own_endpoint_label():
+    for path in openapi_schema()["paths"]:
+        assert path in ENDPOINTS or any(path.startswith(t.split("{")[0]) for t in TEMPLATED), path
+
+
+def test_a_route_without_a_declaration_cannot_be_documented():
+    async def undeclared(request):
+        raise AssertionError
+
+    with pytest.raises(LookupError, match="declares no @operation"):
+        document([Route("/v1/new", undeclared, methods=["GET"])])
+    document([Route("/v1/new", undeclared, methods=["GET"], include_in_schema=False)])  # left out on purpose
+
+
+def test_declarations_travel_with_the_guarded_handler():
+    @operation("a thing", tag="Server", query={"limit": int}, errors=(400,))
+    async def thing(request):
+        raise AssertionError
+
+    route = Route("/thing/{n:int}", app_module.guarded(thing), methods=["GET", "POST"])
+    doc = document(Starlette(routes=[route]).routes)
+    assert set(doc["paths"]["/thing/{n}"]) == {"get", "post"}
+    op = doc["paths"]["/thing/{n}"]["get"]
+    assert [(p["name"], p["in"], p["schema"]["type"]) for p in op["parameters"]] == [
+        ("n", "path", "integer"),
+        ("limit", "query", "integer"),
+    ]
+    assert set(op["responses"]) == {"200", "400"}
+    with pytest.raises(ValueError, match="unknown OpenAPI tag"):
+        Operation("x", tag="Nope")
