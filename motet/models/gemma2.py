@@ -3,7 +3,7 @@ the final logits squashed by cap * tanh(x / cap)), sliding-window layers every o
 default the even layers) sharing the global rope base."""
 
 from motet.models.declaration import Architecture
-from motet.models.gemma3 import gemma_options
+from motet.models.gemma3 import GEMMA_NORM_NAMES, gemma_options
 
 
 def options(cfg: dict, source: str) -> dict:
@@ -18,9 +18,5 @@ GEMMA2 = Architecture(
     post_norms=True,
     norm_weight_offset=1.0,
     options=options,
-    checkpoint_names={
-        "post_attention_layernorm": "attn_out_norm",
-        "pre_feedforward_layernorm": "post_attention_layernorm",
-        "post_feedforward_layernorm": "mlp_out_norm",
-    },
+    checkpoint_names=GEMMA_NORM_NAMES,
 )

@@ -7,6 +7,13 @@ import math
 
 from motet.models.declaration import Architecture, ModelLoadError, bounded_float
 
+# Gemma's norms after the attention, before the MLP and after it -> the decoder's names for them
+GEMMA_NORM_NAMES = {
+    "post_attention_layernorm": "attn_out_norm",
+    "pre_feedforward_layernorm": "post_attention_layernorm",
+    "post_feedforward_layernorm": "mlp_out_norm",
+}
+
 
 def gemma_options(cfg: dict, source: str) -> dict:
     """What Gemma 2 and 3 read alike: the embedding and query scales, GeGLU, soft-capping, the sliding layers."""
@@ -47,10 +54,5 @@ GEMMA3 = Architecture(
     post_norms=True,
     norm_weight_offset=1.0,
     options=options,
-    # its norm after the attention, before the MLP and after it -> the decoder's names for them
-    checkpoint_names={
-        "post_attention_layernorm": "attn_out_norm",
-        "pre_feedforward_layernorm": "post_attention_layernorm",
-        "post_feedforward_layernorm": "mlp_out_norm",
-    },
+    checkpoint_names=GEMMA_NORM_NAMES,
 )

@@ -3,18 +3,8 @@ sliding-window layers every other one (`layer_types`), YaRN rotary, and a mixtur
 router with a bias, whose top-k logits are softmaxed, experts with biases and a clamped SwiGLU, stored stacked
 with gate and up columns interleaved."""
 
-from motet.models.declaration import Architecture, ModelLoadError, bounded_float, top_k_experts
-
-
-def experts(cfg: dict, num_layers: int, source: str) -> dict:
-    n = int(cfg["num_local_experts"])
-    return dict(
-        num_experts=n,
-        num_experts_per_tok=top_k_experts(cfg, n, source),
-        moe_intermediate_size=int(cfg["intermediate_size"]),
-        norm_topk_prob=True,  # a softmax over the top-k logits is the renormalized top-k of the softmax
-        sparse_layers=tuple(range(num_layers)),
-    )
+from motet.models.declaration import Architecture, ModelLoadError, bounded_float
+from motet.models.mixtral import experts  # the same: every layer, num_local_experts, top-k renormalized
 
 
 def options(cfg: dict, source: str) -> dict:
