@@ -152,7 +152,11 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
     decl = from_gguf(arch)
     if decl is None:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not one motet serves")
-    cfg = ModelConfig.from_dict(hf_config(metadata_of(reader), {t.name for t in reader.tensors}, path.name))
+    # the model's config: its directory's (a bare file's derived one, a pulled model's), else the metadata's
+    if (path.parent / "config.json").is_file():
+        cfg = ModelConfig.from_dir(path.parent)
+    else:
+        cfg = ModelConfig.from_dict(hf_config(metadata_of(reader), {t.name for t in reader.tensors}, path.name))
     n_head = _int(reader, f"{arch}.attention.head_count")
     heads = {"q_proj": n_head, "k_proj": _int(reader, f"{arch}.attention.head_count_kv", n_head)}
     if not decl.gguf_permuted_qk:  # rows in Hugging Face's order already
