@@ -15,16 +15,17 @@ import json
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from motet.engine.config import ModelLoadError
-from motet.engine.gguf_convert import convert_gguf
+from motet.engine.gguf_convert import convert_gguf, hf_config, hf_name, metadata_of, write_hf_metadata
 from motet.engine.llm import LLM
 from motet.kernels import cpu_native
+from motet.models import from_gguf
 from tests.test_engine import PROMPTS, engine_logits
 from tests.test_gguf_model_file import OPTIONS, add_gpt2_vocab
 from tests.test_moe import randomize_norms
@@ -282,16 +283,29 @@ def test_what_a_family_file_cannot_say_is_refused(tmp_path):
     source = build_tiny_model(tmp_path / "src", arch="olmo2", pad_token_id=0)
     path = write_family_gguf(source, tmp_path / "a" / "olmo.gguf", "olmo2")
     reader = gguf.GGUFReader(str(path))
-    from motet.engine.gguf_convert import hf_config, metadata_of
-
     meta, names = metadata_of(reader), {t.name for t in reader.tensors}
     with pytest.raises(ModelLoadError, match=r"tokenizer 'llama' \(tokenizer\.ggml\.model\)"):
         hf_config({**meta, "tokenizer.ggml.model": "llama"}, names, "spm.gguf")
     with pytest.raises(ModelLoadError, match=r"sliding-window layers .*OLMo 3"):
         hf_config({**meta, "olmo2.attention.sliding_window": 4096}, names, "olmo3.gguf")
-    from motet.engine.gguf_convert import hf_name
-    from motet.models import from_gguf
-
     with pytest.raises(ModelLoadError, match=r"rope_factors_long\.weight.*LongRoPE"):
         hf_name("rope_factors_long.weight", from_gguf("phi3"))
-    assert np.isfinite(meta["olmo2.attention.layer_norm_rms_epsilon"])
+
+
+@pytest.mark.parametrize(
+    "pre,pieces",
+    [
+        ("dbrx", ["ab", "Ġ", "123", "45", "Ġc", "!!"]),  # Llama 3's split (cl100k's: Phi-4's, OLMo 2's files)
+        ("llama-bpe", ["ab", "Ġ", "123", "45", "Ġc", "!!"]),
+        ("refact", ["ab", "Ġ", "1", "2", "3", "4", "5", "Ġc", "!!"]),  # digits one by one (Granite 3's files)
+        ("olmo", ["ab", "Ġ12345", "Ġc", "!!"]),  # GPT-2's
+    ],
+)
+def test_the_pre_tokenizers_these_families_files_name(tmp_path, pre, pieces):
+    """The split llama.cpp's llama-vocab.cpp makes for each pre-tokenizer name these families' files carry."""
+    source = build_tiny_model(tmp_path / "src", arch="olmo2", pad_token_id=0)
+    reader = gguf.GGUFReader(str(write_family_gguf(source, tmp_path / "a" / "olmo.gguf", "olmo2")))
+    meta = {**metadata_of(reader), "tokenizer.ggml.pre": pre}
+    write_hf_metadata(tmp_path, meta, hf_config(meta, {t.name for t in reader.tensors}, "olmo.gguf"))
+    got = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).pre_tokenizer.pre_tokenize_str("ab 12345 c!!")
+    assert [p for p, _ in got] == pieces

@@ -148,9 +148,14 @@ _GGUF_FIELDS = {  # GGUF key (after the architecture's prefix: llama.block_count
     "context_length": "max_position_embeddings",
 }
 TOKENIZER_MODEL = "gpt2"  # byte-level BPE
-PRE_TOKENIZERS = ("smollm", "default", "gpt-2", "starcoder", "qwen2")
+# llama.cpp's names (tokenizer.ggml.pre) for the splits motet builds: GPT-2's ("olmo": OLMo 1's); digits one by
+# one, then GPT-2's (SmolLM's, StarCoder's, "refact": Granite 3's); Qwen2's; Llama 3's ("dbrx": cl100k's, as
+# Phi-4's and OLMo 2's files say), as llama.cpp's llama-vocab.cpp groups them
+PRE_TOKENIZERS = ("smollm", "default", "gpt-2", "olmo", "starcoder", "refact", "qwen2", "llama-bpe", "dbrx")
 # Qwen2's (and Qwen3's) split before byte-level BPE: its tokenizer.json's Split pattern, one digit at a time
 _QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Llama 3's: Qwen2's with numbers in runs of up to three digits
+_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 _ROPE_SCALINGS = ("none", "linear")  # llama.rope.scaling.type values motet's rotary implements
 # Besides EOS, the ids llama.cpp ends a generation at (end of turn, Llama 3's <|eot_id|>; end of message).
 _END_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -339,16 +344,18 @@ def _write_tokenizer(
     bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
     tok = Tokenizer(bpe)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre in ("smollm", "starcoder"):
+    if pre in ("smollm", "starcoder", "refact"):
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
-    elif pre == "qwen2":
+    elif pre in ("qwen2", "llama-bpe", "dbrx"):
         from tokenizers import Regex
 
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.Split(
+                    Regex(_QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT), behavior="isolated"
+                ),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
             ]
         )

@@ -156,7 +156,9 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
     if (path.parent / "config.json").is_file():
         cfg = ModelConfig.from_dir(path.parent)
     else:
-        cfg = ModelConfig.from_dict(hf_config(metadata_of(reader), {t.name for t in reader.tensors}, path.name))
+        cfg = ModelConfig.from_dict(
+            hf_config(metadata_of(reader), {t.name for t in reader.tensors}, path.name)
+        )
     n_head = _int(reader, f"{arch}.attention.head_count")
     heads = {"q_proj": n_head, "k_proj": _int(reader, f"{arch}.attention.head_count_kv", n_head)}
     if not decl.gguf_permuted_qk:  # rows in Hugging Face's order already
