@@ -85,7 +85,6 @@ def write_gguf_file(
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = hf.config
-    tok = AutoTokenizer.from_pretrained(model_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out), arch=arch)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -107,10 +106,27 @@ def write_gguf_file(
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
 
+    add_gpt2_vocab(writer, model_dir, cfg.vocab_size, pre)
+
+    for key, value in (meta or {}).items():  # hyperparameters as a malformed file would have them
+        writer.add_uint32(key, value)
+    add_llama_tensors(writer, hf, types, quantize, permute=arch == "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def add_gpt2_vocab(writer, model_dir: Path, vocab_size: int, pre: str) -> None:
+    """The byte-level BPE vocabulary of `model_dir` as the converter's get_vocab_base writes it ([PADi] fill to
+    the model's vocab_size, special added tokens CONTROL), with gguf-py's SpecialVocab for merges, special ids
+    and chat template."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
     reverse = {i: t for t, i in tok.get_vocab().items()}
     added, decoder = tok.get_added_vocab(), tok.added_tokens_decoder
     tokens, types_ = [], []
-    for i in range(cfg.vocab_size):
+    for i in range(vocab_size):
         if i not in reverse:
             tokens.append(f"[PAD{i}]")
             types_.append(gguf.TokenType.UNUSED)
@@ -125,15 +141,6 @@ def write_gguf_file(
     writer.add_token_list(tokens)
     writer.add_token_types(types_)
     gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
-
-    for key, value in (meta or {}).items():  # hyperparameters as a malformed file would have them
-        writer.add_uint32(key, value)
-    add_llama_tensors(writer, hf, types, quantize, permute=arch == "llama")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 def greedy_hf(hf, prompt: list[int], n: int) -> list[int]:
@@ -326,11 +333,11 @@ def test_unreadable_and_unserved_files_are_refused(tiny_source, tmp_path, cache)
     with pytest.raises(ModelLoadError, match=r"no such directory or file, and not a known model name"):
         resolve_model(str(tmp_path / "missing.gguf"))
 
-    gemma = write_gguf_file(tiny_source, tmp_path / "q" / "gemma.gguf", {}, arch="gemma3")
+    falcon = write_gguf_file(tiny_source, tmp_path / "q" / "falcon.gguf", {}, arch="falcon")
     with pytest.raises(
-        ModelLoadError, match=r"gemma\.gguf: GGUF architecture 'gemma3'; motet serves .*'llama', 'qwen2'"
+        ModelLoadError, match=r"falcon\.gguf: GGUF architecture 'falcon'; motet serves .*'llama', 'qwen2'"
     ):
-        LLM(str(gemma), **OPTIONS)
+        LLM(str(falcon), **OPTIONS)
     pre = write_gguf_file(tiny_source, tmp_path / "p" / "pre.gguf", {}, pre="falcon")
     with pytest.raises(
         ModelLoadError, match=r"pre-tokenizer 'falcon' \(tokenizer\.ggml\.pre\); motet builds"

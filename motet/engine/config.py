@@ -127,10 +127,11 @@ class ModelConfig:
         A LoRA delta on one of those modules is scaled alike (motet/lora/adapter.py)."""
         scales = {}
         if self.attention_multiplier is not None:  # the kernels' 1/sqrt(head_dim) then gives the multiplier
-            # (into q's norm where it has one: the norm would undo a scale before it)
-            scales["q_norm" if self.qk_norm else "q_proj"] = self.attention_multiplier * math.sqrt(
-                self.head_dim
-            )
+            # (into q's norm where it has one: the norm would undo a scale before it); none where it is that
+            # already (Gemma's query_pre_attn_scalar = head_dim: q_proj stays as it comes, blocks and all)
+            factor = self.attention_multiplier * math.sqrt(self.head_dim)
+            if factor != 1.0:
+                scales["q_norm" if self.qk_norm else "q_proj"] = factor
         if self.residual_multiplier != 1.0:
             scales["o_proj"] = scales["down_proj"] = self.residual_multiplier
         if self.logits_scaling != 1.0:

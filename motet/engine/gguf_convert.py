@@ -1,7 +1,8 @@
-"""GGUF -> a Hugging Face checkpoint directory of the family its architecture names (motet/models/: llama,
-qwen2, qwen3): dequantize to float32, undo llama.cpp's rotary row permutation of q_proj/k_proj where its
-converter made one (llama), rename the tensors to Hugging Face names, and write config, weights and
-tokenizer files (motet/engine/model_store.py calls it when it pulls the default model). The config and
+"""GGUF -> a Hugging Face checkpoint directory of the family its architecture names (motet/models/: each
+declaration's `gguf` facts): dequantize to float32, undo llama.cpp's rotary row permutation of q_proj/k_proj
+where its converter made one (llama, granite), take the norm weights' offset back out where the converter
+added it (Gemma's 1 + w), rename the tensors to the family's Hugging Face names (its fused ones kept fused, as
+Phi-3's checkpoints have them), and write config, weights and tokenizer files (motet/engine/model_store.py calls it when it pulls the default model). The config and
 tokenizer come from the file's metadata alone (`hf_config`, `write_hf_metadata`), which is all a bare GGUF
 file served as it is needs (motet/engine/gguf_model.py)."""
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from motet.engine.config import LIMITS, ModelLoadError, bounded
-from motet.models import DECLARATIONS, find, from_gguf
+from motet.models import DECLARATIONS, Architecture, find, from_gguf
 
 
 class PullError(ModelLoadError):
@@ -76,17 +77,30 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, decl: Architecture) -> str:
+    """A GGUF tensor's Hugging Face name in the checkpoints of `decl`'s family."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-    raise PullError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama counterpart")
+    module = m and (decl.gguf_names.get(m.group(2)) or _BLOCK_NAMES.get(m.group(2)))
+    if module:
+        return f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
+    if gguf_name.startswith("rope_factors"):
+        raise PullError(
+            f"GGUF tensor {gguf_name!r}: rope frequency factors (LongRoPE's, as Phi-3's 128k models store them); "
+            f"motet does not read them from a GGUF file: serve the model's Hugging Face checkpoint directory"
+        )
+    raise PullError(f"GGUF tensor {gguf_name!r} has no Hugging Face {decl.name} counterpart")
+
+
+def norm_offset(name: str, decl: Architecture) -> float:
+    """What llama.cpp's converter added to a tensor (by its Hugging Face name): the family's norm weight offset
+    to each norm weight (Gemma's RMSNorm multiplies by 1 + w; llama.cpp's by the weight as stored)."""
+    return decl.norm_weight_offset if name.endswith("norm.weight") else 0.0
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = False) -> Path:
-    """Convert a llama-architecture GGUF file (gpt2 BPE vocab) into a Hugging Face directory `out_dir`."""
+    """Convert a GGUF file of a declared family (gpt2 BPE vocab) into a Hugging Face directory `out_dir`."""
     import gguf
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -96,7 +110,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
     meta = metadata_of(reader)
     config = hf_config(meta, [t.name for t in reader.tensors], gguf_path.name)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    permuted = find(config["architectures"]).gguf_permuted_qk
+    decl = find(config["architectures"])
+    permuted = decl.gguf_permuted_qk
 
     out_dir.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
@@ -106,7 +121,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
         w = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # a writable copy
         expected = tuple(int(d) for d in reversed(t.shape.tolist()))
         w = w.reshape(expected if len(expected) > 1 else (expected[0],))
-        name = hf_name(t.name)
+        name = hf_name(t.name, decl)
+        if offset := norm_offset(name, decl):
+            w -= offset
         if permuted and name.endswith("self_attn.q_proj.weight"):
             w = unpermute_qk(w, n_head)
         elif permuted and name.endswith("self_attn.k_proj.weight"):
@@ -131,9 +148,14 @@ _GGUF_FIELDS = {  # GGUF key (after the architecture's prefix: llama.block_count
     "context_length": "max_position_embeddings",
 }
 TOKENIZER_MODEL = "gpt2"  # byte-level BPE
-PRE_TOKENIZERS = ("smollm", "default", "gpt-2", "starcoder", "qwen2")
+# llama.cpp's names (tokenizer.ggml.pre) for the splits motet builds: GPT-2's ("olmo": OLMo 1's); digits one by
+# one, then GPT-2's (SmolLM's, StarCoder's, "refact": Granite 3's); Qwen2's; Llama 3's ("dbrx": cl100k's, as
+# Phi-4's and OLMo 2's files say), as llama.cpp's llama-vocab.cpp groups them
+PRE_TOKENIZERS = ("smollm", "default", "gpt-2", "olmo", "starcoder", "refact", "qwen2", "llama-bpe", "dbrx")
 # Qwen2's (and Qwen3's) split before byte-level BPE: its tokenizer.json's Split pattern, one digit at a time
 _QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Llama 3's: Qwen2's with numbers in runs of up to three digits
+_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 _ROPE_SCALINGS = ("none", "linear")  # llama.rope.scaling.type values motet's rotary implements
 # Besides EOS, the ids llama.cpp ends a generation at (end of turn, Llama 3's <|eot_id|>; end of message).
 _END_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -192,6 +214,11 @@ def hf_config(meta: dict, tensor_names: Collection[str], source: str) -> dict:
         head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_head))
         rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
         context = int(meta[f"{arch}.context_length"])
+
+        def key(suffix: str, default=None):
+            value = meta.get(f"{arch}.{suffix}", default)
+            return _f32_round(value) if isinstance(value, float) else value
+
         config = {
             "architectures": [decl.name],
             "model_type": arch,
@@ -220,6 +247,8 @@ def hf_config(meta: dict, tensor_names: Collection[str], source: str) -> dict:
             "torch_dtype": "float32",
             "use_cache": True,
         }
+        if decl.gguf_config is not None:  # the family's own fields
+            config.update(decl.gguf_config(key, config, source))
     except KeyError as e:
         raise refuse(f"GGUF metadata has no {e.args[0]!r}") from None
     except ModelLoadError:
@@ -246,33 +275,36 @@ def write_hf_metadata(out_dir: Path, meta: dict, config: dict) -> None:
 
 
 def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
+    """The tensors a checkpoint of the config's family has, by the declaration: fused modules as one tensor,
+    its norms (before the blocks, after them: by the decoder's names, renamed to the family's), q/k norms per
+    head or across them."""
+    decl = find(cfg["architectures"])
     h, kv = cfg["hidden_size"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    q = cfg["num_attention_heads"] * cfg["head_dim"]
-    qk_norm = find(cfg["architectures"]).qk_norm
+    q, ff = cfg["num_attention_heads"] * cfg["head_dim"], cfg["intermediate_size"]
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": ff, "up_proj": ff}
+    attn, mlp = ["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]
+    for fused, parts in decl.fused_modules.items():
+        for group in (attn, mlp):
+            if parts[0] in group:
+                group[:] = [fused]
+        rows[fused] = sum(rows[p] for p in parts)
+    family = {v: k for k, v in decl.checkpoint_names.items()}  # the decoder's norm names -> the family's
+    norms = (["input_layernorm", "post_attention_layernorm"] if decl.pre_norms else []) + (
+        ["attn_out_norm", "mlp_out_norm"] if decl.post_norms else []
+    )
     want = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        want |= {
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (cfg["intermediate_size"], h),
-            p + "mlp.up_proj.weight": (cfg["intermediate_size"], h),
-            p + "mlp.down_proj.weight": (h, cfg["intermediate_size"]),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        }
+        want |= {p + f"self_attn.{m}.weight": (rows[m], h) for m in attn}
+        want |= {p + f"mlp.{m}.weight": (rows[m], h) for m in mlp}
+        want |= {p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, ff)}
+        want |= {p + f"{family.get(n, n)}.weight": (h,) for n in norms}
         if cfg["attention_bias"]:
+            want |= {p + f"self_attn.{m}.bias": (rows[m],) for m in attn}
+        if decl.qk_norm:
             want |= {
-                p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            }
-        if qk_norm:
-            want |= {
-                p + "self_attn.q_norm.weight": (cfg["head_dim"],),
-                p + "self_attn.k_norm.weight": (cfg["head_dim"],),
+                p + "self_attn.q_norm.weight": (q if decl.qk_norm_whole else cfg["head_dim"],),
+                p + "self_attn.k_norm.weight": (kv if decl.qk_norm_whole else cfg["head_dim"],),
             }
     if not cfg["tie_word_embeddings"]:
         want["lm_head.weight"] = (cfg["vocab_size"], h)
@@ -312,16 +344,18 @@ def _write_tokenizer(
     bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
     tok = Tokenizer(bpe)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre in ("smollm", "starcoder"):
+    if pre in ("smollm", "starcoder", "refact"):
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
-    elif pre == "qwen2":
+    elif pre in ("qwen2", "llama-bpe", "dbrx"):
         from tokenizers import Regex
 
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.Split(
+                    Regex(_QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT), behavior="isolated"
+                ),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
             ]
         )

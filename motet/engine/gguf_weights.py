@@ -4,7 +4,11 @@
 from, as `model.gguf`) without dequantizing its projections to floats: each block type maps onto motet's int4 or
 int8 format (motet/kernels/ggml_blocks.py: Q8_0 and Q4_1 as they are, Q4_0 and Q4_K as int4, every other type
 gguf-py can dequantize requantized into int8, logged once per file), with llama.cpp's rotary row order of q/k
-undone by permuting whole rows (llama's files; Qwen's keep Hugging Face's order). The lm_head comes in blocks
+undone by permuting whole rows (llama's and granite's files; the others keep Hugging Face's order), a fused
+tensor (Phi-3's attn_qkv, ffn_up) split by rows into its projections, blocks and all, and the norm weights'
+offset taken back out where the converter added it (Gemma's 1 + w: the model adds it as it loads). A projection
+whose family folds a constant into it as it loads (Granite's multipliers, ModelConfig.weight_scales) comes as
+fp32, its blocks dequantized, logged once per file. The lm_head comes in blocks
 the same way (and a tied embedding table, which is the lm_head too: `_keep_quantized`); float projections (F32,
 F16, BF16), norms and an untied embedding table are read as fp32. A tensor in a type gguf-py cannot dequantize
 is refused, naming the tensor and its type.
@@ -19,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from motet.engine.config import ModelLoadError
-from motet.engine.gguf_convert import hf_name, unpermute_qk
+from motet.engine.config import ModelConfig, ModelLoadError
+from motet.engine.gguf_convert import hf_config, hf_name, metadata_of, norm_offset, unpermute_qk
 from motet.engine.model import CausalLM
 from motet.kernels import ggml_blocks
 from motet.kernels.quant import FORMATS, INT8, QuantizedWeight, WeightFormat
@@ -65,6 +69,31 @@ def _int(meta, key: str, default: int | None = None) -> int:
 def _str(meta, key: str) -> str | None:
     field = meta.get_field(key)
     return None if field is None else str(field.contents())
+
+
+def _parts(t, name: str, decl, cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(Hugging Face name, first row, rows) of each projection a GGUF tensor holds: itself whole, or a fused
+    tensor's parts (its family's fused_modules: q, k, v of attn_qkv; gate, up of Phi-3's ffn_up)."""
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-2] not in decl.fused_modules:
+        return [(name, 0, -1)]
+    rows = {
+        "q_proj": cfg.num_attention_heads * cfg.head_dim,
+        "k_proj": cfg.num_key_value_heads * cfg.head_dim,
+        "v_proj": cfg.num_key_value_heads * cfg.head_dim,
+        "gate_proj": cfg.intermediate_size,
+        "up_proj": cfg.intermediate_size,
+    }
+    out, start = [], 0
+    for part in decl.fused_modules[parts[-2]]:
+        out.append((".".join([*parts[:-2], part, parts[-1]]), start, rows[part]))
+        start += rows[part]
+    if start != int(t.shape[-1]):
+        raise ModelLoadError(
+            f"GGUF tensor {t.name!r} has {int(t.shape[-1])} rows; it holds "
+            f"{' + '.join(decl.fused_modules[parts[-2]])}: {start}"
+        )
+    return out
 
 
 def _keep_quantized(name: str, tied: bool) -> bool:
@@ -123,18 +152,37 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
     decl = from_gguf(arch)
     if decl is None:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not one motet serves")
+    # the model's config: its directory's (a bare file's derived one, a pulled model's), else the metadata's
+    if (path.parent / "config.json").is_file():
+        cfg = ModelConfig.from_dir(path.parent)
+    else:
+        cfg = ModelConfig.from_dict(
+            hf_config(metadata_of(reader), {t.name for t in reader.tensors}, path.name)
+        )
     n_head = _int(reader, f"{arch}.attention.head_count")
     heads = {"q_proj": n_head, "k_proj": _int(reader, f"{arch}.attention.head_count_kv", n_head)}
     if not decl.gguf_permuted_qk:  # rows in Hugging Face's order already
         heads = {}
-    tied = all(hf_name(t.name) != _LM_HEAD for t in reader.tensors)
+    tensors = [(t, part) for t in reader.tensors for part in _parts(t, hf_name(t.name, decl), decl, cfg)]
+    tied = all(name != _LM_HEAD for _, (name, _, _) in tensors)
+    # the layers a constant is folded into as they load (each part of a fused one): floats
+    scaled = {_fused_layer(n) for _, (n, _, _) in tensors if n.split(".")[-2] in cfg.weight_scales}
     kept = {}  # Hugging Face name -> (GGML type, its name), for the tensors kept quantized
-    for t in reader.tensors:
+    unfolded = set()  # the types of the blocks dequantized for a folded constant
+    for t, (name, _, _) in tensors:
         ggml_type = int(t.tensor_type)
         if not ggml_blocks.dequantizable(ggml_type):
             raise _refusal(path, t.name, ggml_blocks.type_name(ggml_type))
-        if _keep_quantized(name := hf_name(t.name), tied):
+        if _keep_quantized(name, tied):
+            if _fused_layer(name) in scaled:
+                unfolded.add(ggml_blocks.type_name(ggml_type))
+                continue
             kept[name] = (ggml_type, ggml_blocks.type_name(ggml_type))
+    if unfolded - set(_FLOAT_TYPES):
+        log.warning(
+            "%s: %s blocks of %s served as fp32: the model folds its constants into them as they load",
+            path.name, ", ".join(sorted(unfolded - set(_FLOAT_TYPES))), ", ".join(sorted(set(cfg.weight_scales))),
+        )  # fmt: skip
     formats = _formats(kept)
     requantized = sorted(
         {tn for n, (gt, tn) in kept.items() if formats[n] not in (None, ggml_blocks.native_format(gt))}
@@ -145,22 +193,29 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
             "of a fused layer (q/k/v, gate/up) in one format",
             path.name, ", ".join(requantized), ", ".join(ggml_blocks.NATIVE_TYPES),
         )  # fmt: skip
-    for t in reader.tensors:
-        name = hf_name(t.name)
+    whole = None  # (GGUF tensor, its blocks or values), kept while its parts are yielded
+    for t, (name, start, rows) in tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         module = name.split(".")[-2] if name.endswith(".weight") else None
+        rows = shape[0] if rows < 0 else rows
         if formats.get(name) is not None:
-            try:
-                weight = ggml_blocks.from_ggml(t.data, int(t.tensor_type), shape, formats[name])
-            except ValueError as e:
-                raise ModelLoadError(f"{path.name}: tensor {t.name!r} ({kept[name][1]}): {e}") from None
+            if whole is None or whole[0] is not t:
+                try:
+                    whole = t, ggml_blocks.from_ggml(t.data, int(t.tensor_type), shape, formats[name])
+                except ValueError as e:
+                    raise ModelLoadError(f"{path.name}: tensor {t.name!r} ({kept[name][1]}): {e}") from None
+            weight = whole[1] if rows == shape[0] else whole[1].narrow(0, start, rows)
             if module in heads:  # llama.cpp's rotary row order, undone on whole rows
-                order = unpermute_qk(torch.arange(shape[0])[:, None], heads[module])[:, 0]
+                order = unpermute_qk(torch.arange(rows)[:, None], heads[module])[:, 0]
                 weight = weight.rows(order)
             yield name, weight
             continue
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(arr, dtype=np.float32, order="C")).reshape(shape)
+        if whole is None or whole[0] is not t:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            whole = t, torch.from_numpy(np.array(arr, dtype=np.float32, order="C")).reshape(shape)
+        w = whole[1] if rows == shape[0] else whole[1].narrow(0, start, rows).clone()
+        if offset := norm_offset(name, decl):
+            w = w - offset
         if module in heads:
             w = unpermute_qk(w, heads[module])
         yield name, w

@@ -53,6 +53,14 @@ class Architecture:
     # (llama's `permute`; Qwen's files keep Hugging Face's order).
     gguf: str | None = None
     gguf_permuted_qk: bool = False
+    # The GGUF block tensors whose Hugging Face module is not Llama's (attn_norm -> input_layernorm, ffn_norm ->
+    # post_attention_layernorm, ...): Gemma's and OLMo 2's post-norms, Phi-3's fused attn_qkv / ffn_up. A norm
+    # weight is stored as llama.cpp multiplies by it: with `norm_weight_offset` added (Gemma's 1 + w).
+    gguf_names: dict[str, str] = field(default_factory=dict)
+    # The family's own config.json fields from its GGUF keys: (key -> value, by the key's name after the
+    # architecture's prefix, e.g. "attention.sliding_window", or the default given; the config read so far;
+    # source) -> fields added to or replacing the config's (model_type where it is not the GGUF architecture).
+    gguf_config: Callable[[Callable[..., object], dict, str], dict] | None = None
 
     @property
     def name(self) -> str:

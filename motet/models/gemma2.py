@@ -2,8 +2,8 @@
 the final logits squashed by cap * tanh(x / cap)), sliding-window layers every other one (`layer_types`, by
 default the even layers) sharing the global rope base."""
 
-from motet.models.declaration import Architecture
-from motet.models.gemma3 import GEMMA_NORM_NAMES, gemma_options
+from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.gemma3 import GEMMA_NORM_NAMES, GGUF_NAMES, gemma_gguf, gemma_options
 
 
 def options(cfg: dict, source: str) -> dict:
@@ -13,10 +13,25 @@ def options(cfg: dict, source: str) -> dict:
     return gemma_options({**cfg, "layer_types": types}, source)
 
 
+def gguf_config(key, cfg: dict, source: str) -> dict:
+    """llama.cpp's reading: every other layer sliding (the even ones), a window of 4096 where unsaid, one rope
+    base for all layers."""
+    if key("rope.freq_base_swa", cfg["rope_theta"]) != cfg["rope_theta"]:
+        raise ModelLoadError(f"{source}: a rope base of its own on the sliding layers; Gemma 2 shares one")
+    return dict(
+        gemma_gguf(key, cfg, 2, 46),
+        sliding_window=key("attention.sliding_window", 4096),
+        attn_logit_softcapping=key("attn_logit_softcapping", None),
+    )
+
+
 GEMMA2 = Architecture(
     names=("Gemma2ForCausalLM",),
     post_norms=True,
     norm_weight_offset=1.0,
     options=options,
     checkpoint_names=GEMMA_NORM_NAMES,
+    gguf="gemma2",
+    gguf_names=GGUF_NAMES,
+    gguf_config=gguf_config,
 )

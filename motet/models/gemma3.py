@@ -38,6 +38,39 @@ def gemma_options(cfg: dict, source: str) -> dict:
     )
 
 
+def gemma_gguf(key, cfg: dict, pattern: int, layers_27b: int) -> dict:
+    """A Gemma file's config as llama.cpp reads it: sliding layers by attention.sliding_window_pattern (a flag
+    per layer, or every n-th layer global: `pattern` when unsaid), queries scaled by 1/sqrt(head_dim) but for
+    the 27B (`layers_27b` layers: 1/sqrt(hidden / heads)), norm weights stored as 1 + w (GGUF_NAMES)."""
+    n = int(cfg["num_hidden_layers"])
+    flags = key("attention.sliding_window_pattern", pattern)
+    if not isinstance(flags, list):
+        flags = [int(flags) == 0 or i % int(flags) < int(flags) - 1 for i in range(n)]
+    big = n == layers_27b
+    return dict(
+        layer_types=["sliding_attention" if f else "full_attention" for f in flags],
+        query_pre_attn_scalar=cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"],
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=key("final_logit_softcapping", None),
+    )
+
+
+def gguf_config(key, cfg: dict, source: str) -> dict:
+    window = key("attention.sliding_window", 0)
+    out = dict(gemma_gguf(key, cfg, 6, 62), model_type="gemma3_text", sliding_window=window or None)
+    if not window:  # no sliding layers
+        out["layer_types"] = ["full_attention"] * int(cfg["num_hidden_layers"])
+    return dict(out, rope_local_base_freq=key("rope.freq_base_swa", 10000.0))
+
+
+# the GGUF names of its norms after the attention, before the MLP and after it
+GGUF_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
 def options(cfg: dict, source: str) -> dict:
     return dict(
         gemma_options(cfg, source),
@@ -55,4 +88,7 @@ GEMMA3 = Architecture(
     norm_weight_offset=1.0,
     options=options,
     checkpoint_names=GEMMA_NORM_NAMES,
+    gguf="gemma3",
+    gguf_names=GGUF_NAMES,
+    gguf_config=gguf_config,
 )

@@ -17,4 +17,22 @@ def options(cfg: dict, source: str) -> dict:
     return out
 
 
-GRANITE = Architecture(names=("GraniteForCausalLM",), options=options)
+def gguf_config(key, cfg: dict, source: str) -> dict:
+    """The multipliers as llama.cpp's converter writes them (as scales, each only where the config had it) and
+    reads them: attention scores by 1/sqrt(head_dim) where unsaid, the others 1."""
+    return dict(
+        embedding_multiplier=key("embedding_scale", None) or 1.0,
+        attention_multiplier=key("attention.scale", None) or cfg["head_dim"] ** -0.5,
+        residual_multiplier=key("residual_scale", None) or 1.0,
+        logits_scaling=key("logit_scale", None) or 1.0,
+    )
+
+
+# llama.cpp's converter permutes q/k rows for its rotary, as Llama's
+GRANITE = Architecture(
+    names=("GraniteForCausalLM",),
+    options=options,
+    gguf="granite",
+    gguf_permuted_qk=True,
+    gguf_config=gguf_config,
+)
