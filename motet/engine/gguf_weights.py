@@ -138,6 +138,22 @@ def _fused_layer(name: str) -> str:
     return ".".join(parts)
 
 
+def _model_config(path: Path, reader, decl) -> ModelConfig | None:
+    """What the weights need of the model's config (a fused tensor's parts, the constants folded in): its
+    directory's (a bare file's derived one, a pulled model's), else the metadata's. None where the metadata makes
+    no config (a file of tables alone) and the family needs none (nothing fused, no GGUF keys of its own)."""
+    if (path.parent / "config.json").is_file():
+        return ModelConfig.from_dir(path.parent)
+    try:
+        return ModelConfig.from_dict(
+            hf_config(metadata_of(reader), {t.name for t in reader.tensors}, path.name)
+        )
+    except ModelLoadError:
+        if decl.fused_modules or decl.gguf_config is not None:
+            raise
+        return None
+
+
 def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face name, fp32 tensor or QuantizedWeight) for every tensor of a GGUF file of a declared family. Every
     tensor's type is checked before the first is yielded."""
@@ -152,13 +168,7 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
     decl = from_gguf(arch)
     if decl is None:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not one motet serves")
-    # the model's config: its directory's (a bare file's derived one, a pulled model's), else the metadata's
-    if (path.parent / "config.json").is_file():
-        cfg = ModelConfig.from_dir(path.parent)
-    else:
-        cfg = ModelConfig.from_dict(
-            hf_config(metadata_of(reader), {t.name for t in reader.tensors}, path.name)
-        )
+    cfg = _model_config(path, reader, decl)
     n_head = _int(reader, f"{arch}.attention.head_count")
     heads = {"q_proj": n_head, "k_proj": _int(reader, f"{arch}.attention.head_count_kv", n_head)}
     if not decl.gguf_permuted_qk:  # rows in Hugging Face's order already
@@ -166,7 +176,8 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
     tensors = [(t, part) for t in reader.tensors for part in _parts(t, hf_name(t.name, decl), decl, cfg)]
     tied = all(name != _LM_HEAD for _, (name, _, _) in tensors)
     # the layers a constant is folded into as they load (each part of a fused one): floats
-    scaled = {_fused_layer(n) for _, (n, _, _) in tensors if n.split(".")[-2] in cfg.weight_scales}
+    scales = cfg.weight_scales if cfg is not None else {}
+    scaled = {_fused_layer(n) for _, (n, _, _) in tensors if n.split(".")[-2] in scales}
     kept = {}  # Hugging Face name -> (GGML type, its name), for the tensors kept quantized
     unfolded = set()  # the types of the blocks dequantized for a folded constant
     for t, (name, _, _) in tensors:
