@@ -10,6 +10,7 @@ import re
 import sys
 
 from motet.flag_types import OneLineErrors, integer, number, seconds
+from motet.parent_death import die_with_parent
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -440,4 +441,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    die_with_parent()  # where a harness started it (motet/parent_death.py)
     sys.exit(main())

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from motet.parent_death import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -53,15 +55,6 @@ def _tail(log: Path | None, lines: int = 30) -> str:
     if log is None or not log.is_file():
         return ""
     return "; its log ends:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _die_with_parent() -> None:
-    """In the child: on Linux, get SIGTERM when the eval process dies, however it dies (even SIGKILL)."""
-    if sys.platform == "linux":
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ManagedServer:
@@ -111,7 +104,7 @@ class ManagedServer:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            env=child_env(),  # it dies with us (motet/parent_death.py)
         )
         try:
             wait_healthy(self.url, self.proc, self.start_timeout, self.log_path)

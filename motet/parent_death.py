@@ -1,0 +1,30 @@
+"""A child process that dies with the harness that started it (Linux's PR_SET_PDEATHSIG), set in the child.
+
+The harness (motet/evals/server.py) names itself in the environment; the child (`motet serve`) sets its death
+signal at start. Not in a preexec_fn: that makes the harness fork its whole address space instead of vfork, and a
+large one (a test run's) can be refused by the kernel (ENOMEM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+DIE_WITH_PARENT = "MOTET_DIE_WITH_PARENT"  # the harness's pid
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child that should die with this process."""
+    return {**os.environ, DIE_WITH_PARENT: str(os.getpid())}
+
+
+def die_with_parent() -> None:
+    """In the child: SIGTERM when the harness dies, however it dies (Linux; elsewhere nothing)."""
+    parent = os.environ.pop(DIE_WITH_PARENT, None)  # (not inherited by this process's own children)
+    if parent is None or sys.platform != "linux":
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # the harness died before the prctl
+        os._exit(1)
