@@ -121,11 +121,9 @@ class StepResult:
         return out
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, layers: int | None = None) -> int:
-    """The bytes of one KV block over all layers (or `layers` of them)."""
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
-    layers = cfg.num_hidden_layers if layers is None else layers
-    return 2 * layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
 @dataclass
