@@ -199,6 +199,26 @@ class ContentDelta:
     text: str
 
 
+class ContentDeltas:
+    """A stream's content deltas, which add up to the stripped concatenation of all its content: leading
+    whitespace dropped, trailing whitespace held back until more content follows it (every format's parser)."""
+
+    def __init__(self):
+        self.started = False
+        self._pending_ws = ""
+
+    def emit(self, text: str, events: list[Event]) -> None:
+        if not self.started:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            self._pending_ws += text
+            return
+        events.append(ContentDelta(self._pending_ws + body))
+        self._pending_ws = text[len(body) :]
+        self.started = True
+
+
 @dataclass
 class ToolCallStart:
     index: int
@@ -278,8 +298,7 @@ class ToolCallStreamParser:
         self._buf = ""  # unprocessed text: outside a call, or the current block's body
         self._in_call = False
         self._index = 0  # index of the next (or current) call
-        self._content_started = False
-        self._pending_ws = ""  # trailing content whitespace, released only if content follows
+        self._deltas = ContentDeltas()
         self._args_start: int | None = None  # offset of the arguments in the body once announced
         self._sent = 0  # characters of the arguments already emitted
         self._scanner: _ObjectScanner | None = None
@@ -351,7 +370,7 @@ class ToolCallStreamParser:
             events.append(ToolCallStart(self._index, call.name))
             self._emit_arguments(call.arguments, events)
         else:  # not a call: content as written
-            self._emit_content(CALL_BEGIN + body + close_tag, events)
+            self._deltas.emit(CALL_BEGIN + body + close_tag, events)
         if call is not None:
             self._index += 1
         self._in_call = False
@@ -359,19 +378,7 @@ class ToolCallStreamParser:
 
     def _content(self, text: str, events: list[Event], final: bool = False) -> None:
         """Text outside blocks (`final`: the end of a piece): without the markup, as `strip_markup`."""
-        self._emit_content(self._markup.feed(text, final), events)
-
-    def _emit_content(self, text: str, events: list[Event]) -> None:
-        """Emit content so that the deltas add up to the stripped concatenation of all content."""
-        if not self._content_started:
-            text = text.lstrip()
-        body = text.rstrip()
-        if not body:
-            self._pending_ws += text
-            return
-        events.append(ContentDelta(self._pending_ws + body))
-        self._pending_ws = text[len(body) :]
-        self._content_started = True
+        self._deltas.emit(self._markup.feed(text, final), events)
 
 
 class RepeatedCallStop:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from motet.grammar.specs import DEFAULT_MAX_WHITESPACE
 from motet.grammar.tool_call_parser import (
     _PREFIX_RE,
-    ContentDelta,
+    ContentDeltas,
     Event,
     ToolCall,
     ToolCallArguments,
@@ -202,8 +202,7 @@ class _SectionStream:
         self._base_calls = 0  # calls before `_base`
         self._sent_args: list[int] = []  # per call: characters of the arguments released
         self._content_sent = 0  # characters of the raw content after `_base` already handed on
-        self._content_started = False
-        self._pending_ws = ""
+        self._deltas = ContentDeltas()
 
     def feed(self, delta: str) -> list[Event]:
         self._text += delta
@@ -219,7 +218,7 @@ class _SectionStream:
         for it in items:
             if isinstance(it, _Content):
                 if raw + len(it.text) > self._content_sent:
-                    self._emit_content(it.text[max(0, self._content_sent - raw) :], events)
+                    self._deltas.emit(it.text[max(0, self._content_sent - raw) :], events)
                     self._content_sent = raw + len(it.text)
                 raw += len(it.text)
                 continue
@@ -234,19 +233,8 @@ class _SectionStream:
         self._base = safe
         self._base_calls += sum(isinstance(it, ToolCall) for it in done)
         self._content_sent -= sum(len(it.text) for it in done if isinstance(it, _Content))
-        self._at_start = self._at_start and not self._base_calls and not self._content_started
+        self._at_start = self._at_start and not self._base_calls and not self._deltas.started
         return events
-
-    def _emit_content(self, text: str, events: list[Event]) -> None:
-        if not self._content_started:
-            text = text.lstrip()
-        body = text.rstrip()
-        if not body:
-            self._pending_ws += text
-            return
-        events.append(ContentDelta(self._pending_ws + body))
-        self._pending_ws = text[len(body) :]
-        self._content_started = True
 
 
 class _Sections:
