@@ -143,6 +143,18 @@ class ModelConfig:
         return bool(self.sparse_layers)
 
     @property
+    def projection_rows(self) -> dict[str, int]:
+        """The checkpoint's output rows of each projection a fused module may hold (Phi-3's qkv_proj, gate_up_proj)."""
+        kv = self.num_key_value_heads * self.head_dim
+        return {
+            "q_proj": self.num_attention_heads * self.head_dim,
+            "k_proj": kv,
+            "v_proj": kv,
+            "gate_proj": self.intermediate_size,
+            "up_proj": self.intermediate_size,
+        }
+
+    @property
     def window_layers(self) -> tuple[int, ...]:
         """The layers with a sliding window: `sliding_layers`, or every layer where only the window is given."""
         if self.sliding_window is None:

@@ -77,13 +77,7 @@ def _parts(t, name: str, decl, cfg: ModelConfig) -> list[tuple[str, int, int]]:
     parts = name.split(".")
     if len(parts) < 2 or parts[-2] not in decl.fused_modules:
         return [(name, 0, -1)]
-    rows = {
-        "q_proj": cfg.num_attention_heads * cfg.head_dim,
-        "k_proj": cfg.num_key_value_heads * cfg.head_dim,
-        "v_proj": cfg.num_key_value_heads * cfg.head_dim,
-        "gate_proj": cfg.intermediate_size,
-        "up_proj": cfg.intermediate_size,
-    }
+    rows = cfg.projection_rows
     out, start = [], 0
     for part in decl.fused_modules[parts[-2]]:
         out.append((".".join([*parts[:-2], part, parts[-1]]), start, rows[part]))

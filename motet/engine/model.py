@@ -783,13 +783,7 @@ class CausalLM(nn.Module):
         qkv_proj) split by rows into theirs (q_proj, k_proj, v_proj), read lazily like any other."""
         fused = self.config.declaration.fused_modules
         cfg = self.config
-        rows = {
-            "q_proj": cfg.num_attention_heads * cfg.head_dim,
-            "k_proj": cfg.num_key_value_heads * cfg.head_dim,
-            "v_proj": cfg.num_key_value_heads * cfg.head_dim,
-            "gate_proj": cfg.intermediate_size,
-            "up_proj": cfg.intermediate_size,
-        }
+        rows = cfg.projection_rows
         for hf_name, tensor in weights:
             parts = hf_name.split(".")
             if len(parts) < 2 or parts[-2] not in fused:
