@@ -67,6 +67,15 @@ class Architecture:
         return self.names[0]
 
 
+def sliding_layers(cfg: dict, every_other: bool = False) -> tuple[int, ...]:
+    """The layers config.json's `layer_types` says slide; without it none, or with `every_other` the even ones
+    (transformers' default for Gemma 2 and GPT-OSS)."""
+    types = cfg.get("layer_types")
+    if not types:
+        return tuple(range(0, int(cfg["num_hidden_layers"]), 2)) if every_other else ()
+    return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+
+
 def bounded_float(value, name: str, source: str) -> float:
     """A positive, finite number from config.json (a soft-capping constant), or ModelLoadError naming it."""
     try:

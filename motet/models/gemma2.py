@@ -7,10 +7,7 @@ from motet.models.gemma3 import GEMMA_NORM_NAMES, GGUF_NAMES, gemma_gguf, gemma_
 
 
 def options(cfg: dict, source: str) -> dict:
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(int(cfg["num_hidden_layers"]))
-    ]
-    return gemma_options({**cfg, "layer_types": types}, source)
+    return gemma_options(cfg, source, every_other=True)
 
 
 def gguf_config(key, cfg: dict, source: str) -> dict:

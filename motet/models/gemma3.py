@@ -5,7 +5,7 @@ query_pre_attn_scalar, and sliding-window layers (`layer_types`) with their own 
 
 import math
 
-from motet.models.declaration import Architecture, ModelLoadError, bounded_float
+from motet.models.declaration import Architecture, ModelLoadError, bounded_float, sliding_layers
 
 # Gemma's norms after the attention, before the MLP and after it -> the decoder's names for them
 GEMMA_NORM_NAMES = {
@@ -15,8 +15,9 @@ GEMMA_NORM_NAMES = {
 }
 
 
-def gemma_options(cfg: dict, source: str) -> dict:
-    """What Gemma 2 and 3 read alike: the embedding and query scales, GeGLU, soft-capping, the sliding layers."""
+def gemma_options(cfg: dict, source: str, every_other: bool = False) -> dict:
+    """What Gemma 2 and 3 read alike: the embedding and query scales, GeGLU, soft-capping, the sliding layers
+    (`every_other`: the even ones where config.json does not list them, Gemma 2's)."""
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ModelLoadError(
             f"{source}: hidden_activation {cfg['hidden_activation']!r}: motet computes gelu_pytorch_tanh"
@@ -28,12 +29,11 @@ def gemma_options(cfg: dict, source: str) -> dict:
     ):
         if cfg.get(cap) is not None:
             caps[field] = bounded_float(cfg[cap], cap, source)
-    types = cfg.get("layer_types") or []
     return dict(
         embedding_multiplier=math.sqrt(int(cfg["hidden_size"])),
         attention_multiplier=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
         hidden_act="gelu_tanh",
-        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        sliding_layers=sliding_layers(cfg, every_other),
         **caps,
     )
 

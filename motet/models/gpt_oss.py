@@ -3,7 +3,7 @@ sliding-window layers every other one (`layer_types`), YaRN rotary, and a mixtur
 router with a bias, whose top-k logits are softmaxed, experts with biases and a clamped SwiGLU, stored stacked
 with gate and up columns interleaved."""
 
-from motet.models.declaration import Architecture, ModelLoadError, bounded_float
+from motet.models.declaration import Architecture, ModelLoadError, bounded_float, sliding_layers
 from motet.models.mixtral import experts  # the same: every layer, num_local_experts, top-k renormalized
 
 
@@ -14,9 +14,6 @@ def options(cfg: dict, source: str) -> dict:
             f"{source}: quantization_config {method!r}: GPT-OSS's MXFP4 experts are not read yet; serve a "
             f"checkpoint dequantized to bf16"
         )
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(int(cfg["num_hidden_layers"]))
-    ]
     return dict(
         output_bias=bool(cfg.get("attention_bias", True)),
         attention_sinks=True,
@@ -24,7 +21,7 @@ def options(cfg: dict, source: str) -> dict:
         expert_act="swiglu_limit",
         swiglu_alpha=bounded_float(cfg.get("swiglu_alpha", 1.702), "swiglu_alpha", source),
         swiglu_limit=bounded_float(cfg.get("swiglu_limit", 7.0), "swiglu_limit", source),
-        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        sliding_layers=sliding_layers(cfg, every_other=True),
     )
 
 
