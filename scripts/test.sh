@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets everything up, lints, and runs the whole test suite.
+# Sets everything up, lints, builds the manual, and runs the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -7,4 +7,8 @@ bash scripts/install-browser.sh  # Debian's chromium, for the playground's brows
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports  # the layers and the no-event-loop-in-policy rule (pyproject.toml)
+# The manual (mkdocs.yml, docs/) with warnings as errors: a broken link or anchor, or a docstring the API
+# reference cannot render, fails here. Not --quiet: it hides the very warnings --strict counts; the log is
+# shown only when the build fails.
+docs_log=$(.venv/bin/mkdocs build --strict --site-dir site 2>&1) || { echo "$docs_log"; exit 1; }
 exec .venv/bin/python -m pytest -q "$@"
