@@ -43,6 +43,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.peft_adapters import random_peft_adapters
 from motet.evals.report import table
 from motet.evals.server import ManagedServer
 
@@ -143,31 +144,6 @@ class DiskFiller:
 
 
 # -- adapters ------------------------------------------------------------------------------------------------
-def make_adapters(model: str, out: Path, n: int) -> list[Path]:
-    """Random PEFT LoRA adapters (rank 8, q/v, non-zero B) for the served model."""
-    import copy
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from motet.engine.model_store import resolve_model
-
-    base = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32)
-    paths = []
-    for seed in range(n):
-        torch.manual_seed(seed)
-        peft = get_peft_model(
-            copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-        )
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.data = torch.randn_like(p) * 0.05
-        peft.save_pretrained(out / f"adapter-{seed}")
-        paths.append(out / f"adapter-{seed}")
-    return paths
-
-
 def adapter_files(path: Path) -> list:
     return [
         ("files", (f, (path / f).read_bytes())) for f in ("adapter_config.json", "adapter_model.safetensors")
@@ -659,11 +635,13 @@ def main(argv=None) -> int:
         keys = {**TENANTS, ADMIN_KEY: {"admin": True}}
         (work / "keys.json").write_text(json.dumps(keys))
         from motet.engine.config import EngineConfig
+        from motet.engine.model_store import resolve_model
 
         model = args.model or EngineConfig.model
         print(f"soak: making adapters for {model}")
-        loadable = make_adapters(model, work / "loadable", 2)
-        uploads = make_adapters(model, work / "uploads", 2)
+        model_dir = resolve_model(model)
+        loadable = random_peft_adapters(model_dir, work / "loadable", 2)
+        uploads = random_peft_adapters(model_dir, work / "uploads", 2)
         server_args = [
             "--model", model, "--api-keys", str(work / "keys.json"), "--data-dir", str(data_dir),
             "--lora-load-dir", str(work / "loadable"), "--max-loras", "2", "--log-level", "info",
