@@ -13,3 +13,11 @@ def write_report(out: Path, report: dict, summary: str) -> None:
     (out / "summary.md").write_text(summary)
     print(summary)
     print(f"report: {out}")
+
+
+def nearest_rank(values: list[float], q: float) -> float | None:
+    """The `q` quantile of `values` by nearest rank (one of the values, not interpolated; None when empty)."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
