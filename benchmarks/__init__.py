@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 
-def write_report(out: Path, report: dict, summary: str) -> None:
-    """A benchmark's report: results.json and summary.md under `out`, the summary printed."""
+def write_report(out: Path, report: dict, summary: str, name: str | None = None) -> None:
+    """A benchmark's report: results.json and summary.md under `out`, the summary printed. With `name`,
+    NAME.json and NAME.md instead (reports that share a folder: the GPU machine's $OUT)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
-    (out / "summary.md").write_text(summary)
+    (out / f"{name or 'results'}.json").write_text(json.dumps(report, indent=2))
+    (out / f"{name or 'summary'}.md").write_text(summary)
     print(summary)
     print(f"report: {out}")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import write_report
 from benchmarks.gpu_common import motet_engine, prompts
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM's specified bandwidth (a device-to-device copy measured ~3.0e12 here)
@@ -270,10 +271,7 @@ def main(argv=None) -> None:
     b1 = next(r for r in decode if r["batch"] == 1 and r["adapters"] == 0)
     report["decode"] = decode
     report["batch1_weight_roofline"] = weight_bytes / (b1["decode_step_ms"] * 1e-3) / HBM_BYTES_PER_S
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=1))
-    (args.out / "gpu_bench.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, report, markdown(report), name="gpu_bench")
 
 
 def _param_shapes(model_dir: Path):

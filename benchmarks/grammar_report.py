@@ -29,7 +29,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from benchmarks import nearest_rank
+from benchmarks import nearest_rank, write_report
 from motet.evals.datasets import dev_set_path, read_jsonl
 
 CONFIGS = {  # name -> (backend, strict)
@@ -394,10 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
         "per_category": {cat: {c: summarize(per[c]) for c in configs} for cat, per in by_cat.items()},
         "gaps": gaps,
     }
-    (args.out / "grammar_report.json").write_text(json.dumps(report, indent=1))
-    md = markdown(report)
-    (args.out / "grammar_report.md").write_text(md)
-    print(md)
+    write_report(args.out, report, markdown(report), name="grammar_report")
     return report
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks import write_report
+
 ACCEPT_W4_SPEEDUP = 2.5  # issue 27: W4A16 at batch 1-16 >= 2.5x bf16 F.linear on a 4096x14336 layer
 ACCEPT_LAYER = (4096, 14336)
 
@@ -277,10 +279,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     report = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quant_gpu_bench.json").write_text(json.dumps(report, indent=1))
-    (args.out / "quant_gpu_bench.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, report, markdown(report), name="quant_gpu_bench")
 
 
 if __name__ == "__main__":
