@@ -204,9 +204,11 @@ def engine_decode(model_dir: Path, batch: int, new_tokens: int, adapters: int, d
 
 
 def hf_decode(model_dir: Path, batch: int, new_tokens: int) -> dict:
+    """HF transformers `generate` on the same GPU in bf16: `batch` prompts, `new_tokens` greedy tokens each,
+    timed after a short warm-up run."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor(prompts(batch), device="cuda")
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
