@@ -16,6 +16,14 @@ def write_report(out: Path, report: dict, summary: str, name: str | None = None)
     print(f"report: {out}")
 
 
+def chat_body(model: str, content: str, max_tokens: int, **extra) -> dict:
+    """A streamed chat request of one user message with a fixed output length (greedy, ignore_eos): the chat
+    twin of motet.evals.serving_bench.completion_body. `extra`: more fields (logprobs=True)."""
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **extra}  # fmt: skip
+
+
 def nearest_rank(values: list[float], q: float) -> float | None:
     """The `q` quantile of `values` by nearest rank (one of the values, not interpolated; None when empty)."""
     if not values:
