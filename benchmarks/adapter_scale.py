@@ -47,6 +47,7 @@ import httpx
 import torch
 from safetensors.torch import save
 
+from benchmarks import chat_body
 from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import Record, machine, make_prompts, one_request, stats, write_report
 from motet.lora.adapter import module_shape
@@ -101,11 +102,6 @@ async def upload(url: str, names: list[str], base: Shape, args) -> float:
 
 
 # -- traffic ----------------------------------------------------------------------------------------------------
-def chat_body(model: str, content: str, max_tokens: int) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-
-
 def draw(names: list[str], count: int, traffic: str, rng: random.Random) -> list[str]:
     if traffic == "uniform":
         return [rng.choice(names) for _ in range(count)]

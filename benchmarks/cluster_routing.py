@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.peft_adapters import random_peft_adapters
 from motet.evals.report import fmt, pct, pyplot, save, table
 from motet.evals.server import ManagedServer
 
@@ -76,31 +77,6 @@ QUESTIONS = [
     "Is an audit needed this quarter?",
     "List two reasons to deny a request.",
 ]
-
-
-def make_adapters(out: Path, n: int) -> list[Path]:
-    """Random PEFT LoRA adapters (rank 8, non-zero B) for the default model."""
-    import copy
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    from motet.engine.model_store import pull
-
-    base = LlamaForCausalLM.from_pretrained(pull(progress=False), dtype=torch.float32)
-    paths = []
-    for seed in range(n):
-        torch.manual_seed(seed)
-        model = get_peft_model(
-            copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-        )
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.data = torch.randn_like(p) * 0.05
-        model.save_pretrained(out / f"adapter-{seed}")
-        paths.append(out / f"adapter-{seed}")
-    return paths
 
 
 def workload(args) -> list[dict]:
@@ -282,8 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = args.out or ROOT / "reports" / "eval" / f"cluster_routing-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
+    from motet.engine.model_store import pull
+
     with tempfile.TemporaryDirectory(prefix="motet-routing-") as tmp:
-        adapters = make_adapters(Path(tmp), args.tenants * args.adapters_per_tenant)
+        adapters = random_peft_adapters(
+            pull(progress=False), Path(tmp), args.tenants * args.adapters_per_tenant
+        )
         keys_file = Path(tmp) / "keys.json"
         keys_file.write_text(json.dumps({f"sk-{t}": f"tenant{t}" for t in range(args.tenants)}))
         routers = {r: run_router(r, args, adapters, keys_file, out) for r in args.routers}

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import write_report
 from benchmarks.gpu_common import motet_engine, prompts
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM's specified bandwidth (a device-to-device copy measured ~3.0e12 here)
@@ -203,9 +204,11 @@ def engine_decode(model_dir: Path, batch: int, new_tokens: int, adapters: int, d
 
 
 def hf_decode(model_dir: Path, batch: int, new_tokens: int) -> dict:
+    """HF transformers `generate` on the same GPU in bf16: `batch` prompts, `new_tokens` greedy tokens each,
+    timed after a short warm-up run."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor(prompts(batch), device="cuda")
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -270,10 +273,7 @@ def main(argv=None) -> None:
     b1 = next(r for r in decode if r["batch"] == 1 and r["adapters"] == 0)
     report["decode"] = decode
     report["batch1_weight_roofline"] = weight_bytes / (b1["decode_step_ms"] * 1e-3) / HBM_BYTES_PER_S
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=1))
-    (args.out / "gpu_bench.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, report, markdown(report), name="gpu_bench")
 
 
 def _param_shapes(model_dir: Path):

@@ -1,5 +1,6 @@
 """What the decode benchmarks on a GPU share: real architectures' shapes with random weights, the prompts, a
-motet engine serving random adapters, the device's copy bandwidth and the bytes a decode step must read.
+motet engine serving random adapters, kernel times from CUDA-graph replay, the device's copy bandwidth and the
+bytes a decode step must read.
 
 Random weights: decode speed does not depend on the values, equality with HF holds for any weights, and a
 checkpoint built on the device needs no download (the GPU machine has no network). The tokenizer is a
@@ -140,13 +141,39 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a copy on `device`, each byte counted read and written: on CUDA a device-to-device
-    copy replayed from a CUDA graph (benchmarks/quant_gpu_bench.py), on a CPU a timed 64 MiB copy."""
-    if device.type == "cuda":
-        from benchmarks.quant_gpu_bench import copy_bandwidth as cuda_copy_bandwidth
+def graph_us(calls: list, replays: int = 20) -> float:
+    """Microseconds per call: `calls` (closures) captured back to back in one CUDA graph, replayed (as the
+    engine's decode replays them; eager launches of a ~10 us kernel time the host's launch path instead)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles, cuBLAS heuristics) outside the capture
+        for fn in calls[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / (replays * len(calls))
 
-        return cuda_copy_bandwidth()
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a copy on `device`, each byte counted read and written: on CUDA a 1 GiB
+    device-to-device copy replayed from a CUDA graph, on a CPU a timed 64 MiB copy."""
+    if device.type == "cuda":
+        nbytes = 2**30
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        us = graph_us([lambda: dst.copy_(src)] * 4, replays=10)
+        return 2 * nbytes / (us * 1e-6)
     src = torch.empty(64 << 20, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -20,6 +20,7 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks import write_report
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.specs import JsonSchemaSpec
@@ -171,11 +172,7 @@ def main(argv=None) -> dict:
         "ratio": constrained["tokens_per_s"] / unconstrained["tokens_per_s"],
         "valid": valid,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "grammar_overhead.json").write_text(json.dumps(report, indent=1))
-    md = markdown(report)
-    (args.out / "grammar_overhead.md").write_text(md)
-    print(md)
+    write_report(args.out, report, markdown(report), name="grammar_overhead")
     return report
 
 

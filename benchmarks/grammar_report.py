@@ -29,6 +29,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from benchmarks import nearest_rank, write_report
 from motet.evals.datasets import dev_set_path, read_jsonl
 
 CONFIGS = {  # name -> (backend, strict)
@@ -224,13 +225,6 @@ def with_fallback(results: list[dict], order: list[str], name: str) -> list[dict
     return out
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def summarize(results: list[dict]) -> dict:
     n = len(results)
     ok = [r for r in results if r["status"] == "ok"]
@@ -252,10 +246,10 @@ def summarize(results: list[dict]) -> dict:
         "valid_accepted_share": share(sum(valid), len(valid)),
         "invalid_instances": len(invalid),
         "invalid_rejected_share": share(len(invalid) - sum(invalid), len(invalid)),
-        "compile_ms_p50": pct(compile_ms, 0.5),
-        "compile_ms_p99": pct(compile_ms, 0.99),
-        "mask_us_p50": pct(mask_us, 0.5),
-        "mask_us_p99": pct(mask_us, 0.99),
+        "compile_ms_p50": nearest_rank(compile_ms, 0.5),
+        "compile_ms_p99": nearest_rank(compile_ms, 0.99),
+        "mask_us_p50": nearest_rank(mask_us, 0.5),
+        "mask_us_p99": nearest_rank(mask_us, 0.99),
         "masked_tokens": len(mask_us),
         "mask_mismatches": sum(r["mask_mismatches"] for r in ok),
     }
@@ -400,10 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
         "per_category": {cat: {c: summarize(per[c]) for c in configs} for cat, per in by_cat.items()},
         "gaps": gaps,
     }
-    (args.out / "grammar_report.json").write_text(json.dumps(report, indent=1))
-    md = markdown(report)
-    (args.out / "grammar_report.md").write_text(md)
-    print(md)
+    write_report(args.out, report, markdown(report), name="grammar_report")
     return report
 
 

@@ -100,6 +100,19 @@ def load_seconds(engine: LLMEngine) -> float:
     return sum(t.load_seconds_sum for t in engine.stats().kv_tiers)
 
 
+def from_tier(engine: LLMEngine, prompt: list[int], tier: str) -> dict:
+    """A returning request's TTFT and cached prompt tokens, with the tokens `tier` served and the seconds its
+    loads took (the engine's counters before and after)."""
+    before, load_before = tier_hits(engine), load_seconds(engine)
+    ttft, _, cached = run(engine, prompt, 1)
+    return {
+        "ttft_s": ttft,
+        "cached_tokens": cached,
+        f"{tier}_hit_tokens": tier_hits(engine)[tier] - before[tier],
+        "load_s": load_seconds(engine) - load_before,
+    }
+
+
 def close(engine: LLMEngine) -> None:
     engine.close()
     del engine
@@ -133,32 +146,14 @@ def returning_conversations(args, model_dir, data_dir: Path) -> dict:
     for i, history in enumerate(returning):
         prompt = history + turns["ram"][i]
         device_blocks = on_device(both, prompt)  # 0: all evicted
-        before, load_before = tier_hits(both), load_seconds(both)
-        ttft, _, cached = run(both, prompt, 1)
-        rows["ram"].append(
-            {
-                "ttft_s": ttft,
-                "cached_tokens": cached,
-                "ram_hit_tokens": tier_hits(both)["ram"] - before["ram"],
-                "load_s": load_seconds(both) - load_before,
-                "device_blocks": device_blocks,
-            }
-        )
+        rows["ram"].append(from_tier(both, prompt, "ram") | {"device_blocks": device_blocks})
     close(both)
 
     disk = engine(args, model_dir, num_blocks, kv_disk_gb=args.disk_gb, kv_disk_dir=str(data_dir))
     for i, history in enumerate(returning):
         dropped = drop_page_cache(data_dir)
-        before, load_before = tier_hits(disk), load_seconds(disk)
-        ttft, _, cached = run(disk, history + turns["disk"][i], 1)
         rows["disk"].append(
-            {
-                "ttft_s": ttft,
-                "cached_tokens": cached,
-                "disk_hit_tokens": tier_hits(disk)["disk"] - before["disk"],
-                "load_s": load_seconds(disk) - load_before,
-                "entries_uncached": dropped,
-            }
+            from_tier(disk, history + turns["disk"][i], "disk") | {"entries_uncached": dropped}
         )
     close(disk)
 

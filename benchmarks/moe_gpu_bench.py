@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import write_report
-from benchmarks.quant_gpu_bench import copy_bandwidth
+from benchmarks.gpu_common import copy_bandwidth
 from motet.engine.model import grouped_experts
 from motet.kernels import triton_moe
 
@@ -52,7 +52,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     down = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     rows_out = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         ids = torch.stack(

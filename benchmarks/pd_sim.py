@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from benchmarks import write_report
+from benchmarks import nearest_rank, write_report
 from benchmarks.routing_fit import ServiceModel
 from benchmarks.routing_sim import load_model
 from motet.cluster.disaggregation import MIN_PREFILL_BLOCKS
@@ -181,13 +181,6 @@ def simulate(requests: list[Req], model: ServiceModel, cfg: Config, n: int, pref
     return reqs
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def figures(reqs: list[Req], cfg: Config, warm: float) -> dict:
     done = [r for r in reqs if r.arrival >= warm and r.last is not None]
 
@@ -202,10 +195,10 @@ def figures(reqs: list[Req], cfg: Config, warm: float) -> dict:
         rs = [r for r in done if r.kind == kind]
         ttft, tp = [r.first - r.arrival for r in rs], [tpot(r) for r in rs]
         out[kind] = {
-            "ttft_p50_s": pct(ttft, 0.5),
-            "ttft_p99_s": pct(ttft, 0.99),
-            "tpot_p50_s": pct(tp, 0.5),
-            "tpot_p99_s": pct(tp, 0.99),
+            "ttft_p50_s": nearest_rank(ttft, 0.5),
+            "ttft_p99_s": nearest_rank(ttft, 0.99),
+            "tpot_p50_s": nearest_rank(tp, 0.5),
+            "tpot_p99_s": nearest_rank(tp, 0.99),
         }
     return out
 

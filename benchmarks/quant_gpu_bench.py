@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks import write_report
+from benchmarks.gpu_common import copy_bandwidth, graph_us
+
 ACCEPT_W4_SPEEDUP = 2.5  # issue 27: W4A16 at batch 1-16 >= 2.5x bf16 F.linear on a 4096x14336 layer
 ACCEPT_LAYER = (4096, 14336)
 
@@ -63,37 +66,6 @@ def parse_formats(text: str) -> list[str]:
             f"unknown format {unknown[0]!r}: one of {', '.join(sorted(FORMATS))}"
         )
     return names
-
-
-def graph_us(calls: list, replays: int = 20) -> float:
-    """Microseconds per call: `calls` (closures) captured back to back in one CUDA graph, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles, cuBLAS heuristics) outside the capture
-        for fn in calls[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (replays * len(calls))
-
-
-def copy_bandwidth(nbytes: int = 2**30) -> float:
-    """Bytes per second of a device-to-device copy (each byte read once and written once)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = graph_us([lambda: dst.copy_(src)] * 4, replays=10)
-    return 2 * nbytes / (us * 1e-6)
 
 
 def copies_beyond_l2(nbytes: int) -> int:
@@ -182,7 +154,7 @@ def bf16_us(K: int, N: int, M: int) -> float:
 
 
 def run(args) -> dict:
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(torch.device("cuda"))
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -277,10 +249,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     report = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quant_gpu_bench.json").write_text(json.dumps(report, indent=1))
-    (args.out / "quant_gpu_bench.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, report, markdown(report), name="quant_gpu_bench")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.peft_adapters import random_peft_adapters
 from motet.evals.report import table
 from motet.evals.server import ManagedServer
 
@@ -143,31 +144,6 @@ class DiskFiller:
 
 
 # -- adapters ------------------------------------------------------------------------------------------------
-def make_adapters(model: str, out: Path, n: int) -> list[Path]:
-    """Random PEFT LoRA adapters (rank 8, q/v, non-zero B) for the served model."""
-    import copy
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from motet.engine.model_store import resolve_model
-
-    base = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32)
-    paths = []
-    for seed in range(n):
-        torch.manual_seed(seed)
-        peft = get_peft_model(
-            copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-        )
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.data = torch.randn_like(p) * 0.05
-        peft.save_pretrained(out / f"adapter-{seed}")
-        paths.append(out / f"adapter-{seed}")
-    return paths
-
-
 def adapter_files(path: Path) -> list:
     return [
         ("files", (f, (path / f).read_bytes())) for f in ("adapter_config.json", "adapter_model.safetensors")
@@ -398,41 +374,48 @@ class Load:
             self.ledger.stored[rid] = entry  # not deleted: still there, and must stay readable
 
     # adapters ------------------------------------------------------------------------------------------
+    # Two ways in (an upload, vLLM's load_lora_adapter) and out; one list of the tenant's adapters either way.
     async def op_adapter_upload(self, key: str, op: str) -> None:
-        mine = self.ledger.uploaded.setdefault(key, [])
-        if len(mine) >= self.args.adapters_per_tenant:
-            return await self.op_adapter_delete(key, "adapter_delete")
-        name = f"up{self.rng.randrange(10**6)}"
-        files = adapter_files(self.rng.choice(self.uploads))
-        r = await self.clients[key].post("/v1/adapters", data={"name": name}, files=files)
-        if self.ledger.status(op, r):
-            mine.append(name)
+        def upload(client: httpx.AsyncClient, name: str):
+            files = adapter_files(self.rng.choice(self.uploads))
+            return client.post("/v1/adapters", data={"name": name}, files=files)
+
+        await self._add_adapter(key, op, "up", upload, "adapter_delete")
 
     async def op_adapter_delete(self, key: str, op: str) -> None:
-        mine = self.ledger.uploaded.get(key, [])
-        if not mine:
-            return
-        name = mine.pop(self.rng.randrange(len(mine)))
-        r = await self.clients[key].delete(f"/v1/adapters/{name}")
-        if not self.ledger.status(op, r) and r.status_code in DOCUMENTED:
-            mine.append(name)
+        await self._remove_adapter(key, op, lambda client, name: client.delete(f"/v1/adapters/{name}"))
 
     async def op_lora_load(self, key: str, op: str) -> None:
+        def load(client: httpx.AsyncClient, name: str):
+            path = str(self.rng.choice(self.loadable))
+            return client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+        await self._add_adapter(key, op, "ld", load, "lora_unload")
+
+    async def op_lora_unload(self, key: str, op: str) -> None:
+        await self._remove_adapter(
+            key, op, lambda client, name: client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        )
+
+    async def _add_adapter(self, key: str, op: str, prefix: str, request, remove_op: str) -> None:
+        """A new adapter named `prefix` + a random number by `request(client, name)`; at the tenant's limit,
+        the op `remove_op` instead."""
         mine = self.ledger.uploaded.setdefault(key, [])
         if len(mine) >= self.args.adapters_per_tenant:
-            return await self.op_lora_unload(key, "lora_unload")
-        name = f"ld{self.rng.randrange(10**6)}"
-        path = str(self.rng.choice(self.loadable))
-        r = await self.clients[key].post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            return await getattr(self, f"op_{remove_op}")(key, remove_op)
+        name = f"{prefix}{self.rng.randrange(10**6)}"
+        r = await request(self.clients[key], name)
         if self.ledger.status(op, r):
             mine.append(name)
 
-    async def op_lora_unload(self, key: str, op: str) -> None:
+    async def _remove_adapter(self, key: str, op: str, request) -> None:
+        """One of the tenant's adapters, drawn at random, removed by `request(client, name)`; after a documented
+        refusal (DOCUMENTED) it is still there."""
         mine = self.ledger.uploaded.get(key, [])
         if not mine:
             return
         name = mine.pop(self.rng.randrange(len(mine)))
-        r = await self.clients[key].post("/v1/unload_lora_adapter", json={"lora_name": name})
+        r = await request(self.clients[key], name)
         if not self.ledger.status(op, r) and r.status_code in DOCUMENTED:
             mine.append(name)
 
@@ -659,11 +642,13 @@ def main(argv=None) -> int:
         keys = {**TENANTS, ADMIN_KEY: {"admin": True}}
         (work / "keys.json").write_text(json.dumps(keys))
         from motet.engine.config import EngineConfig
+        from motet.engine.model_store import resolve_model
 
         model = args.model or EngineConfig.model
         print(f"soak: making adapters for {model}")
-        loadable = make_adapters(model, work / "loadable", 2)
-        uploads = make_adapters(model, work / "uploads", 2)
+        model_dir = resolve_model(model)
+        loadable = random_peft_adapters(model_dir, work / "loadable", 2)
+        uploads = random_peft_adapters(model_dir, work / "uploads", 2)
         server_args = [
             "--model", model, "--api-keys", str(work / "keys.json"), "--data-dir", str(data_dir),
             "--lora-load-dir", str(work / "loadable"), "--max-loras", "2", "--log-level", "info",

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import chat_body
 from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import Record, machine, make_prompts, one_request, stats, write_report
 
@@ -43,15 +44,6 @@ TENANTS = {"sk-eval-suite": "eval-suite", "sk-interactive": "interactive", "sk-b
 KEY = {tenant: key for key, tenant in TENANTS.items()}
 LIGHT_QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "How many legs has a spider?",
                    "What do bees make?", "Which planet is the largest?", "What is frozen water called?"]  # fmt: skip
-
-
-def chat_body(model: str, content: str, max_tokens: int, logprobs: bool = False) -> dict:
-    """A streamed chat request with a fixed output length (ignore_eos)."""
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    if logprobs:
-        body["logprobs"] = True
-    return body
 
 
 def client(url: str, tenant: str, connections: int) -> httpx.AsyncClient:

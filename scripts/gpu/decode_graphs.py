@@ -1,7 +1,8 @@
 """Decode tokens/s on one GPU, eager vs CUDA graphs (motet/engine/cuda_graphs.py), and where an eager step's time
 goes (the forward alone, and a profiler's top ops at batch 1). Writes decode_graphs.json/.md into --out.
 
-    python scripts/gpu/decode_graphs.py --model-dir DIR --out OUT [--batches 1,8,64,256] [--new-tokens 64]
+    PYTHONPATH=. python scripts/gpu/decode_graphs.py --model-dir DIR --out OUT [--batches 1,8,64,256] \\
+        [--new-tokens 64]
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from pathlib import Path
 
 import torch
 
-
-def _prompts(n: int, length: int = 32) -> list[list[int]]:
-    return [[(i * 7 + j * 13) % 4000 + 100 for j in range(length)] for i in range(n)]
+from benchmarks.gpu_bench import hf_decode
+from benchmarks.gpu_common import prompts
 
 
 def decode(
@@ -42,7 +42,7 @@ def decode(
         for i in range(adapters)
     ]
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    for i, p in enumerate(_prompts(batch)):
+    for i, p in enumerate(prompts(batch)):
         engine.add_request(p, params, adapter=names[i % adapters] if adapters else None)
     steps, wall = [], []
     prof_rows = None
@@ -85,21 +85,6 @@ def decode(
     return row
 
 
-def hf_decode(model_dir: Path, batch: int, new_tokens: int) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    ids = torch.tensor(_prompts(batch), device="cuda")
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        model.generate(ids, **kw)
-        torch.cuda.synchronize()
-    return batch * new_tokens / (time.perf_counter() - t)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", type=Path, required=True)
@@ -111,7 +96,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for batch in map(int, args.batches.split(",")):
-        hf = None if args.no_hf else hf_decode(args.model_dir, batch, args.new_tokens)
+        hf = None if args.no_hf else hf_decode(args.model_dir, batch, args.new_tokens)["tokens_per_s"]
         for adapters in map(int, args.adapters.split(",")):
             if adapters > batch:
                 continue

@@ -2,7 +2,7 @@
 one CUDA graph, replayed and timed with CUDA events (benchmarks/gpu_bench.py times a Python loop of launches,
 which at these sizes measures the launch path). Writes kernel_graph_bench.{json,md} into --out.
 
-    python scripts/gpu/kernel_graph_bench.py --out OUT
+    PYTHONPATH=. python scripts/gpu/kernel_graph_bench.py --out OUT
 """
 
 # ruff: noqa: B023  (each timed lambda runs before the loop moves on)
@@ -14,29 +14,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_common import graph_us
+
 HBM = 3.35e12  # H100 SXM's specified HBM3 bandwidth, bytes/s
-
-
-def graph_us(fn, n: int = 20, reps: int = 10) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return 1e3 * a.elapsed_time(b) / (n * reps)
+CALLS, REPLAYS = 20, 10  # launches captured in one graph, replays of it timed
 
 
 def sgmv_rows() -> list[dict]:
@@ -49,7 +30,7 @@ def sgmv_rows() -> list[dict]:
                 c = sgmv_case(tokens, rank, n)
                 shrink, expand, _ = sgmv_calls(c)
                 shrink()
-                t_s, t_e = graph_us(shrink), graph_us(expand)
+                t_s, t_e = graph_us([shrink] * CALLS, REPLAYS), graph_us([expand] * CALLS, REPLAYS)
                 b_s, b_e = c["bytes_shrink"], c["bytes_expand"]
                 rows.append({"tokens": tokens, "rank": rank, "adapters": n, "shrink_us": t_s, "expand_us": t_e,
                              "shrink_roofline": b_s / (t_s * 1e-6) / HBM, "expand_roofline": b_e / (t_e * 1e-6) / HBM,
@@ -72,9 +53,8 @@ def attention_rows() -> list[dict]:
             q = torch.randn(batch, heads, head_dim, device=dev, dtype=dt)
             qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
             lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
-            t = graph_us(
-                lambda: pa.paged_attention_triton(q, k, v, tables, qsl, lens, 0.125, max_query_len=1)
-            )
+            attend = lambda: pa.paged_attention_triton(q, k, v, tables, qsl, lens, 0.125, max_query_len=1)
+            t = graph_us([attend] * CALLS, REPLAYS)
             kv_bytes = 2 * batch * ctx * kv_heads * head_dim * 2
             rows.append({"batch": batch, "context": ctx, "us": t, "roofline": kv_bytes / (t * 1e-6) / HBM})
             print(json.dumps(rows[-1]), flush=True)
