@@ -19,9 +19,9 @@ For each format, with the offline engine (`LLM`) and then a `motet serve` of it:
   greedy       --prompts chat prompts (motet.evals.throughput's tasks x topics, no two alike), --max-tokens
                tokens each, greedy with EOS ignored: the share of prompts whose whole output equals the
                reference's, and the mean length of the common prefix in tokens
-  lm-eval      the README's tasks (motet/evals/lm_eval_tasks): motet_mc by loglikelihood over
+  lm-eval      the manual's tasks (docs/evals.md) (motet/evals/lm_eval_tasks): motet_mc by loglikelihood over
                /v1/completions, motet_arith generated over /v1/chat/completions, lm_eval run as a subprocess
-               offline, as the README runs it; scores and their difference from the reference in points
+               offline, as docs/evals.md runs it; scores and their difference from the reference in points
 and, for `gguf`, whether the file is read right, against Hugging Face transformers on gguf-py's
 dequantization of the same file (`from_pretrained(gguf_file=...)`): the weights motet holds (equal, exactly),
 and the final logits over the prompts of motet (fp32) serving the file, against transformers plainly and
@@ -283,7 +283,7 @@ def gguf_logits_check(gguf: Path, prompts: list[list[int]], threads: int | None)
 
 
 def lm_eval_commands(base_url: str, served: str, tokenizer: Path, limit: int | None, out: Path) -> dict:
-    """The README's two lm_eval runs against one server, as argument lists."""
+    """The two lm_eval runs of docs/evals.md against one server, as argument lists."""
     common = [sys.executable, "-m", "lm_eval", "--include_path", TASKS_DIR]
     if limit is not None:
         common += ["--limit", str(limit)]

@@ -1,4 +1,4 @@
-"""Train the two real LoRA adapters that motet's tests, evals and README use, and check their behaviour.
+"""Train the two real LoRA adapters that motet's tests, evals and docs use, and check their behaviour.
 
     python -m motet.evals.train_adapters train [--adapters upper json] [--out tests/fixtures/adapters]
     python -m motet.evals.train_adapters eval [--limit 64] [--adapters-dir tests/fixtures/adapters]

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 # The grammar backends, by name, in the fallback order (motet/grammar/cache.py has their classes); the first is
-# the default (chosen by measurement: README, "Structured output").
+# the default (chosen by measurement: docs/api/structured-output.md).
 BACKEND_NAMES = ("xgrammar", "llguidance", "outlines")
 DEFAULT_BACKEND = BACKEND_NAMES[0]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 19 in one device call (the `run` tool; see /work/.library/device/README.md):
 #   run(command="bash scripts/gpu/run.sh", carry=[".whl", ".gpu"])
-# .whl: the wheels the device image lacks (pip download ... --python-version 3.12, listed in the README
+# .whl: the wheels the device image lacks (pip download ... --python-version 3.12, listed in docs/gpu.md
 # section "GPU"); .gpu/smol: SmolLM2-135M-Instruct's config and tokenizer (its weights are 538 MB, over the
 # 64 MiB a call carries: the same architecture gets random weights there, which is what decode speed and
 # equality with HF need). Results land in $OUT (gpu_bench.md, gpu_bench.json, pytest.log).
