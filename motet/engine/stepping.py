@@ -15,15 +15,36 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from motet.engine.scheduler import ScheduledBatch
 from motet.engine.sequence import Sequence
 
-if TYPE_CHECKING:
-    from motet.engine.llm_engine import LLMEngine, RequestOutput
+
+class Stages(Protocol):
+    """What a strategy runs: the engine's stages (motet/engine/llm_engine.py's LLMEngine)."""
+
+    config: Any
+    runner: Any
+    speculator: Any
+    kv_connector: Any
+    max_model_len: int
+
+    def schedule(self) -> ScheduledBatch: ...  # (refused while a step is in flight)
+
+    def schedule_next(self) -> ScheduledBatch: ...
+
+    def execute(self, batch: ScheduledBatch, on_launch=None, lazy: bool = False) -> Any: ...
+
+    def commit(self, batch: ScheduledBatch, result) -> list: ...
+
+    def commit_tokens(self, batch: ScheduledBatch, result) -> Any: ...
+
+    def commit_text(self, landed) -> list: ...
+
+    def drop(self, seq: Sequence) -> None: ...
 
 
 class SequentialSteps:
@@ -33,15 +54,15 @@ class SequentialSteps:
     num_steps_ahead = 0
     unlanded: tuple[ScheduledBatch, ...] = ()  # (no step outlives its `step()`)
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: Stages):
         self.engine = engine
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list:
         engine = self.engine
         batch = engine.schedule()
         return engine.commit(batch, engine.execute(batch)) if batch else []
 
-    def flush(self) -> list[RequestOutput]:
+    def flush(self) -> list:
         return []
 
     def release(self, seq: Sequence) -> None:
@@ -55,7 +76,7 @@ class SequentialSteps:
 class OverlappedSteps:
     """Step N+1 computes on the forward thread while the caller's thread makes step N's outputs."""
 
-    def __init__(self, engine: LLMEngine, num_threads: int | None):
+    def __init__(self, engine: Stages, num_threads: int | None):
         self.engine = engine
         # The thread's initializer sets the forward pass's threads (not a reference to the runner: it would keep
         # it alive).
@@ -76,7 +97,7 @@ class OverlappedSteps:
     def in_flight(self) -> bool:
         return self._inflight is not None
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list:
         """Land the launched step and launch the next (before the landing where `_ahead_holds` allows it),
         then make the landed step's outputs while the next one runs."""
         engine = self.engine
@@ -91,7 +112,7 @@ class OverlappedSteps:
             self._launch(engine.schedule_next())
         return engine.commit_text(landed) if landed is not None else []
 
-    def flush(self) -> list[RequestOutput]:
+    def flush(self) -> list:
         """Land the launched step, if any, without launching another: its outputs."""
         if self._inflight is None:
             return []
