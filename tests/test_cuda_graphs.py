@@ -182,13 +182,15 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
         engine = LLMEngine(cfg, model_dir=tiny_model_dir)
         runner = engine.runner
         if graphs:
-            runner.graphs = CpuGraphs(
-                lambda ids, pos, meta, lora, r=runner: r.model(ids, pos, meta, r.kv_caches, lora),
-                max_batch=cfg.max_num_seqs,
-                max_blocks_per_seq=-(-runner.max_model_len // runner.block_size),
-                max_seq_len=runner.max_model_len,
-                device=runner.device,
-                max_query=1 + cfg.num_speculative_tokens if speculative == "ngram" else 1,
+            runner.use_graphs(
+                CpuGraphs(
+                    lambda ids, pos, meta, lora, r=runner: r.model(ids, pos, meta, r.kv_caches, lora),
+                    max_batch=cfg.max_num_seqs,
+                    max_blocks_per_seq=-(-runner.max_model_len // runner.block_size),
+                    max_seq_len=runner.max_model_len,
+                    device=runner.device,
+                    max_query=1 + cfg.num_speculative_tokens if speculative == "ngram" else 1,
+                )
             )
         names = [
             engine.add_lora(f"a{i}", write_random_adapter(tmp_path / f"a{i}", engine.model_config, 8, seed=i))

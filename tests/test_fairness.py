@@ -186,7 +186,8 @@ def run_step(sched, served: Counter | None = None):
     batch = sched.schedule()
     samplers = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
     sched.advance(batch)
-    for s in samplers:
+    for s in samplers:  # its pending token lands
+        s.num_pending -= 1
         s.append_token(7)
         sched.fairness.charge(s.tenant, output_tokens=1)
         if served is not None:

@@ -121,7 +121,7 @@ def test_abort_while_a_step_is_in_flight(model_dir):
     "make_requests", [lambda: mixed_requests(), lambda: plain_requests()], ids=["mixed", "plain"]
 )
 def test_abort_while_the_launched_step_reads_its_rows(model_dir, caplog, make_requests):
-    """An abort that arrives while the device thread is still preparing the launched step (the serving layer's
+    """An abort that arrives while the forward thread is still preparing the launched step (the serving layer's
     disconnects land there): the row's blocks and adapter stay its own until the step lands, then go back. With
     plain requests the steps are scheduled ahead of the landing ones."""
     eng = engine(model_dir, overlap=True)
@@ -151,7 +151,7 @@ def test_abort_while_the_launched_step_reads_its_rows(model_dir, caplog, make_re
     while eng.has_unfinished():
         outputs.append(eng.step())
     assert "failed" not in caplog.text
-    assert eng.block_manager.num_used_blocks == 0 and not eng._aborted_in_flight
+    assert eng.block_manager.num_used_blocks == 0 and not eng.stepping._aborted
     done = {o.request_id: o for step in outputs for o in step if o.finished}
     reference = run(engine(model_dir, overlap=False), make_requests(), abort_after={"long": 5})
     expected = {o[0]: o for step in reference for o in step if o[3]}
@@ -236,7 +236,7 @@ def test_close_waits_for_the_launched_step(model_dir):
     eng.step()
     assert eng.in_flight
     eng.close()
-    assert eng._inflight[1].done()
+    assert eng.stepping._inflight[1].done()
 
 
 def test_flush_commits_the_launched_step_before_steps_by_hand(model_dir):

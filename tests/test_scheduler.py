@@ -18,7 +18,8 @@ def run_step(sched, next_token=7):
     batch = sched.schedule()
     samplers = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
     sched.advance(batch)
-    for s in samplers:
+    for s in samplers:  # its pending token lands
+        s.num_pending -= 1
         s.append_token(next_token)
         if s.num_output_tokens >= s.params.max_tokens:
             sched.finish(s, "length")

@@ -29,6 +29,7 @@ from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.model_runner import ModelRunner
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.step_backends import EagerSteps
 from motet.kernels.quant import FORMATS, INT8
 from tests.tiny_models import build_tiny_model
 
@@ -270,7 +271,7 @@ def test_warm_up_captures_the_graphs_where_there_are_graphs(tiny_model_dir, monk
         def capture_all(self):
             self.graphs[(1,)] = "captured"
 
-    r.graphs = Graphs()
-    monkeypatch.setattr(ModelRunner, "_forward", lambda *a: pytest.fail("no eager step where graphs replay"))
+    monkeypatch.setattr(EagerSteps, "warm_up", lambda *a: pytest.fail("no eager step where graphs replay"))
+    r.use_graphs(Graphs())
     r.warm_up()
     assert r.graphs.graphs == {(1,): "captured"}

@@ -30,10 +30,12 @@ from motet.lora.manager import files_version
 log = logging.getLogger("motet.executor")
 
 
-class DeviceThread:
-    """A single long-lived worker thread; `await run(fn)` runs fn there without blocking the loop."""
+class EngineThread:
+    """The thread that drives the engine (`motet-engine`: its `step()` and the calls around it; an overlapped
+    engine runs its forward passes on a thread of its own, `motet-forward`): a single long-lived worker thread;
+    `await run(fn)` runs fn there without blocking the loop."""
 
-    def __init__(self, name: str = "motet-device"):
+    def __init__(self, name: str = "motet-engine"):
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -76,10 +78,10 @@ class ExecutorActor(Actor):
         self.preload = dict(loras or {})  # the server's shared adapters: a bad one fails the start
         self.engine = None
         self.stats = None  # the engine's EngineStats after the latest step
-        self.thread: DeviceThread | None = None
+        self.thread: EngineThread | None = None
 
     async def on_start(self) -> None:
-        self.thread = DeviceThread()
+        self.thread = EngineThread()
 
         def start():
             engine = self.engine_factory()
@@ -103,7 +105,7 @@ class ExecutorActor(Actor):
         return done
 
     def _step(self, message: Step) -> StepDone:
-        """On the device thread."""
+        """On the engine thread."""
         engine = self.engine
         t0 = time.perf_counter()
         for name in message.removals:

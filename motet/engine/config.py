@@ -397,11 +397,11 @@ class EngineConfig:
     # 2-core machine with 2 threads no faster, and up to 10% slower at batch 256.
     overlap_output: str = "auto"
     # With the outputs overlapped: schedule and launch step N+1 before step N's tokens reach the host, as vLLM's
-    # async scheduling does (the device thread feeds each row its sampled token). Taken where nothing in step N+1
-    # depends on a step-N token but that input: no row of N has a grammar, stop strings, drafts, penalties,
-    # bad_words, a seed, min_tokens to go or prompt logprobs; a row whose step-N token is its last (by length)
-    # waits for it; one that ends on EOS or a stop id computes one token more, which is dropped. Off: step N's
-    # tokens land before step N+1 is scheduled.
+    # async scheduling does (the forward thread feeds each row its sampled token). Taken where nothing in step N+1
+    # depends on a step-N token but that input (each feature that needs it on the host says so:
+    # `Sequence.needs_token_on_host`, `needs_landed_steps`; motet/engine/stepping.py); a row whose step-N token
+    # is its last (by length) waits for it; one that ends on EOS or a stop id computes one token more, which is
+    # dropped. Off: step N's tokens land before step N+1 is scheduled.
     async_scheduling: bool = True
     # Speculative decoding (motet/engine/speculative/): "ngram" drafts from prompt lookup and the grammar's forced
     # tokens, verified in the normal batch; "off". Up to `num_speculative_tokens` drafts per row, each kept

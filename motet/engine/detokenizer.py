@@ -80,6 +80,11 @@ class StopStringMatcher:
         self.matched: str | None = None  # the stop string that ended the stream
         self._held = ""
 
+    @property
+    def reads_text(self) -> bool:
+        """Whether the output's ending depends on its text (any stop string): its text is needed as it comes."""
+        return bool(self.stops)
+
     def feed(self, delta: str) -> tuple[str, bool]:
         """(text safe to emit now, stopped?); after a stop, everything else is dropped."""
         if self.stopped:
@@ -117,6 +122,8 @@ class StopStringMatcher:
 class StopChain:
     """Stop matchers applied in turn, each one's released text feeding the next, as one matcher: the earliest
     stop ends the stream, and `matched` is its stop string (None when a stop of another kind ended it)."""
+
+    reads_text = True  # (a chain holds a matcher of text besides the stop strings)
 
     def __init__(self, *matchers):
         self.matchers = matchers

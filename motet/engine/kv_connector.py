@@ -148,6 +148,8 @@ class _Snapshot:
 
 
 class KVConnector:
+    needs_landed_steps = True  # (it saves and loads the blocks of landed steps)
+
     def __init__(
         self,
         kv_caches,

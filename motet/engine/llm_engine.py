@@ -1,24 +1,20 @@
-"""The engine: requests in, per-step output deltas out. It owns its step:
+"""The engine: requests in, per-step output deltas out. It owns its step, three stages:
 
-    batch = engine.schedule()              what runs: decode rows and prefill chunks under one token budget
-    result = engine.execute(batch)         the forward pass and sampling (the device's thread)
-    outputs = engine.commit(batch, result) append tokens, advance grammars, detokenize, stop, free blocks
+    batch = engine.schedule()              what runs: decode rows and prefill chunks under one token budget; the
+                                           rows advance (their chunks computed, each sampled token pending)
+    result = engine.execute(batch)         the forward pass and sampling
+    outputs = engine.commit(batch, result) land the tokens, advance grammars, detokenize, stop, free blocks
 
-`step()` is their composition; with `EngineConfig.overlap_output` (on CUDA by default) the commit's second half (detokenizing,
-stop strings, the outputs) runs while the device computes the next step: `step()` waits for step N, applies its
-tokens (`commit_tokens`: appends, token-decided stops, freeing), schedules and launches step N+1 on the engine's
-device thread, then makes step N's outputs (`commit_text`) while N+1 runs. Rows whose next step depends on
-their text (grammars, stop strings, drafts) are committed whole before N+1 is scheduled, so the outputs are the
-same as the sequential order's. Where no row of step N needs its token but as its input, step N+1 is even
-scheduled and launched before N lands (`EngineConfig.async_scheduling`): rows advance at launch, their token
-pending, and the device thread feeds it to N+1. The offline `LLM` (motet/engine/llm.py) and the serving actors
-both call only this surface (`add_request`, `abort`, `step`, `stats`, adapters through `add_lora` /
-`remove_lora`). A request
-that fails inside a step fails alone: `execute` bisects the batch until the failing rows are isolated, and
-`commit` ends those with an error while the others carry on. Not thread-safe: one thread drives it
-(`compile_grammar`, `limits` and `adapters.load` excepted, which the serving layer calls from elsewhere); what it
-runs on its own device thread reads the launched batch's rows until its inputs are built (`step()` returns only
-after that), then only the batch's snapshots and the runner.
+`step()` runs them through one of two strategies (motet/engine/stepping.py): one after the other, or overlapped
+(`EngineConfig.overlap_output`, on CUDA by default), where `execute` runs on a thread of its own and the commit's
+text half (`commit_text`: detokenizing, stop strings, the outputs) runs while the next step computes. The
+offline `LLM` (motet/engine/llm.py) and the serving actors both call only this surface (`add_request`, `abort`,
+`step`, `stats`, adapters through `add_lora` / `remove_lora`). A request that fails inside a step fails alone:
+`execute` bisects the batch until the failing rows are isolated, and `commit` ends those with an error while
+the others carry on. Not thread-safe: one thread drives it (`compile_grammar`, `limits` and `adapters.load`
+excepted, which the serving layer calls from elsewhere); what the overlapped strategy runs on its forward thread
+reads the launched batch's rows until its inputs are built (`step()` returns only after that), then only the
+batch's snapshots and the runner.
 """
 
 from __future__ import annotations
@@ -28,10 +24,9 @@ import functools
 import itertools
 import logging
 import os
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +35,7 @@ from motet.engine.checkpoint import load_model_config
 from motet.engine.config import EngineConfig, ModelLoadError
 from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
 from motet.engine.fairness import TenantState, VirtualTokenCounter
+from motet.engine.grammar_masks import GrammarStats
 from motet.engine.guided import GuidedDecoding
 from motet.engine.kv_blocks import KVLayout, model_identity
 from motet.engine.kv_connector import GiB, KVConnector, KVTierStats
@@ -47,7 +43,7 @@ from motet.engine.kv_shared import SharedTier
 from motet.engine.kv_tiers import DiskTier
 from motet.engine.kv_window import WindowBlocks
 from motet.engine.memory import available_host_memory
-from motet.engine.model_runner import GrammarStats, ModelRunner, StepResult
+from motet.engine.model_runner import ModelRunner, StepResult
 from motet.engine.model_store import resolve_model
 from motet.engine.parallel import RankFailure
 from motet.engine.request_checks import RequestLimits
@@ -56,6 +52,7 @@ from motet.engine.scheduler import ScheduledBatch, Scheduler
 from motet.engine.sequence import RequestTimings, Sequence, TokenLogprob
 from motet.engine.speculative.history import DraftScope
 from motet.engine.speculative.proposer import SpeculativeConfig, SpeculativeStats, Speculator
+from motet.engine.stepping import OverlappedSteps, SequentialSteps
 from motet.engine.token_masks import bad_words_token_ids
 from motet.engine.tokenizer import load_tokenizer
 from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
@@ -113,6 +110,23 @@ class EngineStats:
     kv_tiers: tuple[KVTierStats, ...] = ()  # the KV tiers past the device cache, if any (RAM, disk)
 
 
+class TextRow(NamedTuple):
+    """A row whose token decided its ending by itself (`Sequence.decided_by_tokens`): its text is made later."""
+
+    seq: Sequence
+    token: int
+    finish: tuple | None  # (finish_reason, stop_reason) if the token ended it
+
+
+@dataclass
+class LandedStep:
+    """What `commit_tokens` leaves to `commit_text`: the outputs made already (rows committed whole, and rows
+    that failed), and the rows whose text is still to be made."""
+
+    outputs: list[RequestOutput]
+    text_rows: list[TextRow]
+
+
 # When every waiting request is waiting for its KV blocks and none runs, the step waits this long at most for a
 # load to complete (rather than spin); a request arriving meanwhile waits no longer than that.
 LOAD_WAIT_S = 0.05
@@ -146,7 +160,7 @@ class LLMEngine:
             dtype=self.runner.dtype,
             layout_base=self.runner.lora_layout_shape,
             shard=self.runner.lora_sharder,
-            on_place=self.runner.note_lora_placement if self.runner.workers is not None else None,
+            on_place=self.runner.workers.note_lora_placement if self.runner.workers is not None else None,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -176,25 +190,16 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.grammar_cache = GrammarCache()
         self.num_steps = 0
-        # steps launched before the step before them landed (EngineConfig.async_scheduling)
-        self.num_steps_ahead = 0
         self.num_prompt_tokens = 0  # EngineStats.prompt_tokens
         self.num_generation_tokens = 0
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-        # the launched step not committed yet, and the thread it runs on (EngineConfig.overlap_output); the
-        # thread holds its initializer: not the runner, which it would keep alive
-        self._inflight: tuple[ScheduledBatch, Future] | None = None
-        self._aborted_in_flight: list[Sequence] = []  # freed when the launched step lands (see abort)
         self._failed: list[
             RequestOutput
         ] = []  # requests whose adapter no longer loads, told at the next step
-        self._unlanded: list[ScheduledBatch] = []  # launched steps not landed: the pool keeps their adapters
-        self._device = None
-        if self._overlaps():
-            threads = self.runner.num_threads
-            init = dict(initializer=torch.set_num_threads, initargs=(threads,)) if threads else {}
-            self._device = ThreadPoolExecutor(1, "motet-step", **init)
+        self.stepping = (
+            OverlappedSteps(self, self.runner.num_threads) if self._overlaps() else SequentialSteps(self)
+        )
         self.runner.warm_up()  # before the first request (the server is ready once the engine is built)
 
     def _adapter_host_bytes(self) -> int:
@@ -362,43 +367,33 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        if self._inflight is not None:
-            # The launched step may be reading its block table and adapter slot on the device thread, and
-            # commit_tokens will advance it: its blocks and adapter are given back once the step lands.
-            self._aborted_in_flight.append(seq)
-        else:
-            self._drop(seq)
+        self.stepping.release(seq)  # (now, or once the step in flight that reads it lands)
         return True
 
-    def _drop(self, seq: Sequence) -> None:
+    def drop(self, seq: Sequence) -> None:
+        """An aborted request's blocks and adapter given back."""
         self.scheduler.finish(seq, "abort")
         self.adapters.release(seq.adapter_id)
 
-    def _land(self, batch: ScheduledBatch, future: Future) -> list:
-        """The launched step's tokens committed, then the rows aborted while it ran dropped."""
-        try:
-            return self.commit_tokens(batch, future.result(), launched=True)
-        finally:
-            self._unlanded = [b for b in self._unlanded if b is not batch]
-            aborted, self._aborted_in_flight = self._aborted_in_flight, []
-            for seq in aborted:
-                self._drop(seq)
-
     def has_unfinished(self) -> bool:
         """Requests not finished, or a launched step not committed yet (`step()` until False drains both)."""
-        return bool(self.requests) or self._inflight is not None
+        return bool(self.requests) or self.stepping.in_flight
 
     @property
     def in_flight(self) -> bool:
         """A step is launched and not committed (the next `step()` commits it)."""
-        return self._inflight is not None
+        return self.stepping.in_flight
+
+    @property
+    def num_steps_ahead(self) -> int:
+        """Steps launched before the step before them landed (EngineConfig.async_scheduling)."""
+        return self.stepping.num_steps_ahead
 
     def close(self) -> None:
         """Release what outlives the object (the engine takes no more steps): a launched step ends; the KV tiers'
         queued disk writes land and their threads stop; the other tensor-parallel ranks' processes end."""
         try:
-            if self._device is not None:
-                self._device.shutdown(wait=True)
+            self.stepping.close()
             if self.kv_connector is not None:
                 self.kv_connector.close()
             self.adapters.close()
@@ -435,11 +430,8 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self._device is not None:
-            outputs = self._overlapped_step()
-        else:
-            batch = self.schedule()
-            outputs = self.commit(batch, self.execute(batch)) if batch else []
+        """One step: schedule -> execute -> commit, through the engine's stepping strategy."""
+        outputs = self.stepping.step()
         if self._failed:
             outputs, self._failed = self._failed + outputs, []
         # idle next: release the snapshots' blocks
@@ -450,97 +442,16 @@ class LLMEngine:
     def flush(self) -> list[RequestOutput]:
         """Commit the launched step, if any, without launching another: its outputs (the engine is then between
         steps, as `schedule`, `execute` and `commit` driven by hand need it)."""
-        if self._inflight is None:
-            return []
-        batch, future = self._inflight
-        self._inflight = None
-        return self.commit_text(self._land(batch, future))
-
-    def _overlapped_step(self) -> list[RequestOutput]:
-        """Launch the next step and land the launched one (its tokens), then make the landed step's outputs while
-        the device runs the next. The next step is scheduled before the launched one lands where it may be
-        (EngineConfig.async_scheduling, `_ahead_holds`), else after."""
-        landing, self._inflight = self._inflight, None
-        pending = None
-        if landing is not None:
-            held = self._ahead_holds(landing[0])
-            try:
-                if held is not None:
-                    for seq in held:  # their pending token is their last: nothing to schedule after it
-                        seq.num_pending -= 1
-                    try:
-                        self._launch(self._schedule())
-                        self.num_steps_ahead += self._inflight is not None
-                    finally:
-                        for seq in held:
-                            seq.num_pending += 1
-            finally:  # (whatever happened, the launched step's tokens land)
-                pending = self._land(*landing)
-        if self._inflight is None:
-            self._launch(self._schedule())
-        return self.commit_text(pending) if pending is not None else []
-
-    def _launch(self, batch: ScheduledBatch) -> None:
-        """Advance the batch's rows and run it on the device thread; returns once its inputs are built (the
-        thread reads the rows until then, and only the batch's own snapshots after)."""
-        if not batch:
-            return
-        try:  # here, while the device thread may still run the step before
-            self.runner.plan_inputs(batch)
-        except Exception:  # (the device thread builds them again, and bisects the failing row out)
-            batch.inputs = None
-        self.scheduler.advance(batch, launched=True)
-        launched = threading.Event()
-        future = self._device.submit(self.execute, batch, launched.set, True)
-        future.add_done_callback(lambda _: launched.set())  # (it may fail before it launches)
-        self._inflight = (batch, future)
-        self._unlanded.append(batch)
-        # The text half waits for the launch: the interpreter's lock would otherwise hold the launch back.
-        launched.wait()
-
-    def _ahead_holds(self, batch: ScheduledBatch) -> list[Sequence] | None:
-        """Whether the step after the launched `batch` may be scheduled before `batch` lands: None where not;
-        else the rows to leave out of it (their pending token ends them by length). Nothing in the next step may
-        depend on a pending token but its input, which the device thread has: a grammar, stop strings, drafts,
-        penalties, bad_words, a seed or min_tokens to go would need the token on the host, prompt logprobs the
-        landed ones; the KV tiers and the other ranks follow the landed steps."""
-        if (
-            not self.config.async_scheduling
-            or self._aborted_in_flight  # (still running, to be dropped as the batch lands)
-            or self.speculator is not None
-            or self.kv_connector is not None
-            or self.runner.workers is not None
-        ):
-            return None
-        held = []
-        for i, seq in enumerate(batch.seqs):
-            p = seq.params
-            if p.prompt_logprobs is not None:
-                return None
-            if not batch.samples(i) or seq.is_finished:
-                continue
-            if not (
-                self._text_free(seq)
-                and p.seed is None
-                and not p.bad_words_token_ids
-                and p.repetition_penalty == 1
-                and not p.frequency_penalty
-                and not p.presence_penalty
-                and p.min_tokens <= seq.num_output_tokens
-            ):
-                return None
-            if seq.num_output_tokens + seq.num_pending >= p.max_tokens or (
-                seq.num_tokens + seq.num_pending >= self.max_model_len
-            ):
-                held.append(seq)
-        return held
+        return self.stepping.flush()
 
     def schedule(self) -> ScheduledBatch:
-        if self._inflight is not None:  # (its rows' tokens are not appended yet)
+        if self.stepping.in_flight:  # (its rows' tokens are not appended yet)
             raise RuntimeError("a step is in flight: flush() it before scheduling another")
-        return self._schedule()
+        return self.schedule_next()
 
-    def _schedule(self) -> ScheduledBatch:
+    def schedule_next(self) -> ScheduledBatch:
+        """The next batch, its rows advanced: their chunks computed, each sampled token pending until its step
+        lands. The overlapped strategy calls it while a step is in flight (`schedule` refuses to)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         kv, sched = self.kv_connector, self.scheduler
@@ -552,6 +463,7 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.scheduled_time is None:  # its queue time ends here (a preempted one keeps its first)
                 seq.scheduled_time = now
+        self.scheduler.advance(batch)
         return batch
 
     def _prepare_adapters(self) -> None:
@@ -570,9 +482,9 @@ class LLMEngine:
                               error=f"the adapter {adapters.name_of(seq.adapter_id)!r} {failed[seq.adapter_id]}")
             )  # fmt: skip
         in_use = {s.adapter_id for s in sched.running}
-        in_use.update(s.adapter_id for b in self._unlanded for s in b.seqs)
+        in_use.update(s.adapter_id for b in self.stepping.unlanded for s in b.seqs)
         adapters.prefetch([*sched.slicer.order, *waiting], in_use)
-        if not sched.running and not self._unlanded and not any(adapters.ready(a) for a in waiting):
+        if not sched.running and not self.stepping.unlanded and not any(adapters.ready(a) for a in waiting):
             adapters.wait_for_load(LOAD_WAIT_S)
 
     def execute(self, batch: ScheduledBatch, on_launch=None, lazy: bool = False) -> StepResult:
@@ -593,14 +505,13 @@ class LLMEngine:
         return StepResult.concat(parts)
 
     def commit(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
-        """Apply a step's result: advance, append tokens, detokenize, check stops, free the finished."""
+        """Apply a step's result: land its tokens, detokenize, check stops, free the finished."""
         return self.commit_text(self.commit_tokens(batch, result))
 
-    def commit_tokens(self, batch: ScheduledBatch, result: StepResult, launched: bool = False) -> list:
-        """The part of the commit the next step depends on: advance the batch (unless it was `launched`: advanced
-        then, its tokens pending), append each row's tokens and end the rows they end. A row whose ending depends
-        on its text (a grammar, stop strings, drafts) is committed whole here. Returns what `commit_text`
-        finishes: outputs, and rows waiting for their text."""
+    def commit_tokens(self, batch: ScheduledBatch, result: StepResult) -> LandedStep:
+        """The part of the commit the next step depends on: each row's pending token lands, its tokens are
+        appended and the rows they end are ended. A row whose ending depends on its text (a grammar, stop strings,
+        drafts) is committed whole here; the others' text is left to `commit_text`."""
         self.num_steps += 1
         result.resolve()  # (a launched step's tokens: read from the device here, its successor launched)
         now = time.monotonic()
@@ -609,14 +520,12 @@ class LLMEngine:
         start = max(self._last_landed, batch.scheduled_at if batch.scheduled_at is not None else now)
         self.scheduler.latency.observe(batch.num_tokens, now - start)
         self._last_landed = now
-        if not launched:
-            self.scheduler.advance(batch)
         cache_full_blocks = self.block_manager.cache_full_blocks
-        pending = []
+        landed = LandedStep([], [])
         for i, seq in enumerate(batch.seqs):
             if self.requests.get(seq.request_id) is not seq or seq.is_finished:  # aborted while it ran
                 continue
-            if launched and batch.samples(i):
+            if batch.samples(i):
                 seq.num_pending -= 1
             try:
                 if result.errors[i] is not None:
@@ -627,26 +536,26 @@ class LLMEngine:
                 if tokens is None:  # a prompt chunk short of the prompt's end
                     continue
                 drafted = len(seq.draft_token_ids)
-                if not drafted and len(tokens) == 1 and self._text_free(seq):
+                if not drafted and len(tokens) == 1 and seq.decided_by_tokens:
                     finish = self._append_token(seq, tokens[0], result.logprobs[i][0])
-                    if launched and finish is None:  # a block its token fills is cached now it is known
+                    if finish is None:  # a block its token fills is cached now it is known
                         cache_full_blocks(seq)
-                    pending.append((seq, tokens[0], finish))
+                    landed.text_rows.append(TextRow(seq, tokens[0], finish))
                     continue
                 out = self._advance(seq, tokens, result.logprobs[i])
                 self._count(seq, out, now)
-                pending.append(out)
+                landed.outputs.append(out)
                 if drafted:
                     self.speculator.observe(seq, drafted, len(tokens) - 1)
                     if not seq.is_finished:
                         self.scheduler.accept_drafts(seq, len(tokens) - 1)
-                elif launched and not seq.is_finished:
+                elif not seq.is_finished:
                     cache_full_blocks(seq)
             except Exception as e:  # one request's failure (a kernel, a grammar backend bug) is its own
                 if result.errors[i] is None:
                     log.exception("request %s failed while processing its token", seq.request_id)
                 self.abort(seq.request_id)
-                pending.append(
+                landed.outputs.append(
                     RequestOutput(
                         seq.request_id,
                         seq.prompt_token_ids,
@@ -655,17 +564,13 @@ class LLMEngine:
                         error=repr(e),
                     )
                 )
-        return pending
+        return landed
 
-    def commit_text(self, pending: list) -> list[RequestOutput]:
-        """The rest of the commit: detokenize the rows `commit_tokens` left waiting and make their outputs. It
-        reads and writes only those rows' text state, so it may run while the next step computes."""
-        outputs, now = [], time.monotonic()
-        for item in pending:
-            if isinstance(item, RequestOutput):
-                outputs.append(item)
-                continue
-            seq, token, finish = item
+    def commit_text(self, landed: LandedStep) -> list[RequestOutput]:
+        """The rest of the commit: detokenize the rows `commit_tokens` left and make their outputs. It reads and
+        writes only those rows' text state, so it may run while the next step computes."""
+        outputs, now = landed.outputs, time.monotonic()
+        for seq, token, finish in landed.text_rows:
             try:
                 delta = seq.stops.feed(seq.detok.push(token))[0]
                 if finish is not None:
@@ -680,12 +585,6 @@ class LLMEngine:
             self._count(seq, out, now)
             outputs.append(out)
         return outputs
-
-    @staticmethod
-    def _text_free(seq: Sequence) -> bool:
-        """Whether the row's ending and its next step are decided by its tokens alone (no grammar, no stop
-        strings or other text-matching stops), so its text can be made later."""
-        return seq.guided is None and type(seq.stops) is StopStringMatcher and not seq.stops.stops
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> tuple | None:
         """A text-free row's token: append it and end the row if the token ends it; (reason, stop_reason) or None."""

@@ -48,7 +48,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     # Taken when the batch is scheduled (`freeze`): each row's first position, and whether the step samples its
-    # next token. An overlapped engine advances the rows as it launches the step, while the device thread still
+    # next token. An overlapped engine advances the rows as it launches the step, while the forward thread still
     # reads the batch: the runner reads these. None (a batch built by hand): read from the rows.
     starts: list[int] | None = None
     sampling: list[bool] | None = None
@@ -343,14 +343,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def advance(self, batch: ScheduledBatch, launched: bool = False) -> None:
-        """Mark the batch's chunks computed: after the forward pass, before appending tokens; or, `launched`, as
-        the step is launched (an overlapped engine), each sampling row's token then pending until it lands.
-        Their KV is written before any later step's reads it (the device runs steps in order)."""
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Mark the batch's chunks computed as it is scheduled, each sampling row's token pending until its step
+        lands (`Sequence.num_pending`, as vLLM's output placeholders): an overlapped engine may then schedule the
+        next step before this one's tokens reach the host. Their KV is written before any later step reads it (the
+        device runs steps in order)."""
         cache_full_blocks = self.bm.cache_full_blocks
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts count once accepted
-            if launched and batch.samples(i):
+            if batch.samples(i):
                 seq.num_pending += 1
             cache_full_blocks(seq)
 

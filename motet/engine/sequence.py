@@ -71,7 +71,7 @@ class Sequence:
     # its step: the scheduler may schedule the pending token's successor before the token reaches the host).
     num_pending: int = 0
     # Where the token the row's latest step sampled is on the device: (that step's sampled tokens, the row's
-    # index), the device thread's. The next step may take it as its input before it reaches the host.
+    # index), the forward thread's. The next step may take it as its input before it reaches the host.
     last_sampled: tuple | None = None
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_table: list[int] = field(default_factory=list)
@@ -134,6 +134,18 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def decided_by_tokens(self) -> bool:
+        """Whether its ending and its next step are decided by its tokens alone (no grammar, no stop matcher that
+        reads text), so that its text may be made later."""
+        return self.guided is None and (self.stops is None or not self.stops.reads_text)
+
+    def needs_token_on_host(self) -> bool:
+        """Whether its next step needs the token its launched step samples on the host, not only as its input
+        (which the device has): each feature that does says so where it is (a grammar or a stop matcher reading
+        its text: `decided_by_tokens`; the sampler reading its output so far: `SamplingParams.reads_output`)."""
+        return not self.decided_by_tokens or self.params.reads_output(self.num_output_tokens)
 
     def timings(self) -> RequestTimings:
         scheduled = self.scheduled_time if self.scheduled_time is not None else self.arrival_time

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from motet.engine.config import EngineConfig, ModelConfig
 from motet.engine.model_runner import ModelRunner
 from motet.engine.parallel import Parallel, RankFailure
-from motet.engine.tp_workers import init_rank, rank_config
+from motet.engine.tp_workers import init_rank, rank_config, serve_plans
 
 log = logging.getLogger("motet.tp")
 
@@ -46,7 +46,7 @@ def worker_main(
             dist.destroy_process_group()
         return
     try:
-        runner.serve_plans()
+        serve_plans(runner)
     except RankFailure:
         log.warning("the driver is gone: rank %d exits", rank)
     finally:

@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from motet.engine.config import EngineConfig, ModelConfig
+from motet.engine.model import AttentionMetadata
 from motet.engine.parallel import Parallel, guard
+from motet.lora.pool import AdapterPool, PoolLayout, pack
 
 # How long a collective may wait for a peer before it fails: far above any step (a peer that died is seen at
 # once, as its socket closes; this bounds a peer that hangs).
@@ -65,6 +67,8 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 class WorkerGroup:
     """The driver's side: starts ranks 1..size-1, joins them in the process group as rank 0, sends plans."""
 
+    needs_landed_steps = True  # (the ranks run the driver's plans as its steps land)
+
     def __init__(self, model_dir, model_config: ModelConfig, config: EngineConfig):
         size = config.tensor_parallel_size
         port = _free_port()
@@ -85,10 +89,40 @@ class WorkerGroup:
             raise
         self.parallel = Parallel(0, size, config.enable_expert_parallel)
         self.closed = False
+        # adapter placements the workers have not seen: (slot, start, uid, adapter)
+        self.pending_loads: list[tuple[int, int, int, object]] = []
+
+    def note_lora_placement(self, slot: int, start: int, uid: int, adapter) -> None:
+        """An adapter the driver placed in its pool: the workers pack their parts at the same place with the
+        next plan."""
+        self.pending_loads.append((slot, start, uid, adapter))
 
     def send(self, op: str, scalars=(), tensors=(), extra: dict | None = None) -> None:
-        """Broadcast one plan to every worker (send_plan)."""
+        """Broadcast one plan to every worker (send_plan), with the adapter slot loads they have not seen yet."""
+        if self.pending_loads:
+            extra = {**(extra or {}), "loads": self.pending_loads}
+            self.pending_loads = []
         send_plan(op, scalars, tensors, extra)
+
+    def send_forward(self, ids, positions, meta: AttentionMetadata, lora) -> None:
+        """The step's forward pass, once, to every other rank."""
+        segments = [lora.seg_starts, lora.seg_slots] if lora is not None else []
+        window = [meta.window.slot_mapping, meta.window.block_tables] if meta.window is not None else []
+        self.send(
+            "forward",
+            [meta.max_query_len, meta.max_seq_len, lora.max_seg_len if lora is not None else -1],
+            [ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens]
+            + window
+            + segments,
+        )
+
+    def send_logits(self, rows: list[int]) -> None:
+        """The logits of these rows of the latest forward's hidden states."""
+        self.send("logits", tensors=[torch.tensor(rows, dtype=torch.int64)])
+
+    def send_logits_of(self, hidden: torch.Tensor) -> None:
+        """The logits of these hidden states."""
+        self.send("logits_of", extra={"hidden": hidden})
 
     def close(self) -> None:
         """Stop the workers (politely, then by force) and leave the process group."""
@@ -110,6 +144,52 @@ class WorkerGroup:
                 proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
+
+
+class NoWorkers:
+    """The broadcast of a runner that has no ranks to tell: on one rank, or a worker rank (which receives)."""
+
+    def send_forward(self, ids, positions, meta, lora) -> None:
+        pass
+
+    def send_logits(self, rows) -> None:
+        pass
+
+    def send_logits_of(self, hidden) -> None:
+        pass
+
+
+NO_WORKERS = NoWorkers()
+
+
+def serve_plans(runner) -> None:
+    """A worker rank's loop: run the driver's plans on its `runner` (a ModelRunner made with its `parallel`)
+    until the driver says stop."""
+    layout = PoolLayout(runner.lora_layout_shape)
+    pool = AdapterPool(layout, runner.adapter_memory_bytes, runner.device, runner.dtype)
+    steps, hidden = runner.steps, None
+    while True:
+        op, scalars, tensors, extra = receive_plan()
+        for slot, start, uid, adapter in (extra or {}).get("loads", ()):
+            pool.put_at(slot, start, uid, pack(adapter, layout, runner.dtype, runner.lora_sharder))
+        tensors = [t.to(runner.device) for t in tensors]
+        if op == "stop":
+            return
+        if op == "forward":
+            max_query_len, max_seq_len, max_seg_len = scalars
+            ids, pos, slot_mapping, tables, qsl, seq_lens, *segments = tensors
+            meta = AttentionMetadata(slot_mapping, tables, qsl, seq_lens, max_query_len, max_seq_len)
+            if runner.window:  # the window layers' slots and tables come next
+                (window_slots, window_tables), segments = segments[:2], segments[2:]
+                meta.window = AttentionMetadata(
+                    window_slots, window_tables, qsl, seq_lens, max_query_len, max_seq_len
+                )
+            lora = pool.segments(*segments, max_seg_len) if segments else None
+            hidden = steps.forward(ids, pos, meta, lora)
+        elif op == "logits":
+            steps.logits(hidden[tensors[0]])
+        elif op == "logits_of":
+            steps.logits(extra["hidden"].to(runner.device))
 
 
 # A plan on the wire: a fixed header of int64s (the op, its scalars, each tensor's rows, columns (-1: a vector)

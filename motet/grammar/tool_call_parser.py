@@ -393,6 +393,7 @@ class RepeatedCallStop:
     """
 
     matched = None  # no stop string: the request ends as if the model had stopped
+    reads_text = True
 
     def __init__(self):
         self.stopped = False

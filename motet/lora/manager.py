@@ -147,7 +147,7 @@ class AdapterManager:
         self.loading: dict[int, Future] = {}
         self.disk_loads = self.hits = self.misses = 0
         # `known`, the pool and the counters: `load` runs on the serving layer's and the loader's threads, `batch`
-        # on an overlapped engine's device thread
+        # on an overlapped engine's forward thread
         self._lock = threading.RLock()
         self._loader = ThreadPoolExecutor(1, "motet-adapters") if background else None
 
@@ -355,7 +355,7 @@ class AdapterManager:
                     self.pool.lru.move_to_end(uid, last=False)
             self.host.pop(uid)
 
-    # -- the step (the engine's thread, or the device thread of an overlapped engine) ------------------
+    # -- the step (the engine's thread, or the forward thread of an overlapped engine) ------------------
     def batch(self, adapter_ids: list[int], num_tokens: list[int]) -> LoRABatch | None:
         """The step's segments over its resident adapters; None for a batch of the base model alone.
 

@@ -89,6 +89,8 @@ class DraftState:
 
 
 class Speculator:
+    needs_landed_steps = True  # (drafts are proposed from the landed tokens)
+
     def __init__(self, config: SpeculativeConfig, encode: Callable[[str], list[int]], max_model_len: int):
         self.config = config
         self.encode = encode  # text -> token ids, for the grammar's forced strings
