@@ -51,7 +51,7 @@ from motet.engine.sampling_params import SamplingParams
 from motet.engine.scheduler import ScheduledBatch, Scheduler
 from motet.engine.sequence import RequestTimings, Sequence, TokenLogprob
 from motet.engine.speculative.history import DraftScope
-from motet.engine.speculative.proposer import SpeculativeConfig, SpeculativeStats, Speculator
+from motet.engine.speculative.proposer import NoSpeculation, SpeculativeConfig, SpeculativeStats, Speculator
 from motet.engine.stepping import OverlappedSteps, SequentialSteps
 from motet.engine.token_masks import bad_words_token_ids
 from motet.engine.tokenizer import load_tokenizer
@@ -180,7 +180,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_kv_tokens=self._max_kv_blocks() * config.block_size,
         )
-        self.speculator: Speculator | None = None
+        self.speculator: Speculator | NoSpeculation = NoSpeculation()
         if config.speculative_mode != "off" and config.num_speculative_tokens > 0:
             self.speculator = Speculator(
                 SpeculativeConfig(config.num_speculative_tokens, config.speculative_overhead_tokens),
@@ -419,9 +419,7 @@ class LLMEngine:
             running_adapters=tuple(sorted(self.adapters.name_of(a) for a in running)),
             waiting_adapters=tuple(sorted(self.adapters.name_of(a) for a in waiting)),
             grammar=GrammarStats(**vars(self.runner.grammar_stats)),
-            speculative=SpeculativeStats(**vars(self.speculator.stats))
-            if self.speculator
-            else SpeculativeStats(),
+            speculative=SpeculativeStats(**vars(self.speculator.stats)),
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
             tenants=sched.tenant_states(),
@@ -452,8 +450,7 @@ class LLMEngine:
     def schedule_next(self) -> ScheduledBatch:
         """The next batch, its rows advanced: their chunks computed, each sampled token pending until its step
         lands. The overlapped strategy calls it while a step is in flight (`schedule` refuses to)."""
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+        self.speculator.propose(self.scheduler.running)
         kv, sched = self.kv_connector, self.scheduler
         if kv is not None and kv.num_loading and not sched.running and len(sched.waiting) == kv.num_loading:
             kv.wait_for_load(LOAD_WAIT_S)  # nothing else could run
@@ -642,8 +639,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         """A request ends: its drafts' history, its blocks (saved to the KV tiers first), its adapter pin."""
-        if self.speculator is not None:
-            self.speculator.record(seq)
+        self.speculator.record(seq)
         if self.kv_connector is not None:  # its blocks outlive their eviction from the device
             self.kv_connector.save_sequence(seq)
         self.scheduler.finish(seq, reason, stop_reason)

@@ -88,6 +88,21 @@ class DraftState:
             self.estimates[self.source].observe(drafted, accepted)
 
 
+class NoSpeculation:
+    """Speculation off: no drafts proposed, no history recorded, its stats zeros."""
+
+    needs_landed_steps = False
+
+    def __init__(self):
+        self.stats = SpeculativeStats()
+
+    def propose(self, running: Iterable[Sequence]) -> None:
+        pass
+
+    def record(self, seq: Sequence) -> None:
+        pass
+
+
 class Speculator:
     needs_landed_steps = True  # (drafts are proposed from the landed tokens)
 
