@@ -12,22 +12,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from starlette.testclient import TestClient
 
 import motet.lora.registry as registry
 from motet.actors.system import ServingSystem
 from motet.api.adapter_store import AdapterStore
-from motet.api.app import create_app
 from motet.api.auth import Authenticator
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from motet.lora.registry import AdapterPathError, read_server_adapter
 from tests.api.test_soak import make_adapter
+from tests.served_app import served_app
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -73,11 +71,7 @@ def client(tiny_model_dir, tree):
         system, tree / "data", reserved=("tiny",), max_bytes=1 << 20, load_dirs=(tree / "load",)
     )
     state = ServerState(system, ["tiny"], auth=Authenticator({"ka": "alice", "kb": "bob"}), adapters=store)
-    with TestClient(create_app(state), raise_server_exceptions=False) as c:
-        deadline = time.monotonic() + 60
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with served_app(state, raise_server_exceptions=False) as c:
         yield c
 
 
@@ -173,9 +167,7 @@ def test_an_adapter_over_the_size_limit_is_413(tiny_model_dir, tree):
     system = ServingSystem(lambda: LLMEngine(cfg, model_dir=tiny_model_dir))
     store = AdapterStore(system, tree / "small-data", max_bytes=1000, load_dirs=(tree / "load",))
     state = ServerState(system, ["tiny"], auth=Authenticator({"ka": "alice"}), adapters=store)
-    with TestClient(create_app(state), raise_server_exceptions=False) as c:
-        while c.get("/health").status_code != 200:
-            time.sleep(0.05)
+    with served_app(state, raise_server_exceptions=False) as c:
         refused(load(c, "big", str(tree / "load" / "real")), 413)
 
 

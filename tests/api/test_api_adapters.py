@@ -361,16 +361,15 @@ def test_restart_keeps_adapters_and_serves_shared_ones(server, dirs, adapters):
 
 # -- in process, on a tiny model ----------------------------------------------------------------------------
 def test_in_process_upload_use_delete(tiny_model_dir, tmp_path):
-    from starlette.testclient import TestClient
     from transformers import AutoModelForCausalLM
 
     from motet.actors.system import ServingSystem
     from motet.api.adapter_store import AdapterStore
-    from motet.api.app import create_app
     from motet.api.auth import Authenticator
     from motet.api.state import ServerState
     from motet.engine.config import EngineConfig
     from motet.engine.llm_engine import LLMEngine
+    from tests.served_app import served_app
 
     path = make_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "ad", seed=0)
     cfg = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=4, max_lora_rank=8)
@@ -379,9 +378,7 @@ def test_in_process_upload_use_delete(tiny_model_dir, tmp_path):
     state = ServerState(system, ["tiny"], auth=Authenticator({"ka": "alice", "kb": "bob"}), adapters=store)
     alice, bob = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
     body = {"prompt": "The quick brown", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    with TestClient(create_app(state)) as c:
-        while c.get("/health").status_code != 200:
-            time.sleep(0.05)
+    with served_app(state) as c:
 
         def text(model, headers=alice):
             r = c.post("/v1/completions", json={**body, "model": model}, headers=headers)

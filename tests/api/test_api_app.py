@@ -6,17 +6,15 @@ Fast companions of the real-server tests in test_api.py.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-from starlette.testclient import TestClient
 
 from motet.actors.system import ServingSystem
-from motet.api.app import create_app
 from motet.api.auth import Authenticator
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
+from tests.served_app import served_app
 
 AUTH = {"Authorization": "Bearer k1"}
 
@@ -31,11 +29,7 @@ def client(tiny_model_dir):
         auth=Authenticator({"k1": "alice", "k-admin": {"admin": True}}),
         max_body_bytes=20_000,
     )
-    with TestClient(create_app(state)) as c:
-        deadline = time.monotonic() + 60
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with served_app(state) as c:
         yield c
 
 

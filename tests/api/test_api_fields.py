@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import jsonschema
 import pytest
-from starlette.testclient import TestClient
 
 from motet.actors.system import ServingSystem
-from motet.api.app import create_app
 from motet.api.auth import Authenticator
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
+from tests.served_app import served_app
 
 AUTH = {"Authorization": "Bearer k1"}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -32,11 +30,7 @@ def client(tiny_model_dir):
     cfg = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=8, max_model_len=512)
     system = ServingSystem(lambda: LLMEngine(cfg, model_dir=tiny_model_dir), max_queue_len=64)
     state = ServerState(system, ["tiny"], auth=Authenticator({"k1": "alice"}))
-    with TestClient(create_app(state)) as c:
-        deadline = time.monotonic() + 60
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with served_app(state) as c:
         yield c
 
 

@@ -7,17 +7,15 @@ In-process (Starlette TestClient) on a tiny random model: fast. The same app ser
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-from starlette.testclient import TestClient
 
 from motet.actors.system import ServingSystem
-from motet.api.app import create_app
 from motet.api.auth import Authenticator
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
+from tests.served_app import served_app
 
 AUTH = {"Authorization": "Bearer k1", "Content-Type": "application/json"}
 CHAT = "/v1/chat/completions"
@@ -29,11 +27,7 @@ def client(tiny_model_dir):
     cfg = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=8, max_model_len=512)
     system = ServingSystem(lambda: LLMEngine(cfg, model_dir=tiny_model_dir), max_queue_len=64)
     state = ServerState(system, ["tiny"], auth=Authenticator({"k1": "alice"}), max_body_bytes=4 << 20)
-    with TestClient(create_app(state)) as c:
-        deadline = time.monotonic() + 60
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with served_app(state) as c:
         yield c
 
 
@@ -180,11 +174,7 @@ def test_a_request_the_model_fails_on_fails_alone(tiny_model_dir):
         return engine
 
     state = ServerState(ServingSystem(faulty_engine), ["tiny"], auth=Authenticator({"k1": "alice"}))
-    with TestClient(create_app(state)) as c:
-        deadline = time.monotonic() + 60
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with served_app(state) as c:
         body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
         prompts = [[5, 6, 299, 7]] + [[5, 6, 7 + i] for i in range(4)]
         with ThreadPoolExecutor(5) as pool:

@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from starlette.testclient import TestClient
 
 from motet.actors.system import ServingSystem
 from motet.api.adapter_store import AdapterStore
-from motet.api.app import create_app
 from motet.api.auth import Authenticator
 from motet.api.response_store import ResponseStore
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from tests.api.test_soak import make_adapter
+from tests.served_app import served_app
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True)
 AUTH = {"Authorization": "Bearer k1", "Content-Type": "application/json"}
@@ -52,11 +50,7 @@ def server(tiny_model_dir, tmp_path_factory):
     adapters = AdapterStore(system, tmp / "data", reserved=("tiny",), max_bytes=1 << 20, load_dirs=(load,))
     state = ServerState(system, ["tiny"], auth=Authenticator({"k1": "alice"}), adapters=adapters,
                         responses=ResponseStore(tmp / "data"))  # fmt: skip
-    with TestClient(create_app(state), raise_server_exceptions=False) as c:
-        deadline = time.monotonic() + 60
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with served_app(state, raise_server_exceptions=False) as c:
         first = c.post(
             "/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2}, headers=AUTH
         )

@@ -14,19 +14,17 @@ In-process on a tiny random model, through the official `openai` SDK where it ca
 from __future__ import annotations
 
 import json
-import time
 
 import openai
 import pytest
-from starlette.testclient import TestClient
 
 from motet.actors.system import ServingSystem
-from motet.api.app import create_app
 from motet.api.auth import Authenticator
 from motet.api.response_store import ResponseStore
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
+from tests.served_app import served_app
 
 AUTH = {"Authorization": "Bearer k-alice", "Content-Type": "application/json"}
 SMALL = 2000  # bytes: the most an error body may be, whatever the request held
@@ -39,11 +37,7 @@ def client(tiny_model_dir, tmp_path_factory):
     store = ResponseStore(tmp_path_factory.mktemp("responses"))
     state = ServerState(system, ["tiny"], auth=Authenticator({"k-alice": "alice"}), responses=store,
                         max_body_bytes=16 << 20)  # fmt: skip
-    with TestClient(create_app(state), raise_server_exceptions=False) as c:
-        deadline = time.monotonic() + 60
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with served_app(state, raise_server_exceptions=False) as c:
         yield c
 
 

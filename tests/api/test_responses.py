@@ -10,7 +10,6 @@ The live-server companions (a restart, LoRA adapters, metrics) are in test_respo
 from __future__ import annotations
 
 import json
-import time
 
 import jsonschema
 import openai
@@ -25,15 +24,14 @@ from openai.types.responses import (
     ResponseTextDeltaEvent,
 )
 from pydantic import BaseModel, Field
-from starlette.testclient import TestClient
 
 from motet.actors.system import ServingSystem
-from motet.api.app import create_app
 from motet.api.auth import Authenticator
 from motet.api.response_store import ResponseStore
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
+from tests.served_app import served_app
 
 CITY = {
     "type": "object",
@@ -66,11 +64,7 @@ def app_client(tiny_model_dir, tmp_path_factory):
     store = ResponseStore(tmp_path_factory.mktemp("responses"))
     auth = Authenticator({"k-alice": "alice", "k-bob": "bob"})
     state = ServerState(system, ["tiny"], auth=auth, responses=store)
-    with TestClient(create_app(state)) as c:
-        deadline = time.monotonic() + 60
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with served_app(state) as c:
         yield c
 
 

@@ -4,16 +4,14 @@ may opt out with the same output, and /metrics shows acceptance."""
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
-from starlette.testclient import TestClient
 
 from motet.actors.system import ServingSystem
-from motet.api.app import create_app
 from motet.api.cli import build_parser, engine_config
 from motet.api.state import ServerState
 from motet.engine.llm_engine import LLMEngine
+from tests.served_app import served_app
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +22,7 @@ def client(tiny_model_dir):
     cfg = engine_config(args)
     assert cfg.speculative == "ngram"
     system = ServingSystem(lambda: LLMEngine(cfg, model_dir=tiny_model_dir), max_queue_len=16)
-    with TestClient(create_app(ServerState(system, ["tiny"]))) as c:
-        deadline = time.monotonic() + 60
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with served_app(ServerState(system, ["tiny"])) as c:
         yield c
 
 

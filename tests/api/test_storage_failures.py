@@ -13,17 +13,14 @@ import errno
 import json
 import os
 import sqlite3
-import time
 from pathlib import Path
 
 import openai
 import pytest
-from starlette.testclient import TestClient
 
 import motet.api.openai as api_openai
 from motet.actors.system import ServingSystem
 from motet.api.adapter_store import AdapterStore
-from motet.api.app import create_app
 from motet.api.auth import Authenticator
 from motet.api.openai import WARNING_HEADER
 from motet.api.response_store import FILENAME, ResponseStore
@@ -32,6 +29,7 @@ from motet.api.storage_errors import RETRY_AFTER_FULL_S, StorageFailure
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from tests.api.test_soak import make_adapter
+from tests.served_app import served_app
 
 ALICE, BOB = {"Authorization": "Bearer k-alice"}, {"Authorization": "Bearer k-bob"}
 
@@ -49,11 +47,7 @@ def served(tiny_model_dir, tmp_path_factory):
         responses=ResponseStore(data),
         adapters=AdapterStore(system, data, reserved=("tiny",), max_bytes=1 << 20),
     )
-    with TestClient(create_app(state)) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with served_app(state) as client:
         yield client, state, data
 
 

@@ -28,6 +28,7 @@ from motet.grammar.limits import GrammarLimitError, GrammarLimits, schema_stats
 from motet.grammar.schema_normalize import normalize_schema
 from motet.grammar.specs import ChoiceSpec, EbnfSpec, GrammarError, JsonSchemaSpec, RegexSpec
 from tests.dev_sets import dev_set, read_jsonl
+from tests.served_app import wait_healthy
 
 ALICE = {"Authorization": "Bearer k1", "Content-Type": "application/json"}
 BOB = {"Authorization": "Bearer k2", "Content-Type": "application/json"}
@@ -279,18 +280,11 @@ def _serve(tiny_model_dir, **config):
     return client, state
 
 
-def _wait_healthy(c):
-    deadline = time.monotonic() + 60
-    while c.get("/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def client(tiny_model_dir):
     c, _ = _serve(tiny_model_dir)
     with c:
-        _wait_healthy(c)
+        wait_healthy(c)
         yield c
 
 
@@ -330,7 +324,7 @@ def test_one_tenants_100k_enums_do_not_lock_out_another(tiny_model_dir):
     limits = GrammarLimits(max_enum_values=2 * BIG_ENUM, max_schema_bytes=4 << 20)
     c, state = _serve(tiny_model_dir, grammar_timeout_s=0.3, grammar_limits=limits)
     with c:
-        _wait_healthy(c)
+        wait_healthy(c)
         for first in (0, 1):  # two distinct schemas: two compilations, ~4 s each on the tiny vocabulary
             r = send(c, CHAT, chat(**json_schema({"enum": list(range(first, first + BIG_ENUM))})))
             refused(r, match="took longer than", param="response_format")
