@@ -8,7 +8,6 @@ request runs, and find their adapters again after a restart (which also serves a
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import tarfile
@@ -25,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.api.test_api import MODEL
 from tests.live_server import Server
+from tests.peft_adapters import strong_adapter
 
 slow = pytest.mark.slow
 
@@ -36,27 +36,13 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 RESULTS: dict[str, str] = {}  # outputs shared by the tests, in file order
 
 
-def make_adapter(base, out: Path, seed: int) -> Path:
-    """A random PEFT LoRA; lora_B is non-zero (PEFT inits it to zero) so that it changes the output."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"])
-    model = get_peft_model(copy.deepcopy(base), config)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data = torch.randn_like(p) * 0.2  # strong enough to change 8 greedy tokens
-    model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(default_model_dir, tmp_path_factory):
     from transformers import LlamaForCausalLM
 
     tmp = tmp_path_factory.mktemp("adapters")
     base = LlamaForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
-    return {who: make_adapter(base, tmp / who, seed) for seed, who in enumerate(("alice", "bob"))}
+    return {who: strong_adapter(base, tmp / who, seed) for seed, who in enumerate(("alice", "bob"))}
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +357,7 @@ def test_in_process_upload_use_delete(tiny_model_dir, tmp_path):
     from motet.engine.llm_engine import LLMEngine
     from tests.served_app import served_app
 
-    path = make_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "ad", seed=0)
+    path = strong_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "ad", seed=0)
     cfg = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=4, max_lora_rank=8)
     system = ServingSystem(lambda: LLMEngine(cfg, model_dir=tiny_model_dir))
     store = AdapterStore(system, tmp_path / "data", reserved=("tiny",), max_bytes=1 << 20)

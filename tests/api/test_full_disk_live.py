@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from tests.api.test_soak import make_adapter
 from tests.live_server import Server
+from tests.peft_adapters import make_adapter
 
 KEYS = {"sk-alice": "alice"}
 MODEL = "tiny"

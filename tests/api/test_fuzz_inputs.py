@@ -23,7 +23,7 @@ from motet.api.response_store import ResponseStore
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
-from tests.api.test_soak import make_adapter
+from tests.peft_adapters import make_adapter
 from tests.served_app import served_app
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from motet.api.auth import Authenticator
 from motet.api.errors import APIError
-from tests.api.test_soak import make_adapter
 from tests.live_server import ThreadServer
+from tests.peft_adapters import make_adapter
 
 KEYS = {
     "sk-alice": "alice",

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from motet.evals.server import free_port
-from tests.api.test_api_adapters import make_adapter
+from tests.peft_adapters import strong_adapter
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"\b(ready|serving|Uvicorn running)\b", re.IGNORECASE)
@@ -139,7 +139,7 @@ class LiveLog:
 def test_ready_only_once_health_is_200_and_names_the_facts(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    adapter = make_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "shout", seed=1)
+    adapter = strong_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "shout", seed=1)
     srv = LiveLog(
         tmp_path,
         "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--data-dir", str(tmp_path / "data"),

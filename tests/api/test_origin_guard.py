@@ -11,8 +11,8 @@ import json
 import httpx
 import pytest
 
-from tests.api.test_soak import make_adapter
 from tests.live_server import ThreadServer
+from tests.peft_adapters import make_adapter
 
 EVIL = "http://attacker.example"
 

@@ -23,8 +23,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.test_soak import make_adapter
 from tests.live_server import Server
+from tests.peft_adapters import make_adapter
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is missing: pip install -e '.[dev]'")
 expect = sync_api.expect

@@ -18,8 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from motet.api.response_store import FILENAME
-from tests.api.test_soak import make_adapter
 from tests.live_server import Server
+from tests.peft_adapters import make_adapter
 
 MODEL = "tiny"
 KEYS = {"sk-alice": "alice", "sk-bob": "bob", "sk-admin": {"admin": True}}

@@ -8,7 +8,6 @@ no KV block in use, no adapter pinned; and the server still answers.
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 import time
@@ -16,9 +15,9 @@ import time
 import anyio
 import httpx
 import pytest
-import torch
 
 from tests.live_server import Server
+from tests.peft_adapters import make_adapter
 
 KEYS = {"sk-a": "alice", "sk-b": "bob", "sk-c": "carol"}
 ADMIN_KEY = "sk-admin"  # reads /metrics
@@ -29,22 +28,6 @@ SCHEMA = {
     "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
     "required": ["name", "n"],
 }
-
-
-def make_adapter(model_dir, out, seed: int):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(
-        copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    )
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data = torch.randn_like(p) * 0.2
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from motet.api.state import ServerState
 from motet.api.storage_errors import RETRY_AFTER_FULL_S, StorageFailure
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
-from tests.api.test_soak import make_adapter
+from tests.peft_adapters import make_adapter
 from tests.served_app import served_app
 
 ALICE, BOB = {"Authorization": "Bearer k-alice"}, {"Authorization": "Bearer k-bob"}

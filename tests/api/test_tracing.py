@@ -13,8 +13,8 @@ import httpx
 import openai
 
 from motet.evals.otlp_receiver import OTLPReceiver
-from tests.api.test_soak import make_adapter
 from tests.live_server import Server
+from tests.peft_adapters import make_adapter
 
 MODEL = "tiny"
 KEYS = {"sk-alice": "alice", "sk-bob": "bob"}

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from tests.api.test_soak import make_adapter
 from tests.live_server import Server
+from tests.peft_adapters import make_adapter
 
 MODEL = "tiny"
 KEYS = {"sk-alice": "alice", "sk-bob": "bob", "sk-ops": {"admin": True}}

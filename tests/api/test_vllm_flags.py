@@ -16,8 +16,8 @@ from motet.engine.config import EngineConfig, ModelLoadError
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.memory import available_host_memory
 from motet.engine.model_runner import kv_block_bytes
-from tests.api.test_soak import make_adapter
 from tests.live_server import Server, ThreadServer
+from tests.peft_adapters import make_adapter
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

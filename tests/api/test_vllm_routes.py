@@ -13,8 +13,8 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from tests.api.test_soak import make_adapter
 from tests.live_server import Server
+from tests.peft_adapters import make_adapter
 
 MODEL = "tiny"
 KEYS = {"sk-alice": "alice", "sk-bob": "bob"}

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from tests.api.test_api_adapters import make_adapter, two_files  # noqa: E402
+from tests.api.test_api_adapters import two_files  # noqa: E402
 from tests.live_server import Server  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a Ray cluster and two replicas take a minute or two to start here
@@ -41,14 +41,6 @@ CHAT = [{"role": "user", "content": "The quick brown fox"}]
 GREEDY = dict(temperature=0, max_tokens=12)
 LONG = dict(temperature=0, max_tokens=300, extra_body={"ignore_eos": True})  # ~1 s each on the tiny model
 DRAIN = dict(temperature=0, max_tokens=1200, extra_body={"ignore_eos": True})  # in flight over a SIGTERM
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    return make_adapter(base, tmp_path_factory.mktemp("cluster-adapter") / "a", seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from tests.api.test_api_adapters import make_adapter, two_files  # noqa: E402
+from tests.api.test_api_adapters import two_files  # noqa: E402
 from tests.cluster.test_cluster import KEYS, MODEL, cmdline, http, per_replica, sdk, wait_for  # noqa: E402
 from tests.live_server import Server  # noqa: E402
 
@@ -38,14 +38,6 @@ SCHEMA = {
 def chat(i: int, words: int = 90) -> list[dict]:
     """A prompt of well over MIN_PREFILL_BLOCKS blocks (16 tokens each), its own per i."""
     return [{"role": "user", "content": " ".join(f"w{(i * 7 + j) % 97}" for j in range(words))}]
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    return make_adapter(base, tmp_path_factory.mktemp("pd-adapter") / "a", seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from tests.engine.test_engine import PROMPTS, engine_logits
-from tests.lora.test_lora_engine import tiny_loras, tiny_requests  # noqa: F401 (a fixture)
+from tests.peft_adapters import tiny_requests
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels")
@@ -56,7 +56,7 @@ def test_compiled_bf16_close_to_eager_bf16_and_fp32(tiny_model_dir):
         assert (p_comp - p_ref).abs().max() <= max(0.01, (p_eager - p_ref).abs().max())
 
 
-def test_compiled_mixed_adapters_equal_eager(tiny_model_dir, tiny_loras):  # noqa: F811
+def test_compiled_mixed_adapters_equal_eager(tiny_model_dir, tiny_loras):
     prompts, names = tiny_requests()
     outs = []
     for engine in engines(tiny_model_dir, max_loras=4):
@@ -67,7 +67,7 @@ def test_compiled_mixed_adapters_equal_eager(tiny_model_dir, tiny_loras):  # noq
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
-def test_compiled_greedy_equals_eager(tiny_model_dir, tiny_loras):  # noqa: F811
+def test_compiled_greedy_equals_eager(tiny_model_dir, tiny_loras):
     prompts, names = tiny_requests()
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens = []

@@ -12,7 +12,7 @@ from motet.engine.kv_shared import SharedTier
 from motet.engine.kv_tiers import encode_entry, entry_name
 from motet.engine.sampling_params import SamplingParams
 from tests.engine.test_kv_tiers import BS, base_reference, greedy, small_llm, tier_stats, tokens
-from tests.lora.test_lora_engine import peft_reference, tiny_loras  # noqa: F401 (a fixture)
+from tests.peft_adapters import peft_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -25,7 +25,7 @@ def entries(store) -> list:
     return sorted(store.glob("*/*.kv"))
 
 
-def test_a_prefix_computed_by_one_replica_is_loaded_by_another(tiny_model_dir, tiny_loras, tmp_path):  # noqa: F811
+def test_a_prefix_computed_by_one_replica_is_loaded_by_another(tiny_model_dir, tiny_loras, tmp_path):
     peft, paths = tiny_loras
     store = tmp_path / "shared"
     prefill, decode = replica(tiny_model_dir, store, paths), replica(tiny_model_dir, store, paths)
@@ -53,7 +53,7 @@ def test_wait_saved_hands_every_full_prompt_block_over(tiny_model_dir, tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_damaged_shared_entry_is_dropped_and_recomputed(tiny_model_dir, tiny_loras, tmp_path, damage):  # noqa: F811
+def test_a_damaged_shared_entry_is_dropped_and_recomputed(tiny_model_dir, tiny_loras, tmp_path, damage):
     peft, _ = tiny_loras
     store = tmp_path / "shared"
     first = replica(tiny_model_dir, store)
@@ -107,7 +107,7 @@ def test_a_salted_tenant_never_reads_another_tenants_shared_blocks(tiny_model_di
     assert prefix_salt("alice", None) != prefix_salt("bob", None)
 
 
-def test_an_fsspec_url_store(tiny_model_dir, tiny_loras, tmp_path):  # noqa: F811
+def test_an_fsspec_url_store(tiny_model_dir, tiny_loras, tmp_path):
     peft, _ = tiny_loras
     url = f"file://{tmp_path / 'shared'}"
     a, b = replica(tiny_model_dir, url), replica(tiny_model_dir, url)

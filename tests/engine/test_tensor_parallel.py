@@ -20,14 +20,9 @@ from motet.engine.sampling_params import SamplingParams
 from motet.grammar.specs import JsonSchemaSpec
 from tests.engine.speculative.test_speculative_grammar import SCHEMA
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
-from tests.lora.test_lora_engine import (
-    TINY_ADAPTERS,
-    peft_reference,
-    pool_bytes_for,
-    save_peft_adapters,
-    tiny_requests,
-)
+from tests.lora.test_lora_engine import pool_bytes_for
 from tests.models.test_moe import MOE_MODELS
+from tests.peft_adapters import TINY_ADAPTERS, peft_reference, save_peft_adapters, tiny_requests
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -22,8 +22,8 @@ from motet.engine.sampling_params import SamplingParams
 from motet.kernels import activation, fused_norm, rope_kv
 from motet.kernels.rope_kv import RotaryAngles
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
-from tests.lora.test_lora_engine import peft_reference, tiny_loras, tiny_requests  # noqa: F401 (a fixture)
 from tests.models.test_moe import MOE_MODELS, randomize_norms
+from tests.peft_adapters import peft_reference, tiny_requests
 from tests.tiny_models import build_tiny_model
 
 pytestmark = [
@@ -383,7 +383,7 @@ def test_model_bf16_close_to_the_torch_path(tiny_model_dir, fused, monkeypatch):
         assert (g.softmax(-1) - f.softmax(-1)).abs().max() < 0.05
 
 
-def test_model_with_adapters_matches_peft(tiny_model_dir, tiny_loras, fused):  # noqa: F811
+def test_model_with_adapters_matches_peft(tiny_model_dir, tiny_loras, fused):
     """The LoRA deltas land in qkv before the fused rotary reads it: mixed adapters give what PEFT gives."""
     peft, paths = tiny_loras
     engine = eager_engine(tiny_model_dir, max_lora_rank=32)

@@ -25,8 +25,8 @@ from motet.engine.memory import weights_bytes
 from motet.kernels import cpu_native
 from motet.kernels.quant import BLOCK, FORMATS, INT8, quantize_activations
 from tests.engine.test_engine import PROMPTS, engine_logits
-from tests.engine.test_model_store import GGUF_NAME, _llama_cpp_permute, gguf_dir, wheel_dir  # noqa: F401 (fixtures)
-from tests.lora.test_lora_engine import TINY_ADAPTERS, peft_reference, save_peft_adapters, tiny_requests
+from tests.engine.test_model_store import GGUF_NAME, _llama_cpp_permute
+from tests.peft_adapters import TINY_ADAPTERS, peft_reference, save_peft_adapters, tiny_requests
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -439,7 +439,7 @@ def test_a_directory_without_a_gguf_file_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_from_its_q4_1_file_equals_the_dequantized_model(default_model_dir, gguf_dir, tmp_path):  # noqa: F811
+def test_default_model_from_its_q4_1_file_equals_the_dequantized_model(default_model_dir, gguf_dir, tmp_path):
     """The default model served from the GGUF it is pulled from (Q4_1 projections kept as int4 blocks) gives
     the next-token distributions of transformers on the float checkpoint `motet pull` dequantizes from the
     same file, with the quantized products' inputs rounded as the CPU product rounds them. (Greedy agreement

@@ -20,8 +20,8 @@ from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.models import DECLARATIONS, SUPPORTED_ARCHITECTURES
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
-from tests.lora.test_lora_engine import peft_reference, save_peft_adapters
 from tests.models.test_moe import PATHS, hf_greedy, randomize_norms
+from tests.peft_adapters import peft_reference, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -18,7 +18,7 @@ from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from motet.lora.adapter import AdapterError
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
-from tests.lora.test_lora_engine import peft_reference, save_peft_adapters
+from tests.peft_adapters import peft_reference, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -17,7 +17,7 @@ from motet.engine.sampling_params import SamplingParams
 from motet.engine.sequence import Sequence
 from motet.engine.speculative.ngram import NgramIndex
 from motet.engine.speculative.proposer import DraftState, SpeculativeConfig, Speculator
-from tests.lora.test_lora_engine import peft_reference, tiny_llm, tiny_loras, tiny_requests  # noqa: F401
+from tests.peft_adapters import peft_reference, tiny_llm, tiny_requests
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -26,18 +26,15 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 10, [100, 101, 102, 103] * 5 + [7, 8], list(range(3, 40)) * 2]
 
 
+def speculating(model_dir, **options) -> LLM:
+    """An engine with n-gram drafts in every step, whatever the batch."""
+    return LLM(str(model_dir), block_size=4, speculative="ngram", speculative_overhead_tokens=1e6, **options)
+
+
 def pair(model_dir, **options) -> tuple[LLM, LLM]:
-    """The same engine without and with speculation (drafts in every step, whatever the batch)."""
+    """The same engine without and with speculation."""
     off = LLM(str(model_dir), num_kv_blocks=256, block_size=4, speculative="off", **options)
-    on = LLM(
-        str(model_dir),
-        num_kv_blocks=256,
-        block_size=4,
-        speculative="ngram",
-        speculative_overhead_tokens=1e6,
-        **options,
-    )
-    return off, on
+    return off, speculating(model_dir, num_kv_blocks=256, **options)
 
 
 def accepted(llm: LLM) -> int:
@@ -87,7 +84,7 @@ def test_eager_and_compiled_verify_alike(tiny_model_dir):
     assert [o.token_ids for o in a] == [o.token_ids for o in b] and accepted(compiled) > 0
 
 
-def test_mixed_adapter_batch_matches_peft(tiny_model_dir, tiny_loras):  # noqa: F811
+def test_mixed_adapter_batch_matches_peft(tiny_model_dir, tiny_loras):
     peft, paths = tiny_loras
     prompts, names = tiny_requests()
     prompts = [p * 3 for p in prompts]  # repeated: drafts to verify under each row's own adapter
@@ -157,13 +154,7 @@ def test_preemption_and_the_prefix_cache_keep_no_rejected_draft(tiny_model_dir):
     ample = LLM(str(tiny_model_dir), num_kv_blocks=512, block_size=4, speculative="off").generate(
         prompts, params
     )
-    tight = LLM(
-        str(tiny_model_dir),
-        num_kv_blocks=40,
-        block_size=4,
-        speculative="ngram",
-        speculative_overhead_tokens=1e6,
-    )
+    tight = speculating(tiny_model_dir, num_kv_blocks=40)
     outs = tight.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
     engine = tight.engine
