@@ -16,6 +16,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tests.api.test_api import MODEL
+from tests.grammar.test_tool_calls import tool_call_turns
 from tests.live_server import Server
 
 pytestmark = pytest.mark.slow
@@ -176,20 +177,7 @@ def test_streamed_tool_calls_accumulate_to_the_non_streamed_response(client):
 
 
 def test_tool_history_renders_back_into_the_prompt(client):
-    history = ASK + [
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "7"},
-    ]
+    history = ASK + tool_call_turns("call_1", "add", '{"a": 3, "b": 4}', "7")
     r = chat(client, history, tools=TOOLS, tool_choice="none", max_tokens=30)
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
     bare = chat(client, ASK, max_tokens=1)

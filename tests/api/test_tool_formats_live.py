@@ -13,6 +13,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tests.api.test_api import MODEL
 from tests.api.test_api_structured import ASK, SCHEMAS, TOOLS
+from tests.grammar.test_tool_calls import tool_call_turns
 from tests.live_server import Server
 
 pytestmark = pytest.mark.slow
@@ -55,20 +56,7 @@ def test_forced_calls_streamed_and_rendered_back(tmp_path_factory, parser):
         (call,) = calls_of(chat(tool_choice=named, parallel_tool_calls=False).choices[0].message)
         assert call[0] == "get_weather"
 
-        history = ASK + [
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "call_1",
-                        "type": "function",
-                        "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "call_1", "content": "7"},
-        ]
+        history = ASK + tool_call_turns("call_1", "add", '{"a": 3, "b": 4}', "7")
         r = client.chat.completions.create(
             model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=20, temperature=0
         )

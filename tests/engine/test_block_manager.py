@@ -8,6 +8,15 @@ def seq(tokens, adapter_id=0):
     return Sequence(list(tokens), adapter_id=adapter_id)
 
 
+def computed(bm: BlockManager, tokens, adapter_id=0) -> Sequence:
+    """A sequence whose whole prompt was computed, its full blocks in the prefix cache."""
+    s = seq(tokens, adapter_id)
+    bm.allocate_slots(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_full_blocks(s)
+    return s
+
+
 def test_allocate_and_free_returns_every_block():
     bm = BlockManager(num_blocks=8, block_size=4)
     s = seq(range(10))
@@ -46,31 +55,21 @@ def test_prefix_shared_without_copy_and_counted():
 
 def test_whole_prompt_hit_leaves_one_token_to_compute():
     bm = BlockManager(num_blocks=16, block_size=4)
-    a = seq(range(8))
-    bm.allocate_slots(a, 8)
-    a.num_computed_tokens = 8
-    bm.cache_full_blocks(a)
+    computed(bm, range(8))
     b = seq(range(8))
     assert bm.match_prefix(b) == 4  # the last block holds the token whose logits we need
 
 
 def test_different_adapters_share_no_blocks():
     bm = BlockManager(num_blocks=16, block_size=4)
-    a = seq(range(12), adapter_id=1)
-    bm.allocate_slots(a, 12)
-    a.num_computed_tokens = 12
-    bm.cache_full_blocks(a)
+    computed(bm, range(12), adapter_id=1)
     assert bm.match_prefix(seq(range(12), adapter_id=2)) == 0
     assert bm.match_prefix(seq(range(12), adapter_id=1)) == 8
 
 
 def test_freed_blocks_stay_cached_until_evicted_lru():
     bm = BlockManager(num_blocks=4, block_size=4)
-    a = seq(range(9))
-    bm.allocate_slots(a, 9)
-    a.num_computed_tokens = 9
-    bm.cache_full_blocks(a)
-    bm.free_seq(a)
+    bm.free_seq(computed(bm, range(9)))
     assert bm.num_free_blocks == 4
     # Still cached after free: a new sequence with the prefix hits.
     b = seq(range(9))

@@ -10,16 +10,9 @@ from safetensors.torch import save_file
 
 from motet.engine.checkpoint import iter_weights, load_model_config, load_state_dict, weight_files
 from motet.engine.config import ModelLoadError
+from tests.tiny_models import TINY_LAYERS
 
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+TINY = dict(vocab_size=256, **TINY_LAYERS, max_position_embeddings=512)
 
 
 def _make(kind: str, tied: bool):

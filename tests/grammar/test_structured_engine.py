@@ -18,6 +18,7 @@ from motet.engine.sampling_params import SamplingParams
 from motet.grammar.specs import ChoiceSpec, JsonSchemaSpec, RegexSpec, StructuralTagSpec
 from motet.grammar.tool_call_parser import parse_tool_calls
 from motet.grammar.tool_calls import tool_call_structural_tag, validate_tools
+from tests.grammar.test_tool_calls import bfcl_tool
 
 pytestmark = pytest.mark.slow
 
@@ -30,18 +31,9 @@ PERSON = {
     },
     "required": ["name", "age", "city"],
 }
+UNIT = {"type": "string", "enum": ["c", "f"]}
 TOOLS = validate_tools(
-    [
-        {
-            "name": "get_weather",
-            "description": "Current weather of a city",
-            "parameters": {
-                "type": "dict",
-                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
-                "required": ["city", "unit"],
-            },
-        }
-    ]
+    [bfcl_tool("get_weather", "Current weather of a city", city={"type": "string"}, unit=UNIT)]
 )
 
 

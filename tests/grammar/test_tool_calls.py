@@ -526,6 +526,21 @@ def test_parse_tool_calls(text, content, calls):
     assert stream(text, [len(text)]) == (content or "", calls)  # one delta
 
 
+def bfcl_tool(name: str, description: str, **properties: dict) -> dict:
+    """A function as BFCL writes one (parameters of type "dict"), every property required."""
+    parameters = {"type": "dict", "properties": properties, "required": list(properties)}
+    return {"name": name, "description": description, "parameters": parameters}
+
+
+def tool_call_turns(call_id: str, name: str, arguments: str, result: str) -> list[dict]:
+    """A past tool call as chat messages: the assistant's turn calling `name`, then the tool's answer."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
+
+
 # ---------------------------------------------------------------------------------------------------
 # ToolCallStreamParser
 

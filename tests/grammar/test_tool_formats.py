@@ -23,6 +23,7 @@ from motet.grammar.tool_formats import (
     tool_format,
 )
 from motet.grammar.tool_prompt import render_messages
+from tests.grammar.test_tool_calls import collect, tool_call_turns
 
 MODEL_DIR = Path(os.path.expanduser("~/.cache/motet/models/SmolLM2-135M-Instruct"))
 
@@ -258,22 +259,6 @@ def test_truncated_arguments_are_kept_as_written():
 
 # ---------------------------------------------------------------------------------------------------
 # Streaming equals parsing
-
-
-def collect(events):
-    content, calls = [], []
-    for ev in events:
-        if isinstance(ev, ContentDelta):
-            assert ev.text
-            content.append(ev.text)
-        elif isinstance(ev, ToolCallStart):
-            assert ev.index == len(calls)
-            calls.append([ev.name, ""])
-        else:
-            assert isinstance(ev, ToolCallArguments) and ev.fragment
-            assert ev.index == len(calls) - 1
-            calls[-1][1] += ev.fragment
-    return "".join(content), [tuple(c) for c in calls]
 
 
 def stream(fmt, text, cuts):
@@ -526,21 +511,8 @@ def test_calls_text_parses_back(fmt):
 
 
 def test_render_history_in_each_format():
-    history = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "c1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"location": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "c1", "content": "Sunny."},
-    ]
+    history = [{"role": "user", "content": "Weather in Paris?"}]
+    history += tool_call_turns("c1", "get_weather", '{"location": "Paris"}', "Sunny.")
     tools = validate_tools([WEATHER])
     assert render_messages(history, tools, "tool", HERMES) == render_messages(history, tools)  # unchanged
     mistral = render_messages(history, tools, "tool", MISTRAL)

@@ -20,20 +20,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from motet.engine.config import ModelConfig
 from motet.lora.adapter import AdapterError, load_adapter, module_shape
+from tests.lora.test_lora_pool import BASE
 
-BASE = ModelConfig.from_dict(
-    {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    }
-)
 QV = ("q_proj", "v_proj")
 Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 SLOW_S = 5.0  # a refusal must come well within this (the slow inputs took from seconds to hours before)

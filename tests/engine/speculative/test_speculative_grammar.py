@@ -19,6 +19,7 @@ from motet.grammar.backend import allocate_bitmask
 from motet.grammar.specs import JsonSchemaSpec, StructuralTagSpec
 from motet.grammar.tool_calls import tool_call_structural_tag, validate_tools
 from tests.engine.speculative.test_speculative import pair
+from tests.grammar.test_tool_calls import bfcl_tool
 
 SCHEMA = {
     "type": "object",
@@ -29,19 +30,7 @@ SCHEMA = {
     },
     "required": ["name", "tokens", "ok"],
 }
-TOOLS = validate_tools(
-    [
-        {
-            "name": "add",
-            "description": "Add two numbers",
-            "parameters": {
-                "type": "dict",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a", "b"],
-            },
-        }
-    ]
-)
+TOOLS = validate_tools([bfcl_tool("add", "Add two numbers", a={"type": "integer"}, b={"type": "integer"})])
 
 
 @pytest.fixture(scope="module")

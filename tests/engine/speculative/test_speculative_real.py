@@ -12,6 +12,7 @@ from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.specs import JsonSchemaSpec, StructuralTagSpec
 from motet.grammar.tool_calls import tool_call_structural_tag, validate_tools
+from tests.grammar.test_tool_calls import bfcl_tool
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +26,7 @@ SCHEMA = {
     "required": ["name", "email", "city"],
 }
 TOOLS = validate_tools(
-    [
-        {
-            "name": "send_email",
-            "description": "Send an email",
-            "parameters": {
-                "type": "dict",
-                "properties": {"to": {"type": "string"}, "subject": {"type": "string"}},
-                "required": ["to", "subject"],
-            },
-        }
-    ]
+    [bfcl_tool("send_email", "Send an email", to={"type": "string"}, subject={"type": "string"})]
 )
 
 
