@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from motet.api.generation_config import GenerationConfigError, sampling_defaults
+from tests.engine.test_engine import hf_greedy
 from tests.live_server import ThreadServer
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -39,11 +40,6 @@ def greedy_model(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt) :].tolist()
 
 
 def complete(srv, **body) -> dict:

@@ -16,21 +16,14 @@ import pytest
 
 from motet.api.errors import APIError
 from motet.api.rate_limits import RateLimiter, TenantLimits, duration
+from tests.clock import Clock
 from tests.live_server import Server
 
 MODEL = "tiny"
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_buckets_refill_continuously_and_say_when_to_come_back():
-    clock = Clock()
+    clock = Clock(100.0)
     lim = RateLimiter({"a": TenantLimits(rpm=2, tpm=100)}, clock=clock)
     h = lim.admit("a")
     assert h["x-ratelimit-limit-requests"] == "2" and h["x-ratelimit-remaining-requests"] == "1"
@@ -55,7 +48,7 @@ def test_buckets_refill_continuously_and_say_when_to_come_back():
 
 
 def test_concurrency_and_reload_keep_what_was_used():
-    clock = Clock()
+    clock = Clock(100.0)
     lim = RateLimiter({"a": TenantLimits(max_concurrent=1, rpm=10)}, clock=clock)
     lim.admit("a")
     with pytest.raises(APIError, match=r"concurrent requests \(1\)"):

@@ -17,6 +17,7 @@ import torch
 from tokenizers import Tokenizer, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.engine.test_engine import hf_greedy
 from tests.live_server import ThreadServer
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -91,11 +92,6 @@ def refused(r: httpx.Response, param: str, match: str = "") -> dict:
 
 def chat(server, **body) -> dict:
     return ok(post(server, "chat/completions", {"messages": USER, "max_tokens": 4, "temperature": 0, **body}))
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt) :].tolist()
 
 
 def rendered_ids(tok, messages, **kw) -> list[int]:

@@ -24,6 +24,12 @@ def hf_logits(model_dir, prompt):
         return hf(torch.tensor([prompt])).logits[0]
 
 
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of the prompt, exactly n tokens (EOS masked, as ignore_eos does)."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
 def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters=None, order=None):
     """All-row logits of each prompt, computed in flattened batches (optionally in chunks, with
     per-prompt adapters by name, sequences visited in `order`)."""
@@ -128,8 +134,7 @@ def test_greedy_generation_matches_hf_generate(tiny_model_dir):
     outs = llm.generate(PROMPTS, params)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
-        assert out.token_ids == ref[0, len(prompt) :].tolist()
+        assert out.token_ids == hf_greedy(hf, prompt, 12)
         assert out.finish_reason == "length"
 
 

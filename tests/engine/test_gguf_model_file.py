@@ -27,19 +27,18 @@ from motet.engine.config import EngineConfig, ModelLoadError
 from motet.engine.llm import LLM
 from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
-from motet.kernels import cpu_native
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.kernels.test_quantization import (
     GGUF_TYPES,
     add_llama_tensors,
     assert_close_but_for_rounding_flips,
     gguf_reference,
+    needs_native,
     quantizing_inputs,
 )
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels")
 OPTIONS = dict(device="cpu", block_size=8, num_kv_blocks=256)
 UNTIED_TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0"}  # the rest F32, output.weight too
 TEXTS = [

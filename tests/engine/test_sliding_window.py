@@ -13,7 +13,7 @@ from motet.engine.kv_window import ring_blocks
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
-from tests.engine.test_engine import engine_logits, hf_logits
+from tests.engine.test_engine import engine_logits, hf_greedy, hf_logits
 from tests.models.test_moe import randomize_norms
 from tests.tiny_models import build_tiny_model
 
@@ -80,8 +80,7 @@ def test_greedy_past_the_window_matches_transformers_generate(model_dir):
     outs = llm.generate(prompts, params)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs, strict=True):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, min_new_tokens=40)
-        assert out.token_ids == ref[0, len(prompt) :].tolist()
+        assert out.token_ids == hf_greedy(hf, prompt, 40)
     window = llm.engine.block_manager.window
     assert window.num_used_blocks == 0  # every ring given back
 

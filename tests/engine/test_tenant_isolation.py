@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from motet.engine.speculative.history import DraftScope, OutputHistory
+from tests.clock import Clock
 from tests.live_server import ROOT, Server
 
 MODEL = "tiny"
@@ -261,14 +262,6 @@ def test_salted_hashes_agree_across_processes():
 # -- the speculation history: budgets per tenant ----------------------------------------------------------------
 def scope(tenant: str, adapter: int = 0) -> DraftScope:
     return DraftScope(tenant, None, adapter, None, False)
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_another_tenants_traffic_cannot_evict_a_tenants_history():

@@ -26,7 +26,7 @@ from motet.engine.config import ModelLoadError
 from motet.engine.gguf_weights import iter_gguf_weights
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
-from motet.kernels import cpu_native, ggml_blocks
+from motet.kernels import ggml_blocks
 from motet.kernels.gptq_awq import from_gptq
 from motet.kernels.quant import BLOCK, INT4, INT8
 from tests.engine.test_engine import PROMPTS, engine_logits
@@ -34,13 +34,13 @@ from tests.kernels.test_quantization import (
     HF_OF_GGUF,
     engine,
     gguf_reference,
+    needs_native,
     quantizing_inputs,
     write_gguf,
 )
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels")
 T = gguf.GGMLQuantizationType
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

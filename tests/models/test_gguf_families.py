@@ -24,16 +24,18 @@ from transformers import AutoModelForCausalLM
 from motet.engine.config import ModelLoadError
 from motet.engine.gguf_convert import convert_gguf, hf_config, hf_name, metadata_of, write_hf_metadata
 from motet.engine.llm import LLM
-from motet.kernels import cpu_native
 from motet.models import from_gguf
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.engine.test_gguf_model_file import OPTIONS, add_gpt2_vocab
-from tests.kernels.test_quantization import assert_close_but_for_rounding_flips, quantizing_inputs
+from tests.kernels.test_quantization import (
+    assert_close_but_for_rounding_flips,
+    needs_native,
+    quantizing_inputs,
+)
 from tests.models.test_moe import randomize_norms
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels")
 
 # tiny_models arch (= its GGUF architecture) -> the overrides of its checkpoint: each family's options where the
 # GGUF carries them (Gemma's query scale: 1/sqrt(head_dim), as llama.cpp assumes but for the 27B models)

@@ -15,7 +15,7 @@ from motet.engine.config import EngineConfig, ModelConfig, ModelLoadError
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
-from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
+from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy, hf_logits
 from tests.tiny_models import build_tiny_model
 
 WINDOW = 12
@@ -85,8 +85,7 @@ def test_logits_and_greedy_match_transformers(model_dir, compiled):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
     for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
-        assert out.token_ids == ref[0, len(prompt) :].tolist()
+        assert out.token_ids == hf_greedy(hf, prompt, 24)
 
 
 def test_what_is_not_served_yet_is_refused_by_name(model_dir, tmp_path):

@@ -20,7 +20,7 @@ from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.models import DECLARATIONS, SUPPORTED_ARCHITECTURES
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
-from tests.models.test_moe import PATHS, hf_greedy, randomize_norms
+from tests.models.test_moe import PATHS, hf_greedy_outputs, randomize_norms
 from tests.peft_adapters import peft_reference, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 
@@ -189,7 +189,7 @@ def test_family_matches_transformers(family, compiled):
             torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
     params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
     prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[5], PROMPTS[2]]
-    expected = hf_greedy(model_dir, prompts, 32)
+    expected = hf_greedy_outputs(model_dir, prompts, 32)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     hits = llm.engine.stats().prefix_cache_hits
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected  # again, from the prefix cache

@@ -17,7 +17,7 @@ from motet.engine.model import SparseMoE
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from motet.lora.adapter import AdapterError
-from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
+from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy, hf_logits
 from tests.peft_adapters import peft_reference, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 
@@ -134,15 +134,9 @@ def test_moe_long_prefill_matches_hf(moe_model, compiled):
         torch.testing.assert_close(got, hf_logits(moe_model, prompt), atol=2e-4, rtol=1e-4)
 
 
-def hf_greedy(model_dir, prompts, new_tokens: int) -> list[list[int]]:
+def hf_greedy_outputs(model_dir, prompts, new_tokens: int) -> list[list[int]]:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    for prompt in prompts:
-        ref = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens
-        )
-        outs.append(ref[0, len(prompt) :].tolist())
-    return outs
+    return [hf_greedy(hf, prompt, new_tokens) for prompt in prompts]
 
 
 @pytest.mark.parametrize("compiled", PATHS)
@@ -155,7 +149,7 @@ def test_moe_greedy_matches_hf_generate(moe_model, compiled):
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)  # HF: min_new_tokens
     prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[5], PROMPTS[2]]  # 5, 60, 33 and 17 tokens
     outs = llm.generate(prompts, params)
-    assert [out.token_ids for out in outs] == hf_greedy(moe_model, prompts, 16)
+    assert [out.token_ids for out in outs] == hf_greedy_outputs(moe_model, prompts, 16)
 
 
 def test_moe_compiled_bf16_close_to_eager_bf16_and_fp32(moe_model):
@@ -273,7 +267,7 @@ def test_tied_router_scores_pick_the_experts_torch_topk_picks(mixtral_dir, tmp_p
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-    assert [done[i] for i in ids] == hf_greedy(tmp_path, prompts, 8)
+    assert [done[i] for i in ids] == hf_greedy_outputs(tmp_path, prompts, 8)
 
 
 def test_transformers_5_stacked_expert_layout_loads(mixtral_dir, tmp_path):

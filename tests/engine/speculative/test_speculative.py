@@ -17,6 +17,7 @@ from motet.engine.sampling_params import SamplingParams
 from motet.engine.sequence import Sequence
 from motet.engine.speculative.ngram import NgramIndex
 from motet.engine.speculative.proposer import DraftState, SpeculativeConfig, Speculator
+from tests.engine.test_engine import hf_greedy
 from tests.peft_adapters import peft_reference, tiny_llm, tiny_requests
 from tests.tiny_models import build_tiny_model
 
@@ -69,8 +70,7 @@ def test_greedy_is_the_plain_engines_and_hfs(tiny_model_dir):
     assert accepted(on) > 0 and on.engine.num_steps < off.engine.num_steps
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, spec, strict=True):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
-        assert out.token_ids == ref[0, len(prompt) :].tolist()
+        assert out.token_ids == hf_greedy(hf, prompt, 40)
     bm = on.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # rejected drafts' blocks came back too
 
