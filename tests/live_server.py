@@ -3,6 +3,7 @@ thread of the test process (ThreadServer: the same flags, state and uvicorn serv
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,13 @@ import httpx
 from motet.evals.server import ServerError, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def keys_file(tmp: Path, keys: dict) -> str:
+    """`--api-keys`' file (key -> tenant, or -> {"admin": true}) written in tmp; its path, for the flag."""
+    path = tmp / "keys.json"
+    path.write_text(json.dumps(keys))
+    return str(path)
 
 
 class Server:

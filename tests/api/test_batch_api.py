@@ -27,7 +27,7 @@ from motet.api.batch_format import Line, error_line, response_line
 from motet.api.batch_runner import BatchGate, LowPriority
 from motet.api.batch_store import BatchStore
 from motet.api.file_store import FileQuotaExceeded, FileStore, FileTooLarge
-from tests.live_server import ROOT, Server
+from tests.live_server import ROOT, Server, keys_file
 
 MODEL = "tiny"
 KEYS = {"sk-ops": {"admin": True}, "sk-alice": "alice", "sk-bob": "bob"}  # an admin key speaks for no tenant
@@ -36,10 +36,9 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
 def start(tiny_model_dir, tmp: Path, data: str, *extra: str) -> Server:
-    (tmp / "keys.json").write_text(json.dumps(KEYS))
     return Server(
         tmp,
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(tmp / "keys.json"),
+        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", keys_file(tmp, KEYS),
         "--data-dir", str(tmp / data), "--threads", "1", "--max-model-len", "1024", "--max-num-seqs", "8",
         "--files-max-bytes", str(MAX_FILE_BYTES), *extra,
         start_timeout=180,

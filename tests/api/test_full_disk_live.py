@@ -11,7 +11,6 @@ with a database made full by `PRAGMA max_page_count` and a fault-injecting os.wr
 from __future__ import annotations
 
 import errno
-import json
 import subprocess
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.live_server import Server
+from tests.live_server import Server, keys_file
 from tests.peft_adapters import make_adapter
 
 KEYS = {"sk-alice": "alice"}
@@ -39,10 +38,9 @@ def small_disk(tmp_path_factory):
 
 
 def start(tiny_model_dir, small_disk: Path, tmp: Path) -> Server:
-    (tmp / "keys.json").write_text(json.dumps(KEYS))
     return Server(
         tmp,
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(tmp / "keys.json"),
+        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", keys_file(tmp, KEYS),
         "--data-dir", str(small_disk / "data"), "--threads", "1", "--max-model-len", "512",
         start_timeout=120,
     )  # fmt: skip

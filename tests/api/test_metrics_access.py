@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from motet.api.auth import Authenticator
 from motet.api.errors import APIError
-from tests.live_server import ThreadServer
+from tests.live_server import ThreadServer, keys_file
 from tests.peft_adapters import make_adapter
 
 KEYS = {
@@ -33,9 +33,8 @@ def bearer(key: str) -> dict:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("metrics-access")
-    (tmp / "keys.json").write_text(json.dumps(KEYS))
     srv = ThreadServer(
-        "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--api-keys", str(tmp / "keys.json"),
+        "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--api-keys", keys_file(tmp, KEYS),
         "--data-dir", str(tmp / "data"), "--threads", "1", "--num-kv-blocks", "256", "--max-loras", "1",
     )  # fmt: skip
     path = make_adapter(tiny_model_dir, tmp / "adapter", seed=1)

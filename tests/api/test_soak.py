@@ -8,7 +8,6 @@ no KV block in use, no adapter pinned; and the server still answers.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 
@@ -16,7 +15,7 @@ import anyio
 import httpx
 import pytest
 
-from tests.live_server import Server
+from tests.live_server import Server, keys_file
 from tests.peft_adapters import make_adapter
 
 KEYS = {"sk-a": "alice", "sk-b": "bob", "sk-c": "carol"}
@@ -33,10 +32,10 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("soak")
-    (tmp / "keys.json").write_text(json.dumps({**KEYS, ADMIN_KEY: {"admin": True}}))
+    keys = keys_file(tmp, {**KEYS, ADMIN_KEY: {"admin": True}})
     srv = Server(
         tmp,
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(tmp / "keys.json"),
+        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", keys,
         "--data-dir", str(tmp / "data"), "--threads", "1", "--max-model-len", "256", "--max-num-seqs", "8",
         "--max-queue-len", "24", "--max-waiting", "4", "--max-loras", "2",
         start_timeout=120,

@@ -7,13 +7,11 @@ decoded with opentelemetry-proto)."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 
 from motet.evals.otlp_receiver import OTLPReceiver
-from tests.live_server import Server
+from tests.live_server import Server, keys_file
 from tests.peft_adapters import make_adapter
 
 MODEL = "tiny"
@@ -30,12 +28,11 @@ def attrs(span) -> dict:
 
 def test_every_request_has_one_span_with_its_phases(tiny_model_dir, tmp_path):
     receiver = OTLPReceiver()
-    (tmp_path / "keys.json").write_text(json.dumps(KEYS))
     adapter = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=5)
     files = [("files", (f.name, f.read_bytes())) for f in sorted(adapter.iterdir()) if f.name != "README.md"]
     srv = Server(
         tmp_path,
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(tmp_path / "keys.json"),
+        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", keys_file(tmp_path, KEYS),
         "--data-dir", str(tmp_path / "data"), "--threads", "1", "--max-model-len", "1024",
         "--otlp-traces-endpoint", receiver.url,
         start_timeout=120,

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.live_server import Server
+from tests.live_server import Server, keys_file
 from tests.peft_adapters import make_adapter
 
 MODEL = "tiny"
@@ -20,10 +20,9 @@ KEYS = {"sk-alice": "alice", "sk-bob": "bob", "sk-ops": {"admin": True}}
 
 
 def start(tiny_model_dir, tmp) -> Server:
-    (tmp / "keys.json").write_text(json.dumps(KEYS))
     return Server(
         tmp,
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(tmp / "keys.json"),
+        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", keys_file(tmp, KEYS),
         "--data-dir", str(tmp / "data"), "--threads", "1", "--max-model-len", "256", "--request-log",
         start_timeout=120,
     )  # fmt: skip

@@ -5,7 +5,6 @@ a tiny random model: `client.models.retrieve`, `client.responses.input_items.lis
 
 from __future__ import annotations
 
-import json
 from importlib.metadata import version
 
 import openai
@@ -13,7 +12,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from tests.live_server import Server
+from tests.live_server import Server, keys_file
 from tests.peft_adapters import make_adapter
 
 MODEL = "tiny"
@@ -23,10 +22,9 @@ KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-routes")
-    (tmp / "keys.json").write_text(json.dumps(KEYS))
     srv = Server(
         tmp,
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(tmp / "keys.json"),
+        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", keys_file(tmp, KEYS),
         "--data-dir", str(tmp / "data"), "--threads", "1", "--max-model-len", "1024", "--max-num-seqs", "4",
         start_timeout=120,
     )  # fmt: skip

@@ -28,9 +28,9 @@ from motet.grammar import (
     fill_bitmasks,
     normalize_schema,
 )
-from motet.grammar import cache as cache_mod
-from motet.grammar.backend import Backend, CompiledGrammar, allowed_token_ids
+from motet.grammar.backend import allowed_token_ids
 from tests.dev_sets import FIXTURES
+from tests.grammar.slow_backend import FakeTokenizer, SlowBackend, SlowCompiled
 
 BACKENDS = ["xgrammar", "llguidance", "outlines"]
 
@@ -90,54 +90,26 @@ def test_spec_keys_keep_property_order():
 # ---------------------------------------------------------------- cache mechanics (fake backend, no model)
 
 
-class _FakeTok:
-    key = "fake"
-    stop_token_ids = [0]
-
-
-class _SlowBackend(Backend):
-    name = "slow"
-    release = threading.Event()
-
-    def __init__(self, tokenizer):
-        pass
-
-    def compile(self, spec):
-        if spec.pattern == "boom":
-            raise RuntimeError("C++ exception: bad things")
-        self.release.wait(5)
-        return _Compiled()
-
-
-class _Compiled(CompiledGrammar):
-    backend = "slow"
-
-    def matcher(self):
-        raise NotImplementedError
-
-
-def test_timeout_busy_and_backend_exceptions(monkeypatch):
-    monkeypatch.setitem(cache_mod.BACKENDS, "slow", _SlowBackend)
-    _SlowBackend.release.clear()
+def test_timeout_busy_and_backend_exceptions(slow_backend):
     cache = GrammarCache(max_stuck=1)
     t0 = time.monotonic()
     with pytest.raises(GrammarError, match="longer than 0.05s") as e:
-        cache.compile(RegexSpec("a"), _FakeTok(), "slow", timeout_s=0.05)
+        cache.compile(RegexSpec("a"), FakeTokenizer(), "slow", timeout_s=0.05)
     assert e.value.reason == "timeout" and time.monotonic() - t0 < 1
     with pytest.raises(GrammarError) as e:  # one compilation is stuck: the cap refuses more
-        cache.compile(RegexSpec("b"), _FakeTok(), "slow", timeout_s=0.05)
+        cache.compile(RegexSpec("b"), FakeTokenizer(), "slow", timeout_s=0.05)
     assert e.value.reason == "busy"
-    _SlowBackend.release.set()  # the stuck one finishes and lands in the cache
+    SlowBackend.release.set()  # the stuck one finishes and lands in the cache
     for _ in range(100):
         if len(cache):
             break
         time.sleep(0.01)
-    assert isinstance(cache.compile(RegexSpec("a"), _FakeTok(), "slow", timeout_s=0.05), _Compiled)
+    assert isinstance(cache.compile(RegexSpec("a"), FakeTokenizer(), "slow", timeout_s=0.05), SlowCompiled)
     with pytest.raises(GrammarError, match="bad things") as e:  # a backend crash becomes a refusal
-        cache.compile(RegexSpec("boom"), _FakeTok(), "slow")
+        cache.compile(RegexSpec("boom"), FakeTokenizer(), "slow")
     assert e.value.reason == "unsupported"
     with pytest.raises(GrammarError, match="unknown grammar backend"):
-        cache.compile(RegexSpec("a"), _FakeTok(), "nope")
+        cache.compile(RegexSpec("a"), FakeTokenizer(), "nope")
 
 
 def test_outlines_regex_conversion_cannot_freeze_the_process():

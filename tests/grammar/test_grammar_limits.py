@@ -8,26 +8,24 @@ Unit tests need no model; the API tests run in-process (Starlette TestClient) on
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
 from starlette.testclient import TestClient
 
-import motet.grammar.cache as cache_mod
 from motet.actors.system import ServingSystem
 from motet.api.app import create_app
 from motet.api.auth import Authenticator
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
-from motet.grammar.backend import Backend, CompiledGrammar
 from motet.grammar.cache import GrammarCache
 from motet.grammar.enforceable import regex_features, strict_refusal, unenforceable
 from motet.grammar.limits import GrammarLimitError, GrammarLimits, schema_stats
 from motet.grammar.schema_normalize import normalize_schema
 from motet.grammar.specs import ChoiceSpec, EbnfSpec, GrammarError, JsonSchemaSpec, RegexSpec
 from tests.dev_sets import dev_set, read_jsonl
+from tests.grammar.slow_backend import FakeTokenizer, SlowBackend, SlowCompiled
 from tests.served_app import wait_healthy
 
 ALICE = {"Authorization": "Bearer k1", "Content-Type": "application/json"}
@@ -101,7 +99,7 @@ def test_deep_schemas_are_refused_without_recursion_error(slow_backend):
     with pytest.raises(GrammarError, match="nested too deeply"):
         JsonSchemaSpec(text).schema_dict()
     with pytest.raises(GrammarError, match="nested too deeply"):  # the cache too (its key is the JSON)
-        GrammarCache().compile_with_fallback(JsonSchemaSpec(deep), _FakeTok(), "slow", timeout_s=0.1)
+        GrammarCache().compile_with_fallback(JsonSchemaSpec(deep), FakeTokenizer(), "slow", timeout_s=0.1)
 
 
 def test_other_specs_are_limited_too():
@@ -205,43 +203,8 @@ def test_local_and_id_refs_are_not_external():
 # -------------------------------------------------------------------- overrunning compiles, per tenant
 
 
-class _FakeTok:
-    key = "fake"
-    stop_token_ids = [0]
-
-
-class _SlowBackend(Backend):
-    """Compiles regex "fast" at once; anything else only once `release` is set."""
-
-    name = "slow"
-    release = threading.Event()
-
-    def __init__(self, tokenizer):
-        pass
-
-    def compile(self, spec):
-        if getattr(spec, "pattern", "") != "fast":
-            self.release.wait(10)
-        return _Compiled()
-
-
-class _Compiled(CompiledGrammar):
-    backend = "slow"
-
-    def matcher(self):
-        raise NotImplementedError
-
-
-@pytest.fixture
-def slow_backend(monkeypatch):
-    monkeypatch.setitem(cache_mod.BACKENDS, "slow", _SlowBackend)
-    _SlowBackend.release.clear()
-    yield
-    _SlowBackend.release.set()
-
-
 def test_overrunning_compiles_count_against_the_tenant_that_started_them(slow_backend):
-    cache, tok = GrammarCache(max_stuck=2), _FakeTok()
+    cache, tok = GrammarCache(max_stuck=2), FakeTokenizer()
     for pattern in ("a1", "a2"):
         with pytest.raises(GrammarError) as e:
             cache.compile(RegexSpec(pattern), tok, "slow", timeout_s=0.05, owner="alice")
@@ -252,18 +215,18 @@ def test_overrunning_compiles_count_against_the_tenant_that_started_them(slow_ba
     assert e.value.reason == "busy"
     # bob still compiles, through the fallback path too
     assert isinstance(
-        cache.compile_with_fallback(RegexSpec("fast"), tok, "slow", 1.0, owner="bob"), _Compiled
+        cache.compile_with_fallback(RegexSpec("fast"), tok, "slow", 1.0, owner="bob"), SlowCompiled
     )
     # the same pattern from bob is bob's own compilation (the cache is kept per tenant): it counts against bob
     with pytest.raises(GrammarError) as e:
         cache.compile(RegexSpec("a1"), tok, "slow", timeout_s=0.05, owner="bob")
     assert e.value.reason == "timeout"
     assert cache.overrunning("alice") == 2 and cache.overrunning("bob") == 1
-    _SlowBackend.release.set()  # they finish: alice may compile again
+    SlowBackend.release.set()  # they finish: alice may compile again
     deadline = time.monotonic() + 5
     while cache.overrunning("alice") and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert isinstance(cache.compile(RegexSpec("a3"), tok, "slow", timeout_s=1.0, owner="alice"), _Compiled)
+    assert isinstance(cache.compile(RegexSpec("a3"), tok, "slow", timeout_s=1.0, owner="alice"), SlowCompiled)
 
 
 # ------------------------------------------------------------------------------------------- over HTTP
