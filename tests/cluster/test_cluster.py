@@ -9,7 +9,6 @@ replicas; and no Ray process left once the server stops.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -25,7 +24,7 @@ pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 from tests.api.test_api_adapters import two_files  # noqa: E402
-from tests.live_server import Server  # noqa: E402
+from tests.live_server import Server, keys_file  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a Ray cluster and two replicas take a minute or two to start here
 
@@ -60,20 +59,25 @@ def offline(tiny_model_dir, adapter):
     return text
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cluster")
-    (tmp / "keys.json").write_text(json.dumps(KEYS))
-    server = Server(
+def start_cluster(model_dir, tmp, *replicas: str) -> Server:
+    """`motet serve` over Ray replicas (`replicas`: the flags saying how many, of which kind), the tenants' keys
+    and an adapter store the replicas share."""
+    return Server(
         tmp,
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL,
-        "--replicas", "2", "--threads", "1",
-        "--max-num-seqs", "1", "--max-ongoing-requests", "4", "--max-lora-rank", "8",
-        "--api-keys", str(tmp / "keys.json"), "--data-dir", str(tmp / "data"),
+        "--model", str(model_dir), "--served-model-name", MODEL, *replicas, "--threads", "1",
+        "--max-ongoing-requests", "4", "--max-lora-rank", "8",
+        "--api-keys", keys_file(tmp, KEYS), "--data-dir", str(tmp / "data"),
         "--adapter-store", f"file://{tmp / 'store'}",
         start_timeout=900,  # minutes when the machine is busy: every process imports torch
         admin_key="sk-admin",
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    server = start_cluster(
+        tiny_model_dir, tmp_path_factory.mktemp("cluster"), "--replicas", "2", "--max-num-seqs", "1"
+    )
     yield server
     server.stop()
 

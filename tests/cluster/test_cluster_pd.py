@@ -9,7 +9,6 @@ on the replicas once they are idle.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -22,7 +21,7 @@ pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 from tests.api.test_api_adapters import two_files  # noqa: E402
-from tests.cluster.test_cluster import KEYS, MODEL, cmdline, http, per_replica, sdk, wait_for  # noqa: E402
+from tests.cluster.test_cluster import MODEL, cmdline, http, per_replica, sdk, start_cluster, wait_for  # noqa: E402
 from tests.live_server import Server  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a Ray cluster and two replicas take a minute or two to start here
@@ -62,16 +61,9 @@ def offline(tiny_model_dir, adapter):
 @pytest.fixture(scope="module")
 def pd(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
-    (tmp / "keys.json").write_text(json.dumps(KEYS))
-    server = Server(
-        tmp,
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL,
-        "--prefill-replicas", "1", "--decode-replicas", "1", "--threads", "1",
-        "--max-num-seqs", "2", "--max-ongoing-requests", "4", "--max-lora-rank", "8",
-        "--api-keys", str(tmp / "keys.json"), "--data-dir", str(tmp / "data"),
-        "--adapter-store", f"file://{tmp / 'store'}", "--kv-shared-dir", str(tmp / "kv-shared"),
-        start_timeout=900,  # minutes when the machine is busy: every process imports torch
-        admin_key="sk-admin",
+    server = start_cluster(
+        tiny_model_dir, tmp, "--prefill-replicas", "1", "--decode-replicas", "1", "--max-num-seqs", "2",
+        "--kv-shared-dir", str(tmp / "kv-shared"),
     )  # fmt: skip
     yield server
     server.stop()

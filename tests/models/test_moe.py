@@ -23,21 +23,15 @@ from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
+# Qwen-MoE layers of the tiny models: three, with top-2 of 4 experts 48 wide
+TOP2_OF_4 = dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
 MOE_MODELS = {
     # every layer sparse, top-2 of 4 experts renormalized (Mixtral always renormalizes)
     "mixtral": ("mixtral", dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)),
     # a shared expert with its sigmoid gate, layer 1 dense (mlp_only_layers), top-2 of 4 not renormalized
     "qwen2_moe": (
         "qwen2_moe",
-        dict(
-            num_hidden_layers=3,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            shared_expert_intermediate_size=80,
-            mlp_only_layers=[1],
-            norm_topk_prob=False,
-        ),
+        dict(**TOP2_OF_4, shared_expert_intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=False),
     ),
     # renormalized top-3, every second layer sparse (decoder_sparse_step), untied lm_head
     "qwen2_moe_step2": (
@@ -55,18 +49,7 @@ MOE_MODELS = {
     ),
     # Qwen3-MoE: per-head q/k RMSNorm in the attention, no shared expert, renormalized top-2 of 4, layer 1
     # dense (mlp_only_layers), head_dim 32 set apart from hidden / heads
-    "qwen3_moe": (
-        "qwen3_moe",
-        dict(
-            num_hidden_layers=3,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            mlp_only_layers=[1],
-            norm_topk_prob=True,
-            head_dim=32,
-        ),
-    ),
+    "qwen3_moe": ("qwen3_moe", dict(**TOP2_OF_4, mlp_only_layers=[1], norm_topk_prob=True, head_dim=32)),
 }
 
 
