@@ -26,6 +26,17 @@ def keys_file(tmp: Path, keys: dict) -> str:
     return str(path)
 
 
+def end(proc: subprocess.Popen, sig: int, timeout: float) -> None:
+    """Sends `sig` to a server still running and waits for it to exit; kills it if it takes over `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Server:
     """`motet serve` in a subprocess; waits until /health is 200."""
 
@@ -65,13 +76,7 @@ class Server:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc, signal.SIGINT, 30)
         self.log.close()
 
 

@@ -24,10 +24,10 @@ from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from motet.lora.registry import AdapterPathError, read_server_adapter
+from tests.live_server import ROOT
 from tests.peft_adapters import make_adapter
 from tests.served_app import served_app
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 ALICE, BOB = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
 

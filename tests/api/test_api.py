@@ -19,11 +19,10 @@ import httpx
 import openai
 import pytest
 
-from tests.live_server import Server
+from tests.live_server import ROOT, Server
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 KEY, OTHER_KEY, ADMIN_KEY = "sk-test-alice", "sk-test-bob", "sk-test-admin"
 USER = [{"role": "user", "content": "What is the capital of France?"}]

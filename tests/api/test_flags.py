@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from motet.api.cli import build_parser
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.live_server import ROOT
 
 
 def serve_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,6 @@ import subprocess
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -22,9 +21,8 @@ import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.live_server import Server
+from tests.live_server import ROOT, Server
 
-ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "motet.json"
 MODEL = "tiny"
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": MODEL}  # what Grafana substitutes

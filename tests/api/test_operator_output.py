@@ -7,6 +7,7 @@ off with --disable-access-log); `serve --help` shows every flag's default."""
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,9 +19,9 @@ import openai
 import pytest
 
 from motet.evals.server import free_port
+from tests.live_server import ROOT, end
 from tests.peft_adapters import strong_adapter
 
-ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"\b(ready|serving|Uvicorn running)\b", re.IGNORECASE)
 STATS = re.compile(
     r"INFO motet\.server: Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+)"
@@ -127,12 +128,7 @@ class LiveLog:
         return m
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end(self.proc, signal.SIGTERM, 60)
         self.log.close()
 
 

@@ -7,13 +7,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks.gpu_peer import trace_counts
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.live_server import ROOT
 
 
 @pytest.fixture(scope="module")

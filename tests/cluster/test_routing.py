@@ -7,15 +7,13 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from motet.cluster.prefix_index import PrefixIndex
 from motet.cluster.reports import ReplicaReport, total_stats
 from motet.cluster.routing_policy import LoadTracker, ReplicaLoad, RouteRequest, RoutingPolicy
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.live_server import ROOT
 
 
 # -- the index ------------------------------------------------------------------------------------------------

@@ -16,10 +16,10 @@ from motet.evals import cli
 from motet.evals.report import flatten
 from motet.evals.server import ManagedServer
 from tests.dev_sets import FIXTURES, dev_set
+from tests.live_server import ROOT
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 3
 
 
