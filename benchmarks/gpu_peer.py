@@ -24,7 +24,7 @@ On the GPU machine, one command (the `run` tool with carry=[".whl"], the wheels 
 All three shapes may outlast one call's 10 minutes (the 8B checkpoint, 16 GB, is written once and loaded
 once per configuration; the peer compiles once per batch size): then one call per shape, the same command
 with `--shapes smollm2-135m`, `--shapes qwen2.5-1.5b`, `--shapes llama-3-8b`, each writing its own report
-(`--batches` and `--adapters` narrow a call further). The smoke test on a CPU (tests/test_gpu_peer.py), the
+(`--batches` and `--adapters` narrow a call further). The smoke test on a CPU (tests/benchmarks/test_gpu_peer.py), the
 peer traced whole by dynamo but run eagerly, the profiles counting CPU ops instead of kernels:
 
     python -m benchmarks.gpu_peer --device cpu --shapes tiny --batches 1 2 --adapters 2 --steps 3 --out DIR

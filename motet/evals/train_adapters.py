@@ -21,7 +21,7 @@ for json, about 4.5 s a step on one core (~45 minutes in all; the base model's a
 reports/train_adapters/).
 
 The held-out prompts use 46 topics that no training prompt mentions. `behaviour` scores a `generate`
-function, so the same eval runs on the offline engine (`eval` here, tests/test_trained_adapters.py) and
+function, so the same eval runs on the offline engine (`eval` here, tests/lora/test_trained_adapters.py) and
 over the HTTP API (`motet eval lora`, motet/evals/suites/lora.py).
 """
 

@@ -3,7 +3,7 @@
 A grammar mask can only enforce what a context-free grammar over the output's text can say.
 xgrammar (0.2) compiles the rest without complaint and ignores it, so a "constrained" output can
 still fail `jsonschema`. Probed one keyword at a time with a violating instance (see
-tests/test_enforceable.py), these are ignored or mis-handled:
+tests/grammar/test_enforceable.py), these are ignored or mis-handled:
 
 - `not`, `if`/`then`/`else`, `dependencies`, `dependentRequired`, `dependentSchemas`,
   `propertyNames`, `contains`/`minContains`/`maxContains`, `uniqueItems`: relations between parts

@@ -11,7 +11,7 @@ dequantize into a QuantizedWeight; `native_format` says which format holds a typ
   need up to 17 bits of mantissa; fp16 keeps 11): each within 2^-11 of its value, so a weight moves by at
   most 3 * 2^-11 of its sub-block's largest |weight|. Against gguf-py's dequantization of Q4_K blocks of
   Gaussian weights: at most 1.4e-3 of the sub-block's largest |weight|, 6.4e-4 of the weights' rms (Q4_K's
-  own rounding: 7.8%); tests/test_quant_formats.py holds it to the bound.
+  own rounding: 7.8%); tests/kernels/test_quant_formats.py holds it to the bound.
 - Every other type (Q5_0/Q5_1, Q2_K/Q3_K/Q5_K/Q6_K, the IQ and TQ types, MXFP4, floats, ...) is dequantized by
   gguf-py and requantized into int8 (Q8_0's blocks): a second rounding of at most half an int8 step, 1/254
   of a block's largest |weight|. (So is a native type where the reader needs int8: a fused layer's parts

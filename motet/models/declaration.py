@@ -3,7 +3,7 @@ every backend runs (motet/engine/model.py: embedding, layers of attention and ML
 a final norm and the head). A declaration names the Hugging Face architectures it serves, the options its
 layers use, how its config.json's own fields read, and the module names its checkpoints use where they differ
 from the decoder's. The engine, the loaders and the kernels ask the declaration; none of them tests an
-architecture's name (tests/test_model_declarations.py)."""
+architecture's name (tests/models/test_model_declarations.py)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,6 @@ for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", 
     shutil.copy(f".gpu/smol/{f}", out)
 PY
 fi
-timeout ${GRAPH_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cuda_graphs.py \
-  tests/test_paged_attention.py -k "write or graph or bucket" 2>&1 | tee "$OUT/graphs_pytest.log" | tail -15
+timeout ${GRAPH_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/engine/test_cuda_graphs.py \
+  tests/kernels/test_paged_attention.py -k "write or graph or bucket" 2>&1 | tee "$OUT/graphs_pytest.log" | tail -15
 timeout ${GRAPH_BENCH_TIMEOUT:-300} python3 scripts/gpu/decode_graphs.py --model-dir "$MODEL" --out "$OUT" ${GRAPH_ARGS:-} 2>&1 | tail -70

@@ -28,4 +28,4 @@ export MOTET_MODEL_DIR=$M
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "== real checks"; timeout ${CHECKS_TIMEOUT:-150} python3 scripts/gpu/real_checks.py --model-dir "$M" --out "$OUT" 2>&1 | grep -v "Loading weights" | tail -20
 echo "== decode bench"; timeout ${BENCH_TIMEOUT:-170} python3 scripts/gpu/decode_graphs.py --model-dir "$M" --out "$OUT" ${GRAPH_ARGS:-} 2>&1 | grep -v "Loading weights" | grep -v "^ \|^---\|Self \|Name " | tail -30
-echo "== real-model tests"; timeout ${TEST_TIMEOUT:-230} python3 -m pytest -q -p no:cacheprovider --timeout 200 ${REAL_TESTS:-tests/test_cuda_graphs.py tests/test_engine_real.py tests/test_api.py tests/test_structured_engine.py} 2>&1 | tee "$OUT/real_pytest.log" | tail -25
+echo "== real-model tests"; timeout ${TEST_TIMEOUT:-230} python3 -m pytest -q -p no:cacheprovider --timeout 200 ${REAL_TESTS:-tests/engine/test_cuda_graphs.py tests/engine/test_engine_real.py tests/api/test_api.py tests/grammar/test_structured_engine.py} 2>&1 | tee "$OUT/real_pytest.log" | tail -25

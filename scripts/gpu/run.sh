@@ -25,9 +25,9 @@ export MOTET_MODEL_DIR=/tmp/smol
 # Kernels natively (no TRITON_INTERPRET), the engine on CUDA (device "auto"), LoRA, grammar, actors: the
 # tests that need no network and no real weights' answers.
 timeout ${SUITE_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m "not slow" --timeout 200 \
-  tests/test_paged_attention.py tests/test_sgmv.py tests/test_lora_pool.py tests/test_engine.py \
-  tests/test_lora_engine.py tests/test_sampler.py tests/test_scheduler.py tests/test_block_manager.py \
-  tests/test_actors.py tests/test_adapter_hardening.py tests/test_api_app.py tests/test_api_hardening.py tests/test_grammar.py \
-  tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_overlap_output.py tests/test_triton_moe.py \
-  tests/test_triton_quant.py tests/test_startup.py 2>&1 | tee "$OUT/pytest.log" | tail -40
+  tests/kernels/test_paged_attention.py tests/kernels/test_sgmv.py tests/lora/test_lora_pool.py tests/engine/test_engine.py \
+  tests/lora/test_lora_engine.py tests/engine/test_sampler.py tests/engine/test_scheduler.py tests/engine/test_block_manager.py \
+  tests/actors/test_actors.py tests/lora/test_adapter_hardening.py tests/api/test_api_app.py tests/api/test_api_hardening.py tests/grammar/test_grammar.py \
+  tests/kernels/test_fused_kernels.py tests/engine/test_cuda_graphs.py tests/engine/test_overlap_output.py tests/kernels/test_triton_moe.py \
+  tests/kernels/test_triton_quant.py tests/engine/test_startup.py 2>&1 | tee "$OUT/pytest.log" | tail -40
 timeout ${BENCH_TIMEOUT:-240} python3 -m benchmarks.gpu_bench --model-dir /tmp/smol --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -60

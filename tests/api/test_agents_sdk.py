@@ -1,0 +1,91 @@
+"""The OpenAI Agents SDK's quickstart on the real default model (slow): one function tool, the SDK's default model
+settings but `tool_choice="required"`, temperature 0.5 and a seed per run (an extra body field, so that a run's
+sampling is reproducible; at the default temperature of 1.0 the 135M model sometimes rambles to the end of its
+context without stopping, which the SDK's Responses model reports as `response.incomplete`), through its Responses model and its chat completions model pointed at motet,
+5 runs of each. Every run must call the tool with arguments its schema accepts (the SDK checks them with pydantic
+before calling), then answer: a non-empty final output without the tool format's markup (`<tool_call>`,
+`<tool_response>`), within the SDK's default turn limit. The SDK resets `tool_choice` after the call (its
+`reset_tool_choice`), so the answer is asked with `tool_choice` unset: the requests sent are checked too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+pytest.importorskip("agents")
+
+from agents import (  # noqa: E402
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
+from openai import AsyncOpenAI  # noqa: E402
+
+from tests.api.test_api import MODEL  # noqa: E402
+from tests.live_server import Server  # noqa: E402
+
+pytestmark = pytest.mark.slow
+RUNS = 5
+MARKUP = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agents-sdk")
+    # A context of 2,048 tokens bounds how long a sampled answer of a 135M model may ramble (the SDK sends no
+    # max_tokens); the prompts take about 300.
+    srv = Server(tmp, "--data-dir", str(tmp / "data"), "--max-model-len", "2048")
+    yield srv
+    srv.stop()
+
+
+async def quickstart(base_url: str, model_class) -> list[tuple[list[str], object, list[dict]]]:
+    """RUNS concurrent runs of the quickstart: for each, the tool's calls, the final output, the requests sent."""
+    set_tracing_disabled(True)
+
+    async def run(i: int):
+        calls, sent = [], []
+
+        @function_tool
+        def get_weather(city: str) -> str:
+            """Get the current weather in a city."""
+            calls.append(city)
+            return f"The weather in {city} is sunny."
+
+        async def record(request: httpx.Request) -> None:
+            sent.append(json.loads(request.content))
+
+        http = httpx.AsyncClient(timeout=600, event_hooks={"request": [record]})
+        client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, http_client=http)
+        agent = Agent(
+            name="Assistant",
+            instructions="You are a helpful assistant.",
+            tools=[get_weather],
+            model=model_class(model=MODEL, openai_client=client),
+            model_settings=ModelSettings(tool_choice="required", temperature=0.5, extra_body={"seed": i}),
+        )
+        async with http:
+            result = await Runner.run(agent, "What's the weather in Tokyo?")
+        return calls, result.final_output, sent
+
+    return await asyncio.gather(*(run(i) for i in range(RUNS)))
+
+
+@pytest.mark.parametrize("model_class", [OpenAIResponsesModel, OpenAIChatCompletionsModel])
+def test_quickstart_completes_a_tool_round_trip(server, model_class):
+    runs = asyncio.run(quickstart(f"{server.url}/v1", model_class))
+    for calls, final, sent in runs:
+        assert calls and all(isinstance(city, str) and city for city in calls)
+        assert isinstance(final, str) and final.strip(), final
+        assert not any(tag in final for tag in MARKUP), final
+        assert sent[0]["tool_choice"] == "required"
+        assert all(
+            "tool_choice" not in body for body in sent[1:]
+        )  # reset after the call: the model may answer

@@ -1,0 +1,132 @@
+"""/metrics under --api-keys (issue 31, finding 7): it names every tenant's running adapters, so only an admin
+key reads it. A real server on loopback (the tiny model, the flags `motet serve` parses) while tenant alice's
+adapter runs: no key or an unknown one is 401, a tenant's key (bob's, and alice's own) 403, the admin key reads
+everything, parsed by prometheus_client's parser; an admin-only key runs no requests. And the keys file's
+shapes, with errors naming the file."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from motet.api.auth import Authenticator
+from motet.api.errors import APIError
+from tests.live_server import ThreadServer, keys_file
+from tests.peft_adapters import make_adapter
+
+KEYS = {
+    "sk-alice": "alice",
+    "sk-bob": "bob",
+    "sk-scrape": {"admin": True},  # what Prometheus scrapes with
+    "sk-ops": {"tenant": "ops", "admin": True},
+}
+ADAPTER = "alices-secret-adapter"
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("metrics-access")
+    srv = ThreadServer(
+        "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--api-keys", keys_file(tmp, KEYS),
+        "--data-dir", str(tmp / "data"), "--threads", "1", "--num-kv-blocks", "256", "--max-loras", "1",
+    )  # fmt: skip
+    path = make_adapter(tiny_model_dir, tmp / "adapter", seed=1)
+    files = [
+        ("files", (f, (path / f).read_bytes())) for f in ("adapter_config.json", "adapter_model.safetensors")
+    ]
+    r = httpx.post(f"{srv.url}/v1/adapters", data={"name": ADAPTER}, files=files, headers=bearer("sk-alice"))
+    assert r.status_code == 200, r.text
+    yield srv
+    srv.stop()
+
+
+def lora_labels(text: str) -> dict:
+    """The labels of vLLM's LoRA info series, read with prometheus_client's parser."""
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    assert any(s.name.startswith("motet_") for s in samples)
+    (info,) = [s for s in samples if s.name == "vllm:lora_requests_info"]
+    return info.labels
+
+
+def test_only_an_admin_key_reads_metrics_while_another_tenants_adapter_runs(server):
+    body = {
+        "model": ADAPTER,
+        "messages": [{"role": "user", "content": "The quick brown fox"}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body, headers=bearer("sk-alice")) as stream,
+    ):
+        assert stream.status_code == 200
+        lines = stream.iter_lines()  # kept: a dropped iterator closes the stream
+        while '"content":""' in (line := next(lines)) or not line:  # to the first token: it runs now
+            pass
+
+        for headers in ({}, bearer("sk-nobody"), {"Authorization": "Basic sk-scrape"}):
+            r = client.get("/metrics", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        for key in ("sk-bob", "sk-alice"):  # a tenant's key sees nothing, its own tenant's figures included
+            r = client.get("/metrics", headers=bearer(key))
+            assert r.status_code == 403, r.text
+            assert ADAPTER not in r.text and r.json()["error"]["code"] == "admin_key_required"
+
+        for key in ("sk-scrape", "sk-ops"):
+            r = client.get("/metrics", headers=bearer(key))
+            assert r.status_code == 200, r.text
+            labels = lora_labels(r.text)
+            assert labels["model_name"] == "tiny"  # as on every other vLLM series: dashboards filter on it
+            in_use = labels["running_lora_adapters"].split(",") + labels["waiting_lora_adapters"].split(",")
+            assert ADAPTER in in_use, labels
+
+
+def test_admin_only_key_runs_no_requests_and_an_admin_tenant_key_does(server):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, headers=bearer("sk-scrape"), timeout=60)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key", r.text
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, headers=bearer("sk-ops"), timeout=60)
+    assert r.status_code == 200, r.text
+    models = httpx.get(f"{server.url}/v1/models", headers=bearer("sk-ops"), timeout=10).json()
+    assert ADAPTER not in [m["id"] for m in models["data"]]  # ops is a tenant of its own
+
+
+def test_auth_off_leaves_metrics_open():
+    Authenticator().check_admin(None)  # no keys: nothing to check, as before
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"admin": False},
+        {},
+        {"tenant": ""},
+        {"tenant": 3},
+        {"admin": "yes"},
+        {"tenant": "a", "role": "x"},
+        5,
+        "",
+    ],
+)
+def test_bad_key_entries_name_the_file(tmp_path, value):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"sk-x": value}))
+    with pytest.raises(ValueError, match=r"--api-keys .*keys\.json: each key maps to a tenant name"):
+        Authenticator.from_file(path)
+
+
+def test_key_entries():
+    auth = Authenticator({"a": "alice", "b": {"tenant": "bob"}, "c": {"admin": True}})
+    assert auth.tenant("Bearer a") == "alice" and auth.tenant("bearer b") == "bob"
+    with pytest.raises(APIError) as e:
+        auth.check_admin("Bearer b")
+    assert e.value.status == 403
+    auth.check_admin("Bearer c")

@@ -1,0 +1,194 @@
+"""Per-tenant limits from the API keys file (concurrent requests, requests and tokens per minute): OpenAI's
+`x-ratelimit-*` headers on every answer, 429 + Retry-After past a limit, other tenants untouched, and the keys
+file reloaded on SIGHUP. The buckets with a fake clock, then a real `motet serve` (tiny model) driven by the
+openai SDK (`with_raw_response`, as OpenAI's users read the headers)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from motet.api.errors import APIError
+from motet.api.rate_limits import RateLimiter, TenantLimits, duration
+from tests.clock import Clock
+from tests.live_server import Server
+
+MODEL = "tiny"
+
+
+def test_buckets_refill_continuously_and_say_when_to_come_back():
+    clock = Clock(100.0)
+    lim = RateLimiter({"a": TenantLimits(rpm=2, tpm=100)}, clock=clock)
+    h = lim.admit("a")
+    assert h["x-ratelimit-limit-requests"] == "2" and h["x-ratelimit-remaining-requests"] == "1"
+    assert h["x-ratelimit-reset-requests"] == "30s" and h["x-ratelimit-remaining-tokens"] == "100"
+    lim.release("a")
+    lim.charge("a", 130)  # a request may take the tokens below zero ...
+    with pytest.raises(APIError) as e:
+        lim.admit("a")  # ... and the next waits for the refill
+    assert (
+        e.value.status == 429
+        and e.value.code == "rate_limit_exceeded"
+        and "tokens per minute" in e.value.message
+    )
+    assert e.value.headers["Retry-After"] == str(round((30 + 1) * 60 / 100))  # back above zero
+    clock.now += 19  # +31.67 tokens: 1.67 left
+    h = lim.admit("a")
+    assert h["x-ratelimit-remaining-requests"] == "0" and h["x-ratelimit-remaining-tokens"] == "1"
+    lim.release("a")
+    with pytest.raises(APIError, match="requests per minute"):
+        lim.admit("a")
+    assert lim.admit("b") == {}  # no limits: no headers, never refused
+
+
+def test_concurrency_and_reload_keep_what_was_used():
+    clock = Clock(100.0)
+    lim = RateLimiter({"a": TenantLimits(max_concurrent=1, rpm=10)}, clock=clock)
+    lim.admit("a")
+    with pytest.raises(APIError, match=r"concurrent requests \(1\)"):
+        lim.admit("a")
+    lim.release("a")
+    lim.admit("a")
+    lim.release("a")  # 2 of 10 used
+    lim.reload({"a": TenantLimits(rpm=4)})
+    assert lim.admit("a")["x-ratelimit-remaining-requests"] == "1"  # 4 - 2 used - this one
+    lim.release("a")
+    assert duration(0.02) == "20ms" and duration(1) == "1s" and duration(360) == "6m0s"
+
+
+KEYS = {
+    "sk-alice": {"tenant": "alice", "limits": {"requests_per_minute": 3}},
+    "sk-carol": {"tenant": "carol", "limits": {"max_concurrent_requests": 1}},
+    "sk-dave": {"tenant": "dave", "limits": {"tokens_per_minute": 60}},
+    "sk-bob": "bob",
+}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("limits")
+    keys = tmp / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    srv = Server(
+        tmp,
+        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(keys),
+        "--data-dir", str(tmp / "data"), "--threads", "1", "--max-model-len", "256",
+        start_timeout=120,
+    )  # fmt: skip
+    yield srv, keys
+    srv.stop()
+
+
+def sdk(srv, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def ask(client: openai.OpenAI, **kw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
+    return client.chat.completions.with_raw_response.create(**body)
+
+
+def test_requests_per_minute_with_openais_headers(served):
+    srv, _ = served
+    alice, bob = sdk(srv, "sk-alice"), sdk(srv, "sk-bob")
+    for remaining in (2, 1, 0):
+        raw = ask(alice)
+        assert raw.headers["x-ratelimit-limit-requests"] == "3"
+        assert raw.headers["x-ratelimit-remaining-requests"] == str(remaining)
+        assert raw.headers["x-ratelimit-reset-requests"].endswith("s")
+        assert raw.parse().choices[0].message is not None
+    with pytest.raises(openai.RateLimitError) as e:
+        ask(alice)
+    assert (
+        e.value.body["code"] == "rate_limit_exceeded" and "requests per minute (3)" in e.value.body["message"]
+    )
+    assert 1 <= int(e.value.response.headers["retry-after"]) <= 20  # a request back every 20 s
+    assert e.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+    for _ in range(5):  # another tenant: untouched, and without limits no headers
+        raw = ask(bob)
+        assert raw.http_response.status_code == 200 and "x-ratelimit-limit-requests" not in raw.headers
+    # the same limit on the completions and responses routes
+    r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1},
+                   headers={"Authorization": "Bearer sk-alice"})  # fmt: skip
+    assert r.status_code == 429 and r.headers["retry-after"]
+
+
+def test_concurrent_requests(served):
+    srv, _ = served
+    carol = sdk(srv, "sk-carol")
+    started, done = threading.Event(), threading.Event()
+
+    def hold():
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body,
+                          headers={"Authorization": "Bearer sk-carol"}, timeout=120) as s:  # fmt: skip
+            assert s.status_code == 200
+            lines = s.iter_lines()
+            next(lines)
+            started.set()
+            done.wait(60)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert started.wait(60)
+        with pytest.raises(openai.RateLimitError, match=r"concurrent requests \(1\)"):
+            ask(carol)
+    finally:
+        done.set()
+        t.join(60)
+    deadline = time.monotonic() + 30  # the stream's end freed its place
+    while True:
+        try:
+            assert ask(carol).http_response.status_code == 200
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+
+def test_tokens_per_minute_count_the_tokens_used(served):
+    srv, _ = served
+    dave = sdk(srv, "sk-dave")
+    raw = ask(dave, max_tokens=40, extra_body={"ignore_eos": True})
+    assert (
+        raw.headers["x-ratelimit-limit-tokens"] == "60"
+        and raw.headers["x-ratelimit-remaining-tokens"] == "60"
+    )
+    used = raw.parse().usage.total_tokens
+    assert used > 40
+    # the next answer sees them spent (a little refilled meanwhile), or is refused until they come back
+    try:
+        raw = ask(dave, max_tokens=1)
+        assert int(raw.headers["x-ratelimit-remaining-tokens"]) < 60 - used + 10
+    except openai.RateLimitError as e:
+        assert "tokens per minute (60)" in e.body["message"]
+
+
+def test_sighup_reloads_the_keys_file(served):
+    srv, keys = served
+    keys.write_text(json.dumps({**KEYS, "sk-alice": {"tenant": "alice", "limits": {"requests_per_minute": 100}},
+                                "sk-erin": "erin"}))  # fmt: skip
+    srv.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while True:
+        r = httpx.post(f"{srv.url}/v1/chat/completions", headers={"Authorization": "Bearer sk-erin"},
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})  # fmt: skip
+        if r.status_code == 200:
+            break
+        assert r.status_code == 401 and time.monotonic() < deadline
+        time.sleep(0.2)
+    raw = ask(sdk(srv, "sk-alice"))  # alice's limit raised; what she used stays used
+    assert raw.headers["x-ratelimit-limit-requests"] == "100"
+    keys.write_text("{not json")  # a broken file: the running keys stay
+    srv.proc.send_signal(signal.SIGHUP)
+    time.sleep(1)
+    assert ask(sdk(srv, "sk-erin")).http_response.status_code == 200
+    assert "were not reloaded" in srv.log_path.read_text()

@@ -1,0 +1,132 @@
+"""Sliding-window attention past the window (motet/engine/kv_window.py): Mistral's window on every layer,
+Gemma 2's every other layer (with soft-capping) and Gemma 3's local layers beside a global one, against transformers (its sliding-window mask and its cache), with
+the KV blocks a long request holds in those layers bounded by the window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from motet.engine.config import EngineConfig, ModelLoadError
+from motet.engine.kv_window import ring_blocks
+from motet.engine.llm import LLM
+from motet.engine.llm_engine import LLMEngine
+from motet.engine.sampling_params import SamplingParams
+from tests.engine.test_engine import engine_logits, hf_greedy, hf_logits
+from tests.models.test_moe import randomize_norms
+from tests.tiny_models import build_tiny_model
+
+WINDOW, BLOCK = 20, 4
+
+FAMILIES = {
+    "mistral": {"sliding_window": WINDOW},  # every layer
+    "gemma2": {  # every other layer, soft-capped scores and logits
+        "sliding_window": WINDOW,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "pad_token_id": 0,
+        "attn_logit_softcapping": 3.0,
+        "final_logit_softcapping": 4.0,
+    },
+    "gemma3": {  # a local layer, with its own rope base, beside a global one
+        "sliding_window": WINDOW,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "pad_token_id": 0,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model_dir(request, tmp_path_factory):
+    path = build_tiny_model(
+        tmp_path_factory.mktemp(request.param), arch=request.param, **FAMILIES[request.param]
+    )
+    randomize_norms(path)
+    return path
+
+
+def engine(model_dir, **kw) -> LLMEngine:
+    config = EngineConfig(model=str(model_dir), block_size=BLOCK, max_model_len=512, **kw)
+    return LLMEngine(config, model_dir=model_dir)
+
+
+def test_logits_past_the_window_match_transformers(model_dir):
+    """Every position of prompts up to 3.5 windows long, in chunks of 16 and of 7, equals transformers' forward
+    under its sliding-window mask; the window layers' cache holds fewer blocks than the others'."""
+    eng = engine(model_dir, num_kv_blocks=256)
+    prompts = [list(range(3, 73)), [5, 9, 11, 200] * 11, list(range(40, 47))]
+    for chunk in (16, 7):
+        for prompt, got in zip(prompts, engine_logits(eng, prompts, chunk=chunk), strict=True):
+            torch.testing.assert_close(got, hf_logits(model_dir, prompt), atol=2e-4, rtol=1e-4)
+    runner = eng.runner
+    assert runner.window == WINDOW and runner.window_layers
+    for i, (k, _) in enumerate(runner.kv_caches):
+        assert k.shape[0] == (runner.num_window_blocks if i in runner.window_layers else runner.num_blocks)
+
+
+def test_greedy_past_the_window_matches_transformers_generate(model_dir):
+    """Nine requests at once (batched decodes among them), prompts shorter and longer than the window, 40 greedy
+    tokens each: transformers' generate with its sliding-window cache, token for token."""
+    llm = LLM(str(model_dir), block_size=BLOCK, max_model_len=512, max_num_batched_tokens=32)
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((1, 5, 19, 20, 21, 33, 47, 60, 8))]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, 40)
+    window = llm.engine.block_manager.window
+    assert window.num_used_blocks == 0  # every ring given back
+
+
+def test_window_blocks_stay_bounded_by_the_window(model_dir):
+    """A request of 300 tokens, 15 windows: the window layers' blocks it holds never pass a ring (a window plus
+    one chunk), while the global layers' grow with it; the scheduler's chunks stay within the window."""
+    eng = engine(model_dir, num_kv_blocks=256, max_num_batched_tokens=64)
+    ring = ring_blocks(WINDOW, eng.runner.window_chunk, BLOCK)
+    assert eng.runner.ring == ring == 12  # (20 + 20 - 2) / 4 rounded up, + 2
+    eng.add_request(list(range(3, 103)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    window_held, global_held, chunks, computed = [], [], [], 0
+    while eng.has_unfinished():
+        eng.step()
+        for seq in eng.scheduler.running:
+            window_held.append(len(seq.window_blocks))
+            global_held.append(len(seq.block_table))
+            chunks.append(seq.num_computed_tokens - computed)
+            computed = seq.num_computed_tokens
+    assert max(window_held) == ring and max(global_held) == 300 // BLOCK
+    assert max(chunks) == WINDOW  # the prompt of 100 went in chunks of the window, not of the 64 budget
+    assert eng.block_manager.window.num_used_blocks == 0
+
+
+def test_a_window_pool_without_prefix_caching_and_tiers(model_dir, tmp_path):
+    """Past the window a prefix hit would need the window's KV before it, which the rings do not keep: prefix
+    caching is off there (on within the window), and the KV tiers that extend it are refused by name."""
+    assert not engine(model_dir, num_kv_blocks=64).block_manager.enable_prefix_caching
+    within = LLMEngine(
+        EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=WINDOW), model_dir=model_dir
+    )
+    assert within.block_manager.enable_prefix_caching and within.runner.window is None
+    with pytest.raises(ModelLoadError, match="sliding window"):
+        engine(model_dir, num_kv_blocks=64, kv_offload_gb=0.01)
+
+
+def test_two_ranks_past_the_window_match_transformers(model_dir):
+    """Tensor parallelism: the driver sends the window layers' slots and tables with each step's plan."""
+    from tests.engine.test_tensor_parallel import tp_workers
+
+    eng = engine(model_dir, num_kv_blocks=128, tensor_parallel_size=2)
+    try:
+        assert eng.runner.workers is not None and eng.runner.window == WINDOW
+        prompts = [list(range(3, 60)), [5, 9, 11, 200] * 8]
+        for prompt, got in zip(prompts, engine_logits(eng, prompts, chunk=13), strict=True):
+            torch.testing.assert_close(got, hf_logits(model_dir, prompt), atol=2e-4, rtol=1e-4)
+    finally:
+        eng.close()
+    assert tp_workers() == []

@@ -1,0 +1,146 @@
+"""The native CPU kernels (motet/kernels/cpu_native.py) against float64 ground truths: paged attention against the
+naive per-position attention of test_paged_attention, SGMV over the adapters' pool against a naive
+per-row LoRA delta from the adapters' own factors, the small-M linear against float64 F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from motet.kernels import cpu_native
+from motet.lora.adapter import module_shape
+from motet.lora.pool import DECODER_GROUPS
+from tests.kernels.test_paged_attention import TOL, make_batch, naive_attention, random_seqs
+from tests.lora.test_lora_pool import BASE, LAYOUT
+
+pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 24)])
+def test_attention_matches_naive(dtype, block_size, num_heads, num_kv_heads, head_dim):
+    """Decodes, prefill chunks over cached context, fresh prefills, empty rows; K/V in the cache dtype."""
+    g = torch.Generator().manual_seed(block_size + num_heads)
+    seqs = random_seqs(g, n=10, max_ctx=90, max_chunk=40)
+    args = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=3)
+    args = [t.cpu() for t in args]
+    scale = head_dim**-0.5
+    out = cpu_native.attention(*args, scale)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    torch.testing.assert_close(out.double(), naive_attention(*args, scale), **TOL[dtype])
+
+
+def test_attention_strided_q_and_long_context():
+    seqs = [(1, 700), (3, 300), (1, 1), (0, 9)]
+    args = [t.cpu() for t in make_batch(seqs, 9, 3, 64, 16, torch.float32, noncontig_q=True)]
+    out = cpu_native.attention(*args, 0.125)
+    torch.testing.assert_close(out.double(), naive_attention(*args, 0.125), **TOL[torch.float32])
+
+
+def adapter_pool(dtype, count=12, seed=0):
+    """A pool of `count` random adapters of mixed ranks (1..16) and targets, as the engine packs them."""
+    from motet.lora.adapter import TARGET_MODULES, LoRAAdapter
+    from motet.lora.pool import AdapterPool, pack
+
+    g = torch.Generator().manual_seed(seed)
+    pool, adapters = AdapterPool(LAYOUT, 8 << 20, dtype=dtype), {}
+    for uid in range(1, count + 1):
+        rank = int(torch.randint(1, 17, (1,), generator=g))
+        mods = [m for m in TARGET_MODULES if torch.rand(1, generator=g) < 0.5] or ["v_proj"]
+        weights = {}
+        for layer in range(BASE.num_hidden_layers):
+            for m in mods:
+                n_in, n_out = module_shape(BASE, m)
+                a = torch.randn(rank, n_in, generator=g) / n_in**0.5
+                weights[(layer, m)] = (a, torch.randn(n_out, rank, generator=g), 0.5 + uid / 8)
+        adapters[uid] = LoRAAdapter(f"a{uid}", rank, weights)
+        pool.place(uid, pack(adapters[uid], LAYOUT, dtype), lambda u: False)
+    return pool, adapters
+
+
+def naive_delta(adapters, rows, x, layer, modules, dtype):
+    """Per row, float64, from the factors as the pool stores them (A, B * scale rounded to its dtype)."""
+    sizes = [y for _, y in (module_shape(BASE, m) for m in modules)]
+    out, col = torch.zeros(x.shape[0], sum(sizes), dtype=torch.float64), 0
+    for m, size in zip(modules, sizes, strict=True):
+        for t, uid in enumerate(rows):
+            if uid and (layer, m) in adapters[uid].weights:
+                a, b, scale = adapters[uid].weights[(layer, m)]
+                bs = (b * scale).to(dtype).double()
+                out[t, col : col + size] = bs @ (a.to(dtype).double() @ x[t, : a.shape[1]].double())
+        col += size
+    return out
+
+
+def native_sgmv(y, x, pool, rows, layer, group, sizes):
+    starts = torch.arange(len(rows) + 1, dtype=torch.int32)  # every row its own segment (decode)
+    slots = torch.tensor([pool.slot_of[u] if u else -1 for u in rows], dtype=torch.int32)
+    geo = [g.a_ld for g in pool.layout.groups], [g.bt_ld for g in pool.layout.groups]
+    desc = cpu_native.LoraPool.of(pool.data, pool.desc, *geo)
+    cpu_native.sgmv(y, x, desc, pool.dtype, starts, slots, group=group, layer=layer, sizes=sizes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sgmv_decode_rows_of_many_adapters_match_naive(dtype):
+    """64 rows, each its own segment, over 12 adapters of mixed ranks and targets and base rows: every group."""
+    pool, adapters = adapter_pool(dtype)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, 13, (64,), generator=g).tolist()
+    for group, modules in enumerate(DECODER_GROUPS):
+        n_in = module_shape(BASE, modules[0])[0]
+        sizes = [module_shape(BASE, m)[1] for m in modules]
+        x = torch.randn(64, n_in, generator=g)
+        y0 = torch.randn(64, sum(sizes), generator=g)
+        y = y0.clone()
+        native_sgmv(y, x, pool, rows, 1, group, sizes)
+        want = y0.double() + naive_delta(adapters, rows, x, 1, modules, dtype)
+        torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(
+            y[[t for t, u in enumerate(rows) if not u]], y0[[t for t, u in enumerate(rows) if not u]]
+        )
+
+
+def test_sgmv_strided_output_and_narrower_input():
+    """The group's columns inside a wider buffer (a row-strided view), x narrower than the pool's A rows (a
+    tensor-parallel rank's part of o_proj's input)."""
+    pool, adapters = adapter_pool(torch.float32, seed=3)
+    q = module_shape(BASE, "o_proj")[0]
+    rows = [1, 1, 0, 4, 7, 7, 7, 2]
+    x = torch.randn(len(rows), q)
+    x[:, q // 2 :] = 0  # the rank's part: the first half of the inputs (the rest is another rank's)
+    wide = torch.randn(len(rows), 100)
+    before = wide.clone()
+    hid = module_shape(BASE, "o_proj")[1]
+    native_sgmv(wide[:, 10 : 10 + hid], x[:, : q // 2].contiguous(), pool, rows, 0, 1, [hid])
+    want = before[:, 10 : 10 + hid].double() + naive_delta(adapters, rows, x, 0, ("o_proj",), torch.float32)
+    torch.testing.assert_close(wide[:, 10 : 10 + hid].double(), want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(wide[:, :10], before[:, :10]) and torch.equal(
+        wide[:, 10 + hid :], before[:, 10 + hid :]
+    )
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M", [1, 2, 3, 6, 7, 13, 100, 200])
+@pytest.mark.parametrize("N,K", [(16, 16), (13, 40), (50, 37), (70, 9)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_float64(w_dtype, M, N, K, bias):
+    """Every row-tile remainder (M mod 6), panel remainder (N mod 16), several M chunks (M > 96)."""
+    g = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K + 3, generator=g)[:, 3:]  # row-strided
+    w = torch.randn(N, K, generator=g).to(w_dtype)
+    b = torch.randn(N, generator=g).to(w_dtype) if bias else None
+    packed = cpu_native.pack(w)
+    y = cpu_native.gemm(x, packed, N, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-4)
+    # accumulate into a row-strided output
+    base = torch.randn(M, N + 5, generator=g)
+    out = base.clone()
+    cpu_native.gemm(x, packed, N, b, out=out[:, 2 : 2 + N], accumulate=True)
+    torch.testing.assert_close(
+        out[:, 2 : 2 + N].double(), base[:, 2 : 2 + N].double() + want, atol=1e-4, rtol=1e-4
+    )
+    assert torch.equal(out[:, :2], base[:, :2]) and torch.equal(out[:, 2 + N :], base[:, 2 + N :])
