@@ -238,8 +238,8 @@ def test_simulation_ranks_the_policies_as_their_design_says():
 # -- the scale-out flags ------------------------------------------------------------------------------------------
 def test_scale_out_flags_are_checked_and_shape_the_deployment():
     from motet.api.cli import build_parser
-    from motet.cluster.cli import wants_cluster
     from motet.cluster.launch import Cluster, ClusterSettings
+    from motet.cluster.serve_flags import wants_cluster
 
     parse = lambda *a: build_parser().parse_args(["serve", *a])  # noqa: E731
     assert not wants_cluster(parse())

@@ -257,7 +257,7 @@ def engine_config(args):
         kv_disk_dir=kv_disk_dir(args),
         kv_shared_dir=getattr(
             args, "kv_shared_dir", None
-        ),  # `serve`'s scale-out flags (motet/cluster/cli.py)
+        ),  # `serve`'s scale-out flags (motet/cluster/serve_flags.py)
         **({"kv_shared_gb": args.kv_shared_gb} if getattr(args, "kv_shared_gb", None) else {}),
         num_threads=args.threads,
         grammar_backend=args.grammar_backend,
