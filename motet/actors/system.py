@@ -24,7 +24,7 @@ from motet.actors.executor import ExecutorActor
 from motet.actors.ingress import IngressActor
 from motet.actors.messages import Abort, Admission, Cancel, GenerateSpec, RemoveLora, Submit
 from motet.actors.runtime import ActorStopped, ActorSystem
-from motet.actors.scheduler import SchedulerActor
+from motet.actors.scheduler_actor import SchedulerActor
 from motet.engine.kv_connector import KVTierStats
 from motet.engine.speculative.proposer import SpeculativeStats
 from motet.lora.manager import AdapterStats
