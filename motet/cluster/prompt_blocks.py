@@ -1,5 +1,5 @@
 """A request's route at the ingress: its prompt rendered and tokenized as a replica's ingress actor will
-(motet/actors/ingress.py), then its leading full blocks hashed as the engine's block manager will (keyed by the
+(motet/actors/ingress_actor.py), then its leading full blocks hashed as the engine's block manager will (keyed by the
 adapter's uid and salted by tenant and cache_salt), so the router asks about exactly the blocks a replica would
 find in its prefix cache, and a prefix cached for one tenant draws no other tenant's request to its replica.
 
