@@ -1,6 +1,6 @@
 """Scale-out on Ray Serve: engine replicas behind one OpenAI-compatible ingress, routed by prefix, adapter and load.
 
-    client --HTTP--> ingress (api/ app; motet/cluster/ingress.py: ClusterSystem) --Serve handle, routed by
+    client --HTTP--> ingress (api/ app; motet/cluster/cluster_system.py: ClusterSystem) --Serve handle, routed by
         motet/cluster/router.py (policy: motet/cluster/routing_policy.py over motet/cluster/prefix_index.py)--> replicas
         (motet/cluster/replica.py: EngineReplica, one ServingSystem each) --streamed deltas--> ingress
 

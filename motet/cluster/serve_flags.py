@@ -149,7 +149,7 @@ def adapter_dirs(args) -> dict[str, Path]:
 def cluster_system(args, config, loras: dict[str, Path]):
     """The ClusterSystem for `motet serve --replicas N ...`; ValueError naming a bad flag."""
     from motet.cluster.adapter_store import SharedAdapterStore
-    from motet.cluster.ingress import ClusterSystem
+    from motet.cluster.cluster_system import ClusterSystem
     from motet.cluster.launch import Cluster
     from motet.cluster.model_view import ModelView
     from motet.cluster.replica import ReplicaSettings
