@@ -174,7 +174,7 @@ def test_report_round_trip_and_sum():
 
 # -- the shared adapter store -------------------------------------------------------------------------------------
 def test_store_copies_keep_the_uid_and_deletion_shows(tmp_path):
-    from motet.cluster.adapter_store import SharedAdapterStore
+    from motet.cluster.shared_adapter_store import SharedAdapterStore
     from motet.lora.manager import AdapterRef, files_version
 
     source = tmp_path / "upload"
@@ -203,7 +203,7 @@ def test_store_publishes_and_fetches_once_under_concurrent_first_uses(tmp_path):
     replica) it: every one succeeds and sees the same files."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from motet.cluster.adapter_store import SharedAdapterStore
+    from motet.cluster.shared_adapter_store import SharedAdapterStore
     from motet.lora.manager import AdapterRef
 
     source = tmp_path / "upload"

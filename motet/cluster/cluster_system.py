@@ -32,7 +32,6 @@ from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import ReplyStream
 from motet.actors.system import Stats
 from motet.cluster import reports
-from motet.cluster.adapter_store import SharedAdapterStore
 from motet.cluster.disaggregation import PrefillDone, wants_prefill
 from motet.cluster.launch import Cluster, ClusterThread, reclaim_sigterm
 from motet.cluster.model_view import ModelView
@@ -40,6 +39,7 @@ from motet.cluster.prompt_blocks import route_hashes
 from motet.cluster.replica import Admitted, Refused
 from motet.cluster.reports import total_stats
 from motet.cluster.routing_policy import RouteRequest
+from motet.cluster.shared_adapter_store import SharedAdapterStore
 
 log = logging.getLogger("motet.ingress")
 
