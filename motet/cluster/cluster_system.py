@@ -269,7 +269,7 @@ class ClusterSystem:
         return total_stats(reports.LATEST.values()) or Stats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
     def replica_metrics(self):
-        from motet.cluster.metrics import ReplicaMetrics
+        from motet.cluster.replica_metrics import ReplicaMetrics
 
         return ReplicaMetrics(reports.LATEST, self.pd if self.cluster.settings.prefill_replicas else None)
 
