@@ -27,9 +27,9 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup, TaskStatus
 
-from motet.actors.errors import EngineFailure, ServerBusy, ServingError, ShuttingDown
 from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import ReplyStream
+from motet.actors.serving_errors import EngineFailure, ServerBusy, ServingError, ShuttingDown
 from motet.actors.system import Stats
 from motet.cluster import reports
 from motet.cluster.disaggregation import PrefillDone, wants_prefill

@@ -23,9 +23,9 @@ from pathlib import Path
 import anyio.to_thread
 from ray import serve
 
-from motet.actors.errors import ModelNotFound, ServingError
 from motet.actors.messages import GenerateSpec
 from motet.actors.reply import merge_streams
+from motet.actors.serving_errors import ModelNotFound, ServingError
 from motet.actors.system import ServingSystem
 from motet.cluster.disaggregation import PrefillDone, leading_held, prefill_spec
 from motet.cluster.reports import ReplicaReport
