@@ -421,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     p.set_defaults(func=cmd_run_batch)
 
-    # Everything after `eval` is evals.eval_command's to parse (no option prefix of its own, so --help passes too).
+    # Everything after `eval` is evals.eval_command's to parse (no option prefix of its own, so --help passes
+    # too).
     p = sub.add_parser("eval", help="run an eval suite and write a report", add_help=False, prefix_chars="\0")
     p.add_argument("eval_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_eval)

@@ -5,7 +5,8 @@
         (motet/cluster/replica.py: EngineReplica, one ServingSystem each) --streamed deltas--> ingress
 
 Replicas report what they cache (motet/cluster/reports.py) through Ray Serve's routing-stats channel; adapters
-come from one shared store (motet/cluster/shared_adapter_store.py); motet/cluster/launch.py starts Ray and the deployment.
+come from one shared store (motet/cluster/shared_adapter_store.py); motet/cluster/launch.py starts Ray and the
+deployment.
 The policy modules (routing_policy, prefix_index, reports) are plain synchronous code: the simulation
 (benchmarks/routing_sim.py) runs the same policy without Ray.
 """

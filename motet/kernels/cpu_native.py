@@ -32,7 +32,8 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the othe
 # The version of the C API this module's structs and signatures speak: given to the source as a macro (its one
 # written value), returned by the built library's motet_abi_version, and checked as the library loads.
 ABI_VERSION = 9
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", f"-DMOTET_ABI_VERSION={ABI_VERSION}"]  # fmt: skip
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS.append(f"-DMOTET_ABI_VERSION={ABI_VERSION}")
 PANEL = 16  # output columns per packed weight panel (NR in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 QUANT_CODES = {"int8": 2, "int4": 3}  # quantized weights' codes (the source's WeightCode), by format name

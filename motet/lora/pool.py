@@ -38,8 +38,8 @@ from motet.lora.adapter import AdapterError, LoRAAdapter, module_shape
 from motet.lora.base_shape import BaseShape
 from motet.models.projections import PROJECTION_GROUPS
 
-# The decoder's projection groups (each one shrink and one expand), then the two outside the decoder layers, one
-# piece each: the embedding (its "shrink" a lookup of the token's column of A) and the head.
+# The decoder's projection groups (each one shrink and one expand), then the two outside the decoder layers,
+# one piece each: the embedding (its "shrink" a lookup of the token's column of A) and the head.
 DECODER_GROUPS = PROJECTION_GROUPS
 EMBED, HEAD = len(DECODER_GROUPS), len(DECODER_GROUPS) + 1  # their groups' indices
 MODULE_GROUPS = (*DECODER_GROUPS, ("embed_tokens",), ("lm_head",))
