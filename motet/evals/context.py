@@ -36,12 +36,6 @@ class EvalContext:
     managed: bool  # True when `motet eval` started the server itself
     label: str = ""  # which server this is, in progress bars and comparisons
 
-    @property
-    def server_url(self) -> str:
-        """The server's root (base_url without the /v1 suffix), for /health, /metrics and the like."""
-        url = self.base_url.rstrip("/")
-        return url[: -len("/v1")] if url.endswith("/v1") else url
-
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 

@@ -198,11 +198,6 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the native kernels can take these tensors (CPU, fp32/bf16) and the library is there."""
-    return all(t.device.type == "cpu" and t.dtype in DTYPE_CODES for t in tensors) and library() is not None
-
-
 def _check(status: int, name: str) -> None:
     if status != 0:
         raise RuntimeError(f"{name}: unsupported arguments (status {status})")
