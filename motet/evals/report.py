@@ -130,6 +130,45 @@ def grouped_bars(
 
 # -- suites scored per mode and category (jsonschema, bfcl) ------------------------------------------------
 # Their results hold {"modes": {mode: {"overall": {...}, "categories": {category: {...}}}}}, with "n" in each.
+def by_mode(items: list[dict], modes: list[str], aggregate) -> dict:
+    """The scored items (each with "mode" and "category") as {mode: {"overall", "categories"}}, by `aggregate`."""
+    out = {}
+    for mode in modes:
+        mine = [i for i in items if i["mode"] == mode]
+        cats = sorted({i["category"] for i in mine})
+        out[mode] = {
+            "overall": aggregate(mine),
+            "categories": {c: aggregate([i for i in mine if i["category"] == c]) for c in cats},
+        }
+    return out
+
+
+def status_rates(items: list[dict]) -> dict:
+    """The shares of items cut off by max_tokens and refused (unsupported, prompt too long, other errors), and
+    the mean latency: the figures every such suite reports (its items' "status", "finish_reason",
+    "latency_s")."""
+    n = len(items)
+    count = lambda pred: sum(1 for i in items if pred(i))
+    latency = [i["latency_s"] for i in items if i.get("latency_s") is not None]
+    return {
+        "truncation_rate": rate(count(lambda i: i["finish_reason"] == "length"), n),
+        "unsupported_rate": rate(count(lambda i: i["status"] == "unsupported"), n),
+        "too_long_rate": rate(count(lambda i: i["status"] == "too_long"), n),
+        "error_rate": rate(count(lambda i: i["status"] == "error"), n),
+        "mean_latency_s": sum(latency) / len(latency) if latency else None,
+    }
+
+
+# The overall table's columns of `status_rates`.
+STATUS_COLUMNS = {
+    "truncated": lambda o: pct(o["truncation_rate"]),
+    "unsupported": lambda o: pct(o["unsupported_rate"]),
+    "prompt too long": lambda o: pct(o["too_long_rate"]),
+    "errors": lambda o: pct(o["error_rate"]),
+    "mean latency (s)": lambda o: fmt(o["mean_latency_s"]),
+}
+
+
 def mode_series(runs: dict[str, dict]) -> list[tuple[str, dict]]:
     """(column name, one mode's results) for every server and mode; the server's label only when comparing."""
     return [
