@@ -22,6 +22,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from motet.evals.context import default_data, load_records
+
 
 @dataclass
 class Run:
@@ -130,6 +132,32 @@ def grouped_bars(
 
 # -- suites scored per mode and category (jsonschema, bfcl) ------------------------------------------------
 # Their results hold {"modes": {mode: {"overall": {...}, "categories": {category: {...}}}}}, with "n" in each.
+def run_by_mode(ctx, suite: str, dataset: str, one, aggregate, count_name: str, **config) -> dict:
+    """Such a suite's run: each record of the data set (--data, else the `dataset` dev set; --categories,
+    --limit) asked in each of --modes by `one(client, ctx, record, mode)`, the modes interleaved so that all
+    see the same server conditions; its results {"config" (with `config`), "modes" (`by_mode`), "items"}."""
+    path = ctx.data or default_data(dataset)
+    records = load_records(path, ctx.limit, ctx.args.categories)
+    modes = list(ctx.args.modes)
+    t0 = time.perf_counter()
+    requests = [(ctx, r, m) for r in records for m in modes]
+    items = ctx.map_requests(suite, one, requests, timeout=ctx.args.request_timeout)
+    return {
+        "config": {
+            "data": str(path),
+            count_name: len(records),
+            "modes": modes,
+            "model": ctx.model,
+            "max_tokens": ctx.args.max_tokens,
+            **config,
+            "concurrency": ctx.concurrency,
+            "seconds": time.perf_counter() - t0,
+        },
+        "modes": by_mode(items, modes, aggregate),
+        "items": items,
+    }
+
+
 def by_mode(items: list[dict], modes: list[str], aggregate) -> dict:
     """The scored items (each with "mode" and "category") as {mode: {"overall", "categories"}}, by `aggregate`."""
     out = {}

@@ -29,8 +29,6 @@ from motet.evals.bfcl_ast import Call, check
 from motet.evals.context import (
     EvalContext,
     add_penalty_arguments,
-    default_data,
-    load_records,
     penalties,
     request_failure,
 )
@@ -209,28 +207,9 @@ def aggregate(items: list[dict]) -> dict:
 
 
 def run(ctx: EvalContext) -> dict:
-    path = ctx.data or default_data("bfcl")
-    records = load_records(path, ctx.limit, ctx.args.categories)
-    modes = list(ctx.args.modes)
-    t0 = time.perf_counter()
-    # the modes interleaved, so all see the same server conditions
-    requests = [(ctx, r, m) for r in records for m in modes]
-    items = ctx.map_requests("bfcl", _one, requests, timeout=ctx.args.request_timeout)
-    results = {
-        "config": {
-            "data": str(path),
-            "cases": len(records),
-            "modes": modes,
-            "model": ctx.model,
-            "max_tokens": ctx.args.max_tokens,
-            "max_tool_calls": ctx.args.max_tool_calls,
-            "concurrency": ctx.concurrency,
-            "seconds": time.perf_counter() - t0,
-        },
-        "modes": report.by_mode(items, modes, aggregate),
-        "items": items,
-    }
-    return results
+    return report.run_by_mode(
+        ctx, "bfcl", "bfcl", _one, aggregate, "cases", max_tool_calls=ctx.args.max_tool_calls
+    )
 
 
 # -- reporting ------------------------------------------------------------------------------------------

@@ -24,8 +24,6 @@ from motet.evals import report
 from motet.evals.context import (
     EvalContext,
     add_penalty_arguments,
-    default_data,
-    load_records,
     penalties,
     request_failure,
 )
@@ -161,28 +159,7 @@ def aggregate(items: list[dict]) -> dict:
 
 
 def run(ctx: EvalContext) -> dict:
-    path = ctx.data or default_data("jsonschemabench")
-    records = load_records(path, ctx.limit, ctx.args.categories)
-    modes = list(ctx.args.modes)
-    t0 = time.perf_counter()
-    # the modes interleaved, so all see the same server conditions
-    requests = [(ctx, r, m) for r in records for m in modes]
-    items = ctx.map_requests("jsonschema", _one, requests, timeout=ctx.args.request_timeout)
-    seconds = time.perf_counter() - t0
-    results = {
-        "config": {
-            "data": str(path),
-            "schemas": len(records),
-            "modes": modes,
-            "model": ctx.model,
-            "max_tokens": ctx.args.max_tokens,
-            "concurrency": ctx.concurrency,
-            "seconds": seconds,
-        },
-        "modes": report.by_mode(items, modes, aggregate),
-        "items": items,
-    }
-    return results
+    return report.run_by_mode(ctx, "jsonschema", "jsonschemabench", _one, aggregate, "schemas")
 
 
 # -- reporting ------------------------------------------------------------------------------------------
