@@ -15,3 +15,19 @@ ATTENTION_PROJECTIONS = (*QKV, "o_proj")  # under self_attn; the others under ml
 DECODER_FUSED = {"qkv_proj": QKV, "gate_up_proj": GATE_UP}
 # A projection -> (the decoder's fused module that holds it, its shard there).
 FUSED_SHARD = {m: (fused, i) for fused, parts in DECODER_FUSED.items() for i, m in enumerate(parts)}
+
+
+def projection_shapes(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int
+) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of a decoder layer of these sizes."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, intermediate),
+        "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+    }
