@@ -29,8 +29,6 @@ from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
 
-DEFAULT_LIMIT, MAX_LIMIT = 20, 100
-
 
 class BatchCreateRequest(P._Request):
     unsupported = {"output_expires_after": ((None,), "output files are kept until deleted")}
@@ -124,7 +122,7 @@ async def list_batches(request: Request) -> Response:
     _, tenant, runner = _context(request)
     q = request.query_params
     refuse_unknown(q, ("after", "limit"))
-    limit, after = page_limit(q, DEFAULT_LIMIT, MAX_LIMIT), q.get("after")
+    limit, after = page_limit(q), q.get("after")
     page = await stored_call("the batches could not be read", runner.store.page, tenant, after, limit)
     if page is None:
         raise APIError(400, f"after: no batch {echo(after)} of this tenant", param="after")

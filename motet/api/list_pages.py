@@ -9,6 +9,8 @@ from starlette.datastructures import QueryParams
 
 from motet.api.errors import APIError, echo
 
+DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # OpenAI's page of a list (of files: up to 10,000, all by default)
+
 
 def refuse_unknown(query: QueryParams, known: Collection[str]) -> None:
     """A 400 naming the first query parameter the route does not take."""
@@ -17,7 +19,7 @@ def refuse_unknown(query: QueryParams, known: Collection[str]) -> None:
             raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
 
 
-def page_limit(query: QueryParams, default: int, most: int) -> int:
+def page_limit(query: QueryParams, default: int = DEFAULT_LIMIT, most: int = MAX_LIMIT) -> int:
     """`limit`, from 1 to `most` (`default` where absent)."""
     raw = query.get("limit", str(default))
     if not raw.isdigit() or not 1 <= int(raw) <= most:

@@ -29,7 +29,6 @@ from motet.api.responses import _from_store as from_store  # the store's failure
 from motet.api.responses import _not_found as not_found
 from motet.api.state import ServerState
 
-DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # OpenAI's
 _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 _QUERY = ("after", "limit", "order", "include", "include[]")
 
@@ -83,7 +82,7 @@ def _params(request: Request) -> tuple[str | None, int, str]:
             param="include",
         )
     order = page_order(q)
-    return q.get("after"), page_limit(q, DEFAULT_LIMIT, MAX_LIMIT), order
+    return q.get("after"), page_limit(q), order
 
 
 @operation("the items a stored response was generated from (its whole conversation)", tag="Responses",
