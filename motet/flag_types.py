@@ -3,7 +3,7 @@ refused at start-up, in one line naming the flag (`motet serve: error: argument 
 to fail later (`--responses-max-age-days nan` once made every stored response unreadable).
 
 Every numeric flag of every command takes its type from here (motet/api/cli.py, motet/api/server.py,
-motet/cluster/cli.py); `OneLineErrors` is the parser class that prints a refusal as that one line.
+motet/cluster/serve_flags.py); `OneLineErrors` is the parser class that prints a refusal as that one line.
 """
 
 from __future__ import annotations

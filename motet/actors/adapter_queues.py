@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 
-from motet.actors.errors import QueueFull, ShuttingDown
 from motet.actors.messages import Cancel, Enqueue, QueuedRequest, Take, Taken, WorkQueued
 from motet.actors.runtime import Actor, ActorStopped
+from motet.actors.serving_errors import QueueFull, ShuttingDown
 
 
 def _order(req: QueuedRequest) -> tuple:

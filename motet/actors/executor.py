@@ -20,9 +20,9 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from motet.actors.errors import EngineFailure, InvalidRequest, ModelNotFound
 from motet.actors.messages import QueuedRequest, Step, StepDone
 from motet.actors.runtime import Actor
+from motet.actors.serving_errors import EngineFailure, InvalidRequest, ModelNotFound
 from motet.engine.request_checks import RequestError
 from motet.lora.adapter import AdapterError
 from motet.lora.manager import files_version

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from motet.actors.errors import ServingError
+from motet.actors.serving_errors import ServingError
 from motet.engine.sequence import RequestTimings, TokenLogprob
 
 

@@ -19,12 +19,12 @@ import anyio
 from anyio.abc import TaskStatus
 
 from motet.actors.adapter_queues import AdapterQueuesActor
-from motet.actors.errors import ShuttingDown
 from motet.actors.executor import ExecutorActor
-from motet.actors.ingress import IngressActor
+from motet.actors.ingress_actor import IngressActor
 from motet.actors.messages import Abort, Admission, Cancel, GenerateSpec, RemoveLora, Submit
 from motet.actors.runtime import ActorStopped, ActorSystem
-from motet.actors.scheduler import SchedulerActor
+from motet.actors.scheduler_actor import SchedulerActor
+from motet.actors.serving_errors import ShuttingDown
 from motet.engine.kv_connector import KVTierStats
 from motet.engine.speculative.proposer import SpeculativeStats
 from motet.lora.manager import AdapterStats

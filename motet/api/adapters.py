@@ -23,12 +23,10 @@ from motet.api import protocol as P
 from motet.api.adapter_store import ARCHIVES, Adapter, AdapterStore
 from motet.api.errors import APIError
 from motet.api.openapi import FILE, operation
-from motet.api.request_body import read_json
+from motet.api.request_body import bounded_form, read_json
 from motet.api.state import ServerState
 from motet.lora.adapter import PICKLED_SUFFIXES, pickle_refusal
 from motet.lora.registry import FILES
-
-FORM_SLACK = 64 << 10  # multipart headers and the config file, on top of the weights' limit
 
 
 # -- handlers ---------------------------------------------------------------------------------------------
@@ -49,26 +47,12 @@ def card(state: ServerState, a: Adapter) -> P.AdapterCard:
 
 async def read_upload(request: Request, max_bytes: int) -> tuple[str, dict[str, bytes]]:
     """The form's `name` and its files (filename -> bytes); a body much over `max_bytes` is a 413."""
-    limit = max_bytes + FORM_SLACK
     too_large = APIError(
         413,
         f"the upload is larger than the adapter size limit of {max_bytes} bytes",
         code="adapter_too_large",
     )
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise too_large
-    seen = 0
-
-    async def receive():  # counts what is read, so a body without content-length is bounded too
-        nonlocal seen
-        message = await request.receive()
-        seen += len(message.get("body", b""))
-        if seen > limit:
-            raise too_large
-        return message
-
-    async with Request(request.scope, receive).form(max_files=8, max_fields=8) as form:
+    async with bounded_form(request, max_bytes, too_large, max_files=8, max_fields=8) as form:
         name = form.get("name")
         files: dict[str, bytes] = {}
         for key, value in form.multi_items():

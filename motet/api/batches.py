@@ -24,11 +24,10 @@ from motet.api.batch_runner import BatchRunner
 from motet.api.batch_store import COMPLETION_WINDOWS
 from motet.api.errors import APIError, echo
 from motet.api.files import stored_call
+from motet.api.list_pages import list_object, page_limit, refuse_unknown
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
-
-DEFAULT_LIMIT, MAX_LIMIT = 20, 100
 
 
 class BatchCreateRequest(P._Request):
@@ -122,26 +121,12 @@ async def retrieve_batch(request: Request) -> Response:
 async def list_batches(request: Request) -> Response:
     _, tenant, runner = _context(request)
     q = request.query_params
-    for key in q:
-        if key not in ("after", "limit"):
-            raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
-    raw = q.get("limit", str(DEFAULT_LIMIT))
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, not {echo(raw)}", param="limit")
-    after = q.get("after")
-    page = await stored_call("the batches could not be read", runner.store.page, tenant, after, int(raw))
+    refuse_unknown(q, ("after", "limit"))
+    limit, after = page_limit(q), q.get("after")
+    page = await stored_call("the batches could not be read", runner.store.page, tenant, after, limit)
     if page is None:
         raise APIError(400, f"after: no batch {echo(after)} of this tenant", param="after")
-    data, more = page
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": more,
-        }
-    )
+    return JSONResponse(list_object(*page))
 
 
 @operation("cancel a batch", tag="Batches", ok_description="the Batch")

@@ -257,7 +257,7 @@ def engine_config(args):
         kv_disk_dir=kv_disk_dir(args),
         kv_shared_dir=getattr(
             args, "kv_shared_dir", None
-        ),  # `serve`'s scale-out flags (motet/cluster/cli.py)
+        ),  # `serve`'s scale-out flags (motet/cluster/serve_flags.py)
         **({"kv_shared_gb": args.kv_shared_gb} if getattr(args, "kv_shared_gb", None) else {}),
         num_threads=args.threads,
         grammar_backend=args.grammar_backend,
@@ -340,7 +340,7 @@ def cmd_run_batch(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from motet.evals.cli import main as eval_main
+    from motet.evals.eval_command import main as eval_main
 
     return eval_main(args.eval_args)
 
@@ -421,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     p.set_defaults(func=cmd_run_batch)
 
-    # Everything after `eval` is evals.cli's to parse (no option prefix of its own, so --help passes too).
+    # Everything after `eval` is evals.eval_command's to parse (no option prefix of its own, so --help passes
+    # too).
     p = sub.add_parser("eval", help="run an eval suite and write a report", add_help=False, prefix_chars="\0")
     p.add_argument("eval_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_eval)

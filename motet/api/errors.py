@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from motet.actors.errors import ServingError
+from motet.actors.serving_errors import ServingError
 
 log = logging.getLogger("motet.api")
 

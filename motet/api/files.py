@@ -22,12 +22,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from motet.api.errors import APIError, echo
 from motet.api.file_store import FileQuotaExceeded, FileStore, FileTooLarge, StoredFile
+from motet.api.list_pages import list_object, page_limit, page_order, refuse_unknown
 from motet.api.openapi import FILE, operation
+from motet.api.request_body import bounded_form
 from motet.api.state import ServerState
 from motet.api.storage_errors import StorageFailure, storage_error
 
 PURPOSES = ("batch",)  # what an upload may be for (batch outputs are written by the server as batch_output)
-FORM_SLACK = 64 << 10  # multipart headers and the purpose field, on top of the file's limit
 MAX_LIST = 10_000  # OpenAI's largest page of files
 _CHUNK = 1 << 20
 
@@ -72,21 +73,8 @@ def _too_large(store: FileStore) -> APIError:
            form={"file": FILE, "purpose": {"type": "string"}}, ok_description="the File")  # fmt: skip
 async def upload_file(request: Request) -> Response:
     _, tenant, store = _context(request)
-    limit = store.max_file_bytes + FORM_SLACK
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise _too_large(store)
-    seen = 0
-
-    async def receive():  # counts what is read, so a body without content-length is bounded too
-        nonlocal seen
-        message = await request.receive()
-        seen += len(message.get("body", b""))
-        if seen > limit:
-            raise _too_large(store)
-        return message
-
-    async with Request(request.scope, receive).form(max_files=1, max_fields=4) as form:
+    too_large = _too_large(store)
+    async with bounded_form(request, store.max_file_bytes, too_large, max_files=1, max_fields=4) as form:
         for key in form:
             if key not in ("file", "purpose"):
                 if key.startswith("expires_after"):
@@ -122,32 +110,15 @@ async def upload_file(request: Request) -> Response:
 async def list_files(request: Request) -> Response:
     _, tenant, store = _context(request)
     q = request.query_params
-    for key in q:
-        if key not in ("after", "limit", "order", "purpose"):
-            raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
-    order = q.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise APIError(400, f"order must be 'asc' or 'desc', not {echo(order)}", param="order")
-    raw = q.get("limit", str(MAX_LIST))
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST:
-        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST}, not {echo(raw)}", param="limit")
-    after = q.get("after")
+    refuse_unknown(q, ("after", "limit", "order", "purpose"))
+    order, limit, after = page_order(q), page_limit(q, MAX_LIST, MAX_LIST), q.get("after")
     page = await stored_call(
-        "the files could not be read", store.page, tenant, after, int(raw), order, q.get("purpose")
+        "the files could not be read", store.page, tenant, after, limit, order, q.get("purpose")
     )
     if page is None:
         raise no_such_file(after, "after")
     files, more = page
-    data = [f.object() for f in files]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": more,
-        }
-    )
+    return JSONResponse(list_object([f.object() for f in files], more))
 
 
 @operation("a file", tag="Files", ok_description="the File")

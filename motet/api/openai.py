@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from motet.actors.errors import ServingError
 from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import ReplyStream, merge_streams
+from motet.actors.serving_errors import ServingError
 from motet.api import protocol as P
 from motet.api import tracing
 from motet.api import usage as usage_records

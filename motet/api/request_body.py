@@ -1,5 +1,5 @@
 """Reading a request's JSON body with bounds: size (413), nesting depth, valid Unicode, no NaN/Infinity
-(400, never a RecursionError's 500)."""
+(400, never a RecursionError's 500); and a multipart form's, bounded in size."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from starlette.requests import Request
 
 from motet.api.errors import APIError, shorten
 
+# A multipart form's headers and small parts (a file's purpose, an adapter's config file), on top of the limit
+# of its files.
+FORM_SLACK = 64 << 10
 MAX_JSON_DEPTH = 64  # nesting of a request body; JSONSchemaBench's deepest schema nests 22 levels
 KEY_CHARS = 40  # of each key where an error names a place in the body
 
@@ -92,3 +95,24 @@ async def read_json(request: Request, limit: int) -> dict:
         raise APIError(400, "request body must be a JSON object")
     check_json(data)
     return data
+
+
+def bounded_form(request: Request, max_bytes: int, too_large: APIError, max_files: int, max_fields: int):
+    """The request's multipart form (an async context manager, as `Request.form`), its body at most
+    `max_bytes` + FORM_SLACK: `too_large` is raised where its content-length says more, or as soon as more has
+    been read (so a body without content-length is bounded too)."""
+    limit = max_bytes + FORM_SLACK
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    seen = 0
+
+    async def receive():  # counts what is read
+        nonlocal seen
+        message = await request.receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise too_large
+        return message
+
+    return Request(request.scope, receive).form(max_files=max_files, max_fields=max_fields)

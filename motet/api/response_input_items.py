@@ -22,13 +22,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from motet.api.errors import APIError, echo
+from motet.api.list_pages import list_object, page_limit, page_order, refuse_unknown
 from motet.api.openapi import operation
 from motet.api.response_store import Turn
 from motet.api.responses import _from_store as from_store  # the store's failures as 507 / 503
 from motet.api.responses import _not_found as not_found
 from motet.api.state import ServerState
 
-DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # OpenAI's
 _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 _QUERY = ("after", "limit", "order", "include", "include[]")
 
@@ -73,9 +73,7 @@ def conversation_items(turns: list[Turn]) -> list[dict]:
 
 def _params(request: Request) -> tuple[str | None, int, str]:
     q = request.query_params
-    for key in q:
-        if key not in _QUERY:
-            raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
+    refuse_unknown(q, _QUERY)
     include = [v for key in ("include", "include[]") for v in q.getlist(key) if v]
     if include:  # what they would add (logprobs, encrypted reasoning, images) is not stored
         raise APIError(
@@ -83,13 +81,8 @@ def _params(request: Request) -> tuple[str | None, int, str]:
             f"include: {echo(include[0])} is not available: stored items keep only what the model is shown",
             param="include",
         )
-    order = q.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise APIError(400, f"order must be 'asc' or 'desc', not {echo(order)}", param="order")
-    raw = q.get("limit", str(DEFAULT_LIMIT))
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, not {echo(raw)}", param="limit")
-    return q.get("after"), int(raw), order
+    order = page_order(q)
+    return q.get("after"), page_limit(q), order
 
 
 @operation("the items a stored response was generated from (its whole conversation)", tag="Responses",
@@ -116,13 +109,4 @@ async def list_input_items(request: Request) -> Response:
                 400, f"after: no item {echo(after)} among this response's input items", param="after"
             )
         items = items[ids.index(after) + 1 :]
-    page = items[:limit]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(items) > limit,
-        }
-    )
+    return JSONResponse(list_object(items[:limit], len(items) > limit))

@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 
 from motet.api.generation_config import parse_override
-from motet.cluster import cli as cluster_cli
+from motet.cluster import serve_flags
 from motet.flag_types import MAX_DAYS, integer, number, seconds
 
 log = logging.getLogger("motet.server")
@@ -183,10 +183,10 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     ):
         flat_list(values, flag)  # vLLM's JSON list form, checked before anything starts
     # before anything starts: no load dir may overlap a place tenants' own adapters are kept
-    private = {"--data-dir": data, **cluster_cli.adapter_dirs(args)}
+    private = {"--data-dir": data, **serve_flags.adapter_dirs(args)}
     load_dirs = check_load_dirs(args.lora_load_dir or (), private)
-    if cluster_cli.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
-        system = cluster_cli.cluster_system(args, config, loras)
+    if serve_flags.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
+        system = serve_flags.cluster_system(args, config, loras)
     else:
         system = ServingSystem(
             lambda: LLMEngine(config, model_dir),
@@ -227,7 +227,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         usage=UsageStore(data),
     )
     state.limiter.reload(state.auth.tenant_limits())
-    if cluster_cli.wants_cluster(args):  # each replica's figures beside the sums
+    if serve_flags.wants_cluster(args):  # each replica's figures beside the sums
         state.metrics.registry.register(system.replica_metrics())
     return state
 
@@ -544,7 +544,7 @@ def add_serve_args(p) -> None:
         metavar="SECONDS",
         help="how often the throughput / load line is logged (at info while requests run, at debug when idle)",
     )
-    cluster_cli.add_args(p)
+    serve_flags.add_args(p)
     from motet.api.vllm_flags import add_vllm_serve_args
 
     add_vllm_serve_args(p)  # vLLM's names for what motet serve does

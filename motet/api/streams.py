@@ -16,8 +16,8 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from motet.actors.errors import ServingError
 from motet.actors.reply import Delta, ReplyStream, merge_streams
+from motet.actors.serving_errors import ServingError
 from motet.api import protocol as P
 from motet.api import rate_limits, tracing
 from motet.api import usage as usage_records

@@ -69,7 +69,8 @@ async def _accept(request: Request, model):
 
 
 def _chat_text(state: ServerState, tenant: str, adapter, req: TokenizeChatRequest) -> str:
-    """The prompt text a chat request with these messages is given (motet/actors/ingress.py renders it)."""
+    """The prompt text a chat request with these messages is given (motet/actors/ingress_actor.py renders
+    it)."""
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(
             400,

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation (`motet serve --prefill-replicas P --decode-replicas D`): which requests take
 the prefill pool first, what a prefill replica runs, and what it answers. Plain data and rules: the ingress
-(motet/cluster/ingress.py) and the replicas (motet/cluster/replica.py) do the calls.
+(motet/cluster/cluster_system.py) and the replicas (motet/cluster/replica.py) do the calls.
 
     ingress --route--> a prefill replica (chosen by cached prefix): the prompt alone, max_tokens=1, greedy,
                        no grammar; when it finishes, its full blocks are written through to the shared KV tier

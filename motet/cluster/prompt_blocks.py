@@ -1,7 +1,7 @@
 """A request's route at the ingress: its prompt rendered and tokenized as a replica's ingress actor will
-(motet/actors/ingress.py), then its leading full blocks hashed as the engine's block manager will (keyed by the
-adapter's uid and salted by tenant and cache_salt), so the router asks about exactly the blocks a replica would
-find in its prefix cache, and a prefix cached for one tenant draws no other tenant's request to its replica.
+(motet/actors/ingress_actor.py), then its leading full blocks hashed as the engine's block manager will (keyed
+by the adapter's uid and salted by tenant and cache_salt), so the router asks about exactly the blocks a replica
+would find in its prefix cache, and a prefix cached for one tenant draws no other tenant's request to its replica.
 
 Routing only: a prompt this cannot render gets no blocks (the replica answers its error), nor does one cut to
 its last tokens (truncate_prompt_tokens: its leading blocks are known only once all of it is tokenized), and

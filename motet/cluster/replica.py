@@ -7,7 +7,7 @@ produces them. A cancelled stream (its client went away) aborts what still runs.
 prefill replica's call under disaggregation (motet/cluster/disaggregation.py): the prompt computed, its blocks
 in the shared KV tier, then PrefillDone (or Refused). `record_routing_stats`
 is the replica's report to the routers (motet/cluster/reports.py); with it, now and then, the replica drops the
-adapters the shared store no longer has (motet/cluster/adapter_store.py).
+adapters the shared store no longer has (motet/cluster/shared_adapter_store.py).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from pathlib import Path
 import anyio.to_thread
 from ray import serve
 
-from motet.actors.errors import ModelNotFound, ServingError
 from motet.actors.messages import GenerateSpec
 from motet.actors.reply import merge_streams
+from motet.actors.serving_errors import ModelNotFound, ServingError
 from motet.actors.system import ServingSystem
-from motet.cluster.adapter_store import SharedAdapterStore
 from motet.cluster.disaggregation import PrefillDone, leading_held, prefill_spec
 from motet.cluster.reports import ReplicaReport
 from motet.cluster.routing_policy import RouteRequest
+from motet.cluster.shared_adapter_store import SharedAdapterStore
 from motet.engine.config import EngineConfig
 
 log = logging.getLogger("motet.replica")

@@ -1,7 +1,7 @@
 """motet's Ray Serve request router: motet/cluster/routing_policy.py over the replicas' reports.
 
 Ray Serve builds one per deployment handle, in the ingress process, and calls `choose_replicas` for every
-request with the request's arguments, of which the first is its RouteRequest (motet/cluster/ingress.py). The
+request with the request's arguments, of which the first is its RouteRequest (motet/cluster/cluster_system.py). The
 router returns the replicas ranked one per rank, best first; Serve sends the request to the first whose
 queue has room (it checks `max_ongoing_requests`), so a full replica falls through to the next.
 

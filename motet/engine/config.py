@@ -18,6 +18,7 @@ from motet.kernels.quant import FORMATS as QUANT_FORMATS
 from motet.models import SUPPORTED_ARCHITECTURES, find
 from motet.models import get as get_declaration
 from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.projections import projection_shapes
 
 # The default step budgets (EngineConfig.max_num_batched_tokens). On the 2-core CPU machine a prompt token costs
 # no more in a 256-token step than in a 2048-token one (6.3 against 7.4 ms, one thread), so the smaller step
@@ -144,15 +145,16 @@ class ModelConfig:
 
     @property
     def projection_rows(self) -> dict[str, int]:
-        """The checkpoint's output rows of each projection a fused module may hold (Phi-3's qkv_proj, gate_up_proj)."""
-        kv = self.num_key_value_heads * self.head_dim
-        return {
-            "q_proj": self.num_attention_heads * self.head_dim,
-            "k_proj": kv,
-            "v_proj": kv,
-            "gate_proj": self.intermediate_size,
-            "up_proj": self.intermediate_size,
-        }
+        """The checkpoint's output rows of each projection (those a fused module holds: Phi-3's qkv_proj,
+        gate_up_proj)."""
+        shapes = projection_shapes(
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.intermediate_size,
+        )
+        return {m: rows for m, (_, rows) in shapes.items()}
 
     @property
     def window_layers(self) -> tuple[int, ...]:

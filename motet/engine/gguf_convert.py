@@ -19,6 +19,7 @@ import torch
 
 from motet.engine.config import LIMITS, ModelLoadError, bounded
 from motet.models import DECLARATIONS, Architecture, find, from_gguf
+from motet.models.projections import GATE_UP, QKV, projection_shapes
 
 
 class PullError(ModelLoadError):
@@ -279,10 +280,11 @@ def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
     its norms (before the blocks, after them: by the decoder's names, renamed to the family's), q/k norms per
     head or across them."""
     decl = find(cfg["architectures"])
-    h, kv = cfg["hidden_size"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    q, ff = cfg["num_attention_heads"] * cfg["head_dim"], cfg["intermediate_size"]
-    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": ff, "up_proj": ff}
-    attn, mlp = ["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]
+    h, ff = cfg["hidden_size"], cfg["intermediate_size"]
+    shapes = projection_shapes(h, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], ff)
+    rows = {m: out for m, (_, out) in shapes.items()}
+    q, kv = rows["q_proj"], rows["k_proj"]
+    attn, mlp = list(QKV), list(GATE_UP)
     for fused, parts in decl.fused_modules.items():
         for group in (attn, mlp):
             if parts[0] in group:

@@ -25,16 +25,15 @@ import torch
 
 from motet.engine.config import ModelConfig, ModelLoadError
 from motet.engine.gguf_convert import hf_config, hf_name, metadata_of, norm_offset, unpermute_qk
-from motet.engine.model import CausalLM
 from motet.kernels import ggml_blocks
 from motet.kernels.quant import FORMATS, INT8, QuantizedWeight, WeightFormat
 from motet.models import from_gguf
+from motet.models.projections import FUSED_SHARD, PROJECTIONS
 
 log = logging.getLogger(__name__)
 
 GGUF_FILE = "model.gguf"  # the name `motet pull` gives the default model's GGUF in its directory
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TABLE, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
@@ -97,7 +96,7 @@ def _keep_quantized(name: str, tied: bool) -> bool:
     the model holds the table itself as floats (a lookup), which gguf-py's values give exactly."""
     if name == _TABLE:
         return tied
-    return name == _LM_HEAD or (name.endswith(".weight") and name.split(".")[-2] in _PROJECTIONS)
+    return name == _LM_HEAD or (name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS)
 
 
 def _refusal(path: Path, tensor_name: str, type_name: str) -> ModelLoadError:
@@ -128,7 +127,7 @@ def _formats(kept: dict[str, tuple[int, str]]) -> dict[str, WeightFormat | None]
 def _fused_layer(name: str) -> str:
     """The name of the model's layer that holds a projection (model.layers.0.qkv_proj.weight for its k_proj)."""
     parts = name.split(".")
-    parts[-2] = CausalLM.FUSED.get(parts[-2], (parts[-2],))[0]
+    parts[-2] = FUSED_SHARD.get(parts[-2], (parts[-2],))[0]
     return ".".join(parts)
 
 

@@ -1,5 +1,5 @@
 """A KV tier shared by every replica: a directory, or any fsspec URL (file:///..., s3://..., ...), that all of
-them read and write, as the shared adapter store is (motet/cluster/adapter_store.py). A block one replica
+them read and write, as the shared adapter store is (motet/cluster/shared_adapter_store.py). A block one replica
 computed is a prefix hit for all the others; it is how a prefill replica hands a prompt's KV to a decode replica
 (motet/cluster/disaggregation.py).
 

@@ -37,6 +37,7 @@ from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attenti
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
 from motet.kernels.rope_kv import RotaryAngles
 from motet.lora.pool import LoRABatch
+from motet.models.projections import FUSED_SHARD, GATE_UP, QKV
 
 
 @dataclass
@@ -232,7 +233,7 @@ class Attention(nn.Module):
         sizes = (self.q_size, self.kv_size, self.kv_size)
         qkv = self.qkv_proj(x)
         if lora is not None:
-            lora.add(qkv, x, self.layer_idx, ("q_proj", "k_proj", "v_proj"), sizes)
+            lora.add(qkv, x, self.layer_idx, QKV, sizes)
         # q, k, v: views of qkv's columns. Qwen3's q/k norms, the rotary and the KV write: one kernel on CUDA
         # (q rotated in place, k rotated into the cache), the torch reference elsewhere
         q_end, k_end = self.q_size, self.q_size + self.kv_size
@@ -297,7 +298,7 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             sizes = (self.intermediate, self.intermediate)
-            lora.add(gate_up, x, self.layer_idx, ("gate_proj", "up_proj"), sizes)
+            lora.add(gate_up, x, self.layer_idx, GATE_UP, sizes)
         # SiLU(gate) * up: one kernel on CUDA (motet/kernels/activation.py), its torch reference elsewhere
         if self.gelu:
             gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -505,15 +506,6 @@ QUANTIZE_BYTES = 1 << 20  # the fp32 values `load_weights` quantizes at once
 
 
 class CausalLM(nn.Module):
-    # Hugging Face module name -> (our fused module, shard index within it)
-    FUSED = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, parallel: Parallel = SINGLE):
         """`parallel`: this rank's shard of the model (motet/engine/parallel.py); by default the whole model."""
         super().__init__()
@@ -774,7 +766,7 @@ class CausalLM(nn.Module):
             return name, expert * (2 if stacked == "gate_up_proj" else 1) + part
         if len(parts) == 1:
             return hf_name, None
-        module, shard = self.FUSED.get(parts[-2], (parts[-2], None))
+        module, shard = FUSED_SHARD.get(parts[-2], (parts[-2], None))
         parts[-2] = module
         return ".".join(parts), shard
 

@@ -7,21 +7,16 @@ template is the operator's and renders in-process; a request's renders here, in 
 Hugging Face's `apply_chat_template` runs in (the same rendering as the model's), which caps its own
 memory at MEMORY_LIMIT_BYTES, is killed when a render overruns TIMEOUT_S, and returns at most `max_chars`
 characters plus one, so that the caller's prompt bound refuses a longer prompt as it does any other. The
-helper is started on first use (loading the model's tokenizer takes a few seconds) and answers one request
-at a time over pipes, one JSON line each way.
+helper (motet/helper_process.py) is started on first use (loading the model's tokenizer takes a few seconds)
+and answers one request at a time over pipes, one JSON line each way.
 """
 
 from __future__ import annotations
 
-import atexit
-import json
-import os
-import select
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
+
+from motet.helper_process import HelperFailure, HelperProcess, limit_memory
+from motet.helper_process import serve as serve_requests
 
 MEMORY_LIMIT_BYTES = 2 << 30
 TIMEOUT_S = 10.0  # one render
@@ -34,103 +29,53 @@ class TemplateError(ValueError):
 
 def serve(model_dir: str) -> None:
     """The helper process: load the tokenizer, say ready, then render requests from stdin."""
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+    limit_memory(MEMORY_LIMIT_BYTES)
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
-    sys.stdout.write(json.dumps({"ready": True}) + "\n")
-    sys.stdout.flush()
-    for line in sys.stdin:
-        req = json.loads(line)
+
+    def answer(req: dict) -> dict:  # jinja's and the template's own errors (raise_exception): their message
         try:
             text = tokenizer.apply_chat_template(
                 req["messages"], chat_template=req["template"], tokenize=False, **req["kwargs"]
             )
-            resp = {"text": text[: req["max_chars"] + 1]}
         except MemoryError:
-            resp = {"error": f"rendering it needs more than {MEMORY_LIMIT_BYTES >> 20} MiB"}
-        except Exception as e:  # jinja's and the template's own errors (raise_exception)
-            resp = {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
-        sys.stdout.write(json.dumps(resp) + "\n")
-        sys.stdout.flush()
+            return {"error": f"rendering it needs more than {MEMORY_LIMIT_BYTES >> 20} MiB"}
+        return {"text": text[: req["max_chars"] + 1]}
+
+    serve_requests(answer, ready=True)
 
 
 class TemplateWorker:
     def __init__(self, model_dir: str, timeout_s: float = TIMEOUT_S):
         self.model_dir = model_dir
         self.timeout_s = timeout_s
-        self._proc: subprocess.Popen | None = None
-        self._lock = threading.Lock()
-        atexit.register(self.close)
+        code = "import sys; from motet.engine.template_worker import serve; serve(sys.argv[1])"
+        self._helper = HelperProcess(code, [model_dir], start_timeout_s=START_TIMEOUT_S)
 
     def render(self, messages: list[dict], template: str, kwargs: dict, max_chars: int) -> str:
         """The rendered prompt (at most max_chars + 1 characters), or TemplateError."""
-        req = json.dumps(
-            {"messages": messages, "template": template, "kwargs": kwargs, "max_chars": max_chars}
-        )
-        with self._lock:
-            proc = self._start()
-            try:
-                proc.stdin.write(req.encode() + b"\n")
-                proc.stdin.flush()
-            except BrokenPipeError:
-                self._kill()
-                raise TemplateError("the chat template's helper process died") from None
-            line = self._read(proc, self.timeout_s)
-            if line is None:
-                self._kill()
-                raise TemplateError(f"rendering it took longer than {self.timeout_s:g} s")
-            if not line:
-                self._kill()
-                raise TemplateError(f"rendering it failed (likely over {MEMORY_LIMIT_BYTES >> 20} MiB)")
-        resp = json.loads(line)
+        req = {"messages": messages, "template": template, "kwargs": kwargs, "max_chars": max_chars}
+        try:
+            resp = self._helper.ask(req, self.timeout_s)
+        except HelperFailure as e:
+            raise TemplateError(_FAILURES[e.kind].format(self=self, e=e)) from None
         if "error" in resp:
             raise TemplateError(resp["error"])
         return resp["text"]
 
-    @staticmethod
-    def _read(proc: subprocess.Popen, timeout_s: float) -> bytes | None:
-        """One line from the helper; None when it gave none within the time."""
-        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-        return proc.stdout.readline() if ready else None
-
-    def _start(self) -> subprocess.Popen:
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])  # so `motet.engine` imports wherever we run
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        code = "import sys; from motet.engine.template_worker import serve; serve(sys.argv[1])"
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", code, self.model_dir],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-        )
-        t0 = time.monotonic()
-        line = self._read(self._proc, START_TIMEOUT_S)
-        if not line or line.strip() != b'{"ready": true}':
-            self._kill()
-            why = "timed out" if line is None else "failed"
-            raise TemplateError(
-                f"the chat template's helper process {why} starting ({time.monotonic() - t0:.0f} s)"
-            )
-        return self._proc
-
-    def _kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
-
     def close(self) -> None:
-        """Stop the helper (it also exits by itself when our end of its stdin closes)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.stdin.close()
-            self._kill()
+        """Stop the helper."""
+        self._helper.close()
+
+
+_FAILURES = {  # HelperFailure kind -> TemplateError message
+    "died": "the chat template's helper process died",
+    "timeout": "rendering it took longer than {self.timeout_s:g} s",
+    "crashed": f"rendering it failed (likely over {MEMORY_LIMIT_BYTES >> 20} MiB)",
+    "start_timeout": "the chat template's helper process timed out starting ({e.seconds:.0f} s)",
+    "start_failed": "the chat template's helper process failed starting ({e.seconds:.0f} s)",
+}
 
 
 _workers: dict[str, TemplateWorker] = {}

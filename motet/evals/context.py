@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from motet.evals.datasets import dev_set_path
+from motet.evals.datasets import dev_set_path, read_jsonl
 
 if TYPE_CHECKING:
     import openai
@@ -35,12 +35,6 @@ class EvalContext:
     args: argparse.Namespace  # all parsed flags, suite-specific ones included
     managed: bool  # True when `motet eval` started the server itself
     label: str = ""  # which server this is, in progress bars and comparisons
-
-    @property
-    def server_url(self) -> str:
-        """The server's root (base_url without the /v1 suffix), for /health, /metrics and the like."""
-        url = self.base_url.rstrip("/")
-        return url[: -len("/v1")] if url.endswith("/v1") else url
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -111,6 +105,28 @@ def round_robin(records: list[dict], limit: int | None, key: str = "category") -
     for i in range(max(map(len, by_key.values()))):
         out += [by_key[k][i] for k in sorted(by_key) if i < len(by_key[k])]
     return out[:limit]
+
+
+def load_records(path: Path, limit: int | None, categories: list[str] | None) -> list[dict]:
+    """A data set's records (JSON Lines with a "category"), only `categories` where given, `limit` of them
+    round-robin across categories."""
+    records = read_jsonl(path)
+    if categories:
+        if unknown := set(categories) - {r["category"] for r in records}:
+            raise ValueError(f"--categories: no records of {sorted(unknown)} in {path}")
+        records = [r for r in records if r["category"] in categories]
+    return round_robin(records, limit)
+
+
+def request_failure(e: Exception) -> tuple[str, str]:
+    """(status, message) of a request the server refused: "too_long" (the prompt is over the context window),
+    "unsupported" (another 400), else "error"."""
+    import openai
+
+    code, message = api_error(e)
+    if isinstance(e, openai.BadRequestError):
+        return ("too_long" if code == "context_length_exceeded" else "unsupported"), message
+    return "error", f"{type(e).__name__}: {message}"
 
 
 def api_error(e: Exception) -> tuple[str | None, str]:

@@ -22,6 +22,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from motet.evals.context import default_data, load_records
+
 
 @dataclass
 class Run:
@@ -130,6 +132,71 @@ def grouped_bars(
 
 # -- suites scored per mode and category (jsonschema, bfcl) ------------------------------------------------
 # Their results hold {"modes": {mode: {"overall": {...}, "categories": {category: {...}}}}}, with "n" in each.
+def run_by_mode(ctx, suite: str, dataset: str, one, aggregate, count_name: str, **config) -> dict:
+    """Such a suite's run: each record of the data set (--data, else the `dataset` dev set; --categories,
+    --limit) asked in each of --modes by `one(client, ctx, record, mode)`, the modes interleaved so that all
+    see the same server conditions; its results {"config" (with `config`), "modes" (`by_mode`), "items"}."""
+    path = ctx.data or default_data(dataset)
+    records = load_records(path, ctx.limit, ctx.args.categories)
+    modes = list(ctx.args.modes)
+    t0 = time.perf_counter()
+    requests = [(ctx, r, m) for r in records for m in modes]
+    items = ctx.map_requests(suite, one, requests, timeout=ctx.args.request_timeout)
+    return {
+        "config": {
+            "data": str(path),
+            count_name: len(records),
+            "modes": modes,
+            "model": ctx.model,
+            "max_tokens": ctx.args.max_tokens,
+            **config,
+            "concurrency": ctx.concurrency,
+            "seconds": time.perf_counter() - t0,
+        },
+        "modes": by_mode(items, modes, aggregate),
+        "items": items,
+    }
+
+
+def by_mode(items: list[dict], modes: list[str], aggregate) -> dict:
+    """The scored items (each with "mode" and "category") as {mode: {"overall", "categories"}}, by `aggregate`."""
+    out = {}
+    for mode in modes:
+        mine = [i for i in items if i["mode"] == mode]
+        cats = sorted({i["category"] for i in mine})
+        out[mode] = {
+            "overall": aggregate(mine),
+            "categories": {c: aggregate([i for i in mine if i["category"] == c]) for c in cats},
+        }
+    return out
+
+
+def status_rates(items: list[dict]) -> dict:
+    """The shares of items cut off by max_tokens and refused (unsupported, prompt too long, other errors), and
+    the mean latency: the figures every such suite reports (its items' "status", "finish_reason",
+    "latency_s")."""
+    n = len(items)
+    count = lambda pred: sum(1 for i in items if pred(i))
+    latency = [i["latency_s"] for i in items if i.get("latency_s") is not None]
+    return {
+        "truncation_rate": rate(count(lambda i: i["finish_reason"] == "length"), n),
+        "unsupported_rate": rate(count(lambda i: i["status"] == "unsupported"), n),
+        "too_long_rate": rate(count(lambda i: i["status"] == "too_long"), n),
+        "error_rate": rate(count(lambda i: i["status"] == "error"), n),
+        "mean_latency_s": sum(latency) / len(latency) if latency else None,
+    }
+
+
+# The overall table's columns of `status_rates`.
+STATUS_COLUMNS = {
+    "truncated": lambda o: pct(o["truncation_rate"]),
+    "unsupported": lambda o: pct(o["unsupported_rate"]),
+    "prompt too long": lambda o: pct(o["too_long_rate"]),
+    "errors": lambda o: pct(o["error_rate"]),
+    "mean latency (s)": lambda o: fmt(o["mean_latency_s"]),
+}
+
+
 def mode_series(runs: dict[str, dict]) -> list[tuple[str, dict]]:
     """(column name, one mode's results) for every server and mode; the server's label only when comparing."""
     return [

@@ -37,10 +37,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from motet.lora.peft_format import TARGET_MODULES
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "adapters"
 SEED = 0
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 STEPS = {"upper": 400, "json": 200}  # upper case is the harder one: every token changes
 MAX_TOKENS = 96  # per answer in the eval: room for a JSON-wrapped answer of --answer-tokens tokens
 

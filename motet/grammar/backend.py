@@ -113,10 +113,6 @@ class GrammarTokenizer:
             h.update(len(b).to_bytes(4, "little") + b)
         return h.hexdigest()[:16]
 
-    @property
-    def bitmask_width(self) -> int:
-        return math.ceil(self.vocab_size / 32)
-
 
 def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
     """A CPU int32 bitmask with every token allowed."""

@@ -53,7 +53,7 @@ _RELATIONAL = (
     "minContains",
     "maxContains",
 )
-_COMPOSITION = ("allOf", "anyOf", "oneOf", "$ref")
+COMPOSITION = ("allOf", "anyOf", "oneOf", "$ref")  # the keywords that compose schemas (a $ref: one)
 # The validation keywords the grammar handles when they stand alone (others, such as annotations or
 # "x-..." extensions, constrain nothing and may sit beside anything).
 _VALIDATION = {
@@ -210,7 +210,7 @@ def unenforceable(schema: Any, where: str = "#", refs: _Refs | None = None) -> l
         found.append(f"'multipleOf' on a non-integer at {where}")
     if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"], refs):
         found.append(f"'oneOf' whose branches may overlap at {where}")
-    composed = [k for k in _COMPOSITION if k in schema]
+    composed = [k for k in COMPOSITION if k in schema]
     if composed:
         siblings = sorted(k for k in schema if k in _VALIDATION)
         if siblings or len(composed) > 1:
@@ -331,7 +331,7 @@ def _mentions(schema: Any, ref: str) -> bool:
     return False
 
 
-_BESIDE_VALUES = (_VALIDATION | set(_RELATIONAL) | set(_COMPOSITION)) - {"enum", "const"}
+_BESIDE_VALUES = (_VALIDATION | set(_RELATIONAL) | set(COMPOSITION)) - {"enum", "const"}
 
 
 def _finite_values(schema: dict) -> list | None:

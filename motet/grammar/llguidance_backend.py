@@ -20,7 +20,7 @@ import torch
 from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Matcher, set_token_bits
-from motet.grammar.enforceable import simplify
+from motet.grammar.enforceable import COMPOSITION, simplify
 from motet.grammar.schema_normalize import map_children, map_subschemas, normalize_schema
 from motet.grammar.specs import (
     ChoiceSpec,
@@ -36,7 +36,6 @@ from motet.grammar.specs import (
 
 # Where JSON lets whitespace in, a run of at most `n` of these (motet's bound; see grammar.specs).
 _WHITESPACE = "[\\x20\\x0A\\x0D\\x09]"
-_COMPOSITION = ("allOf", "anyOf", "oneOf", "$ref")
 
 
 class LLGuidanceMatcher(Matcher):
@@ -204,7 +203,7 @@ def close_schema(schema: dict) -> dict:
             for key in ("anyOf", "oneOf"):
                 if isinstance(node.get(key), list):
                     out[key] = [close(branch, closable=False) for branch in node[key]]
-        if not closable or any(k in node for k in _COMPOSITION):
+        if not closable or any(k in node for k in COMPOSITION):
             return out
         if ("properties" in node or "patternProperties" in node) and not _OPENING_PROPERTIES & set(node):
             out["additionalProperties"] = False

@@ -29,8 +29,11 @@ from motet.kernels.quant import BLOCK, QuantizedWeight
 log = logging.getLogger("motet.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files in csrc/
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# The version of the C API this module's structs and signatures speak: given to the source as a macro (its one
+# written value), returned by the built library's motet_abi_version, and checked as the library loads.
 ABI_VERSION = 9
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS.append(f"-DMOTET_ABI_VERSION={ABI_VERSION}")
 PANEL = 16  # output columns per packed weight panel (NR in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 QUANT_CODES = {"int8": 2, "int4": 3}  # quantized weights' codes (the source's WeightCode), by format name
@@ -193,11 +196,6 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib
-
-
-def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the native kernels can take these tensors (CPU, fp32/bf16) and the library is there."""
-    return all(t.device.type == "cpu" and t.dtype in DTYPE_CODES for t in tensors) and library() is not None
 
 
 def _check(status: int, name: str) -> None:

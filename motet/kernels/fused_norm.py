@@ -16,12 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is Linux-only; the torch reference serves elsewhere
-    triton = None
-    tl = None
+from motet.kernels.triton_support import tl, triton
 
 
 def applies(x: torch.Tensor) -> bool:

@@ -25,13 +25,7 @@ from motet.kernels.paged_attention_cpu import (
     CpuAttentionPlan,
     paged_attention_reference,
 )
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is Linux-only; the torch reference serves elsewhere
-    triton = None
-    tl = None
+from motet.kernels.triton_support import tl, triton
 
 _NO_WINDOW = 1 << 30  # the kernel's window when the layer has none: longer than any context
 

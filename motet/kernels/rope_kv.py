@@ -24,13 +24,7 @@ import torch
 
 from motet.kernels.fused_norm import rms_norm_reference
 from motet.kernels.paged_attention import write_kv_cache
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is Linux-only; the torch reference serves elsewhere
-    triton = None
-    tl = None
+from motet.kernels.triton_support import tl, triton
 
 
 def applies(x: torch.Tensor) -> bool:

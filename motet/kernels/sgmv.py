@@ -31,12 +31,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is Linux-only; the torch reference serves elsewhere
-    triton = None
-    tl = None
+from motet.kernels.triton_support import tl, triton
 
 MAX_GROUP = 3  # modules sharing one input (q, k, v): the expand kernel's column ranges
 

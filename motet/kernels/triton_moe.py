@@ -20,12 +20,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is Linux-only; the torch reference serves elsewhere
-    triton = None
-    tl = None
+from motet.kernels.triton_support import tl, triton
 
 BLOCK_M = 16  # rows per tile: decode gives each expert a few rows
 BLOCK_N = 64

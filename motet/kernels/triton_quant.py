@@ -32,13 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from motet.kernels.quant import BLOCK, QuantizedWeight
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is Linux-only; the torch reference serves elsewhere
-    triton = None
-    tl = None
+from motet.kernels.triton_support import tl, triton
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SMALL_M = 16  # rows in one tile of tl.dot's minimum height: decode batches, bound by the weight's bytes

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from motet.lora.base_shape import BaseShape
 from motet.models import DECLARATIONS, fused_modules
+from motet.models.projections import ATTENTION_PROJECTIONS, PROJECTIONS, projection_shapes
 
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = PROJECTIONS
 # Checkpoint modules that hold several of those (Phi-3's qkv_proj, gate_up_proj), as the declarations name them
 # (motet/models/): an adapter for such a base targets them, and its factors are split as the base's weights are.
 FUSED_MODULES = {name: parts for decl in DECLARATIONS for name, parts in decl.fused_modules.items()}
-MODULE_PARENT = {
-    m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for m in TARGET_MODULES
-}
+MODULE_PARENT = {m: "self_attn" if m in ATTENTION_PROJECTIONS else "mlp" for m in TARGET_MODULES}
 MODULE_PARENT |= {name: MODULE_PARENT[parts[0]] for name, parts in FUSED_MODULES.items()}
 LINEAR_MODULES = frozenset(MODULE_PARENT)  # every decoder-layer linear module name of any declared family
 # Outside the decoder layers: the token embedding (PEFT's lora.Embedding: the delta of token id t is
@@ -45,20 +44,10 @@ def base_modules(base: BaseShape) -> tuple[str, ...]:
 def module_shape(base: BaseShape, module: str) -> tuple[int, int]:
     """(in_features, out_features) of a decoder layer's linear module, or of the embedding (in: the vocabulary)
     or the output head."""
-    h, q, kv = (
-        base.hidden_size,
-        base.num_attention_heads * base.head_dim,
-        base.num_key_value_heads * base.head_dim,
+    h = base.hidden_size
+    shapes = projection_shapes(
+        h, base.num_attention_heads, base.num_key_value_heads, base.head_dim, base.intermediate_size
     )
-    shapes = {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, base.intermediate_size),
-        "up_proj": (h, base.intermediate_size),
-        "down_proj": (base.intermediate_size, h),
-    }
     if module in FUSED_MODULES:
         parts = [shapes[p] for p in FUSED_MODULES[module]]
         return parts[0][0], sum(out for _, out in parts)

@@ -36,11 +36,11 @@ import torch
 from motet.kernels.sgmv import add_embedding_lora, add_lora
 from motet.lora.adapter import AdapterError, LoRAAdapter, module_shape
 from motet.lora.base_shape import BaseShape
+from motet.models.projections import PROJECTION_GROUPS
 
-# Modules that read the same input, in the order of their columns in the model's fused output (qkv_proj,
-# gate_up_proj; o_proj and down_proj alone): each group is one shrink and one expand. Then the two outside the
-# decoder layers, one piece each: the embedding (its "shrink" a lookup of the token's column of A) and the head.
-DECODER_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+# The decoder's projection groups (each one shrink and one expand), then the two outside the decoder layers,
+# one piece each: the embedding (its "shrink" a lookup of the token's column of A) and the head.
+DECODER_GROUPS = PROJECTION_GROUPS
 EMBED, HEAD = len(DECODER_GROUPS), len(DECODER_GROUPS) + 1  # their groups' indices
 MODULE_GROUPS = (*DECODER_GROUPS, ("embed_tokens",), ("lm_head",))
 GROUP_OF = {modules: g for g, modules in enumerate(MODULE_GROUPS)}

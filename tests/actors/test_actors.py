@@ -7,10 +7,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from motet.actors.adapter_queues import AdapterQueuesActor
-from motet.actors.errors import EngineFailure, InvalidRequest, QueueFull
 from motet.actors.messages import Enqueue, GenerateSpec, QueuedRequest, Take
 from motet.actors.reply import Delta, ReplyStream, merge_streams
 from motet.actors.runtime import Actor, ActorStopped, ActorSystem
+from motet.actors.serving_errors import EngineFailure, InvalidRequest, QueueFull
 from motet.actors.system import ServingSystem
 from motet.api.metrics import Metrics
 from motet.engine.config import EngineConfig

@@ -195,7 +195,7 @@ def test_replicas_local_adapter_copies_never_overlap_a_load_dir(tiny_model_dir, 
     `motet serve` refuses a load dir over either, before Ray or a model is started."""
     from motet.api.cli import build_parser, engine_config
     from motet.api.server import build_state
-    from motet.cluster.adapter_store import SharedAdapterStore
+    from motet.cluster.shared_adapter_store import SharedAdapterStore
 
     argv = ["serve", "--model", str(tiny_model_dir), "--replicas", "2", "--data-dir", str(tree / "d2")]
     if store is not None:  # a store under the load dir

@@ -1,7 +1,7 @@
 """The HTTP API end to end: `motet serve` as a real subprocess on the real default model, real sockets.
 
-One server per module (model loading dominates); it runs with authentication on and the test-only fault
-injection enabled.
+One server per module (model loading dominates); it runs with authentication on (two tenants' API keys and an
+admin key) and a 100,000-byte body limit.
 """
 
 from __future__ import annotations

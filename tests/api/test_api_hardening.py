@@ -150,7 +150,7 @@ def test_prompt_text_beyond_the_context_is_refused_unread(client):
 
 def test_every_503_says_when_to_retry():
     """Busy grammar compilations answered 503 without Retry-After; every 503 carries it now."""
-    from motet.actors.errors import ServerBusy, ShuttingDown
+    from motet.actors.serving_errors import ServerBusy, ShuttingDown
     from motet.api.errors import APIError, from_serving_error
 
     for e in (ServerBusy("grammar compilations are busy"), ShuttingDown("bye")):

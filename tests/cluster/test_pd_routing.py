@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 from motet.actors.messages import GenerateSpec
-from motet.cluster.cli import DEFAULT_KV_SHARED_DIR, kv_shared_dir, pools
 from motet.cluster.disaggregation import MIN_PREFILL_BLOCKS, prefill_spec, wants_prefill
 from motet.cluster.prefix_index import PrefixIndex
 from motet.cluster.prompt_blocks import route_hashes
 from motet.cluster.routing_policy import ReplicaLoad, RouteRequest, RoutingPolicy
+from motet.cluster.serve_flags import DEFAULT_KV_SHARED_DIR, kv_shared_dir, pools
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.tokenizer import Tokenizer
 from motet.grammar.specs import JsonSchemaSpec

@@ -172,7 +172,7 @@ def test_report_round_trip_and_sum():
 
 # -- the shared adapter store -------------------------------------------------------------------------------------
 def test_store_copies_keep_the_uid_and_deletion_shows(tmp_path):
-    from motet.cluster.adapter_store import SharedAdapterStore
+    from motet.cluster.shared_adapter_store import SharedAdapterStore
     from motet.lora.manager import AdapterRef, files_version
 
     source = tmp_path / "upload"
@@ -201,7 +201,7 @@ def test_store_publishes_and_fetches_once_under_concurrent_first_uses(tmp_path):
     replica) it: every one succeeds and sees the same files."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from motet.cluster.adapter_store import SharedAdapterStore
+    from motet.cluster.shared_adapter_store import SharedAdapterStore
     from motet.lora.manager import AdapterRef
 
     source = tmp_path / "upload"
@@ -236,8 +236,8 @@ def test_simulation_ranks_the_policies_as_their_design_says():
 # -- the scale-out flags ------------------------------------------------------------------------------------------
 def test_scale_out_flags_are_checked_and_shape_the_deployment():
     from motet.api.cli import build_parser
-    from motet.cluster.cli import wants_cluster
     from motet.cluster.launch import Cluster, ClusterSettings
+    from motet.cluster.serve_flags import wants_cluster
 
     parse = lambda *a: build_parser().parse_args(["serve", *a])  # noqa: E731
     assert not wants_cluster(parse())

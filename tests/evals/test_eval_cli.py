@@ -1,6 +1,6 @@
 """`motet eval`: every suite end to end on a tiny slice, against one live `motet serve` on the real model.
 
-The server suites run through `evals.cli.main` with --base-url (the server-starting path is the same
+The server suites run through `evals.eval_command.main` with --base-url (the server-starting path is the same
 ManagedServer the fixture uses); the offline throughput suite runs on the tiny random model. Each run
 must leave results.json, summary.md and PNGs, with counts equal to the slice and rates in [0, 1].
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from motet.evals import cli
+from motet.evals import eval_command
 from motet.evals.report import flatten
 from motet.evals.server import ManagedServer
 from tests.dev_sets import FIXTURES, dev_set
@@ -39,7 +39,7 @@ def server(tmp_path_factory):
 
 def run_suite(tmp_path: Path, *argv: str) -> dict:
     out = tmp_path / argv[0]
-    assert cli.main([*argv, "--out", str(out)]) == 0
+    assert eval_command.main([*argv, "--out", str(out)]) == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["suite"] == argv[0]
     summary = (out / "summary.md").read_text()

@@ -38,7 +38,7 @@ def write_adapter(
     config_text: str | None = None,
     **config,
 ) -> Path:
-    """A PEFT-format adapter dir (as tests/lora/test_lora_pool.py writes them): small random factors
+    """A PEFT-format adapter dir (the files PEFT's save_pretrained writes): small random factors
     (or every value `fill`) for `modules` of every layer, and `config` over a plain LoRA config."""
     g = torch.Generator().manual_seed(0)
     tensors = {}

@@ -29,12 +29,9 @@ from motet.evals.bfcl_ast import Call, check
 from motet.evals.context import (
     EvalContext,
     add_penalty_arguments,
-    api_error,
-    default_data,
     penalties,
-    round_robin,
+    request_failure,
 )
-from motet.evals.datasets import read_jsonl
 
 NAME = "bfcl"
 NEEDS_SERVER = True
@@ -147,15 +144,6 @@ def score(
 
 
 # -- running --------------------------------------------------------------------------------------------
-def load(path: Path, limit: int | None, categories: list[str] | None) -> list[dict]:
-    records = read_jsonl(path)
-    if categories:
-        if unknown := set(categories) - {r["category"] for r in records}:
-            raise ValueError(f"--categories: no records of {sorted(unknown)} in {path}")
-        records = [r for r in records if r["category"] in categories]
-    return round_robin(records, limit)
-
-
 def tools_of(record: dict, normalized: bool) -> list[dict]:
     tools = []
     for f in record["function"]:
@@ -188,13 +176,9 @@ async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
     t0 = time.perf_counter()
     try:
         r = await client.chat.completions.create(**kwargs)
-    except openai.BadRequestError as e:
-        code, message = api_error(e)
-        return score(
-            record, mode, "too_long" if code == "context_length_exceeded" else "unsupported", error=message
-        )
     except openai.OpenAIError as e:
-        return score(record, mode, "error", error=f"{type(e).__name__}: {api_error(e)[1]}")
+        status, message = request_failure(e)
+        return score(record, mode, status, error=message)
     choice = r.choices[0]
     calls = parse_calls(choice.message.tool_calls)
     item = score(record, mode, "ok", choice.finish_reason, calls, choice.message.content or "")
@@ -209,7 +193,6 @@ def aggregate(items: list[dict]) -> dict:
     called = count(lambda i: i["called"])
     valid = count(lambda i: i["valid"])
     finished = [i for i in items if i["status"] == "ok" and i["finish_reason"] != "length"]
-    latency = [i["latency_s"] for i in items if i.get("latency_s") is not None]
     return {
         "n": n,
         "call_rate": report.rate(called, n),
@@ -219,44 +202,14 @@ def aggregate(items: list[dict]) -> dict:
         "validity_of_finished": report.rate(sum(i["valid"] for i in finished), len(finished)),
         "ast_correct": count(lambda i: i["ast"]),
         "ast_accuracy": report.rate(count(lambda i: i["ast"]), n),
-        "truncation_rate": report.rate(count(lambda i: i["finish_reason"] == "length"), n),
-        "unsupported_rate": report.rate(count(lambda i: i["status"] == "unsupported"), n),
-        "too_long_rate": report.rate(count(lambda i: i["status"] == "too_long"), n),
-        "error_rate": report.rate(count(lambda i: i["status"] == "error"), n),
-        "mean_latency_s": sum(latency) / len(latency) if latency else None,
+        **report.status_rates(items),
     }
 
 
 def run(ctx: EvalContext) -> dict:
-    path = ctx.data or default_data("bfcl")
-    records = load(path, ctx.limit, ctx.args.categories)
-    modes = list(ctx.args.modes)
-    t0 = time.perf_counter()
-    # the modes interleaved, so all see the same server conditions
-    requests = [(ctx, r, m) for r in records for m in modes]
-    items = ctx.map_requests("bfcl", _one, requests, timeout=ctx.args.request_timeout)
-    results = {
-        "config": {
-            "data": str(path),
-            "cases": len(records),
-            "modes": modes,
-            "model": ctx.model,
-            "max_tokens": ctx.args.max_tokens,
-            "max_tool_calls": ctx.args.max_tool_calls,
-            "concurrency": ctx.concurrency,
-            "seconds": time.perf_counter() - t0,
-        },
-        "modes": {},
-    }
-    for mode in modes:
-        mine = [i for i in items if i["mode"] == mode]
-        cats = sorted({i["category"] for i in mine})
-        results["modes"][mode] = {
-            "overall": aggregate(mine),
-            "categories": {c: aggregate([i for i in mine if i["category"] == c]) for c in cats},
-        }
-    results["items"] = items
-    return results
+    return report.run_by_mode(
+        ctx, "bfcl", "bfcl", _one, aggregate, "cases", max_tool_calls=ctx.args.max_tool_calls
+    )
 
 
 # -- reporting ------------------------------------------------------------------------------------------
@@ -267,11 +220,7 @@ OVERALL = {
     "valid of called": lambda o: report.pct(o["validity_of_called"]),
     "valid of finished": lambda o: report.pct(o.get("validity_of_finished")),
     "call rate": lambda o: report.pct(o["call_rate"]),
-    "truncated": lambda o: report.pct(o["truncation_rate"]),
-    "unsupported": lambda o: report.pct(o["unsupported_rate"]),
-    "prompt too long": lambda o: report.pct(o["too_long_rate"]),
-    "errors": lambda o: report.pct(o["error_rate"]),
-    "mean latency (s)": lambda o: report.fmt(o["mean_latency_s"]),
+    **report.STATUS_COLUMNS,
 }
 VALIDITY = {"validity": "valid", "validity_of_called": "valid of called",
             "validity_of_finished": "valid of finished", "call_rate": "call rate",

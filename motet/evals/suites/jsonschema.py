@@ -24,12 +24,9 @@ from motet.evals import report
 from motet.evals.context import (
     EvalContext,
     add_penalty_arguments,
-    api_error,
-    default_data,
     penalties,
-    round_robin,
+    request_failure,
 )
-from motet.evals.datasets import read_jsonl
 
 NAME = "jsonschema"
 NEEDS_SERVER = True
@@ -113,15 +110,6 @@ def score(record: dict, mode: str, status: str, finish: str | None, text: str, e
 
 
 # -- running --------------------------------------------------------------------------------------------
-def load(path: Path, limit: int | None, categories: list[str] | None) -> list[dict]:
-    records = read_jsonl(path)
-    if categories:
-        if unknown := set(categories) - {r["category"] for r in records}:
-            raise ValueError(f"--categories: no records of {sorted(unknown)} in {path}")
-        records = [r for r in records if r["category"] in categories]
-    return round_robin(records, limit)
-
-
 def request_kwargs(ctx: EvalContext, record: dict, mode: str) -> dict:
     schema_text = json.dumps(record["schema"], separators=(",", ":"))
     kwargs = {
@@ -144,12 +132,9 @@ async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
     t0 = time.perf_counter()
     try:
         r = await client.chat.completions.create(**request_kwargs(ctx, record, mode))
-    except openai.BadRequestError as e:
-        code, message = api_error(e)
-        status = "too_long" if code == "context_length_exceeded" else "unsupported"
-        return score(record, mode, status, None, "", message)
     except openai.OpenAIError as e:
-        return score(record, mode, "error", None, "", f"{type(e).__name__}: {api_error(e)[1]}")
+        status, message = request_failure(e)
+        return score(record, mode, status, None, "", message)
     choice = r.choices[0]
     item = score(record, mode, "ok", choice.finish_reason, choice.message.content or "")
     item["completion_tokens"] = r.usage.completion_tokens if r.usage else None
@@ -159,56 +144,22 @@ async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
 
 def aggregate(items: list[dict]) -> dict:
     n = len(items)
-    count = lambda pred: sum(1 for i in items if pred(i))
-    finished = count(lambda i: i["status"] == "ok" and i["finish_reason"] == "stop")
-    compliant = count(lambda i: i["compliant"])
+    finished = sum(1 for i in items if i["status"] == "ok" and i["finish_reason"] == "stop")
+    compliant = sum(1 for i in items if i["compliant"])
     tokens = [i["completion_tokens"] for i in items if i.get("completion_tokens") is not None]
-    latency = [i["latency_s"] for i in items if i.get("latency_s") is not None]
     return {
         "n": n,
         "compliant": compliant,
         "compliance": report.rate(compliant, n),
         "compliance_of_finished": report.rate(compliant, finished),
         "finished": finished,
-        "truncation_rate": report.rate(count(lambda i: i["finish_reason"] == "length"), n),
-        "unsupported_rate": report.rate(count(lambda i: i["status"] == "unsupported"), n),
-        "too_long_rate": report.rate(count(lambda i: i["status"] == "too_long"), n),
-        "error_rate": report.rate(count(lambda i: i["status"] == "error"), n),
         "mean_completion_tokens": sum(tokens) / len(tokens) if tokens else None,
-        "mean_latency_s": sum(latency) / len(latency) if latency else None,
+        **report.status_rates(items),
     }
 
 
 def run(ctx: EvalContext) -> dict:
-    path = ctx.data or default_data("jsonschemabench")
-    records = load(path, ctx.limit, ctx.args.categories)
-    modes = list(ctx.args.modes)
-    t0 = time.perf_counter()
-    # the modes interleaved, so all see the same server conditions
-    requests = [(ctx, r, m) for r in records for m in modes]
-    items = ctx.map_requests("jsonschema", _one, requests, timeout=ctx.args.request_timeout)
-    seconds = time.perf_counter() - t0
-    results = {
-        "config": {
-            "data": str(path),
-            "schemas": len(records),
-            "modes": modes,
-            "model": ctx.model,
-            "max_tokens": ctx.args.max_tokens,
-            "concurrency": ctx.concurrency,
-            "seconds": seconds,
-        },
-        "modes": {},
-    }
-    for mode in modes:
-        mine = [i for i in items if i["mode"] == mode]
-        cats = sorted({i["category"] for i in mine})
-        results["modes"][mode] = {
-            "overall": aggregate(mine),
-            "categories": {c: aggregate([i for i in mine if i["category"] == c]) for c in cats},
-        }
-    results["items"] = items
-    return results
+    return report.run_by_mode(ctx, "jsonschema", "jsonschemabench", _one, aggregate, "schemas")
 
 
 # -- reporting ------------------------------------------------------------------------------------------
@@ -216,12 +167,8 @@ OVERALL = {
     "schemas": lambda o: str(o["n"]),
     "compliance": lambda o: report.pct(o["compliance"]),
     "of finished": lambda o: report.pct(o["compliance_of_finished"]),
-    "truncated": lambda o: report.pct(o["truncation_rate"]),
-    "unsupported": lambda o: report.pct(o["unsupported_rate"]),
-    "prompt too long": lambda o: report.pct(o["too_long_rate"]),
-    "errors": lambda o: report.pct(o["error_rate"]),
     "mean tokens": lambda o: report.fmt(o["mean_completion_tokens"], ".0f"),
-    "mean latency (s)": lambda o: report.fmt(o["mean_latency_s"]),
+    **report.STATUS_COLUMNS,
 }
 
 

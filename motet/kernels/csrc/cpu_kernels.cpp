@@ -397,7 +397,10 @@ using namespace motet;
 
 extern "C" {
 
-int motet_abi_version() { return 9; }
+#ifndef MOTET_ABI_VERSION
+#error "MOTET_ABI_VERSION is given by kernels/cpu_native.py's FLAGS"
+#endif
+int motet_abi_version() { return MOTET_ABI_VERSION; }
 
 int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, int64_t q_sh, const void* kc,
                     const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* qsl,

@@ -137,7 +137,7 @@ def adapter_dirs(args) -> dict[str, Path]:
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
-    from motet.cluster.adapter_store import SharedAdapterStore
+    from motet.cluster.shared_adapter_store import SharedAdapterStore
 
     dirs = {"the replicas' adapter cache": SharedAdapterStore().cache_dir}
     fs, root = fsspec.core.url_to_fs(args.adapter_store)
@@ -148,11 +148,11 @@ def adapter_dirs(args) -> dict[str, Path]:
 
 def cluster_system(args, config, loras: dict[str, Path]):
     """The ClusterSystem for `motet serve --replicas N ...`; ValueError naming a bad flag."""
-    from motet.cluster.adapter_store import SharedAdapterStore
-    from motet.cluster.ingress import ClusterSystem
+    from motet.cluster.cluster_system import ClusterSystem
     from motet.cluster.launch import Cluster
     from motet.cluster.model_view import ModelView
     from motet.cluster.replica import ReplicaSettings
+    from motet.cluster.shared_adapter_store import SharedAdapterStore
     from motet.engine.config import default_cpu_threads
     from motet.engine.model_store import resolve_model
 

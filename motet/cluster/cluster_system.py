@@ -27,12 +27,11 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup, TaskStatus
 
-from motet.actors.errors import EngineFailure, ServerBusy, ServingError, ShuttingDown
 from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import ReplyStream
+from motet.actors.serving_errors import EngineFailure, ServerBusy, ServingError, ShuttingDown
 from motet.actors.system import Stats
 from motet.cluster import reports
-from motet.cluster.adapter_store import SharedAdapterStore
 from motet.cluster.disaggregation import PrefillDone, wants_prefill
 from motet.cluster.launch import Cluster, ClusterThread, reclaim_sigterm
 from motet.cluster.model_view import ModelView
@@ -40,6 +39,7 @@ from motet.cluster.prompt_blocks import route_hashes
 from motet.cluster.replica import Admitted, Refused
 from motet.cluster.reports import total_stats
 from motet.cluster.routing_policy import RouteRequest
+from motet.cluster.shared_adapter_store import SharedAdapterStore
 
 log = logging.getLogger("motet.ingress")
 
@@ -269,7 +269,7 @@ class ClusterSystem:
         return total_stats(reports.LATEST.values()) or Stats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
     def replica_metrics(self):
-        from motet.cluster.metrics import ReplicaMetrics
+        from motet.cluster.replica_metrics import ReplicaMetrics
 
         return ReplicaMetrics(reports.LATEST, self.pd if self.cluster.settings.prefill_replicas else None)
 

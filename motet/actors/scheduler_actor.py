@@ -14,10 +14,10 @@ import logging
 
 import anyio
 
-from motet.actors.errors import EngineFailure, ServingError, ShuttingDown
 from motet.actors.messages import Abort, QueuedRequest, RemoveLora, Step, StepDone, Take, Taken, WorkQueued
 from motet.actors.reply import Delta, ReplyStream
 from motet.actors.runtime import Actor, ActorStopped
+from motet.actors.serving_errors import EngineFailure, ServingError, ShuttingDown
 from motet.engine.fairness import AdmissionGate
 
 log = logging.getLogger("motet.scheduler")

@@ -15,10 +15,10 @@ import time
 import anyio
 import anyio.to_thread
 
-from motet.actors.errors import EngineFailure, InvalidRequest, ModelNotFound, ServerBusy
 from motet.actors.messages import Admission, Enqueue, GenerateSpec, QueuedRequest, Submit
 from motet.actors.reply import ReplyStream
 from motet.actors.runtime import Actor
+from motet.actors.serving_errors import EngineFailure, InvalidRequest, ModelNotFound, ServerBusy
 from motet.engine.request_checks import RequestError
 from motet.grammar.specs import GrammarError
 from motet.lora.adapter import AdapterError

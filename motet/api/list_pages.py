@@ -1,0 +1,46 @@
+"""The list routes' shared query and answer (GET /v1/files, /v1/batches, a response's input items): OpenAI's
+cursor pages, `after` an object's id and `limit` objects from there in `order`, answered as a list object."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from starlette.datastructures import QueryParams
+
+from motet.api.errors import APIError, echo
+
+DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # OpenAI's page of a list (of files: up to 10,000, all by default)
+
+
+def refuse_unknown(query: QueryParams, known: Collection[str]) -> None:
+    """A 400 naming the first query parameter the route does not take."""
+    for key in query:
+        if key not in known:
+            raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
+
+
+def page_limit(query: QueryParams, default: int = DEFAULT_LIMIT, most: int = MAX_LIMIT) -> int:
+    """`limit`, from 1 to `most` (`default` where absent)."""
+    raw = query.get("limit", str(default))
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise APIError(400, f"limit must be an integer from 1 to {most}, not {echo(raw)}", param="limit")
+    return int(raw)
+
+
+def page_order(query: QueryParams) -> str:
+    """`order`: "asc" or "desc" (the default, newest first)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', not {echo(order)}", param="order")
+    return order
+
+
+def list_object(data: list[dict], has_more: bool) -> dict:
+    """OpenAI's list object of a page of objects."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
