@@ -161,8 +161,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.async_scheduling,
         help="with the outputs overlapped, schedule and launch each step before the previous step's tokens "
-        "reach the host, where no row needs them but as its input (no grammar, stop strings, drafts, penalties, "
-        "seeds)",
+        "reach the host, where no row needs them but as its input (docs/gpu.md)",
     )
     p.add_argument(
         "--speculative",
