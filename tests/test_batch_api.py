@@ -26,7 +26,7 @@ from motet.actors.system import Stats
 from motet.api.batch_format import Line, error_line, response_line
 from motet.api.batch_runner import BatchGate, LowPriority
 from motet.api.batch_store import BatchStore
-from motet.api.file_store import FileQuotaExceeded, FileStore, FileTooLarge
+from motet.api.files.store import FileQuotaExceeded, FileStore, FileTooLarge
 from tests.live_server import ROOT, Server
 
 MODEL = "tiny"

@@ -41,7 +41,7 @@ from motet.api.batch_format import (
 )
 from motet.api.batch_store import BatchStore, PendingLine
 from motet.api.errors import APIError
-from motet.api.file_store import FileStore
+from motet.api.files.store import FileStore
 from motet.api.storage_errors import StorageFailure
 from motet.api.usage import BATCH_SCOPE_KEY
 

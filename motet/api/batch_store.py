@@ -9,7 +9,7 @@ lines without a result.
 
 Status, as OpenAI's: validating -> in_progress -> finalizing -> completed; failed (the file as a whole is
 unusable); cancelling -> cancelled; expired (the completion window passed). A finished batch keeps its
-row; its answered lines live on in its output and error files (motet/api/file_store.py) and leave the table.
+row; its answered lines live on in its output and error files (motet/api/files/store.py) and leave the table.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from motet.api.batch_format import ENDPOINTS, check_line_size, parse_lines
 from motet.api.batch_runner import BatchRunner
 from motet.api.batch_store import COMPLETION_WINDOWS
 from motet.api.errors import APIError, echo
-from motet.api.files import stored_call
+from motet.api.files.routes import stored_call
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState

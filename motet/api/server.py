@@ -114,7 +114,7 @@ DISK_SHARE = 0.25  # of the data dir's free space at start-up: the most one tena
 def fit_to_disk(args, config, data: Path) -> None:
     """Bound the per-tenant stores and the KV disk tier by the free space under `data` at start-up: a flag
     (or default) over DISK_SHARE of it is lowered, with a warning when the operator set it."""
-    from motet.api.file_store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_DEFAULT
+    from motet.api.files.store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_DEFAULT
     from motet.api.response_store import DEFAULT_MAX_BYTES_PER_TENANT as RESPONSES_DEFAULT
 
     where = data
@@ -145,7 +145,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.adapter_store import AdapterStore
     from motet.api.batch_runner import BatchRunner, LowPriority
     from motet.api.batch_store import BatchStore
-    from motet.api.file_store import FileStore
+    from motet.api.files.store import FileStore
     from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
     from motet.api.origin_guard import flat_list
@@ -416,8 +416,8 @@ def add_serve_args(p) -> None:
         f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
     )
     from motet.api.batch_runner import DEFAULT_MAX_IN_FLIGHT
-    from motet.api.file_store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_PER_TENANT
-    from motet.api.file_store import DEFAULT_MAX_FILE_BYTES
+    from motet.api.files.store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_PER_TENANT
+    from motet.api.files.store import DEFAULT_MAX_FILE_BYTES
 
     p.add_argument(
         "--files-max-bytes",

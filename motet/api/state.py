@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the families' stores: each family's routes read ServerState
     # make a cycle between the family's package and this module (the server builds the stores: api/server.py)
     from motet.api.adapter_store import AdapterStore
     from motet.api.batch_runner import BatchRunner
-    from motet.api.file_store import FileStore
+    from motet.api.files.store import FileStore
     from motet.api.response_store import ResponseStore
 
 
