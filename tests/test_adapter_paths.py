@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 import motet.lora.registry as registry
 from motet.actors.system import ServingSystem
-from motet.api.adapter_store import AdapterStore
+from motet.api.adapters.store import AdapterStore
 from motet.api.app import create_app
 from motet.api.auth import Authenticator
 from motet.api.state import ServerState

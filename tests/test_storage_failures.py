@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 
 import motet.api.openai as api_openai
 from motet.actors.system import ServingSystem
-from motet.api.adapter_store import AdapterStore
+from motet.api.adapters.store import AdapterStore
 from motet.api.app import create_app
 from motet.api.auth import Authenticator
 from motet.api.openai import WARNING_HEADER

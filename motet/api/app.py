@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 import motet
 from motet.api import protocol as P
-from motet.api.adapters import (
+from motet.api.adapters.routes import (
     delete_adapter,
     get_adapter,
     list_adapters,

@@ -142,7 +142,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     """The server's state; `model_dir` and `max_model_len` as check_model found them (found here if not
     given)."""
     from motet.actors.system import ServingSystem
-    from motet.api.adapter_store import AdapterStore
+    from motet.api.adapters.store import AdapterStore
     from motet.api.batch_runner import BatchRunner, LowPriority
     from motet.api.batch_store import BatchStore
     from motet.api.files.store import FileStore
