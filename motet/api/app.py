@@ -25,7 +25,7 @@ from motet.api.adapters.routes import (
     upload_adapter,
 )
 from motet.api.asgi import StatusRecorder
-from motet.api.batches import cancel_batch, create_batch, list_batches, retrieve_batch
+from motet.api.batches.routes import cancel_batch, create_batch, list_batches, retrieve_batch
 from motet.api.errors import APIError, echo, handle_exception, to_response
 from motet.api.files.routes import delete_file, file_content, list_files, retrieve_file, upload_file
 from motet.api.openai import chat_completions, completions

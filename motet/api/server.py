@@ -143,8 +143,8 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     given)."""
     from motet.actors.system import ServingSystem
     from motet.api.adapters.store import AdapterStore
-    from motet.api.batch_runner import BatchRunner, LowPriority
-    from motet.api.batch_store import BatchStore
+    from motet.api.batches.runner import BatchRunner, LowPriority
+    from motet.api.batches.store import BatchStore
     from motet.api.files.store import FileStore
     from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
@@ -415,7 +415,7 @@ def add_serve_args(p) -> None:
         help="bytes of stored responses per tenant (their JSON, as the model sees the conversation); a response "
         f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
     )
-    from motet.api.batch_runner import DEFAULT_MAX_IN_FLIGHT
+    from motet.api.batches.runner import DEFAULT_MAX_IN_FLIGHT
     from motet.api.files.store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_PER_TENANT
     from motet.api.files.store import DEFAULT_MAX_FILE_BYTES
 

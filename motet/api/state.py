@@ -19,7 +19,7 @@ from motet.lora.manager import AdapterRef
 if TYPE_CHECKING:  # the families' stores: each family's routes read ServerState, so a runtime import would
     # make a cycle between the family's package and this module (the server builds the stores: api/server.py)
     from motet.api.adapters.store import AdapterStore
-    from motet.api.batch_runner import BatchRunner
+    from motet.api.batches.runner import BatchRunner
     from motet.api.files.store import FileStore
     from motet.api.response_store import ResponseStore
 
