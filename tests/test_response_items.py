@@ -14,7 +14,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from motet.api.chat_output import ChatOutput
-from motet.api.response_items import OutputItems
+from motet.api.responses.items import OutputItems
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 TEXT = (

@@ -30,7 +30,7 @@ from starlette.testclient import TestClient
 from motet.actors.system import ServingSystem
 from motet.api.app import create_app
 from motet.api.auth import Authenticator
-from motet.api.response_store import ResponseStore
+from motet.api.responses.store import ResponseStore
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine

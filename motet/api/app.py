@@ -31,8 +31,8 @@ from motet.api.files.routes import delete_file, file_content, list_files, retrie
 from motet.api.openai import chat_completions, completions
 from motet.api.openapi import ERRORS, document, operation
 from motet.api.playground import playground_routes
-from motet.api.response_input_items import list_input_items
-from motet.api.responses import create_response, delete_response, get_response
+from motet.api.responses.input_items import list_input_items
+from motet.api.responses.routes import create_response, delete_response, get_response
 from motet.api.state import ServerState
 from motet.api.tokenization import detokenize, tokenize
 from motet.api.usage import usage_route

@@ -190,7 +190,7 @@ def stream_usage(req: P._SamplingFields) -> tuple[bool, bool]:
 def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionRequest, rid: str):
     """A validated chat request as the engine's GenerateSpec, with its structure (grammar, tools), top
     logprobs (None: none) and whether the output is dropped (max_tokens 0). The Responses API
-    (motet/api/responses.py) runs its requests through here too."""
+    (motet/api/responses/routes.py) runs its requests through here too."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
     template = req.template  # the request's own (under --trust-request-chat-template), or None

@@ -115,7 +115,7 @@ def fit_to_disk(args, config, data: Path) -> None:
     """Bound the per-tenant stores and the KV disk tier by the free space under `data` at start-up: a flag
     (or default) over DISK_SHARE of it is lowered, with a warning when the operator set it."""
     from motet.api.files.store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_DEFAULT
-    from motet.api.response_store import DEFAULT_MAX_BYTES_PER_TENANT as RESPONSES_DEFAULT
+    from motet.api.responses.store import DEFAULT_MAX_BYTES_PER_TENANT as RESPONSES_DEFAULT
 
     where = data
     while not where.exists() and where != where.parent:
@@ -149,7 +149,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
     from motet.api.origin_guard import flat_list
-    from motet.api.response_store import ResponseStore
+    from motet.api.responses.store import ResponseStore
     from motet.api.state import ServerState
     from motet.api.usage import UsageStore
     from motet.api.vllm_flags import authenticator
@@ -389,7 +389,7 @@ def add_serve_args(p) -> None:
         f"$MOTET_DATA_DIR or "
         f"{DEFAULT_DATA_DIR})",
     )
-    from motet.api.response_store import (
+    from motet.api.responses.store import (
         DEFAULT_MAX_AGE_DAYS,
         DEFAULT_MAX_BYTES_PER_TENANT,
         DEFAULT_MAX_PER_TENANT,

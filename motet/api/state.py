@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the families' stores: each family's routes read ServerState
     from motet.api.adapters.store import AdapterStore
     from motet.api.batches.runner import BatchRunner
     from motet.api.files.store import FileStore
-    from motet.api.response_store import ResponseStore
+    from motet.api.responses.store import ResponseStore
 
 
 @dataclass

@@ -108,7 +108,7 @@ class OutputItems:
         return events
 
 
-# The fields motet/api/responses_request.py `to_messages` reads of each kind of item (and of a content part);
+# The fields motet/api/responses/request.py `to_messages` reads of each kind of item (and of a content part);
 # reasoning items are never shown to the model again.
 _VISIBLE_KEYS = {
     "message": ("type", "role", "content"),
