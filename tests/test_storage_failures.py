@@ -20,12 +20,12 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-import motet.api.openai as api_openai
+import motet.api.completions.routes as api_openai
 from motet.actors.system import ServingSystem
 from motet.api.adapters.store import AdapterStore
 from motet.api.app import create_app
 from motet.api.auth import Authenticator
-from motet.api.openai import WARNING_HEADER
+from motet.api.completions.routes import WARNING_HEADER
 from motet.api.responses.store import FILENAME, ResponseStore
 from motet.api.state import ServerState
 from motet.api.storage_errors import RETRY_AFTER_FULL_S, StorageFailure

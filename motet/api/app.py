@@ -26,9 +26,9 @@ from motet.api.adapters.routes import (
 )
 from motet.api.asgi import StatusRecorder
 from motet.api.batches.routes import cancel_batch, create_batch, list_batches, retrieve_batch
+from motet.api.completions.routes import chat_completions, completions
 from motet.api.errors import APIError, echo, handle_exception, to_response
 from motet.api.files.routes import delete_file, file_content, list_files, retrieve_file, upload_file
-from motet.api.openai import chat_completions, completions
 from motet.api.openapi import ERRORS, document, operation
 from motet.api.playground import playground_routes
 from motet.api.responses.input_items import list_input_items

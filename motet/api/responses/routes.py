@@ -1,8 +1,8 @@
 """The OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
 
 A request is translated into a chat request (motet/api/responses/request.py) and runs the chat path: the same
-spec, grammar and tool handling (motet/api/openai.py `chat_spec`), the same actors, the same output splitter
-(motet/api/chat_output.py), whose deltas become output items and typed events (motet/api/responses/items.py). The
+spec, grammar and tool handling (motet/api/completions/routes.py `chat_spec`), the same actors, the same output splitter
+(motet/api/completions/chat_output.py), whose deltas become output items and typed events (motet/api/responses/items.py). The
 response is stored for its tenant (motet/api/responses/store.py) unless `store` is false, so a later request
 continues the conversation with `previous_response_id`, after a restart too.
 
@@ -27,9 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from motet.actors.reply import ReplyStream, merge_streams
-from motet.api.chat_output import ChatOutput
-from motet.api.errors import APIError, from_validation_error
-from motet.api.openai import (
+from motet.api.completions.chat_output import ChatOutput
+from motet.api.completions.routes import (
     MAX_WARNING_CHARS,
     WARNING_HEADER,
     accept_request,
@@ -38,6 +37,7 @@ from motet.api.openai import (
     submit,
     with_warnings,
 )
+from motet.api.errors import APIError, from_validation_error
 from motet.api.openapi import operation
 from motet.api.responses.items import OutputItems
 from motet.api.responses.request import ResponsesRequest, chat_request, input_items, renamed

@@ -21,12 +21,12 @@ from starlette.responses import JSONResponse, Response
 from motet.actors.errors import ServingError
 from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import ReplyStream, merge_streams
-from motet.api import protocol as P
 from motet.api import tracing
 from motet.api import usage as usage_records
-from motet.api.chat_output import ChatOutput
+from motet.api.completions import protocol as P
+from motet.api.completions.chat_output import ChatOutput
+from motet.api.completions.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from motet.api.errors import APIError, from_serving_error, from_value_error
-from motet.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
