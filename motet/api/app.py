@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 import motet
 from motet.api import protocol as P
-from motet.api.adapters import (
+from motet.api.adapters.routes import (
     delete_adapter,
     get_adapter,
     list_adapters,
@@ -25,14 +25,14 @@ from motet.api.adapters import (
     upload_adapter,
 )
 from motet.api.asgi import StatusRecorder
-from motet.api.batches import cancel_batch, create_batch, list_batches, retrieve_batch
+from motet.api.batches.routes import cancel_batch, create_batch, list_batches, retrieve_batch
+from motet.api.completions.routes import chat_completions, completions
 from motet.api.errors import APIError, echo, handle_exception, to_response
-from motet.api.files import delete_file, file_content, list_files, retrieve_file, upload_file
-from motet.api.openai import chat_completions, completions
+from motet.api.files.routes import delete_file, file_content, list_files, retrieve_file, upload_file
 from motet.api.openapi import ERRORS, document, operation
 from motet.api.playground import playground_routes
-from motet.api.response_input_items import list_input_items
-from motet.api.responses import create_response, delete_response, get_response
+from motet.api.responses.input_items import list_input_items
+from motet.api.responses.routes import create_response, delete_response, get_response
 from motet.api.state import ServerState
 from motet.api.tokenization import detokenize, tokenize
 from motet.api.usage import usage_route

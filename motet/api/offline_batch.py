@@ -1,9 +1,9 @@
 """`motet run-batch -i in.jsonl -o out.jsonl`: a batch file run offline, as `vllm run-batch` does.
 
 The engine runs in this process behind the server's own app, without HTTP: the serving system is started as
-`motet serve` starts it, and each line is sent to its url through the app (motet/api/batch_runner.py
+`motet serve` starts it, and each line is sent to its url through the app (motet/api/batches/runner.py
 `answer`), so a line gets exactly what the same request to a server would, with the same validation. The
-formats are the Batch API's (motet/api/batch_format.py). Unlike the server's batches, lines run at full
+formats are the Batch API's (motet/api/batches/lines.py). Unlike the server's batches, lines run at full
 speed (up to `--max-concurrency` at once) and every answer, errors included, goes to the one output file, in
 the input's order, as vLLM writes it. The output is written whole (to a temporary name, then renamed).
 -i and -o take local paths, or http(s) URLs (the input is fetched with GET, the output sent with PUT).
@@ -21,8 +21,8 @@ from pathlib import Path
 import anyio
 from tqdm import tqdm
 
-from motet.api.batch_format import Line, dumps, error_line, parse_lines, succeeded
-from motet.api.batch_runner import answer
+from motet.api.batches.lines import Line, dumps, error_line, parse_lines, succeeded
+from motet.api.batches.runner import answer
 
 log = logging.getLogger("motet.batches")
 

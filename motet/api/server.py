@@ -114,8 +114,8 @@ DISK_SHARE = 0.25  # of the data dir's free space at start-up: the most one tena
 def fit_to_disk(args, config, data: Path) -> None:
     """Bound the per-tenant stores and the KV disk tier by the free space under `data` at start-up: a flag
     (or default) over DISK_SHARE of it is lowered, with a warning when the operator set it."""
-    from motet.api.file_store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_DEFAULT
-    from motet.api.response_store import DEFAULT_MAX_BYTES_PER_TENANT as RESPONSES_DEFAULT
+    from motet.api.files.store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_DEFAULT
+    from motet.api.responses.store import DEFAULT_MAX_BYTES_PER_TENANT as RESPONSES_DEFAULT
 
     where = data
     while not where.exists() and where != where.parent:
@@ -142,14 +142,14 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     """The server's state; `model_dir` and `max_model_len` as check_model found them (found here if not
     given)."""
     from motet.actors.system import ServingSystem
-    from motet.api.adapter_store import AdapterStore
-    from motet.api.batch_runner import BatchRunner, LowPriority
-    from motet.api.batch_store import BatchStore
-    from motet.api.file_store import FileStore
+    from motet.api.adapters.store import AdapterStore
+    from motet.api.batches.runner import BatchRunner, LowPriority
+    from motet.api.batches.store import BatchStore
+    from motet.api.files.store import FileStore
     from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
     from motet.api.origin_guard import flat_list
-    from motet.api.response_store import ResponseStore
+    from motet.api.responses.store import ResponseStore
     from motet.api.state import ServerState
     from motet.api.usage import UsageStore
     from motet.api.vllm_flags import authenticator
@@ -389,7 +389,7 @@ def add_serve_args(p) -> None:
         f"$MOTET_DATA_DIR or "
         f"{DEFAULT_DATA_DIR})",
     )
-    from motet.api.response_store import (
+    from motet.api.responses.store import (
         DEFAULT_MAX_AGE_DAYS,
         DEFAULT_MAX_BYTES_PER_TENANT,
         DEFAULT_MAX_PER_TENANT,
@@ -415,9 +415,9 @@ def add_serve_args(p) -> None:
         help="bytes of stored responses per tenant (their JSON, as the model sees the conversation); a response "
         f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
     )
-    from motet.api.batch_runner import DEFAULT_MAX_IN_FLIGHT
-    from motet.api.file_store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_PER_TENANT
-    from motet.api.file_store import DEFAULT_MAX_FILE_BYTES
+    from motet.api.batches.runner import DEFAULT_MAX_IN_FLIGHT
+    from motet.api.files.store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_PER_TENANT
+    from motet.api.files.store import DEFAULT_MAX_FILE_BYTES
 
     p.add_argument(
         "--files-max-bytes",

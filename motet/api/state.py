@@ -6,18 +6,22 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from motet.actors.system import ServingSystem
-from motet.api.adapter_store import AdapterStore
 from motet.api.auth import Authenticator
-from motet.api.batch_runner import BatchRunner
 from motet.api.errors import APIError
-from motet.api.file_store import FileStore
 from motet.api.metrics import Metrics
 from motet.api.rate_limits import RateLimiter
-from motet.api.response_store import ResponseStore
 from motet.api.usage import UsageStore
 from motet.lora.manager import AdapterRef
+
+if TYPE_CHECKING:  # the families' stores: each family's routes read ServerState, so a runtime import would
+    # make a cycle between the family's package and this module (the server builds the stores: api/server.py)
+    from motet.api.adapters.store import AdapterStore
+    from motet.api.batches.runner import BatchRunner
+    from motet.api.files.store import FileStore
+    from motet.api.responses.store import ResponseStore
 
 
 @dataclass

@@ -184,7 +184,7 @@ def _guided(req, limits: GrammarLimits, warnings: list[str]) -> list[tuple[str, 
 
 
 def _structured_outputs(so, limits: GrammarLimits, warnings: list[str]) -> list[tuple[str, GrammarSpec]]:
-    """vLLM's `structured_outputs` (api.protocol.StructuredOutputs): its constraints, with its JSON
+    """vLLM's `structured_outputs` (api.completions.protocol.StructuredOutputs): its constraints, with its JSON
     options (`disable_any_whitespace`: compact JSON; `disable_additional_properties`: objects closed or,
     when false, open where the schema does not say)."""
     space = 0 if so.disable_any_whitespace else DEFAULT_MAX_WHITESPACE

@@ -40,7 +40,7 @@ FLUSH_S = 2.0
 BUCKETS = {"1m": 60, "1h": 3600, "1d": 86400}
 LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # OpenAI's default and most buckets a page
 GROUPS = ("tenant", "model", "batch")
-BATCH_SCOPE_KEY = "motet.batch"  # set in the ASGI scope of the Batch API's lines (motet/api/batch_runner.py)
+BATCH_SCOPE_KEY = "motet.batch"  # set in the ASGI scope of the Batch API's lines (api/batches/runner.py)
 _COUNTS = ("requests", "input_tokens", "cached_tokens", "output_tokens")
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS usage (

@@ -18,7 +18,7 @@ import pytest
 
 import motet.lora.registry as registry
 from motet.actors.system import ServingSystem
-from motet.api.adapter_store import AdapterStore
+from motet.api.adapters.store import AdapterStore
 from motet.api.auth import Authenticator
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig

@@ -350,7 +350,7 @@ def test_in_process_upload_use_delete(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from motet.actors.system import ServingSystem
-    from motet.api.adapter_store import AdapterStore
+    from motet.api.adapters.store import AdapterStore
     from motet.api.auth import Authenticator
     from motet.api.state import ServerState
     from motet.engine.config import EngineConfig

@@ -23,10 +23,10 @@ from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
 from motet.actors.system import Stats
-from motet.api.batch_format import Line, error_line, response_line
-from motet.api.batch_runner import BatchGate, LowPriority
-from motet.api.batch_store import BatchStore
-from motet.api.file_store import FileQuotaExceeded, FileStore, FileTooLarge
+from motet.api.batches.lines import Line, error_line, response_line
+from motet.api.batches.runner import BatchGate, LowPriority
+from motet.api.batches.store import BatchStore
+from motet.api.files.store import FileQuotaExceeded, FileStore, FileTooLarge
 from tests.live_server import ROOT, Server, keys_file
 
 MODEL = "tiny"

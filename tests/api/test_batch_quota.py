@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from motet.api.batch_format import MAX_LINE_LOGPROB_ENTRIES
+from motet.api.batches.lines import MAX_LINE_LOGPROB_ENTRIES
 from tests.api.test_batch_api import MODEL, chat_line, jsonl, start, upload, wait
 from tests.live_server import Server
 

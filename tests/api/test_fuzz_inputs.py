@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from motet.actors.system import ServingSystem
-from motet.api.adapter_store import AdapterStore
+from motet.api.adapters.store import AdapterStore
 from motet.api.auth import Authenticator
-from motet.api.response_store import ResponseStore
+from motet.api.responses.store import ResponseStore
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine

@@ -1,7 +1,7 @@
 """Output items and streaming events against the openai SDK's own types and its stream accumulator: every
 event validates as one of the SDK's `ResponseStreamEvent` models, the SDK's accumulation of the events is
 the output built from the whole text, and reasoning, text and function calls come out in the order the model
-wrote them (no model needed: api.chat_output splits a known text)."""
+wrote them (no model needed: api.completions.chat_output splits a known text)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from motet.api.chat_output import ChatOutput
-from motet.api.response_items import OutputItems
+from motet.api.completions.chat_output import ChatOutput
+from motet.api.responses.items import OutputItems
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 TEXT = (

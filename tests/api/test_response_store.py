@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from motet.api.response_store import (
+from motet.api.responses.store import (
     FILENAME,
     MAX_TURNS,
     SCHEMA_VERSION,

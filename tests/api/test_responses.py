@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 
 from motet.actors.system import ServingSystem
 from motet.api.auth import Authenticator
-from motet.api.response_store import ResponseStore
+from motet.api.responses.store import ResponseStore
 from motet.api.state import ServerState
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine

@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from motet.api.response_store import FILENAME
+from motet.api.responses.store import FILENAME
 from tests.live_server import Server
 from tests.peft_adapters import make_adapter
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import openai
 import pytest
 
-import motet.api.openai as api_openai
+import motet.api.completions.routes as api_openai
 from motet.actors.system import ServingSystem
-from motet.api.adapter_store import AdapterStore
+from motet.api.adapters.store import AdapterStore
 from motet.api.auth import Authenticator
-from motet.api.openai import WARNING_HEADER
-from motet.api.response_store import FILENAME, ResponseStore
+from motet.api.completions.routes import WARNING_HEADER
+from motet.api.responses.store import FILENAME, ResponseStore
 from motet.api.state import ServerState
 from motet.api.storage_errors import RETRY_AFTER_FULL_S, StorageFailure
 from motet.engine.config import EngineConfig
@@ -214,7 +214,7 @@ def test_a_stream_failing_midway_ends_with_its_terminal_event(client, store, mon
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("motet.api.responses.OutputItems.feed", broken)
+    monkeypatch.setattr("motet.api.responses.routes.OutputItems.feed", broken)
     with client.stream("POST", "/v1/responses", headers=ALICE,
                        json={"model": "tiny", "input": "hi", "max_output_tokens": 4, "stream": True}) as r:  # fmt: skip
         body = "".join(r.iter_text())

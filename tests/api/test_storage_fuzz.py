@@ -7,7 +7,7 @@
   exists, failures are only StorageFailure (while full) or QuotaExceeded (at the limit), and the connection
   is out of any transaction. At the end the store is opened again and everything is still there.
 - What the store keeps of input items gives the model the same messages as the items sent
-  (motet/api/responses_request.py `to_messages`, which builds the chat messages, is the reference).
+  (motet/api/responses/request.py `to_messages`, which builds the chat messages, is the reference).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from motet.api.response_items import model_visible
-from motet.api.response_store import QuotaExceeded, ResponseStore
-from motet.api.responses_request import to_messages
+from motet.api.responses.items import model_visible
+from motet.api.responses.request import to_messages
+from motet.api.responses.store import QuotaExceeded, ResponseStore
 from motet.api.storage_errors import StorageFailure
 
 MAX_PER_TENANT = 6

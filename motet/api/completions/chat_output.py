@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 
-from motet.api import protocol as P
+from motet.api.completions import protocol as P
 from motet.grammar.reasoning import ReasoningStreamParser, split_reasoning
 from motet.grammar.tool_call_parser import ContentDelta, ToolCallArguments, ToolCallStart
 from motet.grammar.tool_formats import HERMES, ToolFormat

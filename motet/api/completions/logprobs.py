@@ -4,7 +4,7 @@ text (whose bytes chat logprobs still carry), so that tokens that are not whole 
 
 from __future__ import annotations
 
-from motet.api import protocol as P
+from motet.api.completions import protocol as P
 from motet.api.state import ServerState
 from motet.engine.sequence import TokenLogprob
 

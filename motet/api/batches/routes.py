@@ -1,4 +1,4 @@
-"""OpenAI's Batch API routes (the store: motet/api/batch_store.py; the runner: motet/api/batch_runner.py).
+"""OpenAI's Batch API routes (the store: motet/api/batches/store.py; the runner: motet/api/batches/runner.py).
 
 POST /v1/batches                     `input_file_id` (a `batch` file of the tenant's), `endpoint`
                                      (/v1/chat/completions, /v1/completions, /v1/responses),
@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from motet.api import protocol as P
-from motet.api.batch_format import ENDPOINTS, check_line_size, parse_lines
-from motet.api.batch_runner import BatchRunner
-from motet.api.batch_store import COMPLETION_WINDOWS
+from motet.api.batches.lines import ENDPOINTS, check_line_size, parse_lines
+from motet.api.batches.runner import BatchRunner
+from motet.api.batches.store import COMPLETION_WINDOWS
 from motet.api.errors import APIError, echo
-from motet.api.files import stored_call
+from motet.api.files.routes import stored_call
 from motet.api.list_pages import list_object, page_limit, refuse_unknown
 from motet.api.openapi import operation
 from motet.api.request_body import read_json

@@ -1,6 +1,6 @@
 """A response's output items, built from the chat output's deltas, and the streaming events that build them.
 
-motet/api/chat_output.py already splits a choice's text into reasoning, content and tool calls, whole or
+motet/api/completions/chat_output.py already splits a choice's text into reasoning, content and tool calls, whole or
 streamed; here its deltas become Responses output items (`reasoning`, `message` with one `output_text`
 part, `function_call`) in the order the model wrote them, and each step is an event
 (`response.output_item.added`, `response.output_text.delta`, `response.function_call_arguments.delta`,
@@ -108,7 +108,7 @@ class OutputItems:
         return events
 
 
-# The fields motet/api/responses_request.py `to_messages` reads of each kind of item (and of a content part);
+# The fields motet/api/responses/request.py `to_messages` reads of each kind of item (and of a content part);
 # reasoning items are never shown to the model again.
 _VISIBLE_KEYS = {
     "message": ("type", "role", "content"),

@@ -4,12 +4,12 @@ A batch is a row (its Batch object's fields, its request counts and token usage)
 `batch_lines`, copied from the input file when it is validated. A line is answered once: its result is
 written, its request dropped and the batch's counts raised in one transaction, and only while it has no
 result yet, so a line run again after a crash (it was running when the server died) is never counted twice.
-On a restart the runner (motet/api/batch_runner.py) picks every unfinished batch up where it stopped: the
+On a restart the runner (motet/api/batches/runner.py) picks every unfinished batch up where it stopped: the
 lines without a result.
 
 Status, as OpenAI's: validating -> in_progress -> finalizing -> completed; failed (the file as a whole is
 unusable); cancelling -> cancelled; expired (the completion window passed). A finished batch keeps its
-row; its answered lines live on in its output and error files (motet/api/file_store.py) and leave the table.
+row; its answered lines live on in its output and error files (motet/api/files/store.py) and leave the table.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from motet.api.batch_format import Line, Usage, compact, error_line, succeeded
+from motet.api.batches.lines import Line, Usage, compact, error_line, succeeded
 from motet.api.sqlite_store import SQLiteStore
 
 FILENAME = "batches.sqlite3"

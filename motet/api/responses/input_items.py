@@ -4,7 +4,7 @@ What it lists: everything the model was shown as items for that response, which 
 another (`previous_response_id`) is the whole conversation before it, each earlier turn's input and output
 items, then the response's own input (OpenAI describes the list as "the items used to generate this
 response", and its items include output messages and function calls of earlier turns). `instructions` are no
-item and are not listed; reasoning items are never shown to the model again (motet/api/response_items.py
+item and are not listed; reasoning items are never shown to the model again (motet/api/responses/items.py
 `model_visible`), so they are not listed either.
 
 Items are returned in OpenAI's item shapes (a message's string content becomes one `input_text` /
@@ -24,9 +24,9 @@ from starlette.responses import JSONResponse, Response
 from motet.api.errors import APIError, echo
 from motet.api.list_pages import list_object, page_limit, page_order, refuse_unknown
 from motet.api.openapi import operation
-from motet.api.response_store import Turn
-from motet.api.responses import _from_store as from_store  # the store's failures as 507 / 503
-from motet.api.responses import _not_found as not_found
+from motet.api.responses.routes import _from_store as from_store  # the store's failures as 507 / 503
+from motet.api.responses.routes import _not_found as not_found
+from motet.api.responses.store import Turn
 from motet.api.state import ServerState
 
 _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}

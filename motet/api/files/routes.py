@@ -1,4 +1,4 @@
-"""OpenAI's Files API, for the Batch API's input and output files (the store: motet/api/file_store.py).
+"""OpenAI's Files API, for the Batch API's input and output files (the store: motet/api/files/store.py).
 
 POST   /v1/files                    multipart: `file`, and `purpose` ("batch": the one purpose served)
 GET    /v1/files                    the tenant's files: `after`, `limit`, `order`, `purpose`
@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from motet.api.errors import APIError, echo
-from motet.api.file_store import FileQuotaExceeded, FileStore, FileTooLarge, StoredFile
+from motet.api.files.store import FileQuotaExceeded, FileStore, FileTooLarge, StoredFile
 from motet.api.list_pages import list_object, page_limit, page_order, refuse_unknown
 from motet.api.openapi import FILE, operation
 from motet.api.request_body import bounded_form

@@ -4,7 +4,7 @@ One table in `responses.sqlite3` under the data directory, keyed by (tenant, id)
 names the tenant, so one tenant's ids never find another's responses (a foreign id reads as missing).
 
 A conversation is a chain of rows. Each row holds one response (the Response object, its output apart),
-the input items its own request added, reduced to what the model sees of them (motet/api/response_items.py
+the input items its own request added, reduced to what the model sees of them (motet/api/responses/items.py
 `model_visible`: no reasoning items, `encrypted_content`, annotations or logprobs), and the id of the
 response it continued. So a turn costs what it adds, never the whole history again, and continuing a
 conversation walks the chain back (at most MAX_TURNS rows). As with OpenAI, a stored response can be
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from motet.api.response_items import model_visible
+from motet.api.responses.items import model_visible
 from motet.api.sqlite_store import SQLiteStore
 
 FILENAME = "responses.sqlite3"

@@ -21,12 +21,12 @@ from starlette.responses import JSONResponse, Response
 from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import ReplyStream, merge_streams
 from motet.actors.serving_errors import ServingError
-from motet.api import protocol as P
 from motet.api import tracing
 from motet.api import usage as usage_records
-from motet.api.chat_output import ChatOutput
+from motet.api.completions import protocol as P
+from motet.api.completions.chat_output import ChatOutput
+from motet.api.completions.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from motet.api.errors import APIError, from_serving_error, from_value_error
-from motet.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
@@ -190,7 +190,7 @@ def stream_usage(req: P._SamplingFields) -> tuple[bool, bool]:
 def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionRequest, rid: str):
     """A validated chat request as the engine's GenerateSpec, with its structure (grammar, tools), top
     logprobs (None: none) and whether the output is dropped (max_tokens 0). The Responses API
-    (motet/api/responses.py) runs its requests through here too."""
+    (motet/api/responses/routes.py) runs its requests through here too."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
     template = req.template  # the request's own (under --trust-request-chat-template), or None

@@ -2,7 +2,7 @@
 
 Each line is a request to the app itself (an in-process ASGI call on the batch's endpoint, as the batch's
 tenant): the same validation, the same serving path, the same answers as over HTTP. A line is answered once
-(motet/api/batch_store.py records the answer before counting it); a line that was running when the server
+(motet/api/batches/store.py records the answer before counting it); a line that was running when the server
 stopped has no answer and is sent again after the restart. A busy or starting server (429, 503, 507) is not
 the line's fault: the line is sent again after the Retry-After the server gave.
 
@@ -30,7 +30,7 @@ import anyio.to_thread
 from anyio.abc import TaskGroup
 
 from motet.actors.system import Stats
-from motet.api.batch_format import (
+from motet.api.batches.lines import (
     CANCELLED,
     EXPIRED,
     MAX_LINES,
@@ -39,9 +39,9 @@ from motet.api.batch_format import (
     refusal,
     response_line,
 )
-from motet.api.batch_store import BatchStore, PendingLine
+from motet.api.batches.store import BatchStore, PendingLine
 from motet.api.errors import APIError
-from motet.api.file_store import FileStore
+from motet.api.files.store import FileStore
 from motet.api.storage_errors import StorageFailure
 from motet.api.usage import BATCH_SCOPE_KEY
 

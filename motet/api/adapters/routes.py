@@ -1,4 +1,4 @@
-"""Per-tenant LoRA adapters over HTTP (the store behind them: motet/api/adapter_store.py).
+"""Per-tenant LoRA adapters over HTTP (the store behind them: motet/api/adapters/store.py).
 
 POST   /v1/adapters         multipart form: `name`, and the adapter as `files` parts: adapter_config.json
                             and adapter_model.safetensors, or one .tar / .tar.gz / .tgz / .zip archive
@@ -19,8 +19,8 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from motet.api import protocol as P
-from motet.api.adapter_store import ARCHIVES, Adapter, AdapterStore
+from motet.api.adapters import protocol as P
+from motet.api.adapters.store import ARCHIVES, Adapter, AdapterStore
 from motet.api.errors import APIError
 from motet.api.openapi import FILE, operation
 from motet.api.request_body import bounded_form, read_json

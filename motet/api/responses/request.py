@@ -5,7 +5,7 @@ A Responses request is a chat request in other clothes: `instructions` is the sy
 items (and, through `previous_response_id`, the stored conversation before them) are the messages,
 `text.format` is `response_format`, function tools and `tool_choice` are the chat ones, and
 `max_output_tokens` is `max_completion_tokens`. So it is translated once, here, and runs the chat path
-(motet/api/openai.py `chat_spec`, motet/api/structured.py, grammar/); errors that path raises about a chat field are
+(motet/api/completions/routes.py `chat_spec`, motet/api/structured.py, grammar/); errors that path raises about a chat field are
 renamed to the Responses field they came from. As everywhere, a field motet does not know, or cannot
 honour, is refused by name (motet/api/protocol.py).
 """
@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from motet.api import protocol as P
+from motet.api.completions.protocol import ChatCompletionRequest
 from motet.api.errors import APIError, echo
 from motet.grammar.tool_calls import MAX_TOOL_CALLS
 
@@ -241,7 +242,7 @@ def _check_tools(tools) -> None:
             _known_keys(tool, _FUNCTION_TOOL_KEYS, f"tools[{i}]")
 
 
-def chat_request(req: ResponsesRequest, history: list[dict]) -> P.ChatCompletionRequest:
+def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
     """The chat request that serves `req`, after the stored conversation `history` (input items)."""
     _check_tools(req.tools)
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -270,7 +271,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> P.ChatCompletion
         "cache_salt": req.cache_salt,
     }
     body |= {k: v for k, v in optional.items() if v is not None}
-    return P.ChatCompletionRequest.model_validate(body)
+    return ChatCompletionRequest.model_validate(body)
 
 
 # A chat field an error names -> the Responses field it came from (longest first: prefixes match).

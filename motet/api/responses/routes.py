@@ -1,9 +1,9 @@
 """The OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
 
-A request is translated into a chat request (motet/api/responses_request.py) and runs the chat path: the same
-spec, grammar and tool handling (motet/api/openai.py `chat_spec`), the same actors, the same output splitter
-(motet/api/chat_output.py), whose deltas become output items and typed events (motet/api/response_items.py). The
-response is stored for its tenant (motet/api/response_store.py) unless `store` is false, so a later request
+A request is translated into a chat request (motet/api/responses/request.py) and runs the chat path: the same
+spec, grammar and tool handling (motet/api/completions/routes.py `chat_spec`), the same actors, the same output splitter
+(motet/api/completions/chat_output.py), whose deltas become output items and typed events (motet/api/responses/items.py). The
+response is stored for its tenant (motet/api/responses/store.py) unless `store` is false, so a later request
 continues the conversation with `previous_response_id`, after a restart too.
 
 The store failing never loses an answer: a response that could not be stored (a full disk, an I/O error, a
@@ -27,9 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from motet.actors.reply import ReplyStream, merge_streams
-from motet.api.chat_output import ChatOutput
-from motet.api.errors import APIError, from_validation_error
-from motet.api.openai import (
+from motet.api.completions.chat_output import ChatOutput
+from motet.api.completions.routes import (
     MAX_WARNING_CHARS,
     WARNING_HEADER,
     accept_request,
@@ -38,10 +37,11 @@ from motet.api.openai import (
     submit,
     with_warnings,
 )
+from motet.api.errors import APIError, from_validation_error
 from motet.api.openapi import operation
-from motet.api.response_items import OutputItems
-from motet.api.response_store import ConversationTooLong, QuotaExceeded, ResponseStore
-from motet.api.responses_request import ResponsesRequest, chat_request, input_items, renamed
+from motet.api.responses.items import OutputItems
+from motet.api.responses.request import ResponsesRequest, chat_request, input_items, renamed
+from motet.api.responses.store import ConversationTooLong, QuotaExceeded, ResponseStore
 from motet.api.state import ServerState
 from motet.api.storage_errors import StorageFailure, storage_error
 from motet.api.streams import Choice, EventStream, collect, internal_error, observe, release, usage

@@ -7,7 +7,7 @@ disk access. Isolation: a tenant only ever looks in its own index, so another te
 answered exactly like a missing one (404). In the engine an upload is named "tenant/name", so every
 tenant may have its own "a"; shared adapters (`motet serve --lora NAME=PATH`) keep their plain name, are
 visible to every tenant and cannot be deleted over HTTP; a tenant's own adapter of the same name wins.
-The HTTP routes are in motet/api/adapters.py.
+The HTTP routes are in motet/api/adapters/routes.py.
 """
 
 from __future__ import annotations
