@@ -30,6 +30,7 @@ from torch import nn
 
 from motet.engine.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
 from motet.engine.config import ModelConfig, ModelLoadError
+from motet.engine.mxfp4 import Mxfp4Tensor
 from motet.engine.parallel import SINGLE, Parallel
 from motet.kernels import activation, fused_norm, rope_kv, triton_moe, triton_quant
 from motet.kernels.paged_attention import paged_attention
@@ -505,6 +506,11 @@ class DecoderLayer(nn.Module):
 QUANTIZE_BYTES = 1 << 20  # the fp32 values `load_weights` quantizes at once
 
 
+def _read(tensor: torch.Tensor | StoredTensor | Mxfp4Tensor) -> torch.Tensor:
+    """A checkpoint tensor's values (read from its file, dequantized: an MXFP4 one in fp32)."""
+    return tensor.load() if isinstance(tensor, (StoredTensor, Mxfp4Tensor)) else tensor
+
+
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, parallel: Parallel = SINGLE):
         """`parallel`: this rank's shard of the model (motet/engine/parallel.py); by default the whole model."""
@@ -794,26 +800,59 @@ class CausalLM(nn.Module):
 
     def _restacked(self, weights):
         """Stacked experts in the layout a declaration says its checkpoints have (`Architecture.expert_layout`)
-        turned into the decoder's: GPT-OSS's gate_up [E, H, 2I] with gate and up columns interleaved (and its
-        bias alike) as [E, 2I, H], gate rows then up rows; its down [E, I, H] as [E, H, I]."""
-        if self.config.declaration.expert_layout != "interleaved":
-            yield from weights
-            return
+        turned into the decoder's an expert at a time: GPT-OSS's gate_up [E, H, 2I], gate and up columns
+        interleaved, as each expert's gate_proj and up_proj [I, H]; its down [E, I, H] as each expert's down_proj
+        [H, I]; its gate_up bias [E, 2I] as gate columns then up columns. An expert is read (from an MXFP4
+        checkpoint: read and dequantized, motet/engine/mxfp4.py) only when it is converted, and not at all where
+        another rank holds it: loading holds one expert's floats besides the weights."""
+        cfg = self.config
+        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        expected = {
+            "gate_up_proj": (E, H, 2 * inter),
+            "gate_up_proj_bias": (E, 2 * inter),
+            "down_proj": (E, inter, H),
+        }
+        interleaved = cfg.declaration.expert_layout == "interleaved"
         for hf_name, tensor in weights:
-            kind = hf_name.rpartition("experts.")[2] if ".experts." in hf_name else ""
-            if kind not in ("gate_up_proj", "gate_up_proj_bias", "down_proj"):
+            prefix, _, kind = hf_name.rpartition("experts.") if ".experts." in hf_name else ("", "", "")
+            if isinstance(tensor, Mxfp4Tensor) and not (
+                interleaved and kind in ("gate_up_proj", "down_proj")
+            ):
+                raise ModelLoadError(
+                    f"checkpoint tensor {tensor.name!r} is MXFP4: motet reads MXFP4 only for stacked experts "
+                    f"stored interleaved (GPT-OSS's gate_up_proj and down_proj), not in {cfg.architecture}"
+                )
+            if not interleaved or kind not in expected:
                 yield hf_name, tensor
                 continue
             if isinstance(tensor, QuantizedWeight):
                 raise ModelLoadError(
                     f"checkpoint tensor {hf_name!r} is quantized: {kind} must come in floats"
                 )
-            t = tensor.load() if isinstance(tensor, StoredTensor) else tensor
-            if kind == "down_proj":
-                yield hf_name, t.transpose(1, 2)
-            else:  # gate columns 0, 2, 4, ..., up columns 1, 3, 5, ... of the last dim
-                t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
-                yield hf_name, t.transpose(1, 2) if kind == "gate_up_proj" else t
+            if tuple(tensor.shape) != expected[kind]:
+                label = (
+                    f"{tensor.name!r} (MXFP4, dequantized)"
+                    if isinstance(tensor, Mxfp4Tensor)
+                    else repr(hf_name)
+                )
+                raise ModelLoadError(
+                    f"checkpoint tensor {label} has shape {tuple(tensor.shape)}, the model expects {expected[kind]}"
+                )
+            if kind == "gate_up_proj_bias":  # gate columns 0, 2, 4, ..., up columns 1, 3, 5, ...
+                t = _read(tensor)
+                yield hf_name, torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+                continue
+            parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            for e in range(E):
+                names = [f"{prefix}experts.{e}.{part}.weight" for part in parts]
+                if self._place(names[0]) is self.ELSEWHERE:
+                    continue
+                t = _read(tensor.narrow(0, e, 1))[0]  # [H, 2I] or [I, H]
+                if kind == "down_proj":
+                    yield names[0], t.T
+                else:
+                    yield names[0], t[:, 0::2].T
+                    yield names[1], t[:, 1::2].T
 
     def _folded(self, weights):
         """The family's constants folded into the weights they follow, so that every backend computes them
