@@ -31,7 +31,7 @@ from torch import nn
 from motet.engine.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
 from motet.engine.config import ModelConfig, ModelLoadError
 from motet.engine.mxfp4 import Mxfp4Tensor
-from motet.engine.parallel import SINGLE, Parallel
+from motet.engine.parallel import ROW_PARALLEL, SINGLE, Parallel
 from motet.kernels import activation, fused_norm, rope_kv, triton_moe, triton_quant
 from motet.kernels.paged_attention import paged_attention
 from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
@@ -216,13 +216,16 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         # Qwen3: each head's q and k RMS-normalized over head_dim before the rotary
         self.q_norm = self.k_norm = None
-        if cfg.qk_norm:  # OLMo 2's span all heads (of a whole model: parallel.py refuses to split them)
+        if cfg.qk_norm:  # OLMo 2's span all heads (this rank's part of their weights)
             q_width, k_width = (
                 (self.q_size, self.kv_size) if cfg.qk_norm_whole else (self.head_dim, self.head_dim)
             )
             self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps)
         self.qk_norm_whole = cfg.qk_norm_whole
+        self.parallel = parallel
+        # the widths of the whole q and k (all ranks' heads): what a norm across heads averages over
+        self.whole_widths = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim)
         # a sliding-window layer attends to the last `window` positions
         self.window = cfg.sliding_window if layer_idx in cfg.window_layers else None
         self.softcap = cfg.attn_softcap
@@ -238,7 +241,9 @@ class Attention(nn.Module):
         # q, k, v: views of qkv's columns. Qwen3's q/k norms, the rotary and the KV write: one kernel on CUDA
         # (q rotated in place, k rotated into the cache), the torch reference elsewhere
         q_end, k_end = self.q_size, self.q_size + self.kv_size
-        if self.qk_norm_whole:  # OLMo 2: normed across heads first, in qkv's own columns
+        if self.qk_norm_whole and self.parallel.enabled:
+            self._norm_across_ranks(qkv, q_end, k_end)
+        elif self.qk_norm_whole:  # OLMo 2: normed across heads first, in qkv's own columns
             qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
             qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
         q = qkv[:, :q_end].view(T, self.num_heads, self.head_dim)
@@ -275,6 +280,17 @@ class Attention(nn.Module):
         if lora is not None:
             lora.add(y, out, self.layer_idx, ("o_proj",), (y.shape[1],))
         return y
+
+    def _norm_across_ranks(self, qkv: torch.Tensor, q_end: int, k_end: int) -> None:
+        """OLMo 2's q and k norms under tensor parallelism, in qkv's own columns: each norm spans all heads and
+        this rank holds some, so the sums of squares of its q and of its k columns ([T, 2] fp32) are all-reduced,
+        one small exchange a layer; then each rank scales its columns by the whole rows' 1 / rms, in fp32, and by
+        its part of the norm weights (as the norm of one rank computes it)."""
+        q, k = qkv[:, :q_end].float(), qkv[:, q_end:k_end].float()
+        sums = self.parallel.all_reduce(torch.stack([q.square().sum(-1), k.square().sum(-1)], dim=1))
+        rstd = torch.rsqrt(sums / sums.new_tensor(self.whole_widths) + self.q_norm.eps)
+        qkv[:, :q_end] = (q * rstd[:, :1] * self.q_norm.weight.float()).to(qkv.dtype)
+        qkv[:, q_end:k_end] = (k * rstd[:, 1:] * self.k_norm.weight.float()).to(qkv.dtype)
 
 
 class MLP(nn.Module):
@@ -376,7 +392,7 @@ class Experts(nn.Module):
         self.num_local, self.intermediate = E, self.columns[1]
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * self.intermediate, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, self.intermediate), requires_grad=False)
-        self.gate_up_proj_bias = self.down_proj_bias = None  # GPT-OSS's (one rank: parallel.py)
+        self.gate_up_proj_bias = self.down_proj_bias = None  # GPT-OSS's (down's: rank 0's, zeros elsewhere)
         if cfg.expert_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * self.intermediate), requires_grad=False)
             self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
@@ -681,9 +697,11 @@ class CausalLM(nn.Module):
 
     def _rank_part(self, name: str, shard: int | None, tensor: torch.Tensor | QuantizedWeight):
         """The part of a checkpoint tensor (one shard of parameter `name`) that this rank holds: q/k/v,
-        gate/up and the experts' gate/up split by output rows, o and down by input columns, the embedding
-        table and lm_head by vocabulary rows; norms, biases of unsplit outputs and routers whole. A quantized
-        weight splits the same way (its input columns in whole blocks, or the load fails naming the layer)."""
+        gate/up and the experts' gate/up split by output rows (their biases, attention sinks and norms across
+        all heads with them), o and down by input columns (their biases, the experts' down biases: rank 0's,
+        zeros elsewhere, added once by the all-reduce), the embedding table and lm_head by vocabulary rows;
+        other norms and routers whole. A quantized weight splits the same way (its input columns in whole
+        blocks, or the load fails naming the layer)."""
         try:
             return self._rank_slice(name, shard, tensor)
         except ValueError as e:
@@ -702,10 +720,23 @@ class CausalLM(nn.Module):
             start, _, rows = par.vocab_rows(self.config.vocab_size)
             return tensor.narrow(0, start, rows)
         owner = self.get_submodule(".".join(parts[:-1] if module == "experts" else parts[:-2]))
+        if leaf == "sinks":  # one a query head: this rank's
+            attn = self.get_submodule(".".join(parts[:-1]))
+            return tensor.narrow(0, attn.q_rows[0] // attn.head_dim, attn.num_heads)
         if (
-            module == "experts" and par.expert_parallel
-        ):  # whole experts (the ones not held here never reach this)
-            return tensor
+            (module in ROW_PARALLEL and leaf == "bias")
+            or (module == "experts" and leaf == "down_proj_bias" and not par.expert_parallel)
+        ):  # after a split input: added once, by rank 0 (the others' zeros), when the all-reduce sums the parts
+            return tensor if par.rank == 0 else torch.zeros(tensor.shape)
+        if module == "experts" and par.expert_parallel:
+            if leaf.endswith("_bias"):  # [E, ...]: this rank's experts, a block of consecutive ones
+                return tensor.narrow(0, par.rank * owner.num_local, owner.num_local)
+            return tensor  # whole experts (the ones not held here never reach this)
+        if module == "experts" and leaf == "gate_up_proj_bias":  # [E, 2I]: gate columns, then up columns
+            (start, n), inter = owner.columns, tensor.shape[1] // 2
+            return torch.cat([tensor.narrow(1, start, n), tensor.narrow(1, inter + start, n)], dim=1)
+        if module in ("q_norm", "k_norm") and self.config.qk_norm_whole:  # across all heads: this rank's
+            return tensor.narrow(0, *(owner.q_rows if module == "q_norm" else owner.kv_rows))
         if module == "qkv_proj":
             start, n = (owner.q_rows, owner.kv_rows, owner.kv_rows)[shard]
             return tensor.narrow(0, start, n)

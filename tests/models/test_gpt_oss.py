@@ -89,11 +89,7 @@ def test_logits_and_greedy_match_transformers(model_dir, compiled):
         assert out.token_ids == hf_greedy(hf, prompt, 24)
 
 
-def test_what_is_not_served_yet_is_refused_by_name(model_dir, tmp_path):
-    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 1"):
-        LLMEngine(
-            EngineConfig(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=2), model_dir=model_dir
-        )
+def test_a_quantization_other_than_mxfp4_is_refused_by_name(model_dir):
     raw = json.loads((model_dir / "config.json").read_text())
     with pytest.raises(
         ModelLoadError, match="quantization_config 'gptq': GPT-OSS checkpoints are read in floats"
@@ -223,3 +219,55 @@ def test_malformed_mxfp4_is_refused_naming_the_tensor(float_dir, mxfp4_dir, tmp_
         LLMEngine(
             EngineConfig(model=str(mxfp4_dir), num_kv_blocks=64, quantization="int8"), model_dir=mxfp4_dir
         )
+
+
+# -- two ranks ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "checkpoint, expert_parallel",
+    [("float", False), ("mxfp4", True)],
+    ids=["tensor-parallel", "mxfp4-expert-parallel"],
+)
+def test_two_ranks_match_transformers(model_dir, mxfp4_dir, checkpoint, expert_parallel):
+    """Over two gloo ranks: each rank's heads with their sinks, o_proj's bias and the experts' down bias added
+    once (rank 0's), the experts' gate/up biases split with their columns (or with expert parallelism whole
+    experts, an MXFP4 checkpoint's read only where they are held), the router whole; logits in chunks of the
+    window and of 7 tokens, then greedy tokens, against transformers."""
+    from tests.engine.test_tensor_parallel import tp_workers
+
+    path = {"float": model_dir, "mxfp4": mxfp4_dir}[checkpoint]
+    config = EngineConfig(
+        model=str(path),
+        block_size=4,
+        num_kv_blocks=128,
+        max_model_len=256,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
+    engine = LLMEngine(config, model_dir=path)
+    try:
+        assert engine.runner.workers is not None and len(tp_workers()) == 1
+        layer = engine.runner.model.layers[0]
+        assert layer.self_attn.num_heads == 2 and layer.self_attn.sinks.shape == (2,)
+        experts = layer.mlp.experts
+        assert (experts.num_local, experts.intermediate) == ((2, 64) if expert_parallel else (4, 24))
+        refs = [hf_logits(path, p) for p in PROMPTS]
+        for chunk in (WINDOW, 7):
+            for got, ref in zip(engine_logits(engine, PROMPTS, chunk=chunk), refs, strict=True):
+                torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    finally:
+        engine.close()
+    assert tp_workers() == []
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[2]]
+    with LLM(
+        str(path),
+        num_kv_blocks=128,
+        block_size=4,
+        max_model_len=256,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    ) as llm:
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, 16)
