@@ -189,6 +189,23 @@ def test_mxfp4_experts_match_transformers_on_their_dequantized_weights(mxfp4_dir
         assert out.token_ids == hf_greedy(hf, prompt, 16)
 
 
+def test_mxfp4_experts_are_dequantized_one_at_a_time(mxfp4_dir, monkeypatch):
+    """Loading holds one expert's floats at a time: every dequantization is of one expert's blocks."""
+    from motet.engine import mxfp4
+
+    shapes = []
+
+    def recording(blocks, scales):
+        shapes.append(tuple(blocks.shape))
+        return dequantize(blocks, scales)
+
+    dequantize = mxfp4.dequantize
+    monkeypatch.setattr(mxfp4, "dequantize", recording)
+    LLMEngine(EngineConfig(model=str(mxfp4_dir), num_kv_blocks=64), model_dir=mxfp4_dir)
+    # 2 layers x 4 experts x (gate_up [1, 2I, H / 32, 16], down [1, H, I / 32, 16])
+    assert sorted(shapes) == sorted([(1, 128, 2, 16)] * 8 + [(1, 64, 2, 16)] * 8)
+
+
 def test_malformed_mxfp4_is_refused_naming_the_tensor(float_dir, mxfp4_dir, tmp_path):
     floats = float_dir
     name = "model.layers.1.mlp.experts.down_proj"
