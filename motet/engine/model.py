@@ -30,7 +30,8 @@ from torch import nn
 
 from motet.engine.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
 from motet.engine.config import ModelConfig, ModelLoadError
-from motet.engine.parallel import SINGLE, Parallel
+from motet.engine.mxfp4 import Mxfp4Tensor
+from motet.engine.parallel import ROW_PARALLEL, SINGLE, Parallel
 from motet.kernels import activation, fused_norm, rope_kv, triton_moe, triton_quant
 from motet.kernels.paged_attention import paged_attention
 from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
@@ -215,13 +216,16 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         # Qwen3: each head's q and k RMS-normalized over head_dim before the rotary
         self.q_norm = self.k_norm = None
-        if cfg.qk_norm:  # OLMo 2's span all heads (of a whole model: parallel.py refuses to split them)
+        if cfg.qk_norm:  # OLMo 2's span all heads (this rank's part of their weights)
             q_width, k_width = (
                 (self.q_size, self.kv_size) if cfg.qk_norm_whole else (self.head_dim, self.head_dim)
             )
             self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps)
         self.qk_norm_whole = cfg.qk_norm_whole
+        self.parallel = parallel
+        # the widths of the whole q and k (all ranks' heads): what a norm across heads averages over
+        self.whole_widths = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim)
         # a sliding-window layer attends to the last `window` positions
         self.window = cfg.sliding_window if layer_idx in cfg.window_layers else None
         self.softcap = cfg.attn_softcap
@@ -237,7 +241,9 @@ class Attention(nn.Module):
         # q, k, v: views of qkv's columns. Qwen3's q/k norms, the rotary and the KV write: one kernel on CUDA
         # (q rotated in place, k rotated into the cache), the torch reference elsewhere
         q_end, k_end = self.q_size, self.q_size + self.kv_size
-        if self.qk_norm_whole:  # OLMo 2: normed across heads first, in qkv's own columns
+        if self.qk_norm_whole and self.parallel.enabled:
+            self._norm_across_ranks(qkv, q_end, k_end)
+        elif self.qk_norm_whole:  # OLMo 2: normed across heads first, in qkv's own columns
             qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
             qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
         q = qkv[:, :q_end].view(T, self.num_heads, self.head_dim)
@@ -274,6 +280,17 @@ class Attention(nn.Module):
         if lora is not None:
             lora.add(y, out, self.layer_idx, ("o_proj",), (y.shape[1],))
         return y
+
+    def _norm_across_ranks(self, qkv: torch.Tensor, q_end: int, k_end: int) -> None:
+        """OLMo 2's q and k norms under tensor parallelism, in qkv's own columns: each norm spans all heads and
+        this rank holds some, so the sums of squares of its q and of its k columns ([T, 2] fp32) are all-reduced,
+        one small exchange a layer; then each rank scales its columns by the whole rows' 1 / rms, in fp32, and by
+        its part of the norm weights (as the norm of one rank computes it)."""
+        q, k = qkv[:, :q_end].float(), qkv[:, q_end:k_end].float()
+        sums = self.parallel.all_reduce(torch.stack([q.square().sum(-1), k.square().sum(-1)], dim=1))
+        rstd = torch.rsqrt(sums / sums.new_tensor(self.whole_widths) + self.q_norm.eps)
+        qkv[:, :q_end] = (q * rstd[:, :1] * self.q_norm.weight.float()).to(qkv.dtype)
+        qkv[:, q_end:k_end] = (k * rstd[:, 1:] * self.k_norm.weight.float()).to(qkv.dtype)
 
 
 class MLP(nn.Module):
@@ -375,7 +392,7 @@ class Experts(nn.Module):
         self.num_local, self.intermediate = E, self.columns[1]
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * self.intermediate, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, self.intermediate), requires_grad=False)
-        self.gate_up_proj_bias = self.down_proj_bias = None  # GPT-OSS's (one rank: parallel.py)
+        self.gate_up_proj_bias = self.down_proj_bias = None  # GPT-OSS's (down's: rank 0's, zeros elsewhere)
         if cfg.expert_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * self.intermediate), requires_grad=False)
             self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
@@ -503,6 +520,11 @@ class DecoderLayer(nn.Module):
 
 
 QUANTIZE_BYTES = 1 << 20  # the fp32 values `load_weights` quantizes at once
+
+
+def _read(tensor: torch.Tensor | StoredTensor | Mxfp4Tensor) -> torch.Tensor:
+    """A checkpoint tensor's values (read from its file, dequantized: an MXFP4 one in fp32)."""
+    return tensor.load() if isinstance(tensor, (StoredTensor, Mxfp4Tensor)) else tensor
 
 
 class CausalLM(nn.Module):
@@ -675,9 +697,11 @@ class CausalLM(nn.Module):
 
     def _rank_part(self, name: str, shard: int | None, tensor: torch.Tensor | QuantizedWeight):
         """The part of a checkpoint tensor (one shard of parameter `name`) that this rank holds: q/k/v,
-        gate/up and the experts' gate/up split by output rows, o and down by input columns, the embedding
-        table and lm_head by vocabulary rows; norms, biases of unsplit outputs and routers whole. A quantized
-        weight splits the same way (its input columns in whole blocks, or the load fails naming the layer)."""
+        gate/up and the experts' gate/up split by output rows (their biases, attention sinks and norms across
+        all heads with them), o and down by input columns (their biases, the experts' down biases: rank 0's,
+        zeros elsewhere, added once by the all-reduce), the embedding table and lm_head by vocabulary rows;
+        other norms and routers whole. A quantized weight splits the same way (its input columns in whole
+        blocks, or the load fails naming the layer)."""
         try:
             return self._rank_slice(name, shard, tensor)
         except ValueError as e:
@@ -696,10 +720,23 @@ class CausalLM(nn.Module):
             start, _, rows = par.vocab_rows(self.config.vocab_size)
             return tensor.narrow(0, start, rows)
         owner = self.get_submodule(".".join(parts[:-1] if module == "experts" else parts[:-2]))
+        if leaf == "sinks":  # one a query head: this rank's
+            attn = self.get_submodule(".".join(parts[:-1]))
+            return tensor.narrow(0, attn.q_rows[0] // attn.head_dim, attn.num_heads)
         if (
-            module == "experts" and par.expert_parallel
-        ):  # whole experts (the ones not held here never reach this)
-            return tensor
+            (module in ROW_PARALLEL and leaf == "bias")
+            or (module == "experts" and leaf == "down_proj_bias" and not par.expert_parallel)
+        ):  # after a split input: added once, by rank 0 (the others' zeros), when the all-reduce sums the parts
+            return tensor if par.rank == 0 else torch.zeros(tensor.shape)
+        if module == "experts" and par.expert_parallel:
+            if leaf.endswith("_bias"):  # [E, ...]: this rank's experts, a block of consecutive ones
+                return tensor.narrow(0, par.rank * owner.num_local, owner.num_local)
+            return tensor  # whole experts (the ones not held here never reach this)
+        if module == "experts" and leaf == "gate_up_proj_bias":  # [E, 2I]: gate columns, then up columns
+            (start, n), inter = owner.columns, tensor.shape[1] // 2
+            return torch.cat([tensor.narrow(1, start, n), tensor.narrow(1, inter + start, n)], dim=1)
+        if module in ("q_norm", "k_norm") and self.config.qk_norm_whole:  # across all heads: this rank's
+            return tensor.narrow(0, *(owner.q_rows if module == "q_norm" else owner.kv_rows))
         if module == "qkv_proj":
             start, n = (owner.q_rows, owner.kv_rows, owner.kv_rows)[shard]
             return tensor.narrow(0, start, n)
@@ -794,26 +831,59 @@ class CausalLM(nn.Module):
 
     def _restacked(self, weights):
         """Stacked experts in the layout a declaration says its checkpoints have (`Architecture.expert_layout`)
-        turned into the decoder's: GPT-OSS's gate_up [E, H, 2I] with gate and up columns interleaved (and its
-        bias alike) as [E, 2I, H], gate rows then up rows; its down [E, I, H] as [E, H, I]."""
-        if self.config.declaration.expert_layout != "interleaved":
-            yield from weights
-            return
+        turned into the decoder's an expert at a time: GPT-OSS's gate_up [E, H, 2I], gate and up columns
+        interleaved, as each expert's gate_proj and up_proj [I, H]; its down [E, I, H] as each expert's down_proj
+        [H, I]; its gate_up bias [E, 2I] as gate columns then up columns. An expert is read (from an MXFP4
+        checkpoint: read and dequantized, motet/engine/mxfp4.py) only when it is converted, and not at all where
+        another rank holds it: loading holds one expert's floats besides the weights."""
+        cfg = self.config
+        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        expected = {
+            "gate_up_proj": (E, H, 2 * inter),
+            "gate_up_proj_bias": (E, 2 * inter),
+            "down_proj": (E, inter, H),
+        }
+        interleaved = cfg.declaration.expert_layout == "interleaved"
         for hf_name, tensor in weights:
-            kind = hf_name.rpartition("experts.")[2] if ".experts." in hf_name else ""
-            if kind not in ("gate_up_proj", "gate_up_proj_bias", "down_proj"):
+            prefix, _, kind = hf_name.rpartition("experts.") if ".experts." in hf_name else ("", "", "")
+            if isinstance(tensor, Mxfp4Tensor) and not (
+                interleaved and kind in ("gate_up_proj", "down_proj")
+            ):
+                raise ModelLoadError(
+                    f"checkpoint tensor {tensor.name!r} is MXFP4: motet reads MXFP4 only for stacked experts "
+                    f"stored interleaved (GPT-OSS's gate_up_proj and down_proj), not in {cfg.architecture}"
+                )
+            if not interleaved or kind not in expected:
                 yield hf_name, tensor
                 continue
             if isinstance(tensor, QuantizedWeight):
                 raise ModelLoadError(
                     f"checkpoint tensor {hf_name!r} is quantized: {kind} must come in floats"
                 )
-            t = tensor.load() if isinstance(tensor, StoredTensor) else tensor
-            if kind == "down_proj":
-                yield hf_name, t.transpose(1, 2)
-            else:  # gate columns 0, 2, 4, ..., up columns 1, 3, 5, ... of the last dim
-                t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
-                yield hf_name, t.transpose(1, 2) if kind == "gate_up_proj" else t
+            if tuple(tensor.shape) != expected[kind]:
+                label = (
+                    f"{tensor.name!r} (MXFP4, dequantized)"
+                    if isinstance(tensor, Mxfp4Tensor)
+                    else repr(hf_name)
+                )
+                raise ModelLoadError(
+                    f"checkpoint tensor {label} has shape {tuple(tensor.shape)}, the model expects {expected[kind]}"
+                )
+            if kind == "gate_up_proj_bias":  # gate columns 0, 2, 4, ..., up columns 1, 3, 5, ...
+                t = _read(tensor)
+                yield hf_name, torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+                continue
+            parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            for e in range(E):
+                names = [f"{prefix}experts.{e}.{part}.weight" for part in parts]
+                if self._place(names[0]) is self.ELSEWHERE:
+                    continue
+                t = _read(tensor.narrow(0, e, 1))[0]  # [H, 2I] or [I, H]
+                if kind == "down_proj":
+                    yield names[0], t.T
+                else:
+                    yield names[0], t[:, 0::2].T
+                    yield names[1], t[:, 1::2].T
 
     def _folded(self, weights):
         """The family's constants folded into the weights they follow, so that every backend computes them

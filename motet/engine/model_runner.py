@@ -274,14 +274,15 @@ class ModelRunner:
         from the checkpoint, each tensor converted as it is copied (quantized ones from the checkpoint's own
         values): loading needs the weights' memory and a few MiB besides, never a copy in another dtype."""
         config, model_config = self.config, self.model_config
-        declared = declared_quantization(model_dir, config.quantization)  # a GPTQ / AWQ checkpoint's own
+        # a GPTQ / AWQ checkpoint's own (served in its blocks), or MXFP4 experts (dequantized as they load)
+        declared = declared_quantization(model_dir, config.quantization)
         model = CausalLM.allocate(
             model_config,
             self.max_model_len,
             self.parallel,
             self.device,
             self.dtype,
-            quantized=config.quantization is not None or declared is not None,
+            quantized=config.quantization is not None or (declared is not None and declared.served_quantized),
         )
         if config.quantization == GGUF_QUANTIZATION:
             weights = iter_gguf_weights(gguf_file(model_dir))

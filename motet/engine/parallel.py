@@ -4,7 +4,10 @@ Megatron's scheme: q/k/v and gate/up are split by output (heads, intermediate co
 so each attention block and each MLP ends in one all-reduce of a [tokens, hidden] partial sum; the embedding
 table and the lm_head are split by vocabulary rows (a lookup all-reduced, logits gathered on rank 0). In a
 mixture-of-experts layer the experts are split the same way (each expert's intermediate columns), or with
-expert parallelism each rank holds whole experts and tokens travel to them by all-to-all (`Experts`).
+expert parallelism each rank holds whole experts and tokens travel to them by all-to-all (`Experts`). What
+follows a split output is split with it (q/k/v and gate/up biases, attention sinks, norms across all heads,
+whose sums of squares are all-reduced: motet/engine/model.py `Attention`); a bias after a split input (o's,
+the experts' down) is held by rank 0 alone, zeros elsewhere, so the all-reduce adds it once.
 
 Collectives go through torch.distributed (gloo on CPU, NCCL on CUDA), over the default process group that
 motet/engine/tp_workers.py sets up; `sent_bytes` counts the payload handed to them, for the benchmark of bytes
@@ -61,16 +64,6 @@ class Parallel:
         """(start, count) of this rank's query heads and of its key/value heads: whole groups (a KV head and
         the query heads that read it), as evenly as they split (SmolLM2-135M's 3 groups over 2 ranks: 2 + 1)."""
         kv = cfg.num_key_value_heads
-        if cfg.qk_norm_whole and self.enabled:
-            raise ModelLoadError(
-                f"tensor parallelism of {cfg.architecture}'s q/k norms across all heads is not implemented yet "
-                f"(each rank would need the others' heads): serve it with --tensor-parallel-size 1"
-            )
-        if (cfg.output_bias or cfg.expert_bias) and self.enabled:
-            raise ModelLoadError(
-                f"tensor parallelism of {cfg.architecture}'s o_proj and expert biases is not implemented yet (each "
-                f"rank's partial sum would add them): serve it with --tensor-parallel-size 1"
-            )
         if kv < self.size:
             raise ModelLoadError(
                 f"tensor parallelism over {self.size} ranks splits the model's {kv} key/value heads, one at least "

@@ -5,7 +5,8 @@ Such a checkpoint declares its method in config.json's `quantization_config` (or
 than none or the checkpoint's own. `iter_checkpoint_weights` yields the checkpoint's tensors with each
 quantized projection's parts (`qweight`, `qzeros`, `scales`, GPTQ's `g_idx`) replaced by one int4 weight
 (motet/kernels/gptq_awq.py converts them), the other tensors (embeddings, norms, lm_head, biases, modules
-left unquantized) as stored.
+left unquantized) as stored. An MXFP4 checkpoint (OpenAI's gpt-oss: its experts' `*_blocks` and `*_scales`) is
+read in floats: each pair yielded as one tensor dequantized as it is read (motet/engine/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from motet.engine.checkpoint import iter_weights
 from motet.engine.config import CHECKPOINT_QUANTIZATIONS, ModelLoadError
+from motet.engine.mxfp4 import Mxfp4Tensor, paired
 from motet.kernels.gptq_awq import from_awq, from_gptq
 from motet.kernels.quant import BLOCK, QuantizedWeight
 
@@ -27,21 +29,27 @@ _GPTQ_FORMATS = {"gptq": True, "gptq_v2": False}  # checkpoint_format -> zeros s
 _AWQ_VERSIONS = ("gemm",)
 _PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
 _REQUIRED = ("qweight", "qzeros", "scales")  # g_idx may be absent: each input in group k // group_size
+MXFP4 = "mxfp4"  # a checkpoint's experts in MXFP4, dequantized as they load (no --quantization names it)
 _SUPPORTED = (
     "motet serves 4-bit GPTQ (checkpoint_format gptq or gptq_v2) and AWQ (version gemm) checkpoints, "
-    "and GGUF files with --quantization gguf"
+    "MXFP4 experts (dequantized as they load), and GGUF files with --quantization gguf"
 )
 
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    """A checkpoint's declared quantization: its method ("gptq" | "awq"), group size (-1: one group per
+    """A checkpoint's declared quantization: its method ("gptq" | "awq" | "mxfp4"), group size (-1: one group per
     row), whether GPTQ's zeros are stored minus one (checkpoint format v1), and the file declaring it."""
 
     method: str
     group_size: int
     zeros_minus_one: bool
     source: str
+
+    @property
+    def served_quantized(self) -> bool:
+        """Whether its projections are served in their own blocks (GPTQ, AWQ), not dequantized as they load."""
+        return self.method != MXFP4
 
 
 def _read_config(model_dir: Path) -> tuple[dict, str] | None:
@@ -67,6 +75,13 @@ def _parse(cfg, source: str) -> CheckpointQuantization:
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{source}: expected a JSON object, got {cfg!r}")
     method = str(cfg.get("quant_method", "gptq" if source.endswith(AUTOGPTQ_CONFIG) else "")).lower()
+    if method == MXFP4:
+        keep = cfg.get("modules_to_not_convert")
+        if keep is not None and not (isinstance(keep, list) and all(isinstance(m, str) for m in keep)):
+            raise ModelLoadError(
+                f"{source}: modules_to_not_convert must be a list of module names, got {keep!r}"
+            )
+        return CheckpointQuantization(MXFP4, 32, False, source)
     if method not in CHECKPOINT_QUANTIZATIONS:
         raise ModelLoadError(
             f"{source}: quant_method {cfg.get('quant_method')!r} is not supported; {_SUPPORTED}"
@@ -121,6 +136,11 @@ def declared_quantization(model_dir: str | Path, requested: str | None) -> Check
                 f"has no quantization_config); serve it without --quantization, or with int8|int4"
             )
         return None
+    if declared.method == MXFP4 and requested is not None:
+        raise ModelLoadError(
+            f"--quantization {requested}: {model_dir} is an MXFP4 checkpoint ({declared.source}), its experts "
+            f"dequantized to --dtype as they load; drop --quantization"
+        )
     if requested not in (None, declared.method):
         raise ModelLoadError(
             f"--quantization {requested}: {model_dir} is a {declared.method.upper()} checkpoint ({declared.source}), "
@@ -131,11 +151,16 @@ def declared_quantization(model_dir: str | Path, requested: str | None) -> Check
 
 def iter_checkpoint_weights(
     model_dir: str | Path, declared: CheckpointQuantization | None
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight | Mxfp4Tensor]]:
     """The checkpoint's tensors (checkpoint.iter_weights), each projection `declared` quantized as one
-    QuantizedWeight named `<module>.weight`, yielded once all its parts are read."""
+    QuantizedWeight named `<module>.weight`, yielded once all its parts are read; in an MXFP4 checkpoint each
+    `W_blocks` / `W_scales` pair as one Mxfp4Tensor `W` (read and dequantized by the loader, an expert at a
+    time)."""
     if declared is None:
         yield from iter_weights(model_dir)
+        return
+    if declared.method == MXFP4:
+        yield from paired(iter_weights(model_dir), declared.source)
         return
     parts = _PARTS[declared.method]
     pending: dict[str, dict[str, torch.Tensor]] = {}  # module -> its parts read so far

@@ -1,18 +1,19 @@
 """GPT-OSS (GptOssForCausalLM): biases on q/k/v and o, a sink logit per head in each attention softmax,
 sliding-window layers every other one (`layer_types`), YaRN rotary, and a mixture of experts on every layer: a
 router with a bias, whose top-k logits are softmaxed, experts with biases and a clamped SwiGLU, stored stacked
-with gate and up columns interleaved."""
+with gate and up columns interleaved (in MXFP4 in OpenAI's checkpoints)."""
 
 from motet.models.declaration import Architecture, ModelLoadError, bounded_float, sliding_layers
 from motet.models.mixtral import experts  # the same: every layer, num_local_experts, top-k renormalized
 
 
 def options(cfg: dict, source: str) -> dict:
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method")
+    # OpenAI's checkpoints hold the experts in MXFP4, dequantized as they load (motet/engine/mxfp4.py)
+    quantization = cfg.get("quantization_config") or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    if quantization and method != "mxfp4":
         raise ModelLoadError(
-            f"{source}: quantization_config {method!r}: GPT-OSS's MXFP4 experts are not read yet; serve a "
-            f"checkpoint dequantized to bf16"
+            f"{source}: quantization_config {method!r}: GPT-OSS checkpoints are read in floats or with MXFP4 experts"
         )
     return dict(
         output_bias=bool(cfg.get("attention_bias", True)),

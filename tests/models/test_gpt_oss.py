@@ -1,6 +1,7 @@
 """GPT-OSS (motet/models/gpt_oss.py) against transformers on a tiny random checkpoint: attention sinks, o_proj
 biases, YaRN, sliding-window layers (served past their window), a router with a bias and experts with biases,
-a clamped SwiGLU and gate/up columns interleaved in the checkpoint."""
+a clamped SwiGLU and gate/up columns interleaved in the checkpoint; the experts in MXFP4 as OpenAI's checkpoints
+hold them (quantized here by the OCP microscaling spec, against transformers' own dequantization)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def model_dir(tmp_path_factory):
     return build_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
 
 
-def build_gpt_oss(path):
+def build_gpt_oss(path, intermediate_size: int = 48):
     path = build_tiny_model(
         path,
         arch="gpt_oss",
@@ -34,7 +35,7 @@ def build_gpt_oss(path):
         head_dim=16,
         num_local_experts=4,
         num_experts_per_tok=2,
-        intermediate_size=48,
+        intermediate_size=intermediate_size,
         sliding_window=WINDOW,
         rope_parameters={
             "rope_type": "yarn",
@@ -88,11 +89,202 @@ def test_logits_and_greedy_match_transformers(model_dir, compiled):
         assert out.token_ids == hf_greedy(hf, prompt, 24)
 
 
-def test_what_is_not_served_yet_is_refused_by_name(model_dir, tmp_path):
-    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 1"):
-        LLMEngine(
-            EngineConfig(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=2), model_dir=model_dir
-        )
+def test_a_quantization_other_than_mxfp4_is_refused_by_name(model_dir):
     raw = json.loads((model_dir / "config.json").read_text())
-    with pytest.raises(ModelLoadError, match="MXFP4 experts are not read yet"):
-        ModelConfig.from_dict({**raw, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(
+        ModelLoadError, match="quantization_config 'gptq': GPT-OSS checkpoints are read in floats"
+    ):
+        ModelConfig.from_dict({**raw, "quantization_config": {"quant_method": "gptq"}})
+
+
+# -- MXFP4 experts -------------------------------------------------------------------------------------------
+# An independent reading of the OCP Microscaling spec (v1.0): FP4 E2M1 elements by their 4-bit code, a block of
+# 32 sharing one E8M0 scale 2^(byte - 127), the scale's exponent floor(log2(max |x|)) - 2 (E2M1's largest
+# exponent), elements rounded to the nearest FP4 value (saturating at 6); two codes a byte, the first element
+# in the low nibble (transformers' layout for gpt-oss).
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., R, C] floats (C a multiple of 32) -> blocks [..., R, C / 32, 16] uint8, scales [..., R, C / 32]."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1).clamp_min(2.0**-120)
+    exponent = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)
+    scaled = (groups / torch.exp2(exponent).unsqueeze(-1)).clamp(-6, 6)
+    codes = (scaled.unsqueeze(-1) - FP4).abs().argmin(-1)  # the nearest value (+0 before -0)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).long()  # [..., G, 16, 2]: low nibble first
+    values = FP4[codes].flatten(-2) * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.flatten(-2)
+
+
+def save_mxfp4(model_dir, out_dir, drop: str | None = None, change: dict | None = None):
+    """`model_dir`'s checkpoint with its experts in MXFP4, as OpenAI's are stored: each expert's gate_up
+    [2I, H] and down [H, I] (inputs last, gate/up rows interleaved) as `*_blocks` and `*_scales`; biases as they
+    are. `drop`: a tensor left out; `change`: tensors replaced."""
+    import shutil
+
+    shutil.copytree(model_dir, out_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    out = {}
+    for name, t in weights.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[f"{name}_blocks"], out[f"{name}_scales"] = quantize_mxfp4(t.transpose(1, 2).contiguous())
+        else:
+            out[name] = t
+    out.update({k: v.contiguous() for k, v in (change or {}).items()})
+    out.pop(drop, None)
+    save_file(out, out_dir / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((model_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**raw, "quantization_config": MXFP4_CONFIG}))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory):
+    return build_gpt_oss(tmp_path_factory.mktemp("gpt_oss_float"), intermediate_size=64)  # 2 blocks a row
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(float_dir, tmp_path_factory):
+    return save_mxfp4(float_dir, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "m")
+
+
+def test_transformers_reads_the_mxfp4_layout_as_written(float_dir, mxfp4_dir):
+    """The reference the engine is held to: transformers' CPU load of the MXFP4 checkpoint dequantizes each
+    expert to this test's reading of the blocks (and near the float weights they were quantized from)."""
+    hf = AutoModelForCausalLM.from_pretrained(mxfp4_dir, dtype=torch.float32).state_dict()
+    stored = load_file(mxfp4_dir / "model.safetensors")
+    floats = load_file(float_dir / "model.safetensors")
+    for i in range(2):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            ours = dequantize_mxfp4(stored[f"{name}_blocks"], stored[f"{name}_scales"]).transpose(1, 2)
+            assert torch.equal(hf[name], ours)
+            assert (ours - floats[name]).abs().max() <= floats[name].abs().max() / 4
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["default", "eager"])
+def test_mxfp4_experts_match_transformers_on_their_dequantized_weights(mxfp4_dir, compiled):
+    llm = LLM(str(mxfp4_dir), num_kv_blocks=128, block_size=4, max_model_len=256, compile_step=compiled)
+    for got, p in zip(engine_logits(llm.engine, PROMPTS, chunk=7), PROMPTS, strict=True):
+        torch.testing.assert_close(got, hf_logits(mxfp4_dir, p), atol=2e-4, rtol=1e-4)
+    hf = AutoModelForCausalLM.from_pretrained(mxfp4_dir, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    prompts = [PROMPTS[1], PROMPTS[4]]
+    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, 16)
+
+
+def test_mxfp4_experts_are_dequantized_one_at_a_time(mxfp4_dir, monkeypatch):
+    """Loading holds one expert's floats at a time: every dequantization is of one expert's blocks."""
+    from motet.engine import mxfp4
+
+    shapes = []
+
+    def recording(blocks, scales):
+        shapes.append(tuple(blocks.shape))
+        return dequantize(blocks, scales)
+
+    dequantize = mxfp4.dequantize
+    monkeypatch.setattr(mxfp4, "dequantize", recording)
+    LLMEngine(EngineConfig(model=str(mxfp4_dir), num_kv_blocks=64), model_dir=mxfp4_dir)
+    # 2 layers x 4 experts x (gate_up [1, 2I, H / 32, 16], down [1, H, I / 32, 16])
+    assert sorted(shapes) == sorted([(1, 128, 2, 16)] * 8 + [(1, 64, 2, 16)] * 8)
+
+
+def test_malformed_mxfp4_is_refused_naming_the_tensor(float_dir, mxfp4_dir, tmp_path):
+    floats = float_dir
+    name = "model.layers.1.mlp.experts.down_proj"
+    blocks, scales = quantize_mxfp4(
+        load_file(floats / "model.safetensors")[name].transpose(1, 2).contiguous()
+    )
+    cases = {
+        "missing": ({"drop": f"{name}_scales"}, f"{name}_blocks has no {name}_scales tensor"),
+        "nibbles": (
+            {"change": {f"{name}_blocks": blocks.view(4, 64, 4, 8)}},
+            rf"{name}_blocks has shape \(4, 64, 4, 8\)",
+        ),
+        "scales": (
+            {"change": {f"{name}_scales": scales[:, :32]}},
+            rf"{name}_scales \(4, 32, 2\): one scale a block",
+        ),
+        "dtype": ({"change": {f"{name}_scales": scales.float()}}, f"{name}_blocks and _scales must be uint8"),
+        "experts": (
+            {"change": {f"{name}_blocks": blocks[:3], f"{name}_scales": scales[:3]}},
+            rf"'{name}_blocks' \(MXFP4, dequantized\) has shape \(3, 64, 64\), the model expects \(4, 64, 64\)",
+        ),
+    }
+    for case, (edit, message) in cases.items():
+        bad = save_mxfp4(floats, tmp_path / case, **edit)
+        with pytest.raises(ModelLoadError, match=message):
+            LLMEngine(EngineConfig(model=str(bad), num_kv_blocks=64), model_dir=bad)
+    with pytest.raises(ModelLoadError, match="is an MXFP4 checkpoint.*drop --quantization"):
+        LLMEngine(
+            EngineConfig(model=str(mxfp4_dir), num_kv_blocks=64, quantization="int8"), model_dir=mxfp4_dir
+        )
+
+
+# -- two ranks ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "checkpoint, expert_parallel",
+    [("float", False), ("mxfp4", True)],
+    ids=["tensor-parallel", "mxfp4-expert-parallel"],
+)
+def test_two_ranks_match_transformers(model_dir, mxfp4_dir, checkpoint, expert_parallel):
+    """Over two gloo ranks: each rank's heads with their sinks, o_proj's bias and the experts' down bias added
+    once (rank 0's), the experts' gate/up biases split with their columns (or with expert parallelism whole
+    experts, an MXFP4 checkpoint's read only where they are held), the router whole; logits in chunks of the
+    window and of 7 tokens, then greedy tokens, against transformers."""
+    from tests.engine.test_tensor_parallel import tp_workers
+
+    path = {"float": model_dir, "mxfp4": mxfp4_dir}[checkpoint]
+    config = EngineConfig(
+        model=str(path),
+        block_size=4,
+        num_kv_blocks=128,
+        max_model_len=256,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
+    engine = LLMEngine(config, model_dir=path)
+    try:
+        assert engine.runner.workers is not None and len(tp_workers()) == 1
+        layer = engine.runner.model.layers[0]
+        assert layer.self_attn.num_heads == 2 and layer.self_attn.sinks.shape == (2,)
+        experts = layer.mlp.experts
+        assert (experts.num_local, experts.intermediate) == ((2, 64) if expert_parallel else (4, 24))
+        refs = [hf_logits(path, p) for p in PROMPTS]
+        for chunk in (WINDOW, 7):
+            for got, ref in zip(engine_logits(engine, PROMPTS, chunk=chunk), refs, strict=True):
+                torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    finally:
+        engine.close()
+    assert tp_workers() == []
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[2]]
+    with LLM(
+        str(path),
+        num_kv_blocks=128,
+        block_size=4,
+        max_model_len=256,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    ) as llm:
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, 16)

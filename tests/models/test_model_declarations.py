@@ -3,7 +3,8 @@ registry, each declaration is short, and the families added as a declaration alo
 layers with per-head q/k norms; Phi-3: fused qkv_proj / gate_up_proj checkpoints and adapters; Granite 3: four
 constant multipliers, folded into the weights; OLMo 2: post-norms and q/k norms across heads; Gemma 3: sandwich
 norms, GeGLU, sliding-window layers with their own rope base) run on both CPU paths (OLMo 2 and Gemma 3: the eager
-decoder in both) and over two tensor-parallel ranks (OLMo 2: refused) as Hugging Face transformers does: logits in batches and
+decoder in both) and over two tensor-parallel ranks (OLMo 2's norms across heads: their sums of squares
+all-reduced) as Hugging Face transformers does: logits in batches and
 prefill chunks, greedy generation, prefix cache hits, and LoRA adapters on every projection against PEFT."""
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ FAMILIES = {
         },
         (["q_proj", "v_proj", "o_proj"], ["up_proj", "down_proj"]),
     ),  # fmt: skip
-    # post-norms (no norm before a block), q / k normed across all heads: the eager decoder only, one rank
+    # post-norms (no norm before a block), q / k normed across all heads: the eager decoder only
     "olmo2": (
         "olmo2",
         {"pad_token_id": 0},
@@ -121,9 +122,8 @@ def family(request, tmp_path_factory):
 
 
 # Families whose layer the native CPU step does not run yet: the eager decoder serves them (on the CPU, with or
-# without --no-compile); OLMo 2's also on one rank only.
+# without --no-compile, on one rank or several).
 EAGER_ONLY = {"Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
-ONE_RANK = {"Olmo2ForCausalLM"}
 
 
 def native_expected(model_dir, compiled: bool) -> bool:
@@ -217,20 +217,13 @@ def test_family_lora_matches_peft(family, tmp_path, compiled):
 
 def test_family_on_two_ranks_matches_transformers_and_peft(family, tmp_path):
     """Tensor parallelism over two gloo ranks: each rank's heads, columns and vocabulary (Phi-3's fused tensors
-    split first, Granite's scales folded first), and adapters cut with them."""
+    split first, Granite's scales folded first, OLMo 2's norm weights across heads split with the heads), and
+    adapters cut with them."""
     from motet.engine.config import EngineConfig
     from motet.engine.llm_engine import LLMEngine
     from tests.engine.test_tensor_parallel import tp_workers
 
     model_dir, (attn, mlp) = family
-    if ModelConfig.from_dir(model_dir).architecture in ONE_RANK:
-        with pytest.raises(ModelLoadError, match="tensor-parallel-size 1"):
-            LLMEngine(
-                EngineConfig(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=2),
-                model_dir=model_dir,
-            )
-        assert tp_workers() == []
-        return
     engine = LLMEngine(
         EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=128, tensor_parallel_size=2),
         model_dir=model_dir,
