@@ -69,6 +69,7 @@ class ReasoningFormat:
 
     def _enter(self, text: str, started: bool) -> int | None:
         """Offset where the reasoning text begins, or None if the output has no reasoning."""
+        started = started or self.always_started
         head = text.lstrip()
         for tag in self.starts:
             if head.startswith(tag):
@@ -94,13 +95,13 @@ class ReasoningFormat:
         begin = self._enter(text, started)
         if begin is None:
             return not undecided
-        if started and undecided:
+        if (started or self.always_started) and undecided:
             return False
         return _first(text, self.ends, begin) is not None
 
     def stream_parser(self, started: bool = False):
         """A parser with `feed(delta)` and `finish()` giving (reasoning, content) deltas that add up to `split`."""
-        return ReasoningStreamParser(started, self)
+        return ReasoningStreamParser(started or self.always_started, self)
 
 
 class _Harmony(ReasoningFormat):

@@ -510,7 +510,8 @@ HARMONY_CALL_OPEN = f"{harmony.CHANNEL}commentary to={FUNCTIONS}"
 class _HarmonyCalls:
     """The `openai` format's stream parser over motet/grammar/harmony.py's reader: a message to `functions.NAME` is
     a call (announced once its header is complete, its body streamed as the arguments, surrounding whitespace
-    dropped), every other message's body and the text outside messages content (pieces joined by "\n")."""
+    dropped); a message to another recipient (a built-in tool's: `browser.search`, `python`) is dropped; every
+    other message's body and the text outside messages is content (pieces joined by "\n")."""
 
     def __init__(self):
         self._reader = HarmonyReader()
@@ -541,13 +542,17 @@ class _HarmonyCalls:
                 if recipient.startswith(FUNCTIONS) and _NAME_CHARS.fullmatch(name):
                     events.append(ToolCallStart(self._index, name))
                     self._route, self._args_started, self._args_ws = "call", False, ""
+                elif (
+                    value.recipient is not None
+                ):  # a built-in tool's call (browser, python): not for the user
+                    self._route = "dropped"
                 else:
                     self._pieces.start()
                     self._route = "content"
             elif kind == "body":
                 if self._route == "call":
                     self._arguments(value, events)
-                else:
+                elif self._route != "dropped":
                     self._deltas.emit(self._pieces.add(value), events)
             else:  # close
                 if self._route == "call":
