@@ -200,15 +200,14 @@ def reasoning_format(name: str | None) -> ReasoningFormat | None:
 
 
 def template_reasoning(chat_template: str | None) -> str | None:
-    """The reasoning parser a chat template shows its model writes: GPT-OSS's channels, Granite 3.2's thought
-    process, `<think>`; None for none of them."""
+    """The reasoning parser a chat template shows its model writes by markup no other model uses: GPT-OSS's
+    analysis channel, Granite 3.2's thought process; None otherwise (`<think>` is too common a word in templates
+    to turn reasoning on by itself: Qwen3's declaration names it, others take the flag)."""
     template = chat_template or ""
     if CHANNEL in template and "analysis" in template:
         return "openai_gptoss"
     if "Here is my thought process:" in template:
         return "granite"
-    if REASONING_START in template:
-        return "think"
     return None
 
 
