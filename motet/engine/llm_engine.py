@@ -582,7 +582,7 @@ class LLMEngine:
         outputs, now = landed.outputs, time.monotonic()
         for seq, token, finish in landed.text_rows:
             try:
-                delta = seq.stops.feed(seq.detok.push(token))[0]
+                delta = seq.stops.feed(self._token_text(seq, token, finish))[0]
                 if finish is not None:
                     delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
                 out = self._output(seq, delta, finish)
@@ -684,7 +684,7 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int) -> tuple[str, tuple | None]:
         """Append one token: its text delta, and (finish_reason, stop_reason) if it ends the request."""
         seq.append_token(token)
-        text = seq.detok.push(token)
+        text = self._token_text(seq, token, self._token_finish(seq, token))
         if seq.guided is not None:
             seq.guided.observe_text(text)
         delta, stopped = seq.stops.feed(text)
@@ -697,6 +697,15 @@ class LLMEngine:
         if finish is not None and not stopped:
             delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
         return delta, finish
+
+    @staticmethod
+    def _token_text(seq: Sequence, token: int, finish: tuple | None) -> str:
+        """The appended token's text; none for the stop token that ends the request (EOS, a stop token id), as
+        vLLM's detokenizer leaves it out unless include_stop_str_in_output (where special tokens are kept, its
+        `<|im_end|>` would otherwise end the text)."""
+        if finish is not None and finish[0] == "stop" and not seq.params.include_stop_str_in_output:
+            return ""
+        return seq.detok.push(token)
 
     def _token_finish(self, seq: Sequence, token: int) -> tuple | None:
         """(finish_reason, stop_reason) if the appended `token` ends the request by itself (EOS, a stop token id,
