@@ -262,3 +262,45 @@ def test_served_formats_keep_special_tokens(served):
     answer["response_format"] = {"type": "json_schema", "json_schema": {"name": "w", "schema": SMALL}}
     spec, _, _, _ = chat_spec(state, "t", None, P.ChatCompletionRequest.model_validate(answer), "r")
     assert spec.params[0].skip_special_tokens is False and spec.params[0].reasoning == "openai_gptoss"
+
+
+def test_formats_picked_by_flag_then_family_then_template():
+    from types import SimpleNamespace
+
+    from motet.api.completions.routes import served_formats
+    from motet.models import get
+
+    def names(arch, template=None, tool=None, reasoning=None):
+        engine = SimpleNamespace(model_config=SimpleNamespace(declaration=get(arch)))
+        state = SimpleNamespace(
+            system=SimpleNamespace(engine=engine), tool_call_parser=tool, reasoning_parser=reasoning
+        )
+        fmt, thinking = served_formats(state, template)
+        return fmt.name, thinking and thinking.name
+
+    assert names("Qwen3ForCausalLM") == ("hermes", "think")  # qwen3: the <think> format
+    assert names("Qwen3MoeForCausalLM") == ("hermes", "think")
+    assert names("GptOssForCausalLM") == ("openai", "openai_gptoss")
+    assert names("LlamaForCausalLM", "{{ '<|im_start|>' }}") == ("hermes", None)  # SmolLM2's
+    assert names("LlamaForCausalLM", "{{- '<|python_tag|>' }}") == ("llama3_json", None)
+    granite_32 = (
+        "Write your thoughts after 'Here is my thought process:' ... respond only with <|tool_call|> followed"
+    )
+    assert names("GraniteForCausalLM", granite_32) == ("granite", "granite")
+    assert names("Phi3ForCausalLM", "{{ '<|tool|>' + message['tools'] + '<|/tool|>' }}") == (
+        "phi4_mini_json",
+        None,
+    )
+    # a flag wins; "none" turns the family's reasoning off
+    assert names("Qwen3ForCausalLM", reasoning="none") == ("hermes", None)
+    assert names("GptOssForCausalLM", tool="hermes", reasoning="deepseek_r1") == ("hermes", "deepseek_r1")
+
+
+def test_family_declarations_name_known_formats():
+    from motet.grammar.reasoning import REASONING_FORMATS
+    from motet.grammar.tool_formats import TOOL_FORMATS
+    from motet.models import DECLARATIONS
+
+    for decl in DECLARATIONS:
+        assert decl.tool_format is None or decl.tool_format in TOOL_FORMATS, decl.name
+        assert decl.reasoning_format is None or decl.reasoning_format in REASONING_FORMATS, decl.name
