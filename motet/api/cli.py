@@ -410,11 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="a PEFT adapter directory as model NAME (repeatable)",
     )
+    from motet.grammar.reasoning import REASONING_FORMATS
+
     p.add_argument(
         "--reasoning-parser",
-        default="none",
-        choices=["none", "think"],
-        help="think: <think>...</think> comes back as reasoning_content (default: none)",
+        default=None,
+        choices=["none", *REASONING_FORMATS],
+        help="as serve's: the model's reasoning comes back as reasoning_content (default: the model's; none: off)",
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     _engine_args(p)

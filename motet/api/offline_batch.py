@@ -105,7 +105,7 @@ def run_batch(args, config) -> int:
     state = ServerState(
         system=system,
         model_names=names,
-        reasoning=args.reasoning_parser == "think",
+        reasoning_parser=args.reasoning_parser,
         tool_call_parser=getattr(args, "tool_call_parser", None),
     )
     log.info("running %d requests from %s on %s", len(lines), args.input_file, state.model_name)

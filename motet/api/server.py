@@ -219,7 +219,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         responses=responses,
         files=files,
         batches=batches,
-        reasoning=args.reasoning_parser == "think",
+        reasoning_parser=args.reasoning_parser,
         metrics=Metrics(names[0], max_model_len),
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=getattr(args, "tool_call_parser", None),
@@ -499,12 +499,17 @@ def add_serve_args(p) -> None:
         help=f"bytes/s a slow request body must average beyond --request-body-timeout (default: "
         f"{DEFAULT_BODY_MIN_RATE})",
     )
+    from motet.grammar.reasoning import REASONING_FORMATS
+
     p.add_argument(
         "--reasoning-parser",
-        default="none",
-        choices=["none", "think"],
-        help="think: the model reasons in <think>...</think> first; returned as reasoning_content, and "
-        "grammars apply after it",
+        default=None,
+        choices=["none", *REASONING_FORMATS],
+        help="how the model writes its reasoning, by vLLM's names: think / qwen3 (<think>...</think>), "
+        "deepseek_r1 (the same, the output beginning inside it), granite (Here is my thought process: ...), "
+        "openai_gptoss / gpt_oss (GPT-OSS's analysis channel); returned as reasoning_content, and grammars apply "
+        "after it (default: the model family's, e.g. qwen3 for Qwen3, openai_gptoss for GPT-OSS, else the chat "
+        "template's; none: off)",
     )
     from motet.grammar.limits import GrammarLimits
 

@@ -39,7 +39,9 @@ class ServerState:
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
     inflight: int = 0
     fatal: BaseException | None = None  # start-up failed (e.g. the model could not be loaded)
-    reasoning: bool = False  # --reasoning-parser think: <think>...</think> becomes reasoning_content
+    # --reasoning-parser (motet/grammar/reasoning.py): the model's reasoning becomes reasoning_content; "none": off;
+    # None: the model family's, else the chat template's
+    reasoning_parser: str | None = None
     tool_call_parser: str | None = (
         None  # --tool-call-parser (motet/grammar/tool_formats.py); None: the template's
     )

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from motet.api.errors import APIError
 from motet.grammar.enforceable import best_effort_warning, strict_refusal
 from motet.grammar.limits import GrammarLimitError, GrammarLimits
+from motet.grammar.reasoning import ReasoningFormat
 from motet.grammar.schema_normalize import normalize_schema
 from motet.grammar.specs import (
     BACKEND_NAMES,
@@ -55,6 +56,23 @@ class Structure:
         HERMES  # how the model writes calls (--tool-call-parser, or its chat template's)
     )
     warnings: list[str] = field(default_factory=list)  # "param: what the grammar does not enforce"
+    # how the model writes its reasoning (--reasoning-parser, or its family's): split from the content, and
+    # the grammar holds after it; None: no reasoning parser
+    reasoning: ReasoningFormat | None = None
+
+    @property
+    def engine_reasoning(self) -> str | None:
+        """The reasoning format the engine's grammar gate reads: none for a format whose calls' grammar holds
+        from the output's first token (GPT-OSS's: its calls are a channel of their own)."""
+        if self.reasoning is None or (self.param == "tools" and not self.tool_format.grammar_after_reasoning):
+            return None
+        return self.reasoning.name
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output's text must keep the special tokens (the formats' markers are such tokens)."""
+        calls = self.tool_mode != "none" and self.tool_format.keeps_special_tokens
+        return calls or (self.reasoning is not None and self.reasoning.keeps_special_tokens)
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -226,15 +244,19 @@ def _check_tool_schemas(tools, limits: GrammarLimits) -> None:
 
 
 def structured_output(
-    req, allow_tools: bool = True, limits: GrammarLimits | None = None, tool_format: ToolFormat = HERMES
+    req,
+    allow_tools: bool = True,
+    limits: GrammarLimits | None = None,
+    tool_format: ToolFormat = HERMES,
+    reasoning: ReasoningFormat | None = None,
 ) -> Structure:
     """The grammar and tool mode of a chat or completions request (APIError 400 when malformed or
-    over `limits`, default GrammarLimits()); calls are written in `tool_format`."""
+    over `limits`, default GrammarLimits()); calls are written in `tool_format`, reasoning in `reasoning`."""
     limits = limits or GrammarLimits()
     backend = req.guided_decoding_backend
     if backend is not None and backend not in BACKEND_NAMES:
         raise _bad("guided_decoding_backend", f"must be one of {', '.join(BACKEND_NAMES)}, got {backend!r}")
-    out = Structure(backend=backend, tool_format=tool_format)
+    out = Structure(backend=backend, tool_format=tool_format, reasoning=reasoning)
     guided = _guided(req, limits, out.warnings)
     if len(guided) > 1:
         names = ", ".join(name for name, _ in guided)

@@ -69,8 +69,10 @@ def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
         choices=list(TOOL_FORMATS),
         help="how the model writes tool calls, by vLLM's names: hermes (<tool_call>{...}</tool_call>: Qwen2.5/3, "
         'Hermes), mistral ([TOOL_CALLS][{...}]), llama3_json / llama4_json ({"name": ..., "parameters": ...}), '
-        "pythonic / llama4_pythonic ([f(a=1)]: parsed, not constrained) (default: mistral when the chat template "
-        "has [TOOL_CALLS], llama3_json when it has <|python_tag|>, else hermes)",
+        "pythonic / llama4_pythonic ([f(a=1)]: parsed, not constrained), phi4_mini_json (functools[{...}]), "
+        "granite (<|tool_call|>[{...}]), openai (GPT-OSS's harmony commentary channel) (default: the model "
+        "family's, e.g. openai for GPT-OSS; else the chat template's markers: [TOOL_CALLS], <|python_tag|>, "
+        "<|channel|>, <|/tool|> or functools, <|tool_call|>; else hermes)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",

@@ -6,16 +6,16 @@ speculative drafts, one row per verified position: motet/engine/speculative/gram
 Preemption needs no rollback: a preempted sequence keeps its output tokens (recompute only rebuilds
 their KV), and the matcher has accepted exactly those tokens.
 
-Reasoning models may write `<think>...</think>` before the content the grammar describes. With a
-reasoning parser the constraint has three phases:
+Reasoning models may write `<think>...</think>` (or their format's markup: motet/grammar/reasoning.py) before
+the content the grammar describes. With a reasoning parser the constraint has three phases:
 
-- OPENING (the output's start, unless the prompt already opened `<think>`): undecided. The mask allows
-  the grammar's tokens and the tokens that continue `<think>` (motet/grammar/reasoning.ReasoningOpening),
-  and each token is checked against both. The first token that only one of them allows decides: the
-  grammar's, and the constraint is on from the output's first token (the matcher has accepted every
-  token so far); `<think>` completed, and the output reasons (the matcher is rolled back). A token both
-  allow ("<" opens `<think>` and `<tool_call>`) keeps both open.
-- REASONING: unconstrained until `</think>` appears in the output text.
+- OPENING (the output's start, unless the prompt already opened `<think>` or the format always starts inside
+  its reasoning): undecided. The mask allows the grammar's tokens and the tokens that continue an opening tag
+  (motet/grammar/reasoning.ReasoningOpening), and each token is checked against both. The first token that only
+  one of them allows decides: the grammar's, and the constraint is on from the output's first token (the matcher
+  has accepted every token so far); an opening tag completed, and the output reasons (the matcher is rolled
+  back). A token both allow ("<" opens `<think>` and `<tool_call>`) keeps both open.
+- REASONING: unconstrained until one of the format's end tags (`</think>`) appears in the output text.
 - CONSTRAINED: the grammar masks every token.
 
 So the content (the text after the reasoning, or the whole output) always matches the grammar; an output
@@ -45,20 +45,28 @@ class Phase(Enum):
 
 class GuidedDecoding:
     def __init__(
-        self, matcher: Matcher, reasoning: ReasoningOpening | None = None, reasoning_started: bool = False
+        self,
+        matcher: Matcher,
+        reasoning: ReasoningOpening | None = None,
+        reasoning_started: bool = False,
+        reasoning_ends: tuple[str, ...] = (REASONING_END,),
     ):
-        """`reasoning`: the tokenizer's `<think>` openers when the output may reason (None: it never
-        does); `reasoning_started`: the prompt already opened `<think>`."""
+        """`reasoning`: the tokenizer's tokens that open the reasoning when the output may reason (None: it
+        never does); `reasoning_started`: the output begins inside it (the prompt opened `<think>`);
+        `reasoning_ends`: what ends it."""
         self.matcher = matcher
         self._opening = reasoning
+        self._ends = reasoning_ends
+        self._tail_len = max(len(end) for end in reasoning_ends)
         if reasoning_started:
             self.phase = Phase.REASONING
         else:
             self.phase = Phase.CONSTRAINED if reasoning is None else Phase.OPENING
-        self._progress: int | None = 0  # OPENING: bytes of `<think>` written; None once it cannot open
+        # OPENING: what is written of an opening tag; None once none can open
+        self._progress: bytes | None = b""
         self._grammar_open = True  # OPENING: whether the matcher accepted every token so far
         self._grammar_tokens = 0  # OPENING: how many tokens the matcher accepted (to roll them back)
-        self._tail = ""  # REASONING: the output text's last characters, to find `</think>`
+        self._tail = ""  # REASONING: the output text's last characters, to find its end
 
     @property
     def active(self) -> bool:
@@ -67,11 +75,11 @@ class GuidedDecoding:
 
     @property
     def opening(self) -> bool:
-        """Whether the output may still open `<think>` or follow the grammar (the mask allows both)."""
+        """Whether the output may still open its reasoning or follow the grammar (the mask allows both)."""
         return self.phase is Phase.OPENING
 
     def fill_opening_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """OPENING: the grammar's allowed tokens (while it is open) and those that continue `<think>`."""
+        """OPENING: the grammar's allowed tokens (while it is open) and those that continue an opening tag."""
         if self._grammar_open:
             self.matcher.fill_bitmask(bitmask, row)
         else:
@@ -79,12 +87,15 @@ class GuidedDecoding:
         if self._progress is not None:
             set_token_bits(bitmask, row, self._opening.tokens(self._progress))
 
+    def _ended(self, tail: str) -> bool:
+        return any(end in tail for end in self._ends)
+
     def observe_text(self, text: str) -> None:
         """Output text of the token just appended (after `accept`): finds where the reasoning ends."""
         if self.phase is not Phase.REASONING:
             return
-        self._tail = (self._tail + text)[-(len(REASONING_END) + len(text)) :]
-        if REASONING_END in self._tail:
+        self._tail = (self._tail + text)[-(self._tail_len + len(text)) :]
+        if self._ended(self._tail):
             self.phase = Phase.CONSTRAINED
 
     def tail_after(self, texts: list[str]) -> int | None:
@@ -97,8 +108,8 @@ class GuidedDecoding:
             raise ValueError("an output that may still open <think> has no drafts")
         tail = self._tail
         for i, text in enumerate(texts):
-            tail = (tail + text)[-(len(REASONING_END) + len(text)) :]
-            if REASONING_END in tail:
+            tail = (tail + text)[-(self._tail_len + len(text)) :]
+            if self._ended(tail):
                 return i + 1
         return None
 
@@ -113,7 +124,7 @@ class GuidedDecoding:
         if progress is None and not grammar:
             return False
         self._grammar_tokens += grammar
-        if progress == len(ReasoningOpening.TAG):  # `<think>` is complete: the output reasons
+        if progress is not None and self._opening.complete(progress):  # a tag is complete: the output reasons
             self.matcher.rollback(self._grammar_tokens)
             self.phase, self._tail = Phase.REASONING, ""
         elif progress is None:  # only the grammar allowed it: constrained from the first token

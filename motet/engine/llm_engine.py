@@ -57,7 +57,7 @@ from motet.engine.token_masks import bad_words_token_ids
 from motet.engine.tokenizer import load_tokenizer
 from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
 from motet.grammar.cache import GrammarCache
-from motet.grammar.reasoning import ReasoningOpening, prompt_opens_reasoning
+from motet.grammar.reasoning import ReasoningOpening, reasoning_format
 from motet.grammar.specs import GrammarSpec
 from motet.grammar.tool_call_parser import RepeatedCallStop
 from motet.lora.manager import AdapterManager, AdapterRef, AdapterStats
@@ -263,7 +263,17 @@ class LLMEngine:
     @functools.cached_property
     def reasoning_opening(self) -> ReasoningOpening:
         """Which tokens may open `<think>` at an output's start (for grammars under a reasoning parser)."""
-        return ReasoningOpening(self.grammar_tokenizer.decoded_vocab)
+        return self.reasoning_opening_of(("<think>",))
+
+    @functools.cached_property
+    def _reasoning_openings(self) -> dict[tuple[str, ...], ReasoningOpening]:
+        return {}
+
+    def reasoning_opening_of(self, starts: tuple[str, ...]) -> ReasoningOpening:
+        """Which tokens may open a reasoning format's `starts` at an output's start (built once per format)."""
+        if starts not in self._reasoning_openings:
+            self._reasoning_openings[starts] = ReasoningOpening(self.grammar_tokenizer.decoded_vocab, starts)
+        return self._reasoning_openings[starts]
 
     def compile_grammar(
         self, spec: GrammarSpec, backend: str | None = None, owner: str | None = None
@@ -348,12 +358,15 @@ class LLMEngine:
         return request_id
 
     def _guided(self, grammar: CompiledGrammar, params: SamplingParams, prompt: list[int]) -> GuidedDecoding:
-        """The constraint: from the output's first token, or with `params.reasoning` after `</think>` when
-        the prompt opened `<think>` or the output's first tokens do (motet/engine/guided.py)."""
-        if not params.reasoning:
+        """The constraint: from the output's first token, or with `params.reasoning` (a reasoning format) after
+        its end (`</think>`) when the prompt opened its reasoning or the output's first tokens do
+        (motet/engine/guided.py)."""
+        fmt = reasoning_format(params.reasoning)
+        if fmt is None:
             return GuidedDecoding(grammar.matcher())
-        started = prompt_opens_reasoning(self.tokenizer.hf.decode(prompt[-16:]))  # the template's last words
-        return GuidedDecoding(grammar.matcher(), self.reasoning_opening, reasoning_started=started)
+        started = fmt.started(self.tokenizer.hf.decode(prompt[-16:]))  # the template's last words
+        opening = self.reasoning_opening_of(fmt.starts) if fmt.starts else None
+        return GuidedDecoding(grammar.matcher(), opening, reasoning_started=started, reasoning_ends=fmt.ends)
 
     def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
         """`params` with its bad_words as token sequences (motet/engine/token_masks.py); the serving layer
@@ -569,7 +582,7 @@ class LLMEngine:
         outputs, now = landed.outputs, time.monotonic()
         for seq, token, finish in landed.text_rows:
             try:
-                delta = seq.stops.feed(seq.detok.push(token))[0]
+                delta = seq.stops.feed(self._token_text(seq, token, finish))[0]
                 if finish is not None:
                     delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
                 out = self._output(seq, delta, finish)
@@ -671,7 +684,7 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int) -> tuple[str, tuple | None]:
         """Append one token: its text delta, and (finish_reason, stop_reason) if it ends the request."""
         seq.append_token(token)
-        text = seq.detok.push(token)
+        text = self._token_text(seq, token, self._token_finish(seq, token))
         if seq.guided is not None:
             seq.guided.observe_text(text)
         delta, stopped = seq.stops.feed(text)
@@ -684,6 +697,15 @@ class LLMEngine:
         if finish is not None and not stopped:
             delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
         return delta, finish
+
+    @staticmethod
+    def _token_text(seq: Sequence, token: int, finish: tuple | None) -> str:
+        """The appended token's text; none for the stop token that ends the request (EOS, a stop token id), as
+        vLLM's detokenizer leaves it out unless include_stop_str_in_output (where special tokens are kept, its
+        `<|im_end|>` would otherwise end the text)."""
+        if finish is not None and finish[0] == "stop" and not seq.params.include_stop_str_in_output:
+            return ""
+        return seq.detok.push(token)
 
     def _token_finish(self, seq: Sequence, token: int) -> tuple | None:
         """(finish_reason, stop_reason) if the appended `token` ends the request by itself (EOS, a stop token id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from motet.grammar.reasoning import REASONING_FORMATS
 from motet.grammar.specs import GrammarSpec
 
 MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
@@ -41,11 +42,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured output: the output must match `grammar` (grammar.specs), compiled with
-    # `grammar_backend` (None: the engine's). With `reasoning`, an output that opens with "<think>" (or
-    # whose prompt opened it) is constrained after "</think>", any other from its first token.
+    # `grammar_backend` (None: the engine's). With `reasoning` (a reasoning format's name, motet/grammar/reasoning.py;
+    # True: "think"), an output that opens with "<think>" (or whose prompt opened it) is constrained after
+    # "</think>", any other from its first token. A format whose markers are special tokens (GPT-OSS's) needs
+    # them in the text: skip_special_tokens False.
     grammar: GrammarSpec | None = None
     grammar_backend: str | None = None
-    reasoning: bool = False
+    reasoning: str | None = None
     # Tool calls (motet/grammar/tool_call_parser.RepeatedCallStop): a call that repeats an earlier call of the
     # output ends it (without the repeat), as a small model otherwise repeats its call until max_tokens.
     stop_on_repeated_tool_call: bool = False
@@ -73,6 +76,8 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.reasoning, bool):
+            self.reasoning = "think" if self.reasoning else None
         self.validate()
 
     def validate(self) -> None:
@@ -127,6 +132,8 @@ class SamplingParams:
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
         ):
             bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        if self.reasoning is not None and self.reasoning not in REASONING_FORMATS:
+            bad("reasoning", f"must be a reasoning parser's name ({', '.join(REASONING_FORMATS)}) or None")
         if len(self.bad_words) > MAX_BAD_WORDS:
             bad("bad_words", f"must hold at most {MAX_BAD_WORDS} strings")
         if any(

@@ -9,12 +9,20 @@ A format says how a model writes its calls and how they are read back:
   `[TOOL_CALLS]name[ARGS]{...}`), one call per marker, is read too.
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3 JSON tool calling): `{"name": ..., "parameters": {...}}` objects, several
   separated by `;`, at the start of the output, after `<|python_tag|>`, or anywhere as `{"name": "` opens them.
-- `pythonic` (Llama 3.2 / Llama 4 pythonic calling): `[f(a=1), g(b="x")]` at the start of the output or after
-  `<|python_start|>`, arguments as Python literals (returned as JSON).
+- `pythonic` (Llama 3.2 / Llama 4 pythonic calling; what vLLM recommends for Gemma 3): `[f(a=1), g(b="x")]` at the
+  start of the output or after `<|python_start|>`, arguments as Python literals (returned as JSON).
+- `phi4_mini_json` (Phi-4-mini): `functools[{"name": ..., "arguments": {...}}, ...]`.
+- `granite` (Granite 3.x): `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3.1's `<tool_call>[...]`
+  too; the special token dropped from the text, the list at the output's start).
+- `openai` (GPT-OSS's harmony, motet/grammar/harmony.py): a message to a recipient `functions.NAME` on the
+  commentary channel, its body the arguments:
+  `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` (the recipient may come
+  before the channel); the other messages' bodies are content.
 
 Each gives the grammar that holds a call (an xgrammar structural tag, as Hermes's: `tool_choice` "required" or
 a named function forces well-formed calls, "auto" constrains the calls the model opens; `pythonic` has none,
-its calls are only parsed), the whole and the streamed parser (the same ToolCall objects and stream events as
+its calls are only parsed; `openai` holds "required" calls only, each one call from the output's first token, since
+a grammar cannot let the model write harmony's special tokens), the whole and the streamed parser (the same ToolCall objects and stream events as
 Hermes's, so the chat output, its deltas and the Responses API are unchanged), and how past calls and the tools
 are written into a prompt whose template has no tool support.
 
@@ -32,14 +40,18 @@ and releases only what no later text can change, so for any split its events add
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from motet.grammar import harmony
+from motet.grammar.harmony import HarmonyReader, Pieces
 from motet.grammar.specs import DEFAULT_MAX_WHITESPACE
 from motet.grammar.tool_call_parser import (
     _PREFIX_RE,
+    ContentDelta,
     ContentDeltas,
     Event,
     ToolCall,
@@ -452,6 +464,131 @@ def _python_literal(value) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
+# A marker then a JSON list: Phi-4-mini's functools[...], Granite 3.x's <|tool_call|>[...]
+
+PHI4_CALLS = "functools["
+GRANITE_CALLS, GRANITE_31_CALLS = "<|tool_call|>", "<tool_call>"
+
+
+class _ListSections(_Sections):
+    """One of `markers` then a JSON list of calls (a marker may end with the list's `[`); with `list_at_start`, also
+    a list the output begins with (where the marker is a special token the text dropped)."""
+
+    def __init__(self, markers: tuple[str, ...], list_at_start: bool = False):
+        self.markers = markers
+        self._list_at_start = list_at_start
+
+    def find(self, text, pos, at_start):
+        hit = super().find(text, pos, at_start)
+        if at_start and self._list_at_start:
+            k = _skip_ws(text, pos)
+            if k < len(text) and text[k] == "[" and (hit is None or k < hit[0]):
+                j = _skip_ws(text, k + 1)
+                if j == len(text) or text[j] == "{":
+                    return k, k
+        return hit
+
+    def section(self, text, i, after, final):
+        k = after
+        if not text.endswith("[", i, after):
+            k = _skip_ws(text, after)
+            if k == len(text):
+                return _NOT if final else _HOLD
+            if text[k] != "[":
+                return _NOT
+            k += 1
+        return _objects(text, k, final, ",", "]")
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPT-OSS's harmony: <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
+
+FUNCTIONS = "functions."  # a recipient that is one of the request's tools
+HARMONY_CALL_OPEN = f"{harmony.CHANNEL}commentary to={FUNCTIONS}"
+
+
+class _HarmonyCalls:
+    """The `openai` format's stream parser over motet/grammar/harmony.py's reader: a message to `functions.NAME` is
+    a call (announced once its header is complete, its body streamed as the arguments, surrounding whitespace
+    dropped); a message to another recipient (a built-in tool's: `browser.search`, `python`) is dropped; every
+    other message's body and the text outside messages is content (pieces joined by "\n")."""
+
+    def __init__(self):
+        self._reader = HarmonyReader()
+        self._deltas = ContentDeltas()
+        self._pieces = Pieces()
+        self._route: str | None = None  # "top" (text outside messages), "content" or "call"
+        self._index = 0  # the next call's
+        self._args_started = False
+        self._args_ws = ""  # the call's trailing whitespace, released when more arguments follow
+
+    def feed(self, delta: str) -> list[Event]:
+        return self._events(self._reader.feed(delta))
+
+    def finish(self) -> list[Event]:
+        return self._events(self._reader.finish())
+
+    def _events(self, items) -> list[Event]:
+        events: list[Event] = []
+        for kind, value in items:
+            if kind == "text":
+                if self._route != "top":
+                    self._pieces.start()
+                    self._route = "top"
+                self._deltas.emit(self._pieces.add(value), events)
+            elif kind == "open":
+                recipient = value.recipient or ""
+                name = recipient[len(FUNCTIONS) :]
+                if recipient.startswith(FUNCTIONS) and _NAME_CHARS.fullmatch(name):
+                    events.append(ToolCallStart(self._index, name))
+                    self._route, self._args_started, self._args_ws = "call", False, ""
+                elif (
+                    value.recipient is not None
+                ):  # a built-in tool's call (browser, python): not for the user
+                    self._route = "dropped"
+                else:
+                    self._pieces.start()
+                    self._route = "content"
+            elif kind == "body":
+                if self._route == "call":
+                    self._arguments(value, events)
+                elif self._route != "dropped":
+                    self._deltas.emit(self._pieces.add(value), events)
+            else:  # close
+                if self._route == "call":
+                    self._index += 1
+                self._route = None
+        return events
+
+    def _arguments(self, text: str, events: list[Event]) -> None:
+        if not self._args_started:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            self._args_ws += text
+            return
+        events.append(ToolCallArguments(self._index, self._args_ws + body))
+        self._args_ws, self._args_started = text[len(body) :], True
+
+
+def _collected(events: list[Event]) -> tuple[str | None, list[ToolCall]]:
+    """A stream's events as the whole parse: content (None when empty) and calls."""
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    calls: list[ToolCall] = []
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            calls.append(ToolCall(e.name, ""))
+        elif isinstance(e, ToolCallArguments):
+            calls[e.index].arguments += e.fragment
+    return content or None, calls
+
+
+def _harmony_parse(text: str) -> tuple[str | None, list[ToolCall]]:
+    parser = _HarmonyCalls()
+    return _collected(parser.feed(text) + parser.finish())
+
+
+# ---------------------------------------------------------------------------------------------------
 # Grammars
 
 
@@ -493,33 +630,68 @@ def _check(tools, mode) -> None:
         raise ValueError(f"a structural tag needs tools and mode 'auto' or 'required', got {mode!r}")
 
 
-def mistral_structural_tag(
+def _list_structural_tag(opening: str, trigger: str):
+    """The grammar of `opening` (the marker and the list's `[`), call (`, ` call)*, `]`: "required" is that and
+    nothing else; "auto" free text until the model writes `trigger`, then the calls, and the output ends. Without
+    `parallel`, one call."""
+
+    def structural_tag(
+        tools, mode, parallel, *, max_whitespace=DEFAULT_MAX_WHITESPACE, max_calls=None
+    ) -> dict:
+        _check(tools, mode)
+        tags = _object_tags(tools, "arguments", max_whitespace)
+        one = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+        inner = _list_of(one, tags, ", ", max_calls) if parallel else one
+        if mode == "required":
+            fmt = {
+                "type": "sequence",
+                "elements": [
+                    {"type": "const_string", "value": opening},
+                    inner,
+                    {"type": "const_string", "value": "]"},
+                ],
+            }
+        else:
+            section = {"type": "tag", "begin": opening, "content": inner, "end": "]"}
+            fmt = {
+                "type": "triggered_tags",
+                "triggers": [trigger],
+                "tags": [section],
+                "stop_after_first": True,
+            }
+        return {"type": "structural_tag", "format": fmt}
+
+    return structural_tag
+
+
+mistral_structural_tag = _list_structural_tag(MISTRAL_CALLS + "[", MISTRAL_CALLS)
+phi4_mini_structural_tag = _list_structural_tag(PHI4_CALLS, PHI4_CALLS)
+granite_structural_tag = _list_structural_tag(GRANITE_CALLS + "[", GRANITE_CALLS)
+
+
+def openai_structural_tag(
     tools, mode, parallel, *, max_whitespace=DEFAULT_MAX_WHITESPACE, max_calls=None
-) -> dict:
-    """`[TOOL_CALLS][` call (`, ` call)* `]`: "required" is that and nothing else; "auto" free text until the
-    model writes `[TOOL_CALLS]`, then the calls, and the output ends. Without `parallel`, one call."""
+) -> dict | None:
+    """ "required": one call on the commentary channel from the output's first token,
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>` then the arguments (the grammar ends
+    there: `<|call|>` is one of GPT-OSS's stop tokens). "auto": None, the calls only parsed: the grammar backends
+    never let a model write special tokens, and harmony writes every message's header with them."""
     _check(tools, mode)
-    tags = _object_tags(tools, "arguments", max_whitespace)
-    one = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
-    inner = _list_of(one, tags, ", ", max_calls) if parallel else one
-    if mode == "required":
-        fmt = {
-            "type": "sequence",
-            "elements": [
-                {"type": "const_string", "value": MISTRAL_CALLS + "["},
-                inner,
-                {"type": "const_string", "value": "]"},
-            ],
+    if mode != "required":
+        return None
+    tags = [
+        {
+            "type": "tag",
+            "begin": f"{HARMONY_CALL_OPEN}{tool.name} {harmony.CONSTRAIN}json{harmony.MESSAGE}",
+            "content": _json_args(tool, max_whitespace),
+            "end": "",
         }
-    else:
-        section = {"type": "tag", "begin": MISTRAL_CALLS + "[", "content": inner, "end": "]"}
-        fmt = {
-            "type": "triggered_tags",
-            "triggers": [MISTRAL_CALLS],
-            "tags": [section],
-            "stop_after_first": True,
-        }
-    return {"type": "structural_tag", "format": fmt}
+        for tool in tools
+    ]
+    return {
+        "type": "structural_tag",
+        "format": tags[0] if len(tags) == 1 else {"type": "or", "elements": tags},
+    }
 
 
 def llama3_json_structural_tag(
@@ -561,6 +733,23 @@ _PYTHONIC_PROMPT = (
     "To call functions, respond only with a Python list of calls with keyword arguments, "
     "[func_name1(param1=value1, param2=value2), func_name2(param=value)], and nothing else."
 )
+_PHI4_PROMPT = (  # vLLM's examples/tool_chat_template_phi4_mini.jinja, shortened
+    "You can call these functions:\n{tools}\n\n"
+    "If you decide to call functions, write them as one JSON list after the functools marker and nothing else: "
+    'functools[{{"name": <function-name>, "arguments": <args-json-object>}}, ...]'
+)
+_GRANITE_PROMPT = (  # Granite 3.x's own system prompt for tools
+    "You are a helpful assistant with access to the following function calls. Your task is to produce a list of "
+    "function calls necessary to generate response to the user utterance. Use the following function calls as "
+    "required.\n{tools}\n\n"
+    "When a tool is required to answer the user's query, respond only with <|tool_call|> followed by a JSON list "
+    'of tools used: <|tool_call|>[{{"name": <function-name>, "arguments": <args-json-object>}}]'
+)
+_OPENAI_PROMPT = (
+    "You can call these functions:\n{tools}\n\n"
+    "To call one, write <|channel|>commentary to=functions.NAME <|constrain|>json<|message|> followed by its "
+    "arguments as a JSON object, then <|call|>."
+)
 
 
 @dataclass(frozen=True)
@@ -572,8 +761,15 @@ class ToolFormat:
     )
     stop_repeated_calls: bool  # whether motet/grammar/tool_call_parser.RepeatedCallStop reads this format
     _tag: Callable | None  # (tools, mode, parallel, max_whitespace=, max_calls=) -> structural tag
-    _sections: _Sections | None  # None: Hermes's own parsers
+    _parse: Callable[[str], tuple[str | None, list[ToolCall]]]
+    _stream: Callable[[], object]  # a new stream parser
     _calls_text: Callable[[list[tuple[str, object]]], str]
+    # Its markers are special tokens the output's text must keep (GPT-OSS's): the request's skip_special_tokens
+    # is turned off.
+    keeps_special_tokens: bool = False
+    # Whether a reasoning parser's reasoning comes before its calls' grammar (the engine's gate: the grammar holds
+    # after the reasoning). GPT-OSS's calls are a channel of their own: its grammar holds from the first token.
+    grammar_after_reasoning: bool = True
 
     def structural_tag(self, tools, mode, parallel, *, max_whitespace=DEFAULT_MAX_WHITESPACE, max_calls=None):
         """The grammar holding calls to `tools` (None: this format has none; its calls are only parsed)."""
@@ -583,15 +779,28 @@ class ToolFormat:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """Content (None when empty) and calls of a whole output."""
-        return parse_tool_calls(text) if self._sections is None else _whole(self._sections, text)
+        return self._parse(text)
 
     def stream_parser(self):
         """A parser with `feed(delta)` and `finish()` giving the events that add up to `parse`."""
-        return ToolCallStreamParser() if self._sections is None else _SectionStream(self._sections)
+        return self._stream()
 
     def calls_text(self, calls: list[tuple[str, object]]) -> str:
         """An assistant turn's calls, (name, arguments as a dict or its JSON text), as the model writes them."""
         return self._calls_text([(name, _arguments(args)) for name, args in calls])
+
+
+def _sections_format(name, marker, prompt, tag, sections: _Sections, calls_text) -> ToolFormat:
+    return ToolFormat(
+        name,
+        marker,
+        prompt,
+        False,
+        tag,
+        functools.partial(_whole, sections),
+        functools.partial(_SectionStream, sections),
+        calls_text,
+    )
 
 
 def _arguments(arguments):
@@ -609,11 +818,11 @@ def _hermes_calls(calls) -> str:
     return "\n".join(format_call(name, args) for name, args in calls)
 
 
-def _mistral_calls(calls) -> str:
+def _json_list(opening: str, calls) -> str:
     body = ", ".join(
         json.dumps({"name": name, "arguments": args}, ensure_ascii=False) for name, args in calls
     )
-    return f"{MISTRAL_CALLS}[{body}]"
+    return f"{opening}{body}]"
 
 
 def _llama_calls(calls) -> str:
@@ -631,28 +840,70 @@ def _pythonic_text(calls) -> str:
     return "[" + ", ".join(one(name, args) for name, args in calls) + "]"
 
 
+def _harmony_calls(calls) -> str:
+    """Each call a message of its own (the first one's `<|start|>assistant` is the template's)."""
+    return (harmony.START + "assistant").join(
+        f"{HARMONY_CALL_OPEN}{name} {harmony.CONSTRAIN}json{harmony.MESSAGE}"
+        f"{json.dumps(args, ensure_ascii=False)}{harmony.CALL}"
+        for name, args in calls
+    )
+
+
 HERMES = ToolFormat(
-    "hermes", "<tool_call>", TOOLS_SYSTEM_PROMPT, True, tool_call_structural_tag, None, _hermes_calls
+    "hermes",
+    "<tool_call>",
+    TOOLS_SYSTEM_PROMPT,
+    True,
+    tool_call_structural_tag,
+    parse_tool_calls,
+    ToolCallStreamParser,
+    _hermes_calls,
 )
-MISTRAL = ToolFormat(
+MISTRAL = _sections_format(
     "mistral",
     MISTRAL_CALLS,
     _MISTRAL_PROMPT,
-    False,
     mistral_structural_tag,
     _MistralSections(),
-    _mistral_calls,
+    functools.partial(_json_list, MISTRAL_CALLS + "["),
 )
-LLAMA3_JSON = ToolFormat(
+LLAMA3_JSON = _sections_format(
     "llama3_json",
     LLAMA_CALL_OPEN,
     _LLAMA_PROMPT,
-    False,
     llama3_json_structural_tag,
     _LlamaJsonSections(),
     _llama_calls,
 )
-PYTHONIC = ToolFormat("pythonic", "[", _PYTHONIC_PROMPT, False, None, _PythonicSections(), _pythonic_text)
+PYTHONIC = _sections_format("pythonic", "[", _PYTHONIC_PROMPT, None, _PythonicSections(), _pythonic_text)
+PHI4_MINI = _sections_format(
+    "phi4_mini_json",
+    PHI4_CALLS,
+    _PHI4_PROMPT,
+    phi4_mini_structural_tag,
+    _ListSections((PHI4_CALLS,)),
+    functools.partial(_json_list, PHI4_CALLS),
+)
+GRANITE = _sections_format(
+    "granite",
+    GRANITE_CALLS,
+    _GRANITE_PROMPT,
+    granite_structural_tag,
+    _ListSections((GRANITE_CALLS, GRANITE_31_CALLS), list_at_start=True),
+    functools.partial(_json_list, GRANITE_CALLS + "["),
+)
+OPENAI = ToolFormat(
+    "openai",
+    HARMONY_CALL_OPEN,
+    _OPENAI_PROMPT,
+    False,
+    openai_structural_tag,
+    _harmony_parse,
+    _HarmonyCalls,
+    _harmony_calls,
+    keeps_special_tokens=True,
+    grammar_after_reasoning=False,
+)
 
 # vLLM's --tool-call-parser names for these formats
 TOOL_FORMATS = {
@@ -662,20 +913,37 @@ TOOL_FORMATS = {
     "llama4_json": LLAMA3_JSON,
     "pythonic": PYTHONIC,
     "llama4_pythonic": PYTHONIC,
+    "phi4_mini_json": PHI4_MINI,
+    "granite": GRANITE,
+    "openai": OPENAI,
 }
 
 
-def tool_format(name: str | None, chat_template: str | None = None) -> ToolFormat:
-    """The format named by --tool-call-parser, or without one the chat template's: `[TOOL_CALLS]` in it is
-    Mistral's, `<|python_tag|>` Llama 3.x's JSON, anything else Hermes."""
-    if name is not None:
-        try:
-            return TOOL_FORMATS[name]
-        except KeyError:
-            raise ValueError(f"unknown tool-call parser {name!r}; one of {', '.join(TOOL_FORMATS)}") from None
+def template_tool_format(chat_template: str | None) -> str | None:
+    """The tool-call parser a chat template shows its model writes, by its markers: `[TOOL_CALLS]` Mistral's,
+    `<|python_tag|>` Llama 3.x's JSON, harmony's `<|channel|>` GPT-OSS's, `functools` or Phi-4-mini's
+    `<|/tool|>` Phi-4-mini's, `<|tool_call|>` Granite 3.x's; None for none of them (Hermes)."""
     template = chat_template or ""
-    if MISTRAL_CALLS in template:
-        return MISTRAL
-    if LLAMA_PYTHON_TAG in template:
-        return LLAMA3_JSON
-    return HERMES
+    for marker, name in (
+        (MISTRAL_CALLS, "mistral"),
+        (LLAMA_PYTHON_TAG, "llama3_json"),
+        (harmony.CHANNEL, "openai"),
+        ("functools", "phi4_mini_json"),
+        ("<|/tool|>", "phi4_mini_json"),
+        (GRANITE_CALLS, "granite"),
+    ):
+        if marker in template:
+            return name
+    return None
+
+
+def tool_format(name: str | None, chat_template: str | None = None) -> ToolFormat:
+    """The format named by --tool-call-parser (or a model family's), or without one the chat template's
+    (`template_tool_format`), else Hermes."""
+    name = name if name is not None else template_tool_format(chat_template)
+    if name is None:
+        return HERMES
+    try:
+        return TOOL_FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool-call parser {name!r}; one of {', '.join(TOOL_FORMATS)}") from None

@@ -61,6 +61,11 @@ class Architecture:
     # architecture's prefix, e.g. "attention.sliding_window", or the default given; the config read so far;
     # source) -> fields added to or replacing the config's (model_type where it is not the GGUF architecture).
     gguf_config: Callable[[Callable[..., object], dict, str], dict] | None = None
+    # How the family writes tool calls and reasoning, by vLLM's --tool-call-parser and --reasoning-parser names
+    # (motet/grammar/tool_formats.py, motet/grammar/reasoning.py), where every checkpoint of the architecture
+    # writes the same: `motet serve` picks them with no flag (a flag wins). None: the chat template's markers say.
+    tool_format: str | None = None
+    reasoning_format: str | None = None
 
     @property
     def name(self) -> str:

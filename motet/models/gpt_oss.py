@@ -1,7 +1,8 @@
 """GPT-OSS (GptOssForCausalLM): biases on q/k/v and o, a sink logit per head in each attention softmax,
 sliding-window layers every other one (`layer_types`), YaRN rotary, and a mixture of experts on every layer: a
 router with a bias, whose top-k logits are softmaxed, experts with biases and a clamped SwiGLU, stored stacked
-with gate and up columns interleaved (in MXFP4 in OpenAI's checkpoints)."""
+with gate and up columns interleaved (in MXFP4 in OpenAI's checkpoints). It writes harmony: its calls and
+reasoning are channels of its output."""
 
 from motet.models.declaration import Architecture, ModelLoadError, bounded_float, sliding_layers
 from motet.models.mixtral import experts  # the same: every layer, num_local_experts, top-k renormalized
@@ -33,4 +34,6 @@ GPT_OSS = Architecture(
     options=options,
     expert_layout="interleaved",
     checkpoint_names={"router": "gate"},
+    tool_format="openai",  # harmony's channels: calls on commentary, reasoning on analysis
+    reasoning_format="openai_gptoss",
 )

@@ -25,4 +25,10 @@ def experts(cfg: dict, num_layers: int, source: str) -> dict:
 
 
 QWEN2_MOE = Architecture(names=("Qwen2MoeForCausalLM",), qkv_bias=True, experts=experts)
-QWEN3_MOE = Architecture(names=("Qwen3MoeForCausalLM",), qk_norm=True, experts=experts)
+QWEN3_MOE = Architecture(
+    names=("Qwen3MoeForCausalLM",),
+    qk_norm=True,
+    experts=experts,
+    tool_format="hermes",
+    reasoning_format="qwen3",
+)

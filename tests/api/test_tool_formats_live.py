@@ -1,4 +1,4 @@
-"""`motet serve --tool-call-parser mistral|llama3_json` on the default model, driven by the openai SDK: forced
+"""`motet serve --tool-call-parser mistral|llama3_json|phi4_mini_json|granite|openai` on the default model, driven by the openai SDK: forced
 calls come back as OpenAI tool calls whose arguments follow the schemas, streamed deltas accumulate to the
 same calls, and a history with past calls is served (their spelling is checked in tests/grammar/test_tool_formats.py)."""
 
@@ -23,7 +23,7 @@ def calls_of(message) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
 
 
-@pytest.mark.parametrize("parser", ["mistral", "llama3_json"])
+@pytest.mark.parametrize("parser", ["mistral", "llama3_json", "phi4_mini_json", "granite", "openai"])
 def test_forced_calls_streamed_and_rendered_back(tmp_path_factory, parser):
     s = Server(tmp_path_factory.mktemp(parser), "--tool-call-parser", parser, "--enable-auto-tool-choice")
     try:

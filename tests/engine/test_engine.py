@@ -200,6 +200,27 @@ def test_stop_strings_end_the_text_without_leaking(tiny_model_dir):
     assert llm.engine.block_manager.num_free_blocks == 64
 
 
+def test_stop_token_text_stays_out(tiny_model_dir):
+    """As vLLM's detokenizer: the stop token that ends a request (a stop token id, EOS) leaves its text out, special
+    tokens kept or not, unless include_stop_str_in_output."""
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64)
+    (free,) = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    stop = free.token_ids[4]
+    hf = llm.tokenizer.hf
+    for include in (False, True):
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            stop_token_ids=[stop],
+            skip_special_tokens=False,
+            include_stop_str_in_output=include,
+        )
+        (out,) = llm.generate([PROMPTS[3]], params)
+        cut = free.token_ids.index(stop) + 1
+        assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop"
+        assert out.text == hf.decode(free.token_ids[: cut if include else cut - 1], skip_special_tokens=False)
+
+
 def test_cli_generate_json(tiny_model_dir, capsys):
     import json
 

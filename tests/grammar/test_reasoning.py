@@ -7,7 +7,13 @@ import random
 
 import pytest
 
-from motet.grammar.reasoning import REASONING_END, ReasoningStreamParser, reasoning_ended, split_reasoning
+from motet.grammar.reasoning import (
+    REASONING_END,
+    ReasoningStreamParser,
+    reasoning_ended,
+    reasoning_format,
+    split_reasoning,
+)
 
 
 @pytest.mark.parametrize(
@@ -31,7 +37,9 @@ from motet.grammar.reasoning import REASONING_END, ReasoningStreamParser, reason
         ("\nLet me think.\n</think>\n\nFour.", True, "Let me think.", "Four."),
         ("Still going", True, "Still going", ""),
         ("</think>Four.", True, None, "Four."),
-        ("<think>x</think>y", True, "<think>x", "y"),
+        # re-opened anyway (Qwen3's old templates): skipped, as vLLM does
+        ("<think>x</think>y", True, "x", "y"),
+        (" <think>\nx</think>y", True, "x", "y"),
         ("", True, None, ""),
     ],
 )
@@ -141,3 +149,122 @@ def test_reasoning_ended():
     assert not reasoning_ended("", started=True)
     assert not reasoning_ended("Hello", started=True)
     assert reasoning_ended("Hello</think>", started=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The formats by vLLM's names
+
+THOUGHT, REST = "This is a reasoning section", "This is the rest"
+
+
+@pytest.mark.parametrize(
+    "name, text, started, reasoning, content",
+    [
+        # vLLM's tests/reasoning/test_qwen3_reasoning_parser.py
+        ("qwen3", f"<think>{THOUGHT}</think>{REST}", False, THOUGHT, REST),
+        (
+            "qwen3",
+            REST,
+            False,
+            None,
+            REST,
+        ),  # enable_thinking=False: the template closed the reasoning already
+        ("qwen3", f"<think>\n{THOUGHT}\n</think>\n\n{REST}", False, THOUGHT, REST),
+        ("qwen3", f"{THOUGHT}</think>{REST}", True, THOUGHT, REST),  # Qwen3-2507's template opened <think>
+        ("qwen3", f"<think>{THOUGHT}", False, THOUGHT, ""),  # cut off while thinking
+        # vLLM's tests/reasoning/test_deepseekr1_reasoning_parser.py: R1 may not write <think>
+        ("deepseek_r1", f"{THOUGHT}</think>{REST}", False, THOUGHT, REST),
+        ("deepseek_r1", f"<think>{THOUGHT}</think>{REST}", False, THOUGHT, REST),
+        ("deepseek_r1", f"{THOUGHT}\n</think>\n\n{REST}", False, THOUGHT, REST),
+        ("deepseek_r1", THOUGHT, False, THOUGHT, ""),  # no end: all reasoning (vLLM's content is None)
+        ("deepseek_r1", f"</think>{REST}", False, None, REST),
+        ("deepseek_r1", f"<think>{THOUGHT}", False, THOUGHT, ""),
+        # vLLM's tests/reasoning/test_granite_reasoning_parser.py
+        ("granite", f"Here is my thought process:{THOUGHT}Here is my response:{REST}", False, THOUGHT, REST),
+        ("granite", f"Here's my thought process:{THOUGHT}Here's my response:{REST}", False, THOUGHT, REST),
+        (
+            "granite",
+            f"Here is my thought process:\n{THOUGHT}\nHere's my response:\n{REST}",
+            False,
+            THOUGHT,
+            REST,
+        ),
+        ("granite", "This is content", False, None, "This is content"),
+        # only the thought process: vLLM's whole parse gives all content, its stream reasoning; motet reasoning
+        ("granite", f"Here is my thought process:{THOUGHT}", False, THOUGHT, ""),
+        (
+            "granite",
+            f"Sure. Here is my thought process:{THOUGHT}",
+            False,
+            None,
+            f"Sure. Here is my thought process:{THOUGHT}",
+        ),
+    ],
+)
+def test_formats(name, text, started, reasoning, content):
+    fmt = reasoning_format(name)
+    assert fmt.split(text, started) == (reasoning, content)
+    assert stream_format(fmt, text, started, []) == (reasoning or "", content)
+
+
+def stream_format(fmt, text: str, started: bool, cuts: list[int]) -> tuple[str, str]:
+    parser = fmt.stream_parser(started)
+    reasoning, content, prev = [], [], 0
+    for cut in [*sorted(cuts), len(text)]:
+        r, c = parser.feed(text[prev:cut])
+        reasoning.append(r)
+        content.append(c)
+        prev = cut
+    r, c = parser.finish()
+    return "".join([*reasoning, r]), "".join([*content, c])
+
+
+FORMAT_PIECES = {
+    "deepseek_r1": ["<think>", "</think>", "<thi", "</th", "\n", " ", "a", "Answer."],
+    "granite": [
+        "Here is my thought process:",
+        "Here's my thought process:",
+        "Here is my response:",
+        "Here's my response:",
+        "Here",
+        "Here's my",
+        " is my",
+        " response",
+        ":",
+        "\n",
+        " ",
+        "a",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(FORMAT_PIECES))
+def test_formats_stream_equals_split_on_random_outputs(name):
+    fmt = reasoning_format(name)
+    rng = random.Random(name)
+    for _ in range(400):
+        text = "".join(rng.choice(FORMAT_PIECES[name]) for _ in range(rng.randint(0, 10)))
+        started = rng.random() < 0.3
+        reasoning, content = fmt.split(text, started)
+        for _ in range(4):
+            cuts = rng.sample(range(len(text) + 1), rng.randint(0, len(text) + 1))
+            assert stream_format(fmt, text, started, cuts) == (reasoning or "", content), (
+                text,
+                started,
+                cuts,
+            )
+        parser = fmt.stream_parser(started)
+        for i in range(len(text) + 1):
+            if i:
+                parser.feed(text[i - 1])
+            assert parser.reasoning_ended == fmt.ended(text[:i], started), text[:i]
+
+
+def test_started_from_the_prompt():
+    qwen3, r1 = reasoning_format("qwen3"), reasoning_format("deepseek_r1")
+    assert qwen3.started("<|im_start|>assistant\n<think>\n")  # Qwen3-2507 thinking's template
+    assert not qwen3.started("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking=False
+    assert r1.started("<｜Assistant｜>")  # R1 begins inside its reasoning whatever the prompt
+    assert reasoning_format("none") is None and reasoning_format(None) is None
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        reasoning_format("deepseek_v3")

@@ -177,5 +177,77 @@ def test_reasoning_opening_tokens(tiny_model_dir):
                 and (REASONING_START.startswith(text) or text.startswith(REASONING_START))
             ):
                 want.add(t)
-        assert set(opening.tokens(k)) == want, k
+        assert set(opening.tokens(REASONING_START[:k].encode())) == want, k
         assert want  # the byte-level vocabulary spells <think> from any point
+
+
+@pytest.mark.parametrize(
+    "fmt, script, sneaky",
+    [
+        (  # DeepSeek-R1: the output begins inside its reasoning, with no <think> written
+            "deepseek_r1",
+            'Free text.</think>{"name": "x", "ok": true}',
+            "Free text.</think>Sure.",
+        ),
+        (
+            "granite",
+            'Here is my thought process: Free text. Here is my response:{"name": "x", "ok": true}',
+            "Here is my thought process: Free text. Here is my response: Sure.",
+        ),
+        (  # GPT-OSS: the answer (the final channel) is what the grammar holds, as vLLM's gate does
+            "openai_gptoss",
+            '<|channel|>analysis<|message|>Free text.<|end|><|start|>assistant<|channel|>final<|message|>{"name": "x", '
+            '"ok": true}',
+            "<|channel|>analysis<|message|>Free text.<|end|><|start|>assistant<|channel|>final<|message|>Sure.",
+        ),
+    ],
+)
+def test_each_format_holds_its_content(tiny_model_dir, fmt, script, sneaky):
+    """The formats' reasoning is free, their content (after the format's end) follows the grammar: a script that
+    writes JSON there is kept, one that writes text there is held to JSON."""
+    from motet.grammar.reasoning import reasoning_format
+
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4, speculative="off")
+    sampler = scripted(llm)
+    params = SamplingParams(temperature=0, max_tokens=120, grammar=JsonSchemaSpec(SCHEMA), reasoning=fmt)
+    ids = [llm.engine.add_request(llm.tokenizer.encode("Answer. "), params) for _ in (script, sneaky)]
+    sampler.scripts.update(zip(ids, (script, sneaky), strict=True))
+    final = {}
+    while len(final) < len(ids):
+        for out in llm.engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    kept, held = final[ids[0]], final[ids[1]]
+    assert kept.text == script and kept.finish_reason == "stop"
+    split = reasoning_format(fmt).split
+    for out in (kept, held):
+        reasoning, content = split(out.text)
+        assert reasoning is not None and "Free text." in reasoning
+        jsonschema.validate(json.loads(content), SCHEMA)
+
+
+def test_reasoning_opening_tokens_of_two_tags(tiny_model_dir):
+    """Granite's two spellings of its opening ("Here is" / "Here's"): against the tokenizer's own decoding, the
+    tokens that continue either from what is written, and which of them complete one."""
+    from motet.grammar.reasoning import GRANITE
+
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, block_size=4, speculative="off")
+    hf = llm.tokenizer.hf
+    opening = ReasoningOpening(llm.engine.grammar_tokenizer.decoded_vocab, GRANITE.starts)
+    special = set(hf.all_special_ids)
+    texts = {t: hf.decode([t]) for t in range(len(hf)) if t not in special}
+    for written in ("", "Here", "Here'", "Here is my thought", "Here's my thought process"):
+        want, completing = set(), set()
+        for t, piece in texts.items():
+            text = written + piece
+            if len(text) > len(written):
+                if any(tag.startswith(text) for tag in GRANITE.starts):
+                    want.add(t)
+                if any(text.startswith(tag) for tag in GRANITE.starts):
+                    want.add(t)
+                    completing.add(t)
+        assert set(opening.tokens(written.encode())) == want, written
+        assert {t for t in want if opening.complete(opening.advance(written.encode(), t))} == completing, (
+            written
+        )
+        assert want

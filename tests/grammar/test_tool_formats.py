@@ -1,5 +1,5 @@
 """Tool-call formats beside Hermes (motet/grammar/tool_formats.py): Mistral's `[TOOL_CALLS]`, Llama 3.x's JSON,
-pythonic. Outputs as the models write them (vLLM's parser tests, the model cards) parse into the expected calls;
+pythonic, Phi-4-mini's `functools[...]`, Granite's `<|tool_call|>[...]` (GPT-OSS's harmony: tests/grammar/test_harmony.py). Outputs as the models write them (vLLM's parser tests, the model cards) parse into the expected calls;
 the streamed parser equals the whole one for every split; each grammar accepts well-formed calls and refuses
 malformed ones; the served format is picked from --tool-call-parser or the chat template."""
 
@@ -15,9 +15,12 @@ import pytest
 from motet.grammar.tool_call_parser import ContentDelta, ToolCallArguments, ToolCallStart
 from motet.grammar.tool_calls import validate_tools
 from motet.grammar.tool_formats import (
+    GRANITE,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    OPENAI,
+    PHI4_MINI,
     PYTHONIC,
     TOOL_FORMATS,
     tool_format,
@@ -249,12 +252,114 @@ def test_pythonic_outputs(text, content, calls):
     assert calls_of(PYTHONIC, text) == (content, calls)
 
 
+TOKYO = ("get_weather", {"city": "Tokyo"})
+VARIOUS = {
+    "string_field": "hello",
+    "int_field": 42,
+    "float_field": 3.14,
+    "bool_field": True,
+    "null_field": None,
+    "array_field": ["a", "b", "c"],
+    "object_field": {"nested": "value"},
+    "empty_array": [],
+    "empty_object": {},
+}
+VARIOUS_TEXT = json.dumps({"name": "test_function", "arguments": VARIOUS}, indent=2)
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [  # vLLM's tests/tool_parsers/test_phi4mini_tool_parser.py
+        (
+            "This is a regular response without any tool calls.",
+            "This is a regular response without any tool calls.",
+            [],
+        ),
+        ('functools[{"name": "get_weather", "arguments": {"city": "Tokyo"}}]', None, [TOKYO]),
+        (
+            'functools[\n  {"name": "get_weather", "arguments": {"city": "Tokyo"}},\n'
+            '  {"name": "get_time", "arguments": {"timezone": "Asia/Tokyo"}}\n]',
+            None,
+            [TOKYO, ("get_time", {"timezone": "Asia/Tokyo"})],
+        ),
+        (f"functools[{VARIOUS_TEXT}]", None, [("test_function", VARIOUS)]),
+        ('functools[{"name": "refresh", "arguments": {}}]', None, [("refresh", {})]),
+        # vLLM drops the text around the calls; motet keeps it as content, as for the other formats
+        (
+            'Let me check the weather for you.\nfunctools[{"name": "get_weather", "arguments": {"city": "Tokyo"}}]',
+            "Let me check the weather for you.",
+            [TOKYO],
+        ),
+        ("Use functools.partial here.", "Use functools.partial here.", []),
+        ('functools[{"name": "func"}]', 'functools[{"name": "func"}]', []),
+    ],
+)
+def test_phi4_mini_outputs(text, content, calls):
+    assert calls_of(PHI4_MINI, text) == (content, calls)
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [  # vLLM's tests/tool_parsers/test_granite_tool_parser.py
+        (
+            "This is a regular response without any tool calls.",
+            "This is a regular response without any tool calls.",
+            [],
+        ),
+        ('<|tool_call|> [{"name": "get_weather", "arguments": {"city": "Tokyo"}}]', None, [TOKYO]),
+        (
+            '<|tool_call|> [\n  {"name": "get_weather", "arguments": {"city": "Tokyo"}},\n'
+            '  {"name": "get_time", "arguments": {"timezone": "Asia/Tokyo"}}\n]',
+            None,
+            [TOKYO, ("get_time", {"timezone": "Asia/Tokyo"})],
+        ),
+        (f"<tool_call> [{VARIOUS_TEXT}]", None, [("test_function", VARIOUS)]),  # Granite 3.1's string
+        ('<|tool_call|> [{"name": "refresh", "arguments": {}}]', None, [("refresh", {})]),
+        (  # Granite's streaming test: arguments before the name
+            '<|tool_call|> [{"arguments": {"city": "Tokyo"}, "name": "get_weather"}, '
+            '{"arguments": {"timezone": "Asia/Tokyo"}, "name": "get_time"}]',
+            None,
+            [TOKYO, ("get_time", {"timezone": "Asia/Tokyo"})],
+        ),
+        (
+            'Let me check the weather for you.\n<|tool_call|> [{"name": "get_weather", "arguments": '
+            '{"city": "Tokyo"}}]\nI\'ll get that information.',
+            "Let me check the weather for you.\n\nI'll get that information.",
+            [TOKYO],
+        ),
+        # Granite 3.3's model card: the special token dropped from the text (skip_special_tokens), the list alone
+        (
+            '[{"name": "get_current_weather", "arguments": {"city": "Boston"}}]',
+            None,
+            [("get_current_weather", {"city": "Boston"})],
+        ),
+        # vLLM's malformed inputs: no calls
+        (
+            '<|tool_call|> {"name": "func", "arguments": {}}',
+            '<|tool_call|> {"name": "func", "arguments": {}}',
+            [],
+        ),
+        (
+            '[{"name": "func", "arguments": "not a dict"}]',
+            '[{"name": "func", "arguments": "not a dict"}]',
+            [],
+        ),
+        ('Some text [{"name": "func"}]', 'Some text [{"name": "func"}]', []),
+        ('<tool_call>\n{"name": "f"}', '<tool_call>\n{"name": "f"}', []),  # Hermes' shape: not Granite 3's
+    ],
+)
+def test_granite_outputs(text, content, calls):
+    assert calls_of(GRANITE, text) == (content, calls)
+
+
 def test_truncated_arguments_are_kept_as_written():
     """As Hermes: a call cut off by max_tokens keeps the arguments written so far (OpenAI does the same)."""
     content, calls = MISTRAL.parse('[TOOL_CALLS][{"name": "add", "arguments": {"a": [1, ')
     assert (content, [(c.name, c.arguments) for c in calls]) == (None, [("add", '{"a": [1,')])
     content, calls = LLAMA3_JSON.parse('{"name": "f", "parameters": {"q": "ab ')
     assert [(c.name, c.arguments) for c in calls] == [("f", '{"q": "ab')]
+    content, calls = PHI4_MINI.parse('functools[{"name": "func", "arguments": {')  # vLLM's malformed input
+    assert (content, [(c.name, c.arguments) for c in calls]) == (None, [("func", "{")])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -304,6 +409,18 @@ EXAMPLES = {
         "[1] is a citation [f(a=1)]",
         "[f(a=1)",
         "text <|python_start|>[g()] <|python_",
+    ],
+    PHI4_MINI: [
+        'functools[{"name": "get_weather", "arguments": {"city": "Tok]yo"}}, {"arguments": {}, "name": "g"}]',
+        'Sure. functools[{"name": "f", "arguments": {"a": [1, ',
+        "functools.partial and functools[] and functools[1]",
+        'text functools[{"name": "f", "arguments": {}}] more functools',
+    ],
+    GRANITE: [
+        '<|tool_call|> [{"name": "get_weather", "arguments": {"city": "Tokyo"}}, {"name": "g", "arguments": {}}]',
+        ' [{"arguments": {"x": "]"}, "name": "f"}] after',
+        'Hi <tool_call>[{"name": "f", "arguments": {"a": 1}}] <|tool_ca',
+        '<|tool_call|>{"name": "f", "arguments": {}} [{"name": "g", "arguments": {}}]',
     ],
 }
 
@@ -366,6 +483,29 @@ PIECES = {
         "[f(a=1)]",
         "[g(b='x]'), h()]",
         "<|python_start|>[f()]",
+    ],
+    PHI4_MINI: [
+        "functools[",
+        "functools",
+        "[",
+        "]",
+        ", ",
+        " ",
+        "ok",
+        '{"name": "f", "arguments": {"a": "]"}}',
+        "{",
+    ],
+    GRANITE: [
+        "<|tool_call|>",
+        "<tool_call>",
+        "<|tool_",
+        "[",
+        "]",
+        ", ",
+        " ",
+        "hi",
+        '{"name": "f", "arguments": {"a": "]"}}',
+        '{"arguments": {}, "name": "h"}',
     ],
 }
 
@@ -473,7 +613,24 @@ def test_llama3_json_grammar(accepts):
     assert PYTHONIC.structural_tag(validate_tools([ADD]), "required", True) is None  # parsed only
 
 
-@pytest.mark.parametrize("fmt", [MISTRAL, LLAMA3_JSON])
+@pytest.mark.parametrize("fmt, opening", [(PHI4_MINI, "functools["), (GRANITE, "<|tool_call|>[")])
+def test_marker_list_grammars(accepts, fmt, opening):
+    one, two = f"{opening}{MW}]", f"{opening}{MW}, {MA}]"
+    for parallel in (False, True):
+        assert accepts(fmt, "required", parallel, one)
+        assert not accepts(fmt, "required", parallel, "Sure. " + one)
+        assert not accepts(fmt, "required", parallel, one.replace('"c"', '"k"'))  # not in the enum
+        assert not accepts(fmt, "required", parallel, one.replace(opening, "["))
+        assert not accepts(fmt, "required", parallel, one[:-1])
+        assert accepts(fmt, "auto", parallel, "Just text.")
+        assert accepts(fmt, "auto", parallel, "Let me see. " + one)
+        assert not accepts(fmt, "auto", parallel, f"Let me see. {opening}{{not json}}]")
+        assert not accepts(fmt, "auto", parallel, one + " more")
+    assert accepts(fmt, "required", True, two) and not accepts(fmt, "required", False, two)
+    assert not accepts(fmt, "required", True, f"{opening}{MW}, {MA}, {MW}]", max_calls=2)
+
+
+@pytest.mark.parametrize("fmt", [MISTRAL, LLAMA3_JSON, PHI4_MINI, GRANITE])
 def test_grammar_with_tokenizer(fmt):
     """Compiled against the default model's vocabulary: the tokens of calls written by `calls_text` are accepted
     to the end and parse back; text where a call must be is refused."""
@@ -501,7 +658,7 @@ def test_grammar_with_tokenizer(fmt):
 # Prompts and selection
 
 
-@pytest.mark.parametrize("fmt", [HERMES, MISTRAL, LLAMA3_JSON, PYTHONIC])
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL, LLAMA3_JSON, PYTHONIC, PHI4_MINI, GRANITE, OPENAI])
 def test_calls_text_parses_back(fmt):
     calls = [("get_weather", {"location": 'Martha\'s "Vineyard"', "n": [1, 2.5, None, True]}), ("add", "{}")]
     assert calls_of(fmt, fmt.calls_text(calls)) == (
@@ -536,11 +693,27 @@ def test_format_selection():
         "llama4_json": "llama3_json",
         "pythonic": "pythonic",
         "llama4_pythonic": "pythonic",
+        "phi4_mini_json": "phi4_mini_json",
+        "granite": "granite",
+        "openai": "openai",
     }
     assert tool_format("mistral", "{{ '<tool_call>' }}") is MISTRAL  # the flag wins
     assert tool_format(None, None) is HERMES
     assert tool_format(None, "{%- if tools %}<tool_call>{% endif %}") is HERMES
     assert tool_format(None, "{{- '[TOOL_CALLS] [' }}") is MISTRAL
     assert tool_format(None, "{{- '<|python_tag|>' + tool_call.name }}") is LLAMA3_JSON
+    # the templates' own words (gpt-oss's, Phi-4-mini-instruct's, vLLM's phi4 example, Granite 3.3's)
+    assert tool_format(None, "{{- '<|start|>assistant to=' }}...{{- '<|channel|>commentary ' }}") is OPENAI
+    assert (
+        tool_format(
+            None,
+            "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' }}",
+        )
+        is PHI4_MINI
+    )
+    assert tool_format(None, "prefix function calls with functools marker") is PHI4_MINI
+    assert (
+        tool_format(None, "respond only with <|tool_call|> followed by a JSON list of tools used") is GRANITE
+    )
     with pytest.raises(ValueError, match="unknown tool-call parser"):
-        tool_format("granite", None)
+        tool_format("xlam", None)

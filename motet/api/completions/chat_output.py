@@ -1,10 +1,10 @@
 """One chat choice's text as the API returns it: reasoning, content and tool calls, whole or streamed.
 
-With a reasoning parser, `<think>...</think>` becomes `reasoning_content`; with tools, the calls in the
-served tool-call format (motet/grammar/tool_formats.py; Hermes's `<tool_call>` blocks by default) become
-`tool_calls` and the finish reason "tool_calls". Streaming runs the same rules
-incrementally (motet/grammar/reasoning.py, motet/grammar/tool_call_parser.py), so the client's accumulation of the deltas
-equals the non-streamed message.
+With a reasoning parser, the model's reasoning (`<think>...</think>`, GPT-OSS's analysis channel, ...:
+motet/grammar/reasoning.py) becomes `reasoning_content`; with tools, the calls in the served tool-call format
+(motet/grammar/tool_formats.py; Hermes's `<tool_call>` blocks by default) in the rest become `tool_calls` and the
+finish reason "tool_calls". Streaming runs the same rules incrementally, so the client's accumulation of the
+deltas equals the non-streamed message.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 
 from motet.api.completions import protocol as P
-from motet.grammar.reasoning import ReasoningStreamParser, split_reasoning
+from motet.grammar.reasoning import THINK, ReasoningFormat
 from motet.grammar.tool_call_parser import ContentDelta, ToolCallArguments, ToolCallStart
 from motet.grammar.tool_formats import HERMES, ToolFormat
 
@@ -28,14 +28,16 @@ def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
 class ChatOutput:
     def __init__(
         self,
-        reasoning: bool = False,
+        reasoning: ReasoningFormat | bool | None = None,
         reasoning_started: bool = False,
         tools: bool = False,
         tool_format: ToolFormat = HERMES,
     ):
-        self.reasoning, self.started, self.tools = reasoning, reasoning_started, tools
+        """`reasoning`: the served reasoning format (True: `<think>`'s; None or False: none)."""
+        self.reasoning = THINK if reasoning is True else (reasoning or None)
+        self.started, self.tools = reasoning_started, tools
         self.tool_format = tool_format
-        self._reasoning_stream = ReasoningStreamParser(reasoning_started) if reasoning else None
+        self._reasoning_stream = self.reasoning.stream_parser(reasoning_started) if self.reasoning else None
         self._tool_stream = tool_format.stream_parser() if tools else None
         self._num_calls = 0
 
@@ -47,7 +49,7 @@ class ChatOutput:
     def message(self, text: str, finish_reason: str | None) -> tuple[P.ChatMessageOut, str | None]:
         reasoning = None
         if self.reasoning:
-            reasoning, text = split_reasoning(text, self.started)
+            reasoning, text = self.reasoning.split(text, self.started)
         calls = []
         if self.tools:
             content, calls = self.tool_format.parse(text)

@@ -33,8 +33,8 @@ from motet.api.state import ServerState
 from motet.api.streams import Choice, EventStream, collect, observe, release, sse, usage
 from motet.api.structured import Structure, prompt_messages, structured_output
 from motet.engine.sampling_params import SamplingParams
-from motet.grammar.reasoning import prompt_opens_reasoning
-from motet.grammar.tool_formats import tool_format
+from motet.grammar.reasoning import ReasoningFormat, reasoning_format, template_reasoning
+from motet.grammar.tool_formats import ToolFormat, tool_format
 
 log = logging.getLogger("motet.api")
 # Whether the request being handled is batch work (set by accept_request, read where its specs are made).
@@ -54,7 +54,6 @@ def build_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     structure: Structure | None = None,
-    reasoning: bool = False,
     defaults: dict | None = None,
 ):
     """One SamplingParams per choice (seed + i for choice i, so choices differ but stay reproducible). A
@@ -85,11 +84,12 @@ def build_params(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens,
+        # the formats' markers are special tokens in some models (GPT-OSS's): their text keeps them
+        skip_special_tokens=req.skip_special_tokens and not (structure and structure.keeps_special_tokens),
         include_stop_str_in_output=req.include_stop_str_in_output,
         grammar=structure.spec if structure else None,
         grammar_backend=structure.backend if structure else None,
-        reasoning=reasoning,
+        reasoning=structure.engine_reasoning if structure else None,
         stop_on_repeated_tool_call=calls and structure.tool_format.stop_repeated_calls,
         speculative=req.speculative,
         cache_salt=req.cache_salt,
@@ -195,8 +195,9 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
     k = (req.top_logprobs or 0) if req.logprobs else None
     template = req.template  # the request's own (under --trust-request-chat-template), or None
     chat_template = template or state.system.engine.tokenizer.hf.chat_template
-    fmt = tool_format(state.tool_call_parser, chat_template)
-    structure = structured_output(req, limits=state.system.engine.config.grammar_limits, tool_format=fmt)
+    fmt, reasoning = served_formats(state, chat_template)
+    limits = state.system.engine.config.grammar_limits
+    structure = structured_output(req, limits=limits, tool_format=fmt, reasoning=reasoning)
     messages, template_kwargs = prompt_messages(
         req.messages, structure, chat_template, trusted_template=template is None
     )
@@ -210,9 +211,7 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
     prompt_k = req.prompt_logprobs
     if prompt_k is None and req.echo and not req.stream:
         prompt_k = req.top_logprobs or 0
-    params, engine_max, drop = build_params(
-        req, max_tokens, k, prompt_k, structure, state.reasoning, state.sampling_defaults
-    )
+    params, engine_max, drop = build_params(req, max_tokens, k, prompt_k, structure, state.sampling_defaults)
     spec = GenerateSpec(
         request_ids=[f"{rid}-{i}" for i in range(req.n)],
         params=params,
@@ -242,13 +241,27 @@ def echoed(req: P.ChatCompletionRequest) -> str:
     return (last.get("content") or "") if req.echo and last["role"] == response_role(req) else ""
 
 
+def served_formats(
+    state: ServerState, chat_template: str | None
+) -> tuple[ToolFormat, ReasoningFormat | None]:
+    """How the served model writes tool calls and reasoning: the flags' formats, else its family's
+    (motet/models/), else its chat template's markers."""
+    family = state.system.engine.model_config.declaration
+    tools = tool_format(state.tool_call_parser or family.tool_format, chat_template)
+    name = state.reasoning_parser
+    if name is None:
+        name = family.reasoning_format or template_reasoning(chat_template)
+    return tools, reasoning_format(name)
+
+
 def chat_output(state: ServerState, adm: Admission, structure: Structure) -> Callable[[], ChatOutput]:
     """Makes one choice's output splitter: reasoning (when the prompt already opened it), tool calls."""
 
     def output() -> ChatOutput:
-        started = state.reasoning and prompt_opens_reasoning(adm.prompt_text)
+        fmt = structure.reasoning
+        started = fmt is not None and fmt.started(adm.prompt_text)
         tools = structure.tool_mode != "none"
-        return ChatOutput(state.reasoning, started, tools=tools, tool_format=structure.tool_format)
+        return ChatOutput(fmt, started, tools=tools, tool_format=structure.tool_format)
 
     return output
 

@@ -45,7 +45,7 @@ class DraftScope(NamedTuple):
     cache_salt: str | None  # the request's cache_salt: requests of different salts share nothing
     adapter: int  # the adapter's uid (0: the base model)
     grammar_kind: str | None
-    reasoning: bool
+    reasoning: str | None
 
 
 class Constraint(Protocol):
