@@ -67,8 +67,15 @@ void attention(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* 
             }
             int j = 0;
 #ifdef __AVX2__
-            // eight keys at a time where they sit in one block (consecutive rows of the cache)
-            for (; j + 8 <= n && kp[j + 7] - kp[j] == 7 * kv_row; j += 8)
+            // eight keys at a time where they sit in consecutive rows of the cache: the first and the last 7 rows
+            // apart says so where they span at most two blocks (BS >= 8); smaller blocks are checked row by row
+            const auto rows8 = [&](int j) {
+                if (kp[j + 7] - kp[j] != 7 * kv_row) return false;
+                for (int r = 1; BS < 8 && r < 7; ++r)
+                    if (kp[j + r] - kp[j] != r * kv_row) return false;
+                return true;
+            };
+            for (; j + 8 <= n && rows8(j); j += 8)
                 for (int g = 0; g < G; ++g) _mm256_storeu_ps(&s[g][j], dots8(qv[g], kp[j], kv_row, D));
 #endif
             for (; j < n; ++j) {
