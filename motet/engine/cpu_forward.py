@@ -5,7 +5,11 @@ dispatch, and torch's bf16 products on CPUs without bf16 units, cost more than r
 the weights are packed once into the native GEMM's panels, in the order a step reads them, in memory backed
 by huge pages (the hardware prefetchers stop at page boundaries), and a step is one call: norms, projections
 with their LoRA deltas, rotary, KV writes and paged attention, with fp32 activations whatever the weights'
-dtype. Each projection runs in its layer's own weight format (the model's dtype, or int8/int4 blocks
+dtype. The call runs a program of op records that `CpuForward` writes once by walking the model's layers (llama.cpp's
+way: motet/kernels/csrc/cpu_kernels.cpp is a loop over them), so whatever options a family's layers declare
+(norms before and / or after the blocks, q/k norms, a partial rotary or a sliding layer's own table, windows with
+their own KV pool, soft-caps, sinks, biases, GeGLU or a clamped SwiGLU, experts) the native step runs them, with
+no architecture's name here. Each projection runs in its layer's own weight format (the model's dtype, or int8/int4 blocks
 unpacked in registers: motet/kernels/csrc/qgemm.h). It serves every step (decode, prefill chunks, mixed)
 and is the CPU's default; the eager model stays the reference (`EngineConfig.compile = False`,
 `--no-compile`), and tests hold the two to agree.
