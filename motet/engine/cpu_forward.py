@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from motet.engine.model import MLP, AttentionMetadata, CausalLM, Linear, SparseMoE
+from motet.engine.model import MLP, AttentionMetadata, CausalLM, Linear, RMSNorm, SparseMoE
 from motet.kernels import cpu_native
 from motet.kernels.quant import BLOCK
 from motet.lora.pool import GROUP_OF, LoRABatch
@@ -116,7 +116,7 @@ class CpuForward:
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         cfg = model.config
-        wdtype = self.desc_dtype = model.embed_tokens.weight.dtype
+        wdtype = self._wdtype = model.embed_tokens.weight.dtype
         self.model = model
         self.kv_caches = kv_caches
         self.vocab_size = model.lm_head.out_features
@@ -135,7 +135,6 @@ class CpuForward:
         total += _packed_bytes(model.lm_head, elem) + 64
         self.arena = WeightArena(total + 64 * 64)
         self._keep: list[torch.Tensor] = []  # everything the program points at
-        self._wdtype = wdtype
         w = cpu_native.ProgramWriter(cfg.hidden_size)
         for i, (layer, kv) in enumerate(zip(model.layers, kv_caches, strict=True)):
             self._write_layer(w, i, layer, kv)
@@ -196,30 +195,28 @@ class CpuForward:
     def _write_layer(self, w: cpu_native.ProgramWriter, i: int, layer, kv) -> None:
         """Layer `i`'s ops, as DecoderLayer.forward runs it."""
         hidden = self.model.config.hidden_size
-        src = (
-            "x"  # what each block reads: the stream normed, or the stream itself (no norm before the blocks)
-        )
-        if layer.input_layernorm is not None:
-            w.rms_norm(
-                "x", "h", self._keep_ptr(layer.input_layernorm.weight), layer.input_layernorm.eps, hidden
+
+        def norm(module: RMSNorm | None, src: str = "x", dst: str = "h") -> str:
+            """What a block reads: the stream normed by the layer's norm before it, or the stream itself."""
+            if module is None:
+                return src
+            w.rms_norm(src, dst, self._keep_ptr(module.weight), module.eps, hidden)
+            return dst
+
+        def joins(post: RMSNorm | None) -> None:
+            """The block's output joins the stream, normed first where the layer has a norm after the block."""
+            w.add_residual(
+                "out", hidden, self._keep_ptr(post.weight) if post else None, post.eps if post else 0.0
             )
-            src = "h"
-        self._write_attention(w, i, layer.self_attn, src, kv)
-        post = layer.attn_out_norm if layer.post_norms else None
-        w.add_residual(
-            "out", hidden, self._keep_ptr(post.weight) if post else None, post.eps if post else 0.0
-        )
-        if layer.post_attention_layernorm is not None:
-            norm = layer.post_attention_layernorm
-            w.rms_norm("x", "h", self._keep_ptr(norm.weight), norm.eps, hidden)
+
+        self._write_attention(w, i, layer.self_attn, norm(layer.input_layernorm), kv)
+        joins(layer.attn_out_norm if layer.post_norms else None)
+        src = norm(layer.post_attention_layernorm)
         if isinstance(layer.mlp, SparseMoE):
             self._write_moe(w, layer.mlp, src)
         else:
             self._write_mlp(w, i, layer.mlp, src)
-        post = layer.mlp_out_norm if layer.post_norms else None
-        w.add_residual(
-            "out", hidden, self._keep_ptr(post.weight) if post else None, post.eps if post else 0.0
-        )
+        joins(layer.mlp_out_norm if layer.post_norms else None)
 
     def _write_attention(self, w: cpu_native.ProgramWriter, i: int, attn, src: str, kv) -> None:
         """qkv (+ LoRA) -> q/k norms -> rotary and the KV write -> paged attention -> o (+ LoRA), into "out"."""
@@ -234,19 +231,15 @@ class CpuForward:
             w.rms_norm("qkv", "qkv", self._keep_ptr(kn.weight), kn.eps, kvs if whole else D, 1 if whole else KVH,
                        src_col=q, dst_col=q)  # fmt: skip
         # the layer's rotary: a sliding layer's own table where the model has one (Gemma 3's local base)
-        rope = (
-            model.local_rope
-            if i in model.config.sliding_layers and model.local_rope is not None
-            else model.rope
-        )
+        local = i in model.config.sliding_layers and model.local_rope is not None
+        rope = model.local_rope if local else model.rope
         pool = "window" if attn.window is not None else "global"
         k_cache, v_cache = kv[0].data_ptr(), kv[1].data_ptr()
         cos, sin = self._keep_ptr(rope.cos), self._keep_ptr(rope.sin)
         w.rotary_kv("qkv", H, KVH, D, 2 * rope.cos.shape[1], cos, sin, k_cache, v_cache, pool)
         sinks = self._keep_ptr(attn.sinks, torch.float32)
-        w.attention(
-            "qkv", "attn", H, KVH, D, k_cache, v_cache, pool, attn.scale, attn.window, attn.softcap, sinks
-        )
+        w.attention("qkv", "attn", H, KVH, D, k_cache, v_cache, pool, attn.scale, attn.window, attn.softcap,
+                    sinks)  # fmt: skip
         self._linear(w, attn.o_proj, "attn", "out", i, ("o_proj",), (attn.o_proj.out_features,))
 
     def _write_mlp(self, w: cpu_native.ProgramWriter, i: int, mlp: MLP, src: str) -> None:
@@ -303,7 +296,7 @@ class CpuForward:
         """The descriptor of the adapters' pool the batch reads (made once: the pool is allocated once)."""
         pool = lora.weights.pool
         if self._lora is None or self._lora[0] is not pool:
-            assert pool.dtype == self.desc_dtype, "the adapters' pool is in the model's dtype"
+            assert pool.dtype == self._wdtype, "the adapters' pool is in the model's dtype"
             groups = pool.layout.groups
             desc = cpu_native.LoraPool.of(
                 pool.data, pool.desc, [g.a_ld for g in groups], [g.bt_ld for g in groups]
