@@ -6,6 +6,11 @@ cache directory keyed by the source, the flags and the CPU's features, so a buil
 (a few seconds). Torch is imported first, so the library's OpenMP calls land in the libgomp torch already
 loaded: one thread pool for torch and these kernels. Where no compiler is found or the build fails, or
 `MOTET_CPU_KERNELS=0`, `library()` is None and callers keep their torch path (the reference).
+
+Besides single kernels (attention, SGMV, GEMM) the library runs a whole forward: a program of generic op records
+(`Op`: a kind, buffers, a few ints, pointers and floats, read per kind as the source's table says) over named
+fp32 buffers, which `ProgramWriter` writes and motet/engine/cpu_forward.py fills from a model's layers. A new
+kind of layer is a new op kind, never a new struct: `ABI_VERSION` moves when the records or the step do.
 """
 
 from __future__ import annotations
