@@ -19,6 +19,7 @@ import motet
 from motet.engine.config import ModelConfig, ModelLoadError
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
+from motet.kernels import cpu_native
 from motet.models import DECLARATIONS, SUPPORTED_ARCHITECTURES
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
 from tests.models.test_moe import PATHS, hf_greedy_outputs, randomize_norms
@@ -259,6 +260,9 @@ def test_family_on_two_ranks_matches_transformers_and_peft(family, tmp_path):
     )
     try:
         assert engine.runner.workers is not None
+        assert (engine.runner.native is not None) == native_expected(
+            model_dir, cpu_native.library() is not None
+        )
         for got, p in zip(engine_logits(engine, PROMPTS, chunk=7), PROMPTS, strict=True):
             torch.testing.assert_close(got, hf_logits(model_dir, p), atol=2e-4, rtol=1e-4)
     finally:
