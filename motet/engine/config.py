@@ -121,6 +121,13 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # The dimensions of each head the rotary turns (its first ones; the rest pass unrotated): a config's
+    # `rotary_dim`, or head_dim times its `partial_rotary_factor` (Phi-4-mini's 0.75); 0 (the default): all
+    rotary_dim: int = 0
+
+    def __post_init__(self):
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
 
     @property
     def weight_scales(self) -> dict[str, float]:
@@ -195,11 +202,12 @@ class ModelConfig:
                 if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                     rope_scaling = rope_params
             partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
-            partial = cfg.get("partial_rotary_factor", partial)
-            if float(partial) != 1.0:
+            partial = float(cfg.get("partial_rotary_factor", partial))
+            rotary_dim = int(cfg.get("rotary_dim") or int(head_dim) * partial)  # (transformers' rounding)
+            if not 0 < rotary_dim <= int(head_dim) or rotary_dim % 2:
                 raise ModelLoadError(
-                    f"{source}: partial_rotary_factor {partial}: a rotary over part of each head is not "
-                    "implemented yet"
+                    f"{source}: the rotary turns {rotary_dim} of each head's {head_dim} dimensions "
+                    f"(partial_rotary_factor {partial}): it must turn an even number of them, at least 2"
                 )
             num_layers = bounded(
                 cfg["num_hidden_layers"], "num_hidden_layers", source, *LIMITS["num_hidden_layers"]
@@ -225,6 +233,7 @@ class ModelConfig:
                 pre_norms=decl.pre_norms,
                 norm_weight_offset=decl.norm_weight_offset,
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+                rotary_dim=rotary_dim,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 **(decl.experts(cfg, num_layers, source) if decl.experts is not None else {}),

@@ -63,8 +63,9 @@ class AttentionMetadata:
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """The rotary's inverse frequencies and the factor its cos and sin are scaled by (YaRN's attention factor;
-    1 for the others), as transformers' rope functions compute them."""
-    dim = cfg.head_dim
+    1 for the others), as transformers' rope functions compute them (over the dimensions it turns: all of a
+    head's, or the first `rotary_dim` of them)."""
+    dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -89,7 +90,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 def yarn_inv_freq(cfg: ModelConfig, inv_freq: torch.Tensor, scaling: dict) -> tuple[torch.Tensor, float]:
     """YaRN (Qwen2.5's long context, DeepSeek, GPT-OSS): frequencies above a band kept, below it divided by
     `factor`, a linear ramp between; cos and sin scaled by an attention factor from log(factor)."""
-    dim, base = cfg.head_dim, cfg.rope_theta
+    dim, base = cfg.rotary_dim, cfg.rope_theta
     original = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
     factor = scaling.get("factor") or cfg.max_position_embeddings / original
 
@@ -166,13 +167,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, attention = rope_inv_freq(cfg)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", (freqs.cos() * attention).float(), persistent=False)  # [P, D/2]
+        self.register_buffer("cos", (freqs.cos() * attention).float(), persistent=False)  # [P, R/2]
         self.register_buffer("sin", (freqs.sin() * attention).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> RotaryAngles:
         """The step's angles, made once a step and used by every layer (motet/kernels/rope_kv.py): the tables
         and each token's position, read on the device by the fused kernel; the torch path gathers each token's
-        rows once. Hugging Face layout: the two rotated halves are the first and second half of head_dim."""
+        rows once. Hugging Face layout: the two rotated halves are the first and second half of head_dim (of its
+        first R = rotary_dim values, the rest unrotated, where the rotary is partial)."""
         return RotaryAngles(positions, self.cos, self.sin)
 
 
@@ -229,6 +231,8 @@ class Attention(nn.Module):
         # a sliding-window layer attends to the last `window` positions
         self.window = cfg.sliding_window if layer_idx in cfg.window_layers else None
         self.softcap = cfg.attn_softcap
+        # the fused rotary kernel turns whole heads: a partial rotary (part of each head) takes the reference
+        self.partial_rotary = cfg.rotary_dim != cfg.head_dim
 
     def forward(
         self, x, angles: RotaryAngles, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None
@@ -251,7 +255,8 @@ class Attention(nn.Module):
         v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
         per_head = self.q_norm is not None and not self.qk_norm_whole
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if per_head else ()
-        rotary_kv = rope_kv.rotary_kv_write if rope_kv.applies(qkv) else rope_kv.rotary_kv_reference
+        fused = rope_kv.applies(qkv) and not self.partial_rotary
+        rotary_kv = rope_kv.rotary_kv_write if fused else rope_kv.rotary_kv_reference
         k_cache, v_cache = kv_cache
         if self.window is not None:
             meta = meta.for_window()

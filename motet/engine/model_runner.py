@@ -215,13 +215,7 @@ class ModelRunner:
         # The compiled step (EngineConfig.compile_step): on CPU the native forward, which takes the linear
         # weights over; else (or where it cannot run) the eager model, with oneDNN-prepacked products on CPU.
         self.native: CpuForward | None = None
-        # (the native step and the decode graphs attend without a window: eager where a window applies)
-        if (
-            config.compile_step
-            and self.device.type == "cpu"
-            and not self.window
-            and cpu_forward_supported(model, self.dtype)
-        ):
+        if config.compile_step and self.device.type == "cpu" and cpu_forward_supported(model, self.dtype):
             self.native = CpuForward(model, self.kv_caches)
         elif self.device.type == "cpu" and onednn_available():
             for module in model.modules():
@@ -237,7 +231,8 @@ class ModelRunner:
         # On CUDA the compiled step is decode steps replayed from CUDA graphs (motet/engine/cuda_graphs.py).
         self.graphs: DecodeGraphs | None = None
         # A sparse layer's expert segments have data-dependent sizes, which a graph cannot replay: MoE models
-        # run eagerly on CUDA too; so do tensor-parallel ranks (no collectives inside the graphs yet).
+        # run eagerly on CUDA too; so do tensor-parallel ranks (no collectives inside the graphs yet) and models
+        # past a sliding window (the graphs attend without the window pool's tables).
         if (
             config.compile_step
             and self.device.type == "cuda"

@@ -6,6 +6,11 @@ cache directory keyed by the source, the flags and the CPU's features, so a buil
 (a few seconds). Torch is imported first, so the library's OpenMP calls land in the libgomp torch already
 loaded: one thread pool for torch and these kernels. Where no compiler is found or the build fails, or
 `MOTET_CPU_KERNELS=0`, `library()` is None and callers keep their torch path (the reference).
+
+Besides single kernels (attention, SGMV, GEMM) the library runs a whole forward: a program of generic op records
+(`Op`: a kind, buffers, a few ints, pointers and floats, read per kind as the source's table says) over named
+fp32 buffers, which `ProgramWriter` writes and motet/engine/cpu_forward.py fills from a model's layers. A new
+kind of layer is a new op kind, never a new struct: `ABI_VERSION` moves when the records or the step do.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ log = logging.getLogger("motet.kernels")
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files in csrc/
 # The version of the C API this module's structs and signatures speak: given to the source as a macro (its one
 # written value), returned by the built library's motet_abi_version, and checked as the library loads.
-ABI_VERSION = 9
+ABI_VERSION = 10
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 FLAGS.append(f"-DMOTET_ABI_VERSION={ABI_VERSION}")
 PANEL = 16  # output columns per packed weight panel (NR in the source)
@@ -44,48 +49,11 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_
 _SIGNATURES = {
     "motet_attention": [_i32, _i32, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _ptr]
     + [_i32] * 4
-    + [_f32],
+    + [_f32, _i32, _f32, _ptr],  # scale, window, softcap, sinks
     "motet_sgmv": [_i32, _ptr, _i64, _ptr, _i64, _ptr, _i32, _i32]  # dtype, x, y, pool, group, layer
     + [_ptr, _ptr, _i32, _i32, _ptr, _i32],  # segments, n_in, sizes, n
     "motet_gemm": [_i32, _ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32],
 }
-
-
-# The forward's descriptors (the structs of the same names in the source; field order matters).
-class Linear(ctypes.Structure):
-    """A packed weight and its code (DTYPE_CODES for the model's dtype, or QUANT_CODES)."""
-
-    _fields_ = [("w", _ptr), ("code", _i32)]
-
-
-class AttentionWeights(ctypes.Structure):
-    """The attention op's weights; q_norm and k_norm (Qwen3's per-head RMSNorm weights) null where none."""
-
-    _fields_ = [("norm", _ptr), ("qkv", Linear), ("qkv_bias", _ptr), ("o", Linear), ("q_norm", _ptr),
-                ("k_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr)]  # fmt: skip
-
-
-class MlpWeights(ctypes.Structure):
-    """A SwiGLU MLP (a dense layer's, or a sparse layer's shared expert: inter 0 where it has none)."""
-
-    _fields_ = [("gate_up", Linear), ("down", Linear), ("inter", _i32)]
-
-
-class MoeWeights(ctypes.Structure):
-    """A sparse layer's experts: the router, every expert's packed gate_up then every expert's packed down
-    (one after another, in the model's dtype), and the shared expert with its gate."""
-
-    _fields_ = [("router", Linear), ("experts_gate_up", _ptr), ("experts_down", _ptr), ("num_experts", _i32),
-                ("top_k", _i32), ("inter", _i32), ("renormalize", _i32), ("shared", MlpWeights),
-                ("shared_gate", Linear)]  # fmt: skip
-
-
-MLP_DENSE, MLP_SPARSE = 0, 1  # Layer.mlp_kind (the source's MlpKind)
-
-
-class Layer(ctypes.Structure):
-    _fields_ = [("attn", AttentionWeights), ("post_norm", _ptr), ("mlp_kind", _i32), ("mlp", MlpWeights),
-                ("moe", MoeWeights)]  # fmt: skip
 
 
 LORA_GROUPS = (
@@ -110,29 +78,262 @@ class LoraPool(ctypes.Structure):
 
 
 # Sums a float buffer over the tensor-parallel ranks, in place: (pointer, count); the forward calls it on each
-# op's output before adding it to the residual stream (the source's AllReduce).
+# block's output before adding it to the residual stream (the source's AllReduce).
 ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
 
+# The forward's program (the source's Op and Program; field order matters): op records that Python writes once,
+# each reading its fields as the source's table says (motet/engine/cpu_forward.py writes them).
+OP_KINDS = ("rms_norm", "linear", "rotary_kv", "attention", "activation", "add_residual", "moe")  # OpKind
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_limit")  # the source's Activation, by the config's names
+KV_POOLS = ("global", "window")  # the source's KvPool: which slots and tables an op's KV lives at
+OP_INTS, OP_PTRS, OP_FLOATS = 10, 4, 2
 
-class Model(ctypes.Structure):
-    _fields_ = [(n, _i32) for n in ("dtype_w", "dtype_cache", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                    "num_layers", "block_size")] + [
-        ("eps", _f32), ("scale", _f32), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
-        ("layers", ctypes.POINTER(Layer)), ("all_reduce", ALL_REDUCE),
-    ]  # fmt: skip
+
+class Op(ctypes.Structure):
+    _fields_ = [
+        ("kind", _i32),
+        ("layer", _i32),
+        ("inp", _i32),
+        ("out", _i32),
+        ("i", _i32 * OP_INTS),
+        ("p", _ptr * OP_PTRS),
+        ("f", _f32 * OP_FLOATS),
+    ]
+
+
+class Program(ctypes.Structure):
+    _fields_ = [(n, _i32) for n in ("dtype_w", "dtype_cache", "block_size", "num_ops", "num_buffers")] + [
+        ("ops", ctypes.POINTER(Op)),
+        ("widths", ctypes.POINTER(_i32)),
+        ("all_reduce", ALL_REDUCE),
+        ("scratch", _ptr),
+    ]
 
 
 class Step(ctypes.Structure):
-    _fields_ = [("num_tokens", _i32), ("num_seqs", _i32), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr),
-                ("table_stride", _i64), ("qsl", _ptr), ("seq_lens", _ptr), ("num_segs", _i32),
-                ("seg_starts", _ptr), ("seg_slots", _ptr), ("lora", ctypes.POINTER(LoraPool)),
-                ("timings", ctypes.POINTER(ctypes.c_double))]  # fmt: skip
+    _fields_ = [
+        ("num_tokens", _i32),
+        ("num_seqs", _i32),
+        ("positions", _ptr),
+        ("slots", _ptr),
+        ("tables", _ptr),
+        ("table_stride", _i64),
+        ("qsl", _ptr),
+        ("seq_lens", _ptr),
+        ("window_slots", _ptr),
+        ("window_tables", _ptr),
+        ("window_table_stride", _i64),
+        ("num_segs", _i32),
+        ("seg_starts", _ptr),
+        ("seg_slots", _ptr),
+        ("lora", ctypes.POINTER(LoraPool)),
+        ("timings", ctypes.POINTER(ctypes.c_double)),
+    ]
+
+
+class ProgramWriter:
+    """Op records in the order the forward runs them, over named fp32 buffers [T, width] (buffer "x": the
+    residual stream, the forward's argument; each other one as wide as the widest use an op makes of it). Each
+    method writes one op, its arguments put where the source's table of op fields says; pointers are addresses
+    of memory the caller keeps alive as long as the program."""
+
+    def __init__(self, hidden: int):
+        self.ops: list[Op] = []
+        self.names = {"x": 0}
+        self.widths = [hidden]
+
+    def buffer(self, name: str, width: int = 0) -> int:
+        """The buffer's id, its width raised to `width` columns."""
+        if name not in self.names:
+            self.names[name] = len(self.widths)
+            self.widths.append(0)
+        b = self.names[name]
+        self.widths[b] = max(self.widths[b], width)
+        return b
+
+    def _op(self, kind: str, inp: int, out: int, ints=(), ptrs=(), floats=(), layer: int = -1) -> None:
+        op = Op(OP_KINDS.index(kind), layer, inp, out)
+        op.i[: len(ints)] = [int(v) for v in ints]
+        op.p[: len(ptrs)] = [p or None for p in ptrs]
+        op.f[: len(floats)] = [float(v) for v in floats]
+        self.ops.append(op)
+
+    def rms_norm(
+        self,
+        src: str,
+        dst: str,
+        weight: int,
+        eps: float,
+        n: int,
+        groups: int = 1,
+        src_col: int = 0,
+        dst_col: int = 0,
+    ) -> None:
+        """`groups` runs of `n` columns from `src_col` normed (weight [n]) into `dst` from `dst_col` (in place
+        where src is dst): one run spans a row's heads, or one run per head."""
+        span = n * groups
+        self._op(
+            "rms_norm",
+            self.buffer(src, src_col + span),
+            self.buffer(dst, dst_col + span),
+            (src_col, dst_col, n, groups),
+            (weight,),
+            (eps,),
+        )
+
+    def linear(
+        self,
+        src: str,
+        dst: str,
+        weight: int,
+        code: int,
+        k: int,
+        n: int,
+        bias: int | None = None,
+        accumulate: bool = False,
+        layer: int = -1,
+        lora_group: int = -1,
+        lora_sizes=(),
+    ) -> None:
+        """dst[:, :n] (=, or += with `accumulate`) src[:, :k] @ W^T (+ bias), W packed in format `code`; then the
+        layer's LoRA deltas of `lora_group` (-1: none), its modules' outputs `lora_sizes` adjacent columns."""
+        sizes = list(lora_sizes) + [0] * (3 - len(lora_sizes))
+        self._op(
+            "linear",
+            self.buffer(src, k),
+            self.buffer(dst, n),
+            (k, n, code, accumulate, lora_group, len(lora_sizes), *sizes),
+            (weight, bias),
+            layer=layer,
+        )
+
+    def rotary_kv(
+        self,
+        qkv: str,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        rotary_dim: int,
+        cos: int,
+        sin: int,
+        k_cache: int,
+        v_cache: int,
+        pool: str,
+    ) -> None:
+        """q and k heads of `qkv` (q heads, then k, then v) rotated in place over their first `rotary_dim`
+        values (tables [positions, rotary_dim / 2]), k and v written to the caches at the `pool`'s slots."""
+        b = self.buffer(qkv, (heads + 2 * kv_heads) * head_dim)
+        self._op(
+            "rotary_kv",
+            b,
+            b,
+            (heads, kv_heads, head_dim, rotary_dim, KV_POOLS.index(pool)),
+            (cos, sin, k_cache, v_cache),
+        )
+
+    def attention(
+        self,
+        qkv: str,
+        dst: str,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        k_cache: int,
+        v_cache: int,
+        pool: str,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: int | None = None,
+    ) -> None:
+        """Paged attention of the q heads at the start of `qkv`'s rows over the `pool`'s caches into `dst`."""
+        self._op(
+            "attention",
+            self.buffer(qkv, heads * head_dim),
+            self.buffer(dst, heads * head_dim),
+            (heads, kv_heads, head_dim, KV_POOLS.index(pool), window or 0),
+            (k_cache, v_cache, sinks),
+            (scale, softcap or 0.0),
+        )
+
+    def activation(
+        self,
+        src: str,
+        dst: str,
+        n: int,
+        act: str,
+        alpha: float = 0.0,
+        limit: float = 0.0,
+        gate: str | None = None,
+    ) -> None:
+        """dst[:, :n] = act(gate) * up of src's [gate n | up n] columns, each row times sigmoid(its `gate`
+        buffer's first value) where given."""
+        gate_id = self.buffer(gate, 1) if gate is not None else -1
+        self._op(
+            "activation",
+            self.buffer(src, 2 * n),
+            self.buffer(dst, n),
+            (n, ACTIVATIONS.index(act), gate_id),
+            (),
+            (alpha, limit),
+        )
+
+    def add_residual(self, src: str, n: int, norm: int | None = None, eps: float = 0.0) -> None:
+        """A block's output joins the stream "x": all-reduced over the ranks, normed where `norm`, added."""
+        self._op("add_residual", self.buffer(src, n), 0, (n,), (norm,), (eps,))
+
+    def moe(
+        self,
+        src: str,
+        logits: str,
+        dst: str,
+        num_experts: int,
+        top_k: int,
+        inter: int,
+        hidden: int,
+        renormalize: bool,
+        act: str,
+        gate_up: int,
+        down: int,
+        gate_up_bias: int | None = None,
+        down_bias: int | None = None,
+        alpha: float = 0.0,
+        limit: float = 0.0,
+    ) -> None:
+        """dst = each token's top-k experts (by the router's `logits`) over its `src` row, weighted."""
+        self._op(
+            "moe",
+            self.buffer(src, hidden),
+            self.buffer(dst, hidden),
+            (
+                self.buffer(logits, num_experts),
+                num_experts,
+                top_k,
+                inter,
+                renormalize,
+                ACTIVATIONS.index(act),
+                hidden,
+            ),
+            (gate_up, down, gate_up_bias, down_bias),
+            (alpha, limit),
+        )
+
+    def program(self, dtype_w: int, dtype_cache: int, block_size: int) -> Program:
+        """The written ops as a program (checked: `check`); it holds its arrays."""
+        ops = (Op * len(self.ops))(*self.ops)
+        widths = (_i32 * len(self.widths))(*self.widths)
+        program = Program(dtype_w, dtype_cache, block_size, len(self.ops), len(self.widths), ops, widths)
+        program._arrays = (ops, widths)  # (the struct points at them)
+        check(program)
+        return program
 
 
 PHASES = ("linear", "attention", "lora", "other")  # Step.timings' slots (the source's Phase)
 
 
-_SIGNATURES["motet_forward"] = [ctypes.POINTER(Model), ctypes.POINTER(Step), _ptr]
+_SIGNATURES["motet_check"] = [ctypes.POINTER(Program)]
+_SIGNATURES["motet_forward"] = [ctypes.POINTER(Program), ctypes.POINTER(Step), _ptr]
+_SIGNATURES["motet_release"] = [ctypes.POINTER(Program)]
 
 
 def enabled() -> bool:
@@ -195,6 +396,7 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    lib.motet_release.restype = None
     return lib
 
 
@@ -211,8 +413,12 @@ def attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Paged causal attention (the layout of motet/kernels/paged_attention.py), K/V read in the cache's dtype."""
+    """Paged causal attention (the layout and options of motet/kernels/paged_attention.py), K/V read in the
+    cache's dtype."""
     T, H, D = q.shape
     _, BS, KVH, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
@@ -220,6 +426,7 @@ def attention(
     qsl = query_start_loc.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty((T, H, D), dtype=q.dtype)
+    sinks = sinks.float().contiguous() if sinks is not None else None
     status = library().motet_attention(
         DTYPE_CODES[q.dtype],
         DTYPE_CODES[k_cache.dtype],
@@ -239,6 +446,9 @@ def attention(
         D,
         BS,
         scale,
+        window or 0,
+        softcap or 0.0,
+        sinks.data_ptr() if sinks is not None else None,
     )
     _check(status, "attention")
     return out
@@ -360,7 +570,17 @@ def gemm(
     return out
 
 
-def forward(model: Model, step: Step, x: torch.Tensor) -> None:
-    """The decoder stack over `x` [T, hidden] fp32 (the embeddings in, the final normed hidden out)."""
+def check(program: Program) -> None:
+    """Raise where the program's ops do not fit its buffers or the kernels (made once, before any step)."""
+    _check(library().motet_check(ctypes.byref(program)), "program")
+
+
+def forward(program: Program, step: Step, x: torch.Tensor) -> None:
+    """The program over `x` [T, hidden] fp32 (the embeddings in, the final normed hidden out)."""
     assert x.dtype == torch.float32 and x.is_contiguous()
-    _check(library().motet_forward(ctypes.byref(model), ctypes.byref(step), x.data_ptr()), "forward")
+    _check(library().motet_forward(ctypes.byref(program), ctypes.byref(step), x.data_ptr()), "forward")
+
+
+def release(program: Program) -> None:
+    """Free the scratch buffers the program's steps keep."""
+    library().motet_release(ctypes.byref(program))

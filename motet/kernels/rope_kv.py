@@ -11,7 +11,9 @@ With ``q_norm`` / ``k_norm`` weights each head is first RMS-normalised over ``D`
 as the torch path rounds the norm's output before rotating.
 
 ``rotary_kv_reference`` defines the meaning (the model's torch path: fp32 rotation, cast back, then
-``write_kv_cache``); ``rotary_kv_write`` is the Triton launch (CUDA, or CPU tensors under
+``write_kv_cache``), and also rotates part of each head: with tables ``[P, R / 2]`` narrower than ``D / 2``
+only a head's first ``R`` values turn (their two halves), the rest pass as they are (transformers' partial
+rotary, Phi-4-mini's); ``rotary_kv_write`` rotates whole heads. ``rotary_kv_write`` is the Triton launch (CUDA, or CPU tensors under
 ``TRITON_INTERPRET=1``), replacing on CUDA the torch path's fp32 cast, six products and sums, a cat, a
 cast back and the write kernel (nine more with q/k norms); ``applies`` says where the model uses it.
 """
@@ -51,9 +53,12 @@ class RotaryAngles:
 
 
 def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x` [T, heads, D] rotated by each token's cos / sin [T, 1, D / 2] (fp32), in x's dtype."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """`x` [T, heads, D] rotated by each token's cos / sin [T, 1, R / 2] (fp32), in x's dtype: its first R
+    values of each head (R = D: all of them), the rest as they are."""
+    rotary = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rotary].float().chunk(2, dim=-1)
+    turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return turned if rotary == x.shape[-1] else torch.cat((turned, x[..., rotary:]), dim=-1)
 
 
 def rotary_kv_reference(

@@ -1,6 +1,7 @@
 """Sliding-window attention past the window (motet/engine/kv_window.py): Mistral's window on every layer,
-Gemma 2's every other layer (with soft-capping) and Gemma 3's local layers beside a global one, against transformers (its sliding-window mask and its cache), with
-the KV blocks a long request holds in those layers bounded by the window."""
+Gemma 2's every other layer (with soft-capping) and Gemma 3's local layers beside a global one, on both CPU paths
+(the native step and the eager decoder) and over two ranks, against transformers (its sliding-window mask and its
+cache), with the KV blocks a long request holds in those layers bounded by the window."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from motet.engine.kv_window import ring_blocks
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
+from motet.kernels import cpu_native
 from tests.engine.test_engine import engine_logits, hf_greedy, hf_logits
-from tests.models.test_moe import randomize_norms
+from tests.models.test_moe import PATHS, randomize_norms
 from tests.tiny_models import build_tiny_model
 
 WINDOW, BLOCK = 20, 4
@@ -52,15 +54,21 @@ def model_dir(request, tmp_path_factory):
     return path
 
 
-def engine(model_dir, **kw) -> LLMEngine:
-    config = EngineConfig(model=str(model_dir), block_size=BLOCK, max_model_len=512, **kw)
-    return LLMEngine(config, model_dir=model_dir)
+def engine(model_dir, compiled: bool = True, **kw) -> LLMEngine:
+    """An engine past the window, on the native step (`compiled`, where the kernels build) or the eager decoder."""
+    config = EngineConfig(
+        model=str(model_dir), block_size=BLOCK, max_model_len=512, compile_step=compiled, **kw
+    )
+    eng = LLMEngine(config, model_dir=model_dir)
+    assert (eng.runner.native is not None) == (compiled and cpu_native.library() is not None)
+    return eng
 
 
-def test_logits_past_the_window_match_transformers(model_dir):
+@pytest.mark.parametrize("compiled", PATHS)
+def test_logits_past_the_window_match_transformers(model_dir, compiled):
     """Every position of prompts up to 3.5 windows long, in chunks of 16 and of 7, equals transformers' forward
     under its sliding-window mask; the window layers' cache holds fewer blocks than the others'."""
-    eng = engine(model_dir, num_kv_blocks=256)
+    eng = engine(model_dir, compiled, num_kv_blocks=256)
     prompts = [list(range(3, 73)), [5, 9, 11, 200] * 11, list(range(40, 47))]
     for chunk in (16, 7):
         for prompt, got in zip(prompts, engine_logits(eng, prompts, chunk=chunk), strict=True):
@@ -71,10 +79,14 @@ def test_logits_past_the_window_match_transformers(model_dir):
         assert k.shape[0] == (runner.num_window_blocks if i in runner.window_layers else runner.num_blocks)
 
 
-def test_greedy_past_the_window_matches_transformers_generate(model_dir):
+@pytest.mark.parametrize("compiled", PATHS)
+def test_greedy_past_the_window_matches_transformers_generate(model_dir, compiled):
     """Nine requests at once (batched decodes among them), prompts shorter and longer than the window, 40 greedy
     tokens each: transformers' generate with its sliding-window cache, token for token."""
-    llm = LLM(str(model_dir), block_size=BLOCK, max_model_len=512, max_num_batched_tokens=32)
+    llm = LLM(
+        str(model_dir), block_size=BLOCK, max_model_len=512, max_num_batched_tokens=32, compile_step=compiled
+    )
+    assert (llm.engine.runner.native is not None) == (compiled and cpu_native.library() is not None)
     prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((1, 5, 19, 20, 21, 33, 47, 60, 8))]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = llm.generate(prompts, params)
@@ -85,16 +97,20 @@ def test_greedy_past_the_window_matches_transformers_generate(model_dir):
     assert window.num_used_blocks == 0  # every ring given back
 
 
-def test_window_blocks_stay_bounded_by_the_window(model_dir):
+@pytest.mark.parametrize("compiled", PATHS)
+def test_window_blocks_stay_bounded_by_the_window(model_dir, compiled):
     """A request of 300 tokens, 15 windows: the window layers' blocks it holds never pass a ring (a window plus
-    one chunk), while the global layers' grow with it; the scheduler's chunks stay within the window."""
-    eng = engine(model_dir, num_kv_blocks=256, max_num_batched_tokens=64)
+    one chunk), while the global layers' grow with it; the scheduler's chunks stay within the window; its
+    greedy tokens are transformers' (whose sliding-window cache keeps the window alone too)."""
+    eng = engine(model_dir, compiled, num_kv_blocks=256, max_num_batched_tokens=64)
     ring = ring_blocks(WINDOW, eng.runner.window_chunk, BLOCK)
     assert eng.runner.ring == ring == 12  # (20 + 20 - 2) / 4 rounded up, + 2
-    eng.add_request(list(range(3, 103)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-    window_held, global_held, chunks, computed = [], [], [], 0
+    prompt = list(range(3, 103))
+    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    window_held, global_held, chunks, computed, tokens = [], [], [], 0, None
     while eng.has_unfinished():
-        eng.step()
+        for out in eng.step():
+            tokens = out.token_ids if out.finished else tokens
         for seq in eng.scheduler.running:
             window_held.append(len(seq.window_blocks))
             global_held.append(len(seq.block_table))
@@ -103,6 +119,8 @@ def test_window_blocks_stay_bounded_by_the_window(model_dir):
     assert max(window_held) == ring and max(global_held) == 300 // BLOCK
     assert max(chunks) == WINDOW  # the prompt of 100 went in chunks of the window, not of the 64 budget
     assert eng.block_manager.window.num_used_blocks == 0
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    assert tokens == hf_greedy(hf, prompt, 200)
 
 
 def test_a_window_pool_without_prefix_caching_and_tiers(model_dir, tmp_path):
@@ -121,7 +139,7 @@ def test_two_ranks_past_the_window_match_transformers(model_dir):
     """Tensor parallelism: the driver sends the window layers' slots and tables with each step's plan."""
     from tests.engine.test_tensor_parallel import tp_workers
 
-    eng = engine(model_dir, num_kv_blocks=128, tensor_parallel_size=2)
+    eng = engine(model_dir, num_kv_blocks=128, tensor_parallel_size=2)  # (the native step on both ranks)
     try:
         assert eng.runner.workers is not None and eng.runner.window == WINDOW
         prompts = [list(range(3, 60)), [5, 9, 11, 200] * 8]

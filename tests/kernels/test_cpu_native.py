@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from motet.kernels import cpu_native
 from motet.lora.adapter import module_shape
 from motet.lora.pool import DECODER_GROUPS
-from tests.kernels.test_paged_attention import TOL, make_batch, naive_attention, random_seqs
+from tests.kernels.test_paged_attention import TOL, check, make_batch, naive_attention, random_seqs
 from tests.lora.test_lora_pool import BASE, LAYOUT
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels")
@@ -37,6 +37,50 @@ def test_attention_strided_q_and_long_context():
     args = [t.cpu() for t in make_batch(seqs, 9, 3, 64, 16, torch.float32, noncontig_q=True)]
     out = cpu_native.attention(*args, 0.125)
     torch.testing.assert_close(out.double(), naive_attention(*args, 0.125), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"window": 5},
+        {"window": 37},
+        {"softcap": 3.0},
+        {"sinks": True},
+        {"window": 9, "softcap": 2.0, "sinks": True},
+    ],
+    ids=["window-5", "window-37", "softcap", "sinks", "all"],
+)
+def test_attention_options_match_naive(dtype, block_size, options):
+    """A sliding window (the blocks wholly before it poisoned with NaNs: a window pool's ring reuses them),
+    Gemma 2's soft-capped scores, GPT-OSS's sinks, and all three at once; blocks of 4 rows too, where eight keys
+    span three blocks of a shuffled table."""
+    g = torch.Generator().manual_seed(block_size + len(options))
+    seqs = random_seqs(g, n=10, max_ctx=90, max_chunk=40)
+    if options.get("sinks"):
+        options = {**options, "sinks": torch.randn(9, generator=g)}
+    check(cpu_native.attention, seqs, 9, 3, 32, block_size, dtype, seed=5, **options)
+
+
+@pytest.mark.parametrize(
+    "block_size,table,window",
+    [(4, [0, 5, 2, 7, 4, 9], 22), (2, [0, 7, 8, 3, 1, 2, 4, 5, 6, 9, 10, 11], None)],
+    ids=["window-from-mid-block", "blocks-of-2"],
+)
+def test_attention_keys_across_small_blocks(block_size, table, window):
+    """Eight keys read as consecutive cache rows only where they are: here the first and the eighth key sit 7
+    rows apart but the blocks between them do not (a ring's table, or a table of blocks of 2)."""
+    g = torch.Generator().manual_seed(0)
+    seq_len, heads, kv_heads, dim = 24, 4, 2, 16
+    k_cache, v_cache = (torch.randn(12, block_size, kv_heads, dim, generator=g) for _ in range(2))
+    q = torch.randn(2, heads, dim, generator=g)
+    args = [q, k_cache, v_cache, torch.tensor([table], dtype=torch.int32)]
+    args += [torch.tensor([0, 2], dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32)]
+    out = cpu_native.attention(*args, dim**-0.5, window=window)
+    torch.testing.assert_close(
+        out.double(), naive_attention(*args, dim**-0.5, window=window), **TOL[torch.float32]
+    )
 
 
 def adapter_pool(dtype, count=12, seed=0):

@@ -74,7 +74,6 @@ FAMILIES = {
         logits_scaling=4.0,
     ),
 }
-EAGER_ONLY = {"gemma2", "gemma3", "olmo2"}  # post-norm families: the native CPU step declines them
 PROJECTIONS = {  # the Hugging Face modules a quantized GGUF's blocks serve (Granite's q/o/down: folded, floats)
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "granite": ("gate_proj", "up_proj"),
@@ -222,7 +221,7 @@ def test_f32_file_served_bare_matches_hf(family, tmp_path, compiled):
     served = llm.engine.runner.model.config
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     assert served.architecture == hf.config.architectures[0]
-    assert (llm.engine.runner.native is not None) == (compiled and arch not in EAGER_ONLY)
+    assert (llm.engine.runner.native is not None) == compiled
     with torch.no_grad():
         want = [hf(torch.tensor([prompt])).logits[0] for prompt in PROMPTS]
     # prefill in chunks of 7: within the sliding windows of 12, as the scheduler cuts them
@@ -233,8 +232,6 @@ def test_f32_file_served_bare_matches_hf(family, tmp_path, compiled):
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_native)], ids=["eager", "native"])
 def test_quantized_file_served_bare_matches_hf_on_gguf_py_dequantized(family, tmp_path, compiled):
     arch, source = family
-    if compiled and arch in EAGER_ONLY:
-        pytest.skip("the native CPU step declines post-norm families")
     path = write_family_gguf(source, tmp_path / "bare" / f"{arch}-q8_0.gguf", arch, Q8_0_TYPES)
     eng = LLM(str(path), compile_step=compiled, **OPTIONS).engine
     assert (eng.runner.native is not None) == compiled

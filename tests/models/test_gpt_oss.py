@@ -16,6 +16,7 @@ from motet.engine.config import EngineConfig, ModelConfig, ModelLoadError
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
+from motet.kernels import cpu_native
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy, hf_logits
 from tests.tiny_models import build_tiny_model
 
@@ -71,13 +72,15 @@ def test_config_reads_the_declaration(model_dir):
     assert cfg.num_experts == 4 and cfg.sparse_layers == (0, 1) and cfg.norm_topk_prob
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["default", "eager"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["native", "eager"])
 def test_logits_and_greedy_match_transformers(model_dir, compiled):
-    """Logits in chunks of the window and of 7 tokens (past the window: the sliding layer keeps a ring, which
-    holds a window and a chunk of at most the window), then 24 greedy tokens of four prompts at once equal to
-    transformers' generate."""
+    """On the native step (sinks, o biases, expert biases and the clamped SwiGLU as its ops' options) and the
+    eager decoder: logits in chunks of the window and of 7 tokens (past the window: the sliding layer keeps a
+    ring, which holds a window and a chunk of at most the window), then 24 greedy tokens of four prompts at once
+    equal to transformers' generate."""
     llm = LLM(str(model_dir), num_kv_blocks=128, block_size=4, max_model_len=256, compile_step=compiled)
-    assert llm.engine.runner.native is None and llm.engine.runner.window == WINDOW
+    assert llm.engine.runner.window == WINDOW
+    assert (llm.engine.runner.native is not None) == (compiled and cpu_native.library() is not None)
     refs = [hf_logits(model_dir, p) for p in PROMPTS]
     for chunk in (WINDOW, 7):
         for got, ref in zip(engine_logits(llm.engine, PROMPTS, chunk=chunk), refs, strict=True):

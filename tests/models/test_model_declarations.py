@@ -1,10 +1,10 @@
 """The model declarations (motet/models/): no architecture's name is tested outside its declaration and the
 registry, each declaration is short, and the families added as a declaration alone (Qwen3, dense: Llama's
-layers with per-head q/k norms; Phi-3: fused qkv_proj / gate_up_proj checkpoints and adapters; Granite 3: four
-constant multipliers, folded into the weights; OLMo 2: post-norms and q/k norms across heads; Gemma 3: sandwich
-norms, GeGLU, sliding-window layers with their own rope base) run on both CPU paths (OLMo 2 and Gemma 3: the eager
-decoder in both) and over two tensor-parallel ranks (OLMo 2's norms across heads: their sums of squares
-all-reduced) as Hugging Face transformers does: logits in batches and
+layers with per-head q/k norms; Phi-3: fused qkv_proj / gate_up_proj checkpoints and adapters, and a partial
+rotary; Granite 3: four constant multipliers, folded into the weights; OLMo 2: post-norms and q/k norms across
+heads; Gemma 3: sandwich norms, GeGLU, sliding-window layers with their own rope base; Gemma 2: soft-capping) run
+on both CPU paths (the native step's program and the eager decoder) and over two tensor-parallel ranks (OLMo 2's
+norms across heads: their sums of squares all-reduced) as Hugging Face transformers does: logits in batches and
 prefill chunks, greedy generation, prefix cache hits, and LoRA adapters on every projection against PEFT."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import motet
 from motet.engine.config import ModelConfig, ModelLoadError
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
+from motet.kernels import cpu_native
 from motet.models import DECLARATIONS, SUPPORTED_ARCHITECTURES
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
 from tests.models.test_moe import PATHS, hf_greedy_outputs, randomize_norms
@@ -121,9 +122,9 @@ def family(request, tmp_path_factory):
     return model_dir, targets
 
 
-# Families whose layer the native CPU step does not run yet: the eager decoder serves them (on the CPU, with or
-# without --no-compile, on one rank or several).
-EAGER_ONLY = {"Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+# Families whose layer the native CPU step does not run: the eager decoder serves them (on the CPU, with or
+# without --no-compile): none, every family's layer is a program of the native step's ops.
+EAGER_ONLY: set[str] = set()
 
 
 def native_expected(model_dir, compiled: bool) -> bool:
@@ -169,11 +170,31 @@ def test_configs_read_their_declarations(family):
         assert set(cfg.declaration.fused_modules) == {"qkv_proj", "gate_up_proj"}
 
 
-def test_partial_rotary_is_refused_until_it_is_implemented(family):
-    model_dir, _ = family
-    cfg = json.loads((model_dir / "config.json").read_text())
-    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75"):
-        ModelConfig.from_dict({**cfg, "partial_rotary_factor": 0.75})
+@pytest.mark.parametrize("compiled", PATHS)
+def test_partial_rotary_matches_transformers(tmp_path, compiled):
+    """A rotary over part of each head (Phi-4-mini's partial_rotary_factor 0.75: the first 12 of 16 dimensions
+    turn, the rest pass) on both CPU paths as transformers computes it: logits in batches and chunks, greedy
+    tokens; a share that turns an odd number of dimensions is refused by name."""
+    model_dir = build_tiny_model(
+        tmp_path, arch="phi3", tied=False, pad_token_id=0, partial_rotary_factor=0.75
+    )
+    cfg = ModelConfig.from_dir(model_dir)
+    assert (cfg.rotary_dim, cfg.head_dim) == (12, 16)
+    llm = LLM(str(model_dir), num_kv_blocks=64, block_size=8, compile_step=compiled)
+    assert (llm.engine.runner.native is not None) == native_expected(model_dir, compiled)
+    refs = [hf_logits(model_dir, p) for p in PROMPTS]
+    for chunk in (None, 7):
+        for got, ref in zip(engine_logits(llm.engine, PROMPTS, chunk=chunk), refs, strict=True):
+            torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    prompts = [PROMPTS[1], PROMPTS[4]]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == hf_greedy_outputs(model_dir, prompts, 16)
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw.pop("rope_parameters")
+    assert ModelConfig.from_dict({**raw, "partial_rotary_factor": 0.5}).rotary_dim == 8
+    assert ModelConfig.from_dict({**raw, "partial_rotary_factor": 1.0, "rotary_dim": 6}).rotary_dim == 6
+    with pytest.raises(ModelLoadError, match="turns 11 of each head's 16 dimensions"):
+        ModelConfig.from_dict({**raw, "partial_rotary_factor": 0.7})
 
 
 @pytest.mark.parametrize("compiled", PATHS)
@@ -230,6 +251,9 @@ def test_family_on_two_ranks_matches_transformers_and_peft(family, tmp_path):
     )
     try:
         assert engine.runner.workers is not None
+        assert (engine.runner.native is not None) == native_expected(
+            model_dir, cpu_native.library() is not None
+        )
         for got, p in zip(engine_logits(engine, PROMPTS, chunk=7), PROMPTS, strict=True):
             torch.testing.assert_close(got, hf_logits(model_dir, p), atol=2e-4, rtol=1e-4)
     finally:

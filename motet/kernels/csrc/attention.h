@@ -7,7 +7,11 @@ namespace motet {
 
 // ---------------------------------------------------------------------------------------------------------
 // Paged attention: each sequence's new tokens attend causally to its paged context (GQA), one work item per
-// (sequence, query token, kv head), online softmax over key tiles, K/V read in the cache's dtype.
+// (sequence, query token, kv head), online softmax over key tiles, K/V read in the cache's dtype. Options (the
+// torch reference's, motet/kernels/paged_attention_cpu.py): `window` > 0, a query at position p sees keys
+// p - window + 1 .. p only (no block before them is read: a window pool's ring may hold newer positions there);
+// `softcap` > 0, the scaled scores squashed to softcap * tanh(s / softcap); `sinks` (fp32 [H], or null), each
+// head's logit that joins its softmax's denominator and attends to nothing.
 
 constexpr int kTile = 32;
 constexpr int kMaxGroup = 16;
@@ -16,7 +20,8 @@ constexpr int kMaxHeadDim = 256;
 template <typename TQ, typename TC>
 void attention(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* vc, const int32_t* tables,
                int64_t table_stride, const int32_t* qsl, const int32_t* seq_lens, int num_seqs, TQ* out,
-               int H, int KVH, int D, int BS, float scale) {
+               int64_t out_st, int H, int KVH, int D, int BS, float scale, int window = 0, float softcap = 0.0f,
+               const float* sinks = nullptr) {
     const int G = H / KVH;
     const int64_t T = qsl[num_seqs];
     const int64_t items = T * KVH;
@@ -33,6 +38,7 @@ void attention(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* 
         const int b = seq_of[t];
         const int64_t q_len = qsl[b + 1] - qsl[b];
         const int64_t n_keys = seq_lens[b] - q_len + (t - qsl[b]) + 1;  // causal: keys 0..position
+        const int64_t first = window > 0 && n_keys > window ? n_keys - window : 0;  // and none before the window
         const int32_t* table = tables + b * table_stride;
 
         alignas(32) float qv[kMaxGroup][kMaxHeadDim];
@@ -45,10 +51,11 @@ void attention(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* 
             for (int d = 0; d < D; ++d) qv[g][d] = load(qp, d) * scale;
 #pragma omp simd
             for (int d = 0; d < D; ++d) acc[g][d] = 0.0f;
-            m[g] = -1e30f;
-            l[g] = 0.0f;
+            // a sink is one more logit in the denominator: the running max starts there, with weight 1
+            m[g] = sinks ? sinks[h * G + g] : -1e30f;
+            l[g] = sinks ? 1.0f : 0.0f;
         }
-        for (int64_t j0 = 0; j0 < n_keys; j0 += kTile) {
+        for (int64_t j0 = first; j0 < n_keys; j0 += kTile) {
             const int n = static_cast<int>(n_keys - j0 < kTile ? n_keys - j0 : kTile);
             const TC* kp[kTile];
             const TC* vp[kTile];
@@ -60,8 +67,15 @@ void attention(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* 
             }
             int j = 0;
 #ifdef __AVX2__
-            // eight keys at a time where they sit in one block (consecutive rows of the cache)
-            for (; j + 8 <= n && kp[j + 7] - kp[j] == 7 * kv_row; j += 8)
+            // eight keys at a time where they sit in consecutive rows of the cache: the first and the last 7 rows
+            // apart says so where they span at most two blocks (BS >= 8); smaller blocks are checked row by row
+            const auto rows8 = [&](int j) {
+                if (kp[j + 7] - kp[j] != 7 * kv_row) return false;
+                for (int r = 1; BS < 8 && r < 7; ++r)
+                    if (kp[j + r] - kp[j] != r * kv_row) return false;
+                return true;
+            };
+            for (; j + 8 <= n && rows8(j); j += 8)
                 for (int g = 0; g < G; ++g) _mm256_storeu_ps(&s[g][j], dots8(qv[g], kp[j], kv_row, D));
 #endif
             for (; j < n; ++j) {
@@ -74,6 +88,9 @@ void attention(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* 
                     s[g][j] = dot;
                 }
             }
+            if (softcap > 0.0f)
+                for (int g = 0; g < G; ++g)
+                    for (int jj = 0; jj < n; ++jj) s[g][jj] = softcap * std::tanh(s[g][jj] / softcap);
             for (int g = 0; g < G; ++g) {
                 float mx = m[g];
                 for (int jj = 0; jj < n; ++jj) mx = s[g][jj] > mx ? s[g][jj] : mx;
@@ -97,7 +114,7 @@ void attention(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* 
             }
         }
         for (int g = 0; g < G; ++g) {
-            TQ* op = out + (t * H + h * G + g) * static_cast<int64_t>(D);
+            TQ* op = out + t * out_st + static_cast<int64_t>(h * G + g) * D;
             const float inv = 1.0f / l[g];
             for (int d = 0; d < D; ++d) store(op, d, acc[g][d] * inv);
         }

@@ -113,6 +113,29 @@ inline void silu_mul(const float* g, const float* u, float* out, int n) {
     }
 }
 
+// out[i] = gelu_tanh(g[i]) * u[i] (Gemma's GeGLU; torch's gelu with approximate="tanh").
+inline void gelu_tanh_mul(const float* g, const float* u, float* out, int n) {
+    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+    for (int i = 0; i < n; ++i) {
+        const float x = g[i];
+        out[i] = 0.5f * x * (1.0f + std::tanh(c * (x + 0.044715f * x * x * x))) * u[i];
+    }
+}
+
+inline float sigmoid(float x) {
+    const float e = std::exp(-std::fabs(x));
+    return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
+// out[i] = (up + 1) * gate * sigmoid(alpha * gate), gate clamped to <= limit and up to [-limit, limit] (GPT-OSS's
+// experts: engine/model.py's clamped_swiglu).
+inline void swiglu_limit_mul(const float* g, const float* u, float* out, int n, float alpha, float limit) {
+    for (int i = 0; i < n; ++i) {
+        const float gate = std::fmin(g[i], limit), up = std::fmax(std::fmin(u[i], limit), -limit);
+        out[i] = (up + 1.0f) * (gate * sigmoid(gate * alpha));
+    }
+}
+
 // Eight dot products at once: v (fp32, n values) with rows w, w + ws, ..., w + 7 ws (fp32 or bf16), as one
 // vector [d0..d7]. The rows' partial sums are reduced together (two hadd levels and one lane swap), which
 // costs far less than eight horizontal reductions.

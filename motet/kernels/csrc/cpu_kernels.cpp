@@ -17,80 +17,57 @@
 namespace motet {
 
 // ---------------------------------------------------------------------------------------------------------
-// The decoder stack of a Llama-family model over a flattened batch and the paged KV cache, in one call: each
-// layer is an attention op, then its MLP op, the dense one or the sparse mixture of experts (the layer's
-// descriptor says which); then the final norm. Each op normalizes the residual stream, computes its output
-// and adds it to the stream at one point (add_residual). Activations stay fp32 (weights and cache may be
-// bf16); the meaning is engine/model.py's. A new kind of layer is a new op and a new MlpKind (or a field of
-// an op's weights), not a new forward.
+// The decoder stack as a program: a flat list of op records that Python writes once by walking the model's
+// layers (engine/cpu_forward.py), run by `forward` in one call a step, llama.cpp's way: a loop over the ops and a
+// switch on each op's kind. No op knows an architecture; a family's layer is the ops its declaration implies.
+//
+// Each op reads rows of one fp32 buffer and writes rows of another: buffer 0 is the residual stream (the
+// caller's x [T, hidden]), the others are scratch named by the program (Python's names: the normed input, qkv,
+// the attention's output, a block's output, gate/up, ...), each [T, width] with the program's width as its row
+// stride, kept between steps. An op's fields are generic (a few ints, pointers and floats) and each kind reads
+// them as below; a new kind of layer is a new op kind, not a new struct.
+//
+//   kind          i[]                                            p[]                              f[]
+//   RMS_NORM      in_col, out_col, n, groups                     w [n]                            eps
+//                 (each of `groups` runs of n columns normed with w: one run spans all heads, or a run per head)
+//   LINEAR        K, N, code, accumulate, lora group, lora       w (packed, in `code`), bias [N]
+//                 modules, their sizes (3)
+//   ROTARY_KV     H, KVH, D, rotary dims, pool                   cos, sin [P, dims / 2], k/v cache
+//                 (q and k heads of `in` rotated in place over their first `dims` values, k and v written to the
+//                 caches at the pool's slots; in: q heads, then k heads, then v heads)
+//   ATTENTION     H, KVH, D, pool, window                        k/v cache, sinks (fp32 [H])      scale, softcap
+//   ACTIVATION    n, activation, gate buffer (-1: none)                                           alpha, limit
+//                 (in: gate columns then up columns; the gate buffer's column 0, sigmoid, scales each row)
+//   ADD_RESIDUAL  n                                              post-norm w [n] (or null)        eps
+//                 (in all-reduced over the ranks in place, normed where the layer says, added to out)
+//   MOE           router logits buffer, E, top_k, I,             experts' gate_up, down (packed,   alpha, limit
+//                 renormalize, activation, hidden                one after another), their biases
+//
+// The pool: 0 = the global layers' KV (the step's slots and tables), 1 = the sliding-window layers' pool (the
+// step's window slots and tables, where it has them; else the global ones: a context within the window).
 
-// A linear layer's packed weight and its format: the model's dtype (float GEMM) or a quantized one (qgemm.h).
-struct Linear {
-    const void* w;
-    int32_t code;  // WeightCode
-};
+enum OpKind { kRmsNorm = 0, kLinear, kRotaryKv, kAttention, kActivation, kAddResidual, kMoe, kNumOpKinds };
+enum Activation { kActSilu = 0, kActGeluTanh = 1, kActSwigluLimit = 2 };
+enum KvPool { kPoolGlobal = 0, kPoolWindow = 1 };
 
-// y (=, or +=) x @ W^T (+ bias): the product in the weight's own format. TW: the model's float dtype (norms,
-// biases, unquantized weights).
-template <typename TW>
-void linear(const Linear& L, const float* x, int64_t ldx, int M, int K, int N, const TW* bias, float* y,
-            int64_t ldy, bool accumulate) {
-    const auto* q = static_cast<const uint8_t*>(L.w);
-    if (L.code == kWeightInt8) qgemm<kWeightInt8>(x, ldx, M, K, q, N, bias, y, ldy, accumulate);
-    else if (L.code == kWeightInt4) qgemm<kWeightInt4>(x, ldx, M, K, q, N, bias, y, ldy, accumulate);
-    else gemm(x, ldx, M, K, static_cast<const TW*>(L.w), N, bias, y, ldy, accumulate);
-}
-
-struct AttentionWeights {
-    const void* norm;  // the input RMSNorm [hidden], weight dtype
-    Linear qkv;  // packed [q + 2 kv, hidden]
-    const void* qkv_bias;  // [q + 2 kv] or null
-    Linear o;  // packed [hidden, q]
-    const void* q_norm;  // [head_dim]: each head's q and k RMS-normalized before the rotary (Qwen3), or null
-    const void* k_norm;
-    void* k_cache;  // [blocks, block_size, kv_heads, head_dim], cache dtype
-    void* v_cache;
-};
-
-// A SwiGLU MLP: a dense layer's, or a sparse layer's shared expert.
-struct MlpWeights {
-    Linear gate_up;  // packed [2 inter, hidden]: gate rows, then up rows
-    Linear down;  // packed [hidden, inter]
-    int32_t inter;  // 0: none (a sparse layer without a shared expert)
-};
-
-// A sparse layer's mixture of experts (Mixtral, Qwen2-MoE): experts in the model's dtype.
-struct MoeWeights {
-    Linear router;  // packed [num_experts, hidden]
-    const void* experts_gate_up;  // num_experts packed [2 inter, hidden], one after another
-    const void* experts_down;  // num_experts packed [hidden, inter]
-    int32_t num_experts, top_k, inter, renormalize;  // renormalize: the top-k weights sum to 1
-    MlpWeights shared;  // the shared expert (Qwen2-MoE), inter 0 where none
-    Linear shared_gate;  // packed [1, hidden]: the shared expert's scale is sigmoid(x . shared_gate)
-};
-
-enum MlpKind { kMlpDense = 0, kMlpSparse = 1 };
-
-struct Layer {
-    AttentionWeights attn;
-    const void* post_norm;  // the MLP's input RMSNorm [hidden]
-    int32_t mlp_kind;  // MlpKind: which of the two below this layer has
-    MlpWeights mlp;
-    MoeWeights moe;
+struct Op {
+    int32_t kind;  // OpKind
+    int32_t layer;  // the decoder layer whose LoRA pieces a LINEAR reads
+    int32_t in, out;  // buffers
+    int32_t i[10];
+    const void* p[4];
+    float f[2];
 };
 
 // Sums a buffer over the tensor-parallel ranks, in place (the caller's collective: torch.distributed).
 typedef void (*AllReduce)(float* data, int64_t n);
 
-struct Model {
-    int dtype_w, dtype_cache;
-    int hidden, num_heads, num_kv_heads, head_dim, num_layers, block_size;  // heads: this rank's
-    float eps, scale;
-    const float* cos;  // [positions, head_dim / 2]
-    const float* sin;
-    const void* final_norm;  // [hidden]
-    const Layer* layers;
-    AllReduce all_reduce;  // null on one rank; else each op's output is this rank's partial sum
+struct Program {
+    int32_t dtype_w, dtype_cache, block_size, num_ops, num_buffers;
+    const Op* ops;
+    const int32_t* widths;  // [num_buffers]: each buffer's fp32 columns (buffer 0: the caller's x, hidden)
+    AllReduce all_reduce;  // null on one rank; else each block's output is this rank's partial sum
+    void* scratch;  // the forward's buffers: made by the first call, kept for the next (motet_release frees them)
 };
 
 struct Step {
@@ -101,6 +78,9 @@ struct Step {
     int64_t table_stride;
     const int32_t* qsl;  // [num_seqs + 1]
     const int32_t* seq_lens;  // [num_seqs]
+    const int64_t* window_slots;  // the window pool's (kv_window.py), or null: the global ones serve
+    const int32_t* window_tables;
+    int64_t window_table_stride;
     int num_segs;
     const int32_t* seg_starts;  // LoRA segments, or null
     const int32_t* seg_slots;
@@ -123,11 +103,12 @@ struct PhaseClock {
     }
 };
 
-// Scratch buffers of one forward, grown on first use and reused by every layer.
+// The program's buffers and the MoE op's own scratch, grown on first use and kept from step to step.
 struct Scratch {
-    std::vector<float> h, qkv, attn, out, gu, act, logits, rows, rows_out, gate;
-    std::vector<int32_t> experts, offsets, row_of, token_of;
-    std::vector<float> weights;
+    std::vector<std::vector<float>> buffers;
+    std::vector<float*> ptrs;
+    std::vector<float> rows, rows_out, gu, act, weights;
+    std::vector<int32_t> experts, offsets, row_of, token_of, cursor;
     std::vector<std::pair<float, int64_t>> queue;
 
     template <typename V>
@@ -137,79 +118,94 @@ struct Scratch {
     }
 };
 
-// What every op of a step reads: the model, the step, scratch, the clock.
+// What every op of a step reads: the program, the step, its buffers, scratch, the clock.
 struct Ctx {
-    const Model& m;
+    const Program& prog;
     const Step& s;
     Scratch& scratch;
     PhaseClock& clock;
+    int T;
+    float* buf(int id) const { return scratch.ptrs[id]; }
+    int64_t ld(int id) const { return prog.widths[id]; }
 };
 
+// The linear layer's product in the weight's own format: the model's dtype (float GEMM) or a quantized one
+// (qgemm.h). TW: the model's float dtype (biases, unquantized weights).
 template <typename TW>
-void rms_norm(const float* x, int M, int n, const TW* w, float eps, float* out) {
+void linear(const void* w, int code, const float* x, int64_t ldx, int M, int K, int N, const TW* bias, float* y,
+            int64_t ldy, bool accumulate) {
+    const auto* q = static_cast<const uint8_t*>(w);
+    if (code == kWeightInt8) qgemm<kWeightInt8>(x, ldx, M, K, q, N, bias, y, ldy, accumulate);
+    else if (code == kWeightInt4) qgemm<kWeightInt4>(x, ldx, M, K, q, N, bias, y, ldy, accumulate);
+    else gemm(x, ldx, M, K, static_cast<const TW*>(w), N, bias, y, ldy, accumulate);
+}
+
+template <typename TW>
+void rms_norm(const float* x, int64_t ldx, int M, int n, const TW* w, float eps, float* out, int64_t ldo) {
     for (int m = 0; m < M; ++m) {
-        const float* xr = x + static_cast<int64_t>(m) * n;
+        const float* xr = x + m * ldx;
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
         for (int i = 0; i < n; ++i) ss += xr[i] * xr[i];
         const float inv = 1.0f / std::sqrt(ss / n + eps);
-        float* o = out + static_cast<int64_t>(m) * n;
+        float* o = out + m * ldo;
 #pragma omp simd
         for (int i = 0; i < n; ++i) o[i] = xr[i] * inv * load(w, i);
     }
 }
 
-// y += layer `layer`'s LoRA deltas of x for group g (its n modules' outputs: adjacent columns of y, sizes[m]
-// each); nothing without adapters in the step.
 template <typename TW>
-void lora_add(const Step& s, int g, int layer, const float* x, int64_t ldx, int n_in, float* y, int64_t ldy,
-              const int* sizes, int n) {
-    if (s.lora == nullptr || s.num_segs == 0) return;
-    sgmv_pool<TW>(x, ldx, y, ldy, *s.lora, g, layer, s.seg_starts, s.seg_slots, s.num_segs, n_in, sizes, n);
-}
-
-// The residual stream x [T, hidden] takes an op's output: the one point where each op's result joins the
-// stream. Under tensor parallelism the output is this rank's partial sum (its heads, its columns): the
-// ranks' parts are all-reduced first.
-inline void add_residual(const Model& m, float* x, float* out, int64_t n) {
-    if (m.all_reduce != nullptr) m.all_reduce(out, n);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) x[i] += out[i];
-}
-
-// The attention op: RMSNorm -> qkv (+ bias, + LoRA) -> (Qwen3: per-head q/k RMSNorm) -> rotary -> KV write ->
-// paged attention -> o (+ LoRA), added to the residual stream.
-template <typename TW, typename TC>
-void attention_op(Ctx& c, const AttentionWeights& W, int layer, float* x) {
-    const Model& m = c.m;
-    const Step& s = c.s;
-    const int T = s.num_tokens, hid = m.hidden, D = m.head_dim, H = m.num_heads, KVH = m.num_kv_heads;
-    const int q_size = H * D, kv_size = KVH * D, qkv_n = q_size + 2 * kv_size, half = D / 2;
-    float* h = Scratch::get(c.scratch.h, static_cast<int64_t>(T) * hid);
-    float* qkv = Scratch::get(c.scratch.qkv, static_cast<int64_t>(T) * qkv_n);
-    float* attn = Scratch::get(c.scratch.attn, static_cast<int64_t>(T) * q_size);
-    float* out = Scratch::get(c.scratch.out, static_cast<int64_t>(T) * hid);
-    rms_norm(x, T, hid, static_cast<const TW*>(W.norm), m.eps, h);
+void rms_norm_op(Ctx& c, const Op& op) {
+    const int in_col = op.i[0], out_col = op.i[1], n = op.i[2], groups = op.i[3];
+    const float* x = c.buf(op.in) + in_col;
+    float* out = c.buf(op.out) + out_col;
+    const int64_t ldx = c.ld(op.in), ldo = c.ld(op.out);
+    const auto* w = static_cast<const TW*>(op.p[0]);
+    if (groups == 1) {
+        rms_norm(x, ldx, c.T, n, w, op.f[0], out, ldo);
+    } else {  // each row's runs: rows of n values, `groups` to a row
+        for (int t = 0; t < c.T; ++t) rms_norm(x + t * ldx, n, groups, n, w, op.f[0], out + t * ldo, n);
+    }
     c.clock.mark(kPhaseOther);
-    linear(W.qkv, h, hid, T, hid, qkv_n, static_cast<const TW*>(W.qkv_bias), qkv, qkv_n, false);
+}
+
+// out (=, or +=) in @ W^T (+ bias), then the layer's LoRA deltas of its module group (each token its adapter's;
+// the modules' outputs: adjacent columns of out), nothing without adapters in the step.
+template <typename TW>
+void linear_op(Ctx& c, const Op& op) {
+    const int K = op.i[0], N = op.i[1], code = op.i[2], group = op.i[4], modules = op.i[5];
+    const float* x = c.buf(op.in);
+    float* y = c.buf(op.out);
+    linear(op.p[0], code, x, c.ld(op.in), c.T, K, N, static_cast<const TW*>(op.p[1]), y, c.ld(op.out), op.i[3] != 0);
     c.clock.mark(kPhaseLinear);
-    if (s.lora) {
-        const int sizes[3] = {q_size, kv_size, kv_size};
-        lora_add<TW>(s, kLoraQKV, layer, h, hid, hid, qkv, qkv_n, sizes, 3);
+    const Step& s = c.s;
+    if (group >= 0 && s.lora != nullptr && s.num_segs > 0) {
+        sgmv_pool<TW>(x, c.ld(op.in), y, c.ld(op.out), *s.lora, group, op.layer, s.seg_starts, s.seg_slots,
+                      s.num_segs, K, &op.i[6], modules);
         c.clock.mark(kPhaseLora);
     }
-    // (Qwen3: each q and k head RMS-normalized,) rotary on q and k (the two halves of head_dim, Hugging Face
-    // layout), then the KV write
-    TC* kc = static_cast<TC*>(W.k_cache);
-    TC* vc = static_cast<TC*>(W.v_cache);
-    const int64_t kv_row = kv_size;
-    for (int t = 0; t < T; ++t) {
-        float* row = qkv + static_cast<int64_t>(t) * qkv_n;
-        const float* cs = m.cos + s.positions[t] * half;
-        const float* sn = m.sin + s.positions[t] * half;
+}
+
+// Rotary on each q and k head's first `dims` values (their two halves, Hugging Face layout; the rest passes),
+// then k and v written to the pool's cache at each token's slot.
+template <typename TC>
+void rotary_kv_op(Ctx& c, const Op& op) {
+    const Step& s = c.s;
+    const int H = op.i[0], KVH = op.i[1], D = op.i[2], half = op.i[3] / 2;
+    const bool window = op.i[4] == kPoolWindow && s.window_slots != nullptr;
+    const int64_t* slots = window ? s.window_slots : s.slots;
+    const auto* cos = static_cast<const float*>(op.p[0]);
+    const auto* sin = static_cast<const float*>(op.p[1]);
+    TC* kc = static_cast<TC*>(const_cast<void*>(op.p[2]));
+    TC* vc = static_cast<TC*>(const_cast<void*>(op.p[3]));
+    float* qkv = c.buf(op.in);
+    const int64_t ld = c.ld(op.in), kv_size = static_cast<int64_t>(KVH) * D, q_size = static_cast<int64_t>(H) * D;
+    for (int t = 0; t < c.T; ++t) {
+        float* row = qkv + t * ld;
+        const float* cs = cos + s.positions[t] * half;
+        const float* sn = sin + s.positions[t] * half;
         for (int hd = 0; hd < H + KVH; ++hd) {
-            float* v = row + hd * D;
-            if (W.q_norm) rms_norm(v, 1, D, static_cast<const TW*>(hd < H ? W.q_norm : W.k_norm), m.eps, v);
+            float* v = row + static_cast<int64_t>(hd) * D;
 #pragma omp simd
             for (int i = 0; i < half; ++i) {
                 const float a = v[i], b = v[i + half];
@@ -217,109 +213,105 @@ void attention_op(Ctx& c, const AttentionWeights& W, int layer, float* x) {
                 v[i + half] = b * cs[i] + a * sn[i];
             }
         }
-        const int64_t slot = s.slots[t];
+        const int64_t slot = slots[t];
         if (slot >= 0) {
-            for (int i = 0; i < kv_size; ++i) {
-                store(kc + slot * kv_row, i, row[q_size + i]);
-                store(vc + slot * kv_row, i, row[q_size + kv_size + i]);
+            for (int64_t i = 0; i < kv_size; ++i) {
+                store(kc + slot * kv_size, i, row[q_size + i]);
+                store(vc + slot * kv_size, i, row[q_size + kv_size + i]);
             }
         }
     }
     c.clock.mark(kPhaseOther);
-    attention(qkv, static_cast<int64_t>(qkv_n), static_cast<int64_t>(D), static_cast<const TC*>(kc),
-              static_cast<const TC*>(vc), s.tables, s.table_stride, s.qsl, s.seq_lens, s.num_seqs, attn, H, KVH,
-              D, m.block_size, m.scale);
-    c.clock.mark(kPhaseAttention);
-    linear(W.o, attn, q_size, T, q_size, hid, static_cast<const TW*>(nullptr), out, hid, false);
-    c.clock.mark(kPhaseLinear);
-    if (s.lora) {
-        lora_add<TW>(s, kLoraO, layer, attn, q_size, q_size, out, hid, &hid, 1);
-        c.clock.mark(kPhaseLora);
-    }
-    add_residual(m, x, out, static_cast<int64_t>(T) * hid);
-    c.clock.mark(kPhaseOther);
 }
 
-// out (=, or +=) down(silu(gate) * up) of h [T, hidden] through a SwiGLU MLP (+ layer `layer`'s LoRA; -1:
-// none), each row of the activation scaled by row_scale[t] first where given (a shared expert's gate: the
-// product is linear).
-template <typename TW>
-void swiglu(Ctx& c, const MlpWeights& W, const float* h, int T, int layer, const float* row_scale, float* out,
-            bool accumulate) {
+template <typename TC>
+void attention_op(Ctx& c, const Op& op) {
     const Step& s = c.s;
-    const int hid = c.m.hidden, I = W.inter;
-    float* gu = Scratch::get(c.scratch.gu, static_cast<int64_t>(T) * 2 * I);
-    float* act = Scratch::get(c.scratch.act, static_cast<int64_t>(T) * I);
-    linear(W.gate_up, h, hid, T, hid, 2 * I, static_cast<const TW*>(nullptr), gu, 2 * I, false);
-    c.clock.mark(kPhaseLinear);
-    const bool lora = s.lora && layer >= 0;
-    if (lora) {
-        const int sizes[2] = {I, I};
-        lora_add<TW>(s, kLoraGateUp, layer, h, hid, hid, gu, 2 * I, sizes, 2);
-        c.clock.mark(kPhaseLora);
-    }
+    const int H = op.i[0], KVH = op.i[1], D = op.i[2];
+    const bool window = op.i[3] == kPoolWindow && s.window_tables != nullptr;
+    attention(static_cast<const float*>(c.buf(op.in)), c.ld(op.in), static_cast<int64_t>(D),
+              static_cast<const TC*>(op.p[0]), static_cast<const TC*>(op.p[1]), window ? s.window_tables : s.tables,
+              window ? s.window_table_stride : s.table_stride, s.qsl, s.seq_lens, s.num_seqs, c.buf(op.out),
+              c.ld(op.out), H, KVH, D, c.prog.block_size, op.f[0], op.i[4], op.f[1],
+              static_cast<const float*>(op.p[2]));
+    c.clock.mark(kPhaseAttention);
+}
+
+inline void activate(int kind, const float* g, const float* u, float* out, int n, float alpha, float limit) {
+    if (kind == kActGeluTanh) gelu_tanh_mul(g, u, out, n);
+    else if (kind == kActSwigluLimit) swiglu_limit_mul(g, u, out, n, alpha, limit);
+    else silu_mul(g, u, out, n);
+}
+
+// out = act(gate) * up of in's rows (gate columns, then up columns), each row times sigmoid(its gate value) where
+// the op names a gate buffer (a shared expert's: the product after it is linear).
+inline void activation_op(Ctx& c, const Op& op) {
+    const int n = op.i[0], kind = op.i[1], gate_id = op.i[2], T = c.T;
+    const float* in = c.buf(op.in);
+    float* out = c.buf(op.out);
+    const float* gate = gate_id >= 0 ? c.buf(gate_id) : nullptr;
+    const int64_t ldi = c.ld(op.in), ldo = c.ld(op.out), ldg = gate_id >= 0 ? c.ld(gate_id) : 0;
 #pragma omp parallel for schedule(static) if (T > 8)
     for (int t = 0; t < T; ++t) {
-        const float* g = gu + static_cast<int64_t>(t) * 2 * I;
-        float* a = act + static_cast<int64_t>(t) * I;
-        silu_mul(g, g + I, a, I);
-        if (row_scale) {
-            const float sc = row_scale[t];
+        const float* g = in + t * ldi;
+        float* a = out + t * ldo;
+        activate(kind, g, g + n, a, n, op.f[0], op.f[1]);
+        if (gate) {
+            const float sc = sigmoid(gate[t * ldg]);
 #pragma omp simd
-            for (int i = 0; i < I; ++i) a[i] *= sc;
+            for (int i = 0; i < n; ++i) a[i] *= sc;
         }
     }
     c.clock.mark(kPhaseOther);
-    linear(W.down, act, I, T, I, hid, static_cast<const TW*>(nullptr), out, hid, accumulate);
-    c.clock.mark(kPhaseLinear);
-    if (lora) {
-        lora_add<TW>(s, kLoraDown, layer, act, I, I, out, hid, &hid, 1);
-        c.clock.mark(kPhaseLora);
+}
+
+// A block's output joins the residual stream, the one point where it does: under tensor parallelism it is this
+// rank's partial sum (its heads, its columns), so the ranks' parts are all-reduced first; then the layer's norm
+// after the block where it has one (OLMo 2's, Gemma's), then the add.
+template <typename TW>
+void add_residual_op(Ctx& c, const Op& op) {
+    const int n = op.i[0], T = c.T;
+    float* o = c.buf(op.in);
+    float* x = c.buf(op.out);
+    const int64_t ldo = c.ld(op.in), ldx = c.ld(op.out);
+    if (c.prog.all_reduce != nullptr) c.prog.all_reduce(o, static_cast<int64_t>(T) * ldo);
+    if (op.p[0] != nullptr) rms_norm(o, ldo, T, n, static_cast<const TW*>(op.p[0]), op.f[0], o, ldo);
+    for (int t = 0; t < T; ++t) {
+        float* xr = x + t * ldx;
+        const float* orow = o + t * ldo;
+#pragma omp simd
+        for (int i = 0; i < n; ++i) xr[i] += orow[i];
     }
-}
-
-// The dense MLP op: RMSNorm -> gate/up (+ LoRA) -> SiLU * up -> down (+ LoRA), added to the residual stream.
-template <typename TW>
-void mlp_op(Ctx& c, const void* norm, const MlpWeights& W, int layer, float* x) {
-    const int T = c.s.num_tokens, hid = c.m.hidden;
-    float* h = Scratch::get(c.scratch.h, static_cast<int64_t>(T) * hid);
-    float* out = Scratch::get(c.scratch.out, static_cast<int64_t>(T) * hid);
-    rms_norm(x, T, hid, static_cast<const TW*>(norm), c.m.eps, h);
-    c.clock.mark(kPhaseOther);
-    swiglu<TW>(c, W, h, T, layer, nullptr, out, false);
-    add_residual(c.m, x, out, static_cast<int64_t>(T) * hid);
     c.clock.mark(kPhaseOther);
 }
 
-// The sparse MoE op: RMSNorm -> router -> softmax, top-k -> the (token, choice) rows sorted by expert ->
-// each expert's gate/up, SiLU * up, down over its segment (grouped GEMMs) -> the rows' weighted sum per token
-// (+ the shared expert, scaled by its sigmoid gate), added to the residual stream. No LoRA: adapters target
-// the attention of an MoE model only (motet/lora/adapter.py refuses the others).
+// The sparse layer's experts over the router's logits: softmax, top-k -> the (token, choice) rows sorted by
+// expert -> each expert's gate/up (+ bias), activation, down (+ bias) over its segment (grouped GEMMs) -> the rows'
+// weighted sum per token into out (=). No LoRA: adapters target the attention of an MoE model only
+// (motet/lora/adapter.py refuses the others).
 template <typename TW>
-void moe_op(Ctx& c, const void* norm, const MoeWeights& W, float* x) {
+void moe_op(Ctx& c, const Op& op) {
     Scratch& sc = c.scratch;
-    const int T = c.s.num_tokens, hid = c.m.hidden, E = W.num_experts, k = W.top_k, I = W.inter;
-    const int R = T * k;  // (token, choice) rows
-    float* h = Scratch::get(sc.h, static_cast<int64_t>(T) * hid);
-    float* out = Scratch::get(sc.out, static_cast<int64_t>(T) * hid);
-    float* logits = Scratch::get(sc.logits, static_cast<int64_t>(T) * E);
+    const int logits_id = op.i[0], E = op.i[1], k = op.i[2], I = op.i[3], kind = op.i[5], hid = op.i[6];
+    const bool renormalize = op.i[4] != 0;
+    const int T = c.T, R = T * k;  // (token, choice) rows
+    const float* h = c.buf(op.in);
+    float* out = c.buf(op.out);
+    const int64_t ldh = c.ld(op.in), ldo = c.ld(op.out), ldl = c.ld(logits_id);
+    const float* logits = c.buf(logits_id);
     int32_t* experts = Scratch::get(sc.experts, R);
     float* weights = Scratch::get(sc.weights, R);
-    rms_norm(x, T, hid, static_cast<const TW*>(norm), c.m.eps, h);
-    c.clock.mark(kPhaseOther);
-    linear(W.router, h, hid, T, hid, E, static_cast<const TW*>(nullptr), logits, E, false);
-    c.clock.mark(kPhaseLinear);
     for (int t = 0; t < T; ++t)
-        route(logits + static_cast<int64_t>(t) * E, E, k, W.renormalize != 0, experts + t * k, weights + t * k,
-              sc.queue);
+        route(logits + t * ldl, E, k, renormalize, experts + t * k, weights + t * k, sc.queue);
     // rows sorted by expert, stably (a token's choices in token order within an expert's segment)
     int32_t* offsets = Scratch::get(sc.offsets, E + 1);
     int32_t* row_of = Scratch::get(sc.row_of, R);  // (token, choice) -> its sorted row
     int32_t* token_of = Scratch::get(sc.token_of, R);  // sorted row -> its token
+    int32_t* cursor = Scratch::get(sc.cursor, E);
     std::fill(offsets, offsets + E + 1, 0);
     for (int i = 0; i < R; ++i) ++offsets[experts[i] + 1];
     for (int e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
-    std::vector<int32_t> cursor(offsets, offsets + E);
+    std::copy(offsets, offsets + E, cursor);
     for (int i = 0; i < R; ++i) {
         const int32_t r = cursor[experts[i]]++;
         row_of[i] = r;
@@ -331,26 +323,27 @@ void moe_op(Ctx& c, const void* norm, const MoeWeights& W, float* x) {
     float* rows = Scratch::get(sc.rows, static_cast<int64_t>(R) * hid);
 #pragma omp parallel for schedule(static) if (static_cast<int64_t>(R) * hid > kParallelElems)
     for (int r = 0; r < R; ++r)
-        std::memcpy(rows + static_cast<int64_t>(r) * hid, h + static_cast<int64_t>(token_of[r]) * hid,
-                    sizeof(float) * hid);
+        std::memcpy(rows + static_cast<int64_t>(r) * hid, h + token_of[r] * ldh, sizeof(float) * hid);
     c.clock.mark(kPhaseOther);
     float* gu = Scratch::get(sc.gu, static_cast<int64_t>(R) * 2 * I);
     float* act = Scratch::get(sc.act, static_cast<int64_t>(R) * I);
     float* rows_out = Scratch::get(sc.rows_out, static_cast<int64_t>(R) * hid);
-    grouped_gemm(rows, hid, offsets, E, hid, static_cast<const TW*>(W.experts_gate_up), 2 * I, gu, 2 * I);
+    grouped_gemm(rows, hid, offsets, E, hid, static_cast<const TW*>(op.p[0]), 2 * I, static_cast<const TW*>(op.p[2]),
+                 gu, 2 * I);
     c.clock.mark(kPhaseLinear);
 #pragma omp parallel for schedule(static) if (static_cast<int64_t>(R) * I > kParallelElems / 4)
     for (int r = 0; r < R; ++r) {
         const float* g = gu + static_cast<int64_t>(r) * 2 * I;
-        silu_mul(g, g + I, act + static_cast<int64_t>(r) * I, I);
+        activate(kind, g, g + I, act + static_cast<int64_t>(r) * I, I, op.f[0], op.f[1]);
     }
     c.clock.mark(kPhaseOther);
-    grouped_gemm(act, I, offsets, E, I, static_cast<const TW*>(W.experts_down), hid, rows_out, hid);
+    grouped_gemm(act, I, offsets, E, I, static_cast<const TW*>(op.p[1]), hid, static_cast<const TW*>(op.p[3]),
+                 rows_out, hid);
     c.clock.mark(kPhaseLinear);
     // each token's rows, weighted, in the order of its choices (a token's sum does not depend on the batch)
 #pragma omp parallel for schedule(static) if (static_cast<int64_t>(R) * hid > kParallelElems)
     for (int t = 0; t < T; ++t) {
-        float* o = out + static_cast<int64_t>(t) * hid;
+        float* o = out + t * ldo;
         for (int j = 0; j < k; ++j) {
             const float w = weights[t * k + j];
             const float* y = rows_out + static_cast<int64_t>(row_of[t * k + j]) * hid;
@@ -364,31 +357,80 @@ void moe_op(Ctx& c, const void* norm, const MoeWeights& W, float* x) {
         }
     }
     c.clock.mark(kPhaseOther);
-    if (W.shared.inter > 0) {
-        float* gate = Scratch::get(sc.gate, T);
-        linear(W.shared_gate, h, hid, T, hid, 1, static_cast<const TW*>(nullptr), gate, 1, false);
-        for (int t = 0; t < T; ++t) gate[t] = 1.0f / (1.0f + std::exp(-gate[t]));
-        swiglu<TW>(c, W.shared, h, T, -1, gate, out, true);
-    }
-    add_residual(c.m, x, out, static_cast<int64_t>(T) * hid);
-    c.clock.mark(kPhaseOther);
 }
 
 template <typename TW, typename TC>
-void forward(const Model& m, const Step& s, float* x) {
-    Scratch scratch;
+void forward(const Program& prog, Scratch& scratch, const Step& s, float* x) {
     PhaseClock clock(s.timings);
-    Ctx c{m, s, scratch, clock};
-    for (int li = 0; li < m.num_layers; ++li) {
-        const Layer& L = m.layers[li];
-        attention_op<TW, TC>(c, L.attn, li, x);
-        switch (L.mlp_kind) {
-            case kMlpSparse: moe_op<TW>(c, L.post_norm, L.moe, x); break;
-            default: mlp_op<TW>(c, L.post_norm, L.mlp, li, x); break;
+    const int T = s.num_tokens;
+    scratch.buffers.resize(prog.num_buffers);
+    scratch.ptrs.resize(prog.num_buffers);
+    scratch.ptrs[0] = x;
+    for (int b = 1; b < prog.num_buffers; ++b)
+        scratch.ptrs[b] = Scratch::get(scratch.buffers[b], static_cast<int64_t>(T) * prog.widths[b]);
+    Ctx c{prog, s, scratch, clock, T};
+    for (int i = 0; i < prog.num_ops; ++i) {
+        const Op& op = prog.ops[i];
+        switch (op.kind) {
+            case kRmsNorm: rms_norm_op<TW>(c, op); break;
+            case kLinear: linear_op<TW>(c, op); break;
+            case kRotaryKv: rotary_kv_op<TC>(c, op); break;
+            case kAttention: attention_op<TC>(c, op); break;
+            case kActivation: activation_op(c, op); break;
+            case kAddResidual: add_residual_op<TW>(c, op); break;
+            case kMoe: moe_op<TW>(c, op); break;
+            default: break;  // (refused by check_program)
         }
     }
-    rms_norm(x, s.num_tokens, m.hidden, static_cast<const TW*>(m.final_norm), m.eps, x);  // in place: row by row
-    clock.mark(kPhaseOther);
+}
+
+// 0 where every op's buffers, columns and shapes are in range and its kernels take its arguments.
+inline int check_program(const Program& m) {
+    if (m.num_buffers < 1 || m.block_size < 1) return 3;
+    const auto buffer = [&m](int id) { return id >= 0 && id < m.num_buffers; };
+    const auto width = [&m](int id) { return m.widths[id]; };
+    // a linear's weight: the model's dtype, or quantized along an input dimension of whole blocks
+    const auto weight_ok = [&m](int code, int K) {
+        return code == m.dtype_w || ((code == kWeightInt8 || code == kWeightInt4) && K % QBLOCK == 0);
+    };
+    for (int n = 0; n < m.num_ops; ++n) {
+        const Op& op = m.ops[n];
+        if (op.kind < 0 || op.kind >= kNumOpKinds || !buffer(op.in) || !buffer(op.out)) return 3;
+        const int* i = op.i;
+        bool ok = true;
+        switch (op.kind) {
+            case kRmsNorm:
+                ok = i[2] > 0 && i[3] > 0 && i[0] >= 0 && i[1] >= 0 && i[0] + i[2] * i[3] <= width(op.in) &&
+                     i[1] + i[2] * i[3] <= width(op.out) && op.p[0] != nullptr;
+                break;
+            case kLinear:
+                ok = i[0] <= width(op.in) && i[1] <= width(op.out) && weight_ok(i[2], i[0]) && op.p[0] != nullptr &&
+                     i[4] < kLoraGroups && (i[4] < 0 || (i[5] >= 1 && i[5] <= 3));
+                break;
+            case kRotaryKv:
+                ok = (i[0] + 2 * i[1]) * i[2] <= width(op.in) && i[3] % 2 == 0 && i[3] > 0 && i[3] <= i[2] &&
+                     op.p[0] && op.p[1] && op.p[2] && op.p[3];
+                break;
+            case kAttention:
+                ok = i[1] > 0 && i[0] % i[1] == 0 && i[0] / i[1] <= kMaxGroup && i[2] <= kMaxHeadDim &&
+                     i[0] * i[2] <= width(op.in) && i[0] * i[2] <= width(op.out) && i[4] >= 0 && op.p[0] && op.p[1];
+                break;
+            case kActivation:
+                ok = 2 * i[0] <= width(op.in) && i[0] <= width(op.out) && i[1] >= 0 && i[1] <= kActSwigluLimit &&
+                     (i[2] == -1 || buffer(i[2]));
+                break;
+            case kAddResidual:
+                ok = i[0] <= width(op.in) && i[0] <= width(op.out);
+                break;
+            case kMoe:
+                ok = buffer(i[0]) && i[1] >= 1 && i[2] >= 1 && i[2] <= i[1] && i[3] >= 1 && i[1] <= width(i[0]) &&
+                     i[5] >= 0 && i[5] <= kActSwigluLimit && i[6] <= width(op.in) && i[6] <= width(op.out) &&
+                     op.p[0] && op.p[1];
+                break;
+        }
+        if (!ok) return 3;
+    }
+    return 0;
 }
 
 }  // namespace motet
@@ -402,14 +444,16 @@ extern "C" {
 #endif
 int motet_abi_version() { return MOTET_ABI_VERSION; }
 
+// window 0: none; softcap 0: none; sinks: fp32 [H] or null.
 int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, int64_t q_sh, const void* kc,
                     const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* qsl,
                     const int32_t* seq_lens, int num_seqs, void* out, int H, int KVH, int D, int BS,
-                    float scale) {
-    if (H % KVH != 0 || H / KVH > kMaxGroup || D > kMaxHeadDim) return 1;
-#define ATTN(TQ, TC)                                                                                       \
+                    float scale, int window, float softcap, const float* sinks) {
+    if (H % KVH != 0 || H / KVH > kMaxGroup || D > kMaxHeadDim || window < 0) return 1;
+#define ATTN(TQ, TC)                                                                                         \
     attention(static_cast<const TQ*>(q), q_st, q_sh, static_cast<const TC*>(kc), static_cast<const TC*>(vc), \
-              tables, table_stride, qsl, seq_lens, num_seqs, static_cast<TQ*>(out), H, KVH, D, BS, scale)
+              tables, table_stride, qsl, seq_lens, num_seqs, static_cast<TQ*>(out),                         \
+              static_cast<int64_t>(H) * D, H, KVH, D, BS, scale, window, softcap, sinks)
     if (dtype_q == 0 && dtype_cache == 0) ATTN(float, float);
     else if (dtype_q == 0 && dtype_cache == 1) ATTN(float, uint16_t);
     else if (dtype_q == 1 && dtype_cache == 1) ATTN(uint16_t, uint16_t);
@@ -454,37 +498,29 @@ int motet_gemm(int dtype_w, const float* x, int64_t ldx, int M, int K, const voi
     return 0;
 }
 
-int motet_forward(const Model* m, const Step* s, float* x) {
-    if (m->num_heads % m->num_kv_heads != 0 || m->num_heads / m->num_kv_heads > kMaxGroup ||
-        m->head_dim > kMaxHeadDim || m->head_dim % 2 != 0)
-        return 1;
-    // each linear: the model's dtype, or quantized along an input dimension of whole blocks; experts, their
-    // router and gate: the model's dtype
-    const auto ok = [m](const Linear& L, int K) {
-        return L.code == m->dtype_w || ((L.code == kWeightInt8 || L.code == kWeightInt4) && K % QBLOCK == 0);
-    };
-    const auto mlp_ok = [&](const MlpWeights& W) {
-        return W.inter > 0 && ok(W.gate_up, m->hidden) && ok(W.down, W.inter);
-    };
-    for (int i = 0; i < m->num_layers; ++i) {
-        const Layer& L = m->layers[i];
-        if (!ok(L.attn.qkv, m->hidden) || !ok(L.attn.o, m->num_heads * m->head_dim)) return 3;
-        if (L.mlp_kind == kMlpDense && !mlp_ok(L.mlp)) return 3;
-        if (L.mlp_kind == kMlpSparse) {
-            const MoeWeights& W = L.moe;
-            if (W.num_experts < 1 || W.top_k < 1 || W.top_k > W.num_experts || W.inter < 1 ||
-                W.router.code != m->dtype_w || (W.shared.inter > 0 && (!mlp_ok(W.shared) ||
-                W.shared_gate.code != m->dtype_w)))
-                return 3;
-        }
-        if (L.mlp_kind != kMlpDense && L.mlp_kind != kMlpSparse) return 3;
-    }
-    if (m->dtype_w == 0 && m->dtype_cache == 0) forward<float, float>(*m, *s, x);
-    else if (m->dtype_w == 1 && m->dtype_cache == 1) forward<uint16_t, uint16_t>(*m, *s, x);
-    else if (m->dtype_w == 0 && m->dtype_cache == 1) forward<float, uint16_t>(*m, *s, x);
-    else if (m->dtype_w == 1 && m->dtype_cache == 0) forward<uint16_t, float>(*m, *s, x);
+// 0, or why the program cannot run: 2 its dtypes, 3 an op's arguments.
+int motet_check(const Program* m) {
+    if (m->dtype_w < 0 || m->dtype_w > 1 || m->dtype_cache < 0 || m->dtype_cache > 1) return 2;
+    return check_program(*m);
+}
+
+// The program over x [T, widths[0]] (the embeddings in, the program's last op's result out). The program is
+// checked once (motet_check) when it is made.
+int motet_forward(Program* m, const Step* s, float* x) {
+    if (m->scratch == nullptr) m->scratch = new Scratch();
+    Scratch& scratch = *static_cast<Scratch*>(m->scratch);
+    if (m->dtype_w == 0 && m->dtype_cache == 0) forward<float, float>(*m, scratch, *s, x);
+    else if (m->dtype_w == 1 && m->dtype_cache == 1) forward<uint16_t, uint16_t>(*m, scratch, *s, x);
+    else if (m->dtype_w == 0 && m->dtype_cache == 1) forward<float, uint16_t>(*m, scratch, *s, x);
+    else if (m->dtype_w == 1 && m->dtype_cache == 0) forward<uint16_t, float>(*m, scratch, *s, x);
     else return 2;
     return 0;
+}
+
+// Frees the program's scratch (its buffers stay with it between steps).
+void motet_release(Program* m) {
+    delete static_cast<Scratch*>(m->scratch);
+    m->scratch = nullptr;
 }
 
 }  // extern "C"

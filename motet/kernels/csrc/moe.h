@@ -45,7 +45,8 @@ inline void route(const float* logits, int E, int k, bool renormalize, int32_t* 
 
 // ---------------------------------------------------------------------------------------------------------
 // Grouped GEMM: rows sorted by expert, expert e's rows [offsets[e], offsets[e + 1]) of y (=) those rows of x @
-// W_e^T, W_e packed like gemm's weights (panels of NR columns), the experts' packed weights one after another.
+// W_e^T (+ bias_e), W_e packed like gemm's weights (panels of NR columns), the experts' packed weights one after
+// another, their biases (or null) [E, N].
 //
 // One parallel region for all experts: the work items are (expert, chunk of up to kMChunk rows, panel),
 // ordered so, and each thread takes one contiguous run of them holding an equal share of the estimated cost
@@ -55,7 +56,7 @@ constexpr int kPanelCost = 8;  // streaming one panel from memory, in rows of ar
 
 template <typename TW>
 void grouped_gemm(const float* x, int64_t ldx, const int32_t* offsets, int E, int K, const TW* packed, int N,
-                  float* y, int64_t ldy) {
+                  const TW* bias, float* y, int64_t ldy) {
     const int panels = (N + NR - 1) / NR;
     const int64_t expert_stride = static_cast<int64_t>(panels) * K * NR;
     struct Chunk {
@@ -89,8 +90,8 @@ void grouped_gemm(const float* x, int64_t ldx, const int32_t* offsets, int E, in
             const int p = static_cast<int>(item % panels);
             const int n0 = p * NR, nv = N - n0 < NR ? N - n0 : NR;
             const TW* w = packed + c.expert * expert_stride + static_cast<int64_t>(p) * K * NR;
-            panel_product(x, ldx, c.m_start, c.m_end, K, w, n0, nv, static_cast<const TW*>(nullptr), y, ldy,
-                          false, convert.data());
+            const TW* b = bias ? bias + static_cast<int64_t>(c.expert) * N : nullptr;
+            panel_product(x, ldx, c.m_start, c.m_end, K, w, n0, nv, b, y, ldy, false, convert.data());
         }
     }
 }
