@@ -227,9 +227,12 @@ class CpuForward:
         if attn.q_norm is not None:  # across the heads (one run of q_size), or per head (a run of D each)
             whole = attn.qk_norm_whole
             qn, kn = attn.q_norm, attn.k_norm
-            w.rms_norm("qkv", "qkv", self._keep_ptr(qn.weight), qn.eps, q if whole else D, 1 if whole else H)
+            # across heads split over tensor-parallel ranks: the whole model's widths (sums all-reduced)
+            q_whole, k_whole = attn.whole_widths if whole and model.parallel.enabled else (0, 0)
+            w.rms_norm("qkv", "qkv", self._keep_ptr(qn.weight), qn.eps, q if whole else D, 1 if whole else H,
+                       whole=q_whole)  # fmt: skip
             w.rms_norm("qkv", "qkv", self._keep_ptr(kn.weight), kn.eps, kvs if whole else D, 1 if whole else KVH,
-                       src_col=q, dst_col=q)  # fmt: skip
+                       src_col=q, dst_col=q, whole=k_whole)  # fmt: skip
         # the layer's rotary: a sliding layer's own table where the model has one (Gemma 3's local base)
         local = i in model.config.sliding_layers and model.local_rope is not None
         rope = model.local_rope if local else model.rope

@@ -168,15 +168,18 @@ class ProgramWriter:
         groups: int = 1,
         src_col: int = 0,
         dst_col: int = 0,
+        whole: int = 0,
     ) -> None:
         """`groups` runs of `n` columns from `src_col` normed (weight [n]) into `dst` from `dst_col` (in place
-        where src is dst): one run spans a row's heads, or one run per head."""
+        where src is dst): one run spans a row's heads, or one run per head. `whole` > 0: the one run is this
+        rank's part of a row `whole` wide (a norm across heads under tensor parallelism): its sum of squares is
+        all-reduced over the ranks first."""
         span = n * groups
         self._op(
             "rms_norm",
             self.buffer(src, src_col + span),
             self.buffer(dst, dst_col + span),
-            (src_col, dst_col, n, groups),
+            (src_col, dst_col, n, groups, whole),
             (weight,),
             (eps,),
         )

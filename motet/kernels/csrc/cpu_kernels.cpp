@@ -28,8 +28,10 @@ namespace motet {
 // them as below; a new kind of layer is a new op kind, not a new struct.
 //
 //   kind          i[]                                            p[]                              f[]
-//   RMS_NORM      in_col, out_col, n, groups                     w [n]                            eps
-//                 (each of `groups` runs of n columns normed with w: one run spans all heads, or a run per head)
+//   RMS_NORM      in_col, out_col, n, groups, whole              w [n]                            eps
+//                 (each of `groups` runs of n columns normed with w: one run spans all heads, or a run per head;
+//                 whole > 0: one run that is this rank's part of a row `whole` wide, its sum of squares
+//                 all-reduced over the ranks first: a norm across heads split by tensor parallelism)
 //   LINEAR        K, N, code, accumulate, lora group, lora       w (packed, in `code`), bias [N]
 //                 modules, their sizes (3)
 //   ROTARY_KV     H, KVH, D, rotary dims, pool                   cos, sin [P, dims / 2], k/v cache
@@ -107,7 +109,7 @@ struct PhaseClock {
 struct Scratch {
     std::vector<std::vector<float>> buffers;
     std::vector<float*> ptrs;
-    std::vector<float> rows, rows_out, gu, act, weights;
+    std::vector<float> rows, rows_out, gu, act, weights, sums;
     std::vector<int32_t> experts, offsets, row_of, token_of, cursor;
     std::vector<std::pair<float, int64_t>> queue;
 
@@ -161,7 +163,25 @@ void rms_norm_op(Ctx& c, const Op& op) {
     float* out = c.buf(op.out) + out_col;
     const int64_t ldx = c.ld(op.in), ldo = c.ld(op.out);
     const auto* w = static_cast<const TW*>(op.p[0]);
-    if (groups == 1) {
+    if (op.i[4] > 0 && c.prog.all_reduce != nullptr) {  // the row spans the ranks: its sum of squares too
+        float* ss = Scratch::get(c.scratch.sums, c.T);
+        for (int t = 0; t < c.T; ++t) {
+            const float* xr = x + t * ldx;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int i = 0; i < n; ++i) acc += xr[i] * xr[i];
+            ss[t] = acc;
+        }
+        c.prog.all_reduce(ss, c.T);
+        const float whole = static_cast<float>(op.i[4]);
+        for (int t = 0; t < c.T; ++t) {
+            const float inv = 1.0f / std::sqrt(ss[t] / whole + op.f[0]);
+            const float* xr = x + t * ldx;
+            float* o = out + t * ldo;
+#pragma omp simd
+            for (int i = 0; i < n; ++i) o[i] = xr[i] * inv * load(w, i);
+        }
+    } else if (groups == 1) {
         rms_norm(x, ldx, c.T, n, w, op.f[0], out, ldo);
     } else {  // each row's runs: rows of n values, `groups` to a row
         for (int t = 0; t < c.T; ++t) rms_norm(x + t * ldx, n, groups, n, w, op.f[0], out + t * ldo, n);
@@ -401,7 +421,8 @@ inline int check_program(const Program& m) {
         switch (op.kind) {
             case kRmsNorm:
                 ok = i[2] > 0 && i[3] > 0 && i[0] >= 0 && i[1] >= 0 && i[0] + i[2] * i[3] <= width(op.in) &&
-                     i[1] + i[2] * i[3] <= width(op.out) && op.p[0] != nullptr;
+                     i[1] + i[2] * i[3] <= width(op.out) && op.p[0] != nullptr && i[4] >= 0 &&
+                     (i[4] == 0 || (i[3] == 1 && i[4] >= i[2]));
                 break;
             case kLinear:
                 ok = i[0] <= width(op.in) && i[1] <= width(op.out) && weight_ok(i[2], i[0]) && op.p[0] != nullptr &&
