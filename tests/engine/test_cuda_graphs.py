@@ -92,7 +92,7 @@ def test_graph_decode_equals_eager(tiny_model_dir, tmp_path, dtype, adapters):
     from motet.engine.config import EngineConfig
     from motet.engine.llm_engine import LLMEngine
     from motet.engine.sampling_params import SamplingParams
-    from motet.evals.lora_bench import write_random_adapter
+    from motet.evals.lora_reference import write_random_adapter
 
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60, 2, 9)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -150,7 +150,7 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
     from motet.engine.llm_engine import LLMEngine
     from motet.engine.model import AttentionMetadata
     from motet.engine.sampling_params import SamplingParams
-    from motet.evals.lora_bench import write_random_adapter
+    from motet.evals.lora_reference import write_random_adapter
 
     class PlannedEachStep(AttentionMetadata):
         """(the CPU attention's host-side plan is made from the tables of each replay, not kept from the first)"""

@@ -311,7 +311,7 @@ def test_quantized_decode_from_graphs_equals_eager(tiny_model_dir, tmp_path, nam
     """The kernel inside the decode CUDA graphs (motet/engine/cuda_graphs.py): greedy tokens of ragged
     prompts in bf16, with and without adapters on top, the same as eager steps."""
     from motet.engine.sampling_params import SamplingParams
-    from motet.evals.lora_bench import write_random_adapter
+    from motet.evals.lora_reference import write_random_adapter
 
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60, 2, 9)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
