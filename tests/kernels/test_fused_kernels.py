@@ -21,6 +21,7 @@ from motet.engine.model import SparseMoE
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import activation, fused_norm, rope_kv
 from motet.kernels.rope_kv import RotaryAngles
+from tests.engine.helpers import finished_tokens
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
 from tests.models.test_moe import MOE_MODELS, randomize_norms
 from tests.peft_adapters import peft_reference, tiny_requests
@@ -356,11 +357,7 @@ def test_model_greedy_decode_matches_hf_generate(tmp_path, fused):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=str(i))
-    tokens = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                tokens[tuple(out.prompt_token_ids)] = list(out.token_ids)
+    tokens = finished_tokens(engine)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for p in prompts:
         ref = hf.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)

@@ -18,6 +18,7 @@ from motet.engine.model import Linear
 from motet.kernels import triton_quant
 from motet.kernels.quant import FORMATS, QuantizedWeight
 from motet.kernels.triton_quant import TileConfig, choose_config, quant_linear
+from tests.engine.helpers import mixed_adapter_tokens
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.kernels.test_quantization import dequantized_checkpoint
 from tests.tiny_models import build_tiny_model
@@ -311,7 +312,6 @@ def test_quantized_decode_from_graphs_equals_eager(tiny_model_dir, tmp_path, nam
     """The kernel inside the decode CUDA graphs (motet/engine/cuda_graphs.py): greedy tokens of ragged
     prompts in bf16, with and without adapters on top, the same as eager steps."""
     from motet.engine.sampling_params import SamplingParams
-    from motet.evals.lora_reference import write_random_adapter
 
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60, 2, 9)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -320,17 +320,6 @@ def test_quantized_decode_from_graphs_equals_eager(tiny_model_dir, tmp_path, nam
         config = EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", device="cuda", block_size=8,
                               num_kv_blocks=256, quantization=name, compile_step=graphs)  # fmt: skip
         eng = LLMEngine(config, model_dir=tiny_model_dir)
-        names = [
-            eng.add_lora(f"a{i}", write_random_adapter(tmp_path / f"a{i}", eng.model_config, 8, seed=i))
-            for i in range(adapters)
-        ]
-        for i, p in enumerate(prompts):
-            eng.add_request(p, params, adapter=names[i % 3] if adapters and i % 3 < adapters else None)
-        tokens = {}
-        while eng.has_unfinished():
-            for out in eng.step():
-                if out.finished:
-                    tokens[tuple(out.prompt_token_ids)] = list(out.token_ids)
-        outs[graphs] = tokens
+        outs[graphs] = mixed_adapter_tokens(eng, prompts, params, adapters, tmp_path)
         assert not graphs or eng.runner.graphs.replays > 0
     assert outs[True] == outs[False]
