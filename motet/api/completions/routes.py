@@ -186,6 +186,27 @@ def stream_usage(req: P._SamplingFields) -> tuple[bool, bool]:
     return include, include and req.stream_options.continuous_usage_stats
 
 
+def generate_spec(
+    req, id_prefix: str, params, tenant, adapter, max_tokens, structure, **prompt
+) -> GenerateSpec:
+    """What the engine is asked for a chat or a completion request: one choice per `req.n` (ids `id_prefix-i`),
+    the tenant and adapter, the output's bound, and the fields both requests pass on alike; `prompt`: the
+    prompt, or the messages and how they are rendered."""
+    return GenerateSpec(
+        request_ids=[f"{id_prefix}-{i}" for i in range(req.n)],
+        params=params,
+        tenant=tenant,
+        adapter=adapter,
+        max_tokens=max_tokens,
+        grammar_param=structure.param,
+        add_special_tokens=req.add_special_tokens,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        priority=req.priority,
+        background=background.get(),
+        **prompt,
+    )
+
+
 # -- chat -------------------------------------------------------------------------------------------------
 def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionRequest, rid: str):
     """A validated chat request as the engine's GenerateSpec, with its structure (grammar, tools), top
@@ -213,21 +234,8 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
     params, engine_max, drop = build_params(
         req, max_tokens, k, prompt_k, structure, state.reasoning, state.sampling_defaults
     )
-    spec = GenerateSpec(
-        request_ids=[f"{rid}-{i}" for i in range(req.n)],
-        params=params,
-        tenant=tenant,
-        adapter=adapter,
-        messages=messages,
-        chat_template_kwargs=kwargs,
-        max_tokens=engine_max,
-        prompt_param="messages",
-        grammar_param=structure.param,
-        add_special_tokens=req.add_special_tokens,
-        truncate_prompt_tokens=req.truncate_prompt_tokens,
-        priority=req.priority,
-        background=background.get(),
-    )
+    prompt = {"messages": messages, "chat_template_kwargs": kwargs, "prompt_param": "messages"}
+    spec = generate_spec(req, rid, params, tenant, adapter, engine_max, structure, **prompt)
     return spec, structure, k, drop
 
 
@@ -411,18 +419,8 @@ async def completions(request: Request) -> Response:
     streams: list[ReplyStream] = []
     try:
         specs = [
-            GenerateSpec(
-                request_ids=[f"{internal}-{p_idx}-{i}" for i in range(req.n)],
-                params=params,
-                tenant=tenant,
-                adapter=adapter,
-                prompt=prompt,
-                max_tokens=engine_max,
-                grammar_param=structure.param,
-                add_special_tokens=req.add_special_tokens,
-                truncate_prompt_tokens=req.truncate_prompt_tokens,
-                priority=req.priority,
-                background=background.get(),
+            generate_spec(
+                req, f"{internal}-{p_idx}", params, tenant, adapter, engine_max, structure, prompt=prompt
             )
             for p_idx, prompt in enumerate(prompts)
         ]
