@@ -46,7 +46,7 @@ class SharedTier(EntryFiles):
         self.dir = f"{root.rstrip('/')}/{identity}"
         self.fs.makedirs(self.dir, exist_ok=True)
         self._lock = threading.Lock()
-        self._known: OrderedDict[str, int] = OrderedDict()  # path -> size, of entries this replica knows, LRU
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # path -> size, of entries this replica knows, LRU
         self.bytes = 0
         self.dropped = 0  # entries found corrupt, truncated or foreign, deleted
         self.write_errors = 0
@@ -68,25 +68,6 @@ class SharedTier(EntryFiles):
 
     def _path(self, h: int) -> str:
         return f"{self.dir}/{entry_name(h)}"
-
-    def _add(self, path: str, size: int) -> None:
-        """(Under the lock.)"""
-        self.bytes -= self._known.pop(path, 0)
-        self._known[path] = size
-        self.bytes += size
-
-    def _forget(self, path: str) -> None:
-        """(Under the lock.)"""
-        self.bytes -= self._known.pop(path, 0)
-
-    def _evict_over(self, incoming: int) -> list[str]:
-        """(Under the lock.) Entries taken out of the index until `incoming` more bytes fit: the ones to delete."""
-        gone = []
-        while self._known and self.bytes + incoming > self.capacity_bytes:
-            path = next(iter(self._known))
-            self._forget(path)
-            gone.append(path)
-        return gone
 
     def _temporary(self) -> str:
         return f"{self.dir}/.{uuid.uuid4().hex}{TMP_SUFFIX}"  # never another writer's
@@ -115,7 +96,7 @@ class SharedTier(EntryFiles):
     @property
     def num_entries(self) -> int:
         with self._lock:
-            return len(self._known)
+            return len(self._sizes)
 
     def read_into(self, h: int, token_ids: tuple[int, ...], out: torch.Tensor) -> bool:
         """Read the block into `out` (contiguous, the layout's block shape and dtype); False if the store has no
@@ -124,5 +105,5 @@ class SharedTier(EntryFiles):
         if not self._read_entry(path, h, token_ids, out):  # (or never written)
             return False
         with self._lock:
-            self._add(path, self.fs.size(path) if path not in self._known else self._known[path])
+            self._add(path, self.fs.size(path) if path not in self._sizes else self._sizes[path])
         return True

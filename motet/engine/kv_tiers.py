@@ -161,16 +161,37 @@ class EntryFiles:
     """What the tiers of entry files (the local disk's, the replicas' shared store: motet/engine/kv_shared.py) do
     alike: write an entry under a temporary name and rename it, making room within the bound; read it back
     checked, and drop one that is not sound. A tier says where an entry goes (`_path`), how it writes, renames
-    and opens a file (`_temporary`, `_put`, `_rename`, `_open`), how its index adds and forgets an entry
-    (`_add`, `_forget`, `_evict_over`, under its lock) and how it deletes files (`_delete`)."""
+    and opens a file (`_temporary`, `_put`, `_rename`, `_open`) and how it deletes files (`_delete`); its
+    index of entries (`_sizes`, behind `_lock`) is kept here."""
 
     name: str
     identity: str
     layout: KVLayout
     capacity_bytes: int
+    bytes: int  # of the entries in the index
     dropped: int  # entries found corrupt, truncated or foreign, deleted
     write_errors: int
     _lock: threading.Lock
+    _sizes: OrderedDict  # the index: an entry's path -> its size, least recently used first
+
+    def _add(self, path, size: int) -> None:
+        """(Under the lock.) An entry in the index, as the most recently used."""
+        self.bytes -= self._sizes.pop(path, 0)
+        self._sizes[path] = size
+        self.bytes += size
+
+    def _forget(self, path) -> None:
+        """(Under the lock.)"""
+        self.bytes -= self._sizes.pop(path, 0)
+
+    def _evict_over(self, incoming: int) -> list:
+        """(Under the lock.) Take entries out of the index until `incoming` more bytes fit; the files to delete."""
+        gone = []
+        while self._sizes and self.bytes + incoming > self.capacity_bytes:
+            path = next(iter(self._sizes))
+            self._forget(path)
+            gone.append(path)
+        return gone
 
     def write(self, h: int, token_ids: tuple[int, ...], data: torch.Tensor) -> bool:
         """Store the block (on a background thread: it does file I/O). False if it could not (a full, read-only
@@ -238,7 +259,7 @@ class DiskTier(EntryFiles):
         self.dir = self.root / identity
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._files: OrderedDict[Path, int] = OrderedDict()  # every entry under root, LRU first -> its size
+        self._sizes: OrderedDict[Path, int] = OrderedDict()  # every entry under root
         self._ours: dict[int, Path] = {}  # hash -> this identity's entry
         self.bytes = 0
         self.dropped = 0  # entries found corrupt, truncated or foreign, deleted
@@ -261,31 +282,15 @@ class DiskTier(EntryFiles):
         self._delete(self._evict_over(0))
 
     def _add(self, path: Path, size: int) -> None:
-        """(Under the lock.)"""
-        if path in self._files:
-            self.bytes -= self._files.pop(path)
-        self._files[path] = size
-        self.bytes += size
+        super()._add(path, size)
         if path.parent == self.dir and (h := entry_hash(path.name)) is not None:
             self._ours[h] = path
 
     def _forget(self, path: Path) -> None:
-        """(Under the lock.)"""
-        size = self._files.pop(path, None)
-        if size is not None:
-            self.bytes -= size
+        super()._forget(path)
         h = entry_hash(path.name)
         if path.parent == self.dir and self._ours.get(h) == path:
             del self._ours[h]
-
-    def _evict_over(self, incoming: int) -> list[Path]:
-        """(Under the lock.) Take entries out of the index until `incoming` more bytes fit; the files to delete."""
-        gone = []
-        while self._files and self.bytes + incoming > self.capacity_bytes:
-            path = next(iter(self._files))
-            self._forget(path)
-            gone.append(path)
-        return gone
 
     def _path(self, h: int) -> Path:
         return self.dir / entry_name(h)
@@ -329,7 +334,7 @@ class DiskTier(EntryFiles):
             path = self._ours.get(h)
             if path is None:
                 return False
-            self._files.move_to_end(path)
+            self._sizes.move_to_end(path)
         if not self._read_entry(path, h, token_ids, out):
             return False
         with contextlib.suppress(OSError):
