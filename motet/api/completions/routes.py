@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from motet.actors.messages import Admission, GenerateSpec
-from motet.actors.reply import ReplyStream, merge_streams
+from motet.actors.reply import merge_streams
 from motet.actors.serving_errors import ServingError
 from motet.api import tracing
 from motet.api import usage as usage_records
@@ -30,7 +30,7 @@ from motet.api.errors import APIError, from_serving_error, from_value_error
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
-from motet.api.streams import Choice, EventStream, collect, observe, release, sse, usage
+from motet.api.streams import Choice, EventStream, collect, in_flight, observe, sse, usage
 from motet.api.structured import Structure, prompt_messages, structured_output
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.reasoning import prompt_opens_reasoning
@@ -269,11 +269,9 @@ async def chat_completions(request: Request) -> Response:
     rid = f"chatcmpl-{request_id}"  # the response's id
     spec, structure, k, drop = chat_spec(state, tenant, adapter, req, f"chatcmpl-{uuid.uuid4().hex}")
     arrival = time.perf_counter()
-    state.inflight += 1
-    streams: list[ReplyStream] = []
-    try:
+    with in_flight(state) as streams:
         (adm,) = await submit(state, spec)
-        streams = adm.streams
+        streams += adm.streams
         state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choices = [Choice(i, adm.prompt_token_ids, arrival) for i in range(req.n)]
         created = int(time.time())
@@ -315,11 +313,6 @@ async def chat_completions(request: Request) -> Response:
             else None,
         )
         return with_request_id(with_warnings(JSONResponse(resp.model_dump()), structure, rid), request_id)
-    except BaseException:
-        release(state, streams)
-        raise
-    finally:
-        state.inflight -= 1
 
 
 async def _chat_chunks(state, req, rid, created, choices, streams, k, drop, output) -> AsyncIterator[str]:
@@ -415,9 +408,7 @@ async def completions(request: Request) -> Response:
     )
     prompts = _prompts(req)
     arrival = time.perf_counter()
-    state.inflight += 1
-    streams: list[ReplyStream] = []
-    try:
+    with in_flight(state) as streams:
         specs = [
             generate_spec(
                 req, f"{internal}-{p_idx}", params, tenant, adapter, engine_max, structure, prompt=prompt
@@ -480,11 +471,6 @@ async def completions(request: Request) -> Response:
             usage=usage([a.prompt_token_ids for a in admissions], choices, drop),
         )
         return with_request_id(with_warnings(JSONResponse(resp.model_dump()), structure, rid), request_id)
-    except BaseException:
-        release(state, streams)
-        raise
-    finally:
-        state.inflight -= 1
 
 
 async def _completion_chunks(state, req, rid, created, choices, streams, prompt_texts, admissions, drop):

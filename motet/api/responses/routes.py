@@ -44,7 +44,7 @@ from motet.api.responses.request import ResponsesRequest, chat_request, input_it
 from motet.api.responses.store import ConversationTooLong, QuotaExceeded, ResponseStore
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.storage_errors import StorageFailure, storage_error, stored_call
-from motet.api.streams import Choice, EventStream, collect, internal_error, observe, release, usage
+from motet.api.streams import Choice, EventStream, collect, in_flight, internal_error, observe, usage
 
 log = logging.getLogger("motet.api")
 
@@ -264,14 +264,12 @@ async def create_response(request: Request) -> Response:
     except ValidationError as e:
         raise renamed(from_validation_error(e)) from None
     arrival = time.perf_counter()
-    state.inflight += 1
-    streams: list[ReplyStream] = []
-    try:
+    with in_flight(state) as streams:
         try:
             (adm,) = await submit(state, spec)
         except APIError as e:
             raise renamed(e) from None
-        streams = adm.streams
+        streams += adm.streams
         state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choice = Choice(0, adm.prompt_token_ids, arrival)
         run = ResponseRun(state, tenant, req, rid, history, chat_output(state, adm, structure)(), choice)
@@ -280,11 +278,6 @@ async def create_response(request: Request) -> Response:
         await collect(request, state, [choice], streams)
         response = await run.save(run.whole())
         return run.warn(with_warnings(JSONResponse(response), structure, rid))
-    except BaseException:
-        release(state, streams)
-        raise
-    finally:
-        state.inflight -= 1
 
 
 def _refuse_query(request: Request) -> None:
