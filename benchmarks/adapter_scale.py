@@ -48,9 +48,10 @@ import torch
 from safetensors.torch import save
 
 from benchmarks import chat_body
+from motet.evals.lora_reference import lora_config, random_lora_factors
 from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import Record, machine, make_prompts, one_request, stats, write_report
-from motet.lora.adapter import module_shape
+from motet.lora.peft_format import CONFIG_FILE, WEIGHTS_FILE
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -70,16 +71,9 @@ class Shape:
 
 def adapter_files(base: Shape, rank: int, targets: list[str], seed: int) -> dict[str, bytes]:
     """A PEFT adapter's two files: random factors, B small enough that outputs stay fluent but differ."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(base.num_hidden_layers):
-        for m in targets:
-            n_in, n_out = module_shape(base, m)
-            key = f"base_model.model.model.layers.{layer}.{'self_attn' if m[0] in 'qkvo' else 'mlp'}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in**0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.02
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}
-    return {"adapter_config.json": json.dumps(config).encode(), "adapter_model.safetensors": save(tensors)}
+    tensors = random_lora_factors(base, targets, rank, seed, b_std=0.02)
+    config = lora_config(rank, targets)
+    return {CONFIG_FILE: json.dumps(config).encode(), WEIGHTS_FILE: save(tensors)}
 
 
 async def upload(url: str, names: list[str], base: Shape, args) -> float:

@@ -115,7 +115,7 @@ def motet_engine(model_dir: Path, adapter_dir: Path, *, batch: int, adapters: in
     names). `config`: further EngineConfig fields."""
     from motet.engine.config import EngineConfig
     from motet.engine.llm_engine import LLMEngine
-    from motet.evals.lora_bench import write_random_adapter
+    from motet.evals.lora_reference import write_random_adapter
 
     cfg = EngineConfig(model=str(model_dir), max_num_seqs=batch, max_loras=max(adapters, 1), max_lora_rank=rank,
                        **config)  # fmt: skip

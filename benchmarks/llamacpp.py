@@ -269,7 +269,7 @@ def main(argv=None) -> None:
 
     from motet.engine.config import ModelConfig
     from motet.engine.model_store import resolve_model
-    from motet.evals.lora_bench import write_random_adapter
+    from motet.evals.lora_reference import write_random_adapter
 
     model_dir = Path(resolve_model(args.model))
     root = cache_root()

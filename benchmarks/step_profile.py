@@ -34,7 +34,7 @@ from benchmarks import write_report
 from motet.engine.llm import LLM
 from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
-from motet.evals.lora_bench import write_random_adapter
+from motet.evals.lora_reference import write_random_adapter
 from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import machine, make_prompts, run_level, summarize
 from motet.evals.throughput import chat_prompts

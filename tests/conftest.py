@@ -30,6 +30,22 @@ def tiny_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_dir):
+    """transformers' own model of the tiny checkpoint, in fp32: the reference the engine is held to (read only)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_hf_model(default_model_dir):
+    """transformers' own model of the default checkpoint as motet pulled it, in fp32 (read only)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="module")
 def tiny_loras(tiny_model_dir, tmp_path_factory):
     """The tiny model's random PEFT adapters (tests/peft_adapters.py): (the PeftModel holding all, name -> dir)."""

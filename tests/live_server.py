@@ -63,6 +63,10 @@ class Server:
             self.stop()
             raise
 
+    def client(self, key: str) -> httpx.Client:
+        """An HTTP client of this server's that sends `key` (a tenant's, under --api-keys) with every request."""
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=300)
+
     def metrics(self) -> dict[str, float]:
         headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
         r = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10)

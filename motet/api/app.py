@@ -33,7 +33,7 @@ from motet.api.openapi import ERRORS, document, operation
 from motet.api.playground import playground_routes
 from motet.api.responses.input_items import list_input_items
 from motet.api.responses.routes import create_response, delete_response, get_response
-from motet.api.state import ServerState
+from motet.api.state import ServerState, state_and_tenant
 from motet.api.tokenization import detokenize, tokenize
 from motet.api.usage import usage_route
 
@@ -124,16 +124,14 @@ async def _model_cards(state: ServerState, tenant: str) -> list[P.ModelCard]:
 
 @operation("served models", tag="Models", ok=P.ModelList, ok_description="models")
 async def models(request: Request) -> Response:
-    state: ServerState = request.app.state.motet
-    tenant = state.auth.tenant(request.headers.get("authorization"))
+    state, tenant = state_and_tenant(request)
     return JSONResponse(P.ModelList(data=await _model_cards(state, tenant)).model_dump())
 
 
 @operation("one of the listed models", tag="Models", ok=P.ModelCard, ok_description="the model")
 async def retrieve_model(request: Request) -> Response:
     """One of the models GET /v1/models lists (an alias of the served name reads as that model)."""
-    state: ServerState = request.app.state.motet
-    tenant = state.auth.tenant(request.headers.get("authorization"))
+    state, tenant = state_and_tenant(request)
     model_id = request.path_params["model_id"]
     cards = await _model_cards(state, tenant)
     if model_id in state.model_names:

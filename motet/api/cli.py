@@ -11,6 +11,7 @@ import sys
 
 from motet.flag_types import OneLineErrors, integer, number, seconds
 from motet.parent_death import die_with_parent
+from motet.settings_flags import SettingsFlags
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -25,6 +26,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None:
             return f"{help_} (default: none)"
         return super()._get_help_string(action)
+
+
+# The engine's flags that set an EngineConfig field of their own (the others: `engine_config`).
+ENGINE_FLAGS = SettingsFlags()
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +49,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
 
     d = EngineConfig  # the defaults
+    flag = ENGINE_FLAGS.adder(p, EngineConfig)
     p.add_argument(
         "--model",
         default=d.model,
@@ -51,10 +57,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "chat template from its metadata, projections served in its own blocks as with --quantization gguf, "
         f"named by the file's stem) (default: {d.model})",
     )
-    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES), help="weights' and KV cache's type")
-    p.add_argument(
+    flag("--dtype", choices=sorted(DTYPES), help="weights' and KV cache's type")
+    flag(
         "--quantization",
-        default=d.quantization,
         choices=QUANTIZATIONS,
         help="quantized decoder projections: int8 (blocks of 32 with a scale, as GGUF Q8_0) or int4 (blocks "
         "of 32 with a scale and a min, as GGUF Q4_1) quantize the float checkpoint on load; gguf serves the "
@@ -64,122 +69,104 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "weights without the flag; other values conflict). With int4 or int8 the lm_head is quantized to "
         "int8; the embedding table and LoRA adapters stay in --dtype (default: none, the checkpoint's weights)",
     )
-    p.add_argument("--device", default=d.device, help="auto (cuda when available), cpu or cuda")
-    p.add_argument("--block-size", type=integer(1), default=d.block_size, help="tokens per KV block")
-    p.add_argument(
+    flag("--device", help="auto (cuda when available), cpu or cuda")
+    flag("--block-size", type=integer(1), help="tokens per KV block")
+    flag(
         "--num-kv-blocks",
         type=integer(1),
-        default=None,
         help="KV cache blocks (default: from --gpu-memory-utilization or --kv-cache-memory-gb)",
     )
-    p.add_argument(
+    flag(
         "--kv-cache-memory-gb",
         type=number(0, above=True),
-        default=d.kv_cache_memory_gb,
         help="memory for the KV cache, in GiB; --gpu-memory-utilization wins over it (default: on CUDA "
         f"what {CUDA_GPU_MEMORY_UTILIZATION:g} of the device's memory leaves once the weights, a step and the "
         f"LoRA slots have theirs, as vLLM; on CPU {CPU_KV_CACHE_MEMORY_GB:g})",
     )
-    p.add_argument("--max-num-seqs", type=integer(1), default=d.max_num_seqs, help="requests running at once")
-    p.add_argument(
+    flag("--max-num-seqs", type=integer(1), help="requests running at once")
+    flag(
         "--max-num-batched-tokens",
         type=integer(1),
-        default=None,
         help=f"tokens per step (default: {CPU_STEP_TOKENS} on CPU, {CUDA_STEP_TOKENS} on CUDA)",
     )
-    p.add_argument(
+    flag(
         "--tpot-target-ms",
         type=number(0),
-        default=None,
         help="latency isolation: while a light tenant's request runs, the other tenants' rows yield so that a "
         f"step stays within this many ms (default: {CPU_TPOT_TARGET_MS:g} on CPU, {CUDA_TPOT_TARGET_MS:g} on "
         "CUDA; 0: off)",
     )
-    p.add_argument(
-        "--max-model-len", type=integer(1), default=None, help="default: the model's context length"
-    )
+    flag("--max-model-len", type=integer(1), help="default: the model's context length")
     p.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="never reuse the KV blocks of earlier prompts' prefixes",
     )
-    p.add_argument(
+    flag(
         "--shared-prefix-cache",
         action="store_true",
         help="share cached base-model prompt prefixes across tenants (default: each tenant's prefix cache is "
         "its own, since a cache hit shows in cached_tokens and timing and would reveal another tenant's "
         "prompts); only for tenants who trust each other",
     )
-    p.add_argument(
+    flag(
         "--kv-offload-gb",
         type=number(0),
-        default=d.kv_offload_gb,
         help="host RAM, in GiB, for KV blocks evicted from the KV cache (an LRU): a returning prompt prefix is "
         "copied back instead of recomputed; 0: off",
     )
-    p.add_argument(
+    flag(
         "--kv-disk-gb",
         type=number(0),
-        default=d.kv_disk_gb,
         help="local disk, in GiB, for KV blocks under <data dir>/kv-cache (--data-dir, else $MOTET_DATA_DIR, "
         "else ~/.local/share/motet): kept across restarts, each entry checksummed and bound to the model, "
         "dtype and KV layout; 0: off",
     )
-    p.add_argument(
+    flag(
         "--threads",
+        field="num_threads",
         type=integer(1),
-        default=None,
         help="CPU threads for the forward pass (default: all cores; when serving on 8 or more, all but one, "
         "left to the event loop)",
     )
-    p.add_argument(
+    flag(
         "--grammar-backend",
-        default=d.grammar_backend,
         choices=GRAMMAR_BACKENDS,
         help="structured output backend; the others are the fallback for what it cannot compile",
     )
-    p.add_argument(
+    flag(
         "--grammar-timeout",
+        field="grammar_timeout_s",
         type=seconds(0, above=True),
-        default=d.grammar_timeout_s,
         help="seconds a grammar may take to compile",
     )
-    p.add_argument(
+    flag(
         "--jump-forward",
         action="store_true",
         help="append the tokens a grammar forces without sampling them (fewer steps; on CPU, slower)",
     )
-    p.add_argument(
+    flag(
         "--overlap-output",
-        default=d.overlap_output,
         choices=OVERLAP_MODES,
         help="make each step's outputs (detokenizing, stop strings) while the device runs the next step; auto: "
         "where a core is spare (CUDA, or a CPU with more cores than the step's threads)",
     )
-    p.add_argument(
+    flag(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=d.async_scheduling,
         help="with the outputs overlapped, schedule and launch each step before the previous step's tokens "
         "reach the host, where no row needs them but as its input (docs/gpu.md)",
     )
-    p.add_argument(
+    flag(
         "--speculative",
-        default=d.speculative,
         choices=SPECULATIVE_MODES,
         help="speculative decoding: ngram drafts from prompt lookup and the grammar's forced tokens, "
         "verified in the normal batch (the same output, fewer steps where outputs repeat their input)",
     )
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=integer(0),
-        default=d.num_speculative_tokens,
-        help="most drafts per row",
-    )
-    p.add_argument(
+    flag("--num-speculative-tokens", type=integer(0), help="most drafts per row")
+    flag(
         "--speculative-overhead-tokens",
         type=number(0),
-        default=d.speculative_overhead_tokens,
         help="a step's fixed cost in token-times, which drafts are priced against (benchmarks/spec_threshold.py)",
     )
     p.add_argument(
@@ -187,49 +174,42 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the eager model (the reference) instead of the compiled step (native CPU forward, CUDA graphs)",
     )
-    p.add_argument(
+    flag(
         "--tensor-parallel-size",
         "-tp",
         type=integer(1),
-        default=d.tensor_parallel_size,
         help="split the model over this many ranks (worker processes on this machine joined by torch.distributed: "
         "gloo on CPU, NCCL on CUDA); the attention and KV heads, MLP columns and vocabulary are split, so they "
         "must divide by it; --threads and the KV cache's memory are per rank",
     )
-    p.add_argument(
+    flag(
         "--enable-expert-parallel",
         action="store_true",
         help="with --tensor-parallel-size: a mixture-of-experts model's experts split whole across the ranks, "
         "tokens sent to them by all-to-all (default: every expert's intermediate columns split)",
     )
-    p.add_argument(
+    flag(
         "--adapter-memory-gb",
         type=number(0, above=True),
-        default=d.adapter_memory_gb,
         help="GiB for resident LoRA adapters, each at its own rank (default: --adapter-memory-fraction)",
     )
-    p.add_argument(
+    flag(
         "--adapter-memory-fraction",
         type=number(0, 1, above=True),
-        default=d.adapter_memory_fraction,
         help="the resident adapters' share of the host memory available at start-up on a CPU, and on CUDA of "
         "the memory the KV cache and the adapters share (default: %(default)s)",
     )
-    p.add_argument(
+    flag(
         "--max-loras",
         type=integer(1),
-        default=d.max_loras,
         help="a cap on distinct LoRA adapters among the running requests (default: none, memory decides)",
     )
-    p.add_argument(
+    flag(
         "--max-cpu-loras",
         type=integer(1),
-        default=d.max_cpu_loras,
         help="a cap on loaded LoRA adapters kept in host memory (default: none, their bytes decide)",
     )
-    p.add_argument(
-        "--max-lora-rank", type=integer(1), default=d.max_lora_rank, help="higher-rank adapters are refused"
-    )
+    flag("--max-lora-rank", type=integer(1), help="higher-rank adapters are refused")
 
 
 def engine_config(args):
@@ -237,44 +217,15 @@ def engine_config(args):
     from motet.engine.config import EngineConfig
 
     return EngineConfig(
+        **ENGINE_FLAGS.values(args),
         model=served_model(args, EngineConfig.model),  # `motet serve MODEL` too
-        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
-        dtype=args.dtype,
-        quantization=args.quantization,
-        device=args.device,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        tpot_target_ms=args.tpot_target_ms,
-        max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
-        shared_prefix_cache=args.shared_prefix_cache,
-        kv_offload_gb=args.kv_offload_gb,
-        kv_disk_gb=args.kv_disk_gb,
-        kv_disk_dir=kv_disk_dir(args),
-        kv_shared_dir=getattr(
-            args, "kv_shared_dir", None
-        ),  # `serve`'s scale-out flags (motet/cluster/serve_flags.py)
-        **({"kv_shared_gb": args.kv_shared_gb} if getattr(args, "kv_shared_gb", None) else {}),
-        num_threads=args.threads,
-        grammar_backend=args.grammar_backend,
-        grammar_timeout_s=args.grammar_timeout,
-        jump_forward=args.jump_forward,
-        speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens,
-        speculative_overhead_tokens=args.speculative_overhead_tokens,
         compile_step=not args.no_compile,
-        overlap_output=getattr(args, "overlap_output", EngineConfig.overlap_output),
-        async_scheduling=getattr(args, "async_scheduling", EngineConfig.async_scheduling),
-        adapter_memory_gb=args.adapter_memory_gb,
-        adapter_memory_fraction=args.adapter_memory_fraction,
-        max_loras=args.max_loras,
-        max_cpu_loras=args.max_cpu_loras,
-        max_lora_rank=args.max_lora_rank,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
+        kv_disk_dir=kv_disk_dir(args),
+        # `serve`'s own: vLLM's (motet/api/vllm_flags.py) and the scale-out flags (motet/cluster/serve_flags.py)
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
+        kv_shared_dir=getattr(args, "kv_shared_dir", None),
+        **({"kv_shared_gb": args.kv_shared_gb} if getattr(args, "kv_shared_gb", None) else {}),
     )
 
 

@@ -91,3 +91,9 @@ class ServerState:
             return tok.decode([token_id], skip_special_tokens=False)
 
         return text
+
+
+def state_and_tenant(request) -> tuple[ServerState, str]:
+    """The server's state, and the tenant the request's API key names (an APIError where the key is refused)."""
+    state: ServerState = request.app.state.motet
+    return state, state.auth.tenant(request.headers.get("authorization"))

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import sqlite3
 from collections.abc import Iterator
+
+import anyio.to_thread
 
 from motet.api.errors import APIError
 
@@ -65,3 +68,12 @@ def storage_error(e: StorageFailure, what: str) -> APIError:
             headers={"Retry-After": str(RETRY_AFTER_FULL_S)},
         )
     return APIError(503, f"{what}: the server's storage failed ({e.cause})", code="storage_unavailable")
+
+
+async def stored_call(what: str, call, *args):
+    """`call(*args)`, a store's call, in a worker thread; its storage failing is the answer `storage_error` makes
+    (`what` says what failed)."""
+    try:
+        return await anyio.to_thread.run_sync(functools.partial(call, *args))
+    except StorageFailure as e:
+        raise storage_error(e, what) from None

@@ -6,10 +6,11 @@ that fails midway (the engine, a bug, the disk) still ends with an error event: 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import anyio
@@ -34,6 +35,21 @@ def release(state: ServerState, streams: list[ReplyStream]) -> None:
         if not s.closed:
             s.cancel()
             state.system.abort(s.request_id)
+
+
+@contextlib.contextmanager
+def in_flight(state: ServerState) -> Iterator[list[ReplyStream]]:
+    """A generating request's handler: counted in `state.inflight` while it runs (a drain waits for it), and the
+    reply streams it adds to the list it is given released if it fails or is cancelled."""
+    state.inflight += 1
+    streams: list[ReplyStream] = []
+    try:
+        yield streams
+    except BaseException:
+        release(state, streams)
+        raise
+    finally:
+        state.inflight -= 1
 
 
 @dataclass

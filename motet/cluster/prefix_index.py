@@ -26,6 +26,16 @@ class _Holders:
         value = holders.get(replica, 0)
         self._put(key, holders, replica, (value | REPORTED) if held else (value & ~REPORTED))
 
+    def update(self, replica: Hashable, held: set[int], added: Iterable[int], removed: Iterable[int]) -> None:
+        """A report of `replica`'s: it no longer holds `removed`, it now holds `added` (`held`: the keys its reports
+        hold, kept in step)."""
+        for key in removed:
+            held.discard(key)
+            self.report(key, replica, False)
+        for key in added:
+            held.add(key)
+            self.report(key, replica, True)
+
     def guess(self, key: int, replica: Hashable, delta: int) -> None:
         """One more (+1) or one fewer (-1) routing guess that `replica` holds `key`."""
         holders = self.holders.setdefault(key, {})
@@ -72,20 +82,8 @@ class PrefixIndex:
     ) -> None:
         """Since its last report the replica cached and evicted these blocks, loaded and dropped these
         adapters."""
-        held = self.reported_blocks.setdefault(replica, set())
-        for h in evicted:
-            held.discard(h)
-            self.blocks.report(h, replica, False)
-        for h in cached:
-            held.add(h)
-            self.blocks.report(h, replica, True)
-        resident = self.reported_adapters.setdefault(replica, set())
-        for uid in dropped:
-            resident.discard(uid)
-            self.adapters.report(uid, replica, False)
-        for uid in loaded:
-            resident.add(uid)
-            self.adapters.report(uid, replica, True)
+        self.blocks.update(replica, self.reported_blocks.setdefault(replica, set()), cached, evicted)
+        self.adapters.update(replica, self.reported_adapters.setdefault(replica, set()), loaded, dropped)
 
     def remove_replica(self, replica: Hashable) -> None:
         """The replica is gone: forget everything about it."""

@@ -13,35 +13,35 @@ from pathlib import Path
 from motet.cluster.launch import ROUTERS, ClusterSettings
 from motet.engine.config import EngineConfig
 from motet.flag_types import integer, number
+from motet.settings_flags import SettingsFlags
+
+# The scale-out flags that set a ClusterSettings field of their own (the others: `cluster_system`).
+CLUSTER_FLAGS = SettingsFlags()
 
 
 def add_args(p) -> None:
     g = p.add_argument_group("scale-out on Ray Serve (the `cluster` extra)")
+    flag = CLUSTER_FLAGS.adder(g, ClusterSettings)
     g.add_argument(
         "--replicas",
         type=integer(1),
         default=None,
         help="engine replicas behind this server (Ray Serve; default: none, the engine runs in this process)",
     )
-    g.add_argument(
-        "--ray-address", default=None, help="join this Ray cluster (default: none, a local Ray starts)"
-    )
-    g.add_argument(
+    flag("--ray-address", help="join this Ray cluster (default: none, a local Ray starts)")
+    flag(
         "--min-replicas",
         type=integer(0),
-        default=None,
         help="autoscale: at least this many replicas (default: none, no autoscaling)",
     )
-    g.add_argument(
+    flag(
         "--max-replicas",
         type=integer(1),
-        default=None,
         help="autoscale: at most this many replicas (default: none, no autoscaling)",
     )
-    g.add_argument(
+    flag(
         "--target-ongoing-requests",
         type=number(0, above=True),
-        default=ClusterSettings.target_ongoing_requests,
         help="autoscale: requests per replica (queued at it or running) to aim for",
     )
     g.add_argument(
@@ -51,9 +51,8 @@ def add_args(p) -> None:
         help="requests one replica takes at once; more wait at the ingress "
         "(default: --max-num-seqs + --max-waiting)",
     )
-    g.add_argument(
+    flag(
         "--router",
-        default="motet",
         choices=ROUTERS,
         help="motet: by cached prefix, adapter and load; pow2: Ray Serve's default (power of two choices)",
     )
@@ -172,12 +171,8 @@ def cluster_system(args, config, loras: dict[str, Path]):
     if args.threads is None:  # the machine's cores, shared by the replicas (engine/config.py)
         config.num_threads = default_cpu_threads(replicas + prefill)
     settings = ClusterSettings(
+        **CLUSTER_FLAGS.values(args),
         replicas=replicas,
-        min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas,
-        target_ongoing_requests=args.target_ongoing_requests,
-        ray_address=args.ray_address,
-        router=args.router,
         drain_timeout_s=args.drain_timeout,
         max_ongoing_requests=args.max_ongoing_requests or config.max_num_seqs + args.max_waiting,
         threads_per_replica=config.num_threads,

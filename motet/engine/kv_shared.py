@@ -27,20 +27,12 @@ from collections import OrderedDict
 import torch
 
 from motet.engine.kv_blocks import KVLayout
-from motet.engine.kv_tiers import (
-    ENTRY_SUFFIX,
-    TMP_SUFFIX,
-    CorruptEntry,
-    OtherBlock,
-    encode_entry,
-    entry_name,
-    read_entry_into,
-)
+from motet.engine.kv_tiers import ENTRY_SUFFIX, TMP_SUFFIX, EntryFiles, entry_name
 
 log = logging.getLogger("motet.kv")
 
 
-class SharedTier:
+class SharedTier(EntryFiles):
     name = "shared"
 
     def __init__(self, url: str, capacity_bytes: int, identity: str, layout: KVLayout):
@@ -54,7 +46,7 @@ class SharedTier:
         self.dir = f"{root.rstrip('/')}/{identity}"
         self.fs.makedirs(self.dir, exist_ok=True)
         self._lock = threading.Lock()
-        self._known: OrderedDict[str, int] = OrderedDict()  # path -> size, of entries this replica knows, LRU
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # path -> size, of entries this replica knows, LRU
         self.bytes = 0
         self.dropped = 0  # entries found corrupt, truncated or foreign, deleted
         self.write_errors = 0
@@ -77,26 +69,19 @@ class SharedTier:
     def _path(self, h: int) -> str:
         return f"{self.dir}/{entry_name(h)}"
 
-    def _add(self, path: str, size: int) -> None:
-        """(Under the lock.)"""
-        self.bytes -= self._known.pop(path, 0)
-        self._known[path] = size
-        self.bytes += size
+    def _temporary(self) -> str:
+        return f"{self.dir}/.{uuid.uuid4().hex}{TMP_SUFFIX}"  # never another writer's
 
-    def _forget(self, path: str) -> None:
-        """(Under the lock.)"""
-        self.bytes -= self._known.pop(path, 0)
+    def _put(self, tmp: str, blob: bytes) -> None:
+        self.fs.pipe_file(tmp, blob)
 
-    def _evict_over(self, incoming: int) -> list[str]:
-        """(Under the lock.) Entries taken out of the index until `incoming` more bytes fit: the ones to delete."""
-        gone = []
-        while self._known and self.bytes + incoming > self.capacity_bytes:
-            path = next(iter(self._known))
-            self._forget(path)
-            gone.append(path)
-        return gone
+    def _rename(self, tmp: str, path: str) -> None:
+        self.fs.mv(tmp, path)
 
-    def _rm(self, paths) -> None:
+    def _open(self, path: str):
+        return self.fs.open(path, "rb")
+
+    def _delete(self, paths) -> None:
         for path in paths:
             with contextlib.suppress(OSError):
                 self.fs.rm_file(path)
@@ -111,54 +96,14 @@ class SharedTier:
     @property
     def num_entries(self) -> int:
         with self._lock:
-            return len(self._known)
-
-    def write(self, h: int, token_ids: tuple[int, ...], data: torch.Tensor) -> bool:
-        """Store the block (file I/O: on a background thread). False if it could not."""
-        blob = encode_entry(self.identity, h, token_ids, data)
-        if len(blob) > self.capacity_bytes:
-            return False
-        path = self._path(h)
-        tmp = f"{self.dir}/.{uuid.uuid4().hex}{TMP_SUFFIX}"  # never another writer's
-        try:
-            self.fs.pipe_file(tmp, blob)
-            with self._lock:
-                gone = self._evict_over(len(blob))
-            self._rm(gone)
-            self.fs.mv(tmp, path)
-        except OSError as e:  # a full, read-only or unreachable store: the block stays recomputable
-            self.write_errors += 1
-            log.warning("KV shared tier: could not write %s: %s", path, e)
-            self._rm([tmp])
-            return False
-        with self._lock:
-            self._add(path, len(blob))
-        return True
+            return len(self._sizes)
 
     def read_into(self, h: int, token_ids: tuple[int, ...], out: torch.Tensor) -> bool:
         """Read the block into `out` (contiguous, the layout's block shape and dtype); False if the store has no
         sound entry for it (one that is not sound is deleted, for every replica)."""
         path = self._path(h)
-        try:
-            with self.fs.open(path, "rb") as f:
-                read_entry_into(f, self.identity, h, token_ids, self.layout, out)
-        except OSError:  # not there (never written, or removed by a replica meanwhile)
-            with self._lock:
-                self._forget(path)
-            return False
-        except OtherBlock:
-            return False
-        except CorruptEntry as e:
-            log.warning("KV shared tier: dropped %s: %s", path, e)
-            with self._lock:
-                self._forget(path)
-                self.dropped += 1
-            self._rm([path])
+        if not self._read_entry(path, h, token_ids, out):  # (or never written)
             return False
         with self._lock:
-            self._add(path, self.fs.size(path) if path not in self._known else self._known[path])
+            self._add(path, self.fs.size(path) if path not in self._sizes else self._sizes[path])
         return True
-
-    def read(self, h: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
-        out = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
-        return out if self.read_into(h, token_ids, out) else None

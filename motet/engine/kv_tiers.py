@@ -157,7 +157,94 @@ def entry_hash(name: str) -> int | None:
     return u - (1 << 64) if u >= 1 << 63 else u
 
 
-class DiskTier:
+class EntryFiles:
+    """What the tiers of entry files (the local disk's, the replicas' shared store: motet/engine/kv_shared.py) do
+    alike: write an entry under a temporary name and rename it, making room within the bound; read it back
+    checked, and drop one that is not sound. A tier says where an entry goes (`_path`), how it writes, renames
+    and opens a file (`_temporary`, `_put`, `_rename`, `_open`) and how it deletes files (`_delete`); its
+    index of entries (`_sizes`, behind `_lock`) is kept here."""
+
+    name: str
+    identity: str
+    layout: KVLayout
+    capacity_bytes: int
+    bytes: int  # of the entries in the index
+    dropped: int  # entries found corrupt, truncated or foreign, deleted
+    write_errors: int
+    _lock: threading.Lock
+    _sizes: OrderedDict  # the index: an entry's path -> its size, least recently used first
+
+    def _add(self, path, size: int) -> None:
+        """(Under the lock.) An entry in the index, as the most recently used."""
+        self.bytes -= self._sizes.pop(path, 0)
+        self._sizes[path] = size
+        self.bytes += size
+
+    def _forget(self, path) -> None:
+        """(Under the lock.)"""
+        self.bytes -= self._sizes.pop(path, 0)
+
+    def _evict_over(self, incoming: int) -> list:
+        """(Under the lock.) Take entries out of the index until `incoming` more bytes fit; the files to delete."""
+        gone = []
+        while self._sizes and self.bytes + incoming > self.capacity_bytes:
+            path = next(iter(self._sizes))
+            self._forget(path)
+            gone.append(path)
+        return gone
+
+    def write(self, h: int, token_ids: tuple[int, ...], data: torch.Tensor) -> bool:
+        """Store the block (on a background thread: it does file I/O). False if it could not (a full, read-only
+        or unreachable store): the block stays recomputable, nothing else changes."""
+        blob = encode_entry(self.identity, h, token_ids, data)
+        if len(blob) > self.capacity_bytes:
+            return False
+        path, tmp = self._path(h), None
+        try:
+            tmp = self._temporary()
+            self._put(tmp, blob)
+            with self._lock:
+                gone = self._evict_over(len(blob))
+            self._delete(gone)
+            self._rename(tmp, path)
+        except OSError as e:
+            self.write_errors += 1
+            log.warning("KV %s tier: could not write %s: %s", self.name, path, e)
+            if tmp is not None:
+                self._delete([tmp])
+            return False
+        with self._lock:
+            self._add(path, len(blob))
+        return True
+
+    def read(self, h: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
+        """The block, or None if this tier has no sound entry for it."""
+        out = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
+        return out if self.read_into(h, token_ids, out) else None
+
+    def _read_entry(self, path, h: int, token_ids: tuple[int, ...], out: torch.Tensor) -> bool:
+        """Read the entry at `path` into `out`. False where it is gone (forgotten), another block's (kept), or not
+        sound (deleted, and counted in `dropped`)."""
+        try:
+            with self._open(path) as f:
+                read_entry_into(f, self.identity, h, token_ids, self.layout, out)
+        except OSError:  # gone meanwhile (evicted by a writer, removed by hand or by another replica)
+            with self._lock:
+                self._forget(path)
+            return False
+        except OtherBlock:
+            return False
+        except CorruptEntry as e:
+            log.warning("KV %s tier: dropped %s: %s", self.name, path, e)
+            with self._lock:
+                self._forget(path)
+                self.dropped += 1
+            self._delete([path])
+            return False
+        return True
+
+
+class DiskTier(EntryFiles):
     """Blocks in files under `root`/`identity`/, at most `capacity_bytes` under `root` in all (least recently
     used evicted first; a read or a write counts as a use, kept across restarts in the files' mtimes).
     Thread-safe: the index is behind a lock, the file I/O outside it."""
@@ -172,7 +259,7 @@ class DiskTier:
         self.dir = self.root / identity
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._files: OrderedDict[Path, int] = OrderedDict()  # every entry under root, LRU first -> its size
+        self._sizes: OrderedDict[Path, int] = OrderedDict()  # every entry under root
         self._ours: dict[int, Path] = {}  # hash -> this identity's entry
         self.bytes = 0
         self.dropped = 0  # entries found corrupt, truncated or foreign, deleted
@@ -192,37 +279,41 @@ class DiskTier:
                 continue
         for _, path, size in sorted(found):
             self._add(path, size)
-        self._unlink(self._evict_over(0))
+        self._delete(self._evict_over(0))
 
     def _add(self, path: Path, size: int) -> None:
-        """(Under the lock.)"""
-        if path in self._files:
-            self.bytes -= self._files.pop(path)
-        self._files[path] = size
-        self.bytes += size
+        super()._add(path, size)
         if path.parent == self.dir and (h := entry_hash(path.name)) is not None:
             self._ours[h] = path
 
-    def _remove(self, path: Path) -> None:
-        """(Under the lock.)"""
-        size = self._files.pop(path, None)
-        if size is not None:
-            self.bytes -= size
+    def _forget(self, path: Path) -> None:
+        super()._forget(path)
         h = entry_hash(path.name)
         if path.parent == self.dir and self._ours.get(h) == path:
             del self._ours[h]
 
-    def _evict_over(self, incoming: int) -> list[Path]:
-        """(Under the lock.) Take entries out of the index until `incoming` more bytes fit; the files to delete."""
-        gone = []
-        while self._files and self.bytes + incoming > self.capacity_bytes:
-            path = next(iter(self._files))
-            self._remove(path)
-            gone.append(path)
-        return gone
+    def _path(self, h: int) -> Path:
+        return self.dir / entry_name(h)
+
+    def _temporary(self) -> Path:
+        """A new empty file beside the entries, readable by this user alone (as the entry it becomes)."""
+        with tempfile.NamedTemporaryFile(dir=self.dir, suffix=TMP_SUFFIX, delete=False) as f:
+            return Path(f.name)
 
     @staticmethod
-    def _unlink(paths) -> None:
+    def _put(tmp: Path, blob: bytes) -> None:
+        tmp.write_bytes(blob)
+
+    @staticmethod
+    def _rename(tmp: Path, path: Path) -> None:
+        os.replace(tmp, path)
+
+    @staticmethod
+    def _open(path: Path):
+        return path.open("rb")
+
+    @staticmethod
+    def _delete(paths) -> None:
         for path in paths:
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
@@ -236,36 +327,6 @@ class DiskTier:
         with self._lock:
             return len(self._ours)
 
-    def write(self, h: int, token_ids: tuple[int, ...], data: torch.Tensor) -> bool:
-        """Store the block (on a background thread: it does file I/O). False if it could not."""
-        blob = encode_entry(self.identity, h, token_ids, data)
-        if len(blob) > self.capacity_bytes:
-            return False
-        path = self.dir / entry_name(h)
-        tmp = None
-        try:
-            with tempfile.NamedTemporaryFile(dir=self.dir, suffix=TMP_SUFFIX, delete=False) as f:
-                tmp = Path(f.name)
-                f.write(blob)
-            with self._lock:
-                gone = self._evict_over(len(blob))
-            self._unlink(gone)
-            os.replace(tmp, path)
-        except OSError as e:  # a full or read-only disk: the block stays recomputable, nothing else changes
-            self.write_errors += 1
-            log.warning("KV disk tier: could not write %s: %s", path.name, e)
-            if tmp is not None:
-                self._unlink([tmp])
-            return False
-        with self._lock:
-            self._add(path, len(blob))
-        return True
-
-    def read(self, h: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
-        """The block, or None if this tier has no sound entry for it."""
-        out = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
-        return out if self.read_into(h, token_ids, out) else None
-
     def read_into(self, h: int, token_ids: tuple[int, ...], out: torch.Tensor) -> bool:
         """Read the block into `out` (contiguous, the layout's block shape and dtype); False if this tier has no
         sound entry for it (one that is not sound is deleted)."""
@@ -273,22 +334,8 @@ class DiskTier:
             path = self._ours.get(h)
             if path is None:
                 return False
-            self._files.move_to_end(path)
-        try:
-            with path.open("rb") as f:
-                read_entry_into(f, self.identity, h, token_ids, self.layout, out)
-        except OSError:  # deleted meanwhile (evicted by the writer, or by hand)
-            with self._lock:
-                self._remove(path)
-            return False
-        except OtherBlock:
-            return False
-        except CorruptEntry as e:
-            log.warning("KV disk tier: dropped %s: %s", path, e)
-            with self._lock:
-                self._remove(path)
-                self.dropped += 1
-            self._unlink([path])
+            self._sizes.move_to_end(path)
+        if not self._read_entry(path, h, token_ids, out):
             return False
         with contextlib.suppress(OSError):
             now = time.time_ns()

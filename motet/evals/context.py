@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from motet.evals.datasets import dev_set_path, read_jsonl
 
@@ -127,6 +128,22 @@ def request_failure(e: Exception) -> tuple[str, str]:
     if isinstance(e, openai.BadRequestError):
         return ("too_long" if code == "context_length_exceeded" else "unsupported"), message
     return "error", f"{type(e).__name__}: {message}"
+
+
+async def chat_answer(client: openai.AsyncOpenAI, kwargs: dict) -> tuple[str, Any, str, dict]:
+    """One chat completion: (status, its first choice, error message, timing). Status "ok" with the choice, or
+    `request_failure`'s status and message with None; timing has the completion's tokens and the latency (an item
+    of a suite scored per mode takes both, `report.status_rates` reads the latency)."""
+    import openai
+
+    t0 = time.perf_counter()
+    try:
+        r = await client.chat.completions.create(**kwargs)
+    except openai.OpenAIError as e:
+        status, message = request_failure(e)
+        return status, None, message, {}
+    timing = {"completion_tokens": r.usage.completion_tokens if r.usage else None}
+    return "ok", r.choices[0], "", timing | {"latency_s": time.perf_counter() - t0}
 
 
 def api_error(e: Exception) -> tuple[str | None, str]:

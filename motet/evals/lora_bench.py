@@ -22,30 +22,12 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from motet.engine.llm import LLM
 from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
+from motet.evals.lora_reference import write_random_adapter
 from motet.evals.throughput import chat_prompts
-from motet.lora.adapter import TARGET_MODULES, module_shape
-
-
-def write_random_adapter(path: Path, base, rank: int, seed: int) -> Path:
-    """A PEFT-format adapter over all seven modules with small random factors."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(base.num_hidden_layers):
-        for m in TARGET_MODULES:
-            n_in, n_out = module_shape(base, m)
-            key = f"base_model.model.model.layers.{layer}.{'self_attn' if m[0] in 'qkvo' else 'mlp'}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in**0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.01
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / "adapter_model.safetensors")
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGET_MODULES)}
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    return path
 
 
 def run(llm: LLM, prompts, adapter_ids, new_tokens: int) -> dict:

@@ -158,6 +158,13 @@ def run_by_mode(ctx, suite: str, dataset: str, one, aggregate, count_name: str, 
     }
 
 
+def scored_item(record: dict, mode: str, status: str, finish: str | None, error: str, **scores) -> dict:
+    """A scored item: what `by_mode` and `status_rates` read of it (the record's id and category, the mode, the
+    request's status and finish reason, its error), then the suite's own `scores`."""
+    common = {"id": record["id"], "category": record["category"], "mode": mode, "status": status}
+    return {**common, "finish_reason": finish, "error": error, **scores}
+
+
 def by_mode(items: list[dict], modes: list[str], aggregate) -> dict:
     """The scored items (each with "mode" and "category") as {mode: {"overall", "categories"}}, by `aggregate`."""
     out = {}

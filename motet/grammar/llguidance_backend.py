@@ -23,14 +23,13 @@ from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Ma
 from motet.grammar.enforceable import COMPOSITION, simplify
 from motet.grammar.schema_normalize import map_children, map_subschemas, normalize_schema
 from motet.grammar.specs import (
-    ChoiceSpec,
     EbnfSpec,
     GrammarError,
     GrammarSpec,
-    JsonObjectSpec,
     JsonSchemaSpec,
     RegexSpec,
     StructuralTagSpec,
+    reduced,
     short_error,
 )
 
@@ -136,10 +135,7 @@ class LLGuidanceBackend(Backend):
     def compile(self, spec: GrammarSpec) -> LLGuidanceCompiled:
         if isinstance(spec, StructuralTagSpec):
             raise GrammarError("llguidance does not support xgrammar's structural tags", "unsupported")
-        if isinstance(spec, JsonObjectSpec):
-            spec = spec.as_schema()
-        if isinstance(spec, ChoiceSpec):
-            spec = spec.as_regex()
+        spec = reduced(spec)
         if isinstance(spec, JsonSchemaSpec):
             grammar = json_schema_grammar(spec)
         elif isinstance(spec, RegexSpec):

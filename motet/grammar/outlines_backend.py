@@ -21,14 +21,13 @@ from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Ma
 from motet.grammar.regex_worker import regex_worker
 from motet.grammar.schema_normalize import map_subschemas, normalize_schema
 from motet.grammar.specs import (
-    ChoiceSpec,
     EbnfSpec,
     GrammarError,
     GrammarSpec,
-    JsonObjectSpec,
     JsonSchemaSpec,
     RegexSpec,
     StructuralTagSpec,
+    reduced,
     short_error,
     whitespace_regex,
 )
@@ -158,10 +157,7 @@ class OutlinesBackend(Backend):
         if isinstance(spec, EbnfSpec | StructuralTagSpec):
             what = "EBNF" if isinstance(spec, EbnfSpec) else "structural-tag"
             raise GrammarError(f"outlines does not support {what} grammars", "unsupported")
-        if isinstance(spec, JsonObjectSpec):
-            spec = spec.as_schema()
-        if isinstance(spec, ChoiceSpec):
-            spec = spec.as_regex()
+        spec = reduced(spec)
         if isinstance(spec, JsonSchemaSpec):
             schema = json.dumps(map_subschemas(normalize_schema(spec.schema_dict()), _spell_out_any))
             regex = regex_worker().build(

@@ -138,6 +138,17 @@ class StructuralTagSpec:
 
 GrammarSpec = JsonSchemaSpec | JsonObjectSpec | RegexSpec | ChoiceSpec | EbnfSpec | StructuralTagSpec
 
+
+def reduced(spec: GrammarSpec) -> GrammarSpec:
+    """`spec` as a kind the backends compile themselves: a JSON object as its schema, a choice as its regex (every
+    backend reads them so); the other kinds as they are."""
+    if isinstance(spec, JsonObjectSpec):
+        return spec.as_schema()
+    if isinstance(spec, ChoiceSpec):
+        return spec.as_regex()
+    return spec
+
+
 # Metacharacters of both regex dialects (xgrammar's ECMAScript-like, outlines' Rust regex).
 _REGEX_META = set("\\.^$|?*+()[]{}")
 

@@ -11,14 +11,13 @@ from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Ma
 from motet.grammar.enforceable import simplify
 from motet.grammar.schema_normalize import normalize_schema
 from motet.grammar.specs import (
-    ChoiceSpec,
     EbnfSpec,
     GrammarError,
     GrammarSpec,
-    JsonObjectSpec,
     JsonSchemaSpec,
     RegexSpec,
     StructuralTagSpec,
+    reduced,
     short_error,
 )
 
@@ -85,10 +84,7 @@ class XGrammarBackend(Backend):
         self._compiler = xgr.GrammarCompiler(tokenizer.xgr_info, max_threads=max_threads, cache_enabled=False)
 
     def compile(self, spec: GrammarSpec) -> XGrammarCompiled:
-        if isinstance(spec, JsonObjectSpec):
-            spec = spec.as_schema()
-        if isinstance(spec, ChoiceSpec):
-            spec = spec.as_regex()
+        spec = reduced(spec)
         try:
             if isinstance(spec, JsonSchemaSpec):
                 compiled = self._compile_schema(spec)

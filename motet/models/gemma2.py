@@ -2,8 +2,10 @@
 the final logits squashed by cap * tanh(x / cap)), sliding-window layers every other one (`layer_types`, by
 default the even layers) sharing the global rope base."""
 
-from motet.models.declaration import Architecture, ModelLoadError
-from motet.models.gemma3 import GEMMA_NORM_NAMES, GGUF_NAMES, gemma_gguf, gemma_options
+import dataclasses
+
+from motet.models.declaration import ModelLoadError
+from motet.models.gemma3 import GEMMA3, gemma_gguf, gemma_options
 
 
 def options(cfg: dict, source: str) -> dict:
@@ -22,13 +24,11 @@ def gguf_config(key, cfg: dict, source: str) -> dict:
     )
 
 
-GEMMA2 = Architecture(
+GEMMA2 = dataclasses.replace(
+    GEMMA3,
     names=("Gemma2ForCausalLM",),
-    post_norms=True,
-    norm_weight_offset=1.0,
+    qk_norm=False,
     options=options,
-    checkpoint_names=GEMMA_NORM_NAMES,
     gguf="gemma2",
-    gguf_names=GGUF_NAMES,
     gguf_config=gguf_config,
 )

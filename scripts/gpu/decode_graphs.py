@@ -26,7 +26,7 @@ def decode(
     from motet.engine.config import EngineConfig
     from motet.engine.llm_engine import LLMEngine
     from motet.engine.sampling_params import SamplingParams
-    from motet.evals.lora_bench import write_random_adapter
+    from motet.evals.lora_reference import write_random_adapter
 
     cfg = EngineConfig(
         model=str(model_dir), dtype="bfloat16", device="cuda", num_kv_blocks=batch * 8 + 64,

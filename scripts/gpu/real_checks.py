@@ -56,10 +56,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args()
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from motet.evals.lora_bench import write_random_adapter
+    from motet.evals.lora_reference import peft_model, write_random_adapter
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -104,13 +103,7 @@ def main() -> None:
 
     base = ModelConfig.from_dir(args.model_dir)
     adapters = {f"a{r}": write_random_adapter(tmp / f"a{r}", base, r, seed=r) for r in (8, 16)}
-    peft = None
-    for name, path in adapters.items():
-        if peft is None:
-            peft = PeftModel.from_pretrained(hf, str(path), adapter_name=name)
-        else:
-            peft.load_adapter(str(path), adapter_name=name)
-    peft = peft.to(DEVICE).eval()
+    peft = peft_model(hf, adapters).to(DEVICE).eval()
     for graphs in (False, True):
         got, names, _ = engine_greedy(args.model_dir, ids, n, graphs, adapters)
         same = 0

@@ -10,8 +10,6 @@ import shutil
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from motet.api.generation_config import GenerationConfigError, sampling_defaults
 from tests.engine.test_engine import hf_greedy
@@ -35,11 +33,6 @@ def greedy_model(tiny_model_dir, tmp_path_factory):
     gen |= {"temperature": 0.0, "max_new_tokens": 5, "top_k": 0}
     (d / "generation_config.json").write_text(json.dumps(gen))
     return d
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 def complete(srv, **body) -> dict:
@@ -72,9 +65,9 @@ def served(greedy_model, tmp_path_factory):
         srv.stop()
 
 
-def test_omitted_fields_take_the_models_defaults(served, hf):
+def test_omitted_fields_take_the_models_defaults(served, tiny_hf_model):
     srv = served()
-    want = hf_greedy(hf, PROMPT, 5)
+    want = hf_greedy(tiny_hf_model, PROMPT, 5)
     for seed in (1, 2):  # temperature 0 from the config: greedy, whatever the seed
         assert complete(srv, seed=seed)["token_ids"] == want  # and max_new_tokens 5 as max_tokens
     chat = httpx.post(
@@ -85,16 +78,18 @@ def test_omitted_fields_take_the_models_defaults(served, hf):
     assert chat["usage"]["completion_tokens"] == 5
 
 
-def test_a_requests_own_fields_win(served, hf):
+def test_a_requests_own_fields_win(served, tiny_hf_model):
     srv = served()
-    assert complete(srv, max_tokens=3)["token_ids"] == hf_greedy(hf, PROMPT, 3)
+    assert complete(srv, max_tokens=3)["token_ids"] == hf_greedy(tiny_hf_model, PROMPT, 3)
     sampled = {tuple(complete(srv, temperature=2.0, seed=s)["token_ids"]) for s in range(4)}
     assert len(sampled) > 1  # the request's temperature, not the config's 0
 
 
-def test_override_and_vllm_defaults(served, hf):
+def test_override_and_vllm_defaults(served, tiny_hf_model):
     over = served("--override-generation-config", '{"max_new_tokens": 7}')
-    assert complete(over)["token_ids"] == hf_greedy(hf, PROMPT, 7)  # temperature 0 still from the file
+    assert complete(over)["token_ids"] == hf_greedy(
+        tiny_hf_model, PROMPT, 7
+    )  # temperature 0 still from the file
     plain = served("--generation-config", "vllm")
     assert len(complete(plain, temperature=0)["token_ids"]) == 16  # OpenAI's completions default
 

@@ -54,10 +54,6 @@ def server(tiny_model_dir, dirs):
     srv.stop()
 
 
-def http(server: Server, key: str) -> httpx.Client:
-    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=300)
-
-
 def sdk(server: Server, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=300)
 
@@ -68,7 +64,7 @@ def load(client: httpx.Client, name: str, path) -> httpx.Response:
 
 # -- vLLM's adapter management --------------------------------------------------------------------------------
 def test_load_and_unload_lora_adapter_from_listed_directories_only(server, dirs):
-    alice, bob = http(server, "sk-alice"), http(server, "sk-bob")
+    alice, bob = server.client("sk-alice"), server.client("sk-bob")
     r = load(alice, "a1", dirs / "loadable" / "a1")
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a1' added successfully."
     assert "a1" in [m["id"] for m in alice.get("/v1/models").json()["data"]]
@@ -98,7 +94,7 @@ def test_load_and_unload_lora_adapter_from_listed_directories_only(server, dirs)
 def test_a_lora_adapter_as_the_responses_model(server, dirs):
     alice = sdk(server, "sk-alice")
     load(
-        http(server, "sk-alice"), "a1", dirs / "loadable" / "a1"
+        server.client("sk-alice"), "a1", dirs / "loadable" / "a1"
     )  # (200, or 409 if the test above loaded it)
     kw = dict(input="The quick brown fox", max_output_tokens=8, temperature=0)
     with_adapter = alice.responses.create(model="a1", **kw)
@@ -127,7 +123,7 @@ def scrape(server: Server) -> dict:
 
 
 def test_vllm_series_move_as_the_load_does(server, dirs):
-    alice, bob = http(server, "sk-alice"), http(server, "sk-bob")
+    alice, bob = server.client("sk-alice"), server.client("sk-bob")
     load(alice, "a1", dirs / "loadable" / "a1")
     assert load(bob, "b1", dirs / "loadable" / "b1").status_code == 200
     idle = scrape(server)

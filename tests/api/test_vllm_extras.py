@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 from tokenizers import Tokenizer, processors
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tests.engine.test_engine import hf_greedy
 from tests.live_server import ThreadServer
@@ -44,11 +44,6 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -180,13 +175,15 @@ def check_prompt_logprobs(entries: list, prompt: list[int], hf, k: int) -> None:
         assert [entry[i]["rank"] for i in top] == list(range(1, k + 1))
 
 
-def test_prompt_logprobs_match_hf(server, hf, tok):
+def test_prompt_logprobs_match_hf(server, tiny_hf_model, tok):  # (model_dir has the tiny weights)
     r = chat(server, prompt_logprobs=2, return_token_ids=True)
-    check_prompt_logprobs(r["prompt_logprobs"], r["prompt_token_ids"], hf, 2)
+    check_prompt_logprobs(r["prompt_logprobs"], r["prompt_token_ids"], tiny_hf_model, 2)
     c = ok(
         post(server, "completions", {"prompt": "The quick brown fox", "max_tokens": 2, "prompt_logprobs": 3})
     )
-    check_prompt_logprobs(c["choices"][0]["prompt_logprobs"], tok.encode("The quick brown fox"), hf, 3)
+    check_prompt_logprobs(
+        c["choices"][0]["prompt_logprobs"], tok.encode("The quick brown fox"), tiny_hf_model, 3
+    )
     assert c["choices"][0]["prompt_logprobs"][1][str(tok.encode("The quick brown fox")[1])]["decoded_token"]
     refused(
         post(server, "completions", {"prompt": "x", "prompt_logprobs": 2, "stream": True}), "prompt_logprobs"
@@ -265,12 +262,12 @@ def test_allowed_token_ids_and_bad_words(server, tok):
     refused(post(server, "chat/completions", {"messages": USER, "bad_words": [" "]}), "bad_words")
 
 
-def test_truncate_prompt_tokens_keeps_the_last_ones(server, hf, tok):
+def test_truncate_prompt_tokens_keeps_the_last_ones(server, tiny_hf_model, tok):
     prompt = [(i * 7) % 300 + 3 for i in range(50)]
     body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
     c = ok(post(server, "completions", {**body, "truncate_prompt_tokens": 20}))
     assert c["usage"]["prompt_tokens"] == 20 and c["choices"][0]["prompt_token_ids"] == prompt[-20:]
-    assert c["choices"][0]["token_ids"] == hf_greedy(hf, prompt[-20:], 6)
+    assert c["choices"][0]["token_ids"] == hf_greedy(tiny_hf_model, prompt[-20:], 6)
     # -1: as many as fit beside the completion (256 - 6), so all 50 here; past that, a 400 naming it
     assert (
         ok(post(server, "completions", {**body, "truncate_prompt_tokens": -1}))["usage"]["prompt_tokens"]

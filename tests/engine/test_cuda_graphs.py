@@ -9,6 +9,7 @@ import torch
 
 from motet.engine.cuda_graphs import bucket_for, buckets
 from motet.kernels import paged_attention as pa
+from tests.engine.helpers import mixed_adapter_tokens
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(pa.triton is None, reason="triton not installed")
@@ -92,7 +93,6 @@ def test_graph_decode_equals_eager(tiny_model_dir, tmp_path, dtype, adapters):
     from motet.engine.config import EngineConfig
     from motet.engine.llm_engine import LLMEngine
     from motet.engine.sampling_params import SamplingParams
-    from motet.evals.lora_bench import write_random_adapter
 
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60, 2, 9)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -108,18 +108,7 @@ def test_graph_decode_equals_eager(tiny_model_dir, tmp_path, dtype, adapters):
         )
         engine = LLMEngine(cfg, model_dir=tiny_model_dir)
         assert (engine.runner.graphs is not None) == graphs
-        names = [
-            engine.add_lora(f"a{i}", write_random_adapter(tmp_path / f"a{i}", engine.model_config, 8, seed=i))
-            for i in range(adapters)
-        ]
-        for i, p in enumerate(prompts):
-            engine.add_request(p, params, adapter=names[i % 3] if adapters and i % 3 < adapters else None)
-        tokens = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    tokens[tuple(out.prompt_token_ids)] = list(out.token_ids)
-        outs[graphs] = tokens
+        outs[graphs] = mixed_adapter_tokens(engine, prompts, params, adapters, tmp_path)
         if graphs:
             assert engine.runner.graphs.replays > 0
             assert engine.runner.graphs.graphs  # at least one bucket captured
@@ -150,7 +139,6 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
     from motet.engine.llm_engine import LLMEngine
     from motet.engine.model import AttentionMetadata
     from motet.engine.sampling_params import SamplingParams
-    from motet.evals.lora_bench import write_random_adapter
 
     class PlannedEachStep(AttentionMetadata):
         """(the CPU attention's host-side plan is made from the tables of each replay, not kept from the first)"""
@@ -192,19 +180,11 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
                     max_query=1 + cfg.num_speculative_tokens if speculative == "ngram" else 1,
                 )
             )
-        names = [
-            engine.add_lora(f"a{i}", write_random_adapter(tmp_path / f"a{i}", engine.model_config, 8, seed=i))
-            for i in range(adapters)
+        # rows ending one by one: the batch goes through the buckets
+        params = [
+            SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(prompts))
         ]
-        for i, p in enumerate(prompts):  # rows ending one by one: the batch goes through the buckets
-            params = SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True)
-            engine.add_request(p, params, adapter=names[i % 3] if adapters and i % 3 < adapters else None)
-        tokens = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    tokens[tuple(out.prompt_token_ids)] = list(out.token_ids)
-        outs[graphs] = tokens
+        outs[graphs] = mixed_adapter_tokens(engine, prompts, params, adapters, tmp_path)
         if graphs:
             keys = runner.graphs.graphs.keys()
             if speculative == "async":

@@ -128,13 +128,12 @@ def test_bf16_close_to_fp32(tiny_model_dir):
         assert (x.softmax(-1) - y.softmax(-1)).abs().max() < 0.05
 
 
-def test_greedy_generation_matches_hf_generate(tiny_model_dir):
+def test_greedy_generation_matches_hf_generate(tiny_model_dir, tiny_hf_model):
     llm = LLM(str(tiny_model_dir), num_kv_blocks=128, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        assert out.token_ids == hf_greedy(hf, prompt, 12)
+        assert out.token_ids == hf_greedy(tiny_hf_model, prompt, 12)
         assert out.finish_reason == "length"
 
 

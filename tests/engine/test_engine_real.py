@@ -38,23 +38,16 @@ def llm(default_model_dir):
     return LLM(str(default_model_dir), num_kv_blocks=2048, max_num_seqs=64)
 
 
-@pytest.fixture(scope="module")
-def hf_model(default_model_dir):
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(default_model_dir, torch_dtype=torch.float32).eval()
-
-
 def chat(llm, q):
     return llm.tokenizer.encode_chat([{"role": "user", "content": q}])
 
 
-def test_greedy_batch_matches_hf_token_for_token(llm, hf_model):
+def test_greedy_batch_matches_hf_token_for_token(llm, default_hf_model):
     prompts = [chat(llm, q) for q in QUESTIONS]
     assert len({len(p) for p in prompts}) > 8  # mixed lengths
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
     for prompt, out in zip(prompts, outs, strict=True):
-        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
+        ref = default_hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
         assert out.token_ids == ref[0, len(prompt) :].tolist(), llm.tokenizer.decode(prompt)
     assert "paris" in outs[0].text.lower()
 

@@ -171,13 +171,6 @@ def reference_model(gguf_dir):
 
 
 @pytest.fixture(scope="session")
-def converted_model(default_model_dir):
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="session")
 def converted_tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 
@@ -215,7 +208,7 @@ def test_pull_layout_and_config(default_model_dir):
 
 
 @pytest.mark.slow
-def test_logits_match_transformers_gguf_loader(reference_model, converted_model, converted_tokenizer):
+def test_logits_match_transformers_gguf_loader(reference_model, default_hf_model, converted_tokenizer):
     """transformers dequantizes and un-permutes the GGUF itself; our safetensors must give the same logits."""
     prompts = [
         "The capital of France is",
@@ -226,18 +219,18 @@ def test_logits_match_transformers_gguf_loader(reference_model, converted_model,
         for p in prompts:
             ids = torch.tensor([converted_tokenizer.encode(p)])
             ref = reference_model(ids).logits
-            got = converted_model(ids).logits
+            got = default_hf_model(ids).logits
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_greedy_answer_mentions_paris(converted_model, converted_tokenizer):
+def test_greedy_answer_mentions_paris(default_hf_model, converted_tokenizer):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     enc = converted_tokenizer.apply_chat_template(
         msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
     with torch.no_grad():
-        out = converted_model.generate(**enc, max_new_tokens=20, do_sample=False)
+        out = default_hf_model.generate(**enc, max_new_tokens=20, do_sample=False)
     text = converted_tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in text, text
 

@@ -57,10 +57,6 @@ def server(tiny_model_dir, dirs):
     srv.stop()
 
 
-def client(server: Server, key: str) -> httpx.Client:
-    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=300)
-
-
 def chat_cached(c: httpx.Client, system: str, **extra) -> int:
     body = {"model": MODEL, "max_tokens": 1, "temperature": 0, **extra,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}  # fmt: skip
@@ -97,7 +93,7 @@ def fresh(tiny_model_dir, dirs):
     """What the probes answer on a server that never saw anyone else's prompt."""
     server = start(tiny_model_dir, dirs)
     try:
-        return {topic: probe(send, client(server, "sk-bob"), topic) for topic, send in SENDS.items()}
+        return {topic: probe(send, server.client("sk-bob"), topic) for topic, send in SENDS.items()}
     finally:
         server.stop()
 
@@ -105,7 +101,7 @@ def fresh(tiny_model_dir, dirs):
 @pytest.mark.parametrize("topic", SENDS)
 def test_another_tenants_prompt_cannot_be_probed(server, fresh, topic):
     send = SENDS[topic]
-    alice, bob = client(server, "sk-alice"), client(server, "sk-bob")
+    alice, bob = server.client("sk-alice"), server.client("sk-bob")
     assert fresh[topic][0] == 0 and fresh[topic][1] == fresh[topic][2] > 0  # the prefix before the PIN
     assert send(alice, system_prompt("4721", topic)) == 0  # alice's secret prompt, now in the cache
     seen = probe(send, bob, topic)
@@ -116,7 +112,7 @@ def test_another_tenants_prompt_cannot_be_probed(server, fresh, topic):
 
 
 def test_cache_salt_separates_requests_within_a_tenant(server):
-    alice = client(server, "sk-alice")
+    alice = server.client("sk-alice")
     system = system_prompt("9999", "Salty")
     first = chat_cached(alice, system, cache_salt="user-1")
     assert first == 0
@@ -124,7 +120,7 @@ def test_cache_salt_separates_requests_within_a_tenant(server):
     assert chat_cached(alice, system) == 0  # nor does no salt
     whole = chat_cached(alice, system, cache_salt="user-1")
     assert whole > 0 and chat_cached(alice, system) == whole  # each salt reuses its own
-    bob = client(server, "sk-bob")
+    bob = server.client("sk-bob")
     assert chat_cached(bob, system, cache_salt="user-1") == 0  # the salt combines with the tenant
     # Completions and Responses take the field too.
     prompt = system_prompt("8888", "Completing")
@@ -146,7 +142,7 @@ def test_cache_salt_separates_requests_within_a_tenant(server):
     ],
 )
 def test_cache_salt_must_be_a_non_empty_string(server, path, body):
-    alice = client(server, "sk-alice")
+    alice = server.client("sk-alice")
     for bad in ("", 5, ["x"], "x" * 257):
         r = alice.post(path, json={"model": MODEL, **body, "cache_salt": bad})
         assert r.status_code == 400, (bad, r.text)
@@ -158,7 +154,7 @@ def test_cache_salt_must_be_a_non_empty_string(server, path, body):
 def test_shared_prefix_cache_shares_across_tenants(tiny_model_dir, dirs):
     server = start(tiny_model_dir, dirs, "--shared-prefix-cache")
     try:
-        alice, bob = client(server, "sk-alice"), client(server, "sk-bob")
+        alice, bob = server.client("sk-alice"), server.client("sk-bob")
         system = system_prompt("4721", "Sharing")
         assert chat_cached(alice, system) == 0
         right, wrong = chat_cached(bob, system), chat_cached(bob, system_prompt("1234", "Sharing"))

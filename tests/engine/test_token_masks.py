@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
@@ -17,11 +17,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 TEXTS = ["def add(a, b):", "The quick brown fox jumps over", "Paris is the capital of"]
 N = 24
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +52,24 @@ def vllm_sequences(tok, word: str) -> list[list[int]]:
     return [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
 
 
-def test_allowed_token_ids_match_hf_generate(llm, hf, tok):
+def test_allowed_token_ids_match_hf_generate(llm, tiny_hf_model, tok):
     for text in TEXTS:
         prompt = tok.encode(text)
-        free = hf_greedy(hf, prompt)
+        free = hf_greedy(tiny_hf_model, prompt)
         allowed = sorted({free[1], free[4], *tok.encode(" the brown fox", add_special_tokens=False)})
         (out,) = llm.generate([prompt], greedy(allowed_token_ids=allowed))
-        ref = hf_greedy(hf, prompt, prefix_allowed_tokens_fn=lambda batch, ids, allowed=allowed: allowed)
+        ref = hf_greedy(
+            tiny_hf_model, prompt, prefix_allowed_tokens_fn=lambda batch, ids, allowed=allowed: allowed
+        )
         assert out.token_ids == ref, text
         assert set(out.token_ids) <= set(allowed) and out.token_ids != free
 
 
-def test_bad_words_match_hf_generate(llm, hf, tok):
+def test_bad_words_match_hf_generate(llm, tiny_hf_model, tok):
     banned_any = False
     for text in TEXTS:
         prompt = tok.encode(text)
-        free = hf_greedy(hf, prompt)
+        free = hf_greedy(tiny_hf_model, prompt)
         # a printable word the model would write: two adjacent output tokens that are its whole encoding
         words = [
             w
@@ -88,7 +85,7 @@ def test_bad_words_match_hf_generate(llm, hf, tok):
         # HF also looks at the prompt, vLLM (and motet) only at the output: no word may begin at its end
         assert all(s[0] != prompt[-1] for s in seqs)
         (out,) = llm.generate([prompt], greedy(bad_words=[word]))
-        assert out.token_ids == hf_greedy(hf, prompt, bad_words_ids=seqs), (text, word)
+        assert out.token_ids == hf_greedy(tiny_hf_model, prompt, bad_words_ids=seqs), (text, word)
         assert not any(contains(out.token_ids, s) for s in seqs)
         assert any(contains(free, s) for s in seqs)  # the constraint did something
         banned_any = True
@@ -143,12 +140,12 @@ def test_jump_forward_never_skips_the_masks(tiny_model_dir):
     assert tok.decode(out.token_ids).startswith("abc")  # still the grammar's
 
 
-def test_prompt_logprobs_match_hf(tiny_model_dir, hf):
+def test_prompt_logprobs_match_hf(tiny_model_dir, tiny_hf_model):
     prompt = [(i * 7) % 300 + 3 for i in range(40)]
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_num_batched_tokens=16)  # several prefill chunks
     (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))
     with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        ref = torch.log_softmax(tiny_hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
     assert len(out.prompt_logprobs) == len(prompt) - 1
     for t, lp in enumerate(out.prompt_logprobs):
         want = ref[t]

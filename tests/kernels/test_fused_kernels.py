@@ -21,7 +21,9 @@ from motet.engine.model import SparseMoE
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import activation, fused_norm, rope_kv
 from motet.kernels.rope_kv import RotaryAngles
+from tests.engine.helpers import finished_tokens
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
+from tests.kernels.gpu_build import gpu_builds
 from tests.models.test_moe import MOE_MODELS, randomize_norms
 from tests.peft_adapters import peft_reference, tiny_requests
 from tests.tiny_models import build_tiny_model
@@ -204,13 +206,13 @@ def test_silu_and_mul_no_rows():
 # -- the GPU build, without a GPU ----------------------------------------------------------------------------
 
 COMPILE_CHECK = r"""
-import json, os, subprocess, sys
+import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from motet.kernels import activation, fused_norm, rope_kv
+from tests.kernels.gpu_build import resource_usage
 
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 out = []
 for name, arch, consts in json.loads(sys.argv[1]):
     if name == "norm":
@@ -229,12 +231,7 @@ for name, arch, consts in json.loads(sys.argv[1]):
     full.update({n: "constexpr" for n in consts})
     k = triton.compile(ASTSource(kernel, full, constexprs=consts), target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=warps))
-    with open("k.cubin", "wb") as f:
-        f.write(k.asm["cubin"])
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", "k.cubin"], capture_output=True, text=True).stdout
-    fields = dict(f.split(":") for f in usage.split(f"Function {kernel.fn.__name__}:")[1].split()[:3])
-    out.append(dict(name=name, arch=arch, regs=int(fields["REG"]), spill=int(fields["STACK"]),
-                    scratch=getattr(k.metadata, "global_scratch_size", 0)))
+    out.append(dict(name=name, arch=arch, **resource_usage(k, kernel.fn.__name__)))
 print(json.dumps(out))
 """
 
@@ -245,15 +242,6 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
     them, at Llama-3-8B / 70B shapes (hidden 4096 / 8192; 32 or 64 query heads of 128, 8 kv heads) and with
     Qwen3's q/k norms: registers only (no spill to local memory) and no global scratch (nothing for a CUDA
     graph to allocate at launch)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    cuobjdump = Path(fused_norm.triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
-        pytest.skip("triton without its NVIDIA toolchain")
     rope = dict(NUM_HEADS=32, NUM_KV_HEADS=8, BLOCK_SIZE=16, HALF=64, HALF_PAD=64, HEADS_PAD=32)
     cases = [
         ("norm", 90, dict(HAS_RESIDUAL=True, BLOCK=4096)),
@@ -262,13 +250,7 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
         ("rope", 80, dict(rope, NUM_HEADS=64, HEADS_PAD=64, HAS_NORM=False)),
         ("silu", 90, dict(BLOCK=activation.BLOCK)),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    env["PYTHONPATH"] = str(Path(__file__).parents[2])
-    done = subprocess.run([sys.executable, "-c", COMPILE_CHECK, json.dumps(cases)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    builds = json.loads(done.stdout.strip().splitlines()[-1])
+    builds = gpu_builds(COMPILE_CHECK, cases, tmp_path)
     assert len(builds) == len(cases)
     for build in builds:
         assert build["spill"] == 0 and build["regs"] <= 255 and build["scratch"] == 0, build
@@ -356,11 +338,7 @@ def test_model_greedy_decode_matches_hf_generate(tmp_path, fused):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=str(i))
-    tokens = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                tokens[tuple(out.prompt_token_ids)] = list(out.token_ids)
+    tokens = finished_tokens(engine)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for p in prompts:
         ref = hf.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)

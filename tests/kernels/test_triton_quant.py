@@ -18,7 +18,9 @@ from motet.engine.model import Linear
 from motet.kernels import triton_quant
 from motet.kernels.quant import FORMATS, QuantizedWeight
 from motet.kernels.triton_quant import TileConfig, choose_config, quant_linear
+from tests.engine.helpers import mixed_adapter_tokens
 from tests.engine.test_engine import PROMPTS, engine_logits
+from tests.kernels.gpu_build import gpu_builds
 from tests.kernels.test_quantization import dequantized_checkpoint
 from tests.tiny_models import build_tiny_model
 
@@ -240,17 +242,17 @@ def test_cuda_graph_replays_the_kernel(name):
 # -- the GPU build, without a GPU ----------------------------------------------------------------------------
 
 COMPILE_CHECK = r"""
-import json, os, subprocess, sys
+import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from motet.kernels import triton_quant as tq
+from tests.kernels.gpu_build import resource_usage
 
 kernel = tq._quant_gemm_kernel
 aligned = ["x_ptr", "q_ptr", "s_ptr", "m_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm", "stride_qn",
            "stride_sn", "stride_mn", "stride_os", "stride_om"]  # what triton specializes at a launch on a 4096-wide layer
 unit = ["stride_xk", "stride_qk", "stride_sk", "stride_mk", "stride_on"]
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 out = []
 for fmt, M, arch in json.loads(sys.argv[1]):
     int4 = fmt == "int4"
@@ -264,13 +266,8 @@ for fmt, M, arch in json.loads(sys.argv[1]):
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     k = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
-    with open("k.cubin", "wb") as f:
-        f.write(k.asm["cubin"])
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", "k.cubin"], capture_output=True, text=True).stdout
-    fields = dict(f.split(":") for f in usage.split("Function _quant_gemm_kernel:")[1].split()[:3])
-    out.append(dict(fmt=fmt, M=M, arch=arch, regs=int(fields["REG"]), spill=int(fields["STACK"]),
-                    async_copies=k.asm["ptx"].count("cp.async.cg.shared.global"), mma=k.asm["ptx"].count("mma"),
-                    scratch=getattr(k.metadata, "global_scratch_size", 0)))
+    out.append(dict(fmt=fmt, M=M, arch=arch, **resource_usage(k, "_quant_gemm_kernel"),
+                    async_copies=k.asm["ptx"].count("cp.async.cg.shared.global"), mma=k.asm["ptx"].count("mma")))
 print(json.dumps(out))
 """
 
@@ -280,23 +277,8 @@ def test_compiles_for_the_gpu_without_spills(tmp_path):
     """The kernel built for sm_90 (H100) and sm_80 (A100) by triton's own compiler and ptxas, as a launch
     would build it: registers only (no spill to local memory), weight tiles copied asynchronously into shared
     memory (the software pipeline), products on the tensor cores (mma, or wgmma on sm_90 for large tiles)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    cuobjdump = Path(triton_quant.triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
-        pytest.skip("triton without its NVIDIA toolchain")
     cases = [("int4", 1, 90), ("int8", 16, 90), ("int4", 1, 80), ("int4", 512, 90)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    env["PYTHONPATH"] = str(Path(__file__).parents[2])
-    done = subprocess.run([sys.executable, "-c", COMPILE_CHECK, json.dumps(cases)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    for build in json.loads(done.stdout.strip().splitlines()[-1]):
+    for build in gpu_builds(COMPILE_CHECK, cases, tmp_path):
         assert build["spill"] == 0 and build["regs"] <= 255, build
         assert build["async_copies"] > 0 and build["mma"] > 0, build
         assert build["scratch"] == 0, (
@@ -311,7 +293,6 @@ def test_quantized_decode_from_graphs_equals_eager(tiny_model_dir, tmp_path, nam
     """The kernel inside the decode CUDA graphs (motet/engine/cuda_graphs.py): greedy tokens of ragged
     prompts in bf16, with and without adapters on top, the same as eager steps."""
     from motet.engine.sampling_params import SamplingParams
-    from motet.evals.lora_bench import write_random_adapter
 
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60, 2, 9)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -320,17 +301,6 @@ def test_quantized_decode_from_graphs_equals_eager(tiny_model_dir, tmp_path, nam
         config = EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", device="cuda", block_size=8,
                               num_kv_blocks=256, quantization=name, compile_step=graphs)  # fmt: skip
         eng = LLMEngine(config, model_dir=tiny_model_dir)
-        names = [
-            eng.add_lora(f"a{i}", write_random_adapter(tmp_path / f"a{i}", eng.model_config, 8, seed=i))
-            for i in range(adapters)
-        ]
-        for i, p in enumerate(prompts):
-            eng.add_request(p, params, adapter=names[i % 3] if adapters and i % 3 < adapters else None)
-        tokens = {}
-        while eng.has_unfinished():
-            for out in eng.step():
-                if out.finished:
-                    tokens[tuple(out.prompt_token_ids)] = list(out.token_ids)
-        outs[graphs] = tokens
+        outs[graphs] = mixed_adapter_tokens(eng, prompts, params, adapters, tmp_path)
         assert not graphs or eng.runner.graphs.replays > 0
     assert outs[True] == outs[False]

@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from motet.lora.adapter import AdapterError, load_adapter, module_shape
+from motet.evals.lora_reference import lora_config, random_lora_factors
+from motet.lora.adapter import AdapterError, load_adapter
 from tests.lora.test_lora_pool import BASE
 
 QV = ("q_proj", "v_proj")
@@ -40,22 +41,12 @@ def write_adapter(
 ) -> Path:
     """A PEFT-format adapter dir (the files PEFT's save_pretrained writes): small random factors
     (or every value `fill`) for `modules` of every layer, and `config` over a plain LoRA config."""
-    g = torch.Generator().manual_seed(0)
-    tensors = {}
-    for layer in range(BASE.num_hidden_layers):
-        for m in modules:
-            n_in, n_out = module_shape(BASE, m)
-            key = f"base_model.model.model.layers.{layer}.{'self_attn' if m[0] in 'qkvo' else 'mlp'}.{m}"
-            for ab, shape in (("A", (rank, n_in)), ("B", (n_out, rank))):
-                t = (
-                    torch.full(shape, fill, dtype=torch.float64)
-                    if fill is not None
-                    else torch.randn(*shape, generator=g) * 0.1
-                )
-                tensors[f"{key}.lora_{ab}.weight"] = t.to(dtype)
+    tensors = random_lora_factors(BASE, modules, rank, seed=0, a_std=0.1, b_std=0.1)
+    if fill is not None:
+        tensors = {name: torch.full(t.shape, fill, dtype=torch.float64) for name, t in tensors.items()}
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / "adapter_model.safetensors")
-    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules), **config}
+    save_file({name: t.to(dtype) for name, t in tensors.items()}, path / "adapter_model.safetensors")
+    cfg = lora_config(rank, modules) | config
     (path / "adapter_config.json").write_text(config_text if config_text is not None else json.dumps(cfg))
     return path
 

@@ -23,6 +23,14 @@ def lora_logits(engine: LLMEngine, prompts, adapters, chunk: int | None = None, 
     return engine_logits(engine, prompts, chunk, adapters, order)
 
 
+def assert_adapters_matter(engine: LLMEngine, prompts, adapted, names, margin: float = 0.5) -> None:
+    """The adapters matter: each row's logits with its adapter (`adapted`, `names`) are more than `margin` from the
+    base model's on the same tokens, and a row without one is within `margin` of them."""
+    base = lora_logits(engine, prompts, [None] * len(prompts))
+    for a, b, n in zip(adapted, base, names, strict=True):
+        assert ((a - b).abs().max() > margin) == bool(n), n
+
+
 # -- tiny random model: fast -------------------------------------------------------------------------------
 
 
@@ -37,10 +45,7 @@ def test_mixed_batch_logits_match_peft(tiny_model_dir, tiny_loras):
         got = lora_logits(llm.engine, prompts, names, chunk=chunk, order=order)
         for g, ref in zip(got, refs, strict=True):
             torch.testing.assert_close(g, ref, atol=2e-4, rtol=1e-4)
-    # The adapters matter: their logits are far from the base model's.
-    base = lora_logits(llm.engine, prompts, [None] * len(prompts))
-    for b, ref, n in zip(base, refs, names, strict=True):
-        assert ((b - ref).abs().max() > 0.5) == bool(n), n
+    assert_adapters_matter(llm.engine, prompts, refs, names)
 
 
 # Adapters on part of a fused group (q/k/v, gate/up): the group's one shrink and one expand must leave the
@@ -65,9 +70,7 @@ def test_adapters_on_part_of_a_fused_group_match_peft(tiny_model_dir, tmp_path, 
         got = lora_logits(llm.engine, prompts, names, chunk=chunk)
         for g, ref in zip(got, refs, strict=True):
             torch.testing.assert_close(g, ref, atol=2e-4, rtol=1e-4)
-    base = lora_logits(llm.engine, prompts, [None] * len(prompts))
-    for b, ref, n in zip(base, refs, names, strict=True):
-        assert ((b - ref).abs().max() > 0.5) == bool(n), n
+    assert_adapters_matter(llm.engine, prompts, refs, names)
 
 
 def test_mixed_batch_greedy_matches_peft_generate(tiny_model_dir, tiny_loras):
@@ -263,9 +266,7 @@ def test_embedding_and_head_adapters_mixed_with_others_match_peft(tmp_path_facto
         got = lora_logits(llm.engine, prompts, names, chunk=chunk)
         for g, ref, n in zip(got, refs, names, strict=True):
             torch.testing.assert_close(g, ref, atol=2e-4, rtol=1e-4, msg=n)
-    base = lora_logits(llm.engine, prompts, [None] * len(prompts))
-    for b, ref, n in zip(base, refs, names, strict=True):
-        assert ((b - ref).abs().max() > 0.5) == bool(n), n
+    assert_adapters_matter(llm.engine, prompts, refs, names)
     # greedy, with the head's delta on the sampled rows of steps that mix prompt chunks and decodes
     llm48 = tiny_llm(model_dir, {n: tmp_path / n for n, _, _ in MODEL_ADAPTERS}, max_num_batched_tokens=48,
                      compile_step=compiled)  # fmt: skip
@@ -305,10 +306,7 @@ def test_real_model_mixed_batch_matches_peft(default_model_dir, tmp_path):
     for g, r in zip(got, refs, strict=True):
         # fp32, the same math in another order (fused q/k/v, SGMV segments, chunked attention): ~1e-4 seen
         torch.testing.assert_close(g, r, atol=1e-3, rtol=1e-4)
-    # The adapters matter: their logits are far from the base model's on the same tokens.
-    base = lora_logits(llm.engine, full, [None] * len(full))
-    for g, b, n in zip(got, base, names, strict=True):
-        assert ((g - b).abs().max() > 1.0) == bool(n), n
+    assert_adapters_matter(llm.engine, full, got, names, margin=1.0)
 
 
 def test_a_reuploaded_adapter_never_reuses_the_old_versions_prefix_cache(tiny_model_dir, tmp_path):

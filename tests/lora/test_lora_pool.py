@@ -4,15 +4,14 @@ and the step's segments (their deltas checked against a per-row reference from t
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from motet.engine.config import ModelConfig
+from motet.evals.lora_reference import write_random_adapter
 from motet.kernels import cpu_native
 from motet.lora.adapter import TARGET_MODULES, AdapterError, load_adapter, module_shape
 from motet.lora.host_cache import HostCache, HostEntry
@@ -34,20 +33,8 @@ LAYOUT = PoolLayout(BASE)
 
 
 def write_adapter(path, rank: int, modules, seed: int = 0, alpha: float = 8.0):
-    """A PEFT-format adapter directory with random non-zero factors."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(BASE.num_hidden_layers):
-        for m in modules:
-            n_in, n_out = module_shape(BASE, m)
-            key = f"base_model.model.model.layers.{layer}.{'self_attn' if m[0] in 'qkvo' else 'mlp'}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g)
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g)
-    path.mkdir(parents=True)
-    save_file(tensors, path / "adapter_model.safetensors")
-    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
-    (path / "adapter_config.json").write_text(json.dumps(cfg))
-    return path
+    """A PEFT-format adapter directory with random factors of unit scale (large deltas: the checks see them)."""
+    return write_random_adapter(path, BASE, rank, seed, modules=modules, alpha=alpha, a_std=1.0, b_std=1.0)
 
 
 SPECS = {

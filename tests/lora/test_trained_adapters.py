@@ -43,17 +43,13 @@ def test_adapters_change_behaviour_and_base_does_not(llm):
 
 
 def test_logits_match_peft(llm, default_model_dir):
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from motet.evals.lora_reference import peft_model
 
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": prompts("eval")[0]}])
     base = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    peft = None
-    for name, path in ADAPTERS.items():
-        if peft is None:
-            peft = PeftModel.from_pretrained(base, str(path), adapter_name=name).eval()
-        else:
-            peft.load_adapter(str(path), adapter_name=name)
+    peft = peft_model(base, ADAPTERS).eval()
     for name in ADAPTERS:
         peft.set_adapter(name)
         with torch.no_grad():

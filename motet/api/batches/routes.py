@@ -21,13 +21,13 @@ from starlette.responses import JSONResponse, Response
 from motet.api import protocol as P
 from motet.api.batches.lines import ENDPOINTS, check_line_size, parse_lines
 from motet.api.batches.runner import BatchRunner
-from motet.api.batches.store import COMPLETION_WINDOWS
+from motet.api.batches.store import COMPLETION_WINDOWS, BatchStore
 from motet.api.errors import APIError, echo
-from motet.api.files.routes import stored_call
 from motet.api.list_pages import list_object, page_limit, refuse_unknown
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
-from motet.api.state import ServerState
+from motet.api.state import ServerState, state_and_tenant
+from motet.api.storage_errors import stored_call
 
 
 class BatchCreateRequest(P._Request):
@@ -42,8 +42,7 @@ class BatchCreateRequest(P._Request):
 
 
 def _context(request: Request) -> tuple[ServerState, str, BatchRunner]:
-    state: ServerState = request.app.state.motet
-    tenant = state.auth.tenant(request.headers.get("authorization"))
+    state, tenant = state_and_tenant(request)
     if state.batches is None:
         raise APIError(404, "this server runs no batches")
     return state, tenant, state.batches
@@ -51,6 +50,17 @@ def _context(request: Request) -> tuple[ServerState, str, BatchRunner]:
 
 def _no_such_batch(batch_id: str) -> APIError:
     return APIError(404, f"No such Batch object: {echo(batch_id)}", param="batch_id", code="batch_not_found")
+
+
+async def _path_batch(request: Request, what: str, call) -> tuple[BatchRunner, dict]:
+    """The runner, and what `call` (a BatchStore method: get, cancel) returns of the tenant's batch the path
+    names; 404 where the tenant has none (`what` names a storage failure)."""
+    _, tenant, runner = _context(request)
+    batch_id = request.path_params["batch_id"]
+    batch = await stored_call(what, call, runner.store, tenant, batch_id)
+    if batch is None:
+        raise _no_such_batch(batch_id)
+    return runner, batch
 
 
 def _check(req: BatchCreateRequest) -> None:
@@ -108,11 +118,7 @@ async def create_batch(request: Request) -> Response:
 
 @operation("a batch", tag="Batches", ok_description="the Batch")
 async def retrieve_batch(request: Request) -> Response:
-    _, tenant, runner = _context(request)
-    batch_id = request.path_params["batch_id"]
-    batch = await stored_call("the batch could not be read", runner.store.get, tenant, batch_id)
-    if batch is None:
-        raise _no_such_batch(batch_id)
+    _, batch = await _path_batch(request, "the batch could not be read", BatchStore.get)
     return JSONResponse(batch)
 
 
@@ -131,15 +137,11 @@ async def list_batches(request: Request) -> Response:
 
 @operation("cancel a batch", tag="Batches", ok_description="the Batch")
 async def cancel_batch(request: Request) -> Response:
-    _, tenant, runner = _context(request)
-    batch_id = request.path_params["batch_id"]
-    batch = await stored_call("the batch could not be cancelled", runner.store.cancel, tenant, batch_id)
-    if batch is None:
-        raise _no_such_batch(batch_id)
+    runner, batch = await _path_batch(request, "the batch could not be cancelled", BatchStore.cancel)
     if batch["status"] not in ("cancelling", "cancelled"):
         raise APIError(
             409, f"the batch is {batch['status']}: only a validating or in-progress batch can be cancelled",
             param="batch_id", code="batch_not_cancellable",
         )  # fmt: skip
-    runner.cancel(batch_id)
+    runner.cancel(batch["id"])
     return JSONResponse(batch)

@@ -119,34 +119,41 @@ class StructuredOutputs(_Request):
 _LOGIT_BIAS = {"logit_bias": ((None, {}), "logit biases are not applied; use guided_choice or a grammar")}
 
 
-class _SamplingFields(_OpenAINoOps):
+class SamplingKnobs(_Request):
+    """The sampling fields the Responses API takes as chat does, OpenAI's and vLLM's: a Responses request passes
+    each on to the chat request it runs (motet/api/responses/request.py)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    # vLLM-style extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only among requests of one salt
+
+
+class _SamplingFields(_OpenAINoOps, SamplingKnobs):
     """Fields common to chat and completions."""
 
     unsupported = _LOGIT_BIAS
 
     model: str
     n: int = Field(1, ge=1, le=64)
-    temperature: float | None = None
-    top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
     max_tokens: int | None = Field(None, ge=0)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM-style extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     speculative: bool = True  # motet: False opts the request out of speculative decoding (same output)
-    cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only among requests of one salt
     bad_words: list[str] | None = (
         None  # vLLM: token sequences that never appear (motet/engine/token_masks.py)
     )

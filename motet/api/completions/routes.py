@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from motet.actors.messages import Admission, GenerateSpec
-from motet.actors.reply import ReplyStream, merge_streams
+from motet.actors.reply import merge_streams
 from motet.actors.serving_errors import ServingError
 from motet.api import tracing
 from motet.api import usage as usage_records
@@ -30,7 +30,7 @@ from motet.api.errors import APIError, from_serving_error, from_value_error
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
-from motet.api.streams import Choice, EventStream, collect, observe, release, sse, usage
+from motet.api.streams import Choice, EventStream, collect, in_flight, observe, sse, usage
 from motet.api.structured import Structure, prompt_messages, structured_output
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.reasoning import ReasoningFormat, reasoning_format, template_reasoning
@@ -186,6 +186,27 @@ def stream_usage(req: P._SamplingFields) -> tuple[bool, bool]:
     return include, include and req.stream_options.continuous_usage_stats
 
 
+def generate_spec(
+    req, id_prefix: str, params, tenant, adapter, max_tokens, structure, **prompt
+) -> GenerateSpec:
+    """What the engine is asked for a chat or a completion request: one choice per `req.n` (ids `id_prefix-i`),
+    the tenant and adapter, the output's bound, and the fields both requests pass on alike; `prompt`: the
+    prompt, or the messages and how they are rendered."""
+    return GenerateSpec(
+        request_ids=[f"{id_prefix}-{i}" for i in range(req.n)],
+        params=params,
+        tenant=tenant,
+        adapter=adapter,
+        max_tokens=max_tokens,
+        grammar_param=structure.param,
+        add_special_tokens=req.add_special_tokens,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        priority=req.priority,
+        background=background.get(),
+        **prompt,
+    )
+
+
 # -- chat -------------------------------------------------------------------------------------------------
 def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionRequest, rid: str):
     """A validated chat request as the engine's GenerateSpec, with its structure (grammar, tools), top
@@ -212,21 +233,8 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
     if prompt_k is None and req.echo and not req.stream:
         prompt_k = req.top_logprobs or 0
     params, engine_max, drop = build_params(req, max_tokens, k, prompt_k, structure, state.sampling_defaults)
-    spec = GenerateSpec(
-        request_ids=[f"{rid}-{i}" for i in range(req.n)],
-        params=params,
-        tenant=tenant,
-        adapter=adapter,
-        messages=messages,
-        chat_template_kwargs=kwargs,
-        max_tokens=engine_max,
-        prompt_param="messages",
-        grammar_param=structure.param,
-        add_special_tokens=req.add_special_tokens,
-        truncate_prompt_tokens=req.truncate_prompt_tokens,
-        priority=req.priority,
-        background=background.get(),
-    )
+    prompt = {"messages": messages, "chat_template_kwargs": kwargs, "prompt_param": "messages"}
+    spec = generate_spec(req, rid, params, tenant, adapter, engine_max, structure, **prompt)
     return spec, structure, k, drop
 
 
@@ -274,11 +282,9 @@ async def chat_completions(request: Request) -> Response:
     rid = f"chatcmpl-{request_id}"  # the response's id
     spec, structure, k, drop = chat_spec(state, tenant, adapter, req, f"chatcmpl-{uuid.uuid4().hex}")
     arrival = time.perf_counter()
-    state.inflight += 1
-    streams: list[ReplyStream] = []
-    try:
+    with in_flight(state) as streams:
         (adm,) = await submit(state, spec)
-        streams = adm.streams
+        streams += adm.streams
         state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choices = [Choice(i, adm.prompt_token_ids, arrival) for i in range(req.n)]
         created = int(time.time())
@@ -320,11 +326,6 @@ async def chat_completions(request: Request) -> Response:
             else None,
         )
         return with_request_id(with_warnings(JSONResponse(resp.model_dump()), structure, rid), request_id)
-    except BaseException:
-        release(state, streams)
-        raise
-    finally:
-        state.inflight -= 1
 
 
 async def _chat_chunks(state, req, rid, created, choices, streams, k, drop, output) -> AsyncIterator[str]:
@@ -420,22 +421,10 @@ async def completions(request: Request) -> Response:
     )
     prompts = _prompts(req)
     arrival = time.perf_counter()
-    state.inflight += 1
-    streams: list[ReplyStream] = []
-    try:
+    with in_flight(state) as streams:
         specs = [
-            GenerateSpec(
-                request_ids=[f"{internal}-{p_idx}-{i}" for i in range(req.n)],
-                params=params,
-                tenant=tenant,
-                adapter=adapter,
-                prompt=prompt,
-                max_tokens=engine_max,
-                grammar_param=structure.param,
-                add_special_tokens=req.add_special_tokens,
-                truncate_prompt_tokens=req.truncate_prompt_tokens,
-                priority=req.priority,
-                background=background.get(),
+            generate_spec(
+                req, f"{internal}-{p_idx}", params, tenant, adapter, engine_max, structure, prompt=prompt
             )
             for p_idx, prompt in enumerate(prompts)
         ]
@@ -495,11 +484,6 @@ async def completions(request: Request) -> Response:
             usage=usage([a.prompt_token_ids for a in admissions], choices, drop),
         )
         return with_request_id(with_warnings(JSONResponse(resp.model_dump()), structure, rid), request_id)
-    except BaseException:
-        release(state, streams)
-        raise
-    finally:
-        state.inflight -= 1
 
 
 async def _completion_chunks(state, req, rid, created, choices, streams, prompt_texts, admissions, drop):

@@ -13,8 +13,6 @@ than `--files-max-bytes` is refused with 413 while it is read (nothing is kept),
 
 from __future__ import annotations
 
-import functools
-
 import anyio.to_thread
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
@@ -25,8 +23,8 @@ from motet.api.files.store import FileQuotaExceeded, FileStore, FileTooLarge, St
 from motet.api.list_pages import list_object, page_limit, page_order, refuse_unknown
 from motet.api.openapi import FILE, operation
 from motet.api.request_body import bounded_form
-from motet.api.state import ServerState
-from motet.api.storage_errors import StorageFailure, storage_error
+from motet.api.state import ServerState, state_and_tenant
+from motet.api.storage_errors import stored_call
 
 PURPOSES = ("batch",)  # what an upload may be for (batch outputs are written by the server as batch_output)
 MAX_LIST = 10_000  # OpenAI's largest page of files
@@ -34,19 +32,10 @@ _CHUNK = 1 << 20
 
 
 def _context(request: Request) -> tuple[ServerState, str, FileStore]:
-    state: ServerState = request.app.state.motet
-    tenant = state.auth.tenant(request.headers.get("authorization"))
+    state, tenant = state_and_tenant(request)
     if state.files is None:
         raise APIError(404, "this server stores no files")
     return state, tenant, state.files
-
-
-async def stored_call(what: str, call, *args):
-    """A store call in a worker thread; the disk failing is a 507 / 503 that says so."""
-    try:
-        return await anyio.to_thread.run_sync(functools.partial(call, *args))
-    except StorageFailure as e:
-        raise storage_error(e, what) from None
 
 
 def no_such_file(file_id: str, param: str = "file_id") -> APIError:

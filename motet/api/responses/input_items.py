@@ -24,10 +24,9 @@ from starlette.responses import JSONResponse, Response
 from motet.api.errors import APIError, echo
 from motet.api.list_pages import list_object, page_limit, page_order, refuse_unknown
 from motet.api.openapi import operation
-from motet.api.responses.routes import _from_store as from_store  # the store's failures as 507 / 503
-from motet.api.responses.routes import _not_found as not_found
-from motet.api.responses.store import Turn
-from motet.api.state import ServerState
+from motet.api.responses.routes import read_response
+from motet.api.responses.store import ResponseStore, Turn
+from motet.api.state import state_and_tenant
 
 _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 _QUERY = ("after", "limit", "order", "include", "include[]")
@@ -88,17 +87,9 @@ def _params(request: Request) -> tuple[str | None, int, str]:
 @operation("the items a stored response was generated from (its whole conversation)", tag="Responses",
            ok_description="a list of items", query={"after": str, "limit": int, "order": str})  # fmt: skip
 async def list_input_items(request: Request) -> Response:
-    state: ServerState = request.app.state.motet
-    tenant = state.auth.tenant(request.headers.get("authorization"))
+    state, tenant = state_and_tenant(request)
     after, limit, order = _params(request)
-    response_id = request.path_params["response_id"]
-    turns = (
-        await from_store("the response could not be read", state.responses.turns, tenant, response_id)
-        if state.responses
-        else None
-    )
-    if turns is None:
-        raise not_found(response_id, "response_id")
+    turns = await read_response(state, tenant, request.path_params["response_id"], ResponseStore.turns)
     items = conversation_items(turns)
     if order == "desc":
         items.reverse()

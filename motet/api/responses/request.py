@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from motet.api import protocol as P
-from motet.api.completions.protocol import ChatCompletionRequest
+from motet.api.completions.protocol import ChatCompletionRequest, SamplingKnobs
 from motet.api.errors import APIError, echo
 from motet.grammar.tool_calls import MAX_TOOL_CALLS
 
@@ -39,7 +39,7 @@ class ResponsesStreamOptions(P._Request):
     include_obfuscation: bool | None = None  # padding against length side channels: no output change
 
 
-class ResponsesRequest(P._OpenAINoOps):
+class ResponsesRequest(P._OpenAINoOps, SamplingKnobs):
     unsupported = {
         "background": ((None, False), "a response is answered within its request"),
         "conversation": ((None,), "send previous_response_id (there are no conversation objects)"),
@@ -65,16 +65,6 @@ class ResponsesRequest(P._OpenAINoOps):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    # vLLM-style extras, as on chat
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    seed: int | None = None
-    cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only among requests of one salt
 
     @field_validator("input")
     @classmethod
@@ -260,15 +250,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
         "parallel_tool_calls": req.parallel_tool_calls,
         "max_tool_calls": req.max_tool_calls,
         "max_completion_tokens": req.max_output_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "min_p": req.min_p,
-        "repetition_penalty": req.repetition_penalty,
-        "frequency_penalty": req.frequency_penalty,
-        "presence_penalty": req.presence_penalty,
-        "seed": req.seed,
-        "cache_salt": req.cache_salt,
+        **{name: getattr(req, name) for name in SamplingKnobs.model_fields},
     }
     body |= {k: v for k, v in optional.items() if v is not None}
     return ChatCompletionRequest.model_validate(body)

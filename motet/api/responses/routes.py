@@ -42,9 +42,9 @@ from motet.api.openapi import operation
 from motet.api.responses.items import OutputItems
 from motet.api.responses.request import ResponsesRequest, chat_request, input_items, renamed
 from motet.api.responses.store import ConversationTooLong, QuotaExceeded, ResponseStore
-from motet.api.state import ServerState
-from motet.api.storage_errors import StorageFailure, storage_error
-from motet.api.streams import Choice, EventStream, collect, internal_error, observe, release, usage
+from motet.api.state import ServerState, state_and_tenant
+from motet.api.storage_errors import StorageFailure, storage_error, stored_call
+from motet.api.streams import Choice, EventStream, collect, in_flight, internal_error, observe, usage
 
 log = logging.getLogger("motet.api")
 
@@ -57,14 +57,6 @@ def _not_found(response_id: str, param: str, status: int = 404) -> APIError:
         response_id if len(response_id) <= MAX_ECHOED_ID_CHARS else response_id[:MAX_ECHOED_ID_CHARS] + "..."
     )
     return APIError(status, f"No response found with id '{shown}'.", param=param, code=code)
-
-
-async def _from_store(what: str, call, *args):
-    """A response store call, in a worker thread; the store failing is a 507 / 503 that says so."""
-    try:
-        return await anyio.to_thread.run_sync(functools.partial(call, *args))
-    except StorageFailure as e:
-        raise storage_error(e, what) from None
 
 
 # -- the Response object ------------------------------------------------------------------------------------
@@ -218,9 +210,17 @@ class ResponseRun:
 
 
 # -- the routes ---------------------------------------------------------------------------------------------
-def _tenant(request: Request) -> tuple[ServerState, str]:
-    state: ServerState = request.app.state.motet
-    return state, state.auth.tenant(request.headers.get("authorization"))
+async def read_response(state: ServerState, tenant: str, response_id: str, read):
+    """What `read` (a ResponseStore method: `get`, the Response; `turns`, its conversation) returns of the
+    tenant's stored response `response_id`; 404 where there is none (or the server stores none)."""
+    found = None
+    if state.responses is not None:
+        found = await stored_call(
+            "the response could not be read", read, state.responses, tenant, response_id
+        )
+    if found is None:
+        raise _not_found(response_id, "response_id")
+    return found
 
 
 async def _history(state: ServerState, tenant: str, req: ResponsesRequest) -> tuple[list[dict], int]:
@@ -230,7 +230,7 @@ async def _history(state: ServerState, tenant: str, req: ResponsesRequest) -> tu
     if state.responses is None:
         raise APIError(400, "this server stores no responses", param="previous_response_id")
     what = "the previous response could not be read"
-    prev = await _from_store(what, state.responses.conversation, tenant, req.previous_response_id)
+    prev = await stored_call(what, state.responses.conversation, tenant, req.previous_response_id)
     if prev is None:
         raise _not_found(req.previous_response_id, "previous_response_id", status=400)
     return prev.items, prev.turns
@@ -240,7 +240,7 @@ async def _admit(state: ServerState, tenant: str, req: ResponsesRequest, turns: 
     """Refuse, before generating it, a response the store has no room for."""
     try:
         what = "the response store could not be read"
-        await _from_store(what, state.responses.admit, tenant, input_items(req), turns)
+        await stored_call(what, state.responses.admit, tenant, input_items(req), turns)
     except QuotaExceeded as e:
         raise APIError(400, str(e), param="store", code="storage_quota_exceeded") from None
     except ConversationTooLong as e:
@@ -264,14 +264,12 @@ async def create_response(request: Request) -> Response:
     except ValidationError as e:
         raise renamed(from_validation_error(e)) from None
     arrival = time.perf_counter()
-    state.inflight += 1
-    streams: list[ReplyStream] = []
-    try:
+    with in_flight(state) as streams:
         try:
             (adm,) = await submit(state, spec)
         except APIError as e:
             raise renamed(e) from None
-        streams = adm.streams
+        streams += adm.streams
         state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choice = Choice(0, adm.prompt_token_ids, arrival)
         run = ResponseRun(state, tenant, req, rid, history, chat_output(state, adm, structure)(), choice)
@@ -280,11 +278,6 @@ async def create_response(request: Request) -> Response:
         await collect(request, state, [choice], streams)
         response = await run.save(run.whole())
         return run.warn(with_warnings(JSONResponse(response), structure, rid))
-    except BaseException:
-        release(state, streams)
-        raise
-    finally:
-        state.inflight -= 1
 
 
 def _refuse_query(request: Request) -> None:
@@ -299,24 +292,18 @@ def _refuse_query(request: Request) -> None:
 
 @operation("a stored response", tag="Responses", ok_description="the Response")
 async def get_response(request: Request) -> Response:
-    state, tenant = _tenant(request)
+    state, tenant = state_and_tenant(request)
     _refuse_query(request)
-    response_id = request.path_params["response_id"]
-    stored = (
-        await _from_store("the response could not be read", state.responses.get, tenant, response_id)
-        if state.responses
-        else None
+    return JSONResponse(
+        await read_response(state, tenant, request.path_params["response_id"], ResponseStore.get)
     )
-    if stored is None:
-        raise _not_found(response_id, "response_id")
-    return JSONResponse(stored)
 
 
 @operation("delete a stored response", tag="Responses", ok_description="deleted")
 async def delete_response(request: Request) -> Response:
-    state, tenant = _tenant(request)
+    state, tenant = state_and_tenant(request)
     response_id = request.path_params["response_id"]
-    deleted = state.responses is not None and await _from_store(
+    deleted = state.responses is not None and await stored_call(
         "the response could not be deleted", state.responses.delete, tenant, response_id
     )
     if not deleted:

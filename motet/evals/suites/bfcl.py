@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from motet.evals import report
@@ -29,8 +28,8 @@ from motet.evals.bfcl_ast import Call, check
 from motet.evals.context import (
     EvalContext,
     add_penalty_arguments,
+    chat_answer,
     penalties,
-    request_failure,
 )
 
 NAME = "bfcl"
@@ -119,20 +118,19 @@ def score(
 ) -> dict:
     calls = list(calls)
     functions = {f["name"]: f for f in record["function"]}
-    item = {
-        "id": record["id"],
-        "category": record["category"],
-        "mode": mode,
-        "status": status,
-        "finish_reason": finish,
-        "called": bool(calls),
-        "n_calls": len(calls),
-        "valid": False,
-        "ast": False,
-        "error": error,
-        "calls": calls,
-        "content": content[:300],
-    }
+    item = report.scored_item(
+        record,
+        mode,
+        status,
+        finish,
+        error,
+        called=bool(calls),
+        n_calls=len(calls),
+        valid=False,
+        ast=False,
+        calls=calls,
+        content=content[:300],
+    )
     if status != "ok":
         return item
     validity = tool_call_validity(calls, functions) if calls else "no tool call"
@@ -156,8 +154,6 @@ def tools_of(record: dict, normalized: bool) -> list[dict]:
 
 
 async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
-    import openai
-
     kwargs = {
         "model": ctx.model,
         "messages": record["question"][0],
@@ -173,18 +169,11 @@ async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
     if ctx.args.max_tool_calls is not None and kwargs.get("parallel_tool_calls", True):
         kwargs["extra_body"] = {**kwargs.get("extra_body", {}), "max_tool_calls": ctx.args.max_tool_calls}
     penalties(ctx, kwargs)
-    t0 = time.perf_counter()
-    try:
-        r = await client.chat.completions.create(**kwargs)
-    except openai.OpenAIError as e:
-        status, message = request_failure(e)
-        return score(record, mode, status, error=message)
-    choice = r.choices[0]
+    status, choice, error, timing = await chat_answer(client, kwargs)
+    if choice is None:
+        return score(record, mode, status, error=error)
     calls = parse_calls(choice.message.tool_calls)
-    item = score(record, mode, "ok", choice.finish_reason, calls, choice.message.content or "")
-    item["completion_tokens"] = r.usage.completion_tokens if r.usage else None
-    item["latency_s"] = time.perf_counter() - t0
-    return item
+    return score(record, mode, status, choice.finish_reason, calls, choice.message.content or "") | timing
 
 
 def aggregate(items: list[dict]) -> dict:

@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import time
 from pathlib import Path
 
 from motet.evals import report
 from motet.evals.context import (
     EvalContext,
     add_penalty_arguments,
+    chat_answer,
     penalties,
-    request_failure,
 )
 
 NAME = "jsonschema"
@@ -80,18 +79,9 @@ def validate(schema: dict, instance) -> tuple[bool, str]:
 
 
 def score(record: dict, mode: str, status: str, finish: str | None, text: str, error: str = "") -> dict:
-    item = {
-        "id": record["id"],
-        "category": record["category"],
-        "mode": mode,
-        "status": status,
-        "finish_reason": finish,
-        "parsed": False,
-        "valid": False,
-        "compliant": False,
-        "error": error,
-        "text": text[:300],
-    }
+    item = report.scored_item(
+        record, mode, status, finish, error, parsed=False, valid=False, compliant=False, text=text[:300]
+    )
     if status != "ok":
         return item
     if mode == "constrained":
@@ -127,19 +117,10 @@ def request_kwargs(ctx: EvalContext, record: dict, mode: str) -> dict:
 
 
 async def _one(client, ctx: EvalContext, record: dict, mode: str) -> dict:
-    import openai
-
-    t0 = time.perf_counter()
-    try:
-        r = await client.chat.completions.create(**request_kwargs(ctx, record, mode))
-    except openai.OpenAIError as e:
-        status, message = request_failure(e)
-        return score(record, mode, status, None, "", message)
-    choice = r.choices[0]
-    item = score(record, mode, "ok", choice.finish_reason, choice.message.content or "")
-    item["completion_tokens"] = r.usage.completion_tokens if r.usage else None
-    item["latency_s"] = time.perf_counter() - t0
-    return item
+    status, choice, error, timing = await chat_answer(client, request_kwargs(ctx, record, mode))
+    if choice is None:
+        return score(record, mode, status, None, "", error)
+    return score(record, mode, status, choice.finish_reason, choice.message.content or "") | timing
 
 
 def aggregate(items: list[dict]) -> dict:

@@ -187,12 +187,11 @@ def compare(served: dict, tokens: list[int], lps, base, token_strings) -> dict:
 
 def run_agreement(ctx: EvalContext, tag: str) -> dict:
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from motet.engine.checkpoint import load_model_config
     from motet.engine.model_store import resolve_model
-    from motet.evals.lora_bench import write_random_adapter
+    from motet.evals.lora_reference import peft_model, write_random_adapter
 
     model_dir = resolve_model(ctx.args.hf_model or ctx.model or None)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -202,10 +201,8 @@ def run_agreement(ctx: EvalContext, tag: str) -> dict:
     config = load_model_config(model_dir)
     paths = {}
     for i in range(k):
-        path = write_random_adapter(Path(tmp.name) / str(i), config, rank, seed=1000 + i)
-        cfg = json.loads((path / FILES[0]).read_text())
-        cfg["lora_alpha"] = ctx.args.random_scale * rank  # scale alpha/r: strong enough to change tokens
-        (path / FILES[0]).write_text(json.dumps(cfg))
+        alpha = ctx.args.random_scale * rank  # scale alpha/r: strong enough to change tokens
+        path = write_random_adapter(Path(tmp.name) / str(i), config, rank, seed=1000 + i, alpha=alpha)
         paths[f"{tag}-random-{i}"] = path
     groups = [None, *paths]  # request j goes to groups[j % len(groups)]: the base model among the adapters
     requests = [(groups[j % len(groups)], p) for j, p in enumerate(agreement_prompts(tokenizer, n))]
@@ -236,13 +233,7 @@ def run_agreement(ctx: EvalContext, tag: str) -> dict:
 
     # The reference, in this process: one PeftModel holding every adapter, one adapter active at a time.
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    model = None
-    for name, path in paths.items():
-        if model is None:
-            model = PeftModel.from_pretrained(base, str(path), adapter_name=name)
-        else:
-            model.load_adapter(str(path), adapter_name=name)
-    model = model if model is not None else base
+    model = peft_model(base, paths)
     eos = list(load_model_config(model_dir).eos_token_ids)
 
     def token_strings(t: int) -> set[str]:  # a server may name a token by its text or its vocabulary entry

@@ -155,7 +155,7 @@ class Adapters:
     def __enter__(self) -> list[str]:
         import httpx
 
-        from motet.evals.lora_bench import write_random_adapter
+        from motet.evals.lora_reference import write_random_adapter
 
         base, rank = self.base_config(), self.ctx.args.adapter_rank
         run_id = uuid.uuid4().hex[:8]

@@ -40,11 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _lora(ctx: EvalContext, model_dir: Path, hf) -> list[dict]:
-    from peft import PeftModel
-
     from motet.engine.llm import LLM
     from motet.evals.lora_bench import run as run_lora
-    from motet.evals.lora_bench import write_random_adapter
+    from motet.evals.lora_reference import peft_model, write_random_adapter
     from motet.evals.throughput import chat_prompts, run_hf
 
     a = ctx.args
@@ -66,9 +64,7 @@ def _lora(ctx: EvalContext, model_dir: Path, hf) -> list[dict]:
             write_random_adapter(Path(tmp) / f"a{i}", base, a.lora_rank, seed=i) for i in range(n_adapters)
         ]
         ids = [llm.add_lora(f"eval-{i}", p) for i, p in enumerate(paths)]
-        peft = PeftModel.from_pretrained(hf, str(paths[0]), adapter_name="a0").eval()
-        for i, path in enumerate(paths[1:], 1):
-            peft.load_adapter(str(path), adapter_name=f"a{i}")
+        peft = peft_model(hf, {f"a{i}": path for i, path in enumerate(paths)}).eval()
         scenarios = {
             "base": ([0] * batch, ["__base__"] * batch),
             "1 adapter": ([ids[0]] * batch, ["a0"] * batch),

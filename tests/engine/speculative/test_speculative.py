@@ -62,15 +62,14 @@ def test_prompt_lookup_matches_a_brute_force_search():
             assert index.propose(tokens[:length], 5) == want, trial
 
 
-def test_greedy_is_the_plain_engines_and_hfs(tiny_model_dir):
+def test_greedy_is_the_plain_engines_and_hfs(tiny_model_dir, tiny_hf_model):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     off, on = pair(tiny_model_dir)
     plain, spec = off.generate(PROMPTS, params), on.generate(PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert accepted(on) > 0 and on.engine.num_steps < off.engine.num_steps
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, spec, strict=True):
-        assert out.token_ids == hf_greedy(hf, prompt, 40)
+        assert out.token_ids == hf_greedy(tiny_hf_model, prompt, 40)
     bm = on.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # rejected drafts' blocks came back too
 
