@@ -131,7 +131,7 @@ class EngineReplica:
                     s.cancel()
                     self.system.abort(s.request_id)
         held = 0
-        if kv is not None and kv.shared is not None:
+        if kv.shared is not None:
             await anyio.to_thread.run_sync(kv.wait_saved)
             held = await anyio.to_thread.run_sync(leading_held, route.block_hashes, kv.shared)
         return PrefillDone(self.replica_id, len(admission.prompt_token_ids), held, time.monotonic() - t0)

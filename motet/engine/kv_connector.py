@@ -147,6 +147,45 @@ class _Snapshot:
     tensors: list[torch.Tensor] = field(default_factory=list)  # set by the saver thread
 
 
+class NoKVTiers:
+    """The KV tiers where the config asks for none: the device's cache is all there is. A null object, so that
+    the engine, the scheduler and the replicas call it as they call a KVConnector."""
+
+    needs_landed_steps = False
+    num_loading = 0
+    disk = shared = None
+
+    def save_sequence(self, seq: Sequence) -> None:
+        pass
+
+    def settle(self, timeout: float = SETTLE_TIMEOUT_S) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def wait_saved(self) -> None:
+        pass
+
+    def is_loading(self, seq: Sequence) -> bool:
+        return False
+
+    def start_load(self, seq: Sequence) -> bool:
+        return False
+
+    def wait_for_load(self, timeout: float) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+
+    def stats(self) -> tuple[KVTierStats, ...]:
+        return ()
+
+    def close(self) -> None:
+        pass
+
+
 class KVConnector:
     needs_landed_steps = True  # (it saves and loads the blocks of landed steps)
 

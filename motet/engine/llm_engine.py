@@ -38,7 +38,7 @@ from motet.engine.fairness import TenantState, VirtualTokenCounter
 from motet.engine.grammar_masks import GrammarStats
 from motet.engine.guided import GuidedDecoding
 from motet.engine.kv_blocks import KVLayout, model_identity
-from motet.engine.kv_connector import GiB, KVConnector, KVTierStats
+from motet.engine.kv_connector import GiB, KVConnector, KVTierStats, NoKVTiers
 from motet.engine.kv_shared import SharedTier
 from motet.engine.kv_tiers import DiskTier
 from motet.engine.kv_window import WindowBlocks
@@ -226,11 +226,11 @@ class LLMEngine:
             return min(runner.num_blocks, runner.num_window_blocks)
         return runner.num_blocks
 
-    def _kv_connector(self) -> KVConnector | None:
-        """The KV tiers the config asks for (EngineConfig.kv_offload_gb, kv_disk_gb), or None."""
+    def _kv_connector(self) -> KVConnector | NoKVTiers:
+        """The KV tiers the config asks for (EngineConfig.kv_offload_gb, kv_disk_gb, kv_shared_dir), or none."""
         config = self.config
         if config.kv_offload_gb <= 0 and config.kv_disk_gb <= 0 and not config.kv_shared_dir:
-            return None
+            return NoKVTiers()
         if self.runner.window:  # the tiers keep prefix-cache blocks, which a window pool does without
             raise ModelLoadError(
                 f"the KV tiers (kv_offload_gb, kv_disk_gb, kv_shared_dir) extend the prefix cache, which a model "
@@ -407,8 +407,7 @@ class LLMEngine:
         queued disk writes land and their threads stop; the other tensor-parallel ranks' processes end."""
         try:
             self.stepping.close()
-            if self.kv_connector is not None:
-                self.kv_connector.close()
+            self.kv_connector.close()
             self.adapters.close()
         finally:
             self.runner.close()
@@ -436,7 +435,7 @@ class LLMEngine:
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
             tenants=sched.tenant_states(),
-            kv_tiers=self.kv_connector.stats() if self.kv_connector is not None else (),
+            kv_tiers=self.kv_connector.stats(),
         )
 
     # -- the step -------------------------------------------------------------------------------------
@@ -446,7 +445,7 @@ class LLMEngine:
         if self._failed:
             outputs, self._failed = self._failed + outputs, []
         # idle next: release the snapshots' blocks
-        if self.kv_connector is not None and not self.has_unfinished():
+        if not self.has_unfinished():
             self.kv_connector.settle()
         return outputs
 
@@ -465,7 +464,7 @@ class LLMEngine:
         lands. The overlapped strategy calls it while a step is in flight (`schedule` refuses to)."""
         self.speculator.propose(self.scheduler.running)
         kv, sched = self.kv_connector, self.scheduler
-        if kv is not None and kv.num_loading and not sched.running and len(sched.waiting) == kv.num_loading:
+        if kv.num_loading and not sched.running and len(sched.waiting) == kv.num_loading:
             kv.wait_for_load(LOAD_WAIT_S)  # nothing else could run
         self._prepare_adapters()
         batch = self.scheduler.schedule()
@@ -653,8 +652,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         """A request ends: its drafts' history, its blocks (saved to the KV tiers first), its adapter pin."""
         self.speculator.record(seq)
-        if self.kv_connector is not None:  # its blocks outlive their eviction from the device
-            self.kv_connector.save_sequence(seq)
+        self.kv_connector.save_sequence(seq)  # its blocks outlive their eviction from the device
         self.scheduler.finish(seq, reason, stop_reason)
         del self.requests[seq.request_id]
         self.adapters.release(seq.adapter_id)

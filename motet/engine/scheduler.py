@@ -37,7 +37,7 @@ from typing import Protocol
 from motet.engine.adapter_slicer import AdapterSlicer
 from motet.engine.block_manager import BlockManager
 from motet.engine.fairness import TenantShares, TenantState, VirtualTokenCounter
-from motet.engine.kv_connector import KVConnector
+from motet.engine.kv_connector import KVConnector, NoKVTiers
 from motet.engine.latency import LatencyGuard
 from motet.engine.sequence import Sequence, SequenceStatus
 
@@ -125,12 +125,12 @@ class Scheduler:
         max_loras: int | None = None,
         lora_time_slice: int = 32,
         fairness: VirtualTokenCounter | None = None,
-        kv_connector: KVConnector | None = None,
+        kv_connector: KVConnector | NoKVTiers | None = None,
         adapters: AdapterResidency | None = None,
         tpot_target_s: float | None = None,
     ):
         self.bm = block_manager
-        self.kv = kv_connector
+        self.kv = kv_connector or NoKVTiers()
         self.adapters = adapters or _AllResident()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -153,8 +153,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        if self.kv is not None:
-            self.kv.poll()
+        self.kv.poll()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         fair = self.fairness
@@ -276,7 +275,7 @@ class Scheduler:
             rest -= n
         for seq in self.waiting:  # a waiting sequence holds no blocks across steps, once loaded neither (they
             # stay in the device cache, to be matched again)
-            if seq.block_table and not (self.kv is not None and self.kv.is_loading(seq)):
+            if seq.block_table and not self.kv.is_loading(seq):
                 self.bm.free_seq(seq)
         if any(s.adapter_id for s in batch.seqs):  # one contiguous segment per adapter (stable sort)
             order = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
@@ -287,11 +286,11 @@ class Scheduler:
     def _prefix_ready(self, seq: Sequence) -> bool:
         """Attach a waiting sequence's cached prefix: the device cache's blocks now, and the KV tiers' after they
         are loaded in the background. False while its load is under way."""
-        if self.kv is not None and self.kv.is_loading(seq):
+        if self.kv.is_loading(seq):
             return False
         if not seq.block_table:
             self.bm.match_prefix(seq)
-            if self.kv is not None and self.kv.start_load(seq):
+            if self.kv.start_load(seq):
                 return False
         return True
 

@@ -88,10 +88,8 @@ class OverlappedSteps:
         self.num_steps_ahead = 0  # steps launched before the step before them landed
         # Parts of the engine that work from landed steps only (each says so: `needs_landed_steps`) keep the
         # next step waiting for the one before.
-        parts = (engine.speculator, engine.kv_connector, engine.runner.workers)  # (None: not there)
-        self.ahead = engine.config.async_scheduling and not any(
-            p is not None and p.needs_landed_steps for p in parts
-        )
+        parts = (engine.speculator, engine.kv_connector, engine.runner.broadcast)
+        self.ahead = engine.config.async_scheduling and not any(p.needs_landed_steps for p in parts)
 
     @property
     def in_flight(self) -> bool:

@@ -149,6 +149,8 @@ class WorkerGroup:
 class NoWorkers:
     """The broadcast of a runner that has no ranks to tell: on one rank, or a worker rank (which receives)."""
 
+    needs_landed_steps = False
+
     def send_forward(self, ids, positions, meta, lora) -> None:
         pass
 
