@@ -135,6 +135,7 @@ def bench_sgmv(quick: bool) -> list[dict]:
 
 def bench_paged_attention(quick: bool) -> list[dict]:
     from motet.kernels import paged_attention as pa
+    from motet.kernels.attention_args import AttentionOptions, PagedContext
     from motet.kernels.paged_attention_cpu import paged_attention_reference
 
     rows, dev, dt = [], "cuda", torch.bfloat16
@@ -149,14 +150,14 @@ def bench_paged_attention(quick: bool) -> list[dict]:
             q = torch.randn(batch, heads, head_dim, device=dev, dtype=dt)
             qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
             lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
-            args = (q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5)
-            out = pa.paged_attention_triton(*args, max_query_len=1, max_seq_len=ctx)
-            ref = paged_attention_reference(*args, max_query_len=1, max_seq_len=ctx)
+            kv, options = (k_cache, v_cache), AttentionOptions(head_dim**-0.5)
+            # a new context each call: the reference makes its plan each time, as before contexts kept it
+            paged = lambda: PagedContext(tables, qsl, lens, max_query_len=1, max_seq_len=ctx)  # noqa: B023
+            out = pa.paged_attention_triton(q, kv, paged(), options)
+            ref = paged_attention_reference(q, kv, paged(), options)
             err = (out.float() - ref.float()).abs().max().item()
-            t = cuda_ms(lambda: pa.paged_attention_triton(*args, max_query_len=1, max_seq_len=ctx))  # noqa: B023
-            t_ref = cuda_ms(
-                lambda: paged_attention_reference(*args, max_query_len=1, max_seq_len=ctx), iters=5
-            )  # noqa: B023
+            t = cuda_ms(lambda: pa.paged_attention_triton(q, kv, paged(), options))  # noqa: B023
+            t_ref = cuda_ms(lambda: paged_attention_reference(q, kv, paged(), options), iters=5)  # noqa: B023
             kv_bytes = 2 * batch * ctx * kv_heads * head_dim * 2
             rows.append(
                 {

@@ -33,23 +33,19 @@ from motet.engine.config import ModelConfig, ModelLoadError
 from motet.engine.mxfp4 import Mxfp4Tensor
 from motet.engine.parallel import ROW_PARALLEL, SINGLE, Parallel
 from motet.kernels import activation, fused_norm, rope_kv, triton_moe, triton_quant
+from motet.kernels.attention_args import AttentionOptions, PagedContext
 from motet.kernels.paged_attention import paged_attention
-from motet.kernels.paged_attention_cpu import CpuAttentionPlan, plan_cpu_attention
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
 from motet.kernels.rope_kv import RotaryAngles
 from motet.lora.pool import LoRABatch
 from motet.models.projections import FUSED_SHARD, GATE_UP, QKV
 
 
-@dataclass
-class AttentionMetadata:
+@dataclass(kw_only=True)
+class AttentionMetadata(PagedContext):
+    """A step's paged context (what attention reads) and where its new tokens' K/V are written."""
+
     slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    query_start_loc: torch.Tensor  # [B+1] int32
-    seq_lens: torch.Tensor  # [B] int32
-    max_query_len: int
-    max_seq_len: int
-    cpu_plan: CpuAttentionPlan | None = None  # made by the first layer, reused by the others
     # The sliding-window layers' own: their slots and tables in the window pool (motet/engine/kv_window.py)
     window: AttentionMetadata | None = None
 
@@ -261,30 +257,17 @@ class Attention(nn.Module):
         if self.window is not None:
             meta = meta.for_window()
         q = rotary_kv(q, k, v, angles, k_cache, v_cache, meta.slot_mapping, *norms)
-        if meta.cpu_plan is None and not q.is_cuda:
-            meta.cpu_plan = plan_cpu_attention(
-                meta.block_tables, meta.query_start_loc, meta.seq_lens, k_cache.shape[1], self.window
-            )
-        out = paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            self.scale,
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len,
-            plan=meta.cpu_plan,
-            window=self.window,
-            softcap=self.softcap,
-            sinks=self.sinks,
-        )
-        out = out.reshape(T, self.q_size)
+        out = paged_attention(q, kv_cache, meta, self.options).reshape(T, self.q_size)
         y = self.o_proj(out)
         if lora is not None:
             lora.add(y, out, self.layer_idx, ("o_proj",), (y.shape[1],))
         return y
+
+    @property
+    def options(self) -> AttentionOptions:
+        """The layer's attention options, its sinks as they are now (the parameter is made after the layer:
+        `CausalLM.allocate`)."""
+        return AttentionOptions(self.scale, self.window, self.softcap, self.sinks)
 
     def _norm_across_ranks(self, qkv: torch.Tensor, q_end: int, k_end: int) -> None:
         """OLMo 2's q and k norms under tensor parallelism, in qkv's own columns: each norm spans all heads and

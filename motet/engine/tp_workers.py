@@ -180,12 +180,12 @@ def serve_plans(runner) -> None:
         if op == "forward":
             max_query_len, max_seq_len, max_seg_len = scalars
             ids, pos, slot_mapping, tables, qsl, seq_lens, *segments = tensors
-            meta = AttentionMetadata(slot_mapping, tables, qsl, seq_lens, max_query_len, max_seq_len)
+            meta = AttentionMetadata(
+                tables, qsl, seq_lens, max_query_len, max_seq_len, slot_mapping=slot_mapping
+            )
             if runner.window:  # the window layers' slots and tables come next
                 (window_slots, window_tables), segments = segments[:2], segments[2:]
-                meta.window = AttentionMetadata(
-                    window_slots, window_tables, qsl, seq_lens, max_query_len, max_seq_len
-                )
+                meta.window = replace(meta, block_tables=window_tables, slot_mapping=window_slots)
             lora = pool.segments(*segments, max_seg_len) if segments else None
             hidden = steps.forward(ids, pos, meta, lora)
         elif op == "logits":

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from motet.kernels.attention_args import AttentionOptions, KVCache, PagedContext
 from motet.kernels.quant import BLOCK, QuantizedWeight
 
 log = logging.getLogger("motet.kernels")
@@ -409,27 +410,19 @@ def _check(status: int, name: str) -> None:
 
 
 def attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    q: torch.Tensor, kv_cache: KVCache, ctx: PagedContext, options: AttentionOptions
 ) -> torch.Tensor:
-    """Paged causal attention (the layout and options of motet/kernels/paged_attention.py), K/V read in the
-    cache's dtype."""
+    """Paged causal attention (the layout of motet/kernels/paged_attention.py, the options of
+    motet/kernels/attention_args.py), K/V read in the cache's dtype."""
+    k_cache, v_cache = kv_cache
     T, H, D = q.shape
     _, BS, KVH, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
-    tables = block_tables.to(torch.int32).contiguous()
-    qsl = query_start_loc.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
+    tables = ctx.block_tables.to(torch.int32).contiguous()
+    qsl = ctx.query_start_loc.to(torch.int32).contiguous()
+    lens = ctx.seq_lens.to(torch.int32).contiguous()
     out = torch.empty((T, H, D), dtype=q.dtype)
-    sinks = sinks.float().contiguous() if sinks is not None else None
+    sinks = options.sinks.float().contiguous() if options.sinks is not None else None
     status = library().motet_attention(
         DTYPE_CODES[q.dtype],
         DTYPE_CODES[k_cache.dtype],
@@ -448,9 +441,9 @@ def attention(
         KVH,
         D,
         BS,
-        scale,
-        window or 0,
-        softcap or 0.0,
+        options.scale,
+        options.window or 0,
+        options.softcap or 0.0,
         sinks.data_ptr() if sinks is not None else None,
     )
     _check(status, "attention")

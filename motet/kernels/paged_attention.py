@@ -12,19 +12,20 @@ Layout (shared by the model, the block manager and these kernels):
   layer, whose blocks before that may hold newer tokens and are never read). GQA: query head ``h`` reads kv
   head ``h // (num_heads // num_kv_heads)``.
 
+Each implementation takes ``(q, kv_cache, ctx, options)``: the layer's caches, the step's ``PagedContext``
+(the tables, query starts and lengths above) and the layer's ``AttentionOptions``
+(motet/kernels/attention_args.py).
 ``paged_attention_reference`` (motet/kernels/paged_attention_cpu.py) defines the meaning and is also the CPU
-production path;
-``paged_attention_triton`` is the GPU kernel; ``paged_attention`` picks one by device.
+production path; ``paged_attention_triton`` is the GPU kernel (motet/kernels/cpu_native.py's ``attention`` the
+native CPU one); ``paged_attention`` picks by device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from motet.kernels.paged_attention_cpu import (
-    CpuAttentionPlan,
-    paged_attention_reference,
-)
+from motet.kernels.attention_args import AttentionOptions, KVCache, PagedContext
+from motet.kernels.paged_attention_cpu import paged_attention_reference
 from motet.kernels.triton_support import tl, triton
 
 _NO_WINDOW = 1 << 30  # the kernel's window when the layer has none: longer than any context
@@ -77,49 +78,16 @@ def write_kv_cache_triton(
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    plan: CpuAttentionPlan | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    q: torch.Tensor, kv_cache: KVCache, ctx: PagedContext, options: AttentionOptions
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged context; returns ``[T, H, D]`` in
-    ``q``'s dtype. ``max_query_len`` / ``max_seq_len`` are optional host-side hints (no device sync);
-    ``plan`` is the CPU path's per-step bookkeeping, shared by the layers of one step. With ``window`` (a
-    sliding-window layer) a query at position p attends to keys p - window + 1 .. p only, and no other block
-    is read. With ``softcap`` (Gemma 2) the scaled scores are squashed to softcap * tanh(s / softcap); with
-    ``sinks`` ([num_heads], GPT-OSS) each head's softmax has one more logit in its denominator."""
-    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
-    hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len}
-    hints |= {"window": window, "softcap": softcap, "sinks": sinks}
-    if q.is_cuda:
-        return paged_attention_triton(*args, **hints)
-    return paged_attention_reference(*args, **hints, plan=plan)
+    """Causal attention of each sequence's new tokens over its paged context (`ctx`) with a layer's
+    `options` (motet/kernels/attention_args.py); returns ``[T, H, D]`` in ``q``'s dtype."""
+    attend = paged_attention_triton if q.is_cuda else paged_attention_reference
+    return attend(q, kv_cache, ctx, options)
 
 
 def paged_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    q: torch.Tensor, kv_cache: KVCache, ctx: PagedContext, options: AttentionOptions
 ) -> torch.Tensor:
     """Triton kernel launch (CUDA, or CPU under ``TRITON_INTERPRET=1``). No device sync.
 
@@ -129,9 +97,9 @@ def paged_attention_triton(
     the sequence's KV in tiles of ``TILE_N`` positions (any block size) with an online softmax.
     Rows past ``query_start_loc[-1]`` are left unwritten.
     """
-    del max_seq_len  # loop bounds are read on device
     if triton is None:
         raise RuntimeError("paged_attention_triton needs triton")
+    k_cache, v_cache = kv_cache
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
@@ -139,14 +107,17 @@ def paged_attention_triton(
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"q/k_cache/v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     group = num_heads // num_kv_heads
-    num_seqs = seq_lens.shape[0]
+    num_seqs = ctx.seq_lens.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    block_tables = ctx.block_tables
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
 
-    if max_query_len is None:  # only a tuning hint: guess without a device sync
+    # only a tuning hint (the loop bounds are read on the device): without one, a guess without a device sync
+    max_query_len = ctx.max_query_len
+    if max_query_len is None:
         max_query_len = 1 if num_tokens <= num_seqs else num_tokens
     # Decode: one token per sequence, so only `group` rows are real; keep the tile at the tl.dot minimum.
     # Prefill: more query rows per program amortize each K/V tile over more work.
@@ -159,17 +130,18 @@ def paged_attention_triton(
     # Triton runs on CPU tensors only under TRITON_INTERPRET=1, whose tl.dot on bf16 multiplies the raw
     # uint16 bits (triton 3.9): there the kernel upcasts dot operands to fp32 (same rounding of p).
     interpreted = not q.is_cuda
+    sinks = options.sinks
     _paged_attention_kernel[grid](
         out,
         q,
         k_cache,
         v_cache,
         block_tables,
-        query_start_loc,
-        seq_lens,
-        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        ctx.query_start_loc,
+        ctx.seq_lens,
+        options.scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         num_seqs,
-        window or _NO_WINDOW,
+        options.window or _NO_WINDOW,
         sinks.float().contiguous() if sinks is not None else q,  # (not read without sinks)
         *q.stride(),
         *out.stride(),
@@ -183,7 +155,7 @@ def paged_attention_triton(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         TILE_N=32,  # independent of the block size: positions look up their block one by one
-        SOFTCAP=softcap or 0.0,
+        SOFTCAP=options.softcap or 0.0,
         HAS_SINKS=sinks is not None,
         # fp32 inputs get true fp32 dots (tl.dot defaults to tf32 on NVIDIA); bf16/fp16 use the default.
         PRECISION="ieee" if q.dtype == torch.float32 or interpreted else None,

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from motet.kernels.attention_args import AttentionOptions, KVCache, PagedContext
+
 # Upper bound on score-matrix elements per matmul in the reference (16 MiB of fp32): long prefill
 # chunks are split into query sub-chunks so memory stays bounded like a flash kernel's would.
 _MAX_SCORE_ELEMS = 1 << 22
@@ -72,14 +74,9 @@ class CpuAttentionPlan:
     window: int | None = None  # the layers' sliding window: keys further back than it are not attended to
 
 
-def plan_cpu_attention(
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    window: int | None = None,
-) -> CpuAttentionPlan:
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+def plan_cpu_attention(ctx: PagedContext, block_size: int, window: int | None = None) -> CpuAttentionPlan:
+    block_tables = ctx.block_tables
+    starts, lens = ctx.query_start_loc.tolist(), ctx.seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     groups, dev = [], block_tables.device
     plan = CpuAttentionPlan(starts, lens, groups, window=window)
@@ -142,20 +139,7 @@ def _softmax(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
 
 
 def paged_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    plan: CpuAttentionPlan | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    q: torch.Tensor, kv_cache: KVCache, ctx: PagedContext, options: AttentionOptions
 ) -> torch.Tensor:
     """Torch reference, and the CPU production path.
 
@@ -164,17 +148,17 @@ def paged_attention_reference(
     row dimension (GQA without expanding K/V). Measured on CPU this beats both one padded batch for all
     decodes (the padded gather is large and cache-hostile) and ``scaled_dot_product_attention``
     (per-call overhead for short queries; no faster for prefill chunks). Rows past
-    ``query_start_loc[-1]`` are zero. `plan` (from `plan_cpu_attention` with the same `window`) may be shared
-    by all layers. `softcap`: scores (scaled) squashed to cap * tanh(s / cap) before the softmax (Gemma 2).
-    `sinks` [num_heads]: each head's learned logit that joins its softmax's denominator and attends to nothing
-    (GPT-OSS's attention sinks).
+    ``query_start_loc[-1]`` are zero. The plan of `ctx` (`plan_cpu_attention`) is made by the first call and
+    kept in it for the others (the layers of one step, of one window).
     """
-    del max_query_len, max_seq_len  # host-side lists below are free on CPU
+    k_cache, v_cache = kv_cache
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    scale, window, softcap, sinks = options.scale, options.window, options.softcap, options.sinks
+    plan = ctx.cpu_plan
     if plan is None:
-        plan = plan_cpu_attention(block_tables, query_start_loc, seq_lens, block_size, window)
+        plan = ctx.cpu_plan = plan_cpu_attention(ctx, block_size, window)
     assert plan.window == window, "a plan is made for one window"
     starts, lens = plan.starts, plan.lens
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
@@ -200,7 +184,7 @@ def paged_attention_reference(
             continue
         ctx_len = seq_len - q_len  # tokens cached before this step's new ones
         if plan.tables is None:
-            plan.tables = block_tables.tolist()
+            plan.tables = ctx.block_tables.tolist()
         # the keys from the block holding the first one any new token attends to (all of them without a window)
         first_block = first_key(seq_len, q_len, window) // block_size
         base = first_block * block_size  # the position of k's first row

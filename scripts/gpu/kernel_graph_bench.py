@@ -41,6 +41,7 @@ def sgmv_rows() -> list[dict]:
 
 def attention_rows() -> list[dict]:
     from motet.kernels import paged_attention as pa
+    from motet.kernels.attention_args import AttentionOptions, PagedContext
 
     rows, dev, dt = [], "cuda", torch.bfloat16
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
@@ -53,7 +54,8 @@ def attention_rows() -> list[dict]:
             q = torch.randn(batch, heads, head_dim, device=dev, dtype=dt)
             qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
             lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
-            attend = lambda: pa.paged_attention_triton(q, k, v, tables, qsl, lens, 0.125, max_query_len=1)
+            paged, options = PagedContext(tables, qsl, lens, max_query_len=1), AttentionOptions(0.125)
+            attend = lambda: pa.paged_attention_triton(q, (k, v), paged, options)
             t = graph_us([attend] * CALLS, REPLAYS)
             kv_bytes = 2 * batch * ctx * kv_heads * head_dim * 2
             rows.append({"batch": batch, "context": ctx, "us": t, "roofline": kv_bytes / (t * 1e-6) / HBM})

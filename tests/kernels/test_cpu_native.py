@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from motet.kernels import cpu_native
+from motet.kernels.attention_args import AttentionOptions, PagedContext
 from motet.lora.adapter import module_shape
 from motet.lora.pool import DECODER_GROUPS
 from tests.kernels.test_paged_attention import TOL, check, make_batch, naive_attention, random_seqs
@@ -24,19 +25,21 @@ def test_attention_matches_naive(dtype, block_size, num_heads, num_kv_heads, hea
     """Decodes, prefill chunks over cached context, fresh prefills, empty rows; K/V in the cache dtype."""
     g = torch.Generator().manual_seed(block_size + num_heads)
     seqs = random_seqs(g, n=10, max_ctx=90, max_chunk=40)
-    args = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=3)
-    args = [t.cpu() for t in args]
-    scale = head_dim**-0.5
-    out = cpu_native.attention(*args, scale)
-    assert out.shape == args[0].shape and out.dtype == dtype
-    torch.testing.assert_close(out.double(), naive_attention(*args, scale), **TOL[dtype])
+    q, kv_cache, ctx = make_batch(
+        seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=3, device="cpu"
+    )
+    options = AttentionOptions(head_dim**-0.5)
+    out = cpu_native.attention(q, kv_cache, ctx, options)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.double(), naive_attention(q, kv_cache, ctx, options), **TOL[dtype])
 
 
 def test_attention_strided_q_and_long_context():
     seqs = [(1, 700), (3, 300), (1, 1), (0, 9)]
-    args = [t.cpu() for t in make_batch(seqs, 9, 3, 64, 16, torch.float32, noncontig_q=True)]
-    out = cpu_native.attention(*args, 0.125)
-    torch.testing.assert_close(out.double(), naive_attention(*args, 0.125), **TOL[torch.float32])
+    args = make_batch(seqs, 9, 3, 64, 16, torch.float32, noncontig_q=True, device="cpu")
+    options = AttentionOptions(0.125)
+    out = cpu_native.attention(*args, options)
+    torch.testing.assert_close(out.double(), naive_attention(*args, options), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -75,12 +78,10 @@ def test_attention_keys_across_small_blocks(block_size, table, window):
     seq_len, heads, kv_heads, dim = 24, 4, 2, 16
     k_cache, v_cache = (torch.randn(12, block_size, kv_heads, dim, generator=g) for _ in range(2))
     q = torch.randn(2, heads, dim, generator=g)
-    args = [q, k_cache, v_cache, torch.tensor([table], dtype=torch.int32)]
-    args += [torch.tensor([0, 2], dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32)]
-    out = cpu_native.attention(*args, dim**-0.5, window=window)
-    torch.testing.assert_close(
-        out.double(), naive_attention(*args, dim**-0.5, window=window), **TOL[torch.float32]
-    )
+    tensors = (torch.tensor(t, dtype=torch.int32) for t in ([table], [0, 2], [seq_len]))
+    args = q, (k_cache, v_cache), PagedContext(*tensors), AttentionOptions(dim**-0.5, window)
+    out = cpu_native.attention(*args)
+    torch.testing.assert_close(out.double(), naive_attention(*args), **TOL[torch.float32])
 
 
 def adapter_pool(dtype, count=12, seed=0):

@@ -8,6 +8,7 @@ import torch
 
 from motet.kernels import paged_attention as pa
 from motet.kernels import paged_attention_cpu as pac
+from motet.kernels.attention_args import AttentionOptions, PagedContext
 
 # tests/conftest.py turns TRITON_INTERPRET on (no CUDA) before anything imports triton.
 HAS_TRITON = pa.triton is not None
@@ -18,11 +19,12 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def naive_attention(
-    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=None, softcap=None, sinks=None
-):
+def naive_attention(q, kv_cache, ctx: PagedContext, options: AttentionOptions):
     """Simplest ground truth: per sequence, gather K/V position by position, full causal softmax in f64 (keys
     `window` or more positions back masked too, as transformers' sliding-window mask does)."""
+    k_cache, v_cache = kv_cache
+    block_tables, query_start_loc, seq_lens = ctx.block_tables, ctx.query_start_loc, ctx.seq_lens
+    window, softcap, sinks = options.window, options.softcap, options.sinks
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -37,7 +39,7 @@ def naive_attention(
         v = v_cache.cpu()[blocks, pos % block_size].double()
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # query head h reads kv head h // group
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        s = torch.einsum("qhd,khd->hqk", q[q_start:q_end].cpu().double(), k) * scale
+        s = torch.einsum("qhd,khd->hqk", q[q_start:q_end].cpu().double(), k) * options.scale
         if softcap is not None:  # as transformers' Gemma 2 attention: before the mask
             s = torch.tanh(s / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len)
@@ -53,9 +55,11 @@ def naive_attention(
     return out
 
 
-def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, noncontig_q=False):
-    """seqs: (q_len, seq_len) per sequence. Blocks are a random permutation of the cache (with spare ones),
-    block tables are padded with 0 and one extra column."""
+def make_batch(
+    seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, noncontig_q=False, device=DEVICE
+):
+    """(q, kv_cache, ctx) on `device`; seqs: (q_len, seq_len) per sequence. Blocks are a random permutation of
+    the cache (with spare ones), block tables are padded with 0 and one extra column."""
     g = torch.Generator().manual_seed(seed)
     num_blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in seqs]
     num_blocks = sum(num_blocks_per_seq) + 3
@@ -77,14 +81,15 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=
     q_lens = torch.tensor([0] + [q_len for q_len, _ in seqs])
     query_start_loc = torch.cumsum(q_lens, 0).to(torch.int32)
     seq_lens = torch.tensor([seq_len for _, seq_len in seqs], dtype=torch.int32)
-    tensors = [q, k_cache, v_cache, block_tables, query_start_loc, seq_lens]
-    return [t.to(DEVICE) for t in tensors]
+    ctx = PagedContext(block_tables.to(device), query_start_loc.to(device), seq_lens.to(device))
+    return q.to(device), (k_cache.to(device), v_cache.to(device)), ctx
 
 
-def poison_before_window(args, block_size, window):
+def poison_before_window(kv_cache, ctx: PagedContext, block_size, window):
     """Point each sequence's table entries wholly before its first query's window at a block of NaNs: a
     sliding-window layer's cache reuses those blocks for newer tokens, so attention must never read them."""
-    q, k_cache, v_cache, block_tables, qsl, seq_lens = args
+    k_cache, v_cache = kv_cache
+    block_tables, qsl, seq_lens = ctx.block_tables, ctx.query_start_loc, ctx.seq_lens
     held = {
         int(block_tables[b, i])
         for b in range(len(seq_lens))
@@ -118,14 +123,18 @@ def random_seqs(g: torch.Generator, n: int, max_ctx: int, max_chunk: int):
 
 
 def check(fn, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, noncontig_q=False, **kw):
-    args = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, noncontig_q)
-    scale = head_dim**-0.5
-    window = kw.get("window")
-    expected = naive_attention(*args, scale, window=window, softcap=kw.get("softcap"), sinks=kw.get("sinks"))
-    if window is not None:  # the blocks wholly before a sequence's window: poisoned, as if reused
-        poison_before_window(args, block_size, window)
-    out = fn(*args, scale, **kw)
-    assert out.shape == args[0].shape and out.dtype == dtype
+    """`fn` against naive_attention on make_batch's batch, with the options `kw` (window, softcap, sinks) and
+    the hint max_query_len."""
+    q, kv_cache, ctx = make_batch(
+        seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, noncontig_q
+    )
+    ctx.max_query_len = kw.pop("max_query_len", None)
+    options = AttentionOptions(head_dim**-0.5, **kw)
+    expected = naive_attention(q, kv_cache, ctx, options)
+    if options.window is not None:  # the blocks wholly before a sequence's window: poisoned, as if reused
+        poison_before_window(kv_cache, ctx, block_size, options.window)
+    out = fn(q, kv_cache, ctx, options)
+    assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(out.cpu().double(), expected, **TOL[dtype])
 
 
@@ -153,12 +162,13 @@ def test_reference_query_subchunks_and_noncontiguous_q(monkeypatch):
 def test_reference_consecutive_block_tables():
     """Tables that are runs of consecutive blocks are read through a view instead of a gather."""
     seqs = [(1, 40), (9, 33), (1, 1)]
-    q, k_cache, v_cache, tables, qsl, seq_lens = make_batch(seqs, 9, 3, 64, 16, torch.float32)
-    tables = torch.tensor(
+    q, kv_cache, ctx = make_batch(seqs, 9, 3, 64, 16, torch.float32)
+    ctx.block_tables = torch.tensor(
         [[0, 1, 2, 0], [3, 4, 5, 0], [6, 0, 0, 0]], dtype=torch.int32, device=DEVICE
     )  # runs
-    out = pac.paged_attention_reference(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125)
-    expected = naive_attention(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125)
+    options = AttentionOptions(0.125)
+    out = pac.paged_attention_reference(q, kv_cache, ctx, options)
+    expected = naive_attention(q, kv_cache, ctx, options)
     torch.testing.assert_close(out.double().cpu(), expected.cpu(), **TOL[torch.float32])
 
 
@@ -232,7 +242,7 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(pa, "paged_attention_reference", lambda *a, **k: calls.append(1) or "ref")
     q = torch.zeros(1, 2, 64)
-    assert pa.paged_attention(q, None, None, None, None, None, 1.0) == "ref" and calls
+    assert pa.paged_attention(q, None, None, None) == "ref" and calls
 
 
 # ------------------------------------------------------------------------------------------------- triton
@@ -341,15 +351,16 @@ def test_write_kv_cache(dtype):
 def test_write_then_attend_matches_naive():
     # The engine's order within a layer: write the new tokens' K/V, then attend over the cache.
     seqs = [(3, 10), (1, 6)]
-    q, k_cache, v_cache, block_tables, qsl, seq_lens = make_batch(seqs, 4, 2, 64, 4, torch.float32)
+    q, kv_cache, ctx = make_batch(seqs, 4, 2, 64, 4, torch.float32)
     g = torch.Generator().manual_seed(3)
     k_new = torch.randn(4, 2, 64, generator=g).to(DEVICE)
     v_new = torch.randn(4, 2, 64, generator=g).to(DEVICE)
     slots = []
     for b, (q_len, seq_len) in enumerate(seqs):
         for p in range(seq_len - q_len, seq_len):
-            slots.append(int(block_tables[b, p // 4]) * 4 + p % 4)
-    pa.write_kv_cache(k_new, v_new, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
-    out = pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, 0.125)
-    expected = naive_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, 0.125)
+            slots.append(int(ctx.block_tables[b, p // 4]) * 4 + p % 4)
+    pa.write_kv_cache(k_new, v_new, *kv_cache, torch.tensor(slots, device=DEVICE))
+    options = AttentionOptions(0.125)
+    out = pa.paged_attention(q, kv_cache, ctx, options)
+    expected = naive_attention(q, kv_cache, ctx, options)
     torch.testing.assert_close(out.cpu().double(), expected, **TOL[torch.float32])
