@@ -26,7 +26,8 @@ from motet.grammar.tool_formats import (
     tool_format,
 )
 from motet.grammar.tool_prompt import render_messages
-from tests.grammar.test_tool_calls import collect, tool_call_turns
+from tests.grammar.streaming import every_split, feed_calls
+from tests.grammar.test_tool_calls import tool_call_turns
 
 MODEL_DIR = Path(os.path.expanduser("~/.cache/motet/models/SmolLM2-135M-Instruct"))
 
@@ -367,12 +368,7 @@ def test_truncated_arguments_are_kept_as_written():
 
 
 def stream(fmt, text, cuts):
-    parser = fmt.stream_parser()
-    events, prev = [], 0
-    for cut in [*sorted(cuts), len(text)]:
-        events += parser.feed(text[prev:cut])
-        prev = cut
-    return collect(events + parser.finish())
+    return feed_calls(fmt.stream_parser(), text, cuts)
 
 
 def expected(fmt, text):
@@ -428,13 +424,7 @@ EXAMPLES = {
 @pytest.mark.parametrize("fmt, text", [(f, t) for f, texts in EXAMPLES.items() for t in texts])
 def test_stream_equals_parse_for_every_split(fmt, text):
     want = expected(fmt, text)
-    assert stream(fmt, text, []) == want
-    assert stream(fmt, text, list(range(1, len(text)))) == want  # one character at a time
-    for i in range(len(text) + 1):
-        assert stream(fmt, text, [i]) == want, i
-    rng = random.Random(text)
-    for _ in range(100):
-        cuts = rng.sample(range(len(text) + 1), rng.randint(1, min(12, len(text) + 1)))
+    for cuts in every_split(text, draws=100):
         assert stream(fmt, text, cuts) == want, cuts
 
 
