@@ -36,6 +36,7 @@ from benchmarks.routing_sim import load_model
 from motet.cluster.disaggregation import MIN_PREFILL_BLOCKS
 from motet.cluster.routing_policy import RoutingCosts
 from motet.engine.config import CPU_STEP_TOKENS
+from motet.settings_flags import SettingsFlags
 
 
 @dataclass
@@ -94,6 +95,9 @@ class Config:
     block_load_s: float = RoutingCosts.block_load_s
     ttft_slo: float = 30.0
     tpot_slo: float = 0.25
+
+
+CONFIG_FLAGS = SettingsFlags()  # the flags that set a Config field
 
 
 def trace(cfg: Config, rate: float, duration: float, seed: int) -> list[Req]:
@@ -219,16 +223,7 @@ def goodput(model, cfg, n: int, prefill: int, args) -> float:
 
 def run(args) -> dict:
     model = replace(load_model(None), max_num_batched_tokens=args.step_tokens, max_num_seqs=args.max_num_seqs)
-    cfg = Config(
-        args.long_prompt,
-        args.long_output,
-        args.decode_prompt,
-        args.decode_output,
-        args.long_share,
-        args.block_load_s,
-        args.ttft_slo,
-        args.tpot_slo,
-    )
+    cfg = Config(**CONFIG_FLAGS.values(args))
     results = {"model": asdict(model), "config": asdict(cfg), "by_replicas": {}}
     for n in args.replicas:
         t0 = time.perf_counter()
@@ -285,7 +280,7 @@ def summary_md(results: dict, args) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    d = Config()
+    flag = CONFIG_FLAGS.adder(ap, Config)
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 64, 256])
     ap.add_argument(
         "--ratios", nargs="+", default=["3:1", "2:1", "1:1", "1:2", "1:3"], help="prefill:decode pool sizes"
@@ -293,14 +288,14 @@ def main(argv=None) -> None:
     ap.add_argument("--rate-per-replica", type=float, default=0.05, help="requests per second per replica")
     ap.add_argument("--duration", type=float, default=600.0, help="simulated seconds")
     ap.add_argument("--warmup", type=float, default=0.2, help="share of the duration not counted")
-    ap.add_argument("--long-prompt", type=int, default=d.long_prompt)
-    ap.add_argument("--long-output", type=int, default=d.long_output)
-    ap.add_argument("--decode-prompt", type=int, default=d.decode_prompt)
-    ap.add_argument("--decode-output", type=int, default=d.decode_output)
-    ap.add_argument("--long-share", type=float, default=d.long_share)
-    ap.add_argument("--block-load-s", type=float, default=d.block_load_s)
-    ap.add_argument("--ttft-slo", type=float, default=d.ttft_slo)
-    ap.add_argument("--tpot-slo", type=float, default=d.tpot_slo)
+    flag("--long-prompt", type=int)
+    flag("--long-output", type=int)
+    flag("--decode-prompt", type=int)
+    flag("--decode-output", type=int)
+    flag("--long-share", type=float)
+    flag("--block-load-s", type=float)
+    flag("--ttft-slo", type=float)
+    flag("--tpot-slo", type=float)
     ap.add_argument("--step-tokens", type=int, default=CPU_STEP_TOKENS)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument(

@@ -28,23 +28,23 @@ class QueueFull(ServingError):
         self.retry_after = retry_after
 
 
-class ServerBusy(ServingError):
+class Unavailable(ServingError):
+    """The server cannot take the request now (503)."""
+
+    status = 503
+    type = "service_unavailable"
+
+
+class ServerBusy(Unavailable):
     """Too many grammar compilations are running past their time limit; try again shortly."""
 
-    status = 503
-    type = "service_unavailable"
 
-
-class ShuttingDown(ServingError):
-    status = 503
-    type = "service_unavailable"
+class ShuttingDown(Unavailable):
+    """The server is shutting down."""
 
 
 class EngineFailure(ServingError):
-    """The executor raised while running this request's batch (the others in it were re-run)."""
-
-    status = 500
-    type = "server_error"
+    """The executor raised while running this request's batch (the others in it were re-run); a 500 server_error."""
 
 
 class ModelNotFound(ServingError):

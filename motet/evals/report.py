@@ -213,6 +213,11 @@ def mode_series(runs: dict[str, dict]) -> list[tuple[str, dict]]:
     ]
 
 
+def mode_summary(results: dict, width: int, line) -> str:
+    """A by-mode suite's `summary`: a line a mode, its name padded to `width`, then `line` of its overall results."""
+    return "\n".join(f"{mode:{width}s} {line(m['overall'])}" for mode, m in results["modes"].items())
+
+
 def category_table(series: list[tuple[str, dict]], metric: str, count_name: str) -> str:
     """`metric` per category (rows) and series (columns), then overall."""
     cats = sorted({c for _, m in series for c in m["categories"]})

@@ -30,6 +30,12 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def hf_greedy_outputs(model_dir, prompts, new_tokens: int) -> list[list[int]]:
+    """`hf_greedy` of each prompt on the checkpoint in `model_dir`, loaded in fp32."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [hf_greedy(hf, prompt, new_tokens) for prompt in prompts]
+
+
 def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters=None, order=None):
     """All-row logits of each prompt, computed in flattened batches (optionally in chunks, with
     per-prompt adapters by name, sequences visited in `order`)."""

@@ -19,7 +19,7 @@ from motet.engine.parallel import Parallel, RankFailure
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.specs import JsonSchemaSpec
 from tests.engine.speculative.test_speculative_grammar import SCHEMA
-from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
+from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
 from tests.lora.test_lora_engine import pool_bytes_for
 from tests.models.test_moe import MOE_MODELS
 from tests.peft_adapters import TINY_ADAPTERS, peft_reference, save_peft_adapters, tiny_requests
@@ -134,11 +134,8 @@ def test_two_ranks_grammar_and_speculation_give_one_ranks_greedy(tiny_model_dir)
 @pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_moe_over_two_ranks_greedy_matches_hf(variant, expert_parallel, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     arch, overrides = MOE_MODELS[variant]
     model_dir = build_tiny_model(tmp_path_factory.mktemp(variant), arch=arch, **overrides)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
     with LLM(
         str(model_dir),
@@ -153,10 +150,7 @@ def test_moe_over_two_ranks_greedy_matches_hf(variant, expert_parallel, tmp_path
         )
         assert experts.num_local == (2 if expert_parallel else 4)  # whole experts, or every expert's half
         outs = llm.generate(PROMPTS, params)
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        assert out.token_ids == ref[0, len(prompt) :].tolist()
+    assert [out.token_ids for out in outs] == hf_greedy_outputs(model_dir, PROMPTS, 12)
 
 
 def test_a_model_with_fewer_kv_heads_than_ranks_is_refused_naming_the_fix(tmp_path):

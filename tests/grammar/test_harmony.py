@@ -15,7 +15,7 @@ import pytest
 from motet.grammar.reasoning import HARMONY, REASONING_FORMATS, reasoning_format
 from motet.grammar.tool_calls import validate_tools
 from motet.grammar.tool_formats import OPENAI, tool_format
-from tests.grammar.test_tool_calls import collect
+from tests.grammar.streaming import collect, every_split, feed_calls, feed_reasoning
 
 ANALYSIS = '<|channel|>analysis<|message|>User asks: "What is the weather in Tokyo?" We need to use get_weather tool.<|end|>'
 CALL = (
@@ -138,24 +138,11 @@ def test_reasoning_without_tools_passes_calls_on_as_written():
 
 
 def stream_reasoning(text: str, cuts: list[int]) -> tuple[str, str]:
-    parser = HARMONY.stream_parser()
-    reasoning, content, prev = [], [], 0
-    for cut in [*sorted(cuts), len(text)]:
-        r, c = parser.feed(text[prev:cut])
-        reasoning.append(r)
-        content.append(c)
-        prev = cut
-    r, c = parser.finish()
-    return "".join([*reasoning, r]), "".join([*content, c])
+    return feed_reasoning(HARMONY.stream_parser(), text, cuts)
 
 
 def stream_calls(text: str, cuts: list[int]):
-    parser = OPENAI.stream_parser()
-    events, prev = [], 0
-    for cut in [*sorted(cuts), len(text)]:
-        events += parser.feed(text[prev:cut])
-        prev = cut
-    return collect(events + parser.finish())
+    return feed_calls(OPENAI.stream_parser(), text, cuts)
 
 
 def want(text: str):
@@ -179,14 +166,7 @@ EXAMPLES = [
 @pytest.mark.parametrize("text", EXAMPLES)
 def test_stream_equals_parse_for_every_split(text):
     reasoning, calls = want(text)
-    assert stream_reasoning(text, list(range(1, len(text)))) == reasoning
-    assert stream_calls(text, list(range(1, len(text)))) == calls
-    for i in range(len(text) + 1):
-        assert stream_reasoning(text, [i]) == reasoning, i
-        assert stream_calls(text, [i]) == calls, i
-    rng = random.Random(text)
-    for _ in range(100):
-        cuts = rng.sample(range(len(text) + 1), rng.randint(1, min(12, len(text) + 1)))
+    for cuts in every_split(text, draws=100):
         assert stream_reasoning(text, cuts) == reasoning, cuts
         assert stream_calls(text, cuts) == calls, cuts
 

@@ -14,6 +14,7 @@ from motet.grammar.reasoning import (
     reasoning_format,
     split_reasoning,
 )
+from tests.grammar.streaming import feed_reasoning
 
 
 @pytest.mark.parametrize(
@@ -49,15 +50,7 @@ def test_split_reasoning(text, started, reasoning, content):
 
 
 def stream(text: str, started: bool, cuts: list[int]) -> tuple[str, str]:
-    parser = ReasoningStreamParser(started=started)
-    reasoning, content, prev = [], [], 0
-    for cut in [*sorted(cuts), len(text)]:
-        r, c = parser.feed(text[prev:cut])
-        reasoning.append(r)
-        content.append(c)
-        prev = cut
-    r, c = parser.finish()
-    return "".join([*reasoning, r]), "".join([*content, c])
+    return feed_reasoning(ReasoningStreamParser(started=started), text, cuts)
 
 
 EXAMPLES = [
@@ -208,15 +201,7 @@ def test_formats(name, text, started, reasoning, content):
 
 
 def stream_format(fmt, text: str, started: bool, cuts: list[int]) -> tuple[str, str]:
-    parser = fmt.stream_parser(started)
-    reasoning, content, prev = [], [], 0
-    for cut in [*sorted(cuts), len(text)]:
-        r, c = parser.feed(text[prev:cut])
-        reasoning.append(r)
-        content.append(c)
-        prev = cut
-    r, c = parser.finish()
-    return "".join([*reasoning, r]), "".join([*content, c])
+    return feed_reasoning(fmt.stream_parser(started), text, cuts)
 
 
 FORMAT_PIECES = {

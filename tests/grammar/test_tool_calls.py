@@ -27,6 +27,7 @@ from motet.grammar.tool_calls import (
 )
 from motet.grammar.tool_prompt import format_call, render_messages, template_supports_tools
 from tests.dev_sets import dev_set, read_jsonl
+from tests.grammar.streaming import every_split, feed_calls
 
 MODEL_DIR = Path(os.path.expanduser("~/.cache/motet/models/SmolLM2-135M-Instruct"))
 BFCL, _ = dev_set("bfcl")
@@ -545,30 +546,8 @@ def tool_call_turns(call_id: str, name: str, arguments: str, result: str) -> lis
 # ToolCallStreamParser
 
 
-def collect(events) -> tuple[str, list[tuple[str, str]]]:
-    """Fold stream events into (content, [(name, arguments)]), checking their order as we go."""
-    content, calls = [], []
-    for ev in events:
-        if isinstance(ev, ContentDelta):
-            assert ev.text
-            content.append(ev.text)
-        elif isinstance(ev, ToolCallStart):
-            assert ev.index == len(calls)
-            calls.append([ev.name, ""])
-        else:
-            assert isinstance(ev, ToolCallArguments) and ev.fragment
-            assert ev.index == len(calls) - 1
-            calls[-1][1] += ev.fragment
-    return "".join(content), [tuple(c) for c in calls]
-
-
 def stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
-    parser = ToolCallStreamParser()
-    events, prev = [], 0
-    for cut in [*sorted(cuts), len(text)]:
-        events += parser.feed(text[prev:cut])
-        prev = cut
-    return collect(events + parser.finish())
+    return feed_calls(ToolCallStreamParser(), text, cuts)
 
 
 def expected(text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -600,13 +579,7 @@ EXAMPLES = [
 @pytest.mark.parametrize("text", EXAMPLES)
 def test_stream_equals_parse_for_every_split(text):
     want = expected(text)
-    assert stream(text, []) == want
-    assert stream(text, list(range(1, len(text)))) == want  # one character at a time
-    for i in range(len(text) + 1):
-        assert stream(text, [i]) == want, i
-    rng = random.Random(text)
-    for _ in range(200):
-        cuts = rng.sample(range(len(text) + 1), rng.randint(1, min(12, len(text) + 1)))
+    for cuts in every_split(text, draws=200):
         assert stream(text, cuts) == want, cuts
 
 

@@ -26,7 +26,8 @@ from motet.grammar.tool_formats import (
     tool_format,
 )
 from motet.grammar.tool_prompt import render_messages
-from tests.grammar.test_tool_calls import collect, tool_call_turns
+from tests.grammar.streaming import every_split, feed_calls
+from tests.grammar.test_tool_calls import tool_call_turns
 
 MODEL_DIR = Path(os.path.expanduser("~/.cache/motet/models/SmolLM2-135M-Instruct"))
 
@@ -61,195 +62,176 @@ SF = {"city": "San Francisco", "state": "CA", "unit": "celsius"}
 # Outputs as the models write them
 
 
-@pytest.mark.parametrize(
-    "text, content, calls",
-    [  # vLLM's tests/tool_use/test_mistral_tool_parser.py
-        ("This is a test", "This is a test", []),
-        (
-            '[TOOL_CALLS][{"name": "add", "arguments":{"a": 3.5, "b": 4}}]',
-            None,
-            [("add", {"a": 3.5, "b": 4})],
-        ),
-        (
-            '[TOOL_CALLS] [{"name": "get_current_weather", "arguments":{"city": "San Francisco", "state": "CA", '
-            '"unit": "celsius"}}]',
-            None,
-            [("get_current_weather", SF)],
-        ),
-        (
-            '[TOOL_CALLS] [{"arguments":{"city": "San Francisco", "state": "CA", "unit": "celsius"}, '
-            '"name": "get_current_weather"}]',
-            None,
-            [("get_current_weather", SF)],
-        ),
-        (
-            '[TOOL_CALLS] [{"arguments":{"name": "John Doe"}, "name": "get_age"}]',
-            None,
-            [("get_age", {"name": "John Doe"})],
-        ),
-        (
-            '[TOOL_CALLS]  [ {"name":"add" , "arguments" : {"a": 3, "b": 4} } ]',
-            None,
-            [("add", {"a": 3, "b": 4})],
-        ),
-        (  # the second object's closing brace missing, as in vLLM's streaming test
-            '[TOOL_CALLS][{"name": "add", "arguments": {"a": 3.5, "b": 4}}, {"name": "get_current_weather", '
-            '"arguments":{"city": "San Francisco", "state": "CA", "unit": "celsius"}]',
-            None,
-            [("add", {"a": 3.5, "b": 4}), ("get_current_weather", SF)],
-        ),
-        # the v11 tokenizer's form (Mistral Small 3.2): name then arguments, one call per marker
-        ('[TOOL_CALLS]add{"a": 3.5, "b": 4}', None, [("add", {"a": 3.5, "b": 4})]),
-        (
-            '[TOOL_CALLS]get_current_weather{"city": "San Francisco", "state": "CA", "unit": "celsius"}',
-            None,
-            [("get_current_weather", SF)],
-        ),
-        (
-            '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]add[ARGS]{"a": 2}',
-            None,
-            [("add", {"a": 1}), ("add", {"a": 2})],
-        ),
-        # Mistral v0.3's chat template writes an id into each call; the id is not an argument
-        (
-            '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}, "id": "abcdefghi"}]',
-            None,
-            [("add", {"a": 1})],
-        ),
-        ('Let me add. [TOOL_CALLS][{"name": "add", "arguments": {}}]', "Let me add.", [("add", {})]),
-        ("[TOOL_CALLS] sorry", "[TOOL_CALLS] sorry", []),
-        # the special token dropped by the detokenizer (skip_special_tokens): the list alone
-        ('[{"name": "add", "arguments": {"a": 1}}]', None, [("add", {"a": 1})]),
-        ('Let me add. [{"name": "add", "arguments": {}}]', "Let me add.", [("add", {})]),
-        ('  [ {"arguments": {}, "name": "add"}]', None, [("add", {})]),
-        ("[1] is a citation", "[1] is a citation", []),
-        ("[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
-    ],
-)
-def test_mistral_outputs(text, content, calls):
-    assert calls_of(MISTRAL, text) == (content, calls)
+MISTRAL_OUTPUTS = [  # vLLM's tests/tool_use/test_mistral_tool_parser.py
+    ("This is a test", "This is a test", []),
+    (
+        '[TOOL_CALLS][{"name": "add", "arguments":{"a": 3.5, "b": 4}}]',
+        None,
+        [("add", {"a": 3.5, "b": 4})],
+    ),
+    (
+        '[TOOL_CALLS] [{"name": "get_current_weather", "arguments":{"city": "San Francisco", "state": "CA", '
+        '"unit": "celsius"}}]',
+        None,
+        [("get_current_weather", SF)],
+    ),
+    (
+        '[TOOL_CALLS] [{"arguments":{"city": "San Francisco", "state": "CA", "unit": "celsius"}, '
+        '"name": "get_current_weather"}]',
+        None,
+        [("get_current_weather", SF)],
+    ),
+    (
+        '[TOOL_CALLS] [{"arguments":{"name": "John Doe"}, "name": "get_age"}]',
+        None,
+        [("get_age", {"name": "John Doe"})],
+    ),
+    (
+        '[TOOL_CALLS]  [ {"name":"add" , "arguments" : {"a": 3, "b": 4} } ]',
+        None,
+        [("add", {"a": 3, "b": 4})],
+    ),
+    (  # the second object's closing brace missing, as in vLLM's streaming test
+        '[TOOL_CALLS][{"name": "add", "arguments": {"a": 3.5, "b": 4}}, {"name": "get_current_weather", '
+        '"arguments":{"city": "San Francisco", "state": "CA", "unit": "celsius"}]',
+        None,
+        [("add", {"a": 3.5, "b": 4}), ("get_current_weather", SF)],
+    ),
+    # the v11 tokenizer's form (Mistral Small 3.2): name then arguments, one call per marker
+    ('[TOOL_CALLS]add{"a": 3.5, "b": 4}', None, [("add", {"a": 3.5, "b": 4})]),
+    (
+        '[TOOL_CALLS]get_current_weather{"city": "San Francisco", "state": "CA", "unit": "celsius"}',
+        None,
+        [("get_current_weather", SF)],
+    ),
+    (
+        '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]add[ARGS]{"a": 2}',
+        None,
+        [("add", {"a": 1}), ("add", {"a": 2})],
+    ),
+    # Mistral v0.3's chat template writes an id into each call; the id is not an argument
+    (
+        '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}, "id": "abcdefghi"}]',
+        None,
+        [("add", {"a": 1})],
+    ),
+    ('Let me add. [TOOL_CALLS][{"name": "add", "arguments": {}}]', "Let me add.", [("add", {})]),
+    ("[TOOL_CALLS] sorry", "[TOOL_CALLS] sorry", []),
+    # the special token dropped by the detokenizer (skip_special_tokens): the list alone
+    ('[{"name": "add", "arguments": {"a": 1}}]', None, [("add", {"a": 1})]),
+    ('Let me add. [{"name": "add", "arguments": {}}]', "Let me add.", [("add", {})]),
+    ('  [ {"arguments": {}, "name": "add"}]', None, [("add", {})]),
+    ("[1] is a citation", "[1] is a citation", []),
+    ("[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
+]
 
 
-@pytest.mark.parametrize(
-    "text, content, calls",
-    [  # vLLM's tests/entrypoints/openai/tool_parsers/test_llama3_json_tool_parser.py
+LLAMA3_JSON_OUTPUTS = [  # vLLM's tests/entrypoints/openai/tool_parsers/test_llama3_json_tool_parser.py
+    (
+        '{"name": "searchTool", "parameters": {"query": "test query", "limit": 10}}',
+        None,
+        [("searchTool", {"query": "test query", "limit": 10})],
+    ),
+    (
+        "This is just some text without any tool calls",
+        "This is just some text without any tool calls",
+        [],
+    ),
+    ('{"name": "searchTool", "arguments": {"query": "test"}}', None, [("searchTool", {"query": "test"})]),
+    *(  # three calls, separated with and without spaces around the semicolon
         (
-            '{"name": "searchTool", "parameters": {"query": "test query", "limit": 10}}',
-            None,
-            [("searchTool", {"query": "test query", "limit": 10})],
-        ),
-        (
-            "This is just some text without any tool calls",
-            "This is just some text without any tool calls",
-            [],
-        ),
-        ('{"name": "searchTool", "arguments": {"query": "test"}}', None, [("searchTool", {"query": "test"})]),
-        (
-            '{"name": "searchTool", "parameters": {"query": "test1"}}; '
-            '{"name": "getOpenIncidentsTool", "parameters": {}}; '
-            '{"name": "searchTool", "parameters": {"query": "test2"}}',
+            separator.join(
+                [
+                    '{"name": "searchTool", "parameters": {"query": "test1"}}',
+                    '{"name": "getOpenIncidentsTool", "parameters": {}}',
+                    '{"name": "searchTool", "parameters": {"query": "test2"}}',
+                ]
+            ),
             None,
             [
                 ("searchTool", {"query": "test1"}),
                 ("getOpenIncidentsTool", {}),
                 ("searchTool", {"query": "test2"}),
             ],
-        ),
-        (
-            '{"name": "searchTool", "parameters": {"query": "test1"}} ; '
-            '{"name": "getOpenIncidentsTool", "parameters": {}} ; '
-            '{"name": "searchTool", "parameters": {"query": "test2"}}',
-            None,
-            [
-                ("searchTool", {"query": "test1"}),
-                ("getOpenIncidentsTool", {}),
-                ("searchTool", {"query": "test2"}),
-            ],
-        ),
-        (  # vLLM drops the text around the calls; motet keeps it as content, as Hermes does
-            'Here are the results: {"name": "searchTool", "parameters": {"query": "test1"}}; '
-            '{"name": "getOpenIncidentsTool", "parameters": {}} Would you like to know more?',
-            "Here are the results:  Would you like to know more?",
-            [("searchTool", {"query": "test1"}), ("getOpenIncidentsTool", {})],
-        ),
-        (
-            '{"name": "complexTool", "parameters": {"level1": {"level2": {"level3": {"level4": {"value": "deep"}}}}}}',
-            None,
-            [("complexTool", {"level1": {"level2": {"level3": {"level4": {"value": "deep"}}}}})],
-        ),
-        (
-            '{"name": "searchTool", "parameters": {"query": "test {value} [complex]","nested": {"inner": '
-            '"more {brackets}"}}}',
-            None,
-            [("searchTool", {"query": "test {value} [complex]", "nested": {"inner": "more {brackets}"}})],
-        ),
-        (
-            '{"name": "parserTool", "parameters": {"text": "He said \\"Hello {world}\\""}}',
-            None,
-            [("parserTool", {"text": 'He said "Hello {world}"'})],
-        ),
-        # Llama 3.1's model card: built-in and custom tools after <|python_tag|>
-        (
-            '<|python_tag|>{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", '
-            '"unit": "Fahrenheit"}}',
-            None,
-            [("get_current_conditions", {"location": "San Francisco, CA", "unit": "Fahrenheit"})],
-        ),
-        ('<|python_tag|>brave_search.call(query="x")', '<|python_tag|>brave_search.call(query="x")', []),
-        ('{"parameters": {"a": 1}, "name": "f"}', None, [("f", {"a": 1})]),
-        ('{"a": 1} is JSON', '{"a": 1} is JSON', []),
-    ],
-)
-def test_llama3_json_outputs(text, content, calls):
-    assert calls_of(LLAMA3_JSON, text) == (content, calls)
+        )
+        for separator in ("; ", " ; ")
+    ),
+    (  # vLLM drops the text around the calls; motet keeps it as content, as Hermes does
+        'Here are the results: {"name": "searchTool", "parameters": {"query": "test1"}}; '
+        '{"name": "getOpenIncidentsTool", "parameters": {}} Would you like to know more?',
+        "Here are the results:  Would you like to know more?",
+        [("searchTool", {"query": "test1"}), ("getOpenIncidentsTool", {})],
+    ),
+    (
+        '{"name": "complexTool", "parameters": {"level1": {"level2": {"level3": {"level4": {"value": "deep"}}}}}}',
+        None,
+        [("complexTool", {"level1": {"level2": {"level3": {"level4": {"value": "deep"}}}}})],
+    ),
+    (
+        '{"name": "searchTool", "parameters": {"query": "test {value} [complex]","nested": {"inner": '
+        '"more {brackets}"}}}',
+        None,
+        [("searchTool", {"query": "test {value} [complex]", "nested": {"inner": "more {brackets}"}})],
+    ),
+    (
+        '{"name": "parserTool", "parameters": {"text": "He said \\"Hello {world}\\""}}',
+        None,
+        [("parserTool", {"text": 'He said "Hello {world}"'})],
+    ),
+    # Llama 3.1's model card: built-in and custom tools after <|python_tag|>
+    (
+        '<|python_tag|>{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", '
+        '"unit": "Fahrenheit"}}',
+        None,
+        [("get_current_conditions", {"location": "San Francisco, CA", "unit": "Fahrenheit"})],
+    ),
+    ('<|python_tag|>brave_search.call(query="x")', '<|python_tag|>brave_search.call(query="x")', []),
+    ('{"parameters": {"a": 1}, "name": "f"}', None, [("f", {"a": 1})]),
+    ('{"a": 1} is JSON', '{"a": 1} is JSON', []),
+]
 
 
-@pytest.mark.parametrize(
-    "text, content, calls",
-    [  # vLLM's tests/entrypoints/openai/tool_parsers/test_pythonic_tool_parser.py
-        (
-            "[get_weather(city='San Francisco', metric='celsius')]",
-            None,
-            [("get_weather", {"city": "San Francisco", "metric": "celsius"})],
-        ),
-        (
-            "[register_user(name='John Doe', age=37, address={'city': 'San Francisco', 'state': 'CA'}, "
-            "role=None, passed_test=True, aliases=['John', 'Johnny'])]",
-            None,
-            [
-                (
-                    "register_user",
-                    {
-                        "name": "John Doe",
-                        "age": 37,
-                        "address": {"city": "San Francisco", "state": "CA"},
-                        "role": None,
-                        "passed_test": True,
-                        "aliases": ["John", "Johnny"],
-                    },
-                )
-            ],
-        ),
-        ("[do_something_cool()]", None, [("do_something_cool", {})]),
-        (
-            "[get_weather(city='Martha\\'s Vineyard', metric='\"cool units\"')]",
-            None,
-            [("get_weather", {"city": "Martha's Vineyard", "metric": '"cool units"'})],
-        ),
-        (
-            "[get_weather(city='LA', metric='C'), register_user(name='Doe', age=9)]",
-            None,
-            [("get_weather", {"city": "LA", "metric": "C"}), ("register_user", {"name": "Doe", "age": 9})],
-        ),
-        # Llama 4 wraps them
-        ("<|python_start|>[get_weather(city='LA')]<|python_end|>", None, [("get_weather", {"city": "LA"})]),
-        ("[1] is a citation", "[1] is a citation", []),
-        ("Sure: [f(a=1)]", "Sure: [f(a=1)]", []),  # not at the start: text
-        ("[f(1)]", "[f(1)]", []),  # positional arguments have no names
-    ],
-)
-def test_pythonic_outputs(text, content, calls):
-    assert calls_of(PYTHONIC, text) == (content, calls)
+PYTHONIC_OUTPUTS = [  # vLLM's tests/entrypoints/openai/tool_parsers/test_pythonic_tool_parser.py
+    (
+        "[get_weather(city='San Francisco', metric='celsius')]",
+        None,
+        [("get_weather", {"city": "San Francisco", "metric": "celsius"})],
+    ),
+    (
+        "[register_user(name='John Doe', age=37, address={'city': 'San Francisco', 'state': 'CA'}, "
+        "role=None, passed_test=True, aliases=['John', 'Johnny'])]",
+        None,
+        [
+            (
+                "register_user",
+                {
+                    "name": "John Doe",
+                    "age": 37,
+                    "address": {"city": "San Francisco", "state": "CA"},
+                    "role": None,
+                    "passed_test": True,
+                    "aliases": ["John", "Johnny"],
+                },
+            )
+        ],
+    ),
+    ("[do_something_cool()]", None, [("do_something_cool", {})]),
+    (
+        "[get_weather(city='Martha\\'s Vineyard', metric='\"cool units\"')]",
+        None,
+        [("get_weather", {"city": "Martha's Vineyard", "metric": '"cool units"'})],
+    ),
+    (
+        "[get_weather(city='LA', metric='C'), register_user(name='Doe', age=9)]",
+        None,
+        [("get_weather", {"city": "LA", "metric": "C"}), ("register_user", {"name": "Doe", "age": 9})],
+    ),
+    # Llama 4 wraps them
+    ("<|python_start|>[get_weather(city='LA')]<|python_end|>", None, [("get_weather", {"city": "LA"})]),
+    ("[1] is a citation", "[1] is a citation", []),
+    ("Sure: [f(a=1)]", "Sure: [f(a=1)]", []),  # not at the start: text
+    ("[f(1)]", "[f(1)]", []),  # positional arguments have no names
+]
 
 
 TOKYO = ("get_weather", {"city": "Tokyo"})
@@ -265,91 +247,93 @@ VARIOUS = {
     "empty_object": {},
 }
 VARIOUS_TEXT = json.dumps({"name": "test_function", "arguments": VARIOUS}, indent=2)
+NO_CALLS = "This is a regular response without any tool calls."
 
 
-@pytest.mark.parametrize(
-    "text, content, calls",
-    [  # vLLM's tests/tool_parsers/test_phi4mini_tool_parser.py
+def json_list_outputs(opening: str) -> list:
+    """The cases vLLM's Phi-4-mini and Granite parser tests share: a JSON list of calls opened by `opening`."""
+    return [
+        (NO_CALLS, NO_CALLS, []),
+        (opening + '{"name": "get_weather", "arguments": {"city": "Tokyo"}}]', None, [TOKYO]),
         (
-            "This is a regular response without any tool calls.",
-            "This is a regular response without any tool calls.",
-            [],
-        ),
-        ('functools[{"name": "get_weather", "arguments": {"city": "Tokyo"}}]', None, [TOKYO]),
-        (
-            'functools[\n  {"name": "get_weather", "arguments": {"city": "Tokyo"}},\n'
+            opening + '\n  {"name": "get_weather", "arguments": {"city": "Tokyo"}},\n'
             '  {"name": "get_time", "arguments": {"timezone": "Asia/Tokyo"}}\n]',
             None,
             [TOKYO, ("get_time", {"timezone": "Asia/Tokyo"})],
         ),
-        (f"functools[{VARIOUS_TEXT}]", None, [("test_function", VARIOUS)]),
-        ('functools[{"name": "refresh", "arguments": {}}]', None, [("refresh", {})]),
-        # vLLM drops the text around the calls; motet keeps it as content, as for the other formats
-        (
-            'Let me check the weather for you.\nfunctools[{"name": "get_weather", "arguments": {"city": "Tokyo"}}]',
-            "Let me check the weather for you.",
-            [TOKYO],
-        ),
-        ("Use functools.partial here.", "Use functools.partial here.", []),
-        ('functools[{"name": "func"}]', 'functools[{"name": "func"}]', []),
-    ],
-)
-def test_phi4_mini_outputs(text, content, calls):
-    assert calls_of(PHI4_MINI, text) == (content, calls)
+        (opening + '{"name": "refresh", "arguments": {}}]', None, [("refresh", {})]),
+    ]
+
+
+PHI4_MINI_OUTPUTS = [  # vLLM's tests/tool_parsers/test_phi4mini_tool_parser.py
+    *json_list_outputs("functools["),
+    (f"functools[{VARIOUS_TEXT}]", None, [("test_function", VARIOUS)]),
+    # vLLM drops the text around the calls; motet keeps it as content, as for the other formats
+    (
+        'Let me check the weather for you.\nfunctools[{"name": "get_weather", "arguments": {"city": "Tokyo"}}]',
+        "Let me check the weather for you.",
+        [TOKYO],
+    ),
+    ("Use functools.partial here.", "Use functools.partial here.", []),
+    ('functools[{"name": "func"}]', 'functools[{"name": "func"}]', []),
+]
+
+
+GRANITE_OUTPUTS = [  # vLLM's tests/tool_parsers/test_granite_tool_parser.py
+    *json_list_outputs("<|tool_call|> ["),
+    (f"<tool_call> [{VARIOUS_TEXT}]", None, [("test_function", VARIOUS)]),  # Granite 3.1's string
+    (  # Granite's streaming test: arguments before the name
+        '<|tool_call|> [{"arguments": {"city": "Tokyo"}, "name": "get_weather"}, '
+        '{"arguments": {"timezone": "Asia/Tokyo"}, "name": "get_time"}]',
+        None,
+        [TOKYO, ("get_time", {"timezone": "Asia/Tokyo"})],
+    ),
+    (
+        'Let me check the weather for you.\n<|tool_call|> [{"name": "get_weather", "arguments": '
+        '{"city": "Tokyo"}}]\nI\'ll get that information.',
+        "Let me check the weather for you.\n\nI'll get that information.",
+        [TOKYO],
+    ),
+    # Granite 3.3's model card: the special token dropped from the text (skip_special_tokens), the list alone
+    (
+        '[{"name": "get_current_weather", "arguments": {"city": "Boston"}}]',
+        None,
+        [("get_current_weather", {"city": "Boston"})],
+    ),
+    # vLLM's malformed inputs: no calls
+    (
+        '<|tool_call|> {"name": "func", "arguments": {}}',
+        '<|tool_call|> {"name": "func", "arguments": {}}',
+        [],
+    ),
+    (
+        '[{"name": "func", "arguments": "not a dict"}]',
+        '[{"name": "func", "arguments": "not a dict"}]',
+        [],
+    ),
+    ('Some text [{"name": "func"}]', 'Some text [{"name": "func"}]', []),
+    ('<tool_call>\n{"name": "f"}', '<tool_call>\n{"name": "f"}', []),  # Hermes' shape: not Granite 3's
+]
+
+OUTPUTS = {  # outputs as the models write them: each parses into the expected (content, calls)
+    MISTRAL: MISTRAL_OUTPUTS,
+    LLAMA3_JSON: LLAMA3_JSON_OUTPUTS,
+    PYTHONIC: PYTHONIC_OUTPUTS,
+    PHI4_MINI: PHI4_MINI_OUTPUTS,
+    GRANITE: GRANITE_OUTPUTS,
+}
 
 
 @pytest.mark.parametrize(
-    "text, content, calls",
-    [  # vLLM's tests/tool_parsers/test_granite_tool_parser.py
-        (
-            "This is a regular response without any tool calls.",
-            "This is a regular response without any tool calls.",
-            [],
-        ),
-        ('<|tool_call|> [{"name": "get_weather", "arguments": {"city": "Tokyo"}}]', None, [TOKYO]),
-        (
-            '<|tool_call|> [\n  {"name": "get_weather", "arguments": {"city": "Tokyo"}},\n'
-            '  {"name": "get_time", "arguments": {"timezone": "Asia/Tokyo"}}\n]',
-            None,
-            [TOKYO, ("get_time", {"timezone": "Asia/Tokyo"})],
-        ),
-        (f"<tool_call> [{VARIOUS_TEXT}]", None, [("test_function", VARIOUS)]),  # Granite 3.1's string
-        ('<|tool_call|> [{"name": "refresh", "arguments": {}}]', None, [("refresh", {})]),
-        (  # Granite's streaming test: arguments before the name
-            '<|tool_call|> [{"arguments": {"city": "Tokyo"}, "name": "get_weather"}, '
-            '{"arguments": {"timezone": "Asia/Tokyo"}, "name": "get_time"}]',
-            None,
-            [TOKYO, ("get_time", {"timezone": "Asia/Tokyo"})],
-        ),
-        (
-            'Let me check the weather for you.\n<|tool_call|> [{"name": "get_weather", "arguments": '
-            '{"city": "Tokyo"}}]\nI\'ll get that information.',
-            "Let me check the weather for you.\n\nI'll get that information.",
-            [TOKYO],
-        ),
-        # Granite 3.3's model card: the special token dropped from the text (skip_special_tokens), the list alone
-        (
-            '[{"name": "get_current_weather", "arguments": {"city": "Boston"}}]',
-            None,
-            [("get_current_weather", {"city": "Boston"})],
-        ),
-        # vLLM's malformed inputs: no calls
-        (
-            '<|tool_call|> {"name": "func", "arguments": {}}',
-            '<|tool_call|> {"name": "func", "arguments": {}}',
-            [],
-        ),
-        (
-            '[{"name": "func", "arguments": "not a dict"}]',
-            '[{"name": "func", "arguments": "not a dict"}]',
-            [],
-        ),
-        ('Some text [{"name": "func"}]', 'Some text [{"name": "func"}]', []),
-        ('<tool_call>\n{"name": "f"}', '<tool_call>\n{"name": "f"}', []),  # Hermes' shape: not Granite 3's
+    "fmt, text, content, calls",
+    [
+        pytest.param(f, *case, id=f"{f.name}-{i}")
+        for f, cases in OUTPUTS.items()
+        for i, case in enumerate(cases)
     ],
 )
-def test_granite_outputs(text, content, calls):
-    assert calls_of(GRANITE, text) == (content, calls)
+def test_outputs(fmt, text, content, calls):
+    assert calls_of(fmt, text) == (content, calls)
 
 
 def test_truncated_arguments_are_kept_as_written():
@@ -367,12 +351,7 @@ def test_truncated_arguments_are_kept_as_written():
 
 
 def stream(fmt, text, cuts):
-    parser = fmt.stream_parser()
-    events, prev = [], 0
-    for cut in [*sorted(cuts), len(text)]:
-        events += parser.feed(text[prev:cut])
-        prev = cut
-    return collect(events + parser.finish())
+    return feed_calls(fmt.stream_parser(), text, cuts)
 
 
 def expected(fmt, text):
@@ -428,13 +407,7 @@ EXAMPLES = {
 @pytest.mark.parametrize("fmt, text", [(f, t) for f, texts in EXAMPLES.items() for t in texts])
 def test_stream_equals_parse_for_every_split(fmt, text):
     want = expected(fmt, text)
-    assert stream(fmt, text, []) == want
-    assert stream(fmt, text, list(range(1, len(text)))) == want  # one character at a time
-    for i in range(len(text) + 1):
-        assert stream(fmt, text, [i]) == want, i
-    rng = random.Random(text)
-    for _ in range(100):
-        cuts = rng.sample(range(len(text) + 1), rng.randint(1, min(12, len(text) + 1)))
+    for cuts in every_split(text, draws=100):
         assert stream(fmt, text, cuts) == want, cuts
 
 

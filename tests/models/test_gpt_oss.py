@@ -17,7 +17,7 @@ from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
-from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy, hf_logits
+from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
 from tests.tiny_models import build_tiny_model
 
 WINDOW = 12
@@ -86,10 +86,9 @@ def test_logits_and_greedy_match_transformers(model_dir, compiled):
         for got, ref in zip(engine_logits(llm.engine, PROMPTS, chunk=chunk), refs, strict=True):
             torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
     prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[5], PROMPTS[2]]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
-    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
-        assert out.token_ids == hf_greedy(hf, prompt, 24)
+    outs = llm.generate(prompts, params)
+    assert [out.token_ids for out in outs] == hf_greedy_outputs(model_dir, prompts, 24)
 
 
 def test_a_quantization_other_than_mxfp4_is_refused_by_name(model_dir):
@@ -185,11 +184,10 @@ def test_mxfp4_experts_match_transformers_on_their_dequantized_weights(mxfp4_dir
     llm = LLM(str(mxfp4_dir), num_kv_blocks=128, block_size=4, max_model_len=256, compile_step=compiled)
     for got, p in zip(engine_logits(llm.engine, PROMPTS, chunk=7), PROMPTS, strict=True):
         torch.testing.assert_close(got, hf_logits(mxfp4_dir, p), atol=2e-4, rtol=1e-4)
-    hf = AutoModelForCausalLM.from_pretrained(mxfp4_dir, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     prompts = [PROMPTS[1], PROMPTS[4]]
-    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
-        assert out.token_ids == hf_greedy(hf, prompt, 16)
+    outs = llm.generate(prompts, params)
+    assert [out.token_ids for out in outs] == hf_greedy_outputs(mxfp4_dir, prompts, 16)
 
 
 def test_mxfp4_experts_are_dequantized_one_at_a_time(mxfp4_dir, monkeypatch):
@@ -277,7 +275,6 @@ def test_two_ranks_match_transformers(model_dir, mxfp4_dir, checkpoint, expert_p
     finally:
         engine.close()
     assert tp_workers() == []
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[2]]
     with LLM(
@@ -289,5 +286,4 @@ def test_two_ranks_match_transformers(model_dir, mxfp4_dir, checkpoint, expert_p
         enable_expert_parallel=expert_parallel,
     ) as llm:
         outs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == hf_greedy(hf, prompt, 16)
+    assert [out.token_ids for out in outs] == hf_greedy_outputs(path, prompts, 16)

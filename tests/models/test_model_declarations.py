@@ -21,8 +21,8 @@ from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from motet.models import DECLARATIONS, SUPPORTED_ARCHITECTURES
-from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
-from tests.models.test_moe import PATHS, hf_greedy_outputs, randomize_norms
+from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
+from tests.models.test_moe import PATHS, randomize_norms
 from tests.peft_adapters import peft_reference, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 

@@ -17,7 +17,7 @@ from motet.engine.model import SparseMoE
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from motet.lora.adapter import AdapterError
-from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy, hf_logits
+from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
 from tests.peft_adapters import peft_reference, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 
@@ -115,11 +115,6 @@ def test_moe_long_prefill_matches_hf(moe_model, compiled):
     prompts = [torch.randint(3, 320, (400,), generator=g).tolist(), PROMPTS[1]]
     for got, prompt in zip(engine_logits(engine, prompts), prompts, strict=True):
         torch.testing.assert_close(got, hf_logits(moe_model, prompt), atol=2e-4, rtol=1e-4)
-
-
-def hf_greedy_outputs(model_dir, prompts, new_tokens: int) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return [hf_greedy(hf, prompt, new_tokens) for prompt in prompts]
 
 
 @pytest.mark.parametrize("compiled", PATHS)

@@ -253,13 +253,13 @@ def compare_plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
 
 
 def summary(results: dict) -> str:
-    lines = []
-    for mode, m in results["modes"].items():
-        o = m["overall"]
-        lines.append(
-            f"{mode:18s} AST {report.pct(o['ast_accuracy'])}, valid {report.pct(o['validity'])} "
+    return report.mode_summary(
+        results,
+        18,
+        lambda o: (
+            f"AST {report.pct(o['ast_accuracy'])}, valid {report.pct(o['validity'])} "
             f"({report.pct(o.get('validity_of_finished'))} of finished, {report.pct(o['truncation_rate'])} "
             f"truncated), calls {report.pct(o['call_rate'])}, unsupported {report.pct(o['unsupported_rate'])}, "
             f"errors {report.pct(o['error_rate'])}"
-        )
-    return "\n".join(lines)
+        ),
+    )

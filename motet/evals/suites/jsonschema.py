@@ -180,12 +180,12 @@ def compare_plots(runs: dict[str, dict], out_dir: Path) -> list[Path]:
 
 
 def summary(results: dict) -> str:
-    lines = []
-    for mode, m in results["modes"].items():
-        o = m["overall"]
-        lines.append(
-            f"{mode:13s} compliance {report.pct(o['compliance'])} ({o['compliant']}/{o['n']}), "
+    return report.mode_summary(
+        results,
+        13,
+        lambda o: (
+            f"compliance {report.pct(o['compliance'])} ({o['compliant']}/{o['n']}), "
             f"truncated {report.pct(o['truncation_rate'])}, unsupported {report.pct(o['unsupported_rate'])}, "
             f"too long {report.pct(o['too_long_rate'])}, errors {report.pct(o['error_rate'])}"
-        )
-    return "\n".join(lines)
+        ),
+    )
