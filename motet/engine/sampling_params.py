@@ -15,6 +15,9 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_CACHE_SALT_CHARS = 256  # a salt is hashed, never stored: this only bounds what a request may send
 MAX_BAD_WORDS = 128  # bad_words per request: each is tokenized twice and checked at every position
 MAX_BAD_WORD_CHARS = 256
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-232 overflows them to inf and the
+# softmax to NaN, which samples no token at all.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _show(value) -> str:
@@ -24,7 +27,7 @@ def _show(value) -> str:
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -153,7 +156,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def reads_output(self, num_output_tokens: int) -> bool:
         """Whether sampling the next token reads the output so far on the host: penalties count its tokens,

@@ -112,6 +112,17 @@ def test_greedy_is_argmax_in_any_dtype():
     assert sampler(lb, seqs).token_ids == lb.float().argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [5e-232, 1e-300, 1e-6])
+def test_vanishing_temperature_is_greedy(temperature):
+    # Dividing by such a temperature overflows the logits; the limit of the distribution is the argmax
+    # (vLLM treats temperatures below 1e-5 as greedy). The fuzz test found 5e-232 answering 500.
+    torch.manual_seed(3)
+    sampler = Sampler(vocab_size=1000, eos_token_ids=[EOS])
+    logits = torch.randn(8, 1000) * 30
+    seqs = [seq(temperature=temperature) for _ in range(8)]
+    assert sampler(logits, seqs).token_ids == logits.argmax(-1).tolist()
+
+
 def test_padded_vocab_is_cut_off():
     logits = torch.zeros(2, 12)
     logits[:, 10:] = 100  # padding columns of the lm_head
