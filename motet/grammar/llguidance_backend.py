@@ -17,7 +17,6 @@ import threading
 import llguidance as llg
 import llguidance.hf
 import torch
-from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Matcher, set_token_bits
 from motet.grammar.enforceable import COMPOSITION, simplify
@@ -63,7 +62,9 @@ class LLGuidanceMatcher(Matcher):
         if self._terminated:
             set_token_bits(bitmask, row, self._stop, clear=True)
             return
-        fill_next_token_bitmask(self._m, bitmask, row)
+        _check_bitmask(bitmask)
+        v = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -89,6 +90,18 @@ class LLGuidanceMatcher(Matcher):
         return ""
 
 
+# The two fills are what llguidance.torch's fill_next_token_bitmask(_par) do. That module is not imported: it
+# compiles a kernel with torch.compile as it loads, which imports dynamo (3.7 s of every process start here).
+def _check_bitmask(bitmask: torch.Tensor) -> None:
+    if (
+        bitmask.dtype != torch.int32
+        or not bitmask.is_cpu
+        or bitmask.dim() != 2
+        or not bitmask.is_contiguous()
+    ):
+        raise ValueError("llguidance fills a contiguous 2-D int32 bitmask on the CPU")
+
+
 _executor: llg.LLExecutor | None = None
 
 
@@ -97,7 +110,10 @@ def batch_fill(bitmask: torch.Tensor, items: list[tuple[LLGuidanceMatcher, int]]
     global _executor
     if _executor is None:
         _executor = llg.LLExecutor()
-    fill_next_token_bitmask_par(_executor, [(m._m, r) for m, r in items], bitmask)
+    _check_bitmask(bitmask)
+    _executor.unsafe_compute_mask_ptr(
+        [(m._m, r) for m, r in items], bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
+    )
 
 
 class LLGuidanceCompiled(CompiledGrammar):
