@@ -29,6 +29,7 @@ MIB = 1 << 20
 CHILD = r"""
 import json, sys
 import torch
+import torch._dynamo  # torch imports it on the first init on the meta device: ~90 MB of code, not the load's
 from motet.engine.checkpoint import load_model_config
 from motet.engine.config import EngineConfig
 from motet.engine.memory import weights_bytes
