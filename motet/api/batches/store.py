@@ -75,7 +75,20 @@ _COLUMNS = ("id", "tenant", "endpoint", "input_file_id", "completion_window", "m
 
 
 class _FileRefused(Exception):
-    """The input file as a whole cannot be run (the message says why)."""
+    """The input file as a whole cannot be run: (code, message)."""
+
+
+class OverQuota(Exception):
+    """An answer that does not fit in what its tenant may still write (the message says so, for the batch's
+    `errors`)."""
+
+
+def quota_message(what: str, size: int, room: int) -> str:
+    return (
+        f"{what} ({size} bytes) would take the tenant's files past the server's limit per tenant "
+        f"(--files-max-bytes-per-tenant; {max(room, 0)} bytes are left): delete files (DELETE /v1/files/{{id}}) or "
+        "ask for less (fewer lines, max_tokens, n, logprobs)"
+    )
 
 
 @dataclass
@@ -115,6 +128,11 @@ def _object(row: tuple) -> dict:
         "usage": usage.object(),
         "metadata": json.loads(r["metadata"]) if r["metadata"] else None,
     }
+
+
+def _size(result: dict) -> int:
+    """The bytes an answered line takes in its file (the line and its newline)."""
+    return len(compact(result).encode()) + 1
 
 
 class BatchStore(SQLiteStore):
@@ -177,15 +195,18 @@ class BatchStore(SQLiteStore):
                 "SELECT tenant, input_file_id, endpoint FROM batches WHERE id = ?", (batch_id,)
             ).fetchone()
 
-    def load(self, batch_id: str, lines: Iterable[Line], max_lines: int) -> str | None:
+    def load(
+        self, batch_id: str, lines: Iterable[Line], max_lines: int, room: int | None = None
+    ) -> tuple[str, str] | None:
         """Copy a validated file's lines in, answer the refused ones, and start the batch (validating ->
         in_progress). All or nothing: a crash leaves the batch validating, to be loaded again. None, or why
-        the file as a whole is refused (then nothing is kept)."""
+        the file as a whole is refused, as (code, message) (then nothing is kept). `room`: the bytes the
+        batch's tenant may still write (as `record` reads it); the refused lines' answers must fit in it."""
         try:
             with self._write():
-                self._load(batch_id, lines, max_lines)
+                self._load(batch_id, lines, max_lines, room)
         except _FileRefused as e:
-            return str(e)
+            return e.args
         return None
 
     def pending(self, batch_id: str, after_line: int, limit: int = _CHUNK) -> list[PendingLine]:
@@ -207,35 +228,60 @@ class BatchStore(SQLiteStore):
     def record(self, batch_id: str, line: int, result: dict, room: int | None = None) -> bool:
         """Answer a line, once: False if it already had an answer (nothing changes then). `room`: the bytes
         the batch's tenant may still write (its files quota less its files); an answer that would take the
-        tenant's unfinished batches' answers past it is recorded as a `quota_exceeded` error instead, so no
+        tenant's unfinished batches' answers past it is not recorded (OverQuota: the batch stops), so no
         batch writes more than its tenant's quota."""
         with self._write():
             if room is not None:
-                (tenant,) = self._db.execute(
-                    "SELECT tenant FROM batches WHERE id = ?", (batch_id,)
-                ).fetchone()
-                if self._pending_bytes(tenant) + len(compact(result).encode()) + 1 > room:
-                    custom_id = result.get("custom_id")
-                    result = error_line(
-                        custom_id,
-                        "quota_exceeded",
-                        "this answer would take the tenant's files past the server's limit per tenant "
-                        "(--files-max-bytes-per-tenant); delete files (DELETE /v1/files/{id}) or ask for less "
-                        "(max_tokens, n, logprobs)",
-                    )
+                room -= self._pending_bytes(self._tenant(batch_id))
+                if (size := _size(result)) > room:
+                    raise OverQuota(quota_message("its answer", size, room))
             return self._record(batch_id, line, result)
+
+    def stop(self, batch_id: str, error: dict) -> bool:
+        """End a running batch early (in_progress -> finalizing, `error` in its errors): its answered lines
+        are written to its files, the others are not run; it ends `failed`. False if it was no longer
+        running (a cancel came first)."""
+        with self._write():
+            status = self._db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()[0]
+            if status != "in_progress":
+                return False
+            self._db.execute("UPDATE batches SET errors = ? WHERE id = ?", (json.dumps([error]), batch_id))
+            self._set_status(batch_id, "finalizing")
+            return True
+
+    def add_error(self, batch_id: str, error: dict) -> None:
+        with self._write():
+            (errors,) = self._db.execute("SELECT errors FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            errors = [*json.loads(errors or "[]"), error]
+            self._db.execute("UPDATE batches SET errors = ? WHERE id = ?", (json.dumps(errors), batch_id))
+
+    def stopped(self, batch_id: str) -> bool:
+        """Whether the batch was stopped early (`stop`): it ends failed, not completed."""
+        with self._read():
+            row = self._db.execute("SELECT errors FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return row[0] is not None
 
     def pending_bytes(self, tenant: str) -> int:
         """The bytes of answers the tenant's unfinished batches hold (their files are not written yet)."""
         with self._read():
             return self._pending_bytes(tenant)
 
-    def answer_rest(self, batch_id: str, code: str, message: str) -> None:
-        """Answer every unanswered line with an error (the batch was cancelled, or expired)."""
-        while rows := self.pending(batch_id, 0):
+    def answer_rest(self, batch_id: str, code: str, message: str, room: int | None = None) -> int:
+        """Answer the unanswered lines with an error (the batch was cancelled, or expired), in file order, as
+        far as they fit in `room` (as `record` reads it); the number of lines left without an answer."""
+        after, full = 0, False
+        while not full and (rows := self.pending(batch_id, after)):
             with self._write():
+                left = None if room is None else room - self._pending_bytes(self._tenant(batch_id))
                 for row in rows:
-                    self._record(batch_id, row.line, error_line(row.custom_id, code, message))
+                    result = error_line(row.custom_id, code, message)
+                    if left is not None:
+                        left -= _size(result)
+                        if full := left < 0:
+                            break
+                    self._record(batch_id, row.line, result)
+                    after = row.line
+        return self.unanswered(batch_id) if full else 0
 
     def results(self, batch_id: str, ok: bool) -> Iterator[bytes]:
         """The answered lines of the output (ok) or the error file, in file order, as JSONL."""
@@ -289,19 +335,33 @@ class BatchStore(SQLiteStore):
             self._db.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
 
     # -- under the lock -----------------------------------------------------------------------------------------
-    def _load(self, batch_id: str, lines: Iterable[Line], max_lines: int) -> None:
+    def _load(self, batch_id: str, lines: Iterable[Line], max_lines: int, room: int | None) -> None:
         self._db.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
-        total = failed = 0
-        model = None
+        self._db.execute("UPDATE batches SET result_bytes = 0 WHERE id = ?", (batch_id,))
+        if room is not None:
+            room -= self._pending_bytes(self._tenant(batch_id))
+        total = failed = written = 0
+        model = first_refused = None
         for line in lines:
             total += 1
             if total > max_lines:
-                raise _FileRefused(f"the file has more than {max_lines} requests, the most a batch may hold")
+                raise _FileRefused(
+                    "invalid_file", f"the file has more than {max_lines} requests, the most a batch may hold"
+                )
             if line.error is not None:
                 failed += 1
+                result = error_line(line.custom_id, *line.error)
+                written += _size(result)
+                first_refused = first_refused or line.error[1]
+                if room is not None and written > room:  # a file of bad lines may not write past the quota
+                    raise _FileRefused(
+                        "quota_exceeded",
+                        quota_message(f"the answers of its refused lines (the first: {first_refused})",
+                                      written, room) + "; nothing ran",
+                    )  # fmt: skip
                 self._db.execute(
                     "INSERT INTO batch_lines (batch, line, custom_id, result, ok) VALUES (?, ?, ?, ?, 0)",
-                    (batch_id, line.number, line.custom_id, compact(error_line(line.custom_id, *line.error))),
+                    (batch_id, line.number, line.custom_id, compact(result)),
                 )
                 continue
             if model is None and isinstance(line.body.get("model"), str):
@@ -311,15 +371,18 @@ class BatchStore(SQLiteStore):
                 (batch_id, line.number, line.custom_id, line.url, json.dumps(line.body)),
             )
         if total == 0:
-            raise _FileRefused("the file holds no requests")
+            raise _FileRefused("invalid_file", "the file holds no requests")
         self._db.execute(
-            "UPDATE batches SET total = ?, failed = ?, completed = 0, model = ? WHERE id = ?",
-            (total, failed, model, batch_id),
+            "UPDATE batches SET total = ?, failed = ?, completed = 0, model = ?, result_bytes = ? WHERE id = ?",
+            (total, failed, model, written, batch_id),
         )
         self._db.execute(
             "UPDATE batches SET status = 'in_progress', in_progress_at = ? WHERE id = ? AND status = 'validating'",
             (int(time.time()), batch_id),
         )
+
+    def _tenant(self, batch_id: str) -> str:
+        return self._db.execute("SELECT tenant FROM batches WHERE id = ?", (batch_id,)).fetchone()[0]
 
     def _pending_bytes(self, tenant: str) -> int:
         marks = ", ".join("?" * len(UNFINISHED))
@@ -347,7 +410,7 @@ class BatchStore(SQLiteStore):
                     usage.cached_tokens,
                     usage.output_tokens,
                     usage.reasoning_tokens,
-                    len(text.encode()) + 1,  # the line and its newline, as the file will hold it
+                    len(text.encode()) + 1,  # as _size: the line and its newline, as the file will hold it
                     batch_id,
                 ),
             )
