@@ -72,10 +72,10 @@ def test_a_line_asking_for_too_many_logprobs_is_refused_at_create(server):
 def test_a_batch_stops_where_its_answers_reach_the_quota_and_other_tenants_are_unaffected(server):
     alice, bob = sdk(server, "sk-alice"), sdk(server, "sk-bob")
     clear(alice)
-    # each answer with 64 tokens and 5 top logprobs is several KB: 40 of them are far over the 60 KB quota
+    # each answer with 64 tokens and 5 top logprobs is several KB: 100 of them are far over the 60 KB quota
     lines = [
         chat_line(f"r{i}", i, max_tokens=64, ignore_eos=True, logprobs=True, top_logprobs=5)
-        for i in range(40)
+        for i in range(100)
     ]
     source = upload(alice, jsonl(lines))
     batch = alice.batches.create(
@@ -87,7 +87,7 @@ def test_a_batch_stops_where_its_answers_reach_the_quota_and_other_tenants_are_u
     assert error.code == "quota_exceeded" and "--files-max-bytes-per-tenant" in error.message
     assert error.line is not None and f"line {error.line}" in error.message
     counts = batch.request_counts
-    assert counts.total == 40 and counts.completed > 0 and counts.failed == 0
+    assert counts.total == 100 and counts.completed > 0 and counts.failed == 0
     assert files_bytes(alice) <= QUOTA  # the output file included
     assert batch.error_file_id is None  # the lines not run are in neither file
     outputs = [json.loads(x) for x in alice.files.content(batch.output_file_id).text.splitlines()]
