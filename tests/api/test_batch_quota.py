@@ -21,6 +21,7 @@ from motet.api.batches.lines import (
     compact,
     error_line,
     parse_lines,
+    response_line,
 )
 from motet.api.batches.store import BatchStore
 from tests.api.test_batch_api import MODEL, chat_line, jsonl, start, upload, wait
@@ -72,9 +73,9 @@ def test_a_line_asking_for_too_many_logprobs_is_refused_at_create(server):
 def test_a_batch_stops_where_its_answers_reach_the_quota_and_other_tenants_are_unaffected(server):
     alice, bob = sdk(server, "sk-alice"), sdk(server, "sk-bob")
     clear(alice)
-    # each answer with 64 tokens and 5 top logprobs is several KB: 100 of them are far over the 60 KB quota
+    # each answer with 16 tokens and 3 top logprobs is a few KB: 100 of them are far over the 60 KB quota
     lines = [
-        chat_line(f"r{i}", i, max_tokens=64, ignore_eos=True, logprobs=True, top_logprobs=5)
+        chat_line(f"r{i}", i, max_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=3)
         for i in range(100)
     ]
     source = upload(alice, jsonl(lines))
@@ -159,8 +160,29 @@ def test_lines_that_never_ran_are_answered_within_the_quota(tmp_path):
     left = store.answer_rest(batch["id"], *CANCELLED, room)
     written = b"".join(store.results(batch["id"], ok=False))
     assert 0 < left < 100 and len(written.splitlines()) == 100 - left
-    assert len(written) == store.pending_bytes("t") <= room
+    assert len(written) <= store.pending_bytes("t") <= room  # the answers, and the copies of the rest
     assert store.answer_rest(batch["id"], *CANCELLED, room) == left  # nothing more fits
+    store.close()
+
+
+def test_a_batch_keeps_its_copy_of_the_requests_within_the_quota(tmp_path):
+    """A batch keeps a copy of its requests until they are answered: before, any number of batches of one
+    input file could each copy it into the store, whatever the quota."""
+    store = BatchStore(tmp_path)
+    lines = [
+        Line(i, f"c{i}", "/v1/chat/completions", {"model": MODEL, "pad": "x" * 100}) for i in range(1, 11)
+    ]
+    copy = sum(len(json.dumps(line.body)) for line in lines)
+    room = copy * 2 + copy // 2
+    loaded = [store.create("t", "/v1/chat/completions", "file-x", "24h", None)["id"] for _ in range(3)]
+    assert [store.load(b, lines, max_lines=100, room=room) for b in loaded[:2]] == [None, None]
+    assert store.pending_bytes("t") == 2 * copy
+    code, message = store.load(loaded[2], lines, max_lines=100, room=room)
+    assert code == "quota_exceeded" and "--files-max-bytes-per-tenant" in message
+    assert store.pending_bytes("t") == 2 * copy  # the refused batch keeps nothing
+    store.record(loaded[0], 1, response_line("c1", 200, {}), room)  # an answer takes its request's place
+    assert store.pending_bytes("t") == 2 * copy - len(json.dumps(lines[0].body)) + len(compact(
+        response_line("c1", 200, {}))) + 1  # fmt: skip
     store.close()
 
 

@@ -14,8 +14,8 @@ only while nothing waits (no live request queued or admitted but not running) an
 lines run at once, and `BatchGate` gives the waiting batches turns (round robin), so one tenant's large batch
 does not hold back another's. While the server drains (SIGTERM) no line is sent.
 
-Every answer counts against the tenant's files quota as it is recorded (motet/api/batches/store.py): a batch
-whose next answer would pass it stops there (`failed`, `quota_exceeded` in its errors; the answers recorded
+What a batch keeps counts against the tenant's files quota (motet/api/batches/store.py): a batch whose next
+answer would pass it stops there (`failed`, `quota_exceeded` in its errors; the answers recorded
 before are in its files), so its output and error files never take the tenant past its quota.
 """
 
