@@ -57,7 +57,7 @@ async def run_lines(app, lines: list[Line], concurrency: int, progress: tqdm) ->
 
     async def run(i: int, line: Line) -> None:
         async with limiter:
-            while isinstance(result := await answer(app, line.url, line.custom_id, line.body, None), float):
+            while isinstance(result := await answer(app, line.url, line.custom_id, line.body), float):
                 await anyio.sleep(result)  # the queue is full: wait as the server said
         out[i] = result
         progress.update()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from motet.api.asgi import request_headers
 from motet.api.errors import APIError
+from motet.api.usage import BATCH_SCOPE_KEY
 
 LIMITED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 _FIELDS = {
@@ -205,6 +206,10 @@ class RateLimits:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LIMITED_ROUTES:
+            return await self.app(scope, receive, send)
+        if (
+            BATCH_SCOPE_KEY in scope
+        ):  # a Batch API line: batches have their own bounds (api/batches/runner.py)
             return await self.app(scope, receive, send)
         try:
             tenant = self.state.auth.tenant(request_headers(scope).get("authorization"))

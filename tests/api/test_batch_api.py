@@ -1,7 +1,8 @@
 """The OpenAI Batch API (/v1/files, /v1/batches) and `motet run-batch`, driven by the openai SDK against a real
 `motet serve` on a tiny random model: a 200-line batch with per-line errors, cancelling, tenants kept apart, a
-batch that survives a SIGKILL half-way, and the offline runner as a subprocess. The stores are checked on
-real SQLite and disk too, and the scheduling policy with plain inputs.
+batch's lines run as its tenant (outside its interactive limits, through a key rotated by SIGHUP, beside
+10,000 keys), a batch that survives a SIGKILL half-way, and the offline runner as a subprocess. The stores are
+checked on real SQLite and disk too, and the scheduling policy with plain inputs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import anyio
+import httpx
 import openai
 import pytest
 from openai.types import Completion
@@ -23,8 +25,9 @@ from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
 from motet.actors.system import Stats
+from motet.api.auth import Authenticator
 from motet.api.batches.lines import Line, error_line, response_line
-from motet.api.batches.runner import BatchGate, LowPriority
+from motet.api.batches.runner import BatchGate, KeyedTenants, LowPriority
 from motet.api.batches.store import BatchStore
 from motet.api.files.store import FileQuotaExceeded, FileStore, FileTooLarge
 from tests.live_server import ROOT, Server, keys_file
@@ -33,12 +36,21 @@ MODEL = "tiny"
 KEYS = {"sk-ops": {"admin": True}, "sk-alice": "alice", "sk-bob": "bob"}  # an admin key speaks for no tenant
 MAX_FILE_BYTES = 400_000
 TERMINAL = ("completed", "failed", "cancelled", "expired")
+RPM, TPM = 3, 200  # the limited tenant's interactive limits: far below what its 12-line batch uses
+SERVER_KEYS = {  # the module's server: a tenant with limits, and 10,000 keys in all
+    **KEYS,
+    "sk-limited": {"tenant": "limited", "limits": {"requests_per_minute": RPM, "tokens_per_minute": TPM,
+                                                   "max_concurrent_requests": 1}},
+    "sk-carol": "carol",
+    **{f"sk-filler-{i:05d}": f"filler-{i}" for i in range(10_000)},
+    "sk-dave": "dave",  # the last key
+}  # fmt: skip
 
 
-def start(tiny_model_dir, tmp: Path, data: str, *extra: str) -> Server:
+def start(tiny_model_dir, tmp: Path, data: str, *extra: str, keys: dict = KEYS) -> Server:
     return Server(
         tmp,
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", keys_file(tmp, KEYS),
+        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", keys_file(tmp, keys),
         "--data-dir", str(tmp / data), "--threads", "1", "--max-model-len", "1024", "--max-num-seqs", "8",
         "--files-max-bytes", str(MAX_FILE_BYTES), *extra,
         start_timeout=180,
@@ -47,7 +59,8 @@ def start(tiny_model_dir, tmp: Path, data: str, *extra: str) -> Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    srv = start(tiny_model_dir, tmp_path_factory.mktemp("batches"), "data", "--batch-max-in-flight", "8")
+    srv = start(tiny_model_dir, tmp_path_factory.mktemp("batches"), "data", "--batch-max-in-flight", "8",
+                keys=SERVER_KEYS)  # fmt: skip
     yield srv
     srv.stop()
 
@@ -333,6 +346,89 @@ def test_other_endpoints_in_batches(server):
         (out,) = read_lines(alice, done.output_file_id)
         kind.model_validate(out["response"]["body"])
         assert done.usage.output_tokens == 4
+
+
+# -- a batch's tenant ---------------------------------------------------------------------------------------------
+def create(client: openai.OpenAI, lines: list) -> object:
+    return client.batches.create(
+        input_file_id=upload(client, jsonl(lines)).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+
+
+def test_batch_lines_run_outside_the_tenants_interactive_limits(server):
+    """docs/api/batches.md and docs/tenants.md: Batch API lines are not counted against the tenant's
+    requests, tokens or concurrency per minute. Before, 12 lines against 3 requests a minute waited on 429s
+    for minutes, and took the tenant's interactive allowance."""
+    limited = sdk(server, "sk-limited")
+    batch, _ = wait(limited, create(limited, [chat_line(f"r{i}", i) for i in range(12)]).id, timeout=60)
+    assert batch.status == "completed" and batch.request_counts.completed == 12
+    # the tenant's interactive allowance is whole: the batch took none of its requests or tokens
+    raw = limited.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert raw.http_response.status_code == 200
+    assert raw.headers["x-ratelimit-remaining-requests"] == str(RPM - 1)
+    assert raw.headers["x-ratelimit-remaining-tokens"] == str(TPM)
+
+
+def test_a_key_rotated_by_sighup_mid_batch_leaves_every_line_answered(server):
+    """The operator replaces carol's key in the keys file and sends SIGHUP while her batch runs: every line
+    is still answered as hers (before, the lines sent after the reload were answered 401)."""
+    carol = sdk(server, "sk-carol")
+    batch = create(carol, [chat_line(f"r{i}", i, max_tokens=48, ignore_eos=True) for i in range(24)])
+    running, _ = wait(carol, batch.id, until=lambda b: b.request_counts.completed >= 1)
+    assert running.status == "in_progress" and running.request_counts.completed < 24  # mid-batch
+    rotated = {k: v for k, v in SERVER_KEYS.items() if k != "sk-carol"} | {"sk-carol-2": "carol"}
+    (server.log_path.parent / "keys.json").write_text(json.dumps(rotated))
+    server.proc.send_signal(signal.SIGHUP)
+    carol = sdk(server, "sk-carol-2")  # the batch is the tenant's: read with its new key
+    deadline = time.monotonic() + 30
+    while True:  # the reload is done when the new key is known
+        try:
+            carol.batches.retrieve(batch.id)
+            break
+        except openai.AuthenticationError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    with pytest.raises(openai.AuthenticationError):
+        sdk(server, "sk-carol").batches.retrieve(batch.id)  # the old key is gone
+    batch, _ = wait(carol, batch.id)
+    assert batch.status == "completed"
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (24, 0)
+    outputs = read_lines(carol, batch.output_file_id)
+    assert sorted(o["custom_id"] for o in outputs) == sorted(f"r{i}" for i in range(24))
+    assert all(o["response"]["status_code"] == 200 for o in outputs)
+
+
+def test_health_stays_fast_while_a_batch_runs_beside_10000_keys(server):
+    """Before, the runner found a key of the batch's tenant by authenticating each key in turn (each a pass
+    over all keys): for the last of 10,000 keys, 10^8 comparisons on the event loop, /health stalled ~25 s."""
+    dave = sdk(server, "sk-dave")
+    batch = create(dave, [chat_line("one", 1)])
+    worst = 0.0
+    with httpx.Client(timeout=120) as http:
+        while True:
+            started = time.perf_counter()
+            assert http.get(f"{server.url}/health").status_code == 200
+            worst = max(worst, time.perf_counter() - started)
+            batch = dave.batches.retrieve(batch.id)
+            if batch.status in TERMINAL:
+                break
+            time.sleep(0.02)
+    assert batch.status == "completed" and batch.request_counts.completed == 1
+    assert worst < 2.0, f"/health took {worst:.1f} s while the batch ran"
+
+
+def test_a_tenant_whose_keys_were_all_removed_gets_no_more_lines_run():
+    """A rotation keeps the tenant; removing every key of it does not (its lines are answered 401)."""
+    keyed = KeyedTenants()
+    auth = Authenticator({"sk-a": "alice", "sk-ops": {"admin": True}})
+    assert keyed.has_key(auth, "alice") and not keyed.has_key(auth, "bob")
+    assert keyed.has_key(Authenticator({"sk-a2": "alice"}), "alice")
+    assert not keyed.has_key(Authenticator({"sk-b": "bob"}), "alice")
+    assert keyed.has_key(Authenticator(), "default")  # auth off
 
 
 def test_live_requests_go_before_batch_lines(tiny_model_dir, tmp_path):

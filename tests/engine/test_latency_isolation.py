@@ -256,8 +256,12 @@ def test_batch_work_is_marked_from_the_keys_file_the_flex_tier_and_batch_lines(t
     def batch_line_scope(app):  # what the batch runner's in-process calls carry
         async def wrapped(scope, receive, send):
             if scope["type"] == "http" and scope["path"].endswith("/batch-line"):
-                scope = {**scope, "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-                         BATCH_SCOPE_KEY: True}  # fmt: skip
+                scope = {
+                    **scope,
+                    "path": "/v1/chat/completions",
+                    "raw_path": b"/v1/chat/completions",
+                    BATCH_SCOPE_KEY: "live",
+                }  # fmt: skip  (a batch line names its batch's tenant)
             await app(scope, receive, send)
 
         return wrapped

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from motet.api.errors import APIError, echo
+from motet.api.errors import MESSAGE_CHARS, APIError, echo, shorten
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_LINES = 50_000  # requests in one batch, as OpenAI's
@@ -50,7 +50,7 @@ def parse_lines(raw: Iterable[bytes], endpoint: str | None = None) -> Iterator[L
             if line.custom_id in seen:
                 line.error = (
                     "duplicate_custom_id",
-                    f"line {number}: custom_id {line.custom_id!r} is already used by line {seen[line.custom_id]}; "
+                    f"line {number}: custom_id {echo(line.custom_id)} is already used by line {seen[line.custom_id]}; "
                     "each request of a batch needs its own",
                 )
             else:
@@ -161,11 +161,13 @@ def response_line(custom_id: str | None, status: int, body) -> dict:
 
 
 def error_line(custom_id: str | None, code: str, message: str) -> dict:
+    """A line answered without a response; its message is bounded as an APIError's (it counts against the
+    tenant's files quota, and may quote what the line held)."""
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
         "custom_id": custom_id,
         "response": None,
-        "error": {"code": code, "message": message},
+        "error": {"code": code, "message": shorten(message, MESSAGE_CHARS)},
     }
 
 

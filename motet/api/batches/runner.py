@@ -1,7 +1,10 @@
 """The batch runner: the lines of every unfinished batch, sent through the server's own routes at low priority.
 
-Each line is a request to the app itself (an in-process ASGI call on the batch's endpoint, as the batch's
-tenant): the same validation, the same serving path, the same answers as over HTTP. A line is answered once
+Each line is a request to the app itself (an in-process ASGI call on the batch's endpoint): the same
+validation, the same serving path, the same answers as over HTTP. It runs as the tenant that created the batch,
+named in its ASGI scope (BATCH_SCOPE_KEY), not by a key: a key rotated while the batch runs (SIGHUP) changes
+nothing, no line looks through the keys, and the tenant's interactive limits (motet/api/rate_limits.py) do not
+count it (batches have their own bounds: `LowPriority` and the tenant's files quota). A line is answered once
 (motet/api/batches/store.py records the answer before counting it); a line that was running when the server
 stopped has no answer and is sent again after the restart. A busy or starting server (429, 503, 507) is not
 the line's fault: the line is sent again after the Retry-After the server gave.
@@ -10,11 +13,14 @@ Batches take only the capacity live traffic leaves: `LowPriority` (the one sched
 only while nothing waits (no live request queued or admitted but not running) and at most `max_in_flight`
 lines run at once, and `BatchGate` gives the waiting batches turns (round robin), so one tenant's large batch
 does not hold back another's. While the server drains (SIGTERM) no line is sent.
+
+What a batch keeps counts against the tenant's files quota (motet/api/batches/store.py): a batch whose next
+answer would pass it stops there (`failed`, `quota_exceeded` in its errors; the answers recorded
+before are in its files), so its output and error files never take the tenant past its quota.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -30,6 +36,7 @@ import anyio.to_thread
 from anyio.abc import TaskGroup
 
 from motet.actors.system import Stats
+from motet.api.auth import DEFAULT_TENANT, Authenticator
 from motet.api.batches.lines import (
     CANCELLED,
     EXPIRED,
@@ -39,7 +46,7 @@ from motet.api.batches.lines import (
     refusal,
     response_line,
 )
-from motet.api.batches.store import BatchStore, PendingLine
+from motet.api.batches.store import BatchStore, OverQuota, PendingLine
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
 from motet.api.storage_errors import StorageFailure
@@ -99,17 +106,14 @@ class BatchGate:
 
 
 # -- one line through the app ---------------------------------------------------------------------------------
-async def call_route(
-    app, path: str, body: bytes, authorization: str | None
-) -> tuple[int, dict[str, str], bytes]:
-    """POST `body` to `path` of the ASGI app, in process: (status, headers, body)."""
+async def call_route(app, path: str, body: bytes, tenant: str) -> tuple[int, dict[str, str], bytes]:
+    """POST `body` to `path` of the ASGI app, in process, as a batch line of `tenant`: (status, headers, body).
+    The scope names the tenant (an HTTP request cannot set a scope key), so the line carries no API key."""
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if authorization is not None:
-        headers.append((b"authorization", authorization.encode()))
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
         "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": headers,
-        "client": ("127.0.0.1", 0), "server": ("motet-batch", 0), BATCH_SCOPE_KEY: True,
+        "client": ("127.0.0.1", 0), "server": ("motet-batch", 0), BATCH_SCOPE_KEY: tenant,
     }  # fmt: skip
     sent = False
 
@@ -134,11 +138,14 @@ async def call_route(
     return status, out_headers, b"".join(chunks)
 
 
-async def answer(app, url: str, custom_id: str | None, body: dict, authorization: str | None) -> dict | float:
-    """A line's answer (an output or error line), or, when the server is busy, how long to wait to retry."""
+async def answer(
+    app, url: str, custom_id: str | None, body: dict, tenant: str = DEFAULT_TENANT
+) -> dict | float:
+    """A line's answer (an output or error line) run as `tenant`, or, when the server is busy, how long to wait
+    to retry."""
     if (refused := refusal(body)) is not None:
         return response_line(custom_id, refused.status, refused.body())
-    status, headers, content = await call_route(app, url, json.dumps(body).encode(), authorization)
+    status, headers, content = await call_route(app, url, json.dumps(body).encode(), tenant)
     if status in RETRIED_STATUSES:
         try:
             return max(RETRY_AFTER_DEFAULT_S, float(headers.get("retry-after", RETRY_AFTER_DEFAULT_S)))
@@ -152,17 +159,28 @@ async def answer(app, url: str, custom_id: str | None, body: dict, authorization
     return response_line(custom_id, status, payload)
 
 
-def authorization_for(state, tenant: str) -> str | None:
-    """The Authorization header a request of `tenant` carries (one of its keys, as the authenticator reads
-    it); None: auth is off."""
-    if not state.auth.enabled:
-        return None
-    for key in state.auth.keys:
-        header = f"Bearer {key}"
-        with contextlib.suppress(APIError):  # an admin-only key speaks for no tenant
-            if state.auth.tenant(header) == tenant:
-                return header
-    return "Bearer -"  # the tenant has no key any more: its lines are answered 401
+class KeyedTenants:
+    """Whether a batch's tenant still has an API key: a batch runs as its tenant through key rotations, but
+    the lines of a tenant whose keys were all removed are answered 401. The tenants are read once per keys
+    file the server loads (SIGHUP swaps `state.auth`), never per line."""
+
+    def __init__(self):
+        self._auth: Authenticator | None = None
+        self._tenants: frozenset[str] = frozenset()
+
+    def has_key(self, auth: Authenticator, tenant: str) -> bool:
+        if not auth.enabled:  # auth off: every request is the default tenant's
+            return True
+        if auth is not self._auth:
+            tenants = frozenset(p.tenant for p in auth.keys.values() if p.tenant is not None)
+            self._auth, self._tenants = auth, tenants
+        return tenant in self._tenants
+
+
+def _no_key(custom_id: str | None) -> dict:
+    error = APIError(401, "the batch's tenant has no API key any more (the keys file was reloaded without one)",
+                     code="invalid_api_key")  # fmt: skip
+    return response_line(custom_id, error.status, error.body())
 
 
 def result_file_id(batch_id: str, kind: str) -> str:
@@ -195,6 +213,7 @@ class BatchRunner:
         self._tg: TaskGroup | None = None
         self._drivers: set[str] = set()
         self._lines: dict[str, anyio.CancelScope] = {}  # batch id -> the scope its running lines live in
+        self._keyed = KeyedTenants()
 
     async def run(self, app) -> None:
         """Run every unfinished batch, and those created later, until cancelled (the app's lifespan)."""
@@ -239,10 +258,11 @@ class BatchRunner:
                         await self._validate(batch_id)
                     elif status == "in_progress":
                         await self._run_lines(batch_id)
-                    elif status == "finalizing":
-                        await self._finish(batch_id, "completed")
+                    elif status == "finalizing":  # stopped early (over the quota): failed
+                        stopped = await _thread(self.store.stopped, batch_id)
+                        await self._finish(batch_id, "failed" if stopped else "completed")
                     elif status == "cancelling":
-                        await _thread(self.store.answer_rest, batch_id, *CANCELLED)
+                        await self._answer_rest(batch_id, *CANCELLED)
                         await self._finish(batch_id, "cancelled")
                     else:
                         return
@@ -275,21 +295,21 @@ class BatchRunner:
         tenant, file_id, endpoint = await _thread(self.store.input_of, batch_id)
         stored = await _thread(self.files.get, tenant, file_id)
 
-        def load() -> str | None:
+        def load() -> tuple[str, str] | None:
             if stored is None:
-                return f"the input file {file_id!r} was deleted before the batch read it"
+                return "invalid_file", f"the input file {file_id!r} was deleted before the batch read it"
             with self.files.open(stored) as f:
-                return self.store.load(batch_id, parse_lines(f, endpoint), MAX_LINES)
+                return self.store.load(batch_id, parse_lines(f, endpoint), MAX_LINES, self._room(tenant))
 
-        if (why := await _thread(load)) is not None:
-            error = {"code": "invalid_file", "message": why, "param": "input_file_id", "line": None}
+        if (refused := await _thread(load)) is not None:
+            code, why = refused
+            error = {"code": code, "message": why, "param": "input_file_id", "line": None}
             await _thread(self.store.fail, batch_id, [error])
 
     async def _run_lines(self, batch_id: str) -> None:
         """Send the batch's unanswered lines, until all are answered, it is cancelled or it expires."""
         tenant, _, _ = await _thread(self.store.input_of, batch_id)
         batch = await _thread(self.store.get, tenant, batch_id)
-        auth = authorization_for(self._app.state.motet, tenant)
         in_flight: set[int] = set()
         retry: deque[PendingLine] = deque()
         with anyio.move_on_after(max(0.0, batch["expires_at"] - time.time())) as window:
@@ -313,25 +333,61 @@ class BatchRunner:
                             continue
                         await self.gate.acquire()
                         in_flight.add(line.line)
-                        lines.start_soon(self._line, line, tenant, auth, in_flight, retry)
+                        lines.start_soon(self._line, line, tenant, in_flight, retry)
             finally:
                 self._lines.pop(batch_id, None)
         if window.cancelled_caught:
-            await _thread(self.store.answer_rest, batch_id, *EXPIRED)
+            await self._answer_rest(batch_id, *EXPIRED)
             await self._finish(batch_id, "expired")
         elif await _thread(self.store.unanswered, batch_id) == 0:
             await _thread(self.store.advance, batch_id, "in_progress", "finalizing")
-        # else cancelled: the drive loop reads `cancelling` and answers the rest
+        # else cancelled (the drive loop reads `cancelling` and answers the rest) or stopped over the quota
+        # (it reads `finalizing`)
 
     def _record(self, line: PendingLine, tenant: str, result: dict) -> None:
-        """The answer, within what the tenant may still write (its batches' answers count as its files)."""
-        room = self.files.max_bytes_per_tenant - self.files.usage(tenant)
-        self.store.record(line.batch, line.line, result, room)
+        """The answer, within what the tenant may still write (OverQuota: it does not fit)."""
+        self.store.record(line.batch, line.line, result, self._room(tenant))
 
-    async def _line(self, line: PendingLine, tenant: str, auth, in_flight: set[int], retry: deque) -> None:
+    def _room(self, tenant: str) -> int:
+        """The bytes the tenant's batches may still write: its files quota less its files (the store takes its
+        unfinished batches' answers off too)."""
+        return self.files.max_bytes_per_tenant - self.files.usage(tenant)
+
+    async def _answer_rest(self, batch_id: str, code: str, message: str) -> None:
+        """Answer the lines that never ran (cancelled, expired) as far as the tenant's quota lets; the batch's
+        errors say how many were left without an answer."""
+
+        def run() -> None:
+            tenant, _, _ = self.store.input_of(batch_id)
+            if left := self.store.answer_rest(batch_id, code, message, self._room(tenant)):
+                why = (
+                    f"{left} lines that never ran are in neither file: their {code} answers would take the "
+                    "tenant's files past the server's limit per tenant (--files-max-bytes-per-tenant)"
+                )
+                self.store.add_error(
+                    batch_id, {"code": "quota_exceeded", "message": why, "param": None, "line": None}
+                )
+
+        await _thread(run)
+
+    async def _stop(self, line: PendingLine, why: str) -> None:
+        """The line's answer does not fit in the tenant's quota: the batch stops here (its other running lines
+        are stopped unanswered) and ends failed, its answers so far in its files."""
+        message = (
+            f"the batch stopped at line {line.line} (the lines answered before it are in its files): {why}"
+        )
+        error = {"code": "quota_exceeded", "message": message, "param": None, "line": line.line}
+        if await _thread(self.store.stop, line.batch, error):
+            log.info("batch %s stopped at line %d: over its tenant's files quota", line.batch, line.line)
+            self.cancel(line.batch)
+
+    async def _line(self, line: PendingLine, tenant: str, in_flight: set[int], retry: deque) -> None:
         try:
             try:
-                result = await answer(self._app, line.url, line.custom_id, line.body, auth)
+                if self._keyed.has_key(self._app.state.motet.auth, tenant):
+                    result = await answer(self._app, line.url, line.custom_id, line.body, tenant)
+                else:
+                    result = _no_key(line.custom_id)
             except Exception as e:  # a bug in a route: this line's answer, not the batch's end
                 log.exception("batch %s line %d failed", line.batch, line.line)
                 body = {"error": {"message": f"internal server error: {type(e).__name__}", "type": "server_error",
@@ -340,6 +396,9 @@ class BatchRunner:
             if not isinstance(result, float):
                 try:
                     await _thread(self._record, line, tenant, result)
+                    return
+                except OverQuota as e:
+                    await self._stop(line, str(e))
                     return
                 except StorageFailure as e:
                     log.warning(

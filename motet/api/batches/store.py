@@ -10,6 +10,11 @@ lines without a result.
 Status, as OpenAI's: validating -> in_progress -> finalizing -> completed; failed (the file as a whole is
 unusable); cancelling -> cancelled; expired (the completion window passed). A finished batch keeps its
 row; its answered lines live on in its output and error files (motet/api/files/store.py) and leave the table.
+
+What an unfinished batch holds counts against its tenant's files quota (`pending_bytes`, which the file store
+counts as the tenant's): its copy of the requests not answered yet and its answers, each as its file will
+hold it. A batch whose copy and refused lines' answers do not fit is refused whole when it is loaded, and an
+answer that does not fit is not recorded (OverQuota: the runner stops the batch).
 """
 
 from __future__ import annotations
@@ -75,7 +80,20 @@ _COLUMNS = ("id", "tenant", "endpoint", "input_file_id", "completion_window", "m
 
 
 class _FileRefused(Exception):
-    """The input file as a whole cannot be run (the message says why)."""
+    """The input file as a whole cannot be run: (code, message)."""
+
+
+class OverQuota(Exception):
+    """An answer that does not fit in what its tenant may still write (the message says so, for the batch's
+    `errors`)."""
+
+
+def quota_message(what: str, size: int, room: int) -> str:
+    return (
+        f"{what} ({size} bytes) would take the tenant's files past the server's limit per tenant "
+        f"(--files-max-bytes-per-tenant; {max(room, 0)} bytes are left): delete files (DELETE /v1/files/{{id}}) or "
+        "ask for less (fewer lines, max_tokens, n, logprobs)"
+    )
 
 
 @dataclass
@@ -117,12 +135,21 @@ def _object(row: tuple) -> dict:
     }
 
 
+def _size(result: dict) -> int:
+    """The bytes an answered line takes in its file (the line and its newline)."""
+    return len(compact(result).encode()) + 1
+
+
 class BatchStore(SQLiteStore):
     def __init__(self, data_dir: str | Path):
         super().__init__(Path(data_dir) / FILENAME, _SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(batches)")}
-        if "result_bytes" not in columns:  # a store written before answers counted against the quota
-            self._db.execute("ALTER TABLE batches ADD COLUMN result_bytes INTEGER NOT NULL DEFAULT 0")
+        for column in (
+            "result_bytes",
+            "request_bytes",
+        ):  # a store written before they counted against the quota
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE batches ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
 
     # -- the API's side ---------------------------------------------------------------------------------------
     def create(
@@ -177,15 +204,19 @@ class BatchStore(SQLiteStore):
                 "SELECT tenant, input_file_id, endpoint FROM batches WHERE id = ?", (batch_id,)
             ).fetchone()
 
-    def load(self, batch_id: str, lines: Iterable[Line], max_lines: int) -> str | None:
+    def load(
+        self, batch_id: str, lines: Iterable[Line], max_lines: int, room: int | None = None
+    ) -> tuple[str, str] | None:
         """Copy a validated file's lines in, answer the refused ones, and start the batch (validating ->
         in_progress). All or nothing: a crash leaves the batch validating, to be loaded again. None, or why
-        the file as a whole is refused (then nothing is kept)."""
+        the file as a whole is refused, as (code, message) (then nothing is kept). `room`: the bytes the
+        batch's tenant may still write (as `record` reads it); the batch's copy of its requests and its
+        refused lines' answers must fit in it."""
         try:
             with self._write():
-                self._load(batch_id, lines, max_lines)
+                self._load(batch_id, lines, max_lines, room)
         except _FileRefused as e:
-            return str(e)
+            return e.args
         return None
 
     def pending(self, batch_id: str, after_line: int, limit: int = _CHUNK) -> list[PendingLine]:
@@ -206,36 +237,56 @@ class BatchStore(SQLiteStore):
 
     def record(self, batch_id: str, line: int, result: dict, room: int | None = None) -> bool:
         """Answer a line, once: False if it already had an answer (nothing changes then). `room`: the bytes
-        the batch's tenant may still write (its files quota less its files); an answer that would take the
-        tenant's unfinished batches' answers past it is recorded as a `quota_exceeded` error instead, so no
-        batch writes more than its tenant's quota."""
+        the batch's tenant may still write (its files quota less its files); an answer that would take what
+        the tenant's unfinished batches hold (`pending_bytes`) past it is not recorded (OverQuota: the batch
+        stops), so no batch writes more than its tenant's quota."""
         with self._write():
-            if room is not None:
-                (tenant,) = self._db.execute(
-                    "SELECT tenant FROM batches WHERE id = ?", (batch_id,)
-                ).fetchone()
-                if self._pending_bytes(tenant) + len(compact(result).encode()) + 1 > room:
-                    custom_id = result.get("custom_id")
-                    result = error_line(
-                        custom_id,
-                        "quota_exceeded",
-                        "this answer would take the tenant's files past the server's limit per tenant "
-                        "(--files-max-bytes-per-tenant); delete files (DELETE /v1/files/{id}) or ask for less "
-                        "(max_tokens, n, logprobs)",
-                    )
-            return self._record(batch_id, line, result)
+            return self._record(batch_id, line, result, room)
+
+    def stop(self, batch_id: str, error: dict) -> bool:
+        """End a running batch early (in_progress -> finalizing, `error` in its errors): its answered lines
+        are written to its files, the others are not run; it ends `failed`. False if it was no longer
+        running (a cancel came first)."""
+        with self._write():
+            status = self._db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()[0]
+            if status != "in_progress":
+                return False
+            self._db.execute("UPDATE batches SET errors = ? WHERE id = ?", (json.dumps([error]), batch_id))
+            self._set_status(batch_id, "finalizing")
+            return True
+
+    def add_error(self, batch_id: str, error: dict) -> None:
+        with self._write():
+            (errors,) = self._db.execute("SELECT errors FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            errors = [*json.loads(errors or "[]"), error]
+            self._db.execute("UPDATE batches SET errors = ? WHERE id = ?", (json.dumps(errors), batch_id))
+
+    def stopped(self, batch_id: str) -> bool:
+        """Whether the batch was stopped early (`stop`): it ends failed, not completed."""
+        with self._read():
+            row = self._db.execute("SELECT errors FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return row[0] is not None
 
     def pending_bytes(self, tenant: str) -> int:
-        """The bytes of answers the tenant's unfinished batches hold (their files are not written yet)."""
+        """The bytes the tenant's unfinished batches hold: their answers (their files are not written yet) and
+        their copies of the requests not answered yet."""
         with self._read():
             return self._pending_bytes(tenant)
 
-    def answer_rest(self, batch_id: str, code: str, message: str) -> None:
-        """Answer every unanswered line with an error (the batch was cancelled, or expired)."""
-        while rows := self.pending(batch_id, 0):
+    def answer_rest(self, batch_id: str, code: str, message: str, room: int | None = None) -> int:
+        """Answer the unanswered lines with an error (the batch was cancelled, or expired), in file order, as
+        far as they fit in `room` (as `record` reads it); the number of lines left without an answer."""
+        after, full = 0, False
+        while not full and (rows := self.pending(batch_id, after)):
             with self._write():
                 for row in rows:
-                    self._record(batch_id, row.line, error_line(row.custom_id, code, message))
+                    try:
+                        self._record(batch_id, row.line, error_line(row.custom_id, code, message), room)
+                    except OverQuota:  # the lines answered so far stay answered
+                        full = True
+                        break
+                    after = row.line
+        return self.unanswered(batch_id) if full else 0
 
     def results(self, batch_id: str, ok: bool) -> Iterator[bytes]:
         """The answered lines of the output (ok) or the error file, in file order, as JSONL."""
@@ -289,69 +340,95 @@ class BatchStore(SQLiteStore):
             self._db.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
 
     # -- under the lock -----------------------------------------------------------------------------------------
-    def _load(self, batch_id: str, lines: Iterable[Line], max_lines: int) -> None:
+    def _load(self, batch_id: str, lines: Iterable[Line], max_lines: int, room: int | None) -> None:
         self._db.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
-        total = failed = 0
-        model = None
+        self._db.execute("UPDATE batches SET result_bytes = 0, request_bytes = 0 WHERE id = ?", (batch_id,))
+        if room is not None:
+            room -= self._pending_bytes(self._tenant(batch_id))
+        total = failed = written = copied = 0
+        model = first_refused = None
         for line in lines:
             total += 1
             if total > max_lines:
-                raise _FileRefused(f"the file has more than {max_lines} requests, the most a batch may hold")
+                raise _FileRefused(
+                    "invalid_file", f"the file has more than {max_lines} requests, the most a batch may hold"
+                )
             if line.error is not None:
                 failed += 1
+                result = error_line(line.custom_id, *line.error)
+                written += _size(result)
+                first_refused = first_refused or line.error[1]
                 self._db.execute(
                     "INSERT INTO batch_lines (batch, line, custom_id, result, ok) VALUES (?, ?, ?, ?, 0)",
-                    (batch_id, line.number, line.custom_id, compact(error_line(line.custom_id, *line.error))),
+                    (batch_id, line.number, line.custom_id, compact(result)),
                 )
-                continue
-            if model is None and isinstance(line.body.get("model"), str):
-                model = line.body["model"]
-            self._db.execute(
-                "INSERT INTO batch_lines (batch, line, custom_id, url, request) VALUES (?, ?, ?, ?, ?)",
-                (batch_id, line.number, line.custom_id, line.url, json.dumps(line.body)),
-            )
+            else:
+                if model is None and isinstance(line.body.get("model"), str):
+                    model = line.body["model"]
+                request = json.dumps(line.body)  # ASCII: its length is its bytes
+                copied += len(request)
+                self._db.execute(
+                    "INSERT INTO batch_lines (batch, line, custom_id, url, request) VALUES (?, ?, ?, ?, ?)",
+                    (batch_id, line.number, line.custom_id, line.url, request),
+                )
+            if room is not None and written + copied > room:  # nothing the batch keeps may pass the quota
+                what = "the copy of its requests it keeps until they are answered, and its refused lines' answers"
+                if first_refused:
+                    what += f" (the first refused: {first_refused})"
+                raise _FileRefused(
+                    "quota_exceeded", quota_message(what, written + copied, room) + "; nothing ran"
+                )
         if total == 0:
-            raise _FileRefused("the file holds no requests")
+            raise _FileRefused("invalid_file", "the file holds no requests")
         self._db.execute(
-            "UPDATE batches SET total = ?, failed = ?, completed = 0, model = ? WHERE id = ?",
-            (total, failed, model, batch_id),
+            "UPDATE batches SET total = ?, failed = ?, completed = 0, model = ?, result_bytes = ?, request_bytes = ?"
+            " WHERE id = ?",
+            (total, failed, model, written, copied, batch_id),
         )
         self._db.execute(
             "UPDATE batches SET status = 'in_progress', in_progress_at = ? WHERE id = ? AND status = 'validating'",
             (int(time.time()), batch_id),
         )
 
+    def _tenant(self, batch_id: str) -> str:
+        return self._db.execute("SELECT tenant FROM batches WHERE id = ?", (batch_id,)).fetchone()[0]
+
     def _pending_bytes(self, tenant: str) -> int:
         marks = ", ".join("?" * len(UNFINISHED))
         return self._db.execute(
-            f"SELECT COALESCE(SUM(result_bytes), 0) FROM batches WHERE tenant = ? AND status IN ({marks})",
+            f"SELECT COALESCE(SUM(result_bytes + request_bytes), 0) FROM batches WHERE tenant = ? AND status IN ({marks})",
             (tenant, *UNFINISHED),
         ).fetchone()[0]
 
-    def _record(self, batch_id: str, line: int, result: dict) -> bool:
+    def _record(self, batch_id: str, line: int, result: dict, room: int | None = None) -> bool:
+        """The answer in place of the line's request (`record`)."""
+        row = self._db.execute(
+            "SELECT length(request) FROM batch_lines WHERE batch = ? AND line = ? AND result IS NULL",
+            (batch_id, line),
+        ).fetchone()
+        if row is None:
+            return False
+        freed, size = row[0] or 0, _size(result)
+        if room is not None:
+            room -= self._pending_bytes(self._tenant(batch_id))
+            if size - freed > room:
+                raise OverQuota(quota_message("its answer", size, room + freed))
         ok = succeeded(result)
         usage = Usage.of(result)
-        text = compact(result)
-        done = self._db.execute(
-            "UPDATE batch_lines SET result = ?, ok = ?, request = NULL WHERE batch = ? AND line = ? AND result IS NULL",
-            (text, int(ok), batch_id, line),
-        ).rowcount
-        if done:
-            counter = "completed" if ok else "failed"
-            self._db.execute(
-                f"UPDATE batches SET {counter} = {counter} + 1, input_tokens = input_tokens + ?,"
-                " cached_tokens = cached_tokens + ?, output_tokens = output_tokens + ?,"
-                " reasoning_tokens = reasoning_tokens + ?, result_bytes = result_bytes + ? WHERE id = ?",
-                (
-                    usage.input_tokens,
-                    usage.cached_tokens,
-                    usage.output_tokens,
-                    usage.reasoning_tokens,
-                    len(text.encode()) + 1,  # the line and its newline, as the file will hold it
-                    batch_id,
-                ),
-            )
-        return bool(done)
+        self._db.execute(
+            "UPDATE batch_lines SET result = ?, ok = ?, request = NULL WHERE batch = ? AND line = ?",
+            (compact(result), int(ok), batch_id, line),
+        )
+        counter = "completed" if ok else "failed"
+        self._db.execute(
+            f"UPDATE batches SET {counter} = {counter} + 1, input_tokens = input_tokens + ?,"
+            " cached_tokens = cached_tokens + ?, output_tokens = output_tokens + ?,"
+            " reasoning_tokens = reasoning_tokens + ?, result_bytes = result_bytes + ?,"
+            " request_bytes = MAX(request_bytes - ?, 0) WHERE id = ?",
+            (usage.input_tokens, usage.cached_tokens, usage.output_tokens, usage.reasoning_tokens, size, freed,
+             batch_id),
+        )  # fmt: skip
+        return True
 
     def _get(self, tenant: str, batch_id: str) -> dict | None:
         row = self._db.execute(

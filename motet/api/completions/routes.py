@@ -23,6 +23,7 @@ from motet.actors.reply import merge_streams
 from motet.actors.serving_errors import ServingError
 from motet.api import tracing
 from motet.api import usage as usage_records
+from motet.api.auth import Principal
 from motet.api.completions import protocol as P
 from motet.api.completions.chat_output import ChatOutput
 from motet.api.completions.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
@@ -139,13 +140,19 @@ async def accept_request(request: Request, model):
     """What every generation route does first: readiness, auth, body validation, model -> adapter."""
     state: ServerState = request.app.state.motet
     state.check_ready()
-    caller = state.auth.caller(request.headers.get("authorization"))
+    # A Batch API line runs as its batch's tenant, named in its scope (motet/api/batches/runner.py), not by a key
+    batch_tenant = request.scope.get(usage_records.BATCH_SCOPE_KEY)
+    caller = (
+        Principal(batch_tenant)
+        if batch_tenant is not None
+        else state.auth.caller(request.headers.get("authorization"))
+    )
     tenant = caller.tenant
     context = {P.TRUST_REQUEST_CHAT_TEMPLATE: state.trust_request_chat_template}
     req = model.model_validate(await read_json(request, state.max_body_bytes), context=context)
     adapter = await state.resolve_adapter(tenant, req.model)
     served = req.model if adapter is not None else state.model_name  # an alias counts as the model
-    batch_line = request.scope.get(usage_records.BATCH_SCOPE_KEY, False)
+    batch_line = batch_tenant is not None
     # Batch work yields to interactive requests (motet/engine/latency.py): the Batch API's lines, a tenant of the
     # batch class, a request for the flex tier.
     background.set(batch_line or caller.background or req.service_tier == "flex")

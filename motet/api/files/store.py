@@ -7,10 +7,10 @@ with no row (a crash between the two) are removed when the store opens. Every re
 to the tenant: another tenant's file reads as missing.
 
 Limits: a file may hold at most `max_file_bytes` (a larger upload is refused while it is read), and a
-tenant's files together `max_bytes_per_tenant` (an upload past it is refused). A running batch's answers
-count toward its tenant's total as they are recorded (`reserved`; an answer past the limit is recorded as a
-`quota_exceeded` error instead: motet/api/batches/store.py), so the output and error files written at its end,
-never refused (the batch's results must not be lost), stay within it.
+tenant's files together `max_bytes_per_tenant` (an upload past it is refused). A running batch's answers,
+error lines included, count toward its tenant's total as they are recorded (`reserved`; an answer past the
+limit is not recorded and the batch stops: motet/api/batches/store.py), so the output and error files written
+at its end, never refused (the batch's results must not be lost), stay within it.
 """
 
 from __future__ import annotations
