@@ -16,13 +16,14 @@ of any size: a tenant whose limit is smaller than a request is slowed down, neve
 however it ends, it is charged what it used and the rest goes back. So a tenant's concurrent requests, `n` and
 requests without max_tokens stay within the limit. Every answer of those routes to a limited tenant carries
 OpenAI's headers: `x-ratelimit-limit-requests`, `x-ratelimit-remaining-requests`, `x-ratelimit-reset-requests`
-and the same for tokens (as of the answer's start, this request's reservation taken).
+and the same for tokens, as of the answer's start (a stream's tokens reserved, a whole answer's charged).
 
 `RateLimits` is an ASGI middleware that `motet serve` puts in front of the app (motet/api/server.py): the
 Batch API's lines call the app from inside and are not counted (OpenAI gives batches their own limits).
 The counters live in the one front process, so with Ray Serve replicas behind it (motet/cluster/) a
-tenant's limit is one limit, not one per replica. `reload` swaps the limits (after SIGHUP the server re-reads
-the keys file, on its event loop, never in the signal handler) and keeps what each tenant has used.
+tenant's limit is one limit, not one per replica. `reload` swaps the limits (after SIGHUP, when the server's loop
+has the keys file read again: never inside the signal handler, motet/api/draining.py) and keeps what each
+tenant has used.
 """
 
 from __future__ import annotations

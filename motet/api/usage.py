@@ -3,11 +3,11 @@ adapter) and minute, in `usage.sqlite3` under the data dir, so it survives resta
 `GET /v1/usage` in the shape of OpenAI's usage API (`/v1/organization/usage/completions`: buckets of
 `bucket_width` 1m/1h/1d from `start_time`, each with its results, `group_by` tenant/model/batch).
 
-A request's tenant and model are set when it is accepted (`begin`, in a context variable that its choices'
-end sees); each finished choice adds its completion tokens, the first of each prompt its prompt and cached
-tokens and the request itself (motet/api/streams.py `observe`), exactly the numbers of the `usage` the client
-gets. Counts gather in memory and are written every FLUSH_S seconds (and when the server stops, and before
-a read), never on the step's or the event loop's hot path.
+A request's tenant and model are set when it is accepted (`begin`, in a context variable that its bill sees);
+its bill (motet/api/billing.py) adds what it used when it ends, however it ends: for an answer that ends
+normally exactly the numbers of the `usage` the client gets, for a stream cut short every token generated.
+Counts gather in memory and are written every FLUSH_S seconds (and when the server stops, and before a read),
+never on the step's or the event loop's hot path.
 
 `--request-log` adds one JSON line per request to the log (`motet.requests`): tenant, model, tokens, TTFT,
 status and duration (`RequestLog`, an ASGI middleware in front of the generation routes).

@@ -63,6 +63,40 @@ def test_concurrency_and_reload_keep_what_was_used():
     assert duration(0.02) == "20ms" and duration(1) == "1s" and duration(360) == "6m0s"
 
 
+def test_reservations_settle_to_what_was_used_and_a_place_frees_when_estimated():
+    clock = Clock(100.0)
+    lim = RateLimiter({"a": TenantLimits(tpm=1000), "b": TenantLimits(max_concurrent=1)}, clock=clock)
+    first = lim.enter("a")
+    first.reserve(600)  # its prompt and n x max_tokens
+    assert lim.headers("a")["x-ratelimit-remaining-tokens"] == "400"
+    first.settle(250)  # it used less: the rest goes back
+    first.leave()
+    second = lim.enter("a")
+    with pytest.raises(APIError, match=r"may use 800 tokens .*, 750 are left") as e:
+        second.reserve(800)
+    assert e.value.headers["Retry-After"] == "3"  # 50 more tokens: 3 s at 1000 a minute
+    clock.now += 15  # the bucket is full again: a request of any size gets in (and the next waits)
+    second.reserve(5000)
+    assert lim.headers("a")["x-ratelimit-remaining-tokens"] == "0"
+    second.settle(1100)
+    second.leave()
+
+    running = lim.enter("b")
+    running.reserve(0, max_tokens=4000, progress=lambda: 1000)
+    clock.now += 10  # 1000 of its 4000 tokens in 10 s: its place frees in 30 s
+    with pytest.raises(APIError, match=r"concurrent requests \(1\)") as e:
+        lim.enter("b")
+    assert e.value.headers["Retry-After"] == "30"
+    clock.now += 90  # (it ran 100 s in all)
+    running.leave()
+    running = lim.enter("b")  # no token yet: the tenant's requests lately took 100 s, it has run 20
+    clock.now += 20
+    with pytest.raises(APIError, match="concurrent requests") as e:
+        lim.enter("b")
+    assert e.value.headers["Retry-After"] == "60"  # (80 s: a client is told 60 at most)
+    running.leave()
+
+
 KEYS = {
     "sk-alice": {"tenant": "alice", "limits": {"requests_per_minute": 3}},
     "sk-carol": {"tenant": "carol", "limits": {"max_concurrent_requests": 1}},
