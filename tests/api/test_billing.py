@@ -98,21 +98,22 @@ def test_streams_their_clients_cut_are_billed_every_token_generated(server):
             if prompt is None:
                 prompt = len(chunk.prompt_token_ids)  # (vLLM's return_token_ids: with the first chunk)
             got += sum(len(choice.token_ids) for choice in chunk.choices)
-            if got >= 150 * n:
+            if got >= 250 * n:
                 break
         stream.close()  # the client goes: the rest is never read
         read.append(got)
         prompts.append(prompt)
 
-    clients = [threading.Thread(target=cut, args=(n,)) for n in (1, 1, 2, 2)]
+    clients = [threading.Thread(target=cut, args=(n,)) for n in (1, 1, 2)]
     for t in clients:
         t.start()
     for t in clients:
         t.join(120)
     after = figures(server, "erin")
     generated, billed = after["generated"] - before["generated"], after["output"] - before["output"]
-    assert len(read) == 4 and after["requests"] - before["requests"] == 4
+    assert len(read) == 3 and after["requests"] - before["requests"] == 3
     assert sum(read) <= billed <= generated  # what the clients read, and what the engine made, at most
+    # (the engine may generate a token for a row in the step it is running when the client goes)
     assert billed >= 0.99 * generated, (billed, generated)
     assert after["input"] - before["input"] == sum(prompts)
     charged = before["left"] - after["left"]
