@@ -161,7 +161,7 @@ async def version(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus text; under --api-keys only an admin key reads it (it names every tenant's adapters)."""
     state: ServerState = request.app.state.motet
-    state.auth.check_admin(request.headers.get("authorization"))
+    state.auth.check_admin(request.headers.get("authorization"), "GET /metrics")
     if state.system.ready:
         state.metrics.refresh(state.system.stats(), state.system.engine.config.max_loras)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -5,16 +5,22 @@ Each key maps to a tenant name (`"sk-...": "tenant-a"`), or to an object naming 
 /metrics only: what Prometheus scrapes with); a tenant's keys may also say `"limits"` (motet/api/rate_limits.py)
 and `"priority_class": "batch"` (its requests are batch work, which yields to interactive requests, as the
 Batch API's lines and `service_tier: "flex"` do; "interactive" is the default). /metrics names every tenant's adapters and per-tenant
-figures, so under auth only admin keys read it; a tenant key gets 403 there.
+figures, so under auth only admin keys read it (and `GET /v1/usage`, every tenant's usage); a tenant key gets
+403 there.
+
+A request's key is found in one dictionary lookup, by its SHA-256 digest: the work per request does not grow
+with the keys (10,000 of them cost what 2 do), and a lookup's timing can only tell digests apart, which
+leaks nothing of a key. A tenant's own key, which the Batch API's lines are sent with, is one lookup too.
 """
 
 from __future__ import annotations
 
-import hmac
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from motet.api.errors import APIError
 from motet.api.rate_limits import TenantLimits
@@ -66,9 +72,32 @@ def _principal(where: str, value) -> Principal:
     )
 
 
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
 class Authenticator:
     def __init__(self, keys: dict[str, str | dict] | None = None, *, where: str = "API keys"):
-        self.keys = {key: _principal(where, value) for key, value in (keys or {}).items()}
+        self._keys: dict[str, Principal] = {}
+        self._by_digest: dict[bytes, Principal] = {}  # what a request's key is looked up in
+        self._tenant_keys: dict[str, str] = {}  # each tenant's first key
+        for key, value in (keys or {}).items():
+            self.add(key, _principal(where, value))
+
+    @property
+    def keys(self):
+        """key -> Principal, read only (`add` keeps the lookups beside it)."""
+        return MappingProxyType(self._keys)
+
+    def add(self, key: str, principal: Principal) -> None:
+        self._keys[key] = principal
+        self._by_digest[_digest(key)] = principal
+        if principal.tenant is not None:
+            self._tenant_keys.setdefault(principal.tenant, key)
+
+    def key_of(self, tenant: str) -> str | None:
+        """One of `tenant`'s keys (the first in the file); None: it has none."""
+        return self._tenant_keys.get(tenant)
 
     @classmethod
     def from_file(cls, path: str | Path | None) -> Authenticator:
@@ -95,7 +124,7 @@ class Authenticator:
             len(keys), len(tenants), len(limited), admins,
         )  # fmt: skip
         if not admins:
-            log.warning("no admin key in --api-keys: GET /metrics answers 403 to every key")
+            log.warning("no admin key in --api-keys: GET /metrics and GET /v1/usage answer 403 to every key")
         return auth
 
     def tenant_limits(self) -> dict[str, TenantLimits]:
@@ -119,13 +148,7 @@ class Authenticator:
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        found = None
-        for (
-            known,
-            principal,
-        ) in self.keys.items():  # constant-time compare, every key: no prefix leaks by timing
-            if hmac.compare_digest(known.encode(), key.strip().encode()):
-                found = principal
+        found = self._by_digest.get(_digest(key.strip()))
         if found is None:
             raise APIError(401, "invalid API key", code="invalid_api_key")
         return found
@@ -137,10 +160,20 @@ class Authenticator:
         """The principal of a tenant's key; 403 for an admin-only key."""
         principal = self.principal(authorization)
         if principal.tenant is None:
-            raise APIError(403, "this API key is an admin key: it reads /metrics only", code="admin_key")
+            raise APIError(
+                403,
+                "this API key is an admin key: it reads /metrics and /v1/usage, and makes no requests of a "
+                "tenant; use a tenant's key",
+                code="admin_key",
+            )
         return principal
 
-    def check_admin(self, authorization: str | None) -> None:
-        """401 without a valid key, 403 for a tenant's key (auth on); nothing to check with auth off."""
+    def check_admin(self, authorization: str | None, route: str) -> None:
+        """401 without a valid key, 403 naming `route` (what was asked, e.g. "GET /v1/usage") for a tenant's key
+        (auth on); nothing to check with auth off."""
         if not self.principal(authorization).admin:
-            raise APIError(403, "GET /metrics needs an admin key (see --api-keys)", code="admin_key_required")
+            raise APIError(
+                403,
+                f'{route} needs an admin key (an --api-keys entry with "admin": true); this key is a tenant\'s',
+                code="admin_key_required",
+            )

@@ -4,6 +4,11 @@ The first SIGTERM does not close the listening socket: new requests get 503 (the
 `state.draining`) while the ones in flight finish, up to `drain_timeout` seconds; then uvicorn shuts down
 as usual. A second SIGTERM, or SIGINT, is uvicorn's own immediate shutdown. A failed start-up
 (`state.fatal`) also ends the server. `on_tick` runs on each of uvicorn's ticks (about 10 a second).
+
+SIGHUP (`reload_on_sighup`) asks for `reload` to run: its handler only sets a flag, and the next tick runs
+`reload` in a worker thread, once however many signals came meanwhile. A signal handler runs between two
+bytecodes of whatever the main thread is doing (inside a lock the reload takes too, or inside another
+handler), so it never does the work itself.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import signal
 import time
 from collections.abc import Callable
 
+import anyio.to_thread
 import uvicorn
 
 from motet.api.state import ServerState
@@ -33,6 +39,16 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self.drain_deadline: float | None = None
         self.on_tick_hook = on_tick
+        self.reload: Callable[[], None] | None = None
+        self.reload_requested = False
+
+    def reload_on_sighup(self, reload: Callable[[], None]) -> None:
+        """Run `reload` (in a worker thread) after each SIGHUP, or burst of them."""
+        self.reload = reload
+        signal.signal(signal.SIGHUP, self._request_reload)
+
+    def _request_reload(self, sig, frame) -> None:
+        self.reload_requested = True  # a signal handler: only a flag; on_tick runs the reload
 
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGTERM and not self.state.draining:
@@ -50,6 +66,12 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
         if self.state.fatal is not None:
             self.should_exit = True
+        if self.reload_requested and self.reload is not None:
+            self.reload_requested = False  # (before it runs: a signal during the reload asks for another)
+            try:
+                await anyio.to_thread.run_sync(self.reload)
+            except Exception:
+                log.exception("SIGHUP: the reload failed")
         if self.on_tick_hook is not None:
             self.on_tick_hook()
         return await super().on_tick(counter)

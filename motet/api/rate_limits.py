@@ -2,20 +2,28 @@
 requests per minute and tokens per minute, from the API keys file (`"limits"` of a key's object).
 
 Requests and tokens are token buckets refilled continuously (a minute's allowance per minute, at most a
-minute's worth saved up). A generation request (chat, completions, responses) is admitted while the tenant
-has a request left, has not spent more tokens than its bucket holds, and runs fewer than its concurrency
-limit; otherwise it is answered 429 `rate_limit_exceeded` with `Retry-After` (when the refused resource
-comes back) before anything is queued. Tokens (prompt + completion) are charged as each choice finishes
-(motet/api/streams.py calls `charge`), so a request may take the bucket below zero and the next waits for
-the refill. Every answer of those routes carries OpenAI's headers: `x-ratelimit-limit-requests`,
-`x-ratelimit-remaining-requests`, `x-ratelimit-reset-requests` and the same for tokens, for the limits the
-tenant has.
+minute's worth saved up). A generation request (chat, completions, responses) is let in while the tenant
+has a request left, has tokens left, and runs fewer than its concurrency limit; otherwise it is answered 429
+`rate_limit_exceeded` with `Retry-After` before anything is queued: when the bucket has refilled, or, for the
+concurrency limit, when the first of the tenant's running requests is estimated to end (from how far it has got
+towards its max_tokens at the pace it has gone so far; before its first token, from how long the tenant's
+requests have lasted lately).
+
+Tokens are reserved, then settled, as OpenAI and LiteLLM do: once a request's prompts are tokenized
+(motet/api/billing.py) it reserves its prompt tokens plus n times its max_tokens (without one, the rest of the
+context window) and is refused with 429 if the bucket does not hold that many (a full bucket lets in a request
+of any size: a tenant whose limit is smaller than a request is slowed down, never locked out); when it ends,
+however it ends, it is charged what it used and the rest goes back. So a tenant's concurrent requests, `n` and
+requests without max_tokens stay within the limit. Every answer of those routes to a limited tenant carries
+OpenAI's headers: `x-ratelimit-limit-requests`, `x-ratelimit-remaining-requests`, `x-ratelimit-reset-requests`
+and the same for tokens, as of the answer's start (a stream's tokens reserved, a whole answer's charged).
 
 `RateLimits` is an ASGI middleware that `motet serve` puts in front of the app (motet/api/server.py): the
 Batch API's lines call the app from inside and are not counted (OpenAI gives batches their own limits).
 The counters live in the one front process, so with Ray Serve replicas behind it (motet/cluster/) a
-tenant's limit is one limit, not one per replica. `reload` swaps the limits (SIGHUP re-reads the keys file)
-and keeps what each tenant has used.
+tenant's limit is one limit, not one per replica. `reload` swaps the limits (after SIGHUP, when the server's loop
+has the keys file read again: never inside the signal handler, motet/api/draining.py) and keeps what each
+tenant has used.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import json
 import math
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from motet.api.asgi import request_headers
 from motet.api.errors import APIError
@@ -37,6 +46,9 @@ _FIELDS = {
     "requests_per_minute": "rpm",
     "tokens_per_minute": "tpm",
 }
+MAX_LIMIT = 10**15  # past this a limit is a typo (and no longer exact as the float a bucket holds)
+MAX_RETRY_AFTER_S = 60  # an estimate further out is no better than asking again in a minute
+_RECENT = 0.3  # the weight of a request's duration in the tenant's typical one
 
 
 @dataclass(frozen=True)
@@ -52,9 +64,9 @@ class TenantLimits:
                 f"{where}: limits is an object of {', '.join(_FIELDS)}, got {json.dumps(value)[:80]}"
             )
         for key, v in value.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_LIMIT:
                 raise ValueError(
-                    f"{where}: limits.{key} must be a positive integer, got {json.dumps(v)[:40]}"
+                    f"{where}: limits.{key} must be an integer from 1 to {MAX_LIMIT}, got {json.dumps(v)[:40]}"
                 )
         return cls(**{_FIELDS[k]: v for k, v in value.items()})
 
@@ -84,24 +96,60 @@ def duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60}s" if seconds >= 60 else f"{seconds}s"
 
 
+class Ticket:
+    """One running request of a limited tenant: its tokens reserved against the tokens per minute, and how far it
+    has got (for when its place frees)."""
+
+    def __init__(self, limiter: RateLimiter, tenant: str, started: float):
+        self.limiter, self.tenant, self.started = limiter, tenant, started
+        self.reserved = 0
+        self.max_tokens: int | None = None  # the most tokens its longest choice may generate
+        self.progress: Callable[[], int] | None = None  # the tokens its longest choice has generated so far
+
+    def remaining_s(self, now: float, typical_s: float | None) -> float | None:
+        """Its estimated time left: the rest of its max_tokens at its pace so far, else what the tenant's
+        requests typically take, less what it has run; None: no estimate."""
+        elapsed = now - self.started
+        done = self.progress() if self.progress is not None else 0
+        if done > 0 and self.max_tokens:
+            return elapsed * max(0, self.max_tokens - done) / done
+        return None if typical_s is None else max(0.0, typical_s - elapsed)
+
+    def reserve(self, tokens: int, max_tokens: int | None = None, progress: Callable[[], int] | None = None):
+        self.limiter.reserve(self, tokens, max_tokens, progress)
+
+    def settle(self, used: int) -> None:
+        self.limiter.settle(self, used)
+
+    def leave(self) -> None:
+        self.limiter.leave(self)
+
+
 @dataclass
 class _Usage:
-    running: int = 0
+    running: list[Ticket] = field(default_factory=list)
     requests: _Bucket | None = None
     tokens: _Bucket | None = None
+    typical_s: float | None = None  # how long its requests have lasted lately
 
 
-_charging: contextvars.ContextVar[tuple[RateLimiter, str] | None] = contextvars.ContextVar(
-    "motet_rate_limit", default=None
-)
+_current: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("motet_rate_limit", default=None)
 
 
-def charge(tokens: int) -> None:
-    """Charge the tokens of a finished choice to the tenant of the request being answered (a no-op for
-    requests the limits do not count: batch lines, routes without limits)."""
-    current = _charging.get()
-    if current is not None and tokens > 0:
-        current[0].charge(current[1], tokens)
+def current() -> Ticket | None:
+    """The ticket of the request being answered; None where the limits do not count it (a tenant without limits,
+    the Batch API's lines, routes without limits)."""
+    return _current.get()
+
+
+def _refusal(why: str, wait: float, headers: dict[str, str]) -> APIError:
+    return APIError(
+        429,
+        f"rate limit reached for this tenant's {why}: try again in {duration(wait)} (the server's limits for its "
+        "API key, in the keys file)",
+        code="rate_limit_exceeded",
+        headers={**headers, "Retry-After": str(max(1, math.ceil(wait)))},
+    )
 
 
 class RateLimiter:
@@ -109,7 +157,9 @@ class RateLimiter:
         self.limits = dict(limits or {})
         self.clock = clock
         self._usage: dict[str, _Usage] = {}
-        self._lock = threading.Lock()  # admits on the event loop, charges from it too; reload from a signal
+        self._lock = (
+            threading.Lock()
+        )  # the event loop's calls, and `reload` from the thread that reads the file
 
     def reload(self, limits: dict[str, TenantLimits]) -> None:
         with self._lock:
@@ -131,64 +181,128 @@ class RateLimiter:
         bucket.per_minute, bucket.level = per_minute, per_minute - used
         return bucket
 
-    def _usage_of(self, tenant: str, lim: TenantLimits) -> _Usage:
+    def _usage_of(self, tenant: str, lim: TenantLimits, now: float) -> _Usage:
         u = self._usage.get(tenant)
         if u is None:
-            now = self.clock()
             u = self._usage[tenant] = _Usage(
                 requests=_Bucket(lim.rpm, now) if lim.rpm else None,
                 tokens=_Bucket(lim.tpm, now) if lim.tpm else None,
             )
+        for bucket in (u.requests, u.tokens):
+            if bucket is not None:
+                bucket.refill(now)
         return u
 
-    def admit(self, tenant: str) -> dict[str, str]:
-        """Take one request for `tenant`: its rate-limit headers, or a 429 APIError that carries them."""
+    def enter(self, tenant: str) -> Ticket | None:
+        """Let one request of `tenant` in: its ticket (None: the tenant has no limits), or a 429 APIError that
+        carries the headers."""
         with self._lock:
             lim = self.limits.get(tenant)
             if lim is None:
-                return {}
-            u = self._usage_of(tenant, lim)
+                return None
             now = self.clock()
-            for bucket in (u.requests, u.tokens):
-                if bucket is not None:
-                    bucket.refill(now)
+            u = self._usage_of(tenant, lim, now)
             why, wait = None, 0.0
             if u.requests is not None and u.requests.level < 1:
                 why, wait = f"requests per minute ({lim.rpm})", u.requests.seconds_until(1)
             elif u.tokens is not None and u.tokens.level <= 0:
                 why, wait = f"tokens per minute ({lim.tpm})", u.tokens.seconds_until(1)
-            elif lim.max_concurrent is not None and u.running >= lim.max_concurrent:
-                why, wait = f"concurrent requests ({lim.max_concurrent})", 1.0
+            elif lim.max_concurrent is not None and len(u.running) >= lim.max_concurrent:
+                why, wait = f"concurrent requests ({lim.max_concurrent})", self._place_frees_in(u, now)
             if why is None:
                 if u.requests is not None:
                     u.requests.level -= 1
-                u.running += 1
-            headers = self._headers(lim, u)
-        if why is not None:
-            raise APIError(
-                429,
-                f"rate limit reached for this tenant's {why}: try again in {duration(wait)} (the server's limits "
-                "for its API key, in the keys file)",
-                code="rate_limit_exceeded",
-                headers={**headers, "Retry-After": str(max(1, math.ceil(wait)))},
-            )
-        return headers
+                ticket = Ticket(self, tenant, now)
+                u.running.append(ticket)
+                return ticket
+            headers = self._headers(u)
+        raise _refusal(why, wait, headers)
+
+    @staticmethod
+    def _place_frees_in(u: _Usage, now: float) -> float:
+        """When the first of the tenant's running requests is estimated to end (1 s when none can be)."""
+        estimates = [s for t in u.running if (s := t.remaining_s(now, u.typical_s)) is not None]
+        return min(MAX_RETRY_AFTER_S, min(estimates)) if estimates else 1.0
+
+    def reserve(
+        self,
+        ticket: Ticket,
+        tokens: int,
+        max_tokens: int | None = None,
+        progress: Callable[[], int] | None = None,
+    ) -> None:
+        """Reserve `tokens` (the most the request can use) against the tokens per minute, or raise 429; record
+        how the request's progress is read (`max_tokens`: its longest choice's bound, `progress`: its tokens)."""
+        with self._lock:
+            ticket.max_tokens, ticket.progress = max_tokens, progress
+            lim = self.limits.get(ticket.tenant, TenantLimits())
+            u = self._usage_of(ticket.tenant, lim, self.clock())
+            bucket = u.tokens
+            if bucket is None or tokens <= 0:
+                return
+            if tokens <= bucket.level or bucket.level >= bucket.per_minute:
+                bucket.level -= tokens
+                ticket.reserved += tokens
+                return
+            wait = bucket.seconds_until(min(tokens, bucket.per_minute))
+            headers = self._headers(u)
+        raise _refusal(
+            f"tokens per minute ({lim.tpm}): this request may use {tokens} tokens (its prompt and n times its "
+            f"max_tokens), {max(0, math.floor(bucket.level))} are left",
+            wait,
+            headers,
+        )
+
+    def settle(self, ticket: Ticket, used: int) -> None:
+        """Charge what the request used in place of what it reserved."""
+        with self._lock:
+            u = self._usage.get(ticket.tenant)
+            reserved, ticket.reserved = ticket.reserved, 0
+            if u is not None and u.tokens is not None:
+                u.tokens.refill(self.clock())
+                u.tokens.level += reserved - used
+
+    def leave(self, ticket: Ticket) -> None:
+        """The request has ended: its place is free (a reservation never settled stays charged)."""
+        with self._lock:
+            u = self._usage.get(ticket.tenant)
+            if u is None or ticket not in u.running:
+                return
+            u.running.remove(ticket)
+            took = self.clock() - ticket.started
+            u.typical_s = took if u.typical_s is None else (1 - _RECENT) * u.typical_s + _RECENT * took
+
+    def admit(self, tenant: str) -> dict[str, str]:
+        """`enter` for a caller that releases by tenant (`release`): the request's headers."""
+        ticket = self.enter(tenant)
+        return {} if ticket is None else self.headers(tenant)
 
     def release(self, tenant: str) -> None:
+        """One of `tenant`'s requests (the oldest) has ended."""
         with self._lock:
             u = self._usage.get(tenant)
-            if u is not None and u.running > 0:
-                u.running -= 1
+            ticket = u.running[0] if u is not None and u.running else None
+        if ticket is not None:
+            self.leave(ticket)
 
     def charge(self, tenant: str, tokens: int) -> None:
+        """Tokens used that no reservation covered."""
         with self._lock:
             u = self._usage.get(tenant)
             if u is not None and u.tokens is not None:
                 u.tokens.refill(self.clock())
                 u.tokens.level -= tokens
 
+    def headers(self, tenant: str) -> dict[str, str]:
+        """OpenAI's x-ratelimit headers of `tenant`, as of now ({}: it has no limits)."""
+        with self._lock:
+            lim = self.limits.get(tenant)
+            if lim is None:
+                return {}
+            return self._headers(self._usage_of(tenant, lim, self.clock()))
+
     @staticmethod
-    def _headers(lim: TenantLimits, u: _Usage) -> dict[str, str]:
+    def _headers(u: _Usage) -> dict[str, str]:
         out = {}
         for kind, bucket in (("requests", u.requests), ("tokens", u.tokens)):
             if bucket is not None:
@@ -216,20 +330,26 @@ class RateLimits:
         except APIError:  # the route answers the 401 / 403 itself
             return await self.app(scope, receive, send)
         try:
-            extra = self.limiter.admit(tenant)
+            ticket = self.limiter.enter(tenant)
         except APIError as e:
             response = e.response()
             return await response(scope, receive, send)
-        raw = [(k.encode(), v.encode()) for k, v in extra.items()]
+        if ticket is None:
+            return await self.app(scope, receive, send)
 
         async def send_with_headers(message):
-            if message["type"] == "http.response.start" and raw:
-                message = {**message, "headers": [*message.get("headers", []), *raw]}
+            if message["type"] == "http.response.start":  # as of now: this request's reservation taken
+                have = {k.lower() for k, _ in message.get("headers", [])}
+                extra = [(k.encode(), v.encode()) for k, v in self.limiter.headers(tenant).items()]
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), *(h for h in extra if h[0] not in have)],
+                }
             await send(message)
 
-        token = _charging.set((self.limiter, tenant))
+        token = _current.set(ticket)
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
-            _charging.reset(token)
-            self.limiter.release(tenant)
+            _current.reset(token)
+            ticket.leave()

@@ -20,8 +20,8 @@ from starlette.responses import StreamingResponse
 from motet.actors.reply import Delta, ReplyStream, merge_streams
 from motet.actors.serving_errors import ServingError
 from motet.api import protocol as P
-from motet.api import rate_limits, tracing
-from motet.api import usage as usage_records
+from motet.api import tracing
+from motet.api.billing import Bill
 from motet.api.errors import APIError, from_serving_error
 from motet.api.state import ServerState
 from motet.engine.sequence import RequestTimings, TokenLogprob
@@ -97,7 +97,8 @@ class Choice:
 
 def observe(state: ServerState, c: Choice, choices: list[Choice] | None = None) -> None:
     """A finished choice in the metrics; `choices`: the request's (the most tokens one choice of a prompt
-    generated is counted once all of that prompt's choices are)."""
+    generated is counted once all of that prompt's choices are). What the tenant is billed is its `Bill`'s
+    (motet/api/billing.py)."""
     if c.error is not None or c.first_token is None:
         return
     m, end = state.metrics, time.perf_counter()
@@ -115,35 +116,18 @@ def observe(state: ServerState, c: Choice, choices: list[Choice] | None = None) 
         finish_reason=c.finish_reason,
         timings=c.timings,
     )
-    group = [x for x in choices or [c] if x.prompt_index == c.prompt_index]
-    first_of_prompt = not any(x.observed for x in group)
-    prompt = len(c.prompt_ids) if first_of_prompt else 0
-    rate_limits.charge(len(c.token_ids) + prompt)  # the tenant's tokens per minute
     c.observed = True
-    done = all(x.observed for x in group)
-    if done:
+    group = [x for x in choices or [c] if x.prompt_index == c.prompt_index]
+    if all(x.observed for x in group):
         m.observe_group(max(len(x.token_ids) for x in group))
-    if (
-        u := usage_records.current.get()
-    ) is not None:  # the tenant's usage: the numbers of the client's `usage`
-        requests = int(first_of_prompt and c.prompt_index == 0)
-        cached = max(x.num_cached_tokens for x in group) if done else 0
-        u.requests += requests
-        u.input_tokens += prompt
-        u.cached_tokens += cached
-        u.output_tokens += len(c.token_ids)
-        if u.first_token is None or c.first_token < u.first_token:
-            u.first_token = c.first_token
-        if state.usage is not None:
-            state.usage.add(u, requests, prompt, cached, len(c.token_ids))
-        tracing.annotate(
-            **{"gen_ai.usage.input_tokens": u.input_tokens, "gen_ai.usage.output_tokens": u.output_tokens}
-        )
     tracing.choice_ended(c.arrival, c.timings)
 
 
-async def collect(request: Request, state: ServerState, choices: list[Choice], streams: list[ReplyStream]):
-    """Wait for every choice to finish; stop early (and abort) if the client disconnects."""
+async def collect(
+    request: Request, state: ServerState, choices: list[Choice], streams: list[ReplyStream], bill: Bill
+):
+    """Wait for every choice to finish; stop early (and abort) if the client disconnects. The request is
+    billed before its answer is sent, however it ends."""
     disconnected = False
     async with anyio.create_task_group() as tg:
 
@@ -160,6 +144,7 @@ async def collect(request: Request, state: ServerState, choices: list[Choice], s
                 choices[i].add(delta)
         finally:
             release(state, streams)
+            bill.close()
         tg.cancel_scope.cancel()
     if disconnected:
         raise APIError(499, "client disconnected")
@@ -211,15 +196,21 @@ async def relay(chunks: AsyncIterator[str], done: bool = True) -> AsyncIterator[
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that releases its requests however it ends: finished, failed, or client gone
-    (Starlette cancels the body on disconnect, possibly before it ever started)."""
+    """An SSE response that releases its requests and closes their bill however it ends: finished, failed, or
+    client gone (Starlette cancels the body on disconnect, possibly before it ever started). `chunks` closes the
+    bill itself once every choice has ended, before its last events."""
 
     def __init__(
-        self, state: ServerState, streams: list[ReplyStream], chunks: AsyncIterator[str], done: bool = True
+        self,
+        state: ServerState,
+        streams: list[ReplyStream],
+        chunks: AsyncIterator[str],
+        bill: Bill,
+        done: bool = True,
     ):
         body = relay(chunks, done)
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.state, self.streams = state, streams
+        self.state, self.streams, self.bill = state, streams, bill
         state.inflight += 1  # until the response is done
 
     async def __call__(self, scope, receive, send) -> None:
@@ -227,4 +218,5 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             release(self.state, self.streams)
+            self.bill.close()
             self.state.inflight -= 1

@@ -3,11 +3,11 @@ adapter) and minute, in `usage.sqlite3` under the data dir, so it survives resta
 `GET /v1/usage` in the shape of OpenAI's usage API (`/v1/organization/usage/completions`: buckets of
 `bucket_width` 1m/1h/1d from `start_time`, each with its results, `group_by` tenant/model/batch).
 
-A request's tenant and model are set when it is accepted (`begin`, in a context variable that its choices'
-end sees); each finished choice adds its completion tokens, the first of each prompt its prompt and cached
-tokens and the request itself (motet/api/streams.py `observe`), exactly the numbers of the `usage` the client
-gets. Counts gather in memory and are written every FLUSH_S seconds (and when the server stops, and before
-a read), never on the step's or the event loop's hot path.
+A request's tenant and model are set when it is accepted (`begin`, in a context variable that its bill sees);
+its bill (motet/api/billing.py) adds what it used when it ends, however it ends: for an answer that ends
+normally exactly the numbers of the `usage` the client gets, for a stream cut short every token generated.
+Counts gather in memory and are written every FLUSH_S seconds (and when the server stops, and before a read),
+never on the step's or the event loop's hot path.
 
 `--request-log` adds one JSON line per request to the log (`motet.requests`): tenant, model, tokens, TTFT,
 status and duration (`RequestLog`, an ASGI middleware in front of the generation routes).
@@ -40,6 +40,7 @@ FLUSH_S = 2.0
 BUCKETS = {"1m": 60, "1h": 3600, "1d": 86400}
 LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # OpenAI's default and most buckets a page
 GROUPS = ("tenant", "model", "batch")
+MAX_TIME = 253402300799  # 9999-12-31T23:59:59Z: the last unix time a query names
 BATCH_SCOPE_KEY = "motet.batch"  # set in the ASGI scope of the Batch API's lines (api/batches/runner.py)
 _COUNTS = ("requests", "input_tokens", "cached_tokens", "output_tokens")
 _SCHEMA = (
@@ -181,16 +182,25 @@ class UsageStore(SQLiteStore):
         return out
 
 
-def _int_param(request: Request, name: str, default: int | None = None) -> int | None:
+def _int_param(request: Request, name: str, default: int | None, low: int, high: int, what: str) -> int:
+    """The query's integer `name` (`what` it is, for the error), `low` to `high`: the store's and SQLite's
+    integers hold any of them."""
     value = request.query_params.get(name)
     if value is None:
         if default is None:
-            raise APIError(400, f"{name} is required (a unix time, seconds)", param=name)
+            raise APIError(400, f"{name} is required ({what})", param=name)
         return default
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
-        raise APIError(400, f"{name} must be an integer, not {value[:40]!r}", param=name) from None
+        raise APIError(400, f"{name} must be an integer ({what}), not {value[:40]!r}", param=name) from None
+    if not low <= number <= high:
+        raise APIError(400, f"{name} must be {what}, {low} to {high}; got {value[:40]}", param=name)
+    return number
+
+
+def _time_param(request: Request, name: str, default: int | None = None) -> int:
+    return _int_param(request, name, default, 0, MAX_TIME, "a unix time in seconds")
 
 
 @operation(
@@ -204,7 +214,7 @@ async def usage_route(request: Request) -> Response:
     import anyio.to_thread
 
     state = request.app.state.motet
-    state.auth.check_admin(request.headers.get("authorization"))
+    state.auth.check_admin(request.headers.get("authorization"), "GET /v1/usage")
     if state.usage is None:
         raise APIError(404, "usage is not recorded by this server")
     q = request.query_params
@@ -213,23 +223,21 @@ async def usage_route(request: Request) -> Response:
         raise APIError(400, f"bucket_width must be one of {', '.join(BUCKETS)}", param="bucket_width")
     width = BUCKETS[width_name]
     default_limit, max_limit = LIMITS[width_name]
-    start = _int_param(request, "start_time")
+    start = _time_param(request, "start_time")
     # (exclusive: by default the current second is in, and with it the current minute's counts, even at :00)
-    end = _int_param(request, "end_time", int(time.time()) + 1)
-    limit = _int_param(request, "limit", default_limit)
-    if not 1 <= limit <= max_limit:
-        raise APIError(400, f"limit must be 1 to {max_limit} for bucket_width {width_name}", param="limit")
-    page = q.get("page")
+    end = _time_param(request, "end_time", int(time.time()) + 1)
+    limit = _int_param(request, "limit", default_limit, 1, max_limit, f"the buckets a page for {width_name}")
     first = start
-    if page is not None:
+    if q.get("page") is not None:
+        not_given = APIError(400, "page is not one this route gave (next_page)", param="page")
         try:
-            first = int(page)
-        except ValueError:
-            raise APIError(400, "page is not one this route gave (next_page)", param="page") from None
-        if first < start or (first - start) % width:
-            raise APIError(400, "page is not one this route gave (next_page)", param="page")
-    if end <= start or start < 0:
-        raise APIError(400, "end_time must be after start_time, both unix times", param="end_time")
+            first = _time_param(request, "page")
+        except APIError:
+            raise not_given from None
+        if first < start or first >= end or (first - start) % width:
+            raise not_given
+    if end <= start:
+        raise APIError(400, "end_time must be after start_time", param="end_time")
     groups = tuple(g for item in q.getlist("group_by") for g in item.split(",") if g)
     if bad := [g for g in groups if g not in GROUPS]:
         raise APIError(400, f"group_by {bad[0]!r} is not one of {', '.join(GROUPS)}", param="group_by")

@@ -140,6 +140,6 @@ def authenticator(args) -> Authenticator:
     auth = Authenticator.from_file(args.api_keys) if args.api_keys else Authenticator()
     if key in auth.keys:
         raise ValueError("--api-key: that key is also in --api-keys; give it once")
-    auth.keys[key] = Principal(DEFAULT_TENANT, admin=True)
+    auth.add(key, Principal(DEFAULT_TENANT, admin=True))
     log.info("authentication is on: --api-key speaks for tenant %r and reads /metrics", DEFAULT_TENANT)
     return auth

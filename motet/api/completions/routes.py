@@ -24,6 +24,7 @@ from motet.actors.serving_errors import ServingError
 from motet.api import tracing
 from motet.api import usage as usage_records
 from motet.api.auth import Principal
+from motet.api.billing import Bill
 from motet.api.completions import protocol as P
 from motet.api.completions.chat_output import ChatOutput
 from motet.api.completions.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
@@ -294,13 +295,15 @@ async def chat_completions(request: Request) -> Response:
         streams += adm.streams
         state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choices = [Choice(i, adm.prompt_token_ids, arrival) for i in range(req.n)]
+        bill = Bill(state, [adm.prompt_token_ids], choices, streams, drop)
+        bill.reserve(spec.max_tokens)
         created = int(time.time())
         output = chat_output(state, adm, structure)
         if req.stream:
-            chunks = _chat_chunks(state, req, rid, created, choices, streams, k, drop, output)
-            response = with_warnings(EventStream(state, streams, chunks), structure, rid)
+            chunks = _chat_chunks(state, req, rid, created, choices, streams, k, drop, output, bill)
+            response = with_warnings(EventStream(state, streams, chunks, bill), structure, rid)
             return with_request_id(response, request_id)
-        await collect(request, state, choices, streams)
+        await collect(request, state, choices, streams, bill)
         role, lead = response_role(req), echoed(req)
         as_ids = bool(req.return_tokens_as_token_ids)
         out = []
@@ -335,7 +338,9 @@ async def chat_completions(request: Request) -> Response:
         return with_request_id(with_warnings(JSONResponse(resp.model_dump()), structure, rid), request_id)
 
 
-async def _chat_chunks(state, req, rid, created, choices, streams, k, drop, output) -> AsyncIterator[str]:
+async def _chat_chunks(
+    state, req, rid, created, choices, streams, k, drop, output, bill
+) -> AsyncIterator[str]:
     include_usage, continuous = stream_usage(req)
     prompt_ids = choices[0].prompt_ids
     as_ids = bool(req.return_tokens_as_token_ids)
@@ -386,6 +391,7 @@ async def _chat_chunks(state, req, rid, created, choices, streams, k, drop, outp
             for d in deltas:
                 yield chunk(i, d)
             yield chunk(i, {}, finish_reason=finish_reason)
+    bill.close()
     if include_usage:
         u = usage([prompt_ids], choices, drop).model_dump()
         yield sse(
@@ -444,6 +450,8 @@ async def completions(request: Request) -> Response:
             for p, adm in enumerate(admissions)
             for i in range(req.n)
         ]
+        bill = Bill(state, [a.prompt_token_ids for a in admissions], choices, streams, drop)
+        bill.reserve(engine_max)
         # what echo shows: the prompt as given, or as the tokens it was cut to (token-id prompts: decoded)
         decode = state.system.engine.tokenizer.decode
         prompt_texts = [
@@ -452,11 +460,11 @@ async def completions(request: Request) -> Response:
         created = int(time.time())
         if req.stream:
             gen = _completion_chunks(
-                state, req, rid, created, choices, streams, prompt_texts, admissions, drop
+                state, req, rid, created, choices, streams, prompt_texts, admissions, drop, bill
             )
-            response = with_warnings(EventStream(state, streams, gen), structure, rid)
+            response = with_warnings(EventStream(state, streams, gen, bill), structure, rid)
             return with_request_id(response, request_id)
-        await collect(request, state, choices, streams)
+        await collect(request, state, choices, streams, bill)
         as_ids = bool(req.return_tokens_as_token_ids)
         out = []
         for c in choices:
@@ -493,7 +501,9 @@ async def completions(request: Request) -> Response:
         return with_request_id(with_warnings(JSONResponse(resp.model_dump()), structure, rid), request_id)
 
 
-async def _completion_chunks(state, req, rid, created, choices, streams, prompt_texts, admissions, drop):
+async def _completion_chunks(
+    state, req, rid, created, choices, streams, prompt_texts, admissions, drop, bill
+):
     include_usage, continuous = stream_usage(req)
     as_ids = bool(req.return_tokens_as_token_ids)
 
@@ -547,6 +557,7 @@ async def _completion_chunks(state, req, rid, created, choices, streams, prompt_
             started.discard(i)  # nothing sent yet: the prompt's ids (and echo) go with the first chunk sent
         if delta.finished:
             observe(state, c, choices)
+    bill.close()
     if include_usage:
         u = usage([a.prompt_token_ids for a in admissions], choices, drop).model_dump()
         yield sse(

@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from motet.actors.reply import ReplyStream, merge_streams
+from motet.api.billing import Bill
 from motet.api.completions.chat_output import ChatOutput
 from motet.api.completions.routes import (
     MAX_WARNING_CHARS,
@@ -172,7 +173,7 @@ class ResponseRun:
             response.headers[WARNING_HEADER] = value[:MAX_WARNING_CHARS]
         return response
 
-    async def events(self, streams: list[ReplyStream]) -> AsyncIterator[str]:
+    async def events(self, streams: list[ReplyStream], bill: Bill) -> AsyncIterator[str]:
         """The SSE body: response.created, in_progress, the items' events, then completed / incomplete
         (stored first, so a client that sees it can continue from it at once) or failed. It always ends
         with one of those: whatever fails on the way (the engine, a bug) ends it with response.failed."""
@@ -197,6 +198,7 @@ class ResponseRun:
                     observe(self.state, self.choice)
                     for event in self._finish_events():
                         yield send(event)
+            bill.close()
             status = self._status()
             final = await self.save(self.response(status))
         except Exception as e:  # cancellation (the client left) is not an Exception: nothing to send then
@@ -272,10 +274,13 @@ async def create_response(request: Request) -> Response:
         streams += adm.streams
         state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choice = Choice(0, adm.prompt_token_ids, arrival)
+        bill = Bill(state, [adm.prompt_token_ids], [choice], streams)
+        bill.reserve(spec.max_tokens)
         run = ResponseRun(state, tenant, req, rid, history, chat_output(state, adm, structure)(), choice)
         if req.stream:
-            return with_warnings(EventStream(state, streams, run.events(streams), done=False), structure, rid)
-        await collect(request, state, [choice], streams)
+            events = run.events(streams, bill)
+            return with_warnings(EventStream(state, streams, events, bill, done=False), structure, rid)
+        await collect(request, state, [choice], streams, bill)
         response = await run.save(run.whole())
         return run.warn(with_warnings(JSONResponse(response), structure, rid))
 
