@@ -18,15 +18,8 @@ from motet.grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 from motet.kernels.quant import FORMATS as QUANT_FORMATS
 from motet.models import SUPPORTED_ARCHITECTURES, find
 from motet.models import get as get_declaration
-from motet.models.declaration import (
-    LIMITS,
-    Architecture,
-    ModelLoadError,
-    bounded,
-    bounded_number,
-    flag,
-    sliding_window,
-)
+from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.fields import LIMITS, bounded, bounded_number, flag, sliding_window
 from motet.models.projections import projection_shapes
 
 # The default step budgets (EngineConfig.max_num_batched_tokens). On the 2-core CPU machine a prompt token costs

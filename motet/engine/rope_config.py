@@ -7,7 +7,8 @@ low_freq_factor, beta_fast at least beta_slow."""
 
 from __future__ import annotations
 
-from motet.models.declaration import LIMITS, ModelLoadError, bounded, bounded_number
+from motet.models.declaration import ModelLoadError
+from motet.models.fields import LIMITS, bounded, bounded_number
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

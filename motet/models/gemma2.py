@@ -4,7 +4,8 @@ default the even layers) sharing the global rope base."""
 
 import dataclasses
 
-from motet.models.declaration import ModelLoadError, every_other_layer
+from motet.models.declaration import ModelLoadError
+from motet.models.fields import every_other_layer
 from motet.models.gemma3 import GEMMA3, gemma_gguf, gemma_options
 
 

@@ -5,13 +5,8 @@ query_pre_attn_scalar, and sliding-window layers (`layer_types`) with their own 
 
 import math
 
-from motet.models.declaration import (
-    Architecture,
-    ModelLoadError,
-    bounded,
-    bounded_float,
-    sliding_layers,
-)
+from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.fields import bounded, bounded_float, sliding_layers
 
 # Gemma's norms after the attention, before the MLP and after it -> the decoder's names for them
 GEMMA_NORM_NAMES = {

@@ -4,14 +4,8 @@ router with a bias, whose top-k logits are softmaxed, experts with biases and a 
 with gate and up columns interleaved (in MXFP4 in OpenAI's checkpoints). It writes harmony: its calls and
 reasoning are channels of its output."""
 
-from motet.models.declaration import (
-    Architecture,
-    ModelLoadError,
-    bounded_float,
-    every_other_layer,
-    flag,
-    sliding_layers,
-)
+from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.fields import bounded_float, every_other_layer, flag, sliding_layers
 from motet.models.mixtral import experts  # the same: every layer, num_local_experts, top-k renormalized
 
 

@@ -2,7 +2,8 @@
 embedding_multiplier, attention scores times attention_multiplier (in place of 1 / sqrt(head_dim)), each block's
 output times residual_multiplier before the residual add, and the logits divided by logits_scaling."""
 
-from motet.models.declaration import Architecture, bounded_float
+from motet.models.declaration import Architecture
+from motet.models.fields import bounded_float
 
 
 def options(cfg: dict, source: str) -> dict:

@@ -1,7 +1,8 @@
 """Mixtral: Mistral's attention, every layer's MLP a mixture of `num_local_experts` experts (w1 / w3 / w2 are
 gate / up / down), the top-k router weights always renormalized."""
 
-from motet.models.declaration import LIMITS, Architecture, bounded, top_k_experts
+from motet.models.declaration import Architecture
+from motet.models.fields import LIMITS, bounded, top_k_experts
 
 
 def experts(cfg: dict, num_layers: int, source: str) -> dict:

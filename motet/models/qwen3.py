@@ -2,12 +2,12 @@
 sliding window; calls in `<tool_call>` blocks, reasoning in `<think>`."""
 
 from motet.models.declaration import Architecture
-from motet.models.qwen2 import qwen_sliding
+from motet.models.qwen2 import options
 
 QWEN3 = Architecture(
     names=("Qwen3ForCausalLM",),
     qk_norm=True,
-    options=qwen_sliding,
+    options=options,
     gguf="qwen3",
     tool_format="hermes",
     reasoning_format="qwen3",

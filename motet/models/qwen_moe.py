@@ -1,15 +1,9 @@
 """Qwen2-MoE (q/k/v biases, a shared expert behind a sigmoid gate) and Qwen3-MoE (per-head q/k norms, no
 shared expert): experts on every `decoder_sparse_step`-th layer but `mlp_only_layers`."""
 
-from motet.models.declaration import (
-    LIMITS,
-    Architecture,
-    ModelLoadError,
-    bounded,
-    flag,
-    is_number,
-    top_k_experts,
-)
+from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.fields import LIMITS, bounded, flag, is_number, sliding_window, top_k_experts
+from motet.models.qwen2 import qwen_window
 
 
 def experts(cfg: dict, num_layers: int, source: str) -> dict:
@@ -39,11 +33,24 @@ def experts(cfg: dict, num_layers: int, source: str) -> dict:
     )
 
 
-QWEN2_MOE = Architecture(names=("Qwen2MoeForCausalLM",), qkv_bias=True, experts=experts)
+def qwen2_moe_options(cfg: dict, source: str) -> dict:
+    # Qwen2MoeConfig's layer_types: the even layers below max_window_layers slide
+    return qwen_window(cfg, source, lambda i, first: i % 2 == 0 and i < first)
+
+
+def qwen3_moe_options(cfg: dict, source: str) -> dict:
+    # Qwen3-MoE's window (with use_sliding_window, false where unsaid) is every layer's
+    return dict(sliding_window=sliding_window(cfg, source, used_by_default=False))
+
+
+QWEN2_MOE = Architecture(
+    names=("Qwen2MoeForCausalLM",), qkv_bias=True, experts=experts, options=qwen2_moe_options
+)
 QWEN3_MOE = Architecture(
     names=("Qwen3MoeForCausalLM",),
     qk_norm=True,
     experts=experts,
+    options=qwen3_moe_options,
     tool_format="hermes",
     reasoning_format="qwen3",
 )
