@@ -26,6 +26,7 @@ from motet.api.cli import main
 from motet.engine.checkpoint import load_model_config
 from motet.engine.config import ModelLoadError
 from motet.engine.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
+from motet.engine.tokenizer import load_tokenizer
 from tests.engine.test_gguf_model_file import write_gguf_file
 from tests.tiny_models import build_tiny_model
 
@@ -265,18 +266,21 @@ def test_serve_refuses_a_malformed_config_in_one_line(source, tmp_path, capsys):
     assert f"{model / 'config.json'}: max_position_embeddings must be an integer" in err[0], err
 
 
-def test_a_fifo_as_the_weights_file_is_refused_unopened(source, tmp_path):
-    """model.safetensors a FIFO: refused by name before anything opens it. Opening it used to block the loader for
-    ever, with the GIL held (no timeout ends that); should it block again, a writer opening the FIFO after 5 s
-    ends the wait, and the test fails instead of hanging."""
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
+def test_a_fifo_in_the_model_directory_is_refused_unopened(source, tmp_path, name):
+    """The weights file or the tokenizer a FIFO: refused by name before anything opens it. Opening it used to block
+    the start-up for ever, with the GIL held (no timeout ends that); should it block again, a writer opening the
+    FIFO after 5 s ends the wait, and the test fails instead of hanging."""
     model = tmp_path / "m"
     shutil.copytree(source, model)
-    weights_file(os.mkfifo)(model)
-    fifo = model / "model.safetensors"
+    fifo = model / name
+    fifo.unlink()
+    os.mkfifo(fifo)
     rescue = subprocess.Popen(["sh", "-c", 'sleep 5; exec 3> "$0"', str(fifo)], start_new_session=True)
     try:
         with pytest.raises(ModelLoadError, match=f"{re.escape(str(fifo))}: not a regular file"):
             load(model)
+            load_tokenizer(model)
     finally:
         os.killpg(rescue.pid, signal.SIGKILL)
         rescue.wait()
