@@ -62,8 +62,7 @@ def checked_rope_scaling(scaling, max_positions: int, source: str, key: str = "r
                 number(field, **bounds)
         if scaling.get("beta_fast") is not None:
             number("beta_fast", at_least=out.get("beta_slow") or 1.0)
-        if not isinstance(scaling.get("truncate", True), bool):
-            raise ModelLoadError(
-                f"{source}: {key}.truncate must be true or false, got {scaling['truncate']!r}"
-            )
+        truncate = scaling.get("truncate")  # (null: false, as transformers and rope_inv_freq read it)
+        if truncate is not None and not isinstance(truncate, bool):
+            raise ModelLoadError(f"{source}: {key}.truncate must be true or false, got {truncate!r:.40}")
     return out
