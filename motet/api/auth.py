@@ -109,7 +109,7 @@ class Authenticator:
             return cls()
         try:
             keys = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, json.JSONDecodeError, RecursionError) as e:  # (RecursionError: nested too deeply)
             raise ValueError(f"--api-keys {path}: cannot read a JSON object of key -> tenant ({e})") from None
         if not isinstance(keys, dict):
             raise ValueError(f"--api-keys {path}: must be a JSON object mapping each key to a tenant name")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from motet.engine.config import ModelConfig, ModelLoadError
+from motet.engine.config import ModelConfig, ModelLoadError, read_json, token_ids
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -43,23 +43,15 @@ def load_model_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     gen_file = path / "generation_config.json"
-    if not gen_file.is_file():
+    if not gen_file.exists():
         return cfg
-    try:
-        gen = json.loads(gen_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{gen_file}: not valid JSON ({e})") from None
+    gen = read_json(gen_file)
     if not isinstance(gen, dict):
         raise ModelLoadError(f"{gen_file}: expected a JSON object")
     changes = {}
     eos = gen.get("eos_token_id")
     if eos is not None:
-        try:
-            changes["eos_token_ids"] = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-        except (TypeError, ValueError):
-            raise ModelLoadError(
-                f"{gen_file}: eos_token_id must be an int or a list of ints, got {eos!r}"
-            ) from None
+        changes["eos_token_ids"] = token_ids(eos, "eos_token_id", str(gen_file))
     if cfg.bos_token_id is None and isinstance(gen.get("bos_token_id"), int):
         changes["bos_token_id"] = gen["bos_token_id"]
     return dataclasses.replace(cfg, **changes) if changes else cfg
@@ -71,27 +63,35 @@ def weight_files(path: str | Path) -> list[Path]:
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist")
     index = path / SAFETENSORS_INDEX
-    if index.is_file():
+    if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index)["weight_map"]
             shards = list(dict.fromkeys(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            if not all(isinstance(s, str) for s in shards):
+                raise TypeError("each shard must be named by a string")
+        except (KeyError, TypeError, AttributeError) as e:
             raise ModelLoadError(
                 f"{index}: not a valid safetensors index ({type(e).__name__}: {e})"
             ) from None
         if not shards:
             raise ModelLoadError(f"{index}: weight_map lists no shards")
-        missing = [s for s in shards if not (path / s).is_file()]
+        missing = [s for s in shards if not (path / s).is_file()]  # (or not a regular file)
         if missing:
             raise ModelLoadError(
                 f"{index} lists shard(s) that are missing from {path}: {', '.join(missing)}; "
                 f"copy the complete checkpoint"
             )
         return [path / s for s in shards]
+    # Only regular files are read: a FIFO would block the loader for ever, a directory fail deep in safetensors.
+    loose = sorted(path.glob("model*.safetensors"))
+    odd = [p.name for p in loose if not p.is_file()]
+    if odd:
+        raise ModelLoadError(
+            f"{path / odd[0]}: not a regular file; a checkpoint's weights are safetensors files"
+        )
     single = path / SAFETENSORS_FILE
     if single.is_file():
         return [single]
-    loose = sorted(path.glob("model*.safetensors"))
     if loose:
         return loose
     pickles = sorted(p.name for pat in _PICKLE_PATTERNS for p in path.glob(pat))

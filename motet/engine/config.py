@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from motet.engine.fairness import check_tenant_weights
+from motet.engine.rope_config import checked_rope_scaling
 from motet.grammar.limits import GrammarLimits
 from motet.grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 from motet.grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
@@ -18,6 +19,7 @@ from motet.kernels.quant import FORMATS as QUANT_FORMATS
 from motet.models import SUPPORTED_ARCHITECTURES, find
 from motet.models import get as get_declaration
 from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.fields import LIMITS, bounded, bounded_number, flag, sliding_window
 from motet.models.projections import projection_shapes
 
 # The default step budgets (EngineConfig.max_num_batched_tokens). On the 2-core CPU machine a prompt token costs
@@ -177,71 +179,99 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
+        """Every field read is checked (its type, a finite number, its range, its fit with the others) and a wrong
+        one refused in one line naming it (ModelLoadError); the family's own fields by its declaration."""
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(
+                f"{source}: must be a JSON object of the model's hyperparameters, got {cfg!r:.40}"
+            )
         archs = cfg.get("architectures") or []
+        if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise ModelLoadError(f"{source}: architectures must be a list of names, got {archs!r:.80}")
         decl = find(archs)
         if decl is None:
             raise ModelLoadError(
-                f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"{source}: unsupported architecture {archs or cfg.get('model_type')!r:.80}; "
                 f"motet serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+
+        def integer(name: str, value=None) -> int:
+            """A LIMITS field: config.json's value, or `value` where given."""
+            return bounded(cfg[name] if value is None else value, name, source, *LIMITS[name])
+
         try:
-            heads = bounded(
-                cfg["num_attention_heads"], "num_attention_heads", source, *LIMITS["num_attention_heads"]
-            )
-            hidden = bounded(cfg["hidden_size"], "hidden_size", source, *LIMITS["hidden_size"])
-            head_dim = cfg.get("head_dim") or hidden // heads
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            rope_scaling = cfg.get("rope_scaling")
-            rope_theta = cfg.get("rope_theta")
+            heads = integer("num_attention_heads")
+            hidden = integer("hidden_size")
+            head_dim = integer("head_dim", cfg.get("head_dim") or hidden // heads)
+            num_layers = integer("num_hidden_layers")
+            max_positions = integer("max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+            rope_scaling, rope_key = cfg.get("rope_scaling"), "rope_scaling"
+            rope_theta, theta_key = cfg.get("rope_theta"), "rope_theta"
+            rope_params = cfg.get("rope_parameters") or {}
+            if not isinstance(rope_params, dict):
+                raise ModelLoadError(f"{source}: rope_parameters must be an object, got {rope_params!r:.80}")
             if rope_theta is None:  # transformers >= 5 nests theta inside rope_parameters
-                rope_params = cfg.get("rope_parameters") or {}
                 # per layer type (Gemma 3's): the global layers' here, the others' in the declaration
-                rope_params = rope_params.get("full_attention", rope_params)
-                rope_theta = rope_params.get("rope_theta", 10000.0)
-                if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-                    rope_scaling = rope_params
-            partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
-            partial = float(cfg.get("partial_rotary_factor", partial))
-            rotary_dim = int(cfg.get("rotary_dim") or int(head_dim) * partial)  # (transformers' rounding)
-            if not 0 < rotary_dim <= int(head_dim) or rotary_dim % 2:
+                per_type = "full_attention" in rope_params
+                nested = rope_params["full_attention"] if per_type else rope_params
+                nested_key = "rope_parameters.full_attention" if per_type else "rope_parameters"
+                if not isinstance(nested, dict):
+                    raise ModelLoadError(f"{source}: {nested_key} must be an object, got {nested!r:.80}")
+                rope_theta, theta_key = nested.get("rope_theta", 10000.0), f"{nested_key}.rope_theta"
+                if rope_scaling is None and nested.get("rope_type", "default") != "default":
+                    rope_scaling, rope_key = nested, nested_key
+            partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+            partial = bounded_number(partial, "partial_rotary_factor", source, above=0.0, at_most=1.0)
+            rotary_dim = cfg.get("rotary_dim") or int(head_dim * partial)  # (transformers' rounding)
+            rotary_dim = bounded(rotary_dim, "rotary_dim", source, 0, head_dim)
+            if rotary_dim < 2 or rotary_dim % 2:
                 raise ModelLoadError(
                     f"{source}: the rotary turns {rotary_dim} of each head's {head_dim} dimensions "
                     f"(partial_rotary_factor {partial}): it must turn an even number of them, at least 2"
                 )
-            num_layers = bounded(
-                cfg["num_hidden_layers"], "num_hidden_layers", source, *LIMITS["num_hidden_layers"]
-            )
-            config = cls(
+            bos = cfg.get("bos_token_id")
+            fields = dict(
                 architecture=next(a for a in archs if a in decl.names),
-                vocab_size=int(cfg["vocab_size"]),
+                vocab_size=integer("vocab_size"),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
+                intermediate_size=integer("intermediate_size"),
                 num_hidden_layers=num_layers,
                 num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(head_dim),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta),
-                rope_scaling=rope_scaling,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", decl.qkv_bias))),
+                num_key_value_heads=integer("num_key_value_heads", cfg.get("num_key_value_heads") or heads),
+                head_dim=head_dim,
+                rms_norm_eps=bounded_number(
+                    cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source, above=0.0, below=1.0
+                ),
+                rope_theta=bounded_number(rope_theta, theta_key, source, above=0.0),
+                rope_scaling=checked_rope_scaling(rope_scaling, max_positions, source, rope_key),
+                max_position_embeddings=max_positions,
+                tie_word_embeddings=flag(cfg, "tie_word_embeddings", source, False),
+                attention_bias=flag(
+                    cfg, "attention_bias", source, flag(cfg, "qkv_bias", source, decl.qkv_bias)
+                ),
                 qk_norm=decl.qk_norm,
                 qk_norm_whole=decl.qk_norm_whole,
                 post_norms=decl.post_norms,
                 pre_norms=decl.pre_norms,
                 norm_weight_offset=decl.norm_weight_offset,
-                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+                sliding_window=sliding_window(cfg, source, used_by_default=True),
                 rotary_dim=rotary_dim,
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-                **(decl.experts(cfg, num_layers, source) if decl.experts is not None else {}),
-                **(decl.options(cfg, source) if decl.options is not None else {}),
+                bos_token_id=None if bos is None else bounded(bos, "bos_token_id", source, *TOKEN_IDS),
+                eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id", source),
             )
+            if decl.experts is not None:
+                fields.update(decl.experts(cfg, num_layers, source))
+            if decl.options is not None:  # (the sliding window too, where the family reads its own)
+                fields.update(decl.options(cfg, source))
+            config = cls(**fields)
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
+        except (
+            TypeError,
+            ValueError,
+            AttributeError,
+            ArithmeticError,
+        ) as e:  # (a fallback: fields name themselves)
             if isinstance(e, ModelLoadError):
                 raise
             raise ModelLoadError(f"{source}: a field has a value of the wrong kind ({e})") from None
@@ -254,45 +284,34 @@ class ModelConfig:
         cfg_file = path / "config.json"
         if not path.is_dir():
             raise ModelLoadError(f"model directory {str(path)!r} does not exist")
-        if not cfg_file.is_file():
+        if not cfg_file.exists():
             raise ModelLoadError(f"{cfg_file}: missing; a model directory needs a Hugging Face config.json")
-        try:
-            cfg = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from None
-        return cls.from_dict(cfg, source=str(cfg_file))
+        return cls.from_dict(read_json(cfg_file), source=str(cfg_file))
 
 
-# What a served config may say, checked before anything is allocated (a config or GGUF file is input: a
-# context length of 0 or 2**32 layers must be one clear line, never a crash or an allocation that never ends).
-LIMITS = {
-    "vocab_size": (1, 2**24),
-    "hidden_size": (1, 2**16),
-    "intermediate_size": (1, 2**18),
-    "num_hidden_layers": (1, 1024),
-    "num_attention_heads": (1, 1024),
-    "num_key_value_heads": (1, 1024),
-    "head_dim": (2, 1024),
-    "max_position_embeddings": (1, 2**24),
-    "num_experts": (0, 4096),
-    "moe_intermediate_size": (0, 2**18),
-    "shared_expert_intermediate_size": (0, 2**18),
-}
+# The range of a token id in config.json and generation_config.json (an id past the vocabulary is never sampled).
+TOKEN_IDS = (0, 2**31 - 1)
 
 
-def bounded(value, field: str, source: str, lo: int, hi: int) -> int:
-    """`value` as an int within [lo, hi], or ModelLoadError naming `field` and the range."""
+def token_ids(value, name: str, source: str) -> tuple[int, ...]:
+    """A config's eos_token_id: none, one id or a list of them; ModelLoadError naming it otherwise."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    return tuple(bounded(i, name, source, *TOKEN_IDS) for i in ids)
+
+
+def read_json(path: Path):
+    """A model's JSON file (config.json, generation_config.json, the weights' index), or ModelLoadError: not a
+    regular file (a FIFO would block the read), not valid JSON, or nested deeper than Python's parser recurses."""
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: not a regular file")
     try:
-        n = int(value)
-        if n != value and not isinstance(value, str):  # 2.5 layers
-            raise ValueError
-    except (TypeError, ValueError, OverflowError):
-        raise ModelLoadError(
-            f"{source}: {field} must be an integer from {lo} to {hi}, got {value!r}"
-        ) from None
-    if not lo <= n <= hi:
-        raise ModelLoadError(f"{source}: {field} must be from {lo} to {hi}, got {n}")
-    return n
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ModelLoadError(f"{path}: JSON nested too deeply") from None
 
 
 def _check(cfg: ModelConfig, source: str) -> None:
@@ -303,12 +322,11 @@ def _check(cfg: ModelConfig, source: str) -> None:
             f"{source}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of num_key_value_heads "
             f"({cfg.num_key_value_heads})"
         )
-    if not (0 < cfg.rms_norm_eps < 1):
-        raise ModelLoadError(f"{source}: rms_norm_eps must be above 0 and below 1, got {cfg.rms_norm_eps}")
-    if not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
-        raise ModelLoadError(f"{source}: rope_theta must be a positive number, got {cfg.rope_theta}")
-    if cfg.sliding_window is not None:
-        bounded(cfg.sliding_window, "sliding_window", source, 1, 2**24)
+    if cfg.sliding_window is None and cfg.sliding_layers:
+        raise ModelLoadError(
+            f"{source}: layer_types makes layer(s) {', '.join(map(str, cfg.sliding_layers[:8]))} sliding_attention, "
+            f"but no sliding_window is given (null, or use_sliding_window false)"
+        )
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

@@ -254,7 +254,7 @@ def hf_config(meta: dict, tensor_names: Collection[str], source: str) -> dict:
         raise refuse(f"GGUF metadata has no {e.args[0]!r}") from None
     except ModelLoadError:
         raise
-    except (TypeError, ValueError) as e:  # a per-layer array where a number belongs, and the like
+    except (TypeError, ValueError, ArithmeticError) as e:  # a per-layer array where a number belongs, ...
         raise refuse(f"GGUF metadata not understood ({e})") from None
     if rotary != head_dim:
         raise refuse(f"rope over {rotary} of {head_dim} head dimensions; motet rotates whole heads")

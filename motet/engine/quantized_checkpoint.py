@@ -11,15 +11,14 @@ read in floats: each pair yielded as one tensor dequantized as it is read (motet
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from motet.engine.checkpoint import iter_weights
-from motet.engine.config import CHECKPOINT_QUANTIZATIONS, ModelLoadError
+from motet.engine.checkpoint import StoredTensor, iter_weights
+from motet.engine.config import CHECKPOINT_QUANTIZATIONS, ModelLoadError, read_json
 from motet.engine.mxfp4 import Mxfp4Tensor, paired
 from motet.kernels.gptq_awq import from_awq, from_gptq
 from motet.kernels.quant import BLOCK, QuantizedWeight
@@ -54,20 +53,14 @@ class CheckpointQuantization:
 
 def _read_config(model_dir: Path) -> tuple[dict, str] | None:
     config = model_dir / "config.json"
-    if config.is_file():
-        try:
-            found = json.loads(config.read_text()).get("quantization_config")
-        except (json.JSONDecodeError, AttributeError):
-            return None  # reported by the model config's reader
+    if config.exists():
+        found = read_json(config)  # (not an object: the model config's reader says so)
+        found = found.get("quantization_config") if isinstance(found, dict) else None
         if found is not None:
             return found, f"{config} quantization_config"
     autogptq = model_dir / AUTOGPTQ_CONFIG
-    if autogptq.is_file():
-        try:
-            found = json.loads(autogptq.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{autogptq}: not valid JSON ({e})") from None
-        return found, str(autogptq)
+    if autogptq.exists():
+        return read_json(autogptq), str(autogptq)
     return None
 
 
@@ -155,7 +148,19 @@ def iter_checkpoint_weights(
     """The checkpoint's tensors (checkpoint.iter_weights), each projection `declared` quantized as one
     QuantizedWeight named `<module>.weight`, yielded once all its parts are read; in an MXFP4 checkpoint each
     `W_blocks` / `W_scales` pair as one Mxfp4Tensor `W` (read and dequantized by the loader, an expert at a
-    time)."""
+    time). Every other tensor is a float parameter's: one stored in an integer (or bool) dtype is refused by
+    name, where the loader would copy its integers in as the weight's values."""
+    for name, tensor in _checkpoint_weights(model_dir, declared):
+        if isinstance(tensor, torch.Tensor | StoredTensor) and not tensor.is_floating_point():
+            where = f" ({tensor.file})" if isinstance(tensor, StoredTensor) else ""
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r}{where} is stored as {str(tensor.dtype).removeprefix('torch.')}: a "
+                f"model's weights are floating-point (F32, F16, BF16)"
+            )
+        yield name, tensor
+
+
+def _checkpoint_weights(model_dir: str | Path, declared: CheckpointQuantization | None) -> Iterator:
     if declared is None:
         yield from iter_weights(model_dir)
         return

@@ -64,7 +64,19 @@ class Tokenizer:
         return len(self.hf)
 
 
+# The files AutoTokenizer may open in a model directory: each must be a regular file where it is there (a FIFO
+# would block the start-up for ever, inside the tokenizers library).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+)  # fmt: skip
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    for name in TOKENIZER_FILES:
+        path = Path(model_dir) / name
+        if path.exists() and not path.is_file():
+            raise ModelLoadError(f"{path}: not a regular file")
     try:
         hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:

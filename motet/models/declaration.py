@@ -70,36 +70,3 @@ class Architecture:
     @property
     def name(self) -> str:
         return self.names[0]
-
-
-def sliding_layers(cfg: dict, every_other: bool = False) -> tuple[int, ...]:
-    """The layers config.json's `layer_types` says slide; without it none, or with `every_other` the even ones
-    (transformers' default for Gemma 2 and GPT-OSS)."""
-    types = cfg.get("layer_types")
-    if not types:
-        return tuple(range(0, int(cfg["num_hidden_layers"]), 2)) if every_other else ()
-    return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-
-
-def bounded_float(value, name: str, source: str) -> float:
-    """A positive, finite number from config.json (a soft-capping constant), or ModelLoadError naming it."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if not (0 < number < float("inf")):
-        raise ModelLoadError(f"{source}: {name} must be a positive number, got {value!r}")
-    return number
-
-
-def top_k_experts(cfg: dict, experts: int | None, source: str) -> int:
-    """num_experts_per_tok, checked against the number of experts (None: no layer has experts); the experts
-    compute silu only."""
-    top_k = int(cfg["num_experts_per_tok"])
-    if experts is not None and not 1 <= top_k <= experts:
-        raise ModelLoadError(
-            f"{source}: num_experts_per_tok must be between 1 and the number of experts ({experts}), got {top_k}"
-        )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{source}: hidden_act {cfg['hidden_act']!r}: motet's experts compute silu only")
-    return top_k

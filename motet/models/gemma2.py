@@ -5,11 +5,12 @@ default the even layers) sharing the global rope base."""
 import dataclasses
 
 from motet.models.declaration import ModelLoadError
+from motet.models.fields import every_other_layer
 from motet.models.gemma3 import GEMMA3, gemma_gguf, gemma_options
 
 
 def options(cfg: dict, source: str) -> dict:
-    return gemma_options(cfg, source, every_other=True)
+    return gemma_options(cfg, source, every_other_layer(cfg))
 
 
 def gguf_config(key, cfg: dict, source: str) -> dict:

@@ -5,7 +5,8 @@ query_pre_attn_scalar, and sliding-window layers (`layer_types`) with their own 
 
 import math
 
-from motet.models.declaration import Architecture, ModelLoadError, bounded_float, sliding_layers
+from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.fields import bounded, bounded_float, sliding_layers
 
 # Gemma's norms after the attention, before the MLP and after it -> the decoder's names for them
 GEMMA_NORM_NAMES = {
@@ -15,9 +16,9 @@ GEMMA_NORM_NAMES = {
 }
 
 
-def gemma_options(cfg: dict, source: str, every_other: bool = False) -> dict:
+def gemma_options(cfg: dict, source: str, default_sliding: tuple[int, ...]) -> dict:
     """What Gemma 2 and 3 read alike: the embedding and query scales, GeGLU, soft-capping, the sliding layers
-    (`every_other`: the even ones where config.json does not list them, Gemma 2's)."""
+    (`default_sliding` where config.json does not list them)."""
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ModelLoadError(
             f"{source}: hidden_activation {cfg['hidden_activation']!r}: motet computes gelu_pytorch_tanh"
@@ -31,9 +32,12 @@ def gemma_options(cfg: dict, source: str, every_other: bool = False) -> dict:
             caps[field] = bounded_float(cfg[cap], cap, source)
     return dict(
         embedding_multiplier=math.sqrt(int(cfg["hidden_size"])),
-        attention_multiplier=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        attention_multiplier=bounded_float(
+            cfg.get("query_pre_attn_scalar", 256), "query_pre_attn_scalar", source
+        )
+        ** -0.5,
         hidden_act="gelu_tanh",
-        sliding_layers=sliding_layers(cfg, every_other),
+        sliding_layers=sliding_layers(cfg, source, default_sliding),
         **caps,
     )
 
@@ -72,13 +76,15 @@ GGUF_NAMES = {
 
 
 def options(cfg: dict, source: str) -> dict:
-    return dict(
-        gemma_options(cfg, source),
-        rope_local_theta=float(
-            cfg.get("rope_local_base_freq")  # the Hub's configs; transformers >= 5 nests it per layer type
-            or ((cfg.get("rope_parameters") or {}).get("sliding_attention") or {}).get("rope_theta", 10000.0)
-        ),
-    )
+    # without layer_types (the Hub's first configs), transformers' reading of sliding_window_pattern: every
+    # pattern-th layer global, the others sliding
+    pattern = bounded(cfg.get("sliding_window_pattern", 6), "sliding_window_pattern", source, 1, 1024)
+    default = tuple(i for i in range(int(cfg["num_hidden_layers"])) if (i + 1) % pattern)
+    local, name = cfg.get("rope_local_base_freq"), "rope_local_base_freq"  # the Hub's configs
+    if local is None:  # transformers >= 5 nests it per layer type
+        local = ((cfg.get("rope_parameters") or {}).get("sliding_attention") or {}).get("rope_theta", 10000.0)
+        name = "rope_parameters.sliding_attention.rope_theta"
+    return dict(gemma_options(cfg, source, default), rope_local_theta=bounded_float(local, name, source))
 
 
 GEMMA3 = Architecture(

@@ -4,7 +4,8 @@ router with a bias, whose top-k logits are softmaxed, experts with biases and a 
 with gate and up columns interleaved (in MXFP4 in OpenAI's checkpoints). It writes harmony: its calls and
 reasoning are channels of its output."""
 
-from motet.models.declaration import Architecture, ModelLoadError, bounded_float, sliding_layers
+from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.fields import bounded_float, every_other_layer, flag, sliding_layers
 from motet.models.mixtral import experts  # the same: every layer, num_local_experts, top-k renormalized
 
 
@@ -17,13 +18,13 @@ def options(cfg: dict, source: str) -> dict:
             f"{source}: quantization_config {method!r}: GPT-OSS checkpoints are read in floats or with MXFP4 experts"
         )
     return dict(
-        output_bias=bool(cfg.get("attention_bias", True)),
+        output_bias=flag(cfg, "attention_bias", source, True),
         attention_sinks=True,
         expert_bias=True,
         expert_act="swiglu_limit",
         swiglu_alpha=bounded_float(cfg.get("swiglu_alpha", 1.702), "swiglu_alpha", source),
         swiglu_limit=bounded_float(cfg.get("swiglu_limit", 7.0), "swiglu_limit", source),
-        sliding_layers=sliding_layers(cfg, every_other=True),
+        sliding_layers=sliding_layers(cfg, source, every_other_layer(cfg)),
     )
 
 

@@ -1,34 +1,56 @@
 """Qwen2-MoE (q/k/v biases, a shared expert behind a sigmoid gate) and Qwen3-MoE (per-head q/k norms, no
 shared expert): experts on every `decoder_sparse_step`-th layer but `mlp_only_layers`."""
 
-from motet.models.declaration import Architecture, ModelLoadError, top_k_experts
+from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.fields import LIMITS, bounded, flag, is_number, sliding_window, top_k_experts
+from motet.models.qwen2 import qwen_window
 
 
 def experts(cfg: dict, num_layers: int, source: str) -> dict:
     # the Hub's Qwen3-MoE configs say num_experts; transformers >= 5 writes it as num_local_experts
-    n = int(
-        cfg["num_local_experts" if "num_experts" not in cfg and "num_local_experts" in cfg else "num_experts"]
-    )
-    step = int(cfg.get("decoder_sparse_step", 1))
-    if step < 1:
-        raise ModelLoadError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
-    dense = set(cfg.get("mlp_only_layers") or [])
+    name = "num_local_experts" if "num_experts" not in cfg and "num_local_experts" in cfg else "num_experts"
+    n = bounded(cfg[name], name, source, *LIMITS["num_experts"])
+    step = bounded(cfg.get("decoder_sparse_step", 1), "decoder_sparse_step", source, 1, 1024)
+    dense = cfg.get("mlp_only_layers") or []
+    if not (isinstance(dense, list) and all(is_number(i) for i in dense)):
+        raise ModelLoadError(f"{source}: mlp_only_layers must be a list of layer numbers, got {dense!r:.80}")
+    dense = set(dense)
     sparse = tuple(i for i in range(num_layers) if n > 0 and i not in dense and (i + 1) % step == 0)
     return dict(
         num_experts=n,
         num_experts_per_tok=top_k_experts(cfg, n if sparse else None, source),
-        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        moe_intermediate_size=bounded(
+            cfg["moe_intermediate_size"], "moe_intermediate_size", source, *LIMITS["moe_intermediate_size"]
+        ),
+        norm_topk_prob=flag(cfg, "norm_topk_prob", source, False),
+        shared_expert_intermediate_size=bounded(
+            cfg.get("shared_expert_intermediate_size") or 0,
+            "shared_expert_intermediate_size",
+            source,
+            *LIMITS["shared_expert_intermediate_size"],
+        ),
         sparse_layers=sparse,
     )
 
 
-QWEN2_MOE = Architecture(names=("Qwen2MoeForCausalLM",), qkv_bias=True, experts=experts)
+def qwen2_moe_options(cfg: dict, source: str) -> dict:
+    # Qwen2MoeConfig's layer_types: the even layers below max_window_layers slide
+    return qwen_window(cfg, source, lambda i, first: i % 2 == 0 and i < first)
+
+
+def qwen3_moe_options(cfg: dict, source: str) -> dict:
+    # Qwen3-MoE's window (with use_sliding_window, false where unsaid) is every layer's
+    return dict(sliding_window=sliding_window(cfg, source, used_by_default=False))
+
+
+QWEN2_MOE = Architecture(
+    names=("Qwen2MoeForCausalLM",), qkv_bias=True, experts=experts, options=qwen2_moe_options
+)
 QWEN3_MOE = Architecture(
     names=("Qwen3MoeForCausalLM",),
     qk_norm=True,
     experts=experts,
+    options=qwen3_moe_options,
     tool_format="hermes",
     reasoning_format="qwen3",
 )

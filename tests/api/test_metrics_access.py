@@ -134,6 +134,14 @@ def test_bad_key_entries_name_the_file(tmp_path, value):
         Authenticator.from_file(path)
 
 
+def test_keys_nested_too_deeply_are_one_line(tmp_path):
+    """A keys file nested 200,000 deep: the one line of a file that does not read, not a RecursionError."""
+    path = tmp_path / "keys.json"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ValueError, match=r"--api-keys .*keys\.json: cannot read a JSON object"):
+        Authenticator.from_file(path)
+
+
 def test_key_entries():
     auth = Authenticator({"a": "alice", "b": {"tenant": "bob"}, "c": {"admin": True}})
     assert auth.tenant("Bearer a") == "alice" and auth.tenant("bearer b") == "bob"

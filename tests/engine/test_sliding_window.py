@@ -5,17 +5,27 @@ cache), with the KV blocks a long request holds in those layers bounded by the w
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
-from motet.engine.config import EngineConfig, ModelLoadError
+from motet.engine.config import EngineConfig, ModelConfig, ModelLoadError
 from motet.engine.kv_window import ring_blocks
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
-from tests.engine.test_engine import engine_logits, hf_greedy, hf_logits
+from tests.engine.test_engine import engine_logits, hf_greedy, hf_greedy_outputs, hf_logits
 from tests.models.test_moe import PATHS, randomize_norms
 from tests.tiny_models import build_tiny_model
 
@@ -148,3 +158,55 @@ def test_two_ranks_past_the_window_match_transformers(model_dir):
     finally:
         eng.close()
     assert tp_workers() == []
+
+
+def hub_config(model_dir) -> None:
+    """config.json as the Hub's Qwen configs say it: no layer_types (transformers >= 5 writes its own), so that
+    both readers compute the sliding layers from use_sliding_window and max_window_layers."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    del cfg["layer_types"]
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_slides_the_layers_from_max_window_layers_on(arch, tmp_path):
+    """Qwen2 / Qwen3 with use_sliding_window: transformers slides only the layers from max_window_layers on (the
+    first of two layers attends to every position), as motet now does; it slid every layer, and its tokens
+    parted from transformers' at the first token past the window. Greedy tokens past a window of 8."""
+    model_dir = build_tiny_model(
+        tmp_path, arch=arch, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    )
+    hub_config(model_dir)
+    assert ModelConfig.from_dir(model_dir).window_layers == (1,)
+    llm = LLM(str(model_dir), block_size=BLOCK, max_model_len=128, num_kv_blocks=128)
+    prompts = [list(range(3, 9)), list(range(40, 70))]  # within the window and past it, then 24 tokens on
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_greedy_outputs(model_dir, prompts, 24)
+
+
+# transformers' config classes with a window of 8 over 7 layers and no layer_types, as the Hub's configs say them:
+# the layers it slides, from use_sliding_window / max_window_layers / sliding_window_pattern
+WINDOW_CONFIGS = [
+    ("Qwen2ForCausalLM", Qwen2Config, dict(use_sliding_window=True, max_window_layers=4)),
+    ("Qwen2ForCausalLM", Qwen2Config, dict(use_sliding_window=True, max_window_layers=9)),  # none slides
+    ("Qwen2ForCausalLM", Qwen2Config, dict(use_sliding_window=False, max_window_layers=2)),
+    ("Qwen3ForCausalLM", Qwen3Config, dict(use_sliding_window=True, max_window_layers=2)),
+    ("Qwen2MoeForCausalLM", Qwen2MoeConfig, dict(use_sliding_window=True, max_window_layers=5)),
+    ("Qwen3MoeForCausalLM", Qwen3MoeConfig, dict(use_sliding_window=True)),  # (every layer: no layer_types)
+    ("Gemma3ForCausalLM", Gemma3TextConfig, dict(sliding_window_pattern=3)),
+    ("Gemma3ForCausalLM", Gemma3TextConfig, {}),
+    ("Gemma2ForCausalLM", Gemma2Config, {}),
+]
+
+
+@pytest.mark.parametrize("architecture, config_class, fields", WINDOW_CONFIGS)
+def test_sliding_layers_are_transformers(architecture, config_class, fields):
+    """The layers motet slides are those transformers does, where config.json lists no layer_types (Gemma 3's
+    first configs slid every layer: five of each six slide)."""
+    layers = dict(num_hidden_layers=7, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    hf = config_class(**layers, sliding_window=8, **fields)
+    raw = {**hf.to_dict(), **fields, "architectures": [architecture]}
+    raw.pop("layer_types", None)
+    types = getattr(hf, "layer_types", None) or ["sliding_attention"] * 7  # (Qwen3-MoE: its window on all)
+    theirs = tuple(i for i, t in enumerate(types) if t == "sliding_attention" and hf.sliding_window)
+    assert ModelConfig.from_dict(raw).window_layers == theirs
