@@ -235,13 +235,13 @@ def linear_shapes(cfg) -> dict[str, tuple[int, int, int]] | None:
             "lm_head": (h, cfg.vocab_size, 0)}  # fmt: skip
 
 
-def linear_gflops(rows: int, k: int, n: int, dtype: torch.dtype, budget_s: float = 0.05) -> float:
+def linear_gflops(rows: int, k: int, n: int, dtype: torch.dtype, budget_s: float = 0.2) -> float:
     """torch's linear of `rows` x `k` by an `n` x `k` weight in `dtype`: GFLOPS of its fastest call (at least
-    three calls after two warm-up ones, and as many as `budget_s` allows)."""
+    three calls after a warm-up one, and as many as `budget_s` allows: without bf16 instructions torch's bf16
+    product can be a hundred times slower than its fp32 one)."""
     x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     with torch.inference_mode():
-        for _ in range(2):
-            torch.nn.functional.linear(x, w)
+        torch.nn.functional.linear(x, w)
         best, spent, calls = float("inf"), 0.0, 0
         while calls < 3 or spent < budget_s:
             t0 = time.perf_counter()
@@ -251,7 +251,7 @@ def linear_gflops(rows: int, k: int, n: int, dtype: torch.dtype, budget_s: float
     return 2 * rows * k * n / best / 1e9
 
 
-def measure_peak(cfg, batches: list[int], threads: int) -> dict:
+def measure_peak(cfg, batches: list[int], threads: int, budget_s: float = 0.2) -> dict:
     """Per batch size (the decode step's rows): torch's linear on each of the model's projection shapes in
     bfloat16 and float32; `decoder` is the GFLOPS of the forward's projections, each at the faster dtype for its
     shape (their FLOPs over the sum of their times), `lm_head` the logits' at its faster dtype, `best` the
@@ -262,7 +262,7 @@ def measure_peak(cfg, batches: list[int], threads: int) -> dict:
     torch.set_num_threads(threads)
     out = {}
     for b in batches:
-        measured = {name: {str(dt).removeprefix("torch."): linear_gflops(b, k, n, dt) for dt in (torch.bfloat16, torch.float32)}
+        measured = {name: {str(dt).removeprefix("torch."): linear_gflops(b, k, n, dt, budget_s) for dt in (torch.bfloat16, torch.float32)}
                     for name, (k, n, _) in shapes.items()}  # fmt: skip
         best = {name: max(g.values()) for name, g in measured.items()}
         flops = {name: 2 * b * k * n * count for name, (k, n, count) in shapes.items()}
@@ -492,6 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="as `motet serve --async-scheduling` (default: the engine's)")  # fmt: skip
     ap.add_argument("--serve-levels", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--peak-seconds", type=float, default=0.2,
+                    help="time for torch's linear on each shape and dtype in the peak measurement")  # fmt: skip
     ap.add_argument("--out", default=None)
     return ap
 
@@ -501,7 +503,7 @@ def main(argv=None) -> None:
     model_dir = Path(resolve_model(args.model))
     from motet.engine.checkpoint import load_model_config
 
-    peaks = measure_peak(load_model_config(model_dir), args.batches, args.threads)
+    peaks = measure_peak(load_model_config(model_dir), args.batches, args.threads, args.peak_seconds)
     for b, p in peaks.items():
         print(f"peak at {b} rows: torch's linear {p['decoder']:.3g} GFLOPS on the forward's shapes, "
               f"{p['lm_head']:.3g} on the lm_head's", flush=True)  # fmt: skip

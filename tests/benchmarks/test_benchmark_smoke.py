@@ -48,7 +48,7 @@ def step_profile_report(tiny_model_dir, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("step_profile")
     step_profile.main(["--model", str(tiny_model_dir), "--dtype", "float32", "--batches", "1", "--steps", "2",
-                       "--adapters", "0", "--no-eager", "--serve-levels", "--out", str(out)])  # fmt: skip
+                       "--adapters", "0", "--no-eager", "--serve-levels", "--peak-seconds", "0.01", "--out", str(out)])  # fmt: skip
     return json.loads((out / "results.json").read_text()), (out / "summary.md").read_text()
 
 
