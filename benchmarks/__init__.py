@@ -30,3 +30,47 @@ def nearest_rank(values: list[float], q: float) -> float | None:
         return None
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# The CPU flags that decide which kernels (motet's, torch's oneDNN, vLLM's, llama.cpp's) run bf16 and int8 in
+# hardware (/proc/cpuinfo's and lscpu's names).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def cpu_info() -> dict:
+    """The CPU as lscpu names it (/proc/cpuinfo's model name where lscpu is missing), its logical CPUs, and which
+    of CPU_FLAGS it has."""
+    import os
+    import shutil
+    import subprocess
+
+    model, flags = None, set()
+    if shutil.which("lscpu"):
+        out = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}
+        ).stdout
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "Flags":
+                flags = set(value.split())
+    cpuinfo = Path("/proc/cpuinfo")
+    if (model is None or not flags) and cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    return {"model": model, "cpus": os.cpu_count(), "flags": {f: f in flags for f in CPU_FLAGS}}
+
+
+def cpu_line(info: dict) -> str:
+    """cpu_info() in one line: the model, the CPUs and the flags it has and lacks."""
+    have = [f for f, on in info["flags"].items() if on]
+    lacks = [f for f, on in info["flags"].items() if not on]
+    return (
+        f"{info['model']}, {info['cpus']} CPUs; has {', '.join(have) or 'none'} of these flags; "
+        f"lacks {', '.join(lacks) or 'none'}"
+    )
