@@ -636,8 +636,8 @@ class LLMEngine:
             if lp is not None:
                 seq.output_logprobs.append(lp)
             if g is not None and not g.accept(token):
-                # A token the grammar refuses (its row's mask left none the sampler could take is ended in
-                # commit_tokens): end here, the output still matches so far.
+                # A token the grammar refuses (a row whose masks left it none never gets here: commit_tokens
+                # ends it): end here, the output still matches so far.
                 delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
                 finish = ("stop", None)
             else:

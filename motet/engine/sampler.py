@@ -164,14 +164,17 @@ def apply_processing(logits: Tensor, seqs: list[Sequence], eos_token_ids: Seq[in
 
 
 def _failures(logits: Tensor, x: Tensor) -> Tensor:
-    """[rows] int64: each row's SamplingFailure, 0 where it has a distribution to sample from. NaN and +inf are
-    what `< inf` fails on; -inf is a masked token."""
-    model_bad = ~(logits < _INF).all(dim=-1)
-    params_bad = ~(x < _INF).all(dim=-1) if x is not logits else model_bad
-    none_left = ~(x > _NEG_INF).any(dim=-1)
-    codes = torch.where(none_left, int(SamplingFailure.ALL_MASKED), 0)
-    codes = torch.where(params_bad, int(SamplingFailure.PARAMS_NOT_FINITE), codes)
-    return torch.where(model_bad, int(SamplingFailure.MODEL_NOT_FINITE), codes)
+    """[rows] int64: each row's SamplingFailure, 0 where it has a distribution to sample from. One reduction per
+    tensor: a row's max is NaN where it holds a NaN, +inf where it holds one, -inf where every token is masked."""
+    x_max = x.amax(dim=-1)
+    raw_max = logits.amax(dim=-1) if x is not logits else x_max
+    codes = torch.where(x_max == _NEG_INF, int(SamplingFailure.ALL_MASKED), 0)
+    codes = torch.where(_not_finite(x_max), int(SamplingFailure.PARAMS_NOT_FINITE), codes)
+    return torch.where(_not_finite(raw_max), int(SamplingFailure.MODEL_NOT_FINITE), codes)
+
+
+def _not_finite(row_max: Tensor) -> Tensor:
+    return row_max.isnan() | (row_max == _INF)
 
 
 def _rows(x: Tensor, rows: list[int]) -> Tensor:
