@@ -47,6 +47,7 @@ from motet.engine.model_runner import ModelRunner, StepResult
 from motet.engine.model_store import resolve_model
 from motet.engine.parallel import RankFailure
 from motet.engine.request_checks import RequestLimits
+from motet.engine.sampler import SamplingError, SamplingFailure
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.scheduler import ScheduledBatch, Scheduler
 from motet.engine.sequence import RequestTimings, Sequence, TokenLogprob
@@ -179,6 +180,7 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
             max_kv_tokens=self._max_kv_blocks() * config.block_size,
+            eos_token_ids=frozenset(self.eos_token_ids),
         )
         self.speculator: Speculator | NoSpeculation = NoSpeculation()
         if config.speculative_mode != "off" and config.num_speculative_tokens > 0:
@@ -538,6 +540,15 @@ class LLMEngine:
                 seq.num_pending -= 1
             try:
                 if result.errors[i] is not None:
+                    if seq.guided is not None and _all_masked(result.errors[i]):
+                        # Every token its grammar allows is masked by another setting (min_tokens holding back the
+                        # stop token the grammar needs): it ends here, its output matching the grammar so far.
+                        delta = seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
+                        self._finish(seq, "stop", None)
+                        out = self._output(seq, delta, ("stop", None))
+                        self._count(seq, out, now)
+                        landed.outputs.append(out)
+                        continue
                     raise result.errors[i]
                 if result.prompt_logprobs[i]:
                     seq.prompt_logprobs.extend(result.prompt_logprobs[i])
@@ -625,8 +636,8 @@ class LLMEngine:
             if lp is not None:
                 seq.output_logprobs.append(lp)
             if g is not None and not g.accept(token):
-                # Every token the grammar allows was masked out by another setting (min_tokens holding
-                # back the stop token the grammar needs): end here, the output still matches so far.
+                # A token the grammar refuses (a row whose masks left it none never gets here: commit_tokens
+                # ends it): end here, the output still matches so far.
                 delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
                 finish = ("stop", None)
             else:
@@ -720,3 +731,7 @@ class LLMEngine:
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return ("length", None)
         return None
+
+
+def _all_masked(error: BaseException) -> bool:
+    return isinstance(error, SamplingError) and error.failure is SamplingFailure.ALL_MASKED

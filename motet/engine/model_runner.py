@@ -32,7 +32,7 @@ from motet.engine.memory import adapter_bytes, kv_cache_bytes, memory_budget, we
 from motet.engine.model import CausalLM, Linear, onednn_available
 from motet.engine.parallel import SINGLE, Parallel
 from motet.engine.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
-from motet.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
+from motet.engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, outcome_error
 from motet.engine.scheduler import ScheduledBatch
 from motet.engine.sequence import TokenLogprob
 from motet.engine.speculative.verify import num_accepted, position_views
@@ -48,22 +48,26 @@ log = logging.getLogger("motet.engine")
 class StepResult:
     """Per scheduled sequence: the sampled tokens (None for a mid-prompt chunk; one token, or with drafts the
     accepted drafts and the target's token after them), their logprobs (None where not asked for), and the
-    error its row raised (the others in the batch are unaffected)."""
+    error its row raised or its sampling failed with (the others in the batch are unaffected)."""
 
     token_ids: list[list[int] | None]
     logprobs: list[list[TokenLogprob | None] | None]
     prompt_logprobs: list[list[TokenLogprob] | None]
     errors: list[BaseException | None]
-    # A lazy result's one-token rows, their tokens still on the device: (sampled tokens, [(row, index)])
+    # A lazy result's one-token rows, their outcomes still on the device: (SamplerOutput.outcomes, [(row, index)])
     on_device: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
 
     def resolve(self) -> StepResult:
         """`token_ids` complete, the tokens on the device read (on a GPU: waits for the step's sampling)."""
         if self.on_device is not None:
-            tokens, rows = self.on_device
-            values = tokens.tolist()
+            outcomes, rows = self.on_device
+            values = outcomes.tolist()
             for row, index in rows:
-                self.token_ids[row] = [values[index]]
+                error = outcome_error(values[index])
+                if error is None:
+                    self.token_ids[row] = [values[index]]
+                else:
+                    self.errors[row] = error
             self.on_device = None
         return self
 
@@ -405,9 +409,14 @@ class ModelRunner:
                 continue
             sampled = out.token_ids[start : start + len(drafts) + 1]
             kept = num_accepted(sampled, drafts) + 1  # the accepted drafts and the target's next token
+            if sampled[kept - 1] < 0:  # no token after the accepted drafts (a failure is never a draft)
+                if kept == 1:
+                    result.errors[i] = outcome_error(sampled[0])
+                    continue
+                kept -= 1  # they land, the last as the row's next token: the failure comes again next step
             result.token_ids[i] = sampled[:kept]
             result.logprobs[i] = out.logprobs[start : start + kept]
-        result.on_device = (out.tokens, on_device) if on_device else None
+        result.on_device = (out.outcomes, on_device) if on_device else None
         return result
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden, qsl, lora, result: StepResult) -> None:

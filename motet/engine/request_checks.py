@@ -35,6 +35,7 @@ class RequestLimits:
     vocab_size: int
     max_model_len: int
     max_kv_tokens: int  # the KV pool's capacity: a prompt (and one new token) must fit in it
+    eos_token_ids: frozenset[int] = frozenset()  # what min_tokens bans besides stop_token_ids
 
     def max_text_chars(self, truncating: bool = False) -> int:
         """The longest prompt text the tokenizer is given (`truncating`: one cut to its last tokens after)."""
@@ -124,3 +125,24 @@ class RequestLimits:
                 f"bad_words: a word's tokens are outside this model's vocabulary of {self.vocab_size}",
                 "bad_words",
             )
+        self._check_something_allowed(params)
+
+    def _check_something_allowed(self, params: SamplingParams) -> None:
+        """allowed_token_ids must leave a token that bad_words (a one-token word is banned everywhere) and
+        min_tokens (stop_token_ids and EOS until then, as the sampler masks them) do not ban: else no
+        position could sample one."""
+        if params.allowed_token_ids is None:
+            return
+        allowed = set(params.allowed_token_ids)
+        by_words = {word[0] for word in params.bad_words_token_ids or () if len(word) == 1}
+        by_min = set(params.stop_token_ids) | self.eos_token_ids if params.min_tokens > 0 else set()
+        if not allowed <= by_words | by_min:
+            return
+        causes = ["bad_words"] if allowed & by_words else []
+        if allowed & by_min:
+            causes.append(f"min_tokens ({params.min_tokens}), which bans stop_token_ids and EOS until then")
+        raise RequestError(
+            f"allowed_token_ids: every allowed token is banned by {' and '.join(causes)}, so no token could "
+            "be sampled; allow another token",
+            "allowed_token_ids",
+        )

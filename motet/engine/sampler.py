@@ -6,10 +6,16 @@ and stop token ids; then greedy argmax (temperature 0) or temperature,
 top-k, top-p, min-p and a draw. A draw is inverse-CDF sampling with one uniform per row; a seeded row
 takes its uniform from (seed, output position) alone, so it reproduces whatever its neighbours, its
 batch position, its device, or a preemption and recompute.
+
+A row with no distribution to sample from samples nothing and fails alone (`SamplingError`): logits the model
+made NaN or infinite (corrupt weights), logits its parameters made so, or every token masked. Its token on the
+device is 0, a valid input for a step launched before its failure is known; what the host reads
+(`SamplerOutput.outcomes`) is the failure's negative code, in the same transfer as the other rows' tokens.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import random
 from collections.abc import Sequence as Seq
@@ -22,18 +28,54 @@ from motet.engine.sequence import Sequence, TokenLogprob
 from motet.engine.token_masks import apply_token_masks
 
 _NEG_INF = float("-inf")
+_INF = float("inf")
 _CANDIDATES = 256  # top-p first looks for the nucleus among this many best tokens (a full sort is slow)
+
+
+class SamplingFailure(enum.IntEnum):
+    """Why a row sampled no token; its negative is the row's outcome."""
+
+    MODEL_NOT_FINITE = 1
+    PARAMS_NOT_FINITE = 2
+    ALL_MASKED = 3
+
+    @property
+    def message(self) -> str:
+        return {
+            SamplingFailure.MODEL_NOT_FINITE: "the model's logits for this request are not finite (NaN or infinity): "
+            "its weights (or its adapter's) are likely corrupt",
+            SamplingFailure.PARAMS_NOT_FINITE: "this request's sampling parameters (repetition_penalty, "
+            "frequency_penalty, presence_penalty, temperature) made its logits overflow",
+            SamplingFailure.ALL_MASKED: "every token is masked for this request: allowed_token_ids, bad_words, "
+            "its grammar and min_tokens (which bans EOS and stop_token_ids until then) leave none to sample",
+        }[self]
+
+
+class SamplingError(RuntimeError):
+    """A row that sampled no token (the others in its step did)."""
+
+    def __init__(self, failure: SamplingFailure):
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def outcome_error(outcome: int) -> SamplingError | None:
+    """The error a row's outcome (`SamplerOutput.outcomes`) stands for; None for a token."""
+    return SamplingError(SamplingFailure(-outcome)) if outcome < 0 else None
 
 
 @dataclass
 class SamplerOutput:
-    tokens: Tensor  # [rows] int64 on the logits' device: the next step may take its inputs from it there
+    # [rows] int64 on the logits' device, always in the vocabulary: the next step may take its inputs from it there
+    tokens: Tensor
+    # [rows] int64: the row's token, or where it sampled none, -SamplingFailure (the host reads this one)
+    outcomes: Tensor
     logprobs: list[TokenLogprob | None]  # per row; None where params.logprobs is None
 
     @functools.cached_property
     def token_ids(self) -> list[int]:
-        """The tokens on the host (on a GPU: waits for the sampling to finish)."""
-        return self.tokens.tolist()
+        """The outcomes on the host (on a GPU: waits for the sampling to finish): tokens, or negative failures."""
+        return self.outcomes.tolist()
 
 
 class Sampler:
@@ -55,13 +97,17 @@ class Sampler:
             tokens = torch.empty(len(seqs), dtype=torch.long, device=x.device)
         if rand:
             tokens[rand] = self._draw(torch.softmax(_rows(x, rand), dim=-1), [seqs[i] for i in rand])
+        failures = _failures(logits, x)
+        ok = failures == 0
+        tokens = torch.where(ok, tokens, 0)
+        outcomes = torch.where(ok, tokens, -failures)
 
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if lp_rows:
             ks = [seqs[i].params.logprobs for i in lp_rows]
             for i, lp in zip(lp_rows, _token_logprobs(raw_logprobs, tokens[lp_rows], ks), strict=True):
                 logprobs[i] = lp
-        return SamplerOutput(tokens, logprobs)
+        return SamplerOutput(tokens, outcomes, logprobs)
 
     def _draw(self, probs: Tensor, seqs: list[Sequence]) -> Tensor:
         """One token per row by inverse CDF: the first token whose cumulative probability exceeds u ~ U[0, 1)."""
@@ -115,6 +161,20 @@ def apply_processing(logits: Tensor, seqs: list[Sequence], eos_token_ids: Seq[in
     if minp:
         x = _on_rows(x, minp, lambda sub: apply_min_p(sub, vec(minp, "min_p")))
     return x
+
+
+def _failures(logits: Tensor, x: Tensor) -> Tensor:
+    """[rows] int64: each row's SamplingFailure, 0 where it has a distribution to sample from. One reduction per
+    tensor: a row's max is NaN where it holds a NaN, +inf where it holds one, -inf where every token is masked."""
+    x_max = x.amax(dim=-1)
+    raw_max = logits.amax(dim=-1) if x is not logits else x_max
+    codes = torch.where(x_max == _NEG_INF, int(SamplingFailure.ALL_MASKED), 0)
+    codes = torch.where(_not_finite(x_max), int(SamplingFailure.PARAMS_NOT_FINITE), codes)
+    return torch.where(_not_finite(raw_max), int(SamplingFailure.MODEL_NOT_FINITE), codes)
+
+
+def _not_finite(row_max: Tensor) -> Tensor:
+    return row_max.isnan() | (row_max == _INF)
 
 
 def _rows(x: Tensor, rows: list[int]) -> Tensor:

@@ -9,7 +9,11 @@ from motet.grammar.reasoning import REASONING_FORMATS
 from motet.grammar.specs import GrammarSpec
 
 MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
-MAX_REPETITION_PENALTY = 10.0  # vLLM documents > 0; past 10 it only ever picks unseen tokens
+# vLLM documents > 0; past 10 it only ever picks unseen tokens, below 1/10 only seen ones. Below that a seen
+# token's logit grows past what fp32 holds (1e-40 made it infinite, 1e-300 a division by zero) and the row has no
+# distribution left: vLLM answers with an out-of-vocabulary token.
+MAX_REPETITION_PENALTY = 10.0
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
 MAX_STOP_STRINGS = 32  # stop strings, and stop token ids, per request (OpenAI allows 4)
 MAX_STOP_STRING_CHARS = 1024
 MAX_CACHE_SALT_CHARS = 256  # a salt is hashed, never stored: this only bounds what a request may send
@@ -106,8 +110,8 @@ class SamplingParams:
             bad("top_k", "must be >= 0 (0 or -1 disables it)")
         if not 0 <= number("min_p") <= 1:
             bad("min_p", "must be in [0, 1]")
-        if not 0 < number("repetition_penalty") <= MAX_REPETITION_PENALTY:
-            bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY}]")
+        if not MIN_REPETITION_PENALTY <= number("repetition_penalty") <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]")
         if not -2 <= number("frequency_penalty") <= 2:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not -2 <= number("presence_penalty") <= 2:

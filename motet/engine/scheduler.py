@@ -19,9 +19,10 @@ A waiting sequence is admitted once its adapter is resident in the pool (`adapte
 it meanwhile), running sequences hold at most `max_loras` distinct adapters where that cap is set, and
 adapters waiting for room are time-sliced (see `AdapterSlicer`); a step's batch is ordered by adapter so that
 each adapter's tokens form one contiguous segment for the LoRA kernels.
-While a light tenant's request (or any interactive one beside batch work) runs, its rows go first and the
-other rows get only the tokens that keep the step within the TPOT target (motet/engine/latency.py): the
-tenants over their share yield rows for a step, keeping their slots and KV.
+While a light tenant's request runs (light by the tokens it brings, prompts included), its rows go first and the
+other interactive rows get only the tokens that keep the step within the TPOT target, batch work only what is
+spare beside the interactive rows (motet/engine/latency.py): the rows held back wait a step, keeping their slots
+and KV.
 With KV tiers (motet/engine/kv_connector.py), a waiting sequence whose prefix the tiers hold past the device
 cache's hit waits, keeping its place, while its blocks are loaded in the background; it is admitted after.
 """
@@ -38,7 +39,7 @@ from motet.engine.adapter_slicer import AdapterSlicer
 from motet.engine.block_manager import BlockManager
 from motet.engine.fairness import TenantShares, TenantState, VirtualTokenCounter
 from motet.engine.kv_connector import KVConnector, NoKVTiers
-from motet.engine.latency import LatencyGuard
+from motet.engine.latency import LatencyGuard, tier
 from motet.engine.sequence import Sequence, SequenceStatus
 
 
@@ -196,29 +197,29 @@ class Scheduler:
                 batch.preempted.append(victim)
             self._start(seq, shares)  # its other blocks come below, with the running ones'
 
-        # Running sequences, the latency-bound ones first (at the full budget), then the least-served tenants'
-        # (their prefill chunks get the budget first); last, the least urgent, newest sequence of the tenant most
-        # over its share: the first to be preempted. Every decode row keeps its one token ahead of any prompt
-        # chunk of its group, so a long prompt never stalls the decoding ones. Under a latency cap the rows after
-        # the latency-bound ones share what is left of the cap; the rows it does not reach wait a step.
+        # Running sequences in their latency tiers (motet/engine/latency.py: the latency-bound tenants' at the full
+        # budget, then the other interactive ones, then batch work, each within its tier's tokens), in each the
+        # least-served tenants' first (their prefill chunks get the budget first); last, the least urgent, newest
+        # sequence of the tenant most over its share: the first to be preempted. Every decode row keeps its one
+        # token ahead of any prompt chunk of its tier, so a long prompt never stalls the decoding ones. The rows a
+        # tier's tokens do not reach wait a step.
         cap = self.latency.cap(self.running, self.waiting, time.monotonic(), budget)
-        bound = cap.bound if cap is not None else _never
+        tier_of = cap.tier if cap is not None else tier
+        limits = cap.limits(budget) if cap is not None else (budget,) * 3
         if cap is not None:
             self.num_capped_steps += 1
-        rest = cap.tokens if cap is not None else budget  # what the rows not latency-bound may take
+        used = 0  # tokens in the step so far
         running_places = tenant_places(self.running)
         tenants = {s.tenant for s in self.running}
         order = {t: (shares.load(t), fair.counter(t)) for t in tenants}  # once per tenant, not per row
-        self.running.sort(
-            key=lambda s: (not bound(s), s.background, *order[s.tenant], *running_places[s.seq_id])
-        )
-        decodes_left = Counter(bound(s) for s in self.running if s.num_uncomputed == 1)
+        self.running.sort(key=lambda s: (tier_of(s), *order[s.tenant], *running_places[s.seq_id]))
+        decodes_left = Counter(tier_of(s) for s in self.running if s.num_uncomputed == 1)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and used < budget:
             seq = self.running[i]
-            group = bound(seq)
-            left = budget if group else min(budget, rest)
-            if left <= 0:  # the cap is spent: this row and the later ones (none latency-bound) wait a step
+            group = tier_of(seq)
+            left = limits[group] - used
+            if left <= 0:  # its tier's tokens are spent: it and the later rows (tiers after) wait a step
                 break
             remaining = seq.num_uncomputed
             if remaining == 0:  # its next token is on the way (a step scheduled ahead holds it back)
@@ -241,7 +242,7 @@ class Scheduler:
                     continue
                 victim = self.running.pop()
                 if victim is not seq and victim.num_uncomputed == 1:
-                    decodes_left[bound(victim)] -= 1  # its token is no longer held for it
+                    decodes_left[tier_of(victim)] -= 1  # its token is no longer held for it
                 self._preempt(victim, shares)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -249,8 +250,7 @@ class Scheduler:
             else:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
-                budget -= n
-                rest -= n
+                used += n
                 i += 1
                 continue
             break
@@ -258,10 +258,10 @@ class Scheduler:
         # Then the other waiting sequences in the free slots, lowest counter first; none when something had to
         # be preempted (it would just thrash), nor those preempted in this step.
         candidates = [s for s in self.waiting if not any(s is p for p in batch.preempted)]
-        while candidates and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+        while candidates and used < budget and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = min(candidates, key=admission_order)
             _remove(candidates, seq)
-            left = budget if bound(seq) else min(budget, rest)
+            left = limits[tier_of(seq)] - used
             if left <= 0 or not self.slicer.may_admit(seq.adapter_id) or not self._prefix_ready(seq):
                 continue
             n = min(seq.num_uncomputed, left, self.max_chunk or left)
@@ -271,8 +271,7 @@ class Scheduler:
             self._start(seq, shares)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-            budget -= n
-            rest -= n
+            used += n
         for seq in self.waiting:  # a waiting sequence holds no blocks across steps, once loaded neither (they
             # stay in the device cache, to be matched again)
             if seq.block_table and not self.kv.is_loading(seq):
@@ -376,10 +375,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         self.bm.forget(seq)
-
-
-def _never(seq: Sequence) -> bool:
-    return False
 
 
 def _place(s: Sequence) -> tuple[int, int]:

@@ -120,6 +120,22 @@ def test_out_of_range_or_mistyped_parameters(client, field, value):
     still_serving(client)
 
 
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"repetition_penalty": 1e-300, "temperature": 0}, "must be in [0.1, 10.0]"),  # 1/0 in fp32
+        ({"repetition_penalty": 1e-40, "temperature": 0.7}, "must be in [0.1, 10.0]"),  # an infinite logit
+        ({"allowed_token_ids": [3, 4], "stop_token_ids": [3, 4], "min_tokens": 2}, "banned by min_tokens"),
+    ],
+)
+def test_sampling_parameters_that_leave_no_token_to_sample(client, extra, match):
+    """These sampled an index outside the vocabulary (a 500, and a failed step for the batch around it)."""
+    param = next(iter(extra))
+    for path, body in ((COMPLETIONS, {"prompt": "The quick"}), (CHAT, chat())):
+        refused(send(client, path, {**body, "max_tokens": 4, **extra}), param=param, match=match)
+    still_serving(client)
+
+
 @pytest.mark.parametrize("literal", ["Infinity", "-Infinity", "NaN"])
 def test_non_finite_numbers_are_not_json(client, literal):
     body = '{"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": ' + literal + "}"

@@ -4,6 +4,8 @@ nobody is light, the step is the full budget. The engine's tokens are the same w
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from motet.engine.block_manager import BlockManager
@@ -182,6 +184,59 @@ def test_batch_work_yields_to_interactive_requests():
         sched
     )  # the interactive rows are gone: no row to protect, the batch runs at the 60 ms cap
     assert len(batch) == 19 and sum(s.num_output_tokens for s in batch_rows) == progressed + 19
+
+
+def test_a_tenant_sending_long_prompts_back_to_back_is_the_heavy_one():
+    """Two 900-token prompts at a time, each replaced as it ends: by its request count a light tenant, whose prompt
+    chunks went first at the full budget and left the cap nothing for the other tenant's 8 streams (93 tokens/s
+    to 0). Judged by the tokens it brings it is the heavy one: the streams get their token every step, and the
+    prompts take the rest of the capped step."""
+    sched = make()
+    streams = [seq("a", max_tokens=10_000) for _ in range(8)]
+    for s in streams:
+        sched.add(s)
+    run_step(sched)
+    prompts = itertools.count()
+
+    def long_prompt():  # each its own tokens: no prefix-cache hit
+        first = 10_000 * (1 + next(prompts))
+        s = Sequence(list(range(first, first + 900)), SamplingParams(max_tokens=16), arrival=next(_arrivals),
+                     tenant="g")  # fmt: skip
+        sched.add(s)
+        return s
+
+    sent = [long_prompt(), long_prompt()]
+    for step in range(250):
+        batch = run_step(sched)
+        assert all(s in batch.seqs for s in streams), step  # the streams' token every step
+        assert batch.num_tokens <= 19 and any(s.tenant == "g" for s in batch.seqs)  # (60 ms - 15 ms) / 2.3 ms
+        sent = [s if not s.is_finished else long_prompt() for s in sent]
+    assert all(s.num_output_tokens == 251 for s in streams)
+    assert next(prompts) > 3  # the long prompts were served too, the capped step's other 11 tokens
+
+
+@pytest.mark.parametrize("flex_tenant", ["a", "c"])
+def test_batch_work_does_not_make_a_heavy_tenant_latency_bound(flex_tenant):
+    """Beside batch work every interactive tenant counted as latency-bound, the heavy one too: a tenant keeping
+    two `flex` requests running (or anyone's batch work) made its 40 streams immune, and a light tenant decoded in
+    steps of 40 tokens and more (7.9x slower). Batch work changes nothing between interactive tenants: the light
+    one is latency-bound, the heavy one yields, the batch rows wait behind both."""
+    sched = make()
+    heavy = burst(sched)
+    flex = [seq(flex_tenant, max_tokens=500, background=True) for _ in range(2)]
+    for s in flex:
+        sched.add(s)
+    while any(s.status is not SequenceStatus.RUNNING for s in flex):
+        run_step(sched)
+    light = seq("b", max_tokens=8)
+    sched.add(light)
+    progressed = sum(s.num_output_tokens for s in heavy)
+    while not light.is_finished:
+        batch = run_step(sched)
+        assert light in batch.seqs and batch.num_tokens <= 19
+        assert not any(s.background for s in batch.seqs)  # no spare room beside 19 interactive rows
+    assert light.num_output_tokens == 8 and sum(s.num_output_tokens for s in heavy) > progressed  # both moved
+    assert sched.num_preemptions == 0
 
 
 def test_off_when_the_target_is_zero():
