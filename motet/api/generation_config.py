@@ -13,13 +13,15 @@ import json
 import math
 from pathlib import Path
 
+from motet.engine.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+
 # generation_config.json key -> the request field it defaults, and its bounds (low, high, low inclusive)
 KEYS = {
     "temperature": ("temperature", 0.0, 2.0, True),  # the API's own bounds
     "top_p": ("top_p", 0.0, 1.0, False),
     "top_k": ("top_k", 0, math.inf, True),
     "min_p": ("min_p", 0.0, 1.0, True),
-    "repetition_penalty": ("repetition_penalty", 0.0, math.inf, False),
+    "repetition_penalty": ("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, True),
     "max_new_tokens": ("max_tokens", 1, math.inf, True),
 }
 INTEGER_KEYS = {"top_k", "max_new_tokens"}

@@ -100,6 +100,9 @@ def test_bad_values_are_refused_at_start_up(tmp_path):
         sampling_defaults("auto", tmp_path)
     with pytest.raises(GenerationConfigError, match="top_p 1.5 is out of range"):
         sampling_defaults("vllm", tmp_path, {"top_p": 1.5})
+    # the bounds a request's own repetition_penalty has (a default outside them would refuse every request)
+    with pytest.raises(GenerationConfigError, match="repetition_penalty 1e-300 is out of range"):
+        sampling_defaults("vllm", tmp_path, {"repetition_penalty": 1e-300})
     with pytest.raises(GenerationConfigError, match="unknown key 'temprature'"):
         sampling_defaults("vllm", tmp_path, {"temprature": 0.5})
     with pytest.raises(GenerationConfigError, match="no generation_config.json"):
