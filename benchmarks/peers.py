@@ -8,10 +8,11 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from benchmarks import chat_body
-from motet.evals.server import free_port, wait_healthy
+from motet.evals.server import ServerError, free_port, wait_healthy
 from motet.evals.serving_bench import make_prompts, run_level, summarize
 
 
@@ -83,3 +84,12 @@ def peer_row(peer: str, m: dict, theirs: dict, **label) -> dict:
             "ratio_tokens_per_s": m["output_token_throughput"] / theirs["output_token_throughput"],
             "tpot_p50_ms": (1e3 * p50(m, "tpot_s"), 1e3 * p50(theirs, "tpot_s")),
             "ttft_p50_ms": (1e3 * p50(m, "ttft_s"), 1e3 * p50(theirs, "ttft_s"))}  # fmt: skip
+
+
+def run_main(main) -> None:
+    """A peer benchmark's entry point: a server that would not start, a failed build or install step, or a failed
+    request ends it with one line."""
+    try:
+        main()
+    except (ServerError, subprocess.CalledProcessError, RuntimeError) as e:
+        sys.exit(f"error: {e}")

