@@ -73,7 +73,7 @@ def adapter_refusal(ref: AdapterRef, error: AdapterError) -> ServingError:
     reason = str(error).replace(where + os.sep, "").replace(where, ref.model)
     log.warning("adapter %s does not load from %s: %s", ref.name, where, error)
     return InvalidRequest(
-        f"the adapter {ref.model!r} cannot be served with this server's base model: {reason}",
+        f"the adapter {ref.model!r} cannot be served with this server's base model and limits: {reason}",
         param="model",
         code="adapter_mismatch",
     )

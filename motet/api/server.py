@@ -37,7 +37,10 @@ def data_dir(flag: str | None, model: str) -> Path:
 def warn_of_shared_data(flag: str | None, data: Path) -> None:
     """Data kept in DEFAULT_DATA_DIR itself (before data directories were per model) is not lost: say where."""
     old = Path(DEFAULT_DATA_DIR).expanduser()
-    if flag or os.environ.get("MOTET_DATA_DIR") or not (old / "adapters").is_dir():
+    if flag or os.environ.get("MOTET_DATA_DIR") or not old.is_dir():
+        return
+    # the old layout: adapters/ and the stores' SQLite files (model directories hold them now)
+    if not ((old / "adapters").is_dir() or any(p.is_file() for p in old.iterdir())):
         return
     log.warning("%s holds data from before each model had its own data directory (this one's: %s); pass "
                 "--data-dir %s to serve it", old, data, old)  # fmt: skip

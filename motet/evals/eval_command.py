@@ -38,7 +38,8 @@ def _common_args(p: argparse.ArgumentParser, needs_server: bool) -> None:
         "--model",
         default=None,
         help="model name sent in requests; for a server started here also its --model (name or local "
-        "checkpoint dir). Default: the server's first model (/v1/models), or SmolLM2-135M-Instruct",
+        "checkpoint dir), unless --server-args names one. Default: the server's first model (GET /v1/models); "
+        "offline suites: SmolLM2-135M-Instruct",
     )
     g.add_argument("--data", type=Path, default=None, help="the suite's data file (default: its dev set)")
     g.add_argument(

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from motet.api.auth import DEFAULT_TENANT
-from motet.api.server import DEFAULT_DATA_DIR, data_dir
+from motet.api.server import DEFAULT_DATA_DIR, data_dir, warn_of_shared_data
 from motet.engine.config import ModelConfig
 from motet.engine.model_store import DEFAULT_MODEL_ALIASES
 from motet.evals.lora_reference import write_random_adapter
@@ -91,7 +91,9 @@ def test_the_same_upload_twice_is_fine_other_files_under_the_name_are_409(server
     assert other.status_code == 409 and "DELETE /v1/adapters/twice" in other.json()["error"]["message"]
 
 
-def test_each_model_has_its_own_data_directory_unless_one_is_given(tmp_path, monkeypatch, tiny_model_dir):
+def test_each_model_has_its_own_data_directory_unless_one_is_given(
+    tmp_path, monkeypatch, tiny_model_dir, caplog
+):
     monkeypatch.delenv("MOTET_DATA_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     root = Path(DEFAULT_DATA_DIR).expanduser()
@@ -105,3 +107,9 @@ def test_each_model_has_its_own_data_directory_unless_one_is_given(tmp_path, mon
     assert {data_dir(shared, m) for m in (str(tiny_model_dir), str(twin))} == {Path(shared)}  # given: shared
     monkeypatch.setenv("MOTET_DATA_DIR", shared)
     assert data_dir(None, str(twin)) == Path(shared)
+
+    monkeypatch.delenv("MOTET_DATA_DIR")  # data an earlier motet kept in the shared default: said, not lost
+    (root / "adapters" / "default").mkdir(parents=True)
+    with caplog.at_level("WARNING", logger="motet.server"):
+        warn_of_shared_data(None, data_dir(None, str(twin)))
+    assert f"--data-dir {root}" in caplog.text
