@@ -22,10 +22,9 @@ import anyio.lowlevel
 
 from motet.actors.messages import QueuedRequest, Step, StepDone
 from motet.actors.runtime import Actor
-from motet.actors.serving_errors import EngineFailure, InvalidRequest, ModelNotFound
+from motet.actors.serving_errors import EngineFailure, InvalidRequest, adapter_refusal
 from motet.engine.request_checks import RequestError
 from motet.lora.adapter import AdapterError
-from motet.lora.manager import files_version
 
 log = logging.getLogger("motet.executor")
 
@@ -137,12 +136,7 @@ class ExecutorActor(Actor):
 def _refusal(req: QueuedRequest, error: Exception) -> Exception:
     """Why the engine would not take an admitted request, as the client should hear it."""
     if isinstance(error, AdapterError) and req.adapter is not None:
-        if files_version(req.adapter.path) != req.adapter.version:  # deleted or replaced while queued
-            return ModelNotFound(
-                f"the model {req.adapter.model!r} does not exist", param="model", code="model_not_found"
-            )
-        log.error("adapter %s no longer loads from %s", req.adapter.name, req.adapter.path, exc_info=error)
-        return EngineFailure(f"the adapter {req.adapter.model!r} could not be loaded")
+        return adapter_refusal(req.adapter, error)
     if isinstance(error, RequestError):
         return InvalidRequest(str(error), param=error.param, code=error.code)
     if isinstance(error, ValueError):

@@ -18,11 +18,10 @@ import anyio.to_thread
 from motet.actors.messages import Admission, Enqueue, GenerateSpec, QueuedRequest, Submit
 from motet.actors.reply import ReplyStream
 from motet.actors.runtime import Actor
-from motet.actors.serving_errors import EngineFailure, InvalidRequest, ModelNotFound, ServerBusy
+from motet.actors.serving_errors import InvalidRequest, ServerBusy, adapter_refusal
 from motet.engine.request_checks import RequestError
 from motet.grammar.specs import GrammarError
 from motet.lora.adapter import AdapterError
-from motet.lora.manager import files_version
 
 log = logging.getLogger("motet.ingress")
 
@@ -75,17 +74,12 @@ class IngressActor(Actor):
 
     async def _load_adapter(self, spec: GenerateSpec) -> bool:
         """Read and validate the adapter's files now, in a worker thread (cached after the first time),
-        so the engine's thread never waits on a disk; 404 if they are gone. True: the files were read now."""
+        so the engine's thread never waits on a disk; 404 if they are gone, 400 if they do not fit. True: the files were read now."""
         ref = spec.adapter
         try:
             return await anyio.to_thread.run_sync(self.engine.adapters.load, ref, limiter=self.limiter)
         except AdapterError as e:
-            if files_version(ref.path) != ref.version:  # deleted or replaced since the request resolved it
-                raise ModelNotFound(
-                    f"the model {ref.model!r} does not exist", param="model", code="model_not_found"
-                ) from None
-            log.error("adapter %s no longer loads from %s: %s", ref.name, ref.path, e)
-            raise EngineFailure(f"the adapter {ref.model!r} could not be loaded") from None
+            raise adapter_refusal(ref, e) from None
 
     async def _compile(self, spec: GenerateSpec):
         """The request's grammar, compiled (cached, with a time limit) in a worker thread; 400 if it cannot be,

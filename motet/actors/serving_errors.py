@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
+from motet.lora.adapter import AdapterError
+from motet.lora.manager import AdapterRef, files_version
+
+log = logging.getLogger("motet.adapters")
+
 
 class ServingError(Exception):
     status = 500
@@ -52,3 +60,20 @@ class ModelNotFound(ServingError):
 
     status = 404
     type = "not_found_error"
+
+
+def adapter_refusal(ref: AdapterRef, error: AdapterError) -> ServingError:
+    """Why a request's adapter does not load, as its tenant should hear it: 404 where it was deleted or replaced
+    since the request named it; else 400 with the reason, the adapter's own fault (stored for another base model
+    in a data directory the operator shares, over the server's rank or memory), never a 500 whose reason only
+    the server's log knows. The reason names the adapter's files, not where the server keeps them."""
+    if files_version(ref.path) != ref.version:
+        return ModelNotFound(f"the model {ref.model!r} does not exist", param="model", code="model_not_found")
+    where = str(ref.path)
+    reason = str(error).replace(where + os.sep, "").replace(where, ref.model)
+    log.warning("adapter %s does not load from %s: %s", ref.name, where, error)
+    return InvalidRequest(
+        f"the adapter {ref.model!r} cannot be served with this server's base model and limits: {reason}",
+        param="model",
+        code="adapter_mismatch",
+    )

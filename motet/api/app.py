@@ -57,6 +57,7 @@ ENDPOINTS = (
     "/metrics",
     "/v1/usage",
     "/openapi.json",
+    "/docs",
 )
 
 
@@ -201,7 +202,7 @@ def routes() -> list:
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/v1/usage", guarded(usage_route), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"], include_in_schema=False),
-        *playground_routes(),  # the chat page at /
+        *playground_routes(),  # the chat page at /, the API docs at /docs
     ]
 
 

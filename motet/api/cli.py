@@ -53,9 +53,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=d.model,
-        help="model name, local HF checkpoint dir, or a llama GGUF file (path/to/file.gguf: config, tokenizer and "
-        "chat template from its metadata, projections served in its own blocks as with --quantization gguf, "
-        f"named by the file's stem) (default: {d.model})",
+        help="model name, local HF checkpoint dir of a family motet serves (docs/models.md), or a GGUF file of one "
+        "(path/to/file.gguf: config, tokenizer and chat template from its metadata, projections served in its own "
+        "blocks as with --quantization gguf); a local model is served by its directory's name (a GGUF file's stem) "
+        f"unless --served-model-name (default: {d.model})",
     )
     flag("--dtype", choices=sorted(DTYPES), help="weights' and KV cache's type")
     flag(
@@ -119,7 +120,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-disk-gb",
         type=number(0),
         help="local disk, in GiB, for KV blocks under <data dir>/kv-cache (--data-dir, else $MOTET_DATA_DIR, "
-        "else ~/.local/share/motet): kept across restarts, each entry checksummed and bound to the model, "
+        "else the model's own under ~/.local/share/motet): kept across restarts, each entry checksummed and bound to the model, "
         "dtype and KV layout; 0: off",
     )
     flag(
@@ -216,12 +217,13 @@ def engine_config(args):
     from motet.api.vllm_flags import served_model
     from motet.engine.config import EngineConfig
 
+    model = served_model(args, EngineConfig.model)  # `motet serve MODEL` too
     return EngineConfig(
         **ENGINE_FLAGS.values(args),
-        model=served_model(args, EngineConfig.model),  # `motet serve MODEL` too
+        model=model,
         enable_prefix_caching=not args.no_prefix_caching,
         compile_step=not args.no_compile,
-        kv_disk_dir=kv_disk_dir(args),
+        kv_disk_dir=kv_disk_dir(args, model),
         # `serve`'s own: vLLM's (motet/api/vllm_flags.py) and the scale-out flags (motet/cluster/serve_flags.py)
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
         kv_shared_dir=getattr(args, "kv_shared_dir", None),
@@ -229,14 +231,14 @@ def engine_config(args):
     )
 
 
-def kv_disk_dir(args) -> str | None:
+def kv_disk_dir(args, model: str) -> str | None:
     """The KV disk tier's directory, under the data directory (`motet serve --data-dir`), when it is on."""
     from motet.api.server import data_dir
     from motet.engine.kv_tiers import KV_CACHE_SUBDIR
 
     if not args.kv_disk_gb:
         return None
-    return str(data_dir(getattr(args, "data_dir", None)) / KV_CACHE_SUBDIR)
+    return str(data_dir(getattr(args, "data_dir", None), model) / KV_CACHE_SUBDIR)
 
 
 def cmd_pull(args) -> int:

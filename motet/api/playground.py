@@ -1,7 +1,9 @@
-"""The playground: a static chat page at `/` (and its assets under /static) that calls the same API.
+"""The server's pages: the playground, a static chat page at `/` that calls the same API, and the API's docs at
+`/docs` (Swagger UI on /openapi.json, as vLLM's users find them), with their assets under /static.
 
-The page holds no data, so serving it needs no API key; the requests it makes carry the key the user gives.
-Its Content-Security-Policy lets it load and call nothing but this server.
+The pages hold no data, so serving them needs no API key; the requests they make carry the key the user gives
+(the docs' "Authorize"). Their Content-Security-Policy lets them load and call nothing but this server: Swagger UI
+is vendored (static/swagger-ui/), never fetched from a CDN, so the docs work offline too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ async def index(request: Request) -> Response:
     return FileResponse(STATIC_DIR / "index.html", headers={**SECURITY_HEADERS, "Cache-Control": "no-cache"})
 
 
+async def docs(request: Request) -> Response:
+    return FileResponse(STATIC_DIR / "docs.html", headers={**SECURITY_HEADERS, "Cache-Control": "no-cache"})
+
+
 class SecuredStaticFiles(StaticFiles):
     """The page's assets with the page's headers: `/static/index.html` is the page too, and must not be
     framed or load from elsewhere either."""
@@ -40,5 +46,6 @@ class SecuredStaticFiles(StaticFiles):
 def playground_routes() -> list:
     return [
         Route("/", index, methods=["GET", "HEAD"], include_in_schema=False),
+        Route("/docs", docs, methods=["GET", "HEAD"], include_in_schema=False),
         Mount("/static", SecuredStaticFiles(directory=STATIC_DIR), name="static"),
     ]

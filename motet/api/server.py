@@ -24,9 +24,26 @@ log = logging.getLogger("motet.server")
 DEFAULT_DATA_DIR = "~/.local/share/motet"
 
 
-def data_dir(flag: str | None) -> Path:
-    """The server's data directory: --data-dir, else $MOTET_DATA_DIR, else DEFAULT_DATA_DIR."""
-    return Path(flag or os.environ.get("MOTET_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
+def data_dir(flag: str | None, model: str) -> Path:
+    """The server's data directory: --data-dir, else $MOTET_DATA_DIR (either is shared by every model served
+    with it), else one of `model`'s own under DEFAULT_DATA_DIR, so that one model's adapters, files, responses
+    and batches never meet another's."""
+    from motet.engine.model_store import model_key
+
+    explicit = flag or os.environ.get("MOTET_DATA_DIR")
+    return Path(explicit).expanduser() if explicit else Path(DEFAULT_DATA_DIR).expanduser() / model_key(model)
+
+
+def warn_of_shared_data(flag: str | None, data: Path) -> None:
+    """Data kept in DEFAULT_DATA_DIR itself (before data directories were per model) is not lost: say where."""
+    old = Path(DEFAULT_DATA_DIR).expanduser()
+    if flag or os.environ.get("MOTET_DATA_DIR") or not old.is_dir():
+        return
+    # the old layout: adapters/ and the stores' SQLite files (model directories hold them now)
+    if not ((old / "adapters").is_dir() or any(p.is_file() for p in old.iterdir())):
+        return
+    log.warning("%s holds data from before each model had its own data directory (this one's: %s); pass "
+                "--data-dir %s to serve it", old, data, old)  # fmt: skip
 
 
 def shared_loras(specs: list[str] | None, model_names: list[str]) -> dict[str, Path]:
@@ -97,14 +114,16 @@ def served_names(args, config) -> list[str]:
     from motet.engine.model_store import DEFAULT_MODEL_ALIASES
 
     names = list(args.served_model_name or [])
-    if is_gguf_file(config.model):  # llama.cpp's habit: a GGUF file is served by its stem
-        names.append(Path(config.model).stem)
-    names.append(config.model)
+    path = Path(os.path.abspath(Path(config.model).expanduser()))
     if config.model in DEFAULT_MODEL_ALIASES:
-        names += [n for n in DEFAULT_MODEL_ALIASES if n != config.model]
-    elif Path(config.model).exists():
-        names.append(Path(config.model).name)
-    return names
+        names += [config.model, *(n for n in DEFAULT_MODEL_ALIASES if n != config.model)]
+    elif path.exists():
+        # a local checkpoint is served by its name (a GGUF file by its stem, llama.cpp's habit), not its path:
+        # tenants see the model's name, not the operator's file system; the path stays an alias
+        names += [path.stem if is_gguf_file(config.model) else path.name, config.model]
+    else:
+        names.append(config.model)
+    return list(dict.fromkeys(names))
 
 
 DISK_SHARE = 0.25  # of the data dir's free space at start-up: the most one tenant's files, or its stored
@@ -175,7 +194,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
             " and --override-generation-config" if args.override_generation_config else "",
         )
     loras = shared_loras(args.lora, names)
-    data = data_dir(args.data_dir)
+    data = data_dir(args.data_dir, config.model)
     fit_to_disk(args, config, data)
     for flag, values in (
         ("--allowed-hosts", args.allowed_hosts),
@@ -227,6 +246,8 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         usage=UsageStore(data),
     )
     state.limiter.reload(state.auth.tenant_limits())
+    log.info("data directory: %s", data)  # (once every flag was accepted: a refusal stays one line)
+    warn_of_shared_data(args.data_dir, data)
     if serve_flags.wants_cluster(args):  # each replica's figures beside the sums
         state.metrics.registry.register(system.replica_metrics())
     return state
@@ -388,9 +409,9 @@ def add_serve_args(p) -> None:
         "--data-dir",
         default=None,
         help=f"where tenants' uploaded adapters, stored responses, files and batches live, and the KV disk "
-        f"tier (--kv-disk-gb) under kv-cache/ (default: "
-        f"$MOTET_DATA_DIR or "
-        f"{DEFAULT_DATA_DIR})",
+        f"tier (--kv-disk-gb) under kv-cache/; one given here or as $MOTET_DATA_DIR is shared by every model "
+        f"served with it (default: $MOTET_DATA_DIR, else the model's own: {DEFAULT_DATA_DIR}/<model>-<hash of "
+        f"its path>, or {DEFAULT_DATA_DIR}/SmolLM2-135M-Instruct)",
     )
     from motet.api.responses.store import (
         DEFAULT_MAX_AGE_DAYS,

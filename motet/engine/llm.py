@@ -1,8 +1,16 @@
 """`LLM`: offline generation for scripts and tests, driving the engine's step to the end.
 
+```python
+from motet import LLM, SamplingParams
+
 llm = LLM()                                        # the default model
+params = SamplingParams(temperature=0, max_tokens=16)
+outs = llm.generate(["Hello"], params)             # prompts: texts (or token ids)
+outs = llm.chat([{"role": "user", "content": "Hi"}], params)  # a conversation, through the chat template
 llm.add_lora("upper", "adapters/upper")            # optional: PEFT adapters, by name
-outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16), adapters=["upper"])
+outs = llm.generate(["Hello"], params, adapters=["upper"])
+print(outs[0].text)
+```
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ from motet.lora.manager import AdapterRef
 
 
 class LLM:
+    """The engine of `model` (a name, a checkpoint directory or a GGUF file, as `motet serve --model`; None: the
+    default model) with `engine_options` (EngineConfig's fields, e.g. `dtype`, `quantization`, `num_kv_blocks`)."""
+
     def __init__(self, model: str | None = None, **engine_options):
         config = EngineConfig(model=model or EngineConfig.model, **engine_options)
         self.engine = LLMEngine(config)
@@ -32,6 +43,7 @@ class LLM:
         self.close()
 
     def add_lora(self, name: str, path) -> AdapterRef:
+        """Register the PEFT LoRA adapter directory `path` as `name`, for `generate`'s and `chat`'s `adapters`."""
         return self.engine.add_lora(name, path)
 
     def generate(
@@ -55,8 +67,17 @@ class LLM:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
-    def chat(self, conversations, params=None, **kw) -> list[RequestOutput]:
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        adapters: Seq[AdapterRef | str | None] | None = None,
+        **template_options,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of `{"role", "content"}` messages) or several, each rendered by the
+        model's chat template with the assistant's turn opened (`template_options` go to the template, e.g.
+        `enable_thinking=False`); then as `generate`."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.encode_chat(c, **kw) for c in conversations]
-        return self.generate(prompts, params)
+        prompts = [self.tokenizer.encode_chat(c, **template_options) for c in conversations]
+        return self.generate(prompts, params, adapters)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from motet.engine import load_progress
 from motet.engine.config import (
     GGUF_QUANTIZATION,
     QUANT_FORMATS,
@@ -220,7 +221,11 @@ class ModelRunner:
         # weights over; else (or where it cannot run) the eager model, with oneDNN-prepacked products on CPU.
         self.native: CpuForward | None = None
         if config.compile_step and self.device.type == "cpu" and cpu_forward_supported(model, self.dtype):
+            t0 = time.perf_counter()
             self.native = CpuForward(model, self.kv_caches)
+            took = time.perf_counter() - t0
+            if took >= load_progress.EVERY_S:  # (a slow machine's start-up is not silence)
+                log.info("packed the weights for the native CPU step in %.1f s", took)
         elif self.device.type == "cpu" and onednn_available():
             for module in model.modules():
                 if isinstance(module, Linear):
@@ -287,7 +292,11 @@ class ModelRunner:
             weights = iter_gguf_weights(gguf_file(model_dir))
         else:
             weights = iter_checkpoint_weights(model_dir, declared)
-        model.load_weights(weights, quantize=QUANT_FORMATS.get(config.quantization))
+        quantize = QUANT_FORMATS.get(config.quantization)
+        what = f"quantizing the weights to {quantize.name}" if quantize is not None else "loading the weights"
+        if self.parallel.rank == 0:  # (every rank reads the whole checkpoint: one tells)
+            weights = load_progress.LoadProgress(what, model_config.num_hidden_layers).tensors(weights)
+        model.load_weights(weights, quantize=quantize)
         return model.eval().requires_grad_(False)
 
     @torch.inference_mode()

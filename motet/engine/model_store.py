@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ from motet.engine.config import GGUF_SUFFIX, ModelLoadError, is_gguf_file
 from motet.engine.gguf_convert import PullError, convert_gguf
 from motet.engine.gguf_model import gguf_model_dir
 from motet.engine.gguf_weights import GGUF_FILE
+from motet.models import DECLARATIONS, SUPPORTED_ARCHITECTURES
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -157,9 +159,33 @@ def resolve_model(
         return cached
     raise ModelLoadError(
         f"model {str(name_or_path)!r}: no such directory or file, and not a known model name "
-        f"(known: {DEFAULT_MODEL}); pass a local Hugging Face checkpoint directory of a family motet serves "
-        f"(in safetensors) or a llama GGUF file"
+        f"(known: {DEFAULT_MODEL}); pass a local Hugging Face checkpoint directory (safetensors) of a family motet "
+        f"serves ({', '.join(_families())}) or a GGUF file of one ({', '.join(_gguf_architectures())})"
     )
+
+
+def _families() -> list[str]:
+    """What motet loads, by the family names its models registry declares (LlamaForCausalLM -> Llama)."""
+    return [name.removesuffix("ForCausalLM") for name in SUPPORTED_ARCHITECTURES]
+
+
+def _gguf_architectures() -> list[str]:
+    """The GGUF files' `general.architecture` values the registry reads (llama.cpp's names)."""
+    return [d.gguf for d in DECLARATIONS if d.gguf]
+
+
+def model_key(name_or_path: str | Path | None) -> str:
+    """A short name for the model `resolve_model` serves, unique per checkpoint: the default model's name, a
+    local checkpoint's directory name (a GGUF file's stem) with a hash of its absolute path (two checkpoints
+    both named `model` stay apart), another model of the store by its name. What keeps one model's data
+    apart from another's (motet/api/server.py's data directory)."""
+    if name_or_path is None or str(name_or_path) in DEFAULT_MODEL_ALIASES:
+        return DEFAULT_MODEL
+    path = Path(os.path.abspath(Path(name_or_path).expanduser()))
+    if not path.exists():
+        return str(name_or_path)
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:8]
+    return f"{path.stem if is_gguf_file(path) else path.name}-{digest}"
 
 
 # --------------------------------------------------------------------------------------------------

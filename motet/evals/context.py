@@ -36,6 +36,8 @@ class EvalContext:
     args: argparse.Namespace  # all parsed flags, suite-specific ones included
     managed: bool  # True when `motet eval` started the server itself
     label: str = ""  # which server this is, in progress bars and comparisons
+    # the base model's checkpoint (a name or a path) where motet eval knows it: what it started its server with
+    model_path: str | None = None
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

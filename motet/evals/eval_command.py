@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
+from urllib.parse import quote
 
 import httpx
 
@@ -37,7 +38,8 @@ def _common_args(p: argparse.ArgumentParser, needs_server: bool) -> None:
         "--model",
         default=None,
         help="model name sent in requests; for a server started here also its --model (name or local "
-        "checkpoint dir). Default: the server's first model (/v1/models), or SmolLM2-135M-Instruct",
+        "checkpoint dir), unless --server-args names one. Default: the server's first model (GET /v1/models); "
+        "offline suites: SmolLM2-135M-Instruct",
     )
     g.add_argument("--data", type=Path, default=None, help="the suite's data file (default: its dev set)")
     g.add_argument(
@@ -99,14 +101,39 @@ def _normalize_base_url(url: str) -> str:
     return url if "/" in url.partition("://")[2] else f"{url}/v1"
 
 
-def _served_model(ctx: EvalContext) -> str:
-    """The first model a server lists, for --base-url runs without --model."""
+def _checked_model(ctx: EvalContext) -> str:
+    """The model to send: --model where the server has it (a clear error where it does not, before any request
+    is sent), else the first model the server lists (GET /v1/models)."""
     r = httpx.get(f"{ctx.base_url}/models", headers=ctx.headers(), timeout=30)
+    if ctx.model and r.status_code in (404, 405):  # a server without the listing: take --model as given
+        return ctx.model
     r.raise_for_status()
-    models = r.json().get("data") or []
-    if not models:
-        raise ValueError(f"{ctx.base_url}/models lists no model: pass --model")
-    return models[0]["id"]
+    listed = [m["id"] for m in r.json().get("data") or []]
+    if not ctx.model:
+        if not listed:
+            raise ValueError(f"{ctx.base_url}/models lists no model: pass --model")
+        return listed[0]
+    if ctx.model in listed:
+        return ctx.model
+    # a name the listing does not show but the server answers to (motet: the served name's aliases)
+    one = httpx.get(f"{ctx.base_url}/models/{quote(ctx.model)}", headers=ctx.headers(), timeout=30)
+    if one.status_code == 200:
+        return ctx.model
+    raise ValueError(
+        f"the server at {ctx.base_url} has no model {ctx.model!r} (it lists: {', '.join(listed) or 'none'}): "
+        "pass one of those with --model, or leave --model out for the first"
+    )
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` in a command line (`--flag V` or `--flag=V`; the last one given), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg.partition("=")[2]
+    return value
 
 
 def _target(url: str | None, server_args: str, label: str | None) -> dict:
@@ -133,8 +160,6 @@ def _targets(args) -> list[dict]:
 
 
 def _run_one(module: ModuleType, args, out_dir: Path, target: dict) -> Run:
-    from motet.engine.model_store import DEFAULT_MODEL
-
     started = time.perf_counter()
     server = None
     if target["url"] is None:
@@ -151,7 +176,7 @@ def _run_one(module: ModuleType, args, out_dir: Path, target: dict) -> Run:
     try:
         ctx = EvalContext(
             base_url=server.base_url if server else target["url"],
-            model=args.model or (DEFAULT_MODEL if server else ""),
+            model=args.model or "",
             api_key=args.api_key,
             data=args.data,
             limit=args.limit,
@@ -160,9 +185,10 @@ def _run_one(module: ModuleType, args, out_dir: Path, target: dict) -> Run:
             args=args,
             managed=server is not None,
             label=target["label"],
+            # the checkpoint a server started here serves (None: the default model)
+            model_path=(_flag_value(target["server_args"], "--model") or args.model) if server else None,
         )
-        if not ctx.model:
-            ctx.model = _served_model(ctx)
+        ctx.model = _checked_model(ctx)
         results = module.run(ctx)
     finally:
         if server is not None:
@@ -223,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             runs = [_run_offline(module, args, out_dir)]
         text = report.write(out_dir, module, runs, argv)
+        failures = [f"[{r.label}] {why}" for r in runs if (why := report.failure(module, r.results))]
     except KeyboardInterrupt:
         print("\nmotet eval: interrupted", file=sys.stderr)
         return 130
@@ -234,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
     print(text)
     print(f"report: {out_dir}/summary.md")
-    return 0
+    for line in failures:  # a run whose requests all failed measured nothing: not a success
+        print(f"motet eval: error: {line}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -158,6 +158,14 @@ def run_by_mode(ctx, suite: str, dataset: str, one, aggregate, count_name: str, 
     }
 
 
+def items_failure(results: dict) -> str | None:
+    """Such a suite's `failure`: every request of the run failed (a wrong model, a server that refuses all)."""
+    items = results["items"]
+    if items and all(i["status"] == "error" for i in items):
+        return f"all {len(items)} requests failed, e.g. {items[0]['error']}"
+    return None
+
+
 def scored_item(record: dict, mode: str, status: str, finish: str | None, error: str, **scores) -> dict:
     """A scored item: what `by_mode` and `status_rates` read of it (the record's id and category, the mode, the
     request's status and finish reason, its error), then the suite's own `scores`."""
@@ -254,6 +262,13 @@ def save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
     return path
+
+
+def failure(suite: ModuleType, results: dict) -> str | None:
+    """Why a run measured nothing (its requests failed wholesale), from the suite's optional `failure`; None: it
+    measured something."""
+    check = getattr(suite, "failure", None)
+    return check(results) if check is not None else None
 
 
 # -- the report -----------------------------------------------------------------------------------------

@@ -253,7 +253,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--url", default=None, help="a running server; default: start `motet serve` on a free port"
     )
-    p.add_argument("--model", default="SmolLM2-135M-Instruct", help="the model name sent in requests")
+    p.add_argument(
+        "--model", default=None, help="the model name sent in requests (default: the server's first)"
+    )
     p.add_argument("--model-path", default=None, help="--model for the server this script starts")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--num-prompts", type=int, default=None, help="per level (default: max(8, 2 x clients))")
@@ -271,6 +273,8 @@ def main(argv=None) -> int:
         server = ManagedServer(server_args, model=args.model_path).start()
     url = args.url or server.url
     try:
+        if args.model is None:  # the model the server serves (GET /v1/models), not a name it may not know
+            args.model = httpx.get(f"{url}/v1/models", timeout=30).raise_for_status().json()["data"][0]["id"]
         warm = [("/v1/completions", completion_body(args.model, p, 4)) for p in make_prompts(2, 8, 1)]
         asyncio.run(run_level(url, warm, 2))
         levels = []

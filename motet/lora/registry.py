@@ -131,14 +131,18 @@ class AdapterRegistry:
         filename: str | None = None,
         overwrite: bool = False,
     ) -> AdapterInfo:
-        """Store an adapter from its two files or from one archive (`filename` says its format)."""
+        """Store an adapter from its two files or from one archive (`filename` says its format). The same files
+        again under the same name are stored already: that adapter is returned (a script's upload can run twice);
+        other files under a taken name are AdapterExists unless `overwrite`."""
         target = self._dir(tenant, name)
         if (files is None) == (archive is None):
             raise AdapterError("upload either the adapter files or one archive")
         files = self._from_archive(archive, filename or "") if archive is not None else dict(files)
         self._check_files(files)
         if target.exists() and not overwrite:
-            raise AdapterExists(f"adapter {name!r} already exists")
+            if _holds(target, files):
+                return self.get(tenant, name)
+            raise AdapterExists(f"adapter {name!r} already exists with other files")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
         try:
@@ -260,6 +264,17 @@ class AdapterRegistry:
         except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, RuntimeError) as e:
             raise AdapterError(f"archive is not a valid zip file ({e})") from None
         return out
+
+
+def _holds(folder: Path, files: dict[str, bytes]) -> bool:
+    """Whether `folder` holds exactly these adapter files (sizes first: most differences end there)."""
+    try:
+        return all(
+            (folder / f).stat().st_size == len(data) and (folder / f).read_bytes() == data
+            for f, data in files.items()
+        )
+    except OSError:
+        return False
 
 
 def _safe_parts(name: str) -> list[str]:

@@ -124,7 +124,9 @@ def test_upload_and_list(server, adapters, dirs):
     card = r.json()
     assert card["id"] == "a" and card["object"] == "adapter" and card["owned_by"] == "alice"
     assert card["parent"] == MODEL and card["size_bytes"] > 0
-    error(upload(alice, "a", two_files(adapters["alice"])), 409)  # the name is taken
+    again = upload(alice, "a", two_files(adapters["alice"]))  # the same files again (a script run twice)
+    assert again.status_code == 200 and again.json() == card, again.text
+    error(upload(alice, "a", two_files(adapters["bob"])), 409)  # other files: the name is taken
     error(upload(alice, MODEL, two_files(adapters["alice"])), 409)  # so is the base model's
 
     # Bob has his own "a" (an archive: a folder inside a .tar.gz), alice a second adapter from a .zip.

@@ -3,6 +3,8 @@ nothing else; each handler declares its operation beside it; the served document
 
 from __future__ import annotations
 
+from html.parser import HTMLParser
+
 import pytest
 from jsonschema import Draft202012Validator
 from schemathesis.specs.openapi.definitions import OPENAPI_31
@@ -14,11 +16,12 @@ from starlette.testclient import TestClient
 from motet.actors.system import ServingSystem
 from motet.api import app as app_module
 from motet.api.app import ENDPOINTS, TEMPLATED, create_app, openapi_schema
+from motet.api.auth import Authenticator
 from motet.api.openapi import Operation, document, operation
 from motet.api.state import ServerState
 
 # what the app serves and the document leaves out, on purpose (each registered with include_in_schema=False)
-UNDOCUMENTED = {"/openapi.json", "/", "/static"}
+UNDOCUMENTED = {"/openapi.json", "/", "/docs", "/static"}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +48,49 @@ def test_the_served_document_is_the_generated_one(app):
     served = TestClient(app).get("/openapi.json")  # no lifespan: the route needs no model
     assert served.status_code == 200
     assert served.json() == openapi_schema() == document(app.routes)
+
+
+class _Assets(HTMLParser):
+    """What a page loads: its scripts' and stylesheets' URLs."""
+
+    def __init__(self):
+        super().__init__()
+        self.scripts, self.styles = [], []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "script" and a.get("src"):
+            self.scripts.append(a["src"])
+        if tag == "link" and a.get("rel") == "stylesheet":
+            self.styles.append(a["href"])
+
+
+def test_docs_is_swagger_ui_on_the_document_served_from_here_also_under_keys():
+    """GET /docs (where vLLM's users look) is Swagger UI: its page and assets come from this server (no CDN: it works
+    offline) under the pages' Content-Security-Policy, and read /openapi.json; with --api-keys neither needs a key."""
+    system = ServingSystem(lambda: pytest.fail("the engine is never built here"), max_queue_len=1)
+    client = TestClient(create_app(ServerState(system, ["tiny"], auth=Authenticator({"sk-a": "alice"}))))
+    page = client.get("/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assets = _Assets()
+    assets.feed(page.text)
+    assert (
+        assets.scripts
+        and assets.styles
+        and all(u.startswith("/static/") for u in assets.scripts + assets.styles)
+    )
+    loaded = {u: client.get(u) for u in assets.scripts + assets.styles}
+    assert all(r.status_code == 200 for r in loaded.values()), {u: r.status_code for u, r in loaded.items()}
+    assert all("javascript" in loaded[u].headers["content-type"] for u in assets.scripts)
+    assert all(loaded[u].headers["content-type"].startswith("text/css") for u in assets.styles)
+    code = "".join(r.text for u, r in loaded.items() if u in assets.scripts)
+    assert "SwaggerUIBundle" in code and 'url: "/openapi.json"' in code
+    assert client.get("/openapi.json").json()["openapi"] == "3.1.0"  # what Swagger UI 5 renders (4.x cannot)
+    assert client.get("/v1/models").status_code in (
+        401,
+        503,
+    )  # the API itself still wants a key (or the model)
 
 
 def test_the_document_is_valid_openapi_3_1():

@@ -119,16 +119,16 @@ def browser():
 
 
 @contextmanager
-def open_page(browser, url: str):
-    """A fresh browser profile on the playground; fails if the page throws, breaks its Content-Security-Policy or
-    asks for anything elsewhere."""
+def open_page(browser, url: str, path: str = "/"):
+    """A fresh browser profile on the playground (or the server's page at `path`); fails if the page throws, breaks
+    its Content-Security-Policy or asks for anything elsewhere."""
     context = browser.new_context()
     page = context.new_page()
     outside, errors = [], []
     page.on("request", lambda r: r.url.startswith((url, "data:")) or outside.append(r.url))
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.on("console", lambda m: "Content Security Policy" in m.text and errors.append(m.text))  # refused
-    page.goto(f"{url}/")
+    page.goto(f"{url}{path}")
     yield page
     context.close()
     assert not outside, f"the page asked for something outside the server: {outside}"
@@ -229,6 +229,18 @@ WATCH_ANSWERS = """stopAtFirstText => {
     }
   }).observe(document.getElementById('messages'), {childList: true, subtree: true});
 }"""
+
+
+def test_the_api_docs_render_from_this_server_alone(server, browser):
+    """/docs is Swagger UI on the server's OpenAPI 3.1 document, its assets all from the server (no CDN), within the
+    page's Content-Security-Policy, with no key: each route's operation is listed, and "Authorize" takes a key."""
+    with open_page(browser, server.url, "/docs") as page:
+        ops = page.locator(".opblock-summary-path")
+        expect(ops.filter(has_text="/v1/chat/completions")).to_have_count(1, timeout=WAIT_MS)
+        documented = httpx.get(f"{server.url}/openapi.json", timeout=30).json()["paths"]
+        shown = {p.replace("\u200b", "") for p in ops.all_inner_texts()}  # (word-break hints in long paths)
+        assert shown == set(documented)
+        expect(page.locator("button.authorize")).to_be_visible()
 
 
 def test_an_answer_streams_in_and_matches_the_api(server, page):

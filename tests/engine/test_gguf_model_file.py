@@ -376,7 +376,7 @@ def test_default_models_gguf_served_alone_equals_its_directory(default_model_dir
     common = ["--max-num-seqs", "4", "--kv-cache-memory-gb", "0.25"]
     for served, args in (
         ("SmolLM2-135M-Instruct-Q4_1", ["--model", str(bare)]),
-        (str(default_model_dir), ["--model", str(default_model_dir), "--quantization", "gguf"]),
+        (Path(default_model_dir).name, ["--model", str(default_model_dir), "--quantization", "gguf"]),
     ):
         with ManagedServer(common + args, log_path=tmp_path / "server.log") as server:
             client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)

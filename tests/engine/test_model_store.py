@@ -86,8 +86,15 @@ def test_resolve_model_paths_and_names(tmp_path, monkeypatch):
     assert resolve_model(str(d), cache_dir=tmp_path / "cache") == d
     assert resolve_model(d, cache_dir=tmp_path / "cache") == d
 
-    with pytest.raises(ModelLoadError, match=r"no-such-model.*not a known model name"):
+    with pytest.raises(ModelLoadError, match=r"no-such-model.*not a known model name") as missing:
         resolve_model(str(tmp_path / "no-such-model"), cache_dir=tmp_path / "cache")
+    # what loads, by the registry: every family (not only "llama"), and GGUF files of those llama.cpp writes
+    from motet.models import DECLARATIONS
+
+    for name in (n for d in DECLARATIONS for n in d.names):
+        assert name.removesuffix("ForCausalLM") in str(missing.value), name
+    assert all(d.gguf in str(missing.value) for d in DECLARATIONS if d.gguf)
+    assert "llama GGUF" not in str(missing.value)
     with pytest.raises(ModelLoadError, match="not a known model name"):
         resolve_model("meta-llama/Llama-3-8B", cache_dir=tmp_path / "cache")
     f = tmp_path / "file.txt"

@@ -164,6 +164,22 @@ def test_kv_cache_default_is_a_share_of_the_memory_on_cuda_a_fixed_size_on_cpu()
 # -- warm-up ----------------------------------------------------------------------------------------------
 
 
+def test_a_slow_load_tells_its_progress(tiny_model_dir, monkeypatch, caplog):
+    """Quantizing on load was a minute of silence on a busy CPU: the load logs its share of the layers as it goes
+    (here every layer: no wait between lines), then its time, and the native step's packing its own."""
+    from motet.engine import load_progress
+
+    monkeypatch.setattr(load_progress, "EVERY_S", 0.0)
+    with caplog.at_level("INFO", logger="motet.engine"):
+        ModelRunner(tiny_model_dir, load_model_config(tiny_model_dir), EngineConfig(
+            model=str(tiny_model_dir), device="cpu", num_kv_blocks=4, quantization="int8"))  # fmt: skip
+    said = [r.getMessage() for r in caplog.records]
+    layers = load_model_config(tiny_model_dir).num_hidden_layers
+    assert f"quantizing the weights to int8: 50% (1 of {layers} layers)" in " ".join(said), said
+    assert any(m.startswith("quantizing the weights to int8: done in") for m in said), said
+    assert any(m.startswith("packed the weights for the native CPU step in") for m in said), said
+
+
 def test_the_engine_warms_up_before_its_first_step(tiny_model_dir, monkeypatch, caplog):
     calls = []
     warm_up, execute = ModelRunner.warm_up, ModelRunner.execute

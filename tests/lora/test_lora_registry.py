@@ -200,7 +200,10 @@ def test_tenants_are_isolated(reg):
 
 
 def test_overwrite_is_explicit(reg):
-    reg.save("t", "x", adapter_files(seed=1))
+    first = reg.save("t", "x", adapter_files(seed=1))
+    assert (
+        reg.save("t", "x", adapter_files(seed=1)) == first
+    )  # the same files again: stored already, untouched
     with pytest.raises(AdapterExists, match="already exists"):
         reg.save("t", "x", adapter_files(seed=2))
     info = reg.save("t", "x", adapter_files(seed=2), overwrite=True)

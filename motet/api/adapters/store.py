@@ -139,7 +139,13 @@ class AdapterStore:
         try:
             info = await anyio.to_thread.run_sync(save)
         except AdapterExists:
-            raise APIError(409, f"adapter {name!r} already exists; delete it first", param="name") from None
+            raise APIError(
+                409,
+                f"adapter {name!r} already exists with other files (uploading the same files again is fine): "
+                f"delete it first (DELETE /v1/adapters/{name}) or upload under another name",
+                param="name",
+                code="adapter_exists",
+            ) from None
         except AdapterError as e:
             status = 413 if isinstance(e, AdapterTooLarge) else 400
             raise APIError(status, str(e), code="invalid_adapter") from None

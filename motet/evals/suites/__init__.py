@@ -9,6 +9,8 @@ A suite module `motet/evals/suites/<name>.py` defines
     def markdown(results: dict) -> str
     def plots(results: dict, out_dir: Path) -> list[Path]      # PNGs (matplotlib, Agg backend)
     def summary(results: dict) -> str                          # a few lines printed at the end
+    def failure(results: dict) -> str | None                   # optional: why the run measured nothing (its
+                                                               # requests all failed); `motet eval` exits 1
 
 or, instead of `markdown` / `plots`, `compare_markdown(runs)` / `compare_plots(runs, out_dir)` over
 `{label: results}`, which render one server (`{"": results}`) or two side by side (without them

@@ -201,6 +201,9 @@ def run(ctx: EvalContext) -> dict:
     )
 
 
+failure = report.items_failure
+
+
 # -- reporting ------------------------------------------------------------------------------------------
 OVERALL = {
     "cases": lambda o: str(o["n"]),

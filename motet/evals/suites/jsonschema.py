@@ -143,6 +143,9 @@ def run(ctx: EvalContext) -> dict:
     return report.run_by_mode(ctx, "jsonschema", "jsonschemabench", _one, aggregate, "schemas")
 
 
+failure = report.items_failure
+
+
 # -- reporting ------------------------------------------------------------------------------------------
 OVERALL = {
     "schemas": lambda o: str(o["n"]),

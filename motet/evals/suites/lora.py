@@ -193,7 +193,7 @@ def run_agreement(ctx: EvalContext, tag: str) -> dict:
     from motet.engine.model_store import resolve_model
     from motet.evals.lora_reference import peft_model, write_random_adapter
 
-    model_dir = resolve_model(ctx.args.hf_model or ctx.model or None)
+    model_dir = resolve_model(ctx.args.hf_model or ctx.model_path or ctx.model or None)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     k, rank = ctx.args.random_adapters, ctx.args.random_rank
     n = min(ctx.args.agreement_prompts, ctx.limit or ctx.args.agreement_prompts)

@@ -14,7 +14,8 @@ Two sweeps:
   `identical` (all one adapter), beside the base model without adapters. They are deleted afterwards.
 --json-share F sends that share of the requests with a `response_format` json_schema (those end when
 the JSON does, so they are shorter). The adapters' shapes come from the base model's config: --model-path
-(default: the model the run names) must be that checkpoint.
+(default: the --model of the server motet eval started, else the model the run names) must be that checkpoint.
+A run whose requests all failed exits with status 1.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class Adapters:
         from motet.engine.config import ModelConfig
         from motet.engine.model_store import resolve_model
 
-        name = self.ctx.args.model_path or self.ctx.model
+        name = self.ctx.args.model_path or self.ctx.model_path or self.ctx.model
         try:
             return ModelConfig.from_dir(resolve_model(name, progress=False))
         except Exception as e:
@@ -247,6 +248,15 @@ def run(ctx: EvalContext) -> dict:
         "levels": levels,
         "patterns": patterns,
     }
+
+
+def failure(results: dict) -> str | None:
+    """Every request of the run failed: nothing was measured."""
+    rows = results["levels"] + results["patterns"]
+    if rows and not any(r["completed"] for r in rows):
+        errors = sorted({e for r in rows for e in r["errors"]})
+        return f"all {sum(r['requests'] for r in rows)} requests failed, e.g. {errors[0] if errors else '?'}"
+    return None
 
 
 # -- reporting ------------------------------------------------------------------------------------------

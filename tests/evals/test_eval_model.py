@@ -1,0 +1,56 @@
+"""`motet eval` sends the model its server serves, and a run that cannot measure anything exits non-zero
+(on the tiny random model: the smallest settings of the serving suite)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from motet.evals import eval_command
+from tests.live_server import ThreadServer
+
+SMALLEST = ["--levels", "1", "--limit", "1", "--max-tokens", "2", "--prompt-words", "4", "--concurrency", "1"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    srv = ThreadServer("--model", str(tiny_model_dir), "--data-dir", str(tmp_path_factory.mktemp("data")),
+                       "--threads", "1", "--num-kv-blocks", "64")  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def test_server_args_model_is_the_one_measured(tiny_model_dir, tmp_path):
+    """`--server-args "--model DIR"` without --model: the requests name the model that server lists (they named
+    the default model's, got 404 each, and the run reported 0 done with exit status 0)."""
+    out = tmp_path / "serving"
+    argv = ["serving", "--server-args", f"--model {tiny_model_dir} --threads 1 --num-kv-blocks 64", *SMALLEST,
+            "--patterns", "identical", "--adapters", "1", "--adapter-rank", "2", "--out", str(out)]  # fmt: skip
+    assert eval_command.main(argv) == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["managed"] and run["model"] == tiny_model_dir.name  # /v1/models' id of a checkpoint dir
+    rows = run["results"]["levels"] + run["results"]["patterns"]  # the base model, then an adapter of it
+    assert [(r["requests"], r["completed"]) for r in rows] == [(1, 1)] * 3, [r["errors"] for r in rows]
+
+
+def test_a_model_the_server_does_not_have_exits_non_zero(server, tmp_path, capsys):
+    argv = ["serving", "--base-url", server.url, "--model", "no-such-model", *SMALLEST, "--patterns",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    assert eval_command.main(argv) == 2
+    err = capsys.readouterr().err
+    listed = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    assert "no-such-model" in err and listed in err  # what was asked for, and what to pass instead
+
+
+def test_a_run_whose_requests_all_fail_exits_non_zero(server, tmp_path, capsys):
+    """Every request refused (max_tokens over the tiny model's 4096-token context): the report is written,
+    and the exit status says the run measured nothing."""
+    out = tmp_path / "out"
+    argv = ["serving", "--base-url", server.url, *SMALLEST, "--max-tokens", "5000", "--patterns",
+            "--out", str(out)]  # fmt: skip
+    assert eval_command.main(argv) == 1
+    assert (
+        "all 1 requests failed" in capsys.readouterr().err and "HTTP 400" in (out / "summary.md").read_text()
+    )
