@@ -86,6 +86,29 @@ def test_text_that_is_no_call_is_the_content(llama):
     )
 
 
+def test_responses_answer_that_is_no_call_is_its_text(llama):
+    """The Responses API runs the same splitter: a JSON answer holding the copied block (`text.format` keeps the model
+    to it) is the message's text, not cut where the block was, whole and through the SDK's stream helper."""
+    answer = {"type": "object", "properties": {"answer": {"const": ECHOED}}, "required": ["answer"]}
+    answer["additionalProperties"] = False
+    tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": True}]
+    body = dict(
+        model="tiny",
+        input="What's the weather in Tokyo?",
+        tools=tools,
+        max_output_tokens=300,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": answer, "strict": True}},
+        store=False,
+    )
+    whole = llama.responses.create(**body)
+    assert whole.status == "completed" and json.loads(whole.output_text) == {"answer": ECHOED}
+    with llama.responses.stream(**body) as stream:
+        streamed = stream.get_final_response()
+    assert [item.type for item in streamed.output] == ["message"]
+    assert json.loads(streamed.output_text) == {"answer": ECHOED}
+
+
 # The tiny model's template, opening the reasoning in the prompt (as Qwen3-2507-Thinking's does): the random model
 # then reasons from its first token and never writes `</think>` by itself.
 THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
