@@ -69,6 +69,13 @@ class Structure:
         return self.reasoning.name
 
     @property
+    def bounds_reasoning(self) -> bool:
+        """Whether the reasoning must end in time for the grammar (SamplingParams.bound_reasoning): the calls of
+        `tool_choice` required or a named function are what the request asked for, which a model that never
+        ends its reasoning would never write."""
+        return self.tool_mode == "required" and self.param == "tools" and self.engine_reasoning is not None
+
+    @property
     def keeps_special_tokens(self) -> bool:
         """Whether the output's text must keep the special tokens (the formats' markers are such tokens)."""
         calls = self.tool_mode != "none" and self.tool_format.keeps_special_tokens

@@ -28,14 +28,17 @@ class GrammarStats:
     jump_forward_tokens: int = 0  # tokens appended without sampling (counted by the engine)
 
 
-def _timed_fill(bitmask: torch.Tensor, items, drafted, opening) -> float:
+def _timed_fill(bitmask: torch.Tensor, items, drafted, tagged) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():  # the bitmask was made in the step's inference mode; this is another thread
         fill_bitmasks(bitmask, items)
         for guided, drafts, first, row in drafted:  # position by position, through the drafts
             fill_draft_bitmask(bitmask, guided, drafts, first, row)
-        for guided, row in opening:  # an output's first tokens: the grammar's, or the opening of <think>
-            guided.fill_opening_bitmask(bitmask, row)
+        for (
+            guided,
+            row,
+        ) in tagged:  # a tag's tokens: the opening of <think> (or the grammar's), a forced </think>
+            guided.fill_tag_bitmask(bitmask, row)
     return time.perf_counter() - t0
 
 
@@ -76,7 +79,7 @@ class GrammarMasks:
     def start(self, batch: ScheduledBatch, sample_rows: list[int], starts, num_positions: int):
         """The step's mask (NO_MASK where no row is constrained), its filling started: `starts[k]` is where
         sampling row `sample_rows[k]`'s positions begin among the step's `num_positions` sampled ones."""
-        masked, plain, drafted, opening = [], [], [], []
+        masked, plain, drafted, tagged = [], [], [], []
         for i, start in zip(sample_rows, starts, strict=True):
             seq = batch.seqs[i]
             if seq.guided is None:
@@ -88,11 +91,11 @@ class GrammarMasks:
             elif seq.guided.active:
                 masked.append(start)
                 plain.append((seq.guided.matcher, start))
-            elif seq.guided.opening:
+            elif seq.guided.tag_masked:
                 masked.append(start)
-                opening.append((seq.guided, start))
+                tagged.append((seq.guided, start))
         if not masked:
             return NO_MASK
         bitmask = allocate_bitmask(num_positions, self.vocab_size)
-        filling = self._thread.submit(_timed_fill, bitmask, plain, drafted, opening)
+        filling = self._thread.submit(_timed_fill, bitmask, plain, drafted, tagged)
         return GrammarMask(bitmask, masked, filling, self.stats)

@@ -16,6 +16,10 @@ the content the grammar describes. With a reasoning parser the constraint has th
   has accepted every token so far); an opening tag completed, and the output reasons (the matcher is rolled
   back). A token both allow ("<" opens `<think>` and `<tool_call>`) keeps both open.
 - REASONING: unconstrained until one of the format's end tags (`</think>`) appears in the output text.
+- CLOSING (only with a reasoning budget): the output has used its budget of tokens while reasoning; the mask
+  allows only the tokens that write the first end tag, exactly (vLLM's `thinking_token_budget` forces the end
+  the same way), so that the grammar holds for the rest. The API bounds the reasoning of a forced tool call
+  this way: a model that never ends its reasoning would otherwise never write the call it must.
 - CONSTRAINED: the grammar masks every token.
 
 So the content (the text after the reasoning, or the whole output) always matches the grammar; an output
@@ -40,6 +44,7 @@ from motet.grammar.reasoning import REASONING_END, ReasoningOpening
 class Phase(Enum):
     OPENING = "opening"
     REASONING = "reasoning"
+    CLOSING = "closing"
     CONSTRAINED = "constrained"
 
 
@@ -50,10 +55,15 @@ class GuidedDecoding:
         reasoning: ReasoningOpening | None = None,
         reasoning_started: bool = False,
         reasoning_ends: tuple[str, ...] = (REASONING_END,),
+        reasoning_budget: int | None = None,
+        closing: ReasoningOpening | None = None,
     ):
         """`reasoning`: the tokenizer's tokens that open the reasoning when the output may reason (None: it
         never does); `reasoning_started`: the output begins inside it (the prompt opened `<think>`);
-        `reasoning_ends`: what ends it."""
+        `reasoning_ends`: what ends it; `reasoning_budget`: the most output tokens written before the reasoning
+        must end (None: no limit), `closing` then the tokens that write the first of `reasoning_ends`."""
+        if reasoning_budget is not None and closing is None:
+            raise ValueError("a reasoning budget needs the tokens that close the reasoning")
         self.matcher = matcher
         self._opening = reasoning
         self._ends = reasoning_ends
@@ -67,6 +77,11 @@ class GuidedDecoding:
         self._grammar_open = True  # OPENING: whether the matcher accepted every token so far
         self._grammar_tokens = 0  # OPENING: how many tokens the matcher accepted (to roll them back)
         self._tail = ""  # REASONING: the output text's last characters, to find its end
+        self._budget, self._closing = reasoning_budget, closing
+        self._written = 0  # output tokens so far (until CONSTRAINED), against the budget
+        self._closed = b""  # CLOSING: what is written of the end tag
+        if reasoning_started:
+            self._check_budget()
 
     @property
     def active(self) -> bool:
@@ -78,8 +93,32 @@ class GuidedDecoding:
         """Whether the output may still open its reasoning or follow the grammar (the mask allows both)."""
         return self.phase is Phase.OPENING
 
-    def fill_opening_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """OPENING: the grammar's allowed tokens (while it is open) and those that continue an opening tag."""
+    @property
+    def tag_masked(self) -> bool:
+        """Whether the mask is a tag's tokens (`fill_tag_bitmask`): OPENING's (with the grammar's) or
+        CLOSING's. Such a row gets no drafts: each token decides what the next may be."""
+        return self.phase in (Phase.OPENING, Phase.CLOSING)
+
+    @property
+    def holds_stop(self) -> bool:
+        """A bounded reasoning is open: the output may not end in it (the sampler masks its EOS and stop tokens, as
+        before min_tokens), since the grammar it is bounded for must come."""
+        return self.phase is Phase.REASONING and self._budget is not None
+
+    @property
+    def reasoning_room(self) -> int | None:
+        """REASONING under a budget: how many more tokens it may take before its end is forced (else None)."""
+        if self.phase is not Phase.REASONING or self._budget is None:
+            return None
+        return self._budget - self._written
+
+    def fill_tag_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """OPENING: the grammar's allowed tokens (while it is open) and those that continue an opening tag.
+        CLOSING: the tokens that continue the end tag."""
+        if self.phase is Phase.CLOSING:
+            bitmask[row].zero_()
+            set_token_bits(bitmask, row, self._closing.tokens(self._closed))
+            return
         if self._grammar_open:
             self.matcher.fill_bitmask(bitmask, row)
         else:
@@ -92,11 +131,19 @@ class GuidedDecoding:
 
     def observe_text(self, text: str) -> None:
         """Output text of the token just appended (after `accept`): finds where the reasoning ends."""
+        if self.phase is not Phase.CONSTRAINED:
+            self._written += 1
         if self.phase is not Phase.REASONING:
             return
         self._tail = (self._tail + text)[-(self._tail_len + len(text)) :]
         if self._ended(self._tail):
             self.phase = Phase.CONSTRAINED
+        else:
+            self._check_budget()
+
+    def _check_budget(self) -> None:
+        if self._budget is not None and self._written >= self._budget:
+            self.phase, self._closed = Phase.CLOSING, b""
 
     def tail_after(self, texts: list[str]) -> int | None:
         """With the given texts appended one by one (drafts' text deltas), after how many the constraint
@@ -118,6 +165,14 @@ class GuidedDecoding:
         if self.phase is Phase.CONSTRAINED:
             return self.matcher.accept_token(token_id)
         if self.phase is Phase.REASONING:
+            return True
+        if self.phase is Phase.CLOSING:
+            closed = self._closing.advance(self._closed, token_id)
+            if closed is None:
+                return False
+            if self._closing.complete(closed):
+                self.phase = Phase.CONSTRAINED
+            self._closed = closed
             return True
         progress = self._opening.advance(self._progress, token_id) if self._progress is not None else None
         grammar = self._grammar_open and self.matcher.accept_token(token_id)

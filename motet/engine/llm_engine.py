@@ -268,14 +268,18 @@ class LLMEngine:
         return self.reasoning_opening_of(("<think>",))
 
     @functools.cached_property
-    def _reasoning_openings(self) -> dict[tuple[str, ...], ReasoningOpening]:
+    def _reasoning_openings(self) -> dict[tuple[tuple[str, ...], bool], ReasoningOpening]:
         return {}
 
-    def reasoning_opening_of(self, starts: tuple[str, ...]) -> ReasoningOpening:
-        """Which tokens may open a reasoning format's `starts` at an output's start (built once per format)."""
-        if starts not in self._reasoning_openings:
-            self._reasoning_openings[starts] = ReasoningOpening(self.grammar_tokenizer.decoded_vocab, starts)
-        return self._reasoning_openings[starts]
+    def reasoning_opening_of(self, starts: tuple[str, ...], exact: bool = False) -> ReasoningOpening:
+        """Which tokens may open a reasoning format's `starts` at an output's start (built once per format);
+        `exact`: which write them exactly (its end tag, forced when a bounded reasoning runs out)."""
+        key = (starts, exact)
+        if key not in self._reasoning_openings:
+            self._reasoning_openings[key] = ReasoningOpening(
+                self.grammar_tokenizer.decoded_vocab, starts, exact
+            )
+        return self._reasoning_openings[key]
 
     def compile_grammar(
         self, spec: GrammarSpec, backend: str | None = None, owner: str | None = None
@@ -361,14 +365,19 @@ class LLMEngine:
 
     def _guided(self, grammar: CompiledGrammar, params: SamplingParams, prompt: list[int]) -> GuidedDecoding:
         """The constraint: from the output's first token, or with `params.reasoning` (a reasoning format) after
-        its end (`</think>`) when the prompt opened its reasoning or the output's first tokens do
-        (motet/engine/guided.py)."""
+        its end (`</think>`) when the prompt opened its reasoning or the output's first tokens do; with
+        `params.bound_reasoning`, that end forced after half of max_tokens (motet/engine/guided.py)."""
         fmt = reasoning_format(params.reasoning)
         if fmt is None:
             return GuidedDecoding(grammar.matcher())
         started = fmt.started(self.tokenizer.hf.decode(prompt[-16:]))  # the template's last words
         opening = self.reasoning_opening_of(fmt.starts) if fmt.starts else None
-        return GuidedDecoding(grammar.matcher(), opening, reasoning_started=started, reasoning_ends=fmt.ends)
+        budget = closing = None
+        if params.bound_reasoning:
+            budget, closing = params.max_tokens // 2, self.reasoning_opening_of(fmt.ends[:1], exact=True)
+        return GuidedDecoding(
+            grammar.matcher(), opening, started, fmt.ends, reasoning_budget=budget, closing=closing
+        )
 
     def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
         """`params` with its bad_words as token sequences (motet/engine/token_masks.py); the serving layer

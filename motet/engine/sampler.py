@@ -139,7 +139,7 @@ def apply_processing(logits: Tensor, seqs: list[Sequence], eos_token_ids: Seq[in
     pen = [
         i for i, p in enumerate(ps) if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
     ]
-    min_tok = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+    min_tok = [i for i, s in enumerate(seqs) if _holds_stop(s)]
     temp = [i for i, p in enumerate(ps) if not p.greedy and p.temperature != 1]
     topkp = [i for i, p in enumerate(ps) if not p.greedy and (p.top_k or p.top_p < 1)]
     minp = [i for i, p in enumerate(ps) if not p.greedy and p.min_p > 0]
@@ -265,8 +265,14 @@ def _id_counts(id_lists: list[list[int]], V: int, device: torch.device) -> Tenso
     return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))[:, :V]
 
 
+def _holds_stop(seq: Sequence) -> bool:
+    """The output may not end yet: min_tokens not reached, or a reasoning bounded for a grammar that must come
+    (motet/engine/guided.py) is open."""
+    return seq.num_output_tokens < seq.params.min_tokens or (seq.guided is not None and seq.guided.holds_stop)
+
+
 def _mask_stop_tokens(x: Tensor, seqs: list[Sequence], rows: list[int], eos_token_ids: Seq[int]) -> None:
-    """min_tokens: no EOS (even with ignore_eos) and no stop token ids before the minimum."""
+    """min_tokens (or a bounded reasoning): no EOS (even with ignore_eos) and no stop token ids before the minimum."""
     V = x.shape[1]
     pairs = [
         (r, t) for r, s in zip(rows, seqs, strict=True) for t in {*eos_token_ids, *s.params.stop_token_ids}

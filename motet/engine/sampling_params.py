@@ -56,6 +56,9 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
     grammar_backend: str | None = None
     reasoning: str | None = None
+    # With `reasoning` and a grammar the output must reach (a forced tool call): the reasoning takes at most half
+    # of max_tokens, then the engine forces its end tag and the grammar holds for the rest (motet/engine/guided.py).
+    bound_reasoning: bool = False
     # Tool calls (motet/grammar/tool_call_parser.RepeatedCallStop): a call that repeats an earlier call of the
     # output ends it (without the repeat), as a small model otherwise repeats its call until max_tokens.
     stop_on_repeated_tool_call: bool = False

@@ -240,8 +240,13 @@ class ReasoningOpening:
     its reasoning only with the tag itself, as the models that reason write it.
     """
 
-    def __init__(self, decoded_vocab: list[bytes], tags: tuple[str, ...] = (REASONING_START,)):
+    def __init__(
+        self, decoded_vocab: list[bytes], tags: tuple[str, ...] = (REASONING_START,), exact: bool = False
+    ):
+        """`exact`: a token continues a tag only with the tag's own next bytes, never past its end (an end tag
+        forced by the engine: what follows it is the grammar's)."""
         self._vocab = decoded_vocab
+        self.exact = exact
         self.tags = tuple(tag.encode() for tag in tags)
         self._by_first: dict[int, list[int]] = {}  # a tag's byte -> the tokens whose first byte it is
         firsts = {byte for tag in self.tags for byte in tag}
@@ -264,7 +269,7 @@ class ReasoningOpening:
             rest = tag[len(written) :]
             if rest.startswith(text):
                 return written + text
-            if text.startswith(rest):
+            if text.startswith(rest) and not (self.exact and text != rest):
                 return tag
         return None
 

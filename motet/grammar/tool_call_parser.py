@@ -11,12 +11,11 @@ to the next `<tool_call>` or the end of the text when the close tag is missing. 
   2. otherwise, the whole body is one JSON object with a string "name" and an object "arguments" (or
      "parameters"), in any key order (e.g. arguments before name), no duplicate keys.
 
-Any other block stays in the content as written, tags included. Content is the text outside blocks,
-each piece without the tool-format markup a model may copy from its prompt (a `<tool_response>` block up
-to its `</tool_response>`, or to the piece's end: a tool's answer the model wrote itself; and a
-`</tool_call>` or `</tool_response>` with no opening), and the blocks that are no calls, concatenated, then
-stripped of surrounding whitespace (None when empty); the stream gets the same by dropping leading
-whitespace and holding back trailing whitespace until more content follows it.
+Any other block stays in the content as written, tags included. Content is everything that is no call, as
+the model wrote it (vLLM's Hermes parser's rule: text that does not parse as a call is content, markup such as
+a `<tool_response>` block the model copied from its prompt included; dropping it left an answer that was only
+such text empty), concatenated, then stripped of surrounding whitespace (None when empty); the stream gets the
+same by dropping leading whitespace and holding back trailing whitespace until more content follows it.
 
 `RepeatedCallStop` ends an output at a call that repeats an earlier one of the same output (the engine
 applies it beside the stop strings when a request has tools).
@@ -28,7 +27,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from motet.grammar.tool_calls import CALL_BEGIN, CALL_END, RESPONSE_BEGIN, RESPONSE_END
+from motet.grammar.tool_calls import CALL_BEGIN, CALL_END
 
 # ---------------------------------------------------------------------------------------------------
 # Parsing the output
@@ -163,26 +162,13 @@ def _block_end(text: str, start: int) -> tuple[int, int]:
     return len(text), len(text)
 
 
-# Left to right, as `_MarkupFilter` streams it: a tool response (to its close tag or the end), a stray close tag.
-_MARKUP_RE = re.compile(
-    f"{re.escape(RESPONSE_BEGIN)}.*?(?:{re.escape(RESPONSE_END)}|\\Z)|{re.escape(CALL_END)}|{re.escape(RESPONSE_END)}",
-    re.DOTALL,
-)
-_MARKUP_TAGS = (RESPONSE_BEGIN, CALL_END, RESPONSE_END)
-
-
-def strip_markup(content: str) -> str:
-    """A piece of content without the tool-format markup a model copies from its prompt (module docstring)."""
-    return _MARKUP_RE.sub("", content)
-
-
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """Split a complete output into content (None when empty) and tool calls."""
     content: list[str] = []
     calls: list[ToolCall] = []
     pos = 0
     while (begin := text.find(CALL_BEGIN, pos)) >= 0:
-        content.append(strip_markup(text[pos:begin]))
+        content.append(text[pos:begin])
         body_start = begin + len(CALL_BEGIN)
         body_end, pos = _block_end(text, body_start)
         call = _parse_block(text[body_start:body_end])
@@ -190,7 +176,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
             calls.append(call)
         else:
             content.append(text[begin:pos])
-    content.append(strip_markup(text[pos:]))
+    content.append(text[pos:])
     return "".join(content).strip() or None, calls
 
 
@@ -234,40 +220,6 @@ class ToolCallArguments:
 Event = ContentDelta | ToolCallStart | ToolCallArguments
 
 
-class _MarkupFilter:
-    """`strip_markup` streamed over one piece of content (`final` ends it): holds back a partial tag, and a
-    tool response until it closes (then drops it)."""
-
-    def __init__(self):
-        self._buf = ""
-        self._in_response = False
-
-    def feed(self, text: str, final: bool = False) -> str:
-        self._buf += text
-        out = []
-        while True:
-            if self._in_response:
-                end = self._buf.find(RESPONSE_END)
-                if end < 0:  # dropped so far; keep only what may begin the close tag
-                    keep = 0 if final else _partial_tag_len(self._buf, (RESPONSE_END,))
-                    self._buf = self._buf[len(self._buf) - keep :]
-                    break
-                self._buf, self._in_response = self._buf[end + len(RESPONSE_END) :], False
-                continue
-            hits = [(i, tag) for tag in _MARKUP_TAGS if (i := self._buf.find(tag)) >= 0]
-            if not hits:
-                keep = 0 if final else _partial_tag_len(self._buf, _MARKUP_TAGS)
-                out.append(self._buf[: len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep :]
-                break
-            i, tag = min(hits)
-            out.append(self._buf[:i])
-            self._buf, self._in_response = self._buf[i + len(tag) :], tag == RESPONSE_BEGIN
-        if final:
-            self._in_response = False
-        return "".join(out)
-
-
 def _partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
     for k in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
@@ -303,7 +255,6 @@ class ToolCallStreamParser:
         self._sent = 0  # characters of the arguments already emitted
         self._scanner: _ObjectScanner | None = None
         self._scanned = 0
-        self._markup = _MarkupFilter()
 
     def feed(self, delta: str) -> list[Event]:
         self._buf += delta
@@ -323,12 +274,12 @@ class ToolCallStreamParser:
         if not self._in_call:
             begin = self._buf.find(CALL_BEGIN)
             if begin >= 0:
-                self._content(self._buf[:begin], events, final=True)  # a block ends the piece
+                self._deltas.emit(self._buf[:begin], events)
                 self._buf = self._buf[begin + len(CALL_BEGIN) :]
                 self._in_call = True
                 return True
             keep = 0 if final else _partial_tag_len(self._buf, (CALL_BEGIN,))
-            self._content(self._buf[: len(self._buf) - keep], events, final)
+            self._deltas.emit(self._buf[: len(self._buf) - keep], events)
             self._buf = self._buf[len(self._buf) - keep :]
             return False
 
@@ -375,10 +326,6 @@ class ToolCallStreamParser:
             self._index += 1
         self._in_call = False
         self._args_start, self._sent, self._scanner = None, 0, None
-
-    def _content(self, text: str, events: list[Event], final: bool = False) -> None:
-        """Text outside blocks (`final`: the end of a piece): without the markup, as `strip_markup`."""
-        self._deltas.emit(self._markup.feed(text, final), events)
 
 
 class RepeatedCallStop:

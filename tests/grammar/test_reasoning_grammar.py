@@ -7,6 +7,7 @@ choice), so both paths are forced through the real engine: the mask, the commit,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -251,3 +252,74 @@ def test_reasoning_opening_tokens_of_two_tags(tiny_model_dir):
             written
         )
         assert want
+
+
+# ---------------------------------------------------------------------------------------------------
+# A forced call's reasoning is bounded (SamplingParams.bound_reasoning)
+
+REQUIRED = StructuralTagSpec(tool_call_structural_tag(TOOLS, "required", parallel=False))
+ENDLESS = "and so on " * 20  # a thought that never ends (200 tokens)
+
+
+def the_call(text: str, started: bool = False):
+    """The one call of an output's content (after its reasoning), checked against the tool's schema."""
+    reasoning, content = split_reasoning(text, started)
+    rest, calls = parse_tool_calls(content)
+    assert rest is None and len(calls) == 1 and calls[0].name == "f", text
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMA)
+    return reasoning
+
+
+def tokens_to_end(hf, token_ids: list[int]) -> int:
+    """How many output tokens it took to write `</think>`."""
+    return next(i + 1 for i in range(len(token_ids)) if "</think>" in hf.decode(token_ids[: i + 1]))
+
+
+def test_forced_call_ends_a_reasoning_that_would_not(llm):
+    """A model that reasons on and on writes no call (without a bound: to max_tokens); bounded, its reasoning is
+    cut at half of max_tokens by a forced `</think>`, then the grammar holds the call. A reasoning that ends in
+    time is left as the model wrote it; a prompt that opened `<think>` is bounded alike."""
+    # 200 tokens: half for the reasoning, the rest for `</think>` and the call (the model picks its whitespace)
+    free = SamplingParams(temperature=0, max_tokens=200, grammar=REQUIRED, reasoning=True)
+    bounded = dataclasses.replace(free, bound_reasoning=True)
+    in_time = f"<think>I will call f.</think>{CALL}"
+    runs = [  # (prompt, script, params): one batch
+        ("Answer. ", "<think>" + ENDLESS, free),
+        ("Answer. ", "<think>" + ENDLESS, bounded),
+        ("Answer. ", in_time, bounded),
+        ("Answer. <think>\n", ENDLESS, bounded),
+    ]
+    sampler = scripted(llm)
+    ids = []
+    for prompt, script, params in runs:
+        ids.append(llm.engine.add_request(llm.tokenizer.encode(prompt), params))
+        sampler.scripts[ids[-1]] = script
+    final = {}
+    while len(final) < len(ids):
+        final |= {o.request_id: o for o in llm.engine.step() if o.finished}
+    endless, cut, kept, opened = (final[i] for i in ids)
+
+    assert endless.finish_reason == "length" and parse_tool_calls(content_of(endless.text)[1])[1] == []
+    assert kept.text == in_time and kept.finish_reason == "stop"
+    hf = llm.tokenizer.hf
+    for out, started in ((cut, False), (opened, True)):
+        assert out.finish_reason == "stop"
+        assert ENDLESS.startswith(the_call(out.text, started))  # the reasoning as written, up to the cut
+        assert tokens_to_end(hf, out.token_ids) <= 100 + len("</think>")  # one token a character at worst
+    assert tokens_to_end(hf, cut.token_ids) > 100  # cut at the budget, not before
+
+
+def test_bounded_reasoning_under_speculation(tiny_model_dir):
+    """The random model reasoning freely from a prompt that opened `<think>`: its end forced, then its call; drafts
+    never cross the forced end, so greedy outputs equal the plain engine's."""
+    off, on = pair(tiny_model_dir)
+    params = SamplingParams(
+        temperature=0, max_tokens=200, grammar=REQUIRED, reasoning=True, bound_reasoning=True
+    )
+    prompts = ["<think>", "x y <think>"]
+    plain = off.generate([off.tokenizer.encode(p) for p in prompts], params)
+    spec_ = on.generate([on.tokenizer.encode(p) for p in prompts], params)
+    assert [o.token_ids for o in spec_] == [o.token_ids for o in plain]
+    for out in plain:
+        assert out.finish_reason == "stop"
+        the_call(out.text, started=True)

@@ -1,6 +1,7 @@
 """What an agent's tool round trip needs from the Hermes format (fast tests; the OpenAI Agents SDK on the real model is
-tests/api/test_agents_sdk.py): tool results shown as a `tool` turn, the tool-format markup a model copies from its prompt
-kept out of the content (whole and streamed alike), and an output ending at a call that repeats an earlier one."""
+tests/api/test_agents_sdk.py): tool results shown as a `tool` turn, text that is no call returned as content as written
+(markup a model copies from its prompt included; whole and streamed alike), and an output ending at a call that repeats
+an earlier one."""
 
 from __future__ import annotations
 
@@ -97,59 +98,52 @@ def test_tool_turn_only_where_the_template_writes_one(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Content: no tool-format markup, whole or streamed
+# Content: whatever is no call, as the model wrote it (vLLM's Hermes parser: text without a call is the content)
 
 
 def call(name: str, args: str) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
 
 
+# What SmolLM2-135M-Instruct wrote after a tool result (issue 48): no call, so the whole of it is the answer.
+ECHOED = (
+    '<tool_response>\n{"name": "get_weather", "content": "The weather in Tokyo is sunny."}\n</tool_response>'
+)
+
+
 @pytest.mark.parametrize(
     "text, content, calls",
     [
-        # The answer echoes the prompt's result block, then answers.
-        ("<tool_response>\nThe weather is sunny.\n</tool_response>\nIt is sunny.", "It is sunny.", []),
-        ('<tool_response>\n{"name": "f", "content": "x"}\n</tool_response>', None, []),
-        ("It is sunny.\n<tool_response>\nmore", "It is sunny.", []),  # unclosed: to the end
-        ("Sunny.</tool_call> Warm.</tool_response>", "Sunny. Warm.", []),  # stray close tags
-        # A result the model invented after its call: the call stays, the invention goes.
-        (call("f", "{}") + "\n<tool_response>\nfake\n</tool_response>\nDone.", "Done.", [("f", "{}")]),
-        # A block ends a piece: an unclosed result before a call runs to that call.
-        ("<tool_response>x" + call("f", "{}") + "after", "after", [("f", "{}")]),
-        # What is not a call stays as written, its tags included.
-        ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
-        ("a <tool_response b", "a <tool_response b", []),
+        (ECHOED, ECHOED, []),
+        ("<tool_response>\nThe weather is sunny.\n</tool_response>\nIt is sunny.", None, []),
+        ("It is sunny.\n<tool_response>\nmore", None, []),
+        ("Sunny.</tool_call> Warm.</tool_response>", None, []),  # stray close tags
+        # Around a call: the call is read, the rest is content as written.
+        (call("f", "{}") + "\n" + ECHOED + "\nDone.", ECHOED + "\nDone.", [("f", "{}")]),
+        ("<tool_response>x" + call("f", "{}") + "after", "<tool_response>xafter", [("f", "{}")]),
+        ("<tool_call>not json</tool_call>", None, []),
+        ("a <tool_response b", None, []),
     ],
 )
-def test_markup_never_reaches_the_content(text, content, calls):
+def test_text_that_is_no_call_is_content(text, content, calls):
+    content = content or text.strip()  # None: the whole output, as vLLM returns an output without calls
     assert parse_tool_calls(text) == (content, [ToolCall(*c) for c in calls])
-    assert stream(text, list(range(1, len(text)))) == (content or "", calls)
+    assert stream(text, list(range(1, len(text)))) == (content, calls)
+    assert stream(text, []) == (content, calls)
 
 
-def test_stream_equals_parse_with_markup_on_random_outputs():
+def test_outputs_without_calls_are_their_content_whole_and_streamed():
+    """vLLM's rule on random outputs of markup and text with no call block: the content is the output."""
     rng = random.Random(1)
-    pieces = [
-        "Sunny",
-        " ",
-        "\n",
-        "<",
-        "</",
-        "<tool_response>",
-        "</tool_response>",
-        "<tool_resp",
-        "</tool_call>",
-        "<tool_call>",
-        call("f", '{"a": "</tool_response>"}'),
-        "<tool_call>oops</tool_call>",
-        "<tool_response>\nx\n</tool_response>",
-    ]
+    pieces = ["Sunny", " ", "\n", "<", "</", "<tool_response>", "</tool_response>", "<tool_resp", "</tool_call>",
+              "<tool_", ECHOED]  # fmt: skip
     for _ in range(400):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
-        content, calls = parse_tool_calls(text)
-        want = (content or "", [(c.name, c.arguments) for c in calls])
+        want = text.strip() or None
+        assert parse_tool_calls(text) == (want, [])
         for _ in range(4):
             cuts = rng.sample(range(len(text) + 1), rng.randint(0, min(16, len(text) + 1)))
-            assert stream(text, cuts) == want, (text, cuts)
+            assert stream(text, cuts) == (want or "", []), (text, cuts)
 
 
 # ---------------------------------------------------------------------------------------------------

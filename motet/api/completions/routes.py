@@ -92,6 +92,7 @@ def build_params(
         grammar=structure.spec if structure else None,
         grammar_backend=structure.backend if structure else None,
         reasoning=structure.engine_reasoning if structure else None,
+        bound_reasoning=structure is not None and structure.bounds_reasoning,
         stop_on_repeated_tool_call=calls and structure.tool_format.stop_repeated_calls,
         speculative=req.speculative,
         cache_salt=req.cache_salt,

@@ -150,7 +150,9 @@ class Speculator:
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
         k = min(self.config.num_tokens, room)
         g = seq.guided
-        if k <= 0 or (g is not None and g.opening):  # an output's undecided start (guided.py) is not drafted
+        if g is not None and g.reasoning_room is not None:  # no draft reaches a forced end of reasoning, nor
+            k = min(k, g.reasoning_room - 1)  # does the token sampled after the drafts (guided.py)
+        if k <= 0 or (g is not None and g.tag_masked):  # a tag's tokens decide the next ones: no drafts
             return [], []
         self.stats.proposals += 1
         text = forced_text(g) if g is not None else ""

@@ -18,10 +18,14 @@ from motet.engine.sequence import Sequence
 class DraftView:
     """A sequence with some drafts appended, as the sampler reads it (params and token counts)."""
 
-    __slots__ = ("params", "token_ids", "num_prompt_tokens")
+    __slots__ = ("params", "token_ids", "num_prompt_tokens", "guided")
 
     def __init__(self, seq: Sequence, drafts: list[int]):
         self.params: SamplingParams = seq.params
+        # The grammar's state before the drafts: the sampler reads only whether a bounded reasoning holds the
+        # stop tokens, which the drafts never change (none crosses its forced end: proposer.py; one that ends it
+        # leads to the call's grammar, which allows no stop token for many tokens yet).
+        self.guided = seq.guided
         self.token_ids = seq.token_ids + drafts
         self.num_prompt_tokens = seq.num_prompt_tokens
 
