@@ -338,7 +338,7 @@ def peft_check(model_path: str | None, base: Shape, rows: list[dict], args) -> d
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from motet.engine.model_store import resolve_model
+    from motet.engine.weights.model_store import resolve_model
 
     path = resolve_model(model_path)
     tok = AutoTokenizer.from_pretrained(path)
@@ -597,7 +597,7 @@ def main(argv=None) -> int:
 
 
 def _model_config(model_path: str | None) -> dict:
-    from motet.engine.model_store import resolve_model
+    from motet.engine.weights.model_store import resolve_model
 
     return json.loads((Path(resolve_model(model_path)) / "config.json").read_text())
 

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = args.out or ROOT / "reports" / "eval" / f"cluster_routing-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    from motet.engine.model_store import pull
+    from motet.engine.weights.model_store import pull
 
     with tempfile.TemporaryDirectory(prefix="motet-routing-") as tmp:
         adapters = random_peft_adapters(

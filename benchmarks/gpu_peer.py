@@ -266,7 +266,7 @@ def step_bytes(facts: dict, batch: int, adapters: int, args) -> int:
 
 
 def run_shape(shape: str, args, device: torch.device, bandwidth: float, report: dict) -> None:
-    from motet.engine.config import ModelConfig
+    from motet.models.config import ModelConfig
 
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix=f"gpu_peer_{shape}_") as tmp:

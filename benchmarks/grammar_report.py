@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     model_dir = args.model_dir
     if model_dir is None:
-        from motet.engine.model_store import pull
+        from motet.engine.weights.model_store import pull
 
         model_dir = pull(progress=False)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())

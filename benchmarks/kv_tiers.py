@@ -28,13 +28,13 @@ import time
 from pathlib import Path
 
 from benchmarks import write_report
-from motet.engine.block_manager import chain_block_hashes
 from motet.engine.config import EngineConfig
-from motet.engine.kv_blocks import KVLayout
-from motet.engine.kv_tiers import KV_CACHE_SUBDIR
+from motet.engine.core.block_manager import chain_block_hashes
+from motet.engine.core.kv_blocks import KVLayout
+from motet.engine.core.kv_tiers import KV_CACHE_SUBDIR
 from motet.engine.llm_engine import LLMEngine
-from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights.model_store import resolve_model
 from motet.evals.serving_bench import machine
 
 NEW_TURN = 32  # tokens of a returning conversation's new user turn

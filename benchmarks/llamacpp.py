@@ -217,9 +217,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from motet.engine.config import ModelConfig
-    from motet.engine.model_store import resolve_model
+    from motet.engine.weights.model_store import resolve_model
     from motet.evals.lora_reference import write_random_adapter
+    from motet.models.config import ModelConfig
 
     model_dir = Path(resolve_model(args.model))
     root = cache_root()

@@ -7,7 +7,7 @@ that it is negligible) and reads its peak resident set (VmHWM, reset through /pr
 starts): over `ModelRunner._load_model` (the model built and its checkpoint read: "load"), and over the whole
 construction (the load, the KV cache and the compiled step's packing of the weights: "runner"). Each peak is
 the growth over the resident set where it started, divided by `weights_bytes` of the loaded model
-(motet/engine/memory.py), read as `_load_model` returns. Mapped checkpoint pages count: they are resident while
+(motet/engine/worker/memory.py), read as `_load_model` returns. Mapped checkpoint pages count: they are resident while
 mapped.
 
 The subprocess imports `motet` from the current directory: run it from an older checkout (with this file's
@@ -30,11 +30,11 @@ CHILD = r"""
 import json, sys
 import torch
 import torch._dynamo  # torch imports it on the first init on the meta device: ~90 MB of code, not the load's
-from motet.engine.checkpoint import load_model_config
+from motet.engine.weights.checkpoint import load_model_config
 from motet.engine.config import EngineConfig
-from motet.engine.memory import weights_bytes
-from motet.engine.model_runner import ModelRunner
-from motet.engine.model_store import resolve_model
+from motet.engine.worker.memory import weights_bytes
+from motet.engine.worker.model_runner import ModelRunner
+from motet.engine.weights.model_store import resolve_model
 
 def status():
     out = {}

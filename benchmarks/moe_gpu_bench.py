@@ -1,5 +1,5 @@
 """The Triton grouped-expert kernel (motet/kernels/triton_moe.py) against the torch path the model takes off
-CUDA (motet/engine/model.py `grouped_experts`: one gate/up and one down `F.linear` per expert with rows) on
+CUDA (motet/engine/worker/model.py `grouped_experts`: one gate/up and one down `F.linear` per expert with rows) on
 one CUDA device, with the fraction of the device's copy bandwidth each reaches. Writes results.json and summary.md into --out.
 
     python -m benchmarks.moe_gpu_bench --out OUT [--shape 8x4096x14336] [--top-k 2] [--tokens 1,8,32,64]
@@ -20,7 +20,7 @@ import torch
 
 from benchmarks import write_report
 from benchmarks.gpu_common import copy_bandwidth
-from motet.engine.model import grouped_experts
+from motet.engine.worker.model import grouped_experts
 from motet.kernels import triton_moe
 
 

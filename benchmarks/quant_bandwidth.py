@@ -25,8 +25,8 @@ import torch
 
 from benchmarks import write_report
 from motet.engine.llm import LLM
-from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights.model_store import resolve_model
 from motet.evals.serving_bench import machine
 from motet.kernels import cpu_native
 

@@ -52,10 +52,10 @@ from pathlib import Path
 import torch
 
 from benchmarks import write_report
+from motet.engine.core.scheduler import ScheduledBatch
+from motet.engine.core.sequence import Sequence
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.scheduler import ScheduledBatch
-from motet.engine.sequence import Sequence
 from motet.evals.server import ROOT, ManagedServer, ServerError
 from motet.evals.throughput import TASKS, TOPICS
 
@@ -447,9 +447,9 @@ def main(argv=None) -> None:
         if value is not None and value < (2 if name == "window" else 1):
             ap.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'window' else 1}, got {value}")
 
-    from motet.engine.gguf_weights import gguf_file
-    from motet.engine.model_store import resolve_model
     from motet.engine.tokenizer import load_tokenizer
+    from motet.engine.weights.gguf_weights import gguf_file
+    from motet.engine.weights.model_store import resolve_model
 
     command = "python -m benchmarks.quant_quality " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(command, flush=True)

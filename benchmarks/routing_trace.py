@@ -7,7 +7,7 @@ every turn's prompt is the system prompt, the history (earlier user messages and
 message. Tokens are random ids.
 
 Every request carries its prompt's leading full blocks hashed as the engine hashes them (keyed by the
-adapter's uid and salted by tenant: motet/engine/block_manager.py), the blocks it leaves in the cache (prompt and
+adapter's uid and salted by tenant: motet/engine/core/block_manager.py), the blocks it leaves in the cache (prompt and
 reply), and the same prompt hashed without adapter or salt: the prompt text alone, which is what a text-keyed
 router sees.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from motet.engine.block_manager import chain_block_hashes, matchable_tokens, prefix_salt
+from motet.engine.core.block_manager import chain_block_hashes, matchable_tokens, prefix_salt
 
 
 @dataclass(frozen=True)

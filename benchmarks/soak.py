@@ -642,7 +642,7 @@ def main(argv=None) -> int:
         keys = {**TENANTS, ADMIN_KEY: {"admin": True}}
         (work / "keys.json").write_text(json.dumps(keys))
         from motet.engine.config import EngineConfig
-        from motet.engine.model_store import resolve_model
+        from motet.engine.weights.model_store import resolve_model
 
         model = args.model or EngineConfig.model
         print(f"soak: making adapters for {model}")

@@ -42,8 +42,8 @@ import torch
 
 from benchmarks import cpu_info, cpu_line, write_report
 from motet.engine.llm import LLM
-from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights.model_store import resolve_model
 from motet.evals.lora_reference import write_random_adapter
 from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import machine, make_prompts, run_level, summarize
@@ -501,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     model_dir = Path(resolve_model(args.model))
-    from motet.engine.checkpoint import load_model_config
+    from motet.engine.weights.checkpoint import load_model_config
 
     peaks = measure_peak(load_model_config(model_dir), args.batches, args.threads, args.peak_seconds)
     for b, p in peaks.items():

@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    from motet.engine.model_store import resolve_model
+    from motet.engine.weights.model_store import resolve_model
 
     model_dir = Path(resolve_model(args.model))
     name = model_dir.name

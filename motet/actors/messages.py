@@ -34,7 +34,7 @@ class GenerateSpec:
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0  # vLLM's request priority (lower: sooner), among the tenant's own requests
-    background: bool = False  # batch work: yields to interactive requests (motet/engine/latency.py)
+    background: bool = False  # batch work: yields to interactive requests (motet/engine/core/latency.py)
 
     @property
     def special_tokens(self) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from motet.actors.serving_errors import ServingError
-from motet.engine.sequence import RequestTimings, TokenLogprob
+from motet.engine.core.sequence import RequestTimings, TokenLogprob
 
 
 @dataclass

@@ -25,7 +25,7 @@ from motet.actors.messages import Abort, Admission, Cancel, GenerateSpec, Remove
 from motet.actors.runtime import ActorStopped, ActorSystem
 from motet.actors.scheduler_actor import SchedulerActor
 from motet.actors.serving_errors import ShuttingDown
-from motet.engine.kv_connector import KVTierStats
+from motet.engine.core.kv_connector import KVTierStats
 from motet.engine.speculative.proposer import SpeculativeStats
 from motet.lora.manager import AdapterStats
 

@@ -234,7 +234,7 @@ def engine_config(args):
 def kv_disk_dir(args, model: str) -> str | None:
     """The KV disk tier's directory, under the data directory (`motet serve --data-dir`), when it is on."""
     from motet.api.server import data_dir
-    from motet.engine.kv_tiers import KV_CACHE_SUBDIR
+    from motet.engine.core.kv_tiers import KV_CACHE_SUBDIR
 
     if not args.kv_disk_gb:
         return None
@@ -242,7 +242,7 @@ def kv_disk_dir(args, model: str) -> str | None:
 
 
 def cmd_pull(args) -> int:
-    from motet.engine.model_store import pull
+    from motet.engine.weights.model_store import pull
 
     print(pull(cache_dir=args.cache_dir, force=args.force, progress=True))
     return 0

@@ -10,8 +10,8 @@ in tokens); and per finished request its prompt and generation tokens, its finis
 prefill / decode / inference times. Buckets, labels (`model_name`) and help texts are vLLM's
 (vllm/v1/metrics/loggers.py); deploy/grafana/motet.json is the dashboard that reads them. Per tenant, for an
 admin: each tenant's virtual token counter, its requests queued, waiting and running, and its position in
-the order tenants are served next (motet/engine/fairness.py). Per KV tier past the device cache (`tier`: ram,
-disk; motet/engine/kv_connector.py): the bytes and blocks it holds and may hold, the prompt tokens and bytes
+the order tenants are served next (motet/engine/core/fairness.py). Per KV tier past the device cache (`tier`: ram,
+disk; motet/engine/core/kv_connector.py): the bytes and blocks it holds and may hold, the prompt tokens and bytes
 loaded from it instead of recomputed, the blocks and bytes saved to it, the entries dropped as corrupt, and
 the loads' latency. Adapter memory (`motet_lora_*`): the pool's bound and the bytes and adapters resident in it,
 how many adapters fit, the host cache, and the loads, placements, evictions, hits and misses so far.
@@ -26,8 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from motet.actors.system import Stats
-from motet.engine.kv_connector import LOAD_BUCKETS
-from motet.engine.sequence import RequestTimings
+from motet.engine.core.kv_connector import LOAD_BUCKETS
+from motet.engine.core.sequence import RequestTimings
 
 # vLLM's buckets for its latency histograms (vllm/v1/metrics/loggers.py)
 _VLLM_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -60,7 +60,7 @@ class _OpenAINoOps(_Request):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = Field(None, max_length=SAFETY_IDENTIFIER_MAX_CHARS)
-    # OpenAI's processing tier: "flex" is batch work, which yields to interactive requests (motet/engine/latency.py);
+    # OpenAI's processing tier: "flex" is batch work, which yields to interactive requests (motet/engine/core/latency.py);
     # "auto" and "default" are interactive. There is no faster tier than the default.
     service_tier: str | None = None
 

@@ -28,7 +28,7 @@ def data_dir(flag: str | None, model: str) -> Path:
     """The server's data directory: --data-dir, else $MOTET_DATA_DIR (either is shared by every model served
     with it), else one of `model`'s own under DEFAULT_DATA_DIR, so that one model's adapters, files, responses
     and batches never meet another's."""
-    from motet.engine.model_store import model_key
+    from motet.engine.weights.model_store import model_key
 
     explicit = flag or os.environ.get("MOTET_DATA_DIR")
     return Path(explicit).expanduser() if explicit else Path(DEFAULT_DATA_DIR).expanduser() / model_key(model)
@@ -86,9 +86,9 @@ def grammar_limits(args):
 def check_model(config) -> tuple[Path, int]:
     """The model's directory and context length; ModelLoadError (a ValueError) naming what is wrong with
     --model, before anything starts. The default model is pulled here when it is not cached yet."""
-    from motet.engine.checkpoint import load_model_config
     from motet.engine.config import context_length
-    from motet.engine.model_store import resolve_model
+    from motet.engine.weights.checkpoint import load_model_config
+    from motet.engine.weights.model_store import resolve_model
 
     model_dir = resolve_model(config.model)
     return model_dir, context_length(load_model_config(model_dir), config.max_model_len)
@@ -110,8 +110,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 def served_names(args, config) -> list[str]:
     """The names requests may give the base model as: the first is the served one, the rest aliases."""
-    from motet.engine.config import is_gguf_file
-    from motet.engine.model_store import DEFAULT_MODEL_ALIASES
+    from motet.engine.weights.gguf_model import is_gguf_file
+    from motet.engine.weights.model_store import DEFAULT_MODEL_ALIASES
 
     names = list(args.served_model_name or [])
     path = Path(os.path.abspath(Path(config.model).expanduser()))
@@ -182,7 +182,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         config.num_threads = default_cpu_threads()
     config.grammar_limits = grammar_limits(args)
     if args.tenant_weights:
-        from motet.engine.fairness import load_tenant_weights
+        from motet.engine.core.fairness import load_tenant_weights
 
         config.tenant_weights = load_tenant_weights(args.tenant_weights)
     names = served_names(args, config)

@@ -24,7 +24,7 @@ from motet.api import tracing
 from motet.api.billing import Bill
 from motet.api.errors import APIError, from_serving_error
 from motet.api.state import ServerState
-from motet.engine.sequence import RequestTimings, TokenLogprob
+from motet.engine.core.sequence import RequestTimings, TokenLogprob
 
 log = logging.getLogger("motet.api")
 

@@ -2,7 +2,7 @@
 
 `motet serve MODEL` (the positional model of `vllm serve`), `--lora-modules` (motet's `--lora`),
 `--enable-lora` (accepted: adapters are always on), `--api-key` (one key, beside `--api-keys`),
-`--gpu-memory-utilization` (the KV cache sized from a share of the memory: motet/engine/memory.py),
+`--gpu-memory-utilization` (the KV cache sized from a share of the memory: motet/engine/worker/memory.py),
 `--trust-request-chat-template`, `--tool-call-parser` (the model's tool-call format: motet/grammar/tool_formats.py)
 and `--enable-auto-tool-choice` (accepted: `tool_choice: "auto"` is always on). `--served-model-name`, `--max-loras`, `--max-lora-rank`,
 `--max-cpu-loras`, `--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`, `--block-size`,
@@ -22,7 +22,7 @@ log = logging.getLogger("motet.server")
 
 
 def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
-    from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION  # (torch: imported once the parser is built)
+    from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION  # (torch: imported once the parser is built
 
     p.add_argument(
         "model_tag",

@@ -4,7 +4,7 @@ the prefill pool first, what a prefill replica runs, and what it answers. Plain 
 
     ingress --route--> a prefill replica (chosen by cached prefix): the prompt alone, max_tokens=1, greedy,
                        no grammar; when it finishes, its full blocks are written through to the shared KV tier
-                       (motet/engine/kv_shared.py) and the replica answers PrefillDone once they are there
+                       (motet/engine/core/kv_shared.py) and the replica answers PrefillDone once they are there
             --route--> a decode replica (chosen by load and adapter residency; the prompt's blocks in the shared
                        tier cost a load there, not a prefill): the request as the client sent it. Its engine
                        misses the prefix on the device, finds it in the shared tier (the KV connector's load),

@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from motet.engine.checkpoint import load_model_config
-from motet.engine.config import EngineConfig, ModelConfig, context_length
+from motet.engine.config import EngineConfig, context_length
 from motet.engine.tokenizer import Tokenizer, load_tokenizer
+from motet.engine.weights.checkpoint import load_model_config
+from motet.models.config import ModelConfig
 
 
 class ModelView:

@@ -10,7 +10,7 @@ a very long one is hashed from its first ROUTING_MAX_CHARS characters.
 
 from __future__ import annotations
 
-from motet.engine.block_manager import chain_block_hashes, matchable_tokens, prefix_salt
+from motet.engine.core.block_manager import chain_block_hashes, matchable_tokens, prefix_salt
 from motet.engine.tokenizer import Tokenizer
 
 ROUTING_MAX_CHARS = 65536  # enough for every block a cache is likely to hold; bounds the ingress's work

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 
 from motet.actors.system import Stats
-from motet.engine.kv_connector import KVTierStats, sum_tier_stats
+from motet.engine.core.kv_connector import KVTierStats, sum_tier_stats
 from motet.engine.speculative.proposer import SpeculativeStats
 from motet.lora.manager import AdapterStats
 

@@ -153,7 +153,7 @@ def cluster_system(args, config, loras: dict[str, Path]):
     from motet.cluster.replica import ReplicaSettings
     from motet.cluster.shared_adapter_store import SharedAdapterStore
     from motet.engine.config import default_cpu_threads
-    from motet.engine.model_store import resolve_model
+    from motet.engine.weights.model_store import resolve_model
 
     try:
         import ray  # noqa: F401

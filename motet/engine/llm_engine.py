@@ -30,38 +30,39 @@ from typing import NamedTuple
 
 import torch
 
-from motet.engine.block_manager import BlockManager, prefix_salt
-from motet.engine.checkpoint import load_model_config
-from motet.engine.config import EngineConfig, ModelLoadError
+from motet.engine.config import EngineConfig
+from motet.engine.core.block_manager import BlockManager, prefix_salt
+from motet.engine.core.fairness import TenantState, VirtualTokenCounter
+from motet.engine.core.kv_blocks import KVLayout, model_identity
+from motet.engine.core.kv_connector import GiB, KVConnector, KVTierStats, NoKVTiers
+from motet.engine.core.kv_shared import SharedTier
+from motet.engine.core.kv_tiers import DiskTier
+from motet.engine.core.kv_window import WindowBlocks
+from motet.engine.core.scheduler import ScheduledBatch, Scheduler
+from motet.engine.core.sequence import RequestTimings, Sequence, TokenLogprob
 from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
-from motet.engine.fairness import TenantState, VirtualTokenCounter
-from motet.engine.grammar_masks import GrammarStats
 from motet.engine.guided import GuidedDecoding
-from motet.engine.kv_blocks import KVLayout, model_identity
-from motet.engine.kv_connector import GiB, KVConnector, KVTierStats, NoKVTiers
-from motet.engine.kv_shared import SharedTier
-from motet.engine.kv_tiers import DiskTier
-from motet.engine.kv_window import WindowBlocks
-from motet.engine.memory import available_host_memory
-from motet.engine.model_runner import ModelRunner, StepResult
-from motet.engine.model_store import resolve_model
-from motet.engine.parallel import RankFailure
 from motet.engine.request_checks import RequestLimits
-from motet.engine.sampler import SamplingError, SamplingFailure
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.scheduler import ScheduledBatch, Scheduler
-from motet.engine.sequence import RequestTimings, Sequence, TokenLogprob
 from motet.engine.speculative.history import DraftScope
 from motet.engine.speculative.proposer import NoSpeculation, SpeculativeConfig, SpeculativeStats, Speculator
 from motet.engine.stepping import OverlappedSteps, SequentialSteps
-from motet.engine.token_masks import bad_words_token_ids
 from motet.engine.tokenizer import load_tokenizer
+from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.model_store import resolve_model
+from motet.engine.worker.grammar_masks import GrammarStats
+from motet.engine.worker.memory import available_host_memory
+from motet.engine.worker.model_runner import ModelRunner, StepResult
+from motet.engine.worker.parallel import RankFailure
+from motet.engine.worker.sampler import SamplingError, SamplingFailure
+from motet.engine.worker.token_masks import bad_words_token_ids
 from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
 from motet.grammar.cache import GrammarCache
 from motet.grammar.reasoning import ReasoningOpening, reasoning_format
 from motet.grammar.specs import GrammarSpec
 from motet.grammar.tool_call_parser import RepeatedCallStop
 from motet.lora.manager import AdapterManager, AdapterRef, AdapterStats
+from motet.models.declaration import ModelLoadError
 
 log = logging.getLogger("motet.engine")
 
@@ -142,7 +143,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_dir, self.model_config, config)
         self.max_model_len = self.runner.max_model_len
         window = None
-        if self.runner.window:  # its sliding-window layers keep their window only (motet/engine/kv_window.py)
+        if (
+            self.runner.window
+        ):  # its sliding-window layers keep their window only (motet/engine/core/kv_window.py)
             runner = self.runner
             window = WindowBlocks(
                 runner.num_window_blocks, config.block_size, runner.ring, runner.window_chunk
@@ -320,13 +323,13 @@ class LLMEngine:
     ) -> str:
         """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
         for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
-        `tenant`: whose request it is: tenants share the engine by weight (motet/engine/fairness.py); it
+        `tenant`: whose request it is: tenants share the engine by weight (motet/engine/core/fairness.py); it
         shares prefix-cache blocks only with the same tenant's requests (unless the config shares the cache
         across tenants) of the same `params.cache_salt`, and speculation drafts only from the outputs of the
         same tenant, cache_salt and adapter under the same kind of grammar (a JSON schema, tool calls, none,
         ...). `arrival_time`: when it entered the serving system (time.monotonic(); default: now), where its
         queue time starts. `priority`: vLLM's (lower: sooner), ordering the tenant's own requests only.
-        `background`: batch work, which yields to interactive requests (motet/engine/latency.py)."""
+        `background`: batch work, which yields to interactive requests (motet/engine/core/latency.py)."""
         params = self.resolve_bad_words(params or SamplingParams())
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt(token_ids)
@@ -380,7 +383,7 @@ class LLMEngine:
         )
 
     def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
-        """`params` with its bad_words as token sequences (motet/engine/token_masks.py); the serving layer
+        """`params` with its bad_words as token sequences (motet/engine/worker/token_masks.py); the serving layer
         calls it in a worker thread, so the engine's thread finds them resolved."""
         if not params.bad_words or params.bad_words_token_ids is not None:
             return params

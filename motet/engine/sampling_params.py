@@ -68,7 +68,7 @@ class SamplingParams:
     # vLLM's cache_salt: requests with different salts never share prefix-cache blocks (nor, in motet, the
     # speculation history), on top of the tenant's own separation (block_manager.prefix_salt).
     cache_salt: str | None = None
-    # vLLM's logits masks (motet/engine/token_masks.py): `bad_words` never appear in the output (the last token
+    # vLLM's logits masks (motet/engine/worker/token_masks.py): `bad_words` never appear in the output (the last token
     # of a bad word's tokens is masked where the tokens before it were just generated), and only
     # `allowed_token_ids` may be sampled. `bad_words_token_ids` is what the engine derives from `bad_words`
     # with the tokenizer (vLLM's `_bad_words_token_ids`); None until then.

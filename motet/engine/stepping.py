@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
-from motet.engine.scheduler import ScheduledBatch
-from motet.engine.sequence import Sequence
+from motet.engine.core.scheduler import ScheduledBatch
+from motet.engine.core.sequence import Sequence
 
 
 class Stages(Protocol):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from motet.engine.config import ModelLoadError
 from motet.engine.request_checks import MAX_PROMPT_CHARS
 from motet.engine.template_worker import template_worker
+from motet.models.declaration import ModelLoadError
 
 
 class Tokenizer:

@@ -205,7 +205,7 @@ def _run_one(module: ModuleType, args, out_dir: Path, target: dict) -> Run:
 
 
 def _run_offline(module: ModuleType, args, out_dir: Path) -> Run:
-    from motet.engine.model_store import DEFAULT_MODEL
+    from motet.engine.weights.model_store import DEFAULT_MODEL
 
     started = time.perf_counter()
     ctx = EvalContext(

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from motet.engine.llm import LLM
-from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights.model_store import resolve_model
 from motet.evals.lora_reference import write_random_adapter
 from motet.evals.throughput import chat_prompts
 

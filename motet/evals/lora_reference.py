@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from motet.lora.base_shape import BaseShape
 from motet.lora.peft_format import CONFIG_FILE, TARGET_MODULES, WEIGHTS_FILE, module_name, module_shape
+from motet.models.config import ModelConfig
 
 
 def random_lora_factors(
-    base: BaseShape,
+    base: ModelConfig,
     modules: Iterable[str],
     rank: int,
     seed: int,
@@ -45,7 +45,7 @@ def lora_config(rank: int, modules: Iterable[str], alpha: float | None = None) -
 
 def write_random_adapter(
     path: Path,
-    base: BaseShape,
+    base: ModelConfig,
     rank: int,
     seed: int,
     *,

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from motet.engine.llm import LLM
-from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights.model_store import resolve_model
 
 TOPICS = [
     "the ocean", "volcanoes", "bread baking", "chess openings", "the moon", "honeybees", "jazz", "bicycles",

@@ -264,13 +264,13 @@ def tidy_config(path: Path, base_name: str) -> None:
 # -- commands ---------------------------------------------------------------------------------------------
 def load_llm(model: str | None, **options):
     from motet.engine.llm import LLM
-    from motet.engine.model_store import resolve_model
+    from motet.engine.weights.model_store import resolve_model
 
     return LLM(str(resolve_model(model)), **options)
 
 
 def cmd_train(args) -> None:
-    from motet.engine.model_store import resolve_model
+    from motet.engine.weights.model_store import resolve_model
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)

@@ -9,7 +9,7 @@ loaded: one thread pool for torch and these kernels. Where no compiler is found 
 
 Besides single kernels (attention, SGMV, GEMM) the library runs a whole forward: a program of generic op records
 (`Op`: a kind, buffers, a few ints, pointers and floats, read per kind as the source's table says) over named
-fp32 buffers, which `ProgramWriter` writes and motet/engine/cpu_forward.py fills from a model's layers. A new
+fp32 buffers, which `ProgramWriter` writes and motet/engine/worker/cpu_forward.py fills from a model's layers. A new
 kind of layer is a new op kind, never a new struct: `ABI_VERSION` moves when the records or the step do.
 """
 
@@ -83,7 +83,7 @@ class LoraPool(ctypes.Structure):
 ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
 
 # The forward's program (the source's Op and Program; field order matters): op records that Python writes once,
-# each reading its fields as the source's table says (motet/engine/cpu_forward.py writes them).
+# each reading its fields as the source's table says (motet/engine/worker/cpu_forward.py writes them).
 OP_KINDS = ("rms_norm", "linear", "rotary_kv", "attention", "activation", "add_residual", "moe")  # OpKind
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_limit")  # the source's Activation, by the config's names
 KV_POOLS = ("global", "window")  # the source's KvPool: which slots and tables an op's KV lives at

@@ -2,7 +2,7 @@
 production path: prefill chunks in bounded query sub-chunks, decodes batched in groups of similar context
 length, with the per-step bookkeeping (`CpuAttentionPlan`) shared by the layers of one step. With a `window`
 (sliding-window layers) a query at position p sees the keys at p - window + 1 .. p only, and only those blocks
-are read: the others may hold newer tokens (motet/engine/block_manager.py's `WindowBlocks` reuses them)."""
+are read: the others may hold newer tokens (motet/engine/core/block_manager.py's `WindowBlocks` reuses them)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The experts of a mixture-of-experts layer in Triton: a grouped GEMM over rows sorted by expert.
 
-`Experts.grouped` (motet/engine/model.py) has every (token, choice) row go through its expert: gate/up,
+`Experts.grouped` (motet/engine/worker/model.py) has every (token, choice) row go through its expert: gate/up,
 SiLU * up, down. In torch that is two products per expert that has rows, each a launch, most of them tiny at
 decode. Here the rows (sorted by expert, as the torch path sorts them) are cut into tiles of BLOCK_M rows of
 one expert each (an expert's last tile partly empty), and one launch computes every tile of the whole

@@ -21,7 +21,7 @@ the only allocations are the output and the partials (from the caching allocator
 captured in a CUDA graph.
 
 `quant_linear` is the entry point (CUDA, or CPU under TRITON_INTERPRET=1); `applies` says where the model
-uses it (motet/engine/model.py `Linear.forward`; elsewhere the torch reference `QuantizedWeight.linear`).
+uses it (motet/engine/worker/model.py `Linear.forward`; elsewhere the torch reference `QuantizedWeight.linear`).
 """
 
 from __future__ import annotations

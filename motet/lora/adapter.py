@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from motet.lora.base_shape import BaseShape, is_moe_base
 from motet.lora.peft_config import brief, read_config, targeted
 from motet.lora.peft_format import (  # noqa: F401 - re-exported: the adapter's public names
     CONFIG_FILE,
@@ -37,6 +36,7 @@ from motet.lora.peft_format import (  # noqa: F401 - re-exported: the adapter's 
     module_name,
     module_shape,
 )
+from motet.models.config import ModelConfig
 
 _ST_DTYPES = {"F64", "F32", "F16", "BF16"}
 
@@ -164,7 +164,7 @@ def _checked_values(file: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict,
 
 def load_adapter(
     path: str | Path,
-    base: BaseShape,
+    base: ModelConfig,
     *,
     max_rank: int = 64,
     name: str | None = None,
@@ -188,7 +188,7 @@ def load_adapter(
     cfg, selection = read_config(path)
     linears = base_modules(base)
     _check_safetensors_header(file, max_file_bytes, max_tensors, max_header_bytes)
-    moe = is_moe_base(base)
+    moe = base.is_moe
     if moe and any(
         targeted(selection, module_name(i, m)) for i in range(base.num_hidden_layers) for m in _MLP_MODULES
     ):
@@ -303,7 +303,7 @@ def load_adapter(
         modules.append((layer, module, mname, ab["A"], ab["B"], scale))
     floats, row_sums = _checked_values(file, {k: tensors[k] for m in modules for k in m[3:5]})
     # A base whose weights carry a constant scale (Granite's multipliers, folded in as they load): its deltas too.
-    folded = getattr(base, "weight_scales", {})
+    folded = base.weight_scales
     weights = {}
     for layer, module, mname, a_key, b_key, scale in modules:
         gain = scale * row_sums[b_key] * row_sums[a_key]

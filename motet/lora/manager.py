@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 
 from motet.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, LoRAAdapter, load_adapter
-from motet.lora.base_shape import BaseShape
 from motet.lora.host_cache import HostCache, HostEntry
 from motet.lora.pool import AdapterPool, LoRABatch, PoolLayout, Shard, pack
+from motet.models.config import ModelConfig
 
 log = logging.getLogger("motet.adapters")
 MAX_PLACEMENTS_PER_STEP = 64  # host -> pool copies one `prefetch` makes at most (a burst spreads over steps)
@@ -115,7 +115,7 @@ class AdapterStats:
 class AdapterManager:
     def __init__(
         self,
-        base: BaseShape,
+        base: ModelConfig,
         *,
         memory_bytes: int,
         host_bytes: int,
@@ -123,7 +123,7 @@ class AdapterManager:
         max_lora_rank: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        layout_base: BaseShape | None = None,
+        layout_base: ModelConfig | None = None,
         shard: Shard | None = None,
         on_place: Callable[[int, int, int, LoRAAdapter], None] | None = None,
         background: bool = True,

@@ -3,8 +3,8 @@ and the error every refusal raises (motet/lora/peft_config.py reads the config, 
 
 from __future__ import annotations
 
-from motet.lora.base_shape import BaseShape
 from motet.models import DECLARATIONS, fused_modules
+from motet.models.config import ModelConfig
 from motet.models.projections import ATTENTION_PROJECTIONS, PROJECTIONS, projection_shapes
 
 TARGET_MODULES = PROJECTIONS
@@ -30,7 +30,7 @@ class AdapterTooLarge(AdapterError):
     """An adapter (or one of its files) above a size limit: HTTP 413 rather than 400."""
 
 
-def base_modules(base: BaseShape) -> tuple[str, ...]:
+def base_modules(base: ModelConfig) -> tuple[str, ...]:
     """The linear modules of the base's decoder layers as its checkpoint, and so PEFT, names them."""
     fused = fused_modules(getattr(base, "architecture", None))
     out: list[str] = []
@@ -41,7 +41,7 @@ def base_modules(base: BaseShape) -> tuple[str, ...]:
     return tuple(out)
 
 
-def module_shape(base: BaseShape, module: str) -> tuple[int, int]:
+def module_shape(base: ModelConfig, module: str) -> tuple[int, int]:
     """(in_features, out_features) of a decoder layer's linear module, or of the embedding (in: the vocabulary)
     or the output head."""
     h = base.hidden_size

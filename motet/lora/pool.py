@@ -35,7 +35,7 @@ import torch
 
 from motet.kernels.sgmv import add_embedding_lora, add_lora
 from motet.lora.adapter import AdapterError, LoRAAdapter, module_shape
-from motet.lora.base_shape import BaseShape
+from motet.models.config import ModelConfig
 from motet.models.projections import PROJECTION_GROUPS
 
 # The decoder's projection groups (each one shrink and one expand), then the two outside the decoder layers,
@@ -75,7 +75,7 @@ class GroupGeometry:
 class PoolLayout:
     """The pool's geometry for a base model (a tensor-parallel run: its largest rank's part of every module)."""
 
-    def __init__(self, base: BaseShape):
+    def __init__(self, base: ModelConfig):
         self.num_layers = base.num_hidden_layers
         self.groups = tuple(
             GroupGeometry(
@@ -284,7 +284,7 @@ class AdapterPool:
         return at if self.capacity - at >= size else None
 
     def put_at(self, slot: int, start: int, uid: int, packed: PackedAdapter) -> None:
-        """Write `packed` at a given place (another rank's placement, mirrored: motet/engine/model_runner.py);
+        """Write `packed` at a given place (another rank's placement, mirrored: motet/engine/worker/model_runner.py);
         whatever held that slot or range before is forgotten."""
         for old in [u for u, s in self.slot_of.items() if s == slot]:
             self.evict(old)

@@ -45,8 +45,8 @@ from motet.lora.adapter import (
     load_adapter,
     pickle_refusal,
 )
-from motet.lora.base_shape import BaseShape
 from motet.lora.peft_config import brief
+from motet.models.config import ModelConfig
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # no leading dot: hidden names are ours
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
@@ -90,7 +90,7 @@ def check_name(kind: str, value: str) -> str:
 
 class AdapterRegistry:
     def __init__(
-        self, data_dir: str | Path, base: BaseShape, *, max_rank: int = 64, max_bytes: int = 1 << 30
+        self, data_dir: str | Path, base: ModelConfig, *, max_rank: int = 64, max_bytes: int = 1 << 30
     ):
         self.root = Path(data_dir) / "adapters"
         self.base, self.max_rank, self.max_bytes = base, max_rank, max_bytes

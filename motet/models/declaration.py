@@ -1,5 +1,5 @@
 """What a model architecture is to motet: a short declaration of how its checkpoint maps onto the one decoder
-every backend runs (motet/engine/model.py: embedding, layers of attention and MLP or experts between RMS norms,
+every backend runs (motet/engine/worker/model.py: embedding, layers of attention and MLP or experts between RMS norms,
 a final norm and the head). A declaration names the Hugging Face architectures it serves, the options its
 layers use, how its config.json's own fields read, and the module names its checkpoints use where they differ
 from the decoder's. The engine, the loaders and the kernels ask the declaration; none of them tests an

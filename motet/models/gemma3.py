@@ -1,7 +1,7 @@
 """Gemma 3, text (Gemma3ForCausalLM): sandwich norms (before and after each block) whose weights are offsets from
 1, per-head q/k norms, embeddings times sqrt(hidden), GELU (tanh) in the MLP, attention scaled by
 query_pre_attn_scalar, and sliding-window layers (`layer_types`) with their own rope base
-(rope_local_base_freq), which keep only their window past it (motet/engine/kv_window.py)."""
+(rope_local_base_freq), which keep only their window past it (motet/engine/core/kv_window.py)."""
 
 import math
 

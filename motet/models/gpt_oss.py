@@ -10,7 +10,7 @@ from motet.models.mixtral import experts  # the same: every layer, num_local_exp
 
 
 def options(cfg: dict, source: str) -> dict:
-    # OpenAI's checkpoints hold the experts in MXFP4, dequantized as they load (motet/engine/mxfp4.py)
+    # OpenAI's checkpoints hold the experts in MXFP4, dequantized as they load (motet/engine/weights/mxfp4.py)
     quantization = cfg.get("quantization_config") or {}
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
     if quantization and method != "mxfp4":

@@ -1,5 +1,5 @@
 """The decoder layer's linear projections by their Hugging Face names (q_proj ... down_proj), and how the decoder
-(motet/engine/model.py) fuses those that read the same input. One list for the checkpoint readers, the LoRA
+(motet/engine/worker/model.py) fuses those that read the same input. One list for the checkpoint readers, the LoRA
 format and pool, and the adapter trainer."""
 
 from __future__ import annotations

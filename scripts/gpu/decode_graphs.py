@@ -1,4 +1,4 @@
-"""Decode tokens/s on one GPU, eager vs CUDA graphs (motet/engine/cuda_graphs.py), and where an eager step's time
+"""Decode tokens/s on one GPU, eager vs CUDA graphs (motet/engine/worker/cuda_graphs.py), and where an eager step's time
 goes (the forward alone, and a profiler's top ops at batch 1). Writes decode_graphs.json/.md into --out.
 
     PYTHONPATH=. python scripts/gpu/decode_graphs.py --model-dir DIR --out OUT [--batches 1,8,64,256] \\

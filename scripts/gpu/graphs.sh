@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA graphs for decode (motet/engine/cuda_graphs.py): the GPU tests, then eager vs graphs tokens/s with HF
+# CUDA graphs for decode (motet/engine/worker/cuda_graphs.py): the GPU tests, then eager vs graphs tokens/s with HF
 # generate as the peer, in one device call (after scripts/gpu/run.sh on the same warm machine, or alone):
 #   run(command="bash scripts/gpu/graphs.sh", carry=[".whl", ".gpu"])
 # Results land in $OUT: graphs_pytest.log, decode_graphs.{json,md}, profile_b1_*.txt.

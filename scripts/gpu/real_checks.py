@@ -99,7 +99,7 @@ def main() -> None:
 
     # Mixed adapters: two random rank-8/16 adapters and the base model in one batch, vs HF + PEFT on CUDA.
     tmp = Path(tempfile.mkdtemp())
-    from motet.engine.config import ModelConfig
+    from motet.models.config import ModelConfig
 
     base = ModelConfig.from_dir(args.model_dir)
     adapters = {f"a{r}": write_random_adapter(tmp / f"a{r}", base, r, seed=r) for r in (8, 16)}

@@ -16,9 +16,9 @@ from motet.actors.adapter_queues import AdapterQueuesActor
 from motet.actors.messages import Enqueue, QueuedRequest, Take
 from motet.actors.reply import ReplyStream
 from motet.actors.system import ServingSystem
+from motet.engine.core.sequence import Sequence
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.sequence import Sequence
 from tests.actors.test_actors import _engine_factory, _spec
 from tests.engine.test_fairness import make, run_step
 from tests.live_server import ThreadServer

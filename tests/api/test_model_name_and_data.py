@@ -14,10 +14,10 @@ import pytest
 
 from motet.api.auth import DEFAULT_TENANT
 from motet.api.server import DEFAULT_DATA_DIR, data_dir, warn_of_shared_data
-from motet.engine.config import ModelConfig
-from motet.engine.model_store import DEFAULT_MODEL_ALIASES
+from motet.engine.weights.model_store import DEFAULT_MODEL_ALIASES
 from motet.evals.lora_reference import write_random_adapter
 from motet.lora.registry import FILES, AdapterRegistry
+from motet.models.config import ModelConfig
 from tests.live_server import ThreadServer
 
 FOREIGN = "made-for-another-base"  # an adapter stored by a server of another base model, in a shared data dir

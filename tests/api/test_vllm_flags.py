@@ -12,10 +12,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from motet.api.cli import build_parser, engine_config, main
-from motet.engine.config import EngineConfig, ModelLoadError
+from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
-from motet.engine.memory import available_host_memory
-from motet.engine.model_runner import kv_block_bytes
+from motet.engine.worker.memory import available_host_memory
+from motet.engine.worker.model_runner import kv_block_bytes
+from motet.models.declaration import ModelLoadError
 from tests.live_server import Server, ThreadServer
 from tests.peft_adapters import make_adapter
 

@@ -1,7 +1,7 @@
 """Block manager: allocation, ref counts, prefix caching keyed by adapter, LRU eviction."""
 
-from motet.engine.block_manager import BlockManager
-from motet.engine.sequence import Sequence
+from motet.engine.core.block_manager import BlockManager
+from motet.engine.core.sequence import Sequence
 
 
 def seq(tokens, adapter_id=0):

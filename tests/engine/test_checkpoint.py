@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from motet.engine.checkpoint import iter_weights, load_model_config, load_state_dict, weight_files
-from motet.engine.config import ModelLoadError
+from motet.engine.weights.checkpoint import iter_weights, load_model_config, load_state_dict, weight_files
+from motet.models.declaration import ModelLoadError
 from tests.tiny_models import TINY_LAYERS
 
 TINY = dict(vocab_size=256, **TINY_LAYERS, max_position_embeddings=512)

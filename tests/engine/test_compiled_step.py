@@ -1,4 +1,4 @@
-"""The compiled CPU step (motet/engine/cpu_forward.py: the decoder stack in one native call) against the eager
+"""The compiled CPU step (motet/engine/worker/cpu_forward.py: the decoder stack in one native call) against the eager
 model, its reference: the same logits for every row of mixed batches (prefill chunks, decodes, several
 adapters and the base model), in fp32 and bf16 weights, and the same greedy tokens."""
 

@@ -1,4 +1,4 @@
-"""Decode from CUDA graphs (motet/engine/cuda_graphs.py) and the sync-free KV write it needs.
+"""Decode from CUDA graphs (motet/engine/worker/cuda_graphs.py) and the sync-free KV write it needs.
 
 The write kernel runs under TRITON_INTERPRET=1 on CPU machines; the graph-vs-eager check needs CUDA."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from motet.engine.cuda_graphs import bucket_for, buckets
+from motet.engine.worker.cuda_graphs import bucket_for, buckets
 from motet.kernels import paged_attention as pa
 from tests.engine.helpers import mixed_adapter_tokens
 
@@ -59,7 +59,7 @@ def test_lora_graph_signature_is_the_groups_launched_and_the_rank_tile(tmp_path)
     the kernels read each adapter's slot, rank, targets and weights from the pool at the replay. So steps share a
     graph whatever their slots, ranks within the tile and modules within the groups; another group or a wider
     tile takes another graph."""
-    from motet.engine.cuda_graphs import DecodeGraphs
+    from motet.engine.worker.cuda_graphs import DecodeGraphs
     from motet.lora.manager import AdapterManager, AdapterRef
     from tests.lora.test_lora_pool import BASE, write_adapter
 
@@ -135,10 +135,10 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
     greedy decode of ragged prompts equals the eager model's, which the engine tests check against Hugging
     Face."""
     from motet.engine.config import EngineConfig
-    from motet.engine.cuda_graphs import DecodeGraphs
     from motet.engine.llm_engine import LLMEngine
-    from motet.engine.model import AttentionMetadata
     from motet.engine.sampling_params import SamplingParams
+    from motet.engine.worker.cuda_graphs import DecodeGraphs
+    from motet.engine.worker.model import AttentionMetadata
 
     class PlannedEachStep(AttentionMetadata):
         """(the CPU attention's host-side plan is made from the tables of each replay, not kept from the first)"""

@@ -6,13 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from motet.engine.config import EngineConfig, ModelLoadError
+from motet.engine.config import EngineConfig
+from motet.engine.core.scheduler import ScheduledBatch
+from motet.engine.core.sequence import Sequence
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
-from motet.engine.model import Linear, onednn_available
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.scheduler import ScheduledBatch
-from motet.engine.sequence import Sequence
+from motet.engine.worker.model import Linear, onednn_available
+from motet.models.declaration import ModelLoadError
 from tests.tiny_models import build_tiny_model
 
 PROMPTS = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60)] + [[7, 8, 9] * 11]

@@ -1,4 +1,4 @@
-"""Fairness between tenants (motet/engine/fairness.py and the engine's scheduler): pure policy, no threads.
+"""Fairness between tenants (motet/engine/core/fairness.py and the engine's scheduler): pure policy, no threads.
 
 The scheduler is driven as the engine drives it (schedule, pretend the forward pass ran, append a token),
 with the engine's charging of output tokens, so the counts below are the tokens each tenant was served.
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from motet.engine.block_manager import BlockManager
-from motet.engine.fairness import (
+from motet.engine.core.block_manager import BlockManager
+from motet.engine.core.fairness import (
     AdmissionGate,
     TenantShares,
     TenantState,
@@ -23,9 +23,9 @@ from motet.engine.fairness import (
     check_tenant_weights,
     load_tenant_weights,
 )
+from motet.engine.core.scheduler import Scheduler
+from motet.engine.core.sequence import Sequence, SequenceStatus
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.scheduler import Scheduler
-from motet.engine.sequence import Sequence, SequenceStatus
 
 
 # -- the counters ------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A bare GGUF file served as the model (`--model path/to/file.gguf`, nothing beside it: motet/engine/gguf_model.py).
+"""A bare GGUF file served as the model (`--model path/to/file.gguf`, nothing beside it: motet/engine/weights/gguf_model.py).
 
 The files are written the way llama.cpp's convert_hf_to_gguf.py writes them (hyperparameters, the vocabulary
 with its token types, q/k rows permuted for its rotary), with gguf-py (llama.cpp's own Python package) quantizing
@@ -22,11 +22,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from motet.api.server import served_names
-from motet.engine import gguf_model
-from motet.engine.config import EngineConfig, ModelLoadError
+from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
-from motet.engine.model_store import resolve_model
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights import gguf_model
+from motet.engine.weights.model_store import resolve_model
+from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.kernels.test_quantization import (
     GGUF_TYPES,
@@ -251,7 +252,7 @@ def test_other_families_gguf_files_match_hf(tmp_path, cache, arch, compiled):
 def test_other_families_gguf_files_convert_to_their_checkpoints(tmp_path, arch):
     """`convert_gguf` (what `motet pull` runs) writes the family's own Hugging Face directory: transformers loads
     it as that family and computes the source checkpoint's logits exactly (F32 tensors)."""
-    from motet.engine.gguf_convert import convert_gguf
+    from motet.engine.weights.gguf_convert import convert_gguf
 
     source = build_tiny_model(tmp_path / "src", arch=arch, tied=False, head_dim=32)
     path = write_gguf_file(source, tmp_path / "g" / "m.gguf", {}, pre="qwen2", arch=arch)

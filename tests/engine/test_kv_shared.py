@@ -1,4 +1,4 @@
-"""The KV tier shared by replicas (motet/engine/kv_shared.py): two engines on one directory (two replicas), the
+"""The KV tier shared by replicas (motet/engine/core/kv_shared.py): two engines on one directory (two replicas), the
 second serving the first's prefix from it with PEFT's greedy output; a damaged shared entry dropped for every
 reader and recomputed; a salted tenant never reading another's; `wait_saved` as the prefill-to-decode hand-off
 (every full block of a finished prompt is in the store when it returns); and an fsspec URL as the store."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from motet.engine.block_manager import chain_block_hashes, prefix_salt
-from motet.engine.kv_shared import SharedTier
-from motet.engine.kv_tiers import encode_entry, entry_name
+from motet.engine.core.block_manager import chain_block_hashes, prefix_salt
+from motet.engine.core.kv_shared import SharedTier
+from motet.engine.core.kv_tiers import encode_entry, entry_name
 from motet.engine.sampling_params import SamplingParams
 from tests.engine.test_kv_tiers import BS, base_reference, greedy, small_llm, tier_stats, tokens
 from tests.peft_adapters import peft_reference
@@ -121,7 +121,7 @@ def test_an_fsspec_url_store(tiny_model_dir, tiny_loras, tmp_path):
 def test_the_bound_evicts_what_a_replica_knows(tmp_path):
     import torch
 
-    from motet.engine.kv_blocks import KVLayout
+    from motet.engine.core.kv_blocks import KVLayout
 
     layout = KVLayout(2, 4, 1, 8, torch.float32)
     one = len(encode_entry("id", 1, (1,) * 4, torch.zeros(layout.block_shape)))

@@ -1,4 +1,4 @@
-"""KV tiers past the device cache (motet/engine/kv_connector.py, kv_tiers.py): prefixes evicted from the KV
+"""KV tiers past the device cache (motet/engine/core/kv_connector.py, kv_tiers.py): prefixes evicted from the KV
 cache come back from host RAM or local disk, outputs stay those of HF / PEFT and of the engine without tiers,
 a restart keeps the disk's blocks, a damaged entry is recomputed, never served, and a tenant's or salt's
 blocks stay its own."""
@@ -14,11 +14,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from motet.engine.block_manager import chain_block_hashes
 from motet.engine.config import EngineConfig
-from motet.engine.kv_blocks import KVLayout, model_identity, read_blocks, write_blocks
-from motet.engine.kv_connector import KVConnector
-from motet.engine.kv_tiers import (
+from motet.engine.core.block_manager import chain_block_hashes
+from motet.engine.core.kv_blocks import KVLayout, model_identity, read_blocks, write_blocks
+from motet.engine.core.kv_connector import KVConnector
+from motet.engine.core.kv_tiers import (
     KV_CACHE_SUBDIR,
     CorruptEntry,
     DiskTier,

@@ -1,4 +1,4 @@
-"""Latency isolation to the last token (motet/engine/latency.py): while a light tenant's request runs, the step
+"""Latency isolation to the last token (motet/engine/core/latency.py): while a light tenant's request runs, the step
 stays within the TPOT target and the tenant over its share yields rows (kept running, with their KV); when
 nobody is light, the step is the full budget. The engine's tokens are the same with and without it."""
 
@@ -8,12 +8,12 @@ import itertools
 
 import pytest
 
-from motet.engine.block_manager import BlockManager
-from motet.engine.fairness import VirtualTokenCounter
-from motet.engine.latency import BACKGROUND_SLACK, LINGER_S, StepCost
+from motet.engine.core.block_manager import BlockManager
+from motet.engine.core.fairness import VirtualTokenCounter
+from motet.engine.core.latency import BACKGROUND_SLACK, LINGER_S, StepCost
+from motet.engine.core.scheduler import Scheduler
+from motet.engine.core.sequence import Sequence, SequenceStatus
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.scheduler import Scheduler
-from motet.engine.sequence import Sequence, SequenceStatus
 from tests.engine.test_fairness import run_step
 
 _arrivals = iter(range(10**9))
@@ -112,7 +112,7 @@ def test_a_light_tenant_runs_every_step_and_the_burst_yields_rows_that_keep_thei
 
 
 def test_the_cap_lingers_for_the_light_tenants_next_turn_then_lifts(monkeypatch):
-    import motet.engine.scheduler as scheduler_module
+    import motet.engine.core.scheduler as scheduler_module
 
     clock = [1000.0]
     monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])

@@ -23,10 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from motet.api.cli import main
-from motet.engine.checkpoint import load_model_config
-from motet.engine.config import ModelLoadError
-from motet.engine.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
 from motet.engine.tokenizer import load_tokenizer
+from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
+from motet.models.declaration import ModelLoadError
 from tests.engine.test_gguf_model_file import write_gguf_file
 from tests.tiny_models import build_tiny_model
 

@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from motet.engine import gguf_convert, model_store
-from motet.engine.checkpoint import iter_weights, load_model_config
-from motet.engine.config import ModelLoadError
-from motet.engine.gguf_convert import unpermute_qk
-from motet.engine.model_store import (
+from motet.engine.weights import gguf_convert, model_store
+from motet.engine.weights.checkpoint import iter_weights, load_model_config
+from motet.engine.weights.gguf_convert import unpermute_qk
+from motet.engine.weights.model_store import (
     DEFAULT_MODEL,
     GGUF_MEMBER,
     PullError,
@@ -28,6 +27,7 @@ from motet.engine.model_store import (
     pull,
     resolve_model,
 )
+from motet.models.declaration import ModelLoadError
 
 GGUF_NAME = Path(GGUF_MEMBER).name
 

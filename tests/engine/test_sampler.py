@@ -14,9 +14,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from motet.engine.sampler import Sampler, apply_processing, compute_prompt_logprobs
+from motet.engine.core.sequence import Sequence
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.sequence import Sequence
+from motet.engine.worker.sampler import Sampler, apply_processing, compute_prompt_logprobs
 
 EOS = 1
 

@@ -12,11 +12,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from motet.engine.config import EngineConfig
+from motet.engine.core.sequence import Sequence
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.request_checks import RequestError, RequestLimits
-from motet.engine.sampler import Sampler, SamplingFailure, outcome_error
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.sequence import Sequence
+from motet.engine.worker.sampler import Sampler, SamplingFailure, outcome_error
 from motet.grammar.specs import RegexSpec
 from tests.engine.test_engine import hf_greedy
 from tests.tiny_models import build_tiny_model

@@ -2,11 +2,11 @@
 
 import pytest
 
-from motet.engine.adapter_slicer import AdapterSlicer
-from motet.engine.block_manager import BlockManager
+from motet.engine.core.adapter_slicer import AdapterSlicer
+from motet.engine.core.block_manager import BlockManager
+from motet.engine.core.scheduler import Scheduler
+from motet.engine.core.sequence import Sequence, SequenceStatus
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.scheduler import Scheduler
-from motet.engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=64, block_size=4, max_seqs=8, budget=32):

@@ -1,4 +1,4 @@
-"""Sliding-window attention past the window (motet/engine/kv_window.py): Mistral's window on every layer,
+"""Sliding-window attention past the window (motet/engine/core/kv_window.py): Mistral's window on every layer,
 Gemma 2's every other layer (with soft-capping) and Gemma 3's local layers beside a global one, on both CPU paths
 (the native step and the eager decoder) and over two ranks, against transformers (its sliding-window mask and its
 cache), with the KV blocks a long request holds in those layers bounded by the window."""
@@ -19,12 +19,14 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from motet.engine.config import EngineConfig, ModelConfig, ModelLoadError
-from motet.engine.kv_window import ring_blocks
+from motet.engine.config import EngineConfig
+from motet.engine.core.kv_window import ring_blocks
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
+from motet.models.config import ModelConfig
+from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import engine_logits, hf_greedy, hf_greedy_outputs, hf_logits
 from tests.models.test_moe import PATHS, randomize_norms
 from tests.tiny_models import build_tiny_model

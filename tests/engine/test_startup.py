@@ -22,14 +22,14 @@ from motet.actors.system import ServingSystem
 from motet.api.app import create_app
 from motet.api.cli import build_parser, engine_config
 from motet.api.state import ServerState
-from motet.engine.checkpoint import load_model_config
 from motet.engine.config import CPU_KV_CACHE_MEMORY_GB, CUDA_GPU_MEMORY_UTILIZATION, EngineConfig
-from motet.engine.cuda_graphs import DecodeGraphs, buckets
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
-from motet.engine.model_runner import ModelRunner
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.step_backends import EagerSteps
+from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.worker.cuda_graphs import DecodeGraphs, buckets
+from motet.engine.worker.model_runner import ModelRunner
+from motet.engine.worker.step_backends import EagerSteps
 from motet.kernels.quant import FORMATS, INT8
 from tests.tiny_models import build_tiny_model
 
@@ -167,7 +167,7 @@ def test_kv_cache_default_is_a_share_of_the_memory_on_cuda_a_fixed_size_on_cpu()
 def test_a_slow_load_tells_its_progress(tiny_model_dir, monkeypatch, caplog):
     """Quantizing on load was a minute of silence on a busy CPU: the load logs its share of the layers as it goes
     (here every layer: no wait between lines), then its time, and the native step's packing its own."""
-    from motet.engine import load_progress
+    from motet.engine.weights import load_progress
 
     monkeypatch.setattr(load_progress, "EVERY_S", 0.0)
     with caplog.at_level("INFO", logger="motet.engine"):

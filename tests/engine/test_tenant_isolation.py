@@ -232,7 +232,7 @@ def test_salted_hashes_agree_across_processes():
     """The salt is a digest of the tenant and cache_salt strings, which hash() would key differently per
     process: a router in another process must compute the engine's keys."""
     code = (
-        "from motet.cluster.prompt_blocks import block_hashes; from motet.engine.block_manager import prefix_salt;"
+        "from motet.cluster.prompt_blocks import block_hashes; from motet.engine.core.block_manager import prefix_salt;"
         "print(block_hashes(list(range(40)), 7, prefix_salt('alice', 'user-1'), 16))"
     )
     runs = {
@@ -246,7 +246,7 @@ def test_salted_hashes_agree_across_processes():
         for seed in (1, 2)
     }
     from motet.cluster.prompt_blocks import block_hashes
-    from motet.engine.block_manager import prefix_salt
+    from motet.engine.core.block_manager import prefix_salt
 
     assert runs == {f"{block_hashes(list(range(40)), 7, prefix_salt('alice', 'user-1'), 16)}\n"}
     salts = {prefix_salt(t, s) for t in ("alice", "bob") for s in (None, "user-1", "user-2")}

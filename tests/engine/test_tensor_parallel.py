@@ -11,13 +11,14 @@ import psutil
 import pytest
 import torch
 
-from motet.engine.checkpoint import load_model_config
-from motet.engine.config import EngineConfig, ModelLoadError
+from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
-from motet.engine.parallel import Parallel, RankFailure
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.worker.parallel import Parallel, RankFailure
 from motet.grammar.specs import JsonSchemaSpec
+from motet.models.declaration import ModelLoadError
 from tests.engine.speculative.test_speculative_grammar import SCHEMA
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
 from tests.lora.test_lora_engine import pool_bytes_for
@@ -33,7 +34,7 @@ def tp_workers() -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process().children(recursive=True)
-        if "motet.engine.tp_rank" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
+        if "motet.engine.worker.tp_rank" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
     ]
 
 
@@ -249,7 +250,7 @@ def test_a_worker_exits_when_its_driver_dies(tiny_model_dir, tmp_path):
         workers = [
             p
             for p in psutil.Process(driver.pid).children()
-            if "motet.engine.tp_rank" in " ".join(p.cmdline())
+            if "motet.engine.worker.tp_rank" in " ".join(p.cmdline())
         ]
         assert len(workers) == 1
         driver.kill()

@@ -23,7 +23,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
 def workers_of(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children() if "motet.engine.tp_rank" in " ".join(p.cmdline())]
+    return [
+        p for p in psutil.Process(pid).children() if "motet.engine.worker.tp_rank" in " ".join(p.cmdline())
+    ]
 
 
 @pytest.fixture(scope="module")

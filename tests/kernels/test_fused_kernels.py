@@ -17,8 +17,8 @@ import torch
 
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
-from motet.engine.model import SparseMoE
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.worker.model import SparseMoE
 from motet.kernels import activation, fused_norm, rope_kv
 from motet.kernels.rope_kv import RotaryAngles
 from tests.engine.helpers import finished_tokens

@@ -1,5 +1,5 @@
 """Quantized checkpoints in other formats, loaded into motet's int4 / int8 blocks (motet/kernels/ggml_blocks.py,
-motet/kernels/gptq_awq.py, motet/engine/gguf_weights.py, motet/engine/quantized_checkpoint.py).
+motet/kernels/gptq_awq.py, motet/engine/weights/gguf_weights.py, motet/engine/weights/quantized_checkpoint.py).
 
 GGUF block types against gguf-py (llama.cpp's Python package): files written by its writer, blocks made by
 its quantizers where it has one, else blocks of known bytes (a Q4_K quantizer below, random bytes for the
@@ -22,13 +22,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from motet.engine.config import ModelLoadError
-from motet.engine.gguf_weights import iter_gguf_weights
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights.gguf_weights import iter_gguf_weights
 from motet.kernels import ggml_blocks
 from motet.kernels.gptq_awq import from_gptq
 from motet.kernels.quant import BLOCK, INT4, INT8
+from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.kernels.test_quantization import (
     HF_OF_GGUF,
@@ -276,9 +276,9 @@ def test_other_types_and_mixed_fused_layers_are_served_in_int8_and_logged_once(t
     types |= {"ffn_up": "Q8_0", "ffn_down": "Q5_0"}
     model_dir = build_tiny_model(tmp_path / "model")
     served = write_gguf(model_dir, tmp_path / "gguf", types)
-    with caplog.at_level(logging.WARNING, logger="motet.engine.gguf_weights"):
+    with caplog.at_level(logging.WARNING, logger="motet.engine.weights.gguf_weights"):
         eng = engine(served, quantization="gguf", compile_step=False)
-    lines = [r.getMessage() for r in caplog.records if r.name == "motet.engine.gguf_weights"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "motet.engine.weights.gguf_weights"]
     assert len(lines) == 1 and lines[0].startswith("model.gguf: Q4_1, Q5_0, Q5_1 tensors requantized to int8")
     assert [lin.quantized.format.name for lin in eng.runner.model.decoder_linears()] == ["int8"] * 8
     exact = AutoModelForCausalLM.from_pretrained(gguf_reference(model_dir, tmp_path / "ref", types)).eval()

@@ -19,11 +19,12 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 from transformers import AutoModelForCausalLM
 
-from motet.engine.config import EngineConfig, ModelLoadError
+from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
-from motet.engine.memory import weights_bytes
+from motet.engine.worker.memory import weights_bytes
 from motet.kernels import cpu_native
 from motet.kernels.quant import BLOCK, FORMATS, INT8, quantize_activations
+from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.engine.test_model_store import GGUF_NAME, _llama_cpp_permute
 from tests.peft_adapters import TINY_ADAPTERS, peft_reference, save_peft_adapters, tiny_requests
@@ -475,8 +476,8 @@ def test_default_model_from_its_q4_1_file_equals_the_dequantized_model(default_m
 
 def test_pull_keeps_the_gguf_it_converted(tmp_path, monkeypatch):
     """`motet pull` leaves the GGUF file beside the converted checkpoint, where `--quantization gguf` finds it."""
-    from motet.engine import model_store
-    from motet.engine.gguf_weights import gguf_file
+    from motet.engine.weights import model_store
+    from motet.engine.weights.gguf_weights import gguf_file
 
     def fake_fetch(dest, progress):
         dest.mkdir(parents=True)

@@ -40,6 +40,7 @@ def base_shape(hidden=32, inter=48, heads=4, kv=2, head_dim=8, layers=2):
         num_attention_heads=heads,
         num_key_value_heads=kv,
         head_dim=head_dim,
+        is_moe=False,
     )
 
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
-from motet.engine.model import Linear
+from motet.engine.worker.model import Linear
 from motet.kernels import triton_quant
 from motet.kernels.quant import FORMATS, QuantizedWeight
 from motet.kernels.triton_quant import TileConfig, choose_config, quant_linear
@@ -290,7 +290,7 @@ def test_compiles_for_the_gpu_without_spills(tmp_path):
 @pytest.mark.parametrize("adapters", [0, 2], ids=["base", "2-adapters"])
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_quantized_decode_from_graphs_equals_eager(tiny_model_dir, tmp_path, name, adapters):
-    """The kernel inside the decode CUDA graphs (motet/engine/cuda_graphs.py): greedy tokens of ragged
+    """The kernel inside the decode CUDA graphs (motet/engine/worker/cuda_graphs.py): greedy tokens of ragged
     prompts in bf16, with and without adapters on top, the same as eager steps."""
     from motet.engine.sampling_params import SamplingParams
 

@@ -74,6 +74,8 @@ def test_committed_trained_adapters_are_within_the_limits():
         num_attention_heads=9,
         num_key_value_heads=3,
         head_dim=64,
+        is_moe=False,
+        weight_scales={},
     )
     for name in ("upper", "json"):
         adapter = load_adapter(Path(__file__).parents[1] / "fixtures" / "adapters" / name, smollm)

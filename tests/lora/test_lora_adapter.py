@@ -13,8 +13,8 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from motet.engine.config import ModelConfig
 from motet.lora.adapter import TARGET_MODULES, AdapterError, load_adapter, module_shape
+from motet.models.config import ModelConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers deprecations inside PEFT
 

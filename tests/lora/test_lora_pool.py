@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 
-from motet.engine.config import ModelConfig
 from motet.evals.lora_reference import write_random_adapter
 from motet.kernels import cpu_native
 from motet.lora.adapter import TARGET_MODULES, AdapterError, load_adapter, module_shape
 from motet.lora.host_cache import HostCache, HostEntry
 from motet.lora.manager import AdapterManager, AdapterRef
 from motet.lora.pool import DECODER_GROUPS, MODULE_GROUPS, AdapterPool, PoolLayout, desc_columns, pack
+from motet.models.config import ModelConfig
 
 BASE = ModelConfig.from_dict(
     {

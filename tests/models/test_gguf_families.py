@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from motet.engine.config import ModelLoadError
-from motet.engine.gguf_convert import convert_gguf, hf_config, hf_name, metadata_of, write_hf_metadata
 from motet.engine.llm import LLM
+from motet.engine.weights.gguf_convert import convert_gguf, hf_config, hf_name, metadata_of, write_hf_metadata
 from motet.models import from_gguf
+from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.engine.test_gguf_model_file import OPTIONS, add_gpt2_vocab
 from tests.kernels.test_quantization import (

@@ -12,11 +12,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from motet.engine.config import EngineConfig, ModelConfig, ModelLoadError
+from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
+from motet.models.config import ModelConfig
+from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
 from tests.tiny_models import build_tiny_model
 
@@ -192,7 +194,7 @@ def test_mxfp4_experts_match_transformers_on_their_dequantized_weights(mxfp4_dir
 
 def test_mxfp4_experts_are_dequantized_one_at_a_time(mxfp4_dir, monkeypatch):
     """Loading holds one expert's floats at a time: every dequantization is of one expert's blocks."""
-    from motet.engine import mxfp4
+    from motet.engine.weights import mxfp4
 
     shapes = []
 

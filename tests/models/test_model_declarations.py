@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import motet
-from motet.engine.config import ModelConfig, ModelLoadError
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from motet.models import DECLARATIONS, SUPPORTED_ARCHITECTURES
+from motet.models.config import ModelConfig
+from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
 from tests.models.test_moe import PATHS, randomize_norms
 from tests.peft_adapters import peft_reference, save_peft_adapters

@@ -9,14 +9,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from motet.engine import cpu_forward
-from motet.engine.config import EngineConfig, ModelLoadError
+from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
-from motet.engine.model import SparseMoE
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.worker import cpu_forward
+from motet.engine.worker.model import SparseMoE
 from motet.kernels import cpu_native
 from motet.lora.adapter import AdapterError
+from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
 from tests.peft_adapters import peft_reference, save_peft_adapters
 from tests.tiny_models import build_tiny_model

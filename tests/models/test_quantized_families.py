@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from motet.engine.config import ModelConfig
 from motet.kernels import cpu_native
 from motet.kernels.quant import FORMATS, INT8
+from motet.models.config import ModelConfig
 from tests.engine.test_engine import engine_logits
 from tests.kernels.test_quantization import (
     PROJECTIONS,

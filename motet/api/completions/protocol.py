@@ -155,7 +155,7 @@ class _SamplingFields(_OpenAINoOps, SamplingKnobs):
     include_stop_str_in_output: bool = False
     speculative: bool = True  # motet: False opts the request out of speculative decoding (same output)
     bad_words: list[str] | None = (
-        None  # vLLM: token sequences that never appear (motet/engine/token_masks.py)
+        None  # vLLM: token sequences that never appear (motet/engine/worker/token_masks.py)
     )
     allowed_token_ids: list[int] | None = None  # vLLM: the only tokens that may be sampled
     truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last N tokens (-1: as many as fit)

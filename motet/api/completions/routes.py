@@ -155,7 +155,7 @@ async def accept_request(request: Request, model):
     adapter = await state.resolve_adapter(tenant, req.model)
     served = req.model if adapter is not None else state.model_name  # an alias counts as the model
     batch_line = batch_tenant is not None
-    # Batch work yields to interactive requests (motet/engine/latency.py): the Batch API's lines, a tenant of the
+    # Batch work yields to interactive requests (motet/engine/core/latency.py): the Batch API's lines, a tenant of the
     # batch class, a request for the flex tier.
     background.set(batch_line or caller.background or req.service_tier == "flex")
     usage_records.begin(tenant, served, batch=batch_line)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from motet.engine.sequence import Sequence
+from motet.engine.core.sequence import Sequence
 from motet.engine.speculative.grammar_drafts import GrammarWalk, activation_index, check_drafts, forced_text
 from motet.engine.speculative.history import OutputHistory
 from motet.engine.speculative.ngram import NgramIndex

@@ -11,8 +11,8 @@ distributed exactly as without speculation, greedy or not.
 
 from __future__ import annotations
 
+from motet.engine.core.sequence import Sequence
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.sequence import Sequence
 
 
 class DraftView:

@@ -189,8 +189,8 @@ def run_agreement(ctx: EvalContext, tag: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from motet.engine.checkpoint import load_model_config
-    from motet.engine.model_store import resolve_model
+    from motet.engine.weights.checkpoint import load_model_config
+    from motet.engine.weights.model_store import resolve_model
     from motet.evals.lora_reference import peft_model, write_random_adapter
 
     model_dir = resolve_model(ctx.args.hf_model or ctx.model_path or ctx.model or None)

@@ -142,8 +142,8 @@ class Adapters:
         self.ctx, self.count, self.names = ctx, count, []
 
     def base_config(self):
-        from motet.engine.config import ModelConfig
-        from motet.engine.model_store import resolve_model
+        from motet.engine.weights.model_store import resolve_model
+        from motet.models.config import ModelConfig
 
         name = self.ctx.args.model_path or self.ctx.model_path or self.ctx.model
         try:

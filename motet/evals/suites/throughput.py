@@ -102,7 +102,7 @@ def run(ctx: EvalContext) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from motet.engine.model_store import resolve_model
+    from motet.engine.weights.model_store import resolve_model
     from motet.evals.throughput import engine_vs_hf, read_bandwidth_gbs
 
     a = ctx.args

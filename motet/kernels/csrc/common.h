@@ -128,7 +128,7 @@ inline float sigmoid(float x) {
 }
 
 // out[i] = (up + 1) * gate * sigmoid(alpha * gate), gate clamped to <= limit and up to [-limit, limit] (GPT-OSS's
-// experts: engine/model.py's clamped_swiglu).
+// experts: engine/worker/model.py's clamped_swiglu).
 inline void swiglu_limit_mul(const float* g, const float* u, float* out, int n, float alpha, float limit) {
     for (int i = 0; i < n; ++i) {
         const float gate = std::fmin(g[i], limit), up = std::fmax(std::fmin(u[i], limit), -limit);

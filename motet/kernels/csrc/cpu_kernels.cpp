@@ -18,7 +18,7 @@ namespace motet {
 
 // ---------------------------------------------------------------------------------------------------------
 // The decoder stack as a program: a flat list of op records that Python writes once by walking the model's
-// layers (engine/cpu_forward.py), run by `forward` in one call a step, llama.cpp's way: a loop over the ops and a
+// layers (engine/worker/cpu_forward.py), run by `forward` in one call a step, llama.cpp's way: a loop over the ops and a
 // switch on each op's kind. No op knows an architecture; a family's layer is the ops its declaration implies.
 //
 // Each op reads rows of one fp32 buffer and writes rows of another: buffer 0 is the residual stream (the

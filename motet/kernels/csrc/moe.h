@@ -1,4 +1,4 @@
-// Mixture-of-experts pieces (engine/model.py's SparseMoE and Experts define the meaning): the router's top-k
+// Mixture-of-experts pieces (engine/worker/model.py's SparseMoE and Experts define the meaning): the router's top-k
 // choice per token and the grouped expert GEMM.
 #pragma once
 

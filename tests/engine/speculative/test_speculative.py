@@ -11,10 +11,10 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from motet.engine.block_manager import block_hash
+from motet.engine.core.block_manager import block_hash
+from motet.engine.core.sequence import Sequence
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.sequence import Sequence
 from motet.engine.speculative.ngram import NgramIndex
 from motet.engine.speculative.proposer import DraftState, SpeculativeConfig, Speculator
 from tests.engine.test_engine import hf_greedy

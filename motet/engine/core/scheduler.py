@@ -1,0 +1,410 @@
+"""Scheduling policy: vLLM-V1-style unified token budget, preemption by recompute, tenants in fair order.
+
+There are no prefill and decode phases. Every sequence has tokens whose KV is computed and tokens it
+still needs computed; each step hands out at most `max_num_batched_tokens` of the latter, running
+sequences first (a decode needs one token, an unfinished prompt a chunk), then waiting ones. Chunked
+prefill and prefix-cache hits fall out of this. When the KV pool runs dry a running sequence is preempted:
+its blocks are freed and it is recomputed later from its prompt and output so far.
+Tenants share the engine by weight (motet/engine/core/fairness.py): running sequences are served least-served
+tenant first, and the one preempted is the newest of the tenant most over its share of the running
+sequences; a waiting sequence of a tenant under its share is admitted first and, when no slot or KV block
+is free, takes the place of that newest sequence, so a light tenant's request starts at the next step
+however much another tenant has running or waiting. Otherwise waiting sequences go lowest virtual token
+counter first, in arrival order within a tenant.
+vLLM's request `priority` (lower: sooner) orders a tenant's own sequences and nothing else: they trade the
+places (in the waiting order and the running order) that the tenant's sequences hold by arrival, the most
+urgent taking the earliest, so no tenant's place moves (`tenant_places`). The sequence a tenant loses to
+preemption is its least urgent, newest one.
+A waiting sequence is admitted once its adapter is resident in the pool (`adapters.ready`; the engine loads
+it meanwhile), running sequences hold at most `max_loras` distinct adapters where that cap is set, and
+adapters waiting for room are time-sliced (see `AdapterSlicer`); a step's batch is ordered by adapter so that
+each adapter's tokens form one contiguous segment for the LoRA kernels.
+While a light tenant's request runs (light by the tokens it brings, prompts included), its rows go first and the
+other interactive rows get only the tokens that keep the step within the TPOT target, batch work only what is
+spare beside the interactive rows (motet/engine/core/latency.py): the rows held back wait a step, keeping their slots
+and KV.
+With KV tiers (motet/engine/core/kv_connector.py), a waiting sequence whose prefix the tiers hold past the device
+cache's hit waits, keeping its place, while its blocks are loaded in the background; it is admitted after.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from motet.engine.core.adapter_slicer import AdapterSlicer
+from motet.engine.core.block_manager import BlockManager
+from motet.engine.core.fairness import TenantShares, TenantState, VirtualTokenCounter
+from motet.engine.core.kv_connector import KVConnector, NoKVTiers
+from motet.engine.core.latency import LatencyGuard, tier
+from motet.engine.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # Taken when the batch is scheduled (`freeze`): each row's first position, and whether the step samples its
+    # next token. An overlapped engine advances the rows as it launches the step, while the forward thread still
+    # reads the batch: the runner reads these. None (a batch built by hand): read from the rows.
+    starts: list[int] | None = None
+    sampling: list[bool] | None = None
+    # The runner's inputs built on the host as the step launches (ModelRunner.plan_inputs); None: built when it runs.
+    inputs: object | None = None
+    scheduled_at: float | None = None  # time.monotonic() when the engine scheduled it (a step's time starts)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def freeze(self) -> ScheduledBatch:
+        """Take the snapshots (the scheduler does, as it returns the batch)."""
+        self.starts = [s.num_computed_tokens for s in self.seqs]
+        self.sampling = [self._samples(i) for i in range(len(self.seqs))]
+        return self
+
+    def subset(self, rows) -> ScheduledBatch:
+        """The batch's rows `rows`, in order (to re-run part of a step)."""
+        pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
+        return ScheduledBatch(
+            [self.seqs[i] for i in rows],
+            [self.num_new_tokens[i] for i in rows],
+            starts=pick(self.starts),
+            sampling=pick(self.sampling),
+        )
+
+    def positions(self) -> list[int]:
+        """Each row's first position in this step."""
+        return self.starts if self.starts is not None else [s.num_computed_tokens for s in self.seqs]
+
+    def sampling_rows(self) -> list[int]:
+        """The rows i for which `samples(i)`."""
+        if self.sampling is not None:
+            return [i for i, sampled in enumerate(self.sampling) if sampled]
+        return [i for i in range(len(self.seqs)) if self._samples(i)]
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i's chunk reaches its last token, so that this step samples its next one (and
+        verifies the drafts scheduled after it)."""
+        return self.sampling[i] if self.sampling is not None else self._samples(i)
+
+    def _samples(self, i: int) -> bool:
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] - len(seq.draft_token_ids) == (
+            seq.num_tokens + seq.num_pending
+        )
+
+
+class AdapterResidency(Protocol):
+    """What the scheduler asks of the adapters (motet/lora/manager.py's AdapterManager)."""
+
+    blocked: Collection[int]  # adapters not resident for lack of pool memory
+
+    def ready(self, uid: int) -> bool: ...  # resident: a request of it may run
+
+
+class _AllResident:
+    blocked: Collection[int] = ()
+
+    def ready(self, uid: int) -> bool:
+        return True
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int | None = None,
+        lora_time_slice: int = 32,
+        fairness: VirtualTokenCounter | None = None,
+        kv_connector: KVConnector | NoKVTiers | None = None,
+        adapters: AdapterResidency | None = None,
+        tpot_target_s: float | None = None,
+    ):
+        self.bm = block_manager
+        self.kv = kv_connector or NoKVTiers()
+        self.adapters = adapters or _AllResident()
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # a sequence's chunk per step: sliding-window layers keep a window plus one chunk (engine/core/kv_window.py)
+        self.max_chunk = block_manager.window.max_chunk if block_manager.window is not None else None
+        self.slicer = AdapterSlicer(max_loras, lora_time_slice)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.fairness = fairness or VirtualTokenCounter()
+        self.latency = LatencyGuard(tpot_target_s, max_num_seqs, self.fairness)
+        self.num_preemptions = 0
+        self.num_capped_steps = 0  # steps sized down for a latency-bound request
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (motet/engine/request_checks.py has made sure it fits the KV pool)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        self.kv.poll()
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        fair = self.fairness
+        fair.set_active(s.tenant for s in (*self.running, *self.waiting))
+        shares = TenantShares(fair, (s.tenant for s in self.running), (s.tenant for s in self.waiting))
+
+        waiting_places = tenant_places(self.waiting)
+        for s in self.waiting:  # the places traded stay traded: a later place stays the later one's
+            s.place = waiting_places[s.seq_id]
+
+        def admission_order(s: Sequence) -> tuple:
+            growing = len(self.running) < self.max_num_seqs  # a free slot: it displaces nobody
+            return (*shares.admission_key(s.tenant, growing), *waiting_places.get(s.seq_id, _place(s)))
+
+        self.slicer.begin_step(
+            (s.adapter_id for s in self.running),
+            (s.adapter_id for s in sorted(self.waiting, key=admission_order)),
+            self.adapters.ready,
+            self.adapters.blocked,
+        )
+        # Tenants under their share first: their waiting sequences join the running ones now, in a free slot or
+        # in place of the newest sequence of the tenant most over its share; they get KV blocks and budget
+        # below, ahead of the tenants with more.
+        candidates = list(self.waiting)
+        while candidates:
+            seq = min(candidates, key=admission_order)
+            growing = len(self.running) < self.max_num_seqs
+            if not shares.under(seq.tenant, growing):
+                break  # nor is any other
+            _remove(candidates, seq)
+            if not self.slicer.may_admit(seq.adapter_id):
+                continue  # waiting for an adapter slot; it keeps its place in the queue
+            if not growing and not shares.may_displace(seq.tenant):
+                continue
+            if not self._prefix_ready(seq):
+                continue  # its prefix is being loaded; it keeps its place in the queue
+            if not growing:
+                victim = self._last_of(shares.most_over(seq.tenant))
+                self._preempt(victim, shares)
+                batch.preempted.append(victim)
+            self._start(seq, shares)  # its other blocks come below, with the running ones'
+
+        # Running sequences in their latency tiers (motet/engine/core/latency.py: the latency-bound tenants' at the full
+        # budget, then the other interactive ones, then batch work, each within its tier's tokens), in each the
+        # least-served tenants' first (their prefill chunks get the budget first); last, the least urgent, newest
+        # sequence of the tenant most over its share: the first to be preempted. Every decode row keeps its one
+        # token ahead of any prompt chunk of its tier, so a long prompt never stalls the decoding ones. The rows a
+        # tier's tokens do not reach wait a step.
+        cap = self.latency.cap(self.running, self.waiting, time.monotonic(), budget)
+        tier_of = cap.tier if cap is not None else tier
+        limits = cap.limits(budget) if cap is not None else (budget,) * 3
+        if cap is not None:
+            self.num_capped_steps += 1
+        used = 0  # tokens in the step so far
+        running_places = tenant_places(self.running)
+        tenants = {s.tenant for s in self.running}
+        order = {t: (shares.load(t), fair.counter(t)) for t in tenants}  # once per tenant, not per row
+        self.running.sort(key=lambda s: (tier_of(s), *order[s.tenant], *running_places[s.seq_id]))
+        decodes_left = Counter(tier_of(s) for s in self.running if s.num_uncomputed == 1)
+        i = 0
+        while i < len(self.running) and used < budget:
+            seq = self.running[i]
+            group = tier_of(seq)
+            left = limits[group] - used
+            if left <= 0:  # its tier's tokens are spent: it and the later rows (tiers after) wait a step
+                break
+            remaining = seq.num_uncomputed
+            if remaining == 0:  # its next token is on the way (a step scheduled ahead holds it back)
+                i += 1
+                continue
+            if remaining == 1:
+                decodes_left[group] -= 1
+                room = max(1, left - decodes_left[group])  # its drafts do not take the later rows' tokens
+            else:
+                room = left - decodes_left[group]
+                if room <= 0:  # no room for a prompt chunk beside the decode rows: next step
+                    i += 1
+                    continue
+            n = min(remaining, room, self.max_chunk or room)
+            n += self._fit_drafts(seq, n, room)
+            while not self.bm.allocate_slots(seq, n):
+                if seq.draft_token_ids:  # drafts are optional: drop them before preempting anyone
+                    n -= len(seq.draft_token_ids)
+                    seq.draft_token_ids = []
+                    continue
+                victim = self.running.pop()
+                if victim is not seq and victim.num_uncomputed == 1:
+                    decodes_left[tier_of(victim)] -= 1  # its token is no longer held for it
+                self._preempt(victim, shares)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                used += n
+                i += 1
+                continue
+            break
+
+        # Then the other waiting sequences in the free slots, lowest counter first; none when something had to
+        # be preempted (it would just thrash), nor those preempted in this step.
+        candidates = [s for s in self.waiting if not any(s is p for p in batch.preempted)]
+        while candidates and used < budget and len(self.running) < self.max_num_seqs and not batch.preempted:
+            seq = min(candidates, key=admission_order)
+            _remove(candidates, seq)
+            left = limits[tier_of(seq)] - used
+            if left <= 0 or not self.slicer.may_admit(seq.adapter_id) or not self._prefix_ready(seq):
+                continue
+            n = min(seq.num_uncomputed, left, self.max_chunk or left)
+            if not self.bm.allocate_slots(seq, n):
+                self.bm.free_seq(seq)  # give back prefix hits; they stay cached
+                break
+            self._start(seq, shares)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            used += n
+        for seq in self.waiting:  # a waiting sequence holds no blocks across steps, once loaded neither (they
+            # stay in the device cache, to be matched again)
+            if seq.block_table and not self.kv.is_loading(seq):
+                self.bm.free_seq(seq)
+        if any(s.adapter_id for s in batch.seqs):  # one contiguous segment per adapter (stable sort)
+            order = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
+            batch.seqs = [batch.seqs[i] for i in order]
+            batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
+        return batch.freeze()
+
+    def _prefix_ready(self, seq: Sequence) -> bool:
+        """Attach a waiting sequence's cached prefix: the device cache's blocks now, and the KV tiers' after they
+        are loaded in the background. False while its load is under way."""
+        if self.kv.is_loading(seq):
+            return False
+        if not seq.block_table:
+            self.bm.match_prefix(seq)
+            if self.kv.start_load(seq):
+                return False
+        return True
+
+    def _last_of(self, tenant) -> Sequence:
+        """Take the least urgent (vLLM's priority), newest running sequence of `tenant` (which has one) out of
+        the running ones."""
+        victim = max((s for s in self.running if s.tenant == tenant), key=_urgency)
+        _remove(self.running, victim)
+        return victim
+
+    def _start(self, seq: Sequence, shares: TenantShares) -> None:
+        """A waiting sequence joins the running ones."""
+        _remove(self.waiting, seq)
+        self.slicer.admitted(seq.adapter_id)
+        if seq.num_preemptions == 0:  # its prompt is charged once, when it first runs
+            self.fairness.charge(seq.tenant, input_tokens=seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        shares.started(seq.tenant)
+
+    def tenant_states(self) -> tuple[TenantState, ...]:
+        """Each tenant with sequences here, in the order their next waiting sequence would be admitted."""
+        shares = TenantShares(
+            self.fairness, (s.tenant for s in self.running), (s.tenant for s in self.waiting)
+        )
+        waiting = Counter(s.tenant for s in self.waiting)
+        tenants = sorted(set(shares.running) | set(waiting), key=lambda t: (shares.admission_key(t), str(t)))
+        return tuple(
+            TenantState(t, self.fairness.weight(t), self.fairness.counter(t), shares.running[t], waiting[t])
+            for t in tenants
+        )
+
+    @staticmethod
+    def _fit_drafts(seq: Sequence, n: int, budget: int) -> int:
+        """Keep the drafts that fit the budget behind a decode row's one token; they count like any token."""
+        if seq.draft_token_ids and n == seq.num_uncomputed == 1:
+            seq.draft_token_ids = seq.draft_token_ids[: budget - n]
+        else:
+            seq.draft_token_ids = []
+        return len(seq.draft_token_ids)
+
+    def _preempt(self, seq: Sequence, shares: TenantShares) -> None:
+        """Back to the front of the waiting queue (taken out of `running` by the caller)."""
+        shares.stopped(seq.tenant)
+        seq.draft_token_ids = []
+        self.bm.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Mark the batch's chunks computed as it is scheduled, each sampling row's token pending until its step
+        lands (`Sequence.num_pending`, as vLLM's output placeholders): an overlapped engine may then schedule the
+        next step before this one's tokens reach the host. Their KV is written before any later step reads it (the
+        device runs steps in order)."""
+        cache_full_blocks = self.bm.cache_full_blocks
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts count once accepted
+            if batch.samples(i):
+                seq.num_pending += 1
+            cache_full_blocks(seq)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification: the accepted drafts' KV is the sequence's (they are its tokens now); the
+        rejected ones' slots are given back, and blocks they alone used return to the pool."""
+        seq.draft_token_ids = []
+        seq.num_computed_tokens += num_accepted
+        self.bm.truncate(seq)
+        self.bm.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish a sequence (stop, length, abort) and return its blocks to the pool."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.draft_token_ids = []
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free_seq(seq)
+        self.bm.forget(seq)
+
+
+def _place(s: Sequence) -> tuple[int, int]:
+    return s.place or (s.arrival, s.seq_id)
+
+
+def _urgency(s: Sequence) -> tuple[int, int, int]:
+    """Lower first: vLLM's priority, then arrival."""
+    return (s.priority, s.arrival, s.seq_id)
+
+
+def tenant_places(seqs) -> dict[int, tuple[int, int]]:
+    """Each sequence's place in an order between tenants (seq_id -> (arrival, seq_id)): the places its tenant's
+    sequences hold (by arrival, or as traded before), given out by urgency, so priority reorders a tenant's
+    sequences among its own places and never moves another tenant's."""
+    if all(s.priority == 0 and (s.place is None or s.place == (s.arrival, s.seq_id)) for s in seqs):
+        return {s.seq_id: (s.arrival, s.seq_id) for s in seqs}  # nothing traded: each holds its own place
+    by_tenant: dict = defaultdict(list)
+    for s in seqs:
+        by_tenant[s.tenant].append(s)
+    places = {}
+    for group in by_tenant.values():
+        for s, place in zip(sorted(group, key=_urgency), sorted(map(_place, group)), strict=True):
+            places[s.seq_id] = place
+    return places
+
+
+def _remove(seqs, seq: Sequence) -> None:
+    """Remove `seq` itself (not an equal sequence) from a list or deque."""
+    for j, s in enumerate(seqs):
+        if s is seq:
+            del seqs[j]
+            return

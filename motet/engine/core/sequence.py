@@ -1,0 +1,157 @@
+"""A sequence: one request inside the engine (one choice of an API request). Its prompt and growing output,
+the scheduler's bookkeeping (KV blocks, computed tokens), its grammar, and its output text so far."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
+from motet.engine.guided import GuidedDecoding
+from motet.engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's logprob and the top alternatives (token_id, logprob), best first; a prompt
+    token's also has its rank in the distribution (1: the likeliest)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """A finished request's phases in seconds, as vLLM's request histograms define them: queued (arrival in
+    the serving system to first scheduled), prefill (first scheduled to first token), decode (first token to
+    the last); inference is prefill + decode. A preempted request keeps its first scheduling."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def inference_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
+@dataclass
+class Sequence:
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    adapter_id: int = 0  # 0: the base model; part of the prefix-cache hash
+    prefix_salt: int = 0  # whose prefix cache it is (block_manager.prefix_salt); part of the hash
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    request_id: str | None = None
+    arrival: int = 0  # tie-breaker for the scheduler's order
+    tenant: str | None = None  # whose request: the scheduler shares the engine fairly between tenants
+    # vLLM's request priority (lower: sooner), among its tenant's own requests only: it trades places in the
+    # scheduler's order with them (motet/engine/core/scheduler.py); None: the place its arrival gives it
+    priority: int = 0
+    place: tuple[int, int] | None = None
+    # Batch work (the Batch API's lines, service_tier "flex", a tenant of the batch class): never latency-bound,
+    # it yields its rows to interactive requests (motet/engine/core/latency.py).
+    background: bool = False
+
+    token_ids: list[int] = field(init=False)  # prompt + output
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # Tokens sampled by launched steps and not appended yet (an overlapped engine advances a row when it launches
+    # its step: the scheduler may schedule the pending token's successor before the token reaches the host).
+    num_pending: int = 0
+    # Where the token the row's latest step sampled is on the device: (that step's sampled tokens, the row's
+    # index), the forward thread's. The next step may take it as its input before it reaches the host.
+    last_sampled: tuple | None = None
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    window_blocks: list[int] = field(
+        default_factory=list
+    )  # its sliding-window layers' ring (engine/core/kv_window.py)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    num_preemptions: int = 0
+    guided: GuidedDecoding | None = None  # the grammar constraint, if any
+    # Speculation: the drafts this step verifies after the last token (set by the engine's proposers,
+    # trimmed by the scheduler to its budget, cleared when the step commits), and the proposers' per-
+    # sequence state (motet/engine/speculative/).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_state: object | None = None
+    # Whose recent outputs it may draft from (a speculative.history.DraftScope): its tenant, cache_salt,
+    # adapter and kind of grammar.
+    draft_scope: Hashable | None = None
+    # Output text, as the engine commits tokens (set by the engine when it takes the request).
+    detok: IncrementalDetokenizer | None = None
+    stops: StopStringMatcher | StopChain | None = None
+    text: str = ""
+    num_emitted: int = 0  # tokens already reported in a RequestOutput
+    # time.monotonic() when it entered the serving system, was first scheduled, and produced its first and
+    # its latest token (None: not yet), for RequestTimings.
+    arrival_time: float = 0.0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self):
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_emitted = len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens, appended or pending, whose KV is not computed yet: what the scheduler may schedule."""
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def decided_by_tokens(self) -> bool:
+        """Whether its ending and its next step are decided by its tokens alone (no grammar, no stop matcher that
+        reads text), so that its text may be made later."""
+        return self.guided is None and (self.stops is None or not self.stops.reads_text)
+
+    def needs_token_on_host(self) -> bool:
+        """Whether its next step needs the token its launched step samples on the host, not only as its input
+        (which the device has): each feature that does says so where it is (a grammar or a stop matcher reading
+        its text: `decided_by_tokens`; the sampler reading its output so far: `SamplingParams.reads_output`)."""
+        return not self.decided_by_tokens or self.params.reads_output(self.num_output_tokens)
+
+    def timings(self) -> RequestTimings:
+        scheduled = self.scheduled_time if self.scheduled_time is not None else self.arrival_time
+        first = self.first_token_time if self.first_token_time is not None else scheduled
+        last = self.last_token_time if self.last_token_time is not None else first
+        return RequestTimings(scheduled - self.arrival_time, first - scheduled, last - first)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,205 @@
+"""Hugging Face checkpoints quantized by GPTQ or AWQ (4-bit), served in their own weights.
+
+Such a checkpoint declares its method in config.json's `quantization_config` (or, as AutoGPTQ writes it, in
+`quantize_config.json`): `declared_quantization` reads and checks it, and refuses a `--quantization` other
+than none or the checkpoint's own. `iter_checkpoint_weights` yields the checkpoint's tensors with each
+quantized projection's parts (`qweight`, `qzeros`, `scales`, GPTQ's `g_idx`) replaced by one int4 weight
+(motet/kernels/gptq_awq.py converts them), the other tensors (embeddings, norms, lm_head, biases, modules
+left unquantized) as stored. An MXFP4 checkpoint (OpenAI's gpt-oss: its experts' `*_blocks` and `*_scales`) is
+read in floats: each pair yielded as one tensor dequantized as it is read (motet/engine/weights/mxfp4.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from motet.engine.weights.checkpoint import StoredTensor, iter_weights
+from motet.engine.weights.mxfp4 import Mxfp4Tensor, paired
+from motet.kernels.gptq_awq import from_awq, from_gptq
+from motet.kernels.quant import BLOCK, QuantizedWeight
+from motet.models.config import read_json
+from motet.models.declaration import ModelLoadError
+
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq")  # the methods of the checkpoints served in their own 4-bit weights
+
+AUTOGPTQ_CONFIG = "quantize_config.json"  # AutoGPTQ's own file, where config.json has no quantization_config
+_GPTQ_FORMATS = {"gptq": True, "gptq_v2": False}  # checkpoint_format -> zeros stored minus one
+_AWQ_VERSIONS = ("gemm",)
+_PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
+_REQUIRED = ("qweight", "qzeros", "scales")  # g_idx may be absent: each input in group k // group_size
+MXFP4 = "mxfp4"  # a checkpoint's experts in MXFP4, dequantized as they load (no --quantization names it)
+_SUPPORTED = (
+    "motet serves 4-bit GPTQ (checkpoint_format gptq or gptq_v2) and AWQ (version gemm) checkpoints, "
+    "MXFP4 experts (dequantized as they load), and GGUF files with --quantization gguf"
+)
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """A checkpoint's declared quantization: its method ("gptq" | "awq" | "mxfp4"), group size (-1: one group per
+    row), whether GPTQ's zeros are stored minus one (checkpoint format v1), and the file declaring it."""
+
+    method: str
+    group_size: int
+    zeros_minus_one: bool
+    source: str
+
+    @property
+    def served_quantized(self) -> bool:
+        """Whether its projections are served in their own blocks (GPTQ, AWQ), not dequantized as they load."""
+        return self.method != MXFP4
+
+
+def _read_config(model_dir: Path) -> tuple[dict, str] | None:
+    config = model_dir / "config.json"
+    if config.exists():
+        found = read_json(config)  # (not an object: the model config's reader says so)
+        found = found.get("quantization_config") if isinstance(found, dict) else None
+        if found is not None:
+            return found, f"{config} quantization_config"
+    autogptq = model_dir / AUTOGPTQ_CONFIG
+    if autogptq.exists():
+        return read_json(autogptq), str(autogptq)
+    return None
+
+
+def _parse(cfg, source: str) -> CheckpointQuantization:
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{source}: expected a JSON object, got {cfg!r}")
+    method = str(cfg.get("quant_method", "gptq" if source.endswith(AUTOGPTQ_CONFIG) else "")).lower()
+    if method == MXFP4:
+        keep = cfg.get("modules_to_not_convert")
+        if keep is not None and not (isinstance(keep, list) and all(isinstance(m, str) for m in keep)):
+            raise ModelLoadError(
+                f"{source}: modules_to_not_convert must be a list of module names, got {keep!r}"
+            )
+        return CheckpointQuantization(MXFP4, 32, False, source)
+    if method not in CHECKPOINT_QUANTIZATIONS:
+        raise ModelLoadError(
+            f"{source}: quant_method {cfg.get('quant_method')!r} is not supported; {_SUPPORTED}"
+        )
+    bits = cfg.get("bits", cfg.get("w_bit"))  # AutoAWQ's own keys: w_bit, q_group_size
+    if bits != 4:
+        raise ModelLoadError(f"{source}: {method} with bits {bits!r} is not supported; {_SUPPORTED}")
+    group_size = cfg.get("group_size", cfg.get("q_group_size"))
+    if (
+        not isinstance(group_size, int)
+        or isinstance(group_size, bool)
+        or not (group_size == -1 or group_size > 0)
+    ):
+        raise ModelLoadError(f"{source}: group_size must be a positive integer or -1, got {group_size!r}")
+    if group_size != -1 and group_size % BLOCK:
+        raise ModelLoadError(
+            f"{source}: group_size {group_size} is not supported: motet's int4 blocks take one scale per {BLOCK} "
+            f"inputs, so a group must be a multiple of {BLOCK} (or -1, one group per row)"
+        )
+    zeros_minus_one = False
+    if method == "gptq":
+        fmt = str(cfg.get("checkpoint_format") or cfg.get("format") or "gptq").lower()
+        if cfg.get("is_marlin_format"):  # AutoGPTQ's flag for weights repacked for its Marlin kernel
+            fmt = "marlin"
+        if fmt not in _GPTQ_FORMATS:
+            raise ModelLoadError(f"{source}: GPTQ checkpoint_format {fmt!r} is not supported; {_SUPPORTED}")
+        pack_dtype = cfg.get("pack_dtype", "int32")
+        if pack_dtype != "int32":
+            raise ModelLoadError(
+                f"{source}: GPTQ pack_dtype {pack_dtype!r}: motet reads int32-packed weights"
+            )
+        zeros_minus_one = _GPTQ_FORMATS[fmt]
+    else:
+        version = str(cfg.get("version", "gemm")).lower()
+        if version not in _AWQ_VERSIONS:
+            raise ModelLoadError(f"{source}: AWQ version {version!r} is not supported; {_SUPPORTED}")
+        if cfg.get("zero_point", True) is not True:
+            raise ModelLoadError(f"{source}: AWQ without zero points (zero_point false) is not supported")
+    return CheckpointQuantization(method, group_size, zeros_minus_one, source)
+
+
+def declared_quantization(model_dir: str | Path, requested: str | None) -> CheckpointQuantization | None:
+    """The GPTQ / AWQ quantization `model_dir` declares (None: none), checked against `--quantization`
+    (`requested`): none or the checkpoint's own method; ModelLoadError naming the conflict otherwise."""
+    model_dir = Path(model_dir)
+    found = _read_config(model_dir) if model_dir.is_dir() else None
+    declared = _parse(*found) if found is not None else None
+    if declared is None:
+        if requested in CHECKPOINT_QUANTIZATIONS:
+            raise ModelLoadError(
+                f"--quantization {requested}: {model_dir} is not a {requested.upper()} checkpoint (its config.json "
+                f"has no quantization_config); serve it without --quantization, or with int8|int4"
+            )
+        return None
+    if declared.method == MXFP4 and requested is not None:
+        raise ModelLoadError(
+            f"--quantization {requested}: {model_dir} is an MXFP4 checkpoint ({declared.source}), its experts "
+            f"dequantized to --dtype as they load; drop --quantization"
+        )
+    if requested not in (None, declared.method):
+        raise ModelLoadError(
+            f"--quantization {requested}: {model_dir} is a {declared.method.upper()} checkpoint ({declared.source}), "
+            f"served in its own 4-bit weights; drop --quantization (or pass --quantization {declared.method})"
+        )
+    return declared
+
+
+def iter_checkpoint_weights(
+    model_dir: str | Path, declared: CheckpointQuantization | None
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight | Mxfp4Tensor]]:
+    """The checkpoint's tensors (checkpoint.iter_weights), each projection `declared` quantized as one
+    QuantizedWeight named `<module>.weight`, yielded once all its parts are read; in an MXFP4 checkpoint each
+    `W_blocks` / `W_scales` pair as one Mxfp4Tensor `W` (read and dequantized by the loader, an expert at a
+    time). Every other tensor is a float parameter's: one stored in an integer (or bool) dtype is refused by
+    name, where the loader would copy its integers in as the weight's values."""
+    for name, tensor in _checkpoint_weights(model_dir, declared):
+        if isinstance(tensor, torch.Tensor | StoredTensor) and not tensor.is_floating_point():
+            where = f" ({tensor.file})" if isinstance(tensor, StoredTensor) else ""
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r}{where} is stored as {str(tensor.dtype).removeprefix('torch.')}: a "
+                f"model's weights are floating-point (F32, F16, BF16)"
+            )
+        yield name, tensor
+
+
+def _checkpoint_weights(model_dir: str | Path, declared: CheckpointQuantization | None) -> Iterator:
+    if declared is None:
+        yield from iter_weights(model_dir)
+        return
+    if declared.method == MXFP4:
+        yield from paired(iter_weights(model_dir), declared.source)
+        return
+    parts = _PARTS[declared.method]
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # module -> its parts read so far
+    for name, tensor in iter_weights(model_dir):
+        module, _, part = name.rpartition(".")
+        if part not in parts:
+            yield name, tensor
+            continue
+        pending.setdefault(module, {})[part] = tensor.load()
+        if all(p in pending[module] for p in parts):
+            yield f"{module}.weight", _convert(module, pending.pop(module), declared)
+    for module, found in pending.items():  # GPTQ without g_idx, or a module missing parts
+        missing = [p for p in _REQUIRED if p not in found]
+        if missing:
+            raise ModelLoadError(
+                f"checkpoint ({declared.method.upper()}) is missing {', '.join(f'{module}.{p}' for p in missing)}"
+            )
+        yield f"{module}.weight", _convert(module, found, declared)
+
+
+def _convert(
+    module: str, parts: dict[str, torch.Tensor], declared: CheckpointQuantization
+) -> QuantizedWeight:
+    try:
+        if declared.method == "gptq":
+            return from_gptq(
+                parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"),
+                declared.group_size, declared.zeros_minus_one,
+            )  # fmt: skip
+        return from_awq(parts["qweight"], parts["qzeros"], parts["scales"], declared.group_size)
+    except ValueError as e:
+        raise ModelLoadError(
+            f"checkpoint ({declared.method.upper()}, {declared.source}): {module}: {e}"
+        ) from None

@@ -1,0 +1,101 @@
+"""A step's grammar masks: the constrained rows' bitmask, filled on a side thread while the forward pass runs
+(the grammar backends release the GIL), applied to the logits before sampling. Unconstrained rows are never
+touched; a step without constrained rows gets `NO_MASK`, which does nothing."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from motet.engine.core.scheduler import ScheduledBatch
+from motet.engine.speculative.grammar_drafts import activation_index, fill_draft_bitmask
+from motet.grammar.backend import allocate_bitmask, apply_bitmask
+from motet.grammar.masking import fill_bitmasks
+
+
+@dataclass
+class GrammarStats:
+    """Where structured output's time goes, summed over steps (for benchmarks and /metrics)."""
+
+    steps: int = 0  # steps with at least one constrained row
+    rows: int = 0  # constrained rows masked
+    fill_s: float = 0.0  # filling bitmasks (on a side thread, overlapping the forward pass)
+    wait_s: float = 0.0  # of that, what the step waited for after its forward pass
+    apply_s: float = 0.0  # masking the logits
+    jump_forward_tokens: int = 0  # tokens appended without sampling (counted by the engine)
+
+
+def _timed_fill(bitmask: torch.Tensor, items, drafted, tagged) -> float:
+    t0 = time.perf_counter()
+    with torch.inference_mode():  # the bitmask was made in the step's inference mode; this is another thread
+        fill_bitmasks(bitmask, items)
+        for guided, drafts, first, row in drafted:  # position by position, through the drafts
+            fill_draft_bitmask(bitmask, guided, drafts, first, row)
+        for (
+            guided,
+            row,
+        ) in tagged:  # a tag's tokens: the opening of <think> (or the grammar's), a forced </think>
+            guided.fill_tag_bitmask(bitmask, row)
+    return time.perf_counter() - t0
+
+
+class _NoMask:
+    def apply(self, logits: torch.Tensor) -> None:
+        pass
+
+
+NO_MASK = _NoMask()
+
+
+class GrammarMask:
+    """One step's bitmask over its sampled positions, being filled on the masks' thread."""
+
+    def __init__(self, bitmask: torch.Tensor, rows: list[int], filling: Future, stats: GrammarStats):
+        self.bitmask, self.rows, self.filling, self.stats = bitmask, rows, filling, stats
+
+    def apply(self, logits: torch.Tensor) -> None:
+        stats = self.stats
+        t0 = time.perf_counter()
+        stats.fill_s += self.filling.result()
+        t1 = time.perf_counter()
+        apply_bitmask(logits, self.bitmask, self.rows)
+        stats.wait_s += t1 - t0
+        stats.apply_s += time.perf_counter() - t1
+        stats.steps += 1
+        stats.rows += len(self.rows)
+
+
+class GrammarMasks:
+    """Starts each step's mask filling (`start`) on a thread of its own, and keeps the stats."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.stats = GrammarStats()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="motet-bitmask")
+
+    def start(self, batch: ScheduledBatch, sample_rows: list[int], starts, num_positions: int):
+        """The step's mask (NO_MASK where no row is constrained), its filling started: `starts[k]` is where
+        sampling row `sample_rows[k]`'s positions begin among the step's `num_positions` sampled ones."""
+        masked, plain, drafted, tagged = [], [], [], []
+        for i, start in zip(sample_rows, starts, strict=True):
+            seq = batch.seqs[i]
+            if seq.guided is None:
+                continue
+            if seq.draft_token_ids:
+                first = activation_index(seq.guided, seq.detok, seq.draft_token_ids)
+                masked.extend(range(start + first, start + len(seq.draft_token_ids) + 1))
+                drafted.append((seq.guided, seq.draft_token_ids, first, start))
+            elif seq.guided.active:
+                masked.append(start)
+                plain.append((seq.guided.matcher, start))
+            elif seq.guided.tag_masked:
+                masked.append(start)
+                tagged.append((seq.guided, start))
+        if not masked:
+            return NO_MASK
+        bitmask = allocate_bitmask(num_positions, self.vocab_size)
+        filling = self._thread.submit(_timed_fill, bitmask, plain, drafted, tagged)
+        return GrammarMask(bitmask, masked, filling, self.stats)

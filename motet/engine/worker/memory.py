@@ -1,0 +1,97 @@
+"""How much memory the KV cache and the adapters' pool get: from `--gpu-memory-utilization` (vLLM's flag), a
+share of the device's memory that the weights, a step's activations, the adapters' pool and the KV cache share.
+
+On CUDA the share is of the device's total memory, as vLLM reads it, and that much must be free when the
+engine starts; on CPU it is of the host memory available at start-up (MemAvailable), since a host is
+shared with everything else it runs. The weights are measured once loaded; a step's activations are estimated
+from the shapes; the adapters' pool takes `adapter_memory_fraction` of what is left (or `adapter_memory_gb`), the
+KV cache the rest. `--num-kv-blocks` wins over this, and this over `--kv-cache-memory-gb`; with neither of the
+two, CUDA takes this path with vLLM's default share and a CPU a fixed size (`EngineConfig.memory_utilization`).
+Without a share, the pool takes its fraction of the host memory available at start-up on a CPU, of the device's
+free memory once the KV cache is allocated on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION, EngineConfig
+from motet.engine.worker.model import Linear
+from motet.models.config import ModelConfig
+from motet.models.declaration import ModelLoadError
+
+
+def memory_budget(fraction: float, device: torch.device) -> int:
+    """The bytes `fraction` stands for, read before the weights are loaded."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(fraction * total)
+        if free < budget:
+            raise ModelLoadError(
+                f"--gpu-memory-utilization {fraction:g} (on CUDA {CUDA_GPU_MEMORY_UTILIZATION:g} by default) asks "
+                f"for {budget / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB, but only "
+                f"{free / 2**30:.1f} GiB are free; lower it, or size the KV cache with --kv-cache-memory-gb"
+            )
+        return budget
+    return int(fraction * available_host_memory())
+
+
+def available_host_memory() -> int:
+    """The host memory a new allocation can have without swapping (Linux's MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def weights_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """What the loaded model holds on its device."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    tensors = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    quantized = [m.quantized for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    return tensors + sum(q.nbytes for q in quantized)
+
+
+def step_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    """An estimate of a step's largest activations: one layer's intermediates for the step's tokens, and the
+    fp32 logits (with the sampler's copies) of every row that samples, drafts included."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    q_kv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
+    per_token = 4 * model.hidden_size + 3 * model.intermediate_size + q_kv
+    rows = config.max_num_seqs * (1 + config.num_speculative_tokens)
+    return config.step_tokens * per_token * elem + 4 * rows * model.vocab_size * 4
+
+
+def adapter_bytes(config: EngineConfig, device: torch.device, left: int | None = None) -> int:
+    """The adapters' pool: `adapter_memory_gb`, else its fraction of `left` (what a memory share leaves for the
+    KV cache and the pool), else of the host memory available now (a CPU) or of the device's free memory."""
+    if config.adapter_memory_gb is not None:
+        return int(config.adapter_memory_gb * 2**30)
+    if left is None:
+        left = available_host_memory() if device.type == "cpu" else torch.cuda.mem_get_info(device)[0]
+    return int(config.adapter_memory_fraction * left)
+
+
+def kv_cache_bytes(
+    budget: int, used: int, config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int]:
+    """(KV cache, adapters' pool) bytes of `budget` once the weights (`used`) and a step have theirs;
+    ModelLoadError when nothing is left for the KV cache."""
+    left = budget - used - step_bytes(config, model, dtype)
+    adapters = adapter_bytes(config, device, max(0, left))
+    rest = left - adapters
+    if rest <= 0:
+        raise ModelLoadError(
+            f"--gpu-memory-utilization {config.memory_utilization:g} ({budget / 2**30:.2f} GiB) leaves no "
+            f"memory for the KV cache after the weights ({used / 2**30:.2f} GiB), a step's activations and the "
+            f"adapters' pool ({adapters / 2**30:.2f} GiB); raise it, or lower --max-num-batched-tokens or "
+            "--adapter-memory-gb"
+        )
+    return rest, adapters

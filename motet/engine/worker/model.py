@@ -1,0 +1,1032 @@
+"""The decoder every declared family runs (motet/models/), dense or a mixture of experts (whose sparse layers
+route each token to its top-k experts: `SparseMoE`), over a flattened batch and a paged KV cache. A family's
+declaration sets its options (q/k/v biases, q/k norms per head or across heads, norms before and / or after the
+blocks, the MLP's activation, a rope base for sliding-window layers, experts, constants folded into weights) and
+its checkpoint's module names.
+
+Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says where each sequence's
+queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
+matrix each (fewer, larger matmuls); checkpoints with Hugging Face names load through `load_weights`.
+The layers carry the residual stream beside each block's output (vLLM's layout), so that on CUDA the
+residual add and the next RMSNorm are one Triton kernel, as are the rotary and the KV-cache write
+(motet/kernels/fused_norm.py, motet/kernels/rope_kv.py); elsewhere their torch references compute the same.
+With a `LoRABatch` each linear layer also adds every token's own adapter delta (fused layers per module,
+into that module's output columns); without one the LoRA path is skipped entirely. A linear layer may hold
+its weight quantized (motet/kernels/quant.py, `CausalLM.quantize`): every backend (this eager
+model, CUDA graphs over it, the native CPU step) takes the format from the layer; LoRA deltas stay in the
+model's dtype on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from motet.engine.weights.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
+from motet.engine.weights.mxfp4 import Mxfp4Tensor
+from motet.engine.worker.parallel import ROW_PARALLEL, SINGLE, Parallel
+from motet.kernels import activation, fused_norm, rope_kv, triton_moe, triton_quant
+from motet.kernels.attention_args import AttentionOptions, PagedContext
+from motet.kernels.paged_attention import paged_attention
+from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
+from motet.kernels.rope_kv import RotaryAngles
+from motet.lora.pool import LoRABatch
+from motet.models.config import ModelConfig
+from motet.models.declaration import ModelLoadError
+from motet.models.projections import FUSED_SHARD, GATE_UP, QKV
+
+
+@dataclass(kw_only=True)
+class AttentionMetadata(PagedContext):
+    """A step's paged context (what attention reads) and where its new tokens' K/V are written."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    # The sliding-window layers' own: their slots and tables in the window pool (motet/engine/core/kv_window.py)
+    window: AttentionMetadata | None = None
+
+    def for_window(self) -> AttentionMetadata:
+        """The metadata of the sliding-window layers: `window`, or where they keep their KV in the same blocks
+        as the others (a context within the window), the same with a CPU plan of their own."""
+        if self.window is None:
+            self.window = dataclasses.replace(self, cpu_plan=None)
+        return self.window
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """The rotary's inverse frequencies and the factor its cos and sin are scaled by (YaRN's attention factor;
+    1 for the others), as transformers' rope functions compute them (over the dimensions it turns: all of a
+    head's, or the first `rotary_dim` of them)."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "yarn":
+        return yarn_inv_freq(cfg, inv_freq, scaling)
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv_freq = torch.where(mid, scaled, inv_freq)
+    elif kind != "default":
+        raise ModelLoadError(f"config.json: rope_scaling type {kind!r} is not supported")
+    return inv_freq, 1.0
+
+
+def yarn_inv_freq(cfg: ModelConfig, inv_freq: torch.Tensor, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5's long context, DeepSeek, GPT-OSS): frequencies above a band kept, below it divided by
+    `factor`, a linear ramp between; cos and sin scaled by an attention factor from log(factor)."""
+    dim, base = cfg.rotary_dim, cfg.rope_theta
+    original = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    factor = scaling.get("factor") or cfg.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def band_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = band_dim(scaling.get("beta_fast") or 32), band_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the frequency as it is (extrapolated), 0: divided by the factor (interpolated)
+    return inv_freq / factor * (1 - kept) + inv_freq * kept, float(attention)
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose CPU product can run through oneDNN on a prepacked weight.
+
+    On CPU `F.linear` goes to MKL. On this machine (AMD EPYC, AVX-512) oneDNN with a prepacked weight
+    measured 2.6-3.2x faster for fp32 at 32-64 rows, 1.3-3x at one row, and 1.2-2x for bf16 (vLLM's
+    CPU backend uses oneDNN too). The CPU runner calls `prepack()`; the plain weight stays for tied
+    embeddings, LoRA and checkpoints.
+
+    A quantized layer holds its weight in `quantized` (its float `weight` released) and multiplies through
+    the Triton W8A16 / W4A16 kernel on CUDA (motet/kernels/triton_quant.py), elsewhere through the format's
+    reference product (`QuantizedWeight.linear`); the native CPU step packs the same weight for its
+    quantized kernels."""
+
+    packed_weight: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
+
+    def quantize(self, fmt: WeightFormat) -> None:
+        """Hold the weight in `fmt` from now on (quantized from its current values, on its device)."""
+        self.quantized = fmt.quantize(self.weight.detach())
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device), False)
+        self.packed_weight = None
+
+    def prepack(self, rows_hint: int = 64) -> bool:
+        """Pack the weight for oneDNN; False (F.linear stays) where oneDNN cannot run this dtype on this
+        CPU (its bf16 path needs AVX-512 or AVX-NE-CONVERT), or the weight is quantized."""
+        if self.quantized is not None:
+            return False
+        # a plain attribute, made after .to(device/dtype); the hint only tunes the layout (64 >= 1, 32)
+        try:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows_hint)
+        except RuntimeError:
+            self.packed_weight = None
+        return self.packed_weight is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            if triton_quant.applies(x):  # CUDA: the W8A16 / W4A16 Triton GEMM on the stored blocks
+                return triton_quant.quant_linear(x, self.quantized, self.bias)
+            return self.quantized.linear(x, self.bias)
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        inv_freq, attention = rope_inv_freq(cfg)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", (freqs.cos() * attention).float(), persistent=False)  # [P, R/2]
+        self.register_buffer("sin", (freqs.sin() * attention).float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> RotaryAngles:
+        """The step's angles, made once a step and used by every layer (motet/kernels/rope_kv.py): the tables
+        and each token's position, read on the device by the fused kernel; the torch path gathers each token's
+        rows once. Hugging Face layout: the two rotated halves are the first and second half of head_dim (of its
+        first R = rotary_dim values, the rest unrotated, where the rotary is partial)."""
+        return RotaryAngles(positions, self.cos, self.sin)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, in fp32 inside and the input's dtype outside; with a `residual`, the
+    residual stream's add fused in (vLLM's `fused_add_rms_norm`). On CUDA one Triton launch each
+    (motet/kernels/fused_norm.py), elsewhere its torch reference."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with `residual`: (norm(x + residual), x + residual), new tensors."""
+        fused = fused_norm.applies(x)
+        if residual is None:
+            return (fused_norm.rms_norm if fused else fused_norm.rms_norm_reference)(x, self.weight, self.eps)
+        add_norm = fused_norm.add_rms_norm if fused else fused_norm.add_rms_norm_reference
+        return add_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Self-attention over this rank's heads (all of them on one rank); returns the o projection's output, a
+    partial sum over the ranks under tensor parallelism (the decoder layer all-reduces it)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
+        super().__init__()
+        self.layer_idx = layer_idx
+        (q_start, self.num_heads), (kv_start, self.num_kv_heads) = parallel.heads(cfg)
+        self.head_dim = cfg.head_dim
+        # this rank's rows of the checkpoint's q and of its k / v (and columns of o)
+        self.q_rows = (q_start * cfg.head_dim, self.num_heads * cfg.head_dim)
+        self.kv_rows = (kv_start * cfg.head_dim, self.num_kv_heads * cfg.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.output_bias)
+        # GPT-OSS: each head's sink logit (this rank's heads)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), False) if cfg.attention_sinks else None
+        self.scale = self.head_dim**-0.5
+        # Qwen3: each head's q and k RMS-normalized over head_dim before the rotary
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # OLMo 2's span all heads (this rank's part of their weights)
+            q_width, k_width = (
+                (self.q_size, self.kv_size) if cfg.qk_norm_whole else (self.head_dim, self.head_dim)
+            )
+            self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps)
+        self.qk_norm_whole = cfg.qk_norm_whole
+        self.parallel = parallel
+        # the widths of the whole q and k (all ranks' heads): what a norm across heads averages over
+        self.whole_widths = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim)
+        # a sliding-window layer attends to the last `window` positions
+        self.window = cfg.sliding_window if layer_idx in cfg.window_layers else None
+        self.softcap = cfg.attn_softcap
+        # the fused rotary kernel turns whole heads: a partial rotary (part of each head) takes the reference
+        self.partial_rotary = cfg.rotary_dim != cfg.head_dim
+
+    def forward(
+        self, x, angles: RotaryAngles, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None
+    ):
+        T = x.shape[0]
+        sizes = (self.q_size, self.kv_size, self.kv_size)
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.add(qkv, x, self.layer_idx, QKV, sizes)
+        # q, k, v: views of qkv's columns. Qwen3's q/k norms, the rotary and the KV write: one kernel on CUDA
+        # (q rotated in place, k rotated into the cache), the torch reference elsewhere
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        if self.qk_norm_whole and self.parallel.enabled:
+            self._norm_across_ranks(qkv, q_end, k_end)
+        elif self.qk_norm_whole:  # OLMo 2: normed across heads first, in qkv's own columns
+            qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
+            qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
+        q = qkv[:, :q_end].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
+        per_head = self.q_norm is not None and not self.qk_norm_whole
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if per_head else ()
+        fused = rope_kv.applies(qkv) and not self.partial_rotary
+        rotary_kv = rope_kv.rotary_kv_write if fused else rope_kv.rotary_kv_reference
+        k_cache, v_cache = kv_cache
+        if self.window is not None:
+            meta = meta.for_window()
+        q = rotary_kv(q, k, v, angles, k_cache, v_cache, meta.slot_mapping, *norms)
+        out = paged_attention(q, kv_cache, meta, self.options).reshape(T, self.q_size)
+        y = self.o_proj(out)
+        if lora is not None:
+            lora.add(y, out, self.layer_idx, ("o_proj",), (y.shape[1],))
+        return y
+
+    @property
+    def options(self) -> AttentionOptions:
+        """The layer's attention options, its sinks as they are now (the parameter is made after the layer:
+        `CausalLM.allocate`)."""
+        return AttentionOptions(self.scale, self.window, self.softcap, self.sinks)
+
+    def _norm_across_ranks(self, qkv: torch.Tensor, q_end: int, k_end: int) -> None:
+        """OLMo 2's q and k norms under tensor parallelism, in qkv's own columns: each norm spans all heads and
+        this rank holds some, so the sums of squares of its q and of its k columns ([T, 2] fp32) are all-reduced,
+        one small exchange a layer; then each rank scales its columns by the whole rows' 1 / rms, in fp32, and by
+        its part of the norm weights (as the norm of one rank computes it)."""
+        q, k = qkv[:, :q_end].float(), qkv[:, q_end:k_end].float()
+        sums = self.parallel.all_reduce(torch.stack([q.square().sum(-1), k.square().sum(-1)], dim=1))
+        rstd = torch.rsqrt(sums / sums.new_tensor(self.whole_widths) + self.q_norm.eps)
+        qkv[:, :q_end] = (q * rstd[:, :1] * self.q_norm.weight.float()).to(qkv.dtype)
+        qkv[:, q_end:k_end] = (k * rstd[:, 1:] * self.k_norm.weight.float()).to(qkv.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU over this rank's intermediate columns; the output is a partial sum under tensor parallelism."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int = 0,
+        intermediate_size: int | None = None,
+        parallel: Parallel = SINGLE,
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.columns = parallel.part(intermediate_size or cfg.intermediate_size)  # of the checkpoint's
+        self.intermediate = self.columns[1]
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma's GeGLU: GELU (tanh) in place of SiLU
+
+    def forward(self, x, lora: LoRABatch | None = None):
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            sizes = (self.intermediate, self.intermediate)
+            lora.add(gate_up, x, self.layer_idx, GATE_UP, sizes)
+        # SiLU(gate) * up: one kernel on CUDA (motet/kernels/activation.py), its torch reference elsewhere
+        if self.gelu:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        else:
+            swiglu = (
+                activation.silu_and_mul if activation.applies(gate_up) else activation.silu_and_mul_reference
+            )
+            h = swiglu(gate_up)
+        y = self.down_proj(h)
+        if lora is not None:
+            lora.add(y, h, self.layer_idx, ("down_proj",), (y.shape[1],))
+        return y
+
+
+def grouped_experts(
+    rows: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act=None,
+) -> torch.Tensor:
+    """Each row of `rows` through its expert (`expert_ids`) with the stacked weights gate_up [E, 2I, H] and
+    down [E, H, I] (and `biases` [E, 2I], [E, H]; `act`(gate, up): SiLU(gate) * up where None), in torch: the
+    rows sorted by expert, one gate/up and one down product per expert that has rows (one host sync for the
+    counts), the rows' order kept."""
+    inter = gate_up.shape[1] // 2
+    order = expert_ids.argsort(stable=True)
+    counts = torch.bincount(expert_ids, minlength=gate_up.shape[0]).tolist()
+    sorted_rows = rows[order]
+    out = torch.empty_like(sorted_rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            seg = sorted_rows[start : start + n]
+            gate_up_bias, down_bias = (biases[0][e], biases[1][e]) if biases is not None else (None, None)
+            gate, up = F.linear(seg, gate_up[e], gate_up_bias).split(inter, dim=-1)
+            hidden = F.silu(gate) * up if act is None else act(gate, up)
+            out[start : start + n] = F.linear(hidden, down[e], down_bias)
+            start += n
+    return torch.empty_like(out).index_copy_(0, order, out)
+
+
+def clamped_swiglu(alpha: float, limit: float):
+    """GPT-OSS's experts' activation: (up + 1) * gate * sigmoid(alpha * gate), gate clamped to <= limit and up
+    to [-limit, limit]."""
+
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return act
+
+
+class Experts(nn.Module):
+    """The experts of a sparse layer as stacked weights: `gate_up_proj` [E, 2I, H] (each expert's gate rows,
+    then its up rows), `down_proj` [E, H, I]; Hugging Face transformers >= 5 holds them the same way.
+
+    Under tensor parallelism each rank holds every expert's share of the intermediate columns (E experts,
+    I / size columns); with expert parallelism it holds E / size whole experts instead, and each token's
+    rows travel by all-to-all to the ranks that hold its experts and back. Either way the output is a partial
+    sum over the ranks (the decoder layer's all-reduce completes it)."""
+
+    def __init__(self, cfg: ModelConfig, parallel: Parallel = SINGLE):
+        super().__init__()
+        self.parallel = parallel
+        E, intermediate, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.columns = (0, intermediate)  # each expert's intermediate columns held here
+        if parallel.expert_parallel:
+            E = parallel.split(E, "the experts")
+        else:
+            self.columns = parallel.part(intermediate)
+        self.num_local, self.intermediate = E, self.columns[1]
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * self.intermediate, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, H, self.intermediate), requires_grad=False)
+        self.gate_up_proj_bias = self.down_proj_bias = None  # GPT-OSS's (down's: rank 0's, zeros elsewhere)
+        if cfg.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * self.intermediate), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
+        self.act = (
+            clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.expert_act == "swiglu_limit" else None
+        )
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert[expert_ids[t, k]](x[t]) for every token t (this rank's part of it)."""
+        if self.parallel.expert_parallel:
+            return self._dispatched(x, expert_ids, weights)
+        T, k = expert_ids.shape
+        out = self.grouped(x.repeat_interleave(k, dim=0), expert_ids.flatten())
+        out = out * weights.flatten().unsqueeze(1).to(out.dtype)
+        return out.view(T, k, -1).sum(dim=1)
+
+    def grouped(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Each row through its (local) expert, as a grouped product: the rows are sorted by expert and each
+        expert multiplies its contiguous segment at once (one product per expert that has rows, none per row;
+        the layout a grouped-GEMM kernel takes). On CUDA the Triton grouped-expert kernel does it in two
+        launches for the whole layer (motet/kernels/triton_moe.py)."""
+        biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.gate_up_proj_bias is not None else None
+        if triton_moe.applies(rows) and biases is None and self.act is None:
+            return triton_moe.grouped_experts(rows, expert_ids, self.gate_up_proj, self.down_proj)
+        return grouped_experts(rows, expert_ids, self.gate_up_proj, self.down_proj, biases, self.act)
+
+    def _dispatched(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: this rank routes its slice of the (replicated) tokens; their rows go to the
+        ranks holding their experts (all-to-all), through the experts there, and back (all-to-all); the
+        result holds this rank's token slice, zeros elsewhere."""
+        par, E = self.parallel, self.num_local
+        t0, t1 = par.token_slice(x.shape[0])
+        k = expert_ids.shape[1]
+        flat = expert_ids[t0:t1].flatten()
+        order = flat.argsort(stable=True)  # by expert, hence by the rank that holds it
+        owners = flat[order] // E
+        send = torch.bincount(owners, minlength=par.size)
+        recv = par.exchange_counts(send)
+        # each row travels with its expert's local index as one more column (exact in fp32: < 2^24)
+        rows = x[t0:t1][order // k].float()
+        payload = torch.cat([rows, (flat[order] % E).unsqueeze(1).float()], dim=1)
+        arrived = par.all_to_all(payload, send.tolist(), recv)
+        done = self.grouped(arrived[:, :-1].to(x.dtype), arrived[:, -1].long())
+        back = par.all_to_all(done.float(), recv, send.tolist())
+        back = back * weights[t0:t1].flatten()[order].unsqueeze(1)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        y[t0:t1].index_add_(0, order // k, back)
+        return y.to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router (`gate`) scores every expert, each
+    token goes through its `num_experts_per_tok` best (softmax weights, renormalized to sum to 1 where the
+    config says), and, in Qwen2-MoE, through a shared expert scaled by sigmoid(shared_expert_gate(x)). The
+    router and the shared expert's gate are replicated on every rank; the output is a partial sum over them.
+
+    LoRA applies to the attention only: an adapter targeting MLP modules is refused on an MoE model
+    (motet/lora/adapter.py), so `lora` is not read here."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.expert_bias)
+        self.experts = Experts(cfg, parallel)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, layer_idx, cfg.shared_expert_intermediate_size, parallel)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x, lora: LoRABatch | None = None):
+        probs = self.gate(x).float().softmax(dim=-1)
+        weights, expert_ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        y = self.experts(x, expert_ids, weights)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
+        super().__init__()
+        self.parallel = parallel
+        self.pre_norms, self.post_norms = cfg.pre_norms, cfg.post_norms
+        # Llama's norms come before the blocks (post_attention_layernorm: the one before the MLP), OLMo 2's after
+        # them (attn_out_norm, mlp_out_norm), Gemma's both
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
+        self.input_layernorm = norm() if cfg.pre_norms else None
+        self.self_attn = Attention(cfg, layer_idx, parallel)
+        self.post_attention_layernorm = norm() if cfg.pre_norms else None
+        if cfg.post_norms:
+            self.attn_out_norm, self.mlp_out_norm = norm(), norm()
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(cfg, layer_idx, parallel)
+            if layer_idx in cfg.sparse_layers
+            else MLP(cfg, layer_idx, parallel=parallel)
+        )
+
+    def forward(self, x, residual, angles: RotaryAngles, meta, kv_cache, lora: LoRABatch | None = None):
+        """`x`: the previous layer's output, `residual`: the stream it adds to (None in the first layer, whose
+        `x` is the embeddings). Returns this layer's MLP output and the stream before it: the next norm adds
+        them (fused with the norm on CUDA; vLLM carries the residual the same way)."""
+        if self.pre_norms:
+            h, residual = (
+                (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+            )
+        else:  # the block reads the stream as it is
+            residual = x if residual is None else x + residual
+            h = residual
+        # each block's output is a partial sum over the tensor-parallel ranks: one all-reduce completes it
+        # before it joins the stream
+        a = self.parallel.all_reduce(self.self_attn(h, angles, meta, kv_cache, lora))
+        if self.post_norms:
+            a = self.attn_out_norm(a)
+        if self.pre_norms:
+            h, residual = self.post_attention_layernorm(a, residual)
+        else:
+            residual = residual + a
+            h = residual
+        m = self.parallel.all_reduce(self.mlp(h, lora))
+        return (self.mlp_out_norm(m) if self.post_norms else m), residual
+
+
+QUANTIZE_BYTES = 1 << 20  # the fp32 values `load_weights` quantizes at once
+
+
+def _read(tensor: torch.Tensor | StoredTensor | Mxfp4Tensor) -> torch.Tensor:
+    """A checkpoint tensor's values (read from its file, dequantized: an MXFP4 one in fp32)."""
+    return tensor.load() if isinstance(tensor, (StoredTensor, Mxfp4Tensor)) else tensor
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, parallel: Parallel = SINGLE):
+        """`parallel`: this rank's shard of the model (motet/engine/worker/parallel.py); by default the whole model."""
+        super().__init__()
+        self.config = cfg
+        self.parallel = parallel
+        self.vocab_start, vocab_rows, _ = parallel.vocab_rows(cfg.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+        # Gemma 3's sliding-window layers rotate with their own base (and no scaling)
+        self.local_rope = self._local_rope(cfg, max_positions)
+
+    @staticmethod
+    def _local_rope(cfg: ModelConfig, max_positions: int | None) -> RotaryEmbedding | None:
+        if not cfg.sliding_layers or cfg.rope_local_theta is None:
+            return None
+        local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
+        return RotaryEmbedding(local, max_positions or cfg.max_position_embeddings)
+
+    @classmethod
+    def allocate(
+        cls,
+        cfg: ModelConfig,
+        max_positions: int | None,
+        parallel: Parallel,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantized: bool = False,
+    ) -> CausalLM:
+        """The model for `load_weights` to fill, made in `dtype` on `device` (the rotary tables in fp32), its
+        parameters uninitialized: no copy in another dtype is ever made. With `quantized` (a quantized
+        checkpoint, or one quantized as it loads) the projections' weights (and an untied lm_head's) are made
+        only when `load_weights` copies floats into them: one that loads quantized never has a float copy."""
+        with torch.device("meta"):
+            model = cls(cfg, max_positions, parallel)
+        deferred = (
+            {id(lin.weight) for lin in [*model.decoder_linears(), model.lm_head]} if quantized else set()
+        )
+        deferred.discard(id(model.embed_tokens.weight))  # a tied lm_head is the embedding table
+        made: dict[int, nn.Parameter] = {}  # (a tied parameter is made once)
+        for module in model.modules():
+            if module is model.rope or module is model.local_rope:
+                continue
+            for key, p in module._parameters.items():
+                if p is not None and id(p) not in deferred:
+                    if id(p) not in made:
+                        made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), False)
+                    module._parameters[key] = made[id(p)]
+        model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
+        local = cls._local_rope(cfg, max_positions)
+        model.local_rope = local.to(device) if local is not None else None
+        return model
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [T, hidden]; under tensor parallelism each rank looks up the tokens in its
+        vocabulary rows (zeros for the others) and an all-reduce assembles them."""
+        if not self.parallel.enabled:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1)).float()
+        x = self.parallel.all_reduce(torch.where(mine.unsqueeze(1), x, 0.0))
+        return x.to(self.embed_tokens.weight.dtype)
+
+    def embed_input(
+        self, input_ids: torch.Tensor, lora: LoRABatch | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The first layer's input: the tokens' embeddings (in `dtype`), their adapters' embedding deltas, times
+        the family's embedding multiplier (Granite's)."""
+        x = self.embed(input_ids)
+        if dtype is not None:
+            x = x.to(dtype)
+        if lora is not None:
+            lora.add_embedding(x, input_ids)
+        scale = self.config.embedding_multiplier
+        return x if scale == 1.0 else x * scale
+
+    def forward(
+        self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora: LoRABatch | None = None
+    ) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden]; `compute_logits` maps chosen rows to logits."""
+        x, residual = self.embed_input(input_ids, lora), None
+        angles = self.rope(positions)
+        local = self.local_rope(positions) if self.local_rope is not None else angles
+        sliding = self.config.sliding_layers
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x, residual = layer(x, residual, local if i in sliding else angles, meta, kv_cache, lora)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits of `hidden`'s rows, before soft-capping (`cap_logits`, after the adapters' head deltas);
+        under tensor parallelism each rank's vocabulary columns are gathered on rank 0 (the others get None)."""
+        return self.parallel.gather_columns(self.lm_head(hidden).float(), self.config.vocab_size)
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-capping, in place: cap * tanh(logits / cap) (the logits as they are elsewhere)."""
+        cap = self.config.logit_softcap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+
+    def decoder_linears(self) -> list[Linear]:
+        """The projections of every decoder layer (qkv, o, gate_up, down per layer, in that order; a sparse
+        layer's MLP projections are its shared expert's, where it has one: its experts are stacked
+        weights, not linear layers)."""
+        linears = []
+        for layer in self.layers:
+            linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            mlp = layer.mlp.shared_expert if isinstance(layer.mlp, SparseMoE) else layer.mlp
+            if mlp is not None:
+                linears += [mlp.gate_up_proj, mlp.down_proj]
+        return linears
+
+    def quantized_formats(self, fmt: WeightFormat) -> dict[str, WeightFormat]:
+        """Which weights `load_weights(..., quantize=fmt)` quantizes, by parameter name: the decoder's
+        projections into `fmt` and the lm_head into int8; ModelLoadError where this model cannot be (before
+        anything is read). The embedding table keeps the checkpoint's precision (a lookup reads one row a
+        token); the lm_head is a product over the whole vocabulary, a fifth of a small model's bytes per token,
+        so it is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
+        keep it in Q8_0 (or Q6_K) the same way."""
+        cfg = self.config
+        if cfg.is_moe:
+            raise ModelLoadError(
+                f"{fmt.name} quantization of a mixture-of-experts model ({cfg.architecture}) is not supported "
+                f"yet: serve it unquantized (leave --quantization out)"
+            )
+        dims = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size}
+        dims["num_attention_heads * head_dim"] = cfg.num_attention_heads * cfg.head_dim
+        for name, value in dims.items():
+            if value % BLOCK:
+                raise ModelLoadError(
+                    f"{fmt.name} quantization needs the inputs of every projection in whole blocks of {BLOCK}; "
+                    f"this model's {name} is {value}: serve it unquantized"
+                )
+        for name, lin in self.named_modules():  # a tensor-parallel rank's part: its own inputs
+            if isinstance(lin, Linear) and lin in self.decoder_linears() and lin.in_features % BLOCK:
+                raise ModelLoadError(
+                    f"{fmt.name} quantization needs the inputs of every projection in whole blocks of {BLOCK}; "
+                    f"this rank's part of {name} has {lin.in_features}: serve the model with another "
+                    f"--tensor-parallel-size, or unquantized"
+                )
+        linears = set(self.decoder_linears())
+        formats = {f"{name}.weight": fmt for name, lin in self.named_modules() if lin in linears}
+        if cfg.hidden_size % BLOCK == 0:
+            formats["lm_head.weight"] = INT8
+        return formats
+
+    def _split_sizes(self, name: str) -> list[int]:
+        """Row sizes of a fused parameter's shards ([n] for an unfused one) on this rank; `name` is the
+        parameter's."""
+        parts = name.split(".")
+        module = parts[-2] if len(parts) > 1 else name
+        if module == "qkv_proj":
+            attn = self.get_submodule(".".join(parts[:-2]))
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        if module == "gate_up_proj":  # a dense MLP's or the shared expert's: its own intermediate size
+            layer = self.get_submodule(".".join(parts[:-2]))
+            return [layer.intermediate, layer.intermediate]
+        if parts[-1] in ("gate_up_proj", "down_proj"):  # stacked experts
+            experts = self.get_submodule(".".join(parts[:-1]))
+            if parts[-1] == "gate_up_proj":  # shard 2e is expert e's gate, 2e + 1 its up
+                return [experts.intermediate] * (2 * experts.num_local)
+            return [self.config.hidden_size] * experts.num_local  # shard e is expert e's
+        return [-1]
+
+    def _rank_part(self, name: str, shard: int | None, tensor: torch.Tensor | QuantizedWeight):
+        """The part of a checkpoint tensor (one shard of parameter `name`) that this rank holds: q/k/v,
+        gate/up and the experts' gate/up split by output rows (their biases, attention sinks and norms across
+        all heads with them), o and down by input columns (their biases, the experts' down biases: rank 0's,
+        zeros elsewhere, added once by the all-reduce), the embedding table and lm_head by vocabulary rows;
+        other norms and routers whole. A quantized weight splits the same way (its input columns in whole
+        blocks, or the load fails naming the layer)."""
+        try:
+            return self._rank_slice(name, shard, tensor)
+        except ValueError as e:
+            raise ModelLoadError(
+                f"{name} cannot be split over {self.parallel.size} ranks in its quantized blocks ({e}): serve it "
+                f"with another --tensor-parallel-size or unquantized"
+            ) from None
+
+    def _rank_slice(self, name: str, shard: int | None, tensor):
+        par = self.parallel
+        if not par.enabled:
+            return tensor
+        parts = name.split(".")
+        leaf, module = parts[-1], parts[-2] if len(parts) > 1 else ""
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            start, _, rows = par.vocab_rows(self.config.vocab_size)
+            return tensor.narrow(0, start, rows)
+        owner = self.get_submodule(".".join(parts[:-1] if module == "experts" else parts[:-2]))
+        if leaf == "sinks":  # one a query head: this rank's
+            attn = self.get_submodule(".".join(parts[:-1]))
+            return tensor.narrow(0, attn.q_rows[0] // attn.head_dim, attn.num_heads)
+        if (
+            (module in ROW_PARALLEL and leaf == "bias")
+            or (module == "experts" and leaf == "down_proj_bias" and not par.expert_parallel)
+        ):  # after a split input: added once, by rank 0 (the others' zeros), when the all-reduce sums the parts
+            return tensor if par.rank == 0 else torch.zeros(tensor.shape)
+        if module == "experts" and par.expert_parallel:
+            if leaf.endswith("_bias"):  # [E, ...]: this rank's experts, a block of consecutive ones
+                return tensor.narrow(0, par.rank * owner.num_local, owner.num_local)
+            return tensor  # whole experts (the ones not held here never reach this)
+        if module == "experts" and leaf == "gate_up_proj_bias":  # [E, 2I]: gate columns, then up columns
+            (start, n), inter = owner.columns, tensor.shape[1] // 2
+            return torch.cat([tensor.narrow(1, start, n), tensor.narrow(1, inter + start, n)], dim=1)
+        if module in ("q_norm", "k_norm") and self.config.qk_norm_whole:  # across all heads: this rank's
+            return tensor.narrow(0, *(owner.q_rows if module == "q_norm" else owner.kv_rows))
+        if module == "qkv_proj":
+            start, n = (owner.q_rows, owner.kv_rows, owner.kv_rows)[shard]
+            return tensor.narrow(0, start, n)
+        if module == "o_proj":
+            return tensor.narrow(1, *owner.q_rows)
+        if module == "gate_up_proj" or (module == "experts" and leaf == "gate_up_proj"):
+            return tensor.narrow(0, *owner.columns)
+        if module == "down_proj" or (module == "experts" and leaf == "down_proj"):
+            return tensor.narrow(1, *owner.columns)
+        return tensor
+
+    def _shard(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
+        """The part of `param` that a checkpoint tensor fills (None: all of it)."""
+        sizes = self._split_sizes(name)
+        if shard is None or len(sizes) == 1:
+            return param
+        if param.dim() == 3:  # stacked experts: shard -> (expert, part within the expert's rows)
+            per_expert = len(sizes) // param.shape[0]
+            expert, part = divmod(shard, per_expert)
+            return param[expert].narrow(0, part * sizes[shard], sizes[shard])
+        return param.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+    def _all_shards(self, name: str) -> range:
+        return range(len(self._split_sizes(name)))
+
+    def _describe(self, name: str, shard: int) -> str:
+        """A shard's name in an error message: a stacked expert weight's says which expert's projection."""
+        if name.split(".")[-1] not in ("gate_up_proj", "down_proj"):
+            return f"{name}[{shard}]"
+        if name.endswith("gate_up_proj"):
+            expert, part = divmod(shard, 2)
+            return f"{name}[{shard}] (expert {expert}'s {('gate_proj / w1', 'up_proj / w3')[part]})"
+        return f"{name}[{shard}] (expert {shard}'s down_proj / w2)"
+
+    # An expert's projection (its checkpoint name as the declaration renames it) -> (the stacked parameter, its
+    # part in the expert's rows)
+    EXPERT_PROJECTIONS = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+        "down_proj": ("down_proj", 0),
+    }
+
+    ELSEWHERE = ("", None)  # a tensor another rank holds (expert parallelism)
+
+    def _place(self, hf_name: str) -> tuple[str, int | None] | None:
+        """(parameter name, shard) a Hugging Face tensor name fills (shard None: the whole parameter), None
+        where it has no place in this model, ELSEWHERE where it belongs to another rank's experts."""
+        parts = hf_name.removeprefix("model.").split(".")
+        if len(parts) > 2 and parts[0] == "layers":  # the family's own module names -> the decoder's
+            renames = self.config.declaration.checkpoint_names
+            parts = [renames.get(p, p) for p in parts]
+        # layers.{i}.mlp.experts.{e}.{projection}.weight: one expert's slice of the stacked weights
+        if len(parts) == 7 and parts[3] == "experts" and parts[4].isdigit() and parts[6] == "weight":
+            stacked, part = self.EXPERT_PROJECTIONS.get(parts[5], (None, 0))
+            expert = int(parts[4])
+            if stacked is None or expert >= self.config.num_experts:
+                return None
+            if self.parallel.expert_parallel:  # this rank's experts are a block of consecutive ones
+                per = self.config.num_experts // self.parallel.size
+                expert -= self.parallel.rank * per
+                if not 0 <= expert < per:
+                    return self.ELSEWHERE
+            name = ".".join([*parts[:4], stacked])
+            return name, expert * (2 if stacked == "gate_up_proj" else 1) + part
+        if len(parts) == 1:
+            return hf_name, None
+        module, shard = FUSED_SHARD.get(parts[-2], (parts[-2], None))
+        parts[-2] = module
+        return ".".join(parts), shard
+
+    def _unfused(self, weights):
+        """The checkpoint's tensors, those of a module its declaration says holds several projections (Phi-3's
+        qkv_proj) split by rows into theirs (q_proj, k_proj, v_proj), read lazily like any other."""
+        fused = self.config.declaration.fused_modules
+        cfg = self.config
+        rows = cfg.projection_rows
+        for hf_name, tensor in weights:
+            parts = hf_name.split(".")
+            if len(parts) < 2 or parts[-2] not in fused:
+                yield hf_name, tensor
+                continue
+            sizes = [rows[p] for p in fused[parts[-2]]]
+            if isinstance(tensor, QuantizedWeight) or tensor.shape[0] != sum(sizes):
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}; {cfg.architecture} holds "
+                    f"{' + '.join(fused[parts[-2]])} in it: {sum(sizes)} rows"
+                )
+            start = 0
+            for part, n in zip(fused[parts[-2]], sizes, strict=True):
+                yield ".".join([*parts[:-2], part, parts[-1]]), tensor.narrow(0, start, n)
+                start += n
+
+    def _restacked(self, weights):
+        """Stacked experts in the layout a declaration says its checkpoints have (`Architecture.expert_layout`)
+        turned into the decoder's an expert at a time: GPT-OSS's gate_up [E, H, 2I], gate and up columns
+        interleaved, as each expert's gate_proj and up_proj [I, H]; its down [E, I, H] as each expert's down_proj
+        [H, I]; its gate_up bias [E, 2I] as gate columns then up columns. An expert is read (from an MXFP4
+        checkpoint: read and dequantized, motet/engine/weights/mxfp4.py) only when it is converted, and not at all where
+        another rank holds it: loading holds one expert's floats besides the weights."""
+        cfg = self.config
+        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        expected = {
+            "gate_up_proj": (E, H, 2 * inter),
+            "gate_up_proj_bias": (E, 2 * inter),
+            "down_proj": (E, inter, H),
+        }
+        interleaved = cfg.declaration.expert_layout == "interleaved"
+        for hf_name, tensor in weights:
+            prefix, _, kind = hf_name.rpartition("experts.") if ".experts." in hf_name else ("", "", "")
+            if isinstance(tensor, Mxfp4Tensor) and not (
+                interleaved and kind in ("gate_up_proj", "down_proj")
+            ):
+                raise ModelLoadError(
+                    f"checkpoint tensor {tensor.name!r} is MXFP4: motet reads MXFP4 only for stacked experts "
+                    f"stored interleaved (GPT-OSS's gate_up_proj and down_proj), not in {cfg.architecture}"
+                )
+            if not interleaved or kind not in expected:
+                yield hf_name, tensor
+                continue
+            if isinstance(tensor, QuantizedWeight):
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} is quantized: {kind} must come in floats"
+                )
+            if tuple(tensor.shape) != expected[kind]:
+                label = (
+                    f"{tensor.name!r} (MXFP4, dequantized)"
+                    if isinstance(tensor, Mxfp4Tensor)
+                    else repr(hf_name)
+                )
+                raise ModelLoadError(
+                    f"checkpoint tensor {label} has shape {tuple(tensor.shape)}, the model expects {expected[kind]}"
+                )
+            if kind == "gate_up_proj_bias":  # gate columns 0, 2, 4, ..., up columns 1, 3, 5, ...
+                t = _read(tensor)
+                yield hf_name, torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+                continue
+            parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            for e in range(E):
+                names = [f"{prefix}experts.{e}.{part}.weight" for part in parts]
+                if self._place(names[0]) is self.ELSEWHERE:
+                    continue
+                t = _read(tensor.narrow(0, e, 1))[0]  # [H, 2I] or [I, H]
+                if kind == "down_proj":
+                    yield names[0], t.T
+                else:
+                    yield names[0], t[:, 0::2].T
+                    yield names[1], t[:, 1::2].T
+
+    def _folded(self, weights):
+        """The family's constants folded into the weights they follow, so that every backend computes them
+        without an op of its own: its scales (ModelConfig.weight_scales: Granite's attention and residual
+        multipliers into q_proj, o_proj and down_proj, its logits scaling into the final norm; Gemma's attention
+        scale into q_norm) and its norm weights' offset (Gemma's 1 + w)."""
+        scales, renames = self.config.weight_scales, self.config.declaration.checkpoint_names
+        for hf_name, tensor in weights:
+            parts = hf_name.removeprefix("model.").split(".")
+            module = renames.get(parts[-2], parts[-2]) if len(parts) > 1 else ""
+            offset = self.config.norm_weight_offset if module.endswith("norm") else 0.0
+            if (module not in scales or (module == "norm" and len(parts) != 2)) and not offset:
+                yield hf_name, tensor
+                continue
+            if isinstance(tensor, QuantizedWeight):
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} is quantized: {self.config.architecture}'s multipliers are "
+                    "folded into it, which its blocks do not allow"
+                )
+            loaded = tensor.load() if isinstance(tensor, StoredTensor) else tensor
+            yield hf_name, (loaded.float() + offset) * scales.get(module, 1.0)
+
+    @torch.no_grad()
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | StoredTensor | QuantizedWeight]],
+        quantize: WeightFormat | None = None,
+    ) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be filled. Each tensor
+        is converted to its parameter's dtype as it is copied, a run of rows at a time (`_fill`). A projection
+        may come quantized (a GGUF file's blocks): its layer then holds it in that format (a fused layer's
+        shards all in one format). With `quantize`, the weights `quantized_formats` names are quantized as they
+        load, from the checkpoint's own values: every row quantizes on its own (a block is a run of one row's
+        inputs), so a fused layer's shards quantized one by one are the fused weight quantized."""
+        formats = self.quantized_formats(quantize) if quantize is not None else {}
+        scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)  # each run of rows read from a file, in turn
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[tuple[str, int]] = set()
+        quantized: dict[str, dict[int, QuantizedWeight]] = {}  # weight name -> its shards, until all are in
+        linears = set(self.decoder_linears())
+        projections = {f"{n}.weight": m for n, m in self.named_modules() if m in linears}
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        device = self.embed_tokens.weight.device
+        if self.parallel.enabled:  # the last rank's vocabulary shard ends in padding rows: zeros
+            self.embed_tokens.weight.zero_()
+            self.lm_head.weight.zero_()  # (one `allocate` deferred is made with zeros: `_allocate`)
+        for hf_name, tensor in self._folded(self._restacked(self._unfused(weights))):
+            if "rotary_emb" in hf_name:
+                continue
+            place = self._place(hf_name)
+            if place is self.ELSEWHERE:
+                continue
+            param = params.get(place[0]) if place is not None else None
+            if param is None:
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}"
+                )
+            name, shard = place
+            target = self._shard(param, name, shard)
+            tensor = self._rank_part(name, shard, tensor)
+            vocab_part = name in ("embed_tokens.weight", "lm_head.weight") and self.parallel.enabled
+            if vocab_part:
+                target = target[: tensor.shape[0]]  # the last rank's shard: padding rows past the vocabulary
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            if name in formats and not isinstance(tensor, QuantizedWeight):
+                tensor = self._fill(None, tensor, scratch, formats[name])
+            if isinstance(tensor, QuantizedWeight) and name in ("embed_tokens.weight", "lm_head.weight"):
+                # a quantized output (or tied table): the lm_head multiplies in its blocks, the embedding
+                # table holds their values (a lookup)
+                if name == "embed_tokens.weight":
+                    self.embed_tokens.weight[: tensor.shape[0]].copy_(tensor.dequantize())
+                if name == "lm_head.weight" or self.lm_head.weight is self.embed_tokens.weight:
+                    self._quantized_lm_head(tensor)
+                    loaded.add(("lm_head.weight", 0))
+            elif isinstance(tensor, QuantizedWeight):
+                if name not in projections:
+                    raise ModelLoadError(
+                        f"checkpoint tensor {hf_name!r} is quantized: only projections and the lm_head may be"
+                    )
+                if shard is None and len(self._split_sizes(name)) > 1:
+                    raise ModelLoadError(
+                        f"checkpoint tensor {hf_name!r} is quantized: a fused projection's parts must come "
+                        f"one by one"
+                    )
+                quantized.setdefault(name, {})[shard or 0] = tensor.to(device)
+            elif name == "embed_tokens.weight" and tied and "lm_head.weight" in formats:
+                # the table keeps the checkpoint's values; the lm_head multiplies in blocks of them
+                self._quantized_lm_head(self._fill(target, tensor, scratch, formats["lm_head.weight"]))
+                loaded.add(("lm_head.weight", 0))
+            else:
+                if param.is_meta:  # deferred by `allocate`: floats come, so it is made now
+                    param = params[name] = self._allocate(name)
+                    target = self._shard(param, name, shard)
+                    target = target[: tensor.shape[0]] if vocab_part else target
+                self._fill(target, tensor, scratch)
+            loaded.update((name, i) for i in ((shard,) if shard is not None else self._all_shards(name)))
+        for name, shards in quantized.items():
+            n = len(self._split_sizes(name))
+            if len({q.format for q in shards.values()}) > 1 or any(
+                (name, i) in loaded and i not in shards for i in range(n)
+            ):
+                raise ModelLoadError(f"checkpoint tensors of {name}: its parts must all be in one format")
+            if len(shards) == n:  # else the missing parts are reported below
+                layer = projections[name]
+                layer.quantized = QuantizedWeight.cat([shards[i] for i in range(n)])
+                layer.weight = self._released()
+        # Every parameter, every shard of a fused one, must come from the checkpoint.
+        expected = {(name, i) for name, _ in self.named_parameters() for i in self._all_shards(name)}
+        missing = sorted(self._describe(name, i) for name, i in expected - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:5])}")
+
+    def _fill(
+        self,
+        target: torch.Tensor | None,
+        tensor: torch.Tensor | StoredTensor,
+        scratch: torch.Tensor,
+        fmt: WeightFormat | None = None,
+    ) -> QuantizedWeight | None:
+        """`tensor` copied into `target` (converted to its dtype; None: not copied) and, with `fmt`, quantized
+        into that format on the model's device from its own values, a run of rows at a time read into
+        `scratch`: loading never holds a whole checkpoint tensor besides the weights."""
+        device = self.embed_tokens.weight.device
+        parts = []
+        for start, rows in row_chunks(tensor, buffer=scratch):
+            if target is not None:
+                target[start : start + rows.shape[0]].copy_(rows)
+            if fmt is not None:  # a MiB of fp32 values at a time: quantizing makes a few fp32 copies of them
+                step = max(1, QUANTIZE_BYTES // max(1, rows[:1].numel() * 4))
+                parts += [fmt.quantize(part.to(device)) for part in rows.split(step)]
+        return QuantizedWeight.cat(parts) if fmt is not None else None
+
+    def _quantized_lm_head(self, weight: QuantizedWeight) -> None:
+        """The lm_head multiplies in `weight`'s blocks (a rank's vocabulary shard: padded to the rows every rank
+        holds); its float weight is released (a tied one: the table stays)."""
+        self.lm_head.quantized = weight.padded(self.lm_head.out_features).to(self.embed_tokens.weight.device)
+        self.lm_head.weight = self._released()
+
+    def _allocate(self, name: str) -> nn.Parameter:
+        """The weight `name`, deferred by `allocate`, made in the model's dtype on its device (an lm_head's with
+        zeros: a tensor-parallel rank's padding rows)."""
+        module_name, _, key = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        like = self.embed_tokens.weight
+        make = torch.zeros if name == "lm_head.weight" else torch.empty
+        param = nn.Parameter(make(getattr(module, key).shape, dtype=like.dtype, device=like.device), False)
+        setattr(module, key, param)
+        return param
+
+    def _released(self) -> nn.Parameter:
+        """An empty weight for a layer that holds its weight quantized."""
+        like = self.embed_tokens.weight
+        return nn.Parameter(torch.empty(0, dtype=like.dtype, device=like.device), False)

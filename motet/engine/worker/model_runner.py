@@ -1,0 +1,446 @@
+"""Owns the model, its KV cache and the sampler; turns a scheduled batch into sampled tokens.
+
+Called from the engine's thread only (or an overlapped engine's forward thread). `execute` is a sequence of
+named steps: pick the sampled positions, start the grammar masks (motet/engine/worker/grammar_masks.py), run the forward
+pass through the backend chosen once at start-up (motet/engine/worker/step_backends.py) with the step's LoRA segments
+(lora/), compute logits only for the rows that sample, mask, sample, verify drafts, and add prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from motet.engine.config import (
+    GGUF_QUANTIZATION,
+    QUANT_FORMATS,
+    EngineConfig,
+    context_length,
+    default_cpu_threads,
+)
+from motet.engine.core.kv_window import pool_sizes, ring_blocks
+from motet.engine.core.scheduler import ScheduledBatch
+from motet.engine.core.sequence import TokenLogprob
+from motet.engine.speculative.verify import num_accepted, position_views
+from motet.engine.weights import load_progress
+from motet.engine.weights.gguf_weights import gguf_file, iter_gguf_weights
+from motet.engine.weights.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
+from motet.engine.worker.cpu_forward import CpuForward
+from motet.engine.worker.cpu_forward import supported as cpu_forward_supported
+from motet.engine.worker.cuda_graphs import DecodeGraphs
+from motet.engine.worker.grammar_masks import GrammarMasks
+from motet.engine.worker.memory import adapter_bytes, kv_cache_bytes, memory_budget, weights_bytes
+from motet.engine.worker.model import CausalLM, Linear, onednn_available
+from motet.engine.worker.parallel import SINGLE, Parallel
+from motet.engine.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, outcome_error
+from motet.engine.worker.step_backends import EagerSteps, GraphSteps
+from motet.engine.worker.step_inputs import InputBuilder
+from motet.engine.worker.tp_workers import NO_WORKERS, WorkerGroup
+from motet.lora.pool import LoRABatch
+from motet.models.config import ModelConfig
+
+log = logging.getLogger("motet.engine")
+
+
+@dataclass
+class StepResult:
+    """Per scheduled sequence: the sampled tokens (None for a mid-prompt chunk; one token, or with drafts the
+    accepted drafts and the target's token after them), their logprobs (None where not asked for), and the
+    error its row raised or its sampling failed with (the others in the batch are unaffected)."""
+
+    token_ids: list[list[int] | None]
+    logprobs: list[list[TokenLogprob | None] | None]
+    prompt_logprobs: list[list[TokenLogprob] | None]
+    errors: list[BaseException | None]
+    # A lazy result's one-token rows, their outcomes still on the device: (SamplerOutput.outcomes, [(row, index)])
+    on_device: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
+
+    def resolve(self) -> StepResult:
+        """`token_ids` complete, the tokens on the device read (on a GPU: waits for the step's sampling)."""
+        if self.on_device is not None:
+            outcomes, rows = self.on_device
+            values = outcomes.tolist()
+            for row, index in rows:
+                error = outcome_error(values[index])
+                if error is None:
+                    self.token_ids[row] = [values[index]]
+                else:
+                    self.errors[row] = error
+            self.on_device = None
+        return self
+
+    @classmethod
+    def empty(cls, n: int) -> StepResult:
+        return cls([None] * n, [None] * n, [None] * n, [None] * n)
+
+    @classmethod
+    def failed(cls, n: int, error: BaseException) -> StepResult:
+        result = cls.empty(n)
+        result.errors = [error] * n
+        return result
+
+    @classmethod
+    def concat(cls, parts: list[StepResult]) -> StepResult:
+        """Results of consecutive row ranges of one batch, as one."""
+        out = cls([], [], [], [])
+        for p in parts:
+            p.resolve()
+            out.token_ids += p.token_ids
+            out.logprobs += p.logprobs
+            out.prompt_logprobs += p.prompt_logprobs
+            out.errors += p.errors
+        return out
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    """One rank's model. With `config.tensor_parallel_size` > 1 the runner made without `parallel` is the
+    driver (rank 0): it starts the other ranks (motet/engine/worker/tp_workers.py) and its broadcast sends them each
+    step's plan; a worker's runner (made with its `parallel`) runs the plans it receives
+    (tp_workers.serve_plans)."""
+
+    def __init__(
+        self,
+        model_dir,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        parallel: Parallel | None = None,
+    ):
+        """A worker rank's runner gets its `parallel`; without one, with `tensor_parallel_size` > 1 this is the
+        driver: it starts the other ranks."""
+        self.config = config
+        self.model_config = model_config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.max_model_len = context_length(model_config, config.max_model_len)
+        self.workers: WorkerGroup | None = None
+        if parallel is None and config.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(model_dir, model_config, config)
+            parallel = self.workers.parallel
+        self.parallel = parallel or SINGLE
+        self.broadcast = (
+            self.workers if self.workers is not None else NO_WORKERS
+        )  # the plans to the other ranks
+        try:
+            self._build(model_dir)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
+
+    def _build(self, model_dir) -> None:
+        config, model_config, parallel = self.config, self.model_config, self.parallel
+        threads = config.num_threads or (default_cpu_threads(parallel.size) if parallel.enabled else None)
+        self.num_threads = threads if self.device.type == "cpu" else None  # the forward passes' threads
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)  # (the engine's own step thread sets it too)
+        budget = None  # --gpu-memory-utilization (CUDA's default): read before the weights take their part
+        if config.num_kv_blocks is None and config.memory_utilization is not None:
+            budget = memory_budget(config.memory_utilization, self.device)
+        torch.manual_seed(config.seed)
+        error = None
+        try:
+            (_, local_kv_heads) = parallel.heads(model_config)[1]  # this rank's share of the KV cache
+            share = local_kv_heads / model_config.num_key_value_heads
+            self.model = self._load_model(model_dir)
+        except Exception as e:
+            if not parallel.enabled:
+                raise
+            error = e
+        # Sliding-window layers keep only their window (motet/engine/core/kv_window.py) where the context is longer:
+        # within it they keep everything, as the other layers do.
+        window = model_config.sliding_window
+        self.window = window if window is not None and self.max_model_len > window else None
+        self.window_layers = frozenset(model_config.window_layers if self.window else ())
+        speculates = config.speculative_mode != "off" and config.num_speculative_tokens > 0
+        self.window_chunk = max(window or 0, 1 + (config.num_speculative_tokens if speculates else 0))
+        self.ring = ring_blocks(self.window, self.window_chunk, self.block_size) if self.window else 0
+        num_blocks, num_window_blocks, pool_bytes = 1, 0, None
+        if error is None:
+            kv_bytes = int(config.kv_cache_gb * 2**30)
+            if budget is not None:
+                used = weights_bytes(self.model, self.device)
+                kv_bytes, pool_bytes = kv_cache_bytes(
+                    budget, used, config, model_config, self.dtype, self.device
+                )  # this rank's device
+            elif self.device.type == "cpu":
+                pool_bytes = adapter_bytes(config, self.device)
+            block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype) * share
+            num_blocks = config.num_kv_blocks or max(1, int(kv_bytes // block_bytes))
+            if self.window:
+                layer_blocks = num_blocks * model_config.num_hidden_layers
+                num_global = model_config.num_hidden_layers - len(self.window_layers)
+                num_blocks, num_window_blocks = pool_sizes(
+                    layer_blocks,
+                    num_global,
+                    len(self.window_layers),
+                    most_window=config.max_num_seqs * self.ring,
+                    virtual_global=config.max_num_seqs * -(-self.max_model_len // self.block_size),
+                )
+        # every rank must hold the same blocks; a rank that failed to load fails them all, naming it
+        failed = f"{type(error).__name__}: {error}" if error else None
+        self.num_blocks = parallel.agree(failed, num_blocks)
+        self.num_window_blocks = parallel.agree(None, num_window_blocks)
+        if self.window:
+            log.info(
+                "sliding window of %d tokens on %d of %d layers: they keep at most %d blocks a sequence, in a "
+                "pool of %d blocks; the others %d blocks",
+                self.window,
+                len(self.window_layers),
+                model_config.num_hidden_layers,
+                self.ring,
+                self.num_window_blocks,
+                self.num_blocks,
+            )
+
+        def cache(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (num_blocks, self.block_size, local_kv_heads, model_config.head_dim)
+            return (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+
+        self.kv_caches = [
+            cache(self.num_window_blocks if i in self.window_layers else self.num_blocks)
+            for i in range(model_config.num_hidden_layers)
+        ]
+        if pool_bytes is None:  # (CUDA with the KV cache sized otherwise: a share of what is free now)
+            pool_bytes = adapter_bytes(config, self.device)
+        # every rank's pool holds the driver's placements: the smallest bound serves them all
+        self.adapter_memory_bytes = parallel.agree(None, pool_bytes)
+        model = self.model
+        # The compiled step (EngineConfig.compile_step): on CPU the native forward, which takes the linear
+        # weights over; else (or where it cannot run) the eager model, with oneDNN-prepacked products on CPU.
+        self.native: CpuForward | None = None
+        if config.compile_step and self.device.type == "cpu" and cpu_forward_supported(model, self.dtype):
+            t0 = time.perf_counter()
+            self.native = CpuForward(model, self.kv_caches)
+            took = time.perf_counter() - t0
+            if took >= load_progress.EVERY_S:  # (a slow machine's start-up is not silence)
+                log.info("packed the weights for the native CPU step in %.1f s", took)
+        elif self.device.type == "cpu" and onednn_available():
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.prepack()
+        self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
+        self.masks = GrammarMasks(model_config.vocab_size)
+        self.grammar_stats = self.masks.stats
+        self.inputs = InputBuilder(self.block_size, self.device, self.window, self.window_chunk)
+        forward = self.native if self.native is not None else self._eager_forward
+        logits = self.native.logits if self.native is not None else self._eager_logits
+        self.steps: EagerSteps | GraphSteps = EagerSteps(self.inputs, forward, logits, self.broadcast)
+        # On CUDA the compiled step is decode steps replayed from CUDA graphs (motet/engine/worker/cuda_graphs.py).
+        self.graphs: DecodeGraphs | None = None
+        # A sparse layer's expert segments have data-dependent sizes, which a graph cannot replay: MoE models
+        # run eagerly on CUDA too; so do tensor-parallel ranks (no collectives inside the graphs yet) and models
+        # past a sliding window (the graphs attend without the window pool's tables).
+        if (
+            config.compile_step
+            and self.device.type == "cuda"
+            and not model_config.is_moe
+            and not parallel.enabled
+            and not self.window
+        ):
+            self.use_graphs(
+                DecodeGraphs(
+                    lambda ids, pos, meta, lora: self.model(ids, pos, meta, self.kv_caches, lora),
+                    max_batch=config.max_num_seqs,
+                    max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                    max_seq_len=self.max_model_len,
+                    device=self.device,
+                    max_query=1 + config.num_speculative_tokens if speculates else 1,  # verification rows too
+                )
+            )
+
+    def use_graphs(self, graphs: DecodeGraphs) -> None:
+        """Replay decode steps from `graphs` in front of the eager step (at start-up on CUDA; tests emulate it)."""
+        self.graphs = graphs
+        eager = self.steps.eager if isinstance(self.steps, GraphSteps) else self.steps
+        self.steps = GraphSteps(graphs, eager)
+
+    def _eager_forward(self, input_ids, positions, meta, lora: LoRABatch | None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, self.kv_caches, lora)
+
+    def _eager_logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor | None:
+        """This rank's part of the logits (rank 0 gets all of them, gathered; the others None)."""
+        return self.model.compute_logits(hidden)
+
+    def _load_model(self, model_dir) -> CausalLM:
+        """This rank's model (the whole of it on one rank), made in the engine's dtype on its device and filled
+        from the checkpoint, each tensor converted as it is copied (quantized ones from the checkpoint's own
+        values): loading needs the weights' memory and a few MiB besides, never a copy in another dtype."""
+        config, model_config = self.config, self.model_config
+        # a GPTQ / AWQ checkpoint's own (served in its blocks), or MXFP4 experts (dequantized as they load)
+        declared = declared_quantization(model_dir, config.quantization)
+        model = CausalLM.allocate(
+            model_config,
+            self.max_model_len,
+            self.parallel,
+            self.device,
+            self.dtype,
+            quantized=config.quantization is not None or (declared is not None and declared.served_quantized),
+        )
+        if config.quantization == GGUF_QUANTIZATION:
+            weights = iter_gguf_weights(gguf_file(model_dir))
+        else:
+            weights = iter_checkpoint_weights(model_dir, declared)
+        quantize = QUANT_FORMATS.get(config.quantization)
+        what = f"quantizing the weights to {quantize.name}" if quantize is not None else "loading the weights"
+        if self.parallel.rank == 0:  # (every rank reads the whole checkpoint: one tells)
+            weights = load_progress.LoadProgress(what, model_config.num_hidden_layers).tensors(weights)
+        model.load_weights(weights, quantize=quantize)
+        return model.eval().requires_grad_(False)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Pay the first step's one-off costs now, before the engine takes requests (the server says it is ready
+        once the engine is built): the step backend's warm-up (on CUDA every decode graph of the base model
+        captured; elsewhere one padding token through the step). Nothing is sampled: the sampler's random state
+        is untouched. Tensor-parallel ranks are left cold (a step there is a plan every rank runs)."""
+        if self.parallel.enabled:
+            return
+        t0 = time.perf_counter()
+        what = self.steps.warm_up()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("warm-up: %s in %.2f s", what, time.perf_counter() - t0)
+
+    # -- tensor parallelism ---------------------------------------------------------------------------
+    @property
+    def lora_layout_shape(self):
+        """The geometry of the adapters' pool: the largest rank's part of every module (rank 0's), so that the
+        driver's placements hold on every rank (motet/lora/pool.py)."""
+        return self.parallel.layout_shape(self.model_config) if self.parallel.enabled else self.model_config
+
+    @property
+    def lora_sharder(self):
+        """Cuts an adapter's modules to this rank's part (None on one rank)."""
+        return self.parallel.lora_sharder(self.model_config) if self.parallel.enabled else None
+
+    def close(self) -> None:
+        """Stop the other ranks (nothing to do on one)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def plan_inputs(self, batch: ScheduledBatch) -> None:
+        """Build the step's inputs on the host now, into `batch.inputs`: an overlapped engine calls it as it launches
+        the step, on its own thread, while the forward thread may still run the step before; the forward thread
+        then only sends them. (A pending input token is looked up when they are sent: its step may not have run.)"""
+        batch.inputs = self.steps.plan(batch)
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets.
+        `on_launch()`, if given, is called once the inputs are ready, as the model starts."""
+        plan = batch.inputs if batch.inputs is not None else self.steps.plan(batch)
+        return self.steps.run(plan, lora, on_launch)
+
+    def compute_logits(self, hidden: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """fp32 logits of the given hidden rows (`lora`: their adapters' segments, for the output head's)."""
+        self.broadcast.send_logits_of(hidden)
+        logits = self.steps.logits(hidden)
+        if lora is not None:
+            lora.add_head(logits, hidden)
+        return self.model.cap_logits(logits)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int], lora: LoRABatch | None = None) -> torch.Tensor:
+        """fp32 logits of rows of the latest forward's hidden states (the other ranks pick the same rows), with
+        the adapters' output head deltas (`lora`: the step's segments)."""
+        self.broadcast.send_logits(rows)
+        # (rows are increasing: as many as the hidden rows means all of them, with no gather). The step uses its
+        # logits before it asks for more: they may reuse one buffer.
+        picked = hidden if len(rows) == hidden.shape[0] else hidden[rows]
+        logits = self.steps.logits(picked, True)
+        if lora is not None and lora.head:
+            lora.rows(rows).add_head(logits, picked)
+        return self.model.cap_logits(logits)
+
+    @torch.inference_mode()
+    def execute(
+        self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None, lazy: bool = False
+    ) -> StepResult:
+        """The batch's sampled tokens; `on_launch` as in `forward`. `lazy`: the tokens stay on the device until
+        `resolve()` (the host does not wait for the device here; the next step may take them as inputs)."""
+        sample_rows = batch.sampling_rows()
+        views, starts = self._sampled_positions(batch, sample_rows)
+        mask = self.masks.start(batch, sample_rows, starts, len(views))  # filled while the forward pass runs
+        hidden, qsl = self.forward(batch, lora, on_launch)
+        logits = self.logits(hidden, self._logit_rows(batch, sample_rows, qsl), lora)
+        mask.apply(logits)
+        result = self._verify(batch, sample_rows, starts, self.sampler(logits, views))
+        self._prompt_logprobs(batch, hidden, qsl, lora, result)
+        return result if lazy else result.resolve()
+
+    @staticmethod
+    def _sampled_positions(batch: ScheduledBatch, sample_rows: list[int]):
+        """The sampler's views of the step's sampled positions, and where each sampling row's begin: one per
+        sampling row, plus one per draft (motet/engine/speculative/verify.py)."""
+        if not any(seq.draft_token_ids for seq in batch.seqs):
+            return [batch.seqs[i] for i in sample_rows], range(len(sample_rows))
+        views, starts = [], []
+        for i in sample_rows:
+            starts.append(len(views))
+            views.extend(position_views(batch.seqs[i]))
+        return views, starts
+
+    @staticmethod
+    def _logit_rows(batch: ScheduledBatch, sample_rows: list[int], qsl: list[int]) -> list[int]:
+        """The hidden rows of the sampled positions: each sampling row's last, and its drafts' before it."""
+        return [
+            r
+            for i in sample_rows
+            for r in range(qsl[i + 1] - 1 - len(batch.seqs[i].draft_token_ids), qsl[i + 1])
+        ]
+
+    @staticmethod
+    def _verify(batch: ScheduledBatch, sample_rows: list[int], starts, out: SamplerOutput) -> StepResult:
+        """Each sampling row's tokens: a drafting row keeps its accepted drafts and the target's token after them;
+        a one-token row's token stays on the device until the result is read."""
+        result = StepResult.empty(len(batch))
+        on_device = []  # (row, index) of the rows' tokens left in out.tokens until the result is read
+        for i, start in zip(sample_rows, starts, strict=True):
+            seq = batch.seqs[i]
+            seq.last_sampled = (out.tokens, start)  # where the next step finds it, if it runs first
+            drafts = seq.draft_token_ids
+            if not drafts:
+                on_device.append((i, start))
+                result.logprobs[i] = [out.logprobs[start]]
+                continue
+            sampled = out.token_ids[start : start + len(drafts) + 1]
+            kept = num_accepted(sampled, drafts) + 1  # the accepted drafts and the target's next token
+            if sampled[kept - 1] < 0:  # no token after the accepted drafts (a failure is never a draft)
+                if kept == 1:
+                    result.errors[i] = outcome_error(sampled[0])
+                    continue
+                kept -= 1  # they land, the last as the row's next token: the failure comes again next step
+            result.token_ids[i] = sampled[:kept]
+            result.logprobs[i] = out.logprobs[start : start + kept]
+        result.on_device = (out.outcomes, on_device) if on_device else None
+        return result
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden, qsl, lora, result: StepResult) -> None:
+        """The prompt logprobs of the rows that ask for them, over this step's chunk of their prompt."""
+        for i, (seq, start) in enumerate(zip(batch.seqs, batch.positions(), strict=True)):
+            k = seq.params.prompt_logprobs
+            if k is None:
+                continue
+            # Row p predicts prompt token p+1; the last prompt row predicts the first output instead. A
+            # recompute after preemption skips the positions it has reported already.
+            first = max(start, len(seq.prompt_logprobs))
+            last = min(start + batch.num_new_tokens[i], seq.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            rows = range(qsl[i] + first - start, qsl[i] + last - start)
+            targets = seq.token_ids[first + 1 : last + 1]
+            chunk_logits = self.logits(hidden, list(rows), lora)
+            result.prompt_logprobs[i] = compute_prompt_logprobs(chunk_logits, torch.tensor(targets), k)

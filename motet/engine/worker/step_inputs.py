@@ -1,0 +1,226 @@
+"""A step's inputs, built on the host from the scheduled batch and sent to the device: the eager step's packed
+tensors and the CUDA graphs' rows (`InputBuilder`), and the input tokens still pending: async scheduling
+launches step N+1 before step N's sampled tokens reach the host (motet/engine/stepping.py), so N+1 takes those
+inputs from N's sampled tokens on the device (`feed_tokens`; the CUDA graphs' static buffers take them so too,
+motet/engine/worker/cuda_graphs.py)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import torch
+
+from motet.engine.core.kv_window import window_table
+from motet.engine.core.scheduler import ScheduledBatch
+from motet.engine.core.sequence import Sequence
+from motet.engine.worker.model import AttentionMetadata
+
+
+def decode_inputs(seqs: list[Sequence], positions: list[int]) -> tuple[list[int], list[tuple[int, Sequence]]]:
+    """Each row's input token, at its position, and the feeds: (the input's index, the row) for the rows whose
+    token is still pending (sampled by the step before, not on the host yet: 0 in the list until `feed_tokens`
+    writes it)."""
+    ids, feeds = [], []
+    for i, (seq, p) in enumerate(zip(seqs, positions, strict=True)):
+        tokens = seq.token_ids
+        if p < len(tokens):
+            ids.append(tokens[p])
+        else:
+            ids.append(0)
+            feeds.append((i, seq))
+    return ids, feeds
+
+
+def feed_tokens(ids: torch.Tensor, feeds: list[tuple[int, Sequence]], pinned: bool) -> None:
+    """Write the pending tokens into a step's input ids on the device, from the steps that sampled them (each
+    row's `last_sampled`; the forward thread's, read once the step before has run): no host wait (the indices go
+    from pinned memory). Usually they all come from the step before: one gather."""
+    sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for dst, seq in feeds:
+        tokens, src = seq.last_sampled
+        entry = sources.get(id(tokens))
+        if entry is None:
+            entry = sources[id(tokens)] = (tokens, [], [])
+        entry[1].append(dst)
+        entry[2].append(src)
+    for tokens, dsts, srcs in sources.values():
+        if (
+            ids.device.type == "cpu" and tokens.device.type == "cpu"
+        ):  # plain host memory: no tensor ops needed
+            ids.numpy()[dsts] = tokens.numpy()[srcs]
+            continue
+        index = torch.tensor([dsts, srcs], dtype=torch.int64, pin_memory=pinned).to(
+            ids.device, non_blocking=True
+        )
+        ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
+
+
+class HostInputs(NamedTuple):
+    """An eager step's inputs packed on the host (pinned on CUDA), for `InputBuilder.to_device` to send in two
+    transfers. `feeds`: (input index, row) for the rows whose input token is pending."""
+
+    # int64 [3, tokens]: input ids (0 where pending), positions, KV slots (and the window layers' slots)
+    per_token: torch.Tensor
+    # int32: the block tables [rows, width] flattened, query_start_loc [rows + 1], seq_lens (and the window
+    # layers' tables)
+    per_seq: torch.Tensor
+    width: int
+    qsl: list[int]
+    max_query_len: int
+    max_seq_len: int
+    feeds: list
+
+
+class GraphRows(NamedTuple):
+    """A decode step's rows as `DecodeGraphs.run_rows` takes them, and the rows' offsets in its output."""
+
+    rows: list[list[int]]
+    starts: list[int]
+    slots: list[list[int]]
+    tables: list[list[int]]
+    qsl: list[int]
+    feeds: list
+
+
+class InputBuilder:
+    """A step's inputs, built on the host from the batch's rows and snapshots (`host`; `graph_rows` for a decode
+    step the CUDA graphs replay), then sent to the device (`to_device`). With a window pool
+    (motet/engine/core/kv_window.py) the sliding-window layers' slots and tables come after the others'."""
+
+    def __init__(self, block_size: int, device: torch.device, window: int | None, window_chunk: int):
+        self.block_size = block_size
+        self.device = device
+        self.window = window
+        self.window_chunk = window_chunk
+
+    def host(self, batch: ScheduledBatch) -> HostInputs:
+        if all(n == 1 for n in batch.num_new_tokens):
+            return self._decode(batch)
+        bs = self.block_size
+        input_ids, positions, slots, qsl, seq_lens, tables, feeds = [], [], [], [0], [], [], []
+        for seq, n, start in zip(batch.seqs, batch.num_new_tokens, batch.positions(), strict=True):
+            own = n - len(seq.draft_token_ids)
+            known = seq.token_ids[start : start + own]
+            input_ids.extend(known)
+            if len(known) < own:  # its last token is still pending (async scheduling): fed on the device
+                feeds.append((len(input_ids), seq))
+                input_ids.append(0)
+            input_ids.extend(seq.draft_token_ids)  # verified after the row's last token (none: not drafting)
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        tables = [t + [0] * (width - len(t)) for t in tables]
+        return self._pack(
+            input_ids, positions, slots, tables, qsl, seq_lens, max(batch.num_new_tokens), feeds, batch.seqs
+        )
+
+    def _decode(self, batch: ScheduledBatch) -> HostInputs:
+        """`host` of a step where every row adds one token (no drafts): the common step, in fewer passes."""
+        bs, seqs = self.block_size, batch.seqs
+        positions = batch.positions()
+        input_ids, feeds = decode_inputs(seqs, positions)
+        tables = [seq.block_table for seq in seqs]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+        width = max(map(len, tables))
+        tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in tables]
+        seq_lens = [p + 1 for p in positions]
+        qsl = list(range(len(seqs) + 1))
+        return self._pack(input_ids, positions, slots, tables, qsl, seq_lens, 1, feeds, seqs)
+
+    def _pack(
+        self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len, feeds, seqs
+    ) -> HostInputs:
+        """Host lists (tables already padded to one width) packed by dtype, in pinned memory on CUDA; with a
+        window pool, the sliding-window layers' slots and tables after the others'."""
+        pinned = self.device.type == "cuda"
+        width = len(tables[0]) if tables else 0
+        per_token, per_seq = (
+            [input_ids, positions, slots],
+            [*itertools.chain.from_iterable(tables), *qsl, *seq_lens],
+        )
+        if self.window:
+            # a ring holds a window and one chunk of at most window_chunk tokens (the scheduler keeps to it)
+            assert max_query_len <= self.window_chunk, (
+                f"a chunk of {max_query_len} tokens past a window pool's"
+            )
+            bs = self.block_size
+            rings = [window_table(seq.window_blocks, width) for seq in seqs]
+            owner = itertools.chain.from_iterable(
+                itertools.repeat(ring, qsl[i + 1] - qsl[i]) for i, ring in enumerate(rings)
+            )
+            per_token.append([ring[p // bs] * bs + p % bs for ring, p in zip(owner, positions, strict=True)])
+            per_seq += itertools.chain.from_iterable(rings)
+        per_token = torch.tensor(per_token, dtype=torch.int64, pin_memory=pinned)
+        per_seq = torch.tensor(per_seq, dtype=torch.int32, pin_memory=pinned)
+        return HostInputs(per_token, per_seq, width, qsl, max_query_len, max(seq_lens), feeds)
+
+    def to_device(self, plan: HostInputs):
+        """The step's input tensors on the device, in two transfers from pinned memory on CUDA (none makes the host
+        wait for the device), the pending tokens fed from the steps that sampled them: (ids, positions, the
+        attention metadata, the rows' offsets)."""
+        ids, pos, slot_mapping, *window_slots = plan.per_token.to(self.device, non_blocking=True)
+        if plan.feeds:
+            feed_tokens(ids, plan.feeds, self.device.type == "cuda")
+        per_seq = plan.per_seq.to(self.device, non_blocking=True)
+        n, width = len(plan.qsl) - 1, plan.width
+        block_tables, query_start_loc, lens, *window_tables = per_seq.split(
+            (n * width, n + 1, n, n * width) if self.window else (n * width, n + 1, n)
+        )
+        meta = _meta(slot_mapping, block_tables.view(n, width), query_start_loc, lens, plan)
+        if self.window:
+            meta.window = _meta(window_slots[0], window_tables[0].view(n, width), query_start_loc, lens, plan)
+        return ids, pos, meta, plan.qsl
+
+    def graph_rows(self, batch: ScheduledBatch, fits) -> GraphRows | None:
+        """A decode step's rows (every row one new token, and the drafts it verifies, if any) as its bucket's graph
+        takes them; None: it runs eagerly (a prompt chunk, or too large for the graphs: `fits(rows, width,
+        query, position)` says)."""
+        seqs = batch.seqs
+        if not seqs or any(
+            n != 1 + len(seq.draft_token_ids) or not batch.samples(i)
+            for i, (seq, n) in enumerate(zip(seqs, batch.num_new_tokens, strict=True))
+        ):
+            return None
+        tables = [seq.block_table for seq in seqs]
+        pos = batch.positions()
+        if not fits(len(seqs), max(map(len, tables)), max(batch.num_new_tokens), max(pos)):
+            return None
+        bs, rows, slots, qsl = self.block_size, [], [], [0]
+        firsts, feeds = decode_inputs(seqs, pos)
+        for seq, table, p, first in zip(seqs, tables, pos, firsts, strict=True):
+            rows.append([first, *seq.draft_token_ids])
+            slots.append([table[x // bs] * bs + x % bs for x in range(p, p + len(rows[-1]))])
+            qsl.append(qsl[-1] + len(rows[-1]))
+        return GraphRows(rows, pos, slots, tables, qsl, feeds)
+
+    def padding_token(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
+        """A step's inputs for one token at position 0 that reads block 0 and writes no KV (slot -1)."""
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor([-1], torch.int64),
+            block_tables=tensor([[0]], torch.int32),
+            query_start_loc=tensor([0, 1], torch.int32),
+            seq_lens=tensor([1], torch.int32),
+            max_query_len=1,
+            max_seq_len=1,
+        )
+        return tensor([0], torch.int64), tensor([0], torch.int64), meta, None
+
+
+def _meta(slot_mapping, block_tables, query_start_loc, seq_lens, plan: HostInputs) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        max_query_len=plan.max_query_len,
+        max_seq_len=plan.max_seq_len,
+    )
