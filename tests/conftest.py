@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +13,11 @@ import torch
 # Triton kernels run under the interpreter on CPU machines; it must be set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Servers the tests start keep their adapters, files and responses in a directory of this run's (and of this
+# worker's, under pytest-xdist), never in the user's own ~/.local/share/motet; tests of the default directory set
+# and clear it themselves.
+os.environ["MOTET_DATA_DIR"] = tempfile.mkdtemp(prefix="motet-test-data-")
+atexit.register(shutil.rmtree, os.environ["MOTET_DATA_DIR"], True)
 
 
 @pytest.fixture(scope="session")
