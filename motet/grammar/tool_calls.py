@@ -1,4 +1,5 @@
-"""Tool calling: the tools validated (every format's), and the Hermes format: its prompt and grammar.
+"""Tool calling: `tools` and `tool_choice` validated and the pieces of the calls' grammars (every format's), and
+the Hermes format's markers, prompt and grammar.
 
 Models whose chat template has no tool support (the default SmolLM2, ChatML) get the format of
 NousResearch Hermes-2-Pro / Qwen2.5: the tools are listed in the system prompt, and a call is

@@ -126,8 +126,8 @@ class Sections:
 
     `markers` open a section, read from just after the marker, but those in `bare`, which are the section's own
     first text (`{"name": "` opens a Llama call object). `leading`: (a character, the first one after it or None)
-    that opens a section where the output begins with it, for a format whose marker is a special token the text
-    dropped (Mistral's `[TOOL_CALLS]`, Granite's `<|tool_call|>`)."""
+    that opens a section where the output begins with it: a bare call list or object (for Mistral and Granite, a
+    list whose marker is a special token the text dropped)."""
 
     def __init__(
         self,
