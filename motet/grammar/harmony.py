@@ -30,6 +30,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from motet.grammar.stream_text import earliest, partial_marker_len
+
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 FINAL_HEADER = CHANNEL + "final" + MESSAGE  # what begins the answer (vLLM's end of gpt-oss's reasoning)
@@ -53,19 +55,6 @@ def read_header(text: str) -> Header:
     channel = _CHANNEL_NAME.search(text)
     recipient = _RECIPIENT.search(text)
     return Header(text, channel and channel.group(1), recipient and recipient.group(1))
-
-
-def _earliest(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
-    hits = [(i, tag) for tag in tags if (i := text.find(tag)) >= 0]
-    return min(hits) if hits else None
-
-
-def _partial_len(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
-    for k in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
-        if any(t.startswith(text[-k:]) for t in tags):
-            return k
-    return 0
 
 
 class HarmonyReader:
@@ -94,9 +83,9 @@ class HarmonyReader:
                 else:
                     return out  # nothing yet, or a partial `to=`
             elif self._state == "top":
-                hit = _earliest(buf, _OPENERS + _ENDS)
+                hit = earliest(buf, _OPENERS + _ENDS)
                 if hit is None:
-                    keep = 0 if final else _partial_len(buf, _OPENERS + _ENDS)
+                    keep = 0 if final else partial_marker_len(buf, _OPENERS + _ENDS)
                     if len(buf) > keep:
                         out.append(("text", buf[: len(buf) - keep]))
                     self._buf = buf[len(buf) - keep :]
@@ -117,9 +106,9 @@ class HarmonyReader:
                 out.append(("open", read_header(buf[:i])))
                 self._buf, self._state = buf[i + len(MESSAGE) :], "body"
             else:  # body
-                hit = _earliest(buf, _ENDS + (START, CHANNEL))
+                hit = earliest(buf, _ENDS + (START, CHANNEL))
                 if hit is None:
-                    keep = 0 if final else _partial_len(buf, _ENDS + (START, CHANNEL))
+                    keep = 0 if final else partial_marker_len(buf, _ENDS + (START, CHANNEL))
                     if len(buf) > keep:
                         out.append(("body", buf[: len(buf) - keep]))
                     self._buf = buf[len(buf) - keep :]

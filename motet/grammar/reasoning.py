@@ -34,22 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from motet.grammar.harmony import CHANNEL, FINAL_HEADER, HarmonyReader, Pieces
+from motet.grammar.stream_text import Stripped, earliest, partial_marker_len
 
 REASONING_START = "<think>"
 REASONING_END = "</think>"
-
-
-def _partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
-    for k in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
-        if any(t.startswith(text[-k:]) for t in tags):
-            return k
-    return 0
-
-
-def _first(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str] | None:
-    hits = [(i, tag) for tag in tags if (i := text.find(tag, start)) >= 0]
-    return min(hits) if hits else None
 
 
 @dataclass(frozen=True)
@@ -81,7 +69,7 @@ class ReasoningFormat:
         begin = self._enter(text, started)
         if begin is None:
             return None, text
-        hit = _first(text, self.ends, begin)
+        hit = earliest(text, self.ends, begin)
         if hit is None:
             return text[begin:].strip() or None, ""
         end, tag = hit
@@ -97,7 +85,7 @@ class ReasoningFormat:
             return not undecided
         if (started or self.always_started) and undecided:
             return False
-        return _first(text, self.ends, begin) is not None
+        return earliest(text, self.ends, begin) is not None
 
     def stream_parser(self, started: bool = False):
         """A parser with `feed(delta)` and `finish()` giving (reasoning, content) deltas that add up to `split`."""
@@ -297,8 +285,7 @@ class ReasoningStreamParser:
         # "plain" (no reasoning: content verbatim).
         self._state = "start"
         self._buf = ""
-        self._reasoning_started = False
-        self._pending_ws = ""  # trailing reasoning whitespace, released only if reasoning follows
+        self._reasoning = Stripped()  # trailing reasoning whitespace released only if reasoning follows
 
     @property
     def reasoning_ended(self) -> bool:
@@ -325,15 +312,15 @@ class ReasoningStreamParser:
             else:
                 return "", ""  # only whitespace or a partial opening tag so far
         if self._state == "reasoning":
-            hit = _first(self._buf, ends)
+            hit = earliest(self._buf, ends)
             if hit is not None:
                 end, tag = hit
-                reasoning.append(self._reasoning(self._buf[:end]))
+                reasoning.append(self._reasoning.add(self._buf[:end]))
                 self._state = "content"
                 self._buf = self._buf[end + len(tag) :]
             else:
-                keep = 0 if final else _partial_tag_len(self._buf, ends)
-                reasoning.append(self._reasoning(self._buf[: len(self._buf) - keep]))
+                keep = 0 if final else partial_marker_len(self._buf, ends)
+                reasoning.append(self._reasoning.add(self._buf[: len(self._buf) - keep]))
                 self._buf = self._buf[len(self._buf) - keep :]
         if self._state == "content":
             self._buf = self._buf.lstrip()
@@ -343,16 +330,3 @@ class ReasoningStreamParser:
             content.append(self._buf)
             self._buf = ""
         return "".join(reasoning), "".join(content)
-
-    def _reasoning(self, text: str) -> str:
-        """Reasoning text to emit so that the deltas add up to the stripped reasoning."""
-        if not self._reasoning_started:
-            text = text.lstrip()
-        body = text.rstrip()
-        if not body:
-            self._pending_ws += text
-            return ""
-        out = self._pending_ws + body
-        self._pending_ws = text[len(body) :]
-        self._reasoning_started = True
-        return out

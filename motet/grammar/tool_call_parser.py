@@ -19,6 +19,9 @@ same by dropping leading whitespace and holding back trailing whitespace until m
 
 `RepeatedCallStop` ends an output at a call that repeats an earlier one of the same output (the engine
 applies it beside the stop strings when a request has tools).
+
+The calls, the stream's events and the reading of a JSON call object (rules 1 and 2: `call_prefix`, `object_call`)
+are every tool-call format's (motet/grammar/tool_formats/).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from motet.grammar.stream_text import Stripped, partial_marker_len
 from motet.grammar.tool_calls import CALL_BEGIN, CALL_END
 
 # ---------------------------------------------------------------------------------------------------
@@ -45,7 +49,7 @@ _PREFIX_RE = re.compile(
 )
 
 
-class _ObjectScanner:
+class ObjectScanner:
     """Finds where a JSON object closes, fed piecewise: tracks strings and bracket depth only."""
 
     def __init__(self):
@@ -78,20 +82,15 @@ class _ObjectScanner:
         return self.end
 
 
-def _match_prefix(body: str) -> tuple[str, int] | None:
-    """(name, offset of the arguments object) when the body begins with the call prefix."""
-    m = _PREFIX_RE.match(body)
+def call_prefix(text: str, pos: int = 0) -> tuple[str, int] | None:
+    """(name, offset of the arguments object) when `text` at `pos` begins with the call prefix (rule 1)."""
+    m = _PREFIX_RE.match(text, pos)
     if m is None:
         return None
     try:
         return json.loads(m.group(1)), m.end()
     except ValueError:
         return None
-
-
-def _prefix_arguments(body: str, start: int) -> str:
-    end = _ObjectScanner().feed(body[start:])
-    return body[start : start + end] if end is not None else body[start:].rstrip()
 
 
 _decoder = json.JSONDecoder()
@@ -134,20 +133,35 @@ def _object_spans(text: str) -> dict[str, tuple[object, int, int]] | None:
         return None
 
 
-def _parse_block(body: str) -> ToolCall | None:
-    """The call in a block body (text between the tags), or None if it is not one (module docstring)."""
-    prefix = _match_prefix(body)
-    if prefix is not None:
-        name, start = prefix
-        return ToolCall(name, _prefix_arguments(body, start))
-    spans = _object_spans(body)
+def object_call(text: str) -> ToolCall | None:
+    """The call `text` is when it is exactly one JSON object with a string "name" and an object "arguments" or
+    "parameters" in any key order (rule 2), else None."""
+    spans = _object_spans(text)
     if spans is None or not isinstance(spans.get("name", (None,))[0], str):
         return None
     args = [spans[k] for k in ("arguments", "parameters") if k in spans]
     if len(args) != 1 or not isinstance(args[0][0], dict):
         return None
     _, start, end = args[0]
-    return ToolCall(spans["name"][0], body[start:end])
+    return ToolCall(spans["name"][0], text[start:end])
+
+
+def arguments_at(text: str, start: int) -> tuple[str, int | None]:
+    """The arguments object opening at `start` (rule 1): its text and the offset just past it, or while it is open
+    (or was cut off) what was written of it, trailing whitespace stripped, and None."""
+    end = ObjectScanner().feed(text[start:])
+    if end is None:
+        return text[start:].rstrip(), None
+    return text[start : start + end], start + end
+
+
+def _parse_block(body: str) -> ToolCall | None:
+    """The call in a block body (text between the tags), or None if it is not one (module docstring)."""
+    prefix = call_prefix(body)
+    if prefix is None:
+        return object_call(body)
+    name, start = prefix
+    return ToolCall(name, arguments_at(body, start)[0])
 
 
 def _block_end(text: str, start: int) -> tuple[int, int]:
@@ -185,24 +199,13 @@ class ContentDelta:
     text: str
 
 
-class ContentDeltas:
-    """A stream's content deltas, which add up to the stripped concatenation of all its content: leading
-    whitespace dropped, trailing whitespace held back until more content follows it (every format's parser)."""
-
-    def __init__(self):
-        self.started = False
-        self._pending_ws = ""
+class ContentDeltas(Stripped):
+    """A stream's content deltas, which add up to the stripped concatenation of all its content (every format's
+    parser)."""
 
     def emit(self, text: str, events: list[Event]) -> None:
-        if not self.started:
-            text = text.lstrip()
-        body = text.rstrip()
-        if not body:
-            self._pending_ws += text
-            return
-        events.append(ContentDelta(self._pending_ws + body))
-        self._pending_ws = text[len(body) :]
-        self.started = True
+        if released := self.add(text):
+            events.append(ContentDelta(released))
 
 
 @dataclass
@@ -218,14 +221,6 @@ class ToolCallArguments:
 
 
 Event = ContentDelta | ToolCallStart | ToolCallArguments
-
-
-def _partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
-    for k in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
-        if any(t.startswith(text[-k:]) for t in tags):
-            return k
-    return 0
 
 
 def _strip_tail_len(text: str) -> int:
@@ -253,7 +248,7 @@ class ToolCallStreamParser:
         self._deltas = ContentDeltas()
         self._args_start: int | None = None  # offset of the arguments in the body once announced
         self._sent = 0  # characters of the arguments already emitted
-        self._scanner: _ObjectScanner | None = None
+        self._scanner: ObjectScanner | None = None
         self._scanned = 0
 
     def feed(self, delta: str) -> list[Event]:
@@ -278,7 +273,7 @@ class ToolCallStreamParser:
                 self._buf = self._buf[begin + len(CALL_BEGIN) :]
                 self._in_call = True
                 return True
-            keep = 0 if final else _partial_tag_len(self._buf, (CALL_BEGIN,))
+            keep = 0 if final else partial_marker_len(self._buf, (CALL_BEGIN,))
             self._deltas.emit(self._buf[: len(self._buf) - keep], events)
             self._buf = self._buf[len(self._buf) - keep :]
             return False
@@ -293,14 +288,14 @@ class ToolCallStreamParser:
 
     def _stream_arguments(self, events: list[Event]) -> None:
         if self._args_start is None:
-            prefix = _match_prefix(self._buf)
+            prefix = call_prefix(self._buf)
             if prefix is None:
                 return
             name, self._args_start = prefix
-            self._scanner, self._scanned = _ObjectScanner(), self._args_start
+            self._scanner, self._scanned = ObjectScanner(), self._args_start
             events.append(ToolCallStart(self._index, name))
         # The text that is surely body (not a partial close tag), then within it the arguments so far.
-        avail = len(self._buf) - _partial_tag_len(self._buf, (CALL_BEGIN, CALL_END))
+        avail = len(self._buf) - partial_marker_len(self._buf, (CALL_BEGIN, CALL_END))
         if self._scanner.end is None and avail > self._scanned:
             self._scanner.feed(self._buf[self._scanned : avail])
             self._scanned = avail
@@ -359,7 +354,7 @@ class RepeatedCallStop:
             if self._block is None:
                 begin = self._buf.find(CALL_BEGIN)
                 if begin < 0:
-                    keep = _partial_tag_len(self._buf, (CALL_BEGIN,))
+                    keep = partial_marker_len(self._buf, (CALL_BEGIN,))
                     out.append(self._buf[: len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep :]
                     return "".join(out), False
@@ -387,7 +382,7 @@ class RepeatedCallStop:
             if self._may_repeat:
                 self._may_repeat = any(c.startswith(self._block) for c in self._calls)
             if not self._may_repeat:  # released, but for what may open the next block
-                upto = len(self._block) - _partial_tag_len(self._block, (CALL_BEGIN,))
+                upto = len(self._block) - partial_marker_len(self._block, (CALL_BEGIN,))
                 out.append(self._block[self._sent : upto])
                 self._sent = max(self._sent, upto)
             return "".join(out), False

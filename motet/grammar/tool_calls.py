@@ -1,4 +1,5 @@
-"""Tool calling in the Hermes format: validate tools, render prompts, constrain and parse outputs.
+"""Tool calling: `tools` and `tool_choice` validated and the pieces of the calls' grammars (every format's), and
+the Hermes format's markers, prompt and grammar.
 
 Models whose chat template has no tool support (the default SmolLM2, ChatML) get the format of
 NousResearch Hermes-2-Pro / Qwen2.5: the tools are listed in the system prompt, and a call is
@@ -14,7 +15,8 @@ These modules are pure and synchronous (no torch, no xgrammar import): the API v
 that constrains the output to well-formed calls, and splits the output into content and calls, whole
 (`parse_tool_calls`) or while streaming (`ToolCallStreamParser`); the two parsers agree exactly.
 
-Rendering the history into a prompt: motet/grammar/tool_prompt.py; parsing the output: motet/grammar/tool_call_parser.py.
+Rendering the history into a prompt: motet/grammar/tool_prompt.py; parsing the output: motet/grammar/tool_call_parser.py;
+the other formats, built from the same grammar pieces: motet/grammar/tool_formats/.
 """
 
 from __future__ import annotations
@@ -169,7 +171,71 @@ def resolve_tool_choice(tool_choice, tools: list[Tool]) -> tuple[str, list[Tool]
 
 
 # ---------------------------------------------------------------------------------------------------
-# Constraining the output (xgrammar structural tag)
+# Constraining the output (xgrammar structural tags): the pieces every format's grammar is made of, and Hermes's
+
+
+def check_mode(tools: list[Tool], mode: str) -> None:
+    if mode not in ("auto", "required") or not tools:
+        raise ValueError(f"a structural tag needs tools and mode 'auto' or 'required', got {mode!r}")
+
+
+def json_arguments(tool: Tool, max_whitespace: int | None) -> dict:
+    """The arguments' grammar: `tool`'s schema, whitespace runs bounded by `max_whitespace` (None: free)."""
+    content = {"type": "json_schema", "json_schema": tool.parameters}
+    if max_whitespace is not None:
+        content["max_whitespace_cnt"] = max_whitespace
+    return content
+
+
+def call_tags(
+    tools: list[Tool], key: str, max_whitespace: int | None, begin: str = "", end: str = ""
+) -> list[dict]:
+    """A tag per tool: `begin`, `{"name": NAME, "KEY": ` then the arguments, `}` then `end`."""
+    return [
+        {
+            "type": "tag",
+            "begin": f'{begin}{{"name": {json.dumps(tool.name)}, "{key}": ',
+            "content": json_arguments(tool, max_whitespace),
+            "end": "}" + end,
+        }
+        for tool in tools
+    ]
+
+
+def one_of(tags: list[dict]) -> dict:
+    return tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+
+
+def call_sequence(tags: list[dict], separator: str, max_calls: int | None) -> dict:
+    """One or more calls separated by `separator`; at most `max_calls` (call (separator call (...)?)?, nested)."""
+    if max_calls is None:
+        return {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True}
+    one = one_of(tags)
+    fmt = one
+    for _ in range(max_calls - 1):
+        more = {"type": "sequence", "elements": [{"type": "const_string", "value": separator}, fmt]}
+        fmt = {
+            "type": "sequence",
+            "elements": [one, {"type": "or", "elements": [{"type": "const_string", "value": ""}, more]}],
+        }
+    return fmt
+
+
+def calls_structural_tag(
+    tags: list[dict], mode: str, parallel: bool, separator: str, trigger: str, max_calls: int | None
+) -> dict:
+    """Calls written one after another: "required" is the call(s) and nothing else (one, or with `parallel` one
+    or more separated by `separator`); "auto" is free text in which `trigger` opens a call (at most one, and
+    then the output ends, unless `parallel`; in "auto" the output ends with the last call `max_calls` allows)."""
+    if mode == "required":
+        fmt = call_sequence(tags, separator, max_calls) if parallel else one_of(tags)
+    else:
+        trigger_tags = {"type": "triggered_tags", "triggers": [trigger], "tags": tags}
+        if parallel and max_calls is not None:  # text and calls, the output ending at the last call
+            fmt = {"type": "sequence", "elements": [trigger_tags | {"stop_after_first": True}] * max_calls}
+        else:
+            fmt = trigger_tags | {"stop_after_first": not parallel}
+    return {"type": "structural_tag", "format": fmt}
 
 
 def tool_call_structural_tag(
@@ -188,32 +254,6 @@ def tool_call_structural_tag(
     "auto" the output ends with the last one allowed). `max_whitespace` bounds whitespace runs inside
     the arguments JSON (small models otherwise pad forever); None leaves it free.
     """
-    if mode not in ("auto", "required") or not tools:
-        raise ValueError(f"a structural tag needs tools and mode 'auto' or 'required', got {mode!r}")
-    tags = []
-    for tool in tools:
-        content = {"type": "json_schema", "json_schema": tool.parameters}
-        if max_whitespace is not None:
-            content["max_whitespace_cnt"] = max_whitespace
-        begin = f'{CALL_BEGIN}\n{{"name": {json.dumps(tool.name)}, "arguments": '
-        tags.append({"type": "tag", "begin": begin, "content": content, "end": "}\n" + CALL_END})
-    one = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
-    if mode == "auto":
-        trigger = {"type": "triggered_tags", "triggers": [CALL_BEGIN], "tags": tags}
-        if parallel and max_calls is not None:  # text and calls, the output ending at the last call
-            fmt = {"type": "sequence", "elements": [trigger | {"stop_after_first": True}] * max_calls}
-        else:
-            fmt = trigger | {"stop_after_first": not parallel}
-    elif parallel and max_calls is not None:  # call ("\n" call (... )?)?, up to max_calls deep
-        fmt = one
-        for _ in range(max_calls - 1):
-            more = {"type": "sequence", "elements": [{"type": "const_string", "value": "\n"}, fmt]}
-            fmt = {
-                "type": "sequence",
-                "elements": [one, {"type": "or", "elements": [{"type": "const_string", "value": ""}, more]}],
-            }
-    elif parallel:
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
-    else:
-        fmt = one
-    return {"type": "structural_tag", "format": fmt}
+    check_mode(tools, mode)
+    tags = call_tags(tools, "arguments", max_whitespace, begin=CALL_BEGIN + "\n", end="\n" + CALL_END)
+    return calls_structural_tag(tags, mode, parallel, "\n", CALL_BEGIN, max_calls)

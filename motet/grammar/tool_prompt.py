@@ -153,7 +153,7 @@ def render_messages(messages: list[dict], tools: list[Tool], tool_role: str = "t
     template without tool support: results in turns of `tool_role` ("user" where the template cannot
     write a tool turn: `template_renders_role`); with tools, their system prompt is prepended
     (after the user's own system message text when there is one). `fmt`: the tool-call format
-    (motet/grammar/tool_formats.py) whose calls and system prompt are written; None: Hermes. Results
+    (motet/grammar/tool_formats/) whose calls and system prompt are written; None: Hermes. Results
     are `<tool_response>` blocks in every format."""
     out: list[dict] = []
     prev_tool = False

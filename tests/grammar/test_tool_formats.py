@@ -1,4 +1,4 @@
-"""Tool-call formats beside Hermes (motet/grammar/tool_formats.py): Mistral's `[TOOL_CALLS]`, Llama 3.x's JSON,
+"""Tool-call formats beside Hermes (motet/grammar/tool_formats/): Mistral's `[TOOL_CALLS]`, Llama 3.x's JSON,
 pythonic, Phi-4-mini's `functools[...]`, Granite's `<|tool_call|>[...]` (GPT-OSS's harmony: tests/grammar/test_harmony.py). Outputs as the models write them (vLLM's parser tests, the model cards) parse into the expected calls;
 the streamed parser equals the whole one for every split; each grammar accepts well-formed calls and refuses
 malformed ones; the served format is picked from --tool-call-parser or the chat template."""
