@@ -43,7 +43,7 @@ class ServerState:
     # None: the model family's, else the chat template's
     reasoning_parser: str | None = None
     tool_call_parser: str | None = (
-        None  # --tool-call-parser (motet/grammar/tool_formats.py); None: the template's
+        None  # --tool-call-parser (motet/grammar/tool_formats/); None: the template's
     )
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may bring its own
     # what a request that omits a sampling field gets (motet/api/generation_config.py): request field -> value

@@ -6,7 +6,7 @@ grammar, json_object, structural_tag}`, and `tools` + `tool_choice` all become o
 none) and a tool mode that says how the output is parsed:
 
 - `tool_choice` "required" or a named function: the output is constrained to calls of those tools, in
-  the served model's tool-call format (Hermes-style by default: motet/grammar/tool_formats.py), whose
+  the served model's tool-call format (Hermes-style by default: motet/grammar/tool_formats/), whose
   arguments follow each tool's schema (an xgrammar structural tag).
 - "auto": free text, and where the model opens a call (`<tool_call>` in Hermes's format), the call is
   constrained likewise (unless the request sends `guided_tool_calls: false`: then calls are only parsed).

@@ -3,7 +3,7 @@
 `motet serve MODEL` (the positional model of `vllm serve`), `--lora-modules` (motet's `--lora`),
 `--enable-lora` (accepted: adapters are always on), `--api-key` (one key, beside `--api-keys`),
 `--gpu-memory-utilization` (the KV cache sized from a share of the memory: motet/engine/worker/memory.py),
-`--trust-request-chat-template`, `--tool-call-parser` (the model's tool-call format: motet/grammar/tool_formats.py)
+`--trust-request-chat-template`, `--tool-call-parser` (the model's tool-call format: motet/grammar/tool_formats/)
 and `--enable-auto-tool-choice` (accepted: `tool_choice: "auto"` is always on). `--served-model-name`, `--max-loras`, `--max-lora-rank`,
 `--max-cpu-loras`, `--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`, `--block-size`,
 `--dtype`, `--host` and `--port` are motet's own flags under vLLM's names already.

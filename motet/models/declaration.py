@@ -62,7 +62,7 @@ class Architecture:
     # source) -> fields added to or replacing the config's (model_type where it is not the GGUF architecture).
     gguf_config: Callable[[Callable[..., object], dict, str], dict] | None = None
     # How the family writes tool calls and reasoning, by vLLM's --tool-call-parser and --reasoning-parser names
-    # (motet/grammar/tool_formats.py, motet/grammar/reasoning.py), where every checkpoint of the architecture
+    # (motet/grammar/tool_formats/, motet/grammar/reasoning.py), where every checkpoint of the architecture
     # writes the same: `motet serve` picks them with no flag (a flag wins). None: the chat template's markers say.
     tool_format: str | None = None
     reasoning_format: str | None = None

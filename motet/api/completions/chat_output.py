@@ -2,7 +2,7 @@
 
 With a reasoning parser, the model's reasoning (`<think>...</think>`, GPT-OSS's analysis channel, ...:
 motet/grammar/reasoning.py) becomes `reasoning_content`; with tools, the calls in the served tool-call format
-(motet/grammar/tool_formats.py; Hermes's `<tool_call>` blocks by default) in the rest become `tool_calls` and the
+(motet/grammar/tool_formats/; Hermes's `<tool_call>` blocks by default) in the rest become `tool_calls` and the
 finish reason "tool_calls". Streaming runs the same rules incrementally, so the client's accumulation of the
 deltas equals the non-streamed message.
 """
