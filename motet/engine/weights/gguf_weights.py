@@ -92,9 +92,10 @@ def _parts(t, name: str, decl, cfg: ModelConfig) -> list[tuple[str, int, int]]:
 
 def _keep_quantized(name: str, tied: bool) -> bool:
     """Whether a tensor (by its Hugging Face name) in a block type is yielded as a QuantizedWeight rather than
-    dequantized to fp32: every decoder projection and the lm_head (model.load_weights keeps them in their
-    blocks); the embedding table only where it is the lm_head too (`tied`: a file without output.weight), as
-    the model holds the table itself as floats (a lookup), which gguf-py's values give exactly."""
+    dequantized to fp32: every decoder projection and the lm_head (motet/engine/worker/decoder_weights.py keeps
+    them in their blocks); the embedding table only where it is the lm_head too (`tied`: a file without
+    output.weight), as the model holds the table itself as floats (a lookup), which gguf-py's values give
+    exactly."""
     if name == _TABLE:
         return tied
     return name == _LM_HEAD or (name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS)

@@ -31,6 +31,7 @@ from motet.engine.weights.quantized_checkpoint import declared_quantization, ite
 from motet.engine.worker.cpu_forward import CpuForward
 from motet.engine.worker.cpu_forward import supported as cpu_forward_supported
 from motet.engine.worker.cuda_graphs import DecodeGraphs
+from motet.engine.worker.decoder_weights import load_weights
 from motet.engine.worker.grammar_masks import GrammarMasks
 from motet.engine.worker.memory import adapter_bytes, kv_cache_bytes, memory_budget, weights_bytes
 from motet.engine.worker.model import CausalLM, Linear, onednn_available
@@ -296,7 +297,7 @@ class ModelRunner:
         what = f"quantizing the weights to {quantize.name}" if quantize is not None else "loading the weights"
         if self.parallel.rank == 0:  # (every rank reads the whole checkpoint: one tells)
             weights = load_progress.LoadProgress(what, model_config.num_hidden_layers).tensors(weights)
-        model.load_weights(weights, quantize=quantize)
+        load_weights(model, weights, quantize=quantize)
         return model.eval().requires_grad_(False)
 
     @torch.inference_mode()
