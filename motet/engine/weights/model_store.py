@@ -165,7 +165,7 @@ def resolve_model(
 
 
 def _families() -> list[str]:
-    """What motet loads, by the family names its models registry declares (LlamaForCausalLM -> Llama)."""
+    """What motet loads, by the family names its models registry declares (an architecture's name less its ForCausalLM suffix)."""
     return [name.removesuffix("ForCausalLM") for name in SUPPORTED_ARCHITECTURES]
 
 
