@@ -24,7 +24,7 @@ PY
 export MOTET_MODEL_DIR=/tmp/smol
 # Kernels natively (no TRITON_INTERPRET), the engine on CUDA (device "auto"), LoRA, grammar, actors: the
 # tests that need no network and no real weights' answers.
-timeout ${SUITE_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m "not slow" --timeout 200 \
+timeout ${SUITE_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m "not slow" --timeout 200 ${PYTEST_ARGS:-} \
   tests/kernels/test_paged_attention.py tests/kernels/test_sgmv.py tests/lora/test_lora_pool.py tests/engine/test_engine.py \
   tests/lora/test_lora_engine.py tests/engine/test_sampler.py tests/engine/test_scheduler.py tests/engine/test_block_manager.py \
   tests/actors/test_actors.py tests/lora/test_adapter_hardening.py tests/api/test_api_app.py tests/api/test_api_hardening.py tests/grammar/test_grammar.py \

@@ -259,8 +259,14 @@ def test_auto_overlaps_where_a_core_is_spare(model_dir, monkeypatch):
     import os
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert not engine(model_dir, overlap=False, overlap_output="auto", num_threads=2)._overlaps()
-    assert engine(model_dir, overlap=False, overlap_output="auto", num_threads=1)._overlaps()
+    assert not engine(
+        model_dir, overlap=False, overlap_output="auto", num_threads=2, device="cpu"
+    )._overlaps()
+    assert engine(model_dir, overlap=False, overlap_output="auto", num_threads=1, device="cpu")._overlaps()
     assert engine(model_dir, overlap=False, overlap_output="on", num_threads=2)._overlaps()
+    if torch.cuda.is_available():  # the host's Python never takes the device's place
+        assert engine(
+            model_dir, overlap=False, overlap_output="auto", num_threads=2, device="cuda"
+        )._overlaps()
     with pytest.raises(ValueError, match="overlap_output"):
         EngineConfig(overlap_output="yes")
