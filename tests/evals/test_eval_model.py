@@ -35,6 +35,20 @@ def test_server_args_model_is_the_one_measured(tiny_model_dir, tmp_path):
     assert [(r["requests"], r["completed"]) for r in rows] == [(1, 1)] * 3, [r["errors"] for r in rows]
 
 
+def test_server_args_gguf_file_is_the_one_measured(tiny_model_dir, tmp_path):
+    """The finding's own case: `--server-args "--model FILE.gguf"`, the requests name the file's stem."""
+    from tests.engine.test_gguf_model_file import GGUF_TYPES, write_gguf_file
+
+    gguf = write_gguf_file(tiny_model_dir, tmp_path / "model" / "tiny-q4.gguf", GGUF_TYPES)
+    out = tmp_path / "serving"
+    argv = ["serving", "--server-args", f"--model {gguf} --threads 1 --num-kv-blocks 64", *SMALLEST,
+            "--patterns", "--out", str(out)]  # fmt: skip
+    assert eval_command.main(argv) == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["managed"] and run["model"] == "tiny-q4"
+    assert [(r["requests"], r["completed"]) for r in run["results"]["levels"]] == [(1, 1)]
+
+
 def test_a_model_the_server_does_not_have_exits_non_zero(server, tmp_path, capsys):
     argv = ["serving", "--base-url", server.url, "--model", "no-such-model", *SMALLEST, "--patterns",
             "--out", str(tmp_path / "out")]  # fmt: skip
@@ -54,3 +68,17 @@ def test_a_run_whose_requests_all_fail_exits_non_zero(server, tmp_path, capsys):
     assert (
         "all 1 requests failed" in capsys.readouterr().err and "HTTP 400" in (out / "summary.md").read_text()
     )
+
+
+def test_requests_answered_404_fail_the_run():
+    """Some requests measured, others answered 404 (an adapter or route not on that server): the run did not
+    measure what was asked, so `motet eval` exits 1; errors of load (429, timeouts) alone do not."""
+    from motet.evals.suites import serving
+
+    def rows(*errors):
+        return {"levels": [{"requests": 2, "completed": 1, "errors": list(errors)}], "patterns": []}
+
+    reason = serving.failure(rows('HTTP 404: b\'{"error": {"message": "model eval-a0 not found"}}\''))
+    assert reason and "404" in reason and "eval-a0" in reason
+    assert serving.failure(rows("HTTP 429: b'slow down'")) is None
+    assert serving.failure(rows()) is None

@@ -15,7 +15,7 @@ Two sweeps:
 --json-share F sends that share of the requests with a `response_format` json_schema (those end when
 the JSON does, so they are shorter). The adapters' shapes come from the base model's config: --model-path
 (default: the --model of the server motet eval started, else the model the run names) must be that checkpoint.
-A run whose requests all failed exits with status 1.
+A run whose requests all failed, or any of whose requests were answered 404, exits with status 1.
 """
 
 from __future__ import annotations
@@ -251,11 +251,14 @@ def run(ctx: EvalContext) -> dict:
 
 
 def failure(results: dict) -> str | None:
-    """Every request of the run failed: nothing was measured."""
+    """Why the run does not measure what was asked: every request failed, or some were answered 404 (the model,
+    an adapter or the route is not on that server: a setting to fix, not a load the server refused)."""
     rows = results["levels"] + results["patterns"]
+    errors = sorted({e for r in rows for e in r["errors"]})
     if rows and not any(r["completed"] for r in rows):
-        errors = sorted({e for r in rows for e in r["errors"]})
         return f"all {sum(r['requests'] for r in rows)} requests failed, e.g. {errors[0] if errors else '?'}"
+    if missing := [e for e in errors if e.startswith("HTTP 404")]:
+        return f"requests were answered 404 (not on that server), e.g. {missing[0]}"
     return None
 
 
