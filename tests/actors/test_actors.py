@@ -16,6 +16,7 @@ from motet.api.metrics import Metrics
 from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
+from motet.engine.request import EngineRequest
 from motet.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -93,7 +94,9 @@ async def test_merge_streams_interleaves_until_all_finish():
 
 
 def _queued(rid, tenant="t", adapter_id=0):
-    return QueuedRequest(rid, tenant, adapter_id, [1, 2, 3], SamplingParams(), ReplyStream(rid))
+    return QueuedRequest(
+        EngineRequest(rid, [1, 2, 3], SamplingParams(), adapter_id, tenant=tenant), ReplyStream(rid)
+    )
 
 
 async def test_adapter_queues_bound_and_fair_take():
@@ -108,7 +111,7 @@ async def test_adapter_queues_bound_and_fair_take():
         assert q.depth_by_adapter() == {0: 3, 7: 1}
         order = iter(["b", "a", "a", "a", None])
         taken = await q.ask(Take(lambda tenants: next(order)))
-        assert [r.request_id for r in taken.requests] == ["b1", "a1", "a2", "x1"]
+        assert [r.request.request_id for r in taken.requests] == ["b1", "a1", "a2", "x1"]
         assert not taken.more
         q.close()
 
