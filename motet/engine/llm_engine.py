@@ -87,22 +87,23 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine's load, for admission control, metrics and routing."""
+    """A snapshot of the engine's load, for admission control, metrics and routing (the serving system's
+    `Stats` adds its queues'). Zeros by default: an engine with nothing to report."""
 
-    num_waiting: int
-    num_running: int
-    free_seq_slots: int  # requests the engine may take before it has max_num_seqs
-    kv_blocks_used: int
-    kv_blocks_free: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    preemptions: int
-    steps: int
-    adapters_pinned: int  # adapter versions held for unfinished requests
-    adapters: AdapterStats  # adapter memory: the pool, the host cache, loads
-    running_adapters: tuple[str, ...]  # engine names of the adapters of running requests
-    waiting_adapters: tuple[str, ...]  # of waiting requests, not also running
-    grammar: GrammarStats
+    num_waiting: int = 0
+    num_running: int = 0
+    free_seq_slots: int = 0  # requests the engine may take before it has max_num_seqs
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    adapters_pinned: int = 0  # adapter versions held for unfinished requests
+    adapters: AdapterStats | None = None  # adapter memory: the pool, the host cache, loads
+    running_adapters: tuple[str, ...] = ()  # engine names of the adapters of running requests
+    waiting_adapters: tuple[str, ...] = ()  # of waiting requests, not also running
+    grammar: GrammarStats = field(default_factory=GrammarStats)
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)  # zeros when speculation is off
     # Tokens processed so far, as vLLM counts them: a request's whole prompt (cached or not) once, when its
     # first token comes; every output token as it is committed.
