@@ -183,12 +183,12 @@ class IngressActor(Actor):
         """Each choice's final params (its bad_words' tokens, and max_tokens where the request left it to the
         context window), checked against the model's limits with the prompt."""
         limits, n = self.engine.limits, len(ids)
-        max_tokens = limits.max_model_len - n if spec.max_tokens is None else None
-        params = [final_params(p, max_tokens, b) for p, b in zip(spec.params, bad_words, strict=True)]
         try:
             limits.check_prompt(ids, spec.prompt_param)
             if spec.max_tokens is not None:
                 limits.check_max_tokens(n, spec.max_tokens)
+            max_tokens = limits.max_model_len - n if spec.max_tokens is None else None
+            params = [final_params(p, max_tokens, b) for p, b in zip(spec.params, bad_words, strict=True)]
             for p in params:
                 limits.check_params(p)
         except RequestError as e:
