@@ -20,9 +20,9 @@ from motet.actors.runtime import Actor, ActorStopped
 from motet.actors.serving_errors import QueueFull, ShuttingDown
 
 
-def _order(req: QueuedRequest) -> tuple:
+def _order(queued: QueuedRequest) -> tuple:
     """A tenant's queued requests: vLLM's priority (lower first), then arrival."""
-    return (req.priority, req.arrival)
+    return (queued.request.priority, queued.request.arrival_time)
 
 
 class AdapterQueue:
@@ -45,7 +45,7 @@ class AdapterQueue:
         return gone
 
     def push(self, req: QueuedRequest) -> None:
-        q = self.by_tenant.setdefault(req.tenant, deque())
+        q = self.by_tenant.setdefault(req.request.tenant, deque())
         i = len(q)
         while i and _order(q[i - 1]) > _order(req):  # usually none: one priority, arrival order
             i -= 1
@@ -57,10 +57,11 @@ class AdapterQueue:
         return q[0] if q else None
 
     def remove(self, req: QueuedRequest) -> None:
-        q = self.by_tenant[req.tenant]
+        tenant = req.request.tenant
+        q = self.by_tenant[tenant]
         q.remove(req)
         if not q:
-            del self.by_tenant[req.tenant]
+            del self.by_tenant[tenant]
         self.size -= 1
 
     def pop(self, tenant: str) -> QueuedRequest:
@@ -109,11 +110,11 @@ class AdapterQueuesActor(Actor):
     def _enqueue(self, requests: list[QueuedRequest]) -> None:
         if not requests:
             return
-        adapter = requests[0].adapter
+        adapter = requests[0].request.adapter
         q = self.queues.setdefault(adapter, AdapterQueue(adapter, self.max_queue_len))
         if q.size + len(requests) > q.max_len:
             for r in q.purge_cancelled():
-                self.index.pop(r.request_id, None)
+                self.index.pop(r.request.request_id, None)
         if q.size + len(requests) > q.max_len:
             raise QueueFull(
                 f"the request queue is full ({q.max_len} waiting for this model); retry later",
@@ -121,7 +122,7 @@ class AdapterQueuesActor(Actor):
             )
         for r in requests:
             q.push(r)
-            self.index[r.request_id] = r
+            self.index[r.request.request_id] = r
         if self.scheduler is not None:  # never waits
             with contextlib.suppress(ActorStopped):
                 self.scheduler.tell_nowait(WorkQueued())
@@ -131,7 +132,7 @@ class AdapterQueuesActor(Actor):
         for request_id in request_ids:
             req = self.index.pop(request_id, None)
             if req is not None:
-                self.queues[req.adapter].remove(req)
+                self.queues[req.request.adapter].remove(req)
 
     def _take(self, message: Take) -> Taken:
         taken: list[QueuedRequest] = []
@@ -142,15 +143,16 @@ class AdapterQueuesActor(Actor):
                 for tenant in list(q.by_tenant):
                     while (h := q.head(tenant)) is not None and h.stream.cancelled:
                         q.pop(tenant)
-                        self.index.pop(h.request_id, None)
+                        self.index.pop(h.request.request_id, None)
                     if h is not None and (tenant not in heads or _order(h) < _order(heads[tenant])):
                         heads[tenant] = h
-            tenant = message.pick({t: len(h.prompt_token_ids) for t, h in heads.items()}) if heads else None
+            prompts = {t: len(h.request.prompt_token_ids) for t, h in heads.items()}
+            tenant = message.pick(prompts) if heads else None
             if tenant is None:
                 break
             req = heads[tenant]
-            self.queues[req.adapter].pop(tenant)
-            self.index.pop(req.request_id, None)
+            self.queues[req.request.adapter].pop(tenant)
+            self.index.pop(req.request.request_id, None)
             taken.append(req)
         return Taken(taken, more=self.depth > 0)
 

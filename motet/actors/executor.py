@@ -20,11 +20,9 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from motet.actors.messages import QueuedRequest, Step, StepDone
+from motet.actors.messages import Step, StepDone
 from motet.actors.runtime import Actor
-from motet.actors.serving_errors import EngineFailure, InvalidRequest, adapter_refusal
-from motet.engine.request_checks import RequestError
-from motet.lora.adapter import AdapterError
+from motet.actors.serving_errors import EngineFailure, request_refusal
 
 log = logging.getLogger("motet.executor")
 
@@ -112,34 +110,15 @@ class ExecutorActor(Actor):
         for request_id in message.aborts:
             engine.abort(request_id)
         refused = []
-        for req in message.admit:
+        for request in message.admit:
             try:
-                engine.add_request(
-                    req.prompt_token_ids,
-                    req.params,
-                    req.request_id,
-                    req.adapter,
-                    grammar=req.grammar,
-                    tenant=req.tenant,
-                    arrival_time=req.arrival,
-                    priority=req.priority,
-                    background=req.background,
-                )
+                engine.add(request)
             except Exception as e:
-                refused.append((req.request_id, _refusal(req, e)))
+                error = request_refusal(e, request.adapter)
+                if isinstance(error, EngineFailure):
+                    log.error("request %s could not be added", request.request_id, exc_info=e)
+                refused.append((request.request_id, error))
         steps = engine.num_steps
         outputs = engine.step() if engine.has_unfinished() else []
         ran = engine.num_steps > steps or engine.in_flight  # (a step launched, to be committed by the next)
         return StepDone(outputs, refused, engine.stats(), ran, time.perf_counter() - t0)
-
-
-def _refusal(req: QueuedRequest, error: Exception) -> Exception:
-    """Why the engine would not take an admitted request, as the client should hear it."""
-    if isinstance(error, AdapterError) and req.adapter is not None:
-        return adapter_refusal(req.adapter, error)
-    if isinstance(error, RequestError):
-        return InvalidRequest(str(error), param=error.param, code=error.code)
-    if isinstance(error, ValueError):
-        return InvalidRequest(str(error))
-    log.error("request %s could not be added", req.request_id, exc_info=error)
-    return EngineFailure(f"the request could not be started: {error}")

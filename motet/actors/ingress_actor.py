@@ -8,7 +8,6 @@ also across the prompts of one multi-prompt completion.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -18,8 +17,10 @@ import anyio.to_thread
 from motet.actors.messages import Admission, Enqueue, GenerateSpec, QueuedRequest, Submit
 from motet.actors.reply import ReplyStream
 from motet.actors.runtime import Actor
-from motet.actors.serving_errors import InvalidRequest, ServerBusy, adapter_refusal
+from motet.actors.serving_errors import InvalidRequest, ServerBusy, request_refusal
+from motet.engine.request import EngineRequest, final_params
 from motet.engine.request_checks import RequestError
+from motet.engine.sampling_params import SamplingParams
 from motet.grammar.specs import GrammarError
 from motet.lora.adapter import AdapterError
 
@@ -57,15 +58,32 @@ class IngressActor(Actor):
                 t0 = time.perf_counter()
                 read = await self._load_adapter(spec)
                 phases.append(("adapter_load", t0, time.perf_counter(), {"motet.adapter.cached": not read}))
-            spec = await self._resolve_bad_words(spec)
+            bad_words = await self._bad_words(spec)
             prompt_ids, text = await self._tokenize(spec)
-            queued = self._validate(spec, prompt_ids, text)
+            params = self._validate(spec, prompt_ids, bad_words)
+            arrival = time.monotonic()
             t0 = time.perf_counter()
             grammar = await self._compile(spec)
             if grammar is not None:
                 phases.append(("grammar_compile", t0, time.perf_counter(), {}))
-            for r in queued:
-                r.grammar = grammar
+            # The request's one record per choice, final from here to the engine (motet/engine/request.py).
+            queued = [
+                QueuedRequest(
+                    EngineRequest(
+                        request_id,
+                        prompt_ids,
+                        p,
+                        spec.adapter,
+                        grammar,
+                        spec.tenant,
+                        spec.priority,
+                        spec.background,
+                        arrival,
+                    ),
+                    ReplyStream(request_id),
+                )
+                for request_id, p in zip(spec.request_ids, params, strict=True)
+            ]
             requests += queued
             admissions.append(Admission(prompt_ids, [r.stream for r in queued], text, phases))
         # One Enqueue for every prompt of the submission: all are queued, or none (429).
@@ -79,7 +97,7 @@ class IngressActor(Actor):
         try:
             return await anyio.to_thread.run_sync(self.engine.adapters.load, ref, limiter=self.limiter)
         except AdapterError as e:
-            raise adapter_refusal(ref, e) from None
+            raise request_refusal(e, ref) from None
 
     async def _compile(self, spec: GenerateSpec):
         """The request's grammar, compiled (cached, with a time limit) in a worker thread; 400 if it cannot be,
@@ -99,14 +117,13 @@ class IngressActor(Actor):
                 raise ServerBusy(str(e), param=spec.grammar_param) from None
             raise InvalidRequest(f"{spec.grammar_param}: {e}", param=spec.grammar_param) from None
 
-    async def _resolve_bad_words(self, spec: GenerateSpec) -> GenerateSpec:
-        """bad_words as token sequences, here in a worker thread rather than on the engine's."""
+    async def _bad_words(self, spec: GenerateSpec) -> list[list[list[int]] | None]:
+        """Each choice's bad_words as token sequences, here in a worker thread rather than on the engine's."""
         if not spec.params[0].bad_words:
-            return spec
-        params = await anyio.to_thread.run_sync(
-            lambda: [self.engine.resolve_bad_words(p) for p in spec.params], limiter=self.limiter
+            return [None] * len(spec.params)
+        return await anyio.to_thread.run_sync(
+            lambda: [self.engine.bad_words_token_ids(p) for p in spec.params], limiter=self.limiter
         )
-        return dataclasses.replace(spec, params=params)
 
     async def _render(self, spec: GenerateSpec, max_chars: int) -> str:
         """The chat rendered with the model's template, or the request's own (then at most max_chars + 1
@@ -152,7 +169,7 @@ class IngressActor(Actor):
             else:
                 ids, text = list(spec.prompt or []), ""
         except RequestError as e:
-            raise InvalidRequest(str(e), param=e.param, code=e.code) from None
+            raise request_refusal(e) from None
         if keep is not None and len(ids) > keep:
             ids = ids[len(ids) - keep :]
             text = await anyio.to_thread.run_sync(
@@ -160,30 +177,20 @@ class IngressActor(Actor):
             )
         return ids, text
 
-    def _validate(self, spec: GenerateSpec, ids: list[int], text: str) -> list[QueuedRequest]:
+    def _validate(
+        self, spec: GenerateSpec, ids: list[int], bad_words: list[list[list[int]] | None]
+    ) -> list[SamplingParams]:
+        """Each choice's final params (its bad_words' tokens, and max_tokens where the request left it to the
+        context window), checked against the model's limits with the prompt."""
         limits, n = self.engine.limits, len(ids)
         try:
             limits.check_prompt(ids, spec.prompt_param)
             if spec.max_tokens is not None:
                 limits.check_max_tokens(n, spec.max_tokens)
-            for params in spec.params:
-                limits.check_params(params)
+            max_tokens = limits.max_model_len - n if spec.max_tokens is None else None
+            params = [final_params(p, max_tokens, b) for p, b in zip(spec.params, bad_words, strict=True)]
+            for p in params:
+                limits.check_params(p)
         except RequestError as e:
-            raise InvalidRequest(str(e), param=e.param, code=e.code) from None
-        requests = []
-        for request_id, params in zip(spec.request_ids, spec.params, strict=True):
-            if spec.max_tokens is None:
-                params = dataclasses.replace(params, max_tokens=limits.max_model_len - n)
-            requests.append(
-                QueuedRequest(
-                    request_id,
-                    spec.tenant,
-                    spec.adapter,
-                    ids,
-                    params,
-                    ReplyStream(request_id),
-                    priority=spec.priority,
-                    background=spec.background,
-                )
-            )
-        return requests
+            raise request_refusal(e) from None
+        return params

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from motet.actors.reply import ReplyStream
 from motet.engine.llm_engine import EngineStats, RequestOutput
+from motet.engine.request import EngineRequest
 from motet.engine.sampling_params import SamplingParams
-from motet.grammar.backend import CompiledGrammar
 from motet.lora.manager import AdapterRef
 
 
@@ -59,16 +58,10 @@ class Admission:
 # -- ingress -> adapter queues -> scheduler ---------------------------------------------------------------
 @dataclass
 class QueuedRequest:
-    request_id: str
-    tenant: str
-    adapter: AdapterRef | None  # also the adapter queue's key
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    """A request in the adapter queues: the engine's record, built once by the ingress, and its reply stream."""
+
+    request: EngineRequest  # its adapter is also its queue's key
     stream: ReplyStream
-    grammar: CompiledGrammar | None = None  # params.grammar, compiled by the ingress
-    arrival: float = field(default_factory=time.monotonic)
-    priority: int = 0  # vLLM's (lower: sooner), among the tenant's own requests
-    background: bool = False  # batch work (GenerateSpec.background)
 
 
 @dataclass
@@ -120,7 +113,7 @@ class RemoveLora:
 class Step:
     """Between steps: apply these changes, then run one engine step (if there is work)."""
 
-    admit: list[QueuedRequest] = field(default_factory=list)
+    admit: list[EngineRequest] = field(default_factory=list)  # taken whole by engine.add
     aborts: list[str] = field(default_factory=list)
     removals: list[str] = field(default_factory=list)  # adapter names (the engine's)
 

@@ -14,11 +14,12 @@ import logging
 
 import anyio
 
-from motet.actors.messages import Abort, QueuedRequest, RemoveLora, Step, StepDone, Take, Taken, WorkQueued
+from motet.actors.messages import Abort, RemoveLora, Step, StepDone, Take, Taken, WorkQueued
 from motet.actors.reply import Delta, ReplyStream
 from motet.actors.runtime import Actor, ActorStopped
 from motet.actors.serving_errors import EngineFailure, ServingError, ShuttingDown
 from motet.engine.core.fairness import AdmissionGate
+from motet.engine.request import EngineRequest
 
 log = logging.getLogger("motet.scheduler")
 
@@ -98,9 +99,10 @@ class SchedulerActor(Actor):
             stream.fail(ShuttingDown("the server shut down before the request finished"))
         self.live.clear()
 
-    async def _admit(self) -> list[QueuedRequest]:
+    async def _admit(self) -> list[EngineRequest]:
         """Take requests from the adapter queues into the engine: one for each tenant with none waiting there,
-        then while the engine has room, the fairest tenants' first."""
+        then while the engine has room, the fairest tenants' first. Their records go to the engine whole; their
+        reply streams stay here."""
         if not (self._maybe_queued and self.queues is not None):
             return []
         stats = self.executor.stats
@@ -113,11 +115,11 @@ class SchedulerActor(Actor):
             return []
         self._maybe_queued = taken.more  # a later WorkQueued sets it again
         admitted = []
-        for req in taken.requests:
-            if req.stream.cancelled:  # its client went away while we asked: nobody to serve
+        for queued in taken.requests:
+            if queued.stream.cancelled:  # its client went away while we asked: nobody to serve
                 continue
-            admitted.append(req)
-            self.live[req.request_id] = req.stream
+            admitted.append(queued.request)
+            self.live[queued.request.request_id] = queued.stream
         return admitted
 
     async def _step(self, step: Step) -> StepDone | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
+from motet.engine.request_checks import RequestError
 from motet.lora.adapter import AdapterError
 from motet.lora.manager import AdapterRef, files_version
 
@@ -62,7 +63,21 @@ class ModelNotFound(ServingError):
     type = "not_found_error"
 
 
-def adapter_refusal(ref: AdapterRef, error: AdapterError) -> ServingError:
+def request_refusal(error: Exception, adapter: AdapterRef | None = None) -> ServingError:
+    """Why a request cannot be served, as its client should hear it, wherever it is refused (the ingress
+    validating it or loading its adapter, the engine taking it): its adapter's fault (404 or 400,
+    `_adapter_refusal`), the request's own (400: a RequestError names its field; another ValueError), else the
+    server's (500)."""
+    if isinstance(error, AdapterError) and adapter is not None:
+        return _adapter_refusal(adapter, error)
+    if isinstance(error, RequestError):
+        return InvalidRequest(str(error), param=error.param, code=error.code)
+    if isinstance(error, ValueError):
+        return InvalidRequest(str(error))
+    return EngineFailure(f"the request could not be started: {error}")
+
+
+def _adapter_refusal(ref: AdapterRef, error: AdapterError) -> ServingError:
     """Why a request's adapter does not load, as its tenant should hear it: 404 where it was deleted or replaced
     since the request named it; else 400 with the reason, the adapter's own fault (stored for another base model
     in a data directory the operator shares, over the server's rank or memory), never a 500 whose reason only

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,7 @@ from motet.actors.messages import Abort, Admission, Cancel, GenerateSpec, Remove
 from motet.actors.runtime import ActorStopped, ActorSystem
 from motet.actors.scheduler_actor import SchedulerActor
 from motet.actors.serving_errors import ShuttingDown
-from motet.engine.core.kv_connector import KVTierStats
-from motet.engine.speculative.proposer import SpeculativeStats
-from motet.lora.manager import AdapterStats
+from motet.engine.llm_engine import EngineStats
 
 
 @dataclass(frozen=True)
@@ -42,27 +40,14 @@ class TenantStats:
     running: int
 
 
-@dataclass
-class Stats:
-    queued: int
-    waiting: int
-    running: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    preemptions: int
-    steps: int
-    adapters_pinned: int  # adapter versions held in host memory for unfinished requests
-    running_adapters: tuple[str, ...] = ()
-    waiting_adapters: tuple[str, ...] = ()
-    queued_adapters: tuple[str, ...] = ()  # adapters of requests in the adapter queues, not yet admitted
-    speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
-    prompt_tokens: int = 0  # processed so far (EngineStats.prompt_tokens)
-    generation_tokens: int = 0
+@dataclass(frozen=True)
+class Stats(EngineStats):
+    """The serving system's load: the engine's stats as of its latest step, with the requests still in the adapter
+    queues, and each tenant's place counting those too."""
+
+    queued: int = 0  # requests in the adapter queues, not yet admitted
+    queued_adapters: tuple[str, ...] = ()  # adapters of requests in the adapter queues
     tenants: tuple[TenantStats, ...] = ()  # in the order they are served next (one replica's engine only)
-    kv_tiers: tuple[KVTierStats, ...] = ()  # the KV tiers past the device cache (engine.kv_connector)
-    adapter_memory: AdapterStats | None = None  # the adapter pool, the host cache, loads (lora/manager.py)
 
 
 class ServingSystem:
@@ -120,28 +105,12 @@ class ServingSystem:
     def stats(self) -> Stats:
         """As of the latest step (the engine's own counters are its thread's)."""
         es = self.executor.stats
+        engine = {f.name: getattr(es, f.name) for f in fields(EngineStats)}
+        queued = {a.name for a, n in self.queues.depth_by_adapter().items() if a is not None and n}
         return Stats(
+            **{**engine, "tenants": self._tenant_stats(es.tenants)},
             queued=self.queues.depth,
-            waiting=es.num_waiting,
-            running=es.num_running,
-            kv_blocks_used=es.kv_blocks_used,
-            kv_blocks_free=es.kv_blocks_free,
-            prefix_cache_queries=es.prefix_cache_queries,
-            prefix_cache_hits=es.prefix_cache_hits,
-            preemptions=es.preemptions,
-            steps=es.steps,
-            adapters_pinned=es.adapters_pinned,
-            adapter_memory=es.adapters,
-            running_adapters=es.running_adapters,
-            waiting_adapters=es.waiting_adapters,
-            queued_adapters=tuple(
-                sorted({a.name for a, n in self.queues.depth_by_adapter().items() if a is not None and n})
-            ),
-            speculative=es.speculative,
-            prompt_tokens=es.prompt_tokens,
-            generation_tokens=es.generation_tokens,
-            tenants=self._tenant_stats(es.tenants),
-            kv_tiers=es.kv_tiers,
+            queued_adapters=tuple(sorted(queued)),
         )
 
     def _tenant_stats(self, engine_tenants) -> tuple[TenantStats, ...]:

@@ -326,27 +326,27 @@ class Metrics:
         if stats is None:
             return
         self.stats = stats
-        self.vllm_waiting.labels(self.model_name).set(stats.queued + stats.waiting)
-        self.vllm_running.labels(self.model_name).set(stats.running)
+        self.vllm_waiting.labels(self.model_name).set(stats.queued + stats.num_waiting)
+        self.vllm_running.labels(self.model_name).set(stats.num_running)
         total = stats.kv_blocks_used + stats.kv_blocks_free
         self.vllm_kv_usage.labels(self.model_name).set(stats.kv_blocks_used / total if total else 0.0)
         running = _client_names(stats.running_adapters)
         waiting = _client_names(stats.waiting_adapters + stats.queued_adapters) - running
         self.vllm_lora_info.clear()  # one series: the current sets (vLLM keeps one per combination seen)
-        cap = max_loras if max_loras is not None else getattr(stats.adapter_memory, "capacity", 0)
+        cap = max_loras if max_loras is not None else getattr(stats.adapters, "capacity", 0)
         self.vllm_lora_info.labels(
             self.model_name, str(cap), ",".join(sorted(running)), ",".join(sorted(waiting))
         ).set(time.time())
         self.queued.set(stats.queued)
-        self.waiting.set(stats.waiting)
-        self.running.set(stats.running)
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_free.set(stats.kv_blocks_free)
         q = stats.prefix_cache_queries
         self.prefix_hit_rate.set(stats.prefix_cache_hits / q if q else 0.0)
         self.preemptions.set(stats.preemptions)
         self.adapters_pinned.set(stats.adapters_pinned)
-        a = stats.adapter_memory
+        a = stats.adapters
         if a is not None:
             values = {"memory_bytes": a.memory_bytes, "resident_bytes": a.resident_bytes,
                       "resident_adapters": a.resident, "capacity_adapters": a.capacity, "host_bytes": a.host_bytes,

@@ -115,7 +115,7 @@ class StatusLog:
         queries = stats.prefix_cache_queries - m.prefix_queries
         hits = stats.prefix_cache_hits - m.prefix_hits
         kv_total = stats.kv_blocks_used + stats.kv_blocks_free
-        active = bool(prompt or generation or stats.running or stats.waiting or stats.queued)
+        active = bool(prompt or generation or stats.num_running or stats.num_waiting or stats.queued)
         # vLLM's rule: an idle server logs at debug, except the first idle line after activity
         level = logging.INFO if active or m.active else logging.DEBUG
         log.log(
@@ -124,8 +124,8 @@ class StatusLog:
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
             prompt,
             generation,
-            stats.running,
-            stats.waiting + stats.queued,
+            stats.num_running,
+            stats.num_waiting + stats.queued,
             100 * stats.kv_blocks_used / kv_total if kv_total else 0.0,
             100 * hits / queries if queries else 0.0,
         )

@@ -266,7 +266,7 @@ class ClusterSystem:
 
     def stats(self) -> Stats:
         """The replicas' stats summed, as of their latest reports."""
-        return total_stats(reports.LATEST.values()) or Stats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        return total_stats(reports.LATEST.values()) or Stats()
 
     def replica_metrics(self):
         from motet.cluster.replica_metrics import ReplicaMetrics

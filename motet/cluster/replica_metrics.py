@@ -10,10 +10,10 @@ from motet.cluster.reports import ReplicaReport
 
 GAUGES = {
     "motet_replica_requests_queued": ("requests in the replica's adapter queues", lambda r: r.stats.queued),
-    "motet_replica_requests_waiting": ("requests admitted, waiting to run", lambda r: r.stats.waiting),
+    "motet_replica_requests_waiting": ("requests admitted, waiting to run", lambda r: r.stats.num_waiting),
     "motet_replica_requests_running": (
         "sequences running in the replica's engine",
-        lambda r: r.stats.running,
+        lambda r: r.stats.num_running,
     ),
     "motet_replica_kv_blocks_free": (
         "free KV blocks (cached prefixes included)",

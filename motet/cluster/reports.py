@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from motet.actors.system import Stats
 from motet.engine.core.kv_connector import KVTierStats, sum_tier_stats
 from motet.engine.speculative.proposer import SpeculativeStats
+from motet.engine.worker.grammar_masks import GrammarStats
 from motet.lora.manager import AdapterStats
 
 REPORT_PERIOD_S = 0.5
@@ -51,7 +52,7 @@ class ReplicaReport:
 
     @property
     def outstanding(self) -> int:
-        return self.stats.queued + self.stats.waiting + self.stats.running
+        return self.stats.queued + self.stats.num_waiting + self.stats.num_running
 
     def to_dict(self) -> dict:
         """For `record_routing_stats`: plain values the controller can compare and broadcast."""
@@ -61,14 +62,14 @@ class ReplicaReport:
     def from_dict(cls, d: dict) -> ReplicaReport | None:
         """None for an empty or foreign dict (a replica that has not reported yet)."""
         try:
+            given = d["stats"]
             stats = Stats(
                 **{
-                    **d["stats"],
-                    "speculative": SpeculativeStats(**d["stats"].get("speculative", {})),
-                    "kv_tiers": tuple(KVTierStats(**t) for t in d["stats"].get("kv_tiers", ())),
-                    "adapter_memory": AdapterStats(**d["stats"]["adapter_memory"])
-                    if d["stats"].get("adapter_memory")
-                    else None,
+                    **given,
+                    "speculative": SpeculativeStats(**given.get("speculative", {})),
+                    "grammar": GrammarStats(**given.get("grammar", {})),
+                    "kv_tiers": tuple(KVTierStats(**t) for t in given.get("kv_tiers", ())),
+                    "adapters": AdapterStats(**given["adapters"]) if given.get("adapters") else None,
                 }
             )
             kwargs = {f.name: d[f.name] for f in fields(cls) if f.name != "stats"}
@@ -87,23 +88,19 @@ def total_stats(reports: Iterable[ReplicaReport]) -> Stats | None:
     running = tuple(sorted({a for r in reports for a in r.stats.running_adapters}))
     waiting = tuple(sorted({a for r in reports for a in r.stats.waiting_adapters} - set(running)))
     queued = tuple(sorted({a for r in reports for a in r.stats.queued_adapters} - set(running)))
-    spec = SpeculativeStats(
-        **{
-            f.name: sum(getattr(r.stats.speculative, f.name) for r in reports)
-            for f in fields(SpeculativeStats)
-        }
-    )
-    memory = [r.stats.adapter_memory for r in reports if r.stats.adapter_memory is not None]
+    memory = [r.stats.adapters for r in reports if r.stats.adapters is not None]
     return Stats(
         **sums,
-        adapter_memory=AdapterStats(
-            **{f.name: sum(getattr(a, f.name) for a in memory) for f in fields(AdapterStats)}
-        )
-        if memory
-        else None,
+        adapters=_summed(AdapterStats, memory) if memory else None,
         running_adapters=running,
         waiting_adapters=waiting,
         queued_adapters=queued,
-        speculative=spec,
+        grammar=_summed(GrammarStats, [r.stats.grammar for r in reports]),
+        speculative=_summed(SpeculativeStats, [r.stats.speculative for r in reports]),
         kv_tiers=sum_tier_stats(r.stats.kv_tiers for r in reports),
     )
+
+
+def _summed(cls, items: list):
+    """Dataclass instances of `cls` summed field by field."""
+    return cls(**{f.name: sum(getattr(x, f.name) for x in items) for f in fields(cls)})

@@ -8,18 +8,17 @@
 `step()` runs them through one of two strategies (motet/engine/stepping.py): one after the other, or overlapped
 (`EngineConfig.overlap_output`, on CUDA by default), where `execute` runs on a thread of its own and the commit's
 text half (`commit_text`: detokenizing, stop strings, the outputs) runs while the next step computes. The
-offline `LLM` (motet/engine/llm.py) and the serving actors both call only this surface (`add_request`, `abort`,
-`step`, `stats`, adapters through `add_lora` / `remove_lora`). A request that fails inside a step fails alone:
-`execute` bisects the batch until the failing rows are isolated, and `commit` ends those with an error while
-the others carry on. Not thread-safe: one thread drives it (`compile_grammar`, `limits` and `adapters.load`
-excepted, which the serving layer calls from elsewhere); what the overlapped strategy runs on its forward thread
-reads the launched batch's rows until its inputs are built (`step()` returns only after that), then only the
-batch's snapshots and the runner.
+offline `LLM` (motet/engine/llm.py) and the serving actors both call only this surface (`add_request`, or `add`
+with a request built already, motet/engine/request.py; `abort`, `step`, `stats`, adapters through `add_lora` /
+`remove_lora`). A request that fails inside a step fails alone: `execute` bisects the batch until the failing rows
+are isolated, and `commit` ends those with an error while the others carry on. Not thread-safe: one thread drives
+it (`compile_grammar`, `bad_words_token_ids`, `limits` and `adapters.load` excepted, which the serving layer calls
+from elsewhere); what the overlapped strategy runs on its forward thread reads the launched batch's rows until its
+inputs are built (`step()` returns only after that), then only the batch's snapshots and the runner.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -42,6 +41,7 @@ from motet.engine.core.scheduler import ScheduledBatch, Scheduler
 from motet.engine.core.sequence import RequestTimings, Sequence, TokenLogprob
 from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
 from motet.engine.guided import GuidedDecoding
+from motet.engine.request import EngineRequest, final_params
 from motet.engine.request_checks import RequestLimits
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.speculative.history import DraftScope
@@ -87,22 +87,23 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine's load, for admission control, metrics and routing."""
+    """A snapshot of the engine's load, for admission control, metrics and routing (the serving system's
+    `Stats` adds its queues'). Zeros by default: an engine with nothing to report."""
 
-    num_waiting: int
-    num_running: int
-    free_seq_slots: int  # requests the engine may take before it has max_num_seqs
-    kv_blocks_used: int
-    kv_blocks_free: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    preemptions: int
-    steps: int
-    adapters_pinned: int  # adapter versions held for unfinished requests
-    adapters: AdapterStats  # adapter memory: the pool, the host cache, loads
-    running_adapters: tuple[str, ...]  # engine names of the adapters of running requests
-    waiting_adapters: tuple[str, ...]  # of waiting requests, not also running
-    grammar: GrammarStats
+    num_waiting: int = 0
+    num_running: int = 0
+    free_seq_slots: int = 0  # requests the engine may take before it has max_num_seqs
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    adapters_pinned: int = 0  # adapter versions held for unfinished requests
+    adapters: AdapterStats | None = None  # adapter memory: the pool, the host cache, loads
+    running_adapters: tuple[str, ...] = ()  # engine names of the adapters of running requests
+    waiting_adapters: tuple[str, ...] = ()  # of waiting requests, not also running
+    grammar: GrammarStats = field(default_factory=GrammarStats)
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)  # zeros when speculation is off
     # Tokens processed so far, as vLLM counts them: a request's whole prompt (cached or not) once, when its
     # first token comes; every output token as it is committed.
@@ -315,56 +316,69 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         adapter: AdapterRef | str | None = None,
-        grammar: CompiledGrammar | None = None,
+        *,
         tenant: str | None = None,
-        arrival_time: float | None = None,
         priority: int = 0,
         background: bool = False,
     ) -> str:
-        """Queue a request. `adapter`: a ref (the serving layer's), a name given to `add_lora`, or None
-        for the base model. `grammar`: `params.grammar` already compiled; otherwise it is compiled here.
-        `tenant`: whose request it is: tenants share the engine by weight (motet/engine/core/fairness.py); it
-        shares prefix-cache blocks only with the same tenant's requests (unless the config shares the cache
-        across tenants) of the same `params.cache_salt`, and speculation drafts only from the outputs of the
-        same tenant, cache_salt and adapter under the same kind of grammar (a JSON schema, tool calls, none,
-        ...). `arrival_time`: when it entered the serving system (time.monotonic(); default: now), where its
-        queue time starts. `priority`: vLLM's (lower: sooner), ordering the tenant's own requests only.
-        `background`: batch work, which yields to interactive requests (motet/engine/core/latency.py)."""
-        params = self.resolve_bad_words(params or SamplingParams())
+        """Queue a request (the offline way in, as vLLM's `LLMEngine.add_request`): its `EngineRequest` built
+        here, where the serving ingress builds its own, and taken by `add`. `prompt`: text (encoded here) or token
+        ids; `params`: bad_words resolved and `params.grammar` compiled here; `adapter`: a name given to `add_lora`
+        (or a ref), None for the base model; the rest as the record's fields (motet/engine/request.py)."""
+        params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        grammar = None
+        if params.grammar is not None:
+            grammar = self.compile_grammar(params.grammar, params.grammar_backend)
+        request = EngineRequest(
+            request_id or f"req-{next(self._ids)}",
+            token_ids,
+            final_params(params, bad_words_token_ids=self.bad_words_token_ids(params)),
+            self.adapters.resolve(adapter),
+            grammar,
+            tenant,
+            priority,
+            background,
+        )
+        return self.add(request)
+
+    def add(self, request: EngineRequest) -> str:
+        """Take a request whole: checked against the model's limits (RequestError), its adapter pinned (AdapterError
+        if removed or known broken), queued as a `Sequence`. Its tenant shares prefix-cache blocks only with its
+        own requests (unless the config shares the cache across tenants) of the same `params.cache_salt`, and
+        speculation drafts only from the outputs of the same tenant, cache_salt and adapter under the same kind of
+        grammar (a JSON schema, tool calls, none, ...)."""
+        params, token_ids, tenant = request.params, request.prompt_token_ids, request.tenant
         self.limits.check_prompt(token_ids)
         self.limits.check_params(params)
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if params.grammar is not None and grammar is None:
-            grammar = self.compile_grammar(params.grammar, params.grammar_backend)
-        ref = self.adapters.resolve(adapter)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        ref = request.adapter
         uid = self.adapters.acquire(ref) if ref is not None else 0  # AdapterError if removed or known broken
         salt = prefix_salt(tenant, params.cache_salt, self.config.shared_prefix_cache)
         seq = Sequence(
-            token_ids,
+            list(token_ids),
             params,
             adapter_id=uid,
             prefix_salt=salt,
-            request_id=request_id,
+            request_id=request.request_id,
             arrival=next(self._arrivals),
             tenant=tenant,
-            priority=priority,
-            background=background,
+            priority=request.priority,
+            background=request.background,
         )
-        seq.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        seq.arrival_time = request.arrival_time
         kind = params.grammar.kind if params.grammar is not None else None
         seq.draft_scope = DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning)
-        if grammar is not None:
-            seq.guided = self._guided(grammar, params, token_ids)
+        if request.grammar is not None:
+            seq.guided = self._guided(request.grammar, params, token_ids)
         seq.detok = IncrementalDetokenizer(self.tokenizer.hf, token_ids, params.skip_special_tokens)
         seq.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         if params.stop_on_repeated_tool_call:
             seq.stops = StopChain(seq.stops, RepeatedCallStop())
         self.scheduler.add(seq)
-        self.requests[request_id] = seq
-        return request_id
+        self.requests[request.request_id] = seq
+        return request.request_id
 
     def _guided(self, grammar: CompiledGrammar, params: SamplingParams, prompt: list[int]) -> GuidedDecoding:
         """The constraint: from the output's first token, or with `params.reasoning` (a reasoning format) after
@@ -382,13 +396,14 @@ class LLMEngine:
             grammar.matcher(), opening, started, fmt.ends, reasoning_budget=budget, closing=closing
         )
 
-    def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
-        """`params` with its bad_words as token sequences (motet/engine/worker/token_masks.py); the serving layer
-        calls it in a worker thread, so the engine's thread finds them resolved."""
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """`params.bad_words` as token sequences (motet/engine/worker/token_masks.py), None where there are none or
+        they are resolved already; the serving layer calls it in a worker thread, so the engine's thread never
+        tokenizes them."""
         if not params.bad_words or params.bad_words_token_ids is not None:
-            return params
+            return None
         encode = functools.partial(self.tokenizer.hf.encode, add_special_tokens=False)
-        return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, encode))
+        return bad_words_token_ids(params.bad_words, encode)
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)

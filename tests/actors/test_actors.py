@@ -16,6 +16,7 @@ from motet.api.metrics import Metrics
 from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
+from motet.engine.request import EngineRequest
 from motet.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -93,7 +94,9 @@ async def test_merge_streams_interleaves_until_all_finish():
 
 
 def _queued(rid, tenant="t", adapter_id=0):
-    return QueuedRequest(rid, tenant, adapter_id, [1, 2, 3], SamplingParams(), ReplyStream(rid))
+    return QueuedRequest(
+        EngineRequest(rid, [1, 2, 3], SamplingParams(), adapter_id, tenant=tenant), ReplyStream(rid)
+    )
 
 
 async def test_adapter_queues_bound_and_fair_take():
@@ -108,7 +111,7 @@ async def test_adapter_queues_bound_and_fair_take():
         assert q.depth_by_adapter() == {0: 3, 7: 1}
         order = iter(["b", "a", "a", "a", None])
         taken = await q.ask(Take(lambda tenants: next(order)))
-        assert [r.request_id for r in taken.requests] == ["b1", "a1", "a2", "x1"]
+        assert [r.request.request_id for r in taken.requests] == ["b1", "a1", "a2", "x1"]
         assert not taken.more
         q.close()
 
@@ -187,7 +190,7 @@ async def test_generates_like_the_offline_engine(system, tiny_model_dir):
         assert tokens == exp.token_ids
         assert text == exp.text
         assert last.finish_reason == exp.finish_reason
-    assert system.stats().running == 0
+    assert system.stats().num_running == 0
 
 
 async def test_abort_frees_blocks_within_a_step(system):
@@ -198,7 +201,7 @@ async def test_abort_frees_blocks_within_a_step(system):
     stream.cancel()
     system.abort(stream.request_id)
     with anyio.fail_after(10):
-        while system.stats().kv_blocks_used or system.stats().running:
+        while system.stats().kv_blocks_used or system.stats().num_running:
             await anyio.sleep(0.01)
     assert not system.scheduler.live
 
@@ -271,9 +274,9 @@ async def test_light_tenant_starts_at_the_next_step_under_another_tenants_backlo
     firsts = [await adm.streams[0].get() for adm in a[:2]]  # running
     # A request handed from its queue to the engine is in neither count for a moment: wait for it to land.
     with anyio.fail_after(10):
-        while (stats := system.stats()).waiting + stats.queued != 6:
+        while (stats := system.stats()).num_waiting + stats.queued != 6:
             await anyio.sleep(0.01)
-    assert stats.running == 2
+    assert stats.num_running == 2
     submitted_at = system.scheduler.steps
     b = await system.submit(_spec("b0", "Paris is the capital", tenant="B", max_tokens=4, speculative=False))
     first = await b.streams[0].get()

@@ -18,6 +18,7 @@ from motet.actors.reply import ReplyStream
 from motet.actors.system import ServingSystem
 from motet.engine.core.sequence import Sequence
 from motet.engine.llm import LLM
+from motet.engine.request import EngineRequest
 from motet.engine.sampling_params import SamplingParams
 from tests.actors.test_actors import _engine_factory, _spec
 from tests.engine.test_fairness import make, run_step
@@ -97,9 +98,8 @@ def anyio_backend():
 
 
 def queued(rid, tenant, priority, adapter=0):
-    return QueuedRequest(
-        rid, tenant, adapter, [1, 2, 3], SamplingParams(), ReplyStream(rid), priority=priority
-    )
+    request = EngineRequest(rid, [1, 2, 3], SamplingParams(), adapter, tenant=tenant, priority=priority)
+    return QueuedRequest(request, ReplyStream(rid))
 
 
 @pytest.mark.anyio
@@ -113,7 +113,7 @@ async def test_adapter_queues_hand_out_a_tenants_most_urgent_request_first():
         await q.ask(Enqueue([queued("a5", "a", -7, adapter=7)]))  # another adapter's queue
         order = iter(["b", "a", "a", "a", "a", "a", None])  # the policy's turns between tenants
         taken = await q.ask(Take(lambda tenants: next(order)))
-        assert [r.request_id for r in taken.requests] == ["b1", "a5", "a3", "a1", "a4", "a2"]
+        assert [r.request.request_id for r in taken.requests] == ["b1", "a5", "a3", "a1", "a4", "a2"]
         q.close()
 
 

@@ -527,8 +527,7 @@ def test_run_batch_cli(tiny_model_dir, tmp_path):
 
 # -- the pieces on their own ------------------------------------------------------------------------------------
 def stats(queued: int = 0, waiting: int = 0, running: int = 0) -> Stats:
-    return Stats(queued=queued, waiting=waiting, running=running, kv_blocks_used=0, kv_blocks_free=0,
-                 prefix_cache_queries=0, prefix_cache_hits=0, preemptions=0, steps=0, adapters_pinned=0)  # fmt: skip
+    return Stats(queued=queued, num_waiting=waiting, num_running=running)
 
 
 def test_low_priority_takes_only_what_live_traffic_leaves():

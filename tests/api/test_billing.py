@@ -54,7 +54,7 @@ def ops(srv) -> httpx.Client:
 def quiet(srv) -> None:
     """Waits until no request is in flight anywhere: every bill closed, the engine idle."""
     deadline = time.monotonic() + 60
-    while srv.state.inflight or (s := srv.state.system.stats()).running or s.waiting or s.queued:
+    while srv.state.inflight or (s := srv.state.system.stats()).num_running or s.num_waiting or s.queued:
         assert time.monotonic() < deadline
         time.sleep(0.05)
 

@@ -149,7 +149,20 @@ def test_report_round_trip_and_sum():
 
     def report(replica, running, hits, waiting=(), queued=()):
         spec = SpeculativeStats(drafted_tokens=10 * running, accepted_tokens=7 * running)
-        stats = Stats(1, 0, running, 10, 90, 100, hits, 0, 5, 1, ("t/a",), waiting, queued, spec)
+        stats = Stats(
+            num_running=running,
+            kv_blocks_used=10,
+            kv_blocks_free=90,
+            prefix_cache_queries=100,
+            prefix_cache_hits=hits,
+            steps=5,
+            adapters_pinned=1,
+            running_adapters=("t/a",),
+            waiting_adapters=waiting,
+            speculative=spec,
+            queued=1,
+            queued_adapters=queued,
+        )
         return ReplicaReport(replica, 3, stats, ReplicaReport.pack([5, -7]), (11,), 32)
 
     a, b = report("a", 2, 40, queued=("t/q",)), report("b", 3, 10, waiting=("t/a", "t/w"), queued=("t/a",))
@@ -157,7 +170,7 @@ def test_report_round_trip_and_sum():
     assert back == a and list(back.block_hashes()) == [5, -7] and back.kv_free_fraction == 0.9
     assert ReplicaReport.from_dict({}) is None
     total = total_stats([a, b])
-    assert (total.running, total.prefix_cache_hits, total.queued, total.running_adapters) == (
+    assert (total.num_running, total.prefix_cache_hits, total.queued, total.running_adapters) == (
         5,
         50,
         2,

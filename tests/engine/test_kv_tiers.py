@@ -306,7 +306,7 @@ def test_tier_figures_in_metrics(tiny_model_dir, tmp_path):
     llm.generate([prefix + [7]], greedy())
     es = llm.engine.stats()
     metrics = Metrics("tiny")
-    metrics.refresh(Stats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, kv_tiers=es.kv_tiers))
+    metrics.refresh(Stats(kv_tiers=es.kv_tiers))
     samples = {
         (s.name, s.labels.get("tier"), s.labels.get("le")): s.value
         for family in text_string_to_metric_families(metrics.render().decode())

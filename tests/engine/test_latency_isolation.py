@@ -298,9 +298,9 @@ def test_batch_work_is_marked_from_the_keys_file_the_flex_tier_and_batch_lines(t
     seen = []
 
     class Recording(LLMEngine):
-        def add_request(self, *args, **kwargs):
-            seen.append((kwargs["tenant"], kwargs.get("background", False)))
-            return super().add_request(*args, **kwargs)
+        def add(self, request):
+            seen.append((request.tenant, request.background))
+            return super().add(request)
 
     cfg = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=8, max_model_len=512)
     system = ServingSystem(lambda: Recording(cfg, model_dir=tiny_model_dir), max_queue_len=64)

@@ -75,8 +75,8 @@ class LowPriority:
             raise ValueError("--batch-max-in-flight must be at least 1")
 
     def admits(self, stats: Stats, in_flight: int) -> bool:
-        nothing_waits = stats.queued == 0 and stats.waiting == 0
-        return in_flight < self.max_in_flight and nothing_waits and stats.running >= in_flight
+        nothing_waits = stats.queued == 0 and stats.num_waiting == 0
+        return in_flight < self.max_in_flight and nothing_waits and stats.num_running >= in_flight
 
 
 class BatchGate:
