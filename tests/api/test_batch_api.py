@@ -436,7 +436,8 @@ def test_a_tenant_whose_keys_were_all_removed_gets_no_more_lines_run():
 def test_live_requests_go_before_batch_lines(tiny_model_dir, tmp_path):
     """One sequence at a time and 8 batch lines allowed in flight: a batch line is sent only while nothing
     waits, so a live request of the same tenant waits behind at most the line running and one waiting, not
-    behind 8 (without the policy, the engine's FIFO would put it behind every line already sent)."""
+    behind 8 (without the policy, the engine's FIFO would put it behind every line already sent). Counted from
+    before the live request is sent, so one more line may end on the way (seen under load: 3)."""
     srv = start(tiny_model_dir, tmp_path, "data", "--max-num-seqs", "1", "--batch-max-in-flight", "8")
     try:
         alice = sdk(srv)
@@ -448,7 +449,7 @@ def test_live_requests_go_before_batch_lines(tiny_model_dir, tmp_path):
             before = alice.batches.retrieve(batch.id).request_counts.completed
             alice.chat.completions.create(**chat_line("live", i, max_tokens=8)["body"])
             passed = alice.batches.retrieve(batch.id).request_counts.completed - before
-            assert passed <= 2, f"the live request waited for {passed} batch lines"
+            assert passed <= 3, f"the live request waited for {passed} batch lines"
         alice.batches.cancel(batch.id)
         assert wait(alice, batch.id)[0].status == "cancelled"
     finally:
