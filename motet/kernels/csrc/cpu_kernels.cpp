@@ -10,6 +10,7 @@
 
 #include "attention.h"
 #include "gemm.h"
+#include "gemm_bf16.h"
 #include "moe.h"
 #include "qgemm.h"
 #include "sgmv.h"
@@ -464,6 +465,22 @@ extern "C" {
 #error "MOTET_ABI_VERSION is given by kernels/cpu_native.py's FLAGS"
 #endif
 int motet_abi_version() { return MOTET_ABI_VERSION; }
+
+// The kernels this build holds, by the instruction sets its flags allowed (cpu_native.KERNEL_BITS): 1 the
+// AVX2 ones, 2 bf16 dot products (gemm_bf16.h), 4 VNNI integer dot products (qgemm.h).
+int motet_kernels() {
+    int bits = 0;
+#ifdef __AVX2__
+    bits |= 1;
+#endif
+#ifdef MOTET_BF16_DOT
+    bits |= 2;
+#endif
+#ifdef MOTET_QGEMM_VNNI
+    bits |= 4;
+#endif
+    return bits;
+}
 
 // window 0: none; softcap 0: none; sinks: fp32 [H] or null.
 int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, int64_t q_sh, const void* kc,
