@@ -63,6 +63,7 @@ class Stats:
     tenants: tuple[TenantStats, ...] = ()  # in the order they are served next (one replica's engine only)
     kv_tiers: tuple[KVTierStats, ...] = ()  # the KV tiers past the device cache (engine.kv_connector)
     adapter_memory: AdapterStats | None = None  # the adapter pool, the host cache, loads (lora/manager.py)
+    cpu_kernels: str = ""  # the native CPU step's instruction-set tier (EngineStats.cpu_kernels)
 
 
 class ServingSystem:
@@ -142,6 +143,7 @@ class ServingSystem:
             generation_tokens=es.generation_tokens,
             tenants=self._tenant_stats(es.tenants),
             kv_tiers=es.kv_tiers,
+            cpu_kernels=es.cpu_kernels,
         )
 
     def _tenant_stats(self, engine_tenants) -> tuple[TenantStats, ...]:

@@ -1,12 +1,14 @@
 // CPU kernels for the step's hot paths, beside their torch references (kernels/*.py define the meaning).
 //
-// Plain C ABI (loaded with ctypes by kernels/cpu_native.py, compiled on first use with -march=native), no
+// Plain C ABI (loaded with ctypes by kernels/cpu_native.py, compiled on first use with the flags of the CPU's
+// instruction-set tier, kernels/cpu_isa.py: the headers pick their kernels by the compiler's feature macros), no
 // torch headers: a few seconds to build. OpenMP resolves to the libgomp torch has already loaded, so these
 // kernels share torch's thread pool instead of oversubscribing the cores.
 //
 // dtype codes: 0 = float32, 1 = bfloat16 (stored as uint16, converted exactly to fp32 on load; results
 // rounded to nearest even, as torch does); weights may also be 2 = int8, 3 = int4 (qgemm.h). Every
-// accumulation is in fp32.
+// accumulation is in fp32 (in the avx512bf16 tier, a bf16 weight's product rounds its fp32 input to bf16 first:
+// gemm_bf16.h).
 
 #include "attention.h"
 #include "gemm.h"
