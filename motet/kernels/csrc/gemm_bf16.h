@@ -135,19 +135,16 @@ inline void gemm_dot(const float* x, int64_t ldx, int M, int K, const uint16_t* 
     const int panels = (N + NR - 1) / NR;
     int64_t ldb;
     uint16_t* xb = bf16_rows_buffer(M, K, &ldb);
-    const bool split_rows = M > 2 * MR_DOT;  // a few rows: a barrier would cost more than rounding them
-    if (!split_rows) round_rows_bf16(x, ldx, 0, M, K, xb, ldb);
+    // Rounded by the calling thread (a small share of the product's time, at any M): splitting them over the
+    // team would cost a barrier, a whole time slice when another process holds a core.
+    round_rows_bf16(x, ldx, 0, M, K, xb, ldb);
 #pragma omp parallel if (panels > 1)
     {
-        if (split_rows) {
-            const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-            round_rows_bf16(x, ldx, M * t / nt, M * (t + 1) / nt, K, xb, ldb);
-#pragma omp barrier
-        }
         std::vector<uint16_t> paired(M > MR_DOT ? static_cast<size_t>(ldb) * NR : 0);
         for (int m_start = 0; m_start < M; m_start += kMChunk) {
             const int m_end = m_start + kMChunk < M ? m_start + kMChunk : M;
-#pragma omp for schedule(static)
+            // no barrier between chunks: a thread writes its own panels' columns of every chunk
+#pragma omp for schedule(static) nowait
             for (int p = 0; p < panels; ++p) {
                 const int n0 = p * NR;
                 const int nv = N - n0 < NR ? N - n0 : NR;
