@@ -110,7 +110,7 @@ class EngineStats:
     generation_tokens: int = 0
     tenants: tuple[TenantState, ...] = ()  # tenants with requests here, in the order they are served next
     kv_tiers: tuple[KVTierStats, ...] = ()  # the KV tiers past the device cache, if any (RAM, disk)
-    cpu_kernels: str = ""  # the native CPU step's instruction-set tier (cpu_native.isa()); "" where it runs none
+    cpu_kernels: str = ""  # the native CPU step's instruction-set tier (cpu_native.isa()); "" where none runs
 
 
 class TextRow(NamedTuple):
