@@ -10,6 +10,8 @@ import tempfile
 import pytest
 import torch
 
+from tests.kernels import cpu_tiers
+
 # Triton kernels run under the interpreter on CPU machines; it must be set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -85,3 +87,12 @@ def gguf_dir(wheel_dir):
     from motet.engine.weights.model_store import GGUF_MEMBER
 
     return wheel_dir / Path(GGUF_MEMBER).parent
+
+
+@pytest.fixture(params=cpu_tiers.TIERS)
+def cpu_tier(request, monkeypatch):
+    """The test runs once per instruction-set tier of the native CPU kernels this CPU runs (each forced as
+    MOTET_CPU_ISA forces it; the others skipped, naming the flags the CPU lacks): its name."""
+    cpu_tiers.use_tier(monkeypatch, request.param)
+    yield request.param
+    cpu_tiers.reset()

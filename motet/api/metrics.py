@@ -13,7 +13,7 @@ admin: each tenant's virtual token counter, its requests queued, waiting and run
 the order tenants are served next (motet/engine/core/fairness.py). Per KV tier past the device cache (`tier`: ram,
 disk; motet/engine/core/kv_connector.py): the bytes and blocks it holds and may hold, the prompt tokens and bytes
 loaded from it instead of recomputed, the blocks and bytes saved to it, the entries dropped as corrupt, and
-the loads' latency. Adapter memory (`motet_lora_*`): the pool's bound and the bytes and adapters resident in it,
+the loads' latency. The native CPU step's kernels: the instruction-set tier they run (`motet_cpu_kernels_info`). Adapter memory (`motet_lora_*`): the pool's bound and the bytes and adapters resident in it,
 how many adapters fit, the host cache, and the loads, placements, evictions, hits and misses so far.
 """
 
@@ -161,6 +161,12 @@ class Metrics:
         )
         self.vllm_kv_usage = Gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", model, registry=r
+        )
+        self.cpu_kernels_info = Gauge(
+            "motet_cpu_kernels_info",
+            "the instruction-set tier of the native CPU step's kernels (1; no series where it does not run)",
+            ["isa"],
+            registry=r,
         )
         self.vllm_lora_info = Gauge(
             "vllm:lora_requests_info",
@@ -337,6 +343,9 @@ class Metrics:
         self.vllm_lora_info.labels(
             self.model_name, str(cap), ",".join(sorted(running)), ",".join(sorted(waiting))
         ).set(time.time())
+        self.cpu_kernels_info.clear()
+        if stats.cpu_kernels:
+            self.cpu_kernels_info.labels(stats.cpu_kernels).set(1)
         self.queued.set(stats.queued)
         self.waiting.set(stats.num_waiting)
         self.running.set(stats.num_running)

@@ -111,6 +111,7 @@ class EngineStats:
     generation_tokens: int = 0
     tenants: tuple[TenantState, ...] = ()  # tenants with requests here, in the order they are served next
     kv_tiers: tuple[KVTierStats, ...] = ()  # the KV tiers past the device cache, if any (RAM, disk)
+    cpu_kernels: str = ""  # the native CPU step's instruction-set tier (cpu_native.isa()); "" where none runs
 
 
 class TextRow(NamedTuple):
@@ -465,6 +466,7 @@ class LLMEngine:
             generation_tokens=self.num_generation_tokens,
             tenants=sched.tenant_states(),
             kv_tiers=self.kv_connector.stats(),
+            cpu_kernels=self.runner.cpu_kernels,
         )
 
     # -- the step -------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The native CPU kernels (motet/kernels/csrc/cpu_kernels.cpp): built on first use, called through ctypes.
 
 The sources (motet/kernels/csrc: a header per kernel, and the forward with the C API in cpu_kernels.cpp) are
-compiled with the system C++ compiler for this CPU (`-O3 -march=native -fopenmp`) into a
-cache directory keyed by the source, the flags and the CPU's features, so a build happens once per machine
-(a few seconds). Torch is imported first, so the library's OpenMP calls land in the libgomp torch already
+compiled with the system C++ compiler (`-O3 -fopenmp` and the flags of the instruction-set tier that runs here:
+motet/kernels/cpu_isa.py, `isa()`) into a cache directory keyed by the source, the flags and the CPU's
+features, so a build happens once per machine and tier (a few seconds). Torch is imported first, so the library's OpenMP calls land in the libgomp torch already
 loaded: one thread pool for torch and these kernels. Where no compiler is found or the build fails, or
 `MOTET_CPU_KERNELS=0`, `library()` is None and callers keep their torch path (the reference).
 
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from motet.kernels import cpu_isa
 from motet.kernels.attention_args import AttentionOptions, KVCache, PagedContext
 from motet.kernels.quant import BLOCK, QuantizedWeight
 
@@ -38,7 +39,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the othe
 # The version of the C API this module's structs and signatures speak: given to the source as a macro (its one
 # written value), returned by the built library's motet_abi_version, and checked as the library loads.
 ABI_VERSION = 10
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # and the tier's (cpu_isa.TIERS)
 FLAGS.append(f"-DMOTET_ABI_VERSION={ABI_VERSION}")
 PANEL = 16  # output columns per packed weight panel (NR in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -335,6 +336,7 @@ class ProgramWriter:
 PHASES = ("linear", "attention", "lora", "other")  # Step.timings' slots (the source's Phase)
 
 
+_SIGNATURES["motet_kernels"] = []
 _SIGNATURES["motet_check"] = [ctypes.POINTER(Program)]
 _SIGNATURES["motet_forward"] = [ctypes.POINTER(Program), ctypes.POINTER(Step), _ptr]
 _SIGNATURES["motet_release"] = [ctypes.POINTER(Program)]
@@ -344,14 +346,26 @@ def enabled() -> bool:
     return os.environ.get("MOTET_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _cpu_features() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def isa() -> str:
+    """The name of the instruction-set tier whose kernels run here (cpu_isa.TIERS; read once)."""
+    return cpu_isa.selected().name
+
+
+# The bits of the built library's motet_kernels(): which kernels its tier's flags compiled in.
+KERNEL_BITS = {"avx2": 1, "bf16_dot": 2, "vnni": 4}
+
+
+def kernels() -> list[str]:
+    """The kernels the running tier's library holds (KERNEL_BITS' names; none where no library loads)."""
+    lib = library()
+    bits = lib.motet_kernels() if lib is not None else 0
+    return [name for name, bit in KERNEL_BITS.items() if bits & bit]
+
+
+def bf16_activations() -> bool:
+    """Whether the running tier rounds activations to bf16 to multiply them with bf16 weights (accumulating
+    in fp32), where the others multiply them in fp32."""
+    return cpu_isa.selected().bf16_activations
 
 
 def _cache_dir() -> Path:
@@ -359,12 +373,14 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, tier: cpu_isa.Isa) -> Path:
     sources = [f.read_bytes() for f in sorted(SOURCE.parent.iterdir()) if f.suffix in (".cpp", ".h")]
+    flags = [*FLAGS, *tier.flags]
+    features = " ".join(sorted(cpu_isa.cpu_flags())) or platform.processor()
     key = hashlib.sha256(
-        b"\0".join([*sources, " ".join(FLAGS).encode(), compiler.encode(), _cpu_features().encode()])
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"motet_cpu_{platform.machine()}_{key}.so"
+        b"\0".join([*sources, " ".join(flags).encode(), compiler.encode(), features.encode()])
+    )
+    target = _cache_dir() / f"motet_cpu_{platform.machine()}_{tier.name}_{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -372,7 +388,7 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         proc = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=300
+            [compiler, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=300
         )
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{proc.stderr[-2000:]}")
@@ -380,17 +396,20 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (not enabled, no compiler, or the build failed: logged once)."""
-    if not enabled():
-        return None
+    """The loaded kernels of the tier that runs (`isa()`), or None (not enabled, no compiler, or the build
+    failed: logged once)."""
+    return _load(isa()) if enabled() else None
+
+
+@functools.cache
+def _load(name: str) -> ctypes.CDLL | None:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if compiler is None:
         log.warning("no C++ compiler found: the CPU kernels fall back to their torch references")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, cpu_isa.BY_NAME[name])))
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
         log.warning("the CPU kernels could not be built (%s): torch references serve instead", e)
         return None

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from motet.api.auth import Authenticator
 from motet.api.errors import APIError
+from motet.kernels import cpu_native
 from tests.live_server import ThreadServer, keys_file
 from tests.peft_adapters import make_adapter
 
@@ -193,3 +194,12 @@ def test_a_requests_key_lookup_does_not_grow_with_the_keys():
 
     few, many = auth_of(10), auth_of(10_000)
     assert per_request(many, 9_999) == per_request(few, 9)
+
+
+def test_metrics_name_the_native_cpu_kernels_tier(server):
+    """The native CPU step's instruction-set tier (docs/cpu.md) as an info series; none where the step does not
+    run (no compiler here)."""
+    r = httpx.get(f"{server.url}/metrics", headers=bearer("sk-scrape"), timeout=10)
+    samples = [s for f in text_string_to_metric_families(r.text) for s in f.samples]
+    info = [(s.labels, s.value) for s in samples if s.name == "motet_cpu_kernels_info"]
+    assert info == ([({"isa": cpu_native.isa()}, 1.0)] if cpu_native.library() is not None else [])

@@ -45,7 +45,8 @@ def test_compiled_logits_equal_eager(tmp_path, arch, chunk):
 
 
 def test_compiled_bf16_close_to_eager_bf16_and_fp32(tiny_model_dir):
-    """bf16 weights and KV: the compiled step keeps activations in fp32, so it is at least as close to the
+    """bf16 weights and KV: the compiled step keeps activations in fp32 between its ops (where the CPU has bf16
+    dot products, a linear's input is rounded to bf16 for its product only), so it is at least as close to the
     fp32 model as the eager bf16 model (which rounds after every op) is."""
     fp32 = engine_logits(engines(tiny_model_dir)[0], PROMPTS[:4])
     eager, compiled = engines(tiny_model_dir, dtype="bfloat16")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -108,3 +111,51 @@ def test_chunked_prefill_2000_tokens(llm):
     # Tolerance: fp32, the same math in a different order (chunks see cached K/V instead of fresh ones).
     torch.testing.assert_close(chunked, one, atol=2e-3, rtol=1e-3)
     assert (chunked.argmax(-1) == one.argmax(-1)).float().mean() > 0.999
+
+
+TEXT = Path(__file__).parents[2] / "benchmarks" / "data" / "public_domain.txt"  # (benchmarks/quant_quality's)
+
+
+def test_bf16_predictions_stay_those_of_hf_fp32(default_model_dir, cpu_tier):
+    """The bf16 model in the native step of each instruction-set tier (avx512bf16: its products round their
+    inputs to bf16) predicts the text as HF's fp32 model does in substance: perplexity within 0.5%, the
+    top-1 token the same at >= 98% of 2,048 positions, and at least as often as the eager bf16 model does. (The
+    weights' own rounding to bf16 costs 1%: HF's fp32 model on the bf16-rounded weights agrees at 99.0%.)"""
+    if cpu_tier == "scalar":
+        pytest.skip("the portable loops: minutes on the real model (tests/kernels checks them)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
+
+    ids = AutoTokenizer.from_pretrained(default_model_dir)(TEXT.read_text())["input_ids"][:2048]
+    windows = [ids[i : i + 512] for i in range(0, len(ids), 512)]
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = [hf(torch.tensor([w])).logits[0] for w in windows]
+
+    def scores(logits) -> tuple[float, float]:  # (perplexity, share of positions whose top-1 is HF fp32's)
+        logits = [lg.float() for lg in logits]
+        nll = sum(
+            -lg.log_softmax(-1)[:-1].gather(1, torch.tensor(w[1:])[:, None]).sum()
+            for w, lg in zip(windows, logits, strict=True)
+        )
+        same = sum((lg.argmax(-1) == r.argmax(-1)).sum() for lg, r in zip(logits, ref, strict=True))
+        return math.exp(nll / (len(ids) - len(windows))), float(same) / len(ids)
+
+    def engine(compile_step: bool) -> LLMEngine:
+        config = EngineConfig(
+            model=str(default_model_dir), num_kv_blocks=256, dtype="bfloat16", compile_step=compile_step
+        )
+        return LLMEngine(config)
+
+    native = engine(True)
+    assert native.runner.native is not None and native.runner.cpu_kernels == cpu_tier
+    ppl_hf, _ = scores(ref)
+    ppl, top1 = scores(engine_logits(native, windows))
+    _, top1_eager = scores(engine_logits(engine(False), windows))
+    assert abs(ppl / ppl_hf - 1) <= 0.005 and top1 >= 0.98 and top1 >= top1_eager, (
+        ppl / ppl_hf,
+        top1,
+        top1_eager,
+    )

@@ -1,6 +1,8 @@
-"""The native CPU kernels (motet/kernels/cpu_native.py) against float64 ground truths: paged attention against the
-naive per-position attention of test_paged_attention, SGMV over the adapters' pool against a naive
-per-row LoRA delta from the adapters' own factors, the small-M linear against float64 F.linear."""
+"""The native CPU kernels (motet/kernels/cpu_native.py) against float64 ground truths, in every instruction-set tier
+this CPU runs (tests/kernels/cpu_tiers.py): paged attention against the naive per-position attention of
+test_paged_attention, SGMV over the adapters' pool against a naive per-row LoRA delta from the adapters' own
+factors, the linear against float64 F.linear (of x rounded to bf16 where the tier multiplies bf16 weights with
+bf16 activations: the result is then exact products summed in fp32)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,48 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from motet.kernels import cpu_native
+from motet.kernels import cpu_isa, cpu_native
 from motet.kernels.attention_args import AttentionOptions, PagedContext
 from motet.lora.adapter import module_shape
 from motet.lora.pool import DECODER_GROUPS
+from tests.kernels.cpu_tiers import ref_activations, reset
 from tests.kernels.test_paged_attention import TOL, check, make_batch, naive_attention, random_seqs
 from tests.lora.test_lora_pool import BASE, LAYOUT
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels")
+
+
+@pytest.fixture(autouse=True)
+def tier(cpu_tier):
+    """Every test here runs once per tier (tests/conftest.py's cpu_tier)."""
+    return cpu_tier
+
+
+# The kernels each tier's build must hold (cpu_native.KERNEL_BITS): a tier whose flags compiled less is a bug.
+TIER_KERNELS = {"avx512bf16": ["avx2", "bf16_dot", "vnni"], "avx512vnni": ["avx2", "vnni"], "avx2": ["avx2"],
+                "scalar": []}  # fmt: skip
+
+
+def test_tier_builds_its_kernels(tier):
+    if tier == "scalar" and cpu_isa.BY_NAME["scalar"].flags == ():
+        pytest.skip("not x86: the scalar tier is the compiler's default target")
+    assert cpu_native.kernels() == TIER_KERNELS[tier]
+    assert cpu_native.bf16_activations() == ("bf16_dot" in TIER_KERNELS[tier])
+
+
+def test_the_highest_tier_runs_unless_a_lower_one_is_named(tier, monkeypatch, caplog):
+    best = next(t.name for t in cpu_isa.TIERS if not cpu_isa.missing(t))
+    monkeypatch.delenv(cpu_isa.ENV)
+    reset()
+    assert cpu_native.isa() == best
+    monkeypatch.setenv(cpu_isa.ENV, "avx9000")
+    reset()
+    assert cpu_native.isa() == best and "names no tier" in caplog.text
+    unrunnable = [t.name for t in cpu_isa.TIERS if cpu_isa.missing(t)]
+    if unrunnable:
+        monkeypatch.setenv(cpu_isa.ENV, unrunnable[0])
+        reset()
+        assert cpu_native.isa() == best and "lacks" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -167,18 +203,19 @@ def test_sgmv_strided_output_and_narrower_input():
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("M", [1, 2, 3, 6, 7, 13, 100, 200])
+@pytest.mark.parametrize("M", [1, 2, 3, 6, 7, 11, 13, 25, 100, 200])
 @pytest.mark.parametrize("N,K", [(16, 16), (13, 40), (50, 37), (70, 9)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_matches_float64(w_dtype, M, N, K, bias):
-    """Every row-tile remainder (M mod 6), panel remainder (N mod 16), several M chunks (M > 96)."""
+    """Every row-tile remainder (M mod 6 and mod 12: the AVX2 and the bf16 dot tiles), panel remainder (N mod
+    16), odd K (the dot product's pairs of k), several M chunks (M > 96)."""
     g = torch.Generator().manual_seed(M * N + K)
     x = torch.randn(M, K + 3, generator=g)[:, 3:]  # row-strided
     w = torch.randn(N, K, generator=g).to(w_dtype)
     b = torch.randn(N, generator=g).to(w_dtype) if bias else None
     packed = cpu_native.pack(w)
     y = cpu_native.gemm(x, packed, N, b)
-    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    want = F.linear(ref_activations(x, w_dtype).double(), w.double(), None if b is None else b.double())
     assert y.dtype == torch.float32 and y.shape == (M, N)
     torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-4)
     # accumulate into a row-strided output

@@ -125,14 +125,15 @@ def check_qgemm(name: str, M: int, N: int, K: int, bias: bool, seed: int) -> Non
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 13, 100, 200])
 @pytest.mark.parametrize("N,K", [(16, 32), (1, 64), (13, 96), (50, 160), (70, 32)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_qgemm_matches_float64_of_dequantized(name, M, N, K, bias):
-    """One row tile (M <= 4) and several, every panel remainder (N mod 16), several row chunks (M > 96)."""
+def test_qgemm_matches_float64_of_dequantized(cpu_tier, name, M, N, K, bias):
+    """One row tile (M <= 4) and several, every panel remainder (N mod 16), several row chunks (M > 96); in each
+    instruction-set tier (the scalar one: the portable loops; avx512*: VNNI)."""
     check_qgemm(name, M, N, K, bias, seed=M * N + K)
 
 
 @needs_native
 @pytest.mark.parametrize("name", FORMAT_NAMES)
-def test_a_rows_product_does_not_depend_on_its_batch(name):
+def test_a_rows_product_does_not_depend_on_its_batch(cpu_tier, name):
     """Exact integer block sums, added in one order per row: a row alone, or among 1-130 others, gives the
     same bits (a request's output cannot depend on what else the step holds)."""
     g = torch.Generator().manual_seed(11)
@@ -153,24 +154,6 @@ def test_qgemm_refuses_inputs_not_in_whole_blocks():
         None, torch.zeros(1, 16).data_ptr(), 16, 0,
     )  # fmt: skip
     assert status != 0
-
-
-@needs_native
-def test_portable_build_matches_float64(tmp_path, monkeypatch):
-    """The kernels built for a CPU without AVX2 (the scalar paths) give the same products."""
-    monkeypatch.setenv("MOTET_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(
-        cpu_native, "FLAGS", [f if f != "-march=native" else "-march=x86-64" for f in cpu_native.FLAGS]
-    )
-    cpu_native.library.cache_clear()
-    try:
-        assert cpu_native.library() is not None and list(tmp_path.glob("kernels/*.so"))
-        for name in FORMAT_NAMES:
-            for M in (1, 3, 7):
-                check_qgemm(name, M, 21, 64, bias=True, seed=M)
-    finally:
-        monkeypatch.undo()
-        cpu_native.library.cache_clear()
 
 
 # -- the engine ----------------------------------------------------------------------------------------------

@@ -132,8 +132,9 @@ def test_moe_greedy_matches_hf_generate(moe_model, compiled):
 
 
 def test_moe_compiled_bf16_close_to_eager_bf16_and_fp32(moe_model):
-    """bf16 weights and KV: the compiled step keeps activations (and the router's softmax) in fp32, so it is
-    at least as close to the fp32 model as the eager bf16 model (which rounds after every op) is."""
+    """bf16 weights and KV: the compiled step keeps activations (and the router's softmax) in fp32 between its
+    ops (where the CPU has bf16 dot products, a linear's input is rounded to bf16 for its product only), so it
+    is at least as close to the fp32 model as the eager bf16 model (which rounds after every op) is."""
     if cpu_native.library() is None:
         pytest.skip("no C++ compiler for the CPU kernels")
     prompts = PROMPTS[:4]

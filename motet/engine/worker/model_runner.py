@@ -40,6 +40,7 @@ from motet.engine.worker.sampler import Sampler, SamplerOutput, compute_prompt_l
 from motet.engine.worker.step_backends import EagerSteps, GraphSteps
 from motet.engine.worker.step_inputs import InputBuilder
 from motet.engine.worker.tp_workers import NO_WORKERS, WorkerGroup
+from motet.kernels import cpu_isa, cpu_native
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
 
@@ -221,12 +222,21 @@ class ModelRunner:
         # The compiled step (EngineConfig.compile_step): on CPU the native forward, which takes the linear
         # weights over; else (or where it cannot run) the eager model, with oneDNN-prepacked products on CPU.
         self.native: CpuForward | None = None
+        self.cpu_kernels = ""  # the native step's instruction-set tier (cpu_native.isa()), where it runs
         if config.compile_step and self.device.type == "cpu" and cpu_forward_supported(model, self.dtype):
             t0 = time.perf_counter()
             self.native = CpuForward(model, self.kv_caches)
             took = time.perf_counter() - t0
             if took >= load_progress.EVERY_S:  # (a slow machine's start-up is not silence)
                 log.info("packed the weights for the native CPU step in %.1f s", took)
+            self.cpu_kernels = cpu_native.isa()
+            kernels = ", ".join(cpu_native.kernels()) or "portable loops"
+            log.info(
+                "native CPU step: %s kernels (%s; %s forces a lower tier)",
+                self.cpu_kernels,
+                kernels,
+                cpu_isa.ENV,
+            )
         elif self.device.type == "cpu" and onednn_available():
             for module in model.modules():
                 if isinstance(module, Linear):

@@ -1,15 +1,18 @@
 // CPU kernels for the step's hot paths, beside their torch references (kernels/*.py define the meaning).
 //
-// Plain C ABI (loaded with ctypes by kernels/cpu_native.py, compiled on first use with -march=native), no
+// Plain C ABI (loaded with ctypes by kernels/cpu_native.py, compiled on first use with the flags of the CPU's
+// instruction-set tier, kernels/cpu_isa.py: the headers pick their kernels by the compiler's feature macros), no
 // torch headers: a few seconds to build. OpenMP resolves to the libgomp torch has already loaded, so these
 // kernels share torch's thread pool instead of oversubscribing the cores.
 //
 // dtype codes: 0 = float32, 1 = bfloat16 (stored as uint16, converted exactly to fp32 on load; results
 // rounded to nearest even, as torch does); weights may also be 2 = int8, 3 = int4 (qgemm.h). Every
-// accumulation is in fp32.
+// accumulation is in fp32 (in the avx512bf16 tier, a bf16 weight's product rounds its fp32 input to bf16 first:
+// gemm_bf16.h).
 
 #include "attention.h"
 #include "gemm.h"
+#include "gemm_bf16.h"
 #include "moe.h"
 #include "qgemm.h"
 #include "sgmv.h"
@@ -464,6 +467,22 @@ extern "C" {
 #error "MOTET_ABI_VERSION is given by kernels/cpu_native.py's FLAGS"
 #endif
 int motet_abi_version() { return MOTET_ABI_VERSION; }
+
+// The kernels this build holds, by the instruction sets its flags allowed (cpu_native.KERNEL_BITS): 1 the
+// AVX2 ones, 2 bf16 dot products (gemm_bf16.h), 4 VNNI integer dot products (qgemm.h).
+int motet_kernels() {
+    int bits = 0;
+#ifdef __AVX2__
+    bits |= 1;
+#endif
+#ifdef MOTET_BF16_DOT
+    bits |= 2;
+#endif
+#ifdef MOTET_QGEMM_VNNI
+    bits |= 4;
+#endif
+    return bits;
+}
 
 // window 0: none; softcap 0: none; sinks: fp32 [H] or null.
 int motet_attention(int dtype_q, int dtype_cache, const void* q, int64_t q_st, int64_t q_sh, const void* kc,

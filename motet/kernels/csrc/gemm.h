@@ -18,6 +18,13 @@ constexpr int NR = 16;
 constexpr int MR = 6;
 constexpr int kMChunk = 96;  // rows per pass over the panels (x tile stays in L2)
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The avx512bf16 tier: bf16 weights go through gemm_bf16.h's dot products instead.
+#define MOTET_BF16_DOT 1
+inline void gemm_dot(const float* x, int64_t ldx, int M, int K, const uint16_t* packed, int N, const uint16_t* bias,
+                     float* y, int64_t ldy, bool accumulate);
+#endif
+
 #ifdef __AVX2__
 inline void load16(const float* p, __m256& lo, __m256& hi) {
     lo = _mm256_loadu_ps(p);
@@ -137,6 +144,9 @@ inline void panel_product(const float* x, int64_t ldx, int m_start, int m_end, i
 template <typename TW>
 void gemm(const float* x, int64_t ldx, int M, int K, const TW* packed, int N, const TW* bias, float* y,
           int64_t ldy, bool accumulate) {
+#ifdef MOTET_BF16_DOT
+    if constexpr (std::is_same_v<TW, uint16_t>) return gemm_dot(x, ldx, M, K, packed, N, bias, y, ldy, accumulate);
+#endif
     const int panels = (N + NR - 1) / NR;
     // Rows in chunks (their x tile stays in L2), each chunk's panels split evenly over the threads: each
     // thread streams one contiguous run of panels.

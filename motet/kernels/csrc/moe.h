@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "gemm.h"
+#include "gemm_bf16.h"
 
 namespace motet {
 
@@ -80,17 +80,33 @@ void grouped_gemm(const float* x, int64_t ldx, const int32_t* offsets, int E, in
         const int64_t per = chunks[c].m_end - chunks[c].m_start + kPanelCost;
         return static_cast<int64_t>(c) * panels + (target - before[c] + per - 1) / per;
     };
+#ifdef MOTET_BF16_DOT
+    // bf16 weights (the avx512bf16 tier): all rows rounded to bf16 once, for every expert's panels
+    constexpr bool dot = std::is_same_v<TW, uint16_t>;
+    int64_t ldb = 0;
+    uint16_t* xb = dot ? bf16_rows_buffer(offsets[E], K, &ldb) : nullptr;
+    if (dot) round_rows_bf16(x, ldx, 0, offsets[E], K, xb, ldb);
+#else
+    constexpr bool dot = false;
+#endif
 #pragma omp parallel if (total > 64 * kPanelCost)
     {
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t lo = first_item(total * tid / nt), hi = first_item(total * (tid + 1) / nt);
-        std::vector<float> convert(sizeof(TW) == 2 ? static_cast<size_t>(K) * NR : 0);
+        std::vector<float> convert(sizeof(TW) == 2 && !dot ? static_cast<size_t>(K) * NR : 0);
+        std::vector<uint16_t> paired(dot ? static_cast<size_t>(K + 1) * NR : 0);
         for (int64_t item = lo; item < hi; ++item) {
             const Chunk& c = chunks[item / panels];
             const int p = static_cast<int>(item % panels);
             const int n0 = p * NR, nv = N - n0 < NR ? N - n0 : NR;
             const TW* w = packed + c.expert * expert_stride + static_cast<int64_t>(p) * K * NR;
             const TW* b = bias ? bias + static_cast<int64_t>(c.expert) * N : nullptr;
+#ifdef MOTET_BF16_DOT
+            if constexpr (dot) {
+                dot_panel_product(xb, ldb, c.m_start, c.m_end, K, w, n0, nv, b, y, ldy, false, paired.data());
+                continue;
+            }
+#endif
             panel_product(x, ldx, c.m_start, c.m_end, K, w, n0, nv, b, y, ldy, false, convert.data());
         }
     }

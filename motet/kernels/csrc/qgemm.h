@@ -103,7 +103,64 @@ inline void quantize_row(const float* x, int K, int8_t* q, float* d, float* s) {
     }
 }
 
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define MOTET_QGEMM_SIMD 1
+#define MOTET_QGEMM_VNNI 1
+
+// The VNNI tiers (avx512vnni, avx512bf16): `vpdpbusd` multiplies 64 unsigned by signed byte pairs and adds each
+// lane's 4 products to its int32 sum: one instruction where AVX2 needs maddubs, madd and an add, and no int16
+// intermediate. A quad's 16 columns fill one 512-bit vector (lane c: column c's 4 values). int4 values are
+// unsigned already; int8 ones are made so as AVX2's `maddubs` path does: |w| times x with w's sign.
+template <int R, int FMT>
+inline void qdot(const int8_t* xq, int64_t ldq, const float* xd, const float* xs, int64_t lds,
+                 const uint8_t* panel, int nb, float* c) {
+    __m512 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t* rec = panel + static_cast<int64_t>(b) * QFormat<FMT>::kRecord;
+        const uint8_t* q = rec + QFormat<FMT>::kHeader;
+        __m512i isum[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int g = 0; g < QBLOCK / 4; ++g) {
+            __m512i w;  // unsigned bytes
+            __mmask64 neg = 0;  // int8: the bytes whose weight is negative
+            if constexpr (FMT == kWeightInt4) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
+                const __m256i mask = _mm256_set1_epi8(0x0F);
+                w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
+                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
+            } else {
+                const __m512i v = _mm512_loadu_si512(q + 64 * g);
+                neg = _mm512_movepi8_mask(v);
+                w = _mm512_abs_epi8(v);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                int32_t quad;
+                std::memcpy(&quad, xq + r * ldq + b * QBLOCK + 4 * g, 4);
+                __m512i a = _mm512_set1_epi32(quad);
+                if constexpr (FMT == kWeightInt8) a = _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a);
+                isum[r] = _mm512_dpbusd_epi32(isum[r], w, a);
+            }
+        }
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, _mm512_set1_ps(xd[r * lds + b])),
+                                     acc[r]);
+        if constexpr (FMT == kWeightInt4) {
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * lds + b]), acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + r * NR, acc[r]);
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define MOTET_QGEMM_SIMD 1
 
 // c [R][16] = the R rows' quantized x (q: ldq apart; d, s: lds apart) @ the panel's 16 columns, R <= kQRows.

@@ -1,0 +1,159 @@
+// The GEMM on packed bf16 weights through AVX512_BF16 dot products (built in the avx512bf16 tier only).
+#pragma once
+
+#include "gemm.h"
+
+#ifdef MOTET_BF16_DOT
+
+namespace motet {
+
+// ---------------------------------------------------------------------------------------------------------
+// y [M, N] (=, or +=) x [M, K] @ W^T (+ bias), W bf16 in gemm.h's panels (16 columns, k-major), x and y fp32.
+//
+// `vdpbf16ps` multiplies 16 pairs of bf16 and adds both products to 16 fp32 sums: per instruction two k of a
+// panel's 16 columns, four times the work of an AVX2 FMA on widened weights (gemm.h), and no widening. So x
+// is rounded to bf16 once per call (round to nearest even, as torch's .bfloat16()), every product of two bf16
+// is exact in fp32 and the sums stay fp32: the result is that of fp32 arithmetic on x rounded to bf16 (the
+// precision torch's own bf16 linear gives, which rounds x too).
+//
+// The instruction wants each 32-bit lane to hold one column's two k: a panel's rows k and k + 1 (32
+// contiguous bf16) are interleaved by one `vpermw`. A panel read by one row tile (decode) is interleaved as it
+// streams; one read by several is interleaved once into a per-thread copy (K * 16 bf16, kept in L1/L2). So the
+// packing is the same in every tier. Odd K: the last pair's second k is a zero (x's padding is zero too).
+
+constexpr int MR_DOT = 12;  // rows per tile: 12 independent sums hide the dot product's latency
+
+// Rows of x rounded to bf16, each ld (>= K, even) wide, zero past K.
+inline void round_rows_bf16(const float* x, int64_t ldx, int m_begin, int m_end, int K, uint16_t* xb, int64_t ld) {
+    for (int m = m_begin; m < m_end; ++m) {
+        const float* xr = x + static_cast<int64_t>(m) * ldx;
+        uint16_t* br = xb + static_cast<int64_t>(m) * ld;
+        for (int k = 0; k < ld; k += 32) {
+            const int left = K - k;
+            const __mmask16 lo = left >= 16 ? 0xFFFF : left > 0 ? (1u << left) - 1 : 0;
+            const __mmask16 hi = left >= 32 ? 0xFFFF : left > 16 ? (1u << (left - 16)) - 1 : 0;
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xr + k + 16), _mm512_maskz_loadu_ps(lo, xr + k));
+            const __mmask32 keep = ld - k >= 32 ? 0xFFFFFFFFu : (1u << (ld - k)) - 1;
+            _mm512_mask_storeu_epi16(br + k, keep, reinterpret_cast<__m512i>(v));
+        }
+    }
+}
+
+// A panel's k pair `kp` (rows 2kp and 2kp + 1, the second zero past K) as 16 lanes of (k, k + 1).
+inline __m512i panel_pair(const uint16_t* w, int kp, int K) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,  //
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const uint16_t* p = w + static_cast<int64_t>(kp) * 2 * NR;
+    const __m512i v = 2 * kp + 1 < K ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(0xFFFFu, p);
+    return _mm512_permutexvar_epi16(idx, v);
+}
+
+// c [R][16] = R rows of bf16 x (ldb apart) . the panel's 16 columns over K2 pairs of k; the panel raw
+// (gemm.h's layout, interleaved here) or `PAIRED` (already interleaved: K2 vectors).
+template <int R, bool PAIRED>
+inline void dot_micro(const uint16_t* xb, int64_t ldb, const uint16_t* w, int K, float* c) {
+    // Few rows leave too few independent sums: k is split over U partial sums.
+    constexpr int U = R == 1 ? 4 : R == 2 ? 2 : R <= 5 ? 2 : 1;
+    const int K2 = (K + 1) / 2;
+    __m512 acc[U][R];
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u)
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+    const auto step = [&](int u, int kp) __attribute__((always_inline)) {
+        const __m512i b = PAIRED ? _mm512_loadu_si512(w + static_cast<int64_t>(kp) * 2 * NR) : panel_pair(w, kp, K);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, xb + r * ldb + 2 * kp, 4);
+            acc[u][r] = _mm512_dpbf16_ps(acc[u][r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)),
+                                         reinterpret_cast<__m512bh>(b));
+        }
+    };
+    int kp = 0;
+    for (; kp + U <= K2; kp += U)
+#pragma GCC unroll 4
+        for (int u = 0; u < U; ++u) step(u, kp + u);
+    for (; kp < K2; ++kp) step(0, kp);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+        __m512 s = acc[0][r];
+#pragma GCC unroll 4
+        for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[u][r]);
+        _mm512_storeu_ps(c + r * NR, s);
+    }
+}
+
+template <bool PAIRED>
+inline void dot_rows(int rows, const uint16_t* xb, int64_t ldb, const uint16_t* w, int K, float* c) {
+    switch (rows) {
+        case 12: dot_micro<12, PAIRED>(xb, ldb, w, K, c); break;
+        case 11: dot_micro<11, PAIRED>(xb, ldb, w, K, c); break;
+        case 10: dot_micro<10, PAIRED>(xb, ldb, w, K, c); break;
+        case 9: dot_micro<9, PAIRED>(xb, ldb, w, K, c); break;
+        case 8: dot_micro<8, PAIRED>(xb, ldb, w, K, c); break;
+        case 7: dot_micro<7, PAIRED>(xb, ldb, w, K, c); break;
+        case 6: dot_micro<6, PAIRED>(xb, ldb, w, K, c); break;
+        case 5: dot_micro<5, PAIRED>(xb, ldb, w, K, c); break;
+        case 4: dot_micro<4, PAIRED>(xb, ldb, w, K, c); break;
+        case 3: dot_micro<3, PAIRED>(xb, ldb, w, K, c); break;
+        case 2: dot_micro<2, PAIRED>(xb, ldb, w, K, c); break;
+        default: dot_micro<1, PAIRED>(xb, ldb, w, K, c); break;
+    }
+}
+
+// Rows [m_start, m_end) of y over one raw panel `w` (columns n0 .. n0 + nv) from x already rounded (xb, ldb
+// apart); `paired`: this thread's copy for an interleaved panel (K rounded up to even, times 16 bf16).
+template <typename TB>
+inline void dot_panel_product(const uint16_t* xb, int64_t ldb, int m_start, int m_end, int K, const uint16_t* w,
+                              int n0, int nv, const TB* bias, float* y, int64_t ldy, bool accumulate,
+                              uint16_t* paired) {
+    alignas(64) float c[MR_DOT * NR];
+    const bool pre = m_end - m_start > MR_DOT;
+    if (pre)
+        for (int kp = 0; kp < (K + 1) / 2; ++kp)
+            _mm512_storeu_si512(paired + static_cast<int64_t>(kp) * 2 * NR, panel_pair(w, kp, K));
+    for (int m0 = m_start; m0 < m_end; m0 += MR_DOT) {
+        const int rows = m_end - m0 < MR_DOT ? m_end - m0 : MR_DOT;
+        const uint16_t* xr = xb + static_cast<int64_t>(m0) * ldb;
+        if (pre) dot_rows<true>(rows, xr, ldb, paired, K, c);
+        else dot_rows<false>(rows, xr, ldb, w, K, c);
+        store_tile(c, rows, nv, bias, n0, y + static_cast<int64_t>(m0) * ldy, ldy, accumulate);
+    }
+}
+
+// Room for M rows of x rounded to bf16 ([M, ld], ld: K rounded up to even), kept by the calling thread.
+inline uint16_t* bf16_rows_buffer(int M, int K, int64_t* ld) {
+    thread_local std::vector<uint16_t> buf;
+    *ld = (K + 1) / 2 * 2;
+    buf.resize(static_cast<size_t>(M) * *ld);
+    return buf.data();
+}
+
+inline void gemm_dot(const float* x, int64_t ldx, int M, int K, const uint16_t* packed, int N, const uint16_t* bias,
+                     float* y, int64_t ldy, bool accumulate) {
+    const int panels = (N + NR - 1) / NR;
+    int64_t ldb;
+    uint16_t* xb = bf16_rows_buffer(M, K, &ldb);
+    // Rounded by the calling thread (a small share of the product's time, at any M): splitting them over the
+    // team would cost a barrier, a whole time slice when another process holds a core.
+    round_rows_bf16(x, ldx, 0, M, K, xb, ldb);
+#pragma omp parallel if (panels > 1)
+    {
+        std::vector<uint16_t> paired(M > MR_DOT ? static_cast<size_t>(ldb) * NR : 0);
+        for (int m_start = 0; m_start < M; m_start += kMChunk) {
+            const int m_end = m_start + kMChunk < M ? m_start + kMChunk : M;
+            // no barrier between chunks: a thread writes its own panels' columns of every chunk
+#pragma omp for schedule(static) nowait
+            for (int p = 0; p < panels; ++p) {
+                const int n0 = p * NR;
+                const int nv = N - n0 < NR ? N - n0 : NR;
+                dot_panel_product(xb, ldb, m_start, m_end, K, packed + static_cast<int64_t>(p) * K * NR, n0, nv,
+                                  bias, y, ldy, accumulate, paired.data());
+            }
+        }
+    }
+}
+
+}  // namespace motet
+#endif
