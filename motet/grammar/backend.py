@@ -13,11 +13,15 @@ import hashlib
 import math
 from abc import ABC, abstractmethod
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from motet.grammar.specs import GrammarSpec
+from motet.grammar.specs import GrammarError, GrammarSpec, reduced
+
+if TYPE_CHECKING:
+    from motet.grammar.specs import EbnfSpec, JsonSchemaSpec, RegexSpec, StructuralTagSpec
 
 
 class Matcher(ABC):
@@ -55,12 +59,30 @@ class CompiledGrammar(ABC):
 
 
 class Backend(ABC):
-    """Compiles specs for one tokenizer. `compile` raises GrammarError when it cannot."""
+    """Compiles specs for one tokenizer. `compile` reduces a spec to a kind the backends read (`specs.reduced`)
+    and hands it to that kind's method, `compile_<kind>`; they raise GrammarError when they cannot compile it,
+    by default (a kind the backend does not read) as unsupported."""
 
     name: str
 
-    @abstractmethod
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar: ...
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        spec = reduced(spec)
+        compile_kind = getattr(self, f"compile_{getattr(spec, 'kind', '')}", None)
+        if compile_kind is None:
+            raise GrammarError(f"unknown grammar spec {type(spec).__name__}")
+        return compile_kind(spec)
+
+    def compile_json_schema(self, spec: JsonSchemaSpec) -> CompiledGrammar:
+        raise GrammarError(f"{self.name} does not support JSON-schema grammars", "unsupported")
+
+    def compile_regex(self, spec: RegexSpec) -> CompiledGrammar:
+        raise GrammarError(f"{self.name} does not support regex grammars", "unsupported")
+
+    def compile_ebnf(self, spec: EbnfSpec) -> CompiledGrammar:
+        raise GrammarError(f"{self.name} does not support EBNF grammars", "unsupported")
+
+    def compile_structural_tag(self, spec: StructuralTagSpec) -> CompiledGrammar:
+        raise GrammarError(f"{self.name} does not support structural-tag grammars", "unsupported")
 
 
 class GrammarTokenizer:

@@ -21,13 +21,10 @@ from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Ma
 from motet.grammar.regex_worker import regex_worker
 from motet.grammar.schema_normalize import map_subschemas, normalize_schema
 from motet.grammar.specs import (
-    EbnfSpec,
     GrammarError,
     GrammarSpec,
     JsonSchemaSpec,
     RegexSpec,
-    StructuralTagSpec,
-    reduced,
     short_error,
     whitespace_regex,
 )
@@ -153,20 +150,17 @@ class OutlinesBackend(Backend):
                 self._vocab = oc.Vocabulary(tok.stop_token_ids[0], tokens)
             return self._vocab
 
-    def compile(self, spec: GrammarSpec) -> OutlinesCompiled:
-        if isinstance(spec, EbnfSpec | StructuralTagSpec):
-            what = "EBNF" if isinstance(spec, EbnfSpec) else "structural-tag"
-            raise GrammarError(f"outlines does not support {what} grammars", "unsupported")
-        spec = reduced(spec)
-        if isinstance(spec, JsonSchemaSpec):
-            schema = json.dumps(map_subschemas(normalize_schema(spec.schema_dict()), _spell_out_any))
-            regex = regex_worker().build(
-                schema, whitespace_regex(spec.max_whitespace), self.max_recursion_depth, MAX_REGEX_CHARS
-            )
-        elif isinstance(spec, RegexSpec):
-            regex = spec.pattern
-        else:
-            raise GrammarError(f"unknown grammar spec {type(spec).__name__}")
+    def compile_json_schema(self, spec: JsonSchemaSpec) -> OutlinesCompiled:
+        schema = json.dumps(map_subschemas(normalize_schema(spec.schema_dict()), _spell_out_any))
+        regex = regex_worker().build(
+            schema, whitespace_regex(spec.max_whitespace), self.max_recursion_depth, MAX_REGEX_CHARS
+        )
+        return self._compile(spec, regex)
+
+    def compile_regex(self, spec: RegexSpec) -> OutlinesCompiled:
+        return self._compile(spec, spec.pattern)
+
+    def _compile(self, spec: GrammarSpec, regex: str) -> OutlinesCompiled:
         if len(regex) > MAX_REGEX_CHARS:
             raise GrammarError(
                 f"outlines: {spec.kind} too complex (regex of {len(regex)} chars > {MAX_REGEX_CHARS})",
