@@ -9,8 +9,10 @@ those rows of the logits.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import threading
 from abc import ABC, abstractmethod
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -65,6 +67,10 @@ class Backend(ABC):
 
     name: str
 
+    def __init__(self, tokenizer: GrammarTokenizer):
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()  # (what `built_once` builds under)
+
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         spec = reduced(spec)
         compile_kind = getattr(self, f"compile_{getattr(spec, 'kind', '')}", None)
@@ -83,6 +89,21 @@ class Backend(ABC):
 
     def compile_structural_tag(self, spec: StructuralTagSpec) -> CompiledGrammar:
         raise GrammarError(f"{self.name} does not support structural-tag grammars", "unsupported")
+
+
+def built_once(build):
+    """A backend's property built on its first use, once however many threads ask at once (under the backend's
+    `_lock`): a backend's view of its tokenizer takes seconds to build."""
+    attr = f"_built_{build.__name__}"
+
+    @functools.wraps(build)
+    def get(self):
+        with self._lock:
+            if attr not in self.__dict__:
+                self.__dict__[attr] = build(self)
+            return self.__dict__[attr]
+
+    return property(get)
 
 
 class GrammarTokenizer:

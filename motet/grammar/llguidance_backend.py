@@ -18,7 +18,7 @@ import llguidance as llg
 import llguidance.hf
 import torch
 
-from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Matcher, set_token_bits
+from motet.grammar.backend import Backend, CompiledGrammar, Matcher, built_once, set_token_bits
 from motet.grammar.enforceable import COMPOSITION, simplify
 from motet.grammar.schema_normalize import map_children, map_subschemas, normalize_schema
 from motet.grammar.specs import EbnfSpec, GrammarError, GrammarSpec, JsonSchemaSpec, RegexSpec, short_error
@@ -123,21 +123,13 @@ class LLGuidanceCompiled(CompiledGrammar):
 class LLGuidanceBackend(Backend):
     name = "llguidance"
 
-    def __init__(self, tokenizer: GrammarTokenizer):
-        self.tokenizer = tokenizer
-        self._llg_tokenizer: llg.LLTokenizer | None = None
-        self._lock = threading.Lock()
-
-    @property
+    @built_once
     def llg_tokenizer(self) -> llg.LLTokenizer:
         """Built once (about a second): special tokens are never allowed, stop tokens end the grammar."""
-        with self._lock:
-            if self._llg_tokenizer is None:
-                tok = self.tokenizer
-                self._llg_tokenizer = llguidance.hf.from_tokenizer(
-                    tok.tokenizer, n_vocab=tok.vocab_size, eos_token=list(tok.stop_token_ids)
-                )
-            return self._llg_tokenizer
+        tok = self.tokenizer
+        return llguidance.hf.from_tokenizer(
+            tok.tokenizer, n_vocab=tok.vocab_size, eos_token=list(tok.stop_token_ids)
+        )
 
     def compile_json_schema(self, spec: JsonSchemaSpec) -> LLGuidanceCompiled:
         return self._compile(spec, json_schema_grammar(spec))

@@ -12,12 +12,18 @@ does not accept "yes no": put longer alternatives first), and it ignores numeric
 from __future__ import annotations
 
 import json
-import threading
 
 import outlines_core as oc
 import torch
 
-from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Matcher, set_token_bits
+from motet.grammar.backend import (
+    Backend,
+    CompiledGrammar,
+    GrammarTokenizer,
+    Matcher,
+    built_once,
+    set_token_bits,
+)
 from motet.grammar.regex_worker import regex_worker
 from motet.grammar.schema_normalize import map_subschemas, normalize_schema
 from motet.grammar.specs import (
@@ -132,23 +138,18 @@ class OutlinesBackend(Backend):
     name = "outlines"
 
     def __init__(self, tokenizer: GrammarTokenizer, max_recursion_depth: int = 3):
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer)
         self.max_recursion_depth = max_recursion_depth
-        self._vocab = None
-        self._lock = threading.Lock()
 
-    @property
+    @built_once
     def vocabulary(self) -> oc.Vocabulary:
-        with self._lock:
-            if self._vocab is None:
-                tok = self.tokenizer
-                unreachable = set(tok.special_token_ids)
-                tokens: dict[bytes, list[int]] = {}
-                for i, b in enumerate(tok.decoded_vocab):
-                    if b and i not in unreachable:
-                        tokens.setdefault(b, []).append(i)
-                self._vocab = oc.Vocabulary(tok.stop_token_ids[0], tokens)
-            return self._vocab
+        tok = self.tokenizer
+        unreachable = set(tok.special_token_ids)
+        tokens: dict[bytes, list[int]] = {}
+        for i, b in enumerate(tok.decoded_vocab):
+            if b and i not in unreachable:
+                tokens.setdefault(b, []).append(i)
+        return oc.Vocabulary(tok.stop_token_ids[0], tokens)
 
     def compile_json_schema(self, spec: JsonSchemaSpec) -> OutlinesCompiled:
         schema = json.dumps(map_subschemas(normalize_schema(spec.schema_dict()), _spell_out_any))

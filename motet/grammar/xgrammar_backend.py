@@ -79,7 +79,7 @@ class XGrammarBackend(Backend):
     name = "xgrammar"
 
     def __init__(self, tokenizer: GrammarTokenizer, max_threads: int = 2):
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer)
         # xgrammar's own cache off: ours (grammar.cache) is keyed and bounded in one place.
         self._compiler = xgr.GrammarCompiler(tokenizer.xgr_info, max_threads=max_threads, cache_enabled=False)
 
