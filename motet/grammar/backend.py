@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from motet.grammar.specs import GrammarError, GrammarSpec, reduced
+from motet.grammar.specs import GrammarError, GrammarSpec, reduced, short_error
 
 if TYPE_CHECKING:
     from motet.grammar.specs import EbnfSpec, JsonSchemaSpec, RegexSpec, StructuralTagSpec
@@ -66,6 +66,8 @@ class Backend(ABC):
     by default (a kind the backend does not read) as unsupported."""
 
     name: str
+    # What the kinds' methods may raise that means "this grammar does not compile" (GrammarError as unsupported).
+    compile_errors: tuple[type[Exception], ...] = ()
 
     def __init__(self, tokenizer: GrammarTokenizer):
         self.tokenizer = tokenizer
@@ -76,7 +78,18 @@ class Backend(ABC):
         compile_kind = getattr(self, f"compile_{getattr(spec, 'kind', '')}", None)
         if compile_kind is None:
             raise GrammarError(f"unknown grammar spec {type(spec).__name__}")
-        return compile_kind(spec)
+        try:
+            return compile_kind(spec)
+        except GrammarError:
+            raise
+        except self.compile_errors as e:
+            raise self.cannot_compile(spec, e) from e
+
+    def cannot_compile(self, spec: GrammarSpec, error: BaseException | str) -> GrammarError:
+        """The error of a spec the backend cannot compile (unsupported), with the first line of its own."""
+        return GrammarError(
+            f"{self.name} cannot compile this {spec.kind}: {short_error(error)}", "unsupported"
+        )
 
     def compile_json_schema(self, spec: JsonSchemaSpec) -> CompiledGrammar:
         raise GrammarError(f"{self.name} does not support JSON-schema grammars", "unsupported")

@@ -149,15 +149,10 @@ class LLGuidanceBackend(Backend):
     def _compile(self, spec: GrammarSpec, grammar: str) -> LLGuidanceCompiled:
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.llg_tokenizer)
         if is_error:
-            raise GrammarError(
-                f"llguidance cannot compile this {spec.kind}: {short_error(messages[0])}", "unsupported"
-            )
+            raise self.cannot_compile(spec, messages[0])
         matcher = llg.LLMatcher(self.llg_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(
-                f"llguidance cannot compile this {spec.kind}: {short_error(matcher.get_error())}",
-                "unsupported",
-            )
+            raise self.cannot_compile(spec, matcher.get_error())
         return LLGuidanceCompiled(matcher, self.tokenizer.stop_token_ids)
 
 

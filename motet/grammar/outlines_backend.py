@@ -26,14 +26,7 @@ from motet.grammar.backend import (
 )
 from motet.grammar.regex_worker import regex_worker
 from motet.grammar.schema_normalize import map_subschemas, normalize_schema
-from motet.grammar.specs import (
-    GrammarError,
-    GrammarSpec,
-    JsonSchemaSpec,
-    RegexSpec,
-    short_error,
-    whitespace_regex,
-)
+from motet.grammar.specs import GrammarError, GrammarSpec, JsonSchemaSpec, RegexSpec, whitespace_regex
 
 # Index construction time grows with the regex; past this size it rarely finishes in seconds and
 # the worker thread would burn a core for minutes. Refuse early instead.
@@ -170,7 +163,5 @@ class OutlinesBackend(Backend):
         try:
             index = oc.Index(regex, self.vocabulary)
         except Exception as e:
-            raise GrammarError(
-                f"outlines cannot compile this {spec.kind}: {short_error(e)}", "unsupported"
-            ) from e
+            raise self.cannot_compile(spec, e) from e
         return OutlinesCompiled(index, regex, self.tokenizer.stop_token_ids)

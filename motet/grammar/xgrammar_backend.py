@@ -10,16 +10,7 @@ import xgrammar as xgr
 from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Matcher, set_token_bits
 from motet.grammar.enforceable import simplify
 from motet.grammar.schema_normalize import normalize_schema
-from motet.grammar.specs import (
-    EbnfSpec,
-    GrammarError,
-    GrammarSpec,
-    JsonSchemaSpec,
-    RegexSpec,
-    StructuralTagSpec,
-    reduced,
-    short_error,
-)
+from motet.grammar.specs import EbnfSpec, JsonSchemaSpec, RegexSpec, StructuralTagSpec
 
 
 class XGrammarMatcher(Matcher):
@@ -77,22 +68,12 @@ class XGrammarCompiled(CompiledGrammar):
 
 class XGrammarBackend(Backend):
     name = "xgrammar"
+    compile_errors = (Exception,)  # xgrammar's C++ errors surface as RuntimeError / ValueError
 
     def __init__(self, tokenizer: GrammarTokenizer, max_threads: int = 2):
         super().__init__(tokenizer)
         # xgrammar's own cache off: ours (grammar.cache) is keyed and bounded in one place.
         self._compiler = xgr.GrammarCompiler(tokenizer.xgr_info, max_threads=max_threads, cache_enabled=False)
-
-    def compile(self, spec: GrammarSpec) -> XGrammarCompiled:
-        spec = reduced(spec)  # (as the kinds' methods see it, for the error below)
-        try:
-            return super().compile(spec)
-        except GrammarError:
-            raise
-        except Exception as e:  # xgrammar's C++ errors surface as RuntimeError / ValueError
-            raise GrammarError(
-                f"xgrammar cannot compile this {spec.kind}: {short_error(e)}", "unsupported"
-            ) from e
 
     def compile_json_schema(self, spec: JsonSchemaSpec) -> XGrammarCompiled:
         # simplify: an equivalent schema whose allOf / composition siblings xgrammar does enforce.
