@@ -49,6 +49,7 @@ from safetensors.torch import save
 
 from benchmarks import chat_body
 from motet.evals.lora_reference import lora_config, random_lora_factors
+from motet.evals.report import table
 from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import Record, machine, make_prompts, one_request, stats, write_report
 from motet.lora.peft_format import CONFIG_FILE, WEIGHTS_FILE
@@ -453,6 +454,23 @@ def aggregate(runs: list[dict]) -> list[dict]:
 
 def markdown(report: dict) -> str:
     cfg = report["config"]
+    rows = []
+    for r in report["summary"]:
+        share, p99 = r["share_of_base"], r["ttft_p99_over_base"]
+        lora = r["lora"]
+        bound = r["resident_bound_bytes"]
+        mem = f"{r['resident_bytes_max'] / 1e6:.0f} / {bound / 1e6:.0f}" if bound else "-"
+        rows.append([
+            r["adapters"], r["concurrency"], r["traffic"], r["distinct_models"], f"{r['tokens_per_s']['median']:.1f}",
+            f"{100 * share['median']:.0f}% [{100 * share['min']:.0f}-{100 * share['max']:.0f}]",
+            f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f}",
+            f"{r['base_ttft_s']['p50']:.2f} / {r['base_ttft_s']['p99']:.2f}",
+            f"{p99['median']:.2f} [{p99['min']:.2f}-{p99['max']:.2f}]",
+            f"{lora['disk_loads']:.0f} / {lora['placements']:.0f} / {lora['hits']:.0f}", mem,
+        ])  # fmt: skip
+    header = ["adapters", "clients", "traffic", "distinct", "tok/s", "share of base", "TTFT p50 / p99 (s)",
+              "base TTFT p50 / p99 (s)", "TTFT p99 / base", "disk loads / placements / hits",
+              "resident max / bound (MB)"]  # fmt: skip
     lines = [
         "# Adapter scale",
         "",
@@ -461,24 +479,8 @@ def markdown(report: dict) -> str:
         f"~{cfg['prompt_words']} words; each adapter run against the base model run of its round; "
         f"{cfg['rounds']} round(s): the median, and the range in brackets.",
         "",
-        "| adapters | clients | traffic | distinct | tok/s | share of base | TTFT p50 / p99 (s) "
-        "| base TTFT p50 / p99 (s) | TTFT p99 / base | disk loads / placements / hits | resident max / bound (MB) |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        table(header, rows, "rrlrrrrrrrr"),
     ]
-    for r in report["summary"]:
-        share, p99 = r["share_of_base"], r["ttft_p99_over_base"]
-        lora = r["lora"]
-        bound = r["resident_bound_bytes"]
-        mem = f"{r['resident_bytes_max'] / 1e6:.0f} / {bound / 1e6:.0f}" if bound else "-"
-        lines.append(
-            f"| {r['adapters']} | {r['concurrency']} | {r['traffic']} | {r['distinct_models']} "
-            f"| {r['tokens_per_s']['median']:.1f} "
-            f"| {100 * share['median']:.0f}% [{100 * share['min']:.0f}-{100 * share['max']:.0f}] "
-            f"| {r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f} "
-            f"| {r['base_ttft_s']['p50']:.2f} / {r['base_ttft_s']['p99']:.2f} "
-            f"| {p99['median']:.2f} [{p99['min']:.2f}-{p99['max']:.2f}] "
-            f"| {lora['disk_loads']:.0f} / {lora['placements']:.0f} / {lora['hits']:.0f} | {mem} |"
-        )
     base = [r for r in report["runs"] if r["traffic"] == "base"]
     for c in sorted({r["concurrency"] for r in base}):
         tps = [r["tokens_per_s"] for r in base if r["concurrency"] == c]

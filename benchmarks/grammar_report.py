@@ -31,6 +31,7 @@ from pathlib import Path
 
 from benchmarks import nearest_rank, write_report
 from motet.evals.datasets import dev_set_path, read_jsonl
+from motet.evals.report import table
 
 CONFIGS = {  # name -> (backend, strict)
     "xgrammar": ("xgrammar", True),
@@ -265,6 +266,26 @@ def fmt(x, kind: str) -> str:
 
 def markdown(report: dict) -> str:
     cfgs = report["configs"]
+    overall = []
+    for c in cfgs:
+        s = report["overall"][c]
+        fails = ", ".join(f"{k} {v}" for k, v in sorted(s["status"].items()) if k != "ok") or "-"
+        overall.append([
+            c, fmt(s["compiled_share"], "share"), f"{fmt(s['valid_accepted_share'], 'share')} ({s['valid_instances']})",
+            f"{fmt(s['invalid_rejected_share'], 'share')} ({s['invalid_instances']})",
+            f"{fmt(s['compile_ms_p50'], 'n')} / {fmt(s['compile_ms_p99'], 'n')}",
+            f"{fmt(s['mask_us_p50'], 'n')} / {fmt(s['mask_us_p99'], 'n')}", s["mask_mismatches"], fails,
+        ])  # fmt: skip
+    shares = ("compiled_share", "valid_accepted_share", "invalid_rejected_share")
+    per_category = [
+        [
+            f"{cat} ({per[cfgs[0]]['schemas']})",
+            *(" / ".join(fmt(per[c][k], "share") for k in shares) for c in cfgs),
+        ]
+        for cat, per in sorted(report["per_category"].items())
+    ]
+    header = ["config", "compiled", "valid accepted", "invalid rejected", "compile p50 / p99 (ms)",
+              "mask p50 / p99 (µs)", "mask/accept mismatches", "not compiled"]  # fmt: skip
     lines = [
         "# Grammar backends on JSONSchemaBench",
         "",
@@ -272,37 +293,14 @@ def markdown(report: dict) -> str:
         f" ({report['selection']}). Compile limit {report['timeout_s']:g}s; whitespace <= 1 char between JSON"
         f" tokens; instances fed as `json.dumps(data)`. Run took {report['elapsed_s']:.0f}s on {report['host']}.",
         "",
-        "| config | compiled | valid accepted | invalid rejected | compile p50 / p99 (ms) "
-        "| mask p50 / p99 (µs) | mask/accept mismatches | not compiled |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for c in cfgs:
-        s = report["overall"][c]
-        fails = ", ".join(f"{k} {v}" for k, v in sorted(s["status"].items()) if k != "ok") or "-"
-        lines.append(
-            f"| {c} | {fmt(s['compiled_share'], 'share')} | {fmt(s['valid_accepted_share'], 'share')}"
-            f" ({s['valid_instances']}) | {fmt(s['invalid_rejected_share'], 'share')} ({s['invalid_instances']})"
-            f" | {fmt(s['compile_ms_p50'], 'n')} / {fmt(s['compile_ms_p99'], 'n')}"
-            f" | {fmt(s['mask_us_p50'], 'n')} / {fmt(s['mask_us_p99'], 'n')} | {s['mask_mismatches']} | {fails} |"
-        )
-    lines += [
+        table(header, overall, "l" * len(header)),
         "",
         "Valid accepted / invalid rejected are over the instances of schemas that compiled.",
         "",
         "## Per category: compiled / valid accepted / invalid rejected",
         "",
-        "| category | " + " | ".join(cfgs) + " |",
-        "|---|" + "---|" * len(cfgs),
+        table(["category", *cfgs], per_category, "l" * (1 + len(cfgs))),
     ]
-    for cat, per in sorted(report["per_category"].items()):
-        cells = []
-        for c in cfgs:
-            s = per[c]
-            cells.append(
-                f"{fmt(s['compiled_share'], 'share')} / {fmt(s['valid_accepted_share'], 'share')}"
-                f" / {fmt(s['invalid_rejected_share'], 'share')}"
-            )
-        lines.append(f"| {cat} ({per[cfgs[0]]['schemas']}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

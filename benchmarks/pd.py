@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import write_report
+from motet.evals.report import table
 from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import (
     completion_body,
@@ -96,6 +97,25 @@ def run_mode(name: str, server_args: list[str], args) -> dict:
 
 def summary_md(report: dict) -> str:
     cfg = report["config"]
+    rows = []
+    for mode in ("colocated", "disaggregated"):
+        m = report[mode]
+        for cls in ("decode", "prefill", "all"):
+            s = m[cls]
+            itl = f"{1e3 * m['decode_itl_s']['p99']:.0f}" if cls == "decode" else ""
+            rows.append([
+                mode, cls, f"{s['completed']}/{s['requests']}", f"{s['ttft_s']['p50']:.2f} / {s['ttft_s']['p99']:.2f}",
+                f"{1e3 * s['tpot_s']['p50']:.0f} / {1e3 * s['tpot_s']['p99']:.0f}", itl, f"{s['goodput']:.3f}",
+            ])  # fmt: skip
+    header = [
+        "mode",
+        "class",
+        "done",
+        "TTFT p50 / p99 (s)",
+        "TPOT p50 / p99 (ms)",
+        "ITL p99 (ms)",
+        "goodput (req/s)",
+    ]
     lines = [
         f"# Prefill/decode disaggregation vs colocated ({cfg['threads']} thread(s) per replica, 2 replicas; "
         f"{report['machine']})",
@@ -105,20 +125,7 @@ def summary_md(report: dict) -> str:
         f"while they decode, one every {cfg['prefill_gap']} s. Targets: TTFT <= {cfg['ttft_slo']} s, TPOT <= "
         f"{cfg['tpot_slo']} s.",
         "",
-        "| mode | class | done | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | ITL p99 (ms) | goodput (req/s) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for mode in ("colocated", "disaggregated"):
-        m = report[mode]
-        for cls in ("decode", "prefill", "all"):
-            s = m[cls]
-            itl = f"{1e3 * m['decode_itl_s']['p99']:.0f}" if cls == "decode" else ""
-            lines.append(
-                f"| {mode} | {cls} | {s['completed']}/{s['requests']} | {s['ttft_s']['p50']:.2f} / "
-                f"{s['ttft_s']['p99']:.2f} | {1e3 * s['tpot_s']['p50']:.0f} / {1e3 * s['tpot_s']['p99']:.0f} | "
-                f"{itl} | {s['goodput']:.3f} |"
-            )
-    lines += [
+        table(header, rows, "l" * len(header)),
         "",
         f"Long decodes' TPOT p99, colocated / disaggregated: **{report['tpot_p99_ratio']:.2f}x** (>= 1.5 wanted).",
         "",

@@ -36,6 +36,7 @@ from benchmarks.routing_sim import load_model
 from motet.cluster.disaggregation import MIN_PREFILL_BLOCKS
 from motet.cluster.routing_policy import RoutingCosts
 from motet.engine.config import CPU_STEP_TOKENS
+from motet.evals.report import table
 from motet.settings_flags import SettingsFlags
 
 
@@ -247,6 +248,24 @@ def run(args) -> dict:
 
 def summary_md(results: dict, args) -> str:
     cfg = results["config"]
+
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    rows = []
+    for n, row in results["by_replicas"].items():
+        base = row["colocated"]["long_decode"]["tpot_p99_s"]
+        for mode, r in row.items():
+            d, p = r["long_decode"], r["long_prompt"]
+            ratio = base / d["tpot_p99_s"] if base and d["tpot_p99_s"] else None
+            rows.append([
+                n, mode, f"{f(d['tpot_p50_s'] and 1e3 * d['tpot_p50_s'], '.0f')} / "
+                f"{f(d['tpot_p99_s'] and 1e3 * d['tpot_p99_s'], '.0f')}", f(d["ttft_p99_s"], ".2f"),
+                f"{f(p['ttft_p50_s'], '.2f')} / {f(p['ttft_p99_s'], '.2f')}", f(r["attainment"], ".0%"),
+                f(r.get("goodput_per_replica"), ".3f"), f"{f(ratio, '.2f')}x",
+            ])  # fmt: skip
+    header = ["replicas", "mode", "long decodes TPOT p50 / p99 (ms)", "long decodes TTFT p99 (s)",
+              "long prompts TTFT p50 / p99 (s)", "attainment", "goodput (req/s/replica)", "TPOT p99 colocated / this"]  # fmt: skip
     lines = [
         "# Prefill/decode disaggregation at scale, by simulation",
         "",
@@ -256,25 +275,8 @@ def summary_md(results: dict, args) -> str:
         f"({cfg['decode_prompt']} tokens, {cfg['decode_output']} out); a block loaded from the shared tier in "
         f"{1e3 * cfg['block_load_s']:.0f} ms. Targets: TTFT <= {cfg['ttft_slo']} s, TPOT <= {cfg['tpot_slo']} s.",
         "",
-        "| replicas | mode | long decodes TPOT p50 / p99 (ms) | long decodes TTFT p99 (s) | long prompts TTFT p50 / "
-        "p99 (s) | attainment | goodput (req/s/replica) | TPOT p99 colocated / this |",
-        "|---|---|---|---|---|---|---|---|",
+        table(header, rows, "l" * len(header)),
     ]
-
-    def f(x, spec):
-        return "-" if x is None else format(x, spec)
-
-    for n, row in results["by_replicas"].items():
-        base = row["colocated"]["long_decode"]["tpot_p99_s"]
-        for mode, r in row.items():
-            d, p = r["long_decode"], r["long_prompt"]
-            ratio = base / d["tpot_p99_s"] if base and d["tpot_p99_s"] else None
-            lines.append(
-                f"| {n} | {mode} | {f(d['tpot_p50_s'] and 1e3 * d['tpot_p50_s'], '.0f')} / "
-                f"{f(d['tpot_p99_s'] and 1e3 * d['tpot_p99_s'], '.0f')} | {f(d['ttft_p99_s'], '.2f')} | "
-                f"{f(p['ttft_p50_s'], '.2f')} / {f(p['ttft_p99_s'], '.2f')} | {f(r['attainment'], '.0%')} | "
-                f"{f(r.get('goodput_per_replica'), '.3f')} | {f(ratio, '.2f')}x |"
-            )
     return "\n".join(lines) + "\n"
 
 

@@ -84,6 +84,17 @@ class Server:
         self.log.close()
 
 
+def tiny_server(model_dir: Path, tmp: Path, *flags: str, data: str = "data", name: str = "tiny") -> Server:
+    """`motet serve` of a tiny model as `name` under --api-keys (tmp/keys.json), its data in tmp/`data`, on one
+    thread with 1,024 tokens a sequence, and `flags`."""
+    return Server(
+        tmp,
+        "--model", str(model_dir), "--served-model-name", name, "--api-keys", str(tmp / "keys.json"),
+        "--data-dir", str(tmp / data), "--threads", "1", "--max-model-len", "1024", *flags,
+        start_timeout=120,
+    )  # fmt: skip
+
+
 class ThreadServer:
     """`motet serve ARGS` (parsed by its own parser) on uvicorn in a thread; waits until /health is 200."""
 

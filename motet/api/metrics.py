@@ -388,7 +388,24 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class EngineCounters(Collector):
+class StatsCollector(Collector):
+    """A collector of series read from the figures of the latest refresh (`metrics.stats`)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+
+def families(family_type, series, label: str, samples):
+    """A metric family of `family_type` a (name, help, field) of `series`, labelled by `label`: a sample a (label
+    value, figures) of `samples`, the figures' field (0 where the figures are None)."""
+    for metric, help_, field in series:
+        family = family_type(metric, help_, labels=[label])
+        for value, figures in samples:
+            family.add_metric([value], getattr(figures, field) if figures is not None else 0)
+        yield family
+
+
+class EngineCounters(StatsCollector):
     """vLLM's engine counters, from the engine's own cumulative figures (summed over the replicas) as of the
     latest refresh: a collector, since the engine counts and this only reports."""
 
@@ -408,19 +425,14 @@ class EngineCounters(Collector):
         ),
     )
 
-    def __init__(self, metrics: Metrics):
-        self.metrics = metrics
-
     def collect(self):
-        stats, name = self.metrics.stats, self.metrics.model_name
-        for metric, help_, field in self.SERIES:
-            family = CounterMetricFamily(metric, help_, labels=["model_name"])
-            if name:
-                family.add_metric([name], getattr(stats, field) if stats is not None else 0)
-            yield family
+        name = self.metrics.model_name
+        yield from families(
+            CounterMetricFamily, self.SERIES, "model_name", [(name, self.metrics.stats)] if name else []
+        )
 
 
-class KVTierSeries(Collector):
+class KVTierSeries(StatsCollector):
     """The KV tiers' figures (motet/engine/kv_connector.KVTierStats), labelled by tier, as of the latest
     refresh; no series when no tier is on."""
 
@@ -445,23 +457,13 @@ class KVTierSeries(Collector):
         ),
     )
 
-    def __init__(self, metrics: Metrics):
-        self.metrics = metrics
-
     def collect(self):
         tiers = getattr(self.metrics.stats, "kv_tiers", ())
         if not tiers:
             return
-        for metric, help_, field in self.GAUGES:
-            family = GaugeMetricFamily(metric, help_, labels=["tier"])
-            for t in tiers:
-                family.add_metric([t.tier], getattr(t, field))
-            yield family
-        for metric, help_, field in self.COUNTERS:
-            family = CounterMetricFamily(metric, help_, labels=["tier"])
-            for t in tiers:
-                family.add_metric([t.tier], getattr(t, field))
-            yield family
+        samples = [(t.tier, t) for t in tiers]
+        yield from families(GaugeMetricFamily, self.GAUGES, "tier", samples)
+        yield from families(CounterMetricFamily, self.COUNTERS, "tier", samples)
         family = HistogramMetricFamily(
             "motet_kv_tier_load_seconds",
             "a request's load of KV blocks, by the slowest tier it read",

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from motet.evals.report import table as report_table
+
 TEXT = (
     "the model serves many tenants with adapters and grammars on a paged cache while the scheduler "
     "keeps every step full of tokens from prompts and decodes alike so latency stays low and fair"
@@ -208,27 +210,22 @@ def summarize(
 
 def markdown(report: dict) -> str:
     cfg = report["config"]
-    lines = [
-        "# Serving benchmark",
-        "",
+    rows = [
+        [r["concurrency"], f"{r['completed']}/{r['requests']}", f"{r['request_throughput']:.2f}",
+         f"{r['output_token_throughput']:.1f}", f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f}",
+         f"{1e3 * r['tpot_s']['p50']:.0f} / {1e3 * r['tpot_s']['p99']:.0f}",
+         f"{1e3 * r['itl_s']['p50']:.0f} / {1e3 * r['itl_s']['p99']:.0f}",
+         f"{r['e2e_s']['p50']:.2f} / {r['e2e_s']['p99']:.2f}"]
+        for r in report["levels"]
+    ]  # fmt: skip
+    header = ["clients", "done/sent", "req/s", "out tok/s", "TTFT p50 / p99 (s)", "TPOT p50 / p99 (ms)",
+              "ITL p50 / p99 (ms)", "E2E p50 / p99 (s)"]  # fmt: skip
+    intro = (
         f"Model `{cfg['model']}` at {cfg['url']}; {cfg['max_tokens']} output tokens per request (ignore_eos), "
-        f"prompts of ~{cfg['prompt_words']} words, request rate {cfg['request_rate']}/s (Poisson).",
-        "",
-        "| clients | done/sent | req/s | out tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
-        "| ITL p50 / p99 (ms) | E2E p50 / p99 (s) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in report["levels"]:
-        lines.append(
-            f"| {r['concurrency']} | {r['completed']}/{r['requests']} | {r['request_throughput']:.2f} "
-            f"| {r['output_token_throughput']:.1f} "
-            f"| {r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f} "
-            f"| {1e3 * r['tpot_s']['p50']:.0f} / {1e3 * r['tpot_s']['p99']:.0f} "
-            f"| {1e3 * r['itl_s']['p50']:.0f} / {1e3 * r['itl_s']['p99']:.0f} "
-            f"| {r['e2e_s']['p50']:.2f} / {r['e2e_s']['p99']:.2f} |"
-        )
-    lines += ["", f"Machine: {report['machine']}", ""]
-    return "\n".join(lines)
+        f"prompts of ~{cfg['prompt_words']} words, request rate {cfg['request_rate']}/s (Poisson)."
+    )
+    table = report_table(header, rows, "r" * len(header))
+    return "\n".join(["# Serving benchmark", "", intro, "", table, "", f"Machine: {report['machine']}", ""])
 
 
 def machine() -> str:

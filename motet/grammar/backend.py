@@ -9,15 +9,21 @@ those rows of the logits.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import threading
 from abc import ABC, abstractmethod
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from motet.grammar.specs import GrammarSpec
+from motet.grammar.specs import GrammarError, GrammarSpec, reduced, short_error
+
+if TYPE_CHECKING:
+    from motet.grammar.specs import EbnfSpec, JsonSchemaSpec, RegexSpec, StructuralTagSpec
 
 
 class Matcher(ABC):
@@ -55,12 +61,62 @@ class CompiledGrammar(ABC):
 
 
 class Backend(ABC):
-    """Compiles specs for one tokenizer. `compile` raises GrammarError when it cannot."""
+    """Compiles specs for one tokenizer. `compile` reduces a spec to a kind the backends read (`specs.reduced`)
+    and hands it to that kind's method, `compile_<kind>`; they raise GrammarError when they cannot compile it,
+    by default (a kind the backend does not read) as unsupported."""
 
     name: str
+    # What the kinds' methods may raise that means "this grammar does not compile" (GrammarError as unsupported).
+    compile_errors: tuple[type[Exception], ...] = ()
 
-    @abstractmethod
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar: ...
+    def __init__(self, tokenizer: GrammarTokenizer):
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()  # (what `built_once` builds under)
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        spec = reduced(spec)
+        compile_kind = getattr(self, f"compile_{getattr(spec, 'kind', '')}", None)
+        if compile_kind is None:
+            raise GrammarError(f"unknown grammar spec {type(spec).__name__}")
+        try:
+            return compile_kind(spec)
+        except GrammarError:
+            raise
+        except self.compile_errors as e:
+            raise self.cannot_compile(spec, e) from e
+
+    def cannot_compile(self, spec: GrammarSpec, error: BaseException | str) -> GrammarError:
+        """The error of a spec the backend cannot compile (unsupported), with the first line of its own."""
+        return GrammarError(
+            f"{self.name} cannot compile this {spec.kind}: {short_error(error)}", "unsupported"
+        )
+
+    def compile_json_schema(self, spec: JsonSchemaSpec) -> CompiledGrammar:
+        raise GrammarError(f"{self.name} does not support JSON-schema grammars", "unsupported")
+
+    def compile_regex(self, spec: RegexSpec) -> CompiledGrammar:
+        raise GrammarError(f"{self.name} does not support regex grammars", "unsupported")
+
+    def compile_ebnf(self, spec: EbnfSpec) -> CompiledGrammar:
+        raise GrammarError(f"{self.name} does not support EBNF grammars", "unsupported")
+
+    def compile_structural_tag(self, spec: StructuralTagSpec) -> CompiledGrammar:
+        raise GrammarError(f"{self.name} does not support structural-tag grammars", "unsupported")
+
+
+def built_once(build):
+    """A backend's property built on its first use, once however many threads ask at once (under the backend's
+    `_lock`): a backend's view of its tokenizer takes seconds to build."""
+    attr = f"_built_{build.__name__}"
+
+    @functools.wraps(build)
+    def get(self):
+        with self._lock:
+            if attr not in self.__dict__:
+                self.__dict__[attr] = build(self)
+            return self.__dict__[attr]
+
+    return property(get)
 
 
 class GrammarTokenizer:

@@ -18,19 +18,10 @@ import llguidance as llg
 import llguidance.hf
 import torch
 
-from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Matcher, set_token_bits
+from motet.grammar.backend import Backend, CompiledGrammar, Matcher, built_once, set_token_bits
 from motet.grammar.enforceable import COMPOSITION, simplify
 from motet.grammar.schema_normalize import map_children, map_subschemas, normalize_schema
-from motet.grammar.specs import (
-    EbnfSpec,
-    GrammarError,
-    GrammarSpec,
-    JsonSchemaSpec,
-    RegexSpec,
-    StructuralTagSpec,
-    reduced,
-    short_error,
-)
+from motet.grammar.specs import EbnfSpec, GrammarError, GrammarSpec, JsonSchemaSpec, RegexSpec, short_error
 
 # Where JSON lets whitespace in, a run of at most `n` of these (motet's bound; see grammar.specs).
 _WHITESPACE = "[\\x20\\x0A\\x0D\\x09]"
@@ -132,46 +123,36 @@ class LLGuidanceCompiled(CompiledGrammar):
 class LLGuidanceBackend(Backend):
     name = "llguidance"
 
-    def __init__(self, tokenizer: GrammarTokenizer):
-        self.tokenizer = tokenizer
-        self._llg_tokenizer: llg.LLTokenizer | None = None
-        self._lock = threading.Lock()
-
-    @property
+    @built_once
     def llg_tokenizer(self) -> llg.LLTokenizer:
         """Built once (about a second): special tokens are never allowed, stop tokens end the grammar."""
-        with self._lock:
-            if self._llg_tokenizer is None:
-                tok = self.tokenizer
-                self._llg_tokenizer = llguidance.hf.from_tokenizer(
-                    tok.tokenizer, n_vocab=tok.vocab_size, eos_token=list(tok.stop_token_ids)
-                )
-            return self._llg_tokenizer
+        tok = self.tokenizer
+        return llguidance.hf.from_tokenizer(
+            tok.tokenizer, n_vocab=tok.vocab_size, eos_token=list(tok.stop_token_ids)
+        )
 
-    def compile(self, spec: GrammarSpec) -> LLGuidanceCompiled:
-        if isinstance(spec, StructuralTagSpec):
-            raise GrammarError("llguidance does not support xgrammar's structural tags", "unsupported")
-        spec = reduced(spec)
-        if isinstance(spec, JsonSchemaSpec):
-            grammar = json_schema_grammar(spec)
-        elif isinstance(spec, RegexSpec):
-            # JSON-schema / ECMAScript meaning of \d and \w (ASCII), as xgrammar reads a regex
-            grammar = llg.LLMatcher.grammar_from_lark(f"start: /{llg.regex_to_lark(spec.pattern, 'dw')}/")
-        elif isinstance(spec, EbnfSpec):
-            grammar = ebnf_grammar(spec)
-        else:
-            raise GrammarError(f"unknown grammar spec {type(spec).__name__}")
+    def compile_json_schema(self, spec: JsonSchemaSpec) -> LLGuidanceCompiled:
+        return self._compile(spec, json_schema_grammar(spec))
+
+    def compile_regex(self, spec: RegexSpec) -> LLGuidanceCompiled:
+        # JSON-schema / ECMAScript meaning of \d and \w (ASCII), as xgrammar reads a regex
+        return self._compile(
+            spec, llg.LLMatcher.grammar_from_lark(f"start: /{llg.regex_to_lark(spec.pattern, 'dw')}/")
+        )
+
+    def compile_ebnf(self, spec: EbnfSpec) -> LLGuidanceCompiled:
+        return self._compile(spec, ebnf_grammar(spec))
+
+    def compile_structural_tag(self, spec) -> LLGuidanceCompiled:
+        raise GrammarError("llguidance does not support xgrammar's structural tags", "unsupported")
+
+    def _compile(self, spec: GrammarSpec, grammar: str) -> LLGuidanceCompiled:
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.llg_tokenizer)
         if is_error:
-            raise GrammarError(
-                f"llguidance cannot compile this {spec.kind}: {short_error(messages[0])}", "unsupported"
-            )
+            raise self.cannot_compile(spec, messages[0])
         matcher = llg.LLMatcher(self.llg_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(
-                f"llguidance cannot compile this {spec.kind}: {short_error(matcher.get_error())}",
-                "unsupported",
-            )
+            raise self.cannot_compile(spec, matcher.get_error())
         return LLGuidanceCompiled(matcher, self.tokenizer.stop_token_ids)
 
 

@@ -12,25 +12,21 @@ does not accept "yes no": put longer alternatives first), and it ignores numeric
 from __future__ import annotations
 
 import json
-import threading
 
 import outlines_core as oc
 import torch
 
-from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Matcher, set_token_bits
+from motet.grammar.backend import (
+    Backend,
+    CompiledGrammar,
+    GrammarTokenizer,
+    Matcher,
+    built_once,
+    set_token_bits,
+)
 from motet.grammar.regex_worker import regex_worker
 from motet.grammar.schema_normalize import map_subschemas, normalize_schema
-from motet.grammar.specs import (
-    EbnfSpec,
-    GrammarError,
-    GrammarSpec,
-    JsonSchemaSpec,
-    RegexSpec,
-    StructuralTagSpec,
-    reduced,
-    short_error,
-    whitespace_regex,
-)
+from motet.grammar.specs import GrammarError, GrammarSpec, JsonSchemaSpec, RegexSpec, whitespace_regex
 
 # Index construction time grows with the regex; past this size it rarely finishes in seconds and
 # the worker thread would burn a core for minutes. Refuse early instead.
@@ -135,38 +131,30 @@ class OutlinesBackend(Backend):
     name = "outlines"
 
     def __init__(self, tokenizer: GrammarTokenizer, max_recursion_depth: int = 3):
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer)
         self.max_recursion_depth = max_recursion_depth
-        self._vocab = None
-        self._lock = threading.Lock()
 
-    @property
+    @built_once
     def vocabulary(self) -> oc.Vocabulary:
-        with self._lock:
-            if self._vocab is None:
-                tok = self.tokenizer
-                unreachable = set(tok.special_token_ids)
-                tokens: dict[bytes, list[int]] = {}
-                for i, b in enumerate(tok.decoded_vocab):
-                    if b and i not in unreachable:
-                        tokens.setdefault(b, []).append(i)
-                self._vocab = oc.Vocabulary(tok.stop_token_ids[0], tokens)
-            return self._vocab
+        tok = self.tokenizer
+        unreachable = set(tok.special_token_ids)
+        tokens: dict[bytes, list[int]] = {}
+        for i, b in enumerate(tok.decoded_vocab):
+            if b and i not in unreachable:
+                tokens.setdefault(b, []).append(i)
+        return oc.Vocabulary(tok.stop_token_ids[0], tokens)
 
-    def compile(self, spec: GrammarSpec) -> OutlinesCompiled:
-        if isinstance(spec, EbnfSpec | StructuralTagSpec):
-            what = "EBNF" if isinstance(spec, EbnfSpec) else "structural-tag"
-            raise GrammarError(f"outlines does not support {what} grammars", "unsupported")
-        spec = reduced(spec)
-        if isinstance(spec, JsonSchemaSpec):
-            schema = json.dumps(map_subschemas(normalize_schema(spec.schema_dict()), _spell_out_any))
-            regex = regex_worker().build(
-                schema, whitespace_regex(spec.max_whitespace), self.max_recursion_depth, MAX_REGEX_CHARS
-            )
-        elif isinstance(spec, RegexSpec):
-            regex = spec.pattern
-        else:
-            raise GrammarError(f"unknown grammar spec {type(spec).__name__}")
+    def compile_json_schema(self, spec: JsonSchemaSpec) -> OutlinesCompiled:
+        schema = json.dumps(map_subschemas(normalize_schema(spec.schema_dict()), _spell_out_any))
+        regex = regex_worker().build(
+            schema, whitespace_regex(spec.max_whitespace), self.max_recursion_depth, MAX_REGEX_CHARS
+        )
+        return self._compile(spec, regex)
+
+    def compile_regex(self, spec: RegexSpec) -> OutlinesCompiled:
+        return self._compile(spec, spec.pattern)
+
+    def _compile(self, spec: GrammarSpec, regex: str) -> OutlinesCompiled:
         if len(regex) > MAX_REGEX_CHARS:
             raise GrammarError(
                 f"outlines: {spec.kind} too complex (regex of {len(regex)} chars > {MAX_REGEX_CHARS})",
@@ -175,7 +163,5 @@ class OutlinesBackend(Backend):
         try:
             index = oc.Index(regex, self.vocabulary)
         except Exception as e:
-            raise GrammarError(
-                f"outlines cannot compile this {spec.kind}: {short_error(e)}", "unsupported"
-            ) from e
+            raise self.cannot_compile(spec, e) from e
         return OutlinesCompiled(index, regex, self.tokenizer.stop_token_ids)

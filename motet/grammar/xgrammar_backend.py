@@ -10,16 +10,7 @@ import xgrammar as xgr
 from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer, Matcher, set_token_bits
 from motet.grammar.enforceable import simplify
 from motet.grammar.schema_normalize import normalize_schema
-from motet.grammar.specs import (
-    EbnfSpec,
-    GrammarError,
-    GrammarSpec,
-    JsonSchemaSpec,
-    RegexSpec,
-    StructuralTagSpec,
-    reduced,
-    short_error,
-)
+from motet.grammar.specs import EbnfSpec, JsonSchemaSpec, RegexSpec, StructuralTagSpec
 
 
 class XGrammarMatcher(Matcher):
@@ -77,38 +68,32 @@ class XGrammarCompiled(CompiledGrammar):
 
 class XGrammarBackend(Backend):
     name = "xgrammar"
+    compile_errors = (Exception,)  # xgrammar's C++ errors surface as RuntimeError / ValueError
 
     def __init__(self, tokenizer: GrammarTokenizer, max_threads: int = 2):
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer)
         # xgrammar's own cache off: ours (grammar.cache) is keyed and bounded in one place.
         self._compiler = xgr.GrammarCompiler(tokenizer.xgr_info, max_threads=max_threads, cache_enabled=False)
 
-    def compile(self, spec: GrammarSpec) -> XGrammarCompiled:
-        spec = reduced(spec)
-        try:
-            if isinstance(spec, JsonSchemaSpec):
-                compiled = self._compile_schema(spec)
-            elif isinstance(spec, RegexSpec):
-                compiled = self._compiler.compile_regex(spec.pattern)
-            elif isinstance(spec, EbnfSpec):
-                grammar = xgr.Grammar.from_ebnf(spec.grammar, root_rule_name=spec.root)
-                compiled = self._compiler.compile_grammar(grammar)
-            elif isinstance(spec, StructuralTagSpec):
-                compiled = self._compiler.compile_structural_tag(spec.tag_json())
-            else:
-                raise GrammarError(f"unknown grammar spec {type(spec).__name__}")
-        except GrammarError:
-            raise
-        except Exception as e:  # xgrammar's C++ errors surface as RuntimeError / ValueError
-            raise GrammarError(
-                f"xgrammar cannot compile this {spec.kind}: {short_error(e)}", "unsupported"
-            ) from e
-        return XGrammarCompiled(compiled, self.tokenizer.stop_token_ids)
-
-    def _compile_schema(self, spec: JsonSchemaSpec) -> xgr.CompiledGrammar:
+    def compile_json_schema(self, spec: JsonSchemaSpec) -> XGrammarCompiled:
         # simplify: an equivalent schema whose allOf / composition siblings xgrammar does enforce.
         schema = simplify(normalize_schema(spec.schema_dict()))
-        return self._compiler.compile_grammar(json_schema_grammar(schema, spec.strict, spec.max_whitespace))
+        return self._compiled(
+            self._compiler.compile_grammar(json_schema_grammar(schema, spec.strict, spec.max_whitespace))
+        )
+
+    def compile_regex(self, spec: RegexSpec) -> XGrammarCompiled:
+        return self._compiled(self._compiler.compile_regex(spec.pattern))
+
+    def compile_ebnf(self, spec: EbnfSpec) -> XGrammarCompiled:
+        grammar = xgr.Grammar.from_ebnf(spec.grammar, root_rule_name=spec.root)
+        return self._compiled(self._compiler.compile_grammar(grammar))
+
+    def compile_structural_tag(self, spec: StructuralTagSpec) -> XGrammarCompiled:
+        return self._compiled(self._compiler.compile_structural_tag(spec.tag_json()))
+
+    def _compiled(self, compiled: xgr.CompiledGrammar) -> XGrammarCompiled:
+        return XGrammarCompiled(compiled, self.tokenizer.stop_token_ids)
 
 
 def json_schema_grammar(schema: dict, strict: bool, max_whitespace: int) -> xgr.Grammar:

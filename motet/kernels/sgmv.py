@@ -256,6 +256,30 @@ def _check_pool(pool: torch.Tensor, desc: torch.Tensor) -> None:
         raise ValueError(f"the descriptor table is [slots, columns], not {tuple(desc.shape)}")
 
 
+def _launch(
+    kernel,
+    col_tiles,
+    src,
+    pool,
+    desc,
+    dst,
+    seg_starts,
+    seg_slots,
+    layer,
+    *scalars,
+    group,
+    max_seg_len,
+    **meta,
+):
+    """One launch of a segment kernel over (segments, row tiles, `col_tiles`), reading `src` into `dst`: its
+    arguments are the tensors, the layer, `scalars`, then the strides of src, the descriptors and dst."""
+    block_m, tiles = _grid_rows(src.shape[0], seg_slots.shape[0], max_seg_len)
+    kernel[(seg_slots.shape[0], tiles, col_tiles)](
+        src, pool, desc, dst, seg_starts, seg_slots, layer, *scalars, *src.stride(), *desc.stride(), *dst.stride(),
+        GROUP=group, BLOCK_M=block_m, **meta,
+    )  # fmt: skip
+
+
 def sgmv_shrink_triton(
     x: torch.Tensor,
     pool: torch.Tensor,
@@ -291,34 +315,16 @@ def sgmv_shrink_triton(
     num_segs = seg_slots.shape[0]
     if num_tokens == 0 or num_segs == 0 or width == 0:
         return h
-    block_m, tiles = _grid_rows(num_tokens, num_segs, max_seg_len)
     block_r = min(max(16, triton.next_power_of_2(width)), MAX_BLOCK_R)
     # fp32 dots unless x and the pool are the same 16-bit type: fp32 operands get true fp32 (tl.dot defaults to
     # tf32 on NVIDIA), as in torch; mixed types are upcast (x rounded to the pool's type would lose bits). Under
     # TRITON_INTERPRET=1 (CPU tensors) tl.dot on bf16 multiplies raw bits (triton 3.9): always fp32 there.
     dot_fp32 = not x.is_cuda or x.dtype == torch.float32 or x.dtype != pool.dtype
-    _shrink_kernel[(num_segs, tiles, triton.cdiv(width, block_r))](
-        x,
-        pool,
-        desc,
-        h,
-        seg_starts,
-        seg_slots,
-        layer,
-        k,
-        a_ld,
-        width,
-        *x.stride(),
-        *desc.stride(),
-        *h.stride(),
-        GROUP=group,
-        NUM_MODULES=n,
-        BLOCK_M=block_m,
-        BLOCK_R=block_r,
-        BLOCK_K=BLOCK_K,
-        DOT_FP32=dot_fp32,
+    _launch(
+        _shrink_kernel, triton.cdiv(width, block_r), x, pool, desc, h, seg_starts, seg_slots, layer, k, a_ld, width,
+        group=group, max_seg_len=max_seg_len, NUM_MODULES=n, BLOCK_R=block_r, BLOCK_K=BLOCK_K, DOT_FP32=dot_fp32,
         PRECISION="ieee" if dot_fp32 else None,
-    )
+    )  # fmt: skip
     return h
 
 
@@ -354,33 +360,16 @@ def sgmv_expand_triton(
     num_segs = seg_slots.shape[0]
     if num_tokens == 0 or num_segs == 0 or width == 0:
         return
-    block_m, tiles = _grid_rows(num_tokens, num_segs, max_seg_len)
     cols = [*_columns(sizes)[1:], y.shape[1]]
     ends = cols + [y.shape[1]] * (MAX_GROUP - n)
     lds = list(bt_ld) + [0] * (MAX_GROUP - n)
-    _expand_kernel[(num_segs, tiles, triton.cdiv(y.shape[1], BLOCK_N))](
-        h,
-        pool,
-        desc,
-        y,
-        seg_starts,
-        seg_slots,
-        layer,
-        a_ld,
-        width,
-        *ends,
-        *lds,
-        *desc.stride(),
-        *h.stride(),
-        *y.stride(),
-        GROUP=group,
-        NUM_MODULES=n,
-        BLOCK_M=block_m,
-        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
-        BLOCK_N=BLOCK_N,
+    _launch(
+        _expand_kernel, triton.cdiv(y.shape[1], BLOCK_N), h, pool, desc, y, seg_starts, seg_slots, layer, a_ld,
+        width, *ends, *lds, group=group, max_seg_len=max_seg_len, NUM_MODULES=n,
+        BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=BLOCK_N,
         # h is fp32; y in fp32 gets true fp32 dots, a 16-bit y takes tf32 (below its own rounding)
         PRECISION="ieee" if not y.is_cuda or y.dtype == torch.float32 else "tf32",
-    )
+    )  # fmt: skip
 
 
 def add_lora_triton(
@@ -500,10 +489,10 @@ if triton is not None:
         LD0,
         LD1,
         LD2,
-        stride_ds,
-        stride_dc,
         stride_ht,
         stride_hr,
+        stride_ds,
+        stride_dc,
         stride_yt,
         stride_yn,
         GROUP: tl.constexpr,

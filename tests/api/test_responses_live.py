@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from motet.api.responses.store import FILENAME
-from tests.live_server import Server
+from tests.live_server import Server, tiny_server
 from tests.peft_adapters import make_adapter
 
 MODEL = "tiny"
@@ -38,12 +38,9 @@ def dirs(tiny_model_dir, tmp_path_factory):
 
 
 def start(tiny_model_dir, dirs: Path, data: str = "data") -> Server:
-    return Server(
-        dirs,
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(dirs / "keys.json"),
-        "--data-dir", str(dirs / data), "--lora-load-dir", str(dirs / "loadable"), "--threads", "1",
-        "--max-model-len", "1024", "--max-num-seqs", "2", "--max-waiting", "2", "--max-loras", "1",
-        start_timeout=120,
+    return tiny_server(
+        tiny_model_dir, dirs, "--lora-load-dir", str(dirs / "loadable"), "--max-num-seqs", "2",
+        "--max-waiting", "2", "--max-loras", "1", data=data, name=MODEL,
     )  # fmt: skip
 
 

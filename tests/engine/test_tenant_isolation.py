@@ -19,7 +19,7 @@ import pytest
 
 from motet.engine.speculative.history import DraftScope, OutputHistory
 from tests.clock import Clock
-from tests.live_server import ROOT, Server
+from tests.live_server import ROOT, Server, tiny_server
 
 MODEL = "tiny"
 KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
@@ -41,13 +41,7 @@ def dirs(tmp_path_factory):
 
 
 def start(tiny_model_dir, dirs, *flags: str) -> Server:
-    return Server(
-        dirs,
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(dirs / "keys.json"),
-        "--data-dir", str(dirs / "data"), "--threads", "1", "--max-model-len", "1024",
-        "--num-kv-blocks", "1024", *flags,
-        start_timeout=120,
-    )  # fmt: skip
+    return tiny_server(tiny_model_dir, dirs, "--num-kv-blocks", "1024", *flags, name=MODEL)
 
 
 @pytest.fixture(scope="module")
