@@ -32,9 +32,10 @@ inline void round_rows_bf16(const float* x, int64_t ldx, int m_begin, int m_end,
             const int left = K - k;
             const __mmask16 lo = left >= 16 ? 0xFFFF : left > 0 ? (1u << left) - 1 : 0;
             const __mmask16 hi = left >= 32 ? 0xFFFF : left > 16 ? (1u << (left - 16)) - 1 : 0;
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xr + k + 16), _mm512_maskz_loadu_ps(lo, xr + k));
+            const __m512bh v =
+                _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xr + k + 16), _mm512_maskz_loadu_ps(lo, xr + k));
             const __mmask32 keep = ld - k >= 32 ? 0xFFFFFFFFu : (1u << (ld - k)) - 1;
-            _mm512_mask_storeu_epi16(br + k, keep, reinterpret_cast<__m512i>(v));
+            _mm512_mask_storeu_epi16(br + k, keep, (__m512i)v);  // (C casts between vector types: GCC and clang)
         }
     }
 }
@@ -66,8 +67,7 @@ inline void dot_micro(const uint16_t* xb, int64_t ldb, const uint16_t* w, int K,
         for (int r = 0; r < R; ++r) {
             int32_t pair;
             std::memcpy(&pair, xb + r * ldb + 2 * kp, 4);
-            acc[u][r] = _mm512_dpbf16_ps(acc[u][r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)),
-                                         reinterpret_cast<__m512bh>(b));
+            acc[u][r] = _mm512_dpbf16_ps(acc[u][r], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)b);
         }
     };
     int kp = 0;
