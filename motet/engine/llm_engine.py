@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -490,15 +491,16 @@ class LLMEngine:
             raise RuntimeError("a step is in flight: flush() it before scheduling another")
         return self.schedule_next()
 
-    def schedule_next(self) -> ScheduledBatch:
+    def schedule_next(self, hold: Collection[Sequence] = ()) -> ScheduledBatch:
         """The next batch, its rows advanced: their chunks computed, each sampled token pending until its step
-        lands. The overlapped strategy calls it while a step is in flight (`schedule` refuses to)."""
+        lands. The overlapped strategy calls it while a step is in flight (`schedule` refuses to), `hold`ing back
+        the rows whose in-flight token is their last."""
         self.speculator.propose(self.scheduler.running)
         kv, sched = self.kv_connector, self.scheduler
         if kv.num_loading and not sched.running and len(sched.waiting) == kv.num_loading:
             kv.wait_for_load(LOAD_WAIT_S)  # nothing else could run
         self._prepare_adapters()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(hold)
         now = batch.scheduled_at = time.monotonic()
         for seq in batch.seqs:
             if seq.scheduled_time is None:  # its queue time ends here (a preempted one keeps its first)

@@ -135,14 +135,9 @@ class OverlappedSteps:
         held = self._ahead_holds(batch)
         if held is None:
             return
-        for seq in held:  # their pending token is their last: nothing to schedule after it
-            seq.num_pending -= 1
-        try:
-            self._launch(self.engine.schedule_next())
-            self.num_steps_ahead += self._inflight is not None
-        finally:
-            for seq in held:
-                seq.num_pending += 1
+        # (the held rows' pending token is their last: nothing to schedule after it)
+        self._launch(self.engine.schedule_next(hold=held))
+        self.num_steps_ahead += self._inflight is not None
 
     def _ahead_holds(self, batch: ScheduledBatch) -> list[Sequence] | None:
         """None where the next step may not be scheduled before `batch` lands; else the rows to leave out of it."""

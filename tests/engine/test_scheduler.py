@@ -41,6 +41,20 @@ def test_budget_chunks_long_prompts_and_serves_decodes_first():
     assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 15]
 
 
+def test_held_rows_wait_a_step_and_leave_their_tokens_to_the_others():
+    """An overlapped engine schedules ahead of a step whose token ends some rows: those rows are held (nothing of
+    theirs is scheduled, their pending token untouched) and their decode slot goes to the prompt chunk."""
+    sched = make(budget=8)
+    a, b = (Sequence([1, 2, 3], SamplingParams(max_tokens=4)) for _ in range(2))
+    sched.add(a), sched.add(b)
+    run_step(sched)
+    c = Sequence(list(range(20)), SamplingParams(max_tokens=4))
+    sched.add(c)
+    batch = sched.schedule(hold=[a])
+    assert batch.seqs == [b, c] and batch.num_new_tokens == [1, 7]
+    assert a.num_pending == 0 and a.num_uncomputed == 1  # still wanted once not held
+
+
 def test_max_num_seqs_is_respected():
     sched = make(max_seqs=2, budget=1000)
     for _ in range(5):

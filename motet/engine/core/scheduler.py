@@ -153,8 +153,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, hold: Collection[Sequence] = ()) -> ScheduledBatch:
+        """The next step's rows. `hold`: running rows that wait this step whatever they need (an overlapped engine
+        schedules ahead of a step whose token is their last)."""
         self.kv.poll()
+        held = {s.seq_id for s in hold}
+
+        def uncomputed(s: Sequence) -> int:  # what a row needs this step: nothing while held
+            return 0 if s.seq_id in held else s.num_uncomputed
+
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         fair = self.fairness
@@ -213,7 +220,7 @@ class Scheduler:
         tenants = {s.tenant for s in self.running}
         order = {t: (shares.load(t), fair.counter(t)) for t in tenants}  # once per tenant, not per row
         self.running.sort(key=lambda s: (tier_of(s), *order[s.tenant], *running_places[s.seq_id]))
-        decodes_left = Counter(tier_of(s) for s in self.running if s.num_uncomputed == 1)
+        decodes_left = Counter(tier_of(s) for s in self.running if uncomputed(s) == 1)
         i = 0
         while i < len(self.running) and used < budget:
             seq = self.running[i]
@@ -221,8 +228,8 @@ class Scheduler:
             left = limits[group] - used
             if left <= 0:  # its tier's tokens are spent: it and the later rows (tiers after) wait a step
                 break
-            remaining = seq.num_uncomputed
-            if remaining == 0:  # its next token is on the way (a step scheduled ahead holds it back)
+            remaining = uncomputed(seq)
+            if remaining == 0:  # held, or its next token is on the way
                 i += 1
                 continue
             if remaining == 1:
@@ -241,7 +248,7 @@ class Scheduler:
                     seq.draft_token_ids = []
                     continue
                 victim = self.running.pop()
-                if victim is not seq and victim.num_uncomputed == 1:
+                if victim is not seq and uncomputed(victim) == 1:
                     decodes_left[tier_of(victim)] -= 1  # its token is no longer held for it
                 self._preempt(victim, shares)
                 batch.preempted.append(victim)
