@@ -40,7 +40,7 @@ from motet.engine.core.block_manager import BlockManager
 from motet.engine.core.fairness import TenantShares, TenantState, VirtualTokenCounter
 from motet.engine.core.kv_connector import KVConnector, NoKVTiers
 from motet.engine.core.latency import LatencyGuard, tier
-from motet.engine.core.sequence import Sequence, SequenceStatus
+from motet.engine.core.sequence import PendingToken, Sequence, SequenceStatus
 
 
 @dataclass
@@ -53,6 +53,10 @@ class ScheduledBatch:
     # reads the batch: the runner reads these. None (a batch built by hand): read from the rows.
     starts: list[int] | None = None
     sampling: list[bool] | None = None
+    # Each sampling row's PendingToken (None for the others), made as the rows advance: the runner fills them.
+    pending: list[PendingToken | None] | None = None
+    # Each row's PendingToken of the step before, where its input token may still be (taken as it advances).
+    fed_by: list[PendingToken | None] | None = None
     # The runner's inputs built on the host as the step launches (ModelRunner.plan_inputs); None: built when it runs.
     inputs: object | None = None
     scheduled_at: float | None = None  # time.monotonic() when the engine scheduled it (a step's time starts)
@@ -78,7 +82,13 @@ class ScheduledBatch:
             [self.num_new_tokens[i] for i in rows],
             starts=pick(self.starts),
             sampling=pick(self.sampling),
+            pending=pick(self.pending),
+            fed_by=pick(self.fed_by),
         )
+
+    def feeds_of(self) -> list[PendingToken | None]:
+        """Where each row's pending input token comes from (read as the step's inputs are built)."""
+        return self.fed_by if self.fed_by is not None else [s.pending for s in self.seqs]
 
     def positions(self) -> list[int]:
         """Each row's first position in this step."""
@@ -354,10 +364,13 @@ class Scheduler:
         next step before this one's tokens reach the host. Their KV is written before any later step reads it (the
         device runs steps in order)."""
         cache_full_blocks = self.bm.cache_full_blocks
+        batch.pending = [None] * len(batch)
+        batch.fed_by = [s.pending for s in batch.seqs]
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts count once accepted
             if batch.samples(i):
                 seq.num_pending += 1
+                seq.pending = batch.pending[i] = PendingToken()
             cache_full_blocks(seq)
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:

@@ -21,6 +21,17 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class PendingToken:
+    """Where a launched step left one row's sampled token on the device: (the step's sampled tokens, the row's
+    index). The step is scheduled with one per sampling row; only the forward thread that runs it fills `at`, and
+    only a later step's inputs read it (on the same thread), so no thread writes a live row for it."""
+
+    __slots__ = ("at",)
+
+    def __init__(self):
+        self.at: tuple | None = None
+
+
 @dataclass
 class TokenLogprob:
     """The chosen token's logprob and the top alternatives (token_id, logprob), best first; a prompt
@@ -70,9 +81,9 @@ class Sequence:
     # Tokens sampled by launched steps and not appended yet (an overlapped engine advances a row when it launches
     # its step: the scheduler may schedule the pending token's successor before the token reaches the host).
     num_pending: int = 0
-    # Where the token the row's latest step sampled is on the device: (that step's sampled tokens, the row's
-    # index), the forward thread's. The next step may take it as its input before it reaches the host.
-    last_sampled: tuple | None = None
+    # The slot its latest sampling step fills with where its token is on the device (that step's, set as it is
+    # scheduled): the next step may take the token as its input before it reaches the host.
+    pending: PendingToken | None = None
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_table: list[int] = field(default_factory=list)
     window_blocks: list[int] = field(

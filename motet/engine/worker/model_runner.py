@@ -420,9 +420,9 @@ class ModelRunner:
         result = StepResult.empty(len(batch))
         on_device = []  # (row, index) of the rows' tokens left in out.tokens until the result is read
         for i, start in zip(sample_rows, starts, strict=True):
-            seq = batch.seqs[i]
-            seq.last_sampled = (out.tokens, start)  # where the next step finds it, if it runs first
-            drafts = seq.draft_token_ids
+            if batch.pending is not None and batch.pending[i] is not None:
+                batch.pending[i].at = (out.tokens, start)  # where the next step finds it, if it runs first
+            drafts = batch.seqs[i].draft_token_ids
             if not drafts:
                 on_device.append((i, start))
                 result.logprobs[i] = [out.logprobs[start]]

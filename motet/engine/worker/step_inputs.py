@@ -13,14 +13,16 @@ import torch
 
 from motet.engine.core.kv_window import window_table
 from motet.engine.core.scheduler import ScheduledBatch
-from motet.engine.core.sequence import Sequence
+from motet.engine.core.sequence import PendingToken, Sequence
 from motet.engine.worker.model import AttentionMetadata
 
 
-def decode_inputs(seqs: list[Sequence], positions: list[int]) -> tuple[list[int], list[tuple[int, Sequence]]]:
-    """Each row's input token, at its position, and the feeds: (the input's index, the row) for the rows whose
-    token is still pending (sampled by the step before, not on the host yet: 0 in the list until `feed_tokens`
-    writes it)."""
+def decode_inputs(
+    seqs: list[Sequence], positions: list[int], fed_by: list[PendingToken | None]
+) -> tuple[list[int], list[tuple[int, PendingToken]]]:
+    """Each row's input token, at its position, and the feeds: (the input's index, its PendingToken from
+    `fed_by`) for the rows whose token is still pending (sampled by the step before, not on the host yet: 0 in
+    the list until `feed_tokens` writes it)."""
     ids, feeds = [], []
     for i, (seq, p) in enumerate(zip(seqs, positions, strict=True)):
         tokens = seq.token_ids
@@ -28,17 +30,17 @@ def decode_inputs(seqs: list[Sequence], positions: list[int]) -> tuple[list[int]
             ids.append(tokens[p])
         else:
             ids.append(0)
-            feeds.append((i, seq))
+            feeds.append((i, fed_by[i]))
     return ids, feeds
 
 
-def feed_tokens(ids: torch.Tensor, feeds: list[tuple[int, Sequence]], pinned: bool) -> None:
+def feed_tokens(ids: torch.Tensor, feeds: list[tuple[int, PendingToken]], pinned: bool) -> None:
     """Write the pending tokens into a step's input ids on the device, from the steps that sampled them (each
-    row's `last_sampled`; the forward thread's, read once the step before has run): no host wait (the indices go
-    from pinned memory). Usually they all come from the step before: one gather."""
+    feed's PendingToken, which the forward thread filled as it ran the step before): no host wait (the indices
+    go from pinned memory). Usually they all come from the step before: one gather."""
     sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-    for dst, seq in feeds:
-        tokens, src = seq.last_sampled
+    for dst, pending in feeds:
+        tokens, src = pending.at
         entry = sources.get(id(tokens))
         if entry is None:
             entry = sources[id(tokens)] = (tokens, [], [])
@@ -58,7 +60,7 @@ def feed_tokens(ids: torch.Tensor, feeds: list[tuple[int, Sequence]], pinned: bo
 
 class HostInputs(NamedTuple):
     """An eager step's inputs packed on the host (pinned on CUDA), for `InputBuilder.to_device` to send in two
-    transfers. `feeds`: (input index, row) for the rows whose input token is pending."""
+    transfers. `feeds`: (input index, PendingToken) for the rows whose input token is pending."""
 
     # int64 [3, tokens]: input ids (0 where pending), positions, KV slots (and the window layers' slots)
     per_token: torch.Tensor
@@ -99,12 +101,13 @@ class InputBuilder:
             return self._decode(batch)
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables, feeds = [], [], [], [0], [], [], []
-        for seq, n, start in zip(batch.seqs, batch.num_new_tokens, batch.positions(), strict=True):
+        rows = zip(batch.seqs, batch.num_new_tokens, batch.positions(), batch.feeds_of(), strict=True)
+        for seq, n, start, fed_by in rows:
             own = n - len(seq.draft_token_ids)
             known = seq.token_ids[start : start + own]
             input_ids.extend(known)
             if len(known) < own:  # its last token is still pending (async scheduling): fed on the device
-                feeds.append((len(input_ids), seq))
+                feeds.append((len(input_ids), fed_by))
                 input_ids.append(0)
             input_ids.extend(seq.draft_token_ids)  # verified after the row's last token (none: not drafting)
             positions.extend(range(start, start + n))
@@ -123,7 +126,7 @@ class InputBuilder:
         """`host` of a step where every row adds one token (no drafts): the common step, in fewer passes."""
         bs, seqs = self.block_size, batch.seqs
         positions = batch.positions()
-        input_ids, feeds = decode_inputs(seqs, positions)
+        input_ids, feeds = decode_inputs(seqs, positions, batch.feeds_of())
         tables = [seq.block_table for seq in seqs]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
         width = max(map(len, tables))
@@ -191,7 +194,7 @@ class InputBuilder:
         if not fits(len(seqs), max(map(len, tables)), max(batch.num_new_tokens), max(pos)):
             return None
         bs, rows, slots, qsl = self.block_size, [], [], [0]
-        firsts, feeds = decode_inputs(seqs, pos)
+        firsts, feeds = decode_inputs(seqs, pos, batch.feeds_of())
         for seq, table, p, first in zip(seqs, tables, pos, firsts, strict=True):
             rows.append([first, *seq.draft_token_ids])
             slots.append([table[x // bs] * bs + x % bs for x in range(p, p + len(rows[-1]))])
