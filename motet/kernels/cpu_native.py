@@ -85,7 +85,16 @@ ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
 
 # The forward's program (the source's Op and Program; field order matters): op records that Python writes once,
 # each reading its fields as the source's table says (motet/engine/worker/cpu_forward.py writes them).
-OP_KINDS = ("rms_norm", "linear", "rotary_kv", "attention", "activation", "add_residual", "moe")  # OpKind
+OP_KINDS = (
+    "rms_norm",
+    "linear",
+    "rotary_kv",
+    "attention",
+    "activation",
+    "add_residual",
+    "moe",
+    "gated_add",
+)  # OpKind
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_limit")  # the source's Activation, by the config's names
 KV_POOLS = ("global", "window")  # the source's KvPool: which slots and tables an op's KV lives at
 OP_INTS, OP_PTRS, OP_FLOATS = 10, 4, 2
@@ -269,19 +278,20 @@ class ProgramWriter:
         act: str,
         alpha: float = 0.0,
         limit: float = 0.0,
-        gate: str | None = None,
     ) -> None:
-        """dst[:, :n] = act(gate) * up of src's [gate n | up n] columns, each row times sigmoid(its `gate`
-        buffer's first value) where given."""
-        gate_id = self.buffer(gate, 1) if gate is not None else -1
+        """dst[:, :n] = act(gate) * up of src's [gate n | up n] columns."""
         self._op(
             "activation",
             self.buffer(src, 2 * n),
             self.buffer(dst, n),
-            (n, ACTIVATIONS.index(act), gate_id),
+            (n, ACTIVATIONS.index(act)),
             (),
             (alpha, limit),
         )
+
+    def gated_add(self, src: str, dst: str, n: int, gate: str) -> None:
+        """dst[:, :n] += src[:, :n], each row times sigmoid(its `gate` buffer's first value)."""
+        self._op("gated_add", self.buffer(src, n), self.buffer(dst, n), (n, self.buffer(gate, 1)), (), ())
 
     def add_residual(self, src: str, n: int, norm: int | None = None, eps: float = 0.0) -> None:
         """A block's output joins the stream "x": all-reduced over the ranks, normed where `norm`, added."""
@@ -304,8 +314,11 @@ class ProgramWriter:
         down_bias: int | None = None,
         alpha: float = 0.0,
         limit: float = 0.0,
+        code: int = 0,
     ) -> None:
-        """dst = each token's top-k experts (by the router's `logits`) over its `src` row, weighted."""
+        """dst = each token's top-k experts (by the router's `logits`) over its `src` row, weighted; the experts'
+        weights in `code` (the model's dtype, or QUANT_CODES': every expert's pack_quantized one after another,
+        biases fp32)."""
         self._op(
             "moe",
             self.buffer(src, hidden),
@@ -318,6 +331,7 @@ class ProgramWriter:
                 renormalize,
                 ACTIVATIONS.index(act),
                 hidden,
+                code,
             ),
             (gate_up, down, gate_up_bias, down_bias),
             (alpha, limit),

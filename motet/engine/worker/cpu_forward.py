@@ -24,7 +24,16 @@ import weakref
 
 import torch
 
-from motet.engine.worker.model import MLP, AttentionMetadata, CausalLM, Linear, RMSNorm, SparseMoE
+from motet.engine.worker.model import (
+    MLP,
+    STACKED,
+    AttentionMetadata,
+    CausalLM,
+    Experts,
+    Linear,
+    RMSNorm,
+    SparseMoE,
+)
 from motet.kernels import cpu_native
 from motet.kernels.quant import BLOCK
 from motet.lora.pool import GROUP_OF, LoRABatch
@@ -87,6 +96,21 @@ def _packed_bytes(lin: Linear, elem: int) -> int:
     return -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem
 
 
+def _experts_bytes(experts: Experts, elem: int) -> int:
+    """Bytes of a sparse layer's experts packed (each expert's weight as a linear layer's, one after another)."""
+    total = 0
+    for key in STACKED:
+        if key in experts.quantized:
+            q = experts.quantized[key]
+            N, K = q.rows, q.weight.shape[1]
+            record = cpu_native.QUANT_RECORD[q.weight.format.name]
+            total += len(q) * -(-N // cpu_native.PANEL) * (K // BLOCK) * record + 64
+        else:
+            E, N, K = getattr(experts, key).shape
+            total += E * -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem + 64
+    return total
+
+
 def _return_freed_memory() -> None:
     """Give the heap's freed pages back to the system: glibc keeps them, so after packing the process would hold
     the unpacked weights' memory as well as the arena (measured: benchmarks/load_peak.py). Elsewhere: nothing."""
@@ -129,9 +153,7 @@ class CpuForward:
                 total += _packed_bytes(moe.gate, elem) + 64
                 if moe.shared_expert_gate is not None:
                     total += _packed_bytes(moe.shared_expert_gate, elem) + 64
-                for stacked in (moe.experts.gate_up_proj, moe.experts.down_proj):
-                    E, N, K = stacked.shape
-                    total += E * -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem + 64
+                total += _experts_bytes(moe.experts, elem)
         total += _packed_bytes(model.lm_head, elem) + 64
         self.arena = WeightArena(total + 64 * 64)
         self._keep: list[torch.Tensor] = []  # everything the program points at
@@ -260,23 +282,34 @@ class CpuForward:
         E, inter, hidden = experts.num_local, experts.intermediate, cfg.hidden_size
         self._linear(w, moe.gate, src, "router")
 
-        def stacked(weight: torch.nn.Parameter) -> int:
+        def stacked(key: str) -> int:
             """Every expert's weight packed, one after another in the arena (the grouped GEMM's layout)."""
-            return self.arena.put(torch.cat([cpu_native.pack(x) for x in weight.detach()])).data_ptr()
+            if key in experts.quantized:
+                q = experts.quantized[key]
+                packed = [cpu_native.pack_quantized(q[e]) for e in range(len(q))]
+            else:
+                packed = [cpu_native.pack(x) for x in getattr(experts, key).detach()]
+            return self.arena.put(torch.cat(packed)).data_ptr()
 
-        gate_up, down = stacked(experts.gate_up_proj), stacked(experts.down_proj)
-        gate_up_bias = self._keep_ptr(experts.gate_up_proj_bias, self._wdtype)
-        down_bias = self._keep_ptr(experts.down_proj_bias, self._wdtype)
+        quantized = experts.quantized.get("gate_up_proj")
+        code = cpu_native.DTYPE_CODES[self._wdtype]
+        bias_dtype = self._wdtype
+        if quantized is not None:  # (both stacked weights in one format: --quantization)
+            code, bias_dtype = cpu_native.QUANT_CODES[quantized.weight.format.name], torch.float32
+        gate_up, down = stacked("gate_up_proj"), stacked("down_proj")
+        gate_up_bias = self._keep_ptr(experts.gate_up_proj_bias, bias_dtype)
+        down_bias = self._keep_ptr(experts.down_proj_bias, bias_dtype)
         w.moe(src, "router", "out", E, moe.top_k, inter, hidden, moe.norm_topk_prob, cfg.expert_act, gate_up, down,
-              gate_up_bias, down_bias, cfg.swiglu_alpha, cfg.swiglu_limit)  # fmt: skip
+              gate_up_bias, down_bias, cfg.swiglu_alpha, cfg.swiglu_limit, code)  # fmt: skip
         empty = torch.nn.Parameter(torch.empty(0, dtype=self._wdtype), requires_grad=False)
-        experts.gate_up_proj, experts.down_proj = empty, empty
+        experts.gate_up_proj, experts.down_proj, experts.quantized = empty, empty, {}
         if moe.shared_expert is not None:
             shared = moe.shared_expert
             self._linear(w, moe.shared_expert_gate, src, "gate")
             self._linear(w, shared.gate_up_proj, src, "gu")
-            w.activation("gu", "act", shared.intermediate, _activation(shared), gate="gate")
-            self._linear(w, shared.down_proj, "act", "out", accumulate=True)
+            w.activation("gu", "act", shared.intermediate, _activation(shared))
+            self._linear(w, shared.down_proj, "act", "shared")
+            w.gated_add("shared", "out", hidden, "gate")  # (scaled after its down, as transformers does)
 
     def _reduce(self, ptr: int, n: int) -> None:
         if self._failure is not None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from motet.engine.weights.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
 from motet.engine.weights.mxfp4 import Mxfp4Tensor
-from motet.engine.worker.model import CausalLM, Linear
+from motet.engine.worker.model import STACKED, CausalLM, Experts, Linear, QuantizedExperts
 from motet.engine.worker.parallel import ROW_PARALLEL
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
 from motet.models.declaration import ModelLoadError
@@ -54,12 +54,9 @@ class DecoderWeights:
         so it is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
         keep it in Q8_0 (or Q6_K) the same way."""
         cfg = self.config
-        if cfg.is_moe:
-            raise ModelLoadError(
-                f"{fmt.name} quantization of a mixture-of-experts model ({cfg.architecture}) is not supported "
-                f"yet: serve it unquantized (leave --quantization out)"
-            )
         dims = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size}
+        if cfg.is_moe:
+            dims["moe_intermediate_size"] = cfg.moe_intermediate_size
         dims["num_attention_heads * head_dim"] = cfg.num_attention_heads * cfg.head_dim
         for name, value in dims.items():
             if value % BLOCK:
@@ -74,11 +71,23 @@ class DecoderWeights:
                     f"this rank's part of {name} has {lin.in_features}: serve the model with another "
                     f"--tensor-parallel-size, or unquantized"
                 )
+        for name, experts in self._experts().items():
+            if experts.intermediate % BLOCK:
+                raise ModelLoadError(
+                    f"{fmt.name} quantization needs the inputs of every projection in whole blocks of {BLOCK}; "
+                    f"this rank's part of {name}.down_proj has {experts.intermediate}: serve the model with "
+                    f"another --tensor-parallel-size, or unquantized"
+                )
         linears = set(self.model.decoder_linears())
         formats = {f"{name}.weight": fmt for name, lin in self.model.named_modules() if lin in linears}
+        formats.update({f"{name}.{key}": fmt for name in self._experts() for key in STACKED})
         if cfg.hidden_size % BLOCK == 0:
             formats["lm_head.weight"] = INT8
         return formats
+
+    def _experts(self) -> dict[str, Experts]:
+        """The sparse layers' experts by module name."""
+        return {name: m for name, m in self.model.named_modules() if isinstance(m, Experts)}
 
     def _split_sizes(self, name: str) -> list[int]:
         """Row sizes of a fused parameter's shards ([n] for an unfused one) on this rank; `name` is the
@@ -329,6 +338,7 @@ class DecoderWeights:
         quantized: dict[str, dict[int, QuantizedWeight]] = {}  # weight name -> its shards, until all are in
         linears = set(model.decoder_linears())
         projections = {f"{n}.weight": m for n, m in model.named_modules() if m in linears}
+        stacked = {f"{n}.{key}": m for n, m in self._experts().items() for key in STACKED}
         tied = model.lm_head.weight is model.embed_tokens.weight
         device = model.embed_tokens.weight.device
         if self.parallel.enabled:  # the last rank's vocabulary shard ends in padding rows: zeros
@@ -367,15 +377,25 @@ class DecoderWeights:
                     self._quantized_lm_head(tensor)
                     loaded.add(("lm_head.weight", 0))
             elif isinstance(tensor, QuantizedWeight):
-                if name not in projections:
+                if name not in projections and name not in stacked:
                     raise ModelLoadError(
                         f"checkpoint tensor {hf_name!r} is quantized: only projections and the lm_head may be"
                     )
                 if shard is None and len(self._split_sizes(name)) > 1:
-                    raise ModelLoadError(
-                        f"checkpoint tensor {hf_name!r} is quantized: a fused projection's parts must come "
-                        f"one by one"
-                    )
+                    if name not in stacked:
+                        raise ModelLoadError(
+                            f"checkpoint tensor {hf_name!r} is quantized: a fused projection's parts must come "
+                            f"one by one"
+                        )
+                    # all of the stacked experts at once (quantized as they loaded): its rows are the shards'
+                    sizes = self._split_sizes(name)
+                    tensor = tensor.to(device)
+                    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                    quantized[name] = {
+                        i: tensor.narrow(0, a, n) for i, (a, n) in enumerate(zip(starts, sizes, strict=True))
+                    }
+                    loaded.update((name, i) for i in self._all_shards(name))
+                    continue
                 quantized.setdefault(name, {})[shard or 0] = tensor.to(device)
             elif name == "embed_tokens.weight" and tied and "lm_head.weight" in formats:
                 # the table keeps the checkpoint's values; the lm_head multiplies in blocks of them
@@ -395,8 +415,14 @@ class DecoderWeights:
             ):
                 raise ModelLoadError(f"checkpoint tensors of {name}: its parts must all be in one format")
             if len(shards) == n:  # else the missing parts are reported below
+                weight = QuantizedWeight.cat([shards[i] for i in range(n)])
+                if name in stacked:  # every expert's rows, one expert after another
+                    experts, key = stacked[name], name.rpartition(".")[2]
+                    experts.quantized[key] = QuantizedExperts(weight, experts.num_local)
+                    setattr(experts, key, self._released())
+                    continue
                 layer = projections[name]
-                layer.quantized = QuantizedWeight.cat([shards[i] for i in range(n)])
+                layer.quantized = weight
                 layer.weight = self._released()
         # Every parameter, every shard of a fused one, must come from the checkpoint.
         expected = {(name, i) for name, _ in model.named_parameters() for i in self._all_shards(name)}
@@ -421,6 +447,7 @@ class DecoderWeights:
                 target[start : start + rows.shape[0]].copy_(rows)
             if fmt is not None:  # a MiB of fp32 values at a time: quantizing makes a few fp32 copies of them
                 step = max(1, QUANTIZE_BYTES // max(1, rows[:1].numel() * 4))
+                rows = rows.reshape(-1, rows.shape[-1])  # (stacked experts: their rows one after another)
                 parts += [fmt.quantize(part.to(device)) for part in rows.split(step)]
         return QuantizedWeight.cat(parts) if fmt is not None else None
 

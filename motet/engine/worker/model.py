@@ -330,9 +330,8 @@ def grouped_experts(
     down [E, H, I] (and `biases` [E, 2I], [E, H]; `act`(gate, up): SiLU(gate) * up where None), in torch: the
     rows sorted by expert, one gate/up and one down product per expert that has rows (one host sync for the
     counts), the rows' order kept."""
-    inter = gate_up.shape[1] // 2
     order = expert_ids.argsort(stable=True)
-    counts = torch.bincount(expert_ids, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(expert_ids, minlength=len(gate_up)).tolist()
     sorted_rows = rows[order]
     out = torch.empty_like(sorted_rows)
     start = 0
@@ -340,11 +339,36 @@ def grouped_experts(
         if n:
             seg = sorted_rows[start : start + n]
             gate_up_bias, down_bias = (biases[0][e], biases[1][e]) if biases is not None else (None, None)
-            gate, up = F.linear(seg, gate_up[e], gate_up_bias).split(inter, dim=-1)
+            gate, up = _expert_product(gate_up[e], seg, gate_up_bias).chunk(2, dim=-1)
             hidden = F.silu(gate) * up if act is None else act(gate, up)
-            out[start : start + n] = F.linear(hidden, down[e], down_bias)
+            out[start : start + n] = _expert_product(down[e], hidden, down_bias)
             start += n
     return torch.empty_like(out).index_copy_(0, order, out)
+
+
+def _expert_product(weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T (+ bias) for one expert's weight: a float matrix, or a QuantizedWeight (as a quantized Linear
+    multiplies: the Triton GEMM on CUDA, the CPU reference elsewhere)."""
+    if isinstance(weight, QuantizedWeight):
+        if triton_quant.applies(x):
+            return triton_quant.quant_linear(x, weight, bias)
+        return weight.linear(x, bias)
+    return F.linear(x, weight, bias)
+
+
+class QuantizedExperts:
+    """Stacked experts' weight held in a block format (`--quantization` on a mixture of experts): every expert's
+    [N, K] weight one after another as one QuantizedWeight [E * N, K]; `[e]` is expert e's."""
+
+    def __init__(self, weight: QuantizedWeight, num_experts: int):
+        self.weight, self.num_experts = weight, num_experts
+        self.rows = weight.shape[0] // num_experts
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def __getitem__(self, e: int) -> QuantizedWeight:
+        return self.weight.narrow(0, e * self.rows, self.rows)
 
 
 def clamped_swiglu(alpha: float, limit: float):
@@ -356,6 +380,9 @@ def clamped_swiglu(alpha: float, limit: float):
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
     return act
+
+
+STACKED = ("gate_up_proj", "down_proj")  # the experts' stacked weights
 
 
 class Experts(nn.Module):
@@ -379,6 +406,8 @@ class Experts(nn.Module):
         self.num_local, self.intermediate = E, self.columns[1]
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * self.intermediate, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, self.intermediate), requires_grad=False)
+        # `--quantization`: the stacked weights held in a block format instead (their parameters released)
+        self.quantized: dict[str, QuantizedExperts] = {}
         self.gate_up_proj_bias = self.down_proj_bias = None  # GPT-OSS's (down's: rank 0's, zeros elsewhere)
         if cfg.expert_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * self.intermediate), requires_grad=False)
@@ -402,6 +431,9 @@ class Experts(nn.Module):
         the layout a grouped-GEMM kernel takes). On CUDA the Triton grouped-expert kernel does it in two
         launches for the whole layer (motet/kernels/triton_moe.py)."""
         biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.gate_up_proj_bias is not None else None
+        if self.quantized:
+            gate_up, down = self.quantized["gate_up_proj"], self.quantized["down_proj"]
+            return grouped_experts(rows, expert_ids, gate_up, down, biases, self.act)
         if triton_moe.applies(rows) and biases is None and self.act is None:
             return triton_moe.grouped_experts(rows, expert_ids, self.gate_up_proj, self.down_proj)
         return grouped_experts(rows, expert_ids, self.gate_up_proj, self.down_proj, biases, self.act)
@@ -550,6 +582,10 @@ class CausalLM(nn.Module):
         deferred = (
             {id(lin.weight) for lin in [*model.decoder_linears(), model.lm_head]} if quantized else set()
         )
+        if quantized:  # the experts' stacked weights too
+            deferred.update(
+                id(getattr(e, k)) for e in model.modules() if isinstance(e, Experts) for k in STACKED
+            )
         deferred.discard(id(model.embed_tokens.weight))  # a tied lm_head is the embedding table
         made: dict[int, nn.Parameter] = {}  # (a tied parameter is made once)
         for module in model.modules():

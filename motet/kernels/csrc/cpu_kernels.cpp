@@ -41,17 +41,21 @@ namespace motet {
 //                 (q and k heads of `in` rotated in place over their first `dims` values, k and v written to the
 //                 caches at the pool's slots; in: q heads, then k heads, then v heads)
 //   ATTENTION     H, KVH, D, pool, window                        k/v cache, sinks (fp32 [H])      scale, softcap
-//   ACTIVATION    n, activation, gate buffer (-1: none)                                           alpha, limit
-//                 (in: gate columns then up columns; the gate buffer's column 0, sigmoid, scales each row)
+//   ACTIVATION    n, activation                                                                   alpha, limit
+//                 (in: gate columns then up columns)
+//   GATED_ADD     n, gate buffer                                 (out += sigmoid(gate's column 0) * in, per row)
 //   ADD_RESIDUAL  n                                              post-norm w [n] (or null)        eps
 //                 (in all-reduced over the ranks in place, normed where the layer says, added to out)
 //   MOE           router logits buffer, E, top_k, I,             experts' gate_up, down (packed,   alpha, limit
-//                 renormalize, activation, hidden                one after another), their biases
+//                 renormalize, activation, hidden, code          one after another, in `code`),
+//                                                                their biases
 //
 // The pool: 0 = the global layers' KV (the step's slots and tables), 1 = the sliding-window layers' pool (the
 // step's window slots and tables, where it has them; else the global ones: a context within the window).
 
-enum OpKind { kRmsNorm = 0, kLinear, kRotaryKv, kAttention, kActivation, kAddResidual, kMoe, kNumOpKinds };
+enum OpKind {
+    kRmsNorm = 0, kLinear, kRotaryKv, kAttention, kActivation, kAddResidual, kMoe, kGatedAdd, kNumOpKinds
+};
 enum Activation { kActSilu = 0, kActGeluTanh = 1, kActSwigluLimit = 2 };
 enum KvPool { kPoolGlobal = 0, kPoolWindow = 1 };
 
@@ -269,21 +273,33 @@ inline void activate(int kind, const float* g, const float* u, float* out, int n
 // out = act(gate) * up of in's rows (gate columns, then up columns), each row times sigmoid(its gate value) where
 // the op names a gate buffer (a shared expert's: the product after it is linear).
 inline void activation_op(Ctx& c, const Op& op) {
-    const int n = op.i[0], kind = op.i[1], gate_id = op.i[2], T = c.T;
+    const int n = op.i[0], kind = op.i[1], T = c.T;
     const float* in = c.buf(op.in);
     float* out = c.buf(op.out);
-    const float* gate = gate_id >= 0 ? c.buf(gate_id) : nullptr;
-    const int64_t ldi = c.ld(op.in), ldo = c.ld(op.out), ldg = gate_id >= 0 ? c.ld(gate_id) : 0;
+    const int64_t ldi = c.ld(op.in), ldo = c.ld(op.out);
 #pragma omp parallel for schedule(static) if (T > 8)
     for (int t = 0; t < T; ++t) {
         const float* g = in + t * ldi;
-        float* a = out + t * ldo;
-        activate(kind, g, g + n, a, n, op.f[0], op.f[1]);
-        if (gate) {
-            const float sc = sigmoid(gate[t * ldg]);
+        activate(kind, g, g + n, out + t * ldo, n, op.f[0], op.f[1]);
+    }
+    c.clock.mark(kPhaseOther);
+}
+
+// out[:, :n] += sigmoid(gate[:, 0]) * in[:, :n]: Qwen2-MoE's shared expert scaled by its gate after its down
+// projection, as transformers scales it (a quantized down rounds its input in blocks: scaled before, it would
+// round differently).
+inline void gated_add_op(Ctx& c, const Op& op) {
+    const int n = op.i[0], gate_id = op.i[1], T = c.T;
+    const float* in = c.buf(op.in);
+    const float* gate = c.buf(gate_id);
+    float* out = c.buf(op.out);
+    const int64_t ldi = c.ld(op.in), ldo = c.ld(op.out), ldg = c.ld(gate_id);
+    for (int t = 0; t < T; ++t) {
+        const float sc = sigmoid(gate[t * ldg]);
+        const float* x = in + t * ldi;
+        float* o = out + t * ldo;
 #pragma omp simd
-            for (int i = 0; i < n; ++i) a[i] *= sc;
-        }
+        for (int i = 0; i < n; ++i) o[i] += sc * x[i];
     }
     c.clock.mark(kPhaseOther);
 }
@@ -306,6 +322,26 @@ void add_residual_op(Ctx& c, const Op& op) {
         for (int i = 0; i < n; ++i) xr[i] += orow[i];
     }
     c.clock.mark(kPhaseOther);
+}
+
+// Each expert's rows through its weight: the grouped GEMM on float weights; on quantized ones (int8 / int4 blocks,
+// every expert's packed weight one after another, its bias fp32) each expert's segment through the quantized GEMM.
+template <typename TW>
+void experts_product(int code, const float* x, int64_t ldx, const int32_t* offsets, int E, int K, const void* w,
+                     int N, const TW* bias, float* y, int64_t ldy) {
+    if (code != kWeightInt8 && code != kWeightInt4) {
+        grouped_gemm(x, ldx, offsets, E, K, static_cast<const TW*>(w), N, bias, y, ldy);
+        return;
+    }
+    const int64_t record = code == kWeightInt8 ? QFormat<kWeightInt8>::kRecord : QFormat<kWeightInt4>::kRecord;
+    const int64_t stride = static_cast<int64_t>((N + NR - 1) / NR) * (K / QBLOCK) * record;  // bytes an expert
+    const auto* fbias = reinterpret_cast<const float*>(bias);
+    for (int e = 0; e < E; ++e) {
+        const int m = offsets[e + 1] - offsets[e];
+        if (m == 0) continue;
+        linear<float>(static_cast<const uint8_t*>(w) + e * stride, code, x + offsets[e] * ldx, ldx, m, K, N,
+                      fbias ? fbias + static_cast<int64_t>(e) * N : nullptr, y + offsets[e] * ldy, ldy, false);
+    }
 }
 
 // The sparse layer's experts over the router's logits: softmax, top-k -> the (token, choice) rows sorted by
@@ -351,8 +387,8 @@ void moe_op(Ctx& c, const Op& op) {
     float* gu = Scratch::get(sc.gu, static_cast<int64_t>(R) * 2 * I);
     float* act = Scratch::get(sc.act, static_cast<int64_t>(R) * I);
     float* rows_out = Scratch::get(sc.rows_out, static_cast<int64_t>(R) * hid);
-    grouped_gemm(rows, hid, offsets, E, hid, static_cast<const TW*>(op.p[0]), 2 * I, static_cast<const TW*>(op.p[2]),
-                 gu, 2 * I);
+    const int code = op.i[7];
+    experts_product<TW>(code, rows, hid, offsets, E, hid, op.p[0], 2 * I, static_cast<const TW*>(op.p[2]), gu, 2 * I);
     c.clock.mark(kPhaseLinear);
 #pragma omp parallel for schedule(static) if (static_cast<int64_t>(R) * I > kParallelElems / 4)
     for (int r = 0; r < R; ++r) {
@@ -360,8 +396,7 @@ void moe_op(Ctx& c, const Op& op) {
         activate(kind, g, g + I, act + static_cast<int64_t>(r) * I, I, op.f[0], op.f[1]);
     }
     c.clock.mark(kPhaseOther);
-    grouped_gemm(act, I, offsets, E, I, static_cast<const TW*>(op.p[1]), hid, static_cast<const TW*>(op.p[3]),
-                 rows_out, hid);
+    experts_product<TW>(code, act, I, offsets, E, I, op.p[1], hid, static_cast<const TW*>(op.p[3]), rows_out, hid);
     c.clock.mark(kPhaseLinear);
     // each token's rows, weighted, in the order of its choices (a token's sum does not depend on the batch)
 #pragma omp parallel for schedule(static) if (static_cast<int64_t>(R) * hid > kParallelElems)
@@ -402,6 +437,7 @@ void forward(const Program& prog, Scratch& scratch, const Step& s, float* x) {
             case kActivation: activation_op(c, op); break;
             case kAddResidual: add_residual_op<TW>(c, op); break;
             case kMoe: moe_op<TW>(c, op); break;
+            case kGatedAdd: gated_add_op(c, op); break;
             default: break;  // (refused by check_program)
         }
     }
@@ -440,16 +476,18 @@ inline int check_program(const Program& m) {
                      i[0] * i[2] <= width(op.in) && i[0] * i[2] <= width(op.out) && i[4] >= 0 && op.p[0] && op.p[1];
                 break;
             case kActivation:
-                ok = 2 * i[0] <= width(op.in) && i[0] <= width(op.out) && i[1] >= 0 && i[1] <= kActSwigluLimit &&
-                     (i[2] == -1 || buffer(i[2]));
+                ok = 2 * i[0] <= width(op.in) && i[0] <= width(op.out) && i[1] >= 0 && i[1] <= kActSwigluLimit;
                 break;
             case kAddResidual:
                 ok = i[0] <= width(op.in) && i[0] <= width(op.out);
                 break;
+            case kGatedAdd:
+                ok = i[0] <= width(op.in) && i[0] <= width(op.out) && buffer(i[1]);
+                break;
             case kMoe:
                 ok = buffer(i[0]) && i[1] >= 1 && i[2] >= 1 && i[2] <= i[1] && i[3] >= 1 && i[1] <= width(i[0]) &&
                      i[5] >= 0 && i[5] <= kActSwigluLimit && i[6] <= width(op.in) && i[6] <= width(op.out) &&
-                     op.p[0] && op.p[1];
+                     weight_ok(i[7], i[6]) && weight_ok(i[7], i[3]) && op.p[0] && op.p[1];
                 break;
         }
         if (!ok) return 3;
