@@ -13,7 +13,7 @@ system is `ready`. No route reaches into an engine: under Ray there is none in t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 from motet.actors.messages import Admission, GenerateSpec
 from motet.engine.llm_engine import EngineStats
@@ -45,7 +45,6 @@ class Stats(EngineStats):
     tenants: tuple[TenantStats, ...] = ()  # in the order they are served next (one replica's engine only)
 
 
-@runtime_checkable
 class ServingFront(Protocol):
     """What the API calls on a serving system. Every method is called on the event loop; `abort`, `remove_lora`
     and `stats` never block."""
