@@ -3,8 +3,8 @@
 The engine is built on that thread and only that thread touches its state: each `Step` message applies
 the scheduler's changes (new requests, aborts, adapter removals) and runs one `engine.step()` there; the
 event loop only waits. Once loaded, the engine is described there once for the API (`model`, a frozen
-ModelView that any thread may read). The engine isolates a request that fails inside a step (it bisects the batch), so
-here a failure is an output like any other.
+ModelView that any thread may read). The engine isolates a request that fails inside a step (it bisects the
+batch), so here a failure is an output like any other.
 """
 
 from __future__ import annotations
