@@ -3,9 +3,9 @@
 ClusterSystem is a ServingFront (motet/actors/front.py), as the local actors.system.ServingSystem is, so the app,
 its auth, tenants, adapters and metrics are the same. Its `model` is the ModelView (motet/engine/model_view.py) of
 what the replicas are built from (their ReplicaSettings: the engine configuration and the model's directory), read
-from the model's files here without its weights. A submission is hashed into its route (motet/cluster/prompt_blocks.py) and sent, through the Serve
-handle and its router (motet/cluster/router.py), to one replica as one streaming call; the replica's Admitted
-answers the API, its deltas go onto local reply streams.
+from the model's files here without its weights. A submission is hashed into its route
+(motet/cluster/prompt_blocks.py) and sent, through the Serve handle and its router (motet/cluster/router.py), to
+one replica as one streaming call; the replica's Admitted answers the API, its deltas go onto local reply streams.
 
 Under prefill/decode disaggregation (motet/cluster/disaggregation.py) a request whose prompt is worth it first
 goes to a prefill replica, whose answer says how many of its blocks the shared KV tier holds; then, as above, to
