@@ -2,8 +2,9 @@
 
 The engine is built on that thread and only that thread touches its state: each `Step` message applies
 the scheduler's changes (new requests, aborts, adapter removals) and runs one `engine.step()` there; the
-event loop only waits. The engine isolates a request that fails inside a step (it bisects the batch), so
-here a failure is an output like any other.
+event loop only waits. Once loaded, the engine is described there once for the API (`model`, a frozen
+ModelView that any thread may read). The engine isolates a request that fails inside a step (it bisects the
+batch), so here a failure is an output like any other.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import anyio.lowlevel
 from motet.actors.messages import Step, StepDone
 from motet.actors.runtime import Actor
 from motet.actors.serving_errors import EngineFailure, request_refusal
+from motet.engine.model_view import ModelView
 
 log = logging.getLogger("motet.executor")
 
@@ -74,6 +76,7 @@ class ExecutorActor(Actor):
         self.engine_factory = engine_factory
         self.preload = dict(loras or {})  # the server's shared adapters: a bad one fails the start
         self.engine = None
+        self.model: ModelView | None = None  # the API's view of the model, once it has loaded
         self.stats = None  # the engine's EngineStats after the latest step
         self.thread: EngineThread | None = None
 
@@ -87,6 +90,7 @@ class ExecutorActor(Actor):
             return engine
 
         self.engine = await self.thread.run(start)
+        self.model = await self.thread.run(ModelView.of_engine, self.engine)
         self.stats = await self.thread.run(self.engine.stats)
 
     async def on_stop(self) -> None:

@@ -1,4 +1,5 @@
-"""The serving system: the four actors wired together, and the small front the API talks to.
+"""The serving system: the four actors wired together behind the front the API talks to (ServingFront,
+motet/actors/front.py).
 
     API --Submit--> ingress --Enqueue--> adapter queues <--Take-- scheduler --Step--> executor (engine.step)
                                                   \\--WorkQueued-->/   |
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -20,37 +21,19 @@ from anyio.abc import TaskStatus
 
 from motet.actors.adapter_queues import AdapterQueuesActor
 from motet.actors.executor import ExecutorActor
+from motet.actors.front import Stats, TenantStats
 from motet.actors.ingress_actor import IngressActor
 from motet.actors.messages import Abort, Admission, Cancel, GenerateSpec, RemoveLora, Submit
 from motet.actors.runtime import ActorStopped, ActorSystem
 from motet.actors.scheduler_actor import SchedulerActor
 from motet.actors.serving_errors import ShuttingDown
 from motet.engine.llm_engine import EngineStats
-
-
-@dataclass(frozen=True)
-class TenantStats:
-    """A tenant with requests in the server, for an admin's /metrics."""
-
-    tenant: str
-    position: int  # in the order tenants are served next (0: first)
-    virtual_tokens: float  # its virtual token counter: weighted tokens served, over its weight
-    queued: int  # requests in the adapter queues
-    waiting: int  # admitted to the engine, not yet running
-    running: int
-
-
-@dataclass(frozen=True)
-class Stats(EngineStats):
-    """The serving system's load: the engine's stats as of its latest step, with the requests still in the adapter
-    queues, and each tenant's place counting those too."""
-
-    queued: int = 0  # requests in the adapter queues, not yet admitted
-    queued_adapters: tuple[str, ...] = ()  # adapters of requests in the adapter queues
-    tenants: tuple[TenantStats, ...] = ()  # in the order they are served next (one replica's engine only)
+from motet.engine.model_view import ModelView
 
 
 class ServingSystem:
+    """The local ServingFront: the actors and one engine in this process."""
+
     def __init__(
         self,
         engine_factory: Callable[[], Any],
@@ -66,7 +49,14 @@ class ServingSystem:
         self.actors = ActorSystem([self.executor, self.scheduler, self.queues, self.ingress])
 
     @property
+    def model(self) -> ModelView:
+        """The served model as the API sees it (built once the engine has loaded)."""
+        return self.executor.model
+
+    @property
     def engine(self):
+        """The engine itself, for what runs beside it in this process (a Ray replica's reports, tests); not
+        the API's: it reads `model`."""
         return self.executor.engine
 
     @property

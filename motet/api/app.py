@@ -107,7 +107,7 @@ async def ping(request: Request) -> Response:
 
 
 async def _model_cards(state: ServerState, tenant: str) -> list[P.ModelCard]:
-    max_len = state.system.engine.max_model_len  # routes answer only once the model has loaded
+    max_len = state.system.model.max_model_len  # routes answer only once the model has loaded
     cards = [P.ModelCard(id=state.model_name, created=state.created, max_model_len=max_len)]
     if state.adapters is not None:  # the tenant's adapters, and the shared ones
         cards += [
@@ -164,7 +164,7 @@ async def metrics(request: Request) -> Response:
     state: ServerState = request.app.state.motet
     state.auth.check_admin(request.headers.get("authorization"), "GET /metrics")
     if state.system.ready:
-        state.metrics.refresh(state.system.stats(), state.system.engine.config.max_loras)
+        state.metrics.refresh(state.system.stats(), state.system.model.max_loras)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

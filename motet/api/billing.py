@@ -60,7 +60,7 @@ class Bill:
         window); 429 when the tenant's tokens per minute do not hold that many."""
         if self.ticket is None:
             return
-        context = self.state.system.engine.max_model_len
+        context = self.state.system.model.max_model_len
         bounds = [
             context - len(p) if max_tokens is None else min(max_tokens, context - len(p))
             for p in self.prompts

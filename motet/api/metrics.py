@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from motet.actors.system import Stats
+from motet.actors.front import Stats
 from motet.engine.core.kv_connector import LOAD_BUCKETS
 from motet.engine.core.sequence import RequestTimings
 

@@ -180,7 +180,6 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         model_dir, max_model_len = check_model(config)
     if config.num_threads is None:
         config.num_threads = default_cpu_threads()
-    config.grammar_limits = grammar_limits(args)
     if args.tenant_weights:
         from motet.engine.core.fairness import load_tenant_weights
 
@@ -244,6 +243,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         tool_call_parser=getattr(args, "tool_call_parser", None),
         sampling_defaults=defaults,
         usage=UsageStore(data),
+        grammar_limits=grammar_limits(args),
     )
     state.limiter.reload(state.auth.tenant_limits())
     log.info("data directory: %s", data)  # (once every flag was accepted: a refusal stays one line)

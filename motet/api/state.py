@@ -1,4 +1,5 @@
-"""What every handler needs: the serving system, the served model's names, auth, metrics, lifecycle."""
+"""What every handler needs: the serving system (a ServingFront, motet/actors/front.py: the model as `system.model`,
+requests through `system.submit`), the served model's names, auth, metrics, the API's own limits, lifecycle."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from motet.actors.system import ServingSystem
+from motet.actors.front import ServingFront
 from motet.api.auth import Authenticator
 from motet.api.errors import APIError
 from motet.api.metrics import Metrics
 from motet.api.rate_limits import RateLimiter
 from motet.api.usage import UsageStore
+from motet.grammar.limits import GrammarLimits
 from motet.lora.manager import AdapterRef
 
 if TYPE_CHECKING:  # the families' stores: each family's routes read ServerState, so a runtime import would
@@ -26,7 +28,7 @@ if TYPE_CHECKING:  # the families' stores: each family's routes read ServerState
 
 @dataclass
 class ServerState:
-    system: ServingSystem
+    system: ServingFront  # the API's one door into serving; it reaches no engine
     model_names: list[str]  # the first is the served name, the others are accepted aliases
     auth: Authenticator = field(default_factory=Authenticator)
     metrics: Metrics = field(default_factory=Metrics)
@@ -51,9 +53,16 @@ class ServerState:
     limiter: RateLimiter = field(default_factory=RateLimiter)  # per-tenant limits (motet/api/rate_limits.py)
     on_stop: list = field(default_factory=list)  # callables run when the server stops (after the system)
     usage: UsageStore | None = None  # tenants' usage by model and minute (motet/api/usage.py); None: not kept
+    # Sizes of a request's schema / grammar refused before it is compiled (motet/grammar/limits.py has the
+    # defaults; `motet serve --grammar-max-*`): the API checks them as it reads response_format and tools.
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self):
         self.metrics.model_name = self.model_name
+        if not isinstance(self.grammar_limits, GrammarLimits):
+            raise ValueError(
+                f"grammar_limits must be a GrammarLimits, got {type(self.grammar_limits).__name__}"
+            )
 
     @property
     def model_name(self) -> str:
@@ -84,11 +93,11 @@ class ServerState:
 
     @functools.cached_property
     def token_text(self) -> Callable[[int], str]:
-        tok = self.system.engine.tokenizer
+        model = self.system.model
 
         @functools.lru_cache(maxsize=1 << 16)
         def text(token_id: int) -> str:
-            return tok.decode([token_id], skip_special_tokens=False)
+            return model.decode([token_id], skip_special_tokens=False)
 
         return text
 

@@ -12,10 +12,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from motet.actors.system import Stats
+from motet.actors.front import Stats
 from motet.api.state import ServerState
-from motet.lora.manager import AdapterManager
-from motet.lora.peft_format import TARGET_MODULES
+from motet.engine.model_view import ModelView
 
 log = logging.getLogger("motet.server")
 
@@ -38,43 +37,39 @@ class _Mark:
 def ready_line(state: ServerState, url: str, stats: Stats) -> str:
     """The facts an operator checks first: the model, where and how it runs, its KV capacity and limits,
     and the adapters."""
-    system, engine = state.system, state.system.engine
-    config = engine.config
-    runner = getattr(engine, "runner", None)  # None behind --replicas: the replicas run the model
-    device = runner.device if runner is not None else config.torch_device
-    dtype = str(runner.dtype if runner is not None else config.torch_dtype).removeprefix("torch.")
+    system, model = state.system, state.system.model
     kv_blocks = stats.kv_blocks_used + stats.kv_blocks_free
-    kv = f"{kv_blocks * config.block_size} tokens ({kv_blocks} blocks of {config.block_size})"
+    kv = f"{kv_blocks * model.block_size} tokens ({kv_blocks} blocks of {model.block_size})"
     replicas = getattr(getattr(system, "cluster", None), "settings", None)
-    where = f"device {device}, threads {config.num_threads}"
+    where = f"device {model.device}, threads {model.num_threads}"
     if replicas is not None:
-        where = f"{replicas.replicas} replicas, each on device {device} with threads {config.num_threads}"
+        where = (
+            f"{replicas.replicas} replicas, each on device {model.device} with threads {model.num_threads}"
+        )
         kv += " in all"
-    model = state.model_name
-    if str(engine.model_dir) != model:
-        model += f" ({engine.model_dir})"
+    name = state.model_name
+    if str(model.model_dir) != name:
+        name += f" ({model.model_dir})"
     shared = sorted(state.adapters.shared) if state.adapters is not None else []
-    adapters = f"adapters: {', '.join(shared) if shared else 'none shared'} (+ tenants' uploads; {memory_line(engine)})"
+    adapters = f"adapters: {', '.join(shared) if shared else 'none shared'} (+ tenants' uploads; {memory_line(model)})"
     return (
-        f"ready on {url}: model {model}, dtype {dtype}, {where}, "
-        f"KV cache {kv}, max {config.max_num_seqs} sequences, context {engine.max_model_len} tokens, {adapters}"
+        f"ready on {url}: model {name}, dtype {model.dtype}, {where}, "
+        f"KV cache {kv}, max {model.max_num_seqs} sequences, context {model.max_model_len} tokens, {adapters}"
     )
 
 
-def memory_line(engine) -> str:
+def memory_line(model: ModelView) -> str:
     """How many adapters the pool holds: its bytes, the count of rank-8 q/v and rank-16 all-module adapters that
     fit, the caps."""
-    config, manager = engine.config, getattr(engine, "adapters", None)
-    caps = f"rank <= {config.max_lora_rank}" + (
-        f", at most {config.max_loras} running at once" if config.max_loras is not None else ""
+    caps = f"rank <= {model.max_lora_rank}" + (
+        f", at most {model.max_loras} running at once" if model.max_loras is not None else ""
     )
-    if not isinstance(manager, AdapterManager):  # behind --replicas: each replica has its own pool
+    pool = model.adapter_capacity
+    if pool is None:  # behind --replicas: each replica has its own pool
         return caps
-    layout, elem = manager.layout, manager.pool.elem_bytes
-    big = manager.capacity(layout.adapter_elements(16, TARGET_MODULES) * elem)
     return (
-        f"{manager.pool.capacity_bytes / 2**30:.2f} GiB of adapter memory holds {manager.capacity()} rank-8 "
-        f"q_proj/v_proj adapters or {big} rank-16 ones on every module; {caps}"
+        f"{pool.pool_bytes / 2**30:.2f} GiB of adapter memory holds {pool.small} rank-8 "
+        f"q_proj/v_proj adapters or {pool.large} rank-16 ones on every module; {caps}"
     )
 
 

@@ -92,7 +92,7 @@ def _chat_text(state: ServerState, tenant: str, adapter, req: TokenizeChatReques
     if req.continue_final_message:
         kwargs["continue_final_message"] = True
     try:
-        return state.system.engine.tokenizer.render_chat(spec.messages, **kwargs)
+        return state.system.model.render_chat(spec.messages, **kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
 
@@ -101,33 +101,34 @@ def _chat_text(state: ServerState, tenant: str, adapter, req: TokenizeChatReques
            body=(TokenizeCompletionRequest, TokenizeChatRequest))  # fmt: skip
 async def tokenize(request: Request) -> Response:
     state, tenant, req, adapter = await _accept(request, None)
-    engine = state.system.engine
+    model = state.system.model
     chat = isinstance(req, TokenizeChatRequest)
 
     def run() -> list[int]:
         text = _chat_text(state, tenant, adapter, req) if chat else req.prompt
         try:
-            engine.limits.check_text(text, "messages" if chat else "prompt")
+            model.check_text(text, "messages" if chat else "prompt")
         except RequestError as e:
             raise APIError(400, str(e), param=e.param, code=e.code) from None
-        return engine.tokenizer.hf.encode(text, add_special_tokens=req.add_special_tokens)
+        return model.encode(text, add_special_tokens=req.add_special_tokens)
 
     ids = await anyio.to_thread.run_sync(run)
-    body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+    body = {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": None}
     if req.return_token_strs:
-        body["token_strs"] = engine.tokenizer.hf.convert_ids_to_tokens(ids)
+        body["token_strs"] = model.tokenizer.hf.convert_ids_to_tokens(ids)
     return JSONResponse(body)
 
 
 @operation("vLLM: token ids' text", tag="Tokenization", body=DetokenizeRequest)
 async def detokenize(request: Request) -> Response:
     state, _, req, _ = await _accept(request, DetokenizeRequest)
-    tok = state.system.engine.tokenizer
-    if bad := [t for t in req.tokens if not 0 <= t < tok.vocab_size]:
+    model = state.system.model
+    vocab_size = model.tokenizer.vocab_size
+    if bad := [t for t in req.tokens if not 0 <= t < vocab_size]:
         raise APIError(
             400,
-            f"tokens: {bad[0]} is not a token id of this model (0 to {tok.vocab_size - 1})",
+            f"tokens: {bad[0]} is not a token id of this model (0 to {vocab_size - 1})",
             param="tokens",
         )
-    text = await anyio.to_thread.run_sync(lambda: tok.decode(req.tokens, skip_special_tokens=False))
+    text = await anyio.to_thread.run_sync(lambda: model.decode(req.tokens, skip_special_tokens=False))
     return JSONResponse({"prompt": text})

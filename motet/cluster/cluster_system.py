@@ -1,10 +1,11 @@
 """The ingress side of scale-out: the API's serving system when engines run as Ray Serve replicas.
 
-ClusterSystem has the surface of actors.system.ServingSystem that api/ uses (`submit_all`, `abort`,
-`remove_lora`, `stats`, `engine`, `ready`, `run`, `stop`), so the app, its auth, tenants, adapters and metrics
-are the same. A submission is hashed into its route (motet/cluster/prompt_blocks.py) and sent, through the Serve
-handle and its router (motet/cluster/router.py), to one replica as one streaming call; the replica's Admitted
-answers the API, its deltas go onto local reply streams.
+ClusterSystem is a ServingFront (motet/actors/front.py), as the local actors.system.ServingSystem is, so the app,
+its auth, tenants, adapters and metrics are the same. Its `model` is the ModelView (motet/engine/model_view.py) of
+what the replicas are built from (their ReplicaSettings: the engine configuration and the model's directory), read
+from the model's files here without its weights. A submission is hashed into its route
+(motet/cluster/prompt_blocks.py) and sent, through the Serve handle and its router (motet/cluster/router.py), to
+one replica as one streaming call; the replica's Admitted answers the API, its deltas go onto local reply streams.
 
 Under prefill/decode disaggregation (motet/cluster/disaggregation.py) a request whose prompt is worth it first
 goes to a prefill replica, whose answer says how many of its blocks the shared KV tier holds; then, as above, to
@@ -22,24 +23,25 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup, TaskStatus
 
+from motet.actors.front import Stats
 from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import ReplyStream
 from motet.actors.serving_errors import EngineFailure, ServerBusy, ServingError, ShuttingDown
-from motet.actors.system import Stats
 from motet.cluster import reports
 from motet.cluster.disaggregation import PrefillDone, wants_prefill
 from motet.cluster.launch import Cluster, ClusterThread, reclaim_sigterm
-from motet.cluster.model_view import ModelView
 from motet.cluster.prompt_blocks import route_hashes
 from motet.cluster.replica import Admitted, Refused
 from motet.cluster.reports import total_stats
 from motet.cluster.routing_policy import RouteRequest
 from motet.cluster.shared_adapter_store import SharedAdapterStore
+from motet.engine.model_view import ModelView
 
 log = logging.getLogger("motet.ingress")
 
@@ -80,8 +82,14 @@ class _Call:
 
 
 class ClusterSystem:
-    def __init__(self, cluster: Cluster, model: ModelView, store: SharedAdapterStore):
-        self.cluster, self.model, self.store = cluster, model, store
+    """The ServingFront behind --replicas: engine replicas on Ray Serve, this process their ingress."""
+
+    def __init__(self, cluster: Cluster, store: SharedAdapterStore):
+        self.cluster, self.store = cluster, store
+        self.config = (
+            cluster.replica_settings.engine
+        )  # the replicas' engine (its model resolved to a directory)
+        self._model: ModelView | None = None
         self.handle = None
         self.prefill_handle = None  # the prefill pool's, under disaggregation
         self.pd = PDCounters()
@@ -90,8 +98,11 @@ class ClusterSystem:
         self._stopped = anyio.Event()
 
     @property
-    def engine(self) -> ModelView:
-        return self.model
+    def model(self) -> ModelView:
+        """The replicas' model as the API sees it (read once Ray is up, before the first request)."""
+        if self._model is None:
+            raise RuntimeError("the model is read when the cluster has started")
+        return self._model
 
     @property
     def ready(self) -> bool:
@@ -106,7 +117,8 @@ class ClusterSystem:
             await anyio.to_thread.run_sync(owner.started.wait, abandon_on_cancel=True)
             if owner.error is not None:
                 raise owner.error
-            await anyio.to_thread.run_sync(lambda: self.model.tokenizer)  # loaded before the first request
+            config = self.config
+            self._model = await anyio.to_thread.run_sync(ModelView.from_files, config, Path(config.model))
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 self.prefill_handle = self.cluster.prefill_handle
@@ -132,7 +144,7 @@ class ClusterSystem:
         if not self.ready or self._tg is None:
             raise ShuttingDown("the server is shutting down")
         spec = specs[0]
-        tok, config = self.model.tokenizer, self.model.config
+        tok, config = self.model.tokenizer, self.config
         hashes = await anyio.to_thread.run_sync(
             route_hashes, tok, spec, config.block_size, config.shared_prefix_cache
         )

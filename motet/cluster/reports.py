@@ -13,7 +13,7 @@ import array
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 
-from motet.actors.system import Stats
+from motet.actors.front import Stats
 from motet.engine.core.kv_connector import KVTierStats, sum_tier_stats
 from motet.engine.speculative.proposer import SpeculativeStats
 from motet.engine.worker.grammar_masks import GrammarStats

@@ -149,7 +149,6 @@ def cluster_system(args, config, loras: dict[str, Path]):
     """The ClusterSystem for `motet serve --replicas N ...`; ValueError naming a bad flag."""
     from motet.cluster.cluster_system import ClusterSystem
     from motet.cluster.launch import Cluster
-    from motet.cluster.model_view import ModelView
     from motet.cluster.replica import ReplicaSettings
     from motet.cluster.shared_adapter_store import SharedAdapterStore
     from motet.engine.config import default_cpu_threads
@@ -188,4 +187,4 @@ def cluster_system(args, config, loras: dict[str, Path]):
         max_waiting=args.max_waiting,
         adapter_store=args.adapter_store,
     )
-    return ClusterSystem(Cluster(settings, replica), ModelView(config, model_dir), store)
+    return ClusterSystem(Cluster(settings, replica), store)

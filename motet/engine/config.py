@@ -11,7 +11,6 @@ import torch
 from motet.engine.core.fairness import check_tenant_weights
 from motet.engine.weights.gguf_model import is_gguf_file
 from motet.engine.weights.quantized_checkpoint import CHECKPOINT_QUANTIZATIONS
-from motet.grammar.limits import GrammarLimits
 from motet.grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 from motet.grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 from motet.kernels.quant import FORMATS as QUANT_FORMATS
@@ -129,8 +128,6 @@ class EngineConfig:
     num_threads: int | None = None  # CPU intra-op threads for the forward pass; None: torch's default
     grammar_backend: str = DEFAULT_GRAMMAR_BACKEND  # one of GRAMMAR_BACKENDS (the others: fallback)
     grammar_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused
-    # Sizes of a request's schema / grammar refused before compiling (motet/grammar/limits.py has the defaults).
-    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
     # Append the tokens a grammar forces without sampling them. Off by default: on the CPU attention path
     # the multi-token rows it creates cost more than the steps it saves (benchmarks/grammar_overhead.py).
     jump_forward: bool = False
@@ -218,10 +215,6 @@ class EngineConfig:
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(
                 f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"
-            )
-        if not isinstance(self.grammar_limits, GrammarLimits):
-            raise ValueError(
-                f"grammar_limits must be a GrammarLimits, got {type(self.grammar_limits).__name__}"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

@@ -30,6 +30,25 @@ MAX_CHARS_PER_TOKEN = 32
 MAX_PROMPT_CHARS = 8 << 20
 
 
+def max_text_chars(max_model_len: int, truncating: bool = False) -> int:
+    """The longest prompt text the tokenizer is given (`truncating`: one cut to its last tokens after)."""
+    return MAX_PROMPT_CHARS if truncating else max_model_len * MAX_CHARS_PER_TOKEN
+
+
+def check_text_length(text: str, max_model_len: int, param: str = "prompt", truncating: bool = False) -> None:
+    """Bounds the tokenizer's work: text that could not fit a context of `max_model_len` tokens is refused
+    unread (it needs nothing of the model but that)."""
+    limit = max_text_chars(max_model_len, truncating)
+    if len(text) > limit:
+        fits = "be truncated" if truncating else f"fit this model's context of {max_model_len} tokens"
+        raise RequestError(
+            f"the {param} is {len(text)} characters long, more than can {fits} "
+            f"(at most {limit} characters are read)",
+            param,
+            "context_length_exceeded",
+        )
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     vocab_size: int
@@ -39,21 +58,11 @@ class RequestLimits:
 
     def max_text_chars(self, truncating: bool = False) -> int:
         """The longest prompt text the tokenizer is given (`truncating`: one cut to its last tokens after)."""
-        return MAX_PROMPT_CHARS if truncating else self.max_model_len * MAX_CHARS_PER_TOKEN
+        return max_text_chars(self.max_model_len, truncating)
 
     def check_text(self, text: str, param: str = "prompt", truncating: bool = False) -> None:
         """Bounds the tokenizer's work: text that could not fit the context window is refused unread."""
-        limit = self.max_text_chars(truncating)
-        if len(text) > limit:
-            fits = (
-                "be truncated" if truncating else f"fit this model's context of {self.max_model_len} tokens"
-            )
-            raise RequestError(
-                f"the {param} is {len(text)} characters long, more than can {fits} "
-                f"(at most {limit} characters are read)",
-                param,
-                "context_length_exceeded",
-            )
+        check_text_length(text, self.max_model_len, param, truncating)
 
     def tokens_to_keep(self, truncate_prompt_tokens: int | None, max_tokens: int | None) -> int | None:
         """vLLM's truncate_prompt_tokens: how many of a prompt's last tokens are kept (None: all of them).

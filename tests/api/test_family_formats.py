@@ -271,9 +271,9 @@ def test_formats_picked_by_flag_then_family_then_template():
     from motet.models import get
 
     def names(arch, template=None, tool=None, reasoning=None):
-        engine = SimpleNamespace(model_config=SimpleNamespace(declaration=get(arch)))
+        model = SimpleNamespace(family=get(arch))
         state = SimpleNamespace(
-            system=SimpleNamespace(engine=engine), tool_call_parser=tool, reasoning_parser=reasoning
+            system=SimpleNamespace(model=model), tool_call_parser=tool, reasoning_parser=reasoning
         )
         fmt, thinking = served_formats(state, template)
         return fmt.name, thinking and thinking.name

@@ -117,9 +117,10 @@ def test_other_specs_are_limited_too():
 def test_limits_are_validated_and_configurable():
     with pytest.raises(ValueError, match="max_depth"):
         GrammarLimits(max_depth=0)
-    assert EngineConfig().grammar_limits == GrammarLimits()
+    # the API's own limits (it checks them as it reads a request), kept with its state, not the engine's config
+    assert ServerState(None, ["tiny"]).grammar_limits == GrammarLimits()
     with pytest.raises(ValueError, match="grammar_limits"):
-        EngineConfig(grammar_limits={"max_depth": 3})
+        ServerState(None, ["tiny"], grammar_limits={"max_depth": 3})
 
 
 def test_serve_flags_set_the_limits():
@@ -232,13 +233,15 @@ def test_overrunning_compiles_count_against_the_tenant_that_started_them(slow_ba
 # ------------------------------------------------------------------------------------------- over HTTP
 
 
-def _serve(tiny_model_dir, **config):
+def _serve(tiny_model_dir, grammar_limits: GrammarLimits | None = None, **config):
     cfg = EngineConfig(
         model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=8, max_model_len=512, **config
     )
     system = ServingSystem(lambda: LLMEngine(cfg, model_dir=tiny_model_dir), max_queue_len=64)
     auth = Authenticator({"k1": "alice", "k2": "bob"})
-    state = ServerState(system, ["tiny"], auth=auth, max_body_bytes=4 << 20)
+    state = ServerState(
+        system, ["tiny"], auth=auth, max_body_bytes=4 << 20, grammar_limits=grammar_limits or GrammarLimits()
+    )
     client = TestClient(create_app(state))
     return client, state
 

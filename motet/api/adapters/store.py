@@ -37,7 +37,7 @@ from motet.lora.registry import (
 )
 
 if TYPE_CHECKING:
-    from motet.actors.system import ServingSystem
+    from motet.actors.front import ServingFront
 
 SHARED_OWNER = "motet"
 ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip")
@@ -58,7 +58,7 @@ def _not_found(name: str) -> APIError:
 class AdapterStore:
     def __init__(
         self,
-        system: ServingSystem,
+        system: ServingFront,
         data_dir: str | Path,
         *,
         shared: dict[str, Path] | None = None,
@@ -84,13 +84,13 @@ class AdapterStore:
         """Opened on first use: it validates against the base model, known once the engine is loaded."""
         async with self._lock:
             if self._registry is None:
-                engine = self.system.engine
+                model = self.system.model
                 self._registry = await anyio.to_thread.run_sync(
                     functools.partial(
                         AdapterRegistry,
                         self.data_dir,
-                        engine.model_config,
-                        max_rank=engine.config.max_lora_rank,
+                        model.model_config,
+                        max_rank=model.max_lora_rank,
                         max_bytes=self.max_bytes,
                     )
                 )

@@ -95,7 +95,7 @@ async def create_batch(request: Request) -> Response:
             f"the input file's purpose is {stored.purpose!r}; a batch reads 'batch' files",
             param="input_file_id",
         )
-    max_model_len = state.system.engine.max_model_len
+    max_model_len = state.system.model.max_model_len
 
     def oversized_line() -> APIError | None:  # before anything runs: what a line may write is bounded
         with runner.files.open(stored) as f:

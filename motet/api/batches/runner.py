@@ -35,7 +35,7 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 
-from motet.actors.system import Stats
+from motet.actors.front import Stats
 from motet.api.auth import DEFAULT_TENANT, Authenticator
 from motet.api.batches.lines import (
     CANCELLED,

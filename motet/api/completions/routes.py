@@ -224,10 +224,9 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
     template = req.template  # the request's own (under --trust-request-chat-template), or None
-    chat_template = template or state.system.engine.tokenizer.hf.chat_template
+    chat_template = template or state.system.model.chat_template
     fmt, reasoning = served_formats(state, chat_template)
-    limits = state.system.engine.config.grammar_limits
-    structure = structured_output(req, limits=limits, tool_format=fmt, reasoning=reasoning)
+    structure = structured_output(req, limits=state.grammar_limits, tool_format=fmt, reasoning=reasoning)
     messages, template_kwargs = prompt_messages(
         req.messages, structure, chat_template, trusted_template=template is None
     )
@@ -263,7 +262,7 @@ def served_formats(
 ) -> tuple[ToolFormat, ReasoningFormat | None]:
     """How the served model writes tool calls and reasoning: the flags' formats, else its family's
     (motet/models/), else its chat template's markers."""
-    family = state.system.engine.model_config.declaration
+    family = state.system.model.family
     tools = tool_format(state.tool_call_parser or family.tool_format, chat_template)
     name = state.reasoning_parser
     if name is None:
@@ -428,7 +427,7 @@ async def completions(request: Request) -> Response:
         req.max_tokens if req.max_tokens is not None else state.sampling_defaults.get("max_tokens", 16)
     )
     k = req.logprobs
-    structure = structured_output(req, allow_tools=False, limits=state.system.engine.config.grammar_limits)
+    structure = structured_output(req, allow_tools=False, limits=state.grammar_limits)
     prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else (k if req.echo else None)
     params, engine_max, drop = build_params(
         req, max_tokens, k, prompt_k, structure, defaults=state.sampling_defaults
@@ -454,7 +453,7 @@ async def completions(request: Request) -> Response:
         bill = Bill(state, [a.prompt_token_ids for a in admissions], choices, streams, drop)
         bill.reserve(engine_max)
         # what echo shows: the prompt as given, or as the tokens it was cut to (token-id prompts: decoded)
-        decode = state.system.engine.tokenizer.decode
+        decode = state.system.model.decode
         prompt_texts = [
             a.prompt_text or decode(a.prompt_token_ids, skip_special_tokens=False) for a in admissions
         ]

@@ -120,7 +120,7 @@ class ResponseRun:
 
     def _usage(self) -> dict:
         u = usage([self.choice.prompt_ids], [self.choice], False)
-        encode = self.state.system.engine.tokenizer.hf.encode
+        encode = self.state.system.model.encode
         reasoning = "".join(i["content"][0]["text"] for i in self.items.items if i["type"] == "reasoning")
         return {
             "input_tokens": u.prompt_tokens,
