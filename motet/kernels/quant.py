@@ -28,17 +28,28 @@ BLOCK = 32  # values per block along the input dimension, each block with its ow
 @dataclass(frozen=True)
 class WeightFormat:
     """A block format: its name (the `--quantization` value), bits per value, whether blocks carry a min, and
-    the GGML type whose blocks hold the same bytes (a GGUF tensor of that type: `from_gguf_blocks`)."""
+    the GGML type whose blocks hold the same bytes (a GGUF tensor of that type: `from_gguf_blocks`). Scales are
+    fp16, or (`codebook` given: MXFP4) one E8M0 byte, 2^(byte - 127), each code standing for codebook[code]."""
 
     name: str
     bits: int
     has_min: bool
     ggml_type: int
+    codebook: tuple[float, ...] | None = None
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.codebook is not None else torch.float16
+
+    @property
+    def header_bytes(self) -> int:
+        """Bytes of a block's scale (and min)."""
+        return self.scale_dtype.itemsize * (1 + self.has_min)
 
     @property
     def gguf_block_bytes(self) -> int:
-        """Bytes of one GGUF block: fp16 scale, (fp16 min), the values."""
-        return 2 * (1 + self.has_min) + BLOCK * self.bits // 8
+        """Bytes of one GGUF block: its scale, (its min), the values."""
+        return self.header_bytes + BLOCK * self.bits // 8
 
     def from_gguf_blocks(self, raw: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
         """A weight [N, K] from its GGUF blocks (uint8, N * K / 32 blocks of `gguf_block_bytes`), as stored."""
@@ -48,17 +59,19 @@ class WeightFormat:
                 f"{self.name}: {raw.numel()} bytes ({raw.dtype}) are not the GGUF blocks of a {N}x{K} weight"
             )
         blocks = raw.reshape(N, K // BLOCK, self.gguf_block_bytes)
-        header = 2 * (1 + self.has_min)
-        scales = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+        header, width = self.header_bytes, self.scale_dtype.itemsize
+        scales = blocks[..., 0:width].contiguous().view(self.scale_dtype)[..., 0]
         mins = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0] if self.has_min else None
         data = blocks[..., header:].contiguous().reshape(N, -1)
-        return QuantizedWeight(self, data if self.has_min else data.view(torch.int8), scales, mins)
+        return QuantizedWeight(self, data.view(torch.int8) if self.bits == 8 else data, scales, mins)
 
     def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
         """`weight` [N, K] (K a multiple of BLOCK) in this format, on its device; rounding to nearest."""
         N, K = weight.shape
         if K % BLOCK:
             raise ValueError(f"{self.name}: the input dimension ({K}) must be a multiple of {BLOCK}")
+        if self.codebook is not None:
+            raise ValueError(f"{self.name} weights are read as checkpoints hold them, not quantized here")
         w = weight.detach().float().reshape(N, K // BLOCK, BLOCK)
         if self.has_min:
             lo, hi = w.amin(-1), w.amax(-1)
@@ -95,7 +108,11 @@ def _safe(scales: torch.Tensor) -> torch.Tensor:
 
 INT8 = WeightFormat("int8", bits=8, has_min=False, ggml_type=8)  # Q8_0's layout
 INT4 = WeightFormat("int4", bits=4, has_min=True, ggml_type=3)  # Q4_1's layout
-FORMATS = {f.name: f for f in (INT8, INT4)}
+FORMATS = {f.name: f for f in (INT8, INT4)}  # the --quantization formats
+# FP4 E2M1's 16 values by their code (sign bit 3, exponent bits 2-1, mantissa bit 0)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# OCP's MXFP4 (gpt-oss's experts; GGML_TYPE_MXFP4's blocks: the E8M0 byte, then the codes as Q4_1 packs them)
+MXFP4 = WeightFormat("mxfp4", bits=4, has_min=False, ggml_type=39, codebook=FP4_VALUES)
 
 
 @dataclass(frozen=True, eq=False)  # tensors: compared by identity
@@ -112,10 +129,10 @@ class QuantizedWeight:
         N, blocks = self.scales.shape
         per_byte = 8 // self.format.bits
         expected = (N, blocks * BLOCK // per_byte)
-        if tuple(self.data.shape) != expected or self.scales.dtype != torch.float16:
+        if tuple(self.data.shape) != expected or self.scales.dtype != self.format.scale_dtype:
             raise ValueError(
                 f"{self.format.name}: data {tuple(self.data.shape)} / scales {tuple(self.scales.shape)} "
-                f"{self.scales.dtype} do not make a weight (data {expected}, fp16 scales expected)"
+                f"{self.scales.dtype} do not make a weight (data {expected}, {self.format.scale_dtype} scales expected)"
             )
         if self.format.has_min != (self.mins is not None) or (
             self.mins is not None
@@ -178,9 +195,9 @@ class QuantizedWeight:
         )
 
     def values(self) -> torch.Tensor:
-        """The stored integers [N, K / BLOCK, BLOCK] (int4: 0..15 in the order of the weight's columns)."""
+        """The stored integers [N, K / BLOCK, BLOCK] (4 bits: 0..15 in the order of the weight's columns)."""
         N, K = self.shape
-        if self.format.has_min:
+        if self.format.bits == 4:
             packed = self.data.reshape(N, K // BLOCK, BLOCK // 2)
             return torch.cat((packed & 0xF, packed >> 4), dim=-1)
         return self.data.reshape(N, K // BLOCK, BLOCK)
@@ -197,6 +214,9 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] the format stands for (computed in fp32, then cast to `dtype`)."""
         N, K = self.shape
+        if self.format.codebook is not None:  # codebook values times 2^(e - 127): exact in fp32
+            values = torch.tensor(self.format.codebook, device=self.data.device)[self.values().long()]
+            return torch.ldexp(values, self.scales.int()[..., None] - 127).reshape(N, K).to(dtype)
         w = self.values().float() * self.scales.float()[..., None]
         if self.mins is not None:
             w = w + self.mins.float()[..., None]

@@ -23,7 +23,7 @@ from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.worker.memory import weights_bytes
 from motet.kernels import cpu_native
-from motet.kernels.quant import BLOCK, FORMATS, INT8, quantize_activations
+from motet.kernels.quant import BLOCK, FORMATS, INT8, MXFP4, quantize_activations
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.engine.test_model_store import GGUF_NAME, _llama_cpp_permute
@@ -49,6 +49,23 @@ def test_gguf_blocks_read_as_gguf_py_dequantizes_them(name):
     want = torch.from_numpy(gguf_quants.dequantize(blocks, fmt.ggml_type))
     assert torch.equal(q.dequantize(), want)
     assert torch.equal(q.gguf_blocks(), torch.from_numpy(blocks))
+
+
+def test_mxfp4_blocks_read_as_gguf_py_dequantizes_them():
+    """GGML's MXFP4 blocks (an E8M0 byte, then 16 bytes of FP4 codes) map onto the format byte for byte, with
+    gguf-py's values: scales over the whole exponent range, every code."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(6, 4 * BLOCK, generator=g) * torch.exp2(
+        torch.randint(-30, 30, (6, 1), generator=g).float()
+    )
+    blocks = gguf_quants.quantize(w.numpy(), MXFP4.ggml_type)
+    raw = torch.from_numpy(blocks).view(6, 4, 17)
+    raw[0, 0, 0], raw[0, 1, 0], raw[1, 0, 0] = 0, 1, 254  # 2^-127 (subnormal), 2^-126, 2^127
+    raw[2, :, 1:] = torch.randint(0, 256, (4, 16), generator=g, dtype=torch.uint8)  # every code
+    q = MXFP4.from_gguf_blocks(raw.reshape(6, -1), tuple(w.shape))
+    want = torch.from_numpy(gguf_quants.dequantize(raw.reshape(6, -1).numpy(), MXFP4.ggml_type))
+    assert torch.equal(q.dequantize(), want)
+    assert torch.equal(q.gguf_blocks(), raw.reshape(6, -1))
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
