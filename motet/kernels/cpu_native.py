@@ -43,9 +43,18 @@ FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # and the tier's 
 FLAGS.append(f"-DMOTET_ABI_VERSION={ABI_VERSION}")
 PANEL = 16  # output columns per packed weight panel (NR in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-QUANT_CODES = {"int8": 2, "int4": 3}  # quantized weights' codes (the source's WeightCode), by format name
-# Bytes of one packed block record (a panel's 16 columns x 32 inputs): fp16 scales (and mins), then the values.
-QUANT_RECORD = {"int8": PANEL * 2 + BLOCK * PANEL, "int4": PANEL * 4 + BLOCK * PANEL // 2}
+QUANT_CODES = {
+    "int8": 2,
+    "int4": 3,
+    "mxfp4": 4,
+}  # quantized weights' codes (the source's WeightCode), by format
+# Bytes of one packed block record (a panel's 16 columns x 32 inputs): fp16 scales (and mins; MXFP4: fp32
+# scales), then the values.
+QUANT_RECORD = {
+    "int8": PANEL * 2 + BLOCK * PANEL,
+    "int4": PANEL * 4 + BLOCK * PANEL // 2,
+    "mxfp4": PANEL * 4 + BLOCK * PANEL // 2,
+}
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -530,9 +539,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
     """A quantized [N, K] weight as the quantized GEMM's panels (motet/kernels/csrc/qgemm.h): uint8
-    [ceil(N / 16), K / 32, record], per panel and block the 16 columns' fp16 scales, (int4) fp16 mins, then
+    [ceil(N / 16), K / 32, record], per panel and block the 16 columns' fp16 scales (MXFP4: fp32), (int4) fp16 mins, then
     the values by quads of 4 k, each column's 4 values adjacent: int8: a quad's columns 0-7, then 8-15
-    (32 bytes each); int4: a quad's 32 bytes hold columns 0-7 in the low nibbles, 8-15 in the high ones.
+    (32 bytes each); int4, MXFP4: a quad's 32 bytes hold columns 0-7 in the low nibbles, 8-15 in the high ones.
     Rows past N are zero (scale and min 0: they compute 0)."""
     N, K = weight.shape
     P, nb = -(-N // PANEL), K // BLOCK
@@ -542,12 +551,17 @@ def pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
         padded[:N] = t.cpu()
         return padded.view(P, PANEL, *t.shape[1:]).transpose(1, 2)
 
-    header = [panels(weight.scales).contiguous().view(torch.uint8).view(P, nb, -1)]
+    scales = weight.scales
+    if (
+        weight.format.codebook is not None
+    ):  # MXFP4: 2^(e - 128) in fp32 (each code stands for twice its value)
+        scales = torch.ldexp(torch.ones(scales.shape), scales.int() - 128)
+    header = [panels(scales).contiguous().view(torch.uint8).view(P, nb, -1)]
     if weight.mins is not None:
         header.append(panels(weight.mins).contiguous().view(torch.uint8).view(P, nb, -1))
     # [P, nb, 16 columns, 32 k] -> [P, nb, 8 quads, 2 halves of 8 columns, 8 columns, 4 k]
     values = panels(weight.values()).reshape(P, nb, 2, 8, BLOCK // 4, 4).permute(0, 1, 4, 2, 3, 5)
-    if weight.format.has_min:
+    if weight.format.bits == 4:
         values = values[:, :, :, 0] | (values[:, :, :, 1] << 4)
     values = values.contiguous().view(torch.uint8).reshape(P, nb, -1)
     out = torch.cat([*header, values], dim=-1)

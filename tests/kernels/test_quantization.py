@@ -23,7 +23,7 @@ from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.worker.memory import weights_bytes
 from motet.kernels import cpu_native
-from motet.kernels.quant import BLOCK, FORMATS, INT8, MXFP4, quantize_activations
+from motet.kernels.quant import BLOCK, FORMATS, INT8, MXFP4, QuantizedWeight, quantize_activations
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.engine.test_model_store import GGUF_NAME, _llama_cpp_permute
@@ -116,9 +116,20 @@ def test_activations_are_quantized_as_gguf_py_quantizes_q8_0():
 # -- the native kernels --------------------------------------------------------------------------------------
 
 
+def random_weight(name: str, N: int, K: int, g: torch.Generator) -> QuantizedWeight:
+    """A weight in format `name`: a float weight quantized, or (MXFP4, read from checkpoints, never quantized
+    here) random codes under random exponents around 1."""
+    if name != MXFP4.name:
+        return FORMATS[name].quantize(torch.randn(N, K, generator=g))
+    data = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    return QuantizedWeight(
+        MXFP4, data, torch.randint(118, 130, (N, K // BLOCK), generator=g, dtype=torch.uint8), None
+    )
+
+
 def check_qgemm(name: str, M: int, N: int, K: int, bias: bool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    q = FORMATS[name].quantize(torch.randn(N, K, generator=g))
+    q = random_weight(name, N, K, g)
     x = torch.randn(M, K + 3, generator=g)[:, 3:]  # row-strided
     b = torch.randn(N, generator=g) if bias else None
     packed = cpu_native.pack_quantized(q)
@@ -138,7 +149,7 @@ def check_qgemm(name: str, M: int, N: int, K: int, bias: bool, seed: int) -> Non
 
 
 @needs_native
-@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("name", [*FORMAT_NAMES, MXFP4.name])
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 13, 100, 200])
 @pytest.mark.parametrize("N,K", [(16, 32), (1, 64), (13, 96), (50, 160), (70, 32)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -149,12 +160,12 @@ def test_qgemm_matches_float64_of_dequantized(cpu_tier, name, M, N, K, bias):
 
 
 @needs_native
-@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("name", [*FORMAT_NAMES, MXFP4.name])
 def test_a_rows_product_does_not_depend_on_its_batch(cpu_tier, name):
     """Exact integer block sums, added in one order per row: a row alone, or among 1-130 others, gives the
     same bits (a request's output cannot depend on what else the step holds)."""
     g = torch.Generator().manual_seed(11)
-    q = FORMATS[name].quantize(torch.randn(45, 96, generator=g))
+    q = random_weight(name, 45, 96, g)
     packed = cpu_native.pack_quantized(q)
     x = torch.randn(131, 96, generator=g)
     alone = cpu_native.gemm(x[:1].contiguous(), packed, 45, quantized=name)

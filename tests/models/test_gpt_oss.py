@@ -16,7 +16,9 @@ from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.worker.memory import quantized_weights
 from motet.kernels import cpu_native
+from motet.kernels.quant import MXFP4, quantize_activations
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
@@ -181,32 +183,65 @@ def test_transformers_reads_the_mxfp4_layout_as_written(float_dir, mxfp4_dir):
             assert (ours - floats[name]).abs().max() <= floats[name].abs().max() / 4
 
 
+def mxfp4_reference(model_dir) -> torch.nn.Module:
+    """transformers on the MXFP4 checkpoint (its experts dequantized as it loads them) with each expert
+    product's input rounded as the CPU's quantized product rounds it (Q8_0 blocks, as llama.cpp multiplies MXFP4
+    too): the experts' input rows, and the gated activation before the down projection."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager")
+    for module in hf.modules():
+        if type(module).__name__ == "GptOssExperts":
+            module.register_forward_pre_hook(
+                lambda _, args, kwargs: ((quantize_activations(args[0]), *args[1:]), kwargs), with_kwargs=True
+            )
+            gate = module._apply_gate
+            module._apply_gate = lambda x, gate=gate: quantize_activations(gate(x))
+    return hf.eval()
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["default", "eager"])
-def test_mxfp4_experts_match_transformers_on_their_dequantized_weights(mxfp4_dir, compiled):
+def test_mxfp4_experts_served_in_their_blocks_match_transformers(mxfp4_dir, compiled):
+    """The experts stay in their MXFP4 blocks (a quarter of bf16's bytes, about), multiplied by the quantized
+    product (the native step's MXFP4 GEMM, or its torch reference)."""
+    from tests.kernels.test_quantization import assert_close_but_for_rounding_flips
+
     llm = LLM(str(mxfp4_dir), num_kv_blocks=128, block_size=4, max_model_len=256, compile_step=compiled)
-    for got, p in zip(engine_logits(llm.engine, PROMPTS, chunk=7), PROMPTS, strict=True):
-        torch.testing.assert_close(got, hf_logits(mxfp4_dir, p), atol=2e-4, rtol=1e-4)
-    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
-    prompts = [PROMPTS[1], PROMPTS[4]]
-    outs = llm.generate(prompts, params)
-    assert [out.token_ids for out in outs] == hf_greedy_outputs(mxfp4_dir, prompts, 16)
+    if not compiled:  # (the native step packs them into its arena)
+        experts = llm.engine.runner.model.layers[0].mlp.experts
+        assert {k: q.weight.format for k, q in experts.quantized.items()} == {
+            "gate_up_proj": MXFP4,
+            "down_proj": MXFP4,
+        }
+        assert experts.gate_up_proj.numel() == 0
+        # resident: 4.25 bits a weight (4-bit codes, a scale byte per 32), every expert's gate/up and down
+        blocks = quantized_weights(llm.engine.runner.model)
+        weights = sum(q.shape[0] * q.shape[1] for q in blocks)
+        assert weights == 2 * 4 * (
+            2 * 64 * 64 + 64 * 64
+        )  # layers x experts x (gate/up [2I, H] + down [H, I])
+        assert sum(q.nbytes for q in blocks) == weights * 17 // 32
+    hf = mxfp4_reference(mxfp4_dir)
+    with torch.no_grad():
+        want = [hf(torch.tensor([p])).logits[0] for p in PROMPTS]
+    assert_close_but_for_rounding_flips(engine_logits(llm.engine, PROMPTS, chunk=7), want)
 
 
-def test_mxfp4_experts_are_dequantized_one_at_a_time(mxfp4_dir, monkeypatch):
-    """Loading holds one expert's floats at a time: every dequantization is of one expert's blocks."""
+def test_mxfp4_experts_are_read_one_at_a_time_into_blocks(mxfp4_dir, monkeypatch):
+    """Loading never dequantizes an expert: each is read as blocks, one at a time, into its layer's format."""
     from motet.engine.weights import mxfp4
 
-    shapes = []
+    monkeypatch.setattr(mxfp4, "dequantize", None)  # (calling it fails the load)
+    read = []
+    expert = mxfp4.Mxfp4Tensor.expert
 
-    def recording(blocks, scales):
-        shapes.append(tuple(blocks.shape))
-        return dequantize(blocks, scales)
+    def recording(self, e):
+        q = expert(self, e)
+        read.append(q.shape)
+        return q
 
-    dequantize = mxfp4.dequantize
-    monkeypatch.setattr(mxfp4, "dequantize", recording)
-    LLMEngine(EngineConfig(model=str(mxfp4_dir), num_kv_blocks=64), model_dir=mxfp4_dir)
-    # 2 layers x 4 experts x (gate_up [1, 2I, H / 32, 16], down [1, H, I / 32, 16])
-    assert sorted(shapes) == sorted([(1, 128, 2, 16)] * 8 + [(1, 64, 2, 16)] * 8)
+    monkeypatch.setattr(mxfp4.Mxfp4Tensor, "expert", recording)
+    LLMEngine(EngineConfig(model=str(mxfp4_dir), num_kv_blocks=64, compile_step=False), model_dir=mxfp4_dir)
+    # 2 layers x 4 experts x (gate_up [2I, H], down [H, I])
+    assert sorted(read) == sorted([(128, 64)] * 8 + [(64, 64)] * 8)
 
 
 def test_malformed_mxfp4_is_refused_naming_the_tensor(float_dir, mxfp4_dir, tmp_path):
@@ -228,7 +263,7 @@ def test_malformed_mxfp4_is_refused_naming_the_tensor(float_dir, mxfp4_dir, tmp_
         "dtype": ({"change": {f"{name}_scales": scales.float()}}, f"{name}_blocks and _scales must be uint8"),
         "experts": (
             {"change": {f"{name}_blocks": blocks[:3], f"{name}_scales": scales[:3]}},
-            rf"'{name}_blocks' \(MXFP4, dequantized\) has shape \(3, 64, 64\), the model expects \(4, 64, 64\)",
+            rf"'{name}_blocks' \(MXFP4\) has shape \(3, 64, 64\), the model expects \(4, 64, 64\)",
         ),
     }
     for case, (edit, message) in cases.items():
@@ -270,13 +305,24 @@ def test_two_ranks_match_transformers(model_dir, mxfp4_dir, checkpoint, expert_p
         assert layer.self_attn.num_heads == 2 and layer.self_attn.sinks.shape == (2,)
         experts = layer.mlp.experts
         assert (experts.num_local, experts.intermediate) == ((2, 64) if expert_parallel else (4, 24))
-        refs = [hf_logits(path, p) for p in PROMPTS]
-        for chunk in (WINDOW, 7):
-            for got, ref in zip(engine_logits(engine, PROMPTS, chunk=chunk), refs, strict=True):
-                torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+        if checkpoint == "mxfp4":  # its experts in their blocks: the reference rounds their inputs alike
+            from tests.kernels.test_quantization import assert_close_but_for_rounding_flips
+
+            hf = mxfp4_reference(path)
+            with torch.no_grad():
+                refs = [hf(torch.tensor([p])).logits[0] for p in PROMPTS]
+            for chunk in (WINDOW, 7):
+                assert_close_but_for_rounding_flips(engine_logits(engine, PROMPTS, chunk=chunk), refs)
+        else:
+            refs = [hf_logits(path, p) for p in PROMPTS]
+            for chunk in (WINDOW, 7):
+                for got, ref in zip(engine_logits(engine, PROMPTS, chunk=chunk), refs, strict=True):
+                    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
     finally:
         engine.close()
     assert tp_workers() == []
+    if checkpoint == "mxfp4":  # (greedy tokens against the float reference: the float checkpoint's case)
+        return
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[2]]
     with LLM(

@@ -181,7 +181,9 @@ def test_moe_quantization_needs_whole_blocks(tmp_path):
     wide is refused by the field's name."""
     model_dir = build_tiny_model(tmp_path, arch="qwen3_moe", **TOP2_OF_4)
     with pytest.raises(ModelLoadError, match="int8 quantization needs .* moe_intermediate_size is 48"):
-        LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16, quantization="int8"), model_dir=model_dir)
+        LLMEngine(
+            EngineConfig(model=str(model_dir), num_kv_blocks=16, quantization="int8"), model_dir=model_dir
+        )
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])

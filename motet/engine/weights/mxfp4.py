@@ -18,12 +18,13 @@ from collections.abc import Iterator
 import torch
 
 from motet.engine.weights.checkpoint import StoredTensor
+from motet.kernels import quant
+from motet.kernels.quant import QuantizedWeight
 from motet.models.declaration import ModelLoadError
 
 BLOCK = 32  # values sharing one exponent
 SCALE_BIAS = 127  # E8M0: the exponent is the byte minus 127
-# FP4 E2M1's 16 values by their code (sign bit 3, exponent bits 2-1, mantissa bit 0)
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = quant.FP4_VALUES
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -61,6 +62,17 @@ class Mxfp4Tensor:
         return dataclasses.replace(
             self, blocks=self.blocks.narrow(0, start, length), scales=self.scales.narrow(0, start, length)
         )
+
+    def expert(self, e: int) -> QuantizedWeight:
+        """Expert e's weight [R, G * 32] in its MXFP4 blocks, read (not dequantized): the codes repacked from the
+        checkpoint's order (byte j: values 2j and 2j + 1) into GGML's (byte j: values j and j + 16)."""
+        blocks, scales = (t.narrow(0, e, 1) for t in (self.blocks, self.scales))
+        blocks, scales = (t.load() if isinstance(t, StoredTensor) else t for t in (blocks, scales))
+        rows, groups, half = blocks.shape[1:]
+        codes = torch.empty(rows, groups, 2 * half, dtype=torch.uint8)
+        codes[..., 0::2], codes[..., 1::2] = blocks[0] & 0x0F, blocks[0] >> 4
+        data = codes[..., :half] | (codes[..., half:] << 4)
+        return QuantizedWeight(quant.MXFP4, data.reshape(rows, groups * half), scales[0].contiguous(), None)
 
     def load(self) -> torch.Tensor:
         """The experts' fp32 values, read and dequantized: [E, G * 32, R] (a transposed view)."""

@@ -6,7 +6,7 @@ than none or the checkpoint's own. `iter_checkpoint_weights` yields the checkpoi
 quantized projection's parts (`qweight`, `qzeros`, `scales`, GPTQ's `g_idx`) replaced by one int4 weight
 (motet/kernels/gptq_awq.py converts them), the other tensors (embeddings, norms, lm_head, biases, modules
 left unquantized) as stored. An MXFP4 checkpoint (OpenAI's gpt-oss: its experts' `*_blocks` and `*_scales`) is
-read in floats: each pair yielded as one tensor dequantized as it is read (motet/engine/weights/mxfp4.py).
+served in its blocks: each pair yielded as one tensor whose experts are read in MXFP4 (motet/engine/weights/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ _GPTQ_FORMATS = {"gptq": True, "gptq_v2": False}  # checkpoint_format -> zeros s
 _AWQ_VERSIONS = ("gemm",)
 _PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
 _REQUIRED = ("qweight", "qzeros", "scales")  # g_idx may be absent: each input in group k // group_size
-MXFP4 = "mxfp4"  # a checkpoint's experts in MXFP4, dequantized as they load (no --quantization names it)
+MXFP4 = "mxfp4"  # a checkpoint's experts in MXFP4, served in their blocks (no --quantization names it)
 _SUPPORTED = (
     "motet serves 4-bit GPTQ (checkpoint_format gptq or gptq_v2) and AWQ (version gemm) checkpoints, "
-    "MXFP4 experts (dequantized as they load), and GGUF files with --quantization gguf"
+    "MXFP4 experts (served in their blocks), and GGUF files with --quantization gguf"
 )
 
 
@@ -50,8 +50,8 @@ class CheckpointQuantization:
 
     @property
     def served_quantized(self) -> bool:
-        """Whether its projections are served in their own blocks (GPTQ, AWQ), not dequantized as they load."""
-        return self.method != MXFP4
+        """Whether its weights are served in their own blocks (GPTQ's and AWQ's projections, MXFP4's experts)."""
+        return True
 
 
 def _read_config(model_dir: Path) -> tuple[dict, str] | None:

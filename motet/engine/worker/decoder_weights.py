@@ -273,11 +273,7 @@ class DecoderWeights:
                     f"checkpoint tensor {hf_name!r} is quantized: {kind} must come in floats"
                 )
             if tuple(tensor.shape) != expected[kind]:
-                label = (
-                    f"{tensor.name!r} (MXFP4, dequantized)"
-                    if isinstance(tensor, Mxfp4Tensor)
-                    else repr(hf_name)
-                )
+                label = f"{tensor.name!r} (MXFP4)" if isinstance(tensor, Mxfp4Tensor) else repr(hf_name)
                 raise ModelLoadError(
                     f"checkpoint tensor {label} has shape {tuple(tensor.shape)}, the model expects {expected[kind]}"
                 )
@@ -289,6 +285,17 @@ class DecoderWeights:
             for e in range(E):
                 names = [f"{prefix}experts.{e}.{part}.weight" for part in parts]
                 if self._place(names[0]) is self.ELSEWHERE:
+                    continue
+                if isinstance(
+                    tensor, Mxfp4Tensor
+                ):  # kept in its blocks: [2I, H] (gate, up rows alternating) or [H, I]
+                    q = tensor.expert(e)
+                    if kind == "down_proj":
+                        yield names[0], q
+                    else:
+                        rows = torch.arange(q.shape[0])
+                        yield names[0], q.rows(rows[0::2])
+                        yield names[1], q.rows(rows[1::2])
                     continue
                 t = _read(tensor.narrow(0, e, 1))[0]  # [H, 2I] or [I, H]
                 if kind == "down_proj":

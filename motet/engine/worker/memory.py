@@ -18,7 +18,8 @@ import os
 import torch
 
 from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION, EngineConfig
-from motet.engine.worker.model import Linear
+from motet.engine.worker.model import Experts, Linear
+from motet.kernels.quant import QuantizedWeight
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
 
@@ -55,8 +56,32 @@ def weights_bytes(model: torch.nn.Module, device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     tensors = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    quantized = [m.quantized for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
-    return tensors + sum(q.nbytes for q in quantized)
+    return tensors + sum(q.nbytes for q in quantized_weights(model))
+
+
+def quantized_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
+    """The weights the model holds in blocks: its quantized linear layers' and experts'."""
+    out = [m.quantized for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    return out + [q.weight for m in model.modules() if isinstance(m, Experts) for q in m.quantized.values()]
+
+
+def weights_line(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """The start-up line on the weights' bytes: resident, and in `dtype` had the blocks been dequantized."""
+    held = weights_bytes(model, device)
+    quantized = quantized_weights(model)
+    if not quantized:
+        return f"weights: {_size(held)}"
+    blocks = sum(q.nbytes for q in quantized)
+    floats = sum(q.shape[0] * q.shape[1] for q in quantized) * dtype.itemsize
+    formats = ", ".join(sorted({q.format.name for q in quantized}))
+    return (
+        f"weights: {_size(held)}, of which {_size(blocks)} in {formats} blocks ({_size(floats)} in "
+        f"{str(dtype).removeprefix('torch.')}: {_size(held - blocks + floats)} in all, dequantized)"
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def step_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:

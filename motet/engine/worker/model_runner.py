@@ -33,7 +33,13 @@ from motet.engine.worker.cpu_forward import supported as cpu_forward_supported
 from motet.engine.worker.cuda_graphs import DecodeGraphs
 from motet.engine.worker.decoder_weights import load_weights
 from motet.engine.worker.grammar_masks import GrammarMasks
-from motet.engine.worker.memory import adapter_bytes, kv_cache_bytes, memory_budget, weights_bytes
+from motet.engine.worker.memory import (
+    adapter_bytes,
+    kv_cache_bytes,
+    memory_budget,
+    weights_bytes,
+    weights_line,
+)
 from motet.engine.worker.model import CausalLM, Linear, onednn_available
 from motet.engine.worker.parallel import SINGLE, Parallel
 from motet.engine.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, outcome_error
@@ -153,6 +159,8 @@ class ModelRunner:
             (_, local_kv_heads) = parallel.heads(model_config)[1]  # this rank's share of the KV cache
             share = local_kv_heads / model_config.num_key_value_heads
             self.model = self._load_model(model_dir)
+            if parallel.rank == 0:
+                log.info(weights_line(self.model, self.device, self.dtype))
         except Exception as e:
             if not parallel.enabled:
                 raise

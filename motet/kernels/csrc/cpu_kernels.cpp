@@ -146,6 +146,7 @@ void linear(const void* w, int code, const float* x, int64_t ldx, int M, int K, 
     const auto* q = static_cast<const uint8_t*>(w);
     if (code == kWeightInt8) qgemm<kWeightInt8>(x, ldx, M, K, q, N, bias, y, ldy, accumulate);
     else if (code == kWeightInt4) qgemm<kWeightInt4>(x, ldx, M, K, q, N, bias, y, ldy, accumulate);
+    else if (code == kWeightMxfp4) qgemm<kWeightMxfp4>(x, ldx, M, K, q, N, bias, y, ldy, accumulate);
     else gemm(x, ldx, M, K, static_cast<const TW*>(w), N, bias, y, ldy, accumulate);
 }
 
@@ -329,11 +330,11 @@ void add_residual_op(Ctx& c, const Op& op) {
 template <typename TW>
 void experts_product(int code, const float* x, int64_t ldx, const int32_t* offsets, int E, int K, const void* w,
                      int N, const TW* bias, float* y, int64_t ldy) {
-    if (code != kWeightInt8 && code != kWeightInt4) {
+    if (!quantized_code(code)) {
         grouped_gemm(x, ldx, offsets, E, K, static_cast<const TW*>(w), N, bias, y, ldy);
         return;
     }
-    const int64_t record = code == kWeightInt8 ? QFormat<kWeightInt8>::kRecord : QFormat<kWeightInt4>::kRecord;
+    const int64_t record = record_bytes(code);
     const int64_t stride = static_cast<int64_t>((N + NR - 1) / NR) * (K / QBLOCK) * record;  // bytes an expert
     const auto* fbias = reinterpret_cast<const float*>(bias);
     for (int e = 0; e < E; ++e) {
@@ -450,7 +451,7 @@ inline int check_program(const Program& m) {
     const auto width = [&m](int id) { return m.widths[id]; };
     // a linear's weight: the model's dtype, or quantized along an input dimension of whole blocks
     const auto weight_ok = [&m](int code, int K) {
-        return code == m.dtype_w || ((code == kWeightInt8 || code == kWeightInt4) && K % QBLOCK == 0);
+        return code == m.dtype_w || (quantized_code(code) && K % QBLOCK == 0);
     };
     for (int n = 0; n < m.num_ops; ++n) {
         const Op& op = m.ops[n];
@@ -560,11 +561,13 @@ int motet_gemm(int dtype_w, const float* x, int64_t ldx, int M, int K, const voi
                const void* bias, float* y, int64_t ldy, int accumulate) {
     const auto* fbias = static_cast<const float*>(bias);
     const auto* q = static_cast<const uint8_t*>(packed);
-    if ((dtype_w == kWeightInt8 || dtype_w == kWeightInt4) && K % QBLOCK != 0) return 1;
+    if (quantized_code(dtype_w) && K % QBLOCK != 0) return 1;
     if (dtype_w == kWeightInt8)
         qgemm<kWeightInt8>(x, ldx, M, K, q, N, fbias, y, ldy, accumulate != 0);
     else if (dtype_w == kWeightInt4)
         qgemm<kWeightInt4>(x, ldx, M, K, q, N, fbias, y, ldy, accumulate != 0);
+    else if (dtype_w == kWeightMxfp4)
+        qgemm<kWeightMxfp4>(x, ldx, M, K, q, N, fbias, y, ldy, accumulate != 0);
     else if (dtype_w == 0)
         gemm(x, ldx, M, K, static_cast<const float*>(packed), N, static_cast<const float*>(bias), y, ldy,
              accumulate != 0);

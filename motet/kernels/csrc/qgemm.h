@@ -24,7 +24,7 @@ namespace motet {
 // high ones columns 8-15 (320 bytes a record, against 2048 for bf16). `maddubs` of a quad's 32 bytes with a
 // row's 4 x values (broadcast) and `madd` with ones leave column c's 4-term sum in int32 lane c.
 
-enum WeightCode { kWeightF32 = 0, kWeightBF16 = 1, kWeightInt8 = 2, kWeightInt4 = 3 };
+enum WeightCode { kWeightF32 = 0, kWeightBF16 = 1, kWeightInt8 = 2, kWeightInt4 = 3, kWeightMxfp4 = 4 };
 
 constexpr int QBLOCK = 32;
 constexpr int kQRows = 4;  // rows per tile: each block's values are unpacked once per tile
@@ -41,6 +41,23 @@ struct QFormat<kWeightInt4> {
     static constexpr int kHeader = NR * 2 * 2;  // fp16 scales, fp16 mins
     static constexpr int kRecord = kHeader + QBLOCK * NR / 2;
 };
+// MXFP4 (OCP microscaling: FP4 E2M1 codes, a block's E8M0 exponent): packed like int4, each code standing for
+// twice its FP4 value, an integer (kMxfp4Values), and the columns' scales 2^(e - 128) as fp32 (exact for every
+// exponent byte): the codes' products with the int8 activations are exact integer sums, as int8's are.
+template <>
+struct QFormat<kWeightMxfp4> {
+    static constexpr int kHeader = NR * 4;  // fp32 scales
+    static constexpr int kRecord = kHeader + QBLOCK * NR / 2;
+};
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// A weight code's packed-record bytes, and whether it is a quantized one.
+inline bool quantized_code(int code) { return code == kWeightInt8 || code == kWeightInt4 || code == kWeightMxfp4; }
+inline int64_t record_bytes(int code) {
+    return code == kWeightInt8 ? QFormat<kWeightInt8>::kRecord
+           : code == kWeightInt4 ? QFormat<kWeightInt4>::kRecord
+                                 : QFormat<kWeightMxfp4>::kRecord;
+}
 
 // IEEE half -> float, exactly (normals, subnormals, infinities, NaN).
 inline float f16_to_f32(uint16_t h) {
@@ -126,12 +143,19 @@ inline void qdot(const int8_t* xq, int64_t ldq, const float* xd, const float* xs
 #pragma GCC unroll 8
         for (int g = 0; g < QBLOCK / 4; ++g) {
             __m512i w;  // unsigned bytes
-            __mmask64 neg = 0;  // int8: the bytes whose weight is negative
-            if constexpr (FMT == kWeightInt4) {
+            __mmask64 neg = 0;  // int8, MXFP4: the bytes whose weight is negative
+            if constexpr (FMT == kWeightInt4 || FMT == kWeightMxfp4) {
                 const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
                 const __m256i mask = _mm256_set1_epi8(0x0F);
                 w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
                                        _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
+                if constexpr (FMT == kWeightMxfp4) {  // codes -> their signed values (a table per 128-bit lane)
+                    const __m512i values = _mm512_broadcast_i32x4(
+                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+                    const __m512i sv = _mm512_shuffle_epi8(values, w);
+                    neg = _mm512_movepi8_mask(sv);
+                    w = _mm512_abs_epi8(sv);
+                }
             } else {
                 const __m512i v = _mm512_loadu_si512(q + 64 * g);
                 neg = _mm512_movepi8_mask(v);
@@ -142,11 +166,13 @@ inline void qdot(const int8_t* xq, int64_t ldq, const float* xd, const float* xs
                 int32_t quad;
                 std::memcpy(&quad, xq + r * ldq + b * QBLOCK + 4 * g, 4);
                 __m512i a = _mm512_set1_epi32(quad);
-                if constexpr (FMT == kWeightInt8) a = _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a);
+                if constexpr (FMT != kWeightInt4) a = _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a);
                 isum[r] = _mm512_dpbusd_epi32(isum[r], w, a);
             }
         }
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+        const __m512 s = FMT == kWeightMxfp4
+                             ? _mm512_loadu_ps(reinterpret_cast<const float*>(rec))
+                             : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, _mm512_set1_ps(xd[r * lds + b])),
@@ -206,8 +232,18 @@ inline void qdot(const int8_t* xq, int64_t ldq, const float* xd, const float* xs
             for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int g = 0; g < QBLOCK / 4; ++g) {
-                const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g));
-                const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32));
+                __m256i w0, w1;  // signed bytes
+                if constexpr (FMT == kWeightMxfp4) {  // codes -> their signed values (a table per 128-bit lane)
+                    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
+                    const __m256i mask = _mm256_set1_epi8(0x0F);
+                    const __m256i values =
+                        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+                    w0 = _mm256_shuffle_epi8(values, _mm256_and_si256(v, mask));
+                    w1 = _mm256_shuffle_epi8(values, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+                } else {
+                    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g));
+                    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32));
+                }
                 const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
 #pragma GCC unroll 4
                 for (int r = 0; r < R; ++r) {
@@ -221,8 +257,14 @@ inline void qdot(const int8_t* xq, int64_t ldq, const float* xd, const float* xs
                 }
             }
         }
-        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec)));
-        const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16)));
+        __m256 s0, s1;
+        if constexpr (FMT == kWeightMxfp4) {
+            s0 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec));
+            s1 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec) + 8);
+        } else {
+            s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec)));
+            s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16)));
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
             const __m256 dx = _mm256_set1_ps(xd[r * lds + b]);
@@ -269,11 +311,13 @@ inline void qdot(const int8_t* xq, int64_t ldq, const float* xd, const float* xs
                         } else {
                             const uint8_t byte = q[32 * g + 4 * col + i];
                             w = half == 0 ? (byte & 0xF) : (byte >> 4);
+                            if constexpr (FMT == kWeightMxfp4) w = kMxfp4Values[w];
                         }
                         sum += w * xr[4 * g + i];
                     }
                 float& out = c[r * NR + j];
-                out = std::fma(static_cast<float>(sum), f16_to_f32(hdr[j]) * xd[r * lds + b], out);
+                const float scale = FMT == kWeightMxfp4 ? reinterpret_cast<const float*>(rec)[j] : f16_to_f32(hdr[j]);
+                out = std::fma(static_cast<float>(sum), scale * xd[r * lds + b], out);
                 if constexpr (FMT == kWeightInt4) out = std::fma(f16_to_f32(hdr[NR + j]), xs[r * lds + b], out);
             }
         }
