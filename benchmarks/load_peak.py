@@ -90,7 +90,7 @@ def measure(dtype: str, model: str | None, quantization: str | None, num_kv_bloc
     return found
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the engine's default model")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])

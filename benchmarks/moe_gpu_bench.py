@@ -37,7 +37,7 @@ def mean_us(fn, calls: int = 50) -> float:
     return 1e3 * start.elapsed_time(end) / calls
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8x4096x14336")
     ap.add_argument("--top-k", type=int, default=2)
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument(
         "--out", type=Path, default=Path("benchmarks/reports/moe_gpu") / time.strftime("%Y-%m-%d")
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     E, H, inter = (int(v) for v in args.shape.lower().split("x"))
