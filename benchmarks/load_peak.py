@@ -97,7 +97,7 @@ def main(argv=None) -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--num-kv-blocks", type=int, default=4)
     p.add_argument("--out", type=Path, default=Path("benchmarks/reports/load_peak"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rows = {dtype: measure(dtype, args.model, args.quantization, args.num_kv_blocks) for dtype in args.dtypes}
     lines = [
         f"# Peak memory while loading ({args.model or 'default model'}, quantization {args.quantization})",
