@@ -117,8 +117,12 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--ceiling-mib", type=int, default=GIB >> 20,
-                    help="MiB read by each ceiling measurement (far above the caches; a smaller one: a smoke run)")
+    ap.add_argument(
+        "--ceiling-mib",
+        type=int,
+        default=GIB >> 20,
+        help="MiB read by each ceiling measurement (far above the caches; a smaller one: a smoke run)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     model = str(resolve_model(args.model))

@@ -68,7 +68,12 @@ def _timed_steps(engine, prompts: list[list[int]], max_tokens: int) -> list[tupl
 
 # The steps measured: prefill prompts' lengths and how many of each, decode batches' rows and their steps; with
 # --smoke a few short ones (a run that checks the script, not a fit to keep).
-STEPS = {"prefill": (32, 128, 256, 512, 1024), "prefill_repeats": 3, "decode": (1, 4, 16, 32, 64), "decode_steps": 12}
+STEPS = {
+    "prefill": (32, 128, 256, 512, 1024),
+    "prefill_repeats": 3,
+    "decode": (1, 4, 16, 32, 64),
+    "decode_steps": 12,
+}
 SMOKE_STEPS = {"prefill": (32, 64), "prefill_repeats": 1, "decode": (1, 4), "decode_steps": 5}
 
 
@@ -133,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default=None, help="default: the engine's default model")
-    p.add_argument("--adapter", type=Path, default=ADAPTER, help="a LoRA adapter of the model's (its read time)")
+    p.add_argument(
+        "--adapter", type=Path, default=ADAPTER, help="a LoRA adapter of the model's (its read time)"
+    )
     p.add_argument("--smoke", action="store_true", help="a few short steps: checks the script, fits nothing")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "reports" / "routing_fit.json")
     args = p.parse_args(argv)
