@@ -4,7 +4,7 @@
 
 The same shared-prefix, multi-adapter workload runs twice in one go, against `motet serve --replicas 2
 --router motet` and then `--router pow2` (Ray's PowerOfTwoChoicesRequestRouter), each a fresh server on the
-default model (SmolLM2-135M-Instruct), one thread per replica. Tenants each have a long system prompt and
+default model (SmolLM2-135M-Instruct; --model another), one thread per replica. Tenants each have a long system prompt and
 random rank-8 LoRA adapters (uploaded per tenant; one tenant also uses the base model); conversations start
 as a Poisson process and run a few turns, each turn's prompt holding the history. Figures per router: the
 replicas' prefix-cache hit rate (prompt tokens found cached, from their counters on /metrics), the share of
@@ -31,6 +31,7 @@ from motet.evals.report import fmt, pct, pyplot, save, table
 from motet.evals.server import ManagedServer
 
 ROOT = Path(__file__).resolve().parents[1]
+ADMIN_KEY = "sk-admin"  # reads /metrics (the replicas' counters) under --api-keys
 WORDS = [
     "policy",
     "account",
@@ -107,9 +108,12 @@ def system_prompt(tenant: int, words: int) -> str:
 
 
 def replica_counters(url: str) -> tuple[float, float]:
-    """Prefix-cache hits and queries summed over the replicas (their latest reports)."""
+    """Prefix-cache hits and queries summed over the replicas (their latest reports; /metrics is the admin's
+    under --api-keys)."""
     hits = queries = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+    r.raise_for_status()
+    for line in r.text.splitlines():
         if line.startswith("motet_replica_prefix_cache_hits"):
             hits += float(line.rsplit(" ", 1)[1])
         elif line.startswith("motet_replica_prefix_cache_queries"):
@@ -186,7 +190,9 @@ def run_router(router: str, args, adapters, keys_file: Path, out: Path) -> dict:
         "--replicas", "2", "--threads", str(args.threads), "--router", router,
         "--num-kv-blocks", str(args.kv_blocks), "--api-keys", str(keys_file), "--served-model-name", "base-model",
     ]  # fmt: skip
-    with ManagedServer(server_args, log_path=out / f"server-{router}.log", start_timeout=1200) as server:
+    with ManagedServer(
+        server_args, model=args.model, log_path=out / f"server-{router}.log", start_timeout=1200
+    ) as server:
         result = asyncio.run(drive(server, args, adapters, "base-model"))
     print(f"{router}: {json.dumps({k: v for k, v in result.items() if k != 'ttfts_s'})}", file=sys.stderr)
     return result
@@ -253,19 +259,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-blocks", type=int, default=512, help="per replica")
     p.add_argument("--threads", type=int, default=1, help="per replica")
     p.add_argument("--routers", nargs="+", default=["motet", "pow2"])
+    p.add_argument("--model", default=None, help="the served model (default: motet's default model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     out = args.out or ROOT / "reports" / "eval" / f"cluster_routing-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    from motet.engine.weights.model_store import pull
+    from motet.engine.weights.model_store import resolve_model
 
     with tempfile.TemporaryDirectory(prefix="motet-routing-") as tmp:
         adapters = random_peft_adapters(
-            pull(progress=False), Path(tmp), args.tenants * args.adapters_per_tenant
+            resolve_model(args.model), Path(tmp), args.tenants * args.adapters_per_tenant
         )
         keys_file = Path(tmp) / "keys.json"
-        keys_file.write_text(json.dumps({f"sk-{t}": f"tenant{t}" for t in range(args.tenants)}))
+        tenants = {f"sk-{t}": f"tenant{t}" for t in range(args.tenants)}
+        keys_file.write_text(json.dumps({**tenants, ADMIN_KEY: {"admin": True}}))
         routers = {r: run_router(r, args, adapters, keys_file, out) for r in args.routers}
     argv_ = ["python -m benchmarks.cluster_routing", *(argv if argv is not None else sys.argv[1:])]
     results = {"argv": argv_, "args": vars(args) | {"out": str(out)}, "routers": routers}

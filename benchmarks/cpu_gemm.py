@@ -54,7 +54,7 @@ def use_tier(name: str) -> None:
     assert cpu_native.isa() == name
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 256])
     ap.add_argument("--tiers", nargs="+", default=[t.name for t in cpu_isa.TIERS if t.name != "scalar"])
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     tiers = [t for t in args.tiers if not cpu_isa.missing(cpu_isa.BY_NAME[t])]
     g = torch.Generator().manual_seed(0)

@@ -34,6 +34,7 @@ from motet.engine.core.kv_blocks import KVLayout
 from motet.engine.core.kv_tiers import KV_CACHE_SUBDIR
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights.checkpoint import load_model_config
 from motet.engine.weights.model_store import resolve_model
 from motet.evals.serving_bench import machine
 
@@ -52,8 +53,15 @@ def engine(args, model_dir, num_blocks: int, **tiers) -> LLMEngine:
         **tiers,
     )
     e = LLMEngine(config, model_dir)
-    run(e, list(range(1000, 1000 + 2 * NEW_TURN)), 2)
+    run(e, random_ids(random.Random(2), 2 * NEW_TURN, e.model_config.vocab_size), 2)
     return e
+
+
+def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """`n` random token ids away from the vocabulary's ends (where the special tokens are); any ids do: the KV's
+    cost does not depend on them."""
+    margin = min(100, vocab // 8)
+    return [rng.randrange(margin, vocab - margin) for _ in range(n)]
 
 
 def run(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
@@ -122,10 +130,10 @@ def close(engine: LLMEngine) -> None:
 def returning_conversations(args, model_dir, data_dir: Path) -> dict:
     rng = random.Random(0)
     bs = EngineConfig.block_size
-    vocab = 49152  # the default model's; any ids below it do (the KV's cost does not depend on them)
+    vocab = load_model_config(model_dir).vocab_size
 
     def tokens(n):
-        return [rng.randrange(100, vocab - 100) for _ in range(n)]
+        return random_ids(rng, n, vocab)
 
     histories = [tokens(args.history) for _ in range(args.conversations)]
     turns = {mode: [tokens(NEW_TURN) for _ in histories] for mode in ("ram", "disk", "recompute")}
@@ -182,8 +190,9 @@ def returning_conversations(args, model_dir, data_dir: Path) -> dict:
 
 def restarted_system_prompt(args, model_dir, data_dir: Path) -> dict:
     rng = random.Random(1)
-    system = [rng.randrange(100, 49000) for _ in range(args.system_prompt)]
-    questions = [[rng.randrange(100, 49000) for _ in range(NEW_TURN)] for _ in range(2)]
+    vocab = load_model_config(model_dir).vocab_size
+    system = random_ids(rng, args.system_prompt, vocab)
+    questions = [random_ids(rng, NEW_TURN, vocab) for _ in range(2)]
     num_blocks = 2 * (args.system_prompt + NEW_TURN) // EngineConfig.block_size + 1
     tiers = {"kv_disk_gb": args.disk_gb, "kv_disk_dir": str(data_dir)}
     first = engine(args, model_dir, num_blocks, **tiers)

@@ -18,6 +18,11 @@ adapters (all seven modules), and the same load on the base model: motet names t
 request's model (uploaded over its API); llama.cpp loads every adapter at start
 (`--lora ... --lora-init-without-apply`) and each request picks its own (`"lora": [{"id", "scale"}]`).
 Reports tokens/s, TPOT and TTFT percentiles and their ratios; writes results.json and summary.md.
+
+With --peer-url the peer is a server already running there (nothing is built or converted), sent the same
+requests as motet, the adapter load too: the adapters are uploaded to it as to motet (`POST /v1/adapters`) and
+named as the request's model. That peer is another `motet serve` (the smoke test's: tests/benchmarks/), since
+llama-server takes its adapters at start instead.
 """
 
 from __future__ import annotations
@@ -33,7 +38,15 @@ import time
 from pathlib import Path
 
 from benchmarks import write_report
-from benchmarks.peers import PeerServer, chat_requests, measure, peer_row, run_main
+from benchmarks.peers import (
+    PEER_URL_HELP,
+    PeerServer,
+    RunningPeer,
+    chat_requests,
+    measure,
+    peer_row,
+    run_main,
+)
 from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import machine
 
@@ -214,6 +227,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="each server's compute threads")
     ap.add_argument("--motet-args", default="", help="extra `motet serve` arguments")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel jobs for the build")
+    ap.add_argument("--peer-url", default=None, help=PEER_URL_HELP + " (see above for its adapters)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -223,15 +237,21 @@ def main(argv=None) -> None:
 
     model_dir = Path(resolve_model(args.model))
     root = cache_root()
-    src = ensure_built(root, args.jobs)
-    ensure_converter_deps()
     fmt = args.format or args.dtype
-    if fmt in QUANT_TYPES:  # one file for both: motet serves it bare, under its stem
-        gguf = quantized_model(src, model_dir, fmt, root, args.jobs)
-        served, name = str(gguf), gguf.stem
-    else:
-        gguf = convert_model(src, model_dir, fmt, root)
+    if args.peer_url:
+        if fmt in QUANT_TYPES:
+            ap.error("--format q4_1 / q8_0 converts the weights for llama-server: not with --peer-url")
+        src, gguf = None, f"the server at {args.peer_url} (--peer-url)"
         served, name = str(model_dir), model_dir.name
+    else:
+        src = ensure_built(root, args.jobs)
+        ensure_converter_deps()
+        if fmt in QUANT_TYPES:  # one file for both: motet serves it bare, under its stem
+            gguf = quantized_model(src, model_dir, fmt, root, args.jobs)
+            served, name = str(gguf), gguf.stem
+        else:
+            gguf = convert_model(src, model_dir, fmt, root)
+            served, name = str(model_dir), model_dir.name
     print(f"weights: {gguf}", flush=True)
     out = Path(args.out or f"reports/llamacpp/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -241,7 +261,9 @@ def main(argv=None) -> None:
         adapters = [
             write_random_adapter(tmp / f"a{i}", base, args.adapter_rank, seed=i) for i in range(args.adapters)
         ]
-        lora_ggufs = [convert_adapter(src, model_dir, a, args.dtype) for a in adapters]
+        lora_ggufs = (
+            [] if args.peer_url else [convert_adapter(src, model_dir, a, args.dtype) for a in adapters]
+        )
         parallel = max([*args.levels, args.adapter_concurrency])
         ctx = args.prompt_words * 3 + args.max_tokens + 64
         motet_args = ["--dtype", args.dtype, "--threads", str(args.threads), "--max-num-seqs", str(parallel),
@@ -258,7 +280,9 @@ def main(argv=None) -> None:
                       "levels": args.levels, "adapters": args.adapters, "machine": machine()}  # fmt: skip
             n = max(8, args.requests_per_level * args.adapter_concurrency)
             base_reqs = chat_requests(n, args.max_tokens, args.prompt_words, 7, [{"model": name}])
-            with LlamaServer(src, gguf, args.threads, parallel, ctx, [], out / "llama-server.log") as llama:
+            peer = RunningPeer(args.peer_url) if args.peer_url else LlamaServer(
+                src, gguf, args.threads, parallel, ctx, [], out / "llama-server.log")  # fmt: skip
+            with peer as llama:
                 measure(llama.base_url, warm, 2)
                 for c in args.levels:
                     reqs = chat_requests(max(8, args.requests_per_level * c), args.max_tokens, args.prompt_words,
@@ -277,10 +301,13 @@ def main(argv=None) -> None:
                     n, args.max_tokens, args.prompt_words, 7, [{"model": x} for x in names]
                 )
                 llama_reqs = chat_requests(n, args.max_tokens, args.prompt_words, 7,
-                                           [{"lora": [{"id": i, "scale": 1.0}]} for i in range(args.adapters)])  # fmt: skip
-                with LlamaServer(
-                    src, gguf, args.threads, parallel, ctx, lora_ggufs, out / "llama-server-lora.log"
-                ) as llama:
+                                           [{"model": name, "lora": [{"id": i, "scale": 1.0}]} for i in range(args.adapters)])  # fmt: skip
+                peer = RunningPeer(args.peer_url) if args.peer_url else LlamaServer(
+                    src, gguf, args.threads, parallel, ctx, lora_ggufs, out / "llama-server-lora.log")  # fmt: skip
+                with peer as llama:
+                    if args.peer_url:  # the peer's adapters by name, as motet's (see the module's docstring)
+                        upload_adapters(llama.base_url, adapters)
+                        llama_reqs = motet_reqs
                     measure(llama.base_url, warm, 2)
                     ma, la = measure(motet.base_url, motet_reqs, c), measure(llama.base_url, llama_reqs, c)
                 rows.append(_row(f"{c} clients, base model", mb, lb))

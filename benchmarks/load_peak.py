@@ -90,14 +90,14 @@ def measure(dtype: str, model: str | None, quantization: str | None, num_kv_bloc
     return found
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the engine's default model")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--quantization", default=None)
     p.add_argument("--num-kv-blocks", type=int, default=4)
     p.add_argument("--out", type=Path, default=Path("benchmarks/reports/load_peak"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rows = {dtype: measure(dtype, args.model, args.quantization, args.num_kv_blocks) for dtype in args.dtypes}
     lines = [
         f"# Peak memory while loading ({args.model or 'default model'}, quantization {args.quantization})",

@@ -8,12 +8,15 @@ A shape ExHxI: E experts of hidden size H and intermediate size I (8x4096x14336:
 weights). Each case routes `tokens` tokens to top-k experts at random, so rows = tokens x top_k. Times are
 CUDA-event means over 50 calls after warm-up (the kernel's tile table needs one host sync, so no graph);
 the bytes a call must move are the touched experts' weights (3 H I x 2 bytes each) plus the rows in and out.
+`--device cpu` runs it on the CPU under Triton's interpreter (TRITON_INTERPRET=1), timed by the host's clock: a
+smoke run at a tiny --shape (tests/benchmarks/), not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,9 +27,14 @@ from motet.engine.worker.model import grouped_experts
 from motet.kernels import triton_moe
 
 
-def mean_us(fn, calls: int = 50) -> float:
+def mean_us(fn, device: torch.device, calls: int = 50) -> float:
     for _ in range(3):
         fn()
+    if device.type != "cuda":  # --device cpu (a smoke run: Triton's interpreter): the host's clock
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return 1e6 * (time.perf_counter() - t0) / calls
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -37,7 +45,7 @@ def mean_us(fn, calls: int = 50) -> float:
     return 1e3 * start.elapsed_time(end) / calls
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8x4096x14336")
     ap.add_argument("--top-k", type=int, default=2)
@@ -45,28 +53,33 @@ def main() -> None:
     ap.add_argument(
         "--out", type=Path, default=Path("benchmarks/reports/moe_gpu") / time.strftime("%Y-%m-%d")
     )
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: Triton's interpreter (TRITON_INTERPRET=1) at a tiny --shape, a smoke run")  # fmt: skip
+    ap.add_argument("--calls", type=int, default=50, help="timed calls per case")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
+    device = torch.device(args.device)
     E, H, inter = (int(v) for v in args.shape.lower().split("x"))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    gate_up = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-    down = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-    bandwidth = copy_bandwidth(torch.device("cuda"))
+    g = torch.Generator(device=device).manual_seed(0)
+    gate_up = torch.randn(E, 2 * inter, H, device=device, dtype=torch.bfloat16, generator=g) * 0.02
+    down = torch.randn(E, H, inter, device=device, dtype=torch.bfloat16, generator=g) * 0.02
+    bandwidth = copy_bandwidth(device)
     rows_out = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         ids = torch.stack(
-            [torch.randperm(E, device="cuda", generator=g)[: args.top_k] for _ in range(tokens)]
+            [torch.randperm(E, device=device, generator=g)[: args.top_k] for _ in range(tokens)]
         )
         expert_ids = ids.flatten()
-        rows = torch.randn(expert_ids.numel(), H, device="cuda", dtype=torch.bfloat16, generator=g)
+        rows = torch.randn(expert_ids.numel(), H, device=device, dtype=torch.bfloat16, generator=g)
         got = triton_moe.grouped_experts(rows, expert_ids, gate_up, down)
         want = grouped_experts(rows, expert_ids, gate_up, down)
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         touched = len(set(expert_ids.tolist()))
         nbytes = touched * 3 * H * inter * 2 + 2 * 2 * rows.numel()
-        t_kernel = mean_us(lambda: triton_moe.grouped_experts(rows, expert_ids, gate_up, down))  # noqa: B023
-        t_torch = mean_us(lambda: grouped_experts(rows, expert_ids, gate_up, down))  # noqa: B023
+        kernel_call = partial(triton_moe.grouped_experts, rows, expert_ids, gate_up, down)
+        t_kernel = mean_us(kernel_call, device, args.calls)
+        t_torch = mean_us(partial(grouped_experts, rows, expert_ids, gate_up, down), device, args.calls)
         rows_out.append(
             {
                 "tokens": tokens,
@@ -82,7 +95,8 @@ def main() -> None:
         )
         print(rows_out[-1], flush=True)
     lines = [
-        f"# Grouped experts on {torch.cuda.get_device_name()}: {args.shape}, top-{args.top_k}, bf16",
+        f"# Grouped experts on {torch.cuda.get_device_name() if device.type == 'cuda' else 'the CPU (Triton interpreted)'}: "
+        f"{args.shape}, top-{args.top_k}, bf16",
         "",
         f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s",
         "",

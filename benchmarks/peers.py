@@ -1,6 +1,6 @@
 """What the CPU serving peers' benchmarks share (benchmarks/llamacpp.py, benchmarks/vllm_cpu.py): a peer's
-server as a subprocess on loopback, the streamed chat requests both sides get, one level's measurement, and a
-row of motet's figures against the peer's."""
+server as a subprocess on loopback (or one already running, at --peer-url), the streamed chat requests both sides
+get, one level's measurement, and a row of motet's figures against the peer's."""
 
 from __future__ import annotations
 
@@ -55,6 +55,27 @@ class PeerServer:
                 self.proc.wait()
         if self._log is not None:
             self._log.close()
+
+
+class RunningPeer:
+    """A peer server already running at `url` (--peer-url): used as a PeerServer is, never started or stopped
+    here. The benchmarks' smoke tests point it at a second `motet serve`, where the peer is not installed."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.base_url = f"{self.url}/v1"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+PEER_URL_HELP = (
+    "an OpenAI-compatible server of the same weights, serving them under the model directory's name, already "
+    "running at this URL: the peer, instead of installing and starting one"
+)
 
 
 def chat_requests(n: int, max_tokens: int, prompt_words: int, seed: int, models: list[dict], **extra) -> list:

@@ -34,10 +34,11 @@ GIB = 1 << 30
 QUANTIZATION = {"bf16": None, "int8": "int8", "int4": "int4", "gguf": "gguf"}
 
 
-def read_bandwidth(threads: int) -> dict[str, float]:
-    """Bytes per second: torch's sum over 1 GiB of fp32, and the native GEMV over a 1 GiB bf16 weight."""
+def read_bandwidth(threads: int, nbytes: int = GIB) -> dict[str, float]:
+    """Bytes per second: torch's sum over `nbytes` (1 GiB) of fp32, and the native GEMV over a bf16 weight of as
+    many bytes."""
     torch.set_num_threads(threads)
-    a = torch.ones(GIB // 4)
+    a = torch.ones(nbytes // 4)
 
     def best(fn, nbytes: int) -> float:
         fn()
@@ -48,14 +49,14 @@ def read_bandwidth(threads: int) -> dict[str, float]:
             times.append(time.perf_counter() - t0)
         return nbytes / min(times)
 
-    out = {"torch_sum": best(a.sum, GIB)}
+    out = {"torch_sum": best(a.sum, nbytes)}
     del a
     K = 2048
-    w = torch.ones(GIB // 2 // K, K, dtype=torch.bfloat16)
+    w = torch.ones(nbytes // 2 // K, K, dtype=torch.bfloat16)
     packed = cpu_native.pack(w)
     del w
     x = torch.ones(1, K)
-    out["native_gemv"] = best(lambda: cpu_native.gemm(x, packed, packed.shape[0] * cpu_native.PANEL), GIB)
+    out["native_gemv"] = best(lambda: cpu_native.gemm(x, packed, packed.shape[0] * cpu_native.PANEL), nbytes)
     return out
 
 
@@ -116,10 +117,16 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--ceiling-mib",
+        type=int,
+        default=GIB >> 20,
+        help="MiB read by each ceiling measurement (far above the caches; a smaller one: a smoke run)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     model = str(resolve_model(args.model))
-    bandwidth = read_bandwidth(args.threads)
+    bandwidth = read_bandwidth(args.threads, args.ceiling_mib << 20)
     rows = []
     for fmt in args.formats:
         rows.append(decode(fmt, args, model))

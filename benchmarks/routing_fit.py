@@ -66,14 +66,28 @@ def _timed_steps(engine, prompts: list[list[int]], max_tokens: int) -> list[tupl
     return out
 
 
-def measure(threads: int) -> tuple[list[tuple[int, int, float, float]], float]:
+# The steps measured: prefill prompts' lengths and how many of each, decode batches' rows and their steps; with
+# --smoke a few short ones (a run that checks the script, not a fit to keep).
+STEPS = {
+    "prefill": (32, 128, 256, 512, 1024),
+    "prefill_repeats": 3,
+    "decode": (1, 4, 16, 32, 64),
+    "decode_steps": 12,
+}
+SMOKE_STEPS = {"prefill": (32, 64), "prefill_repeats": 1, "decode": (1, 4), "decode_steps": 5}
+
+
+def measure(
+    threads: int, model: str | None = None, adapter: Path = ADAPTER, steps: dict = STEPS
+) -> tuple[list[tuple[int, int, float, float]], float]:
     import random
 
     from motet.engine.config import EngineConfig
     from motet.engine.llm_engine import LLMEngine
     from motet.lora.adapter import load_adapter
 
-    engine = LLMEngine(EngineConfig(num_threads=threads, enable_prefix_caching=False))
+    model_options = {"model": model} if model else {}
+    engine = LLMEngine(EngineConfig(num_threads=threads, enable_prefix_caching=False, **model_options))
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
 
@@ -82,16 +96,16 @@ def measure(threads: int) -> tuple[list[tuple[int, int, float, float]], float]:
 
     _timed_steps(engine, [prompt(64)], 4)  # warm up
     samples = []
-    for n in (32, 128, 256, 512, 1024):  # prefill steps (the first step of each, one sequence)
-        for _ in range(3):
+    for n in steps["prefill"]:  # prefill steps (the first step of each, one sequence)
+        for _ in range(steps["prefill_repeats"]):
             samples += _timed_steps(engine, [prompt(n)], 1)
-    for rows in (1, 4, 16, 32, 64):  # decode steps: skip the prefill, keep the steady decode
-        steps = _timed_steps(engine, [prompt(16) for _ in range(rows)], 12)
-        samples += [s for s in steps if s[0] == s[1]][2:]  # (the first steps are the prompts' prefill)
+    for rows in steps["decode"]:  # decode steps: skip the prefill, keep the steady decode
+        timed = _timed_steps(engine, [prompt(16) for _ in range(rows)], steps["decode_steps"])
+        samples += [s for s in timed if s[0] == s[1]][2:]  # (the first steps are the prompts' prefill)
     loads = []
     for _ in range(5):
         t0 = time.perf_counter()
-        load_adapter(ADAPTER, engine.model_config, max_rank=64, name="fit")
+        load_adapter(adapter, engine.model_config, max_rank=64, name="fit")
         loads.append(time.perf_counter() - t0)
     return samples, statistics.median(loads)
 
@@ -123,9 +137,15 @@ def fit(samples: list[tuple[int, int, float, float]], adapter_load_s: float) -> 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", default=None, help="default: the engine's default model")
+    p.add_argument(
+        "--adapter", type=Path, default=ADAPTER, help="a LoRA adapter of the model's (its read time)"
+    )
+    p.add_argument("--smoke", action="store_true", help="a few short steps: checks the script, fits nothing")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "reports" / "routing_fit.json")
     args = p.parse_args(argv)
-    samples, adapter_load_s = measure(args.threads)
+    steps = SMOKE_STEPS if args.smoke else STEPS
+    samples, adapter_load_s = measure(args.threads, args.model, args.adapter, steps)
     model = fit(samples, adapter_load_s)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": asdict(model), "samples": samples}, indent=1))

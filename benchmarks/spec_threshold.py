@@ -24,8 +24,11 @@ from motet.engine.sampling_params import SamplingParams
 
 
 def step_ms(llm: LLM, k: int, reps: int) -> float:
-    """Median ms of one step of the running rows with k drafts each; the engine's state is left unchanged."""
+    """Median ms of one step of the running rows with k drafts each (its execute: the forward pass, verifying
+    and sampling); each step is committed as the engine commits it (the rows keep what they accept), so the next
+    one starts from a consistent state."""
     engine, times = llm.engine, []
+    engine.flush()  # an overlapped engine's launched step lands first: the steps below are driven by hand
     for _ in range(reps):
         for seq in engine.scheduler.running:
             seq.draft_token_ids = (
@@ -34,11 +37,11 @@ def step_ms(llm: LLM, k: int, reps: int) -> float:
         batch = engine.scheduler.schedule()
         assert all(n == 1 + k for n in batch.num_new_tokens), batch.num_new_tokens
         t0 = time.perf_counter()
-        engine.execute(batch)
+        result = engine.execute(batch)
+        result.resolve()
         times.append(time.perf_counter() - t0)
-        for seq in batch.seqs:  # not committed: give the draft slots back, as a rejection does
-            seq.draft_token_ids = []
-            engine.block_manager.truncate(seq)
+        assert not any(result.errors), result.errors
+        engine.commit(batch, result)
     return 1e3 * statistics.median(times)
 
 

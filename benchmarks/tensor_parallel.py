@@ -67,7 +67,7 @@ def minimum_bytes(cfg, p: int) -> float:
     return p * all_reduces + (p - 1) / p * cfg.vocab_size * 4
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="float32")
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument(
         "--out", type=Path, default=Path("benchmarks/reports/tensor_parallel") / time.strftime("%Y-%m-%d")
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     sides = {"tp1": (1, args.threads), "tp2": (2, max(1, args.threads // 2))}
     results: dict[str, dict] = {}

@@ -33,7 +33,15 @@ import time
 from pathlib import Path
 
 from benchmarks import cpu_info, cpu_line, write_report
-from benchmarks.peers import PeerServer, chat_requests, measure, peer_row, run_main
+from benchmarks.peers import (
+    PEER_URL_HELP,
+    PeerServer,
+    RunningPeer,
+    chat_requests,
+    measure,
+    peer_row,
+    run_main,
+)
 from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import machine
 
@@ -205,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-args", default="", help="extra vLLM server arguments (--enforce-eager for a quick start)"
     )
     ap.add_argument("--start-timeout", type=float, default=1800, help="seconds for each server to be ready")
+    ap.add_argument("--peer-url", default=None, help=PEER_URL_HELP)
     ap.add_argument("--out", default=None)
     return ap
 
@@ -215,8 +224,11 @@ def main(argv=None) -> None:
 
     model_dir = Path(resolve_model(args.model))
     name = model_dir.name
-    py = ensure_venv()
-    installed = (py.parent.parent / ".motet-complete").read_text().strip()
+    if args.peer_url:
+        py, installed = None, f"the server at {args.peer_url} (--peer-url)"
+    else:
+        py = ensure_venv()
+        installed = (py.parent.parent / ".motet-complete").read_text().strip()
     out = Path(args.out or f"reports/vllm_cpu/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     parallel = max(args.levels)
@@ -234,8 +246,10 @@ def main(argv=None) -> None:
         motet_args, model=str(model_dir), log_path=out / "motet.log", start_timeout=args.start_timeout
     ) as motet:
         measure(motet.base_url, warm, 2)
-        with VllmServer(py, model_dir, name, args.dtype, parallel, bind, args.kv_cache_gb, args.vllm_args.split(),
-                        out / "vllm.log", args.start_timeout) as vllm:  # fmt: skip
+        peer = RunningPeer(args.peer_url) if args.peer_url else VllmServer(
+            py, model_dir, name, args.dtype, parallel, bind, args.kv_cache_gb, args.vllm_args.split(),
+            out / "vllm.log", args.start_timeout)  # fmt: skip
+        with peer as vllm:
             measure(vllm.base_url, warm, 2)
             for c in args.levels:  # level by level, one server then the other: the machine in the same state
                 reqs = chat_requests(max(args.min_requests, args.requests_per_level * c), args.max_tokens,

