@@ -219,9 +219,9 @@ def motet_decode(model_dir: Path, adapter_dir: Path, batch: int, adapters: int, 
 
     def step() -> int:
         n = 0
-        for o in engine.step():
-            tokens[o.request_id] = o.token_ids
-            n += o.num_new_tokens
+        for o in engine.step():  # (deltas: each request's new tokens)
+            tokens.setdefault(o.request_id, []).extend(o.token_ids)
+            n += len(o.token_ids)
         return n
 
     while len(tokens) < batch:  # every prompt prefilled

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from benchmarks import write_report
 from motet.engine.llm import LLM
+from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.specs import JsonSchemaSpec
 
@@ -61,14 +62,14 @@ TOPICS = ["a person", "a movie", "a city"]
 
 
 def run(llm: LLM, prompts, params) -> dict:
-    engine = llm.engine
+    engine, answers = llm.engine, RequestOutputs()
     before = engine.stats().grammar
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     outs, steps = {}, 0
     t0 = time.perf_counter()
     while engine.has_unfinished():
         steps += 1
-        for o in engine.step():
+        for o in answers.step(engine):
             if o.finished:
                 outs[o.request_id] = o
     seconds = time.perf_counter() - t0

@@ -33,6 +33,7 @@ from motet.engine.core.block_manager import chain_block_hashes
 from motet.engine.core.kv_blocks import KVLayout
 from motet.engine.core.kv_tiers import KV_CACHE_SUBDIR
 from motet.engine.llm_engine import LLMEngine
+from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.weights.checkpoint import load_model_config
 from motet.engine.weights.model_store import resolve_model
@@ -69,9 +70,9 @@ def run(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[float, l
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     rid = engine.add_request(prompt, params)
-    ttft = None
+    ttft, answers = None, RequestOutputs()
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in answers.step(engine):
             if out.request_id == rid and out.num_new_tokens and ttft is None:
                 ttft = time.perf_counter() - t0
             if out.request_id == rid and out.finished:

@@ -48,13 +48,13 @@ def decode(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, list
     out: dict[str, list[int]] = {i: [] for i in ids}
     while any(not out[i] for i in ids):  # prefill: until every request has its first token
         for o in engine.step():
-            out[o.request_id] = list(o.token_ids)
+            out[o.request_id] += o.token_ids
     par = engine.runner.parallel
     before = sum(len(v) for v in out.values())
     sent0, lo0, t0 = par.sent_bytes, lo_bytes(), time.perf_counter()
     while engine.has_unfinished():
         for o in engine.step():
-            out[o.request_id] = list(o.token_ids)
+            out[o.request_id] += o.token_ids
     seconds = time.perf_counter() - t0
     decoded = sum(len(v) for v in out.values()) - before
     return seconds, [out[i] for i in ids], par.sent_bytes - sent0, lo_bytes() - lo0, decoded

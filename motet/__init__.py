@@ -26,7 +26,7 @@ _EXPORTS = {
     "SamplingParams": ("motet.engine.sampling_params", "SamplingParams"),
     "EngineConfig": ("motet.engine.config", "EngineConfig"),
     "LLMEngine": ("motet.engine.llm_engine", "LLMEngine"),
-    "RequestOutput": ("motet.engine.llm_engine", "RequestOutput"),
+    "RequestOutput": ("motet.engine.outputs", "RequestOutput"),
     "main": ("motet.api.cli", "main"),
 }
 __all__ = sorted([*_EXPORTS, "serve", "__version__"])

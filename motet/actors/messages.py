@@ -6,7 +6,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from motet.actors.reply import ReplyStream
-from motet.engine.llm_engine import EngineStats, RequestOutput
+from motet.engine.llm_engine import EngineStats
+from motet.engine.outputs import OutputDelta
 from motet.engine.request import EngineRequest
 from motet.engine.sampling_params import SamplingParams
 from motet.lora.manager import AdapterRef
@@ -120,7 +121,7 @@ class Step:
 
 @dataclass
 class StepDone:
-    outputs: list[RequestOutput]
+    outputs: list[OutputDelta]  # the step's, one a request it advanced
     refused: list[tuple[str, Exception]]  # admitted requests the engine would not take, and why
     stats: EngineStats  # after the step
     ran: bool  # a batch ran (False: nothing was schedulable)

@@ -1,50 +1,20 @@
 """A request's reply stream: a one-slot mailbox that merges pending deltas.
 
 The scheduler must never wait for a client, so `put` never blocks: when the reader has not taken the
-previous delta yet, the new one is merged into it (texts and tokens concatenated). A slow reader thus
-gets fewer, larger deltas; a fast one gets one per step. Single event loop: no locks needed.
+previous delta yet, the new one waits beside it, and the reader takes them merged into one (the engine's
+`OutputDelta.merge`: texts and tokens concatenated). A slow reader thus gets fewer, larger deltas; a fast one
+gets one per step. The deltas are the engine's own records (motet/engine/outputs.py), as it gave them out; a
+failure is one more, its error a ServingError. Single event loop: no locks needed.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import anyio
 
 from motet.actors.serving_errors import ServingError
-from motet.engine.core.sequence import RequestTimings, TokenLogprob
-
-
-@dataclass
-class Delta:
-    """Everything new for one request since the reader's last take."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, with the first delta
-    num_cached_tokens: int = 0
-    error: ServingError | None = None
-    timings: RequestTimings | None = None  # with the final delta: the request's phases, for /metrics
-
-    def merge(self, later: Delta) -> None:
-        self.text += later.text
-        self.token_ids += later.token_ids
-        self.logprobs += later.logprobs
-        self.finished, self.finish_reason, self.stop_reason = (
-            later.finished,
-            later.finish_reason,
-            later.stop_reason,
-        )
-        if self.prompt_logprobs is None:
-            self.prompt_logprobs = later.prompt_logprobs
-        self.num_cached_tokens = later.num_cached_tokens
-        self.error = self.error or later.error
-        self.timings = later.timings or self.timings
+from motet.engine.outputs import OutputDelta
 
 
 class ReplyStream:
@@ -53,41 +23,40 @@ class ReplyStream:
         self.cancelled = False  # set by the reader when its client went away
         self.closed = False  # the last delta has been put
         self.num_puts = 0
-        self._pending: Delta | None = None
+        self._pending: list[OutputDelta] = []  # put, not taken yet
         self._ready = anyio.Event()
         self.on_put: Callable[[], None] | None = None  # lets a reader wait on several streams at once
 
-    def put(self, delta: Delta) -> None:
-        """Never blocks; merges into the pending delta if the reader is behind."""
+    def put(self, delta: OutputDelta) -> None:
+        """Never blocks; the reader takes what is pending merged, if it is behind."""
         if self.closed:
             return
         self.num_puts += 1
-        if self._pending is None:
-            self._pending = delta
-        else:
-            self._pending.merge(delta)
-        self.closed = delta.finished or delta.error is not None
+        self._pending.append(delta)
+        self.closed = delta.last
         self._ready.set()
         if self.on_put is not None:
             self.on_put()
 
     def fail(self, error: ServingError) -> None:
-        self.put(Delta(finished=True, error=error))
+        self.put(OutputDelta(self.request_id, finished=True, error=error))
 
     def cancel(self) -> None:
         self.cancelled = True
 
-    def take_nowait(self) -> Delta | None:
-        delta, self._pending = self._pending, None
-        return delta
+    def take_nowait(self) -> OutputDelta | None:
+        """What is pending, merged into one delta; None if nothing is."""
+        if not self._pending:
+            return None
+        pending, self._pending = self._pending, []
+        return OutputDelta.merge(pending)
 
-    async def get(self) -> Delta:
+    async def get(self) -> OutputDelta:
         """The next (possibly merged) delta; after the final one, waits forever: stop iterating."""
-        while self._pending is None:
+        while not self._pending:
             await self._ready.wait()
             self._ready = anyio.Event()
-        delta, self._pending = self._pending, None
-        return delta
+        return self.take_nowait()
 
     def __aiter__(self):
         return self._iterate()
@@ -96,11 +65,11 @@ class ReplyStream:
         while True:
             delta = await self.get()
             yield delta
-            if delta.finished or delta.error is not None:
+            if delta.last:
                 return
 
 
-async def merge_streams(streams: list[ReplyStream]) -> AsyncIterator[tuple[int, Delta]]:
+async def merge_streams(streams: list[ReplyStream]) -> AsyncIterator[tuple[int, OutputDelta]]:
     """(index, delta) from several streams as they come, until each has given its final delta."""
     wake = anyio.Event()
 
@@ -116,7 +85,7 @@ async def merge_streams(streams: list[ReplyStream]) -> AsyncIterator[tuple[int, 
             delta = streams[i].take_nowait()
             if delta is None:
                 continue
-            if delta.finished or delta.error is not None:
+            if delta.last:
                 open_.remove(i)
             yield i, delta
         if open_ and not wake.is_set() and not any(streams[i]._pending for i in open_):

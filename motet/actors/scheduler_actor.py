@@ -3,9 +3,9 @@
 Each iteration: take the mailbox (aborts, adapter removals, news of queued work), take requests from the
 adapter queues into the engine (which tenants' and how many: the engine's `AdmissionGate`, built from its
 state after the latest step, motet/engine/core/fairness.py), send all of it to the executor as one `Step`, and put
-each request's delta on its reply stream (never blocking: slow readers get merged deltas). It never waits
-while admitted or queued work exists. Policy lives in the engine (fairness between tenants included); this
-actor only moves requests and deltas, and it never touches the engine itself.
+each request's delta, the engine's record as it is, on its reply stream (never blocking: slow readers get merged
+deltas). It never waits while admitted or queued work exists. Policy lives in the engine (fairness between tenants
+included); this actor only moves requests and deltas, and it never touches the engine itself.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import logging
 import anyio
 
 from motet.actors.messages import Abort, RemoveLora, Step, StepDone, Take, Taken, WorkQueued
-from motet.actors.reply import Delta, ReplyStream
+from motet.actors.reply import ReplyStream
 from motet.actors.runtime import Actor, ActorStopped
 from motet.actors.serving_errors import EngineFailure, ServingError, ShuttingDown
 from motet.engine.core.fairness import AdmissionGate
+from motet.engine.outputs import OutputDelta
 from motet.engine.request import EngineRequest
 
 log = logging.getLogger("motet.scheduler")
@@ -140,7 +141,7 @@ class SchedulerActor(Actor):
         self._emit(done.outputs)
         return done
 
-    def _emit(self, outputs) -> None:
+    def _emit(self, outputs: list[OutputDelta]) -> None:
         for out in outputs:
             stream = self.live.get(out.request_id)
             if stream is None:
@@ -149,23 +150,7 @@ class SchedulerActor(Actor):
                 self.live.pop(out.request_id)
                 stream.fail(EngineFailure(f"the model failed on this request: {out.error}"))
                 continue
-            n = out.num_new_tokens
-            first = stream.num_puts == 0  # prompt logprobs are complete by the first token
-            stream.put(
-                Delta(
-                    text=out.delta,
-                    token_ids=list(out.token_ids[-n:]) if n else [],
-                    logprobs=list(out.logprobs[-n:]) if n and out.logprobs else [],
-                    finished=out.finished,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                    prompt_logprobs=list(out.prompt_logprobs)
-                    if first and out.prompt_logprobs is not None
-                    else None,
-                    num_cached_tokens=out.num_cached_tokens,
-                    timings=out.timings,
-                )
-            )
+            stream.put(out)  # the engine's delta as it is
             if out.finished:
                 del self.live[out.request_id]
 

@@ -250,9 +250,10 @@ def cmd_pull(args) -> int:
 
 def cmd_generate(args) -> int:
     from motet.engine.llm_engine import LLMEngine
+    from motet.engine.outputs import RequestOutputs
     from motet.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(engine_config(args))
+    engine, answers = LLMEngine(engine_config(args)), RequestOutputs()
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, top_p=args.top_p
     )
@@ -263,7 +264,7 @@ def cmd_generate(args) -> int:
     engine.add_request(prompt, params)
     final = None
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in answers.step(engine):
             if not args.json:
                 print(out.delta, end="", flush=True)
             if out.finished:

@@ -17,14 +17,14 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from motet.actors.reply import Delta, ReplyStream, merge_streams
+from motet.actors.reply import ReplyStream, merge_streams
 from motet.actors.serving_errors import ServingError
 from motet.api import protocol as P
 from motet.api import tracing
 from motet.api.billing import Bill
 from motet.api.errors import APIError, from_serving_error
 from motet.api.state import ServerState
-from motet.engine.core.sequence import RequestTimings, TokenLogprob
+from motet.engine.outputs import OutputDelta, RequestOutput
 
 log = logging.getLogger("motet.api")
 
@@ -53,29 +53,25 @@ def in_flight(state: ServerState) -> Iterator[list[ReplyStream]]:
 
 
 @dataclass
-class Choice:
-    """One choice's output, accumulated from its deltas, with its timings for the metrics."""
+class Choice(RequestOutput):
+    """One choice's output, accumulated from its deltas as the engine's answers are (`RequestOutput.add`), with its
+    timings for the metrics. Its `error` is the ServingError its client is told."""
 
     index: int
     prompt_ids: list[int]
     arrival: float
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list | None = None
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0
     first_token: float | None = None
     last_token: float | None = None
     token_gaps: list[tuple[float, int]] = field(
         default_factory=list
     )  # after the first delta: (s/token, tokens)
-    error: ServingError | None = None
-    timings: RequestTimings | None = None  # the engine's, with the final delta
     prompt_index: int = 0  # which prompt of the request it answers (completions take several)
     observed: bool = False  # counted in the metrics
 
-    def add(self, d: Delta) -> None:
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = self.prompt_ids
+
+    def add(self, d: OutputDelta) -> None:
         if d.token_ids:
             now = time.perf_counter()
             if self.first_token is None:
@@ -83,16 +79,7 @@ class Choice:
             else:
                 self.token_gaps.append(((now - self.last_token) / len(d.token_ids), len(d.token_ids)))
             self.last_token = now
-        self.text += d.text
-        self.token_ids += d.token_ids
-        self.logprobs += d.logprobs
-        if d.prompt_logprobs is not None:
-            self.prompt_logprobs = d.prompt_logprobs
-        if d.finished:
-            self.finish_reason = d.finish_reason
-        self.num_cached_tokens = d.num_cached_tokens
-        self.error = self.error or d.error
-        self.timings = d.timings or self.timings
+        super().add(d)
 
 
 def observe(state: ServerState, c: Choice, choices: list[Choice] | None = None) -> None:

@@ -2,7 +2,7 @@
 `motet serve` runs it in one process.
 
 `generate(route, specs)` streams one API request: first Admitted (its prompts' token ids) or Refused (the
-ServingError a single-process server would have answered), then (stream index, Delta) as the engine
+ServingError a single-process server would have answered), then (stream index, OutputDelta) as the engine
 produces them. A cancelled stream (its client went away) aborts what still runs. `prefill(route, specs)` is a
 prefill replica's call under disaggregation (motet/cluster/disaggregation.py): the prompt computed, its blocks
 in the shared KV tier, then PrefillDone (or Refused). `record_routing_stats`

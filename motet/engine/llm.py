@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from motet.engine.config import EngineConfig
-from motet.engine.llm_engine import LLMEngine, RequestOutput
+from motet.engine.llm_engine import LLMEngine
+from motet.engine.outputs import RequestOutput, RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.lora.manager import AdapterRef
 
@@ -52,17 +53,21 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         adapters: Seq[AdapterRef | str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt to the end; `adapters` gives each prompt's adapter (a name or a ref)."""
+        """Generate for every prompt to the end; `adapters` gives each prompt's adapter (a name or a ref). Each
+        answer is whole: the engine's deltas accumulated (motet/engine/outputs.py)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
+        engine, answers = self.engine, RequestOutputs()
         ids = [
-            self.engine.add_request(p, sp, adapter=adapters[i] if adapters else None)
+            engine.add_request(p, sp, adapter=adapters[i] if adapters else None)
             for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True))
         ]
+        for i in ids:
+            answers.track(i, engine.requests[i].prompt_token_ids)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
-            for out in self.engine.step():
+            for out in answers.add(engine.step()):
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]

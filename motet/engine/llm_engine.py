@@ -3,11 +3,13 @@
     batch = engine.schedule()              what runs: decode rows and prefill chunks under one token budget; the
                                            rows advance (their chunks computed, each sampled token pending)
     result = engine.execute(batch)         the forward pass and sampling
-    outputs = engine.commit(batch, result) land the tokens, advance grammars, detokenize, stop, free blocks
+    deltas = engine.commit(batch, result)  land the tokens, advance grammars, detokenize, stop, free blocks
 
 `step()` runs them through one of two strategies (motet/engine/stepping.py): one after the other, or overlapped
 (`EngineConfig.overlap_output`, on CUDA by default), where `execute` runs on a thread of its own and the commit's
-text half (`commit_text`: detokenizing, stop strings, the outputs) runs while the next step computes. The
+text half (`commit_text`: detokenizing, stop strings, the deltas; motet/engine/output_commit.py) runs while the
+next step computes. A step returns one `OutputDelta` per request it advanced, only what is new
+(motet/engine/outputs.py, where `RequestOutputs` accumulates them into whole answers for whoever needs them). The
 offline `LLM` (motet/engine/llm.py) and the serving actors both call only this surface (`add_request`, or `add`
 with a request built already, motet/engine/request.py; `abort`, `step`, `stats`, adapters through `add_lora` /
 `remove_lora`). A request that fails inside a step fails alone: `execute` bisects the batch until the failing rows
@@ -26,7 +28,6 @@ import os
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -39,9 +40,11 @@ from motet.engine.core.kv_shared import SharedTier
 from motet.engine.core.kv_tiers import DiskTier
 from motet.engine.core.kv_window import WindowBlocks
 from motet.engine.core.scheduler import ScheduledBatch, Scheduler
-from motet.engine.core.sequence import RequestTimings, Sequence, TokenLogprob
+from motet.engine.core.sequence import Sequence
 from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
 from motet.engine.guided import GuidedDecoding
+from motet.engine.output_commit import LandedStep, OutputCommit, TextRow, failed
+from motet.engine.outputs import OutputDelta
 from motet.engine.request import EngineRequest, final_params
 from motet.engine.request_checks import RequestLimits
 from motet.engine.sampling_params import SamplingParams
@@ -66,24 +69,6 @@ from motet.lora.manager import AdapterManager, AdapterRef, AdapterStats
 from motet.models.declaration import ModelLoadError
 
 log = logging.getLogger("motet.engine")
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str = ""  # all output text so far
-    delta: str = ""  # text new in this step
-    token_ids: list[int] = field(default_factory=list)  # all output tokens so far
-    num_new_tokens: int = 0
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None  # the request failed (finish_reason "abort"); the others in its step did not
-    timings: RequestTimings | None = None  # set on the output that finishes it
 
 
 @dataclass(frozen=True)
@@ -113,23 +98,6 @@ class EngineStats:
     tenants: tuple[TenantState, ...] = ()  # tenants with requests here, in the order they are served next
     kv_tiers: tuple[KVTierStats, ...] = ()  # the KV tiers past the device cache, if any (RAM, disk)
     cpu_kernels: str = ""  # the native CPU step's instruction-set tier (cpu_native.isa()); "" where none runs
-
-
-class TextRow(NamedTuple):
-    """A row whose token decided its ending by itself (`Sequence.decided_by_tokens`): its text is made later."""
-
-    seq: Sequence
-    token: int
-    finish: tuple | None  # (finish_reason, stop_reason) if the token ended it
-
-
-@dataclass
-class LandedStep:
-    """What `commit_tokens` leaves to `commit_text`: the outputs made already (rows committed whole, and rows
-    that failed), and the rows whose text is still to be made."""
-
-    outputs: list[RequestOutput]
-    text_rows: list[TextRow]
 
 
 # When every waiting request is waiting for its KV blocks and none runs, the step waits this long at most for a
@@ -198,13 +166,19 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.grammar_cache = GrammarCache()
         self.num_steps = 0
-        self.num_prompt_tokens = 0  # EngineStats.prompt_tokens
-        self.num_generation_tokens = 0
+        self.output_commit = OutputCommit(  # the commit's text half; it counts the tokens, too
+            config,
+            self.eos_token_ids,
+            self.max_model_len,
+            lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False),
+            self.runner.grammar_stats,
+            self.scheduler.fairness,
+            self._finish,
+            self.abort,
+        )
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-        self._failed: list[
-            RequestOutput
-        ] = []  # requests whose adapter no longer loads, told at the next step
+        self._failed: list[OutputDelta] = []  # requests whose adapter no longer loads, told at the next step
         self.stepping = (
             OverlappedSteps(self, self.runner.num_threads) if self._overlaps() else SequentialSteps(self)
         )
@@ -463,15 +437,15 @@ class LLMEngine:
             waiting_adapters=tuple(sorted(self.adapters.name_of(a) for a in waiting)),
             grammar=GrammarStats(**vars(self.runner.grammar_stats)),
             speculative=SpeculativeStats(**vars(self.speculator.stats)),
-            prompt_tokens=self.num_prompt_tokens,
-            generation_tokens=self.num_generation_tokens,
+            prompt_tokens=self.output_commit.num_prompt_tokens,
+            generation_tokens=self.output_commit.num_generation_tokens,
             tenants=sched.tenant_states(),
             kv_tiers=self.kv_connector.stats(),
             cpu_kernels=self.runner.cpu_kernels,
         )
 
     # -- the step -------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[OutputDelta]:
         """One step: schedule -> execute -> commit, through the engine's stepping strategy."""
         outputs = self.stepping.step()
         if self._failed:
@@ -481,7 +455,7 @@ class LLMEngine:
             self.kv_connector.settle()
         return outputs
 
-    def flush(self) -> list[RequestOutput]:
+    def flush(self) -> list[OutputDelta]:
         """Commit the launched step, if any, without launching another: its outputs (the engine is then between
         steps, as `schedule`, `execute` and `commit` driven by hand need it)."""
         return self.stepping.flush()
@@ -516,13 +490,11 @@ class LLMEngine:
         waiting = [s.adapter_id for s in sched.waiting if s.adapter_id]
         if not waiting:
             return
-        failed = adapters.failures()
-        for seq in [s for s in sched.waiting if s.adapter_id in failed]:
+        failures = adapters.failures()
+        for seq in [s for s in sched.waiting if s.adapter_id in failures]:
             self.abort(seq.request_id)
-            self._failed.append(
-                RequestOutput(seq.request_id, seq.prompt_token_ids, finished=True, finish_reason="abort",
-                              error=f"the adapter {adapters.name_of(seq.adapter_id)!r} {failed[seq.adapter_id]}")
-            )  # fmt: skip
+            error = f"the adapter {adapters.name_of(seq.adapter_id)!r} {failures[seq.adapter_id]}"
+            self._failed.append(failed(seq.request_id, error))
         in_use = {s.adapter_id for s in sched.running}
         in_use.update(s.adapter_id for b in self.stepping.unlanded for s in b.seqs)
         adapters.prefetch([*sched.slicer.order, *waiting], in_use)
@@ -546,7 +518,7 @@ class LLMEngine:
         parts = [self.execute(batch.subset(idx)) for idx in (range(half), range(half, len(batch)))]
         return StepResult.concat(parts)
 
-    def commit(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+    def commit(self, batch: ScheduledBatch, result: StepResult) -> list[OutputDelta]:
         """Apply a step's result: land its tokens, detokenize, check stops, free the finished."""
         return self.commit_text(self.commit_tokens(batch, result))
 
@@ -562,7 +534,7 @@ class LLMEngine:
         start = max(self._last_landed, batch.scheduled_at if batch.scheduled_at is not None else now)
         self.scheduler.latency.observe(batch.num_tokens, now - start)
         self._last_landed = now
-        cache_full_blocks = self.block_manager.cache_full_blocks
+        cache_full_blocks, commit = self.block_manager.cache_full_blocks, self.output_commit
         landed = LandedStep([], [])
         for i, seq in enumerate(batch.seqs):
             if self.requests.get(seq.request_id) is not seq or seq.is_finished:  # aborted while it ran
@@ -572,13 +544,7 @@ class LLMEngine:
             try:
                 if result.errors[i] is not None:
                     if seq.guided is not None and _all_masked(result.errors[i]):
-                        # Every token its grammar allows is masked by another setting (min_tokens holding back the
-                        # stop token the grammar needs): it ends here, its output matching the grammar so far.
-                        delta = seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
-                        self._finish(seq, "stop", None)
-                        out = self._output(seq, delta, ("stop", None))
-                        self._count(seq, out, now)
-                        landed.outputs.append(out)
+                        landed.outputs.append(commit.end_masked(seq, now))
                         continue
                     raise result.errors[i]
                 if result.prompt_logprobs[i]:
@@ -588,14 +554,12 @@ class LLMEngine:
                     continue
                 drafted = len(seq.draft_token_ids)
                 if not drafted and len(tokens) == 1 and seq.decided_by_tokens:
-                    finish = self._append_token(seq, tokens[0], result.logprobs[i][0])
+                    finish = commit.append_token(seq, tokens[0], result.logprobs[i][0])
                     if finish is None:  # a block its token fills is cached now it is known
                         cache_full_blocks(seq)
                     landed.text_rows.append(TextRow(seq, tokens[0], finish))
                     continue
-                out = self._advance(seq, tokens, result.logprobs[i])
-                self._count(seq, out, now)
-                landed.outputs.append(out)
+                landed.outputs.append(commit.advance(seq, tokens, result.logprobs[i], now))
                 if drafted:
                     self.speculator.observe(seq, drafted, len(tokens) - 1)
                     if not seq.is_finished:
@@ -606,90 +570,13 @@ class LLMEngine:
                 if result.errors[i] is None:
                     log.exception("request %s failed while processing its token", seq.request_id)
                 self.abort(seq.request_id)
-                landed.outputs.append(
-                    RequestOutput(
-                        seq.request_id,
-                        seq.prompt_token_ids,
-                        finished=True,
-                        finish_reason="abort",
-                        error=repr(e),
-                    )
-                )
+                landed.outputs.append(failed(seq.request_id, repr(e)))
         return landed
 
-    def commit_text(self, landed: LandedStep) -> list[RequestOutput]:
-        """The rest of the commit: detokenize the rows `commit_tokens` left and make their outputs. It reads and
-        writes only those rows' text state, so it may run while the next step computes."""
-        outputs, now = landed.outputs, time.monotonic()
-        for seq, token, finish in landed.text_rows:
-            try:
-                delta = seq.stops.feed(self._token_text(seq, token, finish))[0]
-                if finish is not None:
-                    delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
-                out = self._output(seq, delta, finish)
-            except Exception as e:  # (a tokenizer bug) the row's own failure
-                log.exception("request %s failed while detokenizing its token", seq.request_id)
-                self.abort(seq.request_id)
-                out = RequestOutput(
-                    seq.request_id, seq.prompt_token_ids, finished=True, finish_reason="abort", error=repr(e)
-                )
-            self._count(seq, out, now)
-            outputs.append(out)
-        return outputs
-
-    def _append_token(self, seq: Sequence, token: int, logprob) -> tuple | None:
-        """A text-free row's token: append it and end the row if the token ends it; (reason, stop_reason) or None."""
-        if logprob is not None:
-            seq.output_logprobs.append(logprob)
-        seq.append_token(token)
-        finish = self._token_finish(seq, token)
-        if finish is not None:
-            self._finish(seq, *finish)
-        return finish
-
-    def _count(self, seq: Sequence, out: RequestOutput, now: float | None = None) -> None:
-        """The token counters and the request's timestamps, for EngineStats and RequestTimings."""
-        now = time.monotonic() if now is None else now
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            self.num_prompt_tokens += seq.num_prompt_tokens
-        seq.last_token_time = now
-        self.num_generation_tokens += out.num_new_tokens
-        if out.finished:
-            out.timings = seq.timings()
-
-    def _advance(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
-        """Append the step's tokens one by one (with speculation, several) until one ends the request, then
-        the tokens its grammar forces (jump-forward)."""
-        g = seq.guided
-        delta, finish = "", None
-        for token, lp in zip(tokens, logprobs, strict=True):
-            if lp is not None:
-                seq.output_logprobs.append(lp)
-            if g is not None and not g.accept(token):
-                # A token the grammar refuses (a row whose masks left it none never gets here: commit_tokens
-                # ends it): end here, the output still matches so far.
-                delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
-                finish = ("stop", None)
-            else:
-                more, finish = self._append(seq, token)
-                delta += more
-            if finish is not None:
-                break
-        if g is not None and finish is None:
-            forced = []
-            # forced tokens are appended unsampled: never where logprobs or the token masks must see each one
-            if self.config.jump_forward and seq.params.logprobs is None and not seq.params.masks_tokens:
-                forced = g.jump_forward(lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False))
-            self.runner.grammar_stats.jump_forward_tokens += len(forced)
-            for t in forced:
-                more, finish = self._append(seq, t)
-                delta += more
-                if finish is not None:
-                    break
-        if finish is not None:
-            self._finish(seq, *finish)
-        return self._output(seq, delta, finish)
+    def commit_text(self, landed: LandedStep) -> list[OutputDelta]:
+        """The rest of the commit: the rows `commit_tokens` left detokenized, the step's deltas made
+        (motet/engine/output_commit.py). It may run while the next step computes."""
+        return self.output_commit.text(landed)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         """A request ends: its drafts' history, its blocks (saved to the KV tiers first), its adapter pin."""
@@ -698,70 +585,6 @@ class LLMEngine:
         self.scheduler.finish(seq, reason, stop_reason)
         del self.requests[seq.request_id]
         self.adapters.release(seq.adapter_id)
-
-    def _output(self, seq: Sequence, delta: str, finish: tuple | None) -> RequestOutput:
-        """The row's output after this step's tokens, with `delta`, its new text."""
-        reason, stop_reason = finish if finish is not None else (None, None)
-        num_new = seq.num_tokens - seq.num_emitted
-        seq.num_emitted = seq.num_tokens
-        self.scheduler.fairness.charge(seq.tenant, output_tokens=num_new)
-        seq.text += delta
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=seq.text,
-            delta=delta,
-            token_ids=seq.output_token_ids,
-            num_new_tokens=num_new,
-            finished=finish is not None,
-            finish_reason=reason,
-            stop_reason=stop_reason,
-            logprobs=seq.output_logprobs,
-            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
-            num_cached_tokens=seq.num_cached_tokens,
-        )
-
-    def _append(self, seq: Sequence, token: int) -> tuple[str, tuple | None]:
-        """Append one token: its text delta, and (finish_reason, stop_reason) if it ends the request."""
-        seq.append_token(token)
-        text = self._token_text(seq, token, self._token_finish(seq, token))
-        if seq.guided is not None:
-            seq.guided.observe_text(text)
-        delta, stopped = seq.stops.feed(text)
-        if stopped:
-            finish = ("stop", seq.stops.matched)
-        elif seq.guided is not None and seq.guided.terminated:  # the grammar accepted its stop token
-            finish = ("stop", None)
-        else:
-            finish = self._token_finish(seq, token)
-        if finish is not None and not stopped:
-            delta += seq.stops.feed(seq.detok.flush())[0] + seq.stops.flush()
-        return delta, finish
-
-    @staticmethod
-    def _token_text(seq: Sequence, token: int, finish: tuple | None) -> str:
-        """The appended token's text; none for the stop token that ends the request (EOS, a stop token id), as
-        vLLM's detokenizer leaves it out unless include_stop_str_in_output (where special tokens are kept, its
-        `<|im_end|>` would otherwise end the text)."""
-        if finish is not None and finish[0] == "stop" and not seq.params.include_stop_str_in_output:
-            return ""
-        return seq.detok.push(token)
-
-    def _token_finish(self, seq: Sequence, token: int) -> tuple | None:
-        """(finish_reason, stop_reason) if the appended `token` ends the request by itself (EOS, a stop token id,
-        the length limits), else None."""
-        params = seq.params
-        if (
-            token in self.eos_token_ids
-            and not params.ignore_eos
-            and seq.num_output_tokens > params.min_tokens
-        ):
-            return ("stop", None)
-        if token in params.stop_token_ids and seq.num_output_tokens > params.min_tokens:
-            return ("stop", token)
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return ("length", None)
-        return None
 
 
 def _all_masked(error: BaseException) -> bool:

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from motet.actors.adapter_queues import AdapterQueuesActor
 from motet.actors.messages import Enqueue, GenerateSpec, QueuedRequest, Take
-from motet.actors.reply import Delta, ReplyStream, merge_streams
+from motet.actors.reply import ReplyStream, merge_streams
 from motet.actors.runtime import Actor, ActorStopped, ActorSystem
 from motet.actors.serving_errors import EngineFailure, InvalidRequest, QueueFull
 from motet.actors.system import ServingSystem
@@ -16,6 +16,7 @@ from motet.api.metrics import Metrics
 from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
+from motet.engine.outputs import OutputDelta
 from motet.engine.request import EngineRequest
 from motet.engine.sampling_params import SamplingParams
 
@@ -66,10 +67,10 @@ async def test_ask_tell_errors_and_ordered_startup():
 
 async def test_reply_stream_merges_pending_deltas():
     s = ReplyStream("r")
-    s.put(Delta(text="a", token_ids=[1]))
-    s.put(Delta(text="b", token_ids=[2]))
-    s.put(Delta(text="c", token_ids=[3], finished=True, finish_reason="stop"))
-    s.put(Delta(text="ignored"))  # after the final delta
+    s.put(OutputDelta("r", text="a", token_ids=[1]))
+    s.put(OutputDelta("r", text="b", token_ids=[2]))
+    s.put(OutputDelta("r", text="c", token_ids=[3], finished=True, finish_reason="stop"))
+    s.put(OutputDelta("r", text="ignored"))  # after the final delta
     got = [d async for d in s]
     assert len(got) == 1
     assert (got[0].text, got[0].token_ids, got[0].finish_reason) == ("abc", [1, 2, 3], "stop")
@@ -86,10 +87,10 @@ async def test_merge_streams_interleaves_until_all_finish():
     async with anyio.create_task_group() as tg:
         tg.start_soon(consume)
         await anyio.sleep(0)
-        s1.put(Delta(text="x"))
-        s2.put(Delta(text="y", finished=True))
+        s1.put(OutputDelta("1", text="x"))
+        s2.put(OutputDelta("2", text="y", finished=True))
         await anyio.sleep(0.01)
-        s1.put(Delta(text="z", finished=True))
+        s1.put(OutputDelta("1", text="z", finished=True))
     assert sorted(out) == [(0, "x"), (0, "z"), (1, "y")]
 
 

@@ -180,6 +180,7 @@ def test_engine_counts_as_vllm_does(tiny_model_dir):
     recomputed, every committed output token counts, and each finished request carries its phases."""
     from motet.engine.config import EngineConfig
     from motet.engine.llm_engine import LLMEngine
+    from motet.engine.outputs import RequestOutputs
     from motet.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=8, block_size=16, max_num_seqs=4,
@@ -189,9 +190,9 @@ def test_engine_counts_as_vllm_does(tiny_model_dir):
     ]
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    finals = []
+    finals, answers = [], RequestOutputs()
     while engine.has_unfinished():
-        finals += [out for out in engine.step() if out.finished]
+        finals += [out for out in answers.step(engine) if out.finished]
     stats = engine.stats()
     assert stats.preemptions >= 1  # 4 x (prompt + 40) tokens do not fit in 8 blocks of 16
     assert stats.prompt_tokens == sum(len(p) for p in prompts)

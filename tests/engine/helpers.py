@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from motet.engine.outputs import RequestOutputs
+
 
 def finished_tokens(engine) -> dict[tuple[int, ...], list[int]]:
     """Step `engine` until it drains; each finished request's output tokens, keyed by its prompt's."""
-    tokens = {}
+    tokens, answers = {}, RequestOutputs()
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in answers.step(engine):
             if out.finished:
                 tokens[tuple(out.prompt_token_ids)] = list(out.token_ids)
     return tokens

@@ -9,6 +9,7 @@ import torch
 
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
+from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from tests.engine.test_engine import PROMPTS, engine_logits
@@ -77,9 +78,9 @@ def test_compiled_greedy_equals_eager(tiny_model_dir, tiny_loras):
         ids = [
             engine.add_request(p, params, adapter=refs.get(n)) for p, n in zip(prompts, names, strict=True)
         ]
-        done = {}
+        done, answers = {}, RequestOutputs()
         while engine.has_unfinished():
-            for out in engine.step():
+            for out in answers.step(engine):
                 if out.finished:
                     done[out.request_id] = out.token_ids
         tokens.append([done[i] for i in ids])

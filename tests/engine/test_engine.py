@@ -11,6 +11,7 @@ from motet.engine.core.scheduler import ScheduledBatch
 from motet.engine.core.sequence import Sequence
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
+from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.worker.model import Linear, onednn_available
 from motet.models.declaration import ModelLoadError
@@ -272,9 +273,9 @@ def test_a_request_that_fails_in_processing_fails_alone(tiny_model_dir):
     bad = engine.add_request([5, 6, 7], params)
     good = engine.add_request([5, 6, 8], params)
     engine.requests[bad].guided = GuidedDecoding(Broken())
-    outs = {}
+    outs, answers = {}, RequestOutputs()
     while engine.has_unfinished():
-        for o in engine.step():
+        for o in answers.step(engine):
             outs.setdefault(o.request_id, []).append(o)
     assert outs[bad][-1].error and outs[bad][-1].finish_reason == "abort" and len(outs[bad]) == 1
     assert outs[good][-1].finish_reason == "length" and len(outs[good][-1].token_ids) == 4
@@ -298,9 +299,9 @@ def test_a_request_that_fails_in_the_forward_pass_fails_alone(tiny_model_dir):
     ids = [engine.add_request(p, params) for p in prompts[:2]]
     bad = [engine.add_request([5, 299, i], params) for i in range(2)]
     ids += [engine.add_request(p, params) for p in prompts[2:]]
-    outs = {}
+    outs, answers = {}, RequestOutputs()
     while engine.has_unfinished():
-        for o in engine.step():
+        for o in answers.step(engine):
             outs.setdefault(o.request_id, []).append(o)
     for rid in bad:
         assert (

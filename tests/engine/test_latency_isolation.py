@@ -13,6 +13,7 @@ from motet.engine.core.fairness import VirtualTokenCounter
 from motet.engine.core.latency import BACKGROUND_SLACK, LINGER_S, StepCost
 from motet.engine.core.scheduler import Scheduler
 from motet.engine.core.sequence import Sequence, SequenceStatus
+from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from tests.engine.test_fairness import run_step
 
@@ -260,15 +261,15 @@ def test_engine_tokens_are_the_same_with_and_without_latency_isolation(tiny_mode
             greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
             for i in range(12):
                 engine.add_request(list(range(3 + i, 20 + 2 * i)), greedy, f"a{i}", tenant="a")
-            out = {}
+            out, answers = {}, RequestOutputs()
             for _ in range(3):
-                for o in engine.step():
+                for o in answers.step(engine):
                     out[o.request_id] = o.token_ids
             for i in range(2):
                 engine.add_request(list(range(50 + i, 60 + i)), greedy, f"b{i}", tenant="b")
             engine.add_request(list(range(70, 90)), greedy, "batch", tenant="c", background=True)
             while engine.has_unfinished():
-                for o in engine.step():
+                for o in answers.step(engine):
                     out[o.request_id] = o.token_ids
             return out, engine.scheduler.num_capped_steps
         finally:

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from motet.engine.config import EngineConfig
 from motet.engine.core.sequence import Sequence
 from motet.engine.llm_engine import LLMEngine
+from motet.engine.outputs import RequestOutputs
 from motet.engine.request_checks import RequestError, RequestLimits
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.worker.sampler import Sampler, SamplingFailure, outcome_error
@@ -61,9 +62,9 @@ def run(engine: LLMEngine, requests: dict, tamper=None) -> dict:
     ids = {name: engine.add_request(prompt, params) for name, (prompt, params) in requests.items()}
     for name, fn in (tamper or {}).items():
         fn(engine.requests[ids[name]].params)
-    last = {}
+    last, answers = {}, RequestOutputs()
     while engine.has_unfinished():
-        for o in engine.step():
+        for o in answers.step(engine):
             last[o.request_id] = o
     return {name: last[rid] for name, rid in ids.items()}
 

@@ -23,6 +23,7 @@ from motet.engine.config import EngineConfig
 from motet.engine.core.kv_window import ring_blocks
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
+from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from motet.models.config import ModelConfig
@@ -120,8 +121,9 @@ def test_window_blocks_stay_bounded_by_the_window(model_dir, compiled):
     prompt = list(range(3, 103))
     eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     window_held, global_held, chunks, computed, tokens = [], [], [], 0, None
+    answers = RequestOutputs()
     while eng.has_unfinished():
-        for out in eng.step():
+        for out in answers.step(eng):
             tokens = out.token_ids if out.finished else tokens
         for seq in eng.scheduler.running:
             window_held.append(len(seq.window_blocks))

@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from motet.engine.llm import LLM
+from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.reasoning import REASONING_START, ReasoningOpening, split_reasoning
 from motet.grammar.specs import JsonSchemaSpec, StructuralTagSpec
@@ -66,9 +67,9 @@ def run_scripts(llm: LLM, scripts: list[str], spec, max_tokens: int = 48) -> lis
     params = SamplingParams(temperature=0, max_tokens=max_tokens, grammar=spec, reasoning=True)
     ids = [llm.engine.add_request(llm.tokenizer.encode("Answer. "), params) for _ in scripts]
     sampler.scripts.update(zip(ids, scripts, strict=True))
-    final = {}
+    final, answers = {}, RequestOutputs()
     while len(final) < len(ids):
-        for out in llm.engine.step():
+        for out in answers.step(llm.engine):
             if out.finished:
                 final[out.request_id] = out
     return [final[i] for i in ids]
@@ -156,9 +157,9 @@ def test_prompt_that_opened_think_waits_for_its_end(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=48, grammar=JsonSchemaSpec(SCHEMA), reasoning=True)
     rid = llm.engine.add_request(llm.tokenizer.encode("Answer. <think>\n"), params)
     sampler.scripts[rid] = 'Free text.</think>{"name": "x", "ok": true}'
-    out = None
+    out, answers = None, RequestOutputs()
     while out is None or not out.finished:
-        out = next((o for o in llm.engine.step() if o.request_id == rid), out)
+        out = next((o for o in answers.step(llm.engine) if o.request_id == rid), out)
     assert split_reasoning(out.text, started=True) == ("Free text.", '{"name": "x", "ok": true}')
 
 
@@ -213,9 +214,9 @@ def test_each_format_holds_its_content(tiny_model_dir, fmt, script, sneaky):
     params = SamplingParams(temperature=0, max_tokens=120, grammar=JsonSchemaSpec(SCHEMA), reasoning=fmt)
     ids = [llm.engine.add_request(llm.tokenizer.encode("Answer. "), params) for _ in (script, sneaky)]
     sampler.scripts.update(zip(ids, (script, sneaky), strict=True))
-    final = {}
+    final, answers = {}, RequestOutputs()
     while len(final) < len(ids):
-        for out in llm.engine.step():
+        for out in answers.step(llm.engine):
             if out.finished:
                 final[out.request_id] = out
     kept, held = final[ids[0]], final[ids[1]]
@@ -294,9 +295,9 @@ def test_forced_call_ends_a_reasoning_that_would_not(llm):
     for prompt, script, params in runs:
         ids.append(llm.engine.add_request(llm.tokenizer.encode(prompt), params))
         sampler.scripts[ids[-1]] = script
-    final = {}
+    final, answers = {}, RequestOutputs()
     while len(final) < len(ids):
-        final |= {o.request_id: o for o in llm.engine.step() if o.finished}
+        final |= {o.request_id: o for o in answers.step(llm.engine) if o.finished}
     endless, cut, kept, opened = (final[i] for i in ids)
 
     assert endless.finish_reason == "length" and parse_tool_calls(content_of(endless.text)[1])[1] == []

@@ -13,6 +13,7 @@ import pytest
 
 from motet.engine.detokenizer import StopChain, StopStringMatcher
 from motet.engine.llm import LLM
+from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.specs import StructuralTagSpec
 from motet.grammar.tool_call_parser import (
@@ -244,9 +245,9 @@ def test_engine_ends_a_required_output_at_its_repeated_call(tiny_model_dir):
             )
             ids[name, stop] = llm.engine.add_request(llm.tokenizer.encode("Call."), params)
             sampler.scripts[ids[name, stop]] = script
-    final = {}
+    final, answers = {}, RequestOutputs()
     while len(final) < len(ids):
-        final |= {o.request_id: o for o in llm.engine.step() if o.finished}
+        final |= {o.request_id: o for o in answers.step(llm.engine) if o.finished}
     outs = {key: final[rid] for key, rid in ids.items()}
     assert outs["loop", False].finish_reason == "length"  # without: the calls go on to max_tokens
     assert (outs["loop", True].text, outs["loop", True].finish_reason) == (a + "\n", "stop")

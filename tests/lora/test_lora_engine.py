@@ -9,6 +9,7 @@ import torch
 
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
+from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from motet.lora.adapter import AdapterError, load_adapter
@@ -142,7 +143,7 @@ def test_more_adapters_than_room_time_slice_and_all_complete(tiny_model_dir, tin
     engine = llm.engine
     pool = engine.adapters.pool
     ids = [engine.add_request(p, params, adapter=n) for p, n in zip(prompts, names, strict=True)]
-    final, steps = {}, 0
+    final, steps, answers = {}, 0, RequestOutputs()
     while engine.has_unfinished():
         batch = engine.schedule()
         if room == "cap":
@@ -150,7 +151,7 @@ def test_more_adapters_than_room_time_slice_and_all_complete(tiny_model_dir, tin
         assert pool.used_bytes <= pool.capacity_bytes
         adapters = [s.adapter_id for s in batch.seqs]
         assert adapters == sorted(adapters)  # one contiguous segment per adapter
-        for out in engine.commit(batch, engine.execute(batch)):
+        for out in answers.add(engine.commit(batch, engine.execute(batch))):
             final[out.request_id] = out
         steps += 1
         assert steps < 300
@@ -167,7 +168,8 @@ def test_remove_lora_lets_running_requests_finish(tiny_model_dir, tiny_loras):
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     rid = engine.add_request(prompt, params, adapter="all8")
     ref = engine.adapters.named["all8"]
-    engine.step(), engine.step()
+    answers = RequestOutputs()
+    answers.step(engine), answers.step(engine)
     engine.remove_lora("all8")
     with pytest.raises(AdapterError, match="no adapter named 'all8'"):
         engine.add_request(prompt, params, adapter="all8")
@@ -175,7 +177,7 @@ def test_remove_lora_lets_running_requests_finish(tiny_model_dir, tiny_loras):
         engine.add_request(prompt, params, adapter=ref)  # a request that resolved it before the removal
     outs = []
     while engine.has_unfinished():
-        outs += [o for o in engine.step() if o.request_id == rid]
+        outs += [o for o in answers.step(engine) if o.request_id == rid]
     assert outs[-1].finished and outs[-1].token_ids == peft_reference(peft, "all8", prompt, 8)[0][5:]
     adapters = engine.adapters
     assert ref.uid not in adapters.host and ref.uid not in adapters.known
@@ -208,7 +210,8 @@ def test_a_removed_adapter_whose_files_are_gone_still_serves_its_requests(
     prompt = [9, 8, 7, 6, 5]
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     rid = engine.add_request(prompt, params, adapter="doomed")
-    engine.step()
+    answers = RequestOutputs()
+    answers.step(engine)
     engine.remove_lora("doomed")
     shutil.rmtree(doomed)
     others = [engine.add_request([3, 4, 5, i + 6], params, adapter="qv4") for i in range(3)]
@@ -216,7 +219,7 @@ def test_a_removed_adapter_whose_files_are_gone_still_serves_its_requests(
     doomed_id = engine.requests[rid].adapter_id
     outs = {}
     while engine.has_unfinished():
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        outs.update({o.request_id: o for o in answers.step(engine) if o.finished})
         if rid not in outs:
             assert doomed_id in host
     assert outs[rid].token_ids == peft_reference(peft, "all8", prompt, 8)[0][5:]

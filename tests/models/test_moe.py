@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
+from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.worker import cpu_forward
 from motet.engine.worker.model import SparseMoE
@@ -245,9 +246,9 @@ def test_tied_router_scores_pick_the_experts_torch_topk_picks(mixtral_dir, tmp_p
         torch.testing.assert_close(got, hf_logits(tmp_path, prompt), atol=2e-4, rtol=1e-4)
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
+    done, answers = {}, RequestOutputs()
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in answers.step(engine):
             if out.finished:
                 done[out.request_id] = out.token_ids
     assert [done[i] for i in ids] == hf_greedy_outputs(tmp_path, prompts, 8)

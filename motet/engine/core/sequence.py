@@ -1,5 +1,6 @@
 """A sequence: one request inside the engine (one choice of an API request). Its prompt and growing output,
-the scheduler's bookkeeping (KV blocks, computed tokens), its grammar, and its output text so far."""
+the scheduler's bookkeeping (KV blocks, computed tokens), its grammar, and what makes its text (the detokenizer,
+the stop strings)."""
 
 from __future__ import annotations
 
@@ -107,8 +108,7 @@ class Sequence:
     # Output text, as the engine commits tokens (set by the engine when it takes the request).
     detok: IncrementalDetokenizer | None = None
     stops: StopStringMatcher | StopChain | None = None
-    text: str = ""
-    num_emitted: int = 0  # tokens already reported in a RequestOutput
+    num_emitted: int = 0  # tokens already given out in an OutputDelta (the prompt's counted)
     # time.monotonic() when it entered the serving system, was first scheduled, and produced its first and
     # its latest token (None: not yet), for RequestTimings.
     arrival_time: float = 0.0

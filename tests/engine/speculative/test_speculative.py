@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from motet.engine.core.block_manager import block_hash
 from motet.engine.core.sequence import Sequence
 from motet.engine.llm import LLM
+from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.speculative.ngram import NgramIndex
 from motet.engine.speculative.proposer import DraftState, SpeculativeConfig, Speculator
@@ -178,9 +179,9 @@ def test_opt_out(tiny_model_dir):
 
 def run_as(llm: LLM, tenant: str, prompts: list[list[int]], params: SamplingParams) -> list:
     ids = [llm.engine.add_request(p, params, tenant=tenant) for p in prompts]
-    done = {}
+    done, answers = {}, RequestOutputs()
     while len(done) < len(ids):
-        done.update((o.request_id, o) for o in llm.engine.step() if o.finished)
+        done.update((o.request_id, o) for o in answers.step(llm.engine) if o.finished)
     return [done[i] for i in ids]
 
 
