@@ -24,8 +24,9 @@ phase's time) are set against the forward's shapes at their faster dtype, the lo
 Serving, for each of --serve-levels C: a `motet serve` on loopback takes 2 x C streamed chat requests, C at
 once (--max-tokens each, EOS ignored), and the offline engine (max_num_seqs C) runs the same prompts: the
 served share of the offline tokens/s is what the serving path (actors, reply streams, detokenized SSE,
-HTTP) costs; the client-side TPOT p50 sits beside the offline step time at batch C. Writes results.json
-and summary.md.
+HTTP) costs; the client-side TPOT p50 (first token to last over the tokens after the first) sits beside the
+offline one taken alike from the engine's stamps (RequestTimings.decode_s) and the offline step time at batch
+C. Writes results.json and summary.md.
 """
 
 from __future__ import annotations
@@ -418,10 +419,18 @@ def serving(args, model_dir: Path, offline_rows: list[dict]) -> list[dict]:
         outs = llm.chat([[{"role": "user", "content": t}] for t in loads[c]], params)
         row["offline_tokens_per_s"] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
         row["served_share"] = row["served_tokens_per_s"] / row["offline_tokens_per_s"]
+        # the offline TPOT as the client's is taken: each request's first token to its last, over the tokens after
+        # the first (the engine's own stamps: RequestTimings.decode_s)
+        tpots = [
+            o.timings.decode_s / (len(o.token_ids) - 1) for o in outs if o.timings and len(o.token_ids) > 1
+        ]
+        row["offline_tpot_p50_ms"] = 1e3 * statistics.median(tpots) if tpots else None
+        row["tpot_ratio"] = row["tpot_p50_ms"] / row["offline_tpot_p50_ms"] if tpots else None
         del llm
         print(f"serving {c:3d} clients: {row['served_tokens_per_s']:.1f} tok/s served, "
               f"{row['offline_tokens_per_s']:.1f} offline on the same load ({100 * row['served_share']:.0f}%); "
-              f"TPOT p50 {row['tpot_p50_ms']:.2f} ms", flush=True)  # fmt: skip
+              f"TPOT p50 {row['tpot_p50_ms']:.2f} ms served, {row['offline_tpot_p50_ms'] or float('nan'):.2f} offline",
+              flush=True)  # fmt: skip
     return rows
 
 
@@ -467,12 +476,14 @@ def summary_md(report: dict) -> str:
     lines += gflops_md(report)
     if report["serving"]:
         lines += ["", "The same load served over HTTP and run offline (2 x C requests, C at once):", "",
-                  "| clients | served tok/s | offline tok/s | served / offline | TPOT p50 ms | offline step ms |",
-                  "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "| clients | served tok/s | offline tok/s | served / offline | TPOT p50 ms served | TPOT p50 ms offline | served / offline TPOT | offline step ms |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in report["serving"]:
             off = "" if r["offline_step_ms"] is None else f"{r['offline_step_ms']:.2f}"
+            tpot = "" if r.get("offline_tpot_p50_ms") is None else f"{r['offline_tpot_p50_ms']:.2f}"
+            ratio = "" if r.get("tpot_ratio") is None else f"{r['tpot_ratio']:.3f}"
             lines.append(f"| {r['clients']} | {r['served_tokens_per_s']:.1f} | {r['offline_tokens_per_s']:.1f} | "
-                         f"{100 * r['served_share']:.0f}% | {r['tpot_p50_ms']:.2f} | {off} |")  # fmt: skip
+                         f"{100 * r['served_share']:.0f}% | {r['tpot_p50_ms']:.2f} | {tpot} | {ratio} | {off} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
