@@ -1,7 +1,7 @@
 """W8A16 / W4A16 GEMM in Triton: ``x @ W^T (+ bias)`` with W in a block format of motet/kernels/quant.py.
 
 The kernel reads the weight as `QuantizedWeight` stores it (int8 [N, K], or Q4_1's nibbles [N, K / 2];
-fp16 scales and mins [N, K / 32]): rows are contiguous along K, which is both what coalesces (a warp reads
+fp16 scales and mins [N, K / 32]; MXFP4's FP4 codes packed as Q4_1's, its E8M0 exponents [N, K / 32]): rows are contiguous along K, which is both what coalesces (a warp reads
 whole 128-byte lines of a row) and what the tensor cores' B operand wants (K-contiguous per column), so no
 repacked copy is made and the GPU holds the weight once. A program owns BLOCK_M rows of x times BLOCK_N
 outputs and walks its share of K, BLOCK_K values a step: it loads the step's bytes as
@@ -143,7 +143,8 @@ def quant_linear(
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out.reshape(*lead, N)
-    int4 = qweight.format.has_min
+    int4 = qweight.format.bits == 4  # (Q4_1's nibbles, or MXFP4's codes: both two values a byte alike)
+    mxfp4 = qweight.format.codebook is not None
     cfg = config or default_config(x2, qweight)
     steps = triton.cdiv(K, cfg.block_k)
     steps_per_split = triton.cdiv(steps, cfg.split_k)
@@ -151,7 +152,7 @@ def quant_linear(
     # fp32 partials [split, M, N] when K is shared; else the kernel writes `out` itself
     dest = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out.unsqueeze(0)
     data, scales = qweight.data.view(torch.uint8), qweight.scales  # int8 too: the kernel reads bytes
-    mins = qweight.mins if int4 else scales  # unused without mins: any tensor will do as the pointer
+    mins = qweight.mins if qweight.mins is not None else scales  # unused without mins: any tensor will do
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
     interpreted = not x.is_cuda
     _quant_gemm_kernel[grid](
@@ -159,6 +160,7 @@ def quant_linear(
         M, N, K, steps_per_split,
         *x2.stride(), *data.stride(), *scales.stride(), *mins.stride(), *dest.stride(),
         INT4=int4,
+        MXFP4=mxfp4,
         HAS_BIAS=bias is not None and split == 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_STEP=cfg.block_k // BLOCK,
         # fp32 x gets true fp32 dots (tl.dot defaults to tf32 on NVIDIA), as F.linear does
@@ -185,6 +187,15 @@ if triton is not None:
         """int32 values in [0, 2^23) as exact fp32: 2^23's bits with v as the mantissa, minus 2^23 (an OR
         and a subtraction at full rate, where int-to-float conversion runs at a quarter)."""
         return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _fp4(code):
+        """FP4 E2M1 codes (int32 0..15: sign bit 3, exponent bits 2-1, mantissa bit 0) as their fp32 values:
+        m / 2 for exponent 0, else (2 + m) * 2^(e - 2)."""
+        e = (code >> 1) & 3
+        m = (code & 1).to(tl.float32)
+        magnitude = tl.where(e == 0, m * 0.5, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
+        return tl.where((code & 8) != 0, -magnitude, magnitude)
 
     @triton.jit
     def round_to(v, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -228,6 +239,7 @@ if triton is not None:
         stride_om,
         stride_on,
         INT4: tl.constexpr,
+        MXFP4: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -266,16 +278,23 @@ if triton is not None:
             scale = tl.load(
                 s_ptr + offs_n[:, None] * stride_sn + b[None, :] * stride_sk, mask=sb_mask, other=0.0
             )
+            if MXFP4:  # an E8M0 byte: 2^(e - 127), its bits e << 23 (e = 0: 2^-127, a subnormal)
+                e8 = scale.to(tl.int32)
+                scale = tl.where(e8 == 0, 5.877471754111438e-39, (e8 << 23).to(tl.float32, bitcast=True))
             scale = scale.to(tl.float32)[:, :, None]
             x_cols = (b * QB)[None, :, None] * stride_xk
             if INT4:
-                low = tl.load(
-                    m_ptr + offs_n[:, None] * stride_mn + b[None, :] * stride_mk, mask=sb_mask, other=0.0
-                )
-                low = low.to(tl.float32)[:, :, None]
-                w_lo = _int_to_f32(q & 0xF) * scale + low  # values j of each block
-                # values j + 16, left in place as 16 * q (no shift): 16 q * (scale / 16) is q * scale exactly
-                w_hi = _int_to_f32(q & 0xF0) * (scale * 0.0625) + low
+                if MXFP4:
+                    w_lo = _fp4(q & 0xF) * scale  # values j of each block
+                    w_hi = _fp4(q >> 4) * scale  # values j + 16
+                else:
+                    low = tl.load(
+                        m_ptr + offs_n[:, None] * stride_mn + b[None, :] * stride_mk, mask=sb_mask, other=0.0
+                    )
+                    low = low.to(tl.float32)[:, :, None]
+                    w_lo = _int_to_f32(q & 0xF) * scale + low  # values j of each block
+                    # values j + 16, left in place as 16 * q (no shift): 16 q * (scale / 16) is q * scale exactly
+                    w_hi = _int_to_f32(q & 0xF0) * (scale * 0.0625) + low
                 w_lo = _operand(tl.reshape(w_lo, [BLOCK_N, COLS]), x_dtype, DOT_FP32)
                 w_hi = _operand(tl.reshape(w_hi, [BLOCK_N, COLS]), x_dtype, DOT_FP32)
                 x_lo = tl.load(x_base + x_cols, mask=x_mask, other=0.0)

@@ -1,4 +1,4 @@
-"""The W8A16 / W4A16 Triton GEMM (motet/kernels/triton_quant.py) against float64 products of the dequantized
+"""The W8A16 / W4A16 (and MXFP4) Triton GEMM (motet/kernels/triton_quant.py) against float64 products of the dequantized
 weight (`QuantizedWeight.dequantize(torch.float64)`), and the model's dispatch to it against Hugging Face
 transformers on the dequantized checkpoint.
 
@@ -16,12 +16,12 @@ from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.worker.model import Linear
 from motet.kernels import triton_quant
-from motet.kernels.quant import FORMATS, QuantizedWeight
+from motet.kernels.quant import FORMATS, MXFP4, QuantizedWeight
 from motet.kernels.triton_quant import TileConfig, choose_config, quant_linear
 from tests.engine.helpers import mixed_adapter_tokens
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.kernels.gpu_build import gpu_builds
-from tests.kernels.test_quantization import dequantized_checkpoint
+from tests.kernels.test_quantization import dequantized_checkpoint, random_weight
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(triton_quant.triton is None, reason="triton not installed")
@@ -33,9 +33,12 @@ FORMAT_NAMES = sorted(FORMATS)
 def make_case(name: str, M: int, N: int, K: int, dtype: torch.dtype, bias: bool, seed: int = 0):
     """A random weight quantized in `name` (rows of different magnitudes, one constant block), x and bias."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(N, K, generator=g) * (0.2 + torch.rand(N, 1, generator=g))
-    w[1, :32] = 0.5  # a block with scale 0
-    q = FORMATS[name].quantize(w).to(DEVICE)
+    if name == MXFP4.name:  # (read from checkpoints, never quantized here: every code, exponents around 1)
+        q = random_weight(name, N, K, g).to(DEVICE)
+    else:
+        w = torch.randn(N, K, generator=g) * (0.2 + torch.rand(N, 1, generator=g))
+        w[1, :32] = 0.5  # a block with scale 0
+        q = FORMATS[name].quantize(w).to(DEVICE)
     x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
     b = torch.randn(N, generator=g).to(DEVICE, dtype) if bias else None
     return x, q, b
@@ -62,7 +65,7 @@ def check(out: torch.Tensor, x: torch.Tensor, q: QuantizedWeight, bias: torch.Te
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("M", [1, 3, 16, 33])
-@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("name", [*FORMAT_NAMES, MXFP4.name])
 def test_matches_float64_of_dequantized(name, M, dtype, bias):
     """N = 72 and K = 320 leave partial tiles in both (the chosen tiles: 64 outputs, 128 or 256 inputs)."""
     x, q, b = make_case(name, M, 72, 320, dtype, bias, seed=M)
@@ -255,12 +258,12 @@ aligned = ["x_ptr", "q_ptr", "s_ptr", "m_ptr", "bias_ptr", "out_ptr", "N", "K", 
 unit = ["stride_xk", "stride_qk", "stride_sk", "stride_mk", "stride_on"]
 out = []
 for fmt, M, arch in json.loads(sys.argv[1]):
-    int4 = fmt == "int4"
+    int4, mxfp4 = fmt in ("int4", "mxfp4"), fmt == "mxfp4"
     c = tq.choose_config(M, 4096, 4096, 4 if int4 else 8, 132)
     sig = {n: "i32" for n in kernel.arg_names}
-    sig.update(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp16", m_ptr="*fp16", bias_ptr="*bf16",
-               out_ptr="*bf16")
-    consts = dict(INT4=int4, HAS_BIAS=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCKS_PER_STEP=c.block_k // 32,
+    sig.update(x_ptr="*bf16", q_ptr="*u8", s_ptr="*u8" if mxfp4 else "*fp16", m_ptr="*u8" if mxfp4 else "*fp16",
+               bias_ptr="*bf16", out_ptr="*bf16")
+    consts = dict(INT4=int4, MXFP4=mxfp4, HAS_BIAS=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCKS_PER_STEP=c.block_k // 32,
                   PRECISION=None, DOT_FP32=False, **{n: 1 for n in unit})
     sig.update({n: "constexpr" for n in consts})
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
@@ -277,7 +280,14 @@ def test_compiles_for_the_gpu_without_spills(tmp_path):
     """The kernel built for sm_90 (H100) and sm_80 (A100) by triton's own compiler and ptxas, as a launch
     would build it: registers only (no spill to local memory), weight tiles copied asynchronously into shared
     memory (the software pipeline), products on the tensor cores (mma, or wgmma on sm_90 for large tiles)."""
-    cases = [("int4", 1, 90), ("int8", 16, 90), ("int4", 1, 80), ("int4", 512, 90)]
+    cases = [
+        ("int4", 1, 90),
+        ("int8", 16, 90),
+        ("int4", 1, 80),
+        ("int4", 512, 90),
+        ("mxfp4", 1, 90),
+        ("mxfp4", 512, 90),
+    ]
     for build in gpu_builds(COMPILE_CHECK, cases, tmp_path):
         assert build["spill"] == 0 and build["regs"] <= 255, build
         assert build["async_copies"] > 0 and build["mma"] > 0, build

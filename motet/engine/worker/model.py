@@ -351,8 +351,6 @@ def _expert_product(weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch
     multiplies: the Triton GEMM on CUDA, the CPU reference elsewhere)."""
     if isinstance(weight, QuantizedWeight):
         if triton_quant.applies(x):
-            if weight.format.codebook is not None:  # MXFP4: no Triton kernel reads its blocks yet
-                return F.linear(x, weight.dequantize(x.dtype), bias)
             return triton_quant.quant_linear(x, weight, bias)
         return weight.linear(x, bias)
     return F.linear(x, weight, bias)
