@@ -15,7 +15,8 @@ from torch import nn
 
 from motet.engine.weights.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
 from motet.engine.weights.mxfp4 import Mxfp4Tensor
-from motet.engine.worker.model import CausalLM, Linear
+from motet.engine.worker.layers import Linear
+from motet.engine.worker.model import CausalLM
 from motet.engine.worker.parallel import ROW_PARALLEL
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
 from motet.models.declaration import ModelLoadError
@@ -45,6 +46,7 @@ class DecoderWeights:
         self.model = model
         self.config = model.config
         self.parallel = model.parallel
+        self.names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
 
     def quantized_formats(self, fmt: WeightFormat) -> dict[str, WeightFormat]:
         """Which weights `load_weights(..., quantize=fmt)` quantizes, by parameter name: the decoder's
@@ -54,6 +56,11 @@ class DecoderWeights:
         so it is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
         keep it in Q8_0 (or Q6_K) the same way."""
         cfg = self.config
+        if cfg.latent is not None:  # (its decode form reads kv_b_proj's weight itself)
+            raise ModelLoadError(
+                f"{fmt.name} quantization of a latent-attention model ({cfg.architecture}) is not supported yet: "
+                "serve it unquantized (leave --quantization out)"
+            )
         if cfg.is_moe:
             raise ModelLoadError(
                 f"{fmt.name} quantization of a mixture-of-experts model ({cfg.architecture}) is not supported "
@@ -206,6 +213,8 @@ class DecoderWeights:
             return name, expert * (2 if stacked == "gate_up_proj" else 1) + part
         if len(parts) == 1:
             return hf_name, None
+        if ".".join(parts) in self.names:  # the decoder's own module (a latent attention's q_proj: unfused)
+            return ".".join(parts), None
         module, shard = FUSED_SHARD.get(parts[-2], (parts[-2], None))
         parts[-2] = module
         return ".".join(parts), shard
