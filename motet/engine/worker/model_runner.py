@@ -44,6 +44,7 @@ from motet.engine.worker.tp_workers import NO_WORKERS, WorkerGroup
 from motet.kernels import cpu_isa, cpu_native
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
+from motet.models.declaration import ModelLoadError
 
 log = logging.getLogger("motet.engine")
 
@@ -126,6 +127,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = context_length(model_config, config.max_model_len)
         self.workers: WorkerGroup | None = None
+        if model_config.latent is not None and config.tensor_parallel_size > 1:  # (before any rank starts)
+            raise ModelLoadError(
+                f"{model_config.architecture}: latent attention over tensor-parallel ranks is not supported yet; "
+                "serve it on one rank (--tensor-parallel-size 1)"
+            )
         if parallel is None and config.tensor_parallel_size > 1:
             self.workers = WorkerGroup(model_dir, model_config, config)
             parallel = self.workers.parallel

@@ -1,0 +1,250 @@
+"""DeepSeek-V2 and V3 (multi-head latent attention over the latent paged cache, shared experts, group-limited
+top-k, V3's sigmoid scores with the correction bias) on tiny random checkpoints written by transformers (norms,
+biases and the correction bias randomized), against transformers: logits in batches, in prefill chunks and one
+token a step (the absorbed decode form), 32 greedy tokens equal to `generate` in a chunked batch, from the prefix
+cache and from the disk KV tier after a restart; the latent cache's bytes a token against per-head K / V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from motet.engine.config import EngineConfig
+from motet.engine.llm import LLM
+from motet.engine.llm_engine import LLMEngine
+from motet.engine.sampling_params import SamplingParams
+from motet.engine.worker import cpu_forward
+from motet.engine.worker.latent_attention import LatentAttention
+from motet.engine.worker.model import SparseMoE
+from motet.lora.adapter import AdapterError
+from motet.models.declaration import ModelLoadError
+from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
+from tests.models.test_moe import randomize_norms
+from tests.peft_adapters import save_peft_adapters
+from tests.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+# hidden 64, 4 heads, three layers (the first dense), kv_lora_rank 16: a latent row of 16 + 8 a token and layer
+LATENT = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+)
+# YaRN with mscale_all_dim: the softmax scaled by mscale^2, cos / sin by mscale / mscale_all_dim's ratio
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=1024,
+    mscale=1.0,
+    mscale_all_dim=0.8,
+    beta_fast=32,
+    beta_slow=1,
+)
+MODELS = {
+    # V2-Lite's shape: q straight from the hidden state, greedy softmax top-2 of 4, two shared experts
+    "v2_lite": ("deepseek_v2", dict(LATENT, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2)),
+    # V2: q through q_a_proj / q_a_layernorm / q_b_proj, biases, group-limited top-2 of 8 in 2 of 4 groups,
+    # routed weights scaled, YaRN
+    "v2": (
+        "deepseek_v2",
+        dict(
+            LATENT,
+            q_lora_rank=24,
+            attention_bias=True,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            rope_parameters=YARN,
+        ),
+    ),
+    # V3: sigmoid scores with the correction bias, groups by their best two, renormalized, scaled 2.5, YaRN
+    "v3": (
+        "deepseek_v3",
+        dict(
+            LATENT,
+            q_lora_rank=24,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            rope_parameters=YARN,
+        ),
+    ),
+    # V3 with q straight from the hidden state and the rotary on halves (rope_interleave false)
+    "v3_halves": (
+        "deepseek_v3",
+        dict(
+            LATENT,
+            q_lora_rank=None,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            rope_interleave=False,
+        ),
+    ),  # fmt: skip
+}
+
+
+def randomize_biases(model_dir) -> None:
+    """The attention's biases and V3's e_score_correction_bias drawn at random (transformers writes zeros)."""
+    g = torch.Generator().manual_seed(2)
+    weights = load_file(model_dir / "model.safetensors")
+    for name, t in weights.items():
+        if name.endswith(".bias") or name.endswith("e_score_correction_bias"):
+            t.copy_(0.3 * torch.randn(t.shape, generator=g))
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+def build_deepseek(path, name: str):
+    arch, overrides = MODELS[name]
+    model_dir = build_tiny_model(path, arch=arch, tied=False, **overrides)
+    randomize_norms(model_dir)
+    randomize_biases(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def deepseek(request, tmp_path_factory):
+    return request.param, build_deepseek(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def deepseek_engine(model_dir, **options) -> LLMEngine:
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=128, **options), model_dir
+    )
+    model = engine.runner.model
+    assert all(isinstance(layer.self_attn, LatentAttention) for layer in model.layers)
+    assert [isinstance(layer.mlp, SparseMoE) for layer in model.layers] == [False, True, True]
+    # the native step has no latent op: the eager model runs it, whatever the kernels
+    assert engine.runner.native is None and not cpu_forward.supported(model, engine.runner.dtype)
+    return engine
+
+
+def test_hf_checkpoint_keeps_what_the_test_means(deepseek):
+    """The randomized tensors are in the checkpoint (a name transformers changed would leave them at 0 / 1)."""
+    name, model_dir = deepseek
+    weights = load_file(model_dir / "model.safetensors")
+    assert weights["model.layers.0.self_attn.kv_a_layernorm.weight"].std() > 0.1
+    assert ("model.layers.0.self_attn.q_proj.weight" in weights) == (MODELS[name][1]["q_lora_rank"] is None)
+    if name.startswith("v3"):
+        assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].abs().max() > 0.1
+
+
+def test_latent_cache_is_at_most_a_quarter_of_per_head_kv(deepseek):
+    """Each layer caches one row a token (c_kv and the rotated key: 16 + 8), per-head K / V would be every head's
+    key (16 + 8) and value (12): 24 against 4 * 36 = 144 values, 1/6."""
+    _, model_dir = deepseek
+    engine = deepseek_engine(model_dir)
+    caches = engine.runner.kv_caches
+    assert all(len(parts) == 1 and parts[0].shape[1:] == (8, 1, 24) for parts in caches)
+    per_token = sum(t[0].numel() * t[0].element_size() for t in caches) // (128 * 8)
+    heads, layers = 4, 3
+    per_head = layers * heads * (16 + 8 + 12) * 4  # fp32 K and V as transformers' expanded form holds them
+    assert per_token == 3 * 24 * 4 == 288 and per_head == 1728
+    assert per_token / per_head <= 1 / 4  # 1/6
+
+
+def test_logits_match_transformers_in_batches_and_chunks(deepseek):
+    """Whole prompts in one batch (the expanded form, several sequences at once), 7-token chunks (expanded over
+    cached c_kv, a 1-token prompt beside them in the absorbed form) and one token a step (every row absorbed:
+    nine sequences, past the paged attention's batched decode threshold of eight)."""
+    _, model_dir = deepseek
+    engine = deepseek_engine(model_dir)
+    refs = [hf_logits(model_dir, p) for p in PROMPTS]
+    for chunk in (None, 7):
+        for got, ref in zip(engine_logits(engine, PROMPTS, chunk=chunk), refs, strict=True):
+            torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    stepwise = [[(11 * i + 5 * j) % 300 + 3 for j in range(2 + 2 * i)] for i in range(9)]
+    for got, prompt in zip(engine_logits(engine, stepwise, chunk=1), stepwise, strict=True):
+        torch.testing.assert_close(got, hf_logits(model_dir, prompt), atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_matches_generate_in_a_chunked_batch_and_from_the_prefix_cache(deepseek):
+    _, model_dir = deepseek
+    # a 48-token step budget: prompts are chunked and share steps with the others' decodes
+    llm = LLM(str(model_dir), num_kv_blocks=128, block_size=8, max_num_batched_tokens=48)
+    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
+    prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[5], PROMPTS[2]]  # 5, 60, 33 and 17 tokens
+    expected = hf_greedy_outputs(model_dir, prompts, 32)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    # a second request sharing the 60-token prompt's first 56: its blocks from the prefix cache
+    shared = PROMPTS[4][:56] + [9, 10, 11]
+    (out,) = llm.generate([shared], params)
+    assert out.num_cached_tokens == 56
+    assert out.token_ids == hf_greedy_outputs(model_dir, [shared], 32)[0]
+
+
+def test_a_restart_serves_latent_blocks_from_the_disk_tier(deepseek, tmp_path):
+    name, model_dir = deepseek
+    if name not in ("v2", "v3"):
+        pytest.skip("one V2 and one V3 suffice")
+    options = dict(num_kv_blocks=32, block_size=8, kv_disk_gb=0.01, kv_disk_dir=str(tmp_path / "kv"))
+    system = [(7 * j) % 300 + 3 for j in range(64)]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    llm = LLM(str(model_dir), **options)
+    llm.generate([system + [5]], params)
+    llm.engine.close()
+    again = LLM(str(model_dir), **options)  # a new engine, the same directory
+    (out,) = again.generate([system + [9]], params)
+    assert out.num_cached_tokens == 64
+    (disk,) = [t for t in again.engine.stats().kv_tiers if t.tier == "disk"]
+    assert disk.hit_tokens == 64
+    assert out.token_ids == hf_greedy_outputs(model_dir, [system + [9]], 8)[0]
+    again.engine.close()
+
+
+def test_what_is_not_served_yet_is_refused_by_name(deepseek, tmp_path):
+    name, model_dir = deepseek
+    if name != "v2":
+        pytest.skip("once")
+    with pytest.raises(ModelLoadError, match="latent attention over tensor-parallel ranks"):
+        LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16, tensor_parallel_size=2), model_dir)
+    with pytest.raises(ModelLoadError, match="quantization of a latent-attention model"):
+        LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16, quantization="int8"), model_dir)
+    save_peft_adapters(model_dir, tmp_path, [("a", 4, ["o_proj"])], std=0.1)
+    llm = LLM(str(model_dir), num_kv_blocks=16, max_lora_rank=8)
+    with pytest.raises(AdapterError, match="LoRA on a latent-attention model"):
+        llm.add_lora("a", tmp_path / "a")
+
+
+@pytest.mark.slow
+def test_served_over_http_matches_transformers(tmp_path):
+    """`motet serve` on the V3 checkpoint (uvicorn on a loopback port): greedy completions through the OpenAI SDK
+    equal to transformers' continuation of the same prompt tokens."""
+    from openai import OpenAI
+
+    from tests.live_server import ThreadServer
+
+    model_dir = build_deepseek(tmp_path / "model", "v3")
+    server = ThreadServer(
+        "--model", str(model_dir), "--data-dir", str(tmp_path / "data"), "--num-kv-blocks", "128", "--block-size", "8"
+    )  # fmt: skip
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        served = client.models.list().data[0].id
+        prompts = [PROMPTS[1], PROMPTS[4]]
+        for prompt, expected in zip(prompts, hf_greedy_outputs(model_dir, prompts, 8), strict=True):
+            out = client.completions.create(
+                model=served,
+                prompt=prompt,
+                max_tokens=8,
+                temperature=0,
+                extra_body={"min_tokens": 8, "return_token_ids": True},
+            )
+            assert out.choices[0].model_extra["token_ids"] == expected
+    finally:
+        server.stop()
