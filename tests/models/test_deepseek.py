@@ -2,7 +2,8 @@
 top-k, V3's sigmoid scores with the correction bias) on tiny random checkpoints written by transformers (norms,
 biases and the correction bias randomized), against transformers: logits in batches, in prefill chunks and one
 token a step (the absorbed decode form), 32 greedy tokens equal to `generate` in a chunked batch, from the prefix
-cache and from the disk KV tier after a restart; the latent cache's bytes a token against per-head K / V."""
+cache and from the disk KV tier after a restart, over two tensor-parallel ranks, served over HTTP; the latent
+cache's bytes a token against per-head K / V."""
 
 from __future__ import annotations
 
@@ -207,12 +208,36 @@ def test_a_restart_serves_latent_blocks_from_the_disk_tier(deepseek, tmp_path):
     again.engine.close()
 
 
+def test_two_tensor_parallel_ranks_match_transformers(deepseek):
+    """Two gloo ranks: each its heads' rows of q_proj / q_b_proj and kv_b_proj and columns of o_proj, the whole
+    latent computed and cached on both, the experts' and MLPs' columns and the vocabulary split."""
+    from tests.engine.test_tensor_parallel import tp_workers
+
+    name, model_dir = deepseek
+    if name not in ("v2", "v3_halves"):
+        pytest.skip("q_a / q_b and q_proj, V2's and V3's routing: two of the four")
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=128, tensor_parallel_size=2), model_dir
+    )
+    try:
+        assert engine.runner.workers is not None
+        assert engine.runner.model.layers[0].self_attn.num_heads == 2
+        for got, p in zip(engine_logits(engine, PROMPTS, chunk=7), PROMPTS, strict=True):
+            torch.testing.assert_close(got, hf_logits(model_dir, p), atol=2e-4, rtol=1e-4)
+    finally:
+        engine.close()
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[2]]
+    with LLM(str(model_dir), num_kv_blocks=128, block_size=8, tensor_parallel_size=2) as llm:
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == hf_greedy_outputs(model_dir, prompts, 16)
+    assert tp_workers() == []
+
+
 def test_what_is_not_served_yet_is_refused_by_name(deepseek, tmp_path):
     name, model_dir = deepseek
     if name != "v2":
         pytest.skip("once")
-    with pytest.raises(ModelLoadError, match="latent attention over tensor-parallel ranks"):
-        LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16, tensor_parallel_size=2), model_dir)
     with pytest.raises(ModelLoadError, match="quantization of a latent-attention model"):
         LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16, quantization="int8"), model_dir)
     save_peft_adapters(model_dir, tmp_path, [("a", 4, ["o_proj"])], std=0.1)

@@ -151,7 +151,11 @@ class DecoderWeights:
             start, n = (owner.q_rows, owner.kv_rows, owner.kv_rows)[shard]
             return tensor.narrow(0, start, n)
         if module == "o_proj":
-            return tensor.narrow(1, *owner.q_rows)
+            return tensor.narrow(1, *owner.o_columns)
+        if module in ("q_proj", "q_b_proj"):  # a latent attention's (unfused): its heads' rows
+            return tensor.narrow(0, *owner.q_rows)
+        if module == "kv_b_proj":
+            return tensor.narrow(0, *owner.kv_b_rows)
         if module == "gate_up_proj" or (module == "experts" and leaf == "gate_up_proj"):
             return tensor.narrow(0, *owner.columns)
         if module == "down_proj" or (module == "experts" and leaf == "down_proj"):

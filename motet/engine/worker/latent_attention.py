@@ -31,7 +31,6 @@ from motet.kernels.paged_attention import paged_attention, write_kv_cache
 from motet.kernels.rope_kv import RotaryAngles, rotate_reference
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
-from motet.models.declaration import ModelLoadError
 
 if TYPE_CHECKING:
     from motet.engine.worker.model import AttentionMetadata
@@ -75,20 +74,19 @@ def split_step(meta: PagedContext, block_size: int) -> LatentSplit:
 
 
 class LatentAttention(nn.Module):
-    """MLA over all heads of one rank (tensor parallelism: not yet); the projections by their Hugging Face
-    names, so that checkpoints load as they are. Returns o_proj's output."""
+    """MLA over this rank's heads (all of them on one rank); the projections by their Hugging Face names, so that
+    checkpoints load as they are. Under tensor parallelism each rank holds its heads' rows of q_proj / q_b_proj
+    and kv_b_proj and their columns of o_proj, and the whole of q_a_proj, kv_a_proj_with_mqa and the latent norms:
+    every rank computes and caches the whole latent (it is one row a token), and its heads attend over it; the
+    output is a partial sum over the ranks (the decoder layer all-reduces it)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
         super().__init__()
-        if parallel.enabled:
-            raise ModelLoadError(
-                f"{cfg.architecture}: latent attention over tensor-parallel ranks is not supported yet; serve it "
-                "on one rank (--tensor-parallel-size 1)"
-            )
         mla = cfg.latent
         assert mla is not None
         self.layer_idx = layer_idx
-        self.num_heads = H = cfg.num_attention_heads
+        (head_start, self.num_heads), _ = parallel.heads(cfg)
+        H = self.num_heads
         self.rank, self.nope, self.rope, self.v_dim = (
             mla.kv_lora_rank,
             mla.qk_nope_head_dim,
@@ -97,6 +95,10 @@ class LatentAttention(nn.Module):
         )
         self.interleaved = mla.rope_interleave
         qk = self.nope + self.rope
+        # this rank's rows of the checkpoint's q_proj / q_b_proj and kv_b_proj, and its columns of o_proj
+        self.q_rows = (head_start * qk, H * qk)
+        self.kv_b_rows = (head_start * (self.nope + self.v_dim), H * (self.nope + self.v_dim))
+        self.o_columns = (head_start * self.v_dim, H * self.v_dim)
         bias = cfg.attention_bias
         self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         if mla.q_lora_rank is None:

@@ -203,6 +203,11 @@ class Attention(nn.Module):
         return [self.qkv_proj, self.o_proj]
 
     @property
+    def o_columns(self) -> tuple[int, int]:
+        """This rank's columns of the checkpoint's o_proj: its query heads'."""
+        return self.q_rows
+
+    @property
     def options(self) -> AttentionOptions:
         """The layer's attention options, its sinks as they are now (the parameter is made after the layer:
         `CausalLM.allocate`)."""

@@ -44,7 +44,6 @@ from motet.engine.worker.tp_workers import NO_WORKERS, WorkerGroup
 from motet.kernels import cpu_isa, cpu_native
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
-from motet.models.declaration import ModelLoadError
 
 log = logging.getLogger("motet.engine")
 
@@ -127,11 +126,6 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = context_length(model_config, config.max_model_len)
         self.workers: WorkerGroup | None = None
-        if model_config.latent is not None and config.tensor_parallel_size > 1:  # (before any rank starts)
-            raise ModelLoadError(
-                f"{model_config.architecture}: latent attention over tensor-parallel ranks is not supported yet; "
-                "serve it on one rank (--tensor-parallel-size 1)"
-            )
         if parallel is None and config.tensor_parallel_size > 1:
             self.workers = WorkerGroup(model_dir, model_config, config)
             parallel = self.workers.parallel
@@ -159,7 +153,10 @@ class ModelRunner:
         error = None
         try:
             (_, local_kv_heads) = parallel.heads(model_config)[1]  # this rank's share of the KV cache
-            share = local_kv_heads / model_config.num_key_value_heads
+            # (a latent cache is one row a token: every rank holds all of it)
+            share = (
+                1 if model_config.latent is not None else local_kv_heads / model_config.num_key_value_heads
+            )
             self.model = self._load_model(model_dir)
         except Exception as e:
             if not parallel.enabled:
