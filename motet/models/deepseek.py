@@ -28,6 +28,12 @@ def _experts(cfg: dict, num_layers: int, source: str, sigmoid: bool) -> dict:
         cfg["moe_intermediate_size"], "moe_intermediate_size", source, *LIMITS["moe_intermediate_size"]
     )
     shared = bounded(cfg.get("n_shared_experts") or 0, "n_shared_experts", source, 0, 64)
+    scoring = cfg.get("scoring_func") or ("sigmoid" if sigmoid else "softmax")  # (the Hub's configs say it)
+    if scoring != ("sigmoid" if sigmoid else "softmax"):
+        raise ModelLoadError(
+            f"{source}: scoring_func {scoring!r}: DeepSeek-{'V3' if sigmoid else 'V2'} routes by "
+            f"{'sigmoid' if sigmoid else 'softmax'}"
+        )
     method = cfg.get("topk_method") or ("noaux_tc" if sigmoid else "greedy")
     methods = ("noaux_tc",) if sigmoid else ("greedy", "group_limited_greedy")
     if method not in methods:
@@ -101,4 +107,5 @@ DEEPSEEK_V3 = Architecture(
     experts=v3_experts,
     options=latent_options,
     checkpoint_names={"shared_experts": "shared_expert"},
+    skips_trailing_layers=True,  # its multi-token-prediction layer(s), not read (as transformers)
 )

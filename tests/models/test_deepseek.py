@@ -273,3 +273,81 @@ def test_served_over_http_matches_transformers(tmp_path):
             assert out.choices[0].model_extra["token_ids"] == expected
     finally:
         server.stop()
+
+
+# The Hub's config.json of DeepSeek-V2-Lite and DeepSeek-V3 (the fields the loader reads, as written there:
+# rope_scaling in the old style, no head_dim, V3's multi-token-prediction layer)
+V2_LITE_HUB = dict(
+    architectures=["DeepseekV2ForCausalLM"], attention_bias=False, bos_token_id=100000, eos_token_id=100001,
+    first_k_dense_replace=1, hidden_act="silu", hidden_size=2048, intermediate_size=10944, kv_lora_rank=512,
+    max_position_embeddings=163840, model_type="deepseek_v2", moe_intermediate_size=1408, moe_layer_freq=1,
+    n_group=1, n_routed_experts=64, n_shared_experts=2, norm_topk_prob=False, num_attention_heads=16,
+    num_experts_per_tok=6, num_hidden_layers=27, num_key_value_heads=16, q_lora_rank=None, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, rms_norm_eps=1e-06,
+    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=0.707, mscale_all_dim=0.707,
+                      original_max_position_embeddings=4096, type="yarn"),
+    rope_theta=10000, routed_scaling_factor=1.0, scoring_func="softmax", tie_word_embeddings=False, topk_group=1,
+    topk_method="greedy", v_head_dim=128, vocab_size=102400,
+)  # fmt: skip
+V3_HUB = dict(
+    architectures=["DeepseekV3ForCausalLM"], attention_bias=False, bos_token_id=0, eos_token_id=1,
+    first_k_dense_replace=3, hidden_act="silu", hidden_size=7168, intermediate_size=18432, kv_lora_rank=512,
+    max_position_embeddings=163840, model_type="deepseek_v3", moe_intermediate_size=2048, moe_layer_freq=1,
+    n_group=8, n_routed_experts=256, n_shared_experts=1, norm_topk_prob=True, num_attention_heads=128,
+    num_experts_per_tok=8, num_hidden_layers=61, num_key_value_heads=128, num_nextn_predict_layers=1,
+    q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, rms_norm_eps=1e-06,
+    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                      original_max_position_embeddings=4096, type="yarn"),
+    rope_theta=10000, routed_scaling_factor=2.5, scoring_func="sigmoid", tie_word_embeddings=False, topk_group=4,
+    topk_method="noaux_tc", v_head_dim=128, vocab_size=129280,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("hub", [V2_LITE_HUB, V3_HUB], ids=["v2_lite", "v3"])
+def test_hub_configs_read_as_transformers_reads_them(hub):
+    """The real models' configs: the latent cache's ratio to per-head K / V (V2-Lite 1/8.9, V3 1/71), the softmax
+    scale with YaRN's mscale and the rotary's frequencies and attention factor equal to transformers'."""
+    from transformers import AutoConfig
+
+    from motet.engine.worker.latent_attention import latent_softmax_scale
+    from motet.engine.worker.model import rope_inv_freq
+    from motet.models.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(hub)
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in hub.items() if k != "architectures"})
+    module = __import__(
+        f"transformers.models.{hub['model_type']}.modeling_{hub['model_type']}", fromlist=["x"]
+    )
+    prefix = "DeepseekV2" if hub["model_type"] == "deepseek_v2" else "DeepseekV3"
+    with torch.device("meta"):
+        attention = getattr(module, f"{prefix}Attention")(hf_cfg, 0)
+    rotary = getattr(module, f"{prefix}RotaryEmbedding")(hf_cfg)
+    assert latent_softmax_scale(cfg) == pytest.approx(attention.scaling, rel=1e-6)
+    inv_freq, factor = rope_inv_freq(cfg)
+    torch.testing.assert_close(inv_freq.float(), rotary.inv_freq, rtol=1e-6, atol=0)
+    assert factor == pytest.approx(rotary.attention_scaling, rel=1e-6)
+    ratio = cfg.kv_elements_per_token / cfg.per_head_kv_elements_per_token
+    heads = hub["num_attention_heads"]
+    assert cfg.kv_parts == ((1, 512 + 64),)
+    assert ratio == pytest.approx(576 / (heads * (192 + 128))) and ratio <= 1 / 4  # V2-Lite 0.1125, V3 0.0141
+    assert cfg.sparse_layers[0] == hub["first_k_dense_replace"]
+    assert (cfg.router_scoring, cfg.expert_groups) == (hub["scoring_func"], hub["n_group"])
+
+
+def test_v3_skips_its_multi_token_prediction_layer_and_v2_refuses_extra_layers(tmp_path):
+    """A V3 checkpoint's tensors of the layer after the decoder's (its MTP layer) are not read, as transformers
+    skips them; V2 has none, so there such a tensor has no place."""
+    for name in ("v3_halves", "v2_lite"):
+        model_dir = build_deepseek(tmp_path / name, name)
+        weights = load_file(model_dir / "model.safetensors")
+        weights["model.layers.3.self_attn.kv_a_layernorm.weight"] = torch.ones(16)
+        save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+        if name == "v3_halves":
+            engine = deepseek_engine(model_dir)
+            (got,) = engine_logits(engine, [PROMPTS[2]])
+            torch.testing.assert_close(got, hf_logits(model_dir, PROMPTS[2]), atol=2e-4, rtol=1e-4)
+        else:
+            with pytest.raises(
+                ModelLoadError, match=r"layers\.3\.self_attn\.kv_a_layernorm\.weight' has no place"
+            ):
+                deepseek_engine(model_dir)

@@ -197,8 +197,17 @@ class DecoderWeights:
 
     def _place(self, hf_name: str) -> tuple[str, int | None] | None:
         """(parameter name, shard) a Hugging Face tensor name fills (shard None: the whole parameter), None
-        where it has no place in this model, ELSEWHERE where it belongs to another rank's experts."""
+        where it has no place in this model, ELSEWHERE where it is not read here (another rank's experts, a layer
+        past the decoder's that its declaration skips)."""
         parts = hf_name.removeprefix("model.").split(".")
+        if (
+            len(parts) > 2
+            and parts[0] == "layers"
+            and parts[1].isdigit()
+            and int(parts[1]) >= self.config.num_hidden_layers
+            and self.config.declaration.skips_trailing_layers
+        ):
+            return self.ELSEWHERE  # (not this decoder's: DeepSeek-V3's multi-token-prediction layers)
         if len(parts) > 2 and parts[0] == "layers":  # the family's own module names -> the decoder's
             renames = self.config.declaration.checkpoint_names
             parts = [renames.get(p, p) for p in parts]
