@@ -186,11 +186,6 @@ def load_adapter(
             )
         raise AdapterError(f"{file}: missing; a PEFT LoRA adapter needs {WEIGHTS_FILE}")
     cfg, selection = read_config(path)
-    if base.latent is not None:  # (not the pool's modules; the absorbed form reads kv_b_proj itself)
-        raise AdapterError(
-            f"{path}: LoRA on a latent-attention model ({base.architecture}: q_a_proj, kv_b_proj, ...) is not "
-            "supported yet"
-        )
     linears = base_modules(base)
     _check_safetensors_header(file, max_file_bytes, max_tensors, max_header_bytes)
     moe = base.is_moe

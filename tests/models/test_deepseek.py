@@ -22,7 +22,7 @@ from motet.lora.adapter import AdapterError
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
 from tests.models.test_moe import randomize_norms
-from tests.peft_adapters import save_peft_adapters
+from tests.peft_adapters import peft_reference, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -234,15 +234,52 @@ def test_two_tensor_parallel_ranks_match_transformers(deepseek):
     assert tp_workers() == []
 
 
+# Each attention's projections by PEFT's names: q straight from the hidden state, or through q_a / q_b
+LORA_TARGETS = {
+    "v2_lite": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    "v2": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+}
+
+
+@pytest.mark.parametrize("name", list(LORA_TARGETS))
+def test_lora_on_the_latent_projections_matches_peft(name, tmp_path):
+    """Adapters on every projection of the latent attention (kv_b_proj's delta applied to each sequence's
+    expanded context: such a step computes its decode rows in the expanded form too) and on q / kv_a / o only
+    (the decode rows absorbed), with base rows, in 7-token chunks and one token a step, and greedy."""
+    model_dir = build_deepseek(tmp_path / "model", name)
+    targets = LORA_TARGETS[name]
+    specs = [("all", 8, targets), ("no_kv_b", 4, [t for t in targets if t != "kv_b_proj"])]
+    peft = save_peft_adapters(model_dir, tmp_path, specs, std=0.1)
+    llm = LLM(str(model_dir), num_kv_blocks=128, block_size=8, max_lora_rank=8, max_loras=2)
+    for adapter, _, _ in specs:
+        llm.add_lora(adapter, tmp_path / adapter)
+    prompts, names = PROMPTS[:4], ["all", None, "no_kv_b", "all"]
+    for chunk, picked in ((7, [0, 1, 2, 3]), (1, [1, 2])):  # (one token a step: no_kv_b's rows absorbed)
+        sub = [prompts[i] for i in picked]
+        got = engine_logits(llm.engine, sub, chunk=chunk, adapters=[names[i] for i in picked])
+        for i, g in zip(picked, got, strict=True):
+            ref = peft_reference(peft, names[i], prompts[i], 0)[1]
+            torch.testing.assert_close(g, ref, atol=2e-4, rtol=1e-4)
+            if names[i] is not None:  # (the adapter does move the logits)
+                assert (ref - peft_reference(peft, None, prompts[i], 0)[1]).abs().max() > 0.05
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    for p, n, out in zip(prompts, names, llm.generate(prompts, params, adapters=names), strict=True):
+        assert out.token_ids == peft_reference(peft, n, p, 8)[0][len(p) :], n
+
+
 def test_what_is_not_served_yet_is_refused_by_name(deepseek, tmp_path):
     name, model_dir = deepseek
     if name != "v2":
         pytest.skip("once")
     with pytest.raises(ModelLoadError, match="quantization of a latent-attention model"):
         LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16, quantization="int8"), model_dir)
-    save_peft_adapters(model_dir, tmp_path, [("a", 4, ["o_proj"])], std=0.1)
+    save_peft_adapters(model_dir, tmp_path, [("a", 4, ["q_b_proj", "o_proj"])], std=0.1)
+    config = (
+        tmp_path / "a" / "adapter_config.json"
+    )  # the MLP as a target (the experts: PEFT's raw parameters)
+    config.write_text(config.read_text().replace('"o_proj"', '"down_proj"'))
     llm = LLM(str(model_dir), num_kv_blocks=16, max_lora_rank=8)
-    with pytest.raises(AdapterError, match="LoRA on a latent-attention model"):
+    with pytest.raises(AdapterError, match="mixture-of-experts model's MLP"):
         llm.add_lora("a", tmp_path / "a")
 
 

@@ -50,10 +50,12 @@ class LatentSplit:
     prefills: list[tuple[int, int, int, list[int]]]
 
 
-def split_step(meta: PagedContext, block_size: int) -> LatentSplit:
+def split_step(meta: PagedContext, block_size: int, absorb: bool = True) -> LatentSplit:
+    """The step's rows by form; without `absorb` every row in the expanded form (an adapter on kv_b_proj: its
+    delta is applied to each sequence's expanded context)."""
     starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-    decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    several = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > 1]
+    decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1 and absorb]
+    several = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > (1 if absorb else 0)]
     tables = meta.block_tables[several].tolist() if several else []
     prefills = [
         (starts[b], starts[b + 1], lens[b], table[: -(-lens[b] // block_size)])
@@ -134,28 +136,44 @@ class LatentAttention(nn.Module):
     ):
         T, H = x.shape[0], self.num_heads
         if self.q_proj is not None:
-            q = self.q_proj(x)
+            q = self._project(self.q_proj, x, lora, "q_proj")
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a = self.q_a_layernorm(self._project(self.q_a_proj, x, lora, "q_a_proj"))
+            q = self._project(self.q_b_proj, q_a, lora, "q_b_proj")
         q = q.view(T, H, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], self._rotate(q[..., self.nope :], angles)
-        kv = self.kv_a_proj_with_mqa(x)
+        kv = self._project(self.kv_a_proj_with_mqa, x, lora, "kv_a_proj_with_mqa")
         c_kv = self.kv_a_layernorm(kv[:, : self.rank].contiguous())
         k_rope = self._rotate(kv[:, self.rank :].unsqueeze(1), angles)
         (cache,) = kv_cache
         latent = torch.cat([c_kv.unsqueeze(1), k_rope], dim=-1).to(cache.dtype)  # [T, 1, rank + rope]
         write_kv_cache(latent, latent, cache, cache, meta.slot_mapping)
-        if meta.latent is None:
-            meta.latent = split_step(meta, cache.shape[1])
+        if meta.latent is None:  # (an adapter on kv_b_proj: no absorbed form, its delta is per sequence)
+            absorb = lora is None or not lora.targets(("kv_b_proj",))
+            meta.latent = split_step(meta, cache.shape[1], absorb)
         split: LatentSplit = meta.latent
         out = q.new_zeros(T, H, self.v_dim)  # (rows past the step's: zeros)
         if split.decode_rows is not None:
             rows = split.decode_rows
             out[rows] = self._absorbed(q_nope[rows], q_rope[rows], cache, split.decode_ctx)
         for start, end, seq_len, blocks in split.prefills:
-            out[start:end] = self._expanded(q_nope[start:end], q_rope[start:end], cache, seq_len, blocks)
-        attn = out.view(T, H * self.v_dim)
-        return self.o_proj(attn)
+            on_kv_b = lora is not None and lora.targets(("kv_b_proj",))
+            context = lora.of_row(start, seq_len) if on_kv_b else None
+            out[start:end] = self._expanded(
+                q_nope[start:end], q_rope[start:end], cache, seq_len, blocks, context
+            )
+        return self._project(self.o_proj, out.view(T, H * self.v_dim), lora, "o_proj")
+
+    def _project(self, linear: Linear, x: torch.Tensor, lora: LoRABatch | None, name: str) -> torch.Tensor:
+        """`linear`(x) and each row's adapter delta of the module `name` (PEFT's name; q_proj in the q/k/v group
+        with k and v empty)."""
+        y = linear(x)
+        if lora is not None:
+            group, sizes = (
+                ((name, "k_proj", "v_proj"), (y.shape[1], 0, 0)) if name == "q_proj" else ((name,), None)
+            )
+            lora.add(y, x, self.layer_idx, group, sizes or (y.shape[1],))
+        return y
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's key half W_UK [H, nope, rank] and value half W_UV [H, v, rank]."""
@@ -171,14 +189,17 @@ class LatentAttention(nn.Module):
         o = paged_attention(query, (cache, cache), ctx, AttentionOptions(self.scale))[..., : self.rank]
         return torch.bmm(o.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
 
-    def _expanded(self, q_nope, q_rope, cache: torch.Tensor, seq_len: int, blocks: list[int]) -> torch.Tensor:
+    def _expanded(
+        self, q_nope, q_rope, cache: torch.Tensor, seq_len: int, blocks: list[int], lora: LoRABatch | None
+    ) -> torch.Tensor:
         """One sequence's new rows (its last len(q_nope) positions of `seq_len`): its cached c_kv through kv_b_proj
-        into per-head keys and values, causal attention in fp32 (queries in chunks bounding the scores'
-        memory). [n, H, v]."""
+        (and its adapter's delta there: `lora`, one segment over the context) into per-head keys and values,
+        causal attention in fp32 (queries in chunks bounding the scores' memory). [n, H, v]."""
         H, n = self.num_heads, q_nope.shape[0]
         rows = cache.index_select(0, torch.tensor(blocks, device=cache.device)).view(-1, cache.shape[-1])
         rows = rows[:seq_len]
-        kv = self.kv_b_proj(rows[:, : self.rank].to(self.kv_b_proj.weight.dtype)).view(seq_len, H, -1)
+        latent = rows[:, : self.rank].to(q_nope.dtype)
+        kv = self._project(self.kv_b_proj, latent, lora, "kv_b_proj").view(seq_len, H, -1)
         k = torch.cat(
             [
                 kv[..., : self.nope],
