@@ -208,9 +208,17 @@ def test_a_restart_serves_latent_blocks_from_the_disk_tier(deepseek, tmp_path):
     again.engine.close()
 
 
-def test_two_tensor_parallel_ranks_match_transformers(deepseek):
+# Each attention's projections by PEFT's names: q straight from the hidden state, or through q_a / q_b
+LORA_TARGETS = {
+    "v2_lite": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    "v2": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+}
+
+
+def test_two_tensor_parallel_ranks_match_transformers_and_peft(deepseek, tmp_path):
     """Two gloo ranks: each its heads' rows of q_proj / q_b_proj and kv_b_proj and columns of o_proj, the whole
-    latent computed and cached on both, the experts' and MLPs' columns and the vocabulary split."""
+    latent computed and cached on both, the experts' and MLPs' columns and the vocabulary split; an adapter's
+    factors cut the same way."""
     from tests.engine.test_tensor_parallel import tp_workers
 
     name, model_dir = deepseek
@@ -228,17 +236,20 @@ def test_two_tensor_parallel_ranks_match_transformers(deepseek):
         engine.close()
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[2]]
-    with LLM(str(model_dir), num_kv_blocks=128, block_size=8, tensor_parallel_size=2) as llm:
+    # an adapter on every latent projection, cut with the heads (q_a / kv_a whole on each rank)
+    targets = LORA_TARGETS["v2_lite" if name == "v3_halves" else "v2"]
+    peft = save_peft_adapters(model_dir, tmp_path, [("all", 8, targets)], std=0.1)
+    names = ["all", None, "all"]
+    with LLM(str(model_dir), num_kv_blocks=128, block_size=8, tensor_parallel_size=2, max_lora_rank=8) as llm:
         outs = llm.generate(prompts, params)
+        llm.add_lora("all", tmp_path / "all")
+        adapted = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, min_tokens=8), adapters=names
+        )
     assert [o.token_ids for o in outs] == hf_greedy_outputs(model_dir, prompts, 16)
+    for p, n, out in zip(prompts, names, adapted, strict=True):
+        assert out.token_ids == peft_reference(peft, n, p, 8)[0][len(p) :], n
     assert tp_workers() == []
-
-
-# Each attention's projections by PEFT's names: q straight from the hidden state, or through q_a / q_b
-LORA_TARGETS = {
-    "v2_lite": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
-    "v2": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
-}
 
 
 @pytest.mark.parametrize("name", list(LORA_TARGETS))
