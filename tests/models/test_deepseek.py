@@ -174,6 +174,19 @@ def test_logits_match_transformers_in_batches_and_chunks(deepseek):
         torch.testing.assert_close(got, hf_logits(model_dir, prompt), atol=2e-4, rtol=1e-4)
 
 
+def test_bf16_close_to_transformers_fp32(deepseek):
+    """bf16 weights and latent cache (both forms, 7-token chunks and a 1-token prompt): probabilities within 0.02
+    of transformers' fp32 ones."""
+    name, model_dir = deepseek
+    if name != "v3":
+        pytest.skip("once")
+    engine = deepseek_engine(model_dir, dtype="bfloat16")
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    for got, p in zip(engine_logits(engine, PROMPTS[:4], chunk=7), PROMPTS[:4], strict=True):
+        ref = hf_logits(model_dir, p).softmax(-1)
+        assert (got.float().softmax(-1) - ref).abs().max() < 0.02
+
+
 def test_greedy_matches_generate_in_a_chunked_batch_and_from_the_prefix_cache(deepseek):
     _, model_dir = deepseek
     # a 48-token step budget: prompts are chunked and share steps with the others' decodes
