@@ -9,6 +9,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     GptOssConfig,
@@ -87,6 +89,8 @@ def build_tiny_model(path: Path, arch: str = "llama", tied: bool = True, seed: i
         "mixtral": MixtralConfig,  # overrides: num_local_experts, num_experts_per_tok
         "qwen2_moe": Qwen2MoeConfig,  # overrides: num_experts, moe_intermediate_size, shared_expert_...
         "qwen3_moe": Qwen3MoeConfig,  # Qwen2-MoE's overrides less the shared expert; q_norm / k_norm per head
+        "deepseek_v2": DeepseekV2Config,  # latent attention; overrides: kv_lora_rank, q_lora_rank, experts ...
+        "deepseek_v3": DeepseekV3Config,  # V2's attention, sigmoid routing with a correction bias
     }[arch]
     model = AutoModelForCausalLM.from_config(cfg_cls(**common))
     with torch.no_grad():  # larger-than-default weights so that logits are far from uniform

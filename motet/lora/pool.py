@@ -36,11 +36,12 @@ import torch
 from motet.kernels.sgmv import add_embedding_lora, add_lora
 from motet.lora.adapter import AdapterError, LoRAAdapter, module_shape
 from motet.models.config import ModelConfig
-from motet.models.projections import PROJECTION_GROUPS
+from motet.models.projections import LATENT_GROUPS, PROJECTION_GROUPS
 
-# The decoder's projection groups (each one shrink and one expand), then the two outside the decoder layers,
-# one piece each: the embedding (its "shrink" a lookup of the token's column of A) and the head.
-DECODER_GROUPS = PROJECTION_GROUPS
+# The decoder's projection groups (each one shrink and one expand; a latent attention's own after the others:
+# the native step applies the first four), then the two outside the decoder layers, one piece each: the embedding
+# (its "shrink" a lookup of the token's column of A) and the head.
+DECODER_GROUPS = (*PROJECTION_GROUPS, *LATENT_GROUPS)
 EMBED, HEAD = len(DECODER_GROUPS), len(DECODER_GROUPS) + 1  # their groups' indices
 MODULE_GROUPS = (*DECODER_GROUPS, ("embed_tokens",), ("lm_head",))
 GROUP_OF = {modules: g for g, modules in enumerate(MODULE_GROUPS)}
@@ -366,6 +367,20 @@ class LoRABatch:
             self.weights,
             (list(range(len(rows) + 1)), picked),
         )
+
+    def targets(self, modules: tuple[str, ...]) -> bool:
+        """Whether some adapter of the step targets this module group (in some layer)."""
+        return GROUP_OF[modules] in self.weights.groups
+
+    def of_row(self, row: int, n: int) -> LoRABatch:
+        """A batch of `n` rows that all take the adapter of this step's token row `row` (a latent attention's
+        cached context of that row's sequence, expanded)."""
+        starts, slots = self.host or (self.seg_starts.tolist(), self.seg_slots.tolist())
+        slot = slots[bisect.bisect_right(starts, row) - 1]
+        device = self.seg_starts.device
+        seg_starts = torch.tensor([0, n], dtype=torch.int32, device=device)
+        seg_slots = torch.tensor([slot], dtype=torch.int32, device=device)
+        return LoRABatch(seg_starts, seg_slots, n, self.weights, ([0, n], [slot]))
 
     def add_embedding(self, x: torch.Tensor, input_ids: torch.Tensor) -> None:
         """x (the tokens' embeddings) += each token's embedding delta, in place: B @ A[:, token] * scale."""

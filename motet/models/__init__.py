@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from motet.models.gemma2 import GEMMA2
 from motet.models.gemma3 import GEMMA3
 from motet.models.gpt_oss import GPT_OSS
@@ -28,6 +29,8 @@ DECLARATIONS: tuple[Architecture, ...] = (
     QWEN2_MOE,
     QWEN3_MOE,
     GPT_OSS,
+    DEEPSEEK_V2,
+    DEEPSEEK_V3,
 )
 _BY_NAME = {name: decl for decl in DECLARATIONS for name in decl.names}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_BY_NAME)

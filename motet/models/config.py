@@ -12,6 +12,7 @@ from motet.models import SUPPORTED_ARCHITECTURES, find
 from motet.models import get as get_declaration
 from motet.models.declaration import Architecture, ModelLoadError
 from motet.models.fields import LIMITS, bounded, bounded_number, flag, sliding_window
+from motet.models.latent import LatentAttention
 from motet.models.projections import projection_shapes
 from motet.models.rope_config import checked_rope_scaling
 
@@ -72,6 +73,23 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     sparse_layers: tuple[int, ...] = ()
+    # How the router turns its logits into the experts' weights (DeepSeek's options; the defaults: a softmax over
+    # all experts, top-k of it): `router_scoring` "softmax" or "sigmoid" (V3: each expert's own sigmoid);
+    # `router_score_bias` (V3's e_score_correction_bias): a per-expert bias added to the scores for choosing
+    # only (the weights stay the unbiased scores); group-limited top-k: the experts in `expert_groups` equal
+    # groups, each scored by its best expert (with the bias: its best two's sum), the top-k drawn from the
+    # `expert_groups_kept` best groups only; the chosen weights (renormalized where `norm_topk_prob`) times
+    # `routed_scaling_factor`. `shared_expert_gate`: Qwen2-MoE's shared expert is scaled by a sigmoid gate,
+    # DeepSeek's shared experts are not.
+    router_scoring: str = "softmax"
+    router_score_bias: bool = False
+    expert_groups: int = 1
+    expert_groups_kept: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True
+    # DeepSeek's latent attention in place of per-head K and V (None: the per-head attention); `head_dim` is
+    # then the q / k heads' width (unrotated and rotated parts), `rotary_dim` the rotated part's
+    latent: LatentAttention | None = None
     # Granite's constant scales: the embeddings times embedding_multiplier, attention scores times
     # attention_multiplier (None: 1 / sqrt(head_dim)), each block's output times residual_multiplier before the
     # residual add, the logits divided by logits_scaling. All but the first are folded into weights as they load.
@@ -103,6 +121,27 @@ class ModelConfig:
         if self.logits_scaling != 1.0:
             scales["norm"] = 1.0 / self.logits_scaling
         return scales
+
+    @property
+    def kv_parts(self) -> tuple[tuple[int, int], ...]:
+        """What each layer's paged cache holds per token, as (heads, width) per cache tensor: K and V of every KV
+        head, or with latent attention one tensor of one row, c_kv then the rotated key (vLLM's MLA layout)."""
+        if self.latent is not None:
+            return ((1, self.latent.cache_width),)
+        return ((self.num_key_value_heads, self.head_dim),) * 2
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Elements a token keeps in the KV cache over all layers (times the KV dtype's size: its bytes)."""
+        return self.num_hidden_layers * sum(heads * width for heads, width in self.kv_parts)
+
+    @property
+    def per_head_kv_elements_per_token(self) -> int:
+        """What per-head K and V of the same attention would keep a token over all layers: with latent attention
+        every head's key (its unrotated and rotated parts) and value, as the expanded form makes them."""
+        if self.latent is None:
+            return self.kv_elements_per_token
+        return self.num_hidden_layers * self.num_attention_heads * (self.head_dim + self.latent.v_head_dim)
 
     @property
     def is_moe(self) -> bool:

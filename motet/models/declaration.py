@@ -48,6 +48,9 @@ class Architecture:
     # [E, H, I], or one tensor an expert's projection) or "interleaved" (GPT-OSS's [E, H, 2I] with gate and up
     # columns alternating, and [E, I, H]): converted as they load.
     expert_layout: str = "decoder"
+    # Checkpoints that hold more layers than the decoder runs, after its own (DeepSeek-V3's multi-token-prediction
+    # layers, `model.layers.{num_hidden_layers}...`): their tensors are not read, as transformers skips them.
+    skips_trailing_layers: bool = False
     # The `general.architecture` of the GGUF files llama.cpp's converter writes for it (None: not read from GGUF),
     # the prefix of its hyperparameters' keys, and whether that converter interleaved q/k rows for its rotary
     # (llama's `permute`; Qwen's files keep Hugging Face's order).

@@ -10,7 +10,11 @@ GATE_UP = ("gate_proj", "up_proj")
 # gate_up_proj; o_proj and down_proj alone): one matmul each, and one LoRA shrink and expand each.
 PROJECTION_GROUPS: tuple[tuple[str, ...], ...] = (QKV, ("o_proj",), GATE_UP, ("down_proj",))
 PROJECTIONS = tuple(m for group in PROJECTION_GROUPS for m in group)  # every one: what LoRA may target
-ATTENTION_PROJECTIONS = (*QKV, "o_proj")  # under self_attn; the others under mlp
+# DeepSeek's latent attention's own projections besides q_proj and o_proj (motet/engine/worker/latent_attention.py):
+# each alone in its LoRA group (its q_proj, unfused, takes the q/k/v group with k and v empty)
+LATENT_ONLY = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+LATENT_GROUPS: tuple[tuple[str, ...], ...] = tuple((m,) for m in LATENT_ONLY)
+ATTENTION_PROJECTIONS = (*QKV, "o_proj", *LATENT_ONLY)  # under self_attn; the others under mlp
 # The decoder's fused modules -> the projections they hold, rows in this order.
 DECODER_FUSED = {"qkv_proj": QKV, "gate_up_proj": GATE_UP}
 # A projection -> (the decoder's fused module that holds it, its shard there).
@@ -31,3 +35,21 @@ def projection_shapes(
         "up_proj": (hidden, intermediate),
         "down_proj": (intermediate, hidden),
     }
+
+
+def latent_projection_shapes(
+    hidden: int, heads: int, q_rank: int | None, kv_rank: int, nope: int, rope: int, v_dim: int
+) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of a latent attention's projections (q_proj where `q_rank` is None, else
+    q_a_proj and q_b_proj)."""
+    qk = nope + rope
+    shapes = {
+        "kv_a_proj_with_mqa": (hidden, kv_rank + rope),
+        "kv_b_proj": (kv_rank, heads * (nope + v_dim)),
+        "o_proj": (heads * v_dim, hidden),
+    }
+    if q_rank is None:
+        shapes["q_proj"] = (hidden, heads * qk)
+    else:
+        shapes |= {"q_a_proj": (hidden, q_rank), "q_b_proj": (q_rank, heads * qk)}
+    return shapes

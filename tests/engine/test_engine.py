@@ -13,7 +13,7 @@ from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.worker.model import Linear, onednn_available
+from motet.engine.worker.layers import Linear, onednn_available
 from motet.models.declaration import ModelLoadError
 from tests.tiny_models import build_tiny_model
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from motet.kernels import cpu_isa, cpu_native
 from motet.kernels.attention_args import AttentionOptions, PagedContext
 from motet.lora.adapter import module_shape
-from motet.lora.pool import DECODER_GROUPS
+from motet.models.projections import PROJECTION_GROUPS
 from tests.kernels.cpu_tiers import ref_activations, reset
 from tests.kernels.test_paged_attention import TOL, check, make_batch, naive_attention, random_seqs
 from tests.lora.test_lora_pool import BASE, LAYOUT
@@ -169,7 +169,7 @@ def test_sgmv_decode_rows_of_many_adapters_match_naive(dtype):
     pool, adapters = adapter_pool(dtype)
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(0, 13, (64,), generator=g).tolist()
-    for group, modules in enumerate(DECODER_GROUPS):
+    for group, modules in enumerate(PROJECTION_GROUPS):  # (the native step's: the per-head decoder's)
         n_in = module_shape(BASE, modules[0])[0]
         sizes = [module_shape(BASE, m)[1] for m in modules]
         x = torch.randn(64, n_in, generator=g)

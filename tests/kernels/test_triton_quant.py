@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
-from motet.engine.worker.model import Linear
+from motet.engine.worker.layers import Linear
 from motet.kernels import triton_quant
 from motet.kernels.quant import FORMATS, MXFP4, QuantizedWeight
 from motet.kernels.triton_quant import TileConfig, choose_config, quant_linear

@@ -15,8 +15,9 @@ from motet.kernels import cpu_native
 from motet.lora.adapter import TARGET_MODULES, AdapterError, load_adapter, module_shape
 from motet.lora.host_cache import HostCache, HostEntry
 from motet.lora.manager import AdapterManager, AdapterRef
-from motet.lora.pool import DECODER_GROUPS, MODULE_GROUPS, AdapterPool, PoolLayout, desc_columns, pack
+from motet.lora.pool import MODULE_GROUPS, AdapterPool, PoolLayout, desc_columns, pack
 from motet.models.config import ModelConfig
+from motet.models.projections import PROJECTION_GROUPS
 
 BASE = ModelConfig.from_dict(
     {
@@ -66,7 +67,7 @@ def always(uid: int) -> bool:
 def test_pack_holds_each_targeted_module_at_its_own_rank_with_the_scale_folded_into_bt(adapters):
     adapter = load_adapter(adapters[1], BASE, max_rank=8)  # rank 4, q and v of the q/k/v group
     p = pack(adapter, LAYOUT, torch.float32)
-    assert p.rank == 4 and [g is not None for g in p.groups] == [True, False, False, False, False, False]
+    assert p.rank == 4 and [g is not None for g in p.groups] == [True] + [False] * (len(MODULE_GROUPS) - 1)
     offset, stride, mask = p.groups[0]
     assert mask == 0b101  # q and v, not k
     geo = LAYOUT.groups[0]
@@ -89,7 +90,7 @@ def test_desc_row_places_every_group_at_the_region(adapters):
     row = p.desc_row(1024)
     assert row[0] == 8
     for g, group in enumerate(p.groups):
-        if g >= len(DECODER_GROUPS):  # the embedding and the head: not targeted
+        if MODULE_GROUPS[g] not in PROJECTION_GROUPS:  # the embedding, the head, latent attention's: not here
             assert group is None and row[desc_columns(g)[0]] == -1
             continue
         offset, stride, mask = group
@@ -176,7 +177,7 @@ def check_deltas(pool, paths, uids, counts, dtype=torch.float32):
     g = torch.Generator().manual_seed(7)
     tol = dict(atol=1e-4, rtol=1e-4)  # fp32 sums of the stored weights' products
     for layer in range(BASE.num_hidden_layers):
-        for gi, modules in enumerate(DECODER_GROUPS):
+        for gi, modules in enumerate(PROJECTION_GROUPS):  # (a latent attention's: not this base's)
             n_in = module_shape(BASE, modules[0])[0]
             sizes = [module_shape(BASE, m)[1] for m in modules]
             x = torch.randn(len(rows), n_in, generator=g)

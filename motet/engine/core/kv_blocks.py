@@ -1,8 +1,9 @@
 """KV blocks as data: the layout of one block, copies between the paged KV cache and host tensors, and the
 identity of what a block's values depend on (the model's weights, the KV dtype and layout).
 
-The paged cache is a list of per-layer (k, v) tensors shaped [num_blocks, block_size, kv_heads, head_dim]
-(motet/engine/worker/model_runner.py). A block off the device is one host tensor shaped [layers, 2, block_size,
+The paged cache is a list of per-layer (k, v) tensors shaped [num_blocks, block_size, kv_heads, head_dim], or with
+latent attention one tensor a layer, [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]
+(motet/engine/worker/model_runner.py). A block off the device is one host tensor shaped [layers, parts, block_size,
 kv_heads, head_dim]. `read_blocks` and `write_blocks` move a set of blocks at once, one gather or scatter per
 layer: under tensor parallelism each rank holds its shard of the KV heads, and a rank runs these same two
 functions on its own `kv_caches` (the layout's `kv_heads` being its shard's).
@@ -27,20 +28,24 @@ _SAMPLE_BYTES = 1 << 16
 
 @dataclass(frozen=True)
 class KVLayout:
+    """A block's layout: `num_parts` cache tensors a layer (2: K and V; 1: latent attention's rows of c_kv and
+    the rotated key, whose `num_kv_heads` is 1 and `head_dim` the row's width), each [block_size, heads, width]."""
+
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    num_parts: int = 2
 
     @classmethod
     def of(cls, kv_caches) -> KVLayout:
         _, block_size, heads, head_dim = kv_caches[0][0].shape
-        return cls(len(kv_caches), block_size, heads, head_dim, kv_caches[0][0].dtype)
+        return cls(len(kv_caches), block_size, heads, head_dim, kv_caches[0][0].dtype, len(kv_caches[0]))
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.num_parts, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def element_size(self) -> int:
@@ -60,6 +65,9 @@ class KVLayout:
             "kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "dtype": str(self.dtype).removeprefix("torch."),
+            **(
+                {} if self.num_parts == 2 else {"parts": self.num_parts}
+            ),  # (K / V layouts' identities unchanged)
         }
 
 
@@ -69,9 +77,9 @@ def read_blocks(kv_caches, block_ids: list[int]) -> torch.Tensor:
     device = kv_caches[0][0].device
     ids = torch.tensor(block_ids, dtype=torch.long, device=device)
     out = torch.empty((len(block_ids), *layout.block_shape), dtype=layout.dtype)
-    for layer, (k, v) in enumerate(kv_caches):
-        out[:, layer, 0] = k.index_select(0, ids)
-        out[:, layer, 1] = v.index_select(0, ids)
+    for layer, parts in enumerate(kv_caches):
+        for i, part in enumerate(parts):
+            out[:, layer, i] = part.index_select(0, ids)
     return out
 
 
@@ -81,9 +89,9 @@ def write_blocks(kv_caches, block_ids: list[int], data: torch.Tensor) -> None:
     device = kv_caches[0][0].device
     ids = torch.tensor(block_ids, dtype=torch.long, device=device)
     data = data.to(device)  # blocking: the caller reuses `data`'s memory next
-    for layer, (k, v) in enumerate(kv_caches):
-        k.index_copy_(0, ids, data[:, layer, 0])
-        v.index_copy_(0, ids, data[:, layer, 1])
+    for layer, parts in enumerate(kv_caches):
+        for i, part in enumerate(parts):
+            part.index_copy_(0, ids, data[:, layer, i])
 
 
 def model_identity(model_dir: str | Path, quantization: str | None, layout: KVLayout) -> str:

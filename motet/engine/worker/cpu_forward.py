@@ -24,16 +24,8 @@ import weakref
 
 import torch
 
-from motet.engine.worker.model import (
-    MLP,
-    STACKED,
-    AttentionMetadata,
-    CausalLM,
-    Experts,
-    Linear,
-    RMSNorm,
-    SparseMoE,
-)
+from motet.engine.worker.layers import Linear, RMSNorm
+from motet.engine.worker.model import MLP, STACKED, AttentionMetadata, CausalLM, Experts, SparseMoE
 from motet.kernels import cpu_native
 from motet.kernels.quant import BLOCK
 from motet.lora.pool import GROUP_OF, LoRABatch
@@ -67,7 +59,8 @@ class WeightArena:
 def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
     """Whether the native step runs this model: the kernels built, its dtypes theirs, its heads within the
     attention kernel's limits, no expert parallelism (the MoE op has no all-to-all: the eager model dispatches).
-    Every layer option of the eager decoder is an op (or an op's option) of the program."""
+    Every layer option of the eager decoder is an op (or an op's option) of the program but latent attention and
+    DeepSeek's routing, not yet ops: a model that declares them runs the eager model."""
     cfg = model.config
     return (
         cpu_native.library() is not None
@@ -78,6 +71,10 @@ def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
         and cfg.num_attention_heads // cfg.num_key_value_heads <= 16
         and cfg.head_dim <= 256
         and cfg.rotary_dim % 2 == 0
+        # the program has no latent attention op (DeepSeek's MLA) and routes by a plain softmax top-k: a model
+        # declaring either runs the eager torch model
+        and cfg.latent is None
+        and all(layer.mlp.gate.plain for layer in model.layers if isinstance(layer.mlp, SparseMoE))
     )
 
 

@@ -15,7 +15,8 @@ from torch import nn
 
 from motet.engine.weights.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
 from motet.engine.weights.mxfp4 import Mxfp4Tensor
-from motet.engine.worker.model import STACKED, CausalLM, Experts, Linear, QuantizedExperts
+from motet.engine.worker.layers import Linear
+from motet.engine.worker.model import STACKED, CausalLM, Experts, QuantizedExperts
 from motet.engine.worker.parallel import ROW_PARALLEL
 from motet.kernels.quant import BLOCK, INT8, QuantizedWeight, WeightFormat
 from motet.models.declaration import ModelLoadError
@@ -45,6 +46,7 @@ class DecoderWeights:
         self.model = model
         self.config = model.config
         self.parallel = model.parallel
+        self.names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
 
     def quantized_formats(self, fmt: WeightFormat) -> dict[str, WeightFormat]:
         """Which weights `load_weights(..., quantize=fmt)` quantizes, by parameter name: the decoder's
@@ -54,6 +56,11 @@ class DecoderWeights:
         so it is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
         keep it in Q8_0 (or Q6_K) the same way."""
         cfg = self.config
+        if cfg.latent is not None:  # (its decode form reads kv_b_proj's weight itself)
+            raise ModelLoadError(
+                f"{fmt.name} quantization of a latent-attention model ({cfg.architecture}) is not supported yet: "
+                "serve it unquantized (leave --quantization out)"
+            )
         dims = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size}
         if cfg.is_moe:
             dims["moe_intermediate_size"] = cfg.moe_intermediate_size
@@ -153,7 +160,11 @@ class DecoderWeights:
             start, n = (owner.q_rows, owner.kv_rows, owner.kv_rows)[shard]
             return tensor.narrow(0, start, n)
         if module == "o_proj":
-            return tensor.narrow(1, *owner.q_rows)
+            return tensor.narrow(1, *owner.o_columns)
+        if module in ("q_proj", "q_b_proj"):  # a latent attention's (unfused): its heads' rows
+            return tensor.narrow(0, *owner.q_rows)
+        if module == "kv_b_proj":
+            return tensor.narrow(0, *owner.kv_b_rows)
         if module == "gate_up_proj" or (module == "experts" and leaf == "gate_up_proj"):
             return tensor.narrow(0, *owner.columns)
         if module == "down_proj" or (module == "experts" and leaf == "down_proj"):
@@ -195,8 +206,17 @@ class DecoderWeights:
 
     def _place(self, hf_name: str) -> tuple[str, int | None] | None:
         """(parameter name, shard) a Hugging Face tensor name fills (shard None: the whole parameter), None
-        where it has no place in this model, ELSEWHERE where it belongs to another rank's experts."""
+        where it has no place in this model, ELSEWHERE where it is not read here (another rank's experts, a layer
+        past the decoder's that its declaration skips)."""
         parts = hf_name.removeprefix("model.").split(".")
+        if (
+            len(parts) > 2
+            and parts[0] == "layers"
+            and parts[1].isdigit()
+            and int(parts[1]) >= self.config.num_hidden_layers
+            and self.config.declaration.skips_trailing_layers
+        ):
+            return self.ELSEWHERE  # (not this decoder's: DeepSeek-V3's multi-token-prediction layers)
         if len(parts) > 2 and parts[0] == "layers":  # the family's own module names -> the decoder's
             renames = self.config.declaration.checkpoint_names
             parts = [renames.get(p, p) for p in parts]
@@ -215,6 +235,8 @@ class DecoderWeights:
             return name, expert * (2 if stacked == "gate_up_proj" else 1) + part
         if len(parts) == 1:
             return hf_name, None
+        if ".".join(parts) in self.names:  # the decoder's own module (a latent attention's q_proj: unfused)
+            return ".".join(parts), None
         module, shard = FUSED_SHARD.get(parts[-2], (parts[-2], None))
         parts[-2] = module
         return ".".join(parts), shard

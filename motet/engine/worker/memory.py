@@ -18,7 +18,8 @@ import os
 import torch
 
 from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION, EngineConfig
-from motet.engine.worker.model import Experts, Linear
+from motet.engine.worker.layers import Linear
+from motet.engine.worker.model import Experts
 from motet.kernels.quant import QuantizedWeight
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError

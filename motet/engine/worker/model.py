@@ -28,11 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from motet.engine.worker.latent_attention import LatentAttention, LatentSplit
+from motet.engine.worker.layers import Linear, RMSNorm
 from motet.engine.worker.parallel import SINGLE, Parallel
-from motet.kernels import activation, fused_norm, rope_kv, triton_moe, triton_quant
+from motet.engine.worker.routing import Router
+from motet.kernels import activation, rope_kv, triton_moe, triton_quant
 from motet.kernels.attention_args import AttentionOptions, PagedContext
 from motet.kernels.paged_attention import paged_attention
-from motet.kernels.quant import QuantizedWeight, WeightFormat
+from motet.kernels.quant import QuantizedWeight
 from motet.kernels.rope_kv import RotaryAngles
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
@@ -47,6 +50,8 @@ class AttentionMetadata(PagedContext):
     slot_mapping: torch.Tensor  # [T] int64
     # The sliding-window layers' own: their slots and tables in the window pool (motet/engine/core/kv_window.py)
     window: AttentionMetadata | None = None
+    # The latent attention's split of the step's rows (made by its first layer, motet/engine/worker/latent_attention.py)
+    latent: LatentSplit | None = None
 
     def for_window(self) -> AttentionMetadata:
         """The metadata of the sliding-window layers: `window`, or where they keep their KV in the same blocks
@@ -109,54 +114,6 @@ def yarn_inv_freq(cfg: ModelConfig, inv_freq: torch.Tensor, scaling: dict) -> tu
     return inv_freq / factor * (1 - kept) + inv_freq * kept, float(attention)
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose CPU product can run through oneDNN on a prepacked weight.
-
-    On CPU `F.linear` goes to MKL. On this machine (AMD EPYC, AVX-512) oneDNN with a prepacked weight
-    measured 2.6-3.2x faster for fp32 at 32-64 rows, 1.3-3x at one row, and 1.2-2x for bf16 (vLLM's
-    CPU backend uses oneDNN too). The CPU runner calls `prepack()`; the plain weight stays for tied
-    embeddings, LoRA and checkpoints.
-
-    A quantized layer holds its weight in `quantized` (its float `weight` released) and multiplies through
-    the Triton W8A16 / W4A16 kernel on CUDA (motet/kernels/triton_quant.py), elsewhere through the format's
-    reference product (`QuantizedWeight.linear`); the native CPU step packs the same weight for its
-    quantized kernels."""
-
-    packed_weight: torch.Tensor | None = None
-    quantized: QuantizedWeight | None = None
-
-    def quantize(self, fmt: WeightFormat) -> None:
-        """Hold the weight in `fmt` from now on (quantized from its current values, on its device)."""
-        self.quantized = fmt.quantize(self.weight.detach())
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device), False)
-        self.packed_weight = None
-
-    def prepack(self, rows_hint: int = 64) -> bool:
-        """Pack the weight for oneDNN; False (F.linear stays) where oneDNN cannot run this dtype on this
-        CPU (its bf16 path needs AVX-512 or AVX-NE-CONVERT), or the weight is quantized."""
-        if self.quantized is not None:
-            return False
-        # a plain attribute, made after .to(device/dtype); the hint only tunes the layout (64 >= 1, 32)
-        try:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows_hint)
-        except RuntimeError:
-            self.packed_weight = None
-        return self.packed_weight is not None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            if triton_quant.applies(x):  # CUDA: the W8A16 / W4A16 Triton GEMM on the stored blocks
-                return triton_quant.quant_linear(x, self.quantized, self.bias)
-            return self.quantized.linear(x, self.bias)
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -171,25 +128,6 @@ class RotaryEmbedding(nn.Module):
         rows once. Hugging Face layout: the two rotated halves are the first and second half of head_dim (of its
         first R = rotary_dim values, the rest unrotated, where the rotary is partial)."""
         return RotaryAngles(positions, self.cos, self.sin)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension, in fp32 inside and the input's dtype outside; with a `residual`, the
-    residual stream's add fused in (vLLM's `fused_add_rms_norm`). On CUDA one Triton launch each
-    (motet/kernels/fused_norm.py), elsewhere its torch reference."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x), or with `residual`: (norm(x + residual), x + residual), new tensors."""
-        fused = fused_norm.applies(x)
-        if residual is None:
-            return (fused_norm.rms_norm if fused else fused_norm.rms_norm_reference)(x, self.weight, self.eps)
-        add_norm = fused_norm.add_rms_norm if fused else fused_norm.add_rms_norm_reference
-        return add_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -261,6 +199,14 @@ class Attention(nn.Module):
         if lora is not None:
             lora.add(y, out, self.layer_idx, ("o_proj",), (y.shape[1],))
         return y
+
+    def projections(self) -> list[Linear]:
+        return [self.qkv_proj, self.o_proj]
+
+    @property
+    def o_columns(self) -> tuple[int, int]:
+        """This rank's columns of the checkpoint's o_proj: its query heads'."""
+        return self.q_rows
 
     @property
     def options(self) -> AttentionOptions:
@@ -463,10 +409,11 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router (`gate`) scores every expert, each
-    token goes through its `num_experts_per_tok` best (softmax weights, renormalized to sum to 1 where the
-    config says), and, in Qwen2-MoE, through a shared expert scaled by sigmoid(shared_expert_gate(x)). The
-    router and the shared expert's gate are replicated on every rank; the output is a partial sum over them.
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek): the router (`gate`) scores every
+    expert, each token goes through its `num_experts_per_tok` best (softmax weights, renormalized to sum to 1
+    where the config says; DeepSeek's scoring and group-limited choice: `Router`), and, in Qwen2-MoE, through a
+    shared expert scaled by sigmoid(shared_expert_gate(x)) (DeepSeek's shared experts: ungated). The router
+    and the shared expert's gate are replicated on every rank; the output is a partial sum over them.
 
     LoRA applies to the attention only: an adapter targeting MLP modules is refused on an MoE model
     (motet/lora/adapter.py), so `lora` is not read here."""
@@ -475,22 +422,22 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.expert_bias)
+        self.gate = Router(cfg)  # (DeepSeek's routing options: motet/engine/worker/routing.py)
         self.experts = Experts(cfg, parallel)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Linear | None = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, layer_idx, cfg.shared_expert_intermediate_size, parallel)
-            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x, lora: LoRABatch | None = None):
-        probs = self.gate(x).float().softmax(dim=-1)
-        weights, expert_ids = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, expert_ids = self.gate.route(x)
         y = self.experts(x, expert_ids, weights)
         if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            gate = self.shared_expert_gate
+            y = y + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return y
 
 
@@ -503,7 +450,10 @@ class DecoderLayer(nn.Module):
         # them (attn_out_norm, mlp_out_norm), Gemma's both
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
         self.input_layernorm = norm() if cfg.pre_norms else None
-        self.self_attn = Attention(cfg, layer_idx, parallel)
+        attention = (
+            LatentAttention if cfg.latent is not None else Attention
+        )  # DeepSeek's MLA, or per-head K / V
+        self.self_attn: Attention | LatentAttention = attention(cfg, layer_idx, parallel)
         self.post_attention_layernorm = norm() if cfg.pre_norms else None
         if cfg.post_norms:
             self.attn_out_norm, self.mlp_out_norm = norm(), norm()
@@ -648,12 +598,13 @@ class CausalLM(nn.Module):
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     def decoder_linears(self) -> list[Linear]:
-        """The projections of every decoder layer (qkv, o, gate_up, down per layer, in that order; a sparse
+        """The projections of every decoder layer (qkv, o, gate_up, down per layer, in that order; a latent
+        attention's own in place of qkv and o; a sparse
         layer's MLP projections are its shared expert's, where it has one: its experts are stacked
         weights, not linear layers)."""
         linears = []
         for layer in self.layers:
-            linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            linears += layer.self_attn.projections()
             mlp = layer.mlp.shared_expert if isinstance(layer.mlp, SparseMoE) else layer.mlp
             if mlp is not None:
                 linears += [mlp.gate_up_proj, mlp.down_proj]

@@ -33,6 +33,7 @@ from motet.engine.worker.cpu_forward import supported as cpu_forward_supported
 from motet.engine.worker.cuda_graphs import DecodeGraphs
 from motet.engine.worker.decoder_weights import load_weights
 from motet.engine.worker.grammar_masks import GrammarMasks
+from motet.engine.worker.layers import Linear, onednn_available
 from motet.engine.worker.memory import (
     adapter_bytes,
     kv_cache_bytes,
@@ -40,7 +41,7 @@ from motet.engine.worker.memory import (
     weights_bytes,
     weights_line,
 )
-from motet.engine.worker.model import CausalLM, Linear, onednn_available
+from motet.engine.worker.model import CausalLM
 from motet.engine.worker.parallel import SINGLE, Parallel
 from motet.engine.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, outcome_error
 from motet.engine.worker.step_backends import EagerSteps, GraphSteps
@@ -104,8 +105,9 @@ class StepResult:
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """A block's bytes over all layers: per token what the declaration's layers keep (ModelConfig.kv_parts)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    return cfg.kv_elements_per_token * block_size * elem
 
 
 class ModelRunner:
@@ -157,7 +159,10 @@ class ModelRunner:
         error = None
         try:
             (_, local_kv_heads) = parallel.heads(model_config)[1]  # this rank's share of the KV cache
-            share = local_kv_heads / model_config.num_key_value_heads
+            # (a latent cache is one row a token: every rank holds all of it)
+            share = (
+                1 if model_config.latent is not None else local_kv_heads / model_config.num_key_value_heads
+            )
             self.model = self._load_model(model_dir)
             if parallel.rank == 0:
                 log.info(weights_line(self.model, self.device, self.dtype))
@@ -211,17 +216,32 @@ class ModelRunner:
                 self.num_blocks,
             )
 
-        def cache(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-            shape = (num_blocks, self.block_size, local_kv_heads, model_config.head_dim)
-            return (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+        latent = model_config.latent is not None  # one row a token, every rank all of it
+
+        def cache(num_blocks: int) -> tuple[torch.Tensor, ...]:
+            """A layer's cache tensors (K and V, or the latent rows), this rank's share of the KV heads each."""
+            return tuple(
+                torch.zeros(
+                    (num_blocks, self.block_size, heads if latent else local_kv_heads, width),
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+                for heads, width in model_config.kv_parts
             )
 
         self.kv_caches = [
             cache(self.num_window_blocks if i in self.window_layers else self.num_blocks)
             for i in range(model_config.num_hidden_layers)
         ]
+        if latent:
+            elem = torch.tensor([], dtype=self.dtype).element_size()
+            mine, per_head = model_config.kv_elements_per_token, model_config.per_head_kv_elements_per_token
+            log.info(
+                "latent KV cache: %d bytes a token, %.3g of the %d bytes per-head K / V would take",
+                mine * elem,
+                mine / per_head,
+                per_head * elem,
+            )
         if pool_bytes is None:  # (CUDA with the KV cache sized otherwise: a share of what is free now)
             pool_bytes = adapter_bytes(config, self.device)
         # every rank's pool holds the driver's placements: the smallest bound serves them all
@@ -265,6 +285,7 @@ class ModelRunner:
             config.compile_step
             and self.device.type == "cuda"
             and not model_config.is_moe
+            and model_config.latent is None  # (its split of a step's rows is made on the host)
             and not parallel.enabled
             and not self.window
         ):

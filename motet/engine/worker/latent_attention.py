@@ -1,0 +1,237 @@
+"""DeepSeek's multi-head latent attention (MLA) over the paged latent cache, in torch (the reference, and the CPU
+path: the native step and the Triton kernels have no latent op yet, motet/engine/worker/cpu_forward.py).
+
+Each layer's cache holds, per token, one row: the normed latent c_kv (kv_lora_rank) and the rotated key shared by
+every head (qk_rope_head_dim), in the same blocks, block tables and prefix cache as per-head K / V
+(ModelConfig.kv_parts). A step computes its rows in one of two forms, as vLLM's and SGLang's MLA backends do:
+
+- prefill rows (a sequence with several new tokens): the expanded form. The sequence's c_kv, cached ones
+  included, goes through kv_b_proj into every head's unrotated key and its value; each head attends over
+  [k_nope, k_rope] with its [q_nope, q_rope], causally.
+- decode rows (one new token): the absorbed form. kv_b_proj's key half is folded into the query
+  (q_nope W_UK: one latent query a head), so that every head attends over the cached rows themselves
+  (multi-query attention with a head of kv_lora_rank + qk_rope_head_dim, values the rows' c_kv part: the paged
+  attention every backend has), and the value half is applied after it (o W_UV). The product is the same;
+  the cache is read once for all heads and nothing per head is made of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from motet.engine.worker.layers import Linear, RMSNorm
+from motet.engine.worker.parallel import SINGLE, Parallel
+from motet.kernels.attention_args import AttentionOptions, PagedContext
+from motet.kernels.paged_attention import paged_attention, write_kv_cache
+from motet.kernels.rope_kv import RotaryAngles, rotate_reference
+from motet.lora.pool import LoRABatch
+from motet.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from motet.engine.worker.model import AttentionMetadata
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (transformers' default: not the config's)
+_MAX_SCORE_ELEMS = 1 << 22  # score elements per product in the expanded form (16 MiB of fp32)
+
+
+@dataclass
+class LatentSplit:
+    """A step's rows by the form that computes them: made by the first latent layer, kept on the step's
+    metadata for the others."""
+
+    decode_rows: torch.Tensor | None  # [n] the rows of one-token sequences, None: there are none
+    decode_ctx: PagedContext | None  # their paged context (the step's, those sequences only)
+    # each sequence with several new tokens: (first row, end row, context length incl. the new tokens, blocks)
+    prefills: list[tuple[int, int, int, list[int]]]
+
+
+def split_step(meta: PagedContext, block_size: int, absorb: bool = True) -> LatentSplit:
+    """The step's rows by form; without `absorb` every row in the expanded form (an adapter on kv_b_proj: its
+    delta is applied to each sequence's expanded context)."""
+    starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1 and absorb]
+    several = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > (1 if absorb else 0)]
+    tables = meta.block_tables[several].tolist() if several else []
+    prefills = [
+        (starts[b], starts[b + 1], lens[b], table[: -(-lens[b] // block_size)])
+        for b, table in zip(several, tables, strict=True)
+    ]
+    if not decodes:
+        return LatentSplit(None, None, prefills)
+    dev = meta.block_tables.device
+    index = torch.tensor(decodes, device=dev)
+    ctx = PagedContext(
+        block_tables=meta.block_tables.index_select(0, index),
+        query_start_loc=torch.arange(len(decodes) + 1, dtype=torch.int32, device=dev),
+        seq_lens=meta.seq_lens.index_select(0, index),
+        max_query_len=1,
+        max_seq_len=meta.max_seq_len,
+    )
+    return LatentSplit(torch.tensor([starts[b] for b in decodes], device=dev), ctx, prefills)
+
+
+class LatentAttention(nn.Module):
+    """MLA over this rank's heads (all of them on one rank); the projections by their Hugging Face names, so that
+    checkpoints load as they are. Under tensor parallelism each rank holds its heads' rows of q_proj / q_b_proj
+    and kv_b_proj and their columns of o_proj, and the whole of q_a_proj, kv_a_proj_with_mqa and the latent norms:
+    every rank computes and caches the whole latent (it is one row a token), and its heads attend over it; the
+    output is a partial sum over the ranks (the decoder layer all-reduces it)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
+        super().__init__()
+        mla = cfg.latent
+        assert mla is not None
+        self.layer_idx = layer_idx
+        (head_start, self.num_heads), _ = parallel.heads(cfg)
+        H = self.num_heads
+        self.rank, self.nope, self.rope, self.v_dim = (
+            mla.kv_lora_rank,
+            mla.qk_nope_head_dim,
+            mla.qk_rope_head_dim,
+            mla.v_head_dim,
+        )
+        self.interleaved = mla.rope_interleave
+        qk = self.nope + self.rope
+        # this rank's rows of the checkpoint's q_proj / q_b_proj and kv_b_proj, and its columns of o_proj
+        self.q_rows = (head_start * qk, H * qk)
+        self.kv_b_rows = (head_start * (self.nope + self.v_dim), H * (self.nope + self.v_dim))
+        self.o_columns = (head_start * self.v_dim, H * self.v_dim)
+        bias = cfg.attention_bias
+        self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(cfg.hidden_size, H * qk, bias=False)
+        else:
+            self.q_a_proj = Linear(cfg.hidden_size, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(mla.q_lora_rank, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(self.rank, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(H * self.v_dim, cfg.hidden_size, bias=bias)
+        self.scale = latent_softmax_scale(cfg)
+
+    def projections(self) -> list[Linear]:
+        return [
+            lin
+            for lin in (self.q_proj, self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa, self.kv_b_proj)
+            if lin is not None
+        ] + [self.o_proj]
+
+    def _rotate(self, x: torch.Tensor, angles: RotaryAngles) -> torch.Tensor:
+        """The rotary on [T, heads, rope]: DeepSeek's neighbouring pairs (x0, x1), (x2, x3), ... turned as
+        transformers turns them, their results laid out as halves (evens, then odds): the same permutation of q's
+        and k's rotated parts, so their products are unchanged."""
+        if self.interleaved:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        cos, sin = angles.rows()
+        return rotate_reference(x, cos, sin)
+
+    def forward(
+        self, x, angles: RotaryAngles, meta: AttentionMetadata, kv_cache, lora: LoRABatch | None = None
+    ):
+        T, H = x.shape[0], self.num_heads
+        if self.q_proj is not None:
+            q = self._project(self.q_proj, x, lora, "q_proj")
+        else:
+            q_a = self.q_a_layernorm(self._project(self.q_a_proj, x, lora, "q_a_proj"))
+            q = self._project(self.q_b_proj, q_a, lora, "q_b_proj")
+        q = q.view(T, H, self.nope + self.rope)
+        q_nope, q_rope = q[..., : self.nope], self._rotate(q[..., self.nope :], angles)
+        kv = self._project(self.kv_a_proj_with_mqa, x, lora, "kv_a_proj_with_mqa")
+        c_kv = self.kv_a_layernorm(kv[:, : self.rank].contiguous())
+        k_rope = self._rotate(kv[:, self.rank :].unsqueeze(1), angles)
+        (cache,) = kv_cache
+        latent = torch.cat([c_kv.unsqueeze(1), k_rope], dim=-1).to(cache.dtype)  # [T, 1, rank + rope]
+        write_kv_cache(latent, latent, cache, cache, meta.slot_mapping)
+        if meta.latent is None:  # (an adapter on kv_b_proj: no absorbed form, its delta is per sequence)
+            absorb = lora is None or not lora.targets(("kv_b_proj",))
+            meta.latent = split_step(meta, cache.shape[1], absorb)
+        split: LatentSplit = meta.latent
+        out = q.new_zeros(T, H, self.v_dim)  # (rows past the step's: zeros)
+        if split.decode_rows is not None:
+            rows = split.decode_rows
+            out[rows] = self._absorbed(q_nope[rows], q_rope[rows], cache, split.decode_ctx)
+        for start, end, seq_len, blocks in split.prefills:
+            on_kv_b = lora is not None and lora.targets(("kv_b_proj",))
+            context = lora.of_row(start, seq_len) if on_kv_b else None
+            out[start:end] = self._expanded(
+                q_nope[start:end], q_rope[start:end], cache, seq_len, blocks, context
+            )
+        return self._project(self.o_proj, out.view(T, H * self.v_dim), lora, "o_proj")
+
+    def _project(self, linear: Linear, x: torch.Tensor, lora: LoRABatch | None, name: str) -> torch.Tensor:
+        """`linear`(x) and each row's adapter delta of the module `name` (PEFT's name; q_proj in the q/k/v group
+        with k and v empty)."""
+        y = linear(x)
+        if lora is not None:
+            group, sizes = (
+                ((name, "k_proj", "v_proj"), (y.shape[1], 0, 0)) if name == "q_proj" else ((name,), None)
+            )
+            lora.add(y, x, self.layer_idx, group, sizes or (y.shape[1],))
+        return y
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's key half W_UK [H, nope, rank] and value half W_UV [H, v, rank]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def _absorbed(self, q_nope, q_rope, cache: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
+        """Decode rows: q_nope W_UK (a latent query per head) beside q_rope attend over the cached rows as one
+        shared key / value head; the output's latent part times W_UV. [n, H, v]."""
+        w_uk, w_uv = self._kv_b()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [n, H, rank]
+        query = torch.cat([q_latent, q_rope], dim=-1).to(cache.dtype)
+        o = paged_attention(query, (cache, cache), ctx, AttentionOptions(self.scale))[..., : self.rank]
+        return torch.bmm(o.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _expanded(
+        self, q_nope, q_rope, cache: torch.Tensor, seq_len: int, blocks: list[int], lora: LoRABatch | None
+    ) -> torch.Tensor:
+        """One sequence's new rows (its last len(q_nope) positions of `seq_len`): its cached c_kv through kv_b_proj
+        (and its adapter's delta there: `lora`, one segment over the context) into per-head keys and values,
+        causal attention in fp32 (queries in chunks bounding the scores' memory). [n, H, v]."""
+        H, n = self.num_heads, q_nope.shape[0]
+        rows = cache.index_select(0, torch.tensor(blocks, device=cache.device)).view(-1, cache.shape[-1])
+        rows = rows[:seq_len]
+        latent = rows[:, : self.rank].to(q_nope.dtype)
+        kv = self._project(self.kv_b_proj, latent, lora, "kv_b_proj").view(seq_len, H, -1)
+        k = torch.cat(
+            [
+                kv[..., : self.nope],
+                rows[:, self.rank :].unsqueeze(1).expand(seq_len, H, self.rope).to(kv.dtype),
+            ],
+            dim=-1,
+        )
+        k, v = k.float().transpose(0, 1), kv[..., self.nope :].float().transpose(0, 1)  # [H, S, .]
+        q = (torch.cat([q_nope, q_rope], dim=-1).float() * self.scale).transpose(0, 1)  # [H, n, qk]
+        ctx_len = seq_len - n
+        out = torch.empty(n, H, self.v_dim, dtype=q_nope.dtype, device=q_nope.device)
+        chunk = max(1, _MAX_SCORE_ELEMS // (H * seq_len))
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            keys = ctx_len + c1  # the chunk's last query sees keys up to here
+            s = torch.matmul(q[:, c0:c1], k[:, :keys].mT)
+            q_pos = torch.arange(ctx_len + c0, ctx_len + c1, device=q.device)[:, None]
+            s.masked_fill_(torch.arange(keys, device=q.device)[None, :] > q_pos, float("-inf"))
+            o = torch.matmul(s.softmax(dim=-1), v[:, :keys])
+            out[c0:c1] = o.transpose(0, 1).to(out.dtype)
+        return out
+
+
+def latent_softmax_scale(cfg: ModelConfig) -> float:
+    """1 / sqrt(the q / k head width), times YaRN's mscale(factor, mscale_all_dim) squared where the rotary is
+    scaled with one (DeepSeek's long-context checkpoints), as transformers' `yarn_apply_mscale`."""
+
+    scale = cfg.head_dim**-0.5
+    scaling = cfg.rope_scaling or {}
+    m_all = scaling.get("mscale_all_dim")
+    factor = scaling.get("factor") or 1.0
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default" and m_all and factor > 1:
+        m = 0.1 * m_all * math.log(factor) + 1.0
+        scale *= m * m
+    return scale

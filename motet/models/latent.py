@@ -1,0 +1,28 @@
+"""The shape of DeepSeek's multi-head latent attention, as a family declares it (motet/models/deepseek.py) and the
+decoder and the KV cache read it (ModelConfig.latent)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA): q from the hidden state (`q_proj`, or through a low-rank
+    `q_a_proj` -> RMSNorm -> `q_b_proj` where `q_lora_rank` is set), each head's q a part without the rotary
+    (`qk_nope_head_dim`) and a rotated part (`qk_rope_head_dim`); one `kv_a_proj_with_mqa` makes every token's
+    latent `c_kv` (`kv_lora_rank`, RMS-normed) and one rotated key shared by all heads; `kv_b_proj` expands c_kv
+    into each head's unrotated key and its value (`v_head_dim`). The KV cache keeps c_kv and the rotated key only.
+    `rope_interleave`: the rotated parts pair neighbouring values (DeepSeek's layout) rather than halves."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def cache_width(self) -> int:
+        """What a token keeps in each layer's cache: c_kv, then the rotated key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
