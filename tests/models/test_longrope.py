@@ -19,6 +19,7 @@ from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import engine_logits, hf_greedy_outputs
 from tests.kernels.test_quantization import needs_native
+from tests.models.test_gguf_families import write_family_gguf
 from tests.models.test_moe import randomize_norms
 from tests.tiny_models import build_tiny_model
 
@@ -127,3 +128,32 @@ def test_longrope_config_checked(tmp_path):
         broken[key][field] = bad
         with pytest.raises(ModelLoadError, match=field):
             ModelConfig.from_dict(broken)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5], ids=["whole", "partial"])
+def test_gguf_file_with_rope_factors_served_bare_matches_hf(tmp_path, monkeypatch, partial):
+    """Phi-3's GGUF file as llama.cpp's converter writes LongRoPE (rope_factors_long / rope_factors_short tensors,
+    the original context and the attention factor as keys, the rotary's dimensions: a partial one too): the
+    config reads them back, and the file served bare gives transformers' logits within and past the original
+    context."""
+    monkeypatch.setenv("MOTET_CACHE_DIR", str(tmp_path / "cache"))
+    source = build_tiny_model(
+        tmp_path / "src",
+        arch="phi3",
+        pad_token_id=0,
+        tied=False,
+        max_position_embeddings=128,
+        original_max_position_embeddings=ORIGINAL,
+        partial_rotary_factor=partial,
+        rope_scaling=longrope(int(8 * partial)),
+    )
+    randomize_norms(source)
+    path = write_family_gguf(source, tmp_path / "bare" / "phi3-longrope.gguf", "phi3")
+    llm = LLM(str(path), device="cpu", block_size=8)
+    served = llm.engine.runner.model.config
+    assert served.rope_scaling["rope_type"] == "longrope" and served.rotary_dim == int(16 * partial)
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [hf(torch.tensor([p])).logits[0] for p in SHORT + LONG]
+    for g, w in zip(engine_logits(llm.engine, SHORT + LONG, chunk=11), want, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
