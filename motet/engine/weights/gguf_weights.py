@@ -10,8 +10,10 @@ offset taken back out where the converter added it (Gemma's 1 + w: the model add
 whose family folds a constant into it as it loads (Granite's multipliers, ModelConfig.weight_scales) comes as
 fp32, its blocks dequantized, logged once per file. The lm_head comes in blocks
 the same way (and a tied embedding table, which is the lm_head too: `_keep_quantized`); float projections (F32,
-F16, BF16), norms and an untied embedding table are read as fp32. A tensor in a type gguf-py cannot dequantize
-is refused, naming the tensor and its type.
+F16, BF16), norms and an untied embedding table are read as fp32. A mixture of experts' stacked experts
+(ffn_*_exps) come as each expert's fp32 projections, dequantized an expert at a time, and its shared expert as
+fp32 too: the decoder holds experts as floats. LongRoPE's factor tensors are the config's, not weights. A tensor in
+a type gguf-py cannot dequantize is refused, naming the tensor and its type.
 """
 
 from __future__ import annotations
