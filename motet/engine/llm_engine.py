@@ -67,6 +67,7 @@ from motet.grammar.specs import GrammarSpec
 from motet.grammar.tool_call_parser import RepeatedCallStop
 from motet.lora.manager import AdapterManager, AdapterRef, AdapterStats
 from motet.models.declaration import ModelLoadError
+from motet.models.rope_config import longrope_original
 
 log = logging.getLogger("motet.engine")
 
@@ -332,11 +333,16 @@ class LLMEngine:
         ref = request.adapter
         uid = self.adapters.acquire(ref) if ref is not None else 0  # AdapterError if removed or known broken
         salt = prefix_salt(tenant, params.cache_salt, self.config.shared_prefix_cache)
+        original = longrope_original(self.model_config.rope_scaling)
+        long_rope = original is not None and len(token_ids) > original
+        long_salt = prefix_salt(tenant, params.cache_salt, self.config.shared_prefix_cache, long_rope=True)
         seq = Sequence(
             list(token_ids),
             params,
             adapter_id=uid,
-            prefix_salt=salt,
+            prefix_salt=long_salt if long_rope else salt,
+            long_rope=long_rope,
+            long_rope_switch=(original, long_salt) if original is not None and not long_rope else None,
             request_id=request.request_id,
             arrival=next(self._arrivals),
             tenant=tenant,

@@ -51,8 +51,11 @@ def fused_modules(architecture: str | None) -> dict[str, tuple[str, ...]]:
     return decl.fused_modules if decl is not None else {}
 
 
-def from_gguf(gguf_architecture: str) -> Architecture | None:
-    return next((d for d in DECLARATIONS if d.gguf == gguf_architecture), None)
+def from_gguf(gguf_architecture: str, experts: bool = False) -> Architecture | None:
+    """The declaration of a GGUF file's `general.architecture`: of a mixture of experts where the file has experts
+    (llama.cpp writes Mixtral as "llama"), of a dense model where it has none, else the only one."""
+    found = [d for d in DECLARATIONS if d.gguf == gguf_architecture]
+    return next((d for d in found if (d.experts is not None) == experts), found[0] if found else None)
 
 
 __all__ = [

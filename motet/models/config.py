@@ -238,7 +238,14 @@ class ModelConfig:
                     cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source, above=0.0, below=1.0
                 ),
                 rope_theta=bounded_number(rope_theta, theta_key, source, above=0.0),
-                rope_scaling=checked_rope_scaling(rope_scaling, max_positions, source, rope_key),
+                rope_scaling=checked_rope_scaling(
+                    rope_scaling,
+                    max_positions,
+                    source,
+                    rope_key,
+                    rotary_dim=rotary_dim,
+                    original_context=cfg.get("original_max_position_embeddings"),
+                ),
                 max_position_embeddings=max_positions,
                 tie_word_embeddings=flag(cfg, "tie_word_embeddings", source, False),
                 attention_bias=flag(

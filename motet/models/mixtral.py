@@ -16,8 +16,27 @@ def experts(cfg: dict, num_layers: int, source: str) -> dict:
     )
 
 
+def gguf_config(key, cfg: dict, source: str) -> dict:
+    """llama.cpp writes Mixtral as a Llama file with experts: their count and how many a token takes."""
+    return dict(
+        model_type="mixtral",
+        num_local_experts=key("expert_count"),
+        num_experts_per_tok=key("expert_used_count"),
+    )
+
+
 MIXTRAL = Architecture(
     names=("MixtralForCausalLM",),
     experts=experts,
     checkpoint_names={"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+    # llama.cpp's converter writes it as "llama" (q/k rows permuted) with stacked experts (`{e}`: each expert's)
+    gguf="llama",
+    gguf_permuted_qk=True,
+    gguf_names={
+        "ffn_gate_inp": "block_sparse_moe.gate",
+        "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+        "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+        "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+    },
+    gguf_config=gguf_config,
 )

@@ -43,14 +43,39 @@ def qwen3_moe_options(cfg: dict, source: str) -> dict:
     return dict(sliding_window=sliding_window(cfg, source, used_by_default=False))
 
 
+def gguf_experts(model_type: str, renormalized: bool):
+    """The config fields of a Qwen MoE GGUF file (llama.cpp's qwen2moe / qwen3moe): transformers' model_type, the
+    experts' and the shared expert's widths, whether the top-k weights are renormalized (llama.cpp: never for Qwen2-MoE, always for
+    Qwen3-MoE, unless the file says)."""
+
+    def gguf_config(key, cfg: dict, source: str) -> dict:
+        return dict(
+            model_type=model_type,
+            num_experts=key("expert_count"),
+            num_experts_per_tok=key("expert_used_count"),
+            moe_intermediate_size=key("expert_feed_forward_length"),
+            shared_expert_intermediate_size=key("expert_shared_feed_forward_length", 0),
+            norm_topk_prob=bool(key("expert_weights_norm", renormalized)),
+        )
+
+    return gguf_config
+
+
 QWEN2_MOE = Architecture(
-    names=("Qwen2MoeForCausalLM",), qkv_bias=True, experts=experts, options=qwen2_moe_options
+    names=("Qwen2MoeForCausalLM",),
+    qkv_bias=True,
+    experts=experts,
+    options=qwen2_moe_options,
+    gguf="qwen2moe",
+    gguf_config=gguf_experts("qwen2_moe", False),
 )
 QWEN3_MOE = Architecture(
     names=("Qwen3MoeForCausalLM",),
     qk_norm=True,
     experts=experts,
     options=qwen3_moe_options,
+    gguf="qwen3moe",
+    gguf_config=gguf_experts("qwen3_moe", True),
     tool_format="hermes",
     reasoning_format="qwen3",
 )

@@ -3,29 +3,54 @@ checked as it is read: the types motet implements (motet/engine/worker/model.py:
 read, a number in its range, so that a factor of 0 or "2", a llama3 band of no width or a YaRN context of 1e9 is
 one line naming the field, never a ZeroDivisionError or frequencies of inf and NaN. The ranges are transformers'
 (its `_validate_*_rope_parameters`, which only warn): a factor of at least 1, high_freq_factor above
-low_freq_factor, beta_fast at least beta_slow."""
+low_freq_factor, beta_fast at least beta_slow. LongRoPE's (Phi-3.5, Phi-4-mini; Phi-3's older "su" the same) short and
+long factors: one positive number per rotated pair of dimensions."""
 
 from __future__ import annotations
 
 from motet.models.declaration import ModelLoadError
 from motet.models.fields import LIMITS, bounded, bounded_number
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+_ALIASES = {
+    "su": "longrope"
+}  # Phi-3's first configs' name for LongRoPE (transformers' Phi3Config renames it)
 
 
-def checked_rope_scaling(scaling, max_positions: int, source: str, key: str = "rope_scaling") -> dict | None:
+def rope_kind(scaling: dict | None) -> str:
+    """The rotary's type a checked `rope_scaling` names ("default" where there is none)."""
+    return (scaling or {}).get("rope_type", "default")
+
+
+def longrope_original(scaling: dict | None) -> int | None:
+    """LongRoPE's original context (its short factors turn positions within it), or None: another rotary."""
+    return scaling["original_max_position_embeddings"] if rope_kind(scaling) == "longrope" else None
+
+
+def checked_rope_scaling(
+    scaling,
+    max_positions: int,
+    source: str,
+    key: str = "rope_scaling",
+    *,
+    rotary_dim: int | None = None,
+    original_context: int | None = None,
+) -> dict | None:
     """`scaling` (None: no scaling), config.json's `key`, with each field rope_inv_freq reads checked, its numbers
-    as Python's; or ModelLoadError naming the field."""
+    as Python's, its type under `rope_type`; or ModelLoadError naming the field. `rotary_dim`: the dimensions the
+    rotary turns (LongRoPE's factors: one per pair); `original_context`: config.json's top-level
+    original_max_position_embeddings, which LongRoPE takes before its own (as transformers' Phi-3 does)."""
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
         raise ModelLoadError(f"{source}: {key} must be an object, got {scaling!r:.80}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = _ALIASES.get(kind, kind)
     if kind not in ROPE_TYPES:
         raise ModelLoadError(
             f"{source}: {key} type {kind!r:.40} is not supported; motet implements {', '.join(ROPE_TYPES)}"
         )
-    out = dict(scaling)
+    out = dict(scaling, rope_type=kind)
 
     def number(field: str, **bounds) -> float:
         out[field] = bounded_number(scaling.get(field), f"{key}.{field}", source, **bounds)
@@ -65,4 +90,24 @@ def checked_rope_scaling(scaling, max_positions: int, source: str, key: str = "r
         truncate = scaling.get("truncate")  # (null: false, as transformers and rope_inv_freq read it)
         if truncate is not None and not isinstance(truncate, bool):
             raise ModelLoadError(f"{source}: {key}.truncate must be true or false, got {truncate!r:.40}")
+    if kind == "longrope":
+        field = "original_max_position_embeddings"
+        if original_context is not None:  # (config.json's top level)
+            out[field] = bounded(original_context, field, source, *LIMITS["max_position_embeddings"])
+        elif scaling.get(field) is not None:
+            context(field)
+        else:
+            out[field] = max_positions
+        for field in ("short_factor", "long_factor"):
+            factors = scaling.get(field)
+            if not isinstance(factors, list) or (rotary_dim is not None and len(factors) != rotary_dim // 2):
+                want = f"{rotary_dim // 2} numbers" if rotary_dim is not None else "a list of numbers"
+                raise ModelLoadError(
+                    f"{source}: {key}.{field} must be {want} (one per rotated pair), got {factors!r:.80}"
+                )
+            out[field] = [bounded_number(f, f"{key}.{field}", source, above=0.0) for f in factors]
+        if scaling.get("factor") is not None:
+            number("factor", above=0.0)
+        if scaling.get("attention_factor") is not None:
+            number("attention_factor", above=0.0)
     return out

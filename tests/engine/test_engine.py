@@ -15,6 +15,7 @@ from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.worker.layers import Linear, onednn_available
 from motet.models.declaration import ModelLoadError
+from motet.models.rope_config import longrope_original
 from tests.tiny_models import build_tiny_model
 
 PROMPTS = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60)] + [[7, 8, 9] * 11]
@@ -40,11 +41,16 @@ def hf_greedy_outputs(model_dir, prompts, new_tokens: int) -> list[list[int]]:
 
 def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters=None, order=None):
     """All-row logits of each prompt, computed in flattened batches (optionally in chunks, with
-    per-prompt adapters by name, sequences visited in `order`)."""
+    per-prompt adapters by name, sequences visited in `order`). A LongRoPE model's prompts past its original
+    context turn by its long factors, as the engine takes them (`Sequence.long_rope`)."""
     refs = [engine.adapters.resolve(a) for a in adapters or [None] * len(prompts)]
     uids = [engine.adapters.acquire(r) if r else 0 for r in refs]
     engine.adapters.prefetch(uids, in_use=set())  # resident, as the scheduler has them before a step
-    seqs = [Sequence(p, adapter_id=a) for p, a in zip(prompts, uids, strict=True)]
+    original = longrope_original(engine.model_config.rope_scaling)
+    seqs = [
+        Sequence(p, adapter_id=a, long_rope=original is not None and len(p) > original)
+        for p, a in zip(prompts, uids, strict=True)
+    ]
     visit = [seqs[i] for i in order] if order else seqs
     rows = {s.seq_id: [] for s in seqs}
     while any(s.num_computed_tokens < s.num_tokens for s in seqs):

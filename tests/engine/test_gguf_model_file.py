@@ -304,7 +304,7 @@ def test_derived_once_never_copying_the_weights(tiny_gguf, cache, monkeypatch):
     def derive_again(*a, **kw):
         raise AssertionError("derived again")
 
-    monkeypatch.setattr(gguf_model, "hf_config", derive_again)
+    monkeypatch.setattr(gguf_model, "reader_config", derive_again)
     assert resolve_model(str(tiny_gguf)) == d  # found in the cache: the metadata is not read again
     moved = tiny_gguf.parent.parent / "moved" / "other.gguf"
     moved.parent.mkdir()

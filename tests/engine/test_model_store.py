@@ -18,7 +18,7 @@ import torch
 
 from motet.engine.weights import gguf_convert, model_store
 from motet.engine.weights.checkpoint import iter_weights, load_model_config
-from motet.engine.weights.gguf_convert import unpermute_qk
+from motet.engine.weights.gguf_names import unpermute_qk
 from motet.engine.weights.model_store import (
     DEFAULT_MODEL,
     GGUF_MEMBER,

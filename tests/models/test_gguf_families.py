@@ -12,6 +12,7 @@ vocabularies from a SentencePiece tokenizer.model instead, which motet does not 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -22,8 +23,8 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from motet.engine.llm import LLM
-from motet.engine.weights.gguf_convert import convert_gguf, hf_config, hf_name, metadata_of, write_hf_metadata
-from motet.models import from_gguf
+from motet.engine.weights.gguf_config import hf_config, metadata_of
+from motet.engine.weights.gguf_convert import convert_gguf, write_hf_metadata
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.engine.test_gguf_model_file import OPTIONS, add_gpt2_vocab
@@ -115,11 +116,20 @@ def add_hyperparameters(writer, arch: str, cfg, raw: dict) -> None:
         if cfg.final_logit_softcapping:
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
         writer.add_sliding_window(cfg.sliding_window)
-    elif arch == "phi3":
-        writer.add_rope_scaling_orig_ctx_len(raw.get("original_max_position_embeddings") or 4096)
-        writer.add_rope_dimension_count(head_dim)
+    elif (
+        arch == "phi3"
+    ):  # Phi3MiniModel: its rotary's dimensions; LongRoPE's attention factor from the contexts
+        original = raw.get("original_max_position_embeddings") or 4096
+        writer.add_rope_scaling_orig_ctx_len(original)
+        partial = rope.get("partial_rotary_factor", 1.0)
+        writer.add_rope_dimension_count(int(partial * cfg.hidden_size) // cfg.num_attention_heads)
         writer.add_rope_freq_base(rope["rope_theta"])
         writer.add_sliding_window(cfg.sliding_window or 0)
+        if rope.get("long_factor"):
+            scale = cfg.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+            )
     elif arch == "olmo2":
         writer.add_rope_freq_base(rope["rope_theta"])
         if "head_dim" in raw:
@@ -156,6 +166,10 @@ def gguf_tensors(arch: str, hf) -> dict[str, torch.Tensor]:
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         out[gguf_name] = w
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if arch == "phi3" and rope.get("long_factor"):  # Phi3MiniModel.generate_extra_tensors: LongRoPE's factors
+        out["rope_factors_long.weight"] = torch.tensor(rope["long_factor"], dtype=torch.float32)
+        out["rope_factors_short.weight"] = torch.tensor(rope["short_factor"], dtype=torch.float32)
     return out
 
 
@@ -281,7 +295,7 @@ def test_converts_back_to_the_source_checkpoint(family, tmp_path):
 
 
 def test_what_a_family_file_cannot_say_is_refused(tmp_path):
-    """A SentencePiece vocabulary (what the converter writes for Gemma 2 and Phi-3), Phi-3's LongRoPE factors and
+    """A SentencePiece vocabulary (what the converter writes for Gemma 2 and Phi-3), half of LongRoPE's factors and
     an OLMo 3 file's sliding windows each name what motet does not read."""
     source = build_tiny_model(tmp_path / "src", arch="olmo2", pad_token_id=0)
     path = write_family_gguf(source, tmp_path / "a" / "olmo.gguf", "olmo2")
@@ -291,8 +305,8 @@ def test_what_a_family_file_cannot_say_is_refused(tmp_path):
         hf_config({**meta, "tokenizer.ggml.model": "llama"}, names, "spm.gguf")
     with pytest.raises(ModelLoadError, match=r"sliding-window layers .*OLMo 3"):
         hf_config({**meta, "olmo2.attention.sliding_window": 4096}, names, "olmo3.gguf")
-    with pytest.raises(ModelLoadError, match=r"rope_factors_long\.weight.*LongRoPE"):
-        hf_name("rope_factors_long.weight", from_gguf("phi3"))
+    with pytest.raises(ModelLoadError, match=r"LongRoPE's factors come as both"):
+        hf_config(meta, {*names, "rope_factors_long.weight"}, "phi.gguf", {"rope_factors_long.weight": [1.0]})
 
 
 @pytest.mark.parametrize(

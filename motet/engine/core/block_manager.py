@@ -23,15 +23,20 @@ NO_PARENT = -1  # the first block's parent: CPython never returns -1 from hash()
 # computes the same chain as the engine (cluster/).
 
 
-def prefix_salt(tenant: str | None, cache_salt: str | None, shared_across_tenants: bool = False) -> int:
+def prefix_salt(
+    tenant: str | None, cache_salt: str | None, shared_across_tenants: bool = False, long_rope: bool = False
+) -> int:
     """The salt of a request's prefix-cache keys: blocks are shared only between requests of the same tenant
     (unless the operator shares the cache across tenants) and the same `cache_salt` (vLLM's request field).
     0 when neither applies (the offline engine; a shared cache without cache_salt). A digest, not hash():
-    str hashes differ per process, and a router elsewhere must compute the same keys (cluster/)."""
+    str hashes differ per process, and a router elsewhere must compute the same keys (cluster/). `long_rope`: a
+    LongRoPE model's prompt longer than its original context, whose tokens within that context turn by the long
+    factors (motet/engine/worker/model.py's RotaryEmbedding): its blocks are never another prompt's."""
     owner = None if shared_across_tenants else tenant
-    if owner is None and cache_salt is None:
+    if owner is None and cache_salt is None and not long_rope:
         return 0
-    digest = hashlib.blake2b(repr((owner, cache_salt)).encode(), digest_size=8).digest()
+    key = (owner, cache_salt, "long_rope") if long_rope else (owner, cache_salt)
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1 or 1  # a positive 63-bit int, never 0
 
 

@@ -242,6 +242,12 @@ class Scheduler:
             if remaining == 0:  # held, or its next token is on the way
                 i += 1
                 continue
+            if seq.long_rope_switch is not None and seq.num_computed_tokens >= seq.long_rope_switch[0]:
+                self._long_rope_restart(self.running.pop(i), shares)  # then recomputed as a prompt
+                if remaining == 1:
+                    decodes_left[group] -= 1
+                batch.preempted.append(seq)
+                continue
             if remaining == 1:
                 decodes_left[group] -= 1
                 room = max(1, left - decodes_left[group])  # its drafts do not take the later rows' tokens
@@ -251,7 +257,10 @@ class Scheduler:
                     i += 1
                     continue
             n = min(remaining, room, self.max_chunk or room)
-            n += self._fit_drafts(seq, n, room)
+            if seq.long_rope_switch is not None:  # no draft reaches past LongRoPE's original context
+                n += self._fit_drafts(seq, n, min(room, seq.long_rope_switch[0] - seq.num_computed_tokens))
+            else:
+                n += self._fit_drafts(seq, n, room)
             while not self.bm.allocate_slots(seq, n):
                 if seq.draft_token_ids:  # drafts are optional: drop them before preempting anyone
                     n -= len(seq.draft_token_ids)
@@ -357,6 +366,15 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _long_rope_restart(self, seq: Sequence, shares: TenantShares) -> None:
+        """A LongRoPE sequence that grew past the original context: recomputed whole with the long factors (as
+        transformers' Phi-3 drops its cache there), preempted and under the prefix salt of its long form (the
+        blocks it had hold its short-factor keys)."""
+        self._preempt(seq, shares)
+        self.bm.forget(seq)  # its block hashes, chained from the old salt
+        seq.prefix_salt = seq.long_rope_switch[1]
+        seq.long_rope, seq.long_rope_switch = True, None
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Mark the batch's chunks computed as it is scheduled, each sampling row's token pending until its step

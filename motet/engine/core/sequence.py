@@ -65,6 +65,11 @@ class Sequence:
     params: SamplingParams = field(default_factory=SamplingParams)
     adapter_id: int = 0  # 0: the base model; part of the prefix-cache hash
     prefix_salt: int = 0  # whose prefix cache it is (block_manager.prefix_salt); part of the hash
+    # LongRoPE (motet/engine/worker/model.py's RotaryEmbedding): whether all its tokens turn by the long factors
+    # (a prompt past the original context, or since it grew past it); while they do not, the original context
+    # and its prefix salt past it, which the scheduler switches to as it recomputes the sequence there
+    long_rope: bool = False
+    long_rope_switch: tuple[int, int] | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     request_id: str | None = None
     arrival: int = 0  # tie-breaker for the scheduler's order

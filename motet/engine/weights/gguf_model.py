@@ -22,7 +22,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from motet.engine.weights.gguf_convert import hf_config, metadata_of, write_hf_metadata
+from motet.engine.weights.gguf_config import reader_config
+from motet.engine.weights.gguf_convert import write_hf_metadata
 from motet.engine.weights.gguf_weights import GGUF_FILE
 from motet.models.declaration import ModelLoadError
 
@@ -60,8 +61,7 @@ def gguf_model_dir(path: str | Path, root: Path) -> Path:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # gguf-py's parser fails on a damaged file in many ways (ValueError, IndexError)
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
-    meta = metadata_of(reader)
-    config = hf_config(meta, {t.name for t in reader.tensors}, path.name)
+    meta, config = reader_config(reader, path.name)
     del reader  # its memory map of the file
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,10 @@ offset taken back out where the converter added it (Gemma's 1 + w: the model add
 whose family folds a constant into it as it loads (Granite's multipliers, ModelConfig.weight_scales) comes as
 fp32, its blocks dequantized, logged once per file. The lm_head comes in blocks
 the same way (and a tied embedding table, which is the lm_head too: `_keep_quantized`); float projections (F32,
-F16, BF16), norms and an untied embedding table are read as fp32. A tensor in a type gguf-py cannot dequantize
-is refused, naming the tensor and its type.
+F16, BF16), norms and an untied embedding table are read as fp32. A mixture of experts' stacked experts
+(ffn_*_exps) come as each expert's fp32 projections, dequantized an expert at a time, and its shared expert as
+fp32 too: the decoder holds experts as floats. LongRoPE's factor tensors are the config's, not weights. A tensor in
+a type gguf-py cannot dequantize is refused, naming the tensor and its type.
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from motet.engine.weights.gguf_convert import hf_config, hf_name, metadata_of, norm_offset, unpermute_qk
+from motet.engine.weights.gguf_config import reader_config
+from motet.engine.weights.gguf_names import (
+    CONFIG_TENSORS,
+    EXPERT,
+    expert_names,
+    hf_name,
+    norm_offset,
+    unpermute_qk,
+)
 from motet.kernels import ggml_blocks
 from motet.kernels.quant import FORMATS, INT8, QuantizedWeight, WeightFormat
 from motet.models import from_gguf
@@ -95,9 +105,12 @@ def _keep_quantized(name: str, tied: bool) -> bool:
     dequantized to fp32: every decoder projection and the lm_head (motet/engine/worker/decoder_weights.py keeps
     them in their blocks); the embedding table only where it is the lm_head too (`tied`: a file without
     output.weight), as the model holds the table itself as floats (a lookup), which gguf-py's values give
-    exactly."""
+    exactly. A mixture of experts' shared expert (Qwen2-MoE's) is dequantized, as its experts are
+    (`_experts`)."""
     if name == _TABLE:
         return tied
+    if ".shared_expert." in name:  # a mixture of experts' shared expert: floats, as its experts are
+        return False
     return name == _LM_HEAD or (name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS)
 
 
@@ -140,9 +153,7 @@ def _model_config(path: Path, reader, decl) -> ModelConfig | None:
     if (path.parent / "config.json").is_file():
         return ModelConfig.from_dir(path.parent)
     try:
-        return ModelConfig.from_dict(
-            hf_config(metadata_of(reader), {t.name for t in reader.tensors}, path.name)
-        )
+        return ModelConfig.from_dict(reader_config(reader, path.name)[1])
     except ModelLoadError:
         if decl.fused_modules or decl.gguf_config is not None:
             raise
@@ -160,7 +171,7 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
     except (ValueError, OSError) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
     arch = _str(reader, "general.architecture")
-    decl = from_gguf(arch)
+    decl = from_gguf(arch, _int(reader, f"{arch}.expert_count", 0) > 0)
     if decl is None:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not one motet serves")
     cfg = _model_config(path, reader, decl)
@@ -168,7 +179,15 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
     heads = {"q_proj": n_head, "k_proj": _int(reader, f"{arch}.attention.head_count_kv", n_head)}
     if not decl.gguf_permuted_qk:  # rows in Hugging Face's order already
         heads = {}
-    tensors = [(t, part) for t in reader.tensors for part in _parts(t, hf_name(t.name, decl), decl, cfg)]
+    weights = [
+        t for t in reader.tensors if t.name not in CONFIG_TENSORS
+    ]  # (LongRoPE's factors: the config's)
+    stacked = [t for t in weights if EXPERT in hf_name(t.name, decl)]
+    for t in stacked:
+        if not ggml_blocks.dequantizable(int(t.tensor_type)):
+            raise _refusal(path, t.name, ggml_blocks.type_name(int(t.tensor_type)))
+    weights = [t for t in weights if t not in stacked]
+    tensors = [(t, part) for t in weights for part in _parts(t, hf_name(t.name, decl), decl, cfg)]
     tied = all(name != _LM_HEAD for _, (name, _, _) in tensors)
     # the layers a constant is folded into as they load (each part of a fused one): floats
     scales = cfg.weight_scales if cfg is not None else {}
@@ -199,6 +218,7 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
             "of a fused layer (q/k/v, gate/up) in one format",
             path.name, ", ".join(requantized), ", ".join(ggml_blocks.NATIVE_TYPES),
         )  # fmt: skip
+    yield from _experts(path, stacked, decl)
     whole = None  # (GGUF tensor, its blocks or values), kept while its parts are yielded
     for t, (name, start, rows) in tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -225,3 +245,26 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
         if module in heads:
             w = unpermute_qk(w, heads[module])
         yield name, w
+
+
+def _experts(path: Path, stacked: list, decl) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each expert's projections of a mixture of experts' stacked tensors (ffn_gate_exps [E, I, H], ...), as fp32
+    values: the decoder holds its experts as floats (one stacked weight a layer, no quantized format yet), so
+    blocks are dequantized as they load, an expert at a time (logged once per file)."""
+    import gguf
+
+    quantized = sorted({ggml_blocks.type_name(int(t.tensor_type)) for t in stacked} - set(_FLOAT_TYPES))
+    if quantized:
+        log.warning(
+            "%s: the experts' %s blocks dequantized as they load: motet holds a mixture of experts' experts as "
+            "floats", path.name, ", ".join(quantized),
+        )  # fmt: skip
+    for t in stacked:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # [E, rows, columns]
+        if len(shape) != 3:
+            raise ModelLoadError(
+                f"{path.name}: tensor {t.name!r} has shape {shape}: experts stack [E, rows, cols]"
+            )
+        for e, name in enumerate(expert_names(hf_name(t.name, decl), shape[0])):
+            arr = gguf.quants.dequantize(t.data[e], t.tensor_type)
+            yield name, torch.from_numpy(np.array(arr, dtype=np.float32, order="C")).reshape(shape[1:])

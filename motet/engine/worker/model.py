@@ -41,6 +41,7 @@ from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
 from motet.models.projections import GATE_UP, QKV
+from motet.models.rope_config import longrope_original
 
 
 @dataclass(kw_only=True)
@@ -61,16 +62,19 @@ class AttentionMetadata(PagedContext):
         return self.window
 
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """The rotary's inverse frequencies and the factor its cos and sin are scaled by (YaRN's attention factor;
-    1 for the others), as transformers' rope functions compute them (over the dimensions it turns: all of a
-    head's, or the first `rotary_dim` of them)."""
+def rope_inv_freq(cfg: ModelConfig, long: bool = False) -> tuple[torch.Tensor, float]:
+    """The rotary's inverse frequencies and the factor its cos and sin are scaled by (YaRN's and LongRoPE's
+    attention factor; 1 for the others), as transformers' rope functions compute them (over the dimensions it
+    turns: all of a head's, or the first `rotary_dim` of them). LongRoPE's with its short factors, or with `long`
+    its long ones."""
     dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "yarn":
         return yarn_inv_freq(cfg, inv_freq, scaling)
+    if kind == "longrope":
+        return longrope_inv_freq(cfg, inv_freq, scaling, long)
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
@@ -114,11 +118,44 @@ def yarn_inv_freq(cfg: ModelConfig, inv_freq: torch.Tensor, scaling: dict) -> tu
     return inv_freq / factor * (1 - kept) + inv_freq * kept, float(attention)
 
 
+def longrope_inv_freq(
+    cfg: ModelConfig, inv_freq: torch.Tensor, scaling: dict, long: bool
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3.5, Phi-4-mini): each frequency divided by its short or long factor; cos and sin scaled by
+    sqrt(1 + log(factor) / log(original context)), the factor max_position_embeddings / original context where
+    the config gives none (transformers' `_compute_longrope_parameters`)."""
+    original = scaling["original_max_position_embeddings"]
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float64)
+    factor = scaling.get("factor") or cfg.max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return inv_freq / factors, float(attention)
+
+
 class RotaryEmbedding(nn.Module):
+    """The rotary's cos and sin tables, a row per position [P, R/2].
+
+    LongRoPE's (`long_rows`: not None) have `original` rows more: rows below the original context turn by the
+    short factors and the rest by the long ones, which is how transformers turns a sequence's tokens as it
+    generates one at a time (the factors chosen by the furthest position of each forward call: the long ones
+    from the original context on); rows P + p turn a position p below the original context by the long factors,
+    for the prompt tokens of a prompt longer than the original context (transformers' prefill of it takes the
+    long factors throughout). The step's inputs read a token at such a row (step_inputs.py), so a token's
+    rotation depends on its position and its prompt's length only: never on its batch or its chunk."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         inv_freq, attention = rope_inv_freq(cfg)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.long_rows: int | None = None
+        original = longrope_original(cfg.rope_scaling)
+        if original is not None:
+            long_freq, attention = rope_inv_freq(cfg, long=True)
+            long = torch.outer(torch.arange(max_positions, dtype=torch.float64), long_freq)
+            rows = min(original, max_positions)
+            freqs = torch.cat([freqs[:rows], long[rows:], long[:rows]])
+            self.long_rows = max_positions
         self.register_buffer("cos", (freqs.cos() * attention).float(), persistent=False)  # [P, R/2]
         self.register_buffer("sin", (freqs.sin() * attention).float(), persistent=False)
 

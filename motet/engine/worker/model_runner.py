@@ -50,6 +50,7 @@ from motet.engine.worker.tp_workers import NO_WORKERS, WorkerGroup
 from motet.kernels import cpu_isa, cpu_native
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
+from motet.models.rope_config import longrope_original
 
 log = logging.getLogger("motet.engine")
 
@@ -272,7 +273,9 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
         self.masks = GrammarMasks(model_config.vocab_size)
         self.grammar_stats = self.masks.stats
-        self.inputs = InputBuilder(self.block_size, self.device, self.window, self.window_chunk)
+        long_rows = model.rope.long_rows  # LongRoPE's: where its long factors' rows below the original begin
+        long_rope = None if long_rows is None else (longrope_original(model_config.rope_scaling), long_rows)
+        self.inputs = InputBuilder(self.block_size, self.device, self.window, self.window_chunk, long_rope)
         forward = self.native if self.native is not None else self._eager_forward
         logits = self.native.logits if self.native is not None else self._eager_logits
         self.steps: EagerSteps | GraphSteps = EagerSteps(self.inputs, forward, logits, self.broadcast)

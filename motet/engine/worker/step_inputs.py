@@ -88,13 +88,27 @@ class GraphRows(NamedTuple):
 class InputBuilder:
     """A step's inputs, built on the host from the batch's rows and snapshots (`host`; `graph_rows` for a decode
     step the CUDA graphs replay), then sent to the device (`to_device`). With a window pool
-    (motet/engine/core/kv_window.py) the sliding-window layers' slots and tables come after the others'."""
+    (motet/engine/core/kv_window.py) the sliding-window layers' slots and tables come after the others'.
 
-    def __init__(self, block_size: int, device: torch.device, window: int | None, window_chunk: int):
+    The positions the model reads are its rotary tables' rows: a token's position, but under LongRoPE
+    (`long_rope`: the original context and where the rows of the long factors below it begin,
+    motet/engine/worker/model.py's RotaryEmbedding) a token below the original context of a sequence that turns
+    by the long factors (`Sequence.long_rope`) reads the long factors' row. Only prompt chunks carry such tokens
+    (a decode token of such a sequence is past the original context)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        window: int | None,
+        window_chunk: int,
+        long_rope: tuple[int, int] | None = None,
+    ):
         self.block_size = block_size
         self.device = device
         self.window = window
         self.window_chunk = window_chunk
+        self.long_rope = long_rope
 
     def host(self, batch: ScheduledBatch) -> HostInputs:
         if all(n == 1 for n in batch.num_new_tokens):
@@ -119,8 +133,33 @@ class InputBuilder:
         width = max(len(t) for t in tables)
         tables = [t + [0] * (width - len(t)) for t in tables]
         return self._pack(
-            input_ids, positions, slots, tables, qsl, seq_lens, max(batch.num_new_tokens), feeds, batch.seqs
+            input_ids,
+            positions,
+            slots,
+            tables,
+            qsl,
+            seq_lens,
+            max(batch.num_new_tokens),
+            feeds,
+            batch.seqs,
+            self._rope_rows(batch, positions, qsl),
         )
+
+    def _rope_rows(self, batch: ScheduledBatch, positions: list[int], qsl: list[int]) -> list[int] | None:
+        """The rotary tables' rows of a prompt step's tokens where any differs from its position (LongRoPE's
+        long-factor sequences' tokens below the original context), else None."""
+        if self.long_rope is None:
+            return None
+        original, long_rows = self.long_rope
+        rows = None
+        for i, (seq, start) in enumerate(zip(batch.seqs, batch.positions(), strict=True)):
+            if not seq.long_rope or start >= original:
+                continue
+            rows = rows or list(positions)
+            first = qsl[i]
+            for t in range(first, min(qsl[i + 1], first + original - start)):
+                rows[t] += long_rows
+        return rows
 
     def _decode(self, batch: ScheduledBatch) -> HostInputs:
         """`host` of a step where every row adds one token (no drafts): the common step, in fewer passes."""
@@ -136,14 +175,15 @@ class InputBuilder:
         return self._pack(input_ids, positions, slots, tables, qsl, seq_lens, 1, feeds, seqs)
 
     def _pack(
-        self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len, feeds, seqs
+        self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len, feeds, seqs, rope_rows=None
     ) -> HostInputs:
         """Host lists (tables already padded to one width) packed by dtype, in pinned memory on CUDA; with a
-        window pool, the sliding-window layers' slots and tables after the others'."""
+        window pool, the sliding-window layers' slots and tables after the others'. The model reads the rotary at
+        `rope_rows` where given, else at the positions."""
         pinned = self.device.type == "cuda"
         width = len(tables[0]) if tables else 0
         per_token, per_seq = (
-            [input_ids, positions, slots],
+            [input_ids, positions if rope_rows is None else rope_rows, slots],
             [*itertools.chain.from_iterable(tables), *qsl, *seq_lens],
         )
         if self.window:
