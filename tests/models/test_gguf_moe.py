@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from motet.engine.llm import LLM
 from motet.engine.weights.gguf_config import hf_config, metadata_of
 from motet.engine.weights.gguf_convert import convert_gguf
+from motet.engine.worker.model import Experts
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.engine.test_gguf_model_file import OPTIONS, add_gpt2_vocab
@@ -30,6 +31,7 @@ from tests.kernels.test_quantization import (
 )
 from tests.models.test_gguf_families import permute
 from tests.models.test_moe import randomize_norms
+from tests.models.test_moe_quantized import rounding_experts
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -199,12 +201,26 @@ def cache(tmp_path, monkeypatch) -> Path:
 PATHS = [pytest.param(False, id="eager"), pytest.param(True, id="native", marks=needs_native)]
 
 
-def hf_prompt_logits(model_dir: Path, projections: tuple[str, ...] | None = None) -> list[torch.Tensor]:
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+# prompts that share no prefix, so that a rounding flip in one is not counted again in the others
+_g = torch.Generator().manual_seed(0)
+DISTINCT_PROMPTS = [torch.randint(3, 300, (n,), generator=_g).tolist() for n in (1, 5, 17, 33, 60, 24)]
+
+
+def hf_prompt_logits(
+    model_dir: Path, projections: tuple[str, ...] | None = None, prompts=PROMPTS
+) -> list[torch.Tensor]:
+    """transformers' logits of the prompts; with `projections`, those layers' and the lm_head's inputs rounded
+    as the CPU's quantized product rounds them, and the experts' products' too (the eager experts)."""
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, experts_implementation="eager"
+    ).eval()
     if projections is not None:
         hf = quantizing_inputs(hf, lm_head=True, projections=projections)
+        for module in hf.modules():
+            if type(module).__name__.endswith("Experts"):
+                module.forward = rounding_experts(module.forward, torch.nn.functional.linear)
     with torch.no_grad():
-        return [hf(torch.tensor([p])).logits[0] for p in PROMPTS]
+        return [hf(torch.tensor([p])).logits[0] for p in prompts]
 
 
 @pytest.mark.parametrize("compiled", PATHS)
@@ -236,9 +252,10 @@ def test_older_mixtral_file_one_tensor_an_expert(tmp_path, compiled):
 @pytest.mark.parametrize("compiled", PATHS)
 @pytest.mark.parametrize("qtype", [Q8_0, Q4_1])
 def test_quantized_file_matches_hf_on_gguf_py_dequantized(moe, tmp_path, compiled, qtype):
-    """The attention's projections and the lm_head served in their blocks (int8 for Q8_0, int4 for Q4_1; their
-    inputs rounded to int8 blocks, as the reference rounds them), the experts and the shared expert dequantized
-    to floats as they load: transformers on gguf-py's dequantization of the same blocks, but for rounding flips.
+    """The projections, the experts (each in its blocks, motet/engine/worker/model.py's QuantizedExperts), the
+    shared expert and the lm_head served in their blocks (int8 for Q8_0, int4 for Q4_1; their inputs rounded to
+    int8 blocks, as the reference rounds them): transformers on gguf-py's dequantization of the same blocks, but
+    for rounding flips.
     (The issue's perplexity / top-1 tolerance is a real model's on real text: a tiny random model's logits are
     too flat for a top-1 agreement to mean anything, so the reference is the file's own values.)"""
     name, source = moe
@@ -246,13 +263,15 @@ def test_quantized_file_matches_hf_on_gguf_py_dequantized(moe, tmp_path, compile
     eng = LLM(str(path), compile_step=compiled, **OPTIONS).engine
     if not compiled:
         fmt = {"Q8_0": "int8", "Q4_1": "int4"}[qtype]
-        formats = {
-            lin.quantized.format.name if lin.quantized else None for lin in eng.runner.model.decoder_linears()
-        }
-        assert formats == ({fmt, None} if name == "qwen2_moe" else {fmt})  # (the shared expert: floats)
+        model = eng.runner.model
+        formats = {lin.quantized.format.name if lin.quantized else None for lin in model.decoder_linears()}
+        experts = [m for m in model.modules() if isinstance(m, Experts)]
+        formats |= {q.weight.format.name for e in experts for q in e.quantized.values()}
+        assert formats == {fmt} and all(len(e.quantized) == 2 for e in experts)
     ref = dequantized_reference(source, tmp_path / "ref", qtype)
-    want = hf_prompt_logits(ref, ("q_proj", "k_proj", "v_proj", "o_proj"))  # (experts: not nn.Linear there)
-    assert_close_but_for_rounding_flips(engine_logits(eng, PROMPTS, chunk=7), want)
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    want = hf_prompt_logits(ref, projections, DISTINCT_PROMPTS)
+    assert_close_but_for_rounding_flips(engine_logits(eng, DISTINCT_PROMPTS, chunk=7), want)
 
 
 def test_converts_back_to_the_source_checkpoint(moe, tmp_path):

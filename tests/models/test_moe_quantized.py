@@ -45,14 +45,16 @@ def dequantized_reference(model_dir, out, name: str) -> torch.nn.Module:
                 for key in STACKED:
                     w = getattr(module, key)
                     w.copy_(fmt.quantize(w.reshape(-1, w.shape[-1])).dequantize().view(w.shape))
-                module.forward = _rounding(module.forward, linear)
+                module.forward = rounding_experts(module.forward, linear)
         hf.config.tie_word_embeddings = False
         hf.lm_head.weight = torch.nn.Parameter(INT8.quantize(hf.lm_head.weight).dequantize())
     hf.save_pretrained(out, safe_serialization=True)
     return quantizing_inputs(hf.eval())
 
 
-def _rounding(forward, linear):
+def rounding_experts(forward, linear):
+    """An experts module's forward with every F.linear's input rounded to Q8_0 blocks (the CPU's quantized product)."""
+
     def rounded(*args, **kwargs):
         def product(x, w, b=None):
             return linear(quantize_activations(x), w, b)

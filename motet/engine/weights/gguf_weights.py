@@ -11,8 +11,8 @@ whose family folds a constant into it as it loads (Granite's multipliers, ModelC
 fp32, its blocks dequantized, logged once per file. The lm_head comes in blocks
 the same way (and a tied embedding table, which is the lm_head too: `_keep_quantized`); float projections (F32,
 F16, BF16), norms and an untied embedding table are read as fp32. A mixture of experts' stacked experts
-(ffn_*_exps) come as each expert's fp32 projections, dequantized an expert at a time, and its shared expert as
-fp32 too: the decoder holds experts as floats. LongRoPE's factor tensors are the config's, not weights. A tensor in
+(ffn_*_exps) come as each expert's projections in their blocks, an expert at a time (the decoder holds them
+quantized: motet/engine/worker/model.py's QuantizedExperts), its shared expert as a projection. LongRoPE's factor tensors are the config's, not weights. A tensor in
 a type gguf-py cannot dequantize is refused, naming the tensor and its type.
 """
 
@@ -105,12 +105,9 @@ def _keep_quantized(name: str, tied: bool) -> bool:
     dequantized to fp32: every decoder projection and the lm_head (motet/engine/worker/decoder_weights.py keeps
     them in their blocks); the embedding table only where it is the lm_head too (`tied`: a file without
     output.weight), as the model holds the table itself as floats (a lookup), which gguf-py's values give
-    exactly. A mixture of experts' shared expert (Qwen2-MoE's) is dequantized, as its experts are
-    (`_experts`)."""
+    exactly. (A mixture of experts' experts: `_experts`.)"""
     if name == _TABLE:
         return tied
-    if ".shared_expert." in name:  # a mixture of experts' shared expert: floats, as its experts are
-        return False
     return name == _LM_HEAD or (name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS)
 
 
@@ -247,18 +244,30 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
         yield name, w
 
 
-def _experts(path: Path, stacked: list, decl) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each expert's projections of a mixture of experts' stacked tensors (ffn_gate_exps [E, I, H], ...), as fp32
-    values: the decoder holds its experts as floats (one stacked weight a layer, no quantized format yet), so
-    blocks are dequantized as they load, an expert at a time (logged once per file)."""
+def _experts(path: Path, stacked: list, decl) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Each expert's projections of a mixture of experts' stacked tensors (ffn_gate_exps [E, I, H], ...), an
+    expert at a time: in their blocks where the type is one of motet's (another type gguf-py dequantizes:
+    requantized to int8, as a projection's), each layer's gate and up in one format (the decoder stacks them in
+    one weight: int8 for both where their types differ); float types as fp32."""
     import gguf
 
-    quantized = sorted({ggml_blocks.type_name(int(t.tensor_type)) for t in stacked} - set(_FLOAT_TYPES))
-    if quantized:
-        log.warning(
-            "%s: the experts' %s blocks dequantized as they load: motet holds a mixture of experts' experts as "
-            "floats", path.name, ", ".join(quantized),
-        )  # fmt: skip
+    fmt = {}
+    for t in stacked:
+        name = ggml_blocks.type_name(int(t.tensor_type))
+        fmt[t.name] = None if name in _FLOAT_TYPES else ggml_blocks.native_format(int(t.tensor_type)) or INT8
+    for t in stacked:  # a layer's ffn_gate_exps and ffn_up_exps: one format
+        up = t.name.replace("_gate_exps.", "_up_exps.")
+        if ".ffn_gate_exps." in t.name and up in fmt and fmt[t.name] != fmt[up]:
+            fmt[t.name] = fmt[up] = INT8 if None not in (fmt[t.name], fmt[up]) else None
+    requantized = sorted(
+        {
+            ggml_blocks.type_name(int(t.tensor_type))
+            for t in stacked
+            if fmt[t.name] not in (None, ggml_blocks.native_format(int(t.tensor_type)))
+        }
+    )
+    if requantized:
+        log.warning("%s: the experts' %s blocks requantized to int8", path.name, ", ".join(requantized))
     for t in stacked:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # [E, rows, columns]
         if len(shape) != 3:
@@ -266,5 +275,11 @@ def _experts(path: Path, stacked: list, decl) -> Iterator[tuple[str, torch.Tenso
                 f"{path.name}: tensor {t.name!r} has shape {shape}: experts stack [E, rows, cols]"
             )
         for e, name in enumerate(expert_names(hf_name(t.name, decl), shape[0])):
+            if fmt[t.name] is not None:
+                try:
+                    yield name, ggml_blocks.from_ggml(t.data[e], int(t.tensor_type), shape[1:], fmt[t.name])
+                except ValueError as err:
+                    raise ModelLoadError(f"{path.name}: tensor {t.name!r}: {err}") from None
+                continue
             arr = gguf.quants.dequantize(t.data[e], t.tensor_type)
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32, order="C")).reshape(shape[1:])
