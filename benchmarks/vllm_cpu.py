@@ -32,16 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import cpu_info, cpu_line, write_report
-from benchmarks.peers import (
-    PEER_URL_HELP,
-    PeerServer,
-    RunningPeer,
-    chat_requests,
-    measure,
-    peer_row,
-    run_main,
-)
+from benchmarks import cpu_info, cpu_line, peers, write_report
 from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import machine
 
@@ -137,7 +128,7 @@ def ensure_venv(root: Path | None = None) -> Path:
     return py
 
 
-class VllmServer(PeerServer):
+class VllmServer(peers.PeerServer):
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server` in its venv) on a free loopback port,
     serving `model_dir` as `name`; stopped on exit, its log in `log`."""
 
@@ -166,7 +157,7 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "bench", "schema
 
 
 def _row(c: int, m: dict, peer: dict) -> dict:
-    return peer_row("vllm", m, peer, clients=c)
+    return peers.peer_row("vllm", m, peer, clients=c)
 
 
 def summary_md(report: dict) -> str:
@@ -213,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-args", default="", help="extra vLLM server arguments (--enforce-eager for a quick start)"
     )
     ap.add_argument("--start-timeout", type=float, default=1800, help="seconds for each server to be ready")
-    ap.add_argument("--peer-url", default=None, help=PEER_URL_HELP)
+    ap.add_argument("--peer-url", default=None, help=peers.PEER_URL_HELP)
     ap.add_argument("--out", default=None)
     return ap
 
@@ -241,21 +232,21 @@ def main(argv=None) -> None:
               "vllm": installed, "machine": machine(), "cpu": cpu_info()}  # fmt: skip
     rows = []
     extra = {"response_format": SCHEMA_FORMAT} if args.json_schema else {}
-    warm = chat_requests(2, 4, args.prompt_words, -1, [{"model": name}], **extra)
+    warm = peers.chat_requests(2, 4, args.prompt_words, -1, [{"model": name}], **extra)
     with ManagedServer(
         motet_args, model=str(model_dir), log_path=out / "motet.log", start_timeout=args.start_timeout
     ) as motet:
-        measure(motet.base_url, warm, 2)
-        peer = RunningPeer(args.peer_url) if args.peer_url else VllmServer(
+        peers.measure(motet.base_url, warm, 2)
+        peer = peers.RunningPeer(args.peer_url) if args.peer_url else VllmServer(
             py, model_dir, name, args.dtype, parallel, bind, args.kv_cache_gb, args.vllm_args.split(),
             out / "vllm.log", args.start_timeout)  # fmt: skip
         with peer as vllm:
-            measure(vllm.base_url, warm, 2)
+            peers.measure(vllm.base_url, warm, 2)
             for c in args.levels:  # level by level, one server then the other: the machine in the same state
-                reqs = chat_requests(max(args.min_requests, args.requests_per_level * c), args.max_tokens,
+                reqs = peers.chat_requests(max(args.min_requests, args.requests_per_level * c), args.max_tokens,
                                      args.prompt_words, c, [{"model": name}], **extra)  # fmt: skip
-                m = measure(motet.base_url, reqs, c)
-                peer = measure(vllm.base_url, reqs, c)
+                m = peers.measure(motet.base_url, reqs, c)
+                peer = peers.measure(vllm.base_url, reqs, c)
                 rows.append(_row(c, m, peer))
                 print(f"{c:3d} clients: motet {m['output_token_throughput']:.1f} tok/s, vLLM "
                       f"{peer['output_token_throughput']:.1f} tok/s", flush=True)  # fmt: skip
@@ -264,4 +255,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    peers.run_main(main)

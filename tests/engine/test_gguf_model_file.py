@@ -66,6 +66,17 @@ def cache(tmp_path, monkeypatch) -> Path:
     return root
 
 
+def add_base_keys(writer, cfg) -> None:
+    """The keys every llama.cpp converter class writes from a config (its TextModel's set_gguf_parameters)."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
 def write_gguf_file(
     model_dir: Path,
     out: Path,
@@ -87,23 +98,17 @@ def write_gguf_file(
     cfg = hf.config
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out), arch=arch)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    add_base_keys(writer, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:  # as llama.cpp's converter writes it then
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
     rope = cfg.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type", "default") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
 
     add_gpt2_vocab(writer, model_dir, cfg.vocab_size, pre)

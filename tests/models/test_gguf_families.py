@@ -27,7 +27,7 @@ from motet.engine.weights.gguf_config import hf_config, metadata_of
 from motet.engine.weights.gguf_convert import convert_gguf, write_hf_metadata
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits
-from tests.engine.test_gguf_model_file import OPTIONS, add_gpt2_vocab
+from tests.engine.test_gguf_model_file import OPTIONS, add_base_keys, add_gpt2_vocab
 from tests.kernels.test_quantization import (
     assert_close_but_for_rounding_flips,
     needs_native,
@@ -94,13 +94,7 @@ def add_hyperparameters(writer, arch: str, cfg, raw: dict) -> None:
     """The keys each family's converter class writes (Gemma2Model, Gemma3Model, Phi3MiniModel, Olmo2Model,
     GraniteModel), from its config."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_base_keys(writer, cfg)
     rope = cfg.rope_parameters
     if arch == "gemma2":  # no rope keys at all
         writer.add_key_length(head_dim)

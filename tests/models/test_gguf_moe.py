@@ -23,7 +23,7 @@ from motet.engine.weights.gguf_convert import convert_gguf
 from motet.engine.worker.model import Experts
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits
-from tests.engine.test_gguf_model_file import OPTIONS, add_gpt2_vocab
+from tests.engine.test_gguf_model_file import OPTIONS, add_base_keys, add_gpt2_vocab
 from tests.kernels.test_quantization import (
     assert_close_but_for_rounding_flips,
     needs_native,
@@ -131,13 +131,7 @@ def write_moe_gguf(
     cfg = hf.config
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out), arch=gguf_arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_base_keys(writer, cfg)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_expert_count(cfg.num_local_experts if arch == "mixtral" else cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)

@@ -16,15 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from motet.engine.weights import gguf_names
 from motet.engine.weights.gguf_config import reader_config
-from motet.engine.weights.gguf_names import (
-    CONFIG_TENSORS,
-    EXPERT,
-    expert_names,
-    hf_name,
-    norm_offset,
-    unpermute_qk,
-)
 from motet.models import find
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
@@ -60,22 +53,22 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
     state: dict[str, torch.Tensor] = {}
     bar = tqdm(reader.tensors, desc="converting", unit="tensor", disable=not progress, file=sys.stderr)
     for t in bar:
-        if t.name in CONFIG_TENSORS:  # (read into the config)
+        if t.name in gguf_names.CONFIG_TENSORS:  # (read into the config)
             continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # a writable copy
         expected = tuple(int(d) for d in reversed(t.shape.tolist()))
         w = w.reshape(expected if len(expected) > 1 else (expected[0],))
-        name = hf_name(t.name, decl)
-        if EXPERT in name:  # stacked experts: each expert's own tensor
-            state.update(zip(expert_names(name, w.shape[0]), w.unbind(0), strict=True))
+        name = gguf_names.hf_name(t.name, decl)
+        if gguf_names.EXPERT in name:  # stacked experts: each expert's own tensor
+            state.update(zip(gguf_names.expert_names(name, w.shape[0]), w.unbind(0), strict=True))
             continue
-        if offset := norm_offset(name, decl):
+        if offset := gguf_names.norm_offset(name, decl):
             w -= offset
         if permuted and name.endswith("self_attn.q_proj.weight"):
-            w = unpermute_qk(w, n_head)
+            w = gguf_names.unpermute_qk(w, n_head)
         elif permuted and name.endswith("self_attn.k_proj.weight"):
-            w = unpermute_qk(w, n_kv)
+            w = gguf_names.unpermute_qk(w, n_kv)
         state[name] = w
     bar.close()
     _check_shapes(state, config)
