@@ -16,6 +16,14 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def quantized_product(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T (+ bias) with W in its blocks: the Triton GEMM on the stored blocks on CUDA (W8A16 / W4A16 /
+    MXFP4), the format's CPU reference product elsewhere (`QuantizedWeight.linear`)."""
+    if triton_quant.applies(x):
+        return triton_quant.quant_linear(x, weight, bias)
+    return weight.linear(x, bias)
+
+
 class Linear(nn.Linear):
     """nn.Linear whose CPU product can run through oneDNN on a prepacked weight.
 
@@ -52,9 +60,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            if triton_quant.applies(x):  # CUDA: the W8A16 / W4A16 Triton GEMM on the stored blocks
-                return triton_quant.quant_linear(x, self.quantized, self.bias)
-            return self.quantized.linear(x, self.bias)
+            return quantized_product(self.quantized, x, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from motet.engine.worker.latent_attention import LatentAttention, LatentSplit
-from motet.engine.worker.layers import Linear, RMSNorm
+from motet.engine.worker.layers import Linear, RMSNorm, quantized_product
 from motet.engine.worker.parallel import SINGLE, Parallel
 from motet.engine.worker.routing import Router
-from motet.kernels import activation, rope_kv, triton_moe, triton_quant
+from motet.kernels import activation, rope_kv, triton_moe
 from motet.kernels.attention_args import AttentionOptions, PagedContext
 from motet.kernels.paged_attention import paged_attention
 from motet.kernels.quant import QuantizedWeight
@@ -331,11 +331,9 @@ def grouped_experts(
 
 def _expert_product(weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T (+ bias) for one expert's weight: a float matrix, or a QuantizedWeight (as a quantized Linear
-    multiplies: the Triton GEMM on CUDA, the CPU reference elsewhere)."""
+    multiplies it)."""
     if isinstance(weight, QuantizedWeight):
-        if triton_quant.applies(x):
-            return triton_quant.quant_linear(x, weight, bias)
-        return weight.linear(x, bias)
+        return quantized_product(weight, x, bias)
     return F.linear(x, weight, bias)
 
 
