@@ -1,5 +1,5 @@
-"""DeepSeek's multi-head latent attention (MLA) over the paged latent cache, in torch (the reference, and the CPU
-path: the native step and the Triton kernels have no latent op yet, motet/engine/worker/cpu_forward.py).
+"""DeepSeek's multi-head latent attention (MLA) over the paged latent cache, in torch but for the absorbed decode's
+attention (motet/kernels/latent_decode.py: a Triton kernel on CUDA, its torch reference elsewhere).
 
 Each layer's cache holds, per token, one row: the normed latent c_kv (kv_lora_rank) and the rotated key shared by
 every head (qk_rope_head_dim), in the same blocks, block tables and prefix cache as per-head K / V
@@ -13,6 +13,9 @@ every head (qk_rope_head_dim), in the same blocks, block tables and prefix cache
   (multi-query attention with a head of kv_lora_rank + qk_rope_head_dim, values the rows' c_kv part: the paged
   attention every backend has), and the value half is applied after it (o W_UV). The product is the same;
   the cache is read once for all heads and nothing per head is made of it.
+
+A step of decode rows only (`max_query_len` 1, no adapter on kv_b_proj: every CUDA graph's step) is not split: its
+rows and paged context are the step's own, so that nothing in its layers waits for the host.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from torch import nn
 
 from motet.engine.worker.layers import Linear, RMSNorm
 from motet.engine.worker.parallel import SINGLE, Parallel
-from motet.kernels.attention_args import AttentionOptions, PagedContext
-from motet.kernels.paged_attention import paged_attention, write_kv_cache
+from motet.kernels.attention_args import PagedContext
+from motet.kernels.latent_decode import latent_decode
+from motet.kernels.paged_attention import write_kv_cache
 from motet.kernels.rope_kv import RotaryAngles, rotate_reference
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
@@ -44,15 +48,19 @@ class LatentSplit:
     """A step's rows by the form that computes them: made by the first latent layer, kept on the step's
     metadata for the others."""
 
-    decode_rows: torch.Tensor | None  # [n] the rows of one-token sequences, None: there are none
-    decode_ctx: PagedContext | None  # their paged context (the step's, those sequences only)
+    # [n] the rows of one-token sequences (every row: slice(None)), None: there are none
+    decode_rows: torch.Tensor | slice | None
+    decode_ctx: PagedContext | None  # their paged context (the step's, those sequences only; or the step's)
     # each sequence with several new tokens: (first row, end row, context length incl. the new tokens, blocks)
     prefills: list[tuple[int, int, int, list[int]]]
 
 
 def split_step(meta: PagedContext, block_size: int, absorb: bool = True) -> LatentSplit:
     """The step's rows by form; without `absorb` every row in the expanded form (an adapter on kv_b_proj: its
-    delta is applied to each sequence's expanded context)."""
+    delta is applied to each sequence's expanded context). A step of one-token rows only is all decode rows over
+    its own context, read without waiting for the device."""
+    if absorb and meta.max_query_len == 1:
+        return LatentSplit(slice(None), meta, [])
     starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1 and absorb]
     several = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > (1 if absorb else 0)]
@@ -185,8 +193,7 @@ class LatentAttention(nn.Module):
         shared key / value head; the output's latent part times W_UV. [n, H, v]."""
         w_uk, w_uv = self._kv_b()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [n, H, rank]
-        query = torch.cat([q_latent, q_rope], dim=-1).to(cache.dtype)
-        o = paged_attention(query, (cache, cache), ctx, AttentionOptions(self.scale))[..., : self.rank]
+        o = latent_decode(q_latent.to(cache.dtype), q_rope.to(cache.dtype), cache, ctx, self.scale)
         return torch.bmm(o.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _expanded(

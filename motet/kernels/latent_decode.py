@@ -1,0 +1,189 @@
+"""DeepSeek's absorbed MLA decode over the paged latent cache: each sequence's one new token, its heads' queries
+already in the latent space, attend over the sequence's cached latent rows as one shared key / value head.
+
+Layout (motet/kernels/paged_attention.py's, with one "kv head" of the latent row's width):
+
+- ``q_latent``: ``[T, H, rank]`` (each head's q_nope W_UK), ``q_rope``: ``[T, H, rope]`` (its rotated part);
+  strided views are fine (the last dimension contiguous or not).
+- ``cache``: ``[num_blocks, block_size, 1, rank + rope]``: a token's normed c_kv, then its rotated key; token
+  position ``p`` of sequence ``b`` at block ``block_tables[b, p // block_size]``, offset ``p % block_size``.
+- ``ctx``: the step's ``PagedContext``; sequence ``b`` brings one new token (row ``query_start_loc[b]``; a
+  sequence with none is skipped), whose latent row is already written, and attends to positions
+  ``0 .. seq_lens[b] - 1``.
+- Scores: ``scale * (q_latent . c_kv + q_rope . k_rope)``; output ``[T, H, rank]`` (the softmax's sum of c_kv,
+  before W_UV), in q's dtype; rows no sequence owns are zeros.
+
+``latent_decode_reference`` defines the meaning (the paged attention's torch reference over the latent rows as
+keys and values) and serves CPUs; ``latent_decode_triton`` is the GPU kernel; ``latent_decode`` picks by device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from motet.kernels.attention_args import AttentionOptions, PagedContext
+from motet.kernels.paged_attention_cpu import paged_attention_reference
+from motet.kernels.triton_support import tl, triton
+
+BLOCK_H = 16  # heads a program owns (tl.dot's least M): each cached tile is read once for them
+TILE_N = 32  # positions a loop step reads
+
+
+def launch_options(fp32: bool) -> dict:
+    """Warps and pipeline stages of a launch: at DeepSeek's rank of 512 a program's fp32 accumulator is 16 x 512,
+    which 8 warps hold in registers; fp32 inputs (tests, not serving) go unpipelined, so that their tiles do not
+    spill (tests/kernels/test_latent_decode.py builds both for sm_80 / sm_90)."""
+    return dict(num_warps=8, num_stages=1 if fp32 else 3)
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the absorbed decode on `x` goes through the Triton kernel (CUDA, Triton installed)."""
+    return triton is not None and x.is_cuda
+
+
+def latent_decode(
+    q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, ctx: PagedContext, scale: float
+) -> torch.Tensor:
+    """The absorbed decode (the layout above): the Triton kernel on CUDA, the torch reference elsewhere."""
+    attend = latent_decode_triton if applies(q_latent) else latent_decode_reference
+    return attend(q_latent, q_rope, cache, ctx, scale)
+
+
+def latent_decode_reference(
+    q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, ctx: PagedContext, scale: float
+) -> torch.Tensor:
+    """The paged attention's reference with one kv head of the latent row's width, its values the rows too: the
+    output's c_kv part. [T, H, rank] in q's dtype."""
+    rank = q_latent.shape[-1]
+    query = torch.cat([q_latent, q_rope], dim=-1).to(cache.dtype)
+    out = paged_attention_reference(query, (cache, cache), ctx, AttentionOptions(scale))[..., :rank]
+    return out.to(q_latent.dtype)
+
+
+def latent_decode_triton(
+    q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, ctx: PagedContext, scale: float
+) -> torch.Tensor:
+    """One launch (CUDA, or CPU under ``TRITON_INTERPRET=1``), no device sync: capturable in a CUDA graph.
+
+    Grid: (sequences, head blocks of ``BLOCK_H``). A program walks its sequence's positions in tiles of
+    ``TILE_N`` with an online softmax; each tile's latent rows [TILE_N, rank] are loaded once for its heads and
+    serve both products (scores against q_latent, then the output as their weighted sum), so the cache is read
+    once per head block and nothing per head is made of it."""
+    if triton is None:
+        raise RuntimeError("latent_decode_triton needs triton")
+    num_tokens, num_heads, rank = q_latent.shape
+    rope = q_rope.shape[-1]
+    _, block_size, one, width = cache.shape
+    if one != 1 or width != rank + rope or q_rope.shape[:2] != q_latent.shape[:2]:
+        raise ValueError(
+            f"bad shapes: q_latent {tuple(q_latent.shape)}, q_rope {tuple(q_rope.shape)}, cache {tuple(cache.shape)}"
+        )
+    if not (q_latent.dtype == q_rope.dtype == cache.dtype):
+        raise ValueError(
+            f"q_latent/q_rope/cache dtypes differ: {q_latent.dtype}, {q_rope.dtype}, {cache.dtype}"
+        )
+    out = torch.zeros(num_tokens, num_heads, rank, dtype=q_latent.dtype, device=q_latent.device)
+    num_seqs = ctx.seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_tables = ctx.block_tables
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    # Triton on CPU tensors runs only under TRITON_INTERPRET=1, whose tl.dot on bf16 multiplies the raw bits
+    # (triton 3.9): there the dots' operands go up to fp32 (the same rounding of p)
+    interpreted = not q_latent.is_cuda
+    grid = (num_seqs, triton.cdiv(num_heads, BLOCK_H))
+    _latent_decode_kernel[grid](
+        out, q_latent, q_rope, cache, block_tables, ctx.query_start_loc, ctx.seq_lens,
+        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        num_heads,
+        *q_latent.stride(), *q_rope.stride(), *out.stride(),
+        cache.stride(0), cache.stride(1), cache.stride(3), block_tables.stride(0),
+        BLOCK_SIZE=block_size, RANK=rank, RANK_PAD=max(16, triton.next_power_of_2(rank)),
+        ROPE=rope, ROPE_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_H=BLOCK_H, TILE_N=TILE_N,
+        # fp32 gets true fp32 dots (tl.dot defaults to tf32 on NVIDIA); bf16 / fp16 the default
+        PRECISION="ieee" if q_latent.dtype == torch.float32 or interpreted else None,
+        DOT_FP32=interpreted,
+        **launch_options(q_latent.dtype == torch.float32),
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _latent_decode_kernel(
+        out_ptr, ql_ptr, qr_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        scale_log2, num_heads,
+        stride_lt, stride_lh, stride_ld, stride_rt, stride_rh, stride_rd, stride_ot, stride_oh, stride_od,
+        stride_cb, stride_cs, stride_cd, stride_bt,
+        BLOCK_SIZE: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE: tl.constexpr,
+        ROPE_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        row = tl.load(query_start_loc_ptr + seq)
+        if tl.load(query_start_loc_ptr + seq + 1) == row:  # no new token
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        h_ok = heads < num_heads
+        offs_r = tl.arange(0, RANK_PAD)
+        r_ok = offs_r < RANK
+        offs_p = tl.arange(0, ROPE_PAD)
+        p_ok = offs_p < ROPE
+        row64 = row.to(tl.int64)
+        ql = tl.load(
+            ql_ptr + row64 * stride_lt + heads[:, None] * stride_lh + offs_r[None, :] * stride_ld,
+            mask=h_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_H, RANK_PAD]
+        qr = tl.load(
+            qr_ptr + row64 * stride_rt + heads[:, None] * stride_rh + offs_p[None, :] * stride_rd,
+            mask=h_ok[:, None] & p_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_H, ROPE_PAD]
+        if DOT_FP32:
+            ql = ql.to(tl.float32)
+            qr = qr.to(tl.float32)
+        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite: no inf - inf in the rescale
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, RANK_PAD], dtype=tl.float32)
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(0, seq_len, TILE_N):
+            offs_n = start + tl.arange(0, TILE_N)
+            n_ok = offs_n < seq_len
+            # per-position block lookup: a tile may span several (small) blocks or part of a big one
+            block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            base = cache_ptr + block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs
+            c = tl.load(
+                base[:, None] + offs_r[None, :] * stride_cd, mask=n_ok[:, None] & r_ok[None, :], other=0.0
+            )  # [TILE_N, RANK_PAD]: the keys' latent part and the values
+            kr = tl.load(
+                base[None, :] + (RANK + offs_p[:, None]) * stride_cd,
+                mask=n_ok[None, :] & p_ok[:, None],
+                other=0.0,
+            )  # [ROPE_PAD, TILE_N]
+            if DOT_FP32:
+                c = c.to(tl.float32)
+                kr = kr.to(tl.float32)
+            s = tl.dot(ql, tl.trans(c), input_precision=PRECISION)
+            s = tl.dot(qr, kr, acc=s, input_precision=PRECISION) * scale_log2
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p = p.to(
+                cache_ptr.dtype.element_ty
+            )  # in the cache's dtype for the second dot, as flash attention
+            if DOT_FP32:
+                p = p.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, c, input_precision=PRECISION)
+            m_i = m_new
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + row64 * stride_ot + heads[:, None] * stride_oh + offs_r[None, :] * stride_od,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=h_ok[:, None] & r_ok[None, :],
+        )
