@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from motet.engine.worker.cuda_graphs import bucket_for, buckets
+from motet.engine.worker.cuda_graphs import DecodeGraphs, bucket_for, buckets
+from motet.engine.worker.model import AttentionMetadata
 from motet.kernels import paged_attention as pa
 from tests.engine.helpers import mixed_adapter_tokens
 
@@ -59,7 +60,6 @@ def test_lora_graph_signature_is_the_groups_launched_and_the_rank_tile(tmp_path)
     the kernels read each adapter's slot, rank, targets and weights from the pool at the replay. So steps share a
     graph whatever their slots, ranks within the tile and modules within the groups; another group or a wider
     tile takes another graph."""
-    from motet.engine.worker.cuda_graphs import DecodeGraphs
     from motet.lora.manager import AdapterManager, AdapterRef
     from tests.lora.test_lora_pool import BASE, write_adapter
 
@@ -126,6 +126,38 @@ class EagerReplay:
         self.out.copy_(self.step())
 
 
+class PlannedEachStep(AttentionMetadata):
+    """(the CPU attention's host-side plan is made from the tables of each replay, not kept from the first)"""
+
+    cpu_plan = property(lambda self: None, lambda self, plan: None)
+
+
+class CpuGraphs(DecodeGraphs):
+    """DecodeGraphs whose replays run their step again eagerly (`EagerReplay`): its inputs on a CPU."""
+
+    def _meta(self, b, q=1):
+        return PlannedEachStep(**{**vars(super()._meta(b, q)), "cpu_plan": None})
+
+    def _record(self, step):
+        out = step()
+        return EagerReplay(step, out), out
+
+
+def use_cpu_graphs(engine, **options) -> None:
+    """`engine`'s decode steps through CpuGraphs, as the runner makes its DecodeGraphs on CUDA (`options`: theirs)."""
+    runner = engine.runner
+    runner.use_graphs(
+        CpuGraphs(
+            lambda ids, pos, meta, lora, r=runner: r.model(ids, pos, meta, r.kv_caches, lora),
+            max_batch=engine.config.max_num_seqs,
+            max_blocks_per_seq=-(-runner.max_model_len // runner.block_size),
+            max_seq_len=runner.max_model_len,
+            device=runner.device,
+            **options,
+        )
+    )
+
+
 @pytest.mark.parametrize("speculative", ["off", "ngram", "async"])
 @pytest.mark.parametrize("adapters", [0, 2], ids=["base", "2-adapters"])
 def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
@@ -137,21 +169,6 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
     from motet.engine.config import EngineConfig
     from motet.engine.llm_engine import LLMEngine
     from motet.engine.sampling_params import SamplingParams
-    from motet.engine.worker.cuda_graphs import DecodeGraphs
-    from motet.engine.worker.model import AttentionMetadata
-
-    class PlannedEachStep(AttentionMetadata):
-        """(the CPU attention's host-side plan is made from the tables of each replay, not kept from the first)"""
-
-        cpu_plan = property(lambda self: None, lambda self, plan: None)
-
-    class CpuGraphs(DecodeGraphs):
-        def _meta(self, b, q=1):
-            return PlannedEachStep(**{**vars(super()._meta(b, q)), "cpu_plan": None})
-
-        def _record(self, step):
-            out = step()
-            return EagerReplay(step, out), out
 
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60, 2, 9)]
     if speculative != "off":  # prompts that repeat themselves: prompt lookup drafts from them
@@ -170,16 +187,7 @@ def test_graph_inputs_on_cpu(tiny_model_dir, tmp_path, adapters, speculative):
         engine = LLMEngine(cfg, model_dir=tiny_model_dir)
         runner = engine.runner
         if graphs:
-            runner.use_graphs(
-                CpuGraphs(
-                    lambda ids, pos, meta, lora, r=runner: r.model(ids, pos, meta, r.kv_caches, lora),
-                    max_batch=cfg.max_num_seqs,
-                    max_blocks_per_seq=-(-runner.max_model_len // runner.block_size),
-                    max_seq_len=runner.max_model_len,
-                    device=runner.device,
-                    max_query=1 + cfg.num_speculative_tokens if speculative == "ngram" else 1,
-                )
-            )
+            use_cpu_graphs(engine, max_query=1 + cfg.num_speculative_tokens if speculative == "ngram" else 1)
         # rows ending one by one: the batch goes through the buckets
         params = [
             SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(prompts))

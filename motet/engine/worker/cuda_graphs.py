@@ -54,10 +54,14 @@ class DecodeGraphs:
         max_seq_len: int,
         device: torch.device,
         max_query: int = 1,
+        eager_targets: tuple[str, ...] = (),
     ):
         """`forward(input_ids, positions, meta, lora)` -> hidden [n, d]: the model over the runner's KV cache.
-        `max_query`: the most tokens a row brings (1 + the most drafts it verifies)."""
+        `max_query`: the most tokens a row brings (1 + the most drafts it verifies). `eager_targets`: a module
+        group whose adapters no graph can replay (a latent attention's kv_b_proj: its delta is applied to each
+        sequence's expanded context, sized on the host); a step with one runs the same padded inputs eagerly."""
         self.forward = forward
+        self.eager_targets = eager_targets
         self.sizes = buckets(max_batch)
         self.query_sizes = buckets(max_query)  # tokens per row: 1 (decode), or a verification's 1 + drafts
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -112,16 +116,17 @@ class DecodeGraphs:
             return ()
         return (tuple(sorted(lora.weights.groups)), rank_tile(lora.weights.max_rank))
 
-    def _capture(self, key: tuple, lora: LoRABatch | None) -> None:
-        b, q = key[0], key[1]
+    def _step(self, b: int, q: int, lora: LoRABatch | None) -> Callable[[], torch.Tensor]:
+        """The forward over the first b rows of q tokens of the static buffers."""
         meta, t = self._meta(b, q), b * q
         if lora is not None:  # every token its own segment: a grid that does not depend on the step
             w = lora.weights
             view = PoolView(w.pool, rank_tile(w.max_rank), w.groups, {})
             lora = LoRABatch(self.token_starts[: t + 1], self.token_slots[:t], 1, view)
-        self.graphs[key], self.outputs[key] = self._record(
-            lambda: self.forward(self.input_ids[:t], self.positions[:t], meta, lora)
-        )
+        return lambda: self.forward(self.input_ids[:t], self.positions[:t], meta, lora)
+
+    def _capture(self, key: tuple, lora: LoRABatch | None) -> None:
+        self.graphs[key], self.outputs[key] = self._record(self._step(key[0], key[1], lora))
 
     def _record(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """`step` captured as a CUDA graph over the static buffers, and the tensor its replays write."""
@@ -207,15 +212,27 @@ class DecodeGraphs:
             else:
                 self.token_slots[:n].copy_(token_slots)
                 self.token_slots[n:t].fill_(-1)
-        key = (b, q, *self._signature(lora))
-        if key not in self.graphs:
-            self._capture(key, lora)
-        self.graphs[key].replay()
-        self.replays += 1
-        if on_launch is not None:
-            on_launch()
-        out = self.outputs[key]
+        if lora is not None and self.eager_targets and lora.targets(self.eager_targets):
+            if on_launch is not None:
+                on_launch()
+            out = self._step(b, q, lora)()
+        else:
+            key = (b, q, *self._signature(lora))
+            if key not in self.graphs:
+                self._capture(key, lora)
+            self.graphs[key].replay()
+            self.replays += 1
+            if on_launch is not None:
+                on_launch()
+            out = self.outputs[key]
         return out[self.row_index[: len(real)]] if gather else out[:n]
+
+
+def model_options(latent: bool, num_drafts: int) -> dict:
+    """`DecodeGraphs`' options for a model: verification rows of 1 + `num_drafts` tokens replayed too, but not a
+    latent attention's (its expanded form, which rows of several tokens take, sizes each sequence's context on the
+    host), nor its adapters on kv_b_proj (the same): those steps run eagerly."""
+    return dict(max_query=1 if latent else 1 + num_drafts, eager_targets=("kv_b_proj",) if latent else ())
 
 
 def rank_tile(rank: int) -> int:

@@ -30,7 +30,7 @@ from motet.engine.weights.gguf_weights import gguf_file, iter_gguf_weights
 from motet.engine.weights.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
 from motet.engine.worker.cpu_forward import CpuForward
 from motet.engine.worker.cpu_forward import supported as cpu_forward_supported
-from motet.engine.worker.cuda_graphs import DecodeGraphs
+from motet.engine.worker.cuda_graphs import DecodeGraphs, model_options
 from motet.engine.worker.decoder_weights import load_weights
 from motet.engine.worker.grammar_masks import GrammarMasks
 from motet.engine.worker.layers import Linear, onednn_available
@@ -283,12 +283,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # A sparse layer's expert segments have data-dependent sizes, which a graph cannot replay: MoE models
         # run eagerly on CUDA too; so do tensor-parallel ranks (no collectives inside the graphs yet) and models
-        # past a sliding window (the graphs attend without the window pool's tables).
+        # past a sliding window (the graphs attend without the window pool's tables). A latent attention's decode
+        # rows replay (motet/engine/worker/latent_attention.py: a step of decode rows only is not split on the host).
         if (
             config.compile_step
             and self.device.type == "cuda"
             and not model_config.is_moe
-            and model_config.latent is None  # (its split of a step's rows is made on the host)
             and not parallel.enabled
             and not self.window
         ):
@@ -299,7 +299,7 @@ class ModelRunner:
                     max_blocks_per_seq=-(-self.max_model_len // self.block_size),
                     max_seq_len=self.max_model_len,
                     device=self.device,
-                    max_query=1 + config.num_speculative_tokens if speculates else 1,  # verification rows too
+                    **model_options(latent, config.num_speculative_tokens if speculates else 0),
                 )
             )
 
