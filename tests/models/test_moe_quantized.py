@@ -29,17 +29,20 @@ PROMPTS = [torch.randint(3, 300, (n,), generator=_g).tolist() for n in (1, 5, 17
 STACKED = ("gate_up_proj", "down_proj")
 
 
-def dequantized_reference(model_dir, out, name: str) -> torch.nn.Module:
-    """transformers' model of `model_dir` with the quantized values of every weight motet quantizes (an expert's
-    rows quantize on their own, so the stacked [E, N, K] weight quantizes as its E * N rows), its quantized
-    products' inputs rounded to Q8_0 blocks (the experts call F.linear directly: rounded inside their forward)."""
+def dequantized_reference(
+    model_dir, out, name: str, projections: tuple[str, ...] = PROJECTIONS
+) -> torch.nn.Module:
+    """transformers' model of `model_dir` with the quantized values of every weight motet quantizes (the
+    `projections`, the experts, the lm_head; an expert's rows quantize on their own, so the stacked [E, N, K]
+    weight quantizes as its E * N rows), its quantized products' inputs rounded to Q8_0 blocks (the experts call
+    F.linear directly: rounded inside their forward)."""
     fmt = FORMATS[name]
     # the eager experts (a loop of F.linear per expert), not transformers' grouped-GEMM kernels
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager")
     linear = torch.nn.functional.linear
     with torch.no_grad():
         for module_name, module in hf.named_modules():
-            if module_name.split(".")[-1] in PROJECTIONS and isinstance(module, torch.nn.Linear):
+            if module_name.split(".")[-1] in projections and isinstance(module, torch.nn.Linear):
                 module.weight.copy_(fmt.quantize(module.weight).dequantize())
             if type(module).__name__.endswith("Experts"):
                 for key in STACKED:
@@ -49,7 +52,7 @@ def dequantized_reference(model_dir, out, name: str) -> torch.nn.Module:
         hf.config.tie_word_embeddings = False
         hf.lm_head.weight = torch.nn.Parameter(INT8.quantize(hf.lm_head.weight).dequantize())
     hf.save_pretrained(out, safe_serialization=True)
-    return quantizing_inputs(hf.eval())
+    return quantizing_inputs(hf.eval(), projections=projections)
 
 
 def rounding_experts(forward, linear):

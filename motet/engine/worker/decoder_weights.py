@@ -15,6 +15,7 @@ from torch import nn
 
 from motet.engine.weights.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
 from motet.engine.weights.mxfp4 import Mxfp4Tensor
+from motet.engine.worker.latent_attention import LatentAttention
 from motet.engine.worker.layers import Linear
 from motet.engine.worker.model import STACKED, CausalLM, Experts, QuantizedExperts
 from motet.engine.worker.parallel import ROW_PARALLEL
@@ -54,25 +55,28 @@ class DecoderWeights:
         anything is read). The embedding table keeps the checkpoint's precision (a lookup reads one row a
         token); the lm_head is a product over the whole vocabulary, a fifth of a small model's bytes per token,
         so it is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
-        keep it in Q8_0 (or Q6_K) the same way."""
+        keep it in Q8_0 (or Q6_K) the same way. A latent attention's kv_b_proj keeps the checkpoint's precision
+        (`LatentAttention.unquantized`)."""
         cfg = self.config
-        if cfg.latent is not None:  # (its decode form reads kv_b_proj's weight itself)
-            raise ModelLoadError(
-                f"{fmt.name} quantization of a latent-attention model ({cfg.architecture}) is not supported yet: "
-                "serve it unquantized (leave --quantization out)"
-            )
         dims = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size}
         if cfg.is_moe:
             dims["moe_intermediate_size"] = cfg.moe_intermediate_size
-        dims["num_attention_heads * head_dim"] = cfg.num_attention_heads * cfg.head_dim
+        if cfg.latent is None:  # (a latent attention's own projections are checked one by one below)
+            dims["num_attention_heads * head_dim"] = cfg.num_attention_heads * cfg.head_dim
         for name, value in dims.items():
             if value % BLOCK:
                 raise ModelLoadError(
                     f"{fmt.name} quantization needs the inputs of every projection in whole blocks of {BLOCK}; "
                     f"this model's {name} is {value}: serve it unquantized"
                 )
+        linears = set(self.model.decoder_linears()) - {
+            lin
+            for layer in self.model.layers
+            if isinstance(layer.self_attn, LatentAttention)
+            for lin in layer.self_attn.unquantized()
+        }
         for name, lin in self.model.named_modules():  # a tensor-parallel rank's part: its own inputs
-            if isinstance(lin, Linear) and lin in self.model.decoder_linears() and lin.in_features % BLOCK:
+            if isinstance(lin, Linear) and lin in linears and lin.in_features % BLOCK:
                 raise ModelLoadError(
                     f"{fmt.name} quantization needs the inputs of every projection in whole blocks of {BLOCK}; "
                     f"this rank's part of {name} has {lin.in_features}: serve the model with another "
@@ -85,7 +89,6 @@ class DecoderWeights:
                     f"this rank's part of {name}.down_proj has {experts.intermediate}: serve the model with "
                     f"another --tensor-parallel-size, or unquantized"
                 )
-        linears = set(self.model.decoder_linears())
         formats = {f"{name}.weight": fmt for name, lin in self.model.named_modules() if lin in linears}
         formats.update({f"{name}.{key}": fmt for name in self._experts() for key in STACKED})
         if cfg.hidden_size % BLOCK == 0:

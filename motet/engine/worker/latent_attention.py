@@ -130,6 +130,13 @@ class LatentAttention(nn.Module):
             if lin is not None
         ] + [self.o_proj]
 
+    def unquantized(self) -> list[Linear]:
+        """The projections that keep the checkpoint's precision under `--quantization`: kv_b_proj, whose weight the
+        absorbed form reads itself as each head's W_UK and W_UV (batched products, no Linear), as vLLM's MLA
+        dequantizes it at load. It is small: 32 MiB a layer of DeepSeek-V3 in bf16, beside about 160 MiB of its other
+        attention projections and 10.5 GiB of its experts at 8 bits."""
+        return [self.kv_b_proj]
+
     def _rotate(self, x: torch.Tensor, angles: RotaryAngles) -> torch.Tensor:
         """The rotary on [T, heads, rope]: DeepSeek's neighbouring pairs (x0, x1), (x2, x3), ... turned as
         transformers turns them, their results laid out as halves (evens, then odds): the same permutation of q's
