@@ -2,7 +2,8 @@
 top-k, V3's sigmoid scores with the correction bias) on tiny random checkpoints written by transformers (norms,
 biases and the correction bias randomized), against transformers: logits in batches, in prefill chunks and one
 token a step (the absorbed decode form), 32 greedy tokens equal to `generate` in a chunked batch, from the prefix
-cache and from the disk KV tier after a restart, over two tensor-parallel ranks, served over HTTP; the latent
+cache and from the disk KV tier after a restart, handed from a prefill engine to a decode engine through the shared
+KV tier (prefill/decode disaggregation), over two tensor-parallel ranks, served over HTTP; the latent
 cache's bytes a token against per-head K / V."""
 
 from __future__ import annotations
@@ -219,6 +220,29 @@ def test_a_restart_serves_latent_blocks_from_the_disk_tier(deepseek, tmp_path):
     assert disk.hit_tokens == 64
     assert out.token_ids == hf_greedy_outputs(model_dir, [system + [9]], 8)[0]
     again.engine.close()
+
+
+def test_prefill_and_decode_engines_hand_latent_blocks_over(deepseek, tmp_path):
+    """Prefill/decode disaggregation's hand-off (motet/cluster/replica.py's `prefill`): a prefill engine computes
+    the prompt (one greedy token, as `prefill_spec` asks) and writes its full latent blocks through to the shared
+    KV tier (`wait_saved`); a decode engine on the same store loads them as its cached prefix and continues: greedy
+    tokens equal to transformers' `generate`."""
+    name, model_dir = deepseek
+    if name not in ("v2", "v3"):
+        pytest.skip("one V2 and one V3 suffice")
+    options = dict(num_kv_blocks=32, block_size=8, kv_shared_dir=str(tmp_path / "shared"), kv_shared_gb=0.05)
+    prefill, decode = LLM(str(model_dir), **options), LLM(str(model_dir), **options)
+    prompt = [(5 * j) % 300 + 3 for j in range(61)]  # 7 full blocks and 5 tokens
+    once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, speculative=False)
+    prefill.generate([prompt], once)
+    prefill.engine.kv_connector.wait_saved()
+    (out,) = decode.generate([prompt], SamplingParams(temperature=0, max_tokens=16, min_tokens=16))
+    assert out.num_cached_tokens == 56
+    (shared,) = [t for t in decode.engine.stats().kv_tiers if t.tier == "shared"]
+    assert shared.hit_tokens == 56
+    assert out.token_ids == hf_greedy_outputs(model_dir, [prompt], 16)[0]
+    prefill.engine.close()
+    decode.engine.close()
 
 
 # Each attention's projections by PEFT's names: q straight from the hidden state, or through q_a / q_b
