@@ -59,10 +59,10 @@ def decode_batch(lens, heads, rank, rope, block_size, dtype, seed=0, strided=Fal
     return q_latent.to(DEVICE), q_rope.to(DEVICE), cache.to(DEVICE), ctx
 
 
-def check(fn, lens, heads, rank, rope, block_size, dtype, **kw):
+def check(fn, lens, heads, rank, rope, block_size, dtype, splits=None, **kw):
     q_latent, q_rope, cache, ctx = decode_batch(lens, heads, rank, rope, block_size, dtype, **kw)
     scale = (rank + rope) ** -0.5
-    out = fn(q_latent, q_rope, cache, ctx, scale)
+    out = fn(q_latent, q_rope, cache, ctx, scale, *([splits] if splits else []))
     assert out.shape == q_latent.shape and out.dtype == dtype
     expected = naive_latent_decode(q_latent, q_rope, cache, ctx, scale)
     torch.testing.assert_close(out.cpu().double(), expected, **TOL[dtype])
@@ -80,21 +80,31 @@ def test_reference_matches_naive(dtype):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_kernel_matches_naive(dtype, block_size):
-    """4 heads (one padded head block), rank 16, rope 8 (padded to 16): the tiny checkpoints' shapes."""
-    check(ld.latent_decode_triton, LENS, 4, 16, 8, block_size, dtype, seed=block_size)
+@pytest.mark.parametrize("block_size,splits", [(8, 1), (16, 1), (8, 3)])
+def test_kernel_matches_naive(dtype, block_size, splits):
+    """4 heads (one padded head block), rank 16, rope 8 (padded to 16): the tiny checkpoints' shapes; the context
+    whole, or in 3 splits merged (empty ones among them: a context of 1 to 70 positions in tiles of 32)."""
+    check(ld.latent_decode_triton, LENS, 4, 16, 8, block_size, dtype, splits, seed=block_size)
+
+
+def test_splits_fill_the_gpu_from_host_sizes():
+    """Few sequences: more splits, up to MAX_SPLITS, none shorter than MIN_SPLIT_TILES tiles of the longest
+    context where the step says it (a CUDA graph's hint is the model's length: its bucket fixes the splits)."""
+    assert ld.num_splits(1, 128, None) == 16  # DeepSeek-V3's 128 heads: 8 head blocks
+    assert ld.num_splits(1, 16, 4096) == ld.MAX_SPLITS  # V2-Lite's 16: one
+    assert ld.num_splits(1, 16, 200) == 2  # 200 positions: two splits of at least 4 tiles of 32
+    assert ld.num_splits(64, 128, None) == 1 and ld.num_splits(8, 16, None) == 16
 
 
 @needs_triton
 def test_kernel_heads_over_blocks_widths_unpadded_strided_and_empty_rows():
     """20 heads (two head blocks, the second part padding), rank 24 and rope 12 (neither a power of two), the
-    queries strided slices, a sequence without a new token among them, and a block of 64 positions (two tiles
-    within one block)."""
+    queries strided slices, a sequence without a new token among them (its rows zeros, merged or not), and a block
+    of 64 positions (two tiles within one block); in the splits `num_splits` picks (10 programs: 12), and whole."""
     check(
         ld.latent_decode_triton, [5, 40, 3, 64, 65], 20, 24, 12, 64, torch.float32, strided=True, empty=(2,)
     )
-    check(ld.latent_decode_triton, [1, 31, 32, 33], 20, 24, 12, 16, torch.bfloat16, strided=True)
+    check(ld.latent_decode_triton, [1, 31, 32, 33], 20, 24, 12, 16, torch.bfloat16, 1, strided=True)
 
 
 @needs_triton
@@ -127,15 +137,20 @@ from motet.kernels import latent_decode
 from tests.kernels.gpu_build import resource_usage
 
 out = []
-for arch, dtype, consts in json.loads(sys.argv[1]):
-    kernel = latent_decode._latent_decode_kernel
+for name, arch, dtype, consts in json.loads(sys.argv[1]):
+    kernel = getattr(latent_decode, name)
     full = {n: "i32" for n in kernel.arg_names}
-    full.update(out_ptr=f"*{dtype}", ql_ptr=f"*{dtype}", qr_ptr=f"*{dtype}", cache_ptr=f"*{dtype}",
-                block_tables_ptr="*i32", query_start_loc_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32")
+    full.update(out_ptr=f"*{dtype}", parts_ptr="*fp32", lse_ptr="*fp32", query_start_loc_ptr="*i32")
+    if name == "_latent_decode_kernel":
+        full.update(ql_ptr=f"*{dtype}", qr_ptr=f"*{dtype}", cache_ptr=f"*{dtype}", block_tables_ptr="*i32",
+                    seq_lens_ptr="*i32", scale_log2="fp32")
+        options = latent_decode.launch_options(dtype == "fp32")
+    else:
+        options = {}
     full.update({n: "constexpr" for n in consts})
     k = triton.compile(ASTSource(kernel, full, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                       options=latent_decode.launch_options(dtype == "fp32"))
-    out.append(dict(arch=arch, dtype=dtype, **resource_usage(k, kernel.fn.__name__)))
+                       options=options)
+    out.append(dict(name=name, arch=arch, dtype=dtype, **resource_usage(k, kernel.fn.__name__)))
 print(json.dumps(out))
 """
 
@@ -143,16 +158,25 @@ print(json.dumps(out))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the tests above run the kernel natively")
 def test_kernel_compiles_for_the_gpu_without_spills(tmp_path):
     """Built for sm_90 (H100) and sm_80 (A100) by triton's compiler and ptxas as a launch builds it, at DeepSeek-V2
-    / V3's shapes (kv_lora_rank 512, qk_rope_head_dim 64, 16-position blocks): registers only (no spill to local
+    / V3's shapes (kv_lora_rank 512, qk_rope_head_dim 64, 16-position blocks), whole or in splits, and the splits'
+    merge: registers only (no spill to local
     memory) and no global scratch (nothing for a CUDA graph to allocate at launch)."""
     shapes = dict(
         BLOCK_SIZE=16, RANK=512, RANK_PAD=512, ROPE=64, ROPE_PAD=64, BLOCK_H=ld.BLOCK_H, TILE_N=ld.TILE_N
     )
     cases = [
-        (arch, dtype, dict(shapes, PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False))
+        (
+            "_latent_decode_kernel",
+            arch,
+            dtype,
+            dict(shapes, NUM_SPLITS=splits, PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False),
+        )
         for arch in (90, 80)
         for dtype in ("bf16", "fp32")
+        for splits in (1, ld.MAX_SPLITS)
     ]
+    merge = dict(RANK=512, RANK_PAD=512, NUM_SPLITS=ld.MAX_SPLITS, SPLITS_PAD=ld.MAX_SPLITS)
+    cases += [("_merge_splits_kernel", arch, "bf16", merge) for arch in (90, 80)]
     builds = gpu_builds(COMPILE_CHECK, cases, tmp_path)
     assert len(builds) == len(cases)
     for build in builds:

@@ -47,9 +47,9 @@ class Launches:
 
 def test_a_decode_step_waits_for_nothing_on_the_host(v2, monkeypatch):
     """A latent layer's decode step (one token a row: a graph's step) run on meta tensors, which have no data:
-    reading one on the host (.tolist(), .item(), bool()) raises. With CUDA's Triton paths (the KV write and the
-    absorbed decode, their launches stubbed) it runs through, two launches; a step with a prompt chunk (split on
-    the host) does not, which shows the check would see a host read."""
+    reading one on the host (.tolist(), .item(), bool()) raises. With CUDA's Triton paths (the KV write, and the
+    absorbed decode in splits and their merge; the launches stubbed) it runs through, three launches; a step with
+    a prompt chunk (split on the host) does not, which shows the check would see a host read."""
     cfg = ModelConfig.from_dict(json.loads((v2 / "config.json").read_text()))
     with torch.device("meta"):
         layer = la.LatentAttention(cfg)
@@ -57,6 +57,7 @@ def test_a_decode_step_waits_for_nothing_on_the_host(v2, monkeypatch):
     monkeypatch.setattr(paged_attention, "_write_kv_kernel", writes)
     monkeypatch.setattr(la, "write_kv_cache", paged_attention.write_kv_cache_triton)
     monkeypatch.setattr(latent_decode, "_latent_decode_kernel", decodes)
+    monkeypatch.setattr(latent_decode, "_merge_splits_kernel", decodes)
     monkeypatch.setattr(latent_decode, "applies", lambda x: True)
     T, width = 4, layer.rank + layer.rope
     cache = torch.empty(16, 8, 1, width, device="meta")
@@ -67,7 +68,7 @@ def test_a_decode_step_waits_for_nothing_on_the_host(v2, monkeypatch):
             query_start_loc=torch.empty(T + 1, dtype=torch.int32, device="meta"),
             seq_lens=torch.empty(T, dtype=torch.int32, device="meta"),
             max_query_len=max_query_len,
-            max_seq_len=24,
+            max_seq_len=4096,  # (a graph's hint: the model's length; the context in splits, merged)
             slot_mapping=torch.empty(T, dtype=torch.int64, device="meta"),
         )
         half = layer.rope // 2
@@ -80,7 +81,7 @@ def test_a_decode_step_waits_for_nothing_on_the_host(v2, monkeypatch):
 
     out = step(1)
     assert out.shape == (T, cfg.hidden_size)
-    assert (writes.count, decodes.count) == (1, 1)
+    assert (writes.count, decodes.count) == (1, 2)
     with pytest.raises((NotImplementedError, RuntimeError)):
         step(2)
 
