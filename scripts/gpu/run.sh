@@ -29,5 +29,6 @@ timeout ${SUITE_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m "not s
   tests/lora/test_lora_engine.py tests/engine/test_sampler.py tests/engine/test_scheduler.py tests/engine/test_block_manager.py \
   tests/actors/test_actors.py tests/lora/test_adapter_hardening.py tests/api/test_api_app.py tests/api/test_api_hardening.py tests/grammar/test_grammar.py \
   tests/kernels/test_fused_kernels.py tests/engine/test_cuda_graphs.py tests/engine/test_overlap_output.py tests/kernels/test_triton_moe.py \
-  tests/kernels/test_triton_quant.py tests/engine/test_startup.py 2>&1 | tee "$OUT/pytest.log" | tail -40
+  tests/kernels/test_triton_quant.py tests/engine/test_startup.py tests/kernels/test_latent_decode.py \
+  tests/models/test_deepseek_graphs.py 2>&1 | tee "$OUT/pytest.log" | tail -40
 timeout ${BENCH_TIMEOUT:-240} python3 -m benchmarks.gpu_bench --model-dir /tmp/smol --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -60

@@ -2,7 +2,7 @@
 (nothing in it waits for the host: the layer's host side run on meta tensors, with the Triton launches it makes on
 CUDA stubbed), and the graphs' inputs with their replays run eagerly (tests/engine/test_cuda_graphs.py's
 CpuGraphs), greedy tokens equal to transformers' and PEFT's. The graphs themselves need a GPU
-(tests/engine/test_cuda_graphs.py's test_graph_decode_equals_eager)."""
+(test_a_dense_latent_model_decodes_from_cuda_graphs below; tests/engine/test_cuda_graphs.py's for the others)."""
 
 from __future__ import annotations
 
@@ -118,3 +118,45 @@ def test_graph_inputs_on_cpu_match_transformers_and_peft(v2, tmp_path):
         for p, n, out in zip(prompts[:2], names, adapted, strict=True):
             assert out.token_ids == peft_reference(peft, n, p, 6)[0][len(p) :], n
         assert (graphs.replays > before) == replayed and (len(graphs.graphs) > keys) == replayed
+
+
+def test_a_dense_latent_model_decodes_from_cuda_graphs(tmp_path):
+    """A latent model without routed experts (every layer dense: the graphs stand aside for every MoE) on this
+    machine's device, in fp32: on CUDA its decode steps replay from the graphs (the Triton latent kernel inside,
+    its contexts in the splits of the graphs' buckets), greedy tokens equal to the eager engine's and to
+    transformers'; on a CPU the eager model's, to transformers'."""
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
+    from tests.engine.helpers import finished_tokens
+    from tests.models.test_deepseek import MODELS
+    from tests.models.test_moe import randomize_norms
+    from tests.tiny_models import build_tiny_model
+
+    arch, overrides = MODELS["v3"]
+    model_dir = build_tiny_model(tmp_path, arch=arch, tied=False, **dict(overrides, first_k_dense_replace=3))
+    randomize_norms(model_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[2], PROMPTS[5], PROMPTS[0]]
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    outs = {}
+    for graphs in (False, True) if device == "cuda" else (False,):
+        config = EngineConfig(
+            model=str(model_dir),
+            device=device,
+            dtype="float32",
+            block_size=8,
+            num_kv_blocks=128,
+            compile_step=graphs,
+        )
+        engine = LLMEngine(config, model_dir=model_dir)
+        assert not engine.runner.model.config.is_moe
+        assert (engine.runner.graphs is not None) == graphs
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        got = finished_tokens(engine)
+        outs[graphs] = [got[tuple(p)] for p in prompts]
+        if graphs:
+            assert engine.runner.graphs.replays > 0
+    assert outs[False] == hf_greedy_outputs(model_dir, prompts, 12)
+    if True in outs:
+        assert outs[True] == outs[False]
