@@ -61,7 +61,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
         expected = tuple(int(d) for d in reversed(t.shape.tolist()))
         w = w.reshape(expected if len(expected) > 1 else (expected[0],))
         name = gguf_names.hf_name(t.name, decl)
-        if gguf_names.joined(name):
+        if gguf_names.joined(t.name, decl):
             halves.setdefault(name, {})[t.name] = w
             continue
         if gguf_names.EXPERT in name:  # stacked experts: each expert's own tensor

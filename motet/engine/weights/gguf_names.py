@@ -105,9 +105,12 @@ def join(name: str, parts: dict[str, torch.Tensor], decl: Architecture) -> torch
     return next(f for end, f in JOINS.items() if name.endswith(end))(*(parts[k] for k in keys))
 
 
-def joined(name: str) -> bool:
-    """Whether a Hugging Face tensor name is one the converter split into two GGUF tensors (`JOINS`)."""
-    return name.endswith(tuple(JOINS))
+def joined(gguf_name: str, decl: Architecture) -> bool:
+    """Whether a GGUF tensor is a part of a Hugging Face tensor the converter split in two (`JOINS`; an older
+    file's attn_kv_b is kv_b_proj whole)."""
+    m = _BLOCK_RE.match(gguf_name)
+    whole = decl.gguf_names.get(f"{m.group(2)}.{m.group(3)}") if m else None
+    return whole is not None and whole.endswith(tuple(JOINS))
 
 
 def expert_names(name: str, experts: int) -> list[str]:

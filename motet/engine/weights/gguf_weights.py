@@ -221,7 +221,7 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
     whole = None  # (GGUF tensor, its blocks or values), kept while its parts are yielded
     halves: dict[str, dict[str, torch.Tensor]] = {}  # a tensor the converter split (gguf_names.JOINS): its parts
     for t, (name, start, rows) in tensors:
-        if joined(name):
+        if joined(t.name, decl):
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             parts = halves.setdefault(name, {})
