@@ -96,6 +96,23 @@ def latent_options(cfg: dict, source: str) -> dict:
     )
 
 
+# llama.cpp's converter's names (V2 and V3 alike); current converters split kv_b_proj into attn_k_b / attn_v_b
+GGUF_NAMES = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_v_b.weight": "self_attn.kv_b_proj.weight",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
+
+
 def gguf_config(key, cfg: dict, source: str) -> dict:
     """llama.cpp's deepseek2 files (V2-Lite, V2, V3): V3 where the experts are scored by sigmoid
     (expert_gating_func 2; unsaid: softmax, as llama.cpp reads older V2 files), the latent widths (current files:
@@ -145,23 +162,9 @@ DEEPSEEK_V2 = Architecture(
     experts=v2_experts,
     options=latent_options,
     checkpoint_names={"shared_experts": "shared_expert"},
-    # llama.cpp writes V2 and V3 as "deepseek2" (V3 by its sigmoid gating: `gguf_config`); current converters
-    # split kv_b_proj into attn_k_b / attn_v_b (older files: attn_kv_b)
+    # llama.cpp writes V2 and V3 as "deepseek2" (V3 by its sigmoid gating: `gguf_config`)
     gguf="deepseek2",
-    gguf_names={
-        "attn_q_a": "self_attn.q_a_proj",
-        "attn_q_b": "self_attn.q_b_proj",
-        "attn_q_a_norm": "self_attn.q_a_layernorm",
-        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
-        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-        "attn_kv_b": "self_attn.kv_b_proj",
-        "attn_k_b.weight": "self_attn.kv_b_proj.weight",
-        "attn_v_b.weight": "self_attn.kv_b_proj.weight",
-        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-        "ffn_up_shexp": "mlp.shared_experts.up_proj",
-        "ffn_down_shexp": "mlp.shared_experts.down_proj",
-        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-    },
+    gguf_names=GGUF_NAMES,
     gguf_config=gguf_config,
 )
 DEEPSEEK_V3 = Architecture(
@@ -170,4 +173,5 @@ DEEPSEEK_V3 = Architecture(
     options=latent_options,
     checkpoint_names={"shared_experts": "shared_expert"},
     skips_trailing_layers=True,  # its multi-token-prediction layer(s), not read (as transformers)
+    gguf_names=GGUF_NAMES,  # (its files are "deepseek2" ones: DEEPSEEK_V2's `gguf`)
 )
