@@ -37,7 +37,8 @@ from motet.kernels.quant import INT8, MXFP4
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs
 from tests.engine.test_gguf_model_file import OPTIONS, add_base_keys, add_gpt2_vocab
 from tests.kernels.test_quantization import assert_close_but_for_rounding_flips, needs_native
-from tests.models.test_deepseek import LATENT, MODELS as DEEPSEEK_MODELS, randomize_biases
+from tests.models.test_deepseek import LATENT, randomize_biases
+from tests.models.test_deepseek import MODELS as DEEPSEEK_MODELS
 from tests.models.test_gguf_moe import DISTINCT_PROMPTS, hf_prompt_logits
 from tests.models.test_gpt_oss import build_gpt_oss, mxfp4_reference, save_mxfp4
 from tests.models.test_moe import randomize_norms
@@ -131,10 +132,16 @@ def write_gpt_oss_gguf(model_dir: Path, out: Path, mxfp4_dir: Path | None = None
             continue
         if f"{name}_blocks" in blocks:  # [E, R, G, 16]: gate rows 0, 2, ..., up rows 1, 3, ...
             b, s = blocks[f"{name}_blocks"], blocks[f"{name}_scales"]
-            parts = {"gate": (b[:, 0::2], s[:, 0::2]), "up": (b[:, 1::2], s[:, 1::2])} if "gate_up" in name else {}
+            parts = (
+                {"gate": (b[:, 0::2], s[:, 0::2]), "up": (b[:, 1::2], s[:, 1::2])}
+                if "gate_up" in name
+                else {}
+            )
             for part, (pb, ps) in (parts or {"down": (b, s)}).items():
                 raw = ggml_mxfp4(pb.contiguous(), ps.contiguous())
-                writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", raw, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+                writer.add_tensor(
+                    f"blk.{layer}.ffn_{part}_exps.weight", raw, raw_dtype=gguf.GGMLQuantizationType.MXFP4
+                )
             continue
         t = w.transpose(1, 2)  # [E, 2I, H] or [E, H, I]
         parts = {"gate": t[:, 0::2], "up": t[:, 1::2]} if "gate_up" in name else {"down": t}
@@ -209,7 +216,11 @@ def test_gpt_oss_converts_back_to_the_source_checkpoint(gpt_oss, tmp_path):
 YARN = dict(DEEPSEEK_MODELS["v2"][1]["rope_parameters"], mscale=0.8, mscale_all_dim=0.8)
 # the Hub's configs say scoring_func (transformers' tiny config does not): the converter's gating key from it
 SCORING = {"deepseek_v2": "softmax", "deepseek_v3": "sigmoid"}
-GGUF_MODELS = ("v2_lite", "v2", "v3")  # (v3_halves: a rotary on halves, which llama.cpp's deepseek2 never reads)
+GGUF_MODELS = (
+    "v2_lite",
+    "v2",
+    "v3",
+)  # (v3_halves: a rotary on halves, which llama.cpp's deepseek2 never reads)
 
 
 def build_deepseek_gguf_source(path: Path, name: str) -> Path:

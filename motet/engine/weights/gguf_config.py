@@ -158,7 +158,9 @@ def hf_config(
             if scaling == "none"
             else {"rope_type": scaling, "factor": _f32_round(meta[f"{arch}.rope.scaling.factor"])},
             # (a latent attention's first projections: q_a or the latent kv_a)
-            "attention_bias": any(f"blk.0.{t}.bias" in tensor_names for t in ("attn_q", "attn_q_a", "attn_kv_a_mqa")),
+            "attention_bias": any(
+                f"blk.0.{t}.bias" in tensor_names for t in ("attn_q", "attn_q_a", "attn_kv_a_mqa")
+            ),
             "attention_dropout": 0.0,
             "mlp_bias": False,
             "initializer_range": 0.02,
@@ -170,9 +172,13 @@ def hf_config(
             "use_cache": True,
         }
         if scaling == "yarn":  # its original context and the converter's other keys where written
-            config["rope_scaling"]["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+            config["rope_scaling"]["original_max_position_embeddings"] = int(
+                key("rope.scaling.original_context_length")
+            )
             for suffix, field in _YARN_FIELDS.items():
-                if (value := key(f"rope.scaling.{suffix}")) is not None and field not in config["rope_scaling"]:
+                if (value := key(f"rope.scaling.{suffix}")) is not None and field not in config[
+                    "rope_scaling"
+                ]:
                     config["rope_scaling"][field] = value
         if rotary != head_dim:  # (transformers' partial rotary; motet reads rotary_dim first, no rounding)
             config["partial_rotary_factor"] = rotary / head_dim

@@ -51,7 +51,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
 
     out_dir.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
-    halves: dict[str, dict[str, torch.Tensor]] = {}  # a tensor the converter split (gguf_names.JOINS): its parts
+    halves: dict[
+        str, dict[str, torch.Tensor]
+    ] = {}  # a tensor the converter split (gguf_names.JOINS): its parts
     bar = tqdm(reader.tensors, desc="converting", unit="tensor", disable=not progress, file=sys.stderr)
     for t in bar:
         if t.name in gguf_names.CONFIG_TENSORS:  # (read into the config)
@@ -223,7 +225,10 @@ def _latent_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
         want |= {a + "q_a_proj.weight": (lat.q_lora_rank, h), a + "q_a_layernorm.weight": (lat.q_lora_rank,)}
         want[a + "q_b_proj.weight"] = (heads * qk, lat.q_lora_rank)
     if cfg.attention_bias:
-        want |= {a + "kv_a_proj_with_mqa.bias": (lat.kv_lora_rank + lat.qk_rope_head_dim,), a + "o_proj.bias": (h,)}
+        want |= {
+            a + "kv_a_proj_with_mqa.bias": (lat.kv_lora_rank + lat.qk_rope_head_dim,),
+            a + "o_proj.bias": (h,),
+        }
         if lat.q_lora_rank is not None:
             want[a + "q_a_proj.bias"] = (lat.q_lora_rank,)
     return {prefix + k: v for k, v in want.items()}

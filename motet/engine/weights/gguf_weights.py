@@ -219,7 +219,9 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
         )  # fmt: skip
     yield from _experts(path, stacked, decl)
     whole = None  # (GGUF tensor, its blocks or values), kept while its parts are yielded
-    halves: dict[str, dict[str, torch.Tensor]] = {}  # a tensor the converter split (gguf_names.JOINS): its parts
+    halves: dict[
+        str, dict[str, torch.Tensor]
+    ] = {}  # a tensor the converter split (gguf_names.JOINS): its parts
     for t, (name, start, rows) in tensors:
         if joined(t.name, decl):
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -265,7 +267,9 @@ def _experts(path: Path, stacked: list, decl) -> Iterator[tuple[str, torch.Tenso
     fmt = {}
     for t in stacked:  # (MXFP4: gpt-oss's experts, in their blocks as OpenAI's checkpoints hold them)
         name = ggml_blocks.type_name(int(t.tensor_type))
-        native = MXFP4 if int(t.tensor_type) == MXFP4.ggml_type else ggml_blocks.native_format(int(t.tensor_type))
+        native = (
+            MXFP4 if int(t.tensor_type) == MXFP4.ggml_type else ggml_blocks.native_format(int(t.tensor_type))
+        )
         fmt[t.name] = None if name in _FLOAT_TYPES else native or INT8
     for t in stacked:  # a layer's ffn_gate_exps and ffn_up_exps: one format
         up = t.name.replace("_gate_exps.", "_up_exps.")
