@@ -36,7 +36,11 @@ from motet.engine.worker.latent_attention import LatentAttention
 from motet.kernels.quant import INT8, MXFP4
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs
 from tests.engine.test_gguf_model_file import OPTIONS, add_base_keys, add_gpt2_vocab
-from tests.kernels.test_quantization import assert_close_but_for_rounding_flips, needs_native
+from tests.kernels.test_quantization import (
+    assert_close_but_for_rounding_flips,
+    needs_native,
+    quantizing_inputs,
+)
 from tests.models.test_deepseek import LATENT, randomize_biases
 from tests.models.test_deepseek import MODELS as DEEPSEEK_MODELS
 from tests.models.test_gguf_moe import DISTINCT_PROMPTS, hf_prompt_logits
@@ -175,23 +179,68 @@ def test_gpt_oss_float_file_matches_transformers(gpt_oss, tmp_path, compiled):
     assert [o.token_ids for o in outs] == hf_greedy_outputs(source, prompts, 16)
 
 
-@pytest.mark.parametrize("compiled", PATHS)
-def test_gpt_oss_mxfp4_experts_stay_in_their_blocks(gpt_oss, tmp_path, compiled):
-    """The MXFP4 experts served in their blocks, never dequantized: transformers on the MXFP4 checkpoint (the
-    experts' inputs rounded as the quantized product rounds them), but for rounding flips."""
+def held_in_blocks(name: str, w: torch.Tensor, qtype: str) -> bool:
+    """Whether a source tensor (by its Hugging Face name) is written in `qtype` (`_add`: weights of whole blocks
+    but the routers and the embedding table; kv_b_proj's parts are nope and rank wide here, not whole blocks)."""
+    if qtype == "F32" or name.endswith("kv_b_proj.weight"):
+        return False
+    blocks = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
+    router = name.endswith(("mlp.gate.weight", "mlp.router.weight", "embed_tokens.weight"))
+    return w.dtype == torch.float32 and w.dim() >= 2 and w.shape[-1] % blocks == 0 and not router
+
+
+def rounded_checkpoint(model_dir: Path, out: Path, qtype: str) -> Path:
+    """The checkpoint with every tensor the file holds in `qtype` as gguf-py's values of it (an MXFP4
+    checkpoint's blocks as they are)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, out)
+    weights = load_file(model_dir / "model.safetensors")
+    t = gguf.GGMLQuantizationType[qtype]
+    for name, w in weights.items():
+        if held_in_blocks(name, w, qtype):
+            values = gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), t), t)
+            w.copy_(torch.from_numpy(np.array(values, dtype=np.float32)).reshape(w.shape))
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize(
+    "rest, compiled",
+    [
+        ("F32", False),
+        pytest.param("F32", True, marks=needs_native),
+        ("BF16", False),
+        ("Q8_0", False),
+        pytest.param("Q8_0", True, marks=needs_native),
+    ],
+)
+def test_gpt_oss_mxfp4_experts_stay_in_their_blocks(gpt_oss, tmp_path, rest, compiled):
+    """The MXFP4 experts served in their blocks, never dequantized, the other weights in F32, BF16 or Q8_0 (the
+    attention's projections and the lm_head in their blocks): transformers on the MXFP4 checkpoint with those
+    weights as gguf-py's values (the inputs of every quantized product rounded as the CPU's product rounds
+    them), but for rounding flips."""
     source, mxfp4_dir = gpt_oss
-    path = write_gpt_oss_gguf(source, tmp_path / "m.gguf", mxfp4_dir)
+    path = write_gpt_oss_gguf(source, tmp_path / "m.gguf", mxfp4_dir, rest)
     llm = LLM(str(path), compile_step=compiled, **OPTIONS)
     if not compiled:
-        experts = llm.engine.runner.model.layers[0].mlp.experts
+        model = llm.engine.runner.model
+        experts = model.layers[0].mlp.experts
         assert {k: q.weight.format for k, q in experts.quantized.items()} == {
             "gate_up_proj": MXFP4,
             "down_proj": MXFP4,
         }
-    hf = mxfp4_reference(mxfp4_dir)
+        assert experts.gate_up_proj.numel() == 0
+        held = {
+            lin.quantized.format if lin.quantized is not None else None for lin in model.decoder_linears()
+        }
+        assert held == ({INT8} if rest == "Q8_0" else {None})
+    hf = mxfp4_reference(rounded_checkpoint(mxfp4_dir, tmp_path / "ref", rest))
+    if rest == "Q8_0":
+        hf = quantizing_inputs(hf, lm_head=True, projections=("q_proj", "k_proj", "v_proj", "o_proj"))
     with torch.no_grad():
-        want = [hf(torch.tensor([p])).logits[0] for p in PROMPTS]
-    assert_close_but_for_rounding_flips(engine_logits(llm.engine, PROMPTS, chunk=7), want)
+        want = [hf(torch.tensor([p])).logits[0] for p in DISTINCT_PROMPTS]
+    assert_close_but_for_rounding_flips(engine_logits(llm.engine, DISTINCT_PROMPTS, chunk=7), want)
 
 
 def test_gpt_oss_converts_back_to_the_source_checkpoint(gpt_oss, tmp_path):
@@ -296,29 +345,6 @@ def write_deepseek_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_kv
     return out
 
 
-def held_in_blocks(name: str, w: torch.Tensor, qtype: str) -> bool:
-    """Whether `write_deepseek_gguf` writes a source tensor (by its Hugging Face name) in `qtype` blocks."""
-    blocks = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
-    if name.endswith("kv_b_proj.weight"):
-        return False  # (attn_k_b's and attn_v_b's rows: nope and rank wide, not whole blocks here)
-    router = name.endswith(("mlp.gate.weight", "embed_tokens.weight"))
-    return w.dim() >= 2 and w.shape[-1] % blocks == 0 and not router
-
-
-def deepseek_dequantized(model_dir: Path, out: Path, qtype: str) -> Path:
-    """The source checkpoint with every tensor the file holds in `qtype` blocks as gguf-py dequantizes them."""
-    shutil.copytree(model_dir, out)
-    from safetensors.torch import save_file
-
-    t = gguf.GGMLQuantizationType[qtype]
-    weights = load_file(model_dir / "model.safetensors")
-    for name, w in weights.items():
-        if held_in_blocks(name, w, qtype):
-            w.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), t), t)))
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
 @pytest.fixture(scope="module", params=GGUF_MODELS)
 def deepseek(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, build_deepseek_gguf_source(tmp_path_factory.mktemp(request.param), request.param)
@@ -357,7 +383,7 @@ def test_deepseek_q8_0_file_matches_transformers_on_gguf_py_dequantized(deepseek
     assert all(q.weight.format is INT8 for e in experts for q in e.quantized.values())
     assert model.layers[0].mlp.gate_up_proj.quantized.format is INT8
     assert model.layers[0].self_attn.kv_a_proj_with_mqa.quantized is None
-    ref = deepseek_dequantized(source, tmp_path / "ref", "Q8_0")
+    ref = rounded_checkpoint(source, tmp_path / "ref", "Q8_0")
     want = hf_prompt_logits(ref, ("q_proj", "gate_proj", "up_proj", "down_proj"), DISTINCT_PROMPTS)
     assert_close_but_for_rounding_flips(engine_logits(eng, DISTINCT_PROMPTS, chunk=7), want)
 

@@ -79,7 +79,7 @@ def hf_config(
     layers those with a router (ffn_gate_inp), the others dense (mlp_only_layers).
 
     ModelLoadError, naming the key and what is supported, for a file motet cannot serve: another architecture,
-    experts in a family motet serves dense, another tokenizer, rope scaling other than linear or LongRoPE's
+    experts in a family motet serves dense, another tokenizer, rope scaling other than linear, YaRN or LongRoPE's
     factors, a partial rotary over interleaved q/k rows (llama's files)."""
 
     def refuse(what: str) -> ModelLoadError:

@@ -5,7 +5,8 @@ added it (Gemma's 1 + w), rename the tensors to the family's Hugging Face names 
 Phi-3's checkpoints have them), and write config, weights and tokenizer files (motet/engine/weights/model_store.py calls it when it pulls the default model). The config and
 tokenizer come from the file's metadata alone (motet/engine/weights/gguf_config.py's `hf_config`,
 `write_hf_metadata`), which is all a bare GGUF file served as it is needs (motet/engine/weights/gguf_model.py). A
-mixture of experts' stacked tensors are written an expert at a time, as its family's checkpoints hold them."""
+mixture of experts' stacked tensors are written an expert at a time, as its family's checkpoints hold them
+(GPT-OSS's restacked, gate and up interleaved); a tensor the converter split in two is joined back (gguf_names.JOINS)."""
 
 from __future__ import annotations
 
