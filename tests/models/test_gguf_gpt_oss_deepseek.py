@@ -60,11 +60,12 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def _add(writer, name: str, w: torch.Tensor, qtype: str) -> None:
-    """A tensor in `qtype` where it is a weight of whole blocks (the converter's F16 fallback: F32 here, as are
-    norms, biases, routers and the embedding table), else F32."""
+    """A tensor in `qtype` where it is a weight (`.weight`) of whole blocks (the converter's F16 fallback: F32
+    here, as are norms, biases, routers and the embedding table), else F32."""
     blocks = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
     quantized = (
         qtype != "F32"
+        and name.endswith(".weight")
         and w.dim() >= 2
         and w.shape[-1] % blocks == 0
         and not name.split(".")[-2].startswith(("ffn_gate_inp", "token_embd"))
@@ -181,8 +182,9 @@ def test_gpt_oss_float_file_matches_transformers(gpt_oss, tmp_path, compiled):
 
 def held_in_blocks(name: str, w: torch.Tensor, qtype: str) -> bool:
     """Whether a source tensor (by its Hugging Face name) is written in `qtype` (`_add`: weights of whole blocks
-    but the routers and the embedding table; kv_b_proj's parts are nope and rank wide here, not whole blocks)."""
-    if qtype == "F32" or name.endswith("kv_b_proj.weight"):
+    but the routers and the embedding table, never a bias; kv_b_proj's parts are nope and rank wide here, not whole
+    blocks)."""
+    if qtype == "F32" or name.endswith("kv_b_proj.weight") or not name.endswith(".weight"):
         return False
     blocks = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
     router = name.endswith(("mlp.gate.weight", "mlp.router.weight", "embed_tokens.weight"))
