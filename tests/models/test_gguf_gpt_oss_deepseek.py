@@ -287,12 +287,14 @@ def build_deepseek_gguf_source(path: Path, name: str) -> Path:
 def write_deepseek_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_kv_b: bool = True) -> Path:
     """DeepseekV2Model's file: MLA as MQA (head_count_kv 1, key_length kv_lora_rank + rope, the MLA widths apart),
     the leading dense layers, experts' keys, YaRN's log multiplier; tensors by gguf-py's name map, experts stacked,
-    kv_b_proj split into attn_k_b / attn_v_b (or, not `split_kv_b`, whole as older files hold it)."""
+    kv_b_proj split into attn_k_b / attn_v_b (or, not `split_kv_b`, as older converters wrote it: attn_kv_b whole,
+    every head a KV head, key_length / value_length the heads' widths)."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = hf.config
     raw = json.loads((model_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(out), arch="deepseek2")
-    add_base_keys(writer, SimpleNamespace(**{**cfg.to_dict(), "num_key_value_heads": 1}))  # MLA as MQA
+    kv_heads = 1 if split_kv_b else cfg.num_attention_heads  # MLA as MQA (older files: every head)
+    add_base_keys(writer, SimpleNamespace(**{**cfg.to_dict(), "num_key_value_heads": kv_heads}))
     rope = cfg.rope_parameters
     _yarn(writer, rope)
     if raw.get("n_group") is not None:
@@ -307,10 +309,14 @@ def write_deepseek_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_kv
     if cfg.q_lora_rank is not None:
         writer.add_q_lora_rank(cfg.q_lora_rank)
     writer.add_kv_lora_rank(cfg.kv_lora_rank)
-    writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    writer.add_value_length(cfg.kv_lora_rank)
-    writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    writer.add_value_length_mla(cfg.v_head_dim)
+    if split_kv_b:
+        writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        writer.add_value_length(cfg.kv_lora_rank)
+        writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        writer.add_value_length_mla(cfg.v_head_dim)
+    else:  # (the older converter's widths: each head's key and value)
+        writer.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        writer.add_value_length(cfg.v_head_dim)
     writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     writer.add_expert_count(cfg.n_routed_experts)
     writer.add_expert_shared_count(cfg.n_shared_experts or 0)

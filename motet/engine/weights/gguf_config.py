@@ -51,7 +51,6 @@ PRE_TOKENIZERS = ("smollm", "default", "gpt-2", "olmo", "starcoder", "refact", "
 _ROPE_SCALINGS = ("none", "linear", "yarn")  # llama.rope.scaling.type values motet's rotary implements
 # the converter's YaRN keys (after rope.scaling.) -> transformers' rope_scaling fields
 _YARN_FIELDS = {
-    "original_context_length": "original_max_position_embeddings",
     "yarn_beta_fast": "beta_fast",
     "yarn_beta_slow": "beta_slow",
     "yarn_attn_factor": "attention_factor",
@@ -171,15 +170,12 @@ def hf_config(
             "torch_dtype": "float32",
             "use_cache": True,
         }
-        if scaling == "yarn":  # its original context and the converter's other keys where written
-            config["rope_scaling"]["original_max_position_embeddings"] = int(
-                key("rope.scaling.original_context_length")
-            )
+        if scaling == "yarn":  # its original context, and the converter's other keys where it wrote them
+            yarn = config["rope_scaling"]
+            yarn["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
             for suffix, field in _YARN_FIELDS.items():
-                if (value := key(f"rope.scaling.{suffix}")) is not None and field not in config[
-                    "rope_scaling"
-                ]:
-                    config["rope_scaling"][field] = value
+                if (value := key(f"rope.scaling.{suffix}")) is not None:
+                    yarn[field] = value
         if rotary != head_dim:  # (transformers' partial rotary; motet reads rotary_dim first, no rounding)
             config["partial_rotary_factor"] = rotary / head_dim
             config["rotary_dim"] = rotary

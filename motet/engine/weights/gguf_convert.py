@@ -52,9 +52,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
 
     out_dir.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
-    halves: dict[
-        str, dict[str, torch.Tensor]
-    ] = {}  # a tensor the converter split (gguf_names.JOINS): its parts
+    # a tensor the converter split in two (gguf_names.JOINS) -> its parts by their GGUF names
+    halves: dict[str, dict[str, torch.Tensor]] = {}
     bar = tqdm(reader.tensors, desc="converting", unit="tensor", disable=not progress, file=sys.stderr)
     for t in bar:
         if t.name in gguf_names.CONFIG_TENSORS:  # (read into the config)

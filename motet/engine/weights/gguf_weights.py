@@ -222,17 +222,16 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
         )  # fmt: skip
     yield from _experts(path, stacked, decl)
     whole = None  # (GGUF tensor, its blocks or values), kept while its parts are yielded
-    halves: dict[
-        str, dict[str, torch.Tensor]
-    ] = {}  # a tensor the converter split (gguf_names.JOINS): its parts
+    # a tensor the converter split in two (gguf_names.JOINS) -> its parts by their GGUF names
+    halves: dict[str, dict[str, torch.Tensor]] = {}
     for t, (name, start, rows) in tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         if joined(t.name, decl):
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            parts = halves.setdefault(name, {})
-            parts[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C")).reshape(shape)
+            halves.setdefault(name, {})[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(
+                shape
+            )
             continue
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         module = name.split(".")[-2] if name.endswith(".weight") else None
         rows = shape[0] if rows < 0 else rows
         if formats.get(name) is not None:
