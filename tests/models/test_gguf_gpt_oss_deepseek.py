@@ -412,3 +412,30 @@ def test_deepseek_converts_back_to_the_source_checkpoint(deepseek, tmp_path):
 
 
 assert LATENT["first_k_dense_replace"] == 1  # (the sparse layers the tests name)
+
+
+def test_deepseek_metadata_reads_as_llama_cpp_reads_it(tmp_path):
+    """V3 by its sigmoid gating, V2's softmax where a file says none (older V2 files); YaRN's mscale_all_dim
+    from the log multiplier, and without one cos / sin and the softmax unscaled (llama.cpp's reading); a
+    tensor's half without the other refused by name."""
+    from motet.engine.weights import gguf_names
+    from motet.engine.weights.gguf_config import hf_config, metadata_of
+    from motet.models.declaration import ModelLoadError
+    from motet.models.deepseek import DEEPSEEK_V2
+
+    source = build_deepseek_gguf_source(tmp_path / "src", "v3")
+    reader = gguf.GGUFReader(str(write_deepseek_gguf(source, tmp_path / "v3.gguf")))
+    meta, names = metadata_of(reader), {t.name for t in reader.tensors}
+    config = hf_config(meta, names, "v3.gguf")
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["norm_topk_prob"]
+    assert config["rope_scaling"]["mscale_all_dim"] == pytest.approx(0.8)
+    assert (config["kv_lora_rank"], config["qk_nope_head_dim"], config["v_head_dim"]) == (16, 16, 12)
+    older = {k: v for k, v in meta.items() if not k.endswith(("gating_func", "yarn_log_multiplier"))}
+    config = hf_config(older, names, "old.gguf")
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"] and config["scoring_func"] == "softmax"
+    assert (
+        config["rope_scaling"]["attention_factor"] == 1.0 and "mscale_all_dim" not in config["rope_scaling"]
+    )
+    half = {"blk.0.attn_k_b.weight": torch.zeros(4, 16, 16)}
+    with pytest.raises(ModelLoadError, match=r"blk.0.attn_k_b.weight are only part of .*kv_b_proj"):
+        gguf_names.join("model.layers.0.self_attn.kv_b_proj.weight", half, DEEPSEEK_V2)
