@@ -9,6 +9,7 @@ two; both scale the chosen weights by `routed_scaling_factor`."""
 from __future__ import annotations
 
 from motet.models.declaration import Architecture, ModelLoadError
+from motet.models.deepseek_gguf import GGUF_NAMES, gguf_config
 from motet.models.fields import LIMITS, bounded, bounded_number, flag, top_k_experts
 from motet.models.latent import LatentAttention
 
@@ -101,6 +102,10 @@ DEEPSEEK_V2 = Architecture(
     experts=v2_experts,
     options=latent_options,
     checkpoint_names={"shared_experts": "shared_expert"},
+    # llama.cpp writes V2 and V3 as "deepseek2" (V3 by its sigmoid gating: `gguf_config`)
+    gguf="deepseek2",
+    gguf_names=GGUF_NAMES,
+    gguf_config=gguf_config,
 )
 DEEPSEEK_V3 = Architecture(
     names=("DeepseekV3ForCausalLM",),
@@ -108,4 +113,5 @@ DEEPSEEK_V3 = Architecture(
     options=latent_options,
     checkpoint_names={"shared_experts": "shared_expert"},
     skips_trailing_layers=True,  # its multi-token-prediction layer(s), not read (as transformers)
+    gguf_names=GGUF_NAMES,  # (its files are "deepseek2" ones: DEEPSEEK_V2's `gguf`)
 )

@@ -28,6 +28,19 @@ def options(cfg: dict, source: str) -> dict:
     )
 
 
+def gguf_config(key, cfg: dict, source: str) -> dict:
+    """llama.cpp's gpt-oss files: the experts' count and top-k, the window of the even layers (llama.cpp slides
+    every other layer, as `layer_types` defaults), YaRN as OpenAI's checkpoints say it (truncate false)."""
+    rope = cfg["rope_scaling"]
+    return dict(
+        model_type="gpt_oss",
+        num_local_experts=key("expert_count"),
+        num_experts_per_tok=key("expert_used_count"),
+        sliding_window=key("attention.sliding_window"),
+        rope_scaling={**rope, "truncate": False} if rope and rope["rope_type"] == "yarn" else rope,
+    )
+
+
 GPT_OSS = Architecture(
     names=("GptOssForCausalLM",),
     qkv_bias=True,
@@ -37,4 +50,16 @@ GPT_OSS = Architecture(
     checkpoint_names={"router": "gate"},
     tool_format="openai",  # harmony's channels: calls on commentary, reasoning on analysis
     reasoning_format="openai_gptoss",
+    # llama.cpp's converter: the sinks as a weight, the router ffn_gate_inp, each expert's gate and up split
+    # (weights [E, I, H] each, in MXFP4 blocks from OpenAI's checkpoints; biases [E, I] each)
+    gguf="gpt-oss",
+    gguf_names={
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_inp": "mlp.router",
+        "ffn_gate_exps.bias": "mlp.experts.gate_up_proj_bias",
+        "ffn_up_exps.bias": "mlp.experts.gate_up_proj_bias",
+        "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+    },
+    gguf_config=gguf_config,
 )

@@ -48,7 +48,14 @@ TOKENIZER_MODEL = "gpt2"  # byte-level BPE
 # one, then GPT-2's (SmolLM's, StarCoder's, "refact": Granite 3's); Qwen2's; Llama 3's ("dbrx": cl100k's, as
 # Phi-4's and OLMo 2's files say), as llama.cpp's llama-vocab.cpp groups them
 PRE_TOKENIZERS = ("smollm", "default", "gpt-2", "olmo", "starcoder", "refact", "qwen2", "llama-bpe", "dbrx")
-_ROPE_SCALINGS = ("none", "linear")  # llama.rope.scaling.type values motet's rotary implements
+_ROPE_SCALINGS = ("none", "linear", "yarn")  # llama.rope.scaling.type values motet's rotary implements
+# the converter's YaRN keys (after rope.scaling.) -> transformers' rope_scaling fields
+_YARN_FIELDS = {
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+    "yarn_attn_factor": "attention_factor",
+    "yarn_ext_factor": "extrapolation_factor",
+}
 
 
 def reader_config(reader, source: str) -> tuple[dict, dict]:
@@ -71,7 +78,7 @@ def hf_config(
     layers those with a router (ffn_gate_inp), the others dense (mlp_only_layers).
 
     ModelLoadError, naming the key and what is supported, for a file motet cannot serve: another architecture,
-    experts in a family motet serves dense, another tokenizer, rope scaling other than linear or LongRoPE's
+    experts in a family motet serves dense, another tokenizer, rope scaling other than linear, YaRN or LongRoPE's
     factors, a partial rotary over interleaved q/k rows (llama's files)."""
 
     def refuse(what: str) -> ModelLoadError:
@@ -148,8 +155,11 @@ def hf_config(
             "rope_theta": _f32_round(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             "rope_scaling": None
             if scaling == "none"
-            else {"rope_type": "linear", "factor": _f32_round(meta[f"{arch}.rope.scaling.factor"])},
-            "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+            else {"rope_type": scaling, "factor": _f32_round(meta[f"{arch}.rope.scaling.factor"])},
+            # (a latent attention's first projections: q_a or the latent kv_a)
+            "attention_bias": any(
+                f"blk.0.{t}.bias" in tensor_names for t in ("attn_q", "attn_q_a", "attn_kv_a_mqa")
+            ),
             "attention_dropout": 0.0,
             "mlp_bias": False,
             "initializer_range": 0.02,
@@ -160,6 +170,12 @@ def hf_config(
             "torch_dtype": "float32",
             "use_cache": True,
         }
+        if scaling == "yarn":  # its original context, and the converter's other keys where it wrote them
+            yarn = config["rope_scaling"]
+            yarn["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+            for suffix, field in _YARN_FIELDS.items():
+                if (value := key(f"rope.scaling.{suffix}")) is not None:
+                    yarn[field] = value
         if rotary != head_dim:  # (transformers' partial rotary; motet reads rotary_dim first, no rounding)
             config["partial_rotary_factor"] = rotary / head_dim
             config["rotary_dim"] = rotary

@@ -5,7 +5,8 @@ added it (Gemma's 1 + w), rename the tensors to the family's Hugging Face names 
 Phi-3's checkpoints have them), and write config, weights and tokenizer files (motet/engine/weights/model_store.py calls it when it pulls the default model). The config and
 tokenizer come from the file's metadata alone (motet/engine/weights/gguf_config.py's `hf_config`,
 `write_hf_metadata`), which is all a bare GGUF file served as it is needs (motet/engine/weights/gguf_model.py). A
-mixture of experts' stacked tensors are written an expert at a time, as its family's checkpoints hold them."""
+mixture of experts' stacked tensors are written an expert at a time, as its family's checkpoints hold them
+(GPT-OSS's restacked, gate and up interleaved); a tensor the converter split in two is joined back (gguf_names.JOINS)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
 
     out_dir.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
+    # a tensor the converter split in two (gguf_names.JOINS) -> its parts by their GGUF names
+    halves: dict[str, dict[str, torch.Tensor]] = {}
     bar = tqdm(reader.tensors, desc="converting", unit="tensor", disable=not progress, file=sys.stderr)
     for t in bar:
         if t.name in gguf_names.CONFIG_TENSORS:  # (read into the config)
@@ -60,6 +63,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
         expected = tuple(int(d) for d in reversed(t.shape.tolist()))
         w = w.reshape(expected if len(expected) > 1 else (expected[0],))
         name = gguf_names.hf_name(t.name, decl)
+        if gguf_names.joined(t.name, decl):
+            halves.setdefault(name, {})[t.name] = w
+            continue
         if gguf_names.EXPERT in name:  # stacked experts: each expert's own tensor
             state.update(zip(gguf_names.expert_names(name, w.shape[0]), w.unbind(0), strict=True))
             continue
@@ -71,11 +77,33 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
             w = gguf_names.unpermute_qk(w, n_kv)
         state[name] = w
     bar.close()
+    state.update({name: gguf_names.join(name, parts, decl) for name, parts in halves.items()})
+    if decl.expert_layout == "interleaved":
+        state = _interleaved_experts(state)
     _check_shapes(state, config)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del state
     write_hf_metadata(out_dir, meta, config)
     return out_dir
+
+
+def _interleaved_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each layer's experts as GPT-OSS's checkpoints stack them: gate_up_proj [E, H, 2I] (gate and up columns
+    alternating) and down_proj [E, I, H], from each expert's gate_proj, up_proj [I, H] and down_proj [H, I]."""
+    out, experts = {}, {}
+    for name, w in state.items():
+        prefix, found, rest = name.partition(".experts.")
+        part = rest.split(".")
+        if not found or len(part) != 3 or not part[0].isdigit():
+            out[name] = w
+            continue
+        experts.setdefault(prefix, {}).setdefault(part[1], {})[int(part[0])] = w
+    for prefix, parts in experts.items():
+        stacked = {k: torch.stack([v[e] for e in range(len(v))]) for k, v in parts.items()}
+        gate, up = (stacked[k].transpose(1, 2) for k in ("gate_proj", "up_proj"))
+        out[f"{prefix}.experts.gate_up_proj"] = torch.stack((gate, up), dim=-1).flatten(-2).contiguous()
+        out[f"{prefix}.experts.down_proj"] = stacked["down_proj"].transpose(1, 2).contiguous()
+    return out
 
 
 def write_hf_metadata(out_dir: Path, meta: dict, config: dict) -> None:
@@ -115,16 +143,24 @@ def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
     want = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        want |= {p + f"self_attn.{m}.weight": (rows[m], h) for m in attn}
+        if model.latent is None:
+            want |= {p + f"self_attn.{m}.weight": (rows[m], h) for m in attn}
+        else:
+            want |= _latent_shapes(model, p)
+        if model.attention_sinks:
+            want[p + "self_attn.sinks"] = (cfg["num_attention_heads"],)
         if i in model.sparse_layers:
-            want |= _expert_shapes(model, p, {v: k for k, v in decl.checkpoint_names.items()})
+            want |= _expert_shapes(model, p, family)
         else:
             want |= {p + f"mlp.{m}.weight": (rows[m], h) for m in mlp}
             want[p + "mlp.down_proj.weight"] = (h, ff)
-        want[p + "self_attn.o_proj.weight"] = (h, q)
+        if model.latent is None:
+            want[p + "self_attn.o_proj.weight"] = (h, q)
         want |= {p + f"{family.get(n, n)}.weight": (h,) for n in norms}
-        if cfg["attention_bias"]:
+        if cfg["attention_bias"] and model.latent is None:
             want |= {p + f"self_attn.{m}.bias": (rows[m],) for m in attn}
+        if model.output_bias:
+            want[p + "self_attn.o_proj.bias"] = (h,)
         if decl.qk_norm:
             want |= {
                 p + "self_attn.q_norm.weight": (q if decl.qk_norm_whole else cfg["head_dim"],),
@@ -151,14 +187,51 @@ def _expert_shapes(cfg: ModelConfig, prefix: str, family: dict[str, str]) -> dic
     gate, up and down, the shared expert and its gate; named as the decoder names them, each part renamed by
     `family` (the decoder's names -> the family's: Mixtral's block_sparse_moe, w1, w3, w2)."""
     h, inter, shared = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    want = {"mlp.gate": (cfg.num_experts, h)}
-    for e in range(cfg.num_experts):
-        want |= {f"mlp.experts.{e}.{m}": (inter, h) for m in GATE_UP}
-        want[f"mlp.experts.{e}.down_proj"] = (h, inter)
+    E = cfg.num_experts
+    want = {"mlp.gate.weight": (E, h)}
+    if cfg.declaration.expert_layout == "interleaved":  # GPT-OSS's stacks (with its biases)
+        want |= {"mlp.experts.gate_up_proj": (E, h, 2 * inter), "mlp.experts.down_proj": (E, inter, h)}
+    else:
+        for e in range(E):
+            want |= {f"mlp.experts.{e}.{m}.weight": (inter, h) for m in GATE_UP}
+            want[f"mlp.experts.{e}.down_proj.weight"] = (h, inter)
+    if cfg.expert_bias:
+        want |= {"mlp.gate.bias": (E,), "mlp.experts.gate_up_proj_bias": (E, 2 * inter)}
+        want["mlp.experts.down_proj_bias"] = (E, h)
+    if cfg.router_score_bias:  # (DeepSeek-V3's correction bias)
+        want["mlp.gate.e_score_correction_bias"] = (E,)
     if shared:
-        want |= {f"mlp.shared_expert.{m}": (shared, h) for m in GATE_UP}
-        want |= {"mlp.shared_expert.down_proj": (h, shared), "mlp.shared_expert_gate": (1, h)}
-    return {prefix + ".".join(family.get(n, n) for n in k.split(".")) + ".weight": v for k, v in want.items()}
+        want |= {f"mlp.shared_expert.{m}.weight": (shared, h) for m in GATE_UP}
+        want["mlp.shared_expert.down_proj.weight"] = (h, shared)
+        if cfg.shared_expert_gate:
+            want["mlp.shared_expert_gate.weight"] = (1, h)
+    return {prefix + ".".join(family.get(n, n) for n in k.split(".")): v for k, v in want.items()}
+
+
+def _latent_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A latent attention's tensors (DeepSeek's, motet/models/latent.py) under `prefix` by their shapes."""
+    lat, h, heads = cfg.latent, cfg.hidden_size, cfg.num_attention_heads
+    qk = lat.qk_nope_head_dim + lat.qk_rope_head_dim
+    a = "self_attn."
+    want = {
+        a + "kv_a_proj_with_mqa.weight": (lat.kv_lora_rank + lat.qk_rope_head_dim, h),
+        a + "kv_a_layernorm.weight": (lat.kv_lora_rank,),
+        a + "kv_b_proj.weight": (heads * (lat.qk_nope_head_dim + lat.v_head_dim), lat.kv_lora_rank),
+        a + "o_proj.weight": (h, heads * lat.v_head_dim),
+    }
+    if lat.q_lora_rank is None:
+        want[a + "q_proj.weight"] = (heads * qk, h)
+    else:
+        want |= {a + "q_a_proj.weight": (lat.q_lora_rank, h), a + "q_a_layernorm.weight": (lat.q_lora_rank,)}
+        want[a + "q_b_proj.weight"] = (heads * qk, lat.q_lora_rank)
+    if cfg.attention_bias:
+        want |= {
+            a + "kv_a_proj_with_mqa.bias": (lat.kv_lora_rank + lat.qk_rope_head_dim,),
+            a + "o_proj.bias": (h,),
+        }
+        if lat.q_lora_rank is not None:
+            want[a + "q_a_proj.bias"] = (lat.q_lora_rank,)
+    return {prefix + k: v for k, v in want.items()}
 
 
 def _write_json(path: Path, obj) -> None:

@@ -3,7 +3,9 @@ beside Llama's), and what llama.cpp's converter did to its values on the way: q/
 rotary (llama, granite), norm weights offset (Gemma's 1 + w). A mixture of experts' stacked tensors
 (ffn_gate_exps [E, I, H], ...; older files' one tensor an expert, ffn_gate.E) name each expert's projection
 through `EXPERT` in their Hugging Face name; LongRoPE's factors (rope_factors_long / _short) are the config's,
-not weights (`CONFIG_TENSORS`)."""
+not weights (`CONFIG_TENSORS`). A family may name a GGUF tensor with its suffix (attn_sinks.weight: GPT-OSS's
+self_attn.sinks, which has none), and two GGUF tensors one Hugging Face tensor the converter split (`JOINS`:
+GPT-OSS's experts' gate / up biases, DeepSeek's kv_b_proj as attn_k_b / attn_v_b), joined back by `join`."""
 
 from __future__ import annotations
 
@@ -59,6 +61,8 @@ def hf_name(gguf_name: str, decl: Architecture) -> str:
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     module = None
+    if (m := _BLOCK_RE.match(gguf_name)) and (whole := decl.gguf_names.get(f"{m.group(2)}.{m.group(3)}")):
+        return f"model.layers.{m.group(1)}.{whole}"  # (the family's name with its own suffix, or none)
     if m := _ONE_EXPERT_RE.match(gguf_name):  # one expert's projection: the stacked tensor's name, for it
         stacked = f"{m.group(2)}_exps"
         module = (decl.gguf_names.get(stacked) or BLOCK_NAMES[stacked]).replace(EXPERT, m.group(3))
@@ -69,6 +73,44 @@ def hf_name(gguf_name: str, decl: Architecture) -> str:
     if module:
         return f"model.layers.{m.group(1)}.{module}.{suffix}"
     raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face {decl.name} counterpart")
+
+
+def _interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's gate_up bias [E, 2I] from the converter's gate and up halves [E, I]: columns alternating."""
+    return torch.stack((gate, up), dim=-1).flatten(-2)
+
+
+def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's kv_b_proj [H * (nope + v), rank] from the converter's attn_k_b [H, rank, nope] (each head's key
+    half, transposed) and attn_v_b [H, v, rank]: each head's key rows, then its value rows."""
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).flatten(0, 1)
+
+
+# A Hugging Face tensor (its name's end) llama.cpp's converter writes as two GGUF tensors -> how their values
+# join back, in the order of the GGUF names the family maps to it (motet/models/: `gguf_names`)
+JOINS = {
+    "mlp.experts.gate_up_proj_bias": _interleaved,
+    "self_attn.kv_b_proj.weight": _kv_b,
+}
+
+
+def join(name: str, parts: dict[str, torch.Tensor], decl: Architecture) -> torch.Tensor:
+    """The Hugging Face tensor `name` (one of `JOINS`) from its GGUF parts by their GGUF names, in the order of
+    the family's names for them (gate before up, k before v); ModelLoadError where one is missing."""
+    order = {key: i for i, key in enumerate(decl.gguf_names)}
+    keys = sorted(parts, key=lambda n: order.get(n.split(".", 2)[-1], len(order)))
+    want = sum(1 for key, v in decl.gguf_names.items() if name.endswith(f"{v}") and "." in key)
+    if len(keys) != want:
+        raise ModelLoadError(f"GGUF tensors {', '.join(keys)} are only part of {name!r}: it joins {want}")
+    return next(f for end, f in JOINS.items() if name.endswith(end))(*(parts[k] for k in keys))
+
+
+def joined(gguf_name: str, decl: Architecture) -> bool:
+    """Whether a GGUF tensor is a part of a Hugging Face tensor the converter split in two (`JOINS`; an older
+    file's attn_kv_b is kv_b_proj whole)."""
+    m = _BLOCK_RE.match(gguf_name)
+    whole = decl.gguf_names.get(f"{m.group(2)}.{m.group(3)}") if m else None
+    return whole is not None and whole.endswith(tuple(JOINS))
 
 
 def expert_names(name: str, experts: int) -> list[str]:

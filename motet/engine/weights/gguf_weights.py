@@ -12,7 +12,10 @@ fp32, its blocks dequantized, logged once per file. The lm_head comes in blocks
 the same way (and a tied embedding table, which is the lm_head too: `_keep_quantized`); float projections (F32,
 F16, BF16), norms and an untied embedding table are read as fp32. A mixture of experts' stacked experts
 (ffn_*_exps) come as each expert's projections in their blocks, an expert at a time (the decoder holds them
-quantized: motet/engine/worker/model.py's QuantizedExperts), its shared expert as a projection. LongRoPE's factor tensors are the config's, not weights. A tensor in
+quantized: motet/engine/worker/model.py's QuantizedExperts; GPT-OSS's MXFP4 experts in their MXFP4 blocks), its
+shared expert as a projection. A tensor the converter split in two (GPT-OSS's gate / up biases, DeepSeek's
+kv_b_proj) comes joined back as fp32 (gguf_names.JOINS); DeepSeek's other latent projections, not the decoder's
+Linear projections, come as fp32 too. LongRoPE's factor tensors are the config's, not weights. A tensor in
 a type gguf-py cannot dequantize is refused, naming the tensor and its type.
 """
 
@@ -31,11 +34,13 @@ from motet.engine.weights.gguf_names import (
     EXPERT,
     expert_names,
     hf_name,
+    join,
+    joined,
     norm_offset,
     unpermute_qk,
 )
 from motet.kernels import ggml_blocks
-from motet.kernels.quant import FORMATS, INT8, QuantizedWeight, WeightFormat
+from motet.kernels.quant import FORMATS, INT8, MXFP4, QuantizedWeight, WeightFormat
 from motet.models import from_gguf
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
@@ -217,8 +222,16 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
         )  # fmt: skip
     yield from _experts(path, stacked, decl)
     whole = None  # (GGUF tensor, its blocks or values), kept while its parts are yielded
+    # a tensor the converter split in two (gguf_names.JOINS) -> its parts by their GGUF names
+    halves: dict[str, dict[str, torch.Tensor]] = {}
     for t, (name, start, rows) in tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if joined(t.name, decl):
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            halves.setdefault(name, {})[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(
+                shape
+            )
+            continue
         module = name.split(".")[-2] if name.endswith(".weight") else None
         rows = shape[0] if rows < 0 else rows
         if formats.get(name) is not None:
@@ -242,6 +255,8 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
         if module in heads:
             w = unpermute_qk(w, heads[module])
         yield name, w
+    for name, parts in halves.items():
+        yield name, join(name, parts, decl)
 
 
 def _experts(path: Path, stacked: list, decl) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
@@ -252,9 +267,12 @@ def _experts(path: Path, stacked: list, decl) -> Iterator[tuple[str, torch.Tenso
     import gguf
 
     fmt = {}
-    for t in stacked:
+    for t in stacked:  # (MXFP4: gpt-oss's experts, in their blocks as OpenAI's checkpoints hold them)
         name = ggml_blocks.type_name(int(t.tensor_type))
-        fmt[t.name] = None if name in _FLOAT_TYPES else ggml_blocks.native_format(int(t.tensor_type)) or INT8
+        native = (
+            MXFP4 if int(t.tensor_type) == MXFP4.ggml_type else ggml_blocks.native_format(int(t.tensor_type))
+        )
+        fmt[t.name] = None if name in _FLOAT_TYPES else native or INT8
     for t in stacked:  # a layer's ffn_gate_exps and ffn_up_exps: one format
         up = t.name.replace("_gate_exps.", "_up_exps.")
         if ".ffn_gate_exps." in t.name and up in fmt and fmt[t.name] != fmt[up]:
@@ -263,7 +281,7 @@ def _experts(path: Path, stacked: list, decl) -> Iterator[tuple[str, torch.Tenso
         {
             ggml_blocks.type_name(int(t.tensor_type))
             for t in stacked
-            if fmt[t.name] not in (None, ggml_blocks.native_format(int(t.tensor_type)))
+            if fmt[t.name] not in (None, MXFP4, ggml_blocks.native_format(int(t.tensor_type)))
         }
     )
     if requantized:
@@ -275,6 +293,13 @@ def _experts(path: Path, stacked: list, decl) -> Iterator[tuple[str, torch.Tenso
                 f"{path.name}: tensor {t.name!r} has shape {shape}: experts stack [E, rows, cols]"
             )
         for e, name in enumerate(expert_names(hf_name(t.name, decl), shape[0])):
+            if fmt[t.name] is MXFP4 and int(t.tensor_type) == MXFP4.ggml_type:
+                raw = torch.from_numpy(np.array(t.data[e], dtype=np.uint8, order="C")).reshape(-1)
+                try:
+                    yield name, MXFP4.from_gguf_blocks(raw, shape[1:])
+                except ValueError as err:
+                    raise ModelLoadError(f"{path.name}: tensor {t.name!r}: {err}") from None
+                continue
             if fmt[t.name] is not None:
                 try:
                     yield name, ggml_blocks.from_ggml(t.data[e], int(t.tensor_type), shape[1:], fmt[t.name])
