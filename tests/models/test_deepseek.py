@@ -261,20 +261,30 @@ LORA_TARGETS = {
 }
 
 
-def test_two_tensor_parallel_ranks_match_transformers_and_peft(deepseek, tmp_path):
+@pytest.mark.parametrize("compiled", PATHS)
+def test_two_tensor_parallel_ranks_match_transformers_and_peft(deepseek, tmp_path, compiled):
     """Two gloo ranks: each its heads' rows of q_proj / q_b_proj and kv_b_proj and columns of o_proj, the whole
     latent computed and cached on both, the experts' and MLPs' columns and the vocabulary split; an adapter's
-    factors cut the same way."""
+    factors cut the same way. Natively each rank's latent op attends with its heads and the program's residual add
+    all-reduces their partial sums."""
     from tests.engine.test_tensor_parallel import tp_workers
 
     name, model_dir = deepseek
     if name not in ("v2", "v3_halves"):
         pytest.skip("q_a / q_b and q_proj, V2's and V3's routing: two of the four")
     engine = LLMEngine(
-        EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=128, tensor_parallel_size=2), model_dir
+        EngineConfig(
+            model=str(model_dir),
+            block_size=8,
+            num_kv_blocks=128,
+            tensor_parallel_size=2,
+            compile_step=compiled,
+        ),
+        model_dir,
     )
     try:
         assert engine.runner.workers is not None
+        assert (engine.runner.native is not None) == compiled
         assert engine.runner.model.layers[0].self_attn.num_heads == 2
         for got, p in zip(engine_logits(engine, PROMPTS, chunk=7), PROMPTS, strict=True):
             torch.testing.assert_close(got, hf_logits(model_dir, p), atol=2e-4, rtol=1e-4)
@@ -286,7 +296,10 @@ def test_two_tensor_parallel_ranks_match_transformers_and_peft(deepseek, tmp_pat
     targets = LORA_TARGETS["v2_lite" if name == "v3_halves" else "v2"]
     peft = save_peft_adapters(model_dir, tmp_path, [("all", 8, targets)], std=0.1)
     names = ["all", None, "all"]
-    with LLM(str(model_dir), num_kv_blocks=128, block_size=8, tensor_parallel_size=2, max_lora_rank=8) as llm:
+    options = dict(
+        num_kv_blocks=128, block_size=8, tensor_parallel_size=2, max_lora_rank=8, compile_step=compiled
+    )
+    with LLM(str(model_dir), **options) as llm:
         outs = llm.generate(prompts, params)
         llm.add_lora("all", tmp_path / "all")
         adapted = llm.generate(
