@@ -192,6 +192,32 @@ def test_logits_match_transformers_in_batches_and_chunks(deepseek, compiled):
         torch.testing.assert_close(got, hf_logits(model_dir, prompt), atol=2e-4, rtol=1e-4)
 
 
+def test_native_step_of_each_tier_matches_transformers(deepseek, cpu_tier):
+    """The latent op and the routing options in every instruction-set tier's build (its GEMMs, dot products and
+    portable loops): fp32 logits of whole prompts, 7-token chunks and one token a step; V2's bf16 weights and cache
+    within the native bf16 bound (0.01 of the fp32 probabilities, or the eager bf16 model's distance). (V3's tiny
+    random router has near-ties, a choice 0.0009 ahead of the next at a token of PROMPTS[2]'s last layer, which bf16
+    rounding flips on some tiers: its bf16 check is test_bf16_close_to_transformers_fp32's.)"""
+    name, model_dir = deepseek
+    if name not in ("v2", "v3"):
+        pytest.skip("V2's and V3's routing, q through q_a / q_b: two of the four")
+    engine = deepseek_engine(model_dir, True)
+    assert engine.runner.cpu_kernels == cpu_tier
+    prompts = PROMPTS[:5]
+    refs = [hf_logits(model_dir, p) for p in prompts]
+    for chunk in (None, 7, 1):
+        for got, ref in zip(engine_logits(engine, prompts, chunk=chunk), refs, strict=True):
+            torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    if name != "v2":
+        return
+    eager = engine_logits(deepseek_engine(model_dir, False, dtype="bfloat16"), prompts)
+    native = engine_logits(deepseek_engine(model_dir, True, dtype="bfloat16"), prompts, chunk=7)
+    for got, base, ref in zip(native, eager, refs, strict=True):
+        p_ref = ref.softmax(-1)
+        bound = max(0.01, (base.float().softmax(-1) - p_ref).abs().max())
+        assert (got.float().softmax(-1) - p_ref).abs().max() <= bound
+
+
 def test_bf16_close_to_transformers_fp32(deepseek):
     """bf16 weights and latent cache (both forms, 7-token chunks and a 1-token prompt): the eager model's
     probabilities within 0.02 of transformers' fp32 ones; the native step's (fp32 activations between its ops) at

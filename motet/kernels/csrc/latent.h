@@ -42,6 +42,8 @@ void latent_paged_attention(const float* q, const TC* cache, const int32_t* tabl
                             const int32_t* qsl, const int32_t* seq_lens, int num_seqs, int T, int H, int rank,
                             int rope, int BS, float scale, float* out) {
     const int Dk = rank + rope;
+    std::fill(out + static_cast<int64_t>(qsl[num_seqs]) * H * rank, out + static_cast<int64_t>(T) * H * rank, 0.0f);
+    T = qsl[num_seqs];  // (rows past the sequences' attend to nothing: zeros)
     std::vector<int32_t> seq_of(static_cast<size_t>(T));
     for (int b = 0; b < num_seqs; ++b)
         for (int32_t t = qsl[b]; t < qsl[b + 1]; ++t) seq_of[t] = b;
