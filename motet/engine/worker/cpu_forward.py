@@ -8,9 +8,9 @@ with their LoRA deltas, rotary, KV writes and paged attention, with fp32 activat
 dtype. The call runs a program of op records that `CpuForward` writes once by walking the model's layers (llama.cpp's
 way: motet/kernels/csrc/cpu_kernels.cpp is a loop over them), so whatever options a family's layers declare
 (norms before and / or after the blocks, q/k norms, a partial rotary or a sliding layer's own table, windows with
-their own KV pool, soft-caps, sinks, biases, GeGLU or a clamped SwiGLU, experts) the native step runs them, with
-no architecture's name here. Each projection runs in its layer's own weight format (the model's dtype, or int8/int4 blocks
-unpacked in registers: motet/kernels/csrc/qgemm.h). It serves every step (decode, prefill chunks, mixed)
+their own KV pool, soft-caps, sinks, biases, GeGLU or a clamped SwiGLU, experts, DeepSeek's latent attention and
+routing) the native step runs them, with no architecture's name here. Each projection runs in its layer's own weight
+format (the model's dtype, or int8/int4 blocks unpacked in registers: motet/kernels/csrc/qgemm.h). It serves every step (decode, prefill chunks, mixed)
 and is the CPU's default; the eager model stays the reference (`EngineConfig.compile = False`,
 `--no-compile`), and tests hold the two to agree.
 """
@@ -135,7 +135,8 @@ class CpuForward:
     the model's layers as the eager decoder runs them: each layer's norms where it has them, its attention (qkv,
     q/k norms across heads or per head, rotary over the layer's table and dims, KV write and paged attention
     with its window, soft-cap and sinks, o), its dense MLP (with the activation it declares) or sparse mixture
-    of experts (router, experts, shared expert and its gate), each block's output joining the stream in one op
+    of experts (router with its routing options, experts, shared expert and its gate), or a latent attention
+    (`_write_latent`), each block's output joining the stream in one op
     (the all-reduce, the layer's norm after the block, the add); then the final norm."""
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):

@@ -69,7 +69,7 @@ enum KvPool { kPoolGlobal = 0, kPoolWindow = 1 };
 
 struct Op {
     int32_t kind;  // OpKind
-    int32_t layer;  // the decoder layer whose LoRA pieces a LINEAR reads
+    int32_t layer;  // the decoder layer whose LoRA pieces a LINEAR (or LATENT_ATTN) reads
     int32_t in, out;  // buffers
     int32_t i[12];
     const void* p[5];
