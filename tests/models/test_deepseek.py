@@ -218,6 +218,27 @@ def test_native_step_of_each_tier_matches_transformers(deepseek, cpu_tier):
         assert (got.float().softmax(-1) - p_ref).abs().max() <= bound
 
 
+@pytest.mark.parametrize("compiled", PATHS)
+def test_tied_router_scores_pick_the_experts_torch_topk_picks(deepseek, tmp_path, compiled):
+    """Layer 2's router zeroed (and V3's correction bias): every expert's score ties, and so does every group's;
+    torch.topk does not simply take the lowest indices, and both paths choose groups and experts as it does."""
+    name, model_dir = deepseek
+    if name not in ("v2", "v3"):
+        pytest.skip("V2's and V3's group-limited choice: two of the four")
+    weights = load_file(model_dir / "model.safetensors")
+    for key in ("model.layers.2.mlp.gate.weight", "model.layers.2.mlp.gate.e_score_correction_bias"):
+        if key in weights:
+            weights[key].zero_()
+    for f in model_dir.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    engine = deepseek_engine(tmp_path, compiled)
+    prompts = PROMPTS[1:4]
+    for got, prompt in zip(engine_logits(engine, prompts, chunk=7), prompts, strict=True):
+        torch.testing.assert_close(got, hf_logits(tmp_path, prompt), atol=2e-4, rtol=1e-4)
+
+
 def test_bf16_close_to_transformers_fp32(deepseek):
     """bf16 weights and latent cache (both forms, 7-token chunks and a 1-token prompt): the eager model's
     probabilities within 0.02 of transformers' fp32 ones; the native step's (fp32 activations between its ops) at

@@ -18,6 +18,21 @@ struct RouteOptions {
     bool renormalize;  // the chosen weights over their sum (+ 1e-20)
 };
 
+// The k largest of `queue`'s (value, index) pairs first, chosen as torch.topk chooses them on the CPU (moe.h's
+// `route` does the same): nth_element then a sort of the first k - 1, or partial_sort where k * 64 <= n, NaN
+// largest, so that exactly tied values pick the indices torch picks.
+inline void select_top(std::vector<std::pair<float, int64_t>>& queue, int k) {
+    const auto larger = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+        return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+    };
+    if (static_cast<int64_t>(k) * 64 <= static_cast<int64_t>(queue.size())) {
+        std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), larger);
+    } else {
+        std::nth_element(queue.begin(), queue.begin() + k - 1, queue.end(), larger);
+        std::sort(queue.begin(), queue.begin() + k - 1, larger);
+    }
+}
+
 // A token's top-k experts and their weights from its E router logits (fp32): the scores (sigmoid or softmax); the
 // choice the scores plus the bias; with groups, a group's score its best expert's choice (with the bias: its best
 // two's sum), and the experts outside the kept groups ruled out (with the bias) or their choice zeroed (without,
@@ -38,9 +53,6 @@ inline void route_scored(const float* logits, int E, int k, const RouteOptions& 
         for (int e = 0; e < E; ++e) score[e] /= sum;
     }
     for (int e = 0; e < E; ++e) choice[e] = score[e] + (o.bias ? o.bias[e] : 0.0f);
-    const auto larger = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-        return a.first > b.first || (a.first == b.first && a.second < b.second);
-    };
     if (o.groups > 1) {
         const int per = E / o.groups;
         queue.resize(o.groups);
@@ -57,7 +69,7 @@ inline void route_scored(const float* logits, int E, int k, const RouteOptions& 
             }
             queue[gi] = {o.bias && per > 1 ? best + second : best, gi};
         }
-        std::partial_sort(queue.begin(), queue.begin() + o.kept, queue.end(), larger);
+        select_top(queue, o.kept);
         std::vector<bool> keep(o.groups, false);
         for (int j = 0; j < o.kept; ++j) keep[queue[j].second] = true;
         const float hidden = o.bias ? -std::numeric_limits<float>::infinity() : 0.0f;
@@ -66,7 +78,7 @@ inline void route_scored(const float* logits, int E, int k, const RouteOptions& 
     }
     queue.resize(E);
     for (int e = 0; e < E; ++e) queue[e] = {choice[e], e};
-    std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), larger);
+    select_top(queue, k);
     float total = 0.0f;
     for (int j = 0; j < k; ++j) {
         const int e = static_cast<int>(queue[j].second);
