@@ -10,9 +10,9 @@ way: motet/kernels/csrc/cpu_kernels.cpp is a loop over them), so whatever option
 (norms before and / or after the blocks, q/k norms, a partial rotary or a sliding layer's own table, windows with
 their own KV pool, soft-caps, sinks, biases, GeGLU or a clamped SwiGLU, experts, DeepSeek's latent attention and
 routing) the native step runs them, with no architecture's name here. Each projection runs in its layer's own weight
-format (the model's dtype, or int8/int4 blocks unpacked in registers: motet/kernels/csrc/qgemm.h). It serves every step (decode, prefill chunks, mixed)
-and is the CPU's default; the eager model stays the reference (`EngineConfig.compile = False`,
-`--no-compile`), and tests hold the two to agree.
+format (the model's dtype, or int8/int4 blocks unpacked in registers: motet/kernels/csrc/qgemm.h). It serves every
+step (decode, prefill chunks, mixed) and is the CPU's default; the eager model stays the reference
+(`EngineConfig.compile = False`, `--no-compile`), and tests hold the two to agree.
 """
 
 from __future__ import annotations

@@ -564,8 +564,8 @@ inline int check_program(const Program& m) {
                 break;
             case kLatentAttention:
                 ok = i[0] >= 1 && i[1] >= 1 && i[2] >= 2 && i[2] % 2 == 0 && i[2] <= kMaxLatentRope && i[3] >= 1 &&
-                     i[4] >= 1 && buffer(i[5]) && i[0] * (i[1] + i[2]) <= width(op.in) && i[0] * i[4] <= width(op.out) &&
-                     i[3] + i[2] <= width(i[5]) && i[7] < kLoraGroups && op.p[0] && op.p[1] && op.p[2] && op.p[3] &&
+                     i[4] >= 1 && buffer(i[5]) && i[0] * (i[1] + i[2]) <= width(op.in) &&
+                     i[0] * i[4] <= width(op.out) && i[3] + i[2] <= width(i[5]) && i[7] < kLoraGroups && op.p[0] && op.p[1] && op.p[2] && op.p[3] &&
                      op.p[4];
                 break;
         }
