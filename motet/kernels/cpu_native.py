@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ log = logging.getLogger("motet.kernels")
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files in csrc/
 # The version of the C API this module's structs and signatures speak: given to the source as a macro (its one
 # written value), returned by the built library's motet_abi_version, and checked as the library loads.
-ABI_VERSION = 10
+ABI_VERSION = 11
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # and the tier's (cpu_isa.TIERS)
 FLAGS.append(f"-DMOTET_ABI_VERSION={ABI_VERSION}")
 PANEL = 16  # output columns per packed weight panel (NR in the source)
@@ -68,7 +69,7 @@ _SIGNATURES = {
 
 
 LORA_GROUPS = (
-    4  # the pool's decoder groups (motet/lora/pool.py's DECODER_GROUPS): the ones the forward applies
+    8  # the pool's decoder groups (motet/lora/pool.py's DECODER_GROUPS): the ones the forward applies
 )
 
 
@@ -103,10 +104,11 @@ OP_KINDS = (
     "add_residual",
     "moe",
     "gated_add",
+    "latent_attention",
 )  # OpKind
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_limit")  # the source's Activation, by the config's names
 KV_POOLS = ("global", "window")  # the source's KvPool: which slots and tables an op's KV lives at
-OP_INTS, OP_PTRS, OP_FLOATS = 10, 4, 2
+OP_INTS, OP_PTRS, OP_FLOATS = 12, 5, 3
 
 
 class Op(ctypes.Structure):
@@ -149,6 +151,19 @@ class Step(ctypes.Structure):
         ("lora", ctypes.POINTER(LoraPool)),
         ("timings", ctypes.POINTER(ctypes.c_double)),
     ]
+
+
+@dataclass(frozen=True)
+class RouteOptions:
+    """DeepSeek's routing of a sparse layer (motet/engine/worker/routing.py; the source's routing.h): sigmoid scores
+    or the softmax, the choice limited to the `kept` best of `groups` groups, the correction bias (fp32 [E]'s
+    address, or None), the weights times `scale`."""
+
+    sigmoid: bool
+    groups: int
+    kept: int
+    bias: int | None
+    scale: float
 
 
 class ProgramWriter:
@@ -324,10 +339,12 @@ class ProgramWriter:
         alpha: float = 0.0,
         limit: float = 0.0,
         code: int = 0,
+        routing: RouteOptions | None = None,
     ) -> None:
-        """dst = each token's top-k experts (by the router's `logits`) over its `src` row, weighted; the experts'
-        weights in `code` (the model's dtype, or QUANT_CODES': every expert's pack_quantized one after another,
-        biases fp32)."""
+        """dst = each token's top-k experts (by the router's `logits`: a softmax's top-k, or DeepSeek's `routing`)
+        over its `src` row, weighted; the experts' weights in `code` (the model's dtype, or QUANT_CODES': every
+        expert's pack_quantized one after another, biases fp32)."""
+        r = routing
         self._op(
             "moe",
             self.buffer(src, hidden),
@@ -341,9 +358,47 @@ class ProgramWriter:
                 ACTIVATIONS.index(act),
                 hidden,
                 code,
+                r is not None,
+                r is not None and r.sigmoid,
+                r.groups if r else 1,
+                r.kept if r else 1,
             ),
-            (gate_up, down, gate_up_bias, down_bias),
-            (alpha, limit),
+            (gate_up, down, gate_up_bias, down_bias, r.bias if r else None),
+            (alpha, limit, r.scale if r else 1.0),
+        )
+
+    def latent_attention(
+        self,
+        q: str,
+        kv: str,
+        dst: str,
+        heads: int,
+        nope: int,
+        rope: int,
+        rank: int,
+        v_dim: int,
+        cos: int,
+        sin: int,
+        cache: int,
+        w_uk: int,
+        w_uv: int,
+        scale: float,
+        interleaved: bool,
+        layer: int = -1,
+        lora_group: int = -1,
+    ) -> None:
+        """DeepSeek's latent attention (motet/kernels/csrc/latent.h): `q`'s heads [nope | rope] and `kv`'s rows
+        [c_kv normed | k_pe] rotated in place, the rows [c_kv | k_pe] written to the latent cache at the step's
+        slots, every head attending over the cached rows in the absorbed form (W_UK^T and W_UV, kv_b_proj's halves,
+        packed a head after another) into `dst` [T, heads v_dim]; kv_b_proj's LoRA deltas of `lora_group` there."""
+        self._op(
+            "latent_attention",
+            self.buffer(q, heads * (nope + rope)),
+            self.buffer(dst, heads * v_dim),
+            (heads, nope, rope, rank, v_dim, self.buffer(kv, rank + rope), interleaved, lora_group),
+            (cos, sin, cache, w_uk, w_uv),
+            (scale,),
+            layer=layer,
         )
 
     def program(self, dtype_w: int, dtype_cache: int, block_size: int) -> Program:

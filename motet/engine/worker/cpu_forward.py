@@ -8,11 +8,11 @@ with their LoRA deltas, rotary, KV writes and paged attention, with fp32 activat
 dtype. The call runs a program of op records that `CpuForward` writes once by walking the model's layers (llama.cpp's
 way: motet/kernels/csrc/cpu_kernels.cpp is a loop over them), so whatever options a family's layers declare
 (norms before and / or after the blocks, q/k norms, a partial rotary or a sliding layer's own table, windows with
-their own KV pool, soft-caps, sinks, biases, GeGLU or a clamped SwiGLU, experts) the native step runs them, with
-no architecture's name here. Each projection runs in its layer's own weight format (the model's dtype, or int8/int4 blocks
-unpacked in registers: motet/kernels/csrc/qgemm.h). It serves every step (decode, prefill chunks, mixed)
-and is the CPU's default; the eager model stays the reference (`EngineConfig.compile = False`,
-`--no-compile`), and tests hold the two to agree.
+their own KV pool, soft-caps, sinks, biases, GeGLU or a clamped SwiGLU, experts, DeepSeek's latent attention and
+routing) the native step runs them, with no architecture's name here. Each projection runs in its layer's own weight
+format (the model's dtype, or int8/int4 blocks unpacked in registers: motet/kernels/csrc/qgemm.h). It serves every
+step (decode, prefill chunks, mixed) and is the CPU's default; the eager model stays the reference
+(`EngineConfig.compile = False`, `--no-compile`), and tests hold the two to agree.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from motet.engine.worker.latent_attention import LatentAttention
 from motet.engine.worker.layers import Linear, RMSNorm
 from motet.engine.worker.model import MLP, STACKED, AttentionMetadata, CausalLM, Experts, SparseMoE
 from motet.kernels import cpu_native
@@ -32,6 +33,7 @@ from motet.lora.pool import GROUP_OF, LoRABatch
 from motet.models.projections import GATE_UP, QKV
 
 _HUGE_PAGE = 2 << 20
+MAX_LATENT_ROPE = 256  # the latent op's rotated key at most (the source's kMaxLatentRope)
 
 
 class WeightArena:
@@ -58,23 +60,24 @@ class WeightArena:
 
 def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
     """Whether the native step runs this model: the kernels built, its dtypes theirs, its heads within the
-    attention kernel's limits, no expert parallelism (the MoE op has no all-to-all: the eager model dispatches).
-    Every layer option of the eager decoder is an op (or an op's option) of the program but latent attention and
-    DeepSeek's routing, not yet ops: a model that declares them runs the eager model."""
+    attention kernel's limits (latent attention: its rotated key within the latent op's), no expert parallelism
+    (the MoE op has no all-to-all: the eager model dispatches). Every layer option of the eager decoder is an op
+    (or an op's option) of the program: DeepSeek's latent attention and routing included."""
     cfg = model.config
+    heads_fit = (
+        cfg.latent.qk_rope_head_dim <= MAX_LATENT_ROPE
+        if cfg.latent is not None
+        else cfg.num_attention_heads % cfg.num_key_value_heads == 0
+        and cfg.num_attention_heads // cfg.num_key_value_heads <= 16
+        and cfg.head_dim <= 256
+    )
     return (
         cpu_native.library() is not None
         and not model.parallel.expert_parallel
         and model.embed_tokens.weight.dtype in cpu_native.DTYPE_CODES
         and kv_dtype in cpu_native.DTYPE_CODES
-        and cfg.num_attention_heads % cfg.num_key_value_heads == 0
-        and cfg.num_attention_heads // cfg.num_key_value_heads <= 16
-        and cfg.head_dim <= 256
+        and heads_fit
         and cfg.rotary_dim % 2 == 0
-        # the program has no latent attention op (DeepSeek's MLA) and routes by a plain softmax top-k: a model
-        # declaring either runs the eager torch model
-        and cfg.latent is None
-        and all(layer.mlp.gate.plain for layer in model.layers if isinstance(layer.mlp, SparseMoE))
     )
 
 
@@ -132,7 +135,8 @@ class CpuForward:
     the model's layers as the eager decoder runs them: each layer's norms where it has them, its attention (qkv,
     q/k norms across heads or per head, rotary over the layer's table and dims, KV write and paged attention
     with its window, soft-cap and sinks, o), its dense MLP (with the activation it declares) or sparse mixture
-    of experts (router, experts, shared expert and its gate), each block's output joining the stream in one op
+    of experts (router with its routing options, experts, shared expert and its gate), or a latent attention
+    (`_write_latent`), each block's output joining the stream in one op
     (the all-reduce, the layer's norm after the block, the add); then the final norm."""
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -151,6 +155,13 @@ class CpuForward:
                 if moe.shared_expert_gate is not None:
                     total += _packed_bytes(moe.shared_expert_gate, elem) + 64
                 total += _experts_bytes(moe.experts, elem)
+        for (
+            layer
+        ) in model.layers:  # kv_b_proj's halves packed a head after another (and its own pack released)
+            if isinstance(layer.self_attn, LatentAttention):
+                a = layer.self_attn
+                per_head = -(-a.rank // cpu_native.PANEL) * a.nope + -(-a.v_dim // cpu_native.PANEL) * a.rank
+                total += a.num_heads * per_head * cpu_native.PANEL * elem + 128
         total += _packed_bytes(model.lm_head, elem) + 64
         self.arena = WeightArena(total + 64 * 64)
         self._keep: list[torch.Tensor] = []  # everything the program points at
@@ -228,7 +239,10 @@ class CpuForward:
                 "out", hidden, self._keep_ptr(post.weight) if post else None, post.eps if post else 0.0
             )
 
-        self._write_attention(w, i, layer.self_attn, norm(layer.input_layernorm), kv)
+        if isinstance(layer.self_attn, LatentAttention):
+            self._write_latent(w, i, layer.self_attn, norm(layer.input_layernorm), kv)
+        else:
+            self._write_attention(w, i, layer.self_attn, norm(layer.input_layernorm), kv)
         joins(layer.attn_out_norm if layer.post_norms else None)
         src = norm(layer.post_attention_layernorm)
         if isinstance(layer.mlp, SparseMoE):
@@ -264,6 +278,34 @@ class CpuForward:
                     sinks)  # fmt: skip
         self._linear(w, attn.o_proj, "attn", "out", i, ("o_proj",), (attn.o_proj.out_features,))
 
+    def _write_latent(self, w: cpu_native.ProgramWriter, i: int, attn: LatentAttention, src: str, kv) -> None:
+        """DeepSeek's latent attention: q (q_proj, or q_a_proj -> its norm -> q_b_proj) and kv_a_proj_with_mqa ->
+        kv_a_layernorm over c_kv (each + LoRA) -> the latent op (rotary, the cache's rows, the absorbed attention
+        with kv_b_proj's halves and its LoRA) -> o_proj (+ LoRA), into "out"."""
+        H, nope, rope, rank, v = attn.num_heads, attn.nope, attn.rope, attn.rank, attn.v_dim
+        q_width = H * (nope + rope)
+        if attn.q_proj is not None:  # (PEFT's q_proj: the q/k/v group, k and v empty)
+            self._linear(w, attn.q_proj, src, "q", i, QKV, (q_width, 0, 0))
+        else:
+            self._linear(w, attn.q_a_proj, src, "q_a", i, ("q_a_proj",), (attn.q_a_proj.out_features,))
+            qn = attn.q_a_layernorm
+            w.rms_norm("q_a", "q_a", self._keep_ptr(qn.weight), qn.eps, attn.q_a_proj.out_features)
+            self._linear(w, attn.q_b_proj, "q_a", "q", i, ("q_b_proj",), (q_width,))
+        self._linear(w, attn.kv_a_proj_with_mqa, src, "kv", i, ("kv_a_proj_with_mqa",), (rank + rope,))
+        kn = attn.kv_a_layernorm
+        w.rms_norm("kv", "kv", self._keep_ptr(kn.weight), kn.eps, rank)
+        # kv_b_proj's key half W_UK[h] [nope, rank] packed transposed (the latent query: q_nope W_UK), its value half
+        # W_UV[h] [v, rank] as it is, a head after another
+        kv_b = attn.kv_b_proj.weight.detach().view(H, nope + v, rank)
+        w_uk = self.arena.put(torch.cat([cpu_native.pack(kv_b[h, :nope].T.contiguous()) for h in range(H)]))
+        w_uv = self.arena.put(torch.cat([cpu_native.pack(kv_b[h, nope:].contiguous()) for h in range(H)]))
+        _release(attn.kv_b_proj, self._wdtype)
+        rope_table = self.model.rope
+        w.latent_attention("q", "kv", "attn", H, nope, rope, rank, v, self._keep_ptr(rope_table.cos),
+                           self._keep_ptr(rope_table.sin), kv[0].data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(),
+                           attn.scale, attn.interleaved, i, GROUP_OF[("kv_b_proj",)])  # fmt: skip
+        self._linear(w, attn.o_proj, "attn", "out", i, ("o_proj",), (attn.o_proj.out_features,))
+
     def _write_mlp(self, w: cpu_native.ProgramWriter, i: int, mlp: MLP, src: str) -> None:
         """gate/up (+ LoRA) -> the activation -> down (+ LoRA), into "out"."""
         inter = mlp.intermediate
@@ -296,17 +338,28 @@ class CpuForward:
         gate_up, down = stacked("gate_up_proj"), stacked("down_proj")
         gate_up_bias = self._keep_ptr(experts.gate_up_proj_bias, bias_dtype)
         down_bias = self._keep_ptr(experts.down_proj_bias, bias_dtype)
-        w.moe(src, "router", "out", E, moe.top_k, inter, hidden, moe.norm_topk_prob, cfg.expert_act, gate_up, down,
-              gate_up_bias, down_bias, cfg.swiglu_alpha, cfg.swiglu_limit, code)  # fmt: skip
+        router = moe.gate
+        routing = None
+        if not router.plain:  # DeepSeek's
+            bias = self._keep_ptr(router.e_score_correction_bias, torch.float32)
+            routing = cpu_native.RouteOptions(
+                router.sigmoid, router.groups, router.groups_kept, bias, router.scale
+            )
+        w.moe(src, "router", "out", E, moe.top_k, inter, hidden, router.norm_topk_prob, cfg.expert_act, gate_up,
+              down, gate_up_bias, down_bias, cfg.swiglu_alpha, cfg.swiglu_limit, code, routing)  # fmt: skip
         empty = torch.nn.Parameter(torch.empty(0, dtype=self._wdtype), requires_grad=False)
         experts.gate_up_proj, experts.down_proj, experts.quantized = empty, empty, {}
         if moe.shared_expert is not None:
-            shared = moe.shared_expert
-            self._linear(w, moe.shared_expert_gate, src, "gate")
+            shared, gate = moe.shared_expert, moe.shared_expert_gate
+            if gate is not None:
+                self._linear(w, gate, src, "gate")
             self._linear(w, shared.gate_up_proj, src, "gu")
             w.activation("gu", "act", shared.intermediate, _activation(shared))
-            self._linear(w, shared.down_proj, "act", "shared")
-            w.gated_add("shared", "out", hidden, "gate")  # (scaled after its down, as transformers does)
+            if gate is None:  # DeepSeek's shared experts: added as they are
+                self._linear(w, shared.down_proj, "act", "out", accumulate=True)
+            else:
+                self._linear(w, shared.down_proj, "act", "shared")
+                w.gated_add("shared", "out", hidden, "gate")  # (scaled after its down, as transformers does)
 
     def _reduce(self, ptr: int, n: int) -> None:
         if self._failure is not None:

@@ -1,5 +1,7 @@
-"""DeepSeek's multi-head latent attention (MLA) over the paged latent cache, in torch but for the absorbed decode's
-attention (motet/kernels/latent_decode.py: a Triton kernel on CUDA, its torch reference elsewhere).
+"""DeepSeek's multi-head latent attention (MLA) over the paged latent cache, in torch (the reference, and the eager
+path) but for the absorbed decode's attention (motet/kernels/latent_decode.py: a Triton kernel on CUDA, its torch
+reference elsewhere); the native CPU step's latent op computes every row in the absorbed form
+(motet/kernels/csrc/latent.h).
 
 Each layer's cache holds, per token, one row: the normed latent c_kv (kv_lora_rank) and the rotated key shared by
 every head (qk_rope_head_dim), in the same blocks, block tables and prefix cache as per-head K / V

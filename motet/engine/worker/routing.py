@@ -30,7 +30,8 @@ class Router(Linear):
 
     @property
     def plain(self) -> bool:
-        """A softmax over all experts and its top-k, nothing else: what every backend's MoE op computes."""
+        """A softmax over all experts and its top-k, nothing else (the native MoE op's `route`; DeepSeek's others:
+        its routing options, motet/kernels/csrc/routing.h)."""
         return not (self.sigmoid or self.groups > 1 or self.e_score_correction_bias is not None) and (
             self.scale == 1.0
         )

@@ -13,8 +13,10 @@
 #include "attention.h"
 #include "gemm.h"
 #include "gemm_bf16.h"
+#include "latent.h"
 #include "moe.h"
 #include "qgemm.h"
+#include "routing.h"
 #include "sgmv.h"
 
 namespace motet {
@@ -46,26 +48,32 @@ namespace motet {
 //   GATED_ADD     n, gate buffer                                 (out += sigmoid(gate's column 0) * in, per row)
 //   ADD_RESIDUAL  n                                              post-norm w [n] (or null)        eps
 //                 (in all-reduced over the ranks in place, normed where the layer says, added to out)
-//   MOE           router logits buffer, E, top_k, I,             experts' gate_up, down (packed,   alpha, limit
-//                 renormalize, activation, hidden, code          one after another, in `code`),
-//                                                                their biases
+//   MOE           router logits buffer, E, top_k, I,             experts' gate_up, down (packed,   alpha, limit,
+//                 renormalize, activation, hidden, code,         one after another, in `code`),   scale
+//                 routing (0 softmax top-k, 1 routing.h's),      their biases, the correction
+//                 sigmoid, groups, kept groups                   bias (fp32 [E], or null)
+//   LATENT_ATTN   H, nope, rope, rank, v, kv buffer,              cos, sin [P, rope / 2], cache,    scale
+//                 interleaved, kv_b's lora group (-1: none)      W_UK^T, W_UV (packed per head)
+//                 (in: q [T, H (nope + rope)]; the kv buffer: [c_kv normed | k_pe] a row; out [T, H v]: latent.h,
+//                 the cache's rows [c_kv | rotated k_pe] written at the step's slots)
 //
 // The pool: 0 = the global layers' KV (the step's slots and tables), 1 = the sliding-window layers' pool (the
 // step's window slots and tables, where it has them; else the global ones: a context within the window).
 
 enum OpKind {
-    kRmsNorm = 0, kLinear, kRotaryKv, kAttention, kActivation, kAddResidual, kMoe, kGatedAdd, kNumOpKinds
+    kRmsNorm = 0, kLinear, kRotaryKv, kAttention, kActivation, kAddResidual, kMoe, kGatedAdd, kLatentAttention,
+    kNumOpKinds
 };
 enum Activation { kActSilu = 0, kActGeluTanh = 1, kActSwigluLimit = 2 };
 enum KvPool { kPoolGlobal = 0, kPoolWindow = 1 };
 
 struct Op {
     int32_t kind;  // OpKind
-    int32_t layer;  // the decoder layer whose LoRA pieces a LINEAR reads
+    int32_t layer;  // the decoder layer whose LoRA pieces a LINEAR (or LATENT_ATTN) reads
     int32_t in, out;  // buffers
-    int32_t i[10];
-    const void* p[4];
-    float f[2];
+    int32_t i[12];
+    const void* p[5];
+    float f[3];
 };
 
 // Sums a buffer over the tensor-parallel ranks, in place (the caller's collective: torch.distributed).
@@ -116,7 +124,7 @@ struct PhaseClock {
 struct Scratch {
     std::vector<std::vector<float>> buffers;
     std::vector<float*> ptrs;
-    std::vector<float> rows, rows_out, gu, act, weights, sums;
+    std::vector<float> rows, rows_out, gu, act, weights, sums, scores, latent_q, latent_o;
     std::vector<int32_t> experts, offsets, row_of, token_of, cursor;
     std::vector<std::pair<float, int64_t>> queue;
 
@@ -361,8 +369,12 @@ void moe_op(Ctx& c, const Op& op) {
     const float* logits = c.buf(logits_id);
     int32_t* experts = Scratch::get(sc.experts, R);
     float* weights = Scratch::get(sc.weights, R);
-    for (int t = 0; t < T; ++t)
-        route(logits + t * ldl, E, k, renormalize, experts + t * k, weights + t * k, sc.queue);
+    const RouteOptions options{op.i[9] != 0, op.i[10], op.i[11], static_cast<const float*>(op.p[4]), op.f[2],
+                               renormalize};
+    for (int t = 0; t < T; ++t) {
+        if (op.i[8] == 0) route(logits + t * ldl, E, k, renormalize, experts + t * k, weights + t * k, sc.queue);
+        else route_scored(logits + t * ldl, E, k, options, experts + t * k, weights + t * k, sc.queue, sc.scores);
+    }
     // rows sorted by expert, stably (a token's choices in token order within an expert's segment)
     int32_t* offsets = Scratch::get(sc.offsets, E + 1);
     int32_t* row_of = Scratch::get(sc.row_of, R);  // (token, choice) -> its sorted row
@@ -418,6 +430,63 @@ void moe_op(Ctx& c, const Op& op) {
     c.clock.mark(kPhaseOther);
 }
 
+// DeepSeek's latent attention (latent.h), its projections the program's linear and norm ops around it: the rotary
+// on q's and the kv buffer's rotated parts, the latent rows written to the cache, the latent queries (q_nope W_UK per
+// head), the attention over the cached rows, its output through W_UV per head into out; an adapter on kv_b_proj
+// folded in on both sides.
+template <typename TW, typename TC>
+void latent_attention_op(Ctx& c, const Op& op) {
+    const Step& s = c.s;
+    const int H = op.i[0], nope = op.i[1], rope = op.i[2], rank = op.i[3], V = op.i[4], kv_id = op.i[5];
+    const bool interleaved = op.i[6] != 0;
+    const int group = op.i[7], T = c.T, qk = nope + rope, Dk = rank + rope;
+    const auto* cos = static_cast<const float*>(op.p[0]);
+    const auto* sin = static_cast<const float*>(op.p[1]);
+    TC* cache = static_cast<TC*>(const_cast<void*>(op.p[2]));
+    float* q = c.buf(op.in);
+    float* kv = c.buf(kv_id);
+    float* out = c.buf(op.out);
+    const int64_t ldq = c.ld(op.in), ldk = c.ld(kv_id), ldo = c.ld(op.out);
+    for (int t = 0; t < T; ++t) {
+        const float* cs = cos + s.positions[t] * (rope / 2);
+        const float* sn = sin + s.positions[t] * (rope / 2);
+        for (int h = 0; h < H; ++h) rotate_latent(q + t * ldq + h * qk + nope, rope, interleaved, cs, sn);
+        float* row = kv + t * ldk;
+        rotate_latent(row + rank, rope, interleaved, cs, sn);
+        if (s.slots[t] >= 0)
+            for (int i = 0; i < Dk; ++i) store(cache + s.slots[t] * Dk, i, row[i]);
+    }
+    c.clock.mark(kPhaseOther);
+    const bool lora = group >= 0 && s.lora != nullptr && s.num_segs > 0;
+    float* ql = Scratch::get(c.scratch.latent_q, static_cast<int64_t>(T) * H * Dk);
+    const int64_t uk = static_cast<int64_t>((rank + NR - 1) / NR) * NR * nope;  // elements of a head's W_UK^T
+    const int64_t uv = static_cast<int64_t>((V + NR - 1) / NR) * NR * rank;  // of a head's W_UV
+    const auto* w_uk = static_cast<const TW*>(op.p[3]);
+    const auto* w_uv = static_cast<const TW*>(op.p[4]);
+    for (int h = 0; h < H; ++h) {
+        linear<TW>(w_uk + h * uk, c.prog.dtype_w, q + h * qk, ldq, T, nope, rank, nullptr, ql + h * Dk,
+                   static_cast<int64_t>(H) * Dk, false);
+        for (int t = 0; t < T; ++t)
+            std::memcpy(ql + (static_cast<int64_t>(t) * H + h) * Dk + rank, q + t * ldq + h * qk + nope,
+                        sizeof(float) * rope);
+    }
+    if (lora)
+        latent_lora<TW>(false, q, ldq, qk, ql, static_cast<int64_t>(H) * Dk, Dk, T, H, nope, rank, V, *s.lora, group,
+                        op.layer, s.seg_starts, s.seg_slots, s.num_segs);
+    c.clock.mark(kPhaseLinear);
+    float* ol = Scratch::get(c.scratch.latent_o, static_cast<int64_t>(T) * H * rank);
+    latent_paged_attention(ql, static_cast<const TC*>(cache), s.tables, s.table_stride, s.qsl, s.seq_lens,
+                           s.num_seqs, T, H, rank, rope, c.prog.block_size, op.f[0], ol);
+    c.clock.mark(kPhaseAttention);
+    for (int h = 0; h < H; ++h)
+        linear<TW>(w_uv + h * uv, c.prog.dtype_w, ol + h * rank, static_cast<int64_t>(H) * rank, T, rank, V, nullptr,
+                   out + h * V, ldo, false);
+    if (lora)
+        latent_lora<TW>(true, ol, static_cast<int64_t>(H) * rank, rank, out, ldo, V, T, H, nope, rank, V, *s.lora,
+                        group, op.layer, s.seg_starts, s.seg_slots, s.num_segs);
+    c.clock.mark(kPhaseLinear);
+}
+
 template <typename TW, typename TC>
 void forward(const Program& prog, Scratch& scratch, const Step& s, float* x) {
     PhaseClock clock(s.timings);
@@ -439,6 +508,7 @@ void forward(const Program& prog, Scratch& scratch, const Step& s, float* x) {
             case kAddResidual: add_residual_op<TW>(c, op); break;
             case kMoe: moe_op<TW>(c, op); break;
             case kGatedAdd: gated_add_op(c, op); break;
+            case kLatentAttention: latent_attention_op<TW, TC>(c, op); break;
             default: break;  // (refused by check_program)
         }
     }
@@ -488,7 +558,15 @@ inline int check_program(const Program& m) {
             case kMoe:
                 ok = buffer(i[0]) && i[1] >= 1 && i[2] >= 1 && i[2] <= i[1] && i[3] >= 1 && i[1] <= width(i[0]) &&
                      i[5] >= 0 && i[5] <= kActSwigluLimit && i[6] <= width(op.in) && i[6] <= width(op.out) &&
-                     weight_ok(i[7], i[6]) && weight_ok(i[7], i[3]) && op.p[0] && op.p[1];
+                     weight_ok(i[7], i[6]) && weight_ok(i[7], i[3]) && op.p[0] && op.p[1] &&
+                     (i[8] == 0 || (i[8] == 1 && i[10] >= 1 && i[1] % i[10] == 0 && i[11] >= 1 && i[11] <= i[10] &&
+                                    i[2] <= i[11] * (i[1] / i[10])));
+                break;
+            case kLatentAttention:
+                ok = i[0] >= 1 && i[1] >= 1 && i[2] >= 2 && i[2] % 2 == 0 && i[2] <= kMaxLatentRope && i[3] >= 1 &&
+                     i[4] >= 1 && buffer(i[5]) && i[0] * (i[1] + i[2]) <= width(op.in) &&
+                     i[0] * i[4] <= width(op.out) && i[3] + i[2] <= width(i[5]) && i[7] < kLoraGroups && op.p[0] && op.p[1] && op.p[2] && op.p[3] &&
+                     op.p[4];
                 break;
         }
         if (!ok) return 3;

@@ -8,7 +8,8 @@
 
 namespace motet {
 
-constexpr int kLoraGroups = 4;  // q/k/v, o, gate/up, down (motet/lora/pool.py's MODULE_GROUPS)
+// q/k/v, o, gate/up, down, then a latent attention's q_a, q_b, kv_a, kv_b (motet/lora/pool.py's DECODER_GROUPS)
+constexpr int kLoraGroups = 8;
 enum LoraIndex { kLoraQKV = 0, kLoraO, kLoraGateUp, kLoraDown };
 
 // The pool: weights in one buffer of the model's dtype; descriptors [slots, desc_ld] int64: the adapter's rank,
