@@ -59,7 +59,9 @@ class ScheduledBatch:
     rows: list[RowPlan] | None = None
     departed: tuple[int, ...] = ()
     plan_id: int | None = None
-    # The runner's inputs built on the host as the step launches (ModelRunner.plan_inputs); None: built when it runs.
+    # The runner's copies of the rows once it took the plan (motet/engine/worker/rows.py), and its inputs built on the
+    # host as the step launches (ModelRunner.plan_inputs); None: not yet.
+    runner_rows: list | None = None
     inputs: object | None = None
     scheduled_at: float | None = None  # time.monotonic() when the engine scheduled it (a step's time starts)
 
@@ -73,13 +75,16 @@ class ScheduledBatch:
     def freeze(self, mirror: PlanMirror | None = None, running_ids: Collection[int] = ()) -> ScheduledBatch:
         """Take the plan (the scheduler does, as it returns the batch, against its record of what the runner
         holds; without one, from nothing held): each sampling row gets the PendingToken its step fills."""
-        mirror = mirror if mirror is not None else PlanMirror()
+        held = (
+            mirror is not None
+        )  # (a plan from nothing held has no number: the runner applies it whenever read)
+        mirror = mirror if held else PlanMirror()
         self.rows = []
         for seq, n in zip(self.seqs, self.num_new_tokens, strict=True):
             samples = reaches_end(seq, n)
             self.rows.append(mirror.row(seq, n, samples, PendingToken() if samples else None, seq.pending))
         self.departed = mirror.departures(set(running_ids), bool(self.seqs))
-        self.plan_id = mirror.plan_id() if self.seqs else None
+        self.plan_id = mirror.plan_id() if held and self.seqs else None
         return self
 
     def plan(self) -> list[RowPlan]:
@@ -97,6 +102,7 @@ class ScheduledBatch:
             rows=[plan[i] for i in rows],
             departed=self.departed,
             plan_id=self.plan_id,
+            runner_rows=None if self.runner_rows is None else [self.runner_rows[i] for i in rows],
         )
 
     def feeds_of(self) -> list[PendingToken | None]:

@@ -375,6 +375,11 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.close()
 
+    def take_plan(self, batch: ScheduledBatch) -> None:
+        """Apply the step's plan to the runner's rows (motet/engine/worker/rows.py): the engine calls it as it hands
+        the step over, on the thread that schedules, plans in order (once each: again is nothing)."""
+        self.rows.update(batch)
+
     def plan_inputs(self, batch: ScheduledBatch) -> None:
         """Build the step's inputs on the host now, into `batch.inputs`: an overlapped engine calls it as it launches
         the step, on its own thread, while the forward thread may still run the step before; the forward thread

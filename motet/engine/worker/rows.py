@@ -3,9 +3,9 @@ table and its sliding-window ring, kept between steps and updated from each step
 (motet/engine/core/step_plan.py), which carries only what changed. The step's inputs, the sampler's views
 (`SampleView`) and the prompt logprobs read these and the plan's values, never a live `Sequence`.
 
-Plans are applied in order, once each, on the thread that launches the steps (`RunnerRows.update`); a part of a
-step re-run after a failure reads the copies as they are by then (only grown: rows' tokens and blocks are never
-taken back while a step is in flight)."""
+Plans are applied in order, once each, on the thread that launches the steps (`ModelRunner.take_plan`, as the
+engine hands a step over); the batch keeps its rows' copies, and a part of the step re-run after a failure reads
+them as they are by then (only grown: rows' tokens and blocks are never taken back while a step is in flight)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,11 @@ class RunnerRows:
         return len(self._rows)
 
     def update(self, batch: ScheduledBatch) -> list[Row]:
-        """The batch's rows, in its order, its plan applied first unless it was (a batch built by hand carries a
-        plan from nothing held: applied every time)."""
+        """The batch's rows, in its order, its plan applied first unless it was (as the step launches, on the
+        launching thread, plans in order). The batch keeps them: a part of the step re-run later reads them
+        there. A batch built by hand carries a plan from nothing held, applied whenever read."""
+        if batch.runner_rows is not None:
+            return batch.runner_rows
         plan = batch.plan()
         if batch.plan_id is None or batch.plan_id > self._applied:
             for seq_id in batch.departed:
@@ -50,7 +53,8 @@ class RunnerRows:
                 _splice(row.window, p.window_from, p.new_window, p.seq_id)
             if batch.plan_id is not None:
                 self._applied = batch.plan_id
-        return [self._rows[p.seq_id] for p in plan]
+        batch.runner_rows = [self._rows[p.seq_id] for p in plan]
+        return batch.runner_rows
 
 
 def _splice(held: list[int], keep: int, new: tuple[int, ...], seq_id: int) -> None:
