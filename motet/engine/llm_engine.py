@@ -510,6 +510,7 @@ class LLMEngine:
     def execute(self, batch: ScheduledBatch, on_launch=None, lazy: bool = False) -> StepResult:
         """Run the batch; where it raises, bisect it so that only the failing rows carry the error. `on_launch()`
         is called when the forward pass is about to start (the host's part before it is done)."""
+        self.runner.take_plan(batch)  # (here, whatever happens to the step: the next plan is against it)
         try:
             lora = self.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
             return self.runner.execute(batch, lora, on_launch, lazy)

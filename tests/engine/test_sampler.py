@@ -14,18 +14,22 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from motet.engine.core.scheduler import ScheduledBatch
 from motet.engine.core.sequence import Sequence
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.worker.rows import RunnerRows, SampleView, position_views
 from motet.engine.worker.sampler import Sampler, apply_processing, compute_prompt_logprobs
 
 EOS = 1
 
 
-def seq(output=(), prompt=(5, 6, 7), **params) -> Sequence:
+def seq(output=(), prompt=(5, 6, 7), **params) -> SampleView:
+    """The sampler's view of a sequence's next token, made as the runner makes it from a step's plan."""
     s = Sequence(list(prompt), SamplingParams(**params))
     for t in output:
         s.append_token(t)
-    return s
+    batch = ScheduledBatch([s], [1])
+    return position_views(batch.plan()[0], RunnerRows().update(batch)[0])[0]
 
 
 def hf_reference(logits: torch.Tensor, p: SamplingParams, input_ids: list[int]) -> torch.Tensor:

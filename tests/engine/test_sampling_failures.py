@@ -12,11 +12,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from motet.engine.config import EngineConfig
+from motet.engine.core.scheduler import ScheduledBatch
 from motet.engine.core.sequence import Sequence
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.outputs import RequestOutputs
 from motet.engine.request_checks import RequestError, RequestLimits
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.worker.rows import RunnerRows, SampleView, position_views
 from motet.engine.worker.sampler import Sampler, SamplingFailure, outcome_error
 from motet.grammar.specs import RegexSpec
 from tests.engine.test_engine import hf_greedy
@@ -26,8 +28,10 @@ EOS = 1
 GOOD_PROMPT, BAD_PROMPT, NAN_TOKEN = [5, 6, 8], [5, 6, 7], 299
 
 
-def seq(prompt=(5, 6, 7), **params) -> Sequence:
-    return Sequence(list(prompt), SamplingParams(**params))
+def seq(prompt=(5, 6, 7), **params) -> SampleView:
+    """The sampler's view of a sequence's next token, made as the runner makes it from a step's plan."""
+    batch = ScheduledBatch([Sequence(list(prompt), SamplingParams(**params))], [1])
+    return position_views(batch.plan()[0], RunnerRows().update(batch)[0])[0]
 
 
 # -- the sampler ----------------------------------------------------------------------------------------------

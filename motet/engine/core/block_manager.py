@@ -236,7 +236,9 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
                 self.free.move_to_end(block_id, last=False)
-        del seq.block_table[keep:]
+        # a new list, not shortened in place: the scheduler's record of what the runner holds tells a table that
+        # only grew by its being the same list (motet/engine/core/step_plan.py)
+        seq.block_table = seq.block_table[:keep]
 
     def free_seq(self, seq: Sequence) -> None:
         # Tail blocks first, so they sit earliest in the LRU: a shared prefix outlives its suffixes.

@@ -41,23 +41,27 @@ from motet.engine.core.fairness import TenantShares, TenantState, VirtualTokenCo
 from motet.engine.core.kv_connector import KVConnector, NoKVTiers
 from motet.engine.core.latency import LatencyGuard, tier
 from motet.engine.core.sequence import PendingToken, Sequence, SequenceStatus
+from motet.engine.core.step_plan import PlanMirror, RowPlan, reaches_end
 
 
 @dataclass
 class ScheduledBatch:
+    """A step: the rows it runs (`seqs`, the scheduler's own) and each one's tokens in it, and its plan as values
+    (`rows`, motet/engine/core/step_plan.py), which the runner reads instead of the rows."""
+
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # Taken when the batch is scheduled (`freeze`): each row's first position, and whether the step samples its
-    # next token. An overlapped engine advances the rows as it launches the step, while the forward thread still
-    # reads the batch: the runner reads these. None (a batch built by hand): read from the rows.
-    starts: list[int] | None = None
-    sampling: list[bool] | None = None
-    # Each sampling row's PendingToken (None for the others), made as the rows advance: the runner fills them.
-    pending: list[PendingToken | None] | None = None
-    # Each row's PendingToken of the step before, where its input token may still be (taken as it advances).
-    fed_by: list[PendingToken | None] | None = None
-    # The runner's inputs built on the host as the step launches (ModelRunner.plan_inputs); None: built when it runs.
+    # The plan, taken when the batch is scheduled (`freeze`): each row as it was then (an overlapped engine
+    # advances the rows as it launches the step, while the forward thread still runs it), the rows the runner
+    # may forget, and the plan's number (a part of a step re-run carries its step's: the runner applies a plan
+    # once). None: a batch built by hand, planned from nothing held when first read.
+    rows: list[RowPlan] | None = None
+    departed: tuple[int, ...] = ()
+    plan_id: int | None = None
+    # The runner's copies of the rows once it took the plan (motet/engine/worker/rows.py), and its inputs built on the
+    # host as the step launches (ModelRunner.plan_inputs); None: not yet.
+    runner_rows: list | None = None
     inputs: object | None = None
     scheduled_at: float | None = None  # time.monotonic() when the engine scheduled it (a step's time starts)
 
@@ -68,48 +72,55 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def freeze(self) -> ScheduledBatch:
-        """Take the snapshots (the scheduler does, as it returns the batch)."""
-        self.starts = [s.num_computed_tokens for s in self.seqs]
-        self.sampling = [self._samples(i) for i in range(len(self.seqs))]
+    def freeze(self, mirror: PlanMirror | None = None, running_ids: Collection[int] = ()) -> ScheduledBatch:
+        """Take the plan (the scheduler does, as it returns the batch, against its record of what the runner
+        holds; without one, from nothing held): each sampling row gets the PendingToken its step fills."""
+        held = (
+            mirror is not None
+        )  # (a plan from nothing held has no number: the runner applies it whenever read)
+        mirror = mirror if held else PlanMirror()
+        self.rows = []
+        for seq, n in zip(self.seqs, self.num_new_tokens, strict=True):
+            samples = reaches_end(seq, n)
+            self.rows.append(mirror.row(seq, n, samples, PendingToken() if samples else None, seq.pending))
+        self.departed = mirror.departures(set(running_ids), bool(self.seqs))
+        self.plan_id = mirror.plan_id() if held and self.seqs else None
         return self
 
+    def plan(self) -> list[RowPlan]:
+        """The rows' plan (a batch built by hand: planned now, from nothing held, as its rows are)."""
+        if self.rows is None:
+            self.freeze()
+        return self.rows
+
     def subset(self, rows) -> ScheduledBatch:
-        """The batch's rows `rows`, in order (to re-run part of a step)."""
-        pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
+        """The batch's rows `rows`, in order (to re-run part of a step: the same plan, not applied again)."""
+        plan = self.plan()
         return ScheduledBatch(
             [self.seqs[i] for i in rows],
             [self.num_new_tokens[i] for i in rows],
-            starts=pick(self.starts),
-            sampling=pick(self.sampling),
-            pending=pick(self.pending),
-            fed_by=pick(self.fed_by),
+            rows=[plan[i] for i in rows],
+            departed=self.departed,
+            plan_id=self.plan_id,
+            runner_rows=None if self.runner_rows is None else [self.runner_rows[i] for i in rows],
         )
 
     def feeds_of(self) -> list[PendingToken | None]:
         """Where each row's pending input token comes from (read as the step's inputs are built)."""
-        return self.fed_by if self.fed_by is not None else [s.pending for s in self.seqs]
+        return [r.fed_by for r in self.plan()]
 
     def positions(self) -> list[int]:
         """Each row's first position in this step."""
-        return self.starts if self.starts is not None else [s.num_computed_tokens for s in self.seqs]
+        return [r.start for r in self.plan()]
 
     def sampling_rows(self) -> list[int]:
         """The rows i for which `samples(i)`."""
-        if self.sampling is not None:
-            return [i for i, sampled in enumerate(self.sampling) if sampled]
-        return [i for i in range(len(self.seqs)) if self._samples(i)]
+        return [i for i, r in enumerate(self.plan()) if r.samples]
 
     def samples(self, i: int) -> bool:
         """Whether sequence i's chunk reaches its last token, so that this step samples its next one (and
         verifies the drafts scheduled after it)."""
-        return self.sampling[i] if self.sampling is not None else self._samples(i)
-
-    def _samples(self, i: int) -> bool:
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] - len(seq.draft_token_ids) == (
-            seq.num_tokens + seq.num_pending
-        )
+        return self.plan()[i].samples
 
 
 class AdapterResidency(Protocol):
@@ -141,6 +152,9 @@ class Scheduler:
         tpot_target_s: float | None = None,
     ):
         self.bm = block_manager
+        self.mirror = (
+            PlanMirror()
+        )  # what the runner holds of each running row: each plan carries what changed
         self.kv = kv_connector or NoKVTiers()
         self.adapters = adapters or _AllResident()
         self.max_num_seqs = max_num_seqs
@@ -306,7 +320,7 @@ class Scheduler:
             order = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
             batch.seqs = [batch.seqs[i] for i in order]
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
-        return batch.freeze()
+        return batch.freeze(self.mirror, [s.seq_id for s in self.running])
 
     def _prefix_ready(self, seq: Sequence) -> bool:
         """Attach a waiting sequence's cached prefix: the device cache's blocks now, and the KV tiers' after they
@@ -382,13 +396,11 @@ class Scheduler:
         next step before this one's tokens reach the host. Their KV is written before any later step reads it (the
         device runs steps in order)."""
         cache_full_blocks = self.bm.cache_full_blocks
-        batch.pending = [None] * len(batch)
-        batch.fed_by = [s.pending for s in batch.seqs]
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts count once accepted
-            if batch.samples(i):
+        for seq, row in zip(batch.seqs, batch.plan(), strict=True):
+            seq.num_computed_tokens += row.num_new_tokens - len(row.drafts)  # drafts count once accepted
+            if row.samples:
                 seq.num_pending += 1
-                seq.pending = batch.pending[i] = PendingToken()
+                seq.pending = row.pending
             cache_full_blocks(seq)
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:

@@ -80,20 +80,22 @@ class GrammarMasks:
         """The step's mask (NO_MASK where no row is constrained), its filling started: `starts[k]` is where
         sampling row `sample_rows[k]`'s positions begin among the step's `num_positions` sampled ones."""
         masked, plain, drafted, tagged = [], [], [], []
+        plan = batch.plan()
         for i, start in zip(sample_rows, starts, strict=True):
-            seq = batch.seqs[i]
-            if seq.guided is None:
+            row = plan[i]  # (its grammar is the engine's: read before the step launches)
+            guided, drafts = row.guided, list(row.drafts)
+            if guided is None:
                 continue
-            if seq.draft_token_ids:
-                first = activation_index(seq.guided, seq.detok, seq.draft_token_ids)
-                masked.extend(range(start + first, start + len(seq.draft_token_ids) + 1))
-                drafted.append((seq.guided, seq.draft_token_ids, first, start))
-            elif seq.guided.active:
+            if drafts:
+                first = activation_index(guided, row.detok, drafts)
+                masked.extend(range(start + first, start + len(drafts) + 1))
+                drafted.append((guided, drafts, first, start))
+            elif guided.active:
                 masked.append(start)
-                plain.append((seq.guided.matcher, start))
-            elif seq.guided.tag_masked:
+                plain.append((guided.matcher, start))
+            elif guided.tag_masked:
                 masked.append(start)
-                tagged.append((seq.guided, start))
+                tagged.append((guided, start))
         if not masked:
             return NO_MASK
         bitmask = allocate_bitmask(num_positions, self.vocab_size)

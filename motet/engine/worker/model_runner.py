@@ -24,7 +24,7 @@ from motet.engine.config import (
 from motet.engine.core.kv_window import pool_sizes, ring_blocks
 from motet.engine.core.scheduler import ScheduledBatch
 from motet.engine.core.sequence import TokenLogprob
-from motet.engine.speculative.verify import num_accepted, position_views
+from motet.engine.speculative.verify import num_accepted
 from motet.engine.weights import load_progress
 from motet.engine.weights.gguf_weights import gguf_file, iter_gguf_weights
 from motet.engine.weights.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
@@ -43,6 +43,7 @@ from motet.engine.worker.memory import (
 )
 from motet.engine.worker.model import CausalLM
 from motet.engine.worker.parallel import SINGLE, Parallel
+from motet.engine.worker.rows import Row, RunnerRows, position_views
 from motet.engine.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, outcome_error
 from motet.engine.worker.step_backends import EagerSteps, GraphSteps
 from motet.engine.worker.step_inputs import InputBuilder
@@ -272,6 +273,7 @@ class ModelRunner:
                     module.prepack()
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
         self.masks = GrammarMasks(model_config.vocab_size)
+        self.rows = RunnerRows()  # its own copy of each running row, updated from each step's plan
         self.grammar_stats = self.masks.stats
         long_rows = model.rope.long_rows  # LongRoPE's: where its long factors' rows below the original begin
         long_rope = None if long_rows is None else (longrope_original(model_config.rope_scaling), long_rows)
@@ -373,11 +375,16 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.close()
 
+    def take_plan(self, batch: ScheduledBatch) -> None:
+        """Apply the step's plan to the runner's rows (motet/engine/worker/rows.py): the engine calls it as it hands
+        the step over, on the thread that schedules, plans in order (once each: again is nothing)."""
+        self.rows.update(batch)
+
     def plan_inputs(self, batch: ScheduledBatch) -> None:
         """Build the step's inputs on the host now, into `batch.inputs`: an overlapped engine calls it as it launches
         the step, on its own thread, while the forward thread may still run the step before; the forward thread
         then only sends them. (A pending input token is looked up when they are sent: its step may not have run.)"""
-        batch.inputs = self.steps.plan(batch)
+        batch.inputs = self.steps.plan(batch, self.rows.update(batch))
 
     @torch.inference_mode()
     def forward(
@@ -385,7 +392,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int]]:
         """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets.
         `on_launch()`, if given, is called once the inputs are ready, as the model starts."""
-        plan = batch.inputs if batch.inputs is not None else self.steps.plan(batch)
+        plan = batch.inputs if batch.inputs is not None else self.steps.plan(batch, self.rows.update(batch))
         return self.steps.run(plan, lora, on_launch)
 
     def compute_logits(self, hidden: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
@@ -415,35 +422,31 @@ class ModelRunner:
         """The batch's sampled tokens; `on_launch` as in `forward`. `lazy`: the tokens stay on the device until
         `resolve()` (the host does not wait for the device here; the next step may take them as inputs)."""
         sample_rows = batch.sampling_rows()
-        views, starts = self._sampled_positions(batch, sample_rows)
+        rows = self.rows.update(batch)  # (applied here unless the inputs were planned as the step launched)
+        views, starts = self._sampled_positions(batch, rows, sample_rows)
         mask = self.masks.start(batch, sample_rows, starts, len(views))  # filled while the forward pass runs
         hidden, qsl = self.forward(batch, lora, on_launch)
         logits = self.logits(hidden, self._logit_rows(batch, sample_rows, qsl), lora)
         mask.apply(logits)
         result = self._verify(batch, sample_rows, starts, self.sampler(logits, views))
-        self._prompt_logprobs(batch, hidden, qsl, lora, result)
+        self._prompt_logprobs(batch, rows, hidden, qsl, lora, result)
         return result if lazy else result.resolve()
 
     @staticmethod
-    def _sampled_positions(batch: ScheduledBatch, sample_rows: list[int]):
+    def _sampled_positions(batch: ScheduledBatch, rows: list[Row], sample_rows: list[int]):
         """The sampler's views of the step's sampled positions, and where each sampling row's begin: one per
         sampling row, plus one per draft (motet/engine/speculative/verify.py)."""
-        if not any(seq.draft_token_ids for seq in batch.seqs):
-            return [batch.seqs[i] for i in sample_rows], range(len(sample_rows))
-        views, starts = [], []
+        plan, views, starts = batch.plan(), [], []
         for i in sample_rows:
             starts.append(len(views))
-            views.extend(position_views(batch.seqs[i]))
+            views.extend(position_views(plan[i], rows[i]))
         return views, starts
 
     @staticmethod
     def _logit_rows(batch: ScheduledBatch, sample_rows: list[int], qsl: list[int]) -> list[int]:
         """The hidden rows of the sampled positions: each sampling row's last, and its drafts' before it."""
-        return [
-            r
-            for i in sample_rows
-            for r in range(qsl[i + 1] - 1 - len(batch.seqs[i].draft_token_ids), qsl[i + 1])
-        ]
+        plan = batch.plan()
+        return [r for i in sample_rows for r in range(qsl[i + 1] - 1 - len(plan[i].drafts), qsl[i + 1])]
 
     @staticmethod
     def _verify(batch: ScheduledBatch, sample_rows: list[int], starts, out: SamplerOutput) -> StepResult:
@@ -451,10 +454,11 @@ class ModelRunner:
         a one-token row's token stays on the device until the result is read."""
         result = StepResult.empty(len(batch))
         on_device = []  # (row, index) of the rows' tokens left in out.tokens until the result is read
+        plan = batch.plan()
         for i, start in zip(sample_rows, starts, strict=True):
-            if batch.pending is not None and batch.pending[i] is not None:
-                batch.pending[i].at = (out.tokens, start)  # where the next step finds it, if it runs first
-            drafts = batch.seqs[i].draft_token_ids
+            if plan[i].pending is not None:
+                plan[i].pending.at = (out.tokens, start)  # where the next step finds it, if it runs first
+            drafts = plan[i].drafts
             if not drafts:
                 on_device.append((i, start))
                 result.logprobs[i] = [out.logprobs[start]]
@@ -471,19 +475,21 @@ class ModelRunner:
         result.on_device = (out.outcomes, on_device) if on_device else None
         return result
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, hidden, qsl, lora, result: StepResult) -> None:
+    def _prompt_logprobs(
+        self, batch: ScheduledBatch, rows: list[Row], hidden, qsl, lora, result: StepResult
+    ) -> None:
         """The prompt logprobs of the rows that ask for them, over this step's chunk of their prompt."""
-        for i, (seq, start) in enumerate(zip(batch.seqs, batch.positions(), strict=True)):
-            k = seq.params.prompt_logprobs
+        for i, row in enumerate(batch.plan()):
+            k = row.params.prompt_logprobs
             if k is None:
                 continue
             # Row p predicts prompt token p+1; the last prompt row predicts the first output instead. A
             # recompute after preemption skips the positions it has reported already.
-            first = max(start, len(seq.prompt_logprobs))
-            last = min(start + batch.num_new_tokens[i], seq.num_prompt_tokens - 1)
+            first = max(row.start, row.num_prompt_logprobs_done)
+            last = min(row.start + row.num_new_tokens, row.num_prompt_tokens - 1)
             if first >= last:
                 continue
-            rows = range(qsl[i] + first - start, qsl[i] + last - start)
-            targets = seq.token_ids[first + 1 : last + 1]
-            chunk_logits = self.logits(hidden, list(rows), lora)
+            hidden_rows = range(qsl[i] + first - row.start, qsl[i] + last - row.start)
+            targets = rows[i].tokens[first + 1 : last + 1]
+            chunk_logits = self.logits(hidden, list(hidden_rows), lora)
             result.prompt_logprobs[i] = compute_prompt_logprobs(chunk_logits, torch.tensor(targets), k)

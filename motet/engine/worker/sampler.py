@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from motet.engine.core.sequence import Sequence, TokenLogprob
+from motet.engine.core.sequence import TokenLogprob
+from motet.engine.worker.rows import SampleView
 from motet.engine.worker.token_masks import apply_token_masks
 
 _NEG_INF = float("-inf")
@@ -84,7 +85,7 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self._generators: dict[torch.device, torch.Generator] = {}  # for unseeded rows, one per device
 
-    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: Tensor, seqs: list[SampleView]) -> SamplerOutput:
         logits = logits[:, : self.vocab_size]  # the lm_head may pad the vocabulary
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(_rows(logits, lp_rows).float(), dim=-1) if lp_rows else None
@@ -109,7 +110,7 @@ class Sampler:
                 logprobs[i] = lp
         return SamplerOutput(tokens, outcomes, logprobs)
 
-    def _draw(self, probs: Tensor, seqs: list[Sequence]) -> Tensor:
+    def _draw(self, probs: Tensor, seqs: list[SampleView]) -> Tensor:
         """One token per row by inverse CDF: the first token whose cumulative probability exceeds u ~ U[0, 1)."""
         dev = probs.device
         if dev not in self._generators:
@@ -128,7 +129,7 @@ class Sampler:
         return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
-def apply_processing(logits: Tensor, seqs: list[Sequence], eos_token_ids: Seq[int] = ()) -> Tensor:
+def apply_processing(logits: Tensor, seqs: list[SampleView], eos_token_ids: Seq[int] = ()) -> Tensor:
     """The distribution a row is sampled from, as fp32 logits with -inf for removed tokens.
 
     Greedy rows get the token masks, penalties and min_tokens only (their argmax is the token). The input is not modified;
@@ -240,7 +241,7 @@ def compute_prompt_logprobs(logits: Tensor, target_ids: Tensor | list[int], k: i
     return out
 
 
-def _apply_penalties(x: Tensor, seqs: list[Sequence]) -> Tensor:
+def _apply_penalties(x: Tensor, seqs: list[SampleView]) -> Tensor:
     """Penalties on x (one row per seq), in place."""
     V, dev = x.shape[1], x.device
     rep = [j for j, s in enumerate(seqs) if s.params.repetition_penalty != 1]
@@ -265,13 +266,13 @@ def _id_counts(id_lists: list[list[int]], V: int, device: torch.device) -> Tenso
     return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))[:, :V]
 
 
-def _holds_stop(seq: Sequence) -> bool:
+def _holds_stop(seq: SampleView) -> bool:
     """The output may not end yet: min_tokens not reached, or a reasoning bounded for a grammar that must come
     (motet/engine/guided.py) is open."""
-    return seq.num_output_tokens < seq.params.min_tokens or (seq.guided is not None and seq.guided.holds_stop)
+    return seq.num_output_tokens < seq.params.min_tokens or seq.grammar_holds_stop
 
 
-def _mask_stop_tokens(x: Tensor, seqs: list[Sequence], rows: list[int], eos_token_ids: Seq[int]) -> None:
+def _mask_stop_tokens(x: Tensor, seqs: list[SampleView], rows: list[int], eos_token_ids: Seq[int]) -> None:
     """min_tokens (or a bounded reasoning): no EOS (even with ignore_eos) and no stop token ids before the minimum."""
     V = x.shape[1]
     pairs = [

@@ -13,24 +13,24 @@ import torch
 
 from motet.engine.core.kv_window import window_table
 from motet.engine.core.scheduler import ScheduledBatch
-from motet.engine.core.sequence import PendingToken, Sequence
+from motet.engine.core.sequence import PendingToken
+from motet.engine.core.step_plan import RowPlan
 from motet.engine.worker.model import AttentionMetadata
+from motet.engine.worker.rows import Row
 
 
-def decode_inputs(
-    seqs: list[Sequence], positions: list[int], fed_by: list[PendingToken | None]
-) -> tuple[list[int], list[tuple[int, PendingToken]]]:
-    """Each row's input token, at its position, and the feeds: (the input's index, its PendingToken from
-    `fed_by`) for the rows whose token is still pending (sampled by the step before, not on the host yet: 0 in
-    the list until `feed_tokens` writes it)."""
+def decode_inputs(plan: list[RowPlan], rows: list[Row]) -> tuple[list[int], list[tuple[int, PendingToken]]]:
+    """Each row's input token, at its position, and the feeds: (the input's index, the PendingToken its token is
+    in) for the rows whose token is still pending (sampled by the step before, not on the host yet: 0 in the list
+    until `feed_tokens` writes it)."""
     ids, feeds = [], []
-    for i, (seq, p) in enumerate(zip(seqs, positions, strict=True)):
-        tokens = seq.token_ids
-        if p < len(tokens):
-            ids.append(tokens[p])
+    for i, (p, row) in enumerate(zip(plan, rows, strict=True)):
+        tokens = row.tokens
+        if p.start < len(tokens):
+            ids.append(tokens[p.start])
         else:
             ids.append(0)
-            feeds.append((i, fed_by[i]))
+            feeds.append((i, p.fed_by))
     return ids, feeds
 
 
@@ -110,23 +110,25 @@ class InputBuilder:
         self.window_chunk = window_chunk
         self.long_rope = long_rope
 
-    def host(self, batch: ScheduledBatch) -> HostInputs:
-        if all(n == 1 for n in batch.num_new_tokens):
-            return self._decode(batch)
+    def host(self, batch: ScheduledBatch, rows: list[Row]) -> HostInputs:
+        """The step's inputs from its plan and the runner's copies of its rows (`rows`, in its order)."""
+        plan = batch.plan()
+        if all(p.num_new_tokens == 1 for p in plan):
+            return self._decode(plan, rows)
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables, feeds = [], [], [], [0], [], [], []
-        rows = zip(batch.seqs, batch.num_new_tokens, batch.positions(), batch.feeds_of(), strict=True)
-        for seq, n, start, fed_by in rows:
-            own = n - len(seq.draft_token_ids)
-            known = seq.token_ids[start : start + own]
+        for p, row in zip(plan, rows, strict=True):
+            n, start = p.num_new_tokens, p.start
+            own = n - len(p.drafts)
+            known = row.tokens[start : start + own]
             input_ids.extend(known)
             if len(known) < own:  # its last token is still pending (async scheduling): fed on the device
-                feeds.append((len(input_ids), fed_by))
+                feeds.append((len(input_ids), p.fed_by))
                 input_ids.append(0)
-            input_ids.extend(seq.draft_token_ids)  # verified after the row's last token (none: not drafting)
+            input_ids.extend(p.drafts)  # verified after the row's last token (none: not drafting)
             positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            table = row.table
+            slots.extend(table[q // bs] * bs + q % bs for q in range(start, start + n))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             tables.append(table)
@@ -139,43 +141,43 @@ class InputBuilder:
             tables,
             qsl,
             seq_lens,
-            max(batch.num_new_tokens),
+            max(p.num_new_tokens for p in plan),
             feeds,
-            batch.seqs,
-            self._rope_rows(batch, positions, qsl),
+            rows,
+            self._rope_rows(plan, positions, qsl),
         )
 
-    def _rope_rows(self, batch: ScheduledBatch, positions: list[int], qsl: list[int]) -> list[int] | None:
+    def _rope_rows(self, plan: list[RowPlan], positions: list[int], qsl: list[int]) -> list[int] | None:
         """The rotary tables' rows of a prompt step's tokens where any differs from its position (LongRoPE's
         long-factor sequences' tokens below the original context), else None."""
         if self.long_rope is None:
             return None
         original, long_rows = self.long_rope
-        rows = None
-        for i, (seq, start) in enumerate(zip(batch.seqs, batch.positions(), strict=True)):
-            if not seq.long_rope or start >= original:
+        rope_rows = None
+        for i, p in enumerate(plan):
+            if not p.long_rope or p.start >= original:
                 continue
-            rows = rows or list(positions)
+            rope_rows = rope_rows or list(positions)
             first = qsl[i]
-            for t in range(first, min(qsl[i + 1], first + original - start)):
-                rows[t] += long_rows
-        return rows
+            for t in range(first, min(qsl[i + 1], first + original - p.start)):
+                rope_rows[t] += long_rows
+        return rope_rows
 
-    def _decode(self, batch: ScheduledBatch) -> HostInputs:
+    def _decode(self, plan: list[RowPlan], rows: list[Row]) -> HostInputs:
         """`host` of a step where every row adds one token (no drafts): the common step, in fewer passes."""
-        bs, seqs = self.block_size, batch.seqs
-        positions = batch.positions()
-        input_ids, feeds = decode_inputs(seqs, positions, batch.feeds_of())
-        tables = [seq.block_table for seq in seqs]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+        bs = self.block_size
+        positions = [p.start for p in plan]
+        input_ids, feeds = decode_inputs(plan, rows)
+        tables = [row.table for row in rows]
+        slots = [t[q // bs] * bs + q % bs for t, q in zip(tables, positions, strict=True)]
         width = max(map(len, tables))
         tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in tables]
-        seq_lens = [p + 1 for p in positions]
-        qsl = list(range(len(seqs) + 1))
-        return self._pack(input_ids, positions, slots, tables, qsl, seq_lens, 1, feeds, seqs)
+        seq_lens = [q + 1 for q in positions]
+        qsl = list(range(len(plan) + 1))
+        return self._pack(input_ids, positions, slots, tables, qsl, seq_lens, 1, feeds, rows)
 
     def _pack(
-        self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len, feeds, seqs, rope_rows=None
+        self, input_ids, positions, slots, tables, qsl, seq_lens, max_query_len, feeds, rows, rope_rows=None
     ) -> HostInputs:
         """Host lists (tables already padded to one width) packed by dtype, in pinned memory on CUDA; with a
         window pool, the sliding-window layers' slots and tables after the others'. The model reads the rotary at
@@ -192,7 +194,7 @@ class InputBuilder:
                 f"a chunk of {max_query_len} tokens past a window pool's"
             )
             bs = self.block_size
-            rings = [window_table(seq.window_blocks, width) for seq in seqs]
+            rings = [window_table(row.window, width) for row in rows]
             owner = itertools.chain.from_iterable(
                 itertools.repeat(ring, qsl[i + 1] - qsl[i]) for i, ring in enumerate(rings)
             )
@@ -219,27 +221,24 @@ class InputBuilder:
             meta.window = _meta(window_slots[0], window_tables[0].view(n, width), query_start_loc, lens, plan)
         return ids, pos, meta, plan.qsl
 
-    def graph_rows(self, batch: ScheduledBatch, fits) -> GraphRows | None:
+    def graph_rows(self, batch: ScheduledBatch, rows: list[Row], fits) -> GraphRows | None:
         """A decode step's rows (every row one new token, and the drafts it verifies, if any) as its bucket's graph
         takes them; None: it runs eagerly (a prompt chunk, or too large for the graphs: `fits(rows, width,
         query, position)` says)."""
-        seqs = batch.seqs
-        if not seqs or any(
-            n != 1 + len(seq.draft_token_ids) or not batch.samples(i)
-            for i, (seq, n) in enumerate(zip(seqs, batch.num_new_tokens, strict=True))
-        ):
+        plan = batch.plan()
+        if not plan or any(p.num_new_tokens != 1 + len(p.drafts) or not p.samples for p in plan):
             return None
-        tables = [seq.block_table for seq in seqs]
-        pos = batch.positions()
-        if not fits(len(seqs), max(map(len, tables)), max(batch.num_new_tokens), max(pos)):
+        tables = [row.table for row in rows]
+        pos = [p.start for p in plan]
+        if not fits(len(plan), max(map(len, tables)), max(p.num_new_tokens for p in plan), max(pos)):
             return None
-        bs, rows, slots, qsl = self.block_size, [], [], [0]
-        firsts, feeds = decode_inputs(seqs, pos, batch.feeds_of())
-        for seq, table, p, first in zip(seqs, tables, pos, firsts, strict=True):
-            rows.append([first, *seq.draft_token_ids])
-            slots.append([table[x // bs] * bs + x % bs for x in range(p, p + len(rows[-1]))])
-            qsl.append(qsl[-1] + len(rows[-1]))
-        return GraphRows(rows, pos, slots, tables, qsl, feeds)
+        bs, inputs, slots, qsl = self.block_size, [], [], [0]
+        firsts, feeds = decode_inputs(plan, rows)
+        for p, table, q, first in zip(plan, tables, pos, firsts, strict=True):
+            inputs.append([first, *p.drafts])
+            slots.append([table[x // bs] * bs + x % bs for x in range(q, q + len(inputs[-1]))])
+            qsl.append(qsl[-1] + len(inputs[-1]))
+        return GraphRows(inputs, pos, slots, tables, qsl, feeds)
 
     def padding_token(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
         """A step's inputs for one token at position 0 that reads block 0 and writes no KV (slot -1)."""
