@@ -21,7 +21,7 @@ Against this CPU's real peak: before the engines load, torch's linear runs the m
 report, the forward's and its linear phase's achieved GFLOPS (2 x the projections' parameters x tokens / the
 phase's time) are set against the forward's shapes at their faster dtype, the logits' against the lm_head's.
 
-Serving, for each of --serve-levels C: a `motet serve` on loopback takes 2 x C streamed chat requests, C at
+Serving, for each of --serve-levels C: a `motet serve` on loopback takes R x C streamed chat requests (R: --serve-rounds, 2 by default), C at
 once (--max-tokens each, EOS ignored), and the offline engine (max_num_seqs C) runs the same prompts: the
 served share of the offline tokens/s is what the serving path (actors, reply streams, detokenized SSE,
 HTTP) costs; the client-side TPOT p50 (first token to last over the tokens after the first) sits beside the
@@ -377,12 +377,12 @@ def offline(args, model_dir: Path, tmp: Path, peaks: dict) -> list[dict]:
 
 
 def serving(args, model_dir: Path, offline_rows: list[dict]) -> list[dict]:
-    """Per level C: 2C streamed chat requests at once through the server, then the same prompts through the
+    """Per level C: R x C streamed chat requests (--serve-rounds R), C at once, through the server, then the same prompts through the
     offline engine (max_num_seqs C): output tokens/s of each, and TPOT against the offline step time."""
     step_ms = {r["batch"]: r["step_ms"] for r in offline_rows if r["compiled"] and r["load"] == "base"}
     rows, loads = [], {}
     for c in args.serve_levels:
-        texts = [f"Continue this text: {p}" for p in make_prompts(2 * c, 40, c)]
+        texts = [f"Continue this text: {p}" for p in make_prompts(args.serve_rounds * c, 40, c)]
         loads[c] = texts
     server_args = [
         "--dtype",
@@ -475,7 +475,7 @@ def summary_md(report: dict) -> str:
                      f"{r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | {ph} |")  # fmt: skip
     lines += gflops_md(report)
     if report["serving"]:
-        lines += ["", "The same load served over HTTP and run offline (2 x C requests, C at once):", "",
+        lines += ["", f"The same load served over HTTP and run offline ({report.get('serve_rounds', 2)} x C requests, C at once):", "",
                   "| clients | served tok/s | offline tok/s | served / offline | TPOT p50 ms served | TPOT p50 ms offline | served / offline TPOT | offline step ms |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in report["serving"]:
@@ -503,6 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="as `motet serve --async-scheduling` (default: the engine's)")  # fmt: skip
     ap.add_argument("--serve-levels", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--serve-rounds", type=int, default=2,
+                    help="requests per serving level: this many times its clients (more: a steadier TPOT at 1)")  # fmt: skip
     ap.add_argument("--peak-seconds", type=float, default=0.2,
                     help="time for torch's linear on each shape and dtype in the peak measurement")  # fmt: skip
     ap.add_argument("--out", default=None)
@@ -521,7 +523,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         off = offline(args, model_dir, Path(tmp), peaks)
     report = {"dtype": args.dtype, "threads": args.threads, "machine": machine(), "cpu": cpu_info(),
-              "peak": peaks, "offline": off,
+              "peak": peaks, "offline": off, "serve_rounds": args.serve_rounds,
               "serving": serving(args, model_dir, off) if args.serve_levels else []}  # fmt: skip
     out = Path(args.out or f"reports/step_profile/{time.strftime('%Y%m%d-%H%M%S')}")
     write_report(out, report, summary_md(report))
