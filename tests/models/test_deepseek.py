@@ -24,7 +24,7 @@ from motet.kernels import cpu_native
 from motet.lora.adapter import AdapterError
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
-from tests.models.test_moe import randomize_norms
+from tests.models.test_moe import PATHS, randomize_norms
 from tests.peft_adapters import peft_reference, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 
@@ -124,17 +124,6 @@ def build_deepseek(path, name: str):
 @pytest.fixture(scope="module", params=list(MODELS))
 def deepseek(request, tmp_path_factory):
     return request.param, build_deepseek(tmp_path_factory.mktemp(request.param), request.param)
-
-
-# both CPU paths: the eager model, and the native step where its kernels build
-PATHS = [
-    pytest.param(False, id="eager"),
-    pytest.param(
-        True,
-        id="native",
-        marks=pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels"),
-    ),
-]
 
 
 def deepseek_engine(model_dir, compiled: bool = True, **options) -> LLMEngine:

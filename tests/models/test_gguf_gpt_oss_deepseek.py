@@ -43,7 +43,7 @@ from tests.kernels.test_quantization import (
 )
 from tests.models.test_deepseek import LATENT, randomize_biases
 from tests.models.test_deepseek import MODELS as DEEPSEEK_MODELS
-from tests.models.test_gguf_moe import DISTINCT_PROMPTS, hf_prompt_logits
+from tests.models.test_gguf_moe import DISTINCT_PROMPTS, assert_converted_back, hf_prompt_logits
 from tests.models.test_gpt_oss import build_gpt_oss, mxfp4_reference, save_mxfp4
 from tests.models.test_moe import randomize_norms
 from tests.tiny_models import build_tiny_model
@@ -53,6 +53,17 @@ PATHS = [pytest.param(False, id="eager"), pytest.param(True, id="native", marks=
 
 
 @pytest.fixture(autouse=True)
+def assert_float_file_is_the_source(llm: LLM, source) -> None:
+    """A float file served bare: logits within 2e-4 of transformers on the source checkpoint in 7-token chunks, 16
+    greedy tokens equal to its `generate`."""
+    refs = hf_prompt_logits(source)
+    for got, want in zip(engine_logits(llm.engine, PROMPTS, chunk=7), refs, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    prompts = [PROMPTS[1], PROMPTS[4]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, min_tokens=16))
+    assert [o.token_ids for o in outs] == hf_greedy_outputs(source, prompts, 16)
+
+
 def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv("MOTET_CACHE_DIR", str(root))
@@ -172,12 +183,7 @@ def test_gpt_oss_float_file_matches_transformers(gpt_oss, tmp_path, compiled):
     cfg = llm.engine.runner.model.config
     assert cfg.attention_sinks and cfg.expert_bias and cfg.sliding_layers == (0,) and cfg.sliding_window == 12
     assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["truncate"] is False
-    refs = hf_prompt_logits(source)
-    for got, want in zip(engine_logits(llm.engine, PROMPTS, chunk=7), refs, strict=True):
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
-    prompts = [PROMPTS[1], PROMPTS[4]]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, min_tokens=16))
-    assert [o.token_ids for o in outs] == hf_greedy_outputs(source, prompts, 16)
+    assert_float_file_is_the_source(llm, source)
 
 
 def held_in_blocks(name: str, w: torch.Tensor, qtype: str) -> bool:
@@ -250,14 +256,7 @@ def test_gpt_oss_converts_back_to_the_source_checkpoint(gpt_oss, tmp_path):
     interleaved, down [E, I, H]), the sinks without their suffix: every tensor equal to the source's."""
     source, _ = gpt_oss
     out = convert_gguf(write_gpt_oss_gguf(source, tmp_path / "g.gguf"), tmp_path / "out")
-    got, want = load_file(out / "model.safetensors"), load_file(source / "model.safetensors")
-    assert sorted(got) == sorted(want)
-    for key, w in want.items():
-        assert torch.equal(got[key], w), key
-    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p, ref in zip(PROMPTS[:3], hf_prompt_logits(source), strict=False):
-            torch.testing.assert_close(converted(torch.tensor([p])).logits[0], ref, atol=1e-5, rtol=1e-5)
+    assert_converted_back(out, source)
 
 
 # -- DeepSeek --------------------------------------------------------------------------------------------------
@@ -371,12 +370,7 @@ def test_deepseek_float_file_matches_transformers(deepseek, tmp_path, split_kv_b
     assert model.config.architecture == want_arch
     assert all(isinstance(layer.self_attn, LatentAttention) for layer in model.layers)
     assert model.config.sparse_layers == (1, 2)
-    refs = hf_prompt_logits(source)
-    for got, want in zip(engine_logits(llm.engine, PROMPTS, chunk=7), refs, strict=True):
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
-    prompts = [PROMPTS[1], PROMPTS[4]]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, min_tokens=16))
-    assert [o.token_ids for o in outs] == hf_greedy_outputs(source, prompts, 16)
+    assert_float_file_is_the_source(llm, source)
 
 
 def test_deepseek_q8_0_file_matches_transformers_on_gguf_py_dequantized(deepseek, tmp_path):
@@ -401,14 +395,7 @@ def test_deepseek_converts_back_to_the_source_checkpoint(deepseek, tmp_path):
     correction bias under DeepSeek's names: every tensor equal to the source's, transformers' logits on them."""
     name, source = deepseek
     out = convert_gguf(write_deepseek_gguf(source, tmp_path / f"{name}.gguf"), tmp_path / "out")
-    got, want = load_file(out / "model.safetensors"), load_file(source / "model.safetensors")
-    assert sorted(got) == sorted(want)
-    for key, w in want.items():
-        assert torch.equal(got[key], w), key
-    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p, ref in zip(PROMPTS[:3], hf_prompt_logits(source), strict=False):
-            torch.testing.assert_close(converted(torch.tensor([p])).logits[0], ref, atol=1e-5, rtol=1e-5)
+    assert_converted_back(out, source)
 
 
 assert LATENT["first_k_dense_replace"] == 1  # (the sparse layers the tests name)

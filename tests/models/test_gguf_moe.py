@@ -272,6 +272,12 @@ def test_converts_back_to_the_source_checkpoint(moe, tmp_path):
     """`convert_gguf` writes each expert's tensors under the family's names, equal to the source's."""
     name, source = moe
     out = convert_gguf(write_moe_gguf(source, tmp_path / "g" / f"{name}.gguf", name), tmp_path / "out")
+    assert_converted_back(out, source)
+
+
+def assert_converted_back(out, source) -> None:
+    """Every tensor `convert_gguf` wrote to `out` equal to the source checkpoint's, and transformers' logits on
+    them its logits on the source."""
     got, want = load_file(out / "model.safetensors"), load_file(source / "model.safetensors")
     assert sorted(got) == sorted(want)
     for key, w in want.items():
