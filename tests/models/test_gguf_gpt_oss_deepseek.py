@@ -52,7 +52,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 PATHS = [pytest.param(False, id="eager"), pytest.param(True, id="native", marks=needs_native)]
 
 
-@pytest.fixture(autouse=True)
 def assert_float_file_is_the_source(llm: LLM, source) -> None:
     """A float file served bare: logits within 2e-4 of transformers on the source checkpoint in 7-token chunks, 16
     greedy tokens equal to its `generate`."""
@@ -64,6 +63,7 @@ def assert_float_file_is_the_source(llm: LLM, source) -> None:
     assert [o.token_ids for o in outs] == hf_greedy_outputs(source, prompts, 16)
 
 
+@pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv("MOTET_CACHE_DIR", str(root))
