@@ -44,10 +44,24 @@ _GGUF_FIELDS = {  # GGUF key (after the architecture's prefix: llama.block_count
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 TOKENIZER_MODEL = "gpt2"  # byte-level BPE
-# llama.cpp's names (tokenizer.ggml.pre) for the splits motet builds: GPT-2's ("olmo": OLMo 1's); digits one by
-# one, then GPT-2's (SmolLM's, StarCoder's, "refact": Granite 3's); Qwen2's; Llama 3's ("dbrx": cl100k's, as
-# Phi-4's and OLMo 2's files say), as llama.cpp's llama-vocab.cpp groups them
-PRE_TOKENIZERS = ("smollm", "default", "gpt-2", "olmo", "starcoder", "refact", "qwen2", "llama-bpe", "dbrx")
+# llama.cpp's names (tokenizer.ggml.pre) for the splits motet builds (motet/engine/weights/gguf_pretokenizers.py):
+# GPT-2's ("olmo": OLMo 1's); digits one by one, then GPT-2's (SmolLM's, StarCoder's, "refact": Granite 3's);
+# Qwen2's; Llama 3's ("dbrx": cl100k's, as Phi-4's and OLMo 2's files say); o200k's ("gpt-4o": GPT-OSS's);
+# DeepSeek LLM's and V2's ("deepseek-llm"); DeepSeek-V3's ("deepseek-v3"), as llama.cpp's llama-vocab.cpp groups them
+PRE_TOKENIZERS = (
+    "smollm",
+    "default",
+    "gpt-2",
+    "olmo",
+    "starcoder",
+    "refact",
+    "qwen2",
+    "llama-bpe",
+    "dbrx",
+    "gpt-4o",
+    "deepseek-llm",
+    "deepseek-v3",
+)
 _ROPE_SCALINGS = ("none", "linear", "yarn")  # llama.rope.scaling.type values motet's rotary implements
 # the converter's YaRN keys (after rope.scaling.) -> transformers' rope_scaling fields
 _YARN_FIELDS = {

@@ -19,6 +19,7 @@ import torch
 
 from motet.engine.weights import gguf_names
 from motet.engine.weights.gguf_config import reader_config
+from motet.engine.weights.gguf_pretokenizers import IGNORE_MERGES, pre_tokenizer
 from motet.models import find
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
@@ -29,10 +30,6 @@ class PullError(ModelLoadError):
     """`pull()` could not fetch or convert the default model; the message says what to check."""
 
 
-# Qwen2's (and Qwen3's) split before byte-level BPE: its tokenizer.json's Split pattern, one digit at a time
-_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-# Llama 3's: Qwen2's with numbers in runs of up to three digits
-_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 # Besides EOS, the ids llama.cpp ends a generation at (end of turn, Llama 3's <|eot_id|>; end of message).
 _END_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -241,38 +238,22 @@ def _write_json(path: Path, obj) -> None:
 def _write_tokenizer(
     out_dir: Path, meta: dict, tokens: list[str], token_types: list[int], max_len: int
 ) -> None:
-    """tokenizer.json etc. for the gpt2 byte-level BPE vocabulary of the GGUF.
-
-    The GGUF pre-tokenizer 'smollm' is the original SmolLM2 tokenizer.json's: every digit on its own,
-    then GPT-2 byte-level splitting. Control tokens (token_type 3) are special added tokens.
+    """tokenizer.json etc. for the gpt2 byte-level BPE vocabulary of the GGUF, split before BPE as its
+    `tokenizer.ggml.pre` names (motet/engine/weights/gguf_pretokenizers.py). Control tokens (token_type 3) are
+    special added tokens.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     pre = meta.get("tokenizer.ggml.pre", "default")  # one of PRE_TOKENIZERS (hf_config checked)
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise PullError("GGUF vocabulary has duplicate tokens")
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    bpe = models.BPE(
+        vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in IGNORE_MERGES
+    )
     tok = Tokenizer(bpe)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact"):
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    elif pre in ("qwen2", "llama-bpe", "dbrx"):
-        from tokenizers import Regex
-
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(
-                    Regex(_QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT), behavior="isolated"
-                ),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-            ]
-        )
-    else:
-        tok.pre_tokenizer = byte_level
+    tok.pre_tokenizer = pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
     tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
     control = [t for t, ty in zip(tokens, token_types, strict=True) if ty == 3]
