@@ -200,22 +200,26 @@ def compare(args, model_dir: Path, hf, dtype: str, b: int) -> dict:
     return row
 
 
-def expert_format(args, model_dir: Path, fmt: str, b: int) -> dict:
-    """motet alone, its experts in `fmt` (the rest of the model bf16): decode step time at batch size b."""
-    batch = prompts(b, args.prompt)
+def expert_format(args, model_dir: Path, fmt: str) -> list[dict]:
+    """motet alone, its experts in `fmt` (the rest of the model bf16): decode step time at each batch size (one
+    engine for them all)."""
     quantization = fmt if fmt in ("int8", "int4") else None
     if fmt == "mxfp4":
-        model_dir = model_dir.parent / "mxfp4"
-        if not model_dir.exists():
-            save_mxfp4(model_dir.parent / "model", model_dir)
-    llm = motet_llm(model_dir, args, b, "bfloat16", quantization)
-    motet_decode(llm, batch[:1], 4)  # warm
-    rate = measure(lambda: motet_decode(llm, batch, args.tokens), args.repeats)
+        mxfp4_dir = model_dir.parent / "mxfp4"
+        if not mxfp4_dir.exists():
+            save_mxfp4(model_dir, mxfp4_dir)
+        model_dir = mxfp4_dir
+    llm = motet_llm(model_dir, args, max(args.batches), "bfloat16", quantization)
+    motet_decode(llm, prompts(1, args.prompt), 4)  # warm
+    rows = []
+    for b in args.batches:
+        batch = prompts(b, args.prompt)
+        rate = measure(lambda batch=batch: motet_decode(llm, batch, args.tokens), args.repeats)
+        rows.append({"format": fmt, "batch": b, "step_ms": 1000.0 * b / rate["tokens_per_s"], **rate})
+        print(f"experts {fmt:5s} batch {b:3d}: {rows[-1]['step_ms']:7.2f} ms a step, "
+              f"{rate['tokens_per_s']:8.1f} tok/s", flush=True)  # fmt: skip
     llm.engine = None
-    row = {"format": fmt, "batch": b, "step_ms": 1000.0 * b / rate["tokens_per_s"], **rate}
-    print(f"experts {fmt:5s} batch {b:3d}: {row['step_ms']:7.2f} ms a step, {rate['tokens_per_s']:8.1f} tok/s",
-          flush=True)  # fmt: skip
-    return row
+    return rows
 
 
 def summary_md(report: dict) -> str:
@@ -328,8 +332,7 @@ def main(argv=None) -> None:
                 rows.append(compare(args, model_dir, hf, dtype, b))
             del hf
         for fmt in args.formats:
-            for b in args.batches:
-                format_rows.append(expert_format(args, model_dir, fmt, b))
+            format_rows += expert_format(args, model_dir, fmt)
     report = {
         "arch": args.arch, "shape": shape(args), "experts": args.experts, "expert_inter": args.expert_inter,
         "params_m": params_m, "threads": args.threads, "machine": machine(),
