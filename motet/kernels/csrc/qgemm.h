@@ -51,13 +51,8 @@ struct QFormat<kWeightMxfp4> {
 };
 constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// A weight code's packed-record bytes, and whether it is a quantized one.
+// Whether a weight code is a quantized one.
 inline bool quantized_code(int code) { return code == kWeightInt8 || code == kWeightInt4 || code == kWeightMxfp4; }
-inline int64_t record_bytes(int code) {
-    return code == kWeightInt8 ? QFormat<kWeightInt8>::kRecord
-           : code == kWeightInt4 ? QFormat<kWeightInt4>::kRecord
-                                 : QFormat<kWeightMxfp4>::kRecord;
-}
 
 // IEEE half -> float, exactly (normals, subnormals, infinities, NaN).
 inline float f16_to_f32(uint16_t h) {
