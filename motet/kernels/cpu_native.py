@@ -65,6 +65,7 @@ _SIGNATURES = {
     "motet_sgmv": [_i32, _ptr, _i64, _ptr, _i64, _ptr, _i32, _i32]  # dtype, x, y, pool, group, layer
     + [_ptr, _ptr, _i32, _i32, _ptr, _i32],  # segments, n_in, sizes, n
     "motet_gemm": [_i32, _ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32],
+    "motet_experts": [_i32, _ptr, _i64, _ptr, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64],
 }
 
 
@@ -665,6 +666,50 @@ def gemm(
         int(accumulate),
     )
     _check(status, "gemm")
+    return out
+
+
+def experts(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    quantized: str | None = None,
+) -> torch.Tensor:
+    """The grouped expert GEMM (the MoE op's, motet/kernels/csrc/moe.h): rows of fp32 x [M, K] sorted by expert,
+    expert e's rows [offsets[e], offsets[e + 1]) times its weight [n, K]^T (+ bias[e]); `packed`: every expert's
+    weight packed by `pack` (or by `pack_quantized` in the format `quantized`) stacked [E, ...]; bias [E, n]."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and packed.is_contiguous()
+    M, K = x.shape
+    E = packed.shape[0]
+    offsets = offsets.to(torch.int32).contiguous()
+    assert offsets.shape == (E + 1,) and int(offsets[0]) == 0 and int(offsets[-1]) == M
+    if quantized is None:
+        assert packed.shape[2] == K and packed.shape[1] * PANEL >= n
+        code, bias_dtype = DTYPE_CODES[packed.dtype], packed.dtype
+    else:
+        assert packed.shape[2:] == (K // BLOCK, QUANT_RECORD[quantized]) and K % BLOCK == 0
+        assert packed.shape[1] * PANEL >= n
+        code, bias_dtype = QUANT_CODES[quantized], torch.float32
+    out = torch.empty((M, n), dtype=torch.float32)
+    if bias is not None:
+        bias = bias.to(bias_dtype).contiguous()
+        assert bias.shape == (E, n)
+    status = library().motet_experts(
+        code,
+        x.data_ptr(),
+        x.stride(0),
+        offsets.data_ptr(),
+        E,
+        K,
+        packed.data_ptr(),
+        n,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        out.stride(0),
+    )
+    _check(status, "experts")
     return out
 
 

@@ -103,6 +103,18 @@ def test_moe_decode(tmp_path):
     assert "| float32 | 2 |" in (tmp_path / "summary.md").read_text()
 
 
+def test_moe_decode_expert_formats(tmp_path):
+    """A one-layer GPT-OSS-shaped model, motet alone with its experts in each format (no Hugging Face side)."""
+    moe_decode.main(["--arch", "gpt_oss", "--hidden", "64", "--layers", "1", "--experts", "4", "--top-k", "2",
+                     "--expert-inter", "64", "--batches", "2", "--prompt", "8", "--quick", "--dtypes", "--formats",
+                     *moe_decode.FORMATS, "--threads", "1", "--out", str(tmp_path)])  # fmt: skip
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["rows"] == []
+    assert [(r["format"], r["batch"]) for r in report["format_rows"]] == [(f, 2) for f in moe_decode.FORMATS]
+    assert positive(*(r["step_ms"] for r in report["format_rows"]), report["params_m"])
+    assert "| mxfp4 | 2 |" in (tmp_path / "summary.md").read_text()
+
+
 def test_quant_bandwidth(tiny_model_dir, tmp_path):
     """Every format, gguf from a GGUF file written beside a copy of the tiny checkpoint."""
     model = tmp_path / "tiny"

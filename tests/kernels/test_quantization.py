@@ -174,6 +174,49 @@ def test_a_rows_product_does_not_depend_on_its_batch(cpu_tier, name):
 
 
 @needs_native
+@pytest.mark.parametrize("name", [*FORMAT_NAMES, MXFP4.name])
+@pytest.mark.parametrize(
+    "rows,N,K",
+    [
+        ([0, 1, 3, 0], 45, 64),  # a small product: one thread
+        ([1, 0, 1, 0, 0, 1, 1, 0], 256, 64),  # decode: a row an expert, the panels split over the threads
+        (
+            [5, 0, 130, 2, 0, 9],
+            70,
+            96,
+        ),  # prefill: an expert's rows in several chunks, rows quantized in parallel
+    ],
+    ids=["small", "decode", "prefill"],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_expert_product_matches_each_experts_product(cpu_tier, name, rows, N, K, bias):
+    """The MoE op's grouped GEMM on quantized experts (one parallel region for every expert with rows) against
+    each expert's rows times its dequantized weight in float64, and bit for bit against the quantized GEMM of
+    each expert's rows alone (the per-expert product it replaces); in each instruction-set tier."""
+    g = torch.Generator().manual_seed(len(rows) * N + K)
+    weights = [random_weight(name, N, K, g) for _ in rows]
+    b = torch.randn(len(rows), N, generator=g) if bias else None
+    offsets = torch.tensor([0, *rows]).cumsum(0)
+    x = torch.randn(int(offsets[-1]), K + 3, generator=g)[:, 3:]  # row-strided
+    packed = torch.stack([cpu_native.pack_quantized(q) for q in weights])
+    y = cpu_native.experts(x, offsets, packed, N, b, quantized=name)
+    assert y.shape == (x.shape[0], N)
+    for e, q in enumerate(weights):
+        seg = slice(int(offsets[e]), int(offsets[e + 1]))
+        if seg.start == seg.stop:
+            continue
+        be = None if b is None else b[e]
+        want = F.linear(
+            quantize_activations(x[seg]).double(),
+            q.dequantize(torch.float64),
+            None if be is None else be.double(),
+        )
+        torch.testing.assert_close(y[seg].double(), want, atol=1e-4, rtol=1e-4)
+        alone = cpu_native.gemm(x[seg], cpu_native.pack_quantized(q), N, be, quantized=name)
+        assert torch.equal(y[seg], alone)
+
+
+@needs_native
 def test_qgemm_refuses_inputs_not_in_whole_blocks():
     q = FORMATS["int8"].quantize(torch.randn(16, 64))
     packed = cpu_native.pack_quantized(q)

@@ -333,24 +333,17 @@ void add_residual_op(Ctx& c, const Op& op) {
     c.clock.mark(kPhaseOther);
 }
 
-// Each expert's rows through its weight: the grouped GEMM on float weights; on quantized ones (int8 / int4 blocks,
-// every expert's packed weight one after another, its bias fp32) each expert's segment through the quantized GEMM.
+// Each expert's rows through its weight, every expert in one grouped GEMM (moe.h): on float weights, or on
+// quantized ones (int8 / int4 / MXFP4 blocks, every expert's packed weight one after another, its bias fp32).
 template <typename TW>
 void experts_product(int code, const float* x, int64_t ldx, const int32_t* offsets, int E, int K, const void* w,
                      int N, const TW* bias, float* y, int64_t ldy) {
-    if (!quantized_code(code)) {
-        grouped_gemm(x, ldx, offsets, E, K, static_cast<const TW*>(w), N, bias, y, ldy);
-        return;
-    }
-    const int64_t record = record_bytes(code);
-    const int64_t stride = static_cast<int64_t>((N + NR - 1) / NR) * (K / QBLOCK) * record;  // bytes an expert
+    const auto* q = static_cast<const uint8_t*>(w);
     const auto* fbias = reinterpret_cast<const float*>(bias);
-    for (int e = 0; e < E; ++e) {
-        const int m = offsets[e + 1] - offsets[e];
-        if (m == 0) continue;
-        linear<float>(static_cast<const uint8_t*>(w) + e * stride, code, x + offsets[e] * ldx, ldx, m, K, N,
-                      fbias ? fbias + static_cast<int64_t>(e) * N : nullptr, y + offsets[e] * ldy, ldy, false);
-    }
+    if (code == kWeightInt8) grouped_qgemm<kWeightInt8>(x, ldx, offsets, E, K, q, N, fbias, y, ldy);
+    else if (code == kWeightInt4) grouped_qgemm<kWeightInt4>(x, ldx, offsets, E, K, q, N, fbias, y, ldy);
+    else if (code == kWeightMxfp4) grouped_qgemm<kWeightMxfp4>(x, ldx, offsets, E, K, q, N, fbias, y, ldy);
+    else grouped_gemm(x, ldx, offsets, E, K, static_cast<const TW*>(w), N, bias, y, ldy);
 }
 
 // The sparse layer's experts over the router's logits: softmax, top-k -> the (token, choice) rows sorted by
@@ -652,6 +645,21 @@ int motet_gemm(int dtype_w, const float* x, int64_t ldx, int M, int K, const voi
     else if (dtype_w == 1)
         gemm(x, ldx, M, K, static_cast<const uint16_t*>(packed), N, static_cast<const uint16_t*>(bias), y, ldy,
              accumulate != 0);
+    else
+        return 2;
+    return 0;
+}
+
+// Rows sorted by expert through their experts' weights (offsets [E + 1]: each expert's rows), every expert
+// packed as motet_gemm's weights one after another (dtype_w: a WeightCode), biases [E, N] in the weight's dtype,
+// fp32 for a quantized weight (K: a multiple of 32), or null.
+int motet_experts(int dtype_w, const float* x, int64_t ldx, const int32_t* offsets, int E, int K,
+                  const void* packed, int N, const void* bias, float* y, int64_t ldy) {
+    if (quantized_code(dtype_w) && K % QBLOCK != 0) return 1;
+    if (quantized_code(dtype_w) || dtype_w == 0)
+        experts_product<float>(dtype_w, x, ldx, offsets, E, K, packed, N, static_cast<const float*>(bias), y, ldy);
+    else if (dtype_w == 1)
+        experts_product<uint16_t>(1, x, ldx, offsets, E, K, packed, N, static_cast<const uint16_t*>(bias), y, ldy);
     else
         return 2;
     return 0;

@@ -51,13 +51,8 @@ struct QFormat<kWeightMxfp4> {
 };
 constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// A weight code's packed-record bytes, and whether it is a quantized one.
+// Whether a weight code is a quantized one.
 inline bool quantized_code(int code) { return code == kWeightInt8 || code == kWeightInt4 || code == kWeightMxfp4; }
-inline int64_t record_bytes(int code) {
-    return code == kWeightInt8 ? QFormat<kWeightInt8>::kRecord
-           : code == kWeightInt4 ? QFormat<kWeightInt4>::kRecord
-                                 : QFormat<kWeightMxfp4>::kRecord;
-}
 
 // IEEE half -> float, exactly (normals, subnormals, infinities, NaN).
 inline float f16_to_f32(uint16_t h) {
@@ -325,6 +320,36 @@ inline void qdot(const int8_t* xq, int64_t ldq, const float* xd, const float* xs
 }
 #endif
 
+// M rows of x quantized (quantize_row): q [M, K], d and s [M, K / 32], in buffers kept per calling thread (the
+// step's thread) across calls.
+struct QuantizedRows {
+    int M, K, nb;
+    int8_t* q;
+    float *d, *s;
+    QuantizedRows(int m, int k) : M(m), K(k), nb(k / QBLOCK) {
+        thread_local std::vector<int8_t> q_buf;
+        thread_local std::vector<float> d_buf, s_buf;
+        q_buf.resize(static_cast<size_t>(M) * K);
+        d_buf.resize(static_cast<size_t>(M) * nb);
+        s_buf.resize(static_cast<size_t>(M) * nb);
+        q = q_buf.data();
+        d = d_buf.data();
+        s = s_buf.data();
+    }
+    // a few rows are quantized by the calling thread: splitting them would cost a barrier more than the work
+    bool serial() const { return M <= 2 * kQRows; }
+    void quantize(const float* x, int64_t ldx, int m_begin, int m_end) {
+        for (int m = m_begin; m < m_end; ++m)
+            quantize_row(x + static_cast<int64_t>(m) * ldx, K, q + static_cast<int64_t>(m) * K,
+                         d + static_cast<int64_t>(m) * nb, s + static_cast<int64_t>(m) * nb);
+    }
+    // inside a parallel region: the rows split over the team (a barrier after)
+    void quantize_shared(const float* x, int64_t ldx) {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; ++m) quantize(x, ldx, m, m + 1);
+    }
+};
+
 template <int FMT>
 inline void qdot_rows(int rows, const int8_t* xq, int64_t ldq, const float* xd, const float* xs, int64_t lds,
                       const uint8_t* panel, int nb, float* c) {
@@ -343,29 +368,14 @@ void qgemm(const float* x, int64_t ldx, int M, int K, const uint8_t* packed, int
     const int panels = (N + NR - 1) / NR;
     const int nb = K / QBLOCK;
     const int64_t panel_bytes = static_cast<int64_t>(nb) * QFormat<FMT>::kRecord;
-    // the quantized rows, kept per calling thread (the step's thread) across calls
-    thread_local std::vector<int8_t> q_buf;
-    thread_local std::vector<float> d_buf, s_buf;
-    q_buf.resize(static_cast<size_t>(M) * K);
-    d_buf.resize(static_cast<size_t>(M) * nb);
-    s_buf.resize(static_cast<size_t>(M) * nb);
-    int8_t* xq = q_buf.data();
-    float* xd = d_buf.data();
-    float* xs = s_buf.data();
-    const auto quantize = [&](int m) {
-        quantize_row(x + static_cast<int64_t>(m) * ldx, K, xq + static_cast<int64_t>(m) * K,
-                     xd + static_cast<int64_t>(m) * nb, xs + static_cast<int64_t>(m) * nb);
-    };
-    // a few rows are quantized here: splitting them would cost a barrier more than the work
-    const bool serial = M <= 2 * kQRows;
-    if (serial)
-        for (int m = 0; m < M; ++m) quantize(m);
+    QuantizedRows rows_q(M, K);
+    int8_t* xq = rows_q.q;
+    float* xd = rows_q.d;
+    float* xs = rows_q.s;
+    if (rows_q.serial()) rows_q.quantize(x, ldx, 0, M);
 #pragma omp parallel
     {
-        if (!serial) {
-#pragma omp for schedule(static)
-            for (int m = 0; m < M; ++m) quantize(m);
-        }
+        if (!rows_q.serial()) rows_q.quantize_shared(x, ldx);
         alignas(32) float c[kQRows * NR];
         // rows in chunks whose quantized x stays in L2, each chunk's panels split evenly over the threads
         for (int m_start = 0; m_start < M; m_start += kMChunk) {
