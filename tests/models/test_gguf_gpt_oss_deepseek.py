@@ -373,18 +373,21 @@ def test_deepseek_float_file_matches_transformers(deepseek, tmp_path, split_kv_b
     assert_float_file_is_the_source(llm, source)
 
 
-def test_deepseek_q8_0_file_matches_transformers_on_gguf_py_dequantized(deepseek, tmp_path):
+@pytest.mark.parametrize("compiled", PATHS)
+def test_deepseek_q8_0_file_matches_transformers_on_gguf_py_dequantized(deepseek, tmp_path, compiled):
     """The experts, the shared experts, the dense layer's MLP, q_proj (V2-Lite) and the lm_head served in their
     Q8_0 blocks (their inputs rounded alike in the reference); the latent projections held in blocks (q_a_proj,
     kv_a_proj_with_mqa) dequantized as they load: transformers on gguf-py's dequantization, but for rounding
-    flips."""
+    flips, on both CPU paths."""
     name, source = deepseek
-    eng = LLM(str(write_deepseek_gguf(source, tmp_path / f"{name}.gguf", "Q8_0")), **OPTIONS).engine
+    path = write_deepseek_gguf(source, tmp_path / f"{name}.gguf", "Q8_0")
+    eng = LLM(str(path), compile_step=compiled, **OPTIONS).engine
     model = eng.runner.model
-    experts = [layer.mlp.experts for layer in model.layers[1:]]
-    assert all(q.weight.format is INT8 for e in experts for q in e.quantized.values())
-    assert model.layers[0].mlp.gate_up_proj.quantized.format is INT8
-    assert model.layers[0].self_attn.kv_a_proj_with_mqa.quantized is None
+    if not compiled:  # (the native step packs the blocks into its arena and releases the module's copies)
+        experts = [layer.mlp.experts for layer in model.layers[1:]]
+        assert all(q.weight.format is INT8 for e in experts for q in e.quantized.values())
+        assert model.layers[0].mlp.gate_up_proj.quantized.format is INT8
+        assert model.layers[0].self_attn.kv_a_proj_with_mqa.quantized is None
     ref = rounded_checkpoint(source, tmp_path / "ref", "Q8_0")
     want = hf_prompt_logits(ref, ("q_proj", "gate_proj", "up_proj", "down_proj"), DISTINCT_PROMPTS)
     assert_close_but_for_rounding_flips(engine_logits(eng, DISTINCT_PROMPTS, chunk=7), want)
