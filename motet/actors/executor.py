@@ -5,8 +5,8 @@ the scheduler's changes (new requests, aborts, adapter removals) and runs one `e
 event loop only waits. While the engine has work the thread does not wait for the loop: as soon as a step's
 result is handed over it runs the next step (`_step_ahead`), while the loop streams the deltas and makes the next
 `Step`; that message then gets the step run ahead, and its changes go into the step after (vLLM's engine core runs
-its busy loop so, beside its API process). One step ahead at most: a request admitted while the engine is busy
-starts a step later, an abort lands a step later. Once loaded, the engine is described there once for the API (`model`, a frozen
+its busy loop so, beside its API process). One step ahead at most; a message that admits requests gets a step
+with them too (they start at the next step, as without the step ahead); an abort lands a step later. Once loaded, the engine is described there once for the API (`model`, a frozen
 ModelView that any thread may read). The engine isolates a request that fails inside a step (it bisects the
 batch), so here a failure is an output like any other.
 """
@@ -125,7 +125,12 @@ class ExecutorActor(Actor):
             refused = self._apply(message)
             if isinstance(ahead, BaseException):  # the step run ahead failed: the scheduler hears it now
                 raise ahead
-            done = StepDone(ahead.outputs, refused, self.engine.stats(), ahead.ran, ahead.seconds)
+            outputs, engine = ahead.outputs, self.engine
+            # A request admitted now starts now, not a step later (a light tenant's request at the next step);
+            # where every request has ended, the step in flight lands now, giving back their blocks.
+            if len(refused) < len(message.admit) or (engine.in_flight and not engine.requests):
+                outputs = outputs + engine.step()
+            done = StepDone(outputs, refused, engine.stats(), ahead.ran, ahead.seconds)
         if self.engine.has_unfinished() or self.engine.in_flight:
             self.thread.post(self._step_ahead)
         return done
