@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
-               "rope_theta", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+               "rope_theta", "rope_parameters", "rope_scaling", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
