@@ -3,11 +3,14 @@
     python -m benchmarks.quant_quality [--model NAME|DIR] [--formats fp32 bf16 int8 int4 gguf] [--out DIR]
     python -m benchmarks.quant_quality --formats int8 --text-tokens 256 --prompts 4 --max-tokens 16 \\
         --lm-eval-limit 3                                                          # a smoke run
+    python -m benchmarks.quant_quality --model DIR --formats fp32 int8 gguf --gguf A.gguf B.gguf --hf \\
+        --no-gguf-check --no-lm-eval                                # several GGUF files, against transformers
 
 Formats: `fp32` and `bf16` serve the checkpoint's weights in that dtype (the references: the others are
 compared with `bf16`, and with `fp32` in a second table, which also shows how far bf16 itself moves);
 `int8` / `int4` quantize them on load (`--quantization int8|int4`); `gguf` serves the model's GGUF file bare
-(`--model file.gguf`, its projections in their own blocks): the model directory's own file, or --gguf FILE.
+(`--model file.gguf`, its projections in their own blocks): the model directory's own file, or --gguf FILE
+(several files: one row each, named `gguf:<file stem>`).
 The quantized formats keep their embeddings, norms and activations in --dtype. On CPU the quantized product
 also rounds its activations to int8 blocks (motet/kernels/quant.py), as llama.cpp's CPU kernels do; that is
 part of what is measured here.
@@ -15,14 +18,17 @@ part of what is measured here.
 For each format, with the offline engine (`LLM`) and then a `motet serve` of it:
   perplexity   over a fixed public-domain text shipped beside this script (TEXT), from the engine's prompt
                logprobs, in consecutive windows of at most --window tokens (default: the model's context);
-               each window's first token is not scored
+               each window's first token is not scored; and the next-token argmax at every scored position
+  vs hf        with --hf, Hugging Face transformers in fp32 on the checkpoint over the same windows: each format's
+               perplexity ratio to it and top-1 agreement (the share of scored positions where the format's
+               argmax equals transformers')
   greedy       --prompts chat prompts (motet.evals.throughput's tasks x topics, no two alike), --max-tokens
                tokens each, greedy with EOS ignored: the share of prompts whose whole output equals the
                reference's, and the mean length of the common prefix in tokens
   lm-eval      the manual's tasks (docs/evals.md) (motet/evals/lm_eval_tasks): motet_mc by loglikelihood over
                /v1/completions, motet_arith generated over /v1/chat/completions, lm_eval run as a subprocess
                offline, as docs/evals.md runs it; scores and their difference from the reference in points
-and, for `gguf`, whether the file is read right, against Hugging Face transformers on gguf-py's
+and, for one `gguf` file (unless --no-gguf-check), whether the file is read right, against Hugging Face transformers on gguf-py's
 dequantization of the same file (`from_pretrained(gguf_file=...)`): the weights motet holds (equal, exactly),
 and the final logits over the prompts of motet (fp32) serving the file, against transformers plainly and
 with the projections' inputs rounded as motet's CPU product rounds them. That rounding makes a 30-layer
@@ -108,6 +114,17 @@ def format_of(name: str, model_dir: Path, gguf: Path | None, dtype: str) -> Form
     return Format(name, str(model_dir), dtype, quantization=name)
 
 
+def formats_of(names: list[str], model_dir: Path, ggufs: list[Path], dtype: str) -> list[Format]:
+    """The formats to measure: `gguf` one row per file (named `gguf:<stem>` when there are several)."""
+    out = []
+    for name in names:
+        if name != "gguf" or len(ggufs) < 2:
+            out.append(format_of(name, model_dir, ggufs[0] if ggufs else None, dtype))
+        else:
+            out += [Format(f"gguf:{g.stem}", str(g), dtype) for g in ggufs]
+    return out
+
+
 # -- what is measured ----------------------------------------------------------------------------------------
 
 
@@ -122,20 +139,50 @@ def windows(token_ids: list[int], size: int) -> list[list[int]]:
 
 def perplexity(llm: LLM, token_ids: list[int], window: int | None = None) -> dict:
     """exp of the mean negative log-likelihood of every token after the first of each window, from the
-    engine's prompt logprobs; `window`: at most the engine's context less the one token generated."""
+    engine's prompt logprobs, and the argmax at each of those positions; `window`: at most the engine's
+    context less the one token generated."""
     limit = llm.engine.max_model_len - 1
     size = min(window or limit, limit)
     parts = windows(token_ids, size)
-    outs = llm.generate(parts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-    nll, scored = 0.0, 0
+    outs = llm.generate(parts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    nll, scored, argmax = 0.0, 0, []
     for part, out in zip(parts, outs, strict=True):
         got = [lp.token_id for lp in out.prompt_logprobs or []]
         if got != part[1:]:  # a logprob for every token after the first, in order
             raise RuntimeError(f"prompt logprobs cover {len(got)} of the window's {len(part) - 1} tokens")
         nll -= sum(lp.logprob for lp in out.prompt_logprobs)
         scored += len(got)
+        argmax += [lp.top[0][0] for lp in out.prompt_logprobs]
     return {"ppl": math.exp(nll / scored), "nll_per_token": nll / scored, "tokens": scored,
-            "windows": len(parts), "window": size}  # fmt: skip
+            "windows": len(parts), "window": size, "argmax": argmax}  # fmt: skip
+
+
+def hf_reference(model_dir: Path, token_ids: list[int], size: int) -> dict:
+    """Hugging Face transformers in fp32 on the checkpoint over the windows `perplexity` scores: its perplexity
+    and argmax at every scored position."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    parts = windows(token_ids, size)
+    nll, scored, argmax = 0.0, 0, []
+    with torch.no_grad():
+        for part in parts:
+            logits = hf(torch.tensor([part])).logits[0, :-1].float()
+            nll += F.cross_entropy(logits, torch.tensor(part[1:]), reduction="sum").item()
+            scored += len(part) - 1
+            argmax += logits.argmax(-1).tolist()
+    del hf
+    gc.collect()
+    return {"ppl": math.exp(nll / scored), "nll_per_token": nll / scored, "tokens": scored,
+            "windows": len(parts), "window": size, "argmax": argmax}  # fmt: skip
+
+
+def top1_agreement(got: list[int], want: list[int]) -> float:
+    """The share of positions whose argmax equals the reference's."""
+    if len(got) != len(want):
+        raise RuntimeError(f"argmax over {len(got)} positions against the reference's {len(want)}")
+    return sum(g == w for g, w in zip(got, want, strict=True)) / len(want)
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -328,11 +375,12 @@ def run_lm_eval(fmt: Format, served: str, tokenizer: Path, args, logs: Path) -> 
 # -- the run ------------------------------------------------------------------------------------------------
 
 
-def measure_offline(fmt: Format, text_ids, prompts, args) -> tuple[dict, list[list[int]]]:
+def measure_offline(fmt: Format, text_ids, prompts, args) -> tuple[dict, list[list[int]], list[int]]:
     t0 = time.perf_counter()
     llm = LLM(fmt.model, num_threads=args.threads, **fmt.engine_options())
     t1 = time.perf_counter()
     ppl = perplexity(llm, text_ids, args.window)
+    argmax = ppl.pop("argmax")
     t2 = time.perf_counter()
     outputs = greedy(llm, prompts, args.max_tokens)
     t3 = time.perf_counter()
@@ -342,11 +390,20 @@ def measure_offline(fmt: Format, text_ids, prompts, args) -> tuple[dict, list[li
           f"greedy {len(prompts)} x {args.max_tokens} tokens ({t3 - t2:.0f} s)", flush=True)  # fmt: skip
     row = {"format": fmt.name, "model": fmt.model, "dtype": fmt.dtype, "quantization": fmt.quantization,
            "perplexity": ppl, "seconds": {"load": t1 - t0, "perplexity": t2 - t1, "greedy": t3 - t2}}  # fmt: skip
-    return row, outputs
+    return row, outputs, argmax
 
 
-def compare(rows: dict[str, dict], outputs: dict[str, list[list[int]]]) -> None:
-    """Each row against each reference that ran: perplexity ratio, greedy agreement, lm-eval deltas."""
+def compare(
+    rows: dict[str, dict],
+    outputs: dict[str, list[list[int]]],
+    argmax: dict[str, list[int]],
+    hf: dict | None = None,
+) -> None:
+    """Each row against each reference that ran: perplexity ratio, greedy agreement, lm-eval deltas; and
+    against transformers fp32 (`hf`, where it ran): perplexity ratio and top-1 agreement over the text."""
+    for row in rows.values() if hf is not None else ():
+        row["vs_hf"] = {"ppl_ratio": row["perplexity"]["ppl"] / hf["ppl"],
+                        "top1_agreement": top1_agreement(argmax[row["format"]], hf["argmax"])}  # fmt: skip
     for ref in (r for r in FLOAT_FORMATS if r in rows):
         base = rows[ref]
         for row in rows.values():
@@ -389,6 +446,18 @@ def summary_md(report: dict) -> str:
                     cells.append("-")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    if "hf" in report:
+        hf = report["hf"]
+        lines += ["## Against transformers fp32", "",
+                  f"Hugging Face transformers {hf['transformers']} in fp32 on {report['model']} over the same "
+                  f"windows: perplexity {hf['ppl']:.4f} over {hf['tokens']} tokens. Top-1: the share of those "
+                  "positions where the format's next-token argmax equals transformers'.", "",
+                  "| format | ppl | ppl / transformers fp32 | top-1 agreement |", "|---|---:|---:|---:|"]  # fmt: skip
+        for row in report["rows"]:
+            vs = row["vs_hf"]
+            lines.append(f"| {row['format']} | {row['perplexity']['ppl']:.4f} | {vs['ppl_ratio']:.4f} | "
+                         f"{vs['top1_agreement']:.4f} |")  # fmt: skip
+        lines.append("")
     if "gguf_logits" in report:
         g = report["gguf_logits"]
         rows = {"plain": "motet vs transformers", "rounded_inputs": "motet vs transformers, inputs rounded",
@@ -424,9 +493,12 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS,
                     help=f"formats to measure; {REFERENCE} (the reference) always runs")  # fmt: skip
-    ap.add_argument(
-        "--gguf", default=None, help="the GGUF file of format gguf (default: the model directory's own)"
-    )
+    ap.add_argument("--gguf", nargs="+", default=None,
+                    help="the GGUF file(s) of format gguf (default: the model directory's own)")  # fmt: skip
+    ap.add_argument("--no-gguf-check", action="store_true",
+                    help="skip checking the GGUF file against transformers' reading of it")  # fmt: skip
+    ap.add_argument("--hf", action="store_true",
+                    help="also compare every format with transformers fp32 on the checkpoint (ppl, top-1)")  # fmt: skip
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the quantized formats' float type (embeddings, norms, activations)")  # fmt: skip
     ap.add_argument("--text-tokens", type=int, default=None,
@@ -455,10 +527,10 @@ def main(argv=None) -> None:
     print(command, flush=True)
     model_dir = Path(resolve_model(args.model))
     names = [REFERENCE] + [f for f in FORMATS if f in args.formats and f != REFERENCE]
-    gguf = None
+    ggufs = []
     if "gguf" in names:
-        gguf = Path(args.gguf) if args.gguf else gguf_file(model_dir)
-    formats = [format_of(n, model_dir, gguf, args.dtype) for n in names]
+        ggufs = [Path(g) for g in args.gguf] if args.gguf else [gguf_file(model_dir)]
+    formats = formats_of(names, model_dir, ggufs, args.dtype)
     tokenizer = load_tokenizer(model_dir)
     text_ids = tokenizer.encode(TEXT.read_text())[: args.text_tokens]
     prompts = chat_prompts(tokenizer, args.prompts)
@@ -466,9 +538,9 @@ def main(argv=None) -> None:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
 
-    rows, outputs = {}, {}
+    rows, outputs, argmax = {}, {}, {}
     for fmt in formats:
-        rows[fmt.name], outputs[fmt.name] = measure_offline(fmt, text_ids, prompts, args)
+        rows[fmt.name], outputs[fmt.name], argmax[fmt.name] = measure_offline(fmt, text_ids, prompts, args)
         if not args.no_lm_eval:
             t = time.perf_counter()
             rows[fmt.name]["lm_eval"] = run_lm_eval(fmt, model_dir.name, model_dir, args, logs)
@@ -477,13 +549,25 @@ def main(argv=None) -> None:
                 f"{fmt.name:>5}: lm-eval {rows[fmt.name]['lm_eval']} ({time.perf_counter() - t:.0f} s)",
                 flush=True,
             )
-    compare(rows, outputs)
+    hf = None
+    if args.hf:
+        import transformers
+
+        t = time.perf_counter()
+        hf = hf_reference(model_dir, text_ids, rows[REFERENCE]["perplexity"]["window"])
+        hf["transformers"] = transformers.__version__
+        print(f"transformers fp32: ppl {hf['ppl']:.4f} ({time.perf_counter() - t:.0f} s)", flush=True)
+    compare(rows, outputs, argmax, hf)
     report = {"command": command, "model": model_dir.name, "model_dir": str(model_dir), "dtype": args.dtype,
               "text": str(TEXT.relative_to(ROOT)), "text_tokens": len(text_ids), "prompts": len(prompts),
               "max_tokens": args.max_tokens, "lm_eval_run": not args.no_lm_eval, "lm_eval_limit": args.lm_eval_limit,
               "machine": machine(), "rows": list(rows.values())}  # fmt: skip
-    if gguf is not None:
-        report["gguf"] = str(gguf)
+    if hf is not None:
+        report["hf"] = {k: v for k, v in hf.items() if k != "argmax"}
+    if ggufs:
+        report["gguf"] = ", ".join(map(str, ggufs))
+    if len(ggufs) == 1 and not args.no_gguf_check:
+        gguf = ggufs[0]
         t = time.perf_counter()
         report["gguf_logits"] = gguf_logits_check(gguf, prompts, args.threads)
         report["gguf_logits"]["seconds"] = time.perf_counter() - t

@@ -32,6 +32,7 @@ SMOKE_RUNS = {
     "load_peak": "test_offline_smoke.py::test_load_peak",
     "moe_decode": "test_offline_smoke.py::test_moe_decode",
     "moe_gpu_bench": "test_gpu_smoke.py::test_moe_gpu_bench",
+    "moe_upcycle": "test_moe_upcycle.py::test_exact_copies_compute_the_dense_model",
     "pd": "test_cluster_smoke.py::test_pd",
     "pd_sim": "test_offline_smoke.py::test_pd_sim",
     "peers": "test_served_smoke.py::test_llamacpp",

@@ -81,7 +81,7 @@ def test_a_run_over_every_format(tiny, tmp_path):
     gguf = write_gguf_file(tiny, tmp_path / "bare" / "tiny.gguf", GGUF_TYPES)
     out = tmp_path / "report"
     qq.main(["--model", str(tiny), "--gguf", str(gguf), "--no-lm-eval", "--text-tokens", "120",
-             "--prompts", "3", "--max-tokens", "6", "--out", str(out)])  # fmt: skip
+             "--prompts", "3", "--max-tokens", "6", "--hf", "--out", str(out)])  # fmt: skip
     report = json.loads((out / "results.json").read_text())
     rows = {r["format"]: r for r in report["rows"]}
     assert list(rows) == ["bf16", "fp32", "int8", "int4", "gguf"]
@@ -90,6 +90,12 @@ def test_a_run_over_every_format(tiny, tmp_path):
         and rows["bf16"]["vs"]["bf16"]["greedy"]["exact_share"] == 1
     )
     assert all(r["perplexity"]["tokens"] == 119 and set(r["vs"]) == {"bf16", "fp32"} for r in rows.values())
+    # Against transformers fp32 on the checkpoint over the same text: motet in fp32 is the same model
+    hf = report["hf"]
+    assert hf["tokens"] == 119
+    assert rows["fp32"]["vs_hf"]["ppl_ratio"] == pytest.approx(1, rel=1e-4)
+    assert rows["fp32"]["vs_hf"]["top1_agreement"] >= 0.95
+    assert all(0 <= r["vs_hf"]["top1_agreement"] <= 1 for r in rows.values())
     check = report["gguf_logits"]
     assert check["weights_max_abs_diff"] == 0 and check["read_right"]
     assert check["rounded_inputs"]["mean_abs"] < 0.1 * check["plain"]["logit_scale"]
