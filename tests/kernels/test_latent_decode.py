@@ -196,7 +196,8 @@ def test_the_model_decodes_through_the_kernel(tmp_path, monkeypatch):
     monkeypatch.setattr(ld, "latent_decode_triton", lambda *a: launches.append(1) or triton_path(*a))
     model_dir = build_deepseek(tmp_path, "v2")
     prompts = [PROMPTS[1], PROMPTS[2][:9]]
-    engine = deepseek_engine(model_dir, compiled=False)  # (the eager model: the native CPU step has its own op)
+    # (the eager model: the native CPU step has its own latent op)
+    engine = deepseek_engine(model_dir, compiled=False)
     for got, prompt in zip(engine_logits(engine, prompts, chunk=1), prompts, strict=True):
         torch.testing.assert_close(got, hf_logits(model_dir, prompt), atol=2e-4, rtol=1e-4)
     assert len(launches) >= 3 * 8  # three layers a step
