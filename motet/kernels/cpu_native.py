@@ -640,13 +640,7 @@ def gemm(
     blocks first and each block's product is an integer one (quant.quantize_activations)."""
     assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and packed.is_contiguous()
     M, K = x.shape
-    if quantized is None:
-        assert packed.shape[1] == K and packed.shape[0] * PANEL >= n
-        code, bias_dtype = DTYPE_CODES[packed.dtype], packed.dtype
-    else:
-        assert packed.shape[1:] == (K // BLOCK, QUANT_RECORD[quantized]) and K % BLOCK == 0
-        assert packed.shape[0] * PANEL >= n
-        code, bias_dtype = QUANT_CODES[quantized], torch.float32
+    code, bias_dtype = _weight_format(packed.shape, packed.dtype, K, n, quantized)
     if out is None:
         out = torch.empty((M, n), dtype=torch.float32)
     assert out.dtype == torch.float32 and out.stride(1) == 1 and out.shape == (M, n)
@@ -669,6 +663,19 @@ def gemm(
     return out
 
 
+def _weight_format(
+    shape, dtype: torch.dtype, K: int, n: int, quantized: str | None
+) -> tuple[int, torch.dtype]:
+    """The kernels' code of one packed weight of `shape` (panels of `pack`, or of `pack_quantized` in the format
+    `quantized`) for inputs of width K and n outputs, checked; and the dtype its bias goes in."""
+    if quantized is None:
+        assert shape[1] == K and shape[0] * PANEL >= n
+        return DTYPE_CODES[dtype], dtype
+    assert tuple(shape[1:]) == (K // BLOCK, QUANT_RECORD[quantized]) and K % BLOCK == 0
+    assert shape[0] * PANEL >= n
+    return QUANT_CODES[quantized], torch.float32
+
+
 def experts(
     x: torch.Tensor,
     offsets: torch.Tensor,
@@ -685,13 +692,7 @@ def experts(
     E = packed.shape[0]
     offsets = offsets.to(torch.int32).contiguous()
     assert offsets.shape == (E + 1,) and int(offsets[0]) == 0 and int(offsets[-1]) == M
-    if quantized is None:
-        assert packed.shape[2] == K and packed.shape[1] * PANEL >= n
-        code, bias_dtype = DTYPE_CODES[packed.dtype], packed.dtype
-    else:
-        assert packed.shape[2:] == (K // BLOCK, QUANT_RECORD[quantized]) and K % BLOCK == 0
-        assert packed.shape[1] * PANEL >= n
-        code, bias_dtype = QUANT_CODES[quantized], torch.float32
+    code, bias_dtype = _weight_format(packed.shape[1:], packed.dtype, K, n, quantized)
     out = torch.empty((M, n), dtype=torch.float32)
     if bias is not None:
         bias = bias.to(bias_dtype).contiguous()
