@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "gemm_bf16.h"
 
 namespace motet {
 
@@ -48,10 +49,21 @@ inline void expand_row(const float* h, const TW* bt, int64_t ld, int r, int n, f
 // modules' rows), then each targeted module's columns += BT_m^T h_m. Tokens are split over the threads in
 // contiguous runs (a segment's tokens share their adapter's piece, which stays in cache); small steps run on
 // the calling thread: a parallel region costs more than they do.
+#ifdef MOTET_BF16_DOT
+template <typename TW>
+void sgmv_pool_dot(const float* x, int64_t ldx, float* y, int64_t ldy, const LoraPool& P, int g, int layer,
+                   const int32_t* seg_starts, const int32_t* seg_slots, int num_segs, int n_in, const int* sizes,
+                   int n);
+#endif
+
 template <typename TW>
 void sgmv_pool(const float* x, int64_t ldx, float* y, int64_t ldy, const LoraPool& P, int g, int layer,
                const int32_t* seg_starts, const int32_t* seg_slots, int num_segs, int n_in, const int* sizes,
                int n) {
+#ifdef MOTET_BF16_DOT
+    if constexpr (std::is_same_v<TW, uint16_t>)
+        return sgmv_pool_dot<TW>(x, ldx, y, ldy, P, g, layer, seg_starts, seg_slots, num_segs, n_in, sizes, n);
+#endif
     const TW* W = static_cast<const TW*>(P.data);
     const int64_t T = seg_starts[num_segs];
     const int full = (1 << n) - 1;
@@ -90,5 +102,217 @@ void sgmv_pool(const float* x, int64_t ldx, float* y, int64_t ldy, const LoraPoo
         }
     }
 }
+
+#ifdef MOTET_BF16_DOT
+// ---------------------------------------------------------------------------------------------------------
+// The avx512bf16 tier's SGMV over a bf16 pool: per segment (one adapter's tokens, the scheduler orders a batch by
+// adapter), a tile of tokens at once, so each of the adapter's pieces is read once per tile instead of once per
+// token, with `vdpbf16ps` as the base GEMM's (gemm_bf16.h). x and the shrink's h are rounded to bf16 (nearest
+// even), every product is exact in fp32 and the sums are fp32: fp32 arithmetic on x and h rounded to bf16, what
+// a bf16 LoRA in torch computes (it rounds h too).
+
+constexpr int kShrinkRows = 8, kShrinkCols = 2;  // a shrink tile: 8 tokens x 2 rows of A (16 sums)
+
+// h[r][j] (bf16) = xb row r . A row j for R tokens and J rows of A, over n_in: 32 k per `vdpbf16ps`, both
+// operands contiguous (x rows rounded and zero-padded to ldb, a multiple of 32; A's tail masked).
+template <int R, int J>
+inline void shrink_tile(const uint16_t* xb, int64_t ldb, const uint16_t* A, int64_t lda, int n_in, uint16_t* h,
+                        int64_t ldh) {
+    __m512 acc[R][J];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int k = 0; k < n_in; k += 32) {
+        const int left = n_in - k;
+        const __mmask32 mask = left >= 32 ? 0xFFFFFFFFu : (1u << left) - 1;
+        __m512i a[J];
+#pragma GCC unroll 4
+        for (int j = 0; j < J; ++j) a[j] = _mm512_maskz_loadu_epi16(mask, A + j * lda + k);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const __m512i v = _mm512_loadu_si512(xb + r * ldb + k);
+#pragma GCC unroll 4
+            for (int j = 0; j < J; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)v, (__m512bh)a[j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < J; ++j) h[r * ldh + j] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][j]));
+}
+
+template <int R>
+inline void shrink_rows(int cols, const uint16_t* xb, int64_t ldb, const uint16_t* A, int64_t lda, int n_in,
+                        uint16_t* h, int64_t ldh) {
+    if (cols == 2) shrink_tile<R, 2>(xb, ldb, A, lda, n_in, h, ldh);
+    else shrink_tile<R, 1>(xb, ldb, A, lda, n_in, h, ldh);
+}
+
+inline void shrink(int rows, int cols, const uint16_t* xb, int64_t ldb, const uint16_t* A, int64_t lda, int n_in,
+                   uint16_t* h, int64_t ldh) {
+    switch (rows) {
+        case 8: shrink_rows<8>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
+        case 7: shrink_rows<7>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
+        case 6: shrink_rows<6>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
+        case 5: shrink_rows<5>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
+        case 4: shrink_rows<4>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
+        case 3: shrink_rows<3>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
+        case 2: shrink_rows<2>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
+        default: shrink_rows<1>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
+    }
+}
+
+// y[r][0..nv) += h row r (bf16, r_lora values) . BT's 16 columns, for R tokens: BT's rows j and j + 1 (16
+// columns each, ld apart) interleaved into one pair vector as gemm_bf16.h's panel_pair does; the second row is
+// zero past r_lora (so h's value past the module's own, another module's, multiplies zeros).
+template <int R>
+inline void expand_tile(const uint16_t* h, int64_t ldh, const uint16_t* bt, int64_t ld, int r_lora, int nv,
+                        float* y, int64_t ldy) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,  //
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __mmask16 cols = nv >= 16 ? 0xFFFF : (1u << nv) - 1;
+    __m512 acc[R];
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int j = 0; j < r_lora; j += 2) {
+        const __m256i lo = _mm256_maskz_loadu_epi16(cols, bt + j * ld);
+        const __m256i hi = j + 1 < r_lora ? _mm256_maskz_loadu_epi16(cols, bt + (j + 1) * ld) : _mm256_setzero_si256();
+        const __m512i b = _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, h + r * ldh + j, 4);
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)b);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+        float* yr = y + r * ldy;
+        _mm512_mask_storeu_ps(yr, cols, _mm512_add_ps(_mm512_maskz_loadu_ps(cols, yr), acc[r]));
+    }
+}
+
+inline void expand(int rows, const uint16_t* h, int64_t ldh, const uint16_t* bt, int64_t ld, int r_lora, int nv,
+                   float* y, int64_t ldy) {
+    switch (rows) {
+        case 12: expand_tile<12>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+        case 11: expand_tile<11>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+        case 10: expand_tile<10>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+        case 9: expand_tile<9>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+        case 8: expand_tile<8>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+        case 7: expand_tile<7>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+        case 6: expand_tile<6>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+        case 5: expand_tile<5>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+        case 4: expand_tile<4>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+        case 3: expand_tile<3>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+        case 2: expand_tile<2>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+        default: expand_tile<1>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
+    }
+}
+
+// One segment's part of the work: its rows, its adapter's piece at this layer, and where its tiles begin in the
+// two flattened lists of tiles the threads share.
+struct SegmentWork {
+    int64_t t0, rows;
+    const uint16_t* piece;
+    int r, mask, k, panels;  // rank, targeted modules, their count, their output panels
+    int64_t shrink_first, expand_first;
+};
+
+template <typename TW>
+void sgmv_pool_dot(const float* x, int64_t ldx, float* y, int64_t ldy, const LoraPool& P, int g, int layer,
+                   const int32_t* seg_starts, const int32_t* seg_slots, int num_segs, int n_in, const int* sizes,
+                   int n) {
+    constexpr int kExpandRows = MR_DOT;
+    const uint16_t* W = static_cast<const uint16_t*>(P.data);
+    const int full = (1 << n) - 1;
+    int col[3] = {0, 0, 0}, panels[3] = {0, 0, 0};
+    for (int m = 0; m < n; ++m) {
+        if (m > 0) col[m] = col[m - 1] + sizes[m - 1];
+        panels[m] = (sizes[m] + NR - 1) / NR;
+    }
+    std::vector<SegmentWork> segs;
+    int64_t shrink_tiles = 0, expand_tiles = 0, work = 0;
+    int width = 0;  // the widest shrink: k r
+    for (int i = 0; i < num_segs; ++i) {
+        if (seg_slots[i] < 0 || seg_starts[i + 1] <= seg_starts[i]) continue;
+        const int64_t* row = P.desc + static_cast<int64_t>(seg_slots[i]) * P.desc_ld;
+        const int64_t offset = row[1 + 3 * g];
+        if (offset < 0) continue;
+        SegmentWork s;
+        s.t0 = seg_starts[i];
+        s.rows = seg_starts[i + 1] - seg_starts[i];
+        s.piece = W + offset + layer * row[2 + 3 * g];
+        s.r = static_cast<int>(row[0]);
+        s.mask = static_cast<int>(row[3 + 3 * g]) & full;
+        s.k = __builtin_popcount(s.mask);
+        if (s.k == 0) continue;
+        s.panels = 0;
+        for (int m = 0; m < n; ++m) s.panels += (s.mask >> m & 1) ? panels[m] : 0;
+        s.shrink_first = shrink_tiles;
+        s.expand_first = expand_tiles;
+        shrink_tiles += (s.rows + kShrinkRows - 1) / kShrinkRows * ((s.k * s.r + kShrinkCols - 1) / kShrinkCols);
+        expand_tiles += (s.rows + kExpandRows - 1) / kExpandRows * s.panels;
+        width = std::max(width, s.k * s.r);
+        work += s.rows * s.k * s.r * (n_in + 64);
+        segs.push_back(s);
+    }
+    if (segs.empty()) return;
+    const int64_t T = seg_starts[num_segs];
+    // x rounded to bf16, rows 32-aligned in length (zero past n_in); h in bf16, a spare value per row so that
+    // an odd rank's last pair reads a value in the row (multiplied by a zero row of BT)
+    thread_local std::vector<uint16_t> xbuf, hbuf;
+    const int64_t ldb = (n_in + 31) / 32 * 32, ldh = width + 2;
+    xbuf.resize(static_cast<size_t>(T) * ldb);
+    hbuf.assign(static_cast<size_t>(T) * ldh, 0);
+    uint16_t* xb = xbuf.data();
+    uint16_t* hb = hbuf.data();
+    for (const SegmentWork& s : segs) round_rows_bf16(x, ldx, s.t0, s.t0 + s.rows, n_in, xb, ldb);
+    // the tile of a flat index: its segment by a binary search over the segments' first tiles
+    const auto find = [&](int64_t tile, bool expanding) -> const SegmentWork& {
+        int lo = 0, hi = static_cast<int>(segs.size()) - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if ((expanding ? segs[mid].expand_first : segs[mid].shrink_first) <= tile) lo = mid;
+            else hi = mid - 1;
+        }
+        return segs[lo];
+    };
+#pragma omp parallel if (work >= (1 << 17))
+    {
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < shrink_tiles; ++tile) {
+            const SegmentWork& s = find(tile, false);
+            const int64_t kr = s.k * s.r, col_tiles = (kr + kShrinkCols - 1) / kShrinkCols;
+            const int64_t local = tile - s.shrink_first, r0 = local / col_tiles * kShrinkRows;
+            const int64_t j0 = local % col_tiles * kShrinkCols;
+            const int rows = static_cast<int>(std::min<int64_t>(kShrinkRows, s.rows - r0));
+            const int cols = static_cast<int>(std::min<int64_t>(kShrinkCols, kr - j0));
+            const int64_t t = s.t0 + r0;
+            shrink(rows, cols, xb + t * ldb, ldb, s.piece + j0 * P.a_ld[g], P.a_ld[g], n_in, hb + t * ldh + j0, ldh);
+        }  // (the loop's barrier: every h is done before any expand reads it)
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < expand_tiles; ++tile) {
+            const SegmentWork& s = find(tile, true);
+            const int64_t local = tile - s.expand_first, r0 = local / s.panels * kExpandRows;
+            int p = static_cast<int>(local % s.panels), m = 0, pos = 0;
+            const uint16_t* bt = s.piece + static_cast<int64_t>(s.k) * s.r * P.a_ld[g];
+            for (;; ++m) {  // the module of panel p among the targeted ones, and its BT
+                if (!(s.mask >> m & 1)) continue;
+                if (p < panels[m]) break;
+                p -= panels[m];
+                bt += static_cast<int64_t>(s.r) * P.bt_ld[g][m];
+                ++pos;
+            }
+            const int rows = static_cast<int>(std::min<int64_t>(kExpandRows, s.rows - r0));
+            const int nv = std::min(NR, sizes[m] - p * NR);
+            const int64_t t = s.t0 + r0;
+            expand(rows, hb + t * ldh + pos * s.r, ldh, bt + p * NR, P.bt_ld[g][m], s.r, nv,
+                   y + t * ldy + col[m] + p * NR, ldy);
+        }
+    }
+}
+#endif
 
 }  // namespace motet
