@@ -212,10 +212,29 @@ void linear_op(Ctx& c, const Op& op) {
     const int K = op.i[0], N = op.i[1], code = op.i[2], group = op.i[4], modules = op.i[5];
     const float* x = c.buf(op.in);
     float* y = c.buf(op.out);
+    const Step& s = c.s;
+    const bool lora = group >= 0 && s.lora != nullptr && s.num_segs > 0;
+#ifdef MOTET_BF16_DOT
+    if constexpr (std::is_same_v<TW, uint16_t>) {
+        if (lora && code == kWeightBF16) {  // the shrink, then the product with the expand as its epilogue
+            int64_t ldb;
+            const uint16_t* xb = rounded_rows(x, c.ld(op.in), c.T, K, &ldb);
+            thread_local LoraExpand expand;
+            const bool any = lora_shrink(xb, ldb, y, c.ld(op.out), *s.lora, group, op.layer, s.seg_starts, s.seg_slots,
+                                         s.num_segs, K, &op.i[6], modules, expand);
+            if (any) c.clock.mark(kPhaseLora);  // (the expand is counted with the product it runs inside)
+            const auto* w = static_cast<const uint16_t*>(op.p[0]);
+            const auto* bias = static_cast<const uint16_t*>(op.p[1]);
+            if (any) gemm_dot_rounded(xb, ldb, c.T, K, w, N, bias, y, c.ld(op.out), op.i[3] != 0, expand);
+            else gemm_dot_rounded(xb, ldb, c.T, K, w, N, bias, y, c.ld(op.out), op.i[3] != 0, NoEpilogue{});
+            c.clock.mark(kPhaseLinear);
+            return;
+        }
+    }
+#endif
     linear(op.p[0], code, x, c.ld(op.in), c.T, K, N, static_cast<const TW*>(op.p[1]), y, c.ld(op.out), op.i[3] != 0);
     c.clock.mark(kPhaseLinear);
-    const Step& s = c.s;
-    if (group >= 0 && s.lora != nullptr && s.num_segs > 0) {
+    if (lora) {
         sgmv_pool<TW>(x, c.ld(op.in), y, c.ld(op.out), *s.lora, group, op.layer, s.seg_starts, s.seg_slots,
                       s.num_segs, K, &op.i[6], modules);
         c.clock.mark(kPhaseLora);

@@ -130,14 +130,18 @@ inline uint16_t* bf16_rows_buffer(int M, int K, int64_t* ld) {
     return buf.data();
 }
 
-inline void gemm_dot(const float* x, int64_t ldx, int M, int K, const uint16_t* packed, int N, const uint16_t* bias,
-                     float* y, int64_t ldy, bool accumulate) {
+// What runs on a panel's rows [m_start, m_end) of y (columns n0 .. n0 + nv) right after the product wrote them,
+// while they are in this thread's cache (the step's LoRA expand, sgmv.h); none by default.
+struct NoEpilogue {
+    void operator()(int, int, int, int) const {}
+};
+
+// y [M, N] (=, or +=) xb @ W^T (+ bias) from x already rounded to bf16 (xb: M rows, ldb apart, K rounded up to
+// even and zero there), then the epilogue on each panel's rows.
+template <typename Epilogue>
+inline void gemm_dot_rounded(const uint16_t* xb, int64_t ldb, int M, int K, const uint16_t* packed, int N,
+                             const uint16_t* bias, float* y, int64_t ldy, bool accumulate, const Epilogue& epilogue) {
     const int panels = (N + NR - 1) / NR;
-    int64_t ldb;
-    uint16_t* xb = bf16_rows_buffer(M, K, &ldb);
-    // Rounded by the calling thread (a small share of the product's time, at any M): splitting them over the
-    // team would cost a barrier, a whole time slice when another process holds a core.
-    round_rows_bf16(x, ldx, 0, M, K, xb, ldb);
 #pragma omp parallel if (panels > 1)
     {
         std::vector<uint16_t> paired(M > MR_DOT ? static_cast<size_t>(ldb) * NR : 0);
@@ -150,9 +154,26 @@ inline void gemm_dot(const float* x, int64_t ldx, int M, int K, const uint16_t* 
                 const int nv = N - n0 < NR ? N - n0 : NR;
                 dot_panel_product(xb, ldb, m_start, m_end, K, packed + static_cast<int64_t>(p) * K * NR, n0, nv,
                                   bias, y, ldy, accumulate, paired.data());
+                epilogue(m_start, m_end, n0, nv);
             }
         }
     }
+}
+
+// x's rows rounded to bf16 into the calling thread's buffer (`bf16_rows_buffer`); returns it. Rounded by the
+// calling thread (a small share of a product's time, at any M): splitting them over the team would cost a
+// barrier, a whole time slice when another process holds a core.
+inline uint16_t* rounded_rows(const float* x, int64_t ldx, int M, int K, int64_t* ldb) {
+    uint16_t* xb = bf16_rows_buffer(M, K, ldb);
+    round_rows_bf16(x, ldx, 0, M, K, xb, *ldb);
+    return xb;
+}
+
+inline void gemm_dot(const float* x, int64_t ldx, int M, int K, const uint16_t* packed, int N, const uint16_t* bias,
+                     float* y, int64_t ldy, bool accumulate) {
+    int64_t ldb;
+    const uint16_t* xb = rounded_rows(x, ldx, M, K, &ldb);
+    gemm_dot_rounded(xb, ldb, M, K, packed, N, bias, y, ldy, accumulate, NoEpilogue{});
 }
 
 }  // namespace motet
