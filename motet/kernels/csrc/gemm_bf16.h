@@ -122,6 +122,85 @@ inline void dot_panel_product(const uint16_t* xb, int64_t ldb, int m_start, int 
     }
 }
 
+// Two panels at once where rows are many: c0, c1 [R][16] = R rows of bf16 x . two interleaved panels (`w2`: per k
+// pair, the first panel's 32 bf16 then the second's). Each broadcast x pair feeds two products, so a tile of 12
+// rows x 32 columns (24 sums) loads 14 values per 24 products, where one panel's tile loads 13 per 12: the
+// loads, not the products, bound a one-panel tile on a core that issues two products a cycle.
+template <int R>
+inline void dot_micro_wide(const uint16_t* xb, int64_t ldb, const uint16_t* w2, int K, float* c0, float* c1) {
+    constexpr int U = R <= 4 ? 2 : 1;  // few rows: k split over U partial sums, for enough independent sums
+    const int K2 = (K + 1) / 2;
+    __m512 acc[U][R][2];
+#pragma GCC unroll 2
+    for (int u = 0; u < U; ++u)
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm512_setzero_ps();
+    const auto step = [&](int u, int kp) __attribute__((always_inline)) {
+        const __m512i b0 = _mm512_loadu_si512(w2 + static_cast<int64_t>(kp) * 4 * NR);
+        const __m512i b1 = _mm512_loadu_si512(w2 + static_cast<int64_t>(kp) * 4 * NR + 2 * NR);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, xb + r * ldb + 2 * kp, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            acc[u][r][0] = _mm512_dpbf16_ps(acc[u][r][0], a, (__m512bh)b0);
+            acc[u][r][1] = _mm512_dpbf16_ps(acc[u][r][1], a, (__m512bh)b1);
+        }
+    };
+    int kp = 0;
+    for (; kp + U <= K2; kp += U)
+#pragma GCC unroll 2
+        for (int u = 0; u < U; ++u) step(u, kp + u);
+    for (; kp < K2; ++kp) step(0, kp);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+        __m512 s0 = acc[0][r][0], s1 = acc[0][r][1];
+        if constexpr (U == 2) {
+            s0 = _mm512_add_ps(s0, acc[1][r][0]);
+            s1 = _mm512_add_ps(s1, acc[1][r][1]);
+        }
+        _mm512_storeu_ps(c0 + r * NR, s0);
+        _mm512_storeu_ps(c1 + r * NR, s1);
+    }
+}
+
+inline void dot_rows_wide(int rows, const uint16_t* xb, int64_t ldb, const uint16_t* w2, int K, float* c0, float* c1) {
+    switch (rows) {
+        case 12: dot_micro_wide<12>(xb, ldb, w2, K, c0, c1); break;
+        case 11: dot_micro_wide<11>(xb, ldb, w2, K, c0, c1); break;
+        case 10: dot_micro_wide<10>(xb, ldb, w2, K, c0, c1); break;
+        case 9: dot_micro_wide<9>(xb, ldb, w2, K, c0, c1); break;
+        case 8: dot_micro_wide<8>(xb, ldb, w2, K, c0, c1); break;
+        case 7: dot_micro_wide<7>(xb, ldb, w2, K, c0, c1); break;
+        case 6: dot_micro_wide<6>(xb, ldb, w2, K, c0, c1); break;
+        case 5: dot_micro_wide<5>(xb, ldb, w2, K, c0, c1); break;
+        case 4: dot_micro_wide<4>(xb, ldb, w2, K, c0, c1); break;
+        case 3: dot_micro_wide<3>(xb, ldb, w2, K, c0, c1); break;
+        case 2: dot_micro_wide<2>(xb, ldb, w2, K, c0, c1); break;
+        default: dot_micro_wide<1>(xb, ldb, w2, K, c0, c1); break;
+    }
+}
+
+// Rows [m_start, m_end) of y over two adjacent raw panels (w, and w's next: columns n0 .. n0 + 16 + nv1),
+// interleaved together into this thread's `paired` copy (2 x K rounded up to even, times 16 bf16).
+template <typename TB>
+inline void dot_panels_wide(const uint16_t* xb, int64_t ldb, int m_start, int m_end, int K, const uint16_t* w, int n0,
+                            int nv1, const TB* bias, float* y, int64_t ldy, bool accumulate, uint16_t* paired) {
+    alignas(64) float c0[MR_DOT * NR], c1[MR_DOT * NR];
+    const uint16_t* w1 = w + static_cast<int64_t>(K) * NR;
+    for (int kp = 0; kp < (K + 1) / 2; ++kp) {
+        _mm512_storeu_si512(paired + static_cast<int64_t>(kp) * 4 * NR, panel_pair(w, kp, K));
+        _mm512_storeu_si512(paired + static_cast<int64_t>(kp) * 4 * NR + 2 * NR, panel_pair(w1, kp, K));
+    }
+    for (int m0 = m_start; m0 < m_end; m0 += MR_DOT) {
+        const int rows = m_end - m0 < MR_DOT ? m_end - m0 : MR_DOT;
+        dot_rows_wide(rows, xb + static_cast<int64_t>(m0) * ldb, ldb, paired, K, c0, c1);
+        float* yr = y + static_cast<int64_t>(m0) * ldy;
+        store_tile(c0, rows, NR, bias, n0, yr, ldy, accumulate);
+        store_tile(c1, rows, nv1, bias, n0 + NR, yr, ldy, accumulate);
+    }
+}
+
 // Room for M rows of x rounded to bf16 ([M, ld], ld: K rounded up to even), kept by the calling thread.
 inline uint16_t* bf16_rows_buffer(int M, int K, int64_t* ld) {
     thread_local std::vector<uint16_t> buf;
@@ -144,17 +223,27 @@ inline void gemm_dot_rounded(const uint16_t* xb, int64_t ldb, int M, int K, cons
     const int panels = (N + NR - 1) / NR;
 #pragma omp parallel if (panels > 1)
     {
-        std::vector<uint16_t> paired(M > MR_DOT ? static_cast<size_t>(ldb) * NR : 0);
+        std::vector<uint16_t> paired(M > MR_DOT ? static_cast<size_t>(ldb) * NR * 2 : 0);
         for (int m_start = 0; m_start < M; m_start += kMChunk) {
             const int m_end = m_start + kMChunk < M ? m_start + kMChunk : M;
-            // no barrier between chunks: a thread writes its own panels' columns of every chunk
+            // several row tiles: two panels a task (dot_panels_wide), a last odd one alone
+            const bool wide = m_end - m_start > MR_DOT;
+            const int tasks = wide ? (panels + 1) / 2 : panels;
+            // no barrier between chunks: each chunk writes its own rows
 #pragma omp for schedule(static) nowait
-            for (int p = 0; p < panels; ++p) {
-                const int n0 = p * NR;
-                const int nv = N - n0 < NR ? N - n0 : NR;
-                dot_panel_product(xb, ldb, m_start, m_end, K, packed + static_cast<int64_t>(p) * K * NR, n0, nv,
-                                  bias, y, ldy, accumulate, paired.data());
-                epilogue(m_start, m_end, n0, nv);
+            for (int i = 0; i < tasks; ++i) {
+                const int p = wide ? 2 * i : i, n0 = p * NR;
+                const uint16_t* w = packed + static_cast<int64_t>(p) * K * NR;
+                if (wide && p + 1 < panels) {
+                    const int nv1 = N - n0 - NR < NR ? N - n0 - NR : NR;
+                    dot_panels_wide(xb, ldb, m_start, m_end, K, w, n0, nv1, bias, y, ldy, accumulate, paired.data());
+                    epilogue(m_start, m_end, n0, NR);
+                    epilogue(m_start, m_end, n0 + NR, nv1);
+                } else {
+                    const int nv = N - n0 < NR ? N - n0 : NR;
+                    dot_panel_product(xb, ldb, m_start, m_end, K, w, n0, nv, bias, y, ldy, accumulate, paired.data());
+                    epilogue(m_start, m_end, n0, nv);
+                }
             }
         }
     }
