@@ -47,6 +47,23 @@ QUANTIZATIONS = (*QUANT_FORMATS, GGUF_QUANTIZATION, *CHECKPOINT_QUANTIZATIONS)
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+AUTO_DTYPE = "auto"  # `motet serve`'s default, as vLLM's: `auto_dtype` picks one of DTYPES for the device
+
+
+def auto_dtype(device: torch.device) -> tuple[str, str]:
+    """vLLM's `--dtype auto` for `device`: (dtype, why). bfloat16 where the hardware computes it natively (a CUDA GPU
+    that supports it; a CPU with AVX512_BF16, AMX or Arm's BF16, whose kernels then run at about twice float32's
+    speed: docs/cpu.md), float32 elsewhere (bf16 weights would be widened to fp32 for every product)."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", "this GPU computes bf16"
+        return "float32", "this GPU does not compute bf16"
+    from motet.kernels.cpu_isa import native_bf16
+
+    flag = native_bf16()
+    if flag is not None:
+        return "bfloat16", f"this CPU computes bf16 ({flag})"
+    return "float32", "this CPU has no native bf16 (avx512_bf16, amx_bf16)"
 
 
 def context_length(model: ModelConfig, max_model_len: int | None) -> int:
@@ -173,8 +190,10 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
+        if self.dtype == AUTO_DTYPE:
+            self.dtype = auto_dtype(self.torch_device)[0]
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be {AUTO_DTYPE!r} or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}"

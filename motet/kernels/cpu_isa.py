@@ -64,6 +64,16 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# The flags of a CPU that computes bf16 products natively (x86: AVX512_BF16's dot products or AMX's tiles;
+# Arm: the BF16 extension), where bf16 weights are served at full speed.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def native_bf16() -> str | None:
+    """The flag by which this CPU computes bf16 natively, or None."""
+    return next((f for f in BF16_FLAGS if f in cpu_flags()), None)
+
+
 def missing(tier: Isa) -> list[str]:
     """The CPU flags `tier` needs that this CPU lacks (none: it runs here)."""
     if tier.name != "scalar" and platform.machine() not in ("x86_64", "AMD64"):
