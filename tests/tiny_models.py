@@ -47,6 +47,26 @@ TINY_LAYERS = dict(
 )
 
 
+# Each family's tiny checkpoint by its `arch` name: the transformers config class it is written with.
+CONFIGS = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,  # q_norm / k_norm per head, no q/k/v biases
+    "gemma2": Gemma2Config,  # Gemma 3's norms without q/k norms, soft-capping, every other layer sliding
+    "gemma3": Gemma3TextConfig,  # sandwich norms (1 + w), GeGLU, sliding-window layers with their rope base
+    "gpt_oss": GptOssConfig,  # sinks, o biases, YaRN, every other layer sliding, experts with biases
+    "granite": GraniteConfig,  # embedding / attention / residual multipliers, logits scaling
+    "olmo2": Olmo2Config,  # post-norms, q/k norms across heads
+    "phi3": Phi3Config,  # q/k/v in one qkv_proj, gate/up in one gate_up_proj
+    "mixtral": MixtralConfig,  # overrides: num_local_experts, num_experts_per_tok
+    "qwen2_moe": Qwen2MoeConfig,  # overrides: num_experts, moe_intermediate_size, shared_expert_...
+    "qwen3_moe": Qwen3MoeConfig,  # Qwen2-MoE's overrides less the shared expert; q_norm / k_norm per head
+    "deepseek_v2": DeepseekV2Config,  # latent attention; overrides: kv_lora_rank, q_lora_rank, experts ...
+    "deepseek_v3": DeepseekV3Config,  # V2's attention, sigmoid routing with a correction bias
+}
+
+
 def build_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -75,23 +95,7 @@ def build_tiny_model(path: Path, arch: str = "llama", tied: bool = True, seed: i
         torch_dtype="float32",
     )
     common.update(overrides)
-    cfg_cls = {
-        "llama": LlamaConfig,
-        "mistral": MistralConfig,
-        "qwen2": Qwen2Config,
-        "qwen3": Qwen3Config,  # q_norm / k_norm per head, no q/k/v biases
-        "gemma2": Gemma2Config,  # Gemma 3's norms without q/k norms, soft-capping, every other layer sliding
-        "gemma3": Gemma3TextConfig,  # sandwich norms (1 + w), GeGLU, sliding-window layers with their rope base
-        "gpt_oss": GptOssConfig,  # sinks, o biases, YaRN, every other layer sliding, experts with biases
-        "granite": GraniteConfig,  # embedding / attention / residual multipliers, logits scaling
-        "olmo2": Olmo2Config,  # post-norms, q/k norms across heads
-        "phi3": Phi3Config,  # q/k/v in one qkv_proj, gate/up in one gate_up_proj
-        "mixtral": MixtralConfig,  # overrides: num_local_experts, num_experts_per_tok
-        "qwen2_moe": Qwen2MoeConfig,  # overrides: num_experts, moe_intermediate_size, shared_expert_...
-        "qwen3_moe": Qwen3MoeConfig,  # Qwen2-MoE's overrides less the shared expert; q_norm / k_norm per head
-        "deepseek_v2": DeepseekV2Config,  # latent attention; overrides: kv_lora_rank, q_lora_rank, experts ...
-        "deepseek_v3": DeepseekV3Config,  # V2's attention, sigmoid routing with a correction bias
-    }[arch]
+    cfg_cls = CONFIGS[arch]
     model = AutoModelForCausalLM.from_config(cfg_cls(**common))
     with torch.no_grad():  # larger-than-default weights so that logits are far from uniform
         for p in model.parameters():

@@ -7,7 +7,7 @@ architecture's name (tests/models/test_model_declarations.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 
@@ -62,8 +62,9 @@ class Architecture:
     gguf_names: dict[str, str] = field(default_factory=dict)
     # The family's own config.json fields from its GGUF keys: (key -> value, by the key's name after the
     # architecture's prefix, e.g. "attention.sliding_window", or the default given; the config read so far;
-    # source) -> fields added to or replacing the config's (model_type where it is not the GGUF architecture).
-    gguf_config: Callable[[Callable[..., object], dict, str], dict] | None = None
+    # source; the file's tensor names) -> fields added to or replacing the config's (model_type where it is not
+    # the GGUF architecture).
+    gguf_config: Callable[[Callable[..., object], dict, str, Collection[str]], dict] | None = None
     # How the family writes tool calls and reasoning, by vLLM's --tool-call-parser and --reasoning-parser names
     # (motet/grammar/tool_formats/, motet/grammar/reasoning.py), where every checkpoint of the architecture
     # writes the same: `motet serve` picks them with no flag (a flag wins). None: the chat template's markers say.

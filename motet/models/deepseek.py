@@ -45,6 +45,11 @@ def _experts(cfg: dict, num_layers: int, source: str, sigmoid: bool) -> dict:
         kept = bounded(cfg.get("topk_group") or groups, "topk_group", source, 1, groups)
         if n % groups:
             raise ModelLoadError(f"{source}: n_group ({groups}) must divide n_routed_experts ({n})")
+        if sigmoid and n // groups < 2:  # (transformers' router fails on it: topk of 2 in a group of 1)
+            raise ModelLoadError(
+                f"{source}: n_routed_experts ({n}) / n_group ({groups}): DeepSeek-V3 scores each group of experts "
+                "by its best two, so every group must hold at least two"
+            )
     return dict(
         num_experts=n,
         num_experts_per_tok=top_k_experts(cfg, n if sparse else None, source),

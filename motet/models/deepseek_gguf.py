@@ -21,13 +21,20 @@ GGUF_NAMES = {
 }
 
 
-def gguf_config(key, cfg: dict, source: str) -> dict:
+def gguf_config(key, cfg: dict, source: str, tensors) -> dict:
     """llama.cpp's deepseek2 files (V2-Lite, V2, V3): V3 where the experts are scored by sigmoid
-    (expert_gating_func 2; unsaid: softmax, as llama.cpp reads older V2 files), the latent widths (current files:
-    key_length_mla / value_length_mla, key_length being the absorbed form's kv_lora_rank + rope; older ones:
-    key_length / value_length), YaRN's mscale_all_dim from yarn_log_multiplier (written 0.1 x it; llama.cpp's rotary
-    scales cos / sin by 1, transformers' by mscale / mscale_all_dim: one value for both)."""
-    sigmoid = key("expert_gating_func", 1) == 2
+    (expert_gating_func 2), or where the file says no gating but holds V3's correction bias (exp_probs_b: the
+    converter writes the gating from config.json's scoring_func, which transformers 5 does not save; llama.cpp
+    reads such a file's scores as softmax, its default for older V2 files, with the bias added for choosing, a
+    router of no transformers model, where V3's own is sigmoid), else softmax (older V2 files); the latent widths
+    (current files: key_length_mla / value_length_mla, key_length being the absorbed form's kv_lora_rank + rope;
+    older ones: key_length / value_length), YaRN's mscale_all_dim from yarn_log_multiplier (written 0.1 x it;
+    llama.cpp's rotary scales cos / sin by 1, transformers' by mscale / mscale_all_dim: one value for both)."""
+    gating = key("expert_gating_func")
+    if gating is None:
+        sigmoid = any(name.endswith(".exp_probs_b.bias") for name in tensors)
+    else:
+        sigmoid = gating == 2
     rope = key("rope.dimension_count")
     k_len = key("attention.key_length_mla") or cfg["head_dim"]
     v_len = key("attention.value_length_mla") or key("attention.value_length")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import struct
 
 from motet.models.declaration import ModelLoadError
 
@@ -25,6 +26,15 @@ LIMITS = {
     "moe_intermediate_size": (0, 2**18),
     "shared_expert_intermediate_size": (0, 2**18),
 }
+
+
+def finite_in_float32(x: float) -> bool:
+    """Whether `x` rounds to a finite float32."""
+    try:
+        struct.pack("<f", x)
+    except OverflowError:
+        return False
+    return True
 
 
 def is_number(value) -> bool:
@@ -55,7 +65,13 @@ def bounded_number(
     at_most: float | None = None,
 ) -> float:
     """A finite number from config.json within the bounds given (a rope factor of at least 1, an epsilon above 0
-    and below 1), or ModelLoadError naming it and them."""
+    and below 1), or ModelLoadError naming it and them. Finite in float32: the model computes in float32 or
+    bfloat16 (float32's range), where 1e39, finite in float64, is inf and its products NaN."""
+    if is_number(value) and math.isfinite(value) and not finite_in_float32(float(value)):
+        raise ModelLoadError(
+            f"{source}: {name} must be finite in float32 (motet computes in float32 or bfloat16: at most about "
+            f"3.4e38 in size), got {value!r:.80}"
+        )
     bounds = [
         (word, limit, test)
         for word, limit, test in (

@@ -13,7 +13,7 @@ def options(cfg: dict, source: str) -> dict:
     return gemma_options(cfg, source, every_other_layer(cfg))
 
 
-def gguf_config(key, cfg: dict, source: str) -> dict:
+def gguf_config(key, cfg: dict, source: str, tensors) -> dict:
     """llama.cpp's reading: every other layer sliding (the even ones), a window of 4096 where unsaid, one rope
     base for all layers."""
     if key("rope.freq_base_swa", cfg["rope_theta"]) != cfg["rope_theta"]:

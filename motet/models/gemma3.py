@@ -59,7 +59,7 @@ def gemma_gguf(key, cfg: dict, pattern: int, layers_27b: int) -> dict:
     )
 
 
-def gguf_config(key, cfg: dict, source: str) -> dict:
+def gguf_config(key, cfg: dict, source: str, tensors) -> dict:
     window = key("attention.sliding_window", 0)
     out = dict(gemma_gguf(key, cfg, 6, 62), model_type="gemma3_text", sliding_window=window or None)
     if not window:  # no sliding layers

@@ -28,7 +28,7 @@ def options(cfg: dict, source: str) -> dict:
     )
 
 
-def gguf_config(key, cfg: dict, source: str) -> dict:
+def gguf_config(key, cfg: dict, source: str, tensors) -> dict:
     """llama.cpp's gpt-oss files: the experts' count and top-k, the window of the even layers (llama.cpp slides
     every other layer, as `layer_types` defaults), YaRN as OpenAI's checkpoints say it (truncate false)."""
     rope = cfg["rope_scaling"]

@@ -11,7 +11,7 @@ def options(cfg: dict, source: str) -> dict:
     return {name: bounded_float(cfg.get(name, 1.0), name, source) for name in names}
 
 
-def gguf_config(key, cfg: dict, source: str) -> dict:
+def gguf_config(key, cfg: dict, source: str, tensors) -> dict:
     """The multipliers as llama.cpp's converter writes them (as scales, each only where the config had it) and
     reads them: attention scores by 1/sqrt(head_dim) where unsaid, the others 1."""
     return dict(

@@ -16,7 +16,7 @@ def experts(cfg: dict, num_layers: int, source: str) -> dict:
     )
 
 
-def gguf_config(key, cfg: dict, source: str) -> dict:
+def gguf_config(key, cfg: dict, source: str, tensors) -> dict:
     """llama.cpp writes Mixtral as a Llama file with experts: their count and how many a token takes."""
     return dict(
         model_type="mixtral",

@@ -4,7 +4,7 @@ MLP) reads the residual stream as it is and its output is normed before it joins
 from motet.models.declaration import Architecture, ModelLoadError
 
 
-def gguf_config(key, cfg: dict, source: str) -> dict:
+def gguf_config(key, cfg: dict, source: str, tensors) -> dict:
     if key("attention.sliding_window", 0):
         raise ModelLoadError(
             f"{source}: sliding-window layers (attention.sliding_window: an OLMo 3 file); motet serves OLMo 2"

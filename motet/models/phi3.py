@@ -4,7 +4,7 @@ in another (gate_up_proj); PEFT adapters for them target those names."""
 from motet.models.declaration import Architecture
 
 
-def gguf_config(key, cfg: dict, source: str) -> dict:
+def gguf_config(key, cfg: dict, source: str, tensors) -> dict:
     """The window its converter writes (0: none; llama.cpp itself ignores it, transformers applies it) and the
     context the rope was trained on."""
     return dict(

@@ -48,7 +48,7 @@ def gguf_experts(model_type: str, renormalized: bool):
     experts' and the shared expert's widths, whether the top-k weights are renormalized (llama.cpp: never for Qwen2-MoE, always for
     Qwen3-MoE, unless the file says)."""
 
-    def gguf_config(key, cfg: dict, source: str) -> dict:
+    def gguf_config(key, cfg: dict, source: str, tensors) -> dict:
         return dict(
             model_type=model_type,
             num_experts=key("expert_count"),

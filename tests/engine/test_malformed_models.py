@@ -191,6 +191,10 @@ MALFORMED = [
         rope(rope_type="linear", factor=-2.0), "factor must be a number at least 1, got -2.0", id="neg"
     ),
     pytest.param(rope(rope_type="yarn", factor=0), "factor must be a number at least 1, got 0", id="yarn-0"),
+    pytest.param(  # finite in float64, inf in the float32 the model computes in
+        rope(rope_theta=1e39), "rope_parameters.rope_theta must be finite in float32", id="theta-1e39"
+    ),
+    pytest.param(rope(rope_type="linear", factor=1e39), "factor must be finite in float32", id="factor-1e39"),
     pytest.param(
         patch(**GEMMA3, rope_local_base_freq=-1e4), "rope_local_base_freq must be a positive", id="base"
     ),

@@ -132,7 +132,7 @@ def test_two_ranks_grammar_and_speculation_give_one_ranks_greedy(tiny_model_dir)
     assert outs[2] == outs[1]
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_moe_over_two_ranks_greedy_matches_hf(variant, expert_parallel, tmp_path_factory):
     arch, overrides = MOE_MODELS[variant]

@@ -9,6 +9,8 @@ PEFT, over two tensor-parallel ranks, served over HTTP; the latent cache's bytes
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -17,6 +19,7 @@ from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights.checkpoint import load_model_config
 from motet.engine.worker import cpu_forward
 from motet.engine.worker.latent_attention import LatentAttention
 from motet.engine.worker.model import SparseMoE
@@ -524,3 +527,91 @@ def test_v3_skips_its_multi_token_prediction_layer_and_v2_refuses_extra_layers(t
                 ModelLoadError, match=r"layers\.3\.self_attn\.kv_a_layernorm\.weight' has no place"
             ):
                 deepseek_engine(model_dir)
+
+
+# Configs transformers computes that the native step once refused mid-step (`program: unsupported arguments`):
+EDGES = {
+    # group-limited routing whose kept group holds 2 experts and 3 are chosen: V2's third among the zeroed scores
+    # (weighing 0), V3's among the ruled-out ones (tied at -inf: torch.topk's pick, weighing its score)
+    "v2_few_kept": (
+        "deepseek_v2",
+        dict(
+            LATENT,
+            q_lora_rank=None,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=1,
+        ),
+    ),
+    "v3_few_kept": (
+        "deepseek_v3",
+        dict(LATENT, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=1),
+    ),
+    # one routed expert (transformers saves it as one tensor an expert, as it saves every DeepSeek checkpoint)
+    "v2_one_expert": (
+        "deepseek_v2",
+        dict(LATENT, q_lora_rank=None, n_routed_experts=1, num_experts_per_tok=1),
+    ),
+    # no unrotated key part: the native latent op folds that part into the query, so the eager model runs it
+    "no_nope": (
+        "deepseek_v2",
+        dict(LATENT, q_lora_rank=None, qk_nope_head_dim=0, n_routed_experts=4, num_experts_per_tok=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+@pytest.mark.parametrize("name", list(EDGES))
+def test_edge_configs_match_transformers(name, tmp_path, compiled, caplog):
+    """Each served as transformers computes it (logits whole, in 7-token chunks and a token a step), natively
+    where the native program runs it, else eagerly with the reason logged: never a step that raises."""
+    arch, overrides = EDGES[name]
+    model_dir = build_tiny_model(tmp_path, arch=arch, tied=False, **overrides)
+    randomize_norms(model_dir)
+    randomize_biases(model_dir)
+    caplog.set_level(logging.INFO, logger="motet.engine")
+    cfg = EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=128, compile_step=compiled)
+    engine = LLMEngine(cfg, model_dir)
+    native = compiled and name != "no_nope"
+    assert (engine.runner.native is not None) == native
+    if compiled and not native:
+        assert "not for this model (qk_nope_head_dim 0" in caplog.text
+    prompts = PROMPTS[:4]
+    refs = [hf_logits(model_dir, p) for p in prompts]
+    for chunk in (None, 7, 1):
+        for got, ref in zip(engine_logits(engine, prompts, chunk=chunk), refs, strict=True):
+            torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_v3_with_a_group_of_one_expert_is_refused_in_one_line(tmp_path):
+    """A V3 group of one expert (here the one routed expert): transformers' router takes each group's best two
+    and raises; motet refuses it at load, naming the fields."""
+    v3 = build_tiny_model(
+        tmp_path / "v3",
+        arch="deepseek_v3",
+        tied=False,
+        **dict(LATENT, q_lora_rank=None, n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1),
+    )
+    with pytest.raises((RuntimeError, IndexError)):
+        hf_logits(v3, PROMPTS[0])
+    with pytest.raises(ModelLoadError, match=r"n_routed_experts \(1\) / n_group \(1\).*at least two"):
+        load_model_config(v3)
+
+
+def test_a_scaling_factor_inf_in_float32_is_refused_in_one_line(tmp_path):
+    """routed_scaling_factor 1e39, finite in float64 but inf in float32 (transformers' logits all NaN): refused at
+    load, the field named."""
+    scaled = build_tiny_model(
+        tmp_path / "v2",
+        arch="deepseek_v2",
+        tied=False,
+        **dict(
+            LATENT, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2, routed_scaling_factor=1e39
+        ),
+    )
+    assert hf_logits(scaled, PROMPTS[0]).isnan().all()
+    with pytest.raises(ModelLoadError, match="routed_scaling_factor must be finite in float32") as e:
+        load_model_config(scaled)
+    assert "\n" not in str(e.value)

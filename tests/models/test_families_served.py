@@ -27,6 +27,7 @@ SERVED = {
     "qwen2": ("qwen2", {}, ATTENTION),
     **{name: (arch, overrides, attn + mlp) for name, (arch, overrides, (attn, mlp)) in FAMILIES.items()},
     "mixtral": (*MOE_MODELS["mixtral"], ATTENTION),  # experts: attention adapters only
+    "qwen2_moe": (*MOE_MODELS["qwen2_moe"], ATTENTION),  # its shared expert and gate
     "qwen3_moe": (*MOE_MODELS["qwen3_moe"], ATTENTION),
     "gpt_oss": ("gpt_oss", None, ATTENTION),
 }

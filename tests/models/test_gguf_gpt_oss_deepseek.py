@@ -283,11 +283,14 @@ def build_deepseek_gguf_source(path: Path, name: str) -> Path:
     return model_dir
 
 
-def write_deepseek_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_kv_b: bool = True) -> Path:
+def write_deepseek_gguf(
+    model_dir: Path, out: Path, qtype: str = "F32", split_kv_b: bool = True, gating: bool = True
+) -> Path:
     """DeepseekV2Model's file: MLA as MQA (head_count_kv 1, key_length kv_lora_rank + rope, the MLA widths apart),
     the leading dense layers, experts' keys, YaRN's log multiplier; tensors by gguf-py's name map, experts stacked,
     kv_b_proj split into attn_k_b / attn_v_b (or, not `split_kv_b`, as older converters wrote it: attn_kv_b whole,
-    every head a KV head, key_length / value_length the heads' widths)."""
+    every head a KV head, key_length / value_length the heads' widths). Not `gating`: no expert_gating_func, as the
+    converter writes a config.json without scoring_func (transformers 5 saves none)."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = hf.config
     raw = json.loads((model_dir / "config.json").read_text())
@@ -301,8 +304,8 @@ def write_deepseek_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_kv
     if raw.get("topk_group") is not None:
         writer.add_expert_group_used_count(raw["topk_group"])
     writer.add_expert_used_count(cfg.num_experts_per_tok)
-    gating = SCORING[cfg.model_type]
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType[gating.upper()])
+    if gating:
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType[SCORING[cfg.model_type].upper()])
     writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
     writer.add_vocab_size(cfg.vocab_size)
     if cfg.q_lora_rank is not None:
@@ -393,6 +396,17 @@ def test_deepseek_q8_0_file_matches_transformers_on_gguf_py_dequantized(deepseek
     assert_close_but_for_rounding_flips(engine_logits(eng, DISTINCT_PROMPTS, chunk=7), want)
 
 
+def test_v3_file_without_a_gating_key_is_read_by_its_correction_bias(tmp_path):
+    """llama.cpp's converter writes expert_gating_func from config.json's scoring_func, which transformers 5 does
+    not save: a V3 checkpoint saved by it converts to a file holding V3's correction bias (exp_probs_b) and no
+    gating key. It is V3's (llama.cpp reads its scores as softmax, its default for older V2 files, which hold no
+    such bias; no transformers router is softmax with that bias): logits within 2e-4 of transformers."""
+    source = build_deepseek_gguf_source(tmp_path / "src", "v3")
+    llm = LLM(str(write_deepseek_gguf(source, tmp_path / "v3.gguf", gating=False)), **OPTIONS)
+    assert llm.engine.runner.model.config.architecture == "DeepseekV3ForCausalLM"
+    assert_float_file_is_the_source(llm, source)
+
+
 def test_deepseek_converts_back_to_the_source_checkpoint(deepseek, tmp_path):
     """kv_b_proj joined back from attn_k_b / attn_v_b, the experts one tensor each, the shared experts and the
     correction bias under DeepSeek's names: every tensor equal to the source's, transformers' logits on them."""
@@ -421,8 +435,11 @@ def test_deepseek_metadata_reads_as_llama_cpp_reads_it(tmp_path):
     assert config["rope_scaling"]["mscale_all_dim"] == pytest.approx(0.8)
     assert (config["kv_lora_rank"], config["qk_nope_head_dim"], config["v_head_dim"]) == (16, 16, 12)
     older = {k: v for k, v in meta.items() if not k.endswith(("gating_func", "yarn_log_multiplier"))}
-    config = hf_config(older, names, "old.gguf")
+    v2_names = {n for n in names if not n.endswith("exp_probs_b.bias")}  # (V2 has no correction bias)
+    config = hf_config(older, v2_names, "old.gguf")
     assert config["architectures"] == ["DeepseekV2ForCausalLM"] and config["scoring_func"] == "softmax"
+    # no gating said, V3's correction bias held (a V3 checkpoint transformers 5 saved, converted): V3
+    assert hf_config(older, names, "v3.gguf")["architectures"] == ["DeepseekV3ForCausalLM"]
     assert (
         config["rope_scaling"]["attention_factor"] == 1.0 and "mscale_all_dim" not in config["rope_scaling"]
     )

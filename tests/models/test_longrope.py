@@ -157,3 +157,20 @@ def test_gguf_file_with_rope_factors_served_bare_matches_hf(tmp_path, monkeypatc
         want = [hf(torch.tensor([p])).logits[0] for p in SHORT + LONG]
     for g, w in zip(engine_logits(llm.engine, SHORT + LONG, chunk=11), want, strict=True):
         torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
+
+
+def test_cached_tokens_count_the_prompt_served_from_the_cache(phi3_longrope):
+    """A 20-token prompt generating past the original context, twice. The second time its first admission finds
+    its prompt's two full blocks in the prefix cache (16 tokens: the last prompt token is always computed); its
+    recompute past the original context then finds the first request's long-factor blocks, outputs and all (32
+    tokens), which are no prompt tokens served from the cache: usage's cached_tokens counts the 16 (it said 32,
+    more than the prompt)."""
+    prompt = list(range(3, 23))
+    llm = LLM(str(phi3_longrope), device="cpu", block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    first = llm.generate([prompt], params)[0]
+    preemptions = llm.engine.stats().preemptions
+    again = llm.generate([prompt], params)[0]
+    assert llm.engine.stats().preemptions == preemptions + 1  # (recomputed past the original context)
+    assert again.token_ids == first.token_ids
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, (len(prompt) - 1) // 8 * 8)

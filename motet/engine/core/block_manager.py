@@ -149,7 +149,9 @@ class BlockManager:
         hit = len(seq.block_table) * bs
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += hit
-        seq.num_computed_tokens = seq.num_cached_tokens = hit
+        seq.num_computed_tokens = hit
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = hit  # (Sequence.num_cached_tokens: its first admission's hit only)
         return hit
 
     def _ref(self, block_id: int) -> None:

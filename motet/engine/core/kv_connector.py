@@ -476,7 +476,8 @@ class KVConnector:
             seq.block_table.extend(load.block_ids[:n])
             block_manager.release_blocks(load.block_ids[n:])
             seq.num_computed_tokens += n * bs
-            seq.num_cached_tokens += n * bs
+            if seq.num_preemptions == 0:  # (Sequence.num_cached_tokens: its first admission's hit only)
+                seq.num_cached_tokens += n * bs
             block_manager.prefix_hits += n * bs
             block_manager.cache_full_blocks(seq)
 

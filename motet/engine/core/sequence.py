@@ -90,7 +90,11 @@ class Sequence:
     # The slot its latest sampling step fills with where its token is on the device (that step's, set as it is
     # scheduled): the next step may take the token as its input before it reaches the host.
     pending: PendingToken | None = None
-    num_cached_tokens: int = 0  # of those, how many came from the prefix cache
+    # Of its prompt's tokens, how many came from the prefix cache (the device's or a KV tier's) as it was first
+    # admitted: usage's cached_tokens. A sequence recomputed after a preemption (or LongRoPE's switch past the
+    # original context) finds its own blocks, its outputs' too, which are no prompt tokens served from the cache:
+    # that hit is not counted (vLLM counts the first admission's alone too).
+    num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     window_blocks: list[int] = field(
         default_factory=list

@@ -209,7 +209,7 @@ def hf_config(
                 if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
             ]
         if decl.gguf_config is not None:  # the family's own fields
-            config.update(decl.gguf_config(key, config, source))
+            config.update(decl.gguf_config(key, config, source, tensor_names))
     except KeyError as e:
         raise refuse(f"GGUF metadata has no {e.args[0]!r}") from None
     except ModelLoadError:

@@ -58,27 +58,48 @@ class WeightArena:
         return out
 
 
-def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
-    """Whether the native step runs this model: the kernels built, its dtypes theirs, its heads within the
-    attention kernel's limits (latent attention: its rotated key within the latent op's), no expert parallelism
-    (the MoE op has no all-to-all: the eager model dispatches). Every layer option of the eager decoder is an op
-    (or an op's option) of the program: DeepSeek's latent attention and routing included."""
+def unsupported(model: CausalLM, kv_dtype: torch.dtype) -> str | None:
+    """Why the native step does not run this model, or None where it does: the kernels built, its dtypes theirs,
+    its heads within the attention kernel's limits (latent attention: its rotated key within the latent op's, an
+    unrotated key part in every head: the op folds kv_b_proj's key half into the query), no expert parallelism (the
+    MoE op has no all-to-all: the eager model dispatches). The program's own check (the source's check_program)
+    refuses no model admitted here: every layer option of the eager decoder is an op (or an op's option) of the
+    program, DeepSeek's latent attention and routing included."""
     cfg = model.config
-    heads_fit = (
-        cfg.latent.qk_rope_head_dim <= MAX_LATENT_ROPE
-        if cfg.latent is not None
-        else cfg.num_attention_heads % cfg.num_key_value_heads == 0
+    latent = cfg.latent
+    if cpu_native.library() is None:
+        return "its kernels are not built"
+    if model.parallel.expert_parallel:
+        return "expert parallelism (the MoE op has no all-to-all)"
+    if (
+        model.embed_tokens.weight.dtype not in cpu_native.DTYPE_CODES
+        or kv_dtype not in cpu_native.DTYPE_CODES
+    ):
+        return f"weights in {model.embed_tokens.weight.dtype}, KV cache in {kv_dtype}"
+    if latent is not None:
+        if latent.qk_rope_head_dim > MAX_LATENT_ROPE:
+            return (
+                f"qk_rope_head_dim {latent.qk_rope_head_dim} (the latent op turns at most {MAX_LATENT_ROPE})"
+            )
+        if latent.qk_nope_head_dim < 1:
+            return "qk_nope_head_dim 0 (the latent op folds each head's unrotated key part into its query)"
+    elif not (
+        cfg.num_attention_heads % cfg.num_key_value_heads == 0
         and cfg.num_attention_heads // cfg.num_key_value_heads <= 16
         and cfg.head_dim <= 256
-    )
-    return (
-        cpu_native.library() is not None
-        and not model.parallel.expert_parallel
-        and model.embed_tokens.weight.dtype in cpu_native.DTYPE_CODES
-        and kv_dtype in cpu_native.DTYPE_CODES
-        and heads_fit
-        and cfg.rotary_dim % 2 == 0
-    )
+    ):
+        return (
+            f"{cfg.num_attention_heads} heads on {cfg.num_key_value_heads} KV heads of {cfg.head_dim} "
+            "(the attention kernel takes up to 16 heads a KV head, of up to 256)"
+        )
+    if cfg.rotary_dim % 2:
+        return f"an odd rotary width ({cfg.rotary_dim})"
+    return None
+
+
+def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
+    """Whether the native step runs this model (`unsupported` says why not)."""
+    return unsupported(model, kv_dtype) is None
 
 
 def _activation(mlp: MLP) -> str:

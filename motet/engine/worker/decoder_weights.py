@@ -177,12 +177,16 @@ class DecoderWeights:
     def _shard(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
         """The part of `param` that a checkpoint tensor fills (None: all of it)."""
         sizes = self._split_sizes(name)
-        if shard is None or len(sizes) == 1:
+        if shard is None:
             return param
-        if param.dim() == 3:  # stacked experts: shard -> (expert, part within the expert's rows)
+        if (
+            param.dim() == 3
+        ):  # stacked experts (one expert's down_proj too): shard -> (expert, part of its rows)
             per_expert = len(sizes) // param.shape[0]
             expert, part = divmod(shard, per_expert)
             return param[expert].narrow(0, part * sizes[shard], sizes[shard])
+        if len(sizes) == 1:
+            return param
         return param.narrow(0, sum(sizes[:shard]), sizes[shard])
 
     def _all_shards(self, name: str) -> range:

@@ -29,7 +29,7 @@ from motet.engine.weights import load_progress
 from motet.engine.weights.gguf_weights import gguf_file, iter_gguf_weights
 from motet.engine.weights.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
 from motet.engine.worker.cpu_forward import CpuForward
-from motet.engine.worker.cpu_forward import supported as cpu_forward_supported
+from motet.engine.worker.cpu_forward import unsupported as native_unsupported
 from motet.engine.worker.cuda_graphs import DecodeGraphs, model_options
 from motet.engine.worker.decoder_weights import load_weights
 from motet.engine.worker.grammar_masks import GrammarMasks
@@ -253,7 +253,13 @@ class ModelRunner:
         # weights over; else (or where it cannot run) the eager model, with oneDNN-prepacked products on CPU.
         self.native: CpuForward | None = None
         self.cpu_kernels = ""  # the native step's instruction-set tier (cpu_native.isa()), where it runs
-        if config.compile_step and self.device.type == "cpu" and cpu_forward_supported(model, self.dtype):
+        compiled_cpu = config.compile_step and self.device.type == "cpu"
+        why_not = native_unsupported(model, self.dtype) if compiled_cpu else None
+        if (
+            why_not is not None
+        ):  # (a model the native program cannot run is served eagerly, never refused mid-step)
+            log.info("native CPU step: not for this model (%s); the eager model runs it", why_not)
+        if compiled_cpu and why_not is None:
             t0 = time.perf_counter()
             self.native = CpuForward(model, self.kv_caches)
             took = time.perf_counter() - t0

@@ -571,8 +571,7 @@ inline int check_program(const Program& m) {
                 ok = buffer(i[0]) && i[1] >= 1 && i[2] >= 1 && i[2] <= i[1] && i[3] >= 1 && i[1] <= width(i[0]) &&
                      i[5] >= 0 && i[5] <= kActSwigluLimit && i[6] <= width(op.in) && i[6] <= width(op.out) &&
                      weight_ok(i[7], i[6]) && weight_ok(i[7], i[3]) && op.p[0] && op.p[1] &&
-                     (i[8] == 0 || (i[8] == 1 && i[10] >= 1 && i[1] % i[10] == 0 && i[11] >= 1 && i[11] <= i[10] &&
-                                    i[2] <= i[11] * (i[1] / i[10])));
+                     (i[8] == 0 || (i[8] == 1 && i[10] >= 1 && i[1] % i[10] == 0 && i[11] >= 1 && i[11] <= i[10]));
                 break;
             case kLatentAttention:
                 ok = i[0] >= 1 && i[1] >= 1 && i[2] >= 2 && i[2] % 2 == 0 && i[2] <= kMaxLatentRope && i[3] >= 1 &&

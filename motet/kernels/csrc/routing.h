@@ -37,7 +37,8 @@ inline void select_top(std::vector<std::pair<float, int64_t>>& queue, int k) {
 // choice the scores plus the bias; with groups, a group's score its best expert's choice (with the bias: its best
 // two's sum), and the experts outside the kept groups ruled out (with the bias) or their choice zeroed (without,
 // V2's); the top-k of the choice; their weights the scores (with the bias) or the choice, renormalized where the
-// options say, times the scale.
+// options say, times the scale. Where the kept groups hold fewer than k experts, the rest of the k are ruled-out
+// ones, tied, picked as torch.topk picks them (transformers' routers do the same: V2's weigh 0, V3's their score).
 inline void route_scored(const float* logits, int E, int k, const RouteOptions& o, int32_t* experts,
                          float* weights, std::vector<std::pair<float, int64_t>>& queue,
                          std::vector<float>& scores) {
