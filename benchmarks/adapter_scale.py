@@ -52,6 +52,7 @@ from motet.evals.lora_reference import lora_config, random_lora_factors
 from motet.evals.report import table
 from motet.evals.server import ManagedServer
 from motet.evals.serving_bench import Record, machine, make_prompts, one_request, stats, write_report
+from motet.lora.adapter import TARGET_MODULES
 from motet.lora.peft_format import CONFIG_FILE, WEIGHTS_FILE
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -559,7 +560,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--targets", nargs="+", default=["q_proj", "v_proj"])
+    p.add_argument(
+        "--targets",
+        nargs="+",
+        default=["q_proj", "v_proj"],
+        help="the adapters' modules, or `all`: all seven projections (PEFT's all-linear, what users train now)",
+    )
     p.add_argument(
         "--cold-probes", type=int, default=8, help="cold adapters probed at the largest N (0: none)"
     )
@@ -578,6 +584,8 @@ def main(argv=None) -> int:
     p.add_argument("--output-dir", default="benchmarks/reports/adapter_scale")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to `motet serve`")
     args = p.parse_args(argv)
+    if args.targets == ["all"]:
+        args.targets = list(TARGET_MODULES)
 
     out = Path(args.output_dir)
     with tempfile.TemporaryDirectory(prefix="motet-adapter-scale-") as tmp:
