@@ -27,6 +27,10 @@ light request into the step at once; this module keeps the step small enough whi
   yield rows: they keep their slots and KV, and go on at the next step), then batch work within what is spare.
   When nobody is light and no batch work runs beside interactive work the step is the full budget: throughput
   is unchanged.
+  Yielding never means starving: every tenant with interactive work makes progress. In a capped step the
+  least-served of the tenants whose rows yield (the lowest virtual token counter, VTC's rule) gets at least
+  `floor` tokens (a 32nd of the budget) whatever the cap leaves, so a light tenant's many streams cannot hold
+  another tenant's prompt back until they stop; as it is served its counter rises and the next one has its turn.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from motet.engine.core.fairness import Tenant, VirtualTokenCounter
 LIGHT_RATIO = 4
 # Beside interactive rows, batch rows may make a step at most this much slower than those rows alone.
 BACKGROUND_SLACK = 1.1
+# The least-served yielding tenant's tokens in every capped step: at least the budget over this (8 of 256 on CPU).
+FLOOR_DIVISOR = 32
 LINGER_S = 1.0  # a light tenant stays latency-bound this long after its last request left the engine
 _DECAY = 0.97  # weight of the steps before the latest in the fit (about the last 30 steps count)
 _MIN_STEPS = 8  # steps seen before the model sizes anything
@@ -139,11 +145,13 @@ class TenantWork:
 class LatencyCap:
     """One step's sizing: the latency-bound tenants (their interactive rows go first, at the full budget), and
     the most tokens the step may hold when another interactive row (`tokens`) or a batch row (`background`) is
-    added, counting every row before it."""
+    added, counting every row before it; and the tokens the least-served tenant whose interactive rows yield gets
+    whatever the cap leaves (`floor`)."""
 
     tenants: frozenset
     tokens: int
     background: int
+    floor: int = 1
 
     def tier(self, seq) -> int:
         return tier(seq, self.tenants)
@@ -217,4 +225,4 @@ class LatencyGuard:
         background = min(background, tokens)
         if not (tiers[INTERACTIVE] and tokens < budget or tiers[BACKGROUND] and background < budget):
             return None  # no row is held back
-        return LatencyCap(bound, tokens, background)
+        return LatencyCap(bound, tokens, background, max(1, budget // FLOOR_DIVISOR))
