@@ -189,6 +189,31 @@ def test_a_request_larger_than_the_tenants_minute_is_refused_naming_what_to_lowe
     assert figures(server, "hal")["left"] == 300 - r.usage.total_tokens
 
 
+def test_a_stream_its_client_cuts_counts_as_aborted(server):
+    """Issue 57, finding 4: a stream its client closed midway was counted in no `vllm:request_success_total`
+    reason (nor as `abort`, vLLM's reason for it); its tokens are billed as before."""
+
+    def finishes() -> dict:
+        quiet(server)
+        with ops(server) as client:
+            text = client.get("/metrics").text
+        return {s.labels["finished_reason"]: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "vllm:request_success_total"}  # fmt: skip
+
+    before, billed = finishes(), figures(server, "erin")
+    stream = sdk(server, "sk-erin").chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=CONTEXT - 30, stream=True, extra_body={"ignore_eos": True}
+    )
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    after = finishes()
+    assert after["abort"] - before["abort"] == 1
+    assert after["length"] == before["length"] and after["stop"] == before["stop"]
+    assert figures(server, "erin")["requests"] == billed["requests"] + 1
+
+
 @pytest.mark.parametrize(
     "params, param",
     [
