@@ -66,7 +66,22 @@ class Bill:
             for p in self.prompts
         ]
         most = sum(len(p) + self.n * b for p, b in zip(self.prompts, bounds, strict=True))
-        self.ticket.reserve(most, max(bounds), lambda: max(len(c.token_ids) for c in self.choices))
+
+        def lower(limit: int) -> tuple[str, str | None]:
+            """What to lower for the request to fit `limit` tokens (the advice, and the parameter it names)."""
+            prompt = sum(len(p) for p in self.prompts)
+            fits = (limit - prompt) // (self.n * len(self.prompts))  # the largest max_tokens that fits
+            if fits < 1:
+                return f"Its prompt alone is {prompt} tokens: shorten it.", None
+            if max_tokens is None:
+                return (
+                    "Without max_tokens it may use the rest of the context window: set max_tokens "
+                    f"(at most {fits} with this prompt and n).",
+                    "max_tokens",
+                )
+            return f"Lower max_tokens (at most {fits} with this prompt and n) or n.", "max_tokens"
+
+        self.ticket.reserve(most, max(bounds), lambda: max(len(c.token_ids) for c in self.choices), lower)
 
     def close(self) -> None:
         """Bill what the request used (once; later calls do nothing)."""

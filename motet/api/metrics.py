@@ -322,6 +322,11 @@ class Metrics:
             ):
                 self.vllm_phases[phase].labels(name).observe(seconds)
 
+    def observe_abort(self) -> None:
+        """One choice its client cut before the engine finished it: vLLM's `abort` finish (no latency or token
+        histogram: they describe the requests that finished)."""
+        self.vllm_success.labels(self.model_name, "abort").inc()
+
     def observe_group(self, max_generation_tokens: int) -> None:
         """The choices of one prompt (`n` of them) have all finished: the most tokens one generated."""
         self.vllm_max_generation_tokens.labels(self.model_name).observe(max_generation_tokens)

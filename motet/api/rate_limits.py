@@ -5,16 +5,19 @@ Requests and tokens are token buckets refilled continuously (a minute's allowanc
 minute's worth saved up). A generation request (chat, completions, responses) is let in while the tenant
 has a request left, has tokens left, and runs fewer than its concurrency limit; otherwise it is answered 429
 `rate_limit_exceeded` with `Retry-After` before anything is queued: when the bucket has refilled, or, for the
-concurrency limit, when the first of the tenant's running requests is estimated to end (from how far it has got
-towards its max_tokens at the pace it has gone so far; before its first token, from how long the tenant's
-requests have lasted lately).
+concurrency limit, when the first of the tenant's running requests is estimated to end: the tokens it has left
+(its max_tokens less those it has generated) at the engine's current time between a running request's tokens
+(the mean of its last steps, motet/engine/core/latency.py's TokenPace; `DEFAULT_TOKEN_S` before it has timed
+any). Nothing of the tenant's past requests goes in: what runs now says when it ends.
 
 Tokens are reserved, then settled, as OpenAI and LiteLLM do: once a request's prompts are tokenized
 (motet/api/billing.py) it reserves its prompt tokens plus n times its max_tokens (without one, the rest of the
-context window) and is refused with 429 if the bucket does not hold that many (a full bucket lets in a request
-of any size: a tenant whose limit is smaller than a request is slowed down, never locked out); when it ends,
-however it ends, it is charged what it used and the rest goes back. So a tenant's concurrent requests, `n` and
-requests without max_tokens stay within the limit. Every answer of those routes to a limited tenant carries
+context window). A reservation larger than the tenant's whole tokens per minute can never be let in: it is
+refused at once with 429 naming the limit and what to lower (OpenAI's "request too large", with
+`x-should-retry: false`, so the SDKs do not retry it). One that fits the minute but not the tokens left is
+refused with 429 and `Retry-After` until they are back. When a request ends, however it ends, it is charged what
+it used and the rest goes back. So a tenant's concurrent requests, `n` and requests without max_tokens stay
+within the limit. Every answer of those routes to a limited tenant carries
 OpenAI's headers: `x-ratelimit-limit-requests`, `x-ratelimit-remaining-requests`, `x-ratelimit-reset-requests`
 and the same for tokens, as of the answer's start (a stream's tokens reserved, a whole answer's charged).
 
@@ -47,8 +50,11 @@ _FIELDS = {
     "tokens_per_minute": "tpm",
 }
 MAX_LIMIT = 10**15  # past this a limit is a typo (and no longer exact as the float a bucket holds)
-MAX_RETRY_AFTER_S = 60  # an estimate further out is no better than asking again in a minute
-_RECENT = 0.3  # the weight of a request's duration in the tenant's typical one
+# An estimate further out is no better than asking again in a minute (what the SDKs wait as told, at most).
+MAX_RETRY_AFTER_S = 60
+# A running request's time per token before the engine has timed a step: a slow CPU step at a moderate batch
+# (an estimate too long costs a client some waiting; one too short, its retries).
+DEFAULT_TOKEN_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -103,20 +109,30 @@ class Ticket:
     def __init__(self, limiter: RateLimiter, tenant: str, started: float):
         self.limiter, self.tenant, self.started = limiter, tenant, started
         self.reserved = 0
-        self.max_tokens: int | None = None  # the most tokens its longest choice may generate
+        # The most tokens its longest choice may generate (None: the route has not read it yet).
+        self.max_tokens: int | None = None
         self.progress: Callable[[], int] | None = None  # the tokens its longest choice has generated so far
 
-    def remaining_s(self, now: float, typical_s: float | None) -> float | None:
-        """Its estimated time left: the rest of its max_tokens at its pace so far, else what the tenant's
-        requests typically take, less what it has run; None: no estimate."""
-        elapsed = now - self.started
-        done = self.progress() if self.progress is not None else 0
-        if done > 0 and self.max_tokens:
-            return elapsed * max(0, self.max_tokens - done) / done
-        return None if typical_s is None else max(0.0, typical_s - elapsed)
+    def expect(self, max_tokens: int) -> None:
+        """Its longest choice's bound, as soon as the route has read it (before its prompt is tokenized)."""
+        self.max_tokens = max_tokens
 
-    def reserve(self, tokens: int, max_tokens: int | None = None, progress: Callable[[], int] | None = None):
-        self.limiter.reserve(self, tokens, max_tokens, progress)
+    def remaining_s(self, token_s: float) -> float | None:
+        """Its estimated time left: the tokens it has left at `token_s` seconds each; None while its size is not
+        known (the route has not read it yet)."""
+        if self.max_tokens is None:
+            return None
+        done = self.progress() if self.progress is not None else 0
+        return max(0, self.max_tokens - done) * token_s
+
+    def reserve(
+        self,
+        tokens: int,
+        max_tokens: int | None = None,
+        progress: Callable[[], int] | None = None,
+        lower: Callable[[int], tuple[str, str | None]] | None = None,
+    ):
+        self.limiter.reserve(self, tokens, max_tokens, progress, lower)
 
     def settle(self, used: int) -> None:
         self.limiter.settle(self, used)
@@ -130,7 +146,6 @@ class _Usage:
     running: list[Ticket] = field(default_factory=list)
     requests: _Bucket | None = None
     tokens: _Bucket | None = None
-    typical_s: float | None = None  # how long its requests have lasted lately
 
 
 _current: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("motet_rate_limit", default=None)
@@ -149,6 +164,19 @@ def _refusal(why: str, wait: float, headers: dict[str, str]) -> APIError:
         "API key, in the keys file)",
         code="rate_limit_exceeded",
         headers={**headers, "Retry-After": str(max(1, math.ceil(wait)))},
+    )
+
+
+def _too_large(tpm: int, tokens: int, lower: str, param: str | None, headers: dict[str, str]) -> APIError:
+    """OpenAI's "request too large": a request that can never fit the tenant's tokens per minute; retrying does
+    not help (`x-should-retry`, which the openai SDKs obey)."""
+    return APIError(
+        429,
+        f"request too large for this tenant's tokens per minute: limit {tpm}, requested {tokens} (its prompt and "
+        f"n times its max_tokens). {lower}",
+        code="rate_limit_exceeded",
+        param=param,
+        headers={**headers, "x-should-retry": "false"},
     )
 
 
@@ -193,9 +221,10 @@ class RateLimiter:
                 bucket.refill(now)
         return u
 
-    def enter(self, tenant: str) -> Ticket | None:
+    def enter(self, tenant: str, token_s: Callable[[], float | None] = lambda: None) -> Ticket | None:
         """Let one request of `tenant` in: its ticket (None: the tenant has no limits), or a 429 APIError that
-        carries the headers."""
+        carries the headers. `token_s`: the engine's current seconds per token of a running request (None or 0:
+        not timed yet), read only to say when a place frees."""
         with self._lock:
             lim = self.limits.get(tenant)
             if lim is None:
@@ -208,7 +237,7 @@ class RateLimiter:
             elif u.tokens is not None and u.tokens.level <= 0:
                 why, wait = f"tokens per minute ({lim.tpm})", u.tokens.seconds_until(1)
             elif lim.max_concurrent is not None and len(u.running) >= lim.max_concurrent:
-                why, wait = f"concurrent requests ({lim.max_concurrent})", self._place_frees_in(u, now)
+                why, wait = f"concurrent requests ({lim.max_concurrent})", self._place_frees_in(u, token_s())
             if why is None:
                 if u.requests is not None:
                     u.requests.level -= 1
@@ -219,9 +248,11 @@ class RateLimiter:
         raise _refusal(why, wait, headers)
 
     @staticmethod
-    def _place_frees_in(u: _Usage, now: float) -> float:
-        """When the first of the tenant's running requests is estimated to end (1 s when none can be)."""
-        estimates = [s for t in u.running if (s := t.remaining_s(now, u.typical_s)) is not None]
+    def _place_frees_in(u: _Usage, token_s: float | None) -> float:
+        """When the first of the tenant's running requests is estimated to end (1 s while none has been read yet:
+        it will be in a moment)."""
+        pace = token_s or DEFAULT_TOKEN_S
+        estimates = [s for t in u.running if (s := t.remaining_s(pace)) is not None]
         return min(MAX_RETRY_AFTER_S, min(estimates)) if estimates else 1.0
 
     def reserve(
@@ -230,9 +261,12 @@ class RateLimiter:
         tokens: int,
         max_tokens: int | None = None,
         progress: Callable[[], int] | None = None,
+        lower: Callable[[int], tuple[str, str | None]] | None = None,
     ) -> None:
         """Reserve `tokens` (the most the request can use) against the tokens per minute, or raise 429; record
-        how the request's progress is read (`max_tokens`: its longest choice's bound, `progress`: its tokens)."""
+        how the request's progress is read (`max_tokens`: its longest choice's bound, `progress`: its tokens).
+        `lower(limit)`: what the client should lower for the request to fit a limit (the advice, and the
+        parameter it names), for a request larger than the whole minute."""
         with self._lock:
             ticket.max_tokens, ticket.progress = max_tokens, progress
             lim = self.limits.get(ticket.tenant, TenantLimits())
@@ -240,12 +274,15 @@ class RateLimiter:
             bucket = u.tokens
             if bucket is None or tokens <= 0:
                 return
-            if tokens <= bucket.level or bucket.level >= bucket.per_minute:
+            if tokens <= bucket.level:
                 bucket.level -= tokens
                 ticket.reserved += tokens
                 return
-            wait = bucket.seconds_until(min(tokens, bucket.per_minute))
+            wait = bucket.seconds_until(tokens)
             headers = self._headers(u)
+        if tokens > bucket.per_minute:  # it can never fit, however long it waits
+            advice, param = lower(bucket.per_minute) if lower is not None else ("", None)
+            raise _too_large(bucket.per_minute, tokens, advice, param, headers)
         raise _refusal(
             f"tokens per minute ({lim.tpm}): this request may use {tokens} tokens (its prompt and n times its "
             f"max_tokens), {max(0, math.floor(bucket.level))} are left",
@@ -269,8 +306,6 @@ class RateLimiter:
             if u is None or ticket not in u.running:
                 return
             u.running.remove(ticket)
-            took = self.clock() - ticket.started
-            u.typical_s = took if u.typical_s is None else (1 - _RECENT) * u.typical_s + _RECENT * took
 
     def admit(self, tenant: str) -> dict[str, str]:
         """`enter` for a caller that releases by tenant (`release`): the request's headers."""
@@ -318,6 +353,10 @@ class RateLimits:
     def __init__(self, app, state, limiter: RateLimiter):
         self.app, self.state, self.limiter = app, state, limiter
 
+    def _token_s(self) -> float | None:
+        """The engine's current time between a running request's tokens (0: not timed yet)."""
+        return self.state.system.stats().token_s
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LIMITED_ROUTES:
             return await self.app(scope, receive, send)
@@ -330,7 +369,7 @@ class RateLimits:
         except APIError:  # the route answers the 401 / 403 itself
             return await self.app(scope, receive, send)
         try:
-            ticket = self.limiter.enter(tenant)
+            ticket = self.limiter.enter(tenant, self._token_s)
         except APIError as e:
             response = e.response()
             return await response(scope, receive, send)

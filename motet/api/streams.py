@@ -110,6 +110,20 @@ def observe(state: ServerState, c: Choice, choices: list[Choice] | None = None) 
     tracing.choice_ended(c.arrival, c.timings)
 
 
+def observe_cut(state: ServerState, choices: list[Choice]) -> None:
+    """The client went away before it read every choice's end (called once the bill has taken what the engine
+    had sent): each choice not yet counted in the metrics is, by the engine's reason where the engine had finished
+    it, else as vLLM's `abort`. A choice that failed is not (as before: it never finished)."""
+    for c in choices:
+        if c.observed or c.error is not None:
+            continue
+        if c.finished:
+            observe(state, c, choices)
+        else:
+            state.metrics.observe_abort()
+            c.observed = True
+
+
 async def collect(
     request: Request, state: ServerState, choices: list[Choice], streams: list[ReplyStream], bill: Bill
 ):
@@ -134,6 +148,7 @@ async def collect(
             bill.close()
         tg.cancel_scope.cancel()
     if disconnected:
+        observe_cut(state, choices)
         raise APIError(499, "client disconnected")
     for c in choices:
         if c.error is not None:
@@ -195,10 +210,19 @@ class EventStream(StreamingResponse):
         bill: Bill,
         done: bool = True,
     ):
-        body = relay(chunks, done)
-        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(
+            self._body(relay(chunks, done)),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
         self.state, self.streams, self.bill = state, streams, bill
+        self.sent_whole = False  # the body ran to its end (its last event sent): the client did not cut it
         state.inflight += 1  # until the response is done
+
+    async def _body(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        async for event in events:
+            yield event
+        self.sent_whole = True
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -206,4 +230,6 @@ class EventStream(StreamingResponse):
         finally:
             release(self.state, self.streams)
             self.bill.close()
+            if not self.sent_whole:  # the client went away midway
+                observe_cut(self.state, self.bill.choices)
             self.state.inflight -= 1

@@ -98,6 +98,7 @@ def total_stats(reports: Iterable[ReplicaReport]) -> Stats | None:
         grammar=_summed(GrammarStats, [r.stats.grammar for r in reports]),
         speculative=_summed(SpeculativeStats, [r.stats.speculative for r in reports]),
         kv_tiers=sum_tier_stats(r.stats.kv_tiers for r in reports),
+        token_s=max(r.stats.token_s for r in reports),  # the slowest replica's pace: an estimate errs long
     )
 
 

@@ -39,6 +39,7 @@ from motet.engine.core.kv_connector import GiB, KVConnector, KVTierStats, NoKVTi
 from motet.engine.core.kv_shared import SharedTier
 from motet.engine.core.kv_tiers import DiskTier
 from motet.engine.core.kv_window import WindowBlocks
+from motet.engine.core.latency import TokenPace
 from motet.engine.core.scheduler import ScheduledBatch, Scheduler
 from motet.engine.core.sequence import Sequence
 from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
@@ -99,6 +100,9 @@ class EngineStats:
     tenants: tuple[TenantState, ...] = ()  # tenants with requests here, in the order they are served next
     kv_tiers: tuple[KVTierStats, ...] = ()  # the KV tiers past the device cache, if any (RAM, disk)
     cpu_kernels: str = ""  # the native CPU step's instruction-set tier (cpu_native.isa()); "" where none runs
+    # The time between a running request's tokens now (latency.TokenPace; 0: not timed yet), for the estimates of
+    # when a running request ends (a concurrency limit's Retry-After).
+    token_s: float = 0.0
 
 
 # When every waiting request is waiting for its KV blocks and none runs, the step waits this long at most for a
@@ -150,6 +154,7 @@ class LLMEngine:
             tpot_target_s=config.tpot_target_s,
         )
         self._last_landed = 0.0  # when the latest step's tokens landed (a step's time, for latency.StepCost)
+        self.token_pace = TokenPace()  # the time between a running request's tokens, for the API's estimates
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.limits = RequestLimits(
             vocab_size=self.model_config.vocab_size,
@@ -448,6 +453,7 @@ class LLMEngine:
             tenants=sched.tenant_states(),
             kv_tiers=self.kv_connector.stats(),
             cpu_kernels=self.runner.cpu_kernels,
+            token_s=self.token_pace.seconds() or 0.0,
         )
 
     # -- the step -------------------------------------------------------------------------------------
@@ -578,6 +584,7 @@ class LLMEngine:
                     log.exception("request %s failed while processing its token", seq.request_id)
                 self.abort(seq.request_id)
                 landed.outputs.append(failed(seq.request_id, repr(e)))
+        self.token_pace.landed(now, self.scheduler.has_work())
         return landed
 
     def commit_text(self, landed: LandedStep) -> list[OutputDelta]:

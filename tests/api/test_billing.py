@@ -25,6 +25,7 @@ KEYS = {
     "sk-erin": {"tenant": "erin", "limits": {"tokens_per_minute": 10_000_000}},
     "sk-fay": {"tenant": "fay", "limits": {"tokens_per_minute": 600}},
     "sk-gil": {"tenant": "gil", "limits": {"tokens_per_minute": 700}},
+    "sk-hal": {"tenant": "hal", "limits": {"tokens_per_minute": 300}},
     "sk-ops": {"admin": True},
 }
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -158,6 +159,59 @@ def test_a_request_without_max_tokens_reserves_the_rest_of_the_context(server):
     with pytest.raises(openai.RateLimitError, match=r"tokens per minute \(700\)"):
         gil.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"ignore_eos": True})
     assert figures(server, "gil")["left"] == 700 - CONTEXT
+
+
+def test_a_request_larger_than_the_tenants_minute_is_refused_naming_what_to_lower(server):
+    """Issue 57, finding 3: on a full bucket a request of any size got in, so one request of n = 8 or one without
+    max_tokens took 2.8-3.4x the tenant's tokens per minute. OpenAI's way: a request whose prompt and n times its
+    max_tokens (the rest of the context without one) exceed the whole minute is refused at once, naming the limit
+    and what to lower, and the SDK does not retry it (`x-should-retry: false`; with its default 2 retries it sends
+    one request)."""
+    prompt = sdk(server, "sk-erin").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    prompt = prompt.usage.prompt_tokens
+    sent = []
+    hal = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-hal", timeout=120,
+                        http_client=httpx.Client(event_hooks={"request": [sent.append]}))  # fmt: skip
+    with pytest.raises(openai.RateLimitError) as e:  # the rest of the context: 384 tokens
+        hal.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"ignore_eos": True})
+    fits = (300 - prompt) // 8
+    assert len(sent) == 1 and e.value.response.headers["x-should-retry"] == "false"
+    assert e.value.body["code"] == "rate_limit_exceeded" and e.value.body["param"] == "max_tokens"
+    assert f"limit 300, requested {CONTEXT}" in e.value.body["message"]
+    assert f"set max_tokens (at most {300 - prompt}" in e.value.body["message"]
+    with pytest.raises(openai.RateLimitError) as e:
+        hal.chat.completions.create(model=MODEL, messages=MESSAGES, n=8, max_tokens=fits + 1)
+    assert len(sent) == 2 and f"limit 300, requested {prompt + 8 * (fits + 1)}" in e.value.body["message"]
+    assert f"Lower max_tokens (at most {fits} with this prompt and n) or n" in e.value.body["message"]
+    r = hal.chat.completions.create(model=MODEL, messages=MESSAGES, n=8, max_tokens=fits,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.usage.total_tokens == prompt + 8 * fits <= 300
+    assert figures(server, "hal")["left"] == 300 - r.usage.total_tokens
+
+
+def test_a_stream_its_client_cuts_counts_as_aborted(server):
+    """Issue 57, finding 4: a stream its client closed midway was counted in no `vllm:request_success_total`
+    reason (nor as `abort`, vLLM's reason for it); its tokens are billed as before."""
+
+    def finishes() -> dict:
+        quiet(server)
+        with ops(server) as client:
+            text = client.get("/metrics").text
+        return {s.labels["finished_reason"]: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "vllm:request_success_total"}  # fmt: skip
+
+    before, billed = finishes(), figures(server, "erin")
+    stream = sdk(server, "sk-erin").chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=CONTEXT - 30, stream=True, extra_body={"ignore_eos": True}
+    )
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    after = finishes()
+    assert after["abort"] - before["abort"] == 1
+    assert after["length"] == before["length"] and after["stop"] == before["stop"]
+    assert figures(server, "erin")["requests"] == billed["requests"] + 1
 
 
 @pytest.mark.parametrize(

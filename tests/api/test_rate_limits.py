@@ -7,6 +7,7 @@ after a storm of SIGHUPs."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 import time
@@ -16,7 +17,7 @@ import openai
 import pytest
 
 from motet.api.errors import APIError
-from motet.api.rate_limits import RateLimiter, TenantLimits, duration
+from motet.api.rate_limits import DEFAULT_TOKEN_S, RateLimiter, TenantLimits, duration
 from tests.clock import Clock
 from tests.live_server import Server
 
@@ -63,9 +64,9 @@ def test_concurrency_and_reload_keep_what_was_used():
     assert duration(0.02) == "20ms" and duration(1) == "1s" and duration(360) == "6m0s"
 
 
-def test_reservations_settle_to_what_was_used_and_a_place_frees_when_estimated():
+def test_reservations_settle_to_what_was_used_and_a_request_larger_than_the_minute_is_refused_for_good():
     clock = Clock(100.0)
-    lim = RateLimiter({"a": TenantLimits(tpm=1000), "b": TenantLimits(max_concurrent=1)}, clock=clock)
+    lim = RateLimiter({"a": TenantLimits(tpm=1000)}, clock=clock)
     first = lim.enter("a")
     first.reserve(600)  # its prompt and n x max_tokens
     assert lim.headers("a")["x-ratelimit-remaining-tokens"] == "400"
@@ -75,25 +76,52 @@ def test_reservations_settle_to_what_was_used_and_a_place_frees_when_estimated()
     with pytest.raises(APIError, match=r"may use 800 tokens .*, 750 are left") as e:
         second.reserve(800)
     assert e.value.headers["Retry-After"] == "3"  # 50 more tokens: 3 s at 1000 a minute
-    clock.now += 15  # the bucket is full again: a request of any size gets in (and the next waits)
-    second.reserve(5000)
+    clock.now += 15  # the bucket is full again
+    # Issue 57, finding 3: a full bucket let in a request of any size (an n = 8 request took 2.8-3.4x the minute).
+    # One larger than the whole minute never fits: OpenAI's "request too large", not to be retried.
+    with pytest.raises(APIError, match=r"limit 1000, requested 5000.*Lower max_tokens") as e:
+        second.reserve(5000, lower=lambda limit: (f"Lower max_tokens (at most {limit - 200}).", "max_tokens"))
+    assert e.value.status == 429 and e.value.code == "rate_limit_exceeded" and e.value.param == "max_tokens"
+    assert e.value.headers["x-should-retry"] == "false" and "Retry-After" not in e.value.headers
+    second.reserve(1000)  # the whole minute fits
     assert lim.headers("a")["x-ratelimit-remaining-tokens"] == "0"
-    second.settle(1100)
+    second.settle(900)
     second.leave()
 
+
+def test_a_place_frees_when_the_running_requests_tokens_left_are_made():
+    """Issue 57, finding 2: a fresh tenant's burst was told `Retry-After: 1` (no history yet, no token yet), and
+    with history the tenant's typical duration, 24 s for a request that ended 0.7 s later. The estimate is the
+    running request's tokens left (max_tokens less what it made) at the engine's current time per token."""
+    clock = Clock(100.0)
+    lim = RateLimiter({"b": TenantLimits(max_concurrent=1)}, clock=clock)
+    made = [0]
     running = lim.enter("b")
-    running.reserve(0, max_tokens=4000, progress=lambda: 1000)
-    clock.now += 10  # 1000 of its 4000 tokens in 10 s: its place frees in 30 s
     with pytest.raises(APIError, match=r"concurrent requests \(1\)") as e:
-        lim.enter("b")
-    assert e.value.headers["Retry-After"] == "30"
-    clock.now += 90  # (it ran 100 s in all)
+        lim.enter("b")  # its size is not read yet: ask again in a second
+    assert e.value.headers["Retry-After"] == "1"
+    running.expect(1000)  # the route has read its max_tokens
+    with pytest.raises(APIError) as e:
+        lim.enter("b", lambda: 0.02)  # no token yet: 1000 tokens at 20 ms
+    assert e.value.headers["Retry-After"] == "20"
+    running.reserve(0, max_tokens=1000, progress=lambda: made[0])
+    made[0] = 400
+    with pytest.raises(APIError) as e:
+        lim.enter("b", lambda: 0.02)
+    assert e.value.headers["Retry-After"] == "12"  # 600 left
+    with pytest.raises(APIError) as e:
+        lim.enter("b", lambda: 0.2)  # the engine slowed down: 120 s, a client is told 60 at most
+    assert e.value.headers["Retry-After"] == "60"
+    with pytest.raises(APIError) as e:
+        lim.enter("b")  # no step timed yet: DEFAULT_TOKEN_S a token (60 s at most)
+    assert e.value.headers["Retry-After"] == str(min(60, math.ceil(600 * DEFAULT_TOKEN_S)))
+    clock.now += 100
     running.leave()
-    running = lim.enter("b")  # no token yet: the tenant's requests lately took 100 s, it has run 20
-    clock.now += 20
-    with pytest.raises(APIError, match="concurrent requests") as e:
-        lim.enter("b")
-    assert e.value.headers["Retry-After"] == "60"  # (80 s: a client is told 60 at most)
+    running = lim.enter("b")  # what the tenant's requests took before counts for nothing now
+    running.reserve(0, max_tokens=64, progress=lambda: 30)
+    with pytest.raises(APIError) as e:
+        lim.enter("b", lambda: 0.02)
+    assert e.value.headers["Retry-After"] == "1"  # 34 tokens at 20 ms: 0.68 s
     running.leave()
 
 
@@ -103,6 +131,7 @@ KEYS = {
     "sk-dave": {"tenant": "dave", "limits": {"tokens_per_minute": 60}},
     "sk-bob": "bob",
     "sk-gus": {"tenant": "gus", "limits": {"max_concurrent_requests": 2, "requests_per_minute": 100000}},
+    "sk-frank": {"tenant": "frank", "limits": {"max_concurrent_requests": 1}},
 }
 
 
@@ -262,6 +291,44 @@ def test_a_request_over_the_concurrency_limit_gets_in_by_the_sdks_own_retries(se
         assert raw.retries_taken >= 1  # refused at first: the place was taken
     finally:
         holder.join(120)
+
+
+def test_retry_after_is_the_running_requests_tokens_left_at_the_servers_pace(served):
+    """Issue 57, finding 2: a fresh tenant limited to one request was told `Retry-After: 1` on its first burst while
+    its running request had no token yet and took 98 s (the SDK's retries gave up after 2 s): before a first token
+    the estimate came from how long the tenant's past requests took, and it had none. The running request here has
+    a ~2,000-token prompt (8 steps before its first token) and the rest of the context to make, after another
+    tenant's request of the same size (the server's recent steps). The reference: its tokens at the server's time
+    per token, measured on its own stream after the refusal."""
+    srv, _ = served
+
+    def chat(key: str, text: str, max_tokens: int):
+        return sdk(srv, key).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": text * 666}], max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+
+    *_, last = chat(
+        "sk-bob", "ho ", 100
+    )  # (the tiny model's steps slow down as its context grows: the same size)
+    max_tokens = 4096 - last.usage.prompt_tokens
+    stream = chat("sk-frank", "hi ", max_tokens)
+    chunks = iter(stream)
+    next(chunks)  # the answer has started (its role; no token yet): the request holds frank's one place
+    with pytest.raises(openai.RateLimitError, match=r"concurrent requests \(1\)") as e:
+        ask(sdk(srv, "sk-frank"))
+    retry_after = int(e.value.response.headers["retry-after"])
+    arrivals, tokens = [], 0  # the server's pace: the running request's tokens as they come
+    for chunk in chunks:
+        if got := sum(len(c.token_ids or []) for c in chunk.choices):
+            arrivals.append((time.monotonic(), got))
+            tokens += got
+            if tokens >= 300:
+                break
+    stream.close()
+    seconds_per_token = (arrivals[-1][0] - arrivals[0][0]) / (tokens - arrivals[0][1])
+    reference = min(60, max_tokens * seconds_per_token)
+    assert reference / 2.5 <= retry_after <= 2.5 * reference + 1, (retry_after, reference)
 
 
 def test_sighup_storm_while_requests_are_admitted_then_sigterm(served):

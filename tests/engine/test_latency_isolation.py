@@ -282,6 +282,51 @@ def test_engine_tokens_are_the_same_with_and_without_latency_isolation(tiny_mode
     assert capped == plain and all(len(t) == 24 for t in plain.values())
 
 
+# -- over HTTP: every tenant with work makes progress -----------------------------------------------------------
+def test_a_tenants_prompt_is_answered_while_a_light_tenants_streams_run(tiny_model_dir, tmp_path):
+    """Issue 57, finding 1, on a real server: tenant a keeps 8 streams running (light beside a 900-token prompt),
+    tenant b sends the prompt; at a 1 ms target (a step of 1 token: less than a's decode rows alone) the prompt got
+    no token until a's streams ended. It is answered while they all still run now."""
+    import openai
+
+    from tests.live_server import ThreadServer, keys_file
+
+    srv = ThreadServer(
+        "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--api-keys",
+        keys_file(tmp_path, {"sk-a": "a", "sk-b": "b"}), "--data-dir", str(tmp_path / "data"), "--threads", "1",
+        "--max-model-len", "2048", "--tpot-target-ms", "1",
+    )  # fmt: skip
+    try:
+
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0, timeout=300)
+
+        streams = [
+            client("sk-a").chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": f"stream {i}"}],
+                max_tokens=2000,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for i in range(8)
+        ]
+        for stream in streams:  # all 8 decoding (the server never waits for a reader: the rest waits for us)
+            chunks = iter(stream)
+            while not next(chunks).choices[0].delta.content:
+                pass
+        answer = client("sk-b").completions.create(
+            model="tiny", prompt=list(range(20, 320)) * 3, max_tokens=1
+        )
+        assert answer.usage.prompt_tokens == 900 and answer.usage.completion_tokens == 1
+        stats = srv.state.system.stats()
+        assert stats.num_running == 8, stats  # a's streams, every one still running
+        for stream in streams:
+            stream.close()
+    finally:
+        srv.stop()
+
+
 # -- the API: which requests are batch work ---------------------------------------------------------------------
 def test_batch_work_is_marked_from_the_keys_file_the_flex_tier_and_batch_lines(tiny_model_dir):
     import time
@@ -353,3 +398,29 @@ def test_a_keys_file_priority_class_is_checked():
     for bad in ({"tenant": "t", "priority_class": "low"}, {"admin": True, "priority_class": "batch"}):
         with pytest.raises(ValueError, match="priority_class"):
             Authenticator({"k": bad})
+
+
+@pytest.mark.parametrize(("streams", "target_s"), [(24, 0.06), (8, 0.01), (24, 0.01)])
+def test_a_light_tenants_streams_never_starve_another_tenants_prompt(streams, target_s):
+    """A tenant keeping 8 or 24 streams running is light beside another's 900-token prompt; its rows took the capped
+    step whole (24 decode tokens against 19 at a 60 ms target, or against 1 at 10 ms), and the prompt got no token
+    until the streams stopped. Every tenant with work makes progress: the least-served held-back tenant gets at least a floor of
+    tokens each step (VTC's guarantee), so the prompt is computed in a bounded number of steps while the streams
+    keep their token every step."""
+    sched = make(target_s=target_s)
+    light = [seq("a", max_tokens=10_000) for _ in range(streams)]
+    for s in light:
+        sched.add(s)
+    run_step(sched)
+    prompt = Sequence(
+        list(range(20_000, 20_900)), SamplingParams(max_tokens=4), arrival=next(_arrivals), tenant="b"
+    )
+    sched.add(prompt)
+    bound = -(-900 // 8) + 2  # at least 8 tokens (of the 256 budget) a step, and the first token's step
+    for _ in range(bound):
+        batch = run_step(sched)
+        assert all(s in batch.seqs for s in light)  # the streams' token every step all the same
+        if prompt.num_output_tokens:
+            break
+    assert prompt.num_computed_tokens >= 900 and prompt.num_output_tokens >= 1
+    assert sched.num_capped_steps > 0 and sched.num_preemptions == 0

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from motet.actors.messages import Admission, GenerateSpec
 from motet.actors.reply import merge_streams
 from motet.actors.serving_errors import ServingError
-from motet.api import tracing
+from motet.api import rate_limits, tracing
 from motet.api import usage as usage_records
 from motet.api.auth import Principal
 from motet.api.billing import Bill
@@ -127,6 +127,10 @@ def with_warnings(response: Response, structure: Structure, rid: str) -> Respons
 
 async def submit(state: ServerState, *specs: GenerateSpec) -> list[Admission]:
     """Queue every spec of one API request, or none of them."""
+    # How long it may run, for the Retry-After of a request its tenant's concurrency limit refuses meanwhile.
+    if (ticket := rate_limits.current()) is not None:
+        context = state.system.model.max_model_len
+        ticket.expect(max(context if s.max_tokens is None else min(s.max_tokens, context) for s in specs))
     try:
         admissions = await state.system.submit_all(list(specs))
     except ServingError as e:

@@ -27,12 +27,16 @@ light request into the step at once; this module keeps the step small enough whi
   yield rows: they keep their slots and KV, and go on at the next step), then batch work within what is spare.
   When nobody is light and no batch work runs beside interactive work the step is the full budget: throughput
   is unchanged.
+  Yielding never means starving: every tenant with interactive work makes progress. In a capped step the
+  least-served of the tenants whose rows yield (the lowest virtual token counter, VTC's rule) gets at least
+  `floor` tokens (a 32nd of the budget) whatever the cap leaves, so a light tenant's many streams cannot hold
+  another tenant's prompt back until they stop; as it is served its counter rises and the next one has its turn.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,9 +46,12 @@ from motet.engine.core.fairness import Tenant, VirtualTokenCounter
 LIGHT_RATIO = 4
 # Beside interactive rows, batch rows may make a step at most this much slower than those rows alone.
 BACKGROUND_SLACK = 1.1
+# The least-served yielding tenant's tokens in every capped step: at least the budget over this (8 of 256 on CPU).
+FLOOR_DIVISOR = 32
 LINGER_S = 1.0  # a light tenant stays latency-bound this long after its last request left the engine
 _DECAY = 0.97  # weight of the steps before the latest in the fit (about the last 30 steps count)
 _MIN_STEPS = 8  # steps seen before the model sizes anything
+_RECENT_STEPS = 64  # the intervals whose mean is the time between a running request's tokens
 _MAX_STEP_S = 30.0  # a longer interval is not a step's time (the engine sat idle, a debugger stopped it)
 _WORK_DECAY = 0.9  # weight of the steps before the latest in a tenant's work (about the last 10 steps count)
 _FORGOTTEN = 1e-3  # a tenant with no work here whose average fell below this is forgotten
@@ -97,6 +104,28 @@ class StepCost:
         return max(1, math.floor((seconds - fixed) / per_token))
 
 
+class TokenPace:
+    """The time between a running request's tokens as the engine goes now: the mean of the last intervals from one
+    step's landing to the next while the engine had work throughout (so the loop's own time between steps counts,
+    and an idle engine's waiting does not). A mean, not a median: the intervals come in two kinds (a step alone,
+    and a step that waited for the server's other threads), and a request's time is their sum. For estimates of
+    when a running request ends (motet/api/rate_limits.py), not for sizing steps (`StepCost`)."""
+
+    def __init__(self, size: int = _RECENT_STEPS):
+        self._recent: deque[float] = deque(maxlen=size)
+        self._last: float | None = None  # the latest landing, when work was left after it
+
+    def landed(self, now: float, work_left: bool) -> None:
+        """A step's tokens landed at `now`; `work_left`: the engine has requests still (its next step follows)."""
+        if self._last is not None and now - self._last < _MAX_STEP_S:
+            self._recent.append(now - self._last)
+        self._last = now if work_left else None
+
+    def seconds(self) -> float | None:
+        """None before two steps in a row."""
+        return sum(self._recent) / len(self._recent) if self._recent else None
+
+
 # A step's tiers of rows, in the order they take the step's tokens.
 BOUND, INTERACTIVE, BACKGROUND = 0, 1, 2
 
@@ -139,11 +168,13 @@ class TenantWork:
 class LatencyCap:
     """One step's sizing: the latency-bound tenants (their interactive rows go first, at the full budget), and
     the most tokens the step may hold when another interactive row (`tokens`) or a batch row (`background`) is
-    added, counting every row before it."""
+    added, counting every row before it; and the tokens the least-served tenant whose interactive rows yield gets
+    whatever the cap leaves (`floor`)."""
 
     tenants: frozenset
     tokens: int
     background: int
+    floor: int = 1
 
     def tier(self, seq) -> int:
         return tier(seq, self.tenants)
@@ -217,4 +248,4 @@ class LatencyGuard:
         background = min(background, tokens)
         if not (tiers[INTERACTIVE] and tokens < budget or tiers[BACKGROUND] and background < budget):
             return None  # no row is held back
-        return LatencyCap(bound, tokens, background)
+        return LatencyCap(bound, tokens, background, max(1, budget // FLOOR_DIVISOR))

@@ -22,7 +22,8 @@ each adapter's tokens form one contiguous segment for the LoRA kernels.
 While a light tenant's request runs (light by the tokens it brings, prompts included), its rows go first and the
 other interactive rows get only the tokens that keep the step within the TPOT target, batch work only what is
 spare beside the interactive rows (motet/engine/core/latency.py): the rows held back wait a step, keeping their slots
-and KV.
+and KV; the least-served tenant among those whose interactive rows yield still gets the cap's floor of tokens every
+step, so no tenant with work starves beside a light one.
 With KV tiers (motet/engine/core/kv_connector.py), a waiting sequence whose prefix the tiers hold past the device
 cache's hit waits, keeping its place, while its blocks are loaded in the background; it is admitted after.
 """
@@ -39,7 +40,7 @@ from motet.engine.core.adapter_slicer import AdapterSlicer
 from motet.engine.core.block_manager import BlockManager
 from motet.engine.core.fairness import TenantShares, TenantState, VirtualTokenCounter
 from motet.engine.core.kv_connector import KVConnector, NoKVTiers
-from motet.engine.core.latency import LatencyGuard, tier
+from motet.engine.core.latency import INTERACTIVE, LatencyGuard, tier
 from motet.engine.core.sequence import PendingToken, Sequence, SequenceStatus
 from motet.engine.core.step_plan import PlanMirror, RowPlan, reaches_end
 
@@ -240,16 +241,25 @@ class Scheduler:
         if cap is not None:
             self.num_capped_steps += 1
         used = 0  # tokens in the step so far
+        # Yielding is not starving: the least-served tenant whose interactive rows the cap holds back (VTC's lowest
+        # counter) goes first in its tier and gets at least the cap's floor of tokens, whatever the cap leaves.
+        floor_tenant = None
+        if cap is not None:
+            floor_tenant = fair.pick(
+                dict.fromkeys(s.tenant for s in self.running if tier_of(s) == INTERACTIVE and uncomputed(s))
+            )
+        floor_left = cap.floor if floor_tenant is not None else 0
         running_places = tenant_places(self.running)
         tenants = {s.tenant for s in self.running}
-        order = {t: (shares.load(t), fair.counter(t)) for t in tenants}  # once per tenant, not per row
+        order = {t: (t != floor_tenant, shares.load(t), fair.counter(t)) for t in tenants}  # once per tenant
         self.running.sort(key=lambda s: (tier_of(s), *order[s.tenant], *running_places[s.seq_id]))
         decodes_left = Counter(tier_of(s) for s in self.running if uncomputed(s) == 1)
         i = 0
         while i < len(self.running) and used < budget:
             seq = self.running[i]
             group = tier_of(seq)
-            left = limits[group] - used
+            owed = floor_left if group == INTERACTIVE and seq.tenant == floor_tenant else 0
+            left = max(limits[group] - used, min(owed, budget - used))
             if left <= 0:  # its tier's tokens are spent: it and the later rows (tiers after) wait a step
                 break
             remaining = uncomputed(seq)
@@ -265,8 +275,8 @@ class Scheduler:
             if remaining == 1:
                 decodes_left[group] -= 1
                 room = max(1, left - decodes_left[group])  # its drafts do not take the later rows' tokens
-            else:
-                room = left - decodes_left[group]
+            else:  # the floor's tokens are owed whatever the tier's other decode rows would take
+                room = max(left - decodes_left[group], min(owed, left))
                 if room <= 0:  # no room for a prompt chunk beside the decode rows: next step
                     i += 1
                     continue
@@ -291,6 +301,8 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 used += n
+                if owed:
+                    floor_left = max(0, floor_left - n)
                 i += 1
                 continue
             break
