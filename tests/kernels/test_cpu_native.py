@@ -70,6 +70,27 @@ def test_attention_matches_naive(dtype, block_size, num_heads, num_kv_heads, hea
     torch.testing.assert_close(out.double(), naive_attention(q, kv_cache, ctx, options), **TOL[dtype])
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (16, 1, 64), (8, 2, 128), (8, 2, 24)]
+)
+@pytest.mark.parametrize("options", [{}, {"window": 21}, {"softcap": 3.0}, {"sinks": True}], ids=str)
+def test_attention_fp32_queries_over_a_bf16_cache(block_size, num_heads, num_kv_heads, head_dim, options):
+    """The native step's attention: fp32 queries over a bf16 cache (in the avx512bf16 tier, blocks of query tokens
+    against tiles of 16 keys through bf16 dot products, q and the probabilities rounded to bf16; a head size that is
+    no multiple of 32 the fp32 kernel's), prefill chunks over context, fresh prefills, decodes, every option."""
+    g = torch.Generator().manual_seed(block_size + num_heads + head_dim)
+    seqs = random_seqs(g, n=10, max_ctx=90, max_chunk=40)
+    q, kv_cache, ctx = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=7)
+    q = torch.randn(q.shape, generator=g)
+    if options.get("sinks"):
+        options = {**options, "sinks": torch.randn(num_heads, generator=g)}
+    opts = AttentionOptions(head_dim**-0.5, **options)
+    out = cpu_native.attention(q, kv_cache, ctx, opts)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), naive_attention(q, kv_cache, ctx, opts), **TOL[torch.bfloat16])
+
+
 def test_attention_strided_q_and_long_context():
     seqs = [(1, 700), (3, 300), (1, 1), (0, 9)]
     args = make_batch(seqs, 9, 3, 64, 16, torch.float32, noncontig_q=True, device="cpu")

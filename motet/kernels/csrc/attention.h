@@ -17,8 +17,9 @@ constexpr int kTile = 32;
 constexpr int kMaxGroup = 16;
 constexpr int kMaxHeadDim = 256;
 
+// (attention_bf16.h's `attention` runs this, or the bf16 dot-product kernel where the tier and shapes allow)
 template <typename TQ, typename TC>
-void attention(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* vc, const int32_t* tables,
+void attention_fma(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const TC* vc, const int32_t* tables,
                int64_t table_stride, const int32_t* qsl, const int32_t* seq_lens, int num_seqs, TQ* out,
                int64_t out_st, int H, int KVH, int D, int BS, float scale, int window = 0, float softcap = 0.0f,
                const float* sinks = nullptr) {

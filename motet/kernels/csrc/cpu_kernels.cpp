@@ -11,6 +11,7 @@
 // gemm_bf16.h).
 
 #include "attention.h"
+#include "attention_bf16.h"
 #include "gemm.h"
 #include "gemm_bf16.h"
 #include "latent.h"
