@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from motet.engine.weights import gguf_names
-from motet.engine.weights.gguf_config import reader_config
+from motet.engine.weights.gguf_config import SPM_TOKENIZER, reader_config
 from motet.engine.weights.gguf_pretokenizers import IGNORE_MERGES, pre_tokenizer
+from motet.engine.weights.gguf_spm import ADDED_TYPES, CONTROL, spm_tokenizer
 from motet.models import find
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
@@ -238,10 +239,76 @@ def _write_json(path: Path, obj) -> None:
 def _write_tokenizer(
     out_dir: Path, meta: dict, tokens: list[str], token_types: list[int], max_len: int
 ) -> None:
-    """tokenizer.json etc. for the gpt2 byte-level BPE vocabulary of the GGUF, split before BPE as its
-    `tokenizer.ggml.pre` names (motet/engine/weights/gguf_pretokenizers.py). Control tokens (token_type 3) are
-    special added tokens.
-    """
+    """tokenizer.json, special_tokens_map.json and tokenizer_config.json (with the chat template) of the GGUF's
+    vocabulary: byte-level BPE (`_bpe_tokenizer`) or SentencePiece's (motet/engine/weights/gguf_spm.py), its
+    special tokens by their ids in the metadata, BOS added where `tokenizer.ggml.add_bos_token` says (llama.cpp's
+    default where it says nothing: for SentencePiece vocabularies, not for BPE ones)."""
+    from tokenizers import processors
+
+    def name(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    spm = meta.get("tokenizer.ggml.model") == SPM_TOKENIZER
+    if spm:
+        try:
+            tok = spm_tokenizer(
+                tokens,
+                list(meta["tokenizer.ggml.scores"]),
+                token_types,
+                add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+                unknown=name("unknown_token_id"),
+            )
+        except ValueError as e:
+            raise PullError(str(e)) from None
+    else:
+        tok = _bpe_tokenizer(meta, tokens, token_types)
+    ids = {t: i for i, t in enumerate(tokens)}
+    for t, kind in zip(tokens, token_types, strict=True):  # added tokens must keep their GGUF ids
+        if kind in ADDED_TYPES and tok.token_to_id(t) != ids[t]:
+            raise PullError(f"special token {t!r} did not keep its id {ids[t]}")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", spm))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    bos, eos = (name("bos_token_id") if add_bos else None), (name("eos_token_id") if add_eos else None)
+    if spm and (bos or eos):  # (a byte-level BPE tokenizer's post-processor is its own: _bpe_tokenizer's)
+        first, second = ([bos] if bos else []), ([eos] if eos else [])
+        tok.post_processor = processors.TemplateProcessing(
+            single=[*first, "$A", *second],
+            pair=[*first, "$A", *second, *first, "$B:1", *second],
+            special_tokens=[(t, ids[t]) for t in dict.fromkeys(first + second)],
+        )
+    tok.save(str(out_dir / "tokenizer.json"))
+
+    # SmolLM2-Instruct's own tokenizer_config: bos <|im_start|>, eos/pad <|im_end|>, unk <|endoftext|>.
+    specials = {
+        "bos_token": name("bos_token_id"),
+        "eos_token": name("eos_token_id"),
+        "pad_token": name("padding_token_id"),
+        "unk_token": name("unknown_token_id"),
+    }
+    specials = {k: v for k, v in specials.items() if v is not None}
+    control = {t for t, ty in zip(tokens, token_types, strict=True) if ty == CONTROL}
+    extra = [t for t in ("<|im_start|>", "<|im_end|>") if t in control]
+    special_map = dict(specials, additional_special_tokens=extra)
+    _write_json(out_dir / "special_tokens_map.json", special_map)
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        **special_map,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        tok_cfg["chat_template"] = template
+    _write_json(out_dir / "tokenizer_config.json", tok_cfg)
+
+
+def _bpe_tokenizer(meta: dict, tokens: list[str], token_types: list[int]):
+    """The byte-level BPE tokenizer of a gpt2 vocabulary, split before BPE as its `tokenizer.ggml.pre` names
+    (motet/engine/weights/gguf_pretokenizers.py); control tokens are special added tokens."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     pre = meta.get("tokenizer.ggml.pre", "default")  # one of PRE_TOKENIZERS (hf_config checked)
@@ -256,38 +323,6 @@ def _write_tokenizer(
     tok.pre_tokenizer = pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
     tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
-    control = [t for t, ty in zip(tokens, token_types, strict=True) if ty == 3]
+    control = [t for t, ty in zip(tokens, token_types, strict=True) if ty == CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    for t in control:  # they must keep their GGUF ids
-        if tok.token_to_id(t) != vocab[t]:
-            raise PullError(f"special token {t!r} did not keep its id {vocab[t]}")
-    tok.save(str(out_dir / "tokenizer.json"))
-
-    def name(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[int(i)] if i is not None else None
-
-    # SmolLM2-Instruct's own tokenizer_config: bos <|im_start|>, eos/pad <|im_end|>, unk <|endoftext|>.
-    specials = {
-        "bos_token": name("bos_token_id"),
-        "eos_token": name("eos_token_id"),
-        "pad_token": name("padding_token_id"),
-        "unk_token": name("unknown_token_id"),
-    }
-    specials = {k: v for k, v in specials.items() if v is not None}
-    extra = [t for t in ("<|im_start|>", "<|im_end|>") if t in control]
-    special_map = dict(specials, additional_special_tokens=extra)
-    _write_json(out_dir / "special_tokens_map.json", special_map)
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len,
-        **special_map,
-    }
-    template = meta.get("tokenizer.chat_template")
-    if template:
-        tok_cfg["chat_template"] = template
-    _write_json(out_dir / "tokenizer_config.json", tok_cfg)
+    return tok
