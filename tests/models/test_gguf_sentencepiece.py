@@ -257,7 +257,10 @@ def test_file_encodes_as_sentencepiece_id_for_id(spm_file, spm_llm):
         assert tok.encode(text) == [sp.bos_id(), *want], (family, text)
         assert tok.decode([sp.bos_id(), *want]) == sp.decode(want) == text, (family, text)
     assert spm_llm.engine.model_config.bos_token_id == sp.bos_id()
-    assert spm_llm.engine.eos_token_ids == {sp.eos_id()}
+    # EOS, and Gemma's end of turn, which its file names by its text only (llama.cpp ends there too; Gemma 3's own
+    # generation_config.json says [<eos>, <end_of_turn>])
+    ends = {sp.eos_id()} | ({sp.piece_to_id("<end_of_turn>")} if family == "gemma3" else set())
+    assert spm_llm.engine.eos_token_ids == ends
     assert any(sp.is_byte(i) for i in tok.encode(TEXTS[9]))  # (the emoji fell back to bytes)
 
 
@@ -320,5 +323,12 @@ def test_served_chat_renders_the_files_template(spm_file, tmp_path):
             model=path.stem, messages=messages, max_tokens=2, temperature=0
         )
         assert reply.usage.prompt_tokens == len(want)
+        if family == "gemma3":  # the model's end of turn ends its answer
+            end = sp.piece_to_id("<end_of_turn>")
+            reply = client.completions.create(
+                model=path.stem, prompt=rendered, max_tokens=8, extra_body={"allowed_token_ids": [end]}
+            )
+            assert (reply.choices[0].finish_reason, reply.choices[0].text) == ("stop", "")
+            assert reply.usage.completion_tokens == 1
     finally:
         server.stop()

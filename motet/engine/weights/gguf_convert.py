@@ -33,6 +33,21 @@ class PullError(ModelLoadError):
 
 # Besides EOS, the ids llama.cpp ends a generation at (end of turn, Llama 3's <|eot_id|>; end of message).
 _END_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+# and the ends of a turn it knows by their text alone (src/llama-vocab.cpp's end-of-generation list), which the
+# converter writes no key for: Gemma's <end_of_turn>, Phi-3's <|end|>, Llama 3's, ChatML's, GPT-OSS's return and call.
+# (Its end-of-text tokens, <|endoftext|> and the like, are left to EOS: a file's EOS is its own.)
+END_OF_TURN_TEXTS = (
+    "<end_of_turn>",
+    "<|end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|return|>",
+    "<|call|>",
+    "<EOT>",
+)
+# GPT-OSS's harmony: <|end|> ends a message, not the turn, where <|return|> and <|call|> end it (llama.cpp's rule)
+_HARMONY_ENDS = ("<|return|>", "<|call|>")
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = False) -> Path:
@@ -108,14 +123,25 @@ def write_hf_metadata(out_dir: Path, meta: dict, config: dict) -> None:
     """config.json, generation_config.json and the tokenizer files (with the chat template) of a GGUF."""
     _write_json(out_dir / "config.json", config)
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
+    tokens = list(meta["tokenizer.ggml.tokens"])
     ends = [config["eos_token_id"]] if config["eos_token_id"] is not None else []
-    ends += [int(meta[k]) for k in _END_TOKEN_KEYS if k in meta and int(meta[k]) not in ends]
+    ends += [int(meta[k]) for k in _END_TOKEN_KEYS if k in meta]
+    ends += end_of_turn_ids(tokens)
+    ends = list(dict.fromkeys(ends))
     if len(ends) > 1:
         gen["eos_token_id"] = ends
     _write_json(out_dir / "generation_config.json", gen)
-    tokens = list(meta["tokenizer.ggml.tokens"])
     token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     _write_tokenizer(out_dir, meta, tokens, token_types, config["max_position_embeddings"])
+
+
+def end_of_turn_ids(tokens: list[str]) -> list[int]:
+    """The ids of the vocabulary's ends of a turn that llama.cpp knows by their text (END_OF_TURN_TEXTS), harmony's
+    <|end|> left out."""
+    ids = {t: i for i, t in enumerate(tokens) if t in END_OF_TURN_TEXTS}
+    if all(t in ids for t in _HARMONY_ENDS):
+        ids.pop("<|end|>", None)
+    return sorted(ids.values())
 
 
 def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
