@@ -20,7 +20,7 @@ import torch
 from motet.engine.weights import gguf_names
 from motet.engine.weights.gguf_config import SPM_TOKENIZER, reader_config
 from motet.engine.weights.gguf_pretokenizers import IGNORE_MERGES, pre_tokenizer
-from motet.engine.weights.gguf_spm import ADDED_TYPES, CONTROL, spm_tokenizer
+from motet.engine.weights.gguf_spm import ADDED_TYPES, CONTROL, UNKNOWN, spm_tokenizer
 from motet.models import find
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
@@ -283,7 +283,8 @@ def _write_tokenizer(
                 list(meta["tokenizer.ggml.scores"]),
                 token_types,
                 add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
-                unknown=name("unknown_token_id"),
+                unknown=name("unknown_token_id")
+                or next((t for t, k in zip(tokens, token_types, strict=True) if k == UNKNOWN), None),
             )
         except ValueError as e:
             raise PullError(str(e)) from None
