@@ -58,6 +58,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "blocks as with --quantization gguf); a local model is served by its directory's name (a GGUF file's stem) "
         f"unless --served-model-name (default: {d.model})",
     )
+    flag(
+        "--tokenizer",
+        metavar="DIR",
+        help="a Hugging Face tokenizer directory (tokenizer.json or tokenizer.model, tokenizer_config.json) whose "
+        "tokenizer and chat template serve the model instead of its own, as vLLM's --tokenizer: the original "
+        "model's beside its GGUF file, say (default: the model's own; a GGUF file's from its metadata)",
+    )
     flag("--dtype", choices=sorted(DTYPES), help="weights' and KV cache's type")
     flag(
         "--quantization",

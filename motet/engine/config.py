@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -86,11 +87,33 @@ def default_cpu_threads(replicas: int = 1) -> int:
     return max(1, usable // replicas)
 
 
+# The files one of which a tokenizer directory holds (what AutoTokenizer reads: a fast tokenizer's, SentencePiece's,
+# a byte-level BPE's vocabulary)
+TOKENIZER_DIR_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_tokenizer_dir(path: str) -> str:
+    """`--tokenizer`'s directory as an absolute path, or ValueError naming the flag: none there, or no tokenizer in it."""
+    where = Path(path).expanduser()
+    if not where.is_dir():
+        raise ValueError(
+            f"--tokenizer {path}: no such directory (it names a Hugging Face tokenizer's directory)"
+        )
+    if not any((where / name).is_file() for name in TOKENIZER_DIR_FILES):
+        raise ValueError(
+            f"--tokenizer {path}: no tokenizer in that directory (none of {', '.join(TOKENIZER_DIR_FILES)})"
+        )
+    return str(where.resolve())
+
+
 @dataclass
 class EngineConfig:
     """Limits of one engine instance; defaults suit the default model on a small CPU machine."""
 
     model: str = "SmolLM2-135M-Instruct"
+    # vLLM's --tokenizer: a directory whose Hugging Face tokenizer (and its chat template) serves the model instead
+    # of the model's own (a GGUF file's, derived from its metadata, or the checkpoint directory's). None: the model's.
+    tokenizer: str | None = None
     dtype: str = "float32"
     # Quantized projections (the embedding table stays in `dtype`), one of QUANTIZATIONS: "int8" (Q8_0's
     # blocks) or "int4" (Q4_1's) quantize a float checkpoint's decoder projections on load, and its lm_head
@@ -192,6 +215,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype == AUTO_DTYPE:
             self.dtype = auto_dtype(self.torch_device)[0]
+        if self.tokenizer is not None:
+            self.tokenizer = check_tokenizer_dir(self.tokenizer)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be {AUTO_DTYPE!r} or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -79,7 +79,7 @@ class ModelView:
         return cls(
             **_configured(config),
             model_dir=Path(model_dir),
-            tokenizer=load_tokenizer(model_dir),
+            tokenizer=load_tokenizer(config.tokenizer or model_dir),
             model_config=model_config,
             max_model_len=context_length(model_config, config.max_model_len),
             device=str(config.torch_device),

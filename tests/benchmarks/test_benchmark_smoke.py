@@ -22,6 +22,7 @@ SMOKE_RUNS = {
     "adapter_scale": "test_served_smoke.py::test_adapter_scale",
     "cluster_routing": "test_cluster_smoke.py::test_cluster_routing",
     "cpu_gemm": "test_offline_smoke.py::test_cpu_gemm",
+    "gguf_spm": "test_served_smoke.py::test_gguf_spm",
     "gpu_bench": "test_gpu_smoke.py::test_gpu_bench",  # on CUDA only
     "gpu_common": "test_gpu_peer.py::test_smoke_report_has_every_configuration",
     "gpu_peer": "test_gpu_peer.py::test_smoke_report_has_every_configuration",

@@ -15,7 +15,15 @@ import sys
 
 import pytest
 
-from benchmarks import adapter_scale, llamacpp, spec_bench, tenant_fairness, tracing_overhead, vllm_cpu
+from benchmarks import (
+    adapter_scale,
+    gguf_spm,
+    llamacpp,
+    spec_bench,
+    tenant_fairness,
+    tracing_overhead,
+    vllm_cpu,
+)
 from tests.benchmarks.smoke import TorchThreads, finite, only_json, only_md, positive
 from tests.live_server import ROOT, Server
 from tests.tiny_models import build_tiny_model
@@ -175,6 +183,32 @@ def test_llamacpp(model, peer, tmp_path):
     peer_rows_ok(report["rows"], "llama.cpp")
     assert positive(report["adapter_share_motet"], report["adapter_share_llama.cpp"])
     assert "| 2 clients, 2 adapters |" in (tmp_path / "summary.md").read_text()
+
+
+def test_gguf_spm(tmp_path):
+    """A tiny SentencePiece GGUF file (tests/models/test_gguf_sentencepiece.py's Llama) served by the script's
+    motet and by a second `motet serve` as the peer: every prompt tokenized alike, every greedy text equal."""
+    from tests.engine.test_gguf_model_file import write_gguf_file
+    from tests.models.test_gguf_sentencepiece import add_sentencepiece_vocab, spm_checkpoint
+
+    source, _ = spm_checkpoint(tmp_path / "source", "llama")
+    path = write_gguf_file(source, tmp_path / "bare" / "tiny-spm.gguf", {}, vocab=add_sentencepiece_vocab)
+    env = {"MOTET_CACHE_DIR": str(tmp_path / "cache")}
+    peer = Server(tmp_path, "--model", str(path), "--data-dir", str(tmp_path / "data"), *SERVER, env=env)
+    try:
+        os.environ["MOTET_CACHE_DIR"] = env["MOTET_CACHE_DIR"]
+        gguf_spm.main([str(path), "--max-tokens", "4", "--threads", "1", "--peer-url", peer.url,
+                       "--out", str(tmp_path / "out")])  # fmt: skip
+    finally:
+        os.environ.pop("MOTET_CACHE_DIR", None)
+        peer.stop()
+    (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["types"]
+    assert row["type"] == "as is" and row["tokenized_alike"] == len(gguf_spm.PROMPTS)
+    assert len(row["rows"]) == len(gguf_spm.PROMPTS) and all(r["equal"] for r in row["rows"])
+    assert (
+        f"| {len(gguf_spm.PROMPTS)}/{len(gguf_spm.PROMPTS)} (100%) |"
+        in (tmp_path / "out" / "summary.md").read_text()
+    )
 
 
 def test_vllm_cpu(model, peer, tmp_path):

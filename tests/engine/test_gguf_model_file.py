@@ -85,11 +85,13 @@ def write_gguf_file(
     arch: str = "llama",
     quantize=None,
     meta: dict[str, int] | None = None,
+    vocab=None,
 ):
     """`model_dir` as one GGUF file, as convert_hf_to_gguf.py's LlamaModel writes it: its hyperparameters, the
     vocabulary (get_vocab_base: [PADi] fill to the model's vocab_size, special added tokens CONTROL), gguf-py's
     SpecialVocab for merges, special ids and chat template; tensors in `types`' GGML types (F32 where not named),
-    quantized by gguf-py (or `quantize(array, type)`)."""
+    quantized by gguf-py (or `quantize(array, type)`). `vocab(writer, model_dir, vocab_size)`: another
+    vocabulary's writer (a SentencePiece one's: tests/models/test_gguf_sentencepiece.py)."""
     import gguf
 
     quantize = quantize or gguf.quants.quantize
@@ -111,7 +113,10 @@ def write_gguf_file(
         writer.add_rope_scaling_factor(rope["factor"])
     writer.add_vocab_size(cfg.vocab_size)
 
-    add_gpt2_vocab(writer, model_dir, cfg.vocab_size, pre)
+    if vocab is None:
+        add_gpt2_vocab(writer, model_dir, cfg.vocab_size, pre)
+    else:
+        vocab(writer, model_dir, cfg.vocab_size)
 
     for key, value in (meta or {}).items():  # hyperparameters as a malformed file would have them
         writer.add_uint32(key, value)

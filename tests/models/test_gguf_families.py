@@ -6,8 +6,8 @@ logits as transformers computes them on the source checkpoint (on gguf-py's dequ
 quantized file), and converted back (`convert_gguf`, what `motet pull` runs) to the source's own tensors.
 
 The tiny checkpoints carry tests/tiny_models.py's byte-level BPE tokenizer, written as the converter's gpt2
-vocabulary (`write_gguf_file`'s): llama.cpp's converter writes Gemma 2's (always) and Phi-3's (but Phi-4's)
-vocabularies from a SentencePiece tokenizer.model instead, which motet does not build (a refusal, tested)."""
+vocabulary (`write_gguf_file`'s): llama.cpp's converter writes Gemma's (always) and Phi-3's (but Phi-4's)
+vocabularies from a SentencePiece tokenizer.model instead, tested in tests/models/test_gguf_sentencepiece.py."""
 
 from __future__ import annotations
 
@@ -167,15 +167,21 @@ def gguf_tensors(arch: str, hf) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_family_gguf(model_dir: Path, out: Path, arch: str, types: dict[str, str] | None = None) -> Path:
+def write_family_gguf(
+    model_dir: Path, out: Path, arch: str, types: dict[str, str] | None = None, vocab=None
+) -> Path:
     """`model_dir` as one GGUF file as llama.cpp's converter writes its family; 2-D tensors in `types`' GGML
-    types by their GGUF names (F32 where not named), 1-D ones (norms) F32, as the converter keeps them."""
+    types by their GGUF names (F32 where not named), 1-D ones (norms) F32, as the converter keeps them.
+    `vocab(writer, model_dir, vocab_size)`: another vocabulary's writer than the gpt2 one."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     raw = json.loads((model_dir / "config.json").read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out), arch=arch)
     add_hyperparameters(writer, arch, hf.config, raw)
-    add_gpt2_vocab(writer, model_dir, hf.config.vocab_size, "gpt-2")
+    if vocab is None:
+        add_gpt2_vocab(writer, model_dir, hf.config.vocab_size, "gpt-2")
+    else:
+        vocab(writer, model_dir, hf.config.vocab_size)
     for name, w in gguf_tensors(arch, hf).items():
         qtype = gguf.GGMLQuantizationType[
             (types or {}).get(name.split(".")[-2], "F32") if w.dim() == 2 else "F32"
@@ -289,13 +295,17 @@ def test_converts_back_to_the_source_checkpoint(family, tmp_path):
 
 
 def test_what_a_family_file_cannot_say_is_refused(tmp_path):
-    """A SentencePiece vocabulary (what the converter writes for Gemma 2 and Phi-3), half of LongRoPE's factors and
-    an OLMo 3 file's sliding windows each name what motet does not read."""
+    """A vocabulary of another kind than gpt2 BPE or SentencePiece's (T5's Unigram), a SentencePiece one without its
+    scores, half of LongRoPE's factors and an OLMo 3 file's sliding windows each name what motet does not read."""
     source = build_tiny_model(tmp_path / "src", arch="olmo2", pad_token_id=0)
     path = write_family_gguf(source, tmp_path / "a" / "olmo.gguf", "olmo2")
     reader = gguf.GGUFReader(str(path))
     meta, names = metadata_of(reader), {t.name for t in reader.tensors}
-    with pytest.raises(ModelLoadError, match=r"tokenizer 'llama' \(tokenizer\.ggml\.model\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"tokenizer 't5' \(tokenizer\.ggml\.model\); motet builds .*'llama'"
+    ):
+        hf_config({**meta, "tokenizer.ggml.model": "t5"}, names, "ugm.gguf")
+    with pytest.raises(ModelLoadError, match=r"SentencePiece vocabulary without its scores"):
         hf_config({**meta, "tokenizer.ggml.model": "llama"}, names, "spm.gguf")
     with pytest.raises(ModelLoadError, match=r"sliding-window layers .*OLMo 3"):
         hf_config({**meta, "olmo2.attention.sliding_window": 4096}, names, "olmo3.gguf")

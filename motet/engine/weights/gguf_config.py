@@ -43,7 +43,10 @@ _GGUF_FIELDS = {  # GGUF key (after the architecture's prefix: llama.block_count
     "expert_feed_forward_length": "moe_intermediate_size",
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
-TOKENIZER_MODEL = "gpt2"  # byte-level BPE
+# tokenizer.ggml.model values motet builds a tokenizer for (motet/engine/weights/gguf_convert.py): byte-level BPE,
+# and SentencePiece's (llama.cpp's name for it: Llama 2's, Mistral 7B's, Gemma's, Phi-3's files; gguf_spm.py)
+BPE_TOKENIZER, SPM_TOKENIZER = "gpt2", "llama"
+TOKENIZER_MODELS = (BPE_TOKENIZER, SPM_TOKENIZER)
 # llama.cpp's names (tokenizer.ggml.pre) for the splits motet builds (motet/engine/weights/gguf_pretokenizers.py):
 # GPT-2's ("olmo": OLMo 1's); digits one by one, then GPT-2's (SmolLM's, StarCoder's, "refact": Granite 3's);
 # Qwen2's; Llama 3's ("dbrx": cl100k's, as Phi-4's and OLMo 2's files say); o200k's ("gpt-4o": GPT-OSS's);
@@ -114,13 +117,15 @@ def hf_config(
             f"files of architecture {moe} ('llama': Mixtral)"
         )
     tok_model = meta.get("tokenizer.ggml.model")
-    if tok_model != TOKENIZER_MODEL:
+    if tok_model not in TOKENIZER_MODELS:
         raise refuse(
             f"tokenizer {tok_model!r} (tokenizer.ggml.model); motet builds the tokenizer of a GGUF file for "
-            f"{TOKENIZER_MODEL!r} byte-level BPE vocabularies only"
+            f"{BPE_TOKENIZER!r} (byte-level BPE) and {SPM_TOKENIZER!r} (SentencePiece) vocabularies"
         )
+    if tok_model == SPM_TOKENIZER and "tokenizer.ggml.scores" not in meta:
+        raise refuse("a SentencePiece vocabulary without its scores (tokenizer.ggml.scores)")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
+    if tok_model == BPE_TOKENIZER and pre not in PRE_TOKENIZERS:
         raise refuse(
             f"pre-tokenizer {pre!r} (tokenizer.ggml.pre); motet builds {', '.join(map(repr, PRE_TOKENIZERS))}"
         )

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from motet.engine.weights import gguf_names
-from motet.engine.weights.gguf_config import reader_config
+from motet.engine.weights.gguf_config import SPM_TOKENIZER, reader_config
 from motet.engine.weights.gguf_pretokenizers import IGNORE_MERGES, pre_tokenizer
+from motet.engine.weights.gguf_spm import ADDED_TYPES, CONTROL, UNKNOWN, spm_tokenizer
 from motet.models import find
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
@@ -32,6 +33,21 @@ class PullError(ModelLoadError):
 
 # Besides EOS, the ids llama.cpp ends a generation at (end of turn, Llama 3's <|eot_id|>; end of message).
 _END_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+# and the ends of a turn it knows by their text alone (src/llama-vocab.cpp's end-of-generation list), which the
+# converter writes no key for: Gemma's <end_of_turn>, Phi-3's <|end|>, Llama 3's, ChatML's, GPT-OSS's return and call.
+# (Its end-of-text tokens, <|endoftext|> and the like, are left to EOS: a file's EOS is its own.)
+END_OF_TURN_TEXTS = (
+    "<end_of_turn>",
+    "<|end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|return|>",
+    "<|call|>",
+    "<EOT>",
+)
+# GPT-OSS's harmony: <|end|> ends a message, not the turn, where <|return|> and <|call|> end it (llama.cpp's rule)
+_HARMONY_ENDS = ("<|return|>", "<|call|>")
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = False) -> Path:
@@ -107,14 +123,25 @@ def write_hf_metadata(out_dir: Path, meta: dict, config: dict) -> None:
     """config.json, generation_config.json and the tokenizer files (with the chat template) of a GGUF."""
     _write_json(out_dir / "config.json", config)
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
+    tokens = list(meta["tokenizer.ggml.tokens"])
     ends = [config["eos_token_id"]] if config["eos_token_id"] is not None else []
-    ends += [int(meta[k]) for k in _END_TOKEN_KEYS if k in meta and int(meta[k]) not in ends]
+    ends += [int(meta[k]) for k in _END_TOKEN_KEYS if k in meta]
+    ends += end_of_turn_ids(tokens)
+    ends = list(dict.fromkeys(ends))
     if len(ends) > 1:
         gen["eos_token_id"] = ends
     _write_json(out_dir / "generation_config.json", gen)
-    tokens = list(meta["tokenizer.ggml.tokens"])
     token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     _write_tokenizer(out_dir, meta, tokens, token_types, config["max_position_embeddings"])
+
+
+def end_of_turn_ids(tokens: list[str]) -> list[int]:
+    """The ids of the vocabulary's ends of a turn that llama.cpp knows by their text (END_OF_TURN_TEXTS), harmony's
+    <|end|> left out."""
+    ids = {t: i for i, t in enumerate(tokens) if t in END_OF_TURN_TEXTS}
+    if all(t in ids for t in _HARMONY_ENDS):
+        ids.pop("<|end|>", None)
+    return sorted(ids.values())
 
 
 def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
@@ -238,10 +265,77 @@ def _write_json(path: Path, obj) -> None:
 def _write_tokenizer(
     out_dir: Path, meta: dict, tokens: list[str], token_types: list[int], max_len: int
 ) -> None:
-    """tokenizer.json etc. for the gpt2 byte-level BPE vocabulary of the GGUF, split before BPE as its
-    `tokenizer.ggml.pre` names (motet/engine/weights/gguf_pretokenizers.py). Control tokens (token_type 3) are
-    special added tokens.
-    """
+    """tokenizer.json, special_tokens_map.json and tokenizer_config.json (with the chat template) of the GGUF's
+    vocabulary: byte-level BPE (`_bpe_tokenizer`) or SentencePiece's (motet/engine/weights/gguf_spm.py), its
+    special tokens by their ids in the metadata, BOS added where `tokenizer.ggml.add_bos_token` says (llama.cpp's
+    default where it says nothing: for SentencePiece vocabularies, not for BPE ones)."""
+    from tokenizers import processors
+
+    def name(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    spm = meta.get("tokenizer.ggml.model") == SPM_TOKENIZER
+    if spm:
+        try:
+            tok = spm_tokenizer(
+                tokens,
+                list(meta["tokenizer.ggml.scores"]),
+                token_types,
+                add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+                unknown=name("unknown_token_id")
+                or next((t for t, k in zip(tokens, token_types, strict=True) if k == UNKNOWN), None),
+            )
+        except ValueError as e:
+            raise PullError(str(e)) from None
+    else:
+        tok = _bpe_tokenizer(meta, tokens, token_types)
+    ids = {t: i for i, t in enumerate(tokens)}
+    for t, kind in zip(tokens, token_types, strict=True):  # added tokens must keep their GGUF ids
+        if kind in ADDED_TYPES and tok.token_to_id(t) != ids[t]:
+            raise PullError(f"special token {t!r} did not keep its id {ids[t]}")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", spm))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    bos, eos = (name("bos_token_id") if add_bos else None), (name("eos_token_id") if add_eos else None)
+    if spm and (bos or eos):  # (a byte-level BPE tokenizer's post-processor is its own: _bpe_tokenizer's)
+        first, second = ([bos] if bos else []), ([eos] if eos else [])
+        tok.post_processor = processors.TemplateProcessing(
+            single=[*first, "$A", *second],
+            pair=[*first, "$A", *second, *first, "$B:1", *second],
+            special_tokens=[(t, ids[t]) for t in dict.fromkeys(first + second)],
+        )
+    tok.save(str(out_dir / "tokenizer.json"))
+
+    # SmolLM2-Instruct's own tokenizer_config: bos <|im_start|>, eos/pad <|im_end|>, unk <|endoftext|>.
+    specials = {
+        "bos_token": name("bos_token_id"),
+        "eos_token": name("eos_token_id"),
+        "pad_token": name("padding_token_id"),
+        "unk_token": name("unknown_token_id"),
+    }
+    specials = {k: v for k, v in specials.items() if v is not None}
+    control = {t for t, ty in zip(tokens, token_types, strict=True) if ty == CONTROL}
+    extra = [t for t in ("<|im_start|>", "<|im_end|>") if t in control]
+    special_map = dict(specials, additional_special_tokens=extra)
+    _write_json(out_dir / "special_tokens_map.json", special_map)
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        **special_map,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        tok_cfg["chat_template"] = template
+    _write_json(out_dir / "tokenizer_config.json", tok_cfg)
+
+
+def _bpe_tokenizer(meta: dict, tokens: list[str], token_types: list[int]):
+    """The byte-level BPE tokenizer of a gpt2 vocabulary, split before BPE as its `tokenizer.ggml.pre` names
+    (motet/engine/weights/gguf_pretokenizers.py); control tokens are special added tokens."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     pre = meta.get("tokenizer.ggml.pre", "default")  # one of PRE_TOKENIZERS (hf_config checked)
@@ -256,38 +350,6 @@ def _write_tokenizer(
     tok.pre_tokenizer = pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
     tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
-    control = [t for t, ty in zip(tokens, token_types, strict=True) if ty == 3]
+    control = [t for t, ty in zip(tokens, token_types, strict=True) if ty == CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    for t in control:  # they must keep their GGUF ids
-        if tok.token_to_id(t) != vocab[t]:
-            raise PullError(f"special token {t!r} did not keep its id {vocab[t]}")
-    tok.save(str(out_dir / "tokenizer.json"))
-
-    def name(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[int(i)] if i is not None else None
-
-    # SmolLM2-Instruct's own tokenizer_config: bos <|im_start|>, eos/pad <|im_end|>, unk <|endoftext|>.
-    specials = {
-        "bos_token": name("bos_token_id"),
-        "eos_token": name("eos_token_id"),
-        "pad_token": name("padding_token_id"),
-        "unk_token": name("unknown_token_id"),
-    }
-    specials = {k: v for k, v in specials.items() if v is not None}
-    extra = [t for t in ("<|im_start|>", "<|im_end|>") if t in control]
-    special_map = dict(specials, additional_special_tokens=extra)
-    _write_json(out_dir / "special_tokens_map.json", special_map)
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len,
-        **special_map,
-    }
-    template = meta.get("tokenizer.chat_template")
-    if template:
-        tok_cfg["chat_template"] = template
-    _write_json(out_dir / "tokenizer_config.json", tok_cfg)
+    return tok

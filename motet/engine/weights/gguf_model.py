@@ -36,7 +36,9 @@ def is_gguf_file(model: str | Path) -> bool:
     return str(model).lower().endswith(GGUF_SUFFIX) and not Path(model).expanduser().is_dir()
 
 
-DERIVED_FORMAT = 1  # raised when what is derived changes, so that no older derivation is reused
+DERIVED_FORMAT = (
+    2  # raised when what is derived changes, so that no older derivation is reused (2: ends of turn)
+)
 DERIVED_MARKER = ".motet-gguf"  # written last: a derived directory without it is not finished
 
 
