@@ -86,15 +86,26 @@ async def read_json(request: Request, limit: int) -> dict:
         if len(body) > limit:
             raise APIError(413, f"request body is larger than {limit} bytes")
     try:
-        data = json.loads(body, parse_constant=_refuse_constant)  # NaN, Infinity: not JSON
-    except RecursionError:
-        raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
+        data = parse_json(body)
+    except ValueError as e:
+        raise APIError(400, f"request body is {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
     check_json(data)
     return data
+
+
+def parse_json(text: bytes | str):
+    """JSON text parsed as a request body is: NaN and Infinity refused, and input nested deeper than the
+    parser can recurse (about 1,000 levels) refused as nested past the limit rather than a RecursionError. A
+    ValueError says why ("not valid JSON: ...", "nested more than 64 levels deep"). The nesting within the
+    limit is `check_json`'s to check, on the part that is a request body."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)  # NaN, Infinity: not JSON
+    except RecursionError:
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"not valid JSON: {e}") from None
 
 
 def bounded_form(request: Request, max_bytes: int, too_large: APIError, max_files: int, max_fields: int):

@@ -5,7 +5,7 @@ An input line is `{"custom_id", "method": "POST", "url", "body"}`. An answered l
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`: 2xx responses go
 to the output file, the others (a body the endpoint refuses, with its 4xx and OpenAI error body) to the error
 file. A line that could not be sent at all (not JSON, no custom_id, a custom_id used before, another url or
-method) is answered in the error file as `{"response": null, "error": {"code", "message"}}`, as are lines
+method, a body past a request body's bounds: `motet/api/request_body.py`'s, the same guard) is answered in the error file as `{"response": null, "error": {"code", "message"}}`, as are lines
 a cancelled or expired batch never ran (`batch_cancelled`, `batch_expired`).
 """
 
@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from motet.api.errors import MESSAGE_CHARS, APIError, echo, shorten
+from motet.api.request_body import check_json, parse_json
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_LINES = 50_000  # requests in one batch, as OpenAI's
@@ -62,16 +63,21 @@ def _parse(number: int, data: bytes, endpoint: str | None) -> Line:
     def refused(code: str, message: str, custom_id: str | None = None) -> Line:
         return Line(number, custom_id, error=(code, f"line {number}: {message}"))
 
-    try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        return refused("invalid_json_line", f"not valid JSON ({e})")
+    try:  # read as a request body is (a line nested past what the parser can recurse is refused, not raised)
+        obj = parse_json(data)
+    except ValueError as e:
+        return refused("invalid_json_line", str(e))
     if not isinstance(obj, dict):
         return refused("invalid_json_line", "not a JSON object")
     custom_id = obj.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID_CHARS:
-        return refused(
-            "invalid_custom_id", f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters"
+    if (
+        not isinstance(custom_id, str)
+        or not 1 <= len(custom_id) <= MAX_CUSTOM_ID_CHARS
+        or not _unicode(custom_id)
+    ):
+        return refused(  # (a lone surrogate escape parses, but no answer line could hold it)
+            "invalid_custom_id",
+            f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters of valid Unicode",
         )
     if extra := [k for k in obj if k not in _LINE_KEYS]:
         return refused("invalid_request", f"unrecognized field {echo(extra[0])} (a line has {', '.join(_LINE_KEYS)})",
@@ -86,7 +92,20 @@ def _parse(number: int, data: bytes, endpoint: str | None) -> Line:
         )
     if not isinstance(obj.get("body"), dict):
         return refused("invalid_body", "body must be a JSON object (the request)", custom_id)
+    try:  # the body's bounds are a request body's (nesting, Unicode): refused here, named by its line
+        check_json(obj["body"])
+    except APIError as e:
+        at = f" (at body.{e.param})" if e.param and e.param not in e.message else ""
+        return refused("invalid_body", e.message + at, custom_id)
     return Line(number, custom_id, url, obj["body"])
+
+
+def _unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # A line may ask for at most this many logprob entries (n x max_tokens x (1 + top_logprobs), and its prompt's
