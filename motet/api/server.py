@@ -308,17 +308,18 @@ def http_server(args, state, on_tick=None):
     return DrainingServer(config, state, args.drain_timeout, on_tick=on_tick)
 
 
-def reload_keys(args, state) -> None:
-    """SIGHUP: read the API keys file again (keys, tenants, limits) without a restart; a file that does not
-    load leaves the running keys as they are."""
+def read_keys(args):
+    """SIGHUP's read (in a thread of its own, under a deadline): the API keys file again (keys, tenants,
+    limits) as (authenticator, limits); a file that does not load is a ValueError and the running keys stay."""
     from motet.api.vllm_flags import authenticator
 
-    try:
-        auth = authenticator(args)
-        limits = auth.tenant_limits()
-    except ValueError as e:
-        log.error("SIGHUP: the API keys were not reloaded (the running ones stay): %s", e)
-        return
+    auth = authenticator(args)
+    return auth, auth.tenant_limits()
+
+
+def apply_keys(state, loaded) -> None:
+    """SIGHUP's apply (on the loop): the keys `read_keys` read replace the running ones."""
+    auth, limits = loaded
     state.auth = auth
     state.limiter.reload(limits)
     log.info("SIGHUP: reloaded the API keys: %d keys, %d tenants with limits", len(auth.keys), len(limits))
@@ -340,7 +341,7 @@ def serve(args, config) -> int:
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     status = StatusLog(state, url, args.log_stats_interval, stats=not args.disable_log_stats)
     server = http_server(args, state, on_tick=status.tick)
-    server.reload_on_sighup(lambda: reload_keys(args, state))
+    server.reload_on_sighup(lambda: read_keys(args), lambda loaded: apply_keys(state, loaded))
     log.info("loading %s on %s (GET /health answers 503 until it has loaded)", state.model_name, url)
     server.run(sockets=[sock])
     log.info("stopped")
