@@ -15,9 +15,19 @@ import shutil
 import socket
 from pathlib import Path
 
-from motet.api.generation_config import parse_override
+from motet.api.generation_config import override_object
 from motet.cluster import serve_flags
-from motet.flag_types import MAX_DAYS, integer, number, seconds
+from motet.flag_types import (
+    MAX_DAYS,
+    host_name,
+    integer,
+    json_file,
+    json_text,
+    model_name,
+    number,
+    seconds,
+    web_origin,
+)
 
 log = logging.getLogger("motet.server")
 
@@ -85,13 +95,14 @@ def grammar_limits(args):
 
 def check_model(config) -> tuple[Path, int]:
     """The model's directory and context length; ModelLoadError (a ValueError) naming what is wrong with
-    --model, before anything starts. The default model is pulled here when it is not cached yet."""
-    from motet.engine.config import context_length
+    --model, or with a flag the model's config or the memory bounds (`check_fits`), before anything starts. The
+    default model is pulled here when it is not cached yet."""
     from motet.engine.weights.checkpoint import load_model_config
     from motet.engine.weights.model_store import resolve_model
+    from motet.engine.worker.memory import check_fits
 
     model_dir = resolve_model(config.model)
-    return model_dir, context_length(load_model_config(model_dir), config.max_model_len)
+    return model_dir, check_fits(config, load_model_config(model_dir))
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -167,7 +178,6 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.files.store import FileStore
     from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
-    from motet.api.origin_guard import flat_list
     from motet.api.responses.store import ResponseStore
     from motet.api.state import ServerState
     from motet.api.usage import UsageStore
@@ -180,10 +190,8 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         model_dir, max_model_len = check_model(config)
     if config.num_threads is None:
         config.num_threads = default_cpu_threads()
-    if args.tenant_weights:
-        from motet.engine.core.fairness import load_tenant_weights
-
-        config.tenant_weights = load_tenant_weights(args.tenant_weights)
+    if args.tenant_weights:  # (read and checked as the flag was parsed)
+        config.tenant_weights = args.tenant_weights
     names = served_names(args, config)
     defaults = sampling_defaults(args.generation_config, model_dir, args.override_generation_config)
     if defaults:
@@ -195,11 +203,6 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     loras = shared_loras(args.lora, names)
     data = data_dir(args.data_dir, config.model)
     fit_to_disk(args, config, data)
-    for flag, values in (
-        ("--allowed-hosts", args.allowed_hosts),
-        ("--allowed-origins", args.allowed_origins),
-    ):
-        flat_list(values, flag)  # vLLM's JSON list form, checked before anything starts
     # before anything starts: no load dir may overlap a place tenants' own adapters are kept
     private = {"--data-dir": data, **serve_flags.adapter_dirs(args)}
     load_dirs = check_load_dirs(args.lora_load_dir or (), private)
@@ -356,14 +359,17 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--served-model-name",
         nargs="+",
+        type=model_name,
         default=None,
         metavar="NAME",
-        help="the model's name in the API (the first; the others are aliases); default: --model (a GGUF file's stem)",
+        help="the model's name in the API (the first; the others are aliases; each 1 to 256 characters, no "
+        "spaces); default: --model (a GGUF file's stem)",
     )
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="the port to listen on")
     p.add_argument(
         "--allowed-hosts",
         nargs="+",
+        type=host_name,
         default=[],
         metavar="HOST",
         help="Host names the server answers to besides loopback names, IP addresses, --host and this machine's "
@@ -372,6 +378,7 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--allowed-origins",
         nargs="+",
+        type=web_origin,
         default=[],
         metavar="ORIGIN",
         help="web pages (scheme://host[:port]) allowed to call the API from a browser, with CORS; default: only "
@@ -400,7 +407,7 @@ def add_serve_args(p) -> None:
     )
     p.add_argument(
         "--override-generation-config",
-        type=parse_override,
+        type=json_text(override_object),
         default=None,
         metavar="JSON",
         help="sampling defaults over --generation-config's, e.g. '{\"temperature\": 0.5}'",
@@ -490,12 +497,15 @@ def add_serve_args(p) -> None:
         default=16,
         help="requests admitted to the engine but not running (and as many more, each tenant's first)",
     )
+    from motet.engine.core.fairness import check_tenant_weights
+
     p.add_argument(
         "--tenant-weights",
+        type=json_file(check_tenant_weights),
         default=None,
         metavar="FILE",
         help='JSON file {"tenant": weight}: each tenant\'s share of a busy server follows its weight (positive '
-        "numbers; tenants not named weigh 1; default: all equal)",
+        "numbers; tenants not named weigh 1; a regular file of at most 16 MiB; default: all equal)",
     )
     p.add_argument("--max-body-bytes", type=integer(1), default=4 << 20, help="larger request bodies get 413")
     p.add_argument(
