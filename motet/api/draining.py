@@ -2,7 +2,7 @@
 
 The first SIGTERM does not close the listening socket: new requests get 503 (the app sees
 `state.draining`) while the ones in flight finish, up to `drain_timeout` seconds; then uvicorn shuts down
-as usual. A second SIGTERM, or SIGINT, is uvicorn's own immediate shutdown. A failed start-up
+as usual. A second SIGTERM, or SIGINT (Ctrl-C), is uvicorn's own immediate shutdown, which ends `run` quietly. A failed start-up
 (`state.fatal`) also ends the server. `on_tick` runs on each of uvicorn's ticks (about 10 a second).
 
 SIGHUP (`reload_on_sighup`) asks for a reload: its handler only sets a flag (a signal handler runs between
@@ -77,6 +77,16 @@ class DrainingServer(uvicorn.Server):
 
     def _request_reload(self, sig, frame) -> None:
         self.reload_requested = True  # a signal handler: only a flag; on_tick runs the reload
+
+    def run(self, sockets=None) -> None:
+        """uvicorn's run; a Ctrl-C it has shut down on ends here. (uvicorn raises the signal again once it has
+        stopped, for whoever embeds it: asyncio's runner then ends the run with a KeyboardInterrupt's traceback,
+        which a user who pressed Ctrl-C reads as a crash.)"""
+        try:
+            super().run(sockets=sockets)
+        except KeyboardInterrupt:
+            if not self.should_exit:  # not the one it shut down on
+                raise
 
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGTERM and not self.state.draining:

@@ -8,11 +8,13 @@ flags' values, the port is free): a failure there is one line and exit status 2.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 from motet.api.generation_config import override_object
@@ -351,7 +353,22 @@ def serve(args, config) -> int:
     # Everything has been closed: the interpreter's last collections need not walk the millions of objects of
     # the model's libraries (seconds, which a SIGTERM would wait for).
     gc.freeze()
+    atexit.register(quiet_teardown)
     return 1 if state.fatal is not None else 0
+
+
+def quiet_teardown() -> None:
+    """After "stopped", the interpreter's teardown writes to /dev/null. The frozen collector keeps every cycle
+    alive past its module, so nanobind, tearing down triton's bindings (torch's dynamo imports triton wherever it
+    is installed, a CPU host too), reports each of their types as leaked: 31 lines after "stopped" that read as
+    a crash, about a leak made on purpose, the process ending. triton silences its own workers' teardown the
+    same way (triton/_compile_warmup_pool.py); nanobind's switch for it (`set_leak_warnings`) is not one that
+    triton's bindings expose. Registered last, it runs first of the exit handlers, after everything was
+    logged."""
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def add_serve_args(p) -> None:
