@@ -36,6 +36,7 @@ from motet.api.responses.routes import create_response, delete_response, get_res
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.tokenization import detokenize, tokenize
 from motet.api.usage import usage_route
+from motet.engine.weights.model_store import DEFAULT_MODEL
 
 log = logging.getLogger("motet.api")
 
@@ -206,16 +207,16 @@ def routes() -> list:
 
 
 @functools.cache
-def openapi_schema() -> dict:
-    """The OpenAPI document of `routes()` (what GET /openapi.json answers)."""
-    return document(routes())
+def openapi_schema(model: str = DEFAULT_MODEL) -> dict:
+    """The OpenAPI document of `routes()` (what GET /openapi.json answers, served as `model`)."""
+    return document(routes(), model)
 
 
 async def openapi(request: Request) -> Response:
-    """The document of the routes this app serves (generated once)."""
+    """The document of the routes this app serves, its examples naming the served model (generated once)."""
     app = request.app
     if getattr(app.state, "openapi", None) is None:
-        app.state.openapi = document(app.routes)
+        app.state.openapi = document(app.routes, app.state.motet.model_name)
     return JSONResponse(app.state.openapi)
 
 
