@@ -27,7 +27,7 @@ from motet.api.adapters.routes import (
 from motet.api.asgi import StatusRecorder
 from motet.api.batches.routes import cancel_batch, create_batch, list_batches, retrieve_batch
 from motet.api.completions.routes import chat_completions, completions
-from motet.api.errors import APIError, echo, handle_exception, to_response
+from motet.api.errors import APIError, handle_exception, to_response
 from motet.api.files.routes import delete_file, file_content, list_files, retrieve_file, upload_file
 from motet.api.openapi import ERRORS, document, operation
 from motet.api.playground import playground_routes
@@ -36,6 +36,7 @@ from motet.api.responses.routes import create_response, delete_response, get_res
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.tokenization import detokenize, tokenize
 from motet.api.usage import usage_route
+from motet.engine.weights.model_store import DEFAULT_MODEL
 
 log = logging.getLogger("motet.api")
 
@@ -141,10 +142,9 @@ async def retrieve_model(request: Request) -> Response:
         return JSONResponse(card.model_dump())
     if not state.system.ready:  # adapters are known once the model is loaded
         state.check_ready()
-    raise APIError(
-        404, f"The model {echo(model_id)} does not exist", param="model", code="model_not_found",
-        type="invalid_request_error",
-    )  # fmt: skip
+    error = await state.unknown_model(tenant, model_id)
+    error.type = "invalid_request_error"
+    raise error
 
 
 @operation("the server's version", tag="Server", ok_description='{"version": ...}', public=True)
@@ -207,16 +207,16 @@ def routes() -> list:
 
 
 @functools.cache
-def openapi_schema() -> dict:
-    """The OpenAPI document of `routes()` (what GET /openapi.json answers)."""
-    return document(routes())
+def openapi_schema(model: str = DEFAULT_MODEL) -> dict:
+    """The OpenAPI document of `routes()` (what GET /openapi.json answers, served as `model`)."""
+    return document(routes(), model)
 
 
 async def openapi(request: Request) -> Response:
-    """The document of the routes this app serves (generated once)."""
+    """The document of the routes this app serves, its examples naming the served model (generated once)."""
     app = request.app
     if getattr(app.state, "openapi", None) is None:
-        app.state.openapi = document(app.routes)
+        app.state.openapi = document(app.routes, app.state.motet.model_name)
     return JSONResponse(app.state.openapi)
 
 

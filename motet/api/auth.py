@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from motet import json_input
 from motet.api.errors import APIError
 from motet.api.rate_limits import TenantLimits
 
@@ -30,6 +31,7 @@ log = logging.getLogger("motet.api")
 DEFAULT_TENANT = "default"
 _KEY_FIELDS = {"tenant", "admin", "limits", "priority_class"}
 PRIORITY_CLASSES = ("interactive", "batch")
+MAX_KEYS_FILE_BYTES = 256 << 20  # a million keys with limits; read again on each SIGHUP
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,9 @@ class Authenticator:
                 DEFAULT_TENANT,
             )
             return cls()
-        try:
-            keys = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError, RecursionError) as e:  # (RecursionError: nested too deeply)
+        try:  # a regular file only (a FIFO would wait for a writer), bounded, nested as a request body may be
+            keys = json_input.load_file(path, MAX_KEYS_FILE_BYTES)
+        except ValueError as e:
             raise ValueError(f"--api-keys {path}: cannot read a JSON object of key -> tenant ({e})") from None
         if not isinstance(keys, dict):
             raise ValueError(f"--api-keys {path}: must be a JSON object mapping each key to a tenant name")

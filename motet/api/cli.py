@@ -9,7 +9,7 @@ import json
 import re
 import sys
 
-from motet.flag_types import OneLineErrors, integer, number, seconds
+from motet.flag_types import OneLineErrors, integer, model_name, number, seconds, threads
 from motet.parent_death import die_with_parent
 from motet.settings_flags import SettingsFlags
 
@@ -42,6 +42,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         CUDA_TPOT_TARGET_MS,
         DTYPES,
         GRAMMAR_BACKENDS,
+        MAX_BLOCK_SIZE,
+        MIN_MODEL_LEN,
         OVERLAP_MODES,
         QUANTIZATIONS,
         SPECULATIVE_MODES,
@@ -78,11 +80,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "int8; the embedding table and LoRA adapters stay in --dtype (default: none, the checkpoint's weights)",
     )
     flag("--device", help="auto (cuda when available), cpu or cuda")
-    flag("--block-size", type=integer(1), help="tokens per KV block")
+    flag("--block-size", type=integer(1, MAX_BLOCK_SIZE), help="tokens per KV block")
     flag(
         "--num-kv-blocks",
         type=integer(1),
-        help="KV cache blocks (default: from --gpu-memory-utilization or --kv-cache-memory-gb)",
+        help="KV cache blocks: at least the tokens of a short request, at most what the memory holds (default: "
+        "from --gpu-memory-utilization or --kv-cache-memory-gb)",
     )
     flag(
         "--kv-cache-memory-gb",
@@ -104,7 +107,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         f"step stays within this many ms (default: {CPU_TPOT_TARGET_MS:g} on CPU, {CUDA_TPOT_TARGET_MS:g} on "
         "CUDA; 0: off)",
     )
-    flag("--max-model-len", type=integer(1), help="default: the model's context length")
+    flag(
+        "--max-model-len",
+        type=integer(MIN_MODEL_LEN),
+        help="the longest sequence, prompt and answer, at most the model's context length (default: the model's "
+        "context length)",
+    )
     p.add_argument(
         "--no-prefix-caching",
         action="store_true",
@@ -133,9 +141,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     flag(
         "--threads",
         field="num_threads",
-        type=integer(1),
-        help="CPU threads for the forward pass (default: all cores; when serving on 8 or more, all but one, "
-        "left to the event loop)",
+        type=threads(),
+        help="CPU threads for the forward pass, at most the cores this process may run on (default: all cores; "
+        "when serving on 8 or more, all but one, left to the event loop)",
     )
     flag(
         "--grammar-backend",
@@ -256,11 +264,14 @@ def cmd_pull(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from motet.api.server import check_model
     from motet.engine.llm_engine import LLMEngine
     from motet.engine.outputs import RequestOutputs
     from motet.engine.sampling_params import SamplingParams
 
-    engine, answers = LLMEngine(engine_config(args)), RequestOutputs()
+    config = engine_config(args)
+    check_model(config)  # a flag the model or the memory refuses: one line, before anything loads
+    engine, answers = LLMEngine(config), RequestOutputs()
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, top_p=args.top_p
     )
@@ -295,8 +306,11 @@ def cmd_serve(args) -> int:
 
 def cmd_run_batch(args) -> int:
     from motet.api.offline_batch import run_batch
+    from motet.api.server import check_model
 
-    return run_batch(args, engine_config(args))
+    config = engine_config(args)
+    check_model(config)  # as serve's: before anything loads
+    return run_batch(args, config)
 
 
 def cmd_eval(args) -> int:
@@ -361,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name",
         nargs="+",
+        type=model_name,
         default=None,
         metavar="NAME",
         help="the model's name in the requests (the first; the others are aliases); default: --model",

@@ -9,10 +9,10 @@ max_tokens).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
+from motet import json_input
 from motet.engine.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
 # generation_config.json key -> the request field it defaults, and its bounds (low, high, low inclusive)
@@ -25,18 +25,16 @@ KEYS = {
     "max_new_tokens": ("max_tokens", 1, math.inf, True),
 }
 INTEGER_KEYS = {"top_k", "max_new_tokens"}
+MAX_FILE_BYTES = 1 << 20  # a generation_config.json (a few hundred bytes in the wild)
 
 
 class GenerationConfigError(ValueError):
     pass
 
 
-def parse_override(text: str) -> dict:
-    """argparse type of `--override-generation-config`: a JSON object of the keys above."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"not JSON: {e}") from None
+def override_object(value) -> dict:
+    """`--override-generation-config`'s JSON (parsed by its flag type, motet/flag_types.py `json_text`): an
+    object of the keys above."""
     if not isinstance(value, dict):
         raise ValueError("a JSON object is expected, such as '{\"temperature\": 0.5}'")
     return value
@@ -73,9 +71,9 @@ def sampling_defaults(source: str, model_dir: str | Path, override: dict | None 
             raise GenerationConfigError(
                 f"--generation-config {source}: no generation_config.json in that folder"
             )
-        try:
-            raw = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError) as e:
+        try:  # a regular file, bounded in size and nesting (motet/json_input.py)
+            raw = json_input.load_file(path, MAX_FILE_BYTES) if path.exists() else {}
+        except ValueError as e:
             raise GenerationConfigError(f"{path}: not readable JSON ({e})") from None
         if not isinstance(raw, dict):
             raise GenerationConfigError(f"{path}: not a JSON object")

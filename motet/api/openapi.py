@@ -5,12 +5,16 @@ family), its request model (or a multipart form), its response model, its query 
 walks the app's Starlette routes (their paths, path parameters and methods) and asks pydantic for the models'
 JSON schemas, so a route cannot be served without appearing in the document, nor documented without being
 served. A route the document leaves out says so where it is registered (`include_in_schema=False`).
+
+A JSON body's route also declares an `example`: a body that runs as shown, given the served model's name (the
+document is made for the server that serves it). /docs' "Try it out" starts from it; without one, Swagger UI
+makes a body of every field, optional ones as null and strings as "string", which the server refuses.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +61,9 @@ class Operation:
     multipart form's fields (all required); `ok` the 200 answer's model (none: a JSON object), or `ok_media`
     another media type; `stream` the SSE chunks' model when the body asks for a stream; `query` its query
     parameters' types; `errors` the error statuses it may answer (all of ERRORS by default; a dict gives its
-    own descriptions); `public` when it needs no API key. A handler's docstring is the description."""
+    own descriptions); `public` when it needs no API key; `example` the body /docs offers, made from the
+    served model's name (one that runs as shown; a route that names a resource, a file or an adapter,
+    names one the tenant would have made first). A handler's docstring is the description."""
 
     summary: str
     tag: str
@@ -71,6 +77,7 @@ class Operation:
     required_query: tuple[str, ...] = ()
     errors: Sequence[int] | dict[int, str] = tuple(ERRORS)
     public: bool = False
+    example: Callable[[str], dict] | None = None
 
     def __post_init__(self):
         if self.tag not in TAGS:
@@ -79,6 +86,8 @@ class Operation:
             self.body = (self.body,)
         if not isinstance(self.errors, dict):
             self.errors = {status: ERRORS[status] for status in self.errors}
+        if self.body and self.example is None:
+            raise ValueError(f"{self.summary!r}: a JSON body's route declares an example (a body that runs)")
 
     def models(self) -> list[tuple[type[BaseModel], str]]:
         """The models whose JSON schemas the document holds, each with pydantic's mode for it."""
@@ -133,7 +142,7 @@ def _parameters(route: Route, op: Operation) -> list[dict]:
     return path + query
 
 
-def _operation(route: Route, op: Operation, ref) -> dict:
+def _operation(route: Route, op: Operation, ref, model: str) -> dict:
     out: dict[str, Any] = {"tags": [op.tag], "summary": op.summary}
     if doc := (route.endpoint.__doc__ or "").strip():
         out["description"] = " ".join(doc.split())
@@ -144,7 +153,8 @@ def _operation(route: Route, op: Operation, ref) -> dict:
     if op.body:
         schemas = [ref(m, "validation") for m in op.body]
         schema = schemas[0] if len(schemas) == 1 else {"oneOf": schemas}
-        out["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+        body = {"schema": schema, "example": op.example(model)}
+        out["requestBody"] = {"required": True, "content": {"application/json": body}}
     elif op.form is not None:
         form = {"type": "object", "required": list(op.form), "properties": op.form}
         out["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": form}}}
@@ -166,8 +176,8 @@ def _operation(route: Route, op: Operation, ref) -> dict:
     return out
 
 
-def document(routes: Sequence[BaseRoute]) -> dict:
-    """The OpenAPI 3.1 document of these routes."""
+def document(routes: Sequence[BaseRoute], model: str) -> dict:
+    """The OpenAPI 3.1 document of these routes, served with `model` as the model's name (its examples')."""
     ops = [(path, method, route, _declared(route)) for path, method, route in documented(routes)]
     wanted = [(P.ErrorResponse, "serialization")]
     for *_, op in ops:
@@ -181,7 +191,7 @@ def document(routes: Sequence[BaseRoute]) -> dict:
     for path, method, route, op in ops:
         if method in paths.setdefault(path, {}):
             raise ValueError(f"{method.upper()} {path} is registered twice")
-        paths[path][method] = _operation(route, op, ref)
+        paths[path][method] = _operation(route, op, ref, model)
     used = {op.tag for *_, op in ops}
     return {
         "openapi": "3.1.0",

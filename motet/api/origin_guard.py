@@ -20,10 +20,10 @@ cross-site form/text posts fail there too.
 from __future__ import annotations
 
 import ipaddress
-import json
 import socket
 from urllib.parse import urlsplit
 
+from motet import json_input
 from motet.api.asgi import request_headers
 from motet.api.errors import APIError
 
@@ -66,7 +66,7 @@ def flat_list(values, flag: str = "the flag") -> list[str]:
             out.append(v)
             continue
         try:
-            items = json.loads(v)
+            items = json_input.loads(v)
         except ValueError as e:
             raise ValueError(f"{flag} {v!r}: not a JSON list ({e})") from None
         if not isinstance(items, list) or not all(isinstance(x, str) for x in items):

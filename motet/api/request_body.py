@@ -1,65 +1,25 @@
-"""Reading a request's JSON body with bounds: size (413), nesting depth, valid Unicode, no NaN/Infinity
-(400, never a RecursionError's 500); and a multipart form's, bounded in size."""
+"""Reading a request's JSON body with bounds: size (413), and `motet/json_input.py`'s guard (nesting depth,
+valid Unicode, no NaN/Infinity: 400, never a RecursionError's 500); and a multipart form's, bounded in size."""
 
 from __future__ import annotations
 
-import json
-
 from starlette.requests import Request
 
+from motet import json_input
 from motet.api.errors import APIError, shorten
 
 # A multipart form's headers and small parts (a file's purpose, an adapter's config file), on top of the limit
 # of its files.
 FORM_SLACK = 64 << 10
-MAX_JSON_DEPTH = 64  # nesting of a request body; JSONSchemaBench's deepest schema nests 22 levels
-KEY_CHARS = 40  # of each key where an error names a place in the body
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+MAX_JSON_DEPTH = json_input.MAX_DEPTH
 
 
 def check_json(data, limit: int = MAX_JSON_DEPTH) -> None:
-    """Bounded nesting, and text that is valid Unicode (a lone surrogate escape such as \\ud800 parses
-    into a str that no tokenizer can encode, nor any file name hold). An explicit stack: deep input cannot
-    recurse us. Errors name where (`param`, as `messages[0].content`)."""
-    stack: list[tuple[object, int, tuple | None]] = [(data, 1, None)]  # (value, depth, where: (parent, key))
-    while stack:
-        value, depth, where = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                param = _param(where)
-                at = f" at {param}" if param else ""
-                raise APIError(
-                    400, f"request body holds invalid Unicode (a lone surrogate escape){at}", param
-                ) from None
-        elif isinstance(value, dict | list):
-            if depth > limit:
-                raise APIError(400, f"request body is nested more than {limit} levels deep", _param(where))
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, child in items:
-                stack.append((key, depth, where))  # a key is checked as part of its object
-                stack.append((child, depth + 1, (where, key)))
-
-
-def _param(where: tuple | None) -> str | None:
-    """A location on check_json's stack as a param (`input[0].content`), built only for an error, with
-    each key readable (escaped) and short."""
-    keys = []
-    while where is not None:
-        where, key = where
-        keys.append(key)
-    out = ""
-    for key in reversed(keys):
-        if isinstance(key, int):
-            out += f"[{key}]"
-        else:
-            text = shorten(key.encode("utf-8", "backslashreplace").decode("utf-8"), KEY_CHARS)
-            out += f".{text}" if out else text
-    return out or None
+    """A request body's bounds (`motet/json_input.py`'s: nesting, valid Unicode): a 400 naming where."""
+    try:
+        json_input.check(data, limit)
+    except json_input.JSONBoundsError as e:
+        raise APIError(400, f"request body {e}", e.param) from None
 
 
 def check_json_type(content_type: str | None) -> None:
@@ -86,11 +46,9 @@ async def read_json(request: Request, limit: int) -> dict:
         if len(body) > limit:
             raise APIError(413, f"request body is larger than {limit} bytes")
     try:
-        data = json.loads(body, parse_constant=_refuse_constant)  # NaN, Infinity: not JSON
-    except RecursionError:
-        raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
+        data = json_input.loads(body)
+    except ValueError as e:
+        raise APIError(400, f"request body is {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
     check_json(data)

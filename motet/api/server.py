@@ -8,16 +8,28 @@ flags' values, the port is free): a failure there is one line and exit status 2.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
-from motet.api.generation_config import parse_override
+from motet.api.generation_config import override_object
 from motet.cluster import serve_flags
-from motet.flag_types import MAX_DAYS, integer, number, seconds
+from motet.flag_types import (
+    MAX_DAYS,
+    host_name,
+    integer,
+    json_file,
+    json_text,
+    model_name,
+    number,
+    seconds,
+    web_origin,
+)
 
 log = logging.getLogger("motet.server")
 
@@ -85,13 +97,14 @@ def grammar_limits(args):
 
 def check_model(config) -> tuple[Path, int]:
     """The model's directory and context length; ModelLoadError (a ValueError) naming what is wrong with
-    --model, before anything starts. The default model is pulled here when it is not cached yet."""
-    from motet.engine.config import context_length
+    --model, or with a flag the model's config or the memory bounds (`check_fits`), before anything starts. The
+    default model is pulled here when it is not cached yet."""
     from motet.engine.weights.checkpoint import load_model_config
     from motet.engine.weights.model_store import resolve_model
+    from motet.engine.worker.memory import check_fits
 
     model_dir = resolve_model(config.model)
-    return model_dir, context_length(load_model_config(model_dir), config.max_model_len)
+    return model_dir, check_fits(config, load_model_config(model_dir))
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -167,7 +180,6 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.files.store import FileStore
     from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
-    from motet.api.origin_guard import flat_list
     from motet.api.responses.store import ResponseStore
     from motet.api.state import ServerState
     from motet.api.usage import UsageStore
@@ -180,10 +192,8 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         model_dir, max_model_len = check_model(config)
     if config.num_threads is None:
         config.num_threads = default_cpu_threads()
-    if args.tenant_weights:
-        from motet.engine.core.fairness import load_tenant_weights
-
-        config.tenant_weights = load_tenant_weights(args.tenant_weights)
+    if args.tenant_weights:  # (read and checked as the flag was parsed)
+        config.tenant_weights = args.tenant_weights
     names = served_names(args, config)
     defaults = sampling_defaults(args.generation_config, model_dir, args.override_generation_config)
     if defaults:
@@ -195,11 +205,6 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     loras = shared_loras(args.lora, names)
     data = data_dir(args.data_dir, config.model)
     fit_to_disk(args, config, data)
-    for flag, values in (
-        ("--allowed-hosts", args.allowed_hosts),
-        ("--allowed-origins", args.allowed_origins),
-    ):
-        flat_list(values, flag)  # vLLM's JSON list form, checked before anything starts
     # before anything starts: no load dir may overlap a place tenants' own adapters are kept
     private = {"--data-dir": data, **serve_flags.adapter_dirs(args)}
     load_dirs = check_load_dirs(args.lora_load_dir or (), private)
@@ -308,17 +313,18 @@ def http_server(args, state, on_tick=None):
     return DrainingServer(config, state, args.drain_timeout, on_tick=on_tick)
 
 
-def reload_keys(args, state) -> None:
-    """SIGHUP: read the API keys file again (keys, tenants, limits) without a restart; a file that does not
-    load leaves the running keys as they are."""
+def read_keys(args):
+    """SIGHUP's read (in a thread of its own, under a deadline): the API keys file again (keys, tenants,
+    limits) as (authenticator, limits); a file that does not load is a ValueError and the running keys stay."""
     from motet.api.vllm_flags import authenticator
 
-    try:
-        auth = authenticator(args)
-        limits = auth.tenant_limits()
-    except ValueError as e:
-        log.error("SIGHUP: the API keys were not reloaded (the running ones stay): %s", e)
-        return
+    auth = authenticator(args)
+    return auth, auth.tenant_limits()
+
+
+def apply_keys(state, loaded) -> None:
+    """SIGHUP's apply (on the loop): the keys `read_keys` read replace the running ones."""
+    auth, limits = loaded
     state.auth = auth
     state.limiter.reload(limits)
     log.info("SIGHUP: reloaded the API keys: %d keys, %d tenants with limits", len(auth.keys), len(limits))
@@ -340,14 +346,29 @@ def serve(args, config) -> int:
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     status = StatusLog(state, url, args.log_stats_interval, stats=not args.disable_log_stats)
     server = http_server(args, state, on_tick=status.tick)
-    server.reload_on_sighup(lambda: reload_keys(args, state))
+    server.reload_on_sighup(lambda: read_keys(args), lambda loaded: apply_keys(state, loaded))
     log.info("loading %s on %s (GET /health answers 503 until it has loaded)", state.model_name, url)
     server.run(sockets=[sock])
     log.info("stopped")
     # Everything has been closed: the interpreter's last collections need not walk the millions of objects of
     # the model's libraries (seconds, which a SIGTERM would wait for).
     gc.freeze()
+    atexit.register(quiet_teardown)
     return 1 if state.fatal is not None else 0
+
+
+def quiet_teardown() -> None:
+    """After "stopped", the interpreter's teardown writes to /dev/null. The frozen collector keeps every cycle
+    alive past its module, so nanobind, tearing down triton's bindings (torch's dynamo imports triton wherever it
+    is installed, a CPU host too), reports each of their types as leaked: 31 lines after "stopped" that read as
+    a crash, about a leak made on purpose, the process ending. triton silences its own workers' teardown the
+    same way (triton/_compile_warmup_pool.py); nanobind's switch for it (`set_leak_warnings`) is not one that
+    triton's bindings expose. Registered last, it runs first of the exit handlers, after everything was
+    logged."""
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def add_serve_args(p) -> None:
@@ -355,14 +376,17 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--served-model-name",
         nargs="+",
+        type=model_name,
         default=None,
         metavar="NAME",
-        help="the model's name in the API (the first; the others are aliases); default: --model (a GGUF file's stem)",
+        help="the model's name in the API (the first; the others are aliases; each 1 to 256 characters, no "
+        "spaces); default: --model (a GGUF file's stem)",
     )
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="the port to listen on")
     p.add_argument(
         "--allowed-hosts",
         nargs="+",
+        type=host_name,
         default=[],
         metavar="HOST",
         help="Host names the server answers to besides loopback names, IP addresses, --host and this machine's "
@@ -371,6 +395,7 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--allowed-origins",
         nargs="+",
+        type=web_origin,
         default=[],
         metavar="ORIGIN",
         help="web pages (scheme://host[:port]) allowed to call the API from a browser, with CORS; default: only "
@@ -399,7 +424,7 @@ def add_serve_args(p) -> None:
     )
     p.add_argument(
         "--override-generation-config",
-        type=parse_override,
+        type=json_text(override_object),
         default=None,
         metavar="JSON",
         help="sampling defaults over --generation-config's, e.g. '{\"temperature\": 0.5}'",
@@ -489,12 +514,15 @@ def add_serve_args(p) -> None:
         default=16,
         help="requests admitted to the engine but not running (and as many more, each tenant's first)",
     )
+    from motet.engine.core.fairness import check_tenant_weights
+
     p.add_argument(
         "--tenant-weights",
+        type=json_file(check_tenant_weights),
         default=None,
         metavar="FILE",
         help='JSON file {"tenant": weight}: each tenant\'s share of a busy server follows its weight (positive '
-        "numbers; tenants not named weigh 1; default: all equal)",
+        "numbers; tenants not named weigh 1; a regular file of at most 16 MiB; default: all equal)",
     )
     p.add_argument("--max-body-bytes", type=integer(1), default=4 << 20, help="larger request bodies get 413")
     p.add_argument(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from motet.actors.front import ServingFront
 from motet.api.auth import Authenticator
-from motet.api.errors import APIError
+from motet.api.errors import APIError, echo
 from motet.api.metrics import Metrics
 from motet.api.rate_limits import RateLimiter
 from motet.api.usage import UsageStore
@@ -24,6 +24,9 @@ if TYPE_CHECKING:  # the families' stores: each family's routes read ServerState
     from motet.api.batches.runner import BatchRunner
     from motet.api.files.store import FileStore
     from motet.api.responses.store import ResponseStore
+
+
+MODELS_NAMED = 20  # in a model_not_found message; a tenant may have thousands of adapters
 
 
 @dataclass
@@ -89,7 +92,23 @@ class ServerState:
         ref = await self.adapters.resolve(tenant, model) if self.adapters is not None else None
         if ref is not None:
             return ref
-        raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+        raise await self.unknown_model(tenant, model)
+
+    async def unknown_model(self, tenant: str, model: str) -> APIError:
+        """The 404 for a model `tenant` cannot use, naming the ones it can, as GET /v1/models lists them for it:
+        the served name and the adapters it sees (the shared ones and its own; never another tenant's, nor the
+        path the model was loaded from)."""
+        names = [self.model_name]
+        if self.adapters is not None:
+            names += [a.ref.model for a in await self.adapters.visible(tenant)]
+        shown = ", ".join(echo(n) for n in names[:MODELS_NAMED])
+        more = f" and {len(names) - MODELS_NAMED} more" if len(names) > MODELS_NAMED else ""
+        return APIError(
+            404,
+            f"The model {echo(model)} does not exist; the models you can use are {shown}{more} (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
 
     @functools.cached_property
     def token_text(self) -> Callable[[int], str]:

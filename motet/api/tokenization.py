@@ -98,7 +98,8 @@ def _chat_text(state: ServerState, tenant: str, adapter, req: TokenizeChatReques
 
 
 @operation("vLLM: a prompt's or chat's token ids", tag="Tokenization",
-           body=(TokenizeCompletionRequest, TokenizeChatRequest))  # fmt: skip
+           body=(TokenizeCompletionRequest, TokenizeChatRequest),
+           example=lambda model: {"model": model, "prompt": "Hello, world!"})  # fmt: skip
 async def tokenize(request: Request) -> Response:
     state, tenant, req, adapter = await _accept(request, None)
     model = state.system.model
@@ -119,7 +120,8 @@ async def tokenize(request: Request) -> Response:
     return JSONResponse(body)
 
 
-@operation("vLLM: token ids' text", tag="Tokenization", body=DetokenizeRequest)
+@operation("vLLM: token ids' text", tag="Tokenization", body=DetokenizeRequest,
+           example=lambda model: {"model": model, "tokens": [1, 2, 3]})  # fmt: skip
 async def detokenize(request: Request) -> Response:
     state, _, req, _ = await _accept(request, DetokenizeRequest)
     model = state.system.model

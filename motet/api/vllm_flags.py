@@ -12,9 +12,9 @@ and `--enable-auto-tool-choice` (accepted: `tool_choice: "auto"` is always on). 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 
+from motet import json_input
 from motet.api.auth import DEFAULT_TENANT, Authenticator, Principal
 from motet.flag_types import number
 
@@ -105,9 +105,9 @@ def _lora_module(value: str, flag: str) -> str:
             raise argparse.ArgumentError(None, f"{flag} {value!r}: expected NAME=PATH or a JSON object")
         return value
     try:
-        spec = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentError(None, f"{flag} {value[:80]!r}: not valid JSON ({e})") from None
+        spec = json_input.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentError(None, f"{flag} {value[:80]!r}: {e}") from None
     known = {"name", "path", "base_model_name"}
     if not isinstance(spec, dict) or not {"name", "path"} <= set(spec) or not set(spec) <= known:
         raise argparse.ArgumentError(

@@ -67,9 +67,40 @@ def auto_dtype(device: torch.device) -> tuple[str, str]:
     return "float32", "this CPU has no native bf16 (avx512_bf16, amx_bf16)"
 
 
+# --max-model-len's floor, and the fewest tokens a KV cache may hold (motet/engine/worker/memory.py `check_fits`):
+# a chat request's template and a short answer (SmolLM2's template with its default system prompt is 30 tokens).
+MIN_MODEL_LEN = 64
+MAX_BLOCK_SIZE = 256  # tokens per KV block: vLLM's largest
+_STRETCHED_ROPES = ("linear", "dynamic", "yarn")  # a rope scaling whose factor stretches the stated positions
+
+
+def model_positions(model: ModelConfig) -> int:
+    """The longest context the model's positions reach, as vLLM derives it: max_position_embeddings, times the
+    factor of a rope scaling that stretches it (YaRN's from its original length); llama3's and longrope's
+    configs state the stretched length already."""
+    scaling = model.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = scaling.get("factor")
+    if kind not in _STRETCHED_ROPES or not factor:
+        return model.max_position_embeddings
+    base = model.max_position_embeddings
+    if kind == "yarn":
+        base = scaling.get("original_max_position_embeddings") or base
+    return max(model.max_position_embeddings, int(base * factor))
+
+
 def context_length(model: ModelConfig, max_model_len: int | None) -> int:
     """The longest sequence an engine serves: `max_model_len`, or else the model's positions (past a sliding
-    window too: those layers keep only their window, motet/engine/core/kv_window.py)."""
+    window too: those layers keep only their window, motet/engine/core/kv_window.py). A `max_model_len` past
+    the model's positions is refused, as vLLM refuses it: the model was never trained there (and
+    `--max-model-len 10000000000` once died allocating a 80 GB rotary table)."""
+    positions = model_positions(model)
+    if max_model_len is not None and max_model_len > positions:
+        raise ValueError(
+            f"--max-model-len {max_model_len} is more than the model's {positions} positions (config.json's "
+            f"max_position_embeddings{' and rope_scaling' if positions != model.max_position_embeddings else ''});"
+            f" give at most {positions}, or leave it out"
+        )
     return max_model_len or model.max_position_embeddings
 
 
@@ -236,6 +267,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.tpot_target_ms is not None and not (0 <= self.tpot_target_ms < float("inf")):
             raise ValueError(f"tpot_target_ms must be >= 0 (0: off), got {self.tpot_target_ms}")
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE}, got {self.block_size}")
         for name in ("block_size", "max_num_seqs", "max_lora_rank", "lora_time_slice"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

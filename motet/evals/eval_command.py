@@ -1,11 +1,11 @@
 """`motet eval SUITE`: run one eval suite against a server and write a report directory.
 
-    motet eval SUITE [--base-url URL | --model NAME_OR_PATH --server-args "..."] [--data FILE] [--limit N]
-                     [--concurrency C] [--out DIR] [--compare-url URL2 | --compare-server-args "..."]
+    motet eval SUITE [--base-url URL | --model NAME_OR_PATH --server-args "..." [--port P]] [--data FILE]
+                     [--limit N] [--concurrency C] [--out DIR] [--compare-url URL2 | --compare-server-args "..."]
                      [--compare-label L] [suite flags]
 
-Without --base-url it starts `motet serve` itself on a free loopback port (with --server-args) and stops
-it at the end, Ctrl-C included. With a second server (--compare-url, or --compare-server-args for a
+Without --base-url it starts `motet serve` itself on a loopback port (--port, else a free one; with
+--server-args) and stops it at the end, Ctrl-C included. With a second server (--compare-url, or --compare-server-args for a
 second managed server started after the first one stopped) the suite runs against both, and the report
 puts them side by side. The report directory (default reports/eval/<suite>-<timestamp>/) gets
 results.json, summary.md and PNG plots; the short summary and the report's path are printed last.
@@ -30,6 +30,7 @@ from motet.evals import report
 from motet.evals.context import EvalContext
 from motet.evals.report import Run
 from motet.evals.server import ManagedServer, ServerError
+from motet.flag_types import integer
 
 
 def _common_args(p: argparse.ArgumentParser, needs_server: bool) -> None:
@@ -62,6 +63,13 @@ def _common_args(p: argparse.ArgumentParser, needs_server: bool) -> None:
         default="",
         help='flags for the `motet serve` started here, e.g. "--grammar-backend outlines" (one flag alone: '
         "--server-args=--no-prefix-caching)",
+    )
+    g.add_argument(
+        "--port",
+        type=integer(1, 65535),
+        default=None,
+        help="the port of the `motet serve` started here, on 127.0.0.1 (default: a free one); the compared "
+        "server started after it takes the same",
     )
     g.add_argument("--server-timeout", type=float, default=600, help="seconds to wait for a started server")
     g.add_argument("--compare-url", default=None, help="a second server to run the suite against")
@@ -147,6 +155,8 @@ def _targets(args) -> list[dict]:
     """The servers to evaluate, in order: the main one, then the one to compare with (if any)."""
     if args.base_url and args.server_args:
         raise ValueError("--server-args is for a server motet eval starts; it does not apply with --base-url")
+    if args.base_url and args.port is not None:
+        raise ValueError("--port is for a server motet eval starts; it does not apply with --base-url")
     if args.compare_url and args.compare_server_args is not None:
         raise ValueError("give either --compare-url or --compare-server-args, not both")
     targets = [_target(args.base_url, args.server_args, args.label)]
@@ -156,6 +166,10 @@ def _targets(args) -> list[dict]:
             if args.label and args.compare_label:
                 raise ValueError(f"both servers are labelled {args.label!r}: pass two different labels")
             targets[1]["label"] += " (2)"
+    if any(
+        _flag_value(t["server_args"], "--port") is not None for t in targets
+    ):  # (it would wait on another)
+        raise ValueError("give the managed server's port as motet eval --port, not in --server-args")
     return targets
 
 
@@ -170,7 +184,11 @@ def _run_one(module: ModuleType, args, out_dir: Path, target: dict) -> Run:
             flush=True,
         )
         server = ManagedServer(
-            target["server_args"], model=args.model, log_path=log, start_timeout=args.server_timeout
+            target["server_args"],
+            model=args.model,
+            log_path=log,
+            start_timeout=args.server_timeout,
+            port=args.port,
         )
         server.start()
     try:

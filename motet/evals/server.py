@@ -70,10 +70,11 @@ class ManagedServer:
         model: str | None = None,
         log_path: Path | None = None,
         start_timeout: float = 600,
+        port: int | None = None,
     ):
         self.server_args, self.model, self.log_path = list(server_args), model, log_path
         self.start_timeout = start_timeout
-        self.port = free_port()
+        self.port = port or free_port()  # (a port given may be taken: serve then says so, and start fails)
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = f"{self.url}/v1"
         self.proc: subprocess.Popen | None = None

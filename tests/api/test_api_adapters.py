@@ -8,6 +8,7 @@ request runs, and find their adapters again after a restart (which also serves a
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import tarfile
@@ -388,3 +389,50 @@ def test_in_process_upload_use_delete(tiny_model_dir, tmp_path):
             time.sleep(0.01)
         assert c.post("/v1/adapters", data={"name": "a"}, files=files, headers=alice).status_code == 200
         assert text("a") == with_adapter  # registered again, lazily
+
+
+def test_an_unknown_models_404_names_the_models_the_tenant_may_use(tiny_model_dir, tmp_path):
+    """Issue 57: a typo'd model's 404 named nothing to use instead. It names what GET /v1/models lists for the
+    tenant (the served name, the shared adapters and its own), never another tenant's adapter nor the path the
+    model was loaded from; read through the openai SDK."""
+    from transformers import AutoModelForCausalLM
+
+    from motet.actors.system import ServingSystem
+    from motet.api.adapters.store import AdapterStore
+    from motet.api.auth import Authenticator
+    from motet.api.state import ServerState
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
+    from tests.served_app import served_app
+
+    path = strong_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "ad", seed=0)
+    cfg = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=4, max_lora_rank=8)
+    system = ServingSystem(lambda: LLMEngine(cfg, model_dir=tiny_model_dir))
+    store = AdapterStore(system, tmp_path / "data", reserved=("tiny",), max_bytes=1 << 20)
+    state = ServerState(system, ["tiny", str(tiny_model_dir)], auth=Authenticator({"ka": "alice", "kb": "bob"}),
+                        adapters=store)  # fmt: skip
+    with served_app(state) as c:
+        files = [("files", f) for f in two_files(path).items()]
+        for name, key in (("alice-adapter", "ka"), ("bobs-secret", "kb")):
+            r = c.post(
+                "/v1/adapters", data={"name": name}, files=files, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert r.status_code == 200, r.text
+        for key, listed, hidden in (
+            ("ka", "alice-adapter", "bobs-secret"),
+            ("kb", "bobs-secret", "alice-adapter"),
+        ):
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=c, max_retries=0)
+            visible = [m.id for m in client.models.list()]
+            assert visible == ["tiny", listed]
+            asks = (
+                functools.partial(client.completions.create, model="tinny", prompt="x", max_tokens=1),
+                functools.partial(client.models.retrieve, "tinny"),
+            )
+            for ask in asks:
+                with pytest.raises(openai.NotFoundError) as e:
+                    ask()
+                message = e.value.body["message"]
+                assert e.value.body["code"] == "model_not_found" and "'tinny'" in message
+                assert all(repr(name) in message for name in visible), message
+                assert hidden not in message and str(tiny_model_dir) not in message, message

@@ -26,7 +26,7 @@ from openai.types.responses import Response
 
 from motet.actors.system import Stats
 from motet.api.auth import Authenticator
-from motet.api.batches.lines import Line, error_line, response_line
+from motet.api.batches.lines import Line, error_line, parse_lines, response_line
 from motet.api.batches.runner import BatchGate, LowPriority, tenant_has_key
 from motet.api.batches.store import BatchStore
 from motet.api.files.store import FileQuotaExceeded, FileStore, FileTooLarge
@@ -293,6 +293,53 @@ def test_batch_create_refuses_what_it_cannot_run(server):
         alice.batches.create(input_file_id=done.output_file_id, endpoint="/v1/chat/completions",
                              completion_window="24h")  # fmt: skip
     assert e.value.body["param"] == "input_file_id"
+
+
+def nested_line(custom_id: str, depth: int) -> bytes:
+    """A chat line whose body holds a value nested `depth` levels below the body (the body itself is level 1)."""
+    value = "[" * (depth - 1) + "]" * (depth - 1)
+    head = json.dumps(chat_line(custom_id, 0))[:-1]  # the line without its closing brace
+    return f'{head[: head.rindex("}")]}, "extra": {value}}}}}'.encode()
+
+
+def test_a_deeply_nested_line_is_answered_in_the_error_file_not_a_500(server):
+    """A 2 KB input whose line nests 1,000 levels (past what Python's parser recurses) is a line error, as a
+    request body nested past 64 levels is a 400: the batch is created and every other line runs."""
+    alice = sdk(server)
+    deep = nested_line("deep", 1000)
+    assert len(deep) < 2300  # about 2 KB
+    data = jsonl([chat_line("first", 1)]) + deep + b"\n" + nested_line("over", 66) + b"\n"
+    batch = alice.batches.create(input_file_id=upload(alice, data).id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")  # fmt: skip
+    done, _ = wait(alice, batch.id)
+    assert done.status == "completed", done
+    assert [o["custom_id"] for o in read_lines(alice, done.output_file_id)] == ["first"]
+    errors = {e["error"]["message"].split(":")[0]: e for e in read_lines(alice, done.error_file_id)}
+    assert set(errors) == {"line 2", "line 3"}
+    assert errors["line 2"]["error"]["code"] == "invalid_json_line"
+    assert errors["line 3"]["error"]["code"] == "invalid_body" and errors["line 3"]["custom_id"] == "over"
+    for e in errors.values():
+        assert "nested more than 64 levels deep" in e["error"]["message"], e
+    assert "Traceback" not in server.log_path.read_text()
+
+
+def test_batch_lines_are_bounded_as_request_bodies_are():
+    """parse_lines applies the request body's guard (64 levels below the body, valid Unicode) and never
+    raises, however deep a line nests."""
+    for depth in (1000, 100_000):
+        (line,) = parse_lines([nested_line("deep", depth)])
+        assert line.error[0] == "invalid_json_line" and line.error[1].startswith("line 1: "), line.error
+        assert "nested more than 64 levels deep" in line.error[1]
+    (ok,) = parse_lines([nested_line("ok", 64)])
+    assert ok.error is None and ok.custom_id == "ok"
+    (over,) = parse_lines([nested_line("over", 65)])
+    assert over.error[0] == "invalid_body" and "nested more than 64 levels deep" in over.error[1]
+    assert "body.extra" in over.error[1]  # where
+    surrogate = {**chat_line("x", 0), "custom_id": "\ud800"}  # parses, but no answer line could hold it
+    (line,) = parse_lines([json.dumps(surrogate).encode()])
+    assert line.error[0] == "invalid_custom_id"
+    (line,) = parse_lines([json.dumps(chat_line("x", 0, user="\ud800")).encode()])
+    assert line.error[0] == "invalid_body" and "invalid Unicode" in line.error[1]
 
 
 def test_cancel_answers_every_line_once(server):

@@ -9,12 +9,14 @@ too; the one-line refusal is checked on a real `motet serve` subprocess.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
 import pytest
 
 from motet.api.cli import build_parser
+from motet.flag_types import MAX_FLAG_FILE_BYTES
 from tests.live_server import ROOT
 
 
@@ -24,8 +26,9 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def numeric_flags() -> list[argparse.Action]:
-    """The flags that take a typed value (every other flag is a string, a choice or a switch)."""
-    return [a for a in serve_parser()._actions if a.option_strings and a.type is not None]
+    """The flags that take a number (the others are names, files, JSON, strings, choices or switches)."""
+    return [a for a in serve_parser()._actions
+            if a.option_strings and getattr(a.type, "__name__", None) in ("integer", "number")]  # fmt: skip
 
 
 def test_the_numeric_flags_are_found():
@@ -79,3 +82,124 @@ def test_motet_serve_refuses_nan_in_one_line():
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--responses-max-age-days" in lines[0] and "finite" in lines[0], done.stderr
+
+
+def deep_json_file(tmp_path, depth: int = 100_000) -> str:
+    path = tmp_path / "deep.json"
+    path.write_text("[" * depth + "]" * depth)
+    return str(path)
+
+
+def fifo(tmp_path) -> str:
+    path = tmp_path / "weights.fifo"
+    os.mkfifo(path)
+    return str(path)
+
+
+def huge_file(tmp_path) -> str:
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:
+        f.truncate(MAX_FLAG_FILE_BYTES + 1)  # (sparse: nothing is written)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--tenant-weights", deep_json_file),  # was a RecursionError's traceback
+        ("--tenant-weights", "/dev/zero"),  # was read until memory ran out
+        ("--tenant-weights", fifo),  # would wait for a writer
+        ("--tenant-weights", huge_file),
+        ("--served-model-name", ""),
+        ("--served-model-name", "m" * 100_000),
+        ("--served-model-name", "two words"),
+        ("--allowed-hosts", ""),
+        ("--allowed-hosts", "http://example.com"),
+        ("--allowed-hosts", "a..b"),
+        ("--allowed-origins", "not a url"),
+        ("--allowed-origins", "https://app.example.com/page"),
+        ("--allowed-origins", '["*", "nope"]'),
+        ("--allowed-origins", "[" * 100_000),
+        ("--override-generation-config", "[" * 100_000 + "]" * 100_000),
+        ("--override-generation-config", '{"temperature": NaN}'),
+        ("--lora-modules", '{"name": ' + "[" * 100_000),
+        ("--block-size", "1000000"),
+        ("--max-model-len", "1"),
+        ("--threads", "100000"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and len(v) < 30 else getattr(v, "__name__", "long"),
+)
+def test_flags_of_every_kind_are_refused_at_parse_time_in_one_line(flag, value, tmp_path, capsys):
+    """Issue 57: names, hosts, origins, JSON files and inline JSON are checked as the flags are parsed: exit 2
+    with one line naming the flag (argparse's own refusal), no traceback, nothing read past the bounds."""
+    value = value(tmp_path) if callable(value) else value
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0] and "Traceback" not in err[0], err
+    assert len(err[0]) < 1000  # a 100,000-character value is not echoed whole
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--served-model-name", "Qwen/Qwen2.5-0.5B-Instruct"),
+        ("--allowed-hosts", "*"),
+        ("--allowed-hosts", "api.example.com"),
+        ("--allowed-hosts", "my_service:8000"),
+        ("--allowed-hosts", "10.0.0.7"),
+        ("--allowed-origins", "*"),
+        ("--allowed-origins", "http://localhost:3000"),
+        ("--allowed-origins", "https://app.example.com/"),
+        ("--allowed-origins", '["https://a.example.com", "http://127.0.0.1:5173"]'),
+        ("--block-size", "256"),
+        ("--max-model-len", "64"),
+        ("--threads", "1"),
+    ],
+)
+def test_good_values_of_those_flags_pass(flag, value):
+    build_parser().parse_args(["serve", flag, value])
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (
+            ["--max-model-len", "10000000000"],
+            "--max-model-len 10000000000 is more than the model's 4096 positions",
+        ),
+        (["--num-kv-blocks", "100000000000"], "--num-kv-blocks 100000000000 asks for"),
+        (["--kv-cache-memory-gb", "1e9"], "--kv-cache-memory-gb 1e+09 asks for"),
+        (["--adapter-memory-gb", "1e9"], "--adapter-memory-gb 1e+09 asks for"),
+        (["--kv-offload-gb", "1e9"], "--kv-offload-gb 1e+09 asks for"),
+        (["--num-kv-blocks", "1"], "--num-kv-blocks 1 holds a KV cache of 16 tokens"),
+        (["--num-kv-blocks", "4", "--block-size", "256"], None),  # 1,024 tokens: enough
+    ],
+)
+def test_flags_the_model_or_memory_bound_are_refused_before_anything_loads(flags, says, tiny_model_dir, tmp_path,
+                                                                           capsys, monkeypatch):  # fmt: skip
+    """Issue 57: these failed after start-up with the allocator's errors (or, for one block, were accepted):
+    now `check_model` refuses them once the model's config is read, in one line, exit 2."""
+    from motet.api import server
+    from motet.api.cli import main
+
+    def build_state(*args, **kwargs):  # what comes after the checks: not this test's
+        raise ValueError("the checks passed")
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    code = main(["serve", "--model", str(tiny_model_dir), "--port", "0", "--data-dir", str(tmp_path / "d"),
+                 *flags])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("motet: error: "), err
+    assert (says or "the checks passed") in err[0], err
+
+
+def test_motet_serve_refuses_a_context_past_the_models_in_one_line(tiny_model_dir):
+    cmd = [sys.executable, "-m", "motet.api.cli", "serve", "--model", str(tiny_model_dir), "--port", "0",
+           "--max-model-len", "10000000000"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--max-model-len" in lines[0] and "4096 positions" in lines[0], done.stderr

@@ -17,6 +17,7 @@ from motet.actors.system import ServingSystem
 from motet.api import app as app_module
 from motet.api.app import ENDPOINTS, TEMPLATED, create_app, openapi_schema
 from motet.api.auth import Authenticator
+from motet.api.completions.protocol import ChatCompletionRequest
 from motet.api.openapi import Operation, document, operation
 from motet.api.state import ServerState
 
@@ -47,7 +48,9 @@ def test_every_registered_route_is_documented_and_nothing_else(app):
 def test_the_served_document_is_the_generated_one(app):
     served = TestClient(app).get("/openapi.json")  # no lifespan: the route needs no model
     assert served.status_code == 200
-    assert served.json() == openapi_schema() == document(app.routes)
+    assert (
+        served.json() == openapi_schema("tiny") == document(app.routes, "tiny")
+    )  # (the served model's name)
 
 
 class _Assets(HTMLParser):
@@ -130,8 +133,10 @@ def test_a_route_without_a_declaration_cannot_be_documented():
         raise AssertionError
 
     with pytest.raises(LookupError, match="declares no @operation"):
-        document([Route("/v1/new", undeclared, methods=["GET"])])
-    document([Route("/v1/new", undeclared, methods=["GET"], include_in_schema=False)])  # left out on purpose
+        document([Route("/v1/new", undeclared, methods=["GET"])], "tiny")
+    document(
+        [Route("/v1/new", undeclared, methods=["GET"], include_in_schema=False)], "tiny"
+    )  # left out on purpose
 
 
 def test_declarations_travel_with_the_guarded_handler():
@@ -140,7 +145,7 @@ def test_declarations_travel_with_the_guarded_handler():
         raise AssertionError
 
     route = Route("/thing/{n:int}", app_module.guarded(thing), methods=["GET", "POST"])
-    doc = document(Starlette(routes=[route]).routes)
+    doc = document(Starlette(routes=[route]).routes, "tiny")
     assert set(doc["paths"]["/thing/{n}"]) == {"get", "post"}
     op = doc["paths"]["/thing/{n}"]["get"]
     assert [(p["name"], p["in"], p["schema"]["type"]) for p in op["parameters"]] == [
@@ -150,3 +155,55 @@ def test_declarations_travel_with_the_guarded_handler():
     assert set(op["responses"]) == {"200", "400"}
     with pytest.raises(ValueError, match="unknown OpenAPI tag"):
         Operation("x", tag="Nope")
+
+
+# What a route that names a resource answers its example with on a fresh server: the resource is missing (the
+# example's shape passes: never a 422 or an unknown field), naming what to make first.
+NAMES_A_RESOURCE = {  # path -> (status, the error's field, its value)
+    "/v1/batches": (400, "code", "file_not_found"),  # upload the batch's file first (POST /v1/files)
+    "/v1/load_lora_adapter": (403, "param", "lora_path"),  # no directory is read without --lora-load-dir
+    "/v1/unload_lora_adapter": (404, "code", "adapter_not_found"),  # load or upload it first
+}
+
+
+def test_each_json_bodys_example_runs_as_shown(tiny_model_dir, tmp_path):
+    """Issue 57: /docs' "Try it out" sent every optional field as null, with `"model": "string"` and
+    `messages: [{"additionalProp1": {}}]`: a 400. Each JSON body's example in the served /openapi.json names
+    the served model and runs as shown: sent as-is (httpx on loopback, `motet serve`'s own app and flags), the
+    inference and tokenization routes answer 200 (chat and completions parse as the openai SDK's types)."""
+    import httpx
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    from tests.live_server import ThreadServer
+
+    srv = ThreadServer("--model", str(tiny_model_dir), "--served-model-name", "tiny", "--data-dir",
+                       str(tmp_path / "data"), "--threads", "1", "--num-kv-blocks", "64")  # fmt: skip
+    try:
+        client = httpx.Client(base_url=srv.url, timeout=120)
+        doc = client.get("/openapi.json").json()
+        answers = {}
+        for path, item in doc["paths"].items():
+            body = item.get("post", {}).get("requestBody", {}).get("content", {}).get("application/json")
+            if body is None:
+                continue
+            example = body["example"]
+            assert example.get("model", "tiny") == "tiny", (path, example)
+            r = client.post(path, json=example)
+            answers[path] = r
+            if path in NAMES_A_RESOURCE:
+                status, field, value = NAMES_A_RESOURCE[path]
+                assert r.status_code == status and r.json()["error"][field] == value, (path, r.text)
+            else:
+                assert r.status_code == 200, (path, example, r.text)
+        assert set(answers) >= {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize",
+                                "/detokenize", *NAMES_A_RESOURCE}, answers  # fmt: skip
+        ChatCompletion.model_validate(answers["/v1/chat/completions"].json())
+        Completion.model_validate(answers["/v1/completions"].json())
+    finally:
+        srv.stop()
+
+
+def test_a_json_body_without_an_example_cannot_be_declared():
+    with pytest.raises(ValueError, match="declares an example"):
+        Operation("x", tag="Chat", body=ChatCompletionRequest)

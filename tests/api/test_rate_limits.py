@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -255,6 +256,87 @@ def test_sighup_reloads_the_keys_file(served):
     time.sleep(1)
     assert ask(sdk(srv, "sk-erin")).http_response.status_code == 200
     assert "were not reloaded" in srv.log_path.read_text()
+
+
+def test_a_keys_file_that_is_a_fifo_is_refused_and_a_later_sighup_revokes_a_key(served):
+    """Issue 57: a SIGHUP whose reload did not return (the keys path a FIFO: opening it waits for a writer)
+    wedged the server's loop, so a later reload revoking a key never applied. A FIFO is refused (logged), and
+    the next SIGHUP's file applies: bob's removed key is answered 401."""
+    srv, keys = served
+    assert ask(sdk(srv, "sk-bob")).http_response.status_code == 200
+    keys.unlink()
+    os.mkfifo(keys)
+    srv.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while "not a regular file (a FIFO)" not in srv.log_path.read_text():
+        assert time.monotonic() < deadline, "the FIFO's refusal was not logged"
+        time.sleep(0.2)
+    assert ask(sdk(srv, "sk-bob")).http_response.status_code == 200  # the running keys stay
+    keys.unlink()
+    keys.write_text(json.dumps({k: v for k, v in KEYS.items() if k != "sk-bob"}))
+    srv.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ask(sdk(srv, "sk-bob"))
+        except openai.AuthenticationError:
+            break
+        assert time.monotonic() < deadline, "the revoking reload never applied"
+        time.sleep(0.2)
+    keys.write_text(json.dumps(KEYS))  # (bob back for the module's next tests)
+    srv.proc.send_signal(signal.SIGHUP)
+
+
+def test_a_reload_that_never_returns_never_holds_the_loop():
+    """Issue 57: the server's tick awaited the reload's thread, so a read that never returned (a hung mount)
+    stopped the loop: no later reload, and SIGTERM ignored. Now each tick returns at once; a read past its
+    deadline is logged and dropped (what it reads later is never applied), and the next SIGHUP's read applies."""
+    import logging
+    from types import SimpleNamespace
+
+    import anyio
+    import uvicorn
+
+    from motet.api.draining import DrainingServer
+
+    hung = threading.Event()
+    reads = iter([lambda: hung.wait() and "the hung read's keys", lambda: "the revoking keys"])
+    applied: list[str] = []
+    server = DrainingServer(
+        uvicorn.Config(app=None), SimpleNamespace(draining=False, inflight=0, fatal=None), 1
+    )
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        server.reload_on_sighup(lambda: next(reads)(), applied.append)
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    server.reload_deadline_s = 0.5
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("motet.server").addHandler(handler)
+
+    async def ticks():
+        with anyio.fail_after(20):  # every tick returns; the revoking reload applies past the hung one
+            server.reload_requested = True  # (what SIGHUP's handler does)
+            assert await server.on_tick(1) is False
+            server.reload_requested = True  # a later SIGHUP, while the first read hangs
+            while applied != ["the revoking keys"]:
+                assert await server.on_tick(1) is False
+                await anyio.sleep(0.05)
+            server.should_exit = True  # SIGTERM still ends the server
+            assert await server.on_tick(1) is True
+            hung.set()  # the hung read returns at last: dropped
+            await anyio.sleep(0.2)
+            await server.on_tick(1)
+        assert applied == ["the revoking keys"]
+
+    try:
+        anyio.run(ticks)
+    finally:
+        hung.set()
+        logging.getLogger("motet.server").removeHandler(handler)
+    assert any("did not return within 0.5 s" in r.getMessage() for r in records)
 
 
 def stream_tokens(srv, key: str, max_tokens: int, first_token: threading.Event | None = None) -> list[float]:

@@ -6,6 +6,7 @@ with the engine's charging of output tokens, so the counts below are the tokens 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections import Counter
@@ -21,11 +22,11 @@ from motet.engine.core.fairness import (
     TenantState,
     VirtualTokenCounter,
     check_tenant_weights,
-    load_tenant_weights,
 )
 from motet.engine.core.scheduler import Scheduler
 from motet.engine.core.sequence import Sequence, SequenceStatus
 from motet.engine.sampling_params import SamplingParams
+from motet.flag_types import json_file
 
 
 # -- the counters ------------------------------------------------------------------------------------------
@@ -94,12 +95,14 @@ def test_tenant_weights_are_validated():
 
 
 def test_tenant_weights_file(tmp_path):
+    """`--tenant-weights FILE` is read by its flag type (motet/flag_types.py `json_file`) and checked here."""
+    read = json_file(check_tenant_weights)
     good = tmp_path / "w.json"
     good.write_text(json.dumps({"eval-suite": 1, "interactive": 4}))
-    assert load_tenant_weights(good) == {"eval-suite": 1.0, "interactive": 4.0}
+    assert read(str(good)) == {"eval-suite": 1.0, "interactive": 4.0}
     cases = {
-        '{"a": NaN}': "NaN is not a valid weight",
-        '{"a": Infinity}': "Infinity is not a valid weight",
+        '{"a": NaN}': "NaN is not a JSON number",
+        '{"a": Infinity}': "Infinity is not a JSON number",
         '{"a": 1e999}': "positive finite",  # json reads it as inf
         '{"a": -2}': "positive finite",
         '{"a": 1': "not valid JSON",
@@ -108,11 +111,11 @@ def test_tenant_weights_file(tmp_path):
     for text, message in cases.items():
         bad = tmp_path / "bad.json"
         bad.write_text(text)
-        with pytest.raises(ValueError, match=message) as e:
-            load_tenant_weights(bad)
+        with pytest.raises(argparse.ArgumentTypeError, match=message) as e:
+            read(str(bad))
         assert str(bad) in str(e.value)
-    with pytest.raises(ValueError, match="cannot read"):
-        load_tenant_weights(tmp_path / "missing.json")
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot open"):
+        read(str(tmp_path / "missing.json"))
 
 
 def test_serve_refuses_bad_tenant_weights_at_start(tmp_path, capsys):

@@ -95,8 +95,15 @@ def test_resolve_model_paths_and_names(tmp_path, monkeypatch):
         assert name.removesuffix("ForCausalLM") in str(missing.value), name
     assert all(d.gguf in str(missing.value) for d in DECLARATIONS if d.gguf)
     assert "llama GGUF" not in str(missing.value)
-    with pytest.raises(ModelLoadError, match="not a known model name"):
-        resolve_model("meta-llama/Llama-3-8B", cache_dir=tmp_path / "cache")
+    # issue 57: a Hub id says that motet does not download it, and how to get its files
+    monkeypatch.chdir(tmp_path)  # (no such relative directory)
+    with pytest.raises(ModelLoadError) as hub:
+        resolve_model("Qwen/Qwen2.5-0.5B-Instruct", cache_dir=tmp_path / "cache")
+    message = str(hub.value)
+    assert "motet does not download models from the Hub" in message, message
+    assert "`hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir ~/models/Qwen2.5-0.5B-Instruct`" in message
+    assert "`motet serve ~/models/Qwen2.5-0.5B-Instruct`" in message and "`motet pull`" in message
+    assert "Hub" not in str(missing.value)  # a path is no Hub id
     f = tmp_path / "file.txt"
     f.write_text("x")
     with pytest.raises(ModelLoadError, match="not a directory"):

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from motet.evals import eval_command
+from motet.evals.server import free_port
 from tests.live_server import ThreadServer
 
 SMALLEST = ["--levels", "1", "--limit", "1", "--max-tokens", "2", "--prompt-words", "4", "--concurrency", "1"]
@@ -25,12 +26,14 @@ def server(tiny_model_dir, tmp_path_factory):
 def test_server_args_model_is_the_one_measured(tiny_model_dir, tmp_path):
     """`--server-args "--model DIR"` without --model: the requests name the model that server lists (they named
     the default model's, got 404 each, and the run reported 0 done with exit status 0)."""
-    out = tmp_path / "serving"
+    out, port = tmp_path / "serving", free_port()  # issue 57: the managed server pinned to a port (--port)
     argv = ["serving", "--server-args", f"--model {tiny_model_dir} --threads 1 --num-kv-blocks 64", *SMALLEST,
-            "--patterns", "identical", "--adapters", "1", "--adapter-rank", "2", "--out", str(out)]  # fmt: skip
+            "--patterns", "identical", "--adapters", "1", "--adapter-rank", "2", "--port", str(port),
+            "--out", str(out)]  # fmt: skip
     assert eval_command.main(argv) == 0
     (run,) = json.loads((out / "results.json").read_text())["runs"]
     assert run["managed"] and run["model"] == tiny_model_dir.name  # /v1/models' id of a checkpoint dir
+    assert run["base_url"] == f"http://127.0.0.1:{port}/v1"
     rows = run["results"]["levels"] + run["results"]["patterns"]  # the base model, then an adapter of it
     assert [(r["requests"], r["completed"]) for r in rows] == [(1, 1)] * 3, [r["errors"] for r in rows]
 
@@ -82,3 +85,16 @@ def test_requests_answered_404_fail_the_run():
     assert reason and "404" in reason and "eval-a0" in reason
     assert serving.failure(rows("HTTP 429: b'slow down'")) is None
     assert serving.failure(rows()) is None
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--base-url", "http://127.0.0.1:1", "--port", "8001"], "--port is for a server motet eval starts"),
+        (["--server-args", "--port 8001"], "motet eval --port, not in --server-args"),
+        (["--compare-server-args=--port=8001"], "motet eval --port, not in --server-args"),
+    ],
+)
+def test_a_port_that_cannot_apply_is_refused(argv, says, tmp_path, capsys):
+    assert eval_command.main(["serving", *argv, *SMALLEST, "--out", str(tmp_path / "out")]) == 2
+    assert says in capsys.readouterr().err

@@ -112,7 +112,8 @@ async def delete_adapter(request: Request) -> Response:
 
 
 @operation("vLLM: store a server-side adapter directory", tag="Adapters", body=P.LoadLoraAdapterRequest,
-           ok_media="text/plain", ok_description="done")  # fmt: skip
+           ok_media="text/plain", ok_description="done", example=lambda model: {
+               "lora_name": "my-adapter", "lora_path": "/adapters/my-adapter"})  # fmt: skip
 async def load_lora_adapter(request: Request) -> Response:
     state, store, tenant = _context(request)
     req = P.LoadLoraAdapterRequest.model_validate(await read_json(request, state.max_body_bytes))
@@ -121,7 +122,7 @@ async def load_lora_adapter(request: Request) -> Response:
 
 
 @operation("vLLM: delete an adapter", tag="Adapters", body=P.UnloadLoraAdapterRequest, ok_media="text/plain",
-           ok_description="done")  # fmt: skip
+           ok_description="done", example=lambda model: {"lora_name": "my-adapter"})  # fmt: skip
 async def unload_lora_adapter(request: Request) -> Response:
     state, store, tenant = _context(request)
     req = P.UnloadLoraAdapterRequest.model_validate(await read_json(request, state.max_body_bytes))

@@ -5,8 +5,9 @@ An input line is `{"custom_id", "method": "POST", "url", "body"}`. An answered l
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`: 2xx responses go
 to the output file, the others (a body the endpoint refuses, with its 4xx and OpenAI error body) to the error
 file. A line that could not be sent at all (not JSON, no custom_id, a custom_id used before, another url or
-method) is answered in the error file as `{"response": null, "error": {"code", "message"}}`, as are lines
-a cancelled or expired batch never ran (`batch_cancelled`, `batch_expired`).
+method, a body past a request body's bounds: `motet/json_input.py`'s) is answered in the error file as
+`{"response": null, "error": {"code", "message"}}`, as are lines a cancelled or expired batch never ran
+(`batch_cancelled`, `batch_expired`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from motet import json_input
 from motet.api.errors import MESSAGE_CHARS, APIError, echo, shorten
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -62,16 +64,21 @@ def _parse(number: int, data: bytes, endpoint: str | None) -> Line:
     def refused(code: str, message: str, custom_id: str | None = None) -> Line:
         return Line(number, custom_id, error=(code, f"line {number}: {message}"))
 
-    try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        return refused("invalid_json_line", f"not valid JSON ({e})")
+    try:  # read as a request body is (a line nested past what the parser can recurse is refused, not raised)
+        obj = json_input.loads(data)
+    except ValueError as e:
+        return refused("invalid_json_line", str(e))
     if not isinstance(obj, dict):
         return refused("invalid_json_line", "not a JSON object")
     custom_id = obj.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID_CHARS:
+    if (
+        not isinstance(custom_id, str)
+        or not 1 <= len(custom_id) <= MAX_CUSTOM_ID_CHARS
+        or not _unicode(custom_id)
+    ):
         return refused(
-            "invalid_custom_id", f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters"
+            "invalid_custom_id",
+            f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters of valid Unicode",
         )
     if extra := [k for k in obj if k not in _LINE_KEYS]:
         return refused("invalid_request", f"unrecognized field {echo(extra[0])} (a line has {', '.join(_LINE_KEYS)})",
@@ -86,7 +93,20 @@ def _parse(number: int, data: bytes, endpoint: str | None) -> Line:
         )
     if not isinstance(obj.get("body"), dict):
         return refused("invalid_body", "body must be a JSON object (the request)", custom_id)
+    try:  # the body's bounds are a request body's (nesting, Unicode): refused here, named by its line
+        json_input.check(obj["body"])
+    except json_input.JSONBoundsError as e:
+        at = f" (at body.{e.param})" if e.param and e.param not in str(e) else ""
+        return refused("invalid_body", f"request body {e}{at}", custom_id)
     return Line(number, custom_id, url, obj["body"])
+
+
+def _unicode(text: str) -> bool:
+    try:
+        json_input.check(text)  # (a lone surrogate escape parses, but no answer line could hold it)
+    except ValueError:
+        return False
+    return True
 
 
 # A line may ask for at most this many logprob entries (n x max_tokens x (1 + top_logprobs), and its prompt's

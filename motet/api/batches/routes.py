@@ -78,7 +78,9 @@ def _check(req: BatchCreateRequest) -> None:
 
 
 @operation("create a batch from an uploaded file", tag="Batches", body=BatchCreateRequest,
-           ok_description="the Batch")  # fmt: skip
+           ok_description="the Batch", example=lambda model: {  # (the id of a file POST /v1/files answered)
+               "input_file_id": "file-abc123", "endpoint": "/v1/chat/completions",
+               "completion_window": "24h"})  # fmt: skip
 async def create_batch(request: Request) -> Response:
     state, tenant, runner = _context(request)
     req = BatchCreateRequest.model_validate(await read_json(request, state.max_body_bytes))

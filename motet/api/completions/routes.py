@@ -287,7 +287,9 @@ def chat_output(state: ServerState, adm: Admission, structure: Structure) -> Cal
 
 
 @operation("chat completion", tag="Chat", body=P.ChatCompletionRequest, ok=P.ChatCompletionResponse,
-           stream=P.ChatCompletionChunk)  # fmt: skip
+           stream=P.ChatCompletionChunk, example=lambda model: {
+               "model": model, "messages": [{"role": "user", "content": "Say hello in one sentence."}],
+               "max_completion_tokens": 32})  # fmt: skip
 async def chat_completions(request: Request) -> Response:
     state, tenant, req, adapter = await accept_request(request, P.ChatCompletionRequest)
     request_id = client_request_id(request, req)
@@ -421,7 +423,8 @@ def _prompts(req: P.CompletionRequest) -> list[str | list[int]]:
 
 
 @operation("text completion", tag="Completions", body=P.CompletionRequest, ok=P.CompletionResponse,
-           stream=P.CompletionResponse)  # fmt: skip
+           stream=P.CompletionResponse, example=lambda model: {
+               "model": model, "prompt": "The capital of France is", "max_tokens": 16})  # fmt: skip
 async def completions(request: Request) -> Response:
     state, tenant, req, adapter = await accept_request(request, P.CompletionRequest)
     request_id = client_request_id(request, req)

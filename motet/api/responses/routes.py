@@ -250,7 +250,9 @@ async def _admit(state: ServerState, tenant: str, req: ResponsesRequest, turns: 
 
 
 @operation("a model response (OpenAI Responses API): the Response object, or its typed events when stream "
-           "is true", tag="Responses", body=ResponsesRequest, ok_description="the Response")  # fmt: skip
+           "is true", tag="Responses", body=ResponsesRequest, ok_description="the Response",
+           example=lambda model: {"model": model, "input": "Say hello in one sentence.",
+                                  "max_output_tokens": 32})  # fmt: skip
 async def create_response(request: Request) -> Response:
     state, tenant, req, adapter = await accept_request(request, ResponsesRequest)
     if req.store is True and state.responses is None:

@@ -20,12 +20,10 @@ Where the counters decide (all plain synchronous code):
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 DEFAULT_WEIGHT = 1.0
 Tenant = Hashable  # a tenant's name; None for requests without one (the offline engine)
@@ -46,25 +44,6 @@ def check_tenant_weights(weights: object, source: str = "tenant weights") -> dic
             )
         checked[tenant] = float(weight)
     return checked
-
-
-def load_tenant_weights(path: str | Path) -> dict[str, float]:
-    """Read and check a `--tenant-weights` file (a JSON object `{"tenant": weight}`)."""
-    source = f"--tenant-weights {path}"
-    try:
-        text = Path(path).expanduser().read_text()
-    except OSError as e:
-        raise ValueError(f"{source}: cannot read the file ({e.strerror or e})") from None
-    try:
-        # NaN and Infinity are not JSON: refuse them here rather than as numbers below.
-        weights = json.loads(text, parse_constant=lambda name: _refuse_constant(source, name))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{source}: not valid JSON ({e})") from None
-    return check_tenant_weights(weights, source)
-
-
-def _refuse_constant(source: str, name: str):
-    raise ValueError(f"{source}: {name} is not a valid weight; weights are positive finite numbers")
 
 
 class VirtualTokenCounter:

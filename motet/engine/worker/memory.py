@@ -17,12 +17,67 @@ import os
 
 import torch
 
-from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION, EngineConfig
+from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION, MIN_MODEL_LEN, EngineConfig, context_length
 from motet.engine.worker.layers import Linear
 from motet.engine.worker.model import Experts
 from motet.kernels.quant import QuantizedWeight
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """A block's bytes over all layers: per token what the declaration's layers keep (ModelConfig.kv_parts)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return cfg.kv_elements_per_token * block_size * elem
+
+
+def check_fits(config: EngineConfig, model: ModelConfig) -> int:
+    """The context length, once what the flags ask of the model and the memory is checked against them, before
+    anything loads (a ModelLoadError naming the flag, instead of an allocator's error once the server has
+    started): `--max-model-len` within the model's positions; a KV cache (`--num-kv-blocks`, or
+    `--kv-cache-memory-gb`) holding at least MIN_MODEL_LEN tokens; and the KV cache, the adapters' pool
+    (`--adapter-memory-gb`) and the KV RAM tier (`--kv-offload-gb`) each within the memory there is (on a CPU
+    the host's available memory, on CUDA the device's)."""
+    max_len = context_length(model, config.max_model_len)
+    device = config.torch_device
+    on_host = device.type == "cpu"
+    host = available_host_memory()
+    device_total = host if on_host else torch.cuda.mem_get_info(device)[1]
+    where = "this host's available memory" if on_host else "the device's memory"
+    ranks = config.tensor_parallel_size  # (the KV cache's memory is per rank; on CUDA each rank has a device)
+    per_rank = 1 if model.latent is not None else 1 / ranks  # a rank's share of a block
+    block = kv_block_bytes(model, config.block_size, config.torch_dtype) * per_rank
+    asked: list[tuple[str, float, int]] = []  # (the flag as given, bytes, the room for them)
+    if config.num_kv_blocks is not None:
+        kv_flag = f"--num-kv-blocks {config.num_kv_blocks}"
+        kv_bytes, kv_tokens = config.num_kv_blocks * block, config.num_kv_blocks * config.block_size
+    elif config.memory_utilization is None:  # (a share of the memory is sized and checked by memory_budget)
+        kv_flag = f"--kv-cache-memory-gb {config.kv_cache_gb:g}"
+        kv_bytes = config.kv_cache_gb * 2**30
+        kv_tokens = int(kv_bytes // block) * config.block_size
+    else:
+        kv_flag, kv_bytes, kv_tokens = "", 0, MIN_MODEL_LEN
+    if kv_tokens < min(MIN_MODEL_LEN, max_len):
+        raise ModelLoadError(
+            f"{kv_flag} holds a KV cache of {kv_tokens} tokens (blocks of {config.block_size}), fewer than the "
+            f"{MIN_MODEL_LEN} a request needs at least (a chat template and a short answer); give at least "
+            f"{-(-MIN_MODEL_LEN // config.block_size)} blocks or {MIN_MODEL_LEN * block / config.block_size / 2**30:.3g} GiB"
+        )
+    if kv_flag:
+        asked.append((kv_flag, kv_bytes * (ranks if on_host else 1), device_total))
+    if config.adapter_memory_gb is not None:
+        asked.append((f"--adapter-memory-gb {config.adapter_memory_gb:g}", config.adapter_memory_gb * 2**30,
+                      device_total))  # fmt: skip
+    if config.kv_offload_gb:
+        asked.append((f"--kv-offload-gb {config.kv_offload_gb:g}", config.kv_offload_gb * 2**30, host))
+    for flag, size, room in asked:
+        if size > room:
+            room_where = where if room == device_total else "this host's available memory"
+            raise ModelLoadError(
+                f"{flag} asks for {size / 2**30:.4g} GiB, more than {room_where} ({room / 2**30:.1f} GiB); "
+                "lower it"
+            )
+    return max_len
 
 
 def memory_budget(fraction: float, device: torch.device) -> int:

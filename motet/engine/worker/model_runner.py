@@ -36,6 +36,7 @@ from motet.engine.worker.grammar_masks import GrammarMasks
 from motet.engine.worker.layers import Linear, onednn_available
 from motet.engine.worker.memory import (
     adapter_bytes,
+    kv_block_bytes,
     kv_cache_bytes,
     memory_budget,
     weights_bytes,
@@ -104,12 +105,6 @@ class StepResult:
             out.prompt_logprobs += p.prompt_logprobs
             out.errors += p.errors
         return out
-
-
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """A block's bytes over all layers: per token what the declaration's layers keep (ModelConfig.kv_parts)."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return cfg.kv_elements_per_token * block_size * elem
 
 
 class ModelRunner:
