@@ -34,6 +34,7 @@ ENGINE_FLAGS = SettingsFlags()
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     from motet.engine.config import (
+        AUTO_DTYPE,
         CPU_KV_CACHE_MEMORY_GB,
         CPU_STEP_TOKENS,
         CPU_TPOT_TARGET_MS,
@@ -67,7 +68,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "tokenizer and chat template serve the model instead of its own, as vLLM's --tokenizer: the original "
         "model's beside its GGUF file, say (default: the model's own; a GGUF file's from its metadata)",
     )
-    flag("--dtype", choices=sorted(DTYPES), help="weights' and KV cache's type")
+    flag(
+        "--dtype",
+        choices=[AUTO_DTYPE, *sorted(DTYPES)],
+        default=AUTO_DTYPE,
+        help="weights' and KV cache's type; auto (the default, as vLLM's): bfloat16 where the hardware computes it "
+        "natively (a CPU with AVX512_BF16, AMX or Arm's BF16; a CUDA GPU that has it), float32 elsewhere",
+    )
     flag(
         "--quantization",
         choices=QUANTIZATIONS,

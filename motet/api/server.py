@@ -330,6 +330,16 @@ def apply_keys(state, loaded) -> None:
     log.info("SIGHUP: reloaded the API keys: %d keys, %d tenants with limits", len(auth.keys), len(limits))
 
 
+def dtype_line(args, config) -> str:
+    """The served dtype, and why where `--dtype auto` chose it."""
+    from motet.engine.config import AUTO_DTYPE, auto_dtype
+
+    if getattr(args, "dtype", None) != AUTO_DTYPE:
+        return config.dtype
+    other = "float32" if config.dtype == "bfloat16" else "bfloat16"
+    return f"{config.dtype} (--dtype auto: {auto_dtype(config.torch_device)[1]}; --dtype {other} for {other})"
+
+
 def serve(args, config) -> int:
     """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
     from motet.api.status_log import StatusLog
@@ -347,7 +357,12 @@ def serve(args, config) -> int:
     status = StatusLog(state, url, args.log_stats_interval, stats=not args.disable_log_stats)
     server = http_server(args, state, on_tick=status.tick)
     server.reload_on_sighup(lambda: read_keys(args), lambda loaded: apply_keys(state, loaded))
-    log.info("loading %s on %s (GET /health answers 503 until it has loaded)", state.model_name, url)
+    log.info(
+        "loading %s in %s on %s (GET /health answers 503 until it has loaded)",
+        state.model_name,
+        dtype_line(args, config),
+        url,
+    )
     server.run(sockets=[sock])
     log.info("stopped")
     # Everything has been closed: the interpreter's last collections need not walk the millions of objects of

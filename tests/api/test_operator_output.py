@@ -135,6 +135,12 @@ class LiveLog:
 def test_ready_only_once_health_is_200_and_names_the_facts(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next(
+        (set(x.split(":", 1)[1].split()) for x in cpuinfo.splitlines() if x.startswith("flags")), set()
+    )
+    auto_dtype = "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
     adapter = strong_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "shout", seed=1)
     srv = LiveLog(
         tmp_path,
@@ -160,7 +166,7 @@ def test_ready_only_once_health_is_200_and_names_the_facts(tiny_model_dir, tmp_p
             f"ready on {srv.url}",
             "model tiny",
             str(tiny_model_dir),
-            "dtype float32",
+            f"dtype {auto_dtype}",
             "device cpu",
             "threads 1",
             "KV cache 1024 tokens (64 blocks of 16)",
@@ -184,6 +190,8 @@ def test_ready_only_once_health_is_200_and_names_the_facts(tiny_model_dir, tmp_p
         out = srv.text()
         assert "Uvicorn running" not in out and "Traceback" not in out
         assert out.index('GET /health HTTP/1.1" 200') > out.index("loading tiny")
+        # no --dtype: vLLM's auto, said with its reason (bf16 where this CPU's flags compute it)
+        assert f"loading tiny in {auto_dtype} (--dtype auto: this CPU " in out
     finally:
         srv.stop()
     ends_on_stopped(srv)  # SIGTERM's drain too (issue 57: 31 lines of nanobind's leak report followed)

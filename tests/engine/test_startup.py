@@ -291,3 +291,23 @@ def test_warm_up_captures_the_graphs_where_there_are_graphs(tiny_model_dir, monk
     r.use_graphs(Graphs())
     r.warm_up()
     assert r.graphs.graphs == {(1,): "captured"}
+
+
+def test_serve_runs_bf16_where_the_cpu_computes_it_and_float32_stays_one_flag_away():
+    """`motet serve`'s default dtype is vLLM's `auto`: bf16 on a CPU whose flags (/proc/cpuinfo, read here on its
+    own) have AVX512_BF16, AMX or Arm's BF16, float32 elsewhere; `--dtype float32` still serves float32."""
+    from pathlib import Path
+
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith(("flags", "Features")):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    parser = build_parser()
+    auto = engine_config(parser.parse_args(["serve", "--device", "cpu"]))
+    assert auto.dtype == ("bfloat16" if native else "float32")
+    assert (
+        engine_config(parser.parse_args(["serve", "--device", "cpu", "--dtype", "float32"])).dtype
+        == "float32"
+    )
