@@ -48,7 +48,9 @@ def offline(tiny_model_dir, adapter):
     from motet.engine.llm import LLM
     from motet.engine.sampling_params import SamplingParams
 
-    llm = LLM(str(tiny_model_dir), num_kv_blocks=512, num_threads=1)
+    llm = LLM(
+        str(tiny_model_dir), dtype="auto", num_kv_blocks=512, num_threads=1
+    )  # as `motet serve` by default
     llm.add_lora("a", adapter)
 
     def text(messages, max_tokens: int, adapter_name: str | None = None, ignore_eos: bool = False) -> str:

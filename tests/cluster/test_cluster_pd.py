@@ -46,7 +46,9 @@ def offline(tiny_model_dir, adapter):
     from motet.engine.sampling_params import SamplingParams
     from motet.grammar.specs import JsonSchemaSpec
 
-    llm = LLM(str(tiny_model_dir), num_kv_blocks=512, num_threads=1)
+    llm = LLM(
+        str(tiny_model_dir), dtype="auto", num_kv_blocks=512, num_threads=1
+    )  # as `motet serve` by default
     llm.add_lora("a", adapter)
 
     def run(messages, max_tokens: int, adapter_name=None, schema=None, ignore_eos=False):

@@ -70,6 +70,35 @@ def test_attention_matches_naive(dtype, block_size, num_heads, num_kv_heads, hea
     torch.testing.assert_close(out.double(), naive_attention(q, kv_cache, ctx, options), **TOL[dtype])
 
 
+def test_bf16_products_of_a_row_do_not_depend_on_the_batch(tier):
+    """In the bf16 dot-product tier a row's product, its attention and its LoRA delta are the same bit for bit
+    whatever else the step holds and however its prompt was chunked (one order of additions in every tile): a
+    request's output never depends on another's."""
+    if not cpu_native.bf16_activations():
+        pytest.skip(f"tier {tier}: no bf16 dot products (its row tiles sum in different orders)")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(70, 200, generator=g).bfloat16()
+    x = torch.randn(150, 200, generator=g)
+    packed = cpu_native.pack(w)
+    whole = cpu_native.gemm(x, packed, 70)
+    for m in (1, 2, 5, 7, 12, 13, 30, 97):
+        assert torch.equal(cpu_native.gemm(x[:m].contiguous(), packed, 70), whole[:m]), m
+        assert torch.equal(cpu_native.gemm(x[m : m + 1].contiguous(), packed, 70), whole[m : m + 1]), m
+    # a prompt computed whole, or in chunks over its cached context: the same outputs (a window too)
+    q, kv_cache, _ = make_batch([(60, 60)], 9, 3, 64, 16, torch.bfloat16, seed=3)
+    q = torch.randn(q.shape, generator=g)
+    table = torch.arange(8, dtype=torch.int32)[None]
+    for window in (None, 21):
+        opts = AttentionOptions(0.125, window)
+        one = cpu_native.attention(q, kv_cache, PagedContext(table, torch.tensor([0, 60], dtype=torch.int32),
+                                                             torch.tensor([60], dtype=torch.int32)), opts)  # fmt: skip
+        for start in (0, 7, 33, 59):
+            ctx = PagedContext(
+                table, torch.tensor([0, 60 - start], dtype=torch.int32), torch.tensor([60], dtype=torch.int32)
+            )
+            assert torch.equal(cpu_native.attention(q[start:].contiguous(), kv_cache, ctx, opts), one[start:])
+
+
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (16, 1, 64), (8, 2, 128), (8, 2, 24)]

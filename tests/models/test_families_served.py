@@ -43,8 +43,9 @@ def test_family_served_over_http_matches_transformers_and_peft(family, tmp_path)
         model_dir = build_tiny_model(tmp_path / "model", arch=arch, tied=False, **overrides)
         randomize_norms(model_dir)
     peft = save_peft_adapters(model_dir, tmp_path / "adapters", [("tenant", 8, targets)], std=0.1)
-    server = ThreadServer(
-        "--model", str(model_dir), "--data-dir", str(tmp_path / "data"), "--num-kv-blocks", "128", "--block-size", "8"
+    server = ThreadServer(  # float32: greedy tokens equal to transformers' fp32 model's (bf16 parts at near-ties)
+        "--model", str(model_dir), "--data-dir", str(tmp_path / "data"), "--num-kv-blocks", "128", "--block-size", "8",
+        "--dtype", "float32",
     )  # fmt: skip
     try:
         adapter = tmp_path / "adapters" / "tenant"

@@ -83,7 +83,9 @@ inline void attention_block(const float* q, int64_t q_st, int64_t q_sh, const ui
         n_keys[r] = seq_len - q_len + (i0 + i) + 1;  // causal: keys 0 .. position
         first[r] = window > 0 && n_keys[r] > window ? n_keys[r] - window : 0;  // and none before the window
     }
-    const int64_t start = first[0], end = n_keys[R - 1];
+    // tiles at multiples of 16 keys whatever the block's first row: a row's sums are the same in any block (its
+    // masked keys add exact zeros), so a token's output does not depend on how its prompt was chunked
+    const int64_t start = first[0] / kKeyTile * kKeyTile, end = n_keys[R - 1];
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,  //
                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);

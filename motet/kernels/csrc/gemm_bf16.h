@@ -22,6 +22,8 @@ namespace motet {
 // packing is the same in every tier. Odd K: the last pair's second k is a zero (x's padding is zero too).
 
 constexpr int MR_DOT = 12;  // rows per tile: 12 independent sums hide the dot product's latency
+constexpr int MR_WIDE = 6;  // rows per two-panel tile (x two panels x kSplitK: 24 sums)
+constexpr int kSplitK = 2;  // partial sums per output, in every kernel here: one order of additions for all tiles
 
 // Rows of x rounded to bf16, each ld (>= K, even) wide, zero past K.
 inline void round_rows_bf16(const float* x, int64_t ldx, int m_begin, int m_end, int K, uint16_t* xb, int64_t ld) {
@@ -53,8 +55,10 @@ inline __m512i panel_pair(const uint16_t* w, int kp, int K) {
 // (gemm.h's layout, interleaved here) or `PAIRED` (already interleaved: K2 vectors).
 template <int R, bool PAIRED>
 inline void dot_micro(const uint16_t* xb, int64_t ldb, const uint16_t* w, int K, float* c) {
-    // Few rows leave too few independent sums: k is split over U partial sums.
-    constexpr int U = R == 1 ? 4 : R == 2 ? 2 : R <= 5 ? 2 : 1;
+    // k split over two partial sums (even and odd pairs, added at the end) for every R, so that few rows have
+    // enough independent sums and a row's result is the same whatever tile it falls in: a step's output for a
+    // request does not depend on what else the batch holds (or on how its prompt was chunked).
+    constexpr int U = kSplitK;
     const int K2 = (K + 1) / 2;
     __m512 acc[U][R];
 #pragma GCC unroll 4
@@ -123,17 +127,17 @@ inline void dot_panel_product(const uint16_t* xb, int64_t ldb, int m_start, int 
 }
 
 // Two panels at once where rows are many: c0, c1 [R][16] = R rows of bf16 x . two interleaved panels (`w2`: per k
-// pair, the first panel's 32 bf16 then the second's). Each broadcast x pair feeds two products, so a tile of 12
-// rows x 32 columns (24 sums) loads 14 values per 24 products, where one panel's tile loads 13 per 12: the
-// loads, not the products, bound a one-panel tile on a core that issues two products a cycle.
+// pair, the first panel's 32 bf16 then the second's). Each broadcast x pair feeds two products, so a tile of 6
+// rows x 32 columns loads 8 values per 12 products, where one panel's tile of 12 rows loads 13 per 12: the loads,
+// not the products, bound a one-panel tile on a core that issues two products a cycle.
 template <int R>
 inline void dot_micro_wide(const uint16_t* xb, int64_t ldb, const uint16_t* w2, int K, float* c0, float* c1) {
-    constexpr int U = R <= 4 ? 2 : 1;  // few rows: k split over U partial sums, for enough independent sums
+    constexpr int U = kSplitK;  // as dot_micro's: the same additions, so a row's result is the same in either
     const int K2 = (K + 1) / 2;
     __m512 acc[U][R][2];
 #pragma GCC unroll 2
     for (int u = 0; u < U; ++u)
-#pragma GCC unroll 12
+#pragma GCC unroll 6
         for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm512_setzero_ps();
     const auto step = [&](int u, int kp) __attribute__((always_inline)) {
         const __m512i b0 = _mm512_loadu_si512(w2 + static_cast<int64_t>(kp) * 4 * NR);
@@ -166,12 +170,6 @@ inline void dot_micro_wide(const uint16_t* xb, int64_t ldb, const uint16_t* w2, 
 
 inline void dot_rows_wide(int rows, const uint16_t* xb, int64_t ldb, const uint16_t* w2, int K, float* c0, float* c1) {
     switch (rows) {
-        case 12: dot_micro_wide<12>(xb, ldb, w2, K, c0, c1); break;
-        case 11: dot_micro_wide<11>(xb, ldb, w2, K, c0, c1); break;
-        case 10: dot_micro_wide<10>(xb, ldb, w2, K, c0, c1); break;
-        case 9: dot_micro_wide<9>(xb, ldb, w2, K, c0, c1); break;
-        case 8: dot_micro_wide<8>(xb, ldb, w2, K, c0, c1); break;
-        case 7: dot_micro_wide<7>(xb, ldb, w2, K, c0, c1); break;
         case 6: dot_micro_wide<6>(xb, ldb, w2, K, c0, c1); break;
         case 5: dot_micro_wide<5>(xb, ldb, w2, K, c0, c1); break;
         case 4: dot_micro_wide<4>(xb, ldb, w2, K, c0, c1); break;
@@ -186,14 +184,14 @@ inline void dot_rows_wide(int rows, const uint16_t* xb, int64_t ldb, const uint1
 template <typename TB>
 inline void dot_panels_wide(const uint16_t* xb, int64_t ldb, int m_start, int m_end, int K, const uint16_t* w, int n0,
                             int nv1, const TB* bias, float* y, int64_t ldy, bool accumulate, uint16_t* paired) {
-    alignas(64) float c0[MR_DOT * NR], c1[MR_DOT * NR];
+    alignas(64) float c0[MR_WIDE * NR], c1[MR_WIDE * NR];
     const uint16_t* w1 = w + static_cast<int64_t>(K) * NR;
     for (int kp = 0; kp < (K + 1) / 2; ++kp) {
         _mm512_storeu_si512(paired + static_cast<int64_t>(kp) * 4 * NR, panel_pair(w, kp, K));
         _mm512_storeu_si512(paired + static_cast<int64_t>(kp) * 4 * NR + 2 * NR, panel_pair(w1, kp, K));
     }
-    for (int m0 = m_start; m0 < m_end; m0 += MR_DOT) {
-        const int rows = m_end - m0 < MR_DOT ? m_end - m0 : MR_DOT;
+    for (int m0 = m_start; m0 < m_end; m0 += MR_WIDE) {
+        const int rows = m_end - m0 < MR_WIDE ? m_end - m0 : MR_WIDE;
         dot_rows_wide(rows, xb + static_cast<int64_t>(m0) * ldb, ldb, paired, K, c0, c1);
         float* yr = y + static_cast<int64_t>(m0) * ldy;
         store_tile(c0, rows, NR, bias, n0, yr, ldy, accumulate);
