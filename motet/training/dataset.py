@@ -23,40 +23,44 @@ MAX_EXAMPLES = 100_000  # OpenAI's limit is on tokens; this bounds a job's prepa
 
 @dataclass
 class Prepared:
-    rows: list[dict]  # TRL's tokenized rows
+    path: Path  # TRL's tokenized rows, a JSON line each
+    examples: int
     tokens: int  # the tokens of all examples: what one epoch trains on
-
-    @property
-    def examples(self) -> int:
-        return len(self.rows)
 
 
 def prepare(
-    source: BinaryIO, method: str, encoder: ChatEncoder, max_examples: int = MAX_EXAMPLES
+    source: BinaryIO, method: str, encoder: ChatEncoder, path: Path, max_examples: int = MAX_EXAMPLES
 ) -> Prepared:
-    """The file's examples as rows (DataError at the first line that cannot be trained on)."""
-    rows, tokens = [], 0
-    for example in read_examples(source, method, max_line_bytes(encoder.max_tokens), max_examples):
-        encoded = encoder.supervised(example) if isinstance(example, ChatExample) else encoder.pair(example)
-        rows.append(encoded.record())
-        tokens += encoded.tokens
-    return Prepared(rows, tokens)
+    """The file's examples as rows, written to `path` as they are made (DataError at the first line that cannot
+    be trained on: then nothing is left at `path`)."""
+    counts = [0, 0]
 
+    def rows():
+        for example in read_examples(source, method, max_line_bytes(encoder.max_tokens), max_examples):
+            encoded = (
+                encoder.supervised(example) if isinstance(example, ChatExample) else encoder.pair(example)
+            )
+            counts[0] += 1
+            counts[1] += encoded.tokens
+            yield encoded.record()
 
-def prepare_path(path: str | Path, method: str, encoder: ChatEncoder) -> Prepared:
-    with open(path, "rb") as f:
-        return prepare(f, method, encoder)
+    write_rows(path, rows())
+    return Prepared(path, *counts)
 
 
 def write_rows(path: Path, rows: Iterable[dict]) -> None:
-    """Written whole under a temporary name, then renamed into place."""
+    """Written whole under a temporary name, then renamed into place (nothing is left of a failed write)."""
     tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, separators=(",", ":")) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -19,6 +19,7 @@ import json
 import math
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,8 @@ class TrainingRun:
     run_dir: Path
     dtype: str = "float32"
     base_name: str = ""
+    adapter_dir: Path | None = None  # where the trained adapter goes; None: ADAPTER in the run's directory
+    init_adapter: Path | None = None  # an adapter to train on (a PEFT directory); None: a new one
 
     @property
     def checkpoints(self) -> Path:
@@ -54,13 +57,14 @@ class TrainingRun:
 
     @property
     def adapter(self) -> Path:
-        return self.run_dir / ADAPTER
+        return self.adapter_dir or self.run_dir / ADAPTER
 
     def spec(self) -> dict:
         return {
             "model_dir": str(self.model_dir), "method": self.method, "seed": self.seed,
             "hyperparameters": self.hyperparameters.object(), "run_dir": str(self.run_dir), "dtype": self.dtype,
-            "base_name": self.base_name,
+            "base_name": self.base_name, "adapter_dir": str(self.adapter_dir) if self.adapter_dir else None,
+            "init_adapter": str(self.init_adapter) if self.init_adapter else None,
         }  # fmt: skip
 
     @classmethod
@@ -68,6 +72,8 @@ class TrainingRun:
         return cls(
             Path(spec["model_dir"]), spec["method"], Hyperparameters.of(spec["hyperparameters"]), spec["seed"],
             Path(spec["run_dir"]), spec["dtype"], spec.get("base_name", ""),
+            Path(spec["adapter_dir"]) if spec.get("adapter_dir") else None,
+            Path(spec["init_adapter"]) if spec.get("init_adapter") else None,
         )  # fmt: skip
 
 
@@ -213,6 +219,17 @@ def train(
     pause_asked: Callable[[], bool] = bool,
 ) -> str:
     """Train (or go on from the last checkpoint); "succeeded" (the adapter is in `run.adapter`) or "paused"."""
+    from datasets.utils.logging import disable_progress_bar
+    from transformers.utils import logging as hf_logging
+
+    disable_progress_bar()  # (datasets' and transformers' bars: the events say how far it is)
+    hf_logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*gradient_checkpointing", FutureWarning)  # TRL's default's name
+        return _train(run, on_event, pause_asked)
+
+
+def _train(run: TrainingRun, on_event, pause_asked) -> str:
     from datasets import Dataset
     from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
@@ -227,14 +244,19 @@ def train(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     report = _callback(run, per_epoch, tokens, on_event, pause_asked)
+    model, peft_config = load_base(run.model_dir, run.dtype), lora_config(run.hyperparameters)
+    if run.init_adapter is not None:  # an adapter trained on: its own rank and modules
+        from peft import PeftModel
+
+        model, peft_config = PeftModel.from_pretrained(model, str(run.init_adapter), is_trainable=True), None
     trainer_class = _dpo_trainer_class() if run.method == "dpo" else SFTTrainer
     trainer = trainer_class(
-        model=load_base(run.model_dir, run.dtype),
+        model=model,
         args=trainer_args(run, valid is not None),
         train_dataset=Dataset.from_list(train_rows),
         eval_dataset=valid,
         processing_class=tokenizer,
-        peft_config=lora_config(run.hyperparameters),
+        peft_config=peft_config,
         callbacks=[report],
     )
     trainer.remove_callback(PrinterCallback)  # (its prints: the events say it)

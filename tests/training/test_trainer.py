@@ -17,7 +17,7 @@ from motet.engine.weights.checkpoint import load_model_config
 from motet.grammar.tool_formats import tool_format
 from motet.lora.peft_format import base_modules
 from motet.training.chat_encoding import ChatEncoder
-from motet.training.dataset import prepare, write_rows
+from motet.training.dataset import prepare, read_rows
 from motet.training.hyperparameters import resolve
 from motet.training.trainer import TRAIN_ROWS, TrainingRun, last_checkpoint, train
 
@@ -37,13 +37,13 @@ def encoder(model_dir) -> ChatEncoder:
 
 
 def make_run(model_dir, tmp_path, name, method, lines, **hyper) -> TrainingRun:
-    prepared = prepare(io.BytesIO("\n".join(map(json.dumps, lines)).encode()), method, encoder(model_dir))
-    modules = base_modules(load_model_config(model_dir))
-    h = resolve(method, hyper, prepared.examples, max_rank=16, modules=modules)
     run_dir = tmp_path / name
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir()
-    write_rows(run_dir / TRAIN_ROWS, prepared.rows)
+    data = io.BytesIO("\n".join(map(json.dumps, lines)).encode())
+    prepared = prepare(data, method, encoder(model_dir), run_dir / TRAIN_ROWS)
+    modules = base_modules(load_model_config(model_dir))
+    h = resolve(method, hyper, prepared.examples, max_rank=16, modules=modules)
     return TrainingRun(model_dir, method, h, SEED, run_dir, base_name="tiny")
 
 
@@ -134,8 +134,8 @@ def test_dpo_moves_the_preferred_answer_up_on_held_out_pairs(tiny_model_dir, tmp
     run = make_run(tiny_model_dir, tmp_path, "dpo", "dpo", [pair(i) for i in range(8)],
                    n_epochs=4, batch_size=4, learning_rate_multiplier=5)  # fmt: skip
     assert train(run) == "succeeded"
-    held_out = prepare(io.BytesIO("\n".join(json.dumps(pair(i)) for i in range(50, 54)).encode()), "dpo",
-                       encoder(tiny_model_dir)).rows  # fmt: skip
+    data = io.BytesIO("\n".join(json.dumps(pair(i)) for i in range(50, 54)).encode())
+    held_out = read_rows(prepare(data, "dpo", encoder(tiny_model_dir), tmp_path / "held_out.jsonl").path)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
     def margins(model):

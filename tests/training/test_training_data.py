@@ -16,7 +16,7 @@ from motet.grammar.tool_calls import validate_tools
 from motet.grammar.tool_formats import tool_format
 from motet.training.chat_encoding import ChatEncoder
 from motet.training.data_format import DataError, read_examples
-from motet.training.dataset import prepare
+from motet.training.dataset import prepare, read_rows
 from motet.training.fair_queue import Queued, next_job
 from motet.training.hyperparameters import HyperparameterError, auto_batch_size, auto_epochs, resolve
 
@@ -89,7 +89,7 @@ def tokenizer(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
-def test_tokens_are_what_serving_renders_with_tools_and_the_loss_covers_trained_turns(tokenizer):
+def test_tokens_are_what_serving_renders_with_tools_and_the_loss_covers_trained_turns(tokenizer, tmp_path):
     fmt = tool_format(None, tokenizer.hf.chat_template)
     call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
     messages = [
@@ -98,8 +98,8 @@ def test_tokens_are_what_serving_renders_with_tools_and_the_loss_covers_trained_
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         {"role": "assistant", "content": "It is sunny."},
     ]
-    (row,) = prepare(io.BytesIO(json.dumps({"messages": messages, "tools": TOOLS}).encode()), "supervised",
-                     ChatEncoder(tokenizer, fmt, 1024)).rows  # fmt: skip
+    data = io.BytesIO(json.dumps({"messages": messages, "tools": TOOLS}).encode())
+    (row,) = read_rows(prepare(data, "supervised", ChatEncoder(tokenizer, fmt, 1024), tmp_path / "rows").path)
     # serving's prompt for the conversation up to the trained answer (motet/api/structured.py, the chat route's)
     history = [{k: v for k, v in m.items() if k != "weight"} for m in messages[:3]]
     structure = Structure(tools=validate_tools(TOOLS), tool_format=fmt)
@@ -113,13 +113,14 @@ def test_tokens_are_what_serving_renders_with_tools_and_the_loss_covers_trained_
     assert "<tool_call>" in tokenizer.hf.decode(row["input_ids"][:first_trained])
 
 
-def test_an_example_past_the_context_is_refused(tokenizer):
+def test_an_example_past_the_context_is_refused(tokenizer, tmp_path):
     encoder = ChatEncoder(tokenizer, tool_format(None, tokenizer.hf.chat_template), 60)
     long = {"messages": [{"role": "user", "content": "word " * 50}, {"role": "assistant", "content": "ok"}]}
     with pytest.raises(
         DataError, match=r"Line 2: the example is \d+ tokens long, more than the model's context"
     ):
-        prepare(io.BytesIO(lines(GOOD, long).encode()), "supervised", encoder)
+        prepare(io.BytesIO(lines(GOOD, long).encode()), "supervised", encoder, tmp_path / "rows")
+    assert not list(tmp_path.iterdir())  # nothing is left of a refused file
 
 
 def test_auto_hyperparameters_follow_openai():
