@@ -112,6 +112,8 @@ def parse_line(raw: bytes, number: int) -> dict:
 
 
 def chat_example(value: dict, number: int) -> ChatExample:
+    if "input" in value and "messages" not in value:
+        raise DataError('a preference pair: supervised fine-tuning reads chats ({"messages": [...]})', number)
     _known_keys(value, _CHAT_KEYS, "", number)
     if "messages" not in value:
         raise DataError("missing the `messages` key", number)
@@ -135,6 +137,10 @@ def chat_example(value: dict, number: int) -> ChatExample:
 
 
 def preference_example(value: dict, number: int) -> PreferenceExample:
+    if "messages" in value and "input" not in value:
+        raise DataError(
+            "a chat: DPO reads preference pairs (input, preferred_output, non_preferred_output)", number
+        )
     _known_keys(value, _PAIR_KEYS, "", number)
     for key in ("input", "preferred_output", "non_preferred_output"):
         if key not in value:

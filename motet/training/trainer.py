@@ -261,8 +261,10 @@ def _train(run: TrainingRun, on_event, pause_asked) -> str:
     )
     trainer.remove_callback(PrinterCallback)  # (its prints: the events say it)
     resume = last_checkpoint(run.checkpoints)
-    if resume is not None:
-        on_event({"type": "resumed", "step": checkpoint_step(resume)})
+    if resume is not None:  # (an epoch's checkpoint the server may not have stored before it stopped)
+        step = checkpoint_step(resume)
+        on_event({"type": "resumed", "step": step, "path": str(resume), "epoch": math.ceil(step / per_epoch),
+                  "epoch_end": step % per_epoch == 0})  # fmt: skip
     trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     (run.checkpoints / "README.md").unlink(missing_ok=True)
     if report.paused:

@@ -242,9 +242,10 @@ class FineTuningRunner:
             if event["step"] == 0:
                 await _thread(self.store.add_event, job.id, "Fine-tuning job started")
         elif kind == "resumed":
-            await _thread(
-                self.store.add_event, job.id, f"Going on from the checkpoint of step {event['step']}"
-            )
+            message = f"Going on from the checkpoint of step {event['step']}"
+            await _thread(self.store.add_event, job.id, message)
+            if event["epoch_end"]:  # stored already, unless the server stopped right after it was saved
+                await self._checkpoint(job, event)
         elif kind == "step":
             await self._step(job, event)
         elif kind == "validation":
