@@ -150,6 +150,21 @@ async def retrieve_model(request: Request) -> Response:
     )  # fmt: skip
 
 
+@operation("delete a model of the tenant's (an adapter: a fine-tuned model, a checkpoint, an upload)",
+           tag="Models", ok_description="deleted")  # fmt: skip
+async def delete_model(request: Request) -> Response:
+    """OpenAI's DELETE /v1/models/{model}: the tenant's own adapters only (the base model and shared adapters stay)."""
+    state, tenant = state_and_tenant(request)
+    state.check_ready()
+    model_id = request.path_params["model_id"]
+    if model_id in state.model_names or state.adapters is None:
+        raise APIError(
+            403, f"the model {echo(model_id)} is the server's: it cannot be deleted", param="model"
+        )
+    await state.adapters.delete(tenant, model_id)
+    return JSONResponse({"id": model_id, "object": "model", "deleted": True})
+
+
 @operation("the server's version", tag="Server", ok_description='{"version": ...}', public=True)
 async def version(request: Request) -> Response:
     return JSONResponse({"version": motet.__version__})
@@ -182,6 +197,7 @@ def routes() -> list:
         Route("/v1/responses/{response_id}/input_items", guarded(list_input_items), methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", guarded(retrieve_model), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", guarded(delete_model), methods=["DELETE"]),
         Route("/v1/files", guarded(upload_file), methods=["POST"]),
         Route("/v1/files", guarded(list_files), methods=["GET"]),
         Route("/v1/files/{file_id}", guarded(retrieve_file), methods=["GET"]),

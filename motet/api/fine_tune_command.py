@@ -118,11 +118,11 @@ def cmd_fine_tune(args) -> int:
             bar.set_postfix(loss=f"{event['train_loss']:.4f}")
             bar.update(event["step"] - bar.n)
         elif kind == "validation":
-            bar.write(f"step {event['step']}: validation loss {event['valid_loss']:.4f}")
+            bar.write(f"step {event['step']}: validation loss {event['valid_loss']:.4f}", file=sys.stderr)
         elif kind == "checkpoint" and event["epoch_end"]:
-            bar.write(f"epoch {event['epoch']}: checkpoint {event['path']}")
+            bar.write(f"epoch {event['epoch']}: checkpoint {event['path']}", file=sys.stderr)
         elif kind == "resumed":
-            bar.write(f"going on from the checkpoint of step {event['step']}")
+            bar.write(f"going on from the checkpoint of step {event['step']}", file=sys.stderr)
 
     train(run, show)
     bar.close()

@@ -170,11 +170,14 @@ def test_sdk_round_trip(server):
     with pytest.raises(openai.BadRequestError) as e:  # alice's file, named by bob
         b.fine_tuning.jobs.create(training_file=f.id, model="tiny")
     assert e.value.body["param"] == "training_file"
-    # deleted like any adapter
-    r = httpx.delete(
-        f"{server.url}/v1/adapters/{job.fine_tuned_model}", headers={"Authorization": "Bearer ka"}
-    )
-    assert r.status_code == 200 and job.fine_tuned_model not in [m.id for m in c.models.list()]
+    # deleted like any adapter (OpenAI's models.delete; bob cannot)
+    with pytest.raises(openai.NotFoundError):
+        b.models.delete(job.fine_tuned_model)
+    assert c.models.delete(job.fine_tuned_model).deleted
+    assert job.fine_tuned_model not in [m.id for m in c.models.list()]
+    old = checkpoints[1].fine_tuned_model_checkpoint
+    r = httpx.delete(f"{server.url}/v1/adapters/{old}", headers={"Authorization": "Bearer ka"})
+    assert r.status_code == 200 and old not in [m.id for m in c.models.list()]
 
 
 def test_a_paused_and_resumed_job_ends_as_an_uninterrupted_run(server, tiny_model_dir, tmp_path):
@@ -319,3 +322,9 @@ def test_a_server_restart_mid_job_resumes_it_to_the_same_adapter(tiny_model_dir,
         second.stop()
     assert_same(served_adapter(tmp_path / "data", "alice", job.fine_tuned_model),
                 reference_adapter(tiny_model_dir, tmp_path / "reference", data, job))  # fmt: skip
+
+
+def test_no_upload_takes_a_fine_tuned_models_name(server):
+    files = {"files": ("adapter_config.json", b"{}"), "name": (None, "ft:tiny:bob::ftjob-0")}
+    r = httpx.post(f"{server.url}/v1/adapters", files=files, headers={"Authorization": "Bearer kb"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text

@@ -87,6 +87,13 @@ def results_csv(metrics: list[dict]) -> bytes:
     return out.getvalue().encode()
 
 
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 async def _thread(call, *args):
     return await anyio.to_thread.run_sync(functools.partial(call, *args))
 
@@ -172,7 +179,8 @@ class FineTuningRunner:
 
     async def _start_next(self) -> None:
         while len(self._jobs) < self.settings.max_running:
-            queued = await _thread(self.store.queued)
+            # (a job paused and resumed at once may still have its first worker finishing its step)
+            queued = [q for q in await _thread(self.store.queued) if q.job_id not in self._jobs]
             running = Counter(job.tenant for job in self._jobs.values())
             chosen = next_job(queued, running, self._last_start)
             if chosen is None:
@@ -218,7 +226,12 @@ class FineTuningRunner:
             status = await _thread(self.store.status, job.id)
             if status == "running":  # the worker died without a word (killed, or out of memory)
                 await self._fail(job, f"the training process exited with code {rc} before the job finished")
-        if await _thread(self.store.status, job.id) in FINISHED:
+        status = await _thread(self.store.status, job.id)
+        if status == "failed":  # the operator's clue, before the run directory goes
+            tail = await _thread(_tail, run_dir / "worker.log")
+            log.warning("fine-tuning job %s failed (its worker exited with %s); the end of its log:\n%s", job.id, rc,
+                        tail)  # fmt: skip
+        if status in FINISHED:
             await _thread(shutil.rmtree, run_dir, True)
 
     async def _fail(self, job: _Job, message: str) -> None:
