@@ -187,6 +187,8 @@ def dpo_margins(model_dir: Path, adapter: Path, pairs: bytes) -> dict:
     from motet.training.chat_encoding import ChatEncoder
     from motet.training.dataset import prepare, read_rows
 
+    if not pairs.strip():  # (no held-out answer had a lower-case letter to prefer the upper-cased one to)
+        return {"pairs": 0, "margin_before": None, "margin_after": None, "share_up": None}
     tok, config = load_tokenizer(model_dir), load_model_config(model_dir)
     encoder = ChatEncoder(tok, tool_format(config.declaration.tool_format, tok.hf.chat_template), 8192)
     with tempfile.TemporaryDirectory() as tmp:
@@ -277,6 +279,11 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--load-tokens", type=int, default=64)
     p.add_argument("--load-seconds", type=float, default=60)
+    p.add_argument(
+        "--committed-adapters",
+        default=str(FIXTURES),
+        help="the committed `upper` and `json` adapters the fine-tuned ones are held to (none: no check)",
+    )
     p.add_argument("--output-dir", default="benchmarks/reports/fine_tuning")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to `motet serve`")
     args = p.parse_args(argv)
@@ -290,12 +297,14 @@ def main(argv=None) -> int:
     print("the base model's answers (cached) ...", flush=True)
     data = make_data(args.model, args.examples, args.eval_prompts, args.answer_tokens, out / "cache")
     report: dict = {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "command"}}
+    committed_dir = None if args.committed_adapters == "none" else Path(args.committed_adapters)
+    committed_names = BEHAVIOURS if committed_dir is not None else ()
     with tempfile.TemporaryDirectory(prefix="motet-ft-bench-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "keys.json").write_text(json.dumps(KEYS))
         server_args = ["--api-keys", str(tmp / "keys.json"), "--data-dir", str(tmp / "data"),
                        "--fine-tuning-threads", str(args.threads), "--fine-tuning-max-jobs-per-tenant", "8",
-                       *[a for name in BEHAVIOURS for a in ("--lora", f"{name}={FIXTURES / name}")],
+                       *[a for name in committed_names for a in ("--lora", f"{name}={committed_dir / name}")],
                        *args.server_args]  # fmt: skip
         with ManagedServer(server_args, model=args.model, log_path=out / "server.log") as server:
             c = openai.OpenAI(base_url=server.base_url, api_key="sk-trainer", max_retries=0, timeout=600)
@@ -321,13 +330,15 @@ def main(argv=None) -> int:
             tuned = behaviour(
                 generate, data["eval_prompts"], {n: jobs[n]["job"]["fine_tuned_model"] for n in CHECKS}
             )
-            committed = behaviour(generate, data["eval_prompts"], {n: n for n in CHECKS})
-            report["behaviours"] = {
-                n: {"fine_tuned": tuned[n]["adapter_rate"], "committed": committed[n]["adapter_rate"],
-                    "base": tuned[n]["base_rate"],
-                    "ratio": tuned[n]["adapter_rate"] / committed[n]["adapter_rate"] if committed[n]["adapter_rate"] else None}
-                for n in CHECKS
-            }  # fmt: skip
+            committed = (
+                behaviour(generate, data["eval_prompts"], {n: n for n in CHECKS}) if committed_names else {}
+            )
+            report["behaviours"] = {}
+            for n in CHECKS:
+                rate = committed[n]["adapter_rate"] if committed else None
+                report["behaviours"][n] = {"fine_tuned": tuned[n]["adapter_rate"], "committed": rate,
+                                           "base": tuned[n]["base_rate"],
+                                           "ratio": tuned[n]["adapter_rate"] / rate if rate else None}  # fmt: skip
             print("load without a job ...", flush=True)
             report["load_alone"] = asyncio.run(
                 load(server.url, base, args.clients, args.load_seconds, args.load_tokens)
@@ -339,13 +350,17 @@ def main(argv=None) -> int:
                 target=lambda: dpo.update(run_job(c, data["files"]["dpo"], dpo_method, "dpo"))
             )
             worker.start()
-            while not [j for j in c.fine_tuning.jobs.list().data if j.status == "running"]:
+            while worker.is_alive() and not [
+                j for j in c.fine_tuning.jobs.list().data if j.status == "running"
+            ]:
                 time.sleep(0.2)
             report["load_with_job"] = asyncio.run(
                 load(server.url, base, args.clients, args.load_seconds, args.load_tokens)
             )
             report["load_with_job"]["job_still_running"] = worker.is_alive()
             worker.join()
+            if "job" not in dpo:
+                raise RuntimeError("the DPO job did not succeed (its error is in the output above)")
             adapter = tmp / "data" / "adapters" / "trainer" / dpo["job"]["fine_tuned_model"]
             report["dpo"] = dpo_margins(data["model_dir"], adapter, data["held_out_pairs"]) | {
                 "seconds": dpo["seconds"],
@@ -380,12 +395,17 @@ def summary(r: dict) -> str:
     ]
     for name, b in r["behaviours"].items():
         ratio = "n/a" if b["ratio"] is None else f"{b['ratio']:.2f}"
-        lines.append(f"| `{name}` pass rate: ft / committed (base) | {b['fine_tuned']:.2f} / {b['committed']:.2f} "
+        committed = "n/a" if b["committed"] is None else f"{b['committed']:.2f}"
+        lines.append(f"| `{name}` pass rate: ft / committed (base) | {b['fine_tuned']:.2f} / {committed} "
                      f"({b['base']:.2f}): {ratio} | >= 0.90 |")  # fmt: skip
     d = r["dpo"]
+    moved = (
+        "n/a"
+        if not d["pairs"]
+        else f"{d['margin_before']:.2f} -> {d['margin_after']:.2f} ({d['share_up']:.2f})"
+    )
     lines += [
-        f"| DPO: preferred's margin on {d['pairs']} held-out pairs, before -> after (share up) | "
-        f"{d['margin_before']:.2f} -> {d['margin_after']:.2f} ({d['share_up']:.2f}) | up |",
+        f"| DPO: preferred's margin on {d['pairs']} held-out pairs, before -> after (share up) | {moved} | up |",
         f"| TPOT p50 with a job / without ({r['args']['clients']} clients) | {r['tpot_p50_ratio']:.2f} | <= 1.30 |",
         f"| light tenant's E2E p50 with a job / without | {r['light_e2e_p50_ratio']:.2f} | <= 1.30 |",
     ]
