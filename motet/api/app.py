@@ -29,6 +29,7 @@ from motet.api.batches.routes import cancel_batch, create_batch, list_batches, r
 from motet.api.completions.routes import chat_completions, completions
 from motet.api.errors import APIError, handle_exception, to_response
 from motet.api.files.routes import delete_file, file_content, list_files, retrieve_file, upload_file
+from motet.api.fine_tuning import routes as fine_tuning
 from motet.api.openapi import ERRORS, document, operation
 from motet.api.playground import playground_routes
 from motet.api.responses.input_items import list_input_items
@@ -47,6 +48,7 @@ ENDPOINTS = (
     "/v1/models",
     "/v1/files",
     "/v1/batches",
+    "/v1/fine_tuning/jobs",
     "/v1/adapters",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
@@ -69,6 +71,7 @@ TEMPLATED = (
     "/v1/models/{model_id}",
     "/v1/files/{file_id}",
     "/v1/batches/{batch_id}",
+    "/v1/fine_tuning/jobs/{job_id}",
 )
 
 
@@ -147,6 +150,21 @@ async def retrieve_model(request: Request) -> Response:
     raise error
 
 
+@operation("delete a model of the tenant's (an adapter: a fine-tuned model, a checkpoint, an upload)",
+           tag="Models", ok_description="deleted")  # fmt: skip
+async def delete_model(request: Request) -> Response:
+    """OpenAI's DELETE /v1/models/{model}: the tenant's own adapters only (the base model and shared adapters stay)."""
+    state, tenant = state_and_tenant(request)
+    state.check_ready()
+    model_id = request.path_params["model_id"]
+    if model_id in state.model_names or state.adapters is None:
+        raise APIError(
+            403, f"the model {echo(model_id)} is the server's: it cannot be deleted", param="model"
+        )
+    await state.adapters.delete(tenant, model_id)
+    return JSONResponse({"id": model_id, "object": "model", "deleted": True})
+
+
 @operation("the server's version", tag="Server", ok_description='{"version": ...}', public=True)
 async def version(request: Request) -> Response:
     return JSONResponse({"version": motet.__version__})
@@ -179,6 +197,7 @@ def routes() -> list:
         Route("/v1/responses/{response_id}/input_items", guarded(list_input_items), methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", guarded(retrieve_model), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", guarded(delete_model), methods=["DELETE"]),
         Route("/v1/files", guarded(upload_file), methods=["POST"]),
         Route("/v1/files", guarded(list_files), methods=["GET"]),
         Route("/v1/files/{file_id}", guarded(retrieve_file), methods=["GET"]),
@@ -188,6 +207,7 @@ def routes() -> list:
         Route("/v1/batches", guarded(list_batches), methods=["GET"]),
         Route("/v1/batches/{batch_id}", guarded(retrieve_batch), methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", guarded(cancel_batch), methods=["POST"]),
+        *fine_tuning_routes(),
         Route("/v1/adapters", guarded(upload_adapter), methods=["POST"]),
         Route("/v1/adapters", guarded(list_adapters), methods=["GET"]),
         Route("/v1/adapters/{name}", guarded(get_adapter), methods=["GET"]),
@@ -203,6 +223,20 @@ def routes() -> list:
         Route("/v1/usage", guarded(usage_route), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"], include_in_schema=False),
         *playground_routes(),  # the chat page at /, the API docs at /docs
+    ]
+
+
+def fine_tuning_routes() -> list[Route]:
+    jobs, job = "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/{job_id}"
+    return [
+        Route(jobs, guarded(fine_tuning.create_job), methods=["POST"]),
+        Route(jobs, guarded(fine_tuning.list_jobs), methods=["GET"]),
+        Route(job, guarded(fine_tuning.retrieve_job), methods=["GET"]),
+        Route(f"{job}/cancel", guarded(fine_tuning.cancel_job), methods=["POST"]),
+        Route(f"{job}/pause", guarded(fine_tuning.pause_job), methods=["POST"]),
+        Route(f"{job}/resume", guarded(fine_tuning.resume_job), methods=["POST"]),
+        Route(f"{job}/events", guarded(fine_tuning.list_events), methods=["GET"]),
+        Route(f"{job}/checkpoints", guarded(fine_tuning.list_checkpoints), methods=["GET"]),
     ]
 
 
@@ -262,6 +296,8 @@ def create_app(state: ServerState) -> Starlette:
             tg.start_soon(run_system)
             if state.batches is not None:  # batches run beside live traffic, through this same app
                 tg.start_soon(state.batches.run, app)
+            if state.fine_tuning is not None:  # fine-tuning jobs train beside it, in processes of their own
+                tg.start_soon(state.fine_tuning.run, app)
             try:
                 yield
             finally:

@@ -410,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="run an eval suite and write a report", add_help=False, prefix_chars="\0")
     p.add_argument("eval_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_eval)
+    from motet.api.fine_tune_command import add_fine_tune_parser
+
+    add_fine_tune_parser(sub, **fmt)
     return parser
 
 

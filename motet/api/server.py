@@ -17,6 +17,7 @@ import socket
 import sys
 from pathlib import Path
 
+from motet.api.fine_tuning import flags as fine_tuning_flags
 from motet.api.generation_config import override_object
 from motet.cluster import serve_flags
 from motet.flag_types import (
@@ -233,6 +234,8 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     )
     files = FileStore(data, args.files_max_bytes, args.files_max_bytes_per_tenant)
     batches = BatchRunner(BatchStore(data), files, LowPriority(args.batch_max_in_flight))
+    usage = UsageStore(data)
+    fine_tuning = fine_tuning_flags.runner(args, data, files, adapters, usage, config.num_threads)
     state = ServerState(
         system=system,
         model_names=names,
@@ -242,12 +245,13 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         responses=responses,
         files=files,
         batches=batches,
+        fine_tuning=fine_tuning,
         reasoning_parser=args.reasoning_parser,
         metrics=Metrics(names[0], max_model_len),
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=getattr(args, "tool_call_parser", None),
         sampling_defaults=defaults,
-        usage=UsageStore(data),
+        usage=usage,
         grammar_limits=grammar_limits(args),
     )
     state.limiter.reload(state.auth.tenant_limits())
@@ -504,6 +508,7 @@ def add_serve_args(p) -> None:
         help="batch (/v1/batches) requests running at once, all batches together; they are sent only while no "
         f"live request waits (default: {DEFAULT_MAX_IN_FLIGHT})",
     )
+    fine_tuning_flags.add_args(p)
     p.add_argument(
         "--lora",
         action="append",

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the families' stores: each family's routes read ServerState
     from motet.api.adapters.store import AdapterStore
     from motet.api.batches.runner import BatchRunner
     from motet.api.files.store import FileStore
+    from motet.api.fine_tuning.runner import FineTuningRunner
     from motet.api.responses.store import ResponseStore
 
 
@@ -40,6 +41,9 @@ class ServerState:
     responses: ResponseStore | None = None  # stored Responses API responses; None: none are stored
     files: FileStore | None = None  # /v1/files; None: no files API
     batches: BatchRunner | None = None  # /v1/batches (with its store); None: no batch API
+    fine_tuning: FineTuningRunner | None = (
+        None  # /v1/fine_tuning/jobs (with its store); None: no fine-tuning API
+    )
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
     inflight: int = 0

@@ -42,7 +42,7 @@ from motet.grammar.specs import (
 )
 from motet.grammar.tool_calls import Tool, ToolError, resolve_tool_choice, validate_tools
 from motet.grammar.tool_formats import HERMES, ToolFormat
-from motet.grammar.tool_prompt import render_messages, template_renders_role, template_supports_tools
+from motet.grammar.tool_prompt import template_messages
 
 
 @dataclass
@@ -298,19 +298,13 @@ def structured_output(
 def prompt_messages(
     messages: list[dict], structure: Structure, chat_template: str | None, trusted_template: bool = True
 ):
-    """The messages to render, and extra template arguments: the model's own tool format where its
-    template has one, else the served format's (tools in the system prompt, calls as the model writes them:
-    <tool_call> blocks in Hermes's).
-    `trusted_template`: the template is the operator's (the model's own), which may be rendered here to
-    find whether it writes a `tool` turn; a request's own template renders only in its bounded helper
-    (motet/engine/template_worker.py), so its tool results go in a user turn."""
-    shown = structure.tools  # with tool_choice "none" too, as vLLM does: the model sees them, cannot call
-    if template_supports_tools(chat_template):
-        return messages, ({"tools": [t.openai_dict() for t in shown]} if shown else {})
-    has_results = any(isinstance(m, dict) and m.get("role") == "tool" for m in messages)
-    probe = has_results and trusted_template
-    tool_role = "tool" if probe and template_renders_role(chat_template, "tool") else "user"
+    """The messages to render, and extra template arguments (motet/grammar/tool_prompt.py `template_messages`):
+    the model's own tool format where its template has one, else the served format's (tools in the system
+    prompt, calls as the model writes them: <tool_call> blocks in Hermes's). The request's tools are shown with
+    tool_choice "none" too, as vLLM does: the model sees them, cannot call them."""
     try:
-        return render_messages(messages, shown, tool_role, structure.tool_format), {}
+        return template_messages(
+            messages, structure.tools, structure.tool_format, chat_template, trusted_template
+        )
     except ToolError as e:
         raise APIError(400, str(e), param=e.param) from None

@@ -42,7 +42,7 @@ LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # OpenAI's default 
 GROUPS = ("tenant", "model", "batch")
 MAX_TIME = 253402300799  # 9999-12-31T23:59:59Z: the last unix time a query names
 BATCH_SCOPE_KEY = "motet.batch"  # set in the ASGI scope of the Batch API's lines (api/batches/runner.py)
-_COUNTS = ("requests", "input_tokens", "cached_tokens", "output_tokens")
+_COUNTS = ("requests", "input_tokens", "cached_tokens", "output_tokens", "training_tokens")
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS usage (
         minute INTEGER NOT NULL,  -- unix time / 60
@@ -53,6 +53,7 @@ _SCHEMA = (
         input_tokens INTEGER NOT NULL DEFAULT 0,
         cached_tokens INTEGER NOT NULL DEFAULT 0,
         output_tokens INTEGER NOT NULL DEFAULT 0,
+        training_tokens INTEGER NOT NULL DEFAULT 0,  -- fine-tuning jobs' (motet/api/fine_tuning/)
         PRIMARY KEY (minute, tenant, model, batch)
     )""",
 )
@@ -91,8 +92,10 @@ def begin(tenant: str, model: str, batch: bool) -> RequestUsage:
 class UsageStore(SQLiteStore):
     def __init__(self, data_dir: str | Path):
         super().__init__(Path(data_dir) / FILENAME, _SCHEMA)
+        if "training_tokens" not in {row[1] for row in self._db.execute("PRAGMA table_info(usage)")}:
+            self._db.execute("ALTER TABLE usage ADD COLUMN training_tokens INTEGER NOT NULL DEFAULT 0")
         self._pending_lock = threading.Lock()  # the counts not written yet; the database's is `_lock`
-        self._pending: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        self._pending: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(_COUNTS))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._flush_loop, name="motet-usage", daemon=True)
         self._thread.start()
@@ -100,15 +103,24 @@ class UsageStore(SQLiteStore):
     def add(self, u: RequestUsage, requests: int, input_tokens: int, cached: int, output: int) -> None:
         if u.tenant is None:
             return
-        key = (int(time.time()) // 60, u.tenant, u.model or "", int(u.batch))
+        self._count(
+            (int(time.time()) // 60, u.tenant, u.model or "", int(u.batch)),
+            (requests, input_tokens, cached, output, 0),
+        )
+
+    def add_training(self, tenant: str, model: str, tokens: int) -> None:
+        """Tokens a fine-tuning job of the tenant's trained (`model`: the model it makes)."""
+        self._count((int(time.time()) // 60, tenant, model, 0), (0, 0, 0, 0, tokens))
+
+    def _count(self, key: tuple, values: tuple[int, ...]) -> None:
         with self._pending_lock:
             counts = self._pending[key]
-            for i, v in enumerate((requests, input_tokens, cached, output)):
+            for i, v in enumerate(values):
                 counts[i] += v
 
     def flush(self) -> None:
         with self._pending_lock:
-            pending, self._pending = self._pending, defaultdict(lambda: [0, 0, 0, 0])
+            pending, self._pending = self._pending, defaultdict(lambda: [0] * len(_COUNTS))
         if not pending:
             return
         rows = [(*key, *counts) for key, counts in pending.items()]
@@ -116,10 +128,12 @@ class UsageStore(SQLiteStore):
             with self._write():
                 self._db.executemany(
                     "INSERT INTO usage (minute, tenant, model, batch, requests, input_tokens, cached_tokens,"
-                    " output_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (minute, tenant, model, batch)"
+                    " output_tokens, training_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT (minute, tenant, model, batch)"
                     " DO UPDATE SET requests = requests + excluded.requests, input_tokens = input_tokens +"
                     " excluded.input_tokens, cached_tokens = cached_tokens + excluded.cached_tokens,"
-                    " output_tokens = output_tokens + excluded.output_tokens",
+                    " output_tokens = output_tokens + excluded.output_tokens,"
+                    " training_tokens = training_tokens + excluded.training_tokens",
                     rows,
                 )
         except (StorageFailure, sqlite3.Error):  # a full disk: the counts wait in memory for the next flush
@@ -158,20 +172,25 @@ class UsageStore(SQLiteStore):
         cols = ", ".join(groups)
         sql = (
             f"SELECT {bucket} AS b{', ' + cols if cols else ''}, SUM(requests), SUM(input_tokens),"
-            f" SUM(cached_tokens), SUM(output_tokens) FROM usage WHERE {' AND '.join(where)}"
+            f" SUM(cached_tokens), SUM(output_tokens), SUM(training_tokens) FROM usage WHERE {' AND '.join(where)}"
             f" GROUP BY b{', ' + cols if cols else ''} ORDER BY b{', ' + cols if cols else ''}"
         )
         out: dict[int, list[dict]] = defaultdict(list)
         with self._read():
             rows = self._db.execute(sql, args).fetchall()
         for row in rows:
-            b, keys, (requests, input_tokens, cached, output) = row[0], row[1 : 1 + len(groups)], row[-4:]
+            b, keys, (requests, input_tokens, cached, output, training) = (
+                row[0],
+                row[1 : 1 + len(groups)],
+                row[-5:],
+            )
             result = {
                 "object": "organization.usage.completions.result",
                 "input_tokens": input_tokens,
                 "output_tokens": output,
                 "input_cached_tokens": cached,
                 "num_model_requests": requests,
+                "training_tokens": training,  # fine-tuning jobs' (not in OpenAI's completions usage)
                 "tenant": None,
                 "model": None,
                 "batch": None,

@@ -180,3 +180,21 @@ def render_messages(messages: list[dict], tools: list[Tool], tool_role: str = "t
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def template_messages(
+    messages: list[dict], tools: list[Tool], fmt, chat_template: str | None, trusted_template: bool = True
+) -> tuple[list[dict], dict]:
+    """The messages a chat template is given for an OpenAI history, and extra template arguments: the history
+    as it is with the tools where the template renders tools itself, else rewritten by `render_messages` in the
+    tool-call format `fmt` (tools in the system prompt, calls as the model writes them). What serving renders for
+    a request (motet/api/structured.py) and what training renders for an example (motet/training/) alike.
+    `trusted_template`: the template is the operator's (the model's own), which may be rendered here to find
+    whether it writes a `tool` turn; a request's own template renders only in its bounded helper
+    (motet/engine/template_worker.py), so its tool results go in a user turn. ToolError: a malformed history."""
+    if template_supports_tools(chat_template):
+        return messages, ({"tools": [t.openai_dict() for t in tools]} if tools else {})
+    has_results = any(isinstance(m, dict) and m.get("role") == "tool" for m in messages)
+    probe = has_results and trusted_template
+    tool_role = "tool" if probe and template_renders_role(chat_template, "tool") else "user"
+    return render_messages(messages, tools, tool_role, fmt), {}

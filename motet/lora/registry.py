@@ -49,6 +49,11 @@ from motet.lora.peft_config import brief
 from motet.models.config import ModelConfig
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # no leading dot: hidden names are ours
+# A fine-tuning job's model and checkpoints (motet/api/fine_tuning/): `ft:<base>:<tenant>:<suffix>:<job>[:ckpt-step-N]`,
+# OpenAI's names, longer than an upload's and with colons; only the fine-tuning service stores them
+# (motet/api/adapters/store.py refuses them as uploads' names). Within a file name's 255 bytes.
+FINE_TUNED_PREFIX = "ft:"
+FINE_TUNED_RE = re.compile(r"ft:[A-Za-z0-9._-][A-Za-z0-9._:-]{0,246}")
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
 IGNORED = {"README.md"}  # PEFT's save_pretrained writes a model card beside the adapter: skipped
 MAX_MEMBERS = 16
@@ -79,7 +84,13 @@ class AdapterInfo:
     created: float  # modification time of the adapter folder (seconds since the epoch)
 
 
+def is_adapter_name(value: str) -> bool:
+    return bool(NAME_RE.fullmatch(value) or FINE_TUNED_RE.fullmatch(value))
+
+
 def check_name(kind: str, value: str) -> str:
+    if kind == "adapter" and isinstance(value, str) and FINE_TUNED_RE.fullmatch(value):
+        return value
     if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise AdapterError(
             f"{kind} name {brief(value)} is invalid: use 1-64 letters, digits, '.', '_' or '-', not starting "
@@ -113,7 +124,7 @@ class AdapterRegistry:
 
     def list(self, tenant: str) -> list[AdapterInfo]:
         d = self._dir(tenant)
-        names = sorted(p.name for p in d.iterdir() if NAME_RE.fullmatch(p.name)) if d.is_dir() else []
+        names = sorted(p.name for p in d.iterdir() if is_adapter_name(p.name)) if d.is_dir() else []
         infos = []
         for name in names:
             with contextlib.suppress(AdapterNotFound):  # deleted meanwhile

@@ -148,7 +148,8 @@ def test_bucket_paging(tmp_path, width, seconds):
         (results,) = [r for r in found.values() if r]
         assert results == [
             {"object": "organization.usage.completions.result", "input_tokens": 10, "output_tokens": 5,
-             "input_cached_tokens": 2, "num_model_requests": 1, "tenant": "a", "model": None, "batch": None}
+             "input_cached_tokens": 2, "num_model_requests": 1, "training_tokens": 0, "tenant": "a", "model": None,
+             "batch": None}
         ]  # fmt: skip
     finally:
         store.close()

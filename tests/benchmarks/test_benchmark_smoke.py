@@ -26,6 +26,7 @@ SMOKE_RUNS = {
     "gpu_bench": "test_gpu_smoke.py::test_gpu_bench",  # on CUDA only
     "gpu_common": "test_gpu_peer.py::test_smoke_report_has_every_configuration",
     "gpu_peer": "test_gpu_peer.py::test_smoke_report_has_every_configuration",
+    "fine_tuning": "test_served_smoke.py::test_fine_tuning",
     "grammar_overhead": "test_offline_smoke.py::test_grammar_overhead",
     "grammar_report": "test_offline_smoke.py::test_grammar_report",
     "kv_tiers": "test_offline_smoke.py::test_kv_tiers",

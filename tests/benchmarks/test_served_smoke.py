@@ -115,6 +115,25 @@ def test_tenant_fairness(model, tmp_path):
     assert "## Two backlogged tenants" in only_md(tmp_path)
 
 
+def test_fine_tuning(model, tmp_path):
+    """Three jobs through the SDK (two behaviours and DPO), the same run by hand, the checks, the load phases."""
+    from benchmarks import fine_tuning
+
+    fine_tuning.main(["--model", str(model), "--examples", "4", "--eval-prompts", "4", "--answer-tokens", "8",
+                      "--n-epochs", "1", "--batch-size", "2", "--threads", "1", "--clients", "1", "--load-tokens", "4",
+                      "--load-seconds", "1", "--committed-adapters", "none", "--output-dir", str(tmp_path),
+                      "--server-args", *SERVER, "--dtype", "float32"])  # fmt: skip
+    report = only_json(tmp_path)
+    assert positive(report["speed_ratio"], report["train_speed_ratio"], report["by_hand"]["tokens"])
+    assert all(job["trained_tokens"] > 0 for job in report["jobs"].values())
+    assert (
+        report["dpo"]["trained_tokens"] > 0
+    )  # (its held-out pairs: those of the tiny model's answers with lower case)
+    assert not report["dpo"]["pairs"] or finite(report["dpo"]["margin_before"], report["dpo"]["margin_after"])
+    assert positive(report["tpot_p50_ratio"], report["light_e2e_p50_ratio"])
+    assert "| DPO: preferred's margin" in only_md(tmp_path)
+
+
 def test_tracing_overhead(model, tmp_path):
     tracing_overhead.main(["--model", NAME, "--model-path", str(model), "--requests", "4", "--concurrency", "2",
                            "--max-tokens", "4", "--prompt-words", "4", "--rounds", "1", "--output-dir", str(tmp_path),

@@ -27,6 +27,7 @@ from motet.lora.adapter import AdapterError, AdapterTooLarge
 from motet.lora.manager import AdapterRef
 from motet.lora.registry import (
     FILES,
+    FINE_TUNED_PREFIX,
     AdapterExists,
     AdapterNotFound,
     AdapterPathRefused,
@@ -126,9 +127,18 @@ class AdapterStore:
         adapter = (await self.own(tenant)).get(model) or self.shared.get(model)
         return adapter.ref if adapter else None
 
-    async def save(self, tenant: str, name: str, files: dict[str, bytes]) -> Adapter:
+    async def save(
+        self, tenant: str, name: str, files: dict[str, bytes], *, fine_tuned: bool = False
+    ) -> Adapter:
+        """Store the tenant's adapter `name`; `fine_tuned`: the fine-tuning service's model (an `ft:` name, which
+        no upload may take)."""
         if name in self.reserved or name in self.shared:
             raise APIError(409, f"the name {name!r} is taken by a model this server serves", param="name")
+        if name.startswith(FINE_TUNED_PREFIX) and not fine_tuned:
+            raise APIError(
+                400, f"names starting with {FINE_TUNED_PREFIX!r} are fine-tuned models' (POST /v1/fine_tuning/jobs)",
+                param="name",
+            )  # fmt: skip
         own = await self.own(tenant)
         registry = await self.registry()
         if len(files) == 1 and next(iter(files)).lower().endswith(ARCHIVES):
@@ -153,6 +163,19 @@ class AdapterStore:
             raise storage_error(StorageFailure.from_os(e), "the adapter was not stored") from None
         own[name] = adapter = self._entry(info)
         return adapter
+
+    async def add_fine_tuned(self, tenant: str, name: str, path: Path) -> Adapter:
+        """A fine-tuning job's adapter directory (its model or a checkpoint) stored as the tenant's adapter `name`:
+        served, listed and deletable like an upload. Storing the same files again is a no-op."""
+
+        def read() -> dict[str, bytes]:
+            return {f: (path / f).read_bytes() for f in FILES}
+
+        try:
+            files = await anyio.to_thread.run_sync(read)
+        except OSError as e:
+            raise storage_error(StorageFailure.from_os(e), "the adapter was not stored") from None
+        return await self.save(tenant, name, files, fine_tuned=True)
 
     async def load_from(self, tenant: str, name: str, path: str) -> Adapter:
         """Store, as the tenant's adapter `name`, the PEFT adapter directory `path` on the server (vLLM's

@@ -1,6 +1,7 @@
-"""OpenAI's Files API, for the Batch API's input and output files (the store: motet/api/files/store.py).
+"""OpenAI's Files API, for the Batch API's input and output files and fine-tuning's examples and results (the store:
+motet/api/files/store.py).
 
-POST   /v1/files                    multipart: `file`, and `purpose` ("batch": the one purpose served)
+POST   /v1/files                    multipart: `file`, and `purpose` ("batch" or "fine-tune")
 GET    /v1/files                    the tenant's files: `after`, `limit`, `order`, `purpose`
 GET    /v1/files/{file_id}          the File object
 GET    /v1/files/{file_id}/content  its bytes
@@ -26,7 +27,9 @@ from motet.api.request_body import bounded_form
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.storage_errors import stored_call
 
-PURPOSES = ("batch",)  # what an upload may be for (batch outputs are written by the server as batch_output)
+# what an upload may be for: a batch's input, a fine-tuning job's examples (the server writes batch_output and
+# fine-tune-results files itself)
+PURPOSES = ("batch", "fine-tune")
 MAX_LIST = 10_000  # OpenAI's largest page of files
 _CHUNK = 1 << 20
 
@@ -58,7 +61,7 @@ def _too_large(store: FileStore) -> APIError:
     )
 
 
-@operation("upload a file (purpose: batch)", tag="Files",
+@operation("upload a file (purpose: batch, fine-tune)", tag="Files",
            form={"file": FILE, "purpose": {"type": "string"}}, ok_description="the File")  # fmt: skip
 async def upload_file(request: Request) -> Response:
     _, tenant, store = _context(request)

@@ -1,0 +1,418 @@
+"""Fine-tuning as a service, measured end to end on one `motet serve` (issue 59's acceptance), all ratios in one run:
+
+- behaviours learned through the API: the repository's `upper` and `json` behaviours (motet/evals/train_adapters.py:
+  the base model's own answers to --examples training prompts, upper-cased / wrapped as {"answer": ...}) trained
+  by fine-tuning jobs through the openai SDK; the served `ft:` models' pass rates on held-out prompts against the
+  committed adapters' (tests/fixtures/adapters/, served with --lora) under the same checks (target >= 0.9x);
+- training speed: the `upper` job's training tokens/s against the same PEFT/TRL run written by hand, in a process
+  of its own with the same threads, examples and hyperparameters (target >= 0.9x; both end to end: start,
+  load, train, save; the hand run's train() alone is reported too), and the job's time for --examples examples;
+- DPO: a job on preference pairs (preferred: the upper-cased answer; the other: the base's own) and the preferred
+  answer's log-likelihood margin over the other on held-out pairs, before and after (target: up);
+- serving while a job runs: --clients streamed chat clients for --load-seconds with no job, then while a job
+  trains (target: TPOT p50 <= 1.3x), and a light tenant's one-at-a-time answers alike (E2E p50).
+
+    python -m benchmarks.fine_tuning                                   # the acceptance sizes (long: a quiet machine)
+    python -m benchmarks.fine_tuning --examples 8 --eval-prompts 4 --n-epochs 1 --load-seconds 10 --clients 2
+
+Writes fine_tuning-TIME.json and .md under --output-dir. Name the machine (its CPU and flags are in the report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from benchmarks import chat_body
+from motet.evals.server import ROOT, ManagedServer
+from motet.evals.serving_bench import one_request, stats, write_report
+from motet.evals.train_adapters import CHECKS, FIXTURES, MAX_TOKENS, TARGETS, base_answers, behaviour, prompts
+
+KEYS = {"sk-trainer": "trainer", "sk-light": "light", "sk-admin": {"admin": True}}
+BEHAVIOURS = ("upper", "json")
+
+
+# -- the data --------------------------------------------------------------------------------------------------
+def chat_lines(name: str, questions: list[str], answers: list[str]) -> bytes:
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": TARGETS[name](a)}]}
+            for q, a in zip(questions, answers, strict=True) if a]  # fmt: skip
+    return "\n".join(map(json.dumps, rows)).encode()
+
+
+def pair_lines(questions: list[str], answers: list[str]) -> bytes:
+    rows = [{"input": {"messages": [{"role": "user", "content": q}]},
+             "preferred_output": [{"role": "assistant", "content": a.upper()}],
+             "non_preferred_output": [{"role": "assistant", "content": a}]}
+            for q, a in zip(questions, answers, strict=True) if a and a.upper() != a]  # fmt: skip
+    return "\n".join(map(json.dumps, rows)).encode()
+
+
+def make_data(model: str | None, examples: int, eval_prompts: int, answer_tokens: int, cache: Path) -> dict:
+    from motet.evals.train_adapters import load_llm
+
+    llm = load_llm(model)
+    train_q, eval_q = prompts("train")[:examples], prompts("eval")[:eval_prompts]
+    train_a = base_answers(llm, train_q, answer_tokens, cache / "train_answers.json")
+    eval_a = base_answers(llm, eval_q, answer_tokens, cache / "eval_answers.json")
+    model_dir = Path(llm.engine.model_dir)
+    del llm
+    return {
+        "model_dir": model_dir,
+        "files": {name: chat_lines(name, train_q, train_a) for name in BEHAVIOURS}
+        | {"dpo": pair_lines(train_q, train_a)},
+        "eval_prompts": eval_q,
+        "held_out_pairs": pair_lines(eval_q, eval_a),
+    }
+
+
+# -- jobs through the SDK --------------------------------------------------------------------------------------
+def run_job(c: openai.OpenAI, data: bytes, method: dict, suffix: str, poll: float = 0.5) -> dict:
+    """Upload, create, wait: the job, and its running time (first seen running to succeeded)."""
+    f = c.files.create(file=(f"{suffix}.jsonl", data), purpose="fine-tune")
+    job = c.fine_tuning.jobs.create(training_file=f.id, model=c.models.list().data[0].id, suffix=suffix, seed=0,
+                                    method=method)  # fmt: skip
+    started = None
+    while job.status not in ("succeeded", "failed", "cancelled"):
+        time.sleep(poll)
+        job = c.fine_tuning.jobs.retrieve(job.id)
+        if started is None and job.status == "running":
+            started = time.monotonic()
+    seconds = time.monotonic() - started if started else None
+    if job.status != "succeeded":
+        raise RuntimeError(f"job {job.id} {job.status}: {job.error}")
+    # the training alone: from the worker's start of training to its last step (events are stamped in seconds)
+    events = list(c.fine_tuning.jobs.list_events(job.id, limit=100))
+    begun = min(e.created_at for e in events if e.message == "Fine-tuning job started")
+    train_seconds = max(max(e.created_at for e in events if e.type == "metrics") - begun, 1)
+    return {"job": job.model_dump(), "seconds": seconds, "tokens_per_s": job.trained_tokens / seconds if seconds else None,
+            "train_seconds": train_seconds, "train_tokens_per_s": job.trained_tokens / train_seconds}  # fmt: skip
+
+
+def sft(hyper: dict) -> dict:
+    return {"type": "supervised", "supervised": {"hyperparameters": hyper}}
+
+
+# -- the same run by hand ---------------------------------------------------------------------------------------
+def by_hand(args) -> int:
+    """The job's run written as a PEFT/TRL user writes it (TRL's own chat tokenization of prompt-completion
+    examples): prints {"seconds", "train_seconds", "tokens"} as its last line."""
+    t0 = time.monotonic()
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    torch.set_num_threads(args.threads)
+    hyper = json.loads(args.hyperparameters)
+    rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
+    dataset = Dataset.from_list(
+        [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows]
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    config = SFTConfig(
+        output_dir=args.out, num_train_epochs=hyper["n_epochs"], per_device_train_batch_size=hyper["batch_size"],
+        learning_rate=2e-4 * hyper["learning_rate_multiplier"], seed=0, data_seed=0, report_to="none",
+        use_cpu=True, bf16=args.dtype == "bfloat16", gradient_checkpointing=False, save_strategy="epoch",
+        max_length=None, logging_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    lora = LoraConfig(r=hyper["lora_rank"], lora_alpha=hyper["lora_alpha"], lora_dropout=hyper["lora_dropout"],
+                      target_modules=hyper["lora_target_modules"], task_type="CAUSAL_LM")  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
+    trainer = SFTTrainer(
+        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=lora
+    )
+    tokens = sum(len(r["input_ids"]) for r in trainer.train_dataset) * hyper["n_epochs"]
+    t1 = time.monotonic()
+    trainer.train()
+    train_seconds = time.monotonic() - t1
+    trainer.model.save_pretrained(Path(args.out) / "adapter")
+    print(json.dumps({"seconds": time.monotonic() - t0, "train_seconds": train_seconds, "tokens": tokens}))
+    return 0
+
+
+def run_by_hand(model_dir: Path, data: bytes, job: dict, threads: int, dtype: str, tmp: Path) -> dict:
+    path = tmp / "by_hand.jsonl"
+    path.write_bytes(data)
+    hyper = job["method"]["supervised"]["hyperparameters"]
+    cmd = [sys.executable, "-m", "benchmarks.fine_tuning", "by-hand", "--model-dir", str(model_dir), "--data",
+           str(path), "--hyperparameters", json.dumps(hyper), "--threads", str(threads), "--dtype", dtype,
+           "--out", str(tmp / "by_hand")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["wall_seconds"] = time.monotonic() - t0  # with the interpreter's start, as the job's worker's
+    result["tokens_per_s"] = result["tokens"] / result["wall_seconds"]
+    result["train_tokens_per_s"] = result["tokens"] / result["train_seconds"]
+    return result
+
+
+# -- behaviours and DPO ---------------------------------------------------------------------------------------
+def http_generate(c: openai.OpenAI, base: str):
+    def generate(requests):
+        out = []
+        for adapter, prompt in requests:
+            r = c.chat.completions.create(model=adapter or base, messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=MAX_TOKENS, temperature=0)  # fmt: skip
+            out.append(r.choices[0].message.content or "")
+        return out
+
+    return generate
+
+
+def dpo_margins(model_dir: Path, adapter: Path, pairs: bytes) -> dict:
+    """The preferred answer's log-likelihood over the other's on held-out pairs, base and tuned, tokenized as the
+    server tokenizes them (motet/training/chat_encoding.py)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from motet.engine.tokenizer import load_tokenizer
+    from motet.engine.weights.checkpoint import load_model_config
+    from motet.grammar.tool_formats import tool_format
+    from motet.training.chat_encoding import ChatEncoder
+    from motet.training.dataset import prepare, read_rows
+
+    if not pairs.strip():  # (no held-out answer had a lower-case letter to prefer the upper-cased one to)
+        return {"pairs": 0, "margin_before": None, "margin_after": None, "share_up": None}
+    tok, config = load_tokenizer(model_dir), load_model_config(model_dir)
+    encoder = ChatEncoder(tok, tool_format(config.declaration.tool_format, tok.hf.chat_template), 8192)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = read_rows(prepare(io.BytesIO(pairs), "dpo", encoder, Path(tmp) / "rows").path)
+
+    def logprob(model, prompt, answer):
+        ids = torch.tensor([prompt + answer])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        return logits.log_softmax(-1).gather(1, torch.tensor(answer)[:, None]).sum().item()
+
+    def margins(model):
+        return [logprob(model, r["prompt_ids"], r["chosen_ids"]) - logprob(model, r["prompt_ids"], r["rejected_ids"])
+                for r in rows]  # fmt: skip
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    before = margins(base)
+    after = margins(PeftModel.from_pretrained(base, str(adapter)).eval())
+    return {"pairs": len(rows), "margin_before": sum(before) / len(rows), "margin_after": sum(after) / len(rows),
+            "share_up": sum(a > b for a, b in zip(after, before, strict=True)) / len(rows)}  # fmt: skip
+
+
+# -- serving under a job -----------------------------------------------------------------------------------------
+async def load(url: str, model: str, clients: int, seconds: float, tokens: int) -> dict:
+    """`clients` streamed chat clients back to back, and the light tenant's one-at-a-time requests beside them."""
+    heavy = httpx.AsyncClient(
+        base_url=f"{url}/v1", timeout=600, headers={"Authorization": "Bearer sk-trainer"}
+    )
+    light = httpx.AsyncClient(base_url=f"{url}/v1", timeout=600, headers={"Authorization": "Bearer sk-light"})
+    end = time.monotonic() + seconds
+    records, light_records = [], []
+
+    async def client(i: int):
+        n = 0
+        while time.monotonic() < end:
+            body = chat_body(model, f"Tell me a story about the number {i * 1000 + n}.", tokens)
+            records.append(await one_request(heavy, "/chat/completions", body))
+            n += 1
+
+    async def light_client():
+        while time.monotonic() < end:
+            body = chat_body(model, "What is the capital of France?", 16)
+            light_records.append(await one_request(light, "/chat/completions", body))
+            await asyncio.sleep(0.5)
+
+    await asyncio.gather(*(client(i) for i in range(clients)), light_client())
+    await heavy.aclose()
+    await light.aclose()
+    ok = [r for r in records if r.ok]
+    return {"requests": len(records), "errors": len(records) - len(ok), "tpot": stats([r.tpot for r in ok if r.tpot]),
+            "light_e2e": stats([r.e2e for r in light_records if r.ok])}  # fmt: skip
+
+
+def job_dtype(server_args: list[str]) -> str:
+    """The dtype the server's jobs train in (the serving dtype: --dtype, else auto's)."""
+    import torch
+
+    from motet.engine.config import DTYPES, auto_dtype
+
+    if "--dtype" in server_args:
+        return str(DTYPES[server_args[server_args.index("--dtype") + 1]]).removeprefix("torch.")
+    return auto_dtype(torch.device("cpu"))[0]
+
+
+def machine() -> dict:
+    from motet.kernels.cpu_isa import cpu_flags
+
+    name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.processor())  # fmt: skip
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
+    return {"cpu": name, "cores": os.cpu_count(), "flags": [f for f in wanted if f in cpu_flags()]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command")
+    h = sub.add_parser("by-hand", help="(internal) the PEFT/TRL run by hand")
+    for flag in ("--model-dir", "--data", "--hyperparameters", "--out", "--dtype"):
+        h.add_argument(flag, required=True)
+    h.add_argument("--threads", type=int, required=True)
+    p.add_argument("--model", default=None, help="the base model (default: the default model)")
+    p.add_argument("--examples", type=int, default=200, help="training prompts for each behaviour")
+    p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts for the checks and DPO")
+    p.add_argument("--answer-tokens", type=int, default=48)
+    p.add_argument("--n-epochs", default="auto")
+    p.add_argument("--batch-size", default="auto")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="the job's and the hand run's")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--load-tokens", type=int, default=64)
+    p.add_argument("--load-seconds", type=float, default=60)
+    p.add_argument(
+        "--committed-adapters",
+        default=str(FIXTURES),
+        help="the committed `upper` and `json` adapters the fine-tuned ones are held to (none: no check)",
+    )
+    p.add_argument("--output-dir", default="benchmarks/reports/fine_tuning")
+    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to `motet serve`")
+    args = p.parse_args(argv)
+    if args.command == "by-hand":
+        return by_hand(args)
+    out = Path(args.output_dir)
+    hyper = {
+        k: (v if v == "auto" else int(v))
+        for k, v in (("n_epochs", args.n_epochs), ("batch_size", args.batch_size))
+    }
+    print("the base model's answers (cached) ...", flush=True)
+    data = make_data(args.model, args.examples, args.eval_prompts, args.answer_tokens, out / "cache")
+    report: dict = {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "command"}}
+    committed_dir = None if args.committed_adapters == "none" else Path(args.committed_adapters)
+    committed_names = BEHAVIOURS if committed_dir is not None else ()
+    with tempfile.TemporaryDirectory(prefix="motet-ft-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        (tmp / "keys.json").write_text(json.dumps(KEYS))
+        server_args = ["--api-keys", str(tmp / "keys.json"), "--data-dir", str(tmp / "data"),
+                       "--fine-tuning-threads", str(args.threads), "--fine-tuning-max-jobs-per-tenant", "8",
+                       *[a for name in committed_names for a in ("--lora", f"{name}={committed_dir / name}")],
+                       *args.server_args]  # fmt: skip
+        with ManagedServer(server_args, model=args.model, log_path=out / "server.log") as server:
+            c = openai.OpenAI(base_url=server.base_url, api_key="sk-trainer", max_retries=0, timeout=600)
+            base = c.models.list().data[0].id
+            jobs = {}
+            for name in BEHAVIOURS:
+                print(f"job {name} ...", flush=True)
+                jobs[name] = run_job(c, data["files"][name], sft(hyper), name)
+            timings = ("seconds", "tokens_per_s", "train_seconds", "train_tokens_per_s")
+            report["jobs"] = {k: {kk: v[kk] for kk in timings} | {"trained_tokens":
+                              v["job"]["trained_tokens"], "hyperparameters": v["job"]["hyperparameters"]}
+                              for k, v in jobs.items()}  # fmt: skip
+            print("the same run by hand ...", flush=True)
+            dtype = job_dtype(args.server_args)
+            hand = run_by_hand(
+                data["model_dir"], data["files"]["upper"], jobs["upper"]["job"], args.threads, dtype, tmp
+            )
+            report["by_hand"] = hand
+            report["speed_ratio"] = jobs["upper"]["tokens_per_s"] / hand["tokens_per_s"]
+            report["train_speed_ratio"] = jobs["upper"]["train_tokens_per_s"] / hand["train_tokens_per_s"]
+            print("behaviour checks ...", flush=True)
+            generate = http_generate(c, base)
+            tuned = behaviour(
+                generate, data["eval_prompts"], {n: jobs[n]["job"]["fine_tuned_model"] for n in CHECKS}
+            )
+            committed = (
+                behaviour(generate, data["eval_prompts"], {n: n for n in CHECKS}) if committed_names else {}
+            )
+            report["behaviours"] = {}
+            for n in CHECKS:
+                rate = committed[n]["adapter_rate"] if committed else None
+                report["behaviours"][n] = {"fine_tuned": tuned[n]["adapter_rate"], "committed": rate,
+                                           "base": tuned[n]["base_rate"],
+                                           "ratio": tuned[n]["adapter_rate"] / rate if rate else None}  # fmt: skip
+            print("load without a job ...", flush=True)
+            report["load_alone"] = asyncio.run(
+                load(server.url, base, args.clients, args.load_seconds, args.load_tokens)
+            )
+            print("DPO job, and the load while it trains ...", flush=True)
+            dpo: dict = {}
+            dpo_method = {"type": "dpo", "dpo": {"hyperparameters": hyper}}
+            worker = threading.Thread(
+                target=lambda: dpo.update(run_job(c, data["files"]["dpo"], dpo_method, "dpo"))
+            )
+            worker.start()
+            while worker.is_alive() and not [
+                j for j in c.fine_tuning.jobs.list().data if j.status == "running"
+            ]:
+                time.sleep(0.2)
+            report["load_with_job"] = asyncio.run(
+                load(server.url, base, args.clients, args.load_seconds, args.load_tokens)
+            )
+            report["load_with_job"]["job_still_running"] = worker.is_alive()
+            worker.join()
+            if "job" not in dpo:
+                raise RuntimeError("the DPO job did not succeed (its error is in the output above)")
+            adapter = tmp / "data" / "adapters" / "trainer" / dpo["job"]["fine_tuned_model"]
+            report["dpo"] = dpo_margins(data["model_dir"], adapter, data["held_out_pairs"]) | {
+                "seconds": dpo["seconds"],
+                "trained_tokens": dpo["job"]["trained_tokens"],
+            }
+    alone, busy = report["load_alone"], report["load_with_job"]
+    report["tpot_p50_ratio"] = busy["tpot"]["p50"] / alone["tpot"]["p50"]
+    report["light_e2e_p50_ratio"] = busy["light_e2e"]["p50"] / alone["light_e2e"]["p50"]
+    write_report(out, "fine_tuning", report, summary(report))
+    return 0
+
+
+def summary(r: dict) -> str:
+    m = r["machine"]
+    lines = [
+        "# Fine-tuning as a service", "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, flags {', '.join(m['flags']) or 'none of avx2/avx512'}; "
+        f"{r['args']['examples']} examples a behaviour, {r['args']['threads']} training threads.", "",
+        "| measure | value | target |", "|---|---|---|",
+    ]  # fmt: skip
+    for name, job in r["jobs"].items():
+        lines.append(
+            f"| `{name}` job: time running, tokens/s (training alone) | {job['seconds']:.0f} s, "
+            f"{job['tokens_per_s']:.0f} ({job['train_tokens_per_s']:.0f}) | |"
+        )
+    h = r["by_hand"]
+    lines += [
+        f"| PEFT/TRL by hand: wall, train() | {h['wall_seconds']:.0f} s, {h['train_seconds']:.0f} s | |",
+        f"| job tokens/s / by hand's: end to end (start, load, train, save) | {r['speed_ratio']:.2f} | >= 0.90 |",
+        f"| job tokens/s / by hand's: training alone (the job's from its events, to the second) | "
+        f"{r['train_speed_ratio']:.2f} | >= 0.90 |",
+    ]
+    for name, b in r["behaviours"].items():
+        ratio = "n/a" if b["ratio"] is None else f"{b['ratio']:.2f}"
+        committed = "n/a" if b["committed"] is None else f"{b['committed']:.2f}"
+        lines.append(f"| `{name}` pass rate: ft / committed (base) | {b['fine_tuned']:.2f} / {committed} "
+                     f"({b['base']:.2f}): {ratio} | >= 0.90 |")  # fmt: skip
+    d = r["dpo"]
+    moved = (
+        "n/a"
+        if not d["pairs"]
+        else f"{d['margin_before']:.2f} -> {d['margin_after']:.2f} ({d['share_up']:.2f})"
+    )
+    lines += [
+        f"| DPO: preferred's margin on {d['pairs']} held-out pairs, before -> after (share up) | {moved} | up |",
+        f"| TPOT p50 with a job / without ({r['args']['clients']} clients) | {r['tpot_p50_ratio']:.2f} | <= 1.30 |",
+        f"| light tenant's E2E p50 with a job / without | {r['light_e2e_p50_ratio']:.2f} | <= 1.30 |",
+    ]
+    if not r["load_with_job"]["job_still_running"]:
+        lines += ["", "Note: the DPO job ended before the load did: make it longer (--examples, --n-epochs)."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

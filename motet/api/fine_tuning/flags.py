@@ -1,0 +1,59 @@
+"""`motet serve`'s fine-tuning flags, and the runner they build (motet/api/server.py calls both)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from motet.flag_types import integer
+
+
+def add_args(p) -> None:
+    from motet.api.fine_tuning.runner import RunnerSettings
+    from motet.api.fine_tuning.store import Quotas
+
+    p.add_argument(
+        "--fine-tuning-max-running",
+        type=integer(1),
+        default=RunnerSettings.max_running,
+        help="fine-tuning jobs (/v1/fine_tuning/jobs) training at once, each in a process of its own; the others "
+        "wait, tenants in turn",
+    )
+    p.add_argument(
+        "--fine-tuning-threads",
+        type=integer(1),
+        default=None,
+        help="compute threads of a fine-tuning job's process (default: the cores serving uses)",
+    )
+    p.add_argument(
+        "--fine-tuning-nice",
+        type=integer(0, 19),
+        default=RunnerSettings.nice,
+        help="the niceness of a fine-tuning job's process: serving's threads go first (0: as serving)",
+    )
+    p.add_argument(
+        "--fine-tuning-max-jobs-per-tenant",
+        type=integer(1),
+        default=Quotas.max_active,
+        help="a tenant's fine-tuning jobs queued, running or paused at once; one more gets 429",
+    )
+    p.add_argument(
+        "--fine-tuning-max-tokens-per-day",
+        type=integer(1),
+        default=None,
+        help="training tokens a tenant's fine-tuning jobs may train in 24 hours (a job's examples' tokens times "
+        "its epochs); a job past it gets 429 (default: no limit)",
+    )
+
+
+def runner(args, data: Path, files, adapters, usage, threads: int):
+    """The server's fine-tuning runner; `threads`: serving's (the workers' default)."""
+    from motet.api.fine_tuning.runner import FineTuningRunner, RunnerSettings
+    from motet.api.fine_tuning.store import FineTuningStore, Quotas
+
+    settings = RunnerSettings(
+        max_running=args.fine_tuning_max_running,
+        threads=args.fine_tuning_threads or threads,
+        nice=args.fine_tuning_nice,
+    )
+    quotas = Quotas(args.fine_tuning_max_jobs_per_tenant, args.fine_tuning_max_tokens_per_day)
+    return FineTuningRunner(FineTuningStore(data), files, adapters, usage, settings, quotas)

@@ -1,0 +1,264 @@
+"""OpenAI's fine-tuning API (the store: motet/api/fine_tuning/store.py; the runner: motet/api/fine_tuning/runner.py).
+
+POST /v1/fine_tuning/jobs                          training_file (a `fine-tune` file of the tenant's),
+                                                   validation_file, model (the served model, or one of the
+                                                   tenant's adapters to train on), suffix, seed, method, the legacy
+                                                   hyperparameters, metadata
+GET  /v1/fine_tuning/jobs                          the tenant's jobs, newest first: after, limit
+GET  /v1/fine_tuning/jobs/{job_id}
+POST /v1/fine_tuning/jobs/{job_id}/cancel          stops it at once
+POST /v1/fine_tuning/jobs/{job_id}/pause           a checkpoint after the step in progress, then it waits
+POST /v1/fine_tuning/jobs/{job_id}/resume          queued again, it goes on from there
+GET  /v1/fine_tuning/jobs/{job_id}/events          newest first: after, limit
+GET  /v1/fine_tuning/jobs/{job_id}/checkpoints     one an epoch, newest first: after, limit
+
+A job is checked whole before it is queued: its body, the model, its files (each line, tokenized as serving
+renders it: motet/training/), its hyperparameters and the tenant's quotas; whatever is wrong is a 400 (429 for a
+quota) in OpenAI's shape naming what to fix, and nothing is kept. Every call is scoped to the caller's tenant:
+another tenant's job reads as missing (404), another tenant's file as no file (400, as the Batch API's input file).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+
+import anyio.to_thread
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from motet.api.completions.routes import served_formats
+from motet.api.errors import APIError, echo
+from motet.api.files.store import FileStore, StoredFile
+from motet.api.fine_tuning.models import FineTuningJobCreate
+from motet.api.fine_tuning.runner import FineTuningRunner
+from motet.api.fine_tuning.store import FineTuningStore, QuotaExceeded, new_job_id
+from motet.api.list_pages import list_object, page_limit, refuse_unknown
+from motet.api.openapi import operation
+from motet.api.request_body import read_json
+from motet.api.state import ServerState, state_and_tenant
+from motet.api.storage_errors import storage_failures, stored_call
+from motet.lora.registry import FILES
+from motet.training.hyperparameters import HyperparameterError
+from motet.training.run_setup import FileError, RunFiles, prepare_files, set_up
+
+PURPOSE = "fine-tune"
+INIT_ADAPTER = "init_adapter"  # in a job's run directory: a copy of the adapter it trains on
+
+
+def _context(request: Request) -> tuple[ServerState, str, FineTuningRunner]:
+    state, tenant = state_and_tenant(request)
+    if state.fine_tuning is None:
+        raise APIError(404, "this server runs no fine-tuning jobs")
+    return state, tenant, state.fine_tuning
+
+
+def _no_such_job(job_id: str) -> APIError:
+    return APIError(404, f"No such fine-tuning job: {echo(job_id)}", param="fine_tuning_job_id",
+                    code="fine_tuning_job_not_found")  # fmt: skip
+
+
+async def _path_job(request: Request) -> tuple[FineTuningRunner, str, dict]:
+    _, tenant, runner = _context(request)
+    job_id = request.path_params["job_id"]
+    job = await stored_call("the job could not be read", runner.store.get, tenant, job_id)
+    if job is None:
+        raise _no_such_job(job_id)
+    return runner, tenant, job
+
+
+def fine_tuned_name(base: str, tenant: str, suffix: str | None, job_id: str) -> str:
+    """OpenAI's `ft:<base>:<tenant>:<suffix>:<job id>` (the base's name made safe for a directory's)."""
+    base = re.sub(r"[^A-Za-z0-9._-]", "-", base)[:64]
+    return f"ft:{base}:{tenant}:{suffix or ''}:{job_id}"
+
+
+async def _file(files: FileStore, tenant: str, file_id: str | None, param: str) -> StoredFile | None:
+    if file_id is None:
+        return None
+    stored = await stored_call("the file could not be read", files.get, tenant, file_id)
+    if stored is None:
+        raise APIError(400, f"invalid {param}: no file {echo(file_id)}", param=param, code="file_not_found")
+    if stored.purpose != PURPOSE:
+        raise APIError(400, f"invalid {param}: the file's purpose is {stored.purpose!r}; a fine-tuning job reads "
+                       f"{PURPOSE!r} files (upload it with purpose={PURPOSE})", param=param)  # fmt: skip
+    return stored
+
+
+async def _base(state: ServerState, tenant: str, model: str):
+    """The adapter `model` names to train on (None: the base model); a model not served: 400."""
+    try:
+        return await state.resolve_adapter(tenant, model)
+    except APIError:
+        raise APIError(400, f"the model {echo(model)} is not available for fine-tuning on this server: give the "
+                       f"served model ({state.model_name!r}) or one of your adapters", param="model",
+                       code="model_not_available") from None  # fmt: skip
+
+
+@operation("create a fine-tuning job", tag="Fine-tuning", body=FineTuningJobCreate,
+           ok_description="the FineTuningJob")  # fmt: skip
+async def create_job(request: Request) -> Response:
+    state, tenant, runner = _context(request)
+    state.check_ready()
+    req = FineTuningJobCreate.model_validate(await read_json(request, state.max_body_bytes))
+    try:
+        method, given, where = req.method_and_hyperparameters()
+    except ValueError as e:
+        raise APIError(400, str(e), param="method") from None
+    adapter = await _base(state, tenant, req.model)
+    train_file = await _file(runner.files, tenant, req.training_file, "training_file")
+    valid_file = await _file(runner.files, tenant, req.validation_file, "validation_file")
+    store, quotas = runner.store, runner.quotas
+    try:
+        await stored_call("the jobs could not be read", store.check_quotas, tenant, 0, quotas)
+    except QuotaExceeded as e:
+        raise APIError(429, str(e), code=e.code) from None
+    view = state.system.model
+    model = RunFiles(view.model_dir, view.model_config, view.tokenizer,
+                     served_formats(state, view.chat_template)[0], view.max_model_len, view.max_lora_rank)  # fmt: skip
+    job_id = new_job_id()
+    run_dir = store.run_dir(job_id)
+    name = fine_tuned_name(state.model_name, tenant, req.suffix, job_id)
+    seed = req.seed if req.seed is not None else int.from_bytes(job_id.encode()[-4:], "big") & 0x7FFFFFFF
+
+    def set_up_run():
+        with runner.files.open(train_file) as train:
+            if valid_file is None:
+                prepared, _ = prepare_files(model, method, train, None, run_dir)
+            else:
+                with runner.files.open(valid_file) as valid:
+                    prepared, _ = prepare_files(model, method, train, valid, run_dir)
+        init = None
+        if adapter is not None:
+            init = run_dir / INIT_ADAPTER
+            init.mkdir()
+            for f in FILES:
+                shutil.copyfile(adapter.path / f, init / f)
+        dtype = view.dtype if view.dtype in ("float32", "bfloat16") else "float32"
+        run = set_up(model, method, prepared, given, seed=seed, run_dir=run_dir, dtype=dtype,
+                     base_name=state.model_name, init_adapter=init)  # fmt: skip
+        return run, prepared
+
+    def validate():
+        """Both files checked and tokenized into the job's directory, the run set up (nothing kept on a refusal)."""
+        try:
+            with storage_failures():
+                return set_up_run()
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+
+    try:
+        run, prepared = await stored_call("the training file could not be read", validate)
+    except FileError as e:
+        file_id = req.training_file if e.which == "training_file" else req.validation_file
+        raise APIError(
+            400, f"invalid {e.which} {file_id}: {e}", param=e.which, code=f"invalid_{e.which}"
+        ) from None
+    except HyperparameterError as e:
+        raise APIError(400, str(e), param=f"{where}.{e.name}", code="invalid_hyperparameters") from None
+    events = [f"Validating training file: {req.training_file}"]
+    if req.validation_file:
+        events.append(f"Validating validation file: {req.validation_file}")
+    events.append(f"Files validated ({prepared.examples} examples, {prepared.tokens} tokens an epoch), moving "
+                  "job to queued state")  # fmt: skip
+    create = functools.partial(
+        store.create, job_id, tenant, model=req.model, model_name=name, training_file=req.training_file,
+        validation_file=req.validation_file, suffix=req.suffix, seed=seed, method=method,
+        hyperparameters=run.hyperparameters, metadata=req.metadata, examples=prepared.examples,
+        tokens_per_epoch=prepared.tokens, events=events, quotas=quotas,
+    )  # fmt: skip
+    try:
+        job = await stored_call("the job could not be stored", create)
+    except BaseException as e:
+        await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, run_dir, True))
+        if isinstance(e, QuotaExceeded):
+            raise APIError(429, str(e), code=e.code) from None
+        raise
+    runner.wake()
+    return JSONResponse(job)
+
+
+@operation("the tenant's fine-tuning jobs, newest first", tag="Fine-tuning", ok_description="a list of jobs",
+           query={"after": str, "limit": int})  # fmt: skip
+async def list_jobs(request: Request) -> Response:
+    _, tenant, runner = _context(request)
+    q = request.query_params
+    refuse_unknown(q, ("after", "limit"))
+    limit, after = page_limit(q), q.get("after")
+    page = await stored_call("the jobs could not be read", runner.store.page, tenant, after, limit)
+    if page is None:
+        raise APIError(400, f"after: no fine-tuning job {echo(after)} of this tenant", param="after")
+    return JSONResponse(list_object(*page))
+
+
+@operation("a fine-tuning job", tag="Fine-tuning", ok_description="the FineTuningJob")
+async def retrieve_job(request: Request) -> Response:
+    _, _, job = await _path_job(request)
+    return JSONResponse(job)
+
+
+async def _change(request: Request, to: str, allowed: tuple[str, ...], message: str, verb: str) -> dict:
+    runner, tenant, job = await _path_job(request)
+    changed = await stored_call("the job could not be changed", runner.store.change, tenant, job["id"], to,
+                                allowed, message)  # fmt: skip
+    job, moved = changed
+    if not moved:
+        raise APIError(409, f"the job is {job['status']}: only a {' or '.join(allowed)} job can be {verb}",
+                       param="fine_tuning_job_id", code="invalid_job_status")  # fmt: skip
+    return job
+
+
+@operation(
+    "cancel a fine-tuning job: its training stops at once", tag="Fine-tuning", ok_description="the job"
+)
+async def cancel_job(request: Request) -> Response:
+    job = await _change(
+        request, "cancelled", ("queued", "running", "paused"), "The job was cancelled", "cancelled"
+    )
+    runner = request.app.state.motet.fine_tuning
+    runner.stop(job["id"], pause=False)
+    await runner.finished(job["id"])
+    return JSONResponse(job)
+
+
+@operation("pause a fine-tuning job (a checkpoint after the step in progress)", tag="Fine-tuning",
+           ok_description="the job")  # fmt: skip
+async def pause_job(request: Request) -> Response:
+    message = "Pausing the job: a checkpoint is saved after the step in progress"
+    job = await _change(request, "paused", ("queued", "running"), message, "paused")
+    request.app.state.motet.fine_tuning.stop(job["id"], pause=True)
+    return JSONResponse(job)
+
+
+@operation("resume a paused fine-tuning job", tag="Fine-tuning", ok_description="the job")
+async def resume_job(request: Request) -> Response:
+    job = await _change(request, "queued", ("paused",), "The job was resumed: queued again", "resumed")
+    request.app.state.motet.fine_tuning.wake()
+    return JSONResponse(job)
+
+
+async def _page(request: Request, what: str, read, default_limit: int) -> Response:
+    runner, tenant, job = await _path_job(request)
+    q = request.query_params
+    refuse_unknown(q, ("after", "limit"))
+    limit, after = page_limit(q, default_limit), q.get("after")
+    page = await stored_call(
+        f"the {what} could not be read", read, runner.store, tenant, job["id"], after, limit
+    )
+    if page is None:
+        raise APIError(400, f"after: no {what[:-1]} {echo(after)} of this job", param="after")
+    return JSONResponse(list_object(*page))
+
+
+@operation("a fine-tuning job's events, newest first", tag="Fine-tuning", ok_description="a list of events",
+           query={"after": str, "limit": int})  # fmt: skip
+async def list_events(request: Request) -> Response:
+    return await _page(request, "events", FineTuningStore.events, 20)
+
+
+@operation("a fine-tuning job's checkpoints (one an epoch), newest first", tag="Fine-tuning",
+           ok_description="a list of checkpoints", query={"after": str, "limit": int})  # fmt: skip
+async def list_checkpoints(request: Request) -> Response:
+    return await _page(request, "checkpoints", FineTuningStore.checkpoints, 10)

@@ -1,0 +1,331 @@
+"""The fine-tuning runner: queued jobs trained one at a time (by default), each in a child process beside serving.
+
+The runner is a task of the app's lifespan (as the batch runner is). Whenever a slot is free it asks the fair
+queue (motet/training/fair_queue.py: tenants in turn) which queued job goes next and starts it in
+`python -m motet.training.worker` (motet/training/worker.py): a process at low priority (`--fine-tuning-nice`)
+with its own thread count (`--fine-tuning-threads`), dying with the server. What the worker says (a JSON line an
+event) becomes the job's progress, events and checkpoints in the store (motet/api/fine_tuning/store.py); each
+epoch's checkpoint, then the job's model, is stored as the tenant's adapter (motet/api/adapters/store.py), served
+from then on; the trained tokens are counted in the tenant's usage as they are trained.
+
+Cancel kills the worker at once; pause asks it to save a checkpoint after the step in progress and exit (a worker
+that has not yet said it handles the request is killed: it had trained nothing). A job running when the server
+stops is queued again at the next start (`FineTuningStore.recover`) and goes on from its last checkpoint. A
+finished job's run directory (its rows and Trainer's checkpoints) is removed: its models live on as adapters.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import hashlib
+import io
+import json
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+from anyio.abc import Process, TaskGroup
+from anyio.streams.text import TextReceiveStream
+
+from motet.api.adapters.store import AdapterStore
+from motet.api.errors import APIError
+from motet.api.files.store import FileStore
+from motet.api.fine_tuning.store import FINISHED, FineTuningStore, Quotas
+from motet.api.storage_errors import StorageFailure
+from motet.api.usage import UsageStore
+from motet.parent_death import child_env
+from motet.training.fair_queue import next_job
+
+log = logging.getLogger("motet.fine_tuning")
+
+POLL_S = 1.0  # how often the runner looks at the queue without being woken
+RESULT_COLUMNS = (
+    "step",
+    "train_loss",
+    "train_mean_token_accuracy",
+    "valid_loss",
+    "valid_mean_token_accuracy",
+)
+
+
+@dataclass
+class RunnerSettings:
+    max_running: int = 1  # jobs training at once (--fine-tuning-max-running)
+    threads: int = 1  # each worker's compute threads (--fine-tuning-threads)
+    nice: int = 19  # each worker's niceness (--fine-tuning-nice): serving's threads go first
+
+
+def checkpoint_model(model_name: str, step: int) -> str:
+    """OpenAI's name of a job's checkpoint model."""
+    return f"{model_name}:ckpt-step-{step}"
+
+
+def result_file_id(job_id: str) -> str:
+    """The job's result file: the same id each time it is written."""
+    return "file-" + hashlib.sha256(f"{job_id}:results".encode()).hexdigest()[:24]
+
+
+def results_csv(metrics: list[dict]) -> bytes:
+    """OpenAI's result file: a row a step (a step's validation loss beside its training loss)."""
+    rows: dict[int, dict] = {}
+    for m in metrics:
+        rows.setdefault(m["step"], {}).update({k: v for k, v in m.items() if k in RESULT_COLUMNS})
+    out = io.StringIO()
+    writer = csv.DictWriter(out, RESULT_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for step in sorted(rows):
+        writer.writerow({k: "" if rows[step].get(k) is None else rows[step][k] for k in RESULT_COLUMNS})
+    return out.getvalue().encode()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+async def _thread(call, *args):
+    return await anyio.to_thread.run_sync(functools.partial(call, *args))
+
+
+class _Job:
+    """What the runner keeps of a job while its worker runs."""
+
+    def __init__(self, job_id: str, tenant: str, info: dict, trained: int):
+        self.id, self.tenant, self.info = job_id, tenant, info
+        self.model_name = info["model_name"]
+        self.proc: Process | None = None
+        self.ready = False
+        self.outcome: str | None = None
+        self.billed = trained  # trained tokens counted in the tenant's usage so far
+        self.first_step: tuple[int, float] | None = None  # (step, when) of this worker's first step
+        self.last: dict = {}  # the last metrics, for the next checkpoint
+
+
+class FineTuningRunner:
+    def __init__(
+        self,
+        store: FineTuningStore,
+        files: FileStore,
+        adapters: AdapterStore,
+        usage: UsageStore | None,
+        settings: RunnerSettings | None = None,
+        quotas: Quotas | None = None,
+    ):
+        self.store, self.files, self.adapters, self.usage = store, files, adapters, usage
+        self.settings = settings or RunnerSettings()
+        self.quotas = quotas or Quotas()  # what POST /v1/fine_tuning/jobs lets each tenant have
+        if self.settings.max_running < 1 or self.settings.threads < 1:
+            raise ValueError("--fine-tuning-max-running and --fine-tuning-threads must be at least 1")
+        self._jobs: dict[str, _Job] = {}
+        self._last_start: dict[str, float] = {}
+        self._wake = anyio.Event()
+        self._tg: TaskGroup | None = None
+
+    # -- the API's side --------------------------------------------------------------------------------------
+    def wake(self) -> None:
+        """A job was queued or resumed."""
+        self._wake.set()
+
+    def stop(self, job_id: str, pause: bool) -> None:
+        """The job was cancelled (or paused): its worker stops now (a pause: after its step, with a checkpoint)."""
+        job = self._jobs.get(job_id)
+        if job is None or job.proc is None:
+            return
+        if pause and job.ready:
+            job.proc.send_signal(signal.SIGUSR1)
+        else:
+            job.proc.kill()
+
+    async def finished(self, job_id: str) -> None:
+        """A job that ended without a worker (cancelled while queued or paused): its run directory goes."""
+        if job_id not in self._jobs:
+            await _thread(shutil.rmtree, self.store.run_dir(job_id), True)
+
+    # -- the loop --------------------------------------------------------------------------------------------
+    async def run(self, app) -> None:
+        state = app.state.motet
+        while not state.system.ready:  # the model is loading
+            await anyio.sleep(0.1)
+        while True:
+            try:
+                for job_id in await _thread(self.store.recover):
+                    log.info("fine-tuning job %s: queued again after the restart", job_id)
+                break
+            except StorageFailure as e:
+                log.warning("fine-tuning: storage failed (%s); trying again in %gs", e.cause, POLL_S * 5)
+                await anyio.sleep(POLL_S * 5)
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            while True:
+                if not state.draining:
+                    try:
+                        await self._start_next()
+                    except StorageFailure as e:
+                        log.warning("fine-tuning: storage failed (%s)", e.cause)
+                with anyio.move_on_after(POLL_S):
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+
+    async def _start_next(self) -> None:
+        while len(self._jobs) < self.settings.max_running:
+            # (a job paused and resumed at once may still have its first worker finishing its step)
+            queued = [q for q in await _thread(self.store.queued) if q.job_id not in self._jobs]
+            running = Counter(job.tenant for job in self._jobs.values())
+            chosen = next_job(queued, running, self._last_start)
+            if chosen is None:
+                return
+            if not await _thread(self.store.start, chosen.job_id):
+                continue  # paused or cancelled meanwhile
+            info = await _thread(self.store.internals, chosen.job_id)
+            trained = (await _thread(self.store.job, chosen.job_id))["trained_tokens"]
+            self._jobs[chosen.job_id] = job = _Job(chosen.job_id, chosen.tenant, info, trained)
+            self._last_start[chosen.tenant] = time.monotonic()
+            self._tg.start_soon(self._drive, job)
+
+    async def _drive(self, job: _Job) -> None:
+        run_dir = self.store.run_dir(job.id)
+        cmd = [sys.executable, "-m", "motet.training.worker", str(run_dir), "--threads", str(self.settings.threads),
+               "--nice", str(self.settings.nice)]  # fmt: skip
+        env = {**child_env(), "OMP_NUM_THREADS": str(self.settings.threads)}
+        rc = None
+        try:
+            with open(run_dir / "worker.log", "ab") as stderr:
+                job.proc = await anyio.open_process(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env)
+                try:
+                    buffer = ""
+                    async for chunk in TextReceiveStream(job.proc.stdout):
+                        buffer += chunk
+                        *lines, buffer = buffer.split("\n")
+                        for line in lines:
+                            if line.strip():
+                                await self._on_event(job, json.loads(line))
+                    rc = await job.proc.wait()
+                finally:
+                    with anyio.CancelScope(shield=True):  # the server stops: the worker goes with it
+                        if job.proc.returncode is None:
+                            job.proc.kill()
+                        await job.proc.wait()
+        except Exception as e:  # a bug or a failing disk: this job fails, never the runner
+            log.exception("fine-tuning job %s failed", job.id)
+            await self._fail(job, f"the job failed on the server ({type(e).__name__})")
+        finally:
+            self._jobs.pop(job.id, None)
+            self.wake()
+        if job.outcome is None and rc is not None:
+            status = await _thread(self.store.status, job.id)
+            if status == "running":  # the worker died without a word (killed, or out of memory)
+                await self._fail(job, f"the training process exited with code {rc} before the job finished")
+        status = await _thread(self.store.status, job.id)
+        if status == "failed":  # the operator's clue, before the run directory goes
+            tail = await _thread(_tail, run_dir / "worker.log")
+            log.warning("fine-tuning job %s failed (its worker exited with %s); the end of its log:\n%s", job.id, rc,
+                        tail)  # fmt: skip
+        if status in FINISHED:
+            await _thread(shutil.rmtree, run_dir, True)
+
+    async def _fail(self, job: _Job, message: str) -> None:
+        try:
+            await _thread(self.store.fail, job.id, "training_failed", message)
+        except Exception:
+            log.exception("fine-tuning job %s could not be marked failed", job.id)
+
+    # -- what the worker says ----------------------------------------------------------------------------------
+    async def _on_event(self, job: _Job, event: dict) -> None:
+        kind = event.get("type")
+        if kind == "ready":
+            job.ready = True
+            if (
+                await _thread(self.store.status, job.id) != "running"
+            ):  # paused or cancelled before it was ready
+                job.proc.kill()
+        elif kind == "started":
+            total = event["total_steps"]
+            await _thread(self.store.progress, job.id, event["step"], total, job.billed, None)
+            if event["step"] == 0:
+                await _thread(self.store.add_event, job.id, "Fine-tuning job started")
+        elif kind == "resumed":
+            message = f"Going on from the checkpoint of step {event['step']}"
+            await _thread(self.store.add_event, job.id, message)
+            if event["epoch_end"]:  # stored already, unless the server stopped right after it was saved
+                await self._checkpoint(job, event)
+        elif kind == "step":
+            await self._step(job, event)
+        elif kind == "validation":
+            data = {k: event[k] for k in ("step", "valid_loss", "valid_mean_token_accuracy")}
+            job.last.update(data)
+            message = f"Step {event['step']}: validation loss={event['valid_loss']:.4f}"
+            await _thread(self.store.add_event, job.id, message, "info", "metrics", data)
+        elif kind == "checkpoint" and event["epoch_end"]:
+            await self._checkpoint(job, event)
+        elif kind == "succeeded":
+            await self._succeed(job, event)
+        elif kind == "paused":
+            job.outcome = "paused"
+            await _thread(
+                self.store.add_event, job.id, "The job is paused: it goes on from here when resumed"
+            )
+        elif kind == "failed":
+            job.outcome = "failed"
+            await self._fail(job, event.get("message", "the training failed"))
+
+    async def _step(self, job: _Job, event: dict) -> None:
+        step, total = event["step"], event["total_steps"]
+        now = time.time()
+        if job.first_step is None:
+            job.first_step = (step, now)
+        done, since = step - job.first_step[0], now - job.first_step[1]
+        finish = int(now + (total - step) * since / done) if done > 0 else None
+        data = {k: event.get(k) for k in ("step", "train_loss", "train_mean_token_accuracy")} | {
+            "total_steps": total
+        }
+        job.last = {k: v for k, v in data.items() if k != "total_steps"}
+        await _thread(self.store.progress, job.id, step, total, event["trained_tokens"], finish)
+        message = f"Step {step}/{total}: training loss={event['train_loss']:.4f}"
+        await _thread(self.store.add_event, job.id, message, "info", "metrics", data)
+        self._bill(job, event["trained_tokens"])
+
+    def _bill(self, job: _Job, trained: int) -> None:
+        if self.usage is not None and trained > job.billed:
+            self.usage.add_training(job.tenant, job.model_name, trained - job.billed)
+            job.billed = trained
+
+    async def _checkpoint(self, job: _Job, event: dict) -> None:
+        model = checkpoint_model(job.model_name, event["step"])
+        try:
+            await self.adapters.add_fine_tuned(job.tenant, model, Path(event["path"]))
+        except APIError as e:  # a checkpoint that cannot be served (it should always be): said, not fatal
+            await _thread(self.store.add_event, job.id, f"Checkpoint at step {event['step']} not stored: {e}",
+                          "warn")  # fmt: skip
+            return
+        metrics = {"step": event["step"], **job.last, "full_valid_loss": job.last.get("valid_loss"),
+                   "full_valid_mean_token_accuracy": job.last.get("valid_mean_token_accuracy")}  # fmt: skip
+        await _thread(self.store.add_checkpoint, job.id, event["step"], model, metrics)
+
+    async def _succeed(self, job: _Job, event: dict) -> None:
+        job.outcome = "succeeded"
+        try:
+            await self.adapters.add_fine_tuned(job.tenant, job.model_name, Path(event["path"]))
+        except APIError as e:
+            await self._fail(job, f"the trained adapter could not be stored: {e.message}")
+            return
+
+        def write_results() -> str:
+            file_id = result_file_id(job.id)
+            data = results_csv(self.store.metrics(job.id))
+            self.files.put(file_id, job.tenant, "step_metrics.csv", "fine-tune-results", [data])
+            return file_id
+
+        file_id = await _thread(write_results)
+        self._bill(job, event["trained_tokens"])
+        await _thread(self.store.succeed, job.id, event["trained_tokens"], [file_id])

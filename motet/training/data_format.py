@@ -1,0 +1,267 @@
+"""Training files in OpenAI's fine-tuning formats, read line by line and checked before anything is trained.
+
+Supervised (`method` "supervised"): one chat a line,
+
+    {"messages": [{"role": "system" | "developer" | "user" | "assistant" | "tool", "content": ...}, ...],
+     "tools": [...], "parallel_tool_calls": true}
+
+an assistant message may carry `tool_calls` and a `weight` (0: not trained on, 1: trained on, the default); at
+least one assistant message is trained on. Preference pairs (`method` "dpo"):
+
+    {"input": {"messages": [...], "tools": [...]},
+     "preferred_output": [{"role": "assistant", ...}], "non_preferred_output": [{"role": "assistant", ...}]}
+
+Every refusal is a `DataError` naming the line (from 1) and what to fix, as OpenAI's file validation does. What a
+line may hold is bounded before it is parsed: at most `max_line_bytes` bytes (a line that long could not fit the
+context anyway), and JSON nested deeper than Python's parser goes is refused as invalid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from motet.grammar.tool_calls import Tool, ToolError, validate_tools
+
+METHODS = ("supervised", "dpo")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "weight"}
+_CHAT_KEYS = {"messages", "tools", "parallel_tool_calls"}
+_PAIR_KEYS = {"input", "preferred_output", "non_preferred_output"}
+MAX_CHARS_PER_TOKEN = 32  # as the serving checks read a prompt (motet/engine/request_checks.py)
+
+
+class DataError(ValueError):
+    """A training file that cannot be trained on: `line` (from 1; None: the file as a whole) and the reason."""
+
+    def __init__(self, message: str, line: int | None = None):
+        super().__init__(f"Line {line}: {message}" if line is not None else message)
+        self.line, self.reason = line, message
+
+
+@dataclass
+class ChatExample:
+    """A supervised example: its messages (as the file has them, `weight` taken out), tools, and which of its
+    assistant messages are trained on (one bool per assistant message, in order)."""
+
+    line: int
+    messages: list[dict]
+    tools: list[Tool] = field(default_factory=list)
+    trained: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class PreferenceExample:
+    """A DPO pair: the conversation so far, and the preferred and the other answer (one assistant message each)."""
+
+    line: int
+    messages: list[dict]
+    preferred: dict
+    non_preferred: dict
+    tools: list[Tool] = field(default_factory=list)
+
+
+Example = ChatExample | PreferenceExample
+
+
+def max_line_bytes(max_model_len: int) -> int:
+    """The longest line an example that fits a context of `max_model_len` tokens can take (with room for the
+    JSON around its text: escapes, keys)."""
+    return max_model_len * MAX_CHARS_PER_TOKEN * 2
+
+
+def read_examples(source: BinaryIO, method: str, max_bytes: int, max_examples: int) -> Iterator[Example]:
+    """The file's examples in order (blank lines skipped); DataError at the first line that is not one."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, not {method!r}")
+    number = count = 0
+    while True:
+        raw = source.readline(max_bytes + 1)
+        if not raw:
+            break
+        number += 1
+        if len(raw) > max_bytes and not raw.endswith(b"\n"):
+            raise DataError(
+                f"the line is longer than {max_bytes} bytes, more than an example that fits the model's context "
+                "can take",
+                number,
+            )
+        if not raw.strip():
+            continue
+        count += 1
+        if count > max_examples:
+            raise DataError(f"the file holds more than {max_examples} examples, the most a job may train on")
+        value = parse_line(raw, number)
+        yield chat_example(value, number) if method == "supervised" else preference_example(value, number)
+    if count == 0:
+        raise DataError("the file holds no examples")
+
+
+def parse_line(raw: bytes, number: int) -> dict:
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise DataError("invalid JSON: nested too deeply", number) from None
+    except ValueError as e:
+        raise DataError(f"invalid JSON ({e})", number) from None
+    if not isinstance(value, dict):
+        raise DataError(f"expected a JSON object, got {_kind(value)}", number)
+    return value
+
+
+def chat_example(value: dict, number: int) -> ChatExample:
+    if "input" in value and "messages" not in value:
+        raise DataError('a preference pair: supervised fine-tuning reads chats ({"messages": [...]})', number)
+    _known_keys(value, _CHAT_KEYS, "", number)
+    if "messages" not in value:
+        raise DataError("missing the `messages` key", number)
+    tools = _tools(value.get("tools"), "tools", number)
+    _parallel(value, "parallel_tool_calls", number)
+    messages = _messages(value["messages"], "messages", number)
+    trained = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            weight = m.pop("weight", 1)
+            if weight not in (0, 1) or isinstance(weight, bool):
+                raise DataError(f"messages[{i}].weight must be 0 or 1, not {_shown(weight)}", number)
+            trained.append(weight == 1)
+        elif "weight" in m:
+            raise DataError(f"messages[{i}].weight: only assistant messages have a weight", number)
+    if not trained:
+        raise DataError("no assistant message: an example needs at least one to train on", number)
+    if not any(trained):
+        raise DataError("every assistant message has weight 0: nothing to train on", number)
+    return ChatExample(number, messages, tools, trained)
+
+
+def preference_example(value: dict, number: int) -> PreferenceExample:
+    if "messages" in value and "input" not in value:
+        raise DataError(
+            "a chat: DPO reads preference pairs (input, preferred_output, non_preferred_output)", number
+        )
+    _known_keys(value, _PAIR_KEYS, "", number)
+    for key in ("input", "preferred_output", "non_preferred_output"):
+        if key not in value:
+            raise DataError(f"missing the `{key}` key", number)
+    given = value["input"]
+    if not isinstance(given, dict):
+        raise DataError(f"input must be an object, got {_kind(given)}", number)
+    _known_keys(given, _CHAT_KEYS, "input.", number)
+    if "messages" not in given:
+        raise DataError("missing the `input.messages` key", number)
+    tools = _tools(given.get("tools"), "input.tools", number)
+    _parallel(given, "input.parallel_tool_calls", number)
+    messages = _messages(given["messages"], "input.messages", number)
+    if messages[-1]["role"] == "assistant":
+        raise DataError("input.messages ends with an assistant message: the outputs are the answers", number)
+    if any("weight" in m for m in messages):
+        raise DataError("input.messages: weights are for supervised examples", number)
+    outputs = {}
+    for key in ("preferred_output", "non_preferred_output"):
+        out = value[key]
+        if not isinstance(out, list) or len(out) != 1:
+            raise DataError(f"{key} must be a list of one assistant message", number)
+        (message,) = _messages(out, key, number)
+        if message["role"] != "assistant" or "weight" in message:
+            raise DataError(f"{key}[0] must be an assistant message (without a weight)", number)
+        outputs[key] = message
+    if outputs["preferred_output"] == outputs["non_preferred_output"]:
+        raise DataError("preferred_output and non_preferred_output are the same answer", number)
+    return PreferenceExample(
+        number, messages, outputs["preferred_output"], outputs["non_preferred_output"], tools
+    )
+
+
+# -- the parts ---------------------------------------------------------------------------------------------------
+def _messages(value, where: str, number: int) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where} must be a non-empty list of messages", number)
+    out = []
+    for i, m in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(m, dict):
+            raise DataError(f"{at} must be an object, got {_kind(m)}", number)
+        _known_keys(m, _MESSAGE_KEYS, f"{at}.", number)
+        role = m.get("role")
+        if role not in ROLES:
+            raise DataError(f"{at}.role: unknown role {_shown(role)} (one of {', '.join(ROLES)})", number)
+        content = m.get("content")
+        if role == "assistant" and m.get("tool_calls"):
+            _tool_calls(m["tool_calls"], f"{at}.tool_calls", number)
+            if content is not None:
+                _text(content, f"{at}.content", number)
+        elif content is None:
+            raise DataError(f"{at} has no content", number)
+        else:
+            _text(content, f"{at}.content", number)
+        if "tool_calls" in m and role != "assistant":
+            raise DataError(f"{at}.tool_calls: only assistant messages call tools", number)
+        if role == "tool" and not isinstance(m.get("tool_call_id", m.get("name")), str):
+            raise DataError(f"{at}: a tool message needs the `tool_call_id` of the call it answers", number)
+        if "name" in m and not isinstance(m["name"], str):
+            raise DataError(f"{at}.name must be a string", number)
+        out.append(dict(m))
+    return out
+
+
+def _text(content, where: str, number: int) -> None:
+    if isinstance(content, str):
+        return
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return
+    raise DataError(f"{where} must be a string or a list of text parts", number)
+
+
+def _tool_calls(calls, where: str, number: int) -> None:
+    if not isinstance(calls, list):
+        raise DataError(f"{where} must be a list", number)
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise DataError(f"{where}[{j}] must be {{'function': {{'name', 'arguments'}}}}", number)
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                raise DataError(f"{where}[{j}].function.arguments is not JSON", number) from None
+        if not isinstance(arguments, dict):
+            raise DataError(f"{where}[{j}].function.arguments must be a JSON object", number)
+
+
+def _tools(value, where: str, number: int) -> list[Tool]:
+    if value is None:
+        return []
+    try:
+        return validate_tools(value)
+    except ToolError as e:
+        raise DataError(f"{where}: {e}", number) from None
+
+
+def _parallel(value: dict, where: str, number: int) -> None:
+    if "parallel_tool_calls" in value and not isinstance(value["parallel_tool_calls"], bool):
+        raise DataError(f"{where} must be true or false", number)
+
+
+def _known_keys(value: dict, known: set[str], prefix: str, number: int) -> None:
+    if unknown := sorted(set(value) - known):
+        raise DataError(
+            f"unknown key `{prefix}{_brief(unknown[0])}` (expected {', '.join(sorted(known))})", number
+        )
+
+
+def _kind(value) -> str:
+    kinds = {list: "a list", str: "a string", dict: "an object", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), "a number")
+
+
+def _shown(value) -> str:
+    return _brief(json.dumps(value))
+
+
+def _brief(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else text[:n] + "..."

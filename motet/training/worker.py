@@ -1,0 +1,69 @@
+"""The child process a fine-tuning job trains in, beside the server that serves:
+
+    python -m motet.training.worker RUN_DIR --threads N --nice N
+
+It lowers its own priority (`os.nice`) and uses its own thread count before anything heavy is imported, dies with
+the server (motet/parent_death.py), trains the run described by RUN_DIR/run.json (motet/training/trainer.py) and
+tells the server what happens as JSON lines on its standard output, one event each (the libraries' own prints go
+to standard error). SIGUSR1 asks for a pause (a checkpoint after the step in progress, then exit); the server stops
+a cancelled job with SIGKILL. The first line, {"type": "ready"}, says the pause signal is handled from then on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+RUN_SPEC = "run.json"
+
+
+def main(argv=None) -> int:
+    pause = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: pause.set())
+    ap = argparse.ArgumentParser(prog="python -m motet.training.worker")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--nice", type=int, default=10)
+    args = ap.parse_args(argv)
+    events = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever the libraries print goes to standard error, never between two events
+
+    def emit(event: dict) -> None:
+        events.write(json.dumps(event) + "\n")
+        events.flush()
+
+    from motet.parent_death import die_with_parent
+
+    die_with_parent()
+    if args.nice:
+        os.nice(args.nice)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    emit({"type": "ready", "pid": os.getpid()})
+    from motet.helper_process import first_line
+
+    try:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        from motet.training.trainer import TrainingRun, train
+
+        run = TrainingRun.of(json.loads((args.run_dir / RUN_SPEC).read_text()))
+        outcome = train(run, emit, pause.is_set)
+    except Exception as e:  # the server records why; the traceback is in this process's standard error
+        import traceback
+
+        traceback.print_exc()
+        emit({"type": "failed", "message": f"{type(e).__name__}: {first_line(e)}"})
+        return 1
+    if outcome == "paused":
+        emit({"type": "paused"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""OpenAI's fine-tuning API on a real `motet serve` of a tiny model, through the openai SDK over loopback: the round
+trip (upload, create, follow, serve the `ft:` model and its checkpoints), a job paused and resumed or cut by a
+server restart ending with the adapter of an uninterrupted PEFT/TRL run of the same seed, bad input refused with a
+400 in OpenAI's shape before anything is queued, quotas, and tenants that never see each other's jobs, files or
+models."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from motet.engine.tokenizer import load_tokenizer
+from motet.engine.weights.checkpoint import load_model_config
+from motet.grammar.tool_formats import tool_format
+from motet.training.run_setup import RunFiles, prepare_files, set_up
+from motet.training.trainer import train
+from tests.live_server import keys_file, tiny_server
+
+KEYS = {"ka": "alice", "kb": "bob", "kc": "carol", "kd": "dave", "kadmin": {"admin": True}}
+FLAGS = (
+    "--dtype",
+    "float32",
+    "--fine-tuning-max-jobs-per-tenant",
+    "2",
+    "--fine-tuning-max-tokens-per-day",
+    "100000",
+)
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
+def chat(i: int) -> dict:
+    return {
+        "messages": [{"role": "user", "content": f"say hi {i}"}, {"role": "assistant", "content": f"HI {i}"}]
+    }
+
+
+def jsonl(rows) -> bytes:
+    return "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows).encode()
+
+
+TRAIN = jsonl(chat(i) for i in range(4))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fine-tuning")
+    keys_file(tmp, KEYS)
+    srv = tiny_server(tiny_model_dir, tmp, *FLAGS)
+    srv.data = tmp / "data"
+    yield srv
+    srv.stop()
+
+
+def client(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+def upload(c: openai.OpenAI, data: bytes = TRAIN, purpose: str = "fine-tune"):
+    return c.files.create(file=("train.jsonl", data), purpose=purpose)
+
+
+def wait(c: openai.OpenAI, job_id: str, until=FINISHED, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while (job := c.fine_tuning.jobs.retrieve(job_id)).status not in until:
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+    return job
+
+
+def wait_for_checkpoint(c: openai.OpenAI, job_id: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not c.fine_tuning.jobs.checkpoints.list(job_id).data:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def served_adapter(data: Path, tenant: str, model: str) -> dict[str, torch.Tensor]:
+    return load_file(data / "adapters" / tenant / model / "adapter_model.safetensors")
+
+
+def reference_adapter(model_dir: Path, tmp: Path, data: bytes, job) -> dict[str, torch.Tensor]:
+    """The same examples, hyperparameters and seed trained in one uninterrupted run (motet/training/ is TRL's
+    SFTTrainer on PEFT LoRA: tests/training/test_trainer.py holds it to the same run written by hand)."""
+    tok, config = load_tokenizer(model_dir), load_model_config(model_dir)
+    files = RunFiles(model_dir, config, tok, tool_format(config.declaration.tool_format, tok.hf.chat_template),
+                     1024, 64)  # fmt: skip
+    prepared, _ = prepare_files(files, "supervised", io.BytesIO(data), None, tmp)
+    hyper = job.method.supervised.hyperparameters.model_dump()
+    run = set_up(
+        files, "supervised", prepared, hyper, seed=job.seed, run_dir=tmp, dtype="float32", base_name="tiny"
+    )
+    assert train(run) == "succeeded"
+    return load_file(run.adapter / "adapter_model.safetensors")
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_sdk_round_trip(server):
+    c = client(server, "ka")
+    f = upload(c)
+    valid = upload(c, jsonl(chat(i) for i in range(10, 12)))
+    job = c.fine_tuning.jobs.create(
+        training_file=f.id, validation_file=valid.id, model="tiny", suffix="hi", seed=7,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 2}}},
+        metadata={"team": "a"},
+    )  # fmt: skip
+    assert job.status == "queued" and job.training_file == f.id and job.hyperparameters.n_epochs == 2
+    assert job.id in [j.id for j in c.fine_tuning.jobs.list()]
+    job = wait(c, job.id)
+    assert job.status == "succeeded", job.error
+    assert job.fine_tuned_model == f"ft:tiny:alice:hi:{job.id}" and job.trained_tokens > 0
+    assert job.metadata == {"team": "a"} and job.finished_at >= job.created_at
+    events = list(c.fine_tuning.jobs.list_events(job.id, limit=100))
+    messages = [e.message for e in events]
+    assert messages[0] == "The job has successfully completed" and "Fine-tuning job started" in messages
+    steps = [e for e in events if e.type == "metrics" and "train_loss" in e.data]
+    assert sorted(e.data["step"] for e in steps) == [1, 2, 3, 4]
+    assert any("valid_loss" in e.data for e in events)
+    checkpoints = c.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [ck.step_number for ck in checkpoints] == [4, 2]
+    assert checkpoints[0].fine_tuned_model_checkpoint == f"{job.fine_tuned_model}:ckpt-step-4"
+    assert checkpoints[0].metrics.valid_loss is not None
+    # the result file: OpenAI's CSV, a row a step
+    rows = list(csv.DictReader(io.StringIO(c.files.content(job.result_files[0]).text)))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4] and all(float(r["train_loss"]) > 0 for r in rows)
+    # the model and each checkpoint are served to the tenant, listed among its models and adapters
+    models = [m.id for m in c.models.list()]
+    for name in (job.fine_tuned_model, checkpoints[1].fine_tuned_model_checkpoint):
+        assert name in models
+        answer = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "say hi 1"}],
+                                           max_tokens=4)  # fmt: skip
+        assert answer.model == name and answer.choices[0].finish_reason in ("stop", "length")
+    adapters = httpx.get(f"{server.url}/v1/adapters", headers={"Authorization": "Bearer ka"}).json()["data"]
+    assert job.fine_tuned_model in [a["id"] for a in adapters]
+    # training tokens in the usage records (an admin's read)
+    usage = httpx.get(f"{server.url}/v1/usage", params={"start_time": job.created_at - 60, "group_by": "model",
+                      "tenant": "alice"}, headers={"Authorization": "Bearer kadmin"}).json()  # fmt: skip
+    trained = sum(
+        r["training_tokens"]
+        for b in usage["data"]
+        for r in b["results"]
+        if r["model"] == job.fine_tuned_model
+    )
+    assert trained == job.trained_tokens
+    # another tenant sees none of it
+    b = client(server, "kb")
+    with pytest.raises(openai.NotFoundError):
+        b.fine_tuning.jobs.retrieve(job.id)
+    for call in (b.fine_tuning.jobs.cancel, b.fine_tuning.jobs.pause, b.fine_tuning.jobs.resume,
+                 b.fine_tuning.jobs.list_events, b.fine_tuning.jobs.checkpoints.list):  # fmt: skip
+        with pytest.raises(openai.NotFoundError):
+            call(job.id)
+    assert job.id not in [j.id for j in b.fine_tuning.jobs.list()]
+    assert job.fine_tuned_model not in [m.id for m in b.models.list()]
+    with pytest.raises(openai.NotFoundError):
+        b.chat.completions.create(model=job.fine_tuned_model, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as e:  # alice's file, named by bob
+        b.fine_tuning.jobs.create(training_file=f.id, model="tiny")
+    assert e.value.body["param"] == "training_file"
+    # deleted like any adapter (OpenAI's models.delete; bob cannot)
+    with pytest.raises(openai.NotFoundError):
+        b.models.delete(job.fine_tuned_model)
+    assert c.models.delete(job.fine_tuned_model).deleted
+    assert job.fine_tuned_model not in [m.id for m in c.models.list()]
+    old = checkpoints[1].fine_tuned_model_checkpoint
+    r = httpx.delete(f"{server.url}/v1/adapters/{old}", headers={"Authorization": "Bearer ka"})
+    assert r.status_code == 200 and old not in [m.id for m in c.models.list()]
+
+
+def test_a_paused_and_resumed_job_ends_as_an_uninterrupted_run(server, tiny_model_dir, tmp_path):
+    c = client(server, "kc")
+    data = jsonl(chat(i) for i in range(4))
+    hyper = {"n_epochs": 24, "batch_size": 2, "lora_dropout": 0.1}  # long enough to catch it running
+    job = c.fine_tuning.jobs.create(training_file=upload(c, data).id, model="tiny", seed=11,
+                                    method={"type": "supervised", "supervised": {"hyperparameters": hyper}})  # fmt: skip
+    wait_for_checkpoint(c, job.id)
+    assert c.fine_tuning.jobs.pause(job.id).status == "paused"
+    deadline = time.monotonic() + 60
+    while "The job is paused: it goes on from here when resumed" not in [
+        e.message for e in c.fine_tuning.jobs.list_events(job.id, limit=5)
+    ]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert c.fine_tuning.jobs.retrieve(job.id).status == "paused"
+    assert c.fine_tuning.jobs.resume(job.id).status == "queued"
+    job = wait(c, job.id)
+    assert job.status == "succeeded", job.error
+    messages = [e.message for e in c.fine_tuning.jobs.list_events(job.id, limit=100)]
+    assert any(m.startswith("Going on from the checkpoint of step") for m in messages)
+    assert_same(served_adapter(server.data, "carol", job.fine_tuned_model),
+                reference_adapter(tiny_model_dir, tmp_path, data, job))  # fmt: skip
+
+
+def test_cancel_stops_a_job_and_quotas_bound_a_tenant(server):
+    c = client(server, "kd")
+    f = upload(c)
+    hyper = {"method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 50}}}}
+    first = c.fine_tuning.jobs.create(training_file=f.id, model="tiny", **hyper)
+    second = c.fine_tuning.jobs.create(training_file=f.id, model="tiny", **hyper)
+    with pytest.raises(openai.RateLimitError) as e:  # --fine-tuning-max-jobs-per-tenant 2
+        c.fine_tuning.jobs.create(training_file=f.id, model="tiny")
+    assert e.value.body["code"] == "rate_limit_exceeded"
+    for job in (first, second):
+        assert c.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+        with pytest.raises(openai.ConflictError):
+            c.fine_tuning.jobs.cancel(job.id)
+    time.sleep(1)
+    for job in (first, second):
+        job = c.fine_tuning.jobs.retrieve(job.id)
+        assert job.status == "cancelled" and job.fine_tuned_model is None
+    big = upload(c, jsonl(chat(i) for i in range(300)))  # ~9,000 tokens an epoch, 50 epochs: over 100,000
+    with pytest.raises(openai.RateLimitError) as e:
+        c.fine_tuning.jobs.create(training_file=big.id, model="tiny", **hyper)
+    assert e.value.body["code"] == "insufficient_quota"
+
+
+NESTED = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("data", "body", "param", "says"),
+    [
+        (jsonl([chat(0), "{not json"]), {}, "training_file", "Line 2: invalid JSON"),
+        (jsonl([chat(0), NESTED]), {}, "training_file", "Line 2: "),
+        (jsonl([{"messages": [{"role": "user", "content": "x " * 3000}, {"role": "assistant", "content": "y"}]}]),
+         {}, "training_file", "Line 1: the example is"),
+        (jsonl([chat(0), {"messages": [{"role": "user", "content": "hi"}]}]), {}, "training_file",
+         "Line 2: no assistant message"),
+        (jsonl([{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}]), {},
+         "training_file", "unknown role"),
+        (b'{"messages": "' + b"x" * (10 << 20) + b'"}', {}, "training_file", "Line 1: the line is longer than"),
+        (TRAIN, {"model": "gpt-4o-mini"}, "model", "not available for fine-tuning"),
+        (TRAIN, {"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs", "n_epochs"),
+        (TRAIN, {"method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": "three"}}}},
+         "method.supervised.hyperparameters.n_epochs", "n_epochs"),
+        (TRAIN, {"method": {"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 1000}}}},
+         "method.supervised.hyperparameters.batch_size", "batch_size"),
+        (TRAIN, {"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": -1}}}}, "training_file",
+         "Line 1: a chat: DPO reads preference pairs"),
+        (TRAIN, {"hyperparameters": {"learning_rate_multiplier": True}},
+         "hyperparameters.learning_rate_multiplier", "learning_rate_multiplier"),
+        (TRAIN, {"hyperparameters": {"lora_rank": 1024}}, "hyperparameters.lora_rank", "lora_rank"),
+        (TRAIN, {"suffix": "a/b"}, "suffix", ""),
+        (TRAIN, {"seed": -1}, "seed", ""),
+        (TRAIN, {"integrations": [{"type": "wandb", "wandb": {"project": "x"}}]}, "integrations", ""),
+        (TRAIN, {"method": {"type": "reinforcement"}}, "method.type", ""),
+        (TRAIN, {"validation_file": "file-nope"}, "validation_file", "no file"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_refused_before_anything_is_queued(server, data, body, param, says):
+    c = client(server, "kb")
+    f = upload(c, data)
+    before = len(c.fine_tuning.jobs.list(limit=100).data)
+    run_dirs = set((server.data / "fine_tuning").glob("*"))  # (the other tests' jobs')
+    with pytest.raises(openai.BadRequestError) as e:
+        c.fine_tuning.jobs.create(**{"training_file": f.id, "model": "tiny", **body})
+    error = e.value.body
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and says in error["message"], error
+    assert len(c.fine_tuning.jobs.list(limit=100).data) == before
+    assert not set((server.data / "fine_tuning").glob("*")) - run_dirs  # nothing is left of a refused job
+
+
+def test_a_file_of_another_purpose_is_refused(server):
+    c = client(server, "kb")
+    f = upload(
+        c, jsonl([{"custom_id": "1", "method": "POST", "url": "/v1/chat/completions", "body": {}}]), "batch"
+    )
+    with pytest.raises(openai.BadRequestError) as e:
+        c.fine_tuning.jobs.create(training_file=f.id, model="tiny")
+    assert e.value.body["param"] == "training_file" and "purpose" in e.value.body["message"]
+
+
+def test_a_server_restart_mid_job_resumes_it_to_the_same_adapter(tiny_model_dir, tmp_path):
+    import psutil
+
+    keys_file(tmp_path, KEYS)
+    first = tiny_server(tiny_model_dir, tmp_path, *FLAGS)
+    data = jsonl(chat(i) for i in range(4))
+    try:
+        c = client(first, "ka")
+        job = c.fine_tuning.jobs.create(training_file=upload(c, data).id, model="tiny", seed=5,
+                                        hyperparameters={"n_epochs": 24, "batch_size": 2})  # fmt: skip
+        wait_for_checkpoint(c, job.id)
+        workers = [
+            p
+            for p in psutil.Process(first.proc.pid).children()
+            if "motet.training.worker" in " ".join(p.cmdline())
+        ]
+        first.proc.kill()  # SIGKILL: nothing of the server runs on
+        first.proc.wait()
+        psutil.wait_procs(workers, timeout=30)  # the worker dies with the server
+        assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        first.stop()
+    second = tiny_server(tiny_model_dir, tmp_path, *FLAGS)
+    try:
+        c = client(second, "ka")
+        job = wait(c, job.id)
+        assert job.status == "succeeded", job.error
+        messages = [e.message for e in c.fine_tuning.jobs.list_events(job.id, limit=100)]
+        assert any(m.startswith("The server restarted") for m in messages)
+        assert any(m.startswith("Going on from the checkpoint of step") for m in messages)
+        assert [ck.step_number for ck in c.fine_tuning.jobs.checkpoints.list(job.id, limit=100)] == list(
+            range(48, 0, -2)
+        )
+    finally:
+        second.stop()
+    assert_same(served_adapter(tmp_path / "data", "alice", job.fine_tuned_model),
+                reference_adapter(tiny_model_dir, tmp_path / "reference", data, job))  # fmt: skip
+
+
+def test_no_upload_takes_a_fine_tuned_models_name(server):
+    files = {"files": ("adapter_config.json", b"{}"), "name": (None, "ft:tiny:bob::ftjob-0")}
+    r = httpx.post(f"{server.url}/v1/adapters", files=files, headers={"Authorization": "Bearer kb"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text

@@ -1,0 +1,161 @@
+"""The trainer (motet/training/) on a tiny model: its adapter is the one the same PEFT/TRL run written by hand
+trains, a run paused and resumed ends with the adapter of a run never stopped, and DPO moves the preferred answer
+up on pairs it never saw."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from motet.engine.tokenizer import load_tokenizer
+from motet.engine.weights.checkpoint import load_model_config
+from motet.grammar.tool_formats import tool_format
+from motet.lora.peft_format import base_modules
+from motet.training.chat_encoding import ChatEncoder
+from motet.training.dataset import prepare, read_rows
+from motet.training.hyperparameters import resolve
+from motet.training.trainer import TRAIN_ROWS, TrainingRun, last_checkpoint, train
+
+SEED = 3
+
+
+def chats(n: int) -> list[list[dict]]:
+    return [
+        [{"role": "user", "content": f"say hi {i}"}, {"role": "assistant", "content": f"HELLO {i}"}]
+        for i in range(n)
+    ]
+
+
+def encoder(model_dir) -> ChatEncoder:
+    tok = load_tokenizer(model_dir)
+    return ChatEncoder(tok, tool_format(None, tok.hf.chat_template), 1024)
+
+
+def make_run(model_dir, tmp_path, name, method, lines, **hyper) -> TrainingRun:
+    run_dir = tmp_path / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir()
+    data = io.BytesIO("\n".join(map(json.dumps, lines)).encode())
+    prepared = prepare(data, method, encoder(model_dir), run_dir / TRAIN_ROWS)
+    modules = base_modules(load_model_config(model_dir))
+    h = resolve(method, hyper, prepared.examples, max_rank=16, modules=modules)
+    return TrainingRun(model_dir, method, h, SEED, run_dir, base_name="tiny")
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    return load_file(path / "adapter_model.safetensors")
+
+
+def assert_same(a: dict, b: dict, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-5, msg=k)
+
+
+def test_adapter_equals_the_same_trl_run_by_hand(tiny_model_dir, tmp_path):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    examples = chats(7)
+    run = make_run(tiny_model_dir, tmp_path, "ours", "supervised", [{"messages": c} for c in examples],
+                   n_epochs=2, batch_size=2)  # fmt: skip
+    assert train(run) == "succeeded"
+    # TRL's own prompt-completion examples, tokenized by TRL, trained as its docs show
+    by_hand = Dataset.from_list([{"prompt": c[:1], "completion": c[1:]} for c in examples])
+    config = SFTConfig(
+        output_dir=str(tmp_path / "hand"), num_train_epochs=2, per_device_train_batch_size=2, learning_rate=2e-4,
+        seed=SEED, data_seed=SEED, report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
+        save_strategy="no", max_length=None,
+    )  # fmt: skip
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=list(run.hyperparameters.lora_target_modules),
+                      task_type="CAUSAL_LM")  # fmt: skip
+    trainer = SFTTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+        args=config,
+        train_dataset=by_hand,
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        peft_config=lora,
+    )
+    trainer.train()
+    trainer.model.save_pretrained(tmp_path / "hand" / "adapter")
+    assert_same(weights(run.adapter), weights(tmp_path / "hand" / "adapter"))
+    config = json.loads((run.adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "tiny" and config["r"] == 8
+
+
+def test_paused_and_resumed_equals_uninterrupted(tiny_model_dir, tmp_path):
+    lines = [{"messages": c} for c in chats(7)]
+    hyper = dict(n_epochs=3, batch_size=2, lora_dropout=0.1)  # dropout: the random state is resumed too
+    straight = make_run(tiny_model_dir, tmp_path, "straight", "supervised", lines, **hyper)
+    assert train(straight) == "succeeded"
+    stopped = make_run(tiny_model_dir, tmp_path, "stopped", "supervised", lines, **hyper)
+    steps = []
+    events = []
+
+    def pause_at_step_3() -> bool:
+        steps.append(1)
+        return len(steps) == 3
+
+    assert train(stopped, events.append, pause_at_step_3) == "paused"
+    assert last_checkpoint(stopped.checkpoints).name == "checkpoint-3"
+    (
+        stopped.checkpoints / "checkpoint-99"
+    ).mkdir()  # a checkpoint cut short by a crash: no trainer_state.json
+    assert train(stopped, events.append) == "succeeded"
+    assert [(e["step"], e["epoch_end"]) for e in events if e["type"] == "resumed"] == [(3, False)]
+    assert_same(weights(straight.adapter), weights(stopped.adapter))
+    epoch_ends = [e["step"] for e in events if e["type"] == "checkpoint" and e["epoch_end"]]
+    assert epoch_ends == [4, 8, 12]
+
+
+def sequence_logprob(model, prompt_ids, answer_ids) -> float:
+    ids = torch.tensor([prompt_ids + answer_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
+    return logits.log_softmax(-1).gather(1, torch.tensor(answer_ids)[:, None]).sum().item()
+
+
+def test_dpo_moves_the_preferred_answer_up_on_held_out_pairs(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def pair(i):
+        return {"input": {"messages": [{"role": "user", "content": f"question {i}"}]},
+                "preferred_output": [{"role": "assistant", "content": "YES"}],
+                "non_preferred_output": [{"role": "assistant", "content": "no"}]}  # fmt: skip
+
+    run = make_run(tiny_model_dir, tmp_path, "dpo", "dpo", [pair(i) for i in range(8)],
+                   n_epochs=4, batch_size=4, learning_rate_multiplier=5)  # fmt: skip
+    assert train(run) == "succeeded"
+    data = io.BytesIO("\n".join(json.dumps(pair(i)) for i in range(50, 54)).encode())
+    held_out = read_rows(prepare(data, "dpo", encoder(tiny_model_dir), tmp_path / "held_out.jsonl").path)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def margins(model):
+        return [sequence_logprob(model, r["prompt_ids"], r["chosen_ids"])
+                - sequence_logprob(model, r["prompt_ids"], r["rejected_ids"]) for r in held_out]  # fmt: skip
+
+    before = margins(base)
+    tuned = PeftModel.from_pretrained(base, run.adapter).eval()
+    after = margins(tuned)
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_checkpoints_are_peft_adapters_motet_loads(tiny_model_dir, tmp_path, epochs):
+    from motet.lora.adapter import load_adapter
+
+    run = make_run(tiny_model_dir, tmp_path, "ckpt", "supervised", [{"messages": c} for c in chats(3)],
+                   n_epochs=epochs, batch_size=3)  # fmt: skip
+    assert train(run) == "succeeded"
+    config = load_model_config(tiny_model_dir)
+    for path in [run.adapter, *sorted(run.checkpoints.glob("checkpoint-*"))]:
+        load_adapter(path, config, max_rank=16)
+    assert len(list(run.checkpoints.glob("checkpoint-*"))) == epochs

@@ -1,0 +1,169 @@
+"""Training files: OpenAI's formats checked line by line (each refusal names its line), examples tokenized as
+serving renders a request (tools included) with the loss on the trained assistant turns only, OpenAI's `auto`
+hyperparameters, and the fair order of queued jobs."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+
+import pytest
+
+from motet.api.structured import Structure, prompt_messages
+from motet.engine.tokenizer import load_tokenizer
+from motet.grammar.tool_calls import validate_tools
+from motet.grammar.tool_formats import tool_format
+from motet.training.chat_encoding import ChatEncoder
+from motet.training.data_format import DataError, read_examples
+from motet.training.dataset import prepare, read_rows
+from motet.training.fair_queue import Queued, next_job
+from motet.training.hyperparameters import HyperparameterError, auto_batch_size, auto_epochs, resolve
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "HI"}]}
+PAIR = {"input": {"messages": [{"role": "user", "content": "hi"}]},
+        "preferred_output": [{"role": "assistant", "content": "HI"}],
+        "non_preferred_output": [{"role": "assistant", "content": "hi"}]}  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+def read(text: bytes | str, method="supervised", max_bytes=1 << 20):
+    data = text.encode() if isinstance(text, str) else text
+    return list(read_examples(io.BytesIO(data), method, max_bytes, 1000))
+
+
+def lines(*values) -> str:
+    return "\n".join(v if isinstance(v, str) else json.dumps(v) for v in values)
+
+
+@pytest.mark.parametrize(
+    ("second", "says"),
+    [
+        ("{not json", "invalid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "invalid JSON"),
+        ("[1, 2]", "expected a JSON object, got a list"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+        ({"messages": [{"role": "robot", "content": "hi"}, GOOD["messages"][1]]}, 'unknown role "robot"'),
+        ({"messages": []}, "non-empty list"),
+        ({"prompt": "x", "completion": "y"}, "unknown key `completion`"),
+        ({"messages": [GOOD["messages"][0], {**GOOD["messages"][1], "weight": 2}]}, "weight must be 0 or 1"),
+        ({"messages": [GOOD["messages"][0], {**GOOD["messages"][1], "weight": 0}]}, "weight 0"),
+        ({"messages": [{"role": "user"}, GOOD["messages"][1]]}, "has no content"),
+        ({**GOOD, "tools": [{"type": "retrieval"}]}, "tools"),
+        (
+            {
+                "messages": [
+                    GOOD["messages"][0],
+                    {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+                ]
+            },
+            "arguments is not JSON",
+        ),  # fmt: skip
+    ],
+)
+def test_a_bad_line_is_refused_naming_its_line(second, says):
+    with pytest.raises(DataError) as e:
+        read(lines(GOOD, second, GOOD))
+    assert e.value.line == 2 and says in str(e.value) and str(e.value).startswith("Line 2: ")
+
+
+def test_a_line_longer_than_the_context_allows_is_refused_unparsed():
+    with pytest.raises(DataError, match="Line 1: the line is longer than 100 bytes"):
+        read(b'{"messages": "' + b"x" * (10 << 20) + b'"}', max_bytes=100)
+
+
+def test_preference_pairs_are_checked():
+    assert len(read(lines(PAIR, PAIR), "dpo")) == 2
+    same = {**PAIR, "non_preferred_output": PAIR["preferred_output"]}
+    with pytest.raises(DataError, match="Line 1: preferred_output and non_preferred_output are the same"):
+        read(lines(same), "dpo")
+    with pytest.raises(DataError, match="missing the `preferred_output` key"):
+        read(lines({"input": PAIR["input"]}), "dpo")
+    with pytest.raises(DataError, match="no examples"):
+        read("\n\n", "dpo")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def test_tokens_are_what_serving_renders_with_tools_and_the_loss_covers_trained_turns(tokenizer, tmp_path):
+    fmt = tool_format(None, tokenizer.hf.chat_template)
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "weight": 0},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+    data = io.BytesIO(json.dumps({"messages": messages, "tools": TOOLS}).encode())
+    (row,) = read_rows(prepare(data, "supervised", ChatEncoder(tokenizer, fmt, 1024), tmp_path / "rows").path)
+    # serving's prompt for the conversation up to the trained answer (motet/api/structured.py, the chat route's)
+    history = [{k: v for k, v in m.items() if k != "weight"} for m in messages[:3]]
+    structure = Structure(tools=validate_tools(TOOLS), tool_format=fmt)
+    rendered, kwargs = prompt_messages(history, structure, tokenizer.hf.chat_template)
+    served_prompt = tokenizer.encode_chat(rendered, **kwargs)
+    first_trained = row["assistant_masks"].index(1)
+    assert row["input_ids"][:first_trained] == served_prompt
+    answer = tokenizer.hf.decode(row["input_ids"][first_trained:])
+    assert answer.startswith("It is sunny.<|im_end|>")  # the untrained call turn is context only
+    assert sum(row["assistant_masks"]) == len(row["input_ids"]) - first_trained
+    assert "<tool_call>" in tokenizer.hf.decode(row["input_ids"][:first_trained])
+
+
+def test_an_example_past_the_context_is_refused(tokenizer, tmp_path):
+    encoder = ChatEncoder(tokenizer, tool_format(None, tokenizer.hf.chat_template), 60)
+    long = {"messages": [{"role": "user", "content": "word " * 50}, {"role": "assistant", "content": "ok"}]}
+    with pytest.raises(
+        DataError, match=r"Line 2: the example is \d+ tokens long, more than the model's context"
+    ):
+        prepare(io.BytesIO(lines(GOOD, long).encode()), "supervised", encoder, tmp_path / "rows")
+    assert not list(tmp_path.iterdir())  # nothing is left of a refused file
+
+
+def test_auto_hyperparameters_follow_openai():
+    # OpenAI's cookbook: 3 epochs within 100 to 25,000 examples seen; batches of about 0.2%, 1 to 256
+    assert [auto_epochs(n) for n in (10, 33, 34, 200, 8334, 20_000)] == [10, 4, 3, 3, 2, 1]
+    assert [auto_batch_size(n) for n in (10, 200, 1000, 500_000)] == [1, 1, 2, 256]
+    h = resolve("dpo", {"n_epochs": "auto", "batch_size": 4}, 200, max_rank=16, modules=("q_proj", "v_proj"))
+    assert (h.n_epochs, h.batch_size, h.learning_rate_multiplier, h.beta) == (3, 4, 1.0, 0.1)
+    assert (h.lora_rank, h.lora_alpha, h.lora_target_modules) == (8, 16.0, ("q_proj", "v_proj"))
+
+
+@pytest.mark.parametrize(
+    ("given", "name"),
+    [
+        ({"n_epochs": 0}, "n_epochs"),
+        ({"n_epochs": 51}, "n_epochs"),
+        ({"n_epochs": "three"}, "n_epochs"),
+        ({"n_epochs": 1.5}, "n_epochs"),
+        ({"batch_size": True}, "batch_size"),
+        ({"learning_rate_multiplier": 0}, "learning_rate_multiplier"),
+        ({"learning_rate_multiplier": -1.0}, "learning_rate_multiplier"),
+        ({"lora_rank": 64}, "lora_rank"),
+        ({"lora_target_modules": ["lm_head"]}, "lora_target_modules"),
+        ({"beta": 0.1}, "beta"),  # supervised has no beta
+        ({"epochs": 3}, "epochs"),
+    ],
+)
+def test_hyperparameters_out_of_range_or_of_the_wrong_type_are_refused(given, name):
+    with pytest.raises(HyperparameterError) as e:
+        resolve("supervised", given, 100, max_rank=16, modules=("q_proj", "v_proj"))
+    assert e.value.name == name
+
+
+def test_queued_jobs_take_turns_across_tenants():
+    queued = [Queued("a1", "a", 1), Queued("a2", "a", 2), Queued("a3", "a", 3), Queued("b1", "b", 4)]
+    started: dict[str, float] = {}
+    order = []
+    for clock in range(4):
+        job = next_job(queued, Counter(), started)
+        order.append(job.job_id)
+        started[job.tenant] = clock
+        queued.remove(job)
+    assert order == ["a1", "b1", "a2", "a3"]
+    running = Counter({"a": 1})  # a tenant with a job running waits behind one with none
+    assert next_job([Queued("a4", "a", 5), Queued("c1", "c", 9)], running, {"c": 10}).job_id == "c1"
+    assert next_job([], Counter(), {}) is None
