@@ -97,7 +97,9 @@ async def _base(state: ServerState, tenant: str, model: str):
 
 
 @operation("create a fine-tuning job", tag="Fine-tuning", body=FineTuningJobCreate,
-           ok_description="the FineTuningJob")  # fmt: skip
+           ok_description="the FineTuningJob", example=lambda model: {  # (a file POST /v1/files answered, fine-tune)
+               "training_file": "file-abc123", "model": model, "suffix": "my-model",
+               "method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 3}}}})  # fmt: skip
 async def create_job(request: Request) -> Response:
     state, tenant, runner = _context(request)
     state.check_ready()
