@@ -5,12 +5,16 @@ from motet import LLM, SamplingParams
 
 llm = LLM()                                        # the default model
 params = SamplingParams(temperature=0, max_tokens=16)
-outs = llm.generate(["Hello"], params)             # prompts: texts (or token ids)
-outs = llm.chat([{"role": "user", "content": "Hi"}], params)  # a conversation, through the chat template
+hi = [{"role": "user", "content": "Hi"}]
+outs = llm.chat(hi, params)                        # a conversation, through the chat template
+outs = llm.generate(["Once upon a time"], params)  # raw texts (or token ids), continued without a template
 llm.add_lora("upper", "adapters/upper")            # optional: PEFT adapters, by name
-outs = llm.generate(["Hello"], params, adapters=["upper"])
+outs = llm.chat(hi, params, adapters=["upper"])
 print(outs[0].text)
 ```
+
+An instruct model (the default one) answers through its chat template: given a bare question, `generate` often
+ends at once (an empty text), the end of turn being the likeliest token after it.
 """
 
 from __future__ import annotations
