@@ -25,6 +25,7 @@ from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.outputs import RequestOutput, RequestOutputs
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights import load_progress
 from motet.lora.manager import AdapterRef
 
 
@@ -33,6 +34,7 @@ class LLM:
     default model) with `engine_options` (EngineConfig's fields, e.g. `dtype`, `quantization`, `num_kv_blocks`)."""
 
     def __init__(self, model: str | None = None, **engine_options):
+        load_progress.show_on_stderr()  # where the application configured no logging: a slow start is not silence
         config = EngineConfig(model=model or EngineConfig.model, **engine_options)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

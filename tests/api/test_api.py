@@ -65,6 +65,17 @@ def test_the_readmes_first_request_ends(server):
     assert all(a.message.content for a in answers)
 
 
+def test_the_start_up_log_says_each_long_step_before_ready(server):
+    """Issue 57: the native CPU step's packing of the weights (13-28 s on a busy CPU) logged nothing until it was
+    done, if it took 5 s. A long start-up step says so as it begins (then its progress, every few seconds), before
+    the server says it is ready."""
+    deadline = time.monotonic() + 60  # (the line may come a moment after /health answers 200)
+    while "ready on http://" not in (log := server.log_path.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ready = log.index("ready on http://")
+    assert -1 < log.find("packing the weights for the native CPU step (30 layers) ...") < ready, log[:ready]
+
+
 def test_chat_streaming_equals_non_streaming(client):
     kw = dict(model=MODEL, messages=USER, max_tokens=24, temperature=0)
     full = client.chat.completions.create(**kw)

