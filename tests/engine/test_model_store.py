@@ -221,7 +221,7 @@ def test_pull_layout_and_config(default_model_dir):
         (d / "generation_config.json").read_text()
     )  # SmolLM2's card's sampling, and what ends it
     assert gen["temperature"] == 0.2 and gen["top_p"] == 0.9
-    assert gen["frequency_penalty"] == 1.0 and gen["max_new_tokens"] == 1024
+    assert gen["frequency_penalty"] == 0.7 and gen["max_new_tokens"] == 1024
     shapes = {name: tuple(t.shape) for name, t in iter_weights(d)}
     assert len(shapes) == 2 + 9 * 30 and "lm_head.weight" not in shapes
     assert shapes["model.embed_tokens.weight"] == (49152, 576)

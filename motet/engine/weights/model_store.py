@@ -53,7 +53,7 @@ UPGRADABLE_FORMATS = (2,)
 # only, so it never holds back the end of turn the prompt holds, as repetition_penalty does) ends them
 # (benchmarks/first_requests.py, docs/serving.md). max_new_tokens, the default max_tokens (vLLM's reading of the
 # file), bounds an answer that still does not end.
-DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "frequency_penalty": 1.0, "max_new_tokens": 1024}
+DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "frequency_penalty": 0.7, "max_new_tokens": 1024}
 
 
 _TMP_PREFIX = f".{DEFAULT_MODEL}.tmp-"
