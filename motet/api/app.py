@@ -27,7 +27,7 @@ from motet.api.adapters.routes import (
 from motet.api.asgi import StatusRecorder
 from motet.api.batches.routes import cancel_batch, create_batch, list_batches, retrieve_batch
 from motet.api.completions.routes import chat_completions, completions
-from motet.api.errors import APIError, handle_exception, to_response
+from motet.api.errors import APIError, echo, handle_exception, to_response
 from motet.api.files.routes import delete_file, file_content, list_files, retrieve_file, upload_file
 from motet.api.fine_tuning import routes as fine_tuning
 from motet.api.openapi import ERRORS, document, operation

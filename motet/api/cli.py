@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 
@@ -278,6 +279,9 @@ def cmd_generate(args) -> int:
 
     config = engine_config(args)
     check_model(config)  # a flag the model or the memory refuses: one line, before anything loads
+    # the engine's start-up lines on stderr (a minute on a busy CPU); stdout holds the answer alone
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("motet").setLevel(logging.INFO)
     engine, answers = LLMEngine(config), RequestOutputs()
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, top_p=args.top_p
@@ -326,19 +330,7 @@ def cmd_eval(args) -> int:
     return eval_main(args.eval_args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrors(prog="motet", description="multi-tenant LLM serving engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-    fmt = {"formatter_class": _HelpFormatter}
-
-    p = sub.add_parser("pull", help="download and convert the default model into the local cache", **fmt)
-    p.add_argument(
-        "--cache-dir", default=None, help="cache directory (default: $MOTET_CACHE_DIR or ~/.cache/motet)"
-    )
-    p.add_argument("--force", action="store_true", help="convert again even if the model is cached")
-    p.set_defaults(func=cmd_pull)
-
-    p = sub.add_parser("generate", help="generate text offline from one prompt", **fmt)
+def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
@@ -349,21 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=integer(-(2**63), 2**63 - 1), default=None)
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
     _engine_args(p)
-    p.set_defaults(func=cmd_generate)
 
-    from motet.api.server import add_serve_args
 
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", **fmt)
-    add_serve_args(p)
-    _engine_args(p)
-    p.set_defaults(func=cmd_serve)
-
-    p = sub.add_parser(
-        "run-batch",
-        help="run a Batch API file (JSONL) offline, as `vllm run-batch` does",
-        description="Each input line {custom_id, method, url, body} is answered by the engine in this process, "
-        "through the same routes and validation as `motet serve`; the answers go to -o in the input's order.",
-    )
+def _run_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-i", "--input-file", required=True, help="the batch file: a local path or an http(s) URL (GET)"
     )
@@ -403,7 +383,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     _engine_args(p)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `motet` parser; with `command`, only that command's flags (the others are listed, for `motet --help`):
+    the engine's flags import its modules, seconds that `motet pull` need not wait. None: every command's."""
+
+    def flags_of(name: str) -> bool:
+        return command is None or command == name
+
+    parser = OneLineErrors(prog="motet", description="multi-tenant LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fmt = {"formatter_class": _HelpFormatter}
+
+    p = sub.add_parser("pull", help="download and convert the default model into the local cache", **fmt)
+    p.add_argument(
+        "--cache-dir", default=None, help="cache directory (default: $MOTET_CACHE_DIR or ~/.cache/motet)"
+    )
+    p.add_argument("--force", action="store_true", help="convert again even if the model is cached")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("generate", help="generate text offline from one prompt", **fmt)
+    p.set_defaults(func=cmd_generate)
+    if flags_of("generate"):
+        _generate_args(p)
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", **fmt)
+    p.set_defaults(func=cmd_serve)
+    if flags_of("serve"):
+        from motet.api.server import add_serve_args
+
+        add_serve_args(p)
+        _engine_args(p)
+
+    p = sub.add_parser(
+        "run-batch",
+        help="run a Batch API file (JSONL) offline, as `vllm run-batch` does",
+        description="Each input line {custom_id, method, url, body} is answered by the engine in this process, "
+        "through the same routes and validation as `motet serve`; the answers go to -o in the input's order.",
+    )
     p.set_defaults(func=cmd_run_batch)
+    if flags_of("run-batch"):
+        _run_batch_args(p)
 
     # Everything after `eval` is evals.eval_command's to parse (no option prefix of its own, so --help passes
     # too).
@@ -417,8 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and not argv[0].startswith("-") else ""  # "": `motet --help`, which lists them
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(command).parse_args(argv)
     except SystemExit as e:  # a refused flag (its one line is printed) or --help: an exit code, as below
         return e.code if isinstance(e.code, int) else 2
     try:

@@ -4,7 +4,9 @@
 The checkpoint's `generation_config.json` carries its authors' recommended sampling; a request's own fields
 always win, and a field neither sets keeps the OpenAI default (temperature 1, top_p 1, ...). The keys read
 are vLLM's: temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens (a request's default
-max_tokens).
+max_tokens; without it a request may run to the end of the context); and OpenAI's frequency_penalty and
+presence_penalty, which vLLM does not read from the file (the default model's file carries a frequency_penalty:
+motet/engine/weights/model_store.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ KEYS = {
     "top_k": ("top_k", 0, math.inf, True),
     "min_p": ("min_p", 0.0, 1.0, True),
     "repetition_penalty": ("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, True),
+    "frequency_penalty": ("frequency_penalty", -2.0, 2.0, True),  # OpenAI's bounds, as a request's
+    "presence_penalty": ("presence_penalty", -2.0, 2.0, True),
     "max_new_tokens": ("max_tokens", 1, math.inf, True),
 }
 INTEGER_KEYS = {"top_k", "max_new_tokens"}

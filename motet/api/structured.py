@@ -7,7 +7,8 @@ none) and a tool mode that says how the output is parsed:
 
 - `tool_choice` "required" or a named function: the output is constrained to calls of those tools, in
   the served model's tool-call format (Hermes-style by default: motet/grammar/tool_formats/), whose
-  arguments follow each tool's schema (an xgrammar structural tag).
+  arguments follow each tool's schema (an xgrammar structural tag); a named function is one call, then the
+  output ends, unless `parallel_tool_calls` is true (grammar.tool_calls.parallel_calls).
 - "auto": free text, and where the model opens a call (`<tool_call>` in Hermes's format), the call is
   constrained likewise (unless the request sends `guided_tool_calls: false`: then calls are only parsed).
   A format without a grammar (`pythonic`) is only parsed.
@@ -40,7 +41,7 @@ from motet.grammar.specs import (
     RegexSpec,
     StructuralTagSpec,
 )
-from motet.grammar.tool_calls import Tool, ToolError, resolve_tool_choice, validate_tools
+from motet.grammar.tool_calls import Tool, ToolError, parallel_calls, resolve_tool_choice, validate_tools
 from motet.grammar.tool_formats import HERMES, ToolFormat
 from motet.grammar.tool_prompt import template_messages
 
@@ -287,7 +288,7 @@ def structured_output(
     if mode == "required" and out.spec is not None:
         raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with {out.param}", out.param)
     if constrain and (mode == "required" or out.spec is None):
-        parallel = req.parallel_tool_calls is not False
+        parallel = parallel_calls(req.tool_choice, req.parallel_tool_calls)
         tag = tool_format.structural_tag(callable_tools, mode, parallel, max_calls=req.max_tool_calls)
         if tag is not None:
             out.spec = _limited(limits, StructuralTagSpec(tag), "tools", "the tools' schemas together")

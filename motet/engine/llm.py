@@ -5,12 +5,16 @@ from motet import LLM, SamplingParams
 
 llm = LLM()                                        # the default model
 params = SamplingParams(temperature=0, max_tokens=16)
-outs = llm.generate(["Hello"], params)             # prompts: texts (or token ids)
-outs = llm.chat([{"role": "user", "content": "Hi"}], params)  # a conversation, through the chat template
+hi = [{"role": "user", "content": "Hi"}]
+outs = llm.chat(hi, params)                        # a conversation, through the chat template
+outs = llm.generate(["Once upon a time"], params)  # raw texts (or token ids), continued without a template
 llm.add_lora("upper", "adapters/upper")            # optional: PEFT adapters, by name
-outs = llm.generate(["Hello"], params, adapters=["upper"])
+outs = llm.chat(hi, params, adapters=["upper"])
 print(outs[0].text)
 ```
+
+An instruct model (the default one) answers through its chat template: given a bare question, `generate` often
+ends at once (an empty text), the end of turn being the likeliest token after it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.outputs import RequestOutput, RequestOutputs
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.weights import load_progress
 from motet.lora.manager import AdapterRef
 
 
@@ -29,6 +34,7 @@ class LLM:
     default model) with `engine_options` (EngineConfig's fields, e.g. `dtype`, `quantization`, `num_kv_blocks`)."""
 
     def __init__(self, model: str | None = None, **engine_options):
+        load_progress.show_on_stderr()  # where the application configured no logging: a slow start is not silence
         config = EngineConfig(model=model or EngineConfig.model, **engine_options)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

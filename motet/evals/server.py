@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -21,6 +22,9 @@ import httpx
 from motet.parent_death import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+WAITING_EVERY_S = 10.0  # how often a start-up that is still loading says so
 
 
 class ServerError(RuntimeError):
@@ -34,10 +38,16 @@ def free_port() -> int:
 
 
 def wait_healthy(
-    url: str, proc: subprocess.Popen | None = None, timeout: float = 600, log: Path | None = None
+    url: str,
+    proc: subprocess.Popen | None = None,
+    timeout: float = 600,
+    log: Path | None = None,
+    waiting: Callable[[float], None] | None = None,
 ):
-    """Poll `url`/health until it answers 200; fail early if `proc` exits."""
-    deadline = time.monotonic() + timeout
+    """Poll `url`/health until it answers 200; fail early if `proc` exits. `waiting` is called with the seconds
+    waited so far every WAITING_EVERY_S of them."""
+    start = time.monotonic()
+    deadline, told = start + timeout, start
     while True:
         if proc is not None and proc.poll() is not None:
             raise ServerError(f"the server exited with status {proc.returncode}{_tail(log)}")
@@ -46,8 +56,12 @@ def wait_healthy(
                 return
         except httpx.HTTPError:
             pass
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise ServerError(f"the server at {url} was not ready after {timeout:.0f} s{_tail(log)}")
+        if waiting is not None and now - told >= WAITING_EVERY_S:
+            told = now
+            waiting(now - start)
         time.sleep(0.5)
 
 
@@ -108,11 +122,20 @@ class ManagedServer:
             env=child_env(),  # it dies with us (motet/parent_death.py)
         )
         try:
-            wait_healthy(self.url, self.proc, self.start_timeout, self.log_path)
+            wait_healthy(self.url, self.proc, self.start_timeout, self.log_path, self._waiting)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _waiting(self, seconds: float) -> None:
+        """A line on stderr while the server loads its model (a minute or two on a busy CPU), whose own log goes
+        to a file."""
+        where = f"; its log: {self.log_path}" if self.log_path is not None else ""
+        print(
+            f"motet: waiting for the server on {self.url} to load its model: {seconds:.0f} s{where}",
+            file=sys.stderr,
+        )
 
     def stop(self, timeout: float = 30) -> None:
         if self.proc is not None and self.proc.poll() is None:

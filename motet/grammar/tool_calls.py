@@ -170,6 +170,15 @@ def resolve_tool_choice(tool_choice, tools: list[Tool]) -> tuple[str, list[Tool]
     )
 
 
+def parallel_calls(tool_choice, parallel_tool_calls: bool | None) -> bool:
+    """Whether the output may hold several calls. A named function is one call of it (OpenAI's forced function:
+    "call exactly one specific function"), unless the request sets `parallel_tool_calls` true; otherwise several
+    unless `parallel_tool_calls` is false (OpenAI's default is true)."""
+    if isinstance(tool_choice, dict):
+        return parallel_tool_calls is True
+    return parallel_tool_calls is not False
+
+
 # ---------------------------------------------------------------------------------------------------
 # Constraining the output (xgrammar structural tags): the pieces every format's grammar is made of, and Hermes's
 

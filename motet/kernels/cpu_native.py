@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -463,6 +464,12 @@ def _build(compiler: str, tier: cpu_isa.Isa) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()  # (tens of seconds on a busy CPU: said, not silent)
+    log.info(
+        "compiling the native CPU kernels for the %s tier (once on this machine, into %s) ...",
+        tier.name,
+        target.parent,
+    )
     # Built beside the target and renamed into place: concurrent builders (test workers) never see half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
@@ -472,6 +479,7 @@ def _build(compiler: str, tier: cpu_isa.Isa) -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{proc.stderr[-2000:]}")
         os.replace(out, target)
+    log.info("compiled the native CPU kernels in %.1f s", time.perf_counter() - t0)
     return target
 
 

@@ -49,6 +49,33 @@ def test_models_list(client):
     assert ids == [MODEL]
 
 
+def test_the_readmes_first_request_ends(server):
+    """Issue 57: the README's first request as written (no max_tokens, no sampling field: the default model's
+    generation_config.json decides), 6 at once; on a third of them the model went on ("L'Étoile, la Marseillaise, la
+    femme, la femme, ...") to the end of its 8,192-token context. Every answer ends with the model's end of turn."""
+
+    async def six():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        return await asyncio.gather(
+            *(client.chat.completions.create(model=MODEL, messages=USER) for _ in range(6))
+        )
+
+    answers = [r.choices[0] for r in asyncio.run(six())]
+    assert [a.finish_reason for a in answers] == ["stop"] * 6, [a.message.content[:80] for a in answers]
+    assert all(a.message.content for a in answers)
+
+
+def test_the_start_up_log_says_each_long_step_before_ready(server):
+    """Issue 57: the native CPU step's packing of the weights (13-28 s on a busy CPU) logged nothing until it was
+    done, if it took 5 s. A long start-up step says so as it begins (then its progress, every few seconds), before
+    the server says it is ready."""
+    deadline = time.monotonic() + 60  # (the line may come a moment after /health answers 200)
+    while "ready on http://" not in (log := server.log_path.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ready = log.index("ready on http://")
+    assert -1 < log.find("packing the weights for the native CPU step (30 layers) ...") < ready, log[:ready]
+
+
 def test_chat_streaming_equals_non_streaming(client):
     kw = dict(model=MODEL, messages=USER, max_tokens=24, temperature=0)
     full = client.chat.completions.create(**kw)

@@ -143,10 +143,12 @@ def test_tool_choice_required_named_and_auto(client):
         jsonschema.validate(args, SCHEMAS[name])
     assert all(c.id.startswith("call_") for c in choice.message.tool_calls)
 
+    # A named function is exactly one call of it, and the answer ends there (OpenAI's forced function), with
+    # parallel_tool_calls left at its default: issue 57's default model wrote a second call until max_tokens.
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = chat(client, tools=TOOLS, tool_choice=named, parallel_tool_calls=False)
+    r = chat(client, tools=TOOLS, tool_choice=named)
     (call,) = calls_of(r.choices[0].message)
-    assert call[0] == "get_weather"
+    assert r.choices[0].finish_reason == "tool_calls" and call[0] == "get_weather"
     jsonschema.validate(call[1], SCHEMAS["get_weather"])
 
     # max_tool_calls bounds a parallel response (the default model would otherwise repeat calls).

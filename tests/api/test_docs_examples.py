@@ -1,9 +1,12 @@
-"""The manual's examples mean what they say: the tenants page's `--api-keys` file is one `motet serve` loads."""
+"""The manual's examples mean what they say: the tenants page's `--api-keys` file is one `motet serve` loads; the
+Python page's example prints what the page shows."""
 
 from __future__ import annotations
 
 import json
 import re
+
+import pytest
 
 from motet.api.auth import Authenticator
 from tests.live_server import ROOT
@@ -30,3 +33,17 @@ def test_the_llm_reference_shows_its_example_as_code_and_every_method():
     assert re.search(r"```python\n.*llm\.chat\(.*\n```", llm.__doc__, re.DOTALL)
     public = [n for n, f in inspect.getmembers(llm.LLM, inspect.isfunction) if not n.startswith("_")]
     assert "chat" in public and all(getattr(llm.LLM, n).__doc__ for n in public), public
+
+
+@pytest.mark.slow
+def test_the_python_pages_example_prints_what_the_page_says(capsys, monkeypatch):
+    """Issue 57: docs/python.md's adapter example sent a bare question to `llm.generate`, which answered '' (the
+    default model's likeliest token after it is its end of turn; HF transformers' too). Its example runs as written,
+    from the repository's root, and prints the output the page shows, every line of it text."""
+    page = (ROOT / "docs" / "python.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.DOTALL)[1]
+    shown = re.search(r"```text\n(.*?)```", page, re.DOTALL)[1]
+    monkeypatch.chdir(ROOT)
+    exec(compile(code, "docs/python.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed == shown and all(line.strip() for line in printed.splitlines())

@@ -94,6 +94,23 @@ def test_override_and_vllm_defaults(served, tiny_hf_model):
     assert len(complete(plain, temperature=0)["token_ids"]) == 16  # OpenAI's completions default
 
 
+def test_omitted_penalties_take_the_files(served):
+    """frequency_penalty and presence_penalty (OpenAI's, which the default model's file carries) are defaults too:
+    a request that omits them samples as one that sends the file's value."""
+    penalized = served("--override-generation-config", '{"frequency_penalty": 2.0, "presence_penalty": 1.5}')
+    plain = served("--generation-config", "vllm")
+    sent = complete(plain, temperature=0, max_tokens=24, frequency_penalty=2.0, presence_penalty=1.5)[
+        "token_ids"
+    ]
+    unpenalized = complete(plain, temperature=0, max_tokens=24)["token_ids"]
+    assert sent != unpenalized  # the tiny model repeats itself: the penalties change its greedy output
+    assert complete(penalized, max_tokens=24)["token_ids"] == sent
+    assert (
+        complete(penalized, max_tokens=24, frequency_penalty=0, presence_penalty=0)["token_ids"]
+        == unpenalized
+    )
+
+
 def test_bad_values_are_refused_at_start_up(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
     with pytest.raises(GenerationConfigError, match="temperature must be a number"):
@@ -103,6 +120,12 @@ def test_bad_values_are_refused_at_start_up(tmp_path):
     # the bounds a request's own repetition_penalty has (a default outside them would refuse every request)
     with pytest.raises(GenerationConfigError, match="repetition_penalty 1e-300 is out of range"):
         sampling_defaults("vllm", tmp_path, {"repetition_penalty": 1e-300})
+    with pytest.raises(GenerationConfigError, match="frequency_penalty 2.5 is out of range"):
+        sampling_defaults("vllm", tmp_path, {"frequency_penalty": 2.5})  # OpenAI's [-2, 2], as a request's
+    assert sampling_defaults("vllm", tmp_path, {"frequency_penalty": 1, "presence_penalty": -0.5}) == {
+        "frequency_penalty": 1,
+        "presence_penalty": -0.5,
+    }
     with pytest.raises(GenerationConfigError, match="unknown key 'temprature'"):
         sampling_defaults("vllm", tmp_path, {"temprature": 0.5})
     with pytest.raises(GenerationConfigError, match="no generation_config.json"):

@@ -67,6 +67,23 @@ def test_batch_invariance_greedy_and_seeded(llm):
         assert s.token_ids == together[32 + i].token_ids
 
 
+def test_the_default_models_sampling_defaults_end_the_readmes_question(llm, default_model_dir):
+    """Issue 57: with the default model's sampling defaults (its generation_config.json, which the server gives a
+    request that omits them: temperature 0.2 and top_p 0.9 then) the README's first question went on for a third of
+    the seeds ("L'Étoile, la Marseillaise, la femme, la femme, ...") to the end of the context. Its defaults bound an
+    answer, and every seed's answer to that question ends (the model's end of turn)."""
+    from motet.api.generation_config import sampling_defaults
+
+    defaults = sampling_defaults("auto", default_model_dir)
+    assert (
+        0 < defaults.get("max_tokens", 0) < 8192
+    )  # a request without max_tokens ends before the context does
+    question = [{"role": "user", "content": QUESTIONS[0]}]
+    outs = llm.chat([question] * 24, [SamplingParams(**defaults, seed=s) for s in range(24)])
+    assert [o.finish_reason for o in outs] == ["stop"] * 24, [o.text[:80] for o in outs]
+    assert sum("paris" in o.text.lower() for o in outs) > 12
+
+
 def test_prefix_cache_hits_200_token_prefix(default_model_dir):
     llm = LLM(str(default_model_dir), num_kv_blocks=512)
     system = "You are a careful assistant. " + " ".join(

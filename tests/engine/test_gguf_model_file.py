@@ -25,7 +25,7 @@ from motet.api.server import served_names
 from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.weights import gguf_model
+from motet.engine.weights import gguf_config
 from motet.engine.weights.model_store import resolve_model
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_engine import PROMPTS, engine_logits
@@ -304,8 +304,15 @@ def test_served_by_its_stem(tiny_gguf):
     )
 
 
-def test_derived_once_never_copying_the_weights(tiny_gguf, cache, monkeypatch):
-    d = resolve_model(str(tiny_gguf))
+def test_derived_once_never_copying_the_weights(tiny_gguf, cache, monkeypatch, caplog):
+    with caplog.at_level("INFO", logger="motet.engine"):
+        d = resolve_model(str(tiny_gguf))
+    # it says so as it begins (issue 57: a large vocabulary's derivation kept the port closed 26 s, silently)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(
+        m.startswith(f"{tiny_gguf.name}: deriving its config, tokenizer and chat template") for m in said
+    )
+    assert any(m.startswith(f"{tiny_gguf.name}: derived in") for m in said), said
     assert d.parent == cache / "gguf" and d.name.startswith("tiny-q4-")
     assert (d / "model.gguf").is_symlink() and (d / "model.gguf").resolve() == tiny_gguf.resolve()
     assert sum(f.stat().st_size for f in d.iterdir() if not f.is_symlink()) < tiny_gguf.stat().st_size / 2
@@ -314,7 +321,7 @@ def test_derived_once_never_copying_the_weights(tiny_gguf, cache, monkeypatch):
     def derive_again(*a, **kw):
         raise AssertionError("derived again")
 
-    monkeypatch.setattr(gguf_model, "reader_config", derive_again)
+    monkeypatch.setattr(gguf_config, "reader_config", derive_again)
     assert resolve_model(str(tiny_gguf)) == d  # found in the cache: the metadata is not read again
     moved = tiny_gguf.parent.parent / "moved" / "other.gguf"
     moved.parent.mkdir()

@@ -167,6 +167,17 @@ def test_pull_mechanics_with_stub_conversion(tmp_path, monkeypatch):
     marker = d / model_store.COMPLETE_MARKER  # a copy an older motet pulled is pulled again
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "format": 1}))
     assert pull(cache_dir=tmp_path, progress=False) == d and len(fetched) == 3 and model_store.is_current(d)
+    # a copy of format 2 (the same weights, older sampling defaults) gets its generation config rewritten in place
+    (d / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 2, "temperature": 0.2, "top_p": 0.9})
+    )
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "format": 2}))
+    assert pull(cache_dir=tmp_path, progress=False) == d and len(fetched) == 3 and model_store.is_current(d)
+    assert (
+        json.loads((d / "generation_config.json").read_text())
+        == {"eos_token_id": 2} | model_store.DEFAULT_SAMPLING
+    )
+    assert (d / "config.json").read_text() == "3" and listing() == [DEFAULT_MODEL]
     umask = os.umask(0)
     os.umask(umask)
     assert d.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0o700
@@ -213,8 +224,11 @@ def test_pull_layout_and_config(default_model_dir):
     assert cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5 and cfg.rope_scaling is None
     assert cfg.tie_word_embeddings and not cfg.attention_bias
     assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,)
-    gen = json.loads((d / "generation_config.json").read_text())  # SmolLM2's card's sampling
+    gen = json.loads(
+        (d / "generation_config.json").read_text()
+    )  # SmolLM2's card's sampling, and what ends it
     assert gen["temperature"] == 0.2 and gen["top_p"] == 0.9
+    assert gen["frequency_penalty"] == 0.7 and gen["max_new_tokens"] == 1024
     shapes = {name: tuple(t.shape) for name, t in iter_weights(d)}
     assert len(shapes) == 2 + 9 * 30 and "lm_head.weight" not in shapes
     assert shapes["model.embed_tokens.weight"] == (49152, 576)

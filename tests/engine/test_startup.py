@@ -166,7 +166,8 @@ def test_kv_cache_default_is_a_share_of_the_memory_on_cuda_a_fixed_size_on_cpu()
 
 def test_a_slow_load_tells_its_progress(tiny_model_dir, monkeypatch, caplog):
     """Quantizing on load was a minute of silence on a busy CPU: the load logs its share of the layers as it goes
-    (here every layer: no wait between lines), then its time, and the native step's packing its own."""
+    (here every layer: no wait between lines), then its time, and the native step's packing its own. Each says so
+    as it begins (issue 57: the packing took 13-28 s before its one line, quantizing 35 s before its first)."""
     from motet.engine.weights import load_progress
 
     monkeypatch.setattr(load_progress, "EVERY_S", 0.0)
@@ -178,6 +179,17 @@ def test_a_slow_load_tells_its_progress(tiny_model_dir, monkeypatch, caplog):
     assert f"quantizing the weights to int8: 50% (1 of {layers} layers)" in " ".join(said), said
     assert any(m.startswith("quantizing the weights to int8: done in") for m in said), said
     assert any(m.startswith("packed the weights for the native CPU step in") for m in said), said
+    starts = [
+        f"quantizing the weights to int8 ({layers} layers, as they load) ...",
+        f"packing the weights for the native CPU step ({layers} layers) ...",
+    ]
+    assert [m for m in said if m in starts] == starts, said  # each before its progress
+    for start in starts:
+        what = start.split(" (")[0]
+        progress = next(
+            i for i, m in enumerate(said) if m.startswith(f"{what}: 50% (1 of {layers} layers) in")
+        )
+        assert said.index(start) < progress, said
 
 
 def test_the_engine_warms_up_before_its_first_step(tiny_model_dir, monkeypatch, caplog):
@@ -311,3 +323,32 @@ def test_serve_runs_bf16_where_the_cpu_computes_it_and_float32_stays_one_flag_aw
         engine_config(parser.parse_args(["serve", "--device", "cpu", "--dtype", "float32"])).dtype
         == "float32"
     )
+
+
+def test_the_offline_entry_points_show_their_start_up(tiny_model_dir, tmp_path):
+    """Issue 57: `LLM()` and `motet generate` were a minute of silence on a busy CPU (Python prints no log line
+    below a warning where the application configured none): their start-up lines go to stderr, stdout keeping the
+    answer alone; and `motet pull` finds a model it has without importing torch, so it prints the path at once."""
+    import os
+    import subprocess
+    import sys
+
+    from motet.engine.weights import model_store
+
+    offline = f"from motet import LLM; LLM({str(tiny_model_dir)!r}, num_kv_blocks=8)"
+    for cmd in (
+        [sys.executable, "-c", offline],
+        [sys.executable, "-m", "motet.api.cli", "generate", "--model", str(tiny_model_dir), "--prompt", "hi",
+         "--max-tokens", "2", "--num-kv-blocks", "8", "--json"],
+    ):  # fmt: skip
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        assert "motet.engine: warm-up: one token through the step in" in run.stderr, run.stderr
+        assert "warm-up" not in run.stdout
+    model = model_store.default_model_path(tmp_path / "cache")
+    model.mkdir(parents=True)
+    (model / model_store.COMPLETE_MARKER).write_text(model_store._marker())
+    env = {**os.environ, "MOTET_CACHE_DIR": str(tmp_path / "cache")}
+    pull = "import sys; from motet.api.cli import main; main(['pull']); print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", pull], capture_output=True, text=True, env=env, timeout=600)
+    assert run.stdout.split() == [str(model), "False"], run.stderr

@@ -399,6 +399,38 @@ def test_structural_tag_named(accepts):
     assert not accepts("required", False, W, only=only)
 
 
+@pytest.mark.parametrize(
+    "tool_choice, parallel_tool_calls, several",
+    [
+        ({"type": "function", "function": {"name": "get_weather"}}, None, False),  # OpenAI: exactly one call
+        ({"type": "function", "function": {"name": "get_weather"}}, False, False),
+        ({"type": "function", "function": {"name": "get_weather"}}, True, True),
+        ("required", None, True),  # one or more (parallel_tool_calls defaults to true)
+        ("required", False, False),
+    ],
+)
+def test_a_requests_tool_choice_bounds_its_calls(accepts, tool_choice, parallel_tool_calls, several):
+    """Issue 57: a named tool_choice repeated its call until max_tokens (two calls, finish_reason "length"): its
+    grammar allowed several. A named function is one call of it, then the answer ends, unless the request sets
+    parallel_tool_calls true; "required" is one or more unless parallel_tool_calls is false."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from motet.api.completions.protocol import ChatCompletionRequest
+    from motet.api.structured import structured_output
+
+    req = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
+    )
+    grammar = xgr.Grammar.from_structural_tag(structured_output(req).spec.tag)
+    assert _is_grammar_accept_string(grammar, W)
+    assert _is_grammar_accept_string(grammar, W + "\n" + W.replace("Paris", "Rome")) == several
+
+
 def test_structural_tag_auto(accepts):
     for parallel in (False, True):
         assert accepts("auto", parallel, "")

@@ -77,8 +77,8 @@ def build_params(
         top_k=pick("top_k", 0) or 0,
         min_p=pick("min_p", 0.0) or 0.0,
         repetition_penalty=pick("repetition_penalty", 1.0),
-        frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=pick("frequency_penalty", 0.0),
+        presence_penalty=pick("presence_penalty", 0.0),
         max_tokens=engine_max or max(1, req.min_tokens or 0),  # None: ingress sets the rest of the context
         min_tokens=req.min_tokens or 0,
         stop=req.stop or [],

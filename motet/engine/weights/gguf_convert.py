@@ -21,15 +21,10 @@ from motet.engine.weights import gguf_names
 from motet.engine.weights.gguf_config import SPM_TOKENIZER, reader_config
 from motet.engine.weights.gguf_pretokenizers import IGNORE_MERGES, pre_tokenizer
 from motet.engine.weights.gguf_spm import ADDED_TYPES, CONTROL, UNKNOWN, spm_tokenizer
+from motet.engine.weights.pull_error import PullError
 from motet.models import find
 from motet.models.config import ModelConfig
-from motet.models.declaration import ModelLoadError
 from motet.models.projections import GATE_UP, QKV, projection_shapes
-
-
-class PullError(ModelLoadError):
-    """`pull()` could not fetch or convert the default model; the message says what to check."""
-
 
 # Besides EOS, the ids llama.cpp ends a generation at (end of turn, Llama 3's <|eot_id|>; end of message).
 _END_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")

@@ -20,14 +20,16 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
-from motet.engine.weights.gguf_config import reader_config
-from motet.engine.weights.gguf_convert import write_hf_metadata
-from motet.engine.weights.gguf_weights import GGUF_FILE
+from motet.engine.weights import load_progress
 from motet.models.declaration import ModelLoadError
 
 GGUF_SUFFIX = ".gguf"
+GGUF_FILE = (
+    "model.gguf"  # a model directory's GGUF file: the default model's (`motet pull`), a derived one's link
+)
 
 
 def is_gguf_file(model: str | Path) -> bool:
@@ -55,10 +57,18 @@ def gguf_model_dir(path: str | Path, root: Path) -> Path:
     holds a model motet does not serve, naming what it found and what is supported."""
     import gguf
 
+    # (torch: imported where a file is derived, so that naming a model is quick)
+    from motet.engine.weights.gguf_config import reader_config
+    from motet.engine.weights.gguf_convert import write_hf_metadata
+
     path = Path(path).expanduser().resolve()
     target = derived_dir(path, root)
     if (target / DERIVED_MARKER).is_file():
         return target
+    t0 = time.perf_counter()  # (seconds on a large vocabulary, before the server can listen)
+    load_progress.begin(
+        f"{path.name}: deriving its config, tokenizer and chat template", f"once, into {target}"
+    )
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # gguf-py's parser fails on a damaged file in many ways (ValueError, IndexError)
@@ -86,4 +96,5 @@ def gguf_model_dir(path: str | Path, root: Path) -> Path:
         shutil.rmtree(work, ignore_errors=True)
     if not (target / DERIVED_MARKER).is_file():
         raise ModelLoadError(f"{path.name}: could not put its derived config and tokenizer in {target}")
+    load_progress.log.info("%s: derived in %.1f s", path.name, time.perf_counter() - t0)
     return target

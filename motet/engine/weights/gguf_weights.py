@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from motet.engine.weights.gguf_config import reader_config
+from motet.engine.weights.gguf_model import GGUF_FILE
 from motet.engine.weights.gguf_names import (
     CONFIG_TENSORS,
     EXPERT,
@@ -48,7 +49,6 @@ from motet.models.projections import FUSED_SHARD, PROJECTIONS
 
 log = logging.getLogger(__name__)
 
-GGUF_FILE = "model.gguf"  # the name `motet pull` gives the default model's GGUF in its directory
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _TABLE, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 

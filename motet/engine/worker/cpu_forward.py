@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from motet.engine.weights.load_progress import LoadProgress
 from motet.engine.worker.latent_attention import LatentAttention
 from motet.engine.worker.layers import Linear, RMSNorm
 from motet.engine.worker.model import MLP, STACKED, AttentionMetadata, CausalLM, Experts, SparseMoE
@@ -160,7 +161,14 @@ class CpuForward:
     (`_write_latent`), each block's output joining the stream in one op
     (the all-reduce, the layer's norm after the block, the add); then the final norm."""
 
-    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        progress: LoadProgress | None = None,
+    ):
+        """The program of `model`'s step over `kv_caches`, its weights packed layer by layer (`progress` logs how
+        far the packing is: seconds a layer on a busy CPU)."""
         cfg = model.config
         wdtype = self._wdtype = model.embed_tokens.weight.dtype
         self.model = model
@@ -187,7 +195,8 @@ class CpuForward:
         self.arena = WeightArena(total + 64 * 64)
         self._keep: list[torch.Tensor] = []  # everything the program points at
         w = cpu_native.ProgramWriter(cfg.hidden_size)
-        for i, (layer, kv) in enumerate(zip(model.layers, kv_caches, strict=True)):
+        layers = zip(model.layers, kv_caches, strict=True)
+        for i, (layer, kv) in enumerate(progress.each_layer(layers) if progress else layers):
             self._write_layer(w, i, layer, kv)
         w.rms_norm("x", "x", self._keep_ptr(model.norm.weight), model.norm.eps, cfg.hidden_size)
         # the lm_head in its own format too (quantized: its blocks; else the model's dtype, tied or not)

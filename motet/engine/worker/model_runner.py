@@ -256,7 +256,11 @@ class ModelRunner:
             log.info("native CPU step: not for this model (%s); the eager model runs it", why_not)
         if compiled_cpu and why_not is None:
             t0 = time.perf_counter()
-            self.native = CpuForward(model, self.kv_caches)
+            what = "packing the weights for the native CPU step"
+            load_progress.begin(what, f"{len(model.layers)} layers")
+            self.native = CpuForward(
+                model, self.kv_caches, load_progress.LoadProgress(what, len(model.layers))
+            )
             took = time.perf_counter() - t0
             if took >= load_progress.EVERY_S:  # (a slow machine's start-up is not silence)
                 log.info("packed the weights for the native CPU step in %.1f s", took)
@@ -341,6 +345,8 @@ class ModelRunner:
         quantize = QUANT_FORMATS.get(config.quantization)
         what = f"quantizing the weights to {quantize.name}" if quantize is not None else "loading the weights"
         if self.parallel.rank == 0:  # (every rank reads the whole checkpoint: one tells)
+            if quantize is not None:  # the slow load: it says so at once
+                load_progress.begin(what, f"{model_config.num_hidden_layers} layers, as they load")
             weights = load_progress.LoadProgress(what, model_config.num_hidden_layers).tensors(weights)
         load_weights(model, weights, quantize=quantize)
         return model.eval().requires_grad_(False)
