@@ -5,6 +5,8 @@ and their reports (benchmarks/reports/). Not installed with motet; run from the 
 import json
 from pathlib import Path
 
+from motet.evals.serving_bench import GREEDY
+
 
 def write_report(out: Path, report: dict, summary: str, name: str | None = None) -> None:
     """A benchmark's report: results.json and summary.md under `out`, the summary printed. With `name`,
@@ -20,7 +22,7 @@ def chat_body(model: str, content: str, max_tokens: int, **extra) -> dict:
     """A streamed chat request of one user message with a fixed output length (greedy, ignore_eos): the chat
     twin of motet.evals.serving_bench.completion_body. `extra`: more fields (logprobs=True)."""
     return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **GREEDY, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             **extra}  # fmt: skip
 
 

@@ -47,7 +47,7 @@ from motet.engine.sampling_params import SamplingParams
 from motet.engine.weights.model_store import resolve_model
 from motet.evals.lora_reference import write_random_adapter
 from motet.evals.server import ManagedServer
-from motet.evals.serving_bench import machine, make_prompts, run_level, summarize
+from motet.evals.serving_bench import GREEDY, machine, make_prompts, run_level, summarize
 from motet.evals.throughput import chat_prompts
 
 PHASES = ("schedule", "adapters", "inputs", "linear", "attention", "lora", "other", "forward", "logits", "grammar",
@@ -397,7 +397,7 @@ def serving(args, model_dir: Path, offline_rows: list[dict]) -> list[dict]:
     ]
     with ManagedServer(server_args, model=str(model_dir)) as server:
         for c, texts in loads.items():
-            reqs = [("/chat/completions", {"model": model_dir.name, "max_tokens": args.max_tokens, "temperature": 0,
+            reqs = [("/chat/completions", {"model": model_dir.name, "max_tokens": args.max_tokens, **GREEDY,
                      "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
                      "messages": [{"role": "user", "content": t}]}) for t in texts]  # fmt: skip
             records, duration = asyncio.run(run_level(server.base_url, reqs, c))

@@ -61,9 +61,14 @@ def make_prompts(n: int, mean_words: int, seed: int) -> list[str]:
     ]
 
 
+# Greedy as the request writes it, whatever a server's defaults (the default model's generation config carries a
+# frequency penalty, which vLLM's and llama.cpp's servers would not apply): every peer does the same work.
+GREEDY = {"temperature": 0, "frequency_penalty": 0, "presence_penalty": 0}
+
+
 def completion_body(model: str, prompt: str, max_tokens: int) -> dict:
     """A streamed /v1/completions body with a fixed output length."""
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, **GREEDY, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
 
 

@@ -161,7 +161,11 @@ def test_declarations_travel_with_the_guarded_handler():
 # example's shape passes: never a 422 or an unknown field), naming what to make first.
 NAMES_A_RESOURCE = {  # path -> (status, the error's field, its value)
     "/v1/batches": (400, "code", "file_not_found"),  # upload the batch's file first (POST /v1/files)
-    "/v1/fine_tuning/jobs": (400, "code", "file_not_found"),  # upload the training file first (purpose fine-tune)
+    "/v1/fine_tuning/jobs": (
+        400,
+        "code",
+        "file_not_found",
+    ),  # upload the training file first (purpose fine-tune)
     "/v1/load_lora_adapter": (403, "param", "lora_path"),  # no directory is read without --lora-load-dir
     "/v1/unload_lora_adapter": (404, "code", "adapter_not_found"),  # load or upload it first
 }

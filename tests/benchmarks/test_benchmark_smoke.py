@@ -37,6 +37,7 @@ SMOKE_RUNS = {
     "moe_upcycle": "test_moe_upcycle.py::test_exact_copies_compute_the_dense_model",
     "pd": "test_cluster_smoke.py::test_pd",
     "pd_sim": "test_offline_smoke.py::test_pd_sim",
+    "prefill_peak": "test_offline_smoke.py::test_prefill_peak",
     "peers": "test_served_smoke.py::test_llamacpp",
     "peft_adapters": "test_served_smoke.py::test_soak",
     "quant_bandwidth": "test_offline_smoke.py::test_quant_bandwidth",

@@ -17,6 +17,7 @@ from benchmarks import (
     load_peak,
     moe_decode,
     pd_sim,
+    prefill_peak,
     quant_bandwidth,
     routing_fit,
     routing_sim,
@@ -164,6 +165,14 @@ def test_load_peak(tiny_model_dir, tmp_path):
         row["weights"], row["load_peak"], row["runner_peak"], row["load_ratio"], row["runner_ratio"]
     )
     assert "| float32 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_prefill_peak(tiny_model_dir, tmp_path):
+    prefill_peak.main(["--model", str(tiny_model_dir), "--dtype", "float32", "--prompts", "2", "--prompt-tokens",
+                       "24", "--threads", "1", "--rounds", "1", "--peak-seconds", "0.01", "--out", str(tmp_path)])  # fmt: skip
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert positive(report["best"]["tokens_per_s"], report["best"]["gflops"], report["best"]["pct_of_peak"])
+    assert "share of torch's peak" in (tmp_path / "summary.md").read_text()
 
 
 def test_routing_fit(tiny_model_dir, tmp_path):
