@@ -37,24 +37,27 @@ MODEL = "SmolLM2-135M-Instruct"
 UPPER = ROOT / "tests" / "fixtures" / "adapters" / "upper"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-# The README's requests, as written there (README.md, "A short tour").
-REQUESTS = {
-    "chat": {"model": MODEL, "messages": QUESTION},
-    "upper adapter": {"model": "upper", "messages": QUESTION},
-    "json schema": {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": CITY}},
-    },
-}
 
 
-def upload_upper(url: str) -> None:
+# The README's requests, as written there (README.md, "A short tour"), for the served model and the adapter it uploads.
+def readme_requests(model: str = MODEL, adapter: str = "upper") -> dict[str, dict]:
+    return {
+        "chat": {"model": model, "messages": QUESTION},
+        "upper adapter": {"model": adapter, "messages": QUESTION},
+        "json schema": {
+            "model": model,
+            "messages": [{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": CITY}},
+        },
+    }
+
+
+def upload_adapter(url: str, folder: Path = UPPER, name: str = "upper") -> None:
     """The README's `curl .../v1/adapters -F name=upper -F files=@...` (an adapter already there is kept)."""
-    files = [("files", (p.name, p.read_bytes())) for p in sorted(UPPER.iterdir())]
-    r = httpx.post(f"{url}/v1/adapters", data={"name": "upper"}, files=files, timeout=120)
+    files = [("files", (p.name, p.read_bytes())) for p in sorted(folder.iterdir())]
+    r = httpx.post(f"{url}/v1/adapters", data={"name": name}, files=files, timeout=120)
     if r.status_code not in (200, 409):
-        raise SystemExit(f"uploading the upper adapter: HTTP {r.status_code} {r.text[:300]}")
+        raise SystemExit(f"uploading the {name} adapter: HTTP {r.status_code} {r.text[:300]}")
 
 
 async def one(client: AsyncOpenAI, body: dict) -> dict:
@@ -77,11 +80,13 @@ async def one(client: AsyncOpenAI, body: dict) -> dict:
     }
 
 
-async def measure(base_url: str, runs: int, concurrency: int, timeout: float) -> dict[str, list[dict]]:
+async def measure(
+    base_url: str, requests: dict[str, dict], runs: int, concurrency: int, timeout: float
+) -> dict[str, list[dict]]:
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=timeout)
-    answers: dict[str, list[dict]] = {name: [] for name in REQUESTS}
+    answers: dict[str, list[dict]] = {name: [] for name in requests}
     for run in range(runs):
-        for name, body in REQUESTS.items():
+        for name, body in requests.items():
             got = await asyncio.gather(*(one(client, body) for _ in range(concurrency)))
             answers[name] += got
             print(
@@ -128,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
         "--base-url", default=None, help="a running server's root (default: start `motet serve` here)"
     )
     p.add_argument("--server-args", default="", help="flags of the server started here")
+    p.add_argument("--model", default=MODEL, help="the served model's name the requests give")
+    p.add_argument(
+        "--adapter", type=Path, default=UPPER, help="the adapter uploaded as `upper` (the README's)"
+    )
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--deadline", type=float, default=10.0, help="seconds an answer should take at most")
@@ -139,8 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     def run(url: str) -> dict:
-        upload_upper(url)
-        return asyncio.run(measure(f"{url}/v1", args.runs, args.concurrency, args.timeout))
+        upload_adapter(url, args.adapter)
+        requests = readme_requests(args.model)
+        return asyncio.run(measure(f"{url}/v1", requests, args.runs, args.concurrency, args.timeout))
 
     if args.base_url:
         answers = run(args.base_url.rstrip("/").removesuffix("/v1"))

@@ -32,7 +32,9 @@ slow = pytest.mark.slow
 KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
 MAX_RANK, MAX_BYTES = 16, 4 << 20
 PROMPT = "The capital of France is"
-GREEDY = dict(temperature=0, max_tokens=8)  # few tokens: this runs on small shared CPUs
+# few tokens: this runs on small shared CPUs; no penalty, whatever the model's generation config says (the offline
+# engine below reads none)
+GREEDY = dict(temperature=0, max_tokens=8, frequency_penalty=0)
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 RESULTS: dict[str, str] = {}  # outputs shared by the tests, in file order
 
@@ -168,7 +170,7 @@ def test_generate_with_adapter(server, adapters):
     from motet.engine.llm import LLM
     from motet.engine.sampling_params import SamplingParams
 
-    llm = LLM(num_kv_blocks=64)
+    llm = LLM(num_kv_blocks=64, dtype="auto")  # the server's default dtype
     llm.add_lora("a", adapters["alice"])
     for prompt, served in ((PROMPT, RESULTS["alice"]), (llm.tokenizer.encode_chat(messages), chat)):
         (offline,) = llm.generate([prompt], SamplingParams(**GREEDY), adapters=["a"])  # alone, as served

@@ -22,6 +22,7 @@ SMOKE_RUNS = {
     "adapter_scale": "test_served_smoke.py::test_adapter_scale",
     "cluster_routing": "test_cluster_smoke.py::test_cluster_routing",
     "cpu_gemm": "test_offline_smoke.py::test_cpu_gemm",
+    "first_requests": "test_served_smoke.py::test_first_requests",
     "gguf_spm": "test_served_smoke.py::test_gguf_spm",
     "gpu_bench": "test_gpu_smoke.py::test_gpu_bench",  # on CUDA only
     "gpu_common": "test_gpu_peer.py::test_smoke_report_has_every_configuration",
@@ -29,6 +30,7 @@ SMOKE_RUNS = {
     "fine_tuning": "test_served_smoke.py::test_fine_tuning",
     "grammar_overhead": "test_offline_smoke.py::test_grammar_overhead",
     "grammar_report": "test_offline_smoke.py::test_grammar_report",
+    "jsonschema_heldout": "test_offline_smoke.py::test_jsonschema_heldout",
     "kv_tiers": "test_offline_smoke.py::test_kv_tiers",
     "llamacpp": "test_served_smoke.py::test_llamacpp",
     "load_peak": "test_offline_smoke.py::test_load_peak",

@@ -13,6 +13,7 @@ from benchmarks import (
     cpu_gemm,
     grammar_overhead,
     grammar_report,
+    jsonschema_heldout,
     kv_tiers,
     load_peak,
     moe_decode,
@@ -165,6 +166,29 @@ def test_load_peak(tiny_model_dir, tmp_path):
         row["weights"], row["load_peak"], row["runner_peak"], row["load_ratio"], row["runner_ratio"]
     )
     assert "| float32 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_jsonschema_heldout(tmp_path):
+    """A maskbench-like folder: a dev-set schema is left out, the others taken round robin over their categories."""
+    from motet.evals.datasets import read_jsonl
+
+    dev_id = next(iter(read_jsonl(dev_set_path("jsonschemabench"))))["id"]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    schema = {
+        "schema": {"type": "object"},
+        "tests": [{"data": {}, "valid": True}],
+        "description": "",
+        "meta": {},
+    }
+    for name in (dev_id, "Github_easy---a", "Github_easy---b", "Kubernetes---c", "BFCL_simple_3"):
+        (folder / f"{name}.json").write_text(json.dumps(schema))
+    out = tmp_path / "heldout.jsonl.xz"
+    jsonschema_heldout.main([str(folder), "--n", "3", "--out", str(out)])
+    with lzma.open(out, "rt") as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 3 and dev_id not in {r["id"] for r in records}
+    assert {r["category"] for r in records} == {"BFCL_simple", "Github_easy", "Kubernetes"}
 
 
 def test_prefill_peak(tiny_model_dir, tmp_path):

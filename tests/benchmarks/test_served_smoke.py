@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ import pytest
 
 from benchmarks import (
     adapter_scale,
+    first_requests,
     gguf_spm,
     llamacpp,
     spec_bench,
@@ -26,6 +28,7 @@ from benchmarks import (
 )
 from tests.benchmarks.smoke import TorchThreads, finite, only_json, only_md, positive
 from tests.live_server import ROOT, Server
+from tests.peft_adapters import TINY_ADAPTERS, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -86,6 +89,22 @@ def test_spec_bench(model, tmp_path):
     for e in report["summary"]:
         assert all(finite(m["tpot_p50_ms"]) and "x" in m for name, m in e["modes"].items() if name != "off")
     assert "| bfcl | 1 |" in only_md(tmp_path)
+
+
+def test_first_requests(model, tmp_path):
+    """The README's requests (the adapter a tiny one, answers bounded by the server's generation config), one run
+    of two at once: each answer's finish reason and time are reported."""
+    save_peft_adapters(model, tmp_path / "adapters", TINY_ADAPTERS[:1], std=0.1)
+    server = [*SERVER, "--model", str(model), "--served-model-name", NAME, "--data-dir", str(tmp_path / "data"),
+              "--override-generation-config", '{"max_new_tokens": 8}']  # fmt: skip
+    first_requests.main(["--server-args", shlex.join(server), "--model", NAME, "--adapter",
+                         str(tmp_path / "adapters" / TINY_ADAPTERS[0][0]), "--runs", "1", "--concurrency", "2",
+                         "--timeout", "120", "--out", str(tmp_path / "report")])  # fmt: skip
+    report = json.loads((tmp_path / "report" / "results.json").read_text())["requests"]
+    assert set(report) == {"chat", "upper adapter", "json schema"}
+    for row in report.values():
+        assert row["answers"] == 2 and set(row["finish_reasons"]) <= {"stop", "length"}, row
+        assert positive(row["max_s"])
 
 
 def test_tenant_fairness(model, tmp_path):
