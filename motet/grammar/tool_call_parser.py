@@ -323,15 +323,25 @@ class ToolCallStreamParser:
         self._args_start, self._sent, self._scanner = None, 0, None
 
 
+def _whole_call(text: str) -> bool:
+    """Whether a block's text between its tags is a whole call: a JSON object."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 class RepeatedCallStop:
     """Ends an output at a tool call that repeats an earlier call of the same output, character for character:
     a small model asked for calls tends to repeat its call until max_tokens, and a parallel call identical to
-    one already made adds nothing (OpenAI's parallel calls are independent).
+    one already made adds nothing (OpenAI's parallel calls are independent). Likewise at a later call that is no
+    call: its `</tool_call>` written before its JSON was whole (the model ended the call from inside an argument
+    string, where the grammar keeps it: it then writes on inside that string until max_tokens).
 
     A stop matcher as the engine's stop strings are (motet/engine/detokenizer.py): `feed` returns the text
-    safe to release and whether the output stopped there. A call that may still turn out to repeat an earlier
-    one is held back until it differs from all of them; a repeat is dropped with everything after it. A call is
-    a block from `<tool_call>` to its `</tool_call>` (a block cut short by the next `<tool_call>` is none).
+    safe to release and whether the output stopped there. The first call is released as it comes; a later one is
+    held back until it is whole, then released, or dropped with everything after it (a repeat, or no call). A call
+    is a block from `<tool_call>` to its `</tool_call>` (a block cut short by the next `<tool_call>` is none).
     """
 
     matched = None  # no stop string: the request ends as if the model had stopped
@@ -343,7 +353,6 @@ class RepeatedCallStop:
         self._buf = ""  # text not yet looked at (outside a block: at most a partial `<tool_call>`)
         self._block: str | None = None  # the current block's text, from its `<tool_call>`
         self._sent = 0  # how much of the current block was released
-        self._may_repeat = False  # whether the current block is still a prefix of an earlier call
 
     def feed(self, delta: str) -> tuple[str, bool]:
         if self.stopped:
@@ -359,7 +368,7 @@ class RepeatedCallStop:
                     self._buf = self._buf[len(self._buf) - keep :]
                     return "".join(out), False
                 out.append(self._buf[:begin])
-                self._block, self._sent, self._may_repeat = "", 0, bool(self._calls)
+                self._block, self._sent = "", 0
                 self._buf = self._buf[begin:]
             self._block += self._buf
             self._buf = ""
@@ -368,7 +377,7 @@ class RepeatedCallStop:
             if close >= 0 and (reopen < 0 or close < reopen):
                 end = close + len(CALL_END)
                 whole, self._buf = self._block[:end], self._block[end:]
-                if whole in self._calls:
+                if whole in self._calls or self._calls and not _whole_call(whole[len(CALL_BEGIN) : close]):
                     self.stopped, self._buf = True, ""
                     return "".join(out), True
                 self._calls.append(whole)
@@ -379,16 +388,16 @@ class RepeatedCallStop:
                 out.append(self._block[self._sent : reopen])
                 self._buf, self._block = self._block[reopen:], None
                 continue
-            if self._may_repeat:
-                self._may_repeat = any(c.startswith(self._block) for c in self._calls)
-            if not self._may_repeat:  # released, but for what may open the next block
+            if not self._calls:  # the first block is released as it comes (a later one once whole), but for
+                # what may open the next block
                 upto = len(self._block) - partial_marker_len(self._block, (CALL_BEGIN,))
                 out.append(self._block[self._sent : upto])
                 self._sent = max(self._sent, upto)
             return "".join(out), False
 
     def flush(self) -> str:
-        """The held-back text, at the end of an output that repeated no call."""
+        """The held-back text, at the end of an output that repeated no call (a later call cut by max_tokens is
+        released: the parser reads what it can of it)."""
         if self.stopped:
             return ""
         held = (self._block[self._sent :] if self._block is not None else "") + self._buf

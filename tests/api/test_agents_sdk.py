@@ -88,7 +88,8 @@ def tool_result_sent(body: dict) -> bool:
 def test_quickstart_completes_a_tool_round_trip(server, model_class):
     runs = asyncio.run(quickstart(f"{server.url}/v1", model_class))
     for calls, final, sent in runs:
-        assert calls and all(isinstance(city, str) and city for city in calls)
+        # calls the tool's schema accepts (a parallel second call may name "": a string), one of them Tokyo
+        assert calls and all(isinstance(city, str) for city in calls) and "Tokyo" in calls, calls
         assert tool_result_sent(sent[-1])  # the final answer was asked after the tool's result
         assert isinstance(final, str) and final.strip(), final
         assert sent[0]["tool_choice"] == "required"

@@ -297,6 +297,7 @@ def test_delete_lets_running_requests_finish(server, dirs):
         prompt=PROMPT,
         max_tokens=24,
         temperature=0,
+        frequency_penalty=0,  # as GREEDY (RESULTS)
         stream=True,
         extra_body={"ignore_eos": True},
     )

@@ -152,8 +152,9 @@ def test_outputs_without_calls_are_their_content_whole_and_streamed():
 
 
 def cut_at_repeat(text: str) -> tuple[str, bool]:
-    """The reference: the text up to the first call block equal to an earlier one (blocks as the parser
-    delimits them: to `</tool_call>`, unless the next `<tool_call>` comes first)."""
+    """The reference: the text up to the first call block equal to an earlier one, or a later block that is no
+    JSON object between its tags (blocks as the parser delimits them: to `</tool_call>`, unless the next
+    `<tool_call>` comes first)."""
     seen, pos = set(), 0
     while (begin := text.find("<tool_call>", pos)) >= 0:
         close = text.find("</tool_call>", begin + 1)
@@ -162,7 +163,11 @@ def cut_at_repeat(text: str) -> tuple[str, bool]:
             pos = reopen if reopen >= 0 else len(text)
             continue
         block = text[begin : close + len("</tool_call>")]
-        if block in seen:
+        try:
+            whole = isinstance(json.loads(text[begin + len("<tool_call>") : close]), dict)
+        except ValueError:
+            whole = False
+        if block in seen or seen and not whole:
             return text[:begin], True
         seen.add(block)
         pos = close + len("</tool_call>")
@@ -189,6 +194,11 @@ REPEATS = [
     A + "<tool_call>" + A,  # a block cut short by the next is no call
     A.replace("</tool_call>", "") + "\n" + A + "\n" + A,
     "no calls at all <tool_",
+    # what SmolLM2 wrote for tool_choice "required": a second call ended from inside its argument string, the
+    # model then writing on inside that string
+    A
+    + '\n<tool_call>\n{"name": "get_weather", "arguments": { "city": "}}\n</tool_call>\nYou can use the json',
+    '<tool_call>\n{"name": "get_weather", "arguments": { "city": "}}\n</tool_call>\n' + A,  # first: released
 ]
 
 
@@ -203,12 +213,12 @@ def test_repeated_call_ends_the_output(text):
         assert run_stop(RepeatedCallStop(), text, cuts) == want
 
 
-def test_a_possible_repeat_is_held_until_it_differs():
+def test_a_later_call_is_held_until_whole():
     stop = RepeatedCallStop()
     assert stop.feed(A + "\n") == (A + "\n", False)  # the first call passes at once
-    assert stop.feed(A[:30]) == ("", False)  # may be the same call again
-    assert stop.feed("Osaka") == (A[:30] + "Osaka", False)  # differs: released
-    assert stop.feed('"}}\n</tool_call>\n' + A) == ('"}}\n</tool_call>\n', True)
+    assert stop.feed(B[:30]) == ("", False)  # may be the same call again, or no call
+    assert stop.feed(B[30:50]) == ("", False)  # differs, not whole yet
+    assert stop.feed(B[50:] + "\n" + A) == (B + "\n", True)  # whole: released; then a repeat
 
 
 def test_chained_with_stop_strings():
