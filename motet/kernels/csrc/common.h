@@ -31,6 +31,19 @@ inline uint16_t f32_to_bf16(float f) {
     return static_cast<uint16_t>(u >> 16);
 }
 
+// A tile's row count as a template argument: calls f(std::integral_constant<int, R>{}) with R = rows for rows in
+// 2 .. Max, R = 1 otherwise (every microkernel's dispatch from the rows it is handed).
+template <int Max, typename F>
+inline void with_rows(int rows, F&& f) {
+    if constexpr (Max <= 1) {
+        f(std::integral_constant<int, 1>{});
+    } else if (rows == Max) {
+        f(std::integral_constant<int, Max>{});
+    } else {
+        with_rows<Max - 1>(rows, static_cast<F&&>(f));
+    }
+}
+
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }

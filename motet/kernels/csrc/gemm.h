@@ -99,14 +99,7 @@ inline void micro(const float* x, int64_t ldx, const TW* w, int K, float* c) {
 
 template <typename TW>
 inline void micro_rows(int rows, const float* x, int64_t ldx, const TW* w, int K, float* c) {
-    switch (rows) {
-        case 6: micro<6>(x, ldx, w, K, c); break;
-        case 5: micro<5>(x, ldx, w, K, c); break;
-        case 4: micro<4>(x, ldx, w, K, c); break;
-        case 3: micro<3>(x, ldx, w, K, c); break;
-        case 2: micro<2>(x, ldx, w, K, c); break;
-        default: micro<1>(x, ldx, w, K, c); break;
-    }
+    with_rows<6>(rows, [&](auto r) { micro<decltype(r)::value>(x, ldx, w, K, c); });
 }
 
 // A tile c [rows][NR] into y's rows (from y, columns n0 .. n0 + nv), plus the bias; = or +=.

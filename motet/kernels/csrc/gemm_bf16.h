@@ -90,20 +90,7 @@ inline void dot_micro(const uint16_t* xb, int64_t ldb, const uint16_t* w, int K,
 
 template <bool PAIRED>
 inline void dot_rows(int rows, const uint16_t* xb, int64_t ldb, const uint16_t* w, int K, float* c) {
-    switch (rows) {
-        case 12: dot_micro<12, PAIRED>(xb, ldb, w, K, c); break;
-        case 11: dot_micro<11, PAIRED>(xb, ldb, w, K, c); break;
-        case 10: dot_micro<10, PAIRED>(xb, ldb, w, K, c); break;
-        case 9: dot_micro<9, PAIRED>(xb, ldb, w, K, c); break;
-        case 8: dot_micro<8, PAIRED>(xb, ldb, w, K, c); break;
-        case 7: dot_micro<7, PAIRED>(xb, ldb, w, K, c); break;
-        case 6: dot_micro<6, PAIRED>(xb, ldb, w, K, c); break;
-        case 5: dot_micro<5, PAIRED>(xb, ldb, w, K, c); break;
-        case 4: dot_micro<4, PAIRED>(xb, ldb, w, K, c); break;
-        case 3: dot_micro<3, PAIRED>(xb, ldb, w, K, c); break;
-        case 2: dot_micro<2, PAIRED>(xb, ldb, w, K, c); break;
-        default: dot_micro<1, PAIRED>(xb, ldb, w, K, c); break;
-    }
+    with_rows<12>(rows, [&](auto r) { dot_micro<decltype(r)::value, PAIRED>(xb, ldb, w, K, c); });
 }
 
 // Rows [m_start, m_end) of y over one raw panel `w` (columns n0 .. n0 + nv) from x already rounded (xb, ldb
@@ -169,14 +156,7 @@ inline void dot_micro_wide(const uint16_t* xb, int64_t ldb, const uint16_t* w2, 
 }
 
 inline void dot_rows_wide(int rows, const uint16_t* xb, int64_t ldb, const uint16_t* w2, int K, float* c0, float* c1) {
-    switch (rows) {
-        case 6: dot_micro_wide<6>(xb, ldb, w2, K, c0, c1); break;
-        case 5: dot_micro_wide<5>(xb, ldb, w2, K, c0, c1); break;
-        case 4: dot_micro_wide<4>(xb, ldb, w2, K, c0, c1); break;
-        case 3: dot_micro_wide<3>(xb, ldb, w2, K, c0, c1); break;
-        case 2: dot_micro_wide<2>(xb, ldb, w2, K, c0, c1); break;
-        default: dot_micro_wide<1>(xb, ldb, w2, K, c0, c1); break;
-    }
+    with_rows<6>(rows, [&](auto r) { dot_micro_wide<decltype(r)::value>(xb, ldb, w2, K, c0, c1); });
 }
 
 // Rows [m_start, m_end) of y over two adjacent raw panels (w, and w's next: columns n0 .. n0 + 16 + nv1),

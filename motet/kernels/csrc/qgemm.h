@@ -353,12 +353,7 @@ struct QuantizedRows {
 template <int FMT>
 inline void qdot_rows(int rows, const int8_t* xq, int64_t ldq, const float* xd, const float* xs, int64_t lds,
                       const uint8_t* panel, int nb, float* c) {
-    switch (rows) {
-        case 4: qdot<4, FMT>(xq, ldq, xd, xs, lds, panel, nb, c); break;
-        case 3: qdot<3, FMT>(xq, ldq, xd, xs, lds, panel, nb, c); break;
-        case 2: qdot<2, FMT>(xq, ldq, xd, xs, lds, panel, nb, c); break;
-        default: qdot<1, FMT>(xq, ldq, xd, xs, lds, panel, nb, c); break;
-    }
+    with_rows<4>(rows, [&](auto r) { qdot<decltype(r)::value, FMT>(xq, ldq, xd, xs, lds, panel, nb, c); });
 }
 
 // K must be a multiple of QBLOCK; bias (TB: fp32 or bf16) may be null.

@@ -178,16 +178,7 @@ inline void shrink_rows(int cols, const uint16_t* xb, int64_t ldb, const uint16_
 
 inline void shrink(int rows, int cols, const uint16_t* xb, int64_t ldb, const uint16_t* A, int64_t lda, int n_in,
                    uint16_t* h, int64_t ldh) {
-    switch (rows) {
-        case 8: shrink_rows<8>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
-        case 7: shrink_rows<7>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
-        case 6: shrink_rows<6>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
-        case 5: shrink_rows<5>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
-        case 4: shrink_rows<4>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
-        case 3: shrink_rows<3>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
-        case 2: shrink_rows<2>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
-        default: shrink_rows<1>(cols, xb, ldb, A, lda, n_in, h, ldh); break;
-    }
+    with_rows<8>(rows, [&](auto r) { shrink_rows<decltype(r)::value>(cols, xb, ldb, A, lda, n_in, h, ldh); });
 }
 
 // y[r][0..nv) += h row r (bf16, r_lora values) . BT's nv (<= 16) columns, for R tokens: BT's rows j and j + 1
@@ -222,20 +213,7 @@ inline void expand_tile(const uint16_t* h, int64_t ldh, const uint16_t* bt, int6
 
 inline void expand(int rows, const uint16_t* h, int64_t ldh, const uint16_t* bt, int64_t ld, int r_lora, int nv,
                    float* y, int64_t ldy) {
-    switch (rows) {
-        case 12: expand_tile<12>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-        case 11: expand_tile<11>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-        case 10: expand_tile<10>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-        case 9: expand_tile<9>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-        case 8: expand_tile<8>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-        case 7: expand_tile<7>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-        case 6: expand_tile<6>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-        case 5: expand_tile<5>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-        case 4: expand_tile<4>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-        case 3: expand_tile<3>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-        case 2: expand_tile<2>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-        default: expand_tile<1>(h, ldh, bt, ld, r_lora, nv, y, ldy); break;
-    }
+    with_rows<12>(rows, [&](auto r) { expand_tile<decltype(r)::value>(h, ldh, bt, ld, r_lora, nv, y, ldy); });
 }
 
 // One segment with an adapter on the group: its rows, its adapter's piece at this layer, where its shrink tiles
