@@ -1,5 +1,6 @@
-"""The list routes' shared query and answer (GET /v1/files, /v1/batches, a response's input items): OpenAI's
-cursor pages, `after` an object's id and `limit` objects from there in `order`, answered as a list object."""
+"""The list routes' shared query and answer (GET /v1/files, /v1/batches, /v1/fine_tuning/jobs and a job's events
+and checkpoints, a response's input items): OpenAI's cursor pages, `after` an object's id and `limit` objects from
+there in `order`, answered as a list object."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Collection
 from starlette.datastructures import QueryParams
 
 from motet.api.errors import APIError, echo
+from motet.api.storage_errors import stored_call
 
 DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # OpenAI's page of a list (of files: up to 10,000, all by default)
 
@@ -44,3 +46,16 @@ def list_object(data: list[dict], has_more: bool) -> dict:
         "last_id": data[-1]["id"] if data else None,
         "has_more": has_more,
     }
+
+
+async def stored_page(query: QueryParams, failure: str, noun: str, owner: str, read, *args,
+                      default_limit: int = DEFAULT_LIMIT) -> dict:  # fmt: skip
+    """The list object of a cursor page that a store reads (`after` and `limit`, nothing else, in the query):
+    `read(*args, after, limit)` in a worker thread gives (objects, has_more), or None where `after` names no `noun`
+    of the `owner`'s (a 400); `failure` says what failed where the storage does."""
+    refuse_unknown(query, ("after", "limit"))
+    limit, after = page_limit(query, default_limit), query.get("after")
+    page = await stored_call(failure, read, *args, after, limit)
+    if page is None:
+        raise APIError(400, f"after: no {noun} {echo(after)} of this {owner}", param="after")
+    return list_object(*page)

@@ -23,7 +23,7 @@ from motet.api.batches.lines import ENDPOINTS, check_line_size, parse_lines
 from motet.api.batches.runner import BatchRunner
 from motet.api.batches.store import COMPLETION_WINDOWS, BatchStore
 from motet.api.errors import APIError, echo
-from motet.api.list_pages import list_object, page_limit, refuse_unknown
+from motet.api.list_pages import stored_page
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState, state_and_tenant
@@ -128,13 +128,10 @@ async def retrieve_batch(request: Request) -> Response:
            query={"after": str, "limit": int})  # fmt: skip
 async def list_batches(request: Request) -> Response:
     _, tenant, runner = _context(request)
-    q = request.query_params
-    refuse_unknown(q, ("after", "limit"))
-    limit, after = page_limit(q), q.get("after")
-    page = await stored_call("the batches could not be read", runner.store.page, tenant, after, limit)
-    if page is None:
-        raise APIError(400, f"after: no batch {echo(after)} of this tenant", param="after")
-    return JSONResponse(list_object(*page))
+    failure = "the batches could not be read"
+    return JSONResponse(
+        await stored_page(request.query_params, failure, "batch", "tenant", runner.store.page, tenant)
+    )
 
 
 @operation("cancel a batch", tag="Batches", ok_description="the Batch")

@@ -34,7 +34,7 @@ from motet.api.files.store import FileStore, StoredFile
 from motet.api.fine_tuning.models import FineTuningJobCreate
 from motet.api.fine_tuning.runner import FineTuningRunner
 from motet.api.fine_tuning.store import FineTuningStore, QuotaExceeded, new_job_id
-from motet.api.list_pages import list_object, page_limit, refuse_unknown
+from motet.api.list_pages import stored_page
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState, state_and_tenant
@@ -186,13 +186,12 @@ async def create_job(request: Request) -> Response:
            query={"after": str, "limit": int})  # fmt: skip
 async def list_jobs(request: Request) -> Response:
     _, tenant, runner = _context(request)
-    q = request.query_params
-    refuse_unknown(q, ("after", "limit"))
-    limit, after = page_limit(q), q.get("after")
-    page = await stored_call("the jobs could not be read", runner.store.page, tenant, after, limit)
-    if page is None:
-        raise APIError(400, f"after: no fine-tuning job {echo(after)} of this tenant", param="after")
-    return JSONResponse(list_object(*page))
+    failure = "the jobs could not be read"
+    return JSONResponse(
+        await stored_page(
+            request.query_params, failure, "fine-tuning job", "tenant", runner.store.page, tenant
+        )
+    )
 
 
 @operation("a fine-tuning job", tag="Fine-tuning", ok_description="the FineTuningJob")
@@ -243,15 +242,9 @@ async def resume_job(request: Request) -> Response:
 
 async def _page(request: Request, what: str, read, default_limit: int) -> Response:
     runner, tenant, job = await _path_job(request)
-    q = request.query_params
-    refuse_unknown(q, ("after", "limit"))
-    limit, after = page_limit(q, default_limit), q.get("after")
-    page = await stored_call(
-        f"the {what} could not be read", read, runner.store, tenant, job["id"], after, limit
-    )
-    if page is None:
-        raise APIError(400, f"after: no {what[:-1]} {echo(after)} of this job", param="after")
-    return JSONResponse(list_object(*page))
+    page = await stored_page(request.query_params, f"the {what} could not be read", what[:-1], "job", read,
+                             runner.store, tenant, job["id"], default_limit=default_limit)  # fmt: skip
+    return JSONResponse(page)
 
 
 @operation("a fine-tuning job's events, newest first", tag="Fine-tuning", ok_description="a list of events",
