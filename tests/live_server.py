@@ -13,10 +13,23 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 from motet.evals.server import ServerError, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def assert_chat_prompt_ids(url: str, model: str, messages: list[dict], want: list[int]):
+    """The server at `url` encodes the chat as `want` (the reference's ids), through /tokenize and a chat
+    completion's prompt tokens (the openai SDK's parsing); the SDK's client, for more requests."""
+    r = httpx.post(f"{url}/tokenize", json={"model": model, "messages": messages}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == want
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0)
+    assert reply.usage.prompt_tokens == len(want)
+    return client
 
 
 def keys_file(tmp: Path, keys: dict) -> str:

@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import shutil
 
-import httpx
-import openai
 import pytest
 from transformers import AutoTokenizer
 
 from motet.api.cli import main
 from tests.engine.test_gguf_model_file import write_gguf_file
-from tests.live_server import ThreadServer
+from tests.live_server import ThreadServer, assert_chat_prompt_ids
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -57,14 +55,7 @@ def test_serve_a_gguf_file_with_the_named_tokenizer(gguf_and_tokenizer, tmp_path
         "--data-dir", str(tmp_path / "data"),
     )  # fmt: skip
     try:
-        r = httpx.post(f"{server.url}/tokenize", json={"model": path.stem, "messages": MESSAGES}, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["tokens"] == want
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-        reply = client.chat.completions.create(
-            model=path.stem, messages=MESSAGES, max_tokens=2, temperature=0
-        )
-        assert reply.usage.prompt_tokens == len(want)
+        assert_chat_prompt_ids(server.url, path.stem, MESSAGES, want)
     finally:
         server.stop()
 

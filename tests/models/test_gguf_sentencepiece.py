@@ -17,13 +17,11 @@ import re
 from pathlib import Path
 
 import gguf
-import httpx
-import openai
 import pytest
 
 from motet.engine.llm import LLM
 from tests.engine.test_gguf_model_file import OPTIONS, write_gguf_file
-from tests.live_server import ThreadServer
+from tests.live_server import ThreadServer, assert_chat_prompt_ids
 from tests.models.test_gguf_families import FAMILIES, write_family_gguf
 from tests.tiny_models import CORPUS, build_tiny_model
 
@@ -315,14 +313,7 @@ def test_served_chat_renders_the_files_template(spm_file, tmp_path):
         "--model", str(path), "--threads", "1", "--max-model-len", "512", "--data-dir", str(tmp_path / "data")
     )
     try:
-        r = httpx.post(f"{server.url}/tokenize", json={"model": path.stem, "messages": messages}, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["tokens"] == want
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-        reply = client.chat.completions.create(
-            model=path.stem, messages=messages, max_tokens=2, temperature=0
-        )
-        assert reply.usage.prompt_tokens == len(want)
+        client = assert_chat_prompt_ids(server.url, path.stem, messages, want)
         if family == "gemma3":  # the model's end of turn ends its answer
             end = sp.piece_to_id("<end_of_turn>")
             reply = client.completions.create(
