@@ -111,15 +111,21 @@ def parse_line(raw: bytes, number: int) -> dict:
     return value
 
 
+def _chat(value: dict, prefix: str, number: int) -> tuple[list[Tool], list[dict]]:
+    """A chat's fields (messages, tools, parallel_tool_calls) checked: its tools and messages. `prefix`: where the
+    chat stands in the line ("" for a supervised example, "input." for a preference pair's input), for the errors."""
+    _known_keys(value, _CHAT_KEYS, prefix, number)
+    if "messages" not in value:
+        raise DataError(f"missing the `{prefix}messages` key", number)
+    tools = _tools(value.get("tools"), f"{prefix}tools", number)
+    _parallel(value, f"{prefix}parallel_tool_calls", number)
+    return tools, _messages(value["messages"], f"{prefix}messages", number)
+
+
 def chat_example(value: dict, number: int) -> ChatExample:
     if "input" in value and "messages" not in value:
         raise DataError('a preference pair: supervised fine-tuning reads chats ({"messages": [...]})', number)
-    _known_keys(value, _CHAT_KEYS, "", number)
-    if "messages" not in value:
-        raise DataError("missing the `messages` key", number)
-    tools = _tools(value.get("tools"), "tools", number)
-    _parallel(value, "parallel_tool_calls", number)
-    messages = _messages(value["messages"], "messages", number)
+    tools, messages = _chat(value, "", number)
     trained = []
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
@@ -148,12 +154,7 @@ def preference_example(value: dict, number: int) -> PreferenceExample:
     given = value["input"]
     if not isinstance(given, dict):
         raise DataError(f"input must be an object, got {_kind(given)}", number)
-    _known_keys(given, _CHAT_KEYS, "input.", number)
-    if "messages" not in given:
-        raise DataError("missing the `input.messages` key", number)
-    tools = _tools(given.get("tools"), "input.tools", number)
-    _parallel(given, "input.parallel_tool_calls", number)
-    messages = _messages(given["messages"], "input.messages", number)
+    tools, messages = _chat(given, "input.", number)
     if messages[-1]["role"] == "assistant":
         raise DataError("input.messages ends with an assistant message: the outputs are the answers", number)
     if any("weight" in m for m in messages):
