@@ -13,6 +13,17 @@ namespace motet {
 // `softcap` > 0, the scaled scores squashed to softcap * tanh(s / softcap); `sinks` (fp32 [H], or null), each
 // head's logit that joins its softmax's denominator and attends to nothing.
 
+// Head h's key and value rows (kp, vp) of the n positions from j0 (rows of kv_row values, heads of D).
+template <typename TC>
+inline void kv_rows(const TC* kc, const TC* vc, const int32_t* table, int BS, int64_t kv_row, int h, int D, int64_t j0,
+                    int n, const TC** kp, const TC** vp) {
+    for (int j = 0; j < n; ++j) {
+        const int64_t at = cache_slot(table, BS, j0 + j) * kv_row + static_cast<int64_t>(h) * D;
+        kp[j] = kc + at;
+        vp[j] = vc + at;
+    }
+}
+
 constexpr int kTile = 32;
 constexpr int kMaxGroup = 16;
 constexpr int kMaxHeadDim = 256;
@@ -60,12 +71,7 @@ void attention_fma(const TQ* q, int64_t q_st, int64_t q_sh, const TC* kc, const 
             const int n = static_cast<int>(n_keys - j0 < kTile ? n_keys - j0 : kTile);
             const TC* kp[kTile];
             const TC* vp[kTile];
-            for (int j = 0; j < n; ++j) {
-                const int64_t pos = j0 + j;
-                const int64_t slot = static_cast<int64_t>(table[pos / BS]) * BS + pos % BS;
-                kp[j] = kc + slot * kv_row + static_cast<int64_t>(h) * D;
-                vp[j] = vc + slot * kv_row + static_cast<int64_t>(h) * D;
-            }
+            kv_rows(kc, vc, table, BS, kv_row, h, D, j0, n, kp, vp);
             int j = 0;
 #ifdef __AVX2__
             // eight keys at a time where they sit in consecutive rows of the cache: the first and the last 7 rows

@@ -93,12 +93,7 @@ inline void attention_block(const float* q, int64_t q_st, int64_t q_sh, const ui
         const int n = static_cast<int>(end - j0 < kKeyTile ? end - j0 : kKeyTile);
         const uint16_t* kp[kKeyTile];
         const uint16_t* vp[kKeyTile];
-        for (int j = 0; j < n; ++j) {
-            const int64_t pos = j0 + j;
-            const int64_t slot = static_cast<int64_t>(table[pos / BS]) * BS + pos % BS;
-            kp[j] = kc + slot * kv_row + static_cast<int64_t>(h) * D;
-            vp[j] = vc + slot * kv_row + static_cast<int64_t>(h) * D;
-        }
+        kv_rows(kc, vc, table, BS, kv_row, h, D, j0, n, kp, vp);
         // scores [R][16 keys]
         __m512 s[kMaxRows];
         for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();

@@ -44,6 +44,11 @@ inline void with_rows(int rows, F&& f) {
     }
 }
 
+// A position's slot in the paged KV cache: its block through the sequence's block table, then its place there.
+inline int64_t cache_slot(const int32_t* table, int BS, int64_t pos) {
+    return static_cast<int64_t>(table[pos / BS]) * BS + pos % BS;
+}
+
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }

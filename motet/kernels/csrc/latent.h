@@ -73,9 +73,7 @@ void latent_paged_attention(const float* q, const TC* cache, const int32_t* tabl
             for (int64_t j0 = 0; j0 < n_keys; j0 += kTile) {
                 const int n = static_cast<int>(std::min<int64_t>(kTile, n_keys - j0));
                 for (int j = 0; j < n; ++j) {
-                    const int64_t pos = j0 + j;
-                    const int64_t slot = static_cast<int64_t>(table[pos / BS]) * BS + pos % BS;
-                    to_f32(cache + slot * Dk, kt.data() + static_cast<int64_t>(j) * Dk, Dk);
+                    to_f32(cache + cache_slot(table, BS, j0 + j) * Dk, kt.data() + static_cast<int64_t>(j) * Dk, Dk);
                 }
                 for (int g = 0; g < g_n; ++g) {
                     float* sg = s.data() + g * kTile;
