@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from motet.actors.front import Stats
 from motet.engine.core.kv_connector import LOAD_BUCKETS
-from motet.engine.core.sequence import RequestTimings
+from motet.engine.outputs import RequestTimings
 
 # vLLM's buckets for its latency histograms (vllm/v1/metrics/loggers.py)
 _VLLM_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

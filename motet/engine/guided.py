@@ -57,14 +57,17 @@ class GuidedDecoding:
         reasoning_ends: tuple[str, ...] = (REASONING_END,),
         reasoning_budget: int | None = None,
         closing: ReasoningOpening | None = None,
+        peek: Callable[[list[int]], list[str]] | None = None,
     ):
         """`reasoning`: the tokenizer's tokens that open the reasoning when the output may reason (None: it
         never does); `reasoning_started`: the output begins inside it (the prompt opened `<think>`);
         `reasoning_ends`: what ends it; `reasoning_budget`: the most output tokens written before the reasoning
-        must end (None: no limit), `closing` then the tokens that write the first of `reasoning_ends`."""
+        must end (None: no limit), `closing` then the tokens that write the first of `reasoning_ends`; `peek`: the
+        text tokens would add to the output so far, token by token (its detokenizer's), for drafts."""
         if reasoning_budget is not None and closing is None:
             raise ValueError("a reasoning budget needs the tokens that close the reasoning")
         self.matcher = matcher
+        self.peek = peek
         self._opening = reasoning
         self._ends = reasoning_ends
         self._tail_len = max(len(end) for end in reasoning_ends)

@@ -42,9 +42,8 @@ from motet.engine.core.kv_window import WindowBlocks
 from motet.engine.core.latency import TokenPace
 from motet.engine.core.scheduler import ScheduledBatch, Scheduler
 from motet.engine.core.sequence import Sequence
-from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
 from motet.engine.guided import GuidedDecoding
-from motet.engine.output_commit import LandedStep, OutputCommit, TextRow, failed
+from motet.engine.output_commit import LandedStep, OutputCommit, failed
 from motet.engine.outputs import OutputDelta
 from motet.engine.request import EngineRequest, final_params
 from motet.engine.request_checks import RequestLimits
@@ -65,7 +64,6 @@ from motet.grammar.backend import CompiledGrammar, GrammarTokenizer
 from motet.grammar.cache import GrammarCache
 from motet.grammar.reasoning import ReasoningOpening, reasoning_format
 from motet.grammar.specs import GrammarSpec
-from motet.grammar.tool_call_parser import RepeatedCallStop
 from motet.lora.manager import AdapterManager, AdapterRef, AdapterStats
 from motet.models.declaration import ModelLoadError
 from motet.models.rope_config import longrope_original
@@ -176,11 +174,9 @@ class LLMEngine:
             config,
             self.eos_token_ids,
             self.max_model_len,
-            lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False),
+            self.tokenizer.hf,
             self.runner.grammar_stats,
             self.scheduler.fairness,
-            self._finish,
-            self.abort,
         )
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -341,6 +337,16 @@ class LLMEngine:
         original = longrope_original(self.model_config.rope_scaling)
         long_rope = original is not None and len(token_ids) > original
         long_salt = prefix_salt(tenant, params.cache_salt, self.config.shared_prefix_cache, long_rope=True)
+        text = self.output_commit.start(request.request_id, token_ids, params, request.arrival_time)
+        try:
+            guided = None
+            if request.grammar is not None:
+                guided = self._guided(request.grammar, params, token_ids, text.detok.peek)
+        except BaseException:
+            self.output_commit.forget(request.request_id)
+            self.adapters.release(uid)
+            raise
+        kind = params.grammar.kind if params.grammar is not None else None
         seq = Sequence(
             list(token_ids),
             params,
@@ -353,34 +359,31 @@ class LLMEngine:
             tenant=tenant,
             priority=request.priority,
             background=request.background,
+            guided=guided,
+            draft_scope=DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning),
+            reads_text=text.stops.reads_text,
         )
-        seq.arrival_time = request.arrival_time
-        kind = params.grammar.kind if params.grammar is not None else None
-        seq.draft_scope = DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning)
-        if request.grammar is not None:
-            seq.guided = self._guided(request.grammar, params, token_ids)
-        seq.detok = IncrementalDetokenizer(self.tokenizer.hf, token_ids, params.skip_special_tokens)
-        seq.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
-        if params.stop_on_repeated_tool_call:
-            seq.stops = StopChain(seq.stops, RepeatedCallStop())
         self.scheduler.add(seq)
         self.requests[request.request_id] = seq
         return request.request_id
 
-    def _guided(self, grammar: CompiledGrammar, params: SamplingParams, prompt: list[int]) -> GuidedDecoding:
+    def _guided(
+        self, grammar: CompiledGrammar, params: SamplingParams, prompt: list[int], peek
+    ) -> GuidedDecoding:
         """The constraint: from the output's first token, or with `params.reasoning` (a reasoning format) after
         its end (`</think>`) when the prompt opened its reasoning or the output's first tokens do; with
-        `params.bound_reasoning`, that end forced after half of max_tokens (motet/engine/guided.py)."""
+        `params.bound_reasoning`, that end forced after half of max_tokens (motet/engine/guided.py). `peek`: the
+        text tokens would add to the output (its detokenizer's)."""
         fmt = reasoning_format(params.reasoning)
         if fmt is None:
-            return GuidedDecoding(grammar.matcher())
+            return GuidedDecoding(grammar.matcher(), peek=peek)
         started = fmt.started(self.tokenizer.hf.decode(prompt[-16:]))  # the template's last words
         opening = self.reasoning_opening_of(fmt.starts) if fmt.starts else None
         budget = closing = None
         if params.bound_reasoning:
             budget, closing = params.max_tokens // 2, self.reasoning_opening_of(fmt.ends[:1], exact=True)
         return GuidedDecoding(
-            grammar.matcher(), opening, started, fmt.ends, reasoning_budget=budget, closing=closing
+            grammar.matcher(), opening, started, fmt.ends, reasoning_budget=budget, closing=closing, peek=peek
         )
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
@@ -396,6 +399,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
+        self.output_commit.forget(request_id)
         self.stepping.release(seq)  # (now, or once the step in flight that reads it lands)
         return True
 
@@ -489,8 +493,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(hold)
         now = batch.scheduled_at = time.monotonic()
         for seq in batch.seqs:
-            if seq.scheduled_time is None:  # its queue time ends here (a preempted one keeps its first)
-                seq.scheduled_time = now
+            self.output_commit.scheduled(seq.request_id, now)
         self.scheduler.advance(batch)
         return batch
 
@@ -557,7 +560,9 @@ class LLMEngine:
             try:
                 if result.errors[i] is not None:
                     if seq.guided is not None and _all_masked(result.errors[i]):
-                        landed.outputs.append(commit.end_masked(seq, now))
+                        committed = commit.end_masked(seq, now)
+                        self._finish(seq, *committed.finish)
+                        landed.outputs.append(committed.delta)
                         continue
                     raise result.errors[i]
                 if result.prompt_logprobs[i]:
@@ -567,12 +572,17 @@ class LLMEngine:
                     continue
                 drafted = len(seq.draft_token_ids)
                 if not drafted and len(tokens) == 1 and seq.decided_by_tokens:
-                    finish = commit.append_token(seq, tokens[0], result.logprobs[i][0])
-                    if finish is None:  # a block its token fills is cached now it is known
+                    row = commit.append_token(seq, tokens[0], result.logprobs[i][0])
+                    if row.finish is not None:
+                        self._finish(seq, *row.finish)
+                    else:  # a block its token fills is cached now it is known
                         cache_full_blocks(seq)
-                    landed.text_rows.append(TextRow(seq, tokens[0], finish))
+                    landed.text_rows.append(row)
                     continue
-                landed.outputs.append(commit.advance(seq, tokens, result.logprobs[i], now))
+                committed = commit.advance(seq, tokens, result.logprobs[i], now)
+                if committed.finish is not None:
+                    self._finish(seq, *committed.finish)
+                landed.outputs.append(committed.delta)
                 if drafted:
                     self.speculator.observe(seq, drafted, len(tokens) - 1)
                     if not seq.is_finished:
@@ -590,7 +600,10 @@ class LLMEngine:
     def commit_text(self, landed: LandedStep) -> list[OutputDelta]:
         """The rest of the commit: the rows `commit_tokens` left detokenized, the step's deltas made
         (motet/engine/output_commit.py). It may run while the next step computes."""
-        return self.output_commit.text(landed)
+        deltas, failures = self.output_commit.text(landed)
+        for request_id in failures:
+            self.abort(request_id)
+        return deltas
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         """A request ends: its drafts' history, its blocks (saved to the KV tiers first), its adapter pin."""

@@ -5,7 +5,8 @@ As vLLM V1's engine core returns `EngineCoreOutput`s (new token ids, logprobs, f
 accumulates them, `LLMEngine.step()` returns one `OutputDelta` per request it advanced, its new text made already
 (motet/engine/output_commit.py). The serving layer carries that same record through the reply streams to the API
 (several merged into one for a slow reader, `OutputDelta.merge`), across Ray unchanged; the offline `LLM`, scripts
-and tests accumulate them here.
+and tests accumulate them here. The records a delta carries (`TokenLogprob`, `RequestTimings`) live here too: the
+API and the worker import them, never the engine's core.
 """
 
 from __future__ import annotations
@@ -13,7 +14,31 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from motet.engine.core.sequence import RequestTimings, TokenLogprob
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's logprob and the top alternatives (token_id, logprob), best first; a prompt
+    token's also has its rank in the distribution (1: the likeliest)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """A finished request's phases in seconds, as vLLM's request histograms define them: queued (arrival in
+    the serving system to first scheduled), prefill (first scheduled to first token), decode (first token to
+    the last); inference is prefill + decode. A preempted request keeps its first scheduling."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def inference_s(self) -> float:
+        return self.prefill_s + self.decode_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from motet.api.completions import protocol as P
 from motet.api.state import ServerState
-from motet.engine.core.sequence import TokenLogprob
+from motet.engine.outputs import TokenLogprob
 
 # A token the grammar (or a penalty) masked out has logprob -inf, which JSON cannot carry: it is reported
 # as this floor instead (vLLM's convention).

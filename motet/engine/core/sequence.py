@@ -1,6 +1,6 @@
 """A sequence: one request inside the engine (one choice of an API request). Its prompt and growing output,
-the scheduler's bookkeeping (KV blocks, computed tokens), its grammar, and what makes its text (the detokenizer,
-the stop strings)."""
+the scheduler's bookkeeping (KV blocks, computed tokens) and its grammar; its text (the detokenizer, the stop
+strings, the timestamps) is the output commit's (motet/engine/output_commit.py `TextState`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
 from motet.engine.guided import GuidedDecoding
+from motet.engine.outputs import TokenLogprob
 from motet.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -31,32 +31,6 @@ class PendingToken:
 
     def __init__(self):
         self.at: tuple | None = None
-
-
-@dataclass
-class TokenLogprob:
-    """The chosen token's logprob and the top alternatives (token_id, logprob), best first; a prompt
-    token's also has its rank in the distribution (1: the likeliest)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-    rank: int | None = None
-
-
-@dataclass(frozen=True)
-class RequestTimings:
-    """A finished request's phases in seconds, as vLLM's request histograms define them: queued (arrival in
-    the serving system to first scheduled), prefill (first scheduled to first token), decode (first token to
-    the last); inference is prefill + decode. A preempted request keeps its first scheduling."""
-
-    queue_s: float
-    prefill_s: float
-    decode_s: float
-
-    @property
-    def inference_s(self) -> float:
-        return self.prefill_s + self.decode_s
 
 
 @dataclass
@@ -102,7 +76,6 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_preemptions: int = 0
     guided: GuidedDecoding | None = None  # the grammar constraint, if any
@@ -114,21 +87,12 @@ class Sequence:
     # Whose recent outputs it may draft from (a speculative.history.DraftScope): its tenant, cache_salt,
     # adapter and kind of grammar.
     draft_scope: Hashable | None = None
-    # Output text, as the engine commits tokens (set by the engine when it takes the request).
-    detok: IncrementalDetokenizer | None = None
-    stops: StopStringMatcher | StopChain | None = None
-    num_emitted: int = 0  # tokens already given out in an OutputDelta (the prompt's counted)
-    # time.monotonic() when it entered the serving system, was first scheduled, and produced its first and
-    # its latest token (None: not yet), for RequestTimings.
-    arrival_time: float = 0.0
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
+    # Whether its ending depends on its text (stop strings: the output commit's `TextState.stops` reads it)
+    reads_text: bool = False
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.token_ids = list(self.prompt_token_ids)
-        self.num_emitted = len(self.token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -159,19 +123,13 @@ class Sequence:
     def decided_by_tokens(self) -> bool:
         """Whether its ending and its next step are decided by its tokens alone (no grammar, no stop matcher that
         reads text), so that its text may be made later."""
-        return self.guided is None and (self.stops is None or not self.stops.reads_text)
+        return self.guided is None and not self.reads_text
 
     def needs_token_on_host(self) -> bool:
         """Whether its next step needs the token its launched step samples on the host, not only as its input
         (which the device has): each feature that does says so where it is (a grammar or a stop matcher reading
         its text: `decided_by_tokens`; the sampler reading its output so far: `SamplingParams.reads_output`)."""
         return not self.decided_by_tokens or self.params.reads_output(self.num_output_tokens)
-
-    def timings(self) -> RequestTimings:
-        scheduled = self.scheduled_time if self.scheduled_time is not None else self.arrival_time
-        first = self.first_token_time if self.first_token_time is not None else scheduled
-        last = self.last_token_time if self.last_token_time is not None else first
-        return RequestTimings(scheduled - self.arrival_time, first - scheduled, last - first)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -15,7 +15,6 @@ import itertools
 from dataclasses import dataclass
 
 from motet.engine.core.sequence import PendingToken, Sequence
-from motet.engine.detokenizer import IncrementalDetokenizer
 from motet.engine.guided import GuidedDecoding
 from motet.engine.sampling_params import SamplingParams
 
@@ -42,10 +41,9 @@ class RowPlan:
     params: SamplingParams
     num_prompt_tokens: int
     num_output_tokens: int  # on the host (a pending token not counted)
-    # The grammar rows: its constraint and detokenizer (the engine's; the masks read them before the step
-    # launches, while the scheduling thread waits), None without a grammar
+    # The grammar rows: its constraint (the engine's; the masks read it before the step launches, while the
+    # scheduling thread waits), None without a grammar
     guided: GuidedDecoding | None
-    detok: IncrementalDetokenizer | None
     grammar_holds_stop: bool  # whether its grammar holds back the stop tokens (a bounded reasoning open)
     num_prompt_logprobs_done: int  # prompt logprobs it has reported (a recompute skips them)
     # Where its sampled token goes (the forward thread fills it), and where its pending input token is
@@ -110,7 +108,6 @@ class PlanMirror:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             guided=guided,
-            detok=seq.detok if guided is not None else None,
             grammar_holds_stop=guided is not None and guided.holds_stop,
             num_prompt_logprobs_done=len(seq.prompt_logprobs),
             pending=pending,

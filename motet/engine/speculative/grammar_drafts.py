@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from motet.engine.detokenizer import IncrementalDetokenizer
 from motet.engine.guided import GuidedDecoding
 
 
@@ -27,13 +26,13 @@ def forced_text(guided: GuidedDecoding) -> str:
     return guided.matcher.find_jump_forward_string()
 
 
-def activation_index(guided: GuidedDecoding, detok: IncrementalDetokenizer | None, drafts: list[int]) -> int:
+def activation_index(guided: GuidedDecoding, drafts: list[int]) -> int:
     """The first draft position (0..len(drafts)) whose token is constrained; len(drafts) + 1 if none is."""
     if guided.active:
         return 0
-    if not drafts or detok is None:
+    if not drafts or guided.peek is None:
         return len(drafts) + 1
-    tail = guided.tail_after(detok.peek(drafts))
+    tail = guided.tail_after(guided.peek(drafts))
     return tail if tail is not None else len(drafts) + 1
 
 

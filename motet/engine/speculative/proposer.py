@@ -186,7 +186,7 @@ class Speculator:
         self.stats.ngram_hits += source.startswith("ngram") or (source == "grammar" and bool(copied))
         self.stats.history_hits += source == "history"
         if g is not None and not checked:
-            drafts = check_drafts(g, drafts, activation_index(g, seq.detok, drafts))
+            drafts = check_drafts(g, drafts, activation_index(g, drafts))
         return drafts, gains[: len(drafts)]
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:

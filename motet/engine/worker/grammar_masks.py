@@ -87,7 +87,7 @@ class GrammarMasks:
             if guided is None:
                 continue
             if drafts:
-                first = activation_index(guided, row.detok, drafts)
+                first = activation_index(guided, drafts)
                 masked.extend(range(start + first, start + len(drafts) + 1))
                 drafted.append((guided, drafts, first, start))
             elif guided.active:

@@ -23,7 +23,7 @@ from motet.engine.config import (
 )
 from motet.engine.core.kv_window import pool_sizes, ring_blocks
 from motet.engine.core.scheduler import ScheduledBatch
-from motet.engine.core.sequence import TokenLogprob
+from motet.engine.outputs import TokenLogprob
 from motet.engine.speculative.verify import num_accepted
 from motet.engine.weights import load_progress
 from motet.engine.weights.gguf_weights import gguf_file, iter_gguf_weights

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from motet.engine.core.sequence import TokenLogprob
+from motet.engine.outputs import TokenLogprob
 from motet.engine.worker.rows import SampleView
 from motet.engine.worker.token_masks import apply_token_masks
 

@@ -102,9 +102,11 @@ def test_draft_masks_are_the_plain_paths_masks(engines, draft_text):
     drafts = hf.encode(draft_text)
     vocab = engine.model_config.vocab_size
 
-    guided = GuidedDecoding(grammar.matcher(), engine.reasoning_opening, reasoning_started=True)
     detok = IncrementalDetokenizer(hf, prompt)
-    first = activation_index(guided, detok, drafts)
+    guided = GuidedDecoding(
+        grammar.matcher(), engine.reasoning_opening, reasoning_started=True, peek=detok.peek
+    )
+    first = activation_index(guided, drafts)
     assert check_drafts(guided, drafts, first) == drafts  # valid JSON after </think>: all kept
     spec = allocate_bitmask(len(drafts) + 1, vocab)
     fill_draft_bitmask(spec, guided, drafts, first, 0)
