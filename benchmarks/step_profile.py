@@ -75,7 +75,7 @@ class Timers:
 
     The step is the engine's schedule -> execute -> commit (motet/engine/llm_engine.py), driven here by hand so
     each stage is timed in order. Inside `execute`: the step's LoRA segments (`adapters.batch`), the grammar
-    masks (`runner.masks.start`, then the wait for the side thread's bitmask and applying it: the masks' own
+    masks (`engine.structured_output.mask`, then the wait for the side thread's bitmask and applying it: the masks' own
     stats), the inputs built on the host and sent (`InputBuilder.host` / `graph_rows`, `to_device`), the forward
     (the step backend's `forward`, or the CUDA graphs' `run_rows`; split by the native step's clocks), the
     logits (the backend's `logits`) and the sampler; the commit is its two halves (`commit_tokens`,
@@ -91,7 +91,7 @@ class Timers:
         inputs = eager.inputs
         for obj, name, phase in ((self.engine.adapters, "batch", "adapters"), (inputs, "host", "inputs"),
                                  (inputs, "graph_rows", "inputs"), (inputs, "to_device", "inputs"),
-                                 (eager, "forward", "forward"), (self.runner.masks, "start", "grammar")):  # fmt: skip
+                                 (eager, "forward", "forward"), (self.engine.structured_output, "mask", "grammar")):  # fmt: skip
             self._wrap(obj, name, phase)
         if getattr(steps, "graphs", None) is not None:
             self._wrap(steps.graphs, "run_rows", "forward")
@@ -137,7 +137,7 @@ class Timers:
         """One timed step: its phases in seconds, its tokens and logit rows."""
         self.t.clear()
         self.logit_rows = 0
-        engine, native, grammar = self.engine, self.runner.native, self.runner.grammar_stats
+        engine, native, grammar = self.engine, self.runner.native, self.engine.structured_output.stats
         masked = grammar.wait_s + grammar.apply_s
         if native is not None:
             native.profile()

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from motet.actors.front import Stats
 from motet.engine.core.kv_connector import KVTierStats, sum_tier_stats
 from motet.engine.speculative.proposer import SpeculativeStats
-from motet.engine.worker.grammar_masks import GrammarStats
+from motet.engine.structured_output import GrammarStats
 from motet.lora.manager import AdapterStats
 
 REPORT_PERIOD_S = 0.5

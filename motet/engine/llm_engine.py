@@ -51,10 +51,10 @@ from motet.engine.sampling_params import SamplingParams
 from motet.engine.speculative.history import DraftScope
 from motet.engine.speculative.proposer import NoSpeculation, SpeculativeConfig, SpeculativeStats, Speculator
 from motet.engine.stepping import OverlappedSteps, SequentialSteps
+from motet.engine.structured_output import GrammarStats, StructuredOutputs
 from motet.engine.tokenizer import load_tokenizer
 from motet.engine.weights.checkpoint import load_model_config
 from motet.engine.weights.model_store import resolve_model
-from motet.engine.worker.grammar_masks import GrammarStats
 from motet.engine.worker.memory import available_host_memory
 from motet.engine.worker.model_runner import ModelRunner, StepResult
 from motet.engine.worker.parallel import RankFailure
@@ -160,12 +160,14 @@ class LLMEngine:
             max_kv_tokens=self._max_kv_blocks() * config.block_size,
             eos_token_ids=frozenset(self.eos_token_ids),
         )
+        self.structured_output = StructuredOutputs(self.model_config.vocab_size)  # the requests' grammars
         self.speculator: Speculator | NoSpeculation = NoSpeculation()
         if config.speculative_mode != "off" and config.num_speculative_tokens > 0:
             self.speculator = Speculator(
                 SpeculativeConfig(config.num_speculative_tokens, config.speculative_overhead_tokens),
                 lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False),
                 self.max_model_len,
+                self.structured_output.get,
             )
         self.requests: dict[str, Sequence] = {}
         self.grammar_cache = GrammarCache()
@@ -175,7 +177,7 @@ class LLMEngine:
             self.eos_token_ids,
             self.max_model_len,
             self.tokenizer.hf,
-            self.runner.grammar_stats,
+            self.structured_output,
             self.scheduler.fairness,
         )
         self._ids = itertools.count()
@@ -359,10 +361,11 @@ class LLMEngine:
             tenant=tenant,
             priority=request.priority,
             background=request.background,
-            guided=guided,
             draft_scope=DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning),
-            reads_text=text.stops.reads_text,
+            decided_by_tokens=guided is None and not text.stops.reads_text,
         )
+        if guided is not None:
+            self.structured_output.add(request.request_id, guided)
         self.scheduler.add(seq)
         self.requests[request.request_id] = seq
         return request.request_id
@@ -400,6 +403,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.output_commit.forget(request_id)
+        self.structured_output.forget(request_id)
         self.stepping.release(seq)  # (now, or once the step in flight that reads it lands)
         return True
 
@@ -450,7 +454,7 @@ class LLMEngine:
             adapters=self.adapters.stats(),
             running_adapters=tuple(sorted(self.adapters.name_of(a) for a in running)),
             waiting_adapters=tuple(sorted(self.adapters.name_of(a) for a in waiting)),
-            grammar=GrammarStats(**vars(self.runner.grammar_stats)),
+            grammar=GrammarStats(**vars(self.structured_output.stats)),
             speculative=SpeculativeStats(**vars(self.speculator.stats)),
             prompt_tokens=self.output_commit.num_prompt_tokens,
             generation_tokens=self.output_commit.num_generation_tokens,
@@ -490,7 +494,7 @@ class LLMEngine:
         if kv.num_loading and not sched.running and len(sched.waiting) == kv.num_loading:
             kv.wait_for_load(LOAD_WAIT_S)  # nothing else could run
         self._prepare_adapters()
-        batch = self.scheduler.schedule(hold)
+        batch = self.scheduler.schedule(hold, self.structured_output.holding_stop())
         now = batch.scheduled_at = time.monotonic()
         for seq in batch.seqs:
             self.output_commit.scheduled(seq.request_id, now)
@@ -522,7 +526,8 @@ class LLMEngine:
         self.runner.take_plan(batch)  # (here, whatever happens to the step: the next plan is against it)
         try:
             lora = self.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
-            return self.runner.execute(batch, lora, on_launch, lazy)
+            mask = self.structured_output.mask(batch.plan())  # filled while the forward pass runs
+            return self.runner.execute(batch, lora, on_launch, lazy, mask)
         except RankFailure:  # not this batch's fault: no step can run any more
             raise
         except Exception as e:
@@ -559,7 +564,7 @@ class LLMEngine:
                 seq.num_pending -= 1
             try:
                 if result.errors[i] is not None:
-                    if seq.guided is not None and _all_masked(result.errors[i]):
+                    if self.structured_output.get(seq.request_id) and _all_masked(result.errors[i]):
                         committed = commit.end_masked(seq, now)
                         self._finish(seq, *committed.finish)
                         landed.outputs.append(committed.delta)
@@ -610,6 +615,7 @@ class LLMEngine:
         self.speculator.record(seq)
         self.kv_connector.save_sequence(seq)  # its blocks outlive their eviction from the device
         self.scheduler.finish(seq, reason, stop_reason)
+        self.structured_output.forget(seq.request_id)
         del self.requests[seq.request_id]
         self.adapters.release(seq.adapter_id)
 

@@ -25,8 +25,10 @@ from motet.engine.config import EngineConfig
 from motet.engine.core.fairness import VirtualTokenCounter
 from motet.engine.core.sequence import Sequence
 from motet.engine.detokenizer import IncrementalDetokenizer, StopChain, StopStringMatcher
+from motet.engine.guided import GuidedDecoding
 from motet.engine.outputs import OutputDelta, RequestTimings, TokenLogprob
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.structured_output import StructuredOutputs
 from motet.grammar.tool_call_parser import RepeatedCallStop
 
 log = logging.getLogger("motet.engine")
@@ -84,7 +86,7 @@ class Committed(NamedTuple):
 class OutputCommit:
     """Rows' landed tokens into deltas, under the engine's `config` (read as it is: `jump_forward` may change).
     `tokenizer` is the engine's (Hugging Face) tokenizer: the detokenizers' and, without special tokens, the
-    text a grammar forces."""
+    text a grammar forces; `structured_output` holds the requests' grammars, which their tokens advance."""
 
     def __init__(
         self,
@@ -92,11 +94,11 @@ class OutputCommit:
         eos_token_ids: set[int],
         max_model_len: int,
         tokenizer,
-        grammar_stats,
+        structured_output: StructuredOutputs,
         fairness: VirtualTokenCounter,
     ):
         self.config, self.eos_token_ids, self.max_model_len = config, eos_token_ids, max_model_len
-        self.tokenizer, self.grammar_stats, self.fairness = tokenizer, grammar_stats, fairness
+        self.tokenizer, self.structured_output, self.fairness = tokenizer, structured_output, fairness
         self.texts: dict[str, TextState] = {}
         # Tokens processed so far, as vLLM counts them (EngineStats.prompt_tokens, generation_tokens).
         self.num_prompt_tokens = 0
@@ -128,7 +130,7 @@ class OutputCommit:
     def advance(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> Committed:
         """Append the step's tokens one by one (with speculation, several) until one ends the request, then
         the tokens its grammar forces (jump-forward)."""
-        g, state = seq.guided, self.texts[seq.request_id]
+        g, state = self.structured_output.get(seq.request_id), self.texts[seq.request_id]
         text, finish = "", None
         for token, lp in zip(tokens, logprobs, strict=True):
             if lp is not None:
@@ -139,7 +141,7 @@ class OutputCommit:
                 text += self._flush(state)
                 finish = ("stop", None)
             else:
-                more, finish = self._append(seq, state, token)
+                more, finish = self._append(seq, state, g, token)
                 text += more
             if finish is not None:
                 break
@@ -148,9 +150,9 @@ class OutputCommit:
             # forced tokens are appended unsampled: never where logprobs or the token masks must see each one
             if self.config.jump_forward and seq.params.logprobs is None and not seq.params.masks_tokens:
                 forced = g.jump_forward(self.encode)
-            self.grammar_stats.jump_forward_tokens += len(forced)
+            self.structured_output.stats.jump_forward_tokens += len(forced)
             for t in forced:
-                more, finish = self._append(seq, state, t)
+                more, finish = self._append(seq, state, g, t)
                 text += more
                 if finish is not None:
                     break
@@ -207,16 +209,19 @@ class OutputCommit:
             return ("length", None)
         return None
 
-    def _append(self, seq: Sequence, state: TextState, token: int) -> tuple[str, Finish | None]:
-        """Append one token: its new text, and (finish_reason, stop_reason) if it ends the request."""
+    def _append(
+        self, seq: Sequence, state: TextState, g: GuidedDecoding | None, token: int
+    ) -> tuple[str, Finish | None]:
+        """Append one token: its new text, and (finish_reason, stop_reason) if it ends the request (`g`: its
+        grammar, if any)."""
         seq.append_token(token)
         text = self._token_text(seq, state, token, self.token_finish(seq, token))
-        if seq.guided is not None:
-            seq.guided.observe_text(text)
+        if g is not None:
+            g.observe_text(text)
         new, stopped = state.stops.feed(text)
         if stopped:
             finish = ("stop", state.stops.matched)
-        elif seq.guided is not None and seq.guided.terminated:  # the grammar accepted its stop token
+        elif g is not None and g.terminated:  # the grammar accepted its stop token
             finish = ("stop", None)
         else:
             finish = self.token_finish(seq, token)

@@ -278,7 +278,8 @@ def test_a_request_that_fails_in_processing_fails_alone(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     bad = engine.add_request([5, 6, 7], params)
     good = engine.add_request([5, 6, 8], params)
-    engine.requests[bad].guided = GuidedDecoding(Broken())
+    engine.structured_output.add(bad, GuidedDecoding(Broken()))
+    engine.requests[bad].decided_by_tokens = False
     outs, answers = {}, RequestOutputs()
     while engine.has_unfinished():
         for o in answers.step(engine):

@@ -128,12 +128,12 @@ def test_abort_while_the_launched_step_reads_its_rows(model_dir, caplog, make_re
     eng = engine(model_dir, overlap=True)
     gate, prepared, original = threading.Event(), threading.Event(), eng.runner.execute
 
-    def held(batch, lora, on_launch=None, lazy=False):
+    def held(batch, lora, on_launch=None, lazy=False, mask=None):
         if gate.is_set():
-            return original(batch, lora, on_launch, lazy)
+            return original(batch, lora, on_launch, lazy, mask)
         on_launch()  # step() returns: the engine's thread goes on while this step waits at the gate
         gate.wait()
-        return original(batch, lora, prepared.set, lazy)
+        return original(batch, lora, prepared.set, lazy, mask)
 
     eng.runner.execute = held
     gate.set()

@@ -41,8 +41,9 @@ from motet.engine.core.block_manager import BlockManager
 from motet.engine.core.fairness import TenantShares, TenantState, VirtualTokenCounter
 from motet.engine.core.kv_connector import KVConnector, NoKVTiers
 from motet.engine.core.latency import INTERACTIVE, LatencyGuard, tier
-from motet.engine.core.sequence import PendingToken, Sequence, SequenceStatus
-from motet.engine.core.step_plan import PlanMirror, RowPlan, reaches_end
+from motet.engine.core.plan_mirror import PlanMirror, reaches_end
+from motet.engine.core.sequence import Sequence, SequenceStatus
+from motet.engine.core.step_plan import RowPlan, SampledRef, new_step
 
 
 @dataclass
@@ -73,17 +74,24 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def freeze(self, mirror: PlanMirror | None = None, running_ids: Collection[int] = ()) -> ScheduledBatch:
+    def freeze(
+        self,
+        mirror: PlanMirror | None = None,
+        running_ids: Collection[int] = (),
+        holds_stop: Collection[str] = (),
+    ) -> ScheduledBatch:
         """Take the plan (the scheduler does, as it returns the batch, against its record of what the runner
-        holds; without one, from nothing held): each sampling row gets the PendingToken its step fills."""
+        holds; without one, from nothing held): each sampling row gets the SampledRef its token will be found by;
+        `holds_stop`: the requests whose grammar holds back their stop tokens."""
         held = (
             mirror is not None
         )  # (a plan from nothing held has no number: the runner applies it whenever read)
         mirror = mirror if held else PlanMirror()
-        self.rows = []
-        for seq, n in zip(self.seqs, self.num_new_tokens, strict=True):
+        self.rows, step = [], new_step()
+        for i, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True)):
             samples = reaches_end(seq, n)
-            self.rows.append(mirror.row(seq, n, samples, PendingToken() if samples else None, seq.pending))
+            ref = SampledRef(step, i) if samples else None
+            self.rows.append(mirror.row(seq, n, samples, ref, seq.request_id in holds_stop))
         self.departed = mirror.departures(set(running_ids), bool(self.seqs))
         self.plan_id = mirror.plan_id() if held and self.seqs else None
         return self
@@ -105,10 +113,6 @@ class ScheduledBatch:
             plan_id=self.plan_id,
             runner_rows=None if self.runner_rows is None else [self.runner_rows[i] for i in rows],
         )
-
-    def feeds_of(self) -> list[PendingToken | None]:
-        """Where each row's pending input token comes from (read as the step's inputs are built)."""
-        return [r.fed_by for r in self.plan()]
 
     def positions(self) -> list[int]:
         """Each row's first position in this step."""
@@ -178,9 +182,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, hold: Collection[Sequence] = ()) -> ScheduledBatch:
+    def schedule(self, hold: Collection[Sequence] = (), holds_stop: Collection[str] = ()) -> ScheduledBatch:
         """The next step's rows. `hold`: running rows that wait this step whatever they need (an overlapped engine
-        schedules ahead of a step whose token is their last)."""
+        schedules ahead of a step whose token is their last); `holds_stop`: the requests whose grammar holds back
+        their stop tokens (their plans say so)."""
         self.kv.poll()
         held = {s.seq_id for s in hold}
 
@@ -332,7 +337,7 @@ class Scheduler:
             order = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
             batch.seqs = [batch.seqs[i] for i in order]
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
-        return batch.freeze(self.mirror, [s.seq_id for s in self.running])
+        return batch.freeze(self.mirror, [s.seq_id for s in self.running], holds_stop)
 
     def _prefix_ready(self, seq: Sequence) -> bool:
         """Attach a waiting sequence's cached prefix: the device cache's blocks now, and the KV tiers' after they
@@ -412,7 +417,7 @@ class Scheduler:
             seq.num_computed_tokens += row.num_new_tokens - len(row.drafts)  # drafts count once accepted
             if row.samples:
                 seq.num_pending += 1
-                seq.pending = row.pending
+                seq.pending = row.sampled_as
             cache_full_blocks(seq)
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:

@@ -1,5 +1,5 @@
 """A sequence: one request inside the engine (one choice of an API request). Its prompt and growing output,
-the scheduler's bookkeeping (KV blocks, computed tokens) and its grammar; its text (the detokenizer, the stop
+the scheduler's bookkeeping (KV blocks, computed tokens); its grammar is the structured outputs' and its text (the detokenizer, the stop
 strings, the timestamps) is the output commit's (motet/engine/output_commit.py `TextState`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from motet.engine.guided import GuidedDecoding
+from motet.engine.core.step_plan import SampledRef
 from motet.engine.outputs import TokenLogprob
 from motet.engine.sampling_params import SamplingParams
 
@@ -20,17 +20,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class PendingToken:
-    """Where a launched step left one row's sampled token on the device: (the step's sampled tokens, the row's
-    index). The step is scheduled with one per sampling row; only the forward thread that runs it fills `at`, and
-    only a later step's inputs read it (on the same thread), so no thread writes a live row for it."""
-
-    __slots__ = ("at",)
-
-    def __init__(self):
-        self.at: tuple | None = None
 
 
 @dataclass
@@ -61,9 +50,9 @@ class Sequence:
     # Tokens sampled by launched steps and not appended yet (an overlapped engine advances a row when it launches
     # its step: the scheduler may schedule the pending token's successor before the token reaches the host).
     num_pending: int = 0
-    # The slot its latest sampling step fills with where its token is on the device (that step's, set as it is
-    # scheduled): the next step may take the token as its input before it reaches the host.
-    pending: PendingToken | None = None
+    # Where its latest sampling step leaves its token on the device (set as it is scheduled): the next step may
+    # take the token as its input before it reaches the host.
+    pending: SampledRef | None = None
     # Of its prompt's tokens, how many came from the prefix cache (the device's or a KV tier's) as it was first
     # admitted: usage's cached_tokens. A sequence recomputed after a preemption (or LongRoPE's switch past the
     # original context) finds its own blocks, its outputs' too, which are no prompt tokens served from the cache:
@@ -78,7 +67,6 @@ class Sequence:
     stop_reason: int | str | None = None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_preemptions: int = 0
-    guided: GuidedDecoding | None = None  # the grammar constraint, if any
     # Speculation: the drafts this step verifies after the last token (set by the engine's proposers,
     # trimmed by the scheduler to its budget, cleared when the step commits), and the proposers' per-
     # sequence state (motet/engine/speculative/).
@@ -87,8 +75,10 @@ class Sequence:
     # Whose recent outputs it may draft from (a speculative.history.DraftScope): its tenant, cache_salt,
     # adapter and kind of grammar.
     draft_scope: Hashable | None = None
-    # Whether its ending depends on its text (stop strings: the output commit's `TextState.stops` reads it)
-    reads_text: bool = False
+    # Whether its ending and its next step are decided by its tokens alone: no grammar (the structured outputs'
+    # state, motet/engine/structured_output.py) and no stop matcher that reads its text (the output commit's), so
+    # that its text may be made later and its next step scheduled before its token reaches the host.
+    decided_by_tokens: bool = True
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -118,12 +108,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def decided_by_tokens(self) -> bool:
-        """Whether its ending and its next step are decided by its tokens alone (no grammar, no stop matcher that
-        reads text), so that its text may be made later."""
-        return self.guided is None and not self.reads_text
 
     def needs_token_on_host(self) -> bool:
         """Whether its next step needs the token its launched step samples on the host, not only as its input

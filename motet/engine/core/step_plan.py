@@ -1,6 +1,7 @@
-"""A step's plan as values: what the scheduler hands the runner for each row it schedules (`RowPlan`), and the
-scheduler's record of what the runner holds of each running row (`PlanMirror`), so that each plan carries only
-what changed (vLLM V1's SchedulerOutput against its runner's persistent batch).
+"""A step's plan as values: what the scheduler hands the runner for each row it schedules (`RowPlan`), each plan
+carrying only what changed against the scheduler's record of what the runner holds (motet/engine/core/plan_mirror.py
+`PlanMirror`; vLLM V1's SchedulerOutput against its runner's persistent batch). A leaf: it imports nothing of the
+engine's core, so the worker reads plans without reaching the scheduler's rows.
 
 The runner keeps its own copy of each running row (motet/engine/worker/rows.py: its tokens known on the host, its
 block table and window ring) and updates it from the plans, in order: the inputs, the sampler and the grammar
@@ -14,9 +15,24 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from motet.engine.core.sequence import PendingToken, Sequence
-from motet.engine.guided import GuidedDecoding
 from motet.engine.sampling_params import SamplingParams
+
+_steps = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class SampledRef:
+    """Where a step leaves one row's sampled token: the step's number (`new_step`) and the row's index in it. The
+    runner keeps recent steps' sampled tokens by it (motet/engine/worker/step_inputs.py `SampledTokens`), so that a
+    later step may take a token as its input before it reaches the host."""
+
+    step: int
+    row: int
+
+
+def new_step() -> int:
+    """A number for a step being planned, unique in the process (a part of a step re-run keeps its step's)."""
+    return next(_steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,92 +57,10 @@ class RowPlan:
     params: SamplingParams
     num_prompt_tokens: int
     num_output_tokens: int  # on the host (a pending token not counted)
-    # The grammar rows: its constraint (the engine's; the masks read it before the step launches, while the
-    # scheduling thread waits), None without a grammar
-    guided: GuidedDecoding | None
-    grammar_holds_stop: bool  # whether its grammar holds back the stop tokens (a bounded reasoning open)
+    # whether its grammar holds back the stop tokens (a bounded reasoning open; the grammar itself is the engine's
+    # structured outputs', motet/engine/structured_output.py, which mask the step's logits)
+    grammar_holds_stop: bool
     num_prompt_logprobs_done: int  # prompt logprobs it has reported (a recompute skips them)
-    # Where its sampled token goes (the forward thread fills it), and where its pending input token is
-    pending: PendingToken | None
-    fed_by: PendingToken | None
-
-
-@dataclass(slots=True)
-class _Held:
-    """What the runner holds of one row: its tokens' count, and its block table and ring as of the last plan (the
-    lists themselves: the block manager replaces a list it shortens, so a list still the same one only grew)."""
-
-    num_tokens: int
-    table: list[int]
-    table_len: int
-    window: list[int]
-    window_len: int
-
-
-class PlanMirror:
-    """The scheduler's record of what the runner holds of each row, making each plan's changes; rows that left the
-    running set (finished, aborted, preempted) are named in the next plan with rows (`departed`), for the runner to
-    drop."""
-
-    def __init__(self):
-        self._held: dict[int, _Held] = {}
-        self._departed: list[int] = []
-        self._plans = itertools.count(1)
-
-    def plan_id(self) -> int:
-        """The next plan's number (increasing: the runner applies each plan once, in order)."""
-        return next(self._plans)
-
-    def row(
-        self, seq: Sequence, n: int, samples: bool, pending: PendingToken | None, fed_by: PendingToken | None
-    ) -> RowPlan:
-        held = self._held.get(seq.seq_id)
-        tokens, table, window = seq.token_ids, seq.block_table, seq.window_blocks
-        if held is None:
-            held = self._held[seq.seq_id] = _Held(0, table, 0, window, 0)
-        tokens_from = held.num_tokens
-        table_from = held.table_len if held.table is table else 0
-        window_from = held.window_len if held.window is window else 0
-        held.num_tokens, held.table, held.table_len = len(tokens), table, len(table)
-        held.window, held.window_len = window, len(window)
-        guided = seq.guided
-        return RowPlan(
-            seq_id=seq.seq_id,
-            request_id=seq.request_id,
-            start=seq.num_computed_tokens,
-            num_new_tokens=n,
-            samples=samples,
-            tokens_from=tokens_from,
-            new_tokens=tuple(tokens[tokens_from:]),
-            table_from=table_from,
-            new_blocks=tuple(table[table_from:]),
-            window_from=window_from,
-            new_window=tuple(window[window_from:]),
-            drafts=tuple(seq.draft_token_ids),
-            long_rope=seq.long_rope,
-            params=seq.params,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            guided=guided,
-            grammar_holds_stop=guided is not None and guided.holds_stop,
-            num_prompt_logprobs_done=len(seq.prompt_logprobs),
-            pending=pending,
-            fed_by=fed_by,
-        )
-
-    def departures(self, running_ids: set[int], with_rows: bool) -> tuple[int, ...]:
-        """The rows held that are not running any more (forgotten here), to be named in a plan; a plan without rows
-        (never run) passes its departures on to the next one."""
-        for seq_id in [s for s in self._held if s not in running_ids]:
-            del self._held[seq_id]
-            self._departed.append(seq_id)
-        if not with_rows:
-            return ()
-        departed, self._departed = tuple(self._departed), []
-        return departed
-
-
-def reaches_end(seq: Sequence, n: int) -> bool:
-    """Whether a chunk of `n` tokens (drafts included) from its computed tokens reaches its last token (appended
-    or pending): the step samples its next token."""
-    return seq.num_computed_tokens + n - len(seq.draft_token_ids) == seq.num_tokens + seq.num_pending
+    # Where its sampled token will be (None: the step samples none for it), and where its pending input token is
+    sampled_as: SampledRef | None
+    fed_by: SampledRef | None

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from motet.engine.core.sequence import Sequence
+from motet.engine.guided import GuidedDecoding
 from motet.engine.speculative.grammar_drafts import GrammarWalk, activation_index, check_drafts, forced_text
 from motet.engine.speculative.history import OutputHistory
 from motet.engine.speculative.ngram import NgramIndex
@@ -106,10 +107,17 @@ class NoSpeculation:
 class Speculator:
     needs_landed_steps = True  # (drafts are proposed from the landed tokens)
 
-    def __init__(self, config: SpeculativeConfig, encode: Callable[[str], list[int]], max_model_len: int):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        encode: Callable[[str], list[int]],
+        max_model_len: int,
+        grammar_of: Callable[[str], GuidedDecoding | None] = lambda request_id: None,
+    ):
         self.config = config
         self.encode = encode  # text -> token ids, for the grammar's forced strings
         self.max_model_len = max_model_len
+        self.grammar_of = grammar_of  # a request's grammar (the structured outputs'), for grammar drafts
         self.stats = SpeculativeStats()
         self.history = OutputHistory(config.max_n)
 
@@ -149,7 +157,7 @@ class Speculator:
         # No draft past the request's last token or the context: they could never be kept.
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
         k = min(self.config.num_tokens, room)
-        g = seq.guided
+        g = self.grammar_of(seq.request_id)
         if g is not None and g.reasoning_room is not None:  # no draft reaches a forced end of reasoning, nor
             k = min(k, g.reasoning_room - 1)  # does the token sampled after the drafts (guided.py)
         if k <= 0 or (g is not None and g.tag_masked):  # a tag's tokens decide the next ones: no drafts

@@ -162,13 +162,15 @@ class DecodeGraphs:
         lora: LoRABatch | None = None,
         on_launch=None,
         feeds=(),
+        sampled=None,
     ) -> torch.Tensor:
         """Hidden states [sum of the rows' tokens, d] of a step whose row i brings tokens `rows[i]` at positions
         `starts[i]`, `starts[i]` + 1, ... into KV slots `slots[i]` (a decode row one token, a verification row
         its token and its drafts), every earlier position of the row being in the cache. Rows are padded to the
         bucket's q tokens (pads after the real ones, so causal attention keeps them out of the real tokens'
         sums; no KV write) and the batch to its bucket's b rows; the real tokens' hidden states come back in
-        order. `feeds`: (row index, PendingToken) for the rows whose first token is pending (motet/engine/worker/step_inputs.py)."""
+        order. `feeds`: (row index, SampledRef) for the rows whose first token is pending, found in `sampled`
+        (motet/engine/worker/step_inputs.py)."""
         n = len(rows)
         b, q = bucket_for(n, self.sizes), bucket_for(max(map(len, rows)), self.query_sizes)
         width = max(len(t) for t in tables)
@@ -192,7 +194,7 @@ class DecodeGraphs:
             torch.tensor(per_token, dtype=torch.int64, pin_memory=pinned), non_blocking=True
         )
         if feeds:  # a row's first token is at i * q
-            feed_tokens(self.per_token[0], [(i * q, pending) for i, pending in feeds], pinned)
+            feed_tokens(self.per_token[0], [(i * q, ref) for i, ref in feeds], sampled, pinned)
         # a row's keys: every earlier position and its q padded tokens (the last query sits at seq_len - 1)
         lens = torch.tensor([s + q for s in starts] + [q] * (b - n), dtype=torch.int32, pin_memory=pinned)
         self.seq_lens[:b].copy_(lens, non_blocking=True)

@@ -1,9 +1,10 @@
 """Owns the model, its KV cache and the sampler; turns a scheduled batch into sampled tokens.
 
 Called from the engine's thread only (or an overlapped engine's forward thread). `execute` is a sequence of
-named steps: pick the sampled positions, start the grammar masks (motet/engine/worker/grammar_masks.py), run the forward
-pass through the backend chosen once at start-up (motet/engine/worker/step_backends.py) with the step's LoRA segments
-(lora/), compute logits only for the rows that sample, mask, sample, verify drafts, and add prompt logprobs.
+named steps: pick the sampled positions, run the forward pass through the backend chosen once at start-up
+(motet/engine/worker/step_backends.py) with the step's LoRA segments (lora/), compute logits only for the rows that
+sample, apply the grammar mask the engine's structured outputs filled meanwhile (motet/engine/structured_output.py),
+sample, verify drafts, and add prompt logprobs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from motet.engine.worker.cpu_forward import CpuForward
 from motet.engine.worker.cpu_forward import unsupported as native_unsupported
 from motet.engine.worker.cuda_graphs import DecodeGraphs, model_options
 from motet.engine.worker.decoder_weights import load_weights
-from motet.engine.worker.grammar_masks import GrammarMasks
 from motet.engine.worker.layers import Linear, onednn_available
 from motet.engine.worker.memory import (
     adapter_bytes,
@@ -47,7 +47,7 @@ from motet.engine.worker.parallel import SINGLE, Parallel
 from motet.engine.worker.rows import Row, RunnerRows, position_views
 from motet.engine.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, outcome_error
 from motet.engine.worker.step_backends import EagerSteps, GraphSteps
-from motet.engine.worker.step_inputs import InputBuilder
+from motet.engine.worker.step_inputs import InputBuilder, SampledTokens
 from motet.engine.worker.tp_workers import NO_WORKERS, WorkerGroup
 from motet.kernels import cpu_isa, cpu_native
 from motet.lora.pool import LoRABatch
@@ -277,9 +277,7 @@ class ModelRunner:
                 if isinstance(module, Linear):
                     module.prepack()
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
-        self.masks = GrammarMasks(model_config.vocab_size)
         self.rows = RunnerRows()  # its own copy of each running row, updated from each step's plan
-        self.grammar_stats = self.masks.stats
         long_rows = model.rope.long_rows  # LongRoPE's: where its long factors' rows below the original begin
         long_rope = None if long_rows is None else (longrope_original(model_config.rope_scaling), long_rows)
         self.inputs = InputBuilder(self.block_size, self.device, self.window, self.window_chunk, long_rope)
@@ -424,18 +422,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None, lazy: bool = False
+        self,
+        batch: ScheduledBatch,
+        lora: LoRABatch | None = None,
+        on_launch=None,
+        lazy: bool = False,
+        mask=None,
     ) -> StepResult:
         """The batch's sampled tokens; `on_launch` as in `forward`. `lazy`: the tokens stay on the device until
-        `resolve()` (the host does not wait for the device here; the next step may take them as inputs)."""
+        `resolve()` (the host does not wait for the device here; the next step may take them as inputs). `mask`:
+        the step's grammar mask over its sampled positions (the engine's structured outputs fill it while the
+        forward pass runs, motet/engine/structured_output.py), applied to their logits; None: no row is masked."""
         sample_rows = batch.sampling_rows()
         rows = self.rows.update(batch)  # (applied here unless the inputs were planned as the step launched)
         views, starts = self._sampled_positions(batch, rows, sample_rows)
-        mask = self.masks.start(batch, sample_rows, starts, len(views))  # filled while the forward pass runs
         hidden, qsl = self.forward(batch, lora, on_launch)
         logits = self.logits(hidden, self._logit_rows(batch, sample_rows, qsl), lora)
-        mask.apply(logits)
-        result = self._verify(batch, sample_rows, starts, self.sampler(logits, views))
+        if mask is not None:
+            mask.apply(logits)
+        result = self._verify(batch, sample_rows, starts, self.sampler(logits, views), self.inputs.sampled)
         self._prompt_logprobs(batch, rows, hidden, qsl, lora, result)
         return result if lazy else result.resolve()
 
@@ -456,15 +461,17 @@ class ModelRunner:
         return [r for i in sample_rows for r in range(qsl[i + 1] - 1 - len(plan[i].drafts), qsl[i + 1])]
 
     @staticmethod
-    def _verify(batch: ScheduledBatch, sample_rows: list[int], starts, out: SamplerOutput) -> StepResult:
+    def _verify(
+        batch: ScheduledBatch, sample_rows: list[int], starts, out: SamplerOutput, sampled: SampledTokens
+    ) -> StepResult:
         """Each sampling row's tokens: a drafting row keeps its accepted drafts and the target's token after them;
         a one-token row's token stays on the device until the result is read."""
         result = StepResult.empty(len(batch))
         on_device = []  # (row, index) of the rows' tokens left in out.tokens until the result is read
         plan = batch.plan()
         for i, start in zip(sample_rows, starts, strict=True):
-            if plan[i].pending is not None:
-                plan[i].pending.at = (out.tokens, start)  # where the next step finds it, if it runs first
+            if plan[i].sampled_as is not None:  # where the next step finds it, if it runs first
+                sampled.record(plan[i].sampled_as, out.tokens, start)
             drafts = plan[i].drafts
             if not drafts:
                 on_device.append((i, start))

@@ -57,7 +57,14 @@ class GraphSteps:
         if not isinstance(plan, GraphRows):
             return self.eager.run(plan, lora, on_launch)
         hidden = self.graphs.run_rows(
-            plan.rows, plan.starts, plan.slots, plan.tables, lora, on_launch, plan.feeds
+            plan.rows,
+            plan.starts,
+            plan.slots,
+            plan.tables,
+            lora,
+            on_launch,
+            plan.feeds,
+            self.eager.inputs.sampled,
         )
         return hidden, plan.qsl
 

@@ -7,22 +7,45 @@ motet/engine/worker/cuda_graphs.py)."""
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 
 from motet.engine.core.kv_window import window_table
 from motet.engine.core.scheduler import ScheduledBatch
-from motet.engine.core.sequence import PendingToken
-from motet.engine.core.step_plan import RowPlan
+from motet.engine.core.step_plan import RowPlan, SampledRef
 from motet.engine.worker.model import AttentionMetadata
 from motet.engine.worker.rows import Row
 
 
-def decode_inputs(plan: list[RowPlan], rows: list[Row]) -> tuple[list[int], list[tuple[int, PendingToken]]]:
-    """Each row's input token, at its position, and the feeds: (the input's index, the PendingToken its token is
-    in) for the rows whose token is still pending (sampled by the step before, not on the host yet: 0 in the list
-    until `feed_tokens` writes it)."""
+class SampledTokens:
+    """The tokens recent steps sampled, where they are on the device, by `SampledRef`: the forward thread records
+    each step's as it samples them (`record`) and a later step's inputs take them from here (`where`), on that same
+    thread. A pending token is read by its row's next step, one or two steps later: the latest `keep` steps' are
+    kept."""
+
+    def __init__(self, keep: int = 16):
+        self.keep = keep
+        self._steps: OrderedDict[int, dict[int, tuple[torch.Tensor, int]]] = OrderedDict()
+
+    def record(self, ref: SampledRef, tokens: torch.Tensor, index: int) -> None:
+        """Row `ref.row` of step `ref.step` sampled `tokens[index]`."""
+        rows = self._steps.get(ref.step)
+        if rows is None:
+            rows = self._steps[ref.step] = {}
+            while len(self._steps) > self.keep:
+                self._steps.popitem(last=False)
+        rows[ref.row] = (tokens, index)
+
+    def where(self, ref: SampledRef) -> tuple[torch.Tensor, int]:
+        return self._steps[ref.step][ref.row]
+
+
+def decode_inputs(plan: list[RowPlan], rows: list[Row]) -> tuple[list[int], list[tuple[int, SampledRef]]]:
+    """Each row's input token, at its position, and the feeds: (the input's index, where its token will be) for
+    the rows whose token is still pending (sampled by the step before, not on the host yet: 0 in the list until
+    `feed_tokens` writes it)."""
     ids, feeds = [], []
     for i, (p, row) in enumerate(zip(plan, rows, strict=True)):
         tokens = row.tokens
@@ -34,13 +57,15 @@ def decode_inputs(plan: list[RowPlan], rows: list[Row]) -> tuple[list[int], list
     return ids, feeds
 
 
-def feed_tokens(ids: torch.Tensor, feeds: list[tuple[int, PendingToken]], pinned: bool) -> None:
-    """Write the pending tokens into a step's input ids on the device, from the steps that sampled them (each
-    feed's PendingToken, which the forward thread filled as it ran the step before): no host wait (the indices
-    go from pinned memory). Usually they all come from the step before: one gather."""
+def feed_tokens(
+    ids: torch.Tensor, feeds: list[tuple[int, SampledRef]], sampled: SampledTokens, pinned: bool
+) -> None:
+    """Write the pending tokens into a step's input ids on the device, from the steps that sampled them (`sampled`,
+    which the forward thread recorded as it ran the steps before): no host wait (the indices go from pinned
+    memory). Usually they all come from the step before: one gather."""
     sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-    for dst, pending in feeds:
-        tokens, src = pending.at
+    for dst, ref in feeds:
+        tokens, src = sampled.where(ref)
         entry = sources.get(id(tokens))
         if entry is None:
             entry = sources[id(tokens)] = (tokens, [], [])
@@ -60,7 +85,7 @@ def feed_tokens(ids: torch.Tensor, feeds: list[tuple[int, PendingToken]], pinned
 
 class HostInputs(NamedTuple):
     """An eager step's inputs packed on the host (pinned on CUDA), for `InputBuilder.to_device` to send in two
-    transfers. `feeds`: (input index, PendingToken) for the rows whose input token is pending."""
+    transfers. `feeds`: (input index, SampledRef) for the rows whose input token is pending."""
 
     # int64 [3, tokens]: input ids (0 where pending), positions, KV slots (and the window layers' slots)
     per_token: torch.Tensor
@@ -109,6 +134,7 @@ class InputBuilder:
         self.window = window
         self.window_chunk = window_chunk
         self.long_rope = long_rope
+        self.sampled = SampledTokens()  # where the steps' sampled tokens are, for the steps after them
 
     def host(self, batch: ScheduledBatch, rows: list[Row]) -> HostInputs:
         """The step's inputs from its plan and the runner's copies of its rows (`rows`, in its order)."""
@@ -210,7 +236,7 @@ class InputBuilder:
         attention metadata, the rows' offsets)."""
         ids, pos, slot_mapping, *window_slots = plan.per_token.to(self.device, non_blocking=True)
         if plan.feeds:
-            feed_tokens(ids, plan.feeds, self.device.type == "cuda")
+            feed_tokens(ids, plan.feeds, self.sampled, self.device.type == "cuda")
         per_seq = plan.per_seq.to(self.device, non_blocking=True)
         n, width = len(plan.qsl) - 1, plan.width
         block_tables, query_start_loc, lens, *window_tables = per_seq.split(

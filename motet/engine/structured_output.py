@@ -1,6 +1,11 @@
-"""A step's grammar masks: the constrained rows' bitmask, filled on a side thread while the forward pass runs
-(the grammar backends release the GIL), applied to the logits before sampling. Unconstrained rows are never
-touched; a step without constrained rows gets `NO_MASK`, which does nothing."""
+"""Structured output, as vLLM's `StructuredOutputManager`: each request's grammar state (`GuidedDecoding`,
+motet/engine/guided.py) by request id, and each step's token bitmask over the constrained rows' sampled positions,
+filled on a side thread while the forward pass runs (the grammar backends release the GIL). The runner only
+applies the mask to the logits before sampling (motet/engine/worker/model_runner.py); unconstrained rows are never
+touched, and a step without constrained rows gets `NO_MASK`, which does nothing.
+
+A constrained row's step is never scheduled ahead of its previous step's landing (its next token's mask depends on
+its text: `Sequence.decided_by_tokens`), so the grammar a step's mask reads is the one its tokens so far left."""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from motet.engine.core.scheduler import ScheduledBatch
+from motet.engine.core.step_plan import RowPlan
+from motet.engine.guided import GuidedDecoding
 from motet.engine.speculative.grammar_drafts import activation_index, fill_draft_bitmask
 from motet.grammar.backend import allocate_bitmask, apply_bitmask
 from motet.grammar.masking import fill_bitmasks
@@ -68,24 +74,45 @@ class GrammarMask:
         stats.rows += len(self.rows)
 
 
-class GrammarMasks:
-    """Starts each step's mask filling (`start`) on a thread of its own, and keeps the stats."""
+class StructuredOutputs:
+    """The requests' grammars (`add` as a request is taken, `forget` as it ends) and each step's mask (`mask`),
+    with the stats."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
         self.stats = GrammarStats()
+        self.grammars: dict[str, GuidedDecoding] = {}
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="motet-bitmask")
 
-    def start(self, batch: ScheduledBatch, sample_rows: list[int], starts, num_positions: int):
-        """The step's mask (NO_MASK where no row is constrained), its filling started: `starts[k]` is where
-        sampling row `sample_rows[k]`'s positions begin among the step's `num_positions` sampled ones."""
+    def add(self, request_id: str, guided: GuidedDecoding) -> None:
+        self.grammars[request_id] = guided
+
+    def get(self, request_id: str | None) -> GuidedDecoding | None:
+        """The request's grammar; None where it has none (or has ended)."""
+        return self.grammars.get(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self.grammars.pop(request_id, None)
+
+    def holding_stop(self) -> set[str]:
+        """The requests whose grammar holds back their stop tokens now (`GuidedDecoding.holds_stop`): the next
+        step's plan tells the sampler."""
+        return {rid for rid, g in self.grammars.items() if g.holds_stop} if self.grammars else set()
+
+    def mask(self, plan: list[RowPlan]) -> GrammarMask | _NoMask:
+        """The step's mask (NO_MASK where no row is constrained), its filling started: its sampled positions are
+        each sampling row's next token and its drafts', in the plan's order."""
         masked, plain, drafted, tagged = [], [], [], []
-        plan = batch.plan()
-        for i, start in zip(sample_rows, starts, strict=True):
-            row = plan[i]  # (its grammar is the engine's: read before the step launches)
-            guided, drafts = row.guided, list(row.drafts)
+        num_positions = 0
+        for row in plan:
+            if not row.samples:
+                continue
+            start = num_positions
+            num_positions += len(row.drafts) + 1
+            guided = self.grammars.get(row.request_id) if self.grammars else None
             if guided is None:
                 continue
+            drafts = list(row.drafts)
             if drafts:
                 first = activation_index(guided, drafts)
                 masked.extend(range(start + first, start + len(drafts) + 1))
