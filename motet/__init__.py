@@ -7,7 +7,7 @@ The public API, imported lazily so that `import motet` costs nothing until one i
     llm = LLM()                                   # the default model
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
 
-`motet.main` is the `motet` command (serve, pull, generate, eval, run-batch); `motet.serve(argv)` runs the
+`motet.main` is the `motet` command (serve, pull, generate, run-batch, eval, fine-tune); `motet.serve(argv)` runs the
 server as `motet serve ARGS` would.
 """
 

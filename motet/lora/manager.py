@@ -1,7 +1,7 @@
 """One home for adapters: a client's model name becomes an `AdapterRef` once, at the API boundary; below
 it an adapter is its ref's `uid`, and this manager takes it from the disk to the pool the forward reads.
 
-    "my-adapter" (client) --api/adapters/routes.py--> AdapterRef("tenant/my-adapter", path, version)
+    "my-adapter" (client) --api/adapters/store.py--> AdapterRef("tenant/my-adapter", path, version)
         --AdapterManager.acquire--> uid (batches, prefix-cache hashes) --pool--> slot (the forward)
 
 Three tiers, as LoRAX and S-LoRA keep them: the disk holds every adapter; the host cache (motet/lora/host_cache.py)

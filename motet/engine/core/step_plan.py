@@ -6,7 +6,9 @@ engine's core, so the worker reads plans without reaching the scheduler's rows.
 The runner keeps its own copy of each running row (motet/engine/worker/rows.py: its tokens known on the host, its
 block table and window ring) and updates it from the plans, in order: the inputs, the sampler and the grammar
 masks read the plan and that copy, never a live `Sequence` (which the scheduling thread goes on changing while a
-launched step computes). A plan's changes are absolute (the copy keeps its first `tokens_from` tokens, then the
+launched step computes). Not yet values throughout: a grammar row's plan carries the sequence's live constraint and
+detokenizer (`guided`, `detok`), which the masks read before the step launches, and `PendingToken` cells that the
+forward thread fills. A plan's changes are absolute (the copy keeps its first `tokens_from` tokens, then the
 new ones): applying a plan twice (a step re-run in parts) leaves the copy as once.
 """
 

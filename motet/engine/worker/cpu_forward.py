@@ -12,7 +12,7 @@ their own KV pool, soft-caps, sinks, biases, GeGLU or a clamped SwiGLU, experts,
 routing) the native step runs them, with no architecture's name here. Each projection runs in its layer's own weight
 format (the model's dtype, or int8/int4 blocks unpacked in registers: motet/kernels/csrc/qgemm.h). It serves every
 step (decode, prefill chunks, mixed) and is the CPU's default; the eager model stays the reference
-(`EngineConfig.compile = False`, `--no-compile`), and tests hold the two to agree.
+(`EngineConfig.compile_step = False`, `--no-compile`), and tests hold the two to agree.
 """
 
 from __future__ import annotations
