@@ -31,6 +31,7 @@ NOT_OURS = {
     "EngineCoreRequest",  # vLLM's
     "OutputProcessor",  # vLLM's
     "Processor",  # vLLM's
+    "StructuredOutputManager",  # vLLM's
     "GrammarCompiler",  # xgrammar's
     "GrammarMatcher",  # xgrammar's
     "punica",  # the unrelated PyPI package DESIGN.md warns against

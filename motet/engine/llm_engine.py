@@ -3,20 +3,25 @@
     batch = engine.schedule()              what runs: decode rows and prefill chunks under one token budget; the
                                            rows advance (their chunks computed, each sampled token pending)
     result = engine.execute(batch)         the forward pass and sampling
-    deltas = engine.commit(batch, result)  land the tokens, advance grammars, detokenize, stop, free blocks
+    deltas = engine.commit(batch, result)  land the tokens, advance grammars, detokenize, stop; the engine
+                                           ends the requests that finished (blocks, adapter, grammar)
 
 `step()` runs them through one of two strategies (motet/engine/stepping.py): one after the other, or overlapped
 (`EngineConfig.overlap_output`, on CUDA by default), where `execute` runs on a thread of its own and the commit's
 text half (`commit_text`: detokenizing, stop strings, the deltas; motet/engine/output_commit.py) runs while the
 next step computes. A step returns one `OutputDelta` per request it advanced, only what is new
-(motet/engine/outputs.py, where `RequestOutputs` accumulates them into whole answers for whoever needs them). The
-offline `LLM` (motet/engine/llm.py) and the serving actors both call only this surface (`add_request`, or `add`
-with a request built already, motet/engine/request.py; `abort`, `step`, `stats`, adapters through `add_lora` /
-`remove_lora`). A request that fails inside a step fails alone: `execute` bisects the batch until the failing rows
+(motet/engine/outputs.py, where `RequestOutputs` accumulates them into whole answers for whoever needs them). Its
+parts each own their state: the scheduler the `Sequence`s, the structured outputs each request's grammar
+(motet/engine/structured_output.py), the output commit each request's text (motet/engine/output_commit.py), which
+returns what finished for the engine to end. The offline `LLM` (motet/engine/llm.py) and the executor actor
+(motet/actors/executor.py) drive it through `add_request`, or `add` with a request built already
+(motet/engine/request.py), `abort`, `step`, `has_unfinished`, `stats`, `close`, and adapters through `add_lora` /
+`remove_lora`. A request that fails inside a step fails alone: `execute` bisects the batch until the failing rows
 are isolated, and `commit` ends those with an error while the others carry on. Not thread-safe: one thread drives
-it (`compile_grammar`, `bad_words_token_ids`, `limits` and `adapters.load` excepted, which the serving layer calls
-from elsewhere); what the overlapped strategy runs on its forward thread reads the launched batch's rows until its
-inputs are built (`step()` returns only after that), then only the batch's snapshots and the runner.
+it; the serving ingress's worker threads (motet/actors/input_processor.py) read `config`, `limits`,
+`grammar_cache`, `grammar_tokenizer` and call `adapters.load`, each frozen or behind its own lock; what the
+overlapped strategy runs on its forward thread reads the launched batch's rows until its inputs are built (`step()`
+returns only after that), then only the batch's plan and the runner.
 """
 
 from __future__ import annotations
@@ -268,9 +273,10 @@ class LLMEngine:
     def compile_grammar(
         self, spec: GrammarSpec, backend: str | None = None, owner: str | None = None
     ) -> CompiledGrammar:
-        """Compile (cached) with `backend` or the engine's, falling back to the other; GrammarError if
+        """Compile (cached) with `backend` or the engine's, falling back to the others; GrammarError if
         no backend can within the time limit. `owner` (the tenant) is who overrunning compilations count
-        against. Thread-safe: the serving layer calls it off the loop."""
+        against. Thread-safe (the grammar cache's lock); the serving ingress compiles through the same cache itself
+        (motet/actors/input_processor.py)."""
         return self.grammar_cache.compile_with_fallback(
             spec,
             self.grammar_tokenizer,
@@ -391,8 +397,8 @@ class LLMEngine:
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
         """`params.bad_words` as token sequences (motet/engine/worker/token_masks.py), None where there are none or
-        they are resolved already; the serving layer calls it in a worker thread, so the engine's thread never
-        tokenizes them."""
+        they are resolved already. `add_request` calls it; the serving ingress resolves them in its worker threads
+        (motet/actors/input_processor.py), so a request given to `add` arrives resolved."""
         if not params.bad_words or params.bad_words_token_ids is not None:
             return None
         encode = functools.partial(self.tokenizer.hf.encode, add_special_tokens=False)

@@ -1,4 +1,6 @@
-"""The text half of the engine's commit: a row's landed tokens made into its `OutputDelta` (motet/engine/outputs.py).
+"""A row's landed tokens made into its `OutputDelta` (motet/engine/outputs.py): the whole commit of a row whose ending
+reads its text (`advance`, called from `commit_tokens`), and the text half of the others' (`append_token` now,
+`text` later).
 
 Per token: whether it ends the request by itself (EOS, a stop token id, the length limits), its text (incremental
 detokenizing, motet/engine/detokenizer.py), the stop strings over that text and the grammar's advance; after the

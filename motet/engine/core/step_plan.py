@@ -4,11 +4,12 @@ carrying only what changed against the scheduler's record of what the runner hol
 engine's core, so the worker reads plans without reaching the scheduler's rows.
 
 The runner keeps its own copy of each running row (motet/engine/worker/rows.py: its tokens known on the host, its
-block table and window ring) and updates it from the plans, in order: the inputs, the sampler and the grammar
-masks read the plan and that copy, never a live `Sequence` (which the scheduling thread goes on changing while a
-launched step computes). Not yet values throughout: a grammar row's plan carries the sequence's live constraint and
-detokenizer (`guided`, `detok`), which the masks read before the step launches, and `PendingToken` cells that the
-forward thread fills. A plan's changes are absolute (the copy keeps its first `tokens_from` tokens, then the
+block table and window ring) and updates it from the plans, in order: the inputs and the sampler read the plan and
+that copy, never a live `Sequence` (which the scheduling thread goes on changing while a launched step computes). A
+row's pending input token is named by value (`SampledRef`: the step that samples it and the row's index there),
+which the runner finds among the tokens it keeps (motet/engine/worker/step_inputs.py `SampledTokens`); a grammar
+row's constraint is the engine's structured outputs' (motet/engine/structured_output.py), which mask the step's
+logits. A plan's changes are absolute (the copy keeps its first `tokens_from` tokens, then the
 new ones): applying a plan twice (a step re-run in parts) leaves the copy as once.
 """
 
