@@ -415,7 +415,8 @@ class LLMEngine:
 
     def drop(self, seq: Sequence) -> None:
         """An aborted request's blocks and adapter given back."""
-        self.scheduler.finish(seq, "abort")
+        self.scheduler.finish(seq)
+        self.speculator.forget(seq)
         self.adapters.release(seq.adapter_id)
 
     def has_unfinished(self) -> bool:
@@ -572,7 +573,7 @@ class LLMEngine:
                 if result.errors[i] is not None:
                     if self.structured_output.get(seq.request_id) and _all_masked(result.errors[i]):
                         committed = commit.end_masked(seq, now)
-                        self._finish(seq, *committed.finish)
+                        self._finish(seq)
                         landed.outputs.append(committed.delta)
                         continue
                     raise result.errors[i]
@@ -585,14 +586,14 @@ class LLMEngine:
                 if not drafted and len(tokens) == 1 and seq.decided_by_tokens:
                     row = commit.append_token(seq, tokens[0], result.logprobs[i][0])
                     if row.finish is not None:
-                        self._finish(seq, *row.finish)
+                        self._finish(seq)
                     else:  # a block its token fills is cached now it is known
                         cache_full_blocks(seq)
                     landed.text_rows.append(row)
                     continue
                 committed = commit.advance(seq, tokens, result.logprobs[i], now)
                 if committed.finish is not None:
-                    self._finish(seq, *committed.finish)
+                    self._finish(seq)
                 landed.outputs.append(committed.delta)
                 if drafted:
                     self.speculator.observe(seq, drafted, len(tokens) - 1)
@@ -616,11 +617,12 @@ class LLMEngine:
             self.abort(request_id)
         return deltas
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
-        """A request ends: its drafts' history, its blocks (saved to the KV tiers first), its adapter pin."""
+    def _finish(self, seq: Sequence) -> None:
+        """A request ends (its delta carries why): its drafts' history, its blocks (saved to the KV tiers first),
+        its grammar, its adapter pin."""
         self.speculator.record(seq)
         self.kv_connector.save_sequence(seq)  # its blocks outlive their eviction from the device
-        self.scheduler.finish(seq, reason, stop_reason)
+        self.scheduler.finish(seq)
         self.structured_output.forget(seq.request_id)
         del self.requests[seq.request_id]
         self.adapters.release(seq.adapter_id)

@@ -196,7 +196,7 @@ def run_step(sched, served: Counter | None = None):
         if served is not None:
             served[s.tenant] += 1
         if s.num_output_tokens >= s.params.max_tokens:
-            sched.finish(s, "length")
+            sched.finish(s)
     return batch
 
 

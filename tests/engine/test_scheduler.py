@@ -22,7 +22,7 @@ def run_step(sched, next_token=7):
         s.num_pending -= 1
         s.append_token(next_token)
         if s.num_output_tokens >= s.params.max_tokens:
-            sched.finish(s, "length")
+            sched.finish(s)
     return batch
 
 

@@ -60,7 +60,7 @@ def test_the_runner_rows_follow_the_scheduled_sequences_from_what_each_plan_chan
             if s.draft_token_ids:
                 sched.accept_drafts(s, len(accepted))
             if s.num_output_tokens >= s.params.max_tokens:
-                sched.finish(s, "length")
+                sched.finish(s)
                 planned.pop(s.seq_id)
         steps += 1
         assert steps < 400

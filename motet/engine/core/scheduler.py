@@ -428,14 +428,12 @@ class Scheduler:
         self.bm.truncate(seq)
         self.bm.cache_full_blocks(seq)
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Finish a sequence (stop, length, abort) and return its blocks to the pool."""
+    def finish(self, seq: Sequence) -> None:
+        """Finish a sequence (it stopped, or was aborted) and return its blocks to the pool."""
         if seq.is_finished:
             return
         seq.status = SequenceStatus.FINISHED
         seq.draft_token_ids = []
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -63,15 +63,12 @@ class Sequence:
         default_factory=list
     )  # its sliding-window layers' ring (engine/core/kv_window.py)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_preemptions: int = 0
     # Speculation: the drafts this step verifies after the last token (set by the engine's proposers,
     # trimmed by the scheduler to its budget, cleared when the step commits), and the proposers' per-
     # sequence state (motet/engine/speculative/).
     draft_token_ids: list[int] = field(default_factory=list)
-    draft_state: object | None = None
     # Whose recent outputs it may draft from (a speculative.history.DraftScope): its tenant, cache_salt,
     # adapter and kind of grammar.
     draft_scope: Hashable | None = None

@@ -103,6 +103,9 @@ class NoSpeculation:
     def record(self, seq: Sequence) -> None:
         pass
 
+    def forget(self, seq: Sequence) -> None:
+        pass
+
 
 class Speculator:
     needs_landed_steps = True  # (drafts are proposed from the landed tokens)
@@ -120,9 +123,15 @@ class Speculator:
         self.grammar_of = grammar_of  # a request's grammar (the structured outputs'), for grammar drafts
         self.stats = SpeculativeStats()
         self.history = OutputHistory(config.max_n)
+        self.states: dict[int, DraftState] = {}  # each running row's drafts' state, by seq_id
+
+    def forget(self, seq: Sequence) -> None:
+        """A request ended without finishing (aborted): its drafts' state goes."""
+        self.states.pop(seq.seq_id, None)
 
     def record(self, seq: Sequence) -> None:
         """A request finished: its output joins its scope's history (unless it opted out)."""
+        self.states.pop(seq.seq_id, None)
         if seq.params.speculative and seq.draft_scope is not None:
             lead_in = seq.prompt_token_ids[-self.config.max_n :]
             self.history.record(seq.draft_scope, lead_in, seq.output_token_ids)
@@ -151,9 +160,9 @@ class Speculator:
     def _drafts(self, seq: Sequence, num_rows: int) -> tuple[list[int], list[float]]:
         """The row's best candidate drafts, and for each the chance that it and those before it are kept
         (in a step of `num_rows` decode rows, where drafts less likely than that cannot pay)."""
-        state = seq.draft_state
+        state = self.states.get(seq.seq_id)
         if state is None:
-            state = seq.draft_state = DraftState(self.config)
+            state = self.states[seq.seq_id] = DraftState(self.config)
         # No draft past the request's last token or the context: they could never be kept.
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
         k = min(self.config.num_tokens, room)
@@ -203,5 +212,6 @@ class Speculator:
             self.stats.verified_rows += 1
             self.stats.drafted_tokens += drafted
             self.stats.accepted_tokens += accepted
-            if seq.draft_state is not None:
-                seq.draft_state.observe(drafted, accepted)
+            state = self.states.get(seq.seq_id)
+            if state is not None:
+                state.observe(drafted, accepted)

@@ -201,11 +201,11 @@ def test_drafts_from_the_tenants_history_keep_the_plain_output(tiny_model_dir):
     assert hits() > 0 and accepted(on) > before
 
 
-def decode_row(prompt: list[int], accepted: float, tried: float) -> Sequence:
+def decode_row(spec: Speculator, prompt: list[int], accepted: float, tried: float) -> Sequence:
     seq = Sequence(prompt, SamplingParams(temperature=0, max_tokens=100))
     seq.num_computed_tokens = seq.num_tokens - 1
-    seq.draft_state = DraftState(SpeculativeConfig())
-    for estimate in seq.draft_state.estimates.values():
+    state = spec.states[seq.seq_id] = DraftState(SpeculativeConfig())
+    for estimate in state.estimates.values():
         estimate.accepted, estimate.tried = accepted, tried
     return seq
 
@@ -217,7 +217,7 @@ def test_drafts_are_kept_while_worth_their_cost(rows):
     cfg = SpeculativeConfig(num_tokens=3, overhead_tokens=10.0)
     spec = Speculator(cfg, encode=None, max_model_len=4096)
     estimates = [(9, 10), (6, 10), (2, 10), (1, 2)]
-    seqs = [decode_row([5 + i, 6, 7, 8] * 4 + [5 + i, 6], *estimates[i % 4]) for i in range(rows)]
+    seqs = [decode_row(spec, [5 + i, 6, 7, 8] * 4 + [5 + i, 6], *estimates[i % 4]) for i in range(rows)]
     spec.propose(seqs)
     got = tuple(len(s.draft_token_ids) for s in seqs)
     p = [min(0.95, a / t) for a, t in (estimates[i % 4] for i in range(rows))]
