@@ -15,7 +15,7 @@ from motet.engine.core.kv_window import window_table
 from motet.engine.core.scheduler import ScheduledBatch
 from motet.engine.core.sequence import PendingToken
 from motet.engine.core.step_plan import RowPlan
-from motet.engine.worker.model import AttentionMetadata
+from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.rows import Row
 
 
