@@ -14,12 +14,8 @@ server as `motet serve ARGS` would.
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version
 
-try:
-    __version__ = version("motet")
-except PackageNotFoundError:  # imported from a checkout that was never installed
-    __version__ = "0.0.0+unknown"
+from motet.version import __version__ as __version__  # re-exported
 
 _EXPORTS = {
     "LLM": ("motet.engine.llm", "LLM"),

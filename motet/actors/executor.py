@@ -10,7 +10,9 @@ batch), so here a failure is an output like any other.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -71,7 +73,15 @@ class EngineThread:
 class ExecutorActor(Actor):
     name = "executor"
 
-    def __init__(self, engine_factory: Callable[[], Any], loras: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        engine_factory: Callable[[], Any],
+        loras: dict[str, Any] | None = None,
+        cache_period_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`cache_period_s`: the stats carry what the engine's caches hold (EngineStats.cache), made anew at most
+        that often (by `clock`) and whenever the engine has nothing left to run; None: never."""
         super().__init__()
         self.engine_factory = engine_factory
         self.preload = dict(loras or {})  # the server's shared adapters: a bad one fails the start
@@ -79,6 +89,9 @@ class ExecutorActor(Actor):
         self.model: ModelView | None = None  # the API's view of the model, once it has loaded
         self.stats = None  # the engine's EngineStats after the latest step
         self.thread: EngineThread | None = None
+        self.cache_period_s, self.clock = cache_period_s, clock
+        # the latest CacheContents, and when it was made (the engine's thread)
+        self._cache, self._cache_at = None, -math.inf
 
     async def on_start(self) -> None:
         self.thread = EngineThread()
@@ -91,7 +104,7 @@ class ExecutorActor(Actor):
 
         self.engine = await self.thread.run(start)
         self.model = await self.thread.run(ModelView.of_engine, self.engine)
-        self.stats = await self.thread.run(self.engine.stats)
+        self.stats = await self.thread.run(self._stats)
 
     async def on_stop(self) -> None:
         if self.thread is not None:
@@ -125,4 +138,17 @@ class ExecutorActor(Actor):
         steps = engine.num_steps
         outputs = engine.step() if engine.has_unfinished() else []
         ran = engine.num_steps > steps or engine.in_flight  # (a step launched, to be committed by the next)
-        return StepDone(outputs, refused, engine.stats(), ran, time.perf_counter() - t0)
+        return StepDone(outputs, refused, self._stats(), ran, time.perf_counter() - t0)
+
+    def _stats(self):
+        """The engine's stats, on its thread. What its caches hold is a copy of its prefix cache's hashes: made
+        at most every `cache_period_s` while it runs (the latest carried meanwhile), and once it is idle."""
+        engine = self.engine
+        if self.cache_period_s is None:
+            return engine.stats()
+        now = self.clock()
+        if now - self._cache_at < self.cache_period_s and engine.has_unfinished():
+            return dataclasses.replace(engine.stats(), cache=self._cache)
+        stats = engine.stats(cache=True)
+        self._cache, self._cache_at = stats.cache, now
+        return stats

@@ -27,7 +27,8 @@ from motet.actors.messages import Abort, Admission, Cancel, GenerateSpec, Remove
 from motet.actors.runtime import ActorStopped, ActorSystem
 from motet.actors.scheduler_actor import SchedulerActor
 from motet.actors.serving_errors import ShuttingDown
-from motet.engine.llm_engine import EngineStats
+from motet.engine.config import EngineConfig
+from motet.engine.llm_engine import EngineStats, LLMEngine
 from motet.engine.model_view import ModelView
 
 
@@ -40,24 +41,24 @@ class ServingSystem:
         max_queue_len: int = 256,
         max_waiting: int = 16,
         loras: dict[str, Path] | None = None,  # adapters registered at start-up: name -> directory
+        cache_period_s: float | None = None,  # how often its stats tell what the caches hold (a replica's)
     ):
-        self.executor = ExecutorActor(engine_factory, loras)
+        self.executor = ExecutorActor(engine_factory, loras, cache_period_s)
         self.scheduler = SchedulerActor(self.executor, max_waiting=max_waiting)
         self.queues = AdapterQueuesActor(max_queue_len)
         self.ingress = IngressActor(self.executor, self.queues)
         self.scheduler.queues, self.queues.scheduler = self.queues, self.scheduler
         self.actors = ActorSystem([self.executor, self.scheduler, self.queues, self.ingress])
 
+    @classmethod
+    def of_config(cls, config: EngineConfig, **kwargs) -> ServingSystem:
+        """A serving system around one engine of `config` (built on the engine's thread as it starts)."""
+        return cls(lambda: LLMEngine(config), **kwargs)
+
     @property
     def model(self) -> ModelView:
         """The served model as the API sees it (built once the engine has loaded)."""
         return self.executor.model
-
-    @property
-    def engine(self):
-        """The engine itself, for what runs beside it in this process (a Ray replica's reports, tests); not
-        the API's: it reads `model`."""
-        return self.executor.engine
 
     @property
     def ready(self) -> bool:
@@ -91,6 +92,12 @@ class ServingSystem:
         """Never blocks: the engine forgets the name between steps; requests already using it finish."""
         with contextlib.suppress(ActorStopped):
             self.scheduler.tell_nowait(RemoveLora(name))
+
+    async def shared_prefix(self, block_hashes: tuple[int, ...]) -> int:
+        """How many of the leading blocks the shared KV tier holds once the engine's KV connector has written
+        what finished requests left it (a prefill replica's answer); 0 without one. On a worker thread: that
+        half of the connector is thread-safe, and the engine's steps go on meanwhile."""
+        return await anyio.to_thread.run_sync(self.executor.engine.kv_connector.shared_prefix, block_hashes)
 
     def stats(self) -> Stats:
         """As of the latest step (the engine's own counters are its thread's)."""

@@ -14,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-import motet
 from motet.api import protocol as P
 from motet.api.adapters.routes import (
     delete_adapter,
@@ -38,6 +37,7 @@ from motet.api.state import ServerState, state_and_tenant
 from motet.api.tokenization import detokenize, tokenize
 from motet.api.usage import usage_route
 from motet.engine.weights.model_store import DEFAULT_MODEL
+from motet.version import __version__
 
 log = logging.getLogger("motet.api")
 
@@ -167,7 +167,7 @@ async def delete_model(request: Request) -> Response:
 
 @operation("the server's version", tag="Server", ok_description='{"version": ...}', public=True)
 async def version(request: Request) -> Response:
-    return JSONResponse({"version": motet.__version__})
+    return JSONResponse({"version": __version__})
 
 
 @operation(

@@ -25,8 +25,8 @@ from motet.api import usage as usage_records
 
 if TYPE_CHECKING:
     from motet.actors.reply import ReplyStream
+    from motet.api.choice import Choice
     from motet.api.state import ServerState
-    from motet.api.streams import Choice
 
 
 class Bill:

@@ -22,8 +22,8 @@ from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import models_json_schema
 from starlette.routing import BaseRoute, Route
 
-import motet
 from motet.api import protocol as P
+from motet.version import __version__
 
 # The route families, in the document's order.
 TAGS = {
@@ -198,7 +198,7 @@ def document(routes: Sequence[BaseRoute], model: str) -> dict:
         "openapi": "3.1.0",
         "info": {
             "title": "motet",
-            "version": motet.__version__,
+            "version": __version__,
             "description": "OpenAI-compatible LLM serving",
         },
         "tags": [{"name": t, "description": d} for t, d in TAGS.items() if t in used],

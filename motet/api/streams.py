@@ -11,7 +11,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 
 import anyio
 from starlette.requests import Request
@@ -22,9 +21,9 @@ from motet.actors.serving_errors import ServingError
 from motet.api import protocol as P
 from motet.api import tracing
 from motet.api.billing import Bill
+from motet.api.choice import Choice
 from motet.api.errors import APIError, from_serving_error
 from motet.api.state import ServerState
-from motet.engine.outputs import OutputDelta, RequestOutput
 
 log = logging.getLogger("motet.api")
 
@@ -50,36 +49,6 @@ def in_flight(state: ServerState) -> Iterator[list[ReplyStream]]:
         raise
     finally:
         state.inflight -= 1
-
-
-@dataclass
-class Choice(RequestOutput):
-    """One choice's output, accumulated from its deltas as the engine's answers are (`RequestOutput.add`), with its
-    timings for the metrics. Its `error` is the ServingError its client is told."""
-
-    index: int
-    prompt_ids: list[int]
-    arrival: float
-    first_token: float | None = None
-    last_token: float | None = None
-    token_gaps: list[tuple[float, int]] = field(
-        default_factory=list
-    )  # after the first delta: (s/token, tokens)
-    prompt_index: int = 0  # which prompt of the request it answers (completions take several)
-    observed: bool = False  # counted in the metrics
-
-    def __post_init__(self) -> None:
-        self.prompt_token_ids = self.prompt_ids
-
-    def add(self, d: OutputDelta) -> None:
-        if d.token_ids:
-            now = time.perf_counter()
-            if self.first_token is None:
-                self.first_token = now
-            else:
-                self.token_gaps.append(((now - self.last_token) / len(d.token_ids), len(d.token_ids)))
-            self.last_token = now
-        super().add(d)
 
 
 def observe(state: ServerState, c: Choice, choices: list[Choice] | None = None) -> None:

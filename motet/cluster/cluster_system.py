@@ -87,8 +87,8 @@ class ClusterSystem:
     def __init__(self, cluster: Cluster, store: SharedAdapterStore):
         self.cluster, self.store = cluster, store
         self.config = (
-            cluster.replica_settings.engine
-        )  # the replicas' engine (its model resolved to a directory)
+            cluster.replica_settings.engine_config
+        )  # the replicas' (its model resolved to a directory)
         self._model: ModelView | None = None
         self.handle = None
         self.prefill_handle = None  # the prefill pool's, under disaggregation

@@ -58,13 +58,3 @@ def prefill_spec(spec: GenerateSpec) -> GenerateSpec:
         max_tokens=1,
         grammar_param=None,
     )
-
-
-def leading_held(block_hashes: tuple[int, ...], tier) -> int:
-    """How many of the leading blocks `tier` holds, up to the first it lacks (a load stops there too)."""
-    n = 0
-    for h in block_hashes:
-        if h not in tier:
-            break
-        n += 1
-    return n

@@ -6,8 +6,10 @@ ServingError a single-process server would have answered), then (stream index, O
 produces them. A cancelled stream (its client went away) aborts what still runs. `prefill(route, specs)` is a
 prefill replica's call under disaggregation (motet/cluster/disaggregation.py): the prompt computed, its blocks
 in the shared KV tier, then PrefillDone (or Refused). `record_routing_stats`
-is the replica's report to the routers (motet/cluster/reports.py); with it, now and then, the replica drops the
-adapters the shared store no longer has (motet/cluster/shared_adapter_store.py).
+is the replica's report to the routers (motet/cluster/reports.py), made of its serving system's stats: what the
+engine's caches hold comes in them as a value the engine's thread made (EngineStats.cache), for the replica holds
+no engine; with it, now and then, the replica drops the adapters the shared store no longer has
+(motet/cluster/shared_adapter_store.py).
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from motet.actors.messages import GenerateSpec
 from motet.actors.reply import merge_streams
 from motet.actors.serving_errors import ModelNotFound, ServingError
 from motet.actors.system import ServingSystem
-from motet.cluster.disaggregation import PrefillDone, leading_held, prefill_spec
-from motet.cluster.reports import ReplicaReport
+from motet.cluster.disaggregation import PrefillDone, prefill_spec
+from motet.cluster.reports import REPORT_PERIOD_S, ReplicaReport
 from motet.cluster.routing_policy import RouteRequest
 from motet.cluster.shared_adapter_store import SharedAdapterStore
 from motet.engine.config import EngineConfig
+from motet.lora.manager import AdapterRef
 
 log = logging.getLogger("motet.replica")
 
@@ -40,7 +43,7 @@ SWEEP_PERIOD_S = 2.0  # how often a replica looks for deleted adapters among tho
 
 @dataclass
 class ReplicaSettings:
-    engine: EngineConfig
+    engine_config: EngineConfig
     loras: dict[str, Path] = field(default_factory=dict)  # shared adapters (--lora), registered at start
     max_queue_len: int = 256
     max_waiting: int = 16
@@ -59,26 +62,15 @@ class Refused:
     error: ServingError
 
 
-def _keys(d: dict) -> list:
-    """A dict's keys, read from a thread other than the one that writes it (the engine's)."""
-    for _ in range(10):
-        try:
-            return list(d)
-        except RuntimeError:  # changed size while we read it
-            continue
-    return []
-
-
 class EngineReplica:
     async def __init__(self, settings: ReplicaSettings):
-        from motet.engine.llm_engine import LLMEngine
-
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.system = ServingSystem(
-            lambda: LLMEngine(settings.engine),
+        self.system = ServingSystem.of_config(
+            settings.engine_config,
             max_queue_len=settings.max_queue_len,
             max_waiting=settings.max_waiting,
             loras=settings.loras,
+            cache_period_s=REPORT_PERIOD_S,  # its stats tell what its caches hold, for the report
         )
         self.store = SharedAdapterStore(settings.adapter_store, settings.adapter_cache_dir)
         self.report: ReplicaReport | None = None
@@ -114,7 +106,6 @@ class EngineReplica:
         """Compute the prompt's KV and wait until its full blocks are in the shared tier (the finished request's
         blocks are written through by the KV connector's saver thread: `wait_saved`)."""
         t0 = time.monotonic()
-        kv = self.system.engine.kv_connector
         try:
             spec = await self._local_adapter(prefill_spec(specs[0]))
             (admission,) = await self.system.submit_all([spec])
@@ -130,10 +121,7 @@ class EngineReplica:
                 if not s.closed:
                     s.cancel()
                     self.system.abort(s.request_id)
-        held = 0
-        if kv.shared is not None:
-            await anyio.to_thread.run_sync(kv.wait_saved)
-            held = await anyio.to_thread.run_sync(leading_held, route.block_hashes, kv.shared)
+        held = await self.system.shared_prefix(route.block_hashes)
         return PrefillDone(self.replica_id, len(admission.prompt_token_ids), held, time.monotonic() - t0)
 
     async def _local_adapter(self, spec: GenerateSpec) -> GenerateSpec:
@@ -149,32 +137,25 @@ class EngineReplica:
 
     # -- Serve's hooks --------------------------------------------------------------------------------
     async def record_routing_stats(self) -> dict:
-        engine = self.system.engine
         stats = self.system.stats()
-        blocks = ReplicaReport.pack(_keys(engine.block_manager.cached))
-        held = engine.adapters  # loaded ones: in the device pool or the host cache in front of it
-        known = set(_keys(held.known))  # a removed version may linger in the pool until evicted: not held
-        adapters = tuple(
-            u for u in dict.fromkeys(_keys(held.pool.slot_of) + _keys(held.host.entries)) if u in known
-        )
+        # what the engine's caches held as of a recent step, made on its thread (cache_period_s: always there)
+        cache = stats.cache
+        stats = dataclasses.replace(stats, cache=None)  # (the report carries it once, as blocks and adapters)
+        blocks, adapters = cache.blocks, cache.adapters
         last = self.report
         # A report that differs is broadcast to every handle: idle steps alone do not make one.
         same = last is not None and dataclasses.replace(last.stats, steps=stats.steps) == stats
         if not same or (last.blocks, last.adapters) != (blocks, adapters):
             seq = last.seq + 1 if last else 1
-            slots = max(held.capacity(), len(adapters))  # how many it keeps loaded (by bytes; an estimate)
-            self.report = ReplicaReport(self.replica_id, seq, stats, blocks, adapters, slots)
+            self.report = ReplicaReport(self.replica_id, seq, stats, blocks, adapters, cache.adapter_slots)
         if time.monotonic() - self.swept_at > SWEEP_PERIOD_S:
             self.swept_at = time.monotonic()
-            await self._drop_deleted_adapters()
+            await self._drop_deleted_adapters(cache.referenced)
         return self.report.to_dict()
 
-    async def _drop_deleted_adapters(self) -> None:
-        adapters = self.system.engine.adapters
-        held = [adapters.known.get(uid) for uid in _keys(adapters.known)]
-        refs = [
-            r for r in held if r is not None and r.uid not in self.dropped and r.name not in adapters.named
-        ]
+    async def _drop_deleted_adapters(self, referenced: tuple[AdapterRef, ...]) -> None:
+        """Remove the adapters requests named by reference that the shared store no longer has."""
+        refs = [r for r in referenced if r.uid not in self.dropped]
         if not refs:
             return
         gone = await anyio.to_thread.run_sync(lambda: [r for r in refs if self.store.deleted(r)])

@@ -181,7 +181,7 @@ def cluster_system(args, config, loras: dict[str, Path]):
     config.model = str(model_dir)  # replicas load the same files, resolved once here
     store = SharedAdapterStore(args.adapter_store)
     replica = ReplicaSettings(
-        engine=config,
+        engine_config=config,
         loras=loras,
         max_queue_len=args.max_queue_len,
         max_waiting=args.max_waiting,

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from motet.engine.cache_contents import CacheContents
 from motet.engine.config import EngineConfig
 from motet.engine.core.block_manager import BlockManager, prefix_salt
 from motet.engine.core.fairness import TenantState, VirtualTokenCounter
@@ -106,6 +107,8 @@ class EngineStats:
     # The time between a running request's tokens now (latency.TokenPace; 0: not timed yet), for the estimates of
     # when a running request ends (a concurrency limit's Retry-After).
     token_s: float = 0.0
+    # What its caches hold, for a router (stats(cache=True): a Ray replica's report); None where not asked for
+    cache: CacheContents | None = None
 
 
 # When every waiting request is waiting for its KV blocks and none runs, the step waits this long at most for a
@@ -443,7 +446,9 @@ class LLMEngine:
         finally:
             self.runner.close()
 
-    def stats(self) -> EngineStats:
+    def stats(self, cache: bool = False) -> EngineStats:
+        """As of now (the engine's thread); `cache`: with what its caches hold (CacheContents: a copy of the prefix
+        cache's hashes, so only when a router asks)."""
         sched, bm = self.scheduler, self.block_manager
         running = {s.adapter_id for s in sched.running if s.adapter_id}
         waiting = {s.adapter_id for s in sched.waiting if s.adapter_id} - running
@@ -469,6 +474,7 @@ class LLMEngine:
             kv_tiers=self.kv_connector.stats(),
             cpu_kernels=self.runner.cpu_kernels,
             token_s=self.token_pace.seconds() or 0.0,
+            cache=CacheContents.of(bm, self.adapters) if cache else None,
         )
 
     # -- the step -------------------------------------------------------------------------------------

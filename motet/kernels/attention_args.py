@@ -1,18 +1,36 @@
 """What every paged-attention implementation takes besides q (the layout: motet/kernels/paged_attention.py): a
-layer's `KVCache` and `AttentionOptions`, and the step's `PagedContext`."""
+layer's `KVCache` and `AttentionOptions`, and the step's `PagedContext` (with the CPU path's `CpuAttentionPlan` of
+it, which motet/kernels/paged_attention_cpu.py makes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from motet.kernels.paged_attention_cpu import CpuAttentionPlan
-
 # A layer's paged caches: K and V, [num_blocks, block_size, num_kv_heads, head_dim] each
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class DecodeGroup:
+    """One padded batched decode call: its query rows, the blocks to gather, the key mask."""
+
+    seqs: list[int]
+    rows: torch.Tensor  # [n] query rows
+    blocks: torch.Tensor  # [n * num_blocks] cache blocks, row-major per sequence
+    valid: torch.Tensor  # [n, 1, 1, width] bool: the key is one that row's query attends to
+
+
+@dataclass
+class CpuAttentionPlan:
+    """What the CPU path derives from the step's metadata, once per step instead of once per layer."""
+
+    starts: list[int]
+    lens: list[int]
+    groups: list[DecodeGroup]
+    tables: list[list[int]] | None = None  # the block table on the host, read when a lone sequence needs it
+    window: int | None = None  # the layers' sliding window: keys further back than it are not attended to
 
 
 @dataclass

@@ -1,17 +1,22 @@
 """The torch reference of paged attention (motet/kernels/paged_attention.py has the layout), which is also the CPU
 production path: prefill chunks in bounded query sub-chunks, decodes batched in groups of similar context
-length, with the per-step bookkeeping (`CpuAttentionPlan`) shared by the layers of one step. With a `window`
-(sliding-window layers) a query at position p sees the keys at p - window + 1 .. p only, and only those blocks
-are read: the others may hold newer tokens (motet/engine/core/block_manager.py's `WindowBlocks` reuses them)."""
+length, with the per-step bookkeeping (attention_args.py's `CpuAttentionPlan`, made here) shared by the layers
+of one step. With a `window` (sliding-window layers) a query at position p sees the keys at p - window + 1 .. p
+only, and only those blocks are read: the others may hold newer tokens (motet/engine/core/block_manager.py's
+`WindowBlocks` reuses them)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from motet.kernels.attention_args import AttentionOptions, KVCache, PagedContext
+from motet.kernels.attention_args import (
+    AttentionOptions,
+    CpuAttentionPlan,
+    DecodeGroup,
+    KVCache,
+    PagedContext,
+)
 
 # Upper bound on score-matrix elements per matmul in the reference (16 MiB of fp32): long prefill
 # chunks are split into query sub-chunks so memory stays bounded like a flash kernel's would.
@@ -51,27 +56,6 @@ def _blocks_of(cache: torch.Tensor, table: list[int], num_blocks: int) -> torch.
 def first_key(seq_len: int, q_len: int, window: int | None) -> int:
     """The first key position the first of a sequence's `q_len` new tokens (of `seq_len`) attends to."""
     return 0 if window is None else max(0, seq_len - q_len - window + 1)
-
-
-@dataclass
-class DecodeGroup:
-    """One padded batched decode call: its query rows, the blocks to gather, the key mask."""
-
-    seqs: list[int]
-    rows: torch.Tensor  # [n] query rows
-    blocks: torch.Tensor  # [n * num_blocks] cache blocks, row-major per sequence
-    valid: torch.Tensor  # [n, 1, 1, width] bool: the key is one that row's query attends to
-
-
-@dataclass
-class CpuAttentionPlan:
-    """What the CPU path derives from the step's metadata, once per step instead of once per layer."""
-
-    starts: list[int]
-    lens: list[int]
-    groups: list[DecodeGroup]
-    tables: list[list[int]] | None = None  # the block table on the host, read when a lone sequence needs it
-    window: int | None = None  # the layers' sliding window: keys further back than it are not attended to
 
 
 def plan_cpu_attention(ctx: PagedContext, block_size: int, window: int | None = None) -> CpuAttentionPlan:

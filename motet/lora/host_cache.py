@@ -43,6 +43,11 @@ class HostCache:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def uids(self) -> list[int]:
+        """The adapters it holds, least recently used first (a copy: the cache changes on other threads)."""
+        with self._lock:
+            return list(self.entries)
+
     def put(self, uid: int, entry: HostEntry) -> None:
         with self._lock:
             old = self.entries.pop(uid, None)

@@ -391,6 +391,20 @@ class AdapterManager:
     def num_pinned(self) -> int:
         return len(self.users)
 
+    def loaded(self) -> tuple[int, ...]:
+        """The versions it has loaded, in the device pool (first) or the host cache in front of it; a removed
+        version that lingers in the pool until evicted is not one. On the engine's thread (the pool's)."""
+        with self._lock:
+            known, pooled = set(self.known), list(self.pool.slot_of)
+        return tuple(u for u in dict.fromkeys(pooled + self.host.uids()) if u in known)
+
+    def referenced(self) -> tuple[AdapterRef, ...]:
+        """The versions it knows that requests named by reference, not registered under a name (the server's
+        shared adapters are), which may be deleted where they are kept. On the engine's thread (the names')."""
+        with self._lock:
+            refs = list(self.known.values())
+        return tuple(r for r in refs if r.name not in self.named)
+
     def name_of(self, uid: int) -> str:
         ref = self.known.get(uid)
         return ref.name if ref is not None else str(uid)

@@ -308,7 +308,7 @@ async def test_light_tenant_starts_at_the_next_step_under_another_tenants_backlo
     ]
     outputs += [(await _drain(adm.streams[0]))[1] for adm in a[2:]]
     assert len(outputs[2]) == 4
-    llm = LLM(str(system.engine.model_dir), num_kv_blocks=64)
+    llm = LLM(str(system.executor.engine.model_dir), num_kv_blocks=64)
     (expected,) = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, **fixed))
     assert all(tokens == expected.token_ids for tokens in outputs[:2] + outputs[3:])
 

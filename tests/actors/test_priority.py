@@ -139,7 +139,7 @@ async def test_priority_reaches_the_engine_through_the_serving_system(tiny_model
         spec.priority = -3
         adm = await system.submit(spec)
         await adm.streams[0].get()  # running
-        (seq,) = [s for s in system.engine.requests.values() if s.request_id == "p-0"]
+        (seq,) = [s for s in system.executor.engine.requests.values() if s.request_id == "p-0"]
         assert seq.priority == -3
         system.abort("p-0")
         await system.stop()

@@ -37,7 +37,7 @@ async def test_the_engine_takes_the_record_the_ingress_built(tiny_model_dir):
         await tg.start(system.run)
         adm = await system.submit(spec)
         await adm.streams[0].get()
-        seqs = {s.request_id: s for s in system.engine.requests.values()}
+        seqs = {s.request_id: s for s in system.executor.engine.requests.values()}
         ids = hf.encode(prompt)
         for rid in ("r-0", "r-1"):
             seq = seqs[rid]

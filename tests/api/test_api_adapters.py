@@ -386,7 +386,7 @@ def test_in_process_upload_use_delete(tiny_model_dir, tmp_path):
         assert c.delete("/v1/adapters/a", headers=alice).status_code == 200
         assert text("a") == 404
         deadline = time.monotonic() + 10
-        known = system.engine.adapters.known
+        known = system.executor.engine.adapters.known
         while any(ref.name == "alice/a" for ref in list(known.values())):  # forgotten between steps
             assert time.monotonic() < deadline
             time.sleep(0.01)

@@ -129,6 +129,69 @@ def test_route_hashes_are_the_blocks_the_engine_caches(tiny_engine):
     assert out.request_id == again and out.num_cached_tokens == len(hashes) * 4
 
 
+def test_the_engines_stats_tell_a_router_what_its_caches_hold(tiny_engine, tiny_model_dir, tmp_path):
+    """Issue 60: a replica's report read the engine's live dicts (its prefix cache, its adapters) from the event
+    loop while the engine's thread wrote them. The engine now makes that part of its stats on its own thread, only
+    when asked: the blocks of a prompt as the ingress hashes its route, and the adapters loaded, those requests
+    named by reference (which a replica sweeps when deleted) apart from those registered by name."""
+    import array
+
+    from motet.actors.messages import GenerateSpec
+    from motet.cluster.prompt_blocks import route_hashes
+    from motet.engine.sampling_params import SamplingParams
+    from motet.lora.manager import AdapterRef
+    from tests.peft_adapters import make_adapter
+
+    assert tiny_engine.stats().cache is None  # a copy of the prefix cache's hashes: not made unless asked
+    messages = [{"role": "user", "content": "Name a badger, a stoat and a weasel."}]
+    spec = GenerateSpec(["r"], [SamplingParams(max_tokens=1)], messages=messages)
+    hashes = route_hashes(tiny_engine.tokenizer, spec, tiny_engine.config.block_size, False)
+    shared = tiny_engine.add_lora("shared", make_adapter(tiny_model_dir, tmp_path / "shared", seed=0))
+    own = AdapterRef.of("alice/own", make_adapter(tiny_model_dir, tmp_path / "own", seed=1))
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    tiny_engine.add_request(tiny_engine.tokenizer.encode_chat(messages), greedy, tenant=spec.tenant)
+    tiny_engine.add_request([5, 6, 7], greedy, adapter=own)
+    while tiny_engine.has_unfinished():
+        tiny_engine.step()
+    cache = tiny_engine.stats(cache=True).cache
+    blocks = array.array("q")
+    blocks.frombytes(cache.blocks)
+    assert len(hashes) > 2 and set(hashes) <= set(blocks)
+    assert set(cache.adapters) == {shared.uid, own.uid} and cache.adapter_slots >= 2
+    assert cache.referenced == (own,)
+
+
+def test_a_replicas_stats_carry_a_copy_of_the_caches_made_at_most_once_a_period():
+    """The copy costs the engine's thread a pass over its prefix cache: made at most once a report period while
+    requests run (the latest one carried meanwhile), and as soon as the engine has nothing left to run (its last
+    state, which no later step would report)."""
+    from motet.actors.executor import ExecutorActor
+    from motet.engine.llm_engine import EngineStats
+    from tests.clock import Clock
+
+    class Engine:  # what the executor asks of an engine for its stats
+        busy, copies = True, 0
+
+        def has_unfinished(self) -> bool:
+            return self.busy
+
+        def stats(self, cache: bool = False) -> EngineStats:
+            self.copies += cache
+            return EngineStats(cache=f"copy {self.copies}" if cache else None)
+
+    clock = Clock()
+    executor = ExecutorActor(Engine, cache_period_s=0.5, clock=clock)
+    executor.engine = engine = Engine()
+    made = []
+    for now, busy in [(0.0, True), (0.2, True), (0.4, True), (0.5, True), (0.6, True), (0.7, False)]:
+        clock.now, engine.busy = now, busy
+        made.append(executor._stats().cache)
+    assert made == ["copy 1", "copy 1", "copy 1", "copy 2", "copy 2", "copy 3"]
+    local = ExecutorActor(Engine)  # a server in one process: no router asks
+    local.engine = Engine()
+    assert local._stats().cache is None and local.engine.copies == 0
+
+
 def test_block_hashes_agree_across_processes():
     code = (
         "from motet.cluster.prompt_blocks import block_hashes; print(block_hashes(list(range(40)), 7, 5, 16))"

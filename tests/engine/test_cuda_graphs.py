@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.cuda_graphs import DecodeGraphs, bucket_for, buckets
-from motet.engine.worker.model import AttentionMetadata
 from motet.kernels import paged_attention as pa
 from tests.engine.helpers import mixed_adapter_tokens
 

@@ -302,7 +302,7 @@ def test_one_tenants_100k_enums_do_not_lock_out_another(tiny_model_dir):
         json.loads(
             r.json()["choices"][0]["message"]["content"] or "0"
         )  # constrained: an integer (or cut off)
-        cache = state.system.engine.grammar_cache
+        cache = state.system.executor.engine.grammar_cache
         deadline = time.monotonic() + 30  # let them finish: they would slow the tests after this one
         while cache.overrunning("alice") and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -14,8 +14,8 @@ import torch
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.worker import latent_attention as la
+from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.cuda_graphs import model_options
-from motet.engine.worker.model import AttentionMetadata
 from motet.kernels import latent_decode, paged_attention
 from motet.kernels.rope_kv import RotaryAngles
 from motet.models.config import ModelConfig

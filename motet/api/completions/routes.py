@@ -25,6 +25,7 @@ from motet.api import rate_limits, tracing
 from motet.api import usage as usage_records
 from motet.api.auth import Principal
 from motet.api.billing import Bill
+from motet.api.choice import Choice
 from motet.api.completions import protocol as P
 from motet.api.completions.chat_output import ChatOutput
 from motet.api.completions.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
@@ -32,7 +33,7 @@ from motet.api.errors import APIError, from_serving_error, from_value_error
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
-from motet.api.streams import Choice, EventStream, collect, in_flight, observe, sse, usage
+from motet.api.streams import EventStream, collect, in_flight, observe, sse, usage
 from motet.api.structured import Structure, prompt_messages, structured_output
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.reasoning import ReasoningFormat, reasoning_format, template_reasoning

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 
 from motet.actors.reply import ReplyStream, merge_streams
 from motet.api.billing import Bill
+from motet.api.choice import Choice
 from motet.api.completions.chat_output import ChatOutput
 from motet.api.completions.routes import (
     MAX_WARNING_CHARS,
@@ -45,7 +46,7 @@ from motet.api.responses.request import ResponsesRequest, chat_request, input_it
 from motet.api.responses.store import ConversationTooLong, QuotaExceeded, ResponseStore
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.storage_errors import StorageFailure, storage_error, stored_call
-from motet.api.streams import Choice, EventStream, collect, in_flight, internal_error, observe, usage
+from motet.api.streams import EventStream, collect, in_flight, internal_error, observe, usage
 
 log = logging.getLogger("motet.api")
 

@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 
@@ -167,6 +168,9 @@ class NoKVTiers:
     def wait_saved(self) -> None:
         pass
 
+    def shared_prefix(self, block_hashes: Iterable[int]) -> int:
+        return 0
+
     def is_loading(self, seq: Sequence) -> bool:
         return False
 
@@ -280,6 +284,20 @@ class KVConnector:
         """Block until what the saver thread was given so far is done: the blocks of a request that finished
         before this call are in the shared tier then (or could not be written). Any thread."""
         self._saver.submit(lambda: None).result()
+
+    def shared_prefix(self, block_hashes: Iterable[int]) -> int:
+        """How many of the leading blocks the shared tier holds (up to the first it lacks: a load stops there too)
+        once what the saver thread was given so far is written (`wait_saved`); 0 without a shared tier. Any
+        thread; blocks."""
+        if self.shared is None:
+            return 0
+        self.wait_saved()
+        n = 0
+        for h in block_hashes:
+            if h not in self.shared:
+                break
+            n += 1
+        return n
 
     def _absorb_snapshots(self) -> None:
         """Completed snapshots into the tiers; their blocks are released (on the engine's thread)."""

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from motet.engine.worker.model import AttentionMetadata
+from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.step_inputs import feed_tokens
 from motet.lora.pool import LoRABatch, PoolView
 

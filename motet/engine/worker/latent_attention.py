@@ -23,12 +23,11 @@ rows and paged context are the step's own, so that nothing in its layers waits f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from motet.engine.worker.attention_metadata import AttentionMetadata, LatentSplit
 from motet.engine.worker.layers import Linear, RMSNorm
 from motet.engine.worker.parallel import SINGLE, Parallel
 from motet.kernels.attention_args import PagedContext
@@ -38,23 +37,8 @@ from motet.kernels.rope_kv import RotaryAngles, rotate_reference
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
 
-if TYPE_CHECKING:
-    from motet.engine.worker.model import AttentionMetadata
-
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (transformers' default: not the config's)
 _MAX_SCORE_ELEMS = 1 << 22  # score elements per product in the expanded form (16 MiB of fp32)
-
-
-@dataclass
-class LatentSplit:
-    """A step's rows by the form that computes them: made by the first latent layer, kept on the step's
-    metadata for the others."""
-
-    # [n] the rows of one-token sequences (every row: slice(None)), None: there are none
-    decode_rows: torch.Tensor | slice | None
-    decode_ctx: PagedContext | None  # their paged context (the step's, those sequences only; or the step's)
-    # each sequence with several new tokens: (first row, end row, context length incl. the new tokens, blocks)
-    prefills: list[tuple[int, int, int, list[int]]]
 
 
 def split_step(meta: PagedContext, block_size: int, absorb: bool = True) -> LatentSplit:

@@ -4,7 +4,7 @@ declaration sets its options (q/k/v biases, q/k norms per head or across heads, 
 blocks, the MLP's activation, a rope base for sliding-window layers, experts, constants folded into weights) and
 its checkpoint's module names.
 
-Tokens of many sequences are concatenated (no padding); `AttentionMetadata` says where each sequence's
+Tokens of many sequences are concatenated (no padding); `AttentionMetadata` (motet/engine/worker/attention_metadata.py) says where each sequence's
 queries are and which cache blocks hold its keys. q/k/v and gate/up projections are fused into one
 matrix each (fewer, larger matmuls); checkpoints with Hugging Face names load into them through
 motet/engine/worker/decoder_weights.py. The layers carry the residual stream beside each block's output
@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from motet.engine.worker.latent_attention import LatentAttention, LatentSplit
+from motet.engine.worker.attention_metadata import AttentionMetadata
+from motet.engine.worker.latent_attention import LatentAttention
 from motet.engine.worker.layers import Linear, RMSNorm, quantized_product
 from motet.engine.worker.parallel import SINGLE, Parallel
 from motet.engine.worker.routing import Router
 from motet.kernels import activation, rope_kv, triton_moe
-from motet.kernels.attention_args import AttentionOptions, PagedContext
+from motet.kernels.attention_args import AttentionOptions
 from motet.kernels.paged_attention import paged_attention
 from motet.kernels.quant import QuantizedWeight
 from motet.kernels.rope_kv import RotaryAngles
@@ -42,24 +42,6 @@ from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
 from motet.models.projections import GATE_UP, QKV
 from motet.models.rope_config import longrope_original
-
-
-@dataclass(kw_only=True)
-class AttentionMetadata(PagedContext):
-    """A step's paged context (what attention reads) and where its new tokens' K/V are written."""
-
-    slot_mapping: torch.Tensor  # [T] int64
-    # The sliding-window layers' own: their slots and tables in the window pool (motet/engine/core/kv_window.py)
-    window: AttentionMetadata | None = None
-    # The latent attention's split of the step's rows (made by its first layer, motet/engine/worker/latent_attention.py)
-    latent: LatentSplit | None = None
-
-    def for_window(self) -> AttentionMetadata:
-        """The metadata of the sliding-window layers: `window`, or where they keep their KV in the same blocks
-        as the others (a context within the window), the same with a CPU plan of their own."""
-        if self.window is None:
-            self.window = dataclasses.replace(self, cpu_plan=None)
-        return self.window
 
 
 def rope_inv_freq(cfg: ModelConfig, long: bool = False) -> tuple[torch.Tensor, float]:

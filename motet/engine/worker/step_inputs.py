@@ -15,7 +15,7 @@ import torch
 from motet.engine.core.kv_window import window_table
 from motet.engine.core.scheduler import ScheduledBatch
 from motet.engine.core.step_plan import RowPlan, SampledRef
-from motet.engine.worker.model import AttentionMetadata
+from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.rows import Row
 
 

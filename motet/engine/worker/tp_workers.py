@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from motet.engine.config import EngineConfig
-from motet.engine.worker.model import AttentionMetadata
+from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.parallel import Parallel, guard
 from motet.lora.pool import AdapterPool, PoolLayout, pack
 from motet.models.config import ModelConfig
