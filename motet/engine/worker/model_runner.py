@@ -462,7 +462,7 @@ class ModelRunner:
 
     @staticmethod
     def _verify(
-        batch: ScheduledBatch, sample_rows: list[int], starts, out: SamplerOutput, sampled: SampledTokens
+        batch: ScheduledBatch, sample_rows: list[int], starts, out: SamplerOutput, sampled_tokens: SampledTokens
     ) -> StepResult:
         """Each sampling row's tokens: a drafting row keeps its accepted drafts and the target's token after them;
         a one-token row's token stays on the device until the result is read."""
@@ -471,7 +471,7 @@ class ModelRunner:
         plan = batch.plan()
         for i, start in zip(sample_rows, starts, strict=True):
             if plan[i].sampled_as is not None:  # where the next step finds it, if it runs first
-                sampled.record(plan[i].sampled_as, out.tokens, start)
+                sampled_tokens.record(plan[i].sampled_as, out.tokens, start)
             drafts = plan[i].drafts
             if not drafts:
                 on_device.append((i, start))
