@@ -67,3 +67,32 @@ class RowPlan:
     # Where its sampled token will be (None: the step samples none for it), and where its pending input token is
     sampled_as: SampledRef | None
     fed_by: SampledRef | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """A step as the worker sees it, and all it sees: its rows' plans in order (it is a sequence of them), the rows
+    that left the running set since the plan before (the runner forgets them) and the plan's number (the runner
+    applies each plan once, in order; a part of a step re-run carries its step's). `plan_id` None: a plan from
+    nothing held (a batch built by hand), applied whenever read."""
+
+    rows: tuple[RowPlan, ...] = ()
+    departed: tuple[int, ...] = ()
+    plan_id: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> RowPlan:
+        return self.rows[i]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def subset(self, indices) -> StepPlan:
+        """The rows at `indices`, in order: the same plan (its number, its departures), to re-run part of a step."""
+        return StepPlan(tuple(self.rows[i] for i in indices), self.departed, self.plan_id)
+
+    def sampling_rows(self) -> list[int]:
+        """The rows i that sample their next token in this step."""
+        return [i for i, r in enumerate(self.rows) if r.samples]

@@ -39,6 +39,22 @@ def pair(model_dir, **options) -> tuple[LLM, LLM]:
     return off, speculating(model_dir, num_kv_blocks=256, **options)
 
 
+def failed_steps(llm: LLM) -> list[BaseException]:
+    """What the engine's steps raise from now on: a step that raises is re-run in halves until the failing rows
+    are alone, so its outputs may still be right while every step with drafts fails and runs row by row."""
+    raised, execute = [], llm.engine.runner.execute
+
+    def recording(*args, **kwargs):
+        try:
+            return execute(*args, **kwargs)
+        except Exception as e:
+            raised.append(e)
+            raise
+
+    llm.engine.runner.execute = recording
+    return raised
+
+
 def accepted(llm: LLM) -> int:
     return llm.engine.stats().speculative.accepted_tokens
 
@@ -66,9 +82,11 @@ def test_prompt_lookup_matches_a_brute_force_search():
 def test_greedy_is_the_plain_engines_and_hfs(tiny_model_dir, tiny_hf_model):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     off, on = pair(tiny_model_dir)
+    raised = failed_steps(on)
     plain, spec = off.generate(PROMPTS, params), on.generate(PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert accepted(on) > 0 and on.engine.num_steps < off.engine.num_steps
+    assert raised == []  # every step ran whole, its drafting rows beside the others
     for prompt, out in zip(PROMPTS, spec, strict=True):
         assert out.token_ids == hf_greedy(tiny_hf_model, prompt, 40)
     bm = on.engine.block_manager
