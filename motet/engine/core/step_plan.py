@@ -57,8 +57,9 @@ class RowPlan:
     new_window: tuple[int, ...]
     drafts: tuple[int, ...]  # the drafts the step verifies after its last token
     long_rope: bool  # whether its tokens turn by LongRoPE's long factors
-    params: SamplingParams
-    num_prompt_tokens: int
+    # In the row's first plan only (None after: the runner keeps them from there, motet/engine/worker/rows.py)
+    params: SamplingParams | None
+    num_prompt_tokens: int | None
     num_output_tokens: int  # on the host (a pending token not counted)
     # whether its grammar holds back the stop tokens (a bounded reasoning open; the grammar itself is the engine's
     # structured outputs', motet/engine/structured_output.py, which mask the step's logits)

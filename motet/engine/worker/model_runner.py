@@ -496,13 +496,13 @@ class ModelRunner:
     ) -> None:
         """The prompt logprobs of the rows that ask for them, over this step's chunk of their prompt."""
         for i, row in enumerate(plan):
-            k = row.params.prompt_logprobs
+            k = rows[i].params.prompt_logprobs
             if k is None:
                 continue
             # Row p predicts prompt token p+1; the last prompt row predicts the first output instead. A
             # recompute after preemption skips the positions it has reported already.
             first = max(row.start, row.num_prompt_logprobs_done)
-            last = min(row.start + row.num_new_tokens, row.num_prompt_tokens - 1)
+            last = min(row.start + row.num_new_tokens, rows[i].num_prompt_tokens - 1)
             if first >= last:
                 continue
             hidden_rows = range(qsl[i] + first - row.start, qsl[i] + last - row.start)

@@ -14,12 +14,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from motet.engine.core.step_plan import RowPlan, StepPlan
+from motet.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class Row:
-    """One running row as the runner holds it."""
+    """One running row as the runner holds it: what its first plan gave once (its params, its prompt's length) and
+    what each plan changes."""
 
+    params: SamplingParams | None = None
+    num_prompt_tokens: int = 0
     tokens: list[int] = field(default_factory=list)  # prompt and output, as far as known on the host
     table: list[int] = field(default_factory=list)  # its KV blocks
     window: list[int] = field(default_factory=list)  # its sliding-window layers' ring
@@ -50,6 +54,8 @@ class RunnerRows:
                     row = self._rows.get(p.seq_id)
                     if row is None:
                         row = self._rows[p.seq_id] = Row()
+                    if p.params is not None:  # (its first plan)
+                        row.params, row.num_prompt_tokens = p.params, p.num_prompt_tokens
                     _splice(row.tokens, p.tokens_from, p.new_tokens, p.seq_id)
                     _splice(row.table, p.table_from, p.new_blocks, p.seq_id)
                     _splice(row.window, p.window_from, p.new_window, p.seq_id)
@@ -88,8 +94,8 @@ class SampleView:
 
     def __init__(self, plan: RowPlan, row: Row, num_drafts: int):
         self.request_id = plan.request_id
-        self.params = plan.params
-        self.num_prompt_tokens = plan.num_prompt_tokens
+        self.params = row.params
+        self.num_prompt_tokens = row.num_prompt_tokens
         self.num_output_tokens = plan.num_output_tokens + num_drafts
         # (the drafts never change whether the grammar holds the stop tokens: none crosses a bounded reasoning's
         # forced end, motet/engine/speculative/proposer.py)
