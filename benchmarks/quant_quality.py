@@ -222,7 +222,7 @@ def final_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
         if not engine.block_manager.allocate_slots(seq, len(prompt)):
             raise RuntimeError(f"no KV blocks for a {len(prompt)}-token prompt")
         try:
-            hidden, qsl = engine.runner.forward(ScheduledBatch([seq], [len(prompt)]))
+            hidden, qsl = engine.runner.forward(ScheduledBatch([seq], [len(prompt)]).plan())
             out.append(engine.runner.compute_logits(hidden[qsl[1] - 1 : qsl[1]])[0].float().cpu())
         finally:
             engine.block_manager.free_seq(seq)

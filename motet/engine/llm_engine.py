@@ -533,14 +533,16 @@ class LLMEngine:
         if not sched.running and not self.stepping.unlanded and not any(adapters.ready(a) for a in waiting):
             adapters.wait_for_load(LOAD_WAIT_S)
 
-    def execute(self, batch: ScheduledBatch, on_launch=None, lazy: bool = False) -> StepResult:
+    def execute(self, batch: ScheduledBatch, on_launch=None, lazy: bool = False, inputs=None) -> StepResult:
         """Run the batch; where it raises, bisect it so that only the failing rows carry the error. `on_launch()`
-        is called when the forward pass is about to start (the host's part before it is done)."""
-        self.runner.take_plan(batch)  # (here, whatever happens to the step: the next plan is against it)
+        is called when the forward pass is about to start (the host's part before it is done); `inputs`: the
+        step's inputs built already (`ModelRunner.plan_inputs`). The runner sees the step's plan only."""
+        step = batch.plan()
+        self.runner.take_plan(step)  # (here, whatever happens to the step: the next plan is against it)
         try:
             lora = self.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
-            mask = self.structured_output.mask(batch.plan())  # filled while the forward pass runs
-            return self.runner.execute(batch, lora, on_launch, lazy, mask)
+            mask = self.structured_output.mask(step)  # filled while the forward pass runs
+            return self.runner.execute(step, lora, on_launch, lazy, mask, inputs)
         except RankFailure:  # not this batch's fault: no step can run any more
             raise
         except Exception as e:

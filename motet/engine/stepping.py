@@ -165,11 +165,11 @@ class OverlappedSteps:
             return
         engine = self.engine
         try:  # here, while the forward thread may still run the step before
-            engine.runner.plan_inputs(batch)
+            inputs = engine.runner.plan_inputs(batch.plan())
         except Exception:  # (the forward thread builds them again, and bisects the failing row out)
-            batch.inputs = None
+            inputs = None
         launched = threading.Event()
-        future = self._thread.submit(engine.execute, batch, launched.set, True)
+        future = self._thread.submit(engine.execute, batch, launched.set, True, inputs)
         future.add_done_callback(lambda _: launched.set())  # (it may fail before it launches)
         self._inflight = (batch, future)
         self.unlanded.append(batch)

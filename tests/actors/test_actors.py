@@ -139,10 +139,11 @@ def inject_fault(engine: LLMEngine, token: int) -> None:
     triggered by one request's input would)."""
     execute = engine.runner.execute
 
-    def execute_or_fail(batch, *args):
-        if any(token in s.prompt_token_ids for s in batch.seqs):
+    def execute_or_fail(step, *args):
+        rows = [engine.requests.get(p.request_id) for p in step]  # (the runner sees the step's plan only)
+        if any(token in s.prompt_token_ids for s in rows if s is not None):
             raise RuntimeError("injected fault")
-        return execute(batch, *args)
+        return execute(step, *args)
 
     engine.runner.execute = execute_or_fail
 

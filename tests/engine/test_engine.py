@@ -62,7 +62,7 @@ def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters
                 batch.seqs.append(s)
                 batch.num_new_tokens.append(n)
         lora = engine.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
-        hidden, qsl = engine.runner.forward(batch, lora)
+        hidden, qsl = engine.runner.forward(batch.plan(), lora)
         logits = engine.runner.compute_logits(hidden, lora)
         for i, s in enumerate(batch.seqs):
             rows[s.seq_id].append(logits[qsl[i] : qsl[i + 1]])

@@ -128,12 +128,12 @@ def test_abort_while_the_launched_step_reads_its_rows(model_dir, caplog, make_re
     eng = engine(model_dir, overlap=True)
     gate, prepared, original = threading.Event(), threading.Event(), eng.runner.execute
 
-    def held(batch, lora, on_launch=None, lazy=False, mask=None):
+    def held(step, lora, on_launch=None, lazy=False, mask=None, inputs=None):
         if gate.is_set():
-            return original(batch, lora, on_launch, lazy, mask)
+            return original(step, lora, on_launch, lazy, mask, inputs)
         on_launch()  # step() returns: the engine's thread goes on while this step waits at the gate
         gate.wait()
-        return original(batch, lora, prepared.set, lazy, mask)
+        return original(step, lora, prepared.set, lazy, mask, inputs)
 
     eng.runner.execute = held
     gate.set()

@@ -38,7 +38,7 @@ def test_the_runner_rows_follow_the_scheduled_sequences_from_what_each_plan_chan
         batch = sched.schedule()
         expected = [(list(s.token_ids), list(s.block_table), s.num_computed_tokens) for s in batch.seqs]
         sched.advance(batch)
-        held = rows.update(batch)
+        held = rows.update(batch.plan())
         for row, plan, (tokens, table, start) in zip(held, batch.plan(), expected, strict=True):
             assert (row.tokens, row.table, plan.start) == (tokens, table, start)
             # only what changed since its last plan: nothing of its history again

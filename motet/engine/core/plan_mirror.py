@@ -41,7 +41,8 @@ class PlanMirror:
     ) -> RowPlan:
         held = self._held.get(seq.seq_id)
         tokens, table, window = seq.token_ids, seq.block_table, seq.window_blocks
-        if held is None:
+        first = held is None  # (the runner has nothing of it: it gets its params)
+        if first:
             held = self._held[seq.seq_id] = _Held(0, table, 0, window, 0)
         tokens_from = held.num_tokens
         table_from = held.table_len if held.table is table else 0
@@ -62,8 +63,8 @@ class PlanMirror:
             new_window=tuple(window[window_from:]),
             drafts=tuple(seq.draft_token_ids),
             long_rope=seq.long_rope,
-            params=seq.params,
-            num_prompt_tokens=seq.num_prompt_tokens,
+            params=seq.params if first else None,
+            num_prompt_tokens=seq.num_prompt_tokens if first else None,
             num_output_tokens=seq.num_output_tokens,
             grammar_holds_stop=holds_stop,
             num_prompt_logprobs_done=len(seq.prompt_logprobs),

@@ -43,28 +43,21 @@ from motet.engine.core.kv_connector import KVConnector, NoKVTiers
 from motet.engine.core.latency import INTERACTIVE, LatencyGuard, tier
 from motet.engine.core.plan_mirror import PlanMirror, reaches_end
 from motet.engine.core.sequence import Sequence, SequenceStatus
-from motet.engine.core.step_plan import RowPlan, SampledRef, new_step
+from motet.engine.core.step_plan import SampledRef, StepPlan, new_step
 
 
 @dataclass
 class ScheduledBatch:
-    """A step: the rows it runs (`seqs`, the scheduler's own) and each one's tokens in it, and its plan as values
-    (`rows`, motet/engine/core/step_plan.py), which the runner reads instead of the rows."""
+    """A step as the engine keeps it: the rows it runs (`seqs`, the scheduler's own) and each one's tokens in it, and
+    its plan as values (`plan()`, motet/engine/core/step_plan.py), the runner's only view of it."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     # The plan, taken when the batch is scheduled (`freeze`): each row as it was then (an overlapped engine
-    # advances the rows as it launches the step, while the forward thread still runs it), the rows the runner
-    # may forget, and the plan's number (a part of a step re-run carries its step's: the runner applies a plan
-    # once). None: a batch built by hand, planned from nothing held when first read.
-    rows: list[RowPlan] | None = None
-    departed: tuple[int, ...] = ()
-    plan_id: int | None = None
-    # The runner's copies of the rows once it took the plan (motet/engine/worker/rows.py), and its inputs built on the
-    # host as the step launches (ModelRunner.plan_inputs); None: not yet.
-    runner_rows: list | None = None
-    inputs: object | None = None
+    # advances the rows as it launches the step, while the forward thread still runs it). None: a batch built by
+    # hand, planned from nothing held when first read.
+    step: StepPlan | None = None
     scheduled_at: float | None = None  # time.monotonic() when the engine scheduled it (a step's time starts)
 
     def __len__(self) -> int:
@@ -87,31 +80,27 @@ class ScheduledBatch:
             mirror is not None
         )  # (a plan from nothing held has no number: the runner applies it whenever read)
         mirror = mirror if held else PlanMirror()
-        self.rows, step = [], new_step()
+        rows, step = [], new_step()
         for i, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True)):
             samples = reaches_end(seq, n)
             ref = SampledRef(step, i) if samples else None
-            self.rows.append(mirror.row(seq, n, samples, ref, seq.request_id in holds_stop))
-        self.departed = mirror.departures(set(running_ids), bool(self.seqs))
-        self.plan_id = mirror.plan_id() if held and self.seqs else None
+            rows.append(mirror.row(seq, n, samples, ref, seq.request_id in holds_stop))
+        departed = mirror.departures(set(running_ids), bool(self.seqs))
+        self.step = StepPlan(tuple(rows), departed, mirror.plan_id() if held and self.seqs else None)
         return self
 
-    def plan(self) -> list[RowPlan]:
-        """The rows' plan (a batch built by hand: planned now, from nothing held, as its rows are)."""
-        if self.rows is None:
+    def plan(self) -> StepPlan:
+        """The step's plan (a batch built by hand: planned now, from nothing held, as its rows are)."""
+        if self.step is None:
             self.freeze()
-        return self.rows
+        return self.step
 
     def subset(self, rows) -> ScheduledBatch:
         """The batch's rows `rows`, in order (to re-run part of a step: the same plan, not applied again)."""
-        plan = self.plan()
         return ScheduledBatch(
             [self.seqs[i] for i in rows],
             [self.num_new_tokens[i] for i in rows],
-            rows=[plan[i] for i in rows],
-            departed=self.departed,
-            plan_id=self.plan_id,
-            runner_rows=None if self.runner_rows is None else [self.runner_rows[i] for i in rows],
+            step=self.plan().subset(rows),
         )
 
     def positions(self) -> list[int]:
@@ -120,7 +109,7 @@ class ScheduledBatch:
 
     def sampling_rows(self) -> list[int]:
         """The rows i for which `samples(i)`."""
-        return [i for i, r in enumerate(self.plan()) if r.samples]
+        return self.plan().sampling_rows()
 
     def samples(self, i: int) -> bool:
         """Whether sequence i's chunk reaches its last token, so that this step samples its next one (and

@@ -57,8 +57,9 @@ class RowPlan:
     new_window: tuple[int, ...]
     drafts: tuple[int, ...]  # the drafts the step verifies after its last token
     long_rope: bool  # whether its tokens turn by LongRoPE's long factors
-    params: SamplingParams
-    num_prompt_tokens: int
+    # In the row's first plan only (None after: the runner keeps them from there, motet/engine/worker/rows.py)
+    params: SamplingParams | None
+    num_prompt_tokens: int | None
     num_output_tokens: int  # on the host (a pending token not counted)
     # whether its grammar holds back the stop tokens (a bounded reasoning open; the grammar itself is the engine's
     # structured outputs', motet/engine/structured_output.py, which mask the step's logits)
@@ -67,3 +68,32 @@ class RowPlan:
     # Where its sampled token will be (None: the step samples none for it), and where its pending input token is
     sampled_as: SampledRef | None
     fed_by: SampledRef | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """A step as the worker sees it, and all it sees: its rows' plans in order (it is a sequence of them), the rows
+    that left the running set since the plan before (the runner forgets them) and the plan's number (the runner
+    applies each plan once, in order; a part of a step re-run carries its step's). `plan_id` None: a plan from
+    nothing held (a batch built by hand), applied whenever read."""
+
+    rows: tuple[RowPlan, ...] = ()
+    departed: tuple[int, ...] = ()
+    plan_id: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> RowPlan:
+        return self.rows[i]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def subset(self, indices) -> StepPlan:
+        """The rows at `indices`, in order: the same plan (its number, its departures), to re-run part of a step."""
+        return StepPlan(tuple(self.rows[i] for i in indices), self.departed, self.plan_id)
+
+    def sampling_rows(self) -> list[int]:
+        """The rows i that sample their next token in this step."""
+        return [i for i, r in enumerate(self.rows) if r.samples]

@@ -1,4 +1,5 @@
-"""Owns the model, its KV cache and the sampler; turns a scheduled batch into sampled tokens.
+"""Owns the model, its KV cache and the sampler; turns a step's plan (motet/engine/core/step_plan.py `StepPlan`)
+into sampled tokens.
 
 Called from the engine's thread only (or an overlapped engine's forward thread). `execute` is a sequence of
 named steps: pick the sampled positions, run the forward pass through the backend chosen once at start-up
@@ -23,7 +24,7 @@ from motet.engine.config import (
     default_cpu_threads,
 )
 from motet.engine.core.kv_window import pool_sizes, ring_blocks
-from motet.engine.core.scheduler import ScheduledBatch
+from motet.engine.core.step_plan import StepPlan
 from motet.engine.outputs import TokenLogprob
 from motet.engine.speculative.verify import num_accepted
 from motet.engine.weights import load_progress
@@ -380,25 +381,27 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.close()
 
-    def take_plan(self, batch: ScheduledBatch) -> None:
+    def take_plan(self, step: StepPlan) -> None:
         """Apply the step's plan to the runner's rows (motet/engine/worker/rows.py): the engine calls it as it hands
         the step over, on the thread that schedules, plans in order (once each: again is nothing)."""
-        self.rows.update(batch)
+        self.rows.update(step)
 
-    def plan_inputs(self, batch: ScheduledBatch) -> None:
-        """Build the step's inputs on the host now, into `batch.inputs`: an overlapped engine calls it as it launches
-        the step, on its own thread, while the forward thread may still run the step before; the forward thread
-        then only sends them. (A pending input token is looked up when they are sent: its step may not have run.)"""
-        batch.inputs = self.steps.plan(batch, self.rows.update(batch))
+    def plan_inputs(self, step: StepPlan):
+        """The step's inputs built on the host now, for `execute`: an overlapped engine calls it as it launches the
+        step, on its own thread, while the forward thread may still run the step before; the forward thread then
+        only sends them. (A pending input token is looked up when they are sent: its step may not have run.)"""
+        return self.steps.plan(step, self.rows.update(step))
 
     @torch.inference_mode()
     def forward(
-        self, batch: ScheduledBatch, lora: LoRABatch | None = None, on_launch=None
+        self, step: StepPlan, lora: LoRABatch | None = None, on_launch=None, inputs=None
     ) -> tuple[torch.Tensor, list[int]]:
-        """Run the batch's chunks through the model, writing their KV; returns hidden states and row offsets.
-        `on_launch()`, if given, is called once the inputs are ready, as the model starts."""
-        plan = batch.inputs if batch.inputs is not None else self.steps.plan(batch, self.rows.update(batch))
-        return self.steps.run(plan, lora, on_launch)
+        """Run the step's chunks through the model, writing their KV; returns hidden states and row offsets.
+        `on_launch()`, if given, is called once the inputs are ready, as the model starts; `inputs`: built already
+        (`plan_inputs`), else built here."""
+        if inputs is None:
+            inputs = self.steps.plan(step, self.rows.update(step))
+        return self.steps.run(inputs, lora, on_launch)
 
     def compute_logits(self, hidden: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """fp32 logits of the given hidden rows (`lora`: their adapters' segments, for the output head's)."""
@@ -423,52 +426,51 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self,
-        batch: ScheduledBatch,
+        step: StepPlan,
         lora: LoRABatch | None = None,
         on_launch=None,
         lazy: bool = False,
         mask=None,
+        inputs=None,
     ) -> StepResult:
-        """The batch's sampled tokens; `on_launch` as in `forward`. `lazy`: the tokens stay on the device until
-        `resolve()` (the host does not wait for the device here; the next step may take them as inputs). `mask`:
+        """The step's sampled tokens; `on_launch` and `inputs` as in `forward`. `lazy`: the tokens stay on the device
+        until `resolve()` (the host does not wait for the device here; the next step may take them as inputs). `mask`:
         the step's grammar mask over its sampled positions (the engine's structured outputs fill it while the
         forward pass runs, motet/engine/structured_output.py), applied to their logits; None: no row is masked."""
-        sample_rows = batch.sampling_rows()
-        rows = self.rows.update(batch)  # (applied here unless the inputs were planned as the step launched)
-        views, starts = self._sampled_positions(batch, rows, sample_rows)
-        hidden, qsl = self.forward(batch, lora, on_launch)
-        logits = self.logits(hidden, self._logit_rows(batch, sample_rows, qsl), lora)
+        sample_rows = step.sampling_rows()
+        rows = self.rows.update(step)  # (applied here unless the inputs were planned as the step launched)
+        views, starts = self._sampled_positions(step, rows, sample_rows)
+        hidden, qsl = self.forward(step, lora, on_launch, inputs)
+        logits = self.logits(hidden, self._logit_rows(step, sample_rows, qsl), lora)
         if mask is not None:
             mask.apply(logits)
-        result = self._verify(batch, sample_rows, starts, self.sampler(logits, views), self.inputs.sampled)
-        self._prompt_logprobs(batch, rows, hidden, qsl, lora, result)
+        result = self._verify(step, sample_rows, starts, self.sampler(logits, views), self.inputs.sampled)
+        self._prompt_logprobs(step, rows, hidden, qsl, lora, result)
         return result if lazy else result.resolve()
 
     @staticmethod
-    def _sampled_positions(batch: ScheduledBatch, rows: list[Row], sample_rows: list[int]):
+    def _sampled_positions(plan: StepPlan, rows: list[Row], sample_rows: list[int]):
         """The sampler's views of the step's sampled positions, and where each sampling row's begin: one per
         sampling row, plus one per draft (motet/engine/speculative/verify.py)."""
-        plan, views, starts = batch.plan(), [], []
+        views, starts = [], []
         for i in sample_rows:
             starts.append(len(views))
             views.extend(position_views(plan[i], rows[i]))
         return views, starts
 
     @staticmethod
-    def _logit_rows(batch: ScheduledBatch, sample_rows: list[int], qsl: list[int]) -> list[int]:
+    def _logit_rows(plan: StepPlan, sample_rows: list[int], qsl: list[int]) -> list[int]:
         """The hidden rows of the sampled positions: each sampling row's last, and its drafts' before it."""
-        plan = batch.plan()
         return [r for i in sample_rows for r in range(qsl[i + 1] - 1 - len(plan[i].drafts), qsl[i + 1])]
 
     @staticmethod
     def _verify(
-        batch: ScheduledBatch, sample_rows: list[int], starts, out: SamplerOutput, sampled_tokens: SampledTokens
+        plan: StepPlan, sample_rows: list[int], starts, out: SamplerOutput, sampled_tokens: SampledTokens
     ) -> StepResult:
         """Each sampling row's tokens: a drafting row keeps its accepted drafts and the target's token after them;
         a one-token row's token stays on the device until the result is read."""
-        result = StepResult.empty(len(batch))
+        result = StepResult.empty(len(plan))
         on_device = []  # (row, index) of the rows' tokens left in out.tokens until the result is read
-        plan = batch.plan()
         for i, start in zip(sample_rows, starts, strict=True):
             if plan[i].sampled_as is not None:  # where the next step finds it, if it runs first
                 sampled_tokens.record(plan[i].sampled_as, out.tokens, start)
@@ -490,17 +492,17 @@ class ModelRunner:
         return result
 
     def _prompt_logprobs(
-        self, batch: ScheduledBatch, rows: list[Row], hidden, qsl, lora, result: StepResult
+        self, plan: StepPlan, rows: list[Row], hidden, qsl, lora, result: StepResult
     ) -> None:
         """The prompt logprobs of the rows that ask for them, over this step's chunk of their prompt."""
-        for i, row in enumerate(batch.plan()):
-            k = row.params.prompt_logprobs
+        for i, row in enumerate(plan):
+            k = rows[i].params.prompt_logprobs
             if k is None:
                 continue
             # Row p predicts prompt token p+1; the last prompt row predicts the first output instead. A
             # recompute after preemption skips the positions it has reported already.
             first = max(row.start, row.num_prompt_logprobs_done)
-            last = min(row.start + row.num_new_tokens, row.num_prompt_tokens - 1)
+            last = min(row.start + row.num_new_tokens, rows[i].num_prompt_tokens - 1)
             if first >= last:
                 continue
             hidden_rows = range(qsl[i] + first - row.start, qsl[i] + last - row.start)

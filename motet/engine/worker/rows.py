@@ -4,57 +4,68 @@ table and its sliding-window ring, kept between steps and updated from each step
 (`SampleView`) and the prompt logprobs read these and the plan's values, never a live `Sequence`.
 
 Plans are applied in order, once each, on the thread that launches the steps (`ModelRunner.take_plan`, as the
-engine hands a step over); the batch keeps its rows' copies, and a part of the step re-run after a failure reads
-them as they are by then (only grown: rows' tokens and blocks are never taken back while a step is in flight)."""
+engine hands a step over); the rows a recent plan ran are kept by its number, and a part of the step re-run after a
+failure reads them as they are by then (only grown: rows' tokens and blocks are never taken back while a step is in
+flight)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from motet.engine.core.scheduler import ScheduledBatch
-from motet.engine.core.step_plan import RowPlan
+from motet.engine.core.step_plan import RowPlan, StepPlan
+from motet.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class Row:
-    """One running row as the runner holds it."""
+    """One running row as the runner holds it: what its first plan gave once (its params, its prompt's length) and
+    what each plan changes."""
 
+    params: SamplingParams | None = None
+    num_prompt_tokens: int = 0
     tokens: list[int] = field(default_factory=list)  # prompt and output, as far as known on the host
     table: list[int] = field(default_factory=list)  # its KV blocks
     window: list[int] = field(default_factory=list)  # its sliding-window layers' ring
 
 
 class RunnerRows:
-    """The rows the runner holds, by sequence id."""
+    """The rows the runner holds, by sequence id, and the rows each recent plan ran (the latest `keep`)."""
 
-    def __init__(self):
+    def __init__(self, keep: int = 8):
         self._rows: dict[int, Row] = {}
         self._applied = 0  # the latest plan applied
+        self._taken: OrderedDict[int, dict[int, Row]] = OrderedDict()  # a plan's rows, by its number
+        self._keep = keep
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def update(self, batch: ScheduledBatch) -> list[Row]:
-        """The batch's rows, in its order, its plan applied first unless it was (as the step launches, on the
-        launching thread, plans in order). The batch keeps them: a part of the step re-run later reads them
-        there. A batch built by hand carries a plan from nothing held, applied whenever read."""
-        if batch.runner_rows is not None:
-            return batch.runner_rows
-        plan = batch.plan()
-        if batch.plan_id is None or batch.plan_id > self._applied:
-            for seq_id in batch.departed:
-                self._rows.pop(seq_id, None)
-            for p in plan:
-                row = self._rows.get(p.seq_id)
-                if row is None:
-                    row = self._rows[p.seq_id] = Row()
-                _splice(row.tokens, p.tokens_from, p.new_tokens, p.seq_id)
-                _splice(row.table, p.table_from, p.new_blocks, p.seq_id)
-                _splice(row.window, p.window_from, p.new_window, p.seq_id)
-            if batch.plan_id is not None:
-                self._applied = batch.plan_id
-        batch.runner_rows = [self._rows[p.seq_id] for p in plan]
-        return batch.runner_rows
+    def update(self, plan: StepPlan) -> list[Row]:
+        """The plan's rows, in its order, the plan applied first unless it was (as the step launches, on the
+        launching thread, plans in order); a part of the step re-run later gets the rows the step ran. A plan from
+        nothing held (a batch built by hand) is applied whenever read."""
+        taken = self._taken.get(plan.plan_id) if plan.plan_id is not None else None
+        if taken is None:
+            if plan.plan_id is None or plan.plan_id > self._applied:
+                for seq_id in plan.departed:
+                    self._rows.pop(seq_id, None)
+                for p in plan:
+                    row = self._rows.get(p.seq_id)
+                    if row is None:
+                        row = self._rows[p.seq_id] = Row()
+                    if p.params is not None:  # (its first plan)
+                        row.params, row.num_prompt_tokens = p.params, p.num_prompt_tokens
+                    _splice(row.tokens, p.tokens_from, p.new_tokens, p.seq_id)
+                    _splice(row.table, p.table_from, p.new_blocks, p.seq_id)
+                    _splice(row.window, p.window_from, p.new_window, p.seq_id)
+            taken = {p.seq_id: self._rows[p.seq_id] for p in plan}
+            if plan.plan_id is not None:
+                self._applied = max(self._applied, plan.plan_id)
+                self._taken[plan.plan_id] = taken
+                while len(self._taken) > self._keep:
+                    self._taken.popitem(last=False)
+        return [taken[p.seq_id] for p in plan]
 
 
 def _splice(held: list[int], keep: int, new: tuple[int, ...], seq_id: int) -> None:
@@ -83,8 +94,8 @@ class SampleView:
 
     def __init__(self, plan: RowPlan, row: Row, num_drafts: int):
         self.request_id = plan.request_id
-        self.params = plan.params
-        self.num_prompt_tokens = plan.num_prompt_tokens
+        self.params = row.params
+        self.num_prompt_tokens = row.num_prompt_tokens
         self.num_output_tokens = plan.num_output_tokens + num_drafts
         # (the drafts never change whether the grammar holds the stop tokens: none crosses a bounded reasoning's
         # forced end, motet/engine/speculative/proposer.py)

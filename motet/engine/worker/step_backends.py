@@ -1,6 +1,6 @@
 """A step's forward pass, chosen once per runner (`ModelRunner`): the eager torch model (the reference), the
 native CPU step (motet/engine/worker/cpu_forward.py) in its place, or decode steps replayed from CUDA graphs
-(motet/engine/worker/cuda_graphs.py) in front of either. Each plans a batch's inputs on the host from its plan and the runner's rows (`plan`), runs them
+(motet/engine/worker/cuda_graphs.py) in front of either. Each plans a step's inputs on the host from its plan and the runner's rows (`plan`), runs them
 (`run`: the hidden states and each row's offset in them), gives the logits of hidden rows (`logits`) and warms
 itself up; the runner around them never asks which one it has."""
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from motet.engine.core.scheduler import ScheduledBatch
+from motet.engine.core.step_plan import StepPlan
 from motet.engine.worker.cuda_graphs import DecodeGraphs
 from motet.engine.worker.rows import Row
 from motet.engine.worker.step_inputs import GraphRows, HostInputs, InputBuilder
@@ -25,8 +25,8 @@ class EagerSteps:
     def __init__(self, inputs: InputBuilder, forward: Callable, logits: Callable, broadcast):
         self.inputs, self.forward, self.logits, self.broadcast = inputs, forward, logits, broadcast
 
-    def plan(self, batch: ScheduledBatch, rows: list[Row]) -> HostInputs:
-        return self.inputs.host(batch, rows)
+    def plan(self, step: StepPlan, rows: list[Row]) -> HostInputs:
+        return self.inputs.host(step, rows)
 
     def run(self, plan: HostInputs, lora: LoRABatch | None, on_launch=None) -> tuple[torch.Tensor, list[int]]:
         ids, positions, meta, qsl = self.inputs.to_device(plan)
@@ -50,8 +50,8 @@ class GraphSteps:
         self.graphs, self.eager = graphs, eager
         self.logits = eager.logits
 
-    def plan(self, batch: ScheduledBatch, rows: list[Row]) -> GraphRows | HostInputs:
-        return self.eager.inputs.graph_rows(batch, rows, self.graphs.fits) or self.eager.plan(batch, rows)
+    def plan(self, step: StepPlan, rows: list[Row]) -> GraphRows | HostInputs:
+        return self.eager.inputs.graph_rows(step, rows, self.graphs.fits) or self.eager.plan(step, rows)
 
     def run(self, plan, lora: LoRABatch | None, on_launch=None) -> tuple[torch.Tensor, list[int]]:
         if not isinstance(plan, GraphRows):

@@ -1,4 +1,4 @@
-"""A step's inputs, built on the host from the scheduled batch and sent to the device: the eager step's packed
+"""A step's inputs, built on the host from the step's plan and sent to the device: the eager step's packed
 tensors and the CUDA graphs' rows (`InputBuilder`), and the input tokens still pending: async scheduling
 launches step N+1 before step N's sampled tokens reach the host (motet/engine/stepping.py), so N+1 takes those
 inputs from N's sampled tokens on the device (`feed_tokens`; the CUDA graphs' static buffers take them so too,
@@ -13,8 +13,7 @@ from typing import NamedTuple
 import torch
 
 from motet.engine.core.kv_window import window_table
-from motet.engine.core.scheduler import ScheduledBatch
-from motet.engine.core.step_plan import RowPlan, SampledRef
+from motet.engine.core.step_plan import RowPlan, SampledRef, StepPlan
 from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.rows import Row
 
@@ -136,9 +135,8 @@ class InputBuilder:
         self.long_rope = long_rope
         self.sampled = SampledTokens()  # where the steps' sampled tokens are, for the steps after them
 
-    def host(self, batch: ScheduledBatch, rows: list[Row]) -> HostInputs:
+    def host(self, plan: StepPlan, rows: list[Row]) -> HostInputs:
         """The step's inputs from its plan and the runner's copies of its rows (`rows`, in its order)."""
-        plan = batch.plan()
         if all(p.num_new_tokens == 1 for p in plan):
             return self._decode(plan, rows)
         bs = self.block_size
@@ -247,11 +245,10 @@ class InputBuilder:
             meta.window = _meta(window_slots[0], window_tables[0].view(n, width), query_start_loc, lens, plan)
         return ids, pos, meta, plan.qsl
 
-    def graph_rows(self, batch: ScheduledBatch, rows: list[Row], fits) -> GraphRows | None:
+    def graph_rows(self, plan: StepPlan, rows: list[Row], fits) -> GraphRows | None:
         """A decode step's rows (every row one new token, and the drafts it verifies, if any) as its bucket's graph
         takes them; None: it runs eagerly (a prompt chunk, or too large for the graphs: `fits(rows, width,
         query, position)` says)."""
-        plan = batch.plan()
         if not plan or any(p.num_new_tokens != 1 + len(p.drafts) or not p.samples for p in plan):
             return None
         tables = [row.table for row in rows]
