@@ -29,7 +29,7 @@ def seq(output=(), prompt=(5, 6, 7), **params) -> SampleView:
     for t in output:
         s.append_token(t)
     batch = ScheduledBatch([s], [1])
-    return position_views(batch.plan()[0], RunnerRows().update(batch)[0])[0]
+    return position_views(batch.plan()[0], RunnerRows().update(batch.plan())[0])[0]
 
 
 def hf_reference(logits: torch.Tensor, p: SamplingParams, input_ids: list[int]) -> torch.Tensor:

@@ -31,7 +31,7 @@ GOOD_PROMPT, BAD_PROMPT, NAN_TOKEN = [5, 6, 8], [5, 6, 7], 299
 def seq(prompt=(5, 6, 7), **params) -> SampleView:
     """The sampler's view of a sequence's next token, made as the runner makes it from a step's plan."""
     batch = ScheduledBatch([Sequence(list(prompt), SamplingParams(**params))], [1])
-    return position_views(batch.plan()[0], RunnerRows().update(batch)[0])[0]
+    return position_views(batch.plan()[0], RunnerRows().update(batch.plan())[0])[0]
 
 
 # -- the sampler ----------------------------------------------------------------------------------------------
