@@ -11,9 +11,10 @@ bash scripts/install-browser.sh  # Debian's chromium, for the playground's brows
 # reference cannot render, fails here. Not --quiet: it hides the very warnings --strict counts; the log is
 # shown only when the build fails.
 docs_log=$(.venv/bin/mkdocs build --strict --site-dir site 2>&1) || { echo "$docs_log"; exit 1; }
-# Two workers, each test file whole on one (a module's served app is shared by its tests, in order). OpenMP's
+# Two workers, each test file whole on one (a module's served app is shared by its tests, in order), the longest
+# files first (tests/conftest.py SLOWEST_FILES, kept in that order: --no-loadscope-reorder). OpenMP's
 # threads sleep when idle instead of spinning: with a worker's servers and the other worker's forward passes on
 # the same cores, spinning threads took the cores from the ones with work (a server test pair: 235 s spinning,
 # 37 s passive, on 2 cores).
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-exec .venv/bin/python -m pytest -q -n "${MOTET_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -n "${MOTET_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
