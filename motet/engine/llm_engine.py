@@ -370,9 +370,9 @@ class LLMEngine:
             tenant=tenant,
             priority=request.priority,
             background=request.background,
-            draft_scope=DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning),
             decided_by_tokens=guided is None and not text.stops.reads_text,
         )
+        self.speculator.admit(seq.seq_id, DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning))
         if guided is not None:
             self.structured_output.add(request.request_id, guided)
         self.scheduler.add(seq)

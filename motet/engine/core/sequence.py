@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from motet.engine.core.step_plan import SampledRef
@@ -65,13 +64,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_preemptions: int = 0
-    # Speculation: the drafts this step verifies after the last token (set by the engine's proposers,
-    # trimmed by the scheduler to its budget, cleared when the step commits), and the proposers' per-
-    # sequence state (motet/engine/speculative/).
+    # Speculation: the drafts this step verifies after the last token (set by the engine's proposers, trimmed by the
+    # scheduler to its budget, cleared when the step commits); the proposers keep their own per-request state
+    # (motet/engine/speculative/proposer.py).
     draft_token_ids: list[int] = field(default_factory=list)
-    # Whose recent outputs it may draft from (a speculative.history.DraftScope): its tenant, cache_salt,
-    # adapter and kind of grammar.
-    draft_scope: Hashable | None = None
     # Whether its ending and its next step are decided by its tokens alone: no grammar (the structured outputs'
     # state, motet/engine/structured_output.py) and no stop matcher that reads its text (the output commit's), so
     # that its text may be made later and its next step scheduled before its token reaches the host.

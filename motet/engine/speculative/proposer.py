@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from motet.engine.core.sequence import Sequence
 from motet.engine.guided import GuidedDecoding
 from motet.engine.speculative.grammar_drafts import GrammarWalk, activation_index, check_drafts, forced_text
-from motet.engine.speculative.history import OutputHistory
+from motet.engine.speculative.history import DraftScope, OutputHistory
 from motet.engine.speculative.ngram import NgramIndex
 
 _DECAY = 0.8  # weight of the past in a row's acceptance estimate
@@ -100,6 +100,9 @@ class NoSpeculation:
     def propose(self, running: Iterable[Sequence]) -> None:
         pass
 
+    def admit(self, seq_id: int, scope: DraftScope) -> None:
+        pass
+
     def record(self, seq: Sequence) -> None:
         pass
 
@@ -123,18 +126,27 @@ class Speculator:
         self.grammar_of = grammar_of  # a request's grammar (the structured outputs'), for grammar drafts
         self.stats = SpeculativeStats()
         self.history = OutputHistory(config.max_n)
-        self.states: dict[int, DraftState] = {}  # each running row's drafts' state, by seq_id
+        # Each request's, by seq_id: whose recent outputs it may draft from (its tenant, cache_salt, adapter and kind
+        # of grammar), and its drafts' state once it drafts
+        self.scopes: dict[int, DraftScope] = {}
+        self.states: dict[int, DraftState] = {}
+
+    def admit(self, seq_id: int, scope: DraftScope) -> None:
+        """A new request drafts from its scope's history, and its output joins it as it finishes."""
+        self.scopes[seq_id] = scope
 
     def forget(self, seq: Sequence) -> None:
-        """A request ended without finishing (aborted): its drafts' state goes."""
+        """A request ended without finishing (aborted): its scope and drafts' state go."""
+        self.scopes.pop(seq.seq_id, None)
         self.states.pop(seq.seq_id, None)
 
     def record(self, seq: Sequence) -> None:
         """A request finished: its output joins its scope's history (unless it opted out)."""
         self.states.pop(seq.seq_id, None)
-        if seq.params.speculative and seq.draft_scope is not None:
+        scope = self.scopes.pop(seq.seq_id, None)
+        if seq.params.speculative and scope is not None:
             lead_in = seq.prompt_token_ids[-self.config.max_n :]
-            self.history.record(seq.draft_scope, lead_in, seq.output_token_ids)
+            self.history.record(scope, lead_in, seq.output_token_ids)
 
     def propose(self, running: Iterable[Sequence]) -> None:
         """Set the drafts of every running decode row worth its cost (and clear the others')."""
@@ -186,11 +198,12 @@ class Speculator:
             p = state.estimates[source].p
             gains = forced_gains + [p ** (len(forced) + j + 1) for j in range(len(copied))]
             candidates.append((source, forced + copied, gains, False))
-        if seq.draft_scope is not None and len(self.history):
+        scope = self.scopes.get(seq.seq_id)
+        if scope is not None and len(self.history):
             walk = GrammarWalk(g) if g is not None and g.active else None
             floor = num_rows / (num_rows + self.config.overhead_tokens)  # as propose() prices a draft
             tail = seq.token_ids[-self.config.max_n :]
-            past, chances = self.history.propose(seq.draft_scope, tail, k, walk, floor)
+            past, chances = self.history.propose(scope, tail, k, walk, floor)
             if walk is not None:
                 walk.release()
             if past:
