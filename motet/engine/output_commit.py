@@ -111,7 +111,7 @@ class OutputCommit:
 
     def start(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float
-    ):
+    ) -> TextState:
         """A new request's text state (`forget` drops it where the request ends without a last delta)."""
         stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         if params.stop_on_repeated_tool_call:
@@ -122,6 +122,12 @@ class OutputCommit:
 
     def forget(self, request_id: str) -> None:
         self.texts.pop(request_id, None)
+
+    def _drop(self, seq: Sequence, state: TextState) -> None:
+        """The request's last delta is made: its text state goes (if still its: never a later request's of the same
+        id)."""
+        if self.texts.get(seq.request_id) is state:
+            del self.texts[seq.request_id]
 
     def scheduled(self, request_id: str, now: float) -> None:
         """The request is scheduled: its queue time ends here (a preempted one keeps its first)."""
@@ -190,7 +196,7 @@ class OutputCommit:
                 log.exception("request %s failed while detokenizing its token", seq.request_id)
                 failures.append(seq.request_id)
                 self._count(seq, state, 0, now)
-                self.forget(seq.request_id)
+                self._drop(seq, state)
                 out = failed(seq.request_id, repr(e), state.timings())
             outputs.append(out)
         return outputs, failures
@@ -257,7 +263,7 @@ class OutputCommit:
         first = state.first_token_time is None  # (prompt logprobs are complete by the first token)
         self._count(seq, state, n, now)
         if finish is not None:
-            self.forget(seq.request_id)
+            self._drop(seq, state)
         return OutputDelta(
             seq.request_id,
             text,

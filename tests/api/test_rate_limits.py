@@ -410,7 +410,9 @@ def test_retry_after_is_the_running_requests_tokens_left_at_the_servers_pace(ser
     stream.close()
     seconds_per_token = (arrivals[-1][0] - arrivals[0][0]) / (tokens - arrivals[0][1])
     reference = min(60, max_tokens * seconds_per_token)
-    assert reference / 2.5 <= retry_after <= 2.5 * reference + 1, (retry_after, reference)
+    # Within a factor of 4 (the finding was off by 98x): the server's pace moves with what the suite's other worker
+    # runs beside it, between the steps the estimate read and the ones the reference times (3.2x seen in a full run).
+    assert reference / 4 <= retry_after <= 4 * reference + 1, (retry_after, reference)
 
 
 def test_sighup_storm_while_requests_are_admitted_then_sigterm(served):

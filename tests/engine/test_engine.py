@@ -333,3 +333,40 @@ def test_prepacked_linear_matches_f_linear(dtype, tol):
     strided = torch.randn(5, 192, dtype=dtype)[:, ::2]  # attention output views reach it non-contiguous
     ref = torch.nn.functional.linear(strided.float(), layer.weight.float(), layer.bias.float())
     assert (layer(strided).float() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
+def test_the_engine_keeps_nothing_of_requests_that_ended(tiny_model_dir, overlap):
+    """Each part keeps its own per-request state (the output commit the text, the structured outputs the grammar,
+    the speculator the drafts' scope and state): finished, stopped, grammar-bound and aborted
+    requests, in order or overlapped, leave nothing behind (a disconnect frees its memory)."""
+    from motet.grammar.specs import RegexSpec
+
+    cfg = EngineConfig(
+        model=str(tiny_model_dir),
+        block_size=8,
+        num_kv_blocks=256,
+        speculative="ngram",
+        overlap_output="on" if overlap else "off",
+    )
+    engine = LLMEngine(cfg, model_dir=tiny_model_dir)
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = [engine.add_request([5, 6, 7, 8] * 4, plain) for _ in range(3)]
+    ids.append(
+        engine.add_request([9, 10], SamplingParams(temperature=0, max_tokens=12, stop=["a", "b", "c"]))
+    )
+    ids.append(
+        engine.add_request([9, 11], SamplingParams(temperature=0, max_tokens=6, grammar=RegexSpec("[a-z]+")))
+    )
+    aborted = engine.add_request([12, 13, 14], plain)
+    answers, steps = RequestOutputs(), 0
+    while engine.has_unfinished():
+        answers.step(engine)
+        steps += 1
+        if steps == 3:
+            assert engine.abort(aborted)
+    assert all(answers.answers[i].finished for i in ids)
+    assert engine.requests == {}
+    assert engine.output_commit.texts == {} and engine.structured_output.grammars == {}
+    assert engine.speculator.scopes == {} and engine.speculator.states == {}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
