@@ -103,10 +103,6 @@ class ScheduledBatch:
             step=self.plan().subset(rows),
         )
 
-    def positions(self) -> list[int]:
-        """Each row's first position in this step."""
-        return [r.start for r in self.plan()]
-
     def sampling_rows(self) -> list[int]:
         """The rows i for which `samples(i)`."""
         return self.plan().sampling_rows()
