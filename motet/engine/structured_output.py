@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from motet.engine.core.step_plan import RowPlan
+from motet.engine.core.step_plan import StepPlan
 from motet.engine.guided import GuidedDecoding
 from motet.engine.speculative.grammar_drafts import activation_index, fill_draft_bitmask
 from motet.grammar.backend import allocate_bitmask, apply_bitmask
@@ -99,7 +99,7 @@ class StructuredOutputs:
         step's plan tells the sampler."""
         return {rid for rid, g in self.grammars.items() if g.holds_stop} if self.grammars else set()
 
-    def mask(self, plan: list[RowPlan]) -> GrammarMask | _NoMask:
+    def mask(self, plan: StepPlan) -> GrammarMask | _NoMask:
         """The step's mask (NO_MASK where no row is constrained), its filling started: its sampled positions are
         each sampling row's next token and its drafts', in the plan's order."""
         masked, plain, drafted, tagged = [], [], [], []
