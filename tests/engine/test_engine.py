@@ -341,15 +341,9 @@ def test_the_engine_keeps_nothing_of_requests_that_ended(tiny_model_dir, overlap
     the speculator the drafts' scope and state): finished, stopped, grammar-bound and aborted
     requests, in order or overlapped, leave nothing behind (a disconnect frees its memory)."""
     from motet.grammar.specs import RegexSpec
+    from tests.engine.test_overlap_output import engine as overlap_engine
 
-    cfg = EngineConfig(
-        model=str(tiny_model_dir),
-        block_size=8,
-        num_kv_blocks=256,
-        speculative="ngram",
-        overlap_output="on" if overlap else "off",
-    )
-    engine = LLMEngine(cfg, model_dir=tiny_model_dir)
+    engine = overlap_engine(tiny_model_dir, overlap, num_kv_blocks=256, speculative="ngram")
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ids = [engine.add_request([5, 6, 7, 8] * 4, plain) for _ in range(3)]
     ids.append(
