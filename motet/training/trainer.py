@@ -81,8 +81,8 @@ def steps_per_epoch(examples: int, batch_size: int) -> int:
     return math.ceil(examples / batch_size)
 
 
-def last_checkpoint(checkpoints: Path) -> Path | None:
-    """The newest complete checkpoint (incomplete ones, cut short by a crash, are removed)."""
+def complete_checkpoints(checkpoints: Path) -> list[Path]:
+    """The complete checkpoints, oldest first (incomplete ones, cut short by a crash, are removed)."""
     found = []
     for path in checkpoints.iterdir() if checkpoints.is_dir() else ():
         if (m := _CHECKPOINT.match(path.name)) and path.is_dir():
@@ -90,7 +90,13 @@ def last_checkpoint(checkpoints: Path) -> Path | None:
                 found.append((int(m.group(1)), path))
             else:
                 shutil.rmtree(path, ignore_errors=True)
-    return max(found)[1] if found else None
+    return [path for _, path in sorted(found)]
+
+
+def last_checkpoint(checkpoints: Path) -> Path | None:
+    """The newest complete checkpoint."""
+    found = complete_checkpoints(checkpoints)
+    return found[-1] if found else None
 
 
 def checkpoint_step(path: Path) -> int:
@@ -260,7 +266,13 @@ def _train(run: TrainingRun, on_event, pause_asked) -> str:
         callbacks=[report],
     )
     trainer.remove_callback(PrinterCallback)  # (its prints: the events say it)
-    resume = last_checkpoint(run.checkpoints)
+    saved = complete_checkpoints(run.checkpoints)
+    resume = saved.pop() if saved else None
+    for path in saved:  # said again: the server may have stopped before it stored them (it ignores repeats)
+        step = checkpoint_step(path)
+        on_event({"type": "checkpoint", "step": step, "epoch": math.ceil(step / per_epoch),
+                  "epoch_end": step % per_epoch == 0, "path": str(path),
+                  "trained_tokens": round(tokens * step / per_epoch)})  # fmt: skip
     if resume is not None:  # (an epoch's checkpoint the server may not have stored before it stopped)
         step = checkpoint_step(resume)
         on_event({"type": "resumed", "step": step, "path": str(resume), "epoch": math.ceil(step / per_epoch),

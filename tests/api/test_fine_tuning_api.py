@@ -314,9 +314,8 @@ def test_a_server_restart_mid_job_resumes_it_to_the_same_adapter(tiny_model_dir,
         messages = [e.message for e in c.fine_tuning.jobs.list_events(job.id, limit=100)]
         assert any(m.startswith("The server restarted") for m in messages)
         assert any(m.startswith("Going on from the checkpoint of step") for m in messages)
-        assert [ck.step_number for ck in c.fine_tuning.jobs.checkpoints.list(job.id, limit=100)] == list(
-            range(48, 0, -2)
-        )
+        steps = [ck.step_number for ck in c.fine_tuning.jobs.checkpoints.list(job.id, limit=100)]
+        assert steps == list(range(48, 0, -2)), messages
     finally:
         second.stop()
     assert_same(served_adapter(tmp_path / "data", "alice", job.fine_tuned_model),

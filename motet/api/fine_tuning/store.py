@@ -307,6 +307,11 @@ class FineTuningStore(SQLiteStore):
         with self._write():
             self._add_event(job_id, message, level, kind, data)
 
+    def has_checkpoint(self, job_id: str, step: int) -> bool:
+        with self._read():
+            row = self._db.execute("SELECT 1 FROM checkpoints WHERE job = ? AND step = ?", (job_id, step))
+            return row.fetchone() is not None
+
     def add_checkpoint(self, job_id: str, step: int, model: str, metrics: dict) -> bool:
         """False: the job has it already (a job that went on from a checkpoint saves it no more, but a restart
         may report a step again)."""
