@@ -301,10 +301,9 @@ class FineTuningRunner:
             job.billed = trained
 
     async def _checkpoint(self, job: _Job, event: dict) -> None:
-        if await _thread(
-            self.store.has_checkpoint, job.id, event["step"]
-        ):  # said again after a restart: stored
-            return  # (and not stored again if the tenant has deleted its model since)
+        # said again after a restart: stored already (and not again if the tenant has deleted its model since)
+        if await _thread(self.store.has_checkpoint, job.id, event["step"]):
+            return
         model = checkpoint_model(job.model_name, event["step"])
         try:
             await self.adapters.add_fine_tuned(job.tenant, model, Path(event["path"]))
