@@ -140,6 +140,7 @@ def served_names(args, config) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+ADAPTERS_PER_TENANT = 10 << 30  # --adapters-max-bytes-per-tenant's default
 DISK_SHARE = 0.25  # of the data dir's free space at start-up: the most one tenant's files, or its stored
 # responses, or the KV disk tier may take, so that one tenant filling its quota leaves room for the others
 
@@ -158,6 +159,7 @@ def fit_to_disk(args, config, data: Path) -> None:
     bounds = [
         ("--files-max-bytes-per-tenant", args, "files_max_bytes_per_tenant", FILES_DEFAULT, 1),
         ("--responses-max-bytes-per-tenant", args, "responses_max_bytes_per_tenant", RESPONSES_DEFAULT, 1),
+        ("--adapters-max-bytes-per-tenant", args, "adapters_max_bytes_per_tenant", ADAPTERS_PER_TENANT, 1),
         ("--kv-disk-gb", config, "kv_disk_gb", 0.0, 2**30),
     ]
     for flag, obj, attr, default, unit in bounds:
@@ -224,6 +226,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         shared=loras,
         reserved=tuple(names),
         max_bytes=args.max_adapter_bytes,
+        max_bytes_per_tenant=args.adapters_max_bytes_per_tenant,
         load_dirs=load_dirs,
     )
     responses = ResponseStore(
@@ -524,6 +527,13 @@ def add_serve_args(p) -> None:
     )
     p.add_argument(
         "--max-adapter-bytes", type=integer(1), default=512 << 20, help="larger adapter uploads get 413"
+    )
+    p.add_argument(
+        "--adapters-max-bytes-per-tenant",
+        type=integer(1),
+        default=ADAPTERS_PER_TENANT,
+        help="a tenant's stored adapters together (uploads and fine-tuned models; at most a quarter of the data "
+        "dir's free space at start-up): an adapter past it is refused with 400 storage_quota_exceeded",
     )
     p.add_argument(
         "--max-queue-len", type=integer(1), default=256, help="requests waiting per adapter queue (then 429)"

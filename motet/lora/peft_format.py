@@ -86,6 +86,16 @@ def module_shape(base: ModelConfig, module: str) -> tuple[int, int]:
     return shapes[module]
 
 
+def adapter_bytes(base: ModelConfig, modules: tuple[str, ...], rank: int, value_bytes: int = 4) -> int:
+    """About the size of a LoRA adapter's weights file: A and B of each module of each layer (PEFT saves them
+    in float32 by default, whatever the base's dtype)."""
+    values = 0
+    for module in modules:
+        n_in, n_out = module_shape(base, module)
+        values += rank * (n_in + n_out) * (1 if module in MODEL_MODULES else base.num_hidden_layers)
+    return values * value_bytes
+
+
 def module_name(layer: int, module: str) -> str:
     """The module's name inside the HF model, as PEFT matches target_modules against it."""
     if module in MODEL_MODULES:

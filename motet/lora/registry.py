@@ -67,6 +67,10 @@ class AdapterExists(AdapterError):
     """The tenant already has an adapter with this name (save with overwrite=True to replace it)."""
 
 
+class AdapterQuotaExceeded(AdapterError):
+    """An adapter that does not fit in the room its tenant has left."""
+
+
 class AdapterPathError(AdapterError):
     """A server path that names no adapter directory: malformed, missing, unreadable, or not a directory."""
 
@@ -141,10 +145,12 @@ class AdapterRegistry:
         archive: bytes | None = None,
         filename: str | None = None,
         overwrite: bool = False,
+        room: int | None = None,
     ) -> AdapterInfo:
         """Store an adapter from its two files or from one archive (`filename` says its format). The same files
         again under the same name are stored already: that adapter is returned (a script's upload can run twice);
-        other files under a taken name are AdapterExists unless `overwrite`."""
+        other files under a taken name are AdapterExists unless `overwrite`; files of more than `room` bytes
+        together are AdapterQuotaExceeded, before anything is written."""
         target = self._dir(tenant, name)
         if (files is None) == (archive is None):
             raise AdapterError("upload either the adapter files or one archive")
@@ -154,6 +160,10 @@ class AdapterRegistry:
             if _holds(target, files):
                 return self.get(tenant, name)
             raise AdapterExists(f"adapter {name!r} already exists with other files")
+        if room is not None and (size := sum(map(len, files.values()))) > room:
+            raise AdapterQuotaExceeded(
+                f"the adapter's {size} bytes do not fit in the {max(room, 0)} bytes left"
+            )
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
         try:

@@ -25,7 +25,7 @@ from motet.training.worker import RUN_SPEC
 
 
 class FileError(DataError):
-    """A DataError of one of the run's files: `which` is "training_file" or "validation_file"."""
+    """A DataError of one of the job's files: `which` is "training_file", "validation_file" or "eval_file"."""
 
     def __init__(self, error: DataError, which: str):
         super().__init__(error.reason, error.line)

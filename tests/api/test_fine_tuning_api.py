@@ -25,7 +25,7 @@ from motet.training.run_setup import RunFiles, prepare_files, set_up
 from motet.training.trainer import train
 from tests.live_server import keys_file, tiny_server
 
-KEYS = {"ka": "alice", "kb": "bob", "kc": "carol", "kd": "dave", "kadmin": {"admin": True}}
+KEYS = {"ka": "alice", "kb": "bob", "kc": "carol", "kd": "dave", "ke": "erin", "kadmin": {"admin": True}}
 FLAGS = (
     "--dtype",
     "float32",
@@ -258,6 +258,7 @@ NESTED = "[" * 100_000 + "]" * 100_000
         (TRAIN, {"integrations": [{"type": "wandb", "wandb": {"project": "x"}}]}, "integrations", ""),
         (TRAIN, {"method": {"type": "reinforcement"}}, "method.type", ""),
         (TRAIN, {"validation_file": "file-nope"}, "validation_file", "no file"),
+        (TRAIN, {"extra_body": {"eval_file": "file-nope"}}, "eval_file", "no file"),
     ],
 )  # fmt: skip
 def test_bad_input_is_refused_before_anything_is_queued(server, data, body, param, says):
@@ -272,6 +273,42 @@ def test_bad_input_is_refused_before_anything_is_queued(server, data, body, para
     assert error["param"] == param and says in error["message"], error
     assert len(c.fine_tuning.jobs.list(limit=100).data) == before
     assert not set((server.data / "fine_tuning").glob("*")) - run_dirs  # nothing is left of a refused job
+
+
+def test_an_eval_file_is_answered_by_the_tuned_model_and_its_base(server):
+    """The job's eval file is answered after training: its counts are what the served models answer the SDK."""
+    c = client(server, "ke")
+    rows = [chat(i) for i in range(3)] + [chat(40)]
+    bad = upload(
+        c, jsonl([chat(0), {"messages": [*chat(1)["messages"], {"role": "user", "content": "and?"}]}])
+    )
+    with pytest.raises(openai.BadRequestError) as e:
+        c.fine_tuning.jobs.create(training_file=upload(c).id, model="tiny", extra_body={"eval_file": bad.id})
+    assert e.value.body["param"] == "eval_file" and "Line 2: " in e.value.body["message"], e.value.body
+    job = c.fine_tuning.jobs.create(training_file=upload(c).id, model="tiny", seed=3,
+                                    hyperparameters={"n_epochs": 8, "batch_size": 2},
+                                    extra_body={"eval_file": upload(c, jsonl(rows)).id})  # fmt: skip
+    job = wait(c, job.id)
+    assert job.status == "succeeded", job.error
+    events = c.fine_tuning.jobs.list_events(job.id, limit=100)
+    (result,) = [e.data for e in events if e.data and "fine_tuned_matched" in e.data]
+
+    def matched(model: str) -> int:
+        answers = [c.chat.completions.create(model=model, messages=r["messages"][:1], temperature=0, max_tokens=32)
+                   for r in rows]  # fmt: skip
+        return sum(
+            a.choices[0].message.content.strip() == r["messages"][1]["content"]
+            for a, r in zip(answers, rows, strict=True)
+        )
+
+    assert (
+        result["examples"] == 4
+        and result["fine_tuned_failed_requests"] == result["base_failed_requests"] == 0
+    )
+    assert (result["fine_tuned_matched"], result["base_matched"]) == (
+        matched(job.fine_tuned_model),
+        matched("tiny"),
+    )
 
 
 def test_a_file_of_another_purpose_is_refused(server):

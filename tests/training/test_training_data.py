@@ -17,6 +17,7 @@ from motet.grammar.tool_formats import tool_format
 from motet.training.chat_encoding import ChatEncoder
 from motet.training.data_format import DataError, read_examples
 from motet.training.dataset import prepare, read_rows
+from motet.training.eval_file import eval_rows, same_answer
 from motet.training.fair_queue import Queued, next_job
 from motet.training.hyperparameters import HyperparameterError, auto_batch_size, auto_epochs, resolve
 
@@ -167,3 +168,25 @@ def test_queued_jobs_take_turns_across_tenants():
     running = Counter({"a": 1})  # a tenant with a job running waits behind one with none
     assert next_job([Queued("a4", "a", 5), Queued("c1", "c", 9)], running, {"c": 10}).job_id == "c1"
     assert next_job([], Counter(), {}) is None
+
+
+def test_an_eval_file_keeps_each_examples_prompt_and_compares_answers_as_json(tokenizer):
+    call = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]}  # fmt: skip
+    asked = {"role": "user", "content": "weather in Paris?"}
+    data = lines(GOOD, {"messages": [asked, call], "tools": TOOLS}).encode()
+    text_row, call_row = eval_rows(io.BytesIO(data), tokenizer, 1 << 20)
+    assert text_row["messages"] == GOOD["messages"][:1] and call_row["messages"] == [asked]
+    assert call_row["tools"] == [validate_tools(TOOLS)[0].openai_dict()]
+    assert text_row["max_tokens"] == len(tokenizer.encode("HI")) + 8
+    assert same_answer(text_row, {"role": "assistant", "content": " HI\n"})
+    assert not same_answer(text_row, {"role": "assistant", "content": "HI THERE"})
+    # the served message's arguments are a string of JSON written its own way: compared as values
+    served = {"role": "assistant", "content": None,
+              "tool_calls": [{"id": "x", "type": "function", "function": {"name": "weather",
+                                                                          "arguments": '{ "city":"Paris" }'}}]}  # fmt: skip
+    assert same_answer(call_row, served)
+    served["tool_calls"][0]["function"]["arguments"] = '{"city": "Lyon"}'
+    assert not same_answer(call_row, served)
+    with pytest.raises(DataError, match="Line 1: an eval example ends with the assistant message"):
+        eval_rows(io.BytesIO(lines({"messages": [*GOOD["messages"], asked]}).encode()), tokenizer, 1 << 20)

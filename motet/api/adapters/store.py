@@ -31,6 +31,7 @@ from motet.lora.registry import (
     AdapterExists,
     AdapterNotFound,
     AdapterPathRefused,
+    AdapterQuotaExceeded,
     AdapterRegistry,
     check_load_dirs,
     check_name,
@@ -65,9 +66,11 @@ class AdapterStore:
         shared: dict[str, Path] | None = None,
         reserved: tuple[str, ...] = (),
         max_bytes: int = 512 << 20,
+        max_bytes_per_tenant: int | None = None,
         load_dirs: tuple[Path, ...] = (),
     ):
         self.system, self.data_dir, self.max_bytes = system, Path(data_dir), max_bytes
+        self.max_bytes_per_tenant = max_bytes_per_tenant  # a tenant's adapters together (None: no limit)
         # server-side directories `load_from` may read adapters from (--lora-load-dir); none: it is off.
         # ValueError if one overlaps the data dir: a tenant could load another tenant's adapter from it.
         self.load_dirs = check_load_dirs(load_dirs, {"--data-dir": self.data_dir})
@@ -79,6 +82,7 @@ class AdapterStore:
         }
         self._registry: AdapterRegistry | None = None
         self._lock = anyio.Lock()
+        self._saving = anyio.Lock()  # a tenant's room checked and taken by one save at a time
         self._tenants: dict[str, dict[str, Adapter]] = {}
 
     async def registry(self) -> AdapterRegistry:
@@ -111,6 +115,14 @@ class AdapterStore:
                 infos = []
             self._tenants.setdefault(tenant, {i.name: self._entry(i) for i in infos})
         return self._tenants[tenant]
+
+    async def room(self, tenant: str, replacing: str | None = None) -> int | None:
+        """The bytes the tenant's adapters may still take (None: no limit); `replacing`: an adapter whose
+        bytes would be freed."""
+        if self.max_bytes_per_tenant is None:
+            return None
+        own = await self.own(tenant)
+        return self.max_bytes_per_tenant - sum(a.size_bytes for n, a in own.items() if n != replacing)
 
     async def visible(self, tenant: str) -> list[Adapter]:
         own = await self.own(tenant)
@@ -147,7 +159,18 @@ class AdapterStore:
         else:
             save = functools.partial(registry.save, tenant, name, files)
         try:
-            info = await anyio.to_thread.run_sync(save)
+            async with self._saving:
+                room = await self.room(tenant)
+                info = await anyio.to_thread.run_sync(functools.partial(save, room=room))
+                own[name] = adapter = self._entry(info)
+        except AdapterQuotaExceeded as e:
+            raise APIError(
+                400,
+                f"{e}: this tenant's adapters may hold {self.max_bytes_per_tenant} bytes together "
+                "(--adapters-max-bytes-per-tenant); delete some (DELETE /v1/adapters/{name})",
+                param="name",
+                code="storage_quota_exceeded",
+            ) from None
         except AdapterExists:
             raise APIError(
                 409,
@@ -161,7 +184,6 @@ class AdapterStore:
             raise APIError(status, str(e), code="invalid_adapter") from None
         except OSError as e:  # the disk is full or failing: the registry left nothing half-written
             raise storage_error(StorageFailure.from_os(e), "the adapter was not stored") from None
-        own[name] = adapter = self._entry(info)
         return adapter
 
     async def add_fine_tuned(self, tenant: str, name: str, path: Path) -> Adapter:

@@ -36,6 +36,9 @@ class FineTuningJobCreate(P._Request):
     method: Method | None = None
     hyperparameters: dict[str, Any] | None = None  # the legacy place of the supervised method's
     metadata: dict[str, str] | None = None
+    # motet's: a `fine-tune` file of chats whose last assistant message the tuned model (and, beside it, the model
+    # it was tuned from) should answer, compared after the job trains (motet/training/eval_file.py)
+    eval_file: str | None = Field(None, min_length=1, max_length=P.ID_MAX_CHARS)
     _metadata = field_validator("metadata")(
         P._OpenAINoOps._metadata.__func__
     )  # OpenAI's limits, as everywhere

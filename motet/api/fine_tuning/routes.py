@@ -39,8 +39,11 @@ from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.storage_errors import storage_failures, stored_call
+from motet.lora.peft_format import adapter_bytes
 from motet.lora.registry import FILES
-from motet.training.hyperparameters import HyperparameterError
+from motet.training.data_format import DataError, max_line_bytes
+from motet.training.eval_file import EVAL_ROWS, eval_rows, write_eval_rows
+from motet.training.hyperparameters import HyperparameterError, Hyperparameters
 from motet.training.run_setup import FileError, RunFiles, prepare_files, set_up
 
 PURPOSE = "fine-tune"
@@ -96,6 +99,29 @@ async def _base(state: ServerState, tenant: str, model: str):
                        code="model_not_available") from None  # fmt: skip
 
 
+async def _check_room(runner: FineTuningRunner, tenant: str, config, h: Hyperparameters, adapter, where: str):
+    """A job stores each epoch's checkpoint and its model as the tenant's adapters: refused before it queues if
+    they would not fit in the room the tenant's adapters have left (each save is checked again)."""
+    room = await runner.adapters.room(tenant)
+    if room is None:
+        return
+    if adapter is not None:  # trained on: its own rank and modules
+        each = sum((adapter.path / f).stat().st_size for f in FILES)
+    else:
+        each = adapter_bytes(config, h.lora_target_modules, h.lora_rank)
+    need = each * (h.n_epochs + 1)
+    if need > room:
+        raise APIError(
+            400,
+            f"the job would store {h.n_epochs + 1} adapters (a checkpoint each epoch, then its model) of about "
+            f"{each} bytes, {need} in all, and this tenant's adapters have room for {max(room, 0)} more "
+            "(--adapters-max-bytes-per-tenant): delete some adapters (DELETE /v1/adapters/{name}), or train "
+            "fewer epochs or a smaller lora_rank",
+            param=f"{where}.n_epochs",
+            code="storage_quota_exceeded",
+        )
+
+
 @operation("create a fine-tuning job", tag="Fine-tuning", body=FineTuningJobCreate,
            ok_description="the FineTuningJob", example=lambda model: {  # (a file POST /v1/files answered, fine-tune)
                "training_file": "file-abc123", "model": model, "suffix": "my-model",
@@ -111,6 +137,7 @@ async def create_job(request: Request) -> Response:
     adapter = await _base(state, tenant, req.model)
     train_file = await _file(runner.files, tenant, req.training_file, "training_file")
     valid_file = await _file(runner.files, tenant, req.validation_file, "validation_file")
+    eval_file = await _file(runner.files, tenant, req.eval_file, "eval_file")
     store, quotas = runner.store, runner.quotas
     try:
         await stored_call("the jobs could not be read", store.check_quotas, tenant, 0, quotas)
@@ -131,6 +158,13 @@ async def create_job(request: Request) -> Response:
             else:
                 with runner.files.open(valid_file) as valid:
                     prepared, _ = prepare_files(model, method, train, valid, run_dir)
+        if eval_file is not None:
+            with runner.files.open(eval_file) as source:
+                try:
+                    rows = eval_rows(source, view.tokenizer, max_line_bytes(view.max_model_len))
+                except DataError as e:
+                    raise FileError(e, "eval_file") from None
+            write_eval_rows(run_dir / EVAL_ROWS, rows)
         init = None
         if adapter is not None:
             init = run_dir / INIT_ADAPTER
@@ -154,15 +188,24 @@ async def create_job(request: Request) -> Response:
     try:
         run, prepared = await stored_call("the training file could not be read", validate)
     except FileError as e:
-        file_id = req.training_file if e.which == "training_file" else req.validation_file
+        file_id = getattr(req, e.which)
         raise APIError(
             400, f"invalid {e.which} {file_id}: {e}", param=e.which, code=f"invalid_{e.which}"
         ) from None
     except HyperparameterError as e:
         raise APIError(400, str(e), param=f"{where}.{e.name}", code="invalid_hyperparameters") from None
+    try:
+        await _check_room(runner, tenant, view.model_config, run.hyperparameters, adapter, where)
+    except BaseException:
+        await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, run_dir, True))
+        raise
     events = [f"Validating training file: {req.training_file}"]
     if req.validation_file:
         events.append(f"Validating validation file: {req.validation_file}")
+    if req.eval_file:
+        events.append(
+            f"Validating eval file: {req.eval_file} (its answers are compared once the job has trained)"
+        )
     events.append(f"Files validated ({prepared.examples} examples, {prepared.tokens} tokens an epoch), moving "
                   "job to queued state")  # fmt: skip
     create = functools.partial(

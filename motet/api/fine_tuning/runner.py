@@ -37,12 +37,14 @@ from anyio.abc import Process, TaskGroup
 from anyio.streams.text import TextReceiveStream
 
 from motet.api.adapters.store import AdapterStore
+from motet.api.batches.runner import call_route
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
 from motet.api.fine_tuning.store import FINISHED, FineTuningStore, Quotas
 from motet.api.storage_errors import StorageFailure
 from motet.api.usage import UsageStore
 from motet.parent_death import child_env
+from motet.training.eval_file import EVAL_ROWS, read_eval_rows, same_answer
 from motet.training.fair_queue import next_job
 
 log = logging.getLogger("motet.fine_tuning")
@@ -94,6 +96,20 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
+async def chat_answer(app, tenant: str, model: str, row: dict) -> dict | None:
+    """The chat completion's message for an eval row (None: the request was not answered)."""
+    body = {"model": model, "messages": row["messages"], "temperature": 0, "max_tokens": row["max_tokens"]}
+    if row["tools"]:
+        body["tools"] = row["tools"]
+    status, _, content = await call_route(app, "/v1/chat/completions", json.dumps(body).encode(), tenant)
+    if status != 200:
+        return None
+    try:
+        return json.loads(content)["choices"][0]["message"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 async def _thread(call, *args):
     return await anyio.to_thread.run_sync(functools.partial(call, *args))
 
@@ -131,6 +147,7 @@ class FineTuningRunner:
         self._last_start: dict[str, float] = {}
         self._wake = anyio.Event()
         self._tg: TaskGroup | None = None
+        self._app = None  # the app a job's eval file is answered through
 
     # -- the API's side --------------------------------------------------------------------------------------
     def wake(self) -> None:
@@ -154,7 +171,7 @@ class FineTuningRunner:
 
     # -- the loop --------------------------------------------------------------------------------------------
     async def run(self, app) -> None:
-        state = app.state.motet
+        self._app, state = app, app.state.motet
         while not state.system.ready:  # the model is loading
             await anyio.sleep(0.1)
         while True:
@@ -295,6 +312,29 @@ class FineTuningRunner:
         await _thread(self.store.add_event, job.id, message, "info", "metrics", data)
         self._bill(job, event["trained_tokens"])
 
+    async def _evaluate(self, job: _Job, rows: list[dict]) -> None:
+        """The job's eval file answered by its model and by the model it was tuned from, greedily, through the
+        server's own route as the tenant (billed as its requests), one request at a time; the counts an event."""
+        models = {"fine_tuned": job.model_name, "base": job.info["model"]}
+        await _thread(self.store.add_event, job.id, f"Evaluating {job.model_name} and {job.info['model']} on the "
+                      f"eval file ({len(rows)} examples, greedy)")  # fmt: skip
+        data: dict = {"examples": len(rows)}
+        for which, model in models.items():
+            matched = failed = 0
+            for row in rows:
+                message = await chat_answer(self._app, job.tenant, model, row)
+                failed += message is None
+                matched += message is not None and same_answer(row, message)
+            data[f"{which}_matched"], data[f"{which}_failed_requests"] = matched, failed
+        n = max(len(rows), 1)
+        message = (f"Eval file: {job.model_name} gave {data['fine_tuned_matched']} of {len(rows)} answers "
+                   f"({100 * data['fine_tuned_matched'] / n:.1f}%), {job.info['model']} "
+                   f"{data['base_matched']} ({100 * data['base_matched'] / n:.1f}%)")  # fmt: skip
+        if data["fine_tuned_failed_requests"] or data["base_failed_requests"]:
+            message += (f"; {data['fine_tuned_failed_requests'] + data['base_failed_requests']} requests were not "
+                        "answered")  # fmt: skip
+        await _thread(self.store.add_event, job.id, message, "info", "metrics", data)
+
     def _bill(self, job: _Job, trained: int) -> None:
         if self.usage is not None and trained > job.billed:
             self.usage.add_training(job.tenant, job.model_name, trained - job.billed)
@@ -322,6 +362,9 @@ class FineTuningRunner:
         except APIError as e:
             await self._fail(job, f"the trained adapter could not be stored: {e.message}")
             return
+        eval_path = self.store.run_dir(job.id) / EVAL_ROWS
+        if eval_path.is_file():
+            await self._evaluate(job, await _thread(read_eval_rows, eval_path))
 
         def write_results() -> str:
             file_id = result_file_id(job.id)

@@ -276,12 +276,11 @@ class FineTuningStore(SQLiteStore):
         """What the runner needs that the job's object does not show."""
         with self._read():
             row = self._db.execute(
-                "SELECT model_name, examples, tokens_per_epoch, total_steps, step FROM jobs WHERE id = ?",
+                "SELECT model_name, model, examples, tokens_per_epoch, total_steps, step FROM jobs WHERE id = ?",
                 (job_id,),
             ).fetchone()
-        return dict(
-            zip(("model_name", "examples", "tokens_per_epoch", "total_steps", "step"), row, strict=True)
-        )
+        names = ("model_name", "model", "examples", "tokens_per_epoch", "total_steps", "step")
+        return dict(zip(names, row, strict=True))
 
     def start(self, job_id: str) -> bool:
         """queued -> running (False: it was paused or cancelled meanwhile)."""
