@@ -14,9 +14,14 @@ from motet.models.fields import LIMITS, bounded, bounded_number, flag, top_k_exp
 from motet.models.latent import LatentAttention
 
 RANKS = (1, 2**16)  # kv_lora_rank, q_lora_rank and the head widths
+# what transformers' DeepseekV3Config gives a config.json that omits them (transformers 5 saves only what differs
+# from its defaults); V2's defaults (no groups, a factor of 1) are the loader's own
+V3_DEFAULTS = {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5}
 
 
 def _experts(cfg: dict, num_layers: int, source: str, sigmoid: bool) -> dict:
+    if sigmoid:
+        cfg = V3_DEFAULTS | cfg
     n = bounded(cfg.get("n_routed_experts") or 0, "n_routed_experts", source, *LIMITS["num_experts"])
     first_dense = bounded(cfg.get("first_k_dense_replace") or 0, "first_k_dense_replace", source, 0, 1024)
     if cfg.get("moe_layer_freq", 1) != 1:

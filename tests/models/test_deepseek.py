@@ -511,6 +511,37 @@ def test_hub_configs_read_as_transformers_reads_them(hub):
     assert (cfg.router_scoring, cfg.expert_groups) == (hub["scoring_func"], hub["n_group"])
 
 
+@pytest.mark.parametrize("hub", [V2_LITE_HUB, V3_HUB], ids=["v2_lite", "v3"])
+def test_a_config_that_omits_the_routing_defaults_reads_as_transformers_reads_it(hub):
+    """transformers 5 saves only the fields that differ from its defaults: a config.json without n_group,
+    topk_group, routed_scaling_factor, norm_topk_prob, topk_method or scoring_func routes as transformers' config
+    of it does."""
+    from transformers import AutoConfig
+
+    from motet.models.config import ModelConfig
+
+    omitted = (
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "norm_topk_prob",
+        "topk_method",
+        "scoring_func",
+    )
+    trimmed = {k: v for k, v in hub.items() if k not in omitted}
+    cfg = ModelConfig.from_dict(trimmed)
+    hf = AutoConfig.for_model(**{k: v for k, v in trimmed.items() if k != "architectures"})
+    groups = hf.n_group if hf.topk_method != "greedy" and hf.n_group else 1
+    assert (cfg.expert_groups, cfg.routed_scaling_factor) == (groups, hf.routed_scaling_factor)
+    if groups > 1:
+        assert cfg.expert_groups_kept == hf.topk_group
+    if hub is V3_HUB:
+        assert cfg.norm_topk_prob == hf.norm_topk_prob and (cfg.expert_groups, cfg.expert_groups_kept) == (
+            8,
+            4,
+        )
+
+
 def test_v3_skips_its_multi_token_prediction_layer_and_v2_refuses_extra_layers(tmp_path):
     """A V3 checkpoint's tensors of the layer after the decoder's (its MTP layer) are not read, as transformers
     skips them; V2 has none, so there such a tensor has no place."""
