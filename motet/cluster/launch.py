@@ -48,6 +48,9 @@ class ClusterSettings:
     max_ongoing_requests: int = 80  # per replica; more wait in the ingress's router queue
     threads_per_replica: int = 1
     prefill_replicas: int = 0  # >0: prefill/decode disaggregation, `replicas` being the decode ones
+    # fine-tuning jobs train as Ray Train runs on a node holding this custom resource (None: in the server's
+    # machine, as a child process); a local Ray holds one unit of it
+    fine_tuning_ray_resource: str | None = None
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -128,7 +131,8 @@ class Cluster:
             ray.init(address=s.ray_address, runtime_env=runtime_env, log_to_driver=True)
         else:
             cpus = max(os.cpu_count() or 1, s.most_replicas * s.threads_per_replica)
-            ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env)
+            resources = {s.fine_tuning_ray_resource: 1} if s.fine_tuning_ray_resource else None
+            ray.init(num_cpus=cpus, resources=resources, include_dashboard=False, runtime_env=runtime_env)
             self.started_ray = True
 
     def start(self):

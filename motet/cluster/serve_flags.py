@@ -56,6 +56,13 @@ def add_args(p) -> None:
         choices=ROUTERS,
         help="motet: by cached prefix, adapter and load; pow2: Ray Serve's default (power of two choices)",
     )
+    flag(
+        "--fine-tuning-ray-resource",
+        metavar="NAME",
+        help="fine-tuning jobs train as Ray Train runs on a node holding the custom resource NAME (`ray start "
+        "--resources '{\"NAME\": 1}'`; a local Ray holds one unit), their run directories under --data-dir at the "
+        "same path there (default: in this machine, as a child process of the server)",
+    )
     g.add_argument(
         "--adapter-store",
         default=None,
@@ -143,6 +150,21 @@ def adapter_dirs(args) -> dict[str, Path]:
     if isinstance(fs, LocalFileSystem):  # a store on this machine: file:///..., or a plain path
         dirs["--adapter-store"] = Path(root)
     return dirs
+
+
+def training_launch(args):
+    """Where fine-tuning jobs train: behind a cluster with --fine-tuning-ray-resource, as Ray Train runs (None: the
+    runner's own child processes); ValueError for the flag without a cluster."""
+    resource = getattr(args, "fine_tuning_ray_resource", None)
+    if not resource:
+        return None
+    if not wants_cluster(args):
+        raise ValueError("--fine-tuning-ray-resource goes with a Ray cluster (--replicas or --ray-address)")
+    import functools
+
+    from motet.cluster.training_jobs import RayTrainWorker
+
+    return functools.partial(RayTrainWorker.start, resource)
 
 
 def cluster_system(args, config, loras: dict[str, Path]):

@@ -40,20 +40,27 @@ def main(argv=None) -> int:
     from motet.parent_death import die_with_parent
 
     die_with_parent()
-    if args.nice:
-        os.nice(args.nice)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    return run_job(args.run_dir, emit, pause.is_set, args.threads, args.nice)
+
+
+def run_job(run_dir: Path, emit, pause_asked, threads: int, nice: int) -> int:
+    """The job of `run_dir` trained in this process, at niceness `nice` with `threads` compute threads, its events
+    given to `emit` (the first: ready); 0, or 1 when it failed (a failed event says why). Ray Train's worker runs
+    it too (motet/cluster/training_jobs.py)."""
+    if nice:
+        os.nice(nice)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     emit({"type": "ready", "pid": os.getpid()})
     from motet.helper_process import first_line
 
     try:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
         from motet.training.trainer import TrainingRun, train
 
-        run = TrainingRun.of(json.loads((args.run_dir / RUN_SPEC).read_text()))
-        outcome = train(run, emit, pause.is_set)
+        run = TrainingRun.of(json.loads((run_dir / RUN_SPEC).read_text()))
+        outcome = train(run, emit, pause_asked)
     except Exception as e:  # the server records why; the traceback is in this process's standard error
         import traceback
 

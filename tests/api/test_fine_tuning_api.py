@@ -87,7 +87,9 @@ def served_adapter(data: Path, tenant: str, model: str) -> dict[str, torch.Tenso
     return load_file(data / "adapters" / tenant / model / "adapter_model.safetensors")
 
 
-def reference_adapter(model_dir: Path, tmp: Path, data: bytes, job) -> dict[str, torch.Tensor]:
+def reference_adapter(
+    model_dir: Path, tmp: Path, data: bytes, job, dtype="float32"
+) -> dict[str, torch.Tensor]:
     """The same examples, hyperparameters and seed trained in one uninterrupted run (motet/training/ is TRL's
     SFTTrainer on PEFT LoRA: tests/training/test_trainer.py holds it to the same run written by hand)."""
     tok, config = load_tokenizer(model_dir), load_model_config(model_dir)
@@ -96,7 +98,7 @@ def reference_adapter(model_dir: Path, tmp: Path, data: bytes, job) -> dict[str,
     prepared, _ = prepare_files(files, "supervised", io.BytesIO(data), None, tmp)
     hyper = job.method.supervised.hyperparameters.model_dump()
     run = set_up(
-        files, "supervised", prepared, hyper, seed=job.seed, run_dir=tmp, dtype="float32", base_name="tiny"
+        files, "supervised", prepared, hyper, seed=job.seed, run_dir=tmp, dtype=dtype, base_name="tiny"
     )
     assert train(run) == "succeeded"
     return load_file(run.adapter / "adapter_model.safetensors")

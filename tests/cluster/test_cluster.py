@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
 pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
@@ -32,6 +33,7 @@ KEYS = {
     "sk-alice": "alice",
     "sk-bob": "bob",
     "sk-carol": {"tenant": "carol", "limits": {"requests_per_minute": 4, "max_concurrent_requests": 2}},
+    "sk-dan": "dan",
     "sk-admin": {"admin": True},
 }
 ADMIN = {"Authorization": "Bearer sk-admin"}
@@ -78,8 +80,9 @@ def start_cluster(model_dir, tmp, *replicas: str) -> Server:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     server = start_cluster(
-        tiny_model_dir, tmp_path_factory.mktemp("cluster"), "--replicas", "2", "--max-num-seqs", "1"
-    )
+        tiny_model_dir, tmp_path_factory.mktemp("cluster"), "--replicas", "2", "--max-num-seqs", "1",
+        "--fine-tuning-ray-resource", "trainer",
+    )  # fmt: skip
     yield server
     server.stop()
 
@@ -247,6 +250,27 @@ def replica_processes(server: Server) -> list:
     return [
         p for p in psutil.Process(server.proc.pid).children(recursive=True) if "ServeReplica" in cmdline(p)
     ]
+
+
+def test_a_fine_tuning_job_trains_as_a_ray_train_run(cluster, tiny_model_dir, tmp_path):
+    """Behind the cluster a job trains on the node holding --fine-tuning-ray-resource (the local Ray's), as a Ray
+    Train run, to the adapter of the same run in one process; its model is served by the replicas."""
+    from motet.engine.config import auto_dtype
+    from tests.api.test_fine_tuning_api import TRAIN, assert_same, reference_adapter, served_adapter, wait
+
+    dan = sdk(cluster, "dan")
+    training_file = dan.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune").id
+    job = dan.fine_tuning.jobs.create(training_file=training_file, model=MODEL, seed=5,
+                                      hyperparameters={"n_epochs": 3, "batch_size": 2})  # fmt: skip
+    job = wait(dan, job.id)
+    assert job.status == "succeeded", job.error
+    messages = [e.message for e in dan.fine_tuning.jobs.list_events(job.id, limit=100)]
+    assert any(m.startswith("Training on a Ray Train worker") for m in messages), messages
+    dtype = auto_dtype(torch.device("cpu"))[0]
+    expected = reference_adapter(tiny_model_dir, tmp_path, TRAIN, job, dtype=dtype)
+    assert_same(served_adapter(cluster.log_path.parent / "data", "dan", job.fine_tuned_model), expected)
+    answer = dan.chat.completions.create(model=job.fine_tuned_model, messages=CHAT, **GREEDY)
+    assert answer.choices[0].message.content is not None
 
 
 def test_replica_killed_under_load(cluster, offline):

@@ -49,11 +49,14 @@ def runner(args, data: Path, files, adapters, usage, threads: int):
     """The server's fine-tuning runner; `threads`: serving's (the workers' default)."""
     from motet.api.fine_tuning.runner import FineTuningRunner, RunnerSettings
     from motet.api.fine_tuning.store import FineTuningStore, Quotas
+    from motet.cluster.serve_flags import training_launch
 
     settings = RunnerSettings(
         max_running=args.fine_tuning_max_running,
         threads=args.fine_tuning_threads or threads,
         nice=args.fine_tuning_nice,
     )
+    if (launch := training_launch(args)) is not None:  # behind a Ray cluster: Ray Train runs
+        settings.launch = launch
     quotas = Quotas(args.fine_tuning_max_jobs_per_tenant, args.fine_tuning_max_tokens_per_day)
     return FineTuningRunner(FineTuningStore(data), files, adapters, usage, settings, quotas)

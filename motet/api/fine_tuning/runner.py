@@ -1,9 +1,10 @@
 """The fine-tuning runner: queued jobs trained one at a time (by default), each in a child process beside serving.
 
 The runner is a task of the app's lifespan (as the batch runner is). Whenever a slot is free it asks the fair
-queue (motet/training/fair_queue.py: tenants in turn) which queued job goes next and starts it in
-`python -m motet.training.worker` (motet/training/worker.py): a process at low priority (`--fine-tuning-nice`)
-with its own thread count (`--fine-tuning-threads`), dying with the server. What the worker says (a JSON line an
+queue (motet/training/fair_queue.py: tenants in turn) which queued job goes next and starts its worker
+(motet/api/fine_tuning/workers.py): a child process `python -m motet.training.worker` at low priority
+(`--fine-tuning-nice`) with its own thread count (`--fine-tuning-threads`), dying with the server, or behind a Ray
+cluster a Ray Train run on the node the operator names (motet/cluster/training_jobs.py). What the worker says (an
 event) becomes the job's progress, events and checkpoints in the store (motet/api/fine_tuning/store.py); each
 epoch's checkpoint, then the job's model, is stored as the tenant's adapter (motet/api/adapters/store.py), served
 from then on; the trained tokens are counted in the tenant's usage as they are trained.
@@ -23,9 +24,6 @@ import io
 import json
 import logging
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -33,17 +31,16 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
-from anyio.abc import Process, TaskGroup
-from anyio.streams.text import TextReceiveStream
+from anyio.abc import TaskGroup
 
 from motet.api.adapters.store import AdapterStore
 from motet.api.batches.runner import call_route
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
 from motet.api.fine_tuning.store import FINISHED, FineTuningStore, Quotas
+from motet.api.fine_tuning.workers import Launch, LocalWorker, TrainingWorker
 from motet.api.storage_errors import StorageFailure
 from motet.api.usage import UsageStore
-from motet.parent_death import child_env
 from motet.training.eval_file import EVAL_ROWS, read_eval_rows, same_answer
 from motet.training.fair_queue import next_job
 
@@ -64,6 +61,7 @@ class RunnerSettings:
     max_running: int = 1  # jobs training at once (--fine-tuning-max-running)
     threads: int = 1  # each worker's compute threads (--fine-tuning-threads)
     nice: int = 19  # each worker's niceness (--fine-tuning-nice): serving's threads go first
+    launch: Launch = LocalWorker.start  # where a job trains (behind Ray: motet/cluster/training_jobs.py)
 
 
 def checkpoint_model(model_name: str, step: int) -> str:
@@ -120,7 +118,7 @@ class _Job:
     def __init__(self, job_id: str, tenant: str, info: dict, trained: int):
         self.id, self.tenant, self.info = job_id, tenant, info
         self.model_name = info["model_name"]
-        self.proc: Process | None = None
+        self.worker: TrainingWorker | None = None
         self.ready = False
         self.outcome: str | None = None
         self.billed = trained  # trained tokens counted in the tenant's usage so far
@@ -157,12 +155,12 @@ class FineTuningRunner:
     def stop(self, job_id: str, pause: bool) -> None:
         """The job was cancelled (or paused): its worker stops now (a pause: after its step, with a checkpoint)."""
         job = self._jobs.get(job_id)
-        if job is None or job.proc is None:
+        if job is None or job.worker is None:
             return
         if pause and job.ready:
-            job.proc.send_signal(signal.SIGUSR1)
+            job.worker.pause()
         else:
-            job.proc.kill()
+            job.worker.kill()
 
     async def finished(self, job_id: str) -> None:
         """A job that ended without a worker (cancelled while queued or paused): its run directory goes."""
@@ -212,27 +210,17 @@ class FineTuningRunner:
 
     async def _drive(self, job: _Job) -> None:
         run_dir = self.store.run_dir(job.id)
-        cmd = [sys.executable, "-m", "motet.training.worker", str(run_dir), "--threads", str(self.settings.threads),
-               "--nice", str(self.settings.nice)]  # fmt: skip
-        env = {**child_env(), "OMP_NUM_THREADS": str(self.settings.threads)}
         rc = None
         try:
-            with open(run_dir / "worker.log", "ab") as stderr:
-                job.proc = await anyio.open_process(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env)
-                try:
-                    buffer = ""
-                    async for chunk in TextReceiveStream(job.proc.stdout):
-                        buffer += chunk
-                        *lines, buffer = buffer.split("\n")
-                        for line in lines:
-                            if line.strip():
-                                await self._on_event(job, json.loads(line))
-                    rc = await job.proc.wait()
-                finally:
-                    with anyio.CancelScope(shield=True):  # the server stops: the worker goes with it
-                        if job.proc.returncode is None:
-                            job.proc.kill()
-                        await job.proc.wait()
+            job.worker = await self.settings.launch(run_dir, self.settings.threads, self.settings.nice)
+            try:
+                async for event in job.worker.events():
+                    await self._on_event(job, event)
+                rc = await job.worker.wait()
+            finally:
+                with anyio.CancelScope(shield=True):  # the server stops: the worker goes with it
+                    job.worker.kill()
+                    await job.worker.wait()
         except Exception as e:  # a bug or a failing disk: this job fails, never the runner
             log.exception("fine-tuning job %s failed", job.id)
             await self._fail(job, f"the job failed on the server ({type(e).__name__})")
@@ -265,7 +253,9 @@ class FineTuningRunner:
             if (
                 await _thread(self.store.status, job.id) != "running"
             ):  # paused or cancelled before it was ready
-                job.proc.kill()
+                job.worker.kill()
+        elif kind == "placed":  # (a Ray Train run's: where it trains)
+            await _thread(self.store.add_event, job.id, f"Training on {event['where']}")
         elif kind == "started":
             total = event["total_steps"]
             await _thread(self.store.progress, job.id, event["step"], total, job.billed, None)

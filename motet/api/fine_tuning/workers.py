@@ -1,0 +1,72 @@
+"""Where a fine-tuning job trains: the handle the runner (motet/api/fine_tuning/runner.py) drives a job's worker by.
+
+A worker says what happens as events (dicts, motet/training/trainer.py's), takes a pause (a checkpoint after the
+step in progress, then it ends) or a kill (at once), and ends with an exit code. `LocalWorker` is a child process
+of the server, `python -m motet.training.worker` (its events are its standard output's lines; SIGUSR1 pauses it);
+behind a Ray cluster, motet/cluster/training_jobs.py's `RayTrainWorker` is a Ray Train run on a node the operator
+names. `Launch` starts one for a job's run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+from anyio.abc import Process
+from anyio.streams.text import TextReceiveStream
+
+from motet.parent_death import child_env
+
+
+class TrainingWorker(Protocol):
+    def events(self) -> AsyncIterator[dict]: ...
+
+    def pause(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    async def wait(self) -> int: ...
+
+
+Launch = Callable[[Path, int, int], Awaitable[TrainingWorker]]  # (run dir, threads, niceness)
+
+
+class LocalWorker:
+    """The job's child process (it dies with the server: motet/parent_death.py); its log is RUN_DIR/worker.log."""
+
+    def __init__(self, proc: Process):
+        self.proc = proc
+
+    @classmethod
+    async def start(cls, run_dir: Path, threads: int, nice: int) -> LocalWorker:
+        cmd = [sys.executable, "-m", "motet.training.worker", str(run_dir), "--threads", str(threads), "--nice",
+               str(nice)]  # fmt: skip
+        env = {**child_env(), "OMP_NUM_THREADS": str(threads)}
+        with open(run_dir / "worker.log", "ab") as stderr:
+            return cls(await anyio.open_process(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env))
+
+    async def events(self) -> AsyncIterator[dict]:
+        buffer = ""
+        async for chunk in TextReceiveStream(self.proc.stdout):
+            buffer += chunk
+            *lines, buffer = buffer.split("\n")
+            for line in lines:
+                if line.strip():
+                    yield json.loads(line)
+
+    def pause(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGUSR1)
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+
+    async def wait(self) -> int:
+        return await self.proc.wait()

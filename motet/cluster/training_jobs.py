@@ -1,0 +1,133 @@
+"""Fine-tuning jobs behind a Ray cluster: each a Ray Train run (a TorchTrainer of one worker) on a node that holds
+the custom resource the operator names (`--fine-tuning-ray-resource NAME`: `ray start --resources '{"NAME": 1}'`
+on that node; a local Ray that motet starts holds one unit of it itself).
+
+The worker runs the job as the server's own child process would (motet/training/worker.py `run_job`: the same
+trainer, niceness and threads) on the job's run directory, which the node must read and write at the same path
+(one machine, or a file system shared at that path). Its events and the pause asked for pass through a small actor
+(`_Channel`) that `RayTrainWorker` polls. A kill cancels the task that runs the Ray Train run, and its controller
+and worker go with it (an actor shares its owner's fate); the server's end takes them too (its Ray job ends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import ray
+
+POLL_S = 0.2  # how often the runner looks for the worker's events
+
+
+@ray.remote(num_cpus=0)
+class _Channel:
+    """The events a job's worker said that the runner has not taken yet, and whether a pause was asked for."""
+
+    def __init__(self):
+        self.said: list[dict] = []
+        self.pause = False
+
+    def put(self, event: dict) -> None:
+        self.said.append(event)
+
+    def take(self) -> list[dict]:
+        taken, self.said = self.said, []
+        return taken
+
+    def ask_pause(self) -> None:
+        self.pause = True
+
+    def pause_asked(self) -> bool:
+        return self.pause
+
+
+def _train_loop(config: dict) -> None:
+    """Ray Train's worker: the job trained here; a failure (the failed event says why) fails the run."""
+    from motet.training.worker import run_job
+
+    channel = config["channel"]
+
+    def emit(event: dict) -> None:
+        ray.get(channel.put.remote(event))
+
+    def pause_asked() -> bool:
+        return ray.get(channel.pause_asked.remote())
+
+    context = ray.get_runtime_context()
+    emit({"type": "placed", "where": f"a Ray Train worker on node {context.get_node_id()[:12]} "
+          f"({ray.util.get_node_ip_address()}, resource {config['resource']!r})"})  # fmt: skip
+    if run_job(Path(config["run_dir"]), emit, pause_asked, config["threads"], config["nice"]):
+        raise RuntimeError("the fine-tuning job failed (its failed event says why)")
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _fit(run_dir: str, channel, threads: int, nice: int, resource: str) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    TorchTrainer(
+        _train_loop,
+        train_loop_config={
+            "run_dir": run_dir,
+            "channel": channel,
+            "threads": threads,
+            "nice": nice,
+            "resource": resource,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=1, use_gpu=False, resources_per_worker={"CPU": 0, resource: 1}
+        ),
+        run_config=RunConfig(name="fine-tuning", storage_path=str(Path(run_dir) / "ray_train")),
+    ).fit()
+
+
+class RayTrainWorker:
+    """A job's Ray Train run, driven as motet/api/fine_tuning/workers.py's TrainingWorker."""
+
+    def __init__(self, ref: ray.ObjectRef, channel):
+        self.ref, self.channel = ref, channel
+        self.code: int | None = None
+
+    @classmethod
+    async def start(cls, resource: str, run_dir: Path, threads: int, nice: int) -> RayTrainWorker:
+        channel = _Channel.remote()
+        return cls(_fit.remote(str(run_dir), channel, threads, nice, resource), channel)
+
+    def _ended(self) -> bool:
+        ready, _ = ray.wait([self.ref], timeout=0)
+        return bool(ready)
+
+    async def events(self) -> AsyncIterator[dict]:
+        while True:
+            ended = self._ended()  # (before taking: whatever it said before it ended is in this take)
+            try:
+                said = await anyio.to_thread.run_sync(ray.get, self.channel.take.remote())
+            except ray.exceptions.RayActorError:  # killed
+                return
+            for event in said:
+                yield event
+            if ended:
+                return
+            if not said:
+                await anyio.sleep(POLL_S)
+
+    def pause(self) -> None:
+        self.channel.ask_pause.remote()
+
+    def kill(self) -> None:
+        if not self._ended():
+            ray.cancel(self.ref, force=True)
+
+    async def wait(self) -> int:
+        if self.code is None:
+            try:
+                await anyio.to_thread.run_sync(ray.get, self.ref)
+                self.code = 0
+            except (ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError):
+                self.code = -9
+            except Exception:  # the run failed (its failed event, taken before, said why)
+                self.code = 1
+            ray.kill(self.channel)
+        return self.code
