@@ -148,7 +148,8 @@ def serve_and_ask(server, llama: bool, model: str, max_tokens: int) -> tuple[lis
 def summary_md(report: dict) -> str:
     lines = [f"# motet vs llama.cpp's server on a SentencePiece GGUF file ({Path(report['source']).name})", "",
              f"{len(PROMPTS)} completion prompts, greedy, at most {report['max_tokens']} tokens, one at a time; "
-             f"{report['threads']} threads each; the peer: {report['peer']}.", "",
+             f"{report['threads']} threads each; motet's activations in {report.get('dtype', 'auto')}; the peer: "
+             f"{report['peer']}.", "",
              "| type | file | prompts tokenized alike | greedy texts equal | parting at (token: motet margin / llama.cpp margin, nats) |",
              "|---|---|---:|---:|---|"]  # fmt: skip
     for t in report["types"]:
@@ -166,6 +167,12 @@ def main(argv=None) -> None:
     ap.add_argument("--types", nargs="+", default=list(FILE_TYPES), choices=list(FILE_TYPES))
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="each server's compute threads")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="motet's activations' dtype (llama.cpp's CPU path computes "
+        "its activations in float32, quantized to 8 bits a block for each product)",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="parallel jobs for llama.cpp's build")
     ap.add_argument("--peer-url", default=None, help=PEER_URL_HELP + " (see above)")
     ap.add_argument("--out", default=None)
@@ -175,14 +182,15 @@ def main(argv=None) -> None:
     source = args.file.resolve()
     src = None if args.peer_url else ensure_built(root, args.jobs, ("llama-server", "llama-quantize"))
     out = Path(args.out or f"benchmarks/reports/gguf_spm/{time.strftime('%Y-%m-%d')}")
-    report = {"source": str(source), "max_tokens": args.max_tokens, "threads": args.threads,
+    report = {"source": str(source), "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype,
               "peer": args.peer_url or "llama-server", "machine": machine(), "types": []}  # fmt: skip
     own = {v: k for k, v in FILE_TYPES.items()}.get(gguf_file_type(source), "as is")
     for qtype in [own] if args.peer_url else args.types:
         path = source if args.peer_url else quantized(src, source, qtype, root)
         print(f"{qtype}: {path}", flush=True)
         motet = ManagedServer(["--model", str(path), "--threads", str(args.threads), "--max-num-seqs", "4",
-                               "--max-model-len", "1024"], log_path=out / f"motet-{qtype}.log")  # fmt: skip
+                               "--max-model-len", "1024", "--dtype", args.dtype],
+                              log_path=out / f"motet-{qtype}.log")  # fmt: skip
         ours, our_ids = serve_and_ask(motet, False, path.stem, args.max_tokens)
         if args.peer_url:
             theirs, their_ids = serve_and_ask(RunningPeer(args.peer_url), False, path.stem, args.max_tokens)
