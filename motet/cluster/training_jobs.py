@@ -11,6 +11,10 @@ and worker go with it (an actor shares its owner's fate); the server's end takes
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,7 +22,10 @@ import anyio
 import anyio.to_thread
 import ray
 
-POLL_S = 0.2  # how often the runner looks for the worker's events
+from motet.training.launch import LaunchError
+
+POLL_S = 0.2  # how often the runner looks for the worker's events (and the worker for a kill)
+KILL_GRACE_S = 30.0  # a killed run that has not ended by then (its worker never started): its task cancelled
 
 
 @ray.remote(num_cpus=0)
@@ -27,7 +34,7 @@ class _Channel:
 
     def __init__(self):
         self.said: list[dict] = []
-        self.pause = False
+        self.pause = self.stop = False
 
     def put(self, event: dict) -> None:
         self.said.append(event)
@@ -42,12 +49,25 @@ class _Channel:
     def pause_asked(self) -> bool:
         return self.pause
 
+    def ask_stop(self) -> None:
+        self.stop = True
+
+    def stop_asked(self) -> bool:
+        return self.stop
+
 
 def _train_loop(config: dict) -> None:
     """Ray Train's worker: the job trained here; a failure (the failed event says why) fails the run."""
     from motet.training.worker import run_job
 
     channel = config["channel"]
+
+    def watch() -> None:  # a kill: this worker ends at once, and Ray Train (no retries) ends the run
+        while not ray.get(channel.stop_asked.remote()):
+            time.sleep(POLL_S)
+        os._exit(137)
+
+    threading.Thread(target=watch, daemon=True).start()
 
     def emit(event: dict) -> None:
         ray.get(channel.put.remote(event))
@@ -64,7 +84,7 @@ def _train_loop(config: dict) -> None:
 
 @ray.remote(num_cpus=0, max_retries=0)
 def _fit(run_dir: str, channel, threads: int, nice: int, resource: str) -> None:
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     TorchTrainer(
@@ -79,19 +99,29 @@ def _fit(run_dir: str, channel, threads: int, nice: int, resource: str) -> None:
         scaling_config=ScalingConfig(
             num_workers=1, use_gpu=False, resources_per_worker={"CPU": 0, resource: 1}
         ),
-        run_config=RunConfig(name="fine-tuning", storage_path=str(Path(run_dir) / "ray_train")),
+        run_config=RunConfig(
+            name="fine-tuning",
+            storage_path=str(Path(run_dir) / "ray_train"),
+            failure_config=FailureConfig(max_failures=0),
+        ),
     ).fit()
 
 
 class RayTrainWorker:
-    """A job's Ray Train run, driven as motet/api/fine_tuning/workers.py's TrainingWorker."""
+    """A job's Ray Train run, as motet/training/launch.py's TrainingWorker."""
 
     def __init__(self, ref: ray.ObjectRef, channel):
         self.ref, self.channel = ref, channel
         self.code: int | None = None
+        self.killed = False
 
     @classmethod
     async def start(cls, resource: str, run_dir: Path, threads: int, nice: int) -> RayTrainWorker:
+        if ray.cluster_resources().get(resource, 0) < 1:
+            raise LaunchError(
+                f"no node of the Ray cluster holds the resource {resource!r} (--fine-tuning-ray-resource): start "
+                f"one with `ray start --resources '{{\"{resource}\": 1}}'`"
+            )
         channel = _Channel.remote()
         return cls(_fit.remote(str(run_dir), channel, threads, nice, resource), channel)
 
@@ -117,17 +147,22 @@ class RayTrainWorker:
         self.channel.ask_pause.remote()
 
     def kill(self) -> None:
-        if not self._ended():
-            ray.cancel(self.ref, force=True)
+        """The worker ends at once (its watcher exits the process); Ray Train ends the run and frees what it held.
+        (Cancelling the task instead would leave the run's placement group, and so the node's unit, taken.)"""
+        if not self.killed and not self._ended():
+            self.killed = True
+            self.channel.ask_stop.remote()
 
     async def wait(self) -> int:
         if self.code is None:
+            timeout = KILL_GRACE_S if self.killed else None
             try:
-                await anyio.to_thread.run_sync(ray.get, self.ref)
+                await anyio.to_thread.run_sync(functools.partial(ray.get, self.ref, timeout=timeout))
                 self.code = 0
-            except (ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError):
+            except ray.exceptions.GetTimeoutError:  # killed before its worker started (waiting for the unit)
+                ray.cancel(self.ref, force=True)
                 self.code = -9
-            except Exception:  # the run failed (its failed event, taken before, said why)
-                self.code = 1
+            except Exception:  # failed or killed (a failure's event, taken before, said why)
+                self.code = -9 if self.killed else 1
             ray.kill(self.channel)
         return self.code

@@ -38,11 +38,12 @@ from motet.api.batches.runner import call_route
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
 from motet.api.fine_tuning.store import FINISHED, FineTuningStore, Quotas
-from motet.api.fine_tuning.workers import Launch, LocalWorker, TrainingWorker
+from motet.api.fine_tuning.workers import LocalWorker
 from motet.api.storage_errors import StorageFailure
 from motet.api.usage import UsageStore
 from motet.training.eval_file import EVAL_ROWS, read_eval_rows, same_answer
 from motet.training.fair_queue import next_job
+from motet.training.launch import Launch, LaunchError, TrainingWorker
 
 log = logging.getLogger("motet.fine_tuning")
 
@@ -221,6 +222,8 @@ class FineTuningRunner:
                 with anyio.CancelScope(shield=True):  # the server stops: the worker goes with it
                     job.worker.kill()
                     await job.worker.wait()
+        except LaunchError as e:
+            await self._fail(job, str(e))
         except Exception as e:  # a bug or a failing disk: this job fails, never the runner
             log.exception("fine-tuning job %s failed", job.id)
             await self._fail(job, f"the job failed on the server ({type(e).__name__})")
@@ -302,13 +305,13 @@ class FineTuningRunner:
         await _thread(self.store.add_event, job.id, message, "info", "metrics", data)
         self._bill(job, event["trained_tokens"])
 
-    async def _evaluate(self, job: _Job, rows: list[dict]) -> None:
+    async def _evaluate(self, job: _Job, rows: list[dict], step: int) -> None:
         """The job's eval file answered by its model and by the model it was tuned from, greedily, through the
         server's own route as the tenant (billed as its requests), one request at a time; the counts an event."""
         models = {"fine_tuned": job.model_name, "base": job.info["model"]}
         await _thread(self.store.add_event, job.id, f"Evaluating {job.model_name} and {job.info['model']} on the "
                       f"eval file ({len(rows)} examples, greedy)")  # fmt: skip
-        data: dict = {"examples": len(rows)}
+        data: dict = {"step": step, "examples": len(rows)}
         for which, model in models.items():
             matched = failed = 0
             for row in rows:
@@ -354,7 +357,7 @@ class FineTuningRunner:
             return
         eval_path = self.store.run_dir(job.id) / EVAL_ROWS
         if eval_path.is_file():
-            await self._evaluate(job, await _thread(read_eval_rows, eval_path))
+            await self._evaluate(job, await _thread(read_eval_rows, eval_path), event["step"])
 
         def write_results() -> str:
             file_id = result_file_id(job.id)

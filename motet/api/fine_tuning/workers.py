@@ -1,11 +1,6 @@
-"""Where a fine-tuning job trains: the handle the runner (motet/api/fine_tuning/runner.py) drives a job's worker by.
-
-A worker says what happens as events (dicts, motet/training/trainer.py's), takes a pause (a checkpoint after the
-step in progress, then it ends) or a kill (at once), and ends with an exit code. `LocalWorker` is a child process
-of the server, `python -m motet.training.worker` (its events are its standard output's lines; SIGUSR1 pauses it);
-behind a Ray cluster, motet/cluster/training_jobs.py's `RayTrainWorker` is a Ray Train run on a node the operator
-names. `Launch` starts one for a job's run directory.
-"""
+"""A fine-tuning job's worker as a child process of the server (motet/training/launch.py's TrainingWorker; behind a
+Ray cluster, motet/cluster/training_jobs.py's RayTrainWorker is the other one): `python -m motet.training.worker`,
+its events its standard output's lines, SIGUSR1 its pause."""
 
 from __future__ import annotations
 
@@ -13,28 +8,14 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Protocol
 
 import anyio
 from anyio.abc import Process
 from anyio.streams.text import TextReceiveStream
 
 from motet.parent_death import child_env
-
-
-class TrainingWorker(Protocol):
-    def events(self) -> AsyncIterator[dict]: ...
-
-    def pause(self) -> None: ...
-
-    def kill(self) -> None: ...
-
-    async def wait(self) -> int: ...
-
-
-Launch = Callable[[Path, int, int], Awaitable[TrainingWorker]]  # (run dir, threads, niceness)
 
 
 class LocalWorker:
