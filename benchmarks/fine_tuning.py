@@ -284,6 +284,11 @@ def main(argv=None) -> int:
         default=str(FIXTURES),
         help="the committed `upper` and `json` adapters the fine-tuned ones are held to (none: no check)",
     )
+    p.add_argument(
+        "--load-only",
+        action="store_true",
+        help="measure serving alone, without and with a (DPO) job training, cancelled after it",
+    )
     p.add_argument("--output-dir", default="benchmarks/reports/fine_tuning")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to `motet serve`")
     args = p.parse_args(argv)
@@ -309,36 +314,39 @@ def main(argv=None) -> int:
         with ManagedServer(server_args, model=args.model, log_path=out / "server.log") as server:
             c = openai.OpenAI(base_url=server.base_url, api_key="sk-trainer", max_retries=0, timeout=600)
             base = c.models.list().data[0].id
-            jobs = {}
-            for name in BEHAVIOURS:
-                print(f"job {name} ...", flush=True)
-                jobs[name] = run_job(c, data["files"][name], sft(hyper), name)
-            timings = ("seconds", "tokens_per_s", "train_seconds", "train_tokens_per_s")
-            report["jobs"] = {k: {kk: v[kk] for kk in timings} | {"trained_tokens":
-                              v["job"]["trained_tokens"], "hyperparameters": v["job"]["hyperparameters"]}
-                              for k, v in jobs.items()}  # fmt: skip
-            print("the same run by hand ...", flush=True)
-            dtype = job_dtype(args.server_args)
-            hand = run_by_hand(
-                data["model_dir"], data["files"]["upper"], jobs["upper"]["job"], args.threads, dtype, tmp
-            )
-            report["by_hand"] = hand
-            report["speed_ratio"] = jobs["upper"]["tokens_per_s"] / hand["tokens_per_s"]
-            report["train_speed_ratio"] = jobs["upper"]["train_tokens_per_s"] / hand["train_tokens_per_s"]
-            print("behaviour checks ...", flush=True)
-            generate = http_generate(c, base)
-            tuned = behaviour(
-                generate, data["eval_prompts"], {n: jobs[n]["job"]["fine_tuned_model"] for n in CHECKS}
-            )
-            committed = (
-                behaviour(generate, data["eval_prompts"], {n: n for n in CHECKS}) if committed_names else {}
-            )
-            report["behaviours"] = {}
-            for n in CHECKS:
-                rate = committed[n]["adapter_rate"] if committed else None
-                report["behaviours"][n] = {"fine_tuned": tuned[n]["adapter_rate"], "committed": rate,
-                                           "base": tuned[n]["base_rate"],
-                                           "ratio": tuned[n]["adapter_rate"] / rate if rate else None}  # fmt: skip
+            if not args.load_only:  # (--load-only: the serving measure alone)
+                jobs = {}
+                for name in BEHAVIOURS:
+                    print(f"job {name} ...", flush=True)
+                    jobs[name] = run_job(c, data["files"][name], sft(hyper), name)
+                timings = ("seconds", "tokens_per_s", "train_seconds", "train_tokens_per_s")
+                report["jobs"] = {k: {kk: v[kk] for kk in timings} | {"trained_tokens":
+                                  v["job"]["trained_tokens"], "hyperparameters": v["job"]["hyperparameters"]}
+                                  for k, v in jobs.items()}  # fmt: skip
+                print("the same run by hand ...", flush=True)
+                dtype = job_dtype(args.server_args)
+                hand = run_by_hand(
+                    data["model_dir"], data["files"]["upper"], jobs["upper"]["job"], args.threads, dtype, tmp
+                )
+                report["by_hand"] = hand
+                report["speed_ratio"] = jobs["upper"]["tokens_per_s"] / hand["tokens_per_s"]
+                report["train_speed_ratio"] = jobs["upper"]["train_tokens_per_s"] / hand["train_tokens_per_s"]
+                print("behaviour checks ...", flush=True)
+                generate = http_generate(c, base)
+                tuned = behaviour(
+                    generate, data["eval_prompts"], {n: jobs[n]["job"]["fine_tuned_model"] for n in CHECKS}
+                )
+                committed = (
+                    behaviour(generate, data["eval_prompts"], {n: n for n in CHECKS})
+                    if committed_names
+                    else {}
+                )
+                report["behaviours"] = {}
+                for n in CHECKS:
+                    rate = committed[n]["adapter_rate"] if committed else None
+                    report["behaviours"][n] = {"fine_tuned": tuned[n]["adapter_rate"], "committed": rate,
+                                               "base": tuned[n]["base_rate"],
+                                               "ratio": tuned[n]["adapter_rate"] / rate if rate else None}  # fmt: skip
             print("load without a job ...", flush=True)
             report["load_alone"] = asyncio.run(
                 load(server.url, base, args.clients, args.load_seconds, args.load_tokens)
@@ -346,9 +354,14 @@ def main(argv=None) -> int:
             print("DPO job, and the load while it trains ...", flush=True)
             dpo: dict = {}
             dpo_method = {"type": "dpo", "dpo": {"hyperparameters": hyper}}
-            worker = threading.Thread(
-                target=lambda: dpo.update(run_job(c, data["files"]["dpo"], dpo_method, "dpo"))
-            )
+
+            def dpo_job():
+                try:
+                    dpo.update(run_job(c, data["files"]["dpo"], dpo_method, "dpo"))
+                except RuntimeError as e:  # (cancelled, with --load-only)
+                    dpo["error"] = str(e)
+
+            worker = threading.Thread(target=dpo_job)
             worker.start()
             while worker.is_alive() and not [
                 j for j in c.fine_tuning.jobs.list().data if j.status == "running"
@@ -358,8 +371,14 @@ def main(argv=None) -> int:
                 load(server.url, base, args.clients, args.load_seconds, args.load_tokens)
             )
             report["load_with_job"]["job_still_running"] = worker.is_alive()
+            if args.load_only:  # measured: the job is not waited for
+                for job in c.fine_tuning.jobs.list().data:
+                    if job.status in ("queued", "running"):
+                        c.fine_tuning.jobs.cancel(job.id)
             worker.join()
-            if "job" not in dpo:
+            if args.load_only:
+                pass
+            elif "job" not in dpo:
                 raise RuntimeError("the DPO job did not succeed (its error is in the output above)")
             adapter = tmp / "data" / "adapters" / "trainer" / dpo["job"]["fine_tuned_model"]
             report["dpo"] = dpo_margins(data["model_dir"], adapter, data["held_out_pairs"]) | {
@@ -373,14 +392,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def summary(r: dict) -> str:
-    m = r["machine"]
-    lines = [
-        "# Fine-tuning as a service", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, flags {', '.join(m['flags']) or 'none of avx2/avx512'}; "
-        f"{r['args']['examples']} examples a behaviour, {r['args']['threads']} training threads.", "",
-        "| measure | value | target |", "|---|---|---|",
-    ]  # fmt: skip
+def _job_lines(r: dict) -> list[str]:
+    lines = []
     for name, job in r["jobs"].items():
         lines.append(
             f"| `{name}` job: time running, tokens/s (training alone) | {job['seconds']:.0f} s, "
@@ -404,10 +417,28 @@ def summary(r: dict) -> str:
         if not d["pairs"]
         else f"{d['margin_before']:.2f} -> {d['margin_after']:.2f} ({d['share_up']:.2f})"
     )
+    lines.append(
+        f"| DPO: preferred's margin on {d['pairs']} held-out pairs, before -> after (share up) | {moved} | up |"
+    )
+    return lines
+
+
+def summary(r: dict) -> str:
+    m = r["machine"]
+    lines = [
+        "# Fine-tuning as a service", "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, flags {', '.join(m['flags']) or 'none of avx2/avx512'}; "
+        f"{r['args']['examples']} examples a behaviour, {r['args']['threads']} training threads.", "",
+        "| measure | value | target |", "|---|---|---|",
+    ]  # fmt: skip
+    if "jobs" in r:  # (not with --load-only)
+        lines += _job_lines(r)
+    alone, busy = r["load_alone"], r["load_with_job"]
     lines += [
-        f"| DPO: preferred's margin on {d['pairs']} held-out pairs, before -> after (share up) | {moved} | up |",
-        f"| TPOT p50 with a job / without ({r['args']['clients']} clients) | {r['tpot_p50_ratio']:.2f} | <= 1.30 |",
-        f"| light tenant's E2E p50 with a job / without | {r['light_e2e_p50_ratio']:.2f} | <= 1.30 |",
+        f"| TPOT p50 with a job / without ({r['args']['clients']} clients): {busy['tpot']['p50'] * 1e3:.1f} / "
+        f"{alone['tpot']['p50'] * 1e3:.1f} ms | {r['tpot_p50_ratio']:.2f} | <= 1.30 |",
+        f"| light tenant's E2E p50 with a job / without: {busy['light_e2e']['p50']:.2f} / "
+        f"{alone['light_e2e']['p50']:.2f} s | {r['light_e2e_p50_ratio']:.2f} | <= 1.30 |",
     ]
     if not r["load_with_job"]["job_still_running"]:
         lines += ["", "Note: the DPO job ended before the load did: make it longer (--examples, --n-epochs)."]

@@ -232,7 +232,9 @@ def test_gguf_spm(tmp_path):
     source, _ = spm_checkpoint(tmp_path / "source", "llama")
     path = write_gguf_file(source, tmp_path / "bare" / "tiny-spm.gguf", {}, vocab=add_sentencepiece_vocab)
     env = {"MOTET_CACHE_DIR": str(tmp_path / "cache")}
-    peer = Server(tmp_path, "--model", str(path), "--data-dir", str(tmp_path / "data"), *SERVER, env=env)
+    # float32: the script's motet computes in it, as llama.cpp does
+    flags = ["--model", str(path), "--data-dir", str(tmp_path / "data"), "--dtype", "float32", *SERVER]
+    peer = Server(tmp_path, *flags, env=env)
     try:
         os.environ["MOTET_CACHE_DIR"] = env["MOTET_CACHE_DIR"]
         gguf_spm.main([str(path), "--max-tokens", "4", "--threads", "1", "--peer-url", peer.url,
