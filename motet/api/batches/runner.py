@@ -49,8 +49,8 @@ from motet.api.batches.lines import (
 from motet.api.batches.store import BatchStore, OverQuota, PendingLine
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
+from motet.api.in_process import call_route
 from motet.api.storage_errors import StorageFailure
-from motet.api.usage import BATCH_SCOPE_KEY
 
 log = logging.getLogger("motet.batches")
 
@@ -106,38 +106,6 @@ class BatchGate:
 
 
 # -- one line through the app ---------------------------------------------------------------------------------
-async def call_route(app, path: str, body: bytes, tenant: str) -> tuple[int, dict[str, str], bytes]:
-    """POST `body` to `path` of the ASGI app, in process, as a batch line of `tenant`: (status, headers, body).
-    The scope names the tenant (an HTTP request cannot set a scope key), so the line carries no API key."""
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": headers,
-        "client": ("127.0.0.1", 0), "server": ("motet-batch", 0), BATCH_SCOPE_KEY: tenant,
-    }  # fmt: skip
-    sent = False
-
-    async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await anyio.sleep_forever()  # the "client" never leaves: the request runs to its end
-
-    status, out_headers, chunks = 500, {}, []
-
-    async def send(message):
-        nonlocal status, out_headers
-        if message["type"] == "http.response.start":
-            status = message["status"]
-            out_headers = {k.decode().lower(): v.decode() for k, v in message.get("headers", [])}
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-
-    await app(scope, receive, send)
-    return status, out_headers, b"".join(chunks)
-
-
 async def answer(
     app, url: str, custom_id: str | None, body: dict, tenant: str = DEFAULT_TENANT
 ) -> dict | float:

@@ -34,11 +34,11 @@ import anyio.to_thread
 from anyio.abc import TaskGroup
 
 from motet.api.adapters.store import AdapterStore
-from motet.api.batches.runner import call_route
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
 from motet.api.fine_tuning.store import FINISHED, FineTuningStore, Quotas
 from motet.api.fine_tuning.workers import LocalWorker
+from motet.api.in_process import call_route
 from motet.api.storage_errors import StorageFailure
 from motet.api.usage import UsageStore
 from motet.training.eval_file import EVAL_ROWS, read_eval_rows, same_answer
