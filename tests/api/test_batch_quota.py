@@ -117,12 +117,14 @@ def test_quotas_and_the_kv_disk_tier_fit_the_free_space(tmp_path, monkeypatch, c
 
     free = 8 << 30
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=free, used=0, free=free))
-    args = SimpleNamespace(files_max_bytes_per_tenant=100 << 30, responses_max_bytes_per_tenant=1 << 20)
+    args = SimpleNamespace(files_max_bytes_per_tenant=100 << 30, responses_max_bytes_per_tenant=1 << 20,
+                           adapters_max_bytes_per_tenant=server_module.ADAPTERS_PER_TENANT)  # fmt: skip
     config = SimpleNamespace(kv_disk_gb=50.0)
     with caplog.at_level("INFO", logger="motet.server"):
         server_module.fit_to_disk(args, config, tmp_path / "not-yet" / "data")  # measured where it will be
     assert args.files_max_bytes_per_tenant == free // 4  # a quarter of the free space
     assert args.responses_max_bytes_per_tenant == 1 << 20  # under it: as set
+    assert args.adapters_max_bytes_per_tenant == free // 4  # the default, over it: lowered
     assert config.kv_disk_gb == 2.0
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("--files-max-bytes-per-tenant" in m for m in warned) and any(
