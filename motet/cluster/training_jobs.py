@@ -5,8 +5,10 @@ on that node; a local Ray that motet starts holds one unit of it itself).
 The worker runs the job as the server's own child process would (motet/training/worker.py `run_job`: the same
 trainer, niceness and threads) on the job's run directory, which the node must read and write at the same path
 (one machine, or a file system shared at that path). Its events and the pause asked for pass through a small actor
-(`_Channel`) that `RayTrainWorker` polls. A kill cancels the task that runs the Ray Train run, and its controller
-and worker go with it (an actor shares its owner's fate); the server's end takes them too (its Ray job ends).
+(`_Channel`) that `RayTrainWorker` polls. A kill asks the worker's watcher thread to end its process at once: Ray
+Train (no retries) then ends the run and frees what it held, the node's unit included (cancelling the task that
+runs it would leave the run's placement group taken until the server's Ray job ends). The server's end takes the
+run with it (its Ray job ends).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ KILL_GRACE_S = 30.0  # a killed run that has not ended by then (its worker never
 
 @ray.remote(num_cpus=0)
 class _Channel:
-    """The events a job's worker said that the runner has not taken yet, and whether a pause was asked for."""
+    """The events a job's worker said that the runner has not taken yet, and whether a pause or a kill was asked
+    for."""
 
     def __init__(self):
         self.said: list[dict] = []
