@@ -376,15 +376,14 @@ def main(argv=None) -> int:
                     if job.status in ("queued", "running"):
                         c.fine_tuning.jobs.cancel(job.id)
             worker.join()
-            if args.load_only:
-                pass
-            elif "job" not in dpo:
-                raise RuntimeError("the DPO job did not succeed (its error is in the output above)")
-            adapter = tmp / "data" / "adapters" / "trainer" / dpo["job"]["fine_tuned_model"]
-            report["dpo"] = dpo_margins(data["model_dir"], adapter, data["held_out_pairs"]) | {
-                "seconds": dpo["seconds"],
-                "trained_tokens": dpo["job"]["trained_tokens"],
-            }
+            if not args.load_only:
+                if "job" not in dpo:
+                    raise RuntimeError("the DPO job did not succeed (its error is in the output above)")
+                adapter = tmp / "data" / "adapters" / "trainer" / dpo["job"]["fine_tuned_model"]
+                report["dpo"] = dpo_margins(data["model_dir"], adapter, data["held_out_pairs"]) | {
+                    "seconds": dpo["seconds"],
+                    "trained_tokens": dpo["job"]["trained_tokens"],
+                }
     alone, busy = report["load_alone"], report["load_with_job"]
     report["tpot_p50_ratio"] = busy["tpot"]["p50"] / alone["tpot"]["p50"]
     report["light_e2e_p50_ratio"] = busy["light_e2e"]["p50"] / alone["light_e2e"]["p50"]
