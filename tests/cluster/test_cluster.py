@@ -255,7 +255,7 @@ def replica_processes(server: Server) -> list:
 def test_a_fine_tuning_job_trains_as_a_ray_train_run(cluster, tiny_model_dir, tmp_path):
     """Behind the cluster a job trains on the node holding --fine-tuning-ray-resource (the local Ray's one unit), as
     a Ray Train run, to the adapter of the same run in one process; its model is served by the replicas. A job
-    cancelled while it trains frees the unit (the next one trains)."""
+    cancelled once its worker runs frees the unit (the next one trains)."""
     from motet.engine.config import auto_dtype
     from tests.api.test_fine_tuning_api import TRAIN, assert_same, reference_adapter, served_adapter, wait
 
@@ -264,11 +264,11 @@ def test_a_fine_tuning_job_trains_as_a_ray_train_run(cluster, tiny_model_dir, tm
     long = dan.fine_tuning.jobs.create(
         training_file=training_file, model=MODEL, hyperparameters={"n_epochs": 50}
     )
-    wait_for(lambda: any(e.message.startswith("Step ") for e in dan.fine_tuning.jobs.list_events(long.id)),
-             timeout=300, what="the long job's first step")  # fmt: skip
+    wait_for(lambda: any(e.message.startswith("Training on") for e in dan.fine_tuning.jobs.list_events(long.id)),
+             timeout=300, what="the long job's Ray Train worker")  # fmt: skip
     dan.fine_tuning.jobs.cancel(long.id)
     job = dan.fine_tuning.jobs.create(training_file=training_file, model=MODEL, seed=5,
-                                      hyperparameters={"n_epochs": 3, "batch_size": 2})  # fmt: skip
+                                      hyperparameters={"n_epochs": 2, "batch_size": 2})  # fmt: skip
     job = wait(dan, job.id)
     assert job.status == "succeeded", job.error
     messages = [e.message for e in dan.fine_tuning.jobs.list_events(job.id, limit=100)]
