@@ -11,9 +11,9 @@ goes on past it is not the same answer). `same_answer` compares a chat completio
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import BinaryIO
 
+from motet.grammar.tool_formats.base import decoded_arguments
 from motet.training.data_format import DataError, read_examples
 
 EVAL_ROWS = "eval_rows.jsonl"  # in a job's run directory
@@ -31,10 +31,7 @@ def eval_rows(source: BinaryIO, tokenizer, max_line_bytes: int) -> list[dict]:
                 "an eval example ends with the assistant message its answer is compared to", example.line
             )
         text = answer.get("content") or ""
-        calls = [
-            {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}
-            for c in answer.get("tool_calls") or ()
-        ]
+        calls = _calls(answer)
         max_tokens = len(tokenizer.encode(text + json.dumps(calls) if calls else text)) + SLACK_TOKENS
         rows.append({"line": example.line, "messages": example.messages[:last],
                      "tools": [t.openai_dict() for t in example.tools], "text": text.strip(), "tool_calls": calls,
@@ -42,28 +39,15 @@ def eval_rows(source: BinaryIO, tokenizer, max_line_bytes: int) -> list[dict]:
     return rows
 
 
-def write_eval_rows(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def read_eval_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def same_answer(row: dict, message: dict) -> bool:
     """Whether a chat completion's `message` gives the row's answer."""
-    calls = [
-        {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}
+    return (message.get("content") or "").strip() == row["text"] and _calls(message) == row["tool_calls"]
+
+
+def _calls(message: dict) -> list[dict]:
+    """A message's tool calls as {name, arguments}, the arguments as JSON values (the file may give them as a
+    string of JSON or as an object, a served message as a string written its own way)."""
+    return [
+        {"name": c["function"]["name"], "arguments": decoded_arguments(c["function"].get("arguments"))}
         for c in message.get("tool_calls") or ()
     ]
-    return (message.get("content") or "").strip() == row["text"] and calls == row["tool_calls"]
-
-
-def _arguments(value):
-    """A tool call's arguments as a JSON value (the file may give them as a string of JSON or as an object)."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
-    return value

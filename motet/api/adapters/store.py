@@ -116,13 +116,12 @@ class AdapterStore:
             self._tenants.setdefault(tenant, {i.name: self._entry(i) for i in infos})
         return self._tenants[tenant]
 
-    async def room(self, tenant: str, replacing: str | None = None) -> int | None:
-        """The bytes the tenant's adapters may still take (None: no limit); `replacing`: an adapter whose
-        bytes would be freed."""
+    async def room(self, tenant: str) -> int | None:
+        """The bytes the tenant's adapters may still take (None: no limit)."""
         if self.max_bytes_per_tenant is None:
             return None
         own = await self.own(tenant)
-        return self.max_bytes_per_tenant - sum(a.size_bytes for n, a in own.items() if n != replacing)
+        return self.max_bytes_per_tenant - sum(a.size_bytes for a in own.values())
 
     async def visible(self, tenant: str) -> list[Adapter]:
         own = await self.own(tenant)

@@ -42,7 +42,8 @@ from motet.api.storage_errors import storage_failures, stored_call
 from motet.lora.peft_format import adapter_bytes
 from motet.lora.registry import FILES
 from motet.training.data_format import DataError, max_line_bytes
-from motet.training.eval_file import EVAL_ROWS, eval_rows, write_eval_rows
+from motet.training.dataset import write_rows
+from motet.training.eval_file import EVAL_ROWS, eval_rows
 from motet.training.hyperparameters import HyperparameterError, Hyperparameters
 from motet.training.run_setup import FileError, RunFiles, prepare_files, set_up
 
@@ -164,7 +165,7 @@ async def create_job(request: Request) -> Response:
                     rows = eval_rows(source, view.tokenizer, max_line_bytes(view.max_model_len))
                 except DataError as e:
                     raise FileError(e, "eval_file") from None
-            write_eval_rows(run_dir / EVAL_ROWS, rows)
+            write_rows(run_dir / EVAL_ROWS, rows)
         init = None
         if adapter is not None:
             init = run_dir / INIT_ADAPTER

@@ -41,7 +41,8 @@ from motet.api.fine_tuning.workers import LocalWorker
 from motet.api.in_process import call_route
 from motet.api.storage_errors import StorageFailure
 from motet.api.usage import UsageStore
-from motet.training.eval_file import EVAL_ROWS, read_eval_rows, same_answer
+from motet.training.dataset import read_rows
+from motet.training.eval_file import EVAL_ROWS, same_answer
 from motet.training.fair_queue import next_job
 from motet.training.launch import Launch, LaunchError, TrainingWorker
 
@@ -357,7 +358,7 @@ class FineTuningRunner:
             return
         eval_path = self.store.run_dir(job.id) / EVAL_ROWS
         if eval_path.is_file():
-            await self._evaluate(job, await _thread(read_eval_rows, eval_path), event["step"])
+            await self._evaluate(job, await _thread(read_rows, eval_path), event["step"])
 
         def write_results() -> str:
             file_id = result_file_id(job.id)

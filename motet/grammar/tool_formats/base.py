@@ -50,10 +50,10 @@ class ToolFormat:
 
     def calls_text(self, calls: list[tuple[str, object]]) -> str:
         """An assistant turn's calls, (name, arguments as a dict or its JSON text), as the model writes them."""
-        return self._calls_text([(name, _decoded(args)) for name, args in calls])
+        return self._calls_text([(name, decoded_arguments(args)) for name, args in calls])
 
 
-def _decoded(arguments):
+def decoded_arguments(arguments):
     """Arguments given as JSON text as their value (text that is no JSON stays text)."""
     if isinstance(arguments, str):
         try:
