@@ -38,7 +38,7 @@ import torch
 
 from motet.engine.cache_contents import CacheContents
 from motet.engine.config import EngineConfig
-from motet.engine.core.block_manager import BlockManager, prefix_salt
+from motet.engine.core.block_manager import BlockManager, cache_scope
 from motet.engine.core.fairness import TenantState, VirtualTokenCounter
 from motet.engine.core.kv_blocks import KVLayout, model_identity
 from motet.engine.core.kv_connector import GiB, KVConnector, KVTierStats, NoKVTiers
@@ -344,10 +344,10 @@ class LLMEngine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         ref = request.adapter
         uid = self.adapters.acquire(ref) if ref is not None else 0  # AdapterError if removed or known broken
-        salt = prefix_salt(tenant, params.cache_salt, self.config.shared_prefix_cache)
         original = longrope_original(self.model_config.rope_scaling)
-        long_rope = original is not None and len(token_ids) > original
-        long_salt = prefix_salt(tenant, params.cache_salt, self.config.shared_prefix_cache, long_rope=True)
+        cache = cache_scope(
+            tenant, params.cache_salt, self.config.shared_prefix_cache, original, len(token_ids)
+        )
         text = self.output_commit.start(request.request_id, token_ids, params, request.arrival_time)
         try:
             guided = None
@@ -358,19 +358,8 @@ class LLMEngine:
             self.adapters.release(uid)
             raise
         kind = params.grammar.kind if params.grammar is not None else None
-        seq = Sequence(
-            list(token_ids),
-            params,
-            adapter_id=uid,
-            prefix_salt=long_salt if long_rope else salt,
-            long_rope=long_rope,
-            long_rope_switch=(original, long_salt) if original is not None and not long_rope else None,
-            request_id=request.request_id,
-            arrival=next(self._arrivals),
-            tenant=tenant,
-            priority=request.priority,
-            background=request.background,
-            decided_by_tokens=guided is None and not text.stops.reads_text,
+        seq = Sequence.from_request(
+            request, uid, cache, next(self._arrivals), guided is None and not text.stops.reads_text
         )
         self.speculator.admit(seq.seq_id, DraftScope(tenant, params.cache_salt, uid, kind, params.reasoning))
         if guided is not None:

@@ -16,7 +16,7 @@ from motet.actors.adapter_queues import AdapterQueuesActor
 from motet.actors.messages import Enqueue, QueuedRequest, Take
 from motet.actors.reply import ReplyStream
 from motet.actors.system import ServingSystem
-from motet.engine.core.sequence import Sequence
+from motet.engine.core.sequence import QueueOrder, Sequence
 from motet.engine.llm import LLM
 from motet.engine.request import EngineRequest
 from motet.engine.sampling_params import SamplingParams
@@ -32,8 +32,10 @@ def started_in_order(requests, max_seqs=1, num_blocks=256, budget=64):
     seqs = []
     for i, (tenant, priority, max_tokens) in enumerate(requests):
         first = 1000 * (ord(tenant) - ord("a")) + 10 * i
-        s = Sequence(list(range(first, first + 6)), SamplingParams(max_tokens=max_tokens), arrival=i)
-        s.tenant, s.priority = tenant, priority
+        s = Sequence(
+            list(range(first, first + 6)), SamplingParams(max_tokens=max_tokens), order=QueueOrder(i)
+        )
+        s.tenant, s.order.priority = tenant, priority
         seqs.append(s)
         sched.add(s)
     order = []
@@ -77,14 +79,14 @@ def test_a_tenant_loses_its_least_urgent_request_to_preemption():
     sched = make(max_seqs=4)
     backlog = []
     for i, priority in enumerate((0, 3, -2, 1, 2, -1)):
-        s = Sequence(list(range(10 * i, 10 * i + 6)), SamplingParams(max_tokens=100), arrival=i)
-        s.tenant, s.priority = "a", priority
+        s = Sequence(list(range(10 * i, 10 * i + 6)), SamplingParams(max_tokens=100), order=QueueOrder(i))
+        s.tenant, s.order.priority = "a", priority
         backlog.append(s)
         sched.add(s)
     for _ in range(3):
         run_step(sched)
     assert {backlog.index(s) for s in sched.running} == {2, 5, 0, 3}  # the 4 most urgent
-    light = Sequence(list(range(5000, 5006)), SamplingParams(max_tokens=4), arrival=99)
+    light = Sequence(list(range(5000, 5006)), SamplingParams(max_tokens=4), order=QueueOrder(99))
     light.tenant = "b"
     sched.add(light)
     batch = run_step(sched)
@@ -140,7 +142,7 @@ async def test_priority_reaches_the_engine_through_the_serving_system(tiny_model
         adm = await system.submit(spec)
         await adm.streams[0].get()  # running
         (seq,) = [s for s in system.executor.engine.requests.values() if s.request_id == "p-0"]
-        assert seq.priority == -3
+        assert seq.order.priority == -3
         system.abort("p-0")
         await system.stop()
 

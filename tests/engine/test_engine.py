@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from motet.engine.config import EngineConfig
 from motet.engine.core.scheduler import ScheduledBatch
-from motet.engine.core.sequence import Sequence
+from motet.engine.core.sequence import CacheScope, Sequence
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.outputs import RequestOutputs
@@ -42,13 +42,13 @@ def hf_greedy_outputs(model_dir, prompts, new_tokens: int) -> list[list[int]]:
 def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters=None, order=None):
     """All-row logits of each prompt, computed in flattened batches (optionally in chunks, with
     per-prompt adapters by name, sequences visited in `order`). A LongRoPE model's prompts past its original
-    context turn by its long factors, as the engine takes them (`Sequence.long_rope`)."""
+    context turn by its long factors, as the engine takes them (`CacheScope.long_rope`)."""
     refs = [engine.adapters.resolve(a) for a in adapters or [None] * len(prompts)]
     uids = [engine.adapters.acquire(r) if r else 0 for r in refs]
     engine.adapters.prefetch(uids, in_use=set())  # resident, as the scheduler has them before a step
     original = longrope_original(engine.model_config.rope_scaling)
     seqs = [
-        Sequence(p, adapter_id=a, long_rope=original is not None and len(p) > original)
+        Sequence(p, adapter_id=a, cache=CacheScope(long_rope=original is not None and len(p) > original))
         for p, a in zip(prompts, uids, strict=True)
     ]
     visit = [seqs[i] for i in order] if order else seqs

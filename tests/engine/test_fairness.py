@@ -24,7 +24,7 @@ from motet.engine.core.fairness import (
     check_tenant_weights,
 )
 from motet.engine.core.scheduler import Scheduler
-from motet.engine.core.sequence import Sequence, SequenceStatus
+from motet.engine.core.sequence import QueueOrder, Sequence, SequenceStatus
 from motet.engine.sampling_params import SamplingParams
 from motet.flag_types import json_file
 
@@ -178,7 +178,7 @@ def seq(tenant, prompt_len=6, max_tokens=16):
     return Sequence(
         list(range(first, first + prompt_len)),
         SamplingParams(max_tokens=max_tokens),
-        arrival=next(_arrivals),
+        order=QueueOrder(next(_arrivals)),
         tenant=tenant,
     )
 
@@ -213,7 +213,7 @@ def test_light_tenant_is_admitted_at_the_next_step_under_a_backlog():
     batch = run_step(sched)
     assert light in batch.seqs and light.status is SequenceStatus.RUNNING
     (victim,) = batch.preempted
-    assert victim.tenant == "a" and victim is max(backlog[:4], key=lambda s: s.arrival)  # a's newest
+    assert victim.tenant == "a" and victim is max(backlog[:4], key=lambda s: s.order.arrival)  # a's newest
     while not light.is_finished:
         run_step(sched)
     assert sched.num_preemptions == 1  # a's sequence was not preempted again, nor b's

@@ -12,7 +12,7 @@ from motet.engine.core.block_manager import BlockManager
 from motet.engine.core.fairness import VirtualTokenCounter
 from motet.engine.core.latency import BACKGROUND_SLACK, LINGER_S, StepCost
 from motet.engine.core.scheduler import Scheduler
-from motet.engine.core.sequence import Sequence, SequenceStatus
+from motet.engine.core.sequence import QueueOrder, Sequence, SequenceStatus
 from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from tests.engine.test_fairness import run_step
@@ -25,7 +25,7 @@ def seq(tenant, prompt_len=6, max_tokens=16, background=False):
     return Sequence(
         list(range(first, first + prompt_len)),
         SamplingParams(max_tokens=max_tokens),
-        arrival=next(_arrivals),
+        order=QueueOrder(next(_arrivals)),
         tenant=tenant,
         background=background,
     )
@@ -201,7 +201,7 @@ def test_a_tenant_sending_long_prompts_back_to_back_is_the_heavy_one():
 
     def long_prompt():  # each its own tokens: no prefix-cache hit
         first = 10_000 * (1 + next(prompts))
-        s = Sequence(list(range(first, first + 900)), SamplingParams(max_tokens=16), arrival=next(_arrivals),
+        s = Sequence(list(range(first, first + 900)), SamplingParams(max_tokens=16), order=QueueOrder(next(_arrivals)),
                      tenant="g")  # fmt: skip
         sched.add(s)
         return s
@@ -413,7 +413,10 @@ def test_a_light_tenants_streams_never_starve_another_tenants_prompt(streams, ta
         sched.add(s)
     run_step(sched)
     prompt = Sequence(
-        list(range(20_000, 20_900)), SamplingParams(max_tokens=4), arrival=next(_arrivals), tenant="b"
+        list(range(20_000, 20_900)),
+        SamplingParams(max_tokens=4),
+        order=QueueOrder(next(_arrivals)),
+        tenant="b",
     )
     sched.add(prompt)
     bound = -(-900 // 8) + 2  # at least 8 tokens (of the 256 budget) a step, and the first token's step

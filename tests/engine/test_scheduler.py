@@ -1,5 +1,7 @@
 """Scheduler policy: unified token budget, chunked prefill, preemption by recompute, adapter slots."""
 
+import dataclasses
+
 import pytest
 
 from motet.engine.core.adapter_slicer import AdapterSlicer
@@ -160,3 +162,13 @@ def test_a_waiting_adapter_never_starves():
         if lonely.is_finished:
             break
     assert lonely.is_finished and step < 30
+
+
+def test_a_sequence_holds_the_schedulers_state_only():
+    """Issue 60: a `Sequence` is the scheduler's record, at most 22 fields; its grammar is the structured outputs'
+    and its text the output commit's, so no field holds either."""
+    fields = dataclasses.fields(Sequence)
+    assert len(fields) <= 22, [f.name for f in fields]
+    held = " ".join(str(f.type) for f in fields)
+    for owned_elsewhere in ("GuidedDecoding", "IncrementalDetokenizer", "TextState", "PendingToken"):
+        assert owned_elsewhere not in held

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from motet.engine.core.kv_window import WindowBlocks
-from motet.engine.core.sequence import Sequence
+from motet.engine.core.sequence import CacheScope, Sequence
 
 NO_PARENT = -1  # the first block's parent: CPython never returns -1 from hash(), and unlike None
 # (whose hash is its address before Python 3.12) it hashes alike in every process, so a router elsewhere
@@ -38,6 +38,24 @@ def prefix_salt(
     key = (owner, cache_salt, "long_rope") if long_rope else (owner, cache_salt)
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1 or 1  # a positive 63-bit int, never 0
+
+
+def cache_scope(
+    tenant: str | None,
+    cache_salt: str | None,
+    shared_across_tenants: bool,
+    long_rope_original: int | None,
+    num_prompt_tokens: int,
+) -> CacheScope:
+    """A new sequence's prefix-cache scope: its salt, and under LongRoPE (`long_rope_original`: the original
+    context) whether its prompt already turns by the long factors, or else where it switches to them."""
+    salt = prefix_salt(tenant, cache_salt, shared_across_tenants)
+    if long_rope_original is None:
+        return CacheScope(salt)
+    long_salt = prefix_salt(tenant, cache_salt, shared_across_tenants, long_rope=True)
+    if num_prompt_tokens > long_rope_original:
+        return CacheScope(long_salt, long_rope=True)
+    return CacheScope(salt, switch=(long_rope_original, long_salt))
 
 
 def block_hash(parent: int | None, adapter_id: int, salt: int, token_ids: tuple[int, ...]) -> int:
@@ -128,7 +146,7 @@ class BlockManager:
         """Chained hashes of the sequence's full blocks within its first `upto_tokens` tokens."""
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         return chain_block_hashes(
-            seq.token_ids, seq.adapter_id, seq.prefix_salt, self.block_size, upto_tokens, hashes
+            seq.token_ids, seq.adapter_id, seq.cache.salt, self.block_size, upto_tokens, hashes
         )
 
     def match_prefix(self, seq: Sequence) -> int:

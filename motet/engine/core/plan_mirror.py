@@ -62,7 +62,7 @@ class PlanMirror:
             window_from=window_from,
             new_window=tuple(window[window_from:]),
             drafts=tuple(seq.draft_token_ids),
-            long_rope=seq.long_rope,
+            long_rope=seq.cache.long_rope,
             params=seq.params if first else None,
             num_prompt_tokens=seq.num_prompt_tokens if first else None,
             num_output_tokens=seq.num_output_tokens,

@@ -185,7 +185,7 @@ class Scheduler:
 
         waiting_places = tenant_places(self.waiting)
         for s in self.waiting:  # the places traded stay traded: a later place stays the later one's
-            s.place = waiting_places[s.seq_id]
+            s.order.place = waiting_places[s.seq_id]
 
         def admission_order(s: Sequence) -> tuple:
             growing = len(self.running) < self.max_num_seqs  # a free slot: it displaces nobody
@@ -256,7 +256,7 @@ class Scheduler:
             if remaining == 0:  # held, or its next token is on the way
                 i += 1
                 continue
-            if seq.long_rope_switch is not None and seq.num_computed_tokens >= seq.long_rope_switch[0]:
+            if seq.cache.switch is not None and seq.num_computed_tokens >= seq.cache.switch[0]:
                 self._long_rope_restart(self.running.pop(i), shares)  # then recomputed as a prompt
                 if remaining == 1:
                     decodes_left[group] -= 1
@@ -271,8 +271,8 @@ class Scheduler:
                     i += 1
                     continue
             n = min(remaining, room, self.max_chunk or room)
-            if seq.long_rope_switch is not None:  # no draft reaches past LongRoPE's original context
-                n += self._fit_drafts(seq, n, min(room, seq.long_rope_switch[0] - seq.num_computed_tokens))
+            if seq.cache.switch is not None:  # no draft reaches past LongRoPE's original context
+                n += self._fit_drafts(seq, n, min(room, seq.cache.switch[0] - seq.num_computed_tokens))
             else:
                 n += self._fit_drafts(seq, n, room)
             while not self.bm.allocate_slots(seq, n):
@@ -389,8 +389,7 @@ class Scheduler:
         blocks it had hold its short-factor keys)."""
         self._preempt(seq, shares)
         self.bm.forget(seq)  # its block hashes, chained from the old salt
-        seq.prefix_salt = seq.long_rope_switch[1]
-        seq.long_rope, seq.long_rope_switch = True, None
+        seq.cache.switch_to_long()
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Mark the batch's chunks computed as it is scheduled, each sampling row's token pending until its step
@@ -428,20 +427,22 @@ class Scheduler:
 
 
 def _place(s: Sequence) -> tuple[int, int]:
-    return s.place or (s.arrival, s.seq_id)
+    return s.order.place or (s.order.arrival, s.seq_id)
 
 
 def _urgency(s: Sequence) -> tuple[int, int, int]:
     """Lower first: vLLM's priority, then arrival."""
-    return (s.priority, s.arrival, s.seq_id)
+    return (s.order.priority, s.order.arrival, s.seq_id)
 
 
 def tenant_places(seqs) -> dict[int, tuple[int, int]]:
     """Each sequence's place in an order between tenants (seq_id -> (arrival, seq_id)): the places its tenant's
     sequences hold (by arrival, or as traded before), given out by urgency, so priority reorders a tenant's
     sequences among its own places and never moves another tenant's."""
-    if all(s.priority == 0 and (s.place is None or s.place == (s.arrival, s.seq_id)) for s in seqs):
-        return {s.seq_id: (s.arrival, s.seq_id) for s in seqs}  # nothing traded: each holds its own place
+    if all(s.order.priority == 0 and s.order.place in (None, (s.order.arrival, s.seq_id)) for s in seqs):
+        return {
+            s.seq_id: (s.order.arrival, s.seq_id) for s in seqs
+        }  # nothing traded: each holds its own place
     by_tenant: dict = defaultdict(list)
     for s in seqs:
         by_tenant[s.tenant].append(s)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from motet.engine.core.step_plan import SampledRef
 from motet.engine.outputs import TokenLogprob
+from motet.engine.request import EngineRequest
 from motet.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -22,24 +23,41 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass
-class Sequence:
-    prompt_token_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    adapter_id: int = 0  # 0: the base model; part of the prefix-cache hash
-    prefix_salt: int = 0  # whose prefix cache it is (block_manager.prefix_salt); part of the hash
+class CacheScope:
+    """Which prefix cache a sequence's blocks hash into, and by which RoPE factors its tokens turn."""
+
+    salt: int = 0  # whose prefix cache it is (block_manager.prefix_salt); part of every block's hash
     # LongRoPE (motet/engine/worker/model.py's RotaryEmbedding): whether all its tokens turn by the long factors
     # (a prompt past the original context, or since it grew past it); while they do not, the original context
     # and its prefix salt past it, which the scheduler switches to as it recomputes the sequence there
     long_rope: bool = False
-    long_rope_switch: tuple[int, int] | None = None
-    seq_id: int = field(default_factory=lambda: next(_ids))
-    request_id: str | None = None
-    arrival: int = 0  # tie-breaker for the scheduler's order
-    tenant: str | None = None  # whose request: the scheduler shares the engine fairly between tenants
+    switch: tuple[int, int] | None = None
+
+    def switch_to_long(self) -> None:
+        self.salt, self.long_rope, self.switch = self.switch[1], True, None
+
+
+@dataclass
+class QueueOrder:
+    """A sequence's place in the scheduler's order (motet/engine/core/scheduler.py)."""
+
+    arrival: int = 0  # tie-breaker: the engine's count of requests added
     # vLLM's request priority (lower: sooner), among its tenant's own requests only: it trades places in the
-    # scheduler's order with them (motet/engine/core/scheduler.py); None: the place its arrival gives it
+    # scheduler's order with them; None: the place its arrival gives it
     priority: int = 0
     place: tuple[int, int] | None = None
+
+
+@dataclass
+class Sequence:
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    adapter_id: int = 0  # 0: the base model; part of the prefix-cache hash
+    cache: CacheScope = field(default_factory=CacheScope)  # whose prefix cache, and which RoPE
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    request_id: str | None = None
+    tenant: str | None = None  # whose request: the scheduler shares the engine fairly between tenants
+    order: QueueOrder = field(default_factory=QueueOrder)
     # Batch work (the Batch API's lines, service_tier "flex", a tenant of the batch class): never latency-bound,
     # it yields its rows to interactive requests (motet/engine/core/latency.py).
     background: bool = False
@@ -72,6 +90,23 @@ class Sequence:
     # state, motet/engine/structured_output.py) and no stop matcher that reads its text (the output commit's), so
     # that its text may be made later and its next step scheduled before its token reaches the host.
     decided_by_tokens: bool = True
+
+    @classmethod
+    def from_request(
+        cls, request: EngineRequest, adapter_id: int, cache: CacheScope, arrival: int, decided_by_tokens: bool
+    ) -> Sequence:
+        """The scheduler's record of a request the engine took (`LLMEngine.add`)."""
+        return cls(
+            list(request.prompt_token_ids),
+            request.params,
+            adapter_id=adapter_id,
+            cache=cache,
+            request_id=request.request_id,
+            tenant=request.tenant,
+            order=QueueOrder(arrival, request.priority),
+            background=request.background,
+            decided_by_tokens=decided_by_tokens,
+        )
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)

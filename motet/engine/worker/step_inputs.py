@@ -117,7 +117,7 @@ class InputBuilder:
     The positions the model reads are its rotary tables' rows: a token's position, but under LongRoPE
     (`long_rope`: the original context and where the rows of the long factors below it begin,
     motet/engine/worker/model.py's RotaryEmbedding) a token below the original context of a sequence that turns
-    by the long factors (`Sequence.long_rope`) reads the long factors' row. Only prompt chunks carry such tokens
+    by the long factors (`CacheScope.long_rope`) reads the long factors' row. Only prompt chunks carry such tokens
     (a decode token of such a sequence is past the original context)."""
 
     def __init__(
