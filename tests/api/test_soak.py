@@ -18,6 +18,8 @@ import pytest
 from tests.live_server import Server, keys_file
 from tests.peft_adapters import make_adapter
 
+pytestmark = pytest.mark.smoke  # CI's command runs it (scripts/test.sh); a plain pytest leaves it out
+
 KEYS = {"sk-a": "alice", "sk-b": "bob", "sk-c": "carol"}
 ADMIN_KEY = "sk-admin"  # reads /metrics
 MODEL = "tiny"

@@ -107,6 +107,7 @@ def step_profile_report(tiny_model_dir, tmp_path_factory):
     return json.loads((out / "results.json").read_text()), (out / "summary.md").read_text()
 
 
+@pytest.mark.smoke
 def test_step_profile_runs_on_the_tiny_model(step_profile_report):
     report, summary = step_profile_report
     assert [(r["batch"], r["load"], r["compiled"]) for r in report["offline"]] == [

@@ -27,6 +27,7 @@ def smoke(tmp_path_factory) -> tuple[dict, str, str]:
     return report, (out / "report" / "summary.md").read_text(), done.stdout
 
 
+@pytest.mark.smoke
 def test_smoke_report_has_every_configuration(smoke):
     report, summary, stdout = smoke
     assert report["args"]["peer_compile"] == "trace"  # the peer's step traced whole (fullgraph) on a CPU
@@ -48,6 +49,7 @@ def test_smoke_report_has_every_configuration(smoke):
     assert "| tiny | 2 | 2 |" in summary and "motet/pipelined" in summary and "report:" in stdout
 
 
+@pytest.mark.smoke
 def test_smoke_motet_greedy_tokens_equal_hf(smoke):
     """motet's base greedy tokens against the HF peer's (a static cache, argmax per step) on the same weights."""
     report, _, _ = smoke

@@ -13,7 +13,7 @@ import torch
 from motet.kernels import triton_moe
 from tests.benchmarks.smoke import positive
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+pytestmark = [pytest.mark.smoke, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(
     not CUDA, reason="needs CUDA: it times CUDA kernels with CUDA graphs and events on a CUDA device"

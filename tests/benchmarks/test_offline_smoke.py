@@ -33,7 +33,7 @@ from tests.engine.test_gguf_model_file import write_gguf_file
 from tests.kernels.test_quantization import GGUF_TYPES
 from tests.peft_adapters import TINY_ADAPTERS, save_peft_adapters
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+pytestmark = [pytest.mark.smoke, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
 
 
 @pytest.fixture(autouse=True)

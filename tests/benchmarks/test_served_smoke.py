@@ -31,7 +31,7 @@ from tests.live_server import ROOT, Server
 from tests.peft_adapters import TINY_ADAPTERS, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+pytestmark = [pytest.mark.smoke, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
 NAME = "tiny"  # the model directory's name: what the peer benchmarks request it as
 SERVER = ["--threads", "1", "--num-kv-blocks", "1024"]  # every server's: one thread, 16k tokens of KV cache
 
