@@ -10,9 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "motet"
-# The longest chain of imports among motet.api's own modules today (cli -> offline_batch -> server -> app -> ...);
-# issue 60 asks for at most 8. It may shrink, never grow.
-API_FLOORS = 17
+# The longest chain of imports among motet.api's own modules today (cli -> server -> app -> a route family -> streams
+# -> state -> ...; 17 before issue 60, which asks for at most 8). It may shrink, never grow.
+API_FLOORS = 10
 
 
 def modules() -> dict[str, tuple[Path, bool]]:

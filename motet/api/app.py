@@ -35,7 +35,7 @@ from motet.api.responses.input_items import list_input_items
 from motet.api.responses.routes import create_response, delete_response, get_response
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.tokenization import detokenize, tokenize
-from motet.api.usage import usage_route
+from motet.api.usage_route import usage_route
 from motet.engine.weights.model_store import DEFAULT_MODEL
 from motet.version import __version__
 

@@ -3,6 +3,10 @@ usage.py)."""
 
 from __future__ import annotations
 
+# Set in the ASGI scope of the Batch API's lines (motet/api/in_process.py): the batch's tenant, named there rather
+# than by a key (motet/api/batches/runner.py)
+BATCH_SCOPE_KEY = "motet.batch"
+
 
 def request_headers(scope) -> dict[str, str]:
     """A request's headers by lower-case name (ASGI gives them lower-cased, as bytes)."""

@@ -26,28 +26,24 @@ from motet.api import usage as usage_records
 if TYPE_CHECKING:
     from motet.actors.reply import ReplyStream
     from motet.api.choice import Choice
-    from motet.api.state import ServerState
 
 
 class Bill:
     """One API request's tokens: `choices` answer `prompts` (n each, in order), read from `streams` (one per
-    choice); `drop`: the output is not returned (max_tokens 0), so not billed."""
+    choice), in a context window of `context` tokens; its usage added to `records` (the server's, None: none
+    kept); `drop`: the output is not returned (max_tokens 0), so not billed."""
 
     def __init__(
         self,
-        state: ServerState,
+        context: int,
+        records: usage_records.UsageStore | None,
         prompts: list[list[int]],
         choices: list[Choice],
         streams: list[ReplyStream],
         drop: bool = False,
     ):
-        self.state, self.prompts, self.choices, self.streams, self.drop = (
-            state,
-            prompts,
-            choices,
-            streams,
-            drop,
-        )
+        self.context, self.records = context, records
+        self.prompts, self.choices, self.streams, self.drop = prompts, choices, streams, drop
         self.n = len(choices) // len(prompts)
         self.usage = (
             usage_records.current.get()
@@ -60,7 +56,7 @@ class Bill:
         window); 429 when the tenant's tokens per minute do not hold that many."""
         if self.ticket is None:
             return
-        context = self.state.system.model.max_model_len
+        context = self.context
         bounds = [
             context - len(p) if max_tokens is None else min(max_tokens, context - len(p))
             for p in self.prompts
@@ -112,8 +108,8 @@ class Bill:
         firsts = [c.first_token for c in self.choices if c.first_token is not None]
         if firsts and (u.first_token is None or min(firsts) < u.first_token):
             u.first_token = min(firsts)
-        if self.state.usage is not None and requests:
-            self.state.usage.add(u, requests, prompt, cached, output)
+        if self.records is not None and requests:
+            self.records.add(u, requests, prompt, cached, output)
         tracing.annotate(
             **{"gen_ai.usage.input_tokens": u.input_tokens, "gen_ai.usage.output_tokens": u.output_tokens}
         )

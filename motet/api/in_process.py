@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import anyio
 
-from motet.api.usage import BATCH_SCOPE_KEY
+from motet.api.asgi import BATCH_SCOPE_KEY
 
 
 async def call_route(app, path: str, body: bytes, tenant: str) -> tuple[int, dict[str, str], bytes]:

@@ -89,7 +89,7 @@ async def _main(state, app, lines: list[Line], concurrency: int) -> list[dict]:
 def run_batch(args, config) -> int:
     from motet.actors.system import ServingSystem
     from motet.api.app import create_app
-    from motet.api.server import served_names, shared_loras
+    from motet.api.served_names import served_names, shared_loras
     from motet.api.state import ServerState
     from motet.engine.llm_engine import LLMEngine
 

@@ -39,9 +39,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from motet.api.asgi import request_headers
+from motet.api.asgi import BATCH_SCOPE_KEY, request_headers
 from motet.api.errors import APIError
-from motet.api.usage import BATCH_SCOPE_KEY
 
 LIMITED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 _FIELDS = {

@@ -59,24 +59,6 @@ def warn_of_shared_data(flag: str | None, data: Path) -> None:
                 "--data-dir %s to serve it", old, data, old)  # fmt: skip
 
 
-def shared_loras(specs: list[str] | None, model_names: list[str]) -> dict[str, Path]:
-    """`--lora NAME=PATH` flags -> {name: directory}; the adapters are validated when the engine starts."""
-    from motet.lora.registry import check_name
-
-    loras: dict[str, Path] = {}
-    for spec in specs or []:
-        name, sep, path = spec.partition("=")
-        if not sep or not path:
-            raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
-        check_name("--lora adapter", name)
-        if name in loras or name in model_names:
-            raise ValueError(f"--lora {spec!r}: the name {name!r} is already taken")
-        loras[name] = Path(path).expanduser()
-        if not loras[name].is_dir():
-            raise ValueError(f"--lora {spec!r}: {path} is not a PEFT adapter directory")
-    return loras
-
-
 # `motet serve` flag -> (GrammarLimits field, what it bounds); the flags' defaults are the fields'.
 GRAMMAR_LIMIT_FLAGS = {
     "--grammar-max-enum-values": ("max_enum_values", "values in one enum or guided_choice"),
@@ -120,24 +102,6 @@ def listen(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (--host, --port)") from None
     sock.set_inheritable(True)
     return sock
-
-
-def served_names(args, config) -> list[str]:
-    """The names requests may give the base model as: the first is the served one, the rest aliases."""
-    from motet.engine.weights.gguf_model import is_gguf_file
-    from motet.engine.weights.model_store import DEFAULT_MODEL_ALIASES
-
-    names = list(args.served_model_name or [])
-    path = Path(os.path.abspath(Path(config.model).expanduser()))
-    if config.model in DEFAULT_MODEL_ALIASES:
-        names += [config.model, *(n for n in DEFAULT_MODEL_ALIASES if n != config.model)]
-    elif path.exists():
-        # a local checkpoint is served by its name (a GGUF file by its stem, llama.cpp's habit), not its path:
-        # tenants see the model's name, not the operator's file system; the path stays an alias
-        names += [path.stem if is_gguf_file(config.model) else path.name, config.model]
-    else:
-        names.append(config.model)
-    return list(dict.fromkeys(names))
 
 
 ADAPTERS_PER_TENANT = 10 << 30  # --adapters-max-bytes-per-tenant's default
@@ -184,6 +148,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
     from motet.api.responses.store import ResponseStore
+    from motet.api.served_names import served_names, shared_loras
     from motet.api.state import ServerState
     from motet.api.usage import UsageStore
     from motet.api.vllm_flags import authenticator

@@ -4,7 +4,7 @@ A store (responses, files, batches, usage) gives it a file and a schema and keep
 One connection, shared by the worker threads behind a lock, in autocommit mode so that transactions are
 only the ones `_write` opens. Every query runs inside `_read()` or `_write()`: under the lock, with the
 file's failures (full, I/O error, locked by another process) raised as `StorageFailure`
-(motet/api/storage_errors.py), which the routes answer with 507 or 503.
+(motet/api/storage_failures.py), which the routes answer with 507 or 503.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from motet.api.storage_errors import storage_failures
+from motet.api.storage_failures import storage_failures
 
 BUSY_TIMEOUT_MS = 5000  # how long another connection's write lock (an operator's shell) is waited for
 _BEFORE_ALL = {True: 1 << 62, False: -1}  # a seq before every row, listed newest first (True) or oldest first

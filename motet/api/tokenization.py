@@ -3,7 +3,7 @@
 /tokenize takes a completion prompt (`prompt`, `add_special_tokens` default true) or chat `messages`
 (`add_generation_prompt` default true, `continue_final_message`, `add_special_tokens` default false,
 `chat_template_kwargs`, `tools`) and answers `{"count", "max_model_len", "tokens", "token_strs"}`. Chat
-messages are rendered as /v1/chat/completions renders them (motet/api/completions/routes.py `chat_spec`: the same
+messages are rendered as /v1/chat/completions renders them (motet/api/completions/generation.py `chat_spec`: the same
 template arguments, the same tool prompt), so the ids are the ones a chat request with those messages is
 given. /detokenize takes `tokens` and answers `{"prompt"}` (special tokens included, as vLLM decodes).
 `model` is optional (the base model); an adapter's name works too (adapters share the base tokenizer).
@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from motet.api import protocol as P
+from motet.api.completions.generation import chat_spec
 from motet.api.completions.protocol import ChatCompletionRequest
-from motet.api.completions.routes import chat_spec
 from motet.api.errors import APIError
 from motet.api.openapi import operation
 from motet.api.request_body import read_json

@@ -252,7 +252,7 @@ def test_served_formats_keep_special_tokens(served):
     """Harmony's markers are special tokens in GPT-OSS's vocabulary: its requests keep them in the text, and the
     engine's gate is off for the forced call (held from the first token) but on for a JSON answer."""
     from motet.api.completions import protocol as P
-    from motet.api.completions.routes import chat_spec
+    from motet.api.completions.generation import chat_spec
 
     state, _ = served
     spec, structure, _, _ = chat_spec(state, "t", None, P.ChatCompletionRequest.model_validate(BODY), "r")
@@ -267,7 +267,7 @@ def test_served_formats_keep_special_tokens(served):
 def test_formats_picked_by_flag_then_family_then_template():
     from types import SimpleNamespace
 
-    from motet.api.completions.routes import served_formats
+    from motet.api.completions.generation import served_formats
     from motet.models import get
 
     def names(arch, template=None, tool=None, reasoning=None):

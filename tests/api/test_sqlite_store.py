@@ -12,7 +12,7 @@ import sqlite3
 import pytest
 
 from motet.api.sqlite_store import SQLiteStore
-from motet.api.storage_errors import StorageFailure
+from motet.api.storage_failures import StorageFailure
 
 _SCHEMA = (
     """CREATE TABLE notes (

@@ -14,7 +14,11 @@ from tests.benchmarks.smoke import positive
 
 pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.slow, pytest.mark.smoke, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.smoke,
+    pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning"),
+]
 
 
 def test_pd(tiny_model_dir, tmp_path):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from motet.api.server import served_names
+from motet.api.served_names import served_names
 from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams

@@ -335,9 +335,9 @@ def test_batch_work_is_marked_from_the_keys_file_the_flex_tier_and_batch_lines(t
 
     from motet.actors.system import ServingSystem
     from motet.api.app import create_app
+    from motet.api.asgi import BATCH_SCOPE_KEY
     from motet.api.auth import Authenticator
     from motet.api.state import ServerState
-    from motet.api.usage import BATCH_SCOPE_KEY
     from motet.engine.config import EngineConfig
     from motet.engine.llm_engine import LLMEngine
 

@@ -28,7 +28,7 @@ import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from motet.api.completions.routes import served_formats
+from motet.api.completions.generation import served_formats
 from motet.api.errors import APIError, echo
 from motet.api.files.store import FileStore, StoredFile
 from motet.api.fine_tuning.models import FineTuningJobCreate
@@ -38,7 +38,8 @@ from motet.api.list_pages import stored_page
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.state import ServerState, state_and_tenant
-from motet.api.storage_errors import storage_failures, stored_call
+from motet.api.storage_errors import stored_call
+from motet.api.storage_failures import storage_failures
 from motet.lora.peft_format import adapter_bytes
 from motet.lora.registry import FILES
 from motet.training.data_format import DataError, max_line_bytes

@@ -1,4 +1,5 @@
-"""GET /v1/responses/{id}/input_items: the items a stored response was generated from, as OpenAI lists them.
+"""GET /v1/responses/{id}/input_items: the items a stored response was generated from, as OpenAI lists them; and
+`read_response`, a tenant's stored response as the Responses routes read it (404 where there is none).
 
 What it lists: everything the model was shown as items for that response, which for a response that continued
 another (`previous_response_id`) is the whole conversation before it, each earlier turn's input and output
@@ -24,9 +25,33 @@ from starlette.responses import JSONResponse, Response
 from motet.api.errors import APIError, echo
 from motet.api.list_pages import list_object, page_limit, page_order, refuse_unknown
 from motet.api.openapi import operation
-from motet.api.responses.routes import read_response
 from motet.api.responses.store import ResponseStore, Turn
-from motet.api.state import state_and_tenant
+from motet.api.state import ServerState, state_and_tenant
+from motet.api.storage_errors import stored_call
+
+MAX_ECHOED_ID_CHARS = 80  # ids are `resp_` and 32 hex digits: a longer one is not echoed whole
+
+
+def not_found(response_id: str, param: str, status: int = 404) -> APIError:
+    code = "previous_response_not_found" if param == "previous_response_id" else "not_found"
+    shown = (
+        response_id if len(response_id) <= MAX_ECHOED_ID_CHARS else response_id[:MAX_ECHOED_ID_CHARS] + "..."
+    )
+    return APIError(status, f"No response found with id '{shown}'.", param=param, code=code)
+
+
+async def read_response(state: ServerState, tenant: str, response_id: str, read):
+    """What `read` (a ResponseStore method: `get`, the Response; `turns`, its conversation) returns of the
+    tenant's stored response `response_id`; 404 where there is none (or the server stores none)."""
+    found = None
+    if state.responses is not None:
+        found = await stored_call(
+            "the response could not be read", read, state.responses, tenant, response_id
+        )
+    if found is None:
+        raise not_found(response_id, "response_id")
+    return found
+
 
 _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 _QUERY = ("after", "limit", "order", "include", "include[]")

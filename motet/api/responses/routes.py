@@ -1,7 +1,7 @@
 """The OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
 
 A request is translated into a chat request (motet/api/responses/request.py) and runs the chat path: the same
-spec, grammar and tool handling (motet/api/completions/routes.py `chat_spec`), the same actors, the same output splitter
+spec, grammar and tool handling (motet/api/completions/generation.py `chat_spec`), the same actors, the same output splitter
 (motet/api/completions/chat_output.py), whose deltas become output items and typed events (motet/api/responses/items.py). The
 response is stored for its tenant (motet/api/responses/store.py) unless `store` is false, so a later request
 continues the conversation with `previous_response_id`, after a restart too.
@@ -30,7 +30,7 @@ from motet.actors.reply import ReplyStream, merge_streams
 from motet.api.billing import Bill
 from motet.api.choice import Choice
 from motet.api.completions.chat_output import ChatOutput
-from motet.api.completions.routes import (
+from motet.api.completions.generation import (
     MAX_WARNING_CHARS,
     WARNING_HEADER,
     accept_request,
@@ -41,24 +41,16 @@ from motet.api.completions.routes import (
 )
 from motet.api.errors import APIError, from_validation_error
 from motet.api.openapi import operation
+from motet.api.responses.input_items import not_found, read_response
 from motet.api.responses.items import OutputItems
 from motet.api.responses.request import ResponsesRequest, chat_request, input_items, renamed
 from motet.api.responses.store import ConversationTooLong, QuotaExceeded, ResponseStore
 from motet.api.state import ServerState, state_and_tenant
-from motet.api.storage_errors import StorageFailure, storage_error, stored_call
+from motet.api.storage_errors import storage_error, stored_call
+from motet.api.storage_failures import StorageFailure
 from motet.api.streams import EventStream, collect, in_flight, internal_error, observe, usage
 
 log = logging.getLogger("motet.api")
-
-MAX_ECHOED_ID_CHARS = 80  # ids are `resp_` and 32 hex digits: a longer one is not echoed whole
-
-
-def _not_found(response_id: str, param: str, status: int = 404) -> APIError:
-    code = "previous_response_not_found" if param == "previous_response_id" else "not_found"
-    shown = (
-        response_id if len(response_id) <= MAX_ECHOED_ID_CHARS else response_id[:MAX_ECHOED_ID_CHARS] + "..."
-    )
-    return APIError(status, f"No response found with id '{shown}'.", param=param, code=code)
 
 
 # -- the Response object ------------------------------------------------------------------------------------
@@ -213,19 +205,6 @@ class ResponseRun:
 
 
 # -- the routes ---------------------------------------------------------------------------------------------
-async def read_response(state: ServerState, tenant: str, response_id: str, read):
-    """What `read` (a ResponseStore method: `get`, the Response; `turns`, its conversation) returns of the
-    tenant's stored response `response_id`; 404 where there is none (or the server stores none)."""
-    found = None
-    if state.responses is not None:
-        found = await stored_call(
-            "the response could not be read", read, state.responses, tenant, response_id
-        )
-    if found is None:
-        raise _not_found(response_id, "response_id")
-    return found
-
-
 async def _history(state: ServerState, tenant: str, req: ResponsesRequest) -> tuple[list[dict], int]:
     """The conversation `previous_response_id` continues (the tenant's own responses only), and its turns."""
     if req.previous_response_id is None:
@@ -235,7 +214,7 @@ async def _history(state: ServerState, tenant: str, req: ResponsesRequest) -> tu
     what = "the previous response could not be read"
     prev = await stored_call(what, state.responses.conversation, tenant, req.previous_response_id)
     if prev is None:
-        raise _not_found(req.previous_response_id, "previous_response_id", status=400)
+        raise not_found(req.previous_response_id, "previous_response_id", status=400)
     return prev.items, prev.turns
 
 
@@ -277,7 +256,7 @@ async def create_response(request: Request) -> Response:
         streams += adm.streams
         state.metrics.prompt_tokens.inc(len(adm.prompt_token_ids))
         choice = Choice(0, adm.prompt_token_ids, arrival)
-        bill = Bill(state, [adm.prompt_token_ids], [choice], streams)
+        bill = Bill(state.system.model.max_model_len, state.usage, [adm.prompt_token_ids], [choice], streams)
         bill.reserve(spec.max_tokens)
         run = ResponseRun(state, tenant, req, rid, history, chat_output(state, adm, structure)(), choice)
         if req.stream:
@@ -315,5 +294,5 @@ async def delete_response(request: Request) -> Response:
         "the response could not be deleted", state.responses.delete, tenant, response_id
     )
     if not deleted:
-        raise _not_found(response_id, "response_id")
+        raise not_found(response_id, "response_id")
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
