@@ -24,6 +24,7 @@ from motet.api.billing import Bill
 from motet.api.choice import Choice
 from motet.api.errors import APIError, from_serving_error
 from motet.api.state import ServerState
+from motet.engine.outputs import OutputDelta
 
 log = logging.getLogger("motet.api")
 
@@ -137,6 +138,57 @@ def usage(prompts: list[list[int]], choices: list[Choice], drop_output: bool) ->
         total_tokens=prompt + completion,
         prompt_tokens_details={"cached_tokens": cached},
     )
+
+
+async def read_deltas(
+    streams: list[ReplyStream], choices: list[Choice]
+) -> AsyncIterator[tuple[int, OutputDelta]]:
+    """A stream's deltas as the engine makes them, each added to its choice first (choice `i` reads stream `i`);
+    a failed choice's error is raised."""
+    async for i, delta in merge_streams(streams):
+        choices[i].add(delta)
+        if delta.error is not None:
+            raise delta.error
+        yield i, delta
+
+
+class Chunks:
+    """A streamed chat or text completion's SSE chunks: one choice's in OpenAI's envelope (`kind`:
+    "chat.completion.chunk" or "text_completion"), with vLLM's continuous usage on each where asked
+    (stream_options: include_usage and continuous_usage_stats), and the usage chunk after the last."""
+
+    def __init__(self, req, rid: str, kind: str, created: int, choices: list[Choice], drop: bool):
+        self.req, self.choices, self.drop = req, choices, drop
+        self.envelope = {"id": rid, "object": kind, "created": created, "model": req.model}
+        options = req.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous = self.include_usage and options.continuous_usage_stats
+
+    def __call__(self, index: int, choice: dict, **top) -> str:
+        chunk = {**self.envelope, "choices": [choice], **top}
+        if self.include_usage:
+            chunk["usage"] = self._so_far(self.choices[index]) if self.continuous else None
+        return sse(chunk)
+
+    def _so_far(self, c: Choice) -> dict:
+        """One choice's tokens so far beside its prompt's."""
+        n = 0 if self.drop else len(c.token_ids)
+        return {
+            "prompt_tokens": len(c.prompt_ids),
+            "completion_tokens": n,
+            "total_tokens": len(c.prompt_ids) + n,
+        }
+
+    def last(self, prompts: list[list[int]]) -> Iterator[str]:
+        """The usage chunk, where asked for: after every choice's last."""
+        if self.include_usage:
+            yield sse(
+                {
+                    **self.envelope,
+                    "choices": [],
+                    "usage": usage(prompts, self.choices, self.drop).model_dump(),
+                }
+            )
 
 
 def sse(payload) -> str:

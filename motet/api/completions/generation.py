@@ -23,7 +23,6 @@ from motet.api import rate_limits, tracing
 from motet.api import usage as usage_records
 from motet.api.asgi import BATCH_SCOPE_KEY
 from motet.api.auth import Principal
-from motet.api.choice import Choice
 from motet.api.completions import protocol as P
 from motet.api.completions.chat_output import ChatOutput
 from motet.api.errors import APIError, from_serving_error, from_value_error
@@ -181,18 +180,6 @@ def client_request_id(request: Request, req: P._SamplingFields) -> str:
 def with_request_id(response: Response, request_id: str) -> Response:
     response.headers[REQUEST_ID_HEADER] = request_id
     return response
-
-
-def usage_so_far(prompt_tokens: int, c: Choice, drop: bool) -> dict:
-    """vLLM's continuous usage: one choice's tokens so far beside its prompt's, for each streamed chunk."""
-    n = 0 if drop else len(c.token_ids)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
-
-
-def stream_usage(req: P._SamplingFields) -> tuple[bool, bool]:
-    """(usage at the end, usage on every chunk): vLLM's continuous_usage_stats needs include_usage."""
-    include = bool(req.stream_options and req.stream_options.include_usage)
-    return include, include and req.stream_options.continuous_usage_stats
 
 
 def generate_spec(

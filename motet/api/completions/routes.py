@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from motet.actors.reply import merge_streams
 from motet.api.billing import Bill
 from motet.api.choice import Choice
 from motet.api.completions import protocol as P
@@ -28,15 +27,13 @@ from motet.api.completions.generation import (
     echoed,
     generate_spec,
     response_role,
-    stream_usage,
     submit,
-    usage_so_far,
     with_request_id,
     with_warnings,
 )
 from motet.api.completions.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from motet.api.openapi import operation
-from motet.api.streams import EventStream, collect, in_flight, observe, sse, usage
+from motet.api.streams import Chunks, EventStream, collect, in_flight, observe, read_deltas, usage
 from motet.api.structured import structured_output
 
 log = logging.getLogger("motet.api")
@@ -105,25 +102,15 @@ async def chat_completions(request: Request) -> Response:
 async def _chat_chunks(
     state, req, rid, created, choices, streams, k, drop, output, bill
 ) -> AsyncIterator[str]:
-    include_usage, continuous = stream_usage(req)
     prompt_ids = choices[0].prompt_ids
     as_ids = bool(req.return_tokens_as_token_ids)
+    envelope = Chunks(req, rid, "chat.completion.chunk", created, choices, drop)
 
     def chunk(index, delta: dict, logprobs=None, finish_reason=None, token_ids=None, **top) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if req.return_token_ids:
             choice["token_ids"] = token_ids or []
-        c = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": req.model,
-            "choices": [choice],
-            **top,
-        }
-        if include_usage:
-            c["usage"] = usage_so_far(len(prompt_ids), choices[index], drop) if continuous else None
-        return sse(c)
+        return envelope(index, choice, **top)
 
     outputs = [output() for _ in choices]
     first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
@@ -132,11 +119,8 @@ async def _chat_chunks(
         yield chunk(c.index, {"role": role, "content": ""}, **first)
         if lead:
             yield chunk(c.index, {"content": lead})
-    async for i, delta in merge_streams(streams):
+    async for i, delta in read_deltas(streams, choices):
         c = choices[i]
-        c.add(delta)
-        if delta.error is not None:
-            raise delta.error
         if (delta.text or delta.logprobs or delta.token_ids) and not drop:
             lp = chat_logprobs(state, delta.logprobs, k, as_ids).model_dump() if k is not None else None
             ids = delta.token_ids
@@ -156,18 +140,8 @@ async def _chat_chunks(
                 yield chunk(i, d)
             yield chunk(i, {}, finish_reason=finish_reason)
     bill.close()
-    if include_usage:
-        u = usage([prompt_ids], choices, drop).model_dump()
-        yield sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": req.model,
-                "choices": [],
-                "usage": u,
-            }
-        )
+    for last in envelope.last([prompt_ids]):
+        yield last
 
 
 # -- completions ------------------------------------------------------------------------------------------
@@ -276,8 +250,8 @@ async def completions(request: Request) -> Response:
 async def _completion_chunks(
     state, req, rid, created, choices, streams, prompt_texts, admissions, drop, bill
 ):
-    include_usage, continuous = stream_usage(req)
     as_ids = bool(req.return_tokens_as_token_ids)
+    envelope = Chunks(req, rid, "text_completion", created, choices, drop)
 
     def chunk(index, text, logprobs=None, finish_reason=None, token_ids=None, prompt_ids=None) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -285,26 +259,12 @@ async def _completion_chunks(
             choice["token_ids"] = token_ids or []
             if prompt_ids is not None:
                 choice["prompt_token_ids"] = prompt_ids
-        c = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": req.model,
-            "choices": [choice],
-        }
-        if include_usage:
-            c["usage"] = (
-                usage_so_far(len(choices[index].prompt_ids), choices[index], drop) if continuous else None
-            )
-        return sse(c)
+        return envelope(index, choice)
 
     k = req.logprobs
     started = set()
-    async for i, delta in merge_streams(streams):
+    async for i, delta in read_deltas(streams, choices):
         c = choices[i]
-        c.add(delta)
-        if delta.error is not None:
-            raise delta.error
         text, lps, echo_ids, first_ids = delta.text, [] if drop else delta.logprobs, None, None
         if drop:
             text = ""
@@ -330,15 +290,5 @@ async def _completion_chunks(
         if delta.finished:
             observe(state, c, choices)
     bill.close()
-    if include_usage:
-        u = usage([a.prompt_token_ids for a in admissions], choices, drop).model_dump()
-        yield sse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": req.model,
-                "choices": [],
-                "usage": u,
-            }
-        )
+    for last in envelope.last([a.prompt_token_ids for a in admissions]):
+        yield last

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from motet.actors.reply import ReplyStream, merge_streams
+from motet.actors.reply import ReplyStream
 from motet.api.billing import Bill
 from motet.api.choice import Choice
 from motet.api.completions.chat_output import ChatOutput
@@ -48,7 +48,7 @@ from motet.api.responses.store import ConversationTooLong, QuotaExceeded, Respon
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.storage_errors import storage_error, stored_call
 from motet.api.storage_failures import StorageFailure
-from motet.api.streams import EventStream, collect, in_flight, internal_error, observe, usage
+from motet.api.streams import EventStream, collect, in_flight, internal_error, observe, read_deltas, usage
 
 log = logging.getLogger("motet.api")
 
@@ -181,10 +181,7 @@ class ResponseRun:
         try:
             yield send({"type": "response.created", "response": self.response("in_progress")})
             yield send({"type": "response.in_progress", "response": self.response("in_progress")})
-            async for _, delta in merge_streams(streams):
-                self.choice.add(delta)
-                if delta.error is not None:
-                    raise delta.error
+            async for _, delta in read_deltas(streams, [self.choice]):
                 for event in self.items.feed(self.output.feed(delta.text)) if delta.text else []:
                     yield send(event)
                 if delta.finished:
