@@ -42,6 +42,14 @@ _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
     "top_logprobs",
 }
 REQUEST_ID_HEADER = "X-Request-Id"
+# The request fields SamplingParams takes as they are, by the same name (declared once, in each): the others are
+# the request's own (max_tokens, logprobs, skip_special_tokens: made here) or the grammar's (api/structured.py).
+_PASSED_ON = tuple(
+    f.name
+    for f in dataclasses.fields(SamplingParams)
+    if f.name in P._SamplingFields.model_fields
+    and f.name not in ("max_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens", "seed")
+)
 
 
 # -- request plumbing -------------------------------------------------------------------------------------
@@ -54,45 +62,30 @@ def build_params(
     defaults: dict | None = None,
 ):
     """One SamplingParams per choice (seed + i for choice i, so choices differ but stay reproducible). A
-    field the request omits takes `defaults` (the model's generation config), else the OpenAI default."""
+    field the request omits takes `defaults` (the model's generation config), else SamplingParams' own (OpenAI's
+    and vLLM's defaults)."""
     defaults = defaults or {}
-
-    def pick(name: str, openai_default):
-        value = getattr(req, name)
-        return defaults.get(name, openai_default) if value is None else value
-
     if max_tokens is None:
         max_tokens = defaults.get("max_tokens")
     calls = structure is not None and structure.tool_mode != "none"
     drop_output = max_tokens == 0  # prompt logprobs only: generate one token, then drop it
     engine_max = 1 if drop_output else max_tokens
-    base = dict(
-        temperature=pick("temperature", 1.0),
-        top_p=pick("top_p", 1.0),
-        top_k=pick("top_k", 0) or 0,
-        min_p=pick("min_p", 0.0) or 0.0,
-        repetition_penalty=pick("repetition_penalty", 1.0),
-        frequency_penalty=pick("frequency_penalty", 0.0),
-        presence_penalty=pick("presence_penalty", 0.0),
+    base = {
+        name: value
+        for name in _PASSED_ON
+        if (value := getattr(req, name)) is not None or (value := defaults.get(name)) is not None
+    }
+    base |= dict(
         max_tokens=engine_max or max(1, req.min_tokens or 0),  # None: ingress sets the rest of the context
-        min_tokens=req.min_tokens or 0,
-        stop=req.stop or [],
-        stop_token_ids=req.stop_token_ids or [],
-        ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         # the formats' markers are special tokens in some models (GPT-OSS's): their text keeps them
         skip_special_tokens=req.skip_special_tokens and not (structure and structure.keeps_special_tokens),
-        include_stop_str_in_output=req.include_stop_str_in_output,
         grammar=structure.spec if structure else None,
         grammar_backend=structure.backend if structure else None,
         reasoning=structure.engine_reasoning if structure else None,
         bound_reasoning=structure is not None and structure.bounds_reasoning,
         stop_on_repeated_tool_call=calls and structure.tool_format.stop_repeated_calls,
-        speculative=req.speculative,
-        cache_salt=req.cache_salt,
-        bad_words=req.bad_words or [],
-        allowed_token_ids=req.allowed_token_ids,
     )
     try:
         params = [
