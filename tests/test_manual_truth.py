@@ -34,6 +34,8 @@ NOT_OURS = {
     "StructuredOutputManager",  # vLLM's
     "GrammarCompiler",  # xgrammar's
     "GrammarMatcher",  # xgrammar's
+    "build_attn",  # llama.cpp's graph builders
+    "build_ffn",
     "punica",  # the unrelated PyPI package DESIGN.md warns against
     "DeepSeek",  # a model family's name
     "GeeeekExplorer",  # nano-vllm's owner on GitHub

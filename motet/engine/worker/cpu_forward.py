@@ -19,44 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import mmap
 import weakref
 
 import torch
 
 from motet.engine.weights.load_progress import LoadProgress
-from motet.engine.worker.latent_attention import LatentAttention
-from motet.engine.worker.layers import Linear, RMSNorm
-from motet.engine.worker.model import MLP, STACKED, AttentionMetadata, CausalLM, Experts, SparseMoE
+from motet.engine.worker.model import AttentionMetadata, CausalLM
+from motet.engine.worker.op_writer import OpWriter, WeightArena, packed_bytes
 from motet.kernels import cpu_native
-from motet.kernels.quant import BLOCK
-from motet.lora.pool import GROUP_OF, LoRABatch
-from motet.models.projections import GATE_UP, QKV
+from motet.lora.pool import LoRABatch
 
-_HUGE_PAGE = 2 << 20
 MAX_LATENT_ROPE = 256  # the latent op's rotated key at most (the source's kMaxLatentRope)
-
-
-class WeightArena:
-    """One buffer for the packed weights, backed by transparent huge pages where the kernel allows it."""
-
-    def __init__(self, nbytes: int):
-        size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE + _HUGE_PAGE
-        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self._map.madvise(mmap.MADV_HUGEPAGE)
-        raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._bytes = raw[(-raw.data_ptr()) % _HUGE_PAGE :]
-        self._used = 0
-
-    def put(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of `tensor` in the arena (64-byte aligned)."""
-        n = tensor.numel() * tensor.element_size()
-        start = -(-self._used // 64) * 64
-        out = self._bytes[start : start + n].view(tensor.dtype).view(tensor.shape)
-        out.copy_(tensor)
-        self._used = start + n
-        return out
 
 
 def unsupported(model: CausalLM, kv_dtype: torch.dtype) -> str | None:
@@ -103,47 +76,11 @@ def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
     return unsupported(model, kv_dtype) is None
 
 
-def _activation(mlp: MLP) -> str:
-    """The MLP's activation by the program's name (cpu_native.ACTIVATIONS)."""
-    return "gelu_tanh" if mlp.gelu else "silu"
-
-
-def _packed_bytes(lin: Linear, elem: int) -> int:
-    """Bytes of a linear layer's packed weight: panels of 16 rows (quantized: block records per panel)."""
-    if lin.quantized is not None:
-        N, K = lin.quantized.shape
-        record = cpu_native.QUANT_RECORD[lin.quantized.format.name]
-        return -(-N // cpu_native.PANEL) * (K // BLOCK) * record
-    N, K = lin.weight.shape
-    return -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem
-
-
-def _experts_bytes(experts: Experts, elem: int) -> int:
-    """Bytes of a sparse layer's experts packed (each expert's weight as a linear layer's, one after another)."""
-    total = 0
-    for key in STACKED:
-        if key in experts.quantized:
-            q = experts.quantized[key]
-            N, K = q.rows, q.weight.shape[1]
-            record = cpu_native.QUANT_RECORD[q.weight.format.name]
-            total += len(q) * -(-N // cpu_native.PANEL) * (K // BLOCK) * record + 64
-        else:
-            E, N, K = getattr(experts, key).shape
-            total += E * -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem + 64
-    return total
-
-
 def _return_freed_memory() -> None:
     """Give the heap's freed pages back to the system: glibc keeps them, so after packing the process would hold
     the unpacked weights' memory as well as the arena (measured: benchmarks/load_peak.py). Elsewhere: nothing."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _release(lin: Linear, dtype: torch.dtype) -> None:
-    """Drop a layer's own copy of its weight (the arena holds it now)."""
-    lin.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-    lin.packed_weight = lin.quantized = None
 
 
 class CpuForward:
@@ -157,9 +94,10 @@ class CpuForward:
     the model's layers as the eager decoder runs them: each layer's norms where it has them, its attention (qkv,
     q/k norms across heads or per head, rotary over the layer's table and dims, KV write and paged attention
     with its window, soft-cap and sinks, o), its dense MLP (with the activation it declares) or sparse mixture
-    of experts (router with its routing options, experts, shared expert and its gate), or a latent attention
-    (`_write_latent`), each block's output joining the stream in one op
-    (the all-reduce, the layer's norm after the block, the add); then the final norm."""
+    of experts (router with its routing options, experts, shared expert and its gate), or a latent attention,
+    each block's output joining the stream in one op (the all-reduce, the layer's norm after the block, the add);
+    then the final norm. Each layer class writes its own ops beside its eager forward (`write_ops`, through an
+    OpWriter: motet/engine/worker/op_writer.py)."""
 
     def __init__(
         self,
@@ -176,29 +114,21 @@ class CpuForward:
         self.vocab_size = model.lm_head.out_features
         self._logits_out: torch.Tensor | None = None  # logits(reuse=True)
         elem = torch.tensor([], dtype=wdtype).element_size()
-        total = sum(_packed_bytes(lin, elem) + 64 for lin in model.decoder_linears())
-        for layer in model.layers:
-            if isinstance(layer.mlp, SparseMoE):
-                moe = layer.mlp
-                total += _packed_bytes(moe.gate, elem) + 64
-                if moe.shared_expert_gate is not None:
-                    total += _packed_bytes(moe.shared_expert_gate, elem) + 64
-                total += _experts_bytes(moe.experts, elem)
-        for (
-            layer
-        ) in model.layers:  # kv_b_proj's halves packed a head after another (and its own pack released)
-            if isinstance(layer.self_attn, LatentAttention):
-                a = layer.self_attn
-                per_head = -(-a.rank // cpu_native.PANEL) * a.nope + -(-a.v_dim // cpu_native.PANEL) * a.rank
-                total += a.num_heads * per_head * cpu_native.PANEL * elem + 128
-        total += _packed_bytes(model.lm_head, elem) + 64
+        total = sum(packed_bytes(lin, elem) + 64 for lin in [*model.decoder_linears(), model.lm_head])
+        # what a layer packs besides its linear layers (a router and experts, kv_b_proj's halves)
+        total += sum(
+            layer.self_attn.arena_bytes(elem) + layer.mlp.arena_bytes(elem) for layer in model.layers
+        )
         self.arena = WeightArena(total + 64 * 64)
-        self._keep: list[torch.Tensor] = []  # everything the program points at
         w = cpu_native.ProgramWriter(cfg.hidden_size)
+        ops = OpWriter(w, self.arena, wdtype, cfg, model.rope, model.local_rope, model.parallel)
+        self._keep = ops.keep  # everything the program points at
         layers = zip(model.layers, kv_caches, strict=True)
         for i, (layer, kv) in enumerate(progress.each_layer(layers) if progress else layers):
-            self._write_layer(w, i, layer, kv)
-        w.rms_norm("x", "x", self._keep_ptr(model.norm.weight), model.norm.eps, cfg.hidden_size)
+            layer.write_ops(
+                ops, i, kv
+            )  # (each layer's own, beside its forward: motet/engine/worker/op_writer.py)
+        w.rms_norm("x", "x", ops.ptr(model.norm.weight), model.norm.eps, cfg.hidden_size)
         # the lm_head in its own format too (quantized: its blocks; else the model's dtype, tied or not)
         self.lm_format = model.lm_head.quantized.format.name if model.lm_head.quantized is not None else None
         if self.lm_format is not None:
@@ -221,175 +151,6 @@ class CpuForward:
             self.program.all_reduce = self._all_reduce
         self._lora: tuple[object, cpu_native.LoraPool] | None = None  # (the pool, its descriptor)
         self.timings: ctypes.Array | None = None  # seconds per phase (cpu_native.PHASES), when profiling
-
-    def _keep_ptr(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> int | None:
-        """The address of `t` (in `dtype`, contiguous), kept alive with the program; None for None."""
-        if t is None:
-            return None
-        t = t.detach().to(dtype or t.dtype).contiguous()
-        self._keep.append(t)
-        return t.data_ptr()
-
-    def _packed(self, lin: Linear) -> tuple[int, int]:
-        """The layer's weight in the arena, in its own format (the model's dtype or a quantized one): (address,
-        format code). The layer's own copy is released."""
-        if lin.quantized is not None:
-            data = self.arena.put(cpu_native.pack_quantized(lin.quantized))
-            code = cpu_native.QUANT_CODES[lin.quantized.format.name]
-        else:
-            data = self.arena.put(cpu_native.pack(lin.weight.detach()))
-            code = cpu_native.DTYPE_CODES[self._wdtype]
-        _release(lin, self._wdtype)
-        return data.data_ptr(), code
-
-    def _linear(self, w: cpu_native.ProgramWriter, lin: Linear, src: str, dst: str, layer: int = -1,
-                lora: tuple[str, ...] | None = None, sizes=(), accumulate: bool = False) -> None:  # fmt: skip
-        """A linear layer (its bias in the model's dtype, whatever the weight's format), with the layer's LoRA
-        deltas of the module group `lora` where adapters may target it."""
-        bias = self._keep_ptr(lin.bias, self._wdtype)
-        k, n = lin.in_features, lin.out_features
-        weight, code = self._packed(lin)
-        group = GROUP_OF[lora] if lora is not None else -1
-        w.linear(src, dst, weight, code, k, n, bias, accumulate, layer, group, sizes)
-
-    def _write_layer(self, w: cpu_native.ProgramWriter, i: int, layer, kv) -> None:
-        """Layer `i`'s ops, as DecoderLayer.forward runs it."""
-        hidden = self.model.config.hidden_size
-
-        def norm(module: RMSNorm | None, src: str = "x", dst: str = "h") -> str:
-            """What a block reads: the stream normed by the layer's norm before it, or the stream itself."""
-            if module is None:
-                return src
-            w.rms_norm(src, dst, self._keep_ptr(module.weight), module.eps, hidden)
-            return dst
-
-        def joins(post: RMSNorm | None) -> None:
-            """The block's output joins the stream, normed first where the layer has a norm after the block."""
-            w.add_residual(
-                "out", hidden, self._keep_ptr(post.weight) if post else None, post.eps if post else 0.0
-            )
-
-        if isinstance(layer.self_attn, LatentAttention):
-            self._write_latent(w, i, layer.self_attn, norm(layer.input_layernorm), kv)
-        else:
-            self._write_attention(w, i, layer.self_attn, norm(layer.input_layernorm), kv)
-        joins(layer.attn_out_norm if layer.post_norms else None)
-        src = norm(layer.post_attention_layernorm)
-        if isinstance(layer.mlp, SparseMoE):
-            self._write_moe(w, layer.mlp, src)
-        else:
-            self._write_mlp(w, i, layer.mlp, src)
-        joins(layer.mlp_out_norm if layer.post_norms else None)
-
-    def _write_attention(self, w: cpu_native.ProgramWriter, i: int, attn, src: str, kv) -> None:
-        """qkv (+ LoRA) -> q/k norms -> rotary and the KV write -> paged attention -> o (+ LoRA), into "out"."""
-        model = self.model
-        H, KVH, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        q, kvs = attn.q_size, attn.kv_size
-        self._linear(w, attn.qkv_proj, src, "qkv", i, QKV, (q, kvs, kvs))
-        if attn.q_norm is not None:  # across the heads (one run of q_size), or per head (a run of D each)
-            whole = attn.qk_norm_whole
-            qn, kn = attn.q_norm, attn.k_norm
-            # across heads split over tensor-parallel ranks: the whole model's widths (sums all-reduced)
-            q_whole, k_whole = attn.whole_widths if whole and model.parallel.enabled else (0, 0)
-            w.rms_norm("qkv", "qkv", self._keep_ptr(qn.weight), qn.eps, q if whole else D, 1 if whole else H,
-                       whole=q_whole)  # fmt: skip
-            w.rms_norm("qkv", "qkv", self._keep_ptr(kn.weight), kn.eps, kvs if whole else D, 1 if whole else KVH,
-                       src_col=q, dst_col=q, whole=k_whole)  # fmt: skip
-        # the layer's rotary: a sliding layer's own table where the model has one (Gemma 3's local base)
-        local = i in model.config.sliding_layers and model.local_rope is not None
-        rope = model.local_rope if local else model.rope
-        pool = "window" if attn.window is not None else "global"
-        k_cache, v_cache = kv[0].data_ptr(), kv[1].data_ptr()
-        cos, sin = self._keep_ptr(rope.cos), self._keep_ptr(rope.sin)
-        w.rotary_kv("qkv", H, KVH, D, 2 * rope.cos.shape[1], cos, sin, k_cache, v_cache, pool)
-        sinks = self._keep_ptr(attn.sinks, torch.float32)
-        w.attention("qkv", "attn", H, KVH, D, k_cache, v_cache, pool, attn.scale, attn.window, attn.softcap,
-                    sinks)  # fmt: skip
-        self._linear(w, attn.o_proj, "attn", "out", i, ("o_proj",), (attn.o_proj.out_features,))
-
-    def _write_latent(self, w: cpu_native.ProgramWriter, i: int, attn: LatentAttention, src: str, kv) -> None:
-        """DeepSeek's latent attention: q (q_proj, or q_a_proj -> its norm -> q_b_proj) and kv_a_proj_with_mqa ->
-        kv_a_layernorm over c_kv (each + LoRA) -> the latent op (rotary, the cache's rows, the absorbed attention
-        with kv_b_proj's halves and its LoRA) -> o_proj (+ LoRA), into "out"."""
-        H, nope, rope, rank, v = attn.num_heads, attn.nope, attn.rope, attn.rank, attn.v_dim
-        q_width = H * (nope + rope)
-        if attn.q_proj is not None:  # (PEFT's q_proj: the q/k/v group, k and v empty)
-            self._linear(w, attn.q_proj, src, "q", i, QKV, (q_width, 0, 0))
-        else:
-            self._linear(w, attn.q_a_proj, src, "q_a", i, ("q_a_proj",), (attn.q_a_proj.out_features,))
-            qn = attn.q_a_layernorm
-            w.rms_norm("q_a", "q_a", self._keep_ptr(qn.weight), qn.eps, attn.q_a_proj.out_features)
-            self._linear(w, attn.q_b_proj, "q_a", "q", i, ("q_b_proj",), (q_width,))
-        self._linear(w, attn.kv_a_proj_with_mqa, src, "kv", i, ("kv_a_proj_with_mqa",), (rank + rope,))
-        kn = attn.kv_a_layernorm
-        w.rms_norm("kv", "kv", self._keep_ptr(kn.weight), kn.eps, rank)
-        # kv_b_proj's key half W_UK[h] [nope, rank] packed transposed (the latent query: q_nope W_UK), its value half
-        # W_UV[h] [v, rank] as it is, a head after another
-        kv_b = attn.kv_b_proj.weight.detach().view(H, nope + v, rank)
-        w_uk = self.arena.put(torch.cat([cpu_native.pack(kv_b[h, :nope].T.contiguous()) for h in range(H)]))
-        w_uv = self.arena.put(torch.cat([cpu_native.pack(kv_b[h, nope:].contiguous()) for h in range(H)]))
-        _release(attn.kv_b_proj, self._wdtype)
-        rope_table = self.model.rope
-        w.latent_attention("q", "kv", "attn", H, nope, rope, rank, v, self._keep_ptr(rope_table.cos),
-                           self._keep_ptr(rope_table.sin), kv[0].data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(),
-                           attn.scale, attn.interleaved, i, GROUP_OF[("kv_b_proj",)])  # fmt: skip
-        self._linear(w, attn.o_proj, "attn", "out", i, ("o_proj",), (attn.o_proj.out_features,))
-
-    def _write_mlp(self, w: cpu_native.ProgramWriter, i: int, mlp: MLP, src: str) -> None:
-        """gate/up (+ LoRA) -> the activation -> down (+ LoRA), into "out"."""
-        inter = mlp.intermediate
-        self._linear(w, mlp.gate_up_proj, src, "gu", i, GATE_UP, (inter, inter))
-        w.activation("gu", "act", inter, _activation(mlp))
-        self._linear(w, mlp.down_proj, "act", "out", i, ("down_proj",), (mlp.down_proj.out_features,))
-
-    def _write_moe(self, w: cpu_native.ProgramWriter, moe: SparseMoE, src: str) -> None:
-        """The router (+ bias) -> the experts (their biases and activation) into "out", + the shared expert
-        scaled by its sigmoid gate. No LoRA: adapters target the attention of an MoE model only."""
-        experts = moe.experts
-        cfg = self.model.config
-        E, inter, hidden = experts.num_local, experts.intermediate, cfg.hidden_size
-        self._linear(w, moe.gate, src, "router")
-
-        def stacked(key: str) -> int:
-            """Every expert's weight packed, one after another in the arena (the grouped GEMM's layout)."""
-            if key in experts.quantized:
-                q = experts.quantized[key]
-                packed = [cpu_native.pack_quantized(q[e]) for e in range(len(q))]
-            else:
-                packed = [cpu_native.pack(x) for x in getattr(experts, key).detach()]
-            return self.arena.put(torch.cat(packed)).data_ptr()
-
-        quantized = experts.quantized.get("gate_up_proj")
-        code = cpu_native.DTYPE_CODES[self._wdtype]
-        bias_dtype = self._wdtype
-        if quantized is not None:  # (both stacked weights in one format: --quantization)
-            code, bias_dtype = cpu_native.QUANT_CODES[quantized.weight.format.name], torch.float32
-        gate_up, down = stacked("gate_up_proj"), stacked("down_proj")
-        gate_up_bias = self._keep_ptr(experts.gate_up_proj_bias, bias_dtype)
-        down_bias = self._keep_ptr(experts.down_proj_bias, bias_dtype)
-        router = moe.gate
-        routing = None
-        if not router.plain:  # DeepSeek's
-            bias = self._keep_ptr(router.e_score_correction_bias, torch.float32)
-            routing = cpu_native.RouteOptions(
-                router.sigmoid, router.groups, router.groups_kept, bias, router.scale
-            )
-        w.moe(src, "router", "out", E, moe.top_k, inter, hidden, router.norm_topk_prob, cfg.expert_act, gate_up,
-              down, gate_up_bias, down_bias, cfg.swiglu_alpha, cfg.swiglu_limit, code, routing)  # fmt: skip
-        empty = torch.nn.Parameter(torch.empty(0, dtype=self._wdtype), requires_grad=False)
-        experts.gate_up_proj, experts.down_proj, experts.quantized = empty, empty, {}
-        if moe.shared_expert is not None:
-            shared, gate = moe.shared_expert, moe.shared_expert_gate
-            if gate is not None:
-                self._linear(w, gate, src, "gate")
-            self._linear(w, shared.gate_up_proj, src, "gu")
-            w.activation("gu", "act", shared.intermediate, _activation(shared))
-            if gate is None:  # DeepSeek's shared experts: added as they are
-                self._linear(w, shared.down_proj, "act", "out", accumulate=True)
-            else:
-                self._linear(w, shared.down_proj, "act", "shared")
-                w.gated_add("shared", "out", hidden, "gate")  # (scaled after its down, as transformers does)
 
     def _reduce(self, ptr: int, n: int) -> None:
         if self._failure is not None:

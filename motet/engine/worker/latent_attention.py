@@ -29,13 +29,16 @@ from torch import nn
 
 from motet.engine.worker.attention_metadata import AttentionMetadata, LatentSplit
 from motet.engine.worker.layers import Linear, RMSNorm
+from motet.engine.worker.op_writer import OpWriter
 from motet.engine.worker.parallel import SINGLE, Parallel
+from motet.kernels import cpu_native
 from motet.kernels.attention_args import PagedContext
 from motet.kernels.latent_decode import latent_decode
 from motet.kernels.paged_attention import write_kv_cache
 from motet.kernels.rope_kv import RotaryAngles, rotate_reference
-from motet.lora.pool import LoRABatch
+from motet.lora.pool import GROUP_OF, LoRABatch
 from motet.models.config import ModelConfig
+from motet.models.projections import QKV
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (transformers' default: not the config's)
 _MAX_SCORE_ELEMS = 1 << 22  # score elements per product in the expanded form (16 MiB of fp32)
@@ -164,6 +167,43 @@ class LatentAttention(nn.Module):
                 q_nope[start:end], q_rope[start:end], cache, seq_len, blocks, context
             )
         return self._project(self.o_proj, out.view(T, H * self.v_dim), lora, "o_proj")
+
+    def arena_bytes(self, elem: int) -> int:
+        """What its native ops pack besides its linear layers: kv_b_proj's halves, a head after another (its own
+        pack released)."""
+        per_head = (
+            -(-self.rank // cpu_native.PANEL) * self.nope + -(-self.v_dim // cpu_native.PANEL) * self.rank
+        )
+        return self.num_heads * per_head * cpu_native.PANEL * elem + 128
+
+    def write_ops(self, ops: OpWriter, i: int, src: str, kv) -> None:
+        """The native step's ops of `forward`: q (q_proj, or q_a_proj -> its norm -> q_b_proj) and
+        kv_a_proj_with_mqa -> kv_a_layernorm over c_kv (each + LoRA) -> the latent op (rotary, the cache's rows,
+        the absorbed attention with kv_b_proj's halves and its LoRA) -> o_proj (+ LoRA), into "out"."""
+        w = ops.w
+        H, nope, rope, rank, v = self.num_heads, self.nope, self.rope, self.rank, self.v_dim
+        q_width = H * (nope + rope)
+        if self.q_proj is not None:  # (PEFT's q_proj: the q/k/v group, k and v empty)
+            ops.linear(self.q_proj, src, "q", i, QKV, (q_width, 0, 0))
+        else:
+            ops.linear(self.q_a_proj, src, "q_a", i, ("q_a_proj",), (self.q_a_proj.out_features,))
+            qn = self.q_a_layernorm
+            w.rms_norm("q_a", "q_a", ops.ptr(qn.weight), qn.eps, self.q_a_proj.out_features)
+            ops.linear(self.q_b_proj, "q_a", "q", i, ("q_b_proj",), (q_width,))
+        ops.linear(self.kv_a_proj_with_mqa, src, "kv", i, ("kv_a_proj_with_mqa",), (rank + rope,))
+        kn = self.kv_a_layernorm
+        w.rms_norm("kv", "kv", ops.ptr(kn.weight), kn.eps, rank)
+        # kv_b_proj's key half W_UK[h] [nope, rank] packed transposed (the latent query: q_nope W_UK), its value
+        # half W_UV[h] [v, rank] as it is, a head after another
+        kv_b = self.kv_b_proj.weight.detach().view(H, nope + v, rank)
+        w_uk = ops.arena.put(torch.cat([cpu_native.pack(kv_b[h, :nope].T.contiguous()) for h in range(H)]))
+        w_uv = ops.arena.put(torch.cat([cpu_native.pack(kv_b[h, nope:].contiguous()) for h in range(H)]))
+        ops.release(self.kv_b_proj)
+        table = ops.rope(i)
+        w.latent_attention("q", "kv", "attn", H, nope, rope, rank, v, ops.ptr(table.cos), ops.ptr(table.sin),
+                           kv[0].data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(), self.scale, self.interleaved, i,
+                           GROUP_OF[("kv_b_proj",)])  # fmt: skip
+        ops.linear(self.o_proj, "attn", "out", i, ("o_proj",), (self.o_proj.out_features,))
 
     def _project(self, linear: Linear, x: torch.Tensor, lora: LoRABatch | None, name: str) -> torch.Tensor:
         """`linear`(x) and each row's adapter delta of the module `name` (PEFT's name; q_proj in the q/k/v group

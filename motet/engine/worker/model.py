@@ -30,12 +30,13 @@ from torch import nn
 from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.latent_attention import LatentAttention
 from motet.engine.worker.layers import Linear, RMSNorm, quantized_product
+from motet.engine.worker.op_writer import OpWriter, activation_name, packed_bytes
 from motet.engine.worker.parallel import SINGLE, Parallel
 from motet.engine.worker.routing import Router
-from motet.kernels import activation, rope_kv, triton_moe
+from motet.kernels import activation, cpu_native, rope_kv, triton_moe
 from motet.kernels.attention_args import AttentionOptions
 from motet.kernels.paged_attention import paged_attention
-from motet.kernels.quant import QuantizedWeight
+from motet.kernels.quant import BLOCK, QuantizedWeight
 from motet.kernels.rope_kv import RotaryAngles
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
@@ -219,6 +220,36 @@ class Attention(nn.Module):
             lora.add(y, out, self.layer_idx, ("o_proj",), (y.shape[1],))
         return y
 
+    def arena_bytes(self, elem: int) -> int:
+        """What its native ops pack besides its linear layers (motet/engine/worker/cpu_forward.py): nothing."""
+        return 0
+
+    def write_ops(self, ops: OpWriter, i: int, src: str, kv) -> None:
+        """The native step's ops of `forward`: qkv (+ LoRA) -> q/k norms -> rotary and the KV write -> paged
+        attention -> o (+ LoRA), into "out"."""
+        w = ops.w
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, kvs = self.q_size, self.kv_size
+        ops.linear(self.qkv_proj, src, "qkv", i, QKV, (q, kvs, kvs))
+        if self.q_norm is not None:  # across the heads (one run of q_size), or per head (a run of D each)
+            whole = self.qk_norm_whole
+            qn, kn = self.q_norm, self.k_norm
+            # across heads split over tensor-parallel ranks: the whole model's widths (sums all-reduced)
+            q_whole, k_whole = self.whole_widths if whole and self.parallel.enabled else (0, 0)
+            w.rms_norm("qkv", "qkv", ops.ptr(qn.weight), qn.eps, q if whole else D, 1 if whole else H,
+                       whole=q_whole)  # fmt: skip
+            w.rms_norm("qkv", "qkv", ops.ptr(kn.weight), kn.eps, kvs if whole else D, 1 if whole else KVH,
+                       src_col=q, dst_col=q, whole=k_whole)  # fmt: skip
+        rope = ops.rope(i)
+        pool = "window" if self.window is not None else "global"
+        k_cache, v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+        cos, sin = ops.ptr(rope.cos), ops.ptr(rope.sin)
+        w.rotary_kv("qkv", H, KVH, D, 2 * rope.cos.shape[1], cos, sin, k_cache, v_cache, pool)
+        sinks = ops.ptr(self.sinks, torch.float32)
+        w.attention("qkv", "attn", H, KVH, D, k_cache, v_cache, pool, self.scale, self.window, self.softcap,
+                    sinks)  # fmt: skip
+        ops.linear(self.o_proj, "attn", "out", i, ("o_proj",), (self.o_proj.out_features,))
+
     def projections(self) -> list[Linear]:
         return [self.qkv_proj, self.o_proj]
 
@@ -281,6 +312,23 @@ class MLP(nn.Module):
         if lora is not None:
             lora.add(y, h, self.layer_idx, ("down_proj",), (y.shape[1],))
         return y
+
+    def arena_bytes(self, elem: int) -> int:
+        """What its native ops pack besides its linear layers: nothing."""
+        return 0
+
+    def write_ops(self, ops: OpWriter, i: int, src: str, dst: str = "out", accumulate: bool = False,
+                  lora: bool = True) -> None:  # fmt: skip
+        """The native step's ops of `forward`: gate/up (+ LoRA) -> the activation -> down (+ LoRA), into `dst`
+        (added to it: `accumulate`); `lora`: False for a shared expert, which adapters do not target."""
+        inter = self.intermediate
+        layer = i if lora else -1
+        ops.linear(
+            self.gate_up_proj, src, "gu", layer, GATE_UP if lora else None, (inter, inter) if lora else ()
+        )
+        ops.w.activation("gu", "act", inter, activation_name(self.gelu))
+        down = (("down_proj",), (self.down_proj.out_features,)) if lora else (None, ())
+        ops.linear(self.down_proj, "act", dst, layer, *down, accumulate=accumulate)
 
 
 def grouped_experts(
@@ -457,6 +505,71 @@ class SparseMoE(nn.Module):
             y = y + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return y
 
+    def arena_bytes(self, elem: int) -> int:
+        """What its native ops pack besides the decoder's linear layers: the router, the shared expert's gate, and
+        every expert's weights (each as a linear layer's, one after another)."""
+        total = packed_bytes(self.gate, elem) + 64
+        if self.shared_expert_gate is not None:
+            total += packed_bytes(self.shared_expert_gate, elem) + 64
+        experts = self.experts
+        for key in STACKED:
+            if key in experts.quantized:
+                q = experts.quantized[key]
+                N, K = q.rows, q.weight.shape[1]
+                record = cpu_native.QUANT_RECORD[q.weight.format.name]
+                total += len(q) * -(-N // cpu_native.PANEL) * (K // BLOCK) * record + 64
+            else:
+                E, N, K = getattr(experts, key).shape
+                total += E * -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem + 64
+        return total
+
+    def write_ops(self, ops: OpWriter, i: int, src: str) -> None:
+        """The native step's ops of `forward`: the router (+ bias) -> the experts (their biases and activation)
+        into "out", + the shared expert scaled by its sigmoid gate. No LoRA (see the class)."""
+        experts, cfg, wdtype = self.experts, ops.config, ops.weight_dtype
+        E, inter, hidden = experts.num_local, experts.intermediate, cfg.hidden_size
+        ops.linear(self.gate, src, "router")
+
+        def stacked(key: str) -> int:
+            """Every expert's weight packed, one after another in the arena (the grouped GEMM's layout)."""
+            if key in experts.quantized:
+                q = experts.quantized[key]
+                packed = [cpu_native.pack_quantized(q[e]) for e in range(len(q))]
+            else:
+                packed = [cpu_native.pack(x) for x in getattr(experts, key).detach()]
+            return ops.arena.put(torch.cat(packed)).data_ptr()
+
+        quantized = experts.quantized.get("gate_up_proj")
+        code, bias_dtype = cpu_native.DTYPE_CODES[wdtype], wdtype
+        if quantized is not None:  # (both stacked weights in one format: --quantization)
+            code, bias_dtype = cpu_native.QUANT_CODES[quantized.weight.format.name], torch.float32
+        gate_up, down = stacked("gate_up_proj"), stacked("down_proj")
+        gate_up_bias = ops.ptr(experts.gate_up_proj_bias, bias_dtype)
+        down_bias = ops.ptr(experts.down_proj_bias, bias_dtype)
+        router = self.gate
+        routing = None
+        if not router.plain:  # DeepSeek's
+            bias = ops.ptr(router.e_score_correction_bias, torch.float32)
+            routing = cpu_native.RouteOptions(
+                router.sigmoid, router.groups, router.groups_kept, bias, router.scale
+            )
+        ops.w.moe(src, "router", "out", E, self.top_k, inter, hidden, self.norm_topk_prob, cfg.expert_act,
+                  gate_up, down, gate_up_bias, down_bias, cfg.swiglu_alpha, cfg.swiglu_limit, code,
+                  routing)  # fmt: skip
+        empty = nn.Parameter(torch.empty(0, dtype=wdtype), requires_grad=False)
+        experts.gate_up_proj, experts.down_proj, experts.quantized = empty, empty, {}
+        if self.shared_expert is not None:
+            gate = self.shared_expert_gate
+            if gate is not None:
+                ops.linear(gate, src, "gate")
+            if gate is None:  # DeepSeek's shared experts: added as they are
+                self.shared_expert.write_ops(ops, i, src, "out", accumulate=True, lora=False)
+            else:
+                self.shared_expert.write_ops(ops, i, src, "shared", lora=False)
+                ops.w.gated_add(
+                    "shared", "out", hidden, "gate"
+                )  # (scaled after its down, as transformers does)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
@@ -503,6 +616,15 @@ class DecoderLayer(nn.Module):
             h = residual
         m = self.parallel.all_reduce(self.mlp(h, lora))
         return (self.mlp_out_norm(m) if self.post_norms else m), residual
+
+    def write_ops(self, ops: OpWriter, i: int, kv) -> None:
+        """Layer `i`'s ops in the native step, as `forward` runs it: each block reads the stream ("x") normed by
+        the norm before it (or the stream itself) and joins it in one op (the all-reduce, the norm after the
+        block, the add)."""
+        self.self_attn.write_ops(ops, i, ops.norm(self.input_layernorm), kv)
+        ops.joins(self.attn_out_norm if self.post_norms else None)
+        self.mlp.write_ops(ops, i, ops.norm(self.post_attention_layernorm))
+        ops.joins(self.mlp_out_norm if self.post_norms else None)
 
 
 class CausalLM(nn.Module):
