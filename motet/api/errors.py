@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from motet.actors.serving_errors import ServingError
+from motet.grammar.structure import StructureError
 
 log = logging.getLogger("motet.api")
 
@@ -95,6 +96,11 @@ def from_validation_error(e: ValidationError) -> APIError:
         return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
     where = f"{param}: " if param else ""
     return APIError(400, f"{where}{err['msg']}", param=param)
+
+
+def from_structure_error(e: StructureError) -> APIError:
+    """A request's structured-output or tool field that is wrong (motet/grammar/structure.py): 400 naming it."""
+    return APIError(400, e.message, param=e.param, code=e.code)
 
 
 def from_value_error(e: ValueError, fields=()) -> APIError:

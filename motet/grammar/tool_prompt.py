@@ -188,7 +188,7 @@ def template_messages(
     """The messages a chat template is given for an OpenAI history, and extra template arguments: the history
     as it is with the tools where the template renders tools itself, else rewritten by `render_messages` in the
     tool-call format `fmt` (tools in the system prompt, calls as the model writes them). What serving renders for
-    a request (motet/api/structured.py) and what training renders for an example (motet/training/) alike.
+    a request (motet/grammar/structure.py) and what training renders for an example (motet/training/) alike.
     `trusted_template`: the template is the operator's (the model's own), which may be rendered here to find
     whether it writes a `tool` turn; a request's own template renders only in its bounded helper
     (motet/engine/template_worker.py), so its tool results go in a user turn. ToolError: a malformed history."""

@@ -417,7 +417,7 @@ def test_a_requests_tool_choice_bounds_its_calls(accepts, tool_choice, parallel_
     from xgrammar.testing import _is_grammar_accept_string
 
     from motet.api.completions.protocol import ChatCompletionRequest
-    from motet.api.structured import structured_output
+    from motet.grammar.structure import structured_output
 
     req = ChatCompletionRequest(
         model="m",

@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from motet.api.structured import Structure, prompt_messages
 from motet.engine.tokenizer import load_tokenizer
+from motet.grammar.structure import Structure, prompt_messages
 from motet.grammar.tool_calls import validate_tools
 from motet.grammar.tool_formats import tool_format
 from motet.training.chat_encoding import ChatEncoder

@@ -25,12 +25,12 @@ from motet.api.asgi import BATCH_SCOPE_KEY
 from motet.api.auth import Principal
 from motet.api.completions import protocol as P
 from motet.api.completions.chat_output import ChatOutput
-from motet.api.errors import APIError, from_serving_error, from_value_error
+from motet.api.errors import APIError, from_serving_error, from_structure_error, from_value_error
 from motet.api.request_body import read_json
 from motet.api.state import ServerState
-from motet.api.structured import Structure, prompt_messages, structured_output
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.reasoning import ReasoningFormat, reasoning_format, template_reasoning
+from motet.grammar.structure import Structure, StructureError, prompt_messages, structured_output
 from motet.grammar.tool_formats import ToolFormat, tool_format
 
 log = logging.getLogger("motet.api")
@@ -43,7 +43,7 @@ _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
 }
 REQUEST_ID_HEADER = "X-Request-Id"
 # The request fields SamplingParams takes as they are, by the same name (declared once, in each): the others are
-# the request's own (max_tokens, logprobs, skip_special_tokens: made here) or the grammar's (api/structured.py).
+# the request's own (max_tokens, logprobs, skip_special_tokens: made here) or the grammar's (grammar/structure.py).
 _PASSED_ON = tuple(
     f.name
     for f in dataclasses.fields(SamplingParams)
@@ -206,10 +206,13 @@ def chat_spec(state: ServerState, tenant: str, adapter, req: P.ChatCompletionReq
     template = req.template  # the request's own (under --trust-request-chat-template), or None
     chat_template = template or state.system.model.chat_template
     fmt, reasoning = served_formats(state, chat_template)
-    structure = structured_output(req, limits=state.grammar_limits, tool_format=fmt, reasoning=reasoning)
-    messages, template_kwargs = prompt_messages(
-        req.messages, structure, chat_template, trusted_template=template is None
-    )
+    try:
+        structure = structured_output(req, limits=state.grammar_limits, tool_format=fmt, reasoning=reasoning)
+        messages, template_kwargs = prompt_messages(
+            req.messages, structure, chat_template, trusted_template=template is None
+        )
+    except StructureError as e:
+        raise from_structure_error(e) from None
     kwargs = {key: v for key, v in (req.chat_template_kwargs or {}).items() if key != "chat_template"}
     kwargs |= template_kwargs | {"add_generation_prompt": req.add_generation_prompt}
     if req.continue_final_message:

@@ -98,7 +98,7 @@ class StreamOptions(_Request):
 
 
 class StructuredOutputs(_Request):
-    """vLLM's `structured_outputs` (motet/api/structured.py turns it into a grammar spec)."""
+    """vLLM's `structured_outputs` (motet/grammar/structure.py turns it into a grammar spec)."""
 
     unsupported = {
         "whitespace_pattern": ((None,), "disable_any_whitespace: true asks for compact JSON"),
@@ -165,7 +165,7 @@ class _SamplingFields(_OpenAINoOps, SamplingKnobs):
     request_id: str | None = None  # vLLM: the response's id is made from it (the X-Request-Id header wins)
     # vLLM: lower is sooner; it orders the tenant's own requests only, never one tenant before another
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
-    # structured output (motet/api/structured.py): OpenAI's response_format, vLLM's guided_* extras
+    # structured output (motet/grammar/structure.py): OpenAI's response_format, vLLM's guided_* extras
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -229,7 +229,7 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False  # vLLM: the last message's content, when it has the response's role, leads the answer
     chat_template: str | None = None  # vLLM: the request's own template (--trust-request-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None  # validated in motet/api/structured.py, where errors can name the tool
+    tools: list[Any] | None = None  # validated in motet/grammar/structure.py, where errors can name the tool
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI Responses API's bound on the calls of one response (a small model may loop calls).

@@ -32,9 +32,10 @@ from motet.api.completions.generation import (
     with_warnings,
 )
 from motet.api.completions.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from motet.api.errors import from_structure_error
 from motet.api.openapi import operation
 from motet.api.streams import Chunks, EventStream, collect, in_flight, observe, read_deltas, usage
-from motet.api.structured import structured_output
+from motet.grammar.structure import StructureError, structured_output
 
 log = logging.getLogger("motet.api")
 
@@ -166,7 +167,10 @@ async def completions(request: Request) -> Response:
         req.max_tokens if req.max_tokens is not None else state.sampling_defaults.get("max_tokens", 16)
     )
     k = req.logprobs
-    structure = structured_output(req, allow_tools=False, limits=state.grammar_limits)
+    try:
+        structure = structured_output(req, allow_tools=False, limits=state.grammar_limits)
+    except StructureError as e:
+        raise from_structure_error(e) from None
     prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else (k if req.echo else None)
     params, engine_max, drop = build_params(
         req, max_tokens, k, prompt_k, structure, defaults=state.sampling_defaults

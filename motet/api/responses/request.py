@@ -5,7 +5,7 @@ A Responses request is a chat request in other clothes: `instructions` is the sy
 items (and, through `previous_response_id`, the stored conversation before them) are the messages,
 `text.format` is `response_format`, function tools and `tool_choice` are the chat ones, and
 `max_output_tokens` is `max_completion_tokens`. So it is translated once, here, and runs the chat path
-(motet/api/completions/generation.py `chat_spec`, motet/api/structured.py, grammar/); errors that path raises about a chat field are
+(motet/api/completions/generation.py `chat_spec`, motet/grammar/structure.py, grammar/); errors that path raises about a chat field are
 renamed to the Responses field they came from. As everywhere, a field motet does not know, or cannot
 honour, is refused by name (motet/api/protocol.py).
 """

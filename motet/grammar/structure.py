@@ -14,8 +14,9 @@ none) and a tool mode that says how the output is parsed:
   A format without a grammar (`pythonic`) is only parsed.
 - otherwise `response_format` / `guided_*`, at most one of them.
 
-Everything that is wrong with them is answered 400 here, naming the field, before any work is queued:
-grammars over the size limits (grammar.limits) before anything reads them further. Whether a spec
+Everything that is wrong with them raises one `StructureError` here, naming the field (the API answers it 400:
+motet/api/errors.py `from_structure_error`), before any work is queued: grammars over the size limits
+(grammar.limits) before anything reads them further. Whether a spec
 compiles is found out by the ingress (the compile cache, with its time limit). A schema sent without
 `strict` whose grammar leaves parts of it unenforced is served, with `Structure.warnings` saying which.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from motet.api.errors import APIError
 from motet.grammar.enforceable import best_effort_warning, strict_refusal
 from motet.grammar.limits import GrammarLimitError, GrammarLimits
 from motet.grammar.reasoning import ReasoningFormat
@@ -44,6 +44,15 @@ from motet.grammar.specs import (
 from motet.grammar.tool_calls import Tool, ToolError, parallel_calls, resolve_tool_choice, validate_tools
 from motet.grammar.tool_formats import HERMES, ToolFormat
 from motet.grammar.tool_prompt import template_messages
+
+
+class StructureError(ValueError):
+    """A request's structured-output or tool field that is wrong: `param` names it (OpenAI's error `param`), `code`
+    where OpenAI has one."""
+
+    def __init__(self, message: str, param: str, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
 
 
 @dataclass
@@ -83,12 +92,12 @@ class Structure:
         return calls or (self.reasoning is not None and self.reasoning.keeps_special_tokens)
 
 
-def _bad(param: str, message: str) -> APIError:
-    return APIError(400, f"{param}: {message}", param=param)
+def _bad(param: str, message: str) -> StructureError:
+    return StructureError(f"{param}: {message}", param)
 
 
-def _too_large(param: str, e: GrammarLimitError) -> APIError:
-    return APIError(400, f"{param}: {e}", param=param, code="grammar_limit_exceeded")
+def _too_large(param: str, e: GrammarLimitError) -> StructureError:
+    return StructureError(f"{param}: {e}", param, code="grammar_limit_exceeded")
 
 
 def _choice(choices, param: str, limits: GrammarLimits) -> GrammarSpec:
@@ -141,10 +150,9 @@ def _check_enforceable(schema: dict, param: str) -> None:
     """`strict: true` promises every output validates: refuse what the grammar would not enforce."""
     refusal = strict_refusal(schema)
     if refusal:
-        raise APIError(
-            400,
+        raise StructureError(
             f"{param}: {refusal}. Rewrite those parts, or set strict to false for best-effort constraining.",
-            param=param,
+            param,
             code="unsupported_schema",
         )
 
@@ -156,9 +164,7 @@ def _known_keys(obj: dict, known: tuple[str, ...], where: str) -> None:
     """An unknown key is refused, never ignored (as every request field is)."""
     for key in obj:
         if key not in known:
-            raise APIError(
-                400, f"Unrecognized request argument supplied: {where}.{key}", param=f"{where}.{key}"
-            )
+            raise StructureError(f"Unrecognized request argument supplied: {where}.{key}", f"{where}.{key}")
 
 
 def _response_format(rf: dict, limits: GrammarLimits, warnings: list[str]) -> GrammarSpec | None:
@@ -258,8 +264,9 @@ def structured_output(
     tool_format: ToolFormat = HERMES,
     reasoning: ReasoningFormat | None = None,
 ) -> Structure:
-    """The grammar and tool mode of a chat or completions request (APIError 400 when malformed or
-    over `limits`, default GrammarLimits()); calls are written in `tool_format`, reasoning in `reasoning`."""
+    """The grammar and tool mode of a chat or completions request (StructureError when malformed or over
+    `limits`, default GrammarLimits()); calls are written in `tool_format`, reasoning in `reasoning`. `req`: the
+    request's fields as the API read them (motet/api/completions/protocol.py)."""
     limits = limits or GrammarLimits()
     backend = req.guided_decoding_backend
     if backend is not None and backend not in BACKEND_NAMES:
@@ -268,7 +275,7 @@ def structured_output(
     guided = _guided(req, limits, out.warnings)
     if len(guided) > 1:
         names = ", ".join(name for name, _ in guided)
-        raise APIError(400, f"set at most one of {names}", param=guided[1][0])
+        raise StructureError(f"set at most one of {names}", guided[1][0])
     if guided:
         out.param, out.spec = guided[0]
 
@@ -282,11 +289,13 @@ def structured_output(
         tools = validate_tools(tools_field)
         mode, callable_tools = resolve_tool_choice(req.tool_choice, tools)
     except ToolError as e:
-        raise APIError(400, str(e), param=e.param) from None
+        raise StructureError(str(e), e.param) from None
     out.tool_mode, out.tools = mode, tools
     constrain = req.guided_tool_calls and mode != "none"
     if mode == "required" and out.spec is not None:
-        raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with {out.param}", out.param)
+        raise StructureError(
+            f"tool_choice {req.tool_choice!r} cannot be combined with {out.param}", out.param
+        )
     if constrain and (mode == "required" or out.spec is None):
         parallel = parallel_calls(req.tool_choice, req.parallel_tool_calls)
         tag = tool_format.structural_tag(callable_tools, mode, parallel, max_calls=req.max_tool_calls)
@@ -308,4 +317,4 @@ def prompt_messages(
             messages, structure.tools, structure.tool_format, chat_template, trusted_template
         )
     except ToolError as e:
-        raise APIError(400, str(e), param=e.param) from None
+        raise StructureError(str(e), e.param) from None
