@@ -133,25 +133,21 @@ def test_chunked_prefill_2000_tokens(llm):
 TEXT = Path(__file__).parents[2] / "benchmarks" / "data" / "public_domain.txt"  # (benchmarks/quant_quality's)
 
 
-def test_bf16_predictions_stay_those_of_hf_fp32(default_model_dir, cpu_tier):
-    """The bf16 model in the native step of each instruction-set tier (avx512bf16: its products round their
-    inputs to bf16) predicts the text as HF's fp32 model does in substance: perplexity within 0.5%, the
-    top-1 token the same at >= 98% of 2,048 positions, and at least as often as the eager bf16 model does. (The
-    weights' own rounding to bf16 costs 1%: HF's fp32 model on the bf16-rounded weights agrees at 99.0%.)"""
-    if cpu_tier == "scalar":
-        pytest.skip("the portable loops: minutes on the real model (tests/kernels checks them)")
+@pytest.fixture(scope="module")
+def hf_fp32_text(default_model_dir):
+    """2,048 tokens of text in 512-token windows, HF's fp32 logits of them, and the score of each model that is the
+    same for every tier: (windows, scores(logits) -> (perplexity, share of positions whose top-1 is HF fp32's), HF's
+    perplexity, the eager bf16 model's top-1 share: the eager step runs torch's kernels, whatever the tier)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from motet.engine.config import EngineConfig
-    from motet.engine.llm_engine import LLMEngine
 
     ids = AutoTokenizer.from_pretrained(default_model_dir)(TEXT.read_text())["input_ids"][:2048]
     windows = [ids[i : i + 512] for i in range(0, len(ids), 512)]
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     with torch.no_grad():
         ref = [hf(torch.tensor([w])).logits[0] for w in windows]
+    del hf
 
-    def scores(logits) -> tuple[float, float]:  # (perplexity, share of positions whose top-1 is HF fp32's)
+    def scores(logits) -> tuple[float, float]:
         logits = [lg.float() for lg in logits]
         nll = sum(
             -lg.log_softmax(-1)[:-1].gather(1, torch.tensor(w[1:])[:, None]).sum()
@@ -160,17 +156,31 @@ def test_bf16_predictions_stay_those_of_hf_fp32(default_model_dir, cpu_tier):
         same = sum((lg.argmax(-1) == r.argmax(-1)).sum() for lg, r in zip(logits, ref, strict=True))
         return math.exp(nll / (len(ids) - len(windows))), float(same) / len(ids)
 
-    def engine(compile_step: bool) -> LLMEngine:
-        config = EngineConfig(
-            model=str(default_model_dir), num_kv_blocks=256, dtype="bfloat16", compile_step=compile_step
-        )
-        return LLMEngine(config)
+    _, top1_eager = scores(engine_logits(_bf16_engine(default_model_dir, compile_step=False), windows))
+    return windows, scores, scores(ref)[0], top1_eager
 
-    native = engine(True)
+
+def _bf16_engine(model_dir, compile_step: bool):
+    from motet.engine.config import EngineConfig
+    from motet.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        model=str(model_dir), num_kv_blocks=256, dtype="bfloat16", compile_step=compile_step
+    )
+    return LLMEngine(config)
+
+
+def test_bf16_predictions_stay_those_of_hf_fp32(default_model_dir, cpu_tier, hf_fp32_text):
+    """The bf16 model in the native step of each instruction-set tier (avx512bf16: its products round their
+    inputs to bf16) predicts the text as HF's fp32 model does in substance: perplexity within 0.5%, the
+    top-1 token the same at >= 98% of 2,048 positions, and at least as often as the eager bf16 model does. (The
+    weights' own rounding to bf16 costs 1%: HF's fp32 model on the bf16-rounded weights agrees at 99.0%.)"""
+    if cpu_tier == "scalar":
+        pytest.skip("the portable loops: minutes on the real model (tests/kernels checks them)")
+    windows, scores, ppl_hf, top1_eager = hf_fp32_text
+    native = _bf16_engine(default_model_dir, compile_step=True)
     assert native.runner.native is not None and native.runner.cpu_kernels == cpu_tier
-    ppl_hf, _ = scores(ref)
     ppl, top1 = scores(engine_logits(native, windows))
-    _, top1_eager = scores(engine_logits(engine(False), windows))
     assert abs(ppl / ppl_hf - 1) <= 0.005 and top1 >= 0.98 and top1 >= top1_eager, (
         ppl / ppl_hf,
         top1,
