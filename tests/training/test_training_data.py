@@ -101,7 +101,7 @@ def test_tokens_are_what_serving_renders_with_tools_and_the_loss_covers_trained_
     ]
     data = io.BytesIO(json.dumps({"messages": messages, "tools": TOOLS}).encode())
     (row,) = read_rows(prepare(data, "supervised", ChatEncoder(tokenizer, fmt, 1024), tmp_path / "rows").path)
-    # serving's prompt for the conversation up to the trained answer (motet/api/structured.py, the chat route's)
+    # serving's prompt for the conversation up to the trained answer (motet/grammar/structure.py, the chat route's)
     history = [{k: v for k, v in m.items() if k != "weight"} for m in messages[:3]]
     structure = Structure(tools=validate_tools(TOOLS), tool_format=fmt)
     rendered, kwargs = prompt_messages(history, structure, tokenizer.hf.chat_template)
