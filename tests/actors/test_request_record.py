@@ -41,7 +41,7 @@ async def test_the_engine_takes_the_record_the_ingress_built(tiny_model_dir):
         ids = hf.encode(prompt)
         for rid in ("r-0", "r-1"):
             seq = seqs[rid]
-            assert seq.prompt_token_ids == ids and (seq.tenant, seq.priority) == ("acme", 2)
+            assert seq.prompt_token_ids == ids and (seq.tenant, seq.order.priority) == ("acme", 2)
             assert seq.params.max_tokens == 256 - len(ids)
             alone, spaced = (hf.encode(w, add_special_tokens=False) for w in (word, " " + word))
             expected = [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
