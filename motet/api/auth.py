@@ -24,9 +24,38 @@ from types import MappingProxyType
 
 from motet import json_input
 from motet.api.errors import APIError
-from motet.api.rate_limits import TenantLimits
 
 log = logging.getLogger("motet.api")
+
+_LIMIT_FIELDS = {
+    "max_concurrent_requests": "max_concurrent",
+    "requests_per_minute": "rpm",
+    "tokens_per_minute": "tpm",
+}
+MAX_LIMIT = 10**15  # past this a limit is a typo (and no longer exact as the float a bucket holds)
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's limits as its keys say them (`"limits"`); motet/api/rate_limits.py enforces them."""
+
+    max_concurrent: int | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+
+    @classmethod
+    def parse(cls, where: str, value) -> TenantLimits:
+        if not isinstance(value, dict) or set(value) - set(_LIMIT_FIELDS):
+            raise ValueError(
+                f"{where}: limits is an object of {', '.join(_LIMIT_FIELDS)}, got {json.dumps(value)[:80]}"
+            )
+        for key, v in value.items():
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_LIMIT:
+                raise ValueError(
+                    f"{where}: limits.{key} must be an integer from 1 to {MAX_LIMIT}, got {json.dumps(v)[:40]}"
+                )
+        return cls(**{_LIMIT_FIELDS[k]: v for k, v in value.items()})
+
 
 DEFAULT_TENANT = "default"
 _KEY_FIELDS = {"tenant", "admin", "limits", "priority_class"}

@@ -32,7 +32,6 @@ tenant has used.
 from __future__ import annotations
 
 import contextvars
-import json
 import math
 import threading
 import time
@@ -40,40 +39,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from motet.api.asgi import BATCH_SCOPE_KEY, request_headers
+from motet.api.auth import TenantLimits
 from motet.api.errors import APIError
 
 LIMITED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
-_FIELDS = {
-    "max_concurrent_requests": "max_concurrent",
-    "requests_per_minute": "rpm",
-    "tokens_per_minute": "tpm",
-}
-MAX_LIMIT = 10**15  # past this a limit is a typo (and no longer exact as the float a bucket holds)
 # An estimate further out is no better than asking again in a minute (what the SDKs wait as told, at most).
 MAX_RETRY_AFTER_S = 60
 # A running request's time per token before the engine has timed a step: a slow CPU step at a moderate batch
 # (an estimate too long costs a client some waiting; one too short, its retries).
 DEFAULT_TOKEN_S = 0.1
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    max_concurrent: int | None = None
-    rpm: int | None = None
-    tpm: int | None = None
-
-    @classmethod
-    def parse(cls, where: str, value) -> TenantLimits:
-        if not isinstance(value, dict) or set(value) - set(_FIELDS):
-            raise ValueError(
-                f"{where}: limits is an object of {', '.join(_FIELDS)}, got {json.dumps(value)[:80]}"
-            )
-        for key, v in value.items():
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_LIMIT:
-                raise ValueError(
-                    f"{where}: limits.{key} must be an integer from 1 to {MAX_LIMIT}, got {json.dumps(v)[:40]}"
-                )
-        return cls(**{_FIELDS[k]: v for k, v in value.items()})
 
 
 class _Bucket:

@@ -3,25 +3,65 @@
 A store (responses, files, batches, usage) gives it a file and a schema and keeps only its own queries.
 One connection, shared by the worker threads behind a lock, in autocommit mode so that transactions are
 only the ones `_write` opens. Every query runs inside `_read()` or `_write()`: under the lock, with the
-file's failures (full, I/O error, locked by another process) raised as `StorageFailure`
-(motet/api/storage_failures.py), which the routes answer with 507 or 503.
+file's failures (full, I/O error, locked by another process) raised as `StorageFailure`, which the routes answer
+with 507 or 503 (motet/api/storage_errors.py).
+
+What counts as the server's own storage failing, for these stores and for the files beside them: SQLite's and the
+OS's errors become one `StorageFailure` (`storage_failures()` maps them where a store touches its files) that says
+the real cause in words a tenant may read (never a server path), and whether the disk is full.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from motet.api.storage_failures import storage_failures
-
 BUSY_TIMEOUT_MS = 5000  # how long another connection's write lock (an operator's shell) is waited for
 _BEFORE_ALL = {True: 1 << 62, False: -1}  # a seq before every row, listed newest first (True) or oldest first
 
 T = TypeVar("T")
+
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # no space, or over a disk quota
+
+
+class StorageFailure(Exception):
+    def __init__(self, cause: str, full: bool):
+        super().__init__(cause)
+        self.cause, self.full = cause, full
+
+    @classmethod
+    def from_os(cls, e: OSError) -> StorageFailure:
+        cause = os.strerror(e.errno) if e.errno else type(e).__name__  # str(e) would name the server's paths
+        return cls(cause, e.errno in _FULL_ERRNOS)
+
+    @classmethod
+    def from_sqlite(cls, e: sqlite3.Error) -> StorageFailure:
+        full = getattr(e, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_FULL  # extended code -> primary
+        return cls(str(e), full)
+
+
+def is_storage_failure(e: BaseException) -> bool:
+    """SQLite errors that come from the file under it (full, I/O, locked, corrupt), not from a wrong query."""
+    return isinstance(e, sqlite3.OperationalError) or type(e) is sqlite3.DatabaseError
+
+
+@contextlib.contextmanager
+def storage_failures() -> Iterator[None]:
+    """Raise the storage's failures inside as `StorageFailure`; a wrong query's error stays what it is."""
+    try:
+        yield
+    except sqlite3.Error as e:
+        if is_storage_failure(e):
+            raise StorageFailure.from_sqlite(e) from e
+        raise
+    except OSError as e:
+        raise StorageFailure.from_os(e) from e
 
 
 class SQLiteStore:

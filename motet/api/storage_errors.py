@@ -1,6 +1,6 @@
 """The server's own storage failing (a full disk, an I/O error), as clean API errors: 507 Insufficient Storage
 when full, 503 for any other I/O failure, both with Retry-After (space may be freed, a disk may come back). What
-counts as such a failure: motet/api/storage_failures.py.
+counts as such a failure: motet/api/sqlite_store.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import functools
 import anyio.to_thread
 
 from motet.api.errors import APIError
-from motet.api.storage_failures import StorageFailure
+from motet.api.sqlite_store import StorageFailure
 
 RETRY_AFTER_FULL_S = 30  # a full disk passes when the operator or the retention frees space: not at once
 

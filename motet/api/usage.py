@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from motet.api.asgi import StatusRecorder
-from motet.api.sqlite_store import SQLiteStore
-from motet.api.storage_failures import StorageFailure
+from motet.api.sqlite_store import SQLiteStore, StorageFailure
 
 FILENAME = "usage.sqlite3"
 FLUSH_S = 2.0

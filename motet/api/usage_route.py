@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from motet.api.errors import APIError
 from motet.api.openapi import operation
-from motet.api.storage_failures import StorageFailure
+from motet.api.sqlite_store import StorageFailure
 from motet.api.usage import BUCKETS, GROUPS, LIMITS, MAX_TIME
 
 

@@ -17,8 +17,9 @@ import httpx
 import openai
 import pytest
 
+from motet.api.auth import TenantLimits
 from motet.api.errors import APIError
-from motet.api.rate_limits import DEFAULT_TOKEN_S, RateLimiter, TenantLimits, duration
+from motet.api.rate_limits import DEFAULT_TOKEN_S, RateLimiter, duration
 from tests.clock import Clock
 from tests.live_server import Server
 

@@ -20,7 +20,7 @@ from motet.api.responses.store import (
     QuotaExceeded,
     ResponseStore,
 )
-from motet.api.storage_failures import StorageFailure
+from motet.api.sqlite_store import StorageFailure
 
 
 def response(rid: str, text: str = "hi", reasoning: str = "") -> dict:

@@ -11,8 +11,7 @@ import sqlite3
 
 import pytest
 
-from motet.api.sqlite_store import SQLiteStore
-from motet.api.storage_failures import StorageFailure
+from motet.api.sqlite_store import SQLiteStore, StorageFailure
 
 _SCHEMA = (
     """CREATE TABLE notes (

@@ -24,9 +24,9 @@ from motet.api.adapters.store import AdapterStore
 from motet.api.auth import Authenticator
 from motet.api.completions.generation import WARNING_HEADER
 from motet.api.responses.store import FILENAME, ResponseStore
+from motet.api.sqlite_store import StorageFailure
 from motet.api.state import ServerState
 from motet.api.storage_errors import RETRY_AFTER_FULL_S
-from motet.api.storage_failures import StorageFailure
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from tests.peft_adapters import make_adapter

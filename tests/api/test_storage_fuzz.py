@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from motet.api.responses.items import model_visible
 from motet.api.responses.request import to_messages
 from motet.api.responses.store import QuotaExceeded, ResponseStore
-from motet.api.storage_failures import StorageFailure
+from motet.api.sqlite_store import StorageFailure
 
 MAX_PER_TENANT = 6
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True)

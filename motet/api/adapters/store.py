@@ -22,8 +22,8 @@ import anyio
 import anyio.to_thread
 
 from motet.api.errors import APIError, echo
+from motet.api.sqlite_store import StorageFailure
 from motet.api.storage_errors import storage_error
-from motet.api.storage_failures import StorageFailure
 from motet.lora.adapter import AdapterError, AdapterTooLarge
 from motet.lora.manager import AdapterRef
 from motet.lora.registry import (

@@ -50,7 +50,7 @@ from motet.api.batches.store import BatchStore, OverQuota, PendingLine
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
 from motet.api.in_process import call_route
-from motet.api.storage_failures import StorageFailure
+from motet.api.sqlite_store import StorageFailure
 
 log = logging.getLogger("motet.batches")
 

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from motet.api.sqlite_store import SQLiteStore
-from motet.api.storage_failures import storage_failures
+from motet.api.sqlite_store import SQLiteStore, storage_failures
 
 FILENAME = "files.sqlite3"
 DEFAULT_MAX_FILE_BYTES = 200 << 20  # OpenAI's limit for a batch input file

@@ -37,9 +37,9 @@ from motet.api.fine_tuning.store import FineTuningStore, QuotaExceeded, new_job_
 from motet.api.list_pages import stored_page
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
+from motet.api.sqlite_store import storage_failures
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.storage_errors import stored_call
-from motet.api.storage_failures import storage_failures
 from motet.lora.peft_format import adapter_bytes
 from motet.lora.registry import FILES
 from motet.training.data_format import DataError, max_line_bytes

@@ -39,7 +39,7 @@ from motet.api.files.store import FileStore
 from motet.api.fine_tuning.store import FINISHED, FineTuningStore, Quotas
 from motet.api.fine_tuning.workers import LocalWorker
 from motet.api.in_process import call_route
-from motet.api.storage_failures import StorageFailure
+from motet.api.sqlite_store import StorageFailure
 from motet.api.usage import UsageStore
 from motet.training.dataset import read_rows
 from motet.training.eval_file import EVAL_ROWS, same_answer

@@ -45,9 +45,9 @@ from motet.api.responses.input_items import not_found, read_response
 from motet.api.responses.items import OutputItems
 from motet.api.responses.request import ResponsesRequest, chat_request, input_items, renamed
 from motet.api.responses.store import ConversationTooLong, QuotaExceeded, ResponseStore
+from motet.api.sqlite_store import StorageFailure
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.storage_errors import storage_error, stored_call
-from motet.api.storage_failures import StorageFailure
 from motet.api.streams import EventStream, collect, in_flight, internal_error, observe, read_deltas, usage
 
 log = logging.getLogger("motet.api")
