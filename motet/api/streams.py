@@ -158,7 +158,7 @@ class Chunks:
     (stream_options: include_usage and continuous_usage_stats), and the usage chunk after the last."""
 
     def __init__(self, req, rid: str, kind: str, created: int, choices: list[Choice], drop: bool):
-        self.req, self.choices, self.drop = req, choices, drop
+        self.choices, self.drop = choices, drop
         self.envelope = {"id": rid, "object": kind, "created": created, "model": req.model}
         options = req.stream_options
         self.include_usage = bool(options and options.include_usage)

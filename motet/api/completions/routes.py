@@ -1,13 +1,13 @@
 """The OpenAI endpoints: /v1/chat/completions and /v1/completions.
 
 A handler validates the body, resolves tenant and model, turns the request into a GenerateSpec (one
-SamplingParams per choice), submits it to the actors and either collects the reply streams into one
-response or relays them as SSE chunks. A client that goes away aborts its requests.
+SamplingParams per choice), submits it to the actors (that plumbing, shared with the other generation routes:
+motet/api/completions/generation.py) and either collects the reply streams into one response or relays them as
+SSE chunks (motet/api/streams.py). A client that goes away aborts its requests.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,8 +36,6 @@ from motet.api.errors import from_structure_error
 from motet.api.openapi import operation
 from motet.api.streams import Chunks, EventStream, collect, in_flight, observe, read_deltas, usage
 from motet.grammar.structure import StructureError, structured_output
-
-log = logging.getLogger("motet.api")
 
 
 @operation("chat completion", tag="Chat", body=P.ChatCompletionRequest, ok=P.ChatCompletionResponse,

@@ -440,9 +440,8 @@ def tenant_places(seqs) -> dict[int, tuple[int, int]]:
     sequences hold (by arrival, or as traded before), given out by urgency, so priority reorders a tenant's
     sequences among its own places and never moves another tenant's."""
     if all(s.order.priority == 0 and s.order.place in (None, (s.order.arrival, s.seq_id)) for s in seqs):
-        return {
-            s.seq_id: (s.order.arrival, s.seq_id) for s in seqs
-        }  # nothing traded: each holds its own place
+        # nothing traded: each holds its own place
+        return {s.seq_id: (s.order.arrival, s.seq_id) for s in seqs}
     by_tenant: dict = defaultdict(list)
     for s in seqs:
         by_tenant[s.tenant].append(s)

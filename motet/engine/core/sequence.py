@@ -43,9 +43,9 @@ class QueueOrder:
 
     arrival: int = 0  # tie-breaker: the engine's count of requests added
     # vLLM's request priority (lower: sooner), among its tenant's own requests only: it trades places in the
-    # scheduler's order with them; None: the place its arrival gives it
+    # scheduler's order with them
     priority: int = 0
-    place: tuple[int, int] | None = None
+    place: tuple[int, int] | None = None  # the place it holds as traded; None: the one its arrival gives it
 
 
 @dataclass
