@@ -90,8 +90,8 @@ class CpuForward:
     own copies are released, so the eager forward of this model instance is no longer usable (the embedding
     table stays: it is the input lookup, and the lm_head's when tied).
 
-    The forward is a program of op records (motet/kernels/cpu_native.ProgramWriter), written once here by walking
-    the model's layers as the eager decoder runs them: each layer's norms where it has them, its attention (qkv,
+    The forward is a program of op records (motet/kernels/cpu_native.ProgramWriter), written once by the model's
+    layers as the eager decoder runs them: each layer's norms where it has them, its attention (qkv,
     q/k norms across heads or per head, rotary over the layer's table and dims, KV write and paged attention
     with its window, soft-cap and sinks, o), its dense MLP (with the activation it declares) or sparse mixture
     of experts (router with its routing options, experts, shared expert and its gate), or a latent attention,
@@ -125,9 +125,7 @@ class CpuForward:
         self._keep = ops.keep  # everything the program points at
         layers = zip(model.layers, kv_caches, strict=True)
         for i, (layer, kv) in enumerate(progress.each_layer(layers) if progress else layers):
-            layer.write_ops(
-                ops, i, kv
-            )  # (each layer's own, beside its forward: motet/engine/worker/op_writer.py)
+            layer.write_ops(ops, i, kv)
         w.rms_norm("x", "x", ops.ptr(model.norm.weight), model.norm.eps, cfg.hidden_size)
         # the lm_head in its own format too (quantized: its blocks; else the model's dtype, tied or not)
         self.lm_format = model.lm_head.quantized.format.name if model.lm_head.quantized is not None else None
