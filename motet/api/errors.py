@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -10,7 +11,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from motet.actors.serving_errors import ServingError
-from motet.grammar.structure import StructureError
+
+if (
+    TYPE_CHECKING
+):  # (only its type: errors.py is imported by every module of the API, the grammar's checks by few)
+    from motet.grammar.structure import StructureError
 
 log = logging.getLogger("motet.api")
 
