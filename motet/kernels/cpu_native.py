@@ -9,8 +9,9 @@ loaded: one thread pool for torch and these kernels. Where no compiler is found 
 
 Besides single kernels (attention, SGMV, GEMM) the library runs a whole forward: a program of generic op records
 (`Op`: a kind, buffers, a few ints, pointers and floats, read per kind as the source's table says) over named
-fp32 buffers, which `ProgramWriter` writes and motet/engine/worker/cpu_forward.py fills from a model's layers. A new
-kind of layer is a new op kind, never a new struct: `ABI_VERSION` moves when the records or the step do.
+fp32 buffers, which `ProgramWriter` writes and each layer fills with its own ops (`write_ops`:
+motet/engine/worker/op_writer.py). A new kind of layer is a new op kind, never a new struct: `ABI_VERSION` moves
+when the records or the step do.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class LoraPool(ctypes.Structure):
 ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
 
 # The forward's program (the source's Op and Program; field order matters): op records that Python writes once,
-# each reading its fields as the source's table says (motet/engine/worker/cpu_forward.py writes them).
+# each reading its fields as the source's table says (the layers write them: motet/engine/worker/op_writer.py).
 OP_KINDS = (
     "rms_norm",
     "linear",
