@@ -29,7 +29,7 @@ from torch import nn
 
 from motet.engine.worker.attention_metadata import AttentionMetadata, LatentSplit
 from motet.engine.worker.layers import Linear, RMSNorm
-from motet.engine.worker.op_writer import OpWriter
+from motet.engine.worker.op_writer import OpWriter, panel_bytes
 from motet.engine.worker.parallel import SINGLE, Parallel
 from motet.kernels import cpu_native
 from motet.kernels.attention_args import PagedContext
@@ -171,10 +171,9 @@ class LatentAttention(nn.Module):
     def arena_bytes(self, elem: int) -> int:
         """What its native ops pack besides its linear layers: kv_b_proj's halves, a head after another (its own
         pack released)."""
-        per_head = (
-            -(-self.rank // cpu_native.PANEL) * self.nope + -(-self.v_dim // cpu_native.PANEL) * self.rank
-        )
-        return self.num_heads * per_head * cpu_native.PANEL * elem + 128
+        # W_UK[h] packed transposed ([rank, nope]), W_UV[h] as it is ([v, rank])
+        per_head = panel_bytes(self.rank, self.nope, elem) + panel_bytes(self.v_dim, self.rank, elem)
+        return self.num_heads * per_head + 128
 
     def write_ops(self, ops: OpWriter, i: int, src: str, kv) -> None:
         """The native step's ops of `forward`: q (q_proj, or q_a_proj -> its norm -> q_b_proj) and

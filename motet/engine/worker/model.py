@@ -30,13 +30,13 @@ from torch import nn
 from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.latent_attention import LatentAttention
 from motet.engine.worker.layers import Linear, RMSNorm, quantized_product
-from motet.engine.worker.op_writer import OpWriter, activation_name, packed_bytes
+from motet.engine.worker.op_writer import OpWriter, activation_name, packed_bytes, panel_bytes
 from motet.engine.worker.parallel import SINGLE, Parallel
 from motet.engine.worker.routing import Router
 from motet.kernels import activation, cpu_native, rope_kv, triton_moe
 from motet.kernels.attention_args import AttentionOptions
 from motet.kernels.paged_attention import paged_attention
-from motet.kernels.quant import BLOCK, QuantizedWeight
+from motet.kernels.quant import QuantizedWeight
 from motet.kernels.rope_kv import RotaryAngles
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
@@ -515,12 +515,10 @@ class SparseMoE(nn.Module):
         for key in STACKED:
             if key in experts.quantized:
                 q = experts.quantized[key]
-                N, K = q.rows, q.weight.shape[1]
-                record = cpu_native.QUANT_RECORD[q.weight.format.name]
-                total += len(q) * -(-N // cpu_native.PANEL) * (K // BLOCK) * record + 64
+                total += len(q) * panel_bytes(q.rows, q.weight.shape[1], elem, q.weight.format.name) + 64
             else:
                 E, N, K = getattr(experts, key).shape
-                total += E * -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem + 64
+                total += E * panel_bytes(N, K, elem) + 64
         return total
 
     def write_ops(self, ops: OpWriter, i: int, src: str) -> None:
@@ -566,9 +564,8 @@ class SparseMoE(nn.Module):
                 self.shared_expert.write_ops(ops, i, src, "out", accumulate=True, lora=False)
             else:
                 self.shared_expert.write_ops(ops, i, src, "shared", lora=False)
-                ops.w.gated_add(
-                    "shared", "out", hidden, "gate"
-                )  # (scaled after its down, as transformers does)
+                # scaled after its down, as transformers does
+                ops.w.gated_add("shared", "out", hidden, "gate")
 
 
 class DecoderLayer(nn.Module):

@@ -45,14 +45,20 @@ class WeightArena:
         return out
 
 
+def panel_bytes(rows: int, cols: int, elem: int, quantized: str | None = None) -> int:
+    """Bytes of a [rows, cols] weight packed for the native GEMM: panels of 16 rows, in the model's dtype (`elem`
+    bytes an element) or, `quantized`, in that format's block records per panel."""
+    panels = -(-rows // cpu_native.PANEL)
+    if quantized is not None:
+        return panels * (cols // BLOCK) * cpu_native.QUANT_RECORD[quantized]
+    return panels * cpu_native.PANEL * cols * elem
+
+
 def packed_bytes(lin: Linear, elem: int) -> int:
-    """Bytes of a linear layer's packed weight: panels of 16 rows (quantized: block records per panel)."""
+    """Bytes of a linear layer's packed weight, in its own format."""
     if lin.quantized is not None:
-        N, K = lin.quantized.shape
-        record = cpu_native.QUANT_RECORD[lin.quantized.format.name]
-        return -(-N // cpu_native.PANEL) * (K // BLOCK) * record
-    N, K = lin.weight.shape
-    return -(-N // cpu_native.PANEL) * cpu_native.PANEL * K * elem
+        return panel_bytes(*lin.quantized.shape, elem, lin.quantized.format.name)
+    return panel_bytes(*lin.weight.shape, elem)
 
 
 def activation_name(gelu: bool) -> str:
