@@ -14,6 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from motet.lora.peft_config import brief
+
 BASE_LEARNING_RATE = 2e-4
 AUTO = "auto"
 OPENAI_NAMES = ("n_epochs", "batch_size", "learning_rate_multiplier")
@@ -72,13 +74,13 @@ def _number(value, name: str, low: float, high: float, integer: bool, low_open: 
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
-        or (integer and not float(value).is_integer())
-    ):
+        or (integer and isinstance(value, float) and not value.is_integer())
+    ):  # (an int is compared as it is: JSON's integers may be past any float)
         kind = "an integer" if integer else "a number"
-        raise HyperparameterError(f"{name} must be 'auto' or {kind}, not {value!r:.40}", name)
+        raise HyperparameterError(f"{name} must be 'auto' or {kind}, not {brief(value, 40)}", name)
     if not (low < value if low_open else low <= value) or value > high:
         bound = f"more than {low}" if low_open else f"at least {low}"
-        raise HyperparameterError(f"{name} must be {bound} and at most {high}, not {value!r:.40}", name)
+        raise HyperparameterError(f"{name} must be {bound} and at most {high}, not {brief(value, 40)}", name)
     return int(value) if integer else float(value)
 
 

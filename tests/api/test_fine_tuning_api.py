@@ -48,6 +48,10 @@ def jsonl(rows) -> bytes:
 
 
 TRAIN = jsonl(chat(i) for i in range(4))
+PAIRS = jsonl([{"input": {"messages": [{"role": "user", "content": "hi"}]},
+                "preferred_output": [{"role": "assistant", "content": "HI"}],
+                "non_preferred_output": [{"role": "assistant", "content": "hi"}]}])  # fmt: skip
+HUGE = 10**400  # a JSON integer past any float
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +259,13 @@ NESTED = "[" * 100_000 + "]" * 100_000
         (TRAIN, {"hyperparameters": {"learning_rate_multiplier": True}},
          "hyperparameters.learning_rate_multiplier", "learning_rate_multiplier"),
         (TRAIN, {"hyperparameters": {"lora_rank": 1024}}, "hyperparameters.lora_rank", "lora_rank"),
+        (TRAIN, {"hyperparameters": {"n_epochs": HUGE}}, "hyperparameters.n_epochs", "n_epochs must be"),
+        (TRAIN, {"method": {"type": "supervised", "supervised": {"hyperparameters": {"batch_size": -HUGE}}}},
+         "method.supervised.hyperparameters.batch_size", "batch_size must be"),
+        (PAIRS, {"method": {"type": "dpo", "dpo": {"hyperparameters": {"lora_rank": HUGE}}}},
+         "method.dpo.hyperparameters.lora_rank", "lora_rank must be"),
+        (PAIRS, {"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": HUGE}}}},
+         "method.dpo.hyperparameters.beta", "beta must be"),
         (TRAIN, {"suffix": "a/b"}, "suffix", ""),
         (TRAIN, {"seed": -1}, "seed", ""),
         (TRAIN, {"integrations": [{"type": "wandb", "wandb": {"project": "x"}}]}, "integrations", ""),

@@ -155,6 +155,22 @@ def test_hyperparameters_out_of_range_or_of_the_wrong_type_are_refused(given, na
     assert e.value.name == name
 
 
+NUMERIC = ("n_epochs", "batch_size", "learning_rate_multiplier", "lora_rank", "lora_alpha", "lora_dropout")
+
+
+@pytest.mark.parametrize(
+    ("method", "name"), [("supervised", n) for n in NUMERIC] + [("dpo", n) for n in (*NUMERIC, "beta")]
+)
+@pytest.mark.parametrize(
+    "value", [10**400, -(10**400), 1e308, float("inf")], ids=["1e400", "-1e400", "1e308", "inf"]
+)
+def test_a_number_past_any_float_is_refused_naming_it(method, name, value):
+    """JSON's integers have no bound (10**400 is a valid `n_epochs`), and none is within a hyperparameter's range."""
+    with pytest.raises(HyperparameterError) as e:
+        resolve(method, {name: value}, 100, max_rank=16, modules=("q_proj", "v_proj"))
+    assert e.value.name == name and str(e.value).startswith(f"{name} must be")
+
+
 def test_queued_jobs_take_turns_across_tenants():
     queued = [Queued("a1", "a", 1), Queued("a2", "a", 2), Queued("a3", "a", 3), Queued("b1", "b", 4)]
     started: dict[str, float] = {}
