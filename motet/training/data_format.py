@@ -13,7 +13,9 @@ least one assistant message is trained on. Preference pairs (`method` "dpo"):
 
 Every refusal is a `DataError` naming the line (from 1) and what to fix, as OpenAI's file validation does. What a
 line may hold is bounded before it is parsed: at most `max_line_bytes` bytes (a line that long could not fit the
-context anyway), and JSON nested deeper than Python's parser goes is refused as invalid JSON.
+context anyway); then it is read as a request body is (motet/json_input.py): no NaN or Infinity, nesting within
+its depth, and text that is valid Unicode (a lone surrogate escape such as \\ud800 is JSON, but no tokenizer
+encodes it), the error naming the field (`messages[0].content`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from motet import json_input
 from motet.grammar.tool_calls import Tool, ToolError, validate_tools
 
 METHODS = ("supervised", "dpo")
@@ -100,14 +103,27 @@ def read_examples(source: BinaryIO, method: str, max_bytes: int, max_examples: i
 
 
 def parse_line(raw: bytes, number: int) -> dict:
-    try:
-        value = json.loads(raw)
-    except RecursionError:
-        raise DataError("invalid JSON: nested too deeply", number) from None
-    except ValueError as e:
-        raise DataError(f"invalid JSON ({e})", number) from None
+    """The line's object, read with a request body's bounds (motet/json_input.py): no NaN or Infinity, nesting
+    within MAX_DEPTH levels, and text that is valid Unicode (a lone surrogate escape parses, but no tokenizer
+    can encode it)."""
+    value = _json(raw, "the line", number)
     if not isinstance(value, dict):
         raise DataError(f"expected a JSON object, got {_kind(value)}", number)
+    return value
+
+
+def _json(text: bytes | str, what: str, number: int):
+    """`text` parsed and checked as motet/json_input.py reads a request body; a DataError naming `what` and
+    where in it, otherwise."""
+    try:
+        value = json_input.loads(text)
+    except ValueError as e:  # "not valid JSON: ...", "nested more than 64 levels deep"
+        raise DataError(f"{what} is {e}", number) from None
+    try:
+        json_input.check(value)
+    except json_input.JSONBoundsError as e:  # "is nested ...", "holds invalid Unicode ... at x"
+        at = f" (at {_brief(e.param)})" if e.param and e.param not in str(e) else ""
+        raise DataError(f"{what} {e}{at}", number) from None
     return value
 
 
@@ -225,11 +241,8 @@ def _tool_calls(calls, where: str, number: int) -> None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise DataError(f"{where}[{j}] must be {{'function': {{'name', 'arguments'}}}}", number)
         arguments = fn.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except (ValueError, RecursionError):
-                raise DataError(f"{where}[{j}].function.arguments is not JSON", number) from None
+        if isinstance(arguments, str):  # JSON in a string: read as the line is
+            arguments = _json(arguments, f"{where}[{j}].function.arguments", number)
         if not isinstance(arguments, dict):
             raise DataError(f"{where}[{j}].function.arguments must be a JSON object", number)
 

@@ -239,7 +239,7 @@ NESTED = "[" * 100_000 + "]" * 100_000
 @pytest.mark.parametrize(
     ("data", "body", "param", "says"),
     [
-        (jsonl([chat(0), "{not json"]), {}, "training_file", "Line 2: invalid JSON"),
+        (jsonl([chat(0), "{not json"]), {}, "training_file", "Line 2: the line is not valid JSON"),
         (jsonl([chat(0), NESTED]), {}, "training_file", "Line 2: "),
         (jsonl([{"messages": [{"role": "user", "content": "x " * 3000}, {"role": "assistant", "content": "y"}]}]),
          {}, "training_file", "Line 1: the example is"),
@@ -286,6 +286,57 @@ def test_bad_input_is_refused_before_anything_is_queued(server, data, body, para
     assert error["param"] == param and says in error["message"], error
     assert len(c.fine_tuning.jobs.list(limit=100).data) == before
     assert not set((server.data / "fine_tuning").glob("*")) - run_dirs  # nothing is left of a refused job
+
+
+LONE = "\ud800"  # a lone surrogate: json.dumps writes it as the escape "\\ud800", valid JSON but not valid Unicode
+
+
+def lone_chat(where: str) -> dict:
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]
+    if where == "user":
+        messages[0]["content"] = LONE
+    elif where == "assistant":
+        messages[1]["content"] = LONE
+    else:  # in a call's arguments, JSON in a string
+        call = {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "f", "arguments": json.dumps({"a": LONE})},
+        }
+        messages[1:] = [{"role": "assistant", "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "c1", "content": "r"}, messages[1]]  # fmt: skip
+    return {"messages": messages}
+
+
+@pytest.mark.parametrize(
+    ("which", "method", "line", "field"),
+    [
+        ("training_file", "supervised", lone_chat("user"), "at messages[0].content"),
+        ("training_file", "supervised", lone_chat("arguments"), "messages[1].tool_calls[0].function.arguments"),
+        ("validation_file", "supervised", lone_chat("assistant"), "at messages[1].content"),
+        ("eval_file", "supervised", lone_chat("user"), "at messages[0].content"),
+        ("training_file", "dpo", {**json.loads(PAIRS), "non_preferred_output": [{"role": "assistant",
+         "content": LONE}]}, "at non_preferred_output[0].content"),
+    ],
+)  # fmt: skip
+def test_text_that_is_not_valid_unicode_is_refused_in_any_file(server, which, method, line, field):
+    """A lone surrogate escape in any of a job's files is refused as serving refuses it in a request body: a 400
+    naming the file, the line and the field (before: a 500 out of the tokenizer, or, in an eval file, a job whose
+    eval requests all failed once it had trained)."""
+    c = client(server, "kb")
+    files = {
+        "training_file": upload(c, PAIRS if method == "dpo" else TRAIN).id,
+        which: upload(c, jsonl([line])).id,
+    }
+    extra = {"eval_file": files.pop("eval_file")} if "eval_file" in files else {}
+    before = len(c.fine_tuning.jobs.list(limit=100).data)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.fine_tuning.jobs.create(**files, model="tiny", method={"type": method}, extra_body=extra)
+    error = e.value.body
+    assert error["param"] == which and error["code"] == f"invalid_{which}", error
+    assert "Line 1: " in error["message"] and field in error["message"], error
+    assert "holds invalid Unicode (a lone surrogate escape)" in error["message"], error
+    assert len(c.fine_tuning.jobs.list(limit=100).data) == before
 
 
 def test_an_eval_file_is_answered_by_the_tuned_model_and_its_base(server):

@@ -81,7 +81,7 @@ def test_a_run_started_again_goes_on_from_its_last_checkpoint(tiny_model_dir, tm
             (),
             "train.jsonl: Line 2: no assistant message",
         ),
-        ("{oops", (), "train.jsonl: Line 2: invalid JSON"),
+        ("{oops", (), "train.jsonl: Line 2: the line is not valid JSON"),
         (None, ("--n-epochs", "0"), "argument --n-epochs"),
         (None, ("--lora-target-modules", "lm_head"), "--lora-target-modules: lora_target_modules: 'lm_head'"),
         (None, ("--beta", "0.5"), "--beta is DPO's"),

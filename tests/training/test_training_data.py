@@ -41,8 +41,8 @@ def lines(*values) -> str:
 @pytest.mark.parametrize(
     ("second", "says"),
     [
-        ("{not json", "invalid JSON"),
-        ("[" * 100_000 + "]" * 100_000, "invalid JSON"),
+        ("{not json", "the line is not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "the line is nested more than 64 levels deep"),
         ("[1, 2]", "expected a JSON object, got a list"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
         ({"messages": [{"role": "robot", "content": "hi"}, GOOD["messages"][1]]}, 'unknown role "robot"'),
@@ -59,7 +59,7 @@ def lines(*values) -> str:
                     {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
                 ]
             },
-            "arguments is not JSON",
+            "arguments is not valid JSON",
         ),  # fmt: skip
     ],
 )
@@ -67,6 +67,41 @@ def test_a_bad_line_is_refused_naming_its_line(second, says):
     with pytest.raises(DataError) as e:
         read(lines(GOOD, second, GOOD))
     assert e.value.line == 2 and says in str(e.value) and str(e.value).startswith("Line 2: ")
+
+
+LONE = "\ud800"  # valid JSON (an escape), not valid Unicode: no tokenizer encodes it
+CALLED = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+          "function": {"name": "weather", "arguments": json.dumps({"city": LONE})}}]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("method", "second", "field"),
+    [
+        ("supervised", {"messages": [{"role": "user", "content": LONE}, GOOD["messages"][1]]},
+         "messages[0].content"),
+        ("supervised", {"messages": [GOOD["messages"][0], {"role": "assistant", "content": [{"type": "text",
+         "text": "a" + LONE}]}]}, "messages[1].content[0].text"),
+        ("supervised", {**GOOD, "tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": LONE}}]},
+         "tools[0].function.description"),
+        ("supervised", {"messages": [GOOD["messages"][0], {"role": "assistant", "content": "x", LONE: 1}]},
+         "messages[1]"),
+        ("supervised", {"messages": [GOOD["messages"][0], CALLED, {"role": "tool", "tool_call_id": "c1",
+         "content": "sunny"}, GOOD["messages"][1]], "tools": TOOLS},
+         "messages[1].tool_calls[0].function.arguments holds invalid Unicode (a lone surrogate escape) at city"),
+        ("dpo", {**PAIR, "preferred_output": [{"role": "assistant", "content": LONE}]},
+         "preferred_output[0].content"),
+        ("dpo", {**PAIR, "input": {"messages": [{"role": "user", "content": LONE}]}}, "input.messages[0].content"),
+    ],
+)  # fmt: skip
+def test_text_that_is_not_valid_unicode_is_refused_naming_its_line_and_field(method, second, field):
+    """As serving refuses it in a request body (motet/json_input.py's check): a lone surrogate escape parses,
+    but the tokenizer cannot encode it (before, a TypeError out of the tokenizer: a 500)."""
+    good = GOOD if method == "supervised" else PAIR
+    data = (lines(good, second, good)).encode()
+    with pytest.raises(DataError) as e:
+        read(data, method)
+    assert e.value.line == 2 and "invalid Unicode (a lone surrogate escape)" in str(e.value)
+    assert field in str(e.value), str(e.value)
 
 
 def test_a_line_longer_than_the_context_allows_is_refused_unparsed():
@@ -206,3 +241,14 @@ def test_an_eval_file_keeps_each_examples_prompt_and_compares_answers_as_json(to
     assert not same_answer(call_row, served)
     with pytest.raises(DataError, match="Line 1: an eval example ends with the assistant message"):
         eval_rows(io.BytesIO(lines({"messages": [*GOOD["messages"], asked]}).encode()), tokenizer, 1 << 20)
+
+
+def test_an_eval_file_refuses_text_that_is_not_valid_unicode(tokenizer):
+    """Its prompts are sent as chat requests once the job has trained, which serving refuses (400): the file is
+    refused when the job is created instead, naming the line and field."""
+    bad = {"messages": [{"role": "user", "content": "a" + LONE}, GOOD["messages"][1]]}
+    with pytest.raises(DataError) as e:
+        eval_rows(io.BytesIO(lines(GOOD, bad).encode()), tokenizer, 1 << 20)
+    assert e.value.line == 2 and "invalid Unicode (a lone surrogate escape) at messages[0].content" in str(
+        e.value
+    )
