@@ -34,7 +34,11 @@ MAX_TOOL_CALLS = 64  # the largest `max_tool_calls` (the grammar holds one copy 
 CALL_END = "</tool_call>"
 RESPONSE_BEGIN, RESPONSE_END = "<tool_response>", "</tool_response>"  # a tool's result, in the prompt
 
-_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # used with fullmatch
+# A function's name: OpenAI's rule (1 to 64 of these characters), the one every tool-call format writes and parses
+# back as the same name (the formats that write it outside JSON read NAME_CHARS; a newline or a `</tool_call>` in a
+# name would end the call's text early).
+NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]+")
+MAX_NAME_CHARS = 64
 
 TOOLS_SYSTEM_PROMPT = (
     "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
@@ -105,10 +109,18 @@ def validate_tools(tools: list) -> list[Tool]:
     return out
 
 
+def check_name(name, param: str) -> str:
+    """`name` when it can be a function's (NAME_CHARS, at most MAX_NAME_CHARS), else a ToolError naming `param`:
+    a tool's, and a call's in a conversation (motet/training/data_format.py)."""
+    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS or not NAME_CHARS.fullmatch(name):
+        raise tool_error(
+            param, f"expected 1 to {MAX_NAME_CHARS} characters from [A-Za-z0-9_.-], got {name!r}"
+        )
+    return name
+
+
 def _validate_function(fn: dict, base: str) -> Tool:
-    name = fn.get("name")
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise tool_error(f"{base}.name", f"expected 1 to 64 characters from [A-Za-z0-9_.-], got {name!r}")
+    name = check_name(fn.get("name"), f"{base}.name")
     description = fn.get("description")
     if description is None:
         description = ""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from motet import json_input
-from motet.grammar.tool_calls import Tool, ToolError, validate_tools
+from motet.grammar.tool_calls import Tool, ToolError, check_name, validate_tools
 
 METHODS = ("supervised", "dpo")
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -196,6 +196,7 @@ def _messages(value, where: str, number: int) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise DataError(f"{where} must be a non-empty list of messages", number)
     out = []
+    calls: list[str] = []  # the ids of the calls made so far, which a tool message answers
     for i, m in enumerate(value):
         at = f"{where}[{i}]"
         if not isinstance(m, dict):
@@ -206,7 +207,7 @@ def _messages(value, where: str, number: int) -> list[dict]:
             raise DataError(f"{at}.role: unknown role {_shown(role)} (one of {', '.join(ROLES)})", number)
         content = m.get("content")
         if role == "assistant" and m.get("tool_calls"):
-            _tool_calls(m["tool_calls"], f"{at}.tool_calls", number)
+            calls += _tool_calls(m["tool_calls"], f"{at}.tool_calls", number)
             if content is not None:
                 _text(content, f"{at}.content", number)
         elif content is None:
@@ -215,8 +216,8 @@ def _messages(value, where: str, number: int) -> list[dict]:
             _text(content, f"{at}.content", number)
         if "tool_calls" in m and role != "assistant":
             raise DataError(f"{at}.tool_calls: only assistant messages call tools", number)
-        if role == "tool" and not isinstance(m.get("tool_call_id", m.get("name")), str):
-            raise DataError(f"{at}: a tool message needs the `tool_call_id` of the call it answers", number)
+        if role == "tool":
+            _answered(m, calls, at, number)
         if "name" in m and not isinstance(m["name"], str):
             raise DataError(f"{at}.name must be a string", number)
         out.append(dict(m))
@@ -233,18 +234,47 @@ def _text(content, where: str, number: int) -> None:
     raise DataError(f"{where} must be a string or a list of text parts", number)
 
 
-def _tool_calls(calls, where: str, number: int) -> None:
+def _tool_calls(calls, where: str, number: int) -> list[str]:
+    """The calls checked (each function's name by the rule of a tool's name, which serving's formats write and
+    parse back: motet/grammar/tool_calls.py `check_name`); their ids."""
     if not isinstance(calls, list):
         raise DataError(f"{where} must be a list", number)
+    ids = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise DataError(f"{where}[{j}] must be {{'function': {{'name', 'arguments'}}}}", number)
+        try:
+            check_name(fn["name"], f"{where}[{j}].function.name")
+        except ToolError as e:
+            raise DataError(str(e), number) from None
+        if "id" in call:
+            if not isinstance(call["id"], str):
+                raise DataError(f"{where}[{j}].id must be a string", number)
+            ids.append(call["id"])
         arguments = fn.get("arguments", "{}")
         if isinstance(arguments, str):  # JSON in a string: read as the line is
             arguments = _json(arguments, f"{where}[{j}].function.arguments", number)
         if not isinstance(arguments, dict):
             raise DataError(f"{where}[{j}].function.arguments must be a JSON object", number)
+    return ids
+
+
+def _answered(message: dict, calls: list[str], at: str, number: int) -> None:
+    """A tool message answers a call made before it: its `tool_call_id` is one of `calls` (the ids so far), or,
+    without one, it names its tool (`name`)."""
+    answered = message.get("tool_call_id")
+    if answered is None and isinstance(message.get("name"), str):
+        return
+    if not isinstance(answered, str):
+        raise DataError(f"{at}: a tool message needs the `tool_call_id` of the call it answers", number)
+    if answered not in calls:
+        made = (
+            f"the calls before it: {_brief(', '.join(map(json.dumps, calls)), 80)}"
+            if calls
+            else "no call before it"
+        )
+        raise DataError(f"{at}.tool_call_id: {_shown(answered)} answers no call ({made})", number)
 
 
 def _tools(value, where: str, number: int) -> list[Tool]:

@@ -236,6 +236,13 @@ def test_cancel_stops_a_job_and_quotas_bound_a_tenant(server):
 NESTED = "[" * 100_000 + "]" * 100_000
 
 
+def calls(name: str, answered: str = "c1") -> list[dict]:
+    """A question, a call of `name` (id c1), and a tool message answering `answered`."""
+    call = {"id": "c1", "type": "function", "function": {"name": name, "arguments": "{}"}}
+    return [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": answered, "content": "r"}]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("data", "body", "param", "says"),
     [
@@ -248,6 +255,10 @@ NESTED = "[" * 100_000 + "]" * 100_000
         (jsonl([{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}]), {},
          "training_file", "unknown role"),
         (b'{"messages": "' + b"x" * (10 << 20) + b'"}', {}, "training_file", "Line 1: the line is longer than"),
+        (jsonl([{"messages": [*calls("f\n</tool_call>"), {"role": "assistant", "content": "ok"}]}]), {},
+         "training_file", "Line 1: Invalid 'messages[1].tool_calls[0].function.name': expected 1 to 64 characters"),
+        (jsonl([{"messages": [*calls("f", "nope"), {"role": "assistant", "content": "ok"}]}]), {}, "training_file",
+         'Line 1: messages[2].tool_call_id: "nope" answers no call (the calls before it: "c1")'),
         (TRAIN, {"model": "gpt-4o-mini"}, "model", "not available for fine-tuning"),
         (TRAIN, {"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs", "n_epochs"),
         (TRAIN, {"method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": "three"}}}},

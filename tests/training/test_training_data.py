@@ -12,7 +12,7 @@ import pytest
 
 from motet.engine.tokenizer import load_tokenizer
 from motet.grammar.structure import Structure, prompt_messages
-from motet.grammar.tool_calls import validate_tools
+from motet.grammar.tool_calls import ToolError, validate_tools
 from motet.grammar.tool_formats import tool_format
 from motet.training.chat_encoding import ChatEncoder
 from motet.training.data_format import DataError, read_examples
@@ -102,6 +102,52 @@ def test_text_that_is_not_valid_unicode_is_refused_naming_its_line_and_field(met
         read(data, method)
     assert e.value.line == 2 and "invalid Unicode (a lone surrogate escape)" in str(e.value)
     assert field in str(e.value), str(e.value)
+
+
+def calling(name: str, call_id: str = "c1", answered: str = "c1") -> list[dict]:
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+    return [GOOD["messages"][0], {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": answered, "content": "sunny"}, GOOD["messages"][1]]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["weather\n</tool_call>", "get weather", "w" * 65, ""])
+def test_a_call_of_a_name_no_tool_can_have_is_refused(name):
+    """A call's name follows a tool's name rule (motet/grammar/tool_calls.py check_name, which serving applies to
+    `tools`): serving's own parser does not read such a call back from the text it is trained on."""
+    with pytest.raises(ToolError):  # serving refuses a tool of that name
+        validate_tools([{"type": "function", "function": {"name": name}}])
+    with pytest.raises(DataError) as e:
+        read(lines(GOOD, {"messages": calling(name)}))
+    assert e.value.line == 2 and "messages[1].tool_calls[0].function.name" in str(e.value), str(e.value)
+    pair = {**PAIR, "preferred_output": calling(name)[1:2]}
+    with pytest.raises(DataError, match=r"preferred_output\[0\]\.tool_calls\[0\]\.function\.name"):
+        read(lines(pair), "dpo")
+
+
+def test_a_call_whose_name_holds_the_close_tag_is_read_back_as_text_by_serving():
+    """The reference for the rule above, in the format the tiny models are served with (Hermes)."""
+    fmt = tool_format(None, None)
+    assert fmt.parse(fmt.calls_text([("weather", {})]))[1][0].name == "weather"
+    content, calls = fmt.parse(fmt.calls_text([("weather\n</tool_call>", {})]))
+    assert calls == [] and "</tool_call>" in content
+
+
+@pytest.mark.parametrize(
+    ("messages", "says"),
+    [
+        (calling("weather", answered="c2"), 'messages[2].tool_call_id: "c2" answers no call (the calls before it: "c1")'),
+        (calling("weather", call_id="c1", answered="c1")[:1] + calling("weather")[2:], "answers no call (no call"),
+        ([*calling("weather")[:1], {"role": "tool", "tool_call_id": "c1", "content": "early"}, *calling("weather")[1:]],
+         'messages[1].tool_call_id: "c1" answers no call (no call before it)'),
+        ([{k: v for k, v in m.items() if k != "tool_call_id"} for m in calling("weather")],
+         "messages[2]: a tool message needs the `tool_call_id`"),
+    ],
+)  # fmt: skip
+def test_a_tool_message_answering_no_earlier_call_is_refused(messages, says):
+    with pytest.raises(DataError) as e:
+        read(lines(GOOD, {"messages": messages, "tools": TOOLS}))
+    assert e.value.line == 2 and says in str(e.value), str(e.value)
+    assert len(read(lines({"messages": calling("weather"), "tools": TOOLS}))) == 1  # the call answered
 
 
 def test_a_line_longer_than_the_context_allows_is_refused_unparsed():

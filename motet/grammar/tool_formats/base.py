@@ -4,15 +4,12 @@ the spelling of calls written as a marker then a JSON list (Mistral's, Phi-4-min
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from motet.grammar.specs import DEFAULT_MAX_WHITESPACE
 from motet.grammar.tool_call_parser import ToolCall
 from motet.grammar.tool_calls import call_sequence, call_tags, check_mode, one_of
-
-NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]+")  # a function's name where a format writes it outside JSON
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 
 from motet.grammar.tool_call_parser import ToolCall, arguments_at
-from motet.grammar.tool_formats.base import NAME_CHARS, json_list_text, list_structural_tag
+from motet.grammar.tool_calls import NAME_CHARS
+from motet.grammar.tool_formats.base import json_list_text, list_structural_tag
 from motet.grammar.tool_formats.sections import NOT, Sections, objects, sections_format, skip_ws, undecided
 
 MISTRAL_CALLS = "[TOOL_CALLS]"

@@ -22,8 +22,8 @@ from motet.grammar.tool_call_parser import (
     ToolCallArguments,
     ToolCallStart,
 )
-from motet.grammar.tool_calls import check_mode, json_arguments, one_of
-from motet.grammar.tool_formats.base import NAME_CHARS, ToolFormat
+from motet.grammar.tool_calls import NAME_CHARS, check_mode, json_arguments, one_of
+from motet.grammar.tool_formats.base import ToolFormat
 
 FUNCTIONS = "functions."  # a recipient that is one of the request's tools
 HARMONY_CALL_OPEN = f"{harmony.CHANNEL}commentary to={FUNCTIONS}"

@@ -8,7 +8,7 @@ import ast
 import json
 
 from motet.grammar.tool_call_parser import ToolCall
-from motet.grammar.tool_formats.base import NAME_CHARS
+from motet.grammar.tool_calls import NAME_CHARS
 from motet.grammar.tool_formats.sections import (
     HOLD,
     NOT,
