@@ -6,7 +6,8 @@ process; an empty `--served-model-name` named no model).
 - numbers: `integer`, `number`, `seconds`, `threads` (finite, within the flag's range);
 - names: `model_name` (a name requests can give: bounded, printable, no spaces);
 - web: `host_name` (`--allowed-hosts`), `web_origin` (`--allowed-origins`), each also in vLLM's one-JSON-list form;
-- files: `json_file` (a regular file, bounded in size and nesting, its content checked by the flag's own check);
+- files: `json_file` (a regular file, bounded in size and nesting, its content checked by the flag's own check),
+  `input_file` (a regular file a command reads), `output_directory` (a directory a command writes, made if missing);
 - inline JSON: `json_text`.
 
 Every flag of every command takes its type from here (motet/api/cli.py, motet/api/server.py,
@@ -23,8 +24,10 @@ import ipaddress
 import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from motet import json_input
@@ -216,6 +219,34 @@ def json_file(
 
     parse.__name__ = "json_file"
     return parse
+
+
+def input_file(text: str) -> Path:
+    """A file a command reads (`motet fine-tune FILE`): one that exists and is a regular file (a directory is
+    refused now, not once the model has loaded; a FIFO too, whose reader would wait for a writer)."""
+    path = Path(text).expanduser()
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        raise argparse.ArgumentTypeError(f"{text}: not a regular file ({json_input.file_kind(mode)})")
+    return path
+
+
+def output_directory(text: str) -> Path:
+    """A directory a command writes into, made if it is missing (`motet fine-tune --out DIR`): a path that is
+    something else (a file), or lies under something that is no directory (`/etc/passwd/x`), is refused now."""
+    path = Path(text).expanduser()
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return path  # (a missing parent is made too)
+    except OSError as e:  # ENOTDIR: a file on the way
+        raise argparse.ArgumentTypeError(f"{text}: {e.strerror or e}") from None
+    if not stat.S_ISDIR(mode):
+        raise argparse.ArgumentTypeError(f"{text}: not a directory ({json_input.file_kind(mode)})")
+    return path
 
 
 class OneLineErrors(argparse.ArgumentParser):

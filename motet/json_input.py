@@ -86,8 +86,13 @@ def _param(where: tuple | None) -> str | None:
     return out or None
 
 
-_KINDS = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
-          stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}  # fmt: skip
+_KINDS = {stat.S_ISREG: "a regular file", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
+          stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}  # fmt: skip
+
+
+def file_kind(mode: int) -> str:
+    """What the file of stat mode `mode` is, as a refusal names it ("a directory", "a FIFO")."""
+    return next((name for test, name in _KINDS.items() if test(mode)), "not a file")
 
 
 def read_file(path: str | Path, max_bytes: int) -> bytes:
@@ -100,8 +105,7 @@ def read_file(path: str | Path, max_bytes: int) -> bytes:
     with os.fdopen(fd, "rb") as f:
         mode, size = os.fstat(fd).st_mode, os.fstat(fd).st_size
         if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _KINDS.items() if test(mode)), "not a file")
-            raise ValueError(f"not a regular file ({kind})")
+            raise ValueError(f"not a regular file ({file_kind(mode)})")
         data = f.read(max_bytes + 1) if size <= max_bytes else b""
         if size > max_bytes or len(data) > max_bytes:  # (a file growing while it is read too)
             raise ValueError(f"larger than {max_bytes} bytes")

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from pathlib import Path
 
-from motet.flag_types import integer, number
+from motet.flag_types import input_file, integer, number, output_directory
 
 METHODS = {"sft": "supervised", "dpo": "dpo"}
 
@@ -26,13 +25,23 @@ def add_fine_tune_parser(sub, **fmt) -> None:
         description=__doc__.split("\n\n")[1],
         **fmt,
     )
-    p.add_argument("file", type=Path, help="training examples, one a line (OpenAI's fine-tuning formats)")
-    p.add_argument("--validation", type=Path, default=None, help="validation examples (its loss each epoch)")
+    p.add_argument(
+        "file",
+        type=input_file,
+        metavar="FILE",
+        help="training examples, one a line (OpenAI's fine-tuning formats)",
+    )
+    p.add_argument(
+        "--validation", type=input_file, default=None, help="validation examples (its loss each epoch)"
+    )
     p.add_argument(
         "--method", choices=tuple(METHODS), default="sft", help="sft: chats; dpo: preference pairs"
     )
     p.add_argument(
-        "--out", type=Path, default=None, help="the adapter's directory (default: FILE's name, -adapter)"
+        "--out",
+        type=output_directory,
+        default=None,
+        help="the adapter's directory (default: FILE's name, -adapter)",
     )
     p.add_argument("--model", default=None, help="the base model (default: the default model)")
     p.add_argument("--seed", type=integer(0, 2**31 - 1), default=0)
@@ -102,6 +111,8 @@ def cmd_fine_tune(args) -> int:
     except FileError as e:
         where = args.file if e.which == "training_file" else args.validation
         raise ValueError(f"{where}: {e}") from None
+    except OSError as e:  # the files or DIR (checked as flags, but either may change, or be out of our reach)
+        raise ValueError(f"{e.filename or out}: {e.strerror or e}") from None
     except HyperparameterError as e:
         raise ValueError(f"--{e.name.replace('_', '-')}: {e}") from None
     h = run.hyperparameters

@@ -86,6 +86,11 @@ def test_a_run_started_again_goes_on_from_its_last_checkpoint(tiny_model_dir, tm
         (None, ("--lora-target-modules", "lm_head"), "--lora-target-modules: lora_target_modules: 'lm_head'"),
         (None, ("--beta", "0.5"), "--beta is DPO's"),
         (None, ("--method", "dpo"), "Line 1: a chat: DPO reads preference pairs"),
+        (
+            '{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "x"}]}',
+            (),
+            "train.jsonl: Line 2: the line holds invalid Unicode (a lone surrogate escape) at messages[0].content",
+        ),
     ],
 )
 def test_a_bad_line_or_flag_exits_2_naming_it(tiny_model_dir, tmp_path, capsys, line, flags, says):
@@ -97,6 +102,35 @@ def test_a_bad_line_or_flag_exits_2_naming_it(tiny_model_dir, tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
     assert not (tmp_path / "train-adapter" / "run.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("{tmp}",), "motet fine-tune: error: argument FILE: {tmp}: not a regular file (a directory)"),
+        (
+            ("{data}", "--validation", "{tmp}"),
+            "argument --validation: {tmp}: not a regular file (a directory)",
+        ),
+        (("{tmp}/none.jsonl",), "argument FILE: {tmp}/none.jsonl: No such file or directory"),
+        (("{data}", "--out", "{data}"), "argument --out: {data}: not a directory (a regular file)"),
+        (("{data}", "--out", "{data}/x"), "argument --out: {data}/x: Not a directory"),
+        (("{data}",), "motet: error: {tmp}/train-adapter: File exists"),  # the default DIR, taken by a file
+    ],
+)
+def test_a_path_that_cannot_be_read_or_written_exits_2_naming_it(
+    tiny_model_dir, tmp_path, capsys, flags, says
+):
+    """argparse's convention, as for any bad flag: `prog: error: ...` in one line and exit code 2, never a
+    traceback (FILE a directory, --out a file or under one were an OSError out of open() or mkdir())."""
+    data = tmp_path / "train.jsonl"
+    write_chats(data)
+    (tmp_path / "train-adapter").write_text("a file")
+    args = [f.format(tmp=tmp_path, data=data) for f in flags]
+    assert main(["fine-tune", *args, "--model", str(tiny_model_dir), "--threads", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(("motet fine-tune: error: ", "motet: error: ")), err
+    assert says.format(tmp=tmp_path, data=data) in err[0], err
 
 
 @pytest.mark.slow
