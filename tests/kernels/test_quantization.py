@@ -227,6 +227,23 @@ def test_qgemm_refuses_inputs_not_in_whole_blocks():
     assert status != 0
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "float32", "bfloat16"])
+def test_rows_read_back_from_packed_panels_are_the_weights_rows(fmt):
+    """A tied embedding table looked up in its packed lm_head (cpu_native.packed_rows): each row is the weight's
+    row as its format defines it (QuantizedWeight.dequantize; a float weight's own values), rows past a panel's
+    16 and the last, partial panel included."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(45, 96, generator=g)
+    rows = torch.tensor([0, 15, 16, 44, 31, 7, 7, 33])
+    if fmt in FORMATS:
+        q = FORMATS[fmt].quantize(w)
+        got, want = cpu_native.packed_rows(cpu_native.pack_quantized(q), rows, 96, fmt), q.dequantize()[rows]
+    else:
+        w = w.to(getattr(torch, fmt))
+        got, want = cpu_native.packed_rows(cpu_native.pack(w), rows, 96), w.float()[rows]
+    assert torch.equal(got, want)
+
+
 # -- the engine ----------------------------------------------------------------------------------------------
 
 
