@@ -34,6 +34,7 @@ from tests.kernels.test_quantization import (
     HF_OF_GGUF,
     engine,
     gguf_reference,
+    head_in_blocks,
     needs_native,
     quantizing_inputs,
     write_gguf,
@@ -220,7 +221,7 @@ def assert_served_like_hf(served: Path, reference: Path, compiled: bool, **optio
     rounding flip."""
     llm = LLM(str(served), device="cpu", block_size=8, num_kv_blocks=256, compile_step=compiled, **options)
     hf = AutoModelForCausalLM.from_pretrained(reference, torch_dtype=torch.float32).eval()
-    hf = quantizing_inputs(hf, lm_head=llm.engine.runner.model.lm_head.quantized is not None)
+    hf = quantizing_inputs(hf, lm_head=head_in_blocks(llm.engine.runner))
     prompts = PROMPTS[1:4]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     argmax = []

@@ -280,6 +280,13 @@ def quantizing_inputs(
     return model
 
 
+def head_in_blocks(runner) -> bool:
+    """Whether the served lm_head multiplies in blocks (the native step packs it and releases the layer's own)."""
+    if runner.native is not None:
+        return runner.native.lm_format is not None
+    return runner.model.lm_head.quantized is not None
+
+
 def engine(model_dir, **options) -> LLMEngine:
     cfg = EngineConfig(model=str(model_dir), device="cpu", block_size=8, num_kv_blocks=256, **options)
     return LLMEngine(cfg, model_dir=model_dir)
@@ -525,7 +532,7 @@ def test_default_model_from_its_q4_1_file_equals_the_dequantized_model(default_m
     options = dict(device="cpu", num_kv_blocks=128, block_size=16)
     gguf_engine = LLMEngine(EngineConfig(model=str(served), quantization="gguf", **options), model_dir=served)
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    hf = quantizing_inputs(hf, lm_head=gguf_engine.runner.model.lm_head.quantized is not None)
+    hf = quantizing_inputs(hf, lm_head=head_in_blocks(gguf_engine.runner))
     tok = gguf_engine.tokenizer
     prompts = [
         tok.encode_chat([{"role": "user", "content": q}])

@@ -114,7 +114,7 @@ class PreparedWeights:
             "code": code_digest(),
         }
         self.key = entry_key(self.source, self.settings)
-        name = files[-1].stem if files[-1].suffix == ".gguf" else Path(model_dir).name
+        name = files[-1].resolve().stem if files[-1].suffix == ".gguf" else Path(model_dir).name
         self.label = f"{name}-{self.settings['dtype']}"
         self.entry: Entry | None = self.store.open(self.key)
 
