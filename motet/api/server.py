@@ -87,7 +87,7 @@ def check_model(config) -> tuple[Path, int]:
     from motet.engine.worker.memory import check_fits
 
     model_dir = resolve_model(config.model)
-    return model_dir, check_fits(config, load_model_config(model_dir))
+    return model_dir, check_fits(config, load_model_config(model_dir, config.tokenizer))
 
 
 def listen(host: str, port: int) -> socket.socket:

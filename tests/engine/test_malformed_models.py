@@ -323,3 +323,46 @@ def test_a_fifo_in_the_model_directory_is_refused_unopened(source, tmp_path, nam
     finally:
         os.killpg(rescue.pid, signal.SIGKILL)
         rescue.wait()
+
+
+def without_eos(source, model, tokenizer_too: bool = True):
+    """A copy of `source` whose config.json and generation_config.json name no eos_token_id (nor, where
+    `tokenizer_too`, its tokenizer_config.json an eos_token)."""
+    shutil.copytree(source, model)
+    for name, key in [("config.json", "eos_token_id"), ("generation_config.json", "eos_token_id")] + (
+        [("tokenizer_config.json", "eos_token")] if tokenizer_too else []
+    ):
+        fields = json.loads((model / name).read_text())
+        fields.pop(key)
+        (model / name).write_text(json.dumps(fields))
+    return model
+
+
+def test_a_checkpoint_with_no_eos_anywhere_is_refused_naming_the_files(source, tmp_path, capsys):
+    """Issue 68, finding 7: such a checkpoint loaded, then every grammar failed with xgrammar's "stop_token_ids
+    cannot be empty" (and answers had no end but max_tokens); now one line at load naming eos_token_id and the
+    files looked in, before the weights are read (here not even a weights file)."""
+    from motet.engine.llm import LLM
+
+    model = without_eos(source, tmp_path / "m")
+    (model / "model.safetensors").write_bytes(b"not weights")
+    line = refused(model, capsys)
+    assert "no eos_token_id" in line, line
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        assert str(model / name) in line, line
+    with pytest.raises(ModelLoadError, match="no eos_token_id"):
+        LLM(str(model), num_kv_blocks=16)
+
+
+def test_the_tokenizers_eos_ends_answers_where_the_configs_name_none(source, tmp_path):
+    """Neither config names one, the tokenizer does: its eos_token_id (as transformers' tokenizer reads it) is the
+    model's, and the grammars stop at it."""
+    from transformers import AutoTokenizer
+
+    from motet.engine.llm import LLM
+
+    model = without_eos(source, tmp_path / "m", tokenizer_too=False)
+    eos = AutoTokenizer.from_pretrained(model).eos_token_id
+    assert eos is not None and load_model_config(model).eos_token_ids == (eos,)
+    llm = LLM(str(model), num_kv_blocks=16)
+    assert llm.engine.grammar_tokenizer.stop_token_ids == [eos]
