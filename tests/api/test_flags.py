@@ -240,6 +240,15 @@ def test_good_values_of_those_flags_pass(flag, value):
         (["--kv-offload-gb", "1e9"], "--kv-offload-gb 1e+09 asks for"),
         (["--num-kv-blocks", "1"], "--num-kv-blocks 1 holds a KV cache of 16 tokens"),
         (["--num-kv-blocks", "4", "--block-size", "256"], None),  # 1,024 tokens: enough
+        # issue 68, finding 13: refused once the weights had loaded (the server up), or naming another flag
+        (["--quantization", "gptq"], "--quantization gptq: "),
+        (["--quantization", "awq"], "is not an AWQ checkpoint (its config.json has no quantization_config)"),
+        (
+            ["--tensor-parallel-size", "1000"],
+            "--tensor-parallel-size 1000: tensor parallelism splits the model's 2 key/value heads, one at least "
+            "per rank: choose a --tensor-parallel-size of at most 2",
+        ),
+        (["--tensor-parallel-size", "2"], None),
     ],
 )
 def test_flags_the_model_or_memory_bound_are_refused_before_anything_loads(flags, says, tiny_model_dir, tmp_path,
@@ -259,6 +268,23 @@ def test_flags_the_model_or_memory_bound_are_refused_before_anything_loads(flags
     assert code == 2
     assert len(err) == 1 and err[0].startswith("motet: error: "), err
     assert (says or "the checks passed") in err[0], err
+
+
+def test_more_ranks_than_cores_are_refused_before_any_starts(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Each rank is a process with its threads: --tensor-parallel-size past the cores this process may run on is
+    refused naming the flag and the limit (here one core, as a container may give)."""
+    from motet.api import server
+    from motet.api.cli import main
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(server, "build_state", lambda *a, **k: pytest.fail("the ranks were started"))
+    code = main(["serve", "--model", str(tiny_model_dir), "--port", "0", "--data-dir", str(tmp_path / "d"),
+                 "--tensor-parallel-size", "2"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert (
+        "--tensor-parallel-size 2 is more than this machine's 1 core(s) this process may run on" in err[0]
+    ), err
 
 
 def test_motet_serve_refuses_a_context_past_the_models_in_one_line(tiny_model_dir):
