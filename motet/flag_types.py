@@ -4,7 +4,7 @@ one line naming the flag (`motet serve: error: argument --x: ...`), never accept
 process; an empty `--served-model-name` named no model).
 
 - numbers: `integer`, `number`, `seconds`, `threads` (finite, within the flag's range);
-- names: `model_name` (a name requests can give: bounded, printable, no spaces);
+- names: `model_name` (a name requests can give: bounded, printable, no spaces), `device` (one this machine has);
 - web: `host_name` (`--allowed-hosts`), `web_origin` (`--allowed-origins`), each also in vLLM's one-JSON-list form;
 - files: `json_file` (a regular file, bounded in size and nesting, its content checked by the flag's own check),
   `input_file` (a regular file a command reads), `output_directory` (a directory a command writes, made if missing);
@@ -95,6 +95,18 @@ def threads() -> Callable[[str], int]:
 
     parse.__name__ = "integer"
     return parse
+
+
+def device(text: str) -> str:
+    """`--device`: auto, cpu, cuda or cuda:N, where this machine and its torch build have it (the engine's own
+    check, motet/engine/config.py `checked_device`: an unknown name, CUDA not in this torch build, no such index)."""
+    from motet.engine.config import checked_device
+
+    try:
+        checked_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _check(value, text: str, low, high, open_low: bool) -> None:

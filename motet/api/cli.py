@@ -10,7 +10,7 @@ import logging
 import re
 import sys
 
-from motet.flag_types import OneLineErrors, integer, model_name, number, seconds, threads
+from motet.flag_types import OneLineErrors, device, integer, model_name, number, seconds, threads
 from motet.parent_death import die_with_parent
 from motet.settings_flags import SettingsFlags
 
@@ -87,7 +87,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "weights without the flag; other values conflict). With int4 or int8 the lm_head is quantized to "
         "int8; the embedding table and LoRA adapters stay in --dtype (default: none, the checkpoint's weights)",
     )
-    flag("--device", help="auto (cuda when available), cpu or cuda")
+    flag("--device", type=device, help="auto (cuda when available), cpu, cuda or cuda:N")
     flag("--block-size", type=integer(1, MAX_BLOCK_SIZE), help="tokens per KV block")
     flag(
         "--num-kv-blocks",

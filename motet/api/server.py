@@ -80,14 +80,20 @@ def grammar_limits(args):
 
 def check_model(config) -> tuple[Path, int]:
     """The model's directory and context length; ModelLoadError (a ValueError) naming what is wrong with
-    --model, or with a flag the model's config or the memory bounds (`check_fits`), before anything starts. The
-    default model is pulled here when it is not cached yet."""
+    --model, or with a flag the model's config bounds (--tensor-parallel-size: `check_ranks`; --quantization:
+    `declared_quantization`) or the memory does (`check_fits`), before anything starts. The default model is
+    pulled here when it is not cached yet."""
     from motet.engine.weights.checkpoint import load_model_config
     from motet.engine.weights.model_store import resolve_model
+    from motet.engine.weights.quantized_checkpoint import declared_quantization
     from motet.engine.worker.memory import check_fits
+    from motet.engine.worker.parallel import check_ranks
 
     model_dir = resolve_model(config.model)
-    return model_dir, check_fits(config, load_model_config(model_dir))
+    model = load_model_config(model_dir, config.tokenizer)
+    check_ranks(config.tensor_parallel_size, model, config.enable_expert_parallel, config.torch_device)
+    declared_quantization(model_dir, config.quantization)
+    return model_dir, check_fits(config, model)
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -47,6 +47,42 @@ GGUF_QUANTIZATION = "gguf"
 QUANTIZATIONS = (*QUANT_FORMATS, GGUF_QUANTIZATION, *CHECKPOINT_QUANTIZATIONS)
 
 
+# The devices motet runs on (EngineConfig.device, --device): "auto" (cuda where torch sees a GPU, else cpu), cpu,
+# cuda or cuda:N.
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def checked_device(name: str) -> torch.device:
+    """The torch device `name` names, where this machine and this torch build have it; ValueError saying why
+    not (an unknown device, CUDA not in this torch build or not seen, no such device index)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in DEVICE_TYPES:
+        raise ValueError(
+            f"unknown device {name!r:.60}: motet runs on auto (cuda where available, else cpu), cpu, cuda or cuda:N"
+        )
+    if device.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise ValueError(
+                f"{name}: CUDA is not available in this torch build (torch {torch.__version__}, built without "
+                "CUDA); use cpu, or install a CUDA build of torch"
+            )
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ValueError(
+                f"{name}: torch {torch.__version__} sees no CUDA device on this machine; use cpu"
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"{name}: no such device index: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
+    return device
+
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 AUTO_DTYPE = "auto"  # `motet serve`'s default, as vLLM's: `auto_dtype` picks one of DTYPES for the device
 
@@ -152,7 +188,7 @@ class EngineConfig:
     # .gguf file; "gptq" / "awq" name a GPTQ / AWQ checkpoint's own method (optional: such a checkpoint is
     # served 4-bit either way, and any other value conflicts). None: the checkpoint's weights.
     quantization: str | None = None
-    device: str = "auto"  # "auto": cuda when available, else cpu
+    device: str = "auto"  # "auto": cuda when available, else cpu; cpu, cuda or cuda:N (DEVICE_TYPES)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from memory_utilization, or else kv_cache_gb
     # GiB for the KV cache; None: the device's default (memory_utilization on CUDA, CPU_KV_CACHE_MEMORY_GB on CPU).
@@ -244,6 +280,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
+        checked_device(self.device)  # (before anything asks torch_device)
         if self.dtype == AUTO_DTYPE:
             self.dtype = auto_dtype(self.torch_device)[0]
         if self.tokenizer is not None:
@@ -364,6 +401,4 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return checked_device(self.device)

@@ -120,7 +120,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model_dir=None):
         self.config = config = config or EngineConfig()
         self.model_dir = model_dir or resolve_model(config.model)
-        self.model_config = load_model_config(self.model_dir)
+        self.model_config = load_model_config(self.model_dir, config.tokenizer)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
         self.runner = ModelRunner(self.model_dir, self.model_config, config)
         self.max_model_len = self.runner.max_model_len

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -82,6 +83,70 @@ def test_motet_serve_refuses_nan_in_one_line():
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--responses-max-age-days" in lines[0] and "finite" in lines[0], done.stderr
+
+
+# (the machine torch is told it is, what `--device` says of it)
+CPU_ONLY_BUILD = dict(cuda=None, hip=None, available=False, count=0)
+TWO_GPUS = dict(cuda="12.4", hip=None, available=True, count=2)
+NO_GPU_SEEN = dict(cuda="12.4", hip=None, available=False, count=0)
+
+
+@pytest.mark.parametrize(
+    "machine, value, says",
+    [
+        (CPU_ONLY_BUILD, "bogus", "unknown device 'bogus': motet runs on auto"),
+        (CPU_ONLY_BUILD, "mps", "unknown device 'mps'"),
+        (CPU_ONLY_BUILD, "cuda", "cuda: CUDA is not available in this torch build"),
+        (CPU_ONLY_BUILD, "cuda:7", "cuda:7: CUDA is not available in this torch build"),
+        (NO_GPU_SEEN, "cuda", "sees no CUDA device on this machine"),
+        (
+            TWO_GPUS,
+            "cuda:7",
+            "cuda:7: no such device index: this machine has 2 CUDA device(s), cuda:0 to cuda:1",
+        ),
+    ],
+)
+def test_a_device_this_machine_lacks_is_refused_naming_device(machine, value, says, monkeypatch, capsys):
+    """Issue 68, finding 5: `--device bogus|cuda|cuda:7` on a CPU-only torch was a start-up traceback (in the
+    dtype and memory checks); now argparse's one line naming --device and why, exit 2. The engine's config
+    refuses it alike (LLM(device=...))."""
+    import torch
+
+    from motet.engine.config import EngineConfig
+
+    monkeypatch.setattr(torch.version, "cuda", machine["cuda"])
+    monkeypatch.setattr(torch.version, "hip", machine["hip"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: machine["available"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: machine["count"])
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--device", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --device: " in err[0] and says in err[0], err
+    with pytest.raises(ValueError, match=re.escape(says)):
+        EngineConfig(device=value)
+
+
+@pytest.mark.parametrize("value", ["auto", "cpu"])
+def test_the_devices_every_machine_has_pass(value):
+    build_parser().parse_args(["serve", "--device", value])
+
+
+def test_motet_serve_refuses_an_unknown_device_in_one_line(tiny_model_dir):
+    cmd = [
+        sys.executable,
+        "-m",
+        "motet.api.cli",
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        "--device",
+        "bogus",
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--device" in lines[0] and "unknown device 'bogus'" in lines[0], done.stderr
 
 
 def deep_json_file(tmp_path, depth: int = 100_000) -> str:
@@ -175,6 +240,15 @@ def test_good_values_of_those_flags_pass(flag, value):
         (["--kv-offload-gb", "1e9"], "--kv-offload-gb 1e+09 asks for"),
         (["--num-kv-blocks", "1"], "--num-kv-blocks 1 holds a KV cache of 16 tokens"),
         (["--num-kv-blocks", "4", "--block-size", "256"], None),  # 1,024 tokens: enough
+        # issue 68, finding 13: refused once the weights had loaded (the server up), or naming another flag
+        (["--quantization", "gptq"], "--quantization gptq: "),
+        (["--quantization", "awq"], "is not an AWQ checkpoint (its config.json has no quantization_config)"),
+        (
+            ["--tensor-parallel-size", "1000"],
+            "--tensor-parallel-size 1000: tensor parallelism splits the model's 2 key/value heads, one at least "
+            "per rank: choose a --tensor-parallel-size of at most 2",
+        ),
+        (["--tensor-parallel-size", "2"], None),
     ],
 )
 def test_flags_the_model_or_memory_bound_are_refused_before_anything_loads(flags, says, tiny_model_dir, tmp_path,
@@ -194,6 +268,23 @@ def test_flags_the_model_or_memory_bound_are_refused_before_anything_loads(flags
     assert code == 2
     assert len(err) == 1 and err[0].startswith("motet: error: "), err
     assert (says or "the checks passed") in err[0], err
+
+
+def test_more_ranks_than_cores_are_refused_before_any_starts(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Each rank is a process with its threads: --tensor-parallel-size past the cores this process may run on is
+    refused naming the flag and the limit (here one core, as a container may give)."""
+    from motet.api import server
+    from motet.api.cli import main
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(server, "build_state", lambda *a, **k: pytest.fail("the ranks were started"))
+    code = main(["serve", "--model", str(tiny_model_dir), "--port", "0", "--data-dir", str(tmp_path / "d"),
+                 "--tensor-parallel-size", "2"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert (
+        "--tensor-parallel-size 2 is more than this machine's 1 core(s) this process may run on" in err[0]
+    ), err
 
 
 def test_motet_serve_refuses_a_context_past_the_models_in_one_line(tiny_model_dir):

@@ -137,10 +137,14 @@ def test_loading_needs_little_more_than_the_weights(tmp_path, dtype):
     assert found["load_ratio"] < 1.5, found
 
 
-def test_kv_cache_default_is_a_share_of_the_memory_on_cuda_a_fixed_size_on_cpu():
+def test_kv_cache_default_is_a_share_of_the_memory_on_cuda_a_fixed_size_on_cpu(monkeypatch):
     """On CUDA (read from the config alone: nothing touches a device) the KV cache takes what vLLM's default
     share leaves; on CPU the fixed size. An explicit size wins over the default share, an explicit share over
-    both."""
+    both. (torch told it has a GPU: a device the machine lacks is refused, tests/api/test_flags.py)"""
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     cuda = EngineConfig(device="cuda")
     assert cuda.memory_utilization == CUDA_GPU_MEMORY_UTILIZATION == 0.9
     fixed = EngineConfig(device="cuda", kv_cache_memory_gb=2.5)

@@ -44,7 +44,7 @@ from motet.engine.worker.memory import (
     weights_line,
 )
 from motet.engine.worker.model import CausalLM
-from motet.engine.worker.parallel import SINGLE, Parallel
+from motet.engine.worker.parallel import SINGLE, Parallel, check_ranks
 from motet.engine.worker.rows import Row, RunnerRows, position_views
 from motet.engine.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, outcome_error
 from motet.engine.worker.step_backends import EagerSteps, GraphSteps
@@ -131,6 +131,7 @@ class ModelRunner:
         self.max_model_len = context_length(model_config, config.max_model_len)
         self.workers: WorkerGroup | None = None
         if parallel is None and config.tensor_parallel_size > 1:
+            check_ranks(config.tensor_parallel_size, model_config, config.enable_expert_parallel, self.device)
             self.workers = WorkerGroup(model_dir, model_config, config)
             parallel = self.workers.parallel
         self.parallel = parallel or SINGLE

@@ -61,11 +61,6 @@ def packed_bytes(lin: Linear, elem: int) -> int:
     return panel_bytes(*lin.weight.shape, elem)
 
 
-def activation_name(gelu: bool) -> str:
-    """An MLP's activation by the program's name (cpu_native.ACTIVATIONS)."""
-    return "gelu_tanh" if gelu else "silu"
-
-
 class OpWriter:
     """The program a model's layers write their ops into, and what they write them with."""
 
