@@ -68,7 +68,7 @@ def make(target_s=0.06, max_seqs=64, budget=256, per_token=0.0023):
         BlockManager(4096, 4), max_seqs, budget, fairness=VirtualTokenCounter(), tpot_target_s=target_s
     )
     for tokens in [1, 8, 64, 16, 3, 40, 64, 2, 32, 12]:  # the steps before: 15 ms + 2.3 ms a token
-        sched.latency.observe(tokens, 0.015 + per_token * tokens)
+        sched.policy.latency.observe(tokens, 0.015 + per_token * tokens)
     return sched
 
 
@@ -85,7 +85,7 @@ def test_alone_the_burst_gets_the_full_step():
     sched = make()
     burst(sched)
     batch = run_step(sched)
-    assert len(batch) == 40 and sched.num_capped_steps == 0
+    assert len(batch) == 40 and sched.policy.num_capped_steps == 0
 
 
 def test_a_light_tenant_runs_every_step_and_the_burst_yields_rows_that_keep_their_kv():
@@ -135,7 +135,7 @@ def test_the_bursts_last_requests_still_yield_to_a_light_one():
     light = seq("b", max_tokens=4)
     sched.add(light)
     run_step(sched)
-    assert run_step(sched).num_tokens <= 19 and sched.num_capped_steps == 2
+    assert run_step(sched).num_tokens <= 19 and sched.policy.num_capped_steps == 2
 
 
 def test_tenants_of_like_demand_do_not_size_each_others_steps():
@@ -145,7 +145,7 @@ def test_tenants_of_like_demand_do_not_size_each_others_steps():
             sched.add(seq(tenant, prompt_len=30, max_tokens=50))
     for _ in range(4):
         run_step(sched)
-    assert sched.num_capped_steps == 0
+    assert sched.policy.num_capped_steps == 0
 
 
 def test_two_backlogged_tenants_are_not_light():
@@ -155,7 +155,7 @@ def test_two_backlogged_tenants_are_not_light():
             sched.add(seq(tenant, max_tokens=100))
     for _ in range(10):
         batch = run_step(sched)
-    assert len(batch) == 16 and sched.num_capped_steps == 0
+    assert len(batch) == 16 and sched.policy.num_capped_steps == 0
 
 
 def test_batch_work_yields_to_interactive_requests():
@@ -165,14 +165,14 @@ def test_batch_work_yields_to_interactive_requests():
         sched.add(s)
     for _ in range(3):
         run_step(sched)
-    assert sched.num_capped_steps == 0  # batch work alone: the full step
+    assert sched.policy.num_capped_steps == 0  # batch work alone: the full step
     interactive = [seq("c", max_tokens=6) for _ in range(4)]  # the same load as the batch would be too
     for s in interactive:
         sched.add(s)
     run_step(sched)
     # Beside 4 decoding interactive rows the batch rows may add only what keeps the step within 1.1x of those
     # rows alone: (1.1 x (15 ms + 4 x 2.3 ms) - 15 ms) / 2.3 ms = 5 tokens in all, one batch row's.
-    spare = sched.latency.cost.tokens_within(BACKGROUND_SLACK * sched.latency.cost.seconds(4))
+    spare = sched.policy.latency.cost.tokens_within(BACKGROUND_SLACK * sched.policy.latency.cost.seconds(4))
     assert spare == 5
     while not all(s.is_finished for s in interactive):
         unfinished = [s for s in interactive if not s.is_finished]
@@ -245,7 +245,7 @@ def test_off_when_the_target_is_zero():
     burst(sched)
     sched.add(seq("b", max_tokens=4))
     run_step(sched)
-    assert len(run_step(sched)) == 41 and sched.num_capped_steps == 0
+    assert len(run_step(sched)) == 41 and sched.policy.num_capped_steps == 0
 
 
 # -- the engine: the same tokens, sized or not ----------------------------------------------------------------
@@ -271,7 +271,7 @@ def test_engine_tokens_are_the_same_with_and_without_latency_isolation(tiny_mode
             while engine.has_unfinished():
                 for o in answers.step(engine):
                     out[o.request_id] = o.token_ids
-            return out, engine.scheduler.num_capped_steps
+            return out, engine.scheduler.policy.num_capped_steps
         finally:
             engine.close()
 
@@ -426,4 +426,4 @@ def test_a_light_tenants_streams_never_starve_another_tenants_prompt(streams, ta
         if prompt.num_output_tokens:
             break
     assert prompt.num_computed_tokens >= 900 and prompt.num_output_tokens >= 1
-    assert sched.num_capped_steps > 0 and sched.num_preemptions == 0
+    assert sched.policy.num_capped_steps > 0 and sched.num_preemptions == 0
