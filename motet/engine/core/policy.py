@@ -173,10 +173,12 @@ class StepOrder:
             self.limits = self.cap.limits(self.budget)
             # Yielding is not starving: the least-served tenant whose interactive rows the cap holds back (VTC's
             # lowest counter) goes first in its tier and gets at least the cap's floor of tokens, whatever the cap
-            # leaves.
+            # leaves; half the step's time while it runs fewer sequences than its share.
             yielding = (s.tenant for s in self.running if self.tier(s) == INTERACTIVE and self.uncomputed(s))
             self.floor_tenant = self.policy.fairness.pick(dict.fromkeys(yielding))
-            self.floor_left = self.cap.floor if self.floor_tenant is not None else 0
+            if self.floor_tenant is not None:
+                under_share = self.shares.under(self.floor_tenant)
+                self.floor_left = self.cap.half_step if under_share else self.cap.floor
         places = tenant_places(self.running)
         fair, shares = self.policy.fairness, self.shares
         key = {
