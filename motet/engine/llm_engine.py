@@ -186,7 +186,7 @@ class LLMEngine:
             self.max_model_len,
             self.tokenizer.hf,
             self.structured_output,
-            self.scheduler.fairness,
+            self.scheduler.policy.fairness,
         )
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -557,7 +557,7 @@ class LLMEngine:
         # The step's time as its rows saw it: from the previous step's landing (an overlapped step ran behind it)
         # or from its scheduling, whichever is later, to its own landing.
         start = max(self._last_landed, batch.scheduled_at if batch.scheduled_at is not None else now)
-        self.scheduler.latency.observe(batch.num_tokens, now - start)
+        self.scheduler.policy.observe_step(batch.num_tokens, now - start)
         self._last_landed = now
         cache_full_blocks, commit = self.block_manager.cache_full_blocks, self.output_commit
         landed = LandedStep([], [])
