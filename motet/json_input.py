@@ -6,6 +6,8 @@
 - `check`: nesting within MAX_DEPTH levels and text that is valid Unicode (a lone surrogate escape such as
   \\ud800 parses into a str that no tokenizer can encode, nor any file or answer line hold); an explicit stack,
   so deep input cannot recurse us; the error names where (`messages[0].content`).
+- `parse`: both, for JSON given as text inside JSON already read (a tool call's `arguments`, a training file's
+  line), the error naming what the text is.
 - `read_file` / `load_file`: a regular file only (a FIFO's reader waits for a writer, /dev/zero never ends),
   opened without blocking, at most `max_bytes` read.
 
@@ -66,6 +68,21 @@ def check(data, limit: int = MAX_DEPTH) -> None:
             for key, child in items:
                 stack.append((key, depth, where))  # a key is checked as part of its object
                 stack.append((child, depth + 1, (where, key)))
+
+
+def parse(text: bytes | str, what: str):
+    """`text` read as a request body is: `loads`, then `check`. Otherwise a ValueError naming `what`: "WHAT is not
+    valid JSON: ...", or a JSONBoundsError whose param is where in the value ("WHAT holds invalid Unicode (a lone
+    surrogate escape) at a.b", "WHAT is nested more than 64 levels deep")."""
+    try:
+        value = loads(text)
+    except ValueError as e:  # (a JSONBoundsError stays one)
+        raise type(e)(f"{what} is {e}") from None
+    try:
+        check(value)
+    except JSONBoundsError as e:
+        raise JSONBoundsError(f"{what} {e}", e.param) from None
+    return value
 
 
 def _param(where: tuple | None) -> str | None:
