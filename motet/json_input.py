@@ -119,10 +119,11 @@ def read_file(path: str | Path, max_bytes: int) -> bytes:
         fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise ValueError(f"cannot open it ({e.strerror or e})") from None
+    mode, size = os.fstat(fd).st_mode, os.fstat(fd).st_size
+    if not stat.S_ISREG(mode):  # (before fdopen, which refuses a directory with an OSError of its own)
+        os.close(fd)
+        raise ValueError(f"not a regular file ({file_kind(mode)})")
     with os.fdopen(fd, "rb") as f:
-        mode, size = os.fstat(fd).st_mode, os.fstat(fd).st_size
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"not a regular file ({file_kind(mode)})")
         data = f.read(max_bytes + 1) if size <= max_bytes else b""
         if size > max_bytes or len(data) > max_bytes:  # (a file growing while it is read too)
             raise ValueError(f"larger than {max_bytes} bytes")
