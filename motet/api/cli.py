@@ -10,7 +10,19 @@ import logging
 import re
 import sys
 
-from motet.flag_types import OneLineErrors, device, integer, model_name, number, seconds, threads
+from motet.flag_types import (
+    OneLineErrors,
+    device,
+    input_file,
+    integer,
+    model_name,
+    number,
+    or_url,
+    output_directory,
+    output_file,
+    seconds,
+    threads,
+)
 from motet.parent_death import die_with_parent
 from motet.settings_flags import SettingsFlags
 
@@ -344,13 +356,20 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_batch_args(p: argparse.ArgumentParser) -> None:
+    from motet.api.offline_batch import URL_SCHEMES
+
     p.add_argument(
-        "-i", "--input-file", required=True, help="the batch file: a local path or an http(s) URL (GET)"
+        "-i",
+        "--input-file",
+        required=True,
+        type=or_url(input_file, URL_SCHEMES),
+        help="the batch file: a local path or an http(s) URL (GET)",
     )
     p.add_argument(
         "-o",
         "--output-file",
         required=True,
+        type=or_url(output_file, URL_SCHEMES),
         help="where the answers go: a local path or an http(s) URL (PUT)",
     )
     p.add_argument(
@@ -398,7 +417,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("pull", help="download and convert the default model into the local cache", **fmt)
     p.add_argument(
-        "--cache-dir", default=None, help="cache directory (default: $MOTET_CACHE_DIR or ~/.cache/motet)"
+        "--cache-dir",
+        type=output_directory,
+        default=None,
+        help="cache directory (default: $MOTET_CACHE_DIR or ~/.cache/motet)",
     )
     p.add_argument("--force", action="store_true", help="convert again even if the model is cached")
     p.set_defaults(func=cmd_pull)

@@ -28,6 +28,8 @@ from motet.flag_types import (
     json_text,
     model_name,
     number,
+    output_directory,
+    path_setting,
     seconds,
     web_origin,
 )
@@ -37,14 +39,19 @@ log = logging.getLogger("motet.server")
 DEFAULT_DATA_DIR = "~/.local/share/motet"
 
 
-def data_dir(flag: str | None, model: str) -> Path:
+def data_dir(flag: str | Path | None, model: str) -> Path:
     """The server's data directory: --data-dir, else $MOTET_DATA_DIR (either is shared by every model served
     with it), else one of `model`'s own under DEFAULT_DATA_DIR, so that one model's adapters, files, responses
-    and batches never meet another's."""
+    and batches never meet another's. A ValueError where it cannot be a directory (as --data-dir's check
+    refuses: $MOTET_DATA_DIR a file, say)."""
     from motet.engine.weights.model_store import model_key
 
-    explicit = flag or os.environ.get("MOTET_DATA_DIR")
-    return Path(explicit).expanduser() if explicit else Path(DEFAULT_DATA_DIR).expanduser() / model_key(model)
+    if flag:
+        return Path(flag).expanduser()
+    if os.environ.get("MOTET_DATA_DIR"):
+        return path_setting(output_directory, os.environ["MOTET_DATA_DIR"], "$MOTET_DATA_DIR")
+    own = Path(DEFAULT_DATA_DIR).expanduser() / model_key(model)
+    return path_setting(output_directory, str(own), "the data directory")
 
 
 def warn_of_shared_data(flag: str | None, data: Path) -> None:
@@ -425,6 +432,7 @@ def add_serve_args(p) -> None:
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
     p.add_argument(
         "--data-dir",
+        type=output_directory,
         default=None,
         help=f"where tenants' uploaded adapters, stored responses, files and batches live, and the KV disk "
         f"tier (--kv-disk-gb) under kv-cache/; one given here or as $MOTET_DATA_DIR is shared by every model "
