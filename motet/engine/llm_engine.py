@@ -255,11 +255,6 @@ class LLMEngine:
         )
 
     @functools.cached_property
-    def reasoning_opening(self) -> ReasoningOpening:
-        """Which tokens may open `<think>` at an output's start (for grammars under a reasoning parser)."""
-        return self.reasoning_opening_of(("<think>",))
-
-    @functools.cached_property
     def _reasoning_openings(self) -> dict[tuple[tuple[str, ...], bool], ReasoningOpening]:
         return {}
 
