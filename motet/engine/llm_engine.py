@@ -19,9 +19,11 @@ returns what finished for the engine to end. The offline `LLM` (motet/engine/llm
 `remove_lora`. A request that fails inside a step fails alone: `execute` bisects the batch until the failing rows
 are isolated, and `commit` ends those with an error while the others carry on. Not thread-safe: one thread drives
 it; the serving ingress's worker threads (motet/actors/input_processor.py) read `config`, `limits`,
-`grammar_cache`, `grammar_tokenizer` and call `adapters.load`, each frozen or behind its own lock; what the
-overlapped strategy runs on its forward thread reads the launched batch's rows until its inputs are built (`step()`
-returns only after that), then only the batch's plan and the runner.
+`grammar_cache`, `grammar_tokenizer` and call `adapters.load`, each frozen or behind its own lock. The overlapped
+strategy's forward thread runs `execute`: it reads the launched batch (its plan and its rows' adapter ids), makes
+the step's LoRA segments under the adapter manager's lock and starts the bitmask from the step's grammars, all
+before the launch, which the caller's thread waits for; then the runner and the batch's plan only (a failing step
+is bisected there, making segments and masks again).
 """
 
 from __future__ import annotations
