@@ -17,6 +17,7 @@ finished job's run directory (its rows and Trainer's checkpoints) is removed: it
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import hashlib
@@ -26,6 +27,7 @@ import logging
 import shutil
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +130,14 @@ class _Job:
         self.last: dict = {}  # the last metrics, for the next checkpoint
 
 
+@dataclass
+class _Validations:
+    """A tenant's validations: running (as many as `turns` lets at once) or waiting their turn."""
+
+    turns: anyio.Semaphore
+    count: int = 0
+
+
 class FineTuningRunner:
     def __init__(
         self,
@@ -144,15 +154,31 @@ class FineTuningRunner:
         if self.settings.max_running < 1 or self.settings.threads < 1:
             raise ValueError("--fine-tuning-max-running and --fine-tuning-threads must be at least 1")
         self._jobs: dict[str, _Job] = {}
+        self._validating: dict[str, _Validations] = {}  # by tenant, while it has some
         self._last_start: dict[str, float] = {}
         self._wake = anyio.Event()
         self._tg: TaskGroup | None = None
         self._app = None  # the app a job's eval file is answered through
+        adapters.reserved_by(store.reserved_bytes)  # the room queued jobs' adapters will take
 
     # -- the API's side --------------------------------------------------------------------------------------
     def wake(self) -> None:
         """A job was queued or resumed."""
         self._wake.set()
+
+    @contextlib.asynccontextmanager
+    async def validation(self, tenant: str) -> AsyncIterator[None]:
+        """One of the tenant's jobs being validated: at most `quotas.max_validating` of the tenant's at once (the
+        next waits its turn; other tenants' never wait on them)."""
+        mine = self._validating.setdefault(tenant, _Validations(anyio.Semaphore(self.quotas.max_validating)))
+        mine.count += 1
+        try:
+            async with mine.turns:
+                yield
+        finally:
+            mine.count -= 1
+            if not mine.count:
+                del self._validating[tenant]
 
     def stop(self, job_id: str, pause: bool) -> None:
         """The job was cancelled (or paused): its worker stops now (a pause: after its step, with a checkpoint)."""
@@ -340,7 +366,7 @@ class FineTuningRunner:
             return
         model = checkpoint_model(job.model_name, event["step"])
         try:
-            await self.adapters.add_fine_tuned(job.tenant, model, Path(event["path"]))
+            await self.adapters.add_fine_tuned(job.tenant, model, Path(event["path"]), job.id)
         except APIError as e:  # a checkpoint that cannot be served (it should always be): said, not fatal
             await _thread(self.store.add_event, job.id, f"Checkpoint at step {event['step']} not stored: {e}",
                           "warn")  # fmt: skip
@@ -352,10 +378,11 @@ class FineTuningRunner:
     async def _succeed(self, job: _Job, event: dict) -> None:
         job.outcome = "succeeded"
         try:
-            await self.adapters.add_fine_tuned(job.tenant, job.model_name, Path(event["path"]))
+            await self.adapters.add_fine_tuned(job.tenant, job.model_name, Path(event["path"]), job.id)
         except APIError as e:
             await self._fail(job, f"the trained adapter could not be stored: {e.message}")
             return
+        await _thread(self.store.model_stored, job.id)
         eval_path = self.store.run_dir(job.id) / EVAL_ROWS
         if eval_path.is_file():
             await self._evaluate(job, await _thread(read_rows, eval_path), event["step"])
