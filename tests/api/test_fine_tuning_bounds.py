@@ -1,12 +1,14 @@
-"""The fine-tuning service's quotas and work bounds (issue 68, findings 8 and 10), on a real `motet serve` of a tiny
-model in this process (so that a job's validation can be held at a point), driven by the openai SDK:
+"""The fine-tuning service's quotas and work bounds (issue 68, findings 8, 10 and 11), on a real `motet serve` of a
+tiny model in this process (so that a job's validation or its eval can be held at a point), driven by the openai SDK:
 
 - a job admitted holds the room of its adapters in the tenant's adapter quota until it ends, so a second job (or an
   upload) that would not fit beside it is refused at once, and that room is what the job stores: the size of the
   adapters the trainer writes (a reference run's), to the byte; the reservation is rows of SQLite, kept across a
   restart of the store;
 - a file is refused for its count, its hyperparameters or its adapters' room before any example is read; a
-  tenant's validations run one at a time while another tenant's run beside them, each counted in /metrics.
+  tenant's validations run one at a time while another tenant's run beside them, each counted in /metrics;
+- a job's eval file is answered outside the training slot (the next job trains meanwhile), and cancelling the job
+  stops its eval there and then.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import anyio
 import httpx
 import openai
 import pytest
 
-from motet.api.fine_tuning import routes
+from motet.api.fine_tuning import routes, runner
 from motet.api.fine_tuning.store import FineTuningStore
 from motet.engine.tokenizer import load_tokenizer
 from motet.engine.weights.checkpoint import load_model_config
@@ -289,3 +292,41 @@ def test_a_tenants_validations_take_turns_beside_another_tenants_and_are_counted
     assert samples['motet_fine_tuning_validations_total{outcome="queued",tenant="frank"}'] == 1
     assert samples['motet_fine_tuning_validations_total{outcome="refused",tenant="dave"}'] == 3
     assert samples['motet_fine_tuning_validation_cpu_seconds_total{tenant="erin"}'] > 0
+
+
+# -- finding 11: the eval file ------------------------------------------------------------------------------------
+def test_an_eval_runs_outside_the_training_slot_and_stops_with_its_job(server, monkeypatch):
+    calls: list[str] = []
+    cancelled = threading.Event()
+    gate = threading.Event()
+
+    async def held(app, tenant, model, row):  # an eval request, held until the gate opens
+        calls.append(tenant)
+        try:
+            while not gate.is_set():
+                await anyio.sleep(0.02)
+        except anyio.get_cancelled_exc_class():
+            cancelled.set()
+            raise
+        return None
+
+    monkeypatch.setattr(runner, "chat_answer", held)
+    gina, hank = client(server, "gina"), client(server, "hank")
+    evals = upload(gina, jsonl([chat("one"), chat("two")]))
+    evaluated = gina.fine_tuning.jobs.create(training_file=upload(gina, training_file("gina")), model=MODEL,
+                                             hyperparameters={"n_epochs": 1}, extra_body={"eval_file": evals})  # fmt: skip
+    queued = hank.fine_tuning.jobs.create(training_file=upload(hank, training_file("hank")), model=MODEL,
+                                          hyperparameters={"n_epochs": 1})  # fmt: skip
+    until(lambda: calls, "gina's job is trained and its eval begins")
+    wait(hank, queued.id, until=("running", "succeeded"))  # it trains while gina's eval is held
+    assert gina.fine_tuning.jobs.retrieve(evaluated.id).status == "running" and not cancelled.is_set()
+    assert gina.fine_tuning.jobs.cancel(evaluated.id).status == "cancelled"
+    assert cancelled.wait(60)  # the eval's request in flight is stopped
+    gate.set()
+    job = wait(hank, queued.id)
+    assert job.status == "succeeded", job.error
+    assert calls == ["gina"]  # no request of the eval after it
+    messages = [e.message for e in gina.fine_tuning.jobs.list_events(evaluated.id, limit=100)]
+    assert messages[0] == "The job was cancelled" and not any(m.startswith("Eval file") for m in messages)
+    assert gina.fine_tuning.jobs.retrieve(evaluated.id).fine_tuned_model is None
+    assert not (server.data / "fine_tuning" / evaluated.id).exists()

@@ -9,10 +9,12 @@ event) becomes the job's progress, events and checkpoints in the store (motet/ap
 epoch's checkpoint, then the job's model, is stored as the tenant's adapter (motet/api/adapters/store.py), served
 from then on; the trained tokens are counted in the tenant's usage as they are trained.
 
-Cancel kills the worker at once; pause asks it to save a checkpoint after the step in progress and exit (a worker
-that has not yet said it handles the request is killed: it had trained nothing). A job running when the server
-stops is queued again at the next start (`FineTuningStore.recover`) and goes on from its last checkpoint. A
-finished job's run directory (its rows and Trainer's checkpoints) is removed: its models live on as adapters.
+A job with an eval file has it answered once its model is stored, outside the training slots: the next queued job
+starts training meanwhile. Cancel kills the worker at once, or stops the eval (its requests in flight aborted);
+pause asks the worker to save a checkpoint after the step in progress and exit (a worker that has not yet said it
+handles the request is killed: it had trained nothing). A job running when the server stops is queued again at the
+next start (`FineTuningStore.recover`) and goes on from its last checkpoint. A finished job's run directory (its
+rows and Trainer's checkpoints) is removed: its models live on as adapters.
 """
 
 from __future__ import annotations
@@ -153,7 +155,8 @@ class FineTuningRunner:
         self.quotas = quotas or Quotas()  # what POST /v1/fine_tuning/jobs lets each tenant have
         if self.settings.max_running < 1 or self.settings.threads < 1:
             raise ValueError("--fine-tuning-max-running and --fine-tuning-threads must be at least 1")
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _Job] = {}  # training: each holds a slot (--fine-tuning-max-running)
+        self._evaluating: dict[str, anyio.CancelScope] = {}  # trained, their eval file being answered
         self._validating: dict[str, _Validations] = {}  # by tenant, while it has some
         self._last_start: dict[str, float] = {}
         self._wake = anyio.Event()
@@ -181,7 +184,10 @@ class FineTuningRunner:
                 del self._validating[tenant]
 
     def stop(self, job_id: str, pause: bool) -> None:
-        """The job was cancelled (or paused): its worker stops now (a pause: after its step, with a checkpoint)."""
+        """The job was cancelled (or paused): its worker stops now (a pause: after its step, with a checkpoint); a
+        cancelled job's eval stops now, its requests in flight aborted (a paused one's goes on: it has trained)."""
+        if not pause and job_id in self._evaluating:
+            self._evaluating[job_id].cancel()
         job = self._jobs.get(job_id)
         if job is None or job.worker is None:
             return
@@ -191,7 +197,7 @@ class FineTuningRunner:
             job.worker.kill()
 
     async def finished(self, job_id: str) -> None:
-        """A job that ended without a worker (cancelled while queued or paused): its run directory goes."""
+        """A job that ended without a worker (cancelled while queued, paused or evaluated): its run directory goes."""
         if job_id not in self._jobs:
             await _thread(shutil.rmtree, self.store.run_dir(job_id), True)
 
@@ -384,9 +390,32 @@ class FineTuningRunner:
             return
         await _thread(self.store.model_stored, job.id)
         eval_path = self.store.run_dir(job.id) / EVAL_ROWS
-        if eval_path.is_file():
-            await self._evaluate(job, await _thread(read_rows, eval_path), event["step"])
+        if not eval_path.is_file():
+            await self._finish(job, event)
+            return
+        rows = await _thread(read_rows, eval_path)
+        scope = self._evaluating[job.id] = anyio.CancelScope()  # from here a cancel (`stop`) stops it
+        if await _thread(self.store.status, job.id) not in ("running", "paused"):  # cancelled meanwhile
+            del self._evaluating[job.id]
+            return
+        # beside the training slots: this job's frees as its worker exits, while its eval goes on
+        self._tg.start_soon(self._evaluate_and_finish, job, rows, event, scope)
 
+    async def _evaluate_and_finish(self, job: _Job, rows: list[dict], event: dict, scope: anyio.CancelScope):
+        """The job's eval file answered, then the job succeeds; cancelled with the job (`stop`)."""
+        try:
+            with scope:
+                await self._evaluate(job, rows, event["step"])
+                await self._finish(job, event)
+        except Exception:  # a bug or a failing disk: this job fails, never the runner
+            log.exception("fine-tuning job %s failed", job.id)
+            await self._fail(job, "the job failed on the server while answering its eval file")
+        finally:
+            del self._evaluating[job.id]
+        if await _thread(self.store.status, job.id) in FINISHED:
+            await _thread(shutil.rmtree, self.store.run_dir(job.id), True)
+
+    async def _finish(self, job: _Job, event: dict) -> None:
         def write_results() -> str:
             file_id = result_file_id(job.id)
             data = results_csv(self.store.metrics(job.id))
