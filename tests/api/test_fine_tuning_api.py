@@ -265,8 +265,9 @@ def calls(name: str, answered: str = "c1") -> list[dict]:
          "method.supervised.hyperparameters.n_epochs", "n_epochs"),
         (TRAIN, {"method": {"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 1000}}}},
          "method.supervised.hyperparameters.batch_size", "batch_size"),
-        (TRAIN, {"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": -1}}}}, "training_file",
-         "Line 1: a chat: DPO reads preference pairs"),
+        (TRAIN, {"method": {"type": "dpo"}}, "training_file", "Line 1: a chat: DPO reads preference pairs"),
+        (TRAIN, {"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": -1}}}},
+         "method.dpo.hyperparameters.beta", "beta"),  # (found before the file is read)
         (TRAIN, {"hyperparameters": {"learning_rate_multiplier": True}},
          "hyperparameters.learning_rate_multiplier", "learning_rate_multiplier"),
         (TRAIN, {"hyperparameters": {"lora_rank": 1024}}, "hyperparameters.lora_rank", "lora_rank"),
