@@ -114,6 +114,8 @@ class DrainingServer(uvicorn.Server):
         """The drain's progress on a tick: exit once nothing generates. Past the deadline, each tick cuts what
         still does (`streams.cut`: a 503 error event ends each stream, as a failure midway does; one that got
         its reply streams since, too), and the server exits once they have sent it, or CUT_GRACE_S later."""
+        if not self.state.limiter.lines_closed:  # those waiting in their tenant's line: 503 at once
+            self.state.limiter.close_lines()
         now = time.monotonic()
         if now > self.drain_deadline:
             self.cut += cut(self.state)

@@ -147,6 +147,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.files.store import FileStore
     from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
+    from motet.api.rate_limits import RateLimiter
     from motet.api.responses.store import ResponseStore
     from motet.api.served_names import served_names, shared_loras
     from motet.api.state import ServerState
@@ -221,6 +222,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         sampling_defaults=defaults,
         usage=usage,
         grammar_limits=grammar_limits(args),
+        limiter=RateLimiter(wait_s=args.tenant_wait_timeout),
     )
     state.limiter.reload(state.auth.tenant_limits())
     log.info("data directory: %s", data)  # (once every flag was accepted: a refusal stays one line)
@@ -522,6 +524,16 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-body-bytes", type=integer(1), default=4 << 20, help="larger request bodies get 413")
     p.add_argument(
         "--drain-timeout", type=seconds(0), default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    from motet.api.rate_limits import DEFAULT_WAIT_S, LINE_PER_PLACE
+
+    p.add_argument(
+        "--tenant-wait-timeout",
+        type=seconds(0),
+        default=DEFAULT_WAIT_S,
+        help=f"seconds a request over its tenant's max_concurrent_requests (--api-keys) waits in the tenant's line "
+        f"for a place (at most {LINE_PER_PLACE} waiting a place) before its 429; 0: 429 at once (default: "
+        f"{DEFAULT_WAIT_S:g})",
     )
     from motet.api.slow_clients import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
