@@ -235,7 +235,7 @@ def test_requests_over_the_concurrency_limit_wait_in_line_and_are_let_in_as_plac
         assert lined.statuses[b"too late"] == 429 and lined.headers[b"too late"]["retry-after"] == "2"
         assert b"too late" not in lined.bodies and not limiter._usage["t"].line
 
-        limiter.wait_s = 60  # the server drains: those in line go on to the app (which answers 503 while draining)
+        limiter.wait_s = 60  # the server drains: those in line go on to the app (its 503 while draining)
         async with anyio.create_task_group() as tg:
             lined.answer[b"holder 2"], lined.answer[b"in line"] = anyio.Event(), anyio.Event()
             tg.start_soon(lined.request, "t", b"holder 2")
