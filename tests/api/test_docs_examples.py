@@ -47,3 +47,38 @@ def test_the_python_pages_example_prints_what_the_page_says(capsys, monkeypatch)
     exec(compile(code, "docs/python.md", "exec"), {})
     printed = capsys.readouterr().out
     assert printed == shown and all(line.strip() for line in printed.splitlines())
+
+
+def test_the_fine_tuning_pages_round_trip_runs_as_written(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Issue 68, finding 16: docs/fine-tuning.md's round trip never waited for its job, so the model it called was
+    None (a 400). It runs as written against a served tiny model named as the page's (`SmolLM2-135M-Instruct`), its
+    key the tenants page's `sk-alice-1` (team-a), a `train.jsonl` of the page's own training example; only the
+    address differs (a free port for the page's 8000)."""
+    import openai
+
+    from tests.live_server import keys_file, tiny_server
+
+    page = (ROOT / "docs" / "fine-tuning.md").read_text()
+    code = re.search(r"## The round trip\n\n```python\n(.*?)```", page, re.DOTALL)[1]
+    example = json.loads(re.search(r"## Training data\n.*?```json\n(.*?)```", page, re.DOTALL)[1])
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(example) for _ in range(4)))
+    keys_file(tmp_path, {"sk-alice-1": "team-a"})
+    srv = tiny_server(tiny_model_dir, tmp_path, name="SmolLM2-135M-Instruct")
+
+    class Served(openai.OpenAI):  # the page's client, at this server's address
+        def __init__(self, *, base_url: str, **kwargs):
+            assert base_url == "http://127.0.0.1:8000/v1"
+            super().__init__(base_url=f"{srv.url}/v1", **kwargs)
+
+    monkeypatch.setattr(openai, "OpenAI", Served)
+    monkeypatch.chdir(tmp_path)
+    names: dict = {}
+    try:
+        exec(compile(code, "docs/fine-tuning.md", "exec"), names)
+    finally:
+        srv.stop()
+    job, answer = names["job"], names["answer"]
+    assert job.status == "succeeded", job.error
+    assert job.fine_tuned_model.startswith("ft:SmolLM2-135M-Instruct:team-a:upper:")
+    assert answer.model == job.fine_tuned_model and answer.choices[0].message.role == "assistant"
+    assert "The job has successfully completed" in capsys.readouterr().out
