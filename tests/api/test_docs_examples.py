@@ -103,3 +103,31 @@ def test_readme_and_the_manuals_index_list_every_page():
 
     assert [p for p in pages if p not in rows("README.md", "docs/")] == []
     assert [p for p in pages if p not in rows("docs/index.md", "")] == []
+
+
+def test_the_batches_pages_example_file_is_a_batch_every_line_of_which_is_answered(tiny_model_dir, tmp_path):
+    """Issue 68, finding 16: docs/api/batches.md uploaded a `requests.jsonl` it never showed. Its example runs as
+    the page's batch would: `motet run-batch` (the server's routes and validation, offline) on a tiny model served
+    under the page's model name answers every line 200, each body a chat completion as the openai SDK parses it."""
+    import os
+    import subprocess
+    import sys
+
+    from openai.types.chat import ChatCompletion
+
+    page = (ROOT / "docs" / "api" / "batches.md").read_text()
+    example = re.search(r"`requests\.jsonl` holds .*?```json\n(.*?)```", page, re.DOTALL)[1]
+    lines = [json.loads(line) for line in example.splitlines()]
+    assert len(lines) >= 2 and all(line["url"] == "/v1/chat/completions" for line in lines)
+    (tmp_path / "requests.jsonl").write_text(example)
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "motet.api.cli", "run-batch", "-i", str(tmp_path / "requests.jsonl"), "-o",
+           str(out), "--model", str(tiny_model_dir), "--served-model-name", "SmolLM2-135M-Instruct",
+           "--threads", "1", "--max-model-len", "1024"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ)
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [a["custom_id"] for a in answers] == [line["custom_id"] for line in lines]
+    for a in answers:
+        assert a["error"] is None and a["response"]["status_code"] == 200, a
+        ChatCompletion.model_validate(a["response"]["body"])
