@@ -304,19 +304,10 @@ def apply_keys(state, loaded) -> None:
     log.info("SIGHUP: reloaded the API keys: %d keys, %d tenants with limits", len(auth.keys), len(limits))
 
 
-def dtype_line(args, config) -> str:
-    """The served dtype, and why where `--dtype auto` chose it."""
-    from motet.engine.config import AUTO_DTYPE, auto_dtype
-
-    if getattr(args, "dtype", None) != AUTO_DTYPE:
-        return config.dtype
-    other = "float32" if config.dtype == "bfloat16" else "bfloat16"
-    return f"{config.dtype} (--dtype auto: {auto_dtype(config.torch_device)[1]}; --dtype {other} for {other})"
-
-
 def serve(args, config) -> int:
     """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
     from motet.api.status_log import StatusLog
+    from motet.engine.config import loaded_dtype
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -334,7 +325,7 @@ def serve(args, config) -> int:
     log.info(
         "loading %s in %s on %s (GET /health answers 503 until it has loaded)",
         state.model_name,
-        dtype_line(args, config),
+        loaded_dtype(config, args.dtype),
         url,
     )
     server.run(sockets=[sock])
