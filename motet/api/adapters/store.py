@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,6 +86,8 @@ class AdapterStore:
         self._lock = anyio.Lock()
         self._saving = anyio.Lock()  # a tenant's room checked and taken by one save at a time
         self._tenants: dict[str, dict[str, Adapter]] = {}
+        # what else keeps a tenant's models, told of each one deleted: (tenant, name), in a worker thread
+        self.on_delete: list[Callable[[str, str], None]] = []
 
     async def registry(self) -> AdapterRegistry:
         """Opened on first use: it validates against the base model, known once the engine is loaded."""
@@ -239,6 +242,8 @@ class AdapterStore:
             own[name] = adapter
             raise
         self.system.remove_lora(adapter.ref.name)
+        for deleted in self.on_delete:
+            await anyio.to_thread.run_sync(deleted, tenant, name)
 
 
 def _size(path: Path) -> int:
