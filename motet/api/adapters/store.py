@@ -93,6 +93,8 @@ class AdapterStore:
         # (tenant, besides: a job or None) -> the bytes the tenant's admitted work will store but that job's
         self._reserved: Callable[[str, str | None], int] = lambda tenant, besides: 0
         self._tenants: dict[str, dict[str, Adapter]] = {}
+        # what else keeps a tenant's models, told of each one deleted: (tenant, name), in a worker thread
+        self.on_delete: list[Callable[[str, str], None]] = []
 
     async def registry(self) -> AdapterRegistry:
         """Opened on first use: it validates against the base model, known once the engine is loaded."""
@@ -272,6 +274,8 @@ class AdapterStore:
             own[name] = adapter
             raise
         self.system.remove_lora(adapter.ref.name)
+        for deleted in self.on_delete:
+            await anyio.to_thread.run_sync(deleted, tenant, name)
 
 
 def _size(path: Path) -> int:

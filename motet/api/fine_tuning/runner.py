@@ -151,6 +151,7 @@ class FineTuningRunner:
         quotas: Quotas | None = None,
     ):
         self.store, self.files, self.adapters, self.usage = store, files, adapters, usage
+        adapters.on_delete.append(store.model_deleted)  # a checkpoint's model deleted: no longer listed
         self.settings = settings or RunnerSettings()
         self.quotas = quotas or Quotas()  # what POST /v1/fine_tuning/jobs lets each tenant have
         if self.settings.max_running < 1 or self.settings.threads < 1:

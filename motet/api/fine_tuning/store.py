@@ -85,6 +85,7 @@ _SCHEMA = (
         step INTEGER NOT NULL,
         model TEXT NOT NULL,
         metrics TEXT NOT NULL,
+        deleted INTEGER NOT NULL DEFAULT 0,  -- 1: the tenant deleted its model (no longer listed)
         UNIQUE (job, step)
     )""",
 )
@@ -181,10 +182,14 @@ def _checkpoint(row: tuple) -> dict:
 class FineTuningStore(SQLiteStore):
     def __init__(self, data_dir: str | Path):
         super().__init__(Path(data_dir) / FILENAME, _SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
-        for column in ("adapter_bytes", "adapters_left"):  # a store written before jobs reserved their room
-            if column not in columns:
-                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
+        # the columns a store written by an earlier motet lacks (jobs reserving their room, checkpoints deleted)
+        for table, column in (
+            ("jobs", "adapter_bytes"),
+            ("jobs", "adapters_left"),
+            ("checkpoints", "deleted"),
+        ):
+            if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
         self.jobs_dir = Path(data_dir) / "fine_tuning"  # each job's run directory (motet/training/trainer.py)
 
     def run_dir(self, job_id: str) -> Path:
@@ -244,9 +249,19 @@ class FineTuningStore(SQLiteStore):
         )
 
     def checkpoints(self, tenant: str, job_id: str, after: str | None, limit: int):
+        """A page of the job's checkpoints whose models the tenant has not deleted, newest first."""
         return self._keyset_page(
-            "checkpoints", _CHECKPOINT, _checkpoint, tenant, after, limit, where="job = ?", args=(job_id,)
-        )
+            "checkpoints", _CHECKPOINT, _checkpoint, tenant, after, limit, where="job = ? AND deleted = 0",
+            args=(job_id,),
+        )  # fmt: skip
+
+    def model_deleted(self, tenant: str, model: str) -> None:
+        """The tenant deleted its model `model`: a checkpoint that was it is no longer listed, as OpenAI's (its row
+        stays, so that a job that goes on after a restart does not store it again)."""
+        with self._write():
+            self._db.execute(
+                "UPDATE checkpoints SET deleted = 1 WHERE tenant = ? AND model = ?", (tenant, model)
+            )
 
     def reserved_bytes(self, tenant: str, besides: str | None = None) -> int:
         """The bytes of adapters the tenant's active jobs (but `besides`) have yet to store."""
