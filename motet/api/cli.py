@@ -54,6 +54,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         CUDA_GPU_MEMORY_UTILIZATION,
         CUDA_STEP_TOKENS,
         CUDA_TPOT_TARGET_MS,
+        DEFAULT_DTYPE,
         DTYPES,
         GRAMMAR_BACKENDS,
         MAX_BLOCK_SIZE,
@@ -84,7 +85,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     flag(
         "--dtype",
         choices=[AUTO_DTYPE, *sorted(DTYPES)],
-        default=AUTO_DTYPE,
+        default=DEFAULT_DTYPE,
         help="weights' and KV cache's type; auto (the default, as vLLM's): bfloat16 where the hardware computes it "
         "natively (a CPU with AVX512_BF16, AMX or Arm's BF16; a CUDA GPU that has it), float32 elsewhere",
     )

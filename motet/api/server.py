@@ -160,6 +160,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     from motet.api.files.store import FileStore
     from motet.api.generation_config import sampling_defaults
     from motet.api.metrics import Metrics
+    from motet.api.rate_limits import RateLimiter
     from motet.api.responses.store import ResponseStore
     from motet.api.served_names import served_names, shared_loras
     from motet.api.state import ServerState
@@ -234,6 +235,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         sampling_defaults=defaults,
         usage=usage,
         grammar_limits=grammar_limits(args),
+        limiter=RateLimiter(wait_s=args.tenant_wait_timeout),
     )
     state.limiter.reload(state.auth.tenant_limits())
     log.info("data directory: %s", data)  # (once every flag was accepted: a refusal stays one line)
@@ -315,19 +317,10 @@ def apply_keys(state, loaded) -> None:
     log.info("SIGHUP: reloaded the API keys: %d keys, %d tenants with limits", len(auth.keys), len(limits))
 
 
-def dtype_line(args, config) -> str:
-    """The served dtype, and why where `--dtype auto` chose it."""
-    from motet.engine.config import AUTO_DTYPE, auto_dtype
-
-    if getattr(args, "dtype", None) != AUTO_DTYPE:
-        return config.dtype
-    other = "float32" if config.dtype == "bfloat16" else "bfloat16"
-    return f"{config.dtype} (--dtype auto: {auto_dtype(config.torch_device)[1]}; --dtype {other} for {other})"
-
-
 def serve(args, config) -> int:
     """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
     from motet.api.status_log import StatusLog
+    from motet.engine.config import loaded_dtype
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -345,7 +338,7 @@ def serve(args, config) -> int:
     log.info(
         "loading %s in %s on %s (GET /health answers 503 until it has loaded)",
         state.model_name,
-        dtype_line(args, config),
+        loaded_dtype(config, args.dtype),
         url,
     )
     server.run(sockets=[sock])
@@ -536,6 +529,16 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-body-bytes", type=integer(1), default=4 << 20, help="larger request bodies get 413")
     p.add_argument(
         "--drain-timeout", type=seconds(0), default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    from motet.api.rate_limits import DEFAULT_WAIT_S, LINE_PER_PLACE
+
+    p.add_argument(
+        "--tenant-wait-timeout",
+        type=seconds(0),
+        default=DEFAULT_WAIT_S,
+        help=f"seconds a request over its tenant's max_concurrent_requests (--api-keys) waits in the tenant's line "
+        f"for a place (at most {LINE_PER_PLACE} waiting a place) before its 429; 0: 429 at once (default: "
+        f"{DEFAULT_WAIT_S:g})",
     )
     from motet.api.slow_clients import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
