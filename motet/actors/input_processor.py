@@ -12,10 +12,10 @@ it is thread-safe by what it holds:
 - the grammar cache: thread-safe (its own lock), compiling against the engine's GrammarTokenizer, built once
   when this is (`of`, in a worker thread: it takes a moment) and only read after;
 - the adapter manager's `load`, which takes the manager's lock; nothing else of the manager (the rest is the
-  engine's thread's, and the overlapped forward thread's, which makes a step's LoRA segments under the same lock).
+  engine's thread's).
 
 Nothing here touches the engine's step state (its sequences, blocks, scheduler): that is the engine thread's
-(motet/actors/executor.py; an overlapped engine's forward thread reads a launched batch: motet/engine/stepping.py),
+(motet/actors/executor.py; an overlapped engine's forward thread is given values only: motet/engine/stepping.py),
 and a prepared request reaches it whole, as an EngineRequest.
 """
 

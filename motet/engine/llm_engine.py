@@ -20,10 +20,9 @@ returns what finished for the engine to end. The offline `LLM` (motet/engine/llm
 are isolated, and `commit` ends those with an error while the others carry on. Not thread-safe: one thread drives
 it; the serving ingress's worker threads (motet/actors/input_processor.py) read `config`, `limits`,
 `grammar_cache`, `grammar_tokenizer` and call `adapters.load`, each frozen or behind its own lock. The overlapped
-strategy's forward thread runs `execute`: it reads the launched batch (its plan and its rows' adapter ids), makes
-the step's LoRA segments under the adapter manager's lock and starts the bitmask from the step's grammars, all
-before the launch, which the caller's thread waits for; then the runner and the batch's plan only (a failing step
-is bisected there, making segments and masks again).
+strategy's forward thread is given each step as values (`forward_call`, made on the driving thread: the plan, the
+LoRA segments, the grammar mask, the inputs) and hands back its result or its exception; a failing step is bisected
+on the driving thread as it lands (`bisect`).
 """
 
 from __future__ import annotations
