@@ -27,8 +27,11 @@ from motet.api.batches.runner import answer
 log = logging.getLogger("motet.batches")
 
 
+URL_SCHEMES = ("http", "https")  # what -i and -o take besides local paths
+
+
 def _is_url(path: str) -> bool:
-    return path.startswith(("http://", "https://"))
+    return path.startswith(tuple(f"{scheme}://" for scheme in URL_SCHEMES))
 
 
 def read_input(path: str) -> list[bytes]:
@@ -45,6 +48,7 @@ def write_output(path: str, lines: list[bytes]) -> None:
         with urllib.request.urlopen(request):  # noqa: S310
             return
     target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)  # (-o's check: nothing but directories on its way)
     with tempfile.NamedTemporaryFile("wb", dir=target.parent or ".", delete=False, suffix=".partial") as f:
         f.writelines(lines)
     os.replace(f.name, target)

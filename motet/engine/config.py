@@ -48,8 +48,46 @@ GGUF_QUANTIZATION = "gguf"
 QUANTIZATIONS = (*QUANT_FORMATS, GGUF_QUANTIZATION, *CHECKPOINT_QUANTIZATIONS)
 
 
+# The devices motet runs on (EngineConfig.device, --device): "auto" (cuda where torch sees a GPU, else cpu), cpu,
+# cuda or cuda:N.
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def checked_device(name: str) -> torch.device:
+    """The torch device `name` names, where this machine and this torch build have it; ValueError saying why
+    not (an unknown device, CUDA not in this torch build or not seen, no such device index)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in DEVICE_TYPES:
+        raise ValueError(
+            f"unknown device {name!r:.60}: motet runs on auto (cuda where available, else cpu), cpu, cuda or cuda:N"
+        )
+    if device.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise ValueError(
+                f"{name}: CUDA is not available in this torch build (torch {torch.__version__}, built without "
+                "CUDA); use cpu, or install a CUDA build of torch"
+            )
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ValueError(
+                f"{name}: torch {torch.__version__} sees no CUDA device on this machine; use cpu"
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"{name}: no such device index: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
+    return device
+
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-AUTO_DTYPE = "auto"  # `motet serve`'s default, as vLLM's: `auto_dtype` picks one of DTYPES for the device
+AUTO_DTYPE = "auto"  # as vLLM's: `auto_dtype` picks one of DTYPES for the device
+# What an engine loads in unless told: EngineConfig's default, so LLM's and every `motet` command's `--dtype`.
+DEFAULT_DTYPE = AUTO_DTYPE
 
 
 def auto_dtype(device: torch.device) -> tuple[str, str]:
@@ -66,6 +104,17 @@ def auto_dtype(device: torch.device) -> tuple[str, str]:
     if flag is not None:
         return "bfloat16", f"this CPU computes bf16 ({flag})"
     return "float32", "this CPU has no native bf16 (avx512_bf16, amx_bf16)"
+
+
+def loaded_dtype(config: EngineConfig, asked: str, option: str = "--dtype {}") -> str:
+    """The dtype `config` loads in, for a start-up line; with why, where `asked` (the dtype the caller was given)
+    is AUTO_DTYPE, and how to ask for the other (`option`: how the caller's users set it, `--dtype {}` or
+    `dtype="{}"`)."""
+    if asked != AUTO_DTYPE:
+        return config.dtype
+    other = "float32" if config.dtype == "bfloat16" else "bfloat16"
+    why = auto_dtype(config.torch_device)[1]
+    return f"{config.dtype} ({option.format(AUTO_DTYPE)}: {why}; {option.format(other)} for {other})"
 
 
 # --max-model-len's floor, and the fewest tokens a KV cache may hold (motet/engine/worker/memory.py `check_fits`):
@@ -146,14 +195,15 @@ class EngineConfig:
     # vLLM's --tokenizer: a directory whose Hugging Face tokenizer (and its chat template) serves the model instead
     # of the model's own (a GGUF file's, derived from its metadata, or the checkpoint directory's). None: the model's.
     tokenizer: str | None = None
-    dtype: str = "float32"
+    # One of DTYPES, or auto (DEFAULT_DTYPE): bfloat16 where the device computes it natively, else float32.
+    dtype: str = field(default_factory=lambda: DEFAULT_DTYPE)
     # Quantized projections (the embedding table stays in `dtype`), one of QUANTIZATIONS: "int8" (Q8_0's
     # blocks) or "int4" (Q4_1's) quantize a float checkpoint's decoder projections on load, and its lm_head
     # into int8; "gguf" serves the directory's GGUF file in its own blocks, and is implied when `model` is a
     # .gguf file; "gptq" / "awq" name a GPTQ / AWQ checkpoint's own method (optional: such a checkpoint is
     # served 4-bit either way, and any other value conflicts). None: the checkpoint's weights.
     quantization: str | None = None
-    device: str = "auto"  # "auto": cuda when available, else cpu
+    device: str = "auto"  # "auto": cuda when available, else cpu; cpu, cuda or cuda:N (DEVICE_TYPES)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from memory_utilization, or else kv_cache_gb
     # GiB for the KV cache; None: the device's default (memory_utilization on CUDA, CPU_KV_CACHE_MEMORY_GB on CPU).
@@ -250,6 +300,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
+        checked_device(self.device)  # (before anything asks torch_device)
         if self.dtype == AUTO_DTYPE:
             self.dtype = auto_dtype(self.torch_device)[0]
         if self.tokenizer is not None:
@@ -370,6 +421,4 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return checked_device(self.device)

@@ -75,7 +75,7 @@ class ModelView:
     def from_files(cls, config: EngineConfig, model_dir: Path) -> ModelView:
         """The view of the engine `config` builds on `model_dir`, read from the model's files (its config and
         tokenizer, not its weights): what the Ray ingress knows of the replicas it routes to."""
-        model_config = load_model_config(model_dir)
+        model_config = load_model_config(model_dir, config.tokenizer)
         return cls(
             **_configured(config),
             model_dir=Path(model_dir),

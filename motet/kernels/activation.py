@@ -1,4 +1,6 @@
-"""SwiGLU's activation, SiLU(gate) * up, from the fused gate/up projection's output in one launch.
+"""The gated MLP's activations, act(gate) * up, by motet's names (`GATED`: their torch references, the model's
+computation; the native CPU step's are motet/kernels/csrc's, cpu_native.ACTIVATIONS), and SwiGLU's, SiLU(gate) *
+up, from the fused gate/up projection's output in one launch.
 
 ``gate_up [T, 2I]`` holds each row's gate in its first ``I`` columns and its up in the last ``I``. The torch
 path splits it, applies SiLU (one kernel, rounded to the activations' dtype) and multiplies (a second); the
@@ -17,6 +19,21 @@ from motet.kernels.triton_support import tl, triton
 
 BLOCK = 1024  # columns per program
 
+# act(gate) as transformers' ACT2FN computes it, by motet's name (ModelConfig.hidden_act, which
+# motet/models/fields.py HIDDEN_ACTS reads config.json's names into)
+GATED = {
+    "silu": F.silu,
+    "gelu": F.gelu,  # by the error function
+    "gelu_tanh": lambda gate: F.gelu(gate, approximate="tanh"),
+    "relu": F.relu,
+    "relu2": lambda gate: F.relu(gate).square(),
+}
+
+
+def act_and_mul_reference(name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up, act by its name in GATED."""
+    return GATED[name](gate) * up
+
 
 def applies(x: torch.Tensor) -> bool:
     """Whether the MLP's activation on `x` goes through `silu_and_mul` (CUDA, Triton installed)."""
@@ -25,7 +42,7 @@ def applies(x: torch.Tensor) -> bool:
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-    return F.silu(gate) * up
+    return act_and_mul_reference("silu", gate, up)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,14 @@ OP_KINDS = (
     "gated_add",
     "latent_attention",
 )  # OpKind
-ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_limit")  # the source's Activation, by the config's names
+ACTIVATIONS = (
+    "silu",
+    "gelu_tanh",
+    "swiglu_limit",
+    "gelu",
+    "relu",
+    "relu2",
+)  # the source's Activation, by motet's names
 KV_POOLS = ("global", "window")  # the source's KvPool: which slots and tables an op's KV lives at
 OP_INTS, OP_PTRS, OP_FLOATS = 12, 5, 3
 

@@ -11,7 +11,15 @@ from pathlib import Path
 from motet.models import SUPPORTED_ARCHITECTURES, find
 from motet.models import get as get_declaration
 from motet.models.declaration import Architecture, ModelLoadError
-from motet.models.fields import LIMITS, bounded, bounded_number, flag, sliding_window
+from motet.models.fields import (
+    LIMITS,
+    bounded,
+    bounded_number,
+    flag,
+    hidden_act,
+    refuse_what_is_not_computed,
+    sliding_window,
+)
 from motet.models.latent import LatentAttention
 from motet.models.projections import projection_shapes
 from motet.models.rope_config import checked_rope_scaling
@@ -41,7 +49,9 @@ class ModelConfig:
     pre_norms: bool = True  # a norm before each block (all but OLMo 2)
     # Gemma: a norm multiplies by offset + w (the offset added to the weights as they load)
     norm_weight_offset: float = 0.0
-    hidden_act: str = "silu"  # the MLP's: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    # the MLP's act(gate) * up, by motet's name (models/fields.py HIDDEN_ACTS): "silu" (SwiGLU), "gelu_tanh"
+    # (Gemma's GeGLU), "gelu", "relu", "relu2"
+    hidden_act: str = "silu"
     # Sliding-window attention: a query attends to the last `sliding_window` positions only, in every layer
     # (Mistral's) or in `sliding_layers` (Gemma 3's local layers, with their own rope base apart from the global
     # layers' rope_theta and rope_scaling)
@@ -53,7 +63,7 @@ class ModelConfig:
     logit_softcap: float | None = None
     # GPT-OSS: a bias on o_proj too, each head's sink logit in its attention softmax, biases on the router and the
     # experts, and the experts' clamped SwiGLU ("swiglu_limit": gate clamped to <= limit, up to +-limit,
-    # (up + 1) * gate * sigmoid(alpha * gate)) instead of SiLU
+    # (up + 1) * gate * sigmoid(alpha * gate)); the other families' experts compute the MLP's hidden_act
     output_bias: bool = False
     attention_sinks: bool = False
     expert_bias: bool = False
@@ -216,7 +226,7 @@ class ModelConfig:
                 if rope_scaling is None and nested.get("rope_type", "default") != "default":
                     rope_scaling, rope_key = nested, nested_key
             partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
-            partial = bounded_number(partial, "partial_rotary_factor", source, above=0.0, at_most=1.0)
+            partial = bounded_number(partial, "partial_rotary_factor", source)
             rotary_dim = cfg.get("rotary_dim") or int(head_dim * partial)  # (transformers' rounding)
             rotary_dim = bounded(rotary_dim, "rotary_dim", source, 0, head_dim)
             if rotary_dim < 2 or rotary_dim % 2:
@@ -224,7 +234,9 @@ class ModelConfig:
                     f"{source}: the rotary turns {rotary_dim} of each head's {head_dim} dimensions "
                     f"(partial_rotary_factor {partial}): it must turn an even number of them, at least 2"
                 )
+            refuse_what_is_not_computed(cfg, source)
             bos = cfg.get("bos_token_id")
+            act = "silu" if decl.activation is None else hidden_act(cfg, *decl.activation, source)
             fields = dict(
                 architecture=next(a for a in archs if a in decl.names),
                 vocab_size=integer("vocab_size"),
@@ -234,10 +246,8 @@ class ModelConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=integer("num_key_value_heads", cfg.get("num_key_value_heads") or heads),
                 head_dim=head_dim,
-                rms_norm_eps=bounded_number(
-                    cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source, above=0.0, below=1.0
-                ),
-                rope_theta=bounded_number(rope_theta, theta_key, source, above=0.0),
+                rms_norm_eps=bounded_number(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+                rope_theta=bounded_number(rope_theta, theta_key, source),
                 rope_scaling=checked_rope_scaling(
                     rope_scaling,
                     max_positions,
@@ -256,6 +266,8 @@ class ModelConfig:
                 post_norms=decl.post_norms,
                 pre_norms=decl.pre_norms,
                 norm_weight_offset=decl.norm_weight_offset,
+                hidden_act=act,
+                expert_act=act,
                 sliding_window=sliding_window(cfg, source, used_by_default=True),
                 rotary_dim=rotary_dim,
                 bos_token_id=None if bos is None else bounded(bos, "bos_token_id", source, *TOKEN_IDS),

@@ -29,9 +29,13 @@ class Architecture:
     qk_norm_whole: bool = False
     post_norms: bool = False
     # Gemma: norms before the blocks too (sandwich norms, with post_norms), norm weights stored as an offset
-    # from 1 (RMSNorm multiplies by 1 + w), and the MLP's activation (config.json's hidden_activation).
+    # from 1 (RMSNorm multiplies by 1 + w).
     pre_norms: bool = True
     norm_weight_offset: float = 0.0
+    # The config.json field that names the MLP's (and the experts') activation, by transformers' ACT2FN names,
+    # and its value where config.json does not say (transformers' config class's default): Gemma's
+    # hidden_activation. None: the family's transformers model reads none (GPT-OSS's experts' own SwiGLU).
+    activation: tuple[str, str] | None = ("hidden_act", "silu")
     # A mixture of experts: (config.json, number of layers, source) -> the ModelConfig's expert fields
     # (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
     # shared_expert_intermediate_size, sparse_layers). None: every layer's MLP is dense.

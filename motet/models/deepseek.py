@@ -69,7 +69,7 @@ def _experts(cfg: dict, num_layers: int, source: str, sigmoid: bool) -> dict:
         expert_groups=groups,
         expert_groups_kept=kept,
         routed_scaling_factor=bounded_number(
-            cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor", source, above=0.0
+            cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor", source
         ),
     )
 
@@ -96,8 +96,6 @@ def latent_options(cfg: dict, source: str) -> dict:
     )
     if latent.qk_rope_head_dim % 2:
         raise ModelLoadError(f"{source}: qk_rope_head_dim must be even, got {latent.qk_rope_head_dim}")
-    if flag(cfg, "mlp_bias", source, False):
-        raise ModelLoadError(f"{source}: mlp_bias true: motet's DeepSeek MLPs have no biases")
     return dict(
         latent=latent,
         head_dim=latent.qk_nope_head_dim + latent.qk_rope_head_dim,

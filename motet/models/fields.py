@@ -1,6 +1,7 @@
 """How a declaration reads config.json's fields: each one checked as it is read (its type, a finite number, its
 range) and refused in one line naming it (ModelLoadError), never a traceback or a value the decoder cannot use
-(a config or GGUF file is input)."""
+(a config or GGUF file is input). The ranges of its numbers are here: integers' in LIMITS (or given where read),
+real numbers' in REALS, each read by name; the activations it computes in HIDDEN_ACTS."""
 
 from __future__ import annotations
 
@@ -26,6 +27,37 @@ LIMITS = {
     "moe_intermediate_size": (0, 2**18),
     "shared_expert_intermediate_size": (0, 2**18),
 }
+
+
+# config.json's activation names (transformers' ACT2FN) -> the one motet computes for it (ModelConfig.hidden_act:
+# motet/kernels/activation.py GATED in the eager decoder, cpu_native.ACTIVATIONS in the native step); the
+# names of one function are its spellings (gelu_new and gelu_fast: GELU's tanh form as gelu_pytorch_tanh
+# computes it). Another name is refused by name.
+HIDDEN_ACTS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+    "relu2": "relu2",
+}
+
+
+def hidden_act(cfg: dict, field: str, default: str, source: str) -> str:
+    """The activation config.json's `field` names (`default` where unsaid), by motet's name; ModelLoadError naming
+    the field and its value for one motet does not compute."""
+    name = cfg.get(field)
+    name = default if name is None else name
+    if not isinstance(name, str) or name not in HIDDEN_ACTS:
+        raise ModelLoadError(
+            f"{source}: {field} {name!r:.60} is not an activation motet computes; it computes "
+            f"{', '.join(HIDDEN_ACTS)}"
+        )
+    return HIDDEN_ACTS[name]
 
 
 def finite_in_float32(x: float) -> bool:
@@ -54,34 +86,71 @@ def bounded(value, field: str, source: str, lo: int, hi: int) -> int:
     return n
 
 
-def bounded_number(
-    value,
-    name: str,
-    source: str,
-    *,
-    above: float | None = None,
-    at_least: float | None = None,
-    below: float | None = None,
-    at_most: float | None = None,
-) -> float:
-    """A finite number from config.json within the bounds given (a rope factor of at least 1, an epsilon above 0
-    and below 1), or ModelLoadError naming it and them. Finite in float32: the model computes in float32 or
-    bfloat16 (float32's range), where 1e39, finite in float64, is inf and its products NaN."""
+# A factor that scales the activations (a multiplier, or a divisor) stays within [1 / MAX_SCALE, MAX_SCALE]: the
+# trained models' are within [0.007, 256], and a residual stream of activations up to ~1e4 times 1e6 still
+# squares (RMSNorm) within float32's range (3.4e38), where DeepSeek's routed_scaling_factor of 1e38, finite in
+# float32, made every logit NaN.
+MAX_SCALE = 1e6
+SCALE = {"at_least": 1 / MAX_SCALE, "at_most": MAX_SCALE}
+
+# Every real number a config.json field holds, with its range, by the field's name (a nested field's last part:
+# rope_scaling.factor is "factor"): `bounded_number` reads each one against its range here (a field's reader adds
+# only its bounds relative to another field's, as a llama3 band's high_freq_factor above its low_freq_factor).
+# Integers' ranges: LIMITS.
+REALS: dict[str, dict[str, float]] = {
+    "rms_norm_eps": {"above": 0.0, "below": 1.0},
+    # the rotary's bases: below 1 a pair turns faster than one radian a position (near 0 its frequencies
+    # overflow float32)
+    "rope_theta": {"at_least": 1.0},
+    "rope_local_base_freq": {"at_least": 1.0},
+    "partial_rotary_factor": {"above": 0.0, "at_most": 1.0},
+    # rope_scaling's (transformers' _validate_*_rope_parameters' ranges)
+    "factor": {"at_least": 1.0},
+    "low_freq_factor": {"above": 0.0},
+    "high_freq_factor": {"above": 0.0},
+    "beta_slow": {"above": 0.0},
+    "beta_fast": {"above": 0.0},
+    "short_factor": {"above": 0.0},
+    "long_factor": {"above": 0.0},
+    "attention_factor": SCALE,
+    "mscale": {"at_least": 0.0, "at_most": MAX_SCALE},  # (0: none, as transformers' yarn_get_mscale reads it)
+    "mscale_all_dim": {"at_least": 0.0, "at_most": MAX_SCALE},
+    # the families' scales of the activations
+    "routed_scaling_factor": SCALE,
+    "embedding_multiplier": SCALE,
+    "attention_multiplier": SCALE,
+    "residual_multiplier": SCALE,
+    "logits_scaling": SCALE,
+    "query_pre_attn_scalar": SCALE,
+    "attn_logit_softcapping": SCALE,
+    "final_logit_softcapping": SCALE,
+    "swiglu_alpha": SCALE,
+    "swiglu_limit": SCALE,
+}
+_BOUNDS = (  # (word, test, the tighter of two such bounds)
+    ("above", float.__gt__, max),
+    ("at_least", float.__ge__, max),
+    ("below", float.__lt__, min),
+    ("at_most", float.__le__, min),
+)
+
+
+def bounded_number(value, name: str, source: str, **relative: float) -> float:
+    """A finite number from config.json within its range (REALS, by `name`'s last part) and the `relative` bounds
+    given (above, at_least, below, at_most: another field's value), or ModelLoadError naming it and them. Finite in
+    float32: the model computes in float32 or bfloat16 (float32's range), where 1e39, finite in float64, is inf
+    and its products NaN."""
     if is_number(value) and math.isfinite(value) and not finite_in_float32(float(value)):
         raise ModelLoadError(
             f"{source}: {name} must be finite in float32 (motet computes in float32 or bfloat16: at most about "
             f"3.4e38 in size), got {value!r:.80}"
         )
-    bounds = [
-        (word, limit, test)
-        for word, limit, test in (
-            ("above", above, float.__gt__),
-            ("at least", at_least, float.__ge__),
-            ("below", below, float.__lt__),
-            ("at most", at_most, float.__le__),
-        )
-        if limit is not None
-    ]
+    own = REALS[name.rsplit(".", 1)[-1]]
+    bounds = []
+    for word, test, tighter in _BOUNDS:
+        limits = [b[word] for b in (own, relative) if b.get(word) is not None]
+        if limits:
+            bounds.append((word.replace("_", " "), tighter(limits), test))
     if (
         is_number(value)
         and math.isfinite(value)
@@ -93,11 +162,6 @@ def bounded_number(
     raise ModelLoadError(f"{source}: {name} must be {what}, got {value!r:.80}")
 
 
-def bounded_float(value, name: str, source: str) -> float:
-    """A positive, finite number from config.json (a soft-capping constant), or ModelLoadError naming it."""
-    return bounded_number(value, name, source, above=0.0)
-
-
 def flag(cfg: dict, name: str, source: str, default: bool) -> bool:
     """A true / false field of config.json (null: the default); a string such as "false" is refused, not read as
     true."""
@@ -107,6 +171,21 @@ def flag(cfg: dict, name: str, source: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise ModelLoadError(f"{source}: {name} must be true or false, got {value!r}")
     return value
+
+
+# Switches of config.json (any family's) that change the arithmetic where true, which motet does not compute:
+# refused by name where true (their transformers default is false).
+NOT_COMPUTED_WHEN_TRUE = {
+    "mlp_bias": "motet's MLPs have no biases",
+    "use_bidirectional_attention": "motet's attention is causal (each position attends to those before it)",
+}
+
+
+def refuse_what_is_not_computed(cfg: dict, source: str) -> None:
+    """ModelLoadError naming the first of NOT_COMPUTED_WHEN_TRUE that config.json sets true."""
+    for name, why in NOT_COMPUTED_WHEN_TRUE.items():
+        if flag(cfg, name, source, False):
+            raise ModelLoadError(f"{source}: {name} true: {why}")
 
 
 def sliding_window(cfg: dict, source: str, used_by_default: bool) -> int | None:
@@ -138,13 +217,10 @@ def every_other_layer(cfg: dict) -> tuple[int, ...]:
 
 
 def top_k_experts(cfg: dict, experts: int | None, source: str) -> int:
-    """num_experts_per_tok, checked against the number of experts (None: no layer has experts); the experts
-    compute silu only."""
+    """num_experts_per_tok, checked against the number of experts (None: no layer has experts)."""
     top_k = bounded(cfg["num_experts_per_tok"], "num_experts_per_tok", source, *LIMITS["num_experts"])
     if experts is not None and not 1 <= top_k <= experts:
         raise ModelLoadError(
             f"{source}: num_experts_per_tok must be between 1 and the number of experts ({experts}), got {top_k}"
         )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{source}: hidden_act {cfg['hidden_act']!r}: motet's experts compute silu only")
     return top_k

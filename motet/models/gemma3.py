@@ -5,8 +5,8 @@ query_pre_attn_scalar, and sliding-window layers (`layer_types`) with their own 
 
 import math
 
-from motet.models.declaration import Architecture, ModelLoadError
-from motet.models.fields import bounded, bounded_float, sliding_layers
+from motet.models.declaration import Architecture
+from motet.models.fields import bounded, bounded_number, sliding_layers
 
 # Gemma's norms after the attention, before the MLP and after it -> the decoder's names for them
 GEMMA_NORM_NAMES = {
@@ -17,26 +17,21 @@ GEMMA_NORM_NAMES = {
 
 
 def gemma_options(cfg: dict, source: str, default_sliding: tuple[int, ...]) -> dict:
-    """What Gemma 2 and 3 read alike: the embedding and query scales, GeGLU, soft-capping, the sliding layers
+    """What Gemma 2 and 3 read alike: the embedding and query scales, soft-capping, the sliding layers
     (`default_sliding` where config.json does not list them)."""
-    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-        raise ModelLoadError(
-            f"{source}: hidden_activation {cfg['hidden_activation']!r}: motet computes gelu_pytorch_tanh"
-        )
     caps = {}
     for field, cap in (
         ("attn_softcap", "attn_logit_softcapping"),
         ("logit_softcap", "final_logit_softcapping"),
     ):
         if cfg.get(cap) is not None:
-            caps[field] = bounded_float(cfg[cap], cap, source)
+            caps[field] = bounded_number(cfg[cap], cap, source)
     return dict(
         embedding_multiplier=math.sqrt(int(cfg["hidden_size"])),
-        attention_multiplier=bounded_float(
+        attention_multiplier=bounded_number(
             cfg.get("query_pre_attn_scalar", 256), "query_pre_attn_scalar", source
         )
         ** -0.5,
-        hidden_act="gelu_tanh",
         sliding_layers=sliding_layers(cfg, source, default_sliding),
         **caps,
     )
@@ -84,7 +79,7 @@ def options(cfg: dict, source: str) -> dict:
     if local is None:  # transformers >= 5 nests it per layer type
         local = ((cfg.get("rope_parameters") or {}).get("sliding_attention") or {}).get("rope_theta", 10000.0)
         name = "rope_parameters.sliding_attention.rope_theta"
-    return dict(gemma_options(cfg, source, default), rope_local_theta=bounded_float(local, name, source))
+    return dict(gemma_options(cfg, source, default), rope_local_theta=bounded_number(local, name, source))
 
 
 GEMMA3 = Architecture(
@@ -92,6 +87,7 @@ GEMMA3 = Architecture(
     qk_norm=True,
     post_norms=True,
     norm_weight_offset=1.0,
+    activation=("hidden_activation", "gelu_pytorch_tanh"),  # GeGLU
     options=options,
     checkpoint_names=GEMMA_NORM_NAMES,
     gguf="gemma3",

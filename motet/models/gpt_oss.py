@@ -5,7 +5,7 @@ with gate and up columns interleaved (in MXFP4 in OpenAI's checkpoints). It writ
 reasoning are channels of its output."""
 
 from motet.models.declaration import Architecture, ModelLoadError
-from motet.models.fields import bounded_float, every_other_layer, flag, sliding_layers
+from motet.models.fields import bounded_number, every_other_layer, flag, sliding_layers
 from motet.models.mixtral import experts  # the same: every layer, num_local_experts, top-k renormalized
 
 
@@ -22,8 +22,8 @@ def options(cfg: dict, source: str) -> dict:
         attention_sinks=True,
         expert_bias=True,
         expert_act="swiglu_limit",
-        swiglu_alpha=bounded_float(cfg.get("swiglu_alpha", 1.702), "swiglu_alpha", source),
-        swiglu_limit=bounded_float(cfg.get("swiglu_limit", 7.0), "swiglu_limit", source),
+        swiglu_alpha=bounded_number(cfg.get("swiglu_alpha", 1.702), "swiglu_alpha", source),
+        swiglu_limit=bounded_number(cfg.get("swiglu_limit", 7.0), "swiglu_limit", source),
         sliding_layers=sliding_layers(cfg, source, every_other_layer(cfg)),
     )
 
@@ -46,6 +46,7 @@ GPT_OSS = Architecture(
     qkv_bias=True,
     experts=experts,
     options=options,
+    activation=None,  # (its experts' own clamped SwiGLU; transformers' GPT-OSS reads no hidden_act)
     expert_layout="interleaved",
     checkpoint_names={"router": "gate"},
     tool_format="openai",  # harmony's channels: calls on commentary, reasoning on analysis

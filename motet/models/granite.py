@@ -3,12 +3,12 @@ embedding_multiplier, attention scores times attention_multiplier (in place of 1
 output times residual_multiplier before the residual add, and the logits divided by logits_scaling."""
 
 from motet.models.declaration import Architecture
-from motet.models.fields import bounded_float
+from motet.models.fields import bounded_number
 
 
 def options(cfg: dict, source: str) -> dict:
     names = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
-    return {name: bounded_float(cfg.get(name, 1.0), name, source) for name in names}
+    return {name: bounded_number(cfg.get(name, 1.0), name, source) for name in names}
 
 
 def gguf_config(key, cfg: dict, source: str, tensors) -> dict:

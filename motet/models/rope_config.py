@@ -2,7 +2,8 @@
 checked as it is read: the types motet implements (motet/engine/worker/model.py: rope_inv_freq) and every field they
 read, a number in its range, so that a factor of 0 or "2", a llama3 band of no width or a YaRN context of 1e9 is
 one line naming the field, never a ZeroDivisionError or frequencies of inf and NaN. The ranges are transformers'
-(its `_validate_*_rope_parameters`, which only warn): a factor of at least 1, high_freq_factor above
+(its `_validate_*_rope_parameters`, which only warn), written with every config number's in
+motet/models/fields.py REALS: a factor of at least 1; here the bounds between fields, high_freq_factor above
 low_freq_factor, beta_fast at least beta_slow. LongRoPE's (Phi-3.5, Phi-4-mini; Phi-3's older "su" the same) short and
 long factors: one positive number per rotated pair of dimensions."""
 
@@ -52,8 +53,9 @@ def checked_rope_scaling(
         )
     out = dict(scaling, rope_type=kind)
 
-    def number(field: str, **bounds) -> float:
-        out[field] = bounded_number(scaling.get(field), f"{key}.{field}", source, **bounds)
+    def number(field: str, **relative) -> float:
+        """The field in its range (fields.py REALS) and above or at least another field's `relative` value."""
+        out[field] = bounded_number(scaling.get(field), f"{key}.{field}", source, **relative)
         return out[field]
 
     def context(field: str) -> int:
@@ -61,9 +63,9 @@ def checked_rope_scaling(
         return out[field]
 
     if kind in ("linear", "llama3"):
-        number("factor", at_least=1.0)
+        number("factor")
     if kind == "llama3":
-        low = number("low_freq_factor", above=0.0)
+        low = number("low_freq_factor")
         number("high_freq_factor", above=low)
         context("original_max_position_embeddings")
     if kind == "yarn":
@@ -71,20 +73,15 @@ def checked_rope_scaling(
         if scaling.get("original_max_position_embeddings") is not None:
             original = context("original_max_position_embeddings")
         if scaling.get("factor") is not None:
-            number("factor", at_least=1.0)
+            number("factor")
         elif original > max_positions:  # the factor would be max_position_embeddings / original
             raise ModelLoadError(
                 f"{source}: {key}.original_max_position_embeddings ({original}) is above "
                 f"max_position_embeddings ({max_positions}) and no factor is given: YaRN's factor would be below 1"
             )
-        for field, bounds in (
-            ("attention_factor", {"above": 0.0}),
-            ("beta_slow", {"above": 0.0}),
-            ("mscale", {"at_least": 0.0}),
-            ("mscale_all_dim", {"at_least": 0.0}),
-        ):
+        for field in ("attention_factor", "beta_slow", "mscale", "mscale_all_dim"):
             if scaling.get(field) is not None:
-                number(field, **bounds)
+                number(field)
         if scaling.get("beta_fast") is not None:
             number("beta_fast", at_least=out.get("beta_slow") or 1.0)
         truncate = scaling.get("truncate")  # (null: false, as transformers and rope_inv_freq read it)
@@ -105,9 +102,8 @@ def checked_rope_scaling(
                 raise ModelLoadError(
                     f"{source}: {key}.{field} must be {want} (one per rotated pair), got {factors!r:.80}"
                 )
-            out[field] = [bounded_number(f, f"{key}.{field}", source, above=0.0) for f in factors]
-        if scaling.get("factor") is not None:
-            number("factor", above=0.0)
-        if scaling.get("attention_factor") is not None:
-            number("attention_factor", above=0.0)
+            out[field] = [bounded_number(f, f"{key}.{field}", source) for f in factors]
+        for field in ("factor", "attention_factor"):
+            if scaling.get(field) is not None:
+                number(field)
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -82,6 +83,70 @@ def test_motet_serve_refuses_nan_in_one_line():
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--responses-max-age-days" in lines[0] and "finite" in lines[0], done.stderr
+
+
+# (the machine torch is told it is, what `--device` says of it)
+CPU_ONLY_BUILD = dict(cuda=None, hip=None, available=False, count=0)
+TWO_GPUS = dict(cuda="12.4", hip=None, available=True, count=2)
+NO_GPU_SEEN = dict(cuda="12.4", hip=None, available=False, count=0)
+
+
+@pytest.mark.parametrize(
+    "machine, value, says",
+    [
+        (CPU_ONLY_BUILD, "bogus", "unknown device 'bogus': motet runs on auto"),
+        (CPU_ONLY_BUILD, "mps", "unknown device 'mps'"),
+        (CPU_ONLY_BUILD, "cuda", "cuda: CUDA is not available in this torch build"),
+        (CPU_ONLY_BUILD, "cuda:7", "cuda:7: CUDA is not available in this torch build"),
+        (NO_GPU_SEEN, "cuda", "sees no CUDA device on this machine"),
+        (
+            TWO_GPUS,
+            "cuda:7",
+            "cuda:7: no such device index: this machine has 2 CUDA device(s), cuda:0 to cuda:1",
+        ),
+    ],
+)
+def test_a_device_this_machine_lacks_is_refused_naming_device(machine, value, says, monkeypatch, capsys):
+    """Issue 68, finding 5: `--device bogus|cuda|cuda:7` on a CPU-only torch was a start-up traceback (in the
+    dtype and memory checks); now argparse's one line naming --device and why, exit 2. The engine's config
+    refuses it alike (LLM(device=...))."""
+    import torch
+
+    from motet.engine.config import EngineConfig
+
+    monkeypatch.setattr(torch.version, "cuda", machine["cuda"])
+    monkeypatch.setattr(torch.version, "hip", machine["hip"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: machine["available"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: machine["count"])
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--device", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --device: " in err[0] and says in err[0], err
+    with pytest.raises(ValueError, match=re.escape(says)):
+        EngineConfig(device=value)
+
+
+@pytest.mark.parametrize("value", ["auto", "cpu"])
+def test_the_devices_every_machine_has_pass(value):
+    build_parser().parse_args(["serve", "--device", value])
+
+
+def test_motet_serve_refuses_an_unknown_device_in_one_line(tiny_model_dir):
+    cmd = [
+        sys.executable,
+        "-m",
+        "motet.api.cli",
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        "--device",
+        "bogus",
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--device" in lines[0] and "unknown device 'bogus'" in lines[0], done.stderr
 
 
 def deep_json_file(tmp_path, depth: int = 100_000) -> str:
@@ -175,6 +240,15 @@ def test_good_values_of_those_flags_pass(flag, value):
         (["--kv-offload-gb", "1e9"], "--kv-offload-gb 1e+09 asks for"),
         (["--num-kv-blocks", "1"], "--num-kv-blocks 1 holds a KV cache of 16 tokens"),
         (["--num-kv-blocks", "4", "--block-size", "256"], None),  # 1,024 tokens: enough
+        # issue 68, finding 13: refused once the weights had loaded (the server up), or naming another flag
+        (["--quantization", "gptq"], "--quantization gptq: "),
+        (["--quantization", "awq"], "is not an AWQ checkpoint (its config.json has no quantization_config)"),
+        (
+            ["--tensor-parallel-size", "1000"],
+            "--tensor-parallel-size 1000: tensor parallelism splits the model's 2 key/value heads, one at least "
+            "per rank: choose a --tensor-parallel-size of at most 2",
+        ),
+        (["--tensor-parallel-size", "2"], None),
     ],
 )
 def test_flags_the_model_or_memory_bound_are_refused_before_anything_loads(flags, says, tiny_model_dir, tmp_path,
@@ -196,6 +270,23 @@ def test_flags_the_model_or_memory_bound_are_refused_before_anything_loads(flags
     assert (says or "the checks passed") in err[0], err
 
 
+def test_more_ranks_than_cores_are_refused_before_any_starts(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Each rank is a process with its threads: --tensor-parallel-size past the cores this process may run on is
+    refused naming the flag and the limit (here one core, as a container may give)."""
+    from motet.api import server
+    from motet.api.cli import main
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(server, "build_state", lambda *a, **k: pytest.fail("the ranks were started"))
+    code = main(["serve", "--model", str(tiny_model_dir), "--port", "0", "--data-dir", str(tmp_path / "d"),
+                 "--tensor-parallel-size", "2"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert (
+        "--tensor-parallel-size 2 is more than this machine's 1 core(s) this process may run on" in err[0]
+    ), err
+
+
 def test_motet_serve_refuses_a_context_past_the_models_in_one_line(tiny_model_dir):
     cmd = [sys.executable, "-m", "motet.api.cli", "serve", "--model", str(tiny_model_dir), "--port", "0",
            "--max-model-len", "10000000000"]  # fmt: skip
@@ -203,3 +294,86 @@ def test_motet_serve_refuses_a_context_past_the_models_in_one_line(tiny_model_di
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--max-model-len" in lines[0] and "4096 positions" in lines[0], done.stderr
+
+
+# Each command's path flags with a path of the wrong kind: {file} a regular file, {dir} a directory, {file}/x a path
+# under a file (ENOTDIR). `env`: a path given as an environment variable instead of a flag.
+PATH_CASES = [
+    ("eval --out FILE", ["eval", "jsonschema", "--out", "{file}"], {}, "argument --out: {file}: not a directory"),
+    ("eval --out UNDER", ["eval", "jsonschema", "--out", "{file}/x"], {}, "argument --out: {file}/x: Not a directory"),
+    ("eval --data DIR", ["eval", "jsonschema", "--out", "{dir}/r", "--data", "{dir}"], {},
+     "argument --data: {dir}: not a regular file (a directory)"),
+    ("eval lora --adapters-dir FILE", ["eval", "lora", "--out", "{dir}/r", "--adapters-dir", "{file}"], {},
+     "argument --adapters-dir: {file}: not a directory (a regular file)"),
+    ("run-batch -i DIR", ["run-batch", "-i", "{dir}", "-o", "{dir}/out.jsonl"], {},
+     "argument -i/--input-file: {dir}: not a regular file (a directory)"),
+    ("run-batch -o DIR", ["run-batch", "-i", "{file}", "-o", "{dir}"], {},
+     "argument -o/--output-file: {dir}: not a regular file (a directory)"),
+    ("run-batch -o UNDER", ["run-batch", "-i", "{file}", "-o", "{file}/x"], {},
+     "argument -o/--output-file: {file}/x: Not a directory"),
+    ("pull --cache-dir FILE", ["pull", "--cache-dir", "{file}"], {}, "argument --cache-dir: {file}: not a directory"),
+    ("pull --cache-dir UNDER", ["pull", "--cache-dir", "{file}/x"], {}, "argument --cache-dir: {file}/x: Not a directory"),
+    ("serve --data-dir FILE", ["serve", "--data-dir", "{file}"], {}, "argument --data-dir: {file}: not a directory"),
+    ("serve --data-dir UNDER", ["serve", "--data-dir", "{file}/x"], {}, "argument --data-dir: {file}/x: Not a directory"),
+    ("serve $MOTET_DATA_DIR FILE", ["serve"], {"MOTET_DATA_DIR": "{file}"},
+     "motet: error: $MOTET_DATA_DIR {file}: not a directory (a regular file)"),
+    ("serve --kv-shared-dir FILE", ["serve", "--kv-shared-dir", "{file}"], {},
+     "argument --kv-shared-dir: {file}: not a directory"),
+    ("serve --api-keys DIR", ["serve", "--api-keys", "{dir}"], {}, "--api-keys {dir}: cannot read"),
+    ("serve --tenant-weights DIR", ["serve", "--tenant-weights", "{dir}"], {},
+     "argument --tenant-weights: {dir}: not a regular file (a directory)"),
+    ("generate --kv-disk-gb, $MOTET_DATA_DIR FILE", ["generate", "--prompt", "x", "--kv-disk-gb", "1"],
+     {"MOTET_DATA_DIR": "{file}"}, "motet: error: $MOTET_DATA_DIR {file}: not a directory (a regular file)"),
+    ("fine-tune FILE DIR", ["fine-tune", "{dir}"], {}, "argument FILE: {dir}: not a regular file (a directory)"),
+    ("fine-tune --out FILE", ["fine-tune", "{file}", "--out", "{file}"], {}, "argument --out: {file}: not a directory"),
+]  # fmt: skip
+_ENGINE = {"serve", "generate", "run-batch", "fine-tune"}  # commands that take --model
+
+
+@pytest.mark.parametrize("argv, env, says", [c[1:] for c in PATH_CASES], ids=[c[0] for c in PATH_CASES])
+def test_a_path_flag_of_the_wrong_kind_exits_2_in_one_line(argv, env, says, tiny_model_dir, tmp_path, capsys,
+                                                          monkeypatch):  # fmt: skip
+    """Issue 68: every command's path flags, as `motet fine-tune`'s (flag_types.py input_file, input_directory,
+    output_file, output_directory): a file to read that is a directory, an output that exists as a file or lies
+    under one is argparse's one-line refusal, exit 2, before anything loads or runs (before: an OSError's
+    traceback out of open() or mkdir(), for `run-batch -o` once the whole batch had run)."""
+    from motet.api.cli import main
+
+    file, folder = tmp_path / "afile", tmp_path / "adir"
+    file.write_text("{}\n")
+    folder.mkdir()
+    fill = {"file": file, "dir": folder}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(**fill))
+    args = [a.format(**fill) for a in argv]
+    # Where a path passed (before the checks), nothing is pulled (the tiny model) and no server started (one
+    # that is not there).
+    if args[0] in _ENGINE:
+        args += ["--model", str(tiny_model_dir), "--threads", "1"]
+    if args[0] == "eval":
+        args += ["--base-url", "http://127.0.0.1:9"]
+    if args[0] == "serve":
+        args += ["--port", "0"]
+    try:
+        code = main(args)
+    except SystemExit as e:  # (`motet eval` parses its own flags)
+        code = e.code
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert says.format(**fill) in err[0] and "Traceback" not in err[0], err
+
+
+def test_paths_of_the_right_kind_and_urls_pass(tmp_path):
+    """What the path types let through: a file to overwrite, a directory to make (its parents too), a URL where
+    the flag takes one (run-batch's http(s), the shared KV tier's fsspec URLs)."""
+    data = tmp_path / "in.jsonl"
+    data.write_text("")
+    new = tmp_path / "new" / "dir"
+    args = build_parser().parse_args(["run-batch", "-i", str(data), "-o", str(data)])
+    assert (args.input_file, args.output_file) == (str(data), str(data))
+    args = build_parser().parse_args(["run-batch", "-i", "https://h/in.jsonl", "-o", f"{new}/out.jsonl"])
+    assert args.input_file == "https://h/in.jsonl"
+    args = build_parser().parse_args(["serve", "--data-dir", str(new), "--kv-shared-dir", "s3://bucket/kv"])
+    assert (args.data_dir, args.kv_shared_dir) == (new, "s3://bucket/kv")
+    assert build_parser().parse_args(["pull", "--cache-dir", str(new)]).cache_dir == new
+    assert not new.exists()  # (made by the command that writes there, not by its parser)

@@ -153,6 +153,7 @@ def int32_o_proj(model):
 
 GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
 QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+GRANITE = {"architectures": ["GraniteForCausalLM"], "model_type": "granite"}
 
 # (how the tiny checkpoint is broken, what the one line says). The first rows used to end in a traceback (an
 # OverflowError, AttributeError, RecursionError, ZeroDivisionError, TypeError, OSError); the others loaded and
@@ -174,7 +175,9 @@ MALFORMED = [
     pytest.param(whole("[1, 2]"), "must be a JSON object", id="list"),
     pytest.param(whole("[" * 100_000 + "]" * 100_000), "nested too deeply", id="nested"),
     pytest.param(
-        patch(**GEMMA3, query_pre_attn_scalar=0), "query_pre_attn_scalar must be a positive", id="gemma-q0"
+        patch(**GEMMA3, query_pre_attn_scalar=0),
+        "query_pre_attn_scalar must be a number at least 1e-06 and at most 1e.06, got 0",
+        id="gemma-q0",
     ),
     pytest.param(llama3(low_freq_factor=0), "low_freq_factor must be a positive number", id="llama3-low-0"),
     pytest.param(
@@ -196,7 +199,9 @@ MALFORMED = [
     ),
     pytest.param(rope(rope_type="linear", factor=1e39), "factor must be finite in float32", id="factor-1e39"),
     pytest.param(
-        patch(**GEMMA3, rope_local_base_freq=-1e4), "rope_local_base_freq must be a positive", id="base"
+        patch(**GEMMA3, rope_local_base_freq=-1e4),
+        "rope_local_base_freq must be a number at least 1",
+        id="base",
     ),
     pytest.param(
         patch(
@@ -206,7 +211,7 @@ MALFORMED = [
                 "full_attention": {"rope_type": "default", "rope_theta": 1e6},
             },
         ),
-        "rope_parameters.sliding_attention.rope_theta must be a positive number, got -10000.0",
+        "rope_parameters.sliding_attention.rope_theta must be a number at least 1, got -10000.0",
         id="local-base",
     ),
     pytest.param(
@@ -237,6 +242,36 @@ MALFORMED = [
     pytest.param(rope(rope_type="dynamic", factor=2.0), "type 'dynamic' is not supported", id="dynamic"),
     pytest.param(patch(tie_word_embeddings="false"), "tie_word_embeddings must be true or false", id="bool"),
     pytest.param(patch(eos_token_id=[2, "3"]), "eos_token_id must be an integer", id="eos-str"),
+    # finite in float32, but scales that overflow it in the model's products (issue 68, finding 13: DeepSeek's
+    # routed_scaling_factor of 1e38 served an empty abort to every request)
+    pytest.param(
+        patch(**GRANITE, embedding_multiplier=1e38),
+        r"embedding_multiplier must be a number at least 1e-06 and at most 1e\+06, got 1e\+38",
+        id="granite-1e38",
+    ),
+    pytest.param(
+        patch(**GRANITE, logits_scaling=1e-38), "logits_scaling must be a number at least 1e-06", id="divisor"
+    ),
+    pytest.param(
+        patch(**GEMMA3, final_logit_softcapping=1e30),
+        "final_logit_softcapping must be .* at most 1e",
+        id="cap",
+    ),
+    pytest.param(
+        rope(rope_theta=1e-38), "rope_parameters.rope_theta must be a number at least 1", id="theta"
+    ),
+    pytest.param(
+        rope(rope_type="yarn", factor=4.0, attention_factor=1e30),
+        "attention_factor must be .* at most",
+        id="yarn",
+    ),
+    pytest.param(patch(hidden_act="gelu_10"), "hidden_act 'gelu_10' is not an activation", id="act"),
+    pytest.param(patch(mlp_bias=True), "mlp_bias true: motet's MLPs have no biases", id="mlp-bias"),
+    pytest.param(
+        patch(**GEMMA3, use_bidirectional_attention=True),
+        "use_bidirectional_attention true: motet's attention is causal",
+        id="bidirectional",
+    ),
 ]
 
 
@@ -288,3 +323,46 @@ def test_a_fifo_in_the_model_directory_is_refused_unopened(source, tmp_path, nam
     finally:
         os.killpg(rescue.pid, signal.SIGKILL)
         rescue.wait()
+
+
+def without_eos(source, model, tokenizer_too: bool = True):
+    """A copy of `source` whose config.json and generation_config.json name no eos_token_id (nor, where
+    `tokenizer_too`, its tokenizer_config.json an eos_token)."""
+    shutil.copytree(source, model)
+    for name, key in [("config.json", "eos_token_id"), ("generation_config.json", "eos_token_id")] + (
+        [("tokenizer_config.json", "eos_token")] if tokenizer_too else []
+    ):
+        fields = json.loads((model / name).read_text())
+        fields.pop(key)
+        (model / name).write_text(json.dumps(fields))
+    return model
+
+
+def test_a_checkpoint_with_no_eos_anywhere_is_refused_naming_the_files(source, tmp_path, capsys):
+    """Issue 68, finding 7: such a checkpoint loaded, then every grammar failed with xgrammar's "stop_token_ids
+    cannot be empty" (and answers had no end but max_tokens); now one line at load naming eos_token_id and the
+    files looked in, before the weights are read (here not even a weights file)."""
+    from motet.engine.llm import LLM
+
+    model = without_eos(source, tmp_path / "m")
+    (model / "model.safetensors").write_bytes(b"not weights")
+    line = refused(model, capsys)
+    assert "no eos_token_id" in line, line
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        assert str(model / name) in line, line
+    with pytest.raises(ModelLoadError, match="no eos_token_id"):
+        LLM(str(model), num_kv_blocks=16)
+
+
+def test_the_tokenizers_eos_ends_answers_where_the_configs_name_none(source, tmp_path):
+    """Neither config names one, the tokenizer does: its eos_token_id (as transformers' tokenizer reads it) is the
+    model's, and the grammars stop at it."""
+    from transformers import AutoTokenizer
+
+    from motet.engine.llm import LLM
+
+    model = without_eos(source, tmp_path / "m", tokenizer_too=False)
+    eos = AutoTokenizer.from_pretrained(model).eos_token_id
+    assert eos is not None and load_model_config(model).eos_token_ids == (eos,)
+    llm = LLM(str(model), num_kv_blocks=16)
+    assert llm.engine.grammar_tokenizer.stop_token_ids == [eos]

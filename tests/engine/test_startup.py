@@ -137,10 +137,14 @@ def test_loading_needs_little_more_than_the_weights(tmp_path, dtype):
     assert found["load_ratio"] < 1.5, found
 
 
-def test_kv_cache_default_is_a_share_of_the_memory_on_cuda_a_fixed_size_on_cpu():
+def test_kv_cache_default_is_a_share_of_the_memory_on_cuda_a_fixed_size_on_cpu(monkeypatch):
     """On CUDA (read from the config alone: nothing touches a device) the KV cache takes what vLLM's default
     share leaves; on CPU the fixed size. An explicit size wins over the default share, an explicit share over
-    both."""
+    both. (torch told it has a GPU: a device the machine lacks is refused, tests/api/test_flags.py)"""
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     cuda = EngineConfig(device="cuda")
     assert cuda.memory_utilization == CUDA_GPU_MEMORY_UTILIZATION == 0.9
     fixed = EngineConfig(device="cuda", kv_cache_memory_gb=2.5)
@@ -305,9 +309,8 @@ def test_warm_up_captures_the_graphs_where_there_are_graphs(tiny_model_dir, monk
     assert r.graphs.graphs == {(1,): "captured"}
 
 
-def test_serve_runs_bf16_where_the_cpu_computes_it_and_float32_stays_one_flag_away():
-    """`motet serve`'s default dtype is vLLM's `auto`: bf16 on a CPU whose flags (/proc/cpuinfo, read here on its
-    own) have AVX512_BF16, AMX or Arm's BF16, float32 elsewhere; `--dtype float32` still serves float32."""
+def native_bf16_cpu() -> bool:
+    """Whether this CPU's flags (/proc/cpuinfo, read here on its own) have AVX512_BF16, AMX or Arm's BF16."""
     from pathlib import Path
 
     flags = set()
@@ -315,7 +318,13 @@ def test_serve_runs_bf16_where_the_cpu_computes_it_and_float32_stays_one_flag_aw
         if line.startswith(("flags", "Features")):
             flags = set(line.split(":", 1)[1].split())
             break
-    native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def test_serve_runs_bf16_where_the_cpu_computes_it_and_float32_stays_one_flag_away(motet_default_dtype):
+    """`motet serve`'s default dtype is vLLM's `auto`: bf16 on a CPU whose flags have AVX512_BF16, AMX or Arm's
+    BF16, float32 elsewhere; `--dtype float32` still serves float32."""
+    native = native_bf16_cpu()
     parser = build_parser()
     auto = engine_config(parser.parse_args(["serve", "--device", "cpu"]))
     assert auto.dtype == ("bfloat16" if native else "float32")
@@ -352,3 +361,30 @@ def test_the_offline_entry_points_show_their_start_up(tiny_model_dir, tmp_path):
     pull = "import sys; from motet.api.cli import main; main(['pull']); print('torch' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", pull], capture_output=True, text=True, env=env, timeout=600)
     assert run.stdout.split() == [str(model), "False"], run.stderr
+
+
+def test_llm_loads_in_serves_dtype_and_says_which(tiny_model_dir):
+    """Issue 68, finding 16: `LLM()` loaded the default model in float32 (515 MiB) and logged no dtype where
+    `motet serve` loaded bf16 (259 MiB) and said so: the offline API had its own default. Both now take
+    EngineConfig's (auto: bf16 on a CPU whose flags have it, float32 elsewhere), and LLM's first line says which and
+    why, as serve's does; dtype="float32" / "bfloat16" still load that, without a reason. In a fresh process:
+    motet's own default, as a script gets it."""
+    import subprocess
+    import sys
+
+    expected, other = ("bfloat16", "float32") if native_bf16_cpu() else ("float32", "bfloat16")
+    script = (
+        "import sys; from motet import LLM; "
+        f"llm = LLM({str(tiny_model_dir)!r}, num_kv_blocks=8, **dict(a.split('=') for a in sys.argv[1:])); "
+        "print(next(llm.engine.runner.model.parameters()).dtype)"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [f"torch.{expected}"]
+    said = f'motet.engine: loading {tiny_model_dir} in {expected} (dtype="auto": this CPU '
+    assert said in run.stderr and f'; dtype="{other}" for {other})' in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-c", script, f"dtype={other}"], capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [f"torch.{other}"]
+    assert f"motet.engine: loading {tiny_model_dir} in {other}\n" in run.stderr, run.stderr

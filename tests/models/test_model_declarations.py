@@ -165,7 +165,7 @@ def test_configs_read_their_declarations(family):
         assert (hub.rope_local_theta, hub.rope_theta) == (10000.0, 1e6)
         capped = ModelConfig.from_dict({**raw, "final_logit_softcapping": 30.0})
         assert (capped.logit_softcap, capped.attn_softcap) == (30.0, None)
-        with pytest.raises(ModelLoadError, match="final_logit_softcapping must be a positive number"):
+        with pytest.raises(ModelLoadError, match="final_logit_softcapping must be a number at least 1e-06"):
             ModelConfig.from_dict({**raw, "final_logit_softcapping": -1})
     elif cfg.architecture == "Gemma2ForCausalLM":
         assert cfg.post_norms and cfg.pre_norms and not cfg.qk_norm and cfg.hidden_act == "gelu_tanh"

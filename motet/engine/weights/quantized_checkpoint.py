@@ -128,7 +128,8 @@ def declared_quantization(model_dir: str | Path, requested: str | None) -> Check
     if declared is None:
         if requested in CHECKPOINT_QUANTIZATIONS:
             raise ModelLoadError(
-                f"--quantization {requested}: {model_dir} is not a {requested.upper()} checkpoint (its config.json "
+                f"--quantization {requested}: {model_dir} is not {'an' if requested == 'awq' else 'a'} "
+                f"{requested.upper()} checkpoint (its config.json "
                 f"has no quantization_config); serve it without --quantization, or with int8|int4"
             )
         return None

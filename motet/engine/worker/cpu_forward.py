@@ -82,23 +82,13 @@ class PackedTable(torch.nn.Module):
 
     def __init__(self, packed: torch.Tensor, fmt: str | None, rows: int, hidden: int, dtype: torch.dtype):
         super().__init__()
-        self.packed, self.format, self.num_embeddings, self.hidden, self.dtype = (
-            packed,
-            fmt,
-            rows,
-            hidden,
-            dtype,
-        )
+        self.packed, self.format, self.dtype = packed, fmt, dtype
+        self.num_embeddings, self.hidden = rows, hidden
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).long()
         rows = cpu_native.packed_rows(self.packed, ids, self.hidden, self.format).to(self.dtype)
         return rows.view(*input_ids.shape, self.hidden)
-
-
-def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
-    """Whether the native step runs this model (`unsupported` says why not)."""
-    return unsupported(model, kv_dtype) is None
 
 
 def _return_freed_memory() -> None:

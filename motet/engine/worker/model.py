@@ -21,6 +21,7 @@ deltas stay in the model's dtype on top.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.latent_attention import LatentAttention
 from motet.engine.worker.layers import Linear, RMSNorm, quantized_product
-from motet.engine.worker.op_writer import OpWriter, activation_name, packed_bytes, panel_bytes
+from motet.engine.worker.op_writer import OpWriter, packed_bytes, panel_bytes
 from motet.engine.worker.parallel import SINGLE, Parallel
 from motet.engine.worker.routing import Router
 from motet.kernels import activation, cpu_native, rope_kv, triton_moe
@@ -277,7 +278,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU over this rank's intermediate columns; the output is a partial sum under tensor parallelism."""
+    """act(gate) * up (SwiGLU, GeGLU, ...: config.json's activation) over this rank's intermediate columns; the
+    output is a partial sum under tensor parallelism."""
 
     def __init__(
         self,
@@ -292,22 +294,18 @@ class MLP(nn.Module):
         self.intermediate = self.columns[1]
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
-        self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma's GeGLU: GELU (tanh) in place of SiLU
+        self.act = cfg.hidden_act  # act(gate) * up: SwiGLU, Gemma's GeGLU, ... (activation.GATED)
 
     def forward(self, x, lora: LoRABatch | None = None):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             sizes = (self.intermediate, self.intermediate)
             lora.add(gate_up, x, self.layer_idx, GATE_UP, sizes)
-        # SiLU(gate) * up: one kernel on CUDA (motet/kernels/activation.py), its torch reference elsewhere
-        if self.gelu:
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            h = F.gelu(gate, approximate="tanh") * up
+        # act(gate) * up; SiLU's in one kernel on CUDA (motet/kernels/activation.py), the torch reference elsewhere
+        if self.act == "silu" and activation.applies(gate_up):
+            h = activation.silu_and_mul(gate_up)
         else:
-            swiglu = (
-                activation.silu_and_mul if activation.applies(gate_up) else activation.silu_and_mul_reference
-            )
-            h = swiglu(gate_up)
+            h = activation.act_and_mul_reference(self.act, *gate_up.split(self.intermediate, dim=-1))
         y = self.down_proj(h)
         if lora is not None:
             lora.add(y, h, self.layer_idx, ("down_proj",), (y.shape[1],))
@@ -326,7 +324,7 @@ class MLP(nn.Module):
         ops.linear(
             self.gate_up_proj, src, "gu", layer, GATE_UP if lora else None, (inter, inter) if lora else ()
         )
-        ops.w.activation("gu", "act", inter, activation_name(self.gelu))
+        ops.w.activation("gu", "act", inter, self.act)
         down = (("down_proj",), (self.down_proj.out_features,)) if lora else (None, ())
         ops.linear(self.down_proj, "act", dst, layer, *down, accumulate=accumulate)
 
@@ -423,9 +421,12 @@ class Experts(nn.Module):
         if cfg.expert_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * self.intermediate), requires_grad=False)
             self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
-        self.act = (
-            clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.expert_act == "swiglu_limit" else None
-        )
+        # act(gate, up); None: SiLU's (which the Triton kernel fuses)
+        self.act = None
+        if cfg.expert_act == "swiglu_limit":
+            self.act = clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
+        elif cfg.expert_act != "silu":
+            self.act = functools.partial(activation.act_and_mul_reference, cfg.expert_act)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert[expert_ids[t, k]](x[t]) for every token t (this rank's part of it)."""

@@ -18,6 +18,7 @@ without that rank's shard.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,30 @@ import torch.distributed as dist
 
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
+
+
+def check_ranks(size: int, model: ModelConfig, expert_parallel: bool, device: torch.device) -> None:
+    """`--tensor-parallel-size` against what it splits and where its ranks run, before any rank starts:
+    ModelLoadError naming the flag and the limit. The model's key/value heads, one at least a rank (`heads`),
+    with expert parallelism its experts, whole ones a rank (`split`); on CUDA a device a rank (rank r runs on
+    cuda:r), on a CPU a core a rank at least (each rank is a process of its own, with its own threads)."""
+    if size == 1:
+        return
+    where = Parallel(0, size, expert_parallel)
+    where.heads(model)
+    if expert_parallel and model.num_experts:
+        where.split(model.num_experts, "the experts")
+    if device.type == "cuda":
+        room, what = torch.cuda.device_count(), "CUDA device(s), one a rank"
+    else:
+        room = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        what = (
+            "core(s) this process may run on, one a rank at least (each rank a process with its own threads)"
+        )
+    if size > room:
+        raise ModelLoadError(
+            f"--tensor-parallel-size {size} is more than this machine's {room} {what}: choose at most {room}"
+        )
 
 
 class RankFailure(RuntimeError):
@@ -66,8 +91,8 @@ class Parallel:
         kv = cfg.num_key_value_heads
         if kv < self.size:
             raise ModelLoadError(
-                f"tensor parallelism over {self.size} ranks splits the model's {kv} key/value heads, one at least "
-                f"per rank: choose a --tensor-parallel-size of at most {kv}"
+                f"--tensor-parallel-size {self.size}: tensor parallelism splits the model's {kv} key/value heads, one "
+                f"at least per rank: choose a --tensor-parallel-size of at most {kv}"
             )
         group = cfg.num_attention_heads // kv
         kv_start, kv_count = self.part(kv)

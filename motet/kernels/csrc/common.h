@@ -140,6 +140,20 @@ inline void gelu_tanh_mul(const float* g, const float* u, float* out, int n) {
     }
 }
 
+// out[i] = gelu(g[i]) * u[i], GELU by the error function (torch's gelu, transformers' "gelu").
+inline void gelu_mul(const float* g, const float* u, float* out, int n) {
+    const float r = 0.7071067811865476f;  // 1 / sqrt(2)
+    for (int i = 0; i < n; ++i) out[i] = 0.5f * g[i] * (1.0f + std::erf(g[i] * r)) * u[i];
+}
+
+// out[i] = relu(g[i]) * u[i], or relu(g[i])^2 * u[i] where `squared` (transformers' "relu2").
+inline void relu_mul(const float* g, const float* u, float* out, int n, bool squared) {
+    for (int i = 0; i < n; ++i) {
+        const float r = g[i] > 0.0f ? g[i] : 0.0f;
+        out[i] = (squared ? r * r : r) * u[i];
+    }
+}
+
 inline float sigmoid(float x) {
     const float e = std::exp(-std::fabs(x));
     return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);

@@ -65,7 +65,8 @@ enum OpKind {
     kRmsNorm = 0, kLinear, kRotaryKv, kAttention, kActivation, kAddResidual, kMoe, kGatedAdd, kLatentAttention,
     kNumOpKinds
 };
-enum Activation { kActSilu = 0, kActGeluTanh = 1, kActSwigluLimit = 2 };
+// act(gate) * up by the config's names (cpu_native.ACTIVATIONS, in this order)
+enum Activation { kActSilu = 0, kActGeluTanh, kActSwigluLimit, kActGelu, kActRelu, kActRelu2, kNumActivations };
 enum KvPool { kPoolGlobal = 0, kPoolWindow = 1 };
 
 struct Op {
@@ -294,9 +295,14 @@ void attention_op(Ctx& c, const Op& op) {
 }
 
 inline void activate(int kind, const float* g, const float* u, float* out, int n, float alpha, float limit) {
-    if (kind == kActGeluTanh) gelu_tanh_mul(g, u, out, n);
-    else if (kind == kActSwigluLimit) swiglu_limit_mul(g, u, out, n, alpha, limit);
-    else silu_mul(g, u, out, n);
+    switch (kind) {
+        case kActGeluTanh: gelu_tanh_mul(g, u, out, n); break;
+        case kActSwigluLimit: swiglu_limit_mul(g, u, out, n, alpha, limit); break;
+        case kActGelu: gelu_mul(g, u, out, n); break;
+        case kActRelu: relu_mul(g, u, out, n, false); break;
+        case kActRelu2: relu_mul(g, u, out, n, true); break;
+        default: silu_mul(g, u, out, n);
+    }
 }
 
 // out = act(gate) * up of in's rows (gate columns, then up columns), each row times sigmoid(its gate value) where
@@ -560,7 +566,7 @@ inline int check_program(const Program& m) {
                      i[0] * i[2] <= width(op.in) && i[0] * i[2] <= width(op.out) && i[4] >= 0 && op.p[0] && op.p[1];
                 break;
             case kActivation:
-                ok = 2 * i[0] <= width(op.in) && i[0] <= width(op.out) && i[1] >= 0 && i[1] <= kActSwigluLimit;
+                ok = 2 * i[0] <= width(op.in) && i[0] <= width(op.out) && i[1] >= 0 && i[1] < kNumActivations;
                 break;
             case kAddResidual:
                 ok = i[0] <= width(op.in) && i[0] <= width(op.out);
@@ -570,7 +576,7 @@ inline int check_program(const Program& m) {
                 break;
             case kMoe:
                 ok = buffer(i[0]) && i[1] >= 1 && i[2] >= 1 && i[2] <= i[1] && i[3] >= 1 && i[1] <= width(i[0]) &&
-                     i[5] >= 0 && i[5] <= kActSwigluLimit && i[6] <= width(op.in) && i[6] <= width(op.out) &&
+                     i[5] >= 0 && i[5] < kNumActivations && i[6] <= width(op.in) && i[6] <= width(op.out) &&
                      weight_ok(i[7], i[6]) && weight_ok(i[7], i[3]) && op.p[0] && op.p[1] &&
                      (i[8] == 0 || (i[8] == 1 && i[10] >= 1 && i[1] % i[10] == 0 && i[11] >= 1 && i[11] <= i[10]));
                 break;
