@@ -82,7 +82,9 @@ def from_ggml(data: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: Wei
         raise ValueError(f"the input dimension ({K}) must be a multiple of {BLOCK} to requantize it")
     rows = np.ascontiguousarray(data).reshape(N, -1) if np.asarray(data).size else None
     if rows is None or rows.nbytes != N * _row_bytes(ggml_type, K):
-        raise ValueError(f"{np.asarray(data).nbytes} bytes are not a {N}x{K} weight in {type_name(ggml_type)}")
+        raise ValueError(
+            f"{np.asarray(data).nbytes} bytes are not a {N}x{K} weight in {type_name(ggml_type)}"
+        )
     step = max(1, REQUANTIZE_VALUES // K)  # rows at once: the floats of a run of rows, never a whole tensor's
     parts = [INT8.quantize(dequantize(rows[i : i + step], ggml_type, K)) for i in range(0, N, step)]
     return _finite(QuantizedWeight.cat(parts))
