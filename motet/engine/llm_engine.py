@@ -518,19 +518,41 @@ class LLMEngine:
         if not sched.running and not self.stepping.unlanded and not any(adapters.ready(a) for a in waiting):
             adapters.wait_for_load(LOAD_WAIT_S)
 
-    def forward_call(self, batch: ScheduledBatch, inputs=None) -> ForwardCall:
+    def forward_call(self, batch: ScheduledBatch, inputs=None, after_landing: bool = False) -> ForwardCall:
         """The step's forward pass as values, made on the engine's thread: its plan, its LoRA segments (the adapter
-        manager's lock taken here), its grammar mask (its filling started here) and its inputs where built already
-        (`ModelRunner.plan_inputs`). The forward thread of an overlapped engine is given this and nothing else."""
+        manager's lock taken here), its grammar mask (its filling started here, or where the step was scheduled
+        before the step before it landed, `after_landing`, by `start_mask` once it has) and its inputs where built
+        already (`ModelRunner.plan_inputs`). The forward thread of an overlapped engine is given this and nothing
+        else."""
         step = batch.plan()
         try:
             lora = self.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
-            mask = self.structured_output.mask(step)
+            mask = self.structured_output.mask(step, after_landing)
         except RankFailure:
             raise
         except Exception as e:  # raised by the call, which still hands the runner the plan
             return ForwardCall(self.runner, step, None, NO_MASK, inputs, error=e)
         return ForwardCall(self.runner, step, lora, mask, inputs)
+
+    def start_mask(self, mask) -> None:
+        """The grammar mask of a step made `after_landing` (`forward_call`) starts filling: the step before it landed,
+        its tokens accepted by the grammars."""
+        self.structured_output.start(mask)
+
+    def needs_token_on_host(self, seq: Sequence) -> bool:
+        """Whether the next step of `seq` needs the token its launched step samples on the host, not only as its
+        input (an overlapped engine then schedules it once that step lands, motet/engine/stepping.py): its
+        grammar's phase moves with its text (`StructuredOutputs.waits_for_token`), or tokens its grammar forces
+        may follow the token (jump-forward: appended unsampled, before its next sampled token). The rest reads the
+        token where it is: the sampler counts it on the device (penalties, bad_words, min_tokens, a seed's draw:
+        motet/engine/worker/sampler.py), a grammar's mask is filled once it lands while the next step's forward
+        pass runs (`start_mask`), and a row it ends (EOS, a stop string, its grammar's end) drops the token its
+        next step computed."""
+        so = self.structured_output
+        guided = so.get(seq.request_id)
+        return guided is not None and (
+            so.waits_for_token(seq.request_id) or self.output_commit.jumps_forward(seq)
+        )
 
     def execute(self, batch: ScheduledBatch, on_launch=None, lazy: bool = False, inputs=None) -> StepResult:
         """Run the batch; where it raises, bisect it so that only the failing rows carry the error. `on_launch()`

@@ -40,7 +40,11 @@ class Stages(Protocol):
 
     def execute(self, batch: ScheduledBatch, on_launch=None, lazy: bool = False) -> Any: ...
 
-    def forward_call(self, batch: ScheduledBatch, inputs=None) -> Any: ...
+    def forward_call(self, batch: ScheduledBatch, inputs=None, after_landing: bool = False) -> Any: ...
+
+    def needs_token_on_host(self, seq: Sequence) -> bool: ...
+
+    def start_mask(self, mask) -> None: ...
 
     def bisect(self, batch: ScheduledBatch, error: Exception) -> Any: ...
 
@@ -88,7 +92,11 @@ class OverlappedSteps:
         # it alive).
         init = dict(initializer=torch.set_num_threads, initargs=(num_threads,)) if num_threads else {}
         self._thread = ThreadPoolExecutor(1, "motet-forward", **init)
-        self._inflight: tuple[ScheduledBatch, Future] | None = None  # launched, not landed
+        # Launched, not landed: the step, its result to come, and where it was launched before the step before it
+        # landed, that step's (a step whose forward pass raised left its rows' tokens unsampled)
+        self._inflight: tuple[ScheduledBatch, Future, Future | None] | None = None
+        # The grammar mask of the step launched before the step before it landed: filled once that one lands
+        self._mask_after_landing = None
         self._aborted: list[Sequence] = []  # aborted while in flight: released when it lands
         self.unlanded: list[ScheduledBatch] = []  # launched steps not landed: the pool keeps their adapters
         self.num_steps_ahead = 0  # steps launched before the step before them landed
@@ -109,9 +117,14 @@ class OverlappedSteps:
         landed = None
         if landing is not None:
             try:
-                self._launch_ahead(landing[0])
-            finally:  # (whatever happened, the launched step's tokens land)
-                landed = self._land(*landing)
+                self._launch_ahead(*landing)
+            finally:  # (whatever happened, the launched step's tokens land, then the next one's mask fills)
+                try:
+                    landed = self._land(*landing)
+                finally:
+                    mask, self._mask_after_landing = self._mask_after_landing, None
+                    if mask is not None:
+                        engine.start_mask(mask)
         if self._inflight is None:
             self._launch(engine.schedule_next())
         return engine.commit_text(landed) if landed is not None else []
@@ -135,14 +148,18 @@ class OverlappedSteps:
         """The launched step ends."""
         self._thread.shutdown(wait=True)
 
-    def _launch_ahead(self, batch: ScheduledBatch) -> None:
+    def _launch_ahead(self, batch: ScheduledBatch, future: Future, ahead_of: Future | None) -> None:
         """Schedule and launch the step after the launched `batch` now, if nothing in it may depend on a token of
-        `batch` but its input; the rows whose pending token is their last (by length) are left out of it."""
+        `batch` but its input; the rows whose pending token is their last (by length) are left out of it. Never
+        after a step that will run again (`ahead_of` raised) or whose forward pass raised: its tokens are to come
+        from its run on the engine's thread."""
+        if _raised(ahead_of) or (future.done() and isinstance(future.result(), Exception)):
+            return
         held = self._ahead_holds(batch)
         if held is None:
             return
         # (the held rows' pending token is their last: nothing to schedule after it)
-        self._launch(self.engine.schedule_next(hold=held))
+        self._launch(self.engine.schedule_next(hold=held), ahead_of=future)
         self.num_steps_ahead += self._inflight is not None
 
     def _ahead_holds(self, batch: ScheduledBatch) -> list[Sequence] | None:
@@ -155,7 +172,7 @@ class OverlappedSteps:
                 return None
             if not batch.samples(i) or seq.is_finished:
                 continue
-            if seq.needs_token_on_host():
+            if self.engine.needs_token_on_host(seq):
                 return None
             p = seq.params
             if seq.num_output_tokens + seq.num_pending >= p.max_tokens or (
@@ -164,9 +181,10 @@ class OverlappedSteps:
                 held.append(seq)
         return held
 
-    def _launch(self, batch: ScheduledBatch) -> None:
+    def _launch(self, batch: ScheduledBatch, ahead_of: Future | None = None) -> None:
         """Run the batch on the forward thread; returns once its inputs are built (the thread reads the rows
-        until then, and only the batch's own snapshots after)."""
+        until then, and only the batch's own snapshots after). `ahead_of`: the result of the step before it, which
+        has not landed: its grammar mask fills once it has (`step` starts it), while its forward pass runs."""
         if not batch:
             return
         engine = self.engine
@@ -174,22 +192,27 @@ class OverlappedSteps:
             inputs = engine.runner.plan_inputs(batch.plan())
         except Exception:  # (the forward thread builds them again; a failure is bisected as the step lands)
             inputs = None
-        call = engine.forward_call(
-            batch, inputs
-        )  # values only: the forward thread reads nothing of the engine's
+        # values only: the forward thread reads nothing of the engine's
+        call = engine.forward_call(batch, inputs, after_landing=ahead_of is not None)
+        if ahead_of is not None:
+            self._mask_after_landing = call.mask
         launched = threading.Event()
         future = self._thread.submit(call.run, launched.set, True)
         future.add_done_callback(lambda _: launched.set())  # (it may fail before it launches)
-        self._inflight = (batch, future)
+        self._inflight = (batch, future, ahead_of)
         self.unlanded.append(batch)
         # The text half waits for the launch: the interpreter's lock would otherwise hold the launch back.
         launched.wait()
 
-    def _land(self, batch: ScheduledBatch, future: Future):
-        """The launched step's tokens committed, then the rows aborted while it ran released."""
+    def _land(self, batch: ScheduledBatch, future: Future, ahead_of: Future | None):
+        """The launched step's tokens committed, then the rows aborted while it ran released. A step launched
+        before a step whose forward pass raised ran without that step's tokens (they were never sampled, or not
+        as its run on the engine's thread sampled them): it runs again here, now that they are."""
         try:
             result = future.result()
-            if isinstance(result, Exception):  # the failing rows found here, on the engine's thread
+            if _raised(ahead_of):
+                result = self.engine.execute(batch)
+            elif isinstance(result, Exception):  # the failing rows found here, on the engine's thread
                 result = self.engine.bisect(batch, result)
             return self.engine.commit_tokens(batch, result)
         finally:
@@ -197,3 +220,8 @@ class OverlappedSteps:
             aborted, self._aborted = self._aborted, []
             for seq in aborted:
                 self.engine.drop(seq)
+
+
+def _raised(result: Future | None) -> bool:
+    """Whether a landed step's forward pass raised (its result is the exception, bisected as it landed)."""
+    return result is not None and isinstance(result.result(), Exception)

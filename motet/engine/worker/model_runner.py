@@ -501,7 +501,7 @@ class ModelRunner:
         forward pass runs, motet/engine/structured_output.py), applied to their logits; None: no row is masked."""
         sample_rows = step.sampling_rows()
         rows = self.rows.update(step)  # (applied here unless the inputs were planned as the step launched)
-        views, starts = self._sampled_positions(step, rows, sample_rows)
+        views, starts = self._sampled_positions(step, rows, sample_rows, self.inputs.sampled)
         hidden, qsl = self.forward(step, lora, on_launch, inputs)
         logits = self.logits(hidden, self._logit_rows(step, sample_rows, qsl), lora)
         if mask is not None:
@@ -511,13 +511,14 @@ class ModelRunner:
         return result if lazy else result.resolve()
 
     @staticmethod
-    def _sampled_positions(plan: StepPlan, rows: list[Row], sample_rows: list[int]):
+    def _sampled_positions(plan: StepPlan, rows: list[Row], sample_rows: list[int], sampled: SampledTokens):
         """The sampler's views of the step's sampled positions, and where each sampling row's begin: one per
-        sampling row, plus one per draft (motet/engine/speculative/verify.py)."""
+        sampling row, plus one per draft (motet/engine/speculative/verify.py); a row's pending token is found in
+        `sampled`, the recent steps' sampled tokens."""
         views, starts = [], []
         for i in sample_rows:
             starts.append(len(views))
-            views.extend(position_views(plan[i], rows[i]))
+            views.extend(position_views(plan[i], rows[i], sampled))
         return views, starts
 
     @staticmethod
