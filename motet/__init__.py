@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import importlib
 
-from motet.version import __version__ as __version__  # re-exported
-
+# (each imported on first use; the version too: importlib.metadata takes a fifth of a second)
 _EXPORTS = {
+    "__version__": ("motet.version", "__version__"),
     "LLM": ("motet.engine.llm", "LLM"),
     "SamplingParams": ("motet.engine.sampling_params", "SamplingParams"),
     "EngineConfig": ("motet.engine.config", "EngineConfig"),
@@ -25,7 +25,7 @@ _EXPORTS = {
     "RequestOutput": ("motet.engine.outputs", "RequestOutput"),
     "main": ("motet.api.cli", "main"),
 }
-__all__ = sorted([*_EXPORTS, "serve", "__version__"])
+__all__ = sorted([*_EXPORTS, "serve"])
 
 
 def serve(argv: list[str] | None = None) -> int:

@@ -23,7 +23,6 @@ from pathlib import Path
 from types import MappingProxyType
 
 from motet import json_input
-from motet.api.errors import APIError
 
 log = logging.getLogger("motet.api")
 
@@ -103,6 +102,14 @@ def _principal(where: str, value) -> Principal:
     )
 
 
+def refused(status: int, message: str, code: str):
+    """The API's error for a key refused (401) or of the wrong kind (403). motet/api/errors.py is imported on first
+    use: `motet serve` reads the keys file before its port answers, before the API's modules are imported."""
+    from motet.api.errors import APIError
+
+    return APIError(status, message, code=code)
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
@@ -178,10 +185,10 @@ class Authenticator:
             return Principal(DEFAULT_TENANT, admin=True)
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            raise refused(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
         found = self._by_digest.get(_digest(key.strip()))
         if found is None:
-            raise APIError(401, "invalid API key", code="invalid_api_key")
+            raise refused(401, "invalid API key", code="invalid_api_key")
         return found
 
     def tenant(self, authorization: str | None) -> str:
@@ -191,7 +198,7 @@ class Authenticator:
         """The principal of a tenant's key; 403 for an admin-only key."""
         principal = self.principal(authorization)
         if principal.tenant is None:
-            raise APIError(
+            raise refused(
                 403,
                 "this API key is an admin key: it reads /metrics and /v1/usage, and makes no requests of a "
                 "tenant; use a tenant's key",
@@ -203,7 +210,7 @@ class Authenticator:
         """401 without a valid key, 403 naming `route` (what was asked, e.g. "GET /v1/usage") for a tenant's key
         (auth on); nothing to check with auth off."""
         if not self.principal(authorization).admin:
-            raise APIError(
+            raise refused(
                 403,
                 f'{route} needs an admin key (an --api-keys entry with "admin": true); this key is a tenant\'s',
                 code="admin_key_required",

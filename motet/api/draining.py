@@ -3,7 +3,10 @@
 The first SIGTERM does not close the listening socket: new requests get 503 (the app sees
 `state.draining`) while the ones in flight finish, up to `drain_timeout` seconds; then uvicorn shuts down
 as usual. A second SIGTERM, or SIGINT (Ctrl-C), is uvicorn's own immediate shutdown, which ends `run` quietly. A failed start-up
-(`state.fatal`) also ends the server. `on_tick` runs on each of uvicorn's ticks (about 10 a second).
+(`state.fatal`: the engine did not load; `fail`: the API was not built) also ends the server. `on_tick` runs on each
+of uvicorn's ticks (about 10 a second). While `motet serve` starts, the server runs before its state is built
+(motet/api/starting.py): `attach` gives it the state once it is; a SIGTERM before that ends it at once (nothing can
+be in flight: every request is answered 503 at once).
 
 SIGHUP (`reload_on_sighup`) asks for a reload: its handler only sets a flag (a signal handler runs between
 two bytecodes of whatever the main thread is doing, inside a lock the reload takes too, or inside another
@@ -21,11 +24,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from motet.api.state import ServerState
+if TYPE_CHECKING:
+    from motet.api.state import ServerState
 
 log = logging.getLogger("motet.server")
 
@@ -55,12 +59,13 @@ class DrainingServer(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
-        state: ServerState,
+        state: ServerState | None,
         drain_timeout: float,
         on_tick: Callable[[], None] | None = None,
     ):
         super().__init__(config)
-        self.state = state
+        self.state = state  # None until `attach`
+        self.start_error: BaseException | None = None  # the API could not be built (`fail`)
         self.drain_timeout = drain_timeout
         self.drain_deadline: float | None = None
         self.on_tick_hook = on_tick
@@ -68,6 +73,14 @@ class DrainingServer(uvicorn.Server):
         self.reload_deadline_s = RELOAD_DEADLINE_S
         self.reload_requested = False
         self.reading: ReloadRead | None = None  # the reload under way
+
+    def attach(self, state: ServerState) -> None:
+        """The server's state, built once the server runs (an assignment: safe from the thread that built it)."""
+        self.state = state
+
+    def fail(self, error: BaseException) -> None:
+        """The API could not be built: the server ends at its next tick."""
+        self.start_error = error
 
     def reload_on_sighup(self, read: Callable[[], Any], apply: Callable[[Any], None]) -> None:
         """After each SIGHUP, or burst of them: `read` in a thread of its own (a ValueError: logged, nothing
@@ -89,6 +102,9 @@ class DrainingServer(uvicorn.Server):
                 raise
 
     def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and self.state is None:  # still starting: a drain with nothing in flight
+            self.should_exit = True
+            return
         if sig == signal.SIGTERM and not self.state.draining:
             # A signal handler: only set flags; on_tick (on the event loop) does the rest.
             self.state.draining = True
@@ -102,7 +118,7 @@ class DrainingServer(uvicorn.Server):
                 log.info("draining: %d requests in flight", self.state.inflight)
             if self.state.inflight == 0 or time.monotonic() > self.drain_deadline:
                 self.should_exit = True
-        if self.state.fatal is not None:
+        if self.start_error is not None or (self.state is not None and self.state.fatal is not None):
             self.should_exit = True
         self._step_reload()
         if self.on_tick_hook is not None:

@@ -72,11 +72,13 @@ async def run_lines(app, lines: list[Line], concurrency: int, progress: tqdm) ->
     return out
 
 
-async def _main(state, app, lines: list[Line], concurrency: int) -> list[dict]:
+async def _main(state, app, lines: list[Line], concurrency: int, on_ready=None) -> list[dict]:
     async with anyio.create_task_group() as tg:
         tg.start_soon(state.system.run)
         while not state.system.ready:
             await anyio.sleep(0.05)
+        if on_ready is not None:
+            on_ready()
         try:
             with tqdm(total=len(lines), unit="req", desc="Running batch", file=sys.stderr) as progress:
                 return await run_lines(app, lines, concurrency, progress)
@@ -86,16 +88,14 @@ async def _main(state, app, lines: list[Line], concurrency: int) -> list[dict]:
             tg.cancel_scope.cancel()
 
 
-def run_batch(args, config) -> int:
+def run_batch(args, config, on_ready=None) -> int:
+    """The batch run (logging configured by the command); `on_ready()` once the engine has loaded, before the bar."""
     from motet.actors.system import ServingSystem
     from motet.api.app import create_app
     from motet.api.served_names import served_names, shared_loras
     from motet.api.state import ServerState
     from motet.engine.llm_engine import LLMEngine
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     concurrency = args.max_concurrency or 2 * config.max_num_seqs
     lines = list(parse_lines(read_input(args.input_file)))
     names = served_names(args, config)
@@ -109,7 +109,7 @@ def run_batch(args, config) -> int:
         tool_call_parser=getattr(args, "tool_call_parser", None),
     )
     log.info("running %d requests from %s on %s", len(lines), args.input_file, state.model_name)
-    out = anyio.run(_main, state, create_app(state), lines, concurrency)
+    out = anyio.run(_main, state, create_app(state), lines, concurrency, on_ready)
     write_output(args.output_file, [dumps(result) for result in out])
     failed = sum(not succeeded(result) for result in out)
     log.info("wrote %d answers to %s (%d errors)", len(out), args.output_file, failed)

@@ -59,7 +59,8 @@ from motet.engine.speculative.proposer import NoSpeculation, SpeculativeConfig, 
 from motet.engine.stepping import OverlappedSteps, SequentialSteps
 from motet.engine.structured_output import GrammarStats, StructuredOutputs
 from motet.engine.tokenizer import load_tokenizer
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights import load_progress
+from motet.engine.weights.model_config import load_model_config
 from motet.engine.weights.model_store import resolve_model
 from motet.engine.worker.memory import available_host_memory
 from motet.engine.worker.model_runner import ModelRunner, StepResult
@@ -119,6 +120,7 @@ LOAD_WAIT_S = 0.05
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model_dir=None):
         self.config = config = config or EngineConfig()
+        load_progress.phase("reading the model's config and tokenizer")
         self.model_dir = model_dir or resolve_model(config.model)
         self.model_config = load_model_config(self.model_dir, config.tokenizer)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)

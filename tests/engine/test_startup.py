@@ -26,7 +26,7 @@ from motet.engine.config import CPU_KV_CACHE_MEMORY_GB, CUDA_GPU_MEMORY_UTILIZAT
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.model_config import load_model_config
 from motet.engine.worker.cuda_graphs import DecodeGraphs, buckets
 from motet.engine.worker.model_runner import ModelRunner
 from motet.engine.worker.step_backends import EagerSteps
