@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks import write_report
-from motet.engine.config import EngineConfig
+from motet.engine.config import DEFAULT_DTYPE, EngineConfig
 from motet.engine.core.block_manager import chain_block_hashes
 from motet.engine.core.kv_blocks import KVLayout
 from motet.engine.core.kv_tiers import KV_CACHE_SUBDIR
@@ -251,7 +251,7 @@ def summary_md(report: dict) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default=EngineConfig.dtype)
+    ap.add_argument("--dtype", default=DEFAULT_DTYPE)
     ap.add_argument("--history", type=int, default=4000, help="tokens of each conversation's history")
     ap.add_argument("--conversations", type=int, default=3, help="at least 3")
     ap.add_argument("--system-prompt", type=int, default=2000, help="tokens of the repeated system prompt")

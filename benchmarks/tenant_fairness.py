@@ -17,6 +17,14 @@ Phase `batch`: `interactive` keeps --interactive-clients streamed chat requests 
 without and then beside `batch`'s Batch API job of --batch-lines lines. Reported: the interactive TTFT p99 and
 TPOT p99 beside the batch against without (target <= 1.2x), and that the batch completes.
 
+Phase `prompt`: `interactive` sends --prompt-repeats prompts of about --prompt-tokens tokens one at a time (1 output
+token: the prompt done) alone, then while `eval-suite` keeps --prompt-streams streams decoding. Reported: the
+prompt's time beside the streams against alone (target <= 2x). With --prompt-hogs N, N CPU-bound processes (a busy
+loop each) run beside the server throughout the phase (alone and beside alike).
+
+Phase `hogs`: one streamed request's output tokens/s alone, then beside --hogs CPU-bound processes (target: >= 45%
+of alone with 2 loops on 2 cores, a fair share being 50%).
+
     python -m benchmarks.tenant_fairness                                  # every phase
     python -m benchmarks.tenant_fairness --phases burst                   # one of them
     python -m benchmarks.tenant_fairness --server-args --tpot-target-ms 0 # latency isolation off
@@ -28,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,6 +113,74 @@ def summary(records: list[Record]) -> dict:
     ok = [r for r in records if r.ok]
     return {"requests": len(records), "completed": len(ok), "errors": sorted({r.error for r in records if r.error})[:5],
             "ttft_s": stats([r.ttft for r in ok]), "e2e_s": stats([r.e2e for r in ok])}  # fmt: skip
+
+
+# -- phase `prompt`: a long prompt beside another tenant's streams --------------------------------------------
+@contextlib.contextmanager
+def cpu_hogs(n: int):
+    """`n` processes each spinning a core's worth of pure Python for as long as the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def long_prompt(i: int, tokens: int) -> str:
+    """About `tokens` tokens of text, its own from the first word (no prefix-cache hit between two)."""
+    return f"Document {i}: " + " ".join(make_prompts(1, int(tokens * 0.75), 1000 + i))
+
+
+async def timed_prompts(c: httpx.AsyncClient, model: str, args, first: int) -> list[Record]:
+    records = []
+    for i in range(first, first + args.prompt_repeats):
+        records.append(
+            await one_request(
+                c, "/v1/chat/completions", chat_body(model, long_prompt(i, args.prompt_tokens), 1)
+            )
+        )
+    return records
+
+
+async def prompt_phase(url: str, model: str, args) -> dict:
+    with cpu_hogs(args.hogs):
+        async with (
+            client(url, "interactive", 2) as b,
+            client(url, "eval-suite", args.prompt_streams + 2) as a,
+        ):
+            alone = await timed_prompts(b, model, args, 0)
+            stop = asyncio.Event()
+
+            async def stream(w: int):
+                prompts = make_prompts(64, args.burst_prompt_words, args.seed + 4 + w)
+                i = 0
+                while not stop.is_set():
+                    await one_request(a, "/v1/chat/completions", chat_body(model, prompts[i % 64], 256))
+                    i += 1
+
+            streams = [asyncio.create_task(stream(w)) for w in range(args.prompt_streams)]
+            await asyncio.sleep(1.0)  # the streams are decoding
+            beside = await timed_prompts(b, model, args, args.prompt_repeats)
+            stop.set()
+            for t in streams:
+                t.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+    return {"hogs": args.prompt_hogs, "alone": summary(alone), "beside_streams": summary(beside)}
+
+
+# -- phase `hogs`: one stream beside CPU-bound loops -----------------------------------------------------------
+async def hogs_phase(url: str, model: str, args) -> dict:
+    body = chat_body(model, "Write a long story about a lighthouse keeper.", args.hogs_tokens)
+    rates = {}
+    async with client(url, "interactive", 2) as c:
+        for name, n in (("alone", 0), ("beside_hogs", args.hogs)):
+            with cpu_hogs(n):
+                await asyncio.sleep(0.5)
+                recs = [await one_request(c, "/v1/chat/completions", body) for _ in range(args.hogs_repeats)]
+            rates[name] = [r.output_tokens / r.e2e for r in recs if r.ok and r.e2e]
+    return {"hogs": args.hogs, "output_tokens_per_s": rates}
 
 
 # -- phase 2: two backlogged tenants -------------------------------------------------------------------------
@@ -245,6 +323,10 @@ def markdown(report: dict) -> str:
         out += backlog_markdown(cfg, report["backlog"])
     if "batch" in report:
         out += batch_markdown(cfg, report["batch"])
+    if "prompt" in report:
+        out += prompt_markdown(cfg, report["prompt"])
+    if "hogs" in report:
+        out += hogs_markdown(report["hogs"])
     out += [f"Machine: {report['machine']}", ""]
     return "\n".join(out)
 
@@ -281,6 +363,47 @@ def burst_markdown(cfg: dict, burst: dict) -> list[str]:
         f"- the burst's output tokens/s beside interactive / alone: **{share:.1%}** (target >= 85%: "
         f"{'met' if share >= 0.85 else 'missed'})",
         f"- errors: {json.dumps([alone['errors'], under['errors'], burst['burst']['errors']])}",
+        "",
+    ]
+
+
+def prompt_markdown(cfg: dict, phase: dict) -> list[str]:
+    alone, beside = phase["alone"], phase["beside_streams"]
+    ratio = beside["e2e_s"]["p50"] / alone["e2e_s"]["p50"]
+    worst = beside["e2e_s"]["p99"] / alone["e2e_s"]["p50"]
+    row = lambda name, r: f"| {name} | {r['completed']} | {r['e2e_s']['p50']:.2f} | {r['e2e_s']['p99']:.2f} |"  # noqa: E731
+    return [
+        f"## A {cfg['prompt_tokens']}-token prompt beside another tenant's {cfg['prompt_streams']} streams",
+        "",
+        f"`interactive` sends a ~{cfg['prompt_tokens']}-token prompt (1 output token) {cfg['prompt_repeats']} times, "
+        f"alone and while `eval-suite` keeps {cfg['prompt_streams']} streams decoding; "
+        f"{phase['hogs']} CPU-bound processes beside the server throughout.",
+        "",
+        "| interactive's prompt | requests | done p50 (s) | done p99 (s) |",
+        "|---|---:|---:|---:|",
+        row("alone", alone),
+        row("beside the streams", beside),
+        "",
+        f"- beside / alone, p50: **{ratio:.2f}x**, p99 / alone p50: **{worst:.2f}x** (target <= 2x: "
+        f"{'met' if worst <= 2 else 'missed'})",
+        f"- errors: {json.dumps([alone['errors'], beside['errors']])}",
+        "",
+    ]
+
+
+def hogs_markdown(phase: dict) -> list[str]:
+    rates = phase["output_tokens_per_s"]
+    mean = {k: sum(v) / len(v) if v else float("nan") for k, v in rates.items()}
+    share = mean["beside_hogs"] / mean["alone"]
+    return [
+        f"## One stream beside {phase['hogs']} CPU-bound processes",
+        "",
+        "| | output tokens/s (each request) | mean |",
+        "|---|---|---:|",
+        *[f"| {k} | {', '.join(f'{x:.1f}' for x in v)} | {mean[k]:.1f} |" for k, v in rates.items()],
+        "",
+        f"- beside / alone: **{share:.1%}** (a fair share: {2 / (2 + phase['hogs']):.0%} of 2 cores; target >= 45% "
+        f"with 2 loops)",
         "",
     ]
 
@@ -358,6 +481,13 @@ def main(argv=None) -> int:
     p.add_argument(
         "--batch-timeout", type=float, default=1800, help="seconds to wait for the batch to finish"
     )
+    p.add_argument("--prompt-tokens", type=int, default=1200, help="interactive's long prompt (phase prompt)")
+    p.add_argument("--prompt-repeats", type=int, default=5)
+    p.add_argument("--prompt-streams", type=int, default=8, help="eval-suite's streams beside it")
+    p.add_argument("--prompt-hogs", type=int, default=0, help="CPU-bound processes beside it (phase prompt)")
+    p.add_argument("--hogs", type=int, default=2, help="CPU-bound processes beside the stream (phase hogs)")
+    p.add_argument("--hogs-tokens", type=int, default=128, help="the stream's output tokens (phase hogs)")
+    p.add_argument("--hogs-repeats", type=int, default=3)
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="benchmarks/reports/tenant_fairness")
@@ -389,7 +519,8 @@ def main(argv=None) -> int:
     return 0
 
 
-PHASES = {"burst": burst_phase, "backlog": backlog_phase, "batch": batch_phase}
+PHASES = {"burst": burst_phase, "backlog": backlog_phase, "batch": batch_phase, "prompt": prompt_phase,
+          "hogs": hogs_phase}  # fmt: skip
 
 
 async def _warm(url: str, body: dict) -> None:

@@ -14,6 +14,16 @@ server as `motet serve ARGS` would.
 from __future__ import annotations
 
 import importlib
+import os
+
+# OpenMP's threads (libgomp: motet's native step and torch's) spin this many times at a barrier before they sleep, set
+# before anything loads torch (libgomp reads it once). libgomp's default, 300,000 spins (milliseconds), is right on
+# a machine of its own; beside other busy processes a thread spins through its time slice while the one it waits for
+# is off the core: the step kept 23% of its tokens/s beside two busy loops on 2 cores, where a fair share is 50%. A
+# short spin still covers a barrier's usual wait on a quiet machine (docs/cpu.md, "Sharing the cores").
+OMP_SPIN_COUNT = "10000"
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", OMP_SPIN_COUNT)
 
 # (each imported on first use; the version too: importlib.metadata takes a fifth of a second)
 _EXPORTS = {

@@ -7,7 +7,9 @@ process; an empty `--served-model-name` named no model).
 - names: `model_name` (a name requests can give: bounded, printable, no spaces), `device` (one this machine has);
 - web: `host_name` (`--allowed-hosts`), `web_origin` (`--allowed-origins`), each also in vLLM's one-JSON-list form;
 - files: `json_file` (a regular file, bounded in size and nesting, its content checked by the flag's own check),
-  `input_file` (a regular file a command reads), `output_directory` (a directory a command writes, made if missing);
+  `input_file` / `input_directory` (what a command reads: there, and of that kind), `output_file` /
+  `output_directory` (what a command writes: of that kind where it is there, made where it is not, never under a
+  file), `or_url` (any of them, or a URL);
 - inline JSON: `json_text`.
 
 Every flag of every command takes its type from here (motet/api/cli.py, motet/api/server.py,
@@ -234,32 +236,84 @@ def json_file(
     return parse
 
 
-def input_file(text: str) -> Path:
-    """A file a command reads (`motet fine-tune FILE`): one that exists and is a regular file (a directory is
-    refused now, not once the model has loaded; a FIFO too, whose reader would wait for a writer)."""
+def _stat(text: str) -> tuple[Path, int | None]:
+    """The path `text` names (`~` expanded) and its stat mode, None where nothing is there yet; refused where
+    nothing can be (a file on the way, `/etc/passwd/x`: ENOTDIR) or it cannot be looked at (EACCES)."""
     path = Path(text).expanduser()
     try:
-        mode = os.stat(path).st_mode
+        return path, os.stat(path).st_mode
+    except FileNotFoundError:
+        return path, None
     except OSError as e:
         raise argparse.ArgumentTypeError(f"{text}: {e.strerror or e}") from None
-    if not stat.S_ISREG(mode):
-        raise argparse.ArgumentTypeError(f"{text}: not a regular file ({json_input.file_kind(mode)})")
+
+
+def _refuse_unless(text: str, mode: int | None, is_kind: Callable[[int], bool], kind: str) -> None:
+    if mode is not None and not is_kind(mode):
+        raise argparse.ArgumentTypeError(f"{text}: not {kind} ({json_input.file_kind(mode)})")
+
+
+def input_file(text: str) -> Path:
+    """A file a command reads (`motet fine-tune FILE`, `motet eval --data`): one that exists and is a regular file
+    (a directory is refused now, not once the model has loaded; a FIFO too, whose reader would wait for a
+    writer)."""
+    path, mode = _stat(text)
+    if mode is None:
+        raise argparse.ArgumentTypeError(f"{text}: No such file or directory")
+    _refuse_unless(text, mode, stat.S_ISREG, "a regular file")
+    return path
+
+
+def input_directory(text: str) -> Path:
+    """A directory a command reads (`motet eval lora --adapters-dir`): one that exists."""
+    path, mode = _stat(text)
+    if mode is None:
+        raise argparse.ArgumentTypeError(f"{text}: No such file or directory")
+    _refuse_unless(text, mode, stat.S_ISDIR, "a directory")
+    return path
+
+
+def output_file(text: str) -> Path:
+    """A file a command writes whole (`motet run-batch -o`), its directory made if missing: a path that is
+    something else (a directory, a device), or lies under something that is no directory, is refused now, not
+    once the work it would hold is done."""
+    path, mode = _stat(text)
+    _refuse_unless(text, mode, stat.S_ISREG, "a regular file")
     return path
 
 
 def output_directory(text: str) -> Path:
-    """A directory a command writes into, made if it is missing (`motet fine-tune --out DIR`): a path that is
-    something else (a file), or lies under something that is no directory (`/etc/passwd/x`), is refused now."""
-    path = Path(text).expanduser()
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return path  # (a missing parent is made too)
-    except OSError as e:  # ENOTDIR: a file on the way
-        raise argparse.ArgumentTypeError(f"{text}: {e.strerror or e}") from None
-    if not stat.S_ISDIR(mode):
-        raise argparse.ArgumentTypeError(f"{text}: not a directory ({json_input.file_kind(mode)})")
+    """A directory a command writes into, made if it is missing (`motet fine-tune --out DIR`, `motet serve
+    --data-dir`): a path that is something else (a file), or lies under something that is no directory
+    (`/etc/passwd/x`), is refused now."""
+    path, mode = _stat(text)  # (a missing parent is made too)
+    _refuse_unless(text, mode, stat.S_ISDIR, "a directory")
     return path
+
+
+def or_url(kind: Callable[[str], Path], schemes: tuple[str, ...] = ()) -> Callable[[str], str]:
+    """A flag that takes a local path of `kind` or a URL (`motet run-batch -i https://...`): a URL (of
+    `schemes`; any `scheme://...` when none are named) passes as it is given, a path is `kind`'s. The value is
+    the text."""
+
+    def parse(text: str) -> str:
+        scheme, sep, _ = text.partition("://")
+        if sep and (scheme in schemes if schemes else scheme.isalnum()):
+            return text
+        kind(text)
+        return text
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def path_setting(kind: Callable[[str], Path], text: str, name: str) -> Path:
+    """`kind`'s check of a path that comes from elsewhere than a flag (`$MOTET_DATA_DIR`): a ValueError naming
+    `name`, which the command prints as its one line."""
+    try:
+        return kind(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{name} {e}") from None
 
 
 class OneLineErrors(argparse.ArgumentParser):

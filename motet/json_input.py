@@ -6,6 +6,8 @@
 - `check`: nesting within MAX_DEPTH levels and text that is valid Unicode (a lone surrogate escape such as
   \\ud800 parses into a str that no tokenizer can encode, nor any file or answer line hold); an explicit stack,
   so deep input cannot recurse us; the error names where (`messages[0].content`).
+- `parse`: both, for JSON given as text inside JSON already read (a tool call's `arguments`, a training file's
+  line), the error naming what the text is.
 - `read_file` / `load_file`: a regular file only (a FIFO's reader waits for a writer, /dev/zero never ends),
   opened without blocking, at most `max_bytes` read.
 
@@ -68,6 +70,21 @@ def check(data, limit: int = MAX_DEPTH) -> None:
                 stack.append((child, depth + 1, (where, key)))
 
 
+def parse(text: bytes | str, what: str):
+    """`text` read as a request body is: `loads`, then `check`. Otherwise a ValueError naming `what`: "WHAT is not
+    valid JSON: ...", or a JSONBoundsError whose param is where in the value ("WHAT holds invalid Unicode (a lone
+    surrogate escape) at a.b", "WHAT is nested more than 64 levels deep")."""
+    try:
+        value = loads(text)
+    except ValueError as e:  # (a JSONBoundsError stays one)
+        raise type(e)(f"{what} is {e}") from None
+    try:
+        check(value)
+    except JSONBoundsError as e:
+        raise JSONBoundsError(f"{what} {e}", e.param) from None
+    return value
+
+
 def _param(where: tuple | None) -> str | None:
     """A location on check's stack as a param (`input[0].content`), built only for an error, with each key
     readable (escaped) and short."""
@@ -102,10 +119,11 @@ def read_file(path: str | Path, max_bytes: int) -> bytes:
         fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise ValueError(f"cannot open it ({e.strerror or e})") from None
+    mode, size = os.fstat(fd).st_mode, os.fstat(fd).st_size
+    if not stat.S_ISREG(mode):  # (before fdopen, which refuses a directory with an OSError of its own)
+        os.close(fd)
+        raise ValueError(f"not a regular file ({file_kind(mode)})")
     with os.fdopen(fd, "rb") as f:
-        mode, size = os.fstat(fd).st_mode, os.fstat(fd).st_size
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"not a regular file ({file_kind(mode)})")
         data = f.read(max_bytes + 1) if size <= max_bytes else b""
         if size > max_bytes or len(data) > max_bytes:  # (a file growing while it is read too)
             raise ValueError(f"larger than {max_bytes} bytes")

@@ -23,7 +23,8 @@ class SettingsFlags:
             long = next(n for n in names if n.startswith("--"))
             dest = options.get("dest") or long[2:].replace("-", "_")
             field = field or dest
-            options.setdefault("default", getattr(settings, field))
+            if "default" not in options:  # (a field with a default_factory has no class attribute)
+                options["default"] = getattr(settings, field)
             self.fields[dest] = field
             return parser.add_argument(*names, **options)
 

@@ -10,6 +10,7 @@ import tempfile
 import pytest
 import torch
 
+from motet.engine.config import DEFAULT_DTYPE as MOTET_DEFAULT_DTYPE  # (the session pins float32 below)
 from tests.kernels import cpu_tiers
 
 # Triton kernels run under the interpreter on CPU machines; it must be set before triton is imported.
@@ -20,6 +21,28 @@ if not torch.cuda.is_available():
 # and clear it themselves.
 os.environ["MOTET_DATA_DIR"] = tempfile.mkdtemp(prefix="motet-test-data-")
 atexit.register(shutil.rmtree, os.environ["MOTET_DATA_DIR"], True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engines_load_in_float32():
+    """The suite's in-process engines load in float32 unless a test says otherwise, whatever this machine computes
+    natively: their references (HF transformers) and tolerances are float32's. motet's own default
+    (DEFAULT_DTYPE, auto: bfloat16 where the device computes it natively) is what the servers and scripts the
+    tests start as processes load in, and what a test asking for `motet_default_dtype` gets."""
+    from motet.engine import config
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config, "DEFAULT_DTYPE", "float32")
+        yield
+
+
+@pytest.fixture
+def motet_default_dtype(monkeypatch):
+    """motet's own default dtype back, for a test of an in-process engine or parser that holds it to it."""
+    from motet.engine import config
+
+    monkeypatch.setattr(config, "DEFAULT_DTYPE", MOTET_DEFAULT_DTYPE)
+    return MOTET_DEFAULT_DTYPE
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 Requests wait here until the scheduler takes them into the engine; admission control happens here (a
 full queue answers QueueFull, which the API turns into 429). Inside a queue, requests are kept per tenant
 in order of vLLM's `priority` (lower first), then arrival, and a `Take` pops the first request of the tenant
-its policy picks (the engine's `AdmissionGate`: every tenant with queued work first, then the lowest virtual
+its policy picks (the engine's `AdmissionGate`, motet/engine/core/policy.py: every tenant with queued work first, then the lowest virtual
 token counter), across all adapters' queues: one tenant's backlog in a queue never stands in front of
 another tenant's request, and a priority only orders its own tenant's requests.
 Adapters are independent queues so the LoRA work can slice time between adapters without touching the
@@ -18,11 +18,12 @@ from collections import deque
 from motet.actors.messages import Cancel, Enqueue, QueuedRequest, Take, Taken, WorkQueued
 from motet.actors.runtime import Actor, ActorStopped
 from motet.actors.serving_errors import QueueFull, ShuttingDown
+from motet.engine.core.policy import urgency
 
 
 def _order(queued: QueuedRequest) -> tuple:
-    """A tenant's queued requests: vLLM's priority (lower first), then arrival."""
-    return (queued.request.priority, queued.request.arrival_time)
+    """A tenant's queued requests in the policy's order for a tenant's own (vLLM's priority, then arrival)."""
+    return urgency(queued.request.priority, queued.request.arrival_time)
 
 
 class AdapterQueue:

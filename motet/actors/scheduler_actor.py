@@ -2,7 +2,7 @@
 
 Each iteration: take the mailbox (aborts, adapter removals, news of queued work), take requests from the
 adapter queues into the engine (which tenants' and how many: the engine's `AdmissionGate`, built from its
-state after the latest step, motet/engine/core/fairness.py), send all of it to the executor as one `Step`, and put
+state after the latest step, motet/engine/core/policy.py), send all of it to the executor as one `Step`, and put
 each request's delta, the engine's record as it is, on its reply stream (never blocking: slow readers get merged
 deltas). It never waits while admitted or queued work exists. Policy lives in the engine (fairness between tenants
 included); this actor only moves requests and deltas, and it never touches the engine itself.
@@ -18,7 +18,7 @@ from motet.actors.messages import Abort, RemoveLora, Step, StepDone, Take, Taken
 from motet.actors.reply import ReplyStream
 from motet.actors.runtime import Actor, ActorStopped
 from motet.actors.serving_errors import EngineFailure, ServingError, ShuttingDown
-from motet.engine.core.fairness import AdmissionGate
+from motet.engine.core.policy import AdmissionGate
 from motet.engine.outputs import OutputDelta
 from motet.engine.request import EngineRequest
 

@@ -78,13 +78,28 @@ class Principal:
         return self.priority_class == "batch"
 
 
+def _tenant(where: str, name: str) -> str:
+    """A tenant's name, refused unless its adapters' store can hold it (motet/lora/names.py's rule: a tenant's
+    adapters and fine-tuned models are stored under its name)."""
+    from motet.lora.names import check_name
+
+    try:
+        return check_name("tenant", name)
+    except ValueError as e:
+        raise ValueError(
+            f"{where}: {e} (its adapters and fine-tuned models are stored under its name)"
+        ) from None
+
+
 def _principal(where: str, value) -> Principal:
     if isinstance(value, str) and value:
-        return Principal(value)
+        return Principal(_tenant(where, value))
     if isinstance(value, dict) and value and set(value) <= _KEY_FIELDS:
         tenant, admin = value.get("tenant"), value.get("admin", False)
         tenant_ok = tenant is None or (isinstance(tenant, str) and tenant)
         if tenant_ok and isinstance(admin, bool) and (tenant is not None or admin):
+            if tenant is not None:
+                _tenant(where, tenant)
             limits = TenantLimits.parse(where, value["limits"]) if "limits" in value else None
             if limits is not None and tenant is None:
                 raise ValueError(f"{where}: limits belong to a tenant; an admin-only key has none")

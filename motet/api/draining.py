@@ -1,12 +1,14 @@
 """A uvicorn server that drains on SIGTERM.
 
 The first SIGTERM does not close the listening socket: new requests get 503 (the app sees
-`state.draining`) while the ones in flight finish, up to `drain_timeout` seconds; then uvicorn shuts down
-as usual. A second SIGTERM, or SIGINT (Ctrl-C), is uvicorn's own immediate shutdown, which ends `run` quietly. A failed start-up
-(`state.fatal`: the engine did not load; `fail`: the API was not built) also ends the server. `on_tick` runs on each
-of uvicorn's ticks (about 10 a second). While `motet serve` starts, the server runs before its state is built
-(motet/api/starting.py): `attach` gives it the state once it is; a SIGTERM before that ends it at once (nothing can
-be in flight: every request is answered 503 at once).
+`state.draining`) while the ones in flight finish, up to `drain_timeout` seconds; those still generating then
+end as a failure midway does (a 503: a stream's error event and last event, never a cut connection), one
+warning line counts them, and uvicorn shuts down as usual. A second SIGTERM, or SIGINT (Ctrl-C), is uvicorn's
+own immediate shutdown, which ends `run` quietly. A failed start-up (`state.fatal`: the engine did not load;
+`fail`: the API was not built) also ends the server. `on_tick` runs on each of uvicorn's ticks (about 10 a
+second). While `motet serve` starts, the server runs before its state is built (motet/api/starting.py): `attach`
+gives it the state once it is; a SIGTERM before that ends it at once (nothing can be in flight: every request is
+answered 503 at once).
 
 SIGHUP (`reload_on_sighup`) asks for a reload: its handler only sets a flag (a signal handler runs between
 two bytecodes of whatever the main thread is doing, inside a lock the reload takes too, or inside another
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("motet.server")
 
+CUT_GRACE_S = 5.0  # past the drain's deadline, how long the requests it cut get to send their last event
 RELOAD_DEADLINE_S = 10.0  # a keys file of a million keys is read and checked in a few seconds
 
 
@@ -68,6 +71,7 @@ class DrainingServer(uvicorn.Server):
         self.start_error: BaseException | None = None  # the API could not be built (`fail`)
         self.drain_timeout = drain_timeout
         self.drain_deadline: float | None = None
+        self.cut = 0  # requests the drain's deadline ended
         self.on_tick_hook = on_tick
         self.reload: tuple[Callable[[], Any], Callable[[Any], None]] | None = None  # (read, apply)
         self.reload_deadline_s = RELOAD_DEADLINE_S
@@ -114,16 +118,37 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and not self.should_exit:
-            if counter % 10 == 0:
-                log.info("draining: %d requests in flight", self.state.inflight)
-            if self.state.inflight == 0 or time.monotonic() > self.drain_deadline:
-                self.should_exit = True
+            self._step_drain(counter)
         if self.start_error is not None or (self.state is not None and self.state.fatal is not None):
             self.should_exit = True
         self._step_reload()
         if self.on_tick_hook is not None:
             self.on_tick_hook()
         return await super().on_tick(counter)
+
+    def _step_drain(self, counter: int) -> None:
+        """The drain's progress on a tick: exit once nothing generates. Past the deadline, each tick cuts what
+        still does (`streams.cut`: a 503 error event ends each stream, as a failure midway does; one that got
+        its reply streams since, too), and the server exits once they have sent it, or CUT_GRACE_S later."""
+        if not self.state.limiter.lines_closed:  # those waiting in their tenant's line: 503 at once
+            self.state.limiter.close_lines()
+        now = time.monotonic()
+        if now > self.drain_deadline:
+            from motet.api.streams import (
+                cut,  # (the API's: loaded by then; `motet serve` answers before they load)
+            )
+
+            self.cut += cut(self.state)
+        elif counter % 10 == 0:
+            log.info("draining: %d requests in flight", len(self.state.inflight))
+        if not self.state.inflight or now > self.drain_deadline + CUT_GRACE_S:
+            if self.cut:
+                log.warning(
+                    "draining: %d requests still running after --drain-timeout %g s were ended (a 503 error)",
+                    self.cut,
+                    self.drain_timeout,
+                )
+            self.should_exit = True
 
     def _step_reload(self) -> None:
         """The reload's progress on a tick: apply a finished read, give up on an overdue one, start the next."""

@@ -10,7 +10,8 @@ in tokens); and per finished request its prompt and generation tokens, its finis
 prefill / decode / inference times. Buckets, labels (`model_name`) and help texts are vLLM's
 (vllm/v1/metrics/loggers.py); deploy/grafana/motet.json is the dashboard that reads them. Per tenant, for an
 admin: each tenant's virtual token counter, its requests queued, waiting and running, and its position in
-the order tenants are served next (motet/engine/core/fairness.py). Per KV tier past the device cache (`tier`: ram,
+the order tenants are served next (motet/engine/core/fairness.py), and its fine-tuning jobs' validations (queued or
+refused) and the CPU time they took. Per KV tier past the device cache (`tier`: ram,
 disk; motet/engine/core/kv_connector.py): the bytes and blocks it holds and may hold, the prompt tokens and bytes
 loaded from it instead of recomputed, the blocks and bytes saved to it, the entries dropped as corrupt, and
 the loads' latency. The native CPU step's kernels: the instruction-set tier they run (`motet_cpu_kernels_info`). Adapter memory (`motet_lora_*`): the pool's bound and the bytes and adapters resident in it,
@@ -150,6 +151,15 @@ class Metrics:
         self.tenant_position = Gauge(
             "motet_tenant_queue_position", "the tenant's place in the order tenants are served next (0: first)",
             ["tenant"], registry=r,
+        )  # fmt: skip
+        # What checking fine-tuning jobs' files costs each tenant, queued or refused (motet/api/fine_tuning/routes.py)
+        self.fine_tuning_validations = Counter(
+            "motet_fine_tuning_validations", "fine-tuning jobs whose files were checked, by outcome: queued, refused",
+            ["tenant", "outcome"], registry=r,
+        )  # fmt: skip
+        self.fine_tuning_validation_cpu = Counter(
+            "motet_fine_tuning_validation_cpu_seconds", "the server's CPU time checking the tenant's fine-tuning jobs' "
+            "files (counting, tokenizing)", ["tenant"], registry=r,
         )  # fmt: skip
 
         model = ["model_name"]
@@ -321,6 +331,11 @@ class Metrics:
                 ("inference", timings.inference_s),
             ):
                 self.vllm_phases[phase].labels(name).observe(seconds)
+
+    def observe_fine_tuning_validation(self, tenant: str, outcome: str, cpu_s: float) -> None:
+        """A fine-tuning job's files checked: it was queued or refused, after `cpu_s` of CPU time."""
+        self.fine_tuning_validations.labels(tenant, outcome).inc()
+        self.fine_tuning_validation_cpu.labels(tenant).inc(cpu_s)
 
     def observe_abort(self) -> None:
         """One choice its client cut before the engine finished it: vLLM's `abort` finish (no latency or token

@@ -6,48 +6,23 @@ The engine runs in this process behind the server's own app, without HTTP: the s
 formats are the Batch API's (motet/api/batches/lines.py). Unlike the server's batches, lines run at full
 speed (up to `--max-concurrency` at once) and every answer, errors included, goes to the one output file, in
 the input's order, as vLLM writes it. The output is written whole (to a temporary name, then renamed).
--i and -o take local paths, or http(s) URLs (the input is fetched with GET, the output sent with PUT).
+-i and -o take local paths, or http(s) URLs (the input is fetched with GET, the output sent with PUT:
+motet/api/batch_files.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import tempfile
-import urllib.request
-from pathlib import Path
 
 import anyio
 from tqdm import tqdm
 
+from motet.api.batch_files import read_input, write_output
 from motet.api.batches.lines import Line, dumps, error_line, parse_lines, succeeded
 from motet.api.batches.runner import answer
 
 log = logging.getLogger("motet.batches")
-
-
-def _is_url(path: str) -> bool:
-    return path.startswith(("http://", "https://"))
-
-
-def read_input(path: str) -> list[bytes]:
-    if _is_url(path):
-        with urllib.request.urlopen(path) as r:  # noqa: S310 (the user's own URL)
-            return r.read().splitlines(keepends=True)
-    with open(path, "rb") as f:
-        return f.readlines()
-
-
-def write_output(path: str, lines: list[bytes]) -> None:
-    if _is_url(path):
-        request = urllib.request.Request(path, data=b"".join(lines), method="PUT")
-        with urllib.request.urlopen(request):  # noqa: S310
-            return
-    target = Path(path)
-    with tempfile.NamedTemporaryFile("wb", dir=target.parent or ".", delete=False, suffix=".partial") as f:
-        f.writelines(lines)
-    os.replace(f.name, target)
 
 
 async def run_lines(app, lines: list[Line], concurrency: int, progress: tqdm) -> list[dict]:

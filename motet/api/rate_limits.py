@@ -3,12 +3,17 @@ requests per minute and tokens per minute, from the API keys file (`"limits"` of
 
 Requests and tokens are token buckets refilled continuously (a minute's allowance per minute, at most a
 minute's worth saved up). A generation request (chat, completions, responses) is let in while the tenant
-has a request left, has tokens left, and runs fewer than its concurrency limit; otherwise it is answered 429
-`rate_limit_exceeded` with `Retry-After` before anything is queued: when the bucket has refilled, or, for the
-concurrency limit, when the first of the tenant's running requests is estimated to end: the tokens it has left
-(its max_tokens less those it has generated) at the engine's current time between a running request's tokens
-(the mean of its last steps, motet/engine/core/latency.py's TokenPace; `DEFAULT_TOKEN_S` before it has timed
-any). Nothing of the tenant's past requests goes in: what runs now says when it ends.
+has a request left, has tokens left, and runs fewer than its concurrency limit. One that finds the tenant at its
+concurrency limit waits in the tenant's line, as a gateway's queue holds it, first come first served: at most
+`LINE_PER_PLACE` times the limit wait, each at most `wait_s` seconds (`motet serve --tenant-wait-timeout`), and
+a waiting request holds nothing of the engine's (it is not read, tokenized nor queued; the middleware reads at
+most `WAIT_BODY_BYTES` of its body, to see its client leave, which frees its place in line). When a running
+request ends, the first in line takes its place. Otherwise (the line full, the wait over, no requests or tokens
+left) it is answered 429 `rate_limit_exceeded` with `Retry-After` before anything is queued: when the bucket has
+refilled, or, for the concurrency limit, when the first of the tenant's running requests is estimated to end: the
+tokens it has left (its max_tokens less those it has generated) at the engine's current time between a running
+request's tokens (the mean of its last steps, motet/engine/core/latency.py's TokenPace; `DEFAULT_TOKEN_S` before
+it has timed any). Nothing of the tenant's past requests goes in: what runs now says when it ends.
 
 Tokens are reserved, then settled, as OpenAI and LiteLLM do: once a request's prompts are tokenized
 (motet/api/billing.py) it reserves its prompt tokens plus n times its max_tokens (without one, the rest of the
@@ -35,12 +40,16 @@ import contextvars
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import anyio
 
 from motet.api.asgi import BATCH_SCOPE_KEY, request_headers
 from motet.api.auth import TenantLimits
 from motet.api.errors import APIError
+from motet.api.tenant_line import DEFAULT_WAIT_S, LINE_PER_PLACE
 
 LIMITED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 # An estimate further out is no better than asking again in a minute (what the SDKs wait as told, at most).
@@ -48,6 +57,9 @@ MAX_RETRY_AFTER_S = 60
 # A running request's time per token before the engine has timed a step: a slow CPU step at a moderate batch
 # (an estimate too long costs a client some waiting; one too short, its retries).
 DEFAULT_TOKEN_S = 0.1
+# Of a waiting request's body, what the line reads to see its client leave (a longer one waits unread in the socket,
+# its client's leaving seen once it is let in).
+WAIT_BODY_BYTES = 256 << 10
 
 
 class _Bucket:
@@ -114,11 +126,24 @@ class Ticket:
         self.limiter.leave(self)
 
 
+class Waiting:
+    """A request in its tenant's line for a place under the concurrency limit. `let_in` is set once it has left the
+    line: with its `ticket` (None: the tenant's limits were removed meanwhile), or its `error` (the 429 of the
+    requests or tokens per minute it found spent when its place came)."""
+
+    def __init__(self, tenant: str):
+        self.tenant = tenant
+        self.let_in = anyio.Event()
+        self.ticket: Ticket | None = None
+        self.error: APIError | None = None
+
+
 @dataclass
 class _Usage:
     running: list[Ticket] = field(default_factory=list)
     requests: _Bucket | None = None
     tokens: _Bucket | None = None
+    line: deque[Waiting] = field(default_factory=deque)  # first come, first let in
 
 
 _current: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("motet_rate_limit", default=None)
@@ -154,9 +179,16 @@ def _too_large(tpm: int, tokens: int, lower: str, param: str | None, headers: di
 
 
 class RateLimiter:
-    def __init__(self, limits: dict[str, TenantLimits] | None = None, clock=time.monotonic):
+    def __init__(
+        self,
+        limits: dict[str, TenantLimits] | None = None,
+        clock=time.monotonic,
+        wait_s: float = DEFAULT_WAIT_S,
+    ):
         self.limits = dict(limits or {})
         self.clock = clock
+        self.wait_s = wait_s  # how long a request over the concurrency limit waits in line (0: no line)
+        self.lines_closed = False  # the server drains: no request waits in line
         self._usage: dict[str, _Usage] = {}
         self._lock = (
             threading.Lock()
@@ -165,11 +197,12 @@ class RateLimiter:
     def reload(self, limits: dict[str, TenantLimits]) -> None:
         with self._lock:
             self.limits = dict(limits)
-            self._usage = {t: u for t, u in self._usage.items() if t in self.limits or u.running}
+            self._usage = {t: u for t, u in self._usage.items() if t in self.limits or u.running or u.line}
             for tenant, u in self._usage.items():  # new sizes; what was used stays used
                 lim = self.limits.get(tenant, TenantLimits())
                 u.requests = self._resized(u.requests, lim.rpm)
                 u.tokens = self._resized(u.tokens, lim.tpm)
+                self._let_in(tenant, u)  # a larger limit, or none: places for those in line
 
     def _resized(self, bucket: _Bucket | None, per_minute: int | None) -> _Bucket | None:
         if per_minute is None:
@@ -194,31 +227,93 @@ class RateLimiter:
                 bucket.refill(now)
         return u
 
-    def enter(self, tenant: str, token_s: Callable[[], float | None] = lambda: None) -> Ticket | None:
+    def enter(
+        self, tenant: str, token_s: Callable[[], float | None] = lambda: None, line: bool = False
+    ) -> Ticket | Waiting | None:
         """Let one request of `tenant` in: its ticket (None: the tenant has no limits), or a 429 APIError that
         carries the headers. `token_s`: the engine's current seconds per token of a running request (None or 0:
-        not timed yet), read only to say when a place frees."""
+        not timed yet), read only to say when a place frees. `line`: a request over the concurrency limit may
+        wait for a place (on the event loop): its place in the tenant's line, while the line has room."""
         with self._lock:
             lim = self.limits.get(tenant)
             if lim is None:
                 return None
             now = self.clock()
             u = self._usage_of(tenant, lim, now)
-            why, wait = None, 0.0
-            if u.requests is not None and u.requests.level < 1:
-                why, wait = f"requests per minute ({lim.rpm})", u.requests.seconds_until(1)
-            elif u.tokens is not None and u.tokens.level <= 0:
-                why, wait = f"tokens per minute ({lim.tpm})", u.tokens.seconds_until(1)
-            elif lim.max_concurrent is not None and len(u.running) >= lim.max_concurrent:
+            why, wait = self._spent(u, lim)
+            if (
+                why is None
+                and lim.max_concurrent is not None
+                and (len(u.running) >= lim.max_concurrent or u.line)
+            ):
+                if (
+                    line
+                    and self.wait_s > 0
+                    and not self.lines_closed
+                    and len(u.line) < LINE_PER_PLACE * lim.max_concurrent
+                ):
+                    u.line.append(waiting := Waiting(tenant))
+                    return waiting
                 why, wait = f"concurrent requests ({lim.max_concurrent})", self._place_frees_in(u, token_s())
             if why is None:
-                if u.requests is not None:
-                    u.requests.level -= 1
-                ticket = Ticket(self, tenant, now)
-                u.running.append(ticket)
-                return ticket
+                return self._admit(tenant, u, now)
             headers = self._headers(u)
         raise _refusal(why, wait, headers)
+
+    @staticmethod
+    def _spent(u: _Usage, lim: TenantLimits) -> tuple[str | None, float]:
+        """The tenant's requests or tokens per minute, where one is spent: which, and when it is back."""
+        if u.requests is not None and u.requests.level < 1:
+            return f"requests per minute ({lim.rpm})", u.requests.seconds_until(1)
+        if u.tokens is not None and u.tokens.level <= 0:
+            return f"tokens per minute ({lim.tpm})", u.tokens.seconds_until(1)
+        return None, 0.0
+
+    def _admit(self, tenant: str, u: _Usage, now: float) -> Ticket:
+        if u.requests is not None:
+            u.requests.level -= 1
+        ticket = Ticket(self, tenant, now)
+        u.running.append(ticket)
+        return ticket
+
+    def _let_in(self, tenant: str, u: _Usage) -> None:
+        """Those first in the tenant's line, while it has places (under the lock)."""
+        lim = self.limits.get(tenant)
+        while u.line and (lim is None or lim.max_concurrent is None or len(u.running) < lim.max_concurrent):
+            waiting = u.line.popleft()
+            if lim is not None:
+                now = self.clock()
+                u = self._usage_of(tenant, lim, now)
+                why, wait = self._spent(u, lim)
+                if why is None:
+                    waiting.ticket = self._admit(tenant, u, now)
+                else:
+                    waiting.error = _refusal(why, wait, self._headers(u))
+            waiting.let_in.set()
+
+    def close_lines(self) -> None:
+        """The server drains: those waiting in line go on (without a ticket) to the app, which answers them 503 as
+        it answers every new request now, and no request waits in line any more."""
+        with self._lock:
+            self.lines_closed = True
+            for u in self._usage.values():
+                while u.line:
+                    u.line.popleft().let_in.set()
+
+    def leave_line(
+        self, waiting: Waiting, token_s: Callable[[], float | None] = lambda: None
+    ) -> APIError | None:
+        """A request leaves the line before it was let in (its wait is over, or its client left): the 429 that
+        says when a place frees; None if it was let in meanwhile (its `ticket`, or `error`, is set)."""
+        with self._lock:
+            u = self._usage.get(waiting.tenant)
+            if u is None or waiting not in u.line:
+                return None
+            u.line.remove(waiting)
+            lim = self.limits.get(waiting.tenant, TenantLimits())
+            why = f"concurrent requests ({lim.max_concurrent}), after waiting {self.wait_s:g} s in line"
+            wait, headers = self._place_frees_in(u, token_s()), self._headers(u)
+        return _refusal(why, wait, headers)
 
     @staticmethod
     def _place_frees_in(u: _Usage, token_s: float | None) -> float:
@@ -279,6 +374,7 @@ class RateLimiter:
             if u is None or ticket not in u.running:
                 return
             u.running.remove(ticket)
+            self._let_in(ticket.tenant, u)
 
     def admit(self, tenant: str) -> dict[str, str]:
         """`enter` for a caller that releases by tenant (`release`): the request's headers."""
@@ -320,6 +416,10 @@ class RateLimiter:
         return out
 
 
+class ClientLeft(Exception):
+    """The client of a request waiting in line went away."""
+
+
 class RateLimits:
     """Pure ASGI middleware: the limits on the generation routes (see the module's docstring)."""
 
@@ -329,6 +429,47 @@ class RateLimits:
     def _token_s(self) -> float | None:
         """The engine's current time between a running request's tokens (0: not timed yet)."""
         return self.state.system.stats().token_s
+
+    async def _wait(self, waiting: Waiting, receive):
+        """A request in its tenant's line until it is let in: its ticket, and the `receive` that gives the app the
+        body read meanwhile, then the rest. Its body is read while it waits (up to WAIT_BODY_BYTES), so that its
+        client's leaving is seen: ClientLeft, its place in line freed. A wait over is the 429 saying when a place
+        frees."""
+        read: list[dict] = []
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            size = 0
+            while size <= WAIT_BODY_BYTES:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    left = True
+                    tg.cancel_scope.cancel()
+                    return
+                read.append(message)
+                size += len(message.get("body", b""))
+            await anyio.sleep_forever()  # the rest of a long body waits in the socket until the app reads it
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            with anyio.move_on_after(self.limiter.wait_s):
+                await waiting.let_in.wait()
+            tg.cancel_scope.cancel()
+        refusal = self.limiter.leave_line(waiting, self._token_s)  # (None: it was let in)
+        if left:
+            if waiting.ticket is not None:
+                waiting.ticket.leave()
+            raise ClientLeft
+        if refusal is not None:
+            raise refusal
+        if waiting.error is not None:
+            raise waiting.error
+
+        async def replay():
+            return read.pop(0) if read else await receive()
+
+        return waiting.ticket, replay
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LIMITED_ROUTES:
@@ -342,10 +483,14 @@ class RateLimits:
         except APIError:  # the route answers the 401 / 403 itself
             return await self.app(scope, receive, send)
         try:
-            ticket = self.limiter.enter(tenant, self._token_s)
+            ticket = self.limiter.enter(tenant, self._token_s, line=True)
+            if isinstance(ticket, Waiting):
+                ticket, receive = await self._wait(ticket, receive)
         except APIError as e:
             response = e.response()
             return await response(scope, receive, send)
+        except ClientLeft:
+            return None
         if ticket is None:
             return await self.app(scope, receive, send)
 

@@ -31,6 +31,8 @@ from motet.flag_types import (
     json_text,
     model_name,
     number,
+    output_directory,
+    path_setting,
     seconds,
     web_origin,
 )
@@ -40,14 +42,19 @@ log = logging.getLogger("motet.server")
 DEFAULT_DATA_DIR = "~/.local/share/motet"
 
 
-def data_dir(flag: str | None, model: str) -> Path:
+def data_dir(flag: str | Path | None, model: str) -> Path:
     """The server's data directory: --data-dir, else $MOTET_DATA_DIR (either is shared by every model served
     with it), else one of `model`'s own under DEFAULT_DATA_DIR, so that one model's adapters, files, responses
-    and batches never meet another's."""
+    and batches never meet another's. A ValueError where it cannot be a directory (as --data-dir's check
+    refuses: $MOTET_DATA_DIR a file, say)."""
     from motet.engine.weights.model_store import model_key
 
-    explicit = flag or os.environ.get("MOTET_DATA_DIR")
-    return Path(explicit).expanduser() if explicit else Path(DEFAULT_DATA_DIR).expanduser() / model_key(model)
+    if flag:
+        return Path(flag).expanduser()
+    if os.environ.get("MOTET_DATA_DIR"):
+        return path_setting(output_directory, os.environ["MOTET_DATA_DIR"], "$MOTET_DATA_DIR")
+    own = Path(DEFAULT_DATA_DIR).expanduser() / model_key(model)
+    return path_setting(output_directory, str(own), "the data directory")
 
 
 def warn_of_shared_data(flag: str | None, data: Path) -> None:
@@ -214,6 +221,7 @@ def build_state(
     from motet.api.batches.store import BatchStore
     from motet.api.files.store import FileStore
     from motet.api.metrics import Metrics
+    from motet.api.rate_limits import RateLimiter
     from motet.api.responses.store import ResponseStore
     from motet.api.state import ServerState
     from motet.api.usage import UsageStore
@@ -266,6 +274,7 @@ def build_state(
         sampling_defaults=ready.sampling_defaults,
         usage=usage,
         grammar_limits=grammar_limits(args),
+        limiter=RateLimiter(wait_s=args.tenant_wait_timeout),
     )
     state.limiter.reload(state.auth.tenant_limits())
     log.info("data directory: %s", data)  # (once every flag was accepted: a refusal stays one line)
@@ -364,16 +373,6 @@ def apply_keys(state, loaded) -> None:
     log.info("SIGHUP: reloaded the API keys: %d keys, %d tenants with limits", len(auth.keys), len(limits))
 
 
-def dtype_line(args, config) -> str:
-    """The served dtype, and why where `--dtype auto` chose it."""
-    from motet.engine.config import AUTO_DTYPE, auto_dtype
-
-    if getattr(args, "dtype", None) != AUTO_DTYPE:
-        return config.dtype
-    other = "float32" if config.dtype == "bfloat16" else "bfloat16"
-    return f"{config.dtype} (--dtype auto: {auto_dtype(config.device_type)[1]}; --dtype {other} for {other})"
-
-
 def serve(args, config) -> int:
     """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags). What the flags and
     the model's config decide is checked first (`check_model`, the port bound, `prepare`: a refusal is one line,
@@ -382,6 +381,7 @@ def serve(args, config) -> int:
     non-zero exit."""
     from motet.api.starting import StartingApp
     from motet.api.status_log import StatusLog
+    from motet.engine.config import loaded_dtype
     from motet.engine.weights import load_progress
 
     logging.basicConfig(
@@ -416,7 +416,7 @@ def serve(args, config) -> int:
     log.info(
         "loading %s in %s on %s (GET /health answers 503 with the load's progress until it has loaded)",
         ready.names[0],
-        dtype_line(args, config),
+        loaded_dtype(config, args.dtype),
         url,
     )
     load_progress.told()  # (the heartbeat speaks where no line came for 5 s: from here)
@@ -506,6 +506,7 @@ def add_serve_args(p) -> None:
     p.add_argument("--api-keys", default=None, help='JSON file {"key": "tenant"}; none: authentication off')
     p.add_argument(
         "--data-dir",
+        type=output_directory,
         default=None,
         help=f"where tenants' uploaded adapters, stored responses, files and batches live, and the KV disk "
         f"tier (--kv-disk-gb) under kv-cache/; one given here or as $MOTET_DATA_DIR is shared by every model "
@@ -609,6 +610,16 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-body-bytes", type=integer(1), default=4 << 20, help="larger request bodies get 413")
     p.add_argument(
         "--drain-timeout", type=seconds(0), default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    from motet.api.tenant_line import DEFAULT_WAIT_S, LINE_PER_PLACE
+
+    p.add_argument(
+        "--tenant-wait-timeout",
+        type=seconds(0),
+        default=DEFAULT_WAIT_S,
+        help=f"seconds a request over its tenant's max_concurrent_requests (--api-keys) waits in the tenant's line "
+        f"for a place (at most {LINE_PER_PLACE} waiting a place) before its 429; 0: 429 at once (default: "
+        f"{DEFAULT_WAIT_S:g})",
     )
     from motet.api.slow_clients import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 

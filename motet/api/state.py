@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from motet.actors.front import ServingFront
+from motet.actors.reply import ReplyStream
 from motet.api.auth import Authenticator
 from motet.api.errors import APIError, echo
 from motet.api.metrics import Metrics
@@ -26,6 +27,27 @@ if TYPE_CHECKING:  # the families' stores: each family's routes read ServerState
     from motet.api.files.store import FileStore
     from motet.api.fine_tuning.runner import FineTuningRunner
     from motet.api.responses.store import ResponseStore
+
+
+class InFlight:
+    """The generating requests a drain waits for, by their reply streams (each handler's list, which
+    motet/api/streams.py holds in here while the request runs): a drain past its deadline ends them."""
+
+    def __init__(self):
+        self._held: list[list[ReplyStream]] = []  # a request's, once a holder (its handler, its response)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def enter(self, streams: list[ReplyStream]) -> None:
+        self._held.append(streams)
+
+    def leave(self, streams: list[ReplyStream]) -> None:
+        del self._held[next(i for i, held in enumerate(self._held) if held is streams)]
+
+    def requests(self) -> list[list[ReplyStream]]:
+        """Each request's reply streams, once (by identity: two requests' lists may be equal)."""
+        return list({id(held): held for held in self._held}.values())
 
 
 MODELS_NAMED = 20  # in a model_not_found message; a tenant may have thousands of adapters
@@ -61,7 +83,7 @@ class ServerState:
     )
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
-    inflight: int = 0
+    inflight: InFlight = field(default_factory=InFlight)  # the generating requests (a drain waits for them)
     fatal: BaseException | None = None  # start-up failed (e.g. the model could not be loaded)
     # --reasoning-parser (motet/grammar/reasoning.py): the model's reasoning becomes reasoning_content; "none": off;
     # None: the model family's, else the chat template's

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from motet.actors.reply import ReplyStream, merge_streams
-from motet.actors.serving_errors import ServingError
+from motet.actors.serving_errors import ServingError, ShuttingDown
 from motet.api import protocol as P
 from motet.api import tracing
 from motet.api.billing import Bill
@@ -39,17 +39,33 @@ def release(state: ServerState, streams: list[ReplyStream]) -> None:
 
 @contextlib.contextmanager
 def in_flight(state: ServerState) -> Iterator[list[ReplyStream]]:
-    """A generating request's handler: counted in `state.inflight` while it runs (a drain waits for it), and the
-    reply streams it adds to the list it is given released if it fails or is cancelled."""
-    state.inflight += 1
+    """A generating request's handler: held in `state.inflight` while it runs (a drain waits for it, and cuts it
+    at its deadline: `cut`), and the reply streams it adds to the list it is given released if it fails or is
+    cancelled."""
     streams: list[ReplyStream] = []
+    state.inflight.enter(streams)
     try:
         yield streams
     except BaseException:
         release(state, streams)
         raise
     finally:
-        state.inflight -= 1
+        state.inflight.leave(streams)
+
+
+def cut(state: ServerState) -> int:
+    """A drain past its deadline: each request still generating ends as a failure midway does, a 503 (a stream
+    with its error event, then its last event; a request not streamed, its 503 answer), and what runs of it is
+    aborted. How many requests were cut."""
+    n = 0
+    for streams in state.inflight.requests():
+        running = [s for s in streams if not s.closed]
+        for s in running:
+            s.cancel()
+            state.system.abort(s.request_id)
+            s.fail(ShuttingDown("the server shut down before the request finished"))
+        n += bool(running)
+    return n
 
 
 def observe(state: ServerState, c: Choice, choices: list[Choice] | None = None) -> None:
@@ -238,7 +254,7 @@ class EventStream(StreamingResponse):
         )
         self.state, self.streams, self.bill = state, streams, bill
         self.sent_whole = False  # the body ran to its end (its last event sent): the client did not cut it
-        state.inflight += 1  # until the response is done
+        state.inflight.enter(streams)  # until the response is done
 
     async def _body(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
         async for event in events:
@@ -253,4 +269,4 @@ class EventStream(StreamingResponse):
             self.bill.close()
             if not self.sent_whole:  # the client went away midway
                 observe_cut(self.state, self.bill.choices)
-            self.state.inflight -= 1
+            self.state.inflight.leave(self.streams)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from motet.cluster.launch import ROUTERS, ClusterSettings
 from motet.engine.config import EngineConfig
-from motet.flag_types import integer, number
+from motet.flag_types import integer, number, or_url, output_directory
 from motet.settings_flags import SettingsFlags
 
 # The scale-out flags that set a ClusterSettings field of their own (the others: `cluster_system`).
@@ -85,6 +85,7 @@ def add_args(p) -> None:
     )
     g.add_argument(
         "--kv-shared-dir",
+        type=or_url(output_directory),
         default=None,
         metavar="PATH|URL",
         help="a KV tier every replica reads and writes: a directory or fsspec URL (file:///..., s3://...), "

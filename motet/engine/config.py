@@ -121,7 +121,9 @@ def _torch_may_see_a_gpu() -> bool:
 # --dtype's names -> the torch dtype's name (EngineConfig.torch_dtype), and its bytes per value
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-AUTO_DTYPE = "auto"  # `motet serve`'s default, as vLLM's: `auto_dtype` picks one of DTYPES for the device
+AUTO_DTYPE = "auto"  # as vLLM's: `auto_dtype` picks one of DTYPES for the device
+# What an engine loads in unless told: EngineConfig's default, so LLM's and every `motet` command's `--dtype`.
+DEFAULT_DTYPE = AUTO_DTYPE
 
 
 def auto_dtype(device: torch.device | str) -> tuple[str, str]:
@@ -141,6 +143,17 @@ def auto_dtype(device: torch.device | str) -> tuple[str, str]:
     if flag is not None:
         return "bfloat16", f"this CPU computes bf16 ({flag})"
     return "float32", "this CPU has no native bf16 (avx512_bf16, amx_bf16)"
+
+
+def loaded_dtype(config: EngineConfig, asked: str, option: str = "--dtype {}") -> str:
+    """The dtype `config` loads in, for a start-up line; with why, where `asked` (the dtype the caller was given)
+    is AUTO_DTYPE, and how to ask for the other (`option`: how the caller's users set it, `--dtype {}` or
+    `dtype="{}"`)."""
+    if asked != AUTO_DTYPE:
+        return config.dtype
+    other = "float32" if config.dtype == "bfloat16" else "bfloat16"
+    why = auto_dtype(config.device_type)[1]
+    return f"{config.dtype} ({option.format(AUTO_DTYPE)}: {why}; {option.format(other)} for {other})"
 
 
 # --max-model-len's floor, and the fewest tokens a KV cache may hold (motet/engine/worker/memory.py `check_fits`):
@@ -221,7 +234,8 @@ class EngineConfig:
     # vLLM's --tokenizer: a directory whose Hugging Face tokenizer (and its chat template) serves the model instead
     # of the model's own (a GGUF file's, derived from its metadata, or the checkpoint directory's). None: the model's.
     tokenizer: str | None = None
-    dtype: str = "float32"
+    # One of DTYPES, or auto (DEFAULT_DTYPE): bfloat16 where the device computes it natively, else float32.
+    dtype: str = field(default_factory=lambda: DEFAULT_DTYPE)
     # Quantized projections (the embedding table stays in `dtype`), one of QUANTIZATIONS: "int8" (Q8_0's
     # blocks) or "int4" (Q4_1's) quantize a float checkpoint's decoder projections on load, and its lm_head
     # into int8; "gguf" serves the directory's GGUF file in its own blocks, and is implied when `model` is a

@@ -19,23 +19,30 @@ ends at once (an empty text), the end of turn being the likeliest token after it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 
-from motet.engine.config import EngineConfig
+from motet.engine.config import DEFAULT_DTYPE, EngineConfig, loaded_dtype
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.outputs import RequestOutput, RequestOutputs
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.weights import load_progress
 from motet.lora.manager import AdapterRef
 
+log = logging.getLogger("motet.engine")
+
 
 class LLM:
     """The engine of `model` (a name, a checkpoint directory or a GGUF file, as `motet serve --model`; None: the
-    default model) with `engine_options` (EngineConfig's fields, e.g. `dtype`, `quantization`, `num_kv_blocks`)."""
+    default model) with `engine_options` (EngineConfig's fields, e.g. `dtype`, `quantization`, `num_kv_blocks`).
+    It loads in `motet serve`'s dtype unless told (`dtype="auto"`: bfloat16 where the device computes it natively,
+    else float32), and its first line says which, and why."""
 
     def __init__(self, model: str | None = None, **engine_options):
         load_progress.show_on_stderr()  # where the application configured no logging: a slow start is not silence
         config = EngineConfig(model=model or EngineConfig.model, **engine_options)
+        asked = engine_options.get("dtype", DEFAULT_DTYPE)
+        log.info("loading %s in %s", config.model, loaded_dtype(config, asked, option='dtype="{}"'))
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 

@@ -188,7 +188,7 @@ class LLMEngine:
             self.max_model_len,
             self.tokenizer.hf,
             self.structured_output,
-            self.scheduler.fairness,
+            self.scheduler.policy.fairness,
         )
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -196,6 +196,7 @@ class LLMEngine:
         self.stepping = (
             OverlappedSteps(self, self.runner.num_threads) if self._overlaps() else SequentialSteps(self)
         )
+        load_progress.phase("warming up the step")
         self.runner.warm_up()  # before the first request (the server is ready once the engine is built)
 
     def _adapter_host_bytes(self) -> int:
@@ -255,11 +256,6 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size,
             stop_token_ids=sorted(self.eos_token_ids),
         )
-
-    @functools.cached_property
-    def reasoning_opening(self) -> ReasoningOpening:
-        """Which tokens may open `<think>` at an output's start (for grammars under a reasoning parser)."""
-        return self.reasoning_opening_of(("<think>",))
 
     @functools.cached_property
     def _reasoning_openings(self) -> dict[tuple[tuple[str, ...], bool], ReasoningOpening]:
@@ -559,7 +555,7 @@ class LLMEngine:
         # The step's time as its rows saw it: from the previous step's landing (an overlapped step ran behind it)
         # or from its scheduling, whichever is later, to its own landing.
         start = max(self._last_landed, batch.scheduled_at if batch.scheduled_at is not None else now)
-        self.scheduler.latency.observe(batch.num_tokens, now - start)
+        self.scheduler.policy.observe_step(batch.num_tokens, now - start)
         self._last_landed = now
         cache_full_blocks, commit = self.block_manager.cache_full_blocks, self.output_commit
         landed = LandedStep([], [])

@@ -30,7 +30,7 @@ from motet.evals import report
 from motet.evals.context import EvalContext
 from motet.evals.report import Run
 from motet.evals.server import ManagedServer, ServerError
-from motet.flag_types import integer
+from motet.flag_types import OneLineErrors, input_file, integer, output_directory
 
 
 def _common_args(p: argparse.ArgumentParser, needs_server: bool) -> None:
@@ -42,13 +42,18 @@ def _common_args(p: argparse.ArgumentParser, needs_server: bool) -> None:
         "checkpoint dir), unless --server-args names one. Default: the server's first model (GET /v1/models); "
         "offline suites: SmolLM2-135M-Instruct",
     )
-    g.add_argument("--data", type=Path, default=None, help="the suite's data file (default: its dev set)")
+    g.add_argument(
+        "--data", type=input_file, default=None, help="the suite's data file (default: its dev set)"
+    )
     g.add_argument(
         "--limit", type=int, default=None, help="a slice of N items (taken across categories; see the suite)"
     )
     g.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     g.add_argument(
-        "--out", type=Path, default=None, help="report directory (default: reports/eval/SUITE-TIME)"
+        "--out",
+        type=output_directory,
+        default=None,
+        help="report directory (default: reports/eval/SUITE-TIME)",
     )
     if not needs_server:
         return
@@ -83,7 +88,7 @@ def _common_args(p: argparse.ArgumentParser, needs_server: bool) -> None:
 
 def build_parser(suites: dict[str, ModuleType], broken: dict[str, str]) -> argparse.ArgumentParser:
     epilog = "".join(f"\n  {name}: unavailable ({why})" for name, why in broken.items())
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="motet eval",
         description=__doc__,
         epilog=epilog or None,
@@ -258,7 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(suites, broken).parse_args(argv)
     module = suites[args.suite]
     out_dir = args.out or Path("reports") / "eval" / f"{args.suite}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # (what --out's check cannot see: a directory it may not write in)
+        print(f"motet eval: error: --out {out_dir}: {e.strerror or e}", file=sys.stderr)
+        return 2
     # SIGTERM unwinds like Ctrl-C, so a started server is stopped on the way out.
     previous = signal.signal(signal.SIGTERM, _interrupt) if _main_thread() else None
     try:

@@ -199,24 +199,6 @@ def template_reasoning(chat_template: str | None) -> str | None:
     return None
 
 
-# The `<think>` format's functions, as the rest of motet knew them before the other formats came
-
-
-def split_reasoning(text: str, started: bool = False) -> tuple[str | None, str]:
-    """(reasoning or None, content) of a complete output in the `<think>` format."""
-    return THINK.split(text, started)
-
-
-def prompt_opens_reasoning(prompt_text: str) -> bool:
-    """Whether a rendered prompt already opened `<think>` (its output starts inside it: `started`)."""
-    return THINK.started(prompt_text)
-
-
-def reasoning_ended(text: str, started: bool = False) -> bool:
-    """Whether a `<think>` output so far is past its reasoning."""
-    return THINK.ended(text, started)
-
-
 class ReasoningOpening:
     """Which tokens continue a format's opening tags at the start of an output, from each token's decoded bytes
     (computed once per tokenizer and format): the engine's mask lets an output open its reasoning while it is

@@ -15,11 +15,11 @@ cannot write a `tool` turn (one that refuses roles other than system, user and a
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import re
 
+from motet import json_input
 from motet.grammar.tool_calls import (
     CALL_BEGIN,
     CALL_END,
@@ -73,11 +73,26 @@ def tools_system_prompt(tools: list[Tool], prompt: str = TOOLS_SYSTEM_PROMPT) ->
     return prompt.format(tools=lines)
 
 
+def decoded_json(text, param: str | None = None):
+    """JSON text a history gives inside its JSON (a call's `arguments`, a tool result's content) as its value, read
+    as a request body is (motet/json_input.py `parse`); text that is no JSON stays text (a model's malformed call
+    is shown again as it wrote it); a value other than text is itself. JSON past a body's bounds (a lone surrogate
+    escape such as \\ud800 parses, but no tokenizer encodes it; nesting past 64 levels) is a ToolError naming
+    `param`, where the text was given; without `param` (comparing two answers' calls) it stays text too."""
+    if not isinstance(text, str):
+        return text
+    try:
+        return json_input.parse(text, "its JSON")
+    except json_input.JSONBoundsError as e:
+        if param is None:
+            return text
+        raise tool_error(param, str(e)) from None
+    except ValueError:
+        return text
+
+
 def format_call(name: str, arguments) -> str:
-    """One Hermes call block; `arguments` is a dict or its JSON text (kept as a string if not JSON)."""
-    if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):
-            arguments = json.loads(arguments)
+    """One Hermes call block; `arguments` is the call's JSON value (`decoded_json`), or text that is no JSON."""
     args = json.dumps(arguments, ensure_ascii=False)
     return (
         f'{CALL_BEGIN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n{CALL_END}'
@@ -114,7 +129,10 @@ def _assistant_text(msg: dict, i: int, fmt=None) -> str:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise tool_error(f"messages[{i}].tool_calls[{j}]", "expected {'function': {'name', 'arguments'}}")
-        blocks.append((fn["name"], fn.get("arguments") or {}))
+        arguments = decoded_json(
+            fn.get("arguments") or {}, f"messages[{i}].tool_calls[{j}].function.arguments"
+        )
+        blocks.append((fn["name"], arguments))
     if fmt is None:  # Hermes
         blocks = [format_call(name, args) for name, args in blocks]
     else:
@@ -126,11 +144,8 @@ def _tool_result(msg: dict, i: int, names: dict) -> str:
     """One result as a `<tool_response>` block naming its tool (the message's `name`, else the name of the
     call its `tool_call_id` answers); JSON objects and arrays are shown as JSON, other text as a string."""
     text = _text(msg.get("content"), f"messages[{i}].content")
-    result = text
-    with contextlib.suppress(ValueError):
-        value = json.loads(text)
-        if isinstance(value, dict | list):
-            result = value
+    value = decoded_json(text, f"messages[{i}].content")
+    result = value if isinstance(value, dict | list) else text
     name = msg.get("name") if isinstance(msg.get("name"), str) else names.get(msg.get("tool_call_id"))
     body = ({"name": name} if name else {}) | {"content": result}
     return f"{RESPONSE_BEGIN}\n{json.dumps(body, ensure_ascii=False)}\n{RESPONSE_END}"

@@ -3,6 +3,10 @@ and the error every refusal raises (motet/lora/peft_config.py reads the config, 
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Mapping, Sequence
+
 from motet.models import DECLARATIONS, fused_modules
 from motet.models.config import ModelConfig
 from motet.models.projections import (
@@ -86,14 +90,45 @@ def module_shape(base: ModelConfig, module: str) -> tuple[int, int]:
     return shapes[module]
 
 
-def adapter_bytes(base: ModelConfig, modules: tuple[str, ...], rank: int, value_bytes: int = 4) -> int:
-    """About the size of a LoRA adapter's weights file: A and B of each module of each layer (PEFT saves them
-    in float32 by default, whatever the base's dtype)."""
-    values = 0
+# safetensors' element types an adapter's tensors may have, in the order of its `Dtype` enum (a file holds its
+# tensors by that order descending, then by name), and their sizes
+SAFETENSORS_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+PEFT_METADATA = {"format": "pt"}  # what PEFT's save_pretrained gives the weights file
+
+
+def safetensors_bytes(
+    tensors: Mapping[str, tuple[str, Sequence[int]]], metadata: dict = PEFT_METADATA
+) -> int:
+    """The size of the safetensors file of `tensors` (name -> (dtype, shape)) as safetensors writes it: the header's
+    length (8 bytes), its JSON header padded with spaces to 8 bytes, then the tensors' data, in its order."""
+    order = list(SAFETENSORS_DTYPES)
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, (dtype, shape) in sorted(tensors.items(), key=lambda t: (-order.index(t[1][0]), t[0])):
+        size = SAFETENSORS_DTYPES[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = len(json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode())
+    return 8 + -(-text // 8) * 8 + offset
+
+
+def lora_tensors(
+    base: ModelConfig, modules: Sequence[str], rank: int
+) -> dict[str, tuple[str, tuple[int, int]]]:
+    """The tensors of a LoRA adapter of `rank` on the decoder layers' linear `modules` of `base` as PEFT saves them:
+    A [rank, in] and B [out, rank] of each module of each layer, named as PEFT names them, in float32 (PEFT's dtype
+    for a trained adapter, whatever the base's). (An adapter of embed_tokens or lm_head PEFT saves with the base's
+    embeddings beside it: not these.)"""
+    out = {}
     for module in modules:
         n_in, n_out = module_shape(base, module)
-        values += rank * (n_in + n_out) * (1 if module in MODEL_MODULES else base.num_hidden_layers)
-    return values * value_bytes
+        for layer in range(base.num_hidden_layers):
+            name = f"base_model.model.{module_name(layer, module)}"
+            out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = (
+                ("F32", (rank, n_in)),
+                ("F32", (n_out, rank)),
+            )
+    return out
 
 
 def module_name(layer: int, module: str) -> str:

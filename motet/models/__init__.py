@@ -34,6 +34,9 @@ DECLARATIONS: tuple[Architecture, ...] = (
 )
 _BY_NAME = {name: decl for decl in DECLARATIONS for name in decl.names}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_BY_NAME)
+# The GGUF files' `general.architecture` values the families read (llama.cpp's names), each once: llama.cpp writes
+# Mixtral as "llama" too (from_gguf tells them apart by their experts).
+GGUF_ARCHITECTURES: tuple[str, ...] = tuple(dict.fromkeys(d.gguf for d in DECLARATIONS if d.gguf))
 
 
 def find(names) -> Architecture | None:
@@ -60,6 +63,7 @@ def from_gguf(gguf_architecture: str, experts: bool = False) -> Architecture | N
 
 __all__ = [
     "DECLARATIONS",
+    "GGUF_ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
     "Architecture",
     "ModelLoadError",

@@ -116,15 +116,12 @@ def _json(text: bytes | str, what: str, number: int):
     """`text` parsed and checked as motet/json_input.py reads a request body; a DataError naming `what` and
     where in it, otherwise."""
     try:
-        value = json_input.loads(text)
-    except ValueError as e:  # "not valid JSON: ...", "nested more than 64 levels deep"
-        raise DataError(f"{what} is {e}", number) from None
-    try:
-        json_input.check(value)
-    except json_input.JSONBoundsError as e:  # "is nested ...", "holds invalid Unicode ... at x"
+        return json_input.parse(text, what)
+    except json_input.JSONBoundsError as e:  # "WHAT is nested ...", "WHAT holds invalid Unicode ... at x"
         at = f" (at {_brief(e.param)})" if e.param and e.param not in str(e) else ""
-        raise DataError(f"{what} {e}{at}", number) from None
-    return value
+        raise DataError(f"{e}{at}", number) from None
+    except ValueError as e:  # "WHAT is not valid JSON: ..."
+        raise DataError(str(e), number) from None
 
 
 def _chat(value: dict, prefix: str, number: int) -> tuple[list[Tool], list[dict]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import BinaryIO
 
-from motet.grammar.tool_formats.base import decoded_arguments
+from motet.grammar.tool_prompt import decoded_json
 from motet.training.data_format import DataError, read_examples
 
 EVAL_ROWS = "eval_rows.jsonl"  # in a job's run directory
@@ -48,6 +48,6 @@ def _calls(message: dict) -> list[dict]:
     """A message's tool calls as {name, arguments}, the arguments as JSON values (the file may give them as a
     string of JSON or as an object, a served message as a string written its own way)."""
     return [
-        {"name": c["function"]["name"], "arguments": decoded_arguments(c["function"].get("arguments"))}
+        {"name": c["function"]["name"], "arguments": decoded_json(c["function"].get("arguments"))}
         for c in message.get("tool_calls") or ()
     ]

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from motet.lora.peft_format import CONFIG_FILE, WEIGHTS_FILE, lora_tensors, safetensors_bytes
+from motet.models.config import ModelConfig
 from motet.training.dataset import read_rows
 from motet.training.hyperparameters import Hyperparameters
 
@@ -211,12 +213,36 @@ def _callback(run: TrainingRun, per_epoch: int, tokens: int, on_event, pause_ask
 
 def tidy_adapter(path: Path, base_name: str) -> None:
     """The adapter's config names the base model, not this machine's path to it; PEFT's empty model card goes."""
-    config = path / "adapter_config.json"
+    config = path / CONFIG_FILE
     if config.is_file():
-        values = json.loads(config.read_text())
-        values["base_model_name_or_path"] = base_name or Path(values.get("base_model_name_or_path", "")).name
-        config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+        config.write_text(_tidy_config(json.loads(config.read_text()), base_name))
     (path / "README.md").unlink(missing_ok=True)
+
+
+def _tidy_config(values: dict, base_name: str) -> str:
+    values["base_model_name_or_path"] = base_name or Path(values.get("base_model_name_or_path") or "").name
+    return json.dumps(values, indent=2, sort_keys=True) + "\n"
+
+
+def stored_adapter_bytes(run: TrainingRun, base: ModelConfig) -> int:
+    """The bytes of each adapter the run stores (each epoch's checkpoint and its model: the same two files), as
+    PEFT saves them and `tidy_adapter` leaves them: the config PEFT writes of the run's LoRA config (or of the
+    adapter it trains on), and the weights file of its tensors (safetensors' header included)."""
+    from peft import LoraConfig
+    from safetensors import safe_open
+
+    if run.init_adapter is None:
+        h = run.hyperparameters
+        config = lora_config(h)
+        tensors = lora_tensors(base, h.lora_target_modules, h.lora_rank)
+    else:  # its own tensors, trained in float32 (PEFT's dtype for a trainable adapter)
+        config = LoraConfig.from_pretrained(str(run.init_adapter))
+        with safe_open(run.init_adapter / WEIGHTS_FILE, framework="pt") as f:
+            tensors = {k: ("F32", f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (no iterator)
+    config.inference_mode = True  # as PEFT's save_pretrained writes it
+    values = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+    values["base_model_name_or_path"] = values["base_model_name_or_path"] or str(run.model_dir)
+    return len(_tidy_config(values, run.base_name).encode()) + safetensors_bytes(tensors)
 
 
 def train(

@@ -84,6 +84,35 @@ def test_lone_surrogate(client):
     still_serving(client)
 
 
+def history(arguments: str, result: str) -> dict:
+    """A chat after one tool call: its `arguments` and the tool's result `content`, each JSON given as text."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None,
+            "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": result}], "max_tokens": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"city": "\\ud800"}', "holds invalid Unicode (a lone surrogate escape) at city"),
+        ('{"a": ' + "[" * 64 + "]" * 64 + "}", "nested more than 64 levels deep"),  # 65 levels
+        ("[" * 100_000 + "]" * 100_000, "nested more than 64 levels deep"),  # past what the parser recurses
+    ],
+)
+def test_json_text_in_a_history_is_read_as_a_body_is(client, text, match):
+    """A call's arguments and a tool's result are JSON given as text, which the body's own check sees as text; the
+    prompt reads them as JSON. A lone surrogate escape there (valid JSON, no valid Unicode) was a TypeError out of
+    the tokenizer, text nested past the parser's recursion a RecursionError: 500s. Refused as a request body's
+    own would be (the 400 of test_lone_surrogate), naming the field; the same history with valid JSON is served."""
+    arguments = "messages[1].tool_calls[0].function.arguments"
+    refused(send(client, CHAT, history(text, '{"sky": "clear"}')), param=arguments, match=match)
+    refused(send(client, CHAT, history('{"city": "Oslo"}', text)), param="messages[2].content", match=match)
+    deepest = '{"a": ' + "[" * 63 + "]" * 63 + "}"  # 64 levels, as a body may nest
+    assert send(client, CHAT, history('{"city": "\\u00e9"}', deepest)).status_code == 200
+    assert send(client, CHAT, history(deepest, "not JSON: shown as text")).status_code == 200
+    still_serving(client)
+
+
 @pytest.mark.parametrize("depth", [100, 100_000])
 def test_deeply_nested_bodies(client, depth):
     nested = "[" * depth + "]" * depth

@@ -181,9 +181,14 @@ def test_sdk_round_trip(server):
         b.models.delete(job.fine_tuned_model)
     assert c.models.delete(job.fine_tuned_model).deleted
     assert job.fine_tuned_model not in [m.id for m in c.models.list()]
-    old = checkpoints[1].fine_tuned_model_checkpoint
+    # a checkpoint whose model is deleted is no longer listed (issue 68: it still was), as OpenAI's
+    newest, old = (ck.fine_tuned_model_checkpoint for ck in checkpoints)
+    assert c.models.delete(newest).deleted
+    listed = c.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [ck.fine_tuned_model_checkpoint for ck in listed] == [old]
     r = httpx.delete(f"{server.url}/v1/adapters/{old}", headers={"Authorization": "Bearer ka"})
     assert r.status_code == 200 and old not in [m.id for m in c.models.list()]
+    assert c.fine_tuning.jobs.checkpoints.list(job.id).data == []
 
 
 def test_a_paused_and_resumed_job_ends_as_an_uninterrupted_run(server, tiny_model_dir, tmp_path):
@@ -265,8 +270,9 @@ def calls(name: str, answered: str = "c1") -> list[dict]:
          "method.supervised.hyperparameters.n_epochs", "n_epochs"),
         (TRAIN, {"method": {"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 1000}}}},
          "method.supervised.hyperparameters.batch_size", "batch_size"),
-        (TRAIN, {"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": -1}}}}, "training_file",
-         "Line 1: a chat: DPO reads preference pairs"),
+        (TRAIN, {"method": {"type": "dpo"}}, "training_file", "Line 1: a chat: DPO reads preference pairs"),
+        (TRAIN, {"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": -1}}}},
+         "method.dpo.hyperparameters.beta", "beta"),  # (found before the file is read)
         (TRAIN, {"hyperparameters": {"learning_rate_multiplier": True}},
          "hyperparameters.learning_rate_multiplier", "learning_rate_multiplier"),
         (TRAIN, {"hyperparameters": {"lora_rank": 1024}}, "hyperparameters.lora_rank", "lora_rank"),
@@ -438,3 +444,29 @@ def test_no_upload_takes_a_fine_tuned_models_name(server):
     files = {"files": ("adapter_config.json", b"{}"), "name": (None, "ft:tiny:bob::ftjob-0")}
     r = httpx.post(f"{server.url}/v1/adapters", files=files, headers={"Authorization": "Bearer kb"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text
+
+
+def test_a_store_written_before_checkpoints_could_be_deleted_opens_and_lists_them(tmp_path):
+    """The `deleted` mark (issue 68) is a column an older fine_tuning.sqlite3 lacks: opening it adds the column,
+    its checkpoints are listed, and one whose model is deleted is no longer."""
+    import sqlite3
+
+    from motet.api.fine_tuning.store import FILENAME, FineTuningStore
+
+    old = sqlite3.connect(tmp_path / FILENAME)
+    old.execute(
+        "CREATE TABLE checkpoints (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, tenant TEXT NOT "
+        "NULL, job TEXT NOT NULL, created_at INTEGER NOT NULL, step INTEGER NOT NULL, model TEXT NOT NULL, metrics "
+        "TEXT NOT NULL, UNIQUE (job, step))"
+    )
+    for step in (2, 4):
+        old.execute("INSERT INTO checkpoints (id, tenant, job, created_at, step, model, metrics) VALUES "
+                    "(?, 'alice', 'ftjob-1', 0, ?, ?, '{}')", (f"ftckpt-{step}", step, f"ft:m:ckpt-step-{step}"))  # fmt: skip
+    old.commit()
+    old.close()
+    store = FineTuningStore(tmp_path)
+    assert [c["step_number"] for c in store.checkpoints("alice", "ftjob-1", None, 10)[0]] == [4, 2]
+    store.model_deleted("bob", "ft:m:ckpt-step-4")  # another tenant's name: nothing of alice's
+    store.model_deleted("alice", "ft:m:ckpt-step-4")
+    assert [c["step_number"] for c in store.checkpoints("alice", "ftjob-1", None, 10)[0]] == [2]
+    assert store.has_checkpoint("ftjob-1", 4)  # its row stays: a restarted job does not store it again

@@ -294,3 +294,86 @@ def test_motet_serve_refuses_a_context_past_the_models_in_one_line(tiny_model_di
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--max-model-len" in lines[0] and "4096 positions" in lines[0], done.stderr
+
+
+# Each command's path flags with a path of the wrong kind: {file} a regular file, {dir} a directory, {file}/x a path
+# under a file (ENOTDIR). `env`: a path given as an environment variable instead of a flag.
+PATH_CASES = [
+    ("eval --out FILE", ["eval", "jsonschema", "--out", "{file}"], {}, "argument --out: {file}: not a directory"),
+    ("eval --out UNDER", ["eval", "jsonschema", "--out", "{file}/x"], {}, "argument --out: {file}/x: Not a directory"),
+    ("eval --data DIR", ["eval", "jsonschema", "--out", "{dir}/r", "--data", "{dir}"], {},
+     "argument --data: {dir}: not a regular file (a directory)"),
+    ("eval lora --adapters-dir FILE", ["eval", "lora", "--out", "{dir}/r", "--adapters-dir", "{file}"], {},
+     "argument --adapters-dir: {file}: not a directory (a regular file)"),
+    ("run-batch -i DIR", ["run-batch", "-i", "{dir}", "-o", "{dir}/out.jsonl"], {},
+     "argument -i/--input-file: {dir}: not a regular file (a directory)"),
+    ("run-batch -o DIR", ["run-batch", "-i", "{file}", "-o", "{dir}"], {},
+     "argument -o/--output-file: {dir}: not a regular file (a directory)"),
+    ("run-batch -o UNDER", ["run-batch", "-i", "{file}", "-o", "{file}/x"], {},
+     "argument -o/--output-file: {file}/x: Not a directory"),
+    ("pull --cache-dir FILE", ["pull", "--cache-dir", "{file}"], {}, "argument --cache-dir: {file}: not a directory"),
+    ("pull --cache-dir UNDER", ["pull", "--cache-dir", "{file}/x"], {}, "argument --cache-dir: {file}/x: Not a directory"),
+    ("serve --data-dir FILE", ["serve", "--data-dir", "{file}"], {}, "argument --data-dir: {file}: not a directory"),
+    ("serve --data-dir UNDER", ["serve", "--data-dir", "{file}/x"], {}, "argument --data-dir: {file}/x: Not a directory"),
+    ("serve $MOTET_DATA_DIR FILE", ["serve"], {"MOTET_DATA_DIR": "{file}"},
+     "motet: error: $MOTET_DATA_DIR {file}: not a directory (a regular file)"),
+    ("serve --kv-shared-dir FILE", ["serve", "--kv-shared-dir", "{file}"], {},
+     "argument --kv-shared-dir: {file}: not a directory"),
+    ("serve --api-keys DIR", ["serve", "--api-keys", "{dir}"], {}, "--api-keys {dir}: cannot read"),
+    ("serve --tenant-weights DIR", ["serve", "--tenant-weights", "{dir}"], {},
+     "argument --tenant-weights: {dir}: not a regular file (a directory)"),
+    ("generate --kv-disk-gb, $MOTET_DATA_DIR FILE", ["generate", "--prompt", "x", "--kv-disk-gb", "1"],
+     {"MOTET_DATA_DIR": "{file}"}, "motet: error: $MOTET_DATA_DIR {file}: not a directory (a regular file)"),
+    ("fine-tune FILE DIR", ["fine-tune", "{dir}"], {}, "argument FILE: {dir}: not a regular file (a directory)"),
+    ("fine-tune --out FILE", ["fine-tune", "{file}", "--out", "{file}"], {}, "argument --out: {file}: not a directory"),
+]  # fmt: skip
+_ENGINE = {"serve", "generate", "run-batch", "fine-tune"}  # commands that take --model
+
+
+@pytest.mark.parametrize("argv, env, says", [c[1:] for c in PATH_CASES], ids=[c[0] for c in PATH_CASES])
+def test_a_path_flag_of_the_wrong_kind_exits_2_in_one_line(argv, env, says, tiny_model_dir, tmp_path, capsys,
+                                                          monkeypatch):  # fmt: skip
+    """Issue 68: every command's path flags, as `motet fine-tune`'s (flag_types.py input_file, input_directory,
+    output_file, output_directory): a file to read that is a directory, an output that exists as a file or lies
+    under one is argparse's one-line refusal, exit 2, before anything loads or runs (before: an OSError's
+    traceback out of open() or mkdir(), for `run-batch -o` once the whole batch had run)."""
+    from motet.api.cli import main
+
+    file, folder = tmp_path / "afile", tmp_path / "adir"
+    file.write_text("{}\n")
+    folder.mkdir()
+    fill = {"file": file, "dir": folder}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(**fill))
+    args = [a.format(**fill) for a in argv]
+    # Where a path passed (before the checks), nothing is pulled (the tiny model) and no server started (one
+    # that is not there).
+    if args[0] in _ENGINE:
+        args += ["--model", str(tiny_model_dir), "--threads", "1"]
+    if args[0] == "eval":
+        args += ["--base-url", "http://127.0.0.1:9"]
+    if args[0] == "serve":
+        args += ["--port", "0"]
+    try:
+        code = main(args)
+    except SystemExit as e:  # (`motet eval` parses its own flags)
+        code = e.code
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert says.format(**fill) in err[0] and "Traceback" not in err[0], err
+
+
+def test_paths_of_the_right_kind_and_urls_pass(tmp_path):
+    """What the path types let through: a file to overwrite, a directory to make (its parents too), a URL where
+    the flag takes one (run-batch's http(s), the shared KV tier's fsspec URLs)."""
+    data = tmp_path / "in.jsonl"
+    data.write_text("")
+    new = tmp_path / "new" / "dir"
+    args = build_parser().parse_args(["run-batch", "-i", str(data), "-o", str(data)])
+    assert (args.input_file, args.output_file) == (str(data), str(data))
+    args = build_parser().parse_args(["run-batch", "-i", "https://h/in.jsonl", "-o", f"{new}/out.jsonl"])
+    assert args.input_file == "https://h/in.jsonl"
+    args = build_parser().parse_args(["serve", "--data-dir", str(new), "--kv-shared-dir", "s3://bucket/kv"])
+    assert (args.data_dir, args.kv_shared_dir) == (new, "s3://bucket/kv")
+    assert build_parser().parse_args(["pull", "--cache-dir", str(new)]).cache_dir == new
+    assert not new.exists()  # (made by the command that writes there, not by its parser)

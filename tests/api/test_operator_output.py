@@ -218,3 +218,57 @@ def test_access_log_can_be_turned_off_and_ctrl_c_ends_on_stopped(tiny_model_dir,
         srv.stop(signal.SIGINT)
     assert "uvicorn.access" not in srv.text() and "GET /v1/models" not in srv.text()
     ends_on_stopped(srv)
+
+
+def test_drain_timeout_ends_running_requests_with_a_503_not_a_traceback(tiny_model_dir, tmp_path):
+    """Issue 68: SIGTERM past --drain-timeout with requests generating wrote an ERROR traceback per request
+    (uvicorn cancelling their tasks 5 s later) and cut their connections. Now each ends as the manual says a
+    failure midway does (docs/api/responses.md): a chat stream with an `error` event then `[DONE]` (which the
+    openai SDK raises as an APIError with that body, not a connection error), a request not streamed with a 503;
+    the log holds no traceback and ends on "stopped"."""
+    import concurrent.futures
+
+    srv = LiveLog(
+        tmp_path, "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--data-dir",
+        str(tmp_path / "data"), "--threads", "1", "--drain-timeout", "0.5",
+    )  # fmt: skip
+    try:
+        srv.wait_for(re.compile(r"ready on "), timeout=300)
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
+        long = {"max_tokens": 4000, "extra_body": {"ignore_eos": True}}  # far longer than the drain
+
+        def chat_stream():
+            stream = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True, **long
+            )
+            try:
+                for _ in stream:
+                    pass
+            except openai.APIError as e:
+                return e
+            return None
+
+        def completion():
+            try:
+                client.completions.create(model="tiny", prompt="Once", **long)
+            except openai.APIError as e:
+                return e
+            return None
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            streamed, whole = pool.submit(chat_stream), pool.submit(completion)
+            deadline = time.monotonic() + 60
+            while "motet_num_requests_running 2.0" not in httpx.get(f"{srv.url}/metrics", timeout=10).text:
+                assert time.monotonic() < deadline and not streamed.done() and not whole.done()
+                time.sleep(0.05)
+            srv.proc.send_signal(signal.SIGTERM)
+            cut_stream, cut_whole = streamed.result(120), whole.result(120)
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.stop()
+    assert type(cut_stream) is openai.APIError, repr(cut_stream)  # an error event, not a cut connection
+    assert cut_stream.body["type"] == "service_unavailable", cut_stream.body
+    assert isinstance(cut_whole, openai.InternalServerError) and cut_whole.status_code == 503, repr(cut_whole)
+    out = srv.text()
+    assert " ERROR " not in out, out[-3000:]
+    ends_on_stopped(srv)

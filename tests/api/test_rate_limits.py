@@ -6,6 +6,7 @@ after a storm of SIGHUPs."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import signal
 import threading
 import time
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -21,7 +23,7 @@ from motet.api.auth import TenantLimits
 from motet.api.errors import APIError
 from motet.api.rate_limits import DEFAULT_TOKEN_S, RateLimiter, duration
 from tests.clock import Clock
-from tests.live_server import Server
+from tests.live_server import Server, keys_file
 
 MODEL = "tiny"
 
@@ -127,6 +129,134 @@ def test_a_place_frees_when_the_running_requests_tokens_left_are_made():
     running.leave()
 
 
+class LinedUp:
+    """`RateLimits` in front of an app that holds each request it is given until the test lets it answer; each
+    request's client sends its body, then waits (or leaves when told to)."""
+
+    def __init__(self, limiter: RateLimiter):
+        from types import SimpleNamespace
+
+        from motet.api.rate_limits import RateLimits
+
+        self.limiter = limiter
+        state = SimpleNamespace(
+            auth=SimpleNamespace(tenant=lambda authorization: authorization.removeprefix("Bearer ")),
+            system=SimpleNamespace(stats=lambda: SimpleNamespace(token_s=0.02)),
+        )
+        self.middleware = RateLimits(self.app, state, limiter)
+        self.bodies: list[bytes] = []  # what the app read, in the order it was let in
+        self.answer: dict[bytes, anyio.Event] = {}
+        self.statuses: dict[bytes, int] = {}
+        self.headers: dict[bytes, dict] = {}
+
+    async def app(self, scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.bodies.append(body)
+        await self.answer.setdefault(body, anyio.Event()).wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def request(self, tenant: str, body: bytes, leave: anyio.Event | None = None) -> None:
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                 "headers": [(b"authorization", f"Bearer {tenant}".encode())]}  # fmt: skip
+        chunks = [{"type": "http.request", "body": body[:3], "more_body": True},
+                  {"type": "http.request", "body": body[3:], "more_body": False}]  # fmt: skip
+
+        async def receive():
+            if chunks:
+                return chunks.pop(0)
+            await (leave or anyio.Event()).wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                self.statuses[body] = message["status"]
+                self.headers[body] = {k.decode(): v.decode() for k, v in message["headers"]}
+
+        await self.middleware(scope, receive, send)
+
+
+def test_requests_over_the_concurrency_limit_wait_in_line_and_are_let_in_as_places_free():
+    """Issue 68, finding 15: a request over its tenant's concurrency limit was answered 429 at once, so a client's
+    concurrent calls came back on Retry-After estimates (and the SDK's 2 retries ran out). Now it waits in the
+    tenant's line, first come first served, and holds nothing meanwhile: the app (the route) has not seen it. Its
+    body reaches the app whole once it is let in; the line is bounded (LINE_PER_PLACE a place: the next one is
+    429 at once), a client that leaves frees its place in line, and a wait past `wait_s` is a 429 saying when a
+    place frees. Another tenant never waits."""
+    from motet.api.rate_limits import LINE_PER_PLACE
+
+    async def main():
+        limiter = RateLimiter({"t": TenantLimits(max_concurrent=1)})  # the server's default wait
+        lined = LinedUp(limiter)
+        leaves = anyio.Event()
+        bodies = [f"body {i}".encode() for i in range(LINE_PER_PLACE + 1)]
+        running, waiting, refused = bodies[0], bodies[1:LINE_PER_PLACE], bodies[LINE_PER_PLACE]
+        line = limiter._usage.get  # (the tenant's usage once it has one)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lined.request, "t", running)
+            await wait_until(lambda: lined.bodies == [running])
+            tg.start_soon(lined.request, "t", waiting[0])
+            await wait_until(lambda: waiting[0] in lined.statuses or len(getattr(line("t"), "line", ())) == 1)
+            assert waiting[0] not in lined.statuses  # not answered (it was: 429 at once): it waits
+            tg.start_soon(lined.request, "t", b"leaves", leaves)
+            await wait_until(lambda: len(line("t").line) == 2)
+            for n, body in enumerate(waiting[1:], start=3):
+                tg.start_soon(lined.request, "t", body)
+                await wait_until(lambda n=n: len(line("t").line) == n)
+            assert len(line("t").line) == LINE_PER_PLACE and lined.bodies == [running]
+            await lined.request("t", refused)  # the line is full: refused at once
+            assert lined.statuses[refused] == 429 and int(lined.headers[refused]["retry-after"]) >= 1
+            lined.answer[b"other"] = anyio.Event()
+            lined.answer[b"other"].set()
+            await lined.request("u", b"other")  # another tenant: no limits, no wait
+            assert lined.statuses[b"other"] == 200
+            leaves.set()  # a client in line leaves: its place in line is freed, the app never sees it
+            await wait_until(lambda: len(line("t").line) == LINE_PER_PLACE - 1)
+            for n, body in enumerate([running, *waiting], start=3):  # each answer lets the next in, in order
+                lined.answer.setdefault(body, anyio.Event()).set()
+                await wait_until(lambda n=n: len(lined.bodies) == min(n, LINE_PER_PLACE + 1))
+        assert lined.bodies == [running, b"other", *waiting]
+        assert all(lined.statuses[b] == 200 for b in [running, *waiting])
+        assert b"leaves" not in lined.statuses and not line("t").running and not line("t").line
+
+        limiter.wait_s = 0.2  # a wait past its bound: 429, with when the running request is estimated to end
+        holder = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            lined.answer[b"holder"] = holder
+            tg.start_soon(lined.request, "t", b"holder")
+            await wait_until(lambda: limiter._usage["t"].running)
+            limiter._usage["t"].running[0].expect(100)  # 100 tokens at 20 ms
+            await lined.request("t", b"too late")
+            holder.set()
+        assert lined.statuses[b"too late"] == 429 and lined.headers[b"too late"]["retry-after"] == "2"
+        assert b"too late" not in lined.bodies and not limiter._usage["t"].line
+
+        limiter.wait_s = 60  # the server drains: those in line go on to the app (its 503 while draining)
+        async with anyio.create_task_group() as tg:
+            lined.answer[b"holder 2"], lined.answer[b"in line"] = anyio.Event(), anyio.Event()
+            tg.start_soon(lined.request, "t", b"holder 2")
+            await wait_until(lambda: limiter._usage["t"].running)
+            tg.start_soon(lined.request, "t", b"in line")
+            await wait_until(lambda: limiter._usage["t"].line)
+            limiter.close_lines()
+            await wait_until(lambda: b"in line" in lined.bodies)
+            lined.answer[b"holder 2"].set()
+            lined.answer[b"in line"].set()
+
+    anyio.run(main)
+
+
+async def wait_until(condition) -> None:
+    with anyio.fail_after(10):
+        while not condition():
+            await anyio.sleep(0.001)
+
+
 KEYS = {
     "sk-alice": {"tenant": "alice", "limits": {"requests_per_minute": 3}},
     "sk-carol": {"tenant": "carol", "limits": {"max_concurrent_requests": 1}},
@@ -146,6 +276,7 @@ def served(tiny_model_dir, tmp_path_factory):
         tmp,
         "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", str(keys),
         "--data-dir", str(tmp / "data"), "--threads", "1", "--max-model-len", "4096",
+        "--tenant-wait-timeout", "0",  # no line: a request over the concurrency limit is refused at once
         start_timeout=120,
     )  # fmt: skip
     yield srv, keys
@@ -374,6 +505,54 @@ def test_a_request_over_the_concurrency_limit_gets_in_by_the_sdks_own_retries(se
         assert raw.retries_taken >= 1  # refused at first: the place was taken
     finally:
         holder.join(120)
+
+
+def test_three_concurrent_calls_of_a_tenant_limited_to_one_all_succeed_with_the_sdks_defaults(
+    tiny_model_dir, tmp_path
+):
+    """Issue 68, finding 15: a tenant limited to one concurrent request, 3 concurrent calls of the openai SDK with
+    its default retries (2, honouring Retry-After): one failed. The two refused calls were told the running one's
+    estimated end (7 s) and came back together; one got in, the other was told the next one's (16 s, then 20 s:
+    an estimate, a little short as the steps slow with the context) and ran out of retries. Now the calls over the
+    limit wait in the tenant's line (the server's defaults) and are let in as places free, one at a time. The first
+    call streams and has made tokens (the server has timed its steps) when the other two come."""
+    keys = keys_file(tmp_path, {"sk-carol": {"tenant": "carol", "limits": {"max_concurrent_requests": 1}}})
+    srv = Server(
+        tmp_path, "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-keys", keys,
+        "--data-dir", str(tmp_path / "data"), "--threads", "1", "--max-model-len", "4096", start_timeout=120,
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sk-carol", timeout=300)  # default retries
+        assert client.max_retries == 2
+        body = {"model": MODEL, "max_tokens": 2000, "extra_body": {"ignore_eos": True}}
+        running = threading.Event()
+
+        def streamed() -> int:
+            stream = client.chat.completions.create(
+                messages=[{"role": "user", "content": "hi 0"}], stream=True,
+                stream_options={"include_usage": True}, **body,
+            )  # fmt: skip
+            for n, chunk in enumerate(stream):
+                if n == 50:
+                    running.set()
+                if chunk.usage is not None:
+                    return chunk.usage.completion_tokens
+            return 0
+
+        def call(i: int) -> int:
+            reply = client.chat.completions.create(messages=[{"role": "user", "content": f"hi {i}"}], **body)
+            return reply.usage.completion_tokens
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            first = pool.submit(streamed)
+            assert running.wait(120)
+            others = [pool.submit(call, i) for i in (1, 2)]
+            made = [first.result(), *(f.result() for f in others)]  # raises a call's error, if one failed
+        assert made == [2000] * 3
+        log = srv.log_path.read_text()
+        assert log.count('"POST /v1/chat/completions HTTP/1.1" 200') == 3, log[-2000:]
+    finally:
+        srv.stop()
 
 
 def test_retry_after_is_the_running_requests_tokens_left_at_the_servers_pace(served):

@@ -208,6 +208,31 @@ def test_a_function_call_output_continues_after_the_call(alice):
     assert r.usage.input_tokens == ref.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("text", ['{"city": "\\ud800"}', "[" * 100_000 + "]" * 100_000])
+def test_json_text_in_function_call_items_is_read_as_a_body_is(alice, text):
+    """A function_call's `arguments` and a function_call_output's `output`, JSON text the prompt reads as JSON: a
+    lone surrogate escape inside (no valid Unicode) or nesting past the parser's recursion was a 500; a 400
+    naming the item's field, and the same items with valid JSON are served."""
+
+    def items(arguments: str, output: str) -> list[dict]:
+        call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": arguments}
+        result = {"type": "function_call_output", "call_id": "c1", "output": output}
+        return [{"role": "user", "content": "Weather?"}, call, result]
+
+    for arguments, output, param in [
+        (text, "sunny", "input[1].arguments"),
+        ('{"city": "Oslo"}', text, "input[2].output"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            alice.responses.create(
+                model="tiny", input=items(arguments, output), tools=[WEATHER], max_output_tokens=2
+            )
+        assert e.value.body["param"] == param, e.value.body
+    r = alice.responses.create(model="tiny", input=items('{"city": "Oslo"}', '{"sky": "\\u00e9"}'), tools=[WEATHER],
+                               max_output_tokens=2)  # fmt: skip
+    assert r.status in ("completed", "incomplete")
+
+
 def test_tenants_never_see_each_others_responses(alice, bob):
     r = alice.responses.create(model="tiny", input="secret", max_output_tokens=2)
     with pytest.raises(openai.NotFoundError):

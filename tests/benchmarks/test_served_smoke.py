@@ -108,14 +108,16 @@ def test_first_requests(model, tmp_path):
 
 
 def test_tenant_fairness(model, tmp_path):
-    """The three phases: a burst beside a light tenant, two backlogged tenants, a Batch API job beside
-    interactive traffic."""
+    """The five phases: a burst beside a light tenant, two backlogged tenants, a Batch API job beside
+    interactive traffic, a long prompt beside another tenant's streams, a stream beside CPU-bound loops."""
     tenant_fairness.main(["--model", NAME, "--model-path", str(model), "--burst", "2", "--burst-max-tokens", "4",
                           "--burst-prompt-words", "4", "--light-alone", "1", "--light-gap", "0.05",
                           "--backlog-clients", "1", "--backlog-max-tokens", "4", "--backlog-seconds", "1.5",
                           "--backlog-stagger", "0.2", "--backlog-warmup", "0.3", "--interactive-clients", "1",
                           "--interactive-max-tokens", "4", "--interactive-seconds", "0.5", "--batch-lines", "2",
-                          "--batch-max-tokens", "4", "--batch-timeout", "60", "--output-dir", str(tmp_path),
+                          "--batch-max-tokens", "4", "--batch-timeout", "60", "--prompt-tokens", "24",
+                          "--prompt-repeats", "1", "--prompt-streams", "1", "--prompt-hogs", "1", "--hogs", "1",
+                          "--hogs-tokens", "4", "--hogs-repeats", "1", "--output-dir", str(tmp_path),
                           "--server-args", *SERVER, "--served-model-name", NAME])  # fmt: skip
     report = only_json(tmp_path)
     burst = report["burst"]
@@ -127,6 +129,9 @@ def test_tenant_fairness(model, tmp_path):
     assert positive(burst["burst_alone"]["output_tokens_per_s"], burst["burst"]["output_tokens_per_s"])
     backlog = report["backlog"]
     assert positive(*backlog["output_tokens_per_s"].values(), backlog["ratio_low_to_high"])
+    prompt = report["prompt"]
+    assert requests_ok(prompt["alone"]) and requests_ok(prompt["beside_streams"])
+    assert all(rates and positive(*rates) for rates in report["hogs"]["output_tokens_per_s"].values())
     assert not any(backlog["errors"].values())
     batch = report["batch"]
     assert batch["batch"]["status"] == "completed" and batch["batch"]["request_counts"]["completed"] == 2

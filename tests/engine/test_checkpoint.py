@@ -8,10 +8,21 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from motet.engine.weights.checkpoint import iter_weights, load_state_dict, weight_files
+from motet.engine.weights.checkpoint import iter_weights, weight_files
 from motet.engine.weights.model_config import load_model_config
 from motet.models.declaration import ModelLoadError
 from tests.tiny_models import TINY_LAYERS
+
+
+def load_state_dict(path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """Every weight the loader reads (motet/engine/weights/checkpoint.py iter_weights), floating-point ones cast to
+    `dtype`: what the tests hold against transformers' own loading."""
+    state = {}
+    for name, stored in iter_weights(path):
+        t = stored.load()
+        state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    return state
+
 
 TINY = dict(vocab_size=256, **TINY_LAYERS, max_position_embeddings=512)
 

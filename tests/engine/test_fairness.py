@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 from motet.engine.core.block_manager import BlockManager
 from motet.engine.core.fairness import (
-    AdmissionGate,
     TenantShares,
     TenantState,
     VirtualTokenCounter,
     check_tenant_weights,
 )
+from motet.engine.core.policy import AdmissionGate
 from motet.engine.core.scheduler import Scheduler
 from motet.engine.core.sequence import QueueOrder, Sequence, SequenceStatus
 from motet.engine.sampling_params import SamplingParams
@@ -192,7 +192,7 @@ def run_step(sched, served: Counter | None = None):
     for s in samplers:  # its pending token lands
         s.num_pending -= 1
         s.append_token(7)
-        sched.fairness.charge(s.tenant, output_tokens=1)
+        sched.policy.fairness.charge(s.tenant, output_tokens=1)
         if served is not None:
             served[s.tenant] += 1
         if s.num_output_tokens >= s.params.max_tokens:

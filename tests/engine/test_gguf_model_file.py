@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -353,8 +354,10 @@ def test_unreadable_and_unserved_files_are_refused(tiny_source, tmp_path, cache)
     falcon = write_gguf_file(tiny_source, tmp_path / "q" / "falcon.gguf", {}, arch="falcon")
     with pytest.raises(
         ModelLoadError, match=r"falcon\.gguf: GGUF architecture 'falcon'; motet serves .*'llama', 'qwen2'"
-    ):
+    ) as unserved:
         LLM(str(falcon), **OPTIONS)
+    listed = re.search(r"of architecture (.*?) \(", str(unserved.value))[1].split(", ")
+    assert len(listed) == len(set(listed)), listed  # issue 68: 'llama' was listed twice (Mixtral's files too)
     pre = write_gguf_file(tiny_source, tmp_path / "p" / "pre.gguf", {}, pre="falcon")
     with pytest.raises(
         ModelLoadError, match=r"pre-tokenizer 'falcon' \(tokenizer\.ggml\.pre\); motet builds"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -96,6 +97,11 @@ def test_resolve_model_paths_and_names(tmp_path, monkeypatch):
         assert name.removesuffix("ForCausalLM") in str(missing.value), name
     assert all(d.gguf in str(missing.value) for d in DECLARATIONS if d.gguf)
     assert "llama GGUF" not in str(missing.value)
+    # issue 68: each once ("llama" was listed twice: Mixtral's GGUF files are "llama" too)
+    families, gguf = re.search(r"one \((.*); GGUF: (.*?)\)", str(missing.value)).groups()
+    for listed in (families.split(", "), gguf.split(", ")):
+        assert len(listed) == len(set(listed)), listed
+    assert set(gguf.split(", ")) == {d.gguf for d in DECLARATIONS if d.gguf}
     # issue 57: a Hub id says that motet does not download it, and how to get its files
     monkeypatch.chdir(tmp_path)  # (no such relative directory)
     with pytest.raises(ModelLoadError) as hub:

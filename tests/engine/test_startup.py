@@ -240,21 +240,23 @@ def test_health_answers_200_only_once_the_engine_has_warmed_up(tiny_model_dir, m
     system = ServingSystem(lambda: LLMEngine(cfg, model_dir=tiny_model_dir))
     with TestClient(create_app(ServerState(system, ["tiny"]))) as client:
         assert warming.wait(60)
-        r = client.get("/health")
-        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        r = client.get("/health")  # llama.cpp's 503 while it loads, with the phase it is in (the warm-up)
+        assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model", r.text
+        assert r.json()["phase"] == "warming up the step"
         # Readiness checks that poll another route must not pass early either (vLLM's users poll /v1/models)
         body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "temperature": 0}
         for r in (
             client.get("/v1/models"),
             client.get("/v1/models/tiny"),
             client.get("/v1/files"),
-            client.get("/metrics"),
             client.post("/v1/completions", json=body),
             client.post("/tokenize", json={"model": "tiny", "prompt": "hi"}),
         ):
             assert r.status_code == 503, r.text
-            assert r.headers["retry-after"] and "loading" in r.json()["error"]["message"]
+            assert r.headers["retry-after"] and r.json()["error"]["message"] == "Loading model"
+            assert r.json()["error"]["type"] == "unavailable_error"
         assert client.get("/version").status_code == 200  # the probes answer
+        assert client.get("/metrics").status_code == 200  # ... and the metrics, as they are while it loads
         assert client.get("/ping").status_code == 503  # ... /ping as /health does
         released.set()
         deadline = time.monotonic() + 60
@@ -309,9 +311,8 @@ def test_warm_up_captures_the_graphs_where_there_are_graphs(tiny_model_dir, monk
     assert r.graphs.graphs == {(1,): "captured"}
 
 
-def test_serve_runs_bf16_where_the_cpu_computes_it_and_float32_stays_one_flag_away():
-    """`motet serve`'s default dtype is vLLM's `auto`: bf16 on a CPU whose flags (/proc/cpuinfo, read here on its
-    own) have AVX512_BF16, AMX or Arm's BF16, float32 elsewhere; `--dtype float32` still serves float32."""
+def native_bf16_cpu() -> bool:
+    """Whether this CPU's flags (/proc/cpuinfo, read here on its own) have AVX512_BF16, AMX or Arm's BF16."""
     from pathlib import Path
 
     flags = set()
@@ -319,7 +320,13 @@ def test_serve_runs_bf16_where_the_cpu_computes_it_and_float32_stays_one_flag_aw
         if line.startswith(("flags", "Features")):
             flags = set(line.split(":", 1)[1].split())
             break
-    native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def test_serve_runs_bf16_where_the_cpu_computes_it_and_float32_stays_one_flag_away(motet_default_dtype):
+    """`motet serve`'s default dtype is vLLM's `auto`: bf16 on a CPU whose flags have AVX512_BF16, AMX or Arm's
+    BF16, float32 elsewhere; `--dtype float32` still serves float32."""
+    native = native_bf16_cpu()
     parser = build_parser()
     auto = engine_config(parser.parse_args(["serve", "--device", "cpu"]))
     assert auto.dtype == ("bfloat16" if native else "float32")
@@ -356,3 +363,30 @@ def test_the_offline_entry_points_show_their_start_up(tiny_model_dir, tmp_path):
     pull = "import sys; from motet.api.cli import main; main(['pull']); print('torch' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", pull], capture_output=True, text=True, env=env, timeout=600)
     assert run.stdout.split() == [str(model), "False"], run.stderr
+
+
+def test_llm_loads_in_serves_dtype_and_says_which(tiny_model_dir):
+    """Issue 68, finding 16: `LLM()` loaded the default model in float32 (515 MiB) and logged no dtype where
+    `motet serve` loaded bf16 (259 MiB) and said so: the offline API had its own default. Both now take
+    EngineConfig's (auto: bf16 on a CPU whose flags have it, float32 elsewhere), and LLM's first line says which and
+    why, as serve's does; dtype="float32" / "bfloat16" still load that, without a reason. In a fresh process:
+    motet's own default, as a script gets it."""
+    import subprocess
+    import sys
+
+    expected, other = ("bfloat16", "float32") if native_bf16_cpu() else ("float32", "bfloat16")
+    script = (
+        "import sys; from motet import LLM; "
+        f"llm = LLM({str(tiny_model_dir)!r}, num_kv_blocks=8, **dict(a.split('=') for a in sys.argv[1:])); "
+        "print(next(llm.engine.runner.model.parameters()).dtype)"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [f"torch.{expected}"]
+    said = f'motet.engine: loading {tiny_model_dir} in {expected} (dtype="auto": this CPU '
+    assert said in run.stderr and f'; dtype="{other}" for {other})' in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-c", script, f"dtype={other}"], capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [f"torch.{other}"]
+    assert f"motet.engine: loading {tiny_model_dir} in {other}\n" in run.stderr, run.stderr

@@ -9,10 +9,9 @@ import pytest
 
 from motet.grammar.reasoning import (
     REASONING_END,
+    THINK,
     ReasoningStreamParser,
-    reasoning_ended,
     reasoning_format,
-    split_reasoning,
 )
 from tests.grammar.streaming import feed_reasoning
 
@@ -45,7 +44,7 @@ from tests.grammar.streaming import feed_reasoning
     ],
 )
 def test_split_reasoning(text, started, reasoning, content):
-    assert split_reasoning(text, started) == (reasoning, content)
+    assert THINK.split(text, started) == (reasoning, content)
     assert stream(text, started, []) == (reasoning or "", content)
 
 
@@ -69,7 +68,7 @@ EXAMPLES = [
 
 @pytest.mark.parametrize("text, started", EXAMPLES)
 def test_stream_equals_split_for_every_split(text, started):
-    reasoning, content = split_reasoning(text, started)
+    reasoning, content = THINK.split(text, started)
     want = (reasoning or "", content)
     assert stream(text, started, list(range(1, len(text)))) == want  # one character at a time
     for i in range(len(text) + 1):
@@ -84,7 +83,7 @@ def test_stream_equals_split_on_random_outputs():
     for _ in range(500):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 10)))
         started = rng.random() < 0.3
-        reasoning, content = split_reasoning(text, started)
+        reasoning, content = THINK.split(text, started)
         for _ in range(5):
             cuts = rng.sample(range(len(text) + 1), rng.randint(0, len(text) + 1))
             assert stream(text, started, cuts) == (reasoning or "", content), (text, started, cuts)
@@ -129,19 +128,19 @@ def test_reasoning_ended_matches_stream(text, started):
     for i in range(len(text) + 1):
         if i:
             parser.feed(text[i - 1])
-        assert parser.reasoning_ended == reasoning_ended(text[:i], started), text[:i]
+        assert parser.reasoning_ended == THINK.ended(text[:i], started), text[:i]
 
 
 def test_reasoning_ended():
     assert REASONING_END == "</think>"
-    assert not reasoning_ended("")
-    assert not reasoning_ended(" <thi")
-    assert reasoning_ended("Hello")
-    assert not reasoning_ended("<think>a</thin")
-    assert reasoning_ended("<think>a</think>")
-    assert not reasoning_ended("", started=True)
-    assert not reasoning_ended("Hello", started=True)
-    assert reasoning_ended("Hello</think>", started=True)
+    assert not THINK.ended("")
+    assert not THINK.ended(" <thi")
+    assert THINK.ended("Hello")
+    assert not THINK.ended("<think>a</thin")
+    assert THINK.ended("<think>a</think>")
+    assert not THINK.ended("", started=True)
+    assert not THINK.ended("Hello", started=True)
+    assert THINK.ended("Hello</think>", started=True)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 from motet.engine.llm import LLM
 from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
-from motet.grammar.reasoning import REASONING_START, ReasoningOpening, split_reasoning
+from motet.grammar.reasoning import REASONING_START, THINK, ReasoningOpening
 from motet.grammar.specs import JsonSchemaSpec, StructuralTagSpec
 from motet.grammar.tool_call_parser import parse_tool_calls
 from motet.grammar.tool_calls import tool_call_structural_tag, validate_tools
@@ -83,7 +83,7 @@ def llm(request, tiny_model_dir):
 
 
 def content_of(text: str) -> tuple[str | None, str]:
-    return split_reasoning(text, started=False)
+    return THINK.split(text, started=False)
 
 
 def test_json_schema_holds_whether_or_not_the_output_thinks(llm):
@@ -160,7 +160,7 @@ def test_prompt_that_opened_think_waits_for_its_end(tiny_model_dir):
     out, answers = None, RequestOutputs()
     while out is None or not out.finished:
         out = next((o for o in answers.step(llm.engine) if o.request_id == rid), out)
-    assert split_reasoning(out.text, started=True) == ("Free text.", '{"name": "x", "ok": true}')
+    assert THINK.split(out.text, started=True) == ("Free text.", '{"name": "x", "ok": true}')
 
 
 def test_reasoning_opening_tokens(tiny_model_dir):
@@ -264,7 +264,7 @@ ENDLESS = "and so on " * 20  # a thought that never ends (200 tokens)
 
 def the_call(text: str, started: bool = False):
     """The one call of an output's content (after its reasoning), checked against the tool's schema."""
-    reasoning, content = split_reasoning(text, started)
+    reasoning, content = THINK.split(text, started)
     rest, calls = parse_tool_calls(content)
     assert rest is None and len(calls) == 1 and calls[0].name == "f", text
     jsonschema.validate(json.loads(calls[0].arguments), SCHEMA)

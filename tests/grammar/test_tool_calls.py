@@ -476,7 +476,7 @@ def test_structural_tag_with_tokenizer(tokenizer):
     tools = validate_tools([WEATHER, SUM])
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer), cache_enabled=False)
     compiled = compiler.compile_structural_tag(json.dumps(tool_call_structural_tag(tools, "required", True)))
-    calls = [format_call("get_weather", '{"location":"Oslo"}'), format_call("math.sum", {"numbers": [4]})]
+    calls = [format_call("get_weather", {"location": "Oslo"}), format_call("math.sum", {"numbers": [4]})]
     text = "\n".join(calls)
     matcher = xgr.GrammarMatcher(compiled)
     for token in tokenizer.encode(text, add_special_tokens=False):

@@ -357,3 +357,29 @@ def test_module_shape():
     assert module_shape(BASE, "lm_head") == (64, BASE.vocab_size)
     with pytest.raises(AdapterError, match="unknown module 'norm'"):
         module_shape(BASE, "norm")
+
+
+def test_safetensors_bytes_is_the_size_safetensors_writes():
+    """The size a job reserves for an adapter's weights file (motet/lora/peft_format.py): safetensors' own file of
+    the same tensors, its header (names, dtypes, shapes, offsets, padding) included."""
+    from safetensors.torch import save
+
+    from motet.lora.peft_format import PEFT_METADATA, safetensors_bytes
+
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+    gen = torch.Generator().manual_seed(0)
+    for case in range(40):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        tensors = {}
+        for i in range(n):
+            dtype = list(dtypes)[int(torch.randint(0, 4, (1,), generator=gen))]
+            shape = tuple(
+                int(d)
+                for d in torch.randint(1, 40, (int(torch.randint(1, 3, (1,), generator=gen)),), generator=gen)
+            )
+            name = f"base_model.model.model.layers.{i * 7 % 11}.mlp.{'é' if case % 5 == 0 else ''}up_proj.lora_{'AB'[i % 2]}.weight"
+            tensors[name] = (dtype, shape)
+        written = save(
+            {k: torch.zeros(s, dtype=dtypes[d]) for k, (d, s) in tensors.items()}, metadata=PEFT_METADATA
+        )
+        assert safetensors_bytes(tensors) == len(written), tensors

@@ -166,3 +166,34 @@ def test_checkpoints_are_peft_adapters_motet_loads(tiny_model_dir, tmp_path, epo
     for path in [run.adapter, *sorted(run.checkpoints.glob("checkpoint-*"))]:
         load_adapter(path, config, max_rank=16)
     assert len(list(run.checkpoints.glob("checkpoint-*"))) == epochs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_bytes_a_run_stores_are_what_it_stores(tiny_model_dir, tmp_path, dtype):
+    """What a job reserves of its tenant's adapter quota is each adapter's size as PEFT saves it, the config and
+    the safetensors header included (issue 68, finding 8: the weights alone were 6% short), for a new adapter and
+    for one trained on from an adapter."""
+    import dataclasses
+
+    from motet.lora.registry import FILES
+    from motet.training.trainer import stored_adapter_bytes
+
+    def stored(path) -> int:
+        return sum((path / f).stat().st_size for f in FILES)
+
+    config = load_model_config(tiny_model_dir)
+    lines = [{"messages": c} for c in chats(4)]
+    run = make_run(
+        tiny_model_dir, tmp_path, "new", "supervised", lines, n_epochs=2, batch_size=2, lora_rank=4
+    )
+    run = dataclasses.replace(run, dtype=dtype)
+    each = stored_adapter_bytes(run, config)
+    assert train(run) == "succeeded"
+    saved = [run.adapter, *run.checkpoints.glob("checkpoint-*")]
+    assert len(saved) == 3 and [stored(p) for p in saved] == [each] * 3
+    # trained on from that adapter: its own rank and modules
+    again = make_run(tiny_model_dir, tmp_path, "again", "supervised", lines, n_epochs=1, batch_size=4)
+    again = dataclasses.replace(again, init_adapter=run.adapter, base_name="tiny-2")
+    each = stored_adapter_bytes(again, config)
+    assert train(again) == "succeeded"
+    assert stored(again.adapter) == each

@@ -205,6 +205,21 @@ def test_an_example_past_the_context_is_refused(tokenizer, tmp_path):
     assert not list(tmp_path.iterdir())  # nothing is left of a refused file
 
 
+@pytest.mark.parametrize("result", [json.dumps({"sky": LONE}), "[" * 5000 + "]" * 5000])
+def test_a_tool_result_the_prompt_cannot_hold_is_refused_naming_its_line(tokenizer, tmp_path, result):
+    """A tool's result is text the line's check sees as text; the prompt shows JSON text as JSON
+    (motet/grammar/tool_prompt.py decoded_json, as serving renders it): a lone surrogate escape inside was a
+    TypeError out of the tokenizer, nesting past the parser's recursion a RecursionError (a 500 creating the job)."""
+    encoder = ChatEncoder(tokenizer, tool_format(None, tokenizer.hf.chat_template), 1024)
+    messages = calling("weather")
+    messages[2]["content"] = result
+    data = io.BytesIO(lines(GOOD, {"messages": messages, "tools": TOOLS}).encode())
+    with pytest.raises(DataError) as e:
+        prepare(data, "supervised", encoder, tmp_path / "rows")
+    assert str(e.value).startswith("Line 2: Invalid 'messages[2].content': its JSON "), str(e.value)
+    assert not list(tmp_path.iterdir())
+
+
 def test_auto_hyperparameters_follow_openai():
     # OpenAI's cookbook: 3 epochs within 100 to 25,000 examples seen; batches of about 0.2%, 1 to 256
     assert [auto_epochs(n) for n in (10, 33, 34, 200, 8334, 20_000)] == [10, 4, 3, 3, 2, 1]

@@ -8,22 +8,27 @@ answered exactly like a missing one (404). In the engine an upload is named "ten
 tenant may have its own "a"; shared adapters (`motet serve --lora NAME=PATH`) keep their plain name, are
 visible to every tenant and cannot be deleted over HTTP; a tenant's own adapter of the same name wins.
 The HTTP routes are in motet/api/adapters/routes.py.
+
+A tenant's adapters together are bounded (`max_bytes_per_tenant`); the room left is less what the tenant's
+admitted work will store (the fine-tuning jobs' reservations, `reserved_by`), and room is checked and taken (a
+save, a reservation) by one at a time.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.to_thread
 
 from motet.api.errors import APIError, echo
 from motet.api.sqlite_store import StorageFailure
-from motet.api.storage_errors import storage_error
+from motet.api.storage_errors import storage_error, stored_call
 from motet.lora.adapter import AdapterError, AdapterTooLarge
 from motet.lora.manager import AdapterRef
 from motet.lora.names import FINE_TUNED_PREFIX, check_load_dirs, check_name
@@ -40,6 +45,7 @@ from motet.lora.registry import (
 if TYPE_CHECKING:
     from motet.actors.front import ServingFront
 
+T = TypeVar("T")
 SHARED_OWNER = "motet"
 ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip")
 
@@ -81,8 +87,12 @@ class AdapterStore:
         }
         self._registry: AdapterRegistry | None = None
         self._lock = anyio.Lock()
-        self._saving = anyio.Lock()  # a tenant's room checked and taken by one save at a time
+        self._saving = anyio.Lock()  # a tenant's room checked and taken by one save or reservation at a time
+        # (tenant, besides: a job or None) -> the bytes the tenant's admitted work will store but that job's
+        self._reserved: Callable[[str, str | None], int] = lambda tenant, besides: 0
         self._tenants: dict[str, dict[str, Adapter]] = {}
+        # what else keeps a tenant's models, told of each one deleted: (tenant, name), in a worker thread
+        self.on_delete: list[Callable[[str, str], None]] = []
 
     async def registry(self) -> AdapterRegistry:
         """Opened on first use: it validates against the base model, known once the engine is loaded."""
@@ -115,12 +125,30 @@ class AdapterStore:
             self._tenants.setdefault(tenant, {i.name: self._entry(i) for i in infos})
         return self._tenants[tenant]
 
-    async def room(self, tenant: str) -> int | None:
-        """The bytes the tenant's adapters may still take (None: no limit)."""
+    def reserved_by(self, reserved: Callable[[str, str | None], int]) -> None:
+        """Where reservations are kept (the fine-tuning store's jobs): (tenant, a job or None) -> the bytes the
+        tenant's admitted work but that job's will store, which no other save may take."""
+        self._reserved = reserved
+
+    async def room(self, tenant: str, job: str | None = None) -> int | None:
+        """The bytes the tenant's adapters may still take (None: no limit): less what its admitted work will store,
+        but `job`'s own (the job storing an adapter takes its own reserved room)."""
         if self.max_bytes_per_tenant is None:
             return None
         own = await self.own(tenant)
-        return self.max_bytes_per_tenant - sum(a.size_bytes for a in own.values())
+        reserved = await stored_call("the adapters' room could not be read", self._reserved, tenant, job)
+        return self.max_bytes_per_tenant - sum(a.size_bytes for a in own.values()) - reserved
+
+    async def reserve(
+        self, tenant: str, need: int, take: Callable[[], T], refusal: Callable[[int], Exception]
+    ) -> T:
+        """Run `take` (in a thread), which records work that will store `need` bytes of the tenant's adapters (its
+        reservation from then on), if they fit in the tenant's room; else raise `refusal(room)`."""
+        async with self._saving:
+            room = await self.room(tenant)
+            if room is not None and need > room:
+                raise refusal(max(room, 0))
+            return await anyio.to_thread.run_sync(take)
 
     async def visible(self, tenant: str) -> list[Adapter]:
         own = await self.own(tenant)
@@ -138,10 +166,16 @@ class AdapterStore:
         return adapter.ref if adapter else None
 
     async def save(
-        self, tenant: str, name: str, files: dict[str, bytes], *, fine_tuned: bool = False
+        self,
+        tenant: str,
+        name: str,
+        files: dict[str, bytes],
+        *,
+        fine_tuned: bool = False,
+        job: str | None = None,
     ) -> Adapter:
         """Store the tenant's adapter `name`; `fine_tuned`: the fine-tuning service's model (an `ft:` name, which
-        no upload may take)."""
+        no upload may take), stored by `job` in the room it reserved."""
         if name in self.reserved or name in self.shared:
             raise APIError(409, f"the name {name!r} is taken by a model this server serves", param="name")
         if name.startswith(FINE_TUNED_PREFIX) and not fine_tuned:
@@ -158,7 +192,7 @@ class AdapterStore:
             save = functools.partial(registry.save, tenant, name, files)
         try:
             async with self._saving:
-                room = await self.room(tenant)
+                room = await self.room(tenant, job)
                 info = await anyio.to_thread.run_sync(functools.partial(save, room=room))
                 own[name] = adapter = self._entry(info)
         except AdapterQuotaExceeded as e:
@@ -184,9 +218,10 @@ class AdapterStore:
             raise storage_error(StorageFailure.from_os(e), "the adapter was not stored") from None
         return adapter
 
-    async def add_fine_tuned(self, tenant: str, name: str, path: Path) -> Adapter:
-        """A fine-tuning job's adapter directory (its model or a checkpoint) stored as the tenant's adapter `name`:
-        served, listed and deletable like an upload. Storing the same files again is a no-op."""
+    async def add_fine_tuned(self, tenant: str, name: str, path: Path, job: str) -> Adapter:
+        """A fine-tuning job's adapter directory (its model or a checkpoint) stored as the tenant's adapter `name`,
+        in the room the job reserved: served, listed and deletable like an upload. Storing the same files again is
+        a no-op."""
 
         def read() -> dict[str, bytes]:
             return {f: (path / f).read_bytes() for f in FILES}
@@ -195,7 +230,7 @@ class AdapterStore:
             files = await anyio.to_thread.run_sync(read)
         except OSError as e:
             raise storage_error(StorageFailure.from_os(e), "the adapter was not stored") from None
-        return await self.save(tenant, name, files, fine_tuned=True)
+        return await self.save(tenant, name, files, fine_tuned=True, job=job)
 
     async def load_from(self, tenant: str, name: str, path: str) -> Adapter:
         """Store, as the tenant's adapter `name`, the PEFT adapter directory `path` on the server (vLLM's
@@ -237,6 +272,8 @@ class AdapterStore:
             own[name] = adapter
             raise
         self.system.remove_lora(adapter.ref.name)
+        for deleted in self.on_delete:
+            await anyio.to_thread.run_sync(deleted, tenant, name)
 
 
 def _size(path: Path) -> int:

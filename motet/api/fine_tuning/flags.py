@@ -43,6 +43,13 @@ def add_args(p) -> None:
         help="training tokens a tenant's fine-tuning jobs may train in 24 hours (a job's examples' tokens times "
         "its epochs); a job past it gets 429 (default: no limit)",
     )
+    p.add_argument(
+        "--fine-tuning-max-validating",
+        type=integer(1),
+        default=Quotas.max_validating,
+        help="a tenant's fine-tuning jobs whose files are checked and tokenized at once; its next one waits its turn "
+        "(another tenant's never waits on them)",
+    )
 
 
 def runner(args, data: Path, files, adapters, usage, threads: int):
@@ -59,5 +66,6 @@ def runner(args, data: Path, files, adapters, usage, threads: int):
     )
     if (launch := training_launch(args)) is not None:  # behind a Ray cluster: Ray Train runs
         settings.launch = launch
-    quotas = Quotas(args.fine_tuning_max_jobs_per_tenant, args.fine_tuning_max_tokens_per_day)
+    quotas = Quotas(args.fine_tuning_max_jobs_per_tenant, args.fine_tuning_max_tokens_per_day,
+                    args.fine_tuning_max_validating)  # fmt: skip
     return FineTuningRunner(FineTuningStore(data), files, adapters, usage, settings, quotas)

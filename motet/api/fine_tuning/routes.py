@@ -14,7 +14,12 @@ GET  /v1/fine_tuning/jobs/{job_id}/checkpoints     one an epoch, newest first: a
 
 A job is checked whole before it is queued: its body, the model, its files (each line, tokenized as serving
 renders it: motet/training/), its hyperparameters and the tenant's quotas; whatever is wrong is a 400 (429 for a
-quota) in OpenAI's shape naming what to fix, and nothing is kept. Every call is scoped to the caller's tenant:
+quota) in OpenAI's shape naming what to fix, and nothing is kept. What costs little is checked first: the files'
+examples are counted, the hyperparameters resolved for them and the room its adapters will take found before an
+example is tokenized. A tenant's validations run --fine-tuning-max-validating at a time (the others wait their turn;
+another tenant's never wait on them), each counted with its CPU time in the metrics. A job queued holds the room
+of its adapters in the tenant's adapter quota until it ends (motet/api/fine_tuning/store.py). Every call is scoped
+to the caller's tenant:
 another tenant's job reads as missing (404), another tenant's file as no file (400, as the Batch API's input file).
 """
 
@@ -23,6 +28,9 @@ from __future__ import annotations
 import functools
 import re
 import shutil
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import anyio.to_thread
 from starlette.requests import Request
@@ -33,21 +41,23 @@ from motet.api.errors import APIError, echo
 from motet.api.files.store import FileStore, StoredFile
 from motet.api.fine_tuning.models import FineTuningJobCreate
 from motet.api.fine_tuning.runner import FineTuningRunner
-from motet.api.fine_tuning.store import FineTuningStore, QuotaExceeded, new_job_id
+from motet.api.fine_tuning.store import FineTuningStore, QuotaExceeded, new_job_id, stored_adapters
 from motet.api.list_pages import stored_page
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
-from motet.api.sqlite_store import storage_failures
+from motet.api.sqlite_store import StorageFailure, storage_failures
 from motet.api.state import ServerState, state_and_tenant
-from motet.api.storage_errors import stored_call
-from motet.lora.peft_format import adapter_bytes
+from motet.api.storage_errors import storage_error, stored_call
 from motet.lora.registry import FILES
 from motet.training.data_format import DataError, max_line_bytes
-from motet.training.dataset import write_rows
+from motet.training.dataset import MAX_EXAMPLES, Prepared, write_rows
 from motet.training.eval_file import EVAL_ROWS, eval_rows
+from motet.training.eval_file import MAX_EXAMPLES as EVAL_MAX_EXAMPLES
 from motet.training.hyperparameters import HyperparameterError, Hyperparameters
-from motet.training.run_setup import FileError, RunFiles, prepare_files, set_up
+from motet.training.run_setup import FileError, RunFiles, count_file, plan_run, prepare_files, write_run
+from motet.training.trainer import TrainingRun, stored_adapter_bytes
 
+T = TypeVar("T")
 PURPOSE = "fine-tune"
 INIT_ADAPTER = "init_adapter"  # in a job's run directory: a copy of the adapter it trains on
 
@@ -101,27 +111,35 @@ async def _base(state: ServerState, tenant: str, model: str):
                        code="model_not_available") from None  # fmt: skip
 
 
-async def _check_room(runner: FineTuningRunner, tenant: str, config, h: Hyperparameters, adapter, where: str):
-    """A job stores each epoch's checkpoint and its model as the tenant's adapters: refused before it queues if
-    they would not fit in the room the tenant's adapters have left (each save is checked again)."""
-    room = await runner.adapters.room(tenant)
-    if room is None:
-        return
-    if adapter is not None:  # trained on: its own rank and modules
-        each = sum((adapter.path / f).stat().st_size for f in FILES)
-    else:
-        each = adapter_bytes(config, h.lora_target_modules, h.lora_rank)
-    need = each * (h.n_epochs + 1)
-    if need > room:
-        raise APIError(
+def _no_room(each: int, h: Hyperparameters, where: str) -> Callable[[int], APIError]:
+    """The refusal of a job whose adapters would not fit in the `room` the tenant's adapters have left."""
+
+    def refusal(room: int) -> APIError:
+        n = stored_adapters(h)
+        return APIError(
             400,
-            f"the job would store {h.n_epochs + 1} adapters (a checkpoint each epoch, then its model) of about "
-            f"{each} bytes, {need} in all, and this tenant's adapters have room for {max(room, 0)} more "
-            "(--adapters-max-bytes-per-tenant): delete some adapters (DELETE /v1/adapters/{name}), or train "
-            "fewer epochs or a smaller lora_rank",
+            f"the job would store {n} adapters (a checkpoint each epoch, then its model) of {each} bytes, "
+            f"{n * each} in all, and this tenant's adapters have room for {room} more "
+            "(--adapters-max-bytes-per-tenant; its other jobs' adapters count from when they are queued): delete "
+            "some adapters (DELETE /v1/adapters/{name}), or train fewer epochs or a smaller lora_rank",
             param=f"{where}.n_epochs",
             code="storage_quota_exceeded",
         )
+
+    return refusal
+
+
+def _cpu_timed(call: Callable[[], T], spent: list[float]) -> Callable[[], T]:
+    """`call`, its thread's CPU time added to `spent[0]`."""
+
+    def timed() -> T:
+        start = time.thread_time()
+        try:
+            return call()
+        finally:
+            spent[0] += time.thread_time() - start
+
+    return timed
 
 
 @operation("create a fine-tuning job", tag="Fine-tuning", body=FineTuningJobCreate,
@@ -152,8 +170,30 @@ async def create_job(request: Request) -> Response:
     run_dir = store.run_dir(job_id)
     name = fine_tuned_name(state.model_name, tenant, req.suffix, job_id)
     seed = req.seed if req.seed is not None else int.from_bytes(job_id.encode()[-4:], "big") & 0x7FFFFFFF
+    files = {"training_file": (train_file, MAX_EXAMPLES), "validation_file": (valid_file, MAX_EXAMPLES),
+             "eval_file": (eval_file, EVAL_MAX_EXAMPLES)}  # fmt: skip
 
-    def set_up_run():
+    def plan() -> tuple[TrainingRun, int]:
+        """What can be refused before an example is read: each file's examples counted, the hyperparameters resolved
+        for them, and the bytes of each adapter the job will store."""
+        counts = {}
+        for which, (stored, most) in files.items():
+            if stored is not None:
+                with runner.files.open(stored) as source:
+                    counts[which] = count_file(source, which, most)
+        init = None
+        if adapter is not None:
+            init = run_dir / INIT_ADAPTER
+            init.mkdir(parents=True)
+            for f in FILES:
+                shutil.copyfile(adapter.path / f, init / f)
+        dtype = view.dtype if view.dtype in ("float32", "bfloat16") else "float32"
+        run = plan_run(model, method, counts["training_file"], given, seed=seed, run_dir=run_dir, dtype=dtype,
+                       base_name=state.model_name, init_adapter=init)  # fmt: skip
+        return run, stored_adapter_bytes(run, view.model_config)
+
+    def prepare(run: TrainingRun) -> Prepared:
+        """Both files checked and tokenized into the job's directory, the eval file read, the run's spec written."""
         with runner.files.open(train_file) as train:
             if valid_file is None:
                 prepared, _ = prepare_files(model, method, train, None, run_dir)
@@ -167,62 +207,79 @@ async def create_job(request: Request) -> Response:
                 except DataError as e:
                     raise FileError(e, "eval_file") from None
             write_rows(run_dir / EVAL_ROWS, rows)
-        init = None
-        if adapter is not None:
-            init = run_dir / INIT_ADAPTER
-            init.mkdir()
-            for f in FILES:
-                shutil.copyfile(adapter.path / f, init / f)
-        dtype = view.dtype if view.dtype in ("float32", "bfloat16") else "float32"
-        run = set_up(model, method, prepared, given, seed=seed, run_dir=run_dir, dtype=dtype,
-                     base_name=state.model_name, init_adapter=init)  # fmt: skip
-        return run, prepared
+        write_run(run)
+        return prepared
 
-    def validate():
-        """Both files checked and tokenized into the job's directory, the run set up (nothing kept on a refusal)."""
-        try:
-            with storage_failures():
-                return set_up_run()
-        except BaseException:
-            shutil.rmtree(run_dir, ignore_errors=True)
+    def step(call: Callable[[], T]) -> Callable[[], T]:
+        """`call` as a step of the validation: its CPU time counted, nothing kept if it refuses the job."""
+
+        def run_step() -> T:
+            try:
+                with storage_failures():
+                    return _cpu_timed(call, cpu)()
+            except BaseException:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                raise
+
+        return run_step
+
+    cpu, outcome = [0.0], "refused"
+    try:
+        async with runner.validation(
+            tenant
+        ):  # the tenant's validations at most --fine-tuning-max-validating at once
+            try:
+                run, each = await stored_call("the training file could not be read", step(plan))
+                need = each * stored_adapters(run.hyperparameters)
+                room = await runner.adapters.room(
+                    tenant
+                )  # its adapters fit, or it is refused before tokenizing
+                if room is not None and need > room:
+                    raise _no_room(each, run.hyperparameters, where)(max(room, 0))
+                prepared = await stored_call(
+                    "the training file could not be read", step(functools.partial(prepare, run))
+                )
+            except FileError as e:
+                file_id = getattr(req, e.which)
+                raise APIError(
+                    400, f"invalid {e.which} {file_id}: {e}", param=e.which, code=f"invalid_{e.which}"
+                ) from None
+            except HyperparameterError as e:
+                raise APIError(
+                    400, str(e), param=f"{where}.{e.name}", code="invalid_hyperparameters"
+                ) from None
+            except BaseException:
+                await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, run_dir, True))
+                raise
+        events = [f"Validating training file: {req.training_file}"]
+        if req.validation_file:
+            events.append(f"Validating validation file: {req.validation_file}")
+        if req.eval_file:
+            events.append(
+                f"Validating eval file: {req.eval_file} (its answers are compared once the job has trained)"
+            )
+        events.append(f"Files validated ({prepared.examples} examples, {prepared.tokens} tokens an epoch), moving "
+                      "job to queued state")  # fmt: skip
+        create = functools.partial(
+            store.create, job_id, tenant, model=req.model, model_name=name, training_file=req.training_file,
+            validation_file=req.validation_file, suffix=req.suffix, seed=seed, method=method,
+            hyperparameters=run.hyperparameters, metadata=req.metadata, examples=prepared.examples,
+            tokens_per_epoch=prepared.tokens, events=events, quotas=quotas, adapter_bytes=each,
+        )  # fmt: skip
+        try:  # the room of its adapters taken with the job, one at a time with the tenant's other saves and jobs
+            job = await runner.adapters.reserve(
+                tenant, need, create, _no_room(each, run.hyperparameters, where)
+            )
+        except BaseException as e:
+            await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, run_dir, True))
+            if isinstance(e, QuotaExceeded):
+                raise APIError(429, str(e), code=e.code) from None
+            if isinstance(e, StorageFailure):
+                raise storage_error(e, "the job could not be stored") from None
             raise
-
-    try:
-        run, prepared = await stored_call("the training file could not be read", validate)
-    except FileError as e:
-        file_id = getattr(req, e.which)
-        raise APIError(
-            400, f"invalid {e.which} {file_id}: {e}", param=e.which, code=f"invalid_{e.which}"
-        ) from None
-    except HyperparameterError as e:
-        raise APIError(400, str(e), param=f"{where}.{e.name}", code="invalid_hyperparameters") from None
-    try:
-        await _check_room(runner, tenant, view.model_config, run.hyperparameters, adapter, where)
-    except BaseException:
-        await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, run_dir, True))
-        raise
-    events = [f"Validating training file: {req.training_file}"]
-    if req.validation_file:
-        events.append(f"Validating validation file: {req.validation_file}")
-    if req.eval_file:
-        events.append(
-            f"Validating eval file: {req.eval_file} (its answers are compared once the job has trained)"
-        )
-    events.append(f"Files validated ({prepared.examples} examples, {prepared.tokens} tokens an epoch), moving "
-                  "job to queued state")  # fmt: skip
-    create = functools.partial(
-        store.create, job_id, tenant, model=req.model, model_name=name, training_file=req.training_file,
-        validation_file=req.validation_file, suffix=req.suffix, seed=seed, method=method,
-        hyperparameters=run.hyperparameters, metadata=req.metadata, examples=prepared.examples,
-        tokens_per_epoch=prepared.tokens, events=events, quotas=quotas,
-    )  # fmt: skip
-    try:
-        job = await stored_call("the job could not be stored", create)
-    except BaseException as e:
-        await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, run_dir, True))
-        if isinstance(e, QuotaExceeded):
-            raise APIError(429, str(e), code=e.code) from None
-        raise
+        outcome = "queued"
+    finally:
+        state.metrics.observe_fine_tuning_validation(tenant, outcome, cpu[0])
     runner.wake()
     return JSONResponse(job)
 

@@ -9,14 +9,17 @@ event) becomes the job's progress, events and checkpoints in the store (motet/ap
 epoch's checkpoint, then the job's model, is stored as the tenant's adapter (motet/api/adapters/store.py), served
 from then on; the trained tokens are counted in the tenant's usage as they are trained.
 
-Cancel kills the worker at once; pause asks it to save a checkpoint after the step in progress and exit (a worker
-that has not yet said it handles the request is killed: it had trained nothing). A job running when the server
-stops is queued again at the next start (`FineTuningStore.recover`) and goes on from its last checkpoint. A
-finished job's run directory (its rows and Trainer's checkpoints) is removed: its models live on as adapters.
+A job with an eval file has it answered once its model is stored, outside the training slots: the next queued job
+starts training meanwhile. Cancel kills the worker at once, or stops the eval (its requests in flight aborted);
+pause asks the worker to save a checkpoint after the step in progress and exit (a worker that has not yet said it
+handles the request is killed: it had trained nothing). A job running when the server stops is queued again at the
+next start (`FineTuningStore.recover`) and goes on from its last checkpoint. A finished job's run directory (its
+rows and Trainer's checkpoints) is removed: its models live on as adapters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import hashlib
@@ -26,6 +29,8 @@ import logging
 import shutil
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -120,6 +125,14 @@ class _Job:
         self.last: dict = {}  # the last metrics, for the next checkpoint
 
 
+@dataclass
+class _Validations:
+    """A tenant's validations: running (as many as `turns` lets at once) or waiting their turn."""
+
+    turns: anyio.Semaphore
+    count: int = 0
+
+
 class FineTuningRunner:
     def __init__(
         self,
@@ -131,23 +144,44 @@ class FineTuningRunner:
         quotas: Quotas | None = None,
     ):
         self.store, self.files, self.adapters, self.usage = store, files, adapters, usage
+        adapters.on_delete.append(store.model_deleted)  # a checkpoint's model deleted: no longer listed
         self.settings = settings or RunnerSettings()
         self.quotas = quotas or Quotas()  # what POST /v1/fine_tuning/jobs lets each tenant have
         if self.settings.max_running < 1 or self.settings.threads < 1:
             raise ValueError("--fine-tuning-max-running and --fine-tuning-threads must be at least 1")
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _Job] = {}  # training: each holds a slot (--fine-tuning-max-running)
+        self._evaluating: dict[str, anyio.CancelScope] = {}  # trained, their eval file being answered
+        self._validating: dict[str, _Validations] = {}  # by tenant, while it has some
         self._last_start: dict[str, float] = {}
         self._wake = anyio.Event()
         self._tg: TaskGroup | None = None
         self._app = None  # the app a job's eval file is answered through
+        adapters.reserved_by(store.reserved_bytes)  # the room queued jobs' adapters will take
 
     # -- the API's side --------------------------------------------------------------------------------------
     def wake(self) -> None:
         """A job was queued or resumed."""
         self._wake.set()
 
+    @contextlib.asynccontextmanager
+    async def validation(self, tenant: str) -> AsyncIterator[None]:
+        """One of the tenant's jobs being validated: at most `quotas.max_validating` of the tenant's at once (the
+        next waits its turn; other tenants' never wait on them)."""
+        mine = self._validating.setdefault(tenant, _Validations(anyio.Semaphore(self.quotas.max_validating)))
+        mine.count += 1
+        try:
+            async with mine.turns:
+                yield
+        finally:
+            mine.count -= 1
+            if not mine.count:
+                del self._validating[tenant]
+
     def stop(self, job_id: str, pause: bool) -> None:
-        """The job was cancelled (or paused): its worker stops now (a pause: after its step, with a checkpoint)."""
+        """The job was cancelled (or paused): its worker stops now (a pause: after its step, with a checkpoint); a
+        cancelled job's eval stops now, its requests in flight aborted (a paused one's goes on: it has trained)."""
+        if not pause and job_id in self._evaluating:
+            self._evaluating[job_id].cancel()
         job = self._jobs.get(job_id)
         if job is None or job.worker is None:
             return
@@ -157,7 +191,7 @@ class FineTuningRunner:
             job.worker.kill()
 
     async def finished(self, job_id: str) -> None:
-        """A job that ended without a worker (cancelled while queued or paused): its run directory goes."""
+        """A job that ended without a worker (cancelled while queued, paused or evaluated): its run directory goes."""
         if job_id not in self._jobs:
             await _thread(shutil.rmtree, self.store.run_dir(job_id), True)
 
@@ -333,7 +367,7 @@ class FineTuningRunner:
             return
         model = checkpoint_model(job.model_name, event["step"])
         try:
-            await self.adapters.add_fine_tuned(job.tenant, model, Path(event["path"]))
+            await self.adapters.add_fine_tuned(job.tenant, model, Path(event["path"]), job.id)
         except APIError as e:  # a checkpoint that cannot be served (it should always be): said, not fatal
             await _thread(self.store.add_event, job.id, f"Checkpoint at step {event['step']} not stored: {e}",
                           "warn")  # fmt: skip
@@ -345,14 +379,38 @@ class FineTuningRunner:
     async def _succeed(self, job: _Job, event: dict) -> None:
         job.outcome = "succeeded"
         try:
-            await self.adapters.add_fine_tuned(job.tenant, job.model_name, Path(event["path"]))
+            await self.adapters.add_fine_tuned(job.tenant, job.model_name, Path(event["path"]), job.id)
         except APIError as e:
             await self._fail(job, f"the trained adapter could not be stored: {e.message}")
             return
+        await _thread(self.store.model_stored, job.id)
         eval_path = self.store.run_dir(job.id) / EVAL_ROWS
-        if eval_path.is_file():
-            await self._evaluate(job, await _thread(read_rows, eval_path), event["step"])
+        if not eval_path.is_file():
+            await self._finish(job, event)
+            return
+        rows = await _thread(read_rows, eval_path)
+        scope = self._evaluating[job.id] = anyio.CancelScope()  # from here a cancel (`stop`) stops it
+        if await _thread(self.store.status, job.id) not in ("running", "paused"):  # cancelled meanwhile
+            del self._evaluating[job.id]
+            return
+        # beside the training slots: this job's frees as its worker exits, while its eval goes on
+        self._tg.start_soon(self._evaluate_and_finish, job, rows, event, scope)
 
+    async def _evaluate_and_finish(self, job: _Job, rows: list[dict], event: dict, scope: anyio.CancelScope):
+        """The job's eval file answered, then the job succeeds; cancelled with the job (`stop`)."""
+        try:
+            with scope:
+                await self._evaluate(job, rows, event["step"])
+                await self._finish(job, event)
+        except Exception:  # a bug or a failing disk: this job fails, never the runner
+            log.exception("fine-tuning job %s failed", job.id)
+            await self._fail(job, "the job failed on the server while answering its eval file")
+        finally:
+            del self._evaluating[job.id]
+        if await _thread(self.store.status, job.id) in FINISHED:
+            await _thread(shutil.rmtree, self.store.run_dir(job.id), True)
+
+    async def _finish(self, job: _Job, event: dict) -> None:
         def write_results() -> str:
             file_id = result_file_id(job.id)
             data = results_csv(self.store.metrics(job.id))

@@ -7,6 +7,11 @@ makes is scoped to the tenant: another tenant's job reads as missing. Statuses, 
 succeeded | failed | cancelled, and paused (from queued or running; resumed: queued again). Jobs are validated
 before they are stored, so none is ever `validating_files` here. A job `running` when the server stopped is
 queued again when it starts (`recover`): it goes on from its last checkpoint.
+
+A job admitted holds the room its adapters will take in the tenant's adapter quota (motet/api/adapters/store.py)
+until it ends: the bytes of each (`adapter_bytes`) times the adapters it has yet to store (`adapters_left`: one a
+checkpoint, then its model), one fewer in the transaction that records each one stored. The reservation is rows of
+this file, so a restart keeps it.
 """
 
 from __future__ import annotations
@@ -51,7 +56,11 @@ _SCHEMA = (
         examples INTEGER NOT NULL,
         tokens_per_epoch INTEGER NOT NULL,
         total_steps INTEGER,
-        step INTEGER NOT NULL DEFAULT 0
+        step INTEGER NOT NULL DEFAULT 0,
+        -- each adapter it stores (a checkpoint an epoch, its model), and those it has yet to store: reserved
+        -- while it is active
+        adapter_bytes INTEGER NOT NULL DEFAULT 0,
+        adapters_left INTEGER NOT NULL DEFAULT 0
     )""",
     "CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, seq)",
     "CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status)",
@@ -76,6 +85,7 @@ _SCHEMA = (
         step INTEGER NOT NULL,
         model TEXT NOT NULL,
         metrics TEXT NOT NULL,
+        deleted INTEGER NOT NULL DEFAULT 0,  -- 1: the tenant deleted its model (no longer listed)
         UNIQUE (job, step)
     )""",
 )
@@ -97,10 +107,17 @@ class QuotaExceeded(Exception):
 
 @dataclass(frozen=True)
 class Quotas:
-    """Per tenant: jobs queued, running or paused at once; tokens its jobs train in a day (None: no limit)."""
+    """Per tenant: jobs queued, running or paused at once; tokens its jobs train in a day (None: no limit); jobs
+    whose files are validated at once (the others wait their turn)."""
 
     max_active: int | None = 4
     max_tokens_per_day: int | None = None
+    max_validating: int = 1
+
+
+def stored_adapters(h: Hyperparameters) -> int:
+    """The adapters a job stores as the tenant's: each epoch's checkpoint, then its model."""
+    return h.n_epochs + 1
 
 
 def new_job_id() -> str:
@@ -165,6 +182,14 @@ def _checkpoint(row: tuple) -> dict:
 class FineTuningStore(SQLiteStore):
     def __init__(self, data_dir: str | Path):
         super().__init__(Path(data_dir) / FILENAME, _SCHEMA)
+        # the columns a store written by an earlier motet lacks (jobs reserving their room, checkpoints deleted)
+        for table, column in (
+            ("jobs", "adapter_bytes"),
+            ("jobs", "adapters_left"),
+            ("checkpoints", "deleted"),
+        ):
+            if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
         self.jobs_dir = Path(data_dir) / "fine_tuning"  # each job's run directory (motet/training/trainer.py)
 
     def run_dir(self, job_id: str) -> Path:
@@ -189,19 +214,21 @@ class FineTuningStore(SQLiteStore):
         tokens_per_epoch: int,
         events: list[str],
         quotas: Quotas = Quotas(),
+        adapter_bytes: int = 0,
     ) -> dict:
         """A validated job, queued, with its first events; QuotaExceeded where the tenant's quotas have no room for
-        it (checked and taken in one transaction: two jobs at once cannot both take the last room)."""
+        it (checked and taken in one transaction: two jobs at once cannot both take the last room). It reserves
+        `adapter_bytes` for each adapter it will store (`stored_adapters`)."""
         now = int(time.time())
         with self._write():
             self._check(tenant, tokens_per_epoch * hyperparameters.n_epochs, quotas, now)
             self._db.execute(
                 "INSERT INTO jobs (id, tenant, model, model_name, training_file, validation_file, suffix, seed,"
-                " method, hyperparameters, metadata, status, created_at, examples, tokens_per_epoch)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?)",
+                " method, hyperparameters, metadata, status, created_at, examples, tokens_per_epoch, adapter_bytes,"
+                " adapters_left) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?)",
                 (job_id, tenant, model, model_name, training_file, validation_file, suffix, seed, method,
                  json.dumps(hyperparameters.object()), json.dumps(metadata) if metadata else None, now, examples,
-                 tokens_per_epoch),
+                 tokens_per_epoch, adapter_bytes, stored_adapters(hyperparameters)),
             )  # fmt: skip
             for message in events:
                 self._add_event(job_id, message)
@@ -222,9 +249,29 @@ class FineTuningStore(SQLiteStore):
         )
 
     def checkpoints(self, tenant: str, job_id: str, after: str | None, limit: int):
+        """A page of the job's checkpoints whose models the tenant has not deleted, newest first."""
         return self._keyset_page(
-            "checkpoints", _CHECKPOINT, _checkpoint, tenant, after, limit, where="job = ?", args=(job_id,)
-        )
+            "checkpoints", _CHECKPOINT, _checkpoint, tenant, after, limit, where="job = ? AND deleted = 0",
+            args=(job_id,),
+        )  # fmt: skip
+
+    def model_deleted(self, tenant: str, model: str) -> None:
+        """The tenant deleted its model `model`: a checkpoint that was it is no longer listed, as OpenAI's (its row
+        stays, so that a job that goes on after a restart does not store it again)."""
+        with self._write():
+            self._db.execute(
+                "UPDATE checkpoints SET deleted = 1 WHERE tenant = ? AND model = ?", (tenant, model)
+            )
+
+    def reserved_bytes(self, tenant: str, besides: str | None = None) -> int:
+        """The bytes of adapters the tenant's active jobs (but `besides`) have yet to store."""
+        marks = ", ".join("?" * len(ACTIVE))
+        with self._read():
+            return self._db.execute(
+                f"SELECT COALESCE(SUM(adapter_bytes * adapters_left), 0) FROM jobs WHERE tenant = ? AND"
+                f" status IN ({marks}) AND id IS NOT ?",
+                (tenant, *ACTIVE, besides),
+            ).fetchone()[0]
 
     def check_quotas(self, tenant: str, tokens: int, quotas: Quotas) -> None:
         """QuotaExceeded where a job of `tokens` training tokens would not fit now (`create` checks again)."""
@@ -330,10 +377,16 @@ class FineTuningStore(SQLiteStore):
                 ),
             ).rowcount
             if done:
+                self._stored_one(job_id)
                 self._add_event(
                     job_id, f"Checkpoint created at step {step}", data={"step": step, "model": model}
                 )
             return bool(done)
+
+    def model_stored(self, job_id: str) -> None:
+        """The job's model is stored as the tenant's adapter: it has no more room reserved."""
+        with self._write():
+            self._stored_one(job_id)
 
     def metrics(self, job_id: str) -> list[dict]:
         """The job's metrics events' data, in order."""
@@ -410,6 +463,9 @@ class FineTuningStore(SQLiteStore):
                 trained if status in ("failed", "cancelled") else per_epoch * json.loads(hyper)["n_epochs"]
             )
         return total
+
+    def _stored_one(self, job_id: str) -> None:
+        self._db.execute("UPDATE jobs SET adapters_left = MAX(adapters_left - 1, 0) WHERE id = ?", (job_id,))
 
     def _get(self, tenant: str, job_id: str) -> dict | None:
         row = self._db.execute(

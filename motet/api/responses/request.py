@@ -19,7 +19,8 @@ from pydantic import Field, field_validator
 from motet.api import protocol as P
 from motet.api.completions.protocol import ChatCompletionRequest, SamplingKnobs
 from motet.api.errors import APIError, echo
-from motet.grammar.tool_calls import MAX_TOOL_CALLS
+from motet.grammar.tool_calls import MAX_TOOL_CALLS, ToolError
+from motet.grammar.tool_prompt import decoded_json
 
 
 class TextConfig(P._Request):
@@ -152,6 +153,7 @@ def to_messages(items: list[dict], first_index: int = 0) -> list[dict]:
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise _bad(f"{where}.{key}", "expected a string")
+            _prompt_json(item["arguments"], f"{where}.arguments")
             call = {"id": item["call_id"], "type": "function"}
             call["function"] = {"name": item["name"], "arguments": item["arguments"]}
             last = messages[-1] if messages else None
@@ -165,9 +167,20 @@ def to_messages(items: list[dict], first_index: int = 0) -> list[dict]:
             if not isinstance(item.get("call_id"), str):
                 raise _bad(f"{where}.call_id", "expected a string")
             output = _text(item.get("output"), f"{where}.output")
+            _prompt_json(output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         # (a reasoning item: skipped)
     return messages
+
+
+def _prompt_json(text: str, param: str) -> None:
+    """JSON text the prompt will read as its value (motet/grammar/tool_prompt.py `decoded_json`: a call's
+    arguments, a call's output) refused here, under the item's own name, where no prompt can hold it (the chat
+    request's refusal could name only `input`: its messages do not map onto the items one to one)."""
+    try:
+        decoded_json(text, param)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def _bad(param: str, message: str) -> APIError:

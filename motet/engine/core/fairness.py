@@ -8,14 +8,9 @@ A tenant that was idle does not bank credit: when it becomes active its counter 
 counter among the tenants that stayed active (or, when nobody was, to the counter of the tenants that left
 last), so it competes from where the others are, not from zero.
 
-Where the counters decide (all plain synchronous code):
-- the engine's scheduler (motet/engine/core/scheduler.py), through `TenantShares`: a waiting sequence of a tenant
-  under its share of the running sequences is admitted first, and may take the place of the newest running
-  sequence of the tenant most over its share; otherwise the lowest counter goes first;
-- the admission from the serving layer's adapter queues into the engine (`AdmissionGate`): every tenant
-  with queued work gets a request into the engine's waiting list at the next step, whatever another
-  tenant has queued; the rest of the room goes to the lowest counters;
-- `/metrics`, through the snapshot the engine reports after each step (`TenantState`).
+The counters and shares are read by the scheduling policy (motet/engine/core/policy.py: who is admitted, displaced
+and served first, into the engine and in each step) and by `/metrics`, through the snapshot the engine reports
+after each step (`TenantState`).
 """
 
 from __future__ import annotations
@@ -171,39 +166,3 @@ class TenantState:
     virtual_tokens: float
     running: int
     waiting: int
-
-
-class AdmissionGate:
-    """Which tenant's queued request enters the engine next (the serving layer's adapter queues -> the
-    engine's waiting list), from the engine's state after its latest step.
-
-    A tenant with nothing waiting in the engine may send one request beyond the common room (up to `spare`
-    of them in all), so every tenant with queued work is in the engine's waiting list at the next step,
-    where the scheduler orders it by its share and counter; further requests fill the common `room` (the
-    serving layer's `max_waiting` and the free sequence slots), lowest counter first. Each request taken is
-    charged to a copy of the counters, so one admission round interleaves tenants as the engine will.
-    """
-
-    def __init__(self, tenants: Iterable[TenantState], room: int, spare: int, input_weight: float = 1.0):
-        tenants = list(tenants)
-        self.counters = {t.tenant: t.virtual_tokens for t in tenants}
-        self.weights = {t.tenant: t.weight for t in tenants}
-        self.waiting = Counter({t.tenant: t.waiting for t in tenants})
-        self.floor = min(self.counters.values(), default=0.0)  # where a newcomer will be lifted to
-        self.room = room
-        self.spare = max(room, spare)
-        self.input_weight = input_weight
-
-    def pick(self, candidates: Mapping[Tenant, int]) -> Tenant | None:
-        """`candidates`: each tenant with queued work -> its next request's prompt tokens. None: take no
-        more now."""
-        allowed = [t for t in candidates if self.room > 0 or (self.waiting[t] == 0 and self.spare > 0)]
-        if not allowed:
-            return None
-        tenant = min(allowed, key=lambda t: self.counters.get(t, self.floor))  # ties: the first
-        self.waiting[tenant] += 1
-        self.room -= 1
-        self.spare -= 1
-        cost = self.input_weight * candidates[tenant] / self.weights.get(tenant, DEFAULT_WEIGHT)
-        self.counters[tenant] = self.counters.get(tenant, self.floor) + cost
-        return tenant

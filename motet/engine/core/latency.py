@@ -31,6 +31,11 @@ light request into the step at once; this module keeps the step small enough whi
   least-served of the tenants whose rows yield (the lowest virtual token counter, VTC's rule) gets at least
   `floor` tokens (a 32nd of the budget) whatever the cap leaves, so a light tenant's many streams cannot hold
   another tenant's prompt back until they stop; as it is served its counter rises and the next one has its turn.
+  While that tenant runs fewer sequences than its share (one long prompt beside another tenant's many streams,
+  not a burst beside a light request), the floor holds in time, not in steps: tokens whose own time equals a step
+  of the latency-bound rows alone (`StepCost.tokens_as_long_as`), about half of the step, however slow steps are
+  (beside other busy processes a step's fixed part grows most, and so many tokens a step would stretch the prompt
+  over ever slower steps: 179 s against 8.8 s alone). A tenant over its share gets the 32nd.
 """
 
 from __future__ import annotations
@@ -94,6 +99,15 @@ class StepCost:
         """A step's expected seconds with `tokens` tokens; None: not known yet."""
         line = self.line()
         return None if line is None else line[0] + line[1] * tokens
+
+    def tokens_as_long_as(self, tokens: int) -> int:
+        """The tokens whose own time (per token, without the step's fixed part) is that of a step of `tokens`: added
+        to such a step, they take half of it (0 before the fit)."""
+        line = self.line()
+        if line is None:
+            return 0
+        fixed, per_token = line
+        return math.ceil(fixed / per_token) + tokens
 
     def tokens_within(self, seconds: float) -> int | None:
         """The most tokens a step may carry to take at most `seconds` (at least 1); None: not known yet."""
@@ -169,12 +183,14 @@ class LatencyCap:
     """One step's sizing: the latency-bound tenants (their interactive rows go first, at the full budget), and
     the most tokens the step may hold when another interactive row (`tokens`) or a batch row (`background`) is
     added, counting every row before it; and the tokens the least-served tenant whose interactive rows yield gets
-    whatever the cap leaves (`floor`)."""
+    whatever the cap leaves: `floor`, or `half_step` (tokens worth as long as the latency-bound rows' own step)
+    while it runs fewer sequences than its share."""
 
     tenants: frozenset
     tokens: int
     background: int
     floor: int = 1
+    half_step: int = 1
 
     def tier(self, seq) -> int:
         return tier(seq, self.tenants)
@@ -248,4 +264,8 @@ class LatencyGuard:
         background = min(background, tokens)
         if not (tiers[INTERACTIVE] and tokens < budget or tiers[BACKGROUND] and background < budget):
             return None  # no row is held back
-        return LatencyCap(bound, tokens, background, max(1, budget // FLOOR_DIVISOR))
+        floor = max(1, budget // FLOOR_DIVISOR)
+        bound_tokens = sum(work(s) for s in running if tier(s, bound) == BOUND)
+        return LatencyCap(
+            bound, tokens, background, floor, max(floor, self.cost.tokens_as_long_as(bound_tokens))
+        )

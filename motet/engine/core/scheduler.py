@@ -1,29 +1,17 @@
-"""Scheduling policy: vLLM-V1-style unified token budget, preemption by recompute, tenants in fair order.
+"""The scheduler: vLLM-V1-style unified token budget, preemption by recompute, in the policy's order.
 
 There are no prefill and decode phases. Every sequence has tokens whose KV is computed and tokens it
 still needs computed; each step hands out at most `max_num_batched_tokens` of the latter, running
 sequences first (a decode needs one token, an unfinished prompt a chunk), then waiting ones. Chunked
 prefill and prefix-cache hits fall out of this. When the KV pool runs dry a running sequence is preempted:
 its blocks are freed and it is recomputed later from its prompt and output so far.
-Tenants share the engine by weight (motet/engine/core/fairness.py): running sequences are served least-served
-tenant first, and the one preempted is the newest of the tenant most over its share of the running
-sequences; a waiting sequence of a tenant under its share is admitted first and, when no slot or KV block
-is free, takes the place of that newest sequence, so a light tenant's request starts at the next step
-however much another tenant has running or waiting. Otherwise waiting sequences go lowest virtual token
-counter first, in arrival order within a tenant.
-vLLM's request `priority` (lower: sooner) orders a tenant's own sequences and nothing else: they trade the
-places (in the waiting order and the running order) that the tenant's sequences hold by arrival, the most
-urgent taking the earliest, so no tenant's place moves (`tenant_places`). The sequence a tenant loses to
-preemption is its least urgent, newest one.
+Every order is the scheduling policy's (motet/engine/core/policy.py: tenants' shares and virtual token counters,
+latency tiers, priority, who is displaced or preempted); this module is the loop over the budget, the KV blocks
+and the adapter slots that follows it.
 A waiting sequence is admitted once its adapter is resident in the pool (`adapters.ready`; the engine loads
 it meanwhile), running sequences hold at most `max_loras` distinct adapters where that cap is set, and
 adapters waiting for room are time-sliced (see `AdapterSlicer`); a step's batch is ordered by adapter so that
 each adapter's tokens form one contiguous segment for the LoRA kernels.
-While a light tenant's request runs (light by the tokens it brings, prompts included), its rows go first and the
-other interactive rows get only the tokens that keep the step within the TPOT target, batch work only what is
-spare beside the interactive rows (motet/engine/core/latency.py): the rows held back wait a step, keeping their slots
-and KV; the least-served tenant among those whose interactive rows yield still gets the cap's floor of tokens every
-step, so no tenant with work starves beside a light one.
 With KV tiers (motet/engine/core/kv_connector.py), a waiting sequence whose prefix the tiers hold past the device
 cache's hit waits, keeping its place, while its blocks are loaded in the background; it is admitted after.
 """
@@ -31,17 +19,17 @@ cache's hit waits, keeping its place, while its blocks are loaded in the backgro
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from motet.engine.core.adapter_slicer import AdapterSlicer
 from motet.engine.core.block_manager import BlockManager
-from motet.engine.core.fairness import TenantShares, TenantState, VirtualTokenCounter
+from motet.engine.core.fairness import TenantState, VirtualTokenCounter
 from motet.engine.core.kv_connector import KVConnector, NoKVTiers
-from motet.engine.core.latency import INTERACTIVE, LatencyGuard, tier
 from motet.engine.core.plan_mirror import PlanMirror, reaches_end
+from motet.engine.core.policy import SchedulingPolicy, StepOrder, remove_seq
 from motet.engine.core.sequence import Sequence, SequenceStatus
 from motet.engine.core.step_plan import SampledRef, StepPlan, new_step
 
@@ -154,10 +142,8 @@ class Scheduler:
         self.slicer = AdapterSlicer(max_loras, lora_time_slice)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.fairness = fairness or VirtualTokenCounter()
-        self.latency = LatencyGuard(tpot_target_s, max_num_seqs, self.fairness)
+        self.policy = SchedulingPolicy(max_num_seqs, fairness, tpot_target_s)
         self.num_preemptions = 0
-        self.num_capped_steps = 0  # steps sized down for a latency-bound request
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (motet/engine/request_checks.py has made sure it fits the KV pool)."""
@@ -170,7 +156,8 @@ class Scheduler:
     def schedule(self, hold: Collection[Sequence] = (), holds_stop: Collection[str] = ()) -> ScheduledBatch:
         """The next step's rows. `hold`: running rows that wait this step whatever they need (an overlapped engine
         schedules ahead of a step whose token is their last); `holds_stop`: the requests whose grammar holds back
-        their stop tokens (their plans say so)."""
+        their stop tokens (their plans say so). Every order and who gives way is the policy's (`StepOrder`); this
+        loop hands out the budget, the KV blocks and the adapter slots in that order."""
         self.kv.poll()
         held = {s.seq_id for s in hold}
 
@@ -179,77 +166,46 @@ class Scheduler:
 
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        fair = self.fairness
-        fair.set_active(s.tenant for s in (*self.running, *self.waiting))
-        shares = TenantShares(fair, (s.tenant for s in self.running), (s.tenant for s in self.waiting))
-
-        waiting_places = tenant_places(self.waiting)
-        for s in self.waiting:  # the places traded stay traded: a later place stays the later one's
-            s.order.place = waiting_places[s.seq_id]
-
-        def admission_order(s: Sequence) -> tuple:
-            growing = len(self.running) < self.max_num_seqs  # a free slot: it displaces nobody
-            return (*shares.admission_key(s.tenant, growing), *waiting_places.get(s.seq_id, _place(s)))
-
+        order = self.policy.step(self.running, self.waiting, budget, uncomputed)
         self.slicer.begin_step(
             (s.adapter_id for s in self.running),
-            (s.adapter_id for s in sorted(self.waiting, key=admission_order)),
+            (s.adapter_id for s in sorted(self.waiting, key=order.admission_key)),
             self.adapters.ready,
             self.adapters.blocked,
         )
         # Tenants under their share first: their waiting sequences join the running ones now, in a free slot or
-        # in place of the newest sequence of the tenant most over its share; they get KV blocks and budget
-        # below, ahead of the tenants with more.
+        # in place of another tenant's; they get KV blocks and budget below, ahead of the tenants with more.
         candidates = list(self.waiting)
         while candidates:
-            seq = min(candidates, key=admission_order)
+            seq = order.first(candidates)
             growing = len(self.running) < self.max_num_seqs
-            if not shares.under(seq.tenant, growing):
-                break  # nor is any other
-            _remove(candidates, seq)
+            if not order.jumps_queue(seq):
+                break  # nor does any other
+            remove_seq(candidates, seq)
             if not self.slicer.may_admit(seq.adapter_id):
                 continue  # waiting for an adapter slot; it keeps its place in the queue
-            if not growing and not shares.may_displace(seq.tenant):
+            if not growing and not order.may_displace(seq):
                 continue
             if not self._prefix_ready(seq):
                 continue  # its prefix is being loaded; it keeps its place in the queue
             if not growing:
-                victim = self._last_of(shares.most_over(seq.tenant))
-                self._preempt(victim, shares)
+                victim = order.displaced_by(seq)
+                self._preempt(victim, order)
                 batch.preempted.append(victim)
-            self._start(seq, shares)  # its other blocks come below, with the running ones'
+            self._start(seq, order)  # its other blocks come below, with the running ones'
 
-        # Running sequences in their latency tiers (motet/engine/core/latency.py: the latency-bound tenants' at the full
-        # budget, then the other interactive ones, then batch work, each within its tier's tokens), in each the
-        # least-served tenants' first (their prefill chunks get the budget first); last, the least urgent, newest
-        # sequence of the tenant most over its share: the first to be preempted. Every decode row keeps its one
-        # token ahead of any prompt chunk of its tier, so a long prompt never stalls the decoding ones. The rows a
-        # tier's tokens do not reach wait a step.
-        cap = self.latency.cap(self.running, self.waiting, time.monotonic(), budget)
-        tier_of = cap.tier if cap is not None else tier
-        limits = cap.limits(budget) if cap is not None else (budget,) * 3
-        if cap is not None:
-            self.num_capped_steps += 1
+        # Running sequences in the policy's order, each within the tokens it may take (its tier's, or the floor's).
+        # Every decode row keeps its one token ahead of any prompt chunk of its tier, so a long prompt never stalls
+        # the decoding ones. The rows the tokens do not reach wait a step.
+        order.sort_running(time.monotonic())
+        decodes_left = Counter(order.tier(s) for s in self.running if uncomputed(s) == 1)
         used = 0  # tokens in the step so far
-        # Yielding is not starving: the least-served tenant whose interactive rows the cap holds back (VTC's lowest
-        # counter) goes first in its tier and gets at least the cap's floor of tokens, whatever the cap leaves.
-        floor_tenant = None
-        if cap is not None:
-            floor_tenant = fair.pick(
-                dict.fromkeys(s.tenant for s in self.running if tier_of(s) == INTERACTIVE and uncomputed(s))
-            )
-        floor_left = cap.floor if floor_tenant is not None else 0
-        running_places = tenant_places(self.running)
-        tenants = {s.tenant for s in self.running}
-        order = {t: (t != floor_tenant, shares.load(t), fair.counter(t)) for t in tenants}  # once per tenant
-        self.running.sort(key=lambda s: (tier_of(s), *order[s.tenant], *running_places[s.seq_id]))
-        decodes_left = Counter(tier_of(s) for s in self.running if uncomputed(s) == 1)
         i = 0
         while i < len(self.running) and used < budget:
             seq = self.running[i]
-            group = tier_of(seq)
-            owed = floor_left if group == INTERACTIVE and seq.tenant == floor_tenant else 0
-            left = max(limits[group] - used, min(owed, budget - used))
+            group = order.tier(seq)
+            owed = order.owed(seq)
+            left = order.tokens_left(seq, used)
             if left <= 0:  # its tier's tokens are spent: it and the later rows (tiers after) wait a step
                 break
             remaining = uncomputed(seq)
@@ -257,7 +213,7 @@ class Scheduler:
                 i += 1
                 continue
             if seq.cache.switch is not None and seq.num_computed_tokens >= seq.cache.switch[0]:
-                self._long_rope_restart(self.running.pop(i), shares)  # then recomputed as a prompt
+                self._long_rope_restart(self.running.pop(i), order)  # then recomputed as a prompt
                 if remaining == 1:
                     decodes_left[group] -= 1
                 batch.preempted.append(seq)
@@ -280,10 +236,10 @@ class Scheduler:
                     n -= len(seq.draft_token_ids)
                     seq.draft_token_ids = []
                     continue
-                victim = self.running.pop()
+                victim = order.kv_victim()
                 if victim is not seq and uncomputed(victim) == 1:
-                    decodes_left[tier_of(victim)] -= 1  # its token is no longer held for it
-                self._preempt(victim, shares)
+                    decodes_left[order.tier(victim)] -= 1  # its token is no longer held for it
+                self._preempt(victim, order)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
@@ -291,26 +247,25 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 used += n
-                if owed:
-                    floor_left = max(0, floor_left - n)
+                order.took(seq, n)
                 i += 1
                 continue
             break
 
-        # Then the other waiting sequences in the free slots, lowest counter first; none when something had to
+        # Then the other waiting sequences in the free slots, in the policy's order; none when something had to
         # be preempted (it would just thrash), nor those preempted in this step.
         candidates = [s for s in self.waiting if not any(s is p for p in batch.preempted)]
         while candidates and used < budget and len(self.running) < self.max_num_seqs and not batch.preempted:
-            seq = min(candidates, key=admission_order)
-            _remove(candidates, seq)
-            left = limits[tier_of(seq)] - used
+            seq = order.first(candidates)
+            remove_seq(candidates, seq)
+            left = order.limits[order.tier(seq)] - used
             if left <= 0 or not self.slicer.may_admit(seq.adapter_id) or not self._prefix_ready(seq):
                 continue
             n = min(seq.num_uncomputed, left, self.max_chunk or left)
             if not self.bm.allocate_slots(seq, n):
                 self.bm.free_seq(seq)  # give back prefix hits; they stay cached
                 break
-            self._start(seq, shares)
+            self._start(seq, order)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             used += n
@@ -319,9 +274,9 @@ class Scheduler:
             if seq.block_table and not self.kv.is_loading(seq):
                 self.bm.free_seq(seq)
         if any(s.adapter_id for s in batch.seqs):  # one contiguous segment per adapter (stable sort)
-            order = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
-            batch.seqs = [batch.seqs[i] for i in order]
-            batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
+            rows = sorted(range(len(batch)), key=lambda i: batch.seqs[i].adapter_id)
+            batch.seqs = [batch.seqs[i] for i in rows]
+            batch.num_new_tokens = [batch.num_new_tokens[i] for i in rows]
         return batch.freeze(self.mirror, [s.seq_id for s in self.running], holds_stop)
 
     def _prefix_ready(self, seq: Sequence) -> bool:
@@ -335,34 +290,17 @@ class Scheduler:
                 return False
         return True
 
-    def _last_of(self, tenant) -> Sequence:
-        """Take the least urgent (vLLM's priority), newest running sequence of `tenant` (which has one) out of
-        the running ones."""
-        victim = max((s for s in self.running if s.tenant == tenant), key=_urgency)
-        _remove(self.running, victim)
-        return victim
-
-    def _start(self, seq: Sequence, shares: TenantShares) -> None:
+    def _start(self, seq: Sequence, order: StepOrder) -> None:
         """A waiting sequence joins the running ones."""
-        _remove(self.waiting, seq)
+        remove_seq(self.waiting, seq)
         self.slicer.admitted(seq.adapter_id)
-        if seq.num_preemptions == 0:  # its prompt is charged once, when it first runs
-            self.fairness.charge(seq.tenant, input_tokens=seq.num_prompt_tokens)
+        order.started(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        shares.started(seq.tenant)
 
     def tenant_states(self) -> tuple[TenantState, ...]:
         """Each tenant with sequences here, in the order their next waiting sequence would be admitted."""
-        shares = TenantShares(
-            self.fairness, (s.tenant for s in self.running), (s.tenant for s in self.waiting)
-        )
-        waiting = Counter(s.tenant for s in self.waiting)
-        tenants = sorted(set(shares.running) | set(waiting), key=lambda t: (shares.admission_key(t), str(t)))
-        return tuple(
-            TenantState(t, self.fairness.weight(t), self.fairness.counter(t), shares.running[t], waiting[t])
-            for t in tenants
-        )
+        return self.policy.tenant_states(self.running, self.waiting)
 
     @staticmethod
     def _fit_drafts(seq: Sequence, n: int, budget: int) -> int:
@@ -373,9 +311,9 @@ class Scheduler:
             seq.draft_token_ids = []
         return len(seq.draft_token_ids)
 
-    def _preempt(self, seq: Sequence, shares: TenantShares) -> None:
+    def _preempt(self, seq: Sequence, order: StepOrder) -> None:
         """Back to the front of the waiting queue (taken out of `running` by the caller)."""
-        shares.stopped(seq.tenant)
+        order.stopped(seq)
         seq.draft_token_ids = []
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.WAITING
@@ -383,11 +321,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _long_rope_restart(self, seq: Sequence, shares: TenantShares) -> None:
+    def _long_rope_restart(self, seq: Sequence, order: StepOrder) -> None:
         """A LongRoPE sequence that grew past the original context: recomputed whole with the long factors (as
         transformers' Phi-3 drops its cache there), preempted and under the prefix salt of its long form (the
         blocks it had hold its short-factor keys)."""
-        self._preempt(seq, shares)
+        self._preempt(seq, order)
         self.bm.forget(seq)  # its block hashes, chained from the old salt
         seq.cache.switch_to_long()
 
@@ -424,37 +362,3 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         self.bm.forget(seq)
-
-
-def _place(s: Sequence) -> tuple[int, int]:
-    return s.order.place or (s.order.arrival, s.seq_id)
-
-
-def _urgency(s: Sequence) -> tuple[int, int, int]:
-    """Lower first: vLLM's priority, then arrival."""
-    return (s.order.priority, s.order.arrival, s.seq_id)
-
-
-def tenant_places(seqs) -> dict[int, tuple[int, int]]:
-    """Each sequence's place in an order between tenants (seq_id -> (arrival, seq_id)): the places its tenant's
-    sequences hold (by arrival, or as traded before), given out by urgency, so priority reorders a tenant's
-    sequences among its own places and never moves another tenant's."""
-    if all(s.order.priority == 0 and s.order.place in (None, (s.order.arrival, s.seq_id)) for s in seqs):
-        # nothing traded: each holds its own place
-        return {s.seq_id: (s.order.arrival, s.seq_id) for s in seqs}
-    by_tenant: dict = defaultdict(list)
-    for s in seqs:
-        by_tenant[s.tenant].append(s)
-    places = {}
-    for group in by_tenant.values():
-        for s, place in zip(sorted(group, key=_urgency), sorted(map(_place, group)), strict=True):
-            places[s.seq_id] = place
-    return places
-
-
-def _remove(seqs, seq: Sequence) -> None:
-    """Remove `seq` itself (not an equal sequence) from a list or deque."""
-    for j, s in enumerate(seqs):
-        if s is seq:
-            del seqs[j]
-            return

@@ -225,18 +225,3 @@ def iter_weights(path: str | Path) -> Iterator[tuple[str, StoredTensor]]:
             if name.endswith(_DERIVED_SUFFIXES):
                 continue
             yield name, tensor
-
-
-def load_state_dict(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> dict[str, torch.Tensor]:
-    """All weights of a checkpoint, floating-point ones cast to `dtype`, on `device`.
-
-    A tied checkpoint (tie_word_embeddings) without `lm_head.weight` stays without it: the model ties.
-    """
-    device = torch.device(device)
-    state = {}
-    for name, stored in iter_weights(path):
-        t = stored.load()
-        state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-    return state

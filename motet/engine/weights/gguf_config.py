@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 import numpy as np
 
 from motet.engine.weights.gguf_names import CONFIG_TENSORS
-from motet.models import DECLARATIONS, from_gguf
+from motet.models import DECLARATIONS, GGUF_ARCHITECTURES, from_gguf
 from motet.models.declaration import ModelLoadError
 from motet.models.fields import LIMITS, bounded
 
@@ -107,7 +107,7 @@ def hf_config(
     if decl is None:
         raise refuse(
             f"GGUF architecture {arch!r}; motet serves GGUF files of architecture "
-            f"{', '.join(repr(d.gguf) for d in DECLARATIONS if d.gguf)} ('llama': Llama, Mistral, SmolLM and the "
+            f"{', '.join(map(repr, GGUF_ARCHITECTURES))} ('llama': Llama, Mistral, SmolLM and the "
             f"other models llama.cpp converts so); serve other models from their Hugging Face checkpoint directory"
         )
     if experts and decl.experts is None:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from motet.engine.weights.gguf_model import GGUF_FILE, GGUF_SUFFIX, gguf_model_dir, is_gguf_file
 from motet.engine.weights.pull_error import PullError
-from motet.models import DECLARATIONS, SUPPORTED_ARCHITECTURES
+from motet.models import GGUF_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from motet.models.declaration import ModelLoadError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -198,7 +198,7 @@ def resolve_model(
     cached = default_model_path(cache_dir).parent / str(name_or_path)
     if "/" not in str(name_or_path) and is_complete(cached):  # another model in the store
         return cached
-    families = f"{', '.join(_families())}; GGUF: {', '.join(_gguf_architectures())}"
+    families = f"{', '.join(_families())}; GGUF: {', '.join(GGUF_ARCHITECTURES)}"
     name = str(name_or_path)
     if (
         HUB_ID.fullmatch(name) and ".." not in name
@@ -223,11 +223,6 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hugging Face Hub reposit
 def _families() -> list[str]:
     """What motet loads, by the family names its models registry declares (an architecture's name less its ForCausalLM suffix)."""
     return [name.removesuffix("ForCausalLM") for name in SUPPORTED_ARCHITECTURES]
-
-
-def _gguf_architectures() -> list[str]:
-    """The GGUF files' `general.architecture` values the registry reads (llama.cpp's names)."""
-    return [d.gguf for d in DECLARATIONS if d.gguf]
 
 
 def model_key(name_or_path: str | Path | None) -> str:

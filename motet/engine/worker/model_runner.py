@@ -356,7 +356,6 @@ class ModelRunner:
         is untouched. Tensor-parallel ranks are left cold (a step there is a plan every rank runs)."""
         if self.parallel.enabled:
             return
-        load_progress.phase("warming up the step")
         t0 = time.perf_counter()
         what = self.steps.warm_up()
         if self.device.type == "cuda":

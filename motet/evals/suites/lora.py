@@ -35,6 +35,7 @@ from pathlib import Path
 from motet.evals import report
 from motet.evals.context import EvalContext, api_error
 from motet.evals.train_adapters import CHECKS, FIXTURES, MAX_TOKENS, behaviour, prompts
+from motet.flag_types import input_directory
 
 NAME = "lora"
 NEEDS_SERVER = True
@@ -45,7 +46,10 @@ AGREEMENT_TOKENS = 8
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("lora options")
     g.add_argument(
-        "--adapters-dir", type=Path, default=FIXTURES, help="the trained adapters: DIR/upper, DIR/json"
+        "--adapters-dir",
+        type=input_directory,
+        default=FIXTURES,
+        help="the trained adapters: DIR/upper, DIR/json",
     )
     g.add_argument("--prompts", type=int, default=64, help="held-out prompts of the behaviour check")
     g.add_argument(

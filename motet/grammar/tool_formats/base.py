@@ -46,18 +46,9 @@ class ToolFormat:
         return self._stream()
 
     def calls_text(self, calls: list[tuple[str, object]]) -> str:
-        """An assistant turn's calls, (name, arguments as a dict or its JSON text), as the model writes them."""
-        return self._calls_text([(name, decoded_arguments(args)) for name, args in calls])
-
-
-def decoded_arguments(arguments):
-    """Arguments given as JSON text as their value (text that is no JSON stays text)."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments
+        """An assistant turn's calls, (name, arguments as their JSON value, or text that is no JSON: a history's
+        JSON text read by motet/grammar/tool_prompt.py `decoded_json`), as the model writes them."""
+        return self._calls_text(calls)
 
 
 def list_structural_tag(opening: str, trigger: str):
