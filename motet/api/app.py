@@ -36,7 +36,6 @@ from motet.api.responses.routes import create_response, delete_response, get_res
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.tokenization import detokenize, tokenize
 from motet.api.usage_route import usage_route
-from motet.engine.weights.model_store import DEFAULT_MODEL
 from motet.version import __version__
 
 log = logging.getLogger("motet.api")
@@ -240,12 +239,6 @@ def fine_tuning_routes() -> list[Route]:
         Route(f"{job}/events", guarded(fine_tuning.list_events), methods=["GET"]),
         Route(f"{job}/checkpoints", guarded(fine_tuning.list_checkpoints), methods=["GET"]),
     ]
-
-
-@functools.cache
-def openapi_schema(model: str = DEFAULT_MODEL) -> dict:
-    """The OpenAPI document of `routes()` (what GET /openapi.json answers, served as `model`)."""
-    return document(routes(), model)
 
 
 async def openapi(request: Request) -> Response:

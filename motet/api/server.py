@@ -347,11 +347,6 @@ def uvicorn_server(args, app, state=None, on_tick=None):
     return DrainingServer(config, state, args.drain_timeout, on_tick=on_tick)
 
 
-def http_server(args, state, on_tick=None):
-    """The API's app (`api_app`) on uvicorn (`uvicorn_server`), its state built already."""
-    return uvicorn_server(args, api_app(args, state), state, on_tick)
-
-
 def read_keys(args):
     """SIGHUP's read (in a thread of its own, under a deadline): the API keys file again (keys, tenants,
     limits) as (authenticator, limits); a file that does not load is a ValueError and the running keys stay."""

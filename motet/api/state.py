@@ -1,5 +1,5 @@
 """What every handler needs: the serving system (a ServingFront, motet/actors/front.py: the model as `system.model`,
-requests through `system.submit`), the served model's names, auth, metrics, the API's own limits, lifecycle."""
+requests through `system.submit_all`), the served model's names, auth, metrics, the API's own limits, lifecycle."""
 
 from __future__ import annotations
 

@@ -204,15 +204,6 @@ class QuantizedWeight:
             return torch.cat((packed & 0xF, packed >> 4), dim=-1)
         return self.data.reshape(N, K // BLOCK, BLOCK)
 
-    def gguf_blocks(self) -> torch.Tensor:
-        """The weight as its GGUF tensor's bytes (uint8 [N, K / 32 * block bytes]): `from_gguf_blocks`' inverse."""
-        N, K = self.shape
-        parts = [self.scales[..., None].view(torch.uint8)]
-        if self.mins is not None:
-            parts.append(self.mins[..., None].view(torch.uint8))
-        parts.append(self.data.reshape(N, K // BLOCK, -1).view(torch.uint8))
-        return torch.cat(parts, dim=-1).reshape(N, -1)
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] the format stands for (computed in fp32, then cast to `dtype`)."""
         N, K = self.shape

@@ -33,6 +33,7 @@ from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.kernels.test_quantization import (
     HF_OF_GGUF,
     engine,
+    gguf_blocks,
     gguf_reference,
     needs_native,
     quantizing_inputs,
@@ -177,7 +178,7 @@ def test_other_types_are_requantized_to_int8_from_gguf_py_values(qtype):
     q = ggml_blocks.from_ggml(blocks, qtype, (ROWS, COLS), INT8)
     got = q.dequantize()
     assert q.format == INT8
-    assert torch.equal(got, dequantize(q.gguf_blocks().numpy(), T.Q8_0))
+    assert torch.equal(got, dequantize(gguf_blocks(q).numpy(), T.Q8_0))
     half_step = q.scales.float().repeat_interleave(BLOCK, dim=1) / 2
     # + what a subnormal fp16 scale's rounding (2^-25 at most) costs the block's largest value (127 steps)
     assert ((got - want).abs() <= half_step * (1 + 1e-3) + 127 * 2**-25).all()

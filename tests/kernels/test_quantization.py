@@ -33,6 +33,19 @@ from tests.tiny_models import build_tiny_model
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels")
 FORMAT_NAMES = sorted(FORMATS)
+
+
+def gguf_blocks(q: QuantizedWeight) -> torch.Tensor:
+    """The weight as its GGUF tensor's bytes (uint8 [N, K / 32 * block bytes]): the inverse of the format's
+    `from_gguf_blocks`, as gguf-py reads and writes them."""
+    N, K = q.shape
+    parts = [q.scales[..., None].view(torch.uint8)]
+    if q.mins is not None:
+        parts.append(q.mins[..., None].view(torch.uint8))
+    parts.append(q.data.reshape(N, K // BLOCK, -1).view(torch.uint8))
+    return torch.cat(parts, dim=-1).reshape(N, -1)
+
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -48,7 +61,7 @@ def test_gguf_blocks_read_as_gguf_py_dequantizes_them(name):
     q = fmt.from_gguf_blocks(torch.from_numpy(blocks), tuple(w.shape))
     want = torch.from_numpy(gguf_quants.dequantize(blocks, fmt.ggml_type))
     assert torch.equal(q.dequantize(), want)
-    assert torch.equal(q.gguf_blocks(), torch.from_numpy(blocks))
+    assert torch.equal(gguf_blocks(q), torch.from_numpy(blocks))
 
 
 def test_mxfp4_blocks_read_as_gguf_py_dequantizes_them():
@@ -65,7 +78,7 @@ def test_mxfp4_blocks_read_as_gguf_py_dequantizes_them():
     q = MXFP4.from_gguf_blocks(raw.reshape(6, -1), tuple(w.shape))
     want = torch.from_numpy(gguf_quants.dequantize(raw.reshape(6, -1).numpy(), MXFP4.ggml_type))
     assert torch.equal(q.dequantize(), want)
-    assert torch.equal(q.gguf_blocks(), raw.reshape(6, -1))
+    assert torch.equal(gguf_blocks(q), raw.reshape(6, -1))
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
@@ -78,7 +91,7 @@ def test_quantize_rounds_each_value_to_its_block_grid(name):
     w[3, :BLOCK] = 0.25  # a constant block (scale 0)
     q = fmt.quantize(w)
     deq = q.dequantize()
-    ours = torch.from_numpy(gguf_quants.dequantize(q.gguf_blocks().numpy(), fmt.ggml_type))
+    ours = torch.from_numpy(gguf_quants.dequantize(gguf_blocks(q).numpy(), fmt.ggml_type))
     assert torch.equal(deq, ours)
     step = q.scales.float().repeat_interleave(BLOCK, dim=1)
     assert ((deq - w).abs() <= step / 2 + 1e-3 * w.abs() + 1e-6).all()

@@ -71,11 +71,6 @@ def unsupported(model: CausalLM, kv_dtype: torch.dtype) -> str | None:
     return None
 
 
-def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
-    """Whether the native step runs this model (`unsupported` says why not)."""
-    return unsupported(model, kv_dtype) is None
-
-
 def _return_freed_memory() -> None:
     """Give the heap's freed pages back to the system: glibc keeps them, so after packing the process would hold
     the unpacked weights' memory as well as the arena (measured: benchmarks/load_peak.py). Elsewhere: nothing."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ from motet.engine.worker.memory import (
     weights_line,
 )
 from motet.engine.worker.model import CausalLM
-from motet.engine.worker.parallel import SINGLE, Parallel, check_ranks
+from motet.engine.worker.parallel import SINGLE, Parallel, RankFailure, check_ranks
 from motet.engine.worker.rows import Row, RunnerRows, position_views
 from motet.engine.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, outcome_error
 from motet.engine.worker.step_backends import EagerSteps, GraphSteps
@@ -53,6 +54,33 @@ from motet.models.config import ModelConfig
 from motet.models.rope_config import longrope_original
 
 log = logging.getLogger("motet.engine")
+
+
+@dataclass(frozen=True)
+class ForwardCall:
+    """A step's forward pass as values (`LLMEngine.forward_call` makes it on the engine's thread): the runner, the
+    step's plan, its LoRA segments, its grammar mask (filling on the masks' thread), its inputs where built already,
+    or the error making them raised. What an overlapped engine's forward thread is given, and all it reads."""
+
+    runner: ModelRunner
+    step: StepPlan
+    lora: LoRABatch | None
+    mask: Any
+    inputs: Any = None
+    error: Exception | None = None
+
+    def run(self, on_launch=None, lazy: bool = False) -> StepResult | Exception:
+        """The step's result, or the exception its forward pass raised (the engine bisects the step on its own
+        thread); a tensor-parallel rank's failure is raised (no step can run any more)."""
+        self.runner.take_plan(self.step)  # (whatever happens to the step: the next plan is against it)
+        if self.error is not None:
+            return self.error
+        try:
+            return self.runner.execute(self.step, self.lora, on_launch, lazy, self.mask, self.inputs)
+        except RankFailure:
+            raise
+        except Exception as e:
+            return e
 
 
 @dataclass

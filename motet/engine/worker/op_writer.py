@@ -1,10 +1,11 @@
 """What a layer writes its ops with into the native CPU step's program (motet/engine/worker/cpu_forward.py).
 
 Each layer class writes its own ops beside its eager forward (`write_ops`: model.py's Attention, MLP, SparseMoE and
-DecoderLayer, latent_attention.py's LatentAttention), as llama.cpp's graph builders sit beside their layers: a new
-layer type is its forward and its ops in one module. An `OpWriter` is what they write through: the program being
-written (`w`, motet/kernels/cpu_native.ProgramWriter), the arena its packed weights go into, the tensors it points
-at kept alive, and the model-wide pieces a layer reads (its config, its rotary tables, its ranks).
+DecoderLayer, latent_attention.py's LatentAttention), as llama.cpp's graph builders sit beside their layers: a layer
+type's forward and its ops are one module (what else a new layer type takes: docs/DESIGN.md, "A layer written
+once"). An `OpWriter` is what they write through: the program being written (`w`,
+motet/kernels/cpu_native.ProgramWriter), the arena its packed weights go into, the tensors it points at kept alive,
+and the model-wide pieces a layer reads (its config, its rotary tables, its ranks).
 """
 
 from __future__ import annotations
