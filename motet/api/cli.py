@@ -10,6 +10,7 @@ import logging
 import re
 import sys
 
+from motet.api.cache_command import add_cache_parser
 from motet.flag_types import (
     OneLineErrors,
     device,
@@ -173,6 +174,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="local disk, in GiB, for KV blocks under <data dir>/kv-cache (--data-dir, else $MOTET_DATA_DIR, "
         "else the model's own under ~/.local/share/motet): kept across restarts, each entry checksummed and bound to the model, "
         "dtype and KV layout; 0: off",
+    )
+    flag(
+        "--weights-cache-gb",
+        type=number(0),
+        help="disk, in GiB, for the prepared-weights cache (a CPU's native step: each model's weights packed and "
+        "requantized once, mapped at later starts; under $MOTET_WEIGHTS_CACHE_DIR, else <$MOTET_CACHE_DIR or "
+        "~/.cache/motet>/weights; the least recently used evicted; `motet cache ls|rm`); 0: off",
     )
     flag(
         "--threads",
@@ -503,6 +511,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from motet.api.fine_tune_command import add_fine_tune_parser
 
     add_fine_tune_parser(sub, **fmt)
+    add_cache_parser(sub, **fmt)
     return parser
 
 

@@ -51,8 +51,8 @@ ASGIApp = Callable[..., Any]
 
 
 class StartingApp:
-    """The ASGI app uvicorn runs: `build()` (in a worker thread) makes the API's app, whose lifespan this one runs
-    once built; `on_failure(error)` is told if either fails (the server then ends)."""
+    """The ASGI app uvicorn runs: `build()` (in a daemon thread of its own) makes the API's app, whose lifespan
+    this one runs once built; `on_failure(error)` is told if either fails (the server then ends)."""
 
     def __init__(self, build: Callable[[], ASGIApp], on_failure: Callable[[BaseException], None]):
         self.build, self.on_failure = build, on_failure

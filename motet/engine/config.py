@@ -48,6 +48,7 @@ CUDA_TPOT_TARGET_MS = 50.0
 # host shares with everything else it runs, a fixed size.
 CUDA_GPU_MEMORY_UTILIZATION = 0.9
 CPU_KV_CACHE_MEMORY_GB = 1.0
+WEIGHTS_CACHE_GB = 16.0  # the prepared-weights cache's default bound (EngineConfig.weights_cache_gb)
 SPECULATIVE_MODES = ("auto", "off", "ngram")
 OVERLAP_MODES = ("auto", "on", "off")
 # --quantization: a block format to quantize a float checkpoint into, "gguf": the model directory's GGUF file
@@ -295,6 +296,11 @@ class EngineConfig:
     # The compiled step: on CPU the whole decoder stack in one native call (motet/engine/worker/cpu_forward.py), on CUDA
     # decode steps replayed from CUDA graphs (motet/engine/worker/cuda_graphs.py). False: the eager model, the reference.
     compile_step: bool = True
+    # The prepared-weights cache (motet/engine/worker/prepared_weights.py): the native CPU step's weights as it
+    # reads them (packed panels, requantized blocks), written once per model file, settings and instruction-set
+    # tier under $MOTET_WEIGHTS_CACHE_DIR (else <MOTET_CACHE_DIR or ~/.cache/motet>/weights) and mapped at later
+    # starts; at most this many GiB of entries, the least recently used evicted. 0: off.
+    weights_cache_gb: float = WEIGHTS_CACHE_GB
     # Make a step's outputs (detokenizing, stop strings) while the device runs the next step, on a thread of the
     # engine's own (motet/engine/llm_engine.py); the outputs are the same. "off": strictly one step after another.
     # "auto": on where the host has a core the forward pass does not use (CUDA; a CPU with more cores than the
@@ -387,7 +393,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.tenant_weights = check_tenant_weights(self.tenant_weights)
-        for name in ("kv_offload_gb", "kv_disk_gb", "kv_shared_gb"):
+        for name in ("kv_offload_gb", "kv_disk_gb", "kv_shared_gb", "weights_cache_gb"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

@@ -47,7 +47,7 @@ def imported_modules(importtime_stderr: str) -> set[str]:
 
 
 @pytest.mark.parametrize("argv", [["serve", "--help"], ["--help"], ["--version"], ["fine-tune", "--help"],
-                                  ["generate", "--help"], ["run-batch", "--help"]])  # fmt: skip
+                                  ["generate", "--help"], ["run-batch", "--help"], ["cache", "--help"]])  # fmt: skip
 def test_help_and_version_import_no_heavy_library(argv):
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "motet.api.cli", *argv],

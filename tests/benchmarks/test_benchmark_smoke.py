@@ -21,6 +21,7 @@ MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem !=
 SMOKE_RUNS = {
     "adapter_scale": "test_served_smoke.py::test_adapter_scale",
     "cluster_routing": "test_cluster_smoke.py::test_cluster_routing",
+    "cold_start": "test_served_smoke.py::test_cold_start",
     "cpu_gemm": "test_offline_smoke.py::test_cpu_gemm",
     "first_requests": "test_served_smoke.py::test_first_requests",
     "gguf_spm": "test_served_smoke.py::test_gguf_spm",

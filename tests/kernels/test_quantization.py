@@ -240,6 +240,23 @@ def test_qgemm_refuses_inputs_not_in_whole_blocks():
     assert status != 0
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "float32", "bfloat16"])
+def test_rows_read_back_from_packed_panels_are_the_weights_rows(fmt):
+    """A tied embedding table looked up in its packed lm_head (cpu_native.packed_rows): each row is the weight's
+    row as its format defines it (QuantizedWeight.dequantize; a float weight's own values), rows past a panel's
+    16 and the last, partial panel included."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(45, 96, generator=g)
+    rows = torch.tensor([0, 15, 16, 44, 31, 7, 7, 33])
+    if fmt in FORMATS:
+        q = FORMATS[fmt].quantize(w)
+        got, want = cpu_native.packed_rows(cpu_native.pack_quantized(q), rows, 96, fmt), q.dequantize()[rows]
+    else:
+        w = w.to(getattr(torch, fmt))
+        got, want = cpu_native.packed_rows(cpu_native.pack(w), rows, 96), w.float()[rows]
+    assert torch.equal(got, want)
+
+
 # -- the engine ----------------------------------------------------------------------------------------------
 
 
@@ -274,6 +291,13 @@ def quantizing_inputs(
         if parts[-1] in names and isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]),))
     return model
+
+
+def head_in_blocks(runner) -> bool:
+    """Whether the served lm_head multiplies in blocks (the native step packs it and releases the layer's own)."""
+    if runner.native is not None:
+        return runner.native.lm_format is not None
+    return runner.model.lm_head.quantized is not None
 
 
 def engine(model_dir, **options) -> LLMEngine:
@@ -521,7 +545,7 @@ def test_default_model_from_its_q4_1_file_equals_the_dequantized_model(default_m
     options = dict(device="cpu", num_kv_blocks=128, block_size=16)
     gguf_engine = LLMEngine(EngineConfig(model=str(served), quantization="gguf", **options), model_dir=served)
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    hf = quantizing_inputs(hf, lm_head=gguf_engine.runner.model.lm_head.quantized is not None)
+    hf = quantizing_inputs(hf, lm_head=head_in_blocks(gguf_engine.runner))
     tok = gguf_engine.tokenizer
     prompts = [
         tok.encode_chat([{"role": "user", "content": q}])

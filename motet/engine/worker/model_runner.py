@@ -26,6 +26,7 @@ from motet.engine.weights import load_progress
 from motet.engine.weights.gguf_weights import gguf_file, iter_gguf_weights
 from motet.engine.weights.quantization_config import declared_quantization
 from motet.engine.weights.quantized_checkpoint import iter_checkpoint_weights
+from motet.engine.worker import prepared_weights
 from motet.engine.worker.cpu_forward import CpuForward
 from motet.engine.worker.cpu_forward import unsupported as native_unsupported
 from motet.engine.worker.cuda_graphs import DecodeGraphs, model_options
@@ -41,7 +42,9 @@ from motet.engine.worker.memory import (
     weights_line,
 )
 from motet.engine.worker.model import CausalLM
+from motet.engine.worker.op_writer import ReplayMismatch
 from motet.engine.worker.parallel import SINGLE, Parallel, RankFailure, check_ranks
+from motet.engine.worker.prepared_weights import PreparedWeights
 from motet.engine.worker.rows import Row, RunnerRows, position_views
 from motet.engine.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, outcome_error
 from motet.engine.worker.step_backends import EagerSteps, GraphSteps
@@ -54,6 +57,7 @@ from motet.models.config import ModelConfig
 from motet.models.rope_config import longrope_original
 
 log = logging.getLogger("motet.engine")
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,7 @@ class ModelRunner:
         if config.num_kv_blocks is None and config.memory_utilization is not None:
             budget = memory_budget(config.memory_utilization, self.device)
         torch.manual_seed(config.seed)
+        self.prepared: PreparedWeights | None = None  # the prepared-weights cache's entry, where it applies
         error = None
         try:
             (_, local_kv_heads) = parallel.heads(model_config)[1]  # this rank's share of the KV cache
@@ -187,8 +192,16 @@ class ModelRunner:
             share = (
                 1 if model_config.latent is not None else local_kv_heads / model_config.num_key_value_heads
             )
-            self.model = self._load_model(model_dir)
-            if parallel.rank == 0:
+            restored = None
+            if prepared_weights.applies(config, self.device, parallel):
+                self.prepared = PreparedWeights(model_dir, config, self.dtype)
+                restored = self.prepared.model(model_config, self.max_model_len, self.device)
+            self.model = restored if restored is not None else self._load_model(model_dir)
+            if restored is not None:  # (its packed weights are the entry's, not the model's tensors)
+                log.info(
+                    "weights: %.2f MiB prepared, mapped from the cache", self.prepared.entry.nbytes / MIB
+                )
+            elif parallel.rank == 0:
                 log.info(weights_line(self.model, self.device, self.dtype))
         except Exception as e:
             if not parallel.enabled:
@@ -280,16 +293,12 @@ class ModelRunner:
             why_not is not None
         ):  # (a model the native program cannot run is served eagerly, never refused mid-step)
             log.info("native CPU step: not for this model (%s); the eager model runs it", why_not)
+        if self.prepared is not None and self.prepared.hit and why_not is not None:  # (its weights: packed)
+            self.prepared.discard(f"the native step does not run the model here ({why_not})")
+            model = self.model = self._load_model(model_dir)
         if compiled_cpu and why_not is None:
-            t0 = time.perf_counter()
-            what = "packing the weights for the native CPU step"
-            load_progress.begin(what, f"{len(model.layers)} layers")
-            self.native = CpuForward(
-                model, self.kv_caches, load_progress.LoadProgress(what, len(model.layers))
-            )
-            took = time.perf_counter() - t0
-            if took >= load_progress.EVERY_S:  # (a slow machine's start-up is not silence)
-                log.info("packed the weights for the native CPU step in %.1f s", took)
+            self.native = self._native_step(model_dir)
+            model = self.model
             self.cpu_kernels = cpu_native.isa()
             kernels = ", ".join(cpu_native.kernels()) or "portable loops"
             log.info(
@@ -333,6 +342,30 @@ class ModelRunner:
                     **model_options(latent, config.num_speculative_tokens if speculates else 0),
                 )
             )
+
+    def _native_step(self, model_dir) -> CpuForward:
+        """The native CPU step over the model: its weights replayed from the prepared-weights cache where this
+        start hit it, else packed (and the entry written, where the cache is on)."""
+        prepared = self.prepared
+        if prepared is not None and prepared.hit:
+            try:
+                return CpuForward(self.model, self.kv_caches, arena=prepared.arena(),
+                                  table_from_head=prepared.table_from_head)  # fmt: skip
+            except ReplayMismatch as e:
+                prepared.discard(str(e))
+                self.model = self._load_model(model_dir)
+        model = self.model
+        formats = prepared_weights.quantized_formats(model) if prepared is not None else None
+        t0 = time.perf_counter()
+        what = "packing the weights for the native CPU step"
+        load_progress.begin(what, f"{len(model.layers)} layers")
+        native = CpuForward(model, self.kv_caches, load_progress.LoadProgress(what, len(model.layers)))
+        took = time.perf_counter() - t0
+        if took >= load_progress.EVERY_S:  # (a slow machine's start-up is not silence)
+            log.info("packed the weights for the native CPU step in %.1f s", took)
+        if prepared is not None:
+            prepared.save(model, native, formats)
+        return native
 
     def use_graphs(self, graphs: DecodeGraphs) -> None:
         """Replay decode steps from `graphs` in front of the eager step (at start-up on CUDA; tests emulate it)."""
