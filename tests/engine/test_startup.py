@@ -168,13 +168,14 @@ def test_kv_cache_default_is_a_share_of_the_memory_on_cuda_a_fixed_size_on_cpu(m
 # -- warm-up ----------------------------------------------------------------------------------------------
 
 
-def test_a_slow_load_tells_its_progress(tiny_model_dir, monkeypatch, caplog):
+def test_a_slow_load_tells_its_progress(tiny_model_dir, monkeypatch, caplog, tmp_path):
     """Quantizing on load was a minute of silence on a busy CPU: the load logs its share of the layers as it goes
     (here every layer: no wait between lines), then its time, and the native step's packing its own. Each says so
     as it begins (issue 57: the packing took 13-28 s before its one line, quantizing 35 s before its first)."""
     from motet.engine.weights import load_progress
 
     monkeypatch.setattr(load_progress, "EVERY_S", 0.0)
+    monkeypatch.setenv("MOTET_WEIGHTS_CACHE_DIR", str(tmp_path))  # empty: prepared here, not mapped
     with caplog.at_level("INFO", logger="motet.engine"):
         ModelRunner(tiny_model_dir, load_model_config(tiny_model_dir), EngineConfig(
             model=str(tiny_model_dir), device="cpu", num_kv_blocks=4, quantization="int8"))  # fmt: skip
