@@ -60,7 +60,8 @@ from motet.engine.speculative.proposer import NoSpeculation, SpeculativeConfig, 
 from motet.engine.stepping import OverlappedSteps, SequentialSteps
 from motet.engine.structured_output import NO_MASK, GrammarStats, StructuredOutputs
 from motet.engine.tokenizer import load_tokenizer
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights import load_progress
+from motet.engine.weights.model_config import load_model_config
 from motet.engine.weights.model_store import resolve_model
 from motet.engine.worker.memory import available_host_memory
 from motet.engine.worker.model_runner import ForwardCall, ModelRunner, StepResult
@@ -120,6 +121,7 @@ LOAD_WAIT_S = 0.05
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model_dir=None):
         self.config = config = config or EngineConfig()
+        load_progress.phase("reading the model's config and tokenizer")
         self.model_dir = model_dir or resolve_model(config.model)
         self.model_config = load_model_config(self.model_dir, config.tokenizer)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
@@ -195,6 +197,7 @@ class LLMEngine:
         self.stepping = (
             OverlappedSteps(self, self.runner.num_threads) if self._overlaps() else SequentialSteps(self)
         )
+        load_progress.phase("warming up the step")
         self.runner.warm_up()  # before the first request (the server is ready once the engine is built)
 
     def _adapter_host_bytes(self) -> int:

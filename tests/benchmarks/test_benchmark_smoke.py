@@ -133,7 +133,7 @@ def test_flops_count_the_checkpoints_projections(tiny_model_dir):
     """2 FLOPs per parameter of the decoder's projections a token goes through, and per lm_head weight a logit
     row: counted from the checkpoint's own tensors."""
     from benchmarks.step_profile import flop_counts
-    from motet.engine.weights.checkpoint import load_model_config
+    from motet.engine.weights.model_config import load_model_config
 
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:

@@ -8,7 +8,7 @@ from motet.flag_types import integer
 
 
 def add_args(p) -> None:
-    from motet.api.fine_tuning.runner import RunnerSettings
+    from motet.api.fine_tuning.settings import RunnerSettings
     from motet.api.fine_tuning.store import Quotas
 
     p.add_argument(
@@ -54,7 +54,8 @@ def add_args(p) -> None:
 
 def runner(args, data: Path, files, adapters, usage, threads: int):
     """The server's fine-tuning runner; `threads`: serving's (the workers' default)."""
-    from motet.api.fine_tuning.runner import FineTuningRunner, RunnerSettings
+    from motet.api.fine_tuning.runner import FineTuningRunner
+    from motet.api.fine_tuning.settings import RunnerSettings
     from motet.api.fine_tuning.store import FineTuningStore, Quotas
     from motet.cluster.serve_flags import training_launch
 

@@ -40,6 +40,7 @@ from anyio.abc import TaskGroup
 from motet.api.adapters.store import AdapterStore
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
+from motet.api.fine_tuning.settings import RunnerSettings
 from motet.api.fine_tuning.store import FINISHED, FineTuningStore, Quotas
 from motet.api.fine_tuning.workers import LocalWorker
 from motet.api.in_process import call_route
@@ -48,7 +49,7 @@ from motet.api.usage import UsageStore
 from motet.training.dataset import read_rows
 from motet.training.eval_file import EVAL_ROWS, same_answer
 from motet.training.fair_queue import next_job
-from motet.training.launch import Launch, LaunchError, TrainingWorker
+from motet.training.launch import LaunchError, TrainingWorker
 
 log = logging.getLogger("motet.fine_tuning")
 
@@ -60,14 +61,6 @@ RESULT_COLUMNS = (
     "valid_loss",
     "valid_mean_token_accuracy",
 )
-
-
-@dataclass
-class RunnerSettings:
-    max_running: int = 1  # jobs training at once (--fine-tuning-max-running)
-    threads: int = 1  # each worker's compute threads (--fine-tuning-threads)
-    nice: int = 19  # each worker's niceness (--fine-tuning-nice): serving's threads go first
-    launch: Launch = LocalWorker.start  # where a job trains (behind Ray: motet/cluster/training_jobs.py)
 
 
 def checkpoint_model(model_name: str, step: int) -> str:
@@ -247,7 +240,8 @@ class FineTuningRunner:
         run_dir = self.store.run_dir(job.id)
         rc = None
         try:
-            job.worker = await self.settings.launch(run_dir, self.settings.threads, self.settings.nice)
+            launch = self.settings.launch or LocalWorker.start
+            job.worker = await launch(run_dir, self.settings.threads, self.settings.nice)
             try:
                 async for event in job.worker.events():
                     await self._on_event(job, event)

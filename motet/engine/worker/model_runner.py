@@ -17,20 +17,15 @@ from typing import Any
 
 import torch
 
-from motet.engine.config import (
-    GGUF_QUANTIZATION,
-    QUANT_FORMATS,
-    EngineConfig,
-    context_length,
-    default_cpu_threads,
-)
+from motet.engine.config import GGUF_QUANTIZATION, EngineConfig, context_length, default_cpu_threads
 from motet.engine.core.kv_window import pool_sizes, ring_blocks
 from motet.engine.core.step_plan import StepPlan
 from motet.engine.outputs import TokenLogprob
 from motet.engine.speculative.verify import num_accepted
 from motet.engine.weights import load_progress
 from motet.engine.weights.gguf_weights import gguf_file, iter_gguf_weights
-from motet.engine.weights.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
+from motet.engine.weights.quantization_config import declared_quantization
+from motet.engine.weights.quantized_checkpoint import iter_checkpoint_weights
 from motet.engine.worker import prepared_weights
 from motet.engine.worker.cpu_forward import CpuForward
 from motet.engine.worker.cpu_forward import unsupported as native_unsupported
@@ -42,6 +37,7 @@ from motet.engine.worker.memory import (
     kv_block_bytes,
     kv_cache_bytes,
     memory_budget,
+    untouched_zeros,
     weights_bytes,
     weights_line,
 )
@@ -55,6 +51,7 @@ from motet.engine.worker.step_backends import EagerSteps, GraphSteps
 from motet.engine.worker.step_inputs import InputBuilder, SampledTokens
 from motet.engine.worker.tp_workers import NO_WORKERS, WorkerGroup
 from motet.kernels import cpu_isa, cpu_native
+from motet.kernels.quant import FORMATS as QUANT_FORMATS
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
 from motet.models.rope_config import longrope_original
@@ -228,7 +225,7 @@ class ModelRunner:
                 )  # this rank's device
             elif self.device.type == "cpu":
                 pool_bytes = adapter_bytes(config, self.device)
-            block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype) * share
+            block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype.itemsize) * share
             num_blocks = config.num_kv_blocks or max(1, int(kv_bytes // block_bytes))
             if self.window:
                 layer_blocks = num_blocks * model_config.num_hidden_layers
@@ -259,16 +256,15 @@ class ModelRunner:
         latent = model_config.latent is not None  # one row a token, every rank all of it
 
         def cache(num_blocks: int) -> tuple[torch.Tensor, ...]:
-            """A layer's cache tensors (K and V, or the latent rows), this rank's share of the KV heads each."""
-            return tuple(
-                torch.zeros(
-                    (num_blocks, self.block_size, heads if latent else local_kv_heads, width),
-                    dtype=self.dtype,
-                    device=self.device,
-                )
-                for heads, width in model_config.kv_parts
-            )
+            """A layer's cache tensors (K and V, or the latent rows), this rank's share of the KV heads each; on a
+            CPU reserved but untouched until they fill (memory.py `untouched_zeros`)."""
+            shapes = [(num_blocks, self.block_size, heads if latent else local_kv_heads, width)
+                      for heads, width in model_config.kv_parts]  # fmt: skip
+            if self.device.type == "cpu":
+                return tuple(untouched_zeros(shape, self.dtype) for shape in shapes)
+            return tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes)
 
+        load_progress.phase(f"reserving the KV cache ({self.num_blocks} blocks of {self.block_size} tokens)")
         self.kv_caches = [
             cache(self.num_window_blocks if i in self.window_layers else self.num_blocks)
             for i in range(model_config.num_hidden_layers)
@@ -391,6 +387,7 @@ class ModelRunner:
         config, model_config = self.config, self.model_config
         # a GPTQ / AWQ checkpoint's own (served in its blocks), or MXFP4 experts (dequantized as they load)
         declared = declared_quantization(model_dir, config.quantization)
+        load_progress.phase("allocating the model")
         model = CausalLM.allocate(
             model_config,
             self.max_model_len,
