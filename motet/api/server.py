@@ -154,6 +154,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     """The server's state; `model_dir` and `max_model_len` as check_model found them (found here if not
     given)."""
     from motet.actors.system import ServingSystem
+    from motet.actors.training_lease import TrainingLease
     from motet.api.adapters.store import AdapterStore
     from motet.api.batches.runner import BatchRunner, LowPriority
     from motet.api.batches.store import BatchStore
@@ -190,14 +191,17 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     # before anything starts: no load dir may overlap a place tenants' own adapters are kept
     private = {"--data-dir": data, **serve_flags.adapter_dirs(args)}
     load_dirs = check_load_dirs(args.lora_load_dir or (), private)
+    lease = None  # (behind Ray no engine is in this process: a job's worker runs on a node of its own)
     if serve_flags.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
         system = serve_flags.cluster_system(args, config, loras)
     else:
+        lease = TrainingLease(args.fine_tuning_share)  # the cores, lent to fine-tuning jobs between steps
         system = ServingSystem(
             lambda: LLMEngine(config, model_dir),
             max_queue_len=args.max_queue_len,
             max_waiting=args.max_waiting,
             loras=loras,
+            lease=lease,
         )
     adapters = AdapterStore(
         system,
@@ -217,7 +221,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     files = FileStore(data, args.files_max_bytes, args.files_max_bytes_per_tenant)
     batches = BatchRunner(BatchStore(data), files, LowPriority(args.batch_max_in_flight))
     usage = UsageStore(data)
-    fine_tuning = fine_tuning_flags.runner(args, data, files, adapters, usage, config.num_threads)
+    fine_tuning = fine_tuning_flags.runner(args, data, files, adapters, usage, config.num_threads, lease)
     state = ServerState(
         system=system,
         model_names=names,
