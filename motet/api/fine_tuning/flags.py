@@ -8,10 +8,6 @@ from motet.flag_types import integer, number
 
 DEFAULT_SHARE = 0.25  # --fine-tuning-share: a quarter of the machine for training while serving is busy
 MAX_SHARE = 0.9  # (serving keeps a tenth at least: its streams stall for the slices in between)
-LEASED_NICE, UNLEASED_NICE = (
-    0,
-    19,
-)  # --fine-tuning-nice's default: the engine rations a worker's time, or nothing does
 
 
 def add_args(p) -> None:
@@ -46,7 +42,8 @@ def add_args(p) -> None:
         type=integer(0, 19),
         default=None,
         help="the niceness of a fine-tuning job's process (default: 0, as serving, where the serving engine lends "
-        "it the cores; 19 behind a Ray cluster, where nothing does and serving's threads go first)",
+        "it the CPU's cores; 19 where nothing does, behind a Ray cluster or beside a GPU's engine, and serving's "
+        "threads go first)",
     )
     p.add_argument(
         "--fine-tuning-max-jobs-per-tenant",
@@ -77,13 +74,10 @@ def runner(args, data: Path, files, adapters, usage, threads: int, lease=None):
     from motet.api.fine_tuning.store import FineTuningStore, Quotas
     from motet.cluster.serve_flags import training_launch
 
-    nice = args.fine_tuning_nice
-    if nice is None:
-        nice = LEASED_NICE if lease is not None else UNLEASED_NICE
     settings = RunnerSettings(
         max_running=args.fine_tuning_max_running,
         threads=args.fine_tuning_threads or threads,
-        nice=nice,
+        nice=args.fine_tuning_nice,
         lease=lease,
     )
     if (launch := training_launch(args)) is not None:  # behind a Ray cluster: Ray Train runs

@@ -58,9 +58,12 @@ from motet.training.launch import Launch, LaunchError, TrainingWorker
 log = logging.getLogger("motet.fine_tuning")
 
 POLL_S = 1.0  # how often the runner looks at the queue without being woken, and at a worker's compute
-WAIT_WINDOW_S = (
-    5.0  # a worker waits for compute if it mostly did over this long (motet/training/compute_share.py)
-)
+# A worker waits for compute if it mostly did over this long (motet/training/compute_share.py).
+WAIT_WINDOW_S = 5.0
+# A worker's niceness unless --fine-tuning-nice says: as serving's where the engine lends it the cores (it rations
+# the worker's time), the lowest priority where nothing does (behind Ray, or beside a GPU's engine: the engine's host
+# thread goes first).
+LEASED_NICE, UNLEASED_NICE = 0, 19
 RESULT_COLUMNS = (
     "step",
     "train_loss",
@@ -74,7 +77,7 @@ RESULT_COLUMNS = (
 class RunnerSettings:
     max_running: int = 1  # jobs training at once (--fine-tuning-max-running)
     threads: int = 1  # each worker's compute threads (--fine-tuning-threads)
-    nice: int = 0  # each worker's niceness (--fine-tuning-nice)
+    nice: int | None = None  # each worker's niceness (--fine-tuning-nice; None: LEASED_NICE or UNLEASED_NICE)
     launch: Launch = LocalWorker.start  # where a job trains (behind Ray: motet/cluster/training_jobs.py)
     lease: TrainingLease | None = (
         None  # the serving engine's lease of its cores (None: the workers run freely)
@@ -281,7 +284,7 @@ class FineTuningRunner:
             async with self._starting(
                 job.tenant
             ) as join:  # (a local worker: stopped until it holds the cores)
-                job.worker = await self.settings.launch(run_dir, self.settings.threads, self.settings.nice)
+                job.worker = await self.settings.launch(run_dir, self.settings.threads, self._nice())
                 if (pid := getattr(job.worker, "pid", None)) is not None and join(pid):
                     job.pid = pid
             try:
@@ -317,6 +320,12 @@ class FineTuningRunner:
                         tail)  # fmt: skip
         if status in FINISHED:
             await _thread(shutil.rmtree, run_dir, True)
+
+    def _nice(self) -> int:
+        if self.settings.nice is not None:
+            return self.settings.nice
+        lease = self.settings.lease
+        return LEASED_NICE if lease is not None and lease.shares_cores else UNLEASED_NICE
 
     def _starting(self, tenant: str) -> contextlib.AbstractAsyncContextManager[Callable[[int], bool]]:
         """Around a worker's start: the lease's (which stops a local worker until it holds the cores), or, without
