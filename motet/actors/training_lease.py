@@ -213,10 +213,11 @@ class TrainingLease:
             process = self._procs.get(pid)
             return process.held_s if process is not None else 0.0
 
-    def fraction(self, pid: int) -> float:
-        """The share of the machine's time the worker can expect now (the policy's)."""
+    def fraction(self, pid: int, busy: bool | None = None) -> float:
+        """The share of the machine's time the worker can expect (the policy's) while serving is busy, or idle, or
+        (None) as it is now."""
         with self._lock:
-            return self.policy.fraction(pid, self._busy)
+            return self.policy.fraction(pid, self._busy if busy is None else busy)
 
     def sample(self, pid: int) -> ComputeSample | None:
         """The worker's compute so far (None once it left)."""

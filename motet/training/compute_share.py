@@ -146,14 +146,16 @@ class ComputeSample:
 
 
 def waiting_reason(first: ComputeSample, last: ComputeSample) -> str | None:
-    """Why the worker mostly waited for compute between two samples ("serving", "jobs": other fine-tuning workers
-    took their turns, "machine": other programs held the CPUs its threads were ready to run on), or None: it
-    computed."""
+    """Why the worker mostly waited for compute between two samples ("serving": serving was busy for most of the
+    time it waited, "jobs": other fine-tuning workers took their turns, "machine": other programs held the CPUs its
+    threads were ready to run on), or None: it computed."""
     span = last.at - first.at
     if span <= 0:
         return None
-    if (last.held_s - first.held_s) / span < HELD_WAITING:
-        return "serving" if (last.busy_s - first.busy_s) / span >= 0.5 else "jobs"
+    held = last.held_s - first.held_s
+    # serving's if its steps took half the time it waited at least, else the other workers' turns
+    if held / span < HELD_WAITING:
+        return "serving" if last.busy_s - first.busy_s >= 0.5 * (span - held) else "jobs"
     if last.ran_s is None or first.ran_s is None or last.queued_s is None or first.queued_s is None:
         return None
     ran, queued = last.ran_s - first.ran_s, last.queued_s - first.queued_s

@@ -157,6 +157,7 @@ def sample(at, held, busy, ran=None, queued=None):
         (sample(0, 0, 0, 0, 0), sample(5, 5, 0, 9.5, 0.1), None),  # held the cores, its threads ran
         (sample(0, 0, 0), sample(5, 1.25, 5), "serving"),  # serving busy, a quarter of the time
         (sample(0, 0, 0), sample(5, 2.5, 1), "jobs"),  # serving idle, another worker's turns
+        (sample(0, 0, 0), sample(5, 3, 2), "serving"),  # serving busy the 2 s it waited (idle the 3 others)
         (
             sample(0, 0, 0, 0, 0),
             sample(5, 5, 0, 6, 4),

@@ -140,10 +140,10 @@ async def _unleased() -> AsyncIterator[Callable[[int], bool]]:
 def _compute_message(reason: str | None, fraction: float, workers: int) -> str:
     """The event of a worker that started to wait for compute (`reason`: compute_share.waiting_reason's), or that
     no longer does (None)."""
-    if reason == "serving":
-        return f"Waiting for compute: serving is busy; training gets {fraction:.0%} of the machine"
-    if reason == "jobs":
+    if reason == "jobs" and workers > 1:
         return f"Waiting for compute: {workers} fine-tuning jobs take turns; this one gets {fraction:.0%} of the machine"
+    if reason in ("serving", "jobs"):  # ("jobs" with one left: it waited for serving's steps)
+        return f"Waiting for compute: serving is busy; training gets {fraction:.0%} of the machine"
     if reason == "machine":
         return "Waiting for compute: other programs are using the machine's cores"
     return "No longer waiting for compute: the job trains at full speed"
@@ -347,7 +347,8 @@ class FineTuningRunner:
                 reason = waiting_reason(samples[0], samples[-1])
                 if reason != said and job.training:
                     said = reason
-                    message = _compute_message(reason, lease.fraction(job.pid), lease.workers)
+                    fraction = lease.fraction(job.pid, busy=reason == "serving")
+                    message = _compute_message(reason, fraction, lease.workers)
                     await _thread(self.store.add_event, job.id, message)
             await anyio.sleep(POLL_S)
 
