@@ -8,8 +8,8 @@ One worker at a time holds the cores, and never while serving steps:
   serving was busy without training and T the seconds a worker held the cores meanwhile, a slice of `slice_s` is
   granted between two steps while T < share / (1 - share) * S, of what is owed (at least `slice_s`, at most
   MAX_SLICES of them: after a long step, a longer slice), so that T / (S + T) tends to `share`; what is owed
-  from before the latest stretch of serving is one slice at most (serving's seconds while no worker could take
-  them are not owed back);
+  beyond the longest slice when one is asked for is not owed any more (serving's seconds while no worker could
+  take them are not owed back; a step so long that its share would stall serving more is given the longest);
 - while serving is idle a worker holds the cores for as long as it stays idle (turns of `turn_s` where several
   workers wait), and the next step takes them back;
 - the holder is the worker of the tenant that has held the cores the least, and among that tenant's workers the one
@@ -107,22 +107,22 @@ class TrainingShare:
     def served(self, seconds: float) -> None:
         """Serving was busy for `seconds` with no worker holding the cores."""
         self.served_s += seconds
-        most = (
-            self.slice_s + self._ratio * seconds
-        )  # (what no worker took before these seconds: not owed back)
-        if (owed := self._owed()) > most:
-            self.trained_s += owed - most
 
     def idle(self) -> None:
         """Serving has nothing left to run: the share starts afresh when it is busy again."""
         self.served_s = self.trained_s = 0.0
 
     def slice(self) -> float:
-        """How long a worker should hold the cores before serving's next step (0: not now)."""
-        owed = self._owed()
+        """How long a worker should hold the cores before serving's next step (0: not now). What is owed beyond the
+        longest slice is not owed any more (serving's time while no worker could take it, or a step so long that
+        its share would stall serving more than a slice)."""
+        longest = MAX_SLICES * self.slice_s
+        if (owed := self._owed()) > longest:
+            self.trained_s += owed - longest
+            owed = longest
         if not self._tenants or owed <= 0:
             return 0.0
-        return min(max(owed, self.slice_s), MAX_SLICES * self.slice_s)
+        return max(owed, self.slice_s)
 
     def _owed(self) -> float:
         return self._ratio * self.served_s - self.trained_s

@@ -11,13 +11,14 @@ import pytest
 from motet.training.compute_share import MAX_SLICES, SLICE_S, ComputeSample, TrainingShare, waiting_reason
 
 
-def run_busy(policy: TrainingShare, steps: list[float]) -> tuple[float, float, Counter]:
-    """Serving busy for these steps, each followed by the slice the policy grants (its holder holds it): serving's
-    seconds, training's, and each worker's."""
+def run_busy(policy: TrainingShare, steps: list[float], chunks: int = 1) -> tuple[float, float, Counter]:
+    """Serving busy for these steps (each told in `chunks` parts, as the lease accounts the time), each followed by
+    the slice the policy grants (its holder holds it): serving's seconds, training's, and each worker's."""
     served = trained = 0.0
     each: Counter = Counter()
     for step in steps:
-        policy.served(step)
+        for _ in range(chunks):
+            policy.served(step / chunks)
         served += step
         if length := policy.slice():
             holder = policy.holder()
@@ -28,14 +29,19 @@ def run_busy(policy: TrainingShare, steps: list[float]) -> tuple[float, float, C
 
 
 @pytest.mark.parametrize("share", [0.1, 0.25, 0.5])
-@pytest.mark.parametrize("step", [0.01, 0.03, 0.06])
-def test_training_gets_its_share_of_a_busy_servings_clock(share, step):
+@pytest.mark.parametrize("step", [0.01, 0.03, 0.06, 0.5])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_training_gets_its_share_of_a_busy_servings_clock(share, step, chunks):
+    """(The lease tells serving's time in parts: before a step, the step, before a slice.)"""
     policy = TrainingShare(share)
     policy.join("w", "alice")
-    served, trained, _ = run_busy(policy, [step] * 2000)
-    # within one slice of the share's arithmetic: T / (S + T) = share
-    assert trained == pytest.approx(share / (1 - share) * served, abs=MAX_SLICES * SLICE_S)
-    assert trained / (served + trained) == pytest.approx(share, abs=0.01)
+    served, trained, _ = run_busy(policy, [step] * 2000, chunks)
+    longest = MAX_SLICES * SLICE_S
+    if share / (1 - share) * step <= longest:  # within one slice of the share's arithmetic: T / (S + T) = share
+        assert trained == pytest.approx(share / (1 - share) * served, abs=longest)
+        assert trained / (served + trained) == pytest.approx(share, abs=0.01)
+    else:  # a step whose share is more than the longest slice: the longest after each
+        assert trained == pytest.approx(longest * 2000)
 
 
 def test_a_long_step_is_answered_by_a_longer_slice_up_to_a_bound():
@@ -44,8 +50,12 @@ def test_a_long_step_is_answered_by_a_longer_slice_up_to_a_bound():
     policy.served(0.3)  # a long prefill: training's part of its 0.3 s is 0.1 s
     assert policy.slice() == pytest.approx(0.1)
     policy.held("w", 0.1, busy=True)
-    policy.served(3.0)  # a huge one: the slice is bounded (serving's next step waits for it)
+    policy.served(
+        3.0
+    )  # a huge one: the slice is bounded (serving's next step waits for it), the rest not owed
     assert policy.slice() == pytest.approx(MAX_SLICES * SLICE_S)
+    policy.held("w", MAX_SLICES * SLICE_S, busy=True)
+    assert policy.slice() == 0
 
 
 def test_a_short_step_waits_for_the_shortest_slice():
@@ -75,7 +85,7 @@ def test_no_share_and_no_worker_grant_nothing_and_time_without_a_worker_is_not_o
     policy.join("w", "alice")
     policy.served(0.05)
     length = policy.slice()
-    assert 0 < length <= SLICE_S + 0.05 / 3  # what the last step owes, never the 50 s before
+    assert length == pytest.approx(MAX_SLICES * SLICE_S)  # the longest slice, never the 12.5 s owed before
     policy.held("w", length, busy=True)
     assert policy.slice() == 0
 
