@@ -195,7 +195,7 @@ def dpo_margins(model_dir: Path, adapter: Path, pairs: bytes) -> dict:
     from transformers import AutoModelForCausalLM
 
     from motet.engine.tokenizer import load_tokenizer
-    from motet.engine.weights.checkpoint import load_model_config
+    from motet.engine.weights.model_config import load_model_config
     from motet.grammar.tool_formats import tool_format
     from motet.training.chat_encoding import ChatEncoder
     from motet.training.dataset import prepare, read_rows

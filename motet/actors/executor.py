@@ -1,8 +1,9 @@
 """The executor actor: one dedicated thread owns the engine, and with it the device and the model.
 
-The engine is built on that thread and only that thread touches its state: each `Step` message applies
-the scheduler's changes (new requests, aborts, adapter removals) and runs one `engine.step()` there; the
-event loop only waits. Once loaded, the engine is described there once for the API (`model`, a frozen
+The engine is built on that thread and only that thread drives it: each `Step` message applies the scheduler's
+changes (new requests, aborts, adapter removals) and runs one `engine.step()` there; the event loop only waits.
+(An overlapped engine's forward thread is given each step as values, made on this thread:
+motet/engine/stepping.py, docs/DESIGN.md.) Once loaded, the engine is described there once for the API (`model`, a frozen
 ModelView that any thread may read). The engine isolates a request that fails inside a step (it bisects the
 batch), so here a failure is an output like any other.
 

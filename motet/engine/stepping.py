@@ -1,8 +1,10 @@
 """How the engine takes its steps: two strategies around its one schedule -> execute -> commit.
 
 `SequentialSteps` runs the three stages one after the other on the caller's thread. `OverlappedSteps`
-(EngineConfig.overlap_output; on CUDA by default) runs `execute` on a thread of its own, `motet-forward`, and
-owns what overlapping needs: the step in flight, the rows aborted while it runs, the steps launched and not
+(EngineConfig.overlap_output; on CUDA by default) runs each step's forward pass on a thread of its own,
+`motet-forward`, given the step as values only (`LLMEngine.forward_call`: the plan, the LoRA segments, the grammar
+mask, the inputs, all made on the engine's thread; a failure comes back as a value and is bisected on the engine's
+thread as the step lands), and owns what overlapping needs: the step in flight, the rows aborted while it runs, the steps launched and not
 landed, and the rule for scheduling ahead. Each `step()` lands step N's tokens (`commit_tokens`), schedules and
 launches N+1, then makes N's outputs (`commit_text`) while N+1 computes. Where no row of N needs its token on
 the host but as N+1's input (`Sequence.needs_token_on_host`), and no part of the engine works from landed
@@ -37,6 +39,10 @@ class Stages(Protocol):
     def schedule_next(self) -> ScheduledBatch: ...
 
     def execute(self, batch: ScheduledBatch, on_launch=None, lazy: bool = False) -> Any: ...
+
+    def forward_call(self, batch: ScheduledBatch, inputs=None) -> Any: ...
+
+    def bisect(self, batch: ScheduledBatch, error: Exception) -> Any: ...
 
     def commit(self, batch: ScheduledBatch, result) -> list: ...
 
@@ -175,10 +181,13 @@ class OverlappedSteps:
         engine = self.engine
         try:  # here, while the forward thread may still run the step before
             inputs = engine.runner.plan_inputs(batch.plan())
-        except Exception:  # (the forward thread builds them again, and bisects the failing row out)
+        except Exception:  # (the forward thread builds them again; a failure is bisected as the step lands)
             inputs = None
+        call = engine.forward_call(
+            batch, inputs
+        )  # values only: the forward thread reads nothing of the engine's
         launched = threading.Event()
-        future = self._thread.submit(engine.execute, batch, launched.set, True, inputs)
+        future = self._thread.submit(call.run, launched.set, True)
         future.add_done_callback(lambda _: launched.set())  # (it may fail before it launches)
         self._inflight = (batch, future)
         self.unlanded.append(batch)
@@ -188,7 +197,10 @@ class OverlappedSteps:
     def _land(self, batch: ScheduledBatch, future: Future):
         """The launched step's tokens committed, then the rows aborted while it ran released."""
         try:
-            return self.engine.commit_tokens(batch, future.result())
+            result = future.result()
+            if isinstance(result, Exception):  # the failing rows found here, on the engine's thread
+                result = self.engine.bisect(batch, result)
+            return self.engine.commit_tokens(batch, result)
         finally:
             self.unlanded = [b for b in self.unlanded if b is not batch]
             aborted, self._aborted = self._aborted, []

@@ -95,12 +95,6 @@ def complete_checkpoints(checkpoints: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def last_checkpoint(checkpoints: Path) -> Path | None:
-    """The newest complete checkpoint."""
-    found = complete_checkpoints(checkpoints)
-    return found[-1] if found else None
-
-
 def checkpoint_step(path: Path) -> int:
     return int(_CHECKPOINT.match(path.name).group(1))
 

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from motet.engine.tokenizer import load_tokenizer
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.model_config import load_model_config
 from motet.grammar.tool_formats import tool_format
 from motet.training.run_setup import RunFiles, prepare_files, set_up
 from motet.training.trainer import train

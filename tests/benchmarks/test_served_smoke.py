@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks import (
     adapter_scale,
+    cold_start,
     first_requests,
     gguf_spm,
     llamacpp,
@@ -105,6 +106,24 @@ def test_first_requests(model, tmp_path):
     for row in report.values():
         assert row["answers"] == 2 and set(row["finish_reasons"]) <= {"stop", "length"}, row
         assert positive(row["max_s"])
+
+
+def test_cold_start(model, tmp_path):
+    """One cold and one warm start of the tiny model, no peer: each timed to its first answer, its memory read;
+    the warm start found the cold one's prepared weights."""
+    cold_start.main(["--models", str(model), "--runs", "1", "--kv-tokens", "1024", "--threads", "1", "--no-peer",
+                     "--timeout", "300", "--out", str(tmp_path / "report")])  # fmt: skip
+    report = json.loads((tmp_path / "report" / "results.json").read_text())
+    (found,) = report["models"].values()
+    assert set(found["summary"]) == {"motet cold", "motet warm"}
+    for row in found["summary"].values():
+        assert row["runs"] == 1 and positive(row["seconds_median"], row["rss_ready_mib"], row["peak_rss_mib"])
+        assert row["peak_rss_mib"] >= row["rss_ready_mib"]
+    assert [found["summary"][f"motet {p}"]["prepared_weights"] for p in ("cold", "warm")] == [
+        "written",
+        "mapped",
+    ]
+    assert "| motet warm | 1 |" in (tmp_path / "report" / "summary.md").read_text()
 
 
 def test_tenant_fairness(model, tmp_path):

@@ -82,6 +82,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
     server = start_cluster(
         tiny_model_dir, tmp_path_factory.mktemp("cluster"), "--replicas", "2", "--max-num-seqs", "1",
         "--fine-tuning-ray-resource", "trainer",
+        "--tenant-wait-timeout", "0",  # no line: a request over the concurrency limit is refused at once
     )  # fmt: skip
     yield server
     server.stop()

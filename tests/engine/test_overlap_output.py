@@ -7,6 +7,7 @@ references.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -274,3 +275,48 @@ def test_auto_overlaps_where_a_core_is_spare(model_dir, monkeypatch):
         )._overlaps()
     with pytest.raises(ValueError, match="overlap_output"):
         EngineConfig(overlap_output="yes")
+
+
+def test_the_forward_thread_is_given_values_only(model_dir, monkeypatch, caplog):
+    """The overlapped engine's forward thread reads nothing of the engine's step state: each launch hands it one
+    ForwardCall (the runner, the step's plan, its LoRA segments, its grammar mask, its inputs), none of whose fields is
+    the engine, the scheduler's batch or a live Sequence, and whose plan holds values only. A row failing in the
+    forward pass is still found (bisected on the engine's thread as its step lands): the others' outputs are the
+    sequential engine's."""
+    from motet.engine.core.scheduler import ScheduledBatch
+    from motet.engine.core.sequence import Sequence
+    from motet.engine.worker.model_runner import ForwardCall, ModelRunner
+
+    eng = engine(model_dir, overlap=True)
+    submitted = []
+    submit = eng.stepping._thread.submit
+
+    def record(fn, *args, **kw):
+        submitted.append((fn, args, kw))
+        return submit(fn, *args, **kw)
+
+    monkeypatch.setattr(eng.stepping._thread, "submit", record)
+    broken = []  # the request whose row raises in the forward pass
+    execute = ModelRunner.execute
+
+    def failing(self, step, *args, **kw):
+        if any(row.request_id in broken for row in step):
+            raise RuntimeError("this row's forward pass failed")
+        return execute(self, step, *args, **kw)
+
+    monkeypatch.setattr(ModelRunner, "execute", failing)
+    requests = mixed_requests()
+    broken.append("long")
+    steps = run(eng, requests)
+    assert submitted
+    for fn, args, kw in submitted:
+        call = fn.__self__
+        assert isinstance(call, ForwardCall) and fn.__func__ is ForwardCall.run
+        fields = [call.runner, call.step, call.lora, call.mask, call.inputs, *args, *kw.values()]
+        assert not any(isinstance(f, (LLMEngine, ScheduledBatch, Sequence)) for f in fields)
+        assert not any(isinstance(getattr(row, f.name), (LLMEngine, ScheduledBatch, Sequence))
+                       for row in call.step for f in dataclasses.fields(row))  # fmt: skip
+    assert "request long failed in the forward pass" in caplog.text
+    reference = run(engine(model_dir, overlap=False), mixed_requests())
+    others = lambda steps: [o for s in steps for o in s if o[0] != "long"]  # noqa: E731
+    assert others(steps) == others(reference)

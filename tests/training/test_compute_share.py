@@ -37,7 +37,9 @@ def test_training_gets_its_share_of_a_busy_servings_clock(share, step, chunks):
     policy.join("w", "alice")
     served, trained, _ = run_busy(policy, [step] * 2000, chunks)
     longest = MAX_SLICES * SLICE_S
-    if share / (1 - share) * step <= longest:  # within one slice of the share's arithmetic: T / (S + T) = share
+    if (
+        share / (1 - share) * step <= longest
+    ):  # within one slice of the share's arithmetic: T / (S + T) = share
         assert trained == pytest.approx(share / (1 - share) * served, abs=longest)
         assert trained / (served + trained) == pytest.approx(share, abs=0.01)
     else:  # a step whose share is more than the longest slice: the longest after each

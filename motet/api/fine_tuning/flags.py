@@ -11,7 +11,7 @@ MAX_SHARE = 0.9  # (serving keeps a tenth at least: its streams stall for the sl
 
 
 def add_args(p) -> None:
-    from motet.api.fine_tuning.runner import RunnerSettings
+    from motet.api.fine_tuning.settings import RunnerSettings
     from motet.api.fine_tuning.store import Quotas
 
     p.add_argument(
@@ -70,7 +70,8 @@ def add_args(p) -> None:
 def runner(args, data: Path, files, adapters, usage, threads: int, lease=None):
     """The server's fine-tuning runner; `threads`: serving's (the workers' default); `lease`: the serving engine's
     lease of its cores to the workers (motet/actors/training_lease.py; None behind Ray)."""
-    from motet.api.fine_tuning.runner import FineTuningRunner, RunnerSettings
+    from motet.api.fine_tuning.runner import FineTuningRunner
+    from motet.api.fine_tuning.settings import RunnerSettings
     from motet.api.fine_tuning.store import FineTuningStore, Quotas
     from motet.cluster.serve_flags import training_launch
 

@@ -40,10 +40,10 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 
-from motet.actors.training_lease import TrainingLease
 from motet.api.adapters.store import AdapterStore
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
+from motet.api.fine_tuning.settings import RunnerSettings
 from motet.api.fine_tuning.store import FINISHED, FineTuningStore, Quotas
 from motet.api.fine_tuning.workers import LocalWorker
 from motet.api.in_process import call_route
@@ -53,7 +53,7 @@ from motet.training.compute_share import waiting_reason
 from motet.training.dataset import read_rows
 from motet.training.eval_file import EVAL_ROWS, same_answer
 from motet.training.fair_queue import next_job
-from motet.training.launch import Launch, LaunchError, TrainingWorker
+from motet.training.launch import LaunchError, TrainingWorker
 
 log = logging.getLogger("motet.fine_tuning")
 
@@ -71,17 +71,6 @@ RESULT_COLUMNS = (
     "valid_loss",
     "valid_mean_token_accuracy",
 )
-
-
-@dataclass
-class RunnerSettings:
-    max_running: int = 1  # jobs training at once (--fine-tuning-max-running)
-    threads: int = 1  # each worker's compute threads (--fine-tuning-threads)
-    nice: int | None = None  # each worker's niceness (--fine-tuning-nice; None: LEASED_NICE or UNLEASED_NICE)
-    launch: Launch = LocalWorker.start  # where a job trains (behind Ray: motet/cluster/training_jobs.py)
-    lease: TrainingLease | None = (
-        None  # the serving engine's lease of its cores (None: the workers run freely)
-    )
 
 
 def checkpoint_model(model_name: str, step: int) -> str:
@@ -281,10 +270,11 @@ class FineTuningRunner:
         run_dir = self.store.run_dir(job.id)
         rc = None
         try:
+            launch = self.settings.launch or LocalWorker.start
             async with self._starting(
                 job.tenant
             ) as join:  # (a local worker: stopped until it holds the cores)
-                job.worker = await self.settings.launch(run_dir, self.settings.threads, self._nice())
+                job.worker = await launch(run_dir, self.settings.threads, self._nice())
                 if (pid := getattr(job.worker, "pid", None)) is not None and join(pid):
                     job.pid = pid
             try:
