@@ -215,6 +215,7 @@ def build_state(
     """The server's state: its stores and serving system (the engine loads once the system runs), from what
     `prepare` decided (decided here if not given)."""
     from motet.actors.system import ServingSystem
+    from motet.actors.training_lease import TrainingLease
     from motet.api.adapters.store import AdapterStore
     from motet.api.batches.priority import LowPriority
     from motet.api.batches.runner import BatchRunner
@@ -229,14 +230,17 @@ def build_state(
 
     ready = prepared or prepare(args, config, model_dir, max_model_len)
     model_dir, names, loras, data = ready.model_dir, ready.names, ready.loras, ready.data
+    lease = None  # (behind Ray no engine is in this process: a job's worker runs on a node of its own)
     if serve_flags.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
         system = serve_flags.cluster_system(args, config, loras)
     else:
+        lease = TrainingLease(args.fine_tuning_share)  # the cores, lent to fine-tuning jobs between steps
         system = ServingSystem(
             lambda: LLMEngine(config, model_dir),
             max_queue_len=args.max_queue_len,
             max_waiting=args.max_waiting,
             loras=loras,
+            lease=lease,
         )
     adapters = AdapterStore(
         system,
@@ -256,7 +260,7 @@ def build_state(
     files = FileStore(data, args.files_max_bytes, args.files_max_bytes_per_tenant)
     batches = BatchRunner(BatchStore(data), files, LowPriority(args.batch_max_in_flight))
     usage = UsageStore(data)
-    fine_tuning = fine_tuning_flags.runner(args, data, files, adapters, usage, config.num_threads)
+    fine_tuning = fine_tuning_flags.runner(args, data, files, adapters, usage, config.num_threads, lease)
     state = ServerState(
         system=system,
         model_names=names,

@@ -419,6 +419,12 @@ class LLMEngine:
         """A step is launched and not committed (the next `step()` commits it)."""
         return self.stepping.in_flight
 
+    def wait_forward(self) -> None:
+        """Returns once the launched step's forward pass, if any, is done (its tokens land at the next `step()`):
+        from then on the engine computes nothing until it steps again (motet/actors/training_lease.py lends the
+        cores meanwhile)."""
+        self.stepping.wait_forward()
+
     @property
     def num_steps_ahead(self) -> int:
         """Steps launched before the step before them landed (EngineConfig.async_scheduling)."""

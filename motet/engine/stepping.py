@@ -16,7 +16,7 @@ sequential order's either way.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 import torch
@@ -75,6 +75,9 @@ class SequentialSteps:
     def flush(self) -> list:
         return []
 
+    def wait_forward(self) -> None:
+        pass  # (no step outlives its `step()`)
+
     def release(self, seq: Sequence) -> None:
         """An aborted row's blocks and adapter, given back now."""
         self.engine.drop(seq)
@@ -128,6 +131,12 @@ class OverlappedSteps:
         if self._inflight is None:
             self._launch(engine.schedule_next())
         return engine.commit_text(landed) if landed is not None else []
+
+    def wait_forward(self) -> None:
+        """The launched step's forward pass done (its tokens not landed): nothing of the engine computes until the
+        next `step()`."""
+        if self._inflight is not None:
+            wait([self._inflight[1]])
 
     def flush(self) -> list:
         """Land the launched step, if any, without launching another: its outputs."""

@@ -177,6 +177,20 @@ def test_fine_tuning(model, tmp_path):
     assert "| DPO: preferred's margin" in only_md(tmp_path)
 
 
+def test_fine_tuning_shared_cores(model, tmp_path):
+    """Serving and a job each alone, together, the job beside a CPU hog and in a process of its own."""
+    from benchmarks import fine_tuning
+
+    fine_tuning.main(["--shared-cores", "--model", str(model), "--examples", "4", "--eval-prompts", "4",
+                      "--answer-tokens", "8", "--batch-size", "1", "--threads", "1", "--clients", "2",
+                      "--load-tokens", "4", "--load-seconds", "3", "--job-seconds", "3", "--output-dir", str(tmp_path),
+                      "--server-args", *SERVER, "--dtype", "float32"])  # fmt: skip
+    s = only_json(tmp_path)["shared_cores"]
+    assert s["share"] == 0.25 and positive(s["serving_ratio"], s["job_alone_tokens_per_s"])
+    assert positive(s["standalone"]["tokens_per_s"], s["job_beside_hog_tokens_per_s"])
+    assert "| the job beside a CPU hog / alone |" in only_md(tmp_path)
+
+
 def test_tracing_overhead(model, tmp_path):
     tracing_overhead.main(["--model", NAME, "--model-path", str(model), "--requests", "4", "--concurrency", "2",
                            "--max-tokens", "4", "--prompt-words", "4", "--rounds", "1", "--output-dir", str(tmp_path),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from motet.actors.training_lease import TrainingLease
     from motet.training.launch import Launch
 
 
@@ -14,7 +15,10 @@ if TYPE_CHECKING:
 class RunnerSettings:
     max_running: int = 1  # jobs training at once (--fine-tuning-max-running)
     threads: int = 1  # each worker's compute threads (--fine-tuning-threads)
-    nice: int = 19  # each worker's niceness (--fine-tuning-nice): serving's threads go first
+    nice: int | None = None  # each worker's niceness (--fine-tuning-nice; None: LEASED_NICE or UNLEASED_NICE)
     # where a job trains: None, a child process of the server (workers.py's LocalWorker); behind Ray, Ray Train
     # (motet/cluster/training_jobs.py)
     launch: Launch | None = None
+    lease: TrainingLease | None = (
+        None  # the serving engine's lease of its cores (None: the workers run freely)
+    )
