@@ -310,7 +310,7 @@ class EngineConfig:
     # With the outputs overlapped: schedule and launch step N+1 before step N's tokens reach the host, as vLLM's
     # async scheduling does (the forward thread feeds each row its sampled token). Taken where nothing in step N+1
     # depends on a step-N token but that input (each feature that needs it on the host says so:
-    # `Sequence.needs_token_on_host`, `needs_landed_steps`; motet/engine/stepping.py); a row whose step-N token
+    # `LLMEngine.needs_token_on_host`, `needs_landed_steps`; motet/engine/stepping.py); a row whose step-N token
     # is its last (by length) waits for it; one that ends on EOS or a stop id computes one token more, which is
     # dropped. Off: step N's tokens land before step N+1 is scheduled.
     async_scheduling: bool = True

@@ -7,7 +7,7 @@ mask, the inputs, all made on the engine's thread; a failure comes back as a val
 thread as the step lands), and owns what overlapping needs: the step in flight, the rows aborted while it runs, the steps launched and not
 landed, and the rule for scheduling ahead. Each `step()` lands step N's tokens (`commit_tokens`), schedules and
 launches N+1, then makes N's outputs (`commit_text`) while N+1 computes. Where no row of N needs its token on
-the host but as N+1's input (`Sequence.needs_token_on_host`), and no part of the engine works from landed
+the host but as N+1's input (`LLMEngine.needs_token_on_host`), and no part of the engine works from landed
 steps only, N+1 is scheduled and launched before N lands, as vLLM's async scheduling does
 (EngineConfig.async_scheduling): the forward thread feeds each row its pending token. The outputs are the
 sequential order's either way.

@@ -108,7 +108,12 @@ def worker_process() -> psutil.Process:
 def wait_gone(worker: psutil.Process, timeout: float = 60) -> None:
     """The worker has exited (not reaped here: its exit status is the server's to read)."""
     deadline = time.monotonic() + timeout
-    while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
+    while True:
+        try:
+            if not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:  # (reaped between the two questions)
+            return
         assert time.monotonic() < deadline
         time.sleep(0.02)
 

@@ -92,11 +92,11 @@ def test_think_end_inside_a_draft_window(engines):
     windows = []  # (committed text, drafts' text) of every verified window
     forward_call = on.engine.forward_call  # every step's forward is made here, overlapped or not
 
-    def spy(batch, *args):
+    def spy(batch, *args, **kwargs):
         for seq in batch.seqs:
             if seq.draft_token_ids:
                 windows.append((tok.decode(seq.output_token_ids), tok.decode(seq.draft_token_ids)))
-        return forward_call(batch, *args)
+        return forward_call(batch, *args, **kwargs)
 
     on.engine.forward_call = spy
     try:
