@@ -19,6 +19,5 @@ class RunnerSettings:
     # where a job trains: None, a child process of the server (workers.py's LocalWorker); behind Ray, Ray Train
     # (motet/cluster/training_jobs.py)
     launch: Launch | None = None
-    lease: TrainingLease | None = (
-        None  # the serving engine's lease of its cores (None: the workers run freely)
-    )
+    # the serving engine's lease of its cores (None: the workers run freely)
+    lease: TrainingLease | None = None
