@@ -114,3 +114,29 @@ def test_the_checks_before_the_port_is_bound_import_no_heavy_library(tiny_model_
     assert found["out"]["max_len"] == AutoConfig.from_pretrained(tiny_model_dir).max_position_embeddings
     assert found["out"]["dtype"] in ("float32", "bfloat16")
     assert "--kv-cache-memory-gb 100000 asks for" in found["out"]["refused"], found["out"]
+
+
+def test_a_gguf_files_second_start_checks_it_without_heavy_libraries(tiny_model_dir, tmp_path, monkeypatch):
+    """A bare GGUF file's config and tokenizer are derived once (motet/engine/weights/gguf_model.py); a later start
+    finds them before its port is bound, and must not import torch (or numpy) to do so: the derivation's modules are
+    imported where it derives. What the check finds is what the first start derived."""
+    from motet.engine.weights.model_store import resolve_model
+    from tests.engine.test_gguf_model_file import write_gguf_file
+    from tests.kernels.test_quantization import GGUF_TYPES
+
+    monkeypatch.setenv("MOTET_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = write_gguf_file(tiny_model_dir, tmp_path / "bare" / "tiny.gguf", GGUF_TYPES)
+    derived = resolve_model(str(gguf_file))  # the first start's derivation
+    found = imported_by(
+        "from motet.api.cli import build_parser, engine_config\n"
+        "from motet.api.server import check_model\n"
+        f"args = build_parser('serve').parse_args(['serve', '--model', {str(gguf_file)!r}])\n"
+        "model_dir, max_len = check_model(engine_config(args))\n"
+        "out = {'model_dir': str(model_dir), 'max_len': max_len, 'numpy': 'numpy' in sys.modules}"
+    )
+    assert found["heavy"] == [] and found["out"]["numpy"] is False, found
+    from transformers import AutoConfig
+
+    assert found["out"]["model_dir"] == str(derived)
+    assert found["out"]["max_len"] == AutoConfig.from_pretrained(tiny_model_dir).max_position_embeddings
+
