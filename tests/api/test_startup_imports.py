@@ -140,3 +140,23 @@ def test_a_gguf_files_second_start_checks_it_without_heavy_libraries(tiny_model_
     assert found["out"]["model_dir"] == str(derived)
     assert found["out"]["max_len"] == AutoConfig.from_pretrained(tiny_model_dir).max_position_embeddings
 
+
+def test_loading_the_model_and_its_first_token_import_no_dynamo(tiny_model_dir):
+    """The model is made on the meta device before its weights are put in place (motet/engine/worker/model.py
+    `CausalLM.on_meta`); drawing an embedding table's random values there imported torch._dynamo (seconds of every
+    start), for values the checkpoint's replace. An engine loaded and stepped once still answers as HF does."""
+    found = imported_by(
+        "from motet.engine.llm import LLM\n"
+        "from motet.engine.sampling_params import SamplingParams\n"
+        f"llm = LLM({str(tiny_model_dir)!r}, device='cpu', block_size=8, num_kv_blocks=64)\n"
+        "[result] = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4))\n"
+        "out = {'tokens': result.token_ids, 'dynamo': 'torch._dynamo' in sys.modules}"
+    )
+    assert found["out"]["dynamo"] is False, found
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=4, do_sample=False)[0, 4:].tolist()
+    assert found["out"]["tokens"] == want
