@@ -160,3 +160,29 @@ def test_loading_the_model_and_its_first_token_import_no_dynamo(tiny_model_dir):
     with torch.no_grad():
         want = hf.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=4, do_sample=False)[0, 4:].tolist()
     assert found["out"]["tokens"] == want
+
+
+def test_the_heap_the_start_builds_is_settled_once():
+    """While `motet serve` imports its modules and builds its app (motet/api/server.py `settled_heap`), the
+    collector makes no full passes over the growing heap; afterwards the garbage of the build is collected (none is
+    frozen with it), what survives is frozen out of later passes, and collection is on again. Run in a fresh
+    interpreter: freezing would reach the test process's own objects."""
+    found = imported_by(
+        "import gc, weakref\n"
+        "from motet.api.server import settled_heap\n"
+        "class Node: pass\n"
+        "frozen_before = gc.get_freeze_count()\n"
+        "with settled_heap():\n"
+        "    during = gc.isenabled()\n"
+        "    kept = Node(); kept.me = kept\n"
+        "    garbage = Node(); garbage.me = garbage; dead = weakref.ref(garbage); del garbage\n"
+        "out = {'during': during, 'after': gc.isenabled(), 'garbage_collected': dead() is None,"
+        " 'frozen': gc.get_freeze_count() > frozen_before, 'kept_alive': kept.me is kept}"
+    )
+    assert found["out"] == {
+        "during": False,
+        "after": True,
+        "garbage_collected": True,
+        "frozen": True,
+        "kept_alive": True,
+    }
