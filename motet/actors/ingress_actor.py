@@ -37,13 +37,21 @@ class IngressActor(Actor):
         self.inputs: InputProcessor | None = None
 
     async def on_start(self) -> None:
-        # In a worker thread: the grammar backends' view of the vocabulary takes a moment to build, not on a
-        # request's time. The executor has started: its engine is loaded, and no step runs yet.
-        engine, model = self.executor.engine, self.executor.model
-        self.inputs = await anyio.to_thread.run_sync(InputProcessor.of, engine, model)
+        # The executor has started: its engine is loaded, and no step runs yet.
+        self.inputs = InputProcessor.of(self.executor.engine, self.executor.model)
+
+    async def _build_vocabulary(self) -> None:
+        """The grammar backends' view of the vocabulary, built in a worker thread as the server begins to serve:
+        half a second or more, which the start does not wait for and a request with a grammar seldom does (it
+        waits for this build where it comes first). A failure is logged; such a request meets it again."""
+        try:
+            await anyio.to_thread.run_sync(self.inputs.vocabulary, limiter=self.grammar_limiter)
+        except Exception:
+            log.exception("the grammar backends' vocabulary could not be built")
 
     async def main(self) -> None:
         async with anyio.create_task_group() as tg:  # on close, waits for the submissions in flight
+            tg.start_soon(self._build_vocabulary)
             async for envelope in self._recv:
                 tg.start_soon(self.deliver, envelope)
 

@@ -9,8 +9,9 @@ it is thread-safe by what it holds:
 - the ModelView (tokenizer, limits read back by the API): frozen; the Hugging Face fast tokenizer is used
   read-only (encode, decode, apply_chat_template; its truncation and padding are never set);
 - the engine's RequestLimits: frozen;
-- the grammar cache: thread-safe (its own lock), compiling against the engine's GrammarTokenizer, built once
-  when this is (`of`, in a worker thread: it takes a moment) and only read after;
+- the grammar cache: thread-safe (its own lock), compiling against the engine's GrammarTokenizer, built once on
+  its first use under the engine's lock (`vocabulary`: the ingress asks for it in a worker thread as it starts
+  serving, so that a start never waits for it and a grammar seldom does) and only read after;
 - the adapter manager's `load`, which takes the manager's lock; nothing else of the manager (the rest is the
   engine's thread's).
 
@@ -44,26 +45,26 @@ class InputProcessor:
         model: ModelView,
         limits: RequestLimits,
         grammars: GrammarCache,
-        grammar_tokenizer: GrammarTokenizer,
+        vocabulary: Callable[[], GrammarTokenizer],
         grammar_backend: str,
         grammar_timeout_s: float,
         load_adapter: Callable[[AdapterRef], bool],
     ):
         self.model, self.limits = model, limits
-        self.grammars, self.grammar_tokenizer = grammars, grammar_tokenizer
+        self.grammars, self.vocabulary = grammars, vocabulary
         self.grammar_backend, self.grammar_timeout_s = grammar_backend, grammar_timeout_s
         self._load_adapter = load_adapter
 
     @classmethod
     def of(cls, engine, model: ModelView) -> InputProcessor:
-        """The preparation of requests for a loaded LLMEngine; builds its grammar vocabulary (a moment's work:
-        call it in a worker thread, before the first request)."""
+        """The preparation of requests for a loaded LLMEngine; its grammar vocabulary is the engine's, built on
+        first use (`vocabulary`)."""
         config = engine.config
         return cls(
             model,
             engine.limits,
             engine.grammar_cache,
-            engine.grammar_tokenizer,
+            lambda: engine.grammar_tokenizer,
             config.grammar_backend,
             config.grammar_timeout_s,
             engine.adapters.load,
@@ -160,7 +161,7 @@ class InputProcessor:
         try:
             return self.grammars.compile_with_fallback(
                 params.grammar,
-                self.grammar_tokenizer,
+                self.vocabulary(),
                 params.grammar_backend or self.grammar_backend,
                 self.grammar_timeout_s,
                 owner=spec.tenant,

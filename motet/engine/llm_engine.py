@@ -31,6 +31,7 @@ import functools
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -121,6 +122,8 @@ LOAD_WAIT_S = 0.05
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model_dir=None):
         self.config = config = config or EngineConfig()
+        self._grammar_tokenizer: GrammarTokenizer | None = None
+        self._grammar_tokenizer_lock = threading.Lock()
         load_progress.phase("reading the model's config and tokenizer")
         self.model_dir = model_dir or resolve_model(config.model)
         self.model_config = load_model_config(self.model_dir, config.tokenizer)
@@ -249,14 +252,19 @@ class LLMEngine:
         return connector
 
     # -- structured output ----------------------------------------------------------------------------
-    @functools.cached_property
+    @property
     def grammar_tokenizer(self) -> GrammarTokenizer:
-        """The vocabulary as the grammar backends see it (built on first use: it takes a moment)."""
-        return GrammarTokenizer(
-            self.tokenizer.hf,
-            vocab_size=self.model_config.vocab_size,
-            stop_token_ids=sorted(self.eos_token_ids),
-        )
+        """The vocabulary as the grammar backends see it: built on first use (half a second or more, which no
+        start waits for: the serving ingress builds it in a worker thread once it serves), once however many
+        threads ask at once."""
+        with self._grammar_tokenizer_lock:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = GrammarTokenizer(
+                    self.tokenizer.hf,
+                    vocab_size=self.model_config.vocab_size,
+                    stop_token_ids=sorted(self.eos_token_ids),
+                )
+            return self._grammar_tokenizer
 
     @functools.cached_property
     def _reasoning_openings(self) -> dict[tuple[tuple[str, ...], bool], ReasoningOpening]:

@@ -1,14 +1,28 @@
-"""Tokenizer loading and chat-template rendering (Hugging Face fast tokenizers, local files only)."""
+"""Tokenizer loading and chat-template rendering (Hugging Face fast tokenizers, local files only).
+
+A model directory's tokenizer is the class transformers' AutoTokenizer picks for it. Picking it reads the model's
+config through its family's config class, whose import pulls in most of transformers' modelling code and
+torch.distributed (seconds of every start), to name a class that only the directory's files decide: the class
+picked is remembered under the motet cache (`tokenizer_class_memo`), keyed by those files and transformers'
+version, and a later start loads the directory with that class directly, as AutoTokenizer would."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib
+import json
+import os
+import tempfile
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from motet.engine.request_checks import MAX_PROMPT_CHARS
 from motet.engine.template_worker import template_worker
 from motet.models.declaration import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Tokenizer:
@@ -78,7 +92,72 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         if path.exists() and not path.is_file():
             raise ModelLoadError(f"{path}: not a regular file")
     try:
-        hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        hf = _load_hf(Path(model_dir))
     except Exception as e:
         raise ModelLoadError(f"{model_dir}: could not load the tokenizer ({e})") from None
     return Tokenizer(hf)
+
+
+MEMO_FORMAT = 1  # raised when what a memo holds changes
+MEMOS_KEPT = 256  # the most recently written; older ones are removed as one is written (a memo is ~100 bytes)
+
+
+def tokenizer_class_memo(model_dir: Path) -> Path:
+    """Where the tokenizer class AutoTokenizer picked for `model_dir` is remembered: keyed by the directory, the
+    files the pick reads (config.json and the tokenizer's: their sizes and modification times) and transformers'
+    version, so that a changed file or another transformers picks again."""
+    import transformers
+
+    from motet.engine.cache_root import cache_dir
+
+    model_dir = model_dir.resolve()
+    files = []
+    for name in ("config.json", *TOKENIZER_FILES):
+        with contextlib.suppress(OSError):
+            st = (model_dir / name).stat()
+            files.append([name, st.st_size, st.st_mtime_ns])
+    key = json.dumps([MEMO_FORMAT, str(model_dir), transformers.__version__, files])
+    return cache_dir() / "tokenizers" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def _remembered_class(memo: Path):
+    """The class a memo names, or None (none yet, or unreadable)."""
+    try:
+        named = json.loads(memo.read_text())
+        cls = getattr(importlib.import_module(named["module"]), named["class"])
+    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError):
+        return None
+    return cls if isinstance(cls, type) else None
+
+
+def _remember(memo: Path, cls: type) -> None:
+    """Write the memo (whole, or not at all: a cache that cannot be written is only slower)."""
+    if not cls.__module__.startswith("transformers."):  # (a model's own code: always through AutoTokenizer)
+        return
+    with contextlib.suppress(OSError):
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=memo.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"module": cls.__module__, "class": cls.__qualname__}, f)
+            os.replace(tmp, memo)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        memos = sorted(memo.parent.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        for old in memos[MEMOS_KEPT:]:
+            old.unlink(missing_ok=True)
+
+
+def _load_hf(model_dir: Path) -> PreTrainedTokenizerBase:
+    """The directory's tokenizer as AutoTokenizer loads it: through the class it picked before, where it is
+    remembered (AutoTokenizer ends by calling that class's from_pretrained on the directory, as this does)."""
+    memo = tokenizer_class_memo(model_dir)
+    cls = _remembered_class(memo)
+    if cls is not None:
+        return cls.from_pretrained(str(model_dir), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    _remember(memo, type(hf))
+    return hf

@@ -364,3 +364,49 @@ async def test_a_submission_refused_part_way_leaves_nothing_queued(system):
     (ok,) = await system.submit_all(specs[:1])
     for s in ok.streams:
         await _drain(s)
+
+
+async def test_the_system_serves_before_the_grammar_vocabulary_is_built(tiny_model_dir, monkeypatch):
+    """Issue 65: the grammar backends' view of the vocabulary (half a second or more on a real vocabulary) is built
+    once the system serves, in a worker thread, never before it is ready: a plain request is answered while that
+    build is held; a request with a grammar waits for the same build (one build, however many ask) and then
+    matches its grammar."""
+    import re
+    import threading
+
+    from motet.grammar import backend
+    from motet.grammar.specs import RegexSpec
+
+    release, builds = threading.Event(), []
+    real_init = backend.GrammarTokenizer.__init__
+
+    def held(self, *a, **kw):
+        builds.append(threading.current_thread().name)
+        assert release.wait(120)
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(backend.GrammarTokenizer, "__init__", held)
+    s = ServingSystem(_engine_factory(tiny_model_dir))
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(120):
+            await tg.start(s.run)
+            assert s.ready
+            _, tokens, last = await _drain((await s.submit(_spec("plain", [5, 6, 7, 8]))).streams[0])
+            assert len(tokens) == 8 and last.finish_reason == "length"
+            while not builds:  # (the build under way, held)
+                await anyio.sleep(0.01)
+            answers = []
+
+            async def shaped():
+                admission = await s.submit(_spec("shaped", "Hi", max_tokens=16, grammar=RegexSpec("[ab]{3}")))
+                answers.append(await _drain(admission.streams[0]))
+
+            async with anyio.create_task_group() as waiting:
+                waiting.start_soon(shaped)
+                await anyio.sleep(0.5)
+                assert answers == []  # (its grammar waits for the build held)
+                release.set()
+            [(text, _, last)] = answers
+            assert re.fullmatch("[ab]{3}", text) and last.finish_reason == "stop"
+            assert len(builds) == 1
+        await s.stop()

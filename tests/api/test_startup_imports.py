@@ -114,3 +114,75 @@ def test_the_checks_before_the_port_is_bound_import_no_heavy_library(tiny_model_
     assert found["out"]["max_len"] == AutoConfig.from_pretrained(tiny_model_dir).max_position_embeddings
     assert found["out"]["dtype"] in ("float32", "bfloat16")
     assert "--kv-cache-memory-gb 100000 asks for" in found["out"]["refused"], found["out"]
+
+
+def test_a_gguf_files_second_start_checks_it_without_heavy_libraries(tiny_model_dir, tmp_path, monkeypatch):
+    """A bare GGUF file's config and tokenizer are derived once (motet/engine/weights/gguf_model.py); a later start
+    finds them before its port is bound, and must not import torch (or numpy) to do so: the derivation's modules are
+    imported where it derives. What the check finds is what the first start derived."""
+    from motet.engine.weights.model_store import resolve_model
+    from tests.engine.test_gguf_model_file import write_gguf_file
+    from tests.kernels.test_quantization import GGUF_TYPES
+
+    monkeypatch.setenv("MOTET_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = write_gguf_file(tiny_model_dir, tmp_path / "bare" / "tiny.gguf", GGUF_TYPES)
+    derived = resolve_model(str(gguf_file))  # the first start's derivation
+    found = imported_by(
+        "from motet.api.cli import build_parser, engine_config\n"
+        "from motet.api.server import check_model\n"
+        f"args = build_parser('serve').parse_args(['serve', '--model', {str(gguf_file)!r}])\n"
+        "model_dir, max_len = check_model(engine_config(args))\n"
+        "out = {'model_dir': str(model_dir), 'max_len': max_len, 'numpy': 'numpy' in sys.modules}"
+    )
+    assert found["heavy"] == [] and found["out"]["numpy"] is False, found
+    from transformers import AutoConfig
+
+    assert found["out"]["model_dir"] == str(derived)
+    assert found["out"]["max_len"] == AutoConfig.from_pretrained(tiny_model_dir).max_position_embeddings
+
+
+def test_loading_the_model_and_its_first_token_import_no_dynamo(tiny_model_dir):
+    """The model is made on the meta device before its weights are put in place (motet/engine/worker/model.py
+    `CausalLM.on_meta`); drawing an embedding table's random values there imported torch._dynamo (seconds of every
+    start), for values the checkpoint's replace. An engine loaded and stepped once still answers as HF does."""
+    found = imported_by(
+        "from motet.engine.llm import LLM\n"
+        "from motet.engine.sampling_params import SamplingParams\n"
+        f"llm = LLM({str(tiny_model_dir)!r}, device='cpu', block_size=8, num_kv_blocks=64)\n"
+        "[result] = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4))\n"
+        "out = {'tokens': result.token_ids, 'dynamo': 'torch._dynamo' in sys.modules}"
+    )
+    assert found["out"]["dynamo"] is False, found
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=4, do_sample=False)[0, 4:].tolist()
+    assert found["out"]["tokens"] == want
+
+
+def test_the_heap_the_start_builds_is_settled_once():
+    """While `motet serve` imports its modules and builds its app (motet/api/server.py `settled_heap`), the
+    collector makes no full passes over the growing heap; afterwards the garbage of the build is collected (none is
+    frozen with it), what survives is frozen out of later passes, and collection is on again. Run in a fresh
+    interpreter: freezing would reach the test process's own objects."""
+    found = imported_by(
+        "import gc, weakref\n"
+        "from motet.api.server import settled_heap\n"
+        "class Node: pass\n"
+        "frozen_before = gc.get_freeze_count()\n"
+        "with settled_heap():\n"
+        "    during = gc.isenabled()\n"
+        "    kept = Node(); kept.me = kept\n"
+        "    garbage = Node(); garbage.me = garbage; dead = weakref.ref(garbage); del garbage\n"
+        "out = {'during': during, 'after': gc.isenabled(), 'garbage_collected': dead() is None,"
+        " 'frozen': gc.get_freeze_count() > frozen_before, 'kept_alive': kept.me is kept}"
+    )
+    assert found["out"] == {
+        "during": False,
+        "after": True,
+        "garbage_collected": True,
+        "frozen": True,
+        "kept_alive": True,
+    }

@@ -55,15 +55,16 @@ def gguf_model_dir(path: str | Path, root: Path) -> Path:
     """The model directory of a GGUF file under `root`: config and tokenizer derived from its metadata (once;
     later calls find them), `model.gguf` linking to the file. ModelLoadError for a file that is not a readable GGUF or
     holds a model motet does not serve, naming what it found and what is supported."""
-    # (torch: imported where a file is derived, so that naming a model is quick)
-    from motet.engine.weights.gguf_config import reader_config
-    from motet.engine.weights.gguf_convert import write_hf_metadata
-    from motet.engine.weights.gguf_reader import open_gguf
-
     path = Path(path).expanduser().resolve()
     target = derived_dir(path, root)
     if (target / DERIVED_MARKER).is_file():
         return target
+    # (numpy and torch: imported where a file is derived, so that a later start finds its files without them,
+    # before its port answers)
+    from motet.engine.weights.gguf_config import reader_config
+    from motet.engine.weights.gguf_convert import write_hf_metadata
+    from motet.engine.weights.gguf_reader import open_gguf
+
     t0 = time.perf_counter()  # (seconds on a large vocabulary, before the server can listen)
     load_progress.begin(
         f"{path.name}: deriving its config, tokenizer and chat template", f"once, into {target}"

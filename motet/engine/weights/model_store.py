@@ -32,6 +32,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from motet.engine.cache_root import cache_dir
 from motet.engine.weights.gguf_model import GGUF_FILE, GGUF_SUFFIX, gguf_model_dir, is_gguf_file
 from motet.engine.weights.pull_error import PullError
 from motet.models import GGUF_ARCHITECTURES, SUPPORTED_ARCHITECTURES
@@ -61,16 +62,6 @@ _TMP_PREFIX = f".{DEFAULT_MODEL}.tmp-"
 _OLD_PREFIX = f".{DEFAULT_MODEL}.old-"
 
 # GGUF (llama.cpp) tensor names -> Hugging Face Llama names.
-
-
-def cache_dir(override: str | Path | None = None) -> Path:
-    """The motet cache root: `override`, else $MOTET_CACHE_DIR, else ~/.cache/motet."""
-    if override is not None:
-        return Path(override).expanduser()
-    env = os.environ.get("MOTET_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "motet"
 
 
 def default_model_path(cache_dir_override: str | Path | None = None) -> Path:

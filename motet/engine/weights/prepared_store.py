@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from motet.engine.weights.model_store import cache_dir
+from motet.engine.cache_root import cache_dir
 
 if TYPE_CHECKING:
     import torch

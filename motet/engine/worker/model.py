@@ -628,21 +628,40 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, parallel: Parallel = SINGLE):
-        """`parallel`: this rank's shard of the model (motet/engine/worker/parallel.py); by default the whole model."""
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int | None = None,
+        parallel: Parallel = SINGLE,
+        ropes: tuple[RotaryEmbedding, RotaryEmbedding | None] | None = None,
+    ):
+        """`parallel`: this rank's shard of the model (motet/engine/worker/parallel.py); by default the whole model.
+        `ropes`: the rotary tables (`rope`, `local_rope`) where they were made (`on_meta`), else made here."""
         super().__init__()
         self.config = cfg
         self.parallel = parallel
         self.vocab_start, vocab_rows, _ = parallel.vocab_rows(cfg.vocab_size)
-        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        # (its table given, not drawn: the model is made on the meta device (`on_meta`), whose normal_ imports
+        # torch._dynamo, seconds of every start, for values no one reads: `allocate` or a prepared-weights entry
+        # puts the checkpoint's table in its place)
+        self.embed_tokens = nn.Embedding(
+            vocab_rows, cfg.hidden_size, _weight=torch.empty(vocab_rows, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
-        # Gemma 3's sliding-window layers rotate with their own base (and no scaling)
-        self.local_rope = self._local_rope(cfg, max_positions)
+        # Gemma 3's sliding-window layers rotate with their own base (and no scaling): `local_rope`
+        self.rope, self.local_rope = ropes or self.make_ropes(cfg, max_positions)
+
+    @classmethod
+    def make_ropes(
+        cls, cfg: ModelConfig, max_positions: int | None
+    ) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+        return RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings), cls._local_rope(
+            cfg, max_positions
+        )
 
     @staticmethod
     def _local_rope(cfg: ModelConfig, max_positions: int | None) -> RotaryEmbedding | None:
@@ -693,12 +712,12 @@ class CausalLM(nn.Module):
         """The model with every parameter on the meta device (shapes, no memory) and its rotary tables made on
         `device`: `allocate` makes its parameters, a prepared-weights cache entry maps them from its file
         (motet/engine/worker/prepared_weights.py)."""
+        # The rotary tables are made once, off the meta device (whose arange and normal_ import torch._dynamo:
+        # seconds of every start).
+        rope, local = cls.make_ropes(cfg, max_positions)
+        ropes = (rope.to(device), local.to(device) if local is not None else None)
         with torch.device("meta"):
-            model = cls(cfg, max_positions, parallel)
-        model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
-        local = cls._local_rope(cfg, max_positions)
-        model.local_rope = local.to(device) if local is not None else None
-        return model
+            return cls(cfg, max_positions, parallel, ropes)
 
     @property
     def weight_dtype(self) -> torch.dtype:
