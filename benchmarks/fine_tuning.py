@@ -14,6 +14,7 @@
 
     python -m benchmarks.fine_tuning                                   # the acceptance sizes (long: a quiet machine)
     python -m benchmarks.fine_tuning --examples 8 --eval-prompts 4 --n-epochs 1 --load-seconds 10 --clients 2
+    python -m benchmarks.fine_tuning quality                           # what a job teaches (fine_tuning_quality.py)
 
 Writes fine_tuning-TIME.json and .md under --output-dir. Name the machine (its CPU and flags are in the report).
 """
@@ -94,7 +95,7 @@ def run_job(c: openai.OpenAI, data: bytes, method: dict, suffix: str, poll: floa
     if job.status != "succeeded":
         raise RuntimeError(f"job {job.id} {job.status}: {job.error}")
     # the training alone: from the worker's start of training to its last step (events are stamped in seconds)
-    events = list(c.fine_tuning.jobs.list_events(job.id, limit=100))
+    events = list(c.fine_tuning.jobs.list_events(job.id, limit=1000))
     begun = min(e.created_at for e in events if e.message == "Fine-tuning job started")
     train_seconds = max(max(e.created_at for e in events if e.type == "metrics") - begun, 1)
     return {"job": job.model_dump(), "seconds": seconds, "tokens_per_s": job.trained_tokens / seconds if seconds else None,
@@ -188,7 +189,8 @@ def dpo_margins(model_dir: Path, adapter: Path, pairs: bytes) -> dict:
     from motet.training.dataset import prepare, read_rows
 
     if not pairs.strip():  # (no held-out answer had a lower-case letter to prefer the upper-cased one to)
-        return {"pairs": 0, "margin_before": None, "margin_after": None, "share_up": None}
+        return {"pairs": 0, "margin_before": None, "margin_after": None, "share_up": None, "win_before": None,
+                "win_after": None}  # fmt: skip
     tok, config = load_tokenizer(model_dir), load_model_config(model_dir)
     encoder = ChatEncoder(tok, tool_format(config.declaration.tool_format, tok.hf.chat_template), 8192)
     with tempfile.TemporaryDirectory() as tmp:
@@ -208,7 +210,8 @@ def dpo_margins(model_dir: Path, adapter: Path, pairs: bytes) -> dict:
     before = margins(base)
     after = margins(PeftModel.from_pretrained(base, str(adapter)).eval())
     return {"pairs": len(rows), "margin_before": sum(before) / len(rows), "margin_after": sum(after) / len(rows),
-            "share_up": sum(a > b for a, b in zip(after, before, strict=True)) / len(rows)}  # fmt: skip
+            "share_up": sum(a > b for a, b in zip(after, before, strict=True)) / len(rows),
+            "win_before": sum(m > 0 for m in before) / len(rows), "win_after": sum(m > 0 for m in after) / len(rows)}  # fmt: skip
 
 
 # -- serving under a job -----------------------------------------------------------------------------------------
@@ -265,6 +268,12 @@ def machine() -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command")
+    q = sub.add_parser(
+        "quality", help="what a job teaches, with the docs' defaults (benchmarks/fine_tuning_quality.py)"
+    )
+    q.add_argument("--model", default=None, help="the base model (default: the default model)")
+    q.add_argument("--output-dir", default="benchmarks/reports/fine_tuning")
+    q.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to `motet serve`")
     h = sub.add_parser("by-hand", help="(internal) the PEFT/TRL run by hand")
     for flag in ("--model-dir", "--data", "--hyperparameters", "--out", "--dtype"):
         h.add_argument(flag, required=True)
@@ -294,6 +303,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.command == "by-hand":
         return by_hand(args)
+    if args.command == "quality":
+        from benchmarks import fine_tuning_quality
+
+        return fine_tuning_quality.run(args, run_job, dpo_margins, machine)
     out = Path(args.output_dir)
     hyper = {
         k: (v if v == "auto" else int(v))

@@ -11,8 +11,8 @@ from then on; the trained tokens are counted in the tenant's usage as they are t
 
 A job with an eval file has it answered once its model is stored, outside the training slots: the next queued job
 starts training meanwhile. Cancel kills the worker at once, or stops the eval (its requests in flight aborted);
-pause asks the worker to save a checkpoint after the step in progress and exit (a worker that has not yet said it
-handles the request is killed: it had trained nothing). A job running when the server stops is queued again at the
+pause asks the worker to save a checkpoint after the step in progress and exit, and the job is paused once it has
+(a worker that has not yet said it handles the request is killed: it had trained nothing). A job running when the server stops is queued again at the
 next start (`FineTuningStore.recover`) and goes on from its last checkpoint. A finished job's run directory (its
 rows and Trainer's checkpoints) is removed: its models live on as adapters.
 """
@@ -40,7 +40,8 @@ from anyio.abc import TaskGroup
 from motet.api.adapters.store import AdapterStore
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
-from motet.api.fine_tuning.store import FINISHED, FineTuningStore, Quotas
+from motet.api.fine_tuning.store import FINISHED, FineTuningStore, QuotaExceeded, Quotas
+from motet.api.fine_tuning.validation import Refusal, cpu_timed, prepare_job, run_files, validated_event
 from motet.api.fine_tuning.workers import LocalWorker
 from motet.api.in_process import call_route
 from motet.api.sqlite_store import StorageFailure
@@ -49,10 +50,16 @@ from motet.training.dataset import read_rows
 from motet.training.eval_file import EVAL_ROWS, same_answer
 from motet.training.fair_queue import next_job
 from motet.training.launch import Launch, LaunchError, TrainingWorker
+from motet.training.run_setup import FileError
+from motet.training.trainer import CHECKPOINTS, TrainingRun, checkpoint_step, last_checkpoint
+from motet.training.worker import RUN_SPEC
 
 log = logging.getLogger("motet.fine_tuning")
 
 POLL_S = 1.0  # how often the runner looks at the queue without being woken
+# An eval file's requests: the likeliest token each step, as trained, whatever sampling defaults the model's
+# generation_config.json gives a request that leaves a field out (the default model's: frequency_penalty 0.7)
+GREEDY = {"temperature": 0, "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1}
 RESULT_COLUMNS = (
     "step",
     "train_loss",
@@ -102,7 +109,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 async def chat_answer(app, tenant: str, model: str, row: dict) -> dict | None:
     """The chat completion's message for an eval row (None: the request was not answered)."""
-    body = {"model": model, "messages": row["messages"], "temperature": 0, "max_tokens": row["max_tokens"]}
+    body = {"model": model, "messages": row["messages"], "max_tokens": row["max_tokens"], **GREEDY}
     if row["tools"]:
         body["tools"] = row["tools"]
     status, _, content = await call_route(app, "/v1/chat/completions", json.dumps(body).encode(), tenant)
@@ -158,6 +165,7 @@ class FineTuningRunner:
             raise ValueError("--fine-tuning-max-running and --fine-tuning-threads must be at least 1")
         self._jobs: dict[str, _Job] = {}  # training: each holds a slot (--fine-tuning-max-running)
         self._evaluating: dict[str, anyio.CancelScope] = {}  # trained, their eval file being answered
+        self._validations: set[str] = set()  # jobs whose files are being validated
         self._validating: dict[str, _Validations] = {}  # by tenant, while it has some
         self._last_start: dict[str, float] = {}
         self._wake = anyio.Event()
@@ -197,9 +205,58 @@ class FineTuningRunner:
         else:
             job.worker.kill()
 
+    def _resumes_from(self, job_id: str) -> int | None:
+        """The step of the checkpoint a job goes on from when it starts again (None: it starts over)."""
+        path = last_checkpoint(self.store.run_dir(job_id) / CHECKPOINTS)
+        return None if path is None else checkpoint_step(path)
+
+    @property
+    def validates_later(self) -> bool:
+        """Whether a job's files can be validated after its create call answers (the runner's loop has started)."""
+        return self._tg is not None
+
+    def validate_later(self, job_id: str, tenant: str, cpu_s: float = 0.0) -> None:
+        """The `validating_files` job's files validated beside the API (`cpu_s`: the CPU time its checks took so
+        far); then it is queued, or failed with its files' error."""
+        self._validations.add(job_id)
+        self._tg.start_soon(self._validate, job_id, tenant, cpu_s)
+
+    async def _validate(self, job_id: str, tenant: str, cpu_s: float) -> None:
+        cpu, outcome, run_dir = [cpu_s], "refused", self.store.run_dir(job_id)
+        try:
+            async with self.validation(tenant):
+                if await _thread(self.store.status, job_id) != "validating_files":
+                    return  # cancelled meanwhile
+                run = TrainingRun.of(json.loads(await _thread((run_dir / RUN_SPEC).read_text)))
+                ids = await _thread(self.store.files_of, job_id)
+                model = run_files(self._app.state.motet)
+                prepare = functools.partial(prepare_job, self.files, model, run, tenant, ids)
+                prepared = await _thread(cpu_timed(prepare, cpu))
+            if await _thread(self.store.validated, job_id, prepared.examples, prepared.tokens, self.quotas,
+                             validated_event(prepared)):  # fmt: skip
+                outcome = "queued"
+                self.wake()
+        except FileError as e:
+            refusal = Refusal.of(e, ids[e.which])
+            await _thread(self.store.fail, job_id, refusal.code, refusal.message, refusal.param)
+        except QuotaExceeded as e:
+            await _thread(self.store.fail, job_id, e.code, str(e))
+        except Exception as e:  # a failing disk, or a bug: this job fails, never the runner
+            if await _thread(self.store.status, job_id) == "validating_files":
+                log.exception("fine-tuning job %s: its files could not be validated", job_id)
+                cause = e.cause if isinstance(e, StorageFailure) else type(e).__name__
+                await _thread(self.store.fail, job_id, "server_error",
+                              f"the job's files could not be validated on the server ({cause})")  # fmt: skip
+        finally:
+            self._validations.discard(job_id)
+            self._app.state.motet.metrics.observe_fine_tuning_validation(tenant, outcome, cpu[0])
+            with anyio.CancelScope(shield=True):
+                if await _thread(self.store.status, job_id) in FINISHED:
+                    await _thread(shutil.rmtree, run_dir, True)
+
     async def finished(self, job_id: str) -> None:
         """A job that ended without a worker (cancelled while queued, paused or evaluated): its run directory goes."""
-        if job_id not in self._jobs:
+        if job_id not in self._jobs and job_id not in self._validations:  # (a validation removes its own)
             await _thread(shutil.rmtree, self.store.run_dir(job_id), True)
 
     # -- the loop --------------------------------------------------------------------------------------------
@@ -209,7 +266,7 @@ class FineTuningRunner:
             await anyio.sleep(0.1)
         while True:
             try:
-                for job_id in await _thread(self.store.recover):
+                for job_id in await _thread(self.store.recover, self._resumes_from):
                     log.info("fine-tuning job %s: queued again after the restart", job_id)
                 break
             except StorageFailure as e:
@@ -217,6 +274,9 @@ class FineTuningRunner:
                 await anyio.sleep(POLL_S * 5)
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            for job_id, tenant in await _thread(self.store.validating):  # cut short by a restart: done again
+                log.info("fine-tuning job %s: its files are validated again after the restart", job_id)
+                self.validate_later(job_id, tenant)
             while True:
                 if not state.draining:
                     try:
@@ -264,9 +324,13 @@ class FineTuningRunner:
         finally:
             self._jobs.pop(job.id, None)
             self.wake()
-        if job.outcome is None and rc is not None:
+        if rc is not None and job.outcome in (None, "paused"):
             status = await _thread(self.store.status, job.id)
-            if status == "running":  # the worker died without a word (killed, or out of memory)
+            if status == "running" and (job.outcome == "paused" or await _thread(self.store.pausing, job.id)):
+                await _thread(
+                    self.store.paused, job.id
+                )  # its worker has stopped (killed before it trained, or saved)
+            elif status == "running":  # the worker died without a word (killed, or out of memory)
                 await self._fail(job, f"the training process exited with code {rc} before the job finished")
         status = await _thread(self.store.status, job.id)
         if status == "failed":  # the operator's clue, before the run directory goes
@@ -287,10 +351,10 @@ class FineTuningRunner:
         kind = event.get("type")
         if kind == "ready":
             job.ready = True
-            if (
-                await _thread(self.store.status, job.id) != "running"
-            ):  # paused or cancelled before it was ready
-                job.worker.kill()
+            if await _thread(self.store.status, job.id) != "running" or await _thread(
+                self.store.pausing, job.id
+            ):
+                job.worker.kill()  # paused or cancelled before it was ready: it had trained nothing
         elif kind == "placed":  # (a Ray Train run's: where it trains)
             await _thread(self.store.add_event, job.id, f"Training on {event['where']}")
         elif kind == "started":
@@ -314,11 +378,8 @@ class FineTuningRunner:
             await self._checkpoint(job, event)
         elif kind == "succeeded":
             await self._succeed(job, event)
-        elif kind == "paused":
+        elif kind == "paused":  # its checkpoint saved: the job is paused once the worker has exited
             job.outcome = "paused"
-            await _thread(
-                self.store.add_event, job.id, "The job is paused: it goes on from here when resumed"
-            )
         elif kind == "failed":
             job.outcome = "failed"
             await self._fail(job, event.get("message", "the training failed"))
