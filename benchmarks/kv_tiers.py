@@ -35,7 +35,7 @@ from motet.engine.core.kv_tiers import KV_CACHE_SUBDIR
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.model_config import load_model_config
 from motet.engine.weights.model_store import resolve_model
 from motet.evals.serving_bench import machine
 

@@ -30,7 +30,7 @@ CHILD = r"""
 import json, sys
 import torch
 import torch._dynamo  # torch imports it on the first init on the meta device: ~90 MB of code, not the load's
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.model_config import load_model_config
 from motet.engine.config import EngineConfig
 from motet.engine.worker.memory import weights_bytes
 from motet.engine.worker.model_runner import ModelRunner

@@ -268,7 +268,10 @@ def weight_diff(llm: LLM, hf) -> float:
     blocks dequantized, fused as motet fuses them, and the embedding table) and transformers' dequantization."""
     model = llm.engine.runner.model
     linears = model.decoder_linears()
-    worst = (model.embed_tokens.weight.float().cpu() - hf.model.embed_tokens.weight).abs().max().item()
+    table = model.embed_tokens  # an nn.Embedding, or a GGUF table looked up in its own blocks (gguf_table.py)
+    every_row = torch.arange(hf.model.embed_tokens.weight.shape[0])
+    held = table.weight if hasattr(table, "weight") else table(every_row)
+    worst = (held.float().cpu() - hf.model.embed_tokens.weight).abs().max().item()
     for i, layer in enumerate(hf.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         refs = [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,

@@ -514,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     model_dir = Path(resolve_model(args.model))
-    from motet.engine.weights.checkpoint import load_model_config
+    from motet.engine.weights.model_config import load_model_config
 
     peaks = measure_peak(load_model_config(model_dir), args.batches, args.threads, args.peak_seconds)
     for b, p in peaks.items():

@@ -16,8 +16,6 @@ from __future__ import annotations
 import importlib
 import os
 
-from motet.version import __version__ as __version__  # re-exported
-
 # OpenMP's threads (libgomp: motet's native step and torch's) spin this many times at a barrier before they sleep, set
 # before anything loads torch (libgomp reads it once). libgomp's default, 300,000 spins (milliseconds), is right on
 # a machine of its own; beside other busy processes a thread spins through its time slice while the one it waits for
@@ -27,7 +25,9 @@ OMP_SPIN_COUNT = "10000"
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", OMP_SPIN_COUNT)
 
+# (each imported on first use; the version too: importlib.metadata takes a fifth of a second)
 _EXPORTS = {
+    "__version__": ("motet.version", "__version__"),
     "LLM": ("motet.engine.llm", "LLM"),
     "SamplingParams": ("motet.engine.sampling_params", "SamplingParams"),
     "EngineConfig": ("motet.engine.config", "EngineConfig"),
@@ -35,7 +35,7 @@ _EXPORTS = {
     "RequestOutput": ("motet.engine.outputs", "RequestOutput"),
     "main": ("motet.api.cli", "main"),
 }
-__all__ = sorted([*_EXPORTS, "serve", "__version__"])
+__all__ = sorted([*_EXPORTS, "serve"])
 
 
 def serve(argv: list[str] | None = None) -> int:

@@ -101,11 +101,12 @@ def threads() -> Callable[[str], int]:
 
 def device(text: str) -> str:
     """`--device`: auto, cpu, cuda or cuda:N, where this machine and its torch build have it (the engine's own
-    check, motet/engine/config.py `checked_device`: an unknown name, CUDA not in this torch build, no such index)."""
-    from motet.engine.config import checked_device
+    check, motet/engine/config.py `checked_device`: an unknown name, CUDA not in this torch build, no such index;
+    `device_type`: auto and cpu without importing torch where its build has no GPU)."""
+    from motet.engine.config import device_type
 
     try:
-        checked_device(text)
+        device_type(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text

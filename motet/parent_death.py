@@ -18,13 +18,14 @@ def child_env() -> dict[str, str]:
     return {**os.environ, DIE_WITH_PARENT: str(os.getpid())}
 
 
-def die_with_parent() -> None:
-    """In the child: SIGTERM when the harness dies, however it dies (Linux; elsewhere nothing)."""
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In the child: `sig` when the harness dies, however it dies (Linux; elsewhere nothing). A process stopped
+    (SIGSTOP) dies of SIGKILL only: the kernel keeps any other signal pending until it is continued."""
     parent = os.environ.pop(DIE_WITH_PARENT, None)  # (not inherited by this process's own children)
     if parent is None or sys.platform != "linux":
         return
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     if os.getppid() != int(parent):  # the harness died before the prctl
         os._exit(1)

@@ -21,6 +21,10 @@ if not torch.cuda.is_available():
 # and clear it themselves.
 os.environ["MOTET_DATA_DIR"] = tempfile.mkdtemp(prefix="motet-test-data-")
 atexit.register(shutil.rmtree, os.environ["MOTET_DATA_DIR"], True)
+# The prepared weights of the models they serve too (motet/engine/weights/prepared_store.py): an engine built twice on
+# one model in a run starts from its entry the second time.
+os.environ["MOTET_WEIGHTS_CACHE_DIR"] = tempfile.mkdtemp(prefix="motet-test-weights-")
+atexit.register(shutil.rmtree, os.environ["MOTET_WEIGHTS_CACHE_DIR"], True)
 
 
 @pytest.fixture(scope="session", autouse=True)

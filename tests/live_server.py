@@ -113,7 +113,7 @@ class ThreadServer:
 
     def __init__(self, *args: str, start_timeout: float = 120):
         from motet.api.cli import build_parser, engine_config
-        from motet.api.server import build_state, http_server
+        from motet.api.server import api_app, build_state, uvicorn_server
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -121,7 +121,7 @@ class ThreadServer:
             ["serve", "--port", str(self.port), "--log-level", "warning", *args]
         )
         self.state = build_state(parsed, engine_config(parsed))
-        self.server = http_server(parsed, self.state)
+        self.server = uvicorn_server(parsed, api_app(parsed, self.state), self.state)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout

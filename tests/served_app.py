@@ -3,14 +3,24 @@ fast API tests: the client is handed out once the engine is warm and /health ans
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from starlette.testclient import TestClient
 
-from motet.api.app import create_app
+from motet.api.app import create_app, routes
+from motet.api.openapi import document
 from motet.api.state import ServerState
+from motet.engine.weights.model_store import DEFAULT_MODEL
+
+
+@functools.cache
+def openapi_schema(model: str = DEFAULT_MODEL) -> dict:
+    """The OpenAPI document of the app's routes (motet/api/app.py `routes()`), as GET /openapi.json answers it
+    for a server serving `model`."""
+    return document(routes(), model)
 
 
 def wait_healthy(client: TestClient, timeout: float = 60) -> None:

@@ -28,6 +28,7 @@ TOP = ("motet", "docs", "tests", "benchmarks", "scripts", "deploy")
 NOT_OURS = {
     "AsyncScheduler",  # vLLM's
     "EngineClient",  # vLLM's
+    "anyio.to_thread",  # AnyIO's worker threads
     "EngineCoreRequest",  # vLLM's
     "OutputProcessor",  # vLLM's
     "Processor",  # vLLM's

@@ -3,8 +3,9 @@ local serving system (motet/actors/system.py, the actors and an engine in this p
 (motet/cluster/cluster_system.py, engine replicas behind an ingress) both implement, and the load figures
 it answers with.
 
-The API calls nothing else of a serving system: requests go in through `submit` / `submit_all` (their
-tokens come back on the admissions' reply streams) and leave early through `abort`; adapters are dropped
+The API calls nothing else of a serving system (tests/test_manual_relations.py): requests go in through
+`submit_all` (the routes', motet/api/completions/generation.py; `submit` is one prompt's, for scripts and tests),
+their tokens come back on the admissions' reply streams, and they leave early through `abort`; adapters are dropped
 through `remove_lora`; `stats` is the load; and everything the API knows of the model (tokenizer, chat
 template, family, limits) is `model`, a frozen ModelView (motet/engine/model_view.py) that exists once the
 system is `ready`. No route reaches into an engine: under Ray there is none in the API's process.

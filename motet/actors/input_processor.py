@@ -15,7 +15,8 @@ it is thread-safe by what it holds:
   engine's thread's).
 
 Nothing here touches the engine's step state (its sequences, blocks, scheduler): that is the engine thread's
-(motet/actors/executor.py), and a prepared request reaches it whole, as an EngineRequest.
+(motet/actors/executor.py; an overlapped engine's forward thread is given values only: motet/engine/stepping.py),
+and a prepared request reaches it whole, as an EngineRequest.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import functools
 from collections.abc import Callable
 
 from motet.actors.messages import GenerateSpec
-from motet.actors.serving_errors import InvalidRequest, ServerBusy, request_refusal
+from motet.actors.serving_errors import request_refusal
 from motet.engine.model_view import ModelView
 from motet.engine.request import final_params
 from motet.engine.request_checks import RequestError, RequestLimits
@@ -121,7 +122,7 @@ class InputProcessor:
         try:
             text = self.model.render_chat(spec.messages, max_chars=max_chars, **spec.chat_template_kwargs)
         except ValueError as e:
-            raise InvalidRequest(str(e), param=param) from None
+            raise request_refusal(e, param=param) from None
         if own and len(text) > max_chars:
             raise RequestError(
                 f"the request's chat_template renders more than {max_chars} characters, more than the prompt "
@@ -165,6 +166,4 @@ class InputProcessor:
                 owner=spec.tenant,
             )
         except GrammarError as e:
-            if e.reason == "busy":
-                raise ServerBusy(str(e), param=spec.grammar_param) from None
-            raise InvalidRequest(f"{spec.grammar_param}: {e}", param=spec.grammar_param) from None
+            raise request_refusal(e, param=spec.grammar_param) from None

@@ -27,6 +27,7 @@ from motet.actors.messages import Abort, Admission, Cancel, GenerateSpec, Remove
 from motet.actors.runtime import ActorStopped, ActorSystem
 from motet.actors.scheduler_actor import SchedulerActor
 from motet.actors.serving_errors import ShuttingDown
+from motet.actors.training_lease import TrainingLease
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import EngineStats, LLMEngine
 from motet.engine.model_view import ModelView
@@ -42,8 +43,9 @@ class ServingSystem:
         max_waiting: int = 16,
         loras: dict[str, Path] | None = None,  # adapters registered at start-up: name -> directory
         cache_period_s: float | None = None,  # how often its stats tell what the caches hold (a replica's)
+        lease: TrainingLease | None = None,  # fine-tuning workers the engine lends the cores to between steps
     ):
-        self.executor = ExecutorActor(engine_factory, loras, cache_period_s)
+        self.executor = ExecutorActor(engine_factory, loras, cache_period_s, lease=lease)
         self.scheduler = SchedulerActor(self.executor, max_waiting=max_waiting)
         self.queues = AdapterQueuesActor(max_queue_len)
         self.ingress = IngressActor(self.executor, self.queues)

@@ -36,7 +36,6 @@ from motet.api.responses.routes import create_response, delete_response, get_res
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.tokenization import detokenize, tokenize
 from motet.api.usage_route import usage_route
-from motet.engine.weights.model_store import DEFAULT_MODEL
 from motet.version import __version__
 
 log = logging.getLogger("motet.api")
@@ -77,7 +76,8 @@ TEMPLATED = (
 
 def guarded(handler, probe: bool = False):
     """Every failure becomes an OpenAI-shaped error response; only real bugs are 500s (and logged). A route
-    that is not a `probe` answers 503 (with Retry-After) until the model has loaded."""
+    that is not a `probe` (/health, /ping, /version, /metrics) answers 503 "Loading model" (with Retry-After) until
+    the model has loaded."""
 
     @functools.wraps(handler)
     async def wrapper(request: Request) -> Response:
@@ -92,7 +92,8 @@ def guarded(handler, probe: bool = False):
 
 
 @operation(
-    "200 once the model is loaded; 503 while starting or draining",
+    "200 once the model is loaded; 503 while starting (llama.cpp's body, with the load's phase and fraction) or "
+    "draining",
     tag="Server",
     ok_description="ready",
     errors={503: "not ready"},
@@ -100,7 +101,7 @@ def guarded(handler, probe: bool = False):
 )
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.motet
-    state.check_ready()
+    state.check_ready(progress=True)
     return JSONResponse({"status": "ok"})
 
 
@@ -219,7 +220,7 @@ def routes() -> list:
         Route("/version", guarded(version, probe=True), methods=["GET"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
         Route("/detokenize", guarded(detokenize), methods=["POST"]),
-        Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/metrics", guarded(metrics, probe=True), methods=["GET"]),  # (its figures while loading too)
         Route("/v1/usage", guarded(usage_route), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"], include_in_schema=False),
         *playground_routes(),  # the chat page at /, the API docs at /docs
@@ -238,12 +239,6 @@ def fine_tuning_routes() -> list[Route]:
         Route(f"{job}/events", guarded(fine_tuning.list_events), methods=["GET"]),
         Route(f"{job}/checkpoints", guarded(fine_tuning.list_checkpoints), methods=["GET"]),
     ]
-
-
-@functools.cache
-def openapi_schema(model: str = DEFAULT_MODEL) -> dict:
-    """The OpenAPI document of `routes()` (what GET /openapi.json answers, served as `model`)."""
-    return document(routes(), model)
 
 
 async def openapi(request: Request) -> Response:

@@ -23,7 +23,6 @@ from pathlib import Path
 from types import MappingProxyType
 
 from motet import json_input
-from motet.api.errors import APIError
 
 log = logging.getLogger("motet.api")
 
@@ -80,9 +79,9 @@ class Principal:
 
 
 def _tenant(where: str, name: str) -> str:
-    """A tenant's name, refused unless its adapters' store can hold it (motet/lora/registry.py's rule: a tenant's
+    """A tenant's name, refused unless its adapters' store can hold it (motet/lora/names.py's rule: a tenant's
     adapters and fine-tuned models are stored under its name)."""
-    from motet.lora.registry import check_name
+    from motet.lora.names import check_name
 
     try:
         return check_name("tenant", name)
@@ -116,6 +115,14 @@ def _principal(where: str, value) -> Principal:
         f'"priority_class": "interactive" | "batch"}} / '
         f'{{"admin": true}} (an admin key reads /metrics), got {json.dumps(value)[:80]}'
     )
+
+
+def refused(status: int, message: str, code: str):
+    """The API's error for a key refused (401) or of the wrong kind (403). motet/api/errors.py is imported on first
+    use: `motet serve` reads the keys file before its port answers, before the API's modules are imported."""
+    from motet.api.errors import APIError
+
+    return APIError(status, message, code=code)
 
 
 def _digest(key: str) -> bytes:
@@ -193,10 +200,10 @@ class Authenticator:
             return Principal(DEFAULT_TENANT, admin=True)
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            raise refused(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
         found = self._by_digest.get(_digest(key.strip()))
         if found is None:
-            raise APIError(401, "invalid API key", code="invalid_api_key")
+            raise refused(401, "invalid API key", code="invalid_api_key")
         return found
 
     def tenant(self, authorization: str | None) -> str:
@@ -206,7 +213,7 @@ class Authenticator:
         """The principal of a tenant's key; 403 for an admin-only key."""
         principal = self.principal(authorization)
         if principal.tenant is None:
-            raise APIError(
+            raise refused(
                 403,
                 "this API key is an admin key: it reads /metrics and /v1/usage, and makes no requests of a "
                 "tenant; use a tenant's key",
@@ -218,7 +225,7 @@ class Authenticator:
         """401 without a valid key, 403 naming `route` (what was asked, e.g. "GET /v1/usage") for a tenant's key
         (auth on); nothing to check with auth off."""
         if not self.principal(authorization).admin:
-            raise APIError(
+            raise refused(
                 403,
                 f'{route} needs an admin key (an --api-keys entry with "admin": true); this key is a tenant\'s',
                 code="admin_key_required",

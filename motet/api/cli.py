@@ -10,6 +10,7 @@ import logging
 import re
 import sys
 
+from motet.api.cache_command import add_cache_parser
 from motet.flag_types import (
     OneLineErrors,
     device,
@@ -39,6 +40,21 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None:
             return f"{help_} (default: none)"
         return super()._get_help_string(action)
+
+
+class _Version(argparse.Action):
+    """`motet --version`: the installed distribution's version (motet/version.py), read only when asked."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(
+            option_strings, dest=dest, default=default, nargs=0, help="print the version and exit"
+        )
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from motet.version import __version__
+
+        print(f"motet {__version__}")  # (stdout, as argparse's own version action prints it)
+        parser.exit()
 
 
 # The engine's flags that set an EngineConfig field of their own (the others: `engine_config`).
@@ -160,6 +176,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "dtype and KV layout; 0: off",
     )
     flag(
+        "--weights-cache-gb",
+        type=number(0),
+        help="disk, in GiB, for the prepared-weights cache (a CPU's native step: each model's weights packed and "
+        "requantized once, mapped at later starts; under $MOTET_WEIGHTS_CACHE_DIR, else <$MOTET_CACHE_DIR or "
+        "~/.cache/motet>/weights; the least recently used evicted; `motet cache ls|rm`); 0: off",
+    )
+    flag(
         "--threads",
         field="num_threads",
         type=threads(),
@@ -269,11 +292,11 @@ def engine_config(args):
 
 def kv_disk_dir(args, model: str) -> str | None:
     """The KV disk tier's directory, under the data directory (`motet serve --data-dir`), when it is on."""
+    if not args.kv_disk_gb:
+        return None
     from motet.api.server import data_dir
     from motet.engine.core.kv_tiers import KV_CACHE_SUBDIR
 
-    if not args.kv_disk_gb:
-        return None
     return str(data_dir(getattr(args, "data_dir", None), model) / KV_CACHE_SUBDIR)
 
 
@@ -284,18 +307,33 @@ def cmd_pull(args) -> int:
     return 0
 
 
+def starting(config, what: str) -> None:
+    """An offline command's first line, said as it begins (before the engine's libraries are imported: seconds on
+    a busy machine), and its phase from then on, which a `load_progress.Heartbeat` repeats where no line comes."""
+    from motet.engine.weights import load_progress
+
+    load_progress.begin(
+        f"{what}: loading {config.model} in {config.dtype}", "the engine's libraries, then the weights"
+    )
+    load_progress.phase("importing the engine's libraries")
+
+
 def cmd_generate(args) -> int:
     from motet.api.server import check_model
-    from motet.engine.llm_engine import LLMEngine
-    from motet.engine.outputs import RequestOutputs
-    from motet.engine.sampling_params import SamplingParams
+    from motet.engine.weights import load_progress
 
     config = engine_config(args)
     check_model(config)  # a flag the model or the memory refuses: one line, before anything loads
     # the engine's start-up lines on stderr (a minute on a busy CPU); stdout holds the answer alone
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("motet").setLevel(logging.INFO)
-    engine, answers = LLMEngine(config), RequestOutputs()
+    starting(config, "motet generate")
+    with load_progress.Heartbeat():
+        from motet.engine.llm_engine import LLMEngine
+        from motet.engine.outputs import RequestOutputs
+        from motet.engine.sampling_params import SamplingParams
+
+        engine, answers = LLMEngine(config), RequestOutputs()
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, top_p=args.top_p
     )
@@ -329,12 +367,22 @@ def cmd_serve(args) -> int:
 
 
 def cmd_run_batch(args) -> int:
-    from motet.api.offline_batch import run_batch
     from motet.api.server import check_model
+    from motet.engine.weights import load_progress
 
     config = engine_config(args)
     check_model(config)  # as serve's: before anything loads
-    return run_batch(args, config)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    starting(config, f"motet run-batch {args.input_file}")
+    heartbeat = load_progress.Heartbeat().start()  # (until the engine is ready and the bar shows)
+    try:
+        from motet.api.offline_batch import run_batch
+
+        return run_batch(args, config, heartbeat.stop)
+    finally:
+        heartbeat.stop()
 
 
 def cmd_eval(args) -> int:
@@ -357,7 +405,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_batch_args(p: argparse.ArgumentParser) -> None:
-    from motet.api.offline_batch import URL_SCHEMES
+    from motet.api.batch_files import URL_SCHEMES
 
     p.add_argument(
         "-i",
@@ -401,7 +449,12 @@ def _run_batch_args(p: argparse.ArgumentParser) -> None:
         choices=["none", *REASONING_FORMATS],
         help="as serve's: the model's reasoning comes back as reasoning_content (default: the model's; none: off)",
     )
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="info: what it loads, with a line at least every 5 s until the progress bar shows",
+    )
     _engine_args(p)
 
 
@@ -413,6 +466,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         return command is None or command == name
 
     parser = OneLineErrors(prog="motet", description="multi-tenant LLM serving engine")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = {"formatter_class": _HelpFormatter}
 
@@ -457,6 +511,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from motet.api.fine_tune_command import add_fine_tune_parser
 
     add_fine_tune_parser(sub, **fmt)
+    add_cache_parser(sub, **fmt)
     return parser
 
 

@@ -4,7 +4,11 @@ The first SIGTERM does not close the listening socket: new requests get 503 (the
 `state.draining`) while the ones in flight finish, up to `drain_timeout` seconds; those still generating then
 end as a failure midway does (a 503: a stream's error event and last event, never a cut connection), one
 warning line counts them, and uvicorn shuts down as usual. A second SIGTERM, or SIGINT (Ctrl-C), is uvicorn's
-own immediate shutdown, which ends `run` quietly. A failed start-up (`state.fatal`) also ends the server. `on_tick` runs on each of uvicorn's ticks (about 10 a second).
+own immediate shutdown, which ends `run` quietly. A failed start-up (`state.fatal`: the engine did not load;
+`fail`: the API was not built) also ends the server. `on_tick` runs on each of uvicorn's ticks (about 10 a
+second). While `motet serve` starts, the server runs before its state is built (motet/api/starting.py): `attach`
+gives it the state once it is; a SIGTERM before that ends it at once (nothing can be in flight: every request is
+answered 503 at once).
 
 SIGHUP (`reload_on_sighup`) asks for a reload: its handler only sets a flag (a signal handler runs between
 two bytecodes of whatever the main thread is doing, inside a lock the reload takes too, or inside another
@@ -22,12 +26,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from motet.api.state import ServerState
-from motet.api.streams import cut
+if TYPE_CHECKING:
+    from motet.api.state import ServerState
 
 log = logging.getLogger("motet.server")
 
@@ -58,12 +62,13 @@ class DrainingServer(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
-        state: ServerState,
+        state: ServerState | None,
         drain_timeout: float,
         on_tick: Callable[[], None] | None = None,
     ):
         super().__init__(config)
-        self.state = state
+        self.state = state  # None until `attach`
+        self.start_error: BaseException | None = None  # the API could not be built (`fail`)
         self.drain_timeout = drain_timeout
         self.drain_deadline: float | None = None
         self.cut = 0  # requests the drain's deadline ended
@@ -72,6 +77,14 @@ class DrainingServer(uvicorn.Server):
         self.reload_deadline_s = RELOAD_DEADLINE_S
         self.reload_requested = False
         self.reading: ReloadRead | None = None  # the reload under way
+
+    def attach(self, state: ServerState) -> None:
+        """The server's state, built once the server runs (an assignment: safe from the thread that built it)."""
+        self.state = state
+
+    def fail(self, error: BaseException) -> None:
+        """The API could not be built: the server ends at its next tick."""
+        self.start_error = error
 
     def reload_on_sighup(self, read: Callable[[], Any], apply: Callable[[Any], None]) -> None:
         """After each SIGHUP, or burst of them: `read` in a thread of its own (a ValueError: logged, nothing
@@ -93,6 +106,9 @@ class DrainingServer(uvicorn.Server):
                 raise
 
     def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and self.state is None:  # still starting: a drain with nothing in flight
+            self.should_exit = True
+            return
         if sig == signal.SIGTERM and not self.state.draining:
             # A signal handler: only set flags; on_tick (on the event loop) does the rest.
             self.state.draining = True
@@ -103,7 +119,7 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and not self.should_exit:
             self._step_drain(counter)
-        if self.state.fatal is not None:
+        if self.start_error is not None or (self.state is not None and self.state.fatal is not None):
             self.should_exit = True
         self._step_reload()
         if self.on_tick_hook is not None:
@@ -118,6 +134,10 @@ class DrainingServer(uvicorn.Server):
             self.state.limiter.close_lines()
         now = time.monotonic()
         if now > self.drain_deadline:
+            from motet.api.streams import (
+                cut,  # (the API's: loaded by then; `motet serve` answers before they load)
+            )
+
             self.cut += cut(self.state)
         elif counter % 10 == 0:
             log.info("draining: %d requests in flight", len(self.state.inflight))

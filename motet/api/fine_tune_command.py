@@ -65,47 +65,100 @@ def add_fine_tune_parser(sub, **fmt) -> None:
     p.set_defaults(func=cmd_fine_tune)
 
 
-def cmd_fine_tune(args) -> int:
-    import torch
-    from tqdm import tqdm
+def say(text: str) -> None:
+    """A line of the command's on stderr (stdout stays empty)."""
+    print(f"motet fine-tune: {text}", file=sys.stderr, flush=True)
 
-    from motet.engine.config import EngineConfig, auto_dtype, context_length, default_cpu_threads
-    from motet.engine.tokenizer import load_tokenizer
-    from motet.engine.weights.checkpoint import load_model_config
+
+HYPERPARAMETERS = ("n_epochs", "batch_size", "learning_rate_multiplier", "lora_rank", "lora_alpha",
+                   "lora_target_modules")  # fmt: skip
+
+
+def cmd_fine_tune(args) -> int:
+    """What the flags, the model's config and the files' lines decide first, quickly (a refusal: one line, exit 2);
+    then it says what it does, and (a line at least every 5 s: `load_progress.Heartbeat`) imports the trainer's
+    libraries, reads the tokenizer and tokenizes the files before the bar shows."""
+    from motet.engine.config import context_length
+    from motet.engine.weights import load_progress
+    from motet.engine.weights.model_config import load_model_config
     from motet.engine.weights.model_store import resolve_model
-    from motet.grammar.tool_formats import tool_format
-    from motet.training.hyperparameters import HyperparameterError
-    from motet.training.run_setup import FileError, RunFiles, prepare_files, set_up
-    from motet.training.trainer import train
 
     method = METHODS[args.method]
-    names = (
-        "n_epochs",
-        "batch_size",
-        "learning_rate_multiplier",
-        "lora_rank",
-        "lora_alpha",
-        "lora_target_modules",
-    )
-    given = {n: getattr(args, n) for n in (*names, *(("beta",) if method == "dpo" else ()))}
+    given = {n: getattr(args, n) for n in (*HYPERPARAMETERS, *(("beta",) if method == "dpo" else ()))}
     given = {n: v for n, v in given.items() if v is not None}  # the others: auto
     if method != "dpo" and args.beta is not None:
         raise ValueError("--beta is DPO's (--method dpo)")
-    torch.set_num_threads(args.threads or default_cpu_threads())
     model_dir = resolve_model(args.model)
     config = load_model_config(model_dir)
-    tokenizer = load_tokenizer(model_dir)
-    files = RunFiles(model_dir, config, tokenizer, tool_format(config.declaration.tool_format,
-                     tokenizer.hf.chat_template), context_length(config, args.max_model_len),
-                     max_rank=EngineConfig.max_lora_rank)  # fmt: skip
+    max_tokens = context_length(config, args.max_model_len)
     out = args.out or args.file.with_name(f"{args.file.stem}-adapter")
+    check_files(args, method, given, config, max_tokens, out)
+    say(
+        f"{method} fine-tuning of {model_dir.name} on {args.file}: tokenizing the examples, then training ..."
+    )
+    load_progress.phase("importing the trainer's libraries")
+    with load_progress.Heartbeat(say=say):
+        prepared = _prepare(args, method, given, model_dir, config, max_tokens, out)
+    return train_run(*prepared)
+
+
+def check_files(args, method: str, given: dict, config, max_tokens: int, out) -> None:
+    """The files' lines read as the job reads its examples (without tokenizing them), the hyperparameters against
+    their count and the model, and DIR made: a ValueError naming the file and line, the flag or the path, before
+    the trainer's libraries load (seconds: a bad file is refused at once)."""
+    from motet.engine.config import EngineConfig
+    from motet.lora.peft_format import base_modules
+    from motet.training.data_format import DataError, max_line_bytes, read_examples
+    from motet.training.dataset import MAX_EXAMPLES
+    from motet.training.hyperparameters import HyperparameterError, resolve
+
+    examples = 0
+    for path in (args.file, args.validation):
+        if path is None:
+            continue
+        try:
+            with open(path, "rb") as f:
+                count = sum(1 for _ in read_examples(f, method, max_line_bytes(max_tokens), MAX_EXAMPLES))
+        except DataError as e:
+            raise ValueError(f"{path}: {e}") from None
+        except OSError as e:  # (checked as a flag, but it may change, or be out of our reach)
+            raise ValueError(f"{e.filename or path}: {e.strerror or e}") from None
+        examples = examples or count  # (the training file's)
+    try:
+        resolve(method, given, examples, max_rank=EngineConfig.max_lora_rank, modules=base_modules(config))
+    except HyperparameterError as e:
+        raise ValueError(f"--{e.name.replace('_', '-')}: {e}") from None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{e.filename or out}: {e.strerror or e}") from None
+
+
+def _prepare(args, method: str, given: dict, model_dir, config, max_tokens: int, out) -> tuple:
+    """The run set up from the files, tokenized (ValueError naming what to fix): (run, its training data, dtype,
+    DIR)."""
+    import torch
+
+    from motet.engine.config import EngineConfig, auto_dtype, default_cpu_threads
+    from motet.engine.tokenizer import load_tokenizer
+    from motet.engine.weights import load_progress
+    from motet.grammar.tool_formats import tool_format
+    from motet.training.hyperparameters import HyperparameterError
+    from motet.training.run_setup import FileError, RunFiles, prepare_files, set_up
+
+    torch.set_num_threads(args.threads or default_cpu_threads())
+    load_progress.phase(f"reading {model_dir.name}'s tokenizer")
+    tokenizer = load_tokenizer(model_dir)
+    load_progress.phase(f"tokenizing {args.file}")
+    files = RunFiles(model_dir, config, tokenizer, tool_format(config.declaration.tool_format,
+                     tokenizer.hf.chat_template), max_tokens, max_rank=EngineConfig.max_lora_rank)  # fmt: skip
     try:
         with (
             open(args.file, "rb") as f,
             open(args.validation, "rb") if args.validation else contextlib.nullcontext() as v,
         ):
             train_data, valid_data = prepare_files(files, method, f, v, out)
-        dtype = auto_dtype(torch.device("cpu"))[0] if args.dtype == "auto" else args.dtype
+        dtype = auto_dtype("cpu")[0] if args.dtype == "auto" else args.dtype
         run = set_up(files, method, train_data, given, seed=args.seed, run_dir=out, dtype=dtype,
                      base_name=model_dir.name, adapter_dir=out)  # fmt: skip
     except FileError as e:
@@ -115,6 +168,15 @@ def cmd_fine_tune(args) -> int:
         raise ValueError(f"{e.filename or out}: {e.strerror or e}") from None
     except HyperparameterError as e:
         raise ValueError(f"--{e.name.replace('_', '-')}: {e}") from None
+    return run, train_data, dtype, out
+
+
+def train_run(run, train_data, dtype: str, out) -> int:
+    """The run trained, with its progress bar."""
+    from tqdm import tqdm
+
+    from motet.training.trainer import train
+
     h = run.hyperparameters
     print(f"{train_data.examples} examples, {train_data.tokens} tokens; {h.n_epochs} epochs of batches of "
           f"{h.batch_size}, learning rate {h.learning_rate:g}, LoRA rank {h.lora_rank}, {dtype}", file=sys.stderr)  # fmt: skip

@@ -22,16 +22,12 @@ def refuse_unknown(query: QueryParams, known: Collection[str]) -> None:
             raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
 
 
-def page_limit(
-    query: QueryParams, default: int = DEFAULT_LIMIT, most: int = MAX_LIMIT, clamp: bool = False
-) -> int:
-    """`limit`, from 1 to `most` (`default` where absent); with `clamp`, any larger one is taken as `most` (a page
-    of `most`, `has_more` saying that more follow) rather than refused."""
+def page_limit(query: QueryParams, default: int = DEFAULT_LIMIT, most: int = MAX_LIMIT) -> int:
+    """`limit`, from 1 to `most` (`default` where absent)."""
     raw = query.get("limit", str(default))
-    if not raw.isdigit() or int(raw) < 1 or (int(raw) > most and not clamp):
-        allowed = "a positive integer" if clamp else f"an integer from 1 to {most}"
-        raise APIError(400, f"limit must be {allowed}, not {echo(raw)}", param="limit")
-    return min(int(raw), most)
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise APIError(400, f"limit must be an integer from 1 to {most}, not {echo(raw)}", param="limit")
+    return int(raw)
 
 
 def page_order(query: QueryParams) -> str:
@@ -54,14 +50,12 @@ def list_object(data: list[dict], has_more: bool) -> dict:
 
 
 async def stored_page(query: QueryParams, failure: str, noun: str, owner: str, read, *args,
-                      default_limit: int = DEFAULT_LIMIT, most: int = MAX_LIMIT, clamp: bool = False,
-                      **filters) -> dict:  # fmt: skip
+                      default_limit: int = DEFAULT_LIMIT, **filters) -> dict:  # fmt: skip
     """The list object of a cursor page that a store reads (`after` and `limit`, nothing else, in the query):
     `read(*args, after, limit, **filters)` in a worker thread gives (objects, has_more), or None where `after` names
-    no `noun` of the `owner`'s (a 400); `failure` says what failed where the storage does. `most` and `clamp`: as
-    `page_limit`'s."""
+    no `noun` of the `owner`'s (a 400); `failure` says what failed where the storage does."""
     refuse_unknown(query, ("after", "limit"))
-    limit, after = page_limit(query, default_limit, most, clamp), query.get("after")
+    limit, after = page_limit(query, default_limit), query.get("after")
     page = await stored_call(failure, functools.partial(read, **filters), *args, after, limit)
     if page is None:
         raise APIError(400, f"after: no {noun} {echo(after)} of this {owner}", param="after")

@@ -6,52 +6,23 @@ The engine runs in this process behind the server's own app, without HTTP: the s
 formats are the Batch API's (motet/api/batches/lines.py). Unlike the server's batches, lines run at full
 speed (up to `--max-concurrency` at once) and every answer, errors included, goes to the one output file, in
 the input's order, as vLLM writes it. The output is written whole (to a temporary name, then renamed).
--i and -o take local paths, or http(s) URLs (the input is fetched with GET, the output sent with PUT).
+-i and -o take local paths, or http(s) URLs (the input is fetched with GET, the output sent with PUT:
+motet/api/batch_files.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import tempfile
-import urllib.request
-from pathlib import Path
 
 import anyio
 from tqdm import tqdm
 
+from motet.api.batch_files import read_input, write_output
 from motet.api.batches.lines import Line, dumps, error_line, parse_lines, succeeded
 from motet.api.batches.runner import answer
 
 log = logging.getLogger("motet.batches")
-
-
-URL_SCHEMES = ("http", "https")  # what -i and -o take besides local paths
-
-
-def _is_url(path: str) -> bool:
-    return path.startswith(tuple(f"{scheme}://" for scheme in URL_SCHEMES))
-
-
-def read_input(path: str) -> list[bytes]:
-    if _is_url(path):
-        with urllib.request.urlopen(path) as r:  # noqa: S310 (the user's own URL)
-            return r.read().splitlines(keepends=True)
-    with open(path, "rb") as f:
-        return f.readlines()
-
-
-def write_output(path: str, lines: list[bytes]) -> None:
-    if _is_url(path):
-        request = urllib.request.Request(path, data=b"".join(lines), method="PUT")
-        with urllib.request.urlopen(request):  # noqa: S310
-            return
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)  # (-o's check: nothing but directories on its way)
-    with tempfile.NamedTemporaryFile("wb", dir=target.parent or ".", delete=False, suffix=".partial") as f:
-        f.writelines(lines)
-    os.replace(f.name, target)
 
 
 async def run_lines(app, lines: list[Line], concurrency: int, progress: tqdm) -> list[dict]:
@@ -76,11 +47,13 @@ async def run_lines(app, lines: list[Line], concurrency: int, progress: tqdm) ->
     return out
 
 
-async def _main(state, app, lines: list[Line], concurrency: int) -> list[dict]:
+async def _main(state, app, lines: list[Line], concurrency: int, on_ready=None) -> list[dict]:
     async with anyio.create_task_group() as tg:
         tg.start_soon(state.system.run)
         while not state.system.ready:
             await anyio.sleep(0.05)
+        if on_ready is not None:
+            on_ready()
         try:
             with tqdm(total=len(lines), unit="req", desc="Running batch", file=sys.stderr) as progress:
                 return await run_lines(app, lines, concurrency, progress)
@@ -90,16 +63,14 @@ async def _main(state, app, lines: list[Line], concurrency: int) -> list[dict]:
             tg.cancel_scope.cancel()
 
 
-def run_batch(args, config) -> int:
+def run_batch(args, config, on_ready=None) -> int:
+    """The batch run (logging configured by the command); `on_ready()` once the engine has loaded, before the bar."""
     from motet.actors.system import ServingSystem
     from motet.api.app import create_app
     from motet.api.served_names import served_names, shared_loras
     from motet.api.state import ServerState
     from motet.engine.llm_engine import LLMEngine
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     concurrency = args.max_concurrency or 2 * config.max_num_seqs
     lines = list(parse_lines(read_input(args.input_file)))
     names = served_names(args, config)
@@ -113,7 +84,7 @@ def run_batch(args, config) -> int:
         tool_call_parser=getattr(args, "tool_call_parser", None),
     )
     log.info("running %d requests from %s on %s", len(lines), args.input_file, state.model_name)
-    out = anyio.run(_main, state, create_app(state), lines, concurrency)
+    out = anyio.run(_main, state, create_app(state), lines, concurrency, on_ready)
     write_output(args.output_file, [dumps(result) for result in out])
     failed = sum(not succeeded(result) for result in out)
     log.info("wrote %d answers to %s (%d errors)", len(out), args.output_file, failed)

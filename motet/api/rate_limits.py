@@ -49,6 +49,7 @@ import anyio
 from motet.api.asgi import BATCH_SCOPE_KEY, request_headers
 from motet.api.auth import TenantLimits
 from motet.api.errors import APIError
+from motet.api.tenant_line import DEFAULT_WAIT_S, LINE_PER_PLACE
 
 LIMITED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 # An estimate further out is no better than asking again in a minute (what the SDKs wait as told, at most).
@@ -56,11 +57,6 @@ MAX_RETRY_AFTER_S = 60
 # A running request's time per token before the engine has timed a step: a slow CPU step at a moderate batch
 # (an estimate too long costs a client some waiting; one too short, its retries).
 DEFAULT_TOKEN_S = 0.1
-# A request over its tenant's concurrency limit waits for a place this long (`motet serve --tenant-wait-timeout`),
-# in a line of at most LINE_PER_PLACE requests for each place; then 429. The openai SDKs' default 2 retries each
-# wait in line again.
-DEFAULT_WAIT_S = 30.0
-LINE_PER_PLACE = 4
 # Of a waiting request's body, what the line reads to see its client leave (a longer one waits unread in the socket,
 # its client's leaving seen once it is let in).
 WAIT_BODY_BYTES = 256 << 10

@@ -27,7 +27,7 @@ def served_names(args, config) -> list[str]:
 
 def shared_loras(specs: list[str] | None, model_names: list[str]) -> dict[str, Path]:
     """`--lora NAME=PATH` flags -> {name: directory}; the adapters are validated when the engine starts."""
-    from motet.lora.registry import check_name
+    from motet.lora.names import check_name
 
     loras: dict[str, Path] = {}
     for spec in specs or []:

@@ -1,9 +1,11 @@
 """`motet serve`: its flags, and wiring the engine, the actors and the app onto uvicorn.
 
 Start-up checks what it can before anything listens (the model resolves to a checkpoint motet serves, the
-flags' values, the port is free): a failure there is one line and exit status 2. Then the port opens (GET
-/health answers 503 while the model loads), and "ready" is logged once /health answers 200
-(motet/api/status_log.py). Heavy imports happen inside `serve`, so that `motet --help` stays fast.
+flags' values, the port is free: `prepare`, reading configs and flags only, in well under a second): a failure
+there is one line and exit status 2. Then the port opens and answers at once (GET /health: 503 with the load's
+progress, motet/api/starting.py) while the API's modules are imported, its stores opened and the model loaded
+beside it; "ready" is logged once /health answers 200 (motet/api/status_log.py). Heavy imports happen inside the
+functions that need them: the parser (`add_serve_args`) and `prepare` import no torch, transformers or starlette.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import shutil
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from motet.api.fine_tuning import flags as fine_tuning_flags
@@ -89,16 +92,19 @@ def check_model(config) -> tuple[Path, int]:
     """The model's directory and context length; ModelLoadError (a ValueError) naming what is wrong with
     --model, or with a flag the model's config bounds (--tensor-parallel-size: `check_ranks`; --quantization:
     `declared_quantization`) or the memory does (`check_fits`), before anything starts. The default model is
-    pulled here when it is not cached yet."""
-    from motet.engine.weights.checkpoint import load_model_config
+    pulled here when it is not cached yet. Reads configs, not weights, and imports no torch (but to check a
+    CUDA device or the ranks of --tensor-parallel-size): `serve` runs it before it binds its port."""
+    from motet.engine.weights.model_config import load_model_config
     from motet.engine.weights.model_store import resolve_model
-    from motet.engine.weights.quantized_checkpoint import declared_quantization
+    from motet.engine.weights.quantization_config import declared_quantization
     from motet.engine.worker.memory import check_fits
-    from motet.engine.worker.parallel import check_ranks
 
     model_dir = resolve_model(config.model)
     model = load_model_config(model_dir, config.tokenizer)
-    check_ranks(config.tensor_parallel_size, model, config.enable_expert_parallel, config.torch_device)
+    if config.tensor_parallel_size > 1:  # (one rank splits nothing)
+        from motet.engine.worker.parallel import check_ranks
+
+        check_ranks(config.tensor_parallel_size, model, config.enable_expert_parallel, config.torch_device)
     declared_quantization(model_dir, config.quantization)
     return model_dir, check_fits(config, model)
 
@@ -150,25 +156,30 @@ def fit_to_disk(args, config, data: Path) -> None:
         setattr(obj, attr, lowered)
 
 
-def build_state(args, config, model_dir: Path | None = None, max_model_len: int | None = None):
-    """The server's state; `model_dir` and `max_model_len` as check_model found them (found here if not
-    given)."""
-    from motet.actors.system import ServingSystem
-    from motet.api.adapters.store import AdapterStore
-    from motet.api.batches.runner import BatchRunner, LowPriority
-    from motet.api.batches.store import BatchStore
-    from motet.api.files.store import FileStore
+@dataclass
+class Prepared:
+    """What `motet serve` decides from its flags and the model's config before its port answers (`prepare`)."""
+
+    model_dir: Path
+    max_model_len: int
+    names: list[str]  # the served name, then its aliases
+    sampling_defaults: dict
+    loras: dict[str, Path]  # --lora: name -> directory
+    data: Path  # the data directory
+    load_dirs: tuple[Path, ...]  # --lora-load-dir, resolved
+    auth: object  # the API keys (motet/api/auth.py Authenticator)
+
+
+def prepare(args, config, model_dir: Path | None = None, max_model_len: int | None = None) -> Prepared:
+    """Every refusal the flags and the model's config decide (a ValueError naming the flag), made before the port
+    answers: the model (`check_model`; `model_dir` and `max_model_len` as it found them, else found here), the
+    served names, the sampling defaults, --lora, the data directory and --lora-load-dir, the API keys. Reads
+    configs and flags; imports none of the engine's or the API's heavy modules."""
     from motet.api.generation_config import sampling_defaults
-    from motet.api.metrics import Metrics
-    from motet.api.rate_limits import RateLimiter
-    from motet.api.responses.store import ResponseStore
     from motet.api.served_names import served_names, shared_loras
-    from motet.api.state import ServerState
-    from motet.api.usage import UsageStore
     from motet.api.vllm_flags import authenticator
     from motet.engine.config import default_cpu_threads
-    from motet.engine.llm_engine import LLMEngine
-    from motet.lora.registry import check_load_dirs
+    from motet.lora.names import check_load_dirs
 
     if model_dir is None or max_model_len is None:
         model_dir, max_model_len = check_model(config)
@@ -190,14 +201,46 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     # before anything starts: no load dir may overlap a place tenants' own adapters are kept
     private = {"--data-dir": data, **serve_flags.adapter_dirs(args)}
     load_dirs = check_load_dirs(args.lora_load_dir or (), private)
+    auth = authenticator(args)
+    return Prepared(model_dir, max_model_len, names, defaults, loras, data, load_dirs, auth)
+
+
+def build_state(
+    args,
+    config,
+    model_dir: Path | None = None,
+    max_model_len: int | None = None,
+    prepared: Prepared | None = None,
+):
+    """The server's state: its stores and serving system (the engine loads once the system runs), from what
+    `prepare` decided (decided here if not given)."""
+    from motet.actors.system import ServingSystem
+    from motet.actors.training_lease import TrainingLease
+    from motet.api.adapters.store import AdapterStore
+    from motet.api.batches.priority import LowPriority
+    from motet.api.batches.runner import BatchRunner
+    from motet.api.batches.store import BatchStore
+    from motet.api.files.store import FileStore
+    from motet.api.metrics import Metrics
+    from motet.api.rate_limits import RateLimiter
+    from motet.api.responses.store import ResponseStore
+    from motet.api.state import ServerState
+    from motet.api.usage import UsageStore
+    from motet.engine.llm_engine import LLMEngine
+
+    ready = prepared or prepare(args, config, model_dir, max_model_len)
+    model_dir, names, loras, data = ready.model_dir, ready.names, ready.loras, ready.data
+    lease = None  # (behind Ray no engine is in this process: a job's worker runs on a node of its own)
     if serve_flags.wants_cluster(args):  # engine replicas on Ray Serve behind this same app
         system = serve_flags.cluster_system(args, config, loras)
     else:
+        lease = TrainingLease(args.fine_tuning_share)  # the cores, lent to fine-tuning jobs between steps
         system = ServingSystem(
             lambda: LLMEngine(config, model_dir),
             max_queue_len=args.max_queue_len,
             max_waiting=args.max_waiting,
             loras=loras,
+            lease=lease,
         )
     adapters = AdapterStore(
         system,
@@ -206,7 +249,7 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         reserved=tuple(names),
         max_bytes=args.max_adapter_bytes,
         max_bytes_per_tenant=args.adapters_max_bytes_per_tenant,
-        load_dirs=load_dirs,
+        load_dirs=ready.load_dirs,
     )
     responses = ResponseStore(
         data,
@@ -217,11 +260,11 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     files = FileStore(data, args.files_max_bytes, args.files_max_bytes_per_tenant)
     batches = BatchRunner(BatchStore(data), files, LowPriority(args.batch_max_in_flight))
     usage = UsageStore(data)
-    fine_tuning = fine_tuning_flags.runner(args, data, files, adapters, usage, config.num_threads)
+    fine_tuning = fine_tuning_flags.runner(args, data, files, adapters, usage, config.num_threads, lease)
     state = ServerState(
         system=system,
         model_names=names,
-        auth=authenticator(args),
+        auth=ready.auth,
         max_body_bytes=args.max_body_bytes,
         adapters=adapters,
         responses=responses,
@@ -229,10 +272,10 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
         batches=batches,
         fine_tuning=fine_tuning,
         reasoning_parser=args.reasoning_parser,
-        metrics=Metrics(names[0], max_model_len),
+        metrics=Metrics(names[0], ready.max_model_len),
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=getattr(args, "tool_call_parser", None),
-        sampling_defaults=defaults,
+        sampling_defaults=ready.sampling_defaults,
         usage=usage,
         grammar_limits=grammar_limits(args),
         limiter=RateLimiter(wait_s=args.tenant_wait_timeout),
@@ -245,16 +288,13 @@ def build_state(args, config, model_dir: Path | None = None, max_model_len: int 
     return state
 
 
-def http_server(args, state, on_tick=None):
-    """The app on uvicorn, draining on SIGTERM, with the slow-client limits (motet/api/slow_clients.py);
-    `on_tick` runs on the server's ticks (the status log)."""
-    import uvicorn
-
+def api_app(args, state):
+    """The API's app with its middleware: the slow-client limits (motet/api/slow_clients.py), the rate limits, the
+    request log and traces where asked for, the origin guard, CORS where asked for."""
     from motet.api.app import create_app
-    from motet.api.draining import DrainingServer
     from motet.api.origin_guard import OriginGuard, flat_list
     from motet.api.rate_limits import RateLimits
-    from motet.api.slow_clients import BodyTimeout, header_timeout_protocol
+    from motet.api.slow_clients import BodyTimeout
 
     app = create_app(state)
     app.add_middleware(BodyTimeout, timeout=args.request_body_timeout, min_rate=args.request_body_min_rate)
@@ -287,6 +327,17 @@ def http_server(args, state, on_tick=None):
             allow_headers=["*"],
             expose_headers=["Retry-After", "x-request-id"],
         )
+    return app
+
+
+def uvicorn_server(args, app, state=None, on_tick=None):
+    """`app` on uvicorn, draining on SIGTERM, with the slow clients' header timeout; `on_tick` runs on the server's
+    ticks (the status log); `state`: the ServerState, where it is built already (else `attach`ed once it is)."""
+    import uvicorn
+
+    from motet.api.draining import DrainingServer
+    from motet.api.slow_clients import header_timeout_protocol
+
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -310,7 +361,11 @@ def read_keys(args):
 
 
 def apply_keys(state, loaded) -> None:
-    """SIGHUP's apply (on the loop): the keys `read_keys` read replace the running ones."""
+    """SIGHUP's apply (on the loop): the keys `read_keys` read replace the running ones (`state`: None while the
+    server starts, which then reads the keys file again as it builds)."""
+    if state is None:
+        log.warning("SIGHUP while starting: the keys are read as the server is built")
+        return
     auth, limits = loaded
     state.auth = auth
     state.limiter.reload(limits)
@@ -318,36 +373,61 @@ def apply_keys(state, loaded) -> None:
 
 
 def serve(args, config) -> int:
-    """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags)."""
+    """Serve until SIGTERM; `config` is the engine's (motet/api/cli.py builds it from the flags). What the flags and
+    the model's config decide is checked first (`check_model`, the port bound, `prepare`: a refusal is one line,
+    exit 2, before anything answers); then the port answers at once (motet/api/starting.py: /health 503 with the
+    load's progress) while the API is built and the model loads beside it; a failure there is one line and a
+    non-zero exit."""
+    from motet.api.starting import StartingApp
     from motet.api.status_log import StatusLog
     from motet.engine.config import loaded_dtype
+    from motet.engine.weights import load_progress
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     model_dir, max_model_len = check_model(config)  # a wrong --model ends here, before anything starts
-    sock = listen(args.host, args.port)
-    state = build_state(args, config, model_dir, max_model_len)
+    sock = listen(args.host, args.port)  # (bound: a port in use is refused; nothing answers before `run`)
+    ready = prepare(args, config, model_dir, max_model_len)  # the flags' refusals, and what they decided
     url = f"http://{args.host}:{args.port}"
-    # uvicorn's start-up chatter ("Application startup complete.") would read as ready while the model loads
+    status = StatusLog(None, url, args.log_stats_interval, stats=not args.disable_log_stats)
+    server = None
+
+    def build():  # (in a worker thread, the port answering meanwhile)
+        load_progress.phase("importing the server's modules")
+        state = build_state(args, config, prepared=ready)
+        app = api_app(args, state)
+        load_progress.phase("starting the serving system")
+        server.attach(state)
+        status.state = state
+        return app
+
+    def failed(error: BaseException) -> None:
+        log.error("start-up failed: %s: %s", type(error).__name__, error)
+        server.fail(error)
+
+    server = uvicorn_server(args, StartingApp(build, failed), on_tick=status.tick)
+    # uvicorn's start-up chatter ("Application startup complete.") would read as ready while the model loads (after
+    # uvicorn's Config, which sets its loggers' level)
     if args.log_level != "debug":
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-    status = StatusLog(state, url, args.log_stats_interval, stats=not args.disable_log_stats)
-    server = http_server(args, state, on_tick=status.tick)
-    server.reload_on_sighup(lambda: read_keys(args), lambda loaded: apply_keys(state, loaded))
+    server.reload_on_sighup(lambda: read_keys(args), lambda loaded: apply_keys(server.state, loaded))
     log.info(
-        "loading %s in %s on %s (GET /health answers 503 until it has loaded)",
-        state.model_name,
+        "loading %s in %s on %s (GET /health answers 503 with the load's progress until it has loaded)",
+        ready.names[0],
         loaded_dtype(config, args.dtype),
         url,
     )
+    load_progress.told()  # (the heartbeat speaks where no line came for 5 s: from here)
     server.run(sockets=[sock])
     log.info("stopped")
     # Everything has been closed: the interpreter's last collections need not walk the millions of objects of
     # the model's libraries (seconds, which a SIGTERM would wait for).
     gc.freeze()
     atexit.register(quiet_teardown)
-    return 1 if state.fatal is not None else 0
+    if server.start_error is not None:  # a refusal of the flags' (a ValueError) as the command's own: 2
+        return 2 if isinstance(server.start_error, ValueError) else 1
+    return 1 if server.state is not None and server.state.fatal is not None else 0
 
 
 def quiet_teardown() -> None:
@@ -458,7 +538,7 @@ def add_serve_args(p) -> None:
         help="bytes of stored responses per tenant (their JSON, as the model sees the conversation); a response "
         f"past it is refused with 400, never made room for by evicting (default: {DEFAULT_MAX_BYTES_PER_TENANT})",
     )
-    from motet.api.batches.runner import DEFAULT_MAX_IN_FLIGHT
+    from motet.api.batches.priority import DEFAULT_MAX_IN_FLIGHT
     from motet.api.files.store import DEFAULT_MAX_BYTES_PER_TENANT as FILES_PER_TENANT
     from motet.api.files.store import DEFAULT_MAX_FILE_BYTES
 
@@ -530,7 +610,7 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--drain-timeout", type=seconds(0), default=30.0, help="seconds in-flight requests get on SIGTERM"
     )
-    from motet.api.rate_limits import DEFAULT_WAIT_S, LINE_PER_PLACE
+    from motet.api.tenant_line import DEFAULT_WAIT_S, LINE_PER_PLACE
 
     p.add_argument(
         "--tenant-wait-timeout",

@@ -13,6 +13,7 @@ a parser and, once its headers are in, a task, so without a limit a few tricklin
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import TYPE_CHECKING
@@ -42,13 +43,16 @@ def header_timeout_protocol(timeout: float, base: type[asyncio.Protocol] | None 
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
         base = AutoHTTPProtocol
-    body = json.dumps(
-        request_timeout(f"the request's headers did not arrive within {timeout:g} s").body()
-    ).encode()
-    response = (
-        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
-    )
+
+    @functools.cache
+    def response() -> bytes:  # (made at the first timeout: the server answers before the API's modules load)
+        body = json.dumps(
+            request_timeout(f"the request's headers did not arrive within {timeout:g} s").body()
+        ).encode()
+        return (
+            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
 
     class HeaderTimeoutProtocol(base):
         _header_timer: asyncio.TimerHandle | None = None
@@ -69,7 +73,7 @@ def header_timeout_protocol(timeout: float, base: type[asyncio.Protocol] | None 
         def _header_timed_out(self) -> None:
             self._header_timer = None
             if self._between_requests() and not self.transport.is_closing():
-                self.transport.write(response)
+                self.transport.write(response())
                 self.transport.close()
 
         def connection_made(self, transport) -> None:

@@ -1,5 +1,5 @@
 """What every handler needs: the serving system (a ServingFront, motet/actors/front.py: the model as `system.model`,
-requests through `system.submit`), the served model's names, auth, metrics, the API's own limits, lifecycle."""
+requests through `system.submit_all`), the served model's names, auth, metrics, the API's own limits, lifecycle."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from motet.api.auth import Authenticator
 from motet.api.errors import APIError, echo
 from motet.api.metrics import Metrics
 from motet.api.rate_limits import RateLimiter
+from motet.api.starting import LOADING_MESSAGE, LOADING_TYPE, RETRY_AFTER_S, loading_body
 from motet.api.usage import UsageStore
 from motet.grammar.limits import GrammarLimits
 from motet.lora.manager import AdapterRef
@@ -50,6 +51,20 @@ class InFlight:
 
 
 MODELS_NAMED = 20  # in a model_not_found message; a tenant may have thousands of adapters
+
+
+class ModelLoading(APIError):
+    """503 while the model loads: llama.cpp's body (motet/api/starting.py `loading_body`, which answers before this
+    app is built), with the start-up's phase where `progress` (the health probes)."""
+
+    def __init__(self, progress: bool = False):
+        super().__init__(
+            503, LOADING_MESSAGE, code=503, type=LOADING_TYPE, headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
+        self.progress = progress
+
+    def body(self) -> dict:
+        return loading_body(self.progress)
 
 
 @dataclass
@@ -97,17 +112,18 @@ class ServerState:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def check_loaded(self) -> None:
-        """Every route but the probes answers 503 until the model has loaded: a readiness check that polls
+    def check_loaded(self, progress: bool = False) -> None:
+        """Every route but the probes answers 503 until the model has loaded (llama.cpp's "Loading model", with
+        a Retry-After; `progress`: with the start-up's phase, as /health answers): a readiness check that polls
         `/v1/models` must not pass early."""
         if self.fatal is not None:
             raise APIError(503, f"the server failed to start: {self.fatal}")
         if not self.system.ready:
-            raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
+            raise ModelLoading(progress)
 
-    def check_ready(self) -> None:
+    def check_ready(self, progress: bool = False) -> None:
         """Loaded and not draining: new work may start."""
-        self.check_loaded()
+        self.check_loaded(progress)
         if self.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
 

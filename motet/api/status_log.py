@@ -1,6 +1,8 @@
-"""What `motet serve` tells its operator while it runs: one line when it turns ready (what it serves and
-with which limits), then every `interval_s` seconds a line of throughput and load as vLLM logs it, at info
-while there is activity and at debug when idle (vLLM's rule: an idle server stays quiet).
+"""What `motet serve` tells its operator while it runs: while it loads, where no start-up line came for 5 s, which
+phase it is in (motet/engine/weights/load_progress.py's heartbeat: importing the engine's libraries is as silent as
+it is long on a busy machine); one line when it turns ready (what it serves and with which limits), then every
+`interval_s` seconds a line of throughput and load as vLLM logs it, at info while there is activity and at debug when
+idle (vLLM's rule: an idle server stays quiet).
 
 `tick()` is called by the server's loop (motet/api/draining.py, about ten times a second); it only reads the
 serving system's stats, which the executor refreshes after every step.
@@ -11,10 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from motet.actors.front import Stats
-from motet.api.state import ServerState
-from motet.engine.model_view import ModelView
+from motet.engine.weights.load_progress import Heartbeat
+
+if TYPE_CHECKING:  # (`motet serve`'s parser reads DEFAULT_INTERVAL_S before the API's modules are imported)
+    from motet.actors.front import Stats
+    from motet.api.state import ServerState
+    from motet.engine.model_view import ModelView
 
 log = logging.getLogger("motet.server")
 
@@ -74,10 +80,13 @@ def memory_line(model: ModelView) -> str:
 
 
 class StatusLog:
+    """`state`: None while the server's state is being built (`motet serve` sets it once it is)."""
+
     def __init__(
-        self, state: ServerState, url: str, interval_s: float = DEFAULT_INTERVAL_S, stats: bool = True
+        self, state: ServerState | None, url: str, interval_s: float = DEFAULT_INTERVAL_S, stats: bool = True
     ):
         self.state, self.url = state, url
+        self.loading = Heartbeat(logger=log)
         self.interval_s = interval_s
         self.log_stats = stats
         self.ready_at: float | None = None  # when the system was first seen ready
@@ -87,7 +96,10 @@ class StatusLog:
     def tick(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         state = self.state
-        if state.fatal is not None or not state.system.ready:
+        if state is None or (state.fatal is None and not state.system.ready):
+            self.loading.tick(now)  # (the start-up's own lines keep it quiet)
+            return
+        if state.fatal is not None:
             return
         if self.announced and not (self.log_stats and now - self.mark.at >= self.interval_s):
             return

@@ -4,7 +4,7 @@ completions or responses request, exported over OTLP/HTTP by the SDK's batch pro
 The request's span (`POST /v1/chat/completions`, kind server) continues the client's W3C `traceparent` when
 there is one, and carries the tenant and the model (the base model or an adapter, `gen_ai.request.model`),
 the status, and the prompt and completion tokens. When a choice ends, its phases as the engine measured them
-(motet/engine/core/sequence.py RequestTimings) become the span's children: `queue` (arrival to first scheduled),
+(motet/engine/outputs.py RequestTimings) become the span's children: `queue` (arrival to first scheduled),
 `prefill` (to the first token) and `decode` (to the last), each placed at its own start and end; before them
 the ingress's own phases, `adapter_load` (reading and packing the adapter's files, or finding them cached) and
 `grammar_compile` (the request's schema, tool or regex grammar). Nothing is done on the step's path: the

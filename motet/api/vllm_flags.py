@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
 from motet import json_input
-from motet.api.auth import DEFAULT_TENANT, Authenticator, Principal
 from motet.flag_types import number
+
+if TYPE_CHECKING:
+    from motet.api.auth import Authenticator
 
 log = logging.getLogger("motet.server")
 
 
 def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
-    from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION  # (torch: imported once the parser is built
+    from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION
 
     p.add_argument(
         "model_tag",
@@ -61,12 +64,11 @@ def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
         f"{CUDA_GPU_MEMORY_UTILIZATION:g} on CUDA unless --kv-cache-memory-gb is given; on CPU "
         "--kv-cache-memory-gb's size)",
     )
-    from motet.grammar.tool_formats import TOOL_FORMATS
-
     p.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=list(TOOL_FORMATS),
+        type=tool_call_parser,
+        metavar="NAME",
         help="how the model writes tool calls, by vLLM's names: hermes (<tool_call>{...}</tool_call>: Qwen2.5/3, "
         'Hermes), mistral ([TOOL_CALLS][{...}]), llama3_json / llama4_json ({"name": ..., "parameters": ...}), '
         "pythonic / llama4_pythonic ([f(a=1)]: parsed, not constrained), phi4_mini_json (functools[{...}]), "
@@ -86,6 +88,18 @@ def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
         "and the data it reads; rendered in a helper process within time, memory and length bounds "
         "(default: refused with 400, as vLLM does)",
     )
+
+
+def tool_call_parser(name: str) -> str:
+    """`--tool-call-parser`: one of vLLM's parser names motet knows (motet/grammar/tool_formats/), checked as the flag
+    is parsed (the formats are imported only then: `motet serve --help` does not wait for them)."""
+    from motet.grammar.tool_formats import TOOL_FORMATS
+
+    if name not in TOOL_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {name!r} (choose from {', '.join(repr(n) for n in TOOL_FORMATS)})"
+        )
+    return name
 
 
 class _LoraModules(argparse.Action):
@@ -131,6 +145,8 @@ def served_model(args, default: str) -> str:
 def authenticator(args) -> Authenticator:
     """--api-keys FILE and vLLM's --api-key KEY together: the file's keys and that one, which speaks for
     tenant 'default' (the tenant of a server without keys) and reads /metrics."""
+    from motet.api.auth import DEFAULT_TENANT, Authenticator, Principal  # (the API's modules: once serving)
+
     key = getattr(args, "api_key", None)
     if key is None:
         return Authenticator.from_file(args.api_keys)

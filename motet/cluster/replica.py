@@ -27,7 +27,7 @@ from ray import serve
 
 from motet.actors.messages import GenerateSpec
 from motet.actors.reply import merge_streams
-from motet.actors.serving_errors import ModelNotFound, ServingError
+from motet.actors.serving_errors import ServingError, model_not_found
 from motet.actors.system import ServingSystem
 from motet.cluster.disaggregation import PrefillDone, prefill_spec
 from motet.cluster.reports import REPORT_PERIOD_S, ReplicaReport
@@ -130,9 +130,7 @@ class EngineReplica:
         try:
             ref = await anyio.to_thread.run_sync(self.store.local, spec.adapter)
         except (FileNotFoundError, OSError):  # deleted from the store since the ingress resolved it
-            raise ModelNotFound(
-                f"the model {spec.adapter.model!r} does not exist", param="model", code="model_not_found"
-            ) from None
+            raise model_not_found(spec.adapter.model) from None
         return dataclasses.replace(spec, adapter=ref)
 
     # -- Serve's hooks --------------------------------------------------------------------------------

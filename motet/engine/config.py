@@ -1,21 +1,31 @@
-"""Model and engine configuration: plain dataclasses, validated on construction."""
+"""Model and engine configuration: plain dataclasses, validated on construction.
+
+Nothing here imports torch at module level: the flags' parser takes its defaults from `EngineConfig`, and
+`motet serve` builds and checks one before it binds its port, in well under a second (a device named `cpu`, or
+`auto` where this torch build has no GPU, is known without asking torch; the torch objects are read on use:
+`torch_device`, `torch_dtype`).
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from motet.engine.core.fairness import check_tenant_weights
 from motet.engine.weights.gguf_model import is_gguf_file
-from motet.engine.weights.quantized_checkpoint import CHECKPOINT_QUANTIZATIONS
+from motet.engine.weights.quantization_config import CHECKPOINT_QUANTIZATIONS
 from motet.grammar.specs import BACKEND_NAMES as GRAMMAR_BACKENDS
 from motet.grammar.specs import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
-from motet.kernels.quant import FORMATS as QUANT_FORMATS
+from motet.kernels.quant_names import QUANTIZE_FORMATS
 from motet.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 # The default step budgets (EngineConfig.max_num_batched_tokens). On the 2-core CPU machine a prompt token costs
 # no more in a 256-token step than in a 2048-token one (6.3 against 7.4 ms, one thread), so the smaller step
@@ -38,13 +48,14 @@ CUDA_TPOT_TARGET_MS = 50.0
 # host shares with everything else it runs, a fixed size.
 CUDA_GPU_MEMORY_UTILIZATION = 0.9
 CPU_KV_CACHE_MEMORY_GB = 1.0
+WEIGHTS_CACHE_GB = 16.0  # the prepared-weights cache's default bound (EngineConfig.weights_cache_gb)
 SPECULATIVE_MODES = ("auto", "off", "ngram")
 OVERLAP_MODES = ("auto", "on", "off")
 # --quantization: a block format to quantize a float checkpoint into, "gguf": the model directory's GGUF file
 # served in its own blocks (motet/engine/weights/gguf_weights.py), or the method of a checkpoint quantized by GPTQ or
 # AWQ (motet/engine/weights/quantized_checkpoint.py; such a checkpoint is served in its own 4-bit weights without it).
 GGUF_QUANTIZATION = "gguf"
-QUANTIZATIONS = (*QUANT_FORMATS, GGUF_QUANTIZATION, *CHECKPOINT_QUANTIZATIONS)
+QUANTIZATIONS = (*QUANTIZE_FORMATS, GGUF_QUANTIZATION, *CHECKPOINT_QUANTIZATIONS)
 
 
 # The devices motet runs on (EngineConfig.device, --device): "auto" (cuda where torch sees a GPU, else cpu), cpu,
@@ -55,6 +66,8 @@ DEVICE_TYPES = ("cpu", "cuda")
 def checked_device(name: str) -> torch.device:
     """The torch device `name` names, where this machine and this torch build have it; ValueError saying why
     not (an unknown device, CUDA not in this torch build or not seen, no such device index)."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -83,17 +96,45 @@ def checked_device(name: str) -> torch.device:
     return device
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+def device_type(name: str) -> str:
+    """The type ("cpu", "cuda") of the device `name` names, checked as `checked_device` checks it; known without
+    importing torch where it is `cpu`, or `auto` and the installed torch has no GPU build."""
+    if name == "cpu" or (name == "auto" and not _torch_may_see_a_gpu()):
+        return "cpu"
+    return checked_device(name).type
+
+
+def _torch_may_see_a_gpu() -> bool:
+    """False where the installed torch cannot see a GPU, read from its package's metadata without importing it: a
+    CPU wheel (its version's local label `+cpu`), or a macOS build (no CUDA there). Once torch is imported, or
+    where the metadata cannot tell, True: torch is asked (`checked_device`)."""
+    if "torch" in sys.modules:
+        return True
+    if sys.platform == "darwin":
+        return False
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    return "+cpu" not in version
+
+
+# --dtype's names -> the torch dtype's name (EngineConfig.torch_dtype), and its bytes per value
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 AUTO_DTYPE = "auto"  # as vLLM's: `auto_dtype` picks one of DTYPES for the device
 # What an engine loads in unless told: EngineConfig's default, so LLM's and every `motet` command's `--dtype`.
 DEFAULT_DTYPE = AUTO_DTYPE
 
 
-def auto_dtype(device: torch.device) -> tuple[str, str]:
-    """vLLM's `--dtype auto` for `device`: (dtype, why). bfloat16 where the hardware computes it natively (a CUDA GPU
-    that supports it; a CPU with AVX512_BF16, AMX or Arm's BF16, whose kernels then run at about twice float32's
-    speed: docs/cpu.md), float32 elsewhere (bf16 weights would be widened to fp32 for every product)."""
-    if device.type == "cuda":
+def auto_dtype(device: torch.device | str) -> tuple[str, str]:
+    """vLLM's `--dtype auto` for `device` (a torch device or its name: cpu, cuda, cuda:N): (dtype, why). bfloat16
+    where the hardware computes it natively (a CUDA GPU that supports it; a CPU with AVX512_BF16, AMX or Arm's
+    BF16, whose kernels then run at about twice float32's speed: docs/cpu.md), float32 elsewhere (bf16 weights
+    would be widened to fp32 for every product)."""
+    if str(device).partition(":")[0] == "cuda":
+        import torch
+
         if torch.cuda.is_bf16_supported():
             return "bfloat16", "this GPU computes bf16"
         return "float32", "this GPU does not compute bf16"
@@ -112,7 +153,7 @@ def loaded_dtype(config: EngineConfig, asked: str, option: str = "--dtype {}") -
     if asked != AUTO_DTYPE:
         return config.dtype
     other = "float32" if config.dtype == "bfloat16" else "bfloat16"
-    why = auto_dtype(config.torch_device)[1]
+    why = auto_dtype(config.device_type)[1]
     return f"{config.dtype} ({option.format(AUTO_DTYPE)}: {why}; {option.format(other)} for {other})"
 
 
@@ -255,6 +296,11 @@ class EngineConfig:
     # The compiled step: on CPU the whole decoder stack in one native call (motet/engine/worker/cpu_forward.py), on CUDA
     # decode steps replayed from CUDA graphs (motet/engine/worker/cuda_graphs.py). False: the eager model, the reference.
     compile_step: bool = True
+    # The prepared-weights cache (motet/engine/worker/prepared_weights.py): the native CPU step's weights as it
+    # reads them (packed panels, requantized blocks), written once per model file, settings and instruction-set
+    # tier under $MOTET_WEIGHTS_CACHE_DIR (else <MOTET_CACHE_DIR or ~/.cache/motet>/weights) and mapped at later
+    # starts; at most this many GiB of entries, the least recently used evicted. 0: off.
+    weights_cache_gb: float = WEIGHTS_CACHE_GB
     # Make a step's outputs (detokenizing, stop strings) while the device runs the next step, on a thread of the
     # engine's own (motet/engine/llm_engine.py); the outputs are the same. "off": strictly one step after another.
     # "auto": on where the host has a core the forward pass does not use (CUDA; a CPU with more cores than the
@@ -264,7 +310,7 @@ class EngineConfig:
     # With the outputs overlapped: schedule and launch step N+1 before step N's tokens reach the host, as vLLM's
     # async scheduling does (the forward thread feeds each row its sampled token). Taken where nothing in step N+1
     # depends on a step-N token but that input (each feature that needs it on the host says so:
-    # `Sequence.needs_token_on_host`, `needs_landed_steps`; motet/engine/stepping.py); a row whose step-N token
+    # `LLMEngine.needs_token_on_host`, `needs_landed_steps`; motet/engine/stepping.py); a row whose step-N token
     # is its last (by length) waits for it; one that ends on EOS or a stop id computes one token more, which is
     # dropped. Off: step N's tokens land before step N+1 is scheduled.
     async_scheduling: bool = True
@@ -294,9 +340,9 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
-        checked_device(self.device)  # (before anything asks torch_device)
+        kind = self.device_type  # (checks the device before anything asks torch_device)
         if self.dtype == AUTO_DTYPE:
-            self.dtype = auto_dtype(self.torch_device)[0]
+            self.dtype = auto_dtype(kind)[0]
         if self.tokenizer is not None:
             self.tokenizer = check_tokenizer_dir(self.tokenizer)
         if self.dtype not in DTYPES:
@@ -347,7 +393,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.tenant_weights = check_tenant_weights(self.tenant_weights)
-        for name in ("kv_offload_gb", "kv_disk_gb", "kv_shared_gb"):
+        for name in ("kv_offload_gb", "kv_disk_gb", "kv_shared_gb", "weights_cache_gb"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -379,7 +425,7 @@ class EngineConfig:
         None: the KV cache takes kv_cache_gb."""
         if self.gpu_memory_utilization is not None:
             return self.gpu_memory_utilization
-        if self.kv_cache_memory_gb is None and self.torch_device.type == "cuda":
+        if self.kv_cache_memory_gb is None and self.device_type == "cuda":
             return CUDA_GPU_MEMORY_UTILIZATION
         return None
 
@@ -391,7 +437,7 @@ class EngineConfig:
     @property
     def speculative_mode(self) -> str:
         if self.speculative == "auto":
-            return "ngram" if self.torch_device.type == "cpu" else "off"
+            return "ngram" if self.device_type == "cpu" else "off"
         return self.speculative
 
     @property
@@ -399,7 +445,7 @@ class EngineConfig:
         """Latency isolation's step target in seconds; None: off."""
         ms = self.tpot_target_ms
         if ms is None:
-            ms = CPU_TPOT_TARGET_MS if self.torch_device.type == "cpu" else CUDA_TPOT_TARGET_MS
+            ms = CPU_TPOT_TARGET_MS if self.device_type == "cpu" else CUDA_TPOT_TARGET_MS
         return ms / 1000 if ms > 0 else None
 
     @property
@@ -407,11 +453,23 @@ class EngineConfig:
         """The step's token budget: `max_num_batched_tokens`, or the device's default."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return CPU_STEP_TOKENS if self.torch_device.type == "cpu" else CUDA_STEP_TOKENS
+        return CPU_STEP_TOKENS if self.device_type == "cpu" else CUDA_STEP_TOKENS
+
+    @property
+    def device_type(self) -> str:
+        """ "cpu" or "cuda" (`device_type`: without torch where it can be)."""
+        return device_type(self.device)
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per value of `dtype`."""
+        return DTYPE_BYTES[DTYPES[self.dtype]]
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
 
     @property
     def torch_device(self) -> torch.device:

@@ -19,9 +19,10 @@ returns what finished for the engine to end. The offline `LLM` (motet/engine/llm
 `remove_lora`. A request that fails inside a step fails alone: `execute` bisects the batch until the failing rows
 are isolated, and `commit` ends those with an error while the others carry on. Not thread-safe: one thread drives
 it; the serving ingress's worker threads (motet/actors/input_processor.py) read `config`, `limits`,
-`grammar_cache`, `grammar_tokenizer` and call `adapters.load`, each frozen or behind its own lock; what the
-overlapped strategy runs on its forward thread reads the launched batch's rows until its inputs are built (`step()`
-returns only after that), then only the batch's plan and the runner.
+`grammar_cache`, `grammar_tokenizer` and call `adapters.load`, each frozen or behind its own lock. The overlapped
+strategy's forward thread is given each step as values (`forward_call`, made on the driving thread: the plan, the
+LoRA segments, the grammar mask, the inputs) and hands back its result or its exception; a failing step is bisected
+on the driving thread as it lands (`bisect`).
 """
 
 from __future__ import annotations
@@ -57,12 +58,13 @@ from motet.engine.sampling_params import SamplingParams
 from motet.engine.speculative.history import DraftScope
 from motet.engine.speculative.proposer import NoSpeculation, SpeculativeConfig, SpeculativeStats, Speculator
 from motet.engine.stepping import OverlappedSteps, SequentialSteps
-from motet.engine.structured_output import GrammarStats, StructuredOutputs
+from motet.engine.structured_output import NO_MASK, GrammarStats, StructuredOutputs
 from motet.engine.tokenizer import load_tokenizer
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights import load_progress
+from motet.engine.weights.model_config import load_model_config
 from motet.engine.weights.model_store import resolve_model
 from motet.engine.worker.memory import available_host_memory
-from motet.engine.worker.model_runner import ModelRunner, StepResult
+from motet.engine.worker.model_runner import ForwardCall, ModelRunner, StepResult
 from motet.engine.worker.parallel import RankFailure
 from motet.engine.worker.sampler import SamplingError, SamplingFailure
 from motet.engine.worker.token_masks import bad_words_token_ids
@@ -119,6 +121,7 @@ LOAD_WAIT_S = 0.05
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model_dir=None):
         self.config = config = config or EngineConfig()
+        load_progress.phase("reading the model's config and tokenizer")
         self.model_dir = model_dir or resolve_model(config.model)
         self.model_config = load_model_config(self.model_dir, config.tokenizer)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
@@ -194,6 +197,7 @@ class LLMEngine:
         self.stepping = (
             OverlappedSteps(self, self.runner.num_threads) if self._overlaps() else SequentialSteps(self)
         )
+        load_progress.phase("warming up the step")
         self.runner.warm_up()  # before the first request (the server is ready once the engine is built)
 
     def _adapter_host_bytes(self) -> int:
@@ -415,6 +419,12 @@ class LLMEngine:
         """A step is launched and not committed (the next `step()` commits it)."""
         return self.stepping.in_flight
 
+    def wait_forward(self) -> None:
+        """Returns once the launched step's forward pass, if any, is done (its tokens land at the next `step()`):
+        from then on the engine computes nothing until it steps again (motet/actors/training_lease.py lends the
+        cores meanwhile)."""
+        self.stepping.wait_forward()
+
     @property
     def num_steps_ahead(self) -> int:
         """Steps launched before the step before them landed (EngineConfig.async_scheduling)."""
@@ -517,23 +527,55 @@ class LLMEngine:
         if not sched.running and not self.stepping.unlanded and not any(adapters.ready(a) for a in waiting):
             adapters.wait_for_load(LOAD_WAIT_S)
 
+    def forward_call(self, batch: ScheduledBatch, inputs=None, after_landing: bool = False) -> ForwardCall:
+        """The step's forward pass as values, made on the engine's thread: its plan, its LoRA segments (the adapter
+        manager's lock taken here), its grammar mask (its filling started here, or where the step was scheduled
+        before the step before it landed, `after_landing`, by `start_mask` once it has) and its inputs where built
+        already (`ModelRunner.plan_inputs`). The forward thread of an overlapped engine is given this and nothing
+        else."""
+        step = batch.plan()
+        try:
+            lora = self.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
+            mask = self.structured_output.mask(step, after_landing)
+        except RankFailure:
+            raise
+        except Exception as e:  # raised by the call, which still hands the runner the plan
+            return ForwardCall(self.runner, step, None, NO_MASK, inputs, error=e)
+        return ForwardCall(self.runner, step, lora, mask, inputs)
+
+    def start_mask(self, mask) -> None:
+        """The grammar mask of a step made `after_landing` (`forward_call`) starts filling: the step before it landed,
+        its tokens accepted by the grammars."""
+        self.structured_output.start(mask)
+
+    def needs_token_on_host(self, seq: Sequence) -> bool:
+        """Whether the next step of `seq` needs the token its launched step samples on the host, not only as its
+        input (an overlapped engine then schedules it once that step lands, motet/engine/stepping.py): its
+        grammar's phase moves with its text (`StructuredOutputs.waits_for_token`), or tokens its grammar forces
+        may follow the token (jump-forward: appended unsampled, before its next sampled token). The rest reads the
+        token where it is: the sampler counts it on the device (penalties, bad_words, min_tokens, a seed's draw:
+        motet/engine/worker/sampler.py), a grammar's mask is filled once it lands while the next step's forward
+        pass runs (`start_mask`), and a row it ends (EOS, a stop string, its grammar's end) drops the token its
+        next step computed."""
+        so = self.structured_output
+        guided = so.get(seq.request_id)
+        return guided is not None and (
+            so.waits_for_token(seq.request_id) or self.output_commit.jumps_forward(seq)
+        )
+
     def execute(self, batch: ScheduledBatch, on_launch=None, lazy: bool = False, inputs=None) -> StepResult:
         """Run the batch; where it raises, bisect it so that only the failing rows carry the error. `on_launch()`
         is called when the forward pass is about to start (the host's part before it is done); `inputs`: the
         step's inputs built already (`ModelRunner.plan_inputs`). The runner sees the step's plan only."""
-        step = batch.plan()
-        self.runner.take_plan(step)  # (here, whatever happens to the step: the next plan is against it)
-        try:
-            lora = self.adapters.batch([s.adapter_id for s in batch.seqs], batch.num_new_tokens)
-            mask = self.structured_output.mask(step)  # filled while the forward pass runs
-            return self.runner.execute(step, lora, on_launch, lazy, mask, inputs)
-        except RankFailure:  # not this batch's fault: no step can run any more
-            raise
-        except Exception as e:
-            if len(batch) <= 1:  # (an empty batch has no rows to blame: nothing to bisect)
-                if batch.seqs:
-                    log.error("request %s failed in the forward pass", batch.seqs[0].request_id, exc_info=e)
-                return StepResult.failed(len(batch), e)
+        result = self.forward_call(batch, inputs).run(on_launch, lazy)
+        return self.bisect(batch, result) if isinstance(result, Exception) else result
+
+    def bisect(self, batch: ScheduledBatch, error: Exception) -> StepResult:
+        """A step whose forward pass raised `error`, run again in halves until only the failing rows carry it."""
+        if len(batch) <= 1:  # (an empty batch has no rows to blame: nothing to bisect)
+            if batch.seqs:
+                log.error("request %s failed in the forward pass", batch.seqs[0].request_id, exc_info=error)
+            return StepResult.failed(len(batch), error)
         half = len(batch) // 2
         parts = [self.execute(batch.subset(idx)) for idx in (range(half), range(half, len(batch)))]
         return StepResult.concat(parts)

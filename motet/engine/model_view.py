@@ -21,7 +21,7 @@ from pathlib import Path
 from motet.engine.config import EngineConfig, context_length
 from motet.engine.request_checks import check_text_length
 from motet.engine.tokenizer import Tokenizer, load_tokenizer
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.model_config import load_model_config
 from motet.lora.peft_format import TARGET_MODULES
 from motet.models.config import ModelConfig
 from motet.models.declaration import Architecture

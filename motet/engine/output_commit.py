@@ -154,10 +154,7 @@ class OutputCommit:
             if finish is not None:
                 break
         if g is not None and finish is None:
-            forced = []
-            # forced tokens are appended unsampled: never where logprobs or the token masks must see each one
-            if self.config.jump_forward and seq.params.logprobs is None and not seq.params.masks_tokens:
-                forced = g.jump_forward(self.encode)
+            forced = g.jump_forward(self.encode) if self.jumps_forward(seq) else []
             self.structured_output.stats.jump_forward_tokens += len(forced)
             for t in forced:
                 more, finish = self._append(seq, state, g, t)
@@ -165,6 +162,12 @@ class OutputCommit:
                 if finish is not None:
                     break
         return Committed(self._delta(seq, state, text, finish, now), finish)
+
+    def jumps_forward(self, seq: Sequence) -> bool:
+        """Whether the tokens the row's grammar forces are appended after its landed tokens (jump-forward,
+        `EngineConfig.jump_forward`): appended unsampled, never where logprobs or the token masks must see each
+        one."""
+        return self.config.jump_forward and seq.params.logprobs is None and not seq.params.masks_tokens
 
     def end_masked(self, seq: Sequence, now: float) -> Committed:
         """Every token the row's grammar allows is masked by another setting (min_tokens holding back the stop

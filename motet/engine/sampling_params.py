@@ -165,18 +165,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
-    def reads_output(self, num_output_tokens: int) -> bool:
-        """Whether sampling the next token reads the output so far on the host: penalties count its tokens,
-        bad_words match its tail, a seed's generator follows it, and min_tokens counts it until it is reached."""
-        return (
-            self.seed is not None
-            or bool(self.bad_words_token_ids)
-            or self.repetition_penalty != 1
-            or bool(self.frequency_penalty)
-            or bool(self.presence_penalty)
-            or self.min_tokens > num_output_tokens
-        )
-
     @property
     def masks_tokens(self) -> bool:
         """Whether bad_words or allowed_token_ids take tokens away from the sampler."""

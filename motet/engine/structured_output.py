@@ -4,8 +4,12 @@ filled on a side thread while the forward pass runs (the grammar backends releas
 applies the mask to the logits before sampling (motet/engine/worker/model_runner.py); unconstrained rows are never
 touched, and a step without constrained rows gets `NO_MASK`, which does nothing.
 
-A constrained row's step is never scheduled ahead of its previous step's landing (its next token's mask depends on
-its text: `Sequence.decided_by_tokens`), so the grammar a step's mask reads is the one its tokens so far left."""
+A step scheduled before the step before it lands (an overlapped engine's, motet/engine/stepping.py) gets its mask
+made as it launches and filled once that step's tokens land and advance the grammars (`mask(..., after_landing=True)`,
+then `start`), while its forward pass runs; its sampler waits for it, as vLLM's async scheduling computes a step's
+bitmask after the step before it and hands it to the sampler apart from the forward pass. So the grammar a step's
+mask reads is always the one its tokens so far left. Such a step's rows are those whose grammar constrains every
+token (`waits_for_token`): a reasoning format's phases move with the output's text, and their rows' steps wait."""
 
 from __future__ import annotations
 
@@ -57,10 +61,38 @@ NO_MASK = _NoMask()
 
 
 class GrammarMask:
-    """One step's bitmask over its sampled positions, being filled on the masks' thread."""
+    """One step's bitmask over its sampled positions, filled on the masks' thread: from the moment it is made, or
+    for a step scheduled before the step before it landed (`StructuredOutputs.mask(..., after_landing=True)`),
+    once that step's tokens advanced the grammars (`start`); the sampler waits for it (`apply`)."""
 
-    def __init__(self, bitmask: torch.Tensor, rows: list[int], filling: Future, stats: GrammarStats):
-        self.bitmask, self.rows, self.filling, self.stats = bitmask, rows, filling, stats
+    def __init__(self, bitmask: torch.Tensor, rows: list[int], stats: GrammarStats, fill, thread):
+        self.bitmask, self.rows, self.stats = bitmask, rows, stats
+        self.filling: Future = Future()
+        # its rows' grammars, still to fill: plain [(guided, row)], drafted [(guided, drafts, first, row)], tagged
+        # [(guided, row)], each with its request's id; the grammars by request id
+        self._fill, self._thread = fill, thread
+
+    def start(self, grammars: dict[str, GuidedDecoding] | None = None) -> None:
+        """Fill the bitmask on the masks' thread from the grammars as they are now (once). `grammars`: the requests'
+        grammars now, where some may have ended since the mask was made (a request finished or aborted by the
+        step before: its row's token is dropped): the rows of those are left unmasked."""
+        if self._fill is None:
+            return
+        (plain, drafted, tagged), self._fill = self._fill, None
+        if grammars is not None:
+            live = lambda rid, g: grammars.get(rid) is g and not g.terminated  # noqa: E731
+            plain, drafted, tagged = ([x for x in xs if live(*x[:2])] for xs in (plain, drafted, tagged))
+        plain = [(g.matcher, row) for _, g, row in plain]
+        drafted = [x[1:] for x in drafted]
+        tagged = [x[1:] for x in tagged]
+
+        def fill() -> None:
+            try:
+                self.filling.set_result(_timed_fill(self.bitmask, plain, drafted, tagged))
+            except BaseException as e:  # (the sampler raises it: the step fails, and is bisected)
+                self.filling.set_exception(e)
+
+        self._thread.submit(fill)
 
     def apply(self, logits: torch.Tensor) -> None:
         stats = self.stats
@@ -99,9 +131,21 @@ class StructuredOutputs:
         step's plan tells the sampler."""
         return {rid for rid, g in self.grammars.items() if g.holds_stop} if self.grammars else set()
 
-    def mask(self, plan: StepPlan) -> GrammarMask | _NoMask:
-        """The step's mask (NO_MASK where no row is constrained), its filling started: its sampled positions are
-        each sampling row's next token and its drafts', in the plan's order."""
+    def waits_for_token(self, request_id: str | None) -> bool:
+        """Whether the request's next mask depends on more than its grammar advanced by its pending token, so that
+        its next step waits for the token to land: a grammar not yet constraining every token (a reasoning
+        format's opening, reasoning or forced closing: the phase moves with the output's text, and with it the
+        mask's kind and whether the stop tokens are held). A constraining grammar's mask of a step scheduled before
+        the step before lands is filled once it lands (`mask(..., after_landing=True)`)."""
+        guided = self.grammars.get(request_id) if self.grammars else None
+        return guided is not None and not guided.active
+
+    def mask(self, plan: StepPlan, after_landing: bool = False) -> GrammarMask | _NoMask:
+        """The step's mask (NO_MASK where no row is constrained), its filling started unless `after_landing`: the
+        step was scheduled before the step before it landed, whose tokens the grammars have yet to accept (its
+        constrained rows' grammars constrain every token: `waits_for_token`); the engine starts it then
+        (`GrammarMask.start`). Its sampled positions are each sampling row's next token and its drafts', in the
+        plan's order."""
         masked, plain, drafted, tagged = [], [], [], []
         num_positions = 0
         for row in plan:
@@ -116,15 +160,23 @@ class StructuredOutputs:
             if drafts:
                 first = activation_index(guided, drafts)
                 masked.extend(range(start + first, start + len(drafts) + 1))
-                drafted.append((guided, drafts, first, start))
+                drafted.append((row.request_id, guided, drafts, first, start))
             elif guided.active:
                 masked.append(start)
-                plain.append((guided.matcher, start))
+                plain.append((row.request_id, guided, start))
             elif guided.tag_masked:
                 masked.append(start)
-                tagged.append((guided, start))
+                tagged.append((row.request_id, guided, start))
         if not masked:
             return NO_MASK
         bitmask = allocate_bitmask(num_positions, self.vocab_size)
-        filling = self._thread.submit(_timed_fill, bitmask, plain, drafted, tagged)
-        return GrammarMask(bitmask, masked, filling, self.stats)
+        mask = GrammarMask(bitmask, masked, self.stats, (plain, drafted, tagged), self._thread)
+        if not after_landing:
+            mask.start()
+        return mask
+
+    def start(self, mask: GrammarMask | _NoMask) -> None:
+        """Start filling a mask made `after_landing`, now that the step before landed: from the grammars as its
+        tokens left them, but those of requests that ended meanwhile."""
+        if isinstance(mask, GrammarMask):
+            mask.start(self.grammars)

@@ -42,18 +42,22 @@ def wait_healthy(
     proc: subprocess.Popen | None = None,
     timeout: float = 600,
     log: Path | None = None,
-    waiting: Callable[[float], None] | None = None,
+    waiting: Callable[[float, str | None], None] | None = None,
 ):
     """Poll `url`/health until it answers 200; fail early if `proc` exits. `waiting` is called with the seconds
-    waited so far every WAITING_EVERY_S of them."""
+    waited so far every WAITING_EVERY_S of them, and the start-up's phase as /health's 503 said it (None before the
+    port answers)."""
     start = time.monotonic()
     deadline, told = start + timeout, start
+    phase = None
     while True:
         if proc is not None and proc.poll() is not None:
             raise ServerError(f"the server exited with status {proc.returncode}{_tail(log)}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            r = httpx.get(f"{url}/health", timeout=2)
+            if r.status_code == 200:
                 return
+            phase = _phase(r) or phase
         except httpx.HTTPError:
             pass
         now = time.monotonic()
@@ -61,8 +65,17 @@ def wait_healthy(
             raise ServerError(f"the server at {url} was not ready after {timeout:.0f} s{_tail(log)}")
         if waiting is not None and now - told >= WAITING_EVERY_S:
             told = now
-            waiting(now - start)
+            waiting(now - start, phase)
         time.sleep(0.5)
+
+
+def _phase(response: httpx.Response) -> str | None:
+    """The start-up's phase a 503 from /health names (motet/api/starting.py `loading_body`), if it names one."""
+    try:
+        phase = response.json().get("phase")
+    except (ValueError, AttributeError):
+        return None
+    return phase if isinstance(phase, str) else None
 
 
 def _tail(log: Path | None, lines: int = 30) -> str:
@@ -128,12 +141,13 @@ class ManagedServer:
             raise
         return self
 
-    def _waiting(self, seconds: float) -> None:
+    def _waiting(self, seconds: float, phase: str | None = None) -> None:
         """A line on stderr while the server loads its model (a minute or two on a busy CPU), whose own log goes
-        to a file."""
+        to a file: the seconds so far, and the phase its /health names."""
+        at = f" ({phase})" if phase else ""
         where = f"; its log: {self.log_path}" if self.log_path is not None else ""
         print(
-            f"motet: waiting for the server on {self.url} to load its model: {seconds:.0f} s{where}",
+            f"motet: waiting for the server on {self.url} to load its model: {seconds:.0f} s{at}{where}",
             file=sys.stderr,
         )
 

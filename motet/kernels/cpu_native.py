@@ -641,6 +641,37 @@ def pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
     return out
 
 
+def packed_rows(
+    packed: torch.Tensor, rows: torch.Tensor, k: int, quantized: str | None = None
+) -> torch.Tensor:
+    """Rows `rows` (int64 [T]) of the [N, K] weight that `pack` (or `pack_quantized` in the int8 / int4 format
+    `quantized`) packed, as fp32 [T, K]: a tied embedding table looked up in its lm_head's panels (a row is a
+    panel's column: its values strided in the panel, a quantized one's per-block scales and mins beside them),
+    so the table needs no copy of its own. Exactly the packed values (the format's `dequantize`)."""
+    panel, col = rows // PANEL, rows % PANEL
+    if quantized is None:  # [P, K, 16]: row r is column r % 16 of panel r // 16
+        return packed[panel, :, col].float()
+    nb = k // BLOCK
+    rec = packed[panel]  # [T, nb, record]: each token's panel, every block
+    T = rec.shape[0]
+    pick = col.view(T, 1, 1).expand(T, nb, 1)
+    scales = rec[..., : 2 * PANEL].contiguous().view(torch.float16).gather(2, pick).float()  # [T, nb, 1]
+    if quantized == "int8":  # values [quad, half of 8 columns, 8 columns, 4 k]
+        values = rec[..., 2 * PANEL :].reshape(T, nb, BLOCK // 4, 2, 8, 4)
+        half = (col // 8).view(T, 1, 1, 1, 1, 1).expand(T, nb, BLOCK // 4, 1, 8, 4)
+        values = values.gather(3, half)[:, :, :, 0]  # [T, nb, quad, 8 columns, 4 k]
+        at = (col % 8).view(T, 1, 1, 1, 1).expand(T, nb, BLOCK // 4, 1, 4)
+        q = values.gather(3, at)[:, :, :, 0].reshape(T, nb, BLOCK).view(torch.int8).float()
+        return (q * scales).reshape(T, k)
+    assert quantized == "int4", quantized  # (MXFP4: experts only, never a table)
+    mins = rec[..., 2 * PANEL : 4 * PANEL].contiguous().view(torch.float16).gather(2, pick).float()
+    values = rec[..., 4 * PANEL :].reshape(T, nb, BLOCK // 4, 8, 4)  # [quad, 8 columns, 4 k]: two nibbles
+    at = (col % 8).view(T, 1, 1, 1, 1).expand(T, nb, BLOCK // 4, 1, 4)
+    byte = values.gather(3, at)[:, :, :, 0].reshape(T, nb, BLOCK)
+    q = (byte >> (4 * (col // 8)).view(T, 1, 1).to(torch.uint8)) & 0xF  # columns 8-15: the high nibbles
+    return (q.float() * scales + mins).reshape(T, k)
+
+
 def gemm(
     x: torch.Tensor,
     packed: torch.Tensor,

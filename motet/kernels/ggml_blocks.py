@@ -18,7 +18,9 @@ dequantize into a QuantizedWeight; `native_format` says which format holds a typ
   share one format.)
 
 Everything is vectorized over blocks (a 7B file holds millions of them): numpy views and torch ops, no
-per-block Python.
+per-block Python; a tensor requantized a run of rows at a time (REQUANTIZE_VALUES), so that its floats are never
+held whole. A start does this once: later starts map the result (the prepared-weights cache,
+motet/engine/worker/prepared_weights.py).
 """
 
 from __future__ import annotations
@@ -76,18 +78,48 @@ def from_ggml(data: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: Wei
         return _from_q4_0(_bytes(data), shape) if ggml_type == Q4_0 else _from_q4_k(_bytes(data), shape)
     if fmt != INT8:
         raise ValueError(f"{type_name(ggml_type)} blocks are not {fmt.name}; only int8 takes any type")
-    import gguf
-
     if K % BLOCK:
         raise ValueError(f"the input dimension ({K}) must be a multiple of {BLOCK} to requantize it")
+    rows = np.ascontiguousarray(data).reshape(N, -1) if np.asarray(data).size else None
+    if rows is None or rows.nbytes != N * _row_bytes(ggml_type, K):
+        raise ValueError(
+            f"{np.asarray(data).nbytes} bytes are not a {N}x{K} weight in {type_name(ggml_type)}"
+        )
+    step = max(1, REQUANTIZE_VALUES // K)  # rows at once: the floats of a run of rows, never a whole tensor's
+    parts = [INT8.quantize(dequantize(rows[i : i + step], ggml_type, K)) for i in range(0, N, step)]
+    return _finite(QuantizedWeight.cat(parts))
+
+
+REQUANTIZE_VALUES = 1 << 22  # the values `from_ggml` dequantizes at once (16 MiB of fp32)
+
+
+def _row_bytes(ggml_type: int, K: int) -> int:
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    if K % block:
+        raise ValueError(f"rows of {K} values are not whole {type_name(ggml_type)} blocks of {block}")
+    return K // block * size
+
+
+def dequantize(rows: np.ndarray, ggml_type: int, K: int) -> torch.Tensor:
+    """fp32 [N, K] of N rows of a GGUF tensor's blocks (uint8 [N, row bytes]), as gguf-py dequantizes them: its
+    per-type dequantizer over every block at once (its `dequantize` loops over groups of 16 rows in Python,
+    2-3x slower on Q5_0 and Q6_K), where gguf-py has one; else its `dequantize`."""
+    import gguf
+
+    N = rows.shape[0]
+    qtype = gguf.GGMLQuantizationType(ggml_type)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    trait = getattr(gguf.quants, "_type_traits", {}).get(qtype)  # (gguf-py's per-type dequantizer)
     try:
-        values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(ggml_type))
+        if trait is not None:
+            values = trait.dequantize_blocks(np.ascontiguousarray(rows).reshape(-1, size))
+        else:
+            values = gguf.quants.dequantize(rows, qtype)
     except (ValueError, NotImplementedError) as e:
         raise ValueError(f"gguf-py cannot dequantize {type_name(ggml_type)} ({e})") from None
-    w = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-    if w.numel() != N * K:
-        raise ValueError(f"{w.numel()} values are not a {N}x{K} weight")
-    return _finite(INT8.quantize(w.reshape(N, K)))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(N, K)
 
 
 def _bytes(data: np.ndarray) -> torch.Tensor:

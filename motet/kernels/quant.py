@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-BLOCK = 32  # values per block along the input dimension, each block with its own scale (and min)
+from motet.kernels import quant_names
+from motet.kernels.quant_names import BLOCK
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,10 @@ def _safe(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(s == 0, torch.ones_like(s), s)
 
 
-INT8 = WeightFormat("int8", bits=8, has_min=False, ggml_type=8)  # Q8_0's layout
-INT4 = WeightFormat("int4", bits=4, has_min=True, ggml_type=3)  # Q4_1's layout
-FORMATS = {f.name: f for f in (INT8, INT4)}  # the --quantization formats
+INT8 = WeightFormat(quant_names.INT8, bits=8, has_min=False, ggml_type=8)  # Q8_0's layout
+INT4 = WeightFormat(quant_names.INT4, bits=4, has_min=True, ggml_type=3)  # Q4_1's layout
+# --quantization's formats, as the parser names them (quant_names: it reads them before torch is imported)
+FORMATS = {name: {INT8.name: INT8, INT4.name: INT4}[name] for name in quant_names.QUANTIZE_FORMATS}
 # FP4 E2M1's 16 values by their code (sign bit 3, exponent bits 2-1, mantissa bit 0)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # OCP's MXFP4 (gpt-oss's experts; GGML_TYPE_MXFP4's blocks: the E8M0 byte, then the codes as Q4_1 packs them)
@@ -201,15 +203,6 @@ class QuantizedWeight:
             packed = self.data.reshape(N, K // BLOCK, BLOCK // 2)
             return torch.cat((packed & 0xF, packed >> 4), dim=-1)
         return self.data.reshape(N, K // BLOCK, BLOCK)
-
-    def gguf_blocks(self) -> torch.Tensor:
-        """The weight as its GGUF tensor's bytes (uint8 [N, K / 32 * block bytes]): `from_gguf_blocks`' inverse."""
-        N, K = self.shape
-        parts = [self.scales[..., None].view(torch.uint8)]
-        if self.mins is not None:
-            parts.append(self.mins[..., None].view(torch.uint8))
-        parts.append(self.data.reshape(N, K // BLOCK, -1).view(torch.uint8))
-        return torch.cat(parts, dim=-1).reshape(N, -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] the format stands for (computed in fp32, then cast to `dtype`)."""

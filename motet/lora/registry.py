@@ -15,8 +15,8 @@ An adapter directory named by a path on the server (vLLM's load_lora_adapter) is
 `read_server_adapter`, only from under the operator's load directories: the path and each file in it are
 resolved (symlinks, '..') and must stay under one of them, and each file is then opened one component at a
 time from that directory with no symlink followed, so a link swapped in meanwhile is refused too. Load
-directories never overlap a directory holding tenants' own adapters (`check_load_dirs`, at start-up), or
-a tenant could load another's upload as its own. Plain synchronous code.
+directories never overlap a directory holding tenants' own adapters (motet/lora/names.py `check_load_dirs`, at
+start-up), or a tenant could load another's upload as its own. Plain synchronous code.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import tarfile
 import tempfile
 import uuid
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -45,15 +45,10 @@ from motet.lora.adapter import (
     load_adapter,
     pickle_refusal,
 )
+from motet.lora.names import check_name, is_adapter_name
 from motet.lora.peft_config import brief
 from motet.models.config import ModelConfig
 
-NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # no leading dot: hidden names are ours
-# A fine-tuning job's model and checkpoints (motet/api/fine_tuning/): `ft:<base>:<tenant>:<suffix>:<job>[:ckpt-step-N]`,
-# OpenAI's names, longer than an upload's and with colons; only the fine-tuning service stores them
-# (motet/api/adapters/store.py refuses them as uploads' names). Within a file name's 255 bytes.
-FINE_TUNED_PREFIX = "ft:"
-FINE_TUNED_RE = re.compile(r"ft:[A-Za-z0-9._-][A-Za-z0-9._:-]{0,246}")
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
 IGNORED = {"README.md"}  # PEFT's save_pretrained writes a model card beside the adapter: skipped
 MAX_MEMBERS = 16
@@ -86,21 +81,6 @@ class AdapterInfo:
     path: Path
     size_bytes: int
     created: float  # modification time of the adapter folder (seconds since the epoch)
-
-
-def is_adapter_name(value: str) -> bool:
-    return bool(NAME_RE.fullmatch(value) or FINE_TUNED_RE.fullmatch(value))
-
-
-def check_name(kind: str, value: str) -> str:
-    if kind == "adapter" and isinstance(value, str) and FINE_TUNED_RE.fullmatch(value):
-        return value
-    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
-        raise AdapterError(
-            f"{kind} name {brief(value)} is invalid: use 1-64 letters, digits, '.', '_' or '-', not starting "
-            "with '.'"
-        )
-    return value
 
 
 class AdapterRegistry:
@@ -332,27 +312,6 @@ def _fsync_dir(path: Path) -> None:
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux: a longer path names nothing
 MAX_NAME_BYTES = 255  # NAME_MAX, a path component's limit on every Linux filesystem
 _NOFOLLOW = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-
-
-def check_load_dirs(load_dirs: Sequence[str | Path], private: Mapping[str, str | Path]) -> tuple[Path, ...]:
-    """The directories `read_server_adapter` may read from (`--lora-load-dir`), resolved. ValueError, naming
-    the flags, for one that is not a directory, or that is, contains or lies inside one of the `private`
-    directories holding tenants' own adapters (flag -> directory, e.g. {"--data-dir": ...}): a tenant could
-    otherwise load `.../adapters/<another tenant>/<name>` and get a copy of that tenant's adapter."""
-    out = []
-    for d in load_dirs:
-        real = Path(os.path.realpath(Path(d).expanduser()))
-        if not real.is_dir():
-            raise ValueError(f"--lora-load-dir {d}: not a directory")
-        for flag, other in private.items():
-            mine = Path(os.path.realpath(Path(other).expanduser()))
-            if real.is_relative_to(mine) or mine.is_relative_to(real):
-                raise ValueError(
-                    f"--lora-load-dir {d} overlaps {flag} {other}, where tenants' own adapters are stored: "
-                    "a tenant could load another's; keep them apart"
-                )
-        out.append(real)
-    return tuple(out)
 
 
 def read_server_adapter(path, roots: Sequence[Path], max_bytes: int, what: str = "path") -> dict[str, bytes]:

@@ -96,9 +96,13 @@ def complete_checkpoints(checkpoints: Path) -> list[Path]:
 
 
 def last_checkpoint(checkpoints: Path) -> Path | None:
-    """The newest complete checkpoint."""
-    found = complete_checkpoints(checkpoints)
-    return found[-1] if found else None
+    """The newest complete checkpoint, the one a run goes on from (None: it starts over); nothing is removed."""
+    found = [
+        path
+        for path in (checkpoints.iterdir() if checkpoints.is_dir() else ())
+        if _CHECKPOINT.match(path.name) and (path / _COMPLETE).is_file()
+    ]
+    return max(found, key=checkpoint_step, default=None)
 
 
 def checkpoint_step(path: Path) -> int:

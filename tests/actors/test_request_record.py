@@ -8,12 +8,19 @@ import pytest
 from transformers import AutoTokenizer
 
 from motet.actors.messages import GenerateSpec
-from motet.actors.serving_errors import EngineFailure, InvalidRequest, ModelNotFound, request_refusal
+from motet.actors.serving_errors import (
+    EngineFailure,
+    InvalidRequest,
+    ModelNotFound,
+    ServerBusy,
+    model_not_found,
+    request_refusal,
+)
 from motet.actors.system import ServingSystem
 from motet.engine.request import EngineRequest
 from motet.engine.request_checks import RequestError
 from motet.engine.sampling_params import SamplingParams
-from motet.grammar.specs import JsonObjectSpec
+from motet.grammar.specs import GrammarError, JsonObjectSpec
 from motet.lora.adapter import AdapterError
 from motet.lora.manager import VERSION_STAMP, AdapterRef
 from tests.actors.test_actors import _engine_factory
@@ -83,3 +90,25 @@ def test_a_refusal_is_the_adapters_the_requests_or_the_servers(tmp_path):
     assert request_refusal(ValueError("request id 'x' is already in use")).status == 400
     broken = request_refusal(RuntimeError("CUDA error"))
     assert isinstance(broken, EngineFailure) and broken.status == 500
+
+
+def test_a_grammar_or_template_refusal_is_decided_where_the_others_are():
+    """The ingress's grammar and chat-template refusals go through `request_refusal` too (docs/layout.md: a
+    request's refusal is decided in one place): 400 naming the field, 503 (the tenant's own compilations past their
+    time limit still running) for a busy compiler; OpenAI's error shape needs the param either way."""
+    bad = request_refusal(GrammarError("unsupported keyword 'if'", "unsupported"), param="response_format")
+    assert isinstance(bad, InvalidRequest) and (bad.status, bad.param) == (400, "response_format")
+    assert bad.message == "response_format: unsupported keyword 'if'"
+    busy = request_refusal(GrammarError("3 compilations still run", "busy"), param="tools")
+    assert isinstance(busy, ServerBusy) and (busy.status, busy.param) == (503, "tools")
+    template = request_refusal(ValueError("the template raised: 'x' is undefined"), param="chat_template")
+    assert isinstance(template, InvalidRequest) and (template.status, template.param) == (
+        400,
+        "chat_template",
+    )
+    gone = model_not_found("my-adapter")  # a replica's: its shared store no longer has the adapter
+    assert isinstance(gone, ModelNotFound) and (gone.status, gone.param, gone.code) == (
+        404,
+        "model",
+        "model_not_found",
+    )

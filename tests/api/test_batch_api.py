@@ -27,7 +27,8 @@ from openai.types.responses import Response
 from motet.actors.system import Stats
 from motet.api.auth import Authenticator
 from motet.api.batches.lines import Line, error_line, parse_lines, response_line
-from motet.api.batches.runner import BatchGate, LowPriority, tenant_has_key
+from motet.api.batches.priority import LowPriority
+from motet.api.batches.runner import BatchGate, tenant_has_key
 from motet.api.batches.store import BatchStore
 from motet.api.files.store import FileQuotaExceeded, FileStore, FileTooLarge
 from tests.live_server import ROOT, Server, keys_file

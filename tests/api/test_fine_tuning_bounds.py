@@ -28,7 +28,7 @@ import pytest
 from motet.api.fine_tuning import runner, validation
 from motet.api.fine_tuning.store import FineTuningStore
 from motet.engine.tokenizer import load_tokenizer
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.model_config import load_model_config
 from motet.evals.lora_reference import write_random_adapter
 from motet.grammar.tool_formats import tool_format
 from motet.lora.registry import FILES

@@ -258,10 +258,10 @@ def test_flags_the_model_or_memory_bound_are_refused_before_anything_loads(flags
     from motet.api import server
     from motet.api.cli import main
 
-    def build_state(*args, **kwargs):  # what comes after the checks: not this test's
+    def listen(*args, **kwargs):  # what comes after the checks (binding the port): not this test's
         raise ValueError("the checks passed")
 
-    monkeypatch.setattr(server, "build_state", build_state)
+    monkeypatch.setattr(server, "listen", listen)
     code = main(["serve", "--model", str(tiny_model_dir), "--port", "0", "--data-dir", str(tmp_path / "d"),
                  *flags])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
@@ -277,7 +277,7 @@ def test_more_ranks_than_cores_are_refused_before_any_starts(tiny_model_dir, tmp
     from motet.api.cli import main
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    monkeypatch.setattr(server, "build_state", lambda *a, **k: pytest.fail("the ranks were started"))
+    monkeypatch.setattr(server, "listen", lambda *a, **k: pytest.fail("the checks passed"))
     code = main(["serve", "--model", str(tiny_model_dir), "--port", "0", "--data-dir", str(tmp_path / "d"),
                  "--tensor-parallel-size", "2"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()

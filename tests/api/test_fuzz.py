@@ -41,7 +41,7 @@ def fuzz_server(tiny_model_dir, tmp_path_factory):
 
 def _cases() -> list[tuple[str, str, GenerationMode]]:
     """Every operation with valid inputs; those that take inputs with invalid ones too."""
-    from motet.api.app import openapi_schema
+    from tests.served_app import openapi_schema
 
     out = []
     for path, item in openapi_schema()["paths"].items():

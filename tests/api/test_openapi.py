@@ -15,11 +15,12 @@ from starlette.testclient import TestClient
 
 from motet.actors.system import ServingSystem
 from motet.api import app as app_module
-from motet.api.app import ENDPOINTS, TEMPLATED, create_app, openapi_schema
+from motet.api.app import ENDPOINTS, TEMPLATED, create_app
 from motet.api.auth import Authenticator
 from motet.api.completions.protocol import ChatCompletionRequest
 from motet.api.openapi import Operation, document, operation
 from motet.api.state import ServerState
+from tests.served_app import openapi_schema
 
 # what the app serves and the document leaves out, on purpose (each registered with include_in_schema=False)
 UNDOCUMENTED = {"/openapi.json", "/", "/docs", "/static"}

@@ -13,7 +13,7 @@ import pytest
 
 from motet.api.auth import Authenticator
 from motet.lora.adapter import AdapterError
-from motet.lora.registry import check_name
+from motet.lora.names import check_name
 from tests.live_server import ROOT
 
 UNSTORABLE = ["team a", "a:b", "x" * 70, ".hidden", "a/b"]

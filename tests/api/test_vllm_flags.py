@@ -123,7 +123,7 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_on_cpu(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), device="cpu", gpu_memory_utilization=0.01)
     engine = LLMEngine(config, model_dir=tiny_model_dir)
     kv = engine.runner.num_blocks * kv_block_bytes(
-        engine.model_config, config.block_size, engine.runner.dtype
+        engine.model_config, config.block_size, engine.runner.dtype.itemsize
     )
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     share = 0.01 * available

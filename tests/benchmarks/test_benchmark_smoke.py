@@ -21,6 +21,7 @@ MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem !=
 SMOKE_RUNS = {
     "adapter_scale": "test_served_smoke.py::test_adapter_scale",
     "cluster_routing": "test_cluster_smoke.py::test_cluster_routing",
+    "cold_start": "test_served_smoke.py::test_cold_start",
     "cpu_gemm": "test_offline_smoke.py::test_cpu_gemm",
     "first_requests": "test_served_smoke.py::test_first_requests",
     "gguf_spm": "test_served_smoke.py::test_gguf_spm",
@@ -132,7 +133,7 @@ def test_flops_count_the_checkpoints_projections(tiny_model_dir):
     """2 FLOPs per parameter of the decoder's projections a token goes through, and per lm_head weight a logit
     row: counted from the checkpoint's own tensors."""
     from benchmarks.step_profile import flop_counts
-    from motet.engine.weights.checkpoint import load_model_config
+    from motet.engine.weights.model_config import load_model_config
 
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:

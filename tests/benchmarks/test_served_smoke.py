@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks import (
     adapter_scale,
+    cold_start,
     first_requests,
     gguf_spm,
     llamacpp,
@@ -107,6 +108,24 @@ def test_first_requests(model, tmp_path):
         assert positive(row["max_s"])
 
 
+def test_cold_start(model, tmp_path):
+    """One cold and one warm start of the tiny model, no peer: each timed to its first answer, its memory read;
+    the warm start found the cold one's prepared weights."""
+    cold_start.main(["--models", str(model), "--runs", "1", "--kv-tokens", "1024", "--threads", "1", "--no-peer",
+                     "--timeout", "300", "--out", str(tmp_path / "report")])  # fmt: skip
+    report = json.loads((tmp_path / "report" / "results.json").read_text())
+    (found,) = report["models"].values()
+    assert set(found["summary"]) == {"motet cold", "motet warm"}
+    for row in found["summary"].values():
+        assert row["runs"] == 1 and positive(row["seconds_median"], row["rss_ready_mib"], row["peak_rss_mib"])
+        assert row["peak_rss_mib"] >= row["rss_ready_mib"]
+    assert [found["summary"][f"motet {p}"]["prepared_weights"] for p in ("cold", "warm")] == [
+        "written",
+        "mapped",
+    ]
+    assert "| motet warm | 1 |" in (tmp_path / "report" / "summary.md").read_text()
+
+
 def test_tenant_fairness(model, tmp_path):
     """The five phases: a burst beside a light tenant, two backlogged tenants, a Batch API job beside
     interactive traffic, a long prompt beside another tenant's streams, a stream beside CPU-bound loops."""
@@ -156,6 +175,22 @@ def test_fine_tuning(model, tmp_path):
     assert not report["dpo"]["pairs"] or finite(report["dpo"]["margin_before"], report["dpo"]["margin_after"])
     assert positive(report["tpot_p50_ratio"], report["light_e2e_p50_ratio"])
     assert "| DPO: preferred's margin" in only_md(tmp_path)
+
+
+def test_fine_tuning_shared_cores(model, tmp_path):
+    """Serving and a job each alone, together, the job beside a CPU hog and in a process of its own."""
+    from benchmarks import fine_tuning
+
+    fine_tuning.main(["--shared-cores", "--model", str(model), "--examples", "4", "--eval-prompts", "4",
+                      "--answer-tokens", "8", "--batch-size", "1", "--threads", "1", "--clients", "2",
+                      "--load-tokens", "4", "--load-seconds", "3", "--job-seconds", "3", "--committed-adapters", "none",
+                      "--output-dir", str(tmp_path), "--server-args", *SERVER, "--dtype", "float32"])  # fmt: skip
+    s = only_json(tmp_path)["shared_cores"]
+    assert s["share"] == 0.25 and positive(s["serving_ratio"], s["job_alone_tokens_per_s"])
+    # (3-second windows: on a loaded machine, as a test run's other worker makes it, the job beside a hog may not
+    # finish a step in one, and the standalone run may not start one: a rate of 0 is a measurement, not a failure)
+    assert finite(s["standalone"]["tokens_per_s"] or 0.0, s["job_beside_hog_tokens_per_s"])
+    assert "| the job beside a CPU hog / alone |" in only_md(tmp_path)
 
 
 def test_tracing_overhead(model, tmp_path):

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from motet.engine.weights.checkpoint import iter_weights, load_model_config, weight_files
+from motet.engine.weights.checkpoint import iter_weights, weight_files
+from motet.engine.weights.model_config import load_model_config
 from motet.models.declaration import ModelLoadError
 from tests.tiny_models import TINY_LAYERS
 

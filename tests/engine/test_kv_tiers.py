@@ -5,6 +5,7 @@ blocks stay its own."""
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
@@ -22,14 +23,26 @@ from motet.engine.core.kv_tiers import (
     KV_CACHE_SUBDIR,
     CorruptEntry,
     DiskTier,
-    decode_entry,
     encode_entry,
     entry_name,
+    read_entry_into,
 )
 from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.grammar.specs import JsonSchemaSpec
 from tests.peft_adapters import peft_reference
+
+
+def decode_entry(
+    blob: bytes, identity: str, h: int, token_ids: tuple[int, ...], layout: KVLayout
+) -> torch.Tensor:
+    """The block's tensor from a whole entry's bytes, read as the disk tier's loader reads a file
+    (motet/engine/core/kv_tiers.py read_entry_into); CorruptEntry unless it is the sound entry of (identity, h,
+    tokens) in `layout`."""
+    out = torch.empty(layout.block_shape, dtype=layout.dtype)
+    read_entry_into(io.BytesIO(blob), identity, h, token_ids, layout, out)
+    return out
+
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

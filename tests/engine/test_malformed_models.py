@@ -24,8 +24,9 @@ from safetensors.torch import load_file, save_file
 
 from motet.api.cli import main
 from motet.engine.tokenizer import load_tokenizer
-from motet.engine.weights.checkpoint import load_model_config
-from motet.engine.weights.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
+from motet.engine.weights.model_config import load_model_config
+from motet.engine.weights.quantization_config import declared_quantization
+from motet.engine.weights.quantized_checkpoint import iter_checkpoint_weights
 from motet.models.declaration import ModelLoadError
 from tests.engine.test_gguf_model_file import write_gguf_file
 from tests.tiny_models import build_tiny_model

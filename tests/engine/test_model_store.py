@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from motet.engine.weights import gguf_names, model_store
-from motet.engine.weights.checkpoint import iter_weights, load_model_config
+from motet.engine.weights.checkpoint import iter_weights
 from motet.engine.weights.gguf_names import unpermute_qk
+from motet.engine.weights.model_config import load_model_config
 from motet.engine.weights.model_store import (
     DEFAULT_MODEL,
     GGUF_MEMBER,

@@ -7,6 +7,8 @@ references.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 
 import pytest
@@ -224,11 +226,108 @@ def test_async_scheduling_under_preemption(model_dir):
     assert eng.block_manager.num_used_blocks == 0
 
 
-def test_no_step_is_scheduled_ahead_of_a_row_that_needs_its_text(model_dir):
-    """Stop strings (and grammars, seeds, penalties...) need the landed token: the next step waits for it."""
+# A JSON schema the tiny model's greedy and seeded answers end within a few dozen tokens
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Berlin"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["city", "n"],
+    "additionalProperties": False,
+}
+
+
+def sampler_requests() -> dict:
+    """Requests whose sampling reads their output so far (penalties, bad_words, min_tokens, a seed's draw) or whose
+    ending reads their text (stop strings), beside plain ones."""
+    return {
+        "rep": (
+            PROMPTS[0],
+            SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, ignore_eos=True),
+        ),
+        "freq": (
+            PROMPTS[2],
+            SamplingParams(
+                temperature=0, max_tokens=20, frequency_penalty=0.8, presence_penalty=0.5, ignore_eos=True
+            ),
+        ),
+        # ".." is the tiny tokenizer's [16, 16], "isis" [273, 273]: tokens their plain answers repeat
+        "bad_words": (
+            PROMPTS[2],
+            SamplingParams(temperature=0, max_tokens=14, bad_words=["..", "isis"], ignore_eos=True),
+        ),
+        "min": (PROMPTS[4], SamplingParams(temperature=0, max_tokens=12, min_tokens=9)),
+        "seeded": (PROMPTS[4], SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=14)),
+        "stops": (PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, stop=["a", "e", "o"])),
+        "plain": (PROMPTS[3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
+    }
+
+
+def grammar_requests() -> dict:
+    """Requests constrained by a JSON schema, greedy and seeded, beside plain ones."""
+    from motet.grammar.specs import JsonSchemaSpec
+
+    return {
+        "json": (PROMPTS[1], SamplingParams(temperature=0, max_tokens=40, grammar=JsonSchemaSpec(SCHEMA))),
+        "json_seeded": (
+            PROMPTS[3],
+            SamplingParams(temperature=0.8, seed=3, max_tokens=40, grammar=JsonSchemaSpec(SCHEMA)),
+        ),
+        "json_penalized": (
+            PROMPTS[2],
+            SamplingParams(
+                temperature=0, max_tokens=40, frequency_penalty=0.5, grammar=JsonSchemaSpec(SCHEMA)
+            ),
+        ),
+        "plain": (PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),
+    }
+
+
+@pytest.mark.parametrize("make_requests", [sampler_requests, grammar_requests], ids=["sampler", "grammar"])
+def test_rows_the_sampler_or_a_grammar_reads_are_scheduled_ahead(model_dir, make_requests):
+    """Penalties, bad_words, min_tokens and a seed's draw count a row's pending token where it is (on the device);
+    a grammar's mask of a step scheduled ahead is filled once the step before lands, while the step runs; a row a
+    stop string or its grammar ends drops the token its next step computed: those steps are scheduled ahead, and
+    the outputs are the sequential engine's."""
+    import jsonschema
+
+    sequential = run(engine(model_dir, overlap=False), make_requests())
     eng = engine(model_dir, overlap=True)
-    run(eng, {"stops": mixed_requests()["stops"], "seeded": mixed_requests()["seeded"]})
+    ahead = run(eng, make_requests())
+    assert eng.num_steps_ahead > len(ahead) // 2
+    assert streams(ahead) == streams(sequential)
+    finished = {o[0]: o for step in ahead for o in step if o[3]}
+    assert set(finished) == set(make_requests())
+    text = {rid: "".join(o[0] for o in outs) for rid, outs in streams(ahead).items()}
+    for rid in [r for r in finished if r.startswith("json")]:  # (a grammar's answer, whole and the schema's)
+        assert finished[rid][4] == "stop"
+        jsonschema.validate(json.loads(text[rid]), SCHEMA)
+    if "bad_words" in finished:  # (the banned sequences never appear, the plain answer had them)
+        tokens = finished["bad_words"][2]
+        assert not any(tokens[i : i + 2] in ((16, 16), (273, 273)) for i in range(len(tokens) - 1))
+    assert not eng.in_flight and eng.block_manager.num_used_blocks == 0
+
+
+def test_rows_whose_next_step_needs_their_token_wait_for_it(model_dir):
+    """A grammar whose phase moves with the output's text (a reasoning format: its mask's kind and whether the stop
+    tokens are held follow the text) and jump-forward (tokens the grammar forces come before the next sampled one)
+    need the landed token: the next step waits for it. So does every step with async scheduling off."""
+    from motet.grammar.specs import JsonSchemaSpec
+
+    reasoning = SamplingParams(
+        temperature=0, max_tokens=12, reasoning="deepseek_r1", grammar=JsonSchemaSpec(SCHEMA)
+    )
+    thinks = {"reasoning": (PROMPTS[1], reasoning)}  # (DeepSeek-R1's output starts inside its reasoning)
+    eng = engine(model_dir, overlap=True)
+    steps = run(eng, thinks)
     assert eng.num_steps_ahead == 0
+    assert streams(steps) == streams(run(engine(model_dir, overlap=False), thinks))
+    jumps = {"json": grammar_requests()["json"]}
+    eng = engine(model_dir, overlap=True, jump_forward=True)
+    steps = run(eng, jumps)
+    assert eng.num_steps_ahead == 0
+    assert streams(steps) == streams(run(engine(model_dir, overlap=False, jump_forward=True), jumps))
     eng = engine(model_dir, overlap=True, async_scheduling=False)
     run(eng, plain_requests())
     assert eng.num_steps_ahead == 0
@@ -274,3 +373,52 @@ def test_auto_overlaps_where_a_core_is_spare(model_dir, monkeypatch):
         )._overlaps()
     with pytest.raises(ValueError, match="overlap_output"):
         EngineConfig(overlap_output="yes")
+
+
+@pytest.mark.parametrize(
+    "make_requests", [lambda: mixed_requests(), lambda: plain_requests()], ids=["mixed", "plain"]
+)
+def test_the_forward_thread_is_given_values_only(model_dir, monkeypatch, caplog, make_requests):
+    """The overlapped engine's forward thread reads nothing of the engine's step state: each launch hands it one
+    ForwardCall (the runner, the step's plan, its LoRA segments, its grammar mask, its inputs), none of whose fields is
+    the engine, the scheduler's batch or a live Sequence, and whose plan holds values only. A row failing in the
+    forward pass is still found (bisected on the engine's thread as its step lands): the others' outputs are the
+    sequential engine's, the steps scheduled before the failing one landed (which ran without its tokens) run
+    again once it has."""
+    from motet.engine.core.scheduler import ScheduledBatch
+    from motet.engine.core.sequence import Sequence
+    from motet.engine.worker.model_runner import ForwardCall, ModelRunner
+
+    eng = engine(model_dir, overlap=True)
+    submitted = []
+    submit = eng.stepping._thread.submit
+
+    def record(fn, *args, **kw):
+        submitted.append((fn, args, kw))
+        return submit(fn, *args, **kw)
+
+    monkeypatch.setattr(eng.stepping._thread, "submit", record)
+    broken = []  # the request whose row raises in the forward pass
+    execute = ModelRunner.execute
+
+    def failing(self, step, *args, **kw):
+        if any(row.request_id in broken for row in step):
+            raise RuntimeError("this row's forward pass failed")
+        return execute(self, step, *args, **kw)
+
+    monkeypatch.setattr(ModelRunner, "execute", failing)
+    requests = make_requests()
+    broken.append("long")
+    steps = run(eng, requests)
+    assert submitted
+    for fn, args, kw in submitted:
+        call = fn.__self__
+        assert isinstance(call, ForwardCall) and fn.__func__ is ForwardCall.run
+        fields = [call.runner, call.step, call.lora, call.mask, call.inputs, *args, *kw.values()]
+        assert not any(isinstance(f, (LLMEngine, ScheduledBatch, Sequence)) for f in fields)
+        assert not any(isinstance(getattr(row, f.name), (LLMEngine, ScheduledBatch, Sequence))
+                       for row in call.step for f in dataclasses.fields(row))  # fmt: skip
+    assert "request long failed in the forward pass" in caplog.text
+    reference = run(engine(model_dir, overlap=False), make_requests())
+    others = lambda steps: [o for s in steps for o in s if o[0] != "long"]  # noqa: E731
+    assert others(steps) == others(reference)

@@ -26,7 +26,7 @@ from motet.engine.config import CPU_KV_CACHE_MEMORY_GB, CUDA_GPU_MEMORY_UTILIZAT
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.model_config import load_model_config
 from motet.engine.worker.cuda_graphs import DecodeGraphs, buckets
 from motet.engine.worker.model_runner import ModelRunner
 from motet.engine.worker.step_backends import EagerSteps
@@ -168,13 +168,14 @@ def test_kv_cache_default_is_a_share_of_the_memory_on_cuda_a_fixed_size_on_cpu(m
 # -- warm-up ----------------------------------------------------------------------------------------------
 
 
-def test_a_slow_load_tells_its_progress(tiny_model_dir, monkeypatch, caplog):
+def test_a_slow_load_tells_its_progress(tiny_model_dir, monkeypatch, caplog, tmp_path):
     """Quantizing on load was a minute of silence on a busy CPU: the load logs its share of the layers as it goes
     (here every layer: no wait between lines), then its time, and the native step's packing its own. Each says so
     as it begins (issue 57: the packing took 13-28 s before its one line, quantizing 35 s before its first)."""
     from motet.engine.weights import load_progress
 
     monkeypatch.setattr(load_progress, "EVERY_S", 0.0)
+    monkeypatch.setenv("MOTET_WEIGHTS_CACHE_DIR", str(tmp_path))  # empty: prepared here, not mapped
     with caplog.at_level("INFO", logger="motet.engine"):
         ModelRunner(tiny_model_dir, load_model_config(tiny_model_dir), EngineConfig(
             model=str(tiny_model_dir), device="cpu", num_kv_blocks=4, quantization="int8"))  # fmt: skip
@@ -240,21 +241,23 @@ def test_health_answers_200_only_once_the_engine_has_warmed_up(tiny_model_dir, m
     system = ServingSystem(lambda: LLMEngine(cfg, model_dir=tiny_model_dir))
     with TestClient(create_app(ServerState(system, ["tiny"]))) as client:
         assert warming.wait(60)
-        r = client.get("/health")
-        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        r = client.get("/health")  # llama.cpp's 503 while it loads, with the phase it is in (the warm-up)
+        assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model", r.text
+        assert r.json()["phase"] == "warming up the step"
         # Readiness checks that poll another route must not pass early either (vLLM's users poll /v1/models)
         body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "temperature": 0}
         for r in (
             client.get("/v1/models"),
             client.get("/v1/models/tiny"),
             client.get("/v1/files"),
-            client.get("/metrics"),
             client.post("/v1/completions", json=body),
             client.post("/tokenize", json={"model": "tiny", "prompt": "hi"}),
         ):
             assert r.status_code == 503, r.text
-            assert r.headers["retry-after"] and "loading" in r.json()["error"]["message"]
+            assert r.headers["retry-after"] and r.json()["error"]["message"] == "Loading model"
+            assert r.json()["error"]["type"] == "unavailable_error"
         assert client.get("/version").status_code == 200  # the probes answer
+        assert client.get("/metrics").status_code == 200  # ... and the metrics, as they are while it loads
         assert client.get("/ping").status_code == 503  # ... /ping as /health does
         released.set()
         deadline = time.monotonic() + 60

@@ -15,7 +15,7 @@ from motet.engine.config import EngineConfig
 from motet.engine.llm import LLM
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.model_config import load_model_config
 from motet.engine.worker.parallel import Parallel, RankFailure
 from motet.grammar.specs import JsonSchemaSpec
 from motet.models.declaration import ModelLoadError

@@ -16,6 +16,7 @@ import pytest
 from motet.engine.llm import LLM
 from motet.engine.outputs import RequestOutputs
 from motet.engine.sampling_params import SamplingParams
+from motet.engine.worker.rows import PENDING
 from motet.grammar.reasoning import REASONING_START, THINK, ReasoningOpening
 from motet.grammar.specs import JsonSchemaSpec, StructuralTagSpec
 from motet.grammar.tool_call_parser import parse_tool_calls
@@ -34,24 +35,37 @@ CALL = '<tool_call>\n{"name": "f", "arguments": {"name": "ab", "ok": true}}\n</t
 
 class ScriptedSampler:
     """Wraps the engine's sampler: biases each scripted row towards the allowed token that continues its
-    script the furthest (the logits it gets are already masked by the grammar)."""
+    script the furthest (the logits it gets are already masked by the grammar).
+
+    An overlapped engine (`LLMEngine._overlaps`: a core the forward pass leaves spare, as where an earlier test set
+    torch to one thread) may plan a row before its previous token lands: that token is `PENDING` in its view. The
+    rows are greedy, so the sampler knows it: its own last picks (the argmax of the logits it biased)."""
 
     def __init__(self, inner, hf, vocab_size: int):
         self.inner, self.hf = inner, hf
         self.texts = [hf.decode([t]) for t in range(vocab_size)]
         self.scripts: dict[str, str] = {}
+        self.picks: dict[str, list[int]] = {}
+
+    def output_so_far(self, seq) -> list[int]:
+        ids, picks = list(seq.output_token_ids), self.picks.setdefault(seq.request_id, [])
+        pending = [k for k, t in enumerate(ids) if t == PENDING]
+        for k, pick in zip(pending, picks[len(picks) - len(pending) :], strict=True):
+            ids[k] = pick
+        return ids
 
     def __call__(self, logits, seqs):
         for i, seq in enumerate(seqs):
             script = self.scripts.get(seq.request_id)
             if script is None:
                 continue
-            done = self.hf.decode(seq.output_token_ids)
+            done = self.hf.decode(self.output_so_far(seq))
             rest = script[len(done) :] if script.startswith(done) else ""
             allowed = (logits[i, : len(self.texts)] > float("-inf")).nonzero().flatten().tolist()
             fits = [t for t in allowed if self.texts[t] and rest.startswith(self.texts[t])]
             if fits:
                 logits[i, max(fits, key=lambda t: len(self.texts[t]))] = 1e4
+            self.picks[seq.request_id].append(int(logits[i].argmax()))
         return self.inner(logits, seqs)
 
 

@@ -33,7 +33,9 @@ from tests.engine.test_engine import PROMPTS, engine_logits
 from tests.kernels.test_quantization import (
     HF_OF_GGUF,
     engine,
+    gguf_blocks,
     gguf_reference,
+    head_in_blocks,
     needs_native,
     quantizing_inputs,
     write_gguf,
@@ -177,7 +179,7 @@ def test_other_types_are_requantized_to_int8_from_gguf_py_values(qtype):
     q = ggml_blocks.from_ggml(blocks, qtype, (ROWS, COLS), INT8)
     got = q.dequantize()
     assert q.format == INT8
-    assert torch.equal(got, dequantize(q.gguf_blocks().numpy(), T.Q8_0))
+    assert torch.equal(got, dequantize(gguf_blocks(q).numpy(), T.Q8_0))
     half_step = q.scales.float().repeat_interleave(BLOCK, dim=1) / 2
     # + what a subnormal fp16 scale's rounding (2^-25 at most) costs the block's largest value (127 steps)
     assert ((got - want).abs() <= half_step * (1 + 1e-3) + 127 * 2**-25).all()
@@ -220,7 +222,7 @@ def assert_served_like_hf(served: Path, reference: Path, compiled: bool, **optio
     rounding flip."""
     llm = LLM(str(served), device="cpu", block_size=8, num_kv_blocks=256, compile_step=compiled, **options)
     hf = AutoModelForCausalLM.from_pretrained(reference, torch_dtype=torch.float32).eval()
-    hf = quantizing_inputs(hf, lm_head=llm.engine.runner.model.lm_head.quantized is not None)
+    hf = quantizing_inputs(hf, lm_head=head_in_blocks(llm.engine.runner))
     prompts = PROMPTS[1:4]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     argmax = []
@@ -336,20 +338,22 @@ def write_tables_gguf(path: Path, tied: bool) -> dict[str, np.ndarray]:
 
 
 def test_the_lm_head_and_a_tied_table_come_in_blocks(tmp_path):
-    """output.weight in its blocks (Q6_K requantized to int8), the embedding table as gguf-py's floats; a
-    table without output.weight (tied: it is the lm_head too) in its blocks (Q4_0 as int4, exactly)."""
+    """output.weight in its blocks (Q6_K requantized to int8), the embedding table looked up in the file's own
+    blocks (rows as gguf-py dequantizes them); a table without output.weight (tied: it is the lm_head too) looked
+    up the same way, and the lm_head in blocks of it (Q4_0 as int4, exactly)."""
+    ids = torch.tensor([[7, 0], [3, 3]])
     blocks = write_tables_gguf(tmp_path / "untied.gguf", tied=False)
     untied = dict(iter_gguf_weights(tmp_path / "untied.gguf"))
-    assert torch.equal(untied["model.embed_tokens.weight"], dequantize(blocks["token_embd.weight"], T.Q4_0))
+    table = dequantize(blocks["token_embd.weight"], T.Q4_0)
+    assert torch.equal(untied["model.embed_tokens.weight"](ids), table[ids])
     head, want = untied["lm_head.weight"], dequantize(blocks["output.weight"], T.Q6_K)
     half_step = head.scales.float().repeat_interleave(BLOCK, dim=1) / 2
     assert head.format == INT8 and ((head.dequantize() - want).abs() <= half_step + 127 * 2**-25).all()
-    blocks = write_tables_gguf(tmp_path / "tied.gguf", tied=True)
-    (name, table), *rest = iter_gguf_weights(tmp_path / "tied.gguf")
-    assert name == "model.embed_tokens.weight" and not rest
-    assert table.format == INT4 and torch.equal(
-        table.dequantize(), dequantize(blocks["token_embd.weight"], T.Q4_0)
-    )
+    write_tables_gguf(tmp_path / "tied.gguf", tied=True)
+    tied = dict(iter_gguf_weights(tmp_path / "tied.gguf"))
+    assert sorted(tied) == ["lm_head.weight", "model.embed_tokens.weight"]
+    assert torch.equal(tied["model.embed_tokens.weight"](ids), table[ids])
+    assert tied["lm_head.weight"].format == INT4 and torch.equal(tied["lm_head.weight"].dequantize(), table)
 
 
 # -- GPTQ and AWQ checkpoints ---------------------------------------------------------------------------------

@@ -33,6 +33,19 @@ from tests.tiny_models import build_tiny_model
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the CPU kernels")
 FORMAT_NAMES = sorted(FORMATS)
+
+
+def gguf_blocks(q: QuantizedWeight) -> torch.Tensor:
+    """The weight as its GGUF tensor's bytes (uint8 [N, K / 32 * block bytes]): the inverse of the format's
+    `from_gguf_blocks`, as gguf-py reads and writes them."""
+    N, K = q.shape
+    parts = [q.scales[..., None].view(torch.uint8)]
+    if q.mins is not None:
+        parts.append(q.mins[..., None].view(torch.uint8))
+    parts.append(q.data.reshape(N, K // BLOCK, -1).view(torch.uint8))
+    return torch.cat(parts, dim=-1).reshape(N, -1)
+
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -48,7 +61,7 @@ def test_gguf_blocks_read_as_gguf_py_dequantizes_them(name):
     q = fmt.from_gguf_blocks(torch.from_numpy(blocks), tuple(w.shape))
     want = torch.from_numpy(gguf_quants.dequantize(blocks, fmt.ggml_type))
     assert torch.equal(q.dequantize(), want)
-    assert torch.equal(q.gguf_blocks(), torch.from_numpy(blocks))
+    assert torch.equal(gguf_blocks(q), torch.from_numpy(blocks))
 
 
 def test_mxfp4_blocks_read_as_gguf_py_dequantizes_them():
@@ -65,7 +78,7 @@ def test_mxfp4_blocks_read_as_gguf_py_dequantizes_them():
     q = MXFP4.from_gguf_blocks(raw.reshape(6, -1), tuple(w.shape))
     want = torch.from_numpy(gguf_quants.dequantize(raw.reshape(6, -1).numpy(), MXFP4.ggml_type))
     assert torch.equal(q.dequantize(), want)
-    assert torch.equal(q.gguf_blocks(), raw.reshape(6, -1))
+    assert torch.equal(gguf_blocks(q), raw.reshape(6, -1))
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
@@ -78,7 +91,7 @@ def test_quantize_rounds_each_value_to_its_block_grid(name):
     w[3, :BLOCK] = 0.25  # a constant block (scale 0)
     q = fmt.quantize(w)
     deq = q.dequantize()
-    ours = torch.from_numpy(gguf_quants.dequantize(q.gguf_blocks().numpy(), fmt.ggml_type))
+    ours = torch.from_numpy(gguf_quants.dequantize(gguf_blocks(q).numpy(), fmt.ggml_type))
     assert torch.equal(deq, ours)
     step = q.scales.float().repeat_interleave(BLOCK, dim=1)
     assert ((deq - w).abs() <= step / 2 + 1e-3 * w.abs() + 1e-6).all()
@@ -227,6 +240,23 @@ def test_qgemm_refuses_inputs_not_in_whole_blocks():
     assert status != 0
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "float32", "bfloat16"])
+def test_rows_read_back_from_packed_panels_are_the_weights_rows(fmt):
+    """A tied embedding table looked up in its packed lm_head (cpu_native.packed_rows): each row is the weight's
+    row as its format defines it (QuantizedWeight.dequantize; a float weight's own values), rows past a panel's
+    16 and the last, partial panel included."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(45, 96, generator=g)
+    rows = torch.tensor([0, 15, 16, 44, 31, 7, 7, 33])
+    if fmt in FORMATS:
+        q = FORMATS[fmt].quantize(w)
+        got, want = cpu_native.packed_rows(cpu_native.pack_quantized(q), rows, 96, fmt), q.dequantize()[rows]
+    else:
+        w = w.to(getattr(torch, fmt))
+        got, want = cpu_native.packed_rows(cpu_native.pack(w), rows, 96), w.float()[rows]
+    assert torch.equal(got, want)
+
+
 # -- the engine ----------------------------------------------------------------------------------------------
 
 
@@ -261,6 +291,13 @@ def quantizing_inputs(
         if parts[-1] in names and isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]),))
     return model
+
+
+def head_in_blocks(runner) -> bool:
+    """Whether the served lm_head multiplies in blocks (the native step packs it and releases the layer's own)."""
+    if runner.native is not None:
+        return runner.native.lm_format is not None
+    return runner.model.lm_head.quantized is not None
 
 
 def engine(model_dir, **options) -> LLMEngine:
@@ -508,7 +545,7 @@ def test_default_model_from_its_q4_1_file_equals_the_dequantized_model(default_m
     options = dict(device="cpu", num_kv_blocks=128, block_size=16)
     gguf_engine = LLMEngine(EngineConfig(model=str(served), quantization="gguf", **options), model_dir=served)
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    hf = quantizing_inputs(hf, lm_head=gguf_engine.runner.model.lm_head.quantized is not None)
+    hf = quantizing_inputs(hf, lm_head=head_in_blocks(gguf_engine.runner))
     tok = gguf_engine.tokenizer
     prompts = [
         tok.encode_chat([{"role": "user", "content": q}])

@@ -165,6 +165,44 @@ def test_pattern_keys_first_match_wins_like_peft(tmp_path):
     assert {s for _, _, s in adapter.weights.values()} == {1.5, 2.5, 3.0}
 
 
+def test_the_regex_budget_leaves_the_garbage_collectors_time_out(tmp_path):
+    """CI refused the config above as "pattern too slow": its checks take milliseconds, but a collection of
+    the test process's whole heap ran in the same thread and was counted. Here the first collection inside the
+    budgeted regex work costs 1.2 s of CPU: the adapter still loads, and a hostile pattern is still cut off."""
+    import gc
+    import sys
+
+    burned = []
+
+    def slow_collection(phase: str, _info: dict) -> None:
+        frame = sys._getframe(1)
+        timed = ("_compile", "run")  # _Regexes' budgeted methods
+        while frame and not (
+            frame.f_code.co_filename.endswith("peft_config.py") and frame.f_code.co_name in timed
+        ):
+            frame = frame.f_back
+        if phase == "start" and frame and not burned:
+            burned.append(True)
+            end = time.thread_time() + 1.2
+            while time.thread_time() < end:
+                pass
+
+    # names of this test's own: `re` caches what it compiled (the test above's keys), and a cached compile
+    # allocates nothing that would start a collection
+    alphas = {f"collected_{i}.q_proj": 1 for i in range(300)} | {r"layers\.1\.(self_attn|mlp)\..*": 3}
+    threshold = gc.get_threshold()
+    gc.callbacks.append(slow_collection)
+    gc.set_threshold(50)  # a collection every few allocations: many during the load
+    try:
+        adapter = load_adapter(write_adapter(tmp_path / "a", alpha_pattern=alphas), BASE)
+        assert burned and {s for _, _, s in adapter.weights.values()} == {1.5, 2.0}  # 3 / 2 and 4 / 2
+        with pytest.raises(AdapterError, match="alpha_pattern.*: pattern too slow"):
+            load_adapter(write_adapter(tmp_path / "b", alpha_pattern={EVIL: 2}), BASE)
+    finally:
+        gc.callbacks.remove(slow_collection)
+        gc.set_threshold(*threshold)
+
+
 # --- 2. malformed regexes and pattern values -------------------------------------------------------------
 
 

@@ -136,7 +136,7 @@ def test_more_adapters_than_room_time_slice_and_all_complete(tiny_model_dir, tin
     if room == "cap":
         options = {"max_loras": 2}
     else:
-        from motet.engine.weights.checkpoint import load_model_config
+        from motet.engine.weights.model_config import load_model_config
 
         options = {"adapter_memory_gb": pool_bytes_for(paths, 2, load_model_config(tiny_model_dir)) / 2**30}
     llm = tiny_llm(tiny_model_dir, paths, lora_time_slice=3, max_num_seqs=4, **options)
@@ -197,7 +197,7 @@ def test_a_removed_adapter_whose_files_are_gone_still_serves_its_requests(
 
     peft, paths = tiny_loras
     doomed = shutil.copytree(paths["all8"], tmp_path / "doomed")
-    from motet.engine.weights.checkpoint import load_model_config
+    from motet.engine.weights.model_config import load_model_config
 
     room = pool_bytes_for({"doomed": doomed, "qv4": paths["qv4"]}, 1, load_model_config(tiny_model_dir))
     llm = tiny_llm(

@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from motet.engine.tokenizer import load_tokenizer
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.model_config import load_model_config
 from motet.grammar.tool_formats import tool_format
 from motet.lora.peft_format import base_modules
 from motet.training.chat_encoding import ChatEncoder
 from motet.training.dataset import prepare, read_rows
 from motet.training.hyperparameters import resolve
-from motet.training.trainer import TRAIN_ROWS, TrainingRun, last_checkpoint, train
+from motet.training.trainer import TRAIN_ROWS, TrainingRun, complete_checkpoints, train
 
 SEED = 3
 
@@ -104,7 +104,7 @@ def test_paused_and_resumed_equals_uninterrupted(tiny_model_dir, tmp_path):
         return len(steps) == 5
 
     assert train(stopped, events.append, pause_at_step_5) == "paused"
-    assert last_checkpoint(stopped.checkpoints).name == "checkpoint-5"
+    assert complete_checkpoints(stopped.checkpoints)[-1].name == "checkpoint-5"  # the newest complete one
     (
         stopped.checkpoints / "checkpoint-99"
     ).mkdir()  # a checkpoint cut short by a crash: no trainer_state.json

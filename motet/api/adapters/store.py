@@ -31,16 +31,14 @@ from motet.api.sqlite_store import StorageFailure
 from motet.api.storage_errors import storage_error, stored_call
 from motet.lora.adapter import AdapterError, AdapterTooLarge
 from motet.lora.manager import AdapterRef
+from motet.lora.names import FINE_TUNED_PREFIX, check_load_dirs, check_name
 from motet.lora.registry import (
     FILES,
-    FINE_TUNED_PREFIX,
     AdapterExists,
     AdapterNotFound,
     AdapterPathRefused,
     AdapterQuotaExceeded,
     AdapterRegistry,
-    check_load_dirs,
-    check_name,
     read_server_adapter,
 )
 

@@ -28,7 +28,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -46,6 +45,7 @@ from motet.api.batches.lines import (
     refusal,
     response_line,
 )
+from motet.api.batches.priority import LowPriority
 from motet.api.batches.store import BatchStore, OverQuota, PendingLine
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
@@ -54,29 +54,9 @@ from motet.api.sqlite_store import StorageFailure
 
 log = logging.getLogger("motet.batches")
 
-DEFAULT_MAX_IN_FLIGHT = 4
 POLL_S = 0.02  # how often a waiting line looks at the load again
 RETRY_AFTER_DEFAULT_S = 1.0
 STORAGE_RETRY_S = 5.0  # a batch whose storage failed tries again after this
-
-
-# -- when a line may go -------------------------------------------------------------------------------------
-@dataclass
-class LowPriority:
-    """The scheduling hook: whether one more batch line may be sent now. Live requests first: a line goes
-    only while nothing waits (queued, or admitted and not running), every line sent before is seen running
-    (one on its way from the queue to the engine shows in neither count yet), and fewer than `max_in_flight`
-    lines are out."""
-
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
-
-    def __post_init__(self):
-        if self.max_in_flight < 1:
-            raise ValueError("--batch-max-in-flight must be at least 1")
-
-    def admits(self, stats: Stats, in_flight: int) -> bool:
-        nothing_waits = stats.queued == 0 and stats.num_waiting == 0
-        return in_flight < self.max_in_flight and nothing_waits and stats.num_running >= in_flight
 
 
 class BatchGate:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from motet.flag_types import integer
+from motet.flag_types import integer, number
+
+DEFAULT_SHARE = 0.25  # --fine-tuning-share: a quarter of the machine for training while serving is busy
+MAX_SHARE = 0.9  # (serving keeps a tenth at least: its streams stall for the slices in between)
 
 
 def add_args(p) -> None:
-    from motet.api.fine_tuning.runner import RunnerSettings
+    from motet.api.fine_tuning.settings import RunnerSettings
     from motet.api.fine_tuning.store import Quotas
 
     p.add_argument(
@@ -22,13 +25,25 @@ def add_args(p) -> None:
         "--fine-tuning-threads",
         type=integer(1),
         default=None,
-        help="compute threads of a fine-tuning job's process (default: the cores serving uses)",
+        help="compute threads of a fine-tuning job's process (default: the cores serving uses; it never runs "
+        "beside serving's steps)",
+    )
+    p.add_argument(
+        "--fine-tuning-share",
+        type=number(0.0, MAX_SHARE),
+        default=DEFAULT_SHARE,
+        help="the share of the machine's time fine-tuning jobs train in while serving is busy (at most "
+        f"{MAX_SHARE}: serving keeps the rest); while serving is idle they have all of it. The serving engine lends "
+        "its cores to one job's process at a time between its steps, so the machine never runs more compute "
+        "threads than --threads (0: jobs train only while serving is idle)",
     )
     p.add_argument(
         "--fine-tuning-nice",
         type=integer(0, 19),
-        default=RunnerSettings.nice,
-        help="the niceness of a fine-tuning job's process: serving's threads go first (0: as serving)",
+        default=None,
+        help="the niceness of a fine-tuning job's process (default: 0, as serving, where the serving engine lends "
+        "it the CPU's cores; 19 where nothing does, behind a Ray cluster or beside a GPU's engine, and serving's "
+        "threads go first)",
     )
     p.add_argument(
         "--fine-tuning-max-jobs-per-tenant",
@@ -52,9 +67,11 @@ def add_args(p) -> None:
     )
 
 
-def runner(args, data: Path, files, adapters, usage, threads: int):
-    """The server's fine-tuning runner; `threads`: serving's (the workers' default)."""
-    from motet.api.fine_tuning.runner import FineTuningRunner, RunnerSettings
+def runner(args, data: Path, files, adapters, usage, threads: int, lease=None):
+    """The server's fine-tuning runner; `threads`: serving's (the workers' default); `lease`: the serving engine's
+    lease of its cores to the workers (motet/actors/training_lease.py; None behind Ray)."""
+    from motet.api.fine_tuning.runner import FineTuningRunner
+    from motet.api.fine_tuning.settings import RunnerSettings
     from motet.api.fine_tuning.store import FineTuningStore, Quotas
     from motet.cluster.serve_flags import training_launch
 
@@ -62,6 +79,7 @@ def runner(args, data: Path, files, adapters, usage, threads: int):
         max_running=args.fine_tuning_max_running,
         threads=args.fine_tuning_threads or threads,
         nice=args.fine_tuning_nice,
+        lease=lease,
     )
     if (launch := training_launch(args)) is not None:  # behind a Ray cluster: Ray Train runs
         settings.launch = launch

@@ -8,7 +8,6 @@ GET  /v1/fine_tuning/jobs                          the tenant's jobs, newest fir
 GET  /v1/fine_tuning/jobs/{job_id}
 POST /v1/fine_tuning/jobs/{job_id}/cancel          stops it at once
 POST /v1/fine_tuning/jobs/{job_id}/pause           a checkpoint after the step in progress, then it waits
-                                                   (paused once its worker has stopped: running until then)
 POST /v1/fine_tuning/jobs/{job_id}/resume          queued again, it goes on from there
 GET  /v1/fine_tuning/jobs/{job_id}/events          newest first: after, limit
 GET  /v1/fine_tuning/jobs/{job_id}/checkpoints     one an epoch, newest first: after, limit
@@ -66,9 +65,6 @@ from motet.training.trainer import TrainingRun, stored_adapter_bytes
 
 T = TypeVar("T")
 PURPOSE = "fine-tune"
-# A page of jobs, events or checkpoints holds at most this many: OpenAI documents no most for `limit` (20 by
-# default; 10 for checkpoints), so a larger one is answered with a page of MAX_PAGE and `has_more`, not refused
-MAX_PAGE = 1000
 _METADATA_KEY = re.compile(r"^metadata\[(.*)\]$", re.DOTALL)
 INIT_ADAPTER = "init_adapter"  # in a job's run directory: a copy of the adapter it trains on
 
@@ -298,7 +294,7 @@ async def list_jobs(request: Request) -> Response:
     _, tenant, runner = _context(request)
     query, pairs, null = metadata_filter(request.query_params)
     page = await stored_page(query, "the jobs could not be read", "fine-tuning job", "tenant", runner.store.page,
-                             tenant, most=MAX_PAGE, clamp=True, metadata=pairs, without_metadata=null)  # fmt: skip
+                             tenant, metadata=pairs, without_metadata=null)  # fmt: skip
     return JSONResponse(page)
 
 
@@ -324,7 +320,11 @@ async def _change(request: Request, to: str, allowed: tuple[str, ...], message: 
 )
 async def cancel_job(request: Request) -> Response:
     job = await _change(
-        request, "cancelled", ("validating_files", "queued", "running", "paused"), "The job was cancelled", "cancelled"
+        request,
+        "cancelled",
+        ("validating_files", "queued", "running", "paused"),
+        "The job was cancelled",
+        "cancelled",
     )
     runner = request.app.state.motet.fine_tuning
     runner.stop(job["id"], pause=False)
@@ -332,15 +332,12 @@ async def cancel_job(request: Request) -> Response:
     return JSONResponse(job)
 
 
-@operation("pause a fine-tuning job: a queued one at once, a running one once it has saved a checkpoint after the "
-           "step in progress (it is running until then)", tag="Fine-tuning", ok_description="the job")  # fmt: skip
+@operation("pause a fine-tuning job (a checkpoint after the step in progress)", tag="Fine-tuning",
+           ok_description="the job")  # fmt: skip
 async def pause_job(request: Request) -> Response:
-    runner, tenant, job = await _path_job(request)
-    job, taken = await stored_call("the job could not be changed", runner.store.pause, tenant, job["id"])
-    if not taken:
-        raise APIError(409, f"the job is {job['status']}: only a queued or running job can be paused",
-                       param="fine_tuning_job_id", code="invalid_job_status")  # fmt: skip
-    runner.stop(job["id"], pause=True)
+    message = "Pausing the job: a checkpoint is saved after the step in progress"
+    job = await _change(request, "paused", ("queued", "running"), message, "paused")
+    request.app.state.motet.fine_tuning.stop(job["id"], pause=True)
     return JSONResponse(job)
 
 
@@ -354,8 +351,7 @@ async def resume_job(request: Request) -> Response:
 async def _page(request: Request, what: str, read, default_limit: int) -> Response:
     runner, tenant, job = await _path_job(request)
     page = await stored_page(request.query_params, f"the {what} could not be read", what[:-1], "job", read,
-                             runner.store, tenant, job["id"], default_limit=default_limit, most=MAX_PAGE,
-                             clamp=True)  # fmt: skip
+                             runner.store, tenant, job["id"], default_limit=default_limit)  # fmt: skip
     return JSONResponse(page)
 
 

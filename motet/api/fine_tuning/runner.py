@@ -2,17 +2,20 @@
 
 The runner is a task of the app's lifespan (as the batch runner is). Whenever a slot is free it asks the fair
 queue (motet/training/fair_queue.py: tenants in turn) which queued job goes next and starts its worker
-(motet/api/fine_tuning/workers.py): a child process `python -m motet.training.worker` at low priority
-(`--fine-tuning-nice`) with its own thread count (`--fine-tuning-threads`), dying with the server, or behind a Ray
-cluster a Ray Train run on the node the operator names (motet/cluster/training_jobs.py). What the worker says (an
-event) becomes the job's progress, events and checkpoints in the store (motet/api/fine_tuning/store.py); each
-epoch's checkpoint, then the job's model, is stored as the tenant's adapter (motet/api/adapters/store.py), served
-from then on; the trained tokens are counted in the tenant's usage as they are trained.
+(motet/api/fine_tuning/workers.py): a child process `python -m motet.training.worker` with its own thread count
+(`--fine-tuning-threads`), dying with the server, or behind a Ray cluster a Ray Train run on the node the operator
+names (motet/cluster/training_jobs.py). A local worker runs only while the serving engine lends it the cores
+(motet/actors/training_lease.py: `--fine-tuning-share` of the time while serving is busy, all of it while idle,
+one worker at a time): the job's events say when it waits for compute and when it no longer does, and its
+`estimated_finish` is its pace while it computes over the share it gets. What the worker says (an event) becomes
+the job's progress, events and checkpoints in the store (motet/api/fine_tuning/store.py); each epoch's
+checkpoint, then the job's model, is stored as the tenant's adapter (motet/api/adapters/store.py), served from
+then on; the trained tokens are counted in the tenant's usage as they are trained.
 
 A job with an eval file has it answered once its model is stored, outside the training slots: the next queued job
 starts training meanwhile. Cancel kills the worker at once, or stops the eval (its requests in flight aborted);
-pause asks the worker to save a checkpoint after the step in progress and exit, and the job is paused once it has
-(a worker that has not yet said it handles the request is killed: it had trained nothing). A job running when the server stops is queued again at the
+pause asks the worker to save a checkpoint after the step in progress and exit (a worker that has not yet said it
+handles the request is killed: it had trained nothing). A job running when the server stops is queued again at the
 next start (`FineTuningStore.recover`) and goes on from its last checkpoint. A finished job's run directory (its
 rows and Trainer's checkpoints) is removed: its models live on as adapters.
 """
@@ -28,8 +31,8 @@ import json
 import logging
 import shutil
 import time
-from collections import Counter
-from collections.abc import AsyncIterator
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,26 +43,34 @@ from anyio.abc import TaskGroup
 from motet.api.adapters.store import AdapterStore
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
+from motet.api.fine_tuning.settings import RunnerSettings
 from motet.api.fine_tuning.store import FINISHED, FineTuningStore, QuotaExceeded, Quotas
 from motet.api.fine_tuning.validation import Refusal, cpu_timed, prepare_job, run_files, validated_event
 from motet.api.fine_tuning.workers import LocalWorker
 from motet.api.in_process import call_route
 from motet.api.sqlite_store import StorageFailure
 from motet.api.usage import UsageStore
+from motet.training.compute_share import waiting_reason
 from motet.training.dataset import read_rows
 from motet.training.eval_file import EVAL_ROWS, same_answer
 from motet.training.fair_queue import next_job
-from motet.training.launch import Launch, LaunchError, TrainingWorker
+from motet.training.launch import LaunchError, TrainingWorker
 from motet.training.run_setup import FileError
 from motet.training.trainer import CHECKPOINTS, TrainingRun, checkpoint_step, last_checkpoint
 from motet.training.worker import RUN_SPEC
 
 log = logging.getLogger("motet.fine_tuning")
 
-POLL_S = 1.0  # how often the runner looks at the queue without being woken
+POLL_S = 1.0  # how often the runner looks at the queue without being woken, and at a worker's compute
 # An eval file's requests: the likeliest token each step, as trained, whatever sampling defaults the model's
 # generation_config.json gives a request that leaves a field out (the default model's: frequency_penalty 0.7)
 GREEDY = {"temperature": 0, "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1}
+# A worker waits for compute if it mostly did over this long (motet/training/compute_share.py).
+WAIT_WINDOW_S = 5.0
+# A worker's niceness unless --fine-tuning-nice says: as serving's where the engine lends it the cores (it rations
+# the worker's time), the lowest priority where nothing does (behind Ray, or beside a GPU's engine: the engine's host
+# thread goes first).
+LEASED_NICE, UNLEASED_NICE = 0, 19
 RESULT_COLUMNS = (
     "step",
     "train_loss",
@@ -67,14 +78,6 @@ RESULT_COLUMNS = (
     "valid_loss",
     "valid_mean_token_accuracy",
 )
-
-
-@dataclass
-class RunnerSettings:
-    max_running: int = 1  # jobs training at once (--fine-tuning-max-running)
-    threads: int = 1  # each worker's compute threads (--fine-tuning-threads)
-    nice: int = 19  # each worker's niceness (--fine-tuning-nice): serving's threads go first
-    launch: Launch = LocalWorker.start  # where a job trains (behind Ray: motet/cluster/training_jobs.py)
 
 
 def checkpoint_model(model_name: str, step: int) -> str:
@@ -125,6 +128,23 @@ async def _thread(call, *args):
     return await anyio.to_thread.run_sync(functools.partial(call, *args))
 
 
+@contextlib.asynccontextmanager
+async def _unleased() -> AsyncIterator[Callable[[int], bool]]:
+    yield lambda pid: False
+
+
+def _compute_message(reason: str | None, fraction: float, workers: int) -> str:
+    """The event of a worker that started to wait for compute (`reason`: compute_share.waiting_reason's), or that
+    no longer does (None)."""
+    if reason == "jobs" and workers > 1:
+        return f"Waiting for compute: {workers} fine-tuning jobs take turns; this one gets {fraction:.0%} of the machine"
+    if reason in ("serving", "jobs"):  # ("jobs" with one left: it waited for serving's steps)
+        return f"Waiting for compute: serving is busy; training gets {fraction:.0%} of the machine"
+    if reason == "machine":
+        return "Waiting for compute: other programs are using the machine's cores"
+    return "No longer waiting for compute: the job trains at full speed"
+
+
 class _Job:
     """What the runner keeps of a job while its worker runs."""
 
@@ -135,8 +155,11 @@ class _Job:
         self.ready = False
         self.outcome: str | None = None
         self.billed = trained  # trained tokens counted in the tenant's usage so far
-        self.first_step: tuple[int, float] | None = None  # (step, when) of this worker's first step
+        # (step, when, seconds it had held the cores) as this worker's training started
+        self.first_step: tuple[int, float, float] | None = None
         self.last: dict = {}  # the last metrics, for the next checkpoint
+        self.pid: int | None = None  # its process, while it holds the serving engine's cores by its lease
+        self.training = True  # until the worker says how its training ended
 
 
 @dataclass
@@ -307,15 +330,27 @@ class FineTuningRunner:
         run_dir = self.store.run_dir(job.id)
         rc = None
         try:
-            job.worker = await self.settings.launch(run_dir, self.settings.threads, self.settings.nice)
+            launch = self.settings.launch or LocalWorker.start
+            async with self._starting(
+                job.tenant
+            ) as join:  # (a local worker: stopped until it holds the cores)
+                job.worker = await launch(run_dir, self.settings.threads, self._nice())
+                if (pid := getattr(job.worker, "pid", None)) is not None and join(pid):
+                    job.pid = pid
             try:
-                async for event in job.worker.events():
-                    await self._on_event(job, event)
+                async with anyio.create_task_group() as watching:
+                    if job.pid is not None:
+                        watching.start_soon(self._watch_compute, job)
+                    async for event in job.worker.events():
+                        await self._on_event(job, event)
+                    watching.cancel_scope.cancel()
                 rc = await job.worker.wait()
             finally:
                 with anyio.CancelScope(shield=True):  # the server stops: the worker goes with it
-                    job.worker.kill()
+                    job.worker.kill()  # (SIGKILL ends it stopped or not)
                     await job.worker.wait()
+                    if job.pid is not None:
+                        self.settings.lease.leave(job.pid)
         except LaunchError as e:
             await self._fail(job, str(e))
         except Exception as e:  # a bug or a failing disk: this job fails, never the runner
@@ -324,13 +359,9 @@ class FineTuningRunner:
         finally:
             self._jobs.pop(job.id, None)
             self.wake()
-        if rc is not None and job.outcome in (None, "paused"):
+        if job.outcome is None and rc is not None:
             status = await _thread(self.store.status, job.id)
-            if status == "running" and (job.outcome == "paused" or await _thread(self.store.pausing, job.id)):
-                await _thread(
-                    self.store.paused, job.id
-                )  # its worker has stopped (killed before it trained, or saved)
-            elif status == "running":  # the worker died without a word (killed, or out of memory)
+            if status == "running":  # the worker died without a word (killed, or out of memory)
                 await self._fail(job, f"the training process exited with code {rc} before the job finished")
         status = await _thread(self.store.status, job.id)
         if status == "failed":  # the operator's clue, before the run directory goes
@@ -339,6 +370,52 @@ class FineTuningRunner:
                         tail)  # fmt: skip
         if status in FINISHED:
             await _thread(shutil.rmtree, run_dir, True)
+
+    def _nice(self) -> int:
+        if self.settings.nice is not None:
+            return self.settings.nice
+        lease = self.settings.lease
+        return LEASED_NICE if lease is not None and lease.shares_cores else UNLEASED_NICE
+
+    def _starting(self, tenant: str) -> contextlib.AbstractAsyncContextManager[Callable[[int], bool]]:
+        """Around a worker's start: the lease's (which stops a local worker until it holds the cores), or, without
+        one, nothing."""
+        if self.settings.lease is not None:
+            return self.settings.lease.starting(tenant)
+        return _unleased()
+
+    async def _watch_compute(self, job: _Job) -> None:
+        """While the job trains, its events say when its worker starts to wait for compute (it held the cores, or
+        its threads ran, little of the last WAIT_WINDOW_S: motet/training/compute_share.py), and when it no
+        longer does; one event each, not one a slice."""
+        lease = self.settings.lease
+        samples: deque = deque(maxlen=round(WAIT_WINDOW_S / POLL_S) + 1)
+        said = None
+        while (sample := lease.sample(job.pid)) is not None:
+            samples.append(sample)
+            if len(samples) == samples.maxlen:
+                reason = waiting_reason(samples[0], samples[-1])
+                if reason != said and job.training:
+                    said = reason
+                    fraction = lease.fraction(job.pid, busy=reason == "serving")
+                    message = _compute_message(reason, fraction, lease.workers)
+                    await _thread(self.store.add_event, job.id, message)
+            await anyio.sleep(POLL_S)
+
+    def _estimated_finish(self, job: _Job, step: int, total: int, now: float) -> int | None:
+        """When the job should end: the steps left at its pace since its training started (in seconds it held
+        the cores, over the share of the machine it gets now, for a worker on the lease; else in wall seconds);
+        None before its first step here."""
+        if job.first_step is None or (done := step - job.first_step[0]) <= 0:
+            return None
+        if job.pid is None:
+            return int(now + (total - step) * (now - job.first_step[1]) / done)
+        lease = self.settings.lease
+        fraction = lease.fraction(job.pid)
+        if fraction <= 0:  # (--fine-tuning-share 0 while serving is busy: when it will be idle is unknown)
+            return None
+        per_step = (lease.held_s(job.pid) - job.first_step[2]) / done
+        return int(now + (total - step) * per_step / fraction)
 
     async def _fail(self, job: _Job, message: str) -> None:
         try:
@@ -351,14 +428,16 @@ class FineTuningRunner:
         kind = event.get("type")
         if kind == "ready":
             job.ready = True
-            if await _thread(self.store.status, job.id) != "running" or await _thread(
-                self.store.pausing, job.id
-            ):
-                job.worker.kill()  # paused or cancelled before it was ready: it had trained nothing
+            if (
+                await _thread(self.store.status, job.id) != "running"
+            ):  # paused or cancelled before it was ready
+                job.worker.kill()
         elif kind == "placed":  # (a Ray Train run's: where it trains)
             await _thread(self.store.add_event, job.id, f"Training on {event['where']}")
         elif kind == "started":
             total = event["total_steps"]
+            held = self.settings.lease.held_s(job.pid) if job.pid is not None else 0.0
+            job.first_step = (event["step"], time.time(), held)
             await _thread(self.store.progress, job.id, event["step"], total, job.billed, None)
             if event["step"] == 0:
                 await _thread(self.store.add_event, job.id, "Fine-tuning job started")
@@ -377,20 +456,22 @@ class FineTuningRunner:
         elif kind == "checkpoint" and event["epoch_end"]:
             await self._checkpoint(job, event)
         elif kind == "succeeded":
+            job.training = False
             await self._succeed(job, event)
-        elif kind == "paused":  # its checkpoint saved: the job is paused once the worker has exited
+        elif kind == "paused":
+            job.training = False
             job.outcome = "paused"
+            await _thread(
+                self.store.add_event, job.id, "The job is paused: it goes on from here when resumed"
+            )
         elif kind == "failed":
+            job.training = False
             job.outcome = "failed"
             await self._fail(job, event.get("message", "the training failed"))
 
     async def _step(self, job: _Job, event: dict) -> None:
         step, total = event["step"], event["total_steps"]
-        now = time.time()
-        if job.first_step is None:
-            job.first_step = (step, now)
-        done, since = step - job.first_step[0], now - job.first_step[1]
-        finish = int(now + (total - step) * since / done) if done > 0 else None
+        finish = self._estimated_finish(job, step, total, time.time())
         data = {k: event.get(k) for k in ("step", "train_loss", "train_mean_token_accuracy")} | {
             "total_steps": total
         }

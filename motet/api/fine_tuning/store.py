@@ -4,11 +4,10 @@ A job is a row with its OpenAI FineTuningJob fields, what it was validated to be
 how far it has got; its events (OpenAI's FineTuningJobEvent: status changes, a metrics event a step) and its
 checkpoints (one an epoch, each a model of the tenant's) are rows of their own. Every read and change the API
 makes is scoped to the tenant: another tenant's job reads as missing. Statuses, as OpenAI's: queued -> running ->
-succeeded | failed | cancelled, and paused (from queued at once; from running once its worker has saved a
-checkpoint and stopped: `pausing` meanwhile, still running; resumed: queued again). A job whose files are
+succeeded | failed | cancelled, and paused (from queued or running; resumed: queued again). A job whose files are
 validated after its create call answers is `validating_files` until then (motet/api/fine_tuning/validation.py):
-queued, or failed with its files' error. A job `running` when the server stopped is
-queued again when it starts (`recover`): it goes on from its last checkpoint, or from the start.
+queued, or failed with its files' error. A job `running` when the server stopped is queued again when it starts
+(`recover`): it goes on from its last checkpoint, or from the start, as its event says.
 
 A job admitted holds the room its adapters will take in the tenant's adapter quota (motet/api/adapters/store.py)
 until it ends: the bytes of each (`adapter_bytes`) times the adapters it has yet to store (`adapters_left`: one a
@@ -32,7 +31,6 @@ from motet.training.hyperparameters import OPENAI_NAMES, Hyperparameters
 FILENAME = "fine_tuning.sqlite3"
 DAY_S = 86_400
 ACTIVE = ("validating_files", "queued", "running", "paused")
-PAUSED = "The job is paused: it goes on from here when resumed"
 FINISHED = ("succeeded", "failed", "cancelled")
 
 _SCHEMA = (
@@ -65,7 +63,6 @@ _SCHEMA = (
         -- while it is active
         adapter_bytes INTEGER NOT NULL DEFAULT 0,
         adapters_left INTEGER NOT NULL DEFAULT 0,
-        pausing INTEGER NOT NULL DEFAULT 0,  -- 1: running, asked to pause (paused once its worker has stopped)
         eval_file TEXT                  -- motet's eval file, or NULL
     )""",
     "CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, seq)",
@@ -192,7 +189,6 @@ class FineTuningStore(SQLiteStore):
         for table, column in (
             ("jobs", "adapter_bytes"),
             ("jobs", "adapters_left"),
-            ("jobs", "pausing"),
             ("checkpoints", "deleted"),
             ("jobs", "eval_file"),
         ):
@@ -306,41 +302,6 @@ class FineTuningStore(SQLiteStore):
         with self._read():
             self._check(tenant, tokens, quotas, int(time.time()))
 
-    def pause(self, tenant: str, job_id: str) -> tuple[dict, bool] | None:
-        """The tenant's job asked to pause: a queued one is paused at once; a running one is `pausing` (its worker
-        saves a checkpoint after the step in progress, then `paused` marks it). The job as it is now and whether
-        the pause was taken (None: no such job of theirs)."""
-        with self._write():
-            job = self._get(tenant, job_id)
-            if job is None:
-                return None
-            if job["status"] == "queued":
-                self._set_status(job_id, "paused")
-                self._add_event(job_id, PAUSED)
-            elif job["status"] == "running":
-                if not self._db.execute("SELECT pausing FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]:
-                    self._db.execute("UPDATE jobs SET pausing = 1 WHERE id = ?", (job_id,))
-                    self._add_event(
-                        job_id, "Pausing the job: a checkpoint is saved after the step in progress"
-                    )
-            else:
-                return job, False
-            return self._get(tenant, job_id), True
-
-    def pausing(self, job_id: str) -> bool:
-        """A pause was asked for while the job ran, and its worker has not stopped yet."""
-        with self._read():
-            return bool(self._db.execute("SELECT pausing FROM jobs WHERE id = ?", (job_id,)).fetchone()[0])
-
-    def paused(self, job_id: str) -> bool:
-        """The worker of a job asked to pause has stopped: it is paused (False: it was cancelled meanwhile)."""
-        with self._write():
-            if self._status(job_id) != "running":
-                return False
-            self._set_status(job_id, "paused")
-            self._add_event(job_id, PAUSED)
-            return True
-
     def change(
         self, tenant: str, job_id: str, to: str, allowed: tuple[str, ...], message: str
     ) -> tuple[dict, bool] | None:
@@ -402,31 +363,28 @@ class FineTuningStore(SQLiteStore):
         return [Queued(*r) for r in rows]
 
     def recover(self, resumes_from: Callable[[str], int | None]) -> list[str]:
-        """Jobs that were running when the server stopped: queued again (`resumes_from(job_id)`: the step of the
-        checkpoint it will go on from, None: it starts over), or paused where a pause was asked for; those whose files
-        were being validated are told they are validated again (the runner does it: `validating`)."""
+        """Jobs that were running when the server stopped: queued again, their event saying where each goes on from
+        (`resumes_from(job_id)`: the step of its last checkpoint; None: it starts over); those whose files were
+        being validated are told they are validated again (the runner does it: `validating`)."""
         with self._write():
-            for (job_id,) in self._db.execute("SELECT id FROM jobs WHERE status = 'validating_files'").fetchall():
+            for (job_id,) in self._db.execute(
+                "SELECT id FROM jobs WHERE status = 'validating_files'"
+            ).fetchall():
                 self._add_event(
-                    job_id, "The server restarted while the job's files were validated: they are validated again"
+                    job_id,
+                    "The server restarted while the job's files were validated: they are validated again",
                 )
-            rows = self._db.execute("SELECT id, pausing FROM jobs WHERE status = 'running'").fetchall()
-            for job_id, pausing in rows:
+            ids = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE status = 'running'").fetchall()]
+            for job_id in ids:
                 step = resumes_from(job_id)
-                where = "from the start: it had no checkpoint yet" if step is None else f"from step {step}"
-                if pausing:
-                    self._set_status(job_id, "paused")
-                    self._add_event(job_id, f"The server restarted while the job was pausing: it is paused, and "
-                                    f"goes on {where} when resumed")  # fmt: skip
-                else:
-                    self._set_status(job_id, "queued")
-                    message = (
-                        "starts over, from the start: it had no checkpoint yet"
-                        if step is None
-                        else f"goes on from its checkpoint of step {step}"
-                    )
-                    self._add_event(job_id, f"The server restarted: the job is queued again and {message}")
-        return [r[0] for r in rows if not r[1]]
+                where = (
+                    "starts over: it had no checkpoint yet"
+                    if step is None
+                    else f"goes on from its checkpoint of step {step}"
+                )
+                self._set_status(job_id, "queued")
+                self._add_event(job_id, f"The server restarted: the job is queued again and {where}")
+        return ids
 
     def job(self, job_id: str) -> dict:
         """Any tenant's job, for the runner."""
@@ -547,12 +505,12 @@ class FineTuningStore(SQLiteStore):
         fit."""
         if active and quotas.max_active is not None:
             marks = ", ".join("?" * len(ACTIVE))
-            active = self._db.execute(
+            count = self._db.execute(
                 f"SELECT COUNT(*) FROM jobs WHERE tenant = ? AND status IN ({marks})", (tenant, *ACTIVE)
             ).fetchone()[0]
-            if active >= quotas.max_active:
+            if count >= quotas.max_active:
                 raise QuotaExceeded(
-                    f"this tenant has {active} fine-tuning jobs queued, running or paused, the most it may have at "
+                    f"this tenant has {count} fine-tuning jobs validating, queued, running or paused, the most it may have at "
                     f"once (--fine-tuning-max-jobs-per-tenant): wait for one to finish, or cancel one",
                     "rate_limit_exceeded",
                 )
@@ -596,8 +554,7 @@ class FineTuningStore(SQLiteStore):
     def _set_status(self, job_id: str, status: str) -> None:
         finished = int(time.time()) if status in FINISHED else None
         self._db.execute(
-            "UPDATE jobs SET status = ?, finished_at = ?, pausing = 0 WHERE id = ?",
-            (status, finished, job_id),
+            "UPDATE jobs SET status = ?, finished_at = ? WHERE id = ?", (status, finished, job_id)
         )
 
     def _add_event(

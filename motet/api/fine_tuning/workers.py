@@ -1,9 +1,12 @@
 """A fine-tuning job's worker as a child process of the server (motet/training/launch.py's TrainingWorker; behind a
 Ray cluster, motet/cluster/training_jobs.py's RayTrainWorker is the other one): `python -m motet.training.worker`,
-its events its standard output's lines, SIGUSR1 its pause."""
+its events its standard output's lines, SIGUSR1 its pause, SIGKILL its cancel. Its `pid` joins the serving engine's
+lease of the cores (motet/actors/training_lease.py), which stops and continues the process: a pause asked while it
+is stopped is handled when it next holds the cores; SIGKILL ends it stopped or not."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -24,6 +27,10 @@ class LocalWorker:
     def __init__(self, proc: Process):
         self.proc = proc
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     @classmethod
     async def start(cls, run_dir: Path, threads: int, nice: int) -> LocalWorker:
         cmd = [sys.executable, "-m", "motet.training.worker", str(run_dir), "--threads", str(threads), "--nice",
@@ -43,11 +50,13 @@ class LocalWorker:
 
     def pause(self) -> None:
         if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(ProcessLookupError):  # (exited, not yet reaped)
+                self.proc.send_signal(signal.SIGUSR1)
 
     def kill(self) -> None:
         if self.proc.returncode is None:
-            self.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
 
     async def wait(self) -> int:
         return await self.proc.wait()

@@ -15,7 +15,6 @@ The byte bound covers every identity's entries under <root> (an older model's ar
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -115,16 +114,6 @@ def check_header(header: bytes, identity: str, h: int, token_ids: tuple[int, ...
         raise
     except Exception as e:  # a malformed header: json's errors, a missing key, a wrong type alike
         raise CorruptEntry(f"unreadable header ({type(e).__name__}: {e})") from None
-
-
-def decode_entry(
-    blob: bytes, identity: str, h: int, token_ids: tuple[int, ...], layout: KVLayout
-) -> torch.Tensor:
-    """The block's tensor from a whole entry's bytes; CorruptEntry unless it is the sound entry of (identity,
-    h, tokens) in `layout`."""
-    out = torch.empty(layout.block_shape, dtype=layout.dtype)
-    read_entry_into(io.BytesIO(blob), identity, h, token_ids, layout, out)
-    return out
 
 
 def read_entry_into(f, identity: str, h: int, token_ids: tuple[int, ...], layout: KVLayout, out) -> None:

@@ -66,6 +66,7 @@ class PlanMirror:
             params=seq.params if first else None,
             num_prompt_tokens=seq.num_prompt_tokens if first else None,
             num_output_tokens=seq.num_output_tokens,
+            num_pending=seq.num_pending,
             grammar_holds_stop=holds_stop,
             num_prompt_logprobs_done=len(seq.prompt_logprobs),
             sampled_as=sampled_as,

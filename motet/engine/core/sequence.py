@@ -86,9 +86,9 @@ class Sequence:
     # scheduler to its budget, cleared when the step commits); the proposers keep their own per-request state
     # (motet/engine/speculative/proposer.py).
     draft_token_ids: list[int] = field(default_factory=list)
-    # Whether its ending and its next step are decided by its tokens alone: no grammar (the structured outputs'
-    # state, motet/engine/structured_output.py) and no stop matcher that reads its text (the output commit's), so
-    # that its text may be made later and its next step scheduled before its token reaches the host.
+    # Whether its ending is decided by its tokens alone: no grammar (the structured outputs' state,
+    # motet/engine/structured_output.py) and no stop matcher that reads its text (the output commit's), so that its
+    # text may be made later, while the next step computes (the others' are made as their step lands).
     decided_by_tokens: bool = True
 
     @classmethod
@@ -136,12 +136,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def needs_token_on_host(self) -> bool:
-        """Whether its next step needs the token its launched step samples on the host, not only as its input
-        (which the device has): each feature that does says so where it is (a grammar or a stop matcher reading
-        its text: `decided_by_tokens`; the sampler reading its output so far: `SamplingParams.reads_output`)."""
-        return not self.decided_by_tokens or self.params.reads_output(self.num_output_tokens)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

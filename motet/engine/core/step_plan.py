@@ -61,6 +61,9 @@ class RowPlan:
     params: SamplingParams | None
     num_prompt_tokens: int | None
     num_output_tokens: int  # on the host (a pending token not counted)
+    # Its tokens sampled by launched steps and not on the host (0, or 1 where the step was scheduled before the one
+    # before it landed: its input, found by `fed_by`); the sampler counts it (penalties, min_tokens, a seed's draw)
+    num_pending: int
     # whether its grammar holds back the stop tokens (a bounded reasoning open; the grammar itself is the engine's
     # structured outputs', motet/engine/structured_output.py, which mask the step's logits)
     grammar_holds_stop: bool

@@ -20,6 +20,7 @@ import torch
 from motet.engine.weights import gguf_names
 from motet.engine.weights.gguf_config import SPM_TOKENIZER, reader_config
 from motet.engine.weights.gguf_pretokenizers import IGNORE_MERGES, pre_tokenizer
+from motet.engine.weights.gguf_reader import open_gguf
 from motet.engine.weights.gguf_spm import ADDED_TYPES, CONTROL, UNKNOWN, spm_tokenizer
 from motet.engine.weights.pull_error import PullError
 from motet.models import find
@@ -52,7 +53,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
     from tqdm import tqdm
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)
     meta, config = reader_config(reader, gguf_path.name)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     decl = find(config["architectures"])

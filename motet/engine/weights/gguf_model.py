@@ -55,11 +55,10 @@ def gguf_model_dir(path: str | Path, root: Path) -> Path:
     """The model directory of a GGUF file under `root`: config and tokenizer derived from its metadata (once;
     later calls find them), `model.gguf` linking to the file. ModelLoadError for a file that is not a readable GGUF or
     holds a model motet does not serve, naming what it found and what is supported."""
-    import gguf
-
     # (torch: imported where a file is derived, so that naming a model is quick)
     from motet.engine.weights.gguf_config import reader_config
     from motet.engine.weights.gguf_convert import write_hf_metadata
+    from motet.engine.weights.gguf_reader import open_gguf
 
     path = Path(path).expanduser().resolve()
     target = derived_dir(path, root)
@@ -70,7 +69,7 @@ def gguf_model_dir(path: str | Path, root: Path) -> Path:
         f"{path.name}: deriving its config, tokenizer and chat template", f"once, into {target}"
     )
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = open_gguf(path)
     except Exception as e:  # gguf-py's parser fails on a damaged file in many ways (ValueError, IndexError)
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
     meta, config = reader_config(reader, path.name)

@@ -40,6 +40,8 @@ from motet.engine.weights.gguf_names import (
     norm_offset,
     unpermute_qk,
 )
+from motet.engine.weights.gguf_reader import open_gguf
+from motet.engine.weights.gguf_table import GgufTable
 from motet.kernels import ggml_blocks
 from motet.kernels.quant import FORMATS, INT8, MXFP4, QuantizedWeight, WeightFormat
 from motet.models import from_gguf
@@ -105,14 +107,11 @@ def _parts(t, name: str, decl, cfg: ModelConfig) -> list[tuple[str, int, int]]:
     return out
 
 
-def _keep_quantized(name: str, tied: bool) -> bool:
+def _keep_quantized(name: str) -> bool:
     """Whether a tensor (by its Hugging Face name) in a block type is yielded as a QuantizedWeight rather than
     dequantized to fp32: every decoder projection and the lm_head (motet/engine/worker/decoder_weights.py keeps
-    them in their blocks); the embedding table only where it is the lm_head too (`tied`: a file without
-    output.weight), as the model holds the table itself as floats (a lookup), which gguf-py's values give
-    exactly. (A mixture of experts' experts: `_experts`.)"""
-    if name == _TABLE:
-        return tied
+    them in their blocks). (The embedding table: a GgufTable, looked up in the file's blocks; a mixture of
+    experts' experts: `_experts`.)"""
     return name == _LM_HEAD or (name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS)
 
 
@@ -169,7 +168,7 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
 
     path = Path(path)
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = open_gguf(path)
     except (ValueError, OSError) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
     arch = _str(reader, "general.architecture")
@@ -200,7 +199,9 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
         ggml_type = int(t.tensor_type)
         if not ggml_blocks.dequantizable(ggml_type):
             raise _refusal(path, t.name, ggml_blocks.type_name(ggml_type))
-        if _keep_quantized(name, tied):
+        if name == _TABLE and tied:  # the lm_head too: in blocks made from the table's
+            name = _LM_HEAD
+        if _keep_quantized(name):
             if _fused_layer(name) in scaled:
                 unfolded.add(ggml_blocks.type_name(ggml_type))
                 continue
@@ -226,6 +227,13 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for t, (name, start, rows) in tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if (
+            name == _TABLE
+        ):  # looked up in its own blocks; a tied lm_head multiplies in blocks of the same tensor
+            yield name, GgufTable(path.resolve(), t.data_offset, int(t.tensor_type), shape)
+            if not tied:
+                continue
+            name = _LM_HEAD
         if joined(t.name, decl):
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
             halves.setdefault(name, {})[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(

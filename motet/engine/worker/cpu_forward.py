@@ -45,11 +45,8 @@ def unsupported(model: CausalLM, kv_dtype: torch.dtype) -> str | None:
         return "its kernels are not built"
     if model.parallel.expert_parallel:
         return "expert parallelism (the MoE op has no all-to-all)"
-    if (
-        model.embed_tokens.weight.dtype not in cpu_native.DTYPE_CODES
-        or kv_dtype not in cpu_native.DTYPE_CODES
-    ):
-        return f"weights in {model.embed_tokens.weight.dtype}, KV cache in {kv_dtype}"
+    if model.weight_dtype not in cpu_native.DTYPE_CODES or kv_dtype not in cpu_native.DTYPE_CODES:
+        return f"weights in {model.weight_dtype}, KV cache in {kv_dtype}"
     if latent is not None:
         if latent.qk_rope_head_dim > MAX_LATENT_ROPE:
             return (
@@ -71,9 +68,27 @@ def unsupported(model: CausalLM, kv_dtype: torch.dtype) -> str | None:
     return None
 
 
-def supported(model: CausalLM, kv_dtype: torch.dtype) -> bool:
-    """Whether the native step runs this model (`unsupported` says why not)."""
-    return unsupported(model, kv_dtype) is None
+def head_is_table(model: CausalLM) -> bool:
+    """Whether the embedding table holds the lm_head's values, so that a lookup may read the packed lm_head
+    (`PackedTable`): a tied table in the model's dtype (a float checkpoint's, the lm_head not quantized apart
+    from it)."""
+    head, table = model.lm_head, model.embed_tokens
+    return isinstance(table, torch.nn.Embedding) and head.quantized is None and head.weight is table.weight
+
+
+class PackedTable(torch.nn.Module):
+    """A tied embedding table looked up in its lm_head's packed panels (cpu_native.packed_rows): the table's
+    values without a copy of their own (a float SmolLM2's 49,152 x 576 table is 113 MB in fp32)."""
+
+    def __init__(self, packed: torch.Tensor, fmt: str | None, rows: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.packed, self.format, self.dtype = packed, fmt, dtype
+        self.num_embeddings, self.hidden = rows, hidden
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1).long()
+        rows = cpu_native.packed_rows(self.packed, ids, self.hidden, self.format).to(self.dtype)
+        return rows.view(*input_ids.shape, self.hidden)
 
 
 def _return_freed_memory() -> None:
@@ -86,9 +101,10 @@ def _return_freed_memory() -> None:
 class CpuForward:
     """`model`'s forward and logits through the native kernels, over the runner's KV caches.
 
-    Takes the linear layers' weights over (packed into the arena; a sparse layer's experts too); the module's
-    own copies are released, so the eager forward of this model instance is no longer usable (the embedding
-    table stays: it is the input lookup, and the lm_head's when tied).
+    Takes the linear layers' weights over (packed into the arena; a sparse layer's experts and the lm_head too);
+    the module's own copies are released, so the eager forward of this model instance is no longer usable (the
+    embedding table stays, the input lookup: a tied one in the model's dtype is looked up in the packed lm_head
+    instead, `PackedTable`, its own copy released).
 
     The forward is a program of op records (motet/kernels/cpu_native.ProgramWriter), written once by the model's
     layers as the eager decoder runs them: each layer's norms where it has them, its attention (qkv,
@@ -104,22 +120,31 @@ class CpuForward:
         model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         progress: LoadProgress | None = None,
+        arena: WeightArena | None = None,
+        table_from_head: bool | None = None,
     ):
         """The program of `model`'s step over `kv_caches`, its weights packed layer by layer (`progress` logs how
-        far the packing is: seconds a layer on a busy CPU)."""
+        far the packing is: seconds a layer on a busy CPU) into a new arena, or taken from `arena` replaying a
+        prepared-weights cache entry (motet/engine/worker/prepared_weights.py). `table_from_head`: the embedding
+        table is looked up in the packed lm_head (`PackedTable`; by default where the table is the lm_head's
+        weight, `head_is_table`)."""
         cfg = model.config
-        wdtype = self._wdtype = model.embed_tokens.weight.dtype
+        wdtype = self._wdtype = model.weight_dtype
         self.model = model
         self.kv_caches = kv_caches
         self.vocab_size = model.lm_head.out_features
         self._logits_out: torch.Tensor | None = None  # logits(reuse=True)
-        elem = torch.tensor([], dtype=wdtype).element_size()
-        total = sum(packed_bytes(lin, elem) + 64 for lin in [*model.decoder_linears(), model.lm_head])
-        # what a layer packs besides its linear layers (a router and experts, kv_b_proj's halves)
-        total += sum(
-            layer.self_attn.arena_bytes(elem) + layer.mlp.arena_bytes(elem) for layer in model.layers
-        )
-        self.arena = WeightArena(total + 64 * 64)
+        if table_from_head is None:
+            table_from_head = head_is_table(model)
+        if arena is None:
+            elem = torch.tensor([], dtype=wdtype).element_size()
+            total = sum(packed_bytes(lin, elem) + 64 for lin in [*model.decoder_linears(), model.lm_head])
+            # what a layer packs besides its linear layers (a router and experts, kv_b_proj's halves)
+            total += sum(
+                layer.self_attn.arena_bytes(elem) + layer.mlp.arena_bytes(elem) for layer in model.layers
+            )
+            arena = WeightArena(total + 64 * 64)
+        self.arena = arena
         w = cpu_native.ProgramWriter(cfg.hidden_size)
         ops = OpWriter(w, self.arena, wdtype, cfg, model.rope, model.local_rope, model.parallel)
         self._keep = ops.keep  # everything the program points at
@@ -128,11 +153,19 @@ class CpuForward:
             layer.write_ops(ops, i, kv)
         w.rms_norm("x", "x", ops.ptr(model.norm.weight), model.norm.eps, cfg.hidden_size)
         # the lm_head in its own format too (quantized: its blocks; else the model's dtype, tied or not)
-        self.lm_format = model.lm_head.quantized.format.name if model.lm_head.quantized is not None else None
+        head = model.lm_head
+        self.lm_format = head.quantized.format.name if head.quantized is not None else None
         if self.lm_format is not None:
-            self.lm_head = self.arena.put(cpu_native.pack_quantized(model.lm_head.quantized))
+            quantized = head.quantized
+            self.lm_head = self.arena.put(lambda: cpu_native.pack_quantized(quantized))
         else:
-            self.lm_head = self.arena.put(cpu_native.pack(model.lm_head.weight.detach()))
+            weight = head.weight.detach()
+            self.lm_head = self.arena.put(lambda: cpu_native.pack(weight))
+        self.arena.finish()
+        ops.release(head)
+        if table_from_head:  # the table's own copy released too: lookups read the head's panels
+            model.embed_tokens = PackedTable(self.lm_head, self.lm_format, model.embed_tokens.num_embeddings,
+                                             cfg.hidden_size, wdtype)  # fmt: skip
         _return_freed_memory()  # the unpacked weights just released
         self.program = w.program(
             cpu_native.DTYPE_CODES[wdtype],

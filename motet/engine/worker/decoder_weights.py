@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from motet.engine.weights.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
+from motet.engine.weights.gguf_table import GgufTable
 from motet.engine.weights.mxfp4 import Mxfp4Tensor
 from motet.engine.worker.latent_attention import LatentAttention
 from motet.engine.worker.layers import Linear
@@ -376,7 +377,7 @@ class DecoderWeights:
         projections = {f"{n}.weight": m for n, m in model.named_modules() if m in linears}
         stacked = {f"{n}.{key}": m for n, m in self._experts().items() for key in STACKED}
         tied = model.lm_head.weight is model.embed_tokens.weight
-        device = model.embed_tokens.weight.device
+        device = model.norm.weight.device
         if self.parallel.enabled:  # the last rank's vocabulary shard ends in padding rows: zeros
             model.embed_tokens.weight.zero_()
             model.lm_head.weight.zero_()  # (one `allocate` deferred is made with zeros: `_allocate`)
@@ -402,6 +403,14 @@ class DecoderWeights:
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(target.shape)}"
                 )
+            if isinstance(tensor, GgufTable):  # a GGUF file's table: looked up in its own blocks
+                if name != "embed_tokens.weight":
+                    raise ModelLoadError(
+                        f"checkpoint tensor {hf_name!r}: only the embedding table is looked up"
+                    )
+                model.embed_tokens = tensor.to_dtype(model.weight_dtype)
+                loaded.add((name, 0))
+                continue
             if name in formats and not isinstance(tensor, QuantizedWeight):
                 tensor = self._fill(None, tensor, scratch, formats[name])
             if isinstance(tensor, QuantizedWeight) and name in ("embed_tokens.weight", "lm_head.weight"):
@@ -409,7 +418,7 @@ class DecoderWeights:
                 # table holds their values (a lookup)
                 if name == "embed_tokens.weight":
                     model.embed_tokens.weight[: tensor.shape[0]].copy_(tensor.dequantize())
-                if name == "lm_head.weight" or model.lm_head.weight is model.embed_tokens.weight:
+                if name == "lm_head.weight" or tied:
                     self._quantized_lm_head(tensor)
                     loaded.add(("lm_head.weight", 0))
             elif isinstance(tensor, QuantizedWeight):
@@ -476,7 +485,7 @@ class DecoderWeights:
         """`tensor` copied into `target` (converted to its dtype; None: not copied) and, with `fmt`, quantized
         into that format on the model's device from its own values, a run of rows at a time read into
         `scratch`: loading never holds a whole checkpoint tensor besides the weights."""
-        device = self.model.embed_tokens.weight.device
+        device = self.model.norm.weight.device
         parts = []
         for start, rows in row_chunks(tensor, buffer=scratch):
             if target is not None:
@@ -491,7 +500,7 @@ class DecoderWeights:
         """The lm_head multiplies in `weight`'s blocks (a rank's vocabulary shard: padded to the rows every rank
         holds); its float weight is released (a tied one: the table stays)."""
         head = self.model.lm_head
-        head.quantized = weight.padded(head.out_features).to(self.model.embed_tokens.weight.device)
+        head.quantized = weight.padded(head.out_features).to(self.model.norm.weight.device)
         head.weight = self._released()
 
     def _allocate(self, name: str) -> nn.Parameter:
@@ -499,7 +508,7 @@ class DecoderWeights:
         lm_head's with zeros: a tensor-parallel rank's padding rows)."""
         module_name, _, key = name.rpartition(".")
         module = self.model.get_submodule(module_name)
-        like = self.model.embed_tokens.weight
+        like = self.model.norm.weight
         make = torch.zeros if name == "lm_head.weight" else torch.empty
         param = nn.Parameter(make(getattr(module, key).shape, dtype=like.dtype, device=like.device), False)
         setattr(module, key, param)
@@ -507,5 +516,5 @@ class DecoderWeights:
 
     def _released(self) -> nn.Parameter:
         """An empty weight for a layer that holds its weight quantized."""
-        like = self.model.embed_tokens.weight
+        like = self.model.norm.weight
         return nn.Parameter(torch.empty(0, dtype=like.dtype, device=like.device), False)

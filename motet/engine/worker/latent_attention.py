@@ -195,8 +195,12 @@ class LatentAttention(nn.Module):
         # kv_b_proj's key half W_UK[h] [nope, rank] packed transposed (the latent query: q_nope W_UK), its value
         # half W_UV[h] [v, rank] as it is, a head after another
         kv_b = self.kv_b_proj.weight.detach().view(H, nope + v, rank)
-        w_uk = ops.arena.put(torch.cat([cpu_native.pack(kv_b[h, :nope].T.contiguous()) for h in range(H)]))
-        w_uv = ops.arena.put(torch.cat([cpu_native.pack(kv_b[h, nope:].contiguous()) for h in range(H)]))
+        w_uk = ops.arena.put(
+            lambda: torch.cat([cpu_native.pack(kv_b[h, :nope].T.contiguous()) for h in range(H)])
+        )
+        w_uv = ops.arena.put(
+            lambda: torch.cat([cpu_native.pack(kv_b[h, nope:].contiguous()) for h in range(H)])
+        )
         ops.release(self.kv_b_proj)
         table = ops.rope(i)
         w.latent_attention("q", "kv", "attn", H, nope, rope, rank, v, ops.ptr(table.cos), ops.ptr(table.sin),

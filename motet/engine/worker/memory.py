@@ -9,26 +9,30 @@ KV cache the rest. `--num-kv-blocks` wins over this, and this over `--kv-cache-m
 two, CUDA takes this path with vLLM's default share and a CPU a fixed size (`EngineConfig.memory_utilization`).
 Without a share, the pool takes its fraction of the host memory available at start-up on a CPU, of the device's
 free memory once the KV cache is allocated on CUDA.
+
+`check_fits` runs before anything loads (`motet serve` calls it before it binds its port): this module imports
+torch and the model's modules only where a function reads a device or a loaded model.
 """
 
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from motet.engine.config import CUDA_GPU_MEMORY_UTILIZATION, MIN_MODEL_LEN, EngineConfig, context_length
-from motet.engine.worker.layers import Linear
-from motet.engine.worker.model import Experts
-from motet.kernels.quant import QuantizedWeight
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
 
+if TYPE_CHECKING:
+    import torch
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """A block's bytes over all layers: per token what the declaration's layers keep (ModelConfig.kv_parts)."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return cfg.kv_elements_per_token * block_size * elem
+    from motet.kernels.quant import QuantizedWeight
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
+    """A block's bytes over all layers: per token what the declaration's layers keep (ModelConfig.kv_parts), each
+    value `dtype_bytes` (the cache's dtype's itemsize)."""
+    return cfg.kv_elements_per_token * block_size * dtype_bytes
 
 
 def check_fits(config: EngineConfig, model: ModelConfig) -> int:
@@ -39,14 +43,13 @@ def check_fits(config: EngineConfig, model: ModelConfig) -> int:
     (`--adapter-memory-gb`) and the KV RAM tier (`--kv-offload-gb`) each within the memory there is (on a CPU
     the host's available memory, on CUDA the device's)."""
     max_len = context_length(model, config.max_model_len)
-    device = config.torch_device
-    on_host = device.type == "cpu"
+    on_host = config.device_type == "cpu"
     host = available_host_memory()
-    device_total = host if on_host else torch.cuda.mem_get_info(device)[1]
+    device_total = host if on_host else _device_memory(config.torch_device)[1]
     where = "this host's available memory" if on_host else "the device's memory"
     ranks = config.tensor_parallel_size  # (the KV cache's memory is per rank; on CUDA each rank has a device)
     per_rank = 1 if model.latent is not None else 1 / ranks  # a rank's share of a block
-    block = kv_block_bytes(model, config.block_size, config.torch_dtype) * per_rank
+    block = kv_block_bytes(model, config.block_size, config.dtype_bytes) * per_rank
     asked: list[tuple[str, float, int]] = []  # (the flag as given, bytes, the room for them)
     if config.num_kv_blocks is not None:
         kv_flag = f"--num-kv-blocks {config.num_kv_blocks}"
@@ -80,10 +83,34 @@ def check_fits(config: EngineConfig, model: ModelConfig) -> int:
     return max_len
 
 
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor of zeros whose memory is taken as it is first written: an anonymous private mapping, whose
+    pages read as zeros and take no memory until written (Linux, macOS), so a KV cache reserved at its size holds
+    the memory of what fills it (as llama.cpp's). torch.zeros writes every page at once; torch.empty may hand back
+    memory written before, which a cache must not read."""
+    import math
+    import mmap
+
+    import torch
+
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)  # (the tensor keeps the mapping alive)
+
+
+def _device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device."""
+    import torch
+
+    return torch.cuda.mem_get_info(device)
+
+
 def memory_budget(fraction: float, device: torch.device) -> int:
     """The bytes `fraction` stands for, read before the weights are loaded."""
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+        free, total = _device_memory(device)
         budget = int(fraction * total)
         if free < budget:
             raise ModelLoadError(
@@ -110,6 +137,8 @@ def available_host_memory() -> int:
 def weights_bytes(model: torch.nn.Module, device: torch.device) -> int:
     """What the loaded model holds on its device."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.memory_allocated(device)
     tensors = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     return tensors + sum(q.nbytes for q in quantized_weights(model))
@@ -117,6 +146,9 @@ def weights_bytes(model: torch.nn.Module, device: torch.device) -> int:
 
 def quantized_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
     """The weights the model holds in blocks: its quantized linear layers' and experts'."""
+    from motet.engine.worker.layers import Linear
+    from motet.engine.worker.model import Experts
+
     out = [m.quantized for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
     return out + [q.weight for m in model.modules() if isinstance(m, Experts) for q in m.quantized.values()]
 
@@ -143,7 +175,7 @@ def _size(n: int) -> str:
 def step_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
     """An estimate of a step's largest activations: one layer's intermediates for the step's tokens, and the
     fp32 logits (with the sampler's copies) of every row that samples, drafts included."""
-    elem = torch.tensor([], dtype=dtype).element_size()
+    elem = dtype.itemsize
     q_kv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
     per_token = 4 * model.hidden_size + 3 * model.intermediate_size + q_kv
     rows = config.max_num_seqs * (1 + config.num_speculative_tokens)
@@ -156,7 +188,7 @@ def adapter_bytes(config: EngineConfig, device: torch.device, left: int | None =
     if config.adapter_memory_gb is not None:
         return int(config.adapter_memory_gb * 2**30)
     if left is None:
-        left = available_host_memory() if device.type == "cpu" else torch.cuda.mem_get_info(device)[0]
+        left = available_host_memory() if device.type == "cpu" else _device_memory(device)[0]
     return int(config.adapter_memory_fraction * left)
 
 

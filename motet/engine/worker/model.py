@@ -531,12 +531,14 @@ class SparseMoE(nn.Module):
 
         def stacked(key: str) -> int:
             """Every expert's weight packed, one after another in the arena (the grouped GEMM's layout)."""
-            if key in experts.quantized:
-                q = experts.quantized[key]
-                packed = [cpu_native.pack_quantized(q[e]) for e in range(len(q))]
-            else:
-                packed = [cpu_native.pack(x) for x in getattr(experts, key).detach()]
-            return ops.arena.put(torch.cat(packed)).data_ptr()
+            q, stack = experts.quantized.get(key), getattr(experts, key).detach()
+
+            def pack() -> torch.Tensor:
+                if q is not None:
+                    return torch.cat([cpu_native.pack_quantized(q[e]) for e in range(len(q))])
+                return torch.cat([cpu_native.pack(x) for x in stack])
+
+            return ops.arena.put(pack).data_ptr()
 
         quantized = experts.quantized.get("gate_up_proj")
         code, bias_dtype = cpu_native.DTYPE_CODES[wdtype], wdtype
@@ -664,8 +666,7 @@ class CausalLM(nn.Module):
         made. With `quantized` (a quantized checkpoint, or one quantized as it loads) the projections' weights
         (and an untied lm_head's) are made only when `load_weights` copies floats into them: one that loads
         quantized never has a float copy."""
-        with torch.device("meta"):
-            model = cls(cfg, max_positions, parallel)
+        model = cls.on_meta(cfg, max_positions, parallel, device)
         deferred = (
             {id(lin.weight) for lin in [*model.decoder_linears(), model.lm_head]} if quantized else set()
         )
@@ -683,10 +684,26 @@ class CausalLM(nn.Module):
                     if id(p) not in made:
                         made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), False)
                     module._parameters[key] = made[id(p)]
+        return model
+
+    @classmethod
+    def on_meta(
+        cls, cfg: ModelConfig, max_positions: int | None, parallel: Parallel, device: torch.device
+    ) -> CausalLM:
+        """The model with every parameter on the meta device (shapes, no memory) and its rotary tables made on
+        `device`: `allocate` makes its parameters, a prepared-weights cache entry maps them from its file
+        (motet/engine/worker/prepared_weights.py)."""
+        with torch.device("meta"):
+            model = cls(cfg, max_positions, parallel)
         model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
         local = cls._local_rope(cfg, max_positions)
         model.local_rope = local.to(device) if local is not None else None
         return model
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the model was made in (its float weights', whatever format its projections or table hold)."""
+        return self.norm.weight.dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [T, hidden]; under tensor parallelism each rank looks up the tokens in its
@@ -695,9 +712,10 @@ class CausalLM(nn.Module):
             return self.embed_tokens(input_ids)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
-        x = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1)).float()
-        x = self.parallel.all_reduce(torch.where(mine.unsqueeze(1), x, 0.0))
-        return x.to(self.embed_tokens.weight.dtype)
+        x = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1))
+        dtype = x.dtype
+        x = self.parallel.all_reduce(torch.where(mine.unsqueeze(1), x.float(), 0.0))
+        return x.to(dtype)
 
     def embed_input(
         self, input_ids: torch.Tensor, lora: LoRABatch | None = None, dtype: torch.dtype | None = None

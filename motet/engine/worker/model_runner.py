@@ -13,23 +13,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from motet.engine.config import (
-    GGUF_QUANTIZATION,
-    QUANT_FORMATS,
-    EngineConfig,
-    context_length,
-    default_cpu_threads,
-)
+from motet.engine.config import GGUF_QUANTIZATION, EngineConfig, context_length, default_cpu_threads
 from motet.engine.core.kv_window import pool_sizes, ring_blocks
 from motet.engine.core.step_plan import StepPlan
 from motet.engine.outputs import TokenLogprob
 from motet.engine.speculative.verify import num_accepted
 from motet.engine.weights import load_progress
 from motet.engine.weights.gguf_weights import gguf_file, iter_gguf_weights
-from motet.engine.weights.quantized_checkpoint import declared_quantization, iter_checkpoint_weights
+from motet.engine.weights.quantization_config import declared_quantization
+from motet.engine.weights.quantized_checkpoint import iter_checkpoint_weights
+from motet.engine.worker import prepared_weights
 from motet.engine.worker.cpu_forward import CpuForward
 from motet.engine.worker.cpu_forward import unsupported as native_unsupported
 from motet.engine.worker.cuda_graphs import DecodeGraphs, model_options
@@ -40,22 +37,54 @@ from motet.engine.worker.memory import (
     kv_block_bytes,
     kv_cache_bytes,
     memory_budget,
+    untouched_zeros,
     weights_bytes,
     weights_line,
 )
 from motet.engine.worker.model import CausalLM
-from motet.engine.worker.parallel import SINGLE, Parallel, check_ranks
+from motet.engine.worker.op_writer import ReplayMismatch
+from motet.engine.worker.parallel import SINGLE, Parallel, RankFailure, check_ranks
+from motet.engine.worker.prepared_weights import PreparedWeights
 from motet.engine.worker.rows import Row, RunnerRows, position_views
 from motet.engine.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, outcome_error
 from motet.engine.worker.step_backends import EagerSteps, GraphSteps
 from motet.engine.worker.step_inputs import InputBuilder, SampledTokens
 from motet.engine.worker.tp_workers import NO_WORKERS, WorkerGroup
 from motet.kernels import cpu_isa, cpu_native
+from motet.kernels.quant import FORMATS as QUANT_FORMATS
 from motet.lora.pool import LoRABatch
 from motet.models.config import ModelConfig
 from motet.models.rope_config import longrope_original
 
 log = logging.getLogger("motet.engine")
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ForwardCall:
+    """A step's forward pass as values (`LLMEngine.forward_call` makes it on the engine's thread): the runner, the
+    step's plan, its LoRA segments, its grammar mask (filling on the masks' thread), its inputs where built already,
+    or the error making them raised. What an overlapped engine's forward thread is given, and all it reads."""
+
+    runner: ModelRunner
+    step: StepPlan
+    lora: LoRABatch | None
+    mask: Any
+    inputs: Any = None
+    error: Exception | None = None
+
+    def run(self, on_launch=None, lazy: bool = False) -> StepResult | Exception:
+        """The step's result, or the exception its forward pass raised (the engine bisects the step on its own
+        thread); a tensor-parallel rank's failure is raised (no step can run any more)."""
+        self.runner.take_plan(self.step)  # (whatever happens to the step: the next plan is against it)
+        if self.error is not None:
+            return self.error
+        try:
+            return self.runner.execute(self.step, self.lora, on_launch, lazy, self.mask, self.inputs)
+        except RankFailure:
+            raise
+        except Exception as e:
+            return e
 
 
 @dataclass
@@ -155,6 +184,7 @@ class ModelRunner:
         if config.num_kv_blocks is None and config.memory_utilization is not None:
             budget = memory_budget(config.memory_utilization, self.device)
         torch.manual_seed(config.seed)
+        self.prepared: PreparedWeights | None = None  # the prepared-weights cache's entry, where it applies
         error = None
         try:
             (_, local_kv_heads) = parallel.heads(model_config)[1]  # this rank's share of the KV cache
@@ -162,8 +192,16 @@ class ModelRunner:
             share = (
                 1 if model_config.latent is not None else local_kv_heads / model_config.num_key_value_heads
             )
-            self.model = self._load_model(model_dir)
-            if parallel.rank == 0:
+            restored = None
+            if prepared_weights.applies(config, self.device, parallel):
+                self.prepared = PreparedWeights(model_dir, config, self.dtype)
+                restored = self.prepared.model(model_config, self.max_model_len, self.device)
+            self.model = restored if restored is not None else self._load_model(model_dir)
+            if restored is not None:  # (its packed weights are the entry's, not the model's tensors)
+                log.info(
+                    "weights: %.2f MiB prepared, mapped from the cache", self.prepared.entry.nbytes / MIB
+                )
+            elif parallel.rank == 0:
                 log.info(weights_line(self.model, self.device, self.dtype))
         except Exception as e:
             if not parallel.enabled:
@@ -187,7 +225,7 @@ class ModelRunner:
                 )  # this rank's device
             elif self.device.type == "cpu":
                 pool_bytes = adapter_bytes(config, self.device)
-            block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype) * share
+            block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype.itemsize) * share
             num_blocks = config.num_kv_blocks or max(1, int(kv_bytes // block_bytes))
             if self.window:
                 layer_blocks = num_blocks * model_config.num_hidden_layers
@@ -218,16 +256,15 @@ class ModelRunner:
         latent = model_config.latent is not None  # one row a token, every rank all of it
 
         def cache(num_blocks: int) -> tuple[torch.Tensor, ...]:
-            """A layer's cache tensors (K and V, or the latent rows), this rank's share of the KV heads each."""
-            return tuple(
-                torch.zeros(
-                    (num_blocks, self.block_size, heads if latent else local_kv_heads, width),
-                    dtype=self.dtype,
-                    device=self.device,
-                )
-                for heads, width in model_config.kv_parts
-            )
+            """A layer's cache tensors (K and V, or the latent rows), this rank's share of the KV heads each; on a
+            CPU reserved but untouched until they fill (memory.py `untouched_zeros`)."""
+            shapes = [(num_blocks, self.block_size, heads if latent else local_kv_heads, width)
+                      for heads, width in model_config.kv_parts]  # fmt: skip
+            if self.device.type == "cpu":
+                return tuple(untouched_zeros(shape, self.dtype) for shape in shapes)
+            return tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes)
 
+        load_progress.phase(f"reserving the KV cache ({self.num_blocks} blocks of {self.block_size} tokens)")
         self.kv_caches = [
             cache(self.num_window_blocks if i in self.window_layers else self.num_blocks)
             for i in range(model_config.num_hidden_layers)
@@ -256,16 +293,12 @@ class ModelRunner:
             why_not is not None
         ):  # (a model the native program cannot run is served eagerly, never refused mid-step)
             log.info("native CPU step: not for this model (%s); the eager model runs it", why_not)
+        if self.prepared is not None and self.prepared.hit and why_not is not None:  # (its weights: packed)
+            self.prepared.discard(f"the native step does not run the model here ({why_not})")
+            model = self.model = self._load_model(model_dir)
         if compiled_cpu and why_not is None:
-            t0 = time.perf_counter()
-            what = "packing the weights for the native CPU step"
-            load_progress.begin(what, f"{len(model.layers)} layers")
-            self.native = CpuForward(
-                model, self.kv_caches, load_progress.LoadProgress(what, len(model.layers))
-            )
-            took = time.perf_counter() - t0
-            if took >= load_progress.EVERY_S:  # (a slow machine's start-up is not silence)
-                log.info("packed the weights for the native CPU step in %.1f s", took)
+            self.native = self._native_step(model_dir)
+            model = self.model
             self.cpu_kernels = cpu_native.isa()
             kernels = ", ".join(cpu_native.kernels()) or "portable loops"
             log.info(
@@ -310,6 +343,30 @@ class ModelRunner:
                 )
             )
 
+    def _native_step(self, model_dir) -> CpuForward:
+        """The native CPU step over the model: its weights replayed from the prepared-weights cache where this
+        start hit it, else packed (and the entry written, where the cache is on)."""
+        prepared = self.prepared
+        if prepared is not None and prepared.hit:
+            try:
+                return CpuForward(self.model, self.kv_caches, arena=prepared.arena(),
+                                  table_from_head=prepared.table_from_head)  # fmt: skip
+            except ReplayMismatch as e:
+                prepared.discard(str(e))
+                self.model = self._load_model(model_dir)
+        model = self.model
+        formats = prepared_weights.quantized_formats(model) if prepared is not None else None
+        t0 = time.perf_counter()
+        what = "packing the weights for the native CPU step"
+        load_progress.begin(what, f"{len(model.layers)} layers")
+        native = CpuForward(model, self.kv_caches, load_progress.LoadProgress(what, len(model.layers)))
+        took = time.perf_counter() - t0
+        if took >= load_progress.EVERY_S:  # (a slow machine's start-up is not silence)
+            log.info("packed the weights for the native CPU step in %.1f s", took)
+        if prepared is not None:
+            prepared.save(model, native, formats)
+        return native
+
     def use_graphs(self, graphs: DecodeGraphs) -> None:
         """Replay decode steps from `graphs` in front of the eager step (at start-up on CUDA; tests emulate it)."""
         self.graphs = graphs
@@ -330,6 +387,7 @@ class ModelRunner:
         config, model_config = self.config, self.model_config
         # a GPTQ / AWQ checkpoint's own (served in its blocks), or MXFP4 experts (dequantized as they load)
         declared = declared_quantization(model_dir, config.quantization)
+        load_progress.phase("allocating the model")
         model = CausalLM.allocate(
             model_config,
             self.max_model_len,
@@ -440,7 +498,7 @@ class ModelRunner:
         forward pass runs, motet/engine/structured_output.py), applied to their logits; None: no row is masked."""
         sample_rows = step.sampling_rows()
         rows = self.rows.update(step)  # (applied here unless the inputs were planned as the step launched)
-        views, starts = self._sampled_positions(step, rows, sample_rows)
+        views, starts = self._sampled_positions(step, rows, sample_rows, self.inputs.sampled)
         hidden, qsl = self.forward(step, lora, on_launch, inputs)
         logits = self.logits(hidden, self._logit_rows(step, sample_rows, qsl), lora)
         if mask is not None:
@@ -450,13 +508,14 @@ class ModelRunner:
         return result if lazy else result.resolve()
 
     @staticmethod
-    def _sampled_positions(plan: StepPlan, rows: list[Row], sample_rows: list[int]):
+    def _sampled_positions(plan: StepPlan, rows: list[Row], sample_rows: list[int], sampled: SampledTokens):
         """The sampler's views of the step's sampled positions, and where each sampling row's begin: one per
-        sampling row, plus one per draft (motet/engine/speculative/verify.py)."""
+        sampling row, plus one per draft (motet/engine/speculative/verify.py); a row's pending token is found in
+        `sampled`, the recent steps' sampled tokens."""
         views, starts = [], []
         for i in sample_rows:
             starts.append(len(views))
-            views.extend(position_views(plan[i], rows[i]))
+            views.extend(position_views(plan[i], rows[i], sampled))
         return views, starts
 
     @staticmethod

@@ -1,15 +1,18 @@
 """What a layer writes its ops with into the native CPU step's program (motet/engine/worker/cpu_forward.py).
 
 Each layer class writes its own ops beside its eager forward (`write_ops`: model.py's Attention, MLP, SparseMoE and
-DecoderLayer, latent_attention.py's LatentAttention), as llama.cpp's graph builders sit beside their layers: a new
-layer type is its forward and its ops in one module. An `OpWriter` is what they write through: the program being
-written (`w`, motet/kernels/cpu_native.ProgramWriter), the arena its packed weights go into, the tensors it points
-at kept alive, and the model-wide pieces a layer reads (its config, its rotary tables, its ranks).
+DecoderLayer, latent_attention.py's LatentAttention), as llama.cpp's graph builders sit beside their layers: a layer
+type's forward and its ops are one module (what else a new layer type takes: docs/DESIGN.md, "A layer written
+once"). An `OpWriter` is what they write through: the program being written (`w`,
+motet/kernels/cpu_native.ProgramWriter), the arena its packed weights go into, the tensors it points at kept alive,
+and the model-wide pieces a layer reads (its config, its rotary tables, its ranks).
 """
 
 from __future__ import annotations
 
+import math
 import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -24,9 +27,21 @@ _HUGE_PAGE = 2 << 20
 
 
 class WeightArena:
-    """One buffer for the packed weights, backed by transparent huge pages where the kernel allows it."""
+    """One buffer for the packed weights, backed by transparent huge pages where the kernel allows it; or, to
+    replay (`replay`), the packed weights a previous start wrote (a prepared-weights cache entry, mapped from
+    its file: motet/engine/worker/prepared_weights.py), handed out again in the order they were put.
 
-    def __init__(self, nbytes: int):
+    Every weight goes in through `put(make)`, `make` a function that packs it: a replayed arena never calls it,
+    so a start from the cache neither reads the checkpoint's projections nor packs them."""
+
+    def __init__(self, nbytes: int = 0, replay: tuple[torch.Tensor, list] | None = None):
+        self.puts: list[tuple[int, torch.dtype, tuple[int, ...]]] = []  # (offset, dtype, shape) of each put
+        self.replay = replay is not None
+        self._next = 0  # replaying: the next put's index
+        if replay is not None:
+            self._bytes, self.puts = replay
+            self._used = self._bytes.numel()
+            return
         size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE + _HUGE_PAGE
         self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -35,14 +50,39 @@ class WeightArena:
         self._bytes = raw[(-raw.data_ptr()) % _HUGE_PAGE :]
         self._used = 0
 
-    def put(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of `tensor` in the arena (64-byte aligned)."""
+    def put(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The weight `make()` packs, in the arena (64-byte aligned); replaying, the next weight put before (the
+        same weight: the cache entry's key holds everything its packing depends on), `make` never called."""
+        if self.replay:
+            if self._next >= len(self.puts):
+                raise ReplayMismatch(f"the entry holds {len(self.puts)} packed weights; the model packs more")
+            offset, dtype, shape = self.puts[self._next]
+            self._next += 1
+            n = dtype.itemsize * math.prod(shape)
+            return self._bytes[offset : offset + n].view(dtype).view(shape)
+        tensor = make()
         n = tensor.numel() * tensor.element_size()
         start = -(-self._used // 64) * 64
         out = self._bytes[start : start + n].view(tensor.dtype).view(tensor.shape)
         out.copy_(tensor)
         self._used = start + n
+        self.puts.append((start, tensor.dtype, tuple(tensor.shape)))
         return out
+
+    def finish(self) -> None:
+        """Replaying: check that every weight the entry holds was handed out (ReplayMismatch: another model's)."""
+        if self.replay and self._next != len(self.puts):
+            raise ReplayMismatch(
+                f"the entry holds {len(self.puts)} packed weights; the model packs {self._next}"
+            )
+
+    def written(self) -> torch.Tensor:
+        """The packed weights' bytes (uint8), in the order they were put."""
+        return self._bytes[: self._used]
+
+
+class ReplayMismatch(RuntimeError):
+    """A replayed arena's weights do not fit the model's ops (a cache entry of another model)."""
 
 
 def panel_bytes(rows: int, cols: int, elem: int, quantized: str | None = None) -> int:
@@ -102,10 +142,12 @@ class OpWriter:
         """The layer's weight in the arena, in its own format (the model's dtype or a quantized one): (address,
         format code). The layer's own copy is released."""
         if lin.quantized is not None:
-            data = self.arena.put(cpu_native.pack_quantized(lin.quantized))
-            code = cpu_native.QUANT_CODES[lin.quantized.format.name]
+            quantized = lin.quantized
+            data = self.arena.put(lambda: cpu_native.pack_quantized(quantized))
+            code = cpu_native.QUANT_CODES[quantized.format.name]
         else:
-            data = self.arena.put(cpu_native.pack(lin.weight.detach()))
+            weight = lin.weight.detach()
+            data = self.arena.put(lambda: cpu_native.pack(weight))
             code = cpu_native.DTYPE_CODES[self.weight_dtype]
         self.release(lin)
         return data.data_ptr(), code

@@ -76,11 +76,22 @@ def _splice(held: list[int], keep: int, new: tuple[int, ...], seq_id: int) -> No
     held.extend(new)
 
 
+# A token sampled by a launched step and not on the host when the step was planned (an overlapped engine schedules
+# a step before the one before lands, motet/engine/stepping.py): in a view's `token_ids` it stands in its place, and
+# the view's `pending` says where it is on the device.
+PENDING = -1
+
+
 class SampleView:
     """What the sampler reads of one sampled position (a row's next token, or a draft's position after it): its
     request, its params, its output's length, its tokens (prompt and output, with the drafts before the position;
     read from the runner's copy only where the params ask: penalties, bad words), and whether its grammar holds
-    the stop tokens back."""
+    the stop tokens back.
+
+    A row planned before its previous step landed has that step's token pending: its `token_ids` hold `PENDING` in
+    its place and `pending` is (the step's sampled tokens on the device, the row's index there)
+    (motet/engine/worker/step_inputs.py `SampledTokens`), which the sampler reads on the device (penalties, bad
+    words); its output's length counts it, as the step before landing would have (min_tokens, a seed's draw)."""
 
     __slots__ = (
         "request_id",
@@ -88,15 +99,23 @@ class SampleView:
         "num_prompt_tokens",
         "num_output_tokens",
         "grammar_holds_stop",
+        "pending",
         "_row",
+        "_known",
+        "_num_pending",
         "_drafts",
     )
 
-    def __init__(self, plan: RowPlan, row: Row, num_drafts: int):
+    def __init__(self, plan: RowPlan, row: Row, num_drafts: int, sampled=None):
         self.request_id = plan.request_id
         self.params = row.params
         self.num_prompt_tokens = row.num_prompt_tokens
-        self.num_output_tokens = plan.num_output_tokens + num_drafts
+        self._known = (
+            row.num_prompt_tokens + plan.num_output_tokens
+        )  # its tokens on the host as it was planned
+        self._num_pending = plan.num_pending
+        self.pending = sampled.where(plan.fed_by) if plan.num_pending and sampled is not None else None
+        self.num_output_tokens = plan.num_output_tokens + plan.num_pending + num_drafts
         # (the drafts never change whether the grammar holds the stop tokens: none crosses a bounded reasoning's
         # forced end, motet/engine/speculative/proposer.py)
         self.grammar_holds_stop = plan.grammar_holds_stop
@@ -105,15 +124,14 @@ class SampleView:
     @property
     def token_ids(self) -> list[int]:
         # (the runner's copy only grows while a step is in flight: its first tokens are the plan's)
-        known = self.num_prompt_tokens + self.num_output_tokens - len(self._drafts)
-        return self._row.tokens[:known] + list(self._drafts)
+        return self._row.tokens[: self._known] + [PENDING] * self._num_pending + list(self._drafts)
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
 
-def position_views(plan: RowPlan, row: Row) -> list[SampleView]:
+def position_views(plan: RowPlan, row: Row, sampled=None) -> list[SampleView]:
     """The sampler's views of a sampling row's positions: its next token, then each of its drafts' (the drafts
-    before it appended)."""
-    return [SampleView(plan, row, j) for j in range(len(plan.drafts) + 1)]
+    before it appended); `sampled`: the recent steps' sampled tokens (`SampledTokens`), where a pending token is."""
+    return [SampleView(plan, row, j, sampled) for j in range(len(plan.drafts) + 1)]

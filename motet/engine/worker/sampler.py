@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from motet.engine.outputs import TokenLogprob
-from motet.engine.worker.rows import SampleView
+from motet.engine.worker.rows import PENDING, SampleView
+from motet.engine.worker.step_inputs import pending_tokens
 from motet.engine.worker.token_masks import apply_token_masks
 
 _NEG_INF = float("-inf")
@@ -246,23 +247,31 @@ def _apply_penalties(x: Tensor, seqs: list[SampleView]) -> Tensor:
     V, dev = x.shape[1], x.device
     rep = [j for j, s in enumerate(seqs) if s.params.repetition_penalty != 1]
     if rep:  # HF: over prompt and output ids, divide positive logits, multiply negative ones
-        seen = _id_counts([seqs[j].token_ids for j in rep], V, dev) > 0
+        seen = _id_counts([seqs[j] for j in rep], V, dev, outputs=False) > 0
         r = torch.tensor([seqs[j].params.repetition_penalty for j in rep], device=dev)[:, None]
         x = _on_rows(x, rep, lambda sub: torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub))
     fp = [j for j, s in enumerate(seqs) if s.params.frequency_penalty or s.params.presence_penalty]
     if fp:  # OpenAI: logit -= count * frequency_penalty + (count > 0) * presence_penalty, over output ids
-        counts = _id_counts([seqs[j].output_token_ids for j in fp], V, dev)
+        counts = _id_counts([seqs[j] for j in fp], V, dev, outputs=True)
         f = torch.tensor([seqs[j].params.frequency_penalty for j in fp], device=dev)[:, None]
         pr = torch.tensor([seqs[j].params.presence_penalty for j in fp], device=dev)[:, None]
         x = _on_rows(x, fp, lambda sub: sub.sub_(counts * f + (counts > 0) * pr))
     return x
 
 
-def _id_counts(id_lists: list[list[int]], V: int, device: torch.device) -> Tensor:
-    """[n, V] float counts of each id per row (padded with the out-of-range id V, then cut off)."""
+def _id_counts(seqs: list[SampleView], V: int, device: torch.device, outputs: bool) -> Tensor:
+    """[n, V] float counts of each id per row, over its output's ids (`outputs`) or all of them: those on the host
+    (padded with the out-of-range id V, which a pending token's place reads as too, then cut off), and a row's
+    pending token counted on the device, where it is (no host wait)."""
+    id_lists = [s.output_token_ids if outputs else s.token_ids for s in seqs]
     width = max(1, max(len(ids) for ids in id_lists))
     ids = torch.tensor([ids + [V] * (width - len(ids)) for ids in id_lists], device=device)
+    ids = torch.where(ids == PENDING, V, ids)
     counts = torch.zeros(len(id_lists), V + 1, device=device)
+    if any(s.pending is not None for s in seqs):
+        rows = torch.tensor([k for k, s in enumerate(seqs) if s.pending is not None], device=device)
+        tokens = pending_tokens([s for s in seqs if s.pending is not None], device)
+        counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=counts.dtype), accumulate=True)
     return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))[:, :V]
 
 

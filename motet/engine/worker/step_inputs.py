@@ -62,24 +62,39 @@ def feed_tokens(
     """Write the pending tokens into a step's input ids on the device, from the steps that sampled them (`sampled`,
     which the forward thread recorded as it ran the steps before): no host wait (the indices go from pinned
     memory). Usually they all come from the step before: one gather."""
+    copy_sampled(ids, [(dst, sampled.where(ref)) for dst, ref in feeds], pinned)
+
+
+def copy_sampled(dst: torch.Tensor, places: list[tuple[int, tuple[torch.Tensor, int]]], pinned: bool) -> None:
+    """`dst[i] = tokens[j]` for each (i, (tokens, j)) of `places` (`SampledTokens.where`'s), on the device with no
+    host wait (the indices go from pinned memory where `pinned`): one gather per step the tokens come from."""
     sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-    for dst, ref in feeds:
-        tokens, src = sampled.where(ref)
+    for i, (tokens, j) in places:
         entry = sources.get(id(tokens))
         if entry is None:
             entry = sources[id(tokens)] = (tokens, [], [])
-        entry[1].append(dst)
-        entry[2].append(src)
+        entry[1].append(i)
+        entry[2].append(j)
     for tokens, dsts, srcs in sources.values():
         if (
-            ids.device.type == "cpu" and tokens.device.type == "cpu"
+            dst.device.type == "cpu" and tokens.device.type == "cpu"
         ):  # plain host memory: no tensor ops needed
-            ids.numpy()[dsts] = tokens.numpy()[srcs]
+            dst.numpy()[dsts] = tokens.numpy()[srcs]
             continue
         index = torch.tensor([dsts, srcs], dtype=torch.int64, pin_memory=pinned).to(
-            ids.device, non_blocking=True
+            dst.device, non_blocking=True
         )
-        ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
+        dst.index_copy_(0, index[0], tokens.index_select(0, index[1]))
+
+
+def pending_tokens(views: list, device: torch.device) -> torch.Tensor:
+    """[n] int64 on `device`: each of the sampler's views' pending token (motet/engine/worker/rows.py
+    `SampleView.pending`), gathered there from the steps that sampled them; 0 where a view has none."""
+    out = torch.zeros(len(views), dtype=torch.long, device=device)
+    copy_sampled(
+        out, [(k, v.pending) for k, v in enumerate(views) if v.pending is not None], device.type == "cuda"
+    )
+    return out
 
 
 class HostInputs(NamedTuple):

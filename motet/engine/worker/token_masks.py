@@ -15,6 +15,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from motet.engine.worker.rows import PENDING
+from motet.engine.worker.step_inputs import pending_tokens
+
 _NEG_INF = float("-inf")
 
 
@@ -36,19 +39,35 @@ def bad_words_token_ids(bad_words: list[str], encode: Callable[[str], list[int]]
 
 def banned_tokens(sequences: list[list[int]], output: list[int]) -> list[int]:
     """The tokens that would complete a bad word's sequence after `output` (the tokens generated so far)."""
+    return [t for t, pending in banned_after(sequences, output) if pending is None]
+
+
+def banned_after(sequences: list[list[int]], output: list[int]) -> list[tuple[int, int | None]]:
+    """(token, needs): the tokens that would complete a bad word's sequence after `output`, where a token of it
+    may be pending (`PENDING`, motet/engine/worker/rows.py: sampled by the step before, not on the host yet):
+    `needs` None where the rest matches, else the token the pending one must be for it to match."""
     banned = []
     for seq in sequences:
         n = len(seq) - 1
         if n > len(output):
             continue
-        if n == 0 or output[-n:] == seq[:-1]:
-            banned.append(seq[-1])
+        needs = None
+        tail = output[len(output) - n :] if n else []
+        for got, want in zip(tail, seq, strict=False):
+            if got == PENDING and needs is None:
+                needs = want
+            elif got != want:
+                break
+        else:
+            banned.append((seq[-1], needs))
     return banned
 
 
 def apply_token_masks(x: Tensor, seqs: list, rows: list[int]) -> None:
-    """Mask x[rows] (one row per seq, whose `params` and `output_token_ids` are read) in place."""
+    """Mask x[rows] (one row per seq, the sampler's views: their `params`, `output_token_ids` and `pending` are
+    read) in place. A ban that depends on a pending token is applied on the device, where the token is."""
     V = x.shape[1]
+    held = []  # (row, token, the pending token that bans it, the view)
     for r, s in zip(rows, seqs, strict=True):
         p = s.params
         if p.allowed_token_ids is not None:
@@ -58,6 +77,21 @@ def apply_token_masks(x: Tensor, seqs: list, rows: list[int]) -> None:
             ] = True
             x[r].masked_fill_(~keep, _NEG_INF)
         if p.bad_words_token_ids:
-            banned = [t for t in banned_tokens(p.bad_words_token_ids, s.output_token_ids) if t < V]
+            bans = [
+                (t, needs) for t, needs in banned_after(p.bad_words_token_ids, s.output_token_ids) if t < V
+            ]
+            banned = [t for t, needs in bans if needs is None]
             if banned:
                 x[r, banned] = _NEG_INF
+            held.extend((r, t, needs, s) for t, needs in bans if needs is not None)
+    if (
+        held
+    ):  # -inf added where the pending token is the one the ban needs, 0 elsewhere (bans may repeat a token)
+        dev = x.device
+        pending = pending_tokens([s for *_, s in held], dev)
+        needs = torch.tensor([needs for _, _, needs, _ in held], device=dev)
+        where = (
+            torch.tensor([r for r, *_ in held], device=dev),
+            torch.tensor([t for _, t, *_ in held], device=dev),
+        )
+        x.index_put_(where, torch.where(pending == needs, _NEG_INF, 0.0).to(x.dtype), accumulate=True)

@@ -193,7 +193,7 @@ def run_agreement(ctx: EvalContext, tag: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from motet.engine.weights.checkpoint import load_model_config
+    from motet.engine.weights.model_config import load_model_config
     from motet.engine.weights.model_store import resolve_model
     from motet.evals.lora_reference import peft_model, write_random_adapter
 

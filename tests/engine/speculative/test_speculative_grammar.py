@@ -104,7 +104,7 @@ def test_draft_masks_are_the_plain_paths_masks(engines, draft_text):
 
     detok = IncrementalDetokenizer(hf, prompt)
     guided = GuidedDecoding(
-        grammar.matcher(), engine.reasoning_opening, reasoning_started=True, peek=detok.peek
+        grammar.matcher(), engine.reasoning_opening_of(("<think>",)), reasoning_started=True, peek=detok.peek
     )
     first = activation_index(guided, drafts)
     assert check_drafts(guided, drafts, first) == drafts  # valid JSON after </think>: all kept
@@ -113,7 +113,7 @@ def test_draft_masks_are_the_plain_paths_masks(engines, draft_text):
 
     # The plain path: token by token, masking where the constraint is on, then accepting and observing.
     ref_guided, ref_detok = (
-        GuidedDecoding(grammar.matcher(), engine.reasoning_opening, reasoning_started=True),
+        GuidedDecoding(grammar.matcher(), engine.reasoning_opening_of(("<think>",)), reasoning_started=True),
         IncrementalDetokenizer(hf, prompt),
     )
     ref = allocate_bitmask(len(drafts) + 1, vocab)

@@ -90,19 +90,19 @@ def test_think_end_inside_a_draft_window(engines):
     )
     params = SamplingParams(temperature=0, max_tokens=48, grammar=grammar, reasoning=True)
     windows = []  # (committed text, drafts' text) of every verified window
-    execute = on.engine.execute
+    forward_call = on.engine.forward_call  # every step's forward is made here, overlapped or not
 
-    def spy(batch, *launch):
+    def spy(batch, *args, **kwargs):
         for seq in batch.seqs:
             if seq.draft_token_ids:
                 windows.append((tok.decode(seq.output_token_ids), tok.decode(seq.draft_token_ids)))
-        return execute(batch, *launch)
+        return forward_call(batch, *args, **kwargs)
 
-    on.engine.execute = spy
+    on.engine.forward_call = spy
     try:
         a, b = off.generate([prompt], params)[0], on.generate([prompt], params)[0]
     finally:
-        del on.engine.execute
+        del on.engine.forward_call
     assert b.token_ids == a.token_ids and b.text == a.text
     assert any("</think>" not in done and "</think>{" in done + drafts for done, drafts in windows), windows
     assert json.loads(b.text.split("</think>", 1)[1]) == {"city": "Porto"}
