@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.fine_tuning_quality import DATA, GREEDY, MAX_TOKENS, lines
 from motet.engine.tokenizer import load_tokenizer
-from motet.engine.weights.checkpoint import load_model_config
+from motet.engine.weights.model_config import load_model_config
 from motet.grammar.tool_formats import tool_format
 from motet.training.chat_encoding import ChatEncoder
 from motet.training.data_format import read_examples

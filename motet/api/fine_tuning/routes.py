@@ -4,7 +4,8 @@ POST /v1/fine_tuning/jobs                          training_file (a `fine-tune` 
                                                    validation_file, model (the served model, or one of the
                                                    tenant's adapters to train on), suffix, seed, method, the legacy
                                                    hyperparameters, metadata
-GET  /v1/fine_tuning/jobs                          the tenant's jobs, newest first: after, limit
+GET  /v1/fine_tuning/jobs                          the tenant's jobs, newest first: after, limit, metadata[k]=v
+                                                   or metadata=null (OpenAI's filter)
 GET  /v1/fine_tuning/jobs/{job_id}
 POST /v1/fine_tuning/jobs/{job_id}/cancel          stops it at once
 POST /v1/fine_tuning/jobs/{job_id}/pause           a checkpoint after the step in progress, then it waits
@@ -14,7 +15,9 @@ GET  /v1/fine_tuning/jobs/{job_id}/checkpoints     one an epoch, newest first: a
 
 A job is checked whole before it is queued: its body, the model, its files (each line, tokenized as serving
 renders it: motet/training/), its hyperparameters and the tenant's quotas; whatever is wrong is a 400 (429 for a
-quota) in OpenAI's shape naming what to fix, and nothing is kept. What costs little is checked first: the files'
+quota) in OpenAI's shape naming what to fix, and nothing is kept. Files over INLINE_BYTES are tokenized after the
+call answers, the job `validating_files` meanwhile (motet/api/fine_tuning/validation.py): a bad line then fails the
+job with the 400's error. What costs little is checked first: the files'
 examples are counted, the hyperparameters resolved for them and the room its adapters will take found before an
 example is tokenized. A tenant's validations run --fine-tuning-max-validating at a time (the others wait their turn;
 another tenant's never wait on them), each counted with its CPU time in the metrics. A job queued holds the room
@@ -289,7 +292,7 @@ def metadata_filter(query: QueryParams) -> tuple[QueryParams, dict[str, str], bo
 
 
 @operation("the tenant's fine-tuning jobs, newest first", tag="Fine-tuning", ok_description="a list of jobs",
-           query={"after": str, "limit": int, "metadata": dict})  # fmt: skip
+           query={"after": str, "limit": int, "metadata": dict[str, str]})  # fmt: skip
 async def list_jobs(request: Request) -> Response:
     _, tenant, runner = _context(request)
     query, pairs, null = metadata_filter(request.query_params)
