@@ -409,7 +409,7 @@ def long_chat(i: int, text: str = "hello ", times: int = 120) -> dict:
 
 def large_file(bad_last_line: str | None = None) -> bytes:
     """A training file past INLINE_BYTES (validated after the create call answers), of the sentence the tiny
-    tokenizer was trained on (about 4 bytes a token: some 70,000 tokens, within the server's 100,000 a day)."""
+    tokenizer was trained on (about 4 bytes a token: some 75,000 tokens, within the server's 100,000 a day)."""
     rows = []
     while sum(len(json.dumps(r)) + 1 for r in rows) <= INLINE_BYTES:
         rows.append(long_chat(len(rows), "The quick brown fox jumps over the lazy dog. ", 20))
