@@ -22,6 +22,7 @@
     python -m benchmarks.fine_tuning                                   # the acceptance sizes (long: a quiet machine)
     python -m benchmarks.fine_tuning --examples 8 --eval-prompts 4 --n-epochs 1 --load-seconds 10 --clients 2
     python -m benchmarks.fine_tuning --shared-cores --clients 32       # the shared cores' acceptance
+    python -m benchmarks.fine_tuning quality                           # what a job teaches (fine_tuning_quality.py)
 
 Writes fine_tuning-TIME.json and .md under --output-dir. Name the machine (its CPU and flags are in the report).
 """
@@ -201,7 +202,8 @@ def dpo_margins(model_dir: Path, adapter: Path, pairs: bytes) -> dict:
     from motet.training.dataset import prepare, read_rows
 
     if not pairs.strip():  # (no held-out answer had a lower-case letter to prefer the upper-cased one to)
-        return {"pairs": 0, "margin_before": None, "margin_after": None, "share_up": None}
+        return {"pairs": 0, "margin_before": None, "margin_after": None, "share_up": None, "win_before": None,
+                "win_after": None}  # fmt: skip
     tok, config = load_tokenizer(model_dir), load_model_config(model_dir)
     encoder = ChatEncoder(tok, tool_format(config.declaration.tool_format, tok.hf.chat_template), 8192)
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,7 +223,8 @@ def dpo_margins(model_dir: Path, adapter: Path, pairs: bytes) -> dict:
     before = margins(base)
     after = margins(PeftModel.from_pretrained(base, str(adapter)).eval())
     return {"pairs": len(rows), "margin_before": sum(before) / len(rows), "margin_after": sum(after) / len(rows),
-            "share_up": sum(a > b for a, b in zip(after, before, strict=True)) / len(rows)}  # fmt: skip
+            "share_up": sum(a > b for a, b in zip(after, before, strict=True)) / len(rows),
+            "win_before": sum(m > 0 for m in before) / len(rows), "win_after": sum(m > 0 for m in after) / len(rows)}  # fmt: skip
 
 
 # -- serving under a job -----------------------------------------------------------------------------------------
@@ -405,6 +408,12 @@ def machine() -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command")
+    q = sub.add_parser(
+        "quality", help="what a job teaches, with the docs' defaults (benchmarks/fine_tuning_quality.py)"
+    )
+    q.add_argument("--model", default=None, help="the base model (default: the default model)")
+    q.add_argument("--output-dir", default="benchmarks/reports/fine_tuning")
+    q.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to `motet serve`")
     h = sub.add_parser("by-hand", help="(internal) the PEFT/TRL run by hand")
     for flag in ("--model-dir", "--data", "--hyperparameters", "--out", "--dtype"):
         h.add_argument(flag, required=True)
@@ -439,6 +448,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.command == "by-hand":
         return by_hand(args)
+    if args.command == "quality":
+        from benchmarks import fine_tuning_quality
+
+        return fine_tuning_quality.run(args, run_job, dpo_margins, machine)
     out = Path(args.output_dir)
     hyper = {
         k: (v if v == "auto" else int(v))

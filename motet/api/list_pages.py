@@ -4,6 +4,7 @@ there in `order`, answered as a list object."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 
 from starlette.datastructures import QueryParams
@@ -49,13 +50,13 @@ def list_object(data: list[dict], has_more: bool) -> dict:
 
 
 async def stored_page(query: QueryParams, failure: str, noun: str, owner: str, read, *args,
-                      default_limit: int = DEFAULT_LIMIT) -> dict:  # fmt: skip
+                      default_limit: int = DEFAULT_LIMIT, **filters) -> dict:  # fmt: skip
     """The list object of a cursor page that a store reads (`after` and `limit`, nothing else, in the query):
-    `read(*args, after, limit)` in a worker thread gives (objects, has_more), or None where `after` names no `noun`
-    of the `owner`'s (a 400); `failure` says what failed where the storage does."""
+    `read(*args, after, limit, **filters)` in a worker thread gives (objects, has_more), or None where `after` names
+    no `noun` of the `owner`'s (a 400); `failure` says what failed where the storage does."""
     refuse_unknown(query, ("after", "limit"))
     limit, after = page_limit(query, default_limit), query.get("after")
-    page = await stored_call(failure, read, *args, after, limit)
+    page = await stored_call(failure, functools.partial(read, **filters), *args, after, limit)
     if page is None:
         raise APIError(400, f"after: no {noun} {echo(after)} of this {owner}", param="after")
     return list_object(*page)

@@ -112,25 +112,29 @@ class SQLiteStore:
         newest_first: bool = True,
         where: str = "",
         args: Sequence = (),
+        only: str = "",
+        only_args: Sequence = (),
     ) -> tuple[list[T], bool] | None:
         """Up to `limit` of the tenant's rows of `table` in `seq` order (each row's `columns`, made into a
         `T` by `of_row`) after the row whose id is `after`, and whether more follow; None: `after` names no
-        row of the tenant's. `where`, with `args`: a further condition. By key rather than OFFSET, so a
-        page deep in a long list costs only its own rows, and rows added or deleted meanwhile do not shift
-        the pages."""
+        row of the tenant's within `where`. `where`, with `args`: the rows listed (a job's events: the cursor
+        must be one of them); `only`, with `only_args`: a filter of the rows answered (not of the cursor, which
+        may be a row the filter leaves out). By key rather than OFFSET, so a page deep in a long list costs
+        only its own rows, and rows added or deleted meanwhile do not shift the pages."""
+        scope = f" AND {where}" if where else ""
         with self._read():
             start = _BEFORE_ALL[newest_first]
             if after is not None:
                 row = self._db.execute(
-                    f"SELECT seq FROM {table} WHERE tenant = ? AND id = ?", (tenant, after)
+                    f"SELECT seq FROM {table} WHERE tenant = ? AND id = ?{scope}", (tenant, after, *args)
                 ).fetchone()
                 if row is None:
                     return None
                 start = row[0]
             rows = self._db.execute(
                 f"SELECT {', '.join(columns)} FROM {table}"
-                f" WHERE tenant = ? AND seq {'<' if newest_first else '>'} ?{f' AND {where}' if where else ''}"
+                f" WHERE tenant = ? AND seq {'<' if newest_first else '>'} ?{scope}{f' AND {only}' if only else ''}"
                 f" ORDER BY seq {'DESC' if newest_first else 'ASC'} LIMIT ?",
-                (tenant, start, *args, limit + 1),
+                (tenant, start, *args, *only_args, limit + 1),
             ).fetchall()
         return [of_row(r) for r in rows[:limit]], len(rows) > limit

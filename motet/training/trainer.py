@@ -95,6 +95,16 @@ def complete_checkpoints(checkpoints: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def last_checkpoint(checkpoints: Path) -> Path | None:
+    """The newest complete checkpoint, the one a run goes on from (None: it starts over); nothing is removed."""
+    found = [
+        path
+        for path in (checkpoints.iterdir() if checkpoints.is_dir() else ())
+        if _CHECKPOINT.match(path.name) and (path / _COMPLETE).is_file()
+    ]
+    return max(found, key=checkpoint_step, default=None)
+
+
 def checkpoint_step(path: Path) -> int:
     return int(_CHECKPOINT.match(path.name).group(1))
 

@@ -2,7 +2,11 @@
 trip (upload, create, follow, serve the `ft:` model and its checkpoints), a job paused and resumed or cut by a
 server restart ending with the adapter of an uninterrupted PEFT/TRL run of the same seed, bad input refused with a
 400 in OpenAI's shape before anything is queued, quotas, and tenants that never see each other's jobs, files or
-models."""
+models. And where code written for OpenAI's API depends on it (issue 66): `jobs.list(metadata=...)` filters as
+OpenAI's `metadata[k]=v` / `metadata=null`; a large file is validated after the create call answers (the job
+`validating_files` meanwhile, a bad line ending it `failed` with the 400's own error); events are paged as OpenAI pages
+them (20 by default, newest first, `after` a cursor of the job's own events, `limit` from 1 to 100, else a 400
+naming it); a restart says whether a job starts over, and does again a validation it cut short."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from motet.api.fine_tuning.validation import INLINE_BYTES
 from motet.engine.tokenizer import load_tokenizer
 from motet.engine.weights.model_config import load_model_config
 from motet.grammar.tool_formats import tool_format
@@ -25,15 +30,10 @@ from motet.training.run_setup import RunFiles, prepare_files, set_up
 from motet.training.trainer import train
 from tests.live_server import keys_file, tiny_server
 
-KEYS = {"ka": "alice", "kb": "bob", "kc": "carol", "kd": "dave", "ke": "erin", "kadmin": {"admin": True}}
-FLAGS = (
-    "--dtype",
-    "float32",
-    "--fine-tuning-max-jobs-per-tenant",
-    "2",
-    "--fine-tuning-max-tokens-per-day",
-    "100000",
-)
+KEYS = {"ka": "alice", "kb": "bob", "kc": "carol", "kd": "dave", "ke": "erin", "kadmin": {"admin": True},
+        "k-meta": "meta", "k-other": "other", "k-events": "events", "k-large": "large", "k-restart": "restart"}  # fmt: skip
+LIMITS = ("--dtype", "float32", "--fine-tuning-max-jobs-per-tenant", "2")
+FLAGS = (*LIMITS, "--fine-tuning-max-tokens-per-day", "100000")
 FINISHED = ("succeeded", "failed", "cancelled")
 
 
@@ -259,7 +259,6 @@ def calls(name: str, answered: str = "c1") -> list[dict]:
          "Line 2: no assistant message"),
         (jsonl([{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}]), {},
          "training_file", "unknown role"),
-        (b'{"messages": "' + b"x" * (10 << 20) + b'"}', {}, "training_file", "Line 1: the line is longer than"),
         (jsonl([{"messages": [*calls("f\n</tool_call>"), {"role": "assistant", "content": "ok"}]}]), {},
          "training_file", "Line 1: Invalid 'messages[1].tool_calls[0].function.name': expected 1 to 64 characters"),
         (jsonl([{"messages": [*calls("f", "nope"), {"role": "assistant", "content": "ok"}]}]), {}, "training_file",
@@ -402,36 +401,186 @@ def test_a_file_of_another_purpose_is_refused(server):
     assert e.value.body["param"] == "training_file" and "purpose" in e.value.body["message"]
 
 
+def long_chat(i: int, text: str = "hello ", times: int = 120) -> dict:
+    """A chat of about a KB (a few hundred tokens: within the tiny server's context of 1,024)."""
+    return {"messages": [{"role": "user", "content": f"repeat {i}: " + text * times},
+                         {"role": "assistant", "content": "HELLO " * 8}]}  # fmt: skip
+
+
+def large_file(bad_last_line: str | None = None) -> bytes:
+    """A training file past INLINE_BYTES (validated after the create call answers), of the sentence the tiny
+    tokenizer was trained on (about 4 bytes a token: some 75,000 tokens, within the server's 100,000 a day)."""
+    rows = []
+    while sum(len(json.dumps(r)) + 1 for r in rows) <= INLINE_BYTES:
+        rows.append(long_chat(len(rows), "The quick brown fox jumps over the lazy dog. ", 20))
+    return jsonl([*rows, *([bad_last_line] if bad_last_line else [])])
+
+
+def test_jobs_list_filters_by_metadata_as_openai_does(server):
+    c = client(server, "k-meta")
+    f = upload(c)
+    made = {}
+    for name, metadata in (("a", {"team": "a"}), ("b", {"team": "b", "note": ""}), ("none", None)):
+        job = c.fine_tuning.jobs.create(training_file=f.id, model="tiny", metadata=metadata,
+                                        hyperparameters={"n_epochs": 1})  # fmt: skip
+        c.fine_tuning.jobs.cancel(job.id)  # (the tenant may have two at once)
+        made[name] = job.id
+
+    def listed(**kw) -> list[str]:
+        return [j.id for j in c.fine_tuning.jobs.list(**kw)]
+
+    assert listed() == [made["none"], made["b"], made["a"]]
+    assert listed(metadata={"team": "a"}) == [made["a"]]
+    assert listed(metadata={"team": "b", "note": ""}) == [made["b"]]  # an empty value: the key, empty
+    assert listed(metadata={"note": "x"}) == [] and listed(metadata={}) == listed()
+    assert listed(extra_query={"metadata": "null"}) == [
+        made["none"]
+    ]  # OpenAI's literal query for no metadata
+    page = c.fine_tuning.jobs.list(
+        metadata={"team": "b"}, after=made["none"], limit=1
+    )  # a cursor the filter skips
+    assert [j.id for j in page.data] == [made["b"]] and not page.has_more
+    other = client(server, "k-other")
+    assert [
+        j.id for j in other.fine_tuning.jobs.list(metadata={"team": "a"})
+    ] == []  # a tenant's own jobs only
+    for query, param in (({"metadata": "team"}, "metadata"),
+                         ({"metadata": "null", "metadata[team]": "a"}, "metadata")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            c.fine_tuning.jobs.list(extra_query=query)
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_events_are_paged_as_openai_pages_them(server):
+    c = client(server, "k-events")
+    f = upload(c)
+    running = c.fine_tuning.jobs.create(training_file=f.id, model="tiny", hyperparameters={"n_epochs": 50})
+    wait(c, running.id, until=("running", *FINISHED))  # it holds the one training slot: the next job waits
+    job = c.fine_tuning.jobs.create(training_file=f.id, model="tiny")
+    for _ in range(12):  # two events a round
+        assert c.fine_tuning.jobs.pause(job.id).status == "paused"  # (queued: paused at once)
+        assert c.fine_tuning.jobs.resume(job.id).status == "queued"
+    c.fine_tuning.jobs.cancel(job.id)
+    everything = c.fine_tuning.jobs.list_events(job.id, limit=100)  # the most a page holds
+    assert len(everything.data) == 27 and not everything.has_more
+    assert everything.data[0].message == "The job was cancelled"  # newest first
+    assert everything.data[-1].message.startswith("Validating training file")
+    first = c.fine_tuning.jobs.list_events(job.id)  # OpenAI's default page: 20
+    assert [e.id for e in first.data] == [e.id for e in everything.data[:20]] and first.has_more
+    walked = [e.id for e in c.fine_tuning.jobs.list_events(job.id, limit=7)]  # the SDK follows `after`
+    assert walked == [e.id for e in everything.data]
+    after = c.fine_tuning.jobs.list_events(job.id, after=everything.data[4].id, limit=3)
+    assert [e.id for e in after.data] == [e.id for e in everything.data[5:8]]
+    bad = (({"after": everything.data[0].id, "fine_tuning_job_id": running.id}, "after"),  # another job's event
+           ({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": 5000}, "limit"))  # fmt: skip
+    for query, param in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.fine_tuning.jobs.list_events(**{"fine_tuning_job_id": job.id, **query})
+        assert e.value.status_code == 400 and e.value.body["param"] == param, (query, e.value.body)
+    c.fine_tuning.jobs.cancel(running.id)
+
+
+def test_a_large_file_is_validated_after_the_create_call_answers(server):
+    c = client(server, "k-large")
+    bad_line = json.dumps({"messages": [{"role": "user", "content": "hi"}]})  # no assistant message
+    with pytest.raises(openai.BadRequestError) as small:  # a small file: refused at once
+        c.fine_tuning.jobs.create(training_file=upload(c, jsonl([chat(0), bad_line])).id, model="tiny")
+    f = upload(c, large_file(bad_line))
+    job = c.fine_tuning.jobs.create(training_file=f.id, model="tiny")
+    assert job.status == "validating_files", job
+    assert c.fine_tuning.jobs.list_events(job.id).data[-1].message == f"Validating training file: {f.id}"
+    job = wait(c, job.id)
+    assert job.status == "failed" and job.error is not None, job
+    lines = len(large_file().splitlines())
+    expected = small.value.body["message"].replace(small.value.body["message"].split(":")[0], "")
+    assert job.error.code == small.value.body["code"] == "invalid_training_file"
+    assert job.error.param == small.value.body["param"] == "training_file"
+    assert job.error.message == f"invalid training_file {f.id}" + expected.replace(
+        "Line 2", f"Line {lines + 1}"
+    )
+    assert job.fine_tuned_model is None and not (server.data / "fine_tuning" / job.id).exists()
+    good = c.fine_tuning.jobs.create(training_file=upload(c, large_file()).id, model="tiny",
+                                     hyperparameters={"n_epochs": 1})  # fmt: skip
+    assert good.status == "validating_files"
+    good = wait(c, good.id, until=("queued", "running", *FINISHED))
+    assert good.status in ("queued", "running"), good.error
+    messages = [e.message for e in c.fine_tuning.jobs.list_events(good.id)]
+    assert messages[0].startswith(f"Files validated ({lines} examples"), messages
+    assert c.fine_tuning.jobs.cancel(good.id).status == "cancelled"
+    huge = c.fine_tuning.jobs.create(training_file=upload(c, b'{"messages": "' + b"x" * (10 << 20) + b'"}').id,
+                                     model="tiny")  # a 10 MB line: refused unparsed, once its turn comes  # fmt: skip
+    huge = wait(c, huge.id)
+    assert huge.status == "failed" and huge.error.message.startswith(
+        f"invalid training_file {huge.training_file}: Line 1: the line is longer than"
+    ), huge.error
+
+
 def test_a_server_restart_mid_job_resumes_it_to_the_same_adapter(tiny_model_dir, tmp_path):
+    """A job cut by a restart (SIGKILL) goes on from its checkpoint to the adapter of an uninterrupted run; beside
+    it, the restart says a running job with no checkpoint yet starts over, and a job whose files were being
+    validated is validated again (once)."""
     import psutil
 
     keys_file(tmp_path, KEYS)
-    first = tiny_server(tiny_model_dir, tmp_path, *FLAGS)
+    flags = (*LIMITS, "--fine-tuning-max-running", "2")  # the restarted jobs run side by side
+    first = tiny_server(tiny_model_dir, tmp_path, *flags)
     data = jsonl(chat(i) for i in range(4))
     try:
+        r = client(first, "k-restart")
+        training = upload(r, jsonl(chat(i) for i in range(200)))  # one epoch of 200 steps: no checkpoint soon
+        over = r.fine_tuning.jobs.create(training_file=training.id, model="tiny",
+                                         hyperparameters={"n_epochs": 1, "batch_size": 1})  # fmt: skip
+        many = upload(r, jsonl(long_chat(i) for i in range(2000)))  # several MB: seconds to tokenize
         c = client(first, "ka")
         job = c.fine_tuning.jobs.create(training_file=upload(c, data).id, model="tiny", seed=5,
                                         hyperparameters={"n_epochs": 24, "batch_size": 2})  # fmt: skip
         wait_for_checkpoint(c, job.id)
+        wait(r, over.id, until=("running", *FINISHED))  # it runs beside alice's: no checkpoint yet
+        validating = r.fine_tuning.jobs.create(training_file=many.id, model="tiny")
+        assert validating.status == "validating_files"
         workers = [
             p
             for p in psutil.Process(first.proc.pid).children()
             if "motet.training.worker" in " ".join(p.cmdline())
         ]
-        first.proc.kill()  # SIGKILL: nothing of the server runs on
+        first.proc.kill()  # SIGKILL, mid-validation: nothing of the server runs on
         first.proc.wait()
-        psutil.wait_procs(workers, timeout=30)  # the worker dies with the server
+        psutil.wait_procs(workers, timeout=30)  # the workers die with the server
         assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
     finally:
         first.stop()
-    second = tiny_server(tiny_model_dir, tmp_path, *FLAGS)
+    second = tiny_server(tiny_model_dir, tmp_path, *flags)
     try:
+        r = client(second, "k-restart")
+        messages = [e.message for e in r.fine_tuning.jobs.list_events(over.id)]
+        assert (
+            "The server restarted: the job is queued again and starts over: it had no checkpoint yet"
+            in messages
+        )
+        r.fine_tuning.jobs.cancel(over.id)
+        validated = wait(r, validating.id, until=("queued", "running", *FINISHED), timeout=600)
+        assert validated.status in ("queued", "running"), validated.error
+        messages = [e.message for e in r.fine_tuning.jobs.list_events(validating.id)]
+        assert (
+            "The server restarted while the job's files were validated: they are validated again" in messages
+        )
+        assert sum(m.startswith("Files validated (2000 examples") for m in messages) == 1, messages
+        r.fine_tuning.jobs.cancel(validating.id)
+        got = httpx.get(
+            f"{second.url}/v1/fine_tuning/jobs/{over.id}", headers={"Authorization": "Bearer k-restart"}
+        )
+        assert got.json()["status"] == "cancelled"
         c = client(second, "ka")
         job = wait(c, job.id)
         assert job.status == "succeeded", job.error
         messages = [e.message for e in c.fine_tuning.jobs.list_events(job.id, limit=100)]
-        assert any(m.startswith("The server restarted") for m in messages)
-        assert any(m.startswith("Going on from the checkpoint of step") for m in messages)
+        resumed = [m for m in messages if m.startswith("Going on from the checkpoint of step")]
+        assert len(resumed) == 1, messages  # the worker's: the checkpoint the restart's event must name
+        step = resumed[0].rsplit(" ", 1)[1]
+        assert (
+            f"The server restarted: the job is queued again and goes on from its checkpoint of step {step}"
+            in (messages)
+        )
         steps = [ck.step_number for ck in c.fine_tuning.jobs.checkpoints.list(job.id, limit=100)]
         assert steps == list(range(48, 0, -2)), messages
     finally:

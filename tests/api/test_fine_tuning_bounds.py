@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from motet.api.fine_tuning import routes, runner
+from motet.api.fine_tuning import runner, validation
 from motet.api.fine_tuning.store import FineTuningStore
 from motet.engine.tokenizer import load_tokenizer
 from motet.engine.weights.model_config import load_model_config
@@ -257,7 +257,7 @@ def test_what_costs_nothing_to_check_is_refused_before_any_example_is_read(serve
 def test_a_tenants_validations_take_turns_beside_another_tenants_and_are_counted(server, monkeypatch):
     entered: list[str] = []
     gate = threading.Event()
-    prepare = routes.prepare_files
+    prepare = validation.prepare_files
 
     def held(model, method, train, valid, run_dir):  # the tokenizing step, held until the gate opens
         entered.append(json.loads(train.readline())["messages"][0]["content"].split()[1])
@@ -265,7 +265,7 @@ def test_a_tenants_validations_take_turns_beside_another_tenants_and_are_counted
         assert gate.wait(120)
         return prepare(model, method, train, valid, run_dir)
 
-    monkeypatch.setattr(routes, "prepare_files", held)
+    monkeypatch.setattr(validation, "prepare_files", held)
     erin, frank = client(server, "erin"), client(server, "frank")
     files = {"erin": upload(erin, training_file("erin")), "frank": upload(frank, training_file("frank"))}
 

@@ -32,8 +32,11 @@ class Notes(SQLiteStore):
         with self._read():
             return [r[0] for r in self._db.execute("SELECT id FROM notes ORDER BY seq")]
 
-    def page(self, tenant, after, limit, newest_first=True, kind=None):
-        filters = {} if kind is None else {"where": "kind = ?", "args": (kind,)}
+    def page(self, tenant, after, limit, newest_first=True, kind=None, scope=None):
+        """`kind`: a filter of the rows answered (the cursor may be any row); `scope`: the rows listed (the cursor
+        must be one of them, as a job's events)."""
+        filters = {} if kind is None else {"only": "kind = ?", "only_args": (kind,)}
+        filters |= {} if scope is None else {"where": "kind = ?", "args": (scope,)}
         return self._keyset_page(
             "notes", ("id",), lambda row: row[0], tenant, after, limit, newest_first=newest_first, **filters
         )
@@ -121,6 +124,8 @@ def test_keyset_pages(notes):
     assert notes.page("a", "a2", 3, newest_first=False) == (["a3", "a4"], False)
     assert notes.page("a", None, 5, kind="even") == (["a4", "a2", "a0"], False)
     assert notes.page("a", "a4", 1, kind="odd") == (["a3"], True)
+    assert notes.page("a", "a3", 1, scope="odd") == (["a1"], False)
+    assert notes.page("a", "a4", 1, scope="odd") is None  # a cursor outside the rows listed
     assert notes.page("a", "b2", 2) is None  # another tenant's id reads as unknown
     assert notes.page("a", "nope", 2) is None
     notes.add("a", "a5")  # a row added meanwhile does not shift a page already begun

@@ -157,7 +157,7 @@ class FileStore(SQLiteStore):
     ) -> tuple[list[StoredFile], bool] | None:
         """A page of the tenant's files (newest first, or oldest with order "asc") after the file `after`, and
         whether more follow; None: `after` names no file of theirs."""
-        filters = {} if purpose is None else {"where": "purpose = ?", "args": (purpose,)}
+        filters = {} if purpose is None else {"only": "purpose = ?", "only_args": (purpose,)}
         newest_first = order == "desc"
         return self._keyset_page(
             "files", _COLUMNS, _stored_file, tenant, after, limit, newest_first=newest_first, **filters

@@ -4,7 +4,8 @@ POST /v1/fine_tuning/jobs                          training_file (a `fine-tune` 
                                                    validation_file, model (the served model, or one of the
                                                    tenant's adapters to train on), suffix, seed, method, the legacy
                                                    hyperparameters, metadata
-GET  /v1/fine_tuning/jobs                          the tenant's jobs, newest first: after, limit
+GET  /v1/fine_tuning/jobs                          the tenant's jobs, newest first: after, limit, metadata[k]=v
+                                                   or metadata=null (OpenAI's filter)
 GET  /v1/fine_tuning/jobs/{job_id}
 POST /v1/fine_tuning/jobs/{job_id}/cancel          stops it at once
 POST /v1/fine_tuning/jobs/{job_id}/pause           a checkpoint after the step in progress, then it waits
@@ -14,7 +15,9 @@ GET  /v1/fine_tuning/jobs/{job_id}/checkpoints     one an epoch, newest first: a
 
 A job is checked whole before it is queued: its body, the model, its files (each line, tokenized as serving
 renders it: motet/training/), its hyperparameters and the tenant's quotas; whatever is wrong is a 400 (429 for a
-quota) in OpenAI's shape naming what to fix, and nothing is kept. What costs little is checked first: the files'
+quota) in OpenAI's shape naming what to fix, and nothing is kept. Files over INLINE_BYTES are tokenized after the
+call answers, the job `validating_files` meanwhile (motet/api/fine_tuning/validation.py): a bad line then fails the
+job with the 400's error. What costs little is checked first: the files'
 examples are counted, the hyperparameters resolved for them and the room its adapters will take found before an
 example is tokenized. A tenant's validations run --fine-tuning-max-validating at a time (the others wait their turn;
 another tenant's never wait on them), each counted with its CPU time in the metrics. A job queued holds the room
@@ -28,37 +31,44 @@ from __future__ import annotations
 import functools
 import re
 import shutil
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import anyio.to_thread
+from starlette.datastructures import QueryParams
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from motet.api.completions.generation import served_formats
 from motet.api.errors import APIError, echo
 from motet.api.files.store import FileStore, StoredFile
 from motet.api.fine_tuning.models import FineTuningJobCreate
 from motet.api.fine_tuning.runner import FineTuningRunner
 from motet.api.fine_tuning.store import FineTuningStore, QuotaExceeded, new_job_id, stored_adapters
+from motet.api.fine_tuning.validation import (
+    FILES,
+    Refusal,
+    cpu_timed,
+    inline,
+    prepare_job,
+    run_files,
+    validated_event,
+)
 from motet.api.list_pages import stored_page
 from motet.api.openapi import operation
 from motet.api.request_body import read_json
 from motet.api.sqlite_store import StorageFailure, storage_failures
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.storage_errors import storage_error, stored_call
-from motet.lora.registry import FILES
-from motet.training.data_format import DataError, max_line_bytes
-from motet.training.dataset import MAX_EXAMPLES, Prepared, write_rows
-from motet.training.eval_file import EVAL_ROWS, eval_rows
+from motet.lora.registry import FILES as ADAPTER_FILES
+from motet.training.dataset import MAX_EXAMPLES
 from motet.training.eval_file import MAX_EXAMPLES as EVAL_MAX_EXAMPLES
 from motet.training.hyperparameters import HyperparameterError, Hyperparameters
-from motet.training.run_setup import FileError, RunFiles, count_file, plan_run, prepare_files, write_run
+from motet.training.run_setup import FileError, count_file, plan_run, write_run
 from motet.training.trainer import TrainingRun, stored_adapter_bytes
 
 T = TypeVar("T")
 PURPOSE = "fine-tune"
+_METADATA_KEY = re.compile(r"^metadata\[(.*)\]$", re.DOTALL)
 INIT_ADAPTER = "init_adapter"  # in a job's run directory: a copy of the adapter it trains on
 
 
@@ -129,19 +139,6 @@ def _no_room(each: int, h: Hyperparameters, where: str) -> Callable[[int], APIEr
     return refusal
 
 
-def _cpu_timed(call: Callable[[], T], spent: list[float]) -> Callable[[], T]:
-    """`call`, its thread's CPU time added to `spent[0]`."""
-
-    def timed() -> T:
-        start = time.thread_time()
-        try:
-            return call()
-        finally:
-            spent[0] += time.thread_time() - start
-
-    return timed
-
-
 @operation("create a fine-tuning job", tag="Fine-tuning", body=FineTuningJobCreate,
            ok_description="the FineTuningJob", example=lambda model: {  # (a file POST /v1/files answered, fine-tune)
                "training_file": "file-abc123", "model": model, "suffix": "my-model",
@@ -155,60 +152,43 @@ async def create_job(request: Request) -> Response:
     except ValueError as e:
         raise APIError(400, str(e), param="method") from None
     adapter = await _base(state, tenant, req.model)
-    train_file = await _file(runner.files, tenant, req.training_file, "training_file")
-    valid_file = await _file(runner.files, tenant, req.validation_file, "validation_file")
-    eval_file = await _file(runner.files, tenant, req.eval_file, "eval_file")
+    stored = {which: await _file(runner.files, tenant, getattr(req, which), which) for which in FILES}
     store, quotas = runner.store, runner.quotas
     try:
         await stored_call("the jobs could not be read", store.check_quotas, tenant, 0, quotas)
     except QuotaExceeded as e:
         raise APIError(429, str(e), code=e.code) from None
     view = state.system.model
-    model = RunFiles(view.model_dir, view.model_config, view.tokenizer,
-                     served_formats(state, view.chat_template)[0], view.max_model_len, view.max_lora_rank)  # fmt: skip
+    model = run_files(state)
     job_id = new_job_id()
     run_dir = store.run_dir(job_id)
     name = fine_tuned_name(state.model_name, tenant, req.suffix, job_id)
     seed = req.seed if req.seed is not None else int.from_bytes(job_id.encode()[-4:], "big") & 0x7FFFFFFF
-    files = {"training_file": (train_file, MAX_EXAMPLES), "validation_file": (valid_file, MAX_EXAMPLES),
-             "eval_file": (eval_file, EVAL_MAX_EXAMPLES)}  # fmt: skip
+    most = {"training_file": MAX_EXAMPLES, "validation_file": MAX_EXAMPLES, "eval_file": EVAL_MAX_EXAMPLES}
+    now = inline(list(stored.values())) or not runner.validates_later  # else: after the create call answers
+    ids = {which: getattr(req, which) for which in FILES}
 
-    def plan() -> tuple[TrainingRun, int]:
+    def plan() -> tuple[TrainingRun, int, int]:
         """What can be refused before an example is read: each file's examples counted, the hyperparameters resolved
-        for them, and the bytes of each adapter the job will store."""
+        for them, and the bytes of each adapter the job will store; the run's spec written (its validation, done
+        again after a restart, reads it)."""
         counts = {}
-        for which, (stored, most) in files.items():
-            if stored is not None:
-                with runner.files.open(stored) as source:
-                    counts[which] = count_file(source, which, most)
+        for which, f in stored.items():
+            if f is not None:
+                with runner.files.open(f) as source:
+                    counts[which] = count_file(source, which, most[which])
         init = None
         if adapter is not None:
             init = run_dir / INIT_ADAPTER
             init.mkdir(parents=True)
-            for f in FILES:
+            for f in ADAPTER_FILES:
                 shutil.copyfile(adapter.path / f, init / f)
         dtype = view.dtype if view.dtype in ("float32", "bfloat16") else "float32"
         run = plan_run(model, method, counts["training_file"], given, seed=seed, run_dir=run_dir, dtype=dtype,
                        base_name=state.model_name, init_adapter=init)  # fmt: skip
-        return run, stored_adapter_bytes(run, view.model_config)
-
-    def prepare(run: TrainingRun) -> Prepared:
-        """Both files checked and tokenized into the job's directory, the eval file read, the run's spec written."""
-        with runner.files.open(train_file) as train:
-            if valid_file is None:
-                prepared, _ = prepare_files(model, method, train, None, run_dir)
-            else:
-                with runner.files.open(valid_file) as valid:
-                    prepared, _ = prepare_files(model, method, train, valid, run_dir)
-        if eval_file is not None:
-            with runner.files.open(eval_file) as source:
-                try:
-                    rows = eval_rows(source, view.tokenizer, max_line_bytes(view.max_model_len))
-                except DataError as e:
-                    raise FileError(e, "eval_file") from None
-            write_rows(run_dir / EVAL_ROWS, rows)
+        run_dir.mkdir(parents=True, exist_ok=True)
         write_run(run)
-        return prepared
+        return run, stored_adapter_bytes(run, view.model_config), counts["training_file"]
 
     def step(call: Callable[[], T]) -> Callable[[], T]:
         """`call` as a step of the validation: its CPU time counted, nothing kept if it refuses the job."""
@@ -216,7 +196,7 @@ async def create_job(request: Request) -> Response:
         def run_step() -> T:
             try:
                 with storage_failures():
-                    return _cpu_timed(call, cpu)()
+                    return cpu_timed(call, cpu)()
             except BaseException:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 raise
@@ -229,21 +209,20 @@ async def create_job(request: Request) -> Response:
             tenant
         ):  # the tenant's validations at most --fine-tuning-max-validating at once
             try:
-                run, each = await stored_call("the training file could not be read", step(plan))
+                run, each, examples = await stored_call("the training file could not be read", step(plan))
                 need = each * stored_adapters(run.hyperparameters)
                 room = await runner.adapters.room(
                     tenant
                 )  # its adapters fit, or it is refused before tokenizing
                 if room is not None and need > room:
                     raise _no_room(each, run.hyperparameters, where)(max(room, 0))
-                prepared = await stored_call(
-                    "the training file could not be read", step(functools.partial(prepare, run))
-                )
+                prepared = None
+                if now:
+                    prepare = functools.partial(prepare_job, runner.files, model, run, tenant, ids)
+                    prepared = await stored_call("the training file could not be read", step(prepare))
             except FileError as e:
-                file_id = getattr(req, e.which)
-                raise APIError(
-                    400, f"invalid {e.which} {file_id}: {e}", param=e.which, code=f"invalid_{e.which}"
-                ) from None
+                refusal = Refusal.of(e, getattr(req, e.which))
+                raise APIError(400, refusal.message, param=refusal.param, code=refusal.code) from None
             except HyperparameterError as e:
                 raise APIError(
                     400, str(e), param=f"{where}.{e.name}", code="invalid_hyperparameters"
@@ -258,13 +237,14 @@ async def create_job(request: Request) -> Response:
             events.append(
                 f"Validating eval file: {req.eval_file} (its answers are compared once the job has trained)"
             )
-        events.append(f"Files validated ({prepared.examples} examples, {prepared.tokens} tokens an epoch), moving "
-                      "job to queued state")  # fmt: skip
+        if prepared is not None:
+            events.append(validated_event(prepared))
         create = functools.partial(
             store.create, job_id, tenant, model=req.model, model_name=name, training_file=req.training_file,
-            validation_file=req.validation_file, suffix=req.suffix, seed=seed, method=method,
-            hyperparameters=run.hyperparameters, metadata=req.metadata, examples=prepared.examples,
-            tokens_per_epoch=prepared.tokens, events=events, quotas=quotas, adapter_bytes=each,
+            validation_file=req.validation_file, eval_file=req.eval_file, suffix=req.suffix, seed=seed,
+            method=method, hyperparameters=run.hyperparameters, metadata=req.metadata,
+            examples=prepared.examples if prepared else examples, tokens_per_epoch=prepared.tokens if prepared else 0,
+            events=events, quotas=quotas, adapter_bytes=each, validated=prepared is not None,
         )  # fmt: skip
         try:  # the room of its adapters taken with the job, one at a time with the tenant's other saves and jobs
             job = await runner.adapters.reserve(
@@ -277,23 +257,48 @@ async def create_job(request: Request) -> Response:
             if isinstance(e, StorageFailure):
                 raise storage_error(e, "the job could not be stored") from None
             raise
-        outcome = "queued"
+        outcome = "queued" if prepared is not None else "later"
     finally:
-        state.metrics.observe_fine_tuning_validation(tenant, outcome, cpu[0])
+        if outcome != "later":  # (a validation after the call answers is counted when it ends)
+            state.metrics.observe_fine_tuning_validation(tenant, outcome, cpu[0])
+    if prepared is None:
+        runner.validate_later(job_id, tenant, cpu[0])
     runner.wake()
     return JSONResponse(job)
 
 
+def metadata_filter(query: QueryParams) -> tuple[QueryParams, dict[str, str], bool]:
+    """OpenAI's metadata filter of the jobs listed: `metadata[k]=v` (each pair the job's metadata must hold; an
+    empty value: the key with an empty string), or `metadata=null` (the jobs that have none). The query without it,
+    the pairs, and whether it is `metadata=null`."""
+    rest, pairs, null = [], {}, False
+    for key, value in query.multi_items():
+        if key == "metadata":
+            if value != "null":
+                raise APIError(400, f"metadata: filter with metadata[key]=value, or metadata=null for the jobs "
+                               f"without metadata, not metadata={echo(value)}", param="metadata")  # fmt: skip
+            null = True
+        elif (m := _METADATA_KEY.match(key)) is not None:
+            if m[1] in pairs:
+                raise APIError(400, f"{echo(key)} is given twice", param=key)
+            pairs[m[1]] = value
+        else:
+            rest.append((key, value))
+    if null and pairs:
+        raise APIError(
+            400, "metadata=null and metadata[key]=value filters cannot be combined", param="metadata"
+        )
+    return QueryParams(rest), pairs, null
+
+
 @operation("the tenant's fine-tuning jobs, newest first", tag="Fine-tuning", ok_description="a list of jobs",
-           query={"after": str, "limit": int})  # fmt: skip
+           query={"after": str, "limit": int, "metadata": dict[str, str]})  # fmt: skip
 async def list_jobs(request: Request) -> Response:
     _, tenant, runner = _context(request)
-    failure = "the jobs could not be read"
-    return JSONResponse(
-        await stored_page(
-            request.query_params, failure, "fine-tuning job", "tenant", runner.store.page, tenant
-        )
-    )
+    query, pairs, null = metadata_filter(request.query_params)
+    page = await stored_page(query, "the jobs could not be read", "fine-tuning job", "tenant", runner.store.page,
+                             tenant, metadata=pairs, without_metadata=null)  # fmt: skip
+    return JSONResponse(page)
 
 
 @operation("a fine-tuning job", tag="Fine-tuning", ok_description="the FineTuningJob")
@@ -318,7 +323,11 @@ async def _change(request: Request, to: str, allowed: tuple[str, ...], message: 
 )
 async def cancel_job(request: Request) -> Response:
     job = await _change(
-        request, "cancelled", ("queued", "running", "paused"), "The job was cancelled", "cancelled"
+        request,
+        "cancelled",
+        ("validating_files", "queued", "running", "paused"),
+        "The job was cancelled",
+        "cancelled",
     )
     runner = request.app.state.motet.fine_tuning
     runner.stop(job["id"], pause=False)

@@ -44,7 +44,8 @@ from motet.api.adapters.store import AdapterStore
 from motet.api.errors import APIError
 from motet.api.files.store import FileStore
 from motet.api.fine_tuning.settings import RunnerSettings
-from motet.api.fine_tuning.store import FINISHED, FineTuningStore, Quotas
+from motet.api.fine_tuning.store import FINISHED, FineTuningStore, QuotaExceeded, Quotas
+from motet.api.fine_tuning.validation import Refusal, cpu_timed, prepare_job, run_files, validated_event
 from motet.api.fine_tuning.workers import LocalWorker
 from motet.api.in_process import call_route
 from motet.api.sqlite_store import StorageFailure
@@ -54,10 +55,16 @@ from motet.training.dataset import read_rows
 from motet.training.eval_file import EVAL_ROWS, same_answer
 from motet.training.fair_queue import next_job
 from motet.training.launch import LaunchError, TrainingWorker
+from motet.training.run_setup import FileError
+from motet.training.trainer import CHECKPOINTS, TrainingRun, checkpoint_step, last_checkpoint
+from motet.training.worker import RUN_SPEC
 
 log = logging.getLogger("motet.fine_tuning")
 
 POLL_S = 1.0  # how often the runner looks at the queue without being woken, and at a worker's compute
+# An eval file's requests: the likeliest token each step, as trained, whatever sampling defaults the model's
+# generation_config.json gives a request that leaves a field out (the default model's: frequency_penalty 0.7)
+GREEDY = {"temperature": 0, "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1}
 # A worker waits for compute if it mostly did over this long (motet/training/compute_share.py).
 WAIT_WINDOW_S = 5.0
 # A worker's niceness unless --fine-tuning-nice says: as serving's where the engine lends it the cores (it rations
@@ -105,7 +112,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 async def chat_answer(app, tenant: str, model: str, row: dict) -> dict | None:
     """The chat completion's message for an eval row (None: the request was not answered)."""
-    body = {"model": model, "messages": row["messages"], "temperature": 0, "max_tokens": row["max_tokens"]}
+    body = {"model": model, "messages": row["messages"], "max_tokens": row["max_tokens"], **GREEDY}
     if row["tools"]:
         body["tools"] = row["tools"]
     status, _, content = await call_route(app, "/v1/chat/completions", json.dumps(body).encode(), tenant)
@@ -181,6 +188,7 @@ class FineTuningRunner:
             raise ValueError("--fine-tuning-max-running and --fine-tuning-threads must be at least 1")
         self._jobs: dict[str, _Job] = {}  # training: each holds a slot (--fine-tuning-max-running)
         self._evaluating: dict[str, anyio.CancelScope] = {}  # trained, their eval file being answered
+        self._validations: set[str] = set()  # jobs whose files are being validated
         self._validating: dict[str, _Validations] = {}  # by tenant, while it has some
         self._last_start: dict[str, float] = {}
         self._wake = anyio.Event()
@@ -220,9 +228,58 @@ class FineTuningRunner:
         else:
             job.worker.kill()
 
+    def _resumes_from(self, job_id: str) -> int | None:
+        """The step of the checkpoint a job goes on from when it starts again (None: it starts over)."""
+        path = last_checkpoint(self.store.run_dir(job_id) / CHECKPOINTS)
+        return None if path is None else checkpoint_step(path)
+
+    @property
+    def validates_later(self) -> bool:
+        """Whether a job's files can be validated after its create call answers (the runner's loop has started)."""
+        return self._tg is not None
+
+    def validate_later(self, job_id: str, tenant: str, cpu_s: float = 0.0) -> None:
+        """The `validating_files` job's files validated beside the API (`cpu_s`: the CPU time its checks took so
+        far); then it is queued, or failed with its files' error."""
+        self._validations.add(job_id)
+        self._tg.start_soon(self._validate, job_id, tenant, cpu_s)
+
+    async def _validate(self, job_id: str, tenant: str, cpu_s: float) -> None:
+        cpu, outcome, run_dir = [cpu_s], "refused", self.store.run_dir(job_id)
+        try:
+            async with self.validation(tenant):
+                if await _thread(self.store.status, job_id) != "validating_files":
+                    return  # cancelled meanwhile
+                run = TrainingRun.of(json.loads(await _thread((run_dir / RUN_SPEC).read_text)))
+                ids = await _thread(self.store.files_of, job_id)
+                model = run_files(self._app.state.motet)
+                prepare = functools.partial(prepare_job, self.files, model, run, tenant, ids)
+                prepared = await _thread(cpu_timed(prepare, cpu))
+            if await _thread(self.store.validated, job_id, prepared.examples, prepared.tokens, self.quotas,
+                             validated_event(prepared)):  # fmt: skip
+                outcome = "queued"
+                self.wake()
+        except FileError as e:
+            refusal = Refusal.of(e, ids[e.which])
+            await _thread(self.store.fail, job_id, refusal.code, refusal.message, refusal.param)
+        except QuotaExceeded as e:
+            await _thread(self.store.fail, job_id, e.code, str(e))
+        except Exception as e:  # a failing disk, or a bug: this job fails, never the runner
+            if await _thread(self.store.status, job_id) == "validating_files":
+                log.exception("fine-tuning job %s: its files could not be validated", job_id)
+                cause = e.cause if isinstance(e, StorageFailure) else type(e).__name__
+                await _thread(self.store.fail, job_id, "server_error",
+                              f"the job's files could not be validated on the server ({cause})")  # fmt: skip
+        finally:
+            self._validations.discard(job_id)
+            self._app.state.motet.metrics.observe_fine_tuning_validation(tenant, outcome, cpu[0])
+            with anyio.CancelScope(shield=True):
+                if await _thread(self.store.status, job_id) in FINISHED:
+                    await _thread(shutil.rmtree, run_dir, True)
+
     async def finished(self, job_id: str) -> None:
         """A job that ended without a worker (cancelled while queued, paused or evaluated): its run directory goes."""
-        if job_id not in self._jobs:
+        if job_id not in self._jobs and job_id not in self._validations:  # (a validation removes its own)
             await _thread(shutil.rmtree, self.store.run_dir(job_id), True)
 
     # -- the loop --------------------------------------------------------------------------------------------
@@ -232,7 +289,7 @@ class FineTuningRunner:
             await anyio.sleep(0.1)
         while True:
             try:
-                for job_id in await _thread(self.store.recover):
+                for job_id in await _thread(self.store.recover, self._resumes_from):
                     log.info("fine-tuning job %s: queued again after the restart", job_id)
                 break
             except StorageFailure as e:
@@ -240,6 +297,9 @@ class FineTuningRunner:
                 await anyio.sleep(POLL_S * 5)
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            for job_id, tenant in await _thread(self.store.validating):  # cut short by a restart: done again
+                log.info("fine-tuning job %s: its files are validated again after the restart", job_id)
+                self.validate_later(job_id, tenant)
             while True:
                 if not state.draining:
                     try:

@@ -4,9 +4,10 @@ A job is a row with its OpenAI FineTuningJob fields, what it was validated to be
 how far it has got; its events (OpenAI's FineTuningJobEvent: status changes, a metrics event a step) and its
 checkpoints (one an epoch, each a model of the tenant's) are rows of their own. Every read and change the API
 makes is scoped to the tenant: another tenant's job reads as missing. Statuses, as OpenAI's: queued -> running ->
-succeeded | failed | cancelled, and paused (from queued or running; resumed: queued again). Jobs are validated
-before they are stored, so none is ever `validating_files` here. A job `running` when the server stopped is
-queued again when it starts (`recover`): it goes on from its last checkpoint.
+succeeded | failed | cancelled, and paused (from queued or running; resumed: queued again). A job whose files are
+validated after its create call answers is `validating_files` until then (motet/api/fine_tuning/validation.py):
+queued, or failed with its files' error. A job `running` when the server stopped is queued again when it starts
+(`recover`): it goes on from its last checkpoint, or from the start, as its event says.
 
 A job admitted holds the room its adapters will take in the tenant's adapter quota (motet/api/adapters/store.py)
 until it ends: the bytes of each (`adapter_bytes`) times the adapters it has yet to store (`adapters_left`: one a
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from motet.training.hyperparameters import OPENAI_NAMES, Hyperparameters
 
 FILENAME = "fine_tuning.sqlite3"
 DAY_S = 86_400
-ACTIVE = ("queued", "running", "paused")
+ACTIVE = ("validating_files", "queued", "running", "paused")
 FINISHED = ("succeeded", "failed", "cancelled")
 
 _SCHEMA = (
@@ -60,7 +62,8 @@ _SCHEMA = (
         -- each adapter it stores (a checkpoint an epoch, its model), and those it has yet to store: reserved
         -- while it is active
         adapter_bytes INTEGER NOT NULL DEFAULT 0,
-        adapters_left INTEGER NOT NULL DEFAULT 0
+        adapters_left INTEGER NOT NULL DEFAULT 0,
+        eval_file TEXT                  -- motet's eval file, or NULL
     )""",
     "CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, seq)",
     "CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status)",
@@ -187,9 +190,11 @@ class FineTuningStore(SQLiteStore):
             ("jobs", "adapter_bytes"),
             ("jobs", "adapters_left"),
             ("checkpoints", "deleted"),
+            ("jobs", "eval_file"),
         ):
             if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
+                kind = "TEXT" if column == "eval_file" else "INTEGER NOT NULL DEFAULT 0"
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         self.jobs_dir = Path(data_dir) / "fine_tuning"  # each job's run directory (motet/training/trainer.py)
 
     def run_dir(self, job_id: str) -> Path:
@@ -205,6 +210,7 @@ class FineTuningStore(SQLiteStore):
         model_name: str,
         training_file: str,
         validation_file: str | None,
+        eval_file: str | None = None,
         suffix: str | None,
         seed: int,
         method: str,
@@ -215,20 +221,23 @@ class FineTuningStore(SQLiteStore):
         events: list[str],
         quotas: Quotas = Quotas(),
         adapter_bytes: int = 0,
+        validated: bool = True,
     ) -> dict:
-        """A validated job, queued, with its first events; QuotaExceeded where the tenant's quotas have no room for
-        it (checked and taken in one transaction: two jobs at once cannot both take the last room). It reserves
-        `adapter_bytes` for each adapter it will store (`stored_adapters`)."""
+        """A job, queued with its first events where its files are `validated` (else `validating_files`, until
+        `validated` says how it went); QuotaExceeded where the tenant's quotas have no room for it (checked and taken
+        in one transaction: two jobs at once cannot both take the last room). It reserves `adapter_bytes` for each
+        adapter it will store (`stored_adapters`)."""
         now = int(time.time())
         with self._write():
             self._check(tenant, tokens_per_epoch * hyperparameters.n_epochs, quotas, now)
             self._db.execute(
-                "INSERT INTO jobs (id, tenant, model, model_name, training_file, validation_file, suffix, seed,"
-                " method, hyperparameters, metadata, status, created_at, examples, tokens_per_epoch, adapter_bytes,"
-                " adapters_left) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?)",
-                (job_id, tenant, model, model_name, training_file, validation_file, suffix, seed, method,
-                 json.dumps(hyperparameters.object()), json.dumps(metadata) if metadata else None, now, examples,
-                 tokens_per_epoch, adapter_bytes, stored_adapters(hyperparameters)),
+                "INSERT INTO jobs (id, tenant, model, model_name, training_file, validation_file, eval_file, suffix,"
+                " seed, method, hyperparameters, metadata, status, created_at, examples, tokens_per_epoch,"
+                " adapter_bytes, adapters_left) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (job_id, tenant, model, model_name, training_file, validation_file, eval_file, suffix, seed, method,
+                 json.dumps(hyperparameters.object()), json.dumps(metadata) if metadata else None,
+                 "queued" if validated else "validating_files", now, examples, tokens_per_epoch, adapter_bytes,
+                 stored_adapters(hyperparameters)),
             )  # fmt: skip
             for message in events:
                 self._add_event(job_id, message)
@@ -238,9 +247,24 @@ class FineTuningStore(SQLiteStore):
         with self._read():
             return self._get(tenant, job_id)
 
-    def page(self, tenant: str, after: str | None, limit: int) -> tuple[list[dict], bool] | None:
-        """The tenant's jobs, newest first (None: `after` names no job of theirs)."""
-        return self._keyset_page("jobs", _JOB, _job, tenant, after, limit)
+    def page(
+        self,
+        tenant: str,
+        after: str | None,
+        limit: int,
+        metadata: dict[str, str] | None = None,
+        without_metadata: bool = False,
+    ) -> tuple[list[dict], bool] | None:
+        """The tenant's jobs, newest first (None: `after` names no job of theirs); only those whose metadata holds
+        each key of `metadata` with its value, or (`without_metadata`) those that have none: OpenAI's filters."""
+        if without_metadata:
+            only, only_args = "metadata IS NULL", ()
+        else:  # (json_each: a key of any characters, given as a parameter)
+            has = ("EXISTS (SELECT 1 FROM json_each(jobs.metadata) AS m WHERE m.key = ? AND m.type = 'text'"
+                   " AND m.value = ?)")  # fmt: skip
+            only = " AND ".join([has] * len(metadata or {}))
+            only_args = tuple(x for item in (metadata or {}).items() for x in item)
+        return self._keyset_page("jobs", _JOB, _job, tenant, after, limit, only=only, only_args=only_args)
 
     def events(self, tenant: str, job_id: str, after: str | None, limit: int):
         """A page of the job's events, newest first (None: `after` names no event of the job's)."""
@@ -251,8 +275,8 @@ class FineTuningStore(SQLiteStore):
     def checkpoints(self, tenant: str, job_id: str, after: str | None, limit: int):
         """A page of the job's checkpoints whose models the tenant has not deleted, newest first."""
         return self._keyset_page(
-            "checkpoints", _CHECKPOINT, _checkpoint, tenant, after, limit, where="job = ? AND deleted = 0",
-            args=(job_id,),
+            "checkpoints", _CHECKPOINT, _checkpoint, tenant, after, limit, where="job = ?", args=(job_id,),
+            only="deleted = 0",
         )  # fmt: skip
 
     def model_deleted(self, tenant: str, model: str) -> None:
@@ -294,6 +318,43 @@ class FineTuningStore(SQLiteStore):
             return self._get(tenant, job_id), True
 
     # -- the runner's side ----------------------------------------------------------------------------------
+    def validating(self) -> list[tuple[str, str]]:
+        """(job id, tenant) of the jobs whose files are being validated (after a restart: to be validated again)."""
+        with self._read():
+            rows = self._db.execute(
+                "SELECT id, tenant FROM jobs WHERE status = 'validating_files' ORDER BY seq"
+            )
+            return [tuple(r) for r in rows.fetchall()]
+
+    def files_of(self, job_id: str) -> dict[str, str | None]:
+        """The job's files, by their parameters' names."""
+        with self._read():
+            row = self._db.execute(
+                "SELECT training_file, validation_file, eval_file FROM jobs WHERE id = ?", (job_id,)
+            ).fetchone()
+        return dict(zip(("training_file", "validation_file", "eval_file"), row, strict=True))
+
+    def validated(
+        self, job_id: str, examples: int, tokens_per_epoch: int, quotas: Quotas, event: str
+    ) -> bool:
+        """Its files validated: the job is queued (False: it was cancelled meanwhile); QuotaExceeded where its
+        tokens no longer fit in the tenant's day."""
+        with self._write():
+            if self._status(job_id) != "validating_files":
+                return False
+            tenant, hyper = self._db.execute(
+                "SELECT tenant, hyperparameters FROM jobs WHERE id = ?", (job_id,)
+            ).fetchone()
+            self._check(tenant, tokens_per_epoch * json.loads(hyper)["n_epochs"], quotas, int(time.time()),
+                        active=False)  # fmt: skip
+            self._db.execute(
+                "UPDATE jobs SET examples = ?, tokens_per_epoch = ? WHERE id = ?",
+                (examples, tokens_per_epoch, job_id),
+            )
+            self._set_status(job_id, "queued")
+            self._add_event(job_id, event)
+            return True
+
     def queued(self) -> list[Queued]:
         with self._read():
             rows = self._db.execute(
@@ -301,16 +362,28 @@ class FineTuningStore(SQLiteStore):
             ).fetchall()
         return [Queued(*r) for r in rows]
 
-    def recover(self) -> list[str]:
-        """Jobs that were running when the server stopped: queued again (they go on from their last checkpoint)."""
+    def recover(self, resumes_from: Callable[[str], int | None]) -> list[str]:
+        """Jobs that were running when the server stopped: queued again, their event saying where each goes on from
+        (`resumes_from(job_id)`: the step of its last checkpoint; None: it starts over); those whose files were
+        being validated are told they are validated again (the runner does it: `validating`)."""
         with self._write():
-            ids = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE status = 'running'")]
-            for job_id in ids:
-                self._set_status(job_id, "queued")
+            for (job_id,) in self._db.execute(
+                "SELECT id FROM jobs WHERE status = 'validating_files'"
+            ).fetchall():
                 self._add_event(
                     job_id,
-                    "The server restarted: the job is queued again and goes on from its last checkpoint",
+                    "The server restarted while the job's files were validated: they are validated again",
                 )
+            ids = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE status = 'running'").fetchall()]
+            for job_id in ids:
+                step = resumes_from(job_id)
+                where = (
+                    "starts over: it had no checkpoint yet"
+                    if step is None
+                    else f"goes on from its checkpoint of step {step}"
+                )
+                self._set_status(job_id, "queued")
+                self._add_event(job_id, f"The server restarted: the job is queued again and {where}")
         return ids
 
     def job(self, job_id: str) -> dict:
@@ -427,15 +500,17 @@ class FineTuningStore(SQLiteStore):
             return self._status(job_id)
 
     # -- under the lock -----------------------------------------------------------------------------------------
-    def _check(self, tenant: str, tokens: int, quotas: Quotas, now: int) -> None:
-        if quotas.max_active is not None:
+    def _check(self, tenant: str, tokens: int, quotas: Quotas, now: int, active: bool = True) -> None:
+        """QuotaExceeded where one more job (`active`: counted among the tenant's active jobs) of `tokens` does not
+        fit."""
+        if active and quotas.max_active is not None:
             marks = ", ".join("?" * len(ACTIVE))
-            active = self._db.execute(
+            count = self._db.execute(
                 f"SELECT COUNT(*) FROM jobs WHERE tenant = ? AND status IN ({marks})", (tenant, *ACTIVE)
             ).fetchone()[0]
-            if active >= quotas.max_active:
+            if count >= quotas.max_active:
                 raise QuotaExceeded(
-                    f"this tenant has {active} fine-tuning jobs queued, running or paused, the most it may have at "
+                    f"this tenant has {count} fine-tuning jobs validating, queued, running or paused, the most it may have at "
                     f"once (--fine-tuning-max-jobs-per-tenant): wait for one to finish, or cancel one",
                     "rate_limit_exceeded",
                 )
