@@ -103,6 +103,7 @@ def served_as_peft(
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(hf, str(adapter)).eval()
     eos = hf.generation_config.eos_token_id
+    pad = eos[0] if isinstance(eos, list) else eos  # (a model may list several)
     differ = []
     for messages in prompts:
         r = c.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
@@ -111,7 +112,7 @@ def served_as_peft(
         prompt, served = body["prompt_token_ids"], body["choices"][0]["token_ids"]
         with torch.no_grad():
             out = peft.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+                                eos_token_id=eos, pad_token_id=pad)  # fmt: skip
         ids = out[0, len(prompt) :].tolist()
         if served != ids:
             differ.append({"messages": messages, "served": served, "peft": ids})

@@ -292,7 +292,7 @@ def create_app(state: ServerState) -> Starlette:
             if state.batches is not None:  # batches run beside live traffic, through this same app
                 tg.start_soon(state.batches.run, app)
             if state.fine_tuning is not None:  # fine-tuning jobs train beside it, in processes of their own
-                tg.start_soon(state.fine_tuning.run, app)
+                tg.start_soon(state.fine_tuning.run, app, fine_tuning.run_files)
             try:
                 yield
             finally:

@@ -193,6 +193,20 @@ def test_fine_tuning_shared_cores(model, tmp_path):
     assert "| the job beside a CPU hog / alone |" in only_md(tmp_path)
 
 
+def test_fine_tuning_quality(model, tmp_path):
+    """What a job teaches, with the docs' defaults: the supervised and DPO jobs, the held-out checks, the served
+    model against transformers + PEFT (on the tiny model: the figures are its, the path the real model's)."""
+    from benchmarks import fine_tuning
+
+    fine_tuning.main(["quality", "--model", str(model), "--output-dir", str(tmp_path), "--server-args", *SERVER,
+                      "--dtype", "float32"])  # fmt: skip
+    report = only_json(tmp_path)
+    assert report["sft"]["trained_tokens"] > 0 and report["dpo"]["trained_tokens"] > 0
+    equal = report["served_as_peft"]
+    assert equal["equal"] == equal["prompts"] > 0
+    assert "| served `ft:` model's greedy tokens" in only_md(tmp_path)
+
+
 def test_tracing_overhead(model, tmp_path):
     tracing_overhead.main(["--model", NAME, "--model-path", str(model), "--requests", "4", "--concurrency", "2",
                            "--max-tokens", "4", "--prompt-words", "4", "--rounds", "1", "--output-dir", str(tmp_path),

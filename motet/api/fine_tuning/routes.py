@@ -39,6 +39,7 @@ from starlette.datastructures import QueryParams
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from motet.api.completions.generation import served_formats
 from motet.api.errors import APIError, echo
 from motet.api.files.store import FileStore, StoredFile
 from motet.api.fine_tuning.models import FineTuningJobCreate
@@ -50,7 +51,6 @@ from motet.api.fine_tuning.validation import (
     cpu_timed,
     inline,
     prepare_job,
-    run_files,
     validated_event,
 )
 from motet.api.list_pages import stored_page
@@ -63,13 +63,23 @@ from motet.lora.registry import FILES as ADAPTER_FILES
 from motet.training.dataset import MAX_EXAMPLES
 from motet.training.eval_file import MAX_EXAMPLES as EVAL_MAX_EXAMPLES
 from motet.training.hyperparameters import HyperparameterError, Hyperparameters
-from motet.training.run_setup import FileError, count_file, plan_run, write_run
+from motet.training.run_setup import FileError, RunFiles, count_file, plan_run, write_run
 from motet.training.trainer import TrainingRun, stored_adapter_bytes
 
 T = TypeVar("T")
 PURPOSE = "fine-tune"
 _METADATA_KEY = re.compile(r"^metadata\[(.*)\]$", re.DOTALL)
 INIT_ADAPTER = "init_adapter"  # in a job's run directory: a copy of the adapter it trains on
+
+
+def run_files(state: ServerState) -> RunFiles:
+    """What training needs to know of the served model (the runner is given this function when it starts: its
+    module imports neither the server's state nor the chat routes)."""
+    view = state.system.model
+    tools = served_formats(state, view.chat_template)[0]
+    return RunFiles(
+        view.model_dir, view.model_config, view.tokenizer, tools, view.max_model_len, view.max_lora_rank
+    )
 
 
 def _context(request: Request) -> tuple[ServerState, str, FineTuningRunner]:

@@ -45,7 +45,7 @@ from motet.api.errors import APIError
 from motet.api.files.store import FileStore
 from motet.api.fine_tuning.settings import RunnerSettings
 from motet.api.fine_tuning.store import FINISHED, FineTuningStore, QuotaExceeded, Quotas
-from motet.api.fine_tuning.validation import Refusal, cpu_timed, prepare_job, run_files, validated_event
+from motet.api.fine_tuning.validation import Refusal, cpu_timed, prepare_job, validated_event
 from motet.api.fine_tuning.workers import LocalWorker
 from motet.api.in_process import call_route
 from motet.api.sqlite_store import StorageFailure
@@ -194,6 +194,7 @@ class FineTuningRunner:
         self._wake = anyio.Event()
         self._tg: TaskGroup | None = None
         self._app = None  # the app a job's eval file is answered through
+        self._run_files: Callable | None = None  # given by `run`
         adapters.reserved_by(store.reserved_bytes)  # the room queued jobs' adapters will take
 
     # -- the API's side --------------------------------------------------------------------------------------
@@ -252,7 +253,7 @@ class FineTuningRunner:
                     return  # cancelled meanwhile
                 run = TrainingRun.of(json.loads(await _thread((run_dir / RUN_SPEC).read_text)))
                 ids = await _thread(self.store.files_of, job_id)
-                model = run_files(self._app.state.motet)
+                model = self._run_files(self._app.state.motet)
                 prepare = functools.partial(prepare_job, self.files, model, run, tenant, ids)
                 prepared = await _thread(cpu_timed(prepare, cpu))
             if await _thread(self.store.validated, job_id, prepared.examples, prepared.tokens, self.quotas,
@@ -283,8 +284,9 @@ class FineTuningRunner:
             await _thread(shutil.rmtree, self.store.run_dir(job_id), True)
 
     # -- the loop --------------------------------------------------------------------------------------------
-    async def run(self, app) -> None:
-        self._app, state = app, app.state.motet
+    async def run(self, app, run_files: Callable) -> None:
+        """Run the jobs of `app` (`run_files(state)`: what training needs to know of its served model)."""
+        self._app, self._run_files, state = app, run_files, app.state.motet
         while not state.system.ready:  # the model is loading
             await anyio.sleep(0.1)
         while True:

@@ -12,9 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from motet.api.completions.generation import served_formats
 from motet.api.files.store import FileStore, StoredFile
-from motet.api.state import ServerState
 from motet.training.data_format import DataError, max_line_bytes
 from motet.training.dataset import Prepared, write_rows
 from motet.training.eval_file import EVAL_ROWS, eval_rows
@@ -26,15 +24,6 @@ T = TypeVar("T")
 # of the default model, tokenized in about a second; a larger job is answered `validating_files` at once
 INLINE_BYTES = 256 << 10
 FILES = ("training_file", "validation_file", "eval_file")
-
-
-def run_files(state: ServerState) -> RunFiles:
-    """What training needs to know of the served model."""
-    view = state.system.model
-    tools = served_formats(state, view.chat_template)[0]
-    return RunFiles(
-        view.model_dir, view.model_config, view.tokenizer, tools, view.max_model_len, view.max_lora_rank
-    )
 
 
 def inline(files: list[StoredFile | None]) -> bool:
