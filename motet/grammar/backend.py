@@ -38,6 +38,13 @@ class Matcher(ABC):
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (CPU int32)."""
 
+    @classmethod
+    def fill_many(cls, bitmask: torch.Tensor, items: list[tuple[Matcher, int]]) -> None:
+        """Fill the rows of many unterminated matchers of this class, `items` holding (matcher, row) pairs: row by
+        row here; a backend with a multi-threaded call of its own (xgrammar's, llguidance's) overrides it."""
+        for m, row in items:
+            m.fill_bitmask(bitmask, row)
+
     @abstractmethod
     def is_terminated(self) -> bool:
         """True once a stop token was accepted."""

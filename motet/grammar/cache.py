@@ -18,6 +18,7 @@ loop run it in a worker thread.
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from collections import OrderedDict
@@ -26,17 +27,24 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer
-from motet.grammar.llguidance_backend import LLGuidanceBackend
-from motet.grammar.outlines_backend import OutlinesBackend
 from motet.grammar.specs import BACKEND_NAMES, DEFAULT_BACKEND, GrammarError, GrammarSpec, short_error
-from motet.grammar.xgrammar_backend import XGrammarBackend
 
-_CLASSES: dict[str, type[Backend]] = {
-    "xgrammar": XGrammarBackend,
-    "llguidance": LLGuidanceBackend,
-    "outlines": OutlinesBackend,
+# Each backend's class, by module and name: a module (and its library: xgrammar, llguidance, outlines-core) is
+# imported at its backend's first use (the vocabulary's build or the first grammar), not with the engine.
+_CLASSES = {
+    "xgrammar": ("motet.grammar.xgrammar_backend", "XGrammarBackend"),
+    "llguidance": ("motet.grammar.llguidance_backend", "LLGuidanceBackend"),
+    "outlines": ("motet.grammar.outlines_backend", "OutlinesBackend"),
 }
-BACKENDS: dict[str, type[Backend]] = {name: _CLASSES[name] for name in BACKEND_NAMES}  # fallback order
+BACKENDS: dict[str, tuple[str, str]] = {name: _CLASSES[name] for name in BACKEND_NAMES}  # fallback order
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class of the backend called `name` (one of BACKENDS), its module imported."""
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
 DEFAULT_TIMEOUT_S = 10.0
 
 
@@ -59,7 +67,7 @@ class GrammarCache:
         with self._lock:
             b = self._backends.get((name, tokenizer.key))
             if b is None:
-                b = self._backends[(name, tokenizer.key)] = BACKENDS[name](tokenizer)
+                b = self._backends[(name, tokenizer.key)] = backend_class(name)(tokenizer)
             return b
 
     def compile(

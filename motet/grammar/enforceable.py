@@ -35,9 +35,6 @@ import json
 from functools import cached_property
 from typing import Any
 
-from jsonschema import Draft202012Validator
-from jsonschema.validators import validator_for
-
 from motet.grammar.schema_normalize import children, map_children
 
 _RELATIONAL = (
@@ -352,7 +349,11 @@ def _simplify_node(schema: dict, refs: _Refs) -> dict:
         # checking n enum values would compare each against all n (minutes for 100,000 values).
         source = "const" if "const" in schema else "enum" if isinstance(schema.get("enum"), list) else None
         rest = {k: v for k, v in schema.items() if k != source}
-        # evolve: the node's keywords, with "#/..." references still resolved against the root
+        # evolve: the node's keywords, with "#/..." references still resolved against the root (jsonschema is
+        # imported here, by the first schema that needs it, not with the engine: motet serve's start never does)
+        from jsonschema import Draft202012Validator
+        from jsonschema.validators import validator_for
+
         checker = validator_for(refs.root, default=Draft202012Validator)(refs.root).evolve(schema=rest)
         return {"enum": [v for v in values if checker.is_valid(v)]}
     out = schema

@@ -15,7 +15,6 @@ import json
 import threading
 
 import llguidance as llg
-import llguidance.hf
 import torch
 
 from motet.grammar.backend import Backend, CompiledGrammar, Matcher, built_once, set_token_bits
@@ -56,6 +55,10 @@ class LLGuidanceMatcher(Matcher):
         _check_bitmask(bitmask)
         v = bitmask[row]
         self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    @classmethod
+    def fill_many(cls, bitmask: torch.Tensor, items: list[tuple[Matcher, int]]) -> None:
+        batch_fill(bitmask, items)
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -126,6 +129,8 @@ class LLGuidanceBackend(Backend):
     @built_once
     def llg_tokenizer(self) -> llg.LLTokenizer:
         """Built once (about a second): special tokens are never allowed, stop tokens end the grammar."""
+        import llguidance.hf  # imports transformers: only where the vocabulary is built (the first grammar's)
+
         tok = self.tokenizer
         return llguidance.hf.from_tokenizer(
             tok.tokenizer, n_vocab=tok.vocab_size, eos_token=list(tok.stop_token_ids)

@@ -12,9 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jsonschema
-from jsonschema.validators import validator_for
-
 from motet.grammar.specs import GrammarError, short_error
 
 _TYPE_ALIASES: dict[str, str | None] = {
@@ -131,6 +128,9 @@ def _short_enum(schema: Any) -> Any:
 
 def normalize_schema(schema: Any) -> dict:
     """Return a normalized copy of `schema`, or raise GrammarError naming what is wrong."""
+    import jsonschema  # here, at the first schema's check: a start that serves none never imports it
+    from jsonschema.validators import validator_for
+
     if not isinstance(schema, dict):
         raise GrammarError(f"JSON schema must be an object, got {type(schema).__name__}")
     try:

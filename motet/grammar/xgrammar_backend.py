@@ -29,6 +29,10 @@ class XGrammarMatcher(Matcher):
             return
         self._m.fill_next_token_bitmask(bitmask, row)
 
+    @classmethod
+    def fill_many(cls, bitmask: torch.Tensor, items: list[tuple[Matcher, int]]) -> None:
+        batch_fill(bitmask, items)
+
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
 

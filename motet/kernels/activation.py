@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from motet.kernels.triton_support import tl, triton
+from motet.kernels import triton_support
 
 BLOCK = 1024  # columns per program
 
@@ -37,7 +37,7 @@ def act_and_mul_reference(name: str, gate: torch.Tensor, up: torch.Tensor) -> to
 
 def applies(x: torch.Tensor) -> bool:
     """Whether the MLP's activation on `x` goes through `silu_and_mul` (CUDA, Triton installed)."""
-    return triton is not None and x.is_cuda
+    return triton_support.AVAILABLE and x.is_cuda
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu_and_mul_reference` in one launch: a new [T, I] tensor in gate_up's dtype."""
-    if triton is None:
+    if not triton_support.AVAILABLE:
         raise RuntimeError("silu_and_mul needs triton")
     rows, width = gate_up.shape
     if width % 2:
@@ -56,23 +56,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     if rows == 0 or inter == 0:
         return out
-    block = min(BLOCK, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+    block = min(BLOCK, triton_support.next_power_of_2(inter))
+    _jit()._silu_and_mul_kernel[(rows, triton_support.cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), gate_up.stride(1), inter, BLOCK=block, num_warps=max(1, block // 256)
     )
     return out
 
 
-if triton is not None:
-
-    @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_xd, inter, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < inter
-        gate = tl.load(x_ptr + row * stride_xt + cols * stride_xd, mask=ok, other=0.0)
-        up = tl.load(x_ptr + row * stride_xt + (cols + inter) * stride_xd, mask=ok, other=0.0)
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded as F.silu's output is
-        out = silu.to(tl.float32) * up.to(tl.float32)
-        tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+def _jit():
+    """This module's Triton kernels (motet/kernels/jit/activation.py), imported at their first launch."""
+    return triton_support.kernels(__name__)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from motet.kernels.triton_support import tl, triton
+from motet.kernels import triton_support
 
 
 def applies(x: torch.Tensor) -> bool:
     """Whether the model's norms on `x` go through the Triton kernels (CUDA, Triton installed)."""
-    return triton is not None and x.is_cuda
+    return triton_support.AVAILABLE and x.is_cuda
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,7 +58,7 @@ def add_rms_norm(
 
 
 def _launch(x, residual, weight, eps, out, residual_out) -> None:
-    if triton is None:
+    if not triton_support.AVAILABLE:
         raise RuntimeError("the fused RMSNorm kernels need triton")
     dim = x.shape[-1]
     if weight.shape != (dim,):
@@ -70,8 +70,8 @@ def _launch(x, residual, weight, eps, out, residual_out) -> None:
     has_residual = residual is not None
     r2 = residual.reshape(-1, dim) if has_residual else x2  # unused without a residual
     ro2 = residual_out.view(-1, dim) if has_residual else out2
-    block = triton.next_power_of_2(dim)
-    _rms_norm_kernel[(rows,)](
+    block = triton_support.next_power_of_2(dim)
+    _jit()._rms_norm_kernel[(rows,)](
         x2, r2, weight, out2, ro2,
         x2.stride(0), x2.stride(1), r2.stride(0), r2.stride(1),
         dim, eps,
@@ -79,27 +79,6 @@ def _launch(x, residual, weight, eps, out, residual_out) -> None:
     )  # fmt: skip
 
 
-if triton is not None:
-
-    @triton.jit
-    def _rms_norm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-        stride_xt, stride_xd, stride_rt, stride_rd,
-        D, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        """One program per row; the whole row in registers (BLOCK >= D). `out` and `res_out` are contiguous
-        rows of D."""
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < D
-        x = tl.load(x_ptr + row * stride_xt + cols * stride_xd, mask=ok, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * stride_rt + cols * stride_rd, mask=ok, other=0.0).to(tl.float32)
-            # the stream is kept in its dtype: the norm is of the rounded sum
-            s = (x + r).to(res_out_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + row * D + cols, s, mask=ok)
-            x = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * D + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
+def _jit():
+    """This module's Triton kernels (motet/kernels/jit/fused_norm.py), imported at their first launch."""
+    return triton_support.kernels(__name__)

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from motet.kernels.triton_support import tl, triton
+from motet.kernels import triton_support
 
 MAX_GROUP = 3  # modules sharing one input (q, k, v): the expand kernel's column ranges
 
@@ -246,7 +246,7 @@ def _grid_rows(num_tokens: int, num_segs: int, max_seg_len: int | None) -> tuple
     guess = max_seg_len if max_seg_len is not None else (1 if num_tokens <= num_segs else num_tokens)
     block_m = 16 if guess <= 16 else 64  # 16: tl.dot's minimum (decode); 64 amortizes weight tiles (prefill)
     bound = num_tokens if max_seg_len is None else min(max_seg_len, num_tokens)
-    return block_m, triton.cdiv(max(bound, 1), block_m)
+    return block_m, triton_support.cdiv(max(bound, 1), block_m)
 
 
 def _check_pool(pool: torch.Tensor, desc: torch.Tensor) -> None:
@@ -301,7 +301,7 @@ def sgmv_shrink_triton(
     of segments with a piece of the group at this layer are written, the rest is left as it is. No device
     sync: the descriptors are read on the device. (A rank above max_rank is the caller's error: its product
     is cut to h's width, never read or written out of bounds.)"""
-    if triton is None:
+    if not triton_support.AVAILABLE:
         raise RuntimeError("sgmv_shrink_triton needs triton")
     _check_pool(pool, desc)
     num_tokens, k = x.shape
@@ -315,13 +315,13 @@ def sgmv_shrink_triton(
     num_segs = seg_slots.shape[0]
     if num_tokens == 0 or num_segs == 0 or width == 0:
         return h
-    block_r = min(max(16, triton.next_power_of_2(width)), MAX_BLOCK_R)
+    block_r = min(max(16, triton_support.next_power_of_2(width)), MAX_BLOCK_R)
     # fp32 dots unless x and the pool are the same 16-bit type: fp32 operands get true fp32 (tl.dot defaults to
     # tf32 on NVIDIA), as in torch; mixed types are upcast (x rounded to the pool's type would lose bits). Under
     # TRITON_INTERPRET=1 (CPU tensors) tl.dot on bf16 multiplies raw bits (triton 3.9): always fp32 there.
     dot_fp32 = not x.is_cuda or x.dtype == torch.float32 or x.dtype != pool.dtype
     _launch(
-        _shrink_kernel, triton.cdiv(width, block_r), x, pool, desc, h, seg_starts, seg_slots, layer, k, a_ld, width,
+        _jit()._shrink_kernel, triton_support.cdiv(width, block_r), x, pool, desc, h, seg_starts, seg_slots, layer, k, a_ld, width,
         group=group, max_seg_len=max_seg_len, NUM_MODULES=n, BLOCK_R=block_r, BLOCK_K=BLOCK_K, DOT_FP32=dot_fp32,
         PRECISION="ieee" if dot_fp32 else None,
     )  # fmt: skip
@@ -349,7 +349,7 @@ def sgmv_expand_triton(
     y's dtype. Reads only the columns ``pos * r .. (pos + 1) * r`` of h of rows whose segment's adapter has a
     piece of the group (those the shrink wrote). Every other element of y is left bit-identical. No device
     sync."""
-    if triton is None:
+    if not triton_support.AVAILABLE:
         raise RuntimeError("sgmv_expand_triton needs triton")
     _check_pool(pool, desc)
     sizes = _sizes(y, bt_ld, sizes)
@@ -364,9 +364,9 @@ def sgmv_expand_triton(
     ends = cols + [y.shape[1]] * (MAX_GROUP - n)
     lds = list(bt_ld) + [0] * (MAX_GROUP - n)
     _launch(
-        _expand_kernel, triton.cdiv(y.shape[1], BLOCK_N), h, pool, desc, y, seg_starts, seg_slots, layer, a_ld,
+        _jit()._expand_kernel, triton_support.cdiv(y.shape[1], BLOCK_N), h, pool, desc, y, seg_starts, seg_slots, layer, a_ld,
         width, *ends, *lds, group=group, max_seg_len=max_seg_len, NUM_MODULES=n,
-        BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=BLOCK_N,
+        BLOCK_R=max(16, triton_support.next_power_of_2(max_rank)), BLOCK_N=BLOCK_N,
         # h is fp32; y in fp32 gets true fp32 dots, a 16-bit y takes tf32 (below its own rounding)
         PRECISION="ieee" if not y.is_cuda or y.dtype == torch.float32 else "tf32",
     )  # fmt: skip
@@ -387,169 +387,6 @@ def add_lora_triton(
     sgmv_expand_triton(h, pool, desc, seg_starts, seg_slots, y, sizes=sizes, **geometry)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _segment_rows(seg_starts_ptr, seg_slots_ptr, BLOCK_M: tl.constexpr):
-        """This program's slot, rows and row mask; slot -1 also for tiles past the segment's end."""
-        seg = tl.program_id(0)
-        start = tl.load(seg_starts_ptr + seg)
-        end = tl.load(seg_starts_ptr + seg + 1)
-        rows = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        slot = tl.load(seg_slots_ptr + seg)
-        slot = tl.where(start + tl.program_id(1) * BLOCK_M < end, slot, -1)
-        return slot.to(tl.int64), rows.to(tl.int64), rows < end
-
-    @triton.jit
-    def _piece(desc_ptr, slot, layer, stride_ds, stride_dc, GROUP: tl.constexpr, NUM_MODULES: tl.constexpr):
-        """The slot's adapter's piece of the group at `layer` (int64): (rank, the piece's element offset in the
-        pool, the mask of its targeted modules, how many); rank 0 where there is none (no slot, or no module of
-        the group)."""
-        ok = slot >= 0
-        row = desc_ptr + tl.maximum(slot, 0) * stride_ds
-        r = tl.load(row, mask=ok, other=0).to(tl.int64)
-        offset = tl.load(row + (1 + 3 * GROUP) * stride_dc, mask=ok, other=-1).to(tl.int64)
-        stride = tl.load(row + (2 + 3 * GROUP) * stride_dc, mask=ok, other=0).to(tl.int64)
-        mask = tl.load(row + (3 + 3 * GROUP) * stride_dc, mask=ok, other=0).to(tl.int64)
-        r = tl.where(offset < 0, 0, r)
-        k = mask * 0
-        for m in tl.static_range(NUM_MODULES):
-            k += (mask >> m) & 1
-        return r, offset + layer * stride, mask, k
-
-    @triton.jit
-    def _shrink_kernel(
-        x_ptr,
-        pool_ptr,
-        desc_ptr,
-        h_ptr,
-        seg_starts_ptr,
-        seg_slots_ptr,
-        layer,
-        K,
-        A_LD,
-        W,
-        stride_xt,
-        stride_xk,
-        stride_ds,
-        stride_dc,
-        stride_ht,
-        stride_hr,
-        GROUP: tl.constexpr,
-        NUM_MODULES: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        """One (segment, row tile, rank tile): h[rows, i] = x[rows] . A[i, :K] for the piece's rows i of the
-        tile (A [k * r, A_LD] at the piece's start)."""
-        slot, rows, row_ok = _segment_rows(seg_starts_ptr, seg_slots_ptr, BLOCK_M)
-        r, base, mask, k = _piece(desc_ptr, slot, layer, stride_ds, stride_dc, GROUP, NUM_MODULES)
-        num_r = tl.minimum(k * r, W)  # A's rows (bounded by h's width, should max_rank be too small)
-        r0 = tl.program_id(2) * BLOCK_R
-        if r0 >= num_r:  # no adapter, no piece of the group, a spare tile past the segment's end or A's rows
-            return
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        offs_k = tl.arange(0, BLOCK_K)
-        r_ok = offs_r < num_r
-        x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk
-        a_ptrs = pool_ptr + base + offs_r[None, :].to(tl.int64) * A_LD + offs_k[:, None]  # A^T tile [K, R]
-        # tl.full, not tl.zeros (a triton.jit helper: stays compiled if triton was imported before
-        # TRITON_INTERPRET was set, which breaks the tests' re-decoration)
-        acc = tl.full([BLOCK_M, BLOCK_R], 0.0, dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k + k0 < K
-            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            at = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-            if DOT_FP32:
-                xt = xt.to(tl.float32)
-                at = at.to(tl.float32)
-            acc = tl.dot(xt, at, acc, input_precision=PRECISION)
-            x_ptrs += BLOCK_K * stride_xk
-            a_ptrs += BLOCK_K
-        h_ptrs = h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hr
-        tl.store(h_ptrs, acc, mask=row_ok[:, None] & r_ok[None, :])
-
-    @triton.jit
-    def _expand_kernel(
-        h_ptr,
-        pool_ptr,
-        desc_ptr,
-        y_ptr,
-        seg_starts_ptr,
-        seg_slots_ptr,
-        layer,
-        A_LD,
-        W,
-        END0,
-        END1,
-        END2,
-        LD0,
-        LD1,
-        LD2,
-        stride_ht,
-        stride_hr,
-        stride_ds,
-        stride_dc,
-        stride_yt,
-        stride_yn,
-        GROUP: tl.constexpr,
-        NUM_MODULES: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        """One (segment, row tile, column tile): the delta of each targeted module whose columns
-        [END(m-1), END(m)) meet the tile, from its ranks h[:, pos * r:(pos + 1) * r] and its BT (row length
-        LD(m)), which follows A and the BT of the targeted modules before it (usually one module a tile)."""
-        slot, rows, row_ok = _segment_rows(seg_starts_ptr, seg_slots_ptr, BLOCK_M)
-        r, base, mask, k = _piece(desc_ptr, slot, layer, stride_ds, stride_dc, GROUP, NUM_MODULES)
-        if r <= 0:  # no adapter (y untouched), no piece of the group, or a spare tile past the segment's end
-            return
-        n0 = tl.program_id(2) * BLOCK_N
-        offs_r = tl.arange(0, BLOCK_R)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        r_ok = offs_r < r
-        bt = base + k * r * A_LD  # the first targeted module's BT
-        pos = k * 0  # the module's index among the targeted ones
-        delta = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
-        write = offs_n < 0  # the tile's columns of targeted modules (the others are left untouched)
-        for m in tl.static_range(NUM_MODULES):
-            if m == 0:
-                start = 0
-                end = END0
-                ld = LD0
-            elif m == 1:
-                start = END0
-                end = END1
-                ld = LD1
-            else:
-                start = END1
-                end = END2
-                ld = LD2
-            on = (mask >> m) & 1
-            end = end * on  # an untargeted module: an empty column range
-            cols_ok = (offs_n >= start) & (offs_n < end)
-            write = write | cols_ok
-            if (n0 < end) & (n0 + BLOCK_N > start):
-                h_cols = pos * r + offs_r
-                h = tl.load(
-                    h_ptr + rows[:, None] * stride_ht + h_cols[None, :] * stride_hr,
-                    mask=row_ok[:, None] & (r_ok & (h_cols < W))[None, :],
-                    other=0.0,
-                )
-                b = tl.load(
-                    pool_ptr + bt + offs_r[:, None].to(tl.int64) * ld + (offs_n - start)[None, :],
-                    mask=r_ok[:, None] & cols_ok[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                delta += tl.dot(h, b, input_precision=PRECISION)
-            bt += on * r * ld
-            pos += on
-        y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_n[None, :] * stride_yn
-        store_ok = row_ok[:, None] & write[None, :]
-        y = tl.load(y_ptrs, mask=store_ok, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=store_ok)
+def _jit():
+    """This module's Triton kernels (motet/kernels/jit/sgmv.py), imported at their first launch."""
+    return triton_support.kernels(__name__)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from motet.kernels import triton_support
 from motet.kernels.quant import BLOCK, QuantizedWeight
-from motet.kernels.triton_support import tl, triton
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SMALL_M = 16  # rows in one tile of tl.dot's minimum height: decode batches, bound by the weight's bytes
@@ -42,7 +42,7 @@ MIN_STEPS_PER_SPLIT = 4  # K steps a split keeps at least, so its pipeline's war
 
 def applies(x: torch.Tensor) -> bool:
     """Whether a quantized layer's product on `x` goes through `quant_linear` (CUDA, Triton installed)."""
-    return triton is not None and x.is_cuda
+    return triton_support.AVAILABLE and x.is_cuda
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,8 @@ def choose_config(M: int, N: int, K: int, bits: int, multiprocessors: int, x_byt
         block_m, block_n, block_k, warps, stages = (64 if M <= 128 else 128), 128, 64, 8, 3
     if x_bytes > 2:
         block_k, stages = max(block_k // 2, BLOCK), min(stages, 3)
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    steps = triton.cdiv(K, block_k)
+    tiles = triton_support.cdiv(M, block_m) * triton_support.cdiv(N, block_n)
+    steps = triton_support.cdiv(K, block_k)
     split = 1
     # bandwidth-bound: split where the tiles leave a multiprocessor without work, up to TARGET_WAVES
     # programs each (bytes in flight); compute-bound: only where they leave half of them idle
@@ -98,8 +98,8 @@ def choose_config(M: int, N: int, K: int, bits: int, multiprocessors: int, x_byt
         (multiprocessors, TARGET_WAVES * multiprocessors) if M <= 64 else (multiprocessors // 2,) * 2
     )
     if tiles < idle:
-        split = max(1, min(triton.cdiv(target, tiles), steps // MIN_STEPS_PER_SPLIT))
-    split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty split
+        split = max(1, min(triton_support.cdiv(target, tiles), steps // MIN_STEPS_PER_SPLIT))
+    split = triton_support.cdiv(steps, triton_support.cdiv(steps, split))  # no empty split
     return TileConfig(block_m, block_n, block_k, split, warps, stages)
 
 
@@ -128,7 +128,7 @@ def quant_linear(
     dtype, accumulated in fp32: F.linear of x and the dequantized weight rounded to x's dtype. x itself is
     used as it is (the CPU product, `QuantizedWeight.linear`, rounds it to int8 blocks first). `config`
     overrides the launch (benchmarks and tests)."""
-    if triton is None:
+    if not triton_support.AVAILABLE:
         raise RuntimeError("quant_linear needs triton")
     N, K = qweight.shape
     if x.shape[-1] != K or x.dtype not in DTYPES:
@@ -146,16 +146,16 @@ def quant_linear(
     int4 = qweight.format.bits == 4  # (Q4_1's nibbles, or MXFP4's codes: both two values a byte alike)
     mxfp4 = qweight.format.codebook is not None
     cfg = config or default_config(x2, qweight)
-    steps = triton.cdiv(K, cfg.block_k)
-    steps_per_split = triton.cdiv(steps, cfg.split_k)
-    split = triton.cdiv(steps, steps_per_split)
+    steps = triton_support.cdiv(K, cfg.block_k)
+    steps_per_split = triton_support.cdiv(steps, cfg.split_k)
+    split = triton_support.cdiv(steps, steps_per_split)
     # fp32 partials [split, M, N] when K is shared; else the kernel writes `out` itself
     dest = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out.unsqueeze(0)
     data, scales = qweight.data.view(torch.uint8), qweight.scales  # int8 too: the kernel reads bytes
     mins = qweight.mins if qweight.mins is not None else scales  # unused without mins: any tensor will do
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
+    grid = (triton_support.cdiv(M, cfg.block_m) * triton_support.cdiv(N, cfg.block_n), split)
     interpreted = not x.is_cuda
-    _quant_gemm_kernel[grid](
+    _jit()._quant_gemm_kernel[grid](
         x2, data, scales, mins, bias if bias is not None else scales, dest,
         M, N, K, steps_per_split,
         *x2.stride(), *data.stride(), *scales.stride(), *mins.stride(), *dest.stride(),
@@ -172,7 +172,7 @@ def quant_linear(
     )  # fmt: skip
     if split > 1:
         reduce_n = 256
-        _split_sum_kernel[(M, triton.cdiv(N, reduce_n))](
+        _jit()._split_sum_kernel[(M, triton_support.cdiv(N, reduce_n))](
             dest, bias if bias is not None else dest, out, N, split,
             *dest.stride(), *out.stride(),
             HAS_BIAS=bias is not None, BLOCK_N=reduce_n, INTERPRETED=interpreted,
@@ -180,175 +180,6 @@ def quant_linear(
     return out.reshape(*lead, N)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _int_to_f32(v):
-        """int32 values in [0, 2^23) as exact fp32: 2^23's bits with v as the mantissa, minus 2^23 (an OR
-        and a subtraction at full rate, where int-to-float conversion runs at a quarter)."""
-        return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-    @triton.jit
-    def _fp4(code):
-        """FP4 E2M1 codes (int32 0..15: sign bit 3, exponent bits 2-1, mantissa bit 0) as their fp32 values:
-        m / 2 for exponent 0, else (2 + m) * 2^(e - 2)."""
-        e = (code >> 1) & 3
-        m = (code & 1).to(tl.float32)
-        magnitude = tl.where(e == 0, m * 0.5, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
-        return tl.where((code & 8) != 0, -magnitude, magnitude)
-
-    @triton.jit
-    def round_to(v, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-        """fp32 `v` rounded to nearest-even in DTYPE. The interpreter (triton 3.9) truncates fp32 to bf16, so
-        there the rounding is done on the bits first (a bf16 value is the high half of an fp32 one)."""
-        if INTERPRETED and DTYPE == tl.bfloat16:  # noqa: SIM300 (a constexpr on the left, as triton compares)
-            bits = v.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            v = bits.to(tl.float32, bitcast=True)
-        return v.to(DTYPE)
-
-    @triton.jit
-    def _operand(w, DTYPE: tl.constexpr, DOT_FP32: tl.constexpr):
-        """A dequantized fp32 tile rounded to x's dtype (the reference's weight), as the dot takes it."""
-        w = round_to(w, DTYPE, DOT_FP32)
-        if DOT_FP32:
-            w = w.to(tl.float32)
-        return w
-
-    @triton.jit
-    def _quant_gemm_kernel(
-        x_ptr,
-        q_ptr,
-        s_ptr,
-        m_ptr,
-        bias_ptr,
-        out_ptr,
-        M,
-        N,
-        K,
-        steps_per_split,
-        stride_xm,
-        stride_xk,
-        stride_qn,
-        stride_qk,
-        stride_sn,
-        stride_sk,
-        stride_mn,
-        stride_mk,
-        stride_os,
-        stride_om,
-        stride_on,
-        INT4: tl.constexpr,
-        MXFP4: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCKS_PER_STEP: tl.constexpr,
-        PRECISION: tl.constexpr,
-        DOT_FP32: tl.constexpr,
-    ):
-        QB: tl.constexpr = 32  # values per quant block (motet.kernels.quant.BLOCK)
-        HALF: tl.constexpr = QB // 2
-        BYTES: tl.constexpr = HALF if INT4 else QB  # bytes of one block's values in one row
-        COLS: tl.constexpr = BLOCKS_PER_STEP * BYTES  # the dot's depth (int4: two dots, lo and hi nibbles)
-        num_m = tl.cdiv(M, BLOCK_M)
-        pid_m = tl.program_id(0) % num_m  # neighbouring programs share a weight tile (prefill: from L2)
-        pid_n = tl.program_id(0) // num_m
-        split = tl.program_id(1)
-        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        blk = tl.arange(0, BLOCKS_PER_STEP)
-        byte = tl.arange(0, BYTES)
-        # [rows, blocks, values of a block]: one thread's vector is one block, with one scale (and min)
-        q_base = q_ptr + offs_n[:, None, None] * stride_qn + byte[None, None, :] * stride_qk
-        x_base = x_ptr + offs_m[:, None, None] * stride_xm + byte[None, None, :] * stride_xk
-        x_dtype = x_ptr.dtype.element_ty
-        num_blocks = K // QB
-        acc = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
-        first = split * steps_per_split
-        for step in range(first, first + steps_per_split):
-            b = step * BLOCKS_PER_STEP + blk  # the step's quant blocks
-            b_ok = b < num_blocks
-            w_mask = n_ok[:, None, None] & b_ok[None, :, None]
-            x_mask = m_ok[:, None, None] & b_ok[None, :, None]
-            q = tl.load(q_base + (b * BYTES)[None, :, None] * stride_qk, mask=w_mask, other=0).to(tl.int32)
-            sb_mask = n_ok[:, None] & b_ok[None, :]
-            scale = tl.load(
-                s_ptr + offs_n[:, None] * stride_sn + b[None, :] * stride_sk, mask=sb_mask, other=0.0
-            )
-            if MXFP4:  # an E8M0 byte: 2^(e - 127), its bits e << 23 (e = 0: 2^-127, a subnormal)
-                e8 = scale.to(tl.int32)
-                scale = tl.where(e8 == 0, 5.877471754111438e-39, (e8 << 23).to(tl.float32, bitcast=True))
-            scale = scale.to(tl.float32)[:, :, None]
-            x_cols = (b * QB)[None, :, None] * stride_xk
-            if INT4:
-                if MXFP4:
-                    w_lo = _fp4(q & 0xF) * scale  # values j of each block
-                    w_hi = _fp4(q >> 4) * scale  # values j + 16
-                else:
-                    low = tl.load(
-                        m_ptr + offs_n[:, None] * stride_mn + b[None, :] * stride_mk, mask=sb_mask, other=0.0
-                    )
-                    low = low.to(tl.float32)[:, :, None]
-                    w_lo = _int_to_f32(q & 0xF) * scale + low  # values j of each block
-                    # values j + 16, left in place as 16 * q (no shift): 16 q * (scale / 16) is q * scale exactly
-                    w_hi = _int_to_f32(q & 0xF0) * (scale * 0.0625) + low
-                w_lo = _operand(tl.reshape(w_lo, [BLOCK_N, COLS]), x_dtype, DOT_FP32)
-                w_hi = _operand(tl.reshape(w_hi, [BLOCK_N, COLS]), x_dtype, DOT_FP32)
-                x_lo = tl.load(x_base + x_cols, mask=x_mask, other=0.0)
-                x_hi = tl.load(x_base + x_cols + HALF * stride_xk, mask=x_mask, other=0.0)
-                x_lo = tl.reshape(x_lo, [BLOCK_M, COLS])
-                x_hi = tl.reshape(x_hi, [BLOCK_M, COLS])
-                if DOT_FP32:
-                    x_lo = x_lo.to(tl.float32)
-                    x_hi = x_hi.to(tl.float32)
-                acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
-                acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
-            else:
-                # int8 read as bytes u: u ^ 0x80 = q + 128 in 0..255, under 2^23's bits in the same logic op
-                w = ((q ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) * scale
-                w = _operand(tl.reshape(w, [BLOCK_N, COLS]), x_dtype, DOT_FP32)
-                xt = tl.reshape(tl.load(x_base + x_cols, mask=x_mask, other=0.0), [BLOCK_M, COLS])
-                if DOT_FP32:
-                    xt = xt.to(tl.float32)
-                acc = tl.dot(xt, tl.trans(w), acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-        tl.store(
-            out_ptrs, round_to(acc, out_ptr.dtype.element_ty, DOT_FP32), mask=m_ok[:, None] & n_ok[None, :]
-        )
-
-    @triton.jit
-    def _split_sum_kernel(
-        part_ptr,
-        bias_ptr,
-        out_ptr,
-        N,
-        num_splits,
-        stride_ps,
-        stride_pm,
-        stride_pn,
-        stride_om,
-        stride_on,
-        HAS_BIAS: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        INTERPRETED: tl.constexpr,
-    ):
-        """out[m] = sum of the splits' fp32 partials, in split order (+ bias), in out's dtype."""
-        m = tl.program_id(0).to(tl.int64)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        ptrs = part_ptr + m * stride_pm + offs_n * stride_pn
-        acc = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
-        for s in range(num_splits):
-            acc += tl.load(ptrs + s * stride_ps, mask=n_ok, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(
-            out_ptr + m * stride_om + offs_n * stride_on,
-            round_to(acc, out_ptr.dtype.element_ty, INTERPRETED),
-            mask=n_ok,
-        )
+def _jit():
+    """This module's Triton kernels (motet/kernels/jit/triton_quant.py), imported at their first launch."""
+    return triton_support.kernels(__name__)

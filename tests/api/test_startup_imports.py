@@ -186,3 +186,26 @@ def test_the_heap_the_start_builds_is_settled_once():
         "frozen": True,
         "kept_alive": True,
     }
+
+
+# What a start on a host without a GPU never uses before its first grammar request: the grammar backends' libraries
+# (llguidance's tokenizer bridge imports transformers' modelling code), the schema checker, and Triton (its kernels
+# run on CUDA only, or under TRITON_INTERPRET).
+NOT_AT_START = ("xgrammar", "llguidance", "outlines_core", "jsonschema", "triton")
+
+
+def test_the_serving_path_and_a_models_load_import_no_grammar_library_nor_triton(tiny_model_dir, monkeypatch):
+    """motet serve's modules (the actor system and the app) and an engine loaded on the CPU and stepped once import
+    none of NOT_AT_START: the grammar backends are imported when the vocabulary is built or the first grammar is
+    compiled (motet/grammar/cache.py), jsonschema by the first schema's check, Triton by the first kernel launch
+    (motet/kernels/triton_support.py)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a served CPU host's environment, not the tests'
+    found = imported_by(
+        "import motet.actors.system, motet.api.server\n"
+        "from motet.engine.llm import LLM\n"
+        "from motet.engine.sampling_params import SamplingParams\n"
+        f"llm = LLM({str(tiny_model_dir)!r}, device='cpu', block_size=8, num_kv_blocks=64)\n"
+        "llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=2))\n"
+        f"out = {{'not_at_start': sorted(m for m in {NOT_AT_START!r} if m in sys.modules)}}\n"
+    )
+    assert found["out"]["not_at_start"] == [], found

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from motet.kernels import triton_moe
+from motet.kernels import triton_support
 from tests.benchmarks.smoke import positive
 
 pytestmark = [pytest.mark.smoke, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
@@ -20,7 +20,7 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
-@pytest.mark.skipif(triton_moe.triton is None, reason="triton not installed")
+@pytest.mark.skipif(not triton_support.AVAILABLE, reason="triton not installed")
 def test_moe_gpu_bench(tmp_path):
     """Two experts of 64x128, two token counts: the Triton kernel against the torch path (interpreted on a
     CPU: its error and the figures' shape, not its speed)."""

@@ -10,10 +10,11 @@ import torch
 from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.cuda_graphs import DecodeGraphs, bucket_for, buckets
 from motet.kernels import paged_attention as pa
+from motet.kernels import triton_support
 from tests.engine.helpers import mixed_adapter_tokens
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(pa.triton is None, reason="triton not installed")
+needs_triton = pytest.mark.skipif(not triton_support.AVAILABLE, reason="triton not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 

@@ -19,7 +19,7 @@ from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.worker.model import SparseMoE
-from motet.kernels import activation, fused_norm, rope_kv
+from motet.kernels import activation, fused_norm, rope_kv, triton_support
 from motet.kernels.rope_kv import RotaryAngles
 from tests.engine.helpers import finished_tokens
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_logits
@@ -29,7 +29,7 @@ from tests.peft_adapters import peft_reference, tiny_requests
 from tests.tiny_models import build_tiny_model
 
 pytestmark = [
-    pytest.mark.skipif(fused_norm.triton is None, reason="triton not installed"),
+    pytest.mark.skipif(not triton_support.AVAILABLE, reason="triton not installed"),
     pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning"),
 ]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -210,7 +210,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from motet.kernels import activation, fused_norm, rope_kv
+from motet.kernels.jit import activation, fused_norm, rope_kv
 from tests.kernels.gpu_build import resource_usage
 
 out = []

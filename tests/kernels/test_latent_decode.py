@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from motet.kernels import latent_decode as ld
+from motet.kernels import triton_support
 from motet.kernels.attention_args import PagedContext
 from tests.kernels.gpu_build import gpu_builds
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(ld.triton is None, reason="triton not installed")
+needs_triton = pytest.mark.skipif(not triton_support.AVAILABLE, reason="triton not installed")
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -133,12 +134,12 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from motet.kernels import latent_decode
+from motet.kernels import latent_decode, triton_support
 from tests.kernels.gpu_build import resource_usage
 
 out = []
 for name, arch, dtype, consts in json.loads(sys.argv[1]):
-    kernel = getattr(latent_decode, name)
+    kernel = getattr(triton_support.kernels(latent_decode.__name__), name)
     full = {n: "i32" for n in kernel.arg_names}
     full.update(out_ptr=f"*{dtype}", parts_ptr="*fp32", lse_ptr="*fp32", query_start_loc_ptr="*i32")
     if name == "_latent_decode_kernel":

@@ -8,10 +8,11 @@ import torch
 
 from motet.kernels import paged_attention as pa
 from motet.kernels import paged_attention_cpu as pac
+from motet.kernels import triton_support
 from motet.kernels.attention_args import AttentionOptions, PagedContext
 
 # tests/conftest.py turns TRITON_INTERPRET on (no CUDA) before anything imports triton.
-HAS_TRITON = pa.triton is not None
+HAS_TRITON = triton_support.AVAILABLE
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")

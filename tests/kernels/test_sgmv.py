@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from motet.kernels import sgmv
+from motet.kernels import sgmv, triton_support
 from motet.lora.adapter import LoRAAdapter, module_shape
 from motet.lora.pool import MODULE_GROUPS, AdapterPool, LoRABatch, PoolLayout, pack
 
 # tests/conftest.py turns TRITON_INTERPRET on (no CUDA) before anything imports triton.
-HAS_TRITON = sgmv.triton is not None
+HAS_TRITON = triton_support.AVAILABLE
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from motet.kernels import triton_moe
+from motet.kernels import triton_moe, triton_support
 
-pytestmark = pytest.mark.skipif(triton_moe.triton is None, reason="triton not installed")
+pytestmark = pytest.mark.skipif(not triton_support.AVAILABLE, reason="triton not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

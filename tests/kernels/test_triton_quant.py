@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from motet.engine.config import EngineConfig
 from motet.engine.llm_engine import LLMEngine
 from motet.engine.worker.layers import Linear
-from motet.kernels import triton_quant
+from motet.kernels import triton_quant, triton_support
 from motet.kernels.quant import FORMATS, MXFP4, QuantizedWeight
 from motet.kernels.triton_quant import TileConfig, choose_config, quant_linear
 from tests.engine.helpers import mixed_adapter_tokens
@@ -24,7 +24,7 @@ from tests.kernels.gpu_build import gpu_builds
 from tests.kernels.test_quantization import dequantized_checkpoint, random_weight
 from tests.tiny_models import build_tiny_model
 
-pytestmark = pytest.mark.skipif(triton_quant.triton is None, reason="triton not installed")
+pytestmark = pytest.mark.skipif(not triton_support.AVAILABLE, reason="triton not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 FORMAT_NAMES = sorted(FORMATS)
@@ -172,7 +172,7 @@ def test_refuses_what_does_not_fit():
 def test_kernel_applies_to_cuda_tensors_only(monkeypatch):
     assert triton_quant.applies(torch.zeros(1, device=DEVICE)) == (DEVICE == "cuda")
     assert not triton_quant.applies(torch.zeros(1))
-    monkeypatch.setattr(triton_quant, "triton", None)
+    monkeypatch.setattr(triton_support, "AVAILABLE", False)
     assert not triton_quant.applies(torch.zeros(1, device=DEVICE))  # no triton: the reference serves
 
 
@@ -249,10 +249,10 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from motet.kernels import triton_quant as tq
+from motet.kernels import triton_quant as tq, triton_support
 from tests.kernels.gpu_build import resource_usage
 
-kernel = tq._quant_gemm_kernel
+kernel = triton_support.kernels(tq.__name__)._quant_gemm_kernel
 aligned = ["x_ptr", "q_ptr", "s_ptr", "m_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm", "stride_qn",
            "stride_sn", "stride_mn", "stride_os", "stride_om"]  # what triton specializes at a launch on a 4096-wide layer
 unit = ["stride_xk", "stride_qk", "stride_sk", "stride_mk", "stride_on"]

@@ -16,7 +16,7 @@ from motet.engine.sampling_params import SamplingParams
 from motet.engine.worker import latent_attention as la
 from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.cuda_graphs import model_options
-from motet.kernels import latent_decode, paged_attention
+from motet.kernels import latent_decode, paged_attention, triton_support
 from motet.kernels.rope_kv import RotaryAngles
 from motet.models.config import ModelConfig
 from tests.engine.test_cuda_graphs import use_cpu_graphs
@@ -54,10 +54,10 @@ def test_a_decode_step_waits_for_nothing_on_the_host(v2, monkeypatch):
     with torch.device("meta"):
         layer = la.LatentAttention(cfg)
     writes, decodes = Launches(), Launches()
-    monkeypatch.setattr(paged_attention, "_write_kv_kernel", writes)
+    monkeypatch.setattr(triton_support.kernels(paged_attention.__name__), "_write_kv_kernel", writes)
     monkeypatch.setattr(la, "write_kv_cache", paged_attention.write_kv_cache_triton)
-    monkeypatch.setattr(latent_decode, "_latent_decode_kernel", decodes)
-    monkeypatch.setattr(latent_decode, "_merge_splits_kernel", decodes)
+    monkeypatch.setattr(triton_support.kernels(latent_decode.__name__), "_latent_decode_kernel", decodes)
+    monkeypatch.setattr(triton_support.kernels(latent_decode.__name__), "_merge_splits_kernel", decodes)
     monkeypatch.setattr(latent_decode, "applies", lambda x: True)
     T, width = 4, layer.rank + layer.rope
     cache = torch.empty(16, 8, 1, width, device="meta")
