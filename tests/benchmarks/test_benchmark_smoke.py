@@ -52,6 +52,7 @@ SMOKE_RUNS = {
     "routing_sim": "test_offline_smoke.py::test_routing_sim",
     "routing_trace": "test_offline_smoke.py::test_routing_sim",
     "sim_replica": "test_offline_smoke.py::test_routing_sim",
+    "served_flops": "test_served_flops.py::test_served_flops_runs_on_the_tiny_model",
     "soak": "test_served_smoke.py::test_soak",
     "spec_bench": "test_served_smoke.py::test_spec_bench",
     "spec_threshold": "test_offline_smoke.py::test_spec_threshold",
