@@ -348,3 +348,35 @@ def test_any_mix_of_tenants_completes_and_returns_every_block(
     assert not sched.has_work(), "livelock"
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
     assert sched.bm.num_free_blocks == num_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    running=st.lists(st.sampled_from("abc"), max_size=8),
+    waiting=st.lists(st.tuples(st.sampled_from("abcd"), st.integers(-1, 1)), min_size=1, max_size=30),
+    weights=st.fixed_dictionaries({"a": st.sampled_from([0.5, 1.0, 3.0]), "c": st.sampled_from([1.0, 2.0])}),
+    max_seqs=st.integers(1, 12),
+)
+def test_admission_queue_hands_out_the_lowest_admission_key_as_the_shares_change(
+    running, waiting, weights, max_seqs
+):
+    """The scheduler's admission order (StepOrder.admission_queue) is a brute-force min of admission_key over the
+    candidates left, taken again after each admission changes the shares."""
+    from motet.engine.core.policy import SchedulingPolicy
+
+    policy = SchedulingPolicy(max_seqs, fairness=VirtualTokenCounter(weights))
+    run = [seq(t) for t in running][:max_seqs]
+    wait = []
+    for t, priority in waiting:
+        s = seq(t)
+        s.order.priority = priority
+        wait.append(s)
+    order = policy.step(run, wait, 64, lambda s: 1)
+    queue, left = order.admission_queue(wait), list(wait)
+    while left:
+        expected = min(left, key=order.admission_key)
+        assert queue.pop() is expected
+        left.remove(expected)
+        run.append(expected)  # it starts: the shares (and whether a slot is free) change for the next one
+        order.started(expected)
+    assert not queue

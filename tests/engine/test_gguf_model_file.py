@@ -383,7 +383,9 @@ def test_unreadable_and_unserved_files_are_refused(tiny_source, tmp_path, cache)
 @pytest.mark.slow
 def test_default_models_gguf_served_alone_equals_its_directory(default_model_dir, tmp_path, monkeypatch):
     """The default model's own Q4_1 file, copied alone into a directory and served through `motet serve`, answers
-    a greedy chat like its model directory served with --quantization gguf."""
+    a greedy chat like its model directory's GGUF file (quantization="gguf") in the offline engine. (The offline
+    engine for the directory, not a second server: that the server answers as the offline engine does is
+    tests/cluster/test_cluster.py's and tests/api/test_api.py's check.)"""
     import openai
 
     from motet.evals.server import ManagedServer
@@ -393,20 +395,17 @@ def test_default_models_gguf_served_alone_equals_its_directory(default_model_dir
     shutil.copy(Path(default_model_dir) / "model.gguf", bare)
     assert os.listdir(bare.parent) == [bare.name]
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-    answers = {}
-    common = ["--max-num-seqs", "4", "--kv-cache-memory-gb", "0.25"]
-    for served, args in (
-        ("SmolLM2-135M-Instruct-Q4_1", ["--model", str(bare)]),
-        (Path(default_model_dir).name, ["--model", str(default_model_dir), "--quantization", "gguf"]),
-    ):
-        with ManagedServer(common + args, log_path=tmp_path / "server.log") as server:
-            client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
-            assert [m.id for m in client.models.list().data] == [served]
-            reply = client.chat.completions.create(
-                model=served, messages=messages, max_tokens=32, temperature=0
-            )
-            answers[served] = (reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage)
-    (bare_answer, dir_answer) = answers.values()
-    assert bare_answer == dir_answer
-    assert "Paris" in bare_answer[0]
+    served = "SmolLM2-135M-Instruct-Q4_1"
+    args = ["--max-num-seqs", "4", "--kv-cache-memory-gb", "0.25", "--model", str(bare)]
+    with ManagedServer(args, log_path=tmp_path / "server.log") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+        assert [m.id for m in client.models.list().data] == [served]
+        reply = client.chat.completions.create(model=served, messages=messages, max_tokens=32, temperature=0)
+    llm = LLM(str(default_model_dir), quantization="gguf", max_num_seqs=4, dtype="auto")  # as `motet serve`
+    prompt = llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32))
+    assert reply.choices[0].message.content == out.text
+    assert reply.choices[0].finish_reason == out.finish_reason
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), len(out.token_ids))
+    assert "Paris" in out.text
     assert os.listdir(bare.parent) == [bare.name]  # still alone

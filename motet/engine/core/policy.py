@@ -130,9 +130,9 @@ class StepOrder:
             *self.waiting_places.get(seq.seq_id, _place(seq)),
         )
 
-    def first(self, candidates):
-        """The waiting sequence admitted next among `candidates`."""
-        return min(candidates, key=self.admission_key)
+    def admission_queue(self, candidates: Iterable) -> AdmissionQueue:
+        """`candidates` in the order they are admitted (`admission_key`'s), asked one at a time as sequences start."""
+        return AdmissionQueue(self, candidates)
 
     def jumps_queue(self, seq) -> bool:
         """Whether `seq`'s tenant is under its share: it joins the running ones ahead of the others' rows, in a free
@@ -238,6 +238,40 @@ class AdmissionGate:
         cost = self.input_weight * candidates[tenant] / self.weights.get(tenant, DEFAULT_WEIGHT)
         self.counters[tenant] = self.counters.get(tenant, self.floor) + cost
         return tenant
+
+
+class AdmissionQueue:
+    """Waiting sequences handed out in `StepOrder.admission_key`'s order, as it is when each is asked for: a tenant's
+    part of the key changes as sequences start and stop, their places do not (fixed for the step). So each
+    tenant's sequences are sorted by place once, and each `pop` compares the tenants' first ones: with thousands
+    waiting, a key per sequence per admission was most of a step's time."""
+
+    def __init__(self, order: StepOrder, candidates: Iterable):
+        self.order = order
+        by_tenant: dict = defaultdict(list)
+        for s in candidates:
+            by_tenant[s.tenant].append(s)
+        self.queues = {t: sorted(group, key=self._place, reverse=True) for t, group in by_tenant.items()}
+        self.size = sum(map(len, self.queues.values()))
+
+    def _place(self, seq) -> tuple:
+        place = self.order.waiting_places.get(seq.seq_id)
+        return _place(seq) if place is None else place
+
+    def __len__(self) -> int:
+        return self.size
+
+    def pop(self):
+        """The sequence admitted next, taken out of the queue (IndexError when it is empty)."""
+        if not self.size:
+            raise IndexError("pop from an empty AdmissionQueue")
+        growing, shares = self.order._growing(), self.order.shares
+        tenant = min(
+            (t for t, queue in self.queues.items() if queue),
+            key=lambda t: (*shares.admission_key(t, growing), *self._place(self.queues[t][-1])),
+        )
+        self.size -= 1
+        return self.queues[tenant].pop()
 
 
 def remove_seq(seqs, seq) -> None:

@@ -175,13 +175,12 @@ class Scheduler:
         )
         # Tenants under their share first: their waiting sequences join the running ones now, in a free slot or
         # in place of another tenant's; they get KV blocks and budget below, ahead of the tenants with more.
-        candidates = list(self.waiting)
+        candidates = order.admission_queue(self.waiting)
         while candidates:
-            seq = order.first(candidates)
+            seq = candidates.pop()
             growing = len(self.running) < self.max_num_seqs
             if not order.jumps_queue(seq):
                 break  # nor does any other
-            remove_seq(candidates, seq)
             if not self.slicer.may_admit(seq.adapter_id):
                 continue  # waiting for an adapter slot; it keeps its place in the queue
             if not growing and not order.may_displace(seq):
@@ -254,10 +253,11 @@ class Scheduler:
 
         # Then the other waiting sequences in the free slots, in the policy's order; none when something had to
         # be preempted (it would just thrash), nor those preempted in this step.
-        candidates = [s for s in self.waiting if not any(s is p for p in batch.preempted)]
+        candidates = order.admission_queue(
+            s for s in self.waiting if not any(s is p for p in batch.preempted)
+        )
         while candidates and used < budget and len(self.running) < self.max_num_seqs and not batch.preempted:
-            seq = order.first(candidates)
-            remove_seq(candidates, seq)
+            seq = candidates.pop()
             left = order.limits[order.tier(seq)] - used
             if left <= 0 or not self.slicer.may_admit(seq.adapter_id) or not self._prefix_ready(seq):
                 continue
