@@ -3,8 +3,11 @@
 A model directory's tokenizer is the class transformers' AutoTokenizer picks for it. Picking it reads the model's
 config through its family's config class, whose import pulls in most of transformers' modelling code and
 torch.distributed (seconds of every start), to name a class that only the directory's files decide: the class
-picked is remembered under the motet cache (`tokenizer_class_memo`), keyed by those files and transformers'
-version, and a later start loads the directory with that class directly, as AutoTokenizer would."""
+picked is remembered under the motet cache (`tokenizer_class_memo`), keyed by those files and transformers' and
+tokenizers' versions, and a later start loads the directory with that class directly, as AutoTokenizer would.
+Where that class answers serving with its Rust tokenizer's answers (most fast tokenizers), a snapshot of it is kept
+beside the memo (motet/engine/tokenizer_snapshot.py), and a later start serves from it without importing
+transformers at all (issue 65: a second or two of every warm start)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from motet.engine.request_checks import MAX_PROMPT_CHARS
 from motet.engine.template_worker import template_worker
+from motet.engine.tokenizer_snapshot import TokenizerSnapshot, read_snapshot, snapshot_of
 from motet.models.declaration import ModelLoadError
 
 if TYPE_CHECKING:
@@ -26,9 +30,11 @@ if TYPE_CHECKING:
 
 
 class Tokenizer:
-    """A thin front over the HF tokenizer: plain encode/decode and chat rendering with clear errors."""
+    """A thin front over the HF tokenizer: plain encode/decode and chat rendering with clear errors. `hf`: the
+    transformers tokenizer, or its snapshot (TokenizerSnapshot: the same answers to what serving asks of it);
+    `transformers()`: the transformers tokenizer itself (loaded then, where `hf` is a snapshot)."""
 
-    def __init__(self, hf: PreTrainedTokenizerBase):
+    def __init__(self, hf: PreTrainedTokenizerBase | TokenizerSnapshot):
         self.hf = hf
         self.vocab_size = len(hf)
 
@@ -70,6 +76,10 @@ class Tokenizer:
         # The template writes the special tokens itself: do not add BOS again.
         return self.hf.encode(self.render_chat(messages, **kw), add_special_tokens=False)
 
+    def transformers(self) -> PreTrainedTokenizerBase:
+        """The transformers tokenizer (the grammar backends' libraries read one)."""
+        return self.hf.transformers() if isinstance(self.hf, TokenizerSnapshot) else self.hf
+
     # Pass-throughs the detokenizer and grammar backends use.
     def __getattr__(self, name):
         return getattr(self.hf, name)
@@ -98,16 +108,22 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer(hf)
 
 
-MEMO_FORMAT = 1  # raised when what a memo holds changes
+MEMO_FORMAT = 2  # raised when what a memo holds changes
 MEMOS_KEPT = 256  # the most recently written; older ones are removed as one is written (a memo is ~100 bytes)
+
+
+def library_versions() -> list[str]:
+    """transformers' and tokenizers' versions, read without importing them."""
+    from importlib.metadata import version
+
+    return [version("transformers"), version("tokenizers")]
 
 
 def tokenizer_class_memo(model_dir: Path) -> Path:
     """Where the tokenizer class AutoTokenizer picked for `model_dir` is remembered: keyed by the directory, the
     files the pick reads (config.json and the tokenizer's: their sizes and modification times) and transformers'
-    version, so that a changed file or another transformers picks again."""
-    import transformers
-
+    and tokenizers' versions, so that a changed file or another transformers picks again. Its snapshot, where one
+    is kept, lies beside it (`snapshot_path`)."""
     from motet.engine.cache_root import cache_dir
 
     model_dir = model_dir.resolve()
@@ -116,8 +132,12 @@ def tokenizer_class_memo(model_dir: Path) -> Path:
         with contextlib.suppress(OSError):
             st = (model_dir / name).stat()
             files.append([name, st.st_size, st.st_mtime_ns])
-    key = json.dumps([MEMO_FORMAT, str(model_dir), transformers.__version__, files])
+    key = json.dumps([MEMO_FORMAT, str(model_dir), library_versions(), files])
     return cache_dir() / "tokenizers" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def snapshot_path(memo: Path) -> Path:
+    return memo.with_suffix(".snapshot")
 
 
 def _remembered_class(memo: Path):
@@ -130,34 +150,60 @@ def _remembered_class(memo: Path):
     return cls if isinstance(cls, type) else None
 
 
-def _remember(memo: Path, cls: type) -> None:
-    """Write the memo (whole, or not at all: a cache that cannot be written is only slower)."""
+def _write(path: Path, data: dict) -> None:
+    """`data` as JSON at `path`, whole or not at all."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def _remember(memo: Path, hf) -> None:
+    """Write the memo, and the tokenizer's snapshot where it answers as one (whole, or not at all: a cache that
+    cannot be written is only slower)."""
+    cls = type(hf)
     if not cls.__module__.startswith("transformers."):  # (a model's own code: always through AutoTokenizer)
         return
     with contextlib.suppress(OSError):
         memo.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=memo.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"module": cls.__module__, "class": cls.__qualname__}, f)
-            os.replace(tmp, memo)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        _write(memo, {"module": cls.__module__, "class": cls.__qualname__})
+        _keep_snapshot(memo, hf)
         memos = sorted(memo.parent.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
         for old in memos[MEMOS_KEPT:]:
             old.unlink(missing_ok=True)
+            snapshot_path(old).unlink(missing_ok=True)
 
 
-def _load_hf(model_dir: Path) -> PreTrainedTokenizerBase:
-    """The directory's tokenizer as AutoTokenizer loads it: through the class it picked before, where it is
-    remembered (AutoTokenizer ends by calling that class's from_pretrained on the directory, as this does)."""
+def _keep_snapshot(memo: Path, hf) -> None:
+    held = snapshot_of(hf)
+    if held is not None:
+        _write(snapshot_path(memo), held)
+
+
+def _load_hf(model_dir: Path) -> PreTrainedTokenizerBase | TokenizerSnapshot:
+    """The directory's tokenizer as AutoTokenizer loads it: its snapshot where one is kept; else through the class
+    AutoTokenizer picked before, where it is remembered (AutoTokenizer ends by calling that class's from_pretrained
+    on the directory, as this does), keeping its snapshot where it was not kept yet."""
     memo = tokenizer_class_memo(model_dir)
+    snapshot = read_snapshot(snapshot_path(memo), lambda: _load_transformers(model_dir, memo))
+    return snapshot if snapshot is not None else _load_transformers(model_dir, memo, keep=True)
+
+
+def _load_transformers(model_dir: Path, memo: Path, keep: bool = False) -> PreTrainedTokenizerBase:
+    """The directory's transformers tokenizer (`keep`: its memo and snapshot written where they are not yet)."""
     cls = _remembered_class(memo)
     if cls is not None:
-        return cls.from_pretrained(str(model_dir), local_files_only=True)
+        hf = cls.from_pretrained(str(model_dir), local_files_only=True)
+        if keep and cls.__module__.startswith("transformers."):
+            with contextlib.suppress(OSError):
+                _keep_snapshot(memo, hf)
+        return hf
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    _remember(memo, type(hf))
+    _remember(memo, hf)
     return hf
