@@ -17,6 +17,8 @@ import importlib
 import json
 import os
 import tempfile
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -96,16 +98,50 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 
 
+_early: dict[Path, Future] = {}  # model directory -> its tokenizer, loading since `load_tokenizer_early`
+_early_lock = threading.Lock()
+
+
+def load_tokenizer_early(model_dir: str | Path) -> None:
+    """Begin loading `model_dir`'s tokenizer from its snapshot, where one is kept, in a thread of its own, for the
+    `load_tokenizer` that follows: a start's first work, so that the Rust tokenizer's build (off the GIL; a second
+    or more for a 262k vocabulary) runs beside the imports (issue 65). (Without a snapshot, `load_tokenizer` loads
+    it through transformers as always: never one thread importing transformers while another imports torch.)"""
+    key, done = Path(model_dir).resolve(), Future()
+    with _early_lock:
+        if key in _early:
+            return
+        _early[key] = done
+
+    def load() -> None:
+        try:
+            done.set_result(_load_tokenizer(model_dir, snapshot_only=True))
+        except BaseException as e:
+            done.set_exception(e)
+
+    threading.Thread(target=load, name="motet-tokenizer", daemon=True).start()
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """`model_dir`'s tokenizer (the one `load_tokenizer_early` began loading, where it did); ModelLoadError where
+    it does not load."""
+    with _early_lock:
+        early = _early.pop(Path(model_dir).resolve(), None)
+    loaded = early.result() if early is not None else None
+    return loaded if loaded is not None else _load_tokenizer(model_dir)
+
+
+def _load_tokenizer(model_dir: str | Path, snapshot_only: bool = False) -> Tokenizer | None:
+    """The tokenizer (`snapshot_only`: from its snapshot, else None)."""
     for name in TOKENIZER_FILES:
         path = Path(model_dir) / name
         if path.exists() and not path.is_file():
             raise ModelLoadError(f"{path}: not a regular file")
     try:
-        hf = _load_hf(Path(model_dir))
+        hf = _load_hf(Path(model_dir), snapshot_only)
     except Exception as e:
         raise ModelLoadError(f"{model_dir}: could not load the tokenizer ({e})") from None
-    return Tokenizer(hf)
+    return None if hf is None else Tokenizer(hf)
 
 
 MEMO_FORMAT = 2  # raised when what a memo holds changes
@@ -136,8 +172,9 @@ def tokenizer_class_memo(model_dir: Path) -> Path:
     return cache_dir() / "tokenizers" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
-def snapshot_path(memo: Path) -> Path:
-    return memo.with_suffix(".snapshot")
+def snapshot_paths(memo: Path) -> tuple[Path, Path]:
+    """Where a snapshot's settings and its Rust tokenizer lie, beside the memo."""
+    return memo.with_suffix(".snapshot"), memo.with_suffix(".backend")
 
 
 def _remembered_class(memo: Path):
@@ -150,12 +187,12 @@ def _remembered_class(memo: Path):
     return cls if isinstance(cls, type) else None
 
 
-def _write(path: Path, data: dict) -> None:
-    """`data` as JSON at `path`, whole or not at all."""
+def _write(path: Path, data: dict | str) -> None:
+    """`data` at `path` (a dict as JSON), whole or not at all."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
+            f.write(data if isinstance(data, str) else json.dumps(data))
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):
@@ -175,22 +212,29 @@ def _remember(memo: Path, hf) -> None:
         memos = sorted(memo.parent.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
         for old in memos[MEMOS_KEPT:]:
             old.unlink(missing_ok=True)
-            snapshot_path(old).unlink(missing_ok=True)
+            for path in snapshot_paths(old):
+                path.unlink(missing_ok=True)
 
 
 def _keep_snapshot(memo: Path, hf) -> None:
     held = snapshot_of(hf)
     if held is not None:
-        _write(snapshot_path(memo), held)
+        settings, backend = snapshot_paths(memo)
+        _write(backend, held[1])
+        _write(settings, held[0])  # (last: settings name a backend that is there)
 
 
-def _load_hf(model_dir: Path) -> PreTrainedTokenizerBase | TokenizerSnapshot:
+def _load_hf(
+    model_dir: Path, snapshot_only: bool = False
+) -> PreTrainedTokenizerBase | TokenizerSnapshot | None:
     """The directory's tokenizer as AutoTokenizer loads it: its snapshot where one is kept; else through the class
     AutoTokenizer picked before, where it is remembered (AutoTokenizer ends by calling that class's from_pretrained
     on the directory, as this does), keeping its snapshot where it was not kept yet."""
     memo = tokenizer_class_memo(model_dir)
-    snapshot = read_snapshot(snapshot_path(memo), lambda: _load_transformers(model_dir, memo))
-    return snapshot if snapshot is not None else _load_transformers(model_dir, memo, keep=True)
+    snapshot = read_snapshot(*snapshot_paths(memo), lambda: _load_transformers(model_dir, memo))
+    if snapshot is not None or snapshot_only:
+        return snapshot
+    return _load_transformers(model_dir, memo, keep=True)
 
 
 def _load_transformers(model_dir: Path, memo: Path, keep: bool = False) -> PreTrainedTokenizerBase:

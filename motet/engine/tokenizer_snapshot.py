@@ -23,8 +23,9 @@ SERVED_METHODS = ("encode", "_encode_plus", "decode", "_decode", "convert_ids_to
 SPECIAL = ("bos", "eos", "unk", "pad")
 
 
-def snapshot_of(hf) -> dict | None:
-    """What a snapshot of `hf` (a transformers tokenizer) holds, or None where it would not answer as `hf` does."""
+def snapshot_of(hf) -> tuple[dict, str] | None:
+    """What a snapshot of `hf` (a transformers tokenizer) holds: its settings, and its Rust tokenizer as JSON; or
+    None where it would not answer as `hf` does."""
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     cls = type(hf)
@@ -54,18 +55,17 @@ def snapshot_of(hf) -> dict | None:
         "special": {k: [getattr(hf, f"{k}_token"), getattr(hf, f"{k}_token_id")] for k in SPECIAL},
         "all_special_ids": list(hf.all_special_ids),
         "model_max_length": hf.model_max_length,
-        "backend": backend.to_str(),
-    }
+    }, backend.to_str()
 
 
 class TokenizerSnapshot:
     """A transformers tokenizer's answers for serving, from its snapshot (`snapshot_of`), without transformers;
     `transformers()` loads the real one (`load`, a callable) for anything else."""
 
-    def __init__(self, held: dict, load):
+    def __init__(self, held: dict, backend: Path, load):
         from tokenizers import Tokenizer
 
-        self._tokenizer = Tokenizer.from_str(held["backend"])
+        self._tokenizer = Tokenizer.from_file(str(backend))  # (off the GIL: it builds beside other threads)
         self.name_or_path = held["name_or_path"]
         self.chat_template = held["chat_template"]
         self.special_tokens_map = held["special_tokens_map"]
@@ -123,14 +123,15 @@ class TokenizerSnapshot:
         return render(self.chat_template, conversation, self.special_tokens_map, **kwargs)
 
 
-def read_snapshot(path: Path, load) -> TokenizerSnapshot | None:
-    """The snapshot kept at `path`, or None (none there, or unreadable)."""
+def read_snapshot(path: Path, backend: Path, load) -> TokenizerSnapshot | None:
+    """The snapshot kept at `path` (its settings) and `backend` (its Rust tokenizer), or None (none there, or
+    unreadable)."""
     import json
 
     try:
         held = json.loads(path.read_text())
         if held.get("format") != SNAPSHOT_FORMAT:
             return None
-        return TokenizerSnapshot(held, load)
+        return TokenizerSnapshot(held, backend, load)
     except Exception:  # (unreadable: OSError, JSON's, a missing key, or tokenizers' own error)
         return None

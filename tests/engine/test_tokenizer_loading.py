@@ -260,3 +260,28 @@ def test_a_warm_load_imports_no_transformers(tiny_model_dir, cache):
     assert done.returncode == 0, done.stderr
     ids, imported = json.loads(done.stdout.strip().splitlines()[-1])
     assert ids == want and imported == []
+
+
+def test_an_early_load_builds_the_snapshot_beside_the_start(tiny_model_dir, monkeypatch):
+    """`motet serve` begins loading the tokenizer's snapshot before its imports (load_tokenizer_early): the
+    engine's load_tokenizer takes what that thread built; without a snapshot it loads through transformers
+    itself (the early thread never imports transformers beside the start's own imports)."""
+    import threading
+
+    from motet.engine.tokenizer import load_tokenizer_early
+    from motet.engine.tokenizer_snapshot import TokenizerSnapshot
+
+    built, real_init = [], TokenizerSnapshot.__init__
+
+    def counted(self, *a, **kw):
+        built.append(threading.current_thread().name)
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(TokenizerSnapshot, "__init__", counted)
+    load_tokenizer_early(tiny_model_dir)  # (no snapshot yet: nothing for the early thread)
+    first = load_tokenizer(tiny_model_dir)
+    assert not isinstance(first.hf, TokenizerSnapshot) and built == []
+    load_tokenizer_early(tiny_model_dir)
+    later = load_tokenizer(tiny_model_dir)
+    assert isinstance(later.hf, TokenizerSnapshot) and built == ["motet-tokenizer"]
+    assert later.encode_chat(MESSAGES) == first.encode_chat(MESSAGES)
