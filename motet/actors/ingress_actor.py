@@ -24,6 +24,10 @@ from motet.engine.request import EngineRequest
 
 log = logging.getLogger("motet.ingress")
 
+VOCABULARY_QUIET_S = 0.5  # the system idle this long (nothing prepared, queued or in the engine) before the
+# grammar backends' vocabulary is built: seconds of one core, which would slow the steps serving requests
+IDLE_POLL_S = 0.05
+
 
 class IngressActor(Actor):
     name = "ingress"
@@ -35,15 +39,31 @@ class IngressActor(Actor):
         self.limiter = anyio.CapacityLimiter(tokenizer_threads)
         self.grammar_limiter = anyio.CapacityLimiter(4)  # threads waiting on grammar compilations
         self.inputs: InputProcessor | None = None
+        self.preparing = 0  # submissions being prepared now
 
     async def on_start(self) -> None:
         # The executor has started: its engine is loaded, and no step runs yet.
         self.inputs = InputProcessor.of(self.executor.engine, self.executor.model)
 
+    def idle(self) -> bool:
+        """Nothing being prepared, queued, or in the engine (as of its latest step)."""
+        stats = self.executor.stats
+        engine_busy = stats is not None and (stats.num_running or stats.num_waiting)
+        return not (self.preparing or self.queues.depth or engine_busy)
+
     async def _build_vocabulary(self) -> None:
-        """The grammar backends' view of the vocabulary, built in a worker thread as the server begins to serve:
-        half a second or more, which the start does not wait for and a request with a grammar seldom does (it
-        waits for this build where it comes first). A failure is logged; such a request meets it again."""
+        """The grammar backends' view of the vocabulary, built in a worker thread once the server serves and has
+        been idle for VOCABULARY_QUIET_S: seconds of a core on a large vocabulary, which the start does not
+        wait for, nor do the first requests (their steps would share the cores with it); a request with a
+        grammar seldom does (it builds it, or waits for this build, where it comes first). A failure is
+        logged; such a request meets it again."""
+        quiet_since = None
+        while quiet_since is None or anyio.current_time() - quiet_since < VOCABULARY_QUIET_S:
+            if not self.idle():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = anyio.current_time()
+            await anyio.sleep(IDLE_POLL_S)
         try:
             await anyio.to_thread.run_sync(self.inputs.vocabulary, limiter=self.grammar_limiter)
         except Exception:
@@ -56,6 +76,13 @@ class IngressActor(Actor):
                 tg.start_soon(self.deliver, envelope)
 
     async def handle(self, message: Submit) -> list[Admission]:
+        self.preparing += 1
+        try:
+            return await self._admit(message)
+        finally:
+            self.preparing -= 1
+
+    async def _admit(self, message: Submit) -> list[Admission]:
         inputs = self.inputs
         admissions, requests = [], []
         for spec in message.specs:

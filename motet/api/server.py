@@ -407,6 +407,10 @@ def serve(args, config) -> int:
     model_dir, max_model_len = check_model(config)  # a wrong --model ends here, before anything starts
     sock = listen(args.host, args.port)  # (bound: a port in use is refused; nothing answers before `run`)
     ready = prepare(args, config, model_dir, max_model_len)  # the flags' refusals, and what they decided
+    if not serve_flags.wants_cluster(args):  # (the engine's tokenizer, loading beside the imports from here)
+        from motet.engine.tokenizer import load_tokenizer_early
+
+        load_tokenizer_early(config.tokenizer or model_dir)
     url = f"http://{args.host}:{args.port}"
     status = StatusLog(None, url, args.log_stats_interval, stats=not args.disable_log_stats)
     server = None

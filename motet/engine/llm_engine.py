@@ -260,7 +260,7 @@ class LLMEngine:
         with self._grammar_tokenizer_lock:
             if self._grammar_tokenizer is None:
                 self._grammar_tokenizer = GrammarTokenizer(
-                    self.tokenizer.hf,
+                    self.tokenizer.transformers(),  # (the backends' libraries read a transformers tokenizer)
                     vocab_size=self.model_config.vocab_size,
                     stop_token_ids=sorted(self.eos_token_ids),
                 )

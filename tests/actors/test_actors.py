@@ -366,6 +366,46 @@ async def test_a_submission_refused_part_way_leaves_nothing_queued(system):
         await _drain(s)
 
 
+async def test_the_grammar_vocabulary_is_built_once_the_system_is_idle(tiny_model_dir, monkeypatch):
+    """Issue 65: the grammar backends' vocabulary (seconds of a core on a large vocabulary, which the steps of the
+    first requests would share the cores with: the first answer of a warm start took a second more) is not built
+    while a request runs; once the system has been idle, it is."""
+    import threading
+    import time
+
+    from motet.actors import ingress_actor
+    from motet.grammar import backend
+
+    builds, running = [], threading.Event()
+    real_init, real_step = backend.GrammarTokenizer.__init__, LLMEngine.step
+
+    def counted(self, *a, **kw):
+        builds.append(running.is_set())
+        real_init(self, *a, **kw)
+
+    def slow_step(self, *a, **kw):  # (a request that runs for a second or more)
+        time.sleep(0.02)
+        return real_step(self, *a, **kw)
+
+    monkeypatch.setattr(backend.GrammarTokenizer, "__init__", counted)
+    monkeypatch.setattr(LLMEngine, "step", slow_step)
+    s = ServingSystem(_engine_factory(tiny_model_dir))
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(120):
+            await tg.start(s.run)
+            running.set()
+            _, tokens, _ = await _drain(
+                (await s.submit(_spec("long", [5, 6], max_tokens=60, ignore_eos=True))).streams[0]
+            )
+            running.clear()
+            assert len(tokens) == 60
+            assert builds == []  # (none while it ran)
+            while not builds:
+                await anyio.sleep(ingress_actor.IDLE_POLL_S)
+            assert builds == [False]
+        await s.stop()
+
+
 async def test_the_system_serves_before_the_grammar_vocabulary_is_built(tiny_model_dir, monkeypatch):
     """Issue 65: the grammar backends' view of the vocabulary (half a second or more on a real vocabulary) is built
     once the system serves, in a worker thread, never before it is ready: a plain request is answered while that
