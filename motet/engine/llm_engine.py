@@ -76,6 +76,7 @@ from motet.grammar.specs import GrammarSpec
 from motet.lora.manager import AdapterManager, AdapterRef, AdapterStats
 from motet.models.declaration import ModelLoadError
 from motet.models.rope_config import longrope_original
+from motet.serial_imports import first_imports
 
 log = logging.getLogger("motet.engine")
 
@@ -259,12 +260,18 @@ class LLMEngine:
         threads ask at once."""
         with self._grammar_tokenizer_lock:
             if self._grammar_tokenizer is None:
-                self._grammar_tokenizer = GrammarTokenizer(
-                    self.tokenizer.transformers(),  # (the backends' libraries read a transformers tokenizer)
-                    vocab_size=self.model_config.vocab_size,
-                    stop_token_ids=sorted(self.eos_token_ids),
-                )
+                with (
+                    first_imports()
+                ):  # (transformers' tokenizer and the backends' libraries: motet/serial_imports.py)
+                    self._grammar_tokenizer = self._build_grammar_tokenizer()
             return self._grammar_tokenizer
+
+    def _build_grammar_tokenizer(self) -> GrammarTokenizer:
+        return GrammarTokenizer(
+            self.tokenizer.transformers(),  # (the backends' libraries read a transformers tokenizer)
+            vocab_size=self.model_config.vocab_size,
+            stop_token_ids=sorted(self.eos_token_ids),
+        )
 
     @functools.cached_property
     def _reasoning_openings(self) -> dict[tuple[tuple[str, ...], bool], ReasoningOpening]:

@@ -82,7 +82,9 @@ class TokenizerSnapshot:
 
     def transformers(self):
         """The transformers tokenizer this is a snapshot of (loaded on first use)."""
-        with self._lock:
+        from motet.serial_imports import first_imports
+
+        with first_imports(), self._lock:  # (transformers' first import, maybe: motet/serial_imports.py)
             if self._hf is None:
                 self._hf = self._load()
             return self._hf

@@ -28,6 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from motet.grammar.backend import Backend, CompiledGrammar, GrammarTokenizer
 from motet.grammar.specs import BACKEND_NAMES, DEFAULT_BACKEND, GrammarError, GrammarSpec, short_error
+from motet.serial_imports import first_imports
 
 # Each backend's class, by module and name: a module (and its library: xgrammar, llguidance, outlines-core) is
 # imported at its backend's first use (the vocabulary's build or the first grammar), not with the engine.
@@ -67,7 +68,10 @@ class GrammarCache:
         with self._lock:
             b = self._backends.get((name, tokenizer.key))
             if b is None:
-                b = self._backends[(name, tokenizer.key)] = backend_class(name)(tokenizer)
+                with (
+                    first_imports()
+                ):  # (the backend's library, imported here the first time: motet/serial_imports.py)
+                    b = self._backends[(name, tokenizer.key)] = backend_class(name)(tokenizer)
             return b
 
     def compile(

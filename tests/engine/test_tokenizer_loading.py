@@ -262,6 +262,44 @@ def test_a_warm_load_imports_no_transformers(tiny_model_dir, cache):
     assert ids == want and imported == []
 
 
+def test_first_imports_of_transformers_from_two_threads_complete(tiny_model_dir, cache):
+    """A warm start imports transformers at its first use, and two threads may be first: the grammar vocabulary's
+    idle-time build (the snapshot's transformers tokenizer, then llguidance's backend) beside a fine-tuning job's
+    planning (peft, under `first_imports` as api/fine_tuning/routes.py runs it). Unguarded, Python handed one of
+    them a half-made transformers (a suite run: "cannot import name 'AutoModel' from 'transformers'", a 500 on a
+    job's creation; two bare threads importing llguidance.hf and peft fail so every time here)."""
+    load_tokenizer(tiny_model_dir)  # the first start keeps the snapshot
+    code = (
+        "import threading\n"
+        "from motet.engine.tokenizer import load_tokenizer\n"
+        "from motet.grammar.backend import GrammarTokenizer\n"
+        "from motet.grammar.cache import GrammarCache\n"
+        "from motet.serial_imports import first_imports\n"
+        f"tok = load_tokenizer({str(tiny_model_dir)!r})\n"
+        "errors, start = [], threading.Barrier(2)\n"
+        "def vocabulary():\n"
+        "    start.wait()\n"
+        "    try:\n"
+        "        hf = tok.transformers()\n"
+        "        GrammarCache().backend('llguidance', GrammarTokenizer(hf, vocab_size=len(hf)))\n"
+        "    except Exception as e:\n"
+        "        errors.append(repr(e))\n"
+        "def job():\n"
+        "    start.wait()\n"
+        "    try:\n"
+        "        with first_imports():\n"
+        "            from peft import LoraConfig\n"
+        "    except Exception as e:\n"
+        "        errors.append(repr(e))\n"
+        "threads = [threading.Thread(target=f) for f in (vocabulary, job)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "assert not errors, errors\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_an_early_load_builds_the_snapshot_beside_the_start(tiny_model_dir, monkeypatch):
     """`motet serve` begins loading the tokenizer's snapshot before its imports (load_tokenizer_early): the
     engine's load_tokenizer takes what that thread built; without a snapshot it loads through transformers
