@@ -9,6 +9,8 @@ Python's import then hands one of them a module still half made ("cannot import 
 
 from __future__ import annotations
 
+import importlib
+import sys
 import threading
 
 _LOCK = threading.RLock()
@@ -16,5 +18,20 @@ _LOCK = threading.RLock()
 
 def first_imports() -> threading.RLock:
     """The lock to hold while code may import transformers or a library built on it for the first time (re-entrant:
-    one holder may call another)."""
+    one holder may call another). Held while the imports run, not while their caller works on."""
     return _LOCK
+
+
+def imported(*modules: str) -> None:
+    """`modules` imported, under `first_imports()` where one is not yet whole (once they are, no lock is taken)."""
+    if all(_whole(sys.modules.get(name)) for name in modules):
+        return
+    with _LOCK:
+        for name in modules:
+            importlib.import_module(name)
+
+
+def _whole(module) -> bool:
+    """Whether `module` is imported and done (not still being made by some thread's import)."""
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)

@@ -265,7 +265,7 @@ def test_a_warm_load_imports_no_transformers(tiny_model_dir, cache):
 def test_first_imports_of_transformers_from_two_threads_complete(tiny_model_dir, cache):
     """A warm start imports transformers at its first use, and two threads may be first: the grammar vocabulary's
     idle-time build (the snapshot's transformers tokenizer, then llguidance's backend) beside a fine-tuning job's
-    planning (peft, under `first_imports` as api/fine_tuning/routes.py runs it). Unguarded, Python handed one of
+    planning (peft, under `first_imports` as api/fine_tuning/routes.py imports it). Unguarded, Python handed one of
     them a half-made transformers (a suite run: "cannot import name 'AutoModel' from 'transformers'", a 500 on a
     job's creation; two bare threads importing llguidance.hf and peft fail so every time here)."""
     load_tokenizer(tiny_model_dir)  # the first start keeps the snapshot

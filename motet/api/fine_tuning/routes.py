@@ -60,7 +60,7 @@ from motet.api.sqlite_store import StorageFailure, storage_failures
 from motet.api.state import ServerState, state_and_tenant
 from motet.api.storage_errors import storage_error, stored_call
 from motet.lora.registry import FILES as ADAPTER_FILES
-from motet.serial_imports import first_imports
+from motet.serial_imports import imported
 from motet.training.dataset import MAX_EXAMPLES
 from motet.training.eval_file import MAX_EXAMPLES as EVAL_MAX_EXAMPLES
 from motet.training.hyperparameters import HyperparameterError, Hyperparameters
@@ -206,8 +206,10 @@ async def create_job(request: Request) -> Response:
 
         def run_step() -> T:
             try:
-                # (peft and transformers are imported by the first job's steps: motet/serial_imports.py)
-                with storage_failures(), first_imports():
+                # (the steps use peft, and through it transformers: imported first, one thread at a time, not held
+                # while a step runs: another tenant's validation goes on beside it; motet/serial_imports.py)
+                imported("peft")
+                with storage_failures():
                     return cpu_timed(call, cpu)()
             except BaseException:
                 shutil.rmtree(run_dir, ignore_errors=True)
