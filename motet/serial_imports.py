@@ -18,7 +18,8 @@ _LOCK = threading.RLock()
 
 def first_imports() -> threading.RLock:
     """The lock to hold while code may import transformers or a library built on it for the first time (re-entrant:
-    one holder may call another). Held while the imports run, not while their caller works on."""
+    one holder may call another). Hold it around the code that may import, no longer: another thread's first import
+    waits for it."""
     return _LOCK
 
 

@@ -260,9 +260,8 @@ class LLMEngine:
         threads ask at once."""
         with self._grammar_tokenizer_lock:
             if self._grammar_tokenizer is None:
-                with (
-                    first_imports()
-                ):  # (transformers' tokenizer and the backends' libraries: motet/serial_imports.py)
+                # (transformers' tokenizer and the backends' libraries, maybe imported here first)
+                with first_imports():
                     self._grammar_tokenizer = self._build_grammar_tokenizer()
             return self._grammar_tokenizer
 

@@ -68,9 +68,8 @@ class GrammarCache:
         with self._lock:
             b = self._backends.get((name, tokenizer.key))
             if b is None:
-                with (
-                    first_imports()
-                ):  # (the backend's library, imported here the first time: motet/serial_imports.py)
+                # (the backend's library, imported here the first time: motet/serial_imports.py)
+                with first_imports():
                     b = self._backends[(name, tokenizer.key)] = backend_class(name)(tokenizer)
             return b
 
