@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import chat_body, cpu_info, cpu_line, write_report
-from benchmarks.step_profile import linear_gflops, linear_shapes
+from benchmarks.step_profile import fastest_gflops, linear_gflops, linear_shapes
 from motet.evals.serving_bench import make_prompts, run_level, summarize
 
 
@@ -73,26 +73,14 @@ def measure_peak(cfg, rows: int, threads: int, seconds: float) -> dict:
         x, out, w = torch.randn(rows, k), torch.empty(rows, n), torch.randn(n, k)
         for dt in (torch.bfloat16, torch.float32):  # (the native GEMM reads x in fp32, its weights in either)
             call = partial(cpu_native.gemm, x, cpu_native.pack(w.to(dt)), n, out=out)
-            measured[f"motet {cpu_native.isa()} {str(dt).removeprefix('torch.')}"] = _gflops(
-                call, rows * k * n, seconds
+            measured[f"motet {cpu_native.isa()} {str(dt).removeprefix('torch.')}"] = fastest_gflops(
+                call, 2 * rows * k * n, seconds
             )
         per_shape[name] = measured
     best = {name: max(m.values()) for name, m in per_shape.items()}
     flops = {name: 2 * k * n * count for name, (k, n, count) in shapes.items()}
     decoder = sum(flops.values()) / sum(f / best[name] for name, f in flops.items() if f)
     return {"rows": rows, "shapes": per_shape, "decoder": decoder, "lm_head": best["lm_head"]}
-
-
-def _gflops(fn, macs: int, seconds: float) -> float:
-    """GFLOPS of `fn`'s fastest call (a warm-up call, then at least three, as many as `seconds` allows)."""
-    fn()
-    best, spent, calls = float("inf"), 0.0, 0
-    while calls < 3 or spent < seconds:
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        best, spent, calls = min(best, dt), spent + dt, calls + 1
-    return 2 * macs / best / 1e9
 
 
 def run_levels(url: str, model: str, cfg, args) -> list[dict]:

@@ -242,14 +242,20 @@ def linear_gflops(rows: int, k: int, n: int, dtype: torch.dtype, budget_s: float
     product can be a hundred times slower than its fp32 one)."""
     x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     with torch.inference_mode():
-        torch.nn.functional.linear(x, w)
-        best, spent, calls = float("inf"), 0.0, 0
-        while calls < 3 or spent < budget_s:
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            dt = time.perf_counter() - t0
-            best, spent, calls = min(best, dt), spent + dt, calls + 1
-    return 2 * rows * k * n / best / 1e9
+        return fastest_gflops(lambda: torch.nn.functional.linear(x, w), 2 * rows * k * n, budget_s)
+
+
+def fastest_gflops(call, flops: int, budget_s: float) -> float:
+    """GFLOPS of `call`'s fastest run (`flops` a run): a warm-up call, then at least three, as many as `budget_s`
+    allows."""
+    call()
+    best, spent, calls = float("inf"), 0.0, 0
+    while calls < 3 or spent < budget_s:
+        t0 = time.perf_counter()
+        call()
+        dt = time.perf_counter() - t0
+        best, spent, calls = min(best, dt), spent + dt, calls + 1
+    return flops / best / 1e9
 
 
 def measure_peak(cfg, batches: list[int], threads: int, budget_s: float = 0.2) -> dict:
