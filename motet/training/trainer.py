@@ -163,6 +163,17 @@ def _dpo_trainer_class():
     return TokenizedDPOTrainer
 
 
+def import_libraries() -> None:
+    """Import what a run uses (torch, transformers' model and trainer, PEFT, TRL's trainers, datasets): done once
+    by the fork server a local worker is forked from (motet/api/fine_tuning/workers.py), so a job starts in a
+    fraction of a second and its worker shares these modules' pages with the others."""
+    import torch  # noqa: F401
+    from datasets import Dataset  # noqa: F401
+    from peft import LoraConfig, PeftModel  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: F401
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: F401
+
+
 def load_base(model_dir: Path, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM

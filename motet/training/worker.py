@@ -1,20 +1,18 @@
-"""The child process a fine-tuning job trains in, beside the server that serves:
-
-    python -m motet.training.worker RUN_DIR --threads N --nice N
+"""The process a fine-tuning job trains in, beside the server that serves: forked from a fork server that has the
+training libraries imported (motet/api/fine_tuning/workers.py; `forked_main` is what runs in it).
 
 It sets its niceness (`os.nice`; 0 by default: the server's engine rations its time) and its thread count before
-anything heavy is imported, dies with the server (motet/parent_death.py), trains the run described by
-RUN_DIR/run.json (motet/training/trainer.py) and tells the server what happens as JSON lines on its standard
-output, one event each (the libraries' own prints go to standard error). It runs only while the server's engine
-lends it the cores (motet/actors/training_lease.py): the server stops and continues the whole process
-(SIGSTOP / SIGCONT), wherever it is in its step; nothing here sees it but the time. SIGUSR1 asks for a pause (a
-checkpoint after the step in progress, then exit; handled once it runs); the server stops a cancelled job with
-SIGKILL. The first line, {"type": "ready"}, says the pause signal is handled from then on.
+it computes, dies with the server (through the fork server, which exits with it), trains the run described by
+RUN_DIR/run.json (motet/training/trainer.py) and tells the server what happens as events, one dict each, on its
+connection (the libraries' own prints go to RUN_DIR's log). It runs only while the server's engine lends it the
+cores (motet/actors/training_lease.py): the server stops and continues the whole process (SIGSTOP / SIGCONT),
+wherever it is in its step; nothing here sees it but the time. SIGUSR1 asks for a pause (a checkpoint after the
+step in progress, then exit; handled once it runs); the server stops a cancelled job with SIGKILL. The first
+event, {"type": "ready"}, says the pause signal is handled from then on.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -23,34 +21,52 @@ import threading
 from pathlib import Path
 
 RUN_SPEC = "run.json"
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # Linux's prctl(2)
+NAME = b"motet-training"  # the worker's process name (`ps -e`, `top`, psutil's name()): its fork server's is python
 
 
-def main(argv=None) -> int:
+def forked_main(run_dir: str, threads: int, nice: int, events, log_path: str) -> None:
+    """The worker, forked from the fork server: its events sent on the `events` connection, its standard output and
+    error appended to `log_path`; exits with run_job's code."""
     pause = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: pause.set())
-    ap = argparse.ArgumentParser(prog="python -m motet.training.worker")
-    ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--nice", type=int, default=0)
-    args = ap.parse_args(argv)
-    events = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # whatever the libraries print goes to standard error, never between two events
-
-    def emit(event: dict) -> None:
-        events.write(json.dumps(event) + "\n")
-        events.flush()
-
-    die_with_server()
-    return run_job(args.run_dir, emit, pause.is_set, args.threads, args.nice)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    die_with_fork_server()
+    _prctl(PR_SET_NAME, NAME)  # (its compute threads, started later, inherit it)
+    code = run_job(Path(run_dir), events.send, pause.is_set, threads, nice)
+    events.close()
+    sys.exit(code)
 
 
-def die_with_server() -> None:
-    """This process ends with the server that started it, however the server ends: by SIGKILL, the one signal that
-    ends it while the server's engine holds it stopped (motet/actors/training_lease.py); it has nothing to tidy (its
-    checkpoints are whole or ignored)."""
-    from motet.parent_death import die_with_parent
+def die_with_fork_server() -> None:
+    """This process ends with the fork server it was forked from, and so with the server (the fork server exits when
+    the server's end of its pipe closes), however the server ends: by SIGKILL, the one signal that ends it while
+    the server's engine holds it stopped (motet/actors/training_lease.py); it has nothing to tidy (its checkpoints
+    are whole or ignored)."""
+    from multiprocessing import forkserver
 
-    die_with_parent(signal.SIGKILL)
+    # multiprocessing hands each child a copy of the server's end of that pipe (so that the child could fork from
+    # the same server): kept, the fork server would outlive the server for as long as this worker lives (stopped
+    # by the lease: forever). CPython's name for it, 3.8 to 3.14.
+    if (alive := getattr(forkserver._forkserver, "_forkserver_alive_fd", None)) is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
+    parent = os.getppid()
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the fork server ended before the prctl
+        os._exit(1)
+
+
+def _prctl(option: int, value) -> None:
+    if sys.platform == "linux":  # (elsewhere: nothing)
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
 
 
 def run_job(run_dir: Path, emit, pause_asked, threads: int, nice: int) -> int:
@@ -80,7 +96,3 @@ def run_job(run_dir: Path, emit, pause_asked, threads: int, nice: int) -> int:
     if outcome == "paused":
         emit({"type": "paused"})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -134,26 +134,39 @@ async def test_a_stopped_worker_takes_its_pause_when_it_runs_and_dies_of_sigkill
     lease.leave(worker.pid)
 
 
-def test_a_stopped_worker_dies_with_its_parent(tmp_path):
-    """The server's end (however it ends) takes a stopped worker with it: its parent-death signal is SIGKILL, the
-    one signal a stopped process dies of (the kernel leaves any other pending until it is continued)."""
+def spin_when_ready(ready) -> None:
+    """A stand-in worker, forked as motet/api/fine_tuning/workers.py forks one: it spins once it says ready."""
+    from motet.training.worker import die_with_fork_server
+
+    die_with_fork_server()
+    ready.send("ready")
+    while True:
+        pass
+
+
+def test_a_stopped_worker_dies_with_its_server(tmp_path):
+    """The server's end (however it ends: here SIGKILL) takes a stopped worker with it, through the fork server it
+    was forked from: its parent-death signal is SIGKILL, the one signal a stopped process dies of (the kernel leaves
+    any other pending until it is continued)."""
     parent = """
-import os, signal, subprocess, sys, time
+import multiprocessing, os, signal, time
 from pathlib import Path
-from motet.parent_death import child_env
-child = subprocess.Popen([sys.executable, "-c", "from motet.training.worker import die_with_server; "
-                          "die_with_server(); print('ready', flush=True)\\nwhile True: pass"],
-                         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-assert child.stdout.readline() == b"ready\\n"
+forks = multiprocessing.get_context("forkserver")
+ready, sender = forks.Pipe(duplex=False)
+from tests.actors.test_training_lease import spin_when_ready
+child = forks.Process(target=spin_when_ready, args=(sender,), daemon=True)
+child.start()
+assert ready.recv() == "ready"
 os.kill(child.pid, signal.SIGSTOP)
 while not all(Path(f"/proc/{child.pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
               for t in os.listdir(f"/proc/{child.pid}/task")):
     time.sleep(0.01)
 print(child.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
 """
     out = subprocess.run([sys.executable, "-c", parent], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == -signal.SIGKILL, out.stderr
     child = int(out.stdout.split()[-1])
     deadline = time.monotonic() + 10
     while Path(f"/proc/{child}").exists() and states(child) - {"Z", "X"}:

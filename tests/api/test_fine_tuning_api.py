@@ -28,6 +28,7 @@ from motet.engine.weights.model_config import load_model_config
 from motet.grammar.tool_formats import tool_format
 from motet.training.run_setup import RunFiles, prepare_files, set_up
 from motet.training.trainer import train
+from motet.training.worker import NAME
 from tests.live_server import keys_file, tiny_server
 
 KEYS = {"ka": "alice", "kb": "bob", "kc": "carol", "kd": "dave", "ke": "erin", "kadmin": {"admin": True},
@@ -539,9 +540,7 @@ def test_a_server_restart_mid_job_resumes_it_to_the_same_adapter(tiny_model_dir,
         validating = r.fine_tuning.jobs.create(training_file=many.id, model="tiny")
         assert validating.status == "validating_files"
         workers = [
-            p
-            for p in psutil.Process(first.proc.pid).children()
-            if "motet.training.worker" in " ".join(p.cmdline())
+            p for p in psutil.Process(first.proc.pid).children(recursive=True) if p.name() == NAME.decode()
         ]
         first.proc.kill()  # SIGKILL, mid-validation: nothing of the server runs on
         first.proc.wait()

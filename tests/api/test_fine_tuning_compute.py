@@ -15,6 +15,7 @@ import openai
 import psutil
 import pytest
 
+from motet.training.worker import NAME
 from tests.api.test_fine_tuning_api import KEYS, chat, client, jsonl, upload, wait
 from tests.live_server import ThreadServer, keys_file
 
@@ -89,16 +90,16 @@ def thread_states(pid: int) -> set[str]:
 
 
 def worker_process() -> psutil.Process:
-    """The job's worker: this process's child `python -m motet.training.worker` (one job at a time; a worker that
-    has exited and is not reaped yet is none)."""
+    """The job's worker: a process of this one's named `motet-training` (forked from its fork server; one job at a
+    time; a worker that has exited and is not reaped yet is none)."""
 
     def worker(p: psutil.Process) -> bool:
         with contextlib.suppress(psutil.Error):
-            return p.status() != psutil.STATUS_ZOMBIE and "motet.training.worker" in " ".join(p.cmdline())
+            return p.status() != psutil.STATUS_ZOMBIE and p.name() == NAME.decode()
         return False
 
     deadline = time.monotonic() + 60
-    while not (found := [p for p in psutil.Process().children() if worker(p)]):
+    while not (found := [p for p in psutil.Process().children(recursive=True) if worker(p)]):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     (one,) = found

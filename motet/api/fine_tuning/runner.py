@@ -2,8 +2,8 @@
 
 The runner is a task of the app's lifespan (as the batch runner is). Whenever a slot is free it asks the fair
 queue (motet/training/fair_queue.py: tenants in turn) which queued job goes next and starts its worker
-(motet/api/fine_tuning/workers.py): a child process `python -m motet.training.worker` with its own thread count
-(`--fine-tuning-threads`), dying with the server, or behind a Ray cluster a Ray Train run on the node the operator
+(motet/api/fine_tuning/workers.py): a process forked from a fork server that has the training libraries imported,
+with its own thread count (`--fine-tuning-threads`), dying with the server, or behind a Ray cluster a Ray Train run on the node the operator
 names (motet/cluster/training_jobs.py). A local worker runs only while the serving engine lends it the cores
 (motet/actors/training_lease.py: `--fine-tuning-share` of the time while serving is busy, all of it while idle,
 one worker at a time): the job's events say when it waits for compute and when it no longer does, and its
