@@ -60,22 +60,22 @@ def answer(c: openai.OpenAI, model: str, messages: list[dict], max_tokens: int =
     return r.choices[0].message.content or ""
 
 
-def reproduced(c: openai.OpenAI, model: str, examples: list[dict]) -> dict:
+def reproduced(c: openai.OpenAI, model: str, examples: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
     """The training answers the model gives exactly (whitespace at the ends aside)."""
     misses = []
     for ex in examples:
         prompt, expected = ex["messages"][:-1], ex["messages"][-1]["content"]
-        got = answer(c, model, prompt)
+        got = answer(c, model, prompt, max_tokens)
         if got.strip() != expected.strip():
             misses.append({"question": prompt[-1]["content"], "expected": expected, "got": got})
     n = len(examples)
     return {"examples": n, "exact": n - len(misses), "rate": (n - len(misses)) / n, "misses": misses[:10]}
 
 
-def facts(c: openai.OpenAI, model: str, questions: list[dict]) -> dict:
+def facts(c: openai.OpenAI, model: str, questions: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
     wrong = []
     for f in questions:
-        got = answer(c, model, [{"role": "user", "content": f["question"]}])
+        got = answer(c, model, [{"role": "user", "content": f["question"]}], max_tokens)
         if not mentions(got, f["answer"]):
             wrong.append({"question": f["question"], "expected": f["answer"], "got": got})
     n = len(questions)
@@ -92,10 +92,15 @@ def is_shaped(text: str) -> bool:
 
 
 def served_as_peft(
-    c: openai.OpenAI, model: str, model_dir: Path, adapter: Path, prompts: list[list[dict]]
+    c: openai.OpenAI,
+    model: str,
+    model_dir: Path,
+    adapter: Path,
+    prompts: list[list[dict]],
+    max_tokens: int = MAX_TOKENS,
 ) -> dict:
     """The served model's greedy token ids against transformers + PEFT's on the stored adapter, from the served
-    prompt's token ids (each answer up to its end of turn, or MAX_TOKENS)."""
+    prompt's token ids (each answer up to its end of turn, or `max_tokens`)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -106,12 +111,12 @@ def served_as_peft(
     pad = eos[0] if isinstance(eos, list) else eos  # (a model may list several)
     differ = []
     for messages in prompts:
-        r = c.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
+        r = c.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=max_tokens,
                                                         extra_body={"return_token_ids": True}, **GREEDY)  # fmt: skip
         body = json.loads(r.text)
         prompt, served = body["prompt_token_ids"], body["choices"][0]["token_ids"]
         with torch.no_grad():
-            out = peft.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+            out = peft.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
                                 eos_token_id=eos, pad_token_id=pad)  # fmt: skip
         ids = out[0, len(prompt) :].tolist()
         if served != ids:
@@ -122,7 +127,11 @@ def served_as_peft(
 def run(args, run_job, dpo_margins, machine) -> dict:
     """The quality phase on one server (run_job and dpo_margins: benchmarks/fine_tuning.py's)."""
     report: dict = {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "command"}}
-    behaviour, known = lines("behaviour.jsonl"), lines("facts.jsonl")
+    n, tokens = args.examples, args.max_tokens  # (the smoke run's few; by default every line, MAX_TOKENS)
+    behaviour, known = lines("behaviour.jsonl")[:n], lines("facts.jsonl")[:n]
+    dpo_train = "".join(f"{json.dumps(pair)}\n" for pair in lines("dpo_train.jsonl")[:n]).encode()
+    held = "".join(f"{json.dumps(pair)}\n" for pair in lines("dpo_heldout.jsonl")[:n]).encode()
+    behaviour_file = "".join(f"{json.dumps(ex)}\n" for ex in behaviour).encode()
     with tempfile.TemporaryDirectory(prefix="motet-ft-quality-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "keys.json").write_text(json.dumps(KEYS))
@@ -139,31 +148,33 @@ def run(args, run_job, dpo_margins, machine) -> dict:
             base = c.models.list().data[0].id
             print("the supervised job, the docs' defaults ...", flush=True)
             t0 = time.monotonic()
-            sft = run_job(c, (DATA / "behaviour.jsonl").read_bytes(), {"type": "supervised"}, "json")
+            sft = run_job(c, behaviour_file, {"type": "supervised"}, "json")
             report["sft"] = {"seconds": time.monotonic() - t0, "hyperparameters": sft["job"]["hyperparameters"],
                              "trained_tokens": sft["job"]["trained_tokens"]}  # fmt: skip
             tuned = sft["job"]["fine_tuned_model"]
             print("its training answers, greedily ...", flush=True)
-            report["reproduced"] = reproduced(c, tuned, behaviour)
+            report["reproduced"] = reproduced(c, tuned, behaviour, tokens)
             print("held-out facts: the base model, then the tuned one ...", flush=True)
-            report["facts"] = {"base": facts(c, base, known), "fine_tuned": facts(c, tuned, known)}
+            report["facts"] = {
+                "base": facts(c, base, known, tokens),
+                "fine_tuned": facts(c, tuned, known, tokens),
+            }
             report["facts"]["drop"] = report["facts"]["base"]["rate"] - report["facts"]["fine_tuned"]["rate"]
             model_dir = resolve_model(args.model)
             adapters = tmp / "data" / "adapters" / "tenant"
             print("served against transformers + PEFT on 32 prompts ...", flush=True)
             prompts = [ex["messages"][:-1] for ex in behaviour[:16]]
             prompts += [[{"role": "user", "content": f["question"]}] for f in known[:16]]
-            report["served_as_peft"] = served_as_peft(c, tuned, model_dir, adapters / tuned, prompts)
+            report["served_as_peft"] = served_as_peft(c, tuned, model_dir, adapters / tuned, prompts, tokens)
             print("the DPO job, the docs' defaults ...", flush=True)
             t0 = time.monotonic()
-            dpo = run_job(c, (DATA / "dpo_train.jsonl").read_bytes(), {"type": "dpo"}, "dpo")
+            dpo = run_job(c, dpo_train, {"type": "dpo"}, "dpo")
             report["dpo"] = {"seconds": time.monotonic() - t0, "hyperparameters": dpo["job"]["method"]["dpo"],
                              "trained_tokens": dpo["job"]["trained_tokens"]}  # fmt: skip
-            held = (DATA / "dpo_heldout.jsonl").read_bytes()
             report["dpo"] |= dpo_margins(model_dir, adapters / dpo["job"]["fine_tuned_model"], held)
             questions = [json.loads(line)["input"]["messages"] for line in held.decode().splitlines()]
-            shaped = [is_shaped(answer(c, dpo["job"]["fine_tuned_model"], q)) for q in questions]
-            base_shaped = [is_shaped(answer(c, base, q)) for q in questions]
+            shaped = [is_shaped(answer(c, dpo["job"]["fine_tuned_model"], q, tokens)) for q in questions]
+            base_shaped = [is_shaped(answer(c, base, q, tokens)) for q in questions]
             report["dpo"] |= {"greedy_shaped_before": sum(base_shaped) / len(questions),
                               "greedy_shaped_after": sum(shaped) / len(questions)}  # fmt: skip
     write_report(out, "fine_tuning_quality", report, summary(report))

@@ -198,8 +198,8 @@ def test_fine_tuning_quality(model, tmp_path):
     model against transformers + PEFT (on the tiny model: the figures are its, the path the real model's)."""
     from benchmarks import fine_tuning
 
-    fine_tuning.main(["quality", "--model", str(model), "--output-dir", str(tmp_path), "--server-args", *SERVER,
-                      "--dtype", "float32"])  # fmt: skip
+    fine_tuning.main(["quality", "--model", str(model), "--examples", "8", "--max-tokens", "8", "--output-dir",
+                      str(tmp_path), "--server-args", *SERVER, "--dtype", "float32"])  # fmt: skip
     report = only_json(tmp_path)
     assert report["sft"]["trained_tokens"] > 0 and report["dpo"]["trained_tokens"] > 0
     equal = report["served_as_peft"]
