@@ -49,7 +49,7 @@ class LocalWorker:
 
     @classmethod
     def _fork(cls, run_dir: Path, threads: int, nice: int) -> LocalWorker:
-        _FORKS.set_forkserver_preload([PRELOAD])
+        _FORKS.set_forkserver_preload(["__main__", PRELOAD])  # (multiprocessing's default and ours)
         events, sender = _FORKS.Pipe(duplex=False)
         args = (str(run_dir), threads, nice, sender, str(run_dir / "worker.log"))
         proc = _FORKS.Process(target=forked_main, args=args, name=f"fine-tuning {run_dir.name}", daemon=True)
