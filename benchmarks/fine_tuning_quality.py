@@ -6,7 +6,8 @@ with the docs' defaults (docs/fine-tuning.md: no hyperparameter given) on the fi
   the share of its answers that are the trained one exactly (target >= 0.90);
 - facts.jsonl: 50 held-out factual questions with a one-word answer, none in the training file: the share answered
   correctly (the answer holds the expected word, as a word, any case) by the base model and by the `ft:` model
-  (target: the tuned rate within 5 points of the base's);
+  (target: the tuned rate within 5 points of the base's), and by the base model made to answer in the JSON shape (its
+  turn begun with `{"answer": "` and continued): what the shape alone costs a model never tuned to it;
 - dpo_train.jsonl / dpo_heldout.jsonl: 40 preference pairs (preferred: the JSON-shaped answer; the other: the same
   sentence bare) trained by a DPO job; on 20 held-out pairs, the preferred answer's win rate before and after (a
   win: the model gives the preferred answer a higher log-probability than the other, the sum over its tokens, by
@@ -43,6 +44,7 @@ DATA = ROOT / "benchmarks" / "data" / "fine_tuning"
 KEYS = {"sk-tenant": "tenant"}
 GREEDY = {"temperature": 0, "frequency_penalty": 0, "presence_penalty": 0}
 MAX_TOKENS = 64
+SHAPE_OPENING = '{"answer": "'  # how each of the demonstration's answers begins
 TARGETS = {"reproduced": 0.90, "facts_within": 0.05, "dpo_before_below": 0.5, "dpo_after": 0.80}
 
 
@@ -80,6 +82,18 @@ def facts(c: openai.OpenAI, model: str, questions: list[dict], max_tokens: int =
             wrong.append({"question": f["question"], "expected": f["answer"], "got": got})
     n = len(questions)
     return {"questions": n, "right": n - len(wrong), "rate": (n - len(wrong)) / n, "wrong": wrong}
+
+
+def facts_in_shape(c: openai.OpenAI, model: str, questions: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
+    """The held-out facts asked of `model` with its answer begun in the demonstration's shape (the assistant turn
+    opened with SHAPE_OPENING and continued): what the shape alone costs a model that was never tuned to it."""
+    right = 0
+    for f in questions:
+        opened = [{"role": "user", "content": f["question"]}, {"role": "assistant", "content": SHAPE_OPENING}]
+        r = c.chat.completions.create(model=model, messages=opened, max_tokens=max_tokens, **GREEDY,
+                                      extra_body={"continue_final_message": True, "add_generation_prompt": False})  # fmt: skip
+        right += mentions(r.choices[0].message.content or "", f["answer"])
+    return {"questions": len(questions), "right": right, "rate": right / len(questions)}
 
 
 def is_shaped(text: str) -> bool:
@@ -160,6 +174,7 @@ def run(args, run_job, dpo_margins, machine) -> dict:
                 "fine_tuned": facts(c, tuned, known, tokens),
             }
             report["facts"]["drop"] = report["facts"]["base"]["rate"] - report["facts"]["fine_tuned"]["rate"]
+            report["facts"]["base_in_shape"] = facts_in_shape(c, base, known, tokens)
             model_dir = resolve_model(args.model)
             adapters = tmp / "data" / "adapters" / "tenant"
             print("served against transformers + PEFT on 32 prompts ...", flush=True)
@@ -195,6 +210,8 @@ def summary(r: dict) -> str:
         f"| held-out facts answered: base / fine-tuned | {f['base']['right']} / {f['fine_tuned']['right']} of "
         f"{f['base']['questions']} ({f['drop'] * 100:+.0f} points lost) | within {TARGETS['facts_within'] * 100:.0f} "
         "points |",
+        f"| held-out facts answered by the base model made to answer in the shape (its turn begun with "
+        f"`{SHAPE_OPENING}`) | {f['base_in_shape']['right']} of {f['base_in_shape']['questions']} | |",
         f"| DPO: the preferred answer's win rate on {d['pairs']} held-out pairs, before -> after | "
         f"{d['win_before']:.2f} -> {d['win_after']:.2f} | < {TARGETS['dpo_before_below']:.1f} -> >= "
         f"{TARGETS['dpo_after']:.2f} |",
