@@ -340,24 +340,6 @@ def test_two_tensor_parallel_ranks_match_transformers_and_peft(deepseek, tmp_pat
     name, model_dir = deepseek
     if name not in ("v2", "v3_halves"):
         pytest.skip("q_a / q_b and q_proj, V2's and V3's routing: two of the four")
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            block_size=8,
-            num_kv_blocks=128,
-            tensor_parallel_size=2,
-            compile_step=compiled,
-        ),
-        model_dir,
-    )
-    try:
-        assert engine.runner.workers is not None
-        assert (engine.runner.native is not None) == compiled
-        assert engine.runner.model.layers[0].self_attn.num_heads == 2
-        for got, p in zip(engine_logits(engine, PROMPTS, chunk=7), PROMPTS, strict=True):
-            torch.testing.assert_close(got, hf_logits(model_dir, p), atol=2e-4, rtol=1e-4)
-    finally:
-        engine.close()
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[2]]
     # an adapter on every latent projection, cut with the heads (q_a / kv_a whole on each rank)
@@ -367,7 +349,14 @@ def test_two_tensor_parallel_ranks_match_transformers_and_peft(deepseek, tmp_pat
     options = dict(
         num_kv_blocks=128, block_size=8, tensor_parallel_size=2, max_lora_rank=8, compile_step=compiled
     )
+    # one rank group for the logits, the greedy outputs and the adapter's (a group's start is seconds)
     with LLM(str(model_dir), **options) as llm:
+        engine = llm.engine
+        assert engine.runner.workers is not None
+        assert (engine.runner.native is not None) == compiled
+        assert engine.runner.model.layers[0].self_attn.num_heads == 2
+        for got, p in zip(engine_logits(engine, PROMPTS, chunk=7), PROMPTS, strict=True):
+            torch.testing.assert_close(got, hf_logits(model_dir, p), atol=2e-4, rtol=1e-4)
         outs = llm.generate(prompts, params)
         llm.add_lora("all", tmp_path / "all")
         adapted = llm.generate(
