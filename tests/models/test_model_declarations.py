@@ -250,29 +250,22 @@ def test_family_on_two_ranks_matches_transformers_and_peft(family, tmp_path):
     """Tensor parallelism over two gloo ranks: each rank's heads, columns and vocabulary (Phi-3's fused tensors
     split first, Granite's scales folded first, OLMo 2's norm weights across heads split with the heads), and
     adapters cut with them."""
-    from motet.engine.config import EngineConfig
-    from motet.engine.llm_engine import LLMEngine
     from tests.engine.test_tensor_parallel import tp_workers
 
     model_dir, (attn, mlp) = family
-    engine = LLMEngine(
-        EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=128, tensor_parallel_size=2),
-        model_dir=model_dir,
-    )
-    try:
+    specs = [("attn", 8, attn), ("mlp", 4, mlp)]
+    peft = save_peft_adapters(model_dir, tmp_path, specs, std=0.1)
+    prompts, names = PROMPTS[:3], ["attn", "mlp", None]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    # one rank group for the logits and the adapters' outputs (a group's start is seconds)
+    with LLM(str(model_dir), num_kv_blocks=128, block_size=8, max_lora_rank=8, tensor_parallel_size=2) as llm:
+        engine = llm.engine
         assert engine.runner.workers is not None
         assert (engine.runner.native is not None) == native_expected(
             model_dir, cpu_native.library() is not None
         )
         for got, p in zip(engine_logits(engine, PROMPTS, chunk=7), PROMPTS, strict=True):
             torch.testing.assert_close(got, hf_logits(model_dir, p), atol=2e-4, rtol=1e-4)
-    finally:
-        engine.close()
-    specs = [("attn", 8, attn), ("mlp", 4, mlp)]
-    peft = save_peft_adapters(model_dir, tmp_path, specs, std=0.1)
-    prompts, names = PROMPTS[:3], ["attn", "mlp", None]
-    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
-    with LLM(str(model_dir), num_kv_blocks=128, block_size=8, max_lora_rank=8, tensor_parallel_size=2) as llm:
         for name, _, _ in specs:
             llm.add_lora(name, tmp_path / name)
         outs = llm.generate(prompts, params, adapters=names)
