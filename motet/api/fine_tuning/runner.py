@@ -1,16 +1,16 @@
 """The fine-tuning runner: queued jobs trained one at a time (by default), each in a child process beside serving.
 
-The runner is a task of the app's lifespan (as the batch runner is). Whenever a slot is free it asks the fair
-queue (motet/training/fair_queue.py: tenants in turn) which queued job goes next and starts its worker
+The runner is a task of the app's lifespan (as the batch runner is). Whenever a slot is free it asks the fair queue
+(motet/training/fair_queue.py: tenants in turn) which queued job goes next and starts its worker
 (motet/api/fine_tuning/workers.py): a process forked from a fork server that has the training libraries imported,
-with its own thread count (`--fine-tuning-threads`), dying with the server, or behind a Ray cluster a Ray Train run on the node the operator
-names (motet/cluster/training_jobs.py). A local worker runs only while the serving engine lends it the cores
-(motet/actors/training_lease.py: `--fine-tuning-share` of the time while serving is busy, all of it while idle,
-one worker at a time): the job's events say when it waits for compute and when it no longer does, and its
-`estimated_finish` is its pace while it computes over the share it gets. What the worker says (an event) becomes
-the job's progress, events and checkpoints in the store (motet/api/fine_tuning/store.py); each epoch's
-checkpoint, then the job's model, is stored as the tenant's adapter (motet/api/adapters/store.py), served from
-then on; the trained tokens are counted in the tenant's usage as they are trained.
+with its own thread count (`--fine-tuning-threads`), dying with the server, or behind a Ray cluster a Ray Train run
+on the node the operator names (motet/cluster/training_jobs.py). A local worker runs only while the serving engine
+lends it the cores (motet/actors/training_lease.py: `--fine-tuning-share` of the time while serving is busy, all of
+it while idle, one worker at a time): the job's events say when it waits for compute and when it no longer does, and
+its `estimated_finish` is its pace while it computes over the share it gets. What the worker says (an event) becomes
+the job's progress, events and checkpoints in the store (motet/api/fine_tuning/store.py); each epoch's checkpoint,
+then the job's model, is stored as the tenant's adapter (motet/api/adapters/store.py), served from then on; the
+trained tokens are counted in the tenant's usage as they are trained.
 
 A job with an eval file has it answered once its model is stored, outside the training slots: the next queued job
 starts training meanwhile. Cancel kills the worker at once, or stops the eval (its requests in flight aborted);
