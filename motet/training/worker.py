@@ -20,8 +20,9 @@ import sys
 import threading
 from pathlib import Path
 
+from motet.parent_death import die_with_current_parent
+
 RUN_SPEC = "run.json"
-PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # Linux's prctl(2)
 NAME = b"motet-training"  # the worker's process name (`ps -e`, `top`, psutil's name()): its fork server's is python
 
 
@@ -37,7 +38,7 @@ def forked_main(run_dir: str, threads: int, nice: int, events, log_path: str) ->
     os.dup2(log, 2)
     os.close(log)
     die_with_fork_server()
-    _prctl(PR_SET_NAME, NAME)  # (its compute threads, started later, inherit it)
+    _name_process()
     code = run_job(Path(run_dir), events.send, pause.is_set, threads, nice)
     events.close()
     sys.exit(code)
@@ -56,17 +57,15 @@ def die_with_fork_server() -> None:
     if (alive := getattr(forkserver._forkserver, "_forkserver_alive_fd", None)) is not None:
         os.close(alive)
         forkserver._forkserver._forkserver_alive_fd = None
-    parent = os.getppid()
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the fork server ended before the prctl
-        os._exit(1)
+    die_with_current_parent(signal.SIGKILL)
 
 
-def _prctl(option: int, value) -> None:
-    if sys.platform == "linux":  # (elsewhere: nothing)
+def _name_process() -> None:
+    """NAME for this process and the threads it starts later (Linux's PR_SET_NAME; elsewhere nothing)."""
+    if sys.platform == "linux":
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(option, value)
+        ctypes.CDLL(None, use_errno=True).prctl(15, NAME)  # PR_SET_NAME
 
 
 def run_job(run_dir: Path, emit, pause_asked, threads: int, nice: int) -> int:

@@ -4,9 +4,7 @@ plans (motet/engine/worker/tp_workers.py says how the ranks work together)."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import os
 import pickle
 import signal
 import sys
@@ -18,24 +16,16 @@ from motet.engine.worker.model_runner import ModelRunner
 from motet.engine.worker.parallel import Parallel, RankFailure
 from motet.engine.worker.tp_workers import init_rank, rank_config, serve_plans
 from motet.models.config import ModelConfig
+from motet.parent_death import die_with_current_parent
 
 log = logging.getLogger("motet.tp")
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (no orphaned rank after a crash of the server)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent died before the call
-            os._exit(1)
 
 
 def worker_main(
     rank: int, size: int, port: int, model_dir: str, model_config: ModelConfig, config: EngineConfig
 ) -> None:
     """A worker rank: build the shard, then run plans until told to stop or the driver is gone."""
-    _die_with_parent()
+    die_with_current_parent(signal.SIGKILL)  # no orphaned rank after a crash of the server
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the driver stops us
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
     init_rank(rank, size, port, config)
