@@ -52,6 +52,13 @@ def lines(name: str) -> list[dict]:
     return [json.loads(line) for line in (DATA / name).read_text().splitlines() if line.strip()]
 
 
+def head(name: str, n: int | None) -> bytes:
+    """The data file's first `n` lines (None: all of it), as a file's bytes."""
+    return "".join(
+        f"{line}\n" for line in (DATA / name).read_text().splitlines()[:n] if line.strip()
+    ).encode()
+
+
 def mentions(text: str, word: str) -> bool:
     """The loose rule of a factual answer: the expected word in it, as a word, in any case."""
     return re.search(rf"\b{re.escape(word)}\b", text, re.IGNORECASE) is not None
@@ -143,9 +150,11 @@ def run(args, run_job, dpo_margins, machine) -> dict:
     report: dict = {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "command"}}
     n, tokens = args.examples, args.max_tokens  # (the smoke run's few; by default every line, MAX_TOKENS)
     behaviour, known = lines("behaviour.jsonl")[:n], lines("facts.jsonl")[:n]
-    dpo_train = "".join(f"{json.dumps(pair)}\n" for pair in lines("dpo_train.jsonl")[:n]).encode()
-    held = "".join(f"{json.dumps(pair)}\n" for pair in lines("dpo_heldout.jsonl")[:n]).encode()
-    behaviour_file = "".join(f"{json.dumps(ex)}\n" for ex in behaviour).encode()
+    dpo_train, held, behaviour_file = (
+        head("dpo_train.jsonl", n),
+        head("dpo_heldout.jsonl", n),
+        head("behaviour.jsonl", n),
+    )
     with tempfile.TemporaryDirectory(prefix="motet-ft-quality-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "keys.json").write_text(json.dumps(KEYS))
