@@ -54,9 +54,8 @@ def lines(name: str) -> list[dict]:
 
 def head(name: str, n: int | None) -> bytes:
     """The data file's first `n` lines (None: all of it), as a file's bytes."""
-    return "".join(
-        f"{line}\n" for line in (DATA / name).read_text().splitlines()[:n] if line.strip()
-    ).encode()
+    kept = [line for line in (DATA / name).read_text().splitlines() if line.strip()][:n]  # (the lines lines() reads)
+    return "".join(f"{line}\n" for line in kept).encode()
 
 
 def mentions(text: str, word: str) -> bool:
