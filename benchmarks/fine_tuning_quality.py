@@ -54,7 +54,8 @@ def lines(name: str) -> list[dict]:
 
 def head(name: str, n: int | None) -> bytes:
     """The data file's first `n` lines (None: all of it), as a file's bytes."""
-    kept = [line for line in (DATA / name).read_text().splitlines() if line.strip()][:n]  # (the lines lines() reads)
+    # The lines lines() reads: blank ones dropped before the first n are taken.
+    kept = [line for line in (DATA / name).read_text().splitlines() if line.strip()][:n]
     return "".join(f"{line}\n" for line in kept).encode()
 
 
