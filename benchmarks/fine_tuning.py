@@ -423,6 +423,9 @@ def main(argv=None) -> int:
     q.add_argument("--examples", type=int, default=None,
                    help="the first N lines of each data file only (a quick run; default: all)")  # fmt: skip
     q.add_argument("--max-tokens", type=int, default=64, help="each answer's length limit")
+    q.add_argument("--behaviour", default="extraction.jsonl",
+                   help="the supervised job's file in benchmarks/data/fine_tuning/ (its held-out inputs, where there "
+                        "are some: NAME_heldout.jsonl)")  # fmt: skip
     q.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to `motet serve`")
     h = sub.add_parser("by-hand", help="(internal) the PEFT/TRL run by hand")
     for flag in ("--model-dir", "--data", "--hyperparameters", "--out", "--dtype"):

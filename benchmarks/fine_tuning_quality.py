@@ -1,13 +1,17 @@
 """What a fine-tuning job teaches, measured through the API as a tenant meets it (issue 66's acceptance, "Quality"),
 with the docs' defaults (docs/fine-tuning.md: no hyperparameter given) on the fixtures of benchmarks/data/fine_tuning/:
 
-- behaviour.jsonl: 80 questions, each answered in one JSON shape, {"answer": "<a short sentence>"} (the docs'
-  demonstration). Trained by a supervised job; then each training question asked of the `ft:` model greedily:
-  the share of its answers that are the trained one exactly (target >= 0.90);
+- extraction.jsonl: the docs' demonstration, 80 sentences whose person, city and year are asked for as JSON, each
+  answered `{"person": ..., "city": ..., "year": ...}` (make_extraction.py writes it). Trained by a supervised job;
+  then each training prompt asked of the `ft:` model greedily: the share of its answers that are the trained one
+  exactly (target >= 0.90), and the base model's share before it; extraction_heldout.jsonl: 20 sentences of new
+  templates, people and cities, the same share for each (what the job taught beyond its lines);
 - facts.jsonl: 50 held-out factual questions with a one-word answer, none in the training file: the share answered
   correctly (the answer holds the expected word, as a word, any case) by the base model and by the `ft:` model
-  (target: the tuned rate within 5 points of the base's), and by the base model made to answer in the JSON shape (its
-  turn begun with `{"answer": "` and continued): what the shape alone costs a model never tuned to it;
+  (target: the tuned rate within 5 points of the base's). The demonstration teaches a format whose answer is in the
+  prompt, not facts: a job whose answers state facts in the held-out questions' own form (behaviour.jsonl, 80
+  questions answered `{"answer": "<a short sentence>"}`, 12 of them capitals) costs a 135M model 6-9 of the 50
+  points with every setting tried (it answers other capitals with the trained ones: docs/fine-tuning.md);
 - dpo_train.jsonl / dpo_heldout.jsonl: 40 preference pairs (preferred: the JSON-shaped answer; the other: the same
   sentence bare) trained by a DPO job; on 20 held-out pairs, the preferred answer's win rate before and after (a
   win: the model gives the preferred answer a higher log-probability than the other, the sum over its tokens, by
@@ -22,6 +26,7 @@ it out frequency_penalty 0.7, which changes what it answers (docs/fine-tuning.md
 
     python -m benchmarks.fine_tuning quality                      # the default model, --dtype auto
     python -m benchmarks.fine_tuning quality --server-args --dtype float32
+    python -m benchmarks.fine_tuning quality --behaviour behaviour.jsonl   # the facts-teaching file instead
 
 Writes fine_tuning_quality-TIME.json and .md under --output-dir (the machine's CPU and flags in the report).
 """
@@ -44,7 +49,6 @@ DATA = ROOT / "benchmarks" / "data" / "fine_tuning"
 KEYS = {"sk-tenant": "tenant"}
 GREEDY = {"temperature": 0, "frequency_penalty": 0, "presence_penalty": 0}
 MAX_TOKENS = 64
-SHAPE_OPENING = '{"answer": "'  # how each of the demonstration's answers begins
 TARGETS = {"reproduced": 0.90, "facts_within": 0.05, "dpo_before_below": 0.5, "dpo_after": 0.80}
 
 
@@ -70,7 +74,7 @@ def answer(c: openai.OpenAI, model: str, messages: list[dict], max_tokens: int =
 
 
 def reproduced(c: openai.OpenAI, model: str, examples: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
-    """The training answers the model gives exactly (whitespace at the ends aside)."""
+    """The examples' answers the model gives exactly (whitespace at the ends aside)."""
     misses = []
     for ex in examples:
         prompt, expected = ex["messages"][:-1], ex["messages"][-1]["content"]
@@ -89,18 +93,6 @@ def facts(c: openai.OpenAI, model: str, questions: list[dict], max_tokens: int =
             wrong.append({"question": f["question"], "expected": f["answer"], "got": got})
     n = len(questions)
     return {"questions": n, "right": n - len(wrong), "rate": (n - len(wrong)) / n, "wrong": wrong}
-
-
-def facts_in_shape(c: openai.OpenAI, model: str, questions: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
-    """The held-out facts asked of `model` with its answer begun in the demonstration's shape (the assistant turn
-    opened with SHAPE_OPENING and continued): what the shape alone costs a model that was never tuned to it."""
-    right = 0
-    for f in questions:
-        opened = [{"role": "user", "content": f["question"]}, {"role": "assistant", "content": SHAPE_OPENING}]
-        r = c.chat.completions.create(model=model, messages=opened, max_tokens=max_tokens, **GREEDY,
-                                      extra_body={"continue_final_message": True, "add_generation_prompt": False})  # fmt: skip
-        right += mentions(r.choices[0].message.content or "", f["answer"])
-    return {"questions": len(questions), "right": right, "rate": right / len(questions)}
 
 
 def is_shaped(text: str) -> bool:
@@ -149,11 +141,13 @@ def run(args, run_job, dpo_margins, machine) -> dict:
     """The quality phase on one server (run_job and dpo_margins: benchmarks/fine_tuning.py's)."""
     report: dict = {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "command"}}
     n, tokens = args.examples, args.max_tokens  # (the smoke run's few; by default every line, MAX_TOKENS)
-    behaviour, known = lines("behaviour.jsonl")[:n], lines("facts.jsonl")[:n]
+    behaviour, known = lines(args.behaviour)[:n], lines("facts.jsonl")[:n]
+    held_out_name = args.behaviour.removesuffix(".jsonl") + "_heldout.jsonl"
+    held_out = lines(held_out_name)[:n] if (DATA / held_out_name).exists() else []
     dpo_train, held, behaviour_file = (
         head("dpo_train.jsonl", n),
         head("dpo_heldout.jsonl", n),
-        head("behaviour.jsonl", n),
+        head(args.behaviour, n),
     )
     with tempfile.TemporaryDirectory(prefix="motet-ft-quality-") as tmp_name:
         tmp = Path(tmp_name)
@@ -175,15 +169,19 @@ def run(args, run_job, dpo_margins, machine) -> dict:
             report["sft"] = {"seconds": time.monotonic() - t0, "hyperparameters": sft["job"]["hyperparameters"],
                              "trained_tokens": sft["job"]["trained_tokens"]}  # fmt: skip
             tuned = sft["job"]["fine_tuned_model"]
-            print("its training answers, greedily ...", flush=True)
+            print("its training answers and held-out inputs, greedily, by the base model and the tuned one ...",
+                  flush=True)  # fmt: skip
             report["reproduced"] = reproduced(c, tuned, behaviour, tokens)
+            report["reproduced_by_base"] = reproduced(c, base, behaviour, tokens)
+            if held_out:
+                report["held_out"] = {"base": reproduced(c, base, held_out, tokens),
+                                      "fine_tuned": reproduced(c, tuned, held_out, tokens)}  # fmt: skip
             print("held-out facts: the base model, then the tuned one ...", flush=True)
             report["facts"] = {
                 "base": facts(c, base, known, tokens),
                 "fine_tuned": facts(c, tuned, known, tokens),
             }
             report["facts"]["drop"] = report["facts"]["base"]["rate"] - report["facts"]["fine_tuned"]["rate"]
-            report["facts"]["base_in_shape"] = facts_in_shape(c, base, known, tokens)
             model_dir = resolve_model(args.model)
             adapters = tmp / "data" / "adapters" / "tenant"
             print("served against transformers + PEFT on 32 prompts ...", flush=True)
@@ -207,20 +205,21 @@ def run(args, run_job, dpo_margins, machine) -> dict:
 
 def summary(r: dict) -> str:
     m, rep, f, d, eq = r["machine"], r["reproduced"], r["facts"], r["dpo"], r["served_as_peft"]
-    h = r["sft"]["hyperparameters"]
+    h, ho = r["sft"]["hyperparameters"], r.get("held_out")
     lines_ = [
         "# Fine-tuning quality", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, flags {', '.join(m['flags']) or 'none of avx2/avx512'}; server "
         f"args: {' '.join(r['args']['server_args']) or '(none)'}. The docs' defaults: {json.dumps(h)}; the "
         f"supervised job took {r['sft']['seconds']:.0f} s, the DPO job {d['seconds']:.0f} s.", "",
         "| measure | value | target |", "|---|---|---|",
-        f"| training answers reproduced exactly (greedy, through the API) | {rep['exact']} / {rep['examples']} "
-        f"({rep['rate']:.2f}) | >= {TARGETS['reproduced']:.2f} |",
+        f"| `{r['args']['behaviour']}`: training answers reproduced exactly (greedy, through the API) | "
+        f"{rep['exact']} / {rep['examples']} ({rep['rate']:.2f}; the base model: {r['reproduced_by_base']['exact']}) "
+        f"| >= {TARGETS['reproduced']:.2f} |",
+        *([f"| held-out inputs answered as the behaviour answers them, base -> fine-tuned | "
+           f"{ho['base']['exact']} -> {ho['fine_tuned']['exact']} of {ho['base']['examples']} | |"] if ho else []),
         f"| held-out facts answered: base / fine-tuned | {f['base']['right']} / {f['fine_tuned']['right']} of "
-        f"{f['base']['questions']} ({f['drop'] * 100:+.0f} points lost) | within {TARGETS['facts_within'] * 100:.0f} "
+        f"{f['base']['questions']} ({f['drop'] * 100:.0f} points lost) | within {TARGETS['facts_within'] * 100:.0f} "
         "points |",
-        f"| held-out facts answered by the base model made to answer in the shape (its turn begun with "
-        f"`{SHAPE_OPENING}`) | {f['base_in_shape']['right']} of {f['base_in_shape']['questions']} | |",
         f"| DPO: the preferred answer's win rate on {d['pairs']} held-out pairs, before -> after | "
         f"{d['win_before']:.2f} -> {d['win_after']:.2f} | < {TARGETS['dpo_before_below']:.1f} -> >= "
         f"{TARGETS['dpo_after']:.2f} |",

@@ -79,7 +79,7 @@ def test_the_fine_tuning_pages_round_trip_runs_as_written(tiny_model_dir, tmp_pa
         srv.stop()
     job, answer = names["job"], names["answer"]
     assert job.status == "succeeded", job.error
-    assert job.fine_tuned_model.startswith("ft:SmolLM2-135M-Instruct:team-a:upper:")
+    assert job.fine_tuned_model.startswith("ft:SmolLM2-135M-Instruct:team-a:extract:")
     assert answer.model == job.fine_tuned_model and answer.choices[0].message.role == "assistant"
     assert "The job has successfully completed" in capsys.readouterr().out
 

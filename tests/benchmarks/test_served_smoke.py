@@ -202,7 +202,7 @@ def test_fine_tuning_quality(model, tmp_path):
                       str(tmp_path), "--server-args", *SERVER, "--dtype", "float32"])  # fmt: skip
     report = only_json(tmp_path)
     assert report["sft"]["trained_tokens"] > 0 and report["dpo"]["trained_tokens"] > 0
-    assert report["facts"]["base_in_shape"]["questions"] == 8
+    assert report["facts"]["base"]["questions"] == 8 and report["held_out"]["fine_tuned"]["examples"] == 8
     equal = report["served_as_peft"]
     assert equal["equal"] == equal["prompts"] > 0
     assert "| served `ft:` model's greedy tokens" in only_md(tmp_path)
