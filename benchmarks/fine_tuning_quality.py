@@ -96,7 +96,7 @@ def facts(c: openai.OpenAI, model: str, questions: list[dict], max_tokens: int =
 
 
 def is_shaped(text: str) -> bool:
-    """The demonstration's JSON shape: an object with one string "answer"."""
+    """The DPO pairs' preferred shape: an object with one string "answer"."""
     try:
         value = json.loads(text)
     except ValueError:

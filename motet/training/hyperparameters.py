@@ -5,7 +5,8 @@ lora_target_modules); `resolve` checks them (HyperparameterError names the one t
 `auto`, as OpenAI documents it: 3 epochs, more for a small file (so that about 100 examples are seen, at most 25
 epochs) and fewer for a large one (about 25,000); a batch of about 0.2% of the examples (1 to 256), but at least a
 tenth of them up to 8 (TRL's default batch: see auto_batch_size); a learning rate multiplier of 1, of
-BASE_LEARNING_RATE (the learning rate PEFT's and TRL's LoRA examples use); beta 0.1 (TRL's). LoRA: rank 8 and alpha 16 on every projection of the decoder the server serves adapters on, no dropout.
+BASE_LEARNING_RATE (the learning rate PEFT's and TRL's LoRA examples use); beta 0.1 (TRL's). LoRA: rank 8 and
+alpha 16 on every projection of the decoder the server serves adapters on, no dropout.
 """
 
 from __future__ import annotations

@@ -224,17 +224,8 @@ def test_auto_hyperparameters_follow_openai():
     # OpenAI's cookbook: 3 epochs within 100 to 25,000 examples seen; batches of about 0.2%, 1 to 256 (but at
     # least a tenth of the examples up to 8)
     assert [auto_epochs(n) for n in (10, 33, 34, 200, 8334, 20_000)] == [10, 4, 3, 3, 2, 1]
-    assert [auto_batch_size(n) for n in (9, 10, 40, 80, 200, 1000, 4000, 10_000, 500_000)] == [
-        1,
-        1,
-        4,
-        8,
-        8,
-        8,
-        8,
-        20,
-        256,
-    ]
+    sizes = (9, 10, 40, 80, 200, 1000, 4000, 10_000, 500_000)
+    assert [auto_batch_size(n) for n in sizes] == [1, 1, 4, 8, 8, 8, 8, 20, 256]
     h = resolve("dpo", {"n_epochs": "auto", "batch_size": 4}, 200, max_rank=16, modules=("q_proj", "v_proj"))
     assert (h.n_epochs, h.batch_size, h.learning_rate_multiplier, h.beta) == (3, 4, 1.0, 0.1)
     assert (h.lora_rank, h.lora_alpha, h.lora_target_modules) == (8, 16.0, ("q_proj", "v_proj"))
