@@ -52,15 +52,18 @@ MAX_TOKENS = 64
 TARGETS = {"reproduced": 0.90, "facts_within": 0.05, "dpo_before_below": 0.5, "dpo_after": 0.80}
 
 
+def text_lines(name: str) -> list[str]:
+    """The data file's lines, blank ones left out."""
+    return [line for line in (DATA / name).read_text().splitlines() if line.strip()]
+
+
 def lines(name: str) -> list[dict]:
-    return [json.loads(line) for line in (DATA / name).read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in text_lines(name)]
 
 
 def head(name: str, n: int | None) -> bytes:
     """The data file's first `n` lines (None: all of it), as a file's bytes."""
-    # The lines lines() reads: blank ones dropped before the first n are taken.
-    kept = [line for line in (DATA / name).read_text().splitlines() if line.strip()][:n]
-    return "".join(f"{line}\n" for line in kept).encode()
+    return "".join(f"{line}\n" for line in text_lines(name)[:n]).encode()
 
 
 def mentions(text: str, word: str) -> bool:
