@@ -293,6 +293,20 @@ def watch_job(c: openai.OpenAI, job_id: str, seconds: float, poll: float = 0.25)
     return samples
 
 
+def copy_run(run_dir: Path, to: Path) -> Path | None:
+    """The running job's rows and run spec copied to `to` (its checkpoints are not needed), or None where the job
+    ended and its run directory went while they were copied."""
+    from motet.training.worker import RUN_SPEC
+
+    to.mkdir()
+    try:
+        for path in run_dir.glob("*.json*"):
+            (to / path.name).write_bytes(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    return to if (to / RUN_SPEC).is_file() else None
+
+
 def standalone_rate(run_dir: Path, tmp: Path, threads: int, seconds: float) -> dict:
     """The job's run in a process of its own outside the server (the worker the server starts, on a copy of the
     run's directory: the same rows, hyperparameters, seed and threads): its training tokens/s over `seconds` from
@@ -342,6 +356,8 @@ def shared_cores(
         if time.monotonic() > deadline or c.fine_tuning.jobs.retrieve(job.id).status != "running":
             raise RuntimeError(f"the job did not start training: {c.fine_tuning.jobs.retrieve(job.id)}")
         time.sleep(0.5)
+    # (copied now: on a fast machine the job may end before the standalone run's turn)
+    copied = copy_run(tmp / "data" / "fine_tuning" / job.id, tmp / "run_copy")
     print("shared cores: the job alone ...", flush=True)
     out["job_alone_tokens_per_s"] = trained_rate(watch_job(c, job.id, args.job_seconds))
     print("shared cores: the job and serving together ...", flush=True)
@@ -366,16 +382,11 @@ def shared_cores(
                      if "compute" in e.message]  # fmt: skip
     status = c.fine_tuning.jobs.retrieve(job.id).status
     out["job_still_running"] = status == "running"
-    run_dir = tmp / "data" / "fine_tuning" / job.id
-    copied = tmp / "run_copy"
-    copied.mkdir()
-    for path in run_dir.glob("*.json*"):  # (its rows and run.json: the checkpoints are not needed)
-        (copied / path.name).write_bytes(path.read_bytes())
     if status in ("running", "queued"):
         c.fine_tuning.jobs.cancel(job.id)
     print("shared cores: the same run in a process of its own ...", flush=True)
-    out["standalone"] = {"tokens_per_s": None, "steps": 0}  # (the job ended first: its run directory is gone)
-    if any(copied.iterdir()):
+    out["standalone"] = {"tokens_per_s": None, "steps": 0}  # (the job ended before its files were copied)
+    if copied is not None:
         out["standalone"] = standalone_rate(copied, tmp, args.threads, args.job_seconds)
     alone, beside = out["serving_alone"]["tokens_per_s"], out["serving_beside"]["tokens_per_s"]
     job_alone = out["job_alone_tokens_per_s"]
