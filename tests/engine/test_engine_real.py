@@ -46,12 +46,19 @@ def chat(llm, q):
 
 
 def test_greedy_batch_matches_hf_token_for_token(llm, default_hf_model):
+    """The batch's greedy answers are HF's: each token is the argmax of HF's fp32 logits after the prompt and the
+    answer's tokens before it (teacher-forced: one HF forward an answer, where HF's own generate took a forward a
+    token; equal argmaxes at every position are HF's greedy answer, token for token). A tie within 1e-4 may go
+    either way: the same math in another order."""
     prompts = [chat(llm, q) for q in QUESTIONS]
     assert len({len(p) for p in prompts}) > 8  # mixed lengths
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
     for prompt, out in zip(prompts, outs, strict=True):
-        ref = default_hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
-        assert out.token_ids == ref[0, len(prompt) :].tolist(), llm.tokenizer.decode(prompt)
+        assert len(out.token_ids) == 32 or out.token_ids[-1] in llm.engine.eos_token_ids  # (HF stops too)
+        with torch.no_grad():
+            logits = default_hf_model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+        chosen = logits.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert (chosen >= logits.max(-1).values - 1e-4).all(), llm.tokenizer.decode(prompt)
     assert "paris" in outs[0].text.lower()
 
 
@@ -119,12 +126,12 @@ def test_preemption_64_requests_in_a_small_pool(default_model_dir, llm):
     assert small.engine.block_manager.num_free_blocks == small.engine.block_manager.num_blocks
 
 
-def test_chunked_prefill_2000_tokens(llm):
-    text = " ".join(f"Sentence {i} talks about topic {i % 17} and number {i * 3}." for i in range(200))
-    prompt = llm.tokenizer.encode(text)[:2000]
-    assert len(prompt) == 2000
+def test_chunked_prefill_1000_tokens(llm):
+    text = " ".join(f"Sentence {i} talks about topic {i % 17} and number {i * 3}." for i in range(100))
+    prompt = llm.tokenizer.encode(text)[:1000]
+    assert len(prompt) == 1000
     (one,) = engine_logits(llm.engine, [prompt])
-    (chunked,) = engine_logits(llm.engine, [prompt], chunk=256)
+    (chunked,) = engine_logits(llm.engine, [prompt], chunk=192)  # (1000 = 5 x 192 + 40)
     # Tolerance: fp32, the same math in a different order (chunks see cached K/V instead of fresh ones).
     torch.testing.assert_close(chunked, one, atol=2e-3, rtol=1e-3)
     assert (chunked.argmax(-1) == one.argmax(-1)).float().mean() > 0.999
