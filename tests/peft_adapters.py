@@ -62,6 +62,20 @@ def peft_reference(model: PeftModel, adapter: str | None, prompt: list[int], new
         return ids[0].tolist(), model(ids).logits[0]
 
 
+def peft_teacher_forced(model: PeftModel, adapter: str | None, prompt: list[int], continuation: list[int],
+                        no_eos: list[int] = ()) -> torch.Tensor:  # fmt: skip
+    """PEFT's logits over prompt + `continuation` (one adapter active, or none), after checking that the
+    continuation is PEFT's greedy one: each token the argmax of the logits before it (a tie within 1e-4 may go
+    either way), the ids `no_eos` masked as min_new_tokens masks them. One forward where generate takes one a
+    token: the same verdict on the real model in a fraction of the time."""
+    logits = peft_reference(model, adapter, prompt + continuation, 0)[1]
+    chosen = logits[len(prompt) - 1 : -1].clone()
+    chosen[:, list(no_eos)] = float("-inf")
+    picked = chosen.gather(1, torch.tensor(continuation)[:, None])[:, 0]
+    assert (picked >= chosen.max(-1).values - 1e-4).all(), (adapter, continuation)
+    return logits
+
+
 # -- the tiny random model's adapters (the `tiny_loras` fixture in tests/conftest.py) and requests
 
 TINY_ADAPTERS = [(n, min(r, 32), t) for n, r, t in ADAPTERS]  # rank 32 caps the tiny model's slots
