@@ -434,6 +434,8 @@ def main(argv=None) -> int:
     q.add_argument("--examples", type=int, default=None,
                    help="the first N lines of each data file only (a quick run; default: all)")  # fmt: skip
     q.add_argument("--max-tokens", type=int, default=64, help="each answer's length limit")
+    q.add_argument("--n-epochs", type=int, default=None,
+                   help="both jobs' epochs (a quick run; default: the docs' default, none given: auto)")  # fmt: skip
     q.add_argument("--behaviour", default="extraction.jsonl",
                    help="the supervised job's file in benchmarks/data/fine_tuning/ (its held-out inputs, where there "
                         "are some: NAME_heldout.jsonl)")  # fmt: skip

@@ -194,14 +194,17 @@ def test_fine_tuning_shared_cores(model, tmp_path):
 
 
 def test_fine_tuning_quality(model, tmp_path):
-    """What a job teaches, with the docs' defaults: the supervised and DPO jobs, the held-out checks, the served
-    model against transformers + PEFT (on the tiny model: the figures are its, the path the real model's)."""
+    """What a job teaches: the supervised and DPO jobs, the held-out checks, the served model against
+    transformers + PEFT (on the tiny model: the figures are its, the path the real model's). One epoch each, not
+    the docs' default (auto: ~100 steps on a small file; tests/training/test_training_data.py holds auto's rule)."""
     from benchmarks import fine_tuning
 
-    fine_tuning.main(["quality", "--model", str(model), "--examples", "8", "--max-tokens", "8", "--output-dir",
-                      str(tmp_path), "--server-args", *SERVER, "--dtype", "float32"])  # fmt: skip
+    fine_tuning.main(["quality", "--model", str(model), "--examples", "8", "--max-tokens", "8", "--n-epochs", "1",
+                      "--output-dir", str(tmp_path), "--server-args", *SERVER, "--dtype", "float32"])  # fmt: skip
     report = only_json(tmp_path)
     assert report["sft"]["trained_tokens"] > 0 and report["dpo"]["trained_tokens"] > 0
+    dpo_hyper = report["dpo"]["hyperparameters"]["hyperparameters"]  # (the job's method.dpo)
+    assert report["sft"]["hyperparameters"]["n_epochs"] == dpo_hyper["n_epochs"] == 1
     assert report["facts"]["base"]["questions"] == 8 and report["held_out"]["fine_tuned"]["examples"] == 8
     equal = report["served_as_peft"]
     assert equal["equal"] == equal["prompts"] > 0
