@@ -31,7 +31,7 @@ from benchmarks import (
     vllm_cpu,
 )
 from tests.benchmarks.smoke import TorchThreads, finite, only_json, only_md, positive
-from tests.live_server import ROOT, Server
+from tests.live_server import ROOT, Server, ThreadServer
 from tests.peft_adapters import TINY_ADAPTERS, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 
@@ -307,24 +307,30 @@ def test_llamacpp(model, peer, tmp_path):
     assert "| 2 clients, 2 adapters |" in (tmp_path / "summary.md").read_text()
 
 
-def test_gguf_spm(tmp_path):
+def test_gguf_spm(tmp_path, monkeypatch):
     """A tiny SentencePiece GGUF file (tests/models/test_gguf_sentencepiece.py's Llama) served by the script's
-    motet and by a second `motet serve` as the peer: every prompt tokenized alike, every greedy text equal."""
+    motet and by a second `motet serve` as the peer (in this process: a fresh interpreter's imports are not what
+    this checks): every prompt tokenized alike, every greedy text equal."""
+    from motet.kernels.cpu_native import _cache_dir
     from tests.engine.test_gguf_model_file import write_gguf_file
     from tests.models.test_gguf_sentencepiece import add_sentencepiece_vocab, spm_checkpoint
 
     source, _ = spm_checkpoint(tmp_path / "source", "llama")
     path = write_gguf_file(source, tmp_path / "bare" / "tiny-spm.gguf", {}, vocab=add_sentencepiece_vocab)
-    env = {"MOTET_CACHE_DIR": str(tmp_path / "cache")}
+    # the file's derived config and prepared weights in a cache of the test's own, the native kernels the
+    # machine's (compiled once: tens of seconds of CPU each time a fresh cache compiled them again)
+    kernels = _cache_dir()
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / kernels.name).symlink_to(kernels, target_is_directory=True)
+    monkeypatch.setenv("MOTET_CACHE_DIR", str(tmp_path / "cache"))
     # float32: the script's motet computes in it, as llama.cpp does
     flags = ["--model", str(path), "--data-dir", str(tmp_path / "data"), "--dtype", "float32", *SERVER]
-    peer = Server(tmp_path, *flags, env=env)
+    peer = ThreadServer(*flags)
     try:
-        os.environ["MOTET_CACHE_DIR"] = env["MOTET_CACHE_DIR"]
         gguf_spm.main([str(path), "--max-tokens", "4", "--threads", "1", "--peer-url", peer.url,
                        "--out", str(tmp_path / "out")])  # fmt: skip
     finally:
-        os.environ.pop("MOTET_CACHE_DIR", None)
         peer.stop()
     (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["types"]
     assert row["type"] == "as is" and row["tokenized_alike"] == len(gguf_spm.PROMPTS)
