@@ -311,18 +311,19 @@ def test_gguf_spm(tmp_path, monkeypatch):
     """A tiny SentencePiece GGUF file (tests/models/test_gguf_sentencepiece.py's Llama) served by the script's
     motet and by a second `motet serve` as the peer (in this process: a fresh interpreter's imports are not what
     this checks): every prompt tokenized alike, every greedy text equal."""
-    from motet.kernels.cpu_native import _cache_dir
+    from motet.engine.cache_root import cache_dir
     from tests.engine.test_gguf_model_file import write_gguf_file
     from tests.models.test_gguf_sentencepiece import add_sentencepiece_vocab, spm_checkpoint
 
     source, _ = spm_checkpoint(tmp_path / "source", "llama")
     path = write_gguf_file(source, tmp_path / "bare" / "tiny-spm.gguf", {}, vocab=add_sentencepiece_vocab)
     # the file's derived config and prepared weights in a cache of the test's own, the native kernels the
-    # machine's (compiled once: tens of seconds of CPU each time a fresh cache compiled them again)
-    kernels = _cache_dir()
+    # machine's, linked in as benchmarks/cold_start.py links them (compiled once a machine: tens of seconds of CPU
+    # each time a fresh cache compiled them again)
+    kernels = cache_dir() / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)
     (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / kernels.name).symlink_to(kernels, target_is_directory=True)
+    (tmp_path / "cache" / "kernels").symlink_to(kernels, target_is_directory=True)
     monkeypatch.setenv("MOTET_CACHE_DIR", str(tmp_path / "cache"))
     # float32: the script's motet computes in it, as llama.cpp does
     flags = ["--model", str(path), "--data-dir", str(tmp_path / "data"), "--dtype", "float32", *SERVER]
