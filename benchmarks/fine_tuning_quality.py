@@ -18,7 +18,7 @@ with the docs' defaults (docs/fine-tuning.md: no hyperparameter given) on the fi
   transformers + PEFT on the stored adapter, tokenized as the server tokenizes a pair; target: below 0.5 before,
   >= 0.8 after), and the share of the held-out questions the DPO model answers greedily in the JSON shape;
 - served = PEFT: the `ft:` model's greedy answers (token ids) to 32 prompts against transformers + PEFT on the
-  stored adapter given the served prompt's token ids (target: all equal; tests/api/test_fine_tuned_served_as_peft.py
+  stored adapter given the served prompt's token ids (target: all equal; tests/api/test_fine_tuning_api.py
   holds a short job on the tiny model to it).
 
 "Greedily" is temperature 0 and no penalty: the default model's generation_config.json gives a request that leaves
