@@ -521,7 +521,9 @@ def test_a_large_file_is_validated_after_the_create_call_answers(server):
     ), huge.error
 
 
-RESTART_VALIDATED = 500  # (2,000 were validated twice, a minute of a loaded CI machine's CPU)
+# (2,000 were: ~5 s of one core's CPU a validation, done once cut short and once whole, beside the resumed job;
+# 500 take ~1.4 s, still far longer than the kill takes to follow the create call)
+RESTART_VALIDATED = 500
 
 
 def test_a_server_restart_mid_job_resumes_it_to_the_same_adapter(tiny_model_dir, tmp_path):
