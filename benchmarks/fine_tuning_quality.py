@@ -18,7 +18,7 @@ with the docs' defaults (docs/fine-tuning.md: no hyperparameter given) on the fi
   transformers + PEFT on the stored adapter, tokenized as the server tokenizes a pair; target: below 0.5 before,
   >= 0.8 after), and the share of the held-out questions the DPO model answers greedily in the JSON shape;
 - served = PEFT: the `ft:` model's greedy answers (token ids) to 32 prompts against transformers + PEFT on the
-  stored adapter given the served prompt's token ids (target: all equal; tests/api/test_fine_tuned_served_as_peft.py
+  stored adapter given the served prompt's token ids (target: all equal; tests/api/test_fine_tuning_api.py
   holds a short job on the tiny model to it).
 
 "Greedily" is temperature 0 and no penalty: the default model's generation_config.json gives a request that leaves
@@ -27,6 +27,7 @@ it out frequency_penalty 0.7, which changes what it answers (docs/fine-tuning.md
     python -m benchmarks.fine_tuning quality                      # the default model, --dtype auto
     python -m benchmarks.fine_tuning quality --server-args --dtype float32
     python -m benchmarks.fine_tuning quality --behaviour behaviour.jsonl   # the facts-teaching file instead
+    python -m benchmarks.fine_tuning quality --examples 8 --n-epochs 1     # a quick run (its figures mean little)
 
 Writes fine_tuning_quality-TIME.json and .md under --output-dir (the machine's CPU and flags in the report).
 """
@@ -140,6 +141,13 @@ def served_as_peft(
     return {"prompts": len(prompts), "equal": len(prompts) - len(differ), "differ": differ[:3]}
 
 
+def method(kind: str, n_epochs: int | None) -> dict:
+    """A job's method: the docs' defaults (no hyperparameter given), or only its epochs given (a quick run)."""
+    if n_epochs is None:
+        return {"type": kind}
+    return {"type": kind, kind: {"hyperparameters": {"n_epochs": n_epochs}}}
+
+
 def run(args, run_job, dpo_margins, machine) -> dict:
     """The quality phase on one server (run_job and dpo_margins: benchmarks/fine_tuning.py's)."""
     report: dict = {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "command"}}
@@ -166,9 +174,10 @@ def run(args, run_job, dpo_margins, machine) -> dict:
         with ManagedServer(server_args, model=args.model, log_path=out / "server-quality.log") as server:
             c = openai.OpenAI(base_url=server.base_url, api_key="sk-tenant", max_retries=0, timeout=600)
             base = c.models.list().data[0].id
-            print("the supervised job, the docs' defaults ...", flush=True)
+            settings = "the docs' defaults" if args.n_epochs is None else f"{args.n_epochs} epochs"
+            print(f"the supervised job, {settings} ...", flush=True)
             t0 = time.monotonic()
-            sft = run_job(c, behaviour_file, {"type": "supervised"}, "json")
+            sft = run_job(c, behaviour_file, method("supervised", args.n_epochs), "json")
             report["sft"] = {"seconds": time.monotonic() - t0, "hyperparameters": sft["job"]["hyperparameters"],
                              "trained_tokens": sft["job"]["trained_tokens"]}  # fmt: skip
             tuned = sft["job"]["fine_tuned_model"]
@@ -191,9 +200,9 @@ def run(args, run_job, dpo_margins, machine) -> dict:
             prompts = [ex["messages"][:-1] for ex in behaviour[:16]]
             prompts += [[{"role": "user", "content": f["question"]}] for f in known[:16]]
             report["served_as_peft"] = served_as_peft(c, tuned, model_dir, adapters / tuned, prompts, tokens)
-            print("the DPO job, the docs' defaults ...", flush=True)
+            print(f"the DPO job, {settings} ...", flush=True)
             t0 = time.monotonic()
-            dpo = run_job(c, dpo_train, {"type": "dpo"}, "dpo")
+            dpo = run_job(c, dpo_train, method("dpo", args.n_epochs), "dpo")
             report["dpo"] = {"seconds": time.monotonic() - t0, "hyperparameters": dpo["job"]["method"]["dpo"],
                              "trained_tokens": dpo["job"]["trained_tokens"]}  # fmt: skip
             report["dpo"] |= dpo_margins(model_dir, adapters / dpo["job"]["fine_tuned_model"], held)
@@ -209,10 +218,11 @@ def run(args, run_job, dpo_margins, machine) -> dict:
 def summary(r: dict) -> str:
     m, rep, f, d, eq = r["machine"], r["reproduced"], r["facts"], r["dpo"], r["served_as_peft"]
     h, ho = r["sft"]["hyperparameters"], r.get("held_out")
+    given = "The docs' defaults" if r["args"].get("n_epochs") is None else "The docs' defaults but n_epochs"
     lines_ = [
         "# Fine-tuning quality", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, flags {', '.join(m['flags']) or 'none of avx2/avx512'}; server "
-        f"args: {' '.join(r['args']['server_args']) or '(none)'}. The docs' defaults: {json.dumps(h)}; the "
+        f"args: {' '.join(r['args']['server_args']) or '(none)'}. {given}: {json.dumps(h)}; the "
         f"supervised job took {r['sft']['seconds']:.0f} s, the DPO job {d['seconds']:.0f} s.", "",
         "| measure | value | target |", "|---|---|---|",
         f"| `{r['args']['behaviour']}`: training answers reproduced exactly (greedy, through the API) | "

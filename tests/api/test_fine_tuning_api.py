@@ -1,7 +1,8 @@
 """OpenAI's fine-tuning API on a real `motet serve` of a tiny model, through the openai SDK over loopback: the round
-trip (upload, create, follow, serve the `ft:` model and its checkpoints), a job paused and resumed or cut by a
-server restart ending with the adapter of an uninterrupted PEFT/TRL run of the same seed, bad input refused with a
-400 in OpenAI's shape before anything is queued, quotas, and tenants that never see each other's jobs, files or
+trip (upload, create, follow, serve the `ft:` model and its checkpoints; the served model answers as transformers +
+PEFT on its stored adapter, token for token), a job paused and resumed or cut by a server restart ending with the
+adapter of an uninterrupted PEFT/TRL run of the same seed, bad input refused with a 400 in OpenAI's shape before
+anything is queued, quotas, and tenants that never see each other's jobs, files or
 models. And where code written for OpenAI's API depends on it (issue 66): `jobs.list(metadata=...)` filters as
 OpenAI's `metadata[k]=v` / `metadata=null`; a large file is validated after the create call answers (the job
 `validating_files` meanwhile, a bad line ending it `failed` with the 400's own error); events are paged as OpenAI pages
@@ -22,17 +23,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from benchmarks.fine_tuning_quality import GREEDY, MAX_TOKENS, lines
 from motet.api.fine_tuning.validation import INLINE_BYTES
 from motet.engine.tokenizer import load_tokenizer
 from motet.engine.weights.model_config import load_model_config
 from motet.grammar.tool_formats import tool_format
+from motet.training.chat_encoding import ChatEncoder
+from motet.training.data_format import read_examples
 from motet.training.run_setup import RunFiles, prepare_files, set_up
 from motet.training.trainer import train
 from motet.training.worker import NAME
 from tests.live_server import keys_file, tiny_server
 
 KEYS = {"ka": "alice", "kb": "bob", "kc": "carol", "kd": "dave", "ke": "erin", "kadmin": {"admin": True},
-        "k-meta": "meta", "k-other": "other", "k-events": "events", "k-large": "large", "k-restart": "restart"}  # fmt: skip
+        "k-meta": "meta", "k-other": "other", "k-events": "events", "k-large": "large", "k-restart": "restart",
+        "k-peft": "team"}  # fmt: skip
 LIMITS = ("--dtype", "float32", "--fine-tuning-max-jobs-per-tenant", "2")
 FLAGS = (*LIMITS, "--fine-tuning-max-tokens-per-day", "100000")
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -516,6 +521,11 @@ def test_a_large_file_is_validated_after_the_create_call_answers(server):
     ), huge.error
 
 
+# (2,000 were: ~5 s of one core's CPU a validation, done once cut short and once whole, beside the resumed job;
+# 500 take ~1.4 s, still far longer than the kill takes to follow the create call)
+RESTART_VALIDATED = 500
+
+
 def test_a_server_restart_mid_job_resumes_it_to_the_same_adapter(tiny_model_dir, tmp_path):
     """A job cut by a restart (SIGKILL) goes on from its checkpoint to the adapter of an uninterrupted run; beside
     it, the restart says a running job with no checkpoint yet starts over, and a job whose files were being
@@ -531,7 +541,8 @@ def test_a_server_restart_mid_job_resumes_it_to_the_same_adapter(tiny_model_dir,
         training = upload(r, jsonl(chat(i) for i in range(200)))  # one epoch of 200 steps: no checkpoint soon
         over = r.fine_tuning.jobs.create(training_file=training.id, model="tiny",
                                          hyperparameters={"n_epochs": 1, "batch_size": 1})  # fmt: skip
-        many = upload(r, jsonl(long_chat(i) for i in range(2000)))  # several MB: seconds to tokenize
+        # ~430 KB, past INLINE_BYTES: validated after the create call answers, for longer than the kill takes
+        many = upload(r, jsonl(long_chat(i) for i in range(RESTART_VALIDATED)))
         c = client(first, "ka")
         job = c.fine_tuning.jobs.create(training_file=upload(c, data).id, model="tiny", seed=5,
                                         hyperparameters={"n_epochs": 24, "batch_size": 2})  # fmt: skip
@@ -563,7 +574,9 @@ def test_a_server_restart_mid_job_resumes_it_to_the_same_adapter(tiny_model_dir,
         assert (
             "The server restarted while the job's files were validated: they are validated again" in messages
         )
-        assert sum(m.startswith("Files validated (2000 examples") for m in messages) == 1, messages
+        assert sum(m.startswith(f"Files validated ({RESTART_VALIDATED} examples") for m in messages) == 1, (
+            messages
+        )
         r.fine_tuning.jobs.cancel(validating.id)
         got = httpx.get(
             f"{second.url}/v1/fine_tuning/jobs/{over.id}", headers={"Authorization": "Bearer k-restart"}
@@ -618,3 +631,51 @@ def test_a_store_written_before_checkpoints_could_be_deleted_opens_and_lists_the
     store.model_deleted("alice", "ft:m:ckpt-step-4")
     assert [c["step_number"] for c in store.checkpoints("alice", "ftjob-1", None, 10)[0]] == [2]
     assert store.has_checkpoint("ftjob-1", 4)  # its row stays: a restarted job does not store it again
+
+
+def test_the_served_ft_model_answers_as_peft_on_its_stored_adapter(server, tiny_model_dir):
+    """The served `ft:` model is the adapter its job stored, as transformers + PEFT compute it (issue 66): a short
+    job (4 steps), then 8 prompts (4 trained, 4 not) answered greedily by the server and by PEFT on the stored
+    adapter from the served prompt's token ids, token for token; and the served prompt is the one the job trained
+    on (motet/training/chat_encoding.py renders a training example's prompt as serving renders a request).
+    benchmarks/fine_tuning_quality.py checks the same on the real default model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    behaviour, facts = lines("behaviour.jsonl"), lines("facts.jsonl")
+    trained = 8  # examples: 4 steps at batch 2
+    c = client(server, "k-peft")
+    job = c.fine_tuning.jobs.create(
+        training_file=upload(c, jsonl(behaviour[:trained])).id, model="tiny", seed=1,
+        hyperparameters={"n_epochs": 1, "batch_size": 2, "learning_rate_multiplier": 4},
+    )  # fmt: skip
+    job = wait(c, job.id)
+    assert job.status == "succeeded", job.error
+    prompts = [ex["messages"][:-1] for ex in behaviour[:4]]
+    prompts += [[{"role": "user", "content": f["question"]}] for f in facts[:4]]
+    served = []
+    for messages in prompts:
+        r = c.chat.completions.with_raw_response.create(
+            model=job.fine_tuned_model, messages=messages, max_tokens=MAX_TOKENS,
+            extra_body={"return_token_ids": True}, **GREEDY,
+        )  # fmt: skip
+        body = json.loads(r.text)
+        served.append((body["prompt_token_ids"], body["choices"][0]["token_ids"]))
+    tok, config = load_tokenizer(tiny_model_dir), load_model_config(tiny_model_dir)
+    # (1,024: tiny_server's --max-model-len)
+    encoder = ChatEncoder(tok, tool_format(config.declaration.tool_format, tok.hf.chat_template), 1024)
+    examples = list(read_examples(io.BytesIO(jsonl(behaviour[:trained])), "supervised", 1 << 20, 100))
+    # the training render's prompt, as served
+    for example, (prompt, _) in zip(examples[:4], served[:4], strict=True):
+        tokens = encoder.supervised(example)
+        assert tokens.input_ids[: tokens.assistant_masks.index(1)] == prompt
+    adapter = server.data / "adapters" / "team" / job.fine_tuned_model
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(base, str(adapter)).eval()
+    eos = base.generation_config.eos_token_id  # (the tiny model's: a list of one)
+    pad = eos[0] if isinstance(eos, list) else eos
+    for messages, (prompt, answer) in zip(prompts, served, strict=True):
+        with torch.no_grad():
+            out = peft.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                eos_token_id=eos, pad_token_id=pad)  # fmt: skip
+        assert answer == out[0, len(prompt) :].tolist(), messages

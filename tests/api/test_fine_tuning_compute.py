@@ -21,6 +21,7 @@ from tests.live_server import ThreadServer, keys_file
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux's /proc")
 PAUSED = "The job is paused: it goes on from here when resumed"
+WAITING = "Waiting for compute: serving is busy; training gets 25% of the machine"
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +142,16 @@ def test_a_job_trains_beside_serving_and_never_while_the_engine_steps(server):
             time.sleep(0.05)
         # from its first step, when it should end: its pace over its share
         assert c.fine_tuning.jobs.retrieve(job.id).estimated_finish is not None
-        job = wait(c, job.id)
+        # serving stays busy until the job says it waits for it (or ends without saying so): its remaining steps
+        # then run with the cores to itself, not a quarter of them beside a stream that has shown what it shows
+        while WAITING not in messages(c, job.id) and c.fine_tuning.jobs.retrieve(job.id).status == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    job = wait(c, job.id)
     assert job.status == "succeeded", job.error
     assert stream.answers > 0 and stream.errors == 0
     said = messages(c, job.id)
-    assert "Waiting for compute: serving is busy; training gets 25% of the machine" in said, said
+    assert WAITING in said, said
     trace = list(lease.trace)
     steps = sorted((a, b) for kind, a, b in trace if kind == "step")
     held = [(kind, a, b) for kind, a, b in trace if kind in ("train", "start")]

@@ -8,6 +8,9 @@ vLLM are the steps left out."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import shlex
@@ -28,7 +31,7 @@ from benchmarks import (
     vllm_cpu,
 )
 from tests.benchmarks.smoke import TorchThreads, finite, only_json, only_md, positive
-from tests.live_server import ROOT, Server
+from tests.live_server import ROOT, Server, ThreadServer
 from tests.peft_adapters import TINY_ADAPTERS, save_peft_adapters
 from tests.tiny_models import build_tiny_model
 
@@ -158,15 +161,37 @@ def test_tenant_fairness(model, tmp_path):
     assert "## Two backlogged tenants" in only_md(tmp_path)
 
 
-def test_fine_tuning(model, tmp_path):
-    """Three jobs through the SDK (two behaviours and DPO), the same run by hand, the checks, the load phases."""
+def in_this_process(monkeypatch, module: str) -> list[list[str]]:
+    """`python -m MODULE ARGS` run by subprocess.run as MODULE's main(ARGS) in this process, its stdout captured
+    (what the benchmark times is a fresh interpreter's start and imports, not what its smoke run checks: here
+    ~13 s of CPU for torch, transformers and TRL); any other command as it is. The MODULE command lines run."""
+    ran, real = [], subprocess.run
+
+    def run(cmd, **kwargs):
+        if list(cmd[:3]) != [sys.executable, "-m", module]:
+            return real(cmd, **kwargs)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert importlib.import_module(module).main(cmd[3:]) == 0
+        ran.append(cmd[3:])
+        return subprocess.CompletedProcess(cmd, 0, out.getvalue(), "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return ran
+
+
+def test_fine_tuning(model, tmp_path, monkeypatch):
+    """Three jobs through the SDK (two behaviours and DPO), the same run by hand (its command line run in this
+    process), the checks, the load phases."""
     from benchmarks import fine_tuning
 
+    by_hand = in_this_process(monkeypatch, "benchmarks.fine_tuning")
     fine_tuning.main(["--model", str(model), "--examples", "4", "--eval-prompts", "4", "--answer-tokens", "8",
                       "--n-epochs", "1", "--batch-size", "2", "--threads", "1", "--clients", "1", "--load-tokens", "4",
                       "--load-seconds", "1", "--committed-adapters", "none", "--output-dir", str(tmp_path),
                       "--server-args", *SERVER, "--dtype", "float32"])  # fmt: skip
     report = only_json(tmp_path)
+    assert [args[0] for args in by_hand] == ["by-hand"]
     assert positive(report["speed_ratio"], report["train_speed_ratio"], report["by_hand"]["tokens"])
     assert all(job["trained_tokens"] > 0 for job in report["jobs"].values())
     assert (
@@ -183,25 +208,29 @@ def test_fine_tuning_shared_cores(model, tmp_path):
 
     fine_tuning.main(["--shared-cores", "--model", str(model), "--examples", "4", "--eval-prompts", "4",
                       "--answer-tokens", "8", "--batch-size", "1", "--threads", "1", "--clients", "2",
-                      "--load-tokens", "4", "--load-seconds", "3", "--job-seconds", "3", "--committed-adapters", "none",
+                      "--load-tokens", "4", "--load-seconds", "2", "--job-seconds", "3", "--committed-adapters", "none",
                       "--output-dir", str(tmp_path), "--server-args", *SERVER, "--dtype", "float32"])  # fmt: skip
     s = only_json(tmp_path)["shared_cores"]
     assert s["share"] == 0.25 and positive(s["serving_ratio"], s["job_alone_tokens_per_s"])
-    # (3-second windows: on a loaded machine, as a test run's other worker makes it, the job beside a hog may not
-    # finish a step in one, and the standalone run may not start one: a rate of 0 is a measurement, not a failure)
+    # (serving's 2-second windows, the job's 3: on a loaded machine, as a test run's other worker makes it, the job
+    # beside a hog may not finish a step in one, and the standalone run may not start one: a rate of 0 is a
+    # measurement, not a failure)
     assert finite(s["standalone"]["tokens_per_s"] or 0.0, s["job_beside_hog_tokens_per_s"])
     assert "| the job beside a CPU hog / alone |" in only_md(tmp_path)
 
 
 def test_fine_tuning_quality(model, tmp_path):
-    """What a job teaches, with the docs' defaults: the supervised and DPO jobs, the held-out checks, the served
-    model against transformers + PEFT (on the tiny model: the figures are its, the path the real model's)."""
+    """What a job teaches: the supervised and DPO jobs, the held-out checks, the served model against
+    transformers + PEFT (on the tiny model: the figures are its, the path the real model's). One epoch each, not
+    the docs' default (auto: ~100 steps on a small file; tests/training/test_training_data.py holds auto's rule)."""
     from benchmarks import fine_tuning
 
-    fine_tuning.main(["quality", "--model", str(model), "--examples", "8", "--max-tokens", "8", "--output-dir",
-                      str(tmp_path), "--server-args", *SERVER, "--dtype", "float32"])  # fmt: skip
+    fine_tuning.main(["quality", "--model", str(model), "--examples", "8", "--max-tokens", "8", "--n-epochs", "1",
+                      "--output-dir", str(tmp_path), "--server-args", *SERVER, "--dtype", "float32"])  # fmt: skip
     report = only_json(tmp_path)
     assert report["sft"]["trained_tokens"] > 0 and report["dpo"]["trained_tokens"] > 0
+    dpo_hyper = report["dpo"]["hyperparameters"]["hyperparameters"]  # (the job's method.dpo)
+    assert report["sft"]["hyperparameters"]["n_epochs"] == dpo_hyper["n_epochs"] == 1
     assert report["facts"]["base"]["questions"] == 8 and report["held_out"]["fine_tuned"]["examples"] == 8
     equal = report["served_as_peft"]
     assert equal["equal"] == equal["prompts"] > 0
@@ -278,24 +307,31 @@ def test_llamacpp(model, peer, tmp_path):
     assert "| 2 clients, 2 adapters |" in (tmp_path / "summary.md").read_text()
 
 
-def test_gguf_spm(tmp_path):
+def test_gguf_spm(tmp_path, monkeypatch):
     """A tiny SentencePiece GGUF file (tests/models/test_gguf_sentencepiece.py's Llama) served by the script's
-    motet and by a second `motet serve` as the peer: every prompt tokenized alike, every greedy text equal."""
+    motet and by a second `motet serve` as the peer (in this process: a fresh interpreter's imports are not what
+    this checks): every prompt tokenized alike, every greedy text equal."""
+    from motet.engine.cache_root import cache_dir
     from tests.engine.test_gguf_model_file import write_gguf_file
     from tests.models.test_gguf_sentencepiece import add_sentencepiece_vocab, spm_checkpoint
 
     source, _ = spm_checkpoint(tmp_path / "source", "llama")
     path = write_gguf_file(source, tmp_path / "bare" / "tiny-spm.gguf", {}, vocab=add_sentencepiece_vocab)
-    env = {"MOTET_CACHE_DIR": str(tmp_path / "cache")}
+    # the file's derived config and prepared weights in a cache of the test's own, the native kernels the
+    # machine's, linked in as benchmarks/cold_start.py links them (compiled once a machine: tens of seconds of CPU
+    # each time a fresh cache compiled them again)
+    kernels = cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(kernels, target_is_directory=True)
+    monkeypatch.setenv("MOTET_CACHE_DIR", str(tmp_path / "cache"))
     # float32: the script's motet computes in it, as llama.cpp does
     flags = ["--model", str(path), "--data-dir", str(tmp_path / "data"), "--dtype", "float32", *SERVER]
-    peer = Server(tmp_path, *flags, env=env)
+    peer = ThreadServer(*flags)
     try:
-        os.environ["MOTET_CACHE_DIR"] = env["MOTET_CACHE_DIR"]
         gguf_spm.main([str(path), "--max-tokens", "4", "--threads", "1", "--peer-url", peer.url,
                        "--out", str(tmp_path / "out")])  # fmt: skip
     finally:
-        os.environ.pop("MOTET_CACHE_DIR", None)
         peer.stop()
     (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["types"]
     assert row["type"] == "as is" and row["tokenized_alike"] == len(gguf_spm.PROMPTS)
