@@ -38,7 +38,9 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 class Stream:
-    """Chat requests back to back from `clients` threads (a tenant's), until the block ends."""
+    """Chat requests back to back from `clients` threads (a tenant's), until the block ends. Each client's answers
+    are of their own length, so that the clients do not fall into step: answers that all end in one step leave the
+    engine idle while every client sends its next request, and an idle engine gives the worker the cores."""
 
     def __init__(self, server, clients: int):
         self.c = client(server, "ke")
@@ -50,8 +52,9 @@ class Stream:
         n = 0
         while not self.stop.is_set():
             try:
-                self.c.chat.completions.create(model="tiny", max_tokens=32, temperature=0,
-                                               messages=[{"role": "user", "content": f"count {i} {n}"}])  # fmt: skip
+                self.c.chat.completions.create(model="tiny", max_tokens=24 + 7 * i, temperature=0,
+                                               messages=[{"role": "user", "content": f"count {i} {n}"}],
+                                               extra_body={"ignore_eos": True})  # fmt: skip
                 self.answers += 1
             except openai.APIError:
                 self.errors += 1
