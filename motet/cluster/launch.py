@@ -126,13 +126,17 @@ class Cluster:
 
         s = self.settings
         path = os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH")) if p)
-        runtime_env = {"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}}
+        env = {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}  # what the replicas' processes need
         if s.ray_address:
-            ray.init(address=s.ray_address, runtime_env=runtime_env, log_to_driver=True)
+            ray.init(address=s.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
         else:
             cpus = max(os.cpu_count() or 1, s.most_replicas * s.threads_per_replica)
             resources = {s.fine_tuning_ray_resource: 1} if s.fine_tuning_ray_resource else None
-            ray.init(num_cpus=cpus, resources=resources, include_dashboard=False, runtime_env=runtime_env)
+            # A local Ray's processes inherit this process's environment as they start: `env` reaches its workers
+            # so, not through a runtime_env, which would make Ray start workers of their own for this job and
+            # leave the ones it prestarted (one a CPU) idle: two processes more per start here
+            with _environment(env):
+                ray.init(num_cpus=cpus, resources=resources, include_dashboard=False)
             self.started_ray = True
 
     def start(self):
@@ -181,6 +185,21 @@ class Cluster:
             started += [p for p in _descendants() if p.pid not in pids]
         ray.shutdown(wait_for_processes=True)
         _reap(started)
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """`env` in this process's environment for the block's time (what a process started meanwhile inherits)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _descendants() -> list:
