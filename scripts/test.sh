@@ -17,6 +17,13 @@ docs_log=$(.venv/bin/mkdocs build --strict --site-dir site 2>&1) || { echo "$doc
 # the same cores, spinning threads took the cores from the ones with work (a server test pair: 235 s spinning,
 # 37 s passive, on 2 cores).
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+# One compute thread a process (the test processes, their servers, ranks and workers): two workers' processes
+# on two cores already use both, and a 2-thread region waits at its barrier for a thread the other worker's
+# process holds (tests/models/test_model_declarations.py on a loaded machine: 209 s at 2 threads, 90 s at 1;
+# 11% less CPU). The kernels' own tests run at 2 threads (tests/kernels/conftest.py: the work split between
+# threads), the API's and the real engine's main fixtures with every core (their default path: outputs not
+# overlapped); a test that needs more sets its own.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # `-m ""`: every test, the smoke runs too (a plain `pytest` leaves them out: pyproject.toml's addopts); a -m given
 # here comes later and wins.
 exec .venv/bin/python -m pytest -q -n "${MOTET_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder -m "" "$@"
