@@ -340,7 +340,7 @@ def standalone_rate(run_dir: Path, tmp: Path, threads: int, seconds: float) -> d
     return {"tokens_per_s": trained_rate([(0.0, 0), *samples]), "steps": len(samples)}
 
 
-def hog_events(c: openai.OpenAI, job_id: str, since: float) -> list[str]:
+def compute_events(c: openai.OpenAI, job_id: str, since: float = 0.0) -> list[str]:
     """The job's events about compute since `since` (a time.time(); events are stamped in seconds), oldest first."""
     return [e.message for e in reversed(list(c.fine_tuning.jobs.list_events(job_id, limit=100)))
             if e.created_at >= since - 1 and "compute" in e.message]  # fmt: skip
@@ -379,14 +379,13 @@ def shared_cores(
     try:
         out["job_beside_hog_tokens_per_s"] = trained_rate(watch_job(c, job.id, args.job_seconds))
         # the runner judges the last WAIT_WINDOW_S: two of them with the hog on, unless it has said so already
-        while time.monotonic() < since + 2 * WAIT_WINDOW_S and not hog_events(c, job.id, hog_start):
+        while time.monotonic() < since + 2 * WAIT_WINDOW_S and not compute_events(c, job.id, hog_start):
             time.sleep(0.5)
     finally:
         hog.kill()
         hog.wait()
-    out["hog_events"] = hog_events(c, job.id, hog_start)
-    out["events"] = [e.message for e in reversed(list(c.fine_tuning.jobs.list_events(job.id, limit=100)))
-                     if "compute" in e.message]  # fmt: skip
+    out["hog_events"] = compute_events(c, job.id, hog_start)
+    out["events"] = compute_events(c, job.id)
     status = c.fine_tuning.jobs.retrieve(job.id).status
     out["job_still_running"] = status == "running"
     if status in ("running", "queued"):
