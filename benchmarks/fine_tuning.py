@@ -429,8 +429,10 @@ def memory(args, hyper: dict, c: openai.OpenAI, server, base: str, data: dict, t
     trainable = adapter  # (float32 tensors: the adapter's bytes, safetensors' small header aside)
     optimizer = 3 * trainable  # AdamW's two moments and the gradients, float32 each
     s = stages["stages"]
-    built, peak = s["trainer built (base loaded, adapter made)"]["Pss"], s["peak over the steps"]["Pss"]
-    activations = max(0, peak - built - optimizer)  # what the steps add beyond the optimizer's state
+    # what the steps add to the worker's own memory beyond the optimizer's state (its anonymous pages: a mapped
+    # base's pages, resident as the steps touch them, are the weights, not activations)
+    built = s["trainer built (base loaded, adapter made)"]["Pss_Anon"]
+    activations = max(0, s["peak over the steps"]["Pss_Anon"] - built - optimizer)
     growth = sampler.peak["pss"] - idle["pss"]
     bound = adapter + optimizer + activations + MEMORY_SLACK
     return {"examples": len(lines), "hyperparameters": job.hyperparameters.model_dump(), "idle": idle,
