@@ -17,11 +17,17 @@
   clients; targets: serving beside / alone >= 0.9 x (1 - share), the job beside / alone >= 0.8 x share
   (--fine-tuning-share, 0.25 unless --server-args sets it), the job alone >= 0.9x the same run in a process of its
   own outside the server (`python -m motet.training.worker` on a copy of its run directory); and beside an
-  unrelated CPU hog (`python -c "while True: pass"`) the job's tokens/s and the events that say it waits.
+  unrelated CPU hog (`python -c "while True: pass"`) the job's tokens/s and the events that say it waits;
+- --memory (issue 66: one copy of the base) alone: the server's process tree's proportional set size (PSS, pages
+  its processes share counted once: benchmarks/process_memory.py) idle and its peak while a job of
+  --memory-examples examples trains, the worker's PSS by mapping (weights files, libraries, anonymous) at that
+  peak, and by stage in a process of its own (imports, trainer built, steps); target: with a job <= idle + the
+  adapter, its optimizer state and gradients, the activations + 150 MB.
 
     python -m benchmarks.fine_tuning                                   # the acceptance sizes (long: a quiet machine)
     python -m benchmarks.fine_tuning --examples 8 --eval-prompts 4 --n-epochs 1 --load-seconds 10 --clients 2
     python -m benchmarks.fine_tuning --shared-cores --clients 32       # the shared cores' acceptance
+    python -m benchmarks.fine_tuning --memory --n-epochs 1             # one copy of the base's acceptance
     python -m benchmarks.fine_tuning quality                           # what a job teaches (fine_tuning_quality.py)
 
 Writes fine_tuning-TIME.json and .md under --output-dir. Name the machine (its CPU and flags are in the report).
@@ -409,6 +415,74 @@ def shared_cores(
     return out
 
 
+MEMORY_SLACK = 150 * 2**20  # the acceptance's allowance beyond the adapter, optimizer and activations
+
+
+def memory(args, hyper: dict, c: openai.OpenAI, server, base: str, data: dict, tmp: Path) -> dict:
+    """The server's tree's PSS idle and at its peak while a job of --memory-examples examples trains; the worker's
+    PSS by stage in a process of its own (benchmarks/process_memory.py's worker-stages, on a copy of the run)."""
+    from benchmarks import process_memory as pm
+
+    c.chat.completions.create(model=base, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    time.sleep(1.0)
+    idle = min((pm.tree_pss(server.proc.pid) for _ in range(4)), key=lambda t: t["pss"])
+    lines = data["files"]["upper"].splitlines()[: args.memory_examples]
+    f = c.files.create(file=("memory.jsonl", b"\n".join(lines)), purpose="fine-tune")
+    with pm.PeakSampler(server.proc.pid) as sampler:
+        job = c.fine_tuning.jobs.create(
+            training_file=f.id, model=base, suffix="memory", seed=0, method=sft(hyper)
+        )
+        run_dir, copied = tmp / "data" / "fine_tuning" / job.id, tmp / "memory_run"
+        while job.status not in ("succeeded", "failed", "cancelled"):
+            if not copied.exists() and (run_dir / "run.json").is_file():
+                copied.mkdir()
+                for path in run_dir.glob("*.json*"):  # (its rows and run.json)
+                    (copied / path.name).write_bytes(path.read_bytes())
+            time.sleep(0.5)
+            job = c.fine_tuning.jobs.retrieve(job.id)
+    if job.status != "succeeded":
+        raise RuntimeError(f"job {job.id} {job.status}: {job.error}")
+    spec = json.loads((copied / "run.json").read_text()) | {"run_dir": str(copied), "adapter_dir": None}
+    (copied / "run.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "benchmarks.process_memory", "worker-stages", str(copied), "--threads",
+           str(args.threads)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    stages = json.loads(out.stdout.strip().splitlines()[-1])
+    adapter = sum(p.stat().st_size for p in (tmp / "data" / "adapters").rglob("*.safetensors"))
+    trainable = adapter  # (float32 tensors: the adapter's bytes, safetensors' small header aside)
+    optimizer = 3 * trainable  # AdamW's two moments and the gradients, float32 each
+    s = stages["stages"]
+    # what the steps add to the worker's own memory beyond the optimizer's state (its anonymous pages: a mapped
+    # base's pages, resident as the steps touch them, are the weights, not activations)
+    built = s["trainer built (base loaded, adapter made)"]["Pss_Anon"]
+    activations = max(0, s["peak over the steps"]["Pss_Anon"] - built - optimizer)
+    growth = sampler.peak["pss"] - idle["pss"]
+    bound = adapter + optimizer + activations + MEMORY_SLACK
+    return {"examples": len(lines), "hyperparameters": job.hyperparameters.model_dump(), "idle": idle,
+            "with_job": sampler.peak, "worker_mappings": sampler.peak_mappings, "samples": sampler.samples,
+            "growth": growth, "adapter": adapter, "optimizer_and_gradients": optimizer,
+            "activations": activations, "bound": bound, "meets": growth <= bound, "worker_stages": stages}  # fmt: skip
+
+
+def _memory_lines(r: dict) -> list[str]:
+    m, mib = r["memory"], 2**20
+    lines = [
+        f"| server tree's PSS: idle / with a job of {m['examples']} examples (peak; batch "
+        f"{m['hyperparameters']['batch_size']}) | {m['idle']['pss'] / mib:.0f} / {m['with_job']['pss'] / mib:.0f} "
+        f"MiB: +{m['growth'] / mib:.0f} | <= +{m['bound'] / mib:.0f} (adapter {m['adapter'] / mib:.1f} + "
+        f"optimizer and gradients {m['optimizer_and_gradients'] / mib:.1f} + activations "
+        f"{m['activations'] / mib:.0f} + 150) |",
+        "| the worker's PSS at the peak, by mapping | "
+        + ", ".join(f"{k} {v / mib:.0f}" for k, v in m["worker_mappings"].items() if k != "pid")
+        + " MiB | |",
+    ]
+    for stage, values in m["worker_stages"]["stages"].items():
+        lines.append(f"| a worker on its own: {stage} | PSS {values.get('Pss', 0) / mib:.0f} MiB (anonymous "
+                     f"{values.get('Pss_Anon', 0) / mib:.0f}, files {values.get('Pss_File', 0) / mib:.0f}) | |")  # fmt: skip
+    return lines
+
+
 def job_dtype(server_args: list[str]) -> str:
     """The dtype the server's jobs train in (the serving dtype: --dtype, else auto's)."""
     import torch
@@ -475,6 +549,10 @@ def main(argv=None) -> int:
                    "once measured: long enough to outlast the measures)")  # fmt: skip
     p.add_argument("--job-seconds", type=float, default=60, help="the shared cores: how long the job's speed alone, "
                    "beside the hog and in its own process is measured")  # fmt: skip
+    p.add_argument(
+        "--memory", action="store_true", help="measure the server's PSS with a job alone (issue 66)"
+    )
+    p.add_argument("--memory-examples", type=int, default=40, help="--memory: the job's examples")
     p.add_argument("--output-dir", default="benchmarks/reports/fine_tuning")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to `motet serve`")
     args = p.parse_args(argv)
@@ -507,6 +585,10 @@ def main(argv=None) -> int:
             if args.shared_cores:
                 share = server_share(args.server_args)
                 report["shared_cores"] = shared_cores(args, hyper, c, server.url, base, data, tmp, share)
+                write_report(out, "fine_tuning", report, summary(report))
+                return 0
+            if args.memory:
+                report["memory"] = memory(args, hyper, c, server, base, data, tmp)
                 write_report(out, "fine_tuning", report, summary(report))
                 return 0
             if not args.load_only:  # (--load-only: the serving measure alone)
@@ -651,6 +733,8 @@ def summary(r: dict) -> str:
     ]  # fmt: skip
     if "shared_cores" in r:
         return "\n".join(lines + _shared_lines(r)) + "\n"
+    if "memory" in r:
+        return "\n".join(lines + _memory_lines(r)) + "\n"
     if "jobs" in r:  # (not with --load-only)
         lines += _job_lines(r)
     alone, busy = r["load_alone"], r["load_with_job"]

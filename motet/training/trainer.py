@@ -175,9 +175,16 @@ def import_libraries() -> None:
 
 
 def load_base(model_dir: Path, dtype: str):
+    """The frozen base: the served model's weights as the server maps them (motet/training/shared_base.py), else
+    (none to read) a copy of its own."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from motet.training.shared_base import shared_base
+
+    shared = shared_base(model_dir, dtype)
+    if shared is not None:
+        return shared
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
 
 

@@ -42,6 +42,7 @@ SMOKE_RUNS = {
     "pd": "test_cluster_smoke.py::test_pd",
     "pd_sim": "test_offline_smoke.py::test_pd_sim",
     "prefill_peak": "test_offline_smoke.py::test_prefill_peak",
+    "process_memory": "test_served_smoke.py::test_fine_tuning_memory",
     "peers": "test_served_smoke.py::test_llamacpp",
     "peft_adapters": "test_served_smoke.py::test_soak",
     "quant_bandwidth": "test_offline_smoke.py::test_quant_bandwidth",

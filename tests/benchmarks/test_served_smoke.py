@@ -219,6 +219,20 @@ def test_fine_tuning_shared_cores(model, tmp_path):
     assert "| the job beside a CPU hog / alone |" in only_md(tmp_path)
 
 
+def test_fine_tuning_memory(model, tmp_path):
+    """The server's PSS idle and with a job, the worker's by mapping and by stage (benchmarks/process_memory.py)."""
+    from benchmarks import fine_tuning
+
+    fine_tuning.main(["--memory", "--memory-examples", "4", "--model", str(model), "--examples", "4",
+                      "--eval-prompts", "4", "--answer-tokens", "8", "--n-epochs", "1", "--threads", "1",
+                      "--committed-adapters", "none", "--output-dir", str(tmp_path), "--server-args", *SERVER,
+                      "--dtype", "float32"])  # fmt: skip
+    m = only_json(tmp_path)["memory"]
+    assert positive(m["idle"]["pss"], m["with_job"]["pss"], m["adapter"], m["bound"])
+    assert m["worker_stages"]["outcome"] == "succeeded" and m["worker_mappings"]["anonymous"] > 0
+    assert "| server tree's PSS: idle / with a job" in only_md(tmp_path)
+
+
 def test_fine_tuning_quality(model, tmp_path):
     """What a job teaches: the supervised and DPO jobs, the held-out checks, the served model against
     transformers + PEFT (on the tiny model: the figures are its, the path the real model's). One epoch each, not

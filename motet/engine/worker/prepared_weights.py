@@ -83,6 +83,23 @@ def source_files(model_dir: str | Path, quantization: str | None) -> list[Path]:
     return files + ([gguf_file(d)] if quantization == GGUF_QUANTIZATION else weight_files(d))
 
 
+def entry_of(
+    model_dir: str | Path, quantization: str | None, dtype: torch.dtype
+) -> tuple[list[dict], dict, str]:
+    """The source files' identities, the settings and the key of the entry a start of `model_dir` with
+    `quantization` in `dtype` reads and writes (a fine-tuning job's worker finds the served weights by it:
+    motet/training/shared_base.py)."""
+    source = [file_identity(f) for f in source_files(model_dir, quantization)]
+    settings = {
+        "dtype": str(dtype).removeprefix("torch."),
+        "quantization": quantization,
+        "isa": cpu_native.isa(),
+        "abi": cpu_native.ABI_VERSION,
+        "code": code_digest(),
+    }
+    return source, settings, entry_key(source, settings)
+
+
 def quantized_formats(model: CausalLM) -> dict[str, dict[str, str]]:
     """The block format of each projection and stacked experts' weight held quantized, by module name (read before
     the packing releases them): a restored model's layers are told their formats (`_stub`)."""
@@ -104,16 +121,8 @@ class PreparedWeights:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, dtype: torch.dtype):
         self.store = PreparedStore(max_bytes=int(config.weights_cache_gb * 2**30))
+        self.source, self.settings, self.key = entry_of(model_dir, config.quantization, dtype)
         files = source_files(model_dir, config.quantization)
-        self.source = [file_identity(f) for f in files]
-        self.settings = {
-            "dtype": str(dtype).removeprefix("torch."),
-            "quantization": config.quantization,
-            "isa": cpu_native.isa(),
-            "abi": cpu_native.ABI_VERSION,
-            "code": code_digest(),
-        }
-        self.key = entry_key(self.source, self.settings)
         name = files[-1].resolve().stem if files[-1].suffix == ".gguf" else Path(model_dir).name
         self.label = f"{name}-{self.settings['dtype']}"
         self.entry: Entry | None = self.store.open(self.key)
