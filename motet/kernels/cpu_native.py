@@ -68,6 +68,7 @@ _SIGNATURES = {
     + [_ptr, _ptr, _i32, _i32, _ptr, _i32],  # segments, n_in, sizes, n
     "motet_gemm": [_i32, _ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32],
     "motet_experts": [_i32, _ptr, _i64, _ptr, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64],
+    "motet_unpack_rows": [_i32, _ptr, _i32, _i32, _i32, _ptr],
 }
 
 
@@ -707,6 +708,22 @@ def gemm(
         int(accumulate),
     )
     _check(status, "gemm")
+    return out
+
+
+def unpack_rows(packed: torch.Tensor, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [start, stop) of the weight W [n, K] that `packed` holds (fp32 or bf16 panels of `pack`; start a
+    multiple of PANEL), dense fp32 [stop - start, K] (into `out` if given): an operand of g @ W."""
+    assert packed.is_contiguous() and packed.dtype in DTYPE_CODES and start % PANEL == 0
+    assert 0 <= start <= stop <= packed.shape[0] * PANEL
+    K = packed.shape[1]
+    if out is None:
+        out = torch.empty((stop - start, K), dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (stop - start, K)
+    status = library().motet_unpack_rows(
+        DTYPE_CODES[packed.dtype], packed.data_ptr(), K, start, stop, out.data_ptr()
+    )
+    _check(status, "unpack_rows")
     return out
 
 

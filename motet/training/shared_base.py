@@ -29,10 +29,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from motet.kernels import cpu_native
+
 log = logging.getLogger("motet.training")
 
-PANEL = 16  # rows of a weight per panel (motet/kernels/cpu_native.py's PANEL)
-CHUNK_BYTES = 4 << 20  # the panels made into one GEMM operand at a time
+PANEL = cpu_native.PANEL  # rows of a weight per panel
+CHUNK_BYTES = (
+    1 << 20
+)  # the panels made into one GEMM operand at a time (measured: 1 MiB fastest of 64 KiB-4 MiB)
 SAMPLED_ROWS = 8  # rows of each matrix compared with the checkpoint before the entry is used
 
 
@@ -103,9 +107,13 @@ def _chunks(panels: torch.Tensor):
 
 
 def panel_product(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
-    """x [..., K] @ W.T for the [n, K] weight W that `panels` holds: [..., n]."""
+    """x [..., K] @ W.T for the [n, K] weight W that `panels` holds: [..., n]. The serving step's own GEMM reads
+    the panels as they are (fp32 inputs; as fast as torch's on a dense weight); otherwise a few MiB of them at a
+    time are made into one dense operand."""
     K = panels.shape[1]
     x2 = x.reshape(-1, K)
+    if x2.dtype == torch.float32 and panels.is_contiguous() and cpu_native.library() is not None:
+        return cpu_native.gemm(x2.contiguous(), panels, n).reshape(*x.shape[:-1], n)
     parts = [x2 @ w.permute(1, 0, 2).reshape(K, -1) for _, w in _chunks(panels)]
     return torch.cat(parts, dim=1)[:, :n].reshape(*x.shape[:-1], n)
 
@@ -114,11 +122,21 @@ def panel_product_t(g: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     """g [..., n] @ W for the [n, K] weight W that `panels` holds: [..., K] (the input's gradient)."""
     P, K, R = panels.shape
     g2 = g.reshape(-1, g.shape[-1])
+    n = g2.shape[1]
     out = g2.new_zeros(g2.shape[0], K)
+    native = g2.dtype == torch.float32 and panels.is_contiguous() and cpu_native.library() is not None
     for row, w in _chunks(panels):
-        rows = min(w.shape[0] * R, g2.shape[1] - row)
-        if rows > 0:
-            out += g2[:, row : row + rows] @ w.transpose(1, 2).reshape(-1, K)[:rows]
+        rows = min(w.shape[0] * R, n - row)
+        if rows <= 0:
+            break
+        # the chunk's rows of W, dense: transposed out of the panels in registers by the CPU kernels (torch's
+        # strided copy took a tenth of a training step)
+        dense = (
+            cpu_native.unpack_rows(panels, row, row + rows)
+            if native
+            else w.transpose(1, 2).reshape(-1, K)[:rows]
+        )
+        out.addmm_(g2[:, row : row + rows], dense)
     return out.reshape(*g.shape[:-1], K)
 
 
@@ -269,10 +287,16 @@ def _check(model: nn.Module, model_dir: Path, dtype: torch.dtype) -> None:
         if tuple(source.shape) != tuple(module.weight.shape) or not torch.equal(
             want, dense_rows(module.panels, rows.unique())
         ):
-            raise _NotShared(f"the prepared {name} is not the checkpoint's (the family transforms its weights)")
+            raise _NotShared(
+                f"the prepared {name} is not the checkpoint's (the family transforms its weights)"
+            )
     for name, param in model.named_parameters():
         source = stored.get(name)
         if source is None:
             raise _NotShared(f"{name} is not in the checkpoint")
-        if tuple(source.shape) != tuple(param.shape) or not torch.equal(source.load().to(dtype), param.detach()):
-            raise _NotShared(f"the prepared {name} is not the checkpoint's (the family transforms its weights)")
+        if tuple(source.shape) != tuple(param.shape) or not torch.equal(
+            source.load().to(dtype), param.detach()
+        ):
+            raise _NotShared(
+                f"the prepared {name} is not the checkpoint's (the family transforms its weights)"
+            )

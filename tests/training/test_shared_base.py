@@ -96,3 +96,14 @@ def test_the_adapter_is_the_one_a_private_copy_trains(served, tiny_model_dir, tm
     assert not any(isinstance(m, PanelLinear) for m in load_base(tiny_model_dir, "float32").modules())
     assert train(private) == "succeeded"
     assert_same(weights(shared.adapter), weights(private.adapter), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (37, 20), (100, 13)])
+def test_the_kernels_unpack_rows_of_panels_as_the_weight_holds_them(n, k, dtype):
+    weight = torch.randn(n, k).to(dtype)
+    packed = cpu_native.pack(weight)
+    for start, stop in [(0, n), (16, min(n, 40)), (32, 33), (16, 16)]:
+        torch.testing.assert_close(
+            cpu_native.unpack_rows(packed, start, stop), weight[start:stop].float(), rtol=0, atol=0
+        )

@@ -675,6 +675,19 @@ int motet_gemm(int dtype_w, const float* x, int64_t ldx, int M, int K, const voi
     return 0;
 }
 
+// Rows [n0, n1) of the weight packed as motet_gemm's (dtype_w 0 fp32 or 1 bf16; n0 a multiple of 16) as a dense
+// fp32 [n1 - n0, K] in `out`.
+int motet_unpack_rows(int dtype_w, const void* packed, int K, int n0, int n1, float* out) {
+    if (n0 % NR != 0 || n1 < n0) return 3;
+    if (dtype_w == 0)
+        unpack_rows(static_cast<const float*>(packed), K, n0, n1, out);
+    else if (dtype_w == 1)
+        unpack_rows(static_cast<const uint16_t*>(packed), K, n0, n1, out);
+    else
+        return 2;
+    return 0;
+}
+
 // Rows sorted by expert through their experts' weights (offsets [E + 1]: each expert's rows), every expert
 // packed as motet_gemm's weights one after another (dtype_w: a WeightCode), biases [E, N] in the weight's dtype,
 // fp32 for a quantized weight (K: a multiple of 32), or null.

@@ -159,4 +159,60 @@ void gemm(const float* x, int64_t ldx, int M, int K, const TW* packed, int N, co
     }
 }
 
+// Rows [n0, n1) of the weight W [N, K] that `packed` holds (gemm's panels; n0 a multiple of NR), as a dense
+// fp32 [n1 - n0, K] in `out` (bf16 converted exactly): the operand of the input's gradient, g @ W, made a few
+// rows at a time from the panels the forward reads (a training job's frozen base: motet/training/shared_base.py).
+// Each 8 k x 16 columns block of a panel is transposed in registers.
+#ifdef __AVX2__
+inline void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+#endif
+
+template <typename TW>
+void unpack_rows(const TW* packed, int K, int n0, int n1, float* out) {
+    const int p0 = n0 / NR, p1 = (n1 + NR - 1) / NR;
+#pragma omp parallel for schedule(static) if (p1 - p0 > 1)
+    for (int p = p0; p < p1; ++p) {
+        const TW* w = packed + static_cast<int64_t>(p) * K * NR;
+        const int rows = n1 - p * NR < NR ? n1 - p * NR : NR;
+        float* o = out + static_cast<int64_t>(p * NR - n0) * K;
+        int k = 0;
+#ifdef __AVX2__
+        if (rows == NR)
+            for (; k + 8 <= K; k += 8) {
+                __m256 lo[8], hi[8];
+                for (int i = 0; i < 8; ++i) load16(w + static_cast<int64_t>(k + i) * NR, lo[i], hi[i]);
+                transpose8(lo);
+                transpose8(hi);
+                for (int j = 0; j < 8; ++j) {
+                    _mm256_storeu_ps(o + static_cast<int64_t>(j) * K + k, lo[j]);
+                    _mm256_storeu_ps(o + static_cast<int64_t>(j + 8) * K + k, hi[j]);
+                }
+            }
+#endif
+        for (; k < K; ++k)
+            for (int j = 0; j < rows; ++j) o[static_cast<int64_t>(j) * K + k] = load(w + static_cast<int64_t>(k) * NR, j);
+    }
+}
+
 }  // namespace motet
