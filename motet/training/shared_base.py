@@ -60,8 +60,18 @@ class PanelRows(torch.Tensor):
     def __getitem__(self, index):
         if isinstance(index, slice) and index.step in (None, 1):
             start, stop, _ = index.indices(self.rows)
-            return dense_rows(self.as_subclass(torch.Tensor), torch.arange(start, max(start, stop)))
+            panels, stop = self.as_subclass(torch.Tensor), max(start, stop)
+            if start % PANEL == 0 and _native(panels):  # (TRL's vocabulary chunks: rows 0, 32768, ...)
+                return cpu_native.unpack_rows(panels, start, stop).to(panels.dtype)
+            return dense_rows(panels, torch.arange(start, stop))
         raise TypeError(f"the rows of panels are read by a slice of rows, not {index!r}")
+
+
+def _native(panels: torch.Tensor) -> bool:
+    """Whether the CPU kernels read these panels (fp32 or bf16, contiguous)."""
+    return (
+        panels.dtype in cpu_native.DTYPE_CODES and panels.is_contiguous() and cpu_native.library() is not None
+    )
 
 
 def dense_rows(panels: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -112,7 +122,7 @@ def panel_product(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor
     time are made into one dense operand."""
     K = panels.shape[1]
     x2 = x.reshape(-1, K)
-    if x2.dtype == torch.float32 and panels.is_contiguous() and cpu_native.library() is not None:
+    if x2.dtype == torch.float32 and _native(panels):
         return cpu_native.gemm(x2.contiguous(), panels, n).reshape(*x.shape[:-1], n)
     parts = [x2 @ w.permute(1, 0, 2).reshape(K, -1) for _, w in _chunks(panels)]
     return torch.cat(parts, dim=1)[:, :n].reshape(*x.shape[:-1], n)
@@ -124,7 +134,7 @@ def panel_product_t(g: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     g2 = g.reshape(-1, g.shape[-1])
     n = g2.shape[1]
     out = g2.new_zeros(g2.shape[0], K)
-    native = g2.dtype == torch.float32 and panels.is_contiguous() and cpu_native.library() is not None
+    native = g2.dtype == torch.float32 and _native(panels)
     for row, w in _chunks(panels):
         rows = min(w.shape[0] * R, n - row)
         if rows <= 0:

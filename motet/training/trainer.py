@@ -15,6 +15,7 @@ the server; `motet fine-tune` draws a progress bar from them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -145,7 +146,7 @@ def trainer_args(run: TrainingRun, has_validation: bool):
     )
     if run.method == "dpo":
         return DPOConfig(**common, beta=h.beta)
-    return SFTConfig(**common, packing=False)
+    return SFTConfig(**common, packing=False, padding_free=True)
 
 
 def _dpo_trainer_class():
@@ -325,7 +326,8 @@ def _train(run: TrainingRun, on_event, pause_asked) -> str:
         step = checkpoint_step(resume)
         on_event({"type": "resumed", "step": step, "path": str(resume), "epoch": math.ceil(step / per_epoch),
                   "epoch_end": step % per_epoch == 0})  # fmt: skip
-    trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    with completions_scored_only():
+        trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     (run.checkpoints / "README.md").unlink(missing_ok=True)
     if report.paused:
         return "paused"
@@ -334,6 +336,27 @@ def _train(run: TrainingRun, on_event, pause_asked) -> str:
     on_event({"type": "succeeded", "step": trainer.state.global_step, "path": str(run.adapter),
               "trained_tokens": tokens * run.hyperparameters.n_epochs})  # fmt: skip
     return "succeeded"
+
+
+@contextlib.contextmanager
+def completions_scored_only():
+    """TRL's fused LM head (SFT's loss) projects only the positions that have a label (the completion's) on a
+    Triton device, and every position elsewhere: compilers for other devices (Neuron) would see new tile shapes at
+    each batch. On an eager CPU the prompt's positions, most of a chat example's, are wasted work: three vocabulary
+    products each (forward, recomputed in backward, the input's gradient), about a fifth of a step of the default
+    model. The choice is TRL's `_use_triton` as read by trl.trainer.utils (the kernels' own choice is another name,
+    untouched); where that name is gone (another TRL) the run scores every position, as before."""
+    from trl.trainer import utils as trl_utils
+
+    original = getattr(trl_utils, "_use_triton", None)
+    if original is None:
+        yield
+        return
+    trl_utils._use_triton = lambda device: True
+    try:
+        yield
+    finally:
+        trl_utils._use_triton = original
 
 
 def _row_tokens(row: dict) -> int:

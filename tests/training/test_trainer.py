@@ -63,7 +63,10 @@ def test_adapter_equals_the_same_trl_run_by_hand(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    examples = chats(7)
+    # of different lengths: TRL pads each batch to its longest, the job packs its examples without padding
+    # (position ids restart at each; transformers' attention keeps them apart)
+    examples = [[{"role": "user", "content": "say hi " + "now " * (3 * i)},
+                 {"role": "assistant", "content": "HELLO " * (1 + i % 3)}] for i in range(7)]  # fmt: skip
     run = make_run(tiny_model_dir, tmp_path, "ours", "supervised", [{"messages": c} for c in examples],
                    n_epochs=2, batch_size=2)  # fmt: skip
     assert train(run) == "succeeded"
