@@ -146,7 +146,7 @@ def trainer_args(run: TrainingRun, has_validation: bool):
     )
     if run.method == "dpo":
         return DPOConfig(**common, beta=h.beta)
-    return SFTConfig(**common, packing=False, padding_free=True)
+    return SFTConfig(**common, packing=False)
 
 
 def _dpo_trainer_class():

@@ -63,8 +63,8 @@ def test_adapter_equals_the_same_trl_run_by_hand(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    # of different lengths: TRL pads each batch to its longest, the job packs its examples without padding
-    # (position ids restart at each; transformers' attention keeps them apart)
+    # of different lengths (padded to each batch's longest), answers of several lengths: the job projects only the
+    # answers' positions through the vocabulary, TRL's run by hand every position
     examples = [[{"role": "user", "content": "say hi " + "now " * (3 * i)},
                  {"role": "assistant", "content": "HELLO " * (1 + i % 3)}] for i in range(7)]  # fmt: skip
     run = make_run(tiny_model_dir, tmp_path, "ours", "supervised", [{"messages": c} for c in examples],
