@@ -30,6 +30,7 @@ SMOKE_RUNS = {
     "gpu_peer": "test_gpu_peer.py::test_smoke_report_has_every_configuration",
     "fine_tuning": "test_served_smoke.py::test_fine_tuning",
     "fine_tuning_quality": "test_served_smoke.py::test_fine_tuning_quality",
+    "fine_tuning_batch": "test_offline_smoke.py::test_fine_tuning_batch",
     "grammar_overhead": "test_offline_smoke.py::test_grammar_overhead",
     "grammar_report": "test_offline_smoke.py::test_grammar_report",
     "jsonschema_heldout": "test_offline_smoke.py::test_jsonschema_heldout",

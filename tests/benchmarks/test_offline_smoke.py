@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import (
     cpu_gemm,
+    fine_tuning_batch,
     grammar_overhead,
     grammar_report,
     jsonschema_heldout,
@@ -28,7 +29,7 @@ from benchmarks import (
 )
 from motet.evals.datasets import dev_set_path
 from motet.kernels import cpu_isa
-from tests.benchmarks.smoke import TorchThreads, finite, positive
+from tests.benchmarks.smoke import TorchThreads, finite, only_json, positive
 from tests.engine.test_gguf_model_file import write_gguf_file
 from tests.kernels.test_quantization import GGUF_TYPES
 from tests.peft_adapters import TINY_ADAPTERS, save_peft_adapters
@@ -115,6 +116,17 @@ def test_moe_decode_expert_formats(tmp_path):
     assert [(r["format"], r["batch"]) for r in report["format_rows"]] == [(f, 2) for f in moe_decode.FORMATS]
     assert positive(*(r["step_ms"] for r in report["format_rows"]), report["params_m"])
     assert "| mxfp4 | 2 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_fine_tuning_batch(tiny_model_dir, tmp_path):
+    fine_tuning_batch.main(["--model", str(tiny_model_dir), "--jobs", "2", "--batch", "2", "--tokens", "9",
+                            "--answer-tokens", "3", "--repeats", "1", "--output-dir", str(tmp_path)])  # fmt: skip
+    b = only_json(tmp_path)["batch"]
+    assert b["jobs"] == 2 and b["batch"] == 2
+    one, together = b["one_job_micro_batch"], b["jobs_in_one_micro_batch"]
+    assert positive(one["wall_s"], one["cpu_s"], together["wall_s"], together["cpu_s"])
+    assert b["ratio"] == together["wall_s"] / (2 * one["wall_s"])
+    assert b["cpu_ratio"] == together["cpu_s"] / (2 * one["cpu_s"])
 
 
 def test_quant_bandwidth(tiny_model_dir, tmp_path):
