@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation vs colocated serving at the same total threads: a mix of long prompts (short
 outputs) and long decodes (short prompts) against `motet serve` on a local Ray cluster, once colocated
-(`--replicas 2 --threads T`) and once disaggregated (`--prefill-replicas 1 --decode-replicas 1 --threads T`).
+(`--replicas 2 --threads T`; `--colocated-replicas N`) and once disaggregated (`--prefill-replicas 1
+--decode-replicas 1 --threads T`).
 
     python -m benchmarks.pd [--threads 1] [--decodes 6] [--prefills 6] [--prompt-words 900]
                             [--decode-tokens 96] [--ttft-slo 8] [--tpot-slo 0.15] [--out DIR]
@@ -117,8 +118,8 @@ def summary_md(report: dict) -> str:
         "goodput (req/s)",
     ]
     lines = [
-        f"# Prefill/decode disaggregation vs colocated ({cfg['threads']} thread(s) per replica, 2 replicas; "
-        f"{report['machine']})",
+        f"# Prefill/decode disaggregation vs colocated ({cfg['threads']} thread(s) per replica, "
+        f"{cfg['colocated_replicas']} colocated replicas against 1 prefill + 1 decode; {report['machine']})",
         "",
         f"{cfg['decodes']} long decodes ({cfg['decode_tokens']} tokens from ~30-word prompts) start at once; "
         f"{cfg['prefills']} long prompts (~{cfg['prompt_words']} words, {cfg['prefill_tokens']} tokens out) arrive "
@@ -136,7 +137,14 @@ def summary_md(report: dict) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="the server's --model (default: motet's default model)")
-    ap.add_argument("--threads", type=int, default=1, help="per replica (two replicas either way)")
+    ap.add_argument("--threads", type=int, default=1, help="per replica")
+    ap.add_argument(
+        "--colocated-replicas",
+        type=int,
+        default=2,
+        help="replicas of the colocated run (2: the disaggregated run's prefill + decode replica; fewer only "
+        "for a run that checks the benchmark, not the comparison)",
+    )
     ap.add_argument("--decodes", type=int, default=6)
     ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--prefills", type=int, default=6)
@@ -153,7 +161,7 @@ def main(argv=None) -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     common = ["--max-num-seqs", str(args.max_num_seqs), "--max-ongoing-requests", str(4 * args.max_num_seqs)]
     with tempfile.TemporaryDirectory(prefix="motet-pd-bench-") as tmp:
-        colocated = run_mode("colocated", [*common, "--replicas", "2"], args)
+        colocated = run_mode("colocated", [*common, "--replicas", str(args.colocated_replicas)], args)
         pd = ["--prefill-replicas", "1", "--decode-replicas", "1", "--kv-shared-dir", f"{tmp}/kv-shared"]
         disaggregated = run_mode("disaggregated", [*common, *pd], args)
     report = {

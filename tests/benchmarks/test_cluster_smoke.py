@@ -22,13 +22,13 @@ pytestmark = [
 
 
 def test_pd(tiny_model_dir, tmp_path):
-    """One long decode and one long prompt, colocated (two replicas) then disaggregated (one prefill replica,
-    one decode replica)."""
+    """One long decode and one long prompt, colocated (one replica: the path of two, one replica start less)
+    then disaggregated (one prefill replica, one decode replica)."""
     from benchmarks import pd
 
     pd.main(["--model", str(tiny_model_dir), "--decodes", "1", "--decode-tokens", "4", "--prefills", "1",
              "--prompt-words", "20", "--prefill-tokens", "2", "--prefill-delay", "0.1", "--prefill-gap", "0.1",
-             "--max-num-seqs", "2", "--out", str(tmp_path)])  # fmt: skip
+             "--max-num-seqs", "2", "--colocated-replicas", "1", "--out", str(tmp_path)])  # fmt: skip
     report = json.loads((tmp_path / "results.json").read_text())
     for mode in ("colocated", "disaggregated"):
         for cls in ("decode", "prefill"):

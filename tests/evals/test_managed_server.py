@@ -14,7 +14,21 @@ def test_a_server_still_loading_says_so_with_the_time_waited(monkeypatch, capsys
                "status": "loading", "phase": "loading the weights 12/30", "fraction": 0.4}  # fmt: skip
     answers = iter([httpx.Response(503, text="not json"), httpx.Response(503, json=loading),
                     httpx.Response(503, json={"error": {}}), httpx.Response(200)])  # fmt: skip
-    monkeypatch.setattr(server.httpx, "get", lambda url, timeout: next(answers))
+
+    class Polled:  # the client wait_healthy polls /health with
+        def __init__(self, timeout):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def get(self, url):
+            return next(answers)
+
+    monkeypatch.setattr(server.httpx, "Client", Polled)
     monkeypatch.setattr(server.time, "sleep", lambda s: None)
     monkeypatch.setattr(server, "WAITING_EVERY_S", 0.0)
     waited: list[tuple[float, str | None]] = []
