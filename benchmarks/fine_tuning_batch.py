@@ -6,11 +6,16 @@ the machine's compute is already used as well by one job's micro-batch as by sev
 jobs cannot make four jobs finish faster than one after another; where it costs much less (a GPU's small batches
 leave it idle), it can.
 
+With --shared-base, also one job's micro-batch over the frozen base a job reads from the server's prepared weights
+(motet/training/shared_base.py: the served model's panels, mapped) against the same over a private copy of the base:
+the speed a job pays for not holding a second copy (the served model's entry must exist: start the server once).
+
 Each is timed by the wall clock (what a job's end waits for: measure on a quiet machine) and by its process CPU time
 (all its threads', waits spinning included), the smallest of --repeats, at --threads compute threads.
 
     python -m benchmarks.fine_tuning_batch                      # the default model, 4 jobs x 4 rows of 53 tokens
     python -m benchmarks.fine_tuning_batch --jobs 4 --batch 8
+    python -m benchmarks.fine_tuning_batch --shared-base          # and the shared base's step against a private copy
 
 Writes fine_tuning_batch-TIME.json and .md under --output-dir.
 """
@@ -46,9 +51,34 @@ def step_seconds(model, rows: int, tokens: int, answer: int, vocab: int, repeats
     return best
 
 
+def lora_model(base, rank: int):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, task_type="CAUSAL_LM")
+    return get_peft_model(base, lora)
+
+
+def shared_against_private(args, model_dir: Path, private) -> dict:
+    """One job's micro-batch over the shared base and over `private` (a PEFT model on a private copy), each the
+    smallest of --repeats, alternating."""
+    from motet.training.shared_base import shared_base
+
+    base = shared_base(model_dir, "float32")
+    if base is None:
+        return {"shared": None}  # (no prepared weights of the model: said in the report)
+    shared, vocab = lora_model(base, args.rank), base.config.vocab_size
+    times: dict[str, dict] = {}
+    for _ in range(args.repeats):
+        for name, model in (("shared", shared), ("private", private)):
+            t = step_seconds(model, args.batch, args.tokens, args.answer_tokens, vocab, 1)
+            best = times.setdefault(name, t)
+            times[name] = {k: min(best[k], t[k]) for k in t}
+    return {**times, "speed": times["private"]["wall_s"] / times["shared"]["wall_s"],
+            "cpu_speed": times["private"]["cpu_s"] / times["shared"]["cpu_s"]}  # fmt: skip
+
+
 def measure(args) -> dict:
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from motet.engine.weights.model_store import default_model_path
@@ -56,15 +86,16 @@ def measure(args) -> dict:
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else default_model_path()
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS, task_type="CAUSAL_LM")
-    model = get_peft_model(base, lora)
+    model = lora_model(base, args.rank)
     vocab = base.config.vocab_size
     step_seconds(model, args.batch, args.tokens, args.answer_tokens, vocab, 1)  # (warm-up)
     one = step_seconds(model, args.batch, args.tokens, args.answer_tokens, vocab, args.repeats)
     together = step_seconds(
         model, args.jobs * args.batch, args.tokens, args.answer_tokens, vocab, args.repeats
     )
+    shared = shared_against_private(args, model_dir, model) if args.shared_base else None
     return {
+        "shared_base": shared,
         "model": str(model_dir), "jobs": args.jobs, "batch": args.batch, "tokens": args.tokens,
         "answer_tokens": args.answer_tokens, "rank": args.rank, "threads": args.threads,
         "one_job_micro_batch": one, "jobs_in_one_micro_batch": together,
@@ -86,7 +117,21 @@ def summary(r: dict) -> str:
         f"{b['jobs_in_one_micro_batch']['wall_s']:.2f} | {b['jobs_in_one_micro_batch']['cpu_s']:.2f} |",
         f"| the second over {b['jobs']} x the first (below 1: what batching the jobs saves) | {b['ratio']:.2f} | "
         f"{b['cpu_ratio']:.2f} |",
-    ]) + "\n"  # fmt: skip
+    ] + _shared_lines(b["shared_base"])) + "\n"  # fmt: skip
+
+
+def _shared_lines(r: dict | None) -> list[str]:
+    if r is None:
+        return []
+    if r["shared"] is None:
+        return ["", "The shared base: no prepared weights of the model to read (start the server once)."]
+    return [
+        "", "| one job's micro-batch over | wall s | CPU s |", "|---|---|---|",
+        f"| the shared base (the server's prepared weights, mapped) | {r['shared']['wall_s']:.2f} | "
+        f"{r['shared']['cpu_s']:.2f} |",
+        f"| a private copy of the base | {r['private']['wall_s']:.2f} | {r['private']['cpu_s']:.2f} |",
+        f"| the shared base's speed over the private copy's | {r['speed']:.3f} | {r['cpu_speed']:.3f} |",
+    ]  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -101,6 +146,9 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--shared-base", action="store_true", help="also the shared base's step against a private copy"
+    )
     p.add_argument("--output-dir", default="benchmarks/reports/fine_tuning")
     args = p.parse_args(argv)
     report = {"machine": machine(), "batch": measure(args)}

@@ -118,10 +118,21 @@ def test_moe_decode_expert_formats(tmp_path):
     assert "| mxfp4 | 2 |" in (tmp_path / "summary.md").read_text()
 
 
-def test_fine_tuning_batch(tiny_model_dir, tmp_path):
+def test_fine_tuning_batch(tiny_model_dir, tmp_path, monkeypatch):
+    from motet.engine.llm import LLM
+
+    monkeypatch.setenv("MOTET_WEIGHTS_CACHE_DIR", str(tmp_path / "weights"))
+    LLM(
+        str(tiny_model_dir), device="cpu", block_size=8, num_kv_blocks=64
+    )  # (its prepared weights: the shared base)
     fine_tuning_batch.main(["--model", str(tiny_model_dir), "--jobs", "2", "--batch", "2", "--tokens", "9",
-                            "--answer-tokens", "3", "--repeats", "1", "--output-dir", str(tmp_path)])  # fmt: skip
-    b = only_json(tmp_path)["batch"]
+                            "--answer-tokens", "3", "--repeats", "2", "--shared-base",
+                            "--output-dir", str(tmp_path / "out")])  # fmt: skip
+    b = only_json(tmp_path / "out")["batch"]
+    shared = b["shared_base"]
+    assert positive(
+        shared["shared"]["wall_s"], shared["private"]["wall_s"], shared["speed"], shared["cpu_speed"]
+    )
     assert b["jobs"] == 2 and b["batch"] == 2
     one, together = b["one_job_micro_batch"], b["jobs_in_one_micro_batch"]
     assert positive(one["wall_s"], one["cpu_s"], together["wall_s"], together["cpu_s"])
