@@ -171,6 +171,23 @@ def by_hand(args) -> int:
     return 0
 
 
+def standalone(args) -> int:
+    """The worker's training of RUN_DIR (motet/training/worker.py's run_job, as a job's worker forked by the server
+    runs it) in this process: its events as JSON lines on standard output, the libraries' prints on standard
+    error."""
+    from motet.training.worker import run_job
+
+    events = os.fdopen(os.dup(1), "w")
+    # (what the libraries print goes to standard error, as the worker's goes to its log: not among the events)
+    os.dup2(2, 1)
+
+    def emit(event: dict) -> None:
+        events.write(json.dumps(event) + "\n")
+        events.flush()
+
+    return run_job(Path(args.run_dir), emit, lambda: False, args.threads, 0)
+
+
 def run_by_hand(model_dir: Path, data: bytes, job: dict, threads: int, dtype: str, tmp: Path) -> dict:
     path = tmp / "by_hand.jsonl"
     path.write_bytes(data)
@@ -327,14 +344,16 @@ def standalone_rate(run_dir: Path, tmp: Path, threads: int, seconds: float) -> d
             (copy / name).write_bytes((run_dir / name).read_bytes())
     spec = json.loads((run_dir / RUN_SPEC).read_text()) | {"run_dir": str(copy), "adapter_dir": None}
     (copy / RUN_SPEC).write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "motet.training.worker", str(copy), "--threads", str(threads)]
+    cmd = [sys.executable, "-m", "benchmarks.fine_tuning", "standalone", str(copy), "--threads", str(threads)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
     samples: list[tuple[float, int]] = []
+    started = False
     try:
         end = None
         for line in proc.stdout:
             event = json.loads(line)
+            started = started or event["type"] == "ready"
             if event["type"] == "step":
                 samples.append((time.monotonic(), event["trained_tokens"]))
                 end = end or time.monotonic() + seconds
@@ -343,7 +362,7 @@ def standalone_rate(run_dir: Path, tmp: Path, threads: int, seconds: float) -> d
     finally:
         proc.kill()
         proc.wait()
-    return {"tokens_per_s": trained_rate([(0.0, 0), *samples]), "steps": len(samples)}
+    return {"tokens_per_s": trained_rate([(0.0, 0), *samples]), "steps": len(samples), "started": started}
 
 
 def compute_events(c: openai.OpenAI, job_id: str, since: float = 0.0) -> list[str]:
@@ -397,7 +416,8 @@ def shared_cores(
     if status in ("running", "queued"):
         c.fine_tuning.jobs.cancel(job.id)
     print("shared cores: the same run in a process of its own ...", flush=True)
-    out["standalone"] = {"tokens_per_s": None, "steps": 0}  # (the job ended before its files were copied)
+    # (none where the job ended before its files were copied)
+    out["standalone"] = {"tokens_per_s": None, "steps": 0, "started": False}
     if copied is not None:
         out["standalone"] = standalone_rate(copied, tmp, args.threads, args.job_seconds)
     alone, beside = out["serving_alone"]["tokens_per_s"], out["serving_beside"]["tokens_per_s"]
@@ -524,6 +544,9 @@ def main(argv=None) -> int:
     for flag in ("--model-dir", "--data", "--hyperparameters", "--out", "--dtype"):
         h.add_argument(flag, required=True)
     h.add_argument("--threads", type=int, required=True)
+    st = sub.add_parser("standalone", help="(internal) a job's run directory trained in a process of its own")
+    st.add_argument("run_dir")
+    st.add_argument("--threads", type=int, required=True)
     p.add_argument("--model", default=None, help="the base model (default: the default model)")
     p.add_argument("--examples", type=int, default=200, help="training prompts for each behaviour")
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts for the checks and DPO")
@@ -558,6 +581,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.command == "by-hand":
         return by_hand(args)
+    if args.command == "standalone":
+        return standalone(args)
     if args.command == "quality":
         from benchmarks import fine_tuning_quality
 

@@ -216,6 +216,7 @@ def test_fine_tuning_shared_cores(model, tmp_path):
     # beside a hog may not finish a step in one, and the standalone run may not start one: a rate of 0 is a
     # measurement, not a failure)
     assert finite(s["standalone"]["tokens_per_s"] or 0.0, s["job_beside_hog_tokens_per_s"])
+    assert s["standalone"]["started"]  # (the worker's run in a process of its own: it said it was ready)
     assert "| the job beside a CPU hog / alone |" in only_md(tmp_path)
 
 
