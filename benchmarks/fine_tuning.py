@@ -330,19 +330,13 @@ def copy_run(run_dir: Path, to: Path) -> Path | None:
     return to if (to / RUN_SPEC).is_file() else None
 
 
-def standalone_rate(run_dir: Path, tmp: Path, threads: int, seconds: float) -> dict:
-    """The job's run in a process of its own outside the server (the worker the server starts, on a copy of the
-    run's directory: the same rows, hyperparameters, seed and threads): its training tokens/s over `seconds` from
-    its first step, as its events arrive."""
-    from motet.training.trainer import TRAIN_ROWS, VALID_ROWS
+def standalone_rate(copy: Path, threads: int, seconds: float) -> dict:
+    """The job's run in a process of its own outside the server (the worker's training, on `copy`: copy_run's copy
+    of the run's directory, the same rows, hyperparameters, seed and threads): its training tokens/s over `seconds`
+    from its first step, as its events arrive."""
     from motet.training.worker import RUN_SPEC
 
-    copy = tmp / "standalone"
-    copy.mkdir()
-    for name in (TRAIN_ROWS, VALID_ROWS):
-        if (run_dir / name).is_file():
-            (copy / name).write_bytes((run_dir / name).read_bytes())
-    spec = json.loads((run_dir / RUN_SPEC).read_text()) | {"run_dir": str(copy), "adapter_dir": None}
+    spec = json.loads((copy / RUN_SPEC).read_text()) | {"run_dir": str(copy), "adapter_dir": None}
     (copy / RUN_SPEC).write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "benchmarks.fine_tuning", "standalone", str(copy), "--threads", str(threads)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
@@ -419,7 +413,7 @@ def shared_cores(
     # (none where the job ended before its files were copied)
     out["standalone"] = {"tokens_per_s": None, "steps": 0, "started": False}
     if copied is not None:
-        out["standalone"] = standalone_rate(copied, tmp, args.threads, args.job_seconds)
+        out["standalone"] = standalone_rate(copied, args.threads, args.job_seconds)
     alone, beside = out["serving_alone"]["tokens_per_s"], out["serving_beside"]["tokens_per_s"]
     job_alone = out["job_alone_tokens_per_s"]
     out["serving_ratio"] = beside / alone
