@@ -122,9 +122,8 @@ def test_fine_tuning_batch(tiny_model_dir, tmp_path, monkeypatch):
     from motet.engine.llm import LLM
 
     monkeypatch.setenv("MOTET_WEIGHTS_CACHE_DIR", str(tmp_path / "weights"))
-    LLM(
-        str(tiny_model_dir), device="cpu", block_size=8, num_kv_blocks=64
-    )  # (its prepared weights: the shared base)
+    # (its prepared weights: the shared base)
+    LLM(str(tiny_model_dir), device="cpu", block_size=8, num_kv_blocks=64)
     fine_tuning_batch.main(["--model", str(tiny_model_dir), "--jobs", "2", "--batch", "2", "--tokens", "9",
                             "--answer-tokens", "3", "--repeats", "2", "--shared-base",
                             "--output-dir", str(tmp_path / "out")])  # fmt: skip
