@@ -145,8 +145,9 @@ TEXT = Path(__file__).parents[2] / "benchmarks" / "data" / "public_domain.txt"  
 def hf_fp32_text(default_model_dir):
     """1,024 tokens of text in 512-token windows (2,048 took 81 s of the suite on a CPU without avx512_bf16, where
     the eager bf16 model is emulated), HF's fp32 logits of them, and the score of each model that is the same for
-    every tier: (windows, scores(logits) -> (perplexity, share of positions whose top-1 is HF fp32's), HF's
-    perplexity, the eager bf16 model's top-1 share: the eager step runs torch's kernels, whatever the tier)."""
+    every tier: (windows, scores(logits) -> (perplexity, share of positions whose top-1 is HF fp32's) over the
+    first len(logits) windows, HF's perplexity, the eager bf16 model's top-1 share on the first window: the eager
+    step runs torch's kernels, whatever the tier; on a CPU without avx512_bf16 they are emulated, ~30 s a window)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(default_model_dir)(TEXT.read_text())["input_ids"][:1024]
@@ -158,14 +159,16 @@ def hf_fp32_text(default_model_dir):
 
     def scores(logits) -> tuple[float, float]:
         logits = [lg.float() for lg in logits]
+        scored = windows[: len(logits)]
         nll = sum(
             -lg.log_softmax(-1)[:-1].gather(1, torch.tensor(w[1:])[:, None]).sum()
-            for w, lg in zip(windows, logits, strict=True)
+            for w, lg in zip(scored, logits, strict=True)
         )
-        same = sum((lg.argmax(-1) == r.argmax(-1)).sum() for lg, r in zip(logits, ref, strict=True))
-        return math.exp(nll / (len(ids) - len(windows))), float(same) / len(ids)
+        same = sum((lg.argmax(-1) == r.argmax(-1)).sum() for lg, r in zip(logits, ref, strict=False))
+        positions = sum(map(len, scored))
+        return math.exp(nll / (positions - len(scored))), float(same) / positions
 
-    _, top1_eager = scores(engine_logits(_bf16_engine(default_model_dir, compile_step=False), windows))
+    _, top1_eager = scores(engine_logits(_bf16_engine(default_model_dir, compile_step=False), windows[:1]))
     return windows, scores, scores(ref)[0], top1_eager
 
 
@@ -182,16 +185,20 @@ def _bf16_engine(model_dir, compile_step: bool):
 def test_bf16_predictions_stay_those_of_hf_fp32(default_model_dir, cpu_tier, hf_fp32_text):
     """The bf16 model in the native step of each instruction-set tier (avx512bf16: its products round their
     inputs to bf16) predicts the text as HF's fp32 model does in substance: perplexity within 0.5%, the
-    top-1 token the same at >= 98% of 1,024 positions, and at least as often as the eager bf16 model does. (The
-    weights' own rounding to bf16 costs 1%: HF's fp32 model on the bf16-rounded weights agrees at 99.0%.)"""
+    top-1 token the same at >= 98% of 1,024 positions, and on the first 512 at least as often as the eager bf16
+    model does. (The weights' own rounding to bf16 costs 1%: HF's fp32 model on the bf16-rounded weights agrees at
+    99.0%.)"""
     if cpu_tier == "scalar":
         pytest.skip("the portable loops: minutes on the real model (tests/kernels checks them)")
     windows, scores, ppl_hf, top1_eager = hf_fp32_text
     native = _bf16_engine(default_model_dir, compile_step=True)
     assert native.runner.native is not None and native.runner.cpu_kernels == cpu_tier
-    ppl, top1 = scores(engine_logits(native, windows))
-    assert abs(ppl / ppl_hf - 1) <= 0.005 and top1 >= 0.98 and top1 >= top1_eager, (
+    logits = engine_logits(native, windows)
+    ppl, top1 = scores(logits)
+    _, top1_first = scores(logits[:1])  # (the eager model's is of the first window)
+    assert abs(ppl / ppl_hf - 1) <= 0.005 and top1 >= 0.98 and top1_first >= top1_eager, (
         ppl / ppl_hf,
         top1,
+        top1_first,
         top1_eager,
     )
