@@ -52,9 +52,13 @@ def test_cpu_gemm(tmp_path, monkeypatch):
                        "--seconds", "0.005", "--out", str(tmp_path)])  # fmt: skip
     finally:
         cpu_isa.selected.cache_clear()
-    cols = json.loads((tmp_path / "results.json").read_text())["o"]
+    report = json.loads((tmp_path / "results.json").read_text())
+    cols = report["o"]
     tiers = [t.name for t in cpu_isa.TIERS if t.name != "scalar" and not cpu_isa.missing(t)]
-    want = {"torch bf16", "torch fp32"} | {f"{t} {f}" for t in tiers for f in ("bf16", "int8", "int4")}
+    want = {"torch bf16", "torch fp32"} | {
+        f"{t} {f}" for t in tiers for f in ("bf16", "fp32", "int8", "int4")
+    }
+    assert report["fma_peak_gflops"] is None or positive(report["fma_peak_gflops"])  # (None: no C++ compiler)
     assert set(cols) == want
     assert all(set(by_rows) == {"1", "4"} and positive(*by_rows.values()) for by_rows in cols.values())
     assert "| torch fp32 |" in (tmp_path / "summary.md").read_text()
