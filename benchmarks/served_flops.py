@@ -9,6 +9,8 @@ The peak, measured first on a quiet machine: the model's own projection shapes (
 lm_head) at --peak-rows rows, each shape's fastest GEMM of torch's linear in bfloat16 and float32 and motet's
 native GEMM (this CPU's instruction-set tier) on packed bf16 and fp32 weights; the peak is the forward's
 projections at those speeds (their FLOPs over the sum of their times, as benchmarks/step_profile.py takes it).
+Beside it the roofline no kernel passes: the CPU's fp32 FMA peak on --threads threads (benchmarks/cpu_gemm.py's
+`fma_peak`), where a C++ compiler builds it.
 Then per level C, R x C streamed chat requests (R: --rounds), C at once, greedy, --max-tokens each with EOS
 ignored, against `motet serve` (started here) or any OpenAI-compatible server at --url (vLLM's CPU backend,
 llama.cpp's server: the same count of work, their own usage). Each answered request's work is counted from its
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import chat_body, cpu_info, cpu_line, write_report
+from benchmarks.cpu_gemm import fma_peak
 from benchmarks.step_profile import fastest_gflops, linear_gflops, linear_shapes
 from motet.evals.serving_bench import make_prompts, run_level, summarize
 
@@ -80,7 +83,8 @@ def measure_peak(cfg, rows: int, threads: int, seconds: float) -> dict:
     best = {name: max(m.values()) for name, m in per_shape.items()}
     flops = {name: 2 * k * n * count for name, (k, n, count) in shapes.items()}
     decoder = sum(flops.values()) / sum(f / best[name] for name, f in flops.items() if f)
-    return {"rows": rows, "shapes": per_shape, "decoder": decoder, "lm_head": best["lm_head"]}
+    fma = fma_peak(threads, seconds)
+    return {"rows": rows, "shapes": per_shape, "decoder": decoder, "lm_head": best["lm_head"], "fma": fma}
 
 
 def run_levels(url: str, model: str, cfg, args) -> list[dict]:
@@ -115,14 +119,17 @@ def summary_md(report: dict) -> str:
         f"CPU: {cpu_line(report['cpu'])}.",
         "",
         f"GEMM peak at {peak['rows']} rows on the model's projections (each at its fastest of torch's linear in "
-        f"bf16 / fp32 and motet's native GEMM): forward {peak['decoder']:.1f} GFLOPS, lm_head {peak['lm_head']:.1f}.",
+        f"bf16 / fp32 and motet's native GEMM): forward {peak['decoder']:.1f} GFLOPS, lm_head {peak['lm_head']:.1f}. "
+        + (f"The fp32 FMA peak: {fma:.1f} GFLOPS." if (fma := peak.get("fma")) else "The FMA peak: n/a."),
         "",
-        "| clients | answered | output tok/s | served GFLOPS | of the forward's peak | TTFT p50 / p99 s |",
-        "|---:|---:|---:|---:|---:|---|",
+        "| clients | answered | output tok/s | served GFLOPS | of the forward's peak | of the FMA peak | "
+        "TTFT p50 / p99 s |",
+        "|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report["levels"]:
+        of_fma = f"{100 * r['served_gflops'] / fma:.0f}%" if fma else "n/a"
         lines.append(f"| {r['clients']} | {r['completed']}/{r['requests']} | {r['output_tokens_per_s']:.1f} | "
-                     f"{r['served_gflops']:.1f} | {100 * r['served_gflops'] / peak['decoder']:.0f}% | "
+                     f"{r['served_gflops']:.1f} | {100 * r['served_gflops'] / peak['decoder']:.0f}% | {of_fma} | "
                      f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
