@@ -103,12 +103,17 @@ def fma_peak(threads: int, seconds: float) -> float | None:
         if subprocess.run([compiler, *flags, str(src), "-o", str(exe)], capture_output=True).returncode:
             return None
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        iters = 10_000_000
-        while True:  # until one run takes --seconds
-            t0 = time.perf_counter()
+
+        def run(iters: int) -> float:
             out = subprocess.run([str(exe), str(iters)], capture_output=True, text=True, env=env, check=True)
+            return float(out.stdout)
+
+        iters = 10_000_000
+        while True:  # until one run takes --seconds; then the best of three such (a shared VM's cores vary)
+            t0 = time.perf_counter()
+            first = run(iters)
             if time.perf_counter() - t0 >= seconds or iters >= 10**10:
-                return float(out.stdout)
+                return max(first, run(iters), run(iters))
             iters *= 4
 
 
