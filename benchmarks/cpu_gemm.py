@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -93,7 +92,7 @@ int main(int argc, char** argv) {
 
 def fma_peak(threads: int, seconds: float) -> float | None:
     """GFLOPS of fp32 FMAs on `threads` threads (FMA_SOURCE), or None where no C++ compiler builds it."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = cpu_native.compiler()  # (the one the kernels are built with)
     if compiler is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:

@@ -498,14 +498,19 @@ def library() -> ctypes.CDLL | None:
     return _load(isa()) if enabled() else None
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX, else the first of g++, c++, clang++ on the PATH."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
 @functools.cache
 def _load(name: str) -> ctypes.CDLL | None:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         log.warning("no C++ compiler found: the CPU kernels fall back to their torch references")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler, cpu_isa.BY_NAME[name])))
+        lib = ctypes.CDLL(str(_build(compiler_path, cpu_isa.BY_NAME[name])))
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
         log.warning("the CPU kernels could not be built (%s): torch references serve instead", e)
         return None
