@@ -292,6 +292,9 @@ def create_app(state: ServerState) -> Starlette:
             if state.batches is not None:  # batches run beside live traffic, through this same app
                 tg.start_soon(state.batches.run, app)
             if state.fine_tuning is not None:  # fine-tuning jobs train beside it, in processes of their own
+                # (those a restart cut short are queued again before the server answers: no client reads one as
+                # running after the restart)
+                await state.fine_tuning.recover()
                 tg.start_soon(state.fine_tuning.run, app, fine_tuning.run_files)
             try:
                 yield

@@ -195,6 +195,7 @@ class FineTuningRunner:
         self._tg: TaskGroup | None = None
         self._app = None  # the app a job's eval file is answered through
         self._run_files: Callable | None = None  # given by `run`
+        self._recovered = False  # the jobs a restart cut short are queued again (`recover`)
         adapters.reserved_by(store.reserved_bytes)  # the room queued jobs' adapters will take
 
     # -- the API's side --------------------------------------------------------------------------------------
@@ -284,19 +285,27 @@ class FineTuningRunner:
             await _thread(shutil.rmtree, self.store.run_dir(job_id), True)
 
     # -- the loop --------------------------------------------------------------------------------------------
-    async def run(self, app, run_files: Callable) -> None:
-        """Run the jobs of `app` (`run_files(state)`: what training needs to know of its served model)."""
-        self._app, self._run_files, state = app, run_files, app.state.motet
-        while not state.system.ready:  # the model is loading
-            await anyio.sleep(0.1)
-        while True:
+    async def recover(self) -> bool:
+        """Queue again the jobs a restart cut short, each with the event saying where it goes on from (once a
+        server's life). The app's start-up awaits it before the server answers, so a client reading a job after a
+        restart never sees it `running` with no worker; False where the storage failed (`run` tries again)."""
+        if not self._recovered:
             try:
                 for job_id in await _thread(self.store.recover, self._resumes_from):
                     log.info("fine-tuning job %s: queued again after the restart", job_id)
-                break
             except StorageFailure as e:
                 log.warning("fine-tuning: storage failed (%s); trying again in %gs", e.cause, POLL_S * 5)
-                await anyio.sleep(POLL_S * 5)
+                return False
+            self._recovered = True
+        return True
+
+    async def run(self, app, run_files: Callable) -> None:
+        """Run the jobs of `app` (`run_files(state)`: what training needs to know of its served model)."""
+        self._app, self._run_files, state = app, run_files, app.state.motet
+        while not await self.recover():
+            await anyio.sleep(POLL_S * 5)
+        while not state.system.ready:  # the model is loading
+            await anyio.sleep(0.1)
         async with anyio.create_task_group() as tg:
             self._tg = tg
             for job_id, tenant in await _thread(self.store.validating):  # cut short by a restart: done again
