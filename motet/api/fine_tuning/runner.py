@@ -286,7 +286,7 @@ class FineTuningRunner:
 
     # -- the loop --------------------------------------------------------------------------------------------
     async def recover(self) -> bool:
-        """Queue again the jobs a restart cut short, each with the event saying where it goes on from (once a
+        """Queue again the jobs a restart cut short, each with the event saying where it goes on from (once in a
         server's life). The app's start-up awaits it before the server answers, so a client reading a job after a
         restart never sees it `running` with no worker; False where the storage failed (`run` tries again)."""
         if not self._recovered:
