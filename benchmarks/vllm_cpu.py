@@ -18,8 +18,9 @@ Both servers get the same streamed chat requests (prompts of ~--prompt-words wor
 with EOS ignored, greedy; with --json-schema every request also carries `response_format` json_schema, as
 issue 49 measured), all at once with at most C in flight, for each level C of --levels, the two servers
 alternating level by level so both see the machine in the same state. Reports tokens/s, TPOT and TTFT
-percentiles and motet / vLLM ratios per level, with the CPU's model name and its bf16 / VNNI / AMX flags;
-writes results.json and summary.md.
+percentiles (TTFT's also for the first C requests, sent together, and for the later ones, each sent as one of
+them ended: a wave's tail and the rounds after it) and motet / vLLM ratios per level, with the CPU's model name
+and its bf16 / VNNI / AMX flags; writes results.json and summary.md.
 """
 
 from __future__ import annotations
@@ -169,13 +170,17 @@ def summary_md(report: dict) -> str:
     lines = [f"# motet vs vLLM-CPU ({report['dtype']}, {report['threads']} threads, {report['max_tokens']} output "
              f"tokens per request, {load})", "",
              f"CPU: {cpu_line(report['cpu'])}.", f"vLLM: {report['vllm']}.", "",
-             "| clients | motet tok/s | vLLM tok/s | motet / vLLM | TPOT p50 ms motet / vLLM | TTFT p50 ms motet / vLLM |",
-             "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| clients | motet tok/s | vLLM tok/s | motet / vLLM | TPOT p50 ms motet / vLLM | TTFT p50 ms motet / vLLM "
+             "| TTFT p99 s motet / vLLM | TTFT p50 s of the first C / of the later, motet; vLLM |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in report["rows"]:
         m, peer = r["motet"]["output_token_throughput"], r["vllm"]["output_token_throughput"]
+        rounds = "; ".join(f"{s['ttft_by_round_s']['first']['p50']:.2f} / {s['ttft_by_round_s']['later']['p50']:.2f}"
+                           for s in (r["motet"], r["vllm"]))  # fmt: skip
         lines.append(f"| {r['clients']} | {m:.1f} | {peer:.1f} | {r['ratio_tokens_per_s']:.2f}x | "
                      f"{r['tpot_p50_ms'][0]:.1f} / {r['tpot_p50_ms'][1]:.1f} | "
-                     f"{r['ttft_p50_ms'][0]:.0f} / {r['ttft_p50_ms'][1]:.0f} |")  # fmt: skip
+                     f"{r['ttft_p50_ms'][0]:.0f} / {r['ttft_p50_ms'][1]:.0f} | "
+                     f"{r['motet']['ttft_s']['p99']:.2f} / {r['vllm']['ttft_s']['p99']:.2f} | {rounds} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -207,6 +207,12 @@ def summarize(
         "goodput": len(good) / duration,  # requests per second that met the targets
         "slo_attainment": len(good) / len(records) if records else float("nan"),
         "ttft_s": stats([r.ttft for r in ok]),
+        # Records in the order sent: the first `concurrency` go together, each later one as one before it ends
+        # (with --request-rate inf, a closed loop): a wave's tail and the rounds after it queue differently.
+        "ttft_by_round_s": {
+            "first": stats([r.ttft for r in records[:concurrency] if r.ok]),
+            "later": stats([r.ttft for r in records[concurrency:] if r.ok]),
+        },
         "tpot_s": stats([r.tpot for r in ok if r.tpot is not None]),
         "itl_s": stats([x for r in ok for x in r.itls]),
         "e2e_s": stats([r.e2e for r in ok]),
