@@ -30,7 +30,8 @@ for line in listing.splitlines():
             print(f"--{option}={item}")
 EOF
     )
-    if "$uv" pip install -q --python .venv/bin/python --index-strategy unsafe-best-match \
+    # (--native-tls: the system's certificates, which pip's cert setting names, not uv's bundled ones)
+    if "$uv" pip install -q --native-tls --python .venv/bin/python --index-strategy unsafe-best-match \
         "${pip_settings[@]}" --constraint scripts/constraints.txt "${requirements[@]}"; then
         exit 0
     fi
