@@ -65,6 +65,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     from motet.engine.config import (
         AUTO_DTYPE,
         CPU_KV_CACHE_MEMORY_GB,
+        CPU_MAX_STEP_TOKENS,
         CPU_STEP_TOKENS,
         CPU_TPOT_TARGET_MS,
         CUDA_GPU_MEMORY_UTILIZATION,
@@ -135,7 +136,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     flag(
         "--max-num-batched-tokens",
         type=integer(1),
-        help=f"tokens per step (default: {CPU_STEP_TOKENS} on CPU, {CUDA_STEP_TOKENS} on CUDA)",
+        help=f"tokens per step, every step's bound where given (default: {CPU_STEP_TOKENS} on CPU, 8 a running row "
+        f"step while prompts wait up to {CPU_MAX_STEP_TOKENS}; {CUDA_STEP_TOKENS} on CUDA)",
     )
     flag(
         "--tpot-target-ms",

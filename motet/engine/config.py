@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 # (benchmarks/tenant_fairness.py: another tenant's TTFT under a burst).
 CPU_STEP_TOKENS = 256
 CUDA_STEP_TOKENS = 2048
+# The most a CPU step grows to while prompts wait (EngineConfig.max_step_tokens): 8 tokens for each running row
+# (motet/engine/core/step_budget.py), so from 32 rows on; 1,024 at 128 rows.
+CPU_MAX_STEP_TOKENS = 1024
 # The default TPOT targets of latency isolation (EngineConfig.tpot_target_ms). A CPU step is compute-bound (its time
 # grows with its tokens), so every row that yields buys a light tenant time and costs the heavy one throughput.
 # On the 2-core machine (benchmarks/tenant_fairness.py, 2026-11-25, a 160-request burst beside a light tenant's
@@ -454,6 +457,14 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return CPU_STEP_TOKENS if self.device_type == "cpu" else CUDA_STEP_TOKENS
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens a step grows to while prompts wait (`step_tokens` while they keep up): where
+        `max_num_batched_tokens` is given, it (vLLM's meaning: every step's bound); on a CPU, CPU_MAX_STEP_TOKENS."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(self.step_tokens, CPU_MAX_STEP_TOKENS) if self.device_type == "cpu" else self.step_tokens
 
     @property
     def device_type(self) -> str:

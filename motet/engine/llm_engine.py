@@ -159,6 +159,7 @@ class LLMEngine:
             self.block_manager,
             config.max_num_seqs,
             config.step_tokens,
+            max_step_tokens=config.max_step_tokens,
             max_loras=config.max_loras,
             lora_time_slice=config.lora_time_slice,
             fairness=VirtualTokenCounter(config.tenant_weights),

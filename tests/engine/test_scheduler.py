@@ -43,6 +43,64 @@ def test_budget_chunks_long_prompts_and_serves_decodes_first():
     assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 15]
 
 
+def test_the_budget_grows_with_the_rows_while_prompts_wait_and_comes_back_once_they_keep_up():
+    """While a step leaves prompt tokens waiting, the next holds DECODE_SHARE tokens for each running row (between
+    the base and the most); once the prompts keep up it is the base again (motet/engine/core/step_budget.py)."""
+    from motet.engine.core.step_budget import DECODE_SHARE
+
+    sched = Scheduler(BlockManager(512, 4), 8, 16, max_step_tokens=64)
+    decoding = [Sequence([i, i + 1], SamplingParams(max_tokens=50)) for i in range(6)]
+    for s in decoding:
+        sched.add(s)
+    assert [sum(run_step(sched).num_new_tokens) for _ in range(2)] == [12, 6]  # their prompts fit the base
+    assert sched.budget.tokens == 16
+    wave = [Sequence(list(range(i, i + 100)), SamplingParams(max_tokens=4)) for i in range(2)]
+    for s in wave:
+        sched.add(s)
+    first = run_step(sched)  # the base: six decode rows and ten of the first prompt's tokens, the rest left
+    assert sum(first.num_new_tokens) == 16 and sched.budget.tokens == DECODE_SHARE * 7 == 56
+    steps = []  # (the step's budget, the rows running into it, its tokens) until the wave is prefilled
+    while any(s.num_uncomputed > 1 for s in wave):
+        budget, rows = sched.budget.tokens, len(sched.running)
+        steps.append((budget, rows, sum(run_step(sched).num_new_tokens)))
+    assert all(budget == min(64, DECODE_SHARE * rows) for budget, rows, _ in steps)
+    assert all(tokens == budget for budget, _, tokens in steps[:-1]) and steps[-1][2] <= steps[-1][0]
+    assert steps[0][0] == 56 and steps[-1][0] == 64  # seven rows, then eight (the most)
+    assert sched.budget.tokens == 16  # the wave is in: the base again
+    assert sum(run_step(sched).num_new_tokens) == 8  # decode rows only
+
+
+def test_the_budget_stays_the_base_for_few_rows_and_beside_a_latency_bound_tenant():
+    from motet.engine.core.step_budget import StepBudget
+
+    budget = StepBudget(256, 1024)
+    budget.after_step(running=20, prompts_waiting=True, capped=False)
+    assert budget.tokens == 256  # 8 x 20 < 256
+    budget.after_step(running=64, prompts_waiting=True, capped=False)
+    assert budget.tokens == 512
+    budget.after_step(running=64, prompts_waiting=True, capped=True)  # a light tenant's request runs
+    assert budget.tokens == 256
+    budget.after_step(running=200, prompts_waiting=True, capped=False)
+    assert budget.tokens == 1024
+    budget.after_step(running=200, prompts_waiting=False, capped=False)
+    assert budget.tokens == 256
+
+
+def test_an_explicit_step_budget_is_every_steps_bound():
+    """`max_num_batched_tokens` given is vLLM's: no step grows past it; left to the default, a CPU step grows
+    from 256 to CPU_MAX_STEP_TOKENS while prompts wait."""
+    from motet.engine.config import CPU_MAX_STEP_TOKENS, CPU_STEP_TOKENS, EngineConfig
+
+    given = EngineConfig(model="m", max_num_batched_tokens=512)
+    assert given.step_tokens == given.max_step_tokens == 512
+    cpu = EngineConfig(model="m", device="cpu")
+    assert (cpu.step_tokens, cpu.max_step_tokens) == (CPU_STEP_TOKENS, CPU_MAX_STEP_TOKENS)
+    sched = make(budget=16)  # (no max_step_tokens: fixed)
+    for i in range(4):
+        sched.add(Sequence(list(range(i, i + 40)), SamplingParams(max_tokens=4)))
+    assert [sum(run_step(sched).num_new_tokens) for _ in range(3)] == [16, 16, 16]
+
+
 def test_held_rows_wait_a_step_and_leave_their_tokens_to_the_others():
     """An overlapped engine schedules ahead of a step whose token ends some rows: those rows are held (nothing of
     theirs is scheduled, their pending token untouched) and their decode slot goes to the prompt chunk."""

@@ -1,9 +1,10 @@
 """The scheduler: vLLM-V1-style unified token budget, preemption by recompute, in the policy's order.
 
 There are no prefill and decode phases. Every sequence has tokens whose KV is computed and tokens it
-still needs computed; each step hands out at most `max_num_batched_tokens` of the latter, running
-sequences first (a decode needs one token, an unfinished prompt a chunk), then waiting ones. Chunked
-prefill and prefix-cache hits fall out of this. When the KV pool runs dry a running sequence is preempted:
+still needs computed; each step hands out at most its budget of the latter (`max_num_batched_tokens`, growing
+with the running rows up to `max_step_tokens` while prompts wait: motet/engine/core/step_budget.py), running sequences first (a decode
+needs one token, an unfinished prompt a chunk), then waiting ones. Chunked prefill and prefix-cache hits fall
+out of this. When the KV pool runs dry a running sequence is preempted:
 its blocks are freed and it is recomputed later from its prompt and output so far.
 Every order is the scheduling policy's (motet/engine/core/policy.py: tenants' shares and virtual token counters,
 latency tiers, priority, who is displaced or preempted); this module is the loop over the budget, the KV blocks
@@ -31,6 +32,7 @@ from motet.engine.core.kv_connector import KVConnector, NoKVTiers
 from motet.engine.core.plan_mirror import PlanMirror, reaches_end
 from motet.engine.core.policy import SchedulingPolicy, StepOrder, remove_seq
 from motet.engine.core.sequence import Sequence, SequenceStatus
+from motet.engine.core.step_budget import StepBudget
 from motet.engine.core.step_plan import SampledRef, StepPlan, new_step
 
 
@@ -128,6 +130,7 @@ class Scheduler:
         kv_connector: KVConnector | NoKVTiers | None = None,
         adapters: AdapterResidency | None = None,
         tpot_target_s: float | None = None,
+        max_step_tokens: int | None = None,
     ):
         self.bm = block_manager
         self.mirror = (
@@ -137,6 +140,7 @@ class Scheduler:
         self.adapters = adapters or _AllResident()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.budget = StepBudget(max_num_batched_tokens, max_step_tokens)  # this step's tokens
         # a sequence's chunk per step: sliding-window layers keep a window plus one chunk (engine/core/kv_window.py)
         self.max_chunk = block_manager.window.max_chunk if block_manager.window is not None else None
         self.slicer = AdapterSlicer(max_loras, lora_time_slice)
@@ -165,7 +169,7 @@ class Scheduler:
             return 0 if s.seq_id in held else s.num_uncomputed
 
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
+        budget = self.budget.tokens
         order = self.policy.step(self.running, self.waiting, budget, uncomputed)
         self.slicer.begin_step(
             (s.adapter_id for s in self.running),
@@ -269,6 +273,9 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             used += n
+        self.budget.after_step(
+            len(self.running), self._prompts_left(batch, uncomputed), order.cap is not None
+        )
         for seq in self.waiting:  # a waiting sequence holds no blocks across steps, once loaded neither (they
             # stay in the device cache, to be matched again)
             if seq.block_table and not self.kv.is_loading(seq):
@@ -278,6 +285,17 @@ class Scheduler:
             batch.seqs = [batch.seqs[i] for i in rows]
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in rows]
         return batch.freeze(self.mirror, [s.seq_id for s in self.running], holds_stop)
+
+    def _prompts_left(self, batch: ScheduledBatch, uncomputed) -> bool:
+        """Whether the step left prompt tokens that a larger budget would have computed: a running row's chunk
+        cut short, or a waiting sequence with a free slot to start in. Not where KV blocks ran out (a sequence was
+        preempted): a larger step would only preempt more."""
+        if batch.preempted:
+            return False
+        scheduled = {s.seq_id: n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
+        if any(uncomputed(s) > 1 and scheduled.get(s.seq_id, 0) < uncomputed(s) for s in self.running):
+            return True
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
     def _prefix_ready(self, seq: Sequence) -> bool:
         """Attach a waiting sequence's cached prefix: the device cache's blocks now, and the KV tiers' after they

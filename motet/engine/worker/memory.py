@@ -179,7 +179,7 @@ def step_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> 
     q_kv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
     per_token = 4 * model.hidden_size + 3 * model.intermediate_size + q_kv
     rows = config.max_num_seqs * (1 + config.num_speculative_tokens)
-    return config.step_tokens * per_token * elem + 4 * rows * model.vocab_size * 4
+    return config.max_step_tokens * per_token * elem + 4 * rows * model.vocab_size * 4
 
 
 def adapter_bytes(config: EngineConfig, device: torch.device, left: int | None = None) -> int:
