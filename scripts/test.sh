@@ -17,6 +17,11 @@ docs_log=$(.venv/bin/mkdocs build --strict --site-dir site 2>&1) || { echo "$doc
 # the same cores, spinning threads took the cores from the ones with work (a server test pair: 235 s spinning,
 # 37 s passive, on 2 cores).
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+# The tests' processes (workers, servers, replicas, jobs: several hundred) write and read .pyc files for motet and
+# the tests even where the environment says not to: with PYTHONDONTWRITEBYTECODE set, each compiled every module of
+# motet's it imported at every start (~1 s of a server's start here) and each worker every test module (a
+# collection of 38 s instead of 23).
+unset PYTHONDONTWRITEBYTECODE
 # One compute thread a process (the test processes, their servers, ranks and workers): two workers' processes
 # on two cores already use both, and a 2-thread region waits at its barrier for a thread the other worker's
 # process holds (tests/models/test_model_declarations.py on a loaded machine: 209 s at 2 threads, 90 s at 1;
