@@ -9,9 +9,9 @@ pip() { .venv/bin/python -m pip "$@"; }
 # torch pinned: on this machine it is a local CPU wheel; unpinned it would pull CUDA packages.
 requirements=(torch==2.13.0 -e ".[dev,cluster]")
 # uv (from PyPI) installs the ~200 packages in ~80 s, their bytecode compiled (20 s without), where pip takes ~5
-# minutes (a fifth of CI's budget) here. It reads
-# neither pip.conf nor PIP_*, so it gets pip's own settings (the local torch wheel's folder, the machine's caps),
-# pip's best match across indexes, and scripts/constraints.txt (where the two resolvers would pick differently).
+# minutes (a fifth of CI's budget) here. It reads neither pip.conf nor PIP_*, so it gets pip's own settings (the
+# local torch wheel's folder, the machine's caps), pip's best match across indexes, and scripts/constraints.txt
+# (where the two resolvers would pick differently).
 # Where uv cannot be had or fails, pip does the same install.
 if .venv/bin/python -c "import uv" 2>/dev/null || pip install -q uv 2>/dev/null; then
     uv=$(.venv/bin/python -c "import uv; print(uv.find_uv_bin())")
