@@ -83,6 +83,9 @@ def cluster(tiny_model_dir, tmp_path_factory):
         tiny_model_dir, tmp_path_factory.mktemp("cluster"), "--replicas", "2", "--max-num-seqs", "1",
         "--fine-tuning-ray-resource", "trainer",
         "--tenant-wait-timeout", "0",  # no line: a request over the concurrency limit is refused at once
+        # the drain outlasts the SIGTERM test's 1,200-token answer on a loaded machine (3 test workers on 2 cores: it
+        # ran past the default 30 s and was ended)
+        "--drain-timeout", "300",
     )  # fmt: skip
     yield server
     server.stop()
