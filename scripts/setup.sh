@@ -36,7 +36,8 @@ EOF
     # what it imports, and where PYTHONDONTWRITEBYTECODE is set (as on this machine) it does so at every start:
     # torch's import took 7.9 s here instead of 2.9, a server's imports 15 s instead of 4.4)
     if "$uv" pip install -q --native-tls --compile-bytecode --python .venv/bin/python \
-        --index-strategy unsafe-best-match "${pip_settings[@]}" --constraint scripts/constraints.txt "${requirements[@]}"; then
+        --index-strategy unsafe-best-match "${pip_settings[@]}" --constraint scripts/constraints.txt \
+        "${requirements[@]}"; then
         exit 0
     fi
     echo "setup: uv could not install; pip will" >&2

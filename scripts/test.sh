@@ -12,8 +12,8 @@ bash scripts/install-browser.sh  # Debian's chromium, for the playground's brows
 # shown only when the build fails.
 docs_log=$(.venv/bin/mkdocs build --strict --site-dir site 2>&1) || { echo "$docs_log"; exit 1; }
 # Three workers on two cores, each test file whole on one (a module's served app is shared by its tests, in order):
-# a test waiting on a server, a Ray start or a job leaves its core to a third worker (the 2-core Zen 1: 1,604 s
-# against 1,754 with two, ~1% idle), the longest files first (tests/conftest.py SLOWEST_FILES, kept in that order:
+# a test waiting on a server, a Ray start or a job leaves its core to a third worker (the 2-core Zen 1: 1,597-1,604 s
+# against 1,754 with two, ~0% idle), the longest files first (tests/conftest.py SLOWEST_FILES, kept in that order:
 # --no-loadscope-reorder). OpenMP's threads sleep when idle instead of spinning: with a worker's servers and another
 # worker's forward passes on the same cores, spinning threads took the cores from the ones with work (a server test
 # pair: 235 s spinning, 37 s passive, on 2 cores).

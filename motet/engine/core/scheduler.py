@@ -2,10 +2,10 @@
 
 There are no prefill and decode phases. Every sequence has tokens whose KV is computed and tokens it
 still needs computed; each step hands out at most its budget of the latter (`max_num_batched_tokens`, growing
-with the running rows up to `max_step_tokens` while prompts wait: motet/engine/core/step_budget.py), running sequences first (a decode
-needs one token, an unfinished prompt a chunk), then waiting ones. Chunked prefill and prefix-cache hits fall
-out of this. When the KV pool runs dry a running sequence is preempted:
-its blocks are freed and it is recomputed later from its prompt and output so far.
+with the running rows up to `max_step_tokens` while prompts wait: motet/engine/core/step_budget.py), running
+sequences first (a decode needs one token, an unfinished prompt a chunk), then waiting ones. Chunked prefill and
+prefix-cache hits fall out of this. When the KV pool runs dry a running sequence is preempted: its blocks are freed
+and it is recomputed later from its prompt and output so far.
 Every order is the scheduling policy's (motet/engine/core/policy.py: tenants' shares and virtual token counters,
 latency tiers, priority, who is displaced or preempted); this module is the loop over the budget, the KV blocks
 and the adapter slots that follows it.
