@@ -136,8 +136,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     flag(
         "--max-num-batched-tokens",
         type=integer(1),
-        help=f"tokens per step, every step's bound where given (default: {CPU_STEP_TOKENS} on CPU, 8 a running row "
-        f"step while prompts wait up to {CPU_MAX_STEP_TOKENS}; {CUDA_STEP_TOKENS} on CUDA)",
+        help=f"tokens per step, every step's bound where given (default on CPU: {CPU_STEP_TOKENS}, and while prompts "
+        f"wait 8 for each running row, up to {CPU_MAX_STEP_TOKENS}; on CUDA: {CUDA_STEP_TOKENS})",
     )
     flag(
         "--tpot-target-ms",

@@ -464,7 +464,7 @@ class EngineConfig:
         `max_num_batched_tokens` is given, it (vLLM's meaning: every step's bound); on a CPU, CPU_MAX_STEP_TOKENS."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return max(self.step_tokens, CPU_MAX_STEP_TOKENS) if self.device_type == "cpu" else self.step_tokens
+        return CPU_MAX_STEP_TOKENS if self.device_type == "cpu" else self.step_tokens
 
     @property
     def device_type(self) -> str:

@@ -139,7 +139,6 @@ class Scheduler:
         self.kv = kv_connector or NoKVTiers()
         self.adapters = adapters or _AllResident()
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.budget = StepBudget(max_num_batched_tokens, max_step_tokens)  # this step's tokens
         # a sequence's chunk per step: sliding-window layers keep a window plus one chunk (engine/core/kv_window.py)
         self.max_chunk = block_manager.window.max_chunk if block_manager.window is not None else None
@@ -293,7 +292,7 @@ class Scheduler:
         if batch.preempted:
             return False
         scheduled = {s.seq_id: n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
-        if any(uncomputed(s) > 1 and scheduled.get(s.seq_id, 0) < uncomputed(s) for s in self.running):
+        if any((left := uncomputed(s)) > 1 and scheduled.get(s.seq_id, 0) < left for s in self.running):
             return True
         return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
