@@ -2,7 +2,8 @@
 serve`: every series its PromQL queries select is on /metrics with samples for the served model, and the values
 agree with what the clients were told (usage, finish reasons), after a little load that forces a preemption
 (a KV cache of 8 blocks) and a prefix-cache hit. The queries are parsed with promql-parser and the scrape with
-prometheus_client's text parser; the same checks run behind `--replicas 2`, where the ingress sums the replicas.
+prometheus_client's text parser. The same checks run behind `--replicas 2`, where the ingress sums the replicas, on
+tests/cluster/test_cluster.py's cluster (one Ray cluster for that module's tests and this check).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def selected_series(expr: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def scrape(server: Server) -> list:
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    headers = {"Authorization": f"Bearer {server.admin_key}"} if server.admin_key else {}
+    text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=30).text
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
@@ -66,9 +68,24 @@ def value(samples, name: str, **labels) -> float:
     return sum(found)
 
 
-def run_load(server: Server) -> list[dict]:
+def settled(server: Server, quiet_s: float = 2.0) -> list:
+    """A scrape once nothing runs and the generated tokens have not changed for `quiet_s`: behind --replicas the
+    ingress's counters follow the replicas' reports, which lag the requests just answered (polled every 0.5 s)."""
+    deadline = time.monotonic() + 60
+    last = scrape(server)
+    while True:
+        time.sleep(quiet_s)
+        samples = scrape(server)
+        tokens = [value(s, "vllm:generation_tokens_total", model_name=MODEL) for s in (last, samples)]
+        if tokens[0] == tokens[1] and not value(samples, "vllm:num_requests_running", model_name=MODEL):
+            return samples
+        assert time.monotonic() < deadline, "the server's counters never settled"
+        last = samples
+
+
+def run_load(server: Server, api_key: str) -> list[dict]:
     """Chat (plain, streamed, constrained) and completions requests; what each client was told."""
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=600)
     told = []
 
     def chat(content: str, max_tokens: int, **extra) -> None:
@@ -104,13 +121,14 @@ def run_load(server: Server) -> list[dict]:
     return told
 
 
-def check_dashboard(server: Server) -> None:
-    """Load the server, then check the dashboard's series against what its clients were told (the changes
-    since a scrape taken before the load: the server may have served other requests before)."""
+def check_dashboard(server: Server, api_key: str = "none", preempts: bool = True) -> None:
+    """Load the server as the tenant of `api_key`, then check the dashboard's series against what its clients were
+    told (the changes since a scrape taken before the load: the server may have served other requests before).
+    `preempts`: the load preempts a request (a KV cache too small for it), counted in vllm:num_preemptions_total."""
     queries = dashboard_queries(json.loads(DASHBOARD.read_text()))
     assert len(queries) >= 30, "the dashboard lost its panels"
-    before = scrape(server)
-    told = run_load(server)
+    before = settled(server)
+    told = run_load(server, api_key)
     n = len(told)
     prompt, completion = sum(t["prompt"] for t in told), sum(t["completion"] for t in told)
 
@@ -124,7 +142,13 @@ def check_dashboard(server: Server) -> None:
             samples, "vllm:num_requests_running", model_name=MODEL
         ):
             break
-        assert time.monotonic() < deadline, "the engine's counters never matched the clients' usage"
+        assert time.monotonic() < deadline, (
+            "the engine's counters never matched the clients' usage",
+            delta(samples, "vllm:generation_tokens_total", model_name=MODEL),
+            completion,
+            value(samples, "vllm:num_requests_running", model_name=MODEL),
+            told,
+        )
         time.sleep(0.5)
 
     # every series the dashboard queries exists, with samples for the served model
@@ -149,7 +173,7 @@ def check_dashboard(server: Server) -> None:
     assert changed("vllm:request_prompt_tokens_sum") == prompt
     assert changed("vllm:request_generation_tokens_sum") == completion
     assert changed("vllm:request_max_num_generation_tokens_sum") == completion  # one choice per prompt
-    assert changed("vllm:num_preemptions_total") >= 1
+    assert changed("vllm:num_preemptions_total") >= (1 if preempts else 0)
     cached = sum(t["cached"] for t in told)
     assert cached > 0
     assert changed("vllm:prefix_cache_hits_total") >= cached
@@ -281,17 +305,3 @@ def test_prometheus_evaluates_every_query_to_data(server, tmp_path):
         prom.terminate()
         prom.wait(30)
         log.close()
-
-
-@pytest.mark.slow  # a Ray cluster and two replicas take a minute or two to start here
-def test_dashboard_series_behind_replicas(tiny_model_dir, tmp_path_factory):
-    pytest.importorskip("ray")
-    tmp = tmp_path_factory.mktemp("dashboard-replicas")
-    srv = Server(
-        tmp, "--model", str(tiny_model_dir), "--data-dir", str(tmp / "data"), *SERVER_FLAGS,
-        "--replicas", "2", "--max-ongoing-requests", "8", start_timeout=900,
-    )  # fmt: skip
-    try:
-        check_dashboard(srv)
-    finally:
-        srv.stop()

@@ -1,10 +1,10 @@
 """`motet serve --replicas 2` on a real local Ray cluster (tiny random model, one thread per replica), driven
 by the openai SDK over loopback: chat, streaming and a Responses request equal to the offline engine's greedy
-output, vLLM's series summed over the replicas; an adapter upload served by both replicas (read from an fsspec
-store) and equal to the offline engine with it; tenant isolation; a delete reaching every replica; a replica
-killed with requests in flight (those it had not started are served by the other replica, a started one ends
-with a clean error, nothing hangs); a tenant's limits from the keys file held at the front door, one limit over both
-replicas; and no Ray process left once the server stops.
+output, vLLM's series summed over the replicas (the Grafana dashboard's, against what the clients were told); an
+adapter upload served by both replicas (read from an fsspec store) and equal to the offline engine with it; tenant
+isolation; a delete reaching every replica; a replica killed with requests in flight (those it had not started are
+served by the other replica, a started one ends with a clean error, nothing hangs); a tenant's limits from the keys
+file held at the front door, one limit over both replicas; and no Ray process left once the server stops.
 """
 
 from __future__ import annotations
@@ -161,6 +161,17 @@ def test_responses_and_vllm_series(cluster, offline):
     idle = series()
     assert idle["vllm:num_requests_waiting"] == 0 and 0 <= idle["vllm:kv_cache_usage_perc"] <= 1
     assert idle["vllm:e2e_request_latency_seconds_count"] >= 1 and "vllm:lora_requests_info" in idle
+
+
+def test_the_dashboards_series_sum_the_replicas(cluster):
+    """tests/api/test_metrics_dashboard.py's checks behind the replicas: every series the Grafana dashboard queries
+    is on the ingress's /metrics, the replicas' reports summed, and agrees with what the clients were told. (One
+    sequence at a time per replica here: nothing is preempted; the single server's check counts a preemption.)"""
+    from tests.api.test_metrics_dashboard import MODEL as DASHBOARDS_MODEL
+    from tests.api.test_metrics_dashboard import check_dashboard
+
+    assert DASHBOARDS_MODEL == MODEL  # (its queries select the served model by name)
+    check_dashboard(cluster, api_key=_key("alice"), preempts=False)
 
 
 def test_adapter_upload_served_by_both_replicas(cluster, offline, adapter):
