@@ -473,23 +473,39 @@ def _build(compiler: str, tier: cpu_isa.Isa) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()  # (tens of seconds on a busy CPU: said, not silent)
-    log.info(
-        "compiling the native CPU kernels for the %s tier (once on this machine, into %s) ...",
-        tier.name,
-        target.parent,
-    )
-    # Built beside the target and renamed into place: concurrent builders (test workers) never see half a file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        proc = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=300
+    # One builder at a time (a server's tensor-parallel ranks, test workers, replicas starting together on a new
+    # machine each compiled the same library: tens of seconds of a core each); the others wait for its build.
+    with open(target.with_suffix(".lock"), "a") as lock:
+        _lock_exclusive(lock)
+        if target.exists():
+            return target
+        t0 = time.perf_counter()  # (tens of seconds on a busy CPU: said, not silent)
+        log.info(
+            "compiling the native CPU kernels for the %s tier (once on this machine, into %s) ...",
+            tier.name,
+            target.parent,
         )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{proc.stderr[-2000:]}")
-        os.replace(out, target)
-    log.info("compiled the native CPU kernels in %.1f s", time.perf_counter() - t0)
+        # Built beside the target and renamed into place: a loader never sees half a file.
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            proc = subprocess.run(
+                [compiler, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=300
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{proc.stderr[-2000:]}")
+            os.replace(out, target)
+        log.info("compiled the native CPU kernels in %.1f s", time.perf_counter() - t0)
     return target
+
+
+def _lock_exclusive(file) -> None:
+    """Holds an exclusive lock on `file` until it is closed (POSIX flock; where there is none, no lock: concurrent
+    builders each build, and the last rename wins)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    fcntl.flock(file.fileno(), fcntl.LOCK_EX)
 
 
 def library() -> ctypes.CDLL | None:

@@ -38,6 +38,7 @@ from tests.kernels.test_quantization import (
     needs_native,
     quantizing_inputs,
 )
+from tests.own_cache import own_cache
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -61,10 +62,8 @@ MESSAGES = [
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch) -> Path:
-    """The derived config and tokenizer go to this test's own cache, never the user's."""
-    root = tmp_path / "cache"
-    monkeypatch.setenv("MOTET_CACHE_DIR", str(root))
-    return root
+    """The derived config and tokenizer go to this test's own cache, never the user's (the native kernels shared)."""
+    return own_cache(monkeypatch, tmp_path / "cache")
 
 
 def add_base_keys(writer, cfg) -> None:

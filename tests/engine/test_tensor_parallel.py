@@ -174,8 +174,9 @@ def test_a_gguf_file_over_two_ranks_matches_hf_on_its_dequantized_weights(compil
         gguf_reference,
         quantizing_inputs,
     )
+    from tests.own_cache import own_cache
 
-    monkeypatch.setenv("MOTET_CACHE_DIR", str(tmp_path / "cache"))
+    own_cache(monkeypatch, tmp_path / "cache")
     source = build_tiny_model(tmp_path / "source")
     path = write_gguf_file(source, tmp_path / "bare" / "tiny-q4.gguf", GGUF_TYPES)
     hf = AutoModelForCausalLM.from_pretrained(gguf_reference(source, tmp_path / "ref", GGUF_TYPES)).eval()

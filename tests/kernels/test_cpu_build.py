@@ -13,3 +13,23 @@ def test_the_kernels_build_where_a_compiler_is():
     tier = cpu_isa.BY_NAME[cpu_native.isa()]
     assert cpu_native._build(compiler, tier).exists()  # raises with the compiler's errors
     assert cpu_native.library() is not None
+
+
+def test_builders_starting_together_compile_once(tmp_path, monkeypatch):
+    """Builders of one library starting together (a server's tensor-parallel ranks, test workers on a new
+    machine) run the compiler once: the others wait for its build and load it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv("MOTET_CACHE_DIR", str(tmp_path / "cache"))
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "c++"  # a compiler that takes a second, counting its runs, and writes its -o file
+    compiler.write_text(
+        f'#!/bin/sh\necho run >> "{calls}"\nsleep 1\n'
+        'for a; do if [ "$prev" = -o ]; then : > "$a"; fi; prev=$a; done\n'
+    )
+    compiler.chmod(0o755)
+    tier = cpu_isa.BY_NAME[cpu_native.isa()]
+    with ThreadPoolExecutor(3) as pool:
+        built = list(pool.map(lambda _: cpu_native._build(str(compiler), tier), range(3)))
+    assert len(set(built)) == 1 and built[0].is_file()
+    assert calls.read_text().split() == ["run"]
