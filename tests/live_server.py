@@ -82,13 +82,16 @@ class Server:
         """An HTTP client of this server's that sends `key` (a tenant's, under --api-keys) with every request."""
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=300)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics_text(self) -> str:
+        """/metrics as Prometheus text (read with admin_key where one is given)."""
         headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
         r = self._http.get(f"{self.url}/metrics", headers=headers)
         r.raise_for_status()
-        text = r.text
+        return r.text
+
+    def metrics(self) -> dict[str, float]:
         out = {}
-        for line in text.splitlines():
+        for line in self.metrics_text().splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
                 out[name] = float(value)

@@ -57,9 +57,7 @@ def selected_series(expr: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def scrape(server: Server) -> list:
-    headers = {"Authorization": f"Bearer {server.admin_key}"} if server.admin_key else {}
-    text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=30).text
-    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+    return [s for family in text_string_to_metric_families(server.metrics_text()) for s in family.samples]
 
 
 def value(samples, name: str, **labels) -> float:

@@ -36,7 +36,6 @@ KEYS = {
     "sk-dan": "dan",
     "sk-admin": {"admin": True},
 }
-ADMIN = {"Authorization": "Bearer sk-admin"}
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "The quick brown fox"}]
 GREEDY = dict(temperature=0, max_tokens=12)
@@ -149,10 +148,9 @@ def test_responses_and_vllm_series(cluster, offline):
         sdk(cluster, "bob").responses.retrieve(r.id)
 
     def series() -> dict:
-        text = httpx.get(f"{cluster.url}/metrics", headers=ADMIN, timeout=10).text
         return {
             s.name: s.value
-            for family in text_string_to_metric_families(text)
+            for family in text_string_to_metric_families(cluster.metrics_text())
             for s in family.samples
             if s.name.startswith("vllm:") and not s.name.endswith("_bucket")
         }
