@@ -40,6 +40,23 @@ def engines_load_in_float32():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def managed_servers_forked():
+    """The servers ManagedServer starts in the test process (the evals' and benchmarks' run in it) forked from the
+    worker's pre-imported zygote, as the tests' own are (tests/live_server.py: start_cli)."""
+    from motet.evals.server import ManagedServer
+    from motet.parent_death import child_env
+    from tests.live_server import start_cli
+
+    def launch(self, cmd, out):
+        assert cmd[1:3] == ["-m", "motet.api.cli"], cmd
+        return start_cli(cmd[3:], child_env(), out, new_session=True)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ManagedServer, "launch", launch)
+        yield
+
+
 @pytest.fixture
 def motet_default_dtype(monkeypatch):
     """motet's own default dtype back, for a test of an in-process engine or parser that holds it to it."""

@@ -3,11 +3,16 @@ thread of the test process (ThreadServer: the same flags, state and uvicorn serv
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,7 +44,7 @@ def keys_file(tmp: Path, keys: dict) -> str:
     return str(path)
 
 
-def end(proc: subprocess.Popen, sig: int, timeout: float) -> None:
+def end(proc: subprocess.Popen | ForkedProcess, sig: int, timeout: float) -> None:
     """Sends `sig` to a server still running and waits for it to exit; kills it if it takes over `timeout`."""
     if proc.poll() is None:
         proc.send_signal(sig)
@@ -48,6 +53,99 @@ def end(proc: subprocess.Popen, sig: int, timeout: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class ForkedProcess:
+    """A process tests/server_zygote.py forked, with the parts of subprocess.Popen's interface the tests use."""
+
+    def __init__(self, conn: socket.socket, args: list[str]):
+        self.args = args
+        self._conn = conn
+        self._lines = conn.makefile("rb")
+        self.pid = int(self._lines.readline())
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._read_exit()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._read_exit()
+        return self.returncode
+
+    def _read_exit(self) -> None:
+        line = self._lines.readline()
+        self.returncode = int(line) if line else -signal.SIGKILL  # (no line: the zygote itself died)
+        self._lines.close()
+        self._conn.close()
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Zygote:
+    """This worker's tests/server_zygote.py, started on first use (its environment: the worker's then)."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="motet-zygote-")
+        self.socket_path = os.path.join(self.dir, "socket")
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.server_zygote", self.socket_path],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env,
+        )  # fmt: skip
+        if self.proc.stdout.readline() != b"ready\n":
+            raise RuntimeError("tests/server_zygote.py did not start")
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self.proc.stdin.close()  # (it kills any server still running, then exits)
+        self.proc.wait(30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def serves(self, env: dict) -> bool:
+        """Whether a server with `env` may be forked from it: only motet's own settings may differ (read when
+        used, where other libraries read theirs once at import: HOME, HF_*, OMP_*)."""
+        keys = set(env) | set(self.env)
+        return all(env.get(k) == self.env.get(k) for k in keys if not k.startswith("MOTET_"))
+
+    def start(self, argv: list[str], env: dict, log, new_session: bool) -> ForkedProcess:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.socket_path)
+        log = getattr(log, "name", os.devnull)  # (subprocess.DEVNULL: no log)
+        request = {"argv": argv, "env": env, "cwd": str(ROOT), "log": log, "new_session": new_session}
+        conn.sendall(json.dumps(request).encode() + b"\n")
+        return ForkedProcess(conn, argv)
+
+
+_zygote: _Zygote | None = None
+
+
+def start_cli(argv: list[str], env: dict, log, new_session: bool = False) -> subprocess.Popen | ForkedProcess:
+    """`python -m motet.api.cli ARGV` with `env`, its output to `log` (an open file, or subprocess.DEVNULL), in a
+    session of its own if `new_session`: forked from this worker's zygote where its environment allows
+    (MOTET_TEST_ZYGOTE=0: never), else a new interpreter."""
+    global _zygote
+    if os.environ.get("MOTET_TEST_ZYGOTE", "1") != "0":
+        if _zygote is None:
+            _zygote = _Zygote()
+        if _zygote.serves(env):
+            return _zygote.start(argv, env, log, new_session)
+    cmd = [sys.executable, "-m", "motet.api.cli", *argv]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session
+    )
 
 
 class Server:
@@ -67,11 +165,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "motet.api.cli", "serve", "--port", str(self.port), *args]
+        argv = ["serve", "--port", str(self.port), *args]
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
+        self.proc = start_cli(argv, {**os.environ, **(env or {})}, self.log)
         try:
             wait_healthy(self.url, self.proc, start_timeout, self.log_path)
         except ServerError:

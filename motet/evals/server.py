@@ -127,9 +127,19 @@ class ManagedServer:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
-        out = self._log or subprocess.DEVNULL
-        # Its own session: a Ctrl-C in the terminal reaches only us, and we stop the server in order.
-        self.proc = subprocess.Popen(
+        self.proc = self.launch(cmd, self._log or subprocess.DEVNULL)
+        try:
+            wait_healthy(self.url, self.proc, self.start_timeout, self.log_path, self._waiting)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self, cmd: list[str], out) -> subprocess.Popen:
+        """`cmd`'s process, its output to `out`, in its own session: a Ctrl-C in the terminal reaches only us, and
+        we stop the server in order. (The tests fork theirs from a process that has imported what it imports:
+        tests/server_zygote.py.)"""
+        return subprocess.Popen(
             cmd,
             cwd=ROOT,
             stdout=out,
@@ -137,12 +147,6 @@ class ManagedServer:
             start_new_session=True,
             env=child_env(),  # it dies with us (motet/parent_death.py)
         )
-        try:
-            wait_healthy(self.url, self.proc, self.start_timeout, self.log_path, self._waiting)
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _waiting(self, seconds: float, phase: str | None = None) -> None:
         """A line on stderr while the server loads its model (a minute or two on a busy CPU), whose own log goes
