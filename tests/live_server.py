@@ -115,10 +115,10 @@ class _Zygote:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def serves(self, env: dict) -> bool:
-        """Whether a server with `env` may be forked from it: only motet's own settings may differ (read when
-        used, where other libraries read theirs once at import: HOME, HF_*, OMP_*)."""
+        """Whether a server with `env` may be forked from it: only motet's own settings (read when used, where
+        other libraries read theirs once at import: HOME, HF_*, OMP_*) and pytest's may differ."""
         keys = set(env) | set(self.env)
-        return all(env.get(k) == self.env.get(k) for k in keys if not k.startswith("MOTET_"))
+        return all(env.get(k) == self.env.get(k) for k in keys if not k.startswith(("MOTET_", "PYTEST_")))
 
     def start(self, argv: list[str], env: dict, log, new_session: bool) -> ForkedProcess:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
