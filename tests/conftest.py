@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from motet.engine.config import DEFAULT_DTYPE as MOTET_DEFAULT_DTYPE  # (the session pins float32 below)
+from tests import live_server
 from tests.kernels import cpu_tiers
 
 # Triton kernels run under the interpreter on CPU machines; it must be set before triton is imported.
@@ -25,6 +26,7 @@ atexit.register(shutil.rmtree, os.environ["MOTET_DATA_DIR"], True)
 # one model in a run starts from its entry the second time.
 os.environ["MOTET_WEIGHTS_CACHE_DIR"] = tempfile.mkdtemp(prefix="motet-test-weights-")
 atexit.register(shutil.rmtree, os.environ["MOTET_WEIGHTS_CACHE_DIR"], True)
+live_server.WORKER_ENV = dict(os.environ)  # (the environment the servers the tests fork start from)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -41,19 +43,24 @@ def engines_load_in_float32():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def managed_servers_forked():
-    """The servers ManagedServer starts in the test process (the evals' and benchmarks' run in it) forked from the
-    worker's pre-imported zygote, as the tests' own are (tests/live_server.py: start_cli)."""
+def processes_forked():
+    """The servers ManagedServer starts in the test process (the evals' and benchmarks' run in it) and the
+    tensor-parallel ranks of its engines forked from the worker's pre-imported zygote, as the tests' own servers
+    are (tests/live_server.py, tests/server_zygote.py)."""
+    from motet.engine.worker import tp_workers
     from motet.evals.server import ManagedServer
     from motet.parent_death import child_env
-    from tests.live_server import start_cli
 
     def launch(self, cmd, out):
         assert cmd[1:3] == ["-m", "motet.api.cli"], cmd
-        return start_cli(cmd[3:], child_env(), out, new_session=True)
+        return live_server.start_cli(cmd[3:], child_env(), out, new_session=True)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ManagedServer, "launch", launch)
+        fresh = tp_workers.start_rank
+        mp.setattr(
+            tp_workers, "start_rank", lambda arguments: live_server.forked_rank(arguments) or fresh(arguments)
+        )
         yield
 
 

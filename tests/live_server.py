@@ -4,6 +4,7 @@ thread of the test process (ThreadServer: the same flags, state and uvicorn serv
 from __future__ import annotations
 
 import atexit
+import base64
 import json
 import os
 import select
@@ -94,13 +95,22 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+# The settings libraries read once, at import (torch's threads, the Hugging Face cache, Python's own): a process whose
+# environment differs from the zygote's in one of these is not forked from it.
+READ_AT_IMPORT = ("OMP_", "GOMP_", "KMP_", "MKL_", "PYTORCH_", "CUDA", "TRITON_", "HF_", "HUGGINGFACE",
+                  "TRANSFORMERS_", "XDG_", "HOME", "PYTHON", "LD_", "TMP", "TEMP")  # fmt: skip
+# The zygote's environment: the worker's as tests/conftest.py leaves it, whichever test starts the zygote (one that
+# changed HOME for itself, say)
+WORKER_ENV = dict(os.environ)
+
+
 class _Zygote:
-    """This worker's tests/server_zygote.py, started on first use (its environment: the worker's then)."""
+    """This worker's tests/server_zygote.py, started on first use with the worker's starting environment."""
 
     def __init__(self):
         self.dir = tempfile.mkdtemp(prefix="motet-zygote-")
         self.socket_path = os.path.join(self.dir, "socket")
-        self.env = dict(os.environ)
+        self.env = WORKER_ENV
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.server_zygote", self.socket_path],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env,
@@ -115,37 +125,55 @@ class _Zygote:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def serves(self, env: dict) -> bool:
-        """Whether a server with `env` may be forked from it: only motet's own settings (read when used, where
-        other libraries read theirs once at import: HOME, HF_*, OMP_*) and pytest's may differ."""
-        keys = set(env) | set(self.env)
-        return all(env.get(k) == self.env.get(k) for k in keys if not k.startswith(("MOTET_", "PYTEST_")))
+        """Whether a process with `env` may be forked from it: none of the settings read at import differs (the
+        rest, motet's own among them, are read when used)."""
+        keys = {k for k in set(env) | set(self.env) if k.startswith(READ_AT_IMPORT)}
+        return all(env.get(k) == self.env.get(k) for k in keys)
 
-    def start(self, argv: list[str], env: dict, log, new_session: bool) -> ForkedProcess:
+    def start(
+        self, module: str, argv: list[str], env: dict, log, new_session: bool = False, stdin: bytes = b""
+    ) -> ForkedProcess:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.socket_path)
-        log = getattr(log, "name", os.devnull)  # (subprocess.DEVNULL: no log)
-        request = {"argv": argv, "env": env, "cwd": str(ROOT), "log": log, "new_session": new_session}
+        log = getattr(log, "name", os.devnull) if log is not None else None  # (subprocess.DEVNULL: no log)
+        request = {"module": module, "argv": argv, "env": env, "cwd": str(ROOT), "log": log,
+                   "new_session": new_session, "stdin": base64.b64encode(stdin).decode()}  # fmt: skip
         conn.sendall(json.dumps(request).encode() + b"\n")
-        return ForkedProcess(conn, argv)
+        return ForkedProcess(conn, [module, *argv])
 
 
 _zygote: _Zygote | None = None
 
 
+def zygote_for(env: dict) -> _Zygote | None:
+    """This worker's zygote (started on first use) where a process with `env` may be forked from it
+    (MOTET_TEST_ZYGOTE=0: never)."""
+    global _zygote
+    if os.environ.get("MOTET_TEST_ZYGOTE", "1") == "0":
+        return None
+    if _zygote is None:
+        _zygote = _Zygote()
+    return _zygote if _zygote.serves(env) else None
+
+
 def start_cli(argv: list[str], env: dict, log, new_session: bool = False) -> subprocess.Popen | ForkedProcess:
     """`python -m motet.api.cli ARGV` with `env`, its output to `log` (an open file, or subprocess.DEVNULL), in a
-    session of its own if `new_session`: forked from this worker's zygote where its environment allows
-    (MOTET_TEST_ZYGOTE=0: never), else a new interpreter."""
-    global _zygote
-    if os.environ.get("MOTET_TEST_ZYGOTE", "1") != "0":
-        if _zygote is None:
-            _zygote = _Zygote()
-        if _zygote.serves(env):
-            return _zygote.start(argv, env, log, new_session)
+    session of its own if `new_session`: forked from this worker's zygote where it may be, else a new
+    interpreter."""
+    if zygote := zygote_for(env):
+        return zygote.start("motet.api.cli", argv, env, log, new_session)
     cmd = [sys.executable, "-m", "motet.api.cli", *argv]
     return subprocess.Popen(
         cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session
     )
+
+
+def forked_rank(arguments: bytes) -> ForkedProcess | None:
+    """An in-process engine's tensor-parallel rank (motet/engine/worker/tp_workers.py's start_rank) forked from
+    this worker's zygote, or None where it may not be."""
+    if zygote := zygote_for(dict(os.environ)):
+        return zygote.start("motet.engine.worker.tp_rank", [], dict(os.environ), None, stdin=arguments)
+    return None
 
 
 class Server:

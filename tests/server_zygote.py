@@ -5,14 +5,17 @@ transformers (through xgrammar) and motet; the suite starts ~95 of them on 2 cor
 server runs the same `python -m motet.api.cli` module as `__main__` (runpy, as `-m` does) with its own argv,
 environment, working directory and log, on its own port: only the imports are shared.
 
-Protocol (one Unix-socket connection per server): the test sends one JSON line {argv, env, cwd, log, new_session}; this
-process answers the child's pid on a line, then its exit code (Popen's: -N for signal N) on a line when it exits.
-It exits, killing its children, when its stdin (a pipe from the test worker) closes: a worker that dies leaves
-no server behind.
+The tests' in-process engines' tensor-parallel ranks (motet/engine/worker/tp_rank.py) are forked from it too.
+
+Protocol (one Unix-socket connection per process): the test sends one JSON line {module, argv, env, cwd, log,
+new_session, stdin (base64)}; this process answers the child's pid on a line, then its exit code (Popen's: -N for
+signal N) on a line when it exits. It exits, killing its children, when its stdin (a pipe from the test worker)
+closes: a worker that dies leaves no server behind.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -21,6 +24,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 
 # What `motet serve` imports on its way to ready and while idle (its grammar vocabulary: transformers' tokenizer
 # classes through xgrammar). Imported only: nothing here may run a torch op, start a thread or read a setting
@@ -46,6 +50,7 @@ PRELOAD = (
     "motet.engine.worker.model_runner",
     "motet.grammar.backend",
     "motet.models.llama",
+    "motet.engine.worker.tp_rank",
 )
 
 
@@ -117,26 +122,29 @@ def reap(children: dict[int, socket.socket]) -> None:
 
 
 def run_server(request: dict) -> None:
-    """In the child: the log as stdout and stderr, the test's environment and directory, then `python -m
-    motet.api.cli ARGV` (its `__main__` block too) and the interpreter's own exit (atexit, threads joined)."""
+    """In the child: the test's environment and directory, its log as stdout and stderr (none: this process's
+    stderr) and its stdin, then `python -m MODULE ARGV` (its `__main__` block too) and the interpreter's own exit
+    (atexit, threads joined)."""
     from motet.parent_death import DIE_WITH_PARENT, die_with_current_parent
 
     die_with_current_parent()  # this process's parent, which dies with the worker
     if request["new_session"]:
         os.setsid()
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.close(null)
+    with tempfile.TemporaryFile() as stdin:
+        stdin.write(base64.b64decode(request["stdin"]))
+        stdin.seek(0)
+        os.dup2(stdin.fileno(), 0)
+    if request["log"] is not None:
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(log, 2)
+        os.close(log)
+    os.dup2(2, 1)  # (never this process's stdout: the worker reads no more of it)
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ.pop(DIE_WITH_PARENT, None)  # (the harness named is the worker: this one's parent dies with it)
     os.chdir(request["cwd"])
-    sys.argv = ["motet.api.cli", *request["argv"]]
-    runpy.run_module("motet.api.cli", run_name="__main__", alter_sys=True)
+    sys.argv = [request["module"], *request["argv"]]
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     sys.exit(0)
 
 

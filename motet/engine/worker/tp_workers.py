@@ -65,6 +65,16 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return replace(config, device=f"cuda:{rank}")
 
 
+def start_rank(arguments: bytes) -> subprocess.Popen:
+    """A worker rank's process: a fresh interpreter running motet/engine/worker/tp_rank.py (not multiprocessing's
+    spawn, which re-imports the caller's __main__: a script or a test runner), reading its `arguments`, pickled,
+    from stdin."""
+    proc = subprocess.Popen([sys.executable, "-m", "motet.engine.worker.tp_rank"], stdin=subprocess.PIPE)
+    proc.stdin.write(arguments)
+    proc.stdin.close()
+    return proc
+
+
 class WorkerGroup:
     """The driver's side: starts ranks 1..size-1, joins them in the process group as rank 0, sends plans."""
 
@@ -73,18 +83,10 @@ class WorkerGroup:
     def __init__(self, model_dir, model_config: ModelConfig, config: EngineConfig):
         size = config.tensor_parallel_size
         port = _free_port()
-        # Fresh interpreters running motet/engine/worker/tp_rank.py (not multiprocessing's spawn, which re-imports the
-        # caller's __main__: a script or a test runner), each reading its arguments pickled from stdin.
-        self.procs: list[subprocess.Popen] = []
-        for rank in range(1, size):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "motet.engine.worker.tp_rank"],
-                stdin=subprocess.PIPE,
-                start_new_session=False,
-            )
-            proc.stdin.write(pickle.dumps((rank, size, port, str(model_dir), model_config, config)))
-            proc.stdin.close()
-            self.procs.append(proc)
+        self.procs = [
+            start_rank(pickle.dumps((rank, size, port, str(model_dir), model_config, config)))
+            for rank in range(1, size)
+        ]
         try:
             init_rank(0, size, port, config)
         except Exception:
