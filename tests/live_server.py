@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import json
 import os
 import select
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 
 from motet.evals.server import ServerError, free_port, wait_healthy
 
@@ -111,6 +113,7 @@ class _Zygote:
         self.dir = tempfile.mkdtemp(prefix="motet-zygote-")
         self.socket_path = os.path.join(self.dir, "socket")
         self.env = WORKER_ENV
+        self.children: list[tuple[int, str]] = []  # (pid, module) of each process forked
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.server_zygote", self.socket_path],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env,
@@ -139,7 +142,19 @@ class _Zygote:
         request = {"module": module, "argv": argv, "env": env, "cwd": str(ROOT), "log": log,
                    "new_session": new_session, "stdin": base64.b64encode(stdin).decode()}  # fmt: skip
         conn.sendall(json.dumps(request).encode() + b"\n")
-        return ForkedProcess(conn, [module, *argv])
+        forked = ForkedProcess(conn, [module, *argv])
+        self.children.append((forked.pid, module))
+        return forked
+
+    def running(self, module: str) -> list[psutil.Process]:
+        """Its children still running `module`."""
+        alive = []
+        for pid, name in self.children:
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if name == module and p.ppid() == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        return alive
 
 
 _zygote: _Zygote | None = None
@@ -166,6 +181,11 @@ def start_cli(argv: list[str], env: dict, log, new_session: bool = False) -> sub
     return subprocess.Popen(
         cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session
     )
+
+
+def forked_running(module: str) -> list[psutil.Process]:
+    """The processes running `module` that this worker's zygote forked and that still run."""
+    return _zygote.running(module) if _zygote is not None else []
 
 
 def forked_rank(arguments: bytes) -> ForkedProcess | None:

@@ -21,6 +21,7 @@ from motet.grammar.specs import JsonSchemaSpec
 from motet.models.declaration import ModelLoadError
 from tests.engine.speculative.test_speculative_grammar import SCHEMA
 from tests.engine.test_engine import PROMPTS, engine_logits, hf_greedy_outputs, hf_logits
+from tests.live_server import forked_running
 from tests.lora.test_lora_engine import pool_bytes_for
 from tests.models.test_moe import MOE_MODELS
 from tests.peft_adapters import TINY_ADAPTERS, peft_reference, save_peft_adapters, tiny_requests
@@ -37,12 +38,13 @@ def ranks_as_motet_starts_them(monkeypatch):
 
 
 def tp_workers() -> list[psutil.Process]:
-    """This process's tensor-parallel worker processes still running."""
+    """This process's tensor-parallel worker processes still running: its children, and those the tests' zygote
+    forked for it (tests/live_server.py)."""
     return [
         p
         for p in psutil.Process().children(recursive=True)
         if "motet.engine.worker.tp_rank" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
-    ]
+    ] + forked_running("motet.engine.worker.tp_rank")
 
 
 @pytest.fixture(scope="module")
