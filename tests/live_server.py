@@ -1,5 +1,6 @@
-"""`motet serve` on a free loopback port, for the integration tests: as a real subprocess (Server), or in a
-thread of the test process (ThreadServer: the same flags, state and uvicorn server `motet serve` builds)."""
+"""`motet serve` on a free loopback port, for the integration tests: as a process of its own (Server: forked from the
+worker's pre-imported zygote, tests/server_zygote.py, where its environment allows, else a fresh interpreter), or in
+a thread of the test process (ThreadServer: the same flags, state and uvicorn server `motet serve` builds)."""
 
 from __future__ import annotations
 
