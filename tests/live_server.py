@@ -150,10 +150,10 @@ class _Zygote:
     def running(self, module: str) -> list[psutil.Process]:
         """Its children still running `module`."""
         alive = []
-        for pid, name in self.children:
-            with contextlib.suppress(psutil.Error):
+        for pid in (pid for pid, name in self.children if name == module):
+            with contextlib.suppress(psutil.Error):  # (gone)
                 p = psutil.Process(pid)
-                if name == module and p.ppid() == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                if p.ppid() == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:  # (not a reused pid)
                     alive.append(p)
         return alive
 
@@ -192,8 +192,9 @@ def forked_running(module: str) -> list[psutil.Process]:
 def forked_rank(arguments: bytes) -> ForkedProcess | None:
     """An in-process engine's tensor-parallel rank (motet/engine/worker/tp_workers.py's start_rank) forked from
     this worker's zygote, or None where it may not be."""
-    if zygote := zygote_for(dict(os.environ)):
-        return zygote.start("motet.engine.worker.tp_rank", [], dict(os.environ), None, stdin=arguments)
+    env = dict(os.environ)
+    if zygote := zygote_for(env):
+        return zygote.start("motet.engine.worker.tp_rank", [], env, None, stdin=arguments)
     return None
 
 

@@ -87,9 +87,8 @@ def serve(socket_path: str) -> dict:
                     for pid in children:
                         os.kill(pid, signal.SIGKILL)
                     os._exit(0)
-            elif key.data == "child":
+            elif key.data == "child":  # (reaped below)
                 os.read(wake_r, 4096)
-                reap(children)
             else:
                 conn, _ = listener.accept()
                 request = json.loads(conn.makefile("rb").readline())
