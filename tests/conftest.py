@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import functools
+import importlib
 import os
 import shutil
 import tempfile
@@ -62,6 +64,35 @@ def processes_forked():
             tp_workers, "start_rank", lambda arguments: live_server.forked_rank(arguments) or fresh(arguments)
         )
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def clients_share_one_tls_context():
+    """Every HTTP client the tests make shares one default TLS context: httpx's, and httpx2's (the openai SDK's
+    fork of it). Each builds one per client from the system's or certifi's CAs: ~55 ms of CPU a client, for clients
+    that only ever speak plain HTTP to loopback, and the tests make thousands (run 12: ~120 CPU-s of 3,850). One
+    SSLContext may serve any number of clients; a client asking for anything but the default (verify=False, its own
+    context, a cert) builds its own as before."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("httpx", "httpx2"):
+            try:
+                default = importlib.import_module(f"{name}._transports.default")
+            except ImportError:
+                continue
+            mp.setattr(default, "create_ssl_context", _shared_default_context(default.create_ssl_context))
+        yield
+
+
+def _shared_default_context(build):
+    # keyed by what the default reads from the environment
+    shared = functools.cache(lambda trust_env, _file, _dir: build(verify=True, trust_env=trust_env))
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None:
+            return shared(trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    return create_ssl_context
 
 
 @pytest.fixture

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -21,10 +24,23 @@ from tests.tiny_models import build_tiny_model
 PROMPTS = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60)] + [[7, 8, 9] * 11]
 
 
+def hf_fp32(model_dir):
+    """transformers' model of the checkpoint in `model_dir` in fp32, loaded once while its files stay as they are
+    (the tests ask for one prompt's logits at a time: loading it for each was ~45 CPU-s of a run)."""
+    files = sorted(p for p in Path(model_dir).iterdir() if p.is_file())
+    return _hf_fp32(
+        str(Path(model_dir).resolve()), tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_fp32(model_dir: str, _files: tuple) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def hf_logits(model_dir, prompt):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0]
+        return hf_fp32(model_dir)(torch.tensor([prompt])).logits[0]
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -35,7 +51,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 def hf_greedy_outputs(model_dir, prompts, new_tokens: int) -> list[list[int]]:
     """`hf_greedy` of each prompt on the checkpoint in `model_dir`, loaded in fp32."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_fp32(model_dir)
     return [hf_greedy(hf, prompt, new_tokens) for prompt in prompts]
 
 
