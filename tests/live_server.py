@@ -102,6 +102,10 @@ class ForkedProcess:
 # environment differs from the zygote's in one of these is not forked from it.
 READ_AT_IMPORT = ("OMP_", "GOMP_", "KMP_", "MKL_", "PYTORCH_", "CUDA", "TRITON_", "HF_", "HUGGINGFACE",
                   "TRANSFORMERS_", "XDG_", "HOME", "PYTHON", "LD_", "TMP", "TEMP")  # fmt: skip
+# ... but for these, which a library the worker imports sets in its environment and no server reads: lm_eval's import
+# sets HF_XET_HIGH_PERFORMANCE (huggingface_hub's Xet downloads, which the tests' servers never make). A worker that
+# had run an lm_eval test forked none of its later servers (run 17: ~30 of ~95 servers started fresh).
+SET_BY_THE_WORKERS_IMPORTS = ("HF_XET_HIGH_PERFORMANCE",)
 # The zygote's environment: the worker's as tests/conftest.py leaves it, whichever test starts the zygote (one that
 # changed HOME for itself, say)
 WORKER_ENV = dict(os.environ)
@@ -131,7 +135,9 @@ class _Zygote:
     def serves(self, env: dict) -> bool:
         """Whether a process with `env` may be forked from it: none of the settings read at import differs (the
         rest, motet's own among them, are read when used)."""
-        keys = {k for k in set(env) | set(self.env) if k.startswith(READ_AT_IMPORT)}
+        keys = {k for k in set(env) | set(self.env) if k.startswith(READ_AT_IMPORT)} - set(
+            SET_BY_THE_WORKERS_IMPORTS
+        )
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def start(
