@@ -1,6 +1,11 @@
 """Block manager: allocation, ref counts, prefix caching keyed by adapter, LRU eviction."""
 
-from motet.engine.core.block_manager import BlockManager
+from collections import OrderedDict
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from motet.engine.core.block_manager import BlockManager, FreeBlocks
 from motet.engine.core.sequence import Sequence
 
 
@@ -80,3 +85,49 @@ def test_freed_blocks_stay_cached_until_evicted_lru():
     assert bm.allocate_slots(c, 16)
     bm.free_seq(c)
     assert bm.match_prefix(seq(range(9))) == 0
+
+
+# -- the free list ------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    num_blocks=st.integers(0, 12),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["take", "append", "front", "remove"]), st.integers(0, 11)), max_size=60
+    ),
+)
+def test_free_blocks_reuse_in_the_order_of_one_lru_dict_of_every_id(num_blocks, ops):
+    """FreeBlocks (the never-used ids a range) gives blocks back in the order the LRU OrderedDict of every id did:
+    given back to the front first (the last first), then the never used by id, then the rest least recently freed
+    first; a block held out of turn (a cache hit, a held free block) leaves it wherever it is."""
+    free, reference = FreeBlocks(num_blocks), OrderedDict((i, None) for i in range(num_blocks))
+    held = set()
+    for op, block_id in ops:
+        if op == "take" and reference:
+            got = free.pop_first()
+            assert got == reference.popitem(last=False)[0]
+            held.add(got)
+        elif op in ("append", "front") and block_id in held:
+            held.discard(block_id)
+            reference[block_id] = None
+            if op == "front":
+                reference.move_to_end(block_id, last=False)
+                free.push_front(block_id)
+            else:
+                free.append(block_id)
+        elif op == "remove" and block_id in reference:
+            del reference[block_id]
+            free.remove(block_id)
+            held.add(block_id)
+        assert len(free) == len(reference)
+        assert all((i in free) == (i in reference) for i in range(num_blocks))
+    assert [free.pop_first() for _ in range(len(free))] == list(reference)
+
+
+def test_a_large_pool_makes_only_the_blocks_it_uses():
+    bm = BlockManager(num_blocks=1 << 22, block_size=4)
+    s = computed(bm, range(10))
+    assert bm.num_free_blocks == (1 << 22) - 3 and len(bm.blocks._made) == 3
+    bm.free_seq(s)
+    assert bm.num_free_blocks == 1 << 22

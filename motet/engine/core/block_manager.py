@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from motet.engine.core.kv_window import WindowBlocks
@@ -95,6 +95,78 @@ class Block:
     token_ids: tuple[int, ...] = ()  # kept to rule out hash collisions
 
 
+class Blocks:
+    """The pool's blocks by id, each made when first used. A small model's pool holds hundreds of thousands of
+    blocks (a tiny test model's 0.5 GiB: 524,288); made at once they cost ~1.2 CPU-s and ~80 MB at every engine's
+    start, and a run touches few of them."""
+
+    def __init__(self, num_blocks: int):
+        self._num_blocks = num_blocks
+        self._made: dict[int, Block] = {}
+
+    def __len__(self) -> int:
+        return self._num_blocks
+
+    def __getitem__(self, block_id: int) -> Block:
+        block = self._made.get(block_id)
+        if block is None:
+            if not 0 <= block_id < self._num_blocks:
+                raise IndexError(block_id)
+            block = self._made[block_id] = Block(block_id)
+        return block
+
+    def __iter__(self) -> Iterator[Block]:
+        return (self[i] for i in range(self._num_blocks))
+
+
+class FreeBlocks:
+    """The free blocks in the order they are reused: those given back to the front (never hashed: reused first,
+    the last given back first), then those never used yet (by id), then those given back to the end (least
+    recently freed first: their cached content lasts longest). One LRU list, as an OrderedDict of every id was;
+    the never used are a range, not entries (see Blocks)."""
+
+    def __init__(self, num_blocks: int):
+        self._front: OrderedDict[int, None] = OrderedDict()
+        self._next, self._end = 0, num_blocks  # never used: ids _next .. _end - 1, but for _taken
+        self._taken: set[int] = set()  # never-used ids held out of turn (remove)
+        self._back: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._front) + self._end - self._next - len(self._taken) + len(self._back)
+
+    def __contains__(self, block_id: int) -> bool:
+        never_used = self._next <= block_id < self._end and block_id not in self._taken
+        return never_used or block_id in self._front or block_id in self._back
+
+    def pop_first(self) -> int:
+        if self._front:
+            return self._front.popitem(last=False)[0]
+        while self._next < self._end:
+            self._next += 1
+            if self._next - 1 in self._taken:
+                self._taken.discard(self._next - 1)
+            else:
+                return self._next - 1
+        return self._back.popitem(last=False)[0]
+
+    def append(self, block_id: int) -> None:
+        self._back[block_id] = None
+
+    def push_front(self, block_id: int) -> None:
+        self._front[block_id] = None
+        self._front.move_to_end(block_id, last=False)
+
+    def remove(self, block_id: int) -> None:
+        if block_id in self._front:
+            del self._front[block_id]
+        elif block_id in self._back:
+            del self._back[block_id]
+        elif self._next <= block_id < self._end and block_id not in self._taken:
+            self._taken.add(block_id)
+        else:
+            raise KeyError(block_id)
+
+
 class BlockManager:
     def __init__(
         self,
@@ -108,8 +180,8 @@ class BlockManager:
         self.block_size = block_size
         self.window = window
         self.enable_prefix_caching = enable_prefix_caching and window is None
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.blocks = Blocks(num_blocks)
+        self.free = FreeBlocks(num_blocks)
         self.cached: dict[int, int] = {}  # hash -> block id
         self.seq_hashes: dict[int, list[int]] = {}  # seq id -> hashes of its full blocks, in order
         self.num_registered: dict[int, int] = {}  # seq id -> leading blocks already offered to the cache
@@ -175,7 +247,7 @@ class BlockManager:
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free[block_id]
+            self.free.remove(block_id)
         block.ref_count += 1
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -194,7 +266,7 @@ class BlockManager:
     def take_blocks(self, n: int) -> list[int]:
         """Up to `n` free blocks (least recently freed first), held (ref count 1) by the caller, their cached
         content evicted (offered to `on_evict` first)."""
-        block_ids = [self.free.popitem(last=False)[0] for _ in range(min(n, len(self.free)))]
+        block_ids = [self.free.pop_first() for _ in range(min(n, len(self.free)))]
         evicted = [self.blocks[i] for i in block_ids if self.blocks[i].hash is not None]
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
@@ -226,9 +298,10 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free[block_id] = None
                 if block.hash is None:
-                    self.free.move_to_end(block_id, last=False)
+                    self.free.push_front(block_id)
+                else:
+                    self.free.append(block_id)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's computed full blocks in the prefix cache."""
@@ -254,8 +327,7 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free[block_id] = None
-                self.free.move_to_end(block_id, last=False)
+                self.free.push_front(block_id)
         # a new list, not shortened in place: the scheduler's record of what the runner holds tells a table that
         # only grew by its being the same list (motet/engine/core/step_plan.py)
         seq.block_table = seq.block_table[:keep]
@@ -266,7 +338,7 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free[block_id] = None
+                self.free.append(block_id)
         seq.block_table = []
         if self.window is not None:
             self.window.free_seq(seq)
