@@ -27,9 +27,14 @@ PROMPTS = [list(range(3, 3 + n)) for n in (1, 5, 17, 33, 60)] + [[7, 8, 9] * 11]
 def hf_fp32(model_dir):
     """transformers' model of the checkpoint in `model_dir` in fp32, loaded once while its files stay as they are
     (the tests ask for one prompt's logits at a time: loading it for each was ~45 CPU-s of a run)."""
+    return _hf_fp32(*_checkpoint(model_dir))
+
+
+def _checkpoint(model_dir) -> tuple[str, tuple]:
+    """The checkpoint's directory and its files' names, times and sizes: what a cached result is kept by."""
     files = sorted(p for p in Path(model_dir).iterdir() if p.is_file())
-    return _hf_fp32(
-        str(Path(model_dir).resolve()), tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+    return str(Path(model_dir).resolve()), tuple(
+        (p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files
     )
 
 
@@ -50,9 +55,16 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 
 def hf_greedy_outputs(model_dir, prompts, new_tokens: int) -> list[list[int]]:
-    """`hf_greedy` of each prompt on the checkpoint in `model_dir`, loaded in fp32."""
-    hf = hf_fp32(model_dir)
-    return [hf_greedy(hf, prompt, new_tokens) for prompt in prompts]
+    """`hf_greedy` of each prompt on the checkpoint in `model_dir`, loaded in fp32; computed once for a test's
+    engine paths (eager, compiled, two ranks, ...) while the checkpoint's files stay as they are."""
+    prompts = tuple(tuple(p) for p in prompts)
+    return [list(out) for out in _hf_greedy_outputs(*_checkpoint(model_dir), prompts, new_tokens)]
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_greedy_outputs(model_dir: str, files: tuple, prompts: tuple, new_tokens: int) -> tuple:
+    hf = _hf_fp32(model_dir, files)
+    return tuple(tuple(hf_greedy(hf, list(prompt), new_tokens)) for prompt in prompts)
 
 
 def engine_logits(engine: LLMEngine, prompts, chunk: int | None = None, adapters=None, order=None):

@@ -10,7 +10,6 @@ import json
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
     Qwen2Config,
@@ -28,7 +27,7 @@ from motet.engine.sampling_params import SamplingParams
 from motet.kernels import cpu_native
 from motet.models.config import ModelConfig
 from motet.models.declaration import ModelLoadError
-from tests.engine.test_engine import engine_logits, hf_greedy, hf_greedy_outputs, hf_logits
+from tests.engine.test_engine import engine_logits, hf_greedy_outputs, hf_logits
 from tests.models.test_moe import PATHS, randomize_norms
 from tests.tiny_models import build_tiny_model
 
@@ -103,9 +102,7 @@ def test_greedy_past_the_window_matches_transformers_generate(model_dir, compile
     prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((1, 5, 19, 20, 21, 33, 47, 60, 8))]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = llm.generate(prompts, params)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == hf_greedy(hf, prompt, 40)
+    assert [out.token_ids for out in outs] == hf_greedy_outputs(model_dir, prompts, 40)
     window = llm.engine.block_manager.window
     assert window.num_used_blocks == 0  # every ring given back
 
@@ -133,8 +130,7 @@ def test_window_blocks_stay_bounded_by_the_window(model_dir, compiled):
     assert max(window_held) == ring and max(global_held) == 300 // BLOCK
     assert max(chunks) == WINDOW  # the prompt of 100 went in chunks of the window, not of the 64 budget
     assert eng.block_manager.window.num_used_blocks == 0
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    assert tokens == hf_greedy(hf, prompt, 200)
+    assert tokens == hf_greedy_outputs(model_dir, [prompt], 200)[0]
 
 
 def test_a_window_pool_without_prefix_caching_and_tiers(model_dir, tmp_path):
