@@ -97,8 +97,8 @@ class Block:
 
 class Blocks:
     """The pool's blocks by id, each made when first used. A small model's pool holds hundreds of thousands of
-    blocks (a tiny test model's 0.5 GiB: 524,288); made at once they cost ~1.2 CPU-s and ~80 MB at every engine's
-    start, and a run touches few of them."""
+    blocks (a tiny test model's 0.5 GiB: 524,288); made at once they cost ~1.2 CPU-s and ~130 MiB at every
+    engine's start, and a run touches few of them."""
 
     def __init__(self, num_blocks: int):
         self._num_blocks = num_blocks
