@@ -142,11 +142,10 @@ class FreeBlocks:
         if self._front:
             return self._front.popitem(last=False)[0]
         while self._next < self._end:
-            self._next += 1
-            if self._next - 1 in self._taken:
-                self._taken.discard(self._next - 1)
-            else:
-                return self._next - 1
+            block_id, self._next = self._next, self._next + 1
+            if block_id not in self._taken:
+                return block_id
+            self._taken.discard(block_id)  # (held out of turn: it comes back through append or push_front)
         return self._back.popitem(last=False)[0]
 
     def append(self, block_id: int) -> None:
