@@ -30,13 +30,6 @@ from tests.tiny_models import build_tiny_model
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 
-@pytest.fixture(autouse=True)
-def ranks_as_motet_starts_them(monkeypatch):
-    """Fresh interpreters, not forked from the tests' zygote (tests/server_zygote.py): these tests find a rank among
-    this process's children by its command line."""
-    monkeypatch.setenv("MOTET_TEST_ZYGOTE", "0")
-
-
 def tp_workers() -> list[psutil.Process]:
     """This process's tensor-parallel worker processes still running: its children, and those the tests' zygote
     forked for it (tests/live_server.py)."""
