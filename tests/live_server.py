@@ -9,10 +9,8 @@ import base64
 import contextlib
 import json
 import os
-import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +23,7 @@ import openai
 import psutil
 
 from motet.evals.server import ServerError, free_port, wait_healthy
+from tests.server_zygote import ForkedProcess, fork, forkable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,53 +58,6 @@ def end(proc: subprocess.Popen | ForkedProcess, sig: int, timeout: float) -> Non
             proc.wait()
 
 
-class ForkedProcess:
-    """A process tests/server_zygote.py forked, with the parts of subprocess.Popen's interface the tests use."""
-
-    def __init__(self, conn: socket.socket, args: list[str]):
-        self.args = args
-        self._conn = conn
-        self._lines = conn.makefile("rb")
-        self.pid = int(self._lines.readline())
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
-            self._read_exit()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            if not select.select([self._conn], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self._read_exit()
-        return self.returncode
-
-    def _read_exit(self) -> None:
-        line = self._lines.readline()
-        self.returncode = int(line) if line else -signal.SIGKILL  # (no line: the zygote itself died)
-        self._lines.close()
-        self._conn.close()
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-# The settings libraries read once, at import (torch's threads, the Hugging Face cache, Python's own): a process whose
-# environment differs from the zygote's in one of these is not forked from it.
-READ_AT_IMPORT = ("OMP_", "GOMP_", "KMP_", "MKL_", "PYTORCH_", "CUDA", "TRITON_", "HF_", "HUGGINGFACE",
-                  "TRANSFORMERS_", "XDG_", "HOME", "PYTHON", "LD_", "TMP", "TEMP")  # fmt: skip
-# ... but for these, which a library the worker imports sets in its environment and no server reads: lm_eval's import
-# sets HF_XET_HIGH_PERFORMANCE (huggingface_hub's Xet downloads, which the tests' servers never make). A worker that
-# had run an lm_eval test forked none of its later servers (run 17: ~30 of ~95 servers started fresh).
-SET_BY_THE_WORKERS_IMPORTS = ("HF_XET_HIGH_PERFORMANCE",)
 # The zygote's environment: the worker's as tests/conftest.py leaves it, whichever test starts the zygote (one that
 # changed HOME for itself, say)
 WORKER_ENV = dict(os.environ)
@@ -133,23 +85,24 @@ class _Zygote:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def serves(self, env: dict) -> bool:
-        """Whether a process with `env` may be forked from it: none of the settings read at import differs (the
-        rest, motet's own among them, are read when used)."""
-        keys = {k for k in set(env) | set(self.env) if k.startswith(READ_AT_IMPORT)} - set(
-            SET_BY_THE_WORKERS_IMPORTS
-        )
-        return all(env.get(k) == self.env.get(k) for k in keys)
+        """Whether a process with `env` may be forked from it (tests/server_zygote.py's forkable)."""
+        return forkable(env, self.env)
 
     def start(
-        self, module: str, argv: list[str], env: dict, log, new_session: bool = False, stdin: bytes = b""
+        self,
+        module: str,
+        argv: list[str],
+        env: dict,
+        log,
+        new_session: bool = False,
+        stdin: bytes = b"",
+        training_branch: bool = False,
     ) -> ForkedProcess:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(self.socket_path)
         log = getattr(log, "name", os.devnull) if log is not None else None  # (subprocess.DEVNULL: no log)
         request = {"module": module, "argv": argv, "env": env, "cwd": str(ROOT), "log": log,
-                   "new_session": new_session, "stdin": base64.b64encode(stdin).decode()}  # fmt: skip
-        conn.sendall(json.dumps(request).encode() + b"\n")
-        forked = ForkedProcess(conn, [module, *argv])
+                   "new_session": new_session, "stdin": base64.b64encode(stdin).decode(),
+                   "training_branch": training_branch}  # fmt: skip
+        forked = fork(self.socket_path, request)
         self.children.append((forked.pid, module))
         return forked
 
@@ -178,12 +131,15 @@ def zygote_for(env: dict) -> _Zygote | None:
     return _zygote if _zygote.serves(env) else None
 
 
-def start_cli(argv: list[str], env: dict, log, new_session: bool = False) -> subprocess.Popen | ForkedProcess:
+def start_cli(
+    argv: list[str], env: dict, log, new_session: bool = False, training_branch: bool = False
+) -> subprocess.Popen | ForkedProcess:
     """`python -m motet.api.cli ARGV` with `env`, its output to `log` (an open file, or subprocess.DEVNULL), in a
     session of its own if `new_session`: forked from this worker's zygote where it may be, else a new
-    interpreter."""
+    interpreter. With `training_branch`, a server forked from the zygote forks its fine-tuning fork server from
+    the zygote's training branch (tests/server_zygote.py): the jobs' processes are not the server's descendants."""
     if zygote := zygote_for(env):
-        return zygote.start("motet.api.cli", argv, env, log, new_session)
+        return zygote.start("motet.api.cli", argv, env, log, new_session, training_branch=training_branch)
     cmd = [sys.executable, "-m", "motet.api.cli", *argv]
     return subprocess.Popen(
         cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session
@@ -223,7 +179,9 @@ class Server:
         self.log_path = tmp / f"server-{self.port}.log"
         argv = ["serve", "--port", str(self.port), *args]
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
-        self.proc = start_cli(argv, {**os.environ, **(env or {})}, self.log)
+        # (its fine-tuning jobs' processes forked from the zygote's training branch: benchmarks/, which measure a
+        # server's process tree, start theirs without it)
+        self.proc = start_cli(argv, {**os.environ, **(env or {})}, self.log, training_branch=True)
         try:
             wait_healthy(self.url, self.proc, start_timeout, self.log_path)
         except ServerError:

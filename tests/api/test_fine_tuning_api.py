@@ -550,9 +550,9 @@ def test_a_server_restart_mid_job_resumes_it_to_the_same_adapter(tiny_model_dir,
         wait(r, over.id, until=("running", *FINISHED))  # it runs beside alice's: no checkpoint yet
         validating = r.fine_tuning.jobs.create(training_file=many.id, model="tiny")
         assert validating.status == "validating_files"
-        workers = [
-            p for p in psutil.Process(first.proc.pid).children(recursive=True) if p.name() == NAME.decode()
-        ]
+        # (this process's descendants: the server's jobs are forked from the tests' zygote, tests/server_zygote.py)
+        workers = [p for p in psutil.Process().children(recursive=True) if p.name() == NAME.decode()]
+        assert workers
         first.proc.kill()  # SIGKILL, mid-validation: nothing of the server runs on
         first.proc.wait()
         psutil.wait_procs(workers, timeout=30)  # the workers die with the server
