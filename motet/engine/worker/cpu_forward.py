@@ -29,40 +29,23 @@ from motet.engine.worker.op_writer import OpWriter, WeightArena, packed_bytes
 from motet.kernels import cpu_native
 from motet.lora.pool import LoRABatch
 
-MAX_LATENT_ROPE = 256  # the latent op's rotated key at most (the source's kMaxLatentRope)
-
 
 def unsupported(model: CausalLM, kv_dtype: torch.dtype) -> str | None:
     """Why the native step does not run this model, or None where it does: the kernels built, its dtypes theirs,
-    its heads within the attention kernel's limits (latent attention: its rotated key within the latent op's, an
-    unrotated key part in every head: the op folds kv_b_proj's key half into the query), no expert parallelism (the
+    each layer's attention within its op's limits (the layer's `native_unsupported`), no expert parallelism (the
     MoE op has no all-to-all: the eager model dispatches). The program's own check (the source's check_program)
     refuses no model admitted here: every layer option of the eager decoder is an op (or an op's option) of the
     program, DeepSeek's latent attention and routing included."""
     cfg = model.config
-    latent = cfg.latent
     if cpu_native.library() is None:
         return "its kernels are not built"
     if model.parallel.expert_parallel:
         return "expert parallelism (the MoE op has no all-to-all)"
     if model.weight_dtype not in cpu_native.DTYPE_CODES or kv_dtype not in cpu_native.DTYPE_CODES:
         return f"weights in {model.weight_dtype}, KV cache in {kv_dtype}"
-    if latent is not None:
-        if latent.qk_rope_head_dim > MAX_LATENT_ROPE:
-            return (
-                f"qk_rope_head_dim {latent.qk_rope_head_dim} (the latent op turns at most {MAX_LATENT_ROPE})"
-            )
-        if latent.qk_nope_head_dim < 1:
-            return "qk_nope_head_dim 0 (the latent op folds each head's unrotated key part into its query)"
-    elif not (
-        cfg.num_attention_heads % cfg.num_key_value_heads == 0
-        and cfg.num_attention_heads // cfg.num_key_value_heads <= 16
-        and cfg.head_dim <= 256
-    ):
-        return (
-            f"{cfg.num_attention_heads} heads on {cfg.num_key_value_heads} KV heads of {cfg.head_dim} "
-            "(the attention kernel takes up to 16 heads a KV head, of up to 256)"
-        )
+    for layer in model.layers:
+        if why := layer.self_attn.native_unsupported():
+            return why
     if cfg.rotary_dim % 2:
         return f"an odd rotary width ({cfg.rotary_dim})"
     return None

@@ -16,7 +16,6 @@ from torch import nn
 from motet.engine.weights.checkpoint import CHUNK_BYTES, StoredTensor, row_chunks
 from motet.engine.weights.gguf_table import GgufTable
 from motet.engine.weights.mxfp4 import Mxfp4Tensor
-from motet.engine.worker.latent_attention import LatentAttention
 from motet.engine.worker.layers import Linear
 from motet.engine.worker.model import STACKED, CausalLM, Experts, QuantizedExperts
 from motet.engine.worker.parallel import ROW_PARALLEL
@@ -56,14 +55,13 @@ class DecoderWeights:
         anything is read). The embedding table keeps the checkpoint's precision (a lookup reads one row a
         token); the lm_head is a product over the whole vocabulary, a fifth of a small model's bytes per token,
         so it is quantized too but at 8 bits, where the logits' rounding stays small: llama.cpp's 4-bit files
-        keep it in Q8_0 (or Q6_K) the same way. A latent attention's kv_b_proj keeps the checkpoint's precision
-        (`LatentAttention.unquantized`)."""
+        keep it in Q8_0 (or Q6_K) the same way. An attention layer's `unquantized` projections keep the checkpoint's
+        precision (a latent attention's kv_b_proj)."""
         cfg = self.config
         dims = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size}
         if cfg.is_moe:
             dims["moe_intermediate_size"] = cfg.moe_intermediate_size
-        if cfg.latent is None:  # (a latent attention's own projections are checked one by one below)
-            dims["num_attention_heads * head_dim"] = cfg.num_attention_heads * cfg.head_dim
+        dims.update(self.model.layers[0].self_attn.block_inputs())
         for name, value in dims.items():
             if value % BLOCK:
                 raise ModelLoadError(
@@ -71,10 +69,7 @@ class DecoderWeights:
                     f"this model's {name} is {value}: serve it unquantized"
                 )
         linears = set(self.model.decoder_linears()) - {
-            lin
-            for layer in self.model.layers
-            if isinstance(layer.self_attn, LatentAttention)
-            for lin in layer.self_attn.unquantized()
+            lin for layer in self.model.layers for lin in layer.self_attn.unquantized()
         }
         for name, lin in self.model.named_modules():  # a tensor-parallel rank's part: its own inputs
             if isinstance(lin, Linear) and lin in linears and lin.in_features % BLOCK:
@@ -165,10 +160,10 @@ class DecoderWeights:
             return tensor.narrow(0, start, n)
         if module == "o_proj":
             return tensor.narrow(1, *owner.o_columns)
-        if module in ("q_proj", "q_b_proj"):  # a latent attention's (unfused): its heads' rows
-            return tensor.narrow(0, *owner.q_rows)
-        if module == "kv_b_proj":
-            return tensor.narrow(0, *owner.kv_b_rows)
+        if module in getattr(
+            owner, "unfused_rows", ()
+        ):  # an attention's own unfused projection: its heads' rows
+            return tensor.narrow(0, *owner.unfused_rows[module])
         if module == "gate_up_proj" or (module == "experts" and leaf == "gate_up_proj"):
             return tensor.narrow(0, *owner.columns)
         if module == "down_proj" or (module == "experts" and leaf == "down_proj"):

@@ -23,11 +23,12 @@ rows and paged context are the step's own, so that nothing in its layers waits f
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from motet.engine.worker.attention_metadata import AttentionMetadata, LatentSplit
+from motet.engine.worker.attention_metadata import AttentionMetadata
 from motet.engine.worker.layers import Linear, RMSNorm
 from motet.engine.worker.op_writer import OpWriter, panel_bytes
 from motet.engine.worker.parallel import SINGLE, Parallel
@@ -42,6 +43,19 @@ from motet.models.projections import QKV
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (transformers' default: not the config's)
 _MAX_SCORE_ELEMS = 1 << 22  # score elements per product in the expanded form (16 MiB of fp32)
+MAX_LATENT_ROPE = 256  # the native latent op's rotated key at most (the source's kMaxLatentRope)
+
+
+@dataclass
+class LatentSplit:
+    """A step's rows by the form that computes them: made by the first latent layer, kept on the step's
+    metadata for the others (AttentionMetadata.derive)."""
+
+    # [n] the rows of one-token sequences (every row: slice(None)), None: there are none
+    decode_rows: torch.Tensor | slice | None
+    decode_ctx: PagedContext | None  # their paged context (the step's, those sequences only; or the step's)
+    # each sequence with several new tokens: (first row, end row, context length incl. the new tokens, blocks)
+    prefills: list[tuple[int, int, int, list[int]]]
 
 
 def split_step(meta: PagedContext, block_size: int, absorb: bool = True) -> LatentSplit:
@@ -98,6 +112,7 @@ class LatentAttention(nn.Module):
         self.q_rows = (head_start * qk, H * qk)
         self.kv_b_rows = (head_start * (self.nope + self.v_dim), H * (self.nope + self.v_dim))
         self.o_columns = (head_start * self.v_dim, H * self.v_dim)
+        self.unfused_rows = {"q_proj": self.q_rows, "q_b_proj": self.q_rows, "kv_b_proj": self.kv_b_rows}
         bias = cfg.attention_bias
         self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         if mla.q_lora_rank is None:
@@ -126,6 +141,19 @@ class LatentAttention(nn.Module):
         attention projections and 10.5 GiB of its experts at 8 bits."""
         return [self.kv_b_proj]
 
+    def block_inputs(self) -> dict[str, int]:
+        """None beyond its projections' own (checked one by one)."""
+        return {}
+
+    def native_unsupported(self) -> str | None:
+        """Why the native step's latent op does not take this layer, or None: its rotated key within the op's,
+        an unrotated key part in every head (the op folds kv_b_proj's key half into the query)."""
+        if self.rope > MAX_LATENT_ROPE:
+            return f"qk_rope_head_dim {self.rope} (the latent op turns at most {MAX_LATENT_ROPE})"
+        if self.nope < 1:
+            return "qk_nope_head_dim 0 (the latent op folds each head's unrotated key part into its query)"
+        return None
+
     def _rotate(self, x: torch.Tensor, angles: RotaryAngles) -> torch.Tensor:
         """The rotary on [T, heads, rope]: DeepSeek's neighbouring pairs (x0, x1), (x2, x3), ... turned as
         transformers turns them, their results laid out as halves (evens, then odds): the same permutation of q's
@@ -152,10 +180,9 @@ class LatentAttention(nn.Module):
         (cache,) = kv_cache
         latent = torch.cat([c_kv.unsqueeze(1), k_rope], dim=-1).to(cache.dtype)  # [T, 1, rank + rope]
         write_kv_cache(latent, latent, cache, cache, meta.slot_mapping)
-        if meta.latent is None:  # (an adapter on kv_b_proj: no absorbed form, its delta is per sequence)
-            absorb = lora is None or not lora.targets(("kv_b_proj",))
-            meta.latent = split_step(meta, cache.shape[1], absorb)
-        split: LatentSplit = meta.latent
+        # (an adapter on kv_b_proj: no absorbed form, its delta is per sequence)
+        absorb = lora is None or not lora.targets(("kv_b_proj",))
+        split: LatentSplit = meta.derive("latent", lambda: split_step(meta, cache.shape[1], absorb))
         out = q.new_zeros(T, H, self.v_dim)  # (rows past the step's: zeros)
         if split.decode_rows is not None:
             rows = split.decode_rows

@@ -254,6 +254,29 @@ class Attention(nn.Module):
     def projections(self) -> list[Linear]:
         return [self.qkv_proj, self.o_proj]
 
+    # The checkpoint's projections this layer keeps unfused, by name: this rank's rows of each (q, k and v are
+    # fused into qkv_proj, which the loader splits itself)
+    unfused_rows: dict[str, tuple[int, int]] = {}
+
+    def unquantized(self) -> list[Linear]:
+        """The projections that keep the checkpoint's precision under `--quantization`: none."""
+        return []
+
+    def block_inputs(self) -> dict[str, int]:
+        """The whole model's widths of this layer's projections' inputs that quantization needs in whole
+        blocks, by name (a rank's own part is checked projection by projection): o_proj's, all heads."""
+        return {"num_attention_heads * head_dim": self.whole_widths[0]}
+
+    def native_unsupported(self) -> str | None:
+        """Why the native step's attention op does not take this layer, or None."""
+        heads, kv_heads = (width // self.head_dim for width in self.whole_widths)
+        if heads % kv_heads or heads // kv_heads > 16 or self.head_dim > 256:
+            return (
+                f"{heads} heads on {kv_heads} KV heads of {self.head_dim} "
+                "(the attention kernel takes up to 16 heads a KV head, of up to 256)"
+            )
+        return None
+
     @property
     def o_columns(self) -> tuple[int, int]:
         """This rank's columns of the checkpoint's o_proj: its query heads'."""
