@@ -10,6 +10,7 @@ from pathlib import Path
 
 from motet.models import SUPPORTED_ARCHITECTURES, find
 from motet.models import get as get_declaration
+from motet.models.attention import PER_HEAD, CacheLayout
 from motet.models.declaration import Architecture, ModelLoadError
 from motet.models.fields import (
     LIMITS,
@@ -133,25 +134,21 @@ class ModelConfig:
         return scales
 
     @property
-    def kv_parts(self) -> tuple[tuple[int, int], ...]:
-        """What each layer's paged cache holds per token, as (heads, width) per cache tensor: K and V of every KV
-        head, or with latent attention one tensor of one row, c_kv then the rotated key (vLLM's MLA layout)."""
-        if self.latent is not None:
-            return ((1, self.latent.cache_width),)
-        return ((self.num_key_value_heads, self.head_dim),) * 2
+    def cache_layout(self) -> CacheLayout:
+        """What each layer's paged cache keeps a token, as the attention's declaration gives it
+        (motet/models/attention.py; the per-head attention's where the model declares no other)."""
+        attention = PER_HEAD if self.latent is None else self.latent
+        return attention.cache_layout(self)
 
     @property
     def kv_elements_per_token(self) -> int:
         """Elements a token keeps in the KV cache over all layers (times the KV dtype's size: its bytes)."""
-        return self.num_hidden_layers * sum(heads * width for heads, width in self.kv_parts)
+        return self.num_hidden_layers * self.cache_layout.elements
 
     @property
     def per_head_kv_elements_per_token(self) -> int:
-        """What per-head K and V of the same attention would keep a token over all layers: with latent attention
-        every head's key (its unrotated and rotated parts) and value, as the expanded form makes them."""
-        if self.latent is None:
-            return self.kv_elements_per_token
-        return self.num_hidden_layers * self.num_attention_heads * (self.head_dim + self.latent.v_head_dim)
+        """What per-head K and V of the same attention would keep a token over all layers."""
+        return self.num_hidden_layers * self.cache_layout.per_head_elements
 
     @property
     def is_moe(self) -> bool:

@@ -4,10 +4,16 @@ decoder and the KV cache read it (ModelConfig.latent)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from motet.models.attention import AttentionShape, CacheLayout
+
+if TYPE_CHECKING:
+    from motet.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
-class LatentAttention:
+class LatentAttention(AttentionShape):
     """DeepSeek's multi-head latent attention (MLA): q from the hidden state (`q_proj`, or through a low-rank
     `q_a_proj` -> RMSNorm -> `q_b_proj` where `q_lora_rank` is set), each head's q a part without the rotary
     (`qk_nope_head_dim`) and a rotated part (`qk_rope_head_dim`); one `kv_a_proj_with_mqa` makes every token's
@@ -22,7 +28,12 @@ class LatentAttention:
     v_head_dim: int
     rope_interleave: bool = True
 
-    @property
-    def cache_width(self) -> int:
-        """What a token keeps in each layer's cache: c_kv, then the rotated key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
+    def cache_layout(self, cfg: ModelConfig) -> CacheLayout:
+        """One row a token, c_kv then the rotated key (vLLM's MLA layout), that every head reads: every
+        tensor-parallel rank keeps all of it. Per-head K and V would be every head's key (its unrotated and rotated
+        parts: `head_dim`) and value, as the expanded form makes them."""
+        return CacheLayout(
+            ((1, self.kv_lora_rank + self.qk_rope_head_dim),),
+            replicated=True,
+            per_head_elements=cfg.num_attention_heads * (cfg.head_dim + self.v_head_dim),
+        )

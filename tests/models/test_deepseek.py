@@ -500,7 +500,7 @@ def test_hub_configs_read_as_transformers_reads_them(hub):
     assert factor == pytest.approx(rotary.attention_scaling, rel=1e-6)
     ratio = cfg.kv_elements_per_token / cfg.per_head_kv_elements_per_token
     heads = hub["num_attention_heads"]
-    assert cfg.kv_parts == ((1, 512 + 64),)
+    assert cfg.cache_layout.parts == ((1, 512 + 64),)
     assert ratio == pytest.approx(576 / (heads * (192 + 128))) and ratio <= 1 / 4  # V2-Lite 0.1125, V3 0.0141
     assert cfg.sparse_layers[0] == hub["first_k_dense_replace"]
     assert (cfg.router_scoring, cfg.expert_groups) == (hub["scoring_func"], hub["n_group"])

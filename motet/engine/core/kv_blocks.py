@@ -1,12 +1,13 @@
 """KV blocks as data: the layout of one block, copies between the paged KV cache and host tensors, and the
 identity of what a block's values depend on (the model's weights, the KV dtype and layout).
 
-The paged cache is a list of per-layer (k, v) tensors shaped [num_blocks, block_size, kv_heads, head_dim], or with
-latent attention one tensor a layer, [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]
-(motet/engine/worker/model_runner.py). A block off the device is one host tensor shaped [layers, parts, block_size,
-kv_heads, head_dim]. `read_blocks` and `write_blocks` move a set of blocks at once, one gather or scatter per
-layer: under tensor parallelism each rank holds its shard of the KV heads, and a rank runs these same two
-functions on its own `kv_caches` (the layout's `kv_heads` being its shard's).
+The paged cache is a list of per-layer tuples of tensors, one [num_blocks, block_size, heads, width] per part of the
+attention's cache layout (ModelConfig.cache_layout, motet/models/attention.py: per-head attention's K and V, each
+[num_blocks, block_size, kv_heads, head_dim]; motet/engine/worker/model_runner.py allocates them). A block off the
+device is one host tensor shaped [layers, parts, block_size, heads, width]. `read_blocks` and `write_blocks` move a
+set of blocks at once, one gather or scatter per layer: under tensor parallelism each rank holds its shard of the
+KV heads (or all of a replicated layout), and a rank runs these same two functions on its own `kv_caches` (the
+layout's `kv_heads` being its shard's).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ _SAMPLE_BYTES = 1 << 16
 
 @dataclass(frozen=True)
 class KVLayout:
-    """A block's layout: `num_parts` cache tensors a layer (2: K and V; 1: latent attention's rows of c_kv and
-    the rotated key, whose `num_kv_heads` is 1 and `head_dim` the row's width), each [block_size, heads, width]."""
+    """A block's layout, as the cache tensors give it: `num_parts` tensors a layer (the parts of the attention's
+    cache layout: 2, K and V), each [block_size, num_kv_heads, head_dim], heads and width alike in every part."""
 
     num_layers: int
     block_size: int

@@ -5,7 +5,7 @@ reference elsewhere); the native CPU step's latent op computes every row in the 
 
 Each layer's cache holds, per token, one row: the normed latent c_kv (kv_lora_rank) and the rotated key shared by
 every head (qk_rope_head_dim), in the same blocks, block tables and prefix cache as per-head K / V
-(ModelConfig.kv_parts). A step computes its rows in one of two forms, as vLLM's and SGLang's MLA backends do:
+(ModelConfig.cache_layout). A step computes its rows in one of two forms, as vLLM's and SGLang's MLA backends do:
 
 - prefill rows (a sequence with several new tokens): the expanded form. The sequence's c_kv, cached ones
   included, goes through kv_b_proj into every head's unrotated key and its value; each head attends over

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
-    """A block's bytes over all layers: per token what the declaration's layers keep (ModelConfig.kv_parts), each
-    value `dtype_bytes` (the cache's dtype's itemsize)."""
+    """A block's bytes over all layers: per token what the declaration's layers keep (ModelConfig.cache_layout),
+    each value `dtype_bytes` (the cache's dtype's itemsize)."""
     return cfg.kv_elements_per_token * block_size * dtype_bytes
 
 
@@ -48,7 +48,7 @@ def check_fits(config: EngineConfig, model: ModelConfig) -> int:
     device_total = host if on_host else _device_memory(config.torch_device)[1]
     where = "this host's available memory" if on_host else "the device's memory"
     ranks = config.tensor_parallel_size  # (the KV cache's memory is per rank; on CUDA each rank has a device)
-    per_rank = 1 if model.latent is not None else 1 / ranks  # a rank's share of a block
+    per_rank = model.cache_layout.rank_share(1 / ranks)  # a rank's share of a block
     block = kv_block_bytes(model, config.block_size, config.dtype_bytes) * per_rank
     asked: list[tuple[str, float, int]] = []  # (the flag as given, bytes, the room for them)
     if config.num_kv_blocks is not None:

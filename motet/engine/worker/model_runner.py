@@ -188,10 +188,8 @@ class ModelRunner:
         error = None
         try:
             (_, local_kv_heads) = parallel.heads(model_config)[1]  # this rank's share of the KV cache
-            # (a latent cache is one row a token: every rank holds all of it)
-            share = (
-                1 if model_config.latent is not None else local_kv_heads / model_config.num_key_value_heads
-            )
+            layout = model_config.cache_layout  # what a layer keeps a token (motet/models/attention.py)
+            share = layout.rank_share(local_kv_heads / model_config.num_key_value_heads)  # (replicated: all)
             restored = None
             if prepared_weights.applies(config, self.device, parallel):
                 self.prepared = PreparedWeights(model_dir, config, self.dtype)
@@ -253,13 +251,12 @@ class ModelRunner:
                 self.num_blocks,
             )
 
-        latent = model_config.latent is not None  # one row a token, every rank all of it
-
         def cache(num_blocks: int) -> tuple[torch.Tensor, ...]:
-            """A layer's cache tensors (K and V, or the latent rows), this rank's share of the KV heads each; on a
-            CPU reserved but untouched until they fill (memory.py `untouched_zeros`)."""
-            shapes = [(num_blocks, self.block_size, heads if latent else local_kv_heads, width)
-                      for heads, width in model_config.kv_parts]  # fmt: skip
+            """A layer's cache tensors, this rank's parts of the attention's layout (its share of the KV heads, or
+            all of a replicated layout); on a CPU reserved but untouched until they fill (memory.py
+            `untouched_zeros`)."""
+            shapes = [(num_blocks, self.block_size, heads, width)
+                      for heads, width in layout.rank_parts(local_kv_heads)]  # fmt: skip
             if self.device.type == "cpu":
                 return tuple(untouched_zeros(shape, self.dtype) for shape in shapes)
             return tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes)
@@ -269,12 +266,15 @@ class ModelRunner:
             cache(self.num_window_blocks if i in self.window_layers else self.num_blocks)
             for i in range(model_config.num_hidden_layers)
         ]
-        if latent:
+        if layout.per_head_elements != layout.elements:  # (a layout other than per-head K / V: what it saves)
             elem = torch.tensor([], dtype=self.dtype).element_size()
             mine, per_head = model_config.kv_elements_per_token, model_config.per_head_kv_elements_per_token
             log.info(
-                "latent KV cache: %d bytes a token, %.3g of the %d bytes per-head K / V would take",
+                "KV cache: %d bytes a token (each layer's heads x width: %s%s), %.3g of the %d bytes per-head "
+                "K / V would take",
                 mine * elem,
+                " + ".join(f"{heads} x {width}" for heads, width in layout.parts),
+                ", on every rank" if layout.replicated else "",
                 mine / per_head,
                 per_head * elem,
             )
@@ -339,7 +339,9 @@ class ModelRunner:
                     max_blocks_per_seq=-(-self.max_model_len // self.block_size),
                     max_seq_len=self.max_model_len,
                     device=self.device,
-                    **model_options(latent, config.num_speculative_tokens if speculates else 0),
+                    **model_options(
+                        model_config.latent is not None, config.num_speculative_tokens if speculates else 0
+                    ),
                 )
             )
 
