@@ -15,9 +15,10 @@ if TYPE_CHECKING:
 class CacheLayout:
     """What one layer's paged cache keeps a token: `parts`, (heads, width) of each cache tensor (per-head
     attention's K and V of every KV head; or one row a token, that every query head reads). Under tensor
-    parallelism each rank keeps its share of the KV heads, or with `replicated` all of every part. The parts are alike in shape where there are several (a block off the device stacks them:
-    engine/core/kv_blocks.py). `per_head_elements`: what per-head K and V of the same attention would keep a token
-    (None, the default: this layout is per-head K and V, and keeps `elements`)."""
+    parallelism each rank keeps its share of the KV heads, or with `replicated` all of every part. The parts are
+    alike in shape where there are several (a block off the device stacks them: engine/core/kv_blocks.py).
+    `per_head_elements`: what per-head K and V of the same attention would keep a token (None, the default: this
+    layout is per-head K and V, and keeps `elements`)."""
 
     parts: tuple[tuple[int, int], ...]
     replicated: bool = False
