@@ -49,6 +49,10 @@ class AttentionShape:
     query heads reads its own key and value head); a variant, declared beside the families under motet/models/,
     overrides what differs."""
 
+    # The layer that runs it, as "module:Class" (imported when a model is built, the way vLLM's model registry names
+    # its classes: the declaration stays below the engine)
+    layer = "motet.engine.worker.model:Attention"
+
     def cache_layout(self, cfg: ModelConfig) -> CacheLayout:
         """K and V of every KV head, `head_dim` wide each."""
         return CacheLayout(((cfg.num_key_value_heads, cfg.head_dim),) * 2)

@@ -28,6 +28,8 @@ class LatentAttention(AttentionShape):
     v_head_dim: int
     rope_interleave: bool = True
 
+    layer = "motet.engine.worker.latent_attention:LatentAttention"
+
     def cache_layout(self, cfg: ModelConfig) -> CacheLayout:
         """One row a token, c_kv then the rotated key (vLLM's MLA layout), that every head reads: every
         tensor-parallel rank keeps all of it. Per-head K and V would be every head's key (its unrotated and rotated

@@ -15,7 +15,6 @@ from motet.engine.llm import LLM
 from motet.engine.sampling_params import SamplingParams
 from motet.engine.worker import latent_attention as la
 from motet.engine.worker.attention_metadata import AttentionMetadata
-from motet.engine.worker.cuda_graphs import model_options
 from motet.kernels import latent_decode, paged_attention, triton_support
 from motet.kernels.rope_kv import RotaryAngles
 from motet.models.config import ModelConfig
@@ -94,7 +93,7 @@ def test_graph_inputs_on_cpu_match_transformers_and_peft(v2, tmp_path):
     to PEFT's."""
     # (the eager model through the graphs, as on CUDA: the native CPU step would take its weights over)
     llm = LLM(str(v2), num_kv_blocks=128, block_size=8, max_lora_rank=8, max_loras=2, compile_step=False)
-    options = model_options(latent=True, num_drafts=3)
+    options = la.LatentAttention.graph_options(num_drafts=3)
     assert options == dict(max_query=1, eager_targets=("kv_b_proj",))
     use_cpu_graphs(llm.engine, **options)
     graphs = llm.engine.runner.graphs

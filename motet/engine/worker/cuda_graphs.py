@@ -230,13 +230,6 @@ class DecodeGraphs:
         return out[self.row_index[: len(real)]] if gather else out[:n]
 
 
-def model_options(latent: bool, num_drafts: int) -> dict:
-    """`DecodeGraphs`' options for a model: verification rows of 1 + `num_drafts` tokens replayed too, but not a
-    latent attention's (its expanded form, which rows of several tokens take, sizes each sequence's context on the
-    host), nor its adapters on kv_b_proj (the same): those steps run eagerly."""
-    return dict(max_query=1 if latent else 1 + num_drafts, eager_targets=("kv_b_proj",) if latent else ())
-
-
 def rank_tile(rank: int) -> int:
     """The rank a LoRA graph is captured for: the next power of two, 8 at least (one graph serves every step
     whose adapters' ranks are at most that)."""

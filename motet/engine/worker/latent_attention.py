@@ -141,6 +141,13 @@ class LatentAttention(nn.Module):
         attention projections and 10.5 GiB of its experts at 8 bits."""
         return [self.kv_b_proj]
 
+    @staticmethod
+    def graph_options(num_drafts: int) -> dict:
+        """`DecodeGraphs`' options: only rows of one token replayed, not the verification rows of drafts (the
+        expanded form, which rows of several tokens take, sizes each sequence's context on the host), nor adapters
+        on kv_b_proj (the same): those steps run eagerly."""
+        return dict(max_query=1, eager_targets=("kv_b_proj",))
+
     def block_inputs(self) -> dict[str, int]:
         """None beyond its projections' own (checked one by one)."""
         return {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 
 import torch
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from motet.engine.worker.attention_metadata import AttentionMetadata
-from motet.engine.worker.latent_attention import LatentAttention
 from motet.engine.worker.layers import Linear, RMSNorm, quantized_product
 from motet.engine.worker.op_writer import OpWriter, packed_bytes, panel_bytes
 from motet.engine.worker.parallel import SINGLE, Parallel
@@ -151,6 +151,13 @@ class RotaryEmbedding(nn.Module):
         return RotaryAngles(positions, self.cos, self.sin)
 
 
+@functools.cache
+def layer_class(path: str) -> type[nn.Module]:
+    """The layer class a declaration names as "module:Class" (motet/models/attention.py's `layer`)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them on one rank); returns the o projection's output, a
     partial sum over the ranks under tensor parallelism (the decoder layer all-reduces it)."""
@@ -266,6 +273,12 @@ class Attention(nn.Module):
         """The whole model's widths of this layer's projections' inputs that quantization needs in whole
         blocks, by name (a rank's own part is checked projection by projection): o_proj's, all heads."""
         return {"num_attention_heads * head_dim": self.whole_widths[0]}
+
+    @staticmethod
+    def graph_options(num_drafts: int) -> dict:
+        """`DecodeGraphs`' options for a model of these layers (motet/engine/worker/cuda_graphs.py): verification
+        rows of 1 + `num_drafts` tokens replayed too, every adapter in the graphs."""
+        return dict(max_query=1 + num_drafts, eager_targets=())
 
     def native_unsupported(self) -> str | None:
         """Why the native step's attention op does not take this layer, or None."""
@@ -603,10 +616,7 @@ class DecoderLayer(nn.Module):
         # them (attn_out_norm, mlp_out_norm), Gemma's both
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
         self.input_layernorm = norm() if cfg.pre_norms else None
-        attention = (
-            LatentAttention if cfg.latent is not None else Attention
-        )  # DeepSeek's MLA, or per-head K / V
-        self.self_attn: Attention | LatentAttention = attention(cfg, layer_idx, parallel)
+        self.self_attn: Attention = layer_class(cfg.attention.layer)(cfg, layer_idx, parallel)
         self.post_attention_layernorm = norm() if cfg.pre_norms else None
         if cfg.post_norms:
             self.attn_out_norm, self.mlp_out_norm = norm(), norm()

@@ -29,7 +29,7 @@ from motet.engine.weights.quantized_checkpoint import iter_checkpoint_weights
 from motet.engine.worker import prepared_weights
 from motet.engine.worker.cpu_forward import CpuForward
 from motet.engine.worker.cpu_forward import unsupported as native_unsupported
-from motet.engine.worker.cuda_graphs import DecodeGraphs, model_options
+from motet.engine.worker.cuda_graphs import DecodeGraphs
 from motet.engine.worker.decoder_weights import load_weights
 from motet.engine.worker.layers import Linear, onednn_available
 from motet.engine.worker.memory import (
@@ -339,8 +339,9 @@ class ModelRunner:
                     max_blocks_per_seq=-(-self.max_model_len // self.block_size),
                     max_seq_len=self.max_model_len,
                     device=self.device,
-                    **model_options(
-                        model_config.latent is not None, config.num_speculative_tokens if speculates else 0
+                    # (the attention layer's: a latent one replays only rows of one token)
+                    **self.model.layers[0].self_attn.graph_options(
+                        config.num_speculative_tokens if speculates else 0
                     ),
                 )
             )
