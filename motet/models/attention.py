@@ -57,5 +57,15 @@ class AttentionShape:
         """K and V of every KV head, `head_dim` wide each."""
         return CacheLayout(((cfg.num_key_value_heads, cfg.head_dim),) * 2)
 
+    def lora_rows(
+        self, cfg: ModelConfig, q_heads: tuple[int, int], kv_heads: tuple[int, int]
+    ) -> dict[str, tuple[int, int] | None]:
+        """A tensor-parallel rank's part of each projection's LoRA, the rank holding the query heads `q_heads`
+        and KV heads `kv_heads` ((first, count)): the (start, count) of the output rows it keeps (o_proj: of the
+        input columns), or None where every rank keeps all of it."""
+        (q0, qn), (kv0, kvn), D = q_heads, kv_heads, cfg.head_dim
+        kv = (kv0 * D, kvn * D)
+        return {"q_proj": (q0 * D, qn * D), "k_proj": kv, "v_proj": kv, "o_proj": (q0 * D, qn * D)}
+
 
 PER_HEAD = AttentionShape()

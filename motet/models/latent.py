@@ -39,3 +39,18 @@ class LatentAttention(AttentionShape):
             replicated=True,
             per_head_elements=cfg.num_attention_heads * (cfg.head_dim + self.v_head_dim),
         )
+
+    def lora_rows(
+        self, cfg: ModelConfig, q_heads: tuple[int, int], kv_heads: tuple[int, int]
+    ) -> dict[str, tuple[int, int] | None]:
+        """Its heads' rows of q / q_b / kv_b and columns of o; q_a and kv_a whole on every rank."""
+        (q0, qn) = q_heads
+        qk, kv_b = self.qk_nope_head_dim + self.qk_rope_head_dim, self.qk_nope_head_dim + self.v_head_dim
+        return {
+            "q_proj": (q0 * qk, qn * qk),
+            "q_b_proj": (q0 * qk, qn * qk),
+            "kv_b_proj": (q0 * kv_b, qn * kv_b),
+            "o_proj": (q0 * self.v_head_dim, qn * self.v_head_dim),
+            "q_a_proj": None,
+            "kv_a_proj_with_mqa": None,
+        }

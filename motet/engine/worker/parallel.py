@@ -206,19 +206,16 @@ class Parallel:
         the expand split with it; where it is split by input (o, down) the shrink is split with it and the
         expand whole, so each rank's delta is a partial sum that the block's all-reduce completes: no
         communication of its own."""
-        D = cfg.head_dim
-        (q0, qn), (kv0, kvn) = self.heads(cfg)
+        q_heads, kv_heads = self.heads(cfg)
         mlp = self.part(cfg.intermediate_size)
-        rows = {"q_proj": (q0 * D, qn * D), "k_proj": (kv0 * D, kvn * D), "v_proj": (kv0 * D, kvn * D)}
-        rows |= {"o_proj": (q0 * D, qn * D), "gate_proj": mlp, "up_proj": mlp, "down_proj": mlp}
-        if cfg.latent is not None:  # its heads' rows of q / q_b / kv_b and columns of o; q_a and kv_a whole
-            m = cfg.latent
-            qk, kv_b = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_nope_head_dim + m.v_head_dim
-            rows |= {"q_proj": (q0 * qk, qn * qk), "q_b_proj": (q0 * qk, qn * qk)}
-            rows |= {"kv_b_proj": (q0 * kv_b, qn * kv_b), "o_proj": (q0 * m.v_head_dim, qn * m.v_head_dim)}
+        rows = cfg.attention.lora_rows(cfg, q_heads, kv_heads) | {
+            "gate_proj": mlp,
+            "up_proj": mlp,
+            "down_proj": mlp,
+        }
 
         def shard(module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if module in ("q_a_proj", "kv_a_proj_with_mqa"):  # replicated: every rank adds the whole delta
+            if rows[module] is None:  # replicated: every rank adds the whole delta
                 return a, b
             start, n = rows[module]
             if module in ROW_PARALLEL:
