@@ -8,14 +8,9 @@ import math
 from collections.abc import Mapping, Sequence
 
 from motet.models import DECLARATIONS, fused_modules
+from motet.models.attention import PER_HEAD
 from motet.models.config import ModelConfig
-from motet.models.projections import (
-    ATTENTION_PROJECTIONS,
-    LATENT_ONLY,
-    PROJECTIONS,
-    latent_projection_shapes,
-    projection_shapes,
-)
+from motet.models.projections import ATTENTION_PROJECTIONS, LATENT_ONLY, PROJECTIONS, projection_shapes
 
 TARGET_MODULES = PROJECTIONS  # a per-head attention's and an MLP's (a latent attention's: `base_modules`)
 # Checkpoint modules that hold several of those (Phi-3's qkv_proj, gate_up_proj), as the declarations name them
@@ -44,10 +39,9 @@ class AdapterTooLarge(AdapterError):
 
 def base_modules(base: ModelConfig) -> tuple[str, ...]:
     """The linear modules of the base's decoder layers as its checkpoint, and so PEFT, names them."""
-    latent = getattr(base, "latent", None)
-    if latent is not None:  # DeepSeek's: its attention's projections, then the MLP's
-        q = ("q_proj",) if latent.q_lora_rank is None else ("q_a_proj", "q_b_proj")
-        return (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    attention = getattr(base, "attention", PER_HEAD).checkpoint_modules(base)
+    if attention is not None:  # (an attention of its own: its projections, then the MLP's)
+        return (*attention, "gate_proj", "up_proj", "down_proj")
     fused = fused_modules(getattr(base, "architecture", None))
     out: list[str] = []
     for m in TARGET_MODULES:
@@ -64,20 +58,9 @@ def module_shape(base: ModelConfig, module: str) -> tuple[int, int]:
     shapes = projection_shapes(
         h, base.num_attention_heads, base.num_key_value_heads, base.head_dim, base.intermediate_size
     )
-    # a latent attention's own (its base's k_proj / v_proj: empty); in any other base its modules are empty
-    latent = getattr(base, "latent", None)
+    # the base's attention's own (another attention's modules are empty in it)
     shapes |= {m: (0, 0) for m in LATENT_ONLY}
-    if latent is not None:
-        shapes |= {"k_proj": (h, 0), "v_proj": (h, 0), "q_proj": (h, 0)}
-        shapes |= latent_projection_shapes(
-            h,
-            base.num_attention_heads,
-            latent.q_lora_rank,
-            latent.kv_lora_rank,
-            latent.qk_nope_head_dim,
-            latent.qk_rope_head_dim,
-            latent.v_head_dim,
-        )
+    shapes |= getattr(base, "attention", PER_HEAD).projection_shapes(base)
     if module in FUSED_MODULES:
         parts = [shapes[p] for p in FUSED_MODULES[module]]
         return parts[0][0], sum(out for _, out in parts)

@@ -57,6 +57,20 @@ class AttentionShape:
         """K and V of every KV head, `head_dim` wide each."""
         return CacheLayout(((cfg.num_key_value_heads, cfg.head_dim),) * 2)
 
+    def checkpoint_modules(self, cfg: ModelConfig) -> tuple[str, ...] | None:
+        """Its linear modules as the checkpoint (and so PEFT) names them, in order; None: q, k, v and o as the
+        family fuses them (motet/models/declaration.py's fused_modules)."""
+        return None
+
+    def projection_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of its projections by PEFT's names: q, k, v and o of every head."""
+        h, q, kv = (
+            cfg.hidden_size,
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.num_key_value_heads * cfg.head_dim,
+        )
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+
     def lora_rows(
         self, cfg: ModelConfig, q_heads: tuple[int, int], kv_heads: tuple[int, int]
     ) -> dict[str, tuple[int, int] | None]:

@@ -40,6 +40,28 @@ class LatentAttention(AttentionShape):
             per_head_elements=cfg.num_attention_heads * (cfg.head_dim + self.v_head_dim),
         )
 
+    def checkpoint_modules(self, cfg: ModelConfig) -> tuple[str, ...]:
+        q = ("q_proj",) if self.q_lora_rank is None else ("q_a_proj", "q_b_proj")
+        return (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+    def projection_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+        """Its projections' (q_proj where `q_lora_rank` is None, else q_a_proj and q_b_proj); k_proj and v_proj
+        (and q_proj beside q_a_proj) empty."""
+        h, heads, qk = cfg.hidden_size, cfg.num_attention_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+        shapes = {
+            "q_proj": (h, 0),
+            "k_proj": (h, 0),
+            "v_proj": (h, 0),
+            "kv_a_proj_with_mqa": (h, self.kv_lora_rank + self.qk_rope_head_dim),
+            "kv_b_proj": (self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim)),
+            "o_proj": (heads * self.v_head_dim, h),
+        }
+        if self.q_lora_rank is None:
+            shapes["q_proj"] = (h, heads * qk)
+        else:
+            shapes |= {"q_a_proj": (h, self.q_lora_rank), "q_b_proj": (self.q_lora_rank, heads * qk)}
+        return shapes
+
     def lora_rows(
         self, cfg: ModelConfig, q_heads: tuple[int, int], kv_heads: tuple[int, int]
     ) -> dict[str, tuple[int, int] | None]:

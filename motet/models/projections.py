@@ -35,21 +35,3 @@ def projection_shapes(
         "up_proj": (hidden, intermediate),
         "down_proj": (intermediate, hidden),
     }
-
-
-def latent_projection_shapes(
-    hidden: int, heads: int, q_rank: int | None, kv_rank: int, nope: int, rope: int, v_dim: int
-) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of a latent attention's projections (q_proj where `q_rank` is None, else
-    q_a_proj and q_b_proj)."""
-    qk = nope + rope
-    shapes = {
-        "kv_a_proj_with_mqa": (hidden, kv_rank + rope),
-        "kv_b_proj": (kv_rank, heads * (nope + v_dim)),
-        "o_proj": (heads * v_dim, hidden),
-    }
-    if q_rank is None:
-        shapes["q_proj"] = (hidden, heads * qk)
-    else:
-        shapes |= {"q_a_proj": (hidden, q_rank), "q_b_proj": (q_rank, heads * qk)}
-    return shapes
