@@ -4,8 +4,11 @@ blocks' layout read that value, and none of them asks which attention it is."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
+
+from motet.models.projections import QKV
 
 if TYPE_CHECKING:
     from motet.models.config import ModelConfig
@@ -47,11 +50,43 @@ class CacheLayout:
 class AttentionShape:
     """An attention layer's shape as a family declares it. This base is the per-head attention (each group of
     query heads reads its own key and value head); a variant, declared beside the families under motet/models/,
-    overrides what differs."""
+    overrides what differs; a family names it (Architecture.attention) for the readers of a GGUF file, which read
+    its tensors and metadata before there is a config."""
+
+    # llama.cpp's names of its tensors that are not Llama's (a GGUF block tensor -> its Hugging Face module, as
+    # Architecture.gguf_names): a family that declares the attention takes them into its own `gguf_names`.
+    gguf_names: ClassVar[dict[str, str]] = {}
+    # A tensor (its Hugging Face name's end) llama.cpp's converter writes as two GGUF tensors -> how their values
+    # join back, in the order of the family's GGUF names for them (motet/engine/weights/gguf_names.py's JOINS).
+    gguf_joins: ClassVar[dict[str, Callable]] = {}
+    # The GGUF tensors (their block names) whose bias in the first layer means the file's `attention_bias`.
+    gguf_bias_probes: ClassVar[tuple[str, ...]] = ("attn_q",)
 
     def cache_layout(self, cfg: ModelConfig) -> CacheLayout:
         """K and V of every KV head, `head_dim` wide each."""
         return CacheLayout(((cfg.num_key_value_heads, cfg.head_dim),) * 2)
+
+    def checkpoint_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Its tensors in a layer of its family's checkpoints, by their names under the layer
+        (self_attn.q_proj.weight) and their shapes: q, k and v (or the module the family fuses them into: Phi-3's
+        qkv_proj), o, the biases of q, k and v where `attention_bias` says, the q / k norms (per head or across
+        them) where the family has them."""
+        h, rows, attn = cfg.hidden_size, cfg.projection_rows, list(QKV)
+        for fused, parts in cfg.declaration.fused_modules.items():
+            if parts[0] in attn:
+                attn = [fused]
+            rows[fused] = sum(rows[p] for p in parts)
+        q, kv = rows["q_proj"], rows["k_proj"]
+        want = {f"self_attn.{m}.weight": (rows[m], h) for m in attn}
+        want["self_attn.o_proj.weight"] = (h, q)
+        if cfg.attention_bias:
+            want |= {f"self_attn.{m}.bias": (rows[m],) for m in attn}
+        if cfg.qk_norm:
+            want |= {
+                "self_attn.q_norm.weight": (q if cfg.qk_norm_whole else cfg.head_dim,),
+                "self_attn.k_norm.weight": (kv if cfg.qk_norm_whole else cfg.head_dim,),
+            }
+        return want
 
 
 PER_HEAD = AttentionShape()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from motet.models import SUPPORTED_ARCHITECTURES, find
 from motet.models import get as get_declaration
-from motet.models.attention import PER_HEAD, CacheLayout
+from motet.models.attention import PER_HEAD, AttentionShape, CacheLayout
 from motet.models.declaration import Architecture, ModelLoadError
 from motet.models.fields import (
     LIMITS,
@@ -134,11 +134,15 @@ class ModelConfig:
         return scales
 
     @property
+    def attention(self) -> AttentionShape:
+        """The attention's declaration (motet/models/attention.py): the per-head attention's where the model
+        declares no other."""
+        return PER_HEAD if self.latent is None else self.latent
+
+    @property
     def cache_layout(self) -> CacheLayout:
-        """What each layer's paged cache keeps a token, as the attention's declaration gives it
-        (motet/models/attention.py; the per-head attention's where the model declares no other)."""
-        attention = PER_HEAD if self.latent is None else self.latent
-        return attention.cache_layout(self)
+        """What each layer's paged cache keeps a token, as the attention's declaration gives it."""
+        return self.attention.cache_layout(self)
 
     @property
     def kv_elements_per_token(self) -> int:
