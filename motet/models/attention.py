@@ -4,14 +4,25 @@ blocks' layout read that value, and none of them asks which attention it is."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 from motet.models.projections import QKV
 
-if TYPE_CHECKING:
-    from motet.models.config import ModelConfig
+
+class ModelSizes(Protocol):
+    """What an attention's declaration reads of a model's config: ModelConfig (motet/models/config.py, which
+    imports this module) has each."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    qk_norm: bool
+    qk_norm_whole: bool
+    projection_rows: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -62,17 +73,19 @@ class AttentionShape:
     # The GGUF tensors (their block names) whose bias in the first layer means the file's `attention_bias`.
     gguf_bias_probes: ClassVar[tuple[str, ...]] = ("attn_q",)
 
-    def cache_layout(self, cfg: ModelConfig) -> CacheLayout:
+    def cache_layout(self, cfg: ModelSizes) -> CacheLayout:
         """K and V of every KV head, `head_dim` wide each."""
         return CacheLayout(((cfg.num_key_value_heads, cfg.head_dim),) * 2)
 
-    def checkpoint_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    def checkpoint_shapes(
+        self, cfg: ModelSizes, fused_modules: Mapping[str, tuple[str, ...]]
+    ) -> dict[str, tuple[int, ...]]:
         """Its tensors in a layer of its family's checkpoints, by their names under the layer
-        (self_attn.q_proj.weight) and their shapes: q, k and v (or the module the family fuses them into: Phi-3's
-        qkv_proj), o, the biases of q, k and v where `attention_bias` says, the q / k norms (per head or across
-        them) where the family has them."""
+        (self_attn.q_proj.weight) and their shapes: q, k and v (or the module of the family's `fused_modules` that
+        holds them: Phi-3's qkv_proj), o, the biases of q, k and v where `attention_bias` says, the q / k norms
+        (per head or across them) where the family has them."""
         h, rows, attn = cfg.hidden_size, cfg.projection_rows, list(QKV)
-        for fused, parts in cfg.declaration.fused_modules.items():
+        for fused, parts in fused_modules.items():
             if parts[0] in attn:
                 attn = [fused]
             rows[fused] = sum(rows[p] for p in parts)

@@ -3,16 +3,14 @@ decoder, the KV cache and the GGUF readers read it (ModelConfig.latent; Architec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from motet.models.attention import AttentionShape, CacheLayout
+from motet.models.attention import AttentionShape, CacheLayout, ModelSizes
 
 if TYPE_CHECKING:
     import torch
-
-    from motet.models.config import ModelConfig
 
 
 def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
@@ -54,7 +52,7 @@ class LatentAttention(AttentionShape):
     # its first projections: q_a (or q, which has no bias) and kv_a
     gguf_bias_probes: ClassVar[tuple[str, ...]] = ("attn_q_a", "attn_kv_a_mqa")
 
-    def cache_layout(self, cfg: ModelConfig) -> CacheLayout:
+    def cache_layout(self, cfg: ModelSizes) -> CacheLayout:
         """One row a token, c_kv then the rotated key (vLLM's MLA layout), that every head reads: every
         tensor-parallel rank keeps all of it. Per-head K and V would be every head's key (its unrotated and rotated
         parts: `head_dim`) and value, as the expanded form makes them."""
@@ -64,7 +62,9 @@ class LatentAttention(AttentionShape):
             per_head_elements=cfg.num_attention_heads * (cfg.head_dim + self.v_head_dim),
         )
 
-    def checkpoint_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    def checkpoint_shapes(
+        self, cfg: ModelSizes, fused_modules: Mapping[str, tuple[str, ...]]
+    ) -> dict[str, tuple[int, ...]]:
         """q (q_proj, or q_a_proj, its norm and q_b_proj where `q_lora_rank` is set), kv_a_proj_with_mqa and its
         norm, kv_b_proj and o_proj; the biases of q_a, kv_a and o where `attention_bias` says."""
         h, heads, qk = cfg.hidden_size, cfg.num_attention_heads, self.qk_nope_head_dim + self.qk_rope_head_dim

@@ -155,7 +155,7 @@ def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
         if parts[0] in mlp:
             mlp = [fused]
         rows[fused] = sum(rows[p] for p in parts)
-    attention = model.attention.checkpoint_shapes(model)
+    attention = model.attention.checkpoint_shapes(model, decl.fused_modules)
     family = {v: k for k, v in decl.checkpoint_names.items()}  # the decoder's norm names -> the family's
     norms = (["input_layernorm", "post_attention_layernorm"] if decl.pre_norms else []) + (
         ["attn_out_norm", "mlp_out_norm"] if decl.post_norms else []
