@@ -4,11 +4,25 @@ blocks' layout read that value, and none of them asks which attention it is."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import ClassVar, Protocol
 
-if TYPE_CHECKING:
-    from motet.models.config import ModelConfig
+from motet.models.projections import QKV
+
+
+class ModelSizes(Protocol):
+    """What an attention's declaration reads of a model's config: ModelConfig (motet/models/config.py, which
+    imports this module) has each."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    qk_norm: bool
+    qk_norm_whole: bool
+    projection_rows: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -47,22 +61,32 @@ class CacheLayout:
 class AttentionShape:
     """An attention layer's shape as a family declares it. This base is the per-head attention (each group of
     query heads reads its own key and value head); a variant, declared beside the families under motet/models/,
-    overrides what differs."""
+    overrides what differs; a family names it (Architecture.attention) for the readers of a GGUF file, which read
+    its tensors and metadata before there is a config."""
 
     # The layer that runs it, as "module:Class" (imported when a model is built, the way vLLM's model registry names
     # its classes: the declaration stays below the engine)
     layer = "motet.engine.worker.model:Attention"
 
-    def cache_layout(self, cfg: ModelConfig) -> CacheLayout:
+    # llama.cpp's names of its tensors that are not Llama's (a GGUF block tensor -> its Hugging Face module, as
+    # Architecture.gguf_names): a family that declares the attention takes them into its own `gguf_names`.
+    gguf_names: ClassVar[dict[str, str]] = {}
+    # A tensor (its Hugging Face name's end) llama.cpp's converter writes as two GGUF tensors -> how their values
+    # join back, in the order of the family's GGUF names for them (motet/engine/weights/gguf_names.py's JOINS).
+    gguf_joins: ClassVar[dict[str, Callable]] = {}
+    # The GGUF tensors (their block names) whose bias in the first layer means the file's `attention_bias`.
+    gguf_bias_probes: ClassVar[tuple[str, ...]] = ("attn_q",)
+
+    def cache_layout(self, cfg: ModelSizes) -> CacheLayout:
         """K and V of every KV head, `head_dim` wide each."""
         return CacheLayout(((cfg.num_key_value_heads, cfg.head_dim),) * 2)
 
-    def checkpoint_modules(self, cfg: ModelConfig) -> tuple[str, ...] | None:
+    def checkpoint_modules(self, cfg: ModelSizes) -> tuple[str, ...] | None:
         """Its linear modules as the checkpoint (and so PEFT) names them, in order; None: q, k, v and o as the
         family fuses them (motet/models/declaration.py's fused_modules)."""
         return None
 
-    def projection_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    def projection_shapes(self, cfg: ModelSizes) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of its projections by PEFT's names: q, k, v and o of every head."""
         h, q, kv = (
             cfg.hidden_size,
@@ -72,7 +96,7 @@ class AttentionShape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
 
     def lora_rows(
-        self, cfg: ModelConfig, q_heads: tuple[int, int], kv_heads: tuple[int, int]
+        self, cfg: ModelSizes, q_heads: tuple[int, int], kv_heads: tuple[int, int]
     ) -> dict[str, tuple[int, int] | None]:
         """A tensor-parallel rank's part of each projection's LoRA, the rank holding the query heads `q_heads`
         and KV heads `kv_heads` ((first, count)): the (start, count) of the output rows it keeps (o_proj: of the
@@ -80,6 +104,30 @@ class AttentionShape:
         (q0, qn), (kv0, kvn), D = q_heads, kv_heads, cfg.head_dim
         kv = (kv0 * D, kvn * D)
         return {"q_proj": (q0 * D, qn * D), "k_proj": kv, "v_proj": kv, "o_proj": (q0 * D, qn * D)}
+
+    def checkpoint_shapes(
+        self, cfg: ModelSizes, fused_modules: Mapping[str, tuple[str, ...]]
+    ) -> dict[str, tuple[int, ...]]:
+        """Its tensors in a layer of its family's checkpoints, by their names under the layer
+        (self_attn.q_proj.weight) and their shapes: q, k and v (or the module of the family's `fused_modules` that
+        holds them: Phi-3's qkv_proj), o, the biases of q, k and v where `attention_bias` says, the q / k norms
+        (per head or across them) where the family has them."""
+        h, rows, attn = cfg.hidden_size, cfg.projection_rows, list(QKV)
+        for fused, parts in fused_modules.items():
+            if parts[0] in attn:
+                attn = [fused]
+            rows[fused] = sum(rows[p] for p in parts)
+        q, kv = rows["q_proj"], rows["k_proj"]
+        want = {f"self_attn.{m}.weight": (rows[m], h) for m in attn}
+        want["self_attn.o_proj.weight"] = (h, q)
+        if cfg.attention_bias:
+            want |= {f"self_attn.{m}.bias": (rows[m],) for m in attn}
+        if cfg.qk_norm:
+            want |= {
+                "self_attn.q_norm.weight": (q if cfg.qk_norm_whole else cfg.head_dim,),
+                "self_attn.k_norm.weight": (kv if cfg.qk_norm_whole else cfg.head_dim,),
+            }
+        return want
 
 
 PER_HEAD = AttentionShape()

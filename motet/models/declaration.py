@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from motet.models.attention import AttentionShape
+
 
 class ModelLoadError(ValueError):
     """A model that cannot be served; the message names the file or field to fix."""
@@ -20,6 +22,9 @@ class Architecture:
     # The config.json `architectures` names this declaration serves (the first: the one motet writes, e.g. for
     # a GGUF file's config).
     names: tuple[str, ...]
+    # The attention's declaration (motet/models/attention.py: the per-head attention, or a variant that overrides
+    # it), read where a GGUF file is read before its config (its tensor names, joins and bias).
+    attention: type[AttentionShape] = AttentionShape
     # Attention: q/k/v biases where config.json does not say (attention_bias / qkv_bias), and each head's q and k
     # RMS-normalized over head_dim before the rotary (Qwen3).
     qkv_bias: bool = False

@@ -107,6 +107,7 @@ def latent_options(cfg: dict, source: str) -> dict:
 
 DEEPSEEK_V2 = Architecture(
     names=("DeepseekV2ForCausalLM",),
+    attention=LatentAttention,
     experts=v2_experts,
     options=latent_options,
     checkpoint_names={"shared_experts": "shared_expert"},
@@ -117,6 +118,7 @@ DEEPSEEK_V2 = Architecture(
 )
 DEEPSEEK_V3 = Architecture(
     names=("DeepseekV3ForCausalLM",),
+    attention=LatentAttention,
     experts=v3_experts,
     options=latent_options,
     checkpoint_names={"shared_experts": "shared_expert"},

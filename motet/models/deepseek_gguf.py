@@ -4,16 +4,10 @@ them)."""
 
 from __future__ import annotations
 
-# llama.cpp's converter's names (V2 and V3 alike); current converters split kv_b_proj into attn_k_b / attn_v_b
-GGUF_NAMES = {
-    "attn_q_a": "self_attn.q_a_proj",
-    "attn_q_b": "self_attn.q_b_proj",
-    "attn_q_a_norm": "self_attn.q_a_layernorm",
-    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
-    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-    "attn_kv_b": "self_attn.kv_b_proj",
-    "attn_k_b.weight": "self_attn.kv_b_proj.weight",
-    "attn_v_b.weight": "self_attn.kv_b_proj.weight",
+from motet.models.latent import LatentAttention
+
+# llama.cpp's converter's names (V2 and V3 alike): its attention's (the declaration's), then its shared experts'
+GGUF_NAMES = LatentAttention.gguf_names | {
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",

@@ -1,15 +1,24 @@
 """The shape of DeepSeek's multi-head latent attention, as a family declares it (motet/models/deepseek.py) and the
-decoder and the KV cache read it (ModelConfig.latent)."""
+decoder, the KV cache and the GGUF readers read it (ModelConfig.latent; Architecture.attention)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
-from motet.models.attention import AttentionShape, CacheLayout
+from motet.models.attention import AttentionShape, CacheLayout, ModelSizes
 
 if TYPE_CHECKING:
-    from motet.models.config import ModelConfig
+    import torch
+
+
+def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj [H * (nope + v), rank] from the converter's attn_k_b [H, rank, nope] (each head's key half,
+    transposed) and attn_v_b [H, v, rank]: each head's key rows, then its value rows."""
+    import torch
+
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).flatten(0, 1)
 
 
 @dataclass(frozen=True)
@@ -29,8 +38,22 @@ class LatentAttention(AttentionShape):
     rope_interleave: bool = True
 
     layer = "motet.engine.worker.latent_attention:LatentAttention"
+    # llama.cpp's converter's names (V2 and V3 alike); current converters split kv_b_proj into attn_k_b / attn_v_b
+    gguf_names: ClassVar[dict[str, str]] = {
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        "attn_k_b.weight": "self_attn.kv_b_proj.weight",
+        "attn_v_b.weight": "self_attn.kv_b_proj.weight",
+    }
+    gguf_joins: ClassVar[dict[str, Callable]] = {"self_attn.kv_b_proj.weight": _kv_b}
+    # its first projections: q_a (or q, which has no bias) and kv_a
+    gguf_bias_probes: ClassVar[tuple[str, ...]] = ("attn_q_a", "attn_kv_a_mqa")
 
-    def cache_layout(self, cfg: ModelConfig) -> CacheLayout:
+    def cache_layout(self, cfg: ModelSizes) -> CacheLayout:
         """One row a token, c_kv then the rotated key (vLLM's MLA layout), that every head reads: every
         tensor-parallel rank keeps all of it. Per-head K and V would be every head's key (its unrotated and rotated
         parts: `head_dim`) and value, as the expanded form makes them."""
@@ -40,11 +63,11 @@ class LatentAttention(AttentionShape):
             per_head_elements=cfg.num_attention_heads * (cfg.head_dim + self.v_head_dim),
         )
 
-    def checkpoint_modules(self, cfg: ModelConfig) -> tuple[str, ...]:
+    def checkpoint_modules(self, cfg: ModelSizes) -> tuple[str, ...]:
         q = ("q_proj",) if self.q_lora_rank is None else ("q_a_proj", "q_b_proj")
         return (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
-    def projection_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    def projection_shapes(self, cfg: ModelSizes) -> dict[str, tuple[int, int]]:
         """Its projections' (q_proj where `q_lora_rank` is None, else q_a_proj and q_b_proj); k_proj and v_proj
         (and q_proj beside q_a_proj) empty."""
         h, heads, qk = cfg.hidden_size, cfg.num_attention_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -63,7 +86,7 @@ class LatentAttention(AttentionShape):
         return shapes
 
     def lora_rows(
-        self, cfg: ModelConfig, q_heads: tuple[int, int], kv_heads: tuple[int, int]
+        self, cfg: ModelSizes, q_heads: tuple[int, int], kv_heads: tuple[int, int]
     ) -> dict[str, tuple[int, int] | None]:
         """Its heads' rows of q / q_b / kv_b and columns of o; q_a and kv_a whole on every rank."""
         (q0, qn) = q_heads
@@ -76,3 +99,27 @@ class LatentAttention(AttentionShape):
             "q_a_proj": None,
             "kv_a_proj_with_mqa": None,
         }
+
+    def checkpoint_shapes(
+        self, cfg: ModelSizes, fused_modules: Mapping[str, tuple[str, ...]]
+    ) -> dict[str, tuple[int, ...]]:
+        """q (q_proj, or q_a_proj, its norm and q_b_proj where `q_lora_rank` is set), kv_a_proj_with_mqa and its
+        norm, kv_b_proj and o_proj; the biases of q_a, kv_a and o where `attention_bias` says."""
+        h, heads, qk = cfg.hidden_size, cfg.num_attention_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+        kv_a = self.kv_lora_rank + self.qk_rope_head_dim
+        want = {
+            "kv_a_proj_with_mqa.weight": (kv_a, h),
+            "kv_a_layernorm.weight": (self.kv_lora_rank,),
+            "kv_b_proj.weight": (heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+            "o_proj.weight": (h, heads * self.v_head_dim),
+        }
+        if self.q_lora_rank is None:
+            want["q_proj.weight"] = (heads * qk, h)
+        else:
+            want |= {"q_a_proj.weight": (self.q_lora_rank, h), "q_a_layernorm.weight": (self.q_lora_rank,)}
+            want["q_b_proj.weight"] = (heads * qk, self.q_lora_rank)
+        if cfg.attention_bias:
+            want |= {"kv_a_proj_with_mqa.bias": (kv_a,), "o_proj.bias": (h,)}
+            if self.q_lora_rank is not None:
+                want["q_a_proj.bias"] = (self.q_lora_rank,)
+        return {f"self_attn.{k}": v for k, v in want.items()}

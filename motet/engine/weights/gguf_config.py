@@ -175,10 +175,8 @@ def hf_config(
             "rope_scaling": None
             if scaling == "none"
             else {"rope_type": scaling, "factor": _f32_round(meta[f"{arch}.rope.scaling.factor"])},
-            # (a latent attention's first projections: q_a or the latent kv_a)
-            "attention_bias": any(
-                f"blk.0.{t}.bias" in tensor_names for t in ("attn_q", "attn_q_a", "attn_kv_a_mqa")
-            ),
+            # (the attention's first projections, as its declaration names them)
+            "attention_bias": any(f"blk.0.{t}.bias" in tensor_names for t in decl.attention.gguf_bias_probes),
             "attention_dropout": 0.0,
             "mlp_bias": False,
             "initializer_range": 0.02,

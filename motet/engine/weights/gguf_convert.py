@@ -25,7 +25,7 @@ from motet.engine.weights.gguf_spm import ADDED_TYPES, CONTROL, UNKNOWN, spm_tok
 from motet.engine.weights.pull_error import PullError
 from motet.models import find
 from motet.models.config import ModelConfig
-from motet.models.projections import GATE_UP, QKV, projection_shapes
+from motet.models.projections import GATE_UP, projection_shapes
 
 # Besides EOS, the ids llama.cpp ends a generation at (end of turn, Llama 3's <|eot_id|>; end of message).
 _END_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -141,21 +141,21 @@ def end_of_turn_ids(tokens: list[str]) -> list[int]:
 
 
 def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
-    """The tensors a checkpoint of the config's family has, by the declaration: fused modules as one tensor,
-    its norms (before the blocks, after them: by the decoder's names, renamed to the family's), q/k norms per
-    head or across them, a sparse layer's router, experts and shared expert (by the decoder's names, renamed)."""
+    """The tensors a checkpoint of the config's family has, by the declaration: the attention's by its own
+    (motet/models/attention.py's `checkpoint_shapes`), fused modules as one tensor, its norms (before the blocks,
+    after them: by the decoder's names, renamed to the family's), a sparse layer's router, experts and shared
+    expert (by the decoder's names, renamed)."""
     decl = find(cfg["architectures"])
     model = ModelConfig.from_dict(cfg)
     h, ff = cfg["hidden_size"], cfg["intermediate_size"]
     shapes = projection_shapes(h, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], ff)
     rows = {m: out for m, (_, out) in shapes.items()}
-    q, kv = rows["q_proj"], rows["k_proj"]
-    attn, mlp = list(QKV), list(GATE_UP)
+    mlp = list(GATE_UP)
     for fused, parts in decl.fused_modules.items():
-        for group in (attn, mlp):
-            if parts[0] in group:
-                group[:] = [fused]
+        if parts[0] in mlp:
+            mlp = [fused]
         rows[fused] = sum(rows[p] for p in parts)
+    attention = model.attention.checkpoint_shapes(model, decl.fused_modules)
     family = {v: k for k, v in decl.checkpoint_names.items()}  # the decoder's norm names -> the family's
     norms = (["input_layernorm", "post_attention_layernorm"] if decl.pre_norms else []) + (
         ["attn_out_norm", "mlp_out_norm"] if decl.post_norms else []
@@ -163,10 +163,7 @@ def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
     want = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        if model.latent is None:
-            want |= {p + f"self_attn.{m}.weight": (rows[m], h) for m in attn}
-        else:
-            want |= _latent_shapes(model, p)
+        want |= {p + k: v for k, v in attention.items()}
         if model.attention_sinks:
             want[p + "self_attn.sinks"] = (cfg["num_attention_heads"],)
         if i in model.sparse_layers:
@@ -174,18 +171,9 @@ def _check_shapes(state: dict[str, torch.Tensor], cfg: dict) -> None:
         else:
             want |= {p + f"mlp.{m}.weight": (rows[m], h) for m in mlp}
             want[p + "mlp.down_proj.weight"] = (h, ff)
-        if model.latent is None:
-            want[p + "self_attn.o_proj.weight"] = (h, q)
         want |= {p + f"{family.get(n, n)}.weight": (h,) for n in norms}
-        if cfg["attention_bias"] and model.latent is None:
-            want |= {p + f"self_attn.{m}.bias": (rows[m],) for m in attn}
         if model.output_bias:
             want[p + "self_attn.o_proj.bias"] = (h,)
-        if decl.qk_norm:
-            want |= {
-                p + "self_attn.q_norm.weight": (q if decl.qk_norm_whole else cfg["head_dim"],),
-                p + "self_attn.k_norm.weight": (kv if decl.qk_norm_whole else cfg["head_dim"],),
-            }
     if not cfg["tie_word_embeddings"]:
         want["lm_head.weight"] = (cfg["vocab_size"], h)
     missing = sorted(set(want) - set(state))
@@ -226,32 +214,6 @@ def _expert_shapes(cfg: ModelConfig, prefix: str, family: dict[str, str]) -> dic
         if cfg.shared_expert_gate:
             want["mlp.shared_expert_gate.weight"] = (1, h)
     return {prefix + ".".join(family.get(n, n) for n in k.split(".")): v for k, v in want.items()}
-
-
-def _latent_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    """A latent attention's tensors (DeepSeek's, motet/models/latent.py) under `prefix` by their shapes."""
-    lat, h, heads = cfg.latent, cfg.hidden_size, cfg.num_attention_heads
-    qk = lat.qk_nope_head_dim + lat.qk_rope_head_dim
-    a = "self_attn."
-    want = {
-        a + "kv_a_proj_with_mqa.weight": (lat.kv_lora_rank + lat.qk_rope_head_dim, h),
-        a + "kv_a_layernorm.weight": (lat.kv_lora_rank,),
-        a + "kv_b_proj.weight": (heads * (lat.qk_nope_head_dim + lat.v_head_dim), lat.kv_lora_rank),
-        a + "o_proj.weight": (h, heads * lat.v_head_dim),
-    }
-    if lat.q_lora_rank is None:
-        want[a + "q_proj.weight"] = (heads * qk, h)
-    else:
-        want |= {a + "q_a_proj.weight": (lat.q_lora_rank, h), a + "q_a_layernorm.weight": (lat.q_lora_rank,)}
-        want[a + "q_b_proj.weight"] = (heads * qk, lat.q_lora_rank)
-    if cfg.attention_bias:
-        want |= {
-            a + "kv_a_proj_with_mqa.bias": (lat.kv_lora_rank + lat.qk_rope_head_dim,),
-            a + "o_proj.bias": (h,),
-        }
-        if lat.q_lora_rank is not None:
-            want[a + "q_a_proj.bias"] = (lat.q_lora_rank,)
-    return {prefix + k: v for k, v in want.items()}
 
 
 def _write_json(path: Path, obj) -> None:

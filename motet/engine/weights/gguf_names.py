@@ -5,7 +5,8 @@ rotary (llama, granite), norm weights offset (Gemma's 1 + w). A mixture of exper
 through `EXPERT` in their Hugging Face name; LongRoPE's factors (rope_factors_long / _short) are the config's,
 not weights (`CONFIG_TENSORS`). A family may name a GGUF tensor with its suffix (attn_sinks.weight: GPT-OSS's
 self_attn.sinks, which has none), and two GGUF tensors one Hugging Face tensor the converter split (`JOINS`:
-GPT-OSS's experts' gate / up biases, DeepSeek's kv_b_proj as attn_k_b / attn_v_b), joined back by `join`."""
+GPT-OSS's experts' gate / up biases, and those an attention's declaration joins: motet/models/attention.py's
+`gguf_joins`), joined back by `join`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import re
 
 import torch
 
-from motet.models import Architecture
+from motet.models import DECLARATIONS, Architecture
 from motet.models.declaration import ModelLoadError
 
 GLOBAL_NAMES = {
@@ -80,17 +81,11 @@ def _interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack((gate, up), dim=-1).flatten(-2)
 
 
-def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's kv_b_proj [H * (nope + v), rank] from the converter's attn_k_b [H, rank, nope] (each head's key
-    half, transposed) and attn_v_b [H, v, rank]: each head's key rows, then its value rows."""
-    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).flatten(0, 1)
-
-
 # A Hugging Face tensor (its name's end) llama.cpp's converter writes as two GGUF tensors -> how their values
-# join back, in the order of the GGUF names the family maps to it (motet/models/: `gguf_names`)
-JOINS = {
-    "mlp.experts.gate_up_proj_bias": _interleaved,
-    "self_attn.kv_b_proj.weight": _kv_b,
+# join back, in the order of the GGUF names the family maps to it (motet/models/: `gguf_names`); an attention's
+# own by its declaration (`gguf_joins`)
+JOINS = {"mlp.experts.gate_up_proj_bias": _interleaved} | {
+    end: f for decl in DECLARATIONS for end, f in decl.attention.gguf_joins.items()
 }
 
 
@@ -106,8 +101,8 @@ def join(name: str, parts: dict[str, torch.Tensor], decl: Architecture) -> torch
 
 
 def joined(gguf_name: str, decl: Architecture) -> bool:
-    """Whether a GGUF tensor is a part of a Hugging Face tensor the converter split in two (`JOINS`; an older
-    file's attn_kv_b is kv_b_proj whole)."""
+    """Whether a GGUF tensor is a part of a Hugging Face tensor the converter split in two (`JOINS`: the family
+    names each part with its suffix; an older file's whole tensor, under a name without one, is not)."""
     m = _BLOCK_RE.match(gguf_name)
     whole = decl.gguf_names.get(f"{m.group(2)}.{m.group(3)}") if m else None
     return whole is not None and whole.endswith(tuple(JOINS))

@@ -13,10 +13,10 @@ the same way (and a tied embedding table, which is the lm_head too: `_keep_quant
 F16, BF16), norms and an untied embedding table are read as fp32. A mixture of experts' stacked experts
 (ffn_*_exps) come as each expert's projections in their blocks, an expert at a time (the decoder holds them
 quantized: motet/engine/worker/model.py's QuantizedExperts; GPT-OSS's MXFP4 experts in their MXFP4 blocks), its
-shared expert as a projection. A tensor the converter split in two (GPT-OSS's gate / up biases, DeepSeek's
-kv_b_proj) comes joined back as fp32 (gguf_names.JOINS); DeepSeek's other latent projections, not the decoder's
-Linear projections, come as fp32 too. LongRoPE's factor tensors are the config's, not weights. A tensor in
-a type gguf-py cannot dequantize is refused, naming the tensor and its type.
+shared expert as a projection. A tensor the converter split in two (GPT-OSS's gate / up biases, an attention's
+that its declaration joins) comes joined back as fp32 (gguf_names.JOINS); an attention's other projections, not
+the decoder's Linear projections (PROJECTIONS), come as fp32 too. LongRoPE's factor tensors are the config's, not
+weights. A tensor in a type gguf-py cannot dequantize is refused, naming the tensor and its type.
 """
 
 from __future__ import annotations
