@@ -21,7 +21,6 @@ from motet.models.fields import (
     refuse_what_is_not_computed,
     sliding_window,
 )
-from motet.models.latent import LatentAttention
 from motet.models.projections import projection_shapes
 from motet.models.rope_config import checked_rope_scaling
 
@@ -98,9 +97,10 @@ class ModelConfig:
     expert_groups_kept: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gate: bool = True
-    # DeepSeek's latent attention in place of per-head K and V (None: the per-head attention); `head_dim` is
-    # then the q / k heads' width (unrotated and rotated parts), `rotary_dim` the rotated part's
-    latent: LatentAttention | None = None
+    # The attention's declaration (motet/models/attention.py): the per-head attention's, or one a family declares
+    # in its place (DeepSeek's latent attention: `head_dim` is then the q / k heads' width, `rotary_dim` the
+    # rotated part's)
+    attention: AttentionShape = PER_HEAD
     # Granite's constant scales: the embeddings times embedding_multiplier, attention scores times
     # attention_multiplier (None: 1 / sqrt(head_dim)), each block's output times residual_multiplier before the
     # residual add, the logits divided by logits_scaling. All but the first are folded into weights as they load.
@@ -132,12 +132,6 @@ class ModelConfig:
         if self.logits_scaling != 1.0:
             scales["norm"] = 1.0 / self.logits_scaling
         return scales
-
-    @property
-    def attention(self) -> AttentionShape:
-        """The attention's declaration (motet/models/attention.py): the per-head attention's where the model
-        declares no other."""
-        return PER_HEAD if self.latent is None else self.latent
 
     @property
     def cache_layout(self) -> CacheLayout:

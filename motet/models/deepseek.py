@@ -1,4 +1,4 @@
-"""DeepSeek-V2 / V2-Lite and DeepSeek-V3: multi-head latent attention (ModelConfig.latent: the KV cache keeps
+"""DeepSeek-V2 / V2-Lite and DeepSeek-V3: multi-head latent attention (ModelConfig.attention: the KV cache keeps
 each token's compressed c_kv and one rotated key, the rotary on the rotated part only, in DeepSeek's interleaved
 pairs, the softmax scaled by YaRN's mscale twice), the first `first_k_dense_replace` layers dense, the others
 `n_routed_experts` experts plus `n_shared_experts` always-on shared experts (ungated, as one MLP of their summed
@@ -97,7 +97,7 @@ def latent_options(cfg: dict, source: str) -> dict:
     if latent.qk_rope_head_dim % 2:
         raise ModelLoadError(f"{source}: qk_rope_head_dim must be even, got {latent.qk_rope_head_dim}")
     return dict(
-        latent=latent,
+        attention=latent,
         head_dim=latent.qk_nope_head_dim + latent.qk_rope_head_dim,
         rotary_dim=latent.qk_rope_head_dim,
         # every head reads the one latent: config.json's num_key_value_heads is not read

@@ -1,5 +1,5 @@
 """The shape of DeepSeek's multi-head latent attention, as a family declares it (motet/models/deepseek.py) and the
-decoder, the KV cache and the GGUF readers read it (ModelConfig.latent; Architecture.attention)."""
+decoder, the KV cache and the GGUF readers read it (ModelConfig.attention; Architecture.attention)."""
 
 from __future__ import annotations
 

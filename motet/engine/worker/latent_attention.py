@@ -95,8 +95,7 @@ class LatentAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, parallel: Parallel = SINGLE):
         super().__init__()
-        mla = cfg.latent
-        assert mla is not None
+        mla = cfg.attention
         self.layer_idx = layer_idx
         (head_start, self.num_heads), _ = parallel.heads(cfg)
         H = self.num_heads
