@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib
+import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -15,6 +17,7 @@ import torch
 from motet.engine.config import DEFAULT_DTYPE as MOTET_DEFAULT_DTYPE  # (the session pins float32 below)
 from tests import live_server
 from tests.kernels import cpu_tiers
+from tests.server_zygote import forking_from_the_branch
 
 # Triton kernels run under the interpreter on CPU machines; it must be set before triton is imported.
 if not torch.cuda.is_available():
@@ -46,19 +49,25 @@ def engines_load_in_float32():
 
 @pytest.fixture(scope="session", autouse=True)
 def processes_forked():
-    """The servers ManagedServer starts in the test process (the evals' and benchmarks' run in it) and the
-    tensor-parallel ranks of its engines forked from the worker's pre-imported zygote, as the tests' own servers
-    are (tests/live_server.py, tests/server_zygote.py)."""
+    """The servers ManagedServer starts in the test process (the evals' and benchmarks' run in it), the
+    tensor-parallel ranks of its engines and its fine-tuning fork server forked from the worker's pre-imported
+    zygote, as the tests' own servers are (tests/live_server.py, tests/server_zygote.py)."""
     from motet.engine.worker import tp_workers
     from motet.evals.server import ManagedServer
     from motet.parent_death import child_env
 
     def launch(self, cmd, out):
         assert cmd[1:3] == ["-m", "motet.api.cli"], cmd
-        return live_server.start_cli(cmd[3:], child_env(), out, new_session=True)
+        branch = live_server.BENCHMARK_SERVERS_USE_THE_TRAINING_BRANCH
+        return live_server.start_cli(cmd[3:], child_env(), out, new_session=True, training_branch=branch)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ManagedServer, "launch", launch)
+        # the fine-tuning fork server of a server in this process (ThreadServer) forked from the zygote's training
+        # branch too, as its forked servers' are
+        spawn, forkserver_os = forking_from_the_branch(live_server.training_branch_for)
+        mp.setattr(multiprocessing.util, "spawnv_passfds", spawn)
+        mp.setattr(multiprocessing.forkserver, "os", forkserver_os)
         fresh = tp_workers.start_rank
         mp.setattr(
             tp_workers, "start_rank", lambda arguments: live_server.forked_rank(arguments) or fresh(arguments)

@@ -23,7 +23,7 @@ import openai
 import psutil
 
 from motet.evals.server import ServerError, free_port, wait_healthy
-from tests.server_zygote import ForkedProcess, fork, forkable
+from tests.server_zygote import ForkedProcess, fork, forkable, training_socket
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,6 +131,19 @@ def zygote_for(env: dict) -> _Zygote | None:
     return _zygote if _zygote.serves(env) else None
 
 
+def training_branch_for(env: dict) -> str | None:
+    """The socket of this worker's zygote's training branch (tests/server_zygote.py) where a process with `env`
+    may fork its fine-tuning fork server from it, else None."""
+    zygote = zygote_for(env)
+    return training_socket(zygote.socket_path) if zygote is not None else None
+
+
+# Whether the servers the benchmarks start in the test process (ManagedServer: tests/conftest.py) fork their
+# fine-tuning fork server from the zygote's training branch: a test of a benchmark that measures a server's process
+# tree (benchmarks/process_memory.py) turns it off, so that the tree holds the jobs.
+BENCHMARK_SERVERS_USE_THE_TRAINING_BRANCH = True
+
+
 def start_cli(
     argv: list[str], env: dict, log, new_session: bool = False, training_branch: bool = False
 ) -> subprocess.Popen | ForkedProcess:
@@ -179,8 +192,7 @@ class Server:
         self.log_path = tmp / f"server-{self.port}.log"
         argv = ["serve", "--port", str(self.port), *args]
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
-        # (its fine-tuning jobs' processes forked from the zygote's training branch: benchmarks/, which measure a
-        # server's process tree, start theirs without it)
+        # (its fine-tuning jobs' processes forked from the zygote's training branch, tests/server_zygote.py)
         self.proc = start_cli(argv, {**os.environ, **(env or {})}, self.log, training_branch=True)
         try:
             wait_healthy(self.url, self.proc, start_timeout, self.log_path)

@@ -9,7 +9,7 @@ The tests' in-process engines' tensor-parallel ranks (motet/engine/worker/tp_ran
 
 Its training branch: a child that has imported the fine-tuning libraries too (motet/training/preload.py: datasets,
 PEFT, TRL; ~7 CPU-seconds), forked from it when a server first asks for it. A server the tests start with
-`training_branch` forks its fine-tuning fork server (multiprocessing's forkserver, motet/api/fine_tuning/workers.py)
+`training_branch`, and the test process itself (tests/conftest.py), fork their fine-tuning fork server (multiprocessing's forkserver, motet/api/fine_tuning/workers.py)
 from the branch instead of starting it as `python -c` (~10.5 CPU-seconds each, ~12 a run): the same
 `multiprocessing.forkserver.main` with the server's listener, its alive pipe, its stdout and stderr at the same
 descriptor numbers, its environment and directory. The fork server is then the branch's child, not the server's:
@@ -285,17 +285,25 @@ def run_server(request: dict, socket_path: str, zygote_env: dict) -> None:
     os.environ.pop(DIE_WITH_PARENT, None)  # (the harness named is the worker: this one's parent dies with it)
     os.chdir(request["cwd"])
     if request.get("training_branch"):
-        fork_servers_from_the_branch(training_socket(socket_path), zygote_env)
+        import multiprocessing.forkserver
+        import multiprocessing.util
+
+        branch = training_socket(socket_path)
+        spawn, forkserver_os = forking_from_the_branch(
+            lambda env: branch if forkable(env, zygote_env) else None
+        )
+        multiprocessing.util.spawnv_passfds, multiprocessing.forkserver.os = spawn, forkserver_os
     sys.argv = [request["module"], *request["argv"]]
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     sys.exit(0)
 
 
-def fork_servers_from_the_branch(branch_path: str, zygote_env: dict) -> None:
-    """In a server: multiprocessing's fork server forked from the training branch where its environment allows,
-    instead of started as `python -c` (util.spawnv_passfds, which forkserver.ensure_running calls; its later
-    os.waitpid, which asks whether the fork server still runs, asks the branch's connection)."""
-    import multiprocessing.forkserver
+def forking_from_the_branch(branch_for):
+    """multiprocessing's fork server (motet/api/fine_tuning/workers.py) forked from the training branch that
+    `branch_for(environment)` names (its socket; None: not from one, as where the environment differs in a
+    setting read at import) instead of started as `python -c`: the replacements for util.spawnv_passfds, which
+    forkserver.ensure_running calls, and for the forkserver module's `os`, whose waitpid (asking whether the fork
+    server still runs) asks the branch's connection. The caller installs them."""
     import multiprocessing.util
     import types
 
@@ -304,15 +312,12 @@ def fork_servers_from_the_branch(branch_path: str, zygote_env: dict) -> None:
 
     def spawnv_passfds(path, args, passfds):
         env = dict(os.environ)
-        if (
-            args[-2:-1] != ["-c"]
-            or not args[-1].startswith(FORK_SERVER_MAIN)
-            or not forkable(env, zygote_env)
-        ):
+        branch = branch_for(env) if args[-2:-1] == ["-c"] and args[-1].startswith(FORK_SERVER_MAIN) else None
+        if branch is None:
             return spawn(path, args, passfds)
-        numbers = [*passfds, 1, 2]  # (and the server's stdout and stderr, as a child of its would have)
+        numbers = [*passfds, 1, 2]  # (and this process's stdout and stderr, as a child of its would have)
         request = {"exec": args[-1], "env": env, "cwd": os.getcwd(), "fds": numbers}
-        process = fork(branch_path, request, numbers)
+        process = fork(branch, request, numbers)
         forked[process.pid] = process
         return process.pid
 
@@ -327,8 +332,7 @@ def fork_servers_from_the_branch(branch_path: str, zygote_env: dict) -> None:
     forkserver_os = types.ModuleType("os")
     forkserver_os.__dict__.update(vars(os))
     forkserver_os.waitpid = waitpid
-    multiprocessing.forkserver.os = forkserver_os
-    multiprocessing.util.spawnv_passfds = spawnv_passfds
+    return spawnv_passfds, forkserver_os
 
 
 if __name__ == "__main__":

@@ -220,9 +220,13 @@ def test_fine_tuning_shared_cores(model, tmp_path):
     assert "| the job beside a CPU hog / alone |" in only_md(tmp_path)
 
 
-def test_fine_tuning_memory(model, tmp_path):
+def test_fine_tuning_memory(model, tmp_path, monkeypatch):
     """The server's PSS idle and with a job, the worker's by mapping and by stage (benchmarks/process_memory.py)."""
     from benchmarks import fine_tuning
+    from tests import live_server
+
+    # (the server's own fork server and jobs: the tree the benchmark measures holds them)
+    monkeypatch.setattr(live_server, "BENCHMARK_SERVERS_USE_THE_TRAINING_BRANCH", False)
 
     fine_tuning.main(["--memory", "--memory-examples", "4", "--model", str(model), "--examples", "4",
                       "--eval-prompts", "4", "--answer-tokens", "8", "--n-epochs", "1", "--threads", "1",
