@@ -160,10 +160,10 @@ class DecoderWeights:
             return tensor.narrow(0, start, n)
         if module == "o_proj":
             return tensor.narrow(1, *owner.o_columns)
-        if module in getattr(
-            owner, "unfused_rows", ()
-        ):  # an attention's own unfused projection: its heads' rows
-            return tensor.narrow(0, *owner.unfused_rows[module])
+        # an attention's own unfused projections: its heads' rows
+        unfused = getattr(owner, "unfused_rows", {})
+        if module in unfused:
+            return tensor.narrow(0, *unfused[module])
         if module == "gate_up_proj" or (module == "experts" and leaf == "gate_up_proj"):
             return tensor.narrow(0, *owner.columns)
         if module == "down_proj" or (module == "experts" and leaf == "down_proj"):
