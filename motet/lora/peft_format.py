@@ -7,17 +7,20 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 
-from motet.models import DECLARATIONS, fused_modules
+from motet.models import DECLARATIONS, OWN_PROJECTIONS, fused_modules
 from motet.models.attention import PER_HEAD
 from motet.models.config import ModelConfig
-from motet.models.projections import ATTENTION_PROJECTIONS, LATENT_ONLY, PROJECTIONS, projection_shapes
+from motet.models.projections import PROJECTIONS, QKV, projection_shapes
 
-TARGET_MODULES = PROJECTIONS  # a per-head attention's and an MLP's (a latent attention's: `base_modules`)
+TARGET_MODULES = (
+    PROJECTIONS  # a per-head attention's and an MLP's (an attention's own besides: `base_modules`)
+)
 # Checkpoint modules that hold several of those (Phi-3's qkv_proj, gate_up_proj), as the declarations name them
 # (motet/models/): an adapter for such a base targets them, and its factors are split as the base's weights are.
 FUSED_MODULES = {name: parts for decl in DECLARATIONS for name, parts in decl.fused_modules.items()}
 MODULE_PARENT = {
-    m: "self_attn" if m in ATTENTION_PROJECTIONS else "mlp" for m in (*TARGET_MODULES, *LATENT_ONLY)
+    m: "self_attn" if m in (*QKV, "o_proj", *OWN_PROJECTIONS) else "mlp"
+    for m in (*TARGET_MODULES, *OWN_PROJECTIONS)
 }
 MODULE_PARENT |= {name: MODULE_PARENT[parts[0]] for name, parts in FUSED_MODULES.items()}
 LINEAR_MODULES = frozenset(MODULE_PARENT)  # every decoder-layer linear module name of any declared family
@@ -59,7 +62,7 @@ def module_shape(base: ModelConfig, module: str) -> tuple[int, int]:
         h, base.num_attention_heads, base.num_key_value_heads, base.head_dim, base.intermediate_size
     )
     # the base's attention's own (another attention's modules are empty in it)
-    shapes |= {m: (0, 0) for m in LATENT_ONLY}
+    shapes |= {m: (0, 0) for m in OWN_PROJECTIONS}
     shapes |= getattr(base, "attention", PER_HEAD).projection_shapes(base)
     if module in FUSED_MODULES:
         parts = [shapes[p] for p in FUSED_MODULES[module]]

@@ -35,13 +35,14 @@ import torch
 
 from motet.kernels.sgmv import add_embedding_lora, add_lora
 from motet.lora.adapter import AdapterError, LoRAAdapter, module_shape
+from motet.models import OWN_PROJECTIONS
 from motet.models.config import ModelConfig
-from motet.models.projections import LATENT_GROUPS, PROJECTION_GROUPS
+from motet.models.projections import PROJECTION_GROUPS
 
-# The decoder's projection groups (each one shrink and one expand; a latent attention's own after the others:
+# The decoder's projection groups (each one shrink and one expand; an attention's own after the others:
 # the native step applies the first four), then the two outside the decoder layers, one piece each: the embedding
 # (its "shrink" a lookup of the token's column of A) and the head.
-DECODER_GROUPS = (*PROJECTION_GROUPS, *LATENT_GROUPS)
+DECODER_GROUPS = (*PROJECTION_GROUPS, *((m,) for m in OWN_PROJECTIONS))
 EMBED, HEAD = len(DECODER_GROUPS), len(DECODER_GROUPS) + 1  # their groups' indices
 MODULE_GROUPS = (*DECODER_GROUPS, ("embed_tokens",), ("lm_head",))
 GROUP_OF = {modules: g for g, modules in enumerate(MODULE_GROUPS)}

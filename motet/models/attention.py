@@ -64,6 +64,9 @@ class AttentionShape:
     overrides what differs; a family names it (Architecture.attention) for the readers of a GGUF file, which read
     its tensors and metadata before there is a config."""
 
+    # Its projections besides q, k, v and o (PEFT's names, under self_attn), each alone in a LoRA group after the
+    # shared four (motet/lora/pool.py; every declared attention's: motet/models/__init__.py's OWN_PROJECTIONS)
+    own_projections: ClassVar[tuple[str, ...]] = ()
     # The layer that runs it, as "module:Class" (imported when a model is built, the way vLLM's model registry names
     # its classes: the declaration stays below the engine)
     layer = "motet.engine.worker.model:Attention"

@@ -38,6 +38,8 @@ class LatentAttention(AttentionShape):
     rope_interleave: bool = True
 
     layer = "motet.engine.worker.latent_attention:LatentAttention"
+    # (its q_proj, unfused, takes the q/k/v group with k and v empty)
+    own_projections: ClassVar[tuple[str, ...]] = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
     # llama.cpp's converter's names (V2 and V3 alike); current converters split kv_b_proj into attn_k_b / attn_v_b
     gguf_names: ClassVar[dict[str, str]] = {
         "attn_q_a": "self_attn.q_a_proj",

@@ -10,11 +10,7 @@ GATE_UP = ("gate_proj", "up_proj")
 # gate_up_proj; o_proj and down_proj alone): one matmul each, and one LoRA shrink and expand each.
 PROJECTION_GROUPS: tuple[tuple[str, ...], ...] = (QKV, ("o_proj",), GATE_UP, ("down_proj",))
 PROJECTIONS = tuple(m for group in PROJECTION_GROUPS for m in group)  # every one: what LoRA may target
-# DeepSeek's latent attention's own projections besides q_proj and o_proj (motet/engine/worker/latent_attention.py):
-# each alone in its LoRA group (its q_proj, unfused, takes the q/k/v group with k and v empty)
-LATENT_ONLY = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-LATENT_GROUPS: tuple[tuple[str, ...], ...] = tuple((m,) for m in LATENT_ONLY)
-ATTENTION_PROJECTIONS = (*QKV, "o_proj", *LATENT_ONLY)  # under self_attn; the others under mlp
+# (an attention's own projections besides these: its declaration's, motet/models/attention.py's own_projections)
 # The decoder's fused modules -> the projections they hold, rows in this order.
 DECODER_FUSED = {"qkv_proj": QKV, "gate_up_proj": GATE_UP}
 # A projection -> (the decoder's fused module that holds it, its shard there).
