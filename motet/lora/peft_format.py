@@ -12,9 +12,8 @@ from motet.models.attention import PER_HEAD
 from motet.models.config import ModelConfig
 from motet.models.projections import PROJECTIONS, QKV, projection_shapes
 
-TARGET_MODULES = (
-    PROJECTIONS  # a per-head attention's and an MLP's (an attention's own besides: `base_modules`)
-)
+# a per-head attention's and an MLP's (an attention's own besides: `base_modules`)
+TARGET_MODULES = PROJECTIONS
 # Checkpoint modules that hold several of those (Phi-3's qkv_proj, gate_up_proj), as the declarations name them
 # (motet/models/): an adapter for such a base targets them, and its factors are split as the base's weights are.
 FUSED_MODULES = {name: parts for decl in DECLARATIONS for name, parts in decl.fused_modules.items()}

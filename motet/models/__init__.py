@@ -34,13 +34,13 @@ DECLARATIONS: tuple[Architecture, ...] = (
 )
 _BY_NAME = {name: decl for decl in DECLARATIONS for name in decl.names}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_BY_NAME)
-# The GGUF files' `general.architecture` values the families read (llama.cpp's names), each once: llama.cpp writes
-# Mixtral as "llama" too (from_gguf tells them apart by their experts).
 # Every declared attention's own projections (AttentionShape.own_projections), in declaration order: the LoRA
 # pool's groups after the shared four, and modules a LoRA adapter may name
 OWN_PROJECTIONS: tuple[str, ...] = tuple(
     dict.fromkeys(m for d in DECLARATIONS for m in d.attention.own_projections)
 )
+# The GGUF files' `general.architecture` values the families read (llama.cpp's names), each once: llama.cpp writes
+# Mixtral as "llama" too (from_gguf tells them apart by their experts).
 GGUF_ARCHITECTURES: tuple[str, ...] = tuple(dict.fromkeys(d.gguf for d in DECLARATIONS if d.gguf))
 
 
